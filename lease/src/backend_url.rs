@@ -1,0 +1,238 @@
+//! The `--backend` URL: which backend, where, and with what options. Parsing is strict so that a
+//! typo exits at start-up with a clear message instead of surfacing later as a lease failure.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::names::validate_sql_identifier;
+
+/// The embedded default: a SQLite file in the working directory.
+pub const DEFAULT_BACKEND: &str = "sqlite://./leasehold.db";
+
+/// The lock table used when the URL does not name one.
+pub const DEFAULT_TABLE: &str = "leasehold_locks";
+
+/// The prefix of every Redis key and channel Leasehold touches.
+pub const DEFAULT_REDIS_PREFIX: &str = "leasehold";
+
+/// Schemes that name backends this build does not carry yet; they get a precise error.
+const PLANNED_SCHEMES: &[(&str, &str)] = &[
+    ("redlock", "Redlock"),
+    ("postgres", "PostgreSQL"),
+    ("postgresql", "PostgreSQL"),
+    ("mysql", "MySQL/MariaDB"),
+    ("mariadb", "MySQL/MariaDB"),
+    ("zk", "ZooKeeper"),
+    ("etcd", "etcd"),
+    ("kubernetes", "Kubernetes Lease"),
+];
+
+#[derive(Clone, PartialEq, Eq)]
+pub enum BackendUrl {
+    /// `sqlite://PATH[?table=NAME]`: lease rows in a local file.
+    Sqlite { path: PathBuf, table: String },
+    /// `redis://[user:password@]host[:port][/db][?prefix=NAME]`: one Redis master.
+    Redis { url: url::Url, prefix: String },
+}
+
+impl BackendUrl {
+    pub fn parse(raw: &str) -> Result<Self> {
+        let invalid = |reason: String| Error::InvalidUrl {
+            url: redact(raw),
+            reason,
+        };
+        let Some((scheme, rest)) = raw.split_once("://") else {
+            return Err(invalid(
+                "expected SCHEME://..., e.g. sqlite://./leasehold.db or redis://127.0.0.1:6379".into(),
+            ));
+        };
+        match scheme {
+            "sqlite" => {
+                let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+                if path.is_empty() {
+                    return Err(invalid("the SQLite file path is empty".into()));
+                }
+                let mut table = DEFAULT_TABLE.to_owned();
+                for (key, value) in query_pairs(query) {
+                    match key.as_str() {
+                        "table" => table = value,
+                        other => return Err(invalid(format!("unknown option {other:?}"))),
+                    }
+                }
+                validate_sql_identifier("table name", &table)?;
+                Ok(BackendUrl::Sqlite {
+                    path: PathBuf::from(path),
+                    table,
+                })
+            }
+            "redis" => {
+                let url = url::Url::parse(raw).map_err(|e| invalid(e.to_string()))?;
+                if url.host_str().is_none_or(str::is_empty) {
+                    return Err(invalid("the Redis host is missing".into()));
+                }
+                let db = url.path().trim_start_matches('/');
+                if !db.is_empty() && db.parse::<u16>().is_err() {
+                    return Err(invalid(format!(
+                        "the database must be a number, got {db:?}"
+                    )));
+                }
+                let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                for (key, value) in url.query_pairs() {
+                    match &*key {
+                        "prefix" => prefix = value.into_owned(),
+                        other => return Err(invalid(format!("unknown option {other:?}"))),
+                    }
+                }
+                crate::names::validate_lock_name(&prefix).map_err(|_| {
+                    invalid(format!("prefix {prefix:?} must be letters, digits, '.', '_' or '-'"))
+                })?;
+                let mut url = url;
+                url.set_query(None);
+                Ok(BackendUrl::Redis { url, prefix })
+            }
+            "rediss" => Err(invalid(
+                "TLS to Redis is not built into this release yet; use redis:// (e.g. through a TLS sidecar)".into(),
+            )),
+            other => match PLANNED_SCHEMES.iter().find(|(s, _)| *s == other) {
+                Some((_, name)) => Err(invalid(format!(
+                    "the {name} backend is not built into this release yet (available: sqlite://, redis://)"
+                ))),
+                None => Err(invalid(format!(
+                    "unknown scheme {other:?} (available: sqlite://, redis://)"
+                ))),
+            },
+        }
+    }
+
+    /// The backend's name as shown in the API and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BackendUrl::Sqlite { .. } => "sqlite",
+            BackendUrl::Redis { .. } => "redis",
+        }
+    }
+}
+
+/// Shown in logs and errors: never includes the password.
+impl fmt::Display for BackendUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BackendUrl::Sqlite { path, table } => {
+                write!(f, "sqlite://{}?table={table}", path.display())
+            }
+            BackendUrl::Redis { url, .. } => f.write_str(&redact(url.as_str())),
+        }
+    }
+}
+
+impl fmt::Debug for BackendUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::str::FromStr for BackendUrl {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::parse(s)
+    }
+}
+
+/// Replace the password of a URL-shaped string with `***`, even when the string does not parse.
+pub fn redact(raw: &str) -> String {
+    let Some((scheme, rest)) = raw.split_once("://") else {
+        return raw.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}{tail}")
+            } else {
+                format!("{scheme}://***@{host}{tail}")
+            }
+        }
+        None => raw.to_owned(),
+    }
+}
+
+fn query_pairs(query: &str) -> Vec<(String, String)> {
+    url::form_urlencoded::parse(query.as_bytes())
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_urls() {
+        assert_eq!(
+            BackendUrl::parse(DEFAULT_BACKEND).unwrap(),
+            BackendUrl::Sqlite {
+                path: "./leasehold.db".into(),
+                table: DEFAULT_TABLE.into()
+            }
+        );
+        assert_eq!(
+            BackendUrl::parse("sqlite:///var/lib/l.db?table=my_locks").unwrap(),
+            BackendUrl::Sqlite {
+                path: "/var/lib/l.db".into(),
+                table: "my_locks".into()
+            }
+        );
+        for bad in [
+            "sqlite://",
+            "sqlite://x.db?table=a;drop",
+            "sqlite://x.db?tabel=a",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn redis_urls() {
+        let u = BackendUrl::parse("redis://:s3cret@127.0.0.1:6380/2?prefix=team-a").unwrap();
+        match &u {
+            BackendUrl::Redis { url, prefix } => {
+                assert_eq!(url.port(), Some(6380));
+                assert_eq!(prefix, "team-a");
+            }
+            _ => panic!("not redis"),
+        }
+        assert!(!u.to_string().contains("s3cret"), "{u}");
+        for bad in [
+            "redis://",
+            "redis://h:notaport",
+            "redis://h/db0",
+            "redis://h?prefix=a:b",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn errors_never_show_passwords() {
+        let err = BackendUrl::parse("redis://user:hunter2@h/notanumber").unwrap_err();
+        let msg = err.to_string();
+        assert!(!msg.contains("hunter2"), "{msg}");
+        assert!(msg.contains("user:***@h"), "{msg}");
+        let err = BackendUrl::parse("postgres://u:pw@db/x").unwrap_err();
+        assert!(!err.to_string().contains("pw@"), "{err}");
+        assert!(err.to_string().contains("not built"), "{err}");
+        assert!(BackendUrl::parse("nosuch://x").unwrap_err().to_string().contains("unknown scheme"));
+        assert!(BackendUrl::parse("leasehold.db").is_err());
+    }
+
+    #[test]
+    fn redaction() {
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+        assert_eq!(redact("redis://:pw@h:1/0"), "redis://:***@h:1/0");
+        assert_eq!(redact("redis://tok@h"), "redis://***@h");
+        assert_eq!(redact("a://u:p@w@h/x"), "a://u:***@h/x");
+    }
+}

@@ -1,0 +1,105 @@
+//! The one trait every backend implements. Drivers are deliberately dumb: each call is one atomic
+//! compare-and-set on the backend. Timing, self-fencing, retries and wake-ups live in
+//! [`crate::holder`], once for all backends.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use crate::error::Result;
+
+/// Proof of one acquisition: the lock, who took it, and the fencing token it was given.
+/// Renew and release present the whole lease; the backend compares identity and token atomically.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub lock: String,
+    pub identity: String,
+    pub token: u64,
+}
+
+/// Who holds a lock, as the backend reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holding {
+    pub identity: String,
+    pub token: u64,
+    /// Time left on the holder's lease, when the backend can tell.
+    pub expires_in: Option<Duration>,
+}
+
+/// The outcome of one acquisition attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquire {
+    Acquired(Lease),
+    /// Someone else holds it (or it is free again by the time you read this).
+    Busy(Option<Holding>),
+}
+
+#[async_trait]
+pub trait Driver: Send + Sync + 'static {
+    /// The backend's name ("sqlite", "redis", ...).
+    fn kind(&self) -> &'static str;
+
+    /// One attempt to take `lock` for `ttl`. The token of a successful attempt is strictly
+    /// greater than that of every earlier acquisition of the same lock.
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire>;
+
+    /// Extend `lease` to `ttl` from now. `Ok(false)`: the lease is gone (expired or taken over),
+    /// and nothing was changed.
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool>;
+
+    /// Give `lease` up. `Ok(false)`: it was not ours any more, and nothing was changed.
+    async fn release(&self, lease: &Lease) -> Result<bool>;
+
+    /// The current holder, if any.
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>>;
+
+    /// A counter that moves whenever the backend signals that `lock` may have become free.
+    /// Take it *before* an acquisition attempt so that a release in between is not missed.
+    /// `None`: this backend cannot notify, and waiters poll.
+    fn changes(&self, _lock: &str) -> Option<watch::Receiver<u64>> {
+        None
+    }
+
+    /// How often a waiter polls when no notification arrives. The default keeps a waiter at
+    /// O(1) backend operations per renew interval.
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        renew_interval
+    }
+
+    /// A cheap round trip, for readiness.
+    async fn ping(&self) -> Result<()>;
+}
+
+/// Per-lock change counters, for drivers that learn of releases (from the backend, or from
+/// another holder in the same process) and wake local waiters through [`Driver::changes`].
+#[derive(Default)]
+pub struct ChangeFeeds {
+    feeds: std::sync::Mutex<std::collections::HashMap<String, watch::Sender<u64>>>,
+}
+
+impl ChangeFeeds {
+    pub fn subscribe(&self, lock: &str) -> watch::Receiver<u64> {
+        let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+        feeds
+            .entry(lock.to_owned())
+            .or_insert_with(|| watch::channel(0).0)
+            .subscribe()
+    }
+
+    /// Wake the waiters of one lock.
+    pub fn bump(&self, lock: &str) {
+        let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = feeds.get(lock) {
+            tx.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Wake every waiter: after a reconnect, releases may have been missed.
+    pub fn bump_all(&self) {
+        let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+        for tx in feeds.values() {
+            tx.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+}

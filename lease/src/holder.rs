@@ -1,0 +1,882 @@
+//! The holder: one task per lock that campaigns, renews, releases and self-fences, the same for
+//! every backend. Its public face is [`Lock`]: a snapshot that is always instant to read, a few
+//! commands (acquire, release, shutdown) and an event stream.
+//!
+//! Self-fencing (DESIGN.md invariant 1): a lease is claimed only while the local monotonic clock
+//! is before `t_sent + lease_duration - safety_margin`, where `t_sent` is when the last successful
+//! acquire or renew request was *sent*. The backend started its own lease no earlier than that, so
+//! this process stops claiming before the backend can give the lock to anyone else. Readers
+//! compare the deadline with the clock themselves, so a process that was paused answers "not
+//! holder" the instant it resumes, before this task has run again.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use rand::Rng;
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::time::{Instant, sleep, sleep_until, timeout};
+
+use crate::driver::{Acquire, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+use crate::names::validate_lock_name;
+
+/// Shortest lease accepted: below this, scheduling noise eats the safety margin.
+pub const MIN_LEASE_DURATION: Duration = Duration::from_millis(200);
+/// Longest lease accepted: a day is already far longer than any sane failover.
+pub const MAX_LEASE_DURATION: Duration = Duration::from_secs(24 * 3600);
+/// The longest pause between two attempts when the backend keeps failing.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(1);
+/// How long a release on shutdown may take before the process exits anyway; the lease then
+/// simply expires.
+pub const SHUTDOWN_RELEASE_TIMEOUT: Duration = Duration::from_millis(600);
+/// Default bound on an on-demand hold when the app does not give one.
+pub const DEFAULT_HOLD: Duration = Duration::from_secs(60);
+/// Capacity of the event channel; a slower reader misses events, never blocks the holder.
+const EVENT_CAPACITY: usize = 64;
+
+/// The part of the lease this process does not claim, to absorb clock-rate differences between
+/// this host and the backend: 2% of the lease plus 10 ms.
+pub fn safety_margin(lease_duration: Duration) -> Duration {
+    lease_duration / 50 + Duration::from_millis(10)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Always try to hold the lock (leader election).
+    Campaign,
+    /// Hold the lock only while the app has asked for it.
+    OnDemand,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "campaign" | "Campaign" => Ok(Mode::Campaign),
+            "on-demand" | "OnDemand" | "ondemand" => Ok(Mode::OnDemand),
+            other => Err(format!("expected campaign or on-demand, got {other:?}")),
+        }
+    }
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Campaign => "campaign",
+            Mode::OnDemand => "on-demand",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LockConfig {
+    pub name: String,
+    pub identity: String,
+    pub lease_duration: Duration,
+    pub renew_interval: Duration,
+    pub mode: Mode,
+    /// After a voluntary release in campaign mode, sit out this long before campaigning again.
+    pub cooldown: Duration,
+}
+
+impl LockConfig {
+    /// A config with the defaults of DESIGN.md: renew every third of the lease, and a cool-down
+    /// of one lease after stepping down.
+    pub fn new(name: &str, identity: &str, lease_duration: Duration) -> Self {
+        Self {
+            name: name.to_owned(),
+            identity: identity.to_owned(),
+            lease_duration,
+            renew_interval: lease_duration / 3,
+            mode: Mode::Campaign,
+            cooldown: lease_duration,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        validate_lock_name(&self.name)?;
+        let bad = |reason: String| Error::Backend(reason);
+        if self.identity.is_empty() || self.identity.len() > 253 {
+            return Err(bad("the identity must be 1-253 characters".into()));
+        }
+        if self.identity.chars().any(char::is_control) {
+            return Err(bad("the identity must not contain control characters".into()));
+        }
+        if !(MIN_LEASE_DURATION..=MAX_LEASE_DURATION).contains(&self.lease_duration) {
+            return Err(bad(format!(
+                "the lease duration must be between {MIN_LEASE_DURATION:?} and {MAX_LEASE_DURATION:?}"
+            )));
+        }
+        if self.renew_interval.is_zero()
+            || self.renew_interval + safety_margin(self.lease_duration) >= self.lease_duration
+        {
+            return Err(bad(format!(
+                "the renew interval must be above zero and below the lease duration minus its safety margin ({:?})",
+                self.lease_duration - safety_margin(self.lease_duration)
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The answer to "am I the holder?".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Holder { token: u64, valid_for: Duration },
+    NotHolder,
+    /// The backend cannot be reached (or has not been yet): this process does not claim the lock
+    /// and cannot tell who does.
+    Unknown,
+}
+
+impl Answer {
+    pub fn is_holder(&self) -> bool {
+        matches!(self, Answer::Holder { .. })
+    }
+}
+
+/// This process's lease, while it has one.
+#[derive(Debug, Clone)]
+pub struct Held {
+    pub token: u64,
+    /// The self-fence deadline: not holder from this instant on, unless renewed.
+    pub valid_until: Instant,
+    pub acquired_at: SystemTime,
+}
+
+/// Everything the API shows, published by the holder task on every change.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub held: Option<Held>,
+    /// The holder as last seen in the backend (this process while it holds).
+    pub current_holder: Option<Holding>,
+    /// The last backend error, until the next successful call.
+    pub backend_error: Option<String>,
+    /// Whether the backend has answered at least once.
+    pub contacted: bool,
+    /// When the current answer began (holder / not holder / unknown).
+    pub since: SystemTime,
+    /// On-demand mode: how many acquisitions the app holds (re-entrant count).
+    pub holds: u32,
+}
+
+impl Snapshot {
+    fn initial() -> Self {
+        Self {
+            held: None,
+            current_holder: None,
+            backend_error: None,
+            contacted: false,
+            since: SystemTime::now(),
+            holds: 0,
+        }
+    }
+
+    /// The answer at `now`. Computed by the reader so that it is right even when the holder task
+    /// has not run for a while (a paused process).
+    pub fn answer_at(&self, now: Instant) -> Answer {
+        if !self.contacted || self.backend_error.is_some() {
+            return Answer::Unknown;
+        }
+        match &self.held {
+            Some(held) if now < held.valid_until => Answer::Holder {
+                token: held.token,
+                valid_for: held.valid_until - now,
+            },
+            _ => Answer::NotHolder,
+        }
+    }
+
+    pub fn answer(&self) -> Answer {
+        self.answer_at(Instant::now())
+    }
+
+    /// Ready for traffic: the backend answered the last call.
+    pub fn ready(&self) -> bool {
+        self.contacted && self.backend_error.is_none()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    Acquired,
+    Lost,
+    Released,
+}
+
+impl EventKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Acquired => "acquired",
+            EventKind::Lost => "lost",
+            EventKind::Released => "released",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub kind: EventKind,
+    pub lock: String,
+    pub token: u64,
+    pub at: SystemTime,
+    pub reason: &'static str,
+}
+
+/// Hooks for metrics; the lease engine itself depends on no metrics library.
+pub trait Telemetry: Send + Sync + 'static {
+    fn event(&self, _event: &Event) {}
+    fn renewed(&self, _lock: &str, _latency: Duration) {}
+    fn backend_error(&self, _lock: &str, _error: &Error) {}
+}
+
+impl Telemetry for () {}
+
+enum Command {
+    Acquire {
+        wait: Duration,
+        hold: Duration,
+        reply: oneshot::Sender<Answer>,
+    },
+    Release {
+        reply: oneshot::Sender<bool>,
+    },
+}
+
+/// A lock held (or sought) by this process. Cheap to clone; the task stops when the last clone
+/// is shut down or dropped.
+#[derive(Clone)]
+pub struct Lock {
+    inner: Arc<LockInner>,
+}
+
+struct LockInner {
+    config: LockConfig,
+    backend: &'static str,
+    state: watch::Receiver<Snapshot>,
+    events: broadcast::Sender<Event>,
+    commands: mpsc::Sender<Command>,
+    shutdown: watch::Sender<bool>,
+    task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for LockInner {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            task.abort();
+        }
+    }
+}
+
+impl Lock {
+    /// Validate the config and start the holder task.
+    pub fn start(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let (state_tx, state_rx) = watch::channel(Snapshot::initial());
+        let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        let (command_tx, command_rx) = mpsc::channel(64);
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let engine = Engine {
+            backend: driver.kind(),
+            driver,
+            config: config.clone(),
+            state: state_tx,
+            events: events.clone(),
+            commands: command_rx,
+            shutdown: shutdown_rx,
+            telemetry,
+            held: None,
+            retry_at: None,
+            cooldown_until: None,
+            holds: 0,
+            hold_deadline: None,
+            waiters: Vec::new(),
+        };
+        let backend = engine.backend;
+        let task = tokio::spawn(engine.run());
+        Ok(Self {
+            inner: Arc::new(LockInner {
+                config,
+                backend,
+                state: state_rx,
+                events,
+                commands: command_tx,
+                shutdown: shutdown_tx,
+                task: std::sync::Mutex::new(Some(task)),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &LockConfig {
+        &self.inner.config
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    pub fn backend(&self) -> &'static str {
+        self.inner.backend
+    }
+
+    /// The latest state; never waits on the backend.
+    pub fn snapshot(&self) -> Snapshot {
+        self.inner.state.borrow().clone()
+    }
+
+    pub fn answer(&self) -> Answer {
+        self.inner.state.borrow().answer()
+    }
+
+    pub fn watch(&self) -> watch::Receiver<Snapshot> {
+        self.inner.state.clone()
+    }
+
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.inner.events.subscribe()
+    }
+
+    /// Wait up to `max` for this process to become the holder; then the answer as it is.
+    pub async fn wait_for_holder(&self, max: Duration) -> Answer {
+        let deadline = Instant::now() + max;
+        let mut state = self.inner.state.clone();
+        loop {
+            let answer = state.borrow_and_update().answer();
+            if answer.is_holder() {
+                return answer;
+            }
+            tokio::select! {
+                changed = state.changed() => if changed.is_err() { return self.answer() },
+                _ = sleep_until(deadline) => return self.answer(),
+            }
+        }
+    }
+
+    /// On-demand: acquire (re-entrant), waiting up to `wait`, and keep it at most `hold` unless
+    /// acquired again. In campaign mode this only waits for the campaign to win.
+    pub async fn acquire(&self, wait: Duration, hold: Duration) -> Result<Answer> {
+        if self.inner.config.mode == Mode::Campaign {
+            return Ok(self.wait_for_holder(wait).await);
+        }
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Command::Acquire { wait, hold, reply })
+            .await
+            .map_err(|_| Error::Shutdown)?;
+        answer.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// Step down (campaign mode: then sit out the cool-down) or drop one on-demand acquisition.
+    /// `Ok(false)`: this process did not hold the lock.
+    pub async fn release(&self) -> Result<bool> {
+        let (reply, released) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Command::Release { reply })
+            .await
+            .map_err(|_| Error::Shutdown)?;
+        released.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// Release the lease if held and stop the task. Returns within
+    /// [`SHUTDOWN_RELEASE_TIMEOUT`] plus a little, whatever the backend does.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.send_replace(true);
+        let task = self
+            .inner
+            .task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(mut task) = task {
+            if timeout(SHUTDOWN_RELEASE_TIMEOUT + Duration::from_millis(200), &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+            }
+        }
+    }
+}
+
+struct HeldLease {
+    lease: Lease,
+    valid_until: Instant,
+    last_sent: Instant,
+    acquired_at: SystemTime,
+}
+
+struct Waiter {
+    deadline: Instant,
+    hold: Duration,
+    reply: oneshot::Sender<Answer>,
+}
+
+/// The result of one backend call made by the task.
+enum Call<T> {
+    Done(T),
+    Failed,
+    ShuttingDown,
+}
+
+struct Engine {
+    driver: Arc<dyn Driver>,
+    backend: &'static str,
+    config: LockConfig,
+    state: watch::Sender<Snapshot>,
+    events: broadcast::Sender<Event>,
+    commands: mpsc::Receiver<Command>,
+    shutdown: watch::Receiver<bool>,
+    telemetry: Arc<dyn Telemetry>,
+    held: Option<HeldLease>,
+    /// After a failed renewal: when to try again (before the regular schedule).
+    retry_at: Option<Instant>,
+    cooldown_until: Option<Instant>,
+    /// On-demand: acquisitions the app holds, and when the hold lapses.
+    holds: u32,
+    hold_deadline: Option<Instant>,
+    waiters: Vec<Waiter>,
+}
+
+/// Whether the task goes on.
+enum Flow {
+    Continue,
+    Stop,
+}
+
+fn jitter(d: Duration) -> Duration {
+    d.mul_f64(rand::rng().random_range(0.8..1.2))
+}
+
+impl Engine {
+    async fn run(mut self) {
+        tracing::info!(lock = %self.config.name, identity = %self.config.identity,
+            backend = self.backend, mode = self.config.mode.as_str(), "lock started");
+        loop {
+            if *self.shutdown.borrow() {
+                break;
+            }
+            self.fence();
+            let flow = if self.held.is_some() {
+                self.hold_step().await
+            } else if self.wants_lock() {
+                self.campaign_step().await
+            } else {
+                self.idle_step().await
+            };
+            if let Flow::Stop = flow {
+                break;
+            }
+        }
+        self.step_down("shutdown").await;
+        for waiter in self.waiters.drain(..) {
+            let _ = waiter.reply.send(Answer::NotHolder);
+        }
+        tracing::info!(lock = %self.config.name, "lock stopped");
+    }
+
+    fn wants_lock(&self) -> bool {
+        match self.config.mode {
+            Mode::Campaign => true,
+            Mode::OnDemand => !self.waiters.is_empty(),
+        }
+    }
+
+    /// Drop a lease whose self-fence deadline has passed.
+    fn fence(&mut self) {
+        if let Some(held) = &self.held {
+            if Instant::now() >= held.valid_until {
+                self.lose("the lease ran out before it could be renewed");
+            }
+        }
+    }
+
+    async fn call<T>(
+        &mut self,
+        budget: Duration,
+        op: impl std::future::Future<Output = Result<T>>,
+    ) -> Call<T> {
+        let mut shutdown = self.shutdown.clone();
+        tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|stop| *stop) => Call::ShuttingDown,
+            outcome = timeout(budget, op) => match outcome {
+                Ok(Ok(value)) => {
+                    self.backend_ok();
+                    Call::Done(value)
+                }
+                Ok(Err(e)) => {
+                    self.backend_failed(&e);
+                    Call::Failed
+                }
+                Err(_) => {
+                    let e = Error::Timeout(budget);
+                    self.backend_failed(&e);
+                    Call::Failed
+                }
+            },
+        }
+    }
+
+    fn backend_ok(&mut self) {
+        let was = self.state.borrow().backend_error.is_some();
+        if was {
+            tracing::info!(lock = %self.config.name, "backend reachable again");
+        }
+        self.state.send_if_modified(|s| {
+            let changed = s.backend_error.is_some() || !s.contacted;
+            if changed {
+                s.since = SystemTime::now();
+            }
+            s.backend_error = None;
+            s.contacted = true;
+            changed
+        });
+    }
+
+    fn backend_failed(&mut self, e: &Error) {
+        self.telemetry.backend_error(&self.config.name, e);
+        let first = self.state.borrow().backend_error.is_none();
+        if first {
+            tracing::warn!(lock = %self.config.name, error = %e, "backend call failed");
+        } else {
+            tracing::debug!(lock = %self.config.name, error = %e, "backend call failed again");
+        }
+        let message = e.to_string();
+        self.state.send_modify(|s| {
+            if s.backend_error.is_none() {
+                s.since = SystemTime::now();
+            }
+            s.backend_error = Some(message);
+        });
+    }
+
+    fn retry_pause(&self) -> Duration {
+        jitter(
+            self.driver
+                .poll_interval(self.config.renew_interval)
+                .min(MAX_RETRY_PAUSE),
+        )
+    }
+
+    /// Publish the lease state (holder or not) after it changed.
+    fn publish_lease(&mut self) {
+        let held = self.held.as_ref().map(|h| Held {
+            token: h.lease.token,
+            valid_until: h.valid_until,
+            acquired_at: h.acquired_at,
+        });
+        let me = self.held.as_ref().map(|h| Holding {
+            identity: h.lease.identity.clone(),
+            token: h.lease.token,
+            expires_in: Some(h.valid_until.saturating_duration_since(Instant::now())),
+        });
+        let holds = self.holds;
+        self.state.send_modify(|s| {
+            if s.held.is_some() != held.is_some() {
+                s.since = SystemTime::now();
+            }
+            s.held = held;
+            if me.is_some() {
+                s.current_holder = me;
+            }
+            s.holds = holds;
+        });
+    }
+
+    fn emit(&self, kind: EventKind, token: u64, reason: &'static str) {
+        let event = Event {
+            kind,
+            lock: self.config.name.clone(),
+            token,
+            at: SystemTime::now(),
+            reason,
+        };
+        match kind {
+            EventKind::Acquired => {
+                tracing::info!(lock = %event.lock, token, "acquired")
+            }
+            EventKind::Lost => tracing::warn!(lock = %event.lock, token, reason, "lost"),
+            EventKind::Released => tracing::info!(lock = %event.lock, token, reason, "released"),
+        }
+        self.telemetry.event(&event);
+        let _ = self.events.send(event);
+    }
+
+    fn lose(&mut self, reason: &'static str) {
+        if let Some(held) = self.held.take() {
+            self.holds = 0;
+            self.hold_deadline = None;
+            self.retry_at = None;
+            self.publish_lease();
+            self.state.send_modify(|s| s.current_holder = None);
+            self.emit(EventKind::Lost, held.lease.token, reason);
+        }
+    }
+
+    /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
+    /// backend could already have handed on.
+    async fn step_down(&mut self, reason: &'static str) {
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        self.holds = 0;
+        self.hold_deadline = None;
+        self.retry_at = None;
+        self.publish_lease();
+        self.state.send_modify(|s| s.current_holder = None);
+        self.emit(EventKind::Released, held.lease.token, reason);
+        let budget = SHUTDOWN_RELEASE_TIMEOUT;
+        match timeout(budget, self.driver.release(&held.lease)).await {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => {
+                tracing::debug!(lock = %self.config.name, "release found the lease already gone")
+            }
+            Ok(Err(e)) => {
+                self.backend_failed(&e);
+                tracing::warn!(lock = %self.config.name, error = %e,
+                    "release failed; the lease will expire on its own")
+            }
+            Err(_) => {
+                self.backend_failed(&Error::Timeout(budget));
+                tracing::warn!(lock = %self.config.name,
+                    "release timed out; the lease will expire on its own")
+            }
+        }
+    }
+
+    fn on_acquired(&mut self, lease: Lease, sent: Instant) {
+        let valid_until =
+            sent + self.config.lease_duration - safety_margin(self.config.lease_duration);
+        let token = lease.token;
+        self.held = Some(HeldLease {
+            lease,
+            valid_until,
+            last_sent: sent,
+            acquired_at: SystemTime::now(),
+        });
+        self.retry_at = None;
+        if !self.waiters.is_empty() {
+            let now = Instant::now();
+            let hold = self.waiters.iter().map(|w| w.hold).max().unwrap_or(DEFAULT_HOLD);
+            self.holds += self.waiters.len() as u32;
+            self.hold_deadline = Some(now + hold);
+        }
+        self.publish_lease();
+        self.emit(EventKind::Acquired, token, "acquired");
+        let answer = self.state.borrow().answer();
+        for waiter in self.waiters.drain(..) {
+            let _ = waiter.reply.send(answer);
+        }
+    }
+
+    /// Answer the on-demand waiters whose wait is over.
+    fn expire_waiters(&mut self) {
+        let now = Instant::now();
+        let answer = self.state.borrow().answer();
+        let (expired, waiting): (Vec<_>, Vec<_>) =
+            self.waiters.drain(..).partition(|w| w.deadline <= now);
+        self.waiters = waiting;
+        for waiter in expired {
+            let _ = waiter.reply.send(answer);
+        }
+    }
+
+    fn next_waiter_deadline(&self) -> Option<Instant> {
+        self.waiters.iter().map(|w| w.deadline).min()
+    }
+
+    async fn command(&mut self, command: Option<Command>) -> Flow {
+        let Some(command) = command else {
+            return Flow::Stop;
+        };
+        match command {
+            Command::Acquire { wait, hold, reply } => {
+                let answer = self.state.borrow().answer();
+                if self.held.is_some() && answer.is_holder() {
+                    self.holds += 1;
+                    self.hold_deadline = Some(Instant::now() + hold);
+                    self.publish_lease();
+                    let _ = reply.send(answer);
+                } else {
+                    self.waiters.push(Waiter {
+                        deadline: Instant::now() + wait,
+                        hold,
+                        reply,
+                    });
+                }
+            }
+            Command::Release { reply } => {
+                if self.held.is_none() {
+                    let _ = reply.send(false);
+                    return Flow::Continue;
+                }
+                match self.config.mode {
+                    Mode::OnDemand if self.holds > 1 => {
+                        self.holds -= 1;
+                        self.publish_lease();
+                    }
+                    Mode::OnDemand => self.step_down("released by the app").await,
+                    Mode::Campaign => {
+                        self.step_down("stepped down by the app").await;
+                        self.cooldown_until = Some(Instant::now() + self.config.cooldown);
+                    }
+                }
+                let _ = reply.send(true);
+            }
+        }
+        Flow::Continue
+    }
+
+    async fn hold_step(&mut self) -> Flow {
+        let Some(held) = &self.held else {
+            return Flow::Continue;
+        };
+        let valid_until = held.valid_until;
+        let renew_at = self
+            .retry_at
+            .unwrap_or(held.last_sent + self.config.renew_interval);
+        let hold_deadline = self.hold_deadline;
+        tokio::select! {
+            biased;
+            command = self.commands.recv() => return self.command(command).await,
+            _ = sleep_until(valid_until) => {}
+            _ = sleep_until(hold_deadline.unwrap_or(valid_until)), if hold_deadline.is_some() => {
+                tracing::warn!(lock = %self.config.name,
+                    "the app did not acquire again within its hold; releasing");
+                self.step_down("the app's hold elapsed").await;
+            }
+            _ = sleep_until(renew_at) => return self.renew().await,
+        }
+        Flow::Continue
+    }
+
+    async fn renew(&mut self) -> Flow {
+        let Some(held) = &self.held else {
+            return Flow::Continue;
+        };
+        let lease = held.lease.clone();
+        let sent = Instant::now();
+        // Waiting past the self-fence deadline is pointless: the lease is gone by then.
+        let budget = held
+            .valid_until
+            .saturating_duration_since(sent)
+            .min(self.config.renew_interval);
+        if budget.is_zero() {
+            self.lose("the lease ran out before it could be renewed");
+            return Flow::Continue;
+        }
+        let driver = self.driver.clone();
+        let ttl = self.config.lease_duration;
+        match self.call(budget, driver.renew(&lease, ttl)).await {
+            Call::Done(true) => {
+                self.telemetry.renewed(&self.config.name, sent.elapsed());
+                if let Some(held) = &mut self.held {
+                    held.last_sent = sent;
+                    held.valid_until =
+                        sent + self.config.lease_duration - safety_margin(self.config.lease_duration);
+                }
+                self.retry_at = None;
+                self.publish_lease();
+            }
+            Call::Done(false) => self.lose("the backend no longer has this lease"),
+            Call::Failed => self.retry_at = Some(Instant::now() + self.retry_pause()),
+            Call::ShuttingDown => return Flow::Stop,
+        }
+        Flow::Continue
+    }
+
+    async fn campaign_step(&mut self) -> Flow {
+        if let Some(until) = self.cooldown_until {
+            if Instant::now() < until {
+                tokio::select! {
+                    biased;
+                    command = self.commands.recv() => return self.command(command).await,
+                    _ = sleep_until(until) => {}
+                }
+                return Flow::Continue;
+            }
+            self.cooldown_until = None;
+        }
+        // Subscribe before the attempt, so that a release right after it still wakes us.
+        let mut changes = self.driver.changes(&self.config.name);
+        if let Some(changes) = &mut changes {
+            changes.borrow_and_update();
+        }
+        let driver = self.driver.clone();
+        let sent = Instant::now();
+        let budget = self.config.renew_interval;
+        let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
+        let attempt = driver.try_acquire(&name, &identity, self.config.lease_duration);
+        let pause = match self.call(budget, attempt).await {
+            Call::Done(Acquire::Acquired(lease)) => {
+                self.on_acquired(lease, sent);
+                return Flow::Continue;
+            }
+            Call::Done(Acquire::Busy(holding)) => {
+                let poll = jitter(self.driver.poll_interval(self.config.renew_interval));
+                // Try again right after the holder's lease runs out, if that comes first.
+                let pause = holding
+                    .as_ref()
+                    .and_then(|h| h.expires_in)
+                    .map_or(poll, |left| (left + Duration::from_millis(1)).min(poll));
+                self.state.send_if_modified(|s| {
+                    let changed = s.current_holder != holding;
+                    s.current_holder = holding;
+                    changed
+                });
+                pause
+            }
+            Call::Failed => self.retry_pause(),
+            Call::ShuttingDown => return Flow::Stop,
+        };
+        self.expire_waiters();
+        if !self.wants_lock() {
+            return Flow::Continue;
+        }
+        let wake = Instant::now() + pause;
+        let waiter_deadline = self.next_waiter_deadline();
+        tokio::select! {
+            biased;
+            command = self.commands.recv() => return self.command(command).await,
+            _ = async {
+                match &mut changes {
+                    Some(changes) => { let _ = changes.changed().await; }
+                    None => std::future::pending::<()>().await,
+                }
+            } => {}
+            _ = sleep_until(waiter_deadline.unwrap_or(wake)), if waiter_deadline.is_some() => {}
+            _ = sleep_until(wake) => {}
+        }
+        Flow::Continue
+    }
+
+    /// On-demand and not wanted: keep an eye on the holder and on the backend's health.
+    async fn idle_step(&mut self) -> Flow {
+        let driver = self.driver.clone();
+        let budget = self.config.renew_interval;
+        let name = self.config.name.clone();
+        match self.call(budget, driver.observe(&name)).await {
+            Call::Done(holding) => {
+                self.state.send_if_modified(|s| {
+                    let changed = s.current_holder != holding;
+                    s.current_holder = holding;
+                    changed
+                });
+            }
+            Call::Failed => {}
+            Call::ShuttingDown => return Flow::Stop,
+        }
+        let pause = jitter(self.config.renew_interval);
+        tokio::select! {
+            biased;
+            command = self.commands.recv() => self.command(command).await,
+            _ = sleep(pause) => Flow::Continue,
+        }
+    }
+}

@@ -1,0 +1,39 @@
+#![forbid(unsafe_code)]
+//! The Leasehold lease engine.
+//!
+//! - [`Driver`]: one atomic compare-and-set per call, one implementation per backend
+//!   ([`sqlite::SqliteDriver`], [`redis::RedisDriver`]).
+//! - [`Lock`]: the holder state machine shared by all drivers: campaign or on-demand acquisition,
+//!   renewal, release, wake-ups, and self-fencing.
+//! - [`connect`]: a driver from a [`BackendUrl`].
+//! - `testkit` (feature): real backend servers for tests, fault wrappers, and the conformance
+//!   suite every driver passes.
+
+mod backend_url;
+mod driver;
+mod error;
+mod holder;
+pub mod names;
+pub mod redis;
+pub mod sqlite;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+use std::sync::Arc;
+
+pub use backend_url::{BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE, redact};
+pub use driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+pub use error::{Error, Result};
+pub use holder::{
+    Answer, DEFAULT_HOLD, Event, EventKind, Held, Lock, LockConfig, MAX_LEASE_DURATION,
+    MIN_LEASE_DURATION, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry, safety_margin,
+};
+
+/// Open the driver a backend URL names. Network backends connect lazily, so an unreachable
+/// server shows up in readiness and answers, not as a start-up failure.
+pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
+    Ok(match url {
+        BackendUrl::Sqlite { path, table } => Arc::new(sqlite::SqliteDriver::open(path, table).await?),
+        BackendUrl::Redis { url, prefix } => Arc::new(redis::RedisDriver::connect(url, prefix)?),
+    })
+}

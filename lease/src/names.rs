@@ -1,0 +1,117 @@
+//! Validation of the names that users give us and that end up inside backend keys, SQL
+//! statements or paths. Names are checked here once; drivers then only quote them.
+
+use crate::error::{Error, Result};
+
+/// The longest lock name: a Kubernetes object name (DNS subdomain) fits.
+pub const MAX_LOCK_NAME: usize = 253;
+
+/// The longest SQL identifier accepted; PostgreSQL truncates at 63 bytes, so we refuse there.
+pub const MAX_SQL_IDENTIFIER: usize = 63;
+
+/// A lock name: 1-253 characters of `[A-Za-z0-9._-]`, starting and ending alphanumeric.
+/// That is a superset of Kubernetes object names and safe inside Redis keys, SQL values
+/// and ZooKeeper or etcd paths.
+pub fn validate_lock_name(name: &str) -> Result<()> {
+    let invalid = |reason| Error::InvalidName {
+        what: "lock name",
+        value: name.to_owned(),
+        reason,
+    };
+    if name.is_empty() {
+        return Err(invalid("it is empty"));
+    }
+    if name.len() > MAX_LOCK_NAME {
+        return Err(invalid("it is longer than 253 characters"));
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return Err(invalid("only letters, digits, '.', '_' and '-' are allowed"));
+    }
+    let first = name.as_bytes()[0];
+    let last = name.as_bytes()[name.len() - 1];
+    if !first.is_ascii_alphanumeric() || !last.is_ascii_alphanumeric() {
+        return Err(invalid("it must start and end with a letter or digit"));
+    }
+    Ok(())
+}
+
+/// A SQL identifier (table or schema name): `[A-Za-z_][A-Za-z0-9_]*`, at most 63 characters.
+/// Validated identifiers are still quoted when spliced, see [`quote_sql_identifier`].
+pub fn validate_sql_identifier(what: &'static str, ident: &str) -> Result<()> {
+    let invalid = |reason| Error::InvalidName {
+        what,
+        value: ident.to_owned(),
+        reason,
+    };
+    let mut bytes = ident.bytes();
+    match bytes.next() {
+        None => return Err(invalid("it is empty")),
+        Some(b) if !(b.is_ascii_alphabetic() || b == b'_') => {
+            return Err(invalid("it must start with a letter or '_'"));
+        }
+        _ => {}
+    }
+    if ident.len() > MAX_SQL_IDENTIFIER {
+        return Err(invalid("it is longer than 63 characters"));
+    }
+    if !bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+        return Err(invalid("only letters, digits and '_' are allowed"));
+    }
+    Ok(())
+}
+
+/// Double-quote a validated SQL identifier (ANSI quoting; SQLite and PostgreSQL use it).
+pub fn quote_sql_identifier(ident: &str) -> String {
+    debug_assert!(validate_sql_identifier("identifier", ident).is_ok());
+    format!("\"{ident}\"")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_names() {
+        for ok in ["a", "jobs", "nightly-report.v2", "A_b-9", &"x".repeat(253)] {
+            assert!(validate_lock_name(ok).is_ok(), "{ok} should be valid");
+        }
+        for bad in [
+            "",
+            "-a",
+            "a-",
+            "a b",
+            "a/b",
+            "a:b",
+            "a{b}",
+            "é",
+            "a\n",
+            &"x".repeat(254),
+        ] {
+            assert!(validate_lock_name(bad).is_err(), "{bad:?} should be invalid");
+        }
+    }
+
+    #[test]
+    fn sql_identifiers() {
+        for ok in ["leasehold_locks", "_t", "T1", &"t".repeat(63)] {
+            assert!(validate_sql_identifier("table", ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "1t",
+            "t-1",
+            "t;drop table x",
+            "t\"",
+            "a.b",
+            " t",
+            &"t".repeat(64),
+        ] {
+            let err = validate_sql_identifier("table", bad).unwrap_err();
+            assert!(err.to_string().contains("invalid table"), "{err}");
+        }
+        assert_eq!(quote_sql_identifier("locks"), "\"locks\"");
+    }
+}

@@ -1,0 +1,325 @@
+//! Redis, single master. The lease is one key, `SET NX PX` inside an acquire script that also
+//! takes the fencing token from a per-lock `INCR` counter, so a token is only ever handed out
+//! together with the key. Renew and release are scripts that compare the stored value (token and
+//! identity) before they touch the key. A release publishes on a channel that waiters listen to.
+//!
+//! Keys use a hash tag on the lock name (`leasehold:{jobs}:lease`, `leasehold:{jobs}:token`) so
+//! both keys of a lock land in one slot of a Redis Cluster.
+//!
+//! Token durability: the counter is an ordinary key. With `appendonly yes` it survives a restart,
+//! and tokens keep increasing; on a Redis without persistence a restart resets it. With
+//! `appendfsync everysec` (the Redis default) the last second of increments can be lost in a
+//! crash, so run lock Redis with `appendfsync always` when tokens must never repeat.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Script, Value};
+use tokio::sync::watch;
+
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+
+/// How long one Redis round trip may take before the connection is considered dead.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bounds of the pause between attempts to re-establish the release subscription.
+const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
+const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
+
+/// KEYS: lease, token counter. ARGV: identity, ttl ms.
+/// Returns the new token, or {current value, remaining ms} when the lock is held.
+const ACQUIRE: &str = r"
+local current = redis.call('GET', KEYS[1])
+if current then
+  return {current, redis.call('PTTL', KEYS[1])}
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], token .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
+return token
+";
+
+/// KEYS: lease. ARGV: expected value, ttl ms. Returns 1 when renewed.
+const RENEW: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+";
+
+/// KEYS: lease. ARGV: expected value, release channel. Returns 1 when released.
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  return 1
+end
+return 0
+";
+
+/// KEYS: lease. Returns {value, remaining ms}, or false when free.
+const OBSERVE: &str = r"
+local current = redis.call('GET', KEYS[1])
+if current then
+  return {current, redis.call('PTTL', KEYS[1])}
+end
+return false
+";
+
+pub struct RedisDriver {
+    conn: ConnectionManager,
+    keys: KeyLayout,
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    observe: Script,
+    releases: Arc<ChangeFeeds>,
+    subscriber: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RedisDriver {
+    fn drop(&mut self) {
+        self.subscriber.abort();
+    }
+}
+
+/// Where a lock's keys and channel live.
+#[derive(Clone)]
+pub struct KeyLayout {
+    prefix: String,
+}
+
+impl KeyLayout {
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            prefix: prefix.to_owned(),
+        }
+    }
+    pub fn lease(&self, lock: &str) -> String {
+        format!("{}:{{{lock}}}:lease", self.prefix)
+    }
+    pub fn token(&self, lock: &str) -> String {
+        format!("{}:{{{lock}}}:token", self.prefix)
+    }
+    pub fn released_channel(&self, lock: &str) -> String {
+        format!("{}:released:{lock}", self.prefix)
+    }
+    fn released_pattern(&self) -> String {
+        format!("{}:released:*", self.prefix)
+    }
+    fn lock_of_channel<'a>(&self, channel: &'a str) -> Option<&'a str> {
+        channel
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(":released:")
+    }
+}
+
+/// The value stored under the lease key: the token first, so identities may contain anything.
+pub fn lease_value(lease: &Lease) -> String {
+    format!("{}:{}", lease.token, lease.identity)
+}
+
+fn parse_holding(value: &[u8], pttl: i64) -> Option<Holding> {
+    let value = std::str::from_utf8(value).ok()?;
+    let (token, identity) = value.split_once(':')?;
+    Some(Holding {
+        identity: identity.to_owned(),
+        token: token.parse().ok()?,
+        expires_in: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+    })
+}
+
+fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
+    match value {
+        Value::Array(items) => match items.as_slice() {
+            [Value::BulkString(v), Value::Int(pttl)] => parse_holding(v, *pttl),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn map_err(e: redis::RedisError) -> Error {
+    if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout()
+    {
+        Error::Unreachable(e.to_string())
+    } else {
+        Error::Backend(e.to_string())
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl RedisDriver {
+    /// Set up the connection lazily: an unreachable Redis at start-up is reported by the lease
+    /// loop and readiness, not by a crash.
+    pub fn connect(url: &url::Url, prefix: &str) -> Result<Self> {
+        let client = redis::Client::open(url.as_str()).map_err(|e| Error::InvalidUrl {
+            url: crate::backend_url::redact(url.as_str()),
+            reason: e.to_string(),
+        })?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(RESPONSE_TIMEOUT))
+            .set_number_of_retries(2)
+            .set_max_delay(RESUBSCRIBE_MAX);
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+            .map_err(map_err)?;
+        let keys = KeyLayout::new(prefix);
+        let releases = Arc::new(ChangeFeeds::default());
+        let subscriber = tokio::spawn(listen_for_releases(
+            client,
+            keys.clone(),
+            releases.clone(),
+        ));
+        Ok(Self {
+            conn,
+            keys,
+            acquire: Script::new(ACQUIRE),
+            renew: Script::new(RENEW),
+            release: Script::new(RELEASE),
+            observe: Script::new(OBSERVE),
+            releases,
+            subscriber,
+        })
+    }
+}
+
+/// One pattern subscription per process carries every lock's release notices. When it breaks it
+/// is re-established, and every waiter is woken, since a release may have been missed meanwhile.
+async fn listen_for_releases(client: redis::Client, keys: KeyLayout, feeds: Arc<ChangeFeeds>) {
+    let mut pause = RESUBSCRIBE_MIN;
+    loop {
+        let subscribed = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.psubscribe(keys.released_pattern()).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        })
+        .await;
+        match subscribed {
+            Ok(Ok(mut pubsub)) => {
+                pause = RESUBSCRIBE_MIN;
+                feeds.bump_all();
+                let mut messages = pubsub.on_message();
+                while let Some(msg) = messages.next().await {
+                    if let Some(lock) = keys.lock_of_channel(msg.get_channel_name()) {
+                        feeds.bump(lock);
+                    }
+                }
+                tracing::debug!("redis release subscription closed; re-subscribing");
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "redis release subscription failed"),
+            Err(_) => tracing::debug!("redis release subscription timed out"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(RESUBSCRIBE_MAX);
+    }
+}
+
+#[async_trait]
+impl Driver for RedisDriver {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .acquire
+            .key(self.keys.lease(lock))
+            .key(self.keys.token(lock))
+            .arg(identity)
+            .arg(ms(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(map_err)?;
+        match reply {
+            Value::Int(token) if token > 0 => Ok(Acquire::Acquired(Lease {
+                lock: lock.to_owned(),
+                identity: identity.to_owned(),
+                token: token as u64,
+            })),
+            other => Ok(Acquire::Busy(parse_value_and_pttl(&other))),
+        }
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let mut conn = self.conn.clone();
+        let renewed: i64 = self
+            .renew
+            .key(self.keys.lease(&lease.lock))
+            .arg(lease_value(lease))
+            .arg(ms(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(map_err)?;
+        Ok(renewed == 1)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let mut conn = self.conn.clone();
+        let released: i64 = self
+            .release
+            .key(self.keys.lease(&lease.lock))
+            .arg(lease_value(lease))
+            .arg(self.keys.released_channel(&lease.lock))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(map_err)?;
+        Ok(released == 1)
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .observe
+            .key(self.keys.lease(lock))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(map_err)?;
+        Ok(parse_value_and_pttl(&reply))
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.releases.subscribe(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let mut conn = self.conn.clone();
+        let _: String = redis::cmd("PING")
+            .query_async(&mut conn)
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_layout() {
+        let k = KeyLayout::new("leasehold");
+        assert_eq!(k.lease("jobs"), "leasehold:{jobs}:lease");
+        assert_eq!(k.token("jobs"), "leasehold:{jobs}:token");
+        assert_eq!(k.released_channel("jobs"), "leasehold:released:jobs");
+        assert_eq!(k.lock_of_channel("leasehold:released:jobs"), Some("jobs"));
+        assert_eq!(k.lock_of_channel("other:released:jobs"), None);
+    }
+
+    #[test]
+    fn holding_values() {
+        let h = parse_holding(b"42:pod-a:with:colons", 1500).unwrap();
+        assert_eq!(h.token, 42);
+        assert_eq!(h.identity, "pod-a:with:colons");
+        assert_eq!(h.expires_in, Some(Duration::from_millis(1500)));
+        assert!(parse_holding(b"nonsense", 1).is_none());
+        assert_eq!(parse_holding(b"1:a", -1).unwrap().expires_in, None);
+    }
+}

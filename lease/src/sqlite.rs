@@ -1,0 +1,227 @@
+//! SQLite, lease mode: one row per lock in a local file. The embedded default, for one machine
+//! with nothing else installed. Several processes on the same file exclude each other through
+//! SQLite's own file locking; every decision is one atomic statement.
+//!
+//! Expiry is computed by SQLite from the machine's clock (`julianday('now')`), the one clock all
+//! processes on the file share. The fencing token lives in the row and survives release (the row
+//! is kept, only the holder is cleared), so it increases for the life of the file.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::Row;
+use tokio::sync::watch;
+
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+use crate::names::{quote_sql_identifier, validate_sql_identifier};
+
+/// How long a statement waits for another process's write lock before giving up.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Milliseconds since the Unix epoch by SQLite's clock. `julianday('now')` is stable within one
+/// statement, so every comparison in a statement sees the same instant.
+const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
+/// Polling bounds: a local file is cheap to poll, so waiters look more often than once per
+/// renew interval, but never in a tight loop.
+const MIN_POLL: Duration = Duration::from_millis(50);
+const MAX_POLL: Duration = Duration::from_secs(1);
+
+pub struct SqliteDriver {
+    pool: SqlitePool,
+    sql: Statements,
+    /// Wakes waiters in this process at once; other processes poll.
+    local_releases: ChangeFeeds,
+}
+
+struct Statements {
+    acquire: String,
+    renew: String,
+    release: String,
+    observe: String,
+}
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        let t = quote_sql_identifier(table);
+        Self {
+            acquire: format!(
+                "INSERT INTO {t} (name, holder, token, expires_at_ms) VALUES (?1, ?2, 1, {NOW_MS} + ?3) \
+                 ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, token = {t}.token + 1, \
+                 expires_at_ms = excluded.expires_at_ms \
+                 WHERE {t}.holder IS NULL OR {t}.expires_at_ms <= {NOW_MS} \
+                 RETURNING token"
+            ),
+            renew: format!(
+                "UPDATE {t} SET expires_at_ms = {NOW_MS} + ?4 \
+                 WHERE name = ?1 AND holder = ?2 AND token = ?3 AND expires_at_ms > {NOW_MS}"
+            ),
+            release: format!(
+                "UPDATE {t} SET holder = NULL, expires_at_ms = 0 \
+                 WHERE name = ?1 AND holder = ?2 AND token = ?3"
+            ),
+            observe: format!(
+                "SELECT holder, token, expires_at_ms - {NOW_MS} AS remaining_ms FROM {t} \
+                 WHERE name = ?1 AND holder IS NOT NULL AND expires_at_ms > {NOW_MS}"
+            ),
+        }
+    }
+}
+
+impl SqliteDriver {
+    /// Open (creating if needed) the file and the lock table.
+    pub async fn open(path: &Path, table: &str) -> Result<Self> {
+        validate_sql_identifier("table name", table)?;
+        let options = SqliteConnectOptions::from_str("sqlite://")
+            .map_err(map_err)?
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // Tokens must never repeat, even after a power cut: fsync every commit.
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(BUSY_TIMEOUT);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(BUSY_TIMEOUT * 2)
+            .connect_with(options)
+            .await
+            .map_err(|e| Error::Unreachable(format!("cannot open {}: {e}", path.display())))?;
+        provision(&pool, table).await?;
+        Ok(Self {
+            pool,
+            sql: Statements::new(table),
+            local_releases: ChangeFeeds::default(),
+        })
+    }
+}
+
+/// Create the lock table if it is absent. Idempotent.
+async fn provision(pool: &SqlitePool, table: &str) -> Result<()> {
+    let t = quote_sql_identifier(table);
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {t} (\
+           name TEXT PRIMARY KEY NOT NULL, \
+           holder TEXT, \
+           token INTEGER NOT NULL, \
+           expires_at_ms INTEGER NOT NULL)"
+    ))
+    .execute(pool)
+    .await
+    .map_err(map_err)?;
+    Ok(())
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn token(lease: &Lease) -> i64 {
+    i64::try_from(lease.token).unwrap_or(i64::MAX)
+}
+
+fn map_err(e: sqlx::Error) -> Error {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
+            Error::Unreachable(e.to_string())
+        }
+        // SQLITE_BUSY / SQLITE_LOCKED: another process keeps the file locked.
+        sqlx::Error::Database(ref db) if matches!(db.code().as_deref(), Some("5" | "6")) => {
+            Error::Unreachable(e.to_string())
+        }
+        other => Error::Backend(other.to_string()),
+    }
+}
+
+#[async_trait]
+impl Driver for SqliteDriver {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let row = sqlx::query(&self.sql.acquire)
+            .bind(lock)
+            .bind(identity)
+            .bind(ms(ttl))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_err)?;
+        match row {
+            Some(row) => {
+                let token: i64 = row.try_get("token").map_err(map_err)?;
+                Ok(Acquire::Acquired(Lease {
+                    lock: lock.to_owned(),
+                    identity: identity.to_owned(),
+                    token: token as u64,
+                }))
+            }
+            None => Ok(Acquire::Busy(self.observe(lock).await?)),
+        }
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let done = sqlx::query(&self.sql.renew)
+            .bind(&lease.lock)
+            .bind(&lease.identity)
+            .bind(token(lease))
+            .bind(ms(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let done = sqlx::query(&self.sql.release)
+            .bind(&lease.lock)
+            .bind(&lease.identity)
+            .bind(token(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        let released = done.rows_affected() == 1;
+        if released {
+            self.local_releases.bump(&lease.lock);
+        }
+        Ok(released)
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        let row = sqlx::query(&self.sql.observe)
+            .bind(lock)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_err)?;
+        row.map(|row| {
+            let remaining: i64 = row.try_get("remaining_ms").map_err(map_err)?;
+            Ok(Holding {
+                identity: row.try_get("holder").map_err(map_err)?,
+                token: row.try_get::<i64, _>("token").map_err(map_err)? as u64,
+                expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
+            })
+        })
+        .transpose()
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.local_releases.subscribe(lock))
+    }
+
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        (renew_interval / 5).clamp(MIN_POLL, MAX_POLL)
+    }
+
+    async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+}

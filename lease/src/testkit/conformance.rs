@@ -1,0 +1,420 @@
+//! The conformance suite: the same scenarios, written once, run against every driver through a
+//! [`Harness`]. A driver is done when `conformance_suite!` passes on a real server.
+//!
+//! Timing assertions here are loose on purpose: they catch a lock that never hands over or a
+//! holder that never fences, not a slow machine. Safety assertions are exact.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::{Instant, sleep};
+
+use super::{FaultyDriver, RedisServer, unique_lock};
+use crate::driver::{Acquire, Driver, Lease};
+use crate::holder::{Answer, EventKind, Lock, LockConfig, Mode};
+
+/// Short leases keep the suite quick; every bound below is derived from these.
+pub const LEASE: Duration = Duration::from_millis(1000);
+pub const RENEW: Duration = Duration::from_millis(250);
+/// Slack for a busy 2-core machine on top of the protocol's own bounds.
+pub const SLACK: Duration = Duration::from_millis(1500);
+
+/// What a backend offers the suite.
+#[async_trait]
+pub trait Harness: Send {
+    /// A new client with its own connection, as a separate process would have.
+    async fn driver(&self) -> Arc<dyn Driver>;
+    /// Make the backend unavailable to every client (kill the server, lock the file).
+    async fn outage_begin(&mut self);
+    /// Bring the backend back, with the data it had.
+    async fn outage_end(&mut self);
+}
+
+/// SQLite: a throwaway file; an outage is another process holding the file's write lock.
+pub struct SqliteHarness {
+    dir: tempfile::TempDir,
+    blocker: Option<sqlx::SqliteConnection>,
+}
+
+impl SqliteHarness {
+    pub fn new() -> Self {
+        Self {
+            dir: tempfile::Builder::new()
+                .prefix("leasehold-sqlite-")
+                .tempdir()
+                .expect("temp dir"),
+            blocker: None,
+        }
+    }
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().join("locks.db")
+    }
+}
+
+impl Default for SqliteHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl Harness for SqliteHarness {
+    async fn driver(&self) -> Arc<dyn Driver> {
+        Arc::new(
+            crate::sqlite::SqliteDriver::open(&self.path(), crate::DEFAULT_TABLE)
+                .await
+                .expect("open sqlite"),
+        )
+    }
+    async fn outage_begin(&mut self) {
+        use sqlx::Connection;
+        let _ = self.driver().await; // the file and table exist before we lock them
+        let options = sqlx::sqlite::SqliteConnectOptions::new().filename(self.path());
+        let mut conn = sqlx::SqliteConnection::connect_with(&options)
+            .await
+            .expect("blocker connection");
+        sqlx::query("BEGIN EXCLUSIVE")
+            .execute(&mut conn)
+            .await
+            .expect("take the write lock");
+        self.blocker = Some(conn);
+    }
+    async fn outage_end(&mut self) {
+        if let Some(mut conn) = self.blocker.take() {
+            sqlx::query("COMMIT")
+                .execute(&mut conn)
+                .await
+                .expect("drop the write lock");
+        }
+    }
+}
+
+/// Redis: a real server; an outage is `kill -9`, recovery a restart on the same append-only file.
+pub struct RedisHarness {
+    pub server: RedisServer,
+}
+
+impl RedisHarness {
+    pub fn new() -> Self {
+        Self {
+            server: RedisServer::start(),
+        }
+    }
+}
+
+impl Default for RedisHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl Harness for RedisHarness {
+    async fn driver(&self) -> Arc<dyn Driver> {
+        let url = url::Url::parse(&self.server.url()).expect("url");
+        Arc::new(crate::redis::RedisDriver::connect(&url, "leasehold").expect("redis driver"))
+    }
+    async fn outage_begin(&mut self) {
+        self.server.kill();
+    }
+    async fn outage_end(&mut self) {
+        self.server.restart();
+    }
+}
+
+fn config(lock: &str, identity: &str, mode: Mode) -> LockConfig {
+    LockConfig {
+        renew_interval: RENEW,
+        mode,
+        ..LockConfig::new(lock, identity, LEASE)
+    }
+}
+
+fn start(driver: Arc<dyn Driver>, lock: &str, identity: &str, mode: Mode) -> Lock {
+    Lock::start(driver, config(lock, identity, mode), Arc::new(())).expect("start lock")
+}
+
+async fn acquired(driver: &dyn Driver, lock: &str, identity: &str, ttl: Duration) -> Lease {
+    match driver.try_acquire(lock, identity, ttl).await.expect("acquire") {
+        Acquire::Acquired(lease) => lease,
+        Acquire::Busy(h) => panic!("{identity} expected to acquire {lock}, but it is held: {h:?}"),
+    }
+}
+
+async fn busy(driver: &dyn Driver, lock: &str, identity: &str) -> Option<crate::Holding> {
+    match driver.try_acquire(lock, identity, LEASE).await.expect("acquire") {
+        Acquire::Busy(h) => h,
+        Acquire::Acquired(lease) => panic!("{identity} acquired {lock} while it is held: {lease:?}"),
+    }
+}
+
+/// Poll `check` until it holds or `within` passes; returns how long it took.
+async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !check() {
+        assert!(start.elapsed() < within, "not within {within:?}: {what}");
+        sleep(Duration::from_millis(5)).await;
+    }
+    start.elapsed()
+}
+
+/// One holder at a time, and everyone sees who it is.
+pub async fn exclusivity(h: &mut dyn Harness) {
+    let (a, b) = (h.driver().await, h.driver().await);
+    let lock = unique_lock("exclusive");
+    let lease = acquired(&*a, &lock, "a", LEASE).await;
+    let seen = busy(&*b, &lock, "b").await.expect("b sees the holder");
+    assert_eq!((seen.identity.as_str(), seen.token), ("a", lease.token));
+    assert!(seen.expires_in.is_some_and(|d| d <= LEASE));
+    // Not re-entrant at the driver level, not even for the same identity.
+    busy(&*a, &lock, "a").await;
+    let observed = b.observe(&lock).await.unwrap().expect("observed");
+    assert_eq!((observed.identity.as_str(), observed.token), ("a", lease.token));
+    // Other locks are independent.
+    acquired(&*b, &unique_lock("other"), "b", LEASE).await;
+}
+
+/// A release frees the lock at once, and the next holder gets a greater token.
+pub async fn release_and_takeover(h: &mut dyn Harness) {
+    let (a, b) = (h.driver().await, h.driver().await);
+    let lock = unique_lock("release");
+    let la = acquired(&*a, &lock, "a", LEASE).await;
+    assert!(a.release(&la).await.unwrap());
+    assert_eq!(b.observe(&lock).await.unwrap(), None);
+    let lb = acquired(&*b, &lock, "b", LEASE).await;
+    assert!(lb.token > la.token, "{} then {}", la.token, lb.token);
+    assert!(!a.release(&la).await.unwrap(), "a released b's lease");
+    assert_eq!(b.observe(&lock).await.unwrap().unwrap().identity, "b");
+}
+
+/// Renew and release compare identity and token; nobody else can extend or free a lease.
+pub async fn only_holder_renews_or_releases(h: &mut dyn Harness) {
+    let (a, b) = (h.driver().await, h.driver().await);
+    let lock = unique_lock("only-holder");
+    let short = Duration::from_millis(300);
+    let la = acquired(&*a, &lock, "a", short).await;
+    let impostors = [
+        Lease { identity: "b".into(), ..la.clone() },
+        Lease { token: la.token + 1, ..la.clone() },
+        Lease { token: la.token.saturating_sub(1), ..la.clone() },
+    ];
+    for fake in &impostors {
+        assert!(!b.renew(fake, LEASE).await.unwrap(), "renewed by {fake:?}");
+        assert!(!b.release(fake).await.unwrap(), "released by {fake:?}");
+    }
+    assert!(a.renew(&la, short).await.unwrap());
+    sleep(short + Duration::from_millis(100)).await;
+    // Expired: the old holder can neither renew nor release it, and b takes it.
+    assert!(!a.renew(&la, LEASE).await.unwrap(), "renewed an expired lease");
+    let lb = acquired(&*b, &lock, "b", LEASE).await;
+    assert!(lb.token > la.token);
+    assert!(!a.renew(&la, LEASE).await.unwrap());
+    assert!(!a.release(&la).await.unwrap());
+    let holder = a.observe(&lock).await.unwrap().unwrap();
+    assert_eq!((holder.identity.as_str(), holder.token), ("b", lb.token));
+}
+
+/// Every acquisition's token is greater than all before it: releases, expiries, many clients.
+pub async fn tokens_strictly_increase(h: &mut dyn Harness) {
+    let drivers = [h.driver().await, h.driver().await, h.driver().await];
+    let lock = unique_lock("tokens");
+    let short = Duration::from_millis(150);
+    let mut last = 0;
+    for round in 0..15 {
+        let driver = &drivers[round % drivers.len()];
+        let lease = acquired(&**driver, &lock, &format!("c{round}"), short).await;
+        assert!(lease.token > last, "round {round}: {} after {last}", lease.token);
+        last = lease.token;
+        if round % 3 == 2 {
+            sleep(short + Duration::from_millis(50)).await; // let it expire instead
+        } else {
+            assert!(driver.release(&lease).await.unwrap());
+        }
+    }
+}
+
+/// A holder that dies without releasing is replaced within lease + renew interval.
+pub async fn crash_takeover_within_lease(h: &mut dyn Harness) {
+    let lock = unique_lock("crash");
+    let a = start(h.driver().await, &lock, "a", Mode::Campaign);
+    eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
+    let Answer::Holder { token: ta, .. } = a.answer() else { unreachable!() };
+    let b = start(h.driver().await, &lock, "b", Mode::Campaign);
+    sleep(RENEW).await;
+    assert!(!b.answer().is_holder(), "b holds while a is alive");
+    drop(a); // the task is aborted: no release, like kill -9
+    let took = eventually(LEASE + RENEW + SLACK, "b takes over after a crashed", || {
+        b.answer().is_holder()
+    })
+    .await;
+    let Answer::Holder { token: tb, .. } = b.answer() else { unreachable!() };
+    assert!(tb > ta);
+    assert!(took <= LEASE + RENEW + SLACK, "takeover took {took:?}");
+}
+
+/// A holder whose renewals stall (paused, partitioned) stops claiming before the backend lets
+/// anyone else in, even when its last renewal's answer arrived late.
+pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
+    let lock = unique_lock("paused");
+    let faulty = FaultyDriver::wrap(h.driver().await);
+    let a = start(faulty.clone(), &lock, "a", Mode::Campaign);
+    eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
+    // Answers now arrive 300 ms after the backend acted: a holder that dated its lease from
+    // the answer instead of the request would claim 300 ms too long.
+    faulty.delay_responses(Duration::from_millis(300));
+    let mut a_state = a.watch();
+    a_state.changed().await.expect("a renewed with a late answer");
+    faulty.stall_renewals(true);
+
+    let b = start(h.driver().await, &lock, "b", Mode::Campaign);
+    let mut b_events = b.events();
+    let deadline = Instant::now() + LEASE + RENEW + SLACK;
+    loop {
+        let event = tokio::time::timeout_at(deadline, b_events.recv())
+            .await
+            .expect("b never acquired after a stalled")
+            .expect("events");
+        if event.kind == EventKind::Acquired {
+            // b holds in the backend now; a must already have stopped claiming.
+            assert!(
+                !a.answer().is_holder(),
+                "a still claims the lock after b acquired it: {:?}",
+                a.snapshot()
+            );
+            break;
+        }
+    }
+    let held = a.snapshot().held;
+    assert!(held.is_none(), "a's holder task did not notice its lease ran out");
+}
+
+/// Many contenders, many hand-overs: claimed intervals never overlap, tokens only go up.
+pub async fn many_contenders(h: &mut dyn Harness) {
+    const CONTENDERS: usize = 6;
+    const ROUNDS: usize = 4;
+    let lock = unique_lock("contenders");
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..CONTENDERS {
+        let lock = start(h.driver().await, &lock, &format!("c{i}"), Mode::OnDemand);
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..ROUNDS {
+                let answer = lock
+                    .acquire(Duration::from_secs(30), Duration::from_secs(30))
+                    .await
+                    .expect("acquire");
+                let Answer::Holder { token, .. } = answer else {
+                    panic!("c{i} did not acquire: {answer:?}")
+                };
+                let start = Instant::now();
+                sleep(Duration::from_millis(10)).await;
+                assert!(lock.answer().is_holder(), "c{i} lost the lock mid-work");
+                let end = Instant::now();
+                assert!(lock.release().await.expect("release"));
+                log.lock().unwrap().push((start, end, token));
+            }
+            lock.shutdown().await;
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("contenders finished")
+            .expect("contender panicked");
+    }
+    let mut log = log.lock().unwrap().clone();
+    assert_eq!(log.len(), CONTENDERS * ROUNDS);
+    log.sort_by_key(|(start, _, _)| *start);
+    for pair in log.windows(2) {
+        let ((_, end, t1), (start, _, t2)) = (pair[0], pair[1]);
+        assert!(end <= start, "two holders at once (tokens {t1} and {t2})");
+        assert!(t2 > t1, "token went from {t1} to {t2}");
+    }
+}
+
+/// A release wakes a waiter promptly (notification, or fast polling), not at lease expiry.
+pub async fn release_wakes_a_waiter(h: &mut dyn Harness) {
+    let lock = unique_lock("handover");
+    let a = start(h.driver().await, &lock, "a", Mode::Campaign);
+    eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
+    let b = start(h.driver().await, &lock, "b", Mode::Campaign);
+    eventually(SLACK, "b sees a as holder", || {
+        b.snapshot().current_holder.is_some_and(|h| h.identity == "a")
+    })
+    .await;
+    sleep(RENEW).await;
+    assert!(a.release().await.unwrap());
+    assert!(!a.answer().is_holder(), "a claims after releasing");
+    let took = eventually(LEASE, "b takes the released lock", || b.answer().is_holder()).await;
+    // Expiry would take a full lease; a hand-over must beat that clearly.
+    assert!(took < LEASE / 2, "hand-over took {took:?}");
+    sleep(RENEW).await;
+    assert!(!a.answer().is_holder(), "a campaigned again during its cool-down");
+}
+
+/// The backend goes away and comes back: nobody claims while it is gone, a holder reappears
+/// after, and tokens continue from where they were.
+pub async fn backend_outage_and_recovery(h: &mut dyn Harness) {
+    let lock = unique_lock("outage");
+    let a = start(h.driver().await, &lock, "a", Mode::Campaign);
+    eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
+    let Answer::Holder { token: before, .. } = a.answer() else { unreachable!() };
+    let b = start(h.driver().await, &lock, "b", Mode::Campaign);
+
+    h.outage_begin().await;
+    eventually(LEASE + SLACK, "a stops claiming while the backend is down", || {
+        !a.answer().is_holder()
+    })
+    .await;
+    eventually(LEASE + SLACK, "both report the backend unreachable", || {
+        a.answer() == Answer::Unknown && b.answer() == Answer::Unknown
+    })
+    .await;
+    assert!(!a.snapshot().ready() && !b.snapshot().ready());
+    sleep(LEASE).await;
+    assert!(!a.answer().is_holder() && !b.answer().is_holder());
+
+    h.outage_end().await;
+    eventually(LEASE + RENEW + SLACK * 2, "a holder after recovery", || {
+        a.answer().is_holder() || b.answer().is_holder()
+    })
+    .await;
+    let (aa, ba) = (a.answer(), b.answer());
+    assert!(!(aa.is_holder() && ba.is_holder()), "two holders: {aa:?} {ba:?}");
+    let after = match (aa, ba) {
+        (Answer::Holder { token, .. }, _) | (_, Answer::Holder { token, .. }) => token,
+        _ => unreachable!(),
+    };
+    assert!(after > before, "token {after} after the outage, {before} before");
+    assert!(a.snapshot().ready() && b.snapshot().ready());
+}
+
+/// Generates one `#[tokio::test]` per conformance scenario for a harness expression.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($harness:expr) => {
+        $crate::conformance_suite!(@tests $harness;
+            exclusivity,
+            release_and_takeover,
+            only_holder_renews_or_releases,
+            tokens_strictly_increase,
+            crash_takeover_within_lease,
+            paused_holder_fences_itself_first,
+            many_contenders,
+            release_wakes_a_waiter,
+            backend_outage_and_recovery
+        );
+    };
+    (@tests $harness:expr; $($scenario:ident),+) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $scenario() {
+                let mut harness = $harness;
+                $crate::testkit::conformance::$scenario(&mut harness).await;
+            }
+        )+
+    };
+}

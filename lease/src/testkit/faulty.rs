@@ -1,0 +1,88 @@
+//! A driver wrapper that injects the faults a real network and scheduler produce: renewals that
+//! never come back (a partitioned or paused holder) and answers that arrive late.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use crate::driver::{Acquire, Driver, Holding, Lease};
+use crate::error::Result;
+
+pub struct FaultyDriver {
+    inner: Arc<dyn Driver>,
+    stall_renewals: AtomicBool,
+    response_delay_ms: AtomicU64,
+}
+
+impl FaultyDriver {
+    pub fn wrap(inner: Arc<dyn Driver>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            stall_renewals: AtomicBool::new(false),
+            response_delay_ms: AtomicU64::new(0),
+        })
+    }
+
+    /// From now on, renewals hang (the request may or may not have reached the backend).
+    pub fn stall_renewals(&self, stall: bool) {
+        self.stall_renewals.store(stall, Ordering::SeqCst);
+    }
+
+    /// Deliver every answer this much later than the backend gave it.
+    pub fn delay_responses(&self, delay: Duration) {
+        self.response_delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    async fn delay(&self) {
+        let ms = self.response_delay_ms.load(Ordering::SeqCst);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
+}
+
+#[async_trait]
+impl Driver for FaultyDriver {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let outcome = self.inner.try_acquire(lock, identity, ttl).await;
+        self.delay().await;
+        outcome
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        if self.stall_renewals.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        let outcome = self.inner.renew(lease, ttl).await;
+        self.delay().await;
+        outcome
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        self.inner.release(lease).await
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        self.inner.observe(lock).await
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        self.inner.changes(lock)
+    }
+
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        self.inner.poll_interval(renew_interval)
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.inner.ping().await
+    }
+}

@@ -1,0 +1,49 @@
+//! Test fixtures, in one place: real backend servers on free loopback ports with throwaway data
+//! directories, a fault-injecting driver wrapper, and the conformance suite every driver passes.
+//! A missing server binary fails loudly with the package to install; nothing is skipped.
+
+pub mod conformance;
+pub mod faulty;
+pub mod redis_server;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+
+pub use conformance::{Harness, RedisHarness, SqliteHarness};
+pub use faulty::FaultyDriver;
+pub use redis_server::RedisServer;
+
+/// A TCP port that was free on loopback a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free loopback port")
+}
+
+/// Find a server binary, or fail the test with what to install.
+pub fn require_binary(name: &str, debian_package: &str) -> PathBuf {
+    let search = std::env::var_os("PATH").unwrap_or_default();
+    let extra = ["/usr/sbin", "/usr/bin", "/usr/local/bin"];
+    std::env::split_paths(&search)
+        .chain(extra.iter().map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "`{name}` was not found. Install it with `apt-get install -y {debian_package}` \
+                 (scripts/test does this), then run the tests again."
+            )
+        })
+}
+
+/// A lock name unique to one test, so tests sharing a backend never collide.
+pub fn unique_lock(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
