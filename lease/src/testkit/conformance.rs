@@ -261,11 +261,20 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
     let faulty = FaultyDriver::wrap(h.driver().await);
     let a = start(faulty.clone(), &lock, "a", Mode::Campaign);
     eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
-    // Answers now arrive 300 ms after the backend acted: a holder that dated its lease from
-    // the answer instead of the request would claim 300 ms too long.
-    faulty.delay_responses(Duration::from_millis(300));
+    // Answers now arrive 150 ms after the backend acted (within the renew budget): a holder
+    // that dated its lease from the answer instead of the request would claim 150 ms too long,
+    // far beyond its safety margin.
+    faulty.delay_responses(Duration::from_millis(150));
+    // Wait for a renewal that was sent after the delay began (the second new deadline).
     let mut a_state = a.watch();
-    a_state.changed().await.expect("a renewed with a late answer");
+    for _ in 0..2 {
+        let before = a_state.borrow_and_update().held.as_ref().map(|h| h.valid_until);
+        a_state
+            .wait_for(|s| s.held.as_ref().map(|h| h.valid_until) != before)
+            .await
+            .expect("a renewed with a late answer");
+    }
+    assert!(a.answer().is_holder());
     faulty.stall_renewals(true);
 
     let b = start(h.driver().await, &lock, "b", Mode::Campaign);
@@ -277,12 +286,19 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
             .expect("b never acquired after a stalled")
             .expect("events");
         if event.kind == EventKind::Acquired {
-            // b holds in the backend now; a must already have stopped claiming.
-            assert!(
-                !a.answer().is_holder(),
-                "a still claims the lock after b acquired it: {:?}",
-                a.snapshot()
-            );
+            // b holds in the backend now; a must already have stopped claiming. Check the
+            // self-fence deadline itself, not only the answer: a stalled renewal also makes the
+            // answer "unknown", which would hide a deadline that is too late.
+            let now = Instant::now();
+            let snapshot = a.snapshot();
+            assert!(!snapshot.answer_at(now).is_holder(), "a still claims: {snapshot:?}");
+            if let Some(held) = &snapshot.held {
+                assert!(
+                    held.valid_until <= now,
+                    "a's lease was still valid for {:?} after b acquired",
+                    held.valid_until - now
+                );
+            }
             break;
         }
     }
