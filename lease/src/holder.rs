@@ -449,6 +449,11 @@ enum Flow {
     Stop,
 }
 
+/// Resolves once shutdown has been asked for.
+async fn stopped(mut shutdown: watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
 fn jitter(d: Duration) -> Duration {
     d.mul_f64(rand::rng().random_range(0.8..1.2))
 }
@@ -501,10 +506,9 @@ impl Engine {
         budget: Duration,
         op: impl std::future::Future<Output = Result<T>>,
     ) -> Call<T> {
-        let mut shutdown = self.shutdown.clone();
         tokio::select! {
             biased;
-            _ = shutdown.wait_for(|stop| *stop) => Call::ShuttingDown,
+            _ = stopped(self.shutdown.clone()) => Call::ShuttingDown,
             outcome = timeout(budget, op) => match outcome {
                 Ok(Ok(value)) => {
                     self.backend_ok();
@@ -744,6 +748,7 @@ impl Engine {
         let hold_deadline = self.hold_deadline;
         tokio::select! {
             biased;
+            _ = stopped(self.shutdown.clone()) => return Flow::Stop,
             command = self.commands.recv() => return self.command(command).await,
             _ = sleep_until(valid_until) => {}
             _ = sleep_until(hold_deadline.unwrap_or(valid_until)), if hold_deadline.is_some() => {
@@ -794,8 +799,9 @@ impl Engine {
     async fn campaign_step(&mut self) -> Flow {
         if let Some(until) = self.cooldown_until {
             if Instant::now() < until {
-                tokio::select! {
+                        tokio::select! {
                     biased;
+                    _ = stopped(self.shutdown.clone()) => return Flow::Stop,
                     command = self.commands.recv() => return self.command(command).await,
                     _ = sleep_until(until) => {}
                 }
@@ -843,6 +849,7 @@ impl Engine {
         let waiter_deadline = self.next_waiter_deadline();
         tokio::select! {
             biased;
+            _ = stopped(self.shutdown.clone()) => return Flow::Stop,
             command = self.commands.recv() => return self.command(command).await,
             _ = async {
                 match &mut changes {
@@ -875,6 +882,7 @@ impl Engine {
         let pause = jitter(self.config.renew_interval);
         tokio::select! {
             biased;
+            _ = stopped(self.shutdown.clone()) => return Flow::Stop,
             command = self.commands.recv() => self.command(command).await,
             _ = sleep(pause) => Flow::Continue,
         }

@@ -145,14 +145,17 @@ impl Driver for SqliteDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let row = sqlx::query(&self.sql.acquire)
+        // fetch_all, not fetch_optional: the statement must run to completion so that its
+        // write transaction commits now. A half-stepped INSERT ... RETURNING keeps the file's
+        // write lock, and a holder paused at that moment would lock everyone out.
+        let rows = sqlx::query(&self.sql.acquire)
             .bind(lock)
             .bind(identity)
             .bind(ms(ttl))
-            .fetch_optional(&self.pool)
+            .fetch_all(&self.pool)
             .await
             .map_err(map_err)?;
-        match row {
+        match rows.into_iter().next() {
             Some(row) => {
                 let token: i64 = row.try_get("token").map_err(map_err)?;
                 Ok(Acquire::Acquired(Lease {
@@ -193,12 +196,12 @@ impl Driver for SqliteDriver {
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let row = sqlx::query(&self.sql.observe)
+        let rows = sqlx::query(&self.sql.observe)
             .bind(lock)
-            .fetch_optional(&self.pool)
+            .fetch_all(&self.pool)
             .await
             .map_err(map_err)?;
-        row.map(|row| {
+        rows.into_iter().next().map(|row| {
             let remaining: i64 = row.try_get("remaining_ms").map_err(map_err)?;
             Ok(Holding {
                 identity: row.try_get("holder").map_err(map_err)?,

@@ -1,1 +1,55 @@
-fn main() {}
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use leasehold_sidecar::config::{Config, EXIT_BAD_CONFIG, Exit};
+
+/// The sidecar needs little parallelism: two workers keep latency low and memory small.
+const WORKER_THREADS: usize = 2;
+
+fn main() -> ExitCode {
+    let config = match Config::from_env_and_args() {
+        Ok(config) => config,
+        Err(Exit::Info(text)) => {
+            print!("{text}");
+            return ExitCode::SUCCESS;
+        }
+        Err(Exit::BadConfig(line)) => {
+            eprintln!("{line}");
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    init_logging(config.json_logs);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(WORKER_THREADS)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(leasehold_sidecar::run::run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            tracing::error!("{message}");
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.with_ansi(false).init();
+    }
+}

@@ -1,1 +1,202 @@
 #![forbid(unsafe_code)]
+//! Fixtures for the end-to-end suites: real `leasehold-sidecar` processes on free ports, a tiny
+//! HTTP/1.1 client that can also send malformed requests, and signals.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use leasehold_lease::testkit::free_port;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+pub use leasehold_lease::testkit::{RedisServer, require_binary, unique_lock};
+
+/// The sidecar binary next to this test's own executable (target/<profile>/), or
+/// `LEASEHOLD_SIDECAR_BIN`.
+pub fn sidecar_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("LEASEHOLD_SIDECAR_BIN") {
+        return path.into();
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    let path = profile_dir.join("leasehold-sidecar");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first with `cargo build -p leasehold-sidecar` (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// One HTTP exchange's result.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+    /// The fencing token of a 200 `/lock` answer.
+    pub fn token(&self) -> u64 {
+        assert_eq!(self.status, 200, "not holder: {}", self.body);
+        self.json()["fencingToken"].as_u64().expect("fencingToken")
+    }
+}
+
+/// Send raw bytes, read until the server closes; parse the status line and the body.
+pub fn raw_http(addr: SocketAddr, request: &[u8]) -> std::io::Result<Reply> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    stream.write_all(request)?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no status line in {text:?}")))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok(Reply { status, body })
+}
+
+pub fn http(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Reply> {
+    raw_http(
+        addr,
+        format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            .as_bytes(),
+    )
+}
+
+pub struct Sidecar {
+    child: Option<Child>,
+    pub addr: SocketAddr,
+    pub identity: String,
+    log: tempfile::NamedTempFile,
+}
+
+impl Sidecar {
+    /// Start a sidecar and wait until its API answers.
+    pub fn start(identity: &str, backend: &str, lock: &str, extra: &[&str]) -> Self {
+        let port = free_port();
+        let log = tempfile::NamedTempFile::new().expect("log file");
+        let child = Command::new(sidecar_binary())
+            .args(["--lock", lock, "--backend", backend, "--identity", identity])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log.reopen().expect("log"))
+            .spawn()
+            .expect("start leasehold-sidecar");
+        let sidecar = Self {
+            child: Some(child),
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            identity: identity.to_owned(),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while http(sidecar.addr, "GET", "/healthz").is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "sidecar {identity} did not start; its log:\n{}",
+                sidecar.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        sidecar
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    pub fn get(&self, path: &str) -> Reply {
+        http(self.addr, "GET", path).unwrap_or_else(|e| panic!("GET {path} on {}: {e}", self.identity))
+    }
+
+    pub fn post(&self, path: &str) -> Reply {
+        http(self.addr, "POST", path).unwrap_or_else(|e| panic!("POST {path} on {}: {e}", self.identity))
+    }
+
+    pub fn is_holder(&self) -> bool {
+        self.get("/lock").status == 200
+    }
+
+    fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.as_ref().expect("running").id() as i32)
+    }
+
+    pub fn signal(&self, signal: Signal) {
+        kill(self.pid(), signal).expect("signal");
+    }
+
+    /// `kill -9`: no release, no goodbye.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Wait for the process to exit; `None` if it is still running after `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            let child = self.child.as_mut()?;
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGCONT);
+        }
+        self.kill9();
+    }
+}
+
+/// Poll until `check` holds; panics after `within`. Returns the time it took.
+pub fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !check() {
+        assert!(start.elapsed() < within, "not within {within:?}: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    start.elapsed()
+}
+
+/// Of several sidecars, the one that answers 200 now; panics if more than one does.
+pub fn sole_holder(sidecars: &[&Sidecar]) -> Option<usize> {
+    let holders: Vec<usize> = sidecars
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.is_holder())
+        .map(|(i, _)| i)
+        .collect();
+    assert!(holders.len() <= 1, "two sidecars answer 200 at once: {holders:?}");
+    holders.first().copied()
+}

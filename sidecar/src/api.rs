@@ -1,0 +1,396 @@
+//! The localhost HTTP API (DESIGN.md, "The sidecar's HTTP contract"). Every answer is read from
+//! the holder's in-memory snapshot; no request waits on the backend, except the long polls and
+//! acquisitions that ask to wait.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::{Stream, StreamExt, stream};
+use leasehold_lease::{Answer, DEFAULT_HOLD, Event, Lock, Mode, Snapshot};
+use serde::Serialize;
+use tokio_stream::wrappers::BroadcastStream;
+
+use crate::metrics::Metrics;
+
+/// The longest `wait` a request may ask for; longer waits are refused, not truncated.
+pub const MAX_WAIT: Duration = Duration::from_secs(300);
+/// The longest `hold` an on-demand acquisition may ask for.
+pub const MAX_HOLD: Duration = Duration::from_secs(24 * 3600);
+
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// In the order given on the command line; the first is the one `/lock` means.
+    locks: Vec<Lock>,
+    by_name: HashMap<String, Lock>,
+    metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    pub fn new(locks: Vec<Lock>, metrics: Arc<Metrics>) -> Self {
+        let by_name = locks
+            .iter()
+            .map(|l| (l.name().to_owned(), l.clone()))
+            .collect();
+        Self {
+            inner: Arc::new(Inner {
+                locks,
+                by_name,
+                metrics,
+            }),
+        }
+    }
+
+    pub fn locks(&self) -> &[Lock] {
+        &self.inner.locks
+    }
+
+    fn lock(&self, name: Option<Path<String>>) -> Result<&Lock, Response> {
+        match name {
+            None => self
+                .inner
+                .locks
+                .first()
+                .ok_or_else(|| error(StatusCode::NOT_FOUND, "no lock is configured")),
+            Some(Path(name)) => self.inner.by_name.get(&name).ok_or_else(|| {
+                let known: Vec<&str> = self.inner.locks.iter().map(Lock::name).collect();
+                error(
+                    StatusCode::NOT_FOUND,
+                    &format!(
+                        "no lock named {name:?} here; this sidecar holds: {}",
+                        known.join(", ")
+                    ),
+                )
+            }),
+        }
+    }
+}
+
+/// The lock API, for loopback.
+pub fn lock_api(state: AppState) -> Router {
+    Router::new()
+        .route("/lock", get(status))
+        .route("/lock/events", get(events))
+        .route("/lock/acquire", post(acquire))
+        .route("/lock/release", post(release))
+        .route("/locks/{name}", get(status))
+        .route("/locks/{name}/events", get(events))
+        .route("/locks/{name}/acquire", post(acquire))
+        .route("/locks/{name}/release", post(release))
+        .route("/metrics", get(metrics))
+        .merge(probe_api(state.clone()))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Health and readiness only, for kubelet probes on the pod IP.
+pub fn probe_api(state: AppState) -> Router<AppState> {
+    let _ = state;
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+}
+
+pub fn probe_router(state: AppState) -> Router {
+    probe_api(state.clone())
+        .fallback(not_found)
+        .with_state(state)
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct LockStatus<'a> {
+    lock: &'a str,
+    holder: bool,
+    identity: &'a str,
+    current_holder: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fencing_token: Option<u64>,
+    valid_for_ms: u64,
+    backend: &'static str,
+    mode: &'static str,
+    since: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+fn status_code(answer: Answer) -> StatusCode {
+    match answer {
+        Answer::Holder { .. } => StatusCode::OK,
+        Answer::NotHolder => StatusCode::CONFLICT,
+        Answer::Unknown => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// The answer for one lock as it stands now, with `answer` decided once so that status code and
+/// body agree.
+fn lock_response(lock: &Lock, snapshot: &Snapshot, answer: Answer, released: Option<bool>) -> Response {
+    let (token, valid_for) = match answer {
+        Answer::Holder { token, valid_for } => (Some(token), valid_for),
+        _ => (None, Duration::ZERO),
+    };
+    let current_holder = match answer {
+        Answer::Unknown => None,
+        _ => snapshot.current_holder.as_ref().map(|h| h.identity.as_str()),
+    };
+    let body = LockStatus {
+        lock: lock.name(),
+        holder: answer.is_holder(),
+        identity: &lock.config().identity,
+        current_holder,
+        fencing_token: token,
+        valid_for_ms: valid_for.as_millis() as u64,
+        backend: lock.backend(),
+        mode: lock.config().mode.as_str(),
+        since: rfc3339(snapshot.since),
+        released,
+        error: snapshot.backend_error.as_deref(),
+    };
+    json(status_code(answer), &body)
+}
+
+fn current(lock: &Lock, released: Option<bool>) -> Response {
+    let snapshot = lock.snapshot();
+    let answer = snapshot.answer();
+    lock_response(lock, &snapshot, answer, released)
+}
+
+fn json(status: StatusCode, body: &impl Serialize) -> Response {
+    match serde_json::to_vec(body) {
+        Ok(bytes) => (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    json(status, &serde_json::json!({ "error": message }))
+}
+
+/// Query parameters: only the named ones, each a duration below its bound.
+fn durations(
+    query: &HashMap<String, String>,
+    allowed: &[(&str, Duration)],
+) -> Result<HashMap<String, Duration>, Response> {
+    let mut out = HashMap::new();
+    for (key, value) in query {
+        let Some((_, max)) = allowed.iter().find(|(name, _)| name == key) else {
+            let names: Vec<&str> = allowed.iter().map(|(n, _)| *n).collect();
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "unknown parameter {key:?}; this route takes: {}",
+                    if names.is_empty() { "none".to_owned() } else { names.join(", ") }
+                ),
+            ));
+        };
+        let d = humantime::parse_duration(value).map_err(|e| {
+            error(
+                StatusCode::BAD_REQUEST,
+                &format!("{key}={value:?} is not a duration ({e}); use e.g. 10s or 500ms"),
+            )
+        })?;
+        if d > *max {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "{key}={value} is longer than the limit of {}",
+                    humantime::format_duration(*max)
+                ),
+            ));
+        }
+        out.insert(key.clone(), d);
+    }
+    Ok(out)
+}
+
+async fn status(
+    State(state): State<AppState>,
+    name: Option<Path<String>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let lock = match state.lock(name) {
+        Ok(lock) => lock,
+        Err(response) => return response,
+    };
+    let params = match durations(&query, &[("wait", MAX_WAIT)]) {
+        Ok(p) => p,
+        Err(response) => return response,
+    };
+    if let Some(wait) = params.get("wait") {
+        lock.wait_for_holder(*wait).await;
+    }
+    current(lock, None)
+}
+
+async fn acquire(
+    State(state): State<AppState>,
+    name: Option<Path<String>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let lock = match state.lock(name) {
+        Ok(lock) => lock,
+        Err(response) => return response,
+    };
+    if lock.config().mode == Mode::Campaign {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "lock {:?} is in campaign mode: the sidecar acquires it by itself; \
+                 use GET /lock?wait=... to wait for it, or run with --mode on-demand",
+                lock.name()
+            ),
+        );
+    }
+    let params = match durations(&query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)]) {
+        Ok(p) => p,
+        Err(response) => return response,
+    };
+    let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
+    let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
+    if hold.is_zero() {
+        return error(StatusCode::BAD_REQUEST, "hold must be above zero");
+    }
+    match lock.acquire(wait, hold).await {
+        Ok(_) => current(lock, None),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+async fn release(
+    State(state): State<AppState>,
+    name: Option<Path<String>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let lock = match state.lock(name) {
+        Ok(lock) => lock,
+        Err(response) => return response,
+    };
+    if let Err(response) = durations(&query, &[]) {
+        return response;
+    }
+    match lock.release().await {
+        Ok(released) => {
+            let mut response = current(lock, Some(released));
+            if !released {
+                *response.status_mut() = StatusCode::CONFLICT;
+            } else if response.status() == StatusCode::CONFLICT {
+                *response.status_mut() = StatusCode::OK;
+            }
+            response
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct EventBody<'a> {
+    lock: &'a str,
+    kind: &'static str,
+    fencing_token: u64,
+    at: String,
+    reason: &'static str,
+}
+
+fn sse_event(event: &Event) -> SseEvent {
+    let body = EventBody {
+        lock: &event.lock,
+        kind: event.kind.as_str(),
+        fencing_token: event.token,
+        at: rfc3339(event.at),
+        reason: event.reason,
+    };
+    SseEvent::default()
+        .event(event.kind.as_str())
+        .data(serde_json::to_string(&body).unwrap_or_default())
+}
+
+async fn events(State(state): State<AppState>, name: Option<Path<String>>) -> Response {
+    let lock = match state.lock(name) {
+        Ok(lock) => lock.clone(),
+        Err(response) => return response,
+    };
+    // Subscribe before reading the state, so no change falls between the two.
+    let changes = BroadcastStream::new(lock.events());
+    let snapshot = lock.snapshot();
+    let answer = snapshot.answer();
+    let first = SseEvent::default().event("state").data(
+        serde_json::json!({
+            "lock": lock.name(),
+            "holder": answer.is_holder(),
+            "fencingToken": match answer { Answer::Holder { token, .. } => Some(token), _ => None },
+            "since": rfc3339(snapshot.since),
+        })
+        .to_string(),
+    );
+    let stream: std::pin::Pin<Box<dyn Stream<Item = Result<SseEvent, Infallible>> + Send>> =
+        Box::pin(stream::once(async move { Ok(first) }).chain(
+            // A reader that falls behind skips what it missed; the next event carries the state.
+            changes.filter_map(|e| async move { e.ok().map(|e| Ok(sse_event(&e))) }),
+        ));
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.inner.metrics.render(&state.inner.locks),
+    )
+        .into_response()
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    let waiting: Vec<serde_json::Value> = state
+        .inner
+        .locks
+        .iter()
+        .filter_map(|lock| {
+            let s = lock.snapshot();
+            (!s.ready()).then(|| {
+                serde_json::json!({
+                    "lock": lock.name(),
+                    "error": s.backend_error.as_deref().unwrap_or("backend not reached yet"),
+                })
+            })
+        })
+        .collect();
+    if waiting.is_empty() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &serde_json::json!({ "ready": false, "locks": waiting }),
+        )
+    }
+}
+
+async fn not_found() -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "no such route; try GET /lock, GET /locks/{name}, GET /healthz, GET /readyz, GET /metrics",
+    )
+}

@@ -1,0 +1,278 @@
+//! Configuration, read in one place: flags, each also readable from `LEASEHOLD_<FLAG>`.
+//! A bad value exits with status 2 and one line naming the flag and the value.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use leasehold_lease::{BackendUrl, DEFAULT_BACKEND, LockConfig, Mode};
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:4040";
+pub const DEFAULT_LEASE_DURATION: &str = "15s";
+/// Exit status for bad configuration, as DESIGN.md requires.
+pub const EXIT_BAD_CONFIG: u8 = 2;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "leasehold-sidecar",
+    version,
+    about = "Holds a distributed lock and answers on localhost: GET /lock -> 200 holder, 409 not, 503 unknown."
+)]
+struct Args {
+    /// The lock to hold (repeatable, or comma-separated, for several locks).
+    #[arg(long = "lock", env = "LEASEHOLD_LOCK", value_name = "NAME", value_delimiter = ',')]
+    locks: Vec<String>,
+
+    /// sqlite://PATH or redis://[user:pass@]host:port[/db].
+    /// Parsed after clap, so that an error shows the URL with its password redacted.
+    #[arg(long, env = "LEASEHOLD_BACKEND", value_name = "URL", default_value = DEFAULT_BACKEND,
+          hide_env_values = true)]
+    backend: String,
+
+    /// Who this holder is [default: the hostname].
+    #[arg(long, env = "LEASEHOLD_IDENTITY", value_name = "ID")]
+    identity: Option<String>,
+
+    /// Address of the lock API; loopback only.
+    #[arg(long, env = "LEASEHOLD_LISTEN", value_name = "ADDR", default_value = DEFAULT_LISTEN,
+          value_parser = parse_loopback)]
+    listen: SocketAddr,
+
+    /// Address for /healthz and /readyz only, for kubelet probes (which come to the pod IP).
+    #[arg(long, env = "LEASEHOLD_PROBE_LISTEN", value_name = "ADDR")]
+    probe_listen: Option<SocketAddr>,
+
+    /// How long a lease lasts without renewal, e.g. 15s or 500ms.
+    #[arg(long, env = "LEASEHOLD_LEASE_DURATION", value_name = "DURATION",
+          default_value = DEFAULT_LEASE_DURATION, value_parser = parse_duration)]
+    lease_duration: Duration,
+
+    /// How often the holder renews [default: a third of the lease].
+    #[arg(long, env = "LEASEHOLD_RENEW_INTERVAL", value_name = "DURATION", value_parser = parse_duration)]
+    renew_interval: Option<Duration>,
+
+    /// campaign: always try to hold the lock. on-demand: hold it only after POST /lock/acquire.
+    #[arg(long, env = "LEASEHOLD_MODE", value_name = "MODE", default_value = "campaign")]
+    mode: Mode,
+
+    /// Read everything from a DistributedLock (NAMESPACE/NAME).
+    #[arg(long, env = "LEASEHOLD_RESOURCE", value_name = "NS/NAME")]
+    resource: Option<String>,
+
+    /// Log format: text or json.
+    #[arg(long, env = "LEASEHOLD_LOG_FORMAT", value_name = "FORMAT", default_value = "text",
+          value_parser = ["text", "json"])]
+    log_format: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub locks: Vec<LockConfig>,
+    pub backend: BackendUrl,
+    pub listen: SocketAddr,
+    pub probe_listen: Option<SocketAddr>,
+    pub json_logs: bool,
+}
+
+/// What to do instead of running.
+#[derive(Debug)]
+pub enum Exit {
+    /// --help or --version: print to stdout, exit 0.
+    Info(String),
+    /// Bad configuration: one line for stderr, exit 2.
+    BadConfig(String),
+}
+
+impl Config {
+    pub fn from_env_and_args() -> Result<Self, Exit> {
+        Self::parse_from(std::env::args_os())
+    }
+
+    pub fn parse_from<I, T>(args: I) -> Result<Self, Exit>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let args = Args::try_parse_from(args).map_err(|e| match e.kind() {
+            clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                Exit::Info(e.to_string())
+            }
+            _ => Exit::BadConfig(
+                e.to_string()
+                    .lines()
+                    .next()
+                    .unwrap_or("error: invalid arguments")
+                    .to_owned(),
+            ),
+        })?;
+        Self::from_args(args)
+    }
+
+    fn from_args(args: Args) -> Result<Self, Exit> {
+        let bad = |flag: &str, value: &str, reason: &dyn std::fmt::Display| {
+            Exit::BadConfig(format!(
+                "error: invalid value '{value}' for '--{flag}': {reason}"
+            ))
+        };
+        if let Some(resource) = &args.resource {
+            return Err(bad(
+                "resource",
+                resource,
+                &"reading a DistributedLock needs the operator integration, which this release \
+                  does not have yet; use --lock and --backend",
+            ));
+        }
+        let backend = BackendUrl::parse(&args.backend).map_err(|e| match e {
+            leasehold_lease::Error::InvalidUrl { url, reason } => bad("backend", &url, &reason),
+            other => bad("backend", &leasehold_lease::redact(&args.backend), &other),
+        })?;
+        if args.locks.is_empty() {
+            return Err(Exit::BadConfig(
+                "error: --lock NAME is required (or LEASEHOLD_LOCK)".into(),
+            ));
+        }
+        let identity = args.identity.unwrap_or_else(hostname);
+        let renew_interval = args.renew_interval.unwrap_or(args.lease_duration / 3);
+        let mut locks: Vec<LockConfig> = Vec::new();
+        for name in &args.locks {
+            if locks.iter().any(|l| &l.name == name) {
+                return Err(bad("lock", name, &"the lock is named twice"));
+            }
+            let lock = LockConfig {
+                renew_interval,
+                mode: args.mode,
+                ..LockConfig::new(name, &identity, args.lease_duration)
+            };
+            if let Err(e) = leasehold_lease::names::validate_lock_name(name) {
+                return Err(bad("lock", name, &e));
+            }
+            if let Err(e) = lock.validate() {
+                let (flag, value) = if identity.is_empty() || identity.chars().any(char::is_control)
+                {
+                    ("identity", identity.clone())
+                } else if args.lease_duration < leasehold_lease::MIN_LEASE_DURATION
+                    || args.lease_duration > leasehold_lease::MAX_LEASE_DURATION
+                {
+                    ("lease-duration", humantime::format_duration(args.lease_duration).to_string())
+                } else {
+                    ("renew-interval", humantime::format_duration(renew_interval).to_string())
+                };
+                return Err(bad(flag, &value, &e.to_string().trim_start_matches("backend error: ")));
+            }
+            locks.push(lock);
+        }
+        if let Some(probe) = args.probe_listen {
+            if probe.port() == args.listen.port() && probe.ip() == args.listen.ip() {
+                return Err(bad("probe-listen", &probe.to_string(), &"the same as --listen"));
+            }
+        }
+        Ok(Self {
+            locks,
+            backend,
+            listen: args.listen,
+            probe_listen: args.probe_listen,
+            json_logs: args.log_format == "json",
+        })
+    }
+}
+
+fn parse_duration(raw: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(raw)
+        .map_err(|e| format!("{e}; expected a duration such as 15s or 500ms"))?;
+    if d.is_zero() {
+        return Err("must be above zero".into());
+    }
+    Ok(d)
+}
+
+/// The lock API must not be reachable from outside the pod: anyone who can reach it can
+/// release the lock.
+fn parse_loopback(raw: &str) -> Result<SocketAddr, String> {
+    let addr: SocketAddr = raw
+        .parse()
+        .map_err(|e| format!("{e}; expected IP:PORT such as 127.0.0.1:4040"))?;
+    if !addr.ip().is_loopback() {
+        return Err("the lock API listens on loopback only (127.0.0.1 or [::1]); \
+                    use --probe-listen for kubelet probes"
+            .into());
+    }
+    Ok(addr)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "leasehold".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config, Exit> {
+        Config::parse_from(std::iter::once("leasehold-sidecar").chain(args.iter().copied()))
+    }
+
+    fn bad(args: &[&str]) -> String {
+        match parse(args) {
+            Err(Exit::BadConfig(line)) => {
+                assert!(!line.contains('\n'), "more than one line: {line}");
+                line
+            }
+            other => panic!("expected a bad config for {args:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(&["--lock", "jobs"]).unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.backend.kind(), "sqlite");
+        let l = &c.locks[0];
+        assert_eq!(l.lease_duration, Duration::from_secs(15));
+        assert_eq!(l.renew_interval, Duration::from_secs(5));
+        assert_eq!(l.mode, Mode::Campaign);
+        assert!(!l.identity.is_empty());
+    }
+
+    #[test]
+    fn several_locks() {
+        let c = parse(&["--lock", "a,b", "--lock", "c", "--mode", "on-demand"]).unwrap();
+        let names: Vec<_> = c.locks.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert!(c.locks.iter().all(|l| l.mode == Mode::OnDemand));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag_and_value() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--lock", "jobs", "--lease-duration", "soon"], "soon"),
+            (&["--lock", "jobs", "--lease-duration", "0s"], "0s"),
+            (&["--lock", "jobs", "--renew-interval", "20s"], "--renew-interval"),
+            (&["--lock", "jobs", "--lease-duration", "50ms"], "--lease-duration"),
+            (&["--lock", "bad name"], "bad name"),
+            (&["--lock", "jobs", "--backend", "mongo://x"], "mongo://x"),
+            (&["--lock", "jobs", "--backend", "redis://h:xx"], "redis://h:xx"),
+            (&["--lock", "jobs", "--listen", "0.0.0.0:4040"], "0.0.0.0:4040"),
+            (&["--lock", "jobs", "--listen", "nope"], "nope"),
+            (&["--lock", "jobs", "--mode", "greedy"], "greedy"),
+            (&["--lock", "jobs", "--nosuch"], "--nosuch"),
+            (&["--lock", "a,a"], "'a'"),
+            (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
+            (&[], "--lock"),
+        ];
+        for (args, needle) in cases {
+            let line = bad(args);
+            assert!(line.contains(needle), "{args:?}: {line}");
+        }
+    }
+
+    #[test]
+    fn passwords_stay_out_of_errors() {
+        let line = bad(&["--lock", "j", "--backend", "redis://:hunter2@h/x"]);
+        assert!(!line.contains("hunter2"), "{line}");
+    }
+}

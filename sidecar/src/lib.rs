@@ -1,0 +1,8 @@
+#![forbid(unsafe_code)]
+//! The Leasehold sidecar: configuration, the localhost HTTP API, metrics and the process's life
+//! (start, readiness, shutdown on signals).
+
+pub mod api;
+pub mod config;
+pub mod metrics;
+pub mod run;

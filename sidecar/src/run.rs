@@ -1,0 +1,86 @@
+//! The process's life: start the locks, serve, and on SIGTERM or SIGINT release every lease
+//! before exiting, within a second.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::{Lock, connect};
+use tokio::net::TcpListener;
+
+use crate::api::{AppState, lock_api, probe_router};
+use crate::config::Config;
+use crate::metrics::Metrics;
+
+/// After the leases are released, how long open connections (long polls, event streams) get
+/// before the process exits anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_millis(150);
+
+pub async fn run(config: Config) -> Result<(), String> {
+    let driver = connect(&config.backend)
+        .await
+        .map_err(|e| format!("cannot open backend {}: {e}", config.backend))?;
+    let metrics = Arc::new(Metrics::new());
+    for lock in &config.locks {
+        metrics.register_lock(&lock.name);
+    }
+    let locks = config
+        .locks
+        .iter()
+        .map(|lock| Lock::start(driver.clone(), lock.clone(), metrics.clone()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let state = AppState::new(locks.clone(), metrics);
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let probe_listener = match config.probe_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} for probes: {e}"))?,
+        ),
+        None => None,
+    };
+    tracing::info!(listen = %config.listen, probe_listen = ?config.probe_listen,
+        backend = %config.backend, locks = locks.len(), "leasehold sidecar started");
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let api = tokio::spawn(
+        axum::serve(listener, lock_api(state.clone()))
+            .with_graceful_shutdown(stopped(stop_rx.clone()))
+            .into_future(),
+    );
+    let probes = probe_listener.map(|l| {
+        tokio::spawn(
+            axum::serve(l, probe_router(state.clone()))
+                .with_graceful_shutdown(stopped(stop_rx.clone()))
+                .into_future(),
+        )
+    });
+
+    let signal = shutdown_signal().await;
+    tracing::info!(signal, "shutting down: releasing leases");
+    // Release first: waiters elsewhere take over while this process is still draining.
+    futures_util::future::join_all(locks.iter().map(Lock::shutdown)).await;
+    stop_tx.send_replace(true);
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, api).await;
+    if let Some(probes) = probes {
+        let _ = tokio::time::timeout(DRAIN_TIMEOUT, probes).await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}

@@ -1,0 +1,228 @@
+//! The sidecar's HTTP contract and command line, against a real process.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use leasehold_e2e::{Sidecar, eventually, http, raw_http, sidecar_binary, unique_lock};
+
+fn sqlite_backend(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}/locks.db", dir.path().display())
+}
+
+#[test]
+fn bad_flags_exit_2_with_one_line_naming_the_value() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--lock", "jobs", "--lease-duration", "forever"], "forever"),
+        (&["--lock", "jobs", "--backend", "mongodb://db"], "mongodb://db"),
+        (&["--lock", "jobs", "--backend", "redis://:hunter2@h:x"], "redis://:***@h:x"),
+        (&["--lock", "jobs", "--listen", "0.0.0.0:4040"], "0.0.0.0:4040"),
+        (&["--lock", "jobs", "--renew-interval", "30s"], "30s"),
+        (&["--lock", "no/slashes"], "no/slashes"),
+        (&["--lock", "jobs", "--mode", "sometimes"], "sometimes"),
+        (&["--lock", "jobs", "--bogus"], "--bogus"),
+    ];
+    for (args, needle) in cases {
+        let out = Command::new(sidecar_binary()).args(*args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("hunter2"), "{args:?} leaked a password: {stderr}");
+    }
+    let env = Command::new(sidecar_binary())
+        .env("LEASEHOLD_LOCK", "jobs")
+        .env("LEASEHOLD_LEASE_DURATION", "nope")
+        .output()
+        .unwrap();
+    assert_eq!(env.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&env.stderr).contains("nope"));
+}
+
+#[test]
+fn malformed_http_gets_4xx_and_the_sidecar_keeps_answering() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start("a", &sqlite_backend(&dir), &unique_lock("http"), &[]);
+    eventually(Duration::from_secs(5), "holder", || s.is_holder());
+    let garbage: &[&[u8]] = &[
+        b"GARBAGE\r\n\r\n",
+        b"GET /lock HTTP/9.9\r\n\r\n",
+        b"GET /lock HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+        b"GET /lock HTTP/1.1\r\nBad Header\r\n\r\n",
+        b"\x00\xff\xfe binary\r\n\r\n",
+    ];
+    for request in garbage {
+        let reply = raw_http(s.addr, request).expect("an answer, not a dropped connection");
+        assert!((400..500).contains(&reply.status), "{request:?} -> {reply:?}");
+    }
+    let cases = [
+        ("GET", "/lock?wait=soon", 400),
+        ("GET", "/lock?wait=10m", 400),
+        ("GET", "/lock?wiat=1s", 400),
+        ("GET", "/lock?wait=%zz", 400),
+        ("GET", "/locks/nosuch", 404),
+        ("GET", "/nowhere", 404),
+        ("DELETE", "/lock", 405),
+        ("POST", "/lock/acquire", 400), // campaign mode
+    ];
+    for (method, path, status) in cases {
+        let reply = http(s.addr, method, path).unwrap();
+        assert_eq!(reply.status, status, "{method} {path}: {}", reply.body);
+    }
+    let long = format!("/lock?{}", "x".repeat(100_000));
+    let reply = http(s.addr, "GET", &long).unwrap();
+    assert!((400..500).contains(&reply.status), "{}", reply.status);
+    assert_eq!(s.get("/lock").status, 200, "the sidecar stopped answering");
+}
+
+#[test]
+fn lock_answer_body() {
+    let dir = tempfile::tempdir().unwrap();
+    let lock = unique_lock("body");
+    let a = Sidecar::start("pod-a", &sqlite_backend(&dir), &lock, &[]);
+    eventually(Duration::from_secs(5), "holder", || a.is_holder());
+    let b = Sidecar::start("pod-b", &sqlite_backend(&dir), &lock, &[]);
+    let held = a.get("/lock").json();
+    assert_eq!(held["lock"], lock.as_str());
+    assert_eq!(held["holder"], true);
+    assert_eq!(held["identity"], "pod-a");
+    assert_eq!(held["currentHolder"], "pod-a");
+    assert_eq!(held["backend"], "sqlite");
+    assert!(held["fencingToken"].as_u64().unwrap() >= 1);
+    let valid = held["validForMs"].as_u64().unwrap();
+    assert!(valid > 0 && valid <= 15_000, "{valid}");
+    assert!(held["since"].as_str().unwrap().ends_with('Z'));
+
+    eventually(Duration::from_secs(5), "b sees a", || {
+        b.get("/lock").json()["currentHolder"] == "pod-a"
+    });
+    let other = b.get("/lock");
+    assert_eq!(other.status, 409);
+    let other = other.json();
+    assert_eq!(other["holder"], false);
+    assert!(other.get("fencingToken").is_none());
+    assert_eq!(other["validForMs"], 0);
+
+    assert_eq!(a.get("/healthz").status, 200);
+    assert_eq!(a.get("/readyz").status, 200);
+    let metrics = a.get("/metrics");
+    assert_eq!(metrics.status, 200);
+    for family in [
+        "leasehold_holder{",
+        "leasehold_acquisitions_total{",
+        "leasehold_renew_duration_seconds_bucket{",
+        "leasehold_fencing_token{",
+    ] {
+        assert!(metrics.body.contains(family), "{family} missing:\n{}", metrics.body);
+    }
+    assert!(metrics.body.contains(&format!("leasehold_holder{{lock=\"{lock}\"}} 1")));
+}
+
+#[test]
+fn long_poll_answers_when_the_pod_becomes_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let lock = unique_lock("wait");
+    let a = Sidecar::start("a", &sqlite_backend(&dir), &lock, &["--lease-duration", "2s"]);
+    eventually(Duration::from_secs(5), "a holds", || a.is_holder());
+    let b = Sidecar::start("b", &sqlite_backend(&dir), &lock, &["--lease-duration", "2s"]);
+    // Not holder: the long poll runs to its timeout and answers 409.
+    let start = Instant::now();
+    let r = b.get("/lock?wait=300ms");
+    assert_eq!(r.status, 409);
+    assert!(start.elapsed() >= Duration::from_millis(290));
+
+    let addr = b.addr;
+    let poll = std::thread::spawn(move || {
+        let start = Instant::now();
+        (http(addr, "GET", "/lock?wait=20s").unwrap(), start.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(a.post("/lock/release").status, 200);
+    let (reply, took) = poll.join().unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+#[test]
+fn on_demand_acquire_is_reentrant_and_bounded_by_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let (x, y) = (unique_lock("x"), unique_lock("y"));
+    let s = Sidecar::start(
+        "a",
+        &sqlite_backend(&dir),
+        &format!("{x},{y}"),
+        &["--mode", "on-demand", "--lease-duration", "2s"],
+    );
+    let other = Sidecar::start("b", &sqlite_backend(&dir), &x, &["--mode", "on-demand"]);
+    eventually(Duration::from_secs(5), "ready", || s.get("/readyz").status == 200);
+    // Nobody asked: not holder.
+    assert_eq!(s.get(&format!("/locks/{x}")).status, 409);
+
+    let first = s.post(&format!("/locks/{x}/acquire?wait=2s&hold=30s"));
+    assert_eq!(first.status, 200, "{}", first.body);
+    let token = first.token();
+    assert_eq!(s.post(&format!("/locks/{x}/acquire?hold=30s")).token(), token, "re-entrant");
+    assert_eq!(s.get(&format!("/locks/{y}")).status, 409, "locks are independent");
+    assert_eq!(other.post("/lock/acquire?wait=200ms").status, 409, "b got a held lock");
+
+    // Two acquisitions, two releases.
+    assert_eq!(s.post(&format!("/locks/{x}/release")).status, 200);
+    assert_eq!(s.get(&format!("/locks/{x}")).status, 200, "released after one of two");
+    assert_eq!(s.post(&format!("/locks/{x}/release")).status, 200);
+    assert_eq!(s.get(&format!("/locks/{x}")).status, 409);
+    assert_eq!(s.post(&format!("/locks/{x}/release")).status, 409, "nothing to release");
+
+    // b gets it now, with a greater token; and an app that forgets to release loses it.
+    let b = other.post("/lock/acquire?wait=5s&hold=700ms");
+    assert!(b.token() > token);
+    eventually(Duration::from_secs(5), "the hold lapses", || other.get("/lock").status == 409);
+    assert!(s.post(&format!("/locks/{x}/acquire?wait=5s")).token() > b.token());
+    assert_eq!(s.post(&format!("/locks/{x}/acquire?hold=0s")).status, 400);
+}
+
+#[test]
+fn events_stream_reports_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let lock = unique_lock("events");
+    let s = Sidecar::start("a", &sqlite_backend(&dir), &lock, &["--mode", "on-demand"]);
+    let addr = s.addr;
+    let reader = std::thread::spawn(move || {
+        use std::io::{BufRead, BufReader, Write};
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream
+            .write_all(b"GET /lock/events HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut kinds = Vec::new();
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            if let Some(kind) = line.strip_prefix("event: ") {
+                kinds.push(kind.to_owned());
+                if kinds.len() == 3 {
+                    break;
+                }
+            }
+        }
+        kinds
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.post("/lock/acquire?wait=5s").status, 200);
+    assert_eq!(s.post("/lock/release").status, 200);
+    assert_eq!(reader.join().unwrap(), ["state", "acquired", "released"]);
+}
+
+#[test]
+fn an_unreachable_backend_is_reported_not_fatal() {
+    let port = leasehold_lease::testkit::free_port();
+    let s = Sidecar::start(
+        "a",
+        &format!("redis://127.0.0.1:{port}"),
+        &unique_lock("down"),
+        &[],
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let reply = s.get("/lock");
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(reply.json()["holder"], false);
+    assert_eq!(s.get("/readyz").status, 503);
+    assert_eq!(s.get("/healthz").status, 200);
+}

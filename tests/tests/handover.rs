@@ -1,0 +1,151 @@
+//! Two or more real sidecars on one lock: exactly one holder, takeover after a crash within
+//! leaseDuration + renewInterval, fast hand-over on SIGTERM, and fencing tokens that climb.
+
+use std::time::{Duration, Instant};
+
+use leasehold_e2e::{RedisServer, Sidecar, eventually, sole_holder, unique_lock};
+use nix::sys::signal::Signal;
+
+const LEASE: Duration = Duration::from_secs(2);
+const RENEW: Duration = Duration::from_millis(500);
+/// Headroom for a loaded CI machine; the bounds under test come on top of it.
+const SLACK: Duration = Duration::from_secs(1);
+const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
+
+fn pair(backend: &str, lock: &str) -> (Sidecar, Sidecar) {
+    let a = Sidecar::start("a", backend, lock, TIMING);
+    let b = Sidecar::start("b", backend, lock, TIMING);
+    (a, b)
+}
+
+/// Watch for a while that never both answer 200, and return the holder's index.
+fn settle(sidecars: &[&Sidecar]) -> usize {
+    eventually(LEASE + SLACK, "a holder appears", || sole_holder(sidecars).is_some());
+    let until = Instant::now() + RENEW * 2;
+    while Instant::now() < until {
+        sole_holder(sidecars).expect("the holder disappeared without a fault");
+    }
+    sole_holder(sidecars).expect("holder")
+}
+
+fn crash_takeover(backend: &str) {
+    let lock = unique_lock("crash");
+    let (mut a, mut b) = pair(backend, &lock);
+    let holder = settle(&[&a, &b]);
+    let (dead, alive) = if holder == 0 { (&mut a, &mut b) } else { (&mut b, &mut a) };
+    let before = dead.get("/lock").token();
+    let busy = alive.get("/lock");
+    assert_eq!(busy.status, 409, "{}", busy.body);
+    assert_eq!(busy.json()["currentHolder"], dead.identity.as_str());
+
+    dead.kill9();
+    let took = eventually(LEASE + RENEW + SLACK, "the survivor takes over", || alive.is_holder());
+    let after = alive.get("/lock").token();
+    assert!(after > before, "token {after} after {before}");
+    eprintln!("{backend}: takeover after kill -9 took {took:?} (bound {:?})", LEASE + RENEW);
+}
+
+#[test]
+fn sqlite_crash_takeover_within_the_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    crash_takeover(&format!("sqlite://{}/locks.db", dir.path().display()));
+}
+
+#[test]
+fn redis_crash_takeover_within_the_lease() {
+    let redis = RedisServer::start();
+    crash_takeover(&redis.url());
+}
+
+fn sigterm_handover(backend: &str) -> Duration {
+    let lock = unique_lock("sigterm");
+    let (mut a, mut b) = pair(backend, &lock);
+    let holder = settle(&[&a, &b]);
+    let (leaving, staying) = if holder == 0 { (&mut a, &mut b) } else { (&mut b, &mut a) };
+    let before = leaving.get("/lock").token();
+    let sent = Instant::now();
+    leaving.signal(Signal::SIGTERM);
+    let took = eventually(LEASE + SLACK, "the other takes over after SIGTERM", || {
+        staying.is_holder()
+    });
+    let status = leaving
+        .wait_exit(Duration::from_secs(1))
+        .expect("the sidecar did not exit within a second of SIGTERM");
+    assert!(status.success(), "exit status {status}");
+    assert!(staying.get("/lock").token() > before);
+    eprintln!("{backend}: SIGTERM hand-over took {took:?}, exit after {:?}", sent.elapsed());
+    took
+}
+
+#[test]
+fn redis_sigterm_hands_over_at_once() {
+    let redis = RedisServer::start();
+    let took = sigterm_handover(&redis.url());
+    // Pub/sub wakes the waiter; expiry would take the whole lease.
+    assert!(took < LEASE / 2, "hand-over took {took:?}");
+}
+
+#[test]
+fn sqlite_sigterm_hands_over_before_expiry() {
+    let dir = tempfile::tempdir().unwrap();
+    let took = sigterm_handover(&format!("sqlite://{}/locks.db", dir.path().display()));
+    assert!(took < LEASE, "hand-over took {took:?}");
+}
+
+/// A holder frozen longer than its lease answers "not holder" the moment it resumes. On Redis,
+/// whose server-side expiry does not depend on the frozen client. (On SQLite a process frozen
+/// in the middle of a write keeps the file's write lock: see README, "SQLite".)
+#[test]
+fn paused_sidecar_answers_not_holder_on_resume() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("paused");
+    let (a, b) = pair(&redis.url(), &lock);
+    let holder = settle(&[&a, &b]);
+    let (frozen, other) = if holder == 0 { (&a, &b) } else { (&b, &a) };
+    let before = frozen.get("/lock").token();
+    frozen.signal(Signal::SIGSTOP);
+    eventually(LEASE + RENEW + SLACK, "the other takes over", || other.is_holder());
+    frozen.signal(Signal::SIGCONT);
+    let resumed = frozen.get("/lock");
+    assert_ne!(resumed.status, 200, "a resumed holder still claims: {}", resumed.body);
+    assert_eq!(resumed.json()["holder"], false);
+    assert!(other.get("/lock").token() > before);
+    std::thread::sleep(RENEW * 2);
+    assert_eq!(sole_holder(&[&a, &b]), Some(if holder == 0 { 1 } else { 0 }));
+}
+
+/// Tokens keep increasing across a Redis restart with `appendonly yes`.
+#[test]
+fn redis_restart_keeps_tokens_increasing() {
+    let mut redis = RedisServer::start();
+    let lock = unique_lock("restart");
+    let (mut a, mut b) = pair(&redis.url(), &lock);
+    let holder = settle(&[&a, &b]);
+    let first = [&a, &b][holder].get("/lock").token();
+
+    redis.kill();
+    eventually(LEASE + SLACK, "no one claims while Redis is down", || {
+        sole_holder(&[&a, &b]).is_none()
+    });
+    eventually(LEASE + SLACK, "both answer 503 while Redis is down", || {
+        a.get("/lock").status == 503 && b.get("/lock").status == 503
+    });
+    assert_eq!(a.get("/lock").json()["holder"], false);
+    assert_eq!(a.get("/readyz").status, 503);
+    std::thread::sleep(LEASE);
+    redis.restart();
+
+    eventually(LEASE + RENEW + SLACK * 3, "a holder after the restart", || {
+        sole_holder(&[&a, &b]).is_some()
+    });
+    let holder = sole_holder(&[&a, &b]).expect("holder");
+    let second = [&a, &b][holder].get("/lock").token();
+    assert!(second > first, "token {second} after restart, {first} before");
+    assert_eq!(a.get("/readyz").status, 200);
+
+    // And on past the restart: the next holder's token is higher again.
+    if holder == 0 { a.kill9() } else { b.kill9() }
+    let survivor = if holder == 0 { &b } else { &a };
+    eventually(LEASE + RENEW + SLACK, "takeover after the restart", || survivor.is_holder());
+    assert!(survivor.get("/lock").token() > second);
+}
