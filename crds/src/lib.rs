@@ -1,1 +1,323 @@
 #![forbid(unsafe_code)]
+//! The `DistributedLock` custom resource (group `leasehold.dev`, version `v1alpha1`): a lock and
+//! its backend. Validation lives in the schema as CEL rules, so the API server rejects a bad
+//! lock at `kubectl apply`; `tests/validation.rs` evaluates the same rules offline.
+//!
+//! Secrets are only ever referenced (`*SecretRef`), never inline, so nothing secret is stored in
+//! the resource, its status or its events.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+pub const GROUP: &str = "leasehold.dev";
+pub const VERSION: &str = "v1alpha1";
+pub const DEFAULT_LEASE_DURATION: &str = "15s";
+pub const DEFAULT_RENEW_INTERVAL: &str = "5s";
+pub const DEFAULT_TABLE: &str = "leasehold_locks";
+/// The condition the operator sets on every lock.
+pub const CONDITION_BACKEND_READY: &str = "BackendReady";
+
+/// A Go-style duration, as Kubernetes CEL's `duration()` reads it: `15s`, `500ms`, `1m30s`.
+const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
+
+/// A lock that pods take through the Leasehold sidecar.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "leasehold.dev",
+    version = "v1alpha1",
+    kind = "DistributedLock",
+    plural = "distributedlocks",
+    shortname = "dlock",
+    category = "leasehold",
+    namespaced,
+    status = "DistributedLockStatus",
+    printcolumn(name = "Backend", type_ = "string", json_path = ".status.backend"),
+    printcolumn(name = "Holder", type_ = "string", json_path = ".status.holder"),
+    printcolumn(name = "Token", type_ = "integer", json_path = ".status.fencingToken"),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"BackendReady\")].status"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[x_kube(validation = Rule::new(
+    "duration(self.renewInterval) < duration(self.leaseDuration)"
+).message("renewInterval must be shorter than leaseDuration"))]
+#[serde(rename_all = "camelCase")]
+pub struct DistributedLockSpec {
+    /// Where the lock lives: exactly one backend.
+    pub backend: Backend,
+
+    /// How long a lease lasts without renewal (1s to 24h). A dead holder is replaced within
+    /// leaseDuration + renewInterval.
+    #[serde(default = "default_lease_duration")]
+    #[schemars(length(max = 32), pattern(DURATION_PATTERN))]
+    #[x_kube(validation = Rule::new(
+        "duration(self) >= duration('1s') && duration(self) <= duration('24h')"
+    ).message("leaseDuration must be between 1s and 24h"))]
+    pub lease_duration: String,
+
+    /// How often the holder renews its lease; below leaseDuration.
+    #[serde(default = "default_renew_interval")]
+    #[schemars(length(max = 32), pattern(DURATION_PATTERN))]
+    #[x_kube(validation = Rule::new("duration(self) > duration('0s')")
+        .message("renewInterval must be above zero"))]
+    pub renew_interval: String,
+
+    /// Campaign: every sidecar always tries to hold the lock (leader election). OnDemand: a
+    /// sidecar takes it only when its app asks (POST /lock/acquire).
+    #[serde(default)]
+    pub mode: LockMode,
+
+    /// What happens to backend artifacts (table rows, znodes, Lease) when the lock is deleted.
+    #[serde(default)]
+    pub cleanup_policy: CleanupPolicy,
+}
+
+fn default_lease_duration() -> String {
+    DEFAULT_LEASE_DURATION.to_owned()
+}
+
+fn default_renew_interval() -> String {
+    DEFAULT_RENEW_INTERVAL.to_owned()
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+pub enum LockMode {
+    #[default]
+    Campaign,
+    OnDemand,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+pub enum CleanupPolicy {
+    #[default]
+    Retain,
+    Delete,
+}
+
+/// Exactly one of the fields is set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = Rule::new(
+    "(has(self.redis) ? 1 : 0) + (has(self.postgres) ? 1 : 0) + (has(self.mysql) ? 1 : 0) + \
+     (has(self.sqlite) ? 1 : 0) + (has(self.zookeeper) ? 1 : 0) + (has(self.etcd) ? 1 : 0) + \
+     (has(self.kubernetes) ? 1 : 0) == 1"
+).message("set exactly one backend: redis, postgres, mysql, sqlite, zookeeper, etcd or kubernetes"))]
+#[serde(rename_all = "camelCase")]
+pub struct Backend {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<RedisBackend>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postgres: Option<SqlBackend>,
+    /// MySQL or MariaDB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mysql: Option<SqlBackend>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sqlite: Option<SqliteBackend>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zookeeper: Option<ZooKeeperBackend>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<EtcdBackend>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<KubernetesBackend>,
+}
+
+impl Backend {
+    /// The name of the backend that is set, as shown in `kubectl get dlock`.
+    pub fn kind(&self) -> Option<&'static str> {
+        let set = [
+            (self.redis.is_some(), if self.redis.as_ref().is_some_and(|r| r.endpoints.len() >= 3) { "redlock" } else { "redis" }),
+            (self.postgres.is_some(), "postgres"),
+            (self.mysql.is_some(), "mysql"),
+            (self.sqlite.is_some(), "sqlite"),
+            (self.zookeeper.is_some(), "zookeeper"),
+            (self.etcd.is_some(), "etcd"),
+            (self.kubernetes.is_some(), "kubernetes"),
+        ];
+        let mut chosen = set.iter().filter(|(on, _)| *on).map(|(_, name)| *name);
+        match (chosen.next(), chosen.next()) {
+            (Some(name), None) => Some(name),
+            _ => None,
+        }
+    }
+}
+
+/// A key of a Secret in the lock's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub struct SecretKeyRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key within the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// One Redis master, or three or more independent masters for Redlock.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisBackend {
+    /// `host:port` of each master.
+    #[schemars(length(min = 1, max = 9))]
+    #[x_kube(validation = Rule::new("self.size() == 1 || self.size() >= 3")
+        .message("give one endpoint for a single Redis, or three or more independent masters for Redlock"))]
+    pub endpoints: Vec<String>,
+    /// The logical database.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 15))]
+    pub database: Option<u16>,
+    /// Prefix of every key and channel (default `leasehold`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$')")
+        .message("keyPrefix: letters, digits, '.', '_' and '-'"))]
+    pub key_prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<bool>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+pub enum SqlLockMode {
+    /// A lock table with expiry by the database's clock; survives connection loss.
+    #[default]
+    Lease,
+    /// `SELECT ... FOR UPDATE` on a seeded row held in an open transaction.
+    RowLock,
+}
+
+/// PostgreSQL, or MySQL/MariaDB.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SqlBackend {
+    #[schemars(length(min = 1, max = 253))]
+    pub host: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<u16>,
+    #[schemars(length(min = 1, max = 63))]
+    pub database: String,
+    /// The lock table (default `leasehold_locks`): a plain identifier, never spliced unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z_][A-Za-z0-9_]*$')")
+        .message("table must be a plain SQL identifier: letters, digits and '_', not starting with a digit"))]
+    pub table: Option<String>,
+    /// PostgreSQL schema of the table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z_][A-Za-z0-9_]*$')")
+        .message("schema must be a plain SQL identifier"))]
+    pub schema: Option<String>,
+    #[serde(default)]
+    pub lock_mode: SqlLockMode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
+}
+
+/// A SQLite file: one node only (a hostPath or a ReadWriteOnce volume shared by one pod's
+/// containers). For anything spread over nodes, pick another backend.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SqliteBackend {
+    #[schemars(length(min = 2, max = 4096))]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("path must be absolute"))]
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z_][A-Za-z0-9_]*$')")
+        .message("table must be a plain SQL identifier"))]
+    pub table: Option<String>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ZooKeeperBackend {
+    /// `host:port` of each server of the ensemble.
+    #[schemars(length(min = 1, max = 15))]
+    pub servers: Vec<String>,
+    /// Parent path of the lock nodes, e.g. `/leasehold/locks`.
+    #[schemars(length(min = 2, max = 1024))]
+    #[x_kube(validation = Rule::new(
+        "self.matches('^(/[A-Za-z0-9._-]+)+$') && !self.split('/').exists(s, s == '.' || s == '..' || s == 'zookeeper')"
+    ).message("path must be absolute, made of segments of letters, digits, '.', '_' and '-', without '.', '..' or 'zookeeper' segments"))]
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32), pattern(DURATION_PATTERN))]
+    pub session_timeout: Option<String>,
+    /// Digest credentials (`user:password`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_secret_ref: Option<SecretKeyRef>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdBackend {
+    /// `host:port` of each member.
+    #[schemars(length(min = 1, max = 15))]
+    pub endpoints: Vec<String>,
+    /// Key prefix of the lock keys (default `/leasehold/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
+    /// A Secret with `ca.crt`, `tls.crt` and `tls.key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub tls_secret_name: Option<String>,
+}
+
+/// A `coordination.k8s.io/v1` Lease in the lock's namespace; needs no infrastructure.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KubernetesBackend {
+    /// The Lease's name (default: the lock's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    #[x_kube(validation = Rule::new(
+        "self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')"
+    ).message("leaseName must be a DNS subdomain name"))]
+    pub lease_name: Option<String>,
+}
+
+/// What the operator last saw.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DistributedLockStatus {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The backend in use (redis, redlock, postgres, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The identity of the current holder, as the backend reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// The current holder's fencing token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fencing_token: Option<i64>,
+    /// How many times the holder has changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transitions: Option<i64>,
+}
+
+/// The CRD as YAML, exactly as `crdgen` writes it and `crds/distributedlock.yaml` holds it.
+pub fn crd_yaml() -> String {
+    let crd = DistributedLock::crd();
+    let yaml = serde_yaml::to_string(&crd).expect("the CRD serializes");
+    format!(
+        "# Generated by `cargo run -p leasehold-crds --bin crdgen > crds/distributedlock.yaml`.\n\
+         # Do not edit: change crds/src/lib.rs and regenerate.\n{yaml}"
+    )
+}

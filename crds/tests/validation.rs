@@ -1,0 +1,228 @@
+//! The CRD: committed YAML matches the code, and its CEL rules, evaluated offline with the
+//! same rule text the API server runs, accept good locks and reject bad ones with a clear message.
+
+use leasehold_crds::{Backend, DistributedLock, RedisBackend, crd_yaml};
+use serde_json::{Value, json};
+
+const COMMITTED: &str = include_str!("../distributedlock.yaml");
+
+fn schema() -> Value {
+    let crd: Value = serde_yaml::from_str(COMMITTED).expect("committed CRD parses");
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
+}
+
+fn lock(spec: Value) -> Value {
+    json!({
+        "apiVersion": "leasehold.dev/v1alpha1",
+        "kind": "DistributedLock",
+        "metadata": { "name": "jobs", "namespace": "default" },
+        "spec": spec,
+    })
+}
+
+/// The messages of the rules that reject `spec` (empty: accepted).
+fn violations(spec: Value) -> Vec<String> {
+    match kube_cel::Validator::new().validate(&schema(), &lock(spec), None) {
+        Ok(()) => Vec::new(),
+        Err(errors) => errors.into_vec().into_iter().map(|e| e.to_string()).collect(),
+    }
+}
+
+fn redis() -> Value {
+    json!({ "redis": { "endpoints": ["redis:6379"] } })
+}
+
+#[test]
+fn committed_crd_is_up_to_date() {
+    assert!(
+        COMMITTED == crd_yaml(),
+        "crds/distributedlock.yaml is stale: run `cargo run -p leasehold-crds --bin crdgen > crds/distributedlock.yaml`"
+    );
+}
+
+#[test]
+fn good_locks_pass() {
+    let good = [
+        json!({ "backend": redis() }),
+        json!({ "backend": { "redis": { "endpoints": ["a:6379", "b:6379", "c:6379"],
+            "passwordSecretRef": { "name": "redis", "key": "password" } } } }),
+        json!({ "backend": { "postgres": { "host": "db", "database": "app", "table": "locks",
+            "schema": "public", "lockMode": "RowLock" } }, "mode": "OnDemand" }),
+        json!({ "backend": { "mysql": { "host": "db", "database": "app" } } }),
+        json!({ "backend": { "sqlite": { "path": "/var/lib/leasehold/locks.db" } } }),
+        json!({ "backend": { "zookeeper": { "servers": ["zk:2181"], "path": "/leasehold/locks" } } }),
+        json!({ "backend": { "etcd": { "endpoints": ["etcd:2379"] } } }),
+        json!({ "backend": { "kubernetes": { "leaseName": "jobs.lock" } } }),
+        json!({ "backend": { "kubernetes": {} }, "leaseDuration": "1m30s", "renewInterval": "20s" }),
+        json!({ "backend": redis(), "leaseDuration": "1s", "renewInterval": "500ms" }),
+    ];
+    for spec in good {
+        assert_eq!(violations(spec.clone()), Vec::<String>::new(), "{spec}");
+    }
+}
+
+#[test]
+fn bad_locks_are_rejected_with_a_reason() {
+    let bad = [
+        (json!({ "backend": {} }), "set exactly one backend"),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["r:1"] }, "kubernetes": {} } }),
+            "set exactly one backend",
+        ),
+        (
+            json!({ "backend": redis(), "leaseDuration": "10s", "renewInterval": "10s" }),
+            "renewInterval must be shorter than leaseDuration",
+        ),
+        (
+            json!({ "backend": redis(), "renewInterval": "20s" }),
+            "renewInterval must be shorter than leaseDuration",
+        ),
+        (
+            json!({ "backend": redis(), "leaseDuration": "500ms", "renewInterval": "100ms" }),
+            "leaseDuration must be between 1s and 24h",
+        ),
+        (
+            json!({ "backend": redis(), "leaseDuration": "48h" }),
+            "leaseDuration must be between 1s and 24h",
+        ),
+        (
+            json!({ "backend": redis(), "renewInterval": "0s" }),
+            "renewInterval must be above zero",
+        ),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["a:1", "b:1"] } } }),
+            "three or more independent masters",
+        ),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["a:1"], "keyPrefix": "a:b" } } }),
+            "keyPrefix",
+        ),
+        (
+            json!({ "backend": { "postgres": { "host": "db", "database": "app",
+                "table": "locks; DROP TABLE users" } } }),
+            "table must be a plain SQL identifier",
+        ),
+        (
+            json!({ "backend": { "mysql": { "host": "db", "database": "app", "table": "1locks" } } }),
+            "table must be a plain SQL identifier",
+        ),
+        (
+            json!({ "backend": { "postgres": { "host": "db", "database": "app", "schema": "a.b" } } }),
+            "schema must be a plain SQL identifier",
+        ),
+        (
+            json!({ "backend": { "sqlite": { "path": "relative.db" } } }),
+            "path must be absolute",
+        ),
+        (
+            json!({ "backend": { "zookeeper": { "servers": ["zk:2181"], "path": "/a/../b" } } }),
+            "path must be absolute",
+        ),
+        (
+            json!({ "backend": { "zookeeper": { "servers": ["zk:2181"], "path": "/zookeeper/x" } } }),
+            "path must be absolute",
+        ),
+        (
+            json!({ "backend": { "zookeeper": { "servers": ["zk:2181"], "path": "locks" } } }),
+            "path must be absolute",
+        ),
+        (
+            json!({ "backend": { "kubernetes": { "leaseName": "Not_A_Name" } } }),
+            "leaseName must be a DNS subdomain name",
+        ),
+    ];
+    for (spec, reason) in bad {
+        let found = violations(spec.clone());
+        assert!(
+            found.iter().any(|m| m.contains(reason)),
+            "{spec} should be rejected with {reason:?}, got {found:?}"
+        );
+    }
+}
+
+#[test]
+fn defaults_are_those_of_the_design() {
+    let parsed: DistributedLock =
+        serde_json::from_value(lock(json!({ "backend": redis() }))).unwrap();
+    assert_eq!(parsed.spec.lease_duration, "15s");
+    assert_eq!(parsed.spec.renew_interval, "5s");
+    assert_eq!(parsed.spec.mode, leasehold_crds::LockMode::Campaign);
+    assert_eq!(parsed.spec.cleanup_policy, leasehold_crds::CleanupPolicy::Retain);
+    let spec = &schema()["properties"]["spec"]["properties"];
+    assert_eq!(spec["leaseDuration"]["default"], "15s");
+    assert_eq!(spec["renewInterval"]["default"], "5s");
+}
+
+/// Credentials appear only as references to Secrets, never as values in the resource.
+#[test]
+fn secrets_are_referenced_never_inline() {
+    fn walk(path: &str, schema: &Value, found: &mut Vec<String>) {
+        if let Some(props) = schema["properties"].as_object() {
+            for (name, sub) in props {
+                let lower = name.to_lowercase();
+                let sensitive = ["password", "username", "secret", "credential", "auth", "key"]
+                    .iter()
+                    .any(|w| lower.contains(w));
+                let is_ref = name.ends_with("SecretRef")
+                    && sub["properties"]["name"].is_object()
+                    && sub["properties"]["key"].is_object();
+                let is_name = name.ends_with("SecretName") && sub["type"] == "string";
+                let allowed = ["keyPrefix", "key"];
+                if sensitive && !is_ref && !is_name && !allowed.contains(&name.as_str()) {
+                    found.push(format!("{path}.{name}"));
+                }
+                walk(&format!("{path}.{name}"), sub, found);
+            }
+        }
+        if schema["items"].is_object() {
+            walk(&format!("{path}[]"), &schema["items"], found);
+        }
+    }
+    let mut found = Vec::new();
+    walk("", &schema(), &mut found);
+    assert!(found.is_empty(), "inline secret-like fields: {found:?}");
+}
+
+#[test]
+fn printer_columns_for_kubectl_get() {
+    let crd: Value = serde_yaml::from_str(COMMITTED).unwrap();
+    let names: Vec<&str> = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    for column in ["Backend", "Holder", "Token", "Age"] {
+        assert!(names.contains(&column), "{column} missing from {names:?}");
+    }
+    assert_eq!(crd["spec"]["names"]["shortNames"][0], "dlock");
+    assert_eq!(crd["spec"]["scope"], "Namespaced");
+    assert_eq!(crd["spec"]["group"], "leasehold.dev");
+    assert_eq!(crd["spec"]["versions"][0]["subresources"]["status"], json!({}));
+}
+
+#[test]
+fn backend_kind() {
+    let single = Backend {
+        redis: Some(RedisBackend {
+            endpoints: vec!["r:1".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    assert_eq!(single.kind(), Some("redis"));
+    let redlock = Backend {
+        redis: Some(RedisBackend {
+            endpoints: vec!["a:1".into(), "b:1".into(), "c:1".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    assert_eq!(redlock.kind(), Some("redlock"));
+    assert_eq!(Backend::default().kind(), None);
+    let two = Backend {
+        kubernetes: Some(Default::default()),
+        ..single
+    };
+    assert_eq!(two.kind(), None);
+}
