@@ -1,1 +1,436 @@
-fn main() {}
+#![forbid(unsafe_code)]
+//! The benchmark command (`scripts/bench`). Every figure is printed beside a baseline measured in
+//! the same run on the same machine:
+//!
+//! 1. `GET /lock` through the sidecar against a bare axum handler returning a constant;
+//! 2. acquire+release cycles per driver against the raw protocol on one connection;
+//! 3. graceful hand-over latency (holder releases -> waiter holds), per driver;
+//! 4. the sidecar's idle resident memory.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold_lease::testkit::{RedisServer, SqliteHarness, free_port};
+use leasehold_lease::{Acquire, Answer, Driver, Lock, LockConfig, Mode};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+/// Concurrent keep-alive connections of the HTTP load generator.
+const HTTP_CONNECTIONS: usize = 8;
+const HTTP_DURATION: Duration = Duration::from_secs(3);
+const HTTP_ROUNDS: usize = 3;
+const CYCLES: usize = 2000;
+const ROUNDS: usize = 3;
+const HANDOVERS: usize = 20;
+const LEASE: Duration = Duration::from_secs(15);
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, mode, port] = args.as_slice()
+        && mode == "--bare-axum"
+    {
+        bare_axum(port.parse().expect("port"));
+        return;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(run());
+}
+
+/// The baseline server: axum with the sidecar's runtime shape, answering a constant.
+fn bare_axum(port: u16) {
+    const BODY: &str = r#"{"lock":"bench","holder":true,"identity":"bench","currentHolder":"bench","fencingToken":1,"validForMs":14000,"backend":"sqlite","mode":"campaign","since":"2026-01-01T00:00:00.000Z"}"#;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        let app = axum::Router::new().route(
+            "/lock",
+            axum::routing::get(|| async {
+                (
+                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                    BODY,
+                )
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("bind");
+        axum::serve(listener, app).await.expect("serve");
+    });
+}
+
+fn sibling_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let path = exe.with_file_name(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/bench",
+        path.display()
+    );
+    path
+}
+
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+async fn wait_until_serving(addr: SocketAddr, path: &str, want: u16) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(mut conn) = TcpStream::connect(addr).await {
+            let mut reader = BufReader::new(&mut conn);
+            if get(&mut reader, path)
+                .await
+                .is_ok_and(|status| status == want)
+            {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr}{path} never answered {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One keep-alive request; returns the status. Minimal on purpose: the client's own cost is
+/// the same for both servers.
+async fn get(conn: &mut BufReader<&mut TcpStream>, path: &str) -> std::io::Result<u16> {
+    conn.get_mut()
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut line = String::new();
+    conn.read_line(&mut line).await?;
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other("bad status line"))?;
+    let mut length = 0usize;
+    loop {
+        line.clear();
+        conn.read_line(&mut line).await?;
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = line.split_once(':')
+            && name.eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0; length];
+    conn.read_exact(&mut body).await?;
+    Ok(status)
+}
+
+async fn requests_per_second(addr: SocketAddr, path: &'static str, expect: u16) -> f64 {
+    let deadline = Instant::now() + HTTP_DURATION;
+    let mut tasks = Vec::new();
+    for _ in 0..HTTP_CONNECTIONS {
+        tasks.push(tokio::spawn(async move {
+            let mut conn = TcpStream::connect(addr).await.expect("connect");
+            conn.set_nodelay(true).ok();
+            let mut reader = BufReader::new(&mut conn);
+            let mut done = 0u64;
+            while Instant::now() < deadline {
+                let status = get(&mut reader, path).await.expect("request");
+                assert_eq!(status, expect, "unexpected status from {path}");
+                done += 1;
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.expect("load task");
+    }
+    total as f64 / HTTP_DURATION.as_secs_f64()
+}
+
+async fn http_section() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (sidecar_port, bare_port) = (free_port(), free_port());
+    let sidecar = Process(
+        Command::new(sibling_binary("leasehold-sidecar"))
+            .args(["--lock", "bench", "--identity", "bench"])
+            .arg("--backend")
+            .arg(format!("sqlite://{}/bench.db", dir.path().display()))
+            .args(["--listen", &format!("127.0.0.1:{sidecar_port}")])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start sidecar"),
+    );
+    let _bare = Process(
+        Command::new(std::env::current_exe().expect("exe"))
+            .args(["--bare-axum", &bare_port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start bare axum"),
+    );
+    let sidecar_addr = SocketAddr::from(([127, 0, 0, 1], sidecar_port));
+    let bare_addr = SocketAddr::from(([127, 0, 0, 1], bare_port));
+    wait_until_serving(sidecar_addr, "/lock", 200).await;
+    wait_until_serving(bare_addr, "/lock", 200).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let idle_rss = rss_kib(sidecar.0.id());
+
+    let (mut ours, mut base) = (Vec::new(), Vec::new());
+    for _ in 0..HTTP_ROUNDS {
+        base.push(requests_per_second(bare_addr, "/lock", 200).await);
+        ours.push(requests_per_second(sidecar_addr, "/lock", 200).await);
+    }
+    let loaded_rss = rss_kib(sidecar.0.id());
+    let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
+    let (ours, base) = (best(&ours), best(&base));
+    println!(
+        "## GET /lock ({HTTP_CONNECTIONS} keep-alive connections, best of {HTTP_ROUNDS} x {HTTP_DURATION:?})"
+    );
+    println!("  bare axum constant handler : {base:>10.0} req/s");
+    println!("  leasehold-sidecar /lock    : {ours:>10.0} req/s");
+    println!(
+        "  ratio                      : {:>10.1} %",
+        100.0 * ours / base
+    );
+    println!("## sidecar memory");
+    println!(
+        "  idle RSS                   : {:>10.1} MiB",
+        idle_rss as f64 / 1024.0
+    );
+    println!(
+        "  RSS after the load         : {:>10.1} MiB",
+        loaded_rss as f64 / 1024.0
+    );
+}
+
+async fn driver_cycles(driver: &dyn Driver) -> f64 {
+    let start = Instant::now();
+    for i in 0..CYCLES {
+        let lease = match driver
+            .try_acquire("cycles", "bench", LEASE)
+            .await
+            .expect("acquire")
+        {
+            Acquire::Acquired(lease) => lease,
+            Acquire::Busy(h) => panic!("cycle {i}: busy {h:?}"),
+        };
+        assert!(driver.release(&lease).await.expect("release"));
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn redis_raw_cycles(url: &str) -> f64 {
+    let client = redis::Client::open(url).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let release = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    );
+    let start = Instant::now();
+    for i in 0..CYCLES {
+        let set: Option<String> = redis::cmd("SET")
+            .arg("raw")
+            .arg("bench")
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64)
+            .query_async(&mut conn)
+            .await
+            .expect("SET");
+        assert!(set.is_some(), "cycle {i}: SET NX failed");
+        let deleted: i64 = release
+            .key("raw")
+            .arg("bench")
+            .invoke_async(&mut conn)
+            .await
+            .expect("EVAL");
+        assert_eq!(deleted, 1);
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn sqlite_raw_cycles(path: &std::path::Path) -> f64 {
+    use sqlx::Connection;
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .synchronous(sqlx::sqlite::SqliteSynchronous::Full);
+    let mut conn = sqlx::SqliteConnection::connect_with(&options)
+        .await
+        .expect("connect");
+    sqlx::query("CREATE TABLE IF NOT EXISTS raw_locks (name TEXT PRIMARY KEY, holder TEXT, expires_at_ms INTEGER)")
+        .execute(&mut conn)
+        .await
+        .expect("create");
+    let start = Instant::now();
+    for _ in 0..CYCLES {
+        sqlx::query(
+            "INSERT INTO raw_locks (name, holder, expires_at_ms) VALUES ('raw', 'bench', 0)",
+        )
+        .execute(&mut conn)
+        .await
+        .expect("insert");
+        sqlx::query("DELETE FROM raw_locks WHERE name = 'raw' AND holder = 'bench'")
+            .execute(&mut conn)
+            .await
+            .expect("delete");
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Two on-demand holders, each on its own connection, hand the lock back and forth; the time
+/// from the holder's release call to the waiter holding.
+async fn handover_latencies(a: Arc<dyn Driver>, b: Arc<dyn Driver>) -> Vec<Duration> {
+    let config = |id: &str| LockConfig {
+        mode: Mode::OnDemand,
+        ..LockConfig::new("handover", id, LEASE)
+    };
+    let locks = [
+        Lock::start(a, config("a"), Arc::new(())).expect("lock a"),
+        Lock::start(b, config("b"), Arc::new(())).expect("lock b"),
+    ];
+    let hold = Duration::from_secs(300);
+    assert!(
+        locks[0]
+            .acquire(Duration::from_secs(30), hold)
+            .await
+            .unwrap()
+            .is_holder()
+    );
+    let mut latencies = Vec::new();
+    for round in 0..HANDOVERS {
+        let (holder, waiter) = (&locks[round % 2], locks[(round + 1) % 2].clone());
+        let waiting = tokio::spawn(async move {
+            let answer = waiter.acquire(Duration::from_secs(60), hold).await.unwrap();
+            (answer, Instant::now())
+        });
+        // Let the waiter's attempt fail and settle into waiting, then release at a random
+        // point of its polling cycle, as a real release would.
+        let settle: u64 = rand::Rng::random_range(&mut rand::rng(), 100..1100);
+        tokio::time::sleep(Duration::from_millis(settle)).await;
+        let released = Instant::now();
+        assert!(holder.release().await.unwrap());
+        let (answer, held) = waiting.await.unwrap();
+        assert!(
+            matches!(answer, Answer::Holder { .. }),
+            "round {round}: {answer:?}"
+        );
+        latencies.push(held - released);
+    }
+    for lock in &locks {
+        lock.shutdown().await;
+    }
+    latencies.sort();
+    latencies
+}
+
+fn describe(latencies: &[Duration]) -> String {
+    let pick = |q: f64| latencies[((latencies.len() - 1) as f64 * q).round() as usize];
+    format!(
+        "median {:>8.2} ms   p90 {:>8.2} ms   max {:>8.2} ms",
+        pick(0.5).as_secs_f64() * 1e3,
+        pick(0.9).as_secs_f64() * 1e3,
+        pick(1.0).as_secs_f64() * 1e3
+    )
+}
+
+async fn driver_section() {
+    println!(
+        "## acquire+release cycles ({CYCLES} sequential cycles on one client, best of {ROUNDS}, alternating)"
+    );
+    let redis = RedisServer::start_with(false);
+    let url = url::Url::parse(&redis.url()).expect("url");
+    let driver = leasehold_lease::redis::RedisDriver::connect(&url, "leasehold").expect("driver");
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(redis_raw_cycles(&redis.url()).await);
+        ours = ours.max(driver_cycles(&driver).await);
+    }
+    println!("  redis  raw SET NX PX + EVAL del : {raw:>9.0} cycles/s");
+    println!(
+        "  redis  RedisDriver              : {ours:>9.0} cycles/s  ({:.0} %)",
+        100.0 * ours / raw
+    );
+
+    let sqlite = SqliteHarness::new();
+    let driver = leasehold_lease::sqlite::SqliteDriver::open(&sqlite.path(), "leasehold_locks")
+        .await
+        .expect("sqlite");
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(sqlite_raw_cycles(&sqlite.dir_path().join("raw.db")).await);
+        ours = ours.max(driver_cycles(&driver).await);
+    }
+    println!("  sqlite raw INSERT + DELETE      : {raw:>9.0} cycles/s");
+    println!(
+        "  sqlite SqliteDriver             : {ours:>9.0} cycles/s  ({:.0} %)",
+        100.0 * ours / raw
+    );
+
+    println!(
+        "## graceful hand-over, release -> waiter holds ({HANDOVERS} rounds, lease {LEASE:?})"
+    );
+    let durable = RedisServer::start();
+    let url = url::Url::parse(&durable.url()).expect("url");
+    let connect = || -> Arc<dyn Driver> {
+        Arc::new(leasehold_lease::redis::RedisDriver::connect(&url, "leasehold").expect("driver"))
+    };
+    let redis_latency = handover_latencies(connect(), connect()).await;
+    println!(
+        "  redis  (pub/sub wake-up)        : {}",
+        describe(&redis_latency)
+    );
+    let open = || async {
+        Arc::new(
+            leasehold_lease::sqlite::SqliteDriver::open(&sqlite.path(), "leasehold_locks")
+                .await
+                .expect("sqlite"),
+        ) as Arc<dyn Driver>
+    };
+    let sqlite_latency = handover_latencies(open().await, open().await).await;
+    println!(
+        "  sqlite (poll, two connections)  : {}",
+        describe(&sqlite_latency)
+    );
+}
+
+async fn run() {
+    println!(
+        "leasehold benchmark on {} cores",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    http_section().await;
+    driver_section().await;
+}

@@ -1,4 +1,7 @@
 #![forbid(unsafe_code)]
+// kube's `printcolumn(...)` is repeated once per column, with the same argument names;
+// clippy reads that as duplicated attributes.
+#![allow(clippy::duplicated_attributes)]
 //! The `DistributedLock` custom resource (group `leasehold.dev`, version `v1alpha1`): a lock and
 //! its backend. Validation lives in the schema as CEL rules, so the API server rejects a bad
 //! lock at `kubectl apply`; `tests/validation.rs` evaluates the same rules offline.
@@ -40,7 +43,11 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"BackendReady\")].status"
     ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[x_kube(validation = Rule::new(
     "duration(self.renewInterval) < duration(self.leaseDuration)"
@@ -84,14 +91,18 @@ fn default_renew_interval() -> String {
     DEFAULT_RENEW_INTERVAL.to_owned()
 }
 
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum LockMode {
     #[default]
     Campaign,
     OnDemand,
 }
 
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum CleanupPolicy {
     #[default]
     Retain,
@@ -128,7 +139,14 @@ impl Backend {
     /// The name of the backend that is set, as shown in `kubectl get dlock`.
     pub fn kind(&self) -> Option<&'static str> {
         let set = [
-            (self.redis.is_some(), if self.redis.as_ref().is_some_and(|r| r.endpoints.len() >= 3) { "redlock" } else { "redis" }),
+            (
+                self.redis.is_some(),
+                if self.redis.as_ref().is_some_and(|r| r.endpoints.len() >= 3) {
+                    "redlock"
+                } else {
+                    "redis"
+                },
+            ),
             (self.postgres.is_some(), "postgres"),
             (self.mysql.is_some(), "mysql"),
             (self.sqlite.is_some(), "sqlite"),
@@ -182,7 +200,9 @@ pub struct RedisBackend {
     pub tls: Option<bool>,
 }
 
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum SqlLockMode {
     /// A lock table with expiry by the database's clock; survives connection loss.
     #[default]

@@ -24,7 +24,11 @@ fn lock(spec: Value) -> Value {
 fn violations(spec: Value) -> Vec<String> {
     match kube_cel::Validator::new().validate(&schema(), &lock(spec), None) {
         Ok(()) => Vec::new(),
-        Err(errors) => errors.into_vec().into_iter().map(|e| e.to_string()).collect(),
+        Err(errors) => errors
+            .into_vec()
+            .into_iter()
+            .map(|e| e.to_string())
+            .collect(),
     }
 }
 
@@ -147,7 +151,10 @@ fn defaults_are_those_of_the_design() {
     assert_eq!(parsed.spec.lease_duration, "15s");
     assert_eq!(parsed.spec.renew_interval, "5s");
     assert_eq!(parsed.spec.mode, leasehold_crds::LockMode::Campaign);
-    assert_eq!(parsed.spec.cleanup_policy, leasehold_crds::CleanupPolicy::Retain);
+    assert_eq!(
+        parsed.spec.cleanup_policy,
+        leasehold_crds::CleanupPolicy::Retain
+    );
     let spec = &schema()["properties"]["spec"]["properties"];
     assert_eq!(spec["leaseDuration"]["default"], "15s");
     assert_eq!(spec["renewInterval"]["default"], "5s");
@@ -160,9 +167,16 @@ fn secrets_are_referenced_never_inline() {
         if let Some(props) = schema["properties"].as_object() {
             for (name, sub) in props {
                 let lower = name.to_lowercase();
-                let sensitive = ["password", "username", "secret", "credential", "auth", "key"]
-                    .iter()
-                    .any(|w| lower.contains(w));
+                let sensitive = [
+                    "password",
+                    "username",
+                    "secret",
+                    "credential",
+                    "auth",
+                    "key",
+                ]
+                .iter()
+                .any(|w| lower.contains(w));
                 let is_ref = name.ends_with("SecretRef")
                     && sub["properties"]["name"].is_object()
                     && sub["properties"]["key"].is_object();
@@ -198,7 +212,10 @@ fn printer_columns_for_kubectl_get() {
     assert_eq!(crd["spec"]["names"]["shortNames"][0], "dlock");
     assert_eq!(crd["spec"]["scope"], "Namespaced");
     assert_eq!(crd["spec"]["group"], "leasehold.dev");
-    assert_eq!(crd["spec"]["versions"][0]["subresources"]["status"], json!({}));
+    assert_eq!(
+        crd["spec"]["versions"][0]["subresources"]["status"],
+        json!({})
+    );
 }
 
 #[test]

@@ -44,7 +44,8 @@ impl BackendUrl {
         };
         let Some((scheme, rest)) = raw.split_once("://") else {
             return Err(invalid(
-                "expected SCHEME://..., e.g. sqlite://./leasehold.db or redis://127.0.0.1:6379".into(),
+                "expected SCHEME://..., e.g. sqlite://./leasehold.db or redis://127.0.0.1:6379"
+                    .into(),
             ));
         };
         match scheme {
@@ -224,7 +225,12 @@ mod tests {
         let err = BackendUrl::parse("postgres://u:pw@db/x").unwrap_err();
         assert!(!err.to_string().contains("pw@"), "{err}");
         assert!(err.to_string().contains("not built"), "{err}");
-        assert!(BackendUrl::parse("nosuch://x").unwrap_err().to_string().contains("unknown scheme"));
+        assert!(
+            BackendUrl::parse("nosuch://x")
+                .unwrap_err()
+                .to_string()
+                .contains("unknown scheme")
+        );
         assert!(BackendUrl::parse("leasehold.db").is_err());
     }
 

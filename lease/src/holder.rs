@@ -100,7 +100,9 @@ impl LockConfig {
             return Err(bad("the identity must be 1-253 characters".into()));
         }
         if self.identity.chars().any(char::is_control) {
-            return Err(bad("the identity must not contain control characters".into()));
+            return Err(bad(
+                "the identity must not contain control characters".into()
+            ));
         }
         if !(MIN_LEASE_DURATION..=MAX_LEASE_DURATION).contains(&self.lease_duration) {
             return Err(bad(format!(
@@ -122,7 +124,10 @@ impl LockConfig {
 /// The answer to "am I the holder?".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Answer {
-    Holder { token: u64, valid_for: Duration },
+    Holder {
+        token: u64,
+        valid_for: Duration,
+    },
     NotHolder,
     /// The backend cannot be reached (or has not been yet): this process does not claim the lock
     /// and cannot tell who does.
@@ -393,13 +398,15 @@ impl Lock {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(mut task) = task {
-            if timeout(SHUTDOWN_RELEASE_TIMEOUT + Duration::from_millis(200), &mut task)
-                .await
-                .is_err()
-            {
-                task.abort();
-            }
+        if let Some(mut task) = task
+            && timeout(
+                SHUTDOWN_RELEASE_TIMEOUT + Duration::from_millis(200),
+                &mut task,
+            )
+            .await
+            .is_err()
+        {
+            task.abort();
         }
     }
 }
@@ -494,10 +501,12 @@ impl Engine {
 
     /// Drop a lease whose self-fence deadline has passed.
     fn fence(&mut self) {
-        if let Some(held) = &self.held {
-            if Instant::now() >= held.valid_until {
-                self.lose("the lease ran out before it could be renewed");
-            }
+        if self
+            .held
+            .as_ref()
+            .is_some_and(|held| Instant::now() >= held.valid_until)
+        {
+            self.lose("the lease ran out before it could be renewed");
         }
     }
 
@@ -667,7 +676,12 @@ impl Engine {
         self.retry_at = None;
         if !self.waiters.is_empty() {
             let now = Instant::now();
-            let hold = self.waiters.iter().map(|w| w.hold).max().unwrap_or(DEFAULT_HOLD);
+            let hold = self
+                .waiters
+                .iter()
+                .map(|w| w.hold)
+                .max()
+                .unwrap_or(DEFAULT_HOLD);
             self.holds += self.waiters.len() as u32;
             self.hold_deadline = Some(now + hold);
         }
@@ -702,10 +716,14 @@ impl Engine {
         match command {
             Command::Acquire { wait, hold, reply } => {
                 let answer = self.state.borrow().answer();
-                if self.held.is_some() && answer.is_holder() {
-                    self.holds += 1;
-                    self.hold_deadline = Some(Instant::now() + hold);
-                    self.publish_lease();
+                if self.held.is_some() {
+                    // Already ours: count it (re-entrant). While the backend cannot confirm the
+                    // lease, answer "unknown" at once and count nothing.
+                    if answer.is_holder() {
+                        self.holds += 1;
+                        self.hold_deadline = Some(Instant::now() + hold);
+                        self.publish_lease();
+                    }
                     let _ = reply.send(answer);
                 } else {
                     self.waiters.push(Waiter {
@@ -783,8 +801,8 @@ impl Engine {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());
                 if let Some(held) = &mut self.held {
                     held.last_sent = sent;
-                    held.valid_until =
-                        sent + self.config.lease_duration - safety_margin(self.config.lease_duration);
+                    held.valid_until = sent + self.config.lease_duration
+                        - safety_margin(self.config.lease_duration);
                 }
                 self.retry_at = None;
                 self.publish_lease();
@@ -799,7 +817,7 @@ impl Engine {
     async fn campaign_step(&mut self) -> Flow {
         if let Some(until) = self.cooldown_until {
             if Instant::now() < until {
-                        tokio::select! {
+                tokio::select! {
                     biased;
                     _ = stopped(self.shutdown.clone()) => return Flow::Stop,
                     command = self.commands.recv() => return self.command(command).await,
@@ -882,7 +900,7 @@ impl Engine {
         let pause = jitter(self.config.renew_interval);
         tokio::select! {
             biased;
-            _ = stopped(self.shutdown.clone()) => return Flow::Stop,
+            _ = stopped(self.shutdown.clone()) => Flow::Stop,
             command = self.commands.recv() => self.command(command).await,
             _ = sleep(pause) => Flow::Continue,
         }

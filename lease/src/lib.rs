@@ -33,7 +33,9 @@ pub use holder::{
 /// server shows up in readiness and answers, not as a start-up failure.
 pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
     Ok(match url {
-        BackendUrl::Sqlite { path, table } => Arc::new(sqlite::SqliteDriver::open(path, table).await?),
+        BackendUrl::Sqlite { path, table } => {
+            Arc::new(sqlite::SqliteDriver::open(path, table).await?)
+        }
         BackendUrl::Redis { url, prefix } => Arc::new(redis::RedisDriver::connect(url, prefix)?),
     })
 }

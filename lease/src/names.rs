@@ -28,7 +28,9 @@ pub fn validate_lock_name(name: &str) -> Result<()> {
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
     {
-        return Err(invalid("only letters, digits, '.', '_' and '-' are allowed"));
+        return Err(invalid(
+            "only letters, digits, '.', '_' and '-' are allowed",
+        ));
     }
     let first = name.as_bytes()[0];
     let last = name.as_bytes()[name.len() - 1];
@@ -90,7 +92,10 @@ mod tests {
             "a\n",
             &"x".repeat(254),
         ] {
-            assert!(validate_lock_name(bad).is_err(), "{bad:?} should be invalid");
+            assert!(
+                validate_lock_name(bad).is_err(),
+                "{bad:?} should be invalid"
+            );
         }
     }
 

@@ -143,8 +143,7 @@ fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
 }
 
 fn map_err(e: redis::RedisError) -> Error {
-    if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout()
-    {
+    if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout() {
         Error::Unreachable(e.to_string())
     } else {
         Error::Backend(e.to_string())
@@ -168,15 +167,11 @@ impl RedisDriver {
             .set_response_timeout(Some(RESPONSE_TIMEOUT))
             .set_number_of_retries(2)
             .set_max_delay(RESUBSCRIBE_MAX);
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
-            .map_err(map_err)?;
+        let conn =
+            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(map_err)?;
         let keys = KeyLayout::new(prefix);
         let releases = Arc::new(ChangeFeeds::default());
-        let subscriber = tokio::spawn(listen_for_releases(
-            client,
-            keys.clone(),
-            releases.clone(),
-        ));
+        let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
         Ok(Self {
             conn,
             keys,

@@ -11,10 +11,10 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::Row;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::Row;
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
@@ -201,15 +201,17 @@ impl Driver for SqliteDriver {
             .fetch_all(&self.pool)
             .await
             .map_err(map_err)?;
-        rows.into_iter().next().map(|row| {
-            let remaining: i64 = row.try_get("remaining_ms").map_err(map_err)?;
-            Ok(Holding {
-                identity: row.try_get("holder").map_err(map_err)?,
-                token: row.try_get::<i64, _>("token").map_err(map_err)? as u64,
-                expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
+        rows.into_iter()
+            .next()
+            .map(|row| {
+                let remaining: i64 = row.try_get("remaining_ms").map_err(map_err)?;
+                Ok(Holding {
+                    identity: row.try_get("holder").map_err(map_err)?,
+                    token: row.try_get::<i64, _>("token").map_err(map_err)? as u64,
+                    expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
+                })
             })
-        })
-        .transpose()
+            .transpose()
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {

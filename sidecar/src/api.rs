@@ -25,6 +25,28 @@ pub const MAX_WAIT: Duration = Duration::from_secs(300);
 /// The longest `hold` an on-demand acquisition may ask for.
 pub const MAX_HOLD: Duration = Duration::from_secs(24 * 3600);
 
+/// A request the API refuses: a status and a message, sent as `{"error": message}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        json(self.status, &serde_json::json!({ "error": self.message }))
+    }
+}
+
 #[derive(Clone)]
 pub struct AppState {
     inner: Arc<Inner>,
@@ -56,18 +78,18 @@ impl AppState {
         &self.inner.locks
     }
 
-    fn lock(&self, name: Option<Path<String>>) -> Result<&Lock, Response> {
+    fn lock(&self, name: Option<Path<String>>) -> Result<&Lock, ApiError> {
         match name {
             None => self
                 .inner
                 .locks
                 .first()
-                .ok_or_else(|| error(StatusCode::NOT_FOUND, "no lock is configured")),
+                .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "no lock is configured")),
             Some(Path(name)) => self.inner.by_name.get(&name).ok_or_else(|| {
                 let known: Vec<&str> = self.inner.locks.iter().map(Lock::name).collect();
-                error(
+                ApiError::new(
                     StatusCode::NOT_FOUND,
-                    &format!(
+                    format!(
                         "no lock named {name:?} here; this sidecar holds: {}",
                         known.join(", ")
                     ),
@@ -141,14 +163,22 @@ fn status_code(answer: Answer) -> StatusCode {
 
 /// The answer for one lock as it stands now, with `answer` decided once so that status code and
 /// body agree.
-fn lock_response(lock: &Lock, snapshot: &Snapshot, answer: Answer, released: Option<bool>) -> Response {
+fn lock_response(
+    lock: &Lock,
+    snapshot: &Snapshot,
+    answer: Answer,
+    released: Option<bool>,
+) -> Response {
     let (token, valid_for) = match answer {
         Answer::Holder { token, valid_for } => (Some(token), valid_for),
         _ => (None, Duration::ZERO),
     };
     let current_holder = match answer {
         Answer::Unknown => None,
-        _ => snapshot.current_holder.as_ref().map(|h| h.identity.as_str()),
+        _ => snapshot
+            .current_holder
+            .as_ref()
+            .map(|h| h.identity.as_str()),
     };
     let body = LockStatus {
         lock: lock.name(),
@@ -179,37 +209,37 @@ fn json(status: StatusCode, body: &impl Serialize) -> Response {
     }
 }
 
-fn error(status: StatusCode, message: &str) -> Response {
-    json(status, &serde_json::json!({ "error": message }))
-}
-
 /// Query parameters: only the named ones, each a duration below its bound.
 fn durations(
     query: &HashMap<String, String>,
     allowed: &[(&str, Duration)],
-) -> Result<HashMap<String, Duration>, Response> {
+) -> Result<HashMap<String, Duration>, ApiError> {
     let mut out = HashMap::new();
     for (key, value) in query {
         let Some((_, max)) = allowed.iter().find(|(name, _)| name == key) else {
             let names: Vec<&str> = allowed.iter().map(|(n, _)| *n).collect();
-            return Err(error(
+            return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
-                &format!(
+                format!(
                     "unknown parameter {key:?}; this route takes: {}",
-                    if names.is_empty() { "none".to_owned() } else { names.join(", ") }
+                    if names.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        names.join(", ")
+                    }
                 ),
             ));
         };
         let d = humantime::parse_duration(value).map_err(|e| {
-            error(
+            ApiError::new(
                 StatusCode::BAD_REQUEST,
-                &format!("{key}={value:?} is not a duration ({e}); use e.g. 10s or 500ms"),
+                format!("{key}={value:?} is not a duration ({e}); use e.g. 10s or 500ms"),
             )
         })?;
         if d > *max {
-            return Err(error(
+            return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
-                &format!(
+                format!(
                     "{key}={value} is longer than the limit of {}",
                     humantime::format_duration(*max)
                 ),
@@ -224,79 +254,65 @@ async fn status(
     State(state): State<AppState>,
     name: Option<Path<String>>,
     Query(query): Query<HashMap<String, String>>,
-) -> Response {
-    let lock = match state.lock(name) {
-        Ok(lock) => lock,
-        Err(response) => return response,
-    };
-    let params = match durations(&query, &[("wait", MAX_WAIT)]) {
-        Ok(p) => p,
-        Err(response) => return response,
-    };
+) -> Result<Response, ApiError> {
+    let lock = state.lock(name)?;
+    let params = durations(&query, &[("wait", MAX_WAIT)])?;
     if let Some(wait) = params.get("wait") {
         lock.wait_for_holder(*wait).await;
     }
-    current(lock, None)
+    Ok(current(lock, None))
 }
 
 async fn acquire(
     State(state): State<AppState>,
     name: Option<Path<String>>,
     Query(query): Query<HashMap<String, String>>,
-) -> Response {
-    let lock = match state.lock(name) {
-        Ok(lock) => lock,
-        Err(response) => return response,
-    };
+) -> Result<Response, ApiError> {
+    let lock = state.lock(name)?;
     if lock.config().mode == Mode::Campaign {
-        return error(
+        return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
-            &format!(
+            format!(
                 "lock {:?} is in campaign mode: the sidecar acquires it by itself; \
                  use GET /lock?wait=... to wait for it, or run with --mode on-demand",
                 lock.name()
             ),
-        );
+        ));
     }
-    let params = match durations(&query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)]) {
-        Ok(p) => p,
-        Err(response) => return response,
-    };
+    let params = durations(&query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)])?;
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
     if hold.is_zero() {
-        return error(StatusCode::BAD_REQUEST, "hold must be above zero");
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "hold must be above zero",
+        ));
     }
-    match lock.acquire(wait, hold).await {
-        Ok(_) => current(lock, None),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
-    }
+    lock.acquire(wait, hold)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    Ok(current(lock, None))
 }
 
 async fn release(
     State(state): State<AppState>,
     name: Option<Path<String>>,
     Query(query): Query<HashMap<String, String>>,
-) -> Response {
-    let lock = match state.lock(name) {
-        Ok(lock) => lock,
-        Err(response) => return response,
+) -> Result<Response, ApiError> {
+    let lock = state.lock(name)?;
+    durations(&query, &[])?;
+    let released = lock
+        .release()
+        .await
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    // 200 when something was released, 409 when this pod held nothing; the body shows the state.
+    let mut response = current(lock, Some(released));
+    *response.status_mut() = if released {
+        StatusCode::OK
+    } else {
+        StatusCode::CONFLICT
     };
-    if let Err(response) = durations(&query, &[]) {
-        return response;
-    }
-    match lock.release().await {
-        Ok(released) => {
-            let mut response = current(lock, Some(released));
-            if !released {
-                *response.status_mut() = StatusCode::CONFLICT;
-            } else if response.status() == StatusCode::CONFLICT {
-                *response.status_mut() = StatusCode::OK;
-            }
-            response
-        }
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
-    }
+    Ok(response)
 }
 
 #[derive(Serialize)]
@@ -322,11 +338,11 @@ fn sse_event(event: &Event) -> SseEvent {
         .data(serde_json::to_string(&body).unwrap_or_default())
 }
 
-async fn events(State(state): State<AppState>, name: Option<Path<String>>) -> Response {
-    let lock = match state.lock(name) {
-        Ok(lock) => lock.clone(),
-        Err(response) => return response,
-    };
+async fn events(
+    State(state): State<AppState>,
+    name: Option<Path<String>>,
+) -> Result<Response, ApiError> {
+    let lock = state.lock(name)?.clone();
     // Subscribe before reading the state, so no change falls between the two.
     let changes = BroadcastStream::new(lock.events());
     let snapshot = lock.snapshot();
@@ -345,7 +361,9 @@ async fn events(State(state): State<AppState>, name: Option<Path<String>>) -> Re
             // A reader that falls behind skips what it missed; the next event carries the state.
             changes.filter_map(|e| async move { e.ok().map(|e| Ok(sse_event(&e))) }),
         ));
-    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
@@ -388,8 +406,8 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn not_found() -> Response {
-    error(
+async fn not_found() -> ApiError {
+    ApiError::new(
         StatusCode::NOT_FOUND,
         "no such route; try GET /lock, GET /locks/{name}, GET /healthz, GET /readyz, GET /metrics",
     )

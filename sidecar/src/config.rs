@@ -20,7 +20,12 @@ pub const EXIT_BAD_CONFIG: u8 = 2;
 )]
 struct Args {
     /// The lock to hold (repeatable, or comma-separated, for several locks).
-    #[arg(long = "lock", env = "LEASEHOLD_LOCK", value_name = "NAME", value_delimiter = ',')]
+    #[arg(
+        long = "lock",
+        env = "LEASEHOLD_LOCK",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
     locks: Vec<String>,
 
     /// sqlite://PATH or redis://[user:pass@]host:port[/db].
@@ -52,7 +57,12 @@ struct Args {
     renew_interval: Option<Duration>,
 
     /// campaign: always try to hold the lock. on-demand: hold it only after POST /lock/acquire.
-    #[arg(long, env = "LEASEHOLD_MODE", value_name = "MODE", default_value = "campaign")]
+    #[arg(
+        long,
+        env = "LEASEHOLD_MODE",
+        value_name = "MODE",
+        default_value = "campaign"
+    )]
     mode: Mode,
 
     /// Read everything from a DistributedLock (NAMESPACE/NAME).
@@ -153,18 +163,32 @@ impl Config {
                 } else if args.lease_duration < leasehold_lease::MIN_LEASE_DURATION
                     || args.lease_duration > leasehold_lease::MAX_LEASE_DURATION
                 {
-                    ("lease-duration", humantime::format_duration(args.lease_duration).to_string())
+                    (
+                        "lease-duration",
+                        humantime::format_duration(args.lease_duration).to_string(),
+                    )
                 } else {
-                    ("renew-interval", humantime::format_duration(renew_interval).to_string())
+                    (
+                        "renew-interval",
+                        humantime::format_duration(renew_interval).to_string(),
+                    )
                 };
-                return Err(bad(flag, &value, &e.to_string().trim_start_matches("backend error: ")));
+                return Err(bad(
+                    flag,
+                    &value,
+                    &e.to_string().trim_start_matches("backend error: "),
+                ));
             }
             locks.push(lock);
         }
-        if let Some(probe) = args.probe_listen {
-            if probe.port() == args.listen.port() && probe.ip() == args.listen.ip() {
-                return Err(bad("probe-listen", &probe.to_string(), &"the same as --listen"));
-            }
+        if let Some(probe) = args.probe_listen
+            && probe == args.listen
+        {
+            return Err(bad(
+                "probe-listen",
+                &probe.to_string(),
+                &"the same as --listen",
+            ));
         }
         Ok(Self {
             locks,
@@ -192,9 +216,11 @@ fn parse_loopback(raw: &str) -> Result<SocketAddr, String> {
         .parse()
         .map_err(|e| format!("{e}; expected IP:PORT such as 127.0.0.1:4040"))?;
     if !addr.ip().is_loopback() {
-        return Err("the lock API listens on loopback only (127.0.0.1 or [::1]); \
+        return Err(
+            "the lock API listens on loopback only (127.0.0.1 or [::1]); \
                     use --probe-listen for kubelet probes"
-            .into());
+                .into(),
+        );
     }
     Ok(addr)
 }
@@ -251,12 +277,24 @@ mod tests {
         let cases: &[(&[&str], &str)] = &[
             (&["--lock", "jobs", "--lease-duration", "soon"], "soon"),
             (&["--lock", "jobs", "--lease-duration", "0s"], "0s"),
-            (&["--lock", "jobs", "--renew-interval", "20s"], "--renew-interval"),
-            (&["--lock", "jobs", "--lease-duration", "50ms"], "--lease-duration"),
+            (
+                &["--lock", "jobs", "--renew-interval", "20s"],
+                "--renew-interval",
+            ),
+            (
+                &["--lock", "jobs", "--lease-duration", "50ms"],
+                "--lease-duration",
+            ),
             (&["--lock", "bad name"], "bad name"),
             (&["--lock", "jobs", "--backend", "mongo://x"], "mongo://x"),
-            (&["--lock", "jobs", "--backend", "redis://h:xx"], "redis://h:xx"),
-            (&["--lock", "jobs", "--listen", "0.0.0.0:4040"], "0.0.0.0:4040"),
+            (
+                &["--lock", "jobs", "--backend", "redis://h:xx"],
+                "redis://h:xx",
+            ),
+            (
+                &["--lock", "jobs", "--listen", "0.0.0.0:4040"],
+                "0.0.0.0:4040",
+            ),
             (&["--lock", "jobs", "--listen", "nope"], "nope"),
             (&["--lock", "jobs", "--mode", "greedy"], "greedy"),
             (&["--lock", "jobs", "--nosuch"], "--nosuch"),

@@ -45,10 +45,15 @@ impl Metrics {
         let acquisitions = Family::<LockLabel, Counter>::default();
         let losses = Family::<LockLabel, Counter>::default();
         let releases = Family::<LockLabel, Counter>::default();
-        let renew_seconds =
-            Family::<LockLabel, Histogram, fn() -> Histogram>::new_with_constructor(renew_histogram);
+        let renew_seconds = Family::<LockLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+            renew_histogram,
+        );
         let backend_errors = Family::<ErrorLabels, Counter>::default();
-        registry.register("holder", "1 while this process holds the lock", holder.clone());
+        registry.register(
+            "holder",
+            "1 while this process holds the lock",
+            holder.clone(),
+        );
         registry.register(
             "fencing_token",
             "The fencing token of the current holding (0 when not holder)",

@@ -43,8 +43,7 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
     }
     /// The fencing token of a 200 `/lock` answer.
     pub fn token(&self) -> u64 {
@@ -126,11 +125,13 @@ impl Sidecar {
     }
 
     pub fn get(&self, path: &str) -> Reply {
-        http(self.addr, "GET", path).unwrap_or_else(|e| panic!("GET {path} on {}: {e}", self.identity))
+        http(self.addr, "GET", path)
+            .unwrap_or_else(|e| panic!("GET {path} on {}: {e}", self.identity))
     }
 
     pub fn post(&self, path: &str) -> Reply {
-        http(self.addr, "POST", path).unwrap_or_else(|e| panic!("POST {path} on {}: {e}", self.identity))
+        http(self.addr, "POST", path)
+            .unwrap_or_else(|e| panic!("POST {path} on {}: {e}", self.identity))
     }
 
     pub fn is_holder(&self) -> bool {
@@ -197,6 +198,9 @@ pub fn sole_holder(sidecars: &[&Sidecar]) -> Option<usize> {
         .filter(|(_, s)| s.is_holder())
         .map(|(i, _)| i)
         .collect();
-    assert!(holders.len() <= 1, "two sidecars answer 200 at once: {holders:?}");
+    assert!(
+        holders.len() <= 1,
+        "two sidecars answer 200 at once: {holders:?}"
+    );
     holders.first().copied()
 }

@@ -12,10 +12,22 @@ fn sqlite_backend(dir: &tempfile::TempDir) -> String {
 #[test]
 fn bad_flags_exit_2_with_one_line_naming_the_value() {
     let cases: &[(&[&str], &str)] = &[
-        (&["--lock", "jobs", "--lease-duration", "forever"], "forever"),
-        (&["--lock", "jobs", "--backend", "mongodb://db"], "mongodb://db"),
-        (&["--lock", "jobs", "--backend", "redis://:hunter2@h:x"], "redis://:***@h:x"),
-        (&["--lock", "jobs", "--listen", "0.0.0.0:4040"], "0.0.0.0:4040"),
+        (
+            &["--lock", "jobs", "--lease-duration", "forever"],
+            "forever",
+        ),
+        (
+            &["--lock", "jobs", "--backend", "mongodb://db"],
+            "mongodb://db",
+        ),
+        (
+            &["--lock", "jobs", "--backend", "redis://:hunter2@h:x"],
+            "redis://:***@h:x",
+        ),
+        (
+            &["--lock", "jobs", "--listen", "0.0.0.0:4040"],
+            "0.0.0.0:4040",
+        ),
         (&["--lock", "jobs", "--renew-interval", "30s"], "30s"),
         (&["--lock", "no/slashes"], "no/slashes"),
         (&["--lock", "jobs", "--mode", "sometimes"], "sometimes"),
@@ -27,7 +39,10 @@ fn bad_flags_exit_2_with_one_line_naming_the_value() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
-        assert!(!stderr.contains("hunter2"), "{args:?} leaked a password: {stderr}");
+        assert!(
+            !stderr.contains("hunter2"),
+            "{args:?} leaked a password: {stderr}"
+        );
     }
     let env = Command::new(sidecar_binary())
         .env("LEASEHOLD_LOCK", "jobs")
@@ -52,7 +67,10 @@ fn malformed_http_gets_4xx_and_the_sidecar_keeps_answering() {
     ];
     for request in garbage {
         let reply = raw_http(s.addr, request).expect("an answer, not a dropped connection");
-        assert!((400..500).contains(&reply.status), "{request:?} -> {reply:?}");
+        assert!(
+            (400..500).contains(&reply.status),
+            "{request:?} -> {reply:?}"
+        );
     }
     let cases = [
         ("GET", "/lock?wait=soon", 400),
@@ -112,18 +130,36 @@ fn lock_answer_body() {
         "leasehold_renew_duration_seconds_bucket{",
         "leasehold_fencing_token{",
     ] {
-        assert!(metrics.body.contains(family), "{family} missing:\n{}", metrics.body);
+        assert!(
+            metrics.body.contains(family),
+            "{family} missing:\n{}",
+            metrics.body
+        );
     }
-    assert!(metrics.body.contains(&format!("leasehold_holder{{lock=\"{lock}\"}} 1")));
+    assert!(
+        metrics
+            .body
+            .contains(&format!("leasehold_holder{{lock=\"{lock}\"}} 1"))
+    );
 }
 
 #[test]
 fn long_poll_answers_when_the_pod_becomes_holder() {
     let dir = tempfile::tempdir().unwrap();
     let lock = unique_lock("wait");
-    let a = Sidecar::start("a", &sqlite_backend(&dir), &lock, &["--lease-duration", "2s"]);
+    let a = Sidecar::start(
+        "a",
+        &sqlite_backend(&dir),
+        &lock,
+        &["--lease-duration", "2s"],
+    );
     eventually(Duration::from_secs(5), "a holds", || a.is_holder());
-    let b = Sidecar::start("b", &sqlite_backend(&dir), &lock, &["--lease-duration", "2s"]);
+    let b = Sidecar::start(
+        "b",
+        &sqlite_backend(&dir),
+        &lock,
+        &["--lease-duration", "2s"],
+    );
     // Not holder: the long poll runs to its timeout and answers 409.
     let start = Instant::now();
     let r = b.get("/lock?wait=300ms");
@@ -133,7 +169,10 @@ fn long_poll_answers_when_the_pod_becomes_holder() {
     let addr = b.addr;
     let poll = std::thread::spawn(move || {
         let start = Instant::now();
-        (http(addr, "GET", "/lock?wait=20s").unwrap(), start.elapsed())
+        (
+            http(addr, "GET", "/lock?wait=20s").unwrap(),
+            start.elapsed(),
+        )
     });
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(a.post("/lock/release").status, 200);
@@ -153,28 +192,52 @@ fn on_demand_acquire_is_reentrant_and_bounded_by_hold() {
         &["--mode", "on-demand", "--lease-duration", "2s"],
     );
     let other = Sidecar::start("b", &sqlite_backend(&dir), &x, &["--mode", "on-demand"]);
-    eventually(Duration::from_secs(5), "ready", || s.get("/readyz").status == 200);
+    eventually(Duration::from_secs(5), "ready", || {
+        s.get("/readyz").status == 200
+    });
     // Nobody asked: not holder.
     assert_eq!(s.get(&format!("/locks/{x}")).status, 409);
 
     let first = s.post(&format!("/locks/{x}/acquire?wait=2s&hold=30s"));
     assert_eq!(first.status, 200, "{}", first.body);
     let token = first.token();
-    assert_eq!(s.post(&format!("/locks/{x}/acquire?hold=30s")).token(), token, "re-entrant");
-    assert_eq!(s.get(&format!("/locks/{y}")).status, 409, "locks are independent");
-    assert_eq!(other.post("/lock/acquire?wait=200ms").status, 409, "b got a held lock");
+    assert_eq!(
+        s.post(&format!("/locks/{x}/acquire?hold=30s")).token(),
+        token,
+        "re-entrant"
+    );
+    assert_eq!(
+        s.get(&format!("/locks/{y}")).status,
+        409,
+        "locks are independent"
+    );
+    assert_eq!(
+        other.post("/lock/acquire?wait=200ms").status,
+        409,
+        "b got a held lock"
+    );
 
     // Two acquisitions, two releases.
     assert_eq!(s.post(&format!("/locks/{x}/release")).status, 200);
-    assert_eq!(s.get(&format!("/locks/{x}")).status, 200, "released after one of two");
+    assert_eq!(
+        s.get(&format!("/locks/{x}")).status,
+        200,
+        "released after one of two"
+    );
     assert_eq!(s.post(&format!("/locks/{x}/release")).status, 200);
     assert_eq!(s.get(&format!("/locks/{x}")).status, 409);
-    assert_eq!(s.post(&format!("/locks/{x}/release")).status, 409, "nothing to release");
+    assert_eq!(
+        s.post(&format!("/locks/{x}/release")).status,
+        409,
+        "nothing to release"
+    );
 
     // b gets it now, with a greater token; and an app that forgets to release loses it.
     let b = other.post("/lock/acquire?wait=5s&hold=700ms");
     assert!(b.token() > token);
-    eventually(Duration::from_secs(5), "the hold lapses", || other.get("/lock").status == 409);
+    eventually(Duration::from_secs(5), "the hold lapses", || {
+        other.get("/lock").status == 409
+    });
     assert!(s.post(&format!("/locks/{x}/acquire?wait=5s")).token() > b.token());
     assert_eq!(s.post(&format!("/locks/{x}/acquire?hold=0s")).status, 400);
 }
@@ -188,7 +251,9 @@ fn events_stream_reports_changes() {
     let reader = std::thread::spawn(move || {
         use std::io::{BufRead, BufReader, Write};
         let mut stream = std::net::TcpStream::connect(addr).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
         stream
             .write_all(b"GET /lock/events HTTP/1.1\r\nHost: x\r\n\r\n")
             .unwrap();

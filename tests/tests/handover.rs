@@ -20,7 +20,9 @@ fn pair(backend: &str, lock: &str) -> (Sidecar, Sidecar) {
 
 /// Watch for a while that never both answer 200, and return the holder's index.
 fn settle(sidecars: &[&Sidecar]) -> usize {
-    eventually(LEASE + SLACK, "a holder appears", || sole_holder(sidecars).is_some());
+    eventually(LEASE + SLACK, "a holder appears", || {
+        sole_holder(sidecars).is_some()
+    });
     let until = Instant::now() + RENEW * 2;
     while Instant::now() < until {
         sole_holder(sidecars).expect("the holder disappeared without a fault");
@@ -32,17 +34,26 @@ fn crash_takeover(backend: &str) {
     let lock = unique_lock("crash");
     let (mut a, mut b) = pair(backend, &lock);
     let holder = settle(&[&a, &b]);
-    let (dead, alive) = if holder == 0 { (&mut a, &mut b) } else { (&mut b, &mut a) };
+    let (dead, alive) = if holder == 0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
     let before = dead.get("/lock").token();
     let busy = alive.get("/lock");
     assert_eq!(busy.status, 409, "{}", busy.body);
     assert_eq!(busy.json()["currentHolder"], dead.identity.as_str());
 
     dead.kill9();
-    let took = eventually(LEASE + RENEW + SLACK, "the survivor takes over", || alive.is_holder());
+    let took = eventually(LEASE + RENEW + SLACK, "the survivor takes over", || {
+        alive.is_holder()
+    });
     let after = alive.get("/lock").token();
     assert!(after > before, "token {after} after {before}");
-    eprintln!("{backend}: takeover after kill -9 took {took:?} (bound {:?})", LEASE + RENEW);
+    eprintln!(
+        "{backend}: takeover after kill -9 took {took:?} (bound {:?})",
+        LEASE + RENEW
+    );
 }
 
 #[test]
@@ -61,7 +72,11 @@ fn sigterm_handover(backend: &str) -> Duration {
     let lock = unique_lock("sigterm");
     let (mut a, mut b) = pair(backend, &lock);
     let holder = settle(&[&a, &b]);
-    let (leaving, staying) = if holder == 0 { (&mut a, &mut b) } else { (&mut b, &mut a) };
+    let (leaving, staying) = if holder == 0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
     let before = leaving.get("/lock").token();
     let sent = Instant::now();
     leaving.signal(Signal::SIGTERM);
@@ -73,7 +88,10 @@ fn sigterm_handover(backend: &str) -> Duration {
         .expect("the sidecar did not exit within a second of SIGTERM");
     assert!(status.success(), "exit status {status}");
     assert!(staying.get("/lock").token() > before);
-    eprintln!("{backend}: SIGTERM hand-over took {took:?}, exit after {:?}", sent.elapsed());
+    eprintln!(
+        "{backend}: SIGTERM hand-over took {took:?}, exit after {:?}",
+        sent.elapsed()
+    );
     took
 }
 
@@ -104,14 +122,23 @@ fn paused_sidecar_answers_not_holder_on_resume() {
     let (frozen, other) = if holder == 0 { (&a, &b) } else { (&b, &a) };
     let before = frozen.get("/lock").token();
     frozen.signal(Signal::SIGSTOP);
-    eventually(LEASE + RENEW + SLACK, "the other takes over", || other.is_holder());
+    eventually(LEASE + RENEW + SLACK, "the other takes over", || {
+        other.is_holder()
+    });
     frozen.signal(Signal::SIGCONT);
     let resumed = frozen.get("/lock");
-    assert_ne!(resumed.status, 200, "a resumed holder still claims: {}", resumed.body);
+    assert_ne!(
+        resumed.status, 200,
+        "a resumed holder still claims: {}",
+        resumed.body
+    );
     assert_eq!(resumed.json()["holder"], false);
     assert!(other.get("/lock").token() > before);
     std::thread::sleep(RENEW * 2);
-    assert_eq!(sole_holder(&[&a, &b]), Some(if holder == 0 { 1 } else { 0 }));
+    assert_eq!(
+        sole_holder(&[&a, &b]),
+        Some(if holder == 0 { 1 } else { 0 })
+    );
 }
 
 /// Tokens keep increasing across a Redis restart with `appendonly yes`.
@@ -135,19 +162,30 @@ fn redis_restart_keeps_tokens_increasing() {
     std::thread::sleep(LEASE);
     redis.restart();
 
-    eventually(LEASE + RENEW + SLACK * 3, "a holder after the restart", || {
-        sole_holder(&[&a, &b]).is_some()
-    });
+    eventually(
+        LEASE + RENEW + SLACK * 3,
+        "a holder after the restart",
+        || sole_holder(&[&a, &b]).is_some(),
+    );
     let holder = sole_holder(&[&a, &b]).expect("holder");
     let second = [&a, &b][holder].get("/lock").token();
-    assert!(second > first, "token {second} after restart, {first} before");
+    assert!(
+        second > first,
+        "token {second} after restart, {first} before"
+    );
     eventually(RENEW + SLACK, "both ready again", || {
         a.get("/readyz").status == 200 && b.get("/readyz").status == 200
     });
 
     // And on past the restart: the next holder's token is higher again.
-    if holder == 0 { a.kill9() } else { b.kill9() }
+    if holder == 0 {
+        a.kill9()
+    } else {
+        b.kill9()
+    }
     let survivor = if holder == 0 { &b } else { &a };
-    eventually(LEASE + RENEW + SLACK, "takeover after the restart", || survivor.is_holder());
+    eventually(LEASE + RENEW + SLACK, "takeover after the restart", || {
+        survivor.is_holder()
+    });
     assert!(survivor.get("/lock").token() > second);
 }

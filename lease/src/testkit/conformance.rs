@@ -51,6 +51,9 @@ impl SqliteHarness {
     pub fn path(&self) -> PathBuf {
         self.dir.path().join("locks.db")
     }
+    pub fn dir_path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
 }
 
 impl Default for SqliteHarness {
@@ -137,16 +140,26 @@ fn start(driver: Arc<dyn Driver>, lock: &str, identity: &str, mode: Mode) -> Loc
 }
 
 async fn acquired(driver: &dyn Driver, lock: &str, identity: &str, ttl: Duration) -> Lease {
-    match driver.try_acquire(lock, identity, ttl).await.expect("acquire") {
+    match driver
+        .try_acquire(lock, identity, ttl)
+        .await
+        .expect("acquire")
+    {
         Acquire::Acquired(lease) => lease,
         Acquire::Busy(h) => panic!("{identity} expected to acquire {lock}, but it is held: {h:?}"),
     }
 }
 
 async fn busy(driver: &dyn Driver, lock: &str, identity: &str) -> Option<crate::Holding> {
-    match driver.try_acquire(lock, identity, LEASE).await.expect("acquire") {
+    match driver
+        .try_acquire(lock, identity, LEASE)
+        .await
+        .expect("acquire")
+    {
         Acquire::Busy(h) => h,
-        Acquire::Acquired(lease) => panic!("{identity} acquired {lock} while it is held: {lease:?}"),
+        Acquire::Acquired(lease) => {
+            panic!("{identity} acquired {lock} while it is held: {lease:?}")
+        }
     }
 }
 
@@ -171,7 +184,10 @@ pub async fn exclusivity(h: &mut dyn Harness) {
     // Not re-entrant at the driver level, not even for the same identity.
     busy(&*a, &lock, "a").await;
     let observed = b.observe(&lock).await.unwrap().expect("observed");
-    assert_eq!((observed.identity.as_str(), observed.token), ("a", lease.token));
+    assert_eq!(
+        (observed.identity.as_str(), observed.token),
+        ("a", lease.token)
+    );
     // Other locks are independent.
     acquired(&*b, &unique_lock("other"), "b", LEASE).await;
 }
@@ -196,9 +212,18 @@ pub async fn only_holder_renews_or_releases(h: &mut dyn Harness) {
     let short = Duration::from_millis(300);
     let la = acquired(&*a, &lock, "a", short).await;
     let impostors = [
-        Lease { identity: "b".into(), ..la.clone() },
-        Lease { token: la.token + 1, ..la.clone() },
-        Lease { token: la.token.saturating_sub(1), ..la.clone() },
+        Lease {
+            identity: "b".into(),
+            ..la.clone()
+        },
+        Lease {
+            token: la.token + 1,
+            ..la.clone()
+        },
+        Lease {
+            token: la.token.saturating_sub(1),
+            ..la.clone()
+        },
     ];
     for fake in &impostors {
         assert!(!b.renew(fake, LEASE).await.unwrap(), "renewed by {fake:?}");
@@ -207,7 +232,10 @@ pub async fn only_holder_renews_or_releases(h: &mut dyn Harness) {
     assert!(a.renew(&la, short).await.unwrap());
     sleep(short + Duration::from_millis(100)).await;
     // Expired: the old holder can neither renew nor release it, and b takes it.
-    assert!(!a.renew(&la, LEASE).await.unwrap(), "renewed an expired lease");
+    assert!(
+        !a.renew(&la, LEASE).await.unwrap(),
+        "renewed an expired lease"
+    );
     let lb = acquired(&*b, &lock, "b", LEASE).await;
     assert!(lb.token > la.token);
     assert!(!a.renew(&la, LEASE).await.unwrap());
@@ -225,7 +253,11 @@ pub async fn tokens_strictly_increase(h: &mut dyn Harness) {
     for round in 0..15 {
         let driver = &drivers[round % drivers.len()];
         let lease = acquired(&**driver, &lock, &format!("c{round}"), short).await;
-        assert!(lease.token > last, "round {round}: {} after {last}", lease.token);
+        assert!(
+            lease.token > last,
+            "round {round}: {} after {last}",
+            lease.token
+        );
         last = lease.token;
         if round % 3 == 2 {
             sleep(short + Duration::from_millis(50)).await; // let it expire instead
@@ -240,16 +272,22 @@ pub async fn crash_takeover_within_lease(h: &mut dyn Harness) {
     let lock = unique_lock("crash");
     let a = start(h.driver().await, &lock, "a", Mode::Campaign);
     eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
-    let Answer::Holder { token: ta, .. } = a.answer() else { unreachable!() };
+    let Answer::Holder { token: ta, .. } = a.answer() else {
+        unreachable!()
+    };
     let b = start(h.driver().await, &lock, "b", Mode::Campaign);
     sleep(RENEW).await;
     assert!(!b.answer().is_holder(), "b holds while a is alive");
     drop(a); // the task is aborted: no release, like kill -9
-    let took = eventually(LEASE + RENEW + SLACK, "b takes over after a crashed", || {
-        b.answer().is_holder()
-    })
+    let took = eventually(
+        LEASE + RENEW + SLACK,
+        "b takes over after a crashed",
+        || b.answer().is_holder(),
+    )
     .await;
-    let Answer::Holder { token: tb, .. } = b.answer() else { unreachable!() };
+    let Answer::Holder { token: tb, .. } = b.answer() else {
+        unreachable!()
+    };
     assert!(tb > ta);
     assert!(took <= LEASE + RENEW + SLACK, "takeover took {took:?}");
 }
@@ -268,7 +306,11 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
     // Wait for a renewal that was sent after the delay began (the second new deadline).
     let mut a_state = a.watch();
     for _ in 0..2 {
-        let before = a_state.borrow_and_update().held.as_ref().map(|h| h.valid_until);
+        let before = a_state
+            .borrow_and_update()
+            .held
+            .as_ref()
+            .map(|h| h.valid_until);
         a_state
             .wait_for(|s| s.held.as_ref().map(|h| h.valid_until) != before)
             .await
@@ -291,7 +333,10 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
             // answer "unknown", which would hide a deadline that is too late.
             let now = Instant::now();
             let snapshot = a.snapshot();
-            assert!(!snapshot.answer_at(now).is_holder(), "a still claims: {snapshot:?}");
+            assert!(
+                !snapshot.answer_at(now).is_holder(),
+                "a still claims: {snapshot:?}"
+            );
             if let Some(held) = &snapshot.held {
                 assert!(
                     held.valid_until <= now,
@@ -303,7 +348,10 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
         }
     }
     let held = a.snapshot().held;
-    assert!(held.is_none(), "a's holder task did not notice its lease ran out");
+    assert!(
+        held.is_none(),
+        "a's holder task did not notice its lease ran out"
+    );
 }
 
 /// Many contenders, many hand-overs: claimed intervals never overlap, tokens only go up.
@@ -358,17 +406,25 @@ pub async fn release_wakes_a_waiter(h: &mut dyn Harness) {
     eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
     let b = start(h.driver().await, &lock, "b", Mode::Campaign);
     eventually(SLACK, "b sees a as holder", || {
-        b.snapshot().current_holder.is_some_and(|h| h.identity == "a")
+        b.snapshot()
+            .current_holder
+            .is_some_and(|h| h.identity == "a")
     })
     .await;
     sleep(RENEW).await;
     assert!(a.release().await.unwrap());
     assert!(!a.answer().is_holder(), "a claims after releasing");
-    let took = eventually(LEASE, "b takes the released lock", || b.answer().is_holder()).await;
+    let took = eventually(LEASE, "b takes the released lock", || {
+        b.answer().is_holder()
+    })
+    .await;
     // Expiry would take a full lease; a hand-over must beat that clearly.
     assert!(took < LEASE / 2, "hand-over took {took:?}");
     sleep(RENEW).await;
-    assert!(!a.answer().is_holder(), "a campaigned again during its cool-down");
+    assert!(
+        !a.answer().is_holder(),
+        "a campaigned again during its cool-down"
+    );
 }
 
 /// The backend goes away and comes back: nobody claims while it is gone, a holder reappears
@@ -377,13 +433,17 @@ pub async fn backend_outage_and_recovery(h: &mut dyn Harness) {
     let lock = unique_lock("outage");
     let a = start(h.driver().await, &lock, "a", Mode::Campaign);
     eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
-    let Answer::Holder { token: before, .. } = a.answer() else { unreachable!() };
+    let Answer::Holder { token: before, .. } = a.answer() else {
+        unreachable!()
+    };
     let b = start(h.driver().await, &lock, "b", Mode::Campaign);
 
     h.outage_begin().await;
-    eventually(LEASE + SLACK, "a stops claiming while the backend is down", || {
-        !a.answer().is_holder()
-    })
+    eventually(
+        LEASE + SLACK,
+        "a stops claiming while the backend is down",
+        || !a.answer().is_holder(),
+    )
     .await;
     eventually(LEASE + SLACK, "both report the backend unreachable", || {
         a.answer() == Answer::Unknown && b.answer() == Answer::Unknown
@@ -399,12 +459,18 @@ pub async fn backend_outage_and_recovery(h: &mut dyn Harness) {
     })
     .await;
     let (aa, ba) = (a.answer(), b.answer());
-    assert!(!(aa.is_holder() && ba.is_holder()), "two holders: {aa:?} {ba:?}");
+    assert!(
+        !(aa.is_holder() && ba.is_holder()),
+        "two holders: {aa:?} {ba:?}"
+    );
     let after = match (aa, ba) {
         (Answer::Holder { token, .. }, _) | (_, Answer::Holder { token, .. }) => token,
         _ => unreachable!(),
     };
-    assert!(after > before, "token {after} after the outage, {before} before");
+    assert!(
+        after > before,
+        "token {after} after the outage, {before} before"
+    );
     assert!(a.snapshot().ready() && b.snapshot().ready());
 }
 

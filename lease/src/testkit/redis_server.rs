@@ -14,12 +14,19 @@ pub struct RedisServer {
     port: u16,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    durable: bool,
 }
 
 impl RedisServer {
     /// Start a server with `appendonly yes` and `appendfsync always`: every acknowledged write,
     /// the token counter included, survives `kill -9`.
     pub fn start() -> Self {
+        Self::start_with(true)
+    }
+
+    /// `durable: false`: no append-only file, for throughput baselines where fsync would
+    /// dominate both sides of the comparison.
+    pub fn start_with(durable: bool) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("leasehold-redis-")
             .tempdir()
@@ -28,6 +35,7 @@ impl RedisServer {
             port: free_port(),
             dir,
             child: None,
+            durable,
         };
         server.spawn();
         server
@@ -53,7 +61,11 @@ impl RedisServer {
             .args(["--bind", "127.0.0.1"])
             .arg("--dir")
             .arg(self.dir.path())
-            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .args(if self.durable {
+                ["--appendonly", "yes", "--appendfsync", "always"]
+            } else {
+                ["--appendonly", "no", "--appendfsync", "no"]
+            })
             .args(["--save", ""])
             .args(["--daemonize", "no"])
             .arg("--logfile")
@@ -86,7 +98,9 @@ impl RedisServer {
         let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
         let mut buf = [0u8; 16];
         s.write_all(b"PING\r\n").is_ok()
-            && s.read(&mut buf).map(|n| buf[..n].starts_with(b"+PONG")).unwrap_or(false)
+            && s.read(&mut buf)
+                .map(|n| buf[..n].starts_with(b"+PONG"))
+                .unwrap_or(false)
     }
 
     /// `kill -9`: no shutdown save, only what the append-only file already has.
