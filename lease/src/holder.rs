@@ -621,29 +621,28 @@ impl Engine {
         let _ = self.events.send(event);
     }
 
-    fn lose(&mut self, reason: &'static str) {
-        if let Some(held) = self.held.take() {
-            self.holds = 0;
-            self.hold_deadline = None;
-            self.retry_at = None;
-            self.publish_lease();
-            self.state.send_modify(|s| s.current_holder = None);
-            self.emit(EventKind::Lost, held.lease.token, reason);
-        }
-    }
-
-    /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
-    /// backend could already have handed on.
-    async fn step_down(&mut self, reason: &'static str) {
-        let Some(held) = self.held.take() else {
-            return;
-        };
+    /// Stop claiming the lease (if any) and tell readers and listeners, before anything else.
+    fn forget(&mut self, kind: EventKind, reason: &'static str) -> Option<HeldLease> {
+        let held = self.held.take()?;
         self.holds = 0;
         self.hold_deadline = None;
         self.retry_at = None;
         self.publish_lease();
         self.state.send_modify(|s| s.current_holder = None);
-        self.emit(EventKind::Released, held.lease.token, reason);
+        self.emit(kind, held.lease.token, reason);
+        Some(held)
+    }
+
+    fn lose(&mut self, reason: &'static str) {
+        self.forget(EventKind::Lost, reason);
+    }
+
+    /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
+    /// backend could already have handed on.
+    async fn step_down(&mut self, reason: &'static str) {
+        let Some(held) = self.forget(EventKind::Released, reason) else {
+            return;
+        };
         let budget = SHUTDOWN_RELEASE_TIMEOUT;
         match timeout(budget, self.driver.release(&held.lease)).await {
             Ok(Ok(true)) => {}

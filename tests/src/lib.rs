@@ -90,6 +90,16 @@ pub struct Sidecar {
 impl Sidecar {
     /// Start a sidecar and wait until its API answers.
     pub fn start(identity: &str, backend: &str, lock: &str, extra: &[&str]) -> Self {
+        Self::start_with_env(identity, backend, lock, extra, &[])
+    }
+
+    pub fn start_with_env(
+        identity: &str,
+        backend: &str,
+        lock: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
         let child = Command::new(sidecar_binary())
@@ -97,6 +107,7 @@ impl Sidecar {
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(extra)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log.reopen().expect("log"))

@@ -291,3 +291,58 @@ fn an_unreachable_backend_is_reported_not_fatal() {
     assert_eq!(s.get("/readyz").status, 503);
     assert_eq!(s.get("/healthz").status, 200);
 }
+
+#[test]
+fn json_logs_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(
+        "a",
+        &sqlite_backend(&dir),
+        &unique_lock("logs"),
+        &["--log-format", "json"],
+    );
+    eventually(Duration::from_secs(5), "holder", || s.is_holder());
+    let log = s.log();
+    let lines: Vec<&str> = log.lines().collect();
+    assert!(lines.len() >= 2, "{log}");
+    for line in lines {
+        let entry: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            entry["level"].is_string() && entry["fields"].is_object(),
+            "{line}"
+        );
+    }
+}
+
+/// A password in the backend URL never reaches the logs, the API or the metrics.
+#[test]
+fn secrets_stay_out_of_logs_and_answers() {
+    let redis = leasehold_e2e::RedisServer::start();
+    let secret = "pw-8c1f0d2e";
+    // This Redis has no password, so AUTH fails: the error path is logged, the secret is not.
+    let url = format!("redis://:{secret}@127.0.0.1:{}", redis.port());
+    let s = Sidecar::start_with_env(
+        "a",
+        &url,
+        &unique_lock("secret"),
+        &[],
+        &[("RUST_LOG", "debug")],
+    );
+    std::thread::sleep(Duration::from_millis(800));
+    let answer = s.get("/lock");
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    let outputs = [
+        s.log(),
+        answer.body,
+        s.get("/metrics").body,
+        s.get("/readyz").body,
+    ];
+    for output in outputs {
+        assert!(!output.contains(secret), "the password leaked:\n{output}");
+    }
+    assert!(
+        s.log().contains(":***@127.0.0.1"),
+        "the redacted URL is logged"
+    );
+}
