@@ -13,7 +13,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::{RedisServer, SqliteHarness, free_port};
+use leasehold_lease::sql::{Dialect, SqlDriver};
+use leasehold_lease::testkit::{
+    MariaDbServer, PostgresServer, RedisServer, SqliteHarness, free_port,
+};
 use leasehold_lease::{Acquire, Answer, Driver, Lock, LockConfig, Mode};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -426,6 +429,76 @@ async fn driver_section() {
     );
 }
 
+/// The raw baseline for a SQL database: the lease-table statements a hand-written lock would
+/// issue (insert the row, delete it where the holder matches), in a loop on one connection.
+async fn sql_raw_cycles(dialect: Dialect, url: &str) -> f64 {
+    use sqlx::Connection;
+    sqlx::any::install_default_drivers();
+    let mut conn = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let (create, insert, delete) = match dialect {
+        Dialect::Postgres => (
+            "CREATE TABLE IF NOT EXISTS raw_locks (name VARCHAR(253) PRIMARY KEY, holder VARCHAR(253), expires_at TIMESTAMPTZ NOT NULL)",
+            "INSERT INTO raw_locks (name, holder, expires_at) VALUES ($1, $2, now() + interval '15 seconds')",
+            "DELETE FROM raw_locks WHERE name = $1 AND holder = $2",
+        ),
+        Dialect::MySql => (
+            "CREATE TABLE IF NOT EXISTS raw_locks (name VARCHAR(253) NOT NULL PRIMARY KEY, holder VARCHAR(253), expires_at DATETIME(6) NOT NULL) ENGINE=InnoDB",
+            "INSERT INTO raw_locks (name, holder, expires_at) VALUES (?, ?, NOW(6) + INTERVAL 15 SECOND)",
+            "DELETE FROM raw_locks WHERE name = ? AND holder = ?",
+        ),
+    };
+    sqlx::query(create)
+        .execute(&mut conn)
+        .await
+        .expect("create");
+    let start = Instant::now();
+    for _ in 0..CYCLES {
+        sqlx::query(insert)
+            .bind("raw")
+            .bind("bench")
+            .execute(&mut conn)
+            .await
+            .expect("insert");
+        sqlx::query(delete)
+            .bind("raw")
+            .bind("bench")
+            .execute(&mut conn)
+            .await
+            .expect("delete");
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn sql_section() {
+    let postgres = PostgresServer::start();
+    let mariadb = MariaDbServer::start();
+    for (dialect, url, wakeup) in [
+        (Dialect::Postgres, postgres.url(), "LISTEN/NOTIFY"),
+        (Dialect::MySql, mariadb.url(), "poll"),
+    ] {
+        let connect = || -> Arc<dyn Driver> {
+            Arc::new(SqlDriver::connect(dialect, &url, None, "leasehold_locks").expect("driver"))
+        };
+        let driver = connect();
+        let (mut raw, mut ours) = (0.0f64, 0.0f64);
+        for _ in 0..ROUNDS {
+            raw = raw.max(sql_raw_cycles(dialect, &url).await);
+            ours = ours.max(driver_cycles(&*driver).await);
+        }
+        let name = dialect.as_str();
+        println!("  {name:<8} raw INSERT + DELETE    : {raw:>9.0} cycles/s");
+        println!(
+            "  {name:<8} SqlDriver (lease mode) : {ours:>9.0} cycles/s  ({:.0} %)",
+            100.0 * ours / raw
+        );
+        let latency = handover_latencies(connect(), connect()).await;
+        println!(
+            "  {name:<8} hand-over ({wakeup:<13}) : {}",
+            describe(&latency)
+        );
+    }
+}
+
 async fn run() {
     println!(
         "leasehold benchmark on {} cores",
@@ -433,4 +506,8 @@ async fn run() {
     );
     http_section().await;
     driver_section().await;
+    println!(
+        "## PostgreSQL 15 and MariaDB 10.11, lease mode ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
+    );
+    sql_section().await;
 }

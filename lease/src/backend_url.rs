@@ -19,10 +19,6 @@ pub const DEFAULT_REDIS_PREFIX: &str = "leasehold";
 /// Schemes that name backends this build does not carry yet; they get a precise error.
 const PLANNED_SCHEMES: &[(&str, &str)] = &[
     ("redlock", "Redlock"),
-    ("postgres", "PostgreSQL"),
-    ("postgresql", "PostgreSQL"),
-    ("mysql", "MySQL/MariaDB"),
-    ("mariadb", "MySQL/MariaDB"),
     ("zk", "ZooKeeper"),
     ("etcd", "etcd"),
     ("kubernetes", "Kubernetes Lease"),
@@ -34,6 +30,14 @@ pub enum BackendUrl {
     Sqlite { path: PathBuf, table: String },
     /// `redis://[user:password@]host[:port][/db][?prefix=NAME]`: one Redis master.
     Redis { url: url::Url, prefix: String },
+    /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease`; every
+    /// other query parameter goes to the database driver (e.g. `sslmode`).
+    Sql {
+        dialect: crate::sql::Dialect,
+        url: url::Url,
+        table: String,
+        schema: Option<String>,
+    },
 }
 
 impl BackendUrl {
@@ -92,15 +96,75 @@ impl BackendUrl {
                 url.set_query(None);
                 Ok(BackendUrl::Redis { url, prefix })
             }
+            "postgres" | "postgresql" | "mysql" | "mariadb" => {
+                let dialect = if scheme.starts_with("postgres") {
+                    crate::sql::Dialect::Postgres
+                } else {
+                    crate::sql::Dialect::MySql
+                };
+                let normalized = match scheme {
+                    "mariadb" => format!("mysql://{rest}"),
+                    _ => raw.to_owned(),
+                };
+                let mut url = url::Url::parse(&normalized).map_err(|e| invalid(e.to_string()))?;
+                if url.host_str().is_none_or(str::is_empty) {
+                    return Err(invalid("the database host is missing".into()));
+                }
+                if url.path().trim_start_matches('/').is_empty() {
+                    return Err(invalid("the database name is missing (…/DATABASE)".into()));
+                }
+                let (mut table, mut schema) = (DEFAULT_TABLE.to_owned(), None);
+                let mut passed_on = Vec::new();
+                for (key, value) in url.query_pairs() {
+                    match &*key {
+                        "table" => table = value.into_owned(),
+                        "schema" if dialect == crate::sql::Dialect::Postgres => {
+                            schema = Some(value.into_owned())
+                        }
+                        "schema" => {
+                            return Err(invalid(
+                                "MySQL has no schemas inside a database; put the database in the path".into(),
+                            ));
+                        }
+                        "mode" if value == "lease" => {}
+                        "mode" if value == "row-lock" => {
+                            return Err(invalid(
+                                "row-lock mode is not built into this release yet; use mode=lease".into(),
+                            ));
+                        }
+                        "mode" => {
+                            return Err(invalid(format!(
+                                "mode must be lease or row-lock, got {value:?}"
+                            )));
+                        }
+                        _ => passed_on.push((key.into_owned(), value.into_owned())),
+                    }
+                }
+                validate_sql_identifier("table name", &table)?;
+                if let Some(schema) = &schema {
+                    validate_sql_identifier("schema name", schema)?;
+                }
+                if passed_on.is_empty() {
+                    url.set_query(None);
+                } else {
+                    url.query_pairs_mut().clear().extend_pairs(passed_on);
+                }
+                Ok(BackendUrl::Sql {
+                    dialect,
+                    url,
+                    table,
+                    schema,
+                })
+            }
             "rediss" => Err(invalid(
                 "TLS to Redis is not built into this release yet; use redis:// (e.g. through a TLS sidecar)".into(),
             )),
             other => match PLANNED_SCHEMES.iter().find(|(s, _)| *s == other) {
                 Some((_, name)) => Err(invalid(format!(
-                    "the {name} backend is not built into this release yet (available: sqlite://, redis://)"
+                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, postgres://, mysql://)"
                 ))),
                 None => Err(invalid(format!(
-                    "unknown scheme {other:?} (available: sqlite://, redis://)"
+                    "unknown scheme {other:?} (available: sqlite://, redis://, postgres://, mysql://)"
                 ))),
             },
         }
@@ -111,6 +175,7 @@ impl BackendUrl {
         match self {
             BackendUrl::Sqlite { .. } => "sqlite",
             BackendUrl::Redis { .. } => "redis",
+            BackendUrl::Sql { dialect, .. } => dialect.as_str(),
         }
     }
 }
@@ -123,6 +188,15 @@ impl fmt::Display for BackendUrl {
                 write!(f, "sqlite://{}?table={table}", path.display())
             }
             BackendUrl::Redis { url, .. } => f.write_str(&redact(url.as_str())),
+            BackendUrl::Sql {
+                url, table, schema, ..
+            } => {
+                write!(f, "{}", redact(url.as_str()))?;
+                match schema {
+                    Some(schema) => write!(f, " (table {schema}.{table})"),
+                    None => write!(f, " (table {table})"),
+                }
+            }
         }
     }
 }
@@ -222,8 +296,10 @@ mod tests {
         let msg = err.to_string();
         assert!(!msg.contains("hunter2"), "{msg}");
         assert!(msg.contains("user:***@h"), "{msg}");
-        let err = BackendUrl::parse("postgres://u:pw@db/x").unwrap_err();
+        let err = BackendUrl::parse("postgres://u:pw@db/x?mode=row-lock").unwrap_err();
         assert!(!err.to_string().contains("pw@"), "{err}");
+        assert!(err.to_string().contains("not built"), "{err}");
+        let err = BackendUrl::parse("zk://u:pw@zk:2181/locks").unwrap_err();
         assert!(err.to_string().contains("not built"), "{err}");
         assert!(
             BackendUrl::parse("nosuch://x")
@@ -232,6 +308,46 @@ mod tests {
                 .contains("unknown scheme")
         );
         assert!(BackendUrl::parse("leasehold.db").is_err());
+    }
+
+    #[test]
+    fn sql_urls() {
+        let pg = BackendUrl::parse(
+            "postgres://app:pw@db:5432/app?schema=locking&table=locks&sslmode=require",
+        )
+        .unwrap();
+        let BackendUrl::Sql {
+            dialect,
+            url,
+            table,
+            schema,
+        } = &pg
+        else {
+            panic!("not sql")
+        };
+        assert_eq!(*dialect, crate::sql::Dialect::Postgres);
+        assert_eq!(
+            (table.as_str(), schema.as_deref()),
+            ("locks", Some("locking"))
+        );
+        assert_eq!(
+            url.query(),
+            Some("sslmode=require"),
+            "driver options pass through"
+        );
+        assert!(!pg.to_string().contains("pw"), "{pg}");
+        let my = BackendUrl::parse("mariadb://root@127.0.0.1:3306/app").unwrap();
+        assert_eq!(my.kind(), "mysql");
+        for bad in [
+            "postgres://db",
+            "postgres:///app",
+            "mysql://db/app?schema=x",
+            "mysql://db/app?table=a-b",
+            "postgres://db/app?schema=a;b",
+            "postgres://db/app?mode=sometimes",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

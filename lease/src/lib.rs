@@ -2,7 +2,8 @@
 //! The Leasehold lease engine.
 //!
 //! - [`Driver`]: one atomic compare-and-set per call, one implementation per backend
-//!   ([`sqlite::SqliteDriver`], [`redis::RedisDriver`]).
+//!   ([`sqlite::SqliteDriver`], [`redis::RedisDriver`], [`sql::SqlDriver`] for PostgreSQL and
+//!   MySQL/MariaDB).
 //! - [`Lock`]: the holder state machine shared by all drivers: campaign or on-demand acquisition,
 //!   renewal, release, wake-ups, and self-fencing.
 //! - [`connect`]: a driver from a [`BackendUrl`].
@@ -15,6 +16,7 @@ mod error;
 mod holder;
 pub mod names;
 pub mod redis;
+pub mod sql;
 pub mod sqlite;
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -37,5 +39,16 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             Arc::new(sqlite::SqliteDriver::open(path, table).await?)
         }
         BackendUrl::Redis { url, prefix } => Arc::new(redis::RedisDriver::connect(url, prefix)?),
+        BackendUrl::Sql {
+            dialect,
+            url,
+            table,
+            schema,
+        } => Arc::new(sql::SqlDriver::connect(
+            *dialect,
+            url.as_str(),
+            schema.as_deref(),
+            table,
+        )?),
     })
 }

@@ -12,7 +12,9 @@ use leasehold_lease::testkit::free_port;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-pub use leasehold_lease::testkit::{RedisServer, require_binary, unique_lock};
+pub use leasehold_lease::testkit::{
+    MariaDbServer, PostgresServer, RedisServer, require_binary, unique_lock,
+};
 
 /// The sidecar binary next to this test's own executable (target/<profile>/), or
 /// `LEASEHOLD_SIDECAR_BIN`.

@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use leasehold_e2e::{RedisServer, Sidecar, eventually, sole_holder, unique_lock};
+use leasehold_e2e::{
+    MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, sole_holder, unique_lock,
+};
 use nix::sys::signal::Signal;
 
 const LEASE: Duration = Duration::from_secs(2);
@@ -102,6 +104,33 @@ fn redis_sigterm_hands_over_at_once() {
     // Pub/sub wakes the waiter; expiry would take the whole lease. 200 ms is the contract, far
     // above the few milliseconds it takes.
     assert!(took < Duration::from_millis(200), "hand-over took {took:?}");
+}
+
+#[test]
+fn postgres_crash_takeover_within_the_lease() {
+    let postgres = PostgresServer::start();
+    crash_takeover(&postgres.url());
+}
+
+#[test]
+fn mariadb_crash_takeover_within_the_lease() {
+    let mariadb = MariaDbServer::start();
+    crash_takeover(&mariadb.url());
+}
+
+#[test]
+fn postgres_sigterm_hands_over_at_once() {
+    let postgres = PostgresServer::start();
+    let took = sigterm_handover(&postgres.url());
+    // LISTEN/NOTIFY wakes the waiter; polling would take up to a renew interval.
+    assert!(took < Duration::from_millis(200), "hand-over took {took:?}");
+}
+
+#[test]
+fn mariadb_sigterm_hands_over_before_expiry() {
+    let mariadb = MariaDbServer::start();
+    let took = sigterm_handover(&mariadb.url());
+    assert!(took < LEASE, "hand-over took {took:?}");
 }
 
 #[test]

@@ -4,13 +4,18 @@
 
 pub mod conformance;
 pub mod faulty;
+pub mod mariadb_server;
+pub mod postgres_server;
 pub mod redis_server;
+mod server_process;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 
-pub use conformance::{Harness, RedisHarness, SqliteHarness};
+pub use conformance::{Harness, MariaDbHarness, PostgresHarness, RedisHarness, SqliteHarness};
 pub use faulty::FaultyDriver;
+pub use mariadb_server::MariaDbServer;
+pub use postgres_server::PostgresServer;
 pub use redis_server::RedisServer;
 
 /// A TCP port that was free on loopback a moment ago.

@@ -1,0 +1,430 @@
+//! PostgreSQL and MySQL/MariaDB, lease mode: one row per lock in a lock table, one SQL core with
+//! the dialect differences kept in [`Dialect`].
+//!
+//! - Expiry is computed by the database's own clock (`now()`, `NOW(6)`), so a client whose clock
+//!   is wrong by minutes can neither steal a live lease nor keep an expired one.
+//! - Acquire inserts the row, or takes it over with a compare-and-set when it is free or
+//!   expired; the token goes up by one on every acquisition and is never reset (a release keeps
+//!   the row).
+//! - Renew and release match name, holder **and** token.
+//! - PostgreSQL wakes waiters with `LISTEN`/`NOTIFY` (the release statement notifies);
+//!   MySQL waiters poll with jitter, O(1) queries per interval.
+//!
+//! Table and schema names are validated identifiers, quoted in the dialect's way; lock names and
+//! identities are always bound parameters.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::AnyPool;
+use sqlx::any::AnyPoolOptions;
+use sqlx::{Connection, Row};
+use tokio::sync::{OnceCell, watch};
+
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+use crate::names::{quote_sql_identifier, validate_sql_identifier};
+
+/// The NOTIFY channel of releases; the payload is the lock name.
+pub const RELEASE_CHANNEL: &str = "leasehold_released";
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+const RELISTEN_MIN: Duration = Duration::from_millis(100);
+const RELISTEN_MAX: Duration = Duration::from_secs(2);
+/// Connections per sidecar: renewals of several locks, and acquisitions, in parallel.
+const POOL_SIZE: u32 = 4;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    Postgres,
+    MySql,
+}
+
+/// The statements of one dialect for one table.
+struct Statements {
+    create_table: String,
+    /// Postgres: the whole acquisition. MySQL: the take-over of an existing row.
+    acquire: String,
+    /// MySQL only: the first acquisition of a lock, inserting its row.
+    insert: Option<String>,
+    renew: String,
+    release: String,
+    observe: String,
+}
+
+impl Dialect {
+    fn quote(self, ident: &str) -> String {
+        match self {
+            Dialect::Postgres => quote_sql_identifier(ident),
+            Dialect::MySql => format!("`{ident}`"),
+        }
+    }
+
+    fn statements(self, schema: Option<&str>, table: &str) -> Statements {
+        let t = match schema {
+            Some(schema) => format!("{}.{}", self.quote(schema), self.quote(table)),
+            None => self.quote(table),
+        };
+        match self {
+            Dialect::Postgres => {
+                let until = "now() + make_interval(secs => $3::bigint / 1000.0)";
+                Statements {
+                    create_table: format!(
+                        "CREATE TABLE IF NOT EXISTS {t} (\
+                           name VARCHAR(253) PRIMARY KEY, \
+                           holder VARCHAR(253), \
+                           token BIGINT NOT NULL, \
+                           expires_at TIMESTAMPTZ NOT NULL)"
+                    ),
+                    acquire: format!(
+                        "INSERT INTO {t} AS l (name, holder, token, expires_at) VALUES ($1, $2, 1, {until}) \
+                         ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, token = l.token + 1, \
+                         expires_at = EXCLUDED.expires_at \
+                         WHERE l.holder IS NULL OR l.expires_at <= now() \
+                         RETURNING token"
+                    ),
+                    insert: None,
+                    renew: format!(
+                        "UPDATE {t} SET expires_at = now() + make_interval(secs => $4::bigint / 1000.0) \
+                         WHERE name = $1 AND holder = $2 AND token = $3 AND expires_at > now()"
+                    ),
+                    release: format!(
+                        "WITH released AS (\
+                           UPDATE {t} SET holder = NULL, expires_at = now() \
+                           WHERE name = $1 AND holder = $2 AND token = $3 RETURNING name) \
+                         SELECT count(*) AS released FROM released, \
+                           LATERAL (SELECT pg_notify('{RELEASE_CHANNEL}', released.name)) AS notified"
+                    ),
+                    observe: format!(
+                        "SELECT holder, token, \
+                           CAST(EXTRACT(EPOCH FROM (expires_at - now())) * 1000 AS BIGINT) AS remaining_ms \
+                         FROM {t} WHERE name = $1 AND holder IS NOT NULL AND expires_at > now()"
+                    ),
+                }
+            }
+            Dialect::MySql => Statements {
+                // utf8mb4_bin: lock names and identities compare exactly, never case-folded.
+                create_table: format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
+                       name VARCHAR(253) NOT NULL PRIMARY KEY, \
+                       holder VARCHAR(253) NULL, \
+                       token BIGINT NOT NULL, \
+                       expires_at DATETIME(6) NOT NULL\
+                     ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                ),
+                // LAST_INSERT_ID(expr) hands the new token to this connection atomically.
+                acquire: format!(
+                    "UPDATE {t} SET holder = ?, token = LAST_INSERT_ID(token + 1), \
+                       expires_at = NOW(6) + INTERVAL ? MICROSECOND \
+                     WHERE name = ? AND (holder IS NULL OR expires_at <= NOW(6))"
+                ),
+                insert: Some(format!(
+                    "INSERT IGNORE INTO {t} (name, holder, token, expires_at) \
+                     VALUES (?, ?, 1, NOW(6) + INTERVAL ? MICROSECOND)"
+                )),
+                renew: format!(
+                    "UPDATE {t} SET expires_at = NOW(6) + INTERVAL ? MICROSECOND \
+                     WHERE name = ? AND holder = ? AND token = ? AND expires_at > NOW(6)"
+                ),
+                release: format!(
+                    "UPDATE {t} SET holder = NULL, expires_at = NOW(6) \
+                     WHERE name = ? AND holder = ? AND token = ?"
+                ),
+                observe: format!(
+                    "SELECT holder, token, \
+                       CAST(TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) DIV 1000 AS SIGNED) AS remaining_ms \
+                     FROM {t} WHERE name = ? AND holder IS NOT NULL AND expires_at > NOW(6)"
+                ),
+            },
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Postgres => "postgres",
+            Dialect::MySql => "mysql",
+        }
+    }
+}
+
+pub struct SqlDriver {
+    dialect: Dialect,
+    pool: AnyPool,
+    sql: Statements,
+    /// The table is created on first use, so that a database that is down at start-up is
+    /// reported by readiness rather than by a crash.
+    provisioned: OnceCell<()>,
+    releases: Arc<ChangeFeeds>,
+    listener: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for SqlDriver {
+    fn drop(&mut self) {
+        if let Some(listener) = &self.listener {
+            listener.abort();
+        }
+    }
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn token(lease: &Lease) -> i64 {
+    i64::try_from(lease.token).unwrap_or(i64::MAX)
+}
+
+/// Sort database errors into unreachable (retry), missing privilege (say which), and the rest.
+fn map_err(e: sqlx::Error) -> Error {
+    match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::WorkerCrashed => Error::Unreachable(e.to_string()),
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            // PostgreSQL insufficient_privilege; MySQL's access-denied errors (SQLSTATE 42000).
+            Some(code)
+                if code == "42501" || (code == "42000" && db.message().contains("denied")) =>
+            {
+                Error::Backend(format!(
+                    "missing privilege: {} (the lock table needs CREATE once, then SELECT, INSERT and UPDATE)",
+                    db.message()
+                ))
+            }
+            // PostgreSQL admin_shutdown / cannot_connect_now / crash_shutdown.
+            Some("57P01") | Some("57P02") | Some("57P03") => Error::Unreachable(e.to_string()),
+            _ => Error::Backend(e.to_string()),
+        },
+        _ => Error::Backend(e.to_string()),
+    }
+}
+
+impl SqlDriver {
+    /// A lazily connecting pool; `url` is the database's own URL (credentials included, never
+    /// logged).
+    pub fn connect(dialect: Dialect, url: &str, schema: Option<&str>, table: &str) -> Result<Self> {
+        validate_sql_identifier("table name", table)?;
+        if let Some(schema) = schema {
+            validate_sql_identifier("schema name", schema)?;
+        }
+        sqlx::any::install_default_drivers();
+        let pool = AnyPoolOptions::new()
+            .max_connections(POOL_SIZE)
+            .acquire_timeout(CONNECT_TIMEOUT)
+            .connect_lazy(url)
+            .map_err(|e| Error::InvalidUrl {
+                url: crate::backend_url::redact(url),
+                reason: e.to_string(),
+            })?;
+        let releases = Arc::new(ChangeFeeds::default());
+        let listener = (dialect == Dialect::Postgres)
+            .then(|| tokio::spawn(listen_for_releases(url.to_owned(), releases.clone())));
+        Ok(Self {
+            dialect,
+            pool,
+            sql: dialect.statements(schema, table),
+            provisioned: OnceCell::new(),
+            releases,
+            listener,
+        })
+    }
+
+    /// Create the lock table if it is absent. Idempotent; needs CREATE the first time only.
+    pub async fn provision(&self) -> Result<()> {
+        self.provisioned
+            .get_or_try_init(|| async {
+                sqlx::query(&self.sql.create_table)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(map_err)?;
+                Ok::<_, Error>(())
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn acquire_postgres(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>> {
+        let rows = sqlx::query(&self.sql.acquire)
+            .bind(lock)
+            .bind(identity)
+            .bind(ms(ttl))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)?;
+        rows.first()
+            .map(|row| row.try_get::<i64, _>("token").map(|t| t as u64))
+            .transpose()
+            .map_err(map_err)
+    }
+
+    async fn acquire_mysql(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>> {
+        // One connection for the statement and LAST_INSERT_ID().
+        let mut conn = self.pool.acquire().await.map_err(map_err)?;
+        let taken = sqlx::query(&self.sql.acquire)
+            .bind(identity)
+            .bind(micros(ttl))
+            .bind(lock)
+            .execute(&mut *conn)
+            .await
+            .map_err(map_err)?;
+        if taken.rows_affected() == 1 {
+            let row = sqlx::query("SELECT CAST(LAST_INSERT_ID() AS SIGNED) AS token")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(map_err)?;
+            return Ok(Some(row.try_get::<i64, _>("token").map_err(map_err)? as u64));
+        }
+        let insert = self.sql.insert.as_deref().unwrap_or_default();
+        let inserted = sqlx::query(insert)
+            .bind(lock)
+            .bind(identity)
+            .bind(micros(ttl))
+            .execute(&mut *conn)
+            .await
+            .map_err(map_err)?;
+        Ok((inserted.rows_affected() == 1).then_some(1))
+    }
+}
+
+/// One LISTEN connection per process; a lost connection wakes every waiter, since a release may
+/// have gone unheard meanwhile.
+async fn listen_for_releases(url: String, feeds: Arc<ChangeFeeds>) {
+    let mut pause = RELISTEN_MIN;
+    loop {
+        let listening = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            let mut listener = sqlx::postgres::PgListener::connect(&url).await?;
+            listener.listen(RELEASE_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        })
+        .await;
+        match listening {
+            Ok(Ok(mut listener)) => {
+                pause = RELISTEN_MIN;
+                feeds.bump_all();
+                loop {
+                    match listener.try_recv().await {
+                        Ok(Some(notice)) => feeds.bump(notice.payload()),
+                        // The connection dropped; try_recv reconnects on the next call.
+                        Ok(None) => feeds.bump_all(),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "postgres LISTEN failed");
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "postgres LISTEN could not start"),
+            Err(_) => tracing::debug!("postgres LISTEN timed out"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(RELISTEN_MAX);
+    }
+}
+
+#[async_trait]
+impl Driver for SqlDriver {
+    fn kind(&self) -> &'static str {
+        self.dialect.as_str()
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        self.provision().await?;
+        let token = match self.dialect {
+            Dialect::Postgres => self.acquire_postgres(lock, identity, ttl).await?,
+            Dialect::MySql => self.acquire_mysql(lock, identity, ttl).await?,
+        };
+        match token {
+            Some(token) => Ok(Acquire::Acquired(Lease {
+                lock: lock.to_owned(),
+                identity: identity.to_owned(),
+                token,
+            })),
+            None => Ok(Acquire::Busy(self.observe(lock).await?)),
+        }
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let query = match self.dialect {
+            Dialect::Postgres => sqlx::query(&self.sql.renew)
+                .bind(&lease.lock)
+                .bind(&lease.identity)
+                .bind(token(lease))
+                .bind(ms(ttl)),
+            Dialect::MySql => sqlx::query(&self.sql.renew)
+                .bind(micros(ttl))
+                .bind(&lease.lock)
+                .bind(&lease.identity)
+                .bind(token(lease)),
+        };
+        let done = query.execute(&self.pool).await.map_err(map_err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let query = sqlx::query(&self.sql.release)
+            .bind(&lease.lock)
+            .bind(&lease.identity)
+            .bind(token(lease));
+        let released = match self.dialect {
+            Dialect::Postgres => {
+                let row = query.fetch_one(&self.pool).await.map_err(map_err)?;
+                row.try_get::<i64, _>("released").map_err(map_err)? == 1
+            }
+            Dialect::MySql => {
+                query
+                    .execute(&self.pool)
+                    .await
+                    .map_err(map_err)?
+                    .rows_affected()
+                    == 1
+            }
+        };
+        if released {
+            self.releases.bump(&lease.lock);
+        }
+        Ok(released)
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        self.provision().await?;
+        let rows = sqlx::query(&self.sql.observe)
+            .bind(lock)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)?;
+        rows.first()
+            .map(|row| {
+                let remaining: i64 = row.try_get("remaining_ms").map_err(map_err)?;
+                Ok(Holding {
+                    identity: row.try_get("holder").map_err(map_err)?,
+                    token: row.try_get::<i64, _>("token").map_err(map_err)? as u64,
+                    expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
+                })
+            })
+            .transpose()
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.releases.subscribe(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let mut conn = self.pool.acquire().await.map_err(map_err)?;
+        conn.ping().await.map_err(map_err)
+    }
+}
