@@ -436,16 +436,19 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
 
 /// Many contenders, many hand-overs: claimed intervals never overlap, tokens only go up.
 pub async fn many_contenders(h: &mut dyn Harness) {
-    const CONTENDERS: usize = 6;
-    const ROUNDS: usize = 4;
+    contenders(h, 6, 4).await;
+}
+
+/// `n` on-demand contenders, `rounds` acquisitions each, all on one lock.
+pub async fn contenders(h: &mut dyn Harness, n: usize, rounds: usize) {
     let lock = unique_lock("contenders");
     let log = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    for i in 0..CONTENDERS {
+    for i in 0..n {
         let lock = start(h.driver().await, &lock, &format!("c{i}"), Mode::OnDemand);
         let log = log.clone();
         tasks.push(tokio::spawn(async move {
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds {
                 let answer = lock
                     .acquire(Duration::from_secs(30), Duration::from_secs(30))
                     .await
@@ -464,13 +467,13 @@ pub async fn many_contenders(h: &mut dyn Harness) {
         }));
     }
     for task in tasks {
-        tokio::time::timeout(Duration::from_secs(60), task)
+        tokio::time::timeout(Duration::from_secs(120), task)
             .await
             .expect("contenders finished")
             .expect("contender panicked");
     }
     let mut log = log.lock().unwrap().clone();
-    assert_eq!(log.len(), CONTENDERS * ROUNDS);
+    assert_eq!(log.len(), n * rounds);
     log.sort_by_key(|(start, _, _)| *start);
     for pair in log.windows(2) {
         let ((_, end, t1), (start, _, t2)) = (pair[0], pair[1]);

@@ -1,0 +1,130 @@
+//! Scenarios particular to the SQL backends, on real PostgreSQL and MariaDB servers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::sql::{Dialect, SqlDriver};
+use leasehold_lease::testkit::conformance::{LEASE, RENEW, SLACK, contenders};
+use leasehold_lease::testkit::{Harness, MariaDbHarness, PostgresHarness, unique_lock};
+use leasehold_lease::{Answer, Lock, LockConfig, Mode};
+use sqlx::Connection;
+
+fn start(driver: Arc<dyn leasehold_lease::Driver>, lock: &str, identity: &str) -> Lock {
+    let config = LockConfig {
+        renew_interval: RENEW,
+        mode: Mode::Campaign,
+        ..LockConfig::new(lock, identity, LEASE)
+    };
+    Lock::start(driver, config, Arc::new(())).expect("lock")
+}
+
+async fn holder_token(lock: &Lock) -> u64 {
+    let deadline = tokio::time::Instant::now() + SLACK;
+    loop {
+        if let Answer::Holder { token, .. } = lock.answer() {
+            return token;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} never held",
+            lock.name()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Lease mode does not live in a connection: when the server kills the holder's connections,
+/// the pool reconnects, renewals go on with the same token, and nobody else gets in.
+async fn holder_survives_killed_connections(h: &mut dyn Harness, url: &str, dialect: Dialect) {
+    let lock = unique_lock("killed");
+    let a = start(h.driver().await, &lock, "a");
+    let token = holder_token(&a).await;
+    let b = start(h.driver().await, &lock, "b");
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(url)
+        .await
+        .expect("admin connection");
+    for round in 0..3 {
+        let killed = kill_other_connections(&mut admin, dialect).await;
+        assert!(killed >= 1, "round {round}: no connection of a's to kill");
+        let until = tokio::time::Instant::now() + LEASE;
+        while tokio::time::Instant::now() < until {
+            assert!(
+                !b.answer().is_holder(),
+                "round {round}: b took a lease that a kept"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert_eq!(
+        holder_token(&a).await,
+        token,
+        "a lost its lease to killed connections"
+    );
+}
+
+/// Kill every client connection to the database but the admin's own; returns how many.
+async fn kill_other_connections(admin: &mut sqlx::AnyConnection, dialect: Dialect) -> usize {
+    use sqlx::Row;
+    let list = match dialect {
+        Dialect::Postgres => {
+            "SELECT CAST(pid AS BIGINT) AS id FROM pg_stat_activity \
+             WHERE pid <> pg_backend_pid() AND datname = current_database() AND backend_type = 'client backend'"
+        }
+        Dialect::MySql => {
+            "SELECT CAST(id AS SIGNED) AS id FROM information_schema.processlist \
+             WHERE id <> CONNECTION_ID() AND db = DATABASE()"
+        }
+    };
+    let ids: Vec<i64> = sqlx::query(list)
+        .fetch_all(&mut *admin)
+        .await
+        .expect("list connections")
+        .iter()
+        .map(|row| row.try_get("id").expect("id"))
+        .collect();
+    for id in &ids {
+        let kill = match dialect {
+            Dialect::Postgres => format!("SELECT pg_terminate_backend({id})::text AS done"),
+            Dialect::MySql => format!("KILL CONNECTION {id}"),
+        };
+        // A connection may be closing by itself meanwhile; that is fine.
+        let _ = sqlx::query(&kill).execute(&mut *admin).await;
+    }
+    ids.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_holder_survives_terminated_backends() {
+    let mut h = PostgresHarness::new();
+    let url = h.server.url();
+    holder_survives_killed_connections(&mut h, &url, Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_holder_survives_killed_connections() {
+    let mut h = MariaDbHarness::new();
+    let url = h.server.url();
+    holder_survives_killed_connections(&mut h, &url, Dialect::MySql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_twenty_contenders_two_hundred_handovers() {
+    contenders(&mut PostgresHarness::new(), 20, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_twenty_contenders_two_hundred_handovers() {
+    contenders(&mut MariaDbHarness::new(), 20, 10).await;
+}
+
+/// Names from users are validated before any SQL is built.
+#[tokio::test]
+async fn bad_table_names_are_refused() {
+    for (table, schema) in [("locks;drop", None), ("ok", Some("a.b")), ("1x", None)] {
+        let err = SqlDriver::connect(Dialect::Postgres, "postgres://u@h/db", schema, table)
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("invalid"), "{err}");
+    }
+}
