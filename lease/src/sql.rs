@@ -20,6 +20,7 @@ use async_trait::async_trait;
 use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 use sqlx::{Connection, Row};
+
 use tokio::sync::{OnceCell, watch};
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
@@ -31,6 +32,8 @@ pub const RELEASE_CHANNEL: &str = "leasehold_released";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RELISTEN_MIN: Duration = Duration::from_millis(100);
 const RELISTEN_MAX: Duration = Duration::from_secs(2);
+const MYSQL_MIN_POLL: Duration = Duration::from_millis(50);
+const MYSQL_MAX_POLL: Duration = Duration::from_secs(1);
 /// Connections per sidecar: renewals of several locks, and acquisitions, in parallel.
 const POOL_SIZE: u32 = 4;
 
@@ -273,28 +276,27 @@ impl SqlDriver {
         identity: &str,
         ttl: Duration,
     ) -> Result<Option<u64>> {
-        // One connection for the statement and LAST_INSERT_ID().
-        let mut conn = self.pool.acquire().await.map_err(map_err)?;
+        // LAST_INSERT_ID(token + 1) puts the new token in the statement's own OK packet: one
+        // round trip, and no other session can see or change it in between.
         let taken = sqlx::query(&self.sql.acquire)
             .bind(identity)
             .bind(micros(ttl))
             .bind(lock)
-            .execute(&mut *conn)
+            .execute(&self.pool)
             .await
             .map_err(map_err)?;
         if taken.rows_affected() == 1 {
-            let row = sqlx::query("SELECT CAST(LAST_INSERT_ID() AS SIGNED) AS token")
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(map_err)?;
-            return Ok(Some(row.try_get::<i64, _>("token").map_err(map_err)? as u64));
+            let token = taken.last_insert_id().ok_or_else(|| {
+                Error::Backend("MySQL did not return the new token (LAST_INSERT_ID)".into())
+            })?;
+            return Ok(Some(token as u64));
         }
         let insert = self.sql.insert.as_deref().unwrap_or_default();
         let inserted = sqlx::query(insert)
             .bind(lock)
             .bind(identity)
             .bind(micros(ttl))
-            .execute(&mut *conn)
+            .execute(&self.pool)
             .await
             .map_err(map_err)?;
         Ok((inserted.rows_affected() == 1).then_some(1))
@@ -421,6 +423,16 @@ impl Driver for SqlDriver {
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
         Some(self.releases.subscribe(lock))
+    }
+
+    /// PostgreSQL waiters are woken by NOTIFY and poll once per renew interval as a fallback.
+    /// MySQL has nothing to wake them, so they poll five times per renew interval (still O(1)
+    /// per waiter), so that a released lock changes hands in well under a second.
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        match self.dialect {
+            Dialect::Postgres => renew_interval,
+            Dialect::MySql => (renew_interval / 5).clamp(MYSQL_MIN_POLL, MYSQL_MAX_POLL),
+        }
     }
 
     async fn ping(&self) -> Result<()> {
