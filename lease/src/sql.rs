@@ -43,16 +43,17 @@ pub enum Dialect {
     MySql,
 }
 
-/// The statements of one dialect for one table.
-struct Statements {
-    create_table: String,
+/// The statements of one dialect for one table (public so that the benchmark can issue the
+/// very same SQL raw, as its baseline).
+pub struct Statements {
+    pub create_table: String,
     /// Postgres: the whole acquisition. MySQL: the take-over of an existing row.
-    acquire: String,
+    pub acquire: String,
     /// MySQL only: the first acquisition of a lock, inserting its row.
-    insert: Option<String>,
-    renew: String,
-    release: String,
-    observe: String,
+    pub insert: Option<String>,
+    pub renew: String,
+    pub release: String,
+    pub observe: String,
 }
 
 impl Dialect {
@@ -63,7 +64,7 @@ impl Dialect {
         }
     }
 
-    fn statements(self, schema: Option<&str>, table: &str) -> Statements {
+    pub fn statements(self, schema: Option<&str>, table: &str) -> Statements {
         let t = match schema {
             Some(schema) => format!("{}.{}", self.quote(schema), self.quote(table)),
             None => self.quote(table),

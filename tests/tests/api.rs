@@ -33,10 +33,18 @@ fn bad_flags_exit_2_with_one_line_naming_the_value() {
         (&["--lock", "jobs", "--mode", "sometimes"], "sometimes"),
         (&["--lock", "jobs", "--bogus"], "--bogus"),
         (
-            &["--lock", "jobs", "--backend", "postgres://app:hunter2@db/app?mode=row-lock"],
+            &[
+                "--lock",
+                "jobs",
+                "--backend",
+                "postgres://app:hunter2@db/app?mode=row-lock",
+            ],
             "row-lock",
         ),
-        (&["--lock", "jobs", "--backend", "mysql://db/app?table=x;drop"], "table"),
+        (
+            &["--lock", "jobs", "--backend", "mysql://db/app?table=x;drop"],
+            "table",
+        ),
     ];
     for (args, needle) in cases {
         let out = Command::new(sidecar_binary()).args(*args).output().unwrap();
