@@ -304,6 +304,22 @@ impl SqlDriver {
     }
 }
 
+/// The holder from an `observe` row (`holder`, `token`, `remaining_ms`), for every SQL backend.
+pub(crate) fn holding_from_row<'r, R>(row: &'r R) -> Result<Holding, sqlx::Error>
+where
+    R: Row,
+    &'r str: sqlx::ColumnIndex<R>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let remaining: i64 = row.try_get("remaining_ms")?;
+    Ok(Holding {
+        identity: row.try_get("holder")?,
+        token: row.try_get::<i64, _>("token")? as u64,
+        expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
+    })
+}
+
 /// One LISTEN connection per process; a lost connection wakes every waiter, since a release may
 /// have gone unheard meanwhile.
 async fn listen_for_releases(url: String, feeds: Arc<ChangeFeeds>) {
@@ -411,15 +427,9 @@ impl Driver for SqlDriver {
             .await
             .map_err(map_err)?;
         rows.first()
-            .map(|row| {
-                let remaining: i64 = row.try_get("remaining_ms").map_err(map_err)?;
-                Ok(Holding {
-                    identity: row.try_get("holder").map_err(map_err)?,
-                    token: row.try_get::<i64, _>("token").map_err(map_err)? as u64,
-                    expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
-                })
-            })
+            .map(holding_from_row)
             .transpose()
+            .map_err(map_err)
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {

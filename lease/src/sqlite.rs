@@ -201,17 +201,10 @@ impl Driver for SqliteDriver {
             .fetch_all(&self.pool)
             .await
             .map_err(map_err)?;
-        rows.into_iter()
-            .next()
-            .map(|row| {
-                let remaining: i64 = row.try_get("remaining_ms").map_err(map_err)?;
-                Ok(Holding {
-                    identity: row.try_get("holder").map_err(map_err)?,
-                    token: row.try_get::<i64, _>("token").map_err(map_err)? as u64,
-                    expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
-                })
-            })
+        rows.first()
+            .map(crate::sql::holding_from_row)
             .transpose()
+            .map_err(map_err)
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
