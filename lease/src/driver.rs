@@ -69,6 +69,12 @@ pub trait Driver: Send + Sync + 'static {
 
     /// A cheap round trip, for readiness.
     async fn ping(&self) -> Result<()>;
+
+    /// Create what the backend needs (the lock table), if absent. Idempotent; backends with
+    /// nothing to create, or that create it on open, need not override it.
+    async fn provision(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Per-lock change counters, for drivers that learn of releases (from the backend, or from

@@ -238,20 +238,6 @@ impl SqlDriver {
         })
     }
 
-    /// Create the lock table if it is absent. Idempotent; needs CREATE the first time only.
-    pub async fn provision(&self) -> Result<()> {
-        self.provisioned
-            .get_or_try_init(|| async {
-                sqlx::query(&self.sql.create_table)
-                    .execute(&self.pool)
-                    .await
-                    .map_err(map_err)?;
-                Ok::<_, Error>(())
-            })
-            .await?;
-        Ok(())
-    }
-
     async fn acquire_postgres(
         &self,
         lock: &str,
@@ -449,5 +435,19 @@ impl Driver for SqlDriver {
     async fn ping(&self) -> Result<()> {
         let mut conn = self.pool.acquire().await.map_err(map_err)?;
         conn.ping().await.map_err(map_err)
+    }
+
+    /// Create the lock table if it is absent; needs CREATE the first time only.
+    async fn provision(&self) -> Result<()> {
+        self.provisioned
+            .get_or_try_init(|| async {
+                sqlx::query(&self.sql.create_table)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(map_err)?;
+                Ok::<_, Error>(())
+            })
+            .await?;
+        Ok(())
     }
 }

@@ -69,6 +69,10 @@ struct Args {
     #[arg(long, env = "LEASEHOLD_RESOURCE", value_name = "NS/NAME")]
     resource: Option<String>,
 
+    /// Create the backend's lock table (if absent) and exit: 0 when done, 1 with the reason.
+    #[arg(long, env = "LEASEHOLD_PROVISION")]
+    provision: bool,
+
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", value_name = "FORMAT", default_value = "text",
           value_parser = ["text", "json"])]
@@ -77,6 +81,8 @@ struct Args {
 
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// Provision the backend and exit, instead of holding locks.
+    pub provision_only: bool,
     pub locks: Vec<LockConfig>,
     pub backend: BackendUrl,
     pub listen: SocketAddr,
@@ -136,6 +142,16 @@ impl Config {
             leasehold_lease::Error::InvalidUrl { url, reason } => bad("backend", &url, &reason),
             other => bad("backend", &leasehold_lease::redact(&args.backend), &other),
         })?;
+        if args.provision {
+            return Ok(Self {
+                provision_only: true,
+                locks: Vec::new(),
+                backend,
+                listen: args.listen,
+                probe_listen: None,
+                json_logs: args.log_format == "json",
+            });
+        }
         if args.locks.is_empty() {
             return Err(Exit::BadConfig(
                 "error: --lock NAME is required (or LEASEHOLD_LOCK)".into(),
@@ -191,6 +207,7 @@ impl Config {
             ));
         }
         Ok(Self {
+            provision_only: false,
             locks,
             backend,
             listen: args.listen,

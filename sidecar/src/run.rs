@@ -19,6 +19,15 @@ pub async fn run(config: Config) -> Result<(), String> {
     let driver = connect(&config.backend)
         .await
         .map_err(|e| format!("cannot open backend {}: {e}", config.backend))?;
+    if config.provision_only {
+        driver
+            .provision()
+            .await
+            .map_err(|e| format!("cannot provision {}: {e}", config.backend))?;
+        tracing::info!(backend = %config.backend, "provisioned");
+        println!("provisioned {}", config.backend);
+        return Ok(());
+    }
     let metrics = Arc::new(Metrics::new());
     for lock in &config.locks {
         metrics.register_lock(&lock.name);
