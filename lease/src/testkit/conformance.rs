@@ -94,30 +94,52 @@ impl Harness for SqliteHarness {
     }
 }
 
-/// Redis: a real server; an outage is `kill -9`, recovery a restart on the same append-only file.
-pub struct RedisHarness {
-    pub server: RedisServer,
+/// A real server the suite can take down and bring back.
+pub trait BackendServer: Send + Sync {
+    fn start() -> Self;
+    /// The `--backend` URL of this server.
+    fn url(&self) -> String;
+    /// Stop it like a crash.
+    fn kill(&mut self);
+    /// Start it again on the same port with the same data.
+    fn restart(&mut self);
 }
 
-impl RedisHarness {
-    pub fn new() -> Self {
-        Self {
-            server: RedisServer::start(),
+macro_rules! backend_server {
+    ($($server:ty),+) => {$(
+        impl BackendServer for $server {
+            fn start() -> Self { <$server>::start() }
+            fn url(&self) -> String { <$server>::url(self) }
+            fn kill(&mut self) { <$server>::kill(self) }
+            fn restart(&mut self) { <$server>::restart(self) }
         }
+    )+};
+}
+backend_server!(RedisServer, super::PostgresServer, super::MariaDbServer);
+
+/// A network backend: drivers connect through the same URL parsing and `connect` as the
+/// sidecar; an outage is a crash of the server, recovery a restart on the same data.
+pub struct ServerHarness<S> {
+    pub server: S,
+}
+
+impl<S: BackendServer> ServerHarness<S> {
+    pub fn new() -> Self {
+        Self { server: S::start() }
     }
 }
 
-impl Default for RedisHarness {
+impl<S: BackendServer> Default for ServerHarness<S> {
     fn default() -> Self {
         Self::new()
     }
 }
 
 #[async_trait]
-impl Harness for RedisHarness {
+impl<S: BackendServer> Harness for ServerHarness<S> {
     async fn driver(&self) -> Arc<dyn Driver> {
-        let url = url::Url::parse(&self.server.url()).expect("url");
-        Arc::new(crate::redis::RedisDriver::connect(&url, "leasehold").expect("redis driver"))
+        let url = crate::BackendUrl::parse(&self.server.url()).expect("backend url");
+        crate::connect(&url).await.expect("driver")
     }
     async fn outage_begin(&mut self) {
         self.server.kill();
@@ -127,85 +149,12 @@ impl Harness for RedisHarness {
     }
 }
 
-/// PostgreSQL: a real server; an outage is an immediate shutdown, recovery a restart.
-pub struct PostgresHarness {
-    pub server: super::PostgresServer,
-}
-
-impl PostgresHarness {
-    pub fn new() -> Self {
-        Self {
-            server: super::PostgresServer::start(),
-        }
-    }
-}
-
-impl Default for PostgresHarness {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-#[async_trait]
-impl Harness for PostgresHarness {
-    async fn driver(&self) -> Arc<dyn Driver> {
-        Arc::new(
-            crate::sql::SqlDriver::connect(
-                crate::sql::Dialect::Postgres,
-                &self.server.url(),
-                None,
-                crate::DEFAULT_TABLE,
-            )
-            .expect("postgres driver"),
-        )
-    }
-    async fn outage_begin(&mut self) {
-        self.server.kill();
-    }
-    async fn outage_end(&mut self) {
-        self.server.restart();
-    }
-}
-
-/// MariaDB: a real server; an outage is `kill -9`, recovery a restart on the same data.
-pub struct MariaDbHarness {
-    pub server: super::MariaDbServer,
-}
-
-impl MariaDbHarness {
-    pub fn new() -> Self {
-        Self {
-            server: super::MariaDbServer::start(),
-        }
-    }
-}
-
-impl Default for MariaDbHarness {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-#[async_trait]
-impl Harness for MariaDbHarness {
-    async fn driver(&self) -> Arc<dyn Driver> {
-        Arc::new(
-            crate::sql::SqlDriver::connect(
-                crate::sql::Dialect::MySql,
-                &self.server.url(),
-                None,
-                crate::DEFAULT_TABLE,
-            )
-            .expect("mariadb driver"),
-        )
-    }
-    async fn outage_begin(&mut self) {
-        self.server.kill();
-    }
-    async fn outage_end(&mut self) {
-        self.server.restart();
-    }
-}
+/// Redis: `kill -9`, then a restart on the same append-only file.
+pub type RedisHarness = ServerHarness<RedisServer>;
+/// PostgreSQL: an immediate shutdown, then a restart with crash recovery.
+pub type PostgresHarness = ServerHarness<super::PostgresServer>;
+/// MariaDB: `kill -9`, then a restart with InnoDB recovery.
+pub type MariaDbHarness = ServerHarness<super::MariaDbServer>;
 
 fn config(lock: &str, identity: &str, mode: Mode) -> LockConfig {
     LockConfig {

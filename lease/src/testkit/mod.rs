@@ -12,7 +12,10 @@ mod server_process;
 use std::net::TcpListener;
 use std::path::PathBuf;
 
-pub use conformance::{Harness, MariaDbHarness, PostgresHarness, RedisHarness, SqliteHarness};
+pub use conformance::{
+    BackendServer, Harness, MariaDbHarness, PostgresHarness, RedisHarness, ServerHarness,
+    SqliteHarness,
+};
 pub use faulty::FaultyDriver;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
