@@ -102,9 +102,29 @@ impl Sidecar {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
+        Self::start_under(&[], identity, backend, lock, extra, env)
+    }
+
+    /// Start the sidecar through a wrapper command (e.g. `faketime -f +10m`).
+    pub fn start_under(
+        wrapper: &[&str],
+        identity: &str,
+        backend: &str,
+        lock: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
-        let child = Command::new(sidecar_binary())
+        let mut command = match wrapper {
+            [program, args @ ..] => {
+                let mut c = Command::new(require_binary(program, program));
+                c.args(args).arg(sidecar_binary());
+                c
+            }
+            [] => Command::new(sidecar_binary()),
+        };
+        let child = command
             .args(["--lock", lock, "--backend", backend, "--identity", identity])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(extra)

@@ -1,0 +1,84 @@
+//! A client whose wall clock is wrong by minutes still cannot steal a live lease: expiry is
+//! decided by the backend's clock (Redis PX, SQL `now()`), and the sidecar measures its own lease
+//! on the monotonic clock. The skewed sidecar runs under libfaketime, ten minutes ahead.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use leasehold_e2e::{MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, unique_lock};
+
+const LEASE: Duration = Duration::from_secs(2);
+const RENEW: Duration = Duration::from_millis(500);
+const SLACK: Duration = Duration::from_secs(1);
+const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
+const SKEW: Duration = Duration::from_secs(600);
+
+fn skewed_client_cannot_steal(backend: &str) {
+    let lock = unique_lock("skew");
+    let mut honest = Sidecar::start("honest", backend, &lock, TIMING);
+    eventually(LEASE + SLACK, "the honest sidecar holds", || {
+        honest.is_holder()
+    });
+    let token = honest.get("/lock").token();
+
+    let skewed = Sidecar::start_under(
+        &["faketime", "-f", "+10m"],
+        "skewed",
+        backend,
+        &lock,
+        TIMING,
+        // Only the wall clock is wrong; a monotonic clock cannot be set.
+        &[("DONT_FAKE_MONOTONIC", "1")],
+    );
+    // Prove the skew took: the skewed sidecar's timestamps are ten minutes ahead.
+    eventually(LEASE + SLACK, "the skewed sidecar answers", || {
+        skewed.get("/lock").status == 409
+    });
+    let since = skewed.get("/lock").json()["since"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let since = humantime::parse_rfc3339(&since).unwrap();
+    let ahead = since.duration_since(SystemTime::now()).unwrap_or_default();
+    assert!(
+        ahead > SKEW - Duration::from_secs(60),
+        "no skew: since={since:?}"
+    );
+
+    let until = Instant::now() + LEASE * 3;
+    while Instant::now() < until {
+        assert!(
+            !skewed.is_holder(),
+            "a client ten minutes ahead stole a live lease"
+        );
+        assert!(honest.is_holder(), "the honest holder lost its lease");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(honest.get("/lock").token(), token);
+
+    // And the skewed client is otherwise a normal contender.
+    honest.kill9();
+    eventually(
+        LEASE + RENEW + SLACK,
+        "the skewed sidecar takes over",
+        || skewed.is_holder(),
+    );
+    assert!(skewed.get("/lock").token() > token);
+}
+
+#[test]
+fn redis_ignores_client_clocks() {
+    let redis = RedisServer::start();
+    skewed_client_cannot_steal(&redis.url());
+}
+
+#[test]
+fn postgres_ignores_client_clocks() {
+    let postgres = PostgresServer::start();
+    skewed_client_cannot_steal(&postgres.url());
+}
+
+#[test]
+fn mariadb_ignores_client_clocks() {
+    let mariadb = MariaDbServer::start();
+    skewed_client_cannot_steal(&mariadb.url());
+}
