@@ -28,6 +28,11 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A lock configuration that cannot work; `field` names the setting (`identity`,
+    /// `lease-duration`, `renew-interval`) so that callers can point at their own flag or field.
+    #[error("invalid {field}: {reason}")]
+    InvalidConfig { field: &'static str, reason: String },
+
     /// The lock engine task has stopped (the process is shutting down).
     #[error("the lock is shut down")]
     Shutdown,
@@ -42,6 +47,7 @@ impl Error {
             Error::Backend(_) => "backend",
             Error::InvalidUrl { .. } => "invalid_url",
             Error::InvalidName { .. } => "invalid_name",
+            Error::InvalidConfig { .. } => "invalid_config",
             Error::Shutdown => "shutdown",
         }
     }

@@ -95,27 +95,32 @@ impl LockConfig {
 
     pub fn validate(&self) -> Result<()> {
         validate_lock_name(&self.name)?;
-        let bad = |reason: String| Error::Backend(reason);
+        let bad = |field, reason: String| Error::InvalidConfig { field, reason };
         if self.identity.is_empty() || self.identity.len() > 253 {
-            return Err(bad("the identity must be 1-253 characters".into()));
+            return Err(bad("identity", "it must be 1-253 characters".into()));
         }
         if self.identity.chars().any(char::is_control) {
             return Err(bad(
-                "the identity must not contain control characters".into()
+                "identity",
+                "it must not contain control characters".into(),
             ));
         }
         if !(MIN_LEASE_DURATION..=MAX_LEASE_DURATION).contains(&self.lease_duration) {
-            return Err(bad(format!(
-                "the lease duration must be between {MIN_LEASE_DURATION:?} and {MAX_LEASE_DURATION:?}"
-            )));
+            return Err(bad(
+                "lease-duration",
+                format!("it must be between {MIN_LEASE_DURATION:?} and {MAX_LEASE_DURATION:?}"),
+            ));
         }
         if self.renew_interval.is_zero()
             || self.renew_interval + safety_margin(self.lease_duration) >= self.lease_duration
         {
-            return Err(bad(format!(
-                "the renew interval must be above zero and below the lease duration minus its safety margin ({:?})",
-                self.lease_duration - safety_margin(self.lease_duration)
-            )));
+            return Err(bad(
+                "renew-interval",
+                format!(
+                    "it must be above zero and below the lease duration minus its safety margin ({:?})",
+                    self.lease_duration - safety_margin(self.lease_duration)
+                ),
+            ));
         }
         Ok(())
     }

@@ -172,28 +172,20 @@ impl Config {
             if let Err(e) = leasehold_lease::names::validate_lock_name(name) {
                 return Err(bad("lock", name, &e));
             }
-            if let Err(e) = lock.validate() {
-                let (flag, value) = if identity.is_empty() || identity.chars().any(char::is_control)
-                {
-                    ("identity", identity.clone())
-                } else if args.lease_duration < leasehold_lease::MIN_LEASE_DURATION
-                    || args.lease_duration > leasehold_lease::MAX_LEASE_DURATION
-                {
-                    (
-                        "lease-duration",
-                        humantime::format_duration(args.lease_duration).to_string(),
-                    )
-                } else {
-                    (
-                        "renew-interval",
-                        humantime::format_duration(renew_interval).to_string(),
-                    )
-                };
-                return Err(bad(
-                    flag,
-                    &value,
-                    &e.to_string().trim_start_matches("backend error: "),
-                ));
+            match lock.validate() {
+                Ok(()) => {}
+                // The lock engine names the setting; each maps to the flag of the same name.
+                Err(leasehold_lease::Error::InvalidConfig { field, reason }) => {
+                    let value = match field {
+                        "identity" => identity.clone(),
+                        "lease-duration" => {
+                            humantime::format_duration(args.lease_duration).to_string()
+                        }
+                        _ => humantime::format_duration(renew_interval).to_string(),
+                    };
+                    return Err(bad(field, &value, &reason));
+                }
+                Err(other) => return Err(bad("lock", name, &other)),
             }
             locks.push(lock);
         }
@@ -318,6 +310,10 @@ mod tests {
             (&["--lock", "a,a"], "'a'"),
             (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
             (&[], "--lock"),
+            (
+                &["--lock", "jobs", "--identity", &"x".repeat(300)],
+                "--identity",
+            ),
         ];
         for (args, needle) in cases {
             let line = bad(args);
