@@ -111,23 +111,20 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/locks/{name}/acquire", post(acquire))
         .route("/locks/{name}/release", post(release))
         .route("/metrics", get(metrics))
-        .merge(probe_api(state.clone()))
+        .merge(probe_api())
         .fallback(not_found)
         .with_state(state)
 }
 
 /// Health and readiness only, for kubelet probes on the pod IP.
-pub fn probe_api(state: AppState) -> Router<AppState> {
-    let _ = state;
+pub fn probe_api() -> Router<AppState> {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
 }
 
 pub fn probe_router(state: AppState) -> Router {
-    probe_api(state.clone())
-        .fallback(not_found)
-        .with_state(state)
+    probe_api().fallback(not_found).with_state(state)
 }
 
 #[derive(Serialize)]
