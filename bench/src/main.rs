@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold_lease::sql::{Dialect, SqlDriver};
+use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
 use leasehold_lease::testkit::{
     MariaDbServer, PostgresServer, RedisServer, SqliteHarness, free_port,
 };
@@ -541,7 +541,10 @@ async fn sql_section() {
         (Dialect::MySql, mariadb.url(), "poll"),
     ] {
         let connect = || -> Arc<dyn Driver> {
-            Arc::new(SqlDriver::connect(dialect, &url, None, "leasehold_locks").expect("driver"))
+            Arc::new(
+                SqlDriver::connect(dialect, &url, None, "leasehold_locks", SqlMode::Lease)
+                    .expect("driver"),
+            )
         };
         let driver = connect();
         let (mut raw, mut same, mut ours) = (0.0f64, 0.0f64, 0.0f64);

@@ -30,13 +30,14 @@ pub enum BackendUrl {
     Sqlite { path: PathBuf, table: String },
     /// `redis://[user:password@]host[:port][/db][?prefix=NAME]`: one Redis master.
     Redis { url: url::Url, prefix: String },
-    /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease`; every
-    /// other query parameter goes to the database driver (e.g. `sslmode`).
+    /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`;
+    /// every other query parameter goes to the database driver (e.g. `sslmode`).
     Sql {
         dialect: crate::sql::Dialect,
         url: url::Url,
         table: String,
         schema: Option<String>,
+        mode: crate::sql::SqlMode,
     },
 }
 
@@ -114,6 +115,7 @@ impl BackendUrl {
                     return Err(invalid("the database name is missing (…/DATABASE)".into()));
                 }
                 let (mut table, mut schema) = (DEFAULT_TABLE.to_owned(), None);
+                let mut mode = crate::sql::SqlMode::Lease;
                 let mut passed_on = Vec::new();
                 for (key, value) in url.query_pairs() {
                     match &*key {
@@ -126,21 +128,21 @@ impl BackendUrl {
                                 "MySQL has no schemas inside a database; put the database in the path".into(),
                             ));
                         }
-                        "mode" if value == "lease" => {}
-                        "mode" if value == "row-lock" => {
-                            return Err(invalid(
-                                "row-lock mode is not built into this release yet; use mode=lease".into(),
-                            ));
-                        }
                         "mode" => {
-                            return Err(invalid(format!(
-                                "mode must be lease or row-lock, got {value:?}"
-                            )));
+                            mode = crate::sql::SqlMode::parse(&value).ok_or_else(|| {
+                                invalid(format!("mode must be lease or row-lock, got {value:?}"))
+                            })?;
                         }
                         _ => passed_on.push((key.into_owned(), value.into_owned())),
                     }
                 }
                 validate_sql_identifier("table name", &table)?;
+                if mode == crate::sql::SqlMode::RowLock {
+                    validate_sql_identifier(
+                        "row-lock table name (table + \"_rows\")",
+                        &crate::sql::row_table(&table),
+                    )?;
+                }
                 if let Some(schema) = &schema {
                     validate_sql_identifier("schema name", schema)?;
                 }
@@ -154,6 +156,7 @@ impl BackendUrl {
                     url,
                     table,
                     schema,
+                    mode,
                 })
             }
             "rediss" => Err(invalid(
@@ -189,13 +192,18 @@ impl fmt::Display for BackendUrl {
             }
             BackendUrl::Redis { url, .. } => f.write_str(&redact(url.as_str())),
             BackendUrl::Sql {
-                url, table, schema, ..
+                url,
+                table,
+                schema,
+                mode,
+                ..
             } => {
                 write!(f, "{}", redact(url.as_str()))?;
                 match schema {
-                    Some(schema) => write!(f, " (table {schema}.{table})"),
-                    None => write!(f, " (table {table})"),
+                    Some(schema) => write!(f, " (table {schema}.{table}")?,
+                    None => write!(f, " (table {table}")?,
                 }
+                write!(f, ", {} mode)", mode.as_str())
             }
         }
     }
@@ -296,9 +304,9 @@ mod tests {
         let msg = err.to_string();
         assert!(!msg.contains("hunter2"), "{msg}");
         assert!(msg.contains("user:***@h"), "{msg}");
-        let err = BackendUrl::parse("postgres://u:pw@db/x?mode=row-lock").unwrap_err();
+        let err = BackendUrl::parse("postgres://u:pw@db/x?mode=rowlock").unwrap_err();
         assert!(!err.to_string().contains("pw@"), "{err}");
-        assert!(err.to_string().contains("not built"), "{err}");
+        assert!(err.to_string().contains("lease or row-lock"), "{err}");
         let err = BackendUrl::parse("zk://u:pw@zk:2181/locks").unwrap_err();
         assert!(err.to_string().contains("not built"), "{err}");
         assert!(
@@ -321,6 +329,7 @@ mod tests {
             url,
             table,
             schema,
+            mode,
         } = &pg
         else {
             panic!("not sql")
@@ -336,6 +345,18 @@ mod tests {
             "driver options pass through"
         );
         assert!(!pg.to_string().contains("pw"), "{pg}");
+        assert_eq!(*mode, crate::sql::SqlMode::Lease);
+        let rows = BackendUrl::parse("postgres://db/app?mode=row-lock").unwrap();
+        assert!(
+            matches!(
+                rows,
+                BackendUrl::Sql {
+                    mode: crate::sql::SqlMode::RowLock,
+                    ..
+                }
+            ),
+            "{rows}"
+        );
         let my = BackendUrl::parse("mariadb://root@127.0.0.1:3306/app").unwrap();
         assert_eq!(my.kind(), "mysql");
         for bad in [
@@ -345,6 +366,8 @@ mod tests {
             "mysql://db/app?table=a-b",
             "postgres://db/app?schema=a;b",
             "postgres://db/app?mode=sometimes",
+            // 60 + "_rows" is past the 63-character identifier limit.
+            "postgres://db/app?mode=row-lock&table=aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
         }

@@ -70,9 +70,10 @@ pub trait Driver: Send + Sync + 'static {
     /// A cheap round trip, for readiness.
     async fn ping(&self) -> Result<()>;
 
-    /// Create what the backend needs (the lock table), if absent. Idempotent; backends with
-    /// nothing to create, or that create it on open, need not override it.
-    async fn provision(&self) -> Result<()> {
+    /// Create what the backend needs (the lock table, seeded rows for `locks`), if absent.
+    /// Idempotent; backends with nothing to create, or that create it on open, need not
+    /// override it.
+    async fn provision(&self, _locks: &[String]) -> Result<()> {
         Ok(())
     }
 }

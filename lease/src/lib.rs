@@ -17,6 +17,7 @@ mod holder;
 pub mod names;
 pub mod redis;
 pub mod sql;
+mod sql_row_lock;
 pub mod sqlite;
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -44,11 +45,13 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             url,
             table,
             schema,
+            mode,
         } => Arc::new(sql::SqlDriver::connect(
             *dialect,
             url.as_str(),
             schema.as_deref(),
             table,
+            *mode,
         )?),
     })
 }

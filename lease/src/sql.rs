@@ -1,5 +1,6 @@
-//! PostgreSQL and MySQL/MariaDB, lease mode: one row per lock in a lock table, one SQL core with
-//! the dialect differences kept in [`Dialect`].
+//! PostgreSQL and MySQL/MariaDB: one row per lock in a lock table, one SQL core with the dialect
+//! differences kept in [`Dialect`]. This is lease mode; row-lock mode ([`crate::sql_row_lock`])
+//! adds a `FOR UPDATE` row lock in front of the very same row, which stays its fence.
 //!
 //! - Expiry is computed by the database's own clock (`now()`, `NOW(6)`), so a client whose clock
 //!   is wrong by minutes can neither steal a live lease nor keep an expired one.
@@ -26,6 +27,7 @@ use tokio::sync::{OnceCell, watch};
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
+use crate::sql_row_lock::RowLocks;
 
 /// The NOTIFY channel of releases; the payload is the lock name.
 pub const RELEASE_CHANNEL: &str = "leasehold_released";
@@ -37,6 +39,39 @@ const MYSQL_MAX_POLL: Duration = Duration::from_secs(1);
 /// Connections per sidecar: renewals of several locks, and acquisitions, in parallel.
 const POOL_SIZE: u32 = 4;
 
+/// How a lock is held (`?mode=` in the URL, `lockMode` in the resource).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SqlMode {
+    /// A row with holder, token and expiry, renewed by the holder (the default).
+    #[default]
+    Lease,
+    /// The same row as the fence, plus a seeded row held `SELECT ... FOR UPDATE` in an open
+    /// transaction on a dedicated connection; see [`crate::sql_row_lock`].
+    RowLock,
+}
+
+impl SqlMode {
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "lease" => Some(SqlMode::Lease),
+            "row-lock" => Some(SqlMode::RowLock),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SqlMode::Lease => "lease",
+            SqlMode::RowLock => "row-lock",
+        }
+    }
+}
+
+/// The table of row-lock mode's seeded rows, beside the lock table.
+pub fn row_table(table: &str) -> String {
+    format!("{table}_rows")
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dialect {
     Postgres,
@@ -47,6 +82,10 @@ pub enum Dialect {
 /// very same SQL raw, as its baseline).
 pub struct Statements {
     pub create_table: String,
+    /// Row-lock mode: one seeded row per lock, held `FOR UPDATE` by the holder's transaction.
+    pub create_row_table: String,
+    pub seed_row: String,
+    pub lock_row: String,
     /// Postgres: the whole acquisition. MySQL: the take-over of an existing row.
     pub acquire: String,
     /// MySQL only: the first acquisition of a lock, inserting its row.
@@ -65,10 +104,12 @@ impl Dialect {
     }
 
     pub fn statements(self, schema: Option<&str>, table: &str) -> Statements {
-        let t = match schema {
+        let qualified = |table: &str| match schema {
             Some(schema) => format!("{}.{}", self.quote(schema), self.quote(table)),
             None => self.quote(table),
         };
+        let t = qualified(table);
+        let r = qualified(&row_table(table));
         match self {
             Dialect::Postgres => {
                 let until = "now() + make_interval(secs => $3::bigint / 1000.0)";
@@ -80,6 +121,13 @@ impl Dialect {
                            token BIGINT NOT NULL, \
                            expires_at TIMESTAMPTZ NOT NULL)"
                     ),
+                    create_row_table: format!(
+                        "CREATE TABLE IF NOT EXISTS {r} (name VARCHAR(253) PRIMARY KEY)"
+                    ),
+                    seed_row: format!(
+                        "INSERT INTO {r} (name) VALUES ($1) ON CONFLICT (name) DO NOTHING"
+                    ),
+                    lock_row: format!("SELECT name FROM {r} WHERE name = $1 FOR UPDATE NOWAIT"),
                     acquire: format!(
                         "INSERT INTO {t} AS l (name, holder, token, expires_at) VALUES ($1, $2, 1, {until}) \
                          ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, token = l.token + 1, \
@@ -116,6 +164,14 @@ impl Dialect {
                        expires_at DATETIME(6) NOT NULL\
                      ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
                 ),
+                create_row_table: format!(
+                    "CREATE TABLE IF NOT EXISTS {r} (name VARCHAR(253) NOT NULL PRIMARY KEY) \
+                     ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                ),
+                seed_row: format!("INSERT IGNORE INTO {r} (name) VALUES (?)"),
+                // The row exists (seeded first) and the match is on the primary key, so InnoDB
+                // takes a record lock only: no gap locks, none of their deadlocks.
+                lock_row: format!("SELECT name FROM {r} WHERE name = ? FOR UPDATE NOWAIT"),
                 // LAST_INSERT_ID(expr) hands the new token to this connection atomically.
                 acquire: format!(
                     "UPDATE {t} SET holder = ?, token = LAST_INSERT_ID(token + 1), \
@@ -152,13 +208,16 @@ impl Dialect {
 }
 
 pub struct SqlDriver {
-    dialect: Dialect,
-    pool: AnyPool,
-    sql: Statements,
+    pub(crate) dialect: Dialect,
+    pub(crate) pool: AnyPool,
+    pub(crate) sql: Statements,
+    mode: SqlMode,
+    /// Row-lock mode's open transactions.
+    row_locks: Option<RowLocks>,
     /// The table is created on first use, so that a database that is down at start-up is
     /// reported by readiness rather than by a crash.
     provisioned: OnceCell<()>,
-    releases: Arc<ChangeFeeds>,
+    pub(crate) releases: Arc<ChangeFeeds>,
     listener: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -170,11 +229,11 @@ impl Drop for SqlDriver {
     }
 }
 
-fn ms(d: Duration) -> i64 {
+pub(crate) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-fn micros(d: Duration) -> i64 {
+pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
@@ -183,7 +242,7 @@ fn token(lease: &Lease) -> i64 {
 }
 
 /// Sort database errors into unreachable (retry), missing privilege (say which), and the rest.
-fn map_err(e: sqlx::Error) -> Error {
+pub(crate) fn map_err(e: sqlx::Error) -> Error {
     match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
@@ -211,8 +270,17 @@ fn map_err(e: sqlx::Error) -> Error {
 impl SqlDriver {
     /// A lazily connecting pool; `url` is the database's own URL (credentials included, never
     /// logged).
-    pub fn connect(dialect: Dialect, url: &str, schema: Option<&str>, table: &str) -> Result<Self> {
+    pub fn connect(
+        dialect: Dialect,
+        url: &str,
+        schema: Option<&str>,
+        table: &str,
+        mode: SqlMode,
+    ) -> Result<Self> {
         validate_sql_identifier("table name", table)?;
+        if mode == SqlMode::RowLock {
+            validate_sql_identifier("row-lock table name (table + \"_rows\")", &row_table(table))?;
+        }
         if let Some(schema) = schema {
             validate_sql_identifier("schema name", schema)?;
         }
@@ -232,10 +300,101 @@ impl SqlDriver {
             dialect,
             pool,
             sql: dialect.statements(schema, table),
+            mode,
+            row_locks: (mode == SqlMode::RowLock).then(|| RowLocks::new(url)),
             provisioned: OnceCell::new(),
             releases,
             listener,
         })
+    }
+
+    pub fn mode(&self) -> SqlMode {
+        self.mode
+    }
+
+    /// The compare-and-set on the lock row: the new token, or `None` while someone holds it.
+    pub(crate) async fn acquire_row(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>> {
+        match self.dialect {
+            Dialect::Postgres => self.acquire_postgres(lock, identity, ttl).await,
+            Dialect::MySql => self.acquire_mysql(lock, identity, ttl).await,
+        }
+    }
+
+    pub(crate) async fn renew_row(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let query = match self.dialect {
+            Dialect::Postgres => sqlx::query(&self.sql.renew)
+                .bind(&lease.lock)
+                .bind(&lease.identity)
+                .bind(token(lease))
+                .bind(ms(ttl)),
+            Dialect::MySql => sqlx::query(&self.sql.renew)
+                .bind(micros(ttl))
+                .bind(&lease.lock)
+                .bind(&lease.identity)
+                .bind(token(lease)),
+        };
+        let done = query.execute(&self.pool).await.map_err(map_err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Free the lock row if `lease` still holds it, on the pool or inside a transaction.
+    pub(crate) async fn release_row<'c, E>(&self, executor: E, lease: &Lease) -> Result<bool>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Any>,
+    {
+        let query = sqlx::query(&self.sql.release)
+            .bind(&lease.lock)
+            .bind(&lease.identity)
+            .bind(token(lease));
+        Ok(match self.dialect {
+            Dialect::Postgres => {
+                let row = query.fetch_one(executor).await.map_err(map_err)?;
+                row.try_get::<i64, _>("released").map_err(map_err)? == 1
+            }
+            Dialect::MySql => {
+                query
+                    .execute(executor)
+                    .await
+                    .map_err(map_err)?
+                    .rows_affected()
+                    == 1
+            }
+        })
+    }
+
+    /// Create the tables if they are absent, once per process.
+    pub(crate) async fn ensure_tables(&self) -> Result<()> {
+        self.provisioned
+            .get_or_try_init(|| async {
+                sqlx::query(&self.sql.create_table)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(map_err)?;
+                if self.mode == SqlMode::RowLock {
+                    sqlx::query(&self.sql.create_row_table)
+                        .execute(&self.pool)
+                        .await
+                        .map_err(map_err)?;
+                }
+                Ok::<_, Error>(())
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Row-lock mode: insert the lock's row if absent.
+    pub(crate) async fn seed_row(&self, lock: &str) -> Result<()> {
+        sqlx::query(&self.sql.seed_row)
+            .bind(lock)
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(())
     }
 
     async fn acquire_postgres(
@@ -348,12 +507,11 @@ impl Driver for SqlDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        self.provision().await?;
-        let token = match self.dialect {
-            Dialect::Postgres => self.acquire_postgres(lock, identity, ttl).await?,
-            Dialect::MySql => self.acquire_mysql(lock, identity, ttl).await?,
-        };
-        match token {
+        self.ensure_tables().await?;
+        if let Some(row_locks) = &self.row_locks {
+            return row_locks.try_acquire(self, lock, identity, ttl).await;
+        }
+        match self.acquire_row(lock, identity, ttl).await? {
             Some(token) => Ok(Acquire::Acquired(Lease {
                 lock: lock.to_owned(),
                 identity: identity.to_owned(),
@@ -364,40 +522,16 @@ impl Driver for SqlDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let query = match self.dialect {
-            Dialect::Postgres => sqlx::query(&self.sql.renew)
-                .bind(&lease.lock)
-                .bind(&lease.identity)
-                .bind(token(lease))
-                .bind(ms(ttl)),
-            Dialect::MySql => sqlx::query(&self.sql.renew)
-                .bind(micros(ttl))
-                .bind(&lease.lock)
-                .bind(&lease.identity)
-                .bind(token(lease)),
-        };
-        let done = query.execute(&self.pool).await.map_err(map_err)?;
-        Ok(done.rows_affected() == 1)
+        match &self.row_locks {
+            Some(row_locks) => row_locks.renew(self, lease, ttl).await,
+            None => self.renew_row(lease, ttl).await,
+        }
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        let query = sqlx::query(&self.sql.release)
-            .bind(&lease.lock)
-            .bind(&lease.identity)
-            .bind(token(lease));
-        let released = match self.dialect {
-            Dialect::Postgres => {
-                let row = query.fetch_one(&self.pool).await.map_err(map_err)?;
-                row.try_get::<i64, _>("released").map_err(map_err)? == 1
-            }
-            Dialect::MySql => {
-                query
-                    .execute(&self.pool)
-                    .await
-                    .map_err(map_err)?
-                    .rows_affected()
-                    == 1
-            }
+        let released = match &self.row_locks {
+            Some(row_locks) => row_locks.release(self, lease).await?,
+            None => self.release_row(&self.pool, lease).await?,
         };
         if released {
             self.releases.bump(&lease.lock);
@@ -406,7 +540,7 @@ impl Driver for SqlDriver {
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        self.provision().await?;
+        self.ensure_tables().await?;
         let rows = sqlx::query(&self.sql.observe)
             .bind(lock)
             .fetch_all(&self.pool)
@@ -437,17 +571,15 @@ impl Driver for SqlDriver {
         conn.ping().await.map_err(map_err)
     }
 
-    /// Create the lock table if it is absent; needs CREATE the first time only.
-    async fn provision(&self) -> Result<()> {
-        self.provisioned
-            .get_or_try_init(|| async {
-                sqlx::query(&self.sql.create_table)
-                    .execute(&self.pool)
-                    .await
-                    .map_err(map_err)?;
-                Ok::<_, Error>(())
-            })
-            .await?;
+    /// Create the lock table (and in row-lock mode the row table, seeded with `locks`) if
+    /// absent; needs CREATE the first time only.
+    async fn provision(&self, locks: &[String]) -> Result<()> {
+        self.ensure_tables().await?;
+        if self.mode == SqlMode::RowLock {
+            for lock in locks {
+                self.seed_row(lock).await?;
+            }
+        }
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::sql::{Dialect, SqlDriver};
+use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
 use leasehold_lease::testkit::conformance::{LEASE, RENEW, SLACK, contenders};
 use leasehold_lease::testkit::{Harness, MariaDbHarness, PostgresHarness, unique_lock};
 use leasehold_lease::{Answer, Lock, LockConfig, Mode};
@@ -94,6 +94,125 @@ async fn kill_other_connections(admin: &mut sqlx::AnyConnection, dialect: Dialec
     ids.len()
 }
 
+/// Row-lock mode lives in the holder's transaction: when the server kills its connection the row
+/// is free at once, but the waiter must still not claim before the old holder has stopped
+/// claiming (the fence row outlives the connection). Then someone takes over within the lease,
+/// with a greater token.
+async fn killed_row_lock_holder_is_replaced(h: &mut dyn Harness, url: &str, dialect: Dialect) {
+    let lock = unique_lock("killed-row");
+    let a = start(h.driver().await, &lock, "a");
+    let before = holder_token(&a).await;
+    let b = start(h.driver().await, &lock, "b");
+    tokio::time::sleep(RENEW).await;
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(url)
+        .await
+        .expect("admin connection");
+    let killed = tokio::time::Instant::now();
+    assert!(kill_other_connections(&mut admin, dialect).await >= 1);
+    let deadline = killed + LEASE + RENEW + SLACK;
+    let after = loop {
+        let (aa, ba) = (a.answer(), b.answer());
+        assert!(
+            !(aa.is_holder() && ba.is_holder()),
+            "two holders after the kill: {aa:?} {ba:?}"
+        );
+        match (aa, ba) {
+            (Answer::Holder { token, .. }, _) | (_, Answer::Holder { token, .. })
+                if token != before =>
+            {
+                break token;
+            }
+            _ => {}
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nobody took over within {:?} of the kill",
+            LEASE + RENEW + SLACK
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    assert!(after > before, "token {after} after {before}");
+    eprintln!(
+        "{}: row-lock takeover after the holder's connection was killed: {:?}",
+        dialect.as_str(),
+        killed.elapsed()
+    );
+}
+
+/// The row is really locked in the database while held, and free after release: another
+/// session's `FOR UPDATE NOWAIT` fails, then succeeds.
+async fn row_is_locked_in_the_database(h: &mut dyn Harness, url: &str, dialect: Dialect) {
+    use leasehold_lease::Acquire;
+    let driver = h.driver().await;
+    let lock = unique_lock("row");
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    let Acquire::Acquired(lease) = driver
+        .try_acquire(&lock, "a", LEASE)
+        .await
+        .expect("acquire")
+    else {
+        panic!("not acquired")
+    };
+    sqlx::any::install_default_drivers();
+    let mut other = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let probe = dialect
+        .statements(None, leasehold_lease::DEFAULT_TABLE)
+        .lock_row;
+    let try_row = async |other: &mut sqlx::AnyConnection| {
+        use sqlx::Executor;
+        other.execute("BEGIN").await.expect("begin");
+        let taken = sqlx::query(&probe).bind(&lock).fetch_all(&mut *other).await;
+        other.execute("ROLLBACK").await.expect("rollback");
+        taken.map(|rows| rows.len())
+    };
+    let held = try_row(&mut other).await;
+    assert!(held.is_err(), "the row was free while held: {held:?}");
+    assert!(driver.release(&lease).await.expect("release"));
+    assert_eq!(try_row(&mut other).await.expect("free after release"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_killed_holder_is_replaced() {
+    let mut h = PostgresHarness::row_lock();
+    let url = h.server.url();
+    killed_row_lock_holder_is_replaced(&mut h, &url, Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_killed_holder_is_replaced() {
+    let mut h = MariaDbHarness::row_lock();
+    let url = h.server.url();
+    killed_row_lock_holder_is_replaced(&mut h, &url, Dialect::MySql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_holds_the_row() {
+    let mut h = PostgresHarness::row_lock();
+    let url = h.server.url();
+    row_is_locked_in_the_database(&mut h, &url, Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_holds_the_row() {
+    let mut h = MariaDbHarness::row_lock();
+    let url = h.server.url();
+    row_is_locked_in_the_database(&mut h, &url, Dialect::MySql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_twenty_contenders_two_hundred_handovers() {
+    contenders(&mut PostgresHarness::row_lock(), 20, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_twenty_contenders_two_hundred_handovers() {
+    contenders(&mut MariaDbHarness::row_lock(), 20, 10).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_holder_survives_terminated_backends() {
     let mut h = PostgresHarness::new();
@@ -122,9 +241,15 @@ async fn mariadb_twenty_contenders_two_hundred_handovers() {
 #[tokio::test]
 async fn bad_table_names_are_refused() {
     for (table, schema) in [("locks;drop", None), ("ok", Some("a.b")), ("1x", None)] {
-        let err = SqlDriver::connect(Dialect::Postgres, "postgres://u@h/db", schema, table)
-            .err()
-            .expect("refused");
+        let err = SqlDriver::connect(
+            Dialect::Postgres,
+            "postgres://u@h/db",
+            schema,
+            table,
+            SqlMode::Lease,
+        )
+        .err()
+        .expect("refused");
         assert!(err.to_string().contains("invalid"), "{err}");
     }
 }

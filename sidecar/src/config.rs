@@ -81,7 +81,7 @@ struct Args {
 
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Provision the backend and exit, instead of holding locks.
+    /// Provision the backend (seeding rows for `locks`) and exit, instead of holding locks.
     pub provision_only: bool,
     pub locks: Vec<LockConfig>,
     pub backend: BackendUrl,
@@ -142,17 +142,8 @@ impl Config {
             leasehold_lease::Error::InvalidUrl { url, reason } => bad("backend", &url, &reason),
             other => bad("backend", &leasehold_lease::redact(&args.backend), &other),
         })?;
-        if args.provision {
-            return Ok(Self {
-                provision_only: true,
-                locks: Vec::new(),
-                backend,
-                listen: args.listen,
-                probe_listen: None,
-                json_logs: args.log_format == "json",
-            });
-        }
-        if args.locks.is_empty() {
+        // --provision takes the locks whose rows it seeds (row-lock mode), and needs none.
+        if args.locks.is_empty() && !args.provision {
             return Err(Exit::BadConfig(
                 "error: --lock NAME is required (or LEASEHOLD_LOCK)".into(),
             ));
@@ -199,7 +190,7 @@ impl Config {
             ));
         }
         Ok(Self {
-            provision_only: false,
+            provision_only: args.provision,
             locks,
             backend,
             listen: args.listen,

@@ -20,8 +20,9 @@ pub async fn run(config: Config) -> Result<(), String> {
         .await
         .map_err(|e| format!("cannot open backend {}: {e}", config.backend))?;
     if config.provision_only {
+        let names: Vec<String> = config.locks.iter().map(|l| l.name.clone()).collect();
         driver
-            .provision()
+            .provision(&names)
             .await
             .map_err(|e| format!("cannot provision {}: {e}", config.backend))?;
         tracing::info!(backend = %config.backend, "provisioned");

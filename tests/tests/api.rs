@@ -37,9 +37,9 @@ fn bad_flags_exit_2_with_one_line_naming_the_value() {
                 "--lock",
                 "jobs",
                 "--backend",
-                "postgres://app:hunter2@db/app?mode=row-lock",
+                "postgres://app:hunter2@db/app?mode=rowlock",
             ],
-            "row-lock",
+            "lease or row-lock",
         ),
         (
             &["--lock", "jobs", "--backend", "mysql://db/app?table=x;drop"],

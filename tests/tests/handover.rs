@@ -140,21 +140,21 @@ fn sqlite_sigterm_hands_over_before_expiry() {
     assert!(took < LEASE, "hand-over took {took:?}");
 }
 
-/// A holder frozen longer than its lease answers "not holder" the moment it resumes. On Redis,
-/// whose server-side expiry does not depend on the frozen client. (On SQLite a process frozen
-/// in the middle of a write keeps the file's write lock: see README, "SQLite".)
-#[test]
-fn paused_sidecar_answers_not_holder_on_resume() {
-    let redis = RedisServer::start();
+/// A holder frozen longer than its lease is replaced, and answers "not holder" the moment it
+/// resumes. Only for backends whose expiry does not need the frozen client: Redis's key TTL, and
+/// row-lock mode, where the server ends the frozen holder's session after the lease. (On SQLite a
+/// process frozen in the middle of a write keeps the file's write lock: see README, "SQLite".)
+fn paused_holder(backend: &str) {
     let lock = unique_lock("paused");
-    let (a, b) = pair(&redis.url(), &lock);
+    let (a, b) = pair(backend, &lock);
     let holder = settle(&[&a, &b]);
     let (frozen, other) = if holder == 0 { (&a, &b) } else { (&b, &a) };
     let before = frozen.get("/lock").token();
     frozen.signal(Signal::SIGSTOP);
-    eventually(LEASE + RENEW + SLACK, "the other takes over", || {
+    let took = eventually(LEASE + RENEW + SLACK, "the other takes over", || {
         other.is_holder()
     });
+    eprintln!("{backend}: takeover from a frozen holder took {took:?}");
     frozen.signal(Signal::SIGCONT);
     let resumed = frozen.get("/lock");
     assert_ne!(
@@ -169,6 +169,40 @@ fn paused_sidecar_answers_not_holder_on_resume() {
         sole_holder(&[&a, &b]),
         Some(if holder == 0 { 1 } else { 0 })
     );
+}
+
+#[test]
+fn redis_paused_sidecar_answers_not_holder_on_resume() {
+    let redis = RedisServer::start();
+    paused_holder(&redis.url());
+}
+
+/// PostgreSQL ends the frozen holder's transaction (idle_in_transaction_session_timeout).
+#[test]
+fn postgres_row_lock_paused_sidecar_is_replaced() {
+    let postgres = PostgresServer::start();
+    paused_holder(&format!("{}?mode=row-lock", postgres.url()));
+}
+
+/// MariaDB closes the frozen holder's session (wait_timeout).
+#[test]
+fn mariadb_row_lock_paused_sidecar_is_replaced() {
+    let mariadb = MariaDbServer::start();
+    paused_holder(&format!("{}?mode=row-lock", mariadb.url()));
+}
+
+#[test]
+fn postgres_row_lock_crash_takeover_within_the_lease() {
+    let postgres = PostgresServer::start();
+    crash_takeover(&format!("{}?mode=row-lock", postgres.url()));
+}
+
+#[test]
+fn postgres_row_lock_sigterm_hands_over_at_once() {
+    let postgres = PostgresServer::start();
+    let took = sigterm_handover(&format!("{}?mode=row-lock", postgres.url()));
+    // COMMIT frees the row and the fence together, and NOTIFY goes out with it.
+    assert!(took < Duration::from_millis(200), "hand-over took {took:?}");
 }
 
 /// Tokens keep increasing across a Redis restart with `appendonly yes`.

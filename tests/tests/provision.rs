@@ -7,8 +7,13 @@ use leasehold_e2e::{MariaDbServer, PostgresServer, sidecar_binary};
 use sqlx::Connection;
 
 fn provision(backend: &str) -> (i32, String, String) {
+    provision_locks(backend, &[])
+}
+
+fn provision_locks(backend: &str, locks: &[&str]) -> (i32, String, String) {
     let out = Command::new(sidecar_binary())
         .args(["--provision", "--backend", backend])
+        .args(locks.iter().flat_map(|lock| ["--lock", lock]))
         .env("RUST_LOG", "warn")
         .output()
         .expect("run the sidecar");
@@ -38,6 +43,46 @@ fn table_exists(url: &str, query: &str) -> bool {
         let mut conn = sqlx::AnyConnection::connect(url).await.expect("connect");
         sqlx::query(query).execute(&mut conn).await.is_ok()
     })
+}
+
+fn count(url: &str, query: &str) -> i64 {
+    use sqlx::Row;
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        sqlx::any::install_default_drivers();
+        let mut conn = sqlx::AnyConnection::connect(url).await.expect("connect");
+        let row = sqlx::query(query).fetch_one(&mut conn).await.expect(query);
+        row.try_get::<i64, _>(0).expect("count")
+    })
+}
+
+/// Row-lock mode: both tables, and one seeded row per named lock, however often it runs.
+fn row_lock_provisioning_seeds_rows(url: &str) {
+    let row_lock = format!("{url}?mode=row-lock");
+    for _ in 0..2 {
+        let (code, _, stderr) = provision_locks(&row_lock, &["jobs", "reports"]);
+        assert_eq!(code, 0, "{stderr}");
+    }
+    let integer = if url.starts_with("postgres") {
+        "BIGINT"
+    } else {
+        "SIGNED"
+    };
+    let rows = format!("SELECT CAST(COUNT(*) AS {integer}) FROM leasehold_locks_rows");
+    assert_eq!(count(url, &rows), 2);
+    let (code, _, stderr) = provision_locks(&row_lock, &["bad name"]);
+    assert_eq!(code, 2, "{stderr}");
+}
+
+#[test]
+fn postgres_row_lock_provisioning_seeds_rows() {
+    let pg = PostgresServer::start();
+    row_lock_provisioning_seeds_rows(&pg.url());
+}
+
+#[test]
+fn mariadb_row_lock_provisioning_seeds_rows() {
+    let db = MariaDbServer::start();
+    row_lock_provisioning_seeds_rows(&db.url());
 }
 
 #[test]

@@ -121,11 +121,45 @@ backend_server!(RedisServer, super::PostgresServer, super::MariaDbServer);
 /// sidecar; an outage is a crash of the server, recovery a restart on the same data.
 pub struct ServerHarness<S> {
     pub server: S,
+    /// Options appended to the server's URL, e.g. `mode=row-lock`.
+    options: &'static str,
 }
 
 impl<S: BackendServer> ServerHarness<S> {
     pub fn new() -> Self {
-        Self { server: S::start() }
+        Self::with_options("")
+    }
+
+    /// The backend URL's options, as a user would write them after `?`.
+    pub fn with_options(options: &'static str) -> Self {
+        Self {
+            server: S::start(),
+            options,
+        }
+    }
+
+    /// The URL the drivers connect to.
+    pub fn url(&self) -> String {
+        let url = self.server.url();
+        match (self.options, url.contains('?')) {
+            ("", _) => url,
+            (options, true) => format!("{url}&{options}"),
+            (options, false) => format!("{url}?{options}"),
+        }
+    }
+}
+
+impl ServerHarness<super::PostgresServer> {
+    /// PostgreSQL in row-lock mode.
+    pub fn row_lock() -> Self {
+        Self::with_options("mode=row-lock")
+    }
+}
+
+impl ServerHarness<super::MariaDbServer> {
+    /// MariaDB in row-lock mode.
+    pub fn row_lock() -> Self {
+        Self::with_options("mode=row-lock")
     }
 }
 
@@ -138,7 +172,7 @@ impl<S: BackendServer> Default for ServerHarness<S> {
 #[async_trait]
 impl<S: BackendServer> Harness for ServerHarness<S> {
     async fn driver(&self) -> Arc<dyn Driver> {
-        let url = crate::BackendUrl::parse(&self.server.url()).expect("backend url");
+        let url = crate::BackendUrl::parse(&self.url()).expect("backend url");
         crate::connect(&url).await.expect("driver")
     }
     async fn outage_begin(&mut self) {

@@ -1,0 +1,320 @@
+//! Row-lock mode for PostgreSQL and MySQL/MariaDB: the holder keeps a transaction open on a
+//! dedicated connection, holding its lock's seeded row with `SELECT ... FOR UPDATE NOWAIT`.
+//! `COMMIT`, or the connection dying, lets the next contender in.
+//!
+//! A row lock alone cannot fence. When the holder's connection is killed (`pg_terminate_backend`,
+//! `KILL`, a proxy timing out), the database frees the row at once, but the holder cannot know
+//! before its next round trip and would go on answering "you are the holder" while a newcomer
+//! takes the row. So the lease-mode row of the same lock stays the fence, written **outside**
+//! the transaction (autocommit, on the shared pool) so that it survives the connection:
+//!
+//! - acquire = take the row lock, then the lease-mode compare-and-set (free or expired), which
+//!   bumps the token; a newcomer behind a holder whose connection died therefore waits until the
+//!   last committed expiry, exactly as long as the old holder may still believe it holds;
+//! - renew = prove the transaction still holds the row (the same `FOR UPDATE`, instant when held),
+//!   then extend the fence;
+//! - release = free the fence and `COMMIT` in the one transaction, so the two leave together and
+//!   a woken waiter finds both free.
+//!
+//! A holder that stops renewing (paused, partitioned, its task gone) must not keep the row
+//! forever: the driver drops the connection once the lease has run out locally, and the server
+//! ends the session itself after the lease (`idle_in_transaction_session_timeout` on PostgreSQL,
+//! `wait_timeout`, whole seconds, on MySQL) when the whole process is frozen.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use sqlx::AnyConnection;
+use sqlx::{Connection, Executor};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::driver::{Acquire, Driver, Lease};
+use crate::error::{Error, Result};
+use crate::sql::{Dialect, SqlDriver, map_err};
+
+/// Idle connections kept for the next attempt, so that a waiter's polling does not reconnect.
+const SPARE_CONNECTIONS: usize = 2;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// MySQL error numbers for a row lock that is taken: MariaDB answers NOWAIT with
+/// ER_LOCK_WAIT_TIMEOUT, MySQL 8 with ER_LOCK_NOWAIT.
+const MYSQL_LOCK_WAIT_TIMEOUT: u16 = 1205;
+const MYSQL_LOCK_NOWAIT: u16 = 3572;
+/// PostgreSQL lock_not_available.
+const POSTGRES_LOCK_NOT_AVAILABLE: &str = "55P03";
+
+pub(crate) struct RowLocks {
+    url: String,
+    held: Mutex<HashMap<String, Arc<HeldRow>>>,
+    spares: Mutex<Vec<AnyConnection>>,
+}
+
+/// One open transaction holding one lock's row.
+struct HeldRow {
+    lease: Lease,
+    conn: tokio::sync::Mutex<Option<AnyConnection>>,
+    /// When the local lease runs out; the reaper drops the connection then.
+    expires: watch::Sender<Instant>,
+    reaper: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HeldRow {
+    fn drop(&mut self) {
+        self.reaper.abort();
+    }
+}
+
+/// A NOWAIT that found the row taken: "not acquired", not an error.
+fn lock_unavailable(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return matches!(my.number(), MYSQL_LOCK_WAIT_TIMEOUT | MYSQL_LOCK_NOWAIT);
+    }
+    db.code().as_deref() == Some(POSTGRES_LOCK_NOT_AVAILABLE)
+}
+
+/// The statements that open a row-lock transaction with the server-side session bound.
+fn begin(dialect: Dialect, ttl: Duration) -> String {
+    match dialect {
+        // SET LOCAL: the timeout ends with the transaction, the spare connection is unbounded.
+        Dialect::Postgres => format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
+            ttl.as_millis().max(1)
+        ),
+        // READ COMMITTED: a locking read takes record locks only, never gap locks.
+        Dialect::MySql => format!(
+            "SET SESSION wait_timeout = {}; \
+             SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN",
+            ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
+        ),
+    }
+}
+
+/// Drop the connection when the lease runs out without a renewal: closing it is what makes the
+/// server roll back and free the row.
+async fn reap(row: Weak<HeldRow>, mut expires: watch::Receiver<Instant>) {
+    loop {
+        let at = *expires.borrow_and_update();
+        tokio::select! {
+            () = tokio::time::sleep_until(at) => {
+                let Some(row) = row.upgrade() else { return };
+                if *row.expires.borrow() <= Instant::now() {
+                    row.conn.lock().await.take();
+                    return;
+                }
+            }
+            changed = expires.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+enum Locked {
+    Held(AnyConnection),
+    Taken(AnyConnection),
+}
+
+impl RowLocks {
+    pub(crate) fn new(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            held: Mutex::new(HashMap::new()),
+            spares: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn held(&self, lock: &str) -> Option<Arc<HeldRow>> {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.get(lock).cloned()
+    }
+
+    fn forget(&self, lock: &str, row: &Arc<HeldRow>) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held.get(lock).is_some_and(|r| Arc::ptr_eq(r, row)) {
+            held.remove(lock);
+        }
+    }
+
+    async fn connect(&self) -> Result<AnyConnection> {
+        match tokio::time::timeout(CONNECT_TIMEOUT, AnyConnection::connect(&self.url)).await {
+            Ok(conn) => conn.map_err(map_err),
+            Err(_) => Err(Error::Unreachable(format!(
+                "no connection within {CONNECT_TIMEOUT:?}"
+            ))),
+        }
+    }
+
+    /// Keep a connection that is outside any transaction for the next attempt.
+    fn spare(&self, conn: AnyConnection) {
+        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        if spares.len() < SPARE_CONNECTIONS {
+            spares.push(conn);
+        }
+    }
+
+    async fn rollback_and_spare(&self, mut conn: AnyConnection) {
+        if conn.execute("ROLLBACK").await.is_ok() {
+            self.spare(conn);
+        }
+    }
+
+    /// Open a transaction and try the row; seeds the row on first use.
+    async fn lock_row(&self, driver: &SqlDriver, lock: &str, ttl: Duration) -> Result<Locked> {
+        let spare = self.spares.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let (mut conn, mut reused) = match spare {
+            Some(conn) => (conn, true),
+            None => (self.connect().await?, false),
+        };
+        let mut seeded = false;
+        loop {
+            if let Err(e) = conn.execute(&*begin(driver.dialect, ttl)).await {
+                if !reused {
+                    return Err(map_err(e));
+                }
+                // The spare went stale (a server restart, an idle timeout): one fresh try.
+                (conn, reused) = (self.connect().await?, false);
+                continue;
+            }
+            let rows = sqlx::query(&driver.sql.lock_row)
+                .bind(lock)
+                .fetch_all(&mut conn)
+                .await;
+            match rows {
+                Ok(rows) if !rows.is_empty() => return Ok(Locked::Held(conn)),
+                Ok(_) if !seeded => {
+                    conn.execute("ROLLBACK").await.map_err(map_err)?;
+                    driver.seed_row(lock).await?;
+                    seeded = true;
+                }
+                Ok(_) => {
+                    return Err(Error::Backend(format!(
+                        "the row of lock {lock:?} vanished right after it was seeded"
+                    )));
+                }
+                Err(e) if lock_unavailable(&e) => return Ok(Locked::Taken(conn)),
+                Err(e) => return Err(map_err(e)),
+            }
+        }
+    }
+
+    pub(crate) async fn try_acquire(
+        &self,
+        driver: &SqlDriver,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Acquire> {
+        if let Some(row) = self.held(lock) {
+            // Not re-entrant: this process already holds the row (or is using it right now).
+            let live = row.conn.try_lock().map_or(true, |conn| conn.is_some());
+            if live {
+                return Ok(Acquire::Busy(driver.observe(lock).await?));
+            }
+            self.forget(lock, &row);
+        }
+        // While the fence shows a live holder the row cannot be ours either: a waiter costs one
+        // plain read, as in lease mode, and opens no transaction.
+        if let Some(holder) = driver.observe(lock).await? {
+            return Ok(Acquire::Busy(Some(holder)));
+        }
+        let started = Instant::now();
+        let conn = match self.lock_row(driver, lock, ttl).await? {
+            Locked::Held(conn) => conn,
+            Locked::Taken(conn) => {
+                self.rollback_and_spare(conn).await;
+                return Ok(Acquire::Busy(driver.observe(lock).await?));
+            }
+        };
+        // Holding the row, bump the token on the fence; this commits on its own, so it outlives
+        // this connection. `None`: a holder whose connection died may still believe it holds.
+        let token = match driver.acquire_row(lock, identity, ttl).await {
+            Ok(Some(token)) => token,
+            Ok(None) => {
+                self.rollback_and_spare(conn).await;
+                return Ok(Acquire::Busy(driver.observe(lock).await?));
+            }
+            Err(e) => return Err(e), // dropping the connection frees the row
+        };
+        let lease = Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token,
+        };
+        let (expires, watch_expires) = watch::channel(started + ttl);
+        let row = Arc::new_cyclic(|weak| HeldRow {
+            lease: lease.clone(),
+            conn: tokio::sync::Mutex::new(Some(conn)),
+            expires,
+            reaper: tokio::spawn(reap(weak.clone(), watch_expires)),
+        });
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(lock.to_owned(), row);
+        Ok(Acquire::Acquired(lease))
+    }
+
+    pub(crate) async fn renew(
+        &self,
+        driver: &SqlDriver,
+        lease: &Lease,
+        ttl: Duration,
+    ) -> Result<bool> {
+        let Some(row) = self.held(&lease.lock).filter(|row| row.lease == *lease) else {
+            return Ok(false);
+        };
+        let sent = Instant::now();
+        let mut conn = row.conn.lock().await;
+        let Some(tx) = conn.as_mut() else {
+            self.forget(&lease.lock, &row);
+            return Ok(false);
+        };
+        // Already ours, so this returns at once; an error means the transaction is gone.
+        let still_held = sqlx::query(&driver.sql.lock_row)
+            .bind(&lease.lock)
+            .fetch_all(&mut *tx)
+            .await;
+        match still_held {
+            Ok(rows) if !rows.is_empty() => {}
+            Ok(_) => {
+                conn.take();
+                self.forget(&lease.lock, &row);
+                return Ok(false);
+            }
+            Err(e) => {
+                conn.take();
+                self.forget(&lease.lock, &row);
+                return Err(map_err(e));
+            }
+        }
+        if !driver.renew_row(lease, ttl).await? {
+            if let Some(tx) = conn.take() {
+                self.rollback_and_spare(tx).await;
+            }
+            self.forget(&lease.lock, &row);
+            return Ok(false);
+        }
+        row.expires.send_replace(sent + ttl);
+        Ok(true)
+    }
+
+    pub(crate) async fn release(&self, driver: &SqlDriver, lease: &Lease) -> Result<bool> {
+        if let Some(row) = self.held(&lease.lock).filter(|row| row.lease == *lease) {
+            self.forget(&lease.lock, &row);
+            let tx = row.conn.lock().await.take();
+            if let Some(mut tx) = tx {
+                let released = driver.release_row(&mut tx, lease).await;
+                if let Ok(released) = released
+                    && tx.execute("COMMIT").await.is_ok()
+                {
+                    self.spare(tx);
+                    return Ok(released);
+                }
+                // The transaction is gone with its update; free the fence on its own below.
+            }
+        }
+        driver.release_row(&driver.pool, lease).await
+    }
+}
