@@ -43,8 +43,19 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    runtime.block_on(run());
+    let sections: Vec<&str> = args[1..].iter().map(String::as_str).collect();
+    if let Some(unknown) = sections.iter().find(|s| !SECTIONS.contains(s)) {
+        eprintln!(
+            "unknown section {unknown:?}; usage: leasehold-bench [{}]...",
+            SECTIONS.join("|")
+        );
+        std::process::exit(2);
+    }
+    runtime.block_on(run(&sections));
 }
+
+/// The benchmark's sections, all of them when none is named on the command line.
+const SECTIONS: &[&str] = &["http", "drivers", "sql"];
 
 /// The baseline server: axum with the sidecar's runtime shape, answering a constant.
 fn bare_axum(port: u16) {
@@ -469,25 +480,74 @@ async fn sql_raw_cycles(dialect: Dialect, url: &str) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
-/// The driver's own acquire and release statements, issued raw on one connection: what is left
-/// between this and the driver is the driver's overhead (pool, bookkeeping).
-async fn sql_same_statements_cycles(dialect: Dialect, url: &str) -> f64 {
-    use sqlx::Connection;
+/// The hand-written row lock: `BEGIN`, `SELECT ... FOR UPDATE NOWAIT` on a seeded row,
+/// `COMMIT`, in a loop on one connection.
+async fn sql_raw_row_lock_cycles(dialect: Dialect, url: &str) -> f64 {
+    use sqlx::{Connection, Executor};
     sqlx::any::install_default_drivers();
     let sql = dialect.statements(None, "leasehold_locks");
     let mut conn = sqlx::AnyConnection::connect(url).await.expect("connect");
-    sqlx::query(&sql.create_table)
+    for setup in [&sql.create_row_table, &sql.seed_row] {
+        sqlx::query(setup)
+            .bind("raw-row")
+            .execute(&mut conn)
+            .await
+            .expect("setup");
+    }
+    let start = Instant::now();
+    for _ in 0..CYCLES {
+        conn.execute("BEGIN").await.expect("begin");
+        let rows = sqlx::query(&sql.lock_row)
+            .bind("raw-row")
+            .fetch_all(&mut conn)
+            .await
+            .expect("lock");
+        assert_eq!(rows.len(), 1);
+        conn.execute("COMMIT").await.expect("commit");
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The driver's own statements for one acquire+release cycle, issued raw (lease mode on one
+/// connection; row-lock mode on a transaction connection plus one for the fence): what is left
+/// between this and the driver is the driver's overhead (pool, bookkeeping).
+async fn sql_same_statements_cycles(dialect: Dialect, url: &str, mode: SqlMode) -> f64 {
+    use sqlx::{Connection, Executor, Row};
+    sqlx::any::install_default_drivers();
+    let sql = dialect.statements(None, "leasehold_locks");
+    let lock = format!("same-sql-{}", mode.as_str());
+    let mut conn = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let mut tx = sqlx::AnyConnection::connect(url).await.expect("connect");
+    for setup in [&sql.create_table, &sql.create_row_table] {
+        sqlx::query(setup).execute(&mut conn).await.expect("create");
+    }
+    sqlx::query(&sql.seed_row)
+        .bind(&lock)
         .execute(&mut conn)
         .await
-        .expect("create");
+        .expect("seed");
     let ttl_ms = LEASE.as_millis() as i64;
     let start = Instant::now();
     for _ in 0..CYCLES {
+        if mode == SqlMode::RowLock {
+            sqlx::query(&sql.observe)
+                .bind(&lock)
+                .fetch_all(&mut conn)
+                .await
+                .expect("observe");
+            tx.execute(&*dialect.row_lock_begin(LEASE))
+                .await
+                .expect("begin");
+            sqlx::query(&sql.lock_row)
+                .bind(&lock)
+                .fetch_all(&mut tx)
+                .await
+                .expect("lock row");
+        }
         let token: i64 = match dialect {
             Dialect::Postgres => {
-                use sqlx::Row;
                 let rows = sqlx::query(&sql.acquire)
-                    .bind("same-sql")
+                    .bind(&lock)
                     .bind("bench")
                     .bind(ttl_ms)
                     .fetch_all(&mut conn)
@@ -501,7 +561,7 @@ async fn sql_same_statements_cycles(dialect: Dialect, url: &str) -> f64 {
                 let done = sqlx::query(&sql.acquire)
                     .bind("bench")
                     .bind(ttl_ms * 1000)
-                    .bind("same-sql")
+                    .bind(&lock)
                     .execute(&mut conn)
                     .await
                     .expect("acquire");
@@ -510,7 +570,7 @@ async fn sql_same_statements_cycles(dialect: Dialect, url: &str) -> f64 {
                     _ => {
                         let insert = sql.insert.as_deref().expect("insert");
                         sqlx::query(insert)
-                            .bind("same-sql")
+                            .bind(&lock)
                             .bind("bench")
                             .bind(ttl_ms * 1000)
                             .execute(&mut conn)
@@ -522,12 +582,19 @@ async fn sql_same_statements_cycles(dialect: Dialect, url: &str) -> f64 {
             }
         };
         let release = sqlx::query(&sql.release)
-            .bind("same-sql")
+            .bind(&lock)
             .bind("bench")
             .bind(token);
+        let on = match mode {
+            SqlMode::Lease => &mut conn,
+            SqlMode::RowLock => &mut tx,
+        };
         match dialect {
-            Dialect::Postgres => drop(release.fetch_all(&mut conn).await.expect("release")),
-            Dialect::MySql => drop(release.execute(&mut conn).await.expect("release")),
+            Dialect::Postgres => drop(release.fetch_all(&mut *on).await.expect("release")),
+            Dialect::MySql => drop(release.execute(&mut *on).await.expect("release")),
+        }
+        if mode == SqlMode::RowLock {
+            tx.execute("COMMIT").await.expect("commit");
         }
     }
     CYCLES as f64 / start.elapsed().as_secs_f64()
@@ -540,43 +607,60 @@ async fn sql_section() {
         (Dialect::Postgres, postgres.url(), "LISTEN/NOTIFY"),
         (Dialect::MySql, mariadb.url(), "poll"),
     ] {
-        let connect = || -> Arc<dyn Driver> {
-            Arc::new(
-                SqlDriver::connect(dialect, &url, None, "leasehold_locks", SqlMode::Lease)
-                    .expect("driver"),
-            )
-        };
-        let driver = connect();
-        let (mut raw, mut same, mut ours) = (0.0f64, 0.0f64, 0.0f64);
-        for _ in 0..ROUNDS {
-            raw = raw.max(sql_raw_cycles(dialect, &url).await);
-            same = same.max(sql_same_statements_cycles(dialect, &url).await);
-            ours = ours.max(driver_cycles(&*driver).await);
-        }
         let name = dialect.as_str();
-        println!("  {name:<8} raw INSERT + DELETE      : {raw:>9.0} cycles/s");
-        println!("  {name:<8} driver's statements, raw : {same:>9.0} cycles/s");
-        println!(
-            "  {name:<8} SqlDriver (lease mode)   : {ours:>9.0} cycles/s  ({:.0} % of the same statements raw)",
-            100.0 * ours / same
-        );
-        let latency = handover_latencies(connect(), connect()).await;
-        println!(
-            "  {name:<8} hand-over, {wakeup:<13} : {}",
-            describe(&latency)
-        );
+        for mode in [SqlMode::Lease, SqlMode::RowLock] {
+            let connect = || -> Arc<dyn Driver> {
+                Arc::new(
+                    SqlDriver::connect(dialect, &url, None, "leasehold_locks", mode)
+                        .expect("driver"),
+                )
+            };
+            let driver = connect();
+            let (mut raw, mut same, mut ours) = (0.0f64, 0.0f64, 0.0f64);
+            for _ in 0..ROUNDS {
+                raw = raw.max(match mode {
+                    SqlMode::Lease => sql_raw_cycles(dialect, &url).await,
+                    SqlMode::RowLock => sql_raw_row_lock_cycles(dialect, &url).await,
+                });
+                same = same.max(sql_same_statements_cycles(dialect, &url, mode).await);
+                ours = ours.max(driver_cycles(&*driver).await);
+            }
+            let (raw_name, mode_name) = match mode {
+                SqlMode::Lease => ("raw INSERT + DELETE", "lease mode"),
+                SqlMode::RowLock => ("raw FOR UPDATE + COMMIT", "row-lock mode"),
+            };
+            println!("  {name:<8} {raw_name:<28}: {raw:>9.0} cycles/s");
+            println!("  {name:<8} {mode_name}: driver's statements raw : {same:>9.0} cycles/s");
+            println!(
+                "  {name:<8} {mode_name}: SqlDriver                : {ours:>9.0} cycles/s  ({:.0} % of the same statements raw, {:.0} % of the hand-written lock)",
+                100.0 * ours / same,
+                100.0 * ours / raw
+            );
+            let latency = handover_latencies(connect(), connect()).await;
+            println!(
+                "  {name:<8} {mode_name}: hand-over, {wakeup:<13}: {}",
+                describe(&latency)
+            );
+        }
     }
 }
 
-async fn run() {
+async fn run(sections: &[&str]) {
+    let wanted = |section: &str| sections.is_empty() || sections.contains(&section);
     println!(
         "leasehold benchmark on {} cores",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    http_section().await;
-    driver_section().await;
-    println!(
-        "## PostgreSQL 15 and MariaDB 10.11, lease mode ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
-    );
-    sql_section().await;
+    if wanted("http") {
+        http_section().await;
+    }
+    if wanted("drivers") {
+        driver_section().await;
+    }
+    if wanted("sql") {
+        println!(
+            "## PostgreSQL 15 and MariaDB 10.11, lease and row-lock modes ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
+        );
+        sql_section().await;
+    }
 }

@@ -18,7 +18,6 @@ pub const DEFAULT_REDIS_PREFIX: &str = "leasehold";
 
 /// Schemes that name backends this build does not carry yet; they get a precise error.
 const PLANNED_SCHEMES: &[(&str, &str)] = &[
-    ("redlock", "Redlock"),
     ("zk", "ZooKeeper"),
     ("etcd", "etcd"),
     ("kubernetes", "Kubernetes Lease"),
@@ -30,6 +29,12 @@ pub enum BackendUrl {
     Sqlite { path: PathBuf, table: String },
     /// `redis://[user:password@]host[:port][/db][?prefix=NAME]`: one Redis master.
     Redis { url: url::Url, prefix: String },
+    /// `redlock://[user:password@]host:port,host:port,host:port[/db][?prefix=NAME]`: N >= 3
+    /// independent masters, one `redis://` URL each.
+    Redlock {
+        masters: Vec<url::Url>,
+        prefix: String,
+    },
     /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`;
     /// every other query parameter goes to the database driver (e.g. `sslmode`).
     Sql {
@@ -71,6 +76,42 @@ impl BackendUrl {
                     path: PathBuf::from(path),
                     table,
                 })
+            }
+            "redlock" => {
+                let (authority_and_path, query) = rest.split_once('?').unwrap_or((rest, ""));
+                let (authority, path) = authority_and_path
+                    .split_once('/')
+                    .map_or((authority_and_path, ""), |(a, p)| (a, p));
+                let (userinfo, hosts) = match authority.rsplit_once('@') {
+                    Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
+                    None => (String::new(), authority),
+                };
+                let hosts: Vec<&str> = hosts.split(',').collect();
+                if hosts.len() < 3 {
+                    return Err(invalid(format!(
+                        "Redlock needs at least 3 independent masters (host:port,host:port,host:port), got {}",
+                        hosts.len()
+                    )));
+                }
+                let mut masters = Vec::new();
+                let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                for host in &hosts {
+                    let single = match query {
+                        "" => format!("redis://{userinfo}{host}/{path}"),
+                        q => format!("redis://{userinfo}{host}/{path}?{q}"),
+                    };
+                    let BackendUrl::Redis { url, prefix: p } = Self::parse(&single)
+                        .map_err(|e| invalid(format!("master {host:?}: {e}")))?
+                    else {
+                        unreachable!("redis:// parses as Redis")
+                    };
+                    if masters.contains(&url) {
+                        return Err(invalid(format!("master {host:?} is listed twice")));
+                    }
+                    masters.push(url);
+                    prefix = p;
+                }
+                Ok(BackendUrl::Redlock { masters, prefix })
             }
             "redis" => {
                 let url = url::Url::parse(raw).map_err(|e| invalid(e.to_string()))?;
@@ -164,10 +205,10 @@ impl BackendUrl {
             )),
             other => match PLANNED_SCHEMES.iter().find(|(s, _)| *s == other) {
                 Some((_, name)) => Err(invalid(format!(
-                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, postgres://, mysql://)"
+                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, redlock://, postgres://, mysql://)"
                 ))),
                 None => Err(invalid(format!(
-                    "unknown scheme {other:?} (available: sqlite://, redis://, postgres://, mysql://)"
+                    "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://)"
                 ))),
             },
         }
@@ -178,6 +219,7 @@ impl BackendUrl {
         match self {
             BackendUrl::Sqlite { .. } => "sqlite",
             BackendUrl::Redis { .. } => "redis",
+            BackendUrl::Redlock { .. } => "redlock",
             BackendUrl::Sql { dialect, .. } => dialect.as_str(),
         }
     }
@@ -191,6 +233,10 @@ impl fmt::Display for BackendUrl {
                 write!(f, "sqlite://{}?table={table}", path.display())
             }
             BackendUrl::Redis { url, .. } => f.write_str(&redact(url.as_str())),
+            BackendUrl::Redlock { masters, .. } => {
+                let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
+                write!(f, "redlock over {}", masters.join(", "))
+            }
             BackendUrl::Sql {
                 url,
                 table,
@@ -371,6 +417,41 @@ mod tests {
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn redlock_urls() {
+        let url = BackendUrl::parse("redlock://:pw@a:1,b:2,c:3/2?prefix=team").unwrap();
+        let BackendUrl::Redlock { masters, prefix } = &url else {
+            panic!("not redlock: {url}")
+        };
+        assert_eq!(prefix, "team");
+        let masters: Vec<&str> = masters.iter().map(url::Url::as_str).collect();
+        assert_eq!(
+            masters,
+            [
+                "redis://:pw@a:1/2",
+                "redis://:pw@b:2/2",
+                "redis://:pw@c:3/2"
+            ]
+        );
+        assert_eq!(url.kind(), "redlock");
+        assert!(!url.to_string().contains("pw"), "{url}");
+        for bad in [
+            "redlock://a:1,b:2",
+            "redlock://a:1,a:1,b:2",
+            "redlock://a:1,,b:2",
+            "redlock://a:1,b:2,c:3/x",
+            "redlock://a:1,b:2,c:3?bogus=1",
+        ] {
+            let err = BackendUrl::parse(bad).unwrap_err();
+            assert!(
+                err.to_string().contains("invalid backend URL"),
+                "{bad}: {err}"
+            );
+        }
+        let err = BackendUrl::parse("redlock://:hunter2@a:1,b:2").unwrap_err();
+        assert!(!err.to_string().contains("hunter2"), "{err}");
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //! The Leasehold lease engine.
 //!
 //! - [`Driver`]: one atomic compare-and-set per call, one implementation per backend
-//!   ([`sqlite::SqliteDriver`], [`redis::RedisDriver`], [`sql::SqlDriver`] for PostgreSQL and
-//!   MySQL/MariaDB).
+//!   ([`sqlite::SqliteDriver`], [`redis::RedisDriver`], [`redlock::RedlockDriver`],
+//!   [`sql::SqlDriver`] for PostgreSQL and MySQL/MariaDB).
 //! - [`Lock`]: the holder state machine shared by all drivers: campaign or on-demand acquisition,
 //!   renewal, release, wake-ups, and self-fencing.
 //! - [`connect`]: a driver from a [`BackendUrl`].
@@ -16,6 +16,7 @@ mod error;
 mod holder;
 pub mod names;
 pub mod redis;
+pub mod redlock;
 pub mod sql;
 mod sql_row_lock;
 pub mod sqlite;
@@ -40,6 +41,9 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             Arc::new(sqlite::SqliteDriver::open(path, table).await?)
         }
         BackendUrl::Redis { url, prefix } => Arc::new(redis::RedisDriver::connect(url, prefix)?),
+        BackendUrl::Redlock { masters, prefix } => {
+            Arc::new(redlock::RedlockDriver::connect(masters, prefix)?)
+        }
         BackendUrl::Sql {
             dialect,
             url,

@@ -1,4 +1,4 @@
-//! Redis, single master. The lease is one key, `SET NX PX` inside an acquire script that also
+//! Redis, single master ([`crate::redlock`] spans several). The lease is one key, `SET NX PX` inside an acquire script that also
 //! takes the fencing token from a per-lock `INCR` counter, so a token is only ever handed out
 //! together with the key. Renew and release are scripts that compare the stored value (token and
 //! identity) before they touch the key. A release publishes on a channel that waiters listen to.
@@ -43,7 +43,7 @@ return token
 ";
 
 /// KEYS: lease. ARGV: expected value, ttl ms. Returns 1 when renewed.
-const RENEW: &str = r"
+pub(crate) const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
@@ -51,7 +51,7 @@ return 0
 ";
 
 /// KEYS: lease. ARGV: expected value, release channel. Returns 1 when released.
-const RELEASE: &str = r"
+pub(crate) const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[2], ARGV[1])
@@ -132,7 +132,7 @@ fn parse_holding(value: &[u8], pttl: i64) -> Option<Holding> {
     })
 }
 
-fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
+pub(crate) fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
     match value {
         Value::Array(items) => match items.as_slice() {
             [Value::BulkString(v), Value::Int(pttl)] => parse_holding(v, *pttl),
@@ -142,7 +142,7 @@ fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
     }
 }
 
-fn map_err(e: redis::RedisError) -> Error {
+pub(crate) fn map_err(e: redis::RedisError) -> Error {
     if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout() {
         Error::Unreachable(e.to_string())
     } else {
@@ -187,7 +187,11 @@ impl RedisDriver {
 
 /// One pattern subscription per process carries every lock's release notices. When it breaks it
 /// is re-established, and every waiter is woken, since a release may have been missed meanwhile.
-async fn listen_for_releases(client: redis::Client, keys: KeyLayout, feeds: Arc<ChangeFeeds>) {
+pub(crate) async fn listen_for_releases(
+    client: redis::Client,
+    keys: KeyLayout,
+    feeds: Arc<ChangeFeeds>,
+) {
     let mut pause = RESUBSCRIBE_MIN;
     loop {
         let subscribed = tokio::time::timeout(CONNECT_TIMEOUT, async {

@@ -199,6 +199,24 @@ impl Dialect {
         }
     }
 
+    /// Row-lock mode: open the holder's transaction with its session bounded by the server
+    /// (several statements, sent as one unprepared batch).
+    pub fn row_lock_begin(self, ttl: Duration) -> String {
+        match self {
+            // SET LOCAL: the bound ends with the transaction; the idle connection is unbounded.
+            Dialect::Postgres => format!(
+                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
+                ttl.as_millis().max(1)
+            ),
+            // READ COMMITTED: a locking read takes record locks only, never gap locks.
+            Dialect::MySql => format!(
+                "SET SESSION wait_timeout = {}; \
+                 SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN",
+                ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
+            ),
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Dialect::Postgres => "postgres",

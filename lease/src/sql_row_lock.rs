@@ -32,7 +32,7 @@ use tokio::time::Instant;
 
 use crate::driver::{Acquire, Driver, Lease};
 use crate::error::{Error, Result};
-use crate::sql::{Dialect, SqlDriver, map_err};
+use crate::sql::{SqlDriver, map_err};
 
 /// Idle connections kept for the next attempt, so that a waiter's polling does not reconnect.
 const SPARE_CONNECTIONS: usize = 2;
@@ -74,23 +74,6 @@ fn lock_unavailable(e: &sqlx::Error) -> bool {
         return matches!(my.number(), MYSQL_LOCK_WAIT_TIMEOUT | MYSQL_LOCK_NOWAIT);
     }
     db.code().as_deref() == Some(POSTGRES_LOCK_NOT_AVAILABLE)
-}
-
-/// The statements that open a row-lock transaction with the server-side session bound.
-fn begin(dialect: Dialect, ttl: Duration) -> String {
-    match dialect {
-        // SET LOCAL: the timeout ends with the transaction, the spare connection is unbounded.
-        Dialect::Postgres => format!(
-            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
-            ttl.as_millis().max(1)
-        ),
-        // READ COMMITTED: a locking read takes record locks only, never gap locks.
-        Dialect::MySql => format!(
-            "SET SESSION wait_timeout = {}; \
-             SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN",
-            ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
-        ),
-    }
 }
 
 /// Drop the connection when the lease runs out without a renewal: closing it is what makes the
@@ -169,7 +152,7 @@ impl RowLocks {
         };
         let mut seeded = false;
         loop {
-            if let Err(e) = conn.execute(&*begin(driver.dialect, ttl)).await {
+            if let Err(e) = conn.execute(&*driver.dialect.row_lock_begin(ttl)).await {
                 if !reused {
                     return Err(map_err(e));
                 }

@@ -190,6 +190,66 @@ pub type PostgresHarness = ServerHarness<super::PostgresServer>;
 /// MariaDB: `kill -9`, then a restart with InnoDB recovery.
 pub type MariaDbHarness = ServerHarness<super::MariaDbServer>;
 
+/// Redlock: five `redis-server` masters (append-only, `appendfsync always`); an outage is a
+/// crash of a majority of them. The masters are shared so that a test can crash a minority while
+/// clients run.
+pub struct RedlockHarness {
+    pub masters: Arc<std::sync::Mutex<Vec<RedisServer>>>,
+}
+
+/// How many masters the Redlock harness runs.
+pub const REDLOCK_MASTERS: usize = 5;
+
+impl RedlockHarness {
+    pub fn new() -> Self {
+        Self {
+            masters: Arc::new(std::sync::Mutex::new(
+                (0..REDLOCK_MASTERS).map(|_| RedisServer::start()).collect(),
+            )),
+        }
+    }
+
+    /// `redlock://127.0.0.1:P1,127.0.0.1:P2,...`
+    pub fn url(&self) -> String {
+        let masters = self.masters.lock().unwrap();
+        let hosts: Vec<String> = masters
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.port()))
+            .collect();
+        format!("redlock://{}", hosts.join(","))
+    }
+
+    fn majority(&self) -> std::ops::Range<usize> {
+        0..REDLOCK_MASTERS / 2 + 1
+    }
+}
+
+impl Default for RedlockHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl Harness for RedlockHarness {
+    async fn driver(&self) -> Arc<dyn Driver> {
+        let url = crate::BackendUrl::parse(&self.url()).expect("backend url");
+        crate::connect(&url).await.expect("driver")
+    }
+    async fn outage_begin(&mut self) {
+        let mut masters = self.masters.lock().unwrap();
+        for i in self.majority() {
+            masters[i].kill();
+        }
+    }
+    async fn outage_end(&mut self) {
+        let mut masters = self.masters.lock().unwrap();
+        for i in self.majority() {
+            masters[i].restart();
+        }
+    }
+}
+
 fn config(lock: &str, identity: &str, mode: Mode) -> LockConfig {
     LockConfig {
         renew_interval: RENEW,

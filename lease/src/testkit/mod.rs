@@ -13,8 +13,8 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 
 pub use conformance::{
-    BackendServer, Harness, MariaDbHarness, PostgresHarness, RedisHarness, ServerHarness,
-    SqliteHarness,
+    BackendServer, Harness, MariaDbHarness, PostgresHarness, REDLOCK_MASTERS, RedisHarness,
+    RedlockHarness, ServerHarness, SqliteHarness,
 };
 pub use faulty::FaultyDriver;
 pub use mariadb_server::MariaDbServer;

@@ -1,0 +1,383 @@
+//! Redlock: one lock across N >= 3 independent Redis masters, held while a majority holds it.
+//!
+//! - **Acquire** in two phases, each sent to every master at once with a short per-master
+//!   timeout, so a dead master costs that timeout and not the lease:
+//!   1. `SET lease PENDING NX PX ttl`, answered with the master's token counter;
+//!   2. on the masters that granted it, where the key is still PENDING: rewrite it to
+//!      `TOKEN:IDENTITY` (keeping its TTL) and raise the counter to TOKEN, where
+//!      TOKEN = 1 + the largest counter phase 1 saw.
+//!
+//!   The lock is ours when phase 2 succeeded on a majority and the time spent is well inside the
+//!   TTL (validity = ttl - elapsed - drift). Otherwise every master is undone.
+//! - **Why tokens strictly increase with a minority down**: the previous holder's token was
+//!   written to the counters of a majority (phase 2) before it claimed, and every majority shares a
+//!   master with every other. That master's counter was raised before its lease key was freed, and
+//!   this acquisition read it after the key was free, so TOKEN exceeds the previous one. This
+//!   needs the counter to survive a master's restart: run every master with `appendonly yes` and
+//!   `appendfsync always`, as for single Redis (or keep a crashed master down for one lease).
+//! - **Renew** extends the key on every master and needs a majority; **release** goes to all.
+//! - Clocks: each master expires keys by its own clock; the drift allowance (1 % + 2 ms) is
+//!   below the holder's own safety margin, so the holder stops claiming before the first master
+//!   can free the key.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::future::join_all;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Script, Value};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+use crate::redis::{
+    KeyLayout, RELEASE, RENEW, lease_value, listen_for_releases, map_err, parse_value_and_pttl,
+};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bounds of one master's share of an operation: small against the lease, so that a dead
+/// master does not eat the lease (Redlock's "a few milliseconds to tens").
+const MIN_MASTER_TIMEOUT: Duration = Duration::from_millis(50);
+const MAX_MASTER_TIMEOUT: Duration = Duration::from_millis(500);
+const MAX_DELAY: Duration = Duration::from_secs(1);
+/// Redlock's clock drift allowance: 1 % of the TTL plus 2 ms.
+const DRIFT_FACTOR: u32 = 100;
+const DRIFT_FLOOR: Duration = Duration::from_millis(2);
+
+/// KEYS: lease, token counter. ARGV: pending value, ttl ms.
+/// Returns the counter when the key was set, or {current value, remaining ms} when held.
+const PHASE_1: &str = r"
+local current = redis.call('GET', KEYS[1])
+if current then
+  return {current, redis.call('PTTL', KEYS[1])}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return tonumber(redis.call('GET', KEYS[2]) or '0')
+";
+
+/// KEYS: lease, token counter. ARGV: pending value, final value, token. Returns 1 when done.
+const PHASE_2: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[3]) then
+  redis.call('SET', KEYS[2], ARGV[3])
+end
+return 1
+";
+
+/// KEYS: lease. Returns {value, remaining ms}, or false when free.
+const OBSERVE: &str = r"
+local current = redis.call('GET', KEYS[1])
+if current then
+  return {current, redis.call('PTTL', KEYS[1])}
+end
+return false
+";
+
+struct Master {
+    conn: ConnectionManager,
+    subscriber: tokio::task::JoinHandle<()>,
+}
+
+pub struct RedlockDriver {
+    masters: Vec<Master>,
+    keys: KeyLayout,
+    phase_1: Script,
+    phase_2: Script,
+    renew: Script,
+    release: Script,
+    observe: Script,
+    releases: Arc<ChangeFeeds>,
+}
+
+impl Drop for RedlockDriver {
+    fn drop(&mut self) {
+        for master in &self.masters {
+            master.subscriber.abort();
+        }
+    }
+}
+
+fn master_timeout(ttl: Duration) -> Duration {
+    (ttl / 10).clamp(MIN_MASTER_TIMEOUT, MAX_MASTER_TIMEOUT)
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// What one master answered, or why it did not.
+type Reply = std::result::Result<Value, Error>;
+
+impl RedlockDriver {
+    /// Connect lazily to every master (each a `redis://` URL).
+    pub fn connect(masters: &[url::Url], prefix: &str) -> Result<Self> {
+        if masters.len() < 3 {
+            return Err(Error::InvalidConfig {
+                field: "backend",
+                reason: format!("Redlock needs at least 3 masters, got {}", masters.len()),
+            });
+        }
+        let keys = KeyLayout::new(prefix);
+        let releases = Arc::new(ChangeFeeds::default());
+        let masters = masters
+            .iter()
+            .map(|url| {
+                let client = redis::Client::open(url.as_str()).map_err(|e| Error::InvalidUrl {
+                    url: crate::backend_url::redact(url.as_str()),
+                    reason: e.to_string(),
+                })?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(MAX_MASTER_TIMEOUT))
+                    .set_number_of_retries(1)
+                    .set_max_delay(MAX_DELAY);
+                let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+                    .map_err(map_err)?;
+                let subscriber =
+                    tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
+                Ok(Master { conn, subscriber })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            masters,
+            keys,
+            phase_1: Script::new(PHASE_1),
+            phase_2: Script::new(PHASE_2),
+            renew: Script::new(RENEW),
+            release: Script::new(RELEASE),
+            observe: Script::new(OBSERVE),
+            releases,
+        })
+    }
+
+    fn quorum(&self) -> usize {
+        self.masters.len() / 2 + 1
+    }
+
+    /// Run one script invocation on the chosen masters at once, each bounded by `timeout`.
+    async fn on_masters(
+        &self,
+        which: &[usize],
+        timeout: Duration,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Vec<Reply> {
+        join_all(which.iter().map(|&i| {
+            let mut conn = self.masters[i].conn.clone();
+            async move {
+                match tokio::time::timeout(timeout, invocation.invoke_async::<Value>(&mut conn))
+                    .await
+                {
+                    Ok(reply) => reply.map_err(map_err),
+                    Err(_) => Err(Error::Timeout(timeout)),
+                }
+            }
+        }))
+        .await
+    }
+
+    fn all(&self) -> Vec<usize> {
+        (0..self.masters.len()).collect()
+    }
+
+    /// Too few masters answered to decide either way.
+    fn no_quorum(&self, answered: usize, replies: &[Reply]) -> Error {
+        let why = replies
+            .iter()
+            .find_map(|r| r.as_ref().err())
+            .map_or_else(String::new, |e| format!(" ({e})"));
+        Error::Unreachable(format!(
+            "only {answered} of {} Redlock masters answered, {} needed{why}",
+            self.masters.len(),
+            self.quorum()
+        ))
+    }
+
+    /// Take back whatever `value` holds on every master (a failed or late acquisition).
+    async fn undo(&self, lock: &str, value: &str, ttl: Duration) {
+        let mut release = self.release.prepare_invoke();
+        release
+            .key(self.keys.lease(lock))
+            .arg(value)
+            .arg(self.keys.released_channel(lock));
+        self.on_masters(&self.all(), master_timeout(ttl), &release)
+            .await;
+    }
+
+    /// The holder a majority agrees on, from `{value, pttl}` replies.
+    fn majority_holder(&self, replies: &[Reply]) -> Option<Holding> {
+        let holdings: Vec<Holding> = replies
+            .iter()
+            .filter_map(|r| r.as_ref().ok().and_then(parse_value_and_pttl))
+            .collect();
+        holdings.iter().find_map(|candidate| {
+            let agreeing: Vec<&Holding> = holdings
+                .iter()
+                .filter(|h| h.identity == candidate.identity && h.token == candidate.token)
+                .collect();
+            (agreeing.len() >= self.quorum()).then(|| Holding {
+                expires_in: agreeing.iter().filter_map(|h| h.expires_in).min(),
+                ..candidate.clone()
+            })
+        })
+    }
+}
+
+#[async_trait]
+impl Driver for RedlockDriver {
+    fn kind(&self) -> &'static str {
+        "redlock"
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let started = Instant::now();
+        let timeout = master_timeout(ttl);
+        // Not a valid `TOKEN:IDENTITY`, so observers see a pending acquisition as no holder.
+        let pending = format!("pending-{:016x}:{identity}", rand::random::<u64>());
+        let mut phase_1 = self.phase_1.prepare_invoke();
+        phase_1
+            .key(self.keys.lease(lock))
+            .key(self.keys.token(lock))
+            .arg(&pending)
+            .arg(ms(ttl));
+        let replies = self.on_masters(&self.all(), timeout, &phase_1).await;
+        let mut granted = Vec::new();
+        let mut counter_max = 0u64;
+        for (i, reply) in replies.iter().enumerate() {
+            if let Ok(Value::Int(counter)) = reply {
+                granted.push(i);
+                counter_max = counter_max.max(u64::try_from(*counter).unwrap_or(0));
+            }
+        }
+        if granted.len() < self.quorum() {
+            if !granted.is_empty() {
+                self.undo(lock, &pending, ttl).await;
+            }
+            let answered = replies.iter().filter(|r| r.is_ok()).count();
+            if answered < self.quorum() {
+                return Err(self.no_quorum(answered, &replies));
+            }
+            return Ok(Acquire::Busy(self.majority_holder(&replies)));
+        }
+
+        let lease = Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token: counter_max + 1,
+        };
+        let value = lease_value(&lease);
+        let mut phase_2 = self.phase_2.prepare_invoke();
+        phase_2
+            .key(self.keys.lease(lock))
+            .key(self.keys.token(lock))
+            .arg(&pending)
+            .arg(&value)
+            .arg(lease.token);
+        let confirmed = self
+            .on_masters(&granted, timeout, &phase_2)
+            .await
+            .iter()
+            .filter(|r| matches!(r, Ok(Value::Int(1))))
+            .count();
+        let drift = ttl / DRIFT_FACTOR + DRIFT_FLOOR;
+        let in_time = started.elapsed() + drift < ttl;
+        if confirmed >= self.quorum() && in_time {
+            return Ok(Acquire::Acquired(lease));
+        }
+        self.undo(lock, &pending, ttl).await;
+        self.undo(lock, &value, ttl).await;
+        if in_time {
+            Ok(Acquire::Busy(None))
+        } else {
+            Err(Error::Timeout(started.elapsed()))
+        }
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let mut renew = self.renew.prepare_invoke();
+        renew
+            .key(self.keys.lease(&lease.lock))
+            .arg(lease_value(lease))
+            .arg(ms(ttl));
+        let replies = self
+            .on_masters(&self.all(), master_timeout(ttl), &renew)
+            .await;
+        let renewed = replies
+            .iter()
+            .filter(|r| matches!(r, Ok(Value::Int(1))))
+            .count();
+        let answered = replies.iter().filter(|r| r.is_ok()).count();
+        if renewed >= self.quorum() {
+            Ok(true)
+        } else if renewed + (self.masters.len() - answered) < self.quorum() {
+            // Enough masters said "not yours" that no answer from the rest could make a majority.
+            Ok(false)
+        } else {
+            Err(self.no_quorum(answered, &replies))
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let mut release = self.release.prepare_invoke();
+        release
+            .key(self.keys.lease(&lease.lock))
+            .arg(lease_value(lease))
+            .arg(self.keys.released_channel(&lease.lock));
+        let replies = self
+            .on_masters(&self.all(), MAX_MASTER_TIMEOUT, &release)
+            .await;
+        let released = replies
+            .iter()
+            .filter(|r| matches!(r, Ok(Value::Int(1))))
+            .count();
+        if released == 0 && replies.iter().all(|r| r.is_err()) {
+            return Err(self.no_quorum(0, &replies));
+        }
+        if released > 0 {
+            self.releases.bump(&lease.lock);
+        }
+        Ok(released > 0)
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        let mut observe = self.observe.prepare_invoke();
+        observe.key(self.keys.lease(lock));
+        let replies = self
+            .on_masters(&self.all(), MAX_MASTER_TIMEOUT, &observe)
+            .await;
+        let answered = replies.iter().filter(|r| r.is_ok()).count();
+        if answered < self.quorum() {
+            return Err(self.no_quorum(answered, &replies));
+        }
+        Ok(self.majority_holder(&replies))
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.releases.subscribe(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let pings = join_all(self.masters.iter().map(|master| {
+            let mut conn = master.conn.clone();
+            async move {
+                tokio::time::timeout(
+                    MAX_MASTER_TIMEOUT,
+                    redis::cmd("PING").query_async::<String>(&mut conn),
+                )
+                .await
+                .map_err(|_| Error::Timeout(MAX_MASTER_TIMEOUT))
+                .and_then(|r| r.map(|_| Value::Okay).map_err(map_err))
+            }
+        }))
+        .await;
+        let answered = pings.iter().filter(|r| r.is_ok()).count();
+        if answered < self.quorum() {
+            return Err(self.no_quorum(answered, &pings));
+        }
+        Ok(())
+    }
+}
