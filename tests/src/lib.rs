@@ -1,6 +1,10 @@
 #![forbid(unsafe_code)]
 //! Fixtures for the end-to-end suites: real `leasehold-sidecar` processes on free ports, a tiny
-//! HTTP/1.1 client that can also send malformed requests, and signals.
+//! HTTP/1.1 client that can also send malformed requests, and signals; a fault-injecting TCP
+//! proxy ([`fault_proxy`]) and the multi-process safety check ([`safety`]).
+
+pub mod fault_proxy;
+pub mod safety;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -16,24 +20,26 @@ pub use leasehold_lease::testkit::{
     MariaDbServer, PostgresServer, RedisServer, require_binary, unique_lock,
 };
 
-/// The sidecar binary next to this test's own executable (target/<profile>/), or
-/// `LEASEHOLD_SIDECAR_BIN`.
+/// The sidecar binary beside this executable (target/<profile>/ for a binary, its parent for a
+/// test in target/<profile>/deps/), or `LEASEHOLD_SIDECAR_BIN`.
 pub fn sidecar_binary() -> PathBuf {
     if let Some(path) = std::env::var_os("LEASEHOLD_SIDECAR_BIN") {
         return path.into();
     }
     let exe = std::env::current_exe().expect("current exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>/deps");
-    let path = profile_dir.join("leasehold-sidecar");
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first with `cargo build -p leasehold-sidecar` (scripts/test does)",
-        path.display()
-    );
-    path
+    let dir = exe.parent().expect("executable directory");
+    let candidates = [Some(dir), dir.parent()];
+    candidates
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("leasehold-sidecar"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "leasehold-sidecar is missing beside {}: build it first with `cargo build -p leasehold-sidecar` (scripts/test does)",
+                exe.display()
+            )
+        })
 }
 
 /// One HTTP exchange's result.

@@ -1,0 +1,620 @@
+//! The multi-process safety check: several real sidecars contend for one lock on a real backend
+//! while faults are injected at random, and a checker polls every sidecar's `/lock` many times a
+//! second, recording on one clock who claimed to hold, when, and with which token.
+//!
+//! Faults: SIGKILL of the holder (then a new process in its place), SIGSTOP of the holder for
+//! longer than the lease (then SIGCONT), a crash and restart of the backend, and a partition of
+//! the holder from the backend (a [`FaultProxy`] per sidecar and endpoint).
+//!
+//! It fails when two sidecars' claims certainly overlap, when a token does not increase from one
+//! holder to the next (or two sidecars claim one token), or when no holder appears within
+//! leaseDuration + renewInterval (plus a slack for a loaded machine) after a fault ends.
+//!
+//! "Certainly" is exact, not statistical: a 200 answer means the sidecar claimed at some instant
+//! between sending the request and receiving the answer, and one process claims one token over
+//! one contiguous span. So a token's claim surely covers [first answer received, last request
+//! sent]; two of those spans that intersect are two holders at once. The polling resolution
+//! (how long a request takes, how often each sidecar is asked) is reported alongside.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use leasehold_lease::testkit::{MariaDbServer, PostgresServer, RedisServer};
+use nix::sys::signal::Signal;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::fault_proxy::FaultProxy;
+use crate::{Sidecar, unique_lock};
+
+pub const LEASE: Duration = Duration::from_secs(1);
+pub const RENEW: Duration = Duration::from_millis(250);
+const TIMING: &[&str] = &["--lease-duration", "1s", "--renew-interval", "250ms"];
+/// On top of lease + renew interval, for a 2-core machine running servers, sidecars and checker.
+pub const RECOVERY_SLACK: Duration = Duration::from_millis(1500);
+/// How long a fault lasts: longer than the lease, so that it always forces a hand-over.
+const FAULT_LENGTH: Duration = Duration::from_millis(1500);
+const CALM_MIN_MS: u64 = 300;
+const CALM_MAX_MS: u64 = 1200;
+const POLL_PAUSE: Duration = Duration::from_millis(3);
+const POLL_TIMEOUT: Duration = Duration::from_millis(300);
+/// A restarted MariaDB replays its redo log first; every other restart is quicker.
+const BACKEND_READY: Duration = Duration::from_secs(30);
+
+/// The backends (and SQL modes) the check runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    Sqlite,
+    Redis,
+    Redlock,
+    Postgres,
+    PostgresRowLock,
+    MariaDb,
+    MariaDbRowLock,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Sqlite,
+        Target::Redis,
+        Target::Redlock,
+        Target::Postgres,
+        Target::PostgresRowLock,
+        Target::MariaDb,
+        Target::MariaDbRowLock,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Sqlite => "sqlite",
+            Target::Redis => "redis",
+            Target::Redlock => "redlock",
+            Target::Postgres => "postgres",
+            Target::PostgresRowLock => "postgres-row-lock",
+            Target::MariaDb => "mariadb",
+            Target::MariaDbRowLock => "mariadb-row-lock",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.name() == name)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fault {
+    KillHolder,
+    PauseHolder,
+    RestartBackend,
+    PartitionHolder,
+}
+
+impl Fault {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::KillHolder => "kill",
+            Fault::PauseHolder => "pause",
+            Fault::RestartBackend => "restart",
+            Fault::PartitionHolder => "partition",
+        }
+    }
+}
+
+/// The backend under test, and how to reach it through a sidecar's own proxies.
+enum Backend {
+    Sqlite(tempfile::TempDir),
+    Redis(RedisServer),
+    Redlock(Vec<RedisServer>),
+    Postgres(PostgresServer, &'static str),
+    MariaDb(MariaDbServer, &'static str),
+}
+
+impl Backend {
+    fn start(target: Target) -> Self {
+        match target {
+            Target::Sqlite => Backend::Sqlite(tempfile::tempdir().expect("temp dir")),
+            Target::Redis => Backend::Redis(RedisServer::start()),
+            Target::Redlock => Backend::Redlock((0..5).map(|_| RedisServer::start()).collect()),
+            Target::Postgres => Backend::Postgres(PostgresServer::start(), ""),
+            Target::PostgresRowLock => Backend::Postgres(PostgresServer::start(), "?mode=row-lock"),
+            Target::MariaDb => Backend::MariaDb(MariaDbServer::start(), ""),
+            Target::MariaDbRowLock => Backend::MariaDb(MariaDbServer::start(), "?mode=row-lock"),
+        }
+    }
+
+    fn ports(&self) -> Vec<u16> {
+        match self {
+            Backend::Sqlite(_) => Vec::new(),
+            Backend::Redis(s) => vec![s.port()],
+            Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
+            Backend::Postgres(s, _) => vec![s.port()],
+            Backend::MariaDb(s, _) => vec![s.port()],
+        }
+    }
+
+    /// The `--backend` URL with each endpoint replaced by the matching proxy port.
+    fn url_via(&self, proxies: &[u16]) -> String {
+        let swap = |url: String, port: u16, proxy: u16| {
+            url.replace(&format!("127.0.0.1:{port}"), &format!("127.0.0.1:{proxy}"))
+        };
+        match self {
+            Backend::Sqlite(dir) => format!("sqlite://{}", dir.path().join("locks.db").display()),
+            Backend::Redis(s) => swap(s.url(), s.port(), proxies[0]),
+            Backend::Redlock(_) => {
+                let hosts: Vec<String> = proxies.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+                format!("redlock://{}", hosts.join(","))
+            }
+            Backend::Postgres(s, mode) => swap(s.url(), s.port(), proxies[0]) + mode,
+            Backend::MariaDb(s, mode) => swap(s.url(), s.port(), proxies[0]) + mode,
+        }
+    }
+
+    fn faults(&self) -> &'static [Fault] {
+        match self {
+            // One file, no network, no server: what can fail is the process.
+            Backend::Sqlite(_) => &[Fault::KillHolder, Fault::PauseHolder],
+            _ => &[
+                Fault::KillHolder,
+                Fault::PauseHolder,
+                Fault::RestartBackend,
+                Fault::PartitionHolder,
+            ],
+        }
+    }
+
+    /// Crash the backend and start it again on the same data.
+    fn restart(&mut self) {
+        match self {
+            Backend::Sqlite(_) => {}
+            Backend::Redis(s) => s.restart(),
+            Backend::Redlock(masters) => masters.iter_mut().for_each(RedisServer::restart),
+            Backend::Postgres(s, _) => s.restart(),
+            Backend::MariaDb(s, _) => s.restart(),
+        }
+    }
+}
+
+/// One contender: a sidecar process, replaced after a kill, and its links to the backend.
+struct Slot {
+    identity: String,
+    generation: u32,
+    sidecar: Sidecar,
+    proxies: Vec<FaultProxy>,
+    /// Where the checker asks; swapped when the process is replaced.
+    addr: Arc<Mutex<(SocketAddr, u32)>>,
+}
+
+impl Slot {
+    fn url(&self, backend: &Backend) -> String {
+        let ports: Vec<u16> = self.proxies.iter().map(|p| p.port).collect();
+        backend.url_via(&ports)
+    }
+}
+
+/// One answer from one sidecar.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    slot: usize,
+    generation: u32,
+    sent: Instant,
+    received: Instant,
+    /// The fencing token of a 200 answer.
+    token: Option<u64>,
+}
+
+/// The figures of one run.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub target: &'static str,
+    pub duration: Duration,
+    pub seed: u64,
+    pub samples: usize,
+    pub handovers: usize,
+    pub faults: BTreeMap<&'static str, usize>,
+    pub violations: Vec<String>,
+    pub longest_without_holder: Duration,
+    pub slowest_recovery: Duration,
+    /// The median time between two answers of one sidecar, and the longest request.
+    pub poll_interval: Duration,
+    pub longest_request: Duration,
+}
+
+impl Report {
+    pub fn overlaps(&self) -> usize {
+        self.violations
+            .iter()
+            .filter(|v| v.starts_with("overlap"))
+            .count()
+    }
+
+    pub fn summary(&self) -> String {
+        let faults: Vec<String> = self
+            .faults
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        format!(
+            "{:<18} {:>5.0}s  hand-overs {:>4}  faults {:>3} ({})  overlaps {}  violations {}  \
+             longest without holder {:>6.0?}  slowest recovery {:>6.0?}  poll every {:.1?} (request ≤ {:.0?})  seed {}",
+            self.target,
+            self.duration.as_secs_f64(),
+            self.handovers,
+            self.faults.values().sum::<usize>(),
+            faults.join(", "),
+            self.overlaps(),
+            self.violations.len(),
+            self.longest_without_holder,
+            self.slowest_recovery,
+            self.poll_interval,
+            self.longest_request,
+            self.seed,
+        )
+    }
+}
+
+/// One GET /lock with short timeouts: (200 with its token) or not.
+fn probe(addr: SocketAddr) -> Option<Option<u64>> {
+    use std::io::{Read, Write};
+    let mut stream = TcpStream::connect_timeout(&addr, POLL_TIMEOUT).ok()?;
+    stream.set_read_timeout(Some(POLL_TIMEOUT)).ok()?;
+    stream
+        .write_all(b"GET /lock HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).ok()?;
+    let text = String::from_utf8_lossy(&raw);
+    if !text.starts_with("HTTP/1.1 200") {
+        return Some(None);
+    }
+    let body = text.split_once("\r\n\r\n")?.1;
+    let json: serde_json::Value = serde_json::from_str(body).ok()?;
+    Some(json["fencingToken"].as_u64())
+}
+
+/// Poll one slot until told to stop.
+fn checker(
+    slot: usize,
+    addr: Arc<Mutex<(SocketAddr, u32)>>,
+    log: Arc<Mutex<Vec<Sample>>>,
+    last_holder: Arc<Mutex<Option<Instant>>>,
+    stop: Arc<AtomicBool>,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        let (target, generation) = *addr.lock().unwrap();
+        let sent = Instant::now();
+        let answer = probe(target);
+        let received = Instant::now();
+        if let Some(token) = answer {
+            if token.is_some() {
+                let mut last = last_holder.lock().unwrap();
+                *last = Some(last.map_or(received, |l| l.max(received)));
+            }
+            log.lock().unwrap().push(Sample {
+                slot,
+                generation,
+                sent,
+                received,
+                token,
+            });
+        }
+        std::thread::sleep(POLL_PAUSE);
+    }
+}
+
+/// Run the check against `target` for `duration`, with `contenders` sidecars.
+pub fn run(target: Target, duration: Duration, contenders: usize, seed: u64) -> Report {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut backend = Backend::start(target);
+    let lock = unique_lock("safety");
+    let start_sidecar = |slot: &Slot, backend: &Backend| {
+        Sidecar::start(&slot.identity, &slot.url(backend), &lock, TIMING)
+    };
+    let mut slots: Vec<Slot> = (0..contenders)
+        .map(|i| {
+            let proxies: Vec<FaultProxy> =
+                backend.ports().into_iter().map(FaultProxy::start).collect();
+            let identity = format!("contender-{i}");
+            let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+            let sidecar = Sidecar::start(&identity, &backend.url_via(&ports), &lock, TIMING);
+            let addr = Arc::new(Mutex::new((sidecar.addr, 0)));
+            Slot {
+                identity,
+                generation: 0,
+                sidecar,
+                proxies,
+                addr,
+            }
+        })
+        .collect();
+
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let last_holder = Arc::new(Mutex::new(None));
+    let stop = Arc::new(AtomicBool::new(false));
+    let checkers: Vec<_> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, slot)| {
+            let (addr, log, last, stop) = (
+                slot.addr.clone(),
+                log.clone(),
+                last_holder.clone(),
+                stop.clone(),
+            );
+            std::thread::spawn(move || checker(i, addr, log, last, stop))
+        })
+        .collect();
+
+    let mut report = Report {
+        target: target.name(),
+        seed,
+        ..Report::default()
+    };
+    let began = Instant::now();
+    let recovered = |since: Instant| *last_holder.lock().unwrap() > Some(since);
+    // The first holder, before any fault.
+    let first = Instant::now();
+    while !recovered(first) {
+        if first.elapsed() > LEASE + RENEW + RECOVERY_SLACK {
+            report
+                .violations
+                .push("no holder appeared at the start".to_owned());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    while began.elapsed() < duration {
+        std::thread::sleep(Duration::from_millis(
+            rng.random_range(CALM_MIN_MS..CALM_MAX_MS),
+        ));
+        let fault = backend.faults()[rng.random_range(0..backend.faults().len())];
+        // The holder now, as the checker last saw it; anyone when nobody holds.
+        let holder = current_holder(&log.lock().unwrap())
+            .unwrap_or_else(|| rng.random_range(0..slots.len()));
+        match fault {
+            Fault::KillHolder => {
+                let slot = &mut slots[holder];
+                slot.sidecar.kill9();
+                std::thread::sleep(LEASE / 2);
+                slot.generation += 1;
+                slot.sidecar = start_sidecar(slot, &backend);
+                *slot.addr.lock().unwrap() = (slot.sidecar.addr, slot.generation);
+            }
+            Fault::PauseHolder => {
+                slots[holder].sidecar.signal(Signal::SIGSTOP);
+                std::thread::sleep(FAULT_LENGTH);
+                slots[holder].sidecar.signal(Signal::SIGCONT);
+            }
+            Fault::RestartBackend => {
+                let restarting = Instant::now();
+                backend.restart();
+                assert!(
+                    restarting.elapsed() < BACKEND_READY,
+                    "the backend took {:?} to restart",
+                    restarting.elapsed()
+                );
+            }
+            Fault::PartitionHolder => {
+                slots[holder].proxies.iter().for_each(FaultProxy::cut);
+                std::thread::sleep(FAULT_LENGTH);
+                slots[holder].proxies.iter().for_each(FaultProxy::restore);
+            }
+        }
+        *report.faults.entry(fault.name()).or_default() += 1;
+        let healed = Instant::now();
+        let bound = LEASE + RENEW + RECOVERY_SLACK;
+        while !recovered(healed) && healed.elapsed() < bound {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let took = healed.elapsed();
+        report.slowest_recovery = report.slowest_recovery.max(took);
+        if !recovered(healed) {
+            report.violations.push(format!(
+                "no holder within {bound:?} after {} ended (at {:.1?})",
+                fault.name(),
+                healed - began
+            ));
+        }
+    }
+    report.duration = began.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    for checker in checkers {
+        let _ = checker.join();
+    }
+    let samples = std::mem::take(&mut *log.lock().unwrap());
+    analyse(&samples, began, &mut report);
+    drop(slots);
+    report
+}
+
+/// The slot that answered 200 most recently, if its last answer was 200.
+fn current_holder(samples: &[Sample]) -> Option<usize> {
+    let mut last: BTreeMap<usize, &Sample> = BTreeMap::new();
+    for sample in samples.iter().rev() {
+        last.entry(sample.slot).or_insert(sample);
+    }
+    last.values()
+        .filter(|s| s.token.is_some())
+        .max_by_key(|s| s.received)
+        .map(|s| s.slot)
+}
+
+/// One token's claim by one process: surely held over [certain_from, certain_to] when that is
+/// not empty, and at some instant within [first_sent, first_received].
+#[derive(Debug, Clone, Copy)]
+struct Holding {
+    slot: usize,
+    generation: u32,
+    token: u64,
+    first_sent: Instant,
+    certain_from: Instant,
+    certain_to: Instant,
+}
+
+fn analyse(samples: &[Sample], began: Instant, report: &mut Report) {
+    report.samples = samples.len();
+    let mut holdings: BTreeMap<(usize, u32, u64), Holding> = BTreeMap::new();
+    for s in samples {
+        let Some(token) = s.token else { continue };
+        holdings
+            .entry((s.slot, s.generation, token))
+            .and_modify(|h| {
+                h.certain_from = h.certain_from.min(s.received);
+                h.certain_to = h.certain_to.max(s.sent);
+                h.first_sent = h.first_sent.min(s.sent);
+            })
+            .or_insert(Holding {
+                slot: s.slot,
+                generation: s.generation,
+                token,
+                first_sent: s.sent,
+                certain_from: s.received,
+                certain_to: s.sent,
+            });
+    }
+    let mut holdings: Vec<Holding> = holdings.into_values().collect();
+    holdings.sort_by_key(|h| h.first_sent);
+    report.handovers = holdings.len().saturating_sub(1);
+    let at = |t: Instant| t.saturating_duration_since(began);
+
+    for (i, a) in holdings.iter().enumerate() {
+        for b in &holdings[i + 1..] {
+            let from = a.certain_from.max(b.certain_from);
+            let to = a.certain_to.min(b.certain_to);
+            if from < to {
+                report.violations.push(format!(
+                    "overlap: contender-{} (token {}) and contender-{} (token {}) both held for {:?} at {:.3?}",
+                    a.slot, a.token, b.slot, b.token, to - from, at(from)
+                ));
+            }
+            if a.token == b.token && (a.slot, a.generation) != (b.slot, b.generation) {
+                report.violations.push(format!(
+                    "token {} claimed by contender-{} and contender-{}",
+                    a.token, a.slot, b.slot
+                ));
+            }
+        }
+    }
+    for pair in holdings.windows(2) {
+        if pair[1].token <= pair[0].token {
+            report.violations.push(format!(
+                "token went from {} (contender-{}) to {} (contender-{}) at {:.3?}",
+                pair[0].token,
+                pair[0].slot,
+                pair[1].token,
+                pair[1].slot,
+                at(pair[1].first_sent)
+            ));
+        }
+    }
+
+    // Gaps between consecutive 200 answers, from the first holder on.
+    let mut held: Vec<Instant> = samples
+        .iter()
+        .filter(|s| s.token.is_some())
+        .map(|s| s.received)
+        .collect();
+    held.sort();
+    report.longest_without_holder = held
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+
+    let mut per_slot: BTreeMap<(usize, u32), Vec<&Sample>> = BTreeMap::new();
+    for s in samples {
+        per_slot.entry((s.slot, s.generation)).or_default().push(s);
+    }
+    let mut intervals: Vec<Duration> = per_slot
+        .values()
+        .flat_map(|v| v.windows(2).map(|w| w[1].sent - w[0].sent))
+        .collect();
+    intervals.sort();
+    report.poll_interval = intervals
+        .get(intervals.len() / 2)
+        .copied()
+        .unwrap_or_default();
+    report.longest_request = samples
+        .iter()
+        .map(|s| s.received - s.sent)
+        .max()
+        .unwrap_or_default();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Samples of one claim: (slot, token, sent ms, received ms) from a common origin.
+    fn samples(origin: Instant, raw: &[(usize, Option<u64>, u64, u64)]) -> Vec<Sample> {
+        raw.iter()
+            .map(|&(slot, token, sent, received)| Sample {
+                slot,
+                generation: 0,
+                sent: origin + Duration::from_millis(sent),
+                received: origin + Duration::from_millis(received),
+                token,
+            })
+            .collect()
+    }
+
+    fn report(raw: &[(usize, Option<u64>, u64, u64)]) -> Report {
+        let origin = Instant::now();
+        let mut report = Report::default();
+        analyse(&samples(origin, raw), origin, &mut report);
+        report
+    }
+
+    #[test]
+    fn a_clean_hand_over_passes() {
+        let r = report(&[
+            (0, Some(1), 0, 1),
+            (0, Some(1), 10, 11),
+            (1, None, 12, 13),
+            (1, Some(2), 20, 21),
+            (1, Some(2), 30, 31),
+        ]);
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+        assert_eq!(r.handovers, 1);
+        assert_eq!(r.longest_without_holder, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn two_certain_claims_at_once_are_an_overlap() {
+        let r = report(&[
+            (0, Some(1), 0, 1),
+            (1, Some(2), 5, 6),
+            (0, Some(1), 10, 11),
+            (1, Some(2), 12, 13),
+        ]);
+        assert_eq!(r.overlaps(), 1, "{:?}", r.violations);
+    }
+
+    /// Claims that may have been sequential within the polling windows are not reported.
+    #[test]
+    fn claims_within_one_polling_window_are_not_an_overlap() {
+        let r = report(&[(0, Some(1), 0, 10), (1, Some(2), 5, 15)]);
+        assert_eq!(r.overlaps(), 0, "{:?}", r.violations);
+    }
+
+    #[test]
+    fn tokens_must_increase_and_never_repeat() {
+        let r = report(&[(0, Some(5), 0, 1), (1, Some(4), 10, 11)]);
+        assert!(
+            r.violations
+                .iter()
+                .any(|v| v.starts_with("token went from 5")),
+            "{:?}",
+            r.violations
+        );
+        let r = report(&[(0, Some(5), 0, 1), (1, Some(5), 10, 11)]);
+        assert!(
+            r.violations.iter().any(|v| v.contains("claimed by")),
+            "{:?}",
+            r.violations
+        );
+    }
+}
