@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
 use leasehold_lease::testkit::{
-    MariaDbServer, PostgresServer, RedisServer, SqliteHarness, free_port,
+    MariaDbServer, PostgresServer, REDLOCK_MASTERS, RedisServer, SqliteHarness, free_port,
 };
 use leasehold_lease::{Acquire, Answer, Driver, Lock, LockConfig, Mode};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -55,7 +55,31 @@ fn main() {
 }
 
 /// The benchmark's sections, all of them when none is named on the command line.
-const SECTIONS: &[&str] = &["http", "drivers", "sql"];
+const SECTIONS: &[&str] = &["http", "drivers", "sql", "safety"];
+/// How long the benchmark runs the safety check per driver (`scripts/soak` runs it longer).
+const SAFETY_DURATION: Duration = Duration::from_secs(30);
+
+/// The multi-process safety check per driver: hand-overs, faults, overlaps (must be 0) and the
+/// longest time without a holder.
+async fn safety_section() {
+    use leasehold_e2e::safety::{self, Target};
+    println!(
+        "## safety check: 3 sidecars, random kill/pause/restart/partition, {SAFETY_DURATION:?} per driver (lease {:?}, renew {:?})",
+        safety::LEASE,
+        safety::RENEW
+    );
+    for target in Target::ALL {
+        let seed = rand::random();
+        let report =
+            tokio::task::spawn_blocking(move || safety::run(target, SAFETY_DURATION, 3, seed))
+                .await
+                .expect("safety run");
+        println!("  {}", report.summary());
+        for violation in &report.violations {
+            println!("    VIOLATION {violation}");
+        }
+    }
+}
 
 /// The baseline server: axum with the sidecar's runtime shape, answering a constant.
 fn bare_axum(port: u16) {
@@ -294,6 +318,57 @@ async fn redis_raw_cycles(url: &str) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The raw Redlock a hand-written client does: `SET NX PX` on every master at once, a majority
+/// needed, then the compare-and-delete script on every master at once.
+async fn redlock_raw_cycles(masters: &[url::Url]) -> f64 {
+    let mut conns = Vec::new();
+    for url in masters {
+        let client = redis::Client::open(url.as_str()).expect("client");
+        conns.push(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect"),
+        );
+    }
+    let release = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    );
+    let quorum = masters.len() / 2 + 1;
+    let start = Instant::now();
+    for i in 0..CYCLES {
+        let set = futures_util::future::join_all(conns.iter().map(|conn| {
+            let mut conn = conn.clone();
+            async move {
+                redis::cmd("SET")
+                    .arg("raw")
+                    .arg("bench")
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(LEASE.as_millis() as u64)
+                    .query_async::<Option<String>>(&mut conn)
+                    .await
+            }
+        }))
+        .await;
+        let granted = set.iter().filter(|r| matches!(r, Ok(Some(_)))).count();
+        assert!(granted >= quorum, "cycle {i}: only {granted} masters");
+        futures_util::future::join_all(conns.iter().map(|conn| {
+            let mut conn = conn.clone();
+            let release = &release;
+            async move {
+                release
+                    .key("raw")
+                    .arg("bench")
+                    .invoke_async::<i64>(&mut conn)
+                    .await
+            }
+        }))
+        .await;
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
 async fn sqlite_raw_cycles(path: &std::path::Path) -> f64 {
     use sqlx::Connection;
     let options = sqlx::sqlite::SqliteConnectOptions::new()
@@ -397,6 +472,27 @@ async fn driver_section() {
         "  redis  RedisDriver              : {ours:>9.0} cycles/s  ({:.0} %)",
         100.0 * ours / raw
     );
+
+    let masters: Vec<RedisServer> = (0..REDLOCK_MASTERS)
+        .map(|_| RedisServer::start_with(false))
+        .collect();
+    let urls: Vec<url::Url> = masters
+        .iter()
+        .map(|m| url::Url::parse(&m.url()).expect("url"))
+        .collect();
+    let driver =
+        leasehold_lease::redlock::RedlockDriver::connect(&urls, "leasehold").expect("redlock");
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(redlock_raw_cycles(&urls).await);
+        ours = ours.max(driver_cycles(&driver).await);
+    }
+    println!("  redlock raw SET NX + del, 5 masters: {raw:>6.0} cycles/s");
+    println!(
+        "  redlock RedlockDriver, 5 masters  : {ours:>6.0} cycles/s  ({:.0} %; two phases where the raw lock has one, for tokens)",
+        100.0 * ours / raw
+    );
+    drop(masters);
 
     let sqlite = SqliteHarness::new();
     let driver = leasehold_lease::sqlite::SqliteDriver::open(&sqlite.path(), "leasehold_locks")
@@ -662,5 +758,8 @@ async fn run(sections: &[&str]) {
             "## PostgreSQL 15 and MariaDB 10.11, lease and row-lock modes ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
         );
         sql_section().await;
+    }
+    if wanted("safety") {
+        safety_section().await;
     }
 }
