@@ -17,11 +17,7 @@ pub const DEFAULT_TABLE: &str = "leasehold_locks";
 pub const DEFAULT_REDIS_PREFIX: &str = "leasehold";
 
 /// Schemes that name backends this build does not carry yet; they get a precise error.
-const PLANNED_SCHEMES: &[(&str, &str)] = &[
-    ("zk", "ZooKeeper"),
-    ("etcd", "etcd"),
-    ("kubernetes", "Kubernetes Lease"),
-];
+const PLANNED_SCHEMES: &[(&str, &str)] = &[("zk", "ZooKeeper"), ("kubernetes", "Kubernetes Lease")];
 
 #[derive(Clone, PartialEq, Eq)]
 pub enum BackendUrl {
@@ -34,6 +30,12 @@ pub enum BackendUrl {
     Redlock {
         masters: Vec<url::Url>,
         prefix: String,
+    },
+    /// `etcd://[user:password@]host:port[,host:port...][?prefix=NAME]`: one etcd cluster.
+    Etcd {
+        endpoints: Vec<String>,
+        prefix: String,
+        user: Option<(String, String)>,
     },
     /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`;
     /// every other query parameter goes to the database driver (e.g. `sslmode`).
@@ -112,6 +114,53 @@ impl BackendUrl {
                     prefix = p;
                 }
                 Ok(BackendUrl::Redlock { masters, prefix })
+            }
+            "etcd" => {
+                let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
+                if authority.contains('/') {
+                    return Err(invalid(
+                        "etcd URLs have no path; the key prefix is ?prefix=NAME".into(),
+                    ));
+                }
+                let (user, hosts) = match authority.rsplit_once('@') {
+                    Some((userinfo, hosts)) => {
+                        let (user, password) = userinfo.split_once(':').ok_or_else(|| {
+                            invalid("etcd credentials are user:password".into())
+                        })?;
+                        let decode = |s: &str| {
+                            url::form_urlencoded::parse(format!("v={s}").as_bytes())
+                                .next()
+                                .map(|(_, v)| v.into_owned())
+                                .unwrap_or_default()
+                        };
+                        (Some((decode(user), decode(password))), hosts)
+                    }
+                    None => (None, authority),
+                };
+                let mut endpoints = Vec::new();
+                for host in hosts.split(',') {
+                    let parsed = url::Url::parse(&format!("http://{host}"))
+                        .ok()
+                        .filter(|u| u.host_str().is_some_and(|h| !h.is_empty()) && u.path() == "/")
+                        .ok_or_else(|| invalid(format!("bad etcd endpoint {host:?} (host:port)")))?;
+                    let port = parsed.port().unwrap_or(2379);
+                    endpoints.push(format!("http://{}:{port}", parsed.host_str().unwrap_or_default()));
+                }
+                let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                for (key, value) in query_pairs(query) {
+                    match key.as_str() {
+                        "prefix" => prefix = value,
+                        other => return Err(invalid(format!("unknown option {other:?}"))),
+                    }
+                }
+                crate::names::validate_lock_name(&prefix).map_err(|_| {
+                    invalid(format!("prefix {prefix:?} must be letters, digits, '.', '_' or '-'"))
+                })?;
+                Ok(BackendUrl::Etcd {
+                    endpoints,
+                    prefix,
+                    user,
+                })
             }
             "redis" => {
                 let url = url::Url::parse(raw).map_err(|e| invalid(e.to_string()))?;
@@ -205,10 +254,10 @@ impl BackendUrl {
             )),
             other => match PLANNED_SCHEMES.iter().find(|(s, _)| *s == other) {
                 Some((_, name)) => Err(invalid(format!(
-                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, redlock://, postgres://, mysql://)"
+                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://)"
                 ))),
                 None => Err(invalid(format!(
-                    "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://)"
+                    "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://)"
                 ))),
             },
         }
@@ -220,6 +269,7 @@ impl BackendUrl {
             BackendUrl::Sqlite { .. } => "sqlite",
             BackendUrl::Redis { .. } => "redis",
             BackendUrl::Redlock { .. } => "redlock",
+            BackendUrl::Etcd { .. } => "etcd",
             BackendUrl::Sql { dialect, .. } => dialect.as_str(),
         }
     }
@@ -236,6 +286,20 @@ impl fmt::Display for BackendUrl {
             BackendUrl::Redlock { masters, .. } => {
                 let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
                 write!(f, "redlock over {}", masters.join(", "))
+            }
+            BackendUrl::Etcd {
+                endpoints,
+                prefix,
+                user,
+            } => {
+                let hosts: Vec<&str> = endpoints
+                    .iter()
+                    .map(|e| e.trim_start_matches("http://"))
+                    .collect();
+                let user = user
+                    .as_ref()
+                    .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
+                write!(f, "etcd://{user}{}?prefix={prefix}", hosts.join(","))
             }
             BackendUrl::Sql {
                 url,
@@ -452,6 +516,33 @@ mod tests {
         }
         let err = BackendUrl::parse("redlock://:hunter2@a:1,b:2").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn etcd_urls() {
+        let url = BackendUrl::parse("etcd://root:pw%40x@a:1,b?prefix=team").unwrap();
+        let BackendUrl::Etcd {
+            endpoints,
+            prefix,
+            user,
+        } = &url
+        else {
+            panic!("not etcd: {url}")
+        };
+        assert_eq!(endpoints, &["http://a:1", "http://b:2379"]);
+        assert_eq!(prefix, "team");
+        assert_eq!(user, &Some(("root".to_owned(), "pw@x".to_owned())));
+        assert_eq!(url.to_string(), "etcd://root:***@a:1,b:2379?prefix=team");
+        for bad in [
+            "etcd://",
+            "etcd://a:1/path",
+            "etcd://a:x",
+            "etcd://a:1?prefix=a/b",
+            "etcd://a:1?bogus=1",
+            "etcd://nopassword@a:1",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@
 mod backend_url;
 mod driver;
 mod error;
+pub mod etcd;
 mod holder;
 pub mod names;
 pub mod redis;
@@ -41,6 +42,15 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             Arc::new(sqlite::SqliteDriver::open(path, table).await?)
         }
         BackendUrl::Redis { url, prefix } => Arc::new(redis::RedisDriver::connect(url, prefix)?),
+        BackendUrl::Etcd {
+            endpoints,
+            prefix,
+            user,
+        } => Arc::new(etcd::EtcdDriver::connect(etcd::EtcdConfig {
+            endpoints: endpoints.clone(),
+            prefix: prefix.clone(),
+            user: user.clone(),
+        })?),
         BackendUrl::Redlock { masters, prefix } => {
             Arc::new(redlock::RedlockDriver::connect(masters, prefix)?)
         }

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::{MariaDbServer, PostgresServer, RedisServer};
+use leasehold_lease::testkit::{EtcdServer, MariaDbServer, PostgresServer, RedisServer};
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -54,10 +54,11 @@ pub enum Target {
     PostgresRowLock,
     MariaDb,
     MariaDbRowLock,
+    Etcd,
 }
 
 impl Target {
-    pub const ALL: [Target; 7] = [
+    pub const ALL: [Target; 8] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -65,6 +66,7 @@ impl Target {
         Target::PostgresRowLock,
         Target::MariaDb,
         Target::MariaDbRowLock,
+        Target::Etcd,
     ];
 
     pub fn name(self) -> &'static str {
@@ -76,6 +78,7 @@ impl Target {
             Target::PostgresRowLock => "postgres-row-lock",
             Target::MariaDb => "mariadb",
             Target::MariaDbRowLock => "mariadb-row-lock",
+            Target::Etcd => "etcd",
         }
     }
 
@@ -110,6 +113,7 @@ enum Backend {
     Redlock(Vec<RedisServer>),
     Postgres(PostgresServer, &'static str),
     MariaDb(MariaDbServer, &'static str),
+    Etcd(EtcdServer),
 }
 
 impl Backend {
@@ -122,6 +126,7 @@ impl Backend {
             Target::PostgresRowLock => Backend::Postgres(PostgresServer::start(), "?mode=row-lock"),
             Target::MariaDb => Backend::MariaDb(MariaDbServer::start(), ""),
             Target::MariaDbRowLock => Backend::MariaDb(MariaDbServer::start(), "?mode=row-lock"),
+            Target::Etcd => Backend::Etcd(EtcdServer::start()),
         }
     }
 
@@ -132,6 +137,7 @@ impl Backend {
             Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
             Backend::Postgres(s, _) => vec![s.port()],
             Backend::MariaDb(s, _) => vec![s.port()],
+            Backend::Etcd(s) => vec![s.port()],
         }
     }
 
@@ -149,6 +155,7 @@ impl Backend {
             }
             Backend::Postgres(s, mode) => swap(s.url(), s.port(), proxies[0]) + mode,
             Backend::MariaDb(s, mode) => swap(s.url(), s.port(), proxies[0]) + mode,
+            Backend::Etcd(s) => swap(s.url(), s.port(), proxies[0]),
         }
     }
 
@@ -173,6 +180,7 @@ impl Backend {
             Backend::Redlock(masters) => masters.iter_mut().for_each(RedisServer::restart),
             Backend::Postgres(s, _) => s.restart(),
             Backend::MariaDb(s, _) => s.restart(),
+            Backend::Etcd(s) => s.restart(),
         }
     }
 }

@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use leasehold_e2e::{MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, unique_lock};
+use leasehold_e2e::{
+    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, unique_lock,
+};
 
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
@@ -81,4 +83,34 @@ fn postgres_ignores_client_clocks() {
 fn mariadb_ignores_client_clocks() {
     let mariadb = MariaDbServer::start();
     skewed_client_cannot_steal(&mariadb.url());
+}
+
+#[test]
+fn postgres_row_lock_ignores_client_clocks() {
+    let postgres = PostgresServer::start();
+    skewed_client_cannot_steal(&format!("{}?mode=row-lock", postgres.url()));
+}
+
+#[test]
+fn mariadb_row_lock_ignores_client_clocks() {
+    let mariadb = MariaDbServer::start();
+    skewed_client_cannot_steal(&format!("{}?mode=row-lock", mariadb.url()));
+}
+
+/// Redlock masters expire keys by their own clocks; the client's clock is never sent.
+#[test]
+fn redlock_ignores_client_clocks() {
+    let masters: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let hosts: Vec<String> = masters
+        .iter()
+        .map(|m| format!("127.0.0.1:{}", m.port()))
+        .collect();
+    skewed_client_cannot_steal(&format!("redlock://{}", hosts.join(",")));
+}
+
+/// etcd expires leases by its own clock.
+#[test]
+fn etcd_ignores_client_clocks() {
+    let etcd = EtcdServer::start();
+    skewed_client_cannot_steal(&etcd.url());
 }

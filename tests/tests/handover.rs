@@ -4,7 +4,8 @@
 use std::time::{Duration, Instant};
 
 use leasehold_e2e::{
-    MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, sole_holder, unique_lock,
+    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, sole_holder,
+    unique_lock,
 };
 use nix::sys::signal::Signal;
 
@@ -252,4 +253,24 @@ fn redis_restart_keeps_tokens_increasing() {
         survivor.is_holder()
     });
     assert!(survivor.get("/lock").token() > second);
+}
+
+#[test]
+fn etcd_crash_takeover_within_the_lease() {
+    let etcd = EtcdServer::start();
+    crash_takeover(&etcd.url());
+}
+
+#[test]
+fn etcd_sigterm_hands_over_at_once() {
+    let etcd = EtcdServer::start();
+    let took = sigterm_handover(&etcd.url());
+    // The waiter watches the holder's key; its deletion wakes it.
+    assert!(took < Duration::from_millis(200), "hand-over took {took:?}");
+}
+
+#[test]
+fn etcd_paused_sidecar_is_replaced() {
+    let etcd = EtcdServer::start();
+    paused_holder(&etcd.url());
 }

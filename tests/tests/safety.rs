@@ -1,4 +1,4 @@
-//! The bounded safety check: for every driver, three sidecars contend while kills, pauses,
+//! The bounded safety check: for every driver (and SQL mode), three sidecars contend while kills, pauses,
 //! backend restarts and partitions are injected at random, and a checker polling every sidecar
 //! finds no two holders at once, tokens that only go up, and a holder back after every fault.
 //! `scripts/soak DURATION` runs the same check for longer.
@@ -71,4 +71,9 @@ fn mariadb_survives_random_faults() {
 #[test]
 fn mariadb_row_lock_survives_random_faults() {
     check(Target::MariaDbRowLock);
+}
+
+#[test]
+fn etcd_survives_random_faults() {
+    check(Target::Etcd);
 }

@@ -115,7 +115,12 @@ macro_rules! backend_server {
         }
     )+};
 }
-backend_server!(RedisServer, super::PostgresServer, super::MariaDbServer);
+backend_server!(
+    RedisServer,
+    super::PostgresServer,
+    super::MariaDbServer,
+    super::EtcdServer
+);
 
 /// A network backend: drivers connect through the same URL parsing and `connect` as the
 /// sidecar; an outage is a crash of the server, recovery a restart on the same data.
@@ -187,6 +192,8 @@ impl<S: BackendServer> Harness for ServerHarness<S> {
 pub type RedisHarness = ServerHarness<RedisServer>;
 /// PostgreSQL: an immediate shutdown, then a restart with crash recovery.
 pub type PostgresHarness = ServerHarness<super::PostgresServer>;
+/// etcd: `kill -9`, then a restart on the same data directory.
+pub type EtcdHarness = ServerHarness<super::EtcdServer>;
 /// MariaDB: `kill -9`, then a restart with InnoDB recovery.
 pub type MariaDbHarness = ServerHarness<super::MariaDbServer>;
 

@@ -3,6 +3,7 @@
 //! A missing server binary fails loudly with the package to install; nothing is skipped.
 
 pub mod conformance;
+pub mod etcd_server;
 pub mod faulty;
 pub mod mariadb_server;
 pub mod postgres_server;
@@ -13,9 +14,10 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 
 pub use conformance::{
-    BackendServer, Harness, MariaDbHarness, PostgresHarness, REDLOCK_MASTERS, RedisHarness,
-    RedlockHarness, ServerHarness, SqliteHarness,
+    BackendServer, EtcdHarness, Harness, MariaDbHarness, PostgresHarness, REDLOCK_MASTERS,
+    RedisHarness, RedlockHarness, ServerHarness, SqliteHarness,
 };
+pub use etcd_server::EtcdServer;
 pub use faulty::FaultyDriver;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;

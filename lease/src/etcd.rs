@@ -1,0 +1,578 @@
+//! etcd: a fair queue, as etcd's own `concurrency.Mutex`. Each contender puts a key
+//! `PREFIX/LOCK/LEASE_ID` bound to an etcd lease; the key with the lowest create revision holds,
+//! and every waiter watches only the key just below its own, so a release wakes exactly one
+//! waiter. The token is the holder's create revision: later keys always get larger revisions.
+//!
+//! The holder's claim is bounded like every other driver's: `t_sent + ttl - margin`, where the
+//! etcd lease's TTL (whole seconds, rounded up, never below etcd's minimum) is at least `ttl` and
+//! restarts at the server when a keep-alive sent after `t_sent` arrives. So the key outlives the
+//! claim. Three things keep the queue moving:
+//!
+//! - while waiting, a task sends keep-alives so the place in the queue is kept; a waiter that
+//!   stops asking (its app gave up) leaves the queue after one TTL;
+//! - while holding, only the engine's renewals keep the lease alive, so a holder whose renewals
+//!   stall is dropped by etcd; and when its own lease runs out locally, the driver revokes the
+//!   etcd lease at once instead of leaving the others to wait for the server's whole seconds;
+//! - becoming the holder costs one keep-alive sent after `t_sent`, since the last keep-alive of
+//!   the waiting task may be older than the claim about to start.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{
+    Client, ConnectOptions, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    TxnOpResponse, WatchOptions,
+};
+use tokio::sync::{OnceCell, watch};
+use tokio::time::Instant;
+
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where to find etcd and how to log in.
+#[derive(Clone)]
+pub struct EtcdConfig {
+    pub endpoints: Vec<String>,
+    pub prefix: String,
+    pub user: Option<(String, String)>,
+}
+
+enum Place {
+    /// In the queue; `asked` is the last time the engine tried to acquire.
+    Waiting {
+        asked: Instant,
+    },
+    Holding,
+}
+
+/// This process's key in one lock's queue.
+struct Entry {
+    lock: String,
+    identity: String,
+    key: String,
+    etcd_lease: i64,
+    granted: Duration,
+    revision: i64,
+    place: Mutex<Place>,
+    /// While holding: when the local lease runs out.
+    expires: watch::Sender<Instant>,
+    /// The predecessor being watched, and the task watching it.
+    watching: Mutex<Option<(String, tokio::task::JoinHandle<()>)>>,
+    tender: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Entry {
+    fn holding(&self) -> bool {
+        matches!(
+            *self.place.lock().unwrap_or_else(|e| e.into_inner()),
+            Place::Holding
+        )
+    }
+
+    fn abort_tasks(&self) {
+        if let Some((_, task)) = self
+            .watching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+        if let Some(task) = self.tender.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            task.abort();
+        }
+    }
+}
+
+struct Shared {
+    config: EtcdConfig,
+    client: OnceCell<Client>,
+    entries: Mutex<HashMap<String, Arc<Entry>>>,
+    releases: ChangeFeeds,
+    wakeups: AtomicU64,
+}
+
+pub struct EtcdDriver {
+    shared: Arc<Shared>,
+}
+
+impl Drop for EtcdDriver {
+    fn drop(&mut self) {
+        let entries = self
+            .shared
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for entry in entries.values() {
+            entry.abort_tasks();
+        }
+    }
+}
+
+fn map_err(e: etcd_client::Error) -> Error {
+    use etcd_client::Error as E;
+    match &e {
+        E::TransportError(_) | E::IoError(_) => Error::Unreachable(e.to_string()),
+        E::GRpcStatus(status)
+            if matches!(
+                status.code(),
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+            ) =>
+        {
+            Error::Unreachable(e.to_string())
+        }
+        _ => Error::Backend(e.to_string()),
+    }
+}
+
+/// etcd leases count whole seconds: round up, so the key never expires before the claim does.
+fn ttl_seconds(ttl: Duration) -> i64 {
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
+}
+
+impl Shared {
+    fn queue_prefix(&self, lock: &str) -> String {
+        format!("{}/{lock}/", self.config.prefix)
+    }
+
+    async fn client(&self) -> Result<Client> {
+        self.client
+            .get_or_try_init(|| async {
+                let mut options = ConnectOptions::new()
+                    .with_connect_timeout(CONNECT_TIMEOUT)
+                    .with_timeout(REQUEST_TIMEOUT);
+                if let Some((user, password)) = &self.config.user {
+                    options = options.with_user(user.clone(), password.clone());
+                }
+                Client::connect(&self.config.endpoints, Some(options))
+                    .await
+                    .map_err(map_err)
+            })
+            .await
+            .cloned()
+    }
+
+    /// One keep-alive round trip; the TTL left, 0 when the lease is gone.
+    async fn keep_alive(&self, etcd_lease: i64) -> Result<i64> {
+        let mut client = self.client().await?;
+        let (mut keeper, mut stream) =
+            client.lease_keep_alive(etcd_lease).await.map_err(map_err)?;
+        keeper.keep_alive().await.map_err(map_err)?;
+        match stream.message().await.map_err(map_err)? {
+            Some(reply) => Ok(reply.ttl()),
+            None => Err(Error::Unreachable("the keep-alive stream closed".into())),
+        }
+    }
+
+    /// Give the key up (best effort: if etcd is unreachable, its TTL does it).
+    async fn leave(&self, entry: &Entry) {
+        self.forget(entry);
+        if let Ok(mut client) = self.client().await {
+            let _ = client.lease_revoke(entry.etcd_lease).await;
+        }
+    }
+
+    fn forget(&self, entry: &Entry) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries
+            .get(&entry.lock)
+            .is_some_and(|e| e.revision == entry.revision)
+        {
+            entries.remove(&entry.lock);
+        }
+        drop(entries);
+        if let Some((_, task)) = entry
+            .watching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+    }
+
+    /// Queue a new key for `lock` under a new etcd lease.
+    async fn enqueue(
+        self: &Arc<Self>,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Arc<Entry>> {
+        let mut client = self.client().await?;
+        let grant = client
+            .lease_grant(ttl_seconds(ttl), None)
+            .await
+            .map_err(map_err)?;
+        let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
+        if granted < ttl {
+            let _ = client.lease_revoke(grant.id()).await;
+            return Err(Error::Backend(format!(
+                "etcd granted a {granted:?} lease where {ttl:?} was asked"
+            )));
+        }
+        let key = format!("{}{:016x}", self.queue_prefix(lock), grant.id());
+        let put = client
+            .put(
+                key.clone(),
+                identity,
+                Some(PutOptions::new().with_lease(grant.id())),
+            )
+            .await
+            .map_err(map_err)?;
+        let revision = put
+            .header()
+            .map(|h| h.revision())
+            .ok_or_else(|| Error::Backend("etcd put without a revision".into()))?;
+        // The tending task's receiver exists before any acquisition can set the expiry.
+        let (expires, watch_expires) = watch::channel(Instant::now());
+        let entry = Arc::new(Entry {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            key,
+            etcd_lease: grant.id(),
+            granted,
+            revision,
+            place: Mutex::new(Place::Waiting {
+                asked: Instant::now(),
+            }),
+            expires,
+            watching: Mutex::new(None),
+            tender: Mutex::new(None),
+        });
+        let task = tokio::spawn(tend(self.clone(), entry.clone(), watch_expires));
+        *entry.tender.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(lock.to_owned(), entry.clone());
+        Ok(entry)
+    }
+
+    /// Where `entry` stands: whether its key still exists, the key just below it, the lowest
+    /// key, all read at one revision.
+    async fn position(&self, entry: &Entry) -> Result<Position> {
+        let mut client = self.client().await?;
+        let queue = self.queue_prefix(&entry.lock);
+        let txn = Txn::new().and_then([
+            TxnOp::get(entry.key.clone(), None),
+            TxnOp::get(
+                queue.clone(),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_max_create_revision(entry.revision - 1)
+                        .with_sort(SortTarget::Create, SortOrder::Descend)
+                        .with_limit(1),
+                ),
+            ),
+        ]);
+        let reply = client.txn(txn).await.map_err(map_err)?;
+        let revision = reply.header().map_or(0, |h| h.revision());
+        let mut gets = reply.op_responses().into_iter().filter_map(|r| match r {
+            TxnOpResponse::Get(get) => Some(get),
+            _ => None,
+        });
+        let (Some(own), Some(below)) = (gets.next(), gets.next()) else {
+            return Err(Error::Backend("etcd txn answered without its reads".into()));
+        };
+        Ok(Position {
+            queued: !own.kvs().is_empty(),
+            predecessor: below.kvs().first().map(|kv| kv.key().to_vec()),
+            revision,
+        })
+    }
+
+    /// Wake this process's waiters of `entry.lock` when `predecessor` goes away.
+    async fn watch_predecessor(
+        self: &Arc<Self>,
+        entry: &Arc<Entry>,
+        predecessor: Vec<u8>,
+        from: i64,
+    ) -> Result<()> {
+        let name = String::from_utf8_lossy(&predecessor).into_owned();
+        let mut watching = entry.watching.lock().unwrap_or_else(|e| e.into_inner());
+        if watching
+            .as_ref()
+            .is_some_and(|(key, task)| *key == name && !task.is_finished())
+        {
+            return Ok(());
+        }
+        if let Some((_, task)) = watching.take() {
+            task.abort();
+        }
+        let shared = self.clone();
+        let lock = entry.lock.clone();
+        let task = tokio::spawn(async move {
+            let watched = async {
+                let mut client = shared.client().await?;
+                let mut stream = client
+                    .watch(
+                        predecessor,
+                        Some(WatchOptions::new().with_start_revision(from + 1)),
+                    )
+                    .await
+                    .map_err(map_err)?;
+                while let Some(reply) = stream.message().await.map_err(map_err)? {
+                    if reply
+                        .events()
+                        .iter()
+                        .any(|e| e.event_type() == EventType::Delete)
+                    {
+                        break;
+                    }
+                }
+                Ok::<_, Error>(())
+            };
+            // Deleted, or the watch broke: either way the waiter must look again.
+            if let Err(e) = watched.await {
+                tracing::debug!(error = %e, "etcd watch ended");
+            }
+            shared.wakeups.fetch_add(1, Ordering::Relaxed);
+            shared.releases.bump(&lock);
+        });
+        *watching = Some((name, task));
+        Ok(())
+    }
+
+    async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
+        let mut client = self.client().await?;
+        let lowest = client
+            .get(
+                self.queue_prefix(lock),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                        .with_limit(1),
+                ),
+            )
+            .await
+            .map_err(map_err)?;
+        let Some(kv) = lowest.kvs().first() else {
+            return Ok(None);
+        };
+        let ttl = client
+            .lease_time_to_live(kv.lease(), None)
+            .await
+            .map_err(map_err)?
+            .ttl();
+        Ok(Some(Holding {
+            identity: String::from_utf8_lossy(kv.value()).into_owned(),
+            token: u64::try_from(kv.create_revision()).unwrap_or(0),
+            expires_in: (ttl >= 0).then(|| Duration::from_secs(ttl.unsigned_abs())),
+        }))
+    }
+}
+
+struct Position {
+    queued: bool,
+    predecessor: Option<Vec<u8>>,
+    revision: i64,
+}
+
+/// Keep a waiting key alive while its engine keeps asking; end a held one when its local lease
+/// runs out.
+async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiver<Instant>) {
+    loop {
+        let asked = match *entry.place.lock().unwrap_or_else(|e| e.into_inner()) {
+            Place::Waiting { asked } => Some(asked),
+            Place::Holding => None,
+        };
+        match asked {
+            Some(asked) if asked.elapsed() > entry.granted => {
+                // Nobody asks any more (an on-demand wait that timed out): leave the queue
+                // rather than hold everyone behind a key no one will use.
+                shared.leave(&entry).await;
+                shared.releases.bump(&entry.lock);
+                return;
+            }
+            Some(_) => {
+                // An acquisition sets the expiry: stop waiting and start guarding it at once.
+                tokio::select! {
+                    () = tokio::time::sleep(entry.granted / 3) => {}
+                    changed = expires.changed() => {
+                        if changed.is_err() { return }
+                        continue;
+                    }
+                }
+                if !entry.holding() {
+                    match shared.keep_alive(entry.etcd_lease).await {
+                        Ok(ttl) if ttl <= 0 => {
+                            shared.forget(&entry);
+                            return;
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::debug!(error = %e, "etcd keep-alive failed"),
+                    }
+                }
+            }
+            None => {
+                let until = *expires.borrow_and_update();
+                tokio::select! {
+                    () = tokio::time::sleep_until(until) => {
+                        if *entry.expires.borrow() <= Instant::now() {
+                            shared.leave(&entry).await;
+                            shared.releases.bump(&entry.lock);
+                            return;
+                        }
+                    }
+                    changed = expires.changed() => if changed.is_err() { return },
+                }
+            }
+        }
+    }
+}
+
+impl EtcdDriver {
+    /// Connects on first use, so an unreachable etcd shows in readiness, not as a crash.
+    pub fn connect(config: EtcdConfig) -> Result<Self> {
+        if config.endpoints.is_empty() {
+            return Err(Error::InvalidConfig {
+                field: "backend",
+                reason: "no etcd endpoint".into(),
+            });
+        }
+        Ok(Self {
+            shared: Arc::new(Shared {
+                config,
+                client: OnceCell::new(),
+                entries: Mutex::new(HashMap::new()),
+                releases: ChangeFeeds::default(),
+                wakeups: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// How many times a watched predecessor went away (or its watch broke) and woke a waiter.
+    pub fn wakeups(&self) -> u64 {
+        self.shared.wakeups.load(Ordering::Relaxed)
+    }
+
+    fn entry(&self, lock: &str) -> Option<Arc<Entry>> {
+        let entries = self
+            .shared
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        entries.get(lock).cloned()
+    }
+
+    fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
+        self.entry(&lease.lock).filter(|e| {
+            e.holding()
+                && e.identity == lease.identity
+                && u64::try_from(e.revision).ok() == Some(lease.token)
+        })
+    }
+}
+
+#[async_trait]
+impl Driver for EtcdDriver {
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let sent = Instant::now();
+        let entry = match self.entry(lock) {
+            Some(entry) if entry.holding() || entry.identity != identity => {
+                // Not re-entrant, and one identity per lock and process.
+                return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+            }
+            Some(entry) if entry.granted >= ttl => {
+                *entry.place.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Place::Waiting { asked: sent };
+                entry
+            }
+            Some(entry) => {
+                self.shared.leave(&entry).await;
+                self.shared.enqueue(lock, identity, ttl).await?
+            }
+            None => self.shared.enqueue(lock, identity, ttl).await?,
+        };
+        let position = self.shared.position(&entry).await?;
+        if !position.queued {
+            // The key expired (keep-alives failed): back to the end of the queue next time.
+            self.shared.forget(&entry);
+            entry.abort_tasks();
+            return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+        }
+        if let Some(predecessor) = position.predecessor {
+            self.shared
+                .watch_predecessor(&entry, predecessor, position.revision)
+                .await?;
+            return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+        }
+        // Lowest: ours. Refresh the etcd lease after `sent` before claiming from `sent`.
+        if self.shared.keep_alive(entry.etcd_lease).await? <= 0 {
+            self.shared.forget(&entry);
+            entry.abort_tasks();
+            return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+        }
+        entry.expires.send_replace(sent + ttl);
+        *entry.place.lock().unwrap_or_else(|e| e.into_inner()) = Place::Holding;
+        Ok(Acquire::Acquired(Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token: u64::try_from(entry.revision).unwrap_or(0),
+        }))
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let sent = Instant::now();
+        let Some(entry) = self.held(lease) else {
+            return Ok(false);
+        };
+        if *entry.expires.borrow() <= sent || ttl > entry.granted {
+            return Ok(false);
+        }
+        if self.shared.keep_alive(entry.etcd_lease).await? <= 0 {
+            self.shared.forget(&entry);
+            entry.abort_tasks();
+            return Ok(false);
+        }
+        entry.expires.send_replace(sent + ttl);
+        Ok(true)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let Some(entry) = self.held(lease) else {
+            return Ok(false);
+        };
+        self.shared.forget(&entry);
+        entry.abort_tasks();
+        let mut client = self.shared.client().await?;
+        client
+            .lease_revoke(entry.etcd_lease)
+            .await
+            .map_err(map_err)?;
+        self.shared.releases.bump(&lease.lock);
+        Ok(true)
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        self.shared.holder(lock).await
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.shared.releases.subscribe(lock))
+    }
+
+    /// Watches wake waiters; polling is only the fallback for a watch that was missed.
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        renew_interval * 2
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let mut client = self.shared.client().await?;
+        client.status().await.map_err(map_err)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,82 @@
+//! A real single-member `etcd` on free loopback ports (client and peer), with its own throwaway
+//! data directory, so that it can be killed and restarted with its data.
+//!
+//! Elections are tuned for one member on loopback (10 ms heartbeat, 100 ms election timeout),
+//! which also brings etcd's minimum lease TTL down to one second, the suite's lease.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+use super::server_process::ServerProcess;
+use super::{free_port, require_binary};
+
+pub struct EtcdServer {
+    process: ServerProcess,
+    port: u16,
+    peer_port: u16,
+}
+
+impl EtcdServer {
+    pub fn start() -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("etcd"),
+            port: free_port(),
+            peer_port: free_port(),
+        };
+        server.spawn();
+        server
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("etcd://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let client = format!("http://127.0.0.1:{}", self.port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let mut command = Command::new(require_binary("etcd", "etcd-server"));
+        command
+            .args(["--name", "leasehold-test"])
+            .arg("--data-dir")
+            .arg(self.process.dir().join("data"))
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("leasehold-test={peer}")])
+            .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
+            .args(["--log-level", "warn"]);
+        let port = self.port;
+        self.process.spawn(command, move || healthy(port));
+    }
+
+    /// `kill -9`: whatever the write-ahead log has survives.
+    pub fn kill(&mut self) {
+        self.process.stop(None);
+    }
+
+    /// Start again on the same ports with the same data directory.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+/// etcd's own health endpoint on the client port: healthy once it has a leader.
+fn healthy(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    let request = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    let mut reply = String::new();
+    s.write_all(request.as_bytes()).is_ok()
+        && s.read_to_string(&mut reply).is_ok()
+        && reply.contains("\"health\":\"true\"")
+}
