@@ -8,8 +8,8 @@
 //! restarts at the server when a keep-alive sent after `t_sent` arrives. So the key outlives the
 //! claim. Three things keep the queue moving:
 //!
-//! - while waiting, a task sends keep-alives so the place in the queue is kept; a waiter that
-//!   stops asking (its app gave up) leaves the queue after one TTL;
+//! - while waiting, a task sends keep-alives (every half TTL) so the place in the queue is kept;
+//!   a waiter that stops asking (its app gave up) leaves the queue after three TTLs;
 //! - while holding, only the engine's renewals keep the lease alive, so a holder whose renewals
 //!   stall is dropped by etcd; and when its own lease runs out locally, the driver revokes the
 //!   etcd lease at once instead of leaving the others to wait for the server's whole seconds;
@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-    TxnOpResponse, WatchOptions,
+    Client, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget,
+    Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use tokio::sync::{OnceCell, watch};
 use tokio::time::Instant;
@@ -34,6 +34,9 @@ use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// A waiting key whose engine has not asked for this many TTLs is given up: its app stopped
+/// waiting. Engines ask at least once per poll interval (about one lease).
+const ABANDONED_AFTER_TTLS: u32 = 3;
 
 /// Where to find etcd and how to log in.
 #[derive(Clone)]
@@ -272,6 +275,7 @@ impl Shared {
                         .with_limit(1),
                 ),
             ),
+            TxnOp::get(queue.clone(), Some(lowest())),
         ]);
         let reply = client.txn(txn).await.map_err(map_err)?;
         let revision = reply.header().map_or(0, |h| h.revision());
@@ -279,12 +283,13 @@ impl Shared {
             TxnOpResponse::Get(get) => Some(get),
             _ => None,
         });
-        let (Some(own), Some(below)) = (gets.next(), gets.next()) else {
+        let (Some(own), Some(below), Some(lowest)) = (gets.next(), gets.next(), gets.next()) else {
             return Err(Error::Backend("etcd txn answered without its reads".into()));
         };
         Ok(Position {
             queued: !own.kvs().is_empty(),
             predecessor: below.kvs().first().map(|kv| kv.key().to_vec()),
+            holder: lowest.kvs().first().cloned(),
             revision,
         })
     }
@@ -343,38 +348,52 @@ impl Shared {
 
     async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
         let mut client = self.client().await?;
-        let lowest = client
-            .get(
-                self.queue_prefix(lock),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                        .with_limit(1),
-                ),
-            )
+        let reply = client
+            .get(self.queue_prefix(lock), Some(lowest()))
             .await
             .map_err(map_err)?;
-        let Some(kv) = lowest.kvs().first() else {
-            return Ok(None);
+        match reply.kvs().first() {
+            Some(kv) => Ok(Some(self.holding(kv, true).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Who holds, from the lowest key. `with_expiry` costs one more round trip, for the lease's
+    /// remaining time: an upper bound, since etcd reports whole seconds rounded down.
+    async fn holding(&self, kv: &KeyValue, with_expiry: bool) -> Result<Holding> {
+        let expires_in = if with_expiry {
+            let mut client = self.client().await?;
+            let ttl = client
+                .lease_time_to_live(kv.lease(), None)
+                .await
+                .map_err(map_err)?;
+            (ttl.ttl() >= 0)
+                .then(|| Duration::from_secs((ttl.ttl() + 1).min(ttl.granted_ttl()).unsigned_abs()))
+        } else {
+            None
         };
-        let ttl = client
-            .lease_time_to_live(kv.lease(), None)
-            .await
-            .map_err(map_err)?
-            .ttl();
-        Ok(Some(Holding {
+        Ok(Holding {
             identity: String::from_utf8_lossy(kv.value()).into_owned(),
             token: u64::try_from(kv.create_revision()).unwrap_or(0),
-            expires_in: (ttl >= 0).then(|| Duration::from_secs(ttl.unsigned_abs())),
-        }))
+            expires_in,
+        })
     }
 }
 
 struct Position {
     queued: bool,
     predecessor: Option<Vec<u8>>,
+    /// The lowest key: the holder.
+    holder: Option<KeyValue>,
     revision: i64,
+}
+
+/// The lowest key of a queue.
+fn lowest() -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+        .with_limit(1)
 }
 
 /// Keep a waiting key alive while its engine keeps asking; end a held one when its local lease
@@ -386,7 +405,7 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiv
             Place::Holding => None,
         };
         match asked {
-            Some(asked) if asked.elapsed() > entry.granted => {
+            Some(asked) if asked.elapsed() > entry.granted * ABANDONED_AFTER_TTLS => {
                 // Nobody asks any more (an on-demand wait that timed out): leave the queue
                 // rather than hold everyone behind a key no one will use.
                 shared.leave(&entry).await;
@@ -396,7 +415,7 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiv
             Some(_) => {
                 // An acquisition sets the expiry: stop waiting and start guarding it at once.
                 tokio::select! {
-                    () = tokio::time::sleep(entry.granted / 3) => {}
+                    () = tokio::time::sleep(entry.granted / 2) => {}
                     changed = expires.changed() => {
                         if changed.is_err() { return }
                         continue;
@@ -505,10 +524,20 @@ impl Driver for EtcdDriver {
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         }
         if let Some(predecessor) = position.predecessor {
+            // Only the next in line may act on the holder's expiry; the others wait for their
+            // watch, and cost one read per poll.
+            let next_in_line = position
+                .holder
+                .as_ref()
+                .is_some_and(|h| h.key() == predecessor.as_slice());
             self.shared
                 .watch_predecessor(&entry, predecessor, position.revision)
                 .await?;
-            return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+            let holder = match &position.holder {
+                Some(kv) => Some(self.shared.holding(kv, next_in_line).await?),
+                None => None,
+            };
+            return Ok(Acquire::Busy(holder));
         }
         // Lowest: ours. Refresh the etcd lease after `sent` before claiming from `sent`.
         if self.shared.keep_alive(entry.etcd_lease).await? <= 0 {
@@ -516,8 +545,9 @@ impl Driver for EtcdDriver {
             entry.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         }
-        entry.expires.send_replace(sent + ttl);
+        // Holding first, then the expiry that wakes the tending task, so it sees both.
         *entry.place.lock().unwrap_or_else(|e| e.into_inner()) = Place::Holding;
+        entry.expires.send_replace(sent + ttl);
         Ok(Acquire::Acquired(Lease {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -565,9 +595,11 @@ impl Driver for EtcdDriver {
         Some(self.shared.releases.subscribe(lock))
     }
 
-    /// Watches wake waiters; polling is only the fallback for a watch that was missed.
+    /// Watches wake waiters; polling is only the fallback for a watch that was missed. With a
+    /// keep-alive every half TTL, an idle waiter costs etcd about one message per renew
+    /// interval at the default lease (three renew intervals).
     fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        renew_interval * 2
+        renew_interval * 3
     }
 
     async fn ping(&self) -> Result<()> {
