@@ -55,7 +55,111 @@ fn main() {
 }
 
 /// The benchmark's sections, all of them when none is named on the command line.
-const SECTIONS: &[&str] = &["http", "drivers", "sql", "safety"];
+const SECTIONS: &[&str] = &["http", "drivers", "sql", "etcd", "safety"];
+/// The idle-waiter measurement: how many waiters, on what lease, for how long.
+const IDLE_WAITERS: usize = 100;
+const IDLE_LEASE: Duration = Duration::from_secs(3);
+const IDLE_RENEW: Duration = Duration::from_secs(1);
+const IDLE_MEASURE: Duration = Duration::from_secs(15);
+
+/// Every gRPC message etcd has received so far (its own Prometheus counter).
+fn etcd_messages_received(port: u16) -> u64 {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("etcd metrics");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .expect("metrics request");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).expect("metrics");
+    text.lines()
+        .filter(|l| l.starts_with("grpc_server_msg_received_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// The raw client operations of the simplest etcd lock: grant a lease, put the key with it,
+/// revoke the lease.
+async fn etcd_raw_cycles(port: u16) -> f64 {
+    let mut client = etcd_client::Client::connect([format!("http://127.0.0.1:{port}")], None)
+        .await
+        .expect("etcd");
+    let start = Instant::now();
+    for _ in 0..CYCLES {
+        let lease = client.lease_grant(15, None).await.expect("grant");
+        client
+            .put(
+                "raw/lock",
+                "bench",
+                Some(etcd_client::PutOptions::new().with_lease(lease.id())),
+            )
+            .await
+            .expect("put");
+        client.lease_revoke(lease.id()).await.expect("revoke");
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+/// etcd: cycles against the raw client, hand-over through the predecessor watch, and what 100
+/// idle waiters cost the server.
+async fn etcd_section() {
+    use leasehold_lease::etcd::{EtcdConfig, EtcdDriver};
+    println!(
+        "## etcd 3.4 ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds; {IDLE_WAITERS} idle waiters)"
+    );
+    let server = leasehold_lease::testkit::EtcdServer::start();
+    let port = server.port();
+    let connect = || -> Arc<dyn Driver> {
+        Arc::new(
+            EtcdDriver::connect(EtcdConfig {
+                endpoints: vec![format!("http://127.0.0.1:{port}")],
+                prefix: "leasehold".into(),
+                user: None,
+            })
+            .expect("etcd driver"),
+        )
+    };
+    let driver = connect();
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(etcd_raw_cycles(port).await);
+        ours = ours.max(driver_cycles(&*driver).await);
+    }
+    println!("  etcd raw grant + put + revoke  : {raw:>9.0} cycles/s");
+    println!(
+        "  etcd EtcdDriver                : {ours:>9.0} cycles/s  ({:.0} %; adds the queue read and a keep-alive)",
+        100.0 * ours / raw
+    );
+    let latency = handover_latencies(connect(), connect()).await;
+    println!("  etcd hand-over, watch          : {}", describe(&latency));
+
+    let config = |id: String| LockConfig {
+        renew_interval: IDLE_RENEW,
+        mode: Mode::Campaign,
+        ..LockConfig::new("idle", &id, IDLE_LEASE)
+    };
+    let holder = Lock::start(connect(), config("holder".into()), Arc::new(())).expect("holder");
+    while !holder.answer().is_holder() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waiters: Vec<Lock> = (0..IDLE_WAITERS)
+        .map(|i| Lock::start(connect(), config(format!("w{i}")), Arc::new(())).expect("waiter"))
+        .collect();
+    tokio::time::sleep(IDLE_LEASE * 2).await;
+    let before = etcd_messages_received(port);
+    tokio::time::sleep(IDLE_MEASURE).await;
+    let messages = etcd_messages_received(port) - before;
+    assert!(waiters.iter().all(|w| !w.answer().is_holder()));
+    let intervals = IDLE_MEASURE.as_secs_f64() / IDLE_RENEW.as_secs_f64();
+    println!(
+        "  etcd {IDLE_WAITERS} idle waiters + holder  : {:>9.1} messages/s = {:.2} per waiter per renew interval (lease {IDLE_LEASE:?}, renew {IDLE_RENEW:?})",
+        messages as f64 / IDLE_MEASURE.as_secs_f64(),
+        messages as f64 / IDLE_WAITERS as f64 / intervals
+    );
+    for waiter in waiters {
+        waiter.shutdown().await;
+    }
+    holder.shutdown().await;
+}
 /// How long the benchmark runs the safety check per driver (`scripts/soak` runs it longer).
 const SAFETY_DURATION: Duration = Duration::from_secs(30);
 
@@ -758,6 +862,9 @@ async fn run(sections: &[&str]) {
             "## PostgreSQL 15 and MariaDB 10.11, lease and row-lock modes ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
         );
         sql_section().await;
+    }
+    if wanted("etcd") {
+        etcd_section().await;
     }
     if wanted("safety") {
         safety_section().await;
