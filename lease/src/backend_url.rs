@@ -37,6 +37,13 @@ pub enum BackendUrl {
         prefix: String,
         user: Option<(String, String)>,
     },
+    /// `zk://[user:password@]host:port[,host:port...]/PATH`: one ZooKeeper ensemble; locks
+    /// live under PATH. Credentials are ZooKeeper digest auth.
+    ZooKeeper {
+        servers: String,
+        root: String,
+        digest: Option<(String, String)>,
+    },
     /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`;
     /// every other query parameter goes to the database driver (e.g. `sslmode`).
     Sql {
@@ -115,6 +122,23 @@ impl BackendUrl {
                 }
                 Ok(BackendUrl::Redlock { masters, prefix })
             }
+            "zk" => {
+                if rest.contains('?') {
+                    return Err(invalid("zk:// URLs take no options".into()));
+                }
+                let (authority, path) = rest
+                    .split_once('/')
+                    .map(|(a, p)| (a, format!("/{p}")))
+                    .ok_or_else(|| invalid("the lock path is missing (zk://host:port/PATH)".into()))?;
+                crate::names::validate_zookeeper_path(&path).map_err(|e| invalid(e.to_string()))?;
+                let (digest, hosts) = split_credentials(authority).map_err(invalid)?;
+                let servers = host_list(hosts, 2181).map_err(invalid)?;
+                Ok(BackendUrl::ZooKeeper {
+                    servers: servers.join(","),
+                    root: path,
+                    digest,
+                })
+            }
             "etcd" => {
                 let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
                 if authority.contains('/') {
@@ -122,30 +146,12 @@ impl BackendUrl {
                         "etcd URLs have no path; the key prefix is ?prefix=NAME".into(),
                     ));
                 }
-                let (user, hosts) = match authority.rsplit_once('@') {
-                    Some((userinfo, hosts)) => {
-                        let (user, password) = userinfo.split_once(':').ok_or_else(|| {
-                            invalid("etcd credentials are user:password".into())
-                        })?;
-                        let decode = |s: &str| {
-                            url::form_urlencoded::parse(format!("v={s}").as_bytes())
-                                .next()
-                                .map(|(_, v)| v.into_owned())
-                                .unwrap_or_default()
-                        };
-                        (Some((decode(user), decode(password))), hosts)
-                    }
-                    None => (None, authority),
-                };
-                let mut endpoints = Vec::new();
-                for host in hosts.split(',') {
-                    let parsed = url::Url::parse(&format!("http://{host}"))
-                        .ok()
-                        .filter(|u| u.host_str().is_some_and(|h| !h.is_empty()) && u.path() == "/")
-                        .ok_or_else(|| invalid(format!("bad etcd endpoint {host:?} (host:port)")))?;
-                    let port = parsed.port().unwrap_or(2379);
-                    endpoints.push(format!("http://{}:{port}", parsed.host_str().unwrap_or_default()));
-                }
+                let (user, hosts) = split_credentials(authority).map_err(invalid)?;
+                let endpoints: Vec<String> = host_list(hosts, 2379)
+                    .map_err(invalid)?
+                    .into_iter()
+                    .map(|host| format!("http://{host}"))
+                    .collect();
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
                 for (key, value) in query_pairs(query) {
                     match key.as_str() {
@@ -254,10 +260,10 @@ impl BackendUrl {
             )),
             other => match PLANNED_SCHEMES.iter().find(|(s, _)| *s == other) {
                 Some((_, name)) => Err(invalid(format!(
-                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://)"
+                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, zk://)"
                 ))),
                 None => Err(invalid(format!(
-                    "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://)"
+                    "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, zk://)"
                 ))),
             },
         }
@@ -270,6 +276,7 @@ impl BackendUrl {
             BackendUrl::Redis { .. } => "redis",
             BackendUrl::Redlock { .. } => "redlock",
             BackendUrl::Etcd { .. } => "etcd",
+            BackendUrl::ZooKeeper { .. } => "zookeeper",
             BackendUrl::Sql { dialect, .. } => dialect.as_str(),
         }
     }
@@ -286,6 +293,16 @@ impl fmt::Display for BackendUrl {
             BackendUrl::Redlock { masters, .. } => {
                 let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
                 write!(f, "redlock over {}", masters.join(", "))
+            }
+            BackendUrl::ZooKeeper {
+                servers,
+                root,
+                digest,
+            } => {
+                let user = digest
+                    .as_ref()
+                    .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
+                write!(f, "zk://{user}{servers}{root}")
             }
             BackendUrl::Etcd {
                 endpoints,
@@ -350,6 +367,41 @@ pub fn redact(raw: &str) -> String {
         }
         None => raw.to_owned(),
     }
+}
+
+/// `user:password@hosts` into the (percent-decoded) credentials and the host list.
+#[allow(clippy::type_complexity)]
+fn split_credentials(
+    authority: &str,
+) -> std::result::Result<(Option<(String, String)>, &str), String> {
+    let Some((userinfo, hosts)) = authority.rsplit_once('@') else {
+        return Ok((None, authority));
+    };
+    let (user, password) = userinfo
+        .split_once(':')
+        .ok_or_else(|| "credentials are user:password".to_owned())?;
+    let decode = |s: &str| {
+        url::form_urlencoded::parse(format!("v={s}").as_bytes())
+            .next()
+            .map(|(_, v)| v.into_owned())
+            .unwrap_or_default()
+    };
+    Ok((Some((decode(user), decode(password))), hosts))
+}
+
+/// `host[:port],host[:port]` into `host:port` entries, with `default_port` where none is given.
+fn host_list(hosts: &str, default_port: u16) -> std::result::Result<Vec<String>, String> {
+    hosts
+        .split(',')
+        .map(|host| {
+            let parsed = url::Url::parse(&format!("http://{host}"))
+                .ok()
+                .filter(|u| u.host_str().is_some_and(|h| !h.is_empty()) && u.path() == "/")
+                .ok_or_else(|| format!("bad endpoint {host:?} (host:port)"))?;
+            let port = parsed.port().unwrap_or(default_port);
+            Ok(format!("{}:{port}", parsed.host_str().unwrap_or_default()))
+        })
+        .collect()
 }
 
 fn query_pairs(query: &str) -> Vec<(String, String)> {
@@ -417,8 +469,8 @@ mod tests {
         let err = BackendUrl::parse("postgres://u:pw@db/x?mode=rowlock").unwrap_err();
         assert!(!err.to_string().contains("pw@"), "{err}");
         assert!(err.to_string().contains("lease or row-lock"), "{err}");
-        let err = BackendUrl::parse("zk://u:pw@zk:2181/locks").unwrap_err();
-        assert!(err.to_string().contains("not built"), "{err}");
+        let err = BackendUrl::parse("zk://u:pw@zk:2181/zookeeper").unwrap_err();
+        assert!(!err.to_string().contains("pw@"), "{err}");
         assert!(
             BackendUrl::parse("nosuch://x")
                 .unwrap_err()
@@ -516,6 +568,33 @@ mod tests {
         }
         let err = BackendUrl::parse("redlock://:hunter2@a:1,b:2").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn zookeeper_urls() {
+        let url = BackendUrl::parse("zk://app:s3cret@z1:2181,z2/team/locks").unwrap();
+        let BackendUrl::ZooKeeper {
+            servers,
+            root,
+            digest,
+        } = &url
+        else {
+            panic!("not zk: {url}")
+        };
+        assert_eq!(servers, "z1:2181,z2:2181");
+        assert_eq!(root, "/team/locks");
+        assert_eq!(digest, &Some(("app".to_owned(), "s3cret".to_owned())));
+        assert_eq!(url.to_string(), "zk://app:***@z1:2181,z2:2181/team/locks");
+        for bad in [
+            "zk://z1:2181",
+            "zk://z1:2181/",
+            "zk://z1:2181/a/../b",
+            "zk://z1:2181/zookeeper",
+            "zk://z1:2181/a?x=1",
+            "zk://z1:x/a",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -514,7 +514,15 @@ impl Driver for EtcdDriver {
                 self.shared.leave(&entry).await;
                 self.shared.enqueue(lock, identity, ttl).await?
             }
-            None => self.shared.enqueue(lock, identity, ttl).await?,
+            None => {
+                // A task of its own: if this call is abandoned midway (the engine's time budget),
+                // the key it may already have put is still recorded and tended.
+                let (shared, lock, identity) =
+                    (self.shared.clone(), lock.to_owned(), identity.to_owned());
+                tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
+                    .await
+                    .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??
+            }
         };
         let position = self.shared.position(&entry).await?;
         if !position.queued {

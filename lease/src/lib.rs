@@ -23,6 +23,7 @@ mod sql_row_lock;
 pub mod sqlite;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod zookeeper;
 
 use std::sync::Arc;
 
@@ -51,6 +52,17 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             prefix: prefix.clone(),
             user: user.clone(),
         })?),
+        BackendUrl::ZooKeeper {
+            servers,
+            root,
+            digest,
+        } => Arc::new(zookeeper::ZooKeeperDriver::connect(
+            zookeeper::ZooKeeperConfig {
+                servers: servers.clone(),
+                root: root.clone(),
+                digest: digest.clone(),
+            },
+        )?),
         BackendUrl::Redlock { masters, prefix } => {
             Arc::new(redlock::RedlockDriver::connect(masters, prefix)?)
         }

@@ -120,3 +120,73 @@ mod tests {
         assert_eq!(quote_sql_identifier("locks"), "\"locks\"");
     }
 }
+
+/// The longest ZooKeeper path Leasehold accepts for a lock root.
+const MAX_ZOOKEEPER_PATH: usize = 1024;
+
+/// A ZooKeeper path from a user: absolute, no trailing slash, segments of letters, digits, '.',
+/// '_' and '-' (never "." or ".."), and not under ZooKeeper's own `/zookeeper`.
+pub fn validate_zookeeper_path(path: &str) -> Result<()> {
+    let invalid = |reason| Error::InvalidName {
+        what: "ZooKeeper path",
+        value: path.to_owned(),
+        reason,
+    };
+    let Some(rest) = path.strip_prefix('/') else {
+        return Err(invalid("it must start with '/'"));
+    };
+    if path.len() > MAX_ZOOKEEPER_PATH {
+        return Err(invalid("it is longer than 1024 characters"));
+    }
+    if rest.is_empty() {
+        return Err(invalid(
+            "the root itself cannot hold locks; name a path such as /leasehold",
+        ));
+    }
+    for segment in rest.split('/') {
+        if segment.is_empty() {
+            return Err(invalid("it has an empty segment (// or a trailing /)"));
+        }
+        if segment == "." || segment == ".." {
+            return Err(invalid("'.' and '..' are not allowed"));
+        }
+        if !segment
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        {
+            return Err(invalid(
+                "only letters, digits, '.', '_', '-' and '/' are allowed",
+            ));
+        }
+    }
+    if rest == "zookeeper" || rest.starts_with("zookeeper/") {
+        return Err(invalid("/zookeeper belongs to ZooKeeper itself"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod zookeeper_path_tests {
+    use super::validate_zookeeper_path;
+
+    #[test]
+    fn zookeeper_paths() {
+        for good in ["/leasehold", "/team-a/locks", "/a.b/c_d"] {
+            assert!(validate_zookeeper_path(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "leasehold",
+            "/",
+            "/a/",
+            "//a",
+            "/a/../b",
+            "/a/./b",
+            "/zookeeper",
+            "/zookeeper/x",
+            "/a b",
+            "/a\u{0}",
+        ] {
+            assert!(validate_zookeeper_path(bad).is_err(), "{bad}");
+        }
+    }
+}

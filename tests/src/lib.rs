@@ -17,7 +17,8 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 pub use leasehold_lease::testkit::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisServer, require_binary, unique_lock,
+    EtcdServer, MariaDbServer, PostgresServer, RedisServer, ZooKeeperServer, require_binary,
+    unique_lock,
 };
 
 /// The sidecar binary beside this executable (target/<profile>/ for a binary, its parent for a

@@ -22,7 +22,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::{EtcdServer, MariaDbServer, PostgresServer, RedisServer};
+use leasehold_lease::testkit::{
+    EtcdServer, MariaDbServer, PostgresServer, RedisServer, ZooKeeperServer,
+};
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -55,10 +57,11 @@ pub enum Target {
     MariaDb,
     MariaDbRowLock,
     Etcd,
+    ZooKeeper,
 }
 
 impl Target {
-    pub const ALL: [Target; 8] = [
+    pub const ALL: [Target; 9] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -67,6 +70,7 @@ impl Target {
         Target::MariaDb,
         Target::MariaDbRowLock,
         Target::Etcd,
+        Target::ZooKeeper,
     ];
 
     pub fn name(self) -> &'static str {
@@ -79,6 +83,7 @@ impl Target {
             Target::MariaDb => "mariadb",
             Target::MariaDbRowLock => "mariadb-row-lock",
             Target::Etcd => "etcd",
+            Target::ZooKeeper => "zookeeper",
         }
     }
 
@@ -114,6 +119,7 @@ enum Backend {
     Postgres(PostgresServer, &'static str),
     MariaDb(MariaDbServer, &'static str),
     Etcd(EtcdServer),
+    ZooKeeper(ZooKeeperServer),
 }
 
 impl Backend {
@@ -127,6 +133,7 @@ impl Backend {
             Target::MariaDb => Backend::MariaDb(MariaDbServer::start(), ""),
             Target::MariaDbRowLock => Backend::MariaDb(MariaDbServer::start(), "?mode=row-lock"),
             Target::Etcd => Backend::Etcd(EtcdServer::start()),
+            Target::ZooKeeper => Backend::ZooKeeper(ZooKeeperServer::start()),
         }
     }
 
@@ -138,6 +145,7 @@ impl Backend {
             Backend::Postgres(s, _) => vec![s.port()],
             Backend::MariaDb(s, _) => vec![s.port()],
             Backend::Etcd(s) => vec![s.port()],
+            Backend::ZooKeeper(s) => vec![s.port()],
         }
     }
 
@@ -156,6 +164,7 @@ impl Backend {
             Backend::Postgres(s, mode) => swap(s.url(), s.port(), proxies[0]) + mode,
             Backend::MariaDb(s, mode) => swap(s.url(), s.port(), proxies[0]) + mode,
             Backend::Etcd(s) => swap(s.url(), s.port(), proxies[0]),
+            Backend::ZooKeeper(s) => swap(s.url(), s.port(), proxies[0]),
         }
     }
 
@@ -181,6 +190,7 @@ impl Backend {
             Backend::Postgres(s, _) => s.restart(),
             Backend::MariaDb(s, _) => s.restart(),
             Backend::Etcd(s) => s.restart(),
+            Backend::ZooKeeper(s) => s.restart(),
         }
     }
 }

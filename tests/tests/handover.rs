@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use leasehold_e2e::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, sole_holder,
-    unique_lock,
+    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, ZooKeeperServer, eventually,
+    sole_holder, unique_lock,
 };
 use nix::sys::signal::Signal;
 
@@ -273,4 +273,26 @@ fn etcd_sigterm_hands_over_at_once() {
 fn etcd_paused_sidecar_is_replaced() {
     let etcd = EtcdServer::start();
     paused_holder(&etcd.url());
+}
+
+#[test]
+fn zookeeper_crash_takeover_within_the_lease() {
+    let zookeeper = ZooKeeperServer::start();
+    crash_takeover(&zookeeper.url());
+}
+
+#[test]
+fn zookeeper_sigterm_hands_over_at_once() {
+    let zookeeper = ZooKeeperServer::start();
+    let took = sigterm_handover(&zookeeper.url());
+    // The waiter watches the holder's node; its deletion wakes it.
+    assert!(took < Duration::from_millis(200), "hand-over took {took:?}");
+}
+
+/// The frozen holder stops pinging; ZooKeeper ends its session after the session timeout
+/// (the lease), and its node with it.
+#[test]
+fn zookeeper_paused_sidecar_is_replaced() {
+    let zookeeper = ZooKeeperServer::start();
+    paused_holder(&zookeeper.url());
 }

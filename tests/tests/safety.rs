@@ -77,3 +77,8 @@ fn mariadb_row_lock_survives_random_faults() {
 fn etcd_survives_random_faults() {
     check(Target::Etcd);
 }
+
+#[test]
+fn zookeeper_survives_random_faults() {
+    check(Target::ZooKeeper);
+}

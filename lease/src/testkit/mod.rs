@@ -9,19 +9,21 @@ pub mod mariadb_server;
 pub mod postgres_server;
 pub mod redis_server;
 mod server_process;
+pub mod zookeeper_server;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 
 pub use conformance::{
     BackendServer, EtcdHarness, Harness, MariaDbHarness, PostgresHarness, REDLOCK_MASTERS,
-    RedisHarness, RedlockHarness, ServerHarness, SqliteHarness,
+    RedisHarness, RedlockHarness, ServerHarness, SqliteHarness, ZooKeeperHarness,
 };
 pub use etcd_server::EtcdServer;
 pub use faulty::FaultyDriver;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
 pub use redis_server::RedisServer;
+pub use zookeeper_server::ZooKeeperServer;
 
 /// A TCP port that was free on loopback a moment ago.
 pub fn free_port() -> u16 {

@@ -1,0 +1,122 @@
+//! A real standalone ZooKeeper (Debian's `zookeeper` package, run as a plain Java process with its
+//! own `zoo.cfg`) on a free loopback port, with a throwaway data directory, so that it can be
+//! killed and restarted with its data.
+//!
+//! `tickTime=100` lets sessions be as short as 200 ms, below the suite's one-second lease.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::server_process::ServerProcess;
+use super::{free_port, require_binary};
+
+const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
+
+pub struct ZooKeeperServer {
+    process: ServerProcess,
+    port: u16,
+}
+
+/// One ZooKeeper per test process at a time: two JVMs starting and warming up at once on two
+/// cores answer slower than a one-second session tolerates.
+static RUNNING: AtomicBool = AtomicBool::new(false);
+
+impl Drop for ZooKeeperServer {
+    fn drop(&mut self) {
+        self.process.stop(None);
+        RUNNING.store(false, Ordering::SeqCst);
+    }
+}
+
+impl ZooKeeperServer {
+    pub fn start() -> Self {
+        while RUNNING
+            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut server = Self {
+            process: ServerProcess::new("zookeeper"),
+            port: free_port(),
+        };
+        let data = server.process.dir().join("data");
+        std::fs::create_dir_all(&data).expect("zookeeper data dir");
+        let config = format!(
+            "tickTime=100\n\
+             dataDir={}\n\
+             clientPort={}\n\
+             clientPortAddress=127.0.0.1\n\
+             maxSessionTimeout=60000\n\
+             admin.enableServer=false\n\
+             4lw.commands.whitelist=ruok,mntr\n",
+            data.display(),
+            server.port
+        );
+        std::fs::write(server.process.dir().join("zoo.cfg"), config).expect("zoo.cfg");
+        server.spawn();
+        server
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("zk://127.0.0.1:{}/leasehold", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let java = require_binary("java", "zookeeper");
+        assert!(
+            std::path::Path::new(ZOOKEEPER_JAR).is_file(),
+            "{ZOOKEEPER_JAR} was not found. Install it with `apt-get install -y zookeeper` \
+             (scripts/test does this), then run the tests again."
+        );
+        let mut command = Command::new(java);
+        command
+            .arg("-Xmx256m")
+            .args(["-cp", &format!("{ZOOKEEPER_JAR}:/etc/zookeeper/conf")])
+            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+            .arg(self.process.dir().join("zoo.cfg"));
+        let port = self.port;
+        self.process
+            .spawn(command, move || four_letter(port, "ruok") == "imok");
+    }
+
+    /// `kill -9`: the transaction log and snapshots survive.
+    pub fn kill(&mut self) {
+        self.process.stop(None);
+    }
+
+    /// Start again on the same port with the same data directory.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Requests the server has received so far (`mntr`'s `zk_packets_received`).
+    pub fn packets_received(&self) -> u64 {
+        four_letter(self.port, "mntr")
+            .lines()
+            .find_map(|l| l.strip_prefix("zk_packets_received"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+/// One of ZooKeeper's four-letter commands, answered in plain text.
+fn four_letter(port: u16, command: &str) -> String {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut reply = String::new();
+    if s.write_all(command.as_bytes()).is_ok() {
+        let _ = s.read_to_string(&mut reply);
+    }
+    reply
+}

@@ -1,0 +1,696 @@
+//! ZooKeeper: a fair queue of ephemeral sequential nodes, named as Apache Curator's
+//! `InterProcessMutex` names them (`LOCKPATH/_c_<uuid>-lock-<sequence>`), so a Leasehold sidecar
+//! and a Curator client on the same path queue together. The lowest sequence holds; each waiter
+//! watches only the node just below its own; release deletes the node. The token is the node's
+//! czxid: later nodes are created by later transactions.
+//!
+//! Sessions: one per driver, with the lease as its timeout (the server may raise it to its
+//! minimum, never lower it below the lease, else acquisition fails with an error). Any request
+//! the server answers after `t_sent` restarts the session's clock no earlier than `t_sent`, so
+//! the ephemeral node outlives the claim `t_sent + lease - margin`.
+//!
+//! - Disconnected: renewals fail, the sidecar answers "unknown" and stops claiming at its
+//!   self-fence deadline, as with any backend.
+//! - Expired: every node of the session is gone with it; the driver drops its queue entries and
+//!   opens a new session on the next attempt, so there is never an orphan node (the Curator
+//!   lost-session double holders, CURATOR-206/604/620, came from keeping state across sessions).
+//! - The client library pings the session in the background, even when the engine's renewals
+//!   stall; so when the local lease runs out without a renewal the driver deletes the node itself,
+//!   and a frozen process loses its session to the server's timeout.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::{OnceCell, watch};
+use tokio::time::Instant;
+use zookeeper_client as zk;
+
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Curator's protected-name marker and lock-node name.
+const NODE_MARKER: &str = "_c_";
+const LOCK_NAME: &str = "-lock-";
+/// A waiting node whose engine has not asked for this many leases is given up.
+const ABANDONED_AFTER_LEASES: u32 = 3;
+
+/// Where to find ZooKeeper, under which path, and with which credentials.
+#[derive(Clone)]
+pub struct ZooKeeperConfig {
+    /// `host:port,host:port`
+    pub servers: String,
+    /// The absolute, validated parent path of every lock (`/leasehold`).
+    pub root: String,
+    /// Digest credentials (`user`, `password`); nodes are then created with creator-only ACLs.
+    pub digest: Option<(String, String)>,
+}
+
+enum Place {
+    Waiting { asked: Instant },
+    Holding,
+}
+
+struct Entry {
+    lock: String,
+    identity: String,
+    path: String,
+    sequence: i64,
+    czxid: i64,
+    place: Mutex<Place>,
+    expires: watch::Sender<Instant>,
+    watching: Mutex<Option<(String, tokio::task::JoinHandle<()>)>>,
+    tender: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Entry {
+    fn holding(&self) -> bool {
+        matches!(
+            *self.place.lock().unwrap_or_else(|e| e.into_inner()),
+            Place::Holding
+        )
+    }
+
+    fn abort_tasks(&self) {
+        if let Some((_, task)) = self
+            .watching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+        if let Some(task) = self.tender.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            task.abort();
+        }
+    }
+}
+
+struct Session {
+    client: zk::Client,
+    /// The lease the session was opened for, and the timeout the server granted (>= it).
+    requested: Duration,
+    timeout: Duration,
+}
+
+/// The session timeout when a call needs a session before any lease asked for one.
+const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(15);
+/// The shortest session opened: the client times requests out at a fraction of the session
+/// timeout, and leases shorter than this are fenced by the driver's own expiry anyway.
+const MIN_SESSION_TIMEOUT: Duration = Duration::from_secs(1);
+
+struct Shared {
+    config: ZooKeeperConfig,
+    session: tokio::sync::Mutex<Option<Arc<Session>>>,
+    entries: Mutex<HashMap<String, Arc<Entry>>>,
+    releases: ChangeFeeds,
+    wakeups: AtomicU64,
+    provisioned: OnceCell<()>,
+    /// Nodes this process gave up while ZooKeeper was unreachable. The library keeps the
+    /// session alive across a reconnect, so they would stay first in line forever: they are
+    /// deleted on the next call that reaches the server.
+    orphans: Mutex<Vec<String>>,
+}
+
+pub struct ZooKeeperDriver {
+    shared: Arc<Shared>,
+}
+
+impl Drop for ZooKeeperDriver {
+    fn drop(&mut self) {
+        let entries = self
+            .shared
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for entry in entries.values() {
+            entry.abort_tasks();
+        }
+    }
+}
+
+fn map_err(e: zk::Error) -> Error {
+    match e {
+        zk::Error::ConnectionLoss
+        | zk::Error::Timeout
+        | zk::Error::NoHosts
+        | zk::Error::SessionExpired
+        | zk::Error::ClientClosed => Error::Unreachable(e.to_string()),
+        zk::Error::NoAuth | zk::Error::AuthFailed => {
+            Error::Backend(format!("not allowed by ZooKeeper: {e}"))
+        }
+        other => Error::Backend(other.to_string()),
+    }
+}
+
+/// The sequence of a Curator-style lock node name, if it is one.
+fn sequence_of(name: &str) -> Option<i64> {
+    name.rsplit_once(LOCK_NAME)?.1.parse().ok()
+}
+
+impl Shared {
+    fn parent(&self, lock: &str) -> String {
+        format!("{}/{lock}", self.config.root)
+    }
+
+    fn acls(&self) -> zk::Acls<'static> {
+        if self.config.digest.is_some() {
+            zk::Acls::creator_all()
+        } else {
+            zk::Acls::anyone_all()
+        }
+    }
+
+    /// A live session fit for `lease`: the current one if it was opened for this lease (or
+    /// still has nodes and a timeout no shorter), else a new one with `lease` as its timeout, so
+    /// that a dead holder's node goes one lease after its last sign of life.
+    async fn session(&self, lease: Duration) -> Result<Arc<Session>> {
+        let lease = lease.max(MIN_SESSION_TIMEOUT);
+        let mut session = self.session.lock().await;
+        if let Some(current) = session.as_ref() {
+            if !current.client.state().is_terminated() {
+                let has_nodes = !self
+                    .entries
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_empty();
+                if current.requested == lease || (has_nodes && lease <= current.timeout) {
+                    return Ok(current.clone());
+                }
+                if has_nodes {
+                    return Err(Error::InvalidConfig {
+                        field: "lease-duration",
+                        reason: format!(
+                            "longer than this process's ZooKeeper session timeout ({:?})",
+                            current.timeout
+                        ),
+                    });
+                }
+            } else {
+                // Expired or closed: its nodes are gone with it; so are this driver's places.
+                self.drop_entries();
+            }
+        }
+        let mut connector = zk::Client::connector()
+            .with_session_timeout(lease)
+            .with_connection_timeout(CONNECT_TIMEOUT);
+        if let Some((user, password)) = &self.config.digest {
+            connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+        }
+        let client = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(&self.config.servers))
+            .await
+            .map_err(|_| {
+                Error::Unreachable(format!("no ZooKeeper session within {CONNECT_TIMEOUT:?}"))
+            })?
+            .map_err(map_err)?;
+        let timeout = client.session_timeout();
+        if timeout < lease {
+            return Err(Error::InvalidConfig {
+                field: "lease-duration",
+                reason: format!(
+                    "ZooKeeper capped the session timeout at {timeout:?}; raise maxSessionTimeout or shorten the lease"
+                ),
+            });
+        }
+        let fresh = Arc::new(Session {
+            client,
+            requested: lease,
+            timeout,
+        });
+        *session = Some(fresh.clone());
+        Ok(fresh)
+    }
+
+    /// The current session, whatever its timeout, for calls that need no particular one.
+    async fn any_session(&self) -> Result<Arc<Session>> {
+        let current = self.session.lock().await.clone();
+        match current {
+            Some(s) if !s.client.state().is_terminated() => Ok(s),
+            _ => self.session(DEFAULT_SESSION_TIMEOUT).await,
+        }
+    }
+
+    fn drop_entries(&self) {
+        let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
+        for entry in entries.values() {
+            entry.abort_tasks();
+        }
+    }
+
+    fn forget(&self, entry: &Entry) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries
+            .get(&entry.lock)
+            .is_some_and(|e| e.path == entry.path)
+        {
+            entries.remove(&entry.lock);
+        }
+        drop(entries);
+        if let Some((_, task)) = entry
+            .watching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+    }
+
+    /// Give the node up; if ZooKeeper cannot be reached now, remember it as an orphan.
+    async fn leave(&self, entry: &Entry) {
+        self.forget(entry);
+        let deleted = match self.any_session().await {
+            Ok(session) => matches!(
+                session.client.delete(&entry.path, None).await,
+                Ok(()) | Err(zk::Error::NoNode)
+            ),
+            Err(_) => false,
+        };
+        if !deleted {
+            self.orphans
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(entry.path.clone());
+        }
+    }
+
+    /// Delete the nodes this process gave up or may have created unawares. An orphan is a node
+    /// path, or a protected prefix (`.../_c_<uuid>-lock-`) whose sequence is unknown.
+    async fn delete_orphans(&self, client: &zk::Client) {
+        let orphans = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|e| e.into_inner()));
+        for orphan in orphans {
+            let deleted = if orphan.ends_with(LOCK_NAME) {
+                let (parent, name) = orphan.rsplit_once('/').unwrap_or_default();
+                match client.list_children(parent).await {
+                    Ok(children) => {
+                        let mut ok = true;
+                        for child in children.iter().filter(|c| c.starts_with(name)) {
+                            let path = format!("{parent}/{child}");
+                            ok &= matches!(
+                                client.delete(&path, None).await,
+                                Ok(()) | Err(zk::Error::NoNode)
+                            );
+                        }
+                        ok
+                    }
+                    Err(zk::Error::NoNode) => true,
+                    Err(_) => false,
+                }
+            } else {
+                matches!(
+                    client.delete(&orphan, None).await,
+                    Ok(()) | Err(zk::Error::NoNode)
+                )
+            };
+            if !deleted {
+                self.orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(orphan);
+            }
+        }
+    }
+
+    async fn ensure_parent(&self, client: &zk::Client, lock: &str) -> Result<()> {
+        let acls = self.acls();
+        let options = zk::CreateMode::Persistent.with_acls(acls);
+        match client.mkdir(&self.parent(lock), &options).await {
+            Ok(()) | Err(zk::Error::NodeExists) => Ok(()),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    async fn enqueue(
+        self: &Arc<Self>,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Arc<Entry>> {
+        let session = self.session(ttl).await?;
+        let client = &session.client;
+        let prefix = format!(
+            "{}/{NODE_MARKER}{:032x}{LOCK_NAME}",
+            self.parent(lock),
+            rand::random::<u128>()
+        );
+        let acls = self.acls();
+        let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
+        let created = match client.create(&prefix, identity.as_bytes(), &options).await {
+            Err(zk::Error::NoNode) => {
+                self.ensure_parent(client, lock).await?;
+                client.create(&prefix, identity.as_bytes(), &options).await
+            }
+            other => other,
+        };
+        let (stat, sequence) = match created {
+            Ok(created) => created,
+            Err(e) => {
+                // The create may have happened with its answer lost: find it by its protected
+                // name later and delete it (Curator's protection mode does the same).
+                self.orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(prefix.clone());
+                return Err(map_err(e));
+            }
+        };
+        let (expires, watch_expires) = watch::channel(Instant::now());
+        let entry = Arc::new(Entry {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            path: format!("{prefix}{sequence}"),
+            sequence: sequence.into_i64(),
+            czxid: stat.czxid,
+            place: Mutex::new(Place::Waiting {
+                asked: Instant::now(),
+            }),
+            expires,
+            watching: Mutex::new(None),
+            tender: Mutex::new(None),
+        });
+        let task = tokio::spawn(tend(self.clone(), entry.clone(), watch_expires, ttl));
+        *entry.tender.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(lock.to_owned(), entry.clone());
+        Ok(entry)
+    }
+
+    /// The queue of `lock`, lowest sequence first: (sequence, node name).
+    async fn queue(&self, client: &zk::Client, lock: &str) -> Result<Vec<(i64, String)>> {
+        let children = match client.list_children(&self.parent(lock)).await {
+            Ok(children) => children,
+            Err(zk::Error::NoNode) => Vec::new(),
+            Err(e) => return Err(map_err(e)),
+        };
+        let mut queue: Vec<(i64, String)> = children
+            .into_iter()
+            .filter_map(|name| Some((sequence_of(&name)?, name)))
+            .collect();
+        queue.sort();
+        Ok(queue)
+    }
+
+    async fn holding(
+        &self,
+        client: &zk::Client,
+        lock: &str,
+        name: &str,
+    ) -> Result<Option<Holding>> {
+        let path = format!("{}/{name}", self.parent(lock));
+        match client.get_data(&path).await {
+            Ok((data, stat)) => Ok(Some(Holding {
+                identity: String::from_utf8_lossy(&data).into_owned(),
+                token: u64::try_from(stat.czxid).unwrap_or(0),
+                expires_in: None,
+            })),
+            // Gone between the listing and the read: free right now.
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
+        let session = self.any_session().await?;
+        let queue = self.queue(&session.client, lock).await?;
+        match queue.first() {
+            Some((_, name)) => self.holding(&session.client, lock, name).await,
+            None => Ok(None),
+        }
+    }
+
+    /// Wake this process's waiters of `entry.lock` when `predecessor` is deleted.
+    fn watch_predecessor(
+        self: &Arc<Self>,
+        session: &Arc<Session>,
+        entry: &Entry,
+        predecessor: String,
+    ) {
+        let mut watching = entry.watching.lock().unwrap_or_else(|e| e.into_inner());
+        if watching
+            .as_ref()
+            .is_some_and(|(path, task)| *path == predecessor && !task.is_finished())
+        {
+            return;
+        }
+        if let Some((_, task)) = watching.take() {
+            task.abort();
+        }
+        let (shared, session, lock, path) = (
+            self.clone(),
+            session.clone(),
+            entry.lock.clone(),
+            predecessor.clone(),
+        );
+        let task = tokio::spawn(async move {
+            match session.client.check_and_watch_stat(&path).await {
+                Ok((Some(_), watcher)) => {
+                    watcher.changed().await;
+                }
+                Ok((None, _)) => {}
+                Err(e) => tracing::debug!(error = %e, "zookeeper watch failed"),
+            }
+            shared.wakeups.fetch_add(1, Ordering::Relaxed);
+            shared.releases.bump(&lock);
+        });
+        *watching = Some((predecessor, task));
+    }
+}
+
+/// Give up a waiting node nobody asks for any more; delete a held one whose local lease ran out.
+async fn tend(
+    shared: Arc<Shared>,
+    entry: Arc<Entry>,
+    mut expires: watch::Receiver<Instant>,
+    lease: Duration,
+) {
+    loop {
+        let asked = match *entry.place.lock().unwrap_or_else(|e| e.into_inner()) {
+            Place::Waiting { asked } => Some(asked),
+            Place::Holding => None,
+        };
+        match asked {
+            Some(asked) => {
+                let abandon_at = asked + lease * ABANDONED_AFTER_LEASES;
+                tokio::select! {
+                    () = tokio::time::sleep_until(abandon_at) => {
+                        let still_waiting = matches!(
+                            *entry.place.lock().unwrap_or_else(|e| e.into_inner()),
+                            Place::Waiting { asked } if asked + lease * ABANDONED_AFTER_LEASES <= Instant::now()
+                        );
+                        if still_waiting {
+                            shared.leave(&entry).await;
+                            shared.releases.bump(&entry.lock);
+                            return;
+                        }
+                    }
+                    changed = expires.changed() => if changed.is_err() { return },
+                }
+            }
+            None => {
+                let until = *expires.borrow_and_update();
+                tokio::select! {
+                    () = tokio::time::sleep_until(until) => {
+                        if *entry.expires.borrow() <= Instant::now() {
+                            shared.leave(&entry).await;
+                            shared.releases.bump(&entry.lock);
+                            return;
+                        }
+                    }
+                    changed = expires.changed() => if changed.is_err() { return },
+                }
+            }
+        }
+    }
+}
+
+impl ZooKeeperDriver {
+    /// Opens the session on first use, with the first lease as its timeout.
+    pub fn connect(config: ZooKeeperConfig) -> Result<Self> {
+        crate::names::validate_zookeeper_path(&config.root)?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                config,
+                session: tokio::sync::Mutex::new(None),
+                entries: Mutex::new(HashMap::new()),
+                releases: ChangeFeeds::default(),
+                wakeups: AtomicU64::new(0),
+                provisioned: OnceCell::new(),
+                orphans: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// How many times a watched predecessor went away (or its watch failed) and woke a waiter.
+    pub fn wakeups(&self) -> u64 {
+        self.shared.wakeups.load(Ordering::Relaxed)
+    }
+
+    fn entry(&self, lock: &str) -> Option<Arc<Entry>> {
+        let entries = self
+            .shared
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        entries.get(lock).cloned()
+    }
+
+    fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
+        self.entry(&lease.lock).filter(|e| {
+            e.holding()
+                && e.identity == lease.identity
+                && u64::try_from(e.czxid).ok() == Some(lease.token)
+        })
+    }
+}
+
+#[async_trait]
+impl Driver for ZooKeeperDriver {
+    fn kind(&self) -> &'static str {
+        "zookeeper"
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        // Opening a session first, when needed, must not eat into the lease measured below.
+        self.shared.session(ttl).await?;
+        let sent = Instant::now();
+        let entry = match self.entry(lock) {
+            Some(entry) if entry.holding() || entry.identity != identity => {
+                return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+            }
+            Some(entry) => {
+                *entry.place.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Place::Waiting { asked: sent };
+                entry
+            }
+            None => {
+                // A task of its own: if this call is abandoned midway (the engine's time budget),
+                // the node it may already have created is still recorded, never left behind.
+                let (shared, lock, identity) =
+                    (self.shared.clone(), lock.to_owned(), identity.to_owned());
+                tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
+                    .await
+                    .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??
+            }
+        };
+        let session = self.shared.session(ttl).await?;
+        self.shared.delete_orphans(&session.client).await;
+        // This read is answered after `sent`: the session, and so the node, lives at least one
+        // session timeout (>= ttl) beyond it.
+        let queue = self.shared.queue(&session.client, lock).await?;
+        let Some(position) = queue.iter().position(|(seq, _)| *seq == entry.sequence) else {
+            // The node is gone (session expired and renewed): back to the end of the queue.
+            self.shared.forget(&entry);
+            entry.abort_tasks();
+            return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+        };
+        if position > 0 {
+            let parent = self.shared.parent(lock);
+            let predecessor = format!("{parent}/{}", queue[position - 1].1);
+            self.shared.watch_predecessor(&session, &entry, predecessor);
+            let holder = self
+                .shared
+                .holding(&session.client, lock, &queue[0].1)
+                .await?;
+            return Ok(Acquire::Busy(holder));
+        }
+        *entry.place.lock().unwrap_or_else(|e| e.into_inner()) = Place::Holding;
+        entry.expires.send_replace(sent + ttl);
+        Ok(Acquire::Acquired(Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token: u64::try_from(entry.czxid).unwrap_or(0),
+        }))
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let sent = Instant::now();
+        let Some(entry) = self.held(lease) else {
+            return Ok(false);
+        };
+        if *entry.expires.borrow() <= sent {
+            return Ok(false);
+        }
+        let session = self.shared.session(ttl).await?;
+        match session.client.check_stat(&entry.path).await {
+            Ok(Some(_)) => {
+                entry.expires.send_replace(sent + ttl);
+                Ok(true)
+            }
+            Ok(None) | Err(zk::Error::SessionExpired) => {
+                self.shared.forget(&entry);
+                entry.abort_tasks();
+                Ok(false)
+            }
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let Some(entry) = self.held(lease) else {
+            return Ok(false);
+        };
+        self.shared.forget(&entry);
+        entry.abort_tasks();
+        let session = self.shared.any_session().await?;
+        match session.client.delete(&entry.path, None).await {
+            Ok(()) => {
+                self.shared.releases.bump(&lease.lock);
+                Ok(true)
+            }
+            Err(zk::Error::NoNode) => Ok(false),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        self.shared.holder(lock).await
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.shared.releases.subscribe(lock))
+    }
+
+    /// Watches wake waiters; polling is only the fallback. Sessions are kept alive by the
+    /// client's own pings.
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        renew_interval * 3
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let session = self.shared.any_session().await?;
+        session
+            .client
+            .check_stat("/")
+            .await
+            .map(|_| ())
+            .map_err(map_err)
+    }
+
+    /// Create the root path and each lock's parent node.
+    async fn provision(&self, locks: &[String]) -> Result<()> {
+        let session = self.shared.any_session().await?;
+        self.shared
+            .provisioned
+            .get_or_try_init(|| async {
+                let options = zk::CreateMode::Persistent.with_acls(self.shared.acls());
+                match session
+                    .client
+                    .mkdir(&self.shared.config.root, &options)
+                    .await
+                {
+                    Ok(()) | Err(zk::Error::NodeExists) => Ok(()),
+                    Err(e) => Err(map_err(e)),
+                }
+            })
+            .await?;
+        for lock in locks {
+            self.shared.ensure_parent(&session.client, lock).await?;
+        }
+        Ok(())
+    }
+}
