@@ -55,7 +55,7 @@ fn main() {
 }
 
 /// The benchmark's sections, all of them when none is named on the command line.
-const SECTIONS: &[&str] = &["http", "drivers", "sql", "etcd", "safety"];
+const SECTIONS: &[&str] = &["http", "drivers", "sql", "etcd", "zookeeper", "safety"];
 /// The idle-waiter measurement: how many waiters, on what lease, for how long.
 const IDLE_WAITERS: usize = 100;
 const IDLE_LEASE: Duration = Duration::from_secs(3);
@@ -99,6 +99,101 @@ async fn etcd_raw_cycles(port: u16) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The raw client operations of the simplest ZooKeeper lock: create an ephemeral sequential
+/// node, delete it.
+async fn zookeeper_raw_cycles(port: u16) -> f64 {
+    use zookeeper_client as zk;
+    let client = zk::Client::connector()
+        .with_session_timeout(LEASE)
+        .connect(&format!("127.0.0.1:{port}"))
+        .await
+        .expect("zookeeper");
+    let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+    match client.create("/raw", b"", &options).await {
+        Ok(_) | Err(zk::Error::NodeExists) => {}
+        Err(e) => panic!("create /raw: {e}"),
+    }
+    let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+    let start = Instant::now();
+    for _ in 0..CYCLES {
+        let (_, sequence) = client
+            .create("/raw/lock-", b"bench", &ephemeral)
+            .await
+            .expect("create");
+        client
+            .delete(&format!("/raw/lock-{sequence}"), None)
+            .await
+            .expect("delete");
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+/// 100 idle waiters behind one holder: what they cost the backend, in requests it received.
+async fn idle_waiters(connect: impl Fn() -> Arc<dyn Driver>, received: impl Fn() -> u64) -> String {
+    let config = |id: String| LockConfig {
+        renew_interval: IDLE_RENEW,
+        mode: Mode::Campaign,
+        ..LockConfig::new("idle", &id, IDLE_LEASE)
+    };
+    let holder = Lock::start(connect(), config("holder".into()), Arc::new(())).expect("holder");
+    while !holder.answer().is_holder() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let waiters: Vec<Lock> = (0..IDLE_WAITERS)
+        .map(|i| Lock::start(connect(), config(format!("w{i}")), Arc::new(())).expect("waiter"))
+        .collect();
+    tokio::time::sleep(IDLE_LEASE * 2).await;
+    let before = received();
+    tokio::time::sleep(IDLE_MEASURE).await;
+    let requests = received() - before;
+    assert!(waiters.iter().all(|w| !w.answer().is_holder()));
+    for waiter in waiters {
+        waiter.shutdown().await;
+    }
+    holder.shutdown().await;
+    let intervals = IDLE_MEASURE.as_secs_f64() / IDLE_RENEW.as_secs_f64();
+    format!(
+        "{:>7.1} requests/s = {:.2} per waiter per renew interval (lease {IDLE_LEASE:?}, renew {IDLE_RENEW:?})",
+        requests as f64 / IDLE_MEASURE.as_secs_f64(),
+        requests as f64 / IDLE_WAITERS as f64 / intervals
+    )
+}
+
+/// ZooKeeper: cycles against the raw client, watch hand-over, and what 100 idle waiters cost.
+async fn zookeeper_section() {
+    use leasehold_lease::zookeeper::{ZooKeeperConfig, ZooKeeperDriver};
+    println!(
+        "## ZooKeeper 3.8 ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds; {IDLE_WAITERS} idle waiters)"
+    );
+    let server = leasehold_lease::testkit::ZooKeeperServer::start();
+    let port = server.port();
+    let connect = || -> Arc<dyn Driver> {
+        Arc::new(
+            ZooKeeperDriver::connect(ZooKeeperConfig {
+                servers: format!("127.0.0.1:{port}"),
+                root: "/leasehold".into(),
+                digest: None,
+            })
+            .expect("zookeeper driver"),
+        )
+    };
+    let driver = connect();
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(zookeeper_raw_cycles(port).await);
+        ours = ours.max(driver_cycles(&*driver).await);
+    }
+    println!("  zookeeper raw create + delete  : {raw:>9.0} cycles/s");
+    println!(
+        "  zookeeper ZooKeeperDriver      : {ours:>9.0} cycles/s  ({:.0} %; adds the queue listing)",
+        100.0 * ours / raw
+    );
+    let latency = handover_latencies(connect(), connect()).await;
+    println!("  zookeeper hand-over, watch     : {}", describe(&latency));
+    let idle = idle_waiters(connect, || server.packets_received()).await;
+    println!("  zookeeper {IDLE_WAITERS} idle waiters + holder: {idle}");
+}
+
 /// etcd: cycles against the raw client, hand-over through the predecessor watch, and what 100
 /// idle waiters cost the server.
 async fn etcd_section() {
@@ -132,33 +227,8 @@ async fn etcd_section() {
     let latency = handover_latencies(connect(), connect()).await;
     println!("  etcd hand-over, watch          : {}", describe(&latency));
 
-    let config = |id: String| LockConfig {
-        renew_interval: IDLE_RENEW,
-        mode: Mode::Campaign,
-        ..LockConfig::new("idle", &id, IDLE_LEASE)
-    };
-    let holder = Lock::start(connect(), config("holder".into()), Arc::new(())).expect("holder");
-    while !holder.answer().is_holder() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let waiters: Vec<Lock> = (0..IDLE_WAITERS)
-        .map(|i| Lock::start(connect(), config(format!("w{i}")), Arc::new(())).expect("waiter"))
-        .collect();
-    tokio::time::sleep(IDLE_LEASE * 2).await;
-    let before = etcd_messages_received(port);
-    tokio::time::sleep(IDLE_MEASURE).await;
-    let messages = etcd_messages_received(port) - before;
-    assert!(waiters.iter().all(|w| !w.answer().is_holder()));
-    let intervals = IDLE_MEASURE.as_secs_f64() / IDLE_RENEW.as_secs_f64();
-    println!(
-        "  etcd {IDLE_WAITERS} idle waiters + holder  : {:>9.1} messages/s = {:.2} per waiter per renew interval (lease {IDLE_LEASE:?}, renew {IDLE_RENEW:?})",
-        messages as f64 / IDLE_MEASURE.as_secs_f64(),
-        messages as f64 / IDLE_WAITERS as f64 / intervals
-    );
-    for waiter in waiters {
-        waiter.shutdown().await;
-    }
-    holder.shutdown().await;
+    let idle = idle_waiters(connect, || etcd_messages_received(port)).await;
+    println!("  etcd {IDLE_WAITERS} idle waiters + holder: {idle}");
 }
 /// How long the benchmark runs the safety check per driver (`scripts/soak` runs it longer).
 const SAFETY_DURATION: Duration = Duration::from_secs(30);
@@ -865,6 +935,9 @@ async fn run(sections: &[&str]) {
     }
     if wanted("etcd") {
         etcd_section().await;
+    }
+    if wanted("zookeeper") {
+        zookeeper_section().await;
     }
     if wanted("safety") {
         safety_section().await;
