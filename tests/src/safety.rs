@@ -256,7 +256,7 @@ impl Report {
             .collect();
         format!(
             "{:<18} {:>5.0}s  hand-overs {:>4}  faults {:>3} ({})  overlaps {}  violations {}  \
-             longest without holder {:>6.0?}  slowest recovery {:>6.0?}  poll every {:.1?} (request ≤ {:.0?})  seed {}",
+             longest without holder {:>5} ms  slowest recovery {:>5} ms  poll every {:.1?} (request ≤ {:.0?})  seed {}",
             self.target,
             self.duration.as_secs_f64(),
             self.handovers,
@@ -264,8 +264,8 @@ impl Report {
             faults.join(", "),
             self.overlaps(),
             self.violations.len(),
-            self.longest_without_holder,
-            self.slowest_recovery,
+            self.longest_without_holder.as_millis(),
+            self.slowest_recovery.as_millis(),
             self.poll_interval,
             self.longest_request,
             self.seed,
