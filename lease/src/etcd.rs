@@ -162,15 +162,15 @@ impl Shared {
             .cloned()
     }
 
-    /// One keep-alive round trip; the TTL left, 0 when the lease is gone.
-    async fn keep_alive(&self, etcd_lease: i64) -> Result<i64> {
+    /// One keep-alive round trip: whether the lease is still there. Opening the stream sends the
+    /// keep-alive and reads its answer; the stream is not needed after that.
+    async fn keep_alive(&self, etcd_lease: i64) -> Result<bool> {
         let mut client = self.client().await?;
-        let (mut keeper, mut stream) =
-            client.lease_keep_alive(etcd_lease).await.map_err(map_err)?;
-        keeper.keep_alive().await.map_err(map_err)?;
-        match stream.message().await.map_err(map_err)? {
-            Some(reply) => Ok(reply.ttl()),
-            None => Err(Error::Unreachable("the keep-alive stream closed".into())),
+        match client.lease_keep_alive(etcd_lease).await {
+            Ok(_) => Ok(true),
+            // The client's word for a keep-alive answered with TTL <= 0.
+            Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(false),
+            Err(e) => Err(map_err(e)),
         }
     }
 
@@ -423,11 +423,11 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiv
                 }
                 if !entry.holding() {
                     match shared.keep_alive(entry.etcd_lease).await {
-                        Ok(ttl) if ttl <= 0 => {
+                        Ok(false) => {
                             shared.forget(&entry);
                             return;
                         }
-                        Ok(_) => {}
+                        Ok(true) => {}
                         Err(e) => tracing::debug!(error = %e, "etcd keep-alive failed"),
                     }
                 }
@@ -548,7 +548,7 @@ impl Driver for EtcdDriver {
             return Ok(Acquire::Busy(holder));
         }
         // Lowest: ours. Refresh the etcd lease after `sent` before claiming from `sent`.
-        if self.shared.keep_alive(entry.etcd_lease).await? <= 0 {
+        if !self.shared.keep_alive(entry.etcd_lease).await? {
             self.shared.forget(&entry);
             entry.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
@@ -571,7 +571,7 @@ impl Driver for EtcdDriver {
         if *entry.expires.borrow() <= sent || ttl > entry.granted {
             return Ok(false);
         }
-        if self.shared.keep_alive(entry.etcd_lease).await? <= 0 {
+        if !self.shared.keep_alive(entry.etcd_lease).await? {
             self.shared.forget(&entry);
             entry.abort_tasks();
             return Ok(false);

@@ -114,9 +114,10 @@ fn four_letter(port: u16, command: &str) -> String {
         return String::new();
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    let mut reply = String::new();
+    let mut reply = Vec::new();
     if s.write_all(command.as_bytes()).is_ok() {
-        let _ = s.read_to_string(&mut reply);
+        let _ = s.read_to_end(&mut reply);
     }
-    reply
+    // `mntr` is not all UTF-8.
+    String::from_utf8_lossy(&reply).into_owned()
 }
