@@ -51,6 +51,7 @@ impl ZooKeeperServer {
              clientPort={}\n\
              clientPortAddress=127.0.0.1\n\
              maxSessionTimeout=60000\n\
+             maxClientCnxns=0\n\
              admin.enableServer=false\n\
              4lw.commands.whitelist=ruok,mntr\n",
             data.display(),
