@@ -113,6 +113,8 @@ struct Shared {
     /// session alive across a reconnect, so they would stay first in line forever: they are
     /// deleted on the next call that reaches the server.
     orphans: Mutex<Vec<String>>,
+    /// Per lock: the lowest node last read, and who it is.
+    holders: Mutex<HashMap<String, (String, Holding)>>,
 }
 
 pub struct ZooKeeperDriver {
@@ -395,19 +397,38 @@ impl Shared {
         Ok(queue)
     }
 
+    /// Who holds, from the lowest node's name. A node's data and czxid never change, so the
+    /// answer is cached per lock until the lowest node does: an idle waiter's poll costs one
+    /// listing.
     async fn holding(
         &self,
         client: &zk::Client,
         lock: &str,
         name: &str,
     ) -> Result<Option<Holding>> {
+        if let Some((cached, holding)) = self
+            .holders
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(lock)
+            && cached == name
+        {
+            return Ok(Some(holding.clone()));
+        }
         let path = format!("{}/{name}", self.parent(lock));
         match client.get_data(&path).await {
-            Ok((data, stat)) => Ok(Some(Holding {
-                identity: String::from_utf8_lossy(&data).into_owned(),
-                token: u64::try_from(stat.czxid).unwrap_or(0),
-                expires_in: None,
-            })),
+            Ok((data, stat)) => {
+                let holding = Holding {
+                    identity: String::from_utf8_lossy(&data).into_owned(),
+                    token: u64::try_from(stat.czxid).unwrap_or(0),
+                    expires_in: None,
+                };
+                self.holders
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(lock.to_owned(), (name.to_owned(), holding.clone()));
+                Ok(Some(holding))
+            }
             // Gone between the listing and the read: free right now.
             Err(zk::Error::NoNode) => Ok(None),
             Err(e) => Err(map_err(e)),
@@ -521,6 +542,7 @@ impl ZooKeeperDriver {
                 wakeups: AtomicU64::new(0),
                 provisioned: OnceCell::new(),
                 orphans: Mutex::new(Vec::new()),
+                holders: Mutex::new(HashMap::new()),
             }),
         })
     }
