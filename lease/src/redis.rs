@@ -61,7 +61,7 @@ return 0
 ";
 
 /// KEYS: lease. Returns {value, remaining ms}, or false when free.
-const OBSERVE: &str = r"
+pub(crate) const OBSERVE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
   return {current, redis.call('PTTL', KEYS[1])}

@@ -33,7 +33,8 @@ use tokio::time::Instant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 use crate::redis::{
-    KeyLayout, RELEASE, RENEW, lease_value, listen_for_releases, map_err, parse_value_and_pttl,
+    KeyLayout, OBSERVE, RELEASE, RENEW, lease_value, listen_for_releases, map_err,
+    parse_value_and_pttl,
 };
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -67,15 +68,6 @@ if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[3]) then
   redis.call('SET', KEYS[2], ARGV[3])
 end
 return 1
-";
-
-/// KEYS: lease. Returns {value, remaining ms}, or false when free.
-const OBSERVE: &str = r"
-local current = redis.call('GET', KEYS[1])
-if current then
-  return {current, redis.call('PTTL', KEYS[1])}
-end
-return false
 ";
 
 struct Master {

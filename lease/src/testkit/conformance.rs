@@ -614,6 +614,70 @@ pub async fn backend_outage_and_recovery(h: &mut dyn Harness) {
     .await;
 }
 
+/// A fair-queue driver (etcd, ZooKeeper) that counts how often a watch woke one of its waiters.
+pub trait CountsWakeups: Driver {
+    fn wakeups(&self) -> u64;
+}
+
+impl CountsWakeups for crate::etcd::EtcdDriver {
+    fn wakeups(&self) -> u64 {
+        crate::etcd::EtcdDriver::wakeups(self)
+    }
+}
+
+impl CountsWakeups for crate::zookeeper::ZooKeeperDriver {
+    fn wakeups(&self) -> u64 {
+        crate::zookeeper::ZooKeeperDriver::wakeups(self)
+    }
+}
+
+/// Fifty waiters queue behind a holder (each its own client, as separate processes would be);
+/// its release wakes the first of them and nobody else, and that one holds with the next token.
+pub async fn one_release_wakes_exactly_one_waiter<D: CountsWakeups>(client: impl Fn() -> D) {
+    const WAITERS: usize = 50;
+    // Long enough that no waiter's place needs its engine to come back during the test.
+    const TTL: Duration = Duration::from_secs(10);
+    let lock = unique_lock("herd");
+    let holder = client();
+    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "holder", TTL).await.unwrap() else {
+        panic!("the first contender must hold")
+    };
+    let mut waiters = Vec::new();
+    for i in 0..WAITERS {
+        let waiter = client();
+        let identity = format!("w{i}");
+        let busy = waiter.try_acquire(&lock, &identity, TTL).await.unwrap();
+        assert!(
+            matches!(busy, Acquire::Busy(Some(_))),
+            "{identity}: {busy:?}"
+        );
+        waiters.push((waiter, identity));
+    }
+    sleep(Duration::from_millis(300)).await;
+    let woken = || waiters.iter().map(|(w, _)| w.wakeups()).sum::<u64>();
+    assert_eq!(woken(), 0, "waiters woke before any release");
+
+    assert!(holder.release(&lease).await.unwrap());
+    eventually(Duration::from_secs(5), "the first waiter is woken", || {
+        waiters[0].0.wakeups() > 0
+    })
+    .await;
+    sleep(Duration::from_millis(500)).await;
+    assert_eq!(woken(), 1, "one release woke {} waiters", woken());
+
+    let (first, identity) = &waiters[0];
+    let Acquire::Acquired(next) = first.try_acquire(&lock, identity, TTL).await.unwrap() else {
+        panic!("the woken waiter is not the holder")
+    };
+    assert!(next.token > lease.token);
+    // The others are still behind it, in order.
+    let (second, identity) = &waiters[1];
+    assert!(matches!(
+        second.try_acquire(&lock, identity, TTL).await.unwrap(),
+        Acquire::Busy(_)
+    ));
+}
+
 /// Generates one `#[tokio::test]` per conformance scenario for a harness expression.
 #[macro_export]
 macro_rules! conformance_suite {
