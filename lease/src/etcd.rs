@@ -31,6 +31,7 @@ use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
+use crate::queue_slot::{Expiry, QueueSlot};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -46,14 +47,6 @@ pub struct EtcdConfig {
     pub user: Option<(String, String)>,
 }
 
-enum Place {
-    /// In the queue; `asked` is the last time the engine tried to acquire.
-    Waiting {
-        asked: Instant,
-    },
-    Holding,
-}
-
 /// This process's key in one lock's queue.
 struct Entry {
     lock: String,
@@ -62,35 +55,7 @@ struct Entry {
     etcd_lease: i64,
     granted: Duration,
     revision: i64,
-    place: Mutex<Place>,
-    /// While holding: when the local lease runs out.
-    expires: watch::Sender<Instant>,
-    /// The predecessor being watched, and the task watching it.
-    watching: Mutex<Option<(String, tokio::task::JoinHandle<()>)>>,
-    tender: Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-impl Entry {
-    fn holding(&self) -> bool {
-        matches!(
-            *self.place.lock().unwrap_or_else(|e| e.into_inner()),
-            Place::Holding
-        )
-    }
-
-    fn abort_tasks(&self) {
-        if let Some((_, task)) = self
-            .watching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            task.abort();
-        }
-        if let Some(task) = self.tender.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            task.abort();
-        }
-    }
+    slot: QueueSlot,
 }
 
 struct Shared {
@@ -113,7 +78,7 @@ impl Drop for EtcdDriver {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         for entry in entries.values() {
-            entry.abort_tasks();
+            entry.slot.abort_tasks();
         }
     }
 }
@@ -191,14 +156,7 @@ impl Shared {
             entries.remove(&entry.lock);
         }
         drop(entries);
-        if let Some((_, task)) = entry
-            .watching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            task.abort();
-        }
+        entry.slot.stop_watching();
     }
 
     /// Queue a new key for `lock` under a new etcd lease.
@@ -233,8 +191,7 @@ impl Shared {
             .header()
             .map(|h| h.revision())
             .ok_or_else(|| Error::Backend("etcd put without a revision".into()))?;
-        // The tending task's receiver exists before any acquisition can set the expiry.
-        let (expires, watch_expires) = watch::channel(Instant::now());
+        let (slot, watch_expires) = QueueSlot::new();
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -242,15 +199,10 @@ impl Shared {
             etcd_lease: grant.id(),
             granted,
             revision,
-            place: Mutex::new(Place::Waiting {
-                asked: Instant::now(),
-            }),
-            expires,
-            watching: Mutex::new(None),
-            tender: Mutex::new(None),
+            slot,
         });
         let task = tokio::spawn(tend(self.clone(), entry.clone(), watch_expires));
-        *entry.tender.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+        entry.slot.set_tender(task);
         self.entries
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -302,47 +254,38 @@ impl Shared {
         from: i64,
     ) -> Result<()> {
         let name = String::from_utf8_lossy(&predecessor).into_owned();
-        let mut watching = entry.watching.lock().unwrap_or_else(|e| e.into_inner());
-        if watching
-            .as_ref()
-            .is_some_and(|(key, task)| *key == name && !task.is_finished())
-        {
-            return Ok(());
-        }
-        if let Some((_, task)) = watching.take() {
-            task.abort();
-        }
         let shared = self.clone();
         let lock = entry.lock.clone();
-        let task = tokio::spawn(async move {
-            let watched = async {
-                let mut client = shared.client().await?;
-                let mut stream = client
-                    .watch(
-                        predecessor,
-                        Some(WatchOptions::new().with_start_revision(from + 1)),
-                    )
-                    .await
-                    .map_err(map_err)?;
-                while let Some(reply) = stream.message().await.map_err(map_err)? {
-                    if reply
-                        .events()
-                        .iter()
-                        .any(|e| e.event_type() == EventType::Delete)
-                    {
-                        break;
+        entry.slot.watch(name, move || {
+            tokio::spawn(async move {
+                let watched = async {
+                    let mut client = shared.client().await?;
+                    let mut stream = client
+                        .watch(
+                            predecessor,
+                            Some(WatchOptions::new().with_start_revision(from + 1)),
+                        )
+                        .await
+                        .map_err(map_err)?;
+                    while let Some(reply) = stream.message().await.map_err(map_err)? {
+                        if reply
+                            .events()
+                            .iter()
+                            .any(|e| e.event_type() == EventType::Delete)
+                        {
+                            break;
+                        }
                     }
+                    Ok::<_, Error>(())
+                };
+                // Deleted, or the watch broke: either way the waiter must look again.
+                if let Err(e) = watched.await {
+                    tracing::debug!(error = %e, "etcd watch ended");
                 }
-                Ok::<_, Error>(())
-            };
-            // Deleted, or the watch broke: either way the waiter must look again.
-            if let Err(e) = watched.await {
-                tracing::debug!(error = %e, "etcd watch ended");
-            }
-            shared.wakeups.fetch_add(1, Ordering::Relaxed);
-            shared.releases.bump(&lock);
+                shared.wakeups.fetch_add(1, Ordering::Relaxed);
+                shared.releases.bump(&lock);
+            })
         });
-        *watching = Some((name, task));
         Ok(())
     }
 
@@ -400,11 +343,7 @@ fn lowest() -> GetOptions {
 /// runs out.
 async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiver<Instant>) {
     loop {
-        let asked = match *entry.place.lock().unwrap_or_else(|e| e.into_inner()) {
-            Place::Waiting { asked } => Some(asked),
-            Place::Holding => None,
-        };
-        match asked {
+        match entry.slot.asked() {
             Some(asked) if asked.elapsed() > entry.granted * ABANDONED_AFTER_TTLS => {
                 // Nobody asks any more (an on-demand wait that timed out): leave the queue
                 // rather than hold everyone behind a key no one will use.
@@ -421,7 +360,7 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiv
                         continue;
                     }
                 }
-                if !entry.holding() {
+                if !entry.slot.holding() {
                     match shared.keep_alive(entry.etcd_lease).await {
                         Ok(false) => {
                             shared.forget(&entry);
@@ -432,19 +371,15 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiv
                     }
                 }
             }
-            None => {
-                let until = *expires.borrow_and_update();
-                tokio::select! {
-                    () = tokio::time::sleep_until(until) => {
-                        if *entry.expires.borrow() <= Instant::now() {
-                            shared.leave(&entry).await;
-                            shared.releases.bump(&entry.lock);
-                            return;
-                        }
-                    }
-                    changed = expires.changed() => if changed.is_err() { return },
+            None => match entry.slot.wait_expiry(&mut expires).await {
+                Expiry::Passed => {
+                    shared.leave(&entry).await;
+                    shared.releases.bump(&entry.lock);
+                    return;
                 }
-            }
+                Expiry::Moved => {}
+                Expiry::Closed => return,
+            },
         }
     }
 }
@@ -485,7 +420,7 @@ impl EtcdDriver {
 
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
         self.entry(&lease.lock).filter(|e| {
-            e.holding()
+            e.slot.holding()
                 && e.identity == lease.identity
                 && u64::try_from(e.revision).ok() == Some(lease.token)
         })
@@ -501,13 +436,12 @@ impl Driver for EtcdDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let sent = Instant::now();
         let entry = match self.entry(lock) {
-            Some(entry) if entry.holding() || entry.identity != identity => {
+            Some(entry) if entry.slot.holding() || entry.identity != identity => {
                 // Not re-entrant, and one identity per lock and process.
                 return Ok(Acquire::Busy(self.shared.holder(lock).await?));
             }
             Some(entry) if entry.granted >= ttl => {
-                *entry.place.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Place::Waiting { asked: sent };
+                entry.slot.ask(sent);
                 entry
             }
             Some(entry) => {
@@ -528,7 +462,7 @@ impl Driver for EtcdDriver {
         if !position.queued {
             // The key expired (keep-alives failed): back to the end of the queue next time.
             self.shared.forget(&entry);
-            entry.abort_tasks();
+            entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         }
         if let Some(predecessor) = position.predecessor {
@@ -550,12 +484,10 @@ impl Driver for EtcdDriver {
         // Lowest: ours. Refresh the etcd lease after `sent` before claiming from `sent`.
         if !self.shared.keep_alive(entry.etcd_lease).await? {
             self.shared.forget(&entry);
-            entry.abort_tasks();
+            entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         }
-        // Holding first, then the expiry that wakes the tending task, so it sees both.
-        *entry.place.lock().unwrap_or_else(|e| e.into_inner()) = Place::Holding;
-        entry.expires.send_replace(sent + ttl);
+        entry.slot.hold_until(sent + ttl);
         Ok(Acquire::Acquired(Lease {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -568,15 +500,15 @@ impl Driver for EtcdDriver {
         let Some(entry) = self.held(lease) else {
             return Ok(false);
         };
-        if *entry.expires.borrow() <= sent || ttl > entry.granted {
+        if entry.slot.expired_by(sent) || ttl > entry.granted {
             return Ok(false);
         }
         if !self.shared.keep_alive(entry.etcd_lease).await? {
             self.shared.forget(&entry);
-            entry.abort_tasks();
+            entry.slot.abort_tasks();
             return Ok(false);
         }
-        entry.expires.send_replace(sent + ttl);
+        entry.slot.extend(sent + ttl);
         Ok(true)
     }
 
@@ -585,7 +517,7 @@ impl Driver for EtcdDriver {
             return Ok(false);
         };
         self.shared.forget(&entry);
-        entry.abort_tasks();
+        entry.slot.abort_tasks();
         let mut client = self.shared.client().await?;
         client
             .lease_revoke(entry.etcd_lease)

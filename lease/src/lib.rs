@@ -16,6 +16,7 @@ mod error;
 pub mod etcd;
 mod holder;
 pub mod names;
+mod queue_slot;
 pub mod redis;
 pub mod redlock;
 pub mod sql;

@@ -30,6 +30,7 @@ use zookeeper_client as zk;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
+use crate::queue_slot::{Expiry, QueueSlot};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Curator's protected-name marker and lock-node name.
@@ -49,44 +50,13 @@ pub struct ZooKeeperConfig {
     pub digest: Option<(String, String)>,
 }
 
-enum Place {
-    Waiting { asked: Instant },
-    Holding,
-}
-
 struct Entry {
     lock: String,
     identity: String,
     path: String,
     sequence: i64,
     czxid: i64,
-    place: Mutex<Place>,
-    expires: watch::Sender<Instant>,
-    watching: Mutex<Option<(String, tokio::task::JoinHandle<()>)>>,
-    tender: Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-impl Entry {
-    fn holding(&self) -> bool {
-        matches!(
-            *self.place.lock().unwrap_or_else(|e| e.into_inner()),
-            Place::Holding
-        )
-    }
-
-    fn abort_tasks(&self) {
-        if let Some((_, task)) = self
-            .watching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            task.abort();
-        }
-        if let Some(task) = self.tender.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            task.abort();
-        }
-    }
+    slot: QueueSlot,
 }
 
 struct Session {
@@ -129,7 +99,7 @@ impl Drop for ZooKeeperDriver {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         for entry in entries.values() {
-            entry.abort_tasks();
+            entry.slot.abort_tasks();
         }
     }
 }
@@ -238,7 +208,7 @@ impl Shared {
     fn drop_entries(&self) {
         let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
         for entry in entries.values() {
-            entry.abort_tasks();
+            entry.slot.abort_tasks();
         }
     }
 
@@ -251,14 +221,7 @@ impl Shared {
             entries.remove(&entry.lock);
         }
         drop(entries);
-        if let Some((_, task)) = entry
-            .watching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            task.abort();
-        }
+        entry.slot.stop_watching();
     }
 
     /// Give the node up; if ZooKeeper cannot be reached now, remember it as an orphan.
@@ -359,22 +322,17 @@ impl Shared {
                 return Err(map_err(e));
             }
         };
-        let (expires, watch_expires) = watch::channel(Instant::now());
+        let (slot, watch_expires) = QueueSlot::new();
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
             path: format!("{prefix}{sequence}"),
             sequence: sequence.into_i64(),
             czxid: stat.czxid,
-            place: Mutex::new(Place::Waiting {
-                asked: Instant::now(),
-            }),
-            expires,
-            watching: Mutex::new(None),
-            tender: Mutex::new(None),
+            slot,
         });
         let task = tokio::spawn(tend(self.clone(), entry.clone(), watch_expires, ttl));
-        *entry.tender.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+        entry.slot.set_tender(task);
         self.entries
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -451,34 +409,25 @@ impl Shared {
         entry: &Entry,
         predecessor: String,
     ) {
-        let mut watching = entry.watching.lock().unwrap_or_else(|e| e.into_inner());
-        if watching
-            .as_ref()
-            .is_some_and(|(path, task)| *path == predecessor && !task.is_finished())
-        {
-            return;
-        }
-        if let Some((_, task)) = watching.take() {
-            task.abort();
-        }
         let (shared, session, lock, path) = (
             self.clone(),
             session.clone(),
             entry.lock.clone(),
             predecessor.clone(),
         );
-        let task = tokio::spawn(async move {
-            match session.client.check_and_watch_stat(&path).await {
-                Ok((Some(_), watcher)) => {
-                    watcher.changed().await;
+        entry.slot.watch(predecessor, move || {
+            tokio::spawn(async move {
+                match session.client.check_and_watch_stat(&path).await {
+                    Ok((Some(_), watcher)) => {
+                        watcher.changed().await;
+                    }
+                    Ok((None, _)) => {}
+                    Err(e) => tracing::debug!(error = %e, "zookeeper watch failed"),
                 }
-                Ok((None, _)) => {}
-                Err(e) => tracing::debug!(error = %e, "zookeeper watch failed"),
-            }
-            shared.wakeups.fetch_add(1, Ordering::Relaxed);
-            shared.releases.bump(&lock);
+                shared.wakeups.fetch_add(1, Ordering::Relaxed);
+                shared.releases.bump(&lock);
+            })
         });
-        *watching = Some((predecessor, task));
     }
 }
 
@@ -490,19 +439,15 @@ async fn tend(
     lease: Duration,
 ) {
     loop {
-        let asked = match *entry.place.lock().unwrap_or_else(|e| e.into_inner()) {
-            Place::Waiting { asked } => Some(asked),
-            Place::Holding => None,
-        };
-        match asked {
+        match entry.slot.asked() {
             Some(asked) => {
                 let abandon_at = asked + lease * ABANDONED_AFTER_LEASES;
                 tokio::select! {
                     () = tokio::time::sleep_until(abandon_at) => {
-                        let still_waiting = matches!(
-                            *entry.place.lock().unwrap_or_else(|e| e.into_inner()),
-                            Place::Waiting { asked } if asked + lease * ABANDONED_AFTER_LEASES <= Instant::now()
-                        );
+                        let still_waiting = entry
+                            .slot
+                            .asked()
+                            .is_some_and(|asked| asked + lease * ABANDONED_AFTER_LEASES <= Instant::now());
                         if still_waiting {
                             shared.leave(&entry).await;
                             shared.releases.bump(&entry.lock);
@@ -512,19 +457,15 @@ async fn tend(
                     changed = expires.changed() => if changed.is_err() { return },
                 }
             }
-            None => {
-                let until = *expires.borrow_and_update();
-                tokio::select! {
-                    () = tokio::time::sleep_until(until) => {
-                        if *entry.expires.borrow() <= Instant::now() {
-                            shared.leave(&entry).await;
-                            shared.releases.bump(&entry.lock);
-                            return;
-                        }
-                    }
-                    changed = expires.changed() => if changed.is_err() { return },
+            None => match entry.slot.wait_expiry(&mut expires).await {
+                Expiry::Passed => {
+                    shared.leave(&entry).await;
+                    shared.releases.bump(&entry.lock);
+                    return;
                 }
-            }
+                Expiry::Moved => {}
+                Expiry::Closed => return,
+            },
         }
     }
 }
@@ -563,7 +504,7 @@ impl ZooKeeperDriver {
 
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
         self.entry(&lease.lock).filter(|e| {
-            e.holding()
+            e.slot.holding()
                 && e.identity == lease.identity
                 && u64::try_from(e.czxid).ok() == Some(lease.token)
         })
@@ -581,12 +522,11 @@ impl Driver for ZooKeeperDriver {
         self.shared.session(ttl).await?;
         let sent = Instant::now();
         let entry = match self.entry(lock) {
-            Some(entry) if entry.holding() || entry.identity != identity => {
+            Some(entry) if entry.slot.holding() || entry.identity != identity => {
                 return Ok(Acquire::Busy(self.shared.holder(lock).await?));
             }
             Some(entry) => {
-                *entry.place.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Place::Waiting { asked: sent };
+                entry.slot.ask(sent);
                 entry
             }
             None => {
@@ -607,7 +547,7 @@ impl Driver for ZooKeeperDriver {
         let Some(position) = queue.iter().position(|(seq, _)| *seq == entry.sequence) else {
             // The node is gone (session expired and renewed): back to the end of the queue.
             self.shared.forget(&entry);
-            entry.abort_tasks();
+            entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         };
         if position > 0 {
@@ -620,8 +560,7 @@ impl Driver for ZooKeeperDriver {
                 .await?;
             return Ok(Acquire::Busy(holder));
         }
-        *entry.place.lock().unwrap_or_else(|e| e.into_inner()) = Place::Holding;
-        entry.expires.send_replace(sent + ttl);
+        entry.slot.hold_until(sent + ttl);
         Ok(Acquire::Acquired(Lease {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -634,18 +573,18 @@ impl Driver for ZooKeeperDriver {
         let Some(entry) = self.held(lease) else {
             return Ok(false);
         };
-        if *entry.expires.borrow() <= sent {
+        if entry.slot.expired_by(sent) {
             return Ok(false);
         }
         let session = self.shared.session(ttl).await?;
         match session.client.check_stat(&entry.path).await {
             Ok(Some(_)) => {
-                entry.expires.send_replace(sent + ttl);
+                entry.slot.extend(sent + ttl);
                 Ok(true)
             }
             Ok(None) | Err(zk::Error::SessionExpired) => {
                 self.shared.forget(&entry);
-                entry.abort_tasks();
+                entry.slot.abort_tasks();
                 Ok(false)
             }
             Err(e) => Err(map_err(e)),
@@ -657,7 +596,7 @@ impl Driver for ZooKeeperDriver {
             return Ok(false);
         };
         self.shared.forget(&entry);
-        entry.abort_tasks();
+        entry.slot.abort_tasks();
         let session = self.shared.any_session().await?;
         match session.client.delete(&entry.path, None).await {
             Ok(()) => {
