@@ -16,9 +16,6 @@ pub const DEFAULT_TABLE: &str = "leasehold_locks";
 /// The prefix of every Redis key and channel Leasehold touches.
 pub const DEFAULT_REDIS_PREFIX: &str = "leasehold";
 
-/// Schemes that name backends this build does not carry yet; they get a precise error.
-const PLANNED_SCHEMES: &[(&str, &str)] = &[("zk", "ZooKeeper"), ("kubernetes", "Kubernetes Lease")];
-
 #[derive(Clone, PartialEq, Eq)]
 pub enum BackendUrl {
     /// `sqlite://PATH[?table=NAME]`: lease rows in a local file.
@@ -44,6 +41,9 @@ pub enum BackendUrl {
         root: String,
         digest: Option<(String, String)>,
     },
+    /// `kubernetes://[NAMESPACE]`: a `coordination.k8s.io/v1` Lease per lock, named after the
+    /// lock, in NAMESPACE (default: the pod's own), with in-cluster or `KUBECONFIG` credentials.
+    Kubernetes { namespace: Option<String> },
     /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`;
     /// every other query parameter goes to the database driver (e.g. `sslmode`).
     Sql {
@@ -137,6 +137,20 @@ impl BackendUrl {
                     servers: servers.join(","),
                     root: path,
                     digest,
+                })
+            }
+            "kubernetes" => {
+                if rest.contains(['/', '?', '@']) {
+                    return Err(invalid(
+                        "kubernetes:// takes only a namespace (kubernetes://NAMESPACE), or nothing for the pod's own".into(),
+                    ));
+                }
+                if rest.is_empty() {
+                    return Ok(BackendUrl::Kubernetes { namespace: None });
+                }
+                crate::names::validate_namespace(rest).map_err(|e| invalid(e.to_string()))?;
+                Ok(BackendUrl::Kubernetes {
+                    namespace: Some(rest.to_owned()),
                 })
             }
             "etcd" => {
@@ -258,14 +272,9 @@ impl BackendUrl {
             "rediss" => Err(invalid(
                 "TLS to Redis is not built into this release yet; use redis:// (e.g. through a TLS sidecar)".into(),
             )),
-            other => match PLANNED_SCHEMES.iter().find(|(s, _)| *s == other) {
-                Some((_, name)) => Err(invalid(format!(
-                    "the {name} backend is not built into this release yet (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, zk://)"
-                ))),
-                None => Err(invalid(format!(
-                    "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, zk://)"
-                ))),
-            },
+            other => Err(invalid(format!(
+                "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, zk://, kubernetes://)"
+            ))),
         }
     }
 
@@ -277,6 +286,7 @@ impl BackendUrl {
             BackendUrl::Redlock { .. } => "redlock",
             BackendUrl::Etcd { .. } => "etcd",
             BackendUrl::ZooKeeper { .. } => "zookeeper",
+            BackendUrl::Kubernetes { .. } => "kubernetes",
             BackendUrl::Sql { dialect, .. } => dialect.as_str(),
         }
     }
@@ -317,6 +327,9 @@ impl fmt::Display for BackendUrl {
                     .as_ref()
                     .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
                 write!(f, "etcd://{user}{}?prefix={prefix}", hosts.join(","))
+            }
+            BackendUrl::Kubernetes { namespace } => {
+                write!(f, "kubernetes://{}", namespace.as_deref().unwrap_or(""))
             }
             BackendUrl::Sql {
                 url,
@@ -619,6 +632,34 @@ mod tests {
             "etcd://a:1?prefix=a/b",
             "etcd://a:1?bogus=1",
             "etcd://nopassword@a:1",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn kubernetes_urls() {
+        assert_eq!(
+            BackendUrl::parse("kubernetes://").unwrap(),
+            BackendUrl::Kubernetes { namespace: None }
+        );
+        let url = BackendUrl::parse("kubernetes://team-a").unwrap();
+        assert_eq!(
+            url,
+            BackendUrl::Kubernetes {
+                namespace: Some("team-a".into())
+            }
+        );
+        assert_eq!(
+            (url.kind(), url.to_string().as_str()),
+            ("kubernetes", "kubernetes://team-a")
+        );
+        for bad in [
+            "kubernetes://Team",
+            "kubernetes://a.b",
+            "kubernetes://ns/lease",
+            "kubernetes://ns?lease=x",
+            "kubernetes://u:p@ns",
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
         }

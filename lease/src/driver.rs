@@ -76,6 +76,18 @@ pub trait Driver: Send + Sync + 'static {
     async fn provision(&self, _locks: &[String]) -> Result<()> {
         Ok(())
     }
+
+    /// Remove what the use of `locks` left in the backend (their rows, keys, znodes, Leases),
+    /// for a lock deleted with `cleanupPolicy: Delete`. Structures other locks share (the lock
+    /// table, the ZooKeeper root) stay. Removing a lock's token history means a lock created
+    /// again under the same name starts its tokens afresh.
+    async fn deprovision(&self, locks: &[String]) -> Result<()>;
+
+    /// Backend settings that endanger locks (Redis may evict lock keys), as warnings for the
+    /// lock's status and events.
+    async fn warnings(&self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
 }
 
 /// Per-lock change counters, for drivers that learn of releases (from the backend, or from

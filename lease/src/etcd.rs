@@ -433,6 +433,21 @@ impl Driver for EtcdDriver {
         "etcd"
     }
 
+    /// The lock's whole queue: every contender's key goes, and with it every claim.
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        let mut client = self.shared.client().await?;
+        for lock in locks {
+            client
+                .delete(
+                    self.shared.queue_prefix(lock),
+                    Some(etcd_client::DeleteOptions::new().with_prefix()),
+                )
+                .await
+                .map_err(map_err)?;
+        }
+        Ok(())
+    }
+
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let sent = Instant::now();
         let entry = match self.entry(lock) {

@@ -3,7 +3,8 @@
 //!
 //! - [`Driver`]: one atomic compare-and-set per call, one implementation per backend
 //!   ([`sqlite::SqliteDriver`], [`redis::RedisDriver`], [`redlock::RedlockDriver`],
-//!   [`sql::SqlDriver`] for PostgreSQL and MySQL/MariaDB).
+//!   [`sql::SqlDriver`] for PostgreSQL and MySQL/MariaDB, [`etcd::EtcdDriver`],
+//!   [`zookeeper::ZooKeeperDriver`], [`kubernetes::KubernetesLeaseDriver`]).
 //! - [`Lock`]: the holder state machine shared by all drivers: campaign or on-demand acquisition,
 //!   renewal, release, wake-ups, and self-fencing.
 //! - [`connect`]: a driver from a [`BackendUrl`].
@@ -15,10 +16,12 @@ mod driver;
 mod error;
 pub mod etcd;
 mod holder;
+pub mod kubernetes;
 pub mod names;
 mod queue_slot;
 pub mod redis;
 pub mod redlock;
+pub mod resource;
 pub mod sql;
 mod sql_row_lock;
 pub mod sqlite;
@@ -64,6 +67,9 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
                 digest: digest.clone(),
             },
         )?),
+        BackendUrl::Kubernetes { namespace } => {
+            Arc::new(kubernetes::KubernetesLeaseDriver::connect(namespace.as_deref()).await?)
+        }
         BackendUrl::Redlock { masters, prefix } => {
             Arc::new(redlock::RedlockDriver::connect(masters, prefix)?)
         }

@@ -40,6 +40,52 @@ pub fn validate_lock_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// A Kubernetes object name for a Lease (and the namespace part of `kubernetes://`): a DNS
+/// subdomain, lower-case `[a-z0-9-]` labels separated by '.', at most 253 characters. The API
+/// server would refuse anything else, but only after the lock had started.
+pub fn validate_lease_name(name: &str) -> Result<()> {
+    validate_dns_subdomain("Lease name", name)
+}
+
+/// A Kubernetes namespace: a DNS label, `[a-z0-9-]`, at most 63 characters.
+pub fn validate_namespace(name: &str) -> Result<()> {
+    validate_dns_subdomain("namespace", name)?;
+    if name.len() > 63 || name.contains('.') {
+        return Err(Error::InvalidName {
+            what: "namespace",
+            value: name.to_owned(),
+            reason: "a namespace is one DNS label: at most 63 of [a-z0-9-]",
+        });
+    }
+    Ok(())
+}
+
+fn validate_dns_subdomain(what: &'static str, name: &str) -> Result<()> {
+    let invalid = |reason| Error::InvalidName {
+        what,
+        value: name.to_owned(),
+        reason,
+    };
+    if name.is_empty() || name.len() > MAX_LOCK_NAME {
+        return Err(invalid("it must be 1 to 253 characters"));
+    }
+    for label in name.split('.') {
+        let bytes = label.as_bytes();
+        let ok = !bytes.is_empty()
+            && bytes
+                .iter()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+            && bytes[0] != b'-'
+            && bytes[bytes.len() - 1] != b'-';
+        if !ok {
+            return Err(invalid(
+                "it must be lower-case letters, digits and '-', in '.'-separated parts that start and end alphanumeric",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A SQL identifier (table or schema name): `[A-Za-z_][A-Za-z0-9_]*`, at most 63 characters.
 /// Validated identifiers are still quoted when spliced, see [`quote_sql_identifier`].
 pub fn validate_sql_identifier(what: &'static str, ident: &str) -> Result<()> {

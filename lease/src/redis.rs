@@ -220,10 +220,72 @@ pub(crate) async fn listen_for_releases(
     }
 }
 
+/// Remove the lease and token keys of `locks` from one master.
+pub(crate) async fn delete_keys(
+    conn: &mut ConnectionManager,
+    keys: &KeyLayout,
+    locks: &[String],
+) -> Result<()> {
+    for lock in locks {
+        let _: i64 = redis::cmd("DEL")
+            .arg(keys.lease(lock))
+            .arg(keys.token(lock))
+            .query_async(conn)
+            .await
+            .map_err(map_err)?;
+    }
+    Ok(())
+}
+
+/// A warning when the master may evict lock keys under memory pressure: an evicted lease frees
+/// the lock while its holder still claims it, and an evicted counter restarts the tokens.
+pub(crate) async fn eviction_warning(conn: &mut ConnectionManager) -> Result<Option<String>> {
+    let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(conn)
+        .await;
+    let policy = match reply {
+        Ok(pair) => pair.get(1).cloned().unwrap_or_default(),
+        // CONFIG is often renamed or forbidden on managed Redis; then we cannot tell.
+        Err(e)
+            if matches!(
+                e.kind(),
+                redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+            ) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(map_err(e)),
+    };
+    Ok(evicts_lock_keys(&policy).then(|| {
+        format!(
+            "maxmemory-policy is {policy}: Redis may evict lock keys under memory pressure;              use noeviction (or volatile-* with a dedicated instance)"
+        )
+    }))
+}
+
+/// `allkeys-*` evicts any key, including the token counters (which have no TTL); the
+/// `volatile-*` policies can evict a held lease.
+fn evicts_lock_keys(policy: &str) -> bool {
+    policy != "noeviction" && !policy.is_empty()
+}
+
 #[async_trait]
 impl Driver for RedisDriver {
     fn kind(&self) -> &'static str {
         "redis"
+    }
+
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        delete_keys(&mut self.conn.clone(), &self.keys, locks).await
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        Ok(eviction_warning(&mut self.conn.clone())
+            .await?
+            .into_iter()
+            .collect())
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {

@@ -225,6 +225,24 @@ impl Driver for RedlockDriver {
         "redlock"
     }
 
+    /// Every master must forget the lock, or its counter would outvote a fresh start later.
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        for master in &self.masters {
+            crate::redis::delete_keys(&mut master.conn.clone(), &self.keys, locks).await?;
+        }
+        Ok(())
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        let mut warnings = Vec::new();
+        for (i, master) in self.masters.iter().enumerate() {
+            if let Ok(Some(w)) = crate::redis::eviction_warning(&mut master.conn.clone()).await {
+                warnings.push(format!("master {}: {w}", i + 1));
+            }
+        }
+        Ok(warnings)
+    }
+
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let started = Instant::now();
         let timeout = master_timeout(ttl);

@@ -93,6 +93,9 @@ pub struct Statements {
     pub renew: String,
     pub release: String,
     pub observe: String,
+    /// Clean-up of a deleted lock: its lease row, and its seeded row.
+    pub delete_lock: String,
+    pub delete_row: String,
 }
 
 impl Dialect {
@@ -152,6 +155,8 @@ impl Dialect {
                            CAST(EXTRACT(EPOCH FROM (expires_at - now())) * 1000 AS BIGINT) AS remaining_ms \
                          FROM {t} WHERE name = $1 AND holder IS NOT NULL AND expires_at > now()"
                     ),
+                    delete_lock: format!("DELETE FROM {t} WHERE name = $1"),
+                    delete_row: format!("DELETE FROM {r} WHERE name = $1"),
                 }
             }
             Dialect::MySql => Statements {
@@ -195,6 +200,8 @@ impl Dialect {
                        CAST(TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) DIV 1000 AS SIGNED) AS remaining_ms \
                      FROM {t} WHERE name = ? AND holder IS NOT NULL AND expires_at > NOW(6)"
                 ),
+                delete_lock: format!("DELETE FROM {t} WHERE name = ?"),
+                delete_row: format!("DELETE FROM {r} WHERE name = ?"),
             },
         }
     }
@@ -260,6 +267,11 @@ fn token(lease: &Lease) -> i64 {
 }
 
 /// Sort database errors into unreachable (retry), missing privilege (say which), and the rest.
+/// PostgreSQL undefined_table (42P01); MySQL ER_NO_SUCH_TABLE (42S02).
+fn is_missing_table(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01") | Some("42S02")))
+}
+
 pub(crate) fn map_err(e: sqlx::Error) -> Error {
     match &e {
         sqlx::Error::Io(_)
@@ -591,6 +603,20 @@ impl Driver for SqlDriver {
 
     /// Create the lock table (and in row-lock mode the row table, seeded with `locks`) if
     /// absent; needs CREATE the first time only.
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        for lock in locks {
+            for statement in [&self.sql.delete_lock, &self.sql.delete_row] {
+                match sqlx::query(statement).bind(lock).execute(&self.pool).await {
+                    Ok(_) => {}
+                    // The table was never created: nothing to remove.
+                    Err(e) if is_missing_table(&e) => {}
+                    Err(e) => return Err(map_err(e)),
+                }
+            }
+        }
+        Ok(())
+    }
+
     async fn provision(&self, locks: &[String]) -> Result<()> {
         self.ensure_tables().await?;
         if self.mode == SqlMode::RowLock {

@@ -45,6 +45,7 @@ struct Statements {
     renew: String,
     release: String,
     observe: String,
+    delete: String,
 }
 
 impl Statements {
@@ -70,6 +71,7 @@ impl Statements {
                 "SELECT holder, token, expires_at_ms - {NOW_MS} AS remaining_ms FROM {t} \
                  WHERE name = ?1 AND holder IS NOT NULL AND expires_at_ms > {NOW_MS}"
             ),
+            delete: format!("DELETE FROM {t} WHERE name = ?1"),
         }
     }
 }
@@ -140,6 +142,17 @@ fn map_err(e: sqlx::Error) -> Error {
 
 #[async_trait]
 impl Driver for SqliteDriver {
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        for lock in locks {
+            sqlx::query(&self.sql.delete)
+                .bind(lock)
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+        }
+        Ok(())
+    }
+
     fn kind(&self) -> &'static str {
         "sqlite"
     }

@@ -633,6 +633,32 @@ impl Driver for ZooKeeperDriver {
     }
 
     /// Create the root path and each lock's parent node.
+    /// The lock's parent node and the contenders' nodes under it (whose sessions then find
+    /// their node gone and stop claiming).
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        let session = self.shared.any_session().await?;
+        let client = &session.client;
+        for lock in locks {
+            let parent = self.shared.parent(lock);
+            let children = match client.list_children(&parent).await {
+                Ok(children) => children,
+                Err(zk::Error::NoNode) => continue,
+                Err(e) => return Err(map_err(e)),
+            };
+            for child in children {
+                match client.delete(&format!("{parent}/{child}"), None).await {
+                    Ok(()) | Err(zk::Error::NoNode) => {}
+                    Err(e) => return Err(map_err(e)),
+                }
+            }
+            match client.delete(&parent, None).await {
+                Ok(()) | Err(zk::Error::NoNode) => {}
+                Err(e) => return Err(map_err(e)),
+            }
+        }
+        Ok(())
+    }
+
     async fn provision(&self, locks: &[String]) -> Result<()> {
         let session = self.shared.any_session().await?;
         self.shared

@@ -53,48 +53,64 @@ pub struct AppState {
 }
 
 struct Inner {
-    /// In the order given on the command line; the first is the one `/lock` means.
-    locks: Vec<Lock>,
-    by_name: HashMap<String, Lock>,
+    /// In the order given on the command line; the first is the one `/lock` means. Behind a
+    /// lock because `--resource` replaces a lock when its spec changes.
+    locks: std::sync::RwLock<Vec<Lock>>,
     metrics: Arc<Metrics>,
 }
 
 impl AppState {
     pub fn new(locks: Vec<Lock>, metrics: Arc<Metrics>) -> Self {
-        let by_name = locks
-            .iter()
-            .map(|l| (l.name().to_owned(), l.clone()))
-            .collect();
         Self {
             inner: Arc::new(Inner {
-                locks,
-                by_name,
+                locks: std::sync::RwLock::new(locks),
                 metrics,
             }),
         }
     }
 
-    pub fn locks(&self) -> &[Lock] {
-        &self.inner.locks
+    pub fn locks(&self) -> Vec<Lock> {
+        self.inner
+            .locks
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
-    fn lock(&self, name: Option<Path<String>>) -> Result<&Lock, ApiError> {
+    /// Put `lock` in the place of the lock of the same name; the old one is returned for the
+    /// caller to shut down (after the new one is answering, so that `/lock` never 404s).
+    pub fn replace(&self, lock: Lock) -> Option<Lock> {
+        let mut locks = self.inner.locks.write().unwrap_or_else(|e| e.into_inner());
+        match locks.iter_mut().find(|l| l.name() == lock.name()) {
+            Some(slot) => Some(std::mem::replace(slot, lock)),
+            None => {
+                locks.push(lock);
+                None
+            }
+        }
+    }
+
+    fn lock(&self, name: Option<Path<String>>) -> Result<Lock, ApiError> {
+        let locks = self.inner.locks.read().unwrap_or_else(|e| e.into_inner());
         match name {
-            None => self
-                .inner
-                .locks
+            None => locks
                 .first()
+                .cloned()
                 .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "no lock is configured")),
-            Some(Path(name)) => self.inner.by_name.get(&name).ok_or_else(|| {
-                let known: Vec<&str> = self.inner.locks.iter().map(Lock::name).collect();
-                ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!(
-                        "no lock named {name:?} here; this sidecar holds: {}",
-                        known.join(", ")
-                    ),
-                )
-            }),
+            Some(Path(name)) => locks
+                .iter()
+                .find(|l| l.name() == name)
+                .cloned()
+                .ok_or_else(|| {
+                    let known: Vec<&str> = locks.iter().map(Lock::name).collect();
+                    ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        format!(
+                            "no lock named {name:?} here; this sidecar holds: {}",
+                            known.join(", ")
+                        ),
+                    )
+                }),
         }
     }
 }
@@ -339,7 +355,7 @@ async fn events(
     State(state): State<AppState>,
     name: Option<Path<String>>,
 ) -> Result<Response, ApiError> {
-    let lock = state.lock(name)?.clone();
+    let lock = state.lock(name)?;
     // Subscribe before reading the state, so no change falls between the two.
     let changes = BroadcastStream::new(lock.events());
     let snapshot = lock.snapshot();
@@ -369,7 +385,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.inner.metrics.render(&state.inner.locks),
+        state.inner.metrics.render(&state.locks()),
     )
         .into_response()
 }
@@ -380,8 +396,7 @@ async fn healthz() -> &'static str {
 
 async fn readyz(State(state): State<AppState>) -> Response {
     let waiting: Vec<serde_json::Value> = state
-        .inner
-        .locks
+        .locks()
         .iter()
         .filter_map(|lock| {
             let s = lock.snapshot();

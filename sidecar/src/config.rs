@@ -7,6 +7,8 @@ use std::time::Duration;
 use clap::Parser;
 use leasehold_lease::{BackendUrl, DEFAULT_BACKEND, LockConfig, Mode};
 
+pub use crate::from_resource::ResourceRef;
+
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:4040";
 pub const DEFAULT_LEASE_DURATION: &str = "15s";
 /// Exit status for bad configuration, as DESIGN.md requires.
@@ -66,9 +68,12 @@ struct Args {
     )]
     mode: Mode,
 
-    /// Read everything from a DistributedLock (NAMESPACE/NAME).
-    #[arg(long, env = "LEASEHOLD_RESOURCE", value_name = "NS/NAME")]
-    resource: Option<String>,
+    /// Read the lock from a DistributedLock and the Secrets it references, and follow its
+    /// changes (repeatable, or comma-separated). Replaces --lock, --backend, --lease-duration,
+    /// --renew-interval and --mode.
+    #[arg(long = "resource", env = "LEASEHOLD_RESOURCE", value_name = "NS/NAME", value_delimiter = ',',
+          conflicts_with_all = ["locks", "backend", "lease_duration", "renew_interval", "mode", "provision"])]
+    resources: Vec<String>,
 
     /// Create the backend's lock table (if absent) and exit: 0 when done, 1 with the reason.
     #[arg(long, env = "LEASEHOLD_PROVISION")]
@@ -82,6 +87,10 @@ struct Args {
 
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// `--resource`: the locks come from these DistributedLocks (and `locks` is empty).
+    pub resources: Vec<ResourceRef>,
+    /// Who this holder is (the pod name in a cluster).
+    pub identity: String,
     /// Provision the backend (seeding rows for `locks`) and exit, instead of holding locks.
     pub provision_only: bool,
     pub locks: Vec<LockConfig>,
@@ -131,25 +140,34 @@ impl Config {
                 "error: invalid value '{value}' for '--{flag}': {reason}"
             ))
         };
-        if let Some(resource) = &args.resource {
-            return Err(bad(
-                "resource",
-                resource,
-                &"reading a DistributedLock needs the operator integration, which this release \
-                  does not have yet; use --lock and --backend",
-            ));
+        let mut resources: Vec<ResourceRef> = Vec::new();
+        for raw in &args.resources {
+            let r: ResourceRef = raw.parse().map_err(|e: String| bad("resource", raw, &e))?;
+            if resources.contains(&r) {
+                return Err(bad("resource", raw, &"the resource is named twice"));
+            }
+            resources.push(r);
         }
         let backend = BackendUrl::parse(&args.backend).map_err(|e| match e {
             leasehold_lease::Error::InvalidUrl { url, reason } => bad("backend", &url, &reason),
             other => bad("backend", &leasehold_lease::redact(&args.backend), &other),
         })?;
         // --provision takes the locks whose rows it seeds (row-lock mode), and needs none.
-        if args.locks.is_empty() && !args.provision {
+        if args.locks.is_empty() && !args.provision && resources.is_empty() {
             return Err(Exit::BadConfig(
-                "error: --lock NAME is required (or LEASEHOLD_LOCK)".into(),
+                "error: --lock NAME (or LEASEHOLD_LOCK) or --resource NAMESPACE/NAME is required"
+                    .into(),
             ));
         }
         let identity = args.identity.unwrap_or_else(hostname);
+        // With --resource the locks are validated later; the identity is checked here.
+        if let Err(leasehold_lease::Error::InvalidConfig {
+            field: "identity",
+            reason,
+        }) = LockConfig::new("identity-check", &identity, Duration::from_secs(15)).validate()
+        {
+            return Err(bad("identity", &identity, &reason));
+        }
         let renew_interval = args.renew_interval.unwrap_or(args.lease_duration / 3);
         let mut locks: Vec<LockConfig> = Vec::new();
         for name in &args.locks {
@@ -191,6 +209,8 @@ impl Config {
             ));
         }
         Ok(Self {
+            resources,
+            identity,
             provision_only: args.provision,
             locks,
             backend,
@@ -301,6 +321,13 @@ mod tests {
             (&["--lock", "jobs", "--nosuch"], "--nosuch"),
             (&["--lock", "a,a"], "'a'"),
             (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
+            (&["--resource", "ns"], "NAMESPACE/NAME"),
+            (&["--resource", "Ns/x"], "Ns/x"),
+            (&["--resource", "ns/x,ns/x"], "twice"),
+            (
+                &["--resource", "ns/x", "--backend", "redis://h"],
+                "--backend",
+            ),
             (&[], "--lock"),
             (
                 &["--lock", "jobs", "--identity", &"x".repeat(300)],
@@ -311,6 +338,21 @@ mod tests {
             let line = bad(args);
             assert!(line.contains(needle), "{args:?}: {line}");
         }
+    }
+
+    #[test]
+    fn resources_replace_the_lock_flags() {
+        let c = parse(&[
+            "--resource",
+            "team/jobs,team/reports",
+            "--identity",
+            "pod-0",
+        ])
+        .unwrap();
+        let names: Vec<String> = c.resources.iter().map(ToString::to_string).collect();
+        assert_eq!(names, ["team/jobs", "team/reports"]);
+        assert_eq!(c.identity, "pod-0");
+        assert!(c.locks.is_empty());
     }
 
     #[test]

@@ -4,5 +4,6 @@
 
 pub mod api;
 pub mod config;
+pub mod from_resource;
 pub mod metrics;
 pub mod run;

@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 
 use crate::api::{AppState, lock_api, probe_router};
 use crate::config::Config;
+use crate::from_resource;
 use crate::metrics::Metrics;
 
 /// After the leases are released, how long open connections (long polls, event streams) get
@@ -16,31 +17,16 @@ use crate::metrics::Metrics;
 const DRAIN_TIMEOUT: Duration = Duration::from_millis(150);
 
 pub async fn run(config: Config) -> Result<(), String> {
-    let driver = connect(&config.backend)
-        .await
-        .map_err(|e| format!("cannot open backend {}: {e}", config.backend))?;
-    if config.provision_only {
-        let names: Vec<String> = config.locks.iter().map(|l| l.name.clone()).collect();
-        driver
-            .provision(&names)
-            .await
-            .map_err(|e| format!("cannot provision {}: {e}", config.backend))?;
-        tracing::info!(backend = %config.backend, "provisioned");
-        println!("provisioned {}", config.backend);
-        return Ok(());
-    }
     let metrics = Arc::new(Metrics::new());
-    for lock in &config.locks {
-        metrics.register_lock(&lock.name);
-    }
-    let locks = config
-        .locks
-        .iter()
-        .map(|lock| Lock::start(driver.clone(), lock.clone(), metrics.clone()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
-    let state = AppState::new(locks.clone(), metrics);
-
+    let (state, followers) = if config.resources.is_empty() {
+        match start_from_flags(&config, &metrics).await? {
+            Some(locks) => (AppState::new(locks, metrics.clone()), Vec::new()),
+            None => return Ok(()),
+        }
+    } else {
+        start_from_resources(&config, &metrics).await?
+    };
+    let locks = state.locks();
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -53,7 +39,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         None => None,
     };
     tracing::info!(listen = %config.listen, probe_listen = ?config.probe_listen,
-        backend = %config.backend, locks = locks.len(), "leasehold sidecar started");
+        locks = locks.len(), "leasehold sidecar started");
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -74,8 +60,12 @@ pub async fn run(config: Config) -> Result<(), String> {
 
     let signal = shutdown_signal().await;
     tracing::info!(signal, "shutting down: releasing leases");
-    // Release first: waiters elsewhere take over while this process is still draining.
-    futures_util::future::join_all(locks.iter().map(Lock::shutdown)).await;
+    // Stop following resources (no lock may be swapped in now), then release first: waiters
+    // elsewhere take over while this process is still draining.
+    for follower in followers {
+        follower.abort();
+    }
+    futures_util::future::join_all(state.locks().iter().map(Lock::shutdown)).await;
     stop_tx.send_replace(true);
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, api).await;
     if let Some(probes) = probes {
@@ -93,4 +83,65 @@ async fn shutdown_signal() -> &'static str {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     }
+}
+
+/// `--lock` and `--backend`. `None`: `--provision` did its work and the process is done.
+async fn start_from_flags(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<Vec<Lock>>, String> {
+    let driver = connect(&config.backend)
+        .await
+        .map_err(|e| format!("cannot open backend {}: {e}", config.backend))?;
+    if config.provision_only {
+        let names: Vec<String> = config.locks.iter().map(|l| l.name.clone()).collect();
+        driver
+            .provision(&names)
+            .await
+            .map_err(|e| format!("cannot provision {}: {e}", config.backend))?;
+        tracing::info!(backend = %config.backend, "provisioned");
+        println!("provisioned {}", config.backend);
+        return Ok(None);
+    }
+    for lock in &config.locks {
+        metrics.register_lock(&lock.name);
+    }
+    tracing::info!(backend = %config.backend, "backend configured by flags");
+    config
+        .locks
+        .iter()
+        .map(|lock| Lock::start(driver.clone(), lock.clone(), metrics.clone()))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+/// `--resource`: each lock from its DistributedLock, each followed for changes.
+async fn start_from_resources(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+) -> Result<(AppState, Vec<tokio::task::JoinHandle<()>>), String> {
+    let client = kube::Client::try_default().await.map_err(|e| {
+        format!("--resource needs the Kubernetes API (in-cluster or KUBECONFIG): {e}")
+    })?;
+    let started =
+        from_resource::start_all(&client, &config.resources, &config.identity, metrics).await?;
+    let state = AppState::new(
+        started.iter().map(|(_, _, lock)| lock.clone()).collect(),
+        metrics.clone(),
+    );
+    let followers = started
+        .into_iter()
+        .map(|(r, resolved, _)| {
+            tokio::spawn(from_resource::follow(
+                client.clone(),
+                r,
+                resolved,
+                config.identity.clone(),
+                state.clone(),
+                metrics.clone(),
+            ))
+        })
+        .collect();
+    Ok((state, followers))
 }

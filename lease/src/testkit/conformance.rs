@@ -260,6 +260,45 @@ impl Harness for RedlockHarness {
     }
 }
 
+/// Leases on the in-memory Kubernetes API ([`super::LeaseApiServer`]); an outage refuses every
+/// request and ends every watch, and the stored Leases survive it.
+pub struct KubernetesHarness {
+    pub api: super::LeaseApiServer,
+}
+
+impl KubernetesHarness {
+    pub const NAMESPACE: &'static str = "leasehold-test";
+
+    pub fn new() -> Self {
+        Self {
+            api: super::LeaseApiServer::new(),
+        }
+    }
+
+    pub fn client_driver(&self) -> crate::kubernetes::KubernetesLeaseDriver {
+        crate::kubernetes::KubernetesLeaseDriver::new(self.api.client(), Self::NAMESPACE)
+    }
+}
+
+impl Default for KubernetesHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl Harness for KubernetesHarness {
+    async fn driver(&self) -> Arc<dyn Driver> {
+        Arc::new(self.client_driver())
+    }
+    async fn outage_begin(&mut self) {
+        self.api.set_down(true);
+    }
+    async fn outage_end(&mut self) {
+        self.api.set_down(false);
+    }
+}
+
 fn config(lock: &str, identity: &str, mode: Mode) -> LockConfig {
     LockConfig {
         renew_interval: RENEW,

@@ -70,6 +70,10 @@ impl Driver for FaultyDriver {
         self.inner.release(lease).await
     }
 
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        self.inner.deprovision(locks).await
+    }
+
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
         self.inner.observe(lock).await
     }

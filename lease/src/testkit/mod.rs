@@ -5,6 +5,7 @@
 pub mod conformance;
 pub mod etcd_server;
 pub mod faulty;
+pub mod lease_api_server;
 pub mod mariadb_server;
 pub mod postgres_server;
 pub mod redis_server;
@@ -15,11 +16,12 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 
 pub use conformance::{
-    BackendServer, EtcdHarness, Harness, MariaDbHarness, PostgresHarness, REDLOCK_MASTERS,
-    RedisHarness, RedlockHarness, ServerHarness, SqliteHarness, ZooKeeperHarness,
+    BackendServer, EtcdHarness, Harness, KubernetesHarness, MariaDbHarness, PostgresHarness,
+    REDLOCK_MASTERS, RedisHarness, RedlockHarness, ServerHarness, SqliteHarness, ZooKeeperHarness,
 };
 pub use etcd_server::EtcdServer;
 pub use faulty::FaultyDriver;
+pub use lease_api_server::LeaseApiServer;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
 pub use redis_server::RedisServer;

@@ -1,0 +1,530 @@
+//! The Kubernetes Lease driver: one `coordination.k8s.io/v1` Lease per lock.
+//!
+//! - **Acquire** reads the Lease and, when it is free or expired, replaces it with this holder,
+//!   `leaseTransitions + 1`, and the `resourceVersion` it read. The API server refuses the write
+//!   with 409 when anybody wrote in between, so of two contenders that saw the same expired
+//!   record exactly one wins.
+//! - **Token**: `leaseTransitions` after the acquisition. It goes up by one on *every*
+//!   acquisition (client-go counts only changes of holder; a fencing token may not repeat when
+//!   one pod takes the lock twice). Release keeps it, so the next holder continues from it.
+//! - **Renew and release** present the identity and token they hold and write with the
+//!   `resourceVersion` they read; a conflict re-reads and re-checks.
+//! - **Expiry** is `renewTime + duration`. `leaseDurationSeconds` is whole seconds (what client-go
+//!   and `kubectl` read), rounded up; the exact duration is kept in the annotation
+//!   [`DURATION_ANNOTATION`]. Holder and waiters compare wall clocks here, since the API server
+//!   offers no clock of its own: nodes must agree within the holder's safety margin (`lease/50 +
+//!   10ms`, 310 ms at the default 15 s), which NTP-synced nodes do by two orders of magnitude.
+//!   The holder writes `renewTime` *after* it has started its own lease clock, which only moves
+//!   a waiter's view of the expiry later.
+//! - **Wake-ups**: one watch per lock (on the Lease's name), started by the first waiter.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt;
+use k8s_openapi::api::coordination::v1::{Lease as LeaseObject, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
+use kube::runtime::watcher;
+use tokio::sync::watch;
+
+use crate::driver::{Acquire, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+
+/// The exact lease duration in milliseconds, next to the whole seconds of the spec.
+pub const DURATION_ANNOTATION: &str = "leasehold.dev/lease-duration-ms";
+
+/// How often renew and release re-read after a `resourceVersion` conflict before giving up:
+/// conflicts come from writers that are not the holder (the operator, `kubectl annotate`), and
+/// a holder should not lose its lease to them.
+const CONFLICT_RETRIES: usize = 3;
+
+/// Which Lease holds a lock, and whom it belongs to.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LeaseTarget {
+    /// The Lease's name (default: the lock's name).
+    pub name: Option<String>,
+    /// Set on a Lease this driver creates (the `DistributedLock`), so it is garbage-collected
+    /// with its lock.
+    pub owner: Option<OwnerReference>,
+}
+
+pub struct KubernetesLeaseDriver {
+    client: kube::Client,
+    namespace: String,
+    targets: HashMap<String, LeaseTarget>,
+    feeds: Mutex<HashMap<String, (watch::Sender<u64>, tokio::task::JoinHandle<()>)>>,
+}
+
+impl KubernetesLeaseDriver {
+    /// Leases in `namespace`, through `client`.
+    pub fn new(client: kube::Client, namespace: impl Into<String>) -> Self {
+        Self {
+            client,
+            namespace: namespace.into(),
+            targets: HashMap::new(),
+            feeds: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// In-cluster (or `KUBECONFIG`) credentials; `namespace` defaults to the pod's own.
+    pub async fn connect(namespace: Option<&str>) -> Result<Self> {
+        let client = kube::Client::try_default()
+            .await
+            .map_err(|e| Error::Unreachable(format!("no Kubernetes API configuration: {e}")))?;
+        let namespace = namespace
+            .map(str::to_owned)
+            .unwrap_or_else(|| client.default_namespace().to_owned());
+        Ok(Self::new(client, namespace))
+    }
+
+    /// Use `target` for `lock` instead of a Lease named after the lock.
+    pub fn with_target(mut self, lock: &str, target: LeaseTarget) -> Self {
+        self.targets.insert(lock.to_owned(), target);
+        self
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The Lease that holds `lock`.
+    pub fn lease_name<'a>(&'a self, lock: &'a str) -> &'a str {
+        self.targets
+            .get(lock)
+            .and_then(|t| t.name.as_deref())
+            .unwrap_or(lock)
+    }
+
+    fn api(&self) -> Api<LeaseObject> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    async fn read(&self, lock: &str) -> Result<Option<LeaseObject>> {
+        self.api()
+            .get_opt(self.lease_name(lock))
+            .await
+            .map_err(classify)
+    }
+
+    /// Remove the Lease of `lock` (the operator's cleanup on `cleanupPolicy: Delete`).
+    pub async fn delete_lease(&self, lock: &str) -> Result<()> {
+        match self
+            .api()
+            .delete(self.lease_name(lock), &DeleteParams::default())
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+            Err(e) => Err(classify(e)),
+        }
+    }
+
+    /// A fresh, unheld Lease for `lock`.
+    fn blank(&self, lock: &str) -> LeaseObject {
+        LeaseObject {
+            metadata: ObjectMeta {
+                name: Some(self.lease_name(lock).to_owned()),
+                namespace: Some(self.namespace.clone()),
+                owner_references: self
+                    .targets
+                    .get(lock)
+                    .and_then(|t| t.owner.clone())
+                    .map(|o| vec![o]),
+                labels: Some(
+                    [(
+                        "app.kubernetes.io/managed-by".to_owned(),
+                        "leasehold".to_owned(),
+                    )]
+                    .into(),
+                ),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                lease_transitions: Some(0),
+                ..LeaseSpec::default()
+            }),
+        }
+    }
+
+    /// Write `next` over `read` (whose `resourceVersion` it carries). `Ok(None)`: somebody wrote
+    /// in between.
+    async fn replace(&self, lock: &str, next: &LeaseObject) -> Result<Option<LeaseObject>> {
+        let result = if next.metadata.resource_version.is_some() {
+            self.api()
+                .replace(self.lease_name(lock), &PostParams::default(), next)
+                .await
+        } else {
+            self.api().create(&PostParams::default(), next).await
+        };
+        match result {
+            Ok(written) => Ok(Some(written)),
+            // 409: Conflict on resourceVersion, or AlreadyExists on create.
+            Err(kube::Error::Api(status)) if status.code == 409 => Ok(None),
+            // The Lease was deleted between our read and our write.
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(None),
+            Err(e) => Err(classify(e)),
+        }
+    }
+
+    /// Re-read and rewrite the lease's Lease with `change` while it is still `lease`'s, retrying
+    /// conflicts with other writers. `Ok(false)`: it is not ours (any more).
+    async fn rewrite_own(
+        &self,
+        lease: &Lease,
+        require_unexpired: bool,
+        change: impl Fn(&mut LeaseObject),
+    ) -> Result<bool> {
+        for _ in 0..CONFLICT_RETRIES {
+            let Some(mut object) = self.read(&lease.lock).await? else {
+                return Ok(false);
+            };
+            let Some(record) = Record::of(&object) else {
+                return Ok(false);
+            };
+            if record.identity.as_deref() != Some(lease.identity.as_str())
+                || record.transitions != lease.token
+                || (require_unexpired && record.expired_at(Timestamp::now()))
+            {
+                return Ok(false);
+            }
+            change(&mut object);
+            if self.replace(&lease.lock, &object).await?.is_some() {
+                return Ok(true);
+            }
+        }
+        Err(Error::Backend(format!(
+            "the Lease {} kept changing during {CONFLICT_RETRIES} attempts to write it",
+            self.lease_name(&lease.lock)
+        )))
+    }
+
+    fn feed(&self, lock: &str) -> watch::Receiver<u64> {
+        let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((tx, task)) = feeds.get(lock)
+            && !task.is_finished()
+        {
+            return tx.subscribe();
+        }
+        let (tx, rx) = watch::channel(0u64);
+        let stream = watcher(
+            self.api(),
+            watcher::Config::default().fields(&format!("metadata.name={}", self.lease_name(lock))),
+        );
+        let sender = tx.clone();
+        let task = tokio::spawn(async move {
+            // Every event (a write, a deletion, a re-list after a broken watch) may have freed
+            // the lock; waiters re-check with one read. Errors are retried by the watcher's
+            // backoff, and a waiter still polls meanwhile.
+            let mut stream = std::pin::pin!(kube::runtime::WatchStreamExt::default_backoff(stream));
+            while let Some(event) = stream.next().await {
+                if event.is_ok() {
+                    sender.send_modify(|n| *n = n.wrapping_add(1));
+                }
+            }
+        });
+        feeds.insert(lock.to_owned(), (tx, task));
+        rx
+    }
+}
+
+impl Drop for KubernetesLeaseDriver {
+    fn drop(&mut self) {
+        let feeds = self.feeds.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (_, task) in feeds.values() {
+            task.abort();
+        }
+    }
+}
+
+/// The part of a Lease that decides who holds it.
+#[derive(Debug, Clone, PartialEq)]
+struct Record {
+    identity: Option<String>,
+    transitions: u64,
+    renewed: Option<Timestamp>,
+    duration: Duration,
+}
+
+impl Record {
+    fn of(object: &LeaseObject) -> Option<Self> {
+        let spec = object.spec.as_ref()?;
+        let exact = object
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(DURATION_ANNOTATION))
+            .and_then(|ms| ms.parse::<u64>().ok())
+            .map(Duration::from_millis);
+        let whole = spec
+            .lease_duration_seconds
+            .map(|s| Duration::from_secs(u64::try_from(s).unwrap_or(0)));
+        Some(Self {
+            identity: spec.holder_identity.clone().filter(|h| !h.is_empty()),
+            transitions: u64::try_from(spec.lease_transitions.unwrap_or(0)).unwrap_or(0),
+            renewed: spec.renew_time.as_ref().map(|t| t.0),
+            // The exact figure only when it agrees with the whole seconds: a writer that does
+            // not know the annotation (client-go) leaves a stale one behind.
+            duration: match (exact, whole) {
+                (Some(exact), Some(whole)) if whole == round_up(exact) => exact,
+                (_, Some(whole)) => whole,
+                (Some(exact), None) => exact,
+                (None, None) => Duration::ZERO,
+            },
+        })
+    }
+
+    fn expires_at(&self) -> Option<Timestamp> {
+        let renewed = self.renewed?;
+        let duration = SignedDuration::try_from(self.duration).ok()?;
+        renewed.checked_add(duration).ok()
+    }
+
+    /// Free: nobody named, or the last renewal's lease has run out.
+    fn expired_at(&self, now: Timestamp) -> bool {
+        self.identity.is_none() || self.expires_at().is_none_or(|end| end <= now)
+    }
+
+    fn holding(&self, now: Timestamp) -> Option<Holding> {
+        if self.expired_at(now) {
+            return None;
+        }
+        let left = self.expires_at()?.duration_since(now);
+        Some(Holding {
+            identity: self.identity.clone()?,
+            token: self.transitions,
+            expires_in: Duration::try_from(left).ok(),
+        })
+    }
+}
+
+fn round_up(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
+}
+
+/// `leaseDurationSeconds` for `ttl`: rounded up, so that readers of the whole seconds never
+/// see the lease end early.
+fn whole_seconds(ttl: Duration) -> i32 {
+    i32::try_from(round_up(ttl).as_secs().max(1)).unwrap_or(i32::MAX)
+}
+
+fn now_micro() -> MicroTime {
+    MicroTime(Timestamp::now())
+}
+
+/// Make `spec` this holder's, from now, for `ttl`.
+fn claim(object: &mut LeaseObject, identity: &str, token: u64, ttl: Duration) -> Result<()> {
+    let token = i32::try_from(token)
+        .map_err(|_| Error::Backend("leaseTransitions would pass 2^31".into()))?;
+    let seconds = whole_seconds(ttl);
+    let now = now_micro();
+    object
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(DURATION_ANNOTATION.to_owned(), ttl.as_millis().to_string());
+    let spec = object.spec.get_or_insert_with(LeaseSpec::default);
+    spec.holder_identity = Some(identity.to_owned());
+    spec.lease_transitions = Some(token);
+    spec.lease_duration_seconds = Some(seconds);
+    spec.acquire_time = Some(now.clone());
+    spec.renew_time = Some(now);
+    Ok(())
+}
+
+/// kube's errors in the lease engine's terms. Status bodies carry no secrets, only the API
+/// server's reason.
+fn classify(e: kube::Error) -> Error {
+    match e {
+        kube::Error::Api(status) => match status.code {
+            401 | 403 => Error::Backend(format!(
+                "the API server refused ({}): {}; check the ServiceAccount's RBAC for leases",
+                status.code, status.message
+            )),
+            429 | 500..=599 => Error::Unreachable(format!(
+                "the API server answered {}: {}",
+                status.code, status.message
+            )),
+            code => Error::Backend(format!(
+                "the API server answered {code}: {}",
+                status.message
+            )),
+        },
+        other => Error::Unreachable(other.to_string()),
+    }
+}
+
+#[async_trait]
+impl Driver for KubernetesLeaseDriver {
+    fn kind(&self) -> &'static str {
+        "kubernetes"
+    }
+
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        for lock in locks {
+            self.delete_lease(lock).await?;
+        }
+        Ok(())
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let mut object = match self.read(lock).await? {
+            Some(object) => object,
+            None => self.blank(lock),
+        };
+        let record = Record::of(&object).unwrap_or(Record {
+            identity: None,
+            transitions: 0,
+            renewed: None,
+            duration: Duration::ZERO,
+        });
+        if let Some(holding) = record.holding(Timestamp::now()) {
+            return Ok(Acquire::Busy(Some(holding)));
+        }
+        let token = record.transitions + 1;
+        claim(&mut object, identity, token, ttl)?;
+        Ok(match self.replace(lock, &object).await? {
+            Some(_) => Acquire::Acquired(Lease {
+                lock: lock.to_owned(),
+                identity: identity.to_owned(),
+                token,
+            }),
+            // Another contender wrote first; whoever it is, the next read shows it.
+            None => Acquire::Busy(None),
+        })
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let seconds = whole_seconds(ttl);
+        self.rewrite_own(lease, true, |object| {
+            object
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default)
+                .insert(DURATION_ANNOTATION.to_owned(), ttl.as_millis().to_string());
+            let spec = object.spec.get_or_insert_with(LeaseSpec::default);
+            spec.renew_time = Some(now_micro());
+            spec.lease_duration_seconds = Some(seconds);
+        })
+        .await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        // Like client-go: the holder is cleared, the transitions count stays as the next
+        // token's base.
+        self.rewrite_own(lease, false, |object| {
+            let spec = object.spec.get_or_insert_with(LeaseSpec::default);
+            spec.holder_identity = None;
+            spec.renew_time = None;
+            spec.acquire_time = None;
+            spec.lease_duration_seconds = Some(1);
+        })
+        .await
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        Ok(self
+            .read(lock)
+            .await?
+            .as_ref()
+            .and_then(Record::of)
+            .and_then(|r| r.holding(Timestamp::now())))
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.feed(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.client
+            .apiserver_version()
+            .await
+            .map(|_| ())
+            .map_err(classify)
+    }
+
+    /// A Lease per lock, unheld, owned by its `DistributedLock` when the target names one.
+    async fn provision(&self, locks: &[String]) -> Result<()> {
+        for lock in locks {
+            crate::names::validate_lease_name(self.lease_name(lock))?;
+            if self.read(lock).await?.is_none() {
+                // 409 AlreadyExists: another provisioner won; that is fine.
+                self.replace(lock, &self.blank(lock)).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Shared by the operator's status: who holds `lock` and with what token, read from a Lease.
+pub fn holding_of(object: &LeaseObject) -> Option<Holding> {
+    Record::of(object).and_then(|r| r.holding(Timestamp::now()))
+}
+
+/// Keep one driver per process cheap to clone into tasks.
+pub type SharedKubernetesLeaseDriver = Arc<KubernetesLeaseDriver>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(
+        holder: Option<&str>,
+        renewed_ago: Duration,
+        secs: i32,
+        exact_ms: Option<u64>,
+    ) -> LeaseObject {
+        let renewed = Timestamp::now() - SignedDuration::try_from(renewed_ago).unwrap();
+        LeaseObject {
+            metadata: ObjectMeta {
+                annotations: exact_ms
+                    .map(|ms| [(DURATION_ANNOTATION.to_owned(), ms.to_string())].into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: holder.map(str::to_owned),
+                lease_duration_seconds: Some(secs),
+                lease_transitions: Some(7),
+                renew_time: Some(MicroTime(renewed)),
+                ..LeaseSpec::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn a_lease_expires_by_its_exact_duration_when_the_seconds_agree() {
+        let object = lease(Some("a"), Duration::from_millis(400), 1, Some(300));
+        assert_eq!(holding_of(&object), None);
+        let object = lease(Some("a"), Duration::from_millis(100), 1, Some(300));
+        let held = holding_of(&object).unwrap();
+        assert_eq!((held.identity.as_str(), held.token), ("a", 7));
+        assert!(held.expires_in.unwrap() <= Duration::from_millis(200));
+    }
+
+    #[test]
+    fn a_stale_annotation_from_another_writer_is_ignored() {
+        // client-go rewrote the Lease with 15 s and left our 300 ms annotation behind.
+        let object = lease(Some("other"), Duration::from_secs(1), 15, Some(300));
+        assert!(holding_of(&object).is_some());
+    }
+
+    #[test]
+    fn an_empty_holder_is_free() {
+        assert_eq!(holding_of(&lease(Some(""), Duration::ZERO, 15, None)), None);
+        assert_eq!(holding_of(&lease(None, Duration::ZERO, 15, None)), None);
+    }
+
+    #[test]
+    fn durations_round_up_to_whole_seconds() {
+        assert_eq!(round_up(Duration::from_millis(300)), Duration::from_secs(1));
+        assert_eq!(round_up(Duration::from_secs(15)), Duration::from_secs(15));
+        assert_eq!(
+            round_up(Duration::from_millis(15_001)),
+            Duration::from_secs(16)
+        );
+    }
+}

@@ -1,0 +1,532 @@
+//! A `DistributedLock` as the lease engine's configuration: the backend URL (with credentials
+//! from the Secrets it references), the lock's timing, and for the Kubernetes backend the Lease
+//! and its owner. The operator and the sidecar's `--resource` both read a lock through here, so
+//! they always agree on where it lives.
+//!
+//! Credentials exist only inside the returned [`BackendUrl`], whose `Display` redacts them; no
+//! error built here contains a secret value.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::{Api, Resource, ResourceExt};
+use leasehold_crds::{Backend, DistributedLock, SecretKeyRef, SqlLockMode};
+use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+
+use crate::backend_url::BackendUrl;
+use crate::error::{Error, Result};
+use crate::holder::{LockConfig, Mode};
+use crate::kubernetes::LeaseTarget;
+
+/// Secret values by (Secret name, key).
+pub type SecretValues = BTreeMap<(String, String), String>;
+
+/// Everything a lock needs, read from its resource.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResolvedLock {
+    /// The lock's name in the backend and in the sidecar's API: the resource's name.
+    pub name: String,
+    pub backend: BackendUrl,
+    pub lease_duration: Duration,
+    pub renew_interval: Duration,
+    pub mode: Mode,
+    /// The Lease holding the lock, for the Kubernetes backend.
+    pub lease: Option<LeaseTarget>,
+}
+
+impl ResolvedLock {
+    pub fn lock_config(&self, identity: &str) -> LockConfig {
+        LockConfig {
+            renew_interval: self.renew_interval,
+            mode: self.mode,
+            ..LockConfig::new(&self.name, identity, self.lease_duration)
+        }
+    }
+}
+
+/// The Secret keys `lock` references, in a stable order.
+pub fn secret_refs(lock: &DistributedLock) -> Vec<&SecretKeyRef> {
+    let b = &lock.spec.backend;
+    let mut refs: Vec<&SecretKeyRef> = Vec::new();
+    if let Some(r) = &b.redis {
+        refs.extend(r.username_secret_ref.iter().chain(&r.password_secret_ref));
+    }
+    for sql in [&b.postgres, &b.mysql].into_iter().flatten() {
+        refs.extend(sql.user_secret_ref.iter().chain(&sql.password_secret_ref));
+    }
+    if let Some(z) = &b.zookeeper {
+        refs.extend(&z.auth_secret_ref);
+    }
+    if let Some(e) = &b.etcd {
+        refs.extend(e.username_secret_ref.iter().chain(&e.password_secret_ref));
+    }
+    refs
+}
+
+/// Read the referenced Secret keys from the lock's namespace. A missing Secret or key is an
+/// [`Error::InvalidConfig`] that names it (never its value).
+pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Result<SecretValues> {
+    let namespace = lock.namespace().unwrap_or_else(|| "default".into());
+    let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let mut values = SecretValues::new();
+    for r in secret_refs(lock) {
+        let key = (r.name.clone(), r.key.clone());
+        if values.contains_key(&key) {
+            continue;
+        }
+        let secret = api
+            .get_opt(&r.name)
+            .await
+            .map_err(|e| match e {
+                kube::Error::Api(s) if s.code == 403 => Error::Backend(format!(
+                    "not allowed to read Secret {namespace}/{}: {}",
+                    r.name, s.message
+                )),
+                other => {
+                    Error::Unreachable(format!("reading Secret {namespace}/{}: {other}", r.name))
+                }
+            })?
+            .ok_or_else(|| missing(r, "the Secret does not exist"))?;
+        let value = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&r.key))
+            .map(|v| String::from_utf8(v.0.clone()))
+            .transpose()
+            .map_err(|_| missing(r, "the key is not UTF-8 text"))?
+            .or_else(|| {
+                secret
+                    .string_data
+                    .as_ref()
+                    .and_then(|d| d.get(&r.key))
+                    .cloned()
+            })
+            .ok_or_else(|| missing(r, "the Secret has no such key"))?;
+        values.insert(key, value);
+    }
+    Ok(values)
+}
+
+fn missing(r: &SecretKeyRef, reason: &str) -> Error {
+    Error::InvalidConfig {
+        field: "secretRef",
+        reason: format!("Secret {:?} key {:?}: {reason}", r.name, r.key),
+    }
+}
+
+/// The lock's configuration, with `secrets` from [`read_secrets`].
+pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<ResolvedLock> {
+    let name = lock.name_any();
+    crate::names::validate_lock_name(&name)?;
+    let namespace = lock.namespace().unwrap_or_else(|| "default".into());
+    let spec = &lock.spec;
+    let duration = |field: &'static str, raw: &str| {
+        parse_go_duration(raw).ok_or_else(|| Error::InvalidConfig {
+            field,
+            reason: format!("{raw:?} is not a duration such as 15s or 500ms"),
+        })
+    };
+    let lease_duration = duration("leaseDuration", &spec.lease_duration)?;
+    let renew_interval = duration("renewInterval", &spec.renew_interval)?;
+    let (backend, lease) = backend_url(lock, &namespace, secrets)?;
+    let resolved = ResolvedLock {
+        name,
+        backend,
+        lease_duration,
+        renew_interval,
+        mode: match spec.mode {
+            leasehold_crds::LockMode::Campaign => Mode::Campaign,
+            leasehold_crds::LockMode::OnDemand => Mode::OnDemand,
+        },
+        lease,
+    };
+    resolved.lock_config("validation").validate()?;
+    Ok(resolved)
+}
+
+/// The driver for a resolved lock. The Kubernetes backend uses `client` (the caller's own
+/// credentials) and the lock's Lease target; the others connect by URL.
+pub async fn open(
+    client: &kube::Client,
+    resolved: &ResolvedLock,
+) -> Result<std::sync::Arc<dyn crate::Driver>> {
+    Ok(match &resolved.backend {
+        BackendUrl::Kubernetes { namespace } => std::sync::Arc::new(
+            crate::kubernetes::KubernetesLeaseDriver::new(
+                client.clone(),
+                namespace
+                    .clone()
+                    .unwrap_or_else(|| client.default_namespace().to_owned()),
+            )
+            .with_target(&resolved.name, resolved.lease.clone().unwrap_or_default()),
+        ),
+        url => crate::connect(url).await?,
+    })
+}
+
+fn secret<'a>(secrets: &'a SecretValues, r: &Option<SecretKeyRef>) -> Result<Option<&'a str>> {
+    match r {
+        None => Ok(None),
+        Some(r) => secrets
+            .get(&(r.name.clone(), r.key.clone()))
+            .map(|v| Some(v.as_str()))
+            .ok_or_else(|| missing(r, "it was not read")),
+    }
+}
+
+/// `user:password@` with both parts percent-encoded, or nothing.
+fn userinfo(user: Option<&str>, password: Option<&str>) -> String {
+    let enc = |s: &str| utf8_percent_encode(s, NON_ALPHANUMERIC).to_string();
+    match (user, password) {
+        (None, None) => String::new(),
+        (user, password) => format!(
+            "{}:{}@",
+            enc(user.unwrap_or("")),
+            enc(password.unwrap_or(""))
+        ),
+    }
+}
+
+fn unsupported(what: &str) -> Error {
+    Error::InvalidConfig {
+        field: "backend",
+        reason: format!("{what} is not supported by this release"),
+    }
+}
+
+fn backend_url(
+    lock: &DistributedLock,
+    namespace: &str,
+    secrets: &SecretValues,
+) -> Result<(BackendUrl, Option<LeaseTarget>)> {
+    let Backend {
+        redis,
+        postgres,
+        mysql,
+        sqlite,
+        zookeeper,
+        etcd,
+        kubernetes,
+    } = &lock.spec.backend;
+    if lock.spec.backend.kind().is_none() {
+        return Err(Error::InvalidConfig {
+            field: "backend",
+            reason: "set exactly one backend".into(),
+        });
+    }
+    let query = |pairs: &[(&str, Option<&str>)]| {
+        let mut q = url::form_urlencoded::Serializer::new(String::new());
+        for (k, v) in pairs {
+            if let Some(v) = v {
+                q.append_pair(k, v);
+            }
+        }
+        match q.finish() {
+            s if s.is_empty() => s,
+            s => format!("?{s}"),
+        }
+    };
+    let raw = if let Some(r) = redis {
+        if r.tls == Some(true) {
+            return Err(unsupported("TLS to Redis"));
+        }
+        let auth = userinfo(
+            secret(secrets, &r.username_secret_ref)?,
+            secret(secrets, &r.password_secret_ref)?,
+        );
+        let db = r.database.map_or_else(String::new, |d| d.to_string());
+        let q = query(&[("prefix", r.key_prefix.as_deref())]);
+        let scheme = if r.endpoints.len() >= 3 {
+            "redlock"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://{auth}{}/{db}{q}", r.endpoints.join(","))
+    } else if let Some((scheme, sql)) = postgres
+        .as_ref()
+        .map(|s| ("postgres", s))
+        .or(mysql.as_ref().map(|s| ("mysql", s)))
+    {
+        let auth = userinfo(
+            secret(secrets, &sql.user_secret_ref)?,
+            secret(secrets, &sql.password_secret_ref)?,
+        );
+        let port = sql.port.map_or_else(String::new, |p| format!(":{p}"));
+        let mode = match sql.lock_mode {
+            SqlLockMode::Lease => None,
+            SqlLockMode::RowLock => Some("row-lock"),
+        };
+        let q = query(&[
+            ("table", sql.table.as_deref()),
+            ("schema", sql.schema.as_deref()),
+            ("mode", mode),
+        ]);
+        let database = utf8_percent_encode(&sql.database, NON_ALPHANUMERIC);
+        format!("{scheme}://{auth}{}{port}/{database}{q}", sql.host)
+    } else if let Some(s) = sqlite {
+        format!(
+            "sqlite://{}{}",
+            s.path,
+            query(&[("table", s.table.as_deref())])
+        )
+    } else if let Some(z) = zookeeper {
+        if z.session_timeout.is_some() {
+            // The driver derives the session timeout from the lease (a session that outlives
+            // the lease would let a dead holder block the lock); a separate one cannot be honoured.
+            return Err(Error::InvalidConfig {
+                field: "sessionTimeout",
+                reason:
+                    "the ZooKeeper session timeout follows leaseDuration; remove sessionTimeout"
+                        .into(),
+            });
+        }
+        let auth = match secret(secrets, &z.auth_secret_ref)? {
+            None => String::new(),
+            Some(digest) => {
+                let (user, password) =
+                    digest.split_once(':').ok_or_else(|| Error::InvalidConfig {
+                        field: "authSecretRef",
+                        reason: "the ZooKeeper digest credentials must be user:password".into(),
+                    })?;
+                userinfo(Some(user), Some(password))
+            }
+        };
+        format!("zk://{auth}{}{}", z.servers.join(","), z.path)
+    } else if let Some(e) = etcd {
+        if e.tls_secret_name.is_some() {
+            return Err(unsupported("TLS to etcd"));
+        }
+        let auth = userinfo(
+            secret(secrets, &e.username_secret_ref)?,
+            secret(secrets, &e.password_secret_ref)?,
+        );
+        let q = query(&[("prefix", e.prefix.as_deref())]);
+        format!("etcd://{auth}{}{q}", e.endpoints.join(","))
+    } else if let Some(k) = kubernetes {
+        let lease_name = k.lease_name.clone().unwrap_or_else(|| lock.name_any());
+        crate::names::validate_lease_name(&lease_name)?;
+        let target = LeaseTarget {
+            name: Some(lease_name),
+            owner: owner_reference(lock),
+        };
+        return Ok((
+            BackendUrl::Kubernetes {
+                namespace: Some(namespace.to_owned()),
+            },
+            Some(target),
+        ));
+    } else {
+        unreachable!("kind() checked that one backend is set")
+    };
+    Ok((BackendUrl::parse(&raw)?, None))
+}
+
+/// The lock as the controlling owner of what is provisioned for it.
+pub fn owner_reference(lock: &DistributedLock) -> Option<OwnerReference> {
+    let mut owner = lock.controller_owner_ref(&())?;
+    owner.block_owner_deletion = Some(false);
+    Some(owner)
+}
+
+/// A Go duration as the CRD's pattern admits it (`1m30s`, `500ms`, `1.5s`).
+pub fn parse_go_duration(raw: &str) -> Option<Duration> {
+    let mut total = Duration::ZERO;
+    let mut rest = raw;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let number_end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+        let (number, tail) = rest.split_at(number_end);
+        let value: f64 = number.parse().ok()?;
+        let unit_end = tail
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_end);
+        let scale = match unit {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        total += Duration::try_from_secs_f64(value * scale).ok()?;
+        rest = tail;
+    }
+    Some(total)
+}
+
+/// The resource kind, for messages.
+pub fn kind() -> String {
+    DistributedLock::kind(&()).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use leasehold_crds::{DistributedLockSpec, RedisBackend, SqlBackend, ZooKeeperBackend};
+
+    fn lock(backend: Backend) -> DistributedLock {
+        let mut lock = DistributedLock::new(
+            "jobs",
+            DistributedLockSpec {
+                backend,
+                lease_duration: "15s".into(),
+                renew_interval: "5s".into(),
+                mode: Default::default(),
+                cleanup_policy: Default::default(),
+            },
+        );
+        lock.metadata.namespace = Some("team".into());
+        lock.metadata.uid = Some("uid-1".into());
+        lock
+    }
+
+    fn key(name: &str, key: &str) -> SecretKeyRef {
+        SecretKeyRef {
+            name: name.into(),
+            key: key.into(),
+        }
+    }
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(parse_go_duration("15s"), Some(Duration::from_secs(15)));
+        assert_eq!(parse_go_duration("1m30s"), Some(Duration::from_secs(90)));
+        assert_eq!(parse_go_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_go_duration("500ms"), Some(Duration::from_millis(500)));
+        for bad in ["", "15", "s", "1d", "1.2.3s"] {
+            assert_eq!(parse_go_duration(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn sql_with_secrets_encodes_them_and_never_shows_them() {
+        let lock = lock(Backend {
+            postgres: Some(SqlBackend {
+                host: "pg.db".into(),
+                port: Some(5433),
+                database: "app".into(),
+                lock_mode: SqlLockMode::RowLock,
+                user_secret_ref: Some(key("pg", "user")),
+                password_secret_ref: Some(key("pg", "password")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let secrets: SecretValues = [
+            (("pg".into(), "user".into()), "app".into()),
+            (("pg".into(), "password".into()), "p@ss:w/rd?".into()),
+        ]
+        .into();
+        let resolved = resolve(&lock, &secrets).unwrap();
+        let BackendUrl::Sql { url, mode, .. } = &resolved.backend else {
+            panic!("{:?}", resolved.backend)
+        };
+        assert_eq!(*mode, crate::sql::SqlMode::RowLock);
+        assert_eq!(url.host_str(), Some("pg.db"));
+        assert_eq!(url.port(), Some(5433));
+        assert_eq!(url.username(), "app");
+        assert_eq!(
+            percent_encoding::percent_decode_str(url.password().unwrap())
+                .decode_utf8()
+                .unwrap(),
+            "p@ss:w/rd?"
+        );
+        assert!(!resolved.backend.to_string().contains("p@ss"));
+        assert_eq!(resolved.lease_duration, Duration::from_secs(15));
+    }
+
+    #[test]
+    fn a_missing_secret_names_it() {
+        let lock = lock(Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec!["r:6379".into()],
+                password_secret_ref: Some(key("redis", "password")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let error = resolve(&lock, &SecretValues::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("\"redis\"") && error.contains("\"password\""),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn three_redis_endpoints_are_redlock_and_zookeeper_digest_splits() {
+        let redlock = lock(Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec!["a:1".into(), "b:2".into(), "c:3".into()],
+                key_prefix: Some("team".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let resolved = resolve(&redlock, &SecretValues::new()).unwrap();
+        assert_eq!(resolved.backend.kind(), "redlock");
+        let zk = lock(Backend {
+            zookeeper: Some(ZooKeeperBackend {
+                servers: vec!["z:2181".into()],
+                path: "/locks".into(),
+                auth_secret_ref: Some(key("zk", "digest")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let secrets: SecretValues = [(("zk".into(), "digest".into()), "app:s3 cr+t".into())].into();
+        let BackendUrl::ZooKeeper { digest, root, .. } = resolve(&zk, &secrets).unwrap().backend
+        else {
+            panic!()
+        };
+        assert_eq!(digest, Some(("app".into(), "s3 cr+t".into())));
+        assert_eq!(root, "/locks");
+    }
+
+    #[test]
+    fn the_kubernetes_backend_targets_an_owned_lease() {
+        let lock = lock(Backend {
+            kubernetes: Some(Default::default()),
+            ..Default::default()
+        });
+        let resolved = resolve(&lock, &SecretValues::new()).unwrap();
+        assert_eq!(
+            resolved.backend,
+            BackendUrl::Kubernetes {
+                namespace: Some("team".into())
+            }
+        );
+        let lease = resolved.lease.unwrap();
+        assert_eq!(lease.name.as_deref(), Some("jobs"));
+        let owner = lease.owner.unwrap();
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("DistributedLock", "uid-1", Some(true))
+        );
+    }
+
+    #[test]
+    fn unsupported_options_are_refused_by_name() {
+        let lock = lock(Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec!["r:6379".into()],
+                tls: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        assert!(
+            resolve(&lock, &SecretValues::new())
+                .unwrap_err()
+                .to_string()
+                .contains("TLS")
+        );
+    }
+}

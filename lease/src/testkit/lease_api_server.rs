@@ -1,0 +1,368 @@
+//! An in-memory Kubernetes API server for `coordination.k8s.io/v1` Leases: the one fake in the
+//! test suite, since no API server can run on these machines. It keeps the semantics the Lease
+//! driver relies on, so the driver can run the same conformance suite as every other backend:
+//!
+//! - one `resourceVersion` counter; a PUT whose `resourceVersion` is stale gets 409 Conflict,
+//!   a POST of an existing name 409 AlreadyExists, a read of a missing one 404;
+//! - list and watch with a `metadata.name` field selector, replaying every event after the
+//!   requested `resourceVersion`, so kube-runtime's watcher works against it unchanged;
+//! - an outage: every request fails as a refused connection and open watches end, while the
+//!   stored Leases survive (as they would in the API server's etcd).
+//!
+//! Scripted exchanges (a conflict at one exact moment, a 403) use `tower-test` instead, in the
+//! Lease driver's scenario tests.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, StreamBody, combinators::UnsyncBoxBody};
+use serde_json::{Value, json};
+use tokio::sync::{broadcast, watch};
+
+const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/";
+
+type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+#[derive(Clone)]
+struct Change {
+    revision: u64,
+    namespace: String,
+    name: String,
+    kind: &'static str,
+    object: Value,
+}
+
+#[derive(Default)]
+struct Store {
+    revision: u64,
+    leases: BTreeMap<(String, String), Value>,
+    history: Vec<Change>,
+}
+
+/// Cheap to clone; all clones share one store.
+#[derive(Clone)]
+pub struct LeaseApiServer {
+    store: Arc<Mutex<Store>>,
+    changes: broadcast::Sender<Change>,
+    down: watch::Sender<bool>,
+    requests: Arc<AtomicU64>,
+}
+
+impl Default for LeaseApiServer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LeaseApiServer {
+    pub fn new() -> Self {
+        Self {
+            store: Arc::default(),
+            changes: broadcast::channel(4096).0,
+            down: watch::channel(false).0,
+            requests: Arc::default(),
+        }
+    }
+
+    /// A client of this server, as a separate process would have (its own connection pool).
+    pub fn client(&self) -> kube::Client {
+        let server = self.clone();
+        let service = tower::service_fn(move |request: Request<kube::client::Body>| {
+            let server = server.clone();
+            async move { server.handle(request).await }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    /// Refuse every request and end open watches (`true`), or serve again (`false`).
+    pub fn set_down(&self, down: bool) {
+        self.down.send_replace(down);
+    }
+
+    /// How many requests have been served (for cost checks).
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// The stored Lease, as JSON.
+    pub fn lease(&self, namespace: &str, name: &str) -> Option<Value> {
+        let store = self.store.lock().unwrap();
+        store
+            .leases
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
+    async fn handle(
+        &self,
+        request: Request<kube::client::Body>,
+    ) -> Result<Response<Body>, std::io::Error> {
+        if *self.down.borrow() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                "the fake API server is down",
+            ));
+        }
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let (parts, body) = request.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))?
+            .to_bytes();
+        let path = parts.uri.path().to_owned();
+        let query: BTreeMap<String, String> = parts
+            .uri
+            .query()
+            .map(|q| {
+                url::form_urlencoded::parse(q.as_bytes())
+                    .into_owned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        if path == "/version" {
+            return Ok(json_response(StatusCode::OK, &version()));
+        }
+        let Some(rest) = path.strip_prefix(LEASES) else {
+            return Ok(status(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                &format!("no route {path}"),
+            ));
+        };
+        let segments: Vec<&str> = rest.split('/').collect();
+        let response = match (&parts.method, segments.as_slice()) {
+            (&Method::GET, [ns, "leases"])
+                if query.get("watch").is_some_and(|w| w == "true" || w == "1") =>
+            {
+                self.watch(ns, name_selector(&query), &query)
+            }
+            (&Method::GET, [ns, "leases"]) => self.list(ns, name_selector(&query).as_deref()),
+            (&Method::POST, [ns, "leases"]) => self.create(ns, &body),
+            (&Method::GET, [ns, "leases", name]) => match self.lease(ns, name) {
+                Some(object) => json_response(StatusCode::OK, &object),
+                None => not_found(name),
+            },
+            (&Method::PUT, [ns, "leases", name]) => self.replace(ns, name, &body),
+            (&Method::DELETE, [ns, "leases", name]) => self.delete(ns, name),
+            _ => status(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                &format!("{} {path}", parts.method),
+            ),
+        };
+        Ok(response)
+    }
+
+    /// Store `object` under a new revision and tell the watchers, under one lock so a watch that
+    /// replays history and then subscribes misses nothing.
+    fn commit(
+        &self,
+        store: &mut Store,
+        ns: &str,
+        name: &str,
+        kind: &'static str,
+        mut object: Value,
+    ) -> Value {
+        store.revision += 1;
+        object["metadata"]["resourceVersion"] = json!(store.revision.to_string());
+        let key = (ns.to_owned(), name.to_owned());
+        if kind == "DELETED" {
+            store.leases.remove(&key);
+        } else {
+            store.leases.insert(key, object.clone());
+        }
+        let change = Change {
+            revision: store.revision,
+            namespace: ns.to_owned(),
+            name: name.to_owned(),
+            kind,
+            object: object.clone(),
+        };
+        store.history.push(change.clone());
+        let _ = self.changes.send(change);
+        object
+    }
+
+    fn create(&self, ns: &str, body: &[u8]) -> Response<Body> {
+        let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "the body is not JSON",
+            );
+        };
+        let Some(name) = object["metadata"]["name"].as_str().map(str::to_owned) else {
+            return status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "metadata.name is required",
+            );
+        };
+        let mut store = self.store.lock().unwrap();
+        if store.leases.contains_key(&(ns.to_owned(), name.clone())) {
+            return status(
+                StatusCode::CONFLICT,
+                "AlreadyExists",
+                &format!("leases.coordination.k8s.io \"{name}\" already exists"),
+            );
+        }
+        object["metadata"]["namespace"] = json!(ns);
+        object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}-{}", store.revision + 1));
+        object["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+        let object = self.commit(&mut store, ns, &name, "ADDED", object);
+        json_response(StatusCode::CREATED, &object)
+    }
+
+    fn replace(&self, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
+        let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "the body is not JSON",
+            );
+        };
+        let mut store = self.store.lock().unwrap();
+        let Some(current) = store.leases.get(&(ns.to_owned(), name.to_owned())) else {
+            return not_found(name);
+        };
+        let sent = object["metadata"]["resourceVersion"]
+            .as_str()
+            .map(str::to_owned);
+        if sent.is_some() && sent.as_deref() != current["metadata"]["resourceVersion"].as_str() {
+            return status(
+                StatusCode::CONFLICT,
+                "Conflict",
+                &format!(
+                    "Operation cannot be fulfilled on leases.coordination.k8s.io \"{name}\": \
+                     the object has been modified; please apply your changes to the latest version and try again"
+                ),
+            );
+        }
+        for field in ["uid", "creationTimestamp", "namespace"] {
+            object["metadata"][field] = current["metadata"][field].clone();
+        }
+        let object = self.commit(&mut store, ns, name, "MODIFIED", object);
+        json_response(StatusCode::OK, &object)
+    }
+
+    fn delete(&self, ns: &str, name: &str) -> Response<Body> {
+        let mut store = self.store.lock().unwrap();
+        let Some(current) = store.leases.get(&(ns.to_owned(), name.to_owned())).cloned() else {
+            return not_found(name);
+        };
+        let object = self.commit(&mut store, ns, name, "DELETED", current);
+        json_response(StatusCode::OK, &object)
+    }
+
+    fn list(&self, ns: &str, name: Option<&str>) -> Response<Body> {
+        let store = self.store.lock().unwrap();
+        let items: Vec<Value> = store
+            .leases
+            .iter()
+            .filter(|((n, lease), _)| n == ns && name.is_none_or(|name| name == lease))
+            .map(|(_, object)| object.clone())
+            .collect();
+        json_response(
+            StatusCode::OK,
+            &json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "LeaseList",
+                "metadata": {"resourceVersion": store.revision.to_string()},
+                "items": items,
+            }),
+        )
+    }
+
+    fn watch(
+        &self,
+        ns: &str,
+        name: Option<String>,
+        query: &BTreeMap<String, String>,
+    ) -> Response<Body> {
+        let since: u64 = query
+            .get("resourceVersion")
+            .and_then(|rv| rv.parse().ok())
+            .unwrap_or(0);
+        let (replay, live) = {
+            let store = self.store.lock().unwrap();
+            let replay: Vec<Change> = store
+                .history
+                .iter()
+                .filter(|c| c.revision > since)
+                .cloned()
+                .collect();
+            (replay, self.changes.subscribe())
+        };
+        let ns = ns.to_owned();
+        let matches =
+            move |c: &Change| c.namespace == ns && name.as_deref().is_none_or(|n| n == c.name);
+        let live = tokio_stream::wrappers::BroadcastStream::new(live)
+            .filter_map(|c| async move { c.ok() });
+        let mut down = self.down.subscribe();
+        let until_down = async move {
+            let _ = down.wait_for(|d| *d).await;
+        };
+        let lines = futures_util::stream::iter(replay)
+            .chain(live)
+            .filter(move |c| std::future::ready(matches(c)))
+            .map(|c| {
+                let mut line =
+                    serde_json::to_vec(&json!({"type": c.kind, "object": c.object})).unwrap();
+                line.push(b'\n');
+                Ok::<_, Infallible>(http_body::Frame::data(Bytes::from(line)))
+            })
+            .take_until(Box::pin(until_down));
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "application/json")
+            .body(StreamBody::new(lines).boxed_unsync())
+            .unwrap()
+    }
+}
+
+fn name_selector(query: &BTreeMap<String, String>) -> Option<String> {
+    query
+        .get("fieldSelector")
+        .and_then(|s| s.strip_prefix("metadata.name="))
+        .map(str::to_owned)
+}
+
+fn version() -> Value {
+    json!({
+        "major": "1", "minor": "33", "gitVersion": "v1.33.0-leasehold-fake",
+        "gitCommit": "0", "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z",
+        "goVersion": "go1.24", "compiler": "gc", "platform": "linux/amd64"
+    })
+}
+
+fn json_response(code: StatusCode, value: &Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(value).unwrap())).boxed_unsync())
+        .unwrap()
+}
+
+fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
+    json_response(
+        code,
+        &json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {},
+            "status": "Failure", "message": message, "reason": reason, "code": code.as_u16(),
+        }),
+    )
+}
+
+fn not_found(name: &str) -> Response<Body> {
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("leases.coordination.k8s.io \"{name}\" not found"),
+    )
+}

@@ -1,0 +1,310 @@
+//! The Kubernetes Lease driver at the API boundary, exchange by exchange (the kube-rs
+//! `ApiServerVerifier` pattern with `tower-test`): what it sends, and what it makes of the
+//! answers that a stateful fake would rarely produce at the right moment (a conflict between
+//! read and write, a 403). The full lease behaviour is in `conformance_kubernetes.rs`.
+
+use std::time::Duration;
+
+use http::{Method, Request, Response, StatusCode};
+use k8s_openapi::api::coordination::v1::Lease as LeaseObject;
+use kube::client::Body;
+use leasehold_lease::kubernetes::{DURATION_ANNOTATION, KubernetesLeaseDriver, LeaseTarget};
+use leasehold_lease::testkit::{KubernetesHarness, unique_lock};
+use leasehold_lease::{Acquire, Driver, Error, Lease, Lock, LockConfig, Mode};
+use serde_json::{Value, json};
+use tower_test::mock::{self, Handle};
+
+type ApiServerHandle = Handle<Request<Body>, Response<Body>>;
+
+/// Answers the driver's requests in order, checking each one.
+struct ApiServerVerifier(ApiServerHandle);
+
+impl ApiServerVerifier {
+    async fn expect(
+        &mut self,
+        method: Method,
+        path_end: &str,
+    ) -> (Value, mock::SendResponse<Response<Body>>) {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(5), self.0.next_request())
+            .await
+            .expect("the driver sent no request")
+            .expect("the client is gone");
+        assert_eq!(request.method(), method, "{}", request.uri());
+        assert!(
+            request.uri().path().ends_with(path_end),
+            "{} {} does not end with {path_end}",
+            request.method(),
+            request.uri()
+        );
+        let body = http_body_util::BodyExt::collect(request.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let value = if body.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&body).unwrap()
+        };
+        (value, send)
+    }
+}
+
+fn reply(send: mock::SendResponse<Response<Body>>, code: StatusCode, body: &Value) {
+    send.send_response(
+        Response::builder()
+            .status(code)
+            .body(Body::from(serde_json::to_vec(body).unwrap()))
+            .unwrap(),
+    );
+}
+
+fn failure(code: u16, reason: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "reason": reason, "code": code, "message": format!("{reason} from the test")})
+}
+
+/// A Lease held by `holder` with `transitions`, renewed `ago` before now for 15 s.
+fn lease(name: &str, holder: &str, transitions: i32, ago: Duration, rv: &str) -> Value {
+    let renewed = k8s_openapi::jiff::Timestamp::now()
+        - k8s_openapi::jiff::SignedDuration::try_from(ago).unwrap();
+    json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": name, "namespace": "ns", "resourceVersion": rv},
+        "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                 "leaseTransitions": transitions, "renewTime": renewed.to_string()}
+    })
+}
+
+fn driver() -> (KubernetesLeaseDriver, ApiServerVerifier) {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    (
+        KubernetesLeaseDriver::new(kube::Client::new(service, "ns"), "ns"),
+        ApiServerVerifier(handle),
+    )
+}
+
+#[tokio::test]
+async fn a_conflict_on_resource_version_means_busy_not_an_error() {
+    let (driver, mut api) = driver();
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
+        reply(
+            send,
+            StatusCode::OK,
+            &lease("jobs", "a", 7, Duration::from_secs(60), "5"),
+        );
+        let (put, send) = api.expect(Method::PUT, "/namespaces/ns/leases/jobs").await;
+        // The expired record is replaced with the version that was read, the next token, and
+        // the exact duration next to its whole seconds.
+        assert_eq!(put["metadata"]["resourceVersion"], "5");
+        assert_eq!(put["spec"]["holderIdentity"], "b");
+        assert_eq!(put["spec"]["leaseTransitions"], 8);
+        assert_eq!(put["spec"]["leaseDurationSeconds"], 2);
+        assert_eq!(put["metadata"]["annotations"][DURATION_ANNOTATION], "1500");
+        reply(send, StatusCode::CONFLICT, &failure(409, "Conflict"));
+    });
+    let outcome = driver
+        .try_acquire("jobs", "b", Duration::from_millis(1500))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Acquire::Busy(None));
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_held_lease_is_busy_without_a_write() {
+    let (driver, mut api) = driver();
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(
+            send,
+            StatusCode::OK,
+            &lease("jobs", "a", 7, Duration::from_secs(1), "5"),
+        );
+    });
+    let Acquire::Busy(Some(holding)) = driver
+        .try_acquire("jobs", "b", Duration::from_secs(15))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh lease must be busy")
+    };
+    assert_eq!((holding.identity.as_str(), holding.token), ("a", 7));
+    assert!(holding.expires_in.unwrap() <= Duration::from_secs(14));
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn renew_rereads_after_another_writer_and_keeps_the_lease() {
+    let (driver, mut api) = driver();
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(
+            send,
+            StatusCode::OK,
+            &lease("jobs", "a", 8, Duration::from_secs(2), "5"),
+        );
+        let (_, send) = api.expect(Method::PUT, "/leases/jobs").await;
+        reply(send, StatusCode::CONFLICT, &failure(409, "Conflict"));
+        // Somebody labelled the Lease; it is still a's.
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(
+            send,
+            StatusCode::OK,
+            &lease("jobs", "a", 8, Duration::from_secs(2), "6"),
+        );
+        let (put, send) = api.expect(Method::PUT, "/leases/jobs").await;
+        assert_eq!(put["metadata"]["resourceVersion"], "6");
+        assert_eq!(
+            put["spec"]["leaseTransitions"], 8,
+            "a renewal keeps the token"
+        );
+        reply(send, StatusCode::OK, &put);
+    });
+    let lease = Lease {
+        lock: "jobs".into(),
+        identity: "a".into(),
+        token: 8,
+    };
+    assert!(driver.renew(&lease, Duration::from_secs(15)).await.unwrap());
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn renew_and_release_of_a_lease_taken_over_write_nothing() {
+    let (driver, mut api) = driver();
+    let server = tokio::spawn(async move {
+        for _ in 0..2 {
+            let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+            reply(
+                send,
+                StatusCode::OK,
+                &lease("jobs", "b", 9, Duration::from_secs(1), "7"),
+            );
+        }
+        // A write here would hang the driver on an unanswered request, failing the timeout.
+    });
+    let old = Lease {
+        lock: "jobs".into(),
+        identity: "a".into(),
+        token: 8,
+    };
+    let bounded = Duration::from_secs(5);
+    assert!(
+        !tokio::time::timeout(bounded, driver.renew(&old, Duration::from_secs(15)))
+            .await
+            .unwrap()
+            .unwrap()
+    );
+    assert!(
+        !tokio::time::timeout(bounded, driver.release(&old))
+            .await
+            .unwrap()
+            .unwrap()
+    );
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn forbidden_says_to_check_rbac() {
+    let (driver, mut api) = driver();
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(send, StatusCode::FORBIDDEN, &failure(403, "Forbidden"));
+    });
+    let error = driver
+        .try_acquire("jobs", "a", Duration::from_secs(15))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, Error::Backend(_)), "{error:?}");
+    assert!(error.to_string().contains("RBAC"), "{error}");
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn provision_creates_an_unheld_lease_owned_by_its_lock() {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+        api_version: "leasehold.dev/v1alpha1".into(),
+        kind: "DistributedLock".into(),
+        name: "jobs".into(),
+        uid: "uid-1".into(),
+        ..Default::default()
+    };
+    let driver = KubernetesLeaseDriver::new(kube::Client::new(service, "ns"), "ns").with_target(
+        "jobs",
+        LeaseTarget {
+            name: Some("jobs-lease".into()),
+            owner: Some(owner),
+        },
+    );
+    let mut api = ApiServerVerifier(handle);
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, "/leases/jobs-lease").await;
+        reply(send, StatusCode::NOT_FOUND, &failure(404, "NotFound"));
+        let (post, send) = api.expect(Method::POST, "/namespaces/ns/leases").await;
+        let created: LeaseObject = serde_json::from_value(post.clone()).unwrap();
+        assert_eq!(created.metadata.name.as_deref(), Some("jobs-lease"));
+        let owners = created.metadata.owner_references.unwrap();
+        assert_eq!(
+            (owners[0].kind.as_str(), owners[0].uid.as_str()),
+            ("DistributedLock", "uid-1")
+        );
+        let spec = created.spec.unwrap();
+        assert_eq!(
+            (spec.holder_identity, spec.lease_transitions),
+            (None, Some(0))
+        );
+        reply(send, StatusCode::CREATED, &post);
+    });
+    driver.provision(&["jobs".to_owned()]).await.unwrap();
+    server.await.unwrap();
+}
+
+/// The watch, not polling, wakes a waiter: with a 3 s renew interval (the waiter's poll), a
+/// release is still taken over within a fraction of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_the_waiter_through_the_watch() {
+    let harness = KubernetesHarness::new();
+    let lock = unique_lock("watch");
+    let config = |identity: &str| LockConfig {
+        renew_interval: Duration::from_secs(3),
+        mode: Mode::Campaign,
+        ..LockConfig::new(&lock, identity, Duration::from_secs(10))
+    };
+    let a = Lock::start(
+        std::sync::Arc::new(harness.client_driver()),
+        config("a"),
+        std::sync::Arc::new(()),
+    )
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !a.answer().is_holder() {
+        assert!(tokio::time::Instant::now() < deadline, "a never held");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let b = Lock::start(
+        std::sync::Arc::new(harness.client_driver()),
+        config("b"),
+        std::sync::Arc::new(()),
+    )
+    .unwrap();
+    // Let b settle into waiting (its first attempt found a holding).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!b.answer().is_holder());
+    let released = tokio::time::Instant::now();
+    assert!(a.release().await.unwrap());
+    while !b.answer().is_holder() {
+        assert!(
+            released.elapsed() < Duration::from_millis(1500),
+            "b was not woken by the watch (its poll is 3 s)"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stored = harness
+        .api
+        .lease(KubernetesHarness::NAMESPACE, &lock)
+        .unwrap();
+    assert_eq!(stored["spec"]["holderIdentity"], "b");
+    assert_eq!(stored["spec"]["leaseTransitions"], 2);
+}

@@ -1,0 +1,139 @@
+//! One open driver per lock, reused across reconciliations while the lock's backend stays the
+//! same, and the three things the operator asks of it: provision, observe, clean up. Every call
+//! is bounded, so an unresponsive backend delays only its own lock.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kube::ResourceExt;
+use leasehold_crds::DistributedLock;
+use leasehold_lease::resource::{self, ResolvedLock};
+use leasehold_lease::{BackendUrl, Driver, Error};
+
+use crate::status::Observation;
+
+/// How long one backend call may take before the lock is reported unreachable.
+pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+pub struct Backends {
+    open: Mutex<HashMap<String, (BackendUrl, Arc<dyn Driver>)>>,
+}
+
+fn key(lock: &DistributedLock) -> String {
+    format!(
+        "{}/{}",
+        lock.namespace().unwrap_or_default(),
+        lock.name_any()
+    )
+}
+
+async fn bounded<T>(
+    what: impl Future<Output = leasehold_lease::Result<T>>,
+) -> leasehold_lease::Result<T> {
+    tokio::time::timeout(BACKEND_TIMEOUT, what)
+        .await
+        .unwrap_or(Err(Error::Timeout(BACKEND_TIMEOUT)))
+}
+
+/// A condition reason for a lease-engine error.
+pub fn reason(error: &Error) -> &'static str {
+    match error {
+        Error::Unreachable(_) => "Unreachable",
+        Error::Timeout(_) => "Timeout",
+        Error::Backend(_) => "BackendError",
+        Error::InvalidUrl { .. } | Error::InvalidName { .. } | Error::InvalidConfig { .. } => {
+            "InvalidSpec"
+        }
+        Error::Shutdown => "ShuttingDown",
+    }
+}
+
+impl Backends {
+    /// The lock's configuration, with its Secrets read.
+    pub async fn resolve(
+        client: &kube::Client,
+        lock: &DistributedLock,
+    ) -> leasehold_lease::Result<ResolvedLock> {
+        let secrets = bounded(resource::read_secrets(client, lock)).await?;
+        resource::resolve(lock, &secrets)
+    }
+
+    /// The driver for `resolved`, opened once and reused while the URL stays the same.
+    async fn driver(
+        &self,
+        client: &kube::Client,
+        lock: &DistributedLock,
+        resolved: &ResolvedLock,
+    ) -> leasehold_lease::Result<Arc<dyn Driver>> {
+        let key = key(lock);
+        if let Some((url, driver)) = self
+            .open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            && *url == resolved.backend
+        {
+            return Ok(driver.clone());
+        }
+        let driver = bounded(resource::open(client, resolved)).await?;
+        self.open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, (resolved.backend.clone(), driver.clone()));
+        Ok(driver)
+    }
+
+    /// Provision the lock's backend and read its holder.
+    pub async fn observe(
+        &self,
+        client: &kube::Client,
+        lock: &DistributedLock,
+    ) -> (String, Observation) {
+        let resolved = match Self::resolve(client, lock).await {
+            Ok(resolved) => resolved,
+            Err(e) => {
+                let kind = lock.spec.backend.kind().unwrap_or("unknown").to_owned();
+                return (kind, failed(&e));
+            }
+        };
+        let kind = resolved.backend.kind().to_owned();
+        let outcome = async {
+            let driver = self.driver(client, lock, &resolved).await?;
+            bounded(driver.provision(std::slice::from_ref(&resolved.name))).await?;
+            let holder = bounded(driver.observe(&resolved.name)).await?;
+            let warnings = bounded(driver.warnings()).await.unwrap_or_default();
+            Ok::<_, Error>(Observation::Ready { holder, warnings })
+        }
+        .await;
+        (kind, outcome.unwrap_or_else(|e| failed(&e)))
+    }
+
+    /// Remove the lock's artifacts from its backend, and forget its driver.
+    pub async fn clean_up(
+        &self,
+        client: &kube::Client,
+        lock: &DistributedLock,
+    ) -> leasehold_lease::Result<()> {
+        let resolved = Self::resolve(client, lock).await?;
+        let driver = self.driver(client, lock, &resolved).await?;
+        bounded(driver.deprovision(std::slice::from_ref(&resolved.name))).await?;
+        self.forget(lock);
+        Ok(())
+    }
+
+    pub fn forget(&self, lock: &DistributedLock) {
+        self.open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key(lock));
+    }
+}
+
+fn failed(error: &Error) -> Observation {
+    Observation::Failed {
+        reason: reason(error),
+        message: error.to_string(),
+    }
+}

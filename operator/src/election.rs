@@ -1,0 +1,44 @@
+//! Leader election among operator replicas, on Leasehold's own Kubernetes Lease driver: one
+//! replica reconciles, the others wait. A leader that loses its lease stops at once (the
+//! process exits and restarts as a standby), because two reconcilers would fight over status.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::kubernetes::KubernetesLeaseDriver;
+use leasehold_lease::{Lock, LockConfig, Mode};
+
+/// The Lease the replicas compete for, in the operator's namespace.
+pub const ELECTION_LEASE: &str = "leasehold-operator";
+pub const ELECTION_LEASE_DURATION: Duration = Duration::from_secs(15);
+pub const ELECTION_RENEW_INTERVAL: Duration = Duration::from_secs(5);
+const POLL: Duration = Duration::from_millis(100);
+
+/// Start campaigning. The returned lock keeps campaigning until shut down.
+pub fn campaign(
+    client: kube::Client,
+    namespace: &str,
+    identity: &str,
+) -> leasehold_lease::Result<Lock> {
+    let driver = Arc::new(KubernetesLeaseDriver::new(client, namespace));
+    let config = LockConfig {
+        renew_interval: ELECTION_RENEW_INTERVAL,
+        mode: Mode::Campaign,
+        ..LockConfig::new(ELECTION_LEASE, identity, ELECTION_LEASE_DURATION)
+    };
+    Lock::start(driver, config, Arc::new(()))
+}
+
+/// Resolves once `lock` is held.
+pub async fn elected(lock: &Lock) {
+    while !lock.answer().is_holder() {
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Resolves once `lock` is no longer held (lost, or never renewed in time).
+pub async fn deposed(lock: &Lock) {
+    while lock.answer().is_holder() {
+        tokio::time::sleep(POLL).await;
+    }
+}

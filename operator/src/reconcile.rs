@@ -1,0 +1,428 @@
+//! The controller for `DistributedLock`: a finalizer first, then provisioning and status on
+//! every change and every [`RESYNC`]; clean-up on deletion when the spec asks for it. Decisions
+//! are in [`crate::status`]; this module only talks to the API server.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease as LeaseObject;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Resource, ResourceExt};
+use leasehold_crds::{CleanupPolicy, DistributedLock};
+use serde_json::json;
+
+use crate::backends::Backends;
+use crate::error::{Error, Result};
+use crate::metrics::Metrics;
+use crate::status::{self, Notice, Observation};
+
+/// The finalizer that lets the operator clean up the backend before the lock goes.
+pub const FINALIZER: &str = "leasehold.dev/cleanup";
+/// The field manager of the status, for server-side apply.
+pub const MANAGER: &str = "leasehold-operator";
+/// How often a healthy lock's holder is read again (holders change without touching the
+/// resource; Kubernetes Leases also trigger a reconcile through `owns`).
+pub const RESYNC: Duration = Duration::from_secs(15);
+/// The first retry of a failing lock, doubled per failure up to [`MAX_BACKOFF`].
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(2);
+pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
+
+pub struct Context {
+    pub client: kube::Client,
+    pub recorder: Recorder,
+    pub backends: Backends,
+    pub metrics: Arc<Metrics>,
+    /// Consecutive failures per lock, for the backoff.
+    pub failures: Mutex<HashMap<ObjectRef<DistributedLock>, u32>>,
+}
+
+impl Context {
+    pub fn new(client: kube::Client, identity: &str, metrics: Arc<Metrics>) -> Self {
+        let reporter = Reporter {
+            controller: MANAGER.into(),
+            instance: Some(identity.to_owned()),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            backends: Backends::default(),
+            metrics,
+            failures: Mutex::default(),
+        }
+    }
+}
+
+/// Reconcile every `DistributedLock` (in `namespace`, or all) until `shutdown` resolves.
+pub async fn run(
+    ctx: Arc<Context>,
+    namespace: Option<String>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let (locks, leases) = match &namespace {
+        Some(ns) => (
+            Api::<DistributedLock>::namespaced(ctx.client.clone(), ns),
+            Api::<LeaseObject>::namespaced(ctx.client.clone(), ns),
+        ),
+        None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
+    };
+    // Only Leases the operator made for a lock: they carry the managed-by label.
+    let owned_leases = watcher::Config::default().labels("app.kubernetes.io/managed-by=leasehold");
+    Controller::new(locks, watcher::Config::default().any_semantic())
+        .owns(leases, owned_leases)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|outcome| async move {
+            if let Err(e) = outcome {
+                tracing::debug!(error = %e, "reconcile did not complete");
+            }
+        })
+        .await;
+}
+
+pub async fn reconcile(lock: Arc<DistributedLock>, ctx: Arc<Context>) -> Result<Action> {
+    let started = std::time::Instant::now();
+    let namespace = lock.namespace().unwrap_or_default();
+    let api: Api<DistributedLock> = Api::namespaced(ctx.client.clone(), &namespace);
+    let outcome = finalizer(&api, FINALIZER, lock, |event| async {
+        match event {
+            Finalizer::Apply(lock) => apply(&lock, &ctx).await,
+            Finalizer::Cleanup(lock) => cleanup(&lock, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| match e {
+        kube::runtime::finalizer::Error::ApplyFailed(e)
+        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        other => Error::Finalizer(other.to_string()),
+    });
+    ctx.metrics
+        .reconciled(started.elapsed(), outcome.as_ref().err().map(Error::label));
+    outcome
+}
+
+/// Provision, read the holder, and write status and events when they changed.
+async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
+    let (backend, observation) = ctx.backends.observe(&ctx.client, lock).await;
+    let current = lock.status.as_ref();
+    let next = status::desired(
+        current,
+        lock.meta().generation,
+        &backend,
+        &observation,
+        Timestamp::now(),
+    );
+    if current != Some(&next) {
+        let api: Api<DistributedLock> =
+            Api::namespaced(ctx.client.clone(), &lock.namespace().unwrap_or_default());
+        let patch = json!({
+            "apiVersion": DistributedLock::api_version(&()),
+            "kind": DistributedLock::kind(&()),
+            "status": next,
+        });
+        api.patch_status(
+            &lock.name_any(),
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(Error::Kube)?;
+    }
+    for notice in status::notices(current, &next) {
+        publish(ctx, lock, &notice).await?;
+    }
+    match observation {
+        Observation::Ready { .. } => {
+            ctx.failures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&ObjectRef::from(lock));
+            Ok(Action::requeue(RESYNC))
+        }
+        // The status says why; the error sends the lock through the backoff.
+        Observation::Failed { message, .. } => {
+            Err(Error::Backend(leasehold_lease::Error::Backend(message)))
+        }
+    }
+}
+
+/// On deletion: remove the backend's artifacts when the spec says `Delete`, then let go.
+async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
+    if lock.spec.cleanup_policy == CleanupPolicy::Delete {
+        match ctx.backends.clean_up(&ctx.client, lock).await {
+            Ok(()) => {
+                publish(
+                    ctx,
+                    lock,
+                    &Notice {
+                        warning: false,
+                        reason: "CleanedUp",
+                        note: "removed the lock's artifacts from the backend".into(),
+                    },
+                )
+                .await?;
+            }
+            // A spec or Secret that can no longer be read (a namespace being deleted takes the
+            // Secrets too) must not hold the lock forever: say so and let go.
+            Err(
+                e @ (leasehold_lease::Error::InvalidConfig { .. }
+                | leasehold_lease::Error::InvalidUrl { .. }
+                | leasehold_lease::Error::InvalidName { .. }),
+            ) => {
+                publish(
+                    ctx,
+                    lock,
+                    &Notice {
+                        warning: true,
+                        reason: "CleanupSkipped",
+                        note: format!("the backend was not cleaned up: {e}"),
+                    },
+                )
+                .await?;
+            }
+            Err(e) => {
+                publish(
+                    ctx,
+                    lock,
+                    &Notice {
+                        warning: true,
+                        reason: "CleanupFailed",
+                        note: e.to_string(),
+                    },
+                )
+                .await?;
+                return Err(Error::Backend(e));
+            }
+        }
+    }
+    ctx.backends.forget(lock);
+    ctx.failures
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&ObjectRef::from(lock));
+    Ok(Action::await_change())
+}
+
+async fn publish(ctx: &Context, lock: &DistributedLock, notice: &Notice) -> Result<()> {
+    let event = Event {
+        type_: if notice.warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: notice.reason.into(),
+        note: Some(notice.note.chars().take(1024).collect()),
+        action: if notice.warning {
+            "Check".into()
+        } else {
+            "Reconcile".into()
+        },
+        secondary: None,
+    };
+    ctx.recorder
+        .publish(&event, &lock.object_ref(&()))
+        .await
+        .map_err(Error::Kube)
+}
+
+/// Retry a failing lock after a delay that doubles per consecutive failure, so one broken
+/// backend costs little and never holds up the others (each lock has its own queue entry).
+pub fn error_policy(lock: Arc<DistributedLock>, error: &Error, ctx: Arc<Context>) -> Action {
+    let mut failures = ctx.failures.lock().unwrap_or_else(|e| e.into_inner());
+    let count = failures.entry(ObjectRef::from(lock.as_ref())).or_insert(0);
+    *count = count.saturating_add(1);
+    let delay = backoff(*count);
+    tracing::warn!(lock = %lock.name_any(), namespace = ?lock.namespace(), error = %error,
+        retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+/// The delay before retry number `failures` (1-based).
+pub fn backoff(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    (FIRST_BACKOFF * 2u32.pow(doublings)).min(MAX_BACKOFF)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{self, Scenario, timeout_after_1s};
+    use leasehold_lease::Driver;
+
+    async fn sqlite_rows(path: &std::path::Path) -> Vec<String> {
+        let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+            .await
+            .unwrap();
+        sqlx::query_scalar("SELECT name FROM leasehold_locks ORDER BY name")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_new_lock_gets_the_finalizer_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ctx, api) = Context::test();
+        let lock = fixtures::sqlite_lock("jobs", &dir.path().join("locks.db"));
+        let server = api.run(Scenario::FinalizerCreation(lock.clone()));
+        reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        timeout_after_1s(server).await;
+    }
+
+    #[tokio::test]
+    async fn create_then_provision_then_status_then_a_quiet_resync() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("locks.db");
+        let (ctx, api) = Context::test();
+        let lock = fixtures::with_finalizer(fixtures::sqlite_lock("jobs", &db));
+        let server = api.run(Scenario::Provisioned(lock.clone()));
+        let action = reconcile(Arc::new(lock.clone()), ctx.clone())
+            .await
+            .expect("reconcile");
+        assert_eq!(action, Action::requeue(RESYNC));
+        timeout_after_1s(server).await;
+        // The backend really was provisioned: the table exists and a driver can take the lock.
+        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
+            .await
+            .unwrap();
+        assert!(matches!(
+            driver
+                .try_acquire("jobs", "pod-a", Duration::from_secs(30))
+                .await
+                .unwrap(),
+            leasehold_lease::Acquire::Acquired(_)
+        ));
+
+        // The holder shows up in the status at the next look.
+        let (ctx2, api) = Context::test();
+        let server = api.run(Scenario::StatusOnly(lock.clone()));
+        reconcile(Arc::new(lock.clone()), ctx2)
+            .await
+            .expect("reconcile");
+        timeout_after_1s(server).await;
+
+        // With the status as it should be, a second reconcile sends nothing at all.
+        let (backend, observation) = ctx.backends.observe(&ctx.client, &lock).await;
+        let mut settled = lock.clone();
+        settled.status = Some(status::desired(
+            None,
+            Some(1),
+            &backend,
+            &observation,
+            Timestamp::now(),
+        ));
+        assert_eq!(
+            settled.status.as_ref().unwrap().holder.as_deref(),
+            Some("pod-a")
+        );
+        let (ctx, api) = Context::test();
+        let server = api.run(Scenario::Nothing);
+        reconcile(Arc::new(settled), ctx).await.expect("reconcile");
+        timeout_after_1s(server).await;
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_backend_sets_the_condition_warns_and_backs_off() {
+        let (ctx, api) = Context::test();
+        let lock = fixtures::with_finalizer(fixtures::unreachable_redis_lock("cache"));
+        let server = api.run(Scenario::BackendUnreachable(lock.clone()));
+        let error = reconcile(Arc::new(lock.clone()), ctx.clone())
+            .await
+            .unwrap_err();
+        assert_eq!(error.label(), "backend");
+        assert!(!error.to_string().contains(fixtures::SECRET_PASSWORD));
+        timeout_after_1s(server).await;
+        let lock = Arc::new(lock);
+        assert_eq!(
+            error_policy(lock.clone(), &error, ctx.clone()),
+            Action::requeue(FIRST_BACKOFF)
+        );
+        assert_eq!(
+            error_policy(lock, &error, ctx),
+            Action::requeue(FIRST_BACKOFF * 2)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_spec_change_moves_observed_generation_without_events() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ctx, api) = Context::test();
+        let mut lock =
+            fixtures::with_finalizer(fixtures::sqlite_lock("jobs", &dir.path().join("a.db")));
+        let (backend, observation) = ctx.backends.observe(&ctx.client, &lock).await;
+        lock.status = Some(status::desired(
+            None,
+            Some(1),
+            &backend,
+            &observation,
+            Timestamp::now(),
+        ));
+        // The user changed the lease duration: generation 2.
+        lock.spec.lease_duration = "30s".into();
+        lock.meta_mut().generation = Some(2);
+        let server = api.run(Scenario::StatusOnly(lock.clone()));
+        reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        timeout_after_1s(server).await;
+    }
+
+    #[tokio::test]
+    async fn delete_with_retain_leaves_the_backend_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("locks.db");
+        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
+            .await
+            .unwrap();
+        driver
+            .try_acquire("jobs", "pod-a", Duration::from_secs(30))
+            .await
+            .unwrap();
+        let (ctx, api) = Context::test();
+        let lock =
+            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Retain);
+        let server = api.run(Scenario::RemoveFinalizer(lock.clone()));
+        reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        timeout_after_1s(server).await;
+        assert_eq!(sqlite_rows(&db).await, ["jobs"]);
+    }
+
+    #[tokio::test]
+    async fn delete_with_delete_removes_the_lock_from_the_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("locks.db");
+        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
+            .await
+            .unwrap();
+        for lock in ["jobs", "other"] {
+            driver
+                .try_acquire(lock, "pod-a", Duration::from_secs(30))
+                .await
+                .unwrap();
+        }
+        let (ctx, api) = Context::test();
+        let lock =
+            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
+        let server = api.run(Scenario::CleanedUp(lock.clone()));
+        reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        timeout_after_1s(server).await;
+        assert_eq!(
+            sqlite_rows(&db).await,
+            ["other"],
+            "only the deleted lock's row goes"
+        );
+    }
+
+    #[test]
+    fn backoff_doubles_to_a_ceiling() {
+        assert_eq!(backoff(1), Duration::from_secs(2));
+        assert_eq!(backoff(2), Duration::from_secs(4));
+        assert_eq!(backoff(5), Duration::from_secs(32));
+        assert_eq!(backoff(30), MAX_BACKOFF);
+    }
+}

@@ -1,0 +1,275 @@
+//! What the status should say and which events to publish, decided by pure functions from what
+//! the backend showed. The Kubernetes-facing code only carries the results.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use leasehold_crds::{CONDITION_BACKEND_READY, DistributedLockStatus};
+use leasehold_lease::Holding;
+
+/// What one look at the backend showed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Observation {
+    /// Provisioned and reachable; the holder as the backend reports it.
+    Ready {
+        holder: Option<Holding>,
+        warnings: Vec<String>,
+    },
+    /// The backend could not be used; `reason` is a CamelCase condition reason.
+    Failed {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+/// An event to publish on the lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+pub const REASON_READY: &str = "Provisioned";
+
+/// The status the lock should have after `observation`, keeping what must not move (the
+/// condition's transition time while its status holds, the transition count).
+pub fn desired(
+    current: Option<&DistributedLockStatus>,
+    generation: Option<i64>,
+    backend: &str,
+    observation: &Observation,
+    now: Timestamp,
+) -> DistributedLockStatus {
+    let previous = current.and_then(|s| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == CONDITION_BACKEND_READY)
+    });
+    let (ready, reason, message, holder) = match observation {
+        Observation::Ready { holder, warnings } => (
+            "True",
+            REASON_READY,
+            if warnings.is_empty() {
+                "the backend is reachable and the lock is provisioned".to_owned()
+            } else {
+                warnings.join("; ")
+            },
+            holder.clone(),
+        ),
+        Observation::Failed { reason, message } => ("False", *reason, message.clone(), None),
+    };
+    let last_transition_time = match previous {
+        Some(p) if p.status == ready => p.last_transition_time.clone(),
+        _ => Time(now),
+    };
+    let condition = Condition {
+        type_: CONDITION_BACKEND_READY.to_owned(),
+        status: ready.to_owned(),
+        reason: reason.to_owned(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    };
+    let old_token = current.and_then(|s| s.fencing_token);
+    let new_token = holder
+        .as_ref()
+        .map(|h| i64::try_from(h.token).unwrap_or(i64::MAX));
+    let mut transitions = current.and_then(|s| s.transitions).unwrap_or(0);
+    if new_token.is_some() && new_token != old_token {
+        transitions += 1;
+    }
+    DistributedLockStatus {
+        conditions: vec![condition],
+        observed_generation: generation,
+        backend: Some(backend.to_owned()),
+        holder: holder.as_ref().map(|h| h.identity.clone()),
+        fencing_token: new_token,
+        transitions: Some(transitions),
+    }
+}
+
+/// The events that going from `current` to `next` deserves: a holder change, a backend that
+/// fails or recovers, a new warning. Nothing when nothing changed, so a resync is silent.
+pub fn notices(
+    current: Option<&DistributedLockStatus>,
+    next: &DistributedLockStatus,
+) -> Vec<Notice> {
+    let mut notices = Vec::new();
+    let condition = |s: Option<&DistributedLockStatus>| {
+        s.and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == CONDITION_BACKEND_READY)
+                .cloned()
+        })
+    };
+    let (before, after) = (condition(current), condition(Some(next)));
+    if let Some(after) = &after {
+        let changed = before.as_ref().is_none_or(|b| {
+            (b.status.as_str(), b.reason.as_str(), b.message.as_str())
+                != (
+                    after.status.as_str(),
+                    after.reason.as_str(),
+                    after.message.as_str(),
+                )
+        });
+        if changed {
+            match after.status.as_str() {
+                "False" => notices.push(Notice {
+                    warning: true,
+                    reason: "BackendUnavailable",
+                    note: format!("{}: {}", after.reason, after.message),
+                }),
+                _ if after.message != "the backend is reachable and the lock is provisioned" => {
+                    notices.push(Notice {
+                        warning: true,
+                        reason: "BackendWarning",
+                        note: after.message.clone(),
+                    })
+                }
+                _ if before.as_ref().is_some_and(|b| b.status == "False") => notices.push(Notice {
+                    warning: false,
+                    reason: "BackendRecovered",
+                    note: "the backend is reachable again".into(),
+                }),
+                _ => notices.push(Notice {
+                    warning: false,
+                    reason: "Provisioned",
+                    note: "the backend is provisioned for this lock".into(),
+                }),
+            }
+        }
+    }
+    let holder_before = current.and_then(|s| s.fencing_token);
+    if next.fencing_token.is_some() && next.fencing_token != holder_before {
+        notices.push(Notice {
+            warning: false,
+            reason: "HolderChanged",
+            note: format!(
+                "{} holds the lock with fencing token {}",
+                next.holder.as_deref().unwrap_or("?"),
+                next.fencing_token.unwrap_or_default()
+            ),
+        });
+    }
+    notices
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn holding(identity: &str, token: u64) -> Option<Holding> {
+        Some(Holding {
+            identity: identity.into(),
+            token,
+            expires_in: Some(Duration::from_secs(5)),
+        })
+    }
+
+    fn ready(holder: Option<Holding>) -> Observation {
+        Observation::Ready {
+            holder,
+            warnings: vec![],
+        }
+    }
+
+    fn at(seconds: i64) -> Timestamp {
+        Timestamp::from_second(seconds).unwrap()
+    }
+
+    #[test]
+    fn first_look_sets_everything_and_announces_the_holder() {
+        let status = desired(None, Some(1), "redis", &ready(holding("pod-a", 3)), at(100));
+        assert_eq!(status.holder.as_deref(), Some("pod-a"));
+        assert_eq!(
+            (status.fencing_token, status.transitions),
+            (Some(3), Some(1))
+        );
+        assert_eq!(status.observed_generation, Some(1));
+        let c = &status.conditions[0];
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", REASON_READY)
+        );
+        let reasons: Vec<_> = notices(None, &status).iter().map(|n| n.reason).collect();
+        assert_eq!(reasons, ["Provisioned", "HolderChanged"]);
+    }
+
+    #[test]
+    fn an_unchanged_backend_keeps_the_status_and_says_nothing() {
+        let first = desired(None, Some(1), "redis", &ready(holding("pod-a", 3)), at(100));
+        let second = desired(
+            Some(&first),
+            Some(1),
+            "redis",
+            &ready(holding("pod-a", 3)),
+            at(200),
+        );
+        assert_eq!(first, second, "the transition time must not move");
+        assert!(notices(Some(&first), &second).is_empty());
+    }
+
+    #[test]
+    fn a_failure_flips_the_condition_clears_the_holder_and_warns() {
+        let ok = desired(None, Some(1), "redis", &ready(holding("pod-a", 3)), at(100));
+        let failed = Observation::Failed {
+            reason: "Unreachable",
+            message: "connection refused".into(),
+        };
+        let bad = desired(Some(&ok), Some(1), "redis", &failed, at(200));
+        let c = &bad.conditions[0];
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "Unreachable")
+        );
+        assert_eq!(c.last_transition_time, Time(at(200)));
+        assert_eq!((bad.holder.as_deref(), bad.fencing_token), (None, None));
+        assert_eq!(bad.transitions, Some(1), "the count survives");
+        let n = notices(Some(&ok), &bad);
+        assert_eq!(n.len(), 1);
+        assert!(n[0].warning && n[0].reason == "BackendUnavailable");
+        assert!(n[0].note.contains("connection refused"));
+        // Back again, with a new holder: recovered, and one more transition.
+        let back = desired(
+            Some(&bad),
+            Some(1),
+            "redis",
+            &ready(holding("pod-b", 4)),
+            at(300),
+        );
+        assert_eq!(back.transitions, Some(2));
+        let reasons: Vec<_> = notices(Some(&bad), &back)
+            .iter()
+            .map(|n| n.reason)
+            .collect();
+        assert_eq!(reasons, ["BackendRecovered", "HolderChanged"]);
+    }
+
+    #[test]
+    fn warnings_are_announced_once() {
+        let warned = Observation::Ready {
+            holder: None,
+            warnings: vec!["maxmemory-policy is allkeys-lru".into()],
+        };
+        let first = desired(None, Some(1), "redis", &warned, at(100));
+        assert_eq!(first.conditions[0].status, "True");
+        let n = notices(None, &first);
+        assert_eq!(
+            (n.len(), n[0].reason, n[0].warning),
+            (1, "BackendWarning", true)
+        );
+        let again = desired(Some(&first), Some(1), "redis", &warned, at(200));
+        assert!(notices(Some(&first), &again).is_empty());
+    }
+
+    #[test]
+    fn a_spec_change_moves_observed_generation() {
+        let first = desired(None, Some(1), "redis", &ready(None), at(100));
+        let second = desired(Some(&first), Some(2), "redis", &ready(None), at(200));
+        assert_eq!(second.observed_generation, Some(2));
+        assert_eq!(second.conditions[0].observed_generation, Some(2));
+        assert_ne!(first, second);
+    }
+}

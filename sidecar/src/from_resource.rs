@@ -1,0 +1,135 @@
+//! `--resource NAMESPACE/NAME`: the lock's configuration comes from its `DistributedLock` and
+//! the Secrets it references, and follows the resource. When the spec changes, the sidecar
+//! starts the lock anew with the new settings, swaps it in, and only then releases the old
+//! lease, so `/lock` always answers. A change that cannot be applied (a bad spec, a missing
+//! Secret) is logged and the lock keeps running as it was.
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use leasehold_crds::DistributedLock;
+use leasehold_lease::Lock;
+use leasehold_lease::resource::{self, ResolvedLock};
+
+use crate::api::AppState;
+use crate::metrics::Metrics;
+
+/// A `DistributedLock` named on the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResourceRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ResourceRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+impl std::str::FromStr for ResourceRef {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        let (namespace, name) = raw
+            .split_once('/')
+            .ok_or("expected NAMESPACE/NAME, e.g. default/jobs")?;
+        leasehold_lease::names::validate_namespace(namespace).map_err(|e| e.to_string())?;
+        leasehold_lease::names::validate_lease_name(name).map_err(|e| e.to_string())?;
+        Ok(Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
+async fn read(client: &kube::Client, lock: &DistributedLock) -> Result<ResolvedLock, String> {
+    let secrets = resource::read_secrets(client, lock)
+        .await
+        .map_err(|e| e.to_string())?;
+    resource::resolve(lock, &secrets).map_err(|e| e.to_string())
+}
+
+async fn start(
+    client: &kube::Client,
+    resolved: &ResolvedLock,
+    identity: &str,
+    metrics: &Arc<Metrics>,
+) -> Result<Lock, String> {
+    let driver = resource::open(client, resolved)
+        .await
+        .map_err(|e| format!("cannot open backend {}: {e}", resolved.backend))?;
+    metrics.register_lock(&resolved.name);
+    Lock::start(driver, resolved.lock_config(identity), metrics.clone()).map_err(|e| e.to_string())
+}
+
+/// Read each resource and start its lock. Any failure here stops the start-up with a message
+/// naming the resource.
+pub async fn start_all(
+    client: &kube::Client,
+    resources: &[ResourceRef],
+    identity: &str,
+    metrics: &Arc<Metrics>,
+) -> Result<Vec<(ResourceRef, ResolvedLock, Lock)>, String> {
+    let mut started = Vec::new();
+    for r in resources {
+        let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
+        let lock = api
+            .get(&r.name)
+            .await
+            .map_err(|e| format!("cannot read DistributedLock {r}: {e}"))?;
+        let resolved = read(client, &lock)
+            .await
+            .map_err(|e| format!("DistributedLock {r}: {e}"))?;
+        let running = start(client, &resolved, identity, metrics)
+            .await
+            .map_err(|e| format!("DistributedLock {r}: {e}"))?;
+        tracing::info!(resource = %r, backend = %resolved.backend, "lock configured from its resource");
+        started.push((r.clone(), resolved, running));
+    }
+    Ok(started)
+}
+
+/// Follow one resource until the process ends, replacing its lock in `state` on spec changes.
+pub async fn follow(
+    client: kube::Client,
+    r: ResourceRef,
+    mut current: ResolvedLock,
+    identity: String,
+    state: AppState,
+    metrics: Arc<Metrics>,
+) {
+    let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={}", r.name));
+    let mut changes = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
+    while let Some(change) = changes.next().await {
+        let lock = match change {
+            Ok(lock) => lock,
+            Err(e) => {
+                tracing::warn!(resource = %r, error = %e, "watching the DistributedLock failed; retrying");
+                continue;
+            }
+        };
+        let next = match read(&client, &lock).await {
+            Ok(next) if next == current => continue,
+            Ok(next) => next,
+            Err(e) => {
+                tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be used; keeping the running configuration");
+                continue;
+            }
+        };
+        match start(&client, &next, &identity, &metrics).await {
+            Ok(fresh) => {
+                tracing::info!(resource = %r, backend = %next.backend, "DistributedLock changed: lock restarted with the new settings");
+                if let Some(old) = state.replace(fresh) {
+                    old.shutdown().await;
+                }
+                current = next;
+            }
+            Err(e) => {
+                tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be started; keeping the running configuration");
+            }
+        }
+    }
+}
