@@ -37,6 +37,8 @@ pub enum Scenario {
     BackendUnreachable(DistributedLock),
     /// Only the status moves (observedGeneration); no event.
     StatusOnly(DistributedLock),
+    /// A holder appeared in the backend: it shows in the status, with a `HolderChanged` event.
+    HolderChanged(DistributedLock, &'static str),
     /// Nothing at all: the status is already right.
     Nothing,
     /// The lock is being deleted with Retain: the finalizer goes, nothing else.
@@ -158,6 +160,15 @@ impl ApiServerVerifier {
                 Scenario::StatusOnly(lock) => {
                     let status = api.status_patched(&lock).await;
                     assert_eq!(status["observedGeneration"], json!(lock.meta().generation));
+                }
+                Scenario::HolderChanged(lock, holder) => {
+                    let status = api.status_patched(&lock).await;
+                    assert_eq!(status["holder"], holder, "{status}");
+                    assert!(
+                        status["fencingToken"].as_i64().is_some_and(|t| t > 0),
+                        "{status}"
+                    );
+                    api.event(&lock, "HolderChanged").await;
                 }
                 Scenario::Nothing => api.nothing().await,
                 Scenario::RemoveFinalizer(lock) => api.finalizer_removed(lock).await,

@@ -300,9 +300,21 @@ mod tests {
             leasehold_lease::Acquire::Acquired(_)
         ));
 
-        // The holder shows up in the status at the next look.
+        // The holder shows up in the status at the next look (from the status written first).
+        let mut lock = lock;
+        let provisioned = Observation::Ready {
+            holder: None,
+            warnings: vec![],
+        };
+        lock.status = Some(status::desired(
+            None,
+            Some(1),
+            "sqlite",
+            &provisioned,
+            Timestamp::now(),
+        ));
         let (ctx2, api) = Context::test();
-        let server = api.run(Scenario::StatusOnly(lock.clone()));
+        let server = api.run(Scenario::HolderChanged(lock.clone(), "pod-a"));
         reconcile(Arc::new(lock.clone()), ctx2)
             .await
             .expect("reconcile");

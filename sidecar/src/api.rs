@@ -273,7 +273,7 @@ async fn status(
     if let Some(wait) = params.get("wait") {
         lock.wait_for_holder(*wait).await;
     }
-    Ok(current(lock, None))
+    Ok(current(&lock, None))
 }
 
 async fn acquire(
@@ -304,7 +304,7 @@ async fn acquire(
     lock.acquire(wait, hold)
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
-    Ok(current(lock, None))
+    Ok(current(&lock, None))
 }
 
 async fn release(
@@ -319,7 +319,7 @@ async fn release(
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     // 200 when something was released, 409 when this pod held nothing; the body shows the state.
-    let mut response = current(lock, Some(released));
+    let mut response = current(&lock, Some(released));
     *response.status_mut() = if released {
         StatusCode::OK
     } else {
