@@ -260,10 +260,10 @@ impl Harness for RedlockHarness {
     }
 }
 
-/// Leases on the in-memory Kubernetes API ([`super::LeaseApiServer`]); an outage refuses every
+/// Leases on the in-memory Kubernetes API ([`super::InMemoryApiServer`]); an outage refuses every
 /// request and ends every watch, and the stored Leases survive it.
 pub struct KubernetesHarness {
-    pub api: super::LeaseApiServer,
+    pub api: super::InMemoryApiServer,
 }
 
 impl KubernetesHarness {
@@ -271,7 +271,7 @@ impl KubernetesHarness {
 
     pub fn new() -> Self {
         Self {
-            api: super::LeaseApiServer::new(),
+            api: super::InMemoryApiServer::new(),
         }
     }
 

@@ -5,7 +5,7 @@
 pub mod conformance;
 pub mod etcd_server;
 pub mod faulty;
-pub mod lease_api_server;
+pub mod in_memory_api_server;
 pub mod mariadb_server;
 pub mod postgres_server;
 pub mod redis_server;
@@ -21,7 +21,7 @@ pub use conformance::{
 };
 pub use etcd_server::EtcdServer;
 pub use faulty::FaultyDriver;
-pub use lease_api_server::LeaseApiServer;
+pub use in_memory_api_server::InMemoryApiServer;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
 pub use redis_server::RedisServer;

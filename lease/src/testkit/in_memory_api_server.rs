@@ -1,6 +1,7 @@
-//! An in-memory Kubernetes API server for `coordination.k8s.io/v1` Leases: the one fake in the
-//! test suite, since no API server can run on these machines. It keeps the semantics the Lease
-//! driver relies on, so the driver can run the same conformance suite as every other backend:
+//! An in-memory Kubernetes API server for namespaced objects (Leases, DistributedLocks,
+//! Secrets): the one fake in the test suite, since no API server can run on these machines. It
+//! keeps the semantics the Lease driver and the resource followers rely on, so the driver can run
+//! the same conformance suite as every other backend:
 //!
 //! - one `resourceVersion` counter; a PUT whose `resourceVersion` is stale gets 409 Conflict,
 //!   a POST of an existing name 409 AlreadyExists, a read of a missing one 404;
@@ -24,13 +25,17 @@ use http_body_util::{BodyExt, Full, StreamBody, combinators::UnsyncBoxBody};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, watch};
 
-const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/";
 
 type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// A collection's address without its namespace: `/apis/coordination.k8s.io/v1/leases`,
+/// `/api/v1/secrets`.
+type Collection = String;
 
 #[derive(Clone)]
 struct Change {
     revision: u64,
+    collection: Collection,
     namespace: String,
     name: String,
     kind: &'static str,
@@ -40,26 +45,26 @@ struct Change {
 #[derive(Default)]
 struct Store {
     revision: u64,
-    leases: BTreeMap<(String, String), Value>,
+    objects: BTreeMap<(Collection, String, String), Value>,
     history: Vec<Change>,
 }
 
 /// Cheap to clone; all clones share one store.
 #[derive(Clone)]
-pub struct LeaseApiServer {
+pub struct InMemoryApiServer {
     store: Arc<Mutex<Store>>,
     changes: broadcast::Sender<Change>,
     down: watch::Sender<bool>,
     requests: Arc<AtomicU64>,
 }
 
-impl Default for LeaseApiServer {
+impl Default for InMemoryApiServer {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl LeaseApiServer {
+impl InMemoryApiServer {
     pub fn new() -> Self {
         Self {
             store: Arc::default(),
@@ -91,11 +96,31 @@ impl LeaseApiServer {
 
     /// The stored Lease, as JSON.
     pub fn lease(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.object(LEASES, namespace, name)
+    }
+
+    /// A stored object of `collection` (e.g. [`LEASES`]), as JSON.
+    pub fn object(&self, collection: &str, namespace: &str, name: &str) -> Option<Value> {
         let store = self.store.lock().unwrap();
         store
-            .leases
-            .get(&(namespace.to_owned(), name.to_owned()))
+            .objects
+            .get(&(collection.to_owned(), namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// Create or overwrite `object` (namespace and name from its metadata) in `collection`, as
+    /// `kubectl apply` would, telling the watchers.
+    pub fn put(&self, collection: &str, object: Value) {
+        let ns = object["metadata"]["namespace"].as_str().expect("metadata.namespace").to_owned();
+        let name = object["metadata"]["name"].as_str().expect("metadata.name").to_owned();
+        let mut store = self.store.lock().unwrap();
+        let key = (collection.to_owned(), ns.clone(), name.clone());
+        let kind = if store.objects.contains_key(&key) { "MODIFIED" } else { "ADDED" };
+        let mut object = object;
+        if object["metadata"]["uid"].is_null() {
+            object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}"));
+        }
+        self.commit(&mut store, collection, &ns, &name, kind, object);
     }
 
     async fn handle(
@@ -128,33 +153,22 @@ impl LeaseApiServer {
         if path == "/version" {
             return Ok(json_response(StatusCode::OK, &version()));
         }
-        let Some(rest) = path.strip_prefix(LEASES) else {
-            return Ok(status(
-                StatusCode::NOT_FOUND,
-                "NotFound",
-                &format!("no route {path}"),
-            ));
+        let Some(route) = Route::parse(&path) else {
+            return Ok(status(StatusCode::NOT_FOUND, "NotFound", &format!("no route {path}")));
         };
-        let segments: Vec<&str> = rest.split('/').collect();
-        let response = match (&parts.method, segments.as_slice()) {
-            (&Method::GET, [ns, "leases"])
-                if query.get("watch").is_some_and(|w| w == "true" || w == "1") =>
-            {
-                self.watch(ns, name_selector(&query), &query)
-            }
-            (&Method::GET, [ns, "leases"]) => self.list(ns, name_selector(&query).as_deref()),
-            (&Method::POST, [ns, "leases"]) => self.create(ns, &body),
-            (&Method::GET, [ns, "leases", name]) => match self.lease(ns, name) {
+        let (c, ns) = (route.collection.as_str(), route.namespace.as_str());
+        let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+        let response = match (&parts.method, route.name.as_deref()) {
+            (&Method::GET, None) if watch => self.watch(c, ns, name_selector(&query), &query),
+            (&Method::GET, None) => self.list(c, ns, name_selector(&query).as_deref()),
+            (&Method::POST, None) => self.create(c, ns, &body),
+            (&Method::GET, Some(name)) => match self.object(c, ns, name) {
                 Some(object) => json_response(StatusCode::OK, &object),
                 None => not_found(name),
             },
-            (&Method::PUT, [ns, "leases", name]) => self.replace(ns, name, &body),
-            (&Method::DELETE, [ns, "leases", name]) => self.delete(ns, name),
-            _ => status(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "MethodNotAllowed",
-                &format!("{} {path}", parts.method),
-            ),
+            (&Method::PUT, Some(name)) => self.replace(c, ns, name, &body),
+            (&Method::DELETE, Some(name)) => self.delete(c, ns, name),
+            _ => status(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", &format!("{} {path}", parts.method)),
         };
         Ok(response)
     }
@@ -164,6 +178,7 @@ impl LeaseApiServer {
     fn commit(
         &self,
         store: &mut Store,
+        collection: &str,
         ns: &str,
         name: &str,
         kind: &'static str,
@@ -171,14 +186,15 @@ impl LeaseApiServer {
     ) -> Value {
         store.revision += 1;
         object["metadata"]["resourceVersion"] = json!(store.revision.to_string());
-        let key = (ns.to_owned(), name.to_owned());
+        let key = (collection.to_owned(), ns.to_owned(), name.to_owned());
         if kind == "DELETED" {
-            store.leases.remove(&key);
+            store.objects.remove(&key);
         } else {
-            store.leases.insert(key, object.clone());
+            store.objects.insert(key, object.clone());
         }
         let change = Change {
             revision: store.revision,
+            collection: collection.to_owned(),
             namespace: ns.to_owned(),
             name: name.to_owned(),
             kind,
@@ -189,7 +205,7 @@ impl LeaseApiServer {
         object
     }
 
-    fn create(&self, ns: &str, body: &[u8]) -> Response<Body> {
+    fn create(&self, collection: &str, ns: &str, body: &[u8]) -> Response<Body> {
         let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
             return status(
                 StatusCode::BAD_REQUEST,
@@ -205,21 +221,17 @@ impl LeaseApiServer {
             );
         };
         let mut store = self.store.lock().unwrap();
-        if store.leases.contains_key(&(ns.to_owned(), name.clone())) {
-            return status(
-                StatusCode::CONFLICT,
-                "AlreadyExists",
-                &format!("leases.coordination.k8s.io \"{name}\" already exists"),
-            );
+        if store.objects.contains_key(&(collection.to_owned(), ns.to_owned(), name.clone())) {
+            return status(StatusCode::CONFLICT, "AlreadyExists", &format!("\"{name}\" already exists"));
         }
         object["metadata"]["namespace"] = json!(ns);
         object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}-{}", store.revision + 1));
         object["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
-        let object = self.commit(&mut store, ns, &name, "ADDED", object);
+        let object = self.commit(&mut store, collection, ns, &name, "ADDED", object);
         json_response(StatusCode::CREATED, &object)
     }
 
-    fn replace(&self, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
+    fn replace(&self, collection: &str, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
         let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
             return status(
                 StatusCode::BAD_REQUEST,
@@ -228,7 +240,7 @@ impl LeaseApiServer {
             );
         };
         let mut store = self.store.lock().unwrap();
-        let Some(current) = store.leases.get(&(ns.to_owned(), name.to_owned())) else {
+        let Some(current) = store.objects.get(&(collection.to_owned(), ns.to_owned(), name.to_owned())) else {
             return not_found(name);
         };
         let sent = object["metadata"]["resourceVersion"]
@@ -239,7 +251,7 @@ impl LeaseApiServer {
                 StatusCode::CONFLICT,
                 "Conflict",
                 &format!(
-                    "Operation cannot be fulfilled on leases.coordination.k8s.io \"{name}\": \
+                    "Operation cannot be fulfilled on \"{name}\": \
                      the object has been modified; please apply your changes to the latest version and try again"
                 ),
             );
@@ -247,32 +259,32 @@ impl LeaseApiServer {
         for field in ["uid", "creationTimestamp", "namespace"] {
             object["metadata"][field] = current["metadata"][field].clone();
         }
-        let object = self.commit(&mut store, ns, name, "MODIFIED", object);
+        let object = self.commit(&mut store, collection, ns, name, "MODIFIED", object);
         json_response(StatusCode::OK, &object)
     }
 
-    fn delete(&self, ns: &str, name: &str) -> Response<Body> {
+    fn delete(&self, collection: &str, ns: &str, name: &str) -> Response<Body> {
         let mut store = self.store.lock().unwrap();
-        let Some(current) = store.leases.get(&(ns.to_owned(), name.to_owned())).cloned() else {
+        let Some(current) = store.objects.get(&(collection.to_owned(), ns.to_owned(), name.to_owned())).cloned() else {
             return not_found(name);
         };
-        let object = self.commit(&mut store, ns, name, "DELETED", current);
+        let object = self.commit(&mut store, collection, ns, name, "DELETED", current);
         json_response(StatusCode::OK, &object)
     }
 
-    fn list(&self, ns: &str, name: Option<&str>) -> Response<Body> {
+    fn list(&self, collection: &str, ns: &str, name: Option<&str>) -> Response<Body> {
         let store = self.store.lock().unwrap();
         let items: Vec<Value> = store
-            .leases
+            .objects
             .iter()
-            .filter(|((n, lease), _)| n == ns && name.is_none_or(|name| name == lease))
+            .filter(|((c, n, object), _)| c == collection && n == ns && name.is_none_or(|name| name == object))
             .map(|(_, object)| object.clone())
             .collect();
         json_response(
             StatusCode::OK,
             &json!({
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "LeaseList",
+                "apiVersion": "v1",
+                "kind": "List",
                 "metadata": {"resourceVersion": store.revision.to_string()},
                 "items": items,
             }),
@@ -281,6 +293,7 @@ impl LeaseApiServer {
 
     fn watch(
         &self,
+        collection: &str,
         ns: &str,
         name: Option<String>,
         query: &BTreeMap<String, String>,
@@ -299,9 +312,12 @@ impl LeaseApiServer {
                 .collect();
             (replay, self.changes.subscribe())
         };
-        let ns = ns.to_owned();
-        let matches =
-            move |c: &Change| c.namespace == ns && name.as_deref().is_none_or(|n| n == c.name);
+        let (collection, ns) = (collection.to_owned(), ns.to_owned());
+        let matches = move |c: &Change| {
+            c.collection == collection
+                && c.namespace == ns
+                && name.as_deref().is_none_or(|n| n == c.name)
+        };
         let live = tokio_stream::wrappers::BroadcastStream::new(live)
             .filter_map(|c| async move { c.ok() });
         let mut down = self.down.subscribe();
@@ -323,6 +339,37 @@ impl LeaseApiServer {
             .header("content-type", "application/json")
             .body(StreamBody::new(lines).boxed_unsync())
             .unwrap()
+    }
+}
+
+/// The collection of Leases.
+pub const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";
+/// The collection of DistributedLocks.
+pub const DISTRIBUTED_LOCKS: &str = "/apis/leasehold.dev/v1alpha1/distributedlocks";
+/// The collection of Secrets.
+pub const SECRETS: &str = "/api/v1/secrets";
+
+/// `/api/v1/namespaces/NS/PLURAL[/NAME]` or `/apis/GROUP/VERSION/namespaces/NS/PLURAL[/NAME]`.
+struct Route {
+    collection: Collection,
+    namespace: String,
+    name: Option<String>,
+}
+
+impl Route {
+    fn parse(path: &str) -> Option<Self> {
+        let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let at = segments.iter().position(|s| *s == "namespaces")?;
+        let root = segments[..at].join("/");
+        match &segments[at + 1..] {
+            [ns, plural] => Some(Self { collection: format!("/{root}/{plural}"), namespace: (*ns).to_owned(), name: None }),
+            [ns, plural, name] => Some(Self {
+                collection: format!("/{root}/{plural}"),
+                namespace: (*ns).to_owned(),
+                name: Some((*name).to_owned()),
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -363,6 +410,6 @@ fn not_found(name: &str) -> Response<Body> {
     status(
         StatusCode::NOT_FOUND,
         "NotFound",
-        &format!("leases.coordination.k8s.io \"{name}\" not found"),
+        &format!("\"{name}\" not found"),
     )
 }

@@ -1,0 +1,285 @@
+//! The operator's provisioning and clean-up against the real servers of each backend (started
+//! by the test harness), with Secrets and Leases on the in-memory Kubernetes API. Each test
+//! then checks the backend itself: the table and seeded row, the parent znode, the Lease, and
+//! that a driver takes the provisioned lock.
+
+use std::time::Duration;
+
+use kube::ResourceExt;
+use leasehold_crds::{
+    Backend, CleanupPolicy, DistributedLock, DistributedLockSpec, EtcdBackend, KubernetesBackend,
+    RedisBackend, SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
+};
+use leasehold_lease::resource;
+use leasehold_lease::testkit::in_memory_api_server::{LEASES, SECRETS};
+use leasehold_lease::testkit::{
+    EtcdServer, InMemoryApiServer, MariaDbServer, PostgresServer, RedisServer, ZooKeeperServer,
+};
+use leasehold_lease::{Acquire, Driver};
+use leasehold_operator::backends::Backends;
+use leasehold_operator::status::Observation;
+use serde_json::json;
+
+const NS: &str = "team";
+
+fn lock(name: &str, backend: Backend) -> DistributedLock {
+    let mut lock = DistributedLock::new(
+        name,
+        DistributedLockSpec {
+            backend,
+            lease_duration: "15s".into(),
+            renew_interval: "5s".into(),
+            mode: Default::default(),
+            cleanup_policy: CleanupPolicy::Delete,
+        },
+    );
+    lock.metadata.namespace = Some(NS.into());
+    lock.metadata.uid = Some(format!("uid-{name}"));
+    lock
+}
+
+fn secret(api: &InMemoryApiServer, name: &str, key: &str, value: &str) -> SecretKeyRef {
+    let data = k8s_openapi::ByteString(value.as_bytes().to_vec());
+    api.put(
+        SECRETS,
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": name, "namespace": NS}, "data": {key: data}}),
+    );
+    SecretKeyRef {
+        name: name.into(),
+        key: key.into(),
+    }
+}
+
+/// Provision through the operator; returns the observation and a driver for the same lock.
+async fn provision(api: &InMemoryApiServer, lock: &DistributedLock) -> (Observation, std::sync::Arc<dyn Driver>) {
+    let client = api.client();
+    let (_, observation) = Backends::default().observe(&client, lock).await;
+    let resolved = Backends::resolve(&client, lock).await.expect("resolve");
+    let driver = resource::open(&client, &resolved).await.expect("open");
+    (observation, driver)
+}
+
+async fn takes(driver: &dyn Driver, lock: &str) {
+    match driver.try_acquire(lock, "pod-a", Duration::from_secs(30)).await.unwrap() {
+        Acquire::Acquired(lease) => assert!(driver.release(&lease).await.unwrap()),
+        busy => panic!("the provisioned lock is not free: {busy:?}"),
+    }
+}
+
+fn ready(observation: &Observation) -> &[String] {
+    match observation {
+        Observation::Ready { warnings, .. } => warnings,
+        failed => panic!("not provisioned: {failed:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_gets_its_tables_and_seeded_row_and_loses_the_row_on_delete() {
+    let server = PostgresServer::start();
+    let api = InMemoryApiServer::new();
+    let user = secret(&api, "pg", "user", "postgres");
+    let lock = lock(
+        "jobs",
+        Backend {
+            postgres: Some(SqlBackend {
+                host: "127.0.0.1".into(),
+                port: Some(server.port()),
+                database: "postgres".into(),
+                lock_mode: SqlLockMode::RowLock,
+                user_secret_ref: Some(user),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    assert!(ready(&observation).is_empty());
+    let pool = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    let rows: Vec<String> = sqlx::query_scalar("SELECT name FROM leasehold_locks_rows")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, ["jobs"], "the row is seeded before anyone locks it");
+    takes(&*driver, "jobs").await;
+
+    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    for table in ["leasehold_locks", "leasehold_locks_rows"] {
+        let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE name = 'jobs'"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(left, 0, "{table} still has the deleted lock");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_gets_its_lock_table() {
+    let server = MariaDbServer::start();
+    let api = InMemoryApiServer::new();
+    let user = secret(&api, "db", "user", "root");
+    let lock = lock(
+        "reports",
+        Backend {
+            mysql: Some(SqlBackend {
+                host: "127.0.0.1".into(),
+                port: Some(server.port()),
+                database: server.url().rsplit('/').next().unwrap().to_owned(),
+                table: Some("team_locks".into()),
+                user_secret_ref: Some(user),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    let pool = sqlx::MySqlPool::connect(&server.url()).await.unwrap();
+    let tables: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'team_locks'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(tables, 1);
+    takes(&*driver, "reports").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
+    let server = RedisServer::start();
+    let mut conn = redis::Client::open(server.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "cache",
+        Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec![format!("127.0.0.1:{}", server.port())],
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    let warnings = ready(&observation);
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("allkeys-lru"),
+        "{warnings:?}"
+    );
+    takes(&*driver, "cache").await;
+    // The clean-up removes the token counter too.
+    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    let left: i64 = redis::cmd("EXISTS")
+        .arg("leasehold:{cache}:token")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_gets_its_parent_node_and_loses_it_on_delete() {
+    let server = ZooKeeperServer::start();
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "elect",
+        Backend {
+            zookeeper: Some(ZooKeeperBackend {
+                servers: vec![format!("127.0.0.1:{}", server.port())],
+                path: "/apps/team".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    let zk = zookeeper_client::Client::connect(&format!("127.0.0.1:{}", server.port())).await.unwrap();
+    assert!(zk.check_stat("/apps/team/elect").await.unwrap().is_some(), "the lock's parent node exists");
+    takes(&*driver, "elect").await;
+    drop(driver);
+    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    assert!(zk.check_stat("/apps/team/elect").await.unwrap().is_none());
+    assert!(zk.check_stat("/apps/team").await.unwrap().is_some(), "the shared root stays");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_is_checked_and_its_queue_removed_on_delete() {
+    let server = EtcdServer::start();
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "queue",
+        Backend {
+            etcd: Some(EtcdBackend {
+                endpoints: vec![format!("127.0.0.1:{}", server.port())],
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    let Acquire::Acquired(_held) = driver.try_acquire("queue", "pod-a", Duration::from_secs(30)).await.unwrap() else {
+        panic!("not acquired")
+    };
+    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    let other = resource::open(&api.client(), &Backends::resolve(&api.client(), &lock).await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(other.observe("queue").await.unwrap(), None, "the holder's key is gone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubernetes_backend_gets_a_lease_owned_by_its_lock() {
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "leader",
+        Backend {
+            kubernetes: Some(KubernetesBackend {
+                lease_name: Some("leader-lease".into()),
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    let lease = api.object(LEASES, NS, "leader-lease").expect("the Lease was created");
+    assert_eq!(lease["metadata"]["ownerReferences"][0]["kind"], "DistributedLock");
+    assert_eq!(lease["metadata"]["ownerReferences"][0]["uid"], "uid-leader");
+    assert_eq!(lease["metadata"]["ownerReferences"][0]["controller"], true);
+    takes(&*driver, &lock.name_any()).await;
+    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    assert!(api.object(LEASES, NS, "leader-lease").is_none());
+}
+
+#[tokio::test]
+async fn a_missing_secret_is_an_invalid_spec_that_names_it() {
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "jobs",
+        Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec!["127.0.0.1:1".into()],
+                password_secret_ref: Some(SecretKeyRef {
+                    name: "absent".into(),
+                    key: "password".into(),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (_, observation) = Backends::default().observe(&api.client(), &lock).await;
+    let Observation::Failed { reason, message } = observation else {
+        panic!("{observation:?}")
+    };
+    assert_eq!(reason, "InvalidSpec");
+    assert!(message.contains("\"absent\""), "{message}");
+}
