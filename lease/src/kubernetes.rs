@@ -53,11 +53,14 @@ pub struct LeaseTarget {
     pub owner: Option<OwnerReference>,
 }
 
+/// One lock's wake-up counter and the task that watches its Lease.
+type LeaseWatch = (watch::Sender<u64>, tokio::task::JoinHandle<()>);
+
 pub struct KubernetesLeaseDriver {
     client: kube::Client,
     namespace: String,
     targets: HashMap<String, LeaseTarget>,
-    feeds: Mutex<HashMap<String, (watch::Sender<u64>, tokio::task::JoinHandle<()>)>>,
+    feeds: Mutex<HashMap<String, LeaseWatch>>,
 }
 
 impl KubernetesLeaseDriver {

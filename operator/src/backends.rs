@@ -16,9 +16,12 @@ use crate::status::Observation;
 /// How long one backend call may take before the lock is reported unreachable.
 pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A lock's driver, and the backend it was opened for.
+type OpenDriver = (BackendUrl, Arc<dyn Driver>);
+
 #[derive(Default)]
 pub struct Backends {
-    open: Mutex<HashMap<String, (BackendUrl, Arc<dyn Driver>)>>,
+    open: Mutex<HashMap<String, OpenDriver>>,
 }
 
 fn key(lock: &DistributedLock) -> String {

@@ -52,7 +52,10 @@ fn secret(api: &InMemoryApiServer, name: &str, key: &str, value: &str) -> Secret
 }
 
 /// Provision through the operator; returns the observation and a driver for the same lock.
-async fn provision(api: &InMemoryApiServer, lock: &DistributedLock) -> (Observation, std::sync::Arc<dyn Driver>) {
+async fn provision(
+    api: &InMemoryApiServer,
+    lock: &DistributedLock,
+) -> (Observation, std::sync::Arc<dyn Driver>) {
     let client = api.client();
     let (_, observation) = Backends::default().observe(&client, lock).await;
     let resolved = Backends::resolve(&client, lock).await.expect("resolve");
@@ -61,7 +64,11 @@ async fn provision(api: &InMemoryApiServer, lock: &DistributedLock) -> (Observat
 }
 
 async fn takes(driver: &dyn Driver, lock: &str) {
-    match driver.try_acquire(lock, "pod-a", Duration::from_secs(30)).await.unwrap() {
+    match driver
+        .try_acquire(lock, "pod-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
         Acquire::Acquired(lease) => assert!(driver.release(&lease).await.unwrap()),
         busy => panic!("the provisioned lock is not free: {busy:?}"),
     }
@@ -103,12 +110,16 @@ async fn postgres_row_lock_gets_its_tables_and_seeded_row_and_loses_the_row_on_d
     assert_eq!(rows, ["jobs"], "the row is seeded before anyone locks it");
     takes(&*driver, "jobs").await;
 
-    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    Backends::default()
+        .clean_up(&api.client(), &lock)
+        .await
+        .unwrap();
     for table in ["leasehold_locks", "leasehold_locks_rows"] {
-        let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE name = 'jobs'"))
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+        let left: i64 =
+            sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE name = 'jobs'"))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
         assert_eq!(left, 0, "{table} still has the deleted lock");
     }
 }
@@ -148,7 +159,11 @@ async fn mariadb_gets_its_lock_table() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
     let server = RedisServer::start();
-    let mut conn = redis::Client::open(server.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut conn = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("maxmemory-policy")
@@ -175,7 +190,10 @@ async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
     );
     takes(&*driver, "cache").await;
     // The clean-up removes the token counter too.
-    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    Backends::default()
+        .clean_up(&api.client(), &lock)
+        .await
+        .unwrap();
     let left: i64 = redis::cmd("EXISTS")
         .arg("leasehold:{cache}:token")
         .query_async(&mut conn)
@@ -201,13 +219,24 @@ async fn zookeeper_gets_its_parent_node_and_loses_it_on_delete() {
     );
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
-    let zk = zookeeper_client::Client::connect(&format!("127.0.0.1:{}", server.port())).await.unwrap();
-    assert!(zk.check_stat("/apps/team/elect").await.unwrap().is_some(), "the lock's parent node exists");
+    let zk = zookeeper_client::Client::connect(&format!("127.0.0.1:{}", server.port()))
+        .await
+        .unwrap();
+    assert!(
+        zk.check_stat("/apps/team/elect").await.unwrap().is_some(),
+        "the lock's parent node exists"
+    );
     takes(&*driver, "elect").await;
     drop(driver);
-    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    Backends::default()
+        .clean_up(&api.client(), &lock)
+        .await
+        .unwrap();
     assert!(zk.check_stat("/apps/team/elect").await.unwrap().is_none());
-    assert!(zk.check_stat("/apps/team").await.unwrap().is_some(), "the shared root stays");
+    assert!(
+        zk.check_stat("/apps/team").await.unwrap().is_some(),
+        "the shared root stays"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,14 +255,28 @@ async fn etcd_is_checked_and_its_queue_removed_on_delete() {
     );
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
-    let Acquire::Acquired(_held) = driver.try_acquire("queue", "pod-a", Duration::from_secs(30)).await.unwrap() else {
+    let Acquire::Acquired(_held) = driver
+        .try_acquire("queue", "pod-a", Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
         panic!("not acquired")
     };
-    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
-    let other = resource::open(&api.client(), &Backends::resolve(&api.client(), &lock).await.unwrap())
+    Backends::default()
+        .clean_up(&api.client(), &lock)
         .await
         .unwrap();
-    assert_eq!(other.observe("queue").await.unwrap(), None, "the holder's key is gone");
+    let other = resource::open(
+        &api.client(),
+        &Backends::resolve(&api.client(), &lock).await.unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        other.observe("queue").await.unwrap(),
+        None,
+        "the holder's key is gone"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,12 +293,20 @@ async fn the_kubernetes_backend_gets_a_lease_owned_by_its_lock() {
     );
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
-    let lease = api.object(LEASES, NS, "leader-lease").expect("the Lease was created");
-    assert_eq!(lease["metadata"]["ownerReferences"][0]["kind"], "DistributedLock");
+    let lease = api
+        .object(LEASES, NS, "leader-lease")
+        .expect("the Lease was created");
+    assert_eq!(
+        lease["metadata"]["ownerReferences"][0]["kind"],
+        "DistributedLock"
+    );
     assert_eq!(lease["metadata"]["ownerReferences"][0]["uid"], "uid-leader");
     assert_eq!(lease["metadata"]["ownerReferences"][0]["controller"], true);
     takes(&*driver, &lock.name_any()).await;
-    Backends::default().clean_up(&api.client(), &lock).await.unwrap();
+    Backends::default()
+        .clean_up(&api.client(), &lock)
+        .await
+        .unwrap();
     assert!(api.object(LEASES, NS, "leader-lease").is_none());
 }
 

@@ -25,7 +25,6 @@ use http_body_util::{BodyExt, Full, StreamBody, combinators::UnsyncBoxBody};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, watch};
 
-
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 
 /// A collection's address without its namespace: `/apis/coordination.k8s.io/v1/leases`,
@@ -111,11 +110,21 @@ impl InMemoryApiServer {
     /// Create or overwrite `object` (namespace and name from its metadata) in `collection`, as
     /// `kubectl apply` would, telling the watchers.
     pub fn put(&self, collection: &str, object: Value) {
-        let ns = object["metadata"]["namespace"].as_str().expect("metadata.namespace").to_owned();
-        let name = object["metadata"]["name"].as_str().expect("metadata.name").to_owned();
+        let ns = object["metadata"]["namespace"]
+            .as_str()
+            .expect("metadata.namespace")
+            .to_owned();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .expect("metadata.name")
+            .to_owned();
         let mut store = self.store.lock().unwrap();
         let key = (collection.to_owned(), ns.clone(), name.clone());
-        let kind = if store.objects.contains_key(&key) { "MODIFIED" } else { "ADDED" };
+        let kind = if store.objects.contains_key(&key) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
         let mut object = object;
         if object["metadata"]["uid"].is_null() {
             object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}"));
@@ -154,7 +163,11 @@ impl InMemoryApiServer {
             return Ok(json_response(StatusCode::OK, &version()));
         }
         let Some(route) = Route::parse(&path) else {
-            return Ok(status(StatusCode::NOT_FOUND, "NotFound", &format!("no route {path}")));
+            return Ok(status(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                &format!("no route {path}"),
+            ));
         };
         let (c, ns) = (route.collection.as_str(), route.namespace.as_str());
         let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
@@ -168,7 +181,11 @@ impl InMemoryApiServer {
             },
             (&Method::PUT, Some(name)) => self.replace(c, ns, name, &body),
             (&Method::DELETE, Some(name)) => self.delete(c, ns, name),
-            _ => status(StatusCode::METHOD_NOT_ALLOWED, "MethodNotAllowed", &format!("{} {path}", parts.method)),
+            _ => status(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                &format!("{} {path}", parts.method),
+            ),
         };
         Ok(response)
     }
@@ -221,8 +238,15 @@ impl InMemoryApiServer {
             );
         };
         let mut store = self.store.lock().unwrap();
-        if store.objects.contains_key(&(collection.to_owned(), ns.to_owned(), name.clone())) {
-            return status(StatusCode::CONFLICT, "AlreadyExists", &format!("\"{name}\" already exists"));
+        if store
+            .objects
+            .contains_key(&(collection.to_owned(), ns.to_owned(), name.clone()))
+        {
+            return status(
+                StatusCode::CONFLICT,
+                "AlreadyExists",
+                &format!("\"{name}\" already exists"),
+            );
         }
         object["metadata"]["namespace"] = json!(ns);
         object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}-{}", store.revision + 1));
@@ -240,7 +264,11 @@ impl InMemoryApiServer {
             );
         };
         let mut store = self.store.lock().unwrap();
-        let Some(current) = store.objects.get(&(collection.to_owned(), ns.to_owned(), name.to_owned())) else {
+        let Some(current) =
+            store
+                .objects
+                .get(&(collection.to_owned(), ns.to_owned(), name.to_owned()))
+        else {
             return not_found(name);
         };
         let sent = object["metadata"]["resourceVersion"]
@@ -265,7 +293,11 @@ impl InMemoryApiServer {
 
     fn delete(&self, collection: &str, ns: &str, name: &str) -> Response<Body> {
         let mut store = self.store.lock().unwrap();
-        let Some(current) = store.objects.get(&(collection.to_owned(), ns.to_owned(), name.to_owned())).cloned() else {
+        let Some(current) = store
+            .objects
+            .get(&(collection.to_owned(), ns.to_owned(), name.to_owned()))
+            .cloned()
+        else {
             return not_found(name);
         };
         let object = self.commit(&mut store, collection, ns, name, "DELETED", current);
@@ -277,7 +309,9 @@ impl InMemoryApiServer {
         let items: Vec<Value> = store
             .objects
             .iter()
-            .filter(|((c, n, object), _)| c == collection && n == ns && name.is_none_or(|name| name == object))
+            .filter(|((c, n, object), _)| {
+                c == collection && n == ns && name.is_none_or(|name| name == object)
+            })
             .map(|(_, object)| object.clone())
             .collect();
         json_response(
@@ -362,7 +396,11 @@ impl Route {
         let at = segments.iter().position(|s| *s == "namespaces")?;
         let root = segments[..at].join("/");
         match &segments[at + 1..] {
-            [ns, plural] => Some(Self { collection: format!("/{root}/{plural}"), namespace: (*ns).to_owned(), name: None }),
+            [ns, plural] => Some(Self {
+                collection: format!("/{root}/{plural}"),
+                namespace: (*ns).to_owned(),
+                name: None,
+            }),
             [ns, plural, name] => Some(Self {
                 collection: format!("/{root}/{plural}"),
                 namespace: (*ns).to_owned(),

@@ -1,0 +1,96 @@
+//! `--resource`: the sidecar reads its lock from a DistributedLock (and the Secrets it
+//! references) on the in-memory Kubernetes API, holds it, and follows spec changes by swapping
+//! in a lock with the new settings while `/lock` keeps answering.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::testkit::InMemoryApiServer;
+use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
+use leasehold_sidecar::api::AppState;
+use leasehold_sidecar::from_resource::{self, ResourceRef};
+use leasehold_sidecar::metrics::Metrics;
+use serde_json::{Value, json};
+
+fn distributed_lock(db: &std::path::Path, lease: &str) -> Value {
+    json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+        "metadata": {"name": "jobs", "namespace": "team", "generation": 1},
+        "spec": {"backend": {"sqlite": {"path": db.display().to_string()}},
+                 "leaseDuration": lease, "renewInterval": "1s"}
+    })
+}
+
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within 10 s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_from_its_resource_follows_spec_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("locks.db");
+    let api = InMemoryApiServer::new();
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "5s"));
+    let client = api.client();
+    let metrics = Arc::new(Metrics::new());
+    let r: ResourceRef = "team/jobs".parse().unwrap();
+
+    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
+        .await
+        .expect("started from the resource");
+    let (_, resolved, lock) = started.into_iter().next().unwrap();
+    assert_eq!(lock.config().lease_duration, Duration::from_secs(5));
+    assert_eq!(lock.config().identity, "pod-a");
+    let state = AppState::new(vec![lock], metrics.clone());
+    let follower = tokio::spawn(from_resource::follow(
+        client,
+        r,
+        resolved,
+        "pod-a".into(),
+        state.clone(),
+        metrics,
+    ));
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+
+    // The user changes the lease duration: the lock is restarted with it and held again.
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "7s"));
+    eventually("the new settings are in force", || {
+        state.locks()[0].config().lease_duration == Duration::from_secs(7)
+    })
+    .await;
+    eventually("pod-a holds the lock again", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    assert_eq!(state.locks().len(), 1);
+
+    // A change that cannot work keeps the running lock.
+    let mut broken = distributed_lock(&db, "7s");
+    broken["spec"]["backend"] = json!({"redis": {"endpoints": ["127.0.0.1:6379"], "tls": true}});
+    api.put(DISTRIBUTED_LOCKS, broken);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(state.locks()[0].backend(), "sqlite");
+    assert!(state.locks()[0].answer().is_holder());
+    follower.abort();
+}
+
+#[tokio::test]
+async fn a_missing_resource_stops_the_start_with_its_name() {
+    let api = InMemoryApiServer::new();
+    let r: ResourceRef = "team/absent".parse().unwrap();
+    let error = from_resource::start_all(&api.client(), &[r], "pod-a", &Arc::new(Metrics::new()))
+        .await
+        .err()
+        .expect("no such lock");
+    assert!(error.contains("team/absent"), "{error}");
+}
