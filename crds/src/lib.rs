@@ -283,7 +283,7 @@ pub struct EtcdBackend {
     /// `host:port` of each member.
     #[schemars(length(min = 1, max = 15))]
     pub endpoints: Vec<String>,
-    /// Key prefix of the lock keys (default `/leasehold/`).
+    /// Key prefix of the lock keys (default `leasehold`): letters, digits, `.`, `_` and `-`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     pub prefix: Option<String>,
