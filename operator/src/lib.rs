@@ -1,7 +1,8 @@
 #![forbid(unsafe_code)]
 //! The Leasehold operator. [`reconcile`] drives each `DistributedLock`: finalizer,
 //! provisioning through [`backends`], status and events decided in [`status`]; [`election`]
-//! makes one replica the reconciler; [`server`] serves metrics and probes.
+//! makes one replica the reconciler; [`server`] serves metrics and probes; [`webhook`] decides
+//! the sidecar injection.
 
 pub mod backends;
 pub mod config;
@@ -13,3 +14,4 @@ pub mod metrics;
 pub mod reconcile;
 pub mod server;
 pub mod status;
+pub mod webhook;

@@ -126,6 +126,7 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/locks/{name}/events", get(events))
         .route("/locks/{name}/acquire", post(acquire))
         .route("/locks/{name}/release", post(release))
+        .route("/resign", post(resign))
         .route("/metrics", get(metrics))
         .merge(probe_api())
         .fallback(not_found)
@@ -326,6 +327,15 @@ async fn release(
         StatusCode::CONFLICT
     };
     Ok(response)
+}
+
+/// Step down from every lock for good: release each and stop campaigning, while the process
+/// keeps answering (409) until it is stopped. The pod's preStop hook (`--resign`).
+async fn resign(State(state): State<AppState>) -> Response {
+    let locks = state.locks();
+    futures_util::future::join_all(locks.iter().map(Lock::shutdown)).await;
+    let names: Vec<&str> = locks.iter().map(Lock::name).collect();
+    json(StatusCode::OK, &serde_json::json!({ "resigned": names }))
 }
 
 #[derive(Serialize)]

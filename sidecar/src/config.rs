@@ -79,6 +79,11 @@ struct Args {
     #[arg(long, env = "LEASEHOLD_PROVISION")]
     provision: bool,
 
+    /// Ask the sidecar running on --listen to step down from every lock for good
+    /// (POST /resign), then exit: 0 when it did. For the pod's preStop hook.
+    #[arg(long, env = "LEASEHOLD_RESIGN", conflicts_with_all = ["locks", "resources", "provision"])]
+    resign: bool,
+
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", value_name = "FORMAT", default_value = "text",
           value_parser = ["text", "json"])]
@@ -87,6 +92,8 @@ struct Args {
 
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// `--resign`: tell the sidecar on `listen` to step down, and exit.
+    pub resign_only: bool,
     /// `--resource`: the locks come from these DistributedLocks (and `locks` is empty).
     pub resources: Vec<ResourceRef>,
     /// Who this holder is (the pod name in a cluster).
@@ -153,7 +160,7 @@ impl Config {
             other => bad("backend", &leasehold_lease::redact(&args.backend), &other),
         })?;
         // --provision takes the locks whose rows it seeds (row-lock mode), and needs none.
-        if args.locks.is_empty() && !args.provision && resources.is_empty() {
+        if args.locks.is_empty() && !args.provision && resources.is_empty() && !args.resign {
             return Err(Exit::BadConfig(
                 "error: --lock NAME (or LEASEHOLD_LOCK) or --resource NAMESPACE/NAME is required"
                     .into(),
@@ -209,6 +216,7 @@ impl Config {
             ));
         }
         Ok(Self {
+            resign_only: args.resign,
             resources,
             identity,
             provision_only: args.provision,

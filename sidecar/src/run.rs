@@ -17,6 +17,9 @@ use crate::metrics::Metrics;
 const DRAIN_TIMEOUT: Duration = Duration::from_millis(150);
 
 pub async fn run(config: Config) -> Result<(), String> {
+    if config.resign_only {
+        return resign(config.listen).await;
+    }
     let metrics = Arc::new(Metrics::new());
     let (state, followers) = if config.resources.is_empty() {
         match start_from_flags(&config, &metrics).await? {
@@ -144,4 +147,33 @@ async fn start_from_resources(
         })
         .collect();
     Ok((state, followers))
+}
+
+/// `--resign`: `POST /resign` to the sidecar on `listen`. The image has no curl, and the lock API
+/// is on loopback, which only a command inside the pod reaches.
+async fn resign(listen: std::net::SocketAddr) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(listen).await?;
+        stream
+            .write_all(b"POST /resign HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        Ok::<_, std::io::Error>(answer)
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .map_err(|_| format!("the sidecar on {listen} did not answer within 10 s"))?
+        .map_err(|e| format!("cannot reach the sidecar on {listen}: {e}"))?;
+    let answer = String::from_utf8_lossy(&answer);
+    if answer.starts_with("HTTP/1.1 200") {
+        println!("resigned");
+        Ok(())
+    } else {
+        Err(format!(
+            "the sidecar on {listen} answered: {}",
+            answer.lines().next().unwrap_or("nothing")
+        ))
+    }
 }

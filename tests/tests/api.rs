@@ -359,3 +359,41 @@ fn secrets_stay_out_of_logs_and_answers() {
         "the redacted URL is logged"
     );
 }
+
+/// The preStop hook the webhook injects: `leasehold-sidecar --resign` steps the running sidecar
+/// down from its lock for good, and a waiter takes over at once.
+#[test]
+fn resign_steps_down_for_good_and_hands_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let lock = unique_lock("resign");
+    let lease = ["--lease-duration", "2s"];
+    let a = Sidecar::start("pod-a", &sqlite_backend(&dir), &lock, &lease);
+    eventually(Duration::from_secs(5), "a holds", || a.is_holder());
+    let b = Sidecar::start("pod-b", &sqlite_backend(&dir), &lock, &lease);
+    let out = Command::new(sidecar_binary())
+        .args(["--resign", "--listen", &a.addr.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!a.is_holder(), "a still claims after resigning");
+    eventually(Duration::from_secs(5), "b takes over", || b.is_holder());
+    // Resigned for good: a does not campaign again, even after its cool-down would have ended.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!a.is_holder());
+    assert_eq!(
+        a.get("/healthz").status,
+        200,
+        "the process keeps running until stopped"
+    );
+
+    let nobody = Command::new(sidecar_binary())
+        .args(["--resign", "--listen", "127.0.0.1:1"])
+        .output()
+        .unwrap();
+    assert!(!nobody.status.success());
+    assert!(String::from_utf8_lossy(&nobody.stderr).contains("cannot reach the sidecar"));
+}

@@ -43,9 +43,13 @@ fn crash_takeover(backend: &str) {
         (&mut b, &mut a)
     };
     let before = dead.get("/lock").token();
-    let busy = alive.get("/lock");
-    assert_eq!(busy.status, 409, "{}", busy.body);
-    assert_eq!(busy.json()["currentHolder"], dead.identity.as_str());
+    // The survivor answers 409 naming the holder. On a loaded 2-core machine one of its
+    // backend calls may miss its budget and answer 503 for a moment; that is "not holder" too.
+    eventually(SLACK, "the survivor names the holder with a 409", || {
+        let busy = alive.get("/lock");
+        assert_ne!(busy.status, 200, "two holders: {}", busy.body);
+        busy.status == 409 && busy.json()["currentHolder"] == dead.identity.as_str()
+    });
 
     dead.kill9();
     let took = eventually(LEASE + RENEW + SLACK, "the survivor takes over", || {

@@ -1,0 +1,300 @@
+//! The pod-injection webhook's decision: which pods get the sidecar, and the JSON patch that adds
+//! it. Pure functions over the pod and the names of the locks that exist; the HTTP side only
+//! decodes the AdmissionReview, looks the locks up, and encodes the answer.
+//!
+//! A pod annotated `leasehold.dev/lock: a,b` gets one sidecar holding both locks
+//! (`--resource NS/a,NS/b`), as a native sidecar (an init container with `restartPolicy:
+//! Always`, so it starts before the app and stops after it) or, where configured, as a plain
+//! container.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
+    Lifecycle, LifecycleHandler, ObjectFieldSelector, Pod, Probe, ResourceRequirements,
+    SecurityContext,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use serde_json::{Value, json};
+
+/// The annotation that asks for the sidecar: one lock name, or several comma-separated.
+pub const ANNOTATION: &str = "leasehold.dev/lock";
+/// The injected container's name; a pod that has it is left alone.
+pub const SIDECAR_NAME: &str = "leasehold-sidecar";
+/// Kubelet probes come to the pod IP; the lock API stays on loopback.
+pub const PROBE_PORT: u16 = 4041;
+
+/// How the sidecar is injected (the operator's flags; the chart's values).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Injection {
+    pub image: String,
+    /// An init container with `restartPolicy: Always` (Kubernetes 1.29+); `false` appends a
+    /// plain container for older clusters.
+    pub native_sidecar: bool,
+}
+
+/// What the webhook answers for one pod.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Admit unchanged (no annotation, or already injected).
+    Unchanged,
+    /// Admit with these JSON-patch operations.
+    Patch(Vec<Value>),
+    /// Refuse, saying exactly what is wrong.
+    Deny(String),
+}
+
+/// The lock names of an annotation value: comma-separated Kubernetes object names, each once.
+pub fn parse_annotation(value: &str) -> Result<Vec<String>, String> {
+    let mut names = Vec::new();
+    for raw in value.split(',') {
+        let name = raw.trim();
+        if name.is_empty() {
+            return Err(format!(
+                "annotation {ANNOTATION}={value:?}: an empty lock name; write one name or several separated by commas"
+            ));
+        }
+        leasehold_lease::names::validate_lease_name(name).map_err(|e| {
+            format!(
+                "annotation {ANNOTATION}={value:?}: {name:?} is not a DistributedLock name: {e}"
+            )
+        })?;
+        if names.iter().any(|n| n == name) {
+            return Err(format!(
+                "annotation {ANNOTATION}={value:?}: {name:?} is named twice"
+            ));
+        }
+        names.push(name.to_owned());
+    }
+    Ok(names)
+}
+
+/// The lock names `pod` asks for, if it carries the annotation.
+pub fn requested_locks(pod: &Pod) -> Option<Result<Vec<String>, String>> {
+    let value = pod.metadata.annotations.as_ref()?.get(ANNOTATION)?;
+    Some(parse_annotation(value))
+}
+
+fn already_injected(pod: &Pod) -> bool {
+    let Some(spec) = &pod.spec else { return false };
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .any(|c| c.name == SIDECAR_NAME)
+}
+
+/// Decide for `pod` in `namespace`, given which DistributedLocks exist there.
+pub fn decide(
+    pod: &Pod,
+    namespace: &str,
+    existing: &BTreeSet<String>,
+    injection: &Injection,
+) -> Decision {
+    let locks = match requested_locks(pod) {
+        None => return Decision::Unchanged,
+        Some(Err(message)) => return Decision::Deny(message),
+        Some(Ok(locks)) => locks,
+    };
+    if already_injected(pod) {
+        return Decision::Unchanged;
+    }
+    let missing: Vec<&str> = locks
+        .iter()
+        .filter(|l| !existing.contains(*l))
+        .map(String::as_str)
+        .collect();
+    if !missing.is_empty() {
+        return Decision::Deny(format!(
+            "annotation {ANNOTATION} names {} that {} not exist in namespace {namespace}: {}; create {} first (kubectl get dlock -n {namespace})",
+            if missing.len() == 1 {
+                "a DistributedLock"
+            } else {
+                "DistributedLocks"
+            },
+            if missing.len() == 1 { "does" } else { "do" },
+            missing.join(", "),
+            if missing.len() == 1 { "it" } else { "them" },
+        ));
+    }
+    let container = sidecar(namespace, &locks, injection);
+    let mut value = serde_json::to_value(&container).expect("a container serializes");
+    let spec = pod.spec.as_ref();
+    let (list, present) = if injection.native_sidecar {
+        value["restartPolicy"] = json!("Always");
+        (
+            "initContainers",
+            spec.and_then(|s| s.init_containers.as_ref()).is_some(),
+        )
+    } else {
+        ("containers", true)
+    };
+    let op = if present {
+        json!({"op": "add", "path": format!("/spec/{list}/-"), "value": value})
+    } else {
+        json!({"op": "add", "path": format!("/spec/{list}"), "value": [value]})
+    };
+    Decision::Patch(vec![op])
+}
+
+/// The sidecar container for `locks` in `namespace`.
+pub fn sidecar(namespace: &str, locks: &[String], injection: &Injection) -> Container {
+    let resources: Vec<String> = locks.iter().map(|l| format!("{namespace}/{l}")).collect();
+    let quantity = |q: &str| Quantity(q.to_owned());
+    let http = |path: &str| HTTPGetAction {
+        path: Some(path.to_owned()),
+        port: IntOrString::Int(i32::from(PROBE_PORT)),
+        ..HTTPGetAction::default()
+    };
+    Container {
+        name: SIDECAR_NAME.to_owned(),
+        image: Some(injection.image.clone()),
+        command: Some(vec!["/leasehold-sidecar".to_owned()]),
+        args: Some(vec![
+            "--resource".to_owned(),
+            resources.join(","),
+            "--probe-listen".to_owned(),
+            format!("0.0.0.0:{PROBE_PORT}"),
+            "--log-format".to_owned(),
+            "json".to_owned(),
+        ]),
+        env: Some(vec![EnvVar {
+            name: "LEASEHOLD_IDENTITY".to_owned(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.name".to_owned(),
+                    ..ObjectFieldSelector::default()
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        }]),
+        ports: Some(vec![ContainerPort {
+            name: Some("leasehold-probe".to_owned()),
+            container_port: i32::from(PROBE_PORT),
+            ..ContainerPort::default()
+        }]),
+        readiness_probe: Some(Probe {
+            http_get: Some(http("/readyz")),
+            period_seconds: Some(5),
+            ..Probe::default()
+        }),
+        liveness_probe: Some(Probe {
+            http_get: Some(http("/healthz")),
+            period_seconds: Some(10),
+            ..Probe::default()
+        }),
+        // The preStop steps down from every lock for good (`POST /resign` on the loopback API)
+        // as soon as the pod starts terminating, while the app may still be draining; SIGTERM
+        // would release too, but a native sidecar gets it only after the app has exited.
+        lifecycle: Some(Lifecycle {
+            pre_stop: Some(LifecycleHandler {
+                exec: Some(ExecAction {
+                    command: Some(vec!["/leasehold-sidecar".to_owned(), "--resign".to_owned()]),
+                }),
+                ..LifecycleHandler::default()
+            }),
+            ..Lifecycle::default()
+        }),
+        resources: Some(ResourceRequirements {
+            requests: Some(
+                [
+                    ("cpu".to_owned(), quantity("10m")),
+                    ("memory".to_owned(), quantity("16Mi")),
+                ]
+                .into(),
+            ),
+            limits: Some([("memory".to_owned(), quantity("64Mi"))].into()),
+            ..ResourceRequirements::default()
+        }),
+        security_context: Some(SecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            read_only_root_filesystem: Some(true),
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_owned()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        ..Container::default()
+    }
+}
+
+/// Answer one AdmissionReview with the JSON to send back: look up the locks the pod names (in
+/// its namespace) and decide. Unreadable reviews and API failures are refused with the reason
+/// (the webhook's failurePolicy then decides whether the pod is admitted without the sidecar).
+pub async fn review(
+    client: &kube::Client,
+    injection: &Injection,
+    review: kube::core::admission::AdmissionReview<Pod>,
+) -> Value {
+    let mut answer = decide_review(client, injection, review).await;
+    // kube-core serializes the patch as an array of numbers (kube-rs issue #1781); the API
+    // server reads `[]byte` as base64, so the wire form is written here.
+    let patch = answer.response.as_mut().and_then(|r| r.patch.take());
+    let mut wire = serde_json::to_value(&answer).expect("an AdmissionReview serializes");
+    if let Some(bytes) = patch {
+        wire["response"]["patch"] =
+            serde_json::to_value(k8s_openapi::ByteString(bytes)).expect("bytes serialize");
+    }
+    wire
+}
+
+async fn decide_review(
+    client: &kube::Client,
+    injection: &Injection,
+    review: kube::core::admission::AdmissionReview<Pod>,
+) -> kube::core::admission::AdmissionReview<kube::core::DynamicObject> {
+    use kube::core::admission::{AdmissionRequest, AdmissionResponse};
+    let request: AdmissionRequest<Pod> = match review.try_into() {
+        Ok(request) => request,
+        Err(e) => {
+            return AdmissionResponse::invalid(format!("not an AdmissionReview request: {e}"))
+                .into_review();
+        }
+    };
+    let response = AdmissionResponse::from(&request);
+    let Some(pod) = &request.object else {
+        return response.into_review();
+    };
+    let namespace = request
+        .namespace
+        .clone()
+        .or_else(|| pod.metadata.namespace.clone())
+        .unwrap_or_else(|| "default".to_owned());
+    let mut existing = BTreeSet::new();
+    if let Some(Ok(locks)) = requested_locks(pod) {
+        let api: kube::Api<leasehold_crds::DistributedLock> =
+            kube::Api::namespaced(client.clone(), &namespace);
+        for lock in locks {
+            match api.get_opt(&lock).await {
+                Ok(Some(_)) => {
+                    existing.insert(lock);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return response
+                        .deny(format!(
+                            "cannot look up DistributedLock {namespace}/{lock}: {e}"
+                        ))
+                        .into_review();
+                }
+            }
+        }
+    }
+    match decide(pod, &namespace, &existing, injection) {
+        Decision::Unchanged => response.into_review(),
+        Decision::Deny(message) => response.deny(message).into_review(),
+        Decision::Patch(ops) => {
+            let patch: json_patch::Patch =
+                serde_json::from_value(Value::Array(ops)).expect("our operations are a JSON patch");
+            match response.with_patch(patch) {
+                Ok(patched) => patched.into_review(),
+                Err(e) => AdmissionResponse::invalid(format!("cannot encode the patch: {e}"))
+                    .into_review(),
+            }
+        }
+    }
+}
