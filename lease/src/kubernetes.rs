@@ -323,20 +323,24 @@ fn now_micro() -> MicroTime {
 fn claim(object: &mut LeaseObject, identity: &str, token: u64, ttl: Duration) -> Result<()> {
     let token = i32::try_from(token)
         .map_err(|_| Error::Backend("leaseTransitions would pass 2^31".into()))?;
-    let seconds = whole_seconds(ttl);
-    let now = now_micro();
+    extend(object, ttl);
+    let spec = object.spec.get_or_insert_with(LeaseSpec::default);
+    spec.holder_identity = Some(identity.to_owned());
+    spec.lease_transitions = Some(token);
+    spec.acquire_time = spec.renew_time.clone();
+    Ok(())
+}
+
+/// Date the lease from now for `ttl`: `renewTime`, the whole seconds, and the exact duration.
+fn extend(object: &mut LeaseObject, ttl: Duration) {
     object
         .metadata
         .annotations
         .get_or_insert_with(Default::default)
         .insert(DURATION_ANNOTATION.to_owned(), ttl.as_millis().to_string());
     let spec = object.spec.get_or_insert_with(LeaseSpec::default);
-    spec.holder_identity = Some(identity.to_owned());
-    spec.lease_transitions = Some(token);
-    spec.lease_duration_seconds = Some(seconds);
-    spec.acquire_time = Some(now.clone());
-    spec.renew_time = Some(now);
-    Ok(())
+    spec.renew_time = Some(now_micro());
+    spec.lease_duration_seconds = Some(whole_seconds(ttl));
 }
 
 /// kube's errors in the lease engine's terms. Status bodies carry no secrets, only the API
@@ -402,18 +406,8 @@ impl Driver for KubernetesLeaseDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let seconds = whole_seconds(ttl);
-        self.rewrite_own(lease, true, |object| {
-            object
-                .metadata
-                .annotations
-                .get_or_insert_with(Default::default)
-                .insert(DURATION_ANNOTATION.to_owned(), ttl.as_millis().to_string());
-            let spec = object.spec.get_or_insert_with(LeaseSpec::default);
-            spec.renew_time = Some(now_micro());
-            spec.lease_duration_seconds = Some(seconds);
-        })
-        .await
+        self.rewrite_own(lease, true, |object| extend(object, ttl))
+            .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {

@@ -9,6 +9,7 @@ use leasehold_operator::config::Config;
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context};
 use leasehold_operator::{election, server};
+use leasehold_sidecar::process::{hostname, init_logging, shutdown_signal};
 
 /// Exit status when leadership is lost: the pod restarts as a standby with fresh caches.
 const EXIT_DEPOSED: u8 = 3;
@@ -31,7 +32,10 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     let client = kube::Client::try_default()
         .await
         .map_err(|e| format!("no Kubernetes API configuration: {e}"))?;
-    let identity = config.identity.clone().unwrap_or_else(hostname);
+    let identity = config
+        .identity
+        .clone()
+        .unwrap_or_else(|| hostname("leasehold-operator"));
     let election_namespace = config
         .election_namespace
         .clone()
@@ -82,35 +86,4 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     metrics.set_leader(false);
     leadership.shutdown().await;
     Ok(code)
-}
-
-async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    }
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "leasehold-operator".to_owned())
-}
-
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.with_ansi(false).init();
-    }
 }

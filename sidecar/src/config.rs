@@ -166,7 +166,9 @@ impl Config {
                     .into(),
             ));
         }
-        let identity = args.identity.unwrap_or_else(hostname);
+        let identity = args
+            .identity
+            .unwrap_or_else(|| crate::process::hostname("leasehold"));
         // With --resource the locks are validated later; the identity is checked here.
         if let Err(leasehold_lease::Error::InvalidConfig {
             field: "identity",
@@ -252,15 +254,6 @@ fn parse_loopback(raw: &str) -> Result<SocketAddr, String> {
         );
     }
     Ok(addr)
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "leasehold".to_owned())
 }
 
 #[cfg(test)]

@@ -6,4 +6,5 @@ pub mod api;
 pub mod config;
 pub mod from_resource;
 pub mod metrics;
+pub mod process;
 pub mod run;

@@ -61,7 +61,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         )
     });
 
-    let signal = shutdown_signal().await;
+    let signal = crate::process::shutdown_signal().await;
     tracing::info!(signal, "shutting down: releasing leases");
     // Stop following resources (no lock may be swapped in now), then release first: waiters
     // elsewhere take over while this process is still draining.
@@ -76,16 +76,6 @@ pub async fn run(config: Config) -> Result<(), String> {
     }
     tracing::info!("stopped");
     Ok(())
-}
-
-async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    }
 }
 
 /// `--lock` and `--backend`. `None`: `--provision` did its work and the process is done.
