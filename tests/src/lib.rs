@@ -131,6 +131,10 @@ impl Sidecar {
             }
             [] => Command::new(sidecar_binary()),
         };
+        // A process group of its own, so that kill9 also reaches the sidecar behind a wrapper
+        // (faketime forks it as a child): an orphan would keep running, and loading the
+        // machine, through every later test.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let child = command
             .args(["--lock", lock, "--backend", backend, "--identity", identity])
             .args(["--listen", &format!("127.0.0.1:{port}")])
@@ -189,6 +193,7 @@ impl Sidecar {
     /// `kill -9`: no release, no goodbye.
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -214,7 +219,7 @@ impl Sidecar {
 impl Drop for Sidecar {
     fn drop(&mut self) {
         if let Some(child) = &self.child {
-            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGCONT);
+            let _ = nix::sys::signal::killpg(Pid::from_raw(child.id() as i32), Signal::SIGCONT);
         }
         self.kill9();
     }
