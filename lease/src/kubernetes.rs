@@ -19,7 +19,7 @@
 //! - **Wake-ups**: one watch per lock (on the Lease's name), started by the first waiter.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -91,10 +91,6 @@ impl KubernetesLeaseDriver {
         self
     }
 
-    pub fn namespace(&self) -> &str {
-        &self.namespace
-    }
-
     /// The Lease that holds `lock`.
     pub fn lease_name<'a>(&'a self, lock: &'a str) -> &'a str {
         self.targets
@@ -112,19 +108,6 @@ impl KubernetesLeaseDriver {
             .get_opt(self.lease_name(lock))
             .await
             .map_err(classify)
-    }
-
-    /// Remove the Lease of `lock` (the operator's cleanup on `cleanupPolicy: Delete`).
-    pub async fn delete_lease(&self, lock: &str) -> Result<()> {
-        match self
-            .api()
-            .delete(self.lease_name(lock), &DeleteParams::default())
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
-            Err(e) => Err(classify(e)),
-        }
     }
 
     /// A fresh, unheld Lease for `lock`.
@@ -373,7 +356,15 @@ impl Driver for KubernetesLeaseDriver {
 
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         for lock in locks {
-            self.delete_lease(lock).await?;
+            match self
+                .api()
+                .delete(self.lease_name(lock), &DeleteParams::default())
+                .await
+            {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(e) => return Err(classify(e)),
+            }
         }
         Ok(())
     }
@@ -457,17 +448,13 @@ impl Driver for KubernetesLeaseDriver {
     }
 }
 
-/// Shared by the operator's status: who holds `lock` and with what token, read from a Lease.
-pub fn holding_of(object: &LeaseObject) -> Option<Holding> {
-    Record::of(object).and_then(|r| r.holding(Timestamp::now()))
-}
-
-/// Keep one driver per process cheap to clone into tasks.
-pub type SharedKubernetesLeaseDriver = Arc<KubernetesLeaseDriver>;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn holding_of(object: &LeaseObject) -> Option<Holding> {
+        Record::of(object).and_then(|r| r.holding(Timestamp::now()))
+    }
 
     fn lease(
         holder: Option<&str>,

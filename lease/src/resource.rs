@@ -360,11 +360,6 @@ pub fn parse_go_duration(raw: &str) -> Option<Duration> {
     Some(total)
 }
 
-/// The resource kind, for messages.
-pub fn kind() -> String {
-    DistributedLock::kind(&()).into_owned()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
