@@ -2,7 +2,8 @@
 //! The Leasehold operator. [`reconcile`] drives each `DistributedLock`: finalizer,
 //! provisioning through [`backends`], status and events decided in [`status`]; [`election`]
 //! makes one replica the reconciler; [`server`] serves metrics and probes; [`webhook`] decides
-//! the sidecar injection.
+//! the sidecar injection, [`webhook_server`] serves it over HTTPS with the certificate that
+//! [`webhook_tls`] keeps current ([`webhook_certs`] issues and rotates it).
 
 pub mod backends;
 pub mod config;
@@ -15,3 +16,6 @@ pub mod reconcile;
 pub mod server;
 pub mod status;
 pub mod webhook;
+pub mod webhook_certs;
+pub mod webhook_server;
+pub mod webhook_tls;

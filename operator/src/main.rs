@@ -8,7 +8,9 @@ use clap::Parser;
 use leasehold_operator::config::Config;
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context};
-use leasehold_operator::{election, server};
+use leasehold_operator::webhook::Injection;
+use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
+use leasehold_operator::{election, server, webhook_server};
 use leasehold_sidecar::process::{hostname, init_logging, shutdown_signal};
 
 /// Exit status when leadership is lost: the pod restarts as a standby with fresh caches.
@@ -51,9 +53,18 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     };
     tokio::spawn(async move { axum::serve(listener, server::router(health)).await });
 
+    let serving = start_webhook(&config, &client, &election_namespace).await?;
     let leadership = election::campaign(client.clone(), &election_namespace, &identity)
         .map_err(|e| format!("cannot start the leader election: {e}"))?;
-    ready.store(true, Ordering::SeqCst);
+    // Ready once the webhook presents a certificate: the Service must not send admission
+    // reviews to a replica that would fail every handshake.
+    tokio::spawn({
+        let ready = ready.clone();
+        async move {
+            serving.wait_loaded().await;
+            ready.store(true, Ordering::SeqCst);
+        }
+    });
     tracing::info!(%identity, namespace = %election_namespace, "waiting to lead");
     tokio::select! {
         () = election::elected(&leadership) => {}
@@ -86,4 +97,47 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     metrics.set_leader(false);
     leadership.shutdown().await;
     Ok(code)
+}
+
+/// Listen for admission reviews on every replica, with a certificate from files (cert-manager)
+/// or one this operator issues and keeps current.
+async fn start_webhook(
+    config: &Config,
+    client: &kube::Client,
+    namespace: &str,
+) -> Result<std::sync::Arc<ServingCert>, String> {
+    let listener = tokio::net::TcpListener::bind(config.webhook_listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.webhook_listen))?;
+    let serving = ServingCert::new();
+    match &config.webhook_cert_dir {
+        Some(dir) => {
+            tokio::spawn(webhook_tls::follow_files(dir.clone(), serving.clone()));
+        }
+        None => {
+            let settings = SelfManaged {
+                namespace: namespace.to_owned(),
+                secret: config.webhook_secret.clone(),
+                service: config.webhook_service.clone(),
+                webhook_configuration: config.webhook_configuration.clone(),
+            };
+            tokio::spawn(webhook_tls::maintain(
+                client.clone(),
+                settings,
+                serving.clone(),
+            ));
+        }
+    }
+    let injection = Injection {
+        image: config.sidecar_image.clone(),
+        native_sidecar: config.sidecar_mode == "native",
+    };
+    let router = webhook_server::router(client.clone(), injection);
+    tokio::spawn(webhook_server::serve(
+        listener,
+        serving.clone(),
+        router,
+        std::future::pending(),
+    ));
+    Ok(serving)
 }

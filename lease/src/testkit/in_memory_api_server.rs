@@ -1,5 +1,5 @@
 //! An in-memory Kubernetes API server for namespaced objects (Leases, DistributedLocks,
-//! Secrets): the one fake in the test suite, since no API server can run on these machines. It
+//! Secrets) and cluster-scoped ones (webhook configurations): the one fake in the test suite, since no API server can run on these machines. It
 //! keeps the semantics the Lease driver and the resource followers rely on, so the driver can run
 //! the same conformance suite as every other backend:
 //!
@@ -110,9 +110,10 @@ impl InMemoryApiServer {
     /// Create or overwrite `object` (namespace and name from its metadata) in `collection`, as
     /// `kubectl apply` would, telling the watchers.
     pub fn put(&self, collection: &str, object: Value) {
+        // Cluster-scoped objects have no namespace and are stored under "".
         let ns = object["metadata"]["namespace"]
             .as_str()
-            .expect("metadata.namespace")
+            .unwrap_or_default()
             .to_owned();
         let name = object["metadata"]["name"]
             .as_str()
@@ -248,7 +249,9 @@ impl InMemoryApiServer {
                 &format!("\"{name}\" already exists"),
             );
         }
-        object["metadata"]["namespace"] = json!(ns);
+        if !ns.is_empty() {
+            object["metadata"]["namespace"] = json!(ns);
+        }
         object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}-{}", store.revision + 1));
         object["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
         let object = self.commit(&mut store, collection, ns, &name, "ADDED", object);
@@ -382,6 +385,9 @@ pub const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";
 pub const DISTRIBUTED_LOCKS: &str = "/apis/leasehold.dev/v1alpha1/distributedlocks";
 /// The collection of Secrets.
 pub const SECRETS: &str = "/api/v1/secrets";
+/// The collection of MutatingWebhookConfigurations (cluster-scoped: namespace "").
+pub const MUTATING_WEBHOOK_CONFIGURATIONS: &str =
+    "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations";
 
 /// `/api/v1/namespaces/NS/PLURAL[/NAME]` or `/apis/GROUP/VERSION/namespaces/NS/PLURAL[/NAME]`.
 struct Route {
@@ -393,7 +399,27 @@ struct Route {
 impl Route {
     fn parse(path: &str) -> Option<Self> {
         let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        let at = segments.iter().position(|s| *s == "namespaces")?;
+        let Some(at) = segments.iter().position(|s| *s == "namespaces") else {
+            // Cluster-scoped: `/apis/GROUP/VERSION/PLURAL[/NAME]`, stored under namespace "".
+            let root = if segments.first() == Some(&"api") {
+                2
+            } else {
+                3
+            };
+            return match segments.get(root..)? {
+                [plural] => Some(Self {
+                    collection: format!("/{}/{plural}", segments[..root].join("/")),
+                    namespace: String::new(),
+                    name: None,
+                }),
+                [plural, name] => Some(Self {
+                    collection: format!("/{}/{plural}", segments[..root].join("/")),
+                    namespace: String::new(),
+                    name: Some((*name).to_owned()),
+                }),
+                _ => None,
+            };
+        };
         let root = segments[..at].join("/");
         match &segments[at + 1..] {
             [ns, plural] => Some(Self {
