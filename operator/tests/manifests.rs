@@ -1,6 +1,9 @@
-//! The kustomize bases render (with the real `kubectl kustomize`), include the generated CRD
-//! unchanged, and keep the security promises: least-privilege RBAC, non-root read-only
-//! containers.
+//! The Helm chart and the kustomize bases: the chart lints, renders and validates against the
+//! Kubernetes schemas with Helm's own engine (`charts/check.py`, helm-python-sdk and
+//! kubernetes-validate), the kustomize bases render with the real `kubectl kustomize`, both ship
+//! the generated CRD unchanged, and both keep the security promises: least-privilege RBAC,
+//! non-root read-only containers, a webhook that only annotated pods outside the operator's
+//! namespace and kube-system reach.
 
 use std::path::Path;
 use std::process::Command;
@@ -20,6 +23,52 @@ fn render(dir: &str) -> Vec<Value> {
         String::from_utf8_lossy(&output.stderr)
     );
     let text = String::from_utf8(output.stdout).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
+        .collect()
+}
+
+fn root() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `charts/check.py ARGS` with the venv's python: (succeeded, stdout and stderr).
+fn chart(args: &[&str]) -> (bool, String) {
+    let python = std::env::var("LEASEHOLD_VENV")
+        .map(|v| format!("{v}/bin/python"))
+        .unwrap_or_else(|_| "/var/tmp/leasehold-venv/bin/python".to_owned());
+    assert!(
+        Path::new(&python).exists(),
+        "{python} is missing: run scripts/install-chart-tools (or scripts/install-test-deps), \
+         which creates the venv with helm-python-sdk and kubernetes-validate"
+    );
+    let output = Command::new(&python)
+        .arg(root().join("charts/check.py"))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}
+
+fn ci_values(name: &str) -> String {
+    root()
+        .join("charts/leasehold/ci")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// The chart rendered with `args` (`-f FILE`, `--set K=V`).
+fn render_chart(args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["render"];
+    all.extend_from_slice(args);
+    let (ok, text) = chart(&all);
+    assert!(ok, "helm render failed: {text}");
     serde_yaml::Deserializer::from_str(&text)
         .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
         .collect()
@@ -62,10 +111,247 @@ fn the_operator_base_renders_with_the_generated_crd() {
         "Role",
         "RoleBinding",
         "Deployment",
-        "Service",
+        "MutatingWebhookConfiguration",
+        "PodDisruptionBudget",
     ] {
         assert_eq!(of_kind(&docs, kind).len(), 1, "{kind}");
     }
+    assert_eq!(of_kind(&docs, "Service").len(), 2, "webhook and metrics");
+}
+
+#[test]
+fn the_chart_ships_the_generated_crd_byte_for_byte() {
+    let shipped =
+        std::fs::read_to_string(root().join("charts/leasehold/crds/distributedlock.yaml")).unwrap();
+    assert!(
+        shipped == leasehold_crds_yaml(),
+        "charts/leasehold/crds/distributedlock.yaml differs from crds/distributedlock.yaml: \
+         cp crds/distributedlock.yaml charts/leasehold/crds/"
+    );
+}
+
+#[test]
+fn the_chart_lints_and_validates_against_the_kubernetes_schemas() {
+    let variants = [
+        "default-values.yaml",
+        "cert-manager-values.yaml",
+        "older-cluster-values.yaml",
+    ];
+    let files: Vec<String> = variants.iter().map(|v| ci_values(v)).collect();
+    let mut lint = vec!["lint"];
+    lint.extend(files.iter().map(String::as_str));
+    let (ok, text) = chart(&lint);
+    assert!(ok, "helm lint --strict: {text}");
+    for file in &files {
+        let (ok, text) = chart(&["validate", "-f", file]);
+        assert!(ok, "{file}: {text}");
+        // Every object was looked at, the CRD included.
+        assert!(
+            text.contains("Deployment/leasehold-operator: valid"),
+            "{text}"
+        );
+        assert!(
+            text.contains("CustomResourceDefinition/distributedlocks.leasehold.dev: valid"),
+            "{text}"
+        );
+        assert!(!text.contains("INVALID"), "{text}");
+    }
+}
+
+#[test]
+fn bad_values_are_refused_by_the_schema_with_the_key_named() {
+    for (set, key) in [
+        ("webhook.failurePolicy=Sometimes", "/webhook/failurePolicy"),
+        ("sidecar.mode=daemon", "/sidecar/mode"),
+        ("operator.replicas=0", "/operator/replicas"),
+        (
+            "webhook.excludeNamespaces[0]=Not_A_Namespace",
+            "/webhook/excludeNamespaces/0",
+        ),
+        ("webhook.typo=1", "typo"),
+    ] {
+        let (ok, text) = chart(&["schema", "--set", set]);
+        assert!(!ok, "{set} was accepted");
+        assert!(text.contains(key), "{set}: {text}");
+    }
+    let (ok, text) = chart(&["schema", "--set", "webhook.failurePolicy=Ignore"]);
+    assert!(ok, "{text}");
+}
+
+#[test]
+fn the_kustomize_copy_of_the_chart_is_current() {
+    let (ok, text) = chart(&["render"]);
+    assert!(ok, "{text}");
+    let committed = std::fs::read_to_string(root().join("operator/config/leasehold.yaml")).unwrap();
+    let body = committed
+        .lines()
+        .skip_while(|l| l.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        body.trim_end() == text.trim_end(),
+        "operator/config/leasehold.yaml is stale: run charts/check.py kustomize"
+    );
+}
+
+fn webhook_of(docs: &[Value]) -> &Value {
+    let configurations = of_kind(docs, "MutatingWebhookConfiguration");
+    assert_eq!(configurations.len(), 1);
+    let webhooks = configurations[0]["webhooks"].as_sequence().unwrap();
+    assert_eq!(webhooks.len(), 1);
+    &webhooks[0]
+}
+
+/// The operator's arguments in the chart's Deployment, which its own flag parser must accept.
+fn operator_args(docs: &[Value]) -> Vec<String> {
+    use clap::Parser;
+    let deployment = of_kind(docs, "Deployment")[0];
+    let args: Vec<String> =
+        strings(&deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+    let argv = std::iter::once("leasehold-operator".to_owned()).chain(args.clone());
+    if let Err(e) = leasehold_operator::config::Config::try_parse_from(argv) {
+        panic!("the operator refuses the chart's arguments {args:?}: {e}");
+    }
+    args
+}
+
+#[test]
+fn only_annotated_pods_outside_the_operator_and_kube_system_reach_the_webhook() {
+    let docs = render_chart(&["--set", "webhook.excludeNamespaces[0]=batch"]);
+    let webhook = webhook_of(&docs);
+    assert_eq!(webhook["failurePolicy"].as_str(), Some("Fail"));
+    assert_eq!(webhook["sideEffects"].as_str(), Some("None"));
+    assert_eq!(
+        webhook["clientConfig"]["service"]["path"].as_str(),
+        Some(leasehold_operator::webhook_server::MUTATE_PATH)
+    );
+    assert_eq!(
+        webhook["clientConfig"]["service"]["name"].as_str(),
+        Some("leasehold-webhook")
+    );
+    let rule = &webhook["rules"][0];
+    assert_eq!(strings(&rule["resources"]), ["pods"]);
+    assert_eq!(strings(&rule["operations"]), ["CREATE"]);
+    let excluded = &webhook["namespaceSelector"]["matchExpressions"][0];
+    assert_eq!(
+        excluded["key"].as_str(),
+        Some("kubernetes.io/metadata.name")
+    );
+    assert_eq!(excluded["operator"].as_str(), Some("NotIn"));
+    assert_eq!(
+        strings(&excluded["values"]),
+        ["leasehold-system", "kube-system", "batch"]
+    );
+    let condition = webhook["matchConditions"][0]["expression"]
+        .as_str()
+        .unwrap();
+    assert!(
+        condition.contains(&format!("'{}'", leasehold_operator::webhook::ANNOTATION)),
+        "{condition}"
+    );
+    // The operator is told the names the chart gave, and issues its own certificate.
+    let args = operator_args(&docs);
+    for wanted in [
+        "--webhook-service=leasehold-webhook",
+        "--webhook-configuration=leasehold",
+        "--webhook-secret=leasehold-webhook-tls",
+        "--sidecar-mode=native",
+        "--sidecar-image=leasehold/leasehold:0.1.0",
+    ] {
+        assert!(args.iter().any(|a| a == wanted), "{wanted} not in {args:?}");
+    }
+    assert!(of_kind(&docs, "Certificate").is_empty());
+
+    let older = render_chart(&["-f", &ci_values("older-cluster-values.yaml")]);
+    let webhook = webhook_of(&older);
+    assert_eq!(webhook["failurePolicy"].as_str(), Some("Ignore"));
+    assert!(webhook["matchConditions"].is_null());
+    assert_eq!(
+        webhook["objectSelector"]["matchLabels"]["leasehold.dev/inject"].as_str(),
+        Some("true")
+    );
+    assert!(operator_args(&older).contains(&"--sidecar-mode=container".to_owned()));
+    assert!(
+        of_kind(&older, "PodDisruptionBudget").is_empty(),
+        "no PDB for one replica: it would block every drain"
+    );
+}
+
+#[test]
+fn with_cert_manager_the_certificate_is_mounted_and_the_operator_writes_neither_secret_nor_webhook()
+{
+    let docs = render_chart(&["-f", &ci_values("cert-manager-values.yaml")]);
+    let certificate = of_kind(&docs, "Certificate");
+    assert_eq!(certificate.len(), 1);
+    let certificate = certificate[0];
+    assert_eq!(
+        certificate["spec"]["secretName"].as_str(),
+        Some("leasehold-webhook-tls")
+    );
+    assert_eq!(
+        strings(&certificate["spec"]["dnsNames"]),
+        [
+            "leasehold-webhook.leasehold-system.svc",
+            "leasehold-webhook.leasehold-system.svc.cluster.local"
+        ]
+    );
+    let issuer = of_kind(&docs, "Issuer");
+    assert_eq!(issuer.len(), 1);
+    assert_eq!(
+        certificate["spec"]["issuerRef"]["name"],
+        issuer[0]["metadata"]["name"]
+    );
+    let configuration = of_kind(&docs, "MutatingWebhookConfiguration")[0];
+    assert_eq!(
+        configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].as_str(),
+        Some("leasehold-system/leasehold-webhook"),
+        "cert-manager's CA injector names the Certificate"
+    );
+    let args = operator_args(&docs);
+    assert!(args.contains(&"--webhook-cert-dir=/etc/leasehold/webhook-tls".to_owned()));
+    assert!(!args.iter().any(|a| a.starts_with("--webhook-secret")));
+    let pod = &of_kind(&docs, "Deployment")[0]["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["volumes"][0]["secret"]["secretName"].as_str(),
+        Some("leasehold-webhook-tls")
+    );
+    assert_eq!(
+        pod["containers"][0]["volumeMounts"][0]["readOnly"],
+        Value::Bool(true)
+    );
+    for role in of_kind(&docs, "ClusterRole")
+        .into_iter()
+        .chain(of_kind(&docs, "Role"))
+    {
+        for rule in role["rules"].as_sequence().unwrap() {
+            let resources = strings(&rule["resources"]);
+            assert!(
+                !resources.contains(&"mutatingwebhookconfigurations"),
+                "{rule:?}"
+            );
+            if resources.contains(&"secrets") {
+                assert_eq!(strings(&rule["verbs"]), ["get"], "{rule:?}");
+            }
+        }
+    }
+
+    let existing = render_chart(&[
+        "-f",
+        &ci_values("cert-manager-values.yaml"),
+        "--set",
+        "webhook.certManager.issuerRef.name=corp-ca",
+        "--set",
+        "webhook.certManager.issuerRef.kind=ClusterIssuer",
+    ]);
+    assert!(of_kind(&existing, "Issuer").is_empty());
+    let certificate = of_kind(&existing, "Certificate")[0];
+    assert_eq!(
+        certificate["spec"]["issuerRef"]["kind"].as_str(),
+        Some("ClusterIssuer")
+    );
 }
 
 fn numbers_as_f64(v: Value) -> Value {
@@ -86,11 +372,23 @@ fn leasehold_crds_yaml() -> String {
 
 #[test]
 fn rbac_is_least_privilege() {
-    let docs = render("operator/config");
-    for doc in of_kind(&docs, "ClusterRole")
+    let variants = [
+        render("operator/config"),
+        render_chart(&[]),
+        render_chart(&["-f", &ci_values("cert-manager-values.yaml")]),
+    ];
+    for docs in &variants {
+        operator_rbac_is_least_privilege(docs);
+    }
+    sidecar_rbac_is_least_privilege();
+}
+
+fn operator_rbac_is_least_privilege(docs: &[Value]) {
+    for doc in of_kind(docs, "ClusterRole")
         .into_iter()
-        .chain(of_kind(&docs, "Role"))
+        .chain(of_kind(docs, "Role"))
     {
+        let cluster_wide = doc["kind"].as_str() == Some("ClusterRole");
         for rule in doc["rules"].as_sequence().unwrap() {
             for field in ["apiGroups", "resources", "verbs"] {
                 assert!(
@@ -100,12 +398,22 @@ fn rbac_is_least_privilege() {
             }
             let resources = strings(&rule["resources"]);
             let verbs = strings(&rule["verbs"]);
-            if resources.contains(&"secrets") {
+            let named = !strings(&rule["resourceNames"]).is_empty();
+            if resources.contains(&"secrets") && cluster_wide {
                 assert_eq!(
                     verbs,
                     ["get"],
                     "the operator reads only the Secrets it is pointed at"
                 );
+            }
+            if resources.contains(&"secrets") && !cluster_wide {
+                // Its own webhook Secret: created (RBAC cannot name what does not exist yet),
+                // then read and updated by name only.
+                assert!(verbs == ["create"] || named, "{rule:?}");
+            }
+            if resources.contains(&"mutatingwebhookconfigurations") {
+                assert!(named, "only its own webhook configuration: {rule:?}");
+                assert_eq!(verbs, ["get", "update"]);
             }
             if resources.iter().any(|r| r.ends_with("/status")) {
                 assert_eq!(verbs, ["patch"]);
@@ -117,6 +425,9 @@ fn rbac_is_least_privilege() {
             );
         }
     }
+}
+
+fn sidecar_rbac_is_least_privilege() {
     let sidecar = render("operator/config/sidecar-rbac");
     let role = of_kind(&sidecar, "Role")[0];
     for rule in role["rules"].as_sequence().unwrap() {
@@ -141,8 +452,16 @@ fn rbac_is_least_privilege() {
 
 #[test]
 fn the_operator_runs_non_root_on_a_read_only_root() {
-    let docs = render("operator/config");
-    let deployment = of_kind(&docs, "Deployment")[0];
+    for docs in [
+        render("operator/config"),
+        render_chart(&["-f", &ci_values("cert-manager-values.yaml")]),
+    ] {
+        operator_runs_non_root_on_a_read_only_root(&docs);
+    }
+}
+
+fn operator_runs_non_root_on_a_read_only_root(docs: &[Value]) {
+    let deployment = of_kind(docs, "Deployment")[0];
     let pod = &deployment["spec"]["template"]["spec"];
     assert_eq!(pod["securityContext"]["runAsNonRoot"], Value::Bool(true));
     assert_eq!(

@@ -1,0 +1,28 @@
+{{/* The release's base name: "leasehold" for a release called leasehold. */}}
+{{- define "leasehold.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "leasehold.operator" -}}{{ include "leasehold.fullname" . }}-operator{{- end -}}
+{{- define "leasehold.webhookService" -}}{{ include "leasehold.fullname" . }}-webhook{{- end -}}
+{{- define "leasehold.webhookSecret" -}}{{ include "leasehold.fullname" . }}-webhook-tls{{- end -}}
+{{- define "leasehold.webhookConfiguration" -}}{{ include "leasehold.fullname" . }}{{- end -}}
+{{- define "leasehold.image" -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
+
+{{- define "leasehold.labels" -}}
+app.kubernetes.io/name: leasehold-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: leasehold
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "leasehold.selector" -}}
+app.kubernetes.io/name: leasehold-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
