@@ -9,6 +9,9 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_yaml::Value;
+use support::{chart, root};
+
+mod support;
 
 fn render(dir: &str) -> Vec<Value> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -26,33 +29,6 @@ fn render(dir: &str) -> Vec<Value> {
     serde_yaml::Deserializer::from_str(&text)
         .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
         .collect()
-}
-
-fn root() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// `charts/check.py ARGS` with the venv's python: (succeeded, stdout and stderr).
-fn chart(args: &[&str]) -> (bool, String) {
-    let python = std::env::var("LEASEHOLD_VENV")
-        .map(|v| format!("{v}/bin/python"))
-        .unwrap_or_else(|_| "/var/tmp/leasehold-venv/bin/python".to_owned());
-    assert!(
-        Path::new(&python).exists(),
-        "{python} is missing: run scripts/install-chart-tools (or scripts/install-test-deps), \
-         which creates the venv with helm-python-sdk and kubernetes-validate"
-    );
-    let output = Command::new(&python)
-        .arg(root().join("charts/check.py"))
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    (output.status.success(), text)
 }
 
 fn ci_values(name: &str) -> String {

@@ -1,7 +1,13 @@
-//! The README's example locks are real: each parses as a DistributedLock, resolves to a backend
-//! (with stand-in Secret values), and together they cover every backend.
+//! The README's examples are real: each example lock parses as a DistributedLock, resolves to a
+//! backend (with stand-in Secret values), and together they cover every backend; the complete
+//! Helm example validates against the Kubernetes schemas, its Deployment gets the sidecar from
+//! the webhook, and its Role grants what that sidecar does.
 
 use std::collections::BTreeSet;
+
+use support::chart;
+
+mod support;
 
 use leasehold_crds::DistributedLock;
 use leasehold_lease::resource::{self, SecretValues};
@@ -47,4 +53,104 @@ fn every_readme_example_resolves_and_every_backend_has_one() {
     ]
     .into();
     assert_eq!(kinds, expected);
+}
+
+/// The complete example under "Install with Helm": its YAML documents.
+fn helm_example() -> (String, Vec<serde_json::Value>) {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let yaml = readme
+        .split("## Install with Helm, then annotate a Deployment")
+        .nth(1)
+        .and_then(|s| s.split("```yaml").nth(1))
+        .and_then(|s| s.split("```").next())
+        .expect("the README's complete example")
+        .to_owned();
+    let docs = serde_yaml::Deserializer::from_str(&yaml)
+        .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
+        .collect();
+    (yaml, docs)
+}
+
+fn kind<'a>(docs: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in the README example"))
+}
+
+#[test]
+fn the_complete_helm_example_is_valid_and_gets_its_sidecar() {
+    use leasehold_operator::webhook::{self, Decision, Injection};
+    let (yaml, docs) = helm_example();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), &yaml).unwrap();
+    let (ok, text) = chart(&["validate-file", &file.path().display().to_string()]);
+    assert!(ok, "{text}");
+    assert!(text.contains("Deployment/report-runner: valid"), "{text}");
+
+    let lock: DistributedLock =
+        serde_json::from_value(kind(&docs, "DistributedLock").clone()).unwrap();
+    resource::resolve(&lock, &SecretValues::new()).unwrap();
+    let name = lock.metadata.name.clone().unwrap();
+    let namespace = lock.metadata.namespace.clone().unwrap();
+
+    // The Deployment's pod, as the webhook sees it.
+    let template = &kind(&docs, "Deployment")["spec"]["template"];
+    let mut pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": template["metadata"].clone(), "spec": template["spec"].clone()});
+    pod["metadata"]["name"] = "report-runner-7c9d-x2".into();
+    let typed: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod.clone()).unwrap();
+    let injection = Injection {
+        image: "leasehold/leasehold:0.1.0".into(),
+        native_sidecar: true,
+    };
+    let Decision::Patch(ops) = webhook::decide(
+        &typed,
+        &namespace,
+        &BTreeSet::from([name.clone()]),
+        &injection,
+    ) else {
+        panic!("the example's pod is not injected");
+    };
+    let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops)).unwrap();
+    json_patch::patch(&mut pod, &patch).unwrap();
+    let sidecar = &pod["spec"]["initContainers"][0];
+    let args: Vec<&str> = sidecar["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    let wanted = format!("{namespace}/{name}");
+    assert!(args.contains(&wanted.as_str()), "{args:?}");
+
+    // The Role grants what that sidecar does, to the Deployment's ServiceAccount.
+    let role = kind(&docs, "Role");
+    let grants = |resource: &str, verb: &str, named: &str| {
+        role["rules"].as_array().unwrap().iter().any(|rule| {
+            let has = |field: &str, value: &str| {
+                rule[field]
+                    .as_array()
+                    .is_some_and(|v| v.iter().any(|x| x == value))
+            };
+            has("resources", resource)
+                && has("verbs", verb)
+                && (rule["resourceNames"].is_null() || has("resourceNames", named))
+        })
+    };
+    for verb in ["get", "list", "watch"] {
+        assert!(
+            grants("distributedlocks", verb, &name),
+            "{verb} distributedlocks"
+        );
+    }
+    for verb in ["create", "get", "watch", "update"] {
+        assert!(grants("leases", verb, &name), "{verb} leases");
+    }
+    let binding = kind(&docs, "RoleBinding");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    assert_eq!(
+        binding["subjects"][0]["name"],
+        template["spec"]["serviceAccountName"]
+    );
 }
