@@ -53,7 +53,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     };
     tokio::spawn(async move { axum::serve(listener, server::router(health)).await });
 
-    let serving = start_webhook(&config, &client, &election_namespace).await?;
+    let serving = start_webhook(&config, &client, &election_namespace, metrics.clone()).await?;
     let leadership = election::campaign(client.clone(), &election_namespace, &identity)
         .map_err(|e| format!("cannot start the leader election: {e}"))?;
     // Ready once the webhook presents a certificate: the Service must not send admission
@@ -105,7 +105,8 @@ async fn start_webhook(
     config: &Config,
     client: &kube::Client,
     namespace: &str,
-) -> Result<std::sync::Arc<ServingCert>, String> {
+    metrics: Arc<Metrics>,
+) -> Result<Arc<ServingCert>, String> {
     let listener = tokio::net::TcpListener::bind(config.webhook_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.webhook_listen))?;
@@ -132,7 +133,7 @@ async fn start_webhook(
         image: config.sidecar_image.clone(),
         native_sidecar: config.sidecar_mode == "native",
     };
-    let router = webhook_server::router(client.clone(), injection);
+    let router = webhook_server::router(client.clone(), injection, metrics);
     tokio::spawn(webhook_server::serve(
         listener,
         serving.clone(),

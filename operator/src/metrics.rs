@@ -1,5 +1,5 @@
 //! The operator's Prometheus metrics: reconciliations by outcome, failures by error variant,
-//! and how long reconciliations take.
+//! how long reconciliations take, and the webhook's answers.
 
 use std::time::Duration;
 
@@ -15,8 +15,14 @@ struct ErrorLabel {
     error: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
 pub struct Metrics {
     registry: Registry,
+    admissions: Family<ResultLabel, Counter>,
     reconciliations: Counter,
     failures: Family<ErrorLabel, Counter>,
     duration: Histogram,
@@ -37,6 +43,12 @@ impl Metrics {
         // 1 ms .. ~16 s
         let duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let leader = Gauge::default();
+        let admissions = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "admissions",
+            "Pods the injection webhook answered for, by result (injected, unchanged, denied, malformed)",
+            admissions.clone(),
+        );
         registry.register(
             "reconciliations",
             "Reconciliations run",
@@ -59,6 +71,7 @@ impl Metrics {
         );
         Self {
             registry,
+            admissions,
             reconciliations,
             failures,
             duration,
@@ -72,6 +85,11 @@ impl Metrics {
         if let Some(error) = error {
             self.failures.get_or_create(&ErrorLabel { error }).inc();
         }
+    }
+
+    /// One webhook answer: `injected`, `unchanged`, `denied` or `malformed`.
+    pub fn admitted(&self, result: &'static str) {
+        self.admissions.get_or_create(&ResultLabel { result }).inc();
     }
 
     pub fn set_leader(&self, leader: bool) {

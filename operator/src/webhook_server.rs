@@ -18,6 +18,7 @@ use kube::core::admission::AdmissionReview;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
+use crate::metrics::Metrics;
 use crate::webhook::{self, Injection};
 use crate::webhook_tls::ServingCert;
 
@@ -32,15 +33,17 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 struct Webhook {
     client: kube::Client,
     injection: Arc<Injection>,
+    metrics: Arc<Metrics>,
 }
 
 /// The webhook's routes (plain HTTP; [`serve`] puts TLS in front).
-pub fn router(client: kube::Client, injection: Injection) -> Router {
+pub fn router(client: kube::Client, injection: Injection, metrics: Arc<Metrics>) -> Router {
     Router::new()
         .route(MUTATE_PATH, post(mutate))
         .with_state(Webhook {
             client,
             injection: Arc::new(injection),
+            metrics,
         })
 }
 
@@ -49,6 +52,7 @@ async fn mutate(State(hook): State<Webhook>, body: axum::body::Bytes) -> Respons
     let review: AdmissionReview<Pod> = match serde_json::from_slice(&body) {
         Ok(review) => review,
         Err(e) => {
+            hook.metrics.admitted("malformed");
             return (
                 StatusCode::BAD_REQUEST,
                 axum::Json(serde_json::json!({
@@ -58,7 +62,21 @@ async fn mutate(State(hook): State<Webhook>, body: axum::body::Bytes) -> Respons
                 .into_response();
         }
     };
-    axum::Json(webhook::review(&hook.client, &hook.injection, review).await).into_response()
+    let answer = webhook::review(&hook.client, &hook.injection, review).await;
+    hook.metrics.admitted(result_of(&answer));
+    axum::Json(answer).into_response()
+}
+
+/// The metric label for an answer.
+fn result_of(answer: &serde_json::Value) -> &'static str {
+    let response = &answer["response"];
+    if response["allowed"] == false {
+        "denied"
+    } else if response["patch"].is_string() {
+        "injected"
+    } else {
+        "unchanged"
+    }
 }
 
 /// Serve `router` over TLS with the certificate `serving` presents at each handshake, until

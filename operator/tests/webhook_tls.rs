@@ -287,12 +287,14 @@ async fn the_listener_serves_admission_reviews_and_picks_up_a_rotated_certificat
         .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let metrics = Arc::new(leasehold_operator::metrics::Metrics::new());
     let router = webhook_server::router(
         client.clone(),
         Injection {
             image: "leasehold/leasehold:0.1.0".into(),
             native_sidecar: true,
         },
+        metrics.clone(),
     );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(webhook_server::serve(
@@ -359,6 +361,16 @@ async fn the_listener_serves_admission_reviews_and_picks_up_a_rotated_certificat
         .unwrap();
     assert_eq!(status, 200);
     assert_eq!(presented, der_of(&secret_text(&api, "tls.crt")));
+
+    let counted = metrics.render();
+    assert!(
+        counted.contains("leasehold_operator_admissions_total{result=\"injected\"} 3"),
+        "{counted}"
+    );
+    assert!(
+        counted.contains("leasehold_operator_admissions_total{result=\"malformed\"} 1"),
+        "{counted}"
+    );
 
     stop.send(()).unwrap();
     server.await.unwrap();
