@@ -56,10 +56,10 @@ fn main() {
 
 /// The benchmark's sections, all of them when none is named on the command line.
 const SECTIONS: &[&str] = &["http", "drivers", "sql", "etcd", "zookeeper", "safety"];
-/// The idle-waiter measurement: how many waiters, on what lease, for how long.
+/// The idle-waiter measurement: how many waiters, on which leases (a short one, and the default
+/// 15 s), renewing every third of the lease, measured for at least 15 s and 5 renew intervals.
 const IDLE_WAITERS: usize = 100;
-const IDLE_LEASE: Duration = Duration::from_secs(3);
-const IDLE_RENEW: Duration = Duration::from_secs(1);
+const IDLE_LEASES: [Duration; 2] = [Duration::from_secs(3), Duration::from_secs(15)];
 const IDLE_MEASURE: Duration = Duration::from_secs(15);
 
 /// Every gRPC message etcd has received so far (its own Prometheus counter).
@@ -128,12 +128,31 @@ async fn zookeeper_raw_cycles(port: u16) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
-/// 100 idle waiters behind one holder: what they cost the backend, in requests it received.
-async fn idle_waiters(connect: impl Fn() -> Arc<dyn Driver>, received: impl Fn() -> u64) -> String {
+/// 100 idle waiters behind one holder, on each of `IDLE_LEASES`: what they cost the backend, in
+/// requests it received. One line per lease.
+async fn idle_waiters(
+    connect: impl Fn() -> Arc<dyn Driver>,
+    received: impl Fn() -> u64,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    for lease in IDLE_LEASES {
+        lines.push(idle_waiters_on(&connect, &received, lease).await);
+    }
+    lines
+}
+
+async fn idle_waiters_on(
+    connect: &impl Fn() -> Arc<dyn Driver>,
+    received: &impl Fn() -> u64,
+    lease: Duration,
+) -> String {
+    let renew = lease / 3;
+    let measure = IDLE_MEASURE.max(renew * 5);
+    let lock = format!("idle-{}s", lease.as_secs());
     let config = |id: String| LockConfig {
-        renew_interval: IDLE_RENEW,
+        renew_interval: renew,
         mode: Mode::Campaign,
-        ..LockConfig::new("idle", &id, IDLE_LEASE)
+        ..LockConfig::new(&lock, &id, lease)
     };
     let holder = Lock::start(connect(), config("holder".into()), Arc::new(())).expect("holder");
     while !holder.answer().is_holder() {
@@ -142,19 +161,19 @@ async fn idle_waiters(connect: impl Fn() -> Arc<dyn Driver>, received: impl Fn()
     let waiters: Vec<Lock> = (0..IDLE_WAITERS)
         .map(|i| Lock::start(connect(), config(format!("w{i}")), Arc::new(())).expect("waiter"))
         .collect();
-    tokio::time::sleep(IDLE_LEASE * 2).await;
+    tokio::time::sleep(lease * 2).await;
     let before = received();
-    tokio::time::sleep(IDLE_MEASURE).await;
+    tokio::time::sleep(measure).await;
     let requests = received() - before;
     assert!(waiters.iter().all(|w| !w.answer().is_holder()));
     for waiter in waiters {
         waiter.shutdown().await;
     }
     holder.shutdown().await;
-    let intervals = IDLE_MEASURE.as_secs_f64() / IDLE_RENEW.as_secs_f64();
+    let intervals = measure.as_secs_f64() / renew.as_secs_f64();
     format!(
-        "{:>7.1} requests/s = {:.2} per waiter per renew interval (lease {IDLE_LEASE:?}, renew {IDLE_RENEW:?})",
-        requests as f64 / IDLE_MEASURE.as_secs_f64(),
+        "{:>7.1} requests/s = {:.2} per waiter per renew interval (lease {lease:?}, renew {renew:?})",
+        requests as f64 / measure.as_secs_f64(),
         requests as f64 / IDLE_WAITERS as f64 / intervals
     )
 }
@@ -190,8 +209,9 @@ async fn zookeeper_section() {
     );
     let latency = handover_latencies(connect(), connect()).await;
     println!("  zookeeper hand-over, watch     : {}", describe(&latency));
-    let idle = idle_waiters(connect, || server.packets_received()).await;
-    println!("  zookeeper {IDLE_WAITERS} idle waiters + holder: {idle}");
+    for idle in idle_waiters(connect, || server.packets_received()).await {
+        println!("  zookeeper {IDLE_WAITERS} idle waiters + holder: {idle}");
+    }
 }
 
 /// etcd: cycles against the raw client, hand-over through the predecessor watch, and what 100
@@ -227,8 +247,9 @@ async fn etcd_section() {
     let latency = handover_latencies(connect(), connect()).await;
     println!("  etcd hand-over, watch          : {}", describe(&latency));
 
-    let idle = idle_waiters(connect, || etcd_messages_received(port)).await;
-    println!("  etcd {IDLE_WAITERS} idle waiters + holder: {idle}");
+    for idle in idle_waiters(connect, || etcd_messages_received(port)).await {
+        println!("  etcd {IDLE_WAITERS} idle waiters + holder: {idle}");
+    }
 }
 /// How long the benchmark runs the safety check per driver (`scripts/soak` runs it longer).
 const SAFETY_DURATION: Duration = Duration::from_secs(30);

@@ -33,13 +33,14 @@ use crate::error::{Error, Result};
 use crate::queue_slot::{Expiry, QueueSlot};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// The client's connection timeout for a session of `session_timeout`: 3/5 of it, close to the
-/// Java client's read timeout (2/3). zookeeper-client derives its idle ping from this (a ping
-/// after 3/8 of it without traffic, so every 9/40 of the session), and falls back to pinging
-/// every 3/20 of the session above 3/5. A fixed 3 s made a 15 s session ping every 1.1 s:
-/// 4.4 pings per renew interval per idle waiter, where this gives 1.5.
+/// The client's connection timeout for a session of `session_timeout`: 3/5 of it (the Java
+/// client reads for 2/3), but never under `CONNECT_TIMEOUT`, which a loaded server needs to set
+/// up a session. zookeeper-client pings an idle session after 3/8 of this (every 9/40 of the
+/// session), and every 3/20 of the session when this exceeds 3/5 of it, as it does for sessions
+/// under 5 s. A fixed 3 s made a 15 s session ping every 1.1 s: 4.4 pings per renew interval
+/// per idle waiter, where this gives 1.5.
 fn connection_timeout(session_timeout: Duration) -> Duration {
-    session_timeout * 3 / 5
+    (session_timeout * 3 / 5).max(CONNECT_TIMEOUT)
 }
 
 /// Curator's protected-name marker and lock-node name.
