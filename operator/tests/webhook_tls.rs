@@ -15,13 +15,13 @@ use leasehold_operator::webhook_certs::{CA_VALIDITY, Renewal, SERVING_VALIDITY};
 use leasehold_operator::webhook_server;
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
 use serde_json::{Value, json};
+use support::{der_of, post};
 use time::{Duration, OffsetDateTime};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_rustls::rustls;
+
+mod support;
 
 const NS: &str = "leasehold-system";
 const SERVICE: &str = "leasehold-webhook";
-const HOST: &str = "leasehold-webhook.leasehold-system.svc";
 
 fn settings() -> SelfManaged {
     SelfManaged {
@@ -184,72 +184,6 @@ async fn an_unreachable_api_is_an_error_and_nothing_is_loaded() {
         .unwrap_err();
     assert!(matches!(error, webhook_tls::TlsError::Kube(_)), "{error}");
     assert!(serving.presented().is_none());
-}
-
-/// The API server's clock, moved on with the test's simulated time.
-#[derive(Debug)]
-struct ClockAt(OffsetDateTime);
-
-impl rustls::time_provider::TimeProvider for ClockAt {
-    fn current_time(&self) -> Option<rustls_pki_types::UnixTime> {
-        Some(rustls_pki_types::UnixTime::since_unix_epoch(
-            std::time::Duration::from_secs(self.0.unix_timestamp() as u64),
-        ))
-    }
-}
-
-/// A TLS client that trusts only `ca_pem`, with its clock at `at`.
-fn connector(ca_pem: &str, at: OffsetDateTime) -> tokio_rustls::TlsConnector {
-    use rustls_pki_types::CertificateDer;
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_details(
-        Arc::new(rustls::crypto::ring::default_provider()),
-        Arc::new(ClockAt(at)),
-    )
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    tokio_rustls::TlsConnector::from(Arc::new(config))
-}
-
-/// POST `body` to `/mutate` over TLS, as the API server would: (status, body, the certificate
-/// the server presented).
-async fn post(
-    addr: std::net::SocketAddr,
-    ca_pem: &str,
-    at: OffsetDateTime,
-    body: &str,
-) -> Result<(u16, String, Vec<u8>), std::io::Error> {
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    let name = rustls_pki_types::ServerName::try_from(HOST).unwrap();
-    let mut tls = connector(ca_pem, at).connect(name, tcp).await?;
-    let presented = tls.get_ref().1.peer_certificates().unwrap()[0].to_vec();
-    let request = format!(
-        "POST /mutate HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    tls.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    tls.read_to_string(&mut response).await?;
-    let status = response[9..12].parse().unwrap();
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Ok((status, body, presented))
-}
-
-fn der_of(pem: &str) -> Vec<u8> {
-    use rustls_pki_types::CertificateDer;
-    use rustls_pki_types::pem::PemObject;
-    CertificateDer::from_pem_slice(pem.as_bytes())
-        .unwrap()
-        .to_vec()
 }
 
 fn review_of_annotated_pod() -> String {

@@ -83,6 +83,46 @@ impl InMemoryApiServer {
         kube::Client::new(service, "default")
     }
 
+    /// Serve this API over plain HTTP on a free loopback port, for another process (the operator
+    /// binary, with a kubeconfig naming `http://ADDR`). Serves until the runtime ends.
+    pub async fn listen(&self) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port");
+        let addr = listener.local_addr().unwrap();
+        let server = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                let server = server.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(
+                        move |request: Request<hyper::body::Incoming>| {
+                            let server = server.clone();
+                            async move {
+                                let (parts, body) = request.into_parts();
+                                let body = body
+                                    .collect()
+                                    .await
+                                    .map_err(|e| std::io::Error::other(e.to_string()))?
+                                    .to_bytes();
+                                let request =
+                                    Request::from_parts(parts, kube::client::Body::from(body));
+                                server.handle(request).await
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                        .await;
+                });
+            }
+        });
+        addr
+    }
+
     /// Refuse every request and end open watches (`true`), or serve again (`false`).
     pub fn set_down(&self, down: bool) {
         self.down.send_replace(down);

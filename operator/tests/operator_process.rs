@@ -1,0 +1,193 @@
+//! The `leasehold-operator` binary as the chart runs it, against the in-memory Kubernetes API
+//! served over HTTP (a kubeconfig names it): it issues its webhook certificate into the Secret,
+//! publishes the CA as the webhook configuration's `caBundle`, turns ready only then, answers
+//! admission reviews over TLS with the sidecar patch, counts them, leads, and stops on SIGTERM.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use leasehold_lease::testkit::InMemoryApiServer;
+use leasehold_lease::testkit::in_memory_api_server::{
+    DISTRIBUTED_LOCKS, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
+};
+use serde_json::{Value, json};
+use support::post;
+
+mod support;
+
+const NS: &str = "leasehold-system";
+
+struct Operator(Child);
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET `path` on the plain-HTTP metrics port: (status, body).
+async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    tcp.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
+    let mut text = String::new();
+    tcp.read_to_string(&mut text).await.ok()?;
+    let status = text.get(9..12)?.parse().ok()?;
+    Some((status, text.split_once("\r\n\r\n")?.1.to_owned()))
+}
+
+async fn eventually<T>(
+    within: Duration,
+    what: &str,
+    mut check: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(start.elapsed() < within, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
+    let api = InMemoryApiServer::new();
+    api.put(
+        MUTATING_WEBHOOK_CONFIGURATIONS,
+        json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": "leasehold"},
+            "webhooks": [{"name": "inject.leasehold.dev",
+                "clientConfig": {"service": {"name": "leasehold-webhook", "namespace": NS, "path": "/mutate"}},
+                "sideEffects": "None", "admissionReviewVersions": ["v1"]}]
+        }),
+    );
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+               "metadata": {"name": "nightly-report", "namespace": "team"},
+               "spec": {"backend": {"kubernetes": {}}}}),
+    );
+    let addr = api.listen().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: test\n\
+             clusters: [{{name: test, cluster: {{server: \"http://{addr}\"}}}}]\n\
+             users: [{{name: test, user: {{}}}}]\n\
+             contexts: [{{name: test, context: {{cluster: test, user: test, namespace: {NS}}}}}]\n"
+        ),
+    )
+    .unwrap();
+    let (metrics_port, webhook_port) = (free_port(), free_port());
+    let child = Command::new(env!("CARGO_BIN_EXE_leasehold-operator"))
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAMESPACE", NS)
+        .env("POD_NAME", "leasehold-operator-0")
+        .args([
+            &format!("--metrics-listen=127.0.0.1:{metrics_port}"),
+            &format!("--webhook-listen=127.0.0.1:{webhook_port}"),
+            "--sidecar-image=registry.example/leasehold:9",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the operator binary");
+    let mut operator = Operator(child);
+
+    eventually(Duration::from_secs(30), "/readyz answers 200", async || {
+        get(metrics_port, "/readyz")
+            .await
+            .filter(|(status, _)| *status == 200)
+    })
+    .await;
+    let secret = api
+        .object(SECRETS, NS, "leasehold-webhook-tls")
+        .expect("the webhook Secret");
+    let ca = eventually(Duration::from_secs(10), "the caBundle", async || {
+        let configuration = api
+            .object(MUTATING_WEBHOOK_CONFIGURATIONS, "", "leasehold")
+            .unwrap();
+        configuration["webhooks"][0]["clientConfig"]["caBundle"]
+            .as_str()
+            .map(str::to_owned)
+    })
+    .await;
+    assert_eq!(Value::String(ca.clone()), secret["data"]["ca.crt"]);
+    let ca = String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(ca)
+            .unwrap(),
+    )
+    .unwrap();
+
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "e2e-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "team", "operation": "CREATE", "userInfo": {},
+            "object": {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "app-1", "namespace": "team",
+                             "annotations": {"leasehold.dev/lock": "nightly-report"}},
+                "spec": {"containers": [{"name": "app", "image": "example/app:1"}]}}
+        }
+    })
+    .to_string();
+    let webhook: std::net::SocketAddr = format!("127.0.0.1:{webhook_port}").parse().unwrap();
+    let (status, body, _) = post(webhook, &ca, time::OffsetDateTime::now_utc(), &review)
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["response"]["uid"], "e2e-1");
+    let patch = base64::engine::general_purpose::STANDARD
+        .decode(answer["response"]["patch"].as_str().unwrap())
+        .unwrap();
+    let patch = String::from_utf8(patch).unwrap();
+    assert!(
+        patch.contains("registry.example/leasehold:9") && patch.contains("team/nightly-report"),
+        "the flags reached the patch: {patch}"
+    );
+
+    let (_, metrics) = eventually(Duration::from_secs(15), "leader and counted", async || {
+        get(metrics_port, "/metrics").await.filter(|(_, m)| {
+            m.contains("leasehold_operator_leader 1")
+                && m.contains("leasehold_operator_admissions_total{result=\"injected\"} 1")
+        })
+    })
+    .await;
+    assert!(!metrics.contains("PRIVATE KEY"));
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(operator.0.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = eventually(Duration::from_secs(15), "exit after SIGTERM", async || {
+        operator.0.try_wait().unwrap()
+    })
+    .await;
+    assert!(status.success(), "{status:?}");
+}
