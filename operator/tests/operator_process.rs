@@ -12,7 +12,7 @@ use leasehold_lease::testkit::in_memory_api_server::{
     DISTRIBUTED_LOCKS, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
 };
 use serde_json::{Value, json};
-use support::post;
+use support::{chart_webhook_configuration, post};
 
 mod support;
 
@@ -72,14 +72,7 @@ async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
     let api = InMemoryApiServer::new();
     api.put(
         MUTATING_WEBHOOK_CONFIGURATIONS,
-        json!({
-            "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": "MutatingWebhookConfiguration",
-            "metadata": {"name": "leasehold"},
-            "webhooks": [{"name": "inject.leasehold.dev",
-                "clientConfig": {"service": {"name": "leasehold-webhook", "namespace": NS, "path": "/mutate"}},
-                "sideEffects": "None", "admissionReviewVersions": ["v1"]}]
-        }),
+        chart_webhook_configuration(&[]),
     );
     api.put(
         DISTRIBUTED_LOCKS,

@@ -15,7 +15,7 @@ use leasehold_operator::webhook_certs::{CA_VALIDITY, Renewal, SERVING_VALIDITY};
 use leasehold_operator::webhook_server;
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
 use serde_json::{Value, json};
-use support::{der_of, post};
+use support::{chart_webhook_configuration, der_of, post};
 use time::{Duration, OffsetDateTime};
 
 mod support;
@@ -37,21 +37,12 @@ fn api_with_configuration() -> InMemoryApiServer {
     let api = InMemoryApiServer::new();
     api.put(
         MUTATING_WEBHOOK_CONFIGURATIONS,
-        json!({
-            "apiVersion": "admissionregistration.k8s.io/v1",
-            "kind": "MutatingWebhookConfiguration",
-            "metadata": {"name": "leasehold"},
-            "webhooks": [
-                {"name": "inject.leasehold.dev",
-                 "clientConfig": {"service": {"name": SERVICE, "namespace": NS, "path": "/mutate"}},
-                 "sideEffects": "None", "admissionReviewVersions": ["v1"],
-                 "futureField": {"kept": true}},
-                {"name": "other.example.com",
-                 "clientConfig": {"service": {"name": "other", "namespace": "elsewhere"},
-                                  "caBundle": "b3RoZXI="},
-                 "sideEffects": "None", "admissionReviewVersions": ["v1"]}
-            ]
-        }),
+        chart_webhook_configuration(&[json!(
+            {"name": "other.example.com",
+             "clientConfig": {"service": {"name": "other", "namespace": "elsewhere"},
+                              "caBundle": "b3RoZXI="},
+             "sideEffects": "None", "admissionReviewVersions": ["v1"]}
+        )]),
     );
     api
 }

@@ -101,17 +101,7 @@ impl InMemoryApiServer {
                     let service = hyper::service::service_fn(
                         move |request: Request<hyper::body::Incoming>| {
                             let server = server.clone();
-                            async move {
-                                let (parts, body) = request.into_parts();
-                                let body = body
-                                    .collect()
-                                    .await
-                                    .map_err(|e| std::io::Error::other(e.to_string()))?
-                                    .to_bytes();
-                                let request =
-                                    Request::from_parts(parts, kube::client::Body::from(body));
-                                server.handle(request).await
-                            }
+                            async move { server.handle(request).await }
                         },
                     );
                     let _ = hyper::server::conn::http1::Builder::new()
@@ -173,10 +163,11 @@ impl InMemoryApiServer {
         self.commit(&mut store, collection, &ns, &name, kind, object);
     }
 
-    async fn handle(
-        &self,
-        request: Request<kube::client::Body>,
-    ) -> Result<Response<Body>, std::io::Error> {
+    async fn handle<B>(&self, request: Request<B>) -> Result<Response<Body>, std::io::Error>
+    where
+        B: http_body::Body,
+        B::Error: std::fmt::Display,
+    {
         if *self.down.borrow() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::ConnectionRefused,

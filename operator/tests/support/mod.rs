@@ -12,6 +12,25 @@ use time::OffsetDateTime;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::rustls;
 
+/// The chart's MutatingWebhookConfiguration (`leasehold`, calling Service `leasehold-webhook` in
+/// `leasehold-system`), with `others` webhooks after ours.
+pub fn chart_webhook_configuration(others: &[serde_json::Value]) -> serde_json::Value {
+    let mut webhooks = vec![serde_json::json!({
+        "name": "inject.leasehold.dev",
+        "clientConfig": {"service": {"name": "leasehold-webhook", "namespace": "leasehold-system",
+                                     "path": "/mutate"}},
+        "sideEffects": "None", "admissionReviewVersions": ["v1"],
+        "futureField": {"kept": true}
+    })];
+    webhooks.extend_from_slice(others);
+    serde_json::json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "leasehold"},
+        "webhooks": webhooks
+    })
+}
+
 /// The name the API server calls the webhook Service by (the certificate's first name).
 pub const HOST: &str = "leasehold-webhook.leasehold-system.svc";
 
