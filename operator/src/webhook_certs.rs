@@ -129,11 +129,6 @@ pub fn renew(
     Ok(None)
 }
 
-/// When the serving certificate stops being valid.
-pub fn cert_not_after(bundle: &Bundle) -> Result<OffsetDateTime, CertError> {
-    not_after(&bundle.cert)
-}
-
 struct Ca {
     cert: String,
     key: String,
@@ -290,7 +285,7 @@ mod tests {
         assert_eq!(why, Renewal::Created);
         assert_eq!(pem_blocks(&bundle.ca_bundle).len(), 1);
         assert_eq!(
-            cert_not_after(&bundle).unwrap(),
+            not_after(&bundle.cert).unwrap(),
             t0() + SERVING_VALIDITY,
             "90 days"
         );
@@ -319,7 +314,7 @@ mod tests {
         assert_eq!(why, Renewal::CertRotated);
         assert_eq!(second.ca_bundle, first.ca_bundle, "same CA, same caBundle");
         assert_ne!(second.cert, first.cert);
-        assert_eq!(cert_not_after(&second).unwrap(), later + SERVING_VALIDITY);
+        assert_eq!(not_after(&second.cert).unwrap(), later + SERVING_VALIDITY);
         assert_eq!(renew(Some(&second), &names(), later).unwrap(), None);
     }
 
