@@ -9,8 +9,7 @@ use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use kube::{Resource, ResourceExt};
 use leasehold_crds::{
-    Backend, CleanupPolicy, DistributedLock, DistributedLockSpec, RedisBackend, SecretKeyRef,
-    SqliteBackend,
+    Backend, CleanupPolicy, DistributedLock, RedisBackend, SecretKeyRef, SqliteBackend,
 };
 use serde_json::{Value, json};
 use tower_test::mock;
@@ -66,18 +65,7 @@ pub async fn timeout_after_1s(server: tokio::task::JoinHandle<()>) {
 }
 
 pub fn lock(name: &str, backend: Backend) -> DistributedLock {
-    let mut lock = DistributedLock::new(
-        name,
-        DistributedLockSpec {
-            backend,
-            lease_duration: "15s".into(),
-            renew_interval: "5s".into(),
-            mode: Default::default(),
-            cleanup_policy: CleanupPolicy::Retain,
-        },
-    );
-    lock.meta_mut().namespace = Some(NAMESPACE.into());
-    lock.meta_mut().uid = Some(format!("uid-{name}"));
+    let mut lock = leasehold_lease::testkit::distributed_lock(NAMESPACE, name, backend);
     lock.meta_mut().generation = Some(1);
     lock.meta_mut().resource_version = Some("100".into());
     lock

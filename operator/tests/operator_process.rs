@@ -6,13 +6,12 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
-use leasehold_lease::testkit::InMemoryApiServer;
 use leasehold_lease::testkit::in_memory_api_server::{
     DISTRIBUTED_LOCKS, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
 };
+use leasehold_lease::testkit::{InMemoryApiServer, free_port};
 use serde_json::{Value, json};
-use support::{chart_webhook_configuration, post};
+use support::{chart_webhook_configuration, from_base64, post};
 
 mod support;
 
@@ -25,14 +24,6 @@ impl Drop for Operator {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// GET `path` on the plain-HTTP metrics port: (status, body).
@@ -128,12 +119,7 @@ async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
     })
     .await;
     assert_eq!(Value::String(ca.clone()), secret["data"]["ca.crt"]);
-    let ca = String::from_utf8(
-        base64::engine::general_purpose::STANDARD
-            .decode(ca)
-            .unwrap(),
-    )
-    .unwrap();
+    let ca = from_base64(&ca);
 
     let review = json!({
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
@@ -155,10 +141,7 @@ async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
     assert_eq!(status, 200, "{body}");
     let answer: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(answer["response"]["uid"], "e2e-1");
-    let patch = base64::engine::general_purpose::STANDARD
-        .decode(answer["response"]["patch"].as_str().unwrap())
-        .unwrap();
-    let patch = String::from_utf8(patch).unwrap();
+    let patch = from_base64(answer["response"]["patch"].as_str().unwrap());
     assert!(
         patch.contains("registry.example/leasehold:9") && patch.contains("team/nightly-report"),
         "the flags reached the patch: {patch}"

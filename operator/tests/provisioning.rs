@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 use leasehold_crds::{
-    Backend, CleanupPolicy, DistributedLock, DistributedLockSpec, EtcdBackend, KubernetesBackend,
-    RedisBackend, SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
+    Backend, CleanupPolicy, DistributedLock, EtcdBackend, KubernetesBackend, RedisBackend,
+    SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
 };
 use leasehold_lease::resource;
 use leasehold_lease::testkit::in_memory_api_server::{LEASES, SECRETS};
@@ -23,18 +23,8 @@ use serde_json::json;
 const NS: &str = "team";
 
 fn lock(name: &str, backend: Backend) -> DistributedLock {
-    let mut lock = DistributedLock::new(
-        name,
-        DistributedLockSpec {
-            backend,
-            lease_duration: "15s".into(),
-            renew_interval: "5s".into(),
-            mode: Default::default(),
-            cleanup_policy: CleanupPolicy::Delete,
-        },
-    );
-    lock.metadata.namespace = Some(NS.into());
-    lock.metadata.uid = Some(format!("uid-{name}"));
+    let mut lock = leasehold_lease::testkit::distributed_lock(NS, name, backend);
+    lock.spec.cleanup_policy = CleanupPolicy::Delete;
     lock
 }
 

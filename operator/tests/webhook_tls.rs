@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use base64::Engine;
 use leasehold_lease::testkit::InMemoryApiServer;
 use leasehold_lease::testkit::in_memory_api_server::{
     DISTRIBUTED_LOCKS, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
@@ -15,7 +14,7 @@ use leasehold_operator::webhook_certs::{CA_VALIDITY, Renewal, SERVING_VALIDITY};
 use leasehold_operator::webhook_server;
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
 use serde_json::{Value, json};
-use support::{chart_webhook_configuration, der_of, post};
+use support::{chart_webhook_configuration, der_of, from_base64, post};
 use time::{Duration, OffsetDateTime};
 
 mod support;
@@ -52,12 +51,7 @@ fn secret_text(api: &InMemoryApiServer, key: &str) -> String {
         .object(SECRETS, NS, "leasehold-webhook-tls")
         .expect("the Secret");
     let encoded = secret["data"][key].as_str().expect(key);
-    String::from_utf8(
-        base64::engine::general_purpose::STANDARD
-            .decode(encoded)
-            .unwrap(),
-    )
-    .unwrap()
+    from_base64(encoded)
 }
 
 fn configuration(api: &InMemoryApiServer) -> Value {
@@ -70,12 +64,7 @@ fn published_ca(api: &InMemoryApiServer) -> String {
         .as_str()
         .expect("caBundle set")
         .to_owned();
-    String::from_utf8(
-        base64::engine::general_purpose::STANDARD
-            .decode(encoded)
-            .unwrap(),
-    )
-    .unwrap()
+    from_base64(&encoded)
 }
 
 fn now() -> OffsetDateTime {

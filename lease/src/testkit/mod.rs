@@ -27,6 +27,28 @@ pub use postgres_server::PostgresServer;
 pub use redis_server::RedisServer;
 pub use zookeeper_server::ZooKeeperServer;
 
+/// A `DistributedLock` NAMESPACE/NAME on `backend`, as a user would write it (15 s lease, 5 s
+/// renew interval, the defaults otherwise), with the uid `uid-NAME` the API server would give.
+pub fn distributed_lock(
+    namespace: &str,
+    name: &str,
+    backend: leasehold_crds::Backend,
+) -> leasehold_crds::DistributedLock {
+    let mut lock = leasehold_crds::DistributedLock::new(
+        name,
+        leasehold_crds::DistributedLockSpec {
+            backend,
+            lease_duration: "15s".into(),
+            renew_interval: "5s".into(),
+            mode: Default::default(),
+            cleanup_policy: Default::default(),
+        },
+    );
+    lock.metadata.namespace = Some(namespace.into());
+    lock.metadata.uid = Some(format!("uid-{name}"));
+    lock
+}
+
 /// A TCP port that was free on loopback a moment ago.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -31,6 +31,15 @@ pub fn chart_webhook_configuration(others: &[serde_json::Value]) -> serde_json::
     })
 }
 
+/// `encoded` (base64, as Kubernetes writes bytes in JSON) as text.
+pub fn from_base64(encoded: &str) -> String {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .unwrap_or_else(|e| panic!("not base64 ({e}): {encoded}"));
+    String::from_utf8(bytes).expect("UTF-8 text")
+}
+
 /// The name the API server calls the webhook Service by (the certificate's first name).
 pub const HOST: &str = "leasehold-webhook.leasehold-system.svc";
 
