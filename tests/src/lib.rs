@@ -226,10 +226,24 @@ impl Drop for Sidecar {
 }
 
 /// Poll until `check` holds; panics after `within`. Returns the time it took.
-pub fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
+pub fn eventually(within: Duration, what: &str, check: impl FnMut() -> bool) -> Duration {
+    eventually_or(within, what, check, String::new)
+}
+
+/// [`eventually`], with `context` (the sidecars' logs, say) in the panic message.
+pub fn eventually_or(
+    within: Duration,
+    what: &str,
+    mut check: impl FnMut() -> bool,
+    context: impl Fn() -> String,
+) -> Duration {
     let start = Instant::now();
     while !check() {
-        assert!(start.elapsed() < within, "not within {within:?}: {what}");
+        assert!(
+            start.elapsed() < within,
+            "not within {within:?}: {what}{}",
+            context()
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
     start.elapsed()

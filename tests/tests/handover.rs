@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_e2e::{
     EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, ZooKeeperServer, eventually,
-    sole_holder, unique_lock,
+    eventually_or, sole_holder, unique_lock,
 };
 use nix::sys::signal::Signal;
 
@@ -23,9 +23,17 @@ fn pair(backend: &str, lock: &str) -> (Sidecar, Sidecar) {
 
 /// Watch for a while that never both answer 200, and return the holder's index.
 fn settle(sidecars: &[&Sidecar]) -> usize {
-    eventually(LEASE + SLACK, "a holder appears", || {
-        sole_holder(sidecars).is_some()
-    });
+    eventually_or(
+        LEASE + SLACK,
+        "a holder appears",
+        || sole_holder(sidecars).is_some(),
+        || {
+            sidecars
+                .iter()
+                .map(|s| format!("\n--- {} log:\n{}", s.identity, s.log()))
+                .collect()
+        },
+    );
     let until = Instant::now() + RENEW * 2;
     while Instant::now() < until {
         sole_holder(sidecars).expect("the holder disappeared without a fault");
