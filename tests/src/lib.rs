@@ -21,6 +21,24 @@ pub use leasehold_lease::testkit::{
     unique_lock,
 };
 
+/// The libfaketime library, preloaded directly rather than through the `faketime` wrapper: the
+/// wrapper keeps a semaphore and a shared-memory segment named after its PID in /dev/shm, which
+/// a killed sidecar never removes, and a later wrapper given the same PID then refuses to start
+/// ("sem_open: File exists").
+pub fn libfaketime() -> PathBuf {
+    let multiarch = ["x86_64-linux-gnu", "aarch64-linux-gnu"];
+    multiarch
+        .iter()
+        .map(|arch| PathBuf::from(format!("/usr/lib/{arch}/faketime/libfaketime.so.1")))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "libfaketime.so.1 was not found. Install it with `apt-get install -y faketime` \
+                 (scripts/test does this), then run the tests again."
+            )
+        })
+}
+
 /// The sidecar binary beside this executable (target/<profile>/ for a binary, its parent for a
 /// test in target/<profile>/deps/), or `LEASEHOLD_SIDECAR_BIN`.
 pub fn sidecar_binary() -> PathBuf {
@@ -109,31 +127,11 @@ impl Sidecar {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
-        Self::start_under(&[], identity, backend, lock, extra, env)
-    }
-
-    /// Start the sidecar through a wrapper command (e.g. `faketime -f +10m`).
-    pub fn start_under(
-        wrapper: &[&str],
-        identity: &str,
-        backend: &str,
-        lock: &str,
-        extra: &[&str],
-        env: &[(&str, &str)],
-    ) -> Self {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
-        let mut command = match wrapper {
-            [program, args @ ..] => {
-                let mut c = Command::new(require_binary(program, program));
-                c.args(args).arg(sidecar_binary());
-                c
-            }
-            [] => Command::new(sidecar_binary()),
-        };
-        // A process group of its own, so that kill9 also reaches the sidecar behind a wrapper
-        // (faketime forks it as a child): an orphan would keep running, and loading the
-        // machine, through every later test.
+        let mut command = Command::new(sidecar_binary());
+        // A process group of its own, so that kill9 also reaches anything the sidecar started:
+        // an orphan would keep running, and loading the machine, through every later test.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let child = command
             .args(["--lock", lock, "--backend", backend, "--identity", identity])
@@ -196,6 +194,10 @@ impl Sidecar {
             let _ = nix::sys::signal::killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
             let _ = child.kill();
             let _ = child.wait();
+            // A sidecar run under libfaketime made these; a killed process never removes them.
+            for leftover in ["faketime_shm", "sem.faketime_sem"] {
+                let _ = std::fs::remove_file(format!("/dev/shm/{leftover}_{}", child.id()));
+            }
         }
     }
 

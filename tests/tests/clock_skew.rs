@@ -5,7 +5,8 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use leasehold_e2e::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, unique_lock,
+    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, libfaketime,
+    unique_lock,
 };
 
 const LEASE: Duration = Duration::from_secs(2);
@@ -22,14 +23,18 @@ fn skewed_client_cannot_steal(backend: &str) {
     });
     let token = honest.get("/lock").token();
 
-    let skewed = Sidecar::start_under(
-        &["faketime", "-f", "+10m"],
+    let preload = libfaketime();
+    let skewed = Sidecar::start_with_env(
         "skewed",
         backend,
         &lock,
         TIMING,
-        // Only the wall clock is wrong; a monotonic clock cannot be set.
-        &[("DONT_FAKE_MONOTONIC", "1")],
+        &[
+            ("LD_PRELOAD", preload.to_str().expect("UTF-8 path")),
+            ("FAKETIME", "+10m"),
+            // Only the wall clock is wrong; a monotonic clock cannot be set.
+            ("DONT_FAKE_MONOTONIC", "1"),
+        ],
     );
     // Prove the skew took: the skewed sidecar's timestamps are ten minutes ahead.
     eventually(LEASE + SLACK, "the skewed sidecar answers", || {

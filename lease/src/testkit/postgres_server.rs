@@ -78,6 +78,10 @@ impl PostgresServer {
             .arg(self.data())
             .args(["-p", &self.port.to_string()])
             .args(["-c", "listen_addresses=127.0.0.1"])
+            // Dynamic shared memory in the data directory, not /dev/shm: a server stopped by
+            // SIGQUIT or SIGKILL leaves its segments behind, and they go with the throwaway
+            // directory only when they live in it.
+            .args(["-c", "dynamic_shared_memory_type=mmap"])
             .arg("-c")
             .arg(format!(
                 "unix_socket_directories={}",
