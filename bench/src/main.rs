@@ -62,21 +62,6 @@ const IDLE_WAITERS: usize = 100;
 const IDLE_LEASES: [Duration; 2] = [Duration::from_secs(3), Duration::from_secs(15)];
 const IDLE_MEASURE: Duration = Duration::from_secs(15);
 
-/// Every gRPC message etcd has received so far (its own Prometheus counter).
-fn etcd_messages_received(port: u16) -> u64 {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("etcd metrics");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        .expect("metrics request");
-    let mut text = String::new();
-    stream.read_to_string(&mut text).expect("metrics");
-    text.lines()
-        .filter(|l| l.starts_with("grpc_server_msg_received_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
 /// The raw client operations of the simplest etcd lock: grant a lease, put the key with it,
 /// revoke the lease.
 async fn etcd_raw_cycles(port: u16) -> f64 {
@@ -247,7 +232,7 @@ async fn etcd_section() {
     let latency = handover_latencies(connect(), connect()).await;
     println!("  etcd hand-over, watch          : {}", describe(&latency));
 
-    for idle in idle_waiters(connect, || etcd_messages_received(port)).await {
+    for idle in idle_waiters(connect, || server.messages_received()).await {
         println!("  etcd {IDLE_WAITERS} idle waiters + holder: {idle}");
     }
 }

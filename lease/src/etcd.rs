@@ -256,7 +256,7 @@ impl Shared {
         let name = String::from_utf8_lossy(&predecessor).into_owned();
         let shared = self.clone();
         let lock = entry.lock.clone();
-        entry.slot.watch(name, move || {
+        entry.slot.watch(name, move |fired| {
             tokio::spawn(async move {
                 let watched = async {
                     let mut client = shared.client().await?;
@@ -282,6 +282,7 @@ impl Shared {
                 if let Err(e) = watched.await {
                     tracing::debug!(error = %e, "etcd watch ended");
                 }
+                fired.fire();
                 shared.wakeups.fetch_add(1, Ordering::Relaxed);
                 shared.releases.bump(&lock);
             })
@@ -457,6 +458,10 @@ impl Driver for EtcdDriver {
             }
             Some(entry) if entry.granted >= ttl => {
                 entry.slot.ask(sent);
+                // Further back than next in line, with the watch standing: see `queue_slot`.
+                if let Some(holder) = entry.slot.quiet_wait(sent, ttl) {
+                    return Ok(Acquire::Busy(holder));
+                }
                 entry
             }
             Some(entry) => {
@@ -494,6 +499,7 @@ impl Driver for EtcdDriver {
                 Some(kv) => Some(self.shared.holding(kv, next_in_line).await?),
                 None => None,
             };
+            entry.slot.saw(sent, next_in_line, holder.clone());
             return Ok(Acquire::Busy(holder));
         }
         // Lowest: ours. Refresh the etcd lease after `sent` before claiming from `sent`.

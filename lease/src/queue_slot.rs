@@ -1,12 +1,49 @@
 //! One contender's place in a fair-queue lock (etcd, ZooKeeper): waiting or holding, the local
 //! end of a held lease, and the two tasks that serve the place (one watching the predecessor,
 //! one tending the place). The backend operations stay in each driver.
+//!
+//! A waiter further back than next in line has nothing to learn from polling while its
+//! predecessor's watch stands: only that watch can make it next. So its engine's polls are
+//! answered from the last read of the queue, and the queue is read again only once that read is
+//! [`QUIET_REREAD`] leases old (for a watch gone deaf, and for the holder's name it reports). The
+//! next in line polls the queue every time, so a holder's expiry is never left to a watch alone.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+use crate::driver::Holding;
+
+/// How old, in leases, the last read of the queue may be when a waiter further back is answered
+/// from it. Engines poll about once a lease, so this reads at every other poll.
+const QUIET_REREAD: (u32, u32) = (3, 2);
+
+struct Watching {
+    predecessor: String,
+    task: JoinHandle<()>,
+    fired: Arc<AtomicBool>,
+}
+
+/// Handed to a watching task: it calls [`WatchFired::fire`] before it wakes the engine, so the
+/// engine's next poll reads the queue even if it runs before the task has ended.
+pub(crate) struct WatchFired(Arc<AtomicBool>);
+
+impl WatchFired {
+    pub(crate) fn fire(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The last read of the queue while waiting.
+struct Seen {
+    at: Instant,
+    next_in_line: bool,
+    holder: Option<Holding>,
+}
 
 enum Place {
     /// In the queue; `asked` is the last time the engine tried to acquire.
@@ -31,8 +68,9 @@ pub(crate) struct QueueSlot {
     /// While holding: when the local lease runs out.
     expires: watch::Sender<Instant>,
     /// The predecessor being watched, and the task watching it.
-    watching: Mutex<Option<(String, JoinHandle<()>)>>,
+    watching: Mutex<Option<Watching>>,
     tender: Mutex<Option<JoinHandle<()>>>,
+    seen: Mutex<Option<Seen>>,
 }
 
 impl QueueSlot {
@@ -46,6 +84,7 @@ impl QueueSlot {
             expires,
             watching: Mutex::new(None),
             tender: Mutex::new(None),
+            seen: Mutex::new(None),
         };
         (slot, receiver)
     }
@@ -100,33 +139,74 @@ impl QueueSlot {
         }
     }
 
+    /// A read of the queue at `at` found this place waiting, right behind the holder or not.
+    pub(crate) fn saw(&self, at: Instant, next_in_line: bool, holder: Option<Holding>) {
+        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(Seen {
+            at,
+            next_in_line,
+            holder,
+        });
+    }
+
+    /// The holder to answer a poll at `now` with, without reading the queue: `Some` while this
+    /// place waits further back than next in line, its predecessor's watch still stands, and
+    /// the last read is recent enough for a lease of `ttl`.
+    pub(crate) fn quiet_wait(&self, now: Instant, ttl: Duration) -> Option<Option<Holding>> {
+        if self.holding() {
+            return None;
+        }
+        let watched = self
+            .watching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|w| !w.task.is_finished() && !w.fired.load(Ordering::SeqCst));
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let (times, per) = QUIET_REREAD;
+        match seen.as_ref() {
+            Some(seen) if watched && !seen.next_in_line && now < seen.at + ttl * times / per => {
+                Some(seen.holder.clone())
+            }
+            _ => None,
+        }
+    }
+
     pub(crate) fn set_tender(&self, task: JoinHandle<()>) {
         *self.tender.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
     }
 
     /// Watch `predecessor` with the task `spawn` starts, unless it is watched already.
-    pub(crate) fn watch(&self, predecessor: String, spawn: impl FnOnce() -> JoinHandle<()>) {
+    pub(crate) fn watch(
+        &self,
+        predecessor: String,
+        spawn: impl FnOnce(WatchFired) -> JoinHandle<()>,
+    ) {
         let mut watching = self.watching.lock().unwrap_or_else(|e| e.into_inner());
-        if watching
-            .as_ref()
-            .is_some_and(|(key, task)| *key == predecessor && !task.is_finished())
-        {
+        if watching.as_ref().is_some_and(|w| {
+            w.predecessor == predecessor && !w.task.is_finished() && !w.fired.load(Ordering::SeqCst)
+        }) {
             return;
         }
-        if let Some((_, task)) = watching.take() {
-            task.abort();
+        if let Some(old) = watching.take() {
+            old.task.abort();
         }
-        *watching = Some((predecessor, spawn()));
+        let fired = Arc::new(AtomicBool::new(false));
+        let task = spawn(WatchFired(fired.clone()));
+        *watching = Some(Watching {
+            predecessor,
+            task,
+            fired,
+        });
     }
 
     pub(crate) fn stop_watching(&self) {
-        if let Some((_, task)) = self
+        if let Some(old) = self
             .watching
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
         {
-            task.abort();
+            old.task.abort();
         }
     }
 

@@ -425,7 +425,7 @@ impl Shared {
             entry.lock.clone(),
             predecessor.clone(),
         );
-        entry.slot.watch(predecessor, move || {
+        entry.slot.watch(predecessor, move |fired| {
             tokio::spawn(async move {
                 match session.client.check_and_watch_stat(&path).await {
                     Ok((Some(_), watcher)) => {
@@ -434,6 +434,7 @@ impl Shared {
                     Ok((None, _)) => {}
                     Err(e) => tracing::debug!(error = %e, "zookeeper watch failed"),
                 }
+                fired.fire();
                 shared.wakeups.fetch_add(1, Ordering::Relaxed);
                 shared.releases.bump(&lock);
             })
@@ -512,6 +513,34 @@ impl ZooKeeperDriver {
         entries.get(lock).cloned()
     }
 
+    /// A waiter further back answered without a request (see `queue_slot`), while the session
+    /// is connected and no orphan waits to be deleted.
+    async fn quiet_wait(
+        &self,
+        entry: &Entry,
+        now: Instant,
+        ttl: Duration,
+    ) -> Option<Option<Holding>> {
+        let connected = self
+            .shared
+            .session
+            .lock()
+            .await
+            .as_ref()
+            .is_some_and(|s| s.client.state() == zk::SessionState::SyncConnected);
+        let no_orphans = self
+            .shared
+            .orphans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        if connected && no_orphans {
+            entry.slot.quiet_wait(now, ttl)
+        } else {
+            None
+        }
+    }
+
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
         self.entry(&lease.lock).filter(|e| {
             e.slot.holding()
@@ -537,6 +566,9 @@ impl Driver for ZooKeeperDriver {
             }
             Some(entry) => {
                 entry.slot.ask(sent);
+                if let Some(holder) = self.quiet_wait(&entry, sent, ttl).await {
+                    return Ok(Acquire::Busy(holder));
+                }
                 entry
             }
             None => {
@@ -568,6 +600,7 @@ impl Driver for ZooKeeperDriver {
                 .shared
                 .holding(&session.client, lock, &queue[0].1)
                 .await?;
+            entry.slot.saw(sent, position == 1, holder.clone());
             return Ok(Acquire::Busy(holder));
         }
         entry.slot.hold_until(sent + ttl);

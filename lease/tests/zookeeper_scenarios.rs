@@ -1,21 +1,31 @@
 //! ZooKeeper's fair queue: a release wakes exactly one waiter, and hand-overs follow the queue.
 
-use leasehold_lease::testkit::conformance::{contenders, one_release_wakes_exactly_one_waiter};
+use leasehold_lease::testkit::conformance::{
+    contenders, one_release_wakes_exactly_one_waiter, waiters_further_back_poll_quietly,
+};
 use leasehold_lease::testkit::{ZooKeeperHarness, ZooKeeperServer};
 use leasehold_lease::zookeeper::{ZooKeeperConfig, ZooKeeperDriver};
+
+fn driver(server: &ZooKeeperServer) -> ZooKeeperDriver {
+    ZooKeeperDriver::connect(ZooKeeperConfig {
+        servers: format!("127.0.0.1:{}", server.port()),
+        root: "/leasehold".into(),
+        digest: None,
+    })
+    .expect("driver")
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_release_wakes_exactly_one_of_fifty_waiters() {
     let server = ZooKeeperServer::start();
-    one_release_wakes_exactly_one_waiter(|| {
-        ZooKeeperDriver::connect(ZooKeeperConfig {
-            servers: format!("127.0.0.1:{}", server.port()),
-            root: "/leasehold".into(),
-            digest: None,
-        })
-        .expect("driver")
-    })
-    .await;
+    one_release_wakes_exactly_one_waiter(|| driver(&server)).await;
+}
+
+/// Of three in the queue, the one at the back polls without costing ZooKeeper a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_further_back_cost_no_requests() {
+    let server = ZooKeeperServer::start();
+    waiters_further_back_poll_quietly(|| driver(&server), || server.packets_received()).await;
 }
 
 /// Twenty contenders, two hundred hand-overs. The token is the czxid of a contender's node, the order it joined the

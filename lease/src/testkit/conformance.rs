@@ -717,6 +717,80 @@ pub async fn one_release_wakes_exactly_one_waiter<D: CountsWakeups>(client: impl
     ));
 }
 
+/// A waiter further back than next in line answers its engine's polls without a request while
+/// its predecessor's watch stands; the next in line reads the queue at every poll (which also
+/// shows that `requests`, the server's own count of what it received, sees polls at all).
+pub async fn waiters_further_back_poll_quietly<D: CountsWakeups>(
+    client: impl Fn() -> D,
+    requests: impl Fn() -> u64,
+) {
+    const POLLS: u64 = 30;
+    // Long, so that no keep-alive or ping of the session falls inside the counted polls.
+    const TTL: Duration = Duration::from_secs(20);
+    let lock = unique_lock("quiet");
+    let (holder, next, back) = (client(), client(), client());
+    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "holder", TTL).await.unwrap() else {
+        panic!("the first contender must hold")
+    };
+    for (waiter, identity) in [(&next, "next"), (&back, "back")] {
+        let busy = waiter.try_acquire(&lock, identity, TTL).await.unwrap();
+        assert!(
+            matches!(&busy, Acquire::Busy(Some(h)) if h.identity == "holder"),
+            "{identity}: {busy:?}"
+        );
+    }
+    // The watches register in tasks of their own.
+    sleep(Duration::from_millis(300)).await;
+
+    let before = requests();
+    for _ in 0..POLLS {
+        let busy = back.try_acquire(&lock, "back", TTL).await.unwrap();
+        assert!(
+            matches!(&busy, Acquire::Busy(Some(h)) if h.identity == "holder"),
+            "back: {busy:?}"
+        );
+    }
+    let quiet = requests() - before;
+    assert!(
+        quiet < POLLS / 10,
+        "{POLLS} polls further back cost the backend {quiet} requests"
+    );
+
+    let before = requests();
+    for _ in 0..POLLS {
+        let busy = next.try_acquire(&lock, "next", TTL).await.unwrap();
+        assert!(matches!(busy, Acquire::Busy(Some(_))), "next: {busy:?}");
+    }
+    let read = requests() - before;
+    assert!(
+        read >= POLLS,
+        "{POLLS} polls by the next in line cost only {read} requests"
+    );
+
+    // The quiet waiter still moves up: the release wakes the next in line, whose release
+    // wakes the one further back, each through its watch.
+    assert!(holder.release(&lease).await.unwrap());
+    eventually(Duration::from_secs(5), "the next in line is woken", || {
+        next.wakeups() > 0
+    })
+    .await;
+    let Acquire::Acquired(second) = next.try_acquire(&lock, "next", TTL).await.unwrap() else {
+        panic!("the next in line did not take over")
+    };
+    assert!(next.release(&second).await.unwrap());
+    eventually(
+        Duration::from_secs(5),
+        "the waiter further back is woken",
+        || back.wakeups() > 0,
+    )
+    .await;
+    let Acquire::Acquired(third) = back.try_acquire(&lock, "back", TTL).await.unwrap() else {
+        panic!("the waiter further back did not take over")
+    };
+    assert!(third.token > second.token && second.token > lease.token);
+    assert!(back.release(&third).await.unwrap());
+}
+
 /// Generates one `#[tokio::test]` per conformance scenario for a harness expression.
 #[macro_export]
 macro_rules! conformance_suite {

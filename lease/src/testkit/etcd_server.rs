@@ -66,17 +66,33 @@ impl EtcdServer {
         self.kill();
         self.spawn();
     }
+
+    /// gRPC messages the server has received so far, over every service and stream
+    /// (`grpc_server_msg_received_total` summed from its metrics).
+    pub fn messages_received(&self) -> u64 {
+        get(self.port, "/metrics")
+            .lines()
+            .filter(|l| l.starts_with("grpc_server_msg_received_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
 }
 
 /// etcd's own health endpoint on the client port: healthy once it has a leader.
 fn healthy(port: u16) -> bool {
+    get(port, "/health").contains("\"health\":\"true\"")
+}
+
+/// A plain HTTP GET on the client port; empty when it fails.
+fn get(port: u16, path: &str) -> String {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
+        return String::new();
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    let request = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
     let mut reply = String::new();
-    s.write_all(request.as_bytes()).is_ok()
-        && s.read_to_string(&mut reply).is_ok()
-        && reply.contains("\"health\":\"true\"")
+    if s.write_all(request.as_bytes()).is_ok() {
+        let _ = s.read_to_string(&mut reply);
+    }
+    reply
 }
