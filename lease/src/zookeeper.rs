@@ -33,14 +33,21 @@ use crate::error::{Error, Result};
 use crate::queue_slot::{Expiry, QueueSlot};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// The floor of [`connection_timeout`].
+const MIN_CONNECTION_TIMEOUT: Duration = Duration::from_millis(1500);
 /// The client's connection timeout for a session of `session_timeout`: 3/5 of it (the Java
-/// client reads for 2/3), but never under `CONNECT_TIMEOUT`, which a loaded server needs to set
-/// up a session. zookeeper-client pings an idle session after 3/8 of this (every 9/40 of the
-/// session), and every 3/20 of the session when this exceeds 3/5 of it, as it does for sessions
-/// under 5 s. A fixed 3 s made a 15 s session ping every 1.1 s: 4.4 pings per renew interval
-/// per idle waiter, where this gives 1.5.
+/// client reads for 2/3), but never under `MIN_CONNECTION_TIMEOUT`.
+///
+/// zookeeper-client derives its tick from this: 1/8 of it when it is at most 3/5 of the session,
+/// else 1/20 of the session. An idle session pings on the first tick 3 ticks after its last
+/// request (every 4 ticks in practice), and drops a connection silent for 8 ticks. So from
+/// 2.5 s sessions on, 3/5 gives the longest tick the library allows: a ping every 3/10 of the
+/// session, 1.1 per renew interval at the default third of the lease (a fixed 3 s made a 15 s
+/// session ping 3.3 times per renew interval). Shorter sessions (the conformance suite's
+/// 1 s) keep 1/20 ticks: at 3/5 of a 1 s session their first connects failed on a loaded
+/// machine.
 fn connection_timeout(session_timeout: Duration) -> Duration {
-    (session_timeout * 3 / 5).max(CONNECT_TIMEOUT)
+    (session_timeout * 3 / 5).max(MIN_CONNECTION_TIMEOUT)
 }
 
 /// Curator's protected-name marker and lock-node name.
