@@ -23,20 +23,25 @@ fn pair(backend: &str, lock: &str) -> (Sidecar, Sidecar) {
 
 /// Watch for a while that never both answer 200, and return the holder's index.
 fn settle(sidecars: &[&Sidecar]) -> usize {
+    let logs = || -> String {
+        sidecars
+            .iter()
+            .map(|s| format!("\n--- {} log:\n{}", s.identity, s.log()))
+            .collect()
+    };
     eventually_or(
         LEASE + SLACK,
         "a holder appears",
         || sole_holder(sidecars).is_some(),
-        || {
-            sidecars
-                .iter()
-                .map(|s| format!("\n--- {} log:\n{}", s.identity, s.log()))
-                .collect()
-        },
+        logs,
     );
     let until = Instant::now() + RENEW * 2;
     while Instant::now() < until {
-        sole_holder(sidecars).expect("the holder disappeared without a fault");
+        assert!(
+            sole_holder(sidecars).is_some(),
+            "the holder disappeared without a fault{}",
+            logs()
+        );
     }
     sole_holder(sidecars).expect("holder")
 }
