@@ -214,6 +214,7 @@ async fn etcd_section() {
                 endpoints: vec![format!("http://127.0.0.1:{port}")],
                 prefix: "leasehold".into(),
                 user: None,
+                tls: None,
             })
             .expect("etcd driver"),
         )

@@ -28,11 +28,13 @@ pub enum BackendUrl {
         masters: Vec<url::Url>,
         prefix: String,
     },
-    /// `etcd://[user:password@]host:port[,host:port...][?prefix=NAME]`: one etcd cluster.
+    /// `etcd://[user:password@]host:port[,host:port...][?prefix=NAME]`: one etcd cluster;
+    /// `etcds://...?ca=PATH[&cert=PATH&key=PATH]` over TLS.
     Etcd {
         endpoints: Vec<String>,
         prefix: String,
         user: Option<(String, String)>,
+        tls: Option<crate::etcd::EtcdTls>,
     },
     /// `zk://[user:password@]host:port[,host:port...]/PATH`: one ZooKeeper ensemble; locks
     /// live under PATH. Credentials are ZooKeeper digest auth.
@@ -153,7 +155,7 @@ impl BackendUrl {
                     namespace: Some(rest.to_owned()),
                 })
             }
-            "etcd" => {
+            "etcd" | "etcds" => {
                 let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
                 if authority.contains('/') {
                     return Err(invalid(
@@ -161,25 +163,56 @@ impl BackendUrl {
                     ));
                 }
                 let (user, hosts) = split_credentials(authority).map_err(invalid)?;
+                let http = if scheme == "etcds" { "https" } else { "http" };
                 let endpoints: Vec<String> = host_list(hosts, 2379)
                     .map_err(invalid)?
                     .into_iter()
-                    .map(|host| format!("http://{host}"))
+                    .map(|host| format!("{http}://{host}"))
                     .collect();
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
-                for (key, value) in query_pairs(query) {
-                    match key.as_str() {
+                let (mut ca, mut cert, mut key) = (None, None, None);
+                for (key_name, value) in query_pairs(query) {
+                    let file = || crate::etcd::Pem::File(PathBuf::from(&value));
+                    match key_name.as_str() {
                         "prefix" => prefix = value,
+                        "ca" => ca = Some(file()),
+                        "cert" => cert = Some(file()),
+                        "key" => key = Some(file()),
                         other => return Err(invalid(format!("unknown option {other:?}"))),
                     }
                 }
                 crate::names::validate_lock_name(&prefix).map_err(|_| {
                     invalid(format!("prefix {prefix:?} must be letters, digits, '.', '_' or '-'"))
                 })?;
+                let tls = match (scheme, ca, cert, key) {
+                    ("etcd", None, None, None) => None,
+                    ("etcd", ..) => {
+                        return Err(invalid(
+                            "ca, cert and key are TLS options: use etcds://".into(),
+                        ));
+                    }
+                    (_, None, ..) => {
+                        return Err(invalid(
+                            "etcds:// needs ?ca=PATH, the CA that signed the members' certificates"
+                                .into(),
+                        ));
+                    }
+                    (_, Some(ca), Some(cert), Some(key)) => Some(crate::etcd::EtcdTls {
+                        ca,
+                        client: Some((cert, key)),
+                    }),
+                    (_, Some(ca), None, None) => Some(crate::etcd::EtcdTls { ca, client: None }),
+                    _ => {
+                        return Err(invalid(
+                            "cert and key go together: the client certificate and its key".into(),
+                        ));
+                    }
+                };
                 Ok(BackendUrl::Etcd {
                     endpoints,
                     prefix,
                     user,
+                    tls,
                 })
             }
             "redis" => {
@@ -273,7 +306,7 @@ impl BackendUrl {
                 "TLS to Redis is not built into this release yet; use redis:// (e.g. through a TLS sidecar)".into(),
             )),
             other => Err(invalid(format!(
-                "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, zk://, kubernetes://)"
+                "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
             ))),
         }
     }
@@ -318,15 +351,31 @@ impl fmt::Display for BackendUrl {
                 endpoints,
                 prefix,
                 user,
+                tls,
             } => {
                 let hosts: Vec<&str> = endpoints
                     .iter()
-                    .map(|e| e.trim_start_matches("http://"))
+                    .map(|e| {
+                        e.trim_start_matches("http://")
+                            .trim_start_matches("https://")
+                    })
                     .collect();
                 let user = user
                     .as_ref()
                     .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
-                write!(f, "etcd://{user}{}?prefix={prefix}", hosts.join(","))
+                let scheme = if tls.is_some() { "etcds" } else { "etcd" };
+                write!(f, "{scheme}://{user}{}?prefix={prefix}", hosts.join(","))?;
+                // File paths are shown; PEM text from a Secret never is.
+                let files = tls.iter().flat_map(|t| {
+                    std::iter::once(("ca", &t.ca))
+                        .chain(t.client.iter().flat_map(|(c, k)| [("cert", c), ("key", k)]))
+                });
+                for (name, pem) in files {
+                    if let crate::etcd::Pem::File(path) = pem {
+                        write!(f, "&{name}={}", path.display())?;
+                    }
+                }
+                Ok(())
             }
             BackendUrl::Kubernetes { namespace } => {
                 write!(f, "kubernetes://{}", namespace.as_deref().unwrap_or(""))
@@ -617,6 +666,7 @@ mod tests {
             endpoints,
             prefix,
             user,
+            tls,
         } = &url
         else {
             panic!("not etcd: {url}")
@@ -624,7 +674,27 @@ mod tests {
         assert_eq!(endpoints, &["http://a:1", "http://b:2379"]);
         assert_eq!(prefix, "team");
         assert_eq!(user, &Some(("root".to_owned(), "pw@x".to_owned())));
+        assert!(tls.is_none());
         assert_eq!(url.to_string(), "etcd://root:***@a:1,b:2379?prefix=team");
+
+        let url =
+            BackendUrl::parse("etcds://a:1?ca=/tls/ca.crt&cert=/tls/c.crt&key=/tls/c.key").unwrap();
+        let BackendUrl::Etcd { endpoints, tls, .. } = &url else {
+            panic!("not etcd: {url}")
+        };
+        assert_eq!(endpoints, &["https://a:1"]);
+        let file = |p: &str| crate::etcd::Pem::File(p.into());
+        assert!(tls.as_ref().is_some_and(|t| t.ca == file("/tls/ca.crt")
+            && t.client == Some((file("/tls/c.crt"), file("/tls/c.key")))));
+        assert_eq!(
+            url.to_string(),
+            "etcds://a:1?prefix=leasehold&ca=/tls/ca.crt&cert=/tls/c.crt&key=/tls/c.key"
+        );
+        let server_only = BackendUrl::parse("etcds://a?ca=/tls/ca.crt").unwrap();
+        assert!(
+            matches!(server_only, BackendUrl::Etcd { tls: Some(ref t), .. } if t.client.is_none())
+        );
+
         for bad in [
             "etcd://",
             "etcd://a:1/path",
@@ -632,6 +702,11 @@ mod tests {
             "etcd://a:1?prefix=a/b",
             "etcd://a:1?bogus=1",
             "etcd://nopassword@a:1",
+            // TLS options without TLS, TLS without a CA, half a client pair.
+            "etcd://a:1?ca=/tls/ca.crt",
+            "etcds://a:1",
+            "etcds://a:1?ca=/ca.crt&cert=/c.crt",
+            "etcds://a:1?ca=/ca.crt&key=/c.key",
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
         }

@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, SortOrder, SortTarget,
-    Txn, TxnOp, TxnOpResponse, WatchOptions,
+    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, KeyValue, PutOptions,
+    SortOrder, SortTarget, TlsOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use tokio::sync::{OnceCell, watch};
 use tokio::time::Instant;
@@ -42,9 +42,50 @@ const ABANDONED_AFTER_TTLS: u32 = 3;
 /// Where to find etcd and how to log in.
 #[derive(Clone)]
 pub struct EtcdConfig {
+    /// `http://host:port`, or `https://host:port` with `tls`.
     pub endpoints: Vec<String>,
     pub prefix: String,
     pub user: Option<(String, String)>,
+    pub tls: Option<EtcdTls>,
+}
+
+/// A PEM document: a file named on the command line (read when the driver connects), or the
+/// text of a Secret key.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Pem {
+    File(std::path::PathBuf),
+    Text(String),
+}
+
+impl Pem {
+    fn read(&self, field: &'static str) -> Result<String> {
+        match self {
+            Pem::Text(text) => Ok(text.clone()),
+            Pem::File(path) => std::fs::read_to_string(path).map_err(|e| Error::InvalidConfig {
+                field,
+                reason: format!("reading {}: {e}", path.display()),
+            }),
+        }
+    }
+}
+
+/// TLS to etcd: the CA that signed the members' certificates, and this client's certificate and
+/// key for members that ask for one (`--client-cert-auth`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    pub ca: Pem,
+    pub client: Option<(Pem, Pem)>,
+}
+
+impl EtcdTls {
+    fn options(&self) -> Result<TlsOptions> {
+        let mut options =
+            TlsOptions::new().ca_certificate(Certificate::from_pem(self.ca.read("ca")?));
+        if let Some((cert, key)) = &self.client {
+            options = options.identity(Identity::from_pem(cert.read("cert")?, key.read("key")?));
+        }
+        Ok(options)
+    }
 }
 
 /// This process's key in one lock's queue.
@@ -86,7 +127,8 @@ impl Drop for EtcdDriver {
 fn map_err(e: etcd_client::Error) -> Error {
     use etcd_client::Error as E;
     match &e {
-        E::TransportError(_) | E::IoError(_) => Error::Unreachable(e.to_string()),
+        // The causes say what went wrong: a refused connection, an unknown certificate issuer.
+        E::TransportError(_) | E::IoError(_) => Error::Unreachable(with_causes(&e)),
         E::GRpcStatus(status)
             if matches!(
                 status.code(),
@@ -97,6 +139,16 @@ fn map_err(e: etcd_client::Error) -> Error {
         }
         _ => Error::Backend(e.to_string()),
     }
+}
+
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text = format!("{text}: {c}");
+        cause = c.source();
+    }
+    text
 }
 
 /// etcd leases count whole seconds: round up, so the key never expires before the claim does.
@@ -118,6 +170,9 @@ impl Shared {
                     .with_timeout(REQUEST_TIMEOUT);
                 if let Some((user, password)) = &self.config.user {
                     options = options.with_user(user.clone(), password.clone());
+                }
+                if let Some(tls) = &self.config.tls {
+                    options = options.with_tls(tls.options()?);
                 }
                 Client::connect(&self.config.endpoints, Some(options))
                     .await

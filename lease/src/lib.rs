@@ -51,10 +51,12 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             endpoints,
             prefix,
             user,
+            tls,
         } => Arc::new(etcd::EtcdDriver::connect(etcd::EtcdConfig {
             endpoints: endpoints.clone(),
             prefix: prefix.clone(),
             user: user.clone(),
+            tls: tls.clone(),
         })?),
         BackendUrl::ZooKeeper {
             servers,

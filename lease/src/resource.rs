@@ -46,8 +46,12 @@ impl ResolvedLock {
     }
 }
 
+/// The keys of an etcd `tlsSecretName` Secret, as cert-manager writes them: the CA, the client
+/// certificate and its key.
+pub const TLS_SECRET_KEYS: [&str; 3] = ["ca.crt", "tls.crt", "tls.key"];
+
 /// The Secret keys `lock` references, in a stable order.
-pub fn secret_refs(lock: &DistributedLock) -> Vec<&SecretKeyRef> {
+pub fn secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
     let b = &lock.spec.backend;
     let mut refs: Vec<&SecretKeyRef> = Vec::new();
     if let Some(r) = &b.redis {
@@ -61,6 +65,13 @@ pub fn secret_refs(lock: &DistributedLock) -> Vec<&SecretKeyRef> {
     }
     if let Some(e) = &b.etcd {
         refs.extend(e.username_secret_ref.iter().chain(&e.password_secret_ref));
+    }
+    let mut refs: Vec<SecretKeyRef> = refs.into_iter().cloned().collect();
+    if let Some(name) = b.etcd.as_ref().and_then(|e| e.tls_secret_name.as_ref()) {
+        refs.extend(TLS_SECRET_KEYS.map(|key| SecretKeyRef {
+            name: name.clone(),
+            key: key.into(),
+        }));
     }
     refs
 }
@@ -88,14 +99,14 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
                     Error::Unreachable(format!("reading Secret {namespace}/{}: {other}", r.name))
                 }
             })?
-            .ok_or_else(|| missing(r, "the Secret does not exist"))?;
+            .ok_or_else(|| missing(&r, "the Secret does not exist"))?;
         let value = secret
             .data
             .as_ref()
             .and_then(|d| d.get(&r.key))
             .map(|v| String::from_utf8(v.0.clone()))
             .transpose()
-            .map_err(|_| missing(r, "the key is not UTF-8 text"))?
+            .map_err(|_| missing(&r, "the key is not UTF-8 text"))?
             .or_else(|| {
                 secret
                     .string_data
@@ -103,7 +114,7 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
                     .and_then(|d| d.get(&r.key))
                     .cloned()
             })
-            .ok_or_else(|| missing(r, "the Secret has no such key"))?;
+            .ok_or_else(|| missing(&r, "the Secret has no such key"))?;
         values.insert(key, value);
     }
     Ok(values)
@@ -295,15 +306,16 @@ fn backend_url(
         };
         format!("zk://{auth}{}{}", z.servers.join(","), z.path)
     } else if let Some(e) = etcd {
-        if e.tls_secret_name.is_some() {
-            return Err(unsupported("TLS to etcd"));
-        }
         let auth = userinfo(
             secret(secrets, &e.username_secret_ref)?,
             secret(secrets, &e.password_secret_ref)?,
         );
         let q = query(&[("prefix", e.prefix.as_deref())]);
-        format!("etcd://{auth}{}{q}", e.endpoints.join(","))
+        let url = BackendUrl::parse(&format!("etcd://{auth}{}{q}", e.endpoints.join(",")))?;
+        return Ok((
+            with_etcd_tls(url, e.tls_secret_name.as_deref(), secrets)?,
+            None,
+        ));
     } else if let Some(k) = kubernetes {
         let lease_name = k.lease_name.clone().unwrap_or_else(|| lock.name_any());
         crate::names::validate_lease_name(&lease_name)?;
@@ -321,6 +333,48 @@ fn backend_url(
         unreachable!("kind() checked that one backend is set")
     };
     Ok((BackendUrl::parse(&raw)?, None))
+}
+
+/// TLS from the `tlsSecretName` Secret's PEM text: HTTPS endpoints, the CA, the client pair.
+fn with_etcd_tls(
+    url: BackendUrl,
+    tls_secret: Option<&str>,
+    secrets: &SecretValues,
+) -> Result<BackendUrl> {
+    let (
+        BackendUrl::Etcd {
+            endpoints,
+            prefix,
+            user,
+            ..
+        },
+        Some(name),
+    ) = (&url, tls_secret)
+    else {
+        return Ok(url);
+    };
+    let pem = |key: &str| -> Result<crate::etcd::Pem> {
+        secrets
+            .get(&(name.to_owned(), key.to_owned()))
+            .map(|text| crate::etcd::Pem::Text(text.clone()))
+            .ok_or_else(|| Error::InvalidConfig {
+                field: "tlsSecretName",
+                reason: format!("Secret {name:?} key {key:?} was not read"),
+            })
+    };
+    let [ca, cert, key] = TLS_SECRET_KEYS;
+    Ok(BackendUrl::Etcd {
+        endpoints: endpoints
+            .iter()
+            .map(|e| e.replacen("http://", "https://", 1))
+            .collect(),
+        prefix: prefix.clone(),
+        user: user.clone(),
+        tls: Some(crate::etcd::EtcdTls {
+            ca: pem(ca)?,
+            client: Some((pem(cert)?, pem(key)?)),
+        }),
+    })
 }
 
 /// The lock as the controlling owner of what is provisioned for it.
@@ -363,7 +417,9 @@ pub fn parse_go_duration(raw: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use leasehold_crds::{DistributedLockSpec, RedisBackend, SqlBackend, ZooKeeperBackend};
+    use leasehold_crds::{
+        DistributedLockSpec, EtcdBackend, RedisBackend, SqlBackend, ZooKeeperBackend,
+    };
 
     fn lock(backend: Backend) -> DistributedLock {
         let mut lock = DistributedLock::new(
@@ -505,6 +561,43 @@ mod tests {
             (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
             ("DistributedLock", "uid-1", Some(true))
         );
+    }
+
+    /// The TLS Secret's three keys are read like any other, their PEM text goes to the driver,
+    /// and none of it shows in the URL's text.
+    #[test]
+    fn etcd_tls_comes_from_its_secret() {
+        let lock = lock(Backend {
+            etcd: Some(EtcdBackend {
+                endpoints: vec!["e1:2379".into(), "e2:2379".into()],
+                tls_secret_name: Some("etcd-client".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let refs = secret_refs(&lock);
+        assert_eq!(
+            refs,
+            TLS_SECRET_KEYS.map(|k| key("etcd-client", k)).to_vec()
+        );
+        let mut secrets: SecretValues = refs
+            .iter()
+            .map(|r| ((r.name.clone(), r.key.clone()), format!("PEM OF {}", r.key)))
+            .collect();
+        let resolved = resolve(&lock, &secrets).unwrap();
+        let BackendUrl::Etcd { endpoints, tls, .. } = &resolved.backend else {
+            panic!("not etcd: {}", resolved.backend)
+        };
+        assert_eq!(endpoints, &["https://e1:2379", "https://e2:2379"]);
+        let text = |t: &str| crate::etcd::Pem::Text(t.into());
+        assert!(tls.as_ref().is_some_and(|t| t.ca == text("PEM OF ca.crt")
+            && t.client == Some((text("PEM OF tls.crt"), text("PEM OF tls.key")))));
+        let shown = resolved.backend.to_string();
+        assert_eq!(shown, "etcds://e1:2379,e2:2379?prefix=leasehold");
+
+        secrets.remove(&("etcd-client".into(), "tls.key".into()));
+        let e = resolve(&lock, &secrets).unwrap_err().to_string();
+        assert!(e.contains("tls.key"), "{e}");
     }
 
     #[test]

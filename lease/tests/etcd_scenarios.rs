@@ -11,6 +11,7 @@ fn driver(server: &EtcdServer) -> EtcdDriver {
         endpoints: vec![format!("http://127.0.0.1:{}", server.port())],
         prefix: "leasehold".into(),
         user: None,
+        tls: None,
     })
     .expect("driver")
 }
@@ -35,4 +36,51 @@ async fn waiters_further_back_cost_no_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_contenders_two_hundred_handovers_in_fifo_order() {
     contenders(&mut EtcdHarness::new(), 20, 10).await;
+}
+
+/// A TLS member refuses a client with no certificate (under TLS 1.3 the client learns only that
+/// the member closed the connection), a client refuses a member whose certificate its CA did not
+/// sign and says so, and a CA file that cannot be read is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_refusals_say_why() {
+    let server = EtcdServer::start_tls();
+    let files = server.tls_files();
+    let attempt = |url: String| async move {
+        let url = leasehold_lease::BackendUrl::parse(&url).expect("url");
+        let driver = leasehold_lease::connect(&url).await.expect("driver");
+        driver
+            .try_acquire("tls", "me", std::time::Duration::from_secs(5))
+            .await
+    };
+
+    let no_certificate = format!(
+        "etcds://127.0.0.1:{}?ca={}",
+        server.port(),
+        files.ca.display()
+    );
+    let e = attempt(no_certificate)
+        .await
+        .expect_err("no client certificate");
+    assert!(matches!(e, leasehold_lease::Error::Unreachable(_)), "{e}");
+
+    let stranger = EtcdServer::start_tls();
+    let wrong_ca = format!(
+        "etcds://127.0.0.1:{}?ca={}&cert={}&key={}",
+        server.port(),
+        stranger.tls_files().ca.display(),
+        files.client_cert.display(),
+        files.client_key.display()
+    );
+    let e = attempt(wrong_ca).await.expect_err("a stranger's CA");
+    assert!(e.to_string().contains("invalid peer certificate"), "{e}");
+
+    let missing = format!("etcds://127.0.0.1:{}?ca=/nonexistent/ca.crt", server.port());
+    let e = attempt(missing).await.expect_err("no CA file");
+    assert!(e.to_string().contains("/nonexistent/ca.crt"), "{e}");
+
+    // And the right files work.
+    assert!(matches!(
+        attempt(server.url()).await.expect("over TLS"),
+        leasehold_lease::Acquire::Acquired(_)
+    ));
 }

@@ -31,7 +31,7 @@ struct Args {
     locks: Vec<String>,
 
     /// sqlite://PATH, redis://[user:pass@]host:port[/db], redlock://h:p,h:p,h:p,
-    /// postgres://.. or mysql://..[?mode=lease|row-lock], etcd://h:p[,h:p], zk://h:p[,h:p]/PATH.
+    /// postgres://.. or mysql://..[?mode=lease|row-lock], etcd://h:p[,h:p] (etcds://...?ca=&cert=&key= for TLS), zk://h:p[,h:p]/PATH.
     /// Parsed after clap, so that an error shows the URL with its password redacted.
     #[arg(long, env = "LEASEHOLD_BACKEND", value_name = "URL", default_value = DEFAULT_BACKEND,
           hide_env_values = true)]

@@ -278,6 +278,13 @@ fn etcd_crash_takeover_within_the_lease() {
     crash_takeover(&etcd.url());
 }
 
+/// The sidecars reach an etcd that serves TLS only and asks for their certificates.
+#[test]
+fn etcd_tls_crash_takeover_within_the_lease() {
+    let etcd = EtcdServer::start_tls();
+    crash_takeover(&etcd.url());
+}
+
 #[test]
 fn etcd_sigterm_hands_over_at_once() {
     let etcd = EtcdServer::start();

@@ -169,6 +169,16 @@ impl ServerHarness<super::MariaDbServer> {
     }
 }
 
+impl ServerHarness<super::EtcdServer> {
+    /// etcd over TLS, asking every client for a certificate.
+    pub fn tls() -> Self {
+        Self {
+            server: super::EtcdServer::start_tls(),
+            options: "",
+        }
+    }
+}
+
 impl<S: BackendServer> Default for ServerHarness<S> {
     fn default() -> Self {
         Self::new()

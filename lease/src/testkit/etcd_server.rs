@@ -3,9 +3,13 @@
 //!
 //! Elections are tuned for one member on loopback (10 ms heartbeat, 100 ms election timeout),
 //! which also brings etcd's minimum lease TTL down to one second, the suite's lease.
+//!
+//! [`EtcdServer::start_tls`] serves clients over TLS only and asks each for a certificate
+//! signed by a CA of its own. Health and metrics are on a plain-HTTP port of their own either way.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -16,32 +20,91 @@ pub struct EtcdServer {
     process: ServerProcess,
     port: u16,
     peer_port: u16,
+    metrics_port: u16,
+    tls: bool,
+}
+
+/// The PEM files of a TLS test server, in its throwaway directory.
+pub struct EtcdTlsFiles {
+    pub ca: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
 }
 
 impl EtcdServer {
     pub fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// Clients over TLS, each with a certificate from [`EtcdServer::tls_files`].
+    pub fn start_tls() -> Self {
+        Self::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> Self {
         let mut server = Self {
             process: ServerProcess::new("etcd"),
             port: free_port(),
             peer_port: free_port(),
+            metrics_port: free_port(),
+            tls,
         };
+        if tls {
+            write_certificates(server.process.dir());
+        }
         server.spawn();
         server
+    }
+
+    /// The CA and the client pair, for a TLS server.
+    pub fn tls_files(&self) -> EtcdTlsFiles {
+        let dir = self.process.dir();
+        EtcdTlsFiles {
+            ca: dir.join("ca.crt"),
+            client_cert: dir.join("client.crt"),
+            client_key: dir.join("client.key"),
+        }
     }
 
     pub fn port(&self) -> u16 {
         self.port
     }
 
+    /// The backend URL, with the client's certificate for a TLS server.
     pub fn url(&self) -> String {
-        format!("etcd://127.0.0.1:{}", self.port)
+        if self.tls {
+            let files = self.tls_files();
+            format!(
+                "etcds://127.0.0.1:{}?ca={}&cert={}&key={}",
+                self.port,
+                files.ca.display(),
+                files.client_cert.display(),
+                files.client_key.display()
+            )
+        } else {
+            format!("etcd://127.0.0.1:{}", self.port)
+        }
     }
 
     fn spawn(&mut self) {
-        let client = format!("http://127.0.0.1:{}", self.port);
+        let scheme = if self.tls { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let metrics = format!("http://127.0.0.1:{}", self.metrics_port);
         let mut command = Command::new(require_binary("etcd", "etcd-server"));
+        if self.tls {
+            let dir = self.process.dir();
+            command
+                .arg("--cert-file")
+                .arg(dir.join("server.crt"))
+                .arg("--key-file")
+                .arg(dir.join("server.key"))
+                .arg("--trusted-ca-file")
+                .arg(dir.join("ca.crt"))
+                .arg("--client-cert-auth");
+        }
         command
+            .args(["--listen-metrics-urls", &metrics])
             .args(["--name", "leasehold-test"])
             .arg("--data-dir")
             .arg(self.process.dir().join("data"))
@@ -52,7 +115,7 @@ impl EtcdServer {
             .args(["--initial-cluster", &format!("leasehold-test={peer}")])
             .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
             .args(["--log-level", "warn"]);
-        let port = self.port;
+        let port = self.metrics_port;
         self.process.spawn(command, move || healthy(port));
     }
 
@@ -70,7 +133,7 @@ impl EtcdServer {
     /// gRPC messages the server has received so far, over every service and stream
     /// (`grpc_server_msg_received_total` summed from its metrics).
     pub fn messages_received(&self) -> u64 {
-        get(self.port, "/metrics")
+        get(self.metrics_port, "/metrics")
             .lines()
             .filter(|l| l.starts_with("grpc_server_msg_received_total"))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -78,12 +141,42 @@ impl EtcdServer {
     }
 }
 
-/// etcd's own health endpoint on the client port: healthy once it has a leader.
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`.
+fn write_certificates(dir: &std::path::Path) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+    let write = |name: &str, pem: String| std::fs::write(dir.join(name), pem).expect(name);
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca = CertificateParams::default();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.distinguished_name
+        .push(DnType::CommonName, "leasehold test CA");
+    write("ca.crt", ca.self_signed(&ca_key).expect("CA").pem());
+    let issuer = Issuer::new(ca, ca_key);
+    let leaf = |file: &str, names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(names).expect("names");
+        params.distinguished_name.push(DnType::CommonName, file);
+        params.extended_key_usages = vec![usage];
+        let cert = params.signed_by(&key, &issuer).expect("sign");
+        write(&format!("{file}.crt"), cert.pem());
+        write(&format!("{file}.key"), key.serialize_pem());
+    };
+    leaf(
+        "server",
+        vec!["127.0.0.1".into(), "localhost".into()],
+        ExtendedKeyUsagePurpose::ServerAuth,
+    );
+    leaf("client", vec![], ExtendedKeyUsagePurpose::ClientAuth);
+}
+
+/// etcd's own health endpoint: healthy once it has a leader.
 fn healthy(port: u16) -> bool {
     get(port, "/health").contains("\"health\":\"true\"")
 }
 
-/// A plain HTTP GET on the client port; empty when it fails.
+/// A plain HTTP GET on the metrics port; empty when it fails.
 fn get(port: u16, path: &str) -> String {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return String::new();
