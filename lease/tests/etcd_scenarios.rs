@@ -38,8 +38,8 @@ async fn twenty_contenders_two_hundred_handovers_in_fifo_order() {
     contenders(&mut EtcdHarness::new(), 20, 10).await;
 }
 
-/// A TLS member refuses a client with no certificate (under TLS 1.3 the client learns only that
-/// the member closed the connection), a client refuses a member whose certificate its CA did not
+/// A TLS member refuses a client with no certificate (under TLS 1.3 the client may learn no
+/// more than that the transport failed), a client refuses a member whose certificate its CA did not
 /// sign and says so, and a CA file that cannot be read is named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_refusals_say_why() {
@@ -61,7 +61,13 @@ async fn tls_refusals_say_why() {
     let e = attempt(no_certificate)
         .await
         .expect_err("no client certificate");
-    assert!(matches!(e, leasehold_lease::Error::Unreachable(_)), "{e}");
+    // The member's refusal reaches the client as its alert (BadCertificate), the connection
+    // closing, or a broken pipe, depending on when the client writes and reads after its
+    // handshake: the error text cannot promise more than a transport failure.
+    assert!(
+        e.to_string().contains("transport") || e.to_string().contains("connection"),
+        "{e}"
+    );
 
     let stranger = EtcdServer::start_tls();
     let wrong_ca = format!(
