@@ -163,12 +163,7 @@ impl BackendUrl {
                     ));
                 }
                 let (user, hosts) = split_credentials(authority).map_err(invalid)?;
-                let http = if scheme == "etcds" { "https" } else { "http" };
-                let endpoints: Vec<String> = host_list(hosts, 2379)
-                    .map_err(invalid)?
-                    .into_iter()
-                    .map(|host| format!("{http}://{host}"))
-                    .collect();
+                let endpoints = host_list(hosts, 2379).map_err(invalid)?;
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
                 let (mut ca, mut cert, mut key) = (None, None, None);
                 for (key_name, value) in query_pairs(query) {
@@ -353,18 +348,15 @@ impl fmt::Display for BackendUrl {
                 user,
                 tls,
             } => {
-                let hosts: Vec<&str> = endpoints
-                    .iter()
-                    .map(|e| {
-                        e.trim_start_matches("http://")
-                            .trim_start_matches("https://")
-                    })
-                    .collect();
                 let user = user
                     .as_ref()
                     .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
                 let scheme = if tls.is_some() { "etcds" } else { "etcd" };
-                write!(f, "{scheme}://{user}{}?prefix={prefix}", hosts.join(","))?;
+                write!(
+                    f,
+                    "{scheme}://{user}{}?prefix={prefix}",
+                    endpoints.join(",")
+                )?;
                 // File paths are shown; PEM text from a Secret never is.
                 let files = tls.iter().flat_map(|t| {
                     std::iter::once(("ca", &t.ca))
@@ -671,7 +663,7 @@ mod tests {
         else {
             panic!("not etcd: {url}")
         };
-        assert_eq!(endpoints, &["http://a:1", "http://b:2379"]);
+        assert_eq!(endpoints, &["a:1", "b:2379"]);
         assert_eq!(prefix, "team");
         assert_eq!(user, &Some(("root".to_owned(), "pw@x".to_owned())));
         assert!(tls.is_none());
@@ -682,7 +674,7 @@ mod tests {
         let BackendUrl::Etcd { endpoints, tls, .. } = &url else {
             panic!("not etcd: {url}")
         };
-        assert_eq!(endpoints, &["https://a:1"]);
+        assert_eq!(endpoints, &["a:1"]);
         let file = |p: &str| crate::etcd::Pem::File(p.into());
         assert!(tls.as_ref().is_some_and(|t| t.ca == file("/tls/ca.crt")
             && t.client == Some((file("/tls/c.crt"), file("/tls/c.key")))));

@@ -42,7 +42,7 @@ const ABANDONED_AFTER_TTLS: u32 = 3;
 /// Where to find etcd and how to log in.
 #[derive(Clone)]
 pub struct EtcdConfig {
-    /// `http://host:port`, or `https://host:port` with `tls`.
+    /// `host:port`: etcd-client connects over HTTPS when `tls` is set, else over HTTP.
     pub endpoints: Vec<String>,
     pub prefix: String,
     pub user: Option<(String, String)>,

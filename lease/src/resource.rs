@@ -335,22 +335,13 @@ fn backend_url(
     Ok((BackendUrl::parse(&raw)?, None))
 }
 
-/// TLS from the `tlsSecretName` Secret's PEM text: HTTPS endpoints, the CA, the client pair.
+/// TLS from the `tlsSecretName` Secret's PEM text: the CA and the client pair.
 fn with_etcd_tls(
-    url: BackendUrl,
+    mut url: BackendUrl,
     tls_secret: Option<&str>,
     secrets: &SecretValues,
 ) -> Result<BackendUrl> {
-    let (
-        BackendUrl::Etcd {
-            endpoints,
-            prefix,
-            user,
-            ..
-        },
-        Some(name),
-    ) = (&url, tls_secret)
-    else {
+    let (BackendUrl::Etcd { tls, .. }, Some(name)) = (&mut url, tls_secret) else {
         return Ok(url);
     };
     let pem = |key: &str| -> Result<crate::etcd::Pem> {
@@ -363,18 +354,11 @@ fn with_etcd_tls(
             })
     };
     let [ca, cert, key] = TLS_SECRET_KEYS;
-    Ok(BackendUrl::Etcd {
-        endpoints: endpoints
-            .iter()
-            .map(|e| e.replacen("http://", "https://", 1))
-            .collect(),
-        prefix: prefix.clone(),
-        user: user.clone(),
-        tls: Some(crate::etcd::EtcdTls {
-            ca: pem(ca)?,
-            client: Some((pem(cert)?, pem(key)?)),
-        }),
-    })
+    *tls = Some(crate::etcd::EtcdTls {
+        ca: pem(ca)?,
+        client: Some((pem(cert)?, pem(key)?)),
+    });
+    Ok(url)
 }
 
 /// The lock as the controlling owner of what is provisioned for it.
@@ -588,7 +572,7 @@ mod tests {
         let BackendUrl::Etcd { endpoints, tls, .. } = &resolved.backend else {
             panic!("not etcd: {}", resolved.backend)
         };
-        assert_eq!(endpoints, &["https://e1:2379", "https://e2:2379"]);
+        assert_eq!(endpoints, &["e1:2379", "e2:2379"]);
         let text = |t: &str| crate::etcd::Pem::Text(t.into());
         assert!(tls.as_ref().is_some_and(|t| t.ca == text("PEM OF ca.crt")
             && t.client == Some((text("PEM OF tls.crt"), text("PEM OF tls.key")))));

@@ -520,21 +520,16 @@ impl ZooKeeperDriver {
         entries.get(lock).cloned()
     }
 
-    /// A waiter further back answered without a request (see `queue_slot`), while the session
-    /// is connected and no orphan waits to be deleted.
-    async fn quiet_wait(
+    /// A waiter further back answered without a request (see `queue_slot`), while `session` is
+    /// connected and no orphan waits to be deleted.
+    fn quiet_wait(
         &self,
+        session: &Session,
         entry: &Entry,
         now: Instant,
         ttl: Duration,
     ) -> Option<Option<Holding>> {
-        let connected = self
-            .shared
-            .session
-            .lock()
-            .await
-            .as_ref()
-            .is_some_and(|s| s.client.state() == zk::SessionState::SyncConnected);
+        let connected = session.client.state() == zk::SessionState::SyncConnected;
         let no_orphans = self
             .shared
             .orphans
@@ -565,7 +560,7 @@ impl Driver for ZooKeeperDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         // Opening a session first, when needed, must not eat into the lease measured below.
-        self.shared.session(ttl).await?;
+        let current = self.shared.session(ttl).await?;
         let sent = Instant::now();
         let entry = match self.entry(lock) {
             Some(entry) if entry.slot.holding() || entry.identity != identity => {
@@ -573,7 +568,7 @@ impl Driver for ZooKeeperDriver {
             }
             Some(entry) => {
                 entry.slot.ask(sent);
-                if let Some(holder) = self.quiet_wait(&entry, sent, ttl).await {
+                if let Some(holder) = self.quiet_wait(&current, &entry, sent, ttl) {
                     return Ok(Acquire::Busy(holder));
                 }
                 entry
