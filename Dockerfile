@@ -14,7 +14,7 @@ ARG RUST_VERSION=1.95
 FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS build
 ARG TARGET=x86_64-unknown-linux-musl
 RUN apt-get update \
- && apt-get install -y --no-install-recommends protobuf-compiler musl-tools binutils \
+ && apt-get install -y --no-install-recommends musl-tools binutils \
  && rm -rf /var/lib/apt/lists/* \
  && rustup target add "${TARGET}"
 WORKDIR /src

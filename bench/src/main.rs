@@ -65,21 +65,28 @@ const IDLE_MEASURE: Duration = Duration::from_secs(15);
 /// The raw client operations of the simplest etcd lock: grant a lease, put the key with it,
 /// revoke the lease.
 async fn etcd_raw_cycles(port: u16) -> f64 {
-    let mut client = etcd_client::Client::connect([format!("http://127.0.0.1:{port}")], None)
-        .await
-        .expect("etcd");
+    use leasehold_lease::drivers::etcd_rpc::{Connect, EtcdClient, PutRequest};
+    let client = EtcdClient::connect(Connect {
+        endpoints: &[format!("127.0.0.1:{port}")],
+        tls: None,
+        user: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+    })
+    .await
+    .expect("etcd");
     let start = Instant::now();
     for _ in 0..CYCLES {
-        let lease = client.lease_grant(15, None).await.expect("grant");
+        let lease = client.lease_grant(15).await.expect("grant");
         client
-            .put(
-                "raw/lock",
-                "bench",
-                Some(etcd_client::PutOptions::new().with_lease(lease.id())),
-            )
+            .put(PutRequest {
+                key: b"raw/lock".to_vec(),
+                value: b"bench".to_vec(),
+                lease: lease.id,
+            })
             .await
             .expect("put");
-        client.lease_revoke(lease.id()).await.expect("revoke");
+        client.lease_revoke(lease.id).await.expect("revoke");
     }
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
@@ -211,7 +218,7 @@ async fn etcd_section() {
     let connect = || -> Arc<dyn Driver> {
         Arc::new(
             EtcdDriver::connect(EtcdConfig {
-                endpoints: vec![format!("http://127.0.0.1:{port}")],
+                endpoints: vec![format!("127.0.0.1:{port}")],
                 prefix: "leasehold".into(),
                 user: None,
                 tls: None,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use crate::error::{Error, Result};
 use crate::names::validate_sql_identifier;
+use crate::redact::redact;
 
 /// The embedded default: a SQLite file in the working directory.
 pub const DEFAULT_BACKEND: &str = "sqlite://./leasehold.db";
@@ -34,7 +35,7 @@ pub enum BackendUrl {
         endpoints: Vec<String>,
         prefix: String,
         user: Option<(String, String)>,
-        tls: Option<crate::etcd::EtcdTls>,
+        tls: Option<crate::drivers::etcd::EtcdTls>,
     },
     /// `zk://[user:password@]host:port[,host:port...]/PATH`: one ZooKeeper ensemble; locks
     /// live under PATH. Credentials are ZooKeeper digest auth.
@@ -49,11 +50,11 @@ pub enum BackendUrl {
     /// `postgres://` or `mysql://` (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`;
     /// every other query parameter goes to the database driver (e.g. `sslmode`).
     Sql {
-        dialect: crate::sql::Dialect,
+        dialect: crate::drivers::sql::Dialect,
         url: url::Url,
         table: String,
         schema: Option<String>,
-        mode: crate::sql::SqlMode,
+        mode: crate::drivers::sql::SqlMode,
     },
 }
 
@@ -167,7 +168,7 @@ impl BackendUrl {
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
                 let (mut ca, mut cert, mut key) = (None, None, None);
                 for (key_name, value) in query_pairs(query) {
-                    let file = || crate::etcd::Pem::File(PathBuf::from(&value));
+                    let file = || crate::drivers::etcd::Pem::File(PathBuf::from(&value));
                     match key_name.as_str() {
                         "prefix" => prefix = value,
                         "ca" => ca = Some(file()),
@@ -192,11 +193,11 @@ impl BackendUrl {
                                 .into(),
                         ));
                     }
-                    (_, Some(ca), Some(cert), Some(key)) => Some(crate::etcd::EtcdTls {
+                    (_, Some(ca), Some(cert), Some(key)) => Some(crate::drivers::etcd::EtcdTls {
                         ca,
                         client: Some((cert, key)),
                     }),
-                    (_, Some(ca), None, None) => Some(crate::etcd::EtcdTls { ca, client: None }),
+                    (_, Some(ca), None, None) => Some(crate::drivers::etcd::EtcdTls { ca, client: None }),
                     _ => {
                         return Err(invalid(
                             "cert and key go together: the client certificate and its key".into(),
@@ -237,9 +238,9 @@ impl BackendUrl {
             }
             "postgres" | "postgresql" | "mysql" | "mariadb" => {
                 let dialect = if scheme.starts_with("postgres") {
-                    crate::sql::Dialect::Postgres
+                    crate::drivers::sql::Dialect::Postgres
                 } else {
-                    crate::sql::Dialect::MySql
+                    crate::drivers::sql::Dialect::MySql
                 };
                 let normalized = match scheme {
                     "mariadb" => format!("mysql://{rest}"),
@@ -253,12 +254,12 @@ impl BackendUrl {
                     return Err(invalid("the database name is missing (…/DATABASE)".into()));
                 }
                 let (mut table, mut schema) = (DEFAULT_TABLE.to_owned(), None);
-                let mut mode = crate::sql::SqlMode::Lease;
+                let mut mode = crate::drivers::sql::SqlMode::Lease;
                 let mut passed_on = Vec::new();
                 for (key, value) in url.query_pairs() {
                     match &*key {
                         "table" => table = value.into_owned(),
-                        "schema" if dialect == crate::sql::Dialect::Postgres => {
+                        "schema" if dialect == crate::drivers::sql::Dialect::Postgres => {
                             schema = Some(value.into_owned())
                         }
                         "schema" => {
@@ -267,7 +268,7 @@ impl BackendUrl {
                             ));
                         }
                         "mode" => {
-                            mode = crate::sql::SqlMode::parse(&value).ok_or_else(|| {
+                            mode = crate::drivers::sql::SqlMode::parse(&value).ok_or_else(|| {
                                 invalid(format!("mode must be lease or row-lock, got {value:?}"))
                             })?;
                         }
@@ -275,10 +276,10 @@ impl BackendUrl {
                     }
                 }
                 validate_sql_identifier("table name", &table)?;
-                if mode == crate::sql::SqlMode::RowLock {
+                if mode == crate::drivers::sql::SqlMode::RowLock {
                     validate_sql_identifier(
                         "row-lock table name (table + \"_rows\")",
-                        &crate::sql::row_table(&table),
+                        &crate::drivers::sql::row_table(&table),
                     )?;
                 }
                 if let Some(schema) = &schema {
@@ -363,7 +364,7 @@ impl fmt::Display for BackendUrl {
                         .chain(t.client.iter().flat_map(|(c, k)| [("cert", c), ("key", k)]))
                 });
                 for (name, pem) in files {
-                    if let crate::etcd::Pem::File(path) = pem {
+                    if let crate::drivers::etcd::Pem::File(path) = pem {
                         write!(f, "&{name}={}", path.display())?;
                     }
                 }
@@ -400,26 +401,6 @@ impl std::str::FromStr for BackendUrl {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         Self::parse(s)
-    }
-}
-
-/// Replace the password of a URL-shaped string with `***`, even when the string does not parse.
-pub fn redact(raw: &str) -> String {
-    let Some((scheme, rest)) = raw.split_once("://") else {
-        return raw.to_owned();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            if userinfo.contains(':') {
-                format!("{scheme}://{user}:***@{host}{tail}")
-            } else {
-                format!("{scheme}://***@{host}{tail}")
-            }
-        }
-        None => raw.to_owned(),
     }
 }
 
@@ -550,7 +531,7 @@ mod tests {
         else {
             panic!("not sql")
         };
-        assert_eq!(*dialect, crate::sql::Dialect::Postgres);
+        assert_eq!(*dialect, crate::drivers::sql::Dialect::Postgres);
         assert_eq!(
             (table.as_str(), schema.as_deref()),
             ("locks", Some("locking"))
@@ -561,13 +542,13 @@ mod tests {
             "driver options pass through"
         );
         assert!(!pg.to_string().contains("pw"), "{pg}");
-        assert_eq!(*mode, crate::sql::SqlMode::Lease);
+        assert_eq!(*mode, crate::drivers::sql::SqlMode::Lease);
         let rows = BackendUrl::parse("postgres://db/app?mode=row-lock").unwrap();
         assert!(
             matches!(
                 rows,
                 BackendUrl::Sql {
-                    mode: crate::sql::SqlMode::RowLock,
+                    mode: crate::drivers::sql::SqlMode::RowLock,
                     ..
                 }
             ),
@@ -675,7 +656,7 @@ mod tests {
             panic!("not etcd: {url}")
         };
         assert_eq!(endpoints, &["a:1"]);
-        let file = |p: &str| crate::etcd::Pem::File(p.into());
+        let file = |p: &str| crate::drivers::etcd::Pem::File(p.into());
         assert!(tls.as_ref().is_some_and(|t| t.ca == file("/tls/ca.crt")
             && t.client == Some((file("/tls/c.crt"), file("/tls/c.key")))));
         assert_eq!(
@@ -730,13 +711,5 @@ mod tests {
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn redaction() {
-        assert_eq!(redact("redis://h:1"), "redis://h:1");
-        assert_eq!(redact("redis://:pw@h:1/0"), "redis://:***@h:1/0");
-        assert_eq!(redact("redis://tok@h"), "redis://***@h");
-        assert_eq!(redact("a://u:p@w@h/x"), "a://u:***@h/x");
     }
 }

@@ -70,6 +70,12 @@ pub trait Driver: Send + Sync + 'static {
     /// A cheap round trip, for readiness.
     async fn ping(&self) -> Result<()>;
 
+    /// This process has stopped waiting for `lock` (a try-lock that found it held, a wait that
+    /// timed out, a client that went away): drivers with a queue leave it now, so that no
+    /// abandoned place stands first in line when the holder releases. No effect on a lease this
+    /// process holds. Best effort: a place that cannot be left now expires on its own.
+    async fn abandon(&self, _lock: &str, _identity: &str) {}
+
     /// Create what the backend needs (the lock table, seeded rows for `locks`), if absent.
     /// Idempotent; backends with nothing to create, or that create it on open, need not
     /// override it.

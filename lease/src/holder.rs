@@ -678,34 +678,55 @@ impl Engine {
             acquired_at: SystemTime::now(),
         });
         self.retry_at = None;
-        if !self.waiters.is_empty() {
-            let now = Instant::now();
-            let hold = self
-                .waiters
-                .iter()
-                .map(|w| w.hold)
-                .max()
-                .unwrap_or(DEFAULT_HOLD);
-            self.holds += self.waiters.len() as u32;
+        self.publish_lease();
+        self.emit(EventKind::Acquired, token, "acquired");
+        // Only waiters still there get the lock and count: one whose client went away would
+        // otherwise keep it for its whole hold, for nobody. (A waiter whose wait ran out while
+        // this attempt was in flight is still there, and is told it holds.)
+        let answer = self.state.borrow().answer();
+        let now = Instant::now();
+        let mut hold = None;
+        for waiter in self.waiters.drain(..) {
+            if waiter.reply.send(answer).is_err() {
+                continue;
+            }
+            if answer.is_holder() {
+                self.holds += 1;
+                hold = hold.max(Some(waiter.hold));
+            }
+        }
+        if let Some(hold) = hold {
             self.hold_deadline = Some(now + hold);
         }
         self.publish_lease();
-        self.emit(EventKind::Acquired, token, "acquired");
-        let answer = self.state.borrow().answer();
-        for waiter in self.waiters.drain(..) {
-            let _ = waiter.reply.send(answer);
+    }
+
+    /// On-demand: a lease that no app holds (every waiter had gone by the time it was taken) is
+    /// given back at once.
+    async fn release_unwanted(&mut self) {
+        if self.config.mode == Mode::OnDemand && self.held.is_some() && self.holds == 0 {
+            self.step_down("nobody waits for it any more").await;
         }
     }
 
-    /// Answer the on-demand waiters whose wait is over.
-    fn expire_waiters(&mut self) {
+    /// Answer the on-demand waiters whose wait is over, and drop those whose client went away.
+    /// When the last one goes, the driver is told, so that a queue place is not left standing.
+    async fn expire_waiters(&mut self) {
         let now = Instant::now();
         let answer = self.state.borrow().answer();
-        let (expired, waiting): (Vec<_>, Vec<_>) =
-            self.waiters.drain(..).partition(|w| w.deadline <= now);
+        let had_waiters = !self.waiters.is_empty();
+        let (expired, waiting): (Vec<_>, Vec<_>) = self
+            .waiters
+            .drain(..)
+            .partition(|w| w.deadline <= now || w.reply.is_closed());
         self.waiters = waiting;
         for waiter in expired {
             let _ = waiter.reply.send(answer);
+        }
+        if had_waiters && !self.wants_lock() && self.held.is_none() {
+            let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
+            let budget = self.config.renew_interval;
+            let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
         }
     }
 
@@ -844,6 +865,7 @@ impl Engine {
         let pause = match self.call(budget, attempt).await {
             Call::Done(Acquire::Acquired(lease)) => {
                 self.on_acquired(lease, sent);
+                self.release_unwanted().await;
                 return Flow::Continue;
             }
             Call::Done(Acquire::Busy(holding)) => {
@@ -863,7 +885,7 @@ impl Engine {
             Call::Failed => self.retry_pause(),
             Call::ShuttingDown => return Flow::Stop,
         };
-        self.expire_waiters();
+        self.expire_waiters().await;
         if !self.wants_lock() {
             return Flow::Continue;
         }

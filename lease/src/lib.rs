@@ -8,36 +8,34 @@
 //! - [`Lock`]: the holder state machine shared by all drivers: campaign or on-demand acquisition,
 //!   renewal, release, wake-ups, and self-fencing.
 //! - [`connect`]: a driver from a [`BackendUrl`].
+//! - [`drivers`]: one file per backend; the engine (this folder) imports them, and they import
+//!   only the trait, the error type and the name rules.
 //! - `testkit` (feature): real backend servers for tests, fault wrappers, and the conformance
 //!   suite every driver passes.
 
 mod backend_url;
 mod driver;
+pub mod drivers;
 mod error;
-pub mod etcd;
 mod holder;
-pub mod kubernetes;
 pub mod names;
-mod queue_slot;
-pub mod redis;
-pub mod redlock;
+mod redact;
 pub mod resource;
-pub mod sql;
-mod sql_row_lock;
-pub mod sqlite;
 #[cfg(feature = "testkit")]
 pub mod testkit;
-pub mod zookeeper;
+
+pub use drivers::{etcd, kubernetes, redis, redlock, sql, sqlite, zookeeper};
 
 use std::sync::Arc;
 
-pub use backend_url::{BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE, redact};
+pub use backend_url::{BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE};
 pub use driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 pub use error::{Error, Result};
 pub use holder::{
     Answer, DEFAULT_HOLD, Event, EventKind, Held, Lock, LockConfig, MAX_LEASE_DURATION,
     MIN_LEASE_DURATION, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry, safety_margin,
 };
+pub use redact::redact;
 
 /// Open the driver a backend URL names. Network backends connect lazily, so an unreachable
 /// server shows up in readiness and answers, not as a start-up failure.

@@ -16,9 +16,9 @@ use leasehold_crds::{Backend, DistributedLock, SecretKeyRef, SqlLockMode};
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 
 use crate::backend_url::BackendUrl;
+use crate::drivers::kubernetes::LeaseTarget;
 use crate::error::{Error, Result};
 use crate::holder::{LockConfig, Mode};
-use crate::kubernetes::LeaseTarget;
 
 /// Secret values by (Secret name, key).
 pub type SecretValues = BTreeMap<(String, String), String>;
@@ -165,7 +165,7 @@ pub async fn open(
 ) -> Result<std::sync::Arc<dyn crate::Driver>> {
     Ok(match &resolved.backend {
         BackendUrl::Kubernetes { namespace } => std::sync::Arc::new(
-            crate::kubernetes::KubernetesLeaseDriver::new(
+            crate::drivers::kubernetes::KubernetesLeaseDriver::new(
                 client.clone(),
                 namespace
                     .clone()
@@ -344,17 +344,17 @@ fn with_etcd_tls(
     let (BackendUrl::Etcd { tls, .. }, Some(name)) = (&mut url, tls_secret) else {
         return Ok(url);
     };
-    let pem = |key: &str| -> Result<crate::etcd::Pem> {
+    let pem = |key: &str| -> Result<crate::drivers::etcd::Pem> {
         secrets
             .get(&(name.to_owned(), key.to_owned()))
-            .map(|text| crate::etcd::Pem::Text(text.clone()))
+            .map(|text| crate::drivers::etcd::Pem::Text(text.clone()))
             .ok_or_else(|| Error::InvalidConfig {
                 field: "tlsSecretName",
                 reason: format!("Secret {name:?} key {key:?} was not read"),
             })
     };
     let [ca, cert, key] = TLS_SECRET_KEYS;
-    *tls = Some(crate::etcd::EtcdTls {
+    *tls = Some(crate::drivers::etcd::EtcdTls {
         ca: pem(ca)?,
         client: Some((pem(cert)?, pem(key)?)),
     });
@@ -462,7 +462,7 @@ mod tests {
         let BackendUrl::Sql { url, mode, .. } = &resolved.backend else {
             panic!("{:?}", resolved.backend)
         };
-        assert_eq!(*mode, crate::sql::SqlMode::RowLock);
+        assert_eq!(*mode, crate::drivers::sql::SqlMode::RowLock);
         assert_eq!(url.host_str(), Some("pg.db"));
         assert_eq!(url.port(), Some(5433));
         assert_eq!(url.username(), "app");
@@ -573,7 +573,7 @@ mod tests {
             panic!("not etcd: {}", resolved.backend)
         };
         assert_eq!(endpoints, &["e1:2379", "e2:2379"]);
-        let text = |t: &str| crate::etcd::Pem::Text(t.into());
+        let text = |t: &str| crate::drivers::etcd::Pem::Text(t.into());
         assert!(tls.as_ref().is_some_and(|t| t.ca == text("PEM OF ca.crt")
             && t.client == Some((text("PEM OF tls.crt"), text("PEM OF tls.key")))));
         let shown = resolved.backend.to_string();

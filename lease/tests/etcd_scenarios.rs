@@ -8,7 +8,7 @@ use leasehold_lease::testkit::{EtcdHarness, EtcdServer};
 
 fn driver(server: &EtcdServer) -> EtcdDriver {
     EtcdDriver::connect(EtcdConfig {
-        endpoints: vec![format!("http://127.0.0.1:{}", server.port())],
+        endpoints: vec![format!("127.0.0.1:{}", server.port())],
         prefix: "leasehold".into(),
         user: None,
         tls: None,
@@ -89,4 +89,47 @@ async fn tls_refusals_say_why() {
         attempt(server.url()).await.expect("over TLS"),
         leasehold_lease::Acquire::Acquired(_)
     ));
+}
+
+/// The lock's keys deleted behind the drivers' backs (`etcdctl del --prefix`), while the holder's
+/// etcd lease lives on: the next contender acquires, and the old holder's next renew must fail
+/// rather than keep both claiming with different tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_key_was_deleted_stops_claiming() {
+    use leasehold_lease::drivers::etcd_rpc::{Connect, DeleteRangeRequest, EtcdClient};
+    use leasehold_lease::{Acquire, Driver};
+    use std::time::Duration;
+
+    let server = EtcdServer::start();
+    let (a, b) = (driver(&server), driver(&server));
+    let lease = Duration::from_secs(5);
+    let Acquire::Acquired(la) = a.try_acquire("deleted", "a", lease).await.unwrap() else {
+        panic!("a did not acquire")
+    };
+    let raw = EtcdClient::connect(Connect {
+        endpoints: &[format!("127.0.0.1:{}", server.port())],
+        tls: None,
+        user: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+    })
+    .await
+    .expect("raw client");
+    // `leasehold/` up to `leasehold0`: every key of every lock, as `etcdctl del --prefix`.
+    raw.delete_range(DeleteRangeRequest {
+        key: b"leasehold/".to_vec(),
+        range_end: b"leasehold0".to_vec(),
+        prev_kv: false,
+    })
+    .await
+    .expect("range delete");
+    let Acquire::Acquired(lb) = b.try_acquire("deleted", "b", lease).await.unwrap() else {
+        panic!("b did not acquire the emptied lock")
+    };
+    assert!(lb.token > la.token);
+    assert!(
+        !a.renew(&la, lease).await.unwrap(),
+        "a kept renewing after its key was deleted: two holders"
+    );
+    assert!(b.renew(&lb, lease).await.unwrap(), "b is the one holder");
 }

@@ -46,7 +46,8 @@ struct Args {
           value_parser = parse_loopback)]
     listen: SocketAddr,
 
-    /// Address for /healthz and /readyz only, for kubelet probes (which come to the pod IP).
+    /// Address for /healthz, /readyz and /metrics only, for kubelet probes and Prometheus (which
+    /// come to the pod IP).
     #[arg(long, env = "LEASEHOLD_PROBE_LISTEN", value_name = "ADDR")]
     probe_listen: Option<SocketAddr>,
 

@@ -397,3 +397,81 @@ fn resign_steps_down_for_good_and_hands_over() {
     assert!(!nobody.status.success());
     assert!(String::from_utf8_lossy(&nobody.stderr).contains("cannot reach the sidecar"));
 }
+
+/// Prometheus scrapes the pod IP: `/metrics` answers on the probe listener, beside the probes,
+/// while the lock routes stay on loopback only.
+#[test]
+fn metrics_answer_on_the_probe_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe_port = leasehold_lease::testkit::free_port();
+    let lock = unique_lock("scraped");
+    let s = Sidecar::start(
+        "a",
+        &sqlite_backend(&dir),
+        &lock,
+        &["--probe-listen", &format!("0.0.0.0:{probe_port}")],
+    );
+    eventually(Duration::from_secs(5), "holder", || s.is_holder());
+    let probe = std::net::SocketAddr::from(([127, 0, 0, 1], probe_port));
+    let metrics = http(probe, "GET", "/metrics").expect("scrape");
+    assert_eq!(metrics.status, 200, "{}", metrics.body);
+    assert!(
+        metrics
+            .body
+            .lines()
+            .any(|l| l.starts_with("leasehold_holder{") && l.contains(&lock) && l.ends_with(" 1")),
+        "{}",
+        metrics.body
+    );
+    assert_eq!(http(probe, "GET", "/readyz").unwrap().status, 200);
+    for (method, path) in [
+        ("GET", "/lock"),
+        ("POST", "/lock/release"),
+        ("POST", "/resign"),
+    ] {
+        assert_eq!(
+            http(probe, method, path).unwrap().status,
+            404,
+            "{method} {path} on the probe listener"
+        );
+    }
+    assert!(s.is_holder(), "nothing on the probe listener stepped down");
+}
+
+/// `acquire?wait=30s&hold=1h` from a client that hangs up after half a second: when the holder
+/// releases, that sidecar must not take the lock for nobody, so another pod's waiter gets it.
+#[test]
+fn a_waiter_whose_client_hung_up_never_takes_the_lock() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let lock = unique_lock("hung-up");
+    let on_demand = ["--mode", "on-demand", "--lease-duration", "3s"];
+    let a = Sidecar::start("a", &sqlite_backend(&dir), &lock, &on_demand);
+    let b = Sidecar::start("b", &sqlite_backend(&dir), &lock, &on_demand);
+    let c = Sidecar::start("c", &sqlite_backend(&dir), &lock, &on_demand);
+    assert_eq!(a.post("/lock/acquire").status, 200, "a takes the free lock");
+    {
+        let mut gone = std::net::TcpStream::connect(b.addr).unwrap();
+        gone.write_all(
+            b"POST /lock/acquire?wait=30s&hold=1h HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+    } // hung up
+    std::thread::sleep(Duration::from_millis(200));
+    let waiting = std::thread::spawn({
+        let addr = c.addr;
+        move || http(addr, "POST", "/lock/acquire?wait=10s").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(a.post("/lock/release").status, 200);
+    let answer = waiting.join().unwrap();
+    assert_eq!(
+        answer.status,
+        200,
+        "c waited for a released lock: {}\nb's log:\n{}",
+        answer.body,
+        b.log()
+    );
+    assert_eq!(b.get("/lock").status, 409, "b holds the lock for nobody");
+}

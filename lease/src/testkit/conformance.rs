@@ -66,7 +66,7 @@ impl Default for SqliteHarness {
 impl Harness for SqliteHarness {
     async fn driver(&self) -> Arc<dyn Driver> {
         Arc::new(
-            crate::sqlite::SqliteDriver::open(&self.path(), crate::DEFAULT_TABLE)
+            crate::drivers::sqlite::SqliteDriver::open(&self.path(), crate::DEFAULT_TABLE)
                 .await
                 .expect("open sqlite"),
         )
@@ -285,8 +285,8 @@ impl KubernetesHarness {
         }
     }
 
-    pub fn client_driver(&self) -> crate::kubernetes::KubernetesLeaseDriver {
-        crate::kubernetes::KubernetesLeaseDriver::new(self.api.client(), Self::NAMESPACE)
+    pub fn client_driver(&self) -> crate::drivers::kubernetes::KubernetesLeaseDriver {
+        crate::drivers::kubernetes::KubernetesLeaseDriver::new(self.api.client(), Self::NAMESPACE)
     }
 }
 
@@ -425,6 +425,40 @@ pub async fn only_holder_renews_or_releases(h: &mut dyn Harness) {
     assert!(!a.release(&la).await.unwrap());
     let holder = a.observe(&lock).await.unwrap().unwrap();
     assert_eq!((holder.identity.as_str(), holder.token), ("b", lb.token));
+}
+
+/// A lock's records deleted from under a running holder (`cleanupPolicy: Delete`) end its claim
+/// at its next renew, whatever still lives on in the backend (an etcd lease, a session), and the
+/// lock can be taken again.
+pub async fn deprovision_ends_the_holders_claim(h: &mut dyn Harness) {
+    let (a, b, operator) = (h.driver().await, h.driver().await, h.driver().await);
+    let lock = unique_lock("deprovision");
+    let la = acquired(&*a, &lock, "a", LEASE).await;
+    operator
+        .deprovision(std::slice::from_ref(&lock))
+        .await
+        .expect("deprovision");
+    assert!(
+        !a.renew(&la, LEASE).await.unwrap(),
+        "the holder renewed a lock whose records were deleted"
+    );
+    let start = Instant::now();
+    loop {
+        match b.try_acquire(&lock, "b", LEASE).await.expect("acquire") {
+            Acquire::Acquired(lb) => {
+                assert!(
+                    !a.renew(&la, LEASE).await.unwrap(),
+                    "two holders: a renewed"
+                );
+                assert!(b.release(&lb).await.unwrap());
+                break;
+            }
+            Acquire::Busy(_) => {
+                assert!(start.elapsed() < LEASE + SLACK, "never free again");
+                sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
 }
 
 /// Every acquisition's token is greater than all before it: releases, expiries, many clients.
@@ -668,15 +702,15 @@ pub trait CountsWakeups: Driver {
     fn wakeups(&self) -> u64;
 }
 
-impl CountsWakeups for crate::etcd::EtcdDriver {
+impl CountsWakeups for crate::drivers::etcd::EtcdDriver {
     fn wakeups(&self) -> u64 {
-        crate::etcd::EtcdDriver::wakeups(self)
+        crate::drivers::etcd::EtcdDriver::wakeups(self)
     }
 }
 
-impl CountsWakeups for crate::zookeeper::ZooKeeperDriver {
+impl CountsWakeups for crate::drivers::zookeeper::ZooKeeperDriver {
     fn wakeups(&self) -> u64 {
-        crate::zookeeper::ZooKeeperDriver::wakeups(self)
+        crate::drivers::zookeeper::ZooKeeperDriver::wakeups(self)
     }
 }
 
@@ -809,6 +843,7 @@ macro_rules! conformance_suite {
             exclusivity,
             release_and_takeover,
             only_holder_renews_or_releases,
+            deprovision_ends_the_holders_claim,
             tokens_strictly_increase,
             crash_takeover_within_lease,
             paused_holder_fences_itself_first,

@@ -1,5 +1,5 @@
 //! PostgreSQL and MySQL/MariaDB: one row per lock in a lock table, one SQL core with the dialect
-//! differences kept in [`Dialect`]. This is lease mode; row-lock mode ([`crate::sql_row_lock`])
+//! differences kept in [`Dialect`]. This is lease mode; row-lock mode ([`crate::drivers::sql_row_lock`])
 //! adds a `FOR UPDATE` row lock in front of the very same row, which stays its fence.
 //!
 //! - Expiry is computed by the database's own clock (`now()`, `NOW(6)`), so a client whose clock
@@ -25,9 +25,9 @@ use sqlx::{Connection, Row};
 use tokio::sync::{OnceCell, watch};
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::sql_row_lock::RowLocks;
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
-use crate::sql_row_lock::RowLocks;
 
 /// The NOTIFY channel of releases; the payload is the lock name.
 pub const RELEASE_CHANNEL: &str = "leasehold_released";
@@ -46,7 +46,7 @@ pub enum SqlMode {
     #[default]
     Lease,
     /// The same row as the fence, plus a seeded row held `SELECT ... FOR UPDATE` in an open
-    /// transaction on a dedicated connection; see [`crate::sql_row_lock`].
+    /// transaction on a dedicated connection; see [`crate::drivers::sql_row_lock`].
     RowLock,
 }
 
@@ -320,7 +320,7 @@ impl SqlDriver {
             .acquire_timeout(CONNECT_TIMEOUT)
             .connect_lazy(url)
             .map_err(|e| Error::InvalidUrl {
-                url: crate::backend_url::redact(url),
+                url: crate::redact::redact(url),
                 reason: e.to_string(),
             })?;
         let releases = Arc::new(ChangeFeeds::default());

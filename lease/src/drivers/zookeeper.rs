@@ -29,8 +29,8 @@ use tokio::time::Instant;
 use zookeeper_client as zk;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::queue_slot::{Expiry, QueueSlot};
 use crate::error::{Error, Result};
-use crate::queue_slot::{Expiry, QueueSlot};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// The floor of [`connection_timeout`].
@@ -136,6 +136,14 @@ fn map_err(e: zk::Error) -> Error {
 }
 
 /// The sequence of a Curator-style lock node name, if it is one.
+/// A delete's outcome for `release`: `None` when the node was already gone.
+fn map_err_keep(e: zk::Error) -> Option<Error> {
+    match e {
+        zk::Error::NoNode => None,
+        e => Some(map_err(e)),
+    }
+}
+
 fn sequence_of(name: &str) -> Option<i64> {
     name.rsplit_once(LOCK_NAME)?.1.parse().ok()
 }
@@ -412,6 +420,7 @@ impl Shared {
 
     async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
         let session = self.any_session().await?;
+        self.delete_orphans(&session.client).await;
         let queue = self.queue(&session.client, lock).await?;
         match queue.first() {
             Some((_, name)) => self.holding(&session.client, lock, name).await,
@@ -642,19 +651,48 @@ impl Driver for ZooKeeperDriver {
         };
         self.shared.forget(&entry);
         entry.slot.abort_tasks();
-        let session = self.shared.any_session().await?;
-        match session.client.delete(&entry.path, None).await {
+        let deleted = match self.shared.any_session().await {
+            Ok(session) => session
+                .client
+                .delete(&entry.path, None)
+                .await
+                .map_err(map_err_keep),
+            Err(e) => Err(Some(e)),
+        };
+        match deleted {
             Ok(()) => {
                 self.shared.releases.bump(&lease.lock);
                 Ok(true)
             }
-            Err(zk::Error::NoNode) => Ok(false),
-            Err(e) => Err(map_err(e)),
+            Err(None) => Ok(false),
+            Err(Some(e)) => {
+                // The delete may never have arrived, and the session outlives a dropped
+                // connection: the node would stand first in the queue for as long as this
+                // process lives. It is an orphan now, deleted at the next call that reaches
+                // ZooKeeper (an idle sidecar's observation included).
+                self.shared
+                    .orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(entry.path.clone());
+                Err(e)
+            }
         }
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
         self.shared.holder(lock).await
+    }
+
+    async fn abandon(&self, lock: &str, identity: &str) {
+        if let Some(entry) = self
+            .entry(lock)
+            .filter(|e| !e.slot.holding() && e.identity == identity)
+        {
+            self.shared.leave(&entry).await;
+            entry.slot.abort_tasks();
+            self.shared.releases.bump(lock);
+        }
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {

@@ -159,7 +159,7 @@ impl RedisDriver {
     /// loop and readiness, not by a crash.
     pub fn connect(url: &url::Url, prefix: &str) -> Result<Self> {
         let client = redis::Client::open(url.as_str()).map_err(|e| Error::InvalidUrl {
-            url: crate::backend_url::redact(url.as_str()),
+            url: crate::redact::redact(url.as_str()),
             reason: e.to_string(),
         })?;
         let config = ConnectionManagerConfig::new()

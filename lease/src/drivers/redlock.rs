@@ -31,11 +31,11 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
-use crate::error::{Error, Result};
-use crate::redis::{
+use crate::drivers::redis::{
     KeyLayout, OBSERVE, RELEASE, RENEW, lease_value, listen_for_releases, map_err,
     parse_value_and_pttl,
 };
+use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Bounds of one master's share of an operation: small against the lease, so that a dead
@@ -120,7 +120,7 @@ impl RedlockDriver {
             .iter()
             .map(|url| {
                 let client = redis::Client::open(url.as_str()).map_err(|e| Error::InvalidUrl {
-                    url: crate::backend_url::redact(url.as_str()),
+                    url: crate::redact::redact(url.as_str()),
                     reason: e.to_string(),
                 })?;
                 let config = ConnectionManagerConfig::new()
@@ -228,7 +228,7 @@ impl Driver for RedlockDriver {
     /// Every master must forget the lock, or its counter would outvote a fresh start later.
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         for master in &self.masters {
-            crate::redis::delete_keys(&mut master.conn.clone(), &self.keys, locks).await?;
+            crate::drivers::redis::delete_keys(&mut master.conn.clone(), &self.keys, locks).await?;
         }
         Ok(())
     }
@@ -236,7 +236,9 @@ impl Driver for RedlockDriver {
     async fn warnings(&self) -> Result<Vec<String>> {
         let mut warnings = Vec::new();
         for (i, master) in self.masters.iter().enumerate() {
-            if let Ok(Some(w)) = crate::redis::eviction_warning(&mut master.conn.clone()).await {
+            if let Ok(Some(w)) =
+                crate::drivers::redis::eviction_warning(&mut master.conn.clone()).await
+            {
                 warnings.push(format!("master {}: {w}", i + 1));
             }
         }

@@ -215,7 +215,7 @@ impl Driver for SqliteDriver {
             .await
             .map_err(map_err)?;
         rows.first()
-            .map(crate::sql::holding_from_row)
+            .map(crate::drivers::sql::holding_from_row)
             .transpose()
             .map_err(map_err)
     }

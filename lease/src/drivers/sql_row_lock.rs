@@ -31,8 +31,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, Driver, Lease};
+use crate::drivers::sql::{SqlDriver, map_err};
 use crate::error::{Error, Result};
-use crate::sql::{SqlDriver, map_err};
 
 /// Idle connections kept for the next attempt, so that a waiter's polling does not reconnect.
 const SPARE_CONNECTIONS: usize = 2;

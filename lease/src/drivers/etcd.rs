@@ -22,16 +22,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{
-    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, KeyValue, PutOptions,
-    SortOrder, SortTarget, TlsOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
-};
 use tokio::sync::{OnceCell, watch};
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::etcd_rpc::{
+    Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
+    RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
+};
+use crate::drivers::queue_slot::{Expiry, QueueSlot};
 use crate::error::{Error, Result};
-use crate::queue_slot::{Expiry, QueueSlot};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -42,7 +42,7 @@ const ABANDONED_AFTER_TTLS: u32 = 3;
 /// Where to find etcd and how to log in.
 #[derive(Clone)]
 pub struct EtcdConfig {
-    /// `host:port`: etcd-client connects over HTTPS when `tls` is set, else over HTTP.
+    /// `host:port`: reached over HTTPS when `tls` is set, else over HTTP.
     pub endpoints: Vec<String>,
     pub prefix: String,
     pub user: Option<(String, String)>,
@@ -78,13 +78,14 @@ pub struct EtcdTls {
 }
 
 impl EtcdTls {
-    fn options(&self) -> Result<TlsOptions> {
-        let mut options =
-            TlsOptions::new().ca_certificate(Certificate::from_pem(self.ca.read("ca")?));
-        if let Some((cert, key)) = &self.client {
-            options = options.identity(Identity::from_pem(cert.read("cert")?, key.read("key")?));
-        }
-        Ok(options)
+    fn pem(&self) -> Result<TlsPem> {
+        Ok(TlsPem {
+            ca: self.ca.read("ca")?,
+            client: match &self.client {
+                Some((cert, key)) => Some((cert.read("cert")?, key.read("key")?)),
+                None => None,
+            },
+        })
     }
 }
 
@@ -101,7 +102,7 @@ struct Entry {
 
 struct Shared {
     config: EtcdConfig,
-    client: OnceCell<Client>,
+    client: OnceCell<EtcdClient>,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
     releases: ChangeFeeds,
     wakeups: AtomicU64,
@@ -124,31 +125,12 @@ impl Drop for EtcdDriver {
     }
 }
 
-fn map_err(e: etcd_client::Error) -> Error {
-    use etcd_client::Error as E;
-    match &e {
+fn map_err(e: RpcError) -> Error {
+    match e {
         // The causes say what went wrong: a refused connection, an unknown certificate issuer.
-        E::TransportError(_) | E::IoError(_) => Error::Unreachable(with_causes(&e)),
-        E::GRpcStatus(status)
-            if matches!(
-                status.code(),
-                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
-            ) =>
-        {
-            Error::Unreachable(e.to_string())
-        }
-        _ => Error::Backend(e.to_string()),
+        RpcError::Unreachable(text) => Error::Unreachable(text),
+        RpcError::Status(_) => Error::Backend(e.to_string()),
     }
-}
-
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text = format!("{text}: {c}");
-        cause = c.source();
-    }
-    text
 }
 
 /// etcd leases count whole seconds: round up, so the key never expires before the claim does.
@@ -162,42 +144,52 @@ impl Shared {
         format!("{}/{lock}/", self.config.prefix)
     }
 
-    async fn client(&self) -> Result<Client> {
+    async fn client(&self) -> Result<EtcdClient> {
         self.client
             .get_or_try_init(|| async {
-                let mut options = ConnectOptions::new()
-                    .with_connect_timeout(CONNECT_TIMEOUT)
-                    .with_timeout(REQUEST_TIMEOUT);
-                if let Some((user, password)) = &self.config.user {
-                    options = options.with_user(user.clone(), password.clone());
-                }
-                if let Some(tls) = &self.config.tls {
-                    options = options.with_tls(tls.options()?);
-                }
-                Client::connect(&self.config.endpoints, Some(options))
-                    .await
-                    .map_err(map_err)
+                EtcdClient::connect(Connect {
+                    endpoints: &self.config.endpoints,
+                    tls: self.config.tls.as_ref().map(EtcdTls::pem).transpose()?,
+                    user: self.config.user.clone(),
+                    connect_timeout: CONNECT_TIMEOUT,
+                    request_timeout: REQUEST_TIMEOUT,
+                })
+                .await
+                .map_err(map_err)
             })
             .await
             .cloned()
     }
 
-    /// One keep-alive round trip: whether the lease is still there. Opening the stream sends the
-    /// keep-alive and reads its answer; the stream is not needed after that.
+    /// One keep-alive round trip: whether the lease is still there.
     async fn keep_alive(&self, etcd_lease: i64) -> Result<bool> {
-        let mut client = self.client().await?;
-        match client.lease_keep_alive(etcd_lease).await {
-            Ok(_) => Ok(true),
-            // The client's word for a keep-alive answered with TTL <= 0.
-            Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(false),
-            Err(e) => Err(map_err(e)),
-        }
+        let client = self.client().await?;
+        Ok(client
+            .lease_keep_alive(etcd_lease)
+            .await
+            .map_err(map_err)?
+            .is_some())
+    }
+
+    /// Whether `entry`'s key is still the one it put: a key deleted behind the driver's back
+    /// (`etcdctl del --prefix`, a lock's clean-up) lets the next contender in while the etcd
+    /// lease lives on, so a live lease alone proves nothing.
+    async fn still_queued(&self, entry: &Entry) -> Result<bool> {
+        let client = self.client().await?;
+        let reply = client
+            .txn(TxnRequest {
+                compare: vec![Compare::created_at(&entry.key, entry.revision)],
+                ..TxnRequest::default()
+            })
+            .await
+            .map_err(map_err)?;
+        Ok(reply.succeeded)
     }
 
     /// Give the key up (best effort: if etcd is unreachable, its TTL does it).
     async fn leave(&self, entry: &Entry) {
         self.forget(entry);
-        if let Ok(mut client) = self.client().await {
+        if let Ok(client) = self.client().await {
             let _ = client.lease_revoke(entry.etcd_lease).await;
         }
     }
@@ -221,37 +213,40 @@ impl Shared {
         identity: &str,
         ttl: Duration,
     ) -> Result<Arc<Entry>> {
-        let mut client = self.client().await?;
+        let client = self.client().await?;
         let grant = client
-            .lease_grant(ttl_seconds(ttl), None)
+            .lease_grant(ttl_seconds(ttl))
             .await
             .map_err(map_err)?;
-        let granted = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(0));
+        if !grant.error.is_empty() {
+            return Err(Error::Backend(format!("etcd lease grant: {}", grant.error)));
+        }
+        let granted = Duration::from_secs(u64::try_from(grant.ttl).unwrap_or(0));
         if granted < ttl {
-            let _ = client.lease_revoke(grant.id()).await;
+            let _ = client.lease_revoke(grant.id).await;
             return Err(Error::Backend(format!(
                 "etcd granted a {granted:?} lease where {ttl:?} was asked"
             )));
         }
-        let key = format!("{}{:016x}", self.queue_prefix(lock), grant.id());
+        let key = format!("{}{:016x}", self.queue_prefix(lock), grant.id);
         let put = client
-            .put(
-                key.clone(),
-                identity,
-                Some(PutOptions::new().with_lease(grant.id())),
-            )
+            .put(PutRequest {
+                key: key.clone().into_bytes(),
+                value: identity.as_bytes().to_vec(),
+                lease: grant.id,
+            })
             .await
             .map_err(map_err)?;
         let revision = put
-            .header()
-            .map(|h| h.revision())
+            .header
+            .map(|h| h.revision)
             .ok_or_else(|| Error::Backend("etcd put without a revision".into()))?;
         let (slot, watch_expires) = QueueSlot::new();
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
             key,
-            etcd_lease: grant.id(),
+            etcd_lease: grant.id,
             granted,
             revision,
             slot,
@@ -268,35 +263,35 @@ impl Shared {
     /// Where `entry` stands: whether its key still exists, the key just below it, the lowest
     /// key, all read at one revision.
     async fn position(&self, entry: &Entry) -> Result<Position> {
-        let mut client = self.client().await?;
+        let client = self.client().await?;
         let queue = self.queue_prefix(&entry.lock);
-        let txn = Txn::new().and_then([
-            TxnOp::get(entry.key.clone(), None),
-            TxnOp::get(
-                queue.clone(),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_max_create_revision(entry.revision - 1)
-                        .with_sort(SortTarget::Create, SortOrder::Descend)
-                        .with_limit(1),
-                ),
-            ),
-            TxnOp::get(queue.clone(), Some(lowest())),
-        ]);
+        let below = RangeRequest {
+            max_create_revision: entry.revision - 1,
+            ..RangeRequest::prefix(&queue)
+        };
+        let txn = TxnRequest {
+            success: vec![
+                RangeRequest::key(&entry.key).into(),
+                below.first_by_create(SORT_DESCEND).into(),
+                lowest(&queue).into(),
+            ],
+            ..TxnRequest::default()
+        };
         let reply = client.txn(txn).await.map_err(map_err)?;
-        let revision = reply.header().map_or(0, |h| h.revision());
-        let mut gets = reply.op_responses().into_iter().filter_map(|r| match r {
-            TxnOpResponse::Get(get) => Some(get),
-            _ => None,
-        });
+        let revision = reply.header.as_ref().map_or(0, |h| h.revision);
+        let mut gets = reply.ranges().into_iter();
         let (Some(own), Some(below), Some(lowest)) = (gets.next(), gets.next(), gets.next()) else {
             return Err(Error::Backend("etcd txn answered without its reads".into()));
         };
+        // The key must be the one this entry put, not one of the same name put since.
+        let queued = own
+            .kvs
+            .first()
+            .is_some_and(|kv| kv.create_revision == entry.revision);
         Ok(Position {
-            queued: !own.kvs().is_empty(),
-            predecessor: below.kvs().first().map(|kv| kv.key().to_vec()),
-            holder: lowest.kvs().first().cloned(),
+            queued,
+            predecessor: below.kvs.into_iter().next().map(|kv| kv.key),
+            holder: lowest.kvs.into_iter().next(),
             revision,
         })
     }
@@ -314,20 +309,19 @@ impl Shared {
         entry.slot.watch(name, move |fired| {
             tokio::spawn(async move {
                 let watched = async {
-                    let mut client = shared.client().await?;
-                    let mut stream = client
-                        .watch(
-                            predecessor,
-                            Some(WatchOptions::new().with_start_revision(from + 1)),
-                        )
+                    let client = shared.client().await?;
+                    let mut stream = client.watch(predecessor, from + 1).await.map_err(map_err)?;
+                    while let Some(reply) = stream
+                        .message()
                         .await
-                        .map_err(map_err)?;
-                    while let Some(reply) = stream.message().await.map_err(map_err)? {
-                        if reply
-                            .events()
-                            .iter()
-                            .any(|e| e.event_type() == EventType::Delete)
-                        {
+                        .map_err(|status| map_err(status.into()))?
+                    {
+                        if reply.events.iter().any(|e| e.r#type == EVENT_DELETE) {
+                            break;
+                        }
+                        if reply.canceled {
+                            // Compacted past `from`, or refused: look again rather than wait.
+                            tracing::debug!(reason = %reply.cancel_reason, "etcd watch canceled");
                             break;
                         }
                     }
@@ -346,12 +340,12 @@ impl Shared {
     }
 
     async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
-        let mut client = self.client().await?;
+        let client = self.client().await?;
         let reply = client
-            .get(self.queue_prefix(lock), Some(lowest()))
+            .range(lowest(&self.queue_prefix(lock)))
             .await
             .map_err(map_err)?;
-        match reply.kvs().first() {
+        match reply.kvs.first() {
             Some(kv) => Ok(Some(self.holding(kv, true).await?)),
             None => Ok(None),
         }
@@ -361,19 +355,16 @@ impl Shared {
     /// remaining time: an upper bound, since etcd reports whole seconds rounded down.
     async fn holding(&self, kv: &KeyValue, with_expiry: bool) -> Result<Holding> {
         let expires_in = if with_expiry {
-            let mut client = self.client().await?;
-            let ttl = client
-                .lease_time_to_live(kv.lease(), None)
-                .await
-                .map_err(map_err)?;
-            (ttl.ttl() >= 0)
-                .then(|| Duration::from_secs((ttl.ttl() + 1).min(ttl.granted_ttl()).unsigned_abs()))
+            let client = self.client().await?;
+            let ttl = client.lease_time_to_live(kv.lease).await.map_err(map_err)?;
+            (ttl.ttl >= 0)
+                .then(|| Duration::from_secs((ttl.ttl + 1).min(ttl.granted_ttl).unsigned_abs()))
         } else {
             None
         };
         Ok(Holding {
-            identity: String::from_utf8_lossy(kv.value()).into_owned(),
-            token: u64::try_from(kv.create_revision()).unwrap_or(0),
+            identity: String::from_utf8_lossy(&kv.value).into_owned(),
+            token: u64::try_from(kv.create_revision).unwrap_or(0),
             expires_in,
         })
     }
@@ -388,11 +379,8 @@ struct Position {
 }
 
 /// The lowest key of a queue.
-fn lowest() -> GetOptions {
-    GetOptions::new()
-        .with_prefix()
-        .with_sort(SortTarget::Create, SortOrder::Ascend)
-        .with_limit(1)
+fn lowest(queue: &str) -> RangeRequest {
+    RangeRequest::prefix(queue).first_by_create(SORT_ASCEND)
 }
 
 /// Keep a waiting key alive while its engine keeps asking; end a held one when its local lease
@@ -489,17 +477,29 @@ impl Driver for EtcdDriver {
         "etcd"
     }
 
-    /// The lock's whole queue: every contender's key goes, and with it every claim.
+    /// The lock's whole queue: every contender's key goes, and so does the etcd lease each key
+    /// was bound to, so that a holder's next keep-alive fails even if it missed the delete.
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        let mut client = self.shared.client().await?;
+        let client = self.shared.client().await?;
         for lock in locks {
-            client
-                .delete(
-                    self.shared.queue_prefix(lock),
-                    Some(etcd_client::DeleteOptions::new().with_prefix()),
-                )
+            let queue = self.shared.queue_prefix(lock);
+            let range = RangeRequest::prefix(&queue);
+            let deleted = client
+                .delete_range(DeleteRangeRequest {
+                    key: range.key,
+                    range_end: range.range_end,
+                    prev_kv: true,
+                })
                 .await
                 .map_err(map_err)?;
+            for kv in deleted.prev_kvs.iter().filter(|kv| kv.lease != 0) {
+                match client.lease_revoke(kv.lease).await {
+                    Ok(()) => {}
+                    // Revoked or expired meanwhile: the key's claim is gone either way.
+                    Err(RpcError::Status(status)) if status.code() == tonic::Code::NotFound => {}
+                    Err(e) => return Err(map_err(e)),
+                }
+            }
         }
         Ok(())
     }
@@ -546,7 +546,7 @@ impl Driver for EtcdDriver {
             let next_in_line = position
                 .holder
                 .as_ref()
-                .is_some_and(|h| h.key() == predecessor.as_slice());
+                .is_some_and(|h| h.key == predecessor);
             self.shared
                 .watch_predecessor(&entry, predecessor, position.revision)
                 .await?;
@@ -579,9 +579,19 @@ impl Driver for EtcdDriver {
         if entry.slot.expired_by(sent) || ttl > entry.granted {
             return Ok(false);
         }
-        if !self.shared.keep_alive(entry.etcd_lease).await? {
+        // Both sent after `sent`: the lease restarted at the server, and the key is still ours.
+        let (alive, queued) = tokio::join!(
+            self.shared.keep_alive(entry.etcd_lease),
+            self.shared.still_queued(&entry)
+        );
+        if !alive? || !queued? {
             self.shared.forget(&entry);
             entry.slot.abort_tasks();
+            // The key was deleted while its lease lived: end the lease too, so that nothing of
+            // this claim remains.
+            if let Ok(client) = self.shared.client().await {
+                let _ = client.lease_revoke(entry.etcd_lease).await;
+            }
             return Ok(false);
         }
         entry.slot.extend(sent + ttl);
@@ -594,7 +604,7 @@ impl Driver for EtcdDriver {
         };
         self.shared.forget(&entry);
         entry.slot.abort_tasks();
-        let mut client = self.shared.client().await?;
+        let client = self.shared.client().await?;
         client
             .lease_revoke(entry.etcd_lease)
             .await
@@ -605,6 +615,18 @@ impl Driver for EtcdDriver {
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
         self.shared.holder(lock).await
+    }
+
+    async fn abandon(&self, lock: &str, identity: &str) {
+        if let Some(entry) = self
+            .entry(lock)
+            .filter(|e| !e.slot.holding() && e.identity == identity)
+        {
+            self.shared.leave(&entry).await;
+            entry.slot.abort_tasks();
+            // The one behind may be first now.
+            self.shared.releases.bump(lock);
+        }
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
@@ -619,7 +641,7 @@ impl Driver for EtcdDriver {
     }
 
     async fn ping(&self) -> Result<()> {
-        let mut client = self.shared.client().await?;
+        let client = self.shared.client().await?;
         client.status().await.map_err(map_err)?;
         Ok(())
     }

@@ -1,0 +1,14 @@
+//! One driver per backend, each behind [`crate::Driver`]: an atomic compare-and-set per call.
+//! Nothing here knows about URLs, resources or the holder state machine; those import drivers,
+//! never the other way round.
+
+pub mod etcd;
+pub mod etcd_rpc;
+pub mod kubernetes;
+pub(crate) mod queue_slot;
+pub mod redis;
+pub mod redlock;
+pub mod sql;
+pub(crate) mod sql_row_lock;
+pub mod sqlite;
+pub mod zookeeper;

@@ -1,0 +1,34 @@
+//! Credentials out of a URL before it is shown in a log line, an error or a status.
+
+/// Replace the password of a URL-shaped string with `***`, even when the string does not parse.
+pub fn redact(raw: &str) -> String {
+    let Some((scheme, rest)) = raw.split_once("://") else {
+        return raw.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}{tail}")
+            } else {
+                format!("{scheme}://***@{host}{tail}")
+            }
+        }
+        None => raw.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn redaction() {
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+        assert_eq!(redact("redis://:pw@h:1/0"), "redis://:***@h:1/0");
+        assert_eq!(redact("redis://tok@h"), "redis://***@h");
+        assert_eq!(redact("a://u:p@w@h/x"), "a://u:***@h/x");
+    }
+}

@@ -1,0 +1,130 @@
+//! On-demand waiters that are gone must not get, keep or block the lock: a client that gave up
+//! on a long wait (its request dropped) never holds the lock for its `hold`, and a try-lock that
+//! found the lock held leaves no place in a fair queue (etcd, ZooKeeper) for the next real waiter
+//! to queue behind. Real servers; one test per backend where the fault applies.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::testkit::{EtcdServer, RedisServer, ZooKeeperServer, unique_lock};
+use leasehold_lease::{Answer, BackendUrl, Lock, LockConfig, Mode};
+use tokio::time::{Instant, sleep};
+
+const LEASE: Duration = Duration::from_secs(3);
+const HOLD: Duration = Duration::from_secs(60);
+
+async fn lock(url: &str, name: &str, identity: &str) -> Lock {
+    let driver = leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
+        .await
+        .expect("driver");
+    let mut config = LockConfig::new(name, identity, LEASE);
+    config.mode = Mode::OnDemand;
+    Lock::start(driver, config, Arc::new(())).expect("lock")
+}
+
+async fn holds(lock: &Lock, wait: Duration) -> bool {
+    lock.acquire(wait, HOLD).await.expect("acquire").is_holder()
+}
+
+/// `acquire?wait=30s&hold=1h` from a client that gives up after half a second: when the holder
+/// releases, that pod must not take the lock for nobody, and another pod's waiter gets it.
+async fn a_waiter_whose_client_left_never_holds(url: &str) {
+    let name = unique_lock("gone");
+    let (a, b, c) = (
+        lock(url, &name, "a").await,
+        lock(url, &name, "b").await,
+        lock(url, &name, "c").await,
+    );
+    assert!(holds(&a, Duration::ZERO).await, "a takes the free lock");
+    let gone = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            b.acquire(Duration::from_secs(30), Duration::from_secs(3600))
+                .await
+        })
+    };
+    sleep(Duration::from_millis(500)).await;
+    gone.abort(); // the HTTP client hung up: its request, and its reply channel, are dropped
+    let _ = gone.await;
+    let waiting = {
+        let c = c.clone();
+        tokio::spawn(async move { holds(&c, Duration::from_secs(10)).await })
+    };
+    sleep(Duration::from_millis(300)).await;
+    assert!(a.release().await.expect("release"));
+    assert!(
+        waiting.await.expect("c's wait"),
+        "c waited 10 s for a free lock: b's departed waiter took it"
+    );
+    assert!(!b.answer().is_holder(), "b holds the lock for nobody");
+    assert_eq!(b.snapshot().holds, 0);
+}
+
+/// A try-lock (`wait=0`) that finds the lock held leaves the queue at once: when the holder
+/// releases, the waiter behind it takes over within a lease, not after the try-lock's place
+/// expires (three leases).
+async fn a_try_lock_leaves_no_place_in_the_queue(url: &str) {
+    let name = unique_lock("try");
+    let (a, b, c) = (
+        lock(url, &name, "a").await,
+        lock(url, &name, "b").await,
+        lock(url, &name, "c").await,
+    );
+    assert!(holds(&a, Duration::ZERO).await);
+    assert_eq!(
+        b.acquire(Duration::ZERO, HOLD).await.expect("try"),
+        Answer::NotHolder,
+        "a try-lock on a held lock"
+    );
+    // Let b's engine finish its attempt and step back before c queues.
+    sleep(Duration::from_millis(300)).await;
+    let waiting = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let asked = Instant::now();
+            let held = holds(&c, Duration::from_secs(20)).await;
+            (held, asked.elapsed())
+        })
+    };
+    sleep(Duration::from_millis(500)).await;
+    let released = Instant::now();
+    assert!(a.release().await.expect("release"));
+    let (held, _) = waiting.await.expect("c's wait");
+    assert!(held, "c never got the released lock");
+    let took = released.elapsed();
+    assert!(
+        took < LEASE,
+        "c took over {took:?} after the release: it queued behind b's abandoned try-lock"
+    );
+    assert!(!b.answer().is_holder());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_departed_waiter() {
+    let server = RedisServer::start();
+    a_waiter_whose_client_left_never_holds(&server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_departed_waiter() {
+    let server = EtcdServer::start();
+    a_waiter_whose_client_left_never_holds(&server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_try_lock() {
+    let server = EtcdServer::start();
+    a_try_lock_leaves_no_place_in_the_queue(&server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_departed_waiter() {
+    let server = ZooKeeperServer::start();
+    a_waiter_whose_client_left_never_holds(&server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_try_lock() {
+    let server = ZooKeeperServer::start();
+    a_try_lock_leaves_no_place_in_the_queue(&server.url()).await;
+}
