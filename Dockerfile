@@ -4,11 +4,11 @@
 #
 #   docker build -t leasehold/leasehold:0.1.0 .
 #
-# No Docker engine runs where Leasehold is developed, so this file is not built by the test
-# suite. What it runs is: scripts/build-static builds the same two binaries and checks that they
-# are static and that the sidecar serves its lock API alone in an empty root. Here the builder
-# has the musl target; scripts/build-static picks it when installed, and otherwise links glibc
-# statically (x86_64-unknown-linux-gnu with +crt-static), which is what the tests exercise.
+# The last stage is also built without a registry by scripts/build-image (the test suite runs
+# it): podman builds it from the static binaries of scripts/build-static, writes an OCI archive
+# and checks it. Keep the last stage FROM scratch with its `COPY --from=build /out/ /`, which
+# that script replaces. The musl target is used when the builder has it; scripts/build-static
+# otherwise links glibc statically (x86_64-unknown-linux-gnu with +crt-static).
 
 ARG RUST_VERSION=1.95
 FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS build

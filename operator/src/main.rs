@@ -110,7 +110,7 @@ async fn start_webhook(
     let listener = tokio::net::TcpListener::bind(config.webhook_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.webhook_listen))?;
-    let serving = ServingCert::new();
+    let serving = ServingCert::with_expiry_gauge(metrics.certificate_expiry());
     match &config.webhook_cert_dir {
         Some(dir) => {
             tokio::spawn(webhook_tls::follow_files(dir.clone(), serving.clone()));

@@ -27,6 +27,7 @@ pub struct Metrics {
     failures: Family<ErrorLabel, Counter>,
     duration: Histogram,
     leader: Gauge,
+    certificate_expiry: Gauge,
 }
 
 impl Default for Metrics {
@@ -44,6 +45,12 @@ impl Metrics {
         let duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let leader = Gauge::default();
         let admissions = Family::<ResultLabel, Counter>::default();
+        let certificate_expiry = Gauge::default();
+        registry.register(
+            "webhook_certificate_expiry_timestamp_seconds",
+            "When the webhook's serving certificate ends (Unix seconds; 0 before one is loaded)",
+            certificate_expiry.clone(),
+        );
         registry.register(
             "admissions",
             "Pods the injection webhook answered for, by result (injected, unchanged, denied, malformed)",
@@ -76,7 +83,13 @@ impl Metrics {
             failures,
             duration,
             leader,
+            certificate_expiry,
         }
+    }
+
+    /// The gauge the webhook's serving certificate publishes its end on.
+    pub fn certificate_expiry(&self) -> Gauge {
+        self.certificate_expiry.clone()
     }
 
     pub fn reconciled(&self, took: Duration, error: Option<&'static str>) {

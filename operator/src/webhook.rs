@@ -22,6 +22,9 @@ use serde_json::{Value, json};
 pub const ANNOTATION: &str = "leasehold.dev/lock";
 /// The injected container's name; a pod that has it is left alone.
 pub const SIDECAR_NAME: &str = "leasehold-sidecar";
+/// The label injected pods carry, so that a PodMonitor can select them (annotations cannot be
+/// selected on).
+pub const INJECTED_LABEL: &str = "leasehold.dev/injected";
 /// Kubelet probes come to the pod IP; the lock API stays on loopback.
 pub const PROBE_PORT: u16 = 4041;
 
@@ -134,7 +137,14 @@ pub fn decide(
     } else {
         json!({"op": "add", "path": format!("/spec/{list}"), "value": [value]})
     };
-    Decision::Patch(vec![op])
+    let label = if pod.metadata.labels.is_some() {
+        // A JSON pointer writes the label's "/" as "~1".
+        let key = INJECTED_LABEL.replace('~', "~0").replace('/', "~1");
+        json!({"op": "add", "path": format!("/metadata/labels/{key}"), "value": "true"})
+    } else {
+        json!({"op": "add", "path": "/metadata/labels", "value": {INJECTED_LABEL: "true"}})
+    };
+    Decision::Patch(vec![op, label])
 }
 
 /// The sidecar container for `locks` in `namespace`.

@@ -239,7 +239,8 @@ fn issue(
     })
 }
 
-fn not_after(pem: &str) -> Result<OffsetDateTime, CertError> {
+/// When the first certificate of a PEM chain ends.
+pub fn not_after(pem: &str) -> Result<OffsetDateTime, CertError> {
     let der = der(pem)?;
     let (_, cert) = X509Certificate::from_der(&der).map_err(|e| CertError::Parse(e.to_string()))?;
     OffsetDateTime::from_unix_timestamp(cert.validity().not_after.timestamp())

@@ -51,6 +51,8 @@ pub enum TlsError {
 pub struct ServingCert {
     current: RwLock<Option<(Arc<CertifiedKey>, String)>>,
     loaded: watch::Sender<bool>,
+    /// The presented certificate's end, in Unix seconds, for the expiry alert.
+    expiry: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl std::fmt::Debug for ServingCert {
@@ -63,10 +65,21 @@ impl std::fmt::Debug for ServingCert {
 
 impl ServingCert {
     pub fn new() -> Arc<Self> {
+        Self::with_expiry_gauge(Default::default())
+    }
+
+    /// Publishes the presented certificate's end on `expiry` (a metric of the operator).
+    pub fn with_expiry_gauge(expiry: prometheus_client::metrics::gauge::Gauge) -> Arc<Self> {
         Arc::new(Self {
             current: RwLock::new(None),
             loaded: watch::channel(false).0,
+            expiry,
         })
+    }
+
+    /// The presented certificate's end, in Unix seconds (0 before one is loaded).
+    pub fn expires_at(&self) -> i64 {
+        self.expiry.get()
     }
 
     /// Present `cert_pem` (the chain) with `key_pem` from the next handshake on. Returns whether
@@ -94,7 +107,9 @@ impl ServingCert {
         certified
             .keys_match()
             .map_err(|e| TlsError::Unusable(format!("tls.key does not match tls.crt: {e}")))?;
+        let ends = crate::webhook_certs::not_after(cert_pem)?;
         *self.current.write().unwrap() = Some((Arc::new(certified), cert_pem.to_owned()));
+        self.expiry.set(ends.unix_timestamp());
         self.loaded.send_replace(true);
         Ok(true)
     }

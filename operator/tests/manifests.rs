@@ -112,6 +112,7 @@ fn the_chart_lints_and_validates_against_the_kubernetes_schemas() {
         "default-values.yaml",
         "cert-manager-values.yaml",
         "older-cluster-values.yaml",
+        "monitoring-values.yaml",
     ];
     let files: Vec<String> = variants.iter().map(|v| ci_values(v)).collect();
     let mut lint = vec!["lint"];

@@ -155,6 +155,23 @@ async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
     })
     .await;
     assert!(!metrics.contains("PRIVATE KEY"));
+    // The self-managed serving certificate lasts 90 days: its end is published for the alert.
+    let expiry: i64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("leasehold_operator_webhook_certificate_expiry_timestamp_seconds ")
+        })
+        .expect("the certificate's end is a metric")
+        .parse()
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (now + 80 * 86_400..=now + 91 * 86_400).contains(&expiry),
+        "{expiry} is not about 90 days from {now}"
+    );
 
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(operator.0.id() as i32),

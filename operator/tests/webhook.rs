@@ -120,6 +120,11 @@ async fn an_annotated_pod_gets_a_native_sidecar() {
     assert!(allowed);
     let injected = sidecars(&patched, "initContainers");
     assert_eq!(injected.len(), 1);
+    assert_eq!(
+        patched["metadata"]["labels"][webhook::INJECTED_LABEL],
+        "true",
+        "labelled for the PodMonitor"
+    );
     let c = &injected[0];
     assert_eq!(c["restartPolicy"], "Always");
     assert_eq!(c["image"], "leasehold/leasehold:0.1.0");
@@ -252,4 +257,18 @@ async fn an_unknown_lock_is_denied_by_name() {
         "only the missing lock is named: {message}"
     );
     assert!(sidecars(&patched, "initContainers").is_empty());
+}
+
+/// Most pods carry labels already: the injected label joins them and changes none.
+#[tokio::test]
+async fn a_labelled_pod_keeps_its_labels_and_gains_the_injected_one() {
+    let api = api_with_locks(&["jobs"]);
+    let mut labelled = pod(Some("jobs"), None, None);
+    labelled["metadata"]["labels"] = json!({"app": "reports", "tier": "batch"});
+    let (allowed, _, patched) = admit(&api, &labelled, true).await;
+    assert!(allowed);
+    assert_eq!(
+        patched["metadata"]["labels"],
+        json!({"app": "reports", "tier": "batch", "leasehold.dev/injected": "true"})
+    );
 }

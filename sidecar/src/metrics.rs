@@ -15,6 +15,15 @@ struct LockLabel {
     lock: String,
 }
 
+/// What a lock is, for joins in alerts and dashboards (an on-demand lock without a holder is
+/// normal; a campaign lock without one is not).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InfoLabels {
+    lock: String,
+    backend: &'static str,
+    mode: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabels {
     lock: String,
@@ -35,6 +44,8 @@ pub struct Metrics {
     releases: Family<LockLabel, Counter>,
     renew_seconds: Family<LockLabel, Histogram, fn() -> Histogram>,
     backend_errors: Family<ErrorLabels, Counter>,
+    info: Family<InfoLabels, Gauge>,
+    lease_seconds: Family<LockLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl Metrics {
@@ -49,6 +60,18 @@ impl Metrics {
             renew_histogram,
         );
         let backend_errors = Family::<ErrorLabels, Counter>::default();
+        let info = Family::<InfoLabels, Gauge>::default();
+        let lease_seconds = Family::default();
+        registry.register(
+            "lock_info",
+            "1 for each lock this sidecar serves, with its backend and mode",
+            info.clone(),
+        );
+        registry.register(
+            "lease_duration_seconds",
+            "The lock's lease duration",
+            lease_seconds.clone(),
+        );
         registry.register(
             "holder",
             "1 while this process holds the lock",
@@ -85,6 +108,8 @@ impl Metrics {
             releases,
             renew_seconds,
             backend_errors,
+            info,
+            lease_seconds,
         }
     }
 
@@ -114,6 +139,17 @@ impl Metrics {
             };
             self.holder.get_or_create(&label).set(holder);
             self.fencing_token.get_or_create(&label).set(token);
+            let config = lock.config();
+            self.lease_seconds
+                .get_or_create(&label)
+                .set(config.lease_duration.as_secs_f64());
+            self.info
+                .get_or_create(&InfoLabels {
+                    lock: label.lock,
+                    backend: lock.backend(),
+                    mode: config.mode.as_str(),
+                })
+                .set(1);
         }
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
