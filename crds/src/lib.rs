@@ -54,7 +54,13 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 ).message("renewInterval must be shorter than leaseDuration"))]
 #[serde(rename_all = "camelCase")]
 pub struct DistributedLockSpec {
-    /// Where the lock lives: exactly one backend.
+    /// Where the lock lives: exactly one backend. It cannot change: a holder that has not yet
+    /// seen the change would keep claiming on the old backend while others start afresh on the
+    /// new one (two holders, and tokens starting again). To move a lock, stop its pods (or
+    /// remove their annotation), delete the lock, and create it again on the new backend.
+    #[x_kube(validation = Rule::new("self == oldSelf").message(
+        "backend is immutable: holders and fencing tokens live in it; to move a lock, stop its pods, delete the DistributedLock and create it again on the new backend"
+    ))]
     pub backend: Backend,
 
     /// How long a lease lasts without renewal (1s to 24h). A dead holder is replaced within

@@ -243,3 +243,35 @@ fn backend_kind() {
     };
     assert_eq!(two.kind(), None);
 }
+
+/// A transition rule, as the API server runs it on an update: the backend cannot change, since
+/// a holder that has not yet seen the edit would keep claiming on the old one while others start
+/// on the new one; everything else may.
+#[test]
+fn the_backend_cannot_change_once_created() {
+    let update = |old: Value, new: Value| -> Vec<String> {
+        match kube_cel::Validator::new().validate(&schema(), &lock(new), Some(&lock(old))) {
+            Ok(()) => Vec::new(),
+            Err(errors) => errors
+                .into_vec()
+                .into_iter()
+                .map(|e| e.to_string())
+                .collect(),
+        }
+    };
+    let before = json!({"backend": redis(), "leaseDuration": "15s", "renewInterval": "5s"});
+    let moved = json!({"backend": {"redis": {"endpoints": ["other-redis:6379"]}},
+                       "leaseDuration": "15s", "renewInterval": "5s"});
+    let errors = update(before.clone(), moved);
+    assert!(
+        errors.iter().any(|e| e.contains("backend is immutable")),
+        "{errors:?}"
+    );
+    let other_kind = json!({"backend": {"etcd": {"endpoints": ["etcd:2379"]}},
+                            "leaseDuration": "15s", "renewInterval": "5s"});
+    assert!(!update(before.clone(), other_kind).is_empty());
+    let longer = json!({"backend": redis(), "leaseDuration": "30s", "renewInterval": "10s"});
+    assert_eq!(update(before.clone(), longer), Vec::<String>::new());
+    // A new lock has no old self: any backend.
+    assert_eq!(violations(before), Vec::<String>::new());
+}

@@ -3,6 +3,12 @@
 //! starts the lock anew with the new settings, swaps it in, and only then releases the old
 //! lease, so `/lock` always answers. A change that cannot be applied (a bad spec, a missing
 //! Secret) is logged and the lock keeps running as it was.
+//!
+//! The backend itself is immutable (a CEL transition rule refuses the edit). Should a sidecar
+//! still see it change (a CRD installed without the rule), it stops claiming on the old backend
+//! first and campaigns on the new one only after the old lease and a renew interval have
+//! passed, so this pod never holds both; a holder elsewhere that has not yet seen the change
+//! can still overlap with it, which is why the API server refuses the edit.
 
 use std::sync::Arc;
 
@@ -119,6 +125,15 @@ pub async fn follow(
                 continue;
             }
         };
+        // Credentials aside (the URL's text hides them), a different URL is another backend.
+        if next.backend.to_string() != current.backend.to_string() {
+            tracing::error!(resource = %r, from = %current.backend, to = %next.backend,
+                "the DistributedLock's backend changed, which its CRD forbids: stepping down on the old backend before campaigning on the new one");
+            if let Some(old) = state.locks().into_iter().find(|l| l.name() == current.name) {
+                old.shutdown().await;
+            }
+            tokio::time::sleep(current.lease_duration + current.renew_interval).await;
+        }
         match start(&client, &next, &identity, &metrics).await {
             Ok(fresh) => {
                 tracing::info!(resource = %r, backend = %next.backend, "DistributedLock changed: lock restarted with the new settings");

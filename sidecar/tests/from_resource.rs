@@ -94,3 +94,54 @@ async fn a_missing_resource_stops_the_start_with_its_name() {
         .expect("no such lock");
     assert!(error.contains("team/absent"), "{error}");
 }
+
+/// The CRD forbids moving a lock to another backend; a sidecar that sees it anyway steps down on
+/// the old backend and does not campaign on the new one until the old lease and a renew
+/// interval have passed, so it never holds on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_backend_is_never_held_on_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old_db, new_db) = (dir.path().join("old.db"), dir.path().join("new.db"));
+    let api = InMemoryApiServer::new();
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&old_db, "3s"));
+    let client = api.client();
+    let metrics = Arc::new(Metrics::new());
+    let r: ResourceRef = "team/jobs".parse().unwrap();
+    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
+        .await
+        .expect("started from the resource");
+    let (_, resolved, lock) = started.into_iter().next().unwrap();
+    let old_lock = lock.clone();
+    let state = AppState::new(vec![lock], metrics.clone());
+    let follower = tokio::spawn(from_resource::follow(
+        client,
+        r,
+        resolved,
+        "pod-a".into(),
+        state.clone(),
+        metrics,
+    ));
+    eventually("pod-a holds the lock", || old_lock.answer().is_holder()).await;
+
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&new_db, "3s"));
+    let moved = tokio::time::Instant::now();
+    eventually("pod-a steps down on the old backend", || {
+        !old_lock.answer().is_holder()
+    })
+    .await;
+    // Old lease (3 s) + renew interval (1 s) before any claim on the new backend.
+    while moved.elapsed() < Duration::from_millis(3500) {
+        assert!(
+            !state.locks()[0].answer().is_holder(),
+            "held on the new backend {:?} after the move",
+            moved.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eventually("pod-a holds the lock on the new backend", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    assert!(!old_lock.answer().is_holder());
+    follower.abort();
+}
