@@ -70,6 +70,13 @@ pub trait Driver: Send + Sync + 'static {
     /// A cheap round trip, for readiness.
     async fn ping(&self) -> Result<()>;
 
+    /// How long a crashed holder of `lock` can really keep it, when the backend enforces more
+    /// than the lease asked for (ZooKeeper raises a session to its `minSessionTimeout`; etcd
+    /// counts whole seconds). `None`: the lease is what the backend enforces, or not known yet.
+    fn enforced_lease(&self, _lock: &str) -> Option<Duration> {
+        None
+    }
+
     /// This process has stopped waiting for `lock` (a try-lock that found it held, a wait that
     /// timed out, a client that went away): drivers with a queue leave it now, so that no
     /// abandoned place stands first in line when the holder releases. No effect on a lease this

@@ -168,6 +168,10 @@ pub struct Snapshot {
     pub since: SystemTime,
     /// On-demand mode: how many acquisitions the app holds (re-entrant count).
     pub holds: u32,
+    /// The backend keeps a dead holder's claim longer than the lease (ZooKeeper's
+    /// `minSessionTimeout`, etcd's whole seconds): a crashed holder is replaced later than the
+    /// lease promises. Shown by `/lock` and `/readyz`, and logged once.
+    pub warning: Option<String>,
 }
 
 impl Snapshot {
@@ -179,6 +183,7 @@ impl Snapshot {
             contacted: false,
             since: SystemTime::now(),
             holds: 0,
+            warning: None,
         }
     }
 
@@ -862,7 +867,9 @@ impl Engine {
         let budget = self.config.renew_interval;
         let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
         let attempt = driver.try_acquire(&name, &identity, self.config.lease_duration);
-        let pause = match self.call(budget, attempt).await {
+        let outcome = self.call(budget, attempt).await;
+        self.check_enforced_lease();
+        let pause = match outcome {
             Call::Done(Acquire::Acquired(lease)) => {
                 self.on_acquired(lease, sent);
                 self.release_unwanted().await;
@@ -905,6 +912,32 @@ impl Engine {
             _ = sleep_until(wake) => {}
         }
         Flow::Continue
+    }
+
+    /// Warn when the backend enforces a longer lease than configured: takeover after a crash
+    /// then takes that long, not `lease + renew interval`.
+    fn check_enforced_lease(&mut self) {
+        let Some(enforced) = self.driver.enforced_lease(&self.config.name) else {
+            return;
+        };
+        let lease = self.config.lease_duration;
+        let warning = (enforced > lease).then(|| {
+            format!(
+                "the {} backend enforces a {enforced:?} lease where {lease:?} was configured: a \
+                 crashed holder is replaced after up to {:?}, not {:?} (raise the lease to at \
+                 least {enforced:?}, or lower the server's minimum)",
+                self.backend,
+                enforced + self.config.renew_interval,
+                lease + self.config.renew_interval,
+            )
+        });
+        if warning == self.state.borrow().warning {
+            return;
+        }
+        if let Some(text) = &warning {
+            tracing::warn!(lock = %self.config.name, "{text}");
+        }
+        self.state.send_modify(|s| s.warning = warning);
     }
 
     /// On-demand and not wanted: keep an eye on the holder and on the backend's health.

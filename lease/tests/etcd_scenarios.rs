@@ -133,3 +133,29 @@ async fn a_holder_whose_key_was_deleted_stops_claiming() {
     );
     assert!(b.renew(&lb, lease).await.unwrap(), "b is the one holder");
 }
+
+/// etcd counts leases in whole seconds: a 1.5 s lease is a 2 s etcd lease, which a crashed
+/// holder keeps; the lock says so rather than promise a takeover within 1.5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_longer_than_the_lease_is_reported() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    let server = EtcdServer::start();
+    let lock = leasehold_lease::Lock::start(
+        Arc::new(driver(&server)),
+        leasehold_lease::LockConfig::new("fractional", "a", Duration::from_millis(1500)),
+        Arc::new(()),
+    )
+    .unwrap();
+    assert!(
+        lock.wait_for_holder(Duration::from_secs(10))
+            .await
+            .is_holder()
+    );
+    let warning = lock.snapshot().warning.expect("a warning about the TTL");
+    assert!(
+        warning.contains("2s") && warning.contains("1.5s"),
+        "{warning}"
+    );
+    lock.shutdown().await;
+}

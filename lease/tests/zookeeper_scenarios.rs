@@ -35,3 +35,37 @@ async fn waiters_further_back_cost_no_requests() {
 async fn twenty_contenders_two_hundred_handovers_in_fifo_order() {
     contenders(&mut ZooKeeperHarness::new(), 20, 10).await;
 }
+
+/// A server whose `minSessionTimeout` is above the lease keeps a crashed holder's node that
+/// long: the lock says so (log, `/lock`, `/readyz`) instead of promising a takeover within the
+/// lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_longer_than_the_lease_is_reported() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    let server = leasehold_lease::testkit::ZooKeeperServer::start_with_min_session(Some(
+        Duration::from_secs(4),
+    ));
+    let url = leasehold_lease::BackendUrl::parse(&server.url()).unwrap();
+    let driver = leasehold_lease::connect(&url).await.unwrap();
+    let lock = leasehold_lease::Lock::start(
+        driver,
+        leasehold_lease::LockConfig::new("short", "a", Duration::from_secs(2)),
+        Arc::new(()),
+    )
+    .unwrap();
+    assert!(
+        lock.wait_for_holder(Duration::from_secs(10))
+            .await
+            .is_holder()
+    );
+    let warning = lock
+        .snapshot()
+        .warning
+        .expect("a warning about the session");
+    assert!(
+        warning.contains("4s") && warning.contains("2s"),
+        "the granted and the configured lease are named: {warning}"
+    );
+    lock.shutdown().await;
+}

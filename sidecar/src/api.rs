@@ -162,6 +162,8 @@ struct LockStatus<'a> {
     released: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warning: Option<&'a str>,
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -207,6 +209,7 @@ fn lock_response(
         since: rfc3339(snapshot.since),
         released,
         error: snapshot.backend_error.as_deref(),
+        warning: snapshot.warning.as_deref(),
     };
     json(status_code(answer), &body)
 }
@@ -420,7 +423,14 @@ async fn readyz(State(state): State<AppState>) -> Response {
         })
         .collect();
     if waiting.is_empty() {
-        (StatusCode::OK, "ready\n").into_response()
+        // Ready, with what the operator of the cluster should know.
+        let mut body = String::from("ready\n");
+        for lock in state.locks() {
+            if let Some(warning) = lock.snapshot().warning {
+                body.push_str(&format!("warning: lock {}: {warning}\n", lock.name()));
+            }
+        }
+        (StatusCode::OK, body).into_response()
     } else {
         json(
             StatusCode::SERVICE_UNAVAILABLE,

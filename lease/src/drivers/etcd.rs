@@ -617,6 +617,12 @@ impl Driver for EtcdDriver {
         self.shared.holder(lock).await
     }
 
+    /// The TTL etcd granted (whole seconds, at least its minimum): a dead holder's key lives
+    /// that long.
+    fn enforced_lease(&self, lock: &str) -> Option<Duration> {
+        self.entry(lock).map(|e| e.granted)
+    }
+
     async fn abandon(&self, lock: &str, identity: &str) {
         if let Some(entry) = self
             .entry(lock)

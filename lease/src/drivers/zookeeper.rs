@@ -684,6 +684,12 @@ impl Driver for ZooKeeperDriver {
         self.shared.holder(lock).await
     }
 
+    /// The session's timeout: ZooKeeper deletes a dead holder's node only when it ends.
+    fn enforced_lease(&self, _lock: &str) -> Option<Duration> {
+        let session = self.shared.session.try_lock().ok()?;
+        session.as_ref().map(|s| s.timeout)
+    }
+
     async fn abandon(&self, lock: &str, identity: &str) {
         if let Some(entry) = self
             .entry(lock)

@@ -33,6 +33,12 @@ impl Drop for ZooKeeperServer {
 
 impl ZooKeeperServer {
     pub fn start() -> Self {
+        Self::start_with_min_session(None)
+    }
+
+    /// A server that grants no session shorter than `min` (`minSessionTimeout`; production
+    /// ensembles have 2 x tickTime, 4 s by default).
+    pub fn start_with_min_session(min: Option<Duration>) -> Self {
         while RUNNING
             .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
             .is_err()
@@ -53,9 +59,11 @@ impl ZooKeeperServer {
              maxSessionTimeout=60000\n\
              maxClientCnxns=0\n\
              admin.enableServer=false\n\
-             4lw.commands.whitelist=ruok,mntr\n",
+             4lw.commands.whitelist=ruok,mntr\n{}",
             data.display(),
-            server.port
+            server.port,
+            min.map(|m| format!("minSessionTimeout={}\n", m.as_millis()))
+                .unwrap_or_default()
         );
         std::fs::write(server.process.dir().join("zoo.cfg"), config).expect("zoo.cfg");
         server.spawn();
