@@ -361,8 +361,13 @@ fn with_etcd_tls(
     Ok(url)
 }
 
-/// The lock as the controlling owner of what is provisioned for it.
+/// The lock as the controlling owner of what is provisioned for it, under `cleanupPolicy:
+/// Delete` only: the garbage collector deletes what a lock owns, whatever its policy, so an
+/// owned Lease would not be retained (and a lock created again would start its tokens afresh).
 pub fn owner_reference(lock: &DistributedLock) -> Option<OwnerReference> {
+    if lock.spec.cleanup_policy != leasehold_crds::CleanupPolicy::Delete {
+        return None;
+    }
     let mut owner = lock.controller_owner_ref(&())?;
     owner.block_owner_deletion = Some(false);
     Some(owner)

@@ -300,6 +300,32 @@ async fn the_kubernetes_backend_gets_a_lease_owned_by_its_lock() {
     assert!(api.object(LEASES, NS, "leader-lease").is_none());
 }
 
+/// Under `cleanupPolicy: Retain` the Lease is not owned by the lock: the garbage collector
+/// deletes what a lock owns whatever its policy, and a lock created again under the same name
+/// would then start its tokens afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_lease_is_not_owned_by_its_lock() {
+    let api = InMemoryApiServer::new();
+    let mut lock = lock(
+        "retained",
+        Backend {
+            kubernetes: Some(KubernetesBackend { lease_name: None }),
+            ..Default::default()
+        },
+    );
+    lock.spec.cleanup_policy = CleanupPolicy::Retain;
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    takes(&*driver, &lock.name_any()).await;
+    let lease = api
+        .object(LEASES, NS, "retained")
+        .expect("the Lease was created");
+    assert!(
+        lease["metadata"]["ownerReferences"].is_null(),
+        "a retained Lease must not be garbage-collected with its lock: {lease}"
+    );
+}
+
 #[tokio::test]
 async fn a_missing_secret_is_an_invalid_spec_that_names_it() {
     let api = InMemoryApiServer::new();
