@@ -16,7 +16,6 @@ use serde::{Deserialize, Serialize};
 pub const GROUP: &str = "leasehold.dev";
 pub const VERSION: &str = "v1alpha1";
 pub const DEFAULT_LEASE_DURATION: &str = "15s";
-pub const DEFAULT_RENEW_INTERVAL: &str = "5s";
 pub const DEFAULT_TABLE: &str = "leasehold_locks";
 /// The condition the operator sets on every lock.
 pub const CONDITION_BACKEND_READY: &str = "BackendReady";
@@ -50,7 +49,7 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
     )
 )]
 #[x_kube(validation = Rule::new(
-    "duration(self.renewInterval) < duration(self.leaseDuration)"
+    "!has(self.renewInterval) || duration(self.renewInterval) < duration(self.leaseDuration)"
 ).message("renewInterval must be shorter than leaseDuration"))]
 #[serde(rename_all = "camelCase")]
 pub struct DistributedLockSpec {
@@ -72,12 +71,14 @@ pub struct DistributedLockSpec {
     ).message("leaseDuration must be between 1s and 24h"))]
     pub lease_duration: String,
 
-    /// How often the holder renews its lease; below leaseDuration.
-    #[serde(default = "default_renew_interval")]
+    /// How often the holder renews its lease; below leaseDuration. Unset: a third of
+    /// leaseDuration (no fixed default, which a short lease would be below and a long one far
+    /// too frequent for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 32), pattern(DURATION_PATTERN))]
     #[x_kube(validation = Rule::new("duration(self) > duration('0s')")
         .message("renewInterval must be above zero"))]
-    pub renew_interval: String,
+    pub renew_interval: Option<String>,
 
     /// Campaign: every sidecar always tries to hold the lock (leader election). OnDemand: a
     /// sidecar takes it only when its app asks (POST /lock/acquire).
@@ -91,10 +92,6 @@ pub struct DistributedLockSpec {
 
 fn default_lease_duration() -> String {
     DEFAULT_LEASE_DURATION.to_owned()
-}
-
-fn default_renew_interval() -> String {
-    DEFAULT_RENEW_INTERVAL.to_owned()
 }
 
 #[derive(

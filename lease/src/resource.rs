@@ -140,7 +140,11 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
         })
     };
     let lease_duration = duration("leaseDuration", &spec.lease_duration)?;
-    let renew_interval = duration("renewInterval", &spec.renew_interval)?;
+    // Unset: a third of the lease, as on the command line.
+    let renew_interval = match &spec.renew_interval {
+        Some(raw) => duration("renewInterval", raw)?,
+        None => lease_duration / 3,
+    };
     let (backend, lease) = backend_url(lock, &namespace, secrets)?;
     let resolved = ResolvedLock {
         name,
@@ -416,7 +420,7 @@ mod tests {
             DistributedLockSpec {
                 backend,
                 lease_duration: "15s".into(),
-                renew_interval: "5s".into(),
+                renew_interval: None,
                 mode: Default::default(),
                 cleanup_policy: Default::default(),
             },
@@ -479,6 +483,8 @@ mod tests {
         );
         assert!(!resolved.backend.to_string().contains("p@ss"));
         assert_eq!(resolved.lease_duration, Duration::from_secs(15));
+        // No renewInterval: a third of the lease.
+        assert_eq!(resolved.renew_interval, Duration::from_secs(5));
     }
 
     #[test]
@@ -532,10 +538,14 @@ mod tests {
 
     #[test]
     fn the_kubernetes_backend_targets_an_owned_lease() {
-        let lock = lock(Backend {
+        let mut lock = lock(Backend {
             kubernetes: Some(Default::default()),
             ..Default::default()
         });
+        // Retained (the default): not owned, so the garbage collector keeps it.
+        let retained = resolve(&lock, &SecretValues::new()).unwrap();
+        assert!(retained.lease.unwrap().owner.is_none());
+        lock.spec.cleanup_policy = leasehold_crds::CleanupPolicy::Delete;
         let resolved = resolve(&lock, &SecretValues::new()).unwrap();
         assert_eq!(
             resolved.backend,

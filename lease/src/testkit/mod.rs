@@ -39,7 +39,7 @@ pub fn distributed_lock(
         leasehold_crds::DistributedLockSpec {
             backend,
             lease_duration: "15s".into(),
-            renew_interval: "5s".into(),
+            renew_interval: None,
             mode: Default::default(),
             cleanup_policy: Default::default(),
         },
