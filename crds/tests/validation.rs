@@ -22,7 +22,12 @@ fn lock(spec: Value) -> Value {
 
 /// The messages of the rules that reject `spec` (empty: accepted).
 fn violations(spec: Value) -> Vec<String> {
-    match kube_cel::Validator::new().validate(&schema(), &lock(spec), None) {
+    object_violations(&lock(spec), None)
+}
+
+/// The messages of the rules that reject `object`, as an update of `old` when given.
+fn object_violations(object: &Value, old: Option<&Value>) -> Vec<String> {
+    match kube_cel::Validator::new().validate(&schema(), object, old) {
         Ok(()) => Vec::new(),
         Err(errors) => errors
             .into_vec()
@@ -189,11 +194,11 @@ fn leases_without_a_renew_interval_pass_with_the_defaults_applied() {
     for lease in ["1s", "3s", "5s", "24h"] {
         let mut object = lock(json!({ "backend": redis(), "leaseDuration": lease }));
         with_defaults(&schema, &mut object);
-        let errors = match kube_cel::Validator::new().validate(&schema, &object, None) {
-            Ok(()) => Vec::new(),
-            Err(e) => e.into_vec().into_iter().map(|e| e.to_string()).collect(),
-        };
-        assert_eq!(errors, Vec::<String>::new(), "leaseDuration {lease}");
+        assert_eq!(
+            object_violations(&object, None),
+            Vec::<String>::new(),
+            "leaseDuration {lease}"
+        );
         let parsed: DistributedLock = serde_json::from_value(object).unwrap();
         assert_eq!(parsed.spec.renew_interval, None);
     }
@@ -297,16 +302,7 @@ fn backend_kind() {
 /// on the new one; everything else may.
 #[test]
 fn the_backend_cannot_change_once_created() {
-    let update = |old: Value, new: Value| -> Vec<String> {
-        match kube_cel::Validator::new().validate(&schema(), &lock(new), Some(&lock(old))) {
-            Ok(()) => Vec::new(),
-            Err(errors) => errors
-                .into_vec()
-                .into_iter()
-                .map(|e| e.to_string())
-                .collect(),
-        }
-    };
+    let update = |old: Value, new: Value| object_violations(&lock(new), Some(&lock(old)));
     let before = json!({"backend": redis(), "leaseDuration": "15s", "renewInterval": "5s"});
     let moved = json!({"backend": {"redis": {"endpoints": ["other-redis:6379"]}},
                        "leaseDuration": "15s", "renewInterval": "5s"});

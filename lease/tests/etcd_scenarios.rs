@@ -138,24 +138,11 @@ async fn a_holder_whose_key_was_deleted_stops_claiming() {
 /// holder keeps; the lock says so rather than promise a takeover within 1.5 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ttl_longer_than_the_lease_is_reported() {
-    use std::sync::Arc;
-    use std::time::Duration;
     let server = EtcdServer::start();
-    let lock = leasehold_lease::Lock::start(
-        Arc::new(driver(&server)),
-        leasehold_lease::LockConfig::new("fractional", "a", Duration::from_millis(1500)),
-        Arc::new(()),
+    leasehold_lease::testkit::conformance::an_enforced_lease_longer_than_configured_is_reported(
+        std::sync::Arc::new(driver(&server)),
+        std::time::Duration::from_millis(1500),
+        "2s",
     )
-    .unwrap();
-    assert!(
-        lock.wait_for_holder(Duration::from_secs(10))
-            .await
-            .is_holder()
-    );
-    let warning = lock.snapshot().warning.expect("a warning about the TTL");
-    assert!(
-        warning.contains("2s") && warning.contains("1.5s"),
-        "{warning}"
-    );
-    lock.shutdown().await;
+    .await;
 }

@@ -41,31 +41,15 @@ async fn twenty_contenders_two_hundred_handovers_in_fifo_order() {
 /// lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_longer_than_the_lease_is_reported() {
-    use std::sync::Arc;
     use std::time::Duration;
     let server = leasehold_lease::testkit::ZooKeeperServer::start_with_min_session(Some(
         Duration::from_secs(4),
     ));
     let url = leasehold_lease::BackendUrl::parse(&server.url()).unwrap();
-    let driver = leasehold_lease::connect(&url).await.unwrap();
-    let lock = leasehold_lease::Lock::start(
-        driver,
-        leasehold_lease::LockConfig::new("short", "a", Duration::from_secs(2)),
-        Arc::new(()),
+    leasehold_lease::testkit::conformance::an_enforced_lease_longer_than_configured_is_reported(
+        leasehold_lease::connect(&url).await.unwrap(),
+        Duration::from_secs(2),
+        "4s",
     )
-    .unwrap();
-    assert!(
-        lock.wait_for_holder(Duration::from_secs(10))
-            .await
-            .is_holder()
-    );
-    let warning = lock
-        .snapshot()
-        .warning
-        .expect("a warning about the session");
-    assert!(
-        warning.contains("4s") && warning.contains("2s"),
-        "the granted and the configured lease are named: {warning}"
-    );
-    lock.shutdown().await;
+    .await;
 }

@@ -32,23 +32,18 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lock_from_its_resource_follows_spec_changes() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("locks.db");
-    let api = InMemoryApiServer::new();
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "5s"));
+/// pod-a's lock started from `team/jobs` on `api`, and the task that follows the resource.
+async fn follow_jobs(
+    api: &InMemoryApiServer,
+) -> (AppState, leasehold_lease::Lock, tokio::task::JoinHandle<()>) {
     let client = api.client();
     let metrics = Arc::new(Metrics::new());
     let r: ResourceRef = "team/jobs".parse().unwrap();
-
     let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
         .await
         .expect("started from the resource");
     let (_, resolved, lock) = started.into_iter().next().unwrap();
-    assert_eq!(lock.config().lease_duration, Duration::from_secs(5));
-    assert_eq!(lock.config().identity, "pod-a");
-    let state = AppState::new(vec![lock], metrics.clone());
+    let state = AppState::new(vec![lock.clone()], metrics.clone());
     let follower = tokio::spawn(from_resource::follow(
         client,
         r,
@@ -57,6 +52,18 @@ async fn a_lock_from_its_resource_follows_spec_changes() {
         state.clone(),
         metrics,
     ));
+    (state, lock, follower)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_from_its_resource_follows_spec_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("locks.db");
+    let api = InMemoryApiServer::new();
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "5s"));
+    let (state, lock, follower) = follow_jobs(&api).await;
+    assert_eq!(lock.config().lease_duration, Duration::from_secs(5));
+    assert_eq!(lock.config().identity, "pod-a");
     eventually("pod-a holds the lock", || {
         state.locks()[0].answer().is_holder()
     })
@@ -104,23 +111,7 @@ async fn a_moved_backend_is_never_held_on_both() {
     let (old_db, new_db) = (dir.path().join("old.db"), dir.path().join("new.db"));
     let api = InMemoryApiServer::new();
     api.put(DISTRIBUTED_LOCKS, distributed_lock(&old_db, "3s"));
-    let client = api.client();
-    let metrics = Arc::new(Metrics::new());
-    let r: ResourceRef = "team/jobs".parse().unwrap();
-    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
-        .await
-        .expect("started from the resource");
-    let (_, resolved, lock) = started.into_iter().next().unwrap();
-    let old_lock = lock.clone();
-    let state = AppState::new(vec![lock], metrics.clone());
-    let follower = tokio::spawn(from_resource::follow(
-        client,
-        r,
-        resolved,
-        "pod-a".into(),
-        state.clone(),
-        metrics,
-    ));
+    let (state, old_lock, follower) = follow_jobs(&api).await;
     eventually("pod-a holds the lock", || old_lock.answer().is_holder()).await;
 
     api.put(DISTRIBUTED_LOCKS, distributed_lock(&new_db, "3s"));

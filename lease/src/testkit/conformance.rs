@@ -862,3 +862,30 @@ macro_rules! conformance_suite {
         )+
     };
 }
+
+/// A backend that enforces a longer lease than `lease` (ZooKeeper's `minSessionTimeout`, etcd's
+/// whole seconds) is reported once held: the lock's warning names both, rather than promising a
+/// takeover within the lease.
+pub async fn an_enforced_lease_longer_than_configured_is_reported(
+    driver: Arc<dyn Driver>,
+    lease: Duration,
+    enforced: &str,
+) {
+    let lock = Lock::start(
+        driver,
+        LockConfig::new(&unique_lock("enforced"), "a", lease),
+        Arc::new(()),
+    )
+    .expect("start lock");
+    assert!(
+        lock.wait_for_holder(Duration::from_secs(10))
+            .await
+            .is_holder()
+    );
+    let warning = lock.snapshot().warning.expect("a warning about the lease");
+    assert!(
+        warning.contains(enforced) && warning.contains(&format!("{lease:?}")),
+        "the enforced and the configured lease are named: {warning}"
+    );
+    lock.shutdown().await;
+}
