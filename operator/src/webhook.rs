@@ -184,6 +184,16 @@ pub fn sidecar(namespace: &str, locks: &[String], injection: &Injection) -> Cont
             container_port: i32::from(PROBE_PORT),
             ..ContainerPort::default()
         }]),
+        // The app's containers start once the lock API answers (kubelet waits for a native
+        // sidecar's startup probe before it starts the next container).
+        startup_probe: Some(Probe {
+            http_get: Some(http("/healthz")),
+            period_seconds: Some(1),
+            failure_threshold: Some(30),
+            ..Probe::default()
+        }),
+        // Ready once the lock API serves; a backend outage does not take the pod out of its
+        // Services (the sidecar's /readyz ignores it unless --readiness-requires-backend).
         readiness_probe: Some(Probe {
             http_get: Some(http("/readyz")),
             period_seconds: Some(5),

@@ -146,6 +146,9 @@ async fn an_annotated_pod_gets_a_native_sidecar() {
     );
     assert_eq!(c["ports"][0]["containerPort"], 4041);
     assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    // The app starts after the lock API answers.
+    assert_eq!(c["startupProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["startupProbe"]["httpGet"]["port"], 4041);
     assert_eq!(c["readinessProbe"]["httpGet"]["port"], 4041);
     assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
     assert_eq!(

@@ -57,6 +57,8 @@ struct Inner {
     /// lock because `--resource` replaces a lock when its spec changes.
     locks: std::sync::RwLock<Vec<Lock>>,
     metrics: Arc<Metrics>,
+    /// Whether `/readyz` fails while a backend is unreachable (`--readiness-requires-backend`).
+    readiness_requires_backend: std::sync::atomic::AtomicBool,
 }
 
 impl AppState {
@@ -65,8 +67,17 @@ impl AppState {
             inner: Arc::new(Inner {
                 locks: std::sync::RwLock::new(locks),
                 metrics,
+                readiness_requires_backend: std::sync::atomic::AtomicBool::new(false),
             }),
         }
+    }
+
+    /// Let `/readyz` fail while a backend is unreachable (by default it does not: see
+    /// [`readyz`]).
+    pub fn set_readiness_requires_backend(&self, requires: bool) {
+        self.inner
+            .readiness_requires_backend
+            .store(requires, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn locks(&self) -> Vec<Lock> {
@@ -408,6 +419,10 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// Ready once the lock API serves. A backend outage fails readiness only when asked for
+/// (`--readiness-requires-backend`): a native sidecar's readiness is the pod's, and a Redis blip
+/// must not empty the app's Services; `/lock` already answers 503 while it lasts. Either way the
+/// body names the locks whose backend is unreachable, and the lease warnings.
 async fn readyz(State(state): State<AppState>) -> Response {
     let waiting: Vec<serde_json::Value> = state
         .locks()
@@ -422,21 +437,31 @@ async fn readyz(State(state): State<AppState>) -> Response {
             })
         })
         .collect();
-    if waiting.is_empty() {
-        // Ready, with what the operator of the cluster should know.
-        let mut body = String::from("ready\n");
-        for lock in state.locks() {
-            if let Some(warning) = lock.snapshot().warning {
-                body.push_str(&format!("warning: lock {}: {warning}\n", lock.name()));
-            }
-        }
-        (StatusCode::OK, body).into_response()
-    } else {
-        json(
+    let gated = state
+        .inner
+        .readiness_requires_backend
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if gated && !waiting.is_empty() {
+        return json(
             StatusCode::SERVICE_UNAVAILABLE,
             &serde_json::json!({ "ready": false, "locks": waiting }),
-        )
+        );
     }
+    // Ready, with what the operator of the cluster should know.
+    let mut body = String::from("ready\n");
+    for lock in &waiting {
+        body.push_str(&format!(
+            "backend unreachable: lock {}: {}\n",
+            lock["lock"].as_str().unwrap_or_default(),
+            lock["error"].as_str().unwrap_or_default()
+        ));
+    }
+    for lock in state.locks() {
+        if let Some(warning) = lock.snapshot().warning {
+            body.push_str(&format!("warning: lock {}: {warning}\n", lock.name()));
+        }
+    }
+    (StatusCode::OK, body).into_response()
 }
 
 async fn not_found() -> ApiError {

@@ -51,6 +51,12 @@ struct Args {
     #[arg(long, env = "LEASEHOLD_PROBE_LISTEN", value_name = "ADDR")]
     probe_listen: Option<SocketAddr>,
 
+    /// Let /readyz fail while a lock's backend is unreachable. Off by default: a native
+    /// sidecar's readiness is the pod's, so a backend outage would take the app out of its
+    /// Services; the lock's own answer already says 503.
+    #[arg(long, env = "LEASEHOLD_READINESS_REQUIRES_BACKEND")]
+    readiness_requires_backend: bool,
+
     /// How long a lease lasts without renewal, e.g. 15s or 500ms.
     #[arg(long, env = "LEASEHOLD_LEASE_DURATION", value_name = "DURATION",
           default_value = DEFAULT_LEASE_DURATION, value_parser = parse_duration)]
@@ -105,6 +111,8 @@ pub struct Config {
     pub backend: BackendUrl,
     pub listen: SocketAddr,
     pub probe_listen: Option<SocketAddr>,
+    /// `/readyz` fails while a backend is unreachable (opt-in).
+    pub readiness_requires_backend: bool,
     pub json_logs: bool,
 }
 
@@ -227,6 +235,7 @@ impl Config {
             backend,
             listen: args.listen,
             probe_listen: args.probe_listen,
+            readiness_requires_backend: args.readiness_requires_backend,
             json_logs: args.log_format == "json",
         })
     }

@@ -29,6 +29,7 @@ pub async fn run(config: Config) -> Result<(), String> {
     } else {
         start_from_resources(&config, &metrics).await?
     };
+    state.set_readiness_requires_backend(config.readiness_requires_backend);
     let locks = state.locks();
     let listener = TcpListener::bind(config.listen)
         .await

@@ -301,8 +301,21 @@ fn an_unreachable_backend_is_reported_not_fatal() {
     let reply = s.get("/lock");
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(reply.json()["holder"], false);
-    assert_eq!(s.get("/readyz").status, 503);
+    // Readiness is the pod's (a native sidecar's counts toward it): an outage must not take
+    // the app out of its Services, so by default the sidecar stays ready and says why not.
+    let ready = s.get("/readyz");
+    assert_eq!(ready.status, 200, "{}", ready.body);
+    assert!(ready.body.contains("backend unreachable"), "{}", ready.body);
     assert_eq!(s.get("/healthz").status, 200);
+    // Backend-gated readiness is an explicit opt-in.
+    let gated = Sidecar::start(
+        "b",
+        &format!("redis://127.0.0.1:{port}"),
+        &unique_lock("down-gated"),
+        &["--readiness-requires-backend"],
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(gated.get("/readyz").status, 503);
 }
 
 #[test]
