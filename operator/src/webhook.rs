@@ -22,6 +22,10 @@ use serde_json::{Value, json};
 pub const ANNOTATION: &str = "leasehold.dev/lock";
 /// The injected container's name; a pod that has it is left alone.
 pub const SIDECAR_NAME: &str = "leasehold-sidecar";
+/// The annotation that opts a pod into backend-gated readiness (`"true"`): its sidecar's
+/// `/readyz`, and so the pod, fails while the lock's backend is unreachable.
+pub const READINESS_ANNOTATION: &str = "leasehold.dev/readiness-requires-backend";
+
 /// The label injected pods carry, so that a PodMonitor can select them (annotations cannot be
 /// selected on).
 pub const INJECTED_LABEL: &str = "leasehold.dev/injected";
@@ -120,7 +124,25 @@ pub fn decide(
             if missing.len() == 1 { "it" } else { "them" },
         ));
     }
-    let container = sidecar(namespace, &locks, injection);
+    let mut container = sidecar(namespace, &locks, injection);
+    let gated = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(READINESS_ANNOTATION));
+    match gated.map(String::as_str) {
+        None | Some("false") => {}
+        Some("true") => {
+            if let Some(args) = &mut container.args {
+                args.push("--readiness-requires-backend".to_owned());
+            }
+        }
+        Some(other) => {
+            return Decision::Deny(format!(
+                "annotation {READINESS_ANNOTATION}={other:?}: expected \"true\" or \"false\""
+            ));
+        }
+    }
     let mut value = serde_json::to_value(&container).expect("a container serializes");
     let spec = pod.spec.as_ref();
     let (list, present) = if injection.native_sidecar {

@@ -275,3 +275,29 @@ async fn a_labelled_pod_keeps_its_labels_and_gains_the_injected_one() {
         json!({"app": "reports", "tier": "batch", "leasehold.dev/injected": "true"})
     );
 }
+
+/// Backend-gated readiness is a pod's explicit choice, by annotation; anything but true or false
+/// is refused with the reason.
+#[tokio::test]
+async fn backend_gated_readiness_is_opted_into_by_annotation() {
+    let api = api_with_locks(&["jobs"]);
+    let args = |patched: &Value| -> Vec<String> {
+        sidecars(patched, "initContainers")[0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let (_, _, plain) = admit(&api, &pod(Some("jobs"), None, None), true).await;
+    assert!(!args(&plain).contains(&"--readiness-requires-backend".to_owned()));
+    let mut gated = pod(Some("jobs"), None, None);
+    gated["metadata"]["annotations"][webhook::READINESS_ANNOTATION] = json!("true");
+    let (allowed, _, patched) = admit(&api, &gated, true).await;
+    assert!(allowed);
+    assert!(args(&patched).contains(&"--readiness-requires-backend".to_owned()));
+    gated["metadata"]["annotations"][webhook::READINESS_ANNOTATION] = json!("yes");
+    let (allowed, message, _) = admit(&api, &gated, true).await;
+    assert!(!allowed);
+    assert!(message.contains("readiness-requires-backend"), "{message}");
+}
