@@ -11,7 +11,10 @@ use leasehold_e2e::{
 
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
-const SLACK: Duration = Duration::from_secs(1);
+/// Slack on top of the protocol's bounds, only to catch hangs: the tests of this file start
+/// database servers two at a time, and a commit's fsync behind another server's start-up has
+/// taken over a second in CI. What the file checks (no steal, the token unchanged) is exact.
+const SLACK: Duration = Duration::from_secs(3);
 const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
 const SKEW: Duration = Duration::from_secs(600);
 
