@@ -77,11 +77,6 @@ impl ServingCert {
         })
     }
 
-    /// The presented certificate's end, in Unix seconds (0 before one is loaded).
-    pub fn expires_at(&self) -> i64 {
-        self.expiry.get()
-    }
-
     /// Present `cert_pem` (the chain) with `key_pem` from the next handshake on. Returns whether
     /// anything changed.
     pub fn load(&self, cert_pem: &str, key_pem: &str) -> Result<bool, TlsError> {

@@ -424,42 +424,42 @@ async fn healthz() -> &'static str {
 /// must not empty the app's Services; `/lock` already answers 503 while it lasts. Either way the
 /// body names the locks whose backend is unreachable, and the lease warnings.
 async fn readyz(State(state): State<AppState>) -> Response {
-    let waiting: Vec<serde_json::Value> = state
-        .locks()
-        .iter()
-        .filter_map(|lock| {
-            let s = lock.snapshot();
-            (!s.ready()).then(|| {
-                serde_json::json!({
-                    "lock": lock.name(),
-                    "error": s.backend_error.as_deref().unwrap_or("backend not reached yet"),
-                })
-            })
-        })
-        .collect();
+    let mut unreachable = Vec::new();
+    let mut warnings = Vec::new();
+    for lock in state.locks() {
+        let s = lock.snapshot();
+        if !s.ready() {
+            let error = s
+                .backend_error
+                .as_deref()
+                .unwrap_or("backend not reached yet");
+            unreachable.push((lock.name().to_owned(), error.to_owned()));
+        }
+        if let Some(warning) = s.warning {
+            warnings.push((lock.name().to_owned(), warning));
+        }
+    }
     let gated = state
         .inner
         .readiness_requires_backend
         .load(std::sync::atomic::Ordering::Relaxed);
-    if gated && !waiting.is_empty() {
+    if gated && !unreachable.is_empty() {
+        let locks: Vec<serde_json::Value> = unreachable
+            .iter()
+            .map(|(lock, error)| serde_json::json!({ "lock": lock, "error": error }))
+            .collect();
         return json(
             StatusCode::SERVICE_UNAVAILABLE,
-            &serde_json::json!({ "ready": false, "locks": waiting }),
+            &serde_json::json!({ "ready": false, "locks": locks }),
         );
     }
     // Ready, with what the operator of the cluster should know.
     let mut body = String::from("ready\n");
-    for lock in &waiting {
-        body.push_str(&format!(
-            "backend unreachable: lock {}: {}\n",
-            lock["lock"].as_str().unwrap_or_default(),
-            lock["error"].as_str().unwrap_or_default()
-        ));
+    for (lock, error) in &unreachable {
+        body.push_str(&format!("backend unreachable: lock {lock}: {error}\n"));
     }
-    for lock in state.locks() {
-        if let Some(warning) = lock.snapshot().warning {
-            body.push_str(&format!("warning: lock {}: {warning}\n", lock.name()));
-        }
+    for (lock, warning) in &warnings {
+        body.push_str(&format!("warning: lock {lock}: {warning}\n"));
     }
     (StatusCode::OK, body).into_response()
 }

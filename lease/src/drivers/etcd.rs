@@ -585,13 +585,10 @@ impl Driver for EtcdDriver {
             self.shared.still_queued(&entry)
         );
         if !alive? || !queued? {
-            self.shared.forget(&entry);
+            // The key may have been deleted while its lease lived: end the lease too, so that
+            // nothing of this claim remains.
+            self.shared.leave(&entry).await;
             entry.slot.abort_tasks();
-            // The key was deleted while its lease lived: end the lease too, so that nothing of
-            // this claim remains.
-            if let Ok(client) = self.shared.client().await {
-                let _ = client.lease_revoke(entry.etcd_lease).await;
-            }
             return Ok(false);
         }
         entry.slot.extend(sent + ttl);

@@ -136,14 +136,6 @@ fn map_err(e: zk::Error) -> Error {
 }
 
 /// The sequence of a Curator-style lock node name, if it is one.
-/// A delete's outcome for `release`: `None` when the node was already gone.
-fn map_err_keep(e: zk::Error) -> Option<Error> {
-    match e {
-        zk::Error::NoNode => None,
-        e => Some(map_err(e)),
-    }
-}
-
 fn sequence_of(name: &str) -> Option<i64> {
     name.rsplit_once(LOCK_NAME)?.1.parse().ok()
 }
@@ -249,22 +241,33 @@ impl Shared {
         entry.slot.stop_watching();
     }
 
-    /// Give the node up; if ZooKeeper cannot be reached now, remember it as an orphan.
-    async fn leave(&self, entry: &Entry) {
+    /// Give the node up: `Ok(true)` deleted now, `Ok(false)` already gone. If the delete fails
+    /// (it may never have arrived, and the session outlives a dropped connection, so the node
+    /// would stand in the queue for as long as this process lives), the node is remembered as an
+    /// orphan and deleted at the next call that reaches ZooKeeper, an idle sidecar's
+    /// observation included.
+    async fn leave(&self, entry: &Entry) -> Result<bool> {
         self.forget(entry);
         let deleted = match self.any_session().await {
-            Ok(session) => matches!(
-                session.client.delete(&entry.path, None).await,
-                Ok(()) | Err(zk::Error::NoNode)
-            ),
-            Err(_) => false,
+            Ok(session) => match session.client.delete(&entry.path, None).await {
+                Ok(()) => Ok(true),
+                Err(zk::Error::NoNode) => Ok(false),
+                Err(e) => Err(map_err(e)),
+            },
+            Err(e) => Err(e),
         };
-        if !deleted {
-            self.orphans
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(entry.path.clone());
+        if deleted.is_err() {
+            self.orphan(entry.path.clone());
         }
+        deleted
+    }
+
+    /// A node (or a protected name prefix) to delete at the next call that reaches ZooKeeper.
+    fn orphan(&self, path: String) {
+        self.orphans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(path);
     }
 
     /// Delete the nodes this process gave up or may have created unawares. An orphan is a node
@@ -296,10 +299,7 @@ impl Shared {
                 )
             };
             if !deleted {
-                self.orphans
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(orphan);
+                self.orphan(orphan);
             }
         }
     }
@@ -340,10 +340,7 @@ impl Shared {
             Err(e) => {
                 // The create may have happened with its answer lost: find it by its protected
                 // name later and delete it (Curator's protection mode does the same).
-                self.orphans
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(prefix.clone());
+                self.orphan(prefix.clone());
                 return Err(map_err(e));
             }
         };
@@ -476,7 +473,8 @@ async fn tend(
                             .asked()
                             .is_some_and(|asked| asked + lease * ABANDONED_AFTER_LEASES <= Instant::now());
                         if still_waiting {
-                            shared.leave(&entry).await;
+                            // A failed delete is kept as an orphan.
+                            let _ = shared.leave(&entry).await;
                             shared.releases.bump(&entry.lock);
                             return;
                         }
@@ -486,7 +484,7 @@ async fn tend(
             }
             None => match entry.slot.wait_expiry(&mut expires).await {
                 Expiry::Passed => {
-                    shared.leave(&entry).await;
+                    let _ = shared.leave(&entry).await;
                     shared.releases.bump(&entry.lock);
                     return;
                 }
@@ -649,35 +647,12 @@ impl Driver for ZooKeeperDriver {
         let Some(entry) = self.held(lease) else {
             return Ok(false);
         };
-        self.shared.forget(&entry);
         entry.slot.abort_tasks();
-        let deleted = match self.shared.any_session().await {
-            Ok(session) => session
-                .client
-                .delete(&entry.path, None)
-                .await
-                .map_err(map_err_keep),
-            Err(e) => Err(Some(e)),
-        };
-        match deleted {
-            Ok(()) => {
-                self.shared.releases.bump(&lease.lock);
-                Ok(true)
-            }
-            Err(None) => Ok(false),
-            Err(Some(e)) => {
-                // The delete may never have arrived, and the session outlives a dropped
-                // connection: the node would stand first in the queue for as long as this
-                // process lives. It is an orphan now, deleted at the next call that reaches
-                // ZooKeeper (an idle sidecar's observation included).
-                self.shared
-                    .orphans
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(entry.path.clone());
-                Err(e)
-            }
+        let released = self.shared.leave(&entry).await?;
+        if released {
+            self.shared.releases.bump(&lease.lock);
         }
+        Ok(released)
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
@@ -695,7 +670,7 @@ impl Driver for ZooKeeperDriver {
             .entry(lock)
             .filter(|e| !e.slot.holding() && e.identity == identity)
         {
-            self.shared.leave(&entry).await;
+            let _ = self.shared.leave(&entry).await;
             entry.slot.abort_tasks();
             self.shared.releases.bump(lock);
         }
