@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use leasehold_e2e::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, libfaketime,
-    unique_lock,
+    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, eventually_or,
+    libfaketime, unique_lock,
 };
 
 const LEASE: Duration = Duration::from_secs(2);
@@ -87,10 +87,17 @@ fn skewed_client_cannot_steal(backend: &str) {
 
     // And the skewed client is otherwise a normal contender.
     honest.kill9();
-    eventually(
+    eventually_or(
         LEASE + RENEW + SLACK,
         "the skewed sidecar takes over",
         || skewed.is_holder(),
+        || {
+            format!(
+                "; its answer: {}\nits log:\n{}",
+                skewed.get("/lock").body,
+                skewed.log()
+            )
+        },
     );
     assert!(skewed.get("/lock").token() > token);
 }
