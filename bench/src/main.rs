@@ -184,6 +184,7 @@ async fn zookeeper_section() {
                 servers: format!("127.0.0.1:{port}"),
                 root: "/leasehold".into(),
                 digest: None,
+                tick_time: leasehold_lease::testkit::ZooKeeperServer::TICK_TIME,
             })
             .expect("zookeeper driver"),
         )

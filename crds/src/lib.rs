@@ -275,6 +275,11 @@ pub struct ZooKeeperBackend {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 32), pattern(DURATION_PATTERN))]
     pub session_timeout: Option<String>,
+    /// The ensemble's `tickTime` (default `2s`, ZooKeeper's own). A follower relays its clients'
+    /// signs of life to the leader within a tick, so holders stop claiming that much earlier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32), pattern(DURATION_PATTERN))]
+    pub tick_time: Option<String>,
     /// Digest credentials (`user:password`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth_secret_ref: Option<SecretKeyRef>,

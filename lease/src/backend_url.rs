@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::names::validate_sql_identifier;
@@ -16,6 +17,10 @@ pub const DEFAULT_TABLE: &str = "leasehold_locks";
 
 /// The prefix of every Redis key and channel Leasehold touches.
 pub const DEFAULT_REDIS_PREFIX: &str = "leasehold";
+/// ZooKeeper's own default `tickTime` (its sample configuration and the common Helm charts).
+pub const DEFAULT_ZOOKEEPER_TICK_TIME: Duration = Duration::from_secs(2);
+const MIN_ZOOKEEPER_TICK_TIME: Duration = Duration::from_millis(1);
+const MAX_ZOOKEEPER_TICK_TIME: Duration = Duration::from_secs(60);
 
 #[derive(Clone, PartialEq, Eq)]
 pub enum BackendUrl {
@@ -37,12 +42,15 @@ pub enum BackendUrl {
         user: Option<(String, String)>,
         tls: Option<crate::drivers::etcd::EtcdTls>,
     },
-    /// `zk://[user:password@]host:port[,host:port...]/PATH`: one ZooKeeper ensemble; locks
-    /// live under PATH. Credentials are ZooKeeper digest auth.
+    /// `zk://[user:password@]host:port[,host:port...]/PATH[?tick-time=DURATION]`: one ZooKeeper
+    /// ensemble; locks live under PATH. Credentials are ZooKeeper digest auth. `tick-time` is the
+    /// ensemble's `tickTime` (default 2s, ZooKeeper's own), which bounds how late a follower
+    /// relays a session's signs of life to the leader.
     ZooKeeper {
         servers: String,
         root: String,
         digest: Option<(String, String)>,
+        tick_time: Duration,
     },
     /// `kubernetes://[NAMESPACE]`: a `coordination.k8s.io/v1` Lease per lock, named after the
     /// lock, in NAMESPACE (default: the pod's own), with in-cluster or `KUBECONFIG` credentials.
@@ -126,8 +134,26 @@ impl BackendUrl {
                 Ok(BackendUrl::Redlock { masters, prefix })
             }
             "zk" => {
-                if rest.contains('?') {
-                    return Err(invalid("zk:// URLs take no options".into()));
+                let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+                let mut tick_time = DEFAULT_ZOOKEEPER_TICK_TIME;
+                for (key, value) in query_pairs(query) {
+                    match key.as_str() {
+                        "tick-time" => {
+                            tick_time = humantime::parse_duration(&value)
+                                .ok()
+                                .filter(|t| (MIN_ZOOKEEPER_TICK_TIME..=MAX_ZOOKEEPER_TICK_TIME).contains(t))
+                                .ok_or_else(|| {
+                                    invalid(format!(
+                                        "tick-time must be a duration from {MIN_ZOOKEEPER_TICK_TIME:?} to {MAX_ZOOKEEPER_TICK_TIME:?} (the ensemble's tickTime), got {value:?}"
+                                    ))
+                                })?;
+                        }
+                        other => {
+                            return Err(invalid(format!(
+                                "unknown option {other:?} (zk:// takes tick-time)"
+                            )));
+                        }
+                    }
                 }
                 let (authority, path) = rest
                     .split_once('/')
@@ -140,6 +166,7 @@ impl BackendUrl {
                     servers: servers.join(","),
                     root: path,
                     digest,
+                    tick_time,
                 })
             }
             "kubernetes" => {
@@ -337,11 +364,16 @@ impl fmt::Display for BackendUrl {
                 servers,
                 root,
                 digest,
+                tick_time,
             } => {
                 let user = digest
                     .as_ref()
                     .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
-                write!(f, "zk://{user}{servers}{root}")
+                write!(f, "zk://{user}{servers}{root}")?;
+                if *tick_time != DEFAULT_ZOOKEEPER_TICK_TIME {
+                    write!(f, "?tick-time={}", humantime::format_duration(*tick_time))?;
+                }
+                Ok(())
             }
             BackendUrl::Etcd {
                 endpoints,
@@ -612,6 +644,7 @@ mod tests {
             servers,
             root,
             digest,
+            tick_time,
         } = &url
         else {
             panic!("not zk: {url}")
@@ -619,13 +652,24 @@ mod tests {
         assert_eq!(servers, "z1:2181,z2:2181");
         assert_eq!(root, "/team/locks");
         assert_eq!(digest, &Some(("app".to_owned(), "s3cret".to_owned())));
+        assert_eq!(*tick_time, DEFAULT_ZOOKEEPER_TICK_TIME);
         assert_eq!(url.to_string(), "zk://app:***@z1:2181,z2:2181/team/locks");
+        let ticked = BackendUrl::parse("zk://z1/locks?tick-time=500ms").unwrap();
+        assert!(
+            matches!(&ticked, BackendUrl::ZooKeeper { tick_time, .. } if *tick_time == Duration::from_millis(500)),
+            "{ticked}"
+        );
+        assert_eq!(ticked.to_string(), "zk://z1:2181/locks?tick-time=500ms");
+        assert_eq!(BackendUrl::parse(&ticked.to_string()).unwrap(), ticked);
         for bad in [
             "zk://z1:2181",
             "zk://z1:2181/",
             "zk://z1:2181/a/../b",
             "zk://z1:2181/zookeeper",
             "zk://z1:2181/a?x=1",
+            "zk://z1:2181/a?tick-time=0s",
+            "zk://z1:2181/a?tick-time=2m",
+            "zk://z1:2181/a?tick-time=soon",
             "zk://z1:x/a",
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::error::Result;
 
@@ -47,6 +48,14 @@ pub trait Driver: Send + Sync + 'static {
     /// Extend `lease` to `ttl` from now. `Ok(false)`: the lease is gone (expired or taken over),
     /// and nothing was changed.
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool>;
+
+    /// From when the backend counts the lease that the acquisition or renewal of `lease` sent at
+    /// `sent` (and just answered) gave: the claim lasts one lease from then. For most backends
+    /// the server that decides sees the call itself, so `sent`; ZooKeeper's leader counts from
+    /// a follower's earlier, relayed sign of life.
+    fn counted_from(&self, _lease: &Lease, sent: Instant) -> Instant {
+        sent
+    }
 
     /// Give `lease` up. `Ok(false)`: it was not ours any more, and nothing was changed.
     async fn release(&self, lease: &Lease) -> Result<bool>;

@@ -5,7 +5,10 @@
 //! Self-fencing (DESIGN.md invariant 1): a lease is claimed only while the local monotonic clock
 //! is before `t_sent + lease_duration - safety_margin`, where `t_sent` is when the last successful
 //! acquire or renew request was *sent*. The backend started its own lease no earlier than that, so
-//! this process stops claiming before the backend can give the lock to anyone else. Readers
+//! this process stops claiming before the backend can give the lock to anyone else. Where the
+//! server that decides does not see the request itself (a ZooKeeper follower relays signs of
+//! life to the leader later), the driver dates the backend's lease earlier still
+//! ([`Driver::counted_from`]), and `t_sent` is that instant. Readers
 //! compare the deadline with the clock themselves, so a process that was paused answers "not
 //! holder" the instant it resumes, before this task has run again.
 
@@ -672,9 +675,14 @@ impl Engine {
         }
     }
 
+    /// The self-fence deadline after an acquisition or renewal of `lease` sent at `sent`.
+    fn claim_until(&self, lease: &Lease, sent: Instant) -> Instant {
+        self.driver.counted_from(lease, sent) + self.config.lease_duration
+            - safety_margin(self.config.lease_duration)
+    }
+
     fn on_acquired(&mut self, lease: Lease, sent: Instant) {
-        let valid_until =
-            sent + self.config.lease_duration - safety_margin(self.config.lease_duration);
+        let valid_until = self.claim_until(&lease, sent);
         let token = lease.token;
         self.held = Some(HeldLease {
             lease,
@@ -829,10 +837,10 @@ impl Engine {
         match self.call(budget, driver.renew(&lease, ttl)).await {
             Call::Done(true) => {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());
+                let valid_until = self.claim_until(&lease, sent);
                 if let Some(held) = &mut self.held {
                     held.last_sent = sent;
-                    held.valid_until = sent + self.config.lease_duration
-                        - safety_margin(self.config.lease_duration);
+                    held.valid_until = valid_until;
                 }
                 self.retry_at = None;
                 self.publish_lease();

@@ -60,11 +60,13 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             servers,
             root,
             digest,
+            tick_time,
         } => Arc::new(zookeeper::ZooKeeperDriver::connect(
             zookeeper::ZooKeeperConfig {
                 servers: servers.clone(),
                 root: root.clone(),
                 digest: digest.clone(),
+                tick_time: *tick_time,
             },
         )?),
         BackendUrl::Kubernetes { namespace } => {

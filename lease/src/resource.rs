@@ -308,7 +308,12 @@ fn backend_url(
                 userinfo(Some(user), Some(password))
             }
         };
-        format!("zk://{auth}{}{}", z.servers.join(","), z.path)
+        format!(
+            "zk://{auth}{}{}{}",
+            z.servers.join(","),
+            z.path,
+            query(&[("tick-time", z.tick_time.as_deref())])
+        )
     } else if let Some(e) = etcd {
         let auth = userinfo(
             secret(secrets, &e.username_secret_ref)?,
@@ -523,17 +528,24 @@ mod tests {
                 servers: vec!["z:2181".into()],
                 path: "/locks".into(),
                 auth_secret_ref: Some(key("zk", "digest")),
+                tick_time: Some("500ms".into()),
                 ..Default::default()
             }),
             ..Default::default()
         });
         let secrets: SecretValues = [(("zk".into(), "digest".into()), "app:s3 cr+t".into())].into();
-        let BackendUrl::ZooKeeper { digest, root, .. } = resolve(&zk, &secrets).unwrap().backend
+        let BackendUrl::ZooKeeper {
+            digest,
+            root,
+            tick_time,
+            ..
+        } = resolve(&zk, &secrets).unwrap().backend
         else {
             panic!()
         };
         assert_eq!(digest, Some(("app".into(), "s3 cr+t".into())));
         assert_eq!(root, "/locks");
+        assert_eq!(tick_time, Duration::from_millis(500));
     }
 
     #[test]

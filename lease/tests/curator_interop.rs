@@ -113,6 +113,7 @@ async fn curator_and_leasehold_exclude_each_other_on_one_path() {
             servers: servers.clone(),
             root: "/leasehold".into(),
             digest: None,
+            tick_time: ZooKeeperServer::TICK_TIME,
         })
         .expect("driver")
     };

@@ -11,6 +11,7 @@ fn driver(server: &ZooKeeperServer) -> ZooKeeperDriver {
         servers: format!("127.0.0.1:{}", server.port()),
         root: "/leasehold".into(),
         digest: None,
+        tick_time: ZooKeeperServer::TICK_TIME,
     })
     .expect("driver")
 }
@@ -52,4 +53,80 @@ async fn a_session_longer_than_the_lease_is_reported() {
         "4s",
     )
     .await;
+}
+
+/// A holder connected to a follower that a partition cuts off from its quorum: the follower goes
+/// on answering reads for `syncLimit` ticks (5 s here) while the leader expires the holder's
+/// session after the 2 s lease and the contender on the quorum's side takes the lock. The holder
+/// must have stopped claiming by then: its renewals go through the leader (`sync`), which the
+/// cut follower cannot reach, and its claim is dated from a sign of life the leader has seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_cut_off_from_its_quorum_cannot_extend_a_claim() {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use leasehold_lease::testkit::{ZooKeeperEnsemble, unique_lock, zookeeper_ensemble};
+    use leasehold_lease::{BackendUrl, Lock, LockConfig};
+    use tokio::time::{Instant, sleep};
+
+    const LEASE: Duration = Duration::from_secs(2);
+    async fn lock(url: &str, name: &str, identity: &str) -> Lock {
+        let driver = leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
+            .await
+            .expect("driver");
+        Lock::start(driver, LockConfig::new(name, identity, LEASE), Arc::new(())).expect("lock")
+    }
+
+    let ensemble = tokio::task::spawn_blocking(ZooKeeperEnsemble::start)
+        .await
+        .expect("ensemble");
+    let follower = ensemble.followers()[0];
+    let quorum: Vec<usize> = (0..3).filter(|&i| i != follower).collect();
+    let name = unique_lock("partitioned");
+    let stale_side = lock(&ensemble.url(&[follower]), &name, "stale-side").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !stale_side.answer().is_holder() {
+        assert!(Instant::now() < deadline, "the first holder never held");
+        sleep(Duration::from_millis(20)).await;
+    }
+    let quorum_side = lock(&ensemble.url(&quorum), &name, "quorum-side").await;
+    sleep(LEASE).await;
+    assert!(stale_side.answer().is_holder(), "the holder lost its lock");
+    assert!(
+        !quorum_side.answer().is_holder(),
+        "two holders before the cut"
+    );
+
+    ensemble.isolate(follower);
+    let cut = Instant::now();
+    let stale_window = ZooKeeperEnsemble::TICK_TIME * zookeeper_ensemble::SYNC_LIMIT_TICKS;
+    let mut taken_over = None;
+    while cut.elapsed() < stale_window + LEASE {
+        // The quorum's side first: if it holds now and the other side still holds a moment
+        // later, they overlapped.
+        let quorum_holds = quorum_side.answer().is_holder();
+        if quorum_holds {
+            taken_over.get_or_insert(cut.elapsed());
+        }
+        assert!(
+            !(quorum_holds && stale_side.answer().is_holder()),
+            "two holders {:?} after the follower was cut off (the quorum's side took over \
+             after {taken_over:?}; the cut follower still answers)",
+            cut.elapsed()
+        );
+        sleep(Duration::from_millis(2)).await;
+    }
+    let taken_over = taken_over.unwrap_or_else(|| {
+        panic!(
+            "the quorum's side never took over; modes: {:?}",
+            ensemble.modes()
+        )
+    });
+    assert!(
+        taken_over < stale_window,
+        "the takeover ({taken_over:?}) came only after the follower stopped serving, so the \
+         test proves nothing about it"
+    );
+    quorum_side.shutdown().await;
+    stale_side.shutdown().await;
 }

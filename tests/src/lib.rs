@@ -3,7 +3,7 @@
 //! HTTP/1.1 client that can also send malformed requests, and signals; a fault-injecting TCP
 //! proxy ([`fault_proxy`]) and the multi-process safety check ([`safety`]).
 
-pub mod fault_proxy;
+pub use leasehold_lease::testkit::fault_proxy;
 pub mod safety;
 
 use std::io::{Read, Write};

@@ -22,7 +22,11 @@ async fn zookeeper_a_release_lost_in_a_partition_does_not_block_the_lock() {
     let proxy = FaultProxy::start(server.port());
     let lease = Duration::from_secs(6);
     let lock = unique_lock("lost-release");
-    let a = driver(&format!("zk://127.0.0.1:{}/leasehold", proxy.port)).await;
+    let a = driver(&format!(
+        "zk://127.0.0.1:{}/leasehold?tick-time=100ms",
+        proxy.port
+    ))
+    .await;
     let b = driver(&server.url()).await;
     let Acquire::Acquired(la) = a.try_acquire(&lock, "a", lease).await.expect("a") else {
         panic!("a did not acquire a free lock")

@@ -5,9 +5,13 @@
 //! czxid: later nodes are created by later transactions.
 //!
 //! Sessions: one per driver, with the lease as its timeout (the server may raise it to its
-//! minimum, never lower it below the lease, else acquisition fails with an error). Any request
-//! the server answers after `t_sent` restarts the session's clock no earlier than `t_sent`, so
-//! the ephemeral node outlives the claim `t_sent + lease - margin`.
+//! minimum, never lower it below the lease, else acquisition fails with an error). The leader
+//! alone expires sessions, from the last sign of life a follower relayed to it, and a follower
+//! cut off from the leader goes on answering reads from its stale state for up to `syncLimit`
+//! ticks. So acquisition and renewal go through the leader (`sync` before the read), and the
+//! claim is dated not from the renewal but from the newest earlier request whose touch the
+//! leader has surely seen ([`Session::counted_from`], which takes the ensemble's `tickTime`
+//! from the URL): the ephemeral node outlives the claim `counted_from + lease - margin`.
 //!
 //! - Disconnected: renewals fail, the sidecar answers "unknown" and stops claiming at its
 //!   self-fence deadline, as with any backend.
@@ -18,7 +22,7 @@
 //!   stall; so when the local lease runs out without a renewal the driver deletes the node itself,
 //!   and a frozen process loses its session to the server's timeout.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -65,6 +69,9 @@ pub struct ZooKeeperConfig {
     pub root: String,
     /// Digest credentials (`user`, `password`); nodes are then created with creator-only ACLs.
     pub digest: Option<(String, String)>,
+    /// The ensemble's `tickTime`: a follower relays its sessions' signs of life to the leader
+    /// with its answer to the leader's ping, sent every half tick.
+    pub tick_time: Duration,
 }
 
 struct Entry {
@@ -74,6 +81,15 @@ struct Entry {
     sequence: i64,
     czxid: i64,
     slot: QueueSlot,
+    /// From when the leader surely counts the session that keeps this node, as of the last
+    /// acquisition or renewal (see [`Session::counted_from`]).
+    counted_from: Mutex<Option<Instant>>,
+}
+
+impl Entry {
+    fn count_from(&self, from: Instant) {
+        *self.counted_from.lock().unwrap_or_else(|e| e.into_inner()) = Some(from);
+    }
 }
 
 struct Session {
@@ -81,6 +97,45 @@ struct Session {
     /// The lease the session was opened for, and the timeout the server granted (>= it).
     requested: Duration,
     timeout: Duration,
+    /// Sent before the session was asked for: the leader created it, and started counting its
+    /// life, later than this.
+    opened: Instant,
+    /// The latest requests the server answered, (sent, answered), oldest first.
+    answered: Mutex<VecDeque<(Instant, Instant)>>,
+}
+
+/// How many answered requests a session remembers; only the newest one old enough to count is
+/// ever used.
+const ANSWERS_KEPT: usize = 16;
+
+impl Session {
+    fn answered(&self, sent: Instant, answered: Instant) {
+        let mut kept = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() == ANSWERS_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back((sent, answered));
+    }
+
+    /// The latest instant from which the leader surely counts this session's life (it expires
+    /// the session one session timeout after the last sign of life it saw), given a `sync`
+    /// sent at `synced` that succeeded.
+    ///
+    /// A request answered by a follower is not seen by the leader: the follower notes the touch
+    /// and relays it with its answer to the leader's next ping (every half tick). A follower cut
+    /// off from the leader goes on answering reads for up to `syncLimit` ticks, so neither a read
+    /// nor the request of the renewal itself proves anything. A `sync` does: it reaches the
+    /// leader, so the link was up after every request answered a whole tick before the `sync`
+    /// was sent, and at least one ping answer carried those requests' touches to the leader.
+    /// The newest of them dates the leader's count; failing one, the session's opening does.
+    fn counted_from(&self, synced: Instant, tick: Duration) -> Instant {
+        let kept = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        kept.iter()
+            .rev()
+            .find(|(_, answered)| *answered + tick <= synced)
+            .map_or(self.opened, |(sent, _)| *sent)
+            .max(self.opened)
+    }
 }
 
 /// The session timeout when a call needs a session before any lease asked for one.
@@ -183,6 +238,7 @@ impl Shared {
                 self.drop_entries();
             }
         }
+        let opened = Instant::now();
         let mut connector = zk::Client::connector()
             .with_session_timeout(lease)
             .with_connection_timeout(connection_timeout(lease));
@@ -208,6 +264,8 @@ impl Shared {
             client,
             requested: lease,
             timeout,
+            opened,
+            answered: Mutex::new(VecDeque::new()),
         });
         *session = Some(fresh.clone());
         Ok(fresh)
@@ -352,6 +410,7 @@ impl Shared {
             sequence: sequence.into_i64(),
             czxid: stat.czxid,
             slot,
+            counted_from: Mutex::new(None),
         });
         let task = tokio::spawn(tend(self.clone(), entry.clone(), watch_expires, ttl));
         entry.slot.set_tender(task);
@@ -592,9 +651,17 @@ impl Driver for ZooKeeperDriver {
         };
         let session = self.shared.session(ttl).await?;
         self.shared.delete_orphans(&session.client).await;
-        // This read is answered after `sent`: the session, and so the node, lives at least one
-        // session timeout (>= ttl) beyond it.
+        // Through the leader first: a follower cut off from it lists a queue the leader may
+        // already have moved on from (see `Session::counted_from`).
+        let synced = Instant::now();
+        session
+            .client
+            .sync(&self.shared.parent(lock))
+            .await
+            .map_err(map_err)?;
         let queue = self.shared.queue(&session.client, lock).await?;
+        let counted_from = session.counted_from(synced, self.shared.config.tick_time);
+        session.answered(synced, Instant::now());
         let Some(position) = queue.iter().position(|(seq, _)| *seq == entry.sequence) else {
             // The node is gone (session expired and renewed): back to the end of the queue.
             self.shared.forget(&entry);
@@ -613,6 +680,7 @@ impl Driver for ZooKeeperDriver {
             return Ok(Acquire::Busy(holder));
         }
         entry.slot.hold_until(sent + ttl);
+        entry.count_from(counted_from);
         Ok(Acquire::Acquired(Lease {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -629,9 +697,18 @@ impl Driver for ZooKeeperDriver {
             return Ok(false);
         }
         let session = self.shared.session(ttl).await?;
-        match session.client.check_stat(&entry.path).await {
+        // A read alone could be answered by a follower cut off from the leader, which may be
+        // expiring this session meanwhile; the `sync` goes through the leader.
+        let synced = Instant::now();
+        let found = match session.client.sync(&self.shared.parent(&lease.lock)).await {
+            Ok(()) => session.client.check_stat(&entry.path).await,
+            Err(e) => Err(e),
+        };
+        match found {
             Ok(Some(_)) => {
                 entry.slot.extend(sent + ttl);
+                entry.count_from(session.counted_from(synced, self.shared.config.tick_time));
+                session.answered(synced, Instant::now());
                 Ok(true)
             }
             Ok(None) | Err(zk::Error::SessionExpired) => {
@@ -641,6 +718,14 @@ impl Driver for ZooKeeperDriver {
             }
             Err(e) => Err(map_err(e)),
         }
+    }
+
+    /// ZooKeeper's leader counts a session from the last sign of life a follower relayed to it,
+    /// which may be older than the request that renewed.
+    fn counted_from(&self, lease: &Lease, sent: Instant) -> Instant {
+        self.held(lease)
+            .and_then(|e| *e.counted_from.lock().unwrap_or_else(|e| e.into_inner()))
+            .map_or(sent, |from| from.min(sent))
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {

@@ -66,8 +66,20 @@ impl Driver for FaultyDriver {
         outcome
     }
 
+    fn counted_from(&self, lease: &Lease, sent: tokio::time::Instant) -> tokio::time::Instant {
+        self.inner.counted_from(lease, sent)
+    }
+
     async fn release(&self, lease: &Lease) -> Result<bool> {
         self.inner.release(lease).await
+    }
+
+    fn enforced_lease(&self, lock: &str) -> Option<Duration> {
+        self.inner.enforced_lease(lock)
+    }
+
+    async fn abandon(&self, lock: &str, identity: &str) {
+        self.inner.abandon(lock, identity).await
     }
 
     async fn deprovision(&self, locks: &[String]) -> Result<()> {

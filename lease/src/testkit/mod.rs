@@ -1,15 +1,18 @@
 //! Test fixtures, in one place: real backend servers on free loopback ports with throwaway data
-//! directories, a fault-injecting driver wrapper, and the conformance suite every driver passes.
+//! directories, a fault-injecting driver wrapper, a TCP proxy that partitions links, and the
+//! conformance suite every driver passes.
 //! A missing server binary fails loudly with the package to install; nothing is skipped.
 
 pub mod conformance;
 pub mod etcd_server;
+pub mod fault_proxy;
 pub mod faulty;
 pub mod in_memory_api_server;
 pub mod mariadb_server;
 pub mod postgres_server;
 pub mod redis_server;
 mod server_process;
+pub mod zookeeper_ensemble;
 pub mod zookeeper_server;
 
 use std::net::TcpListener;
@@ -20,11 +23,13 @@ pub use conformance::{
     REDLOCK_MASTERS, RedisHarness, RedlockHarness, ServerHarness, SqliteHarness, ZooKeeperHarness,
 };
 pub use etcd_server::EtcdServer;
+pub use fault_proxy::FaultProxy;
 pub use faulty::FaultyDriver;
 pub use in_memory_api_server::InMemoryApiServer;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
 pub use redis_server::RedisServer;
+pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 
 /// A `DistributedLock` NAMESPACE/NAME on `backend`, as a user would write it (15 s lease, 5 s

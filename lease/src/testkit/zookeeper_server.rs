@@ -13,25 +13,42 @@ use std::time::Duration;
 use super::server_process::ServerProcess;
 use super::{free_port, require_binary};
 
-const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
+pub(super) const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
 
 pub struct ZooKeeperServer {
     process: ServerProcess,
     port: u16,
 }
 
-/// One ZooKeeper per test process at a time: two JVMs starting and warming up at once on two
-/// cores answer slower than a one-second session tolerates.
+/// One ZooKeeper (server or ensemble) per test process at a time: two JVMs starting and warming
+/// up at once on two cores answer slower than a one-second session tolerates.
 static RUNNING: AtomicBool = AtomicBool::new(false);
+
+/// Wait until no other ZooKeeper of this process runs; pair with [`zookeeper_is_done`].
+pub(super) fn one_zookeeper_at_a_time() {
+    while RUNNING
+        .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub(super) fn zookeeper_is_done() {
+    RUNNING.store(false, Ordering::SeqCst);
+}
 
 impl Drop for ZooKeeperServer {
     fn drop(&mut self) {
         self.process.stop(None);
-        RUNNING.store(false, Ordering::SeqCst);
+        zookeeper_is_done();
     }
 }
 
 impl ZooKeeperServer {
+    /// The servers' `tickTime`, which the driver needs to know (`?tick-time=`).
+    pub const TICK_TIME: Duration = Duration::from_millis(100);
+
     pub fn start() -> Self {
         Self::start_with_min_session(None)
     }
@@ -39,12 +56,7 @@ impl ZooKeeperServer {
     /// A server that grants no session shorter than `min` (`minSessionTimeout`; production
     /// ensembles have 2 x tickTime, 4 s by default).
     pub fn start_with_min_session(min: Option<Duration>) -> Self {
-        while RUNNING
-            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-            .is_err()
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        one_zookeeper_at_a_time();
         let mut server = Self {
             process: ServerProcess::new("zookeeper"),
             port: free_port(),
@@ -52,7 +64,7 @@ impl ZooKeeperServer {
         let data = server.process.dir().join("data");
         std::fs::create_dir_all(&data).expect("zookeeper data dir");
         let config = format!(
-            "tickTime=100\n\
+            "tickTime={}\n\
              dataDir={}\n\
              clientPort={}\n\
              clientPortAddress=127.0.0.1\n\
@@ -60,6 +72,7 @@ impl ZooKeeperServer {
              maxClientCnxns=0\n\
              admin.enableServer=false\n\
              4lw.commands.whitelist=ruok,mntr\n{}",
+            Self::TICK_TIME.as_millis(),
             data.display(),
             server.port,
             min.map(|m| format!("minSessionTimeout={}\n", m.as_millis()))
@@ -75,7 +88,11 @@ impl ZooKeeperServer {
     }
 
     pub fn url(&self) -> String {
-        format!("zk://127.0.0.1:{}/leasehold", self.port)
+        format!(
+            "zk://127.0.0.1:{}/leasehold?tick-time={}ms",
+            self.port,
+            Self::TICK_TIME.as_millis()
+        )
     }
 
     fn spawn(&mut self) {
@@ -118,7 +135,7 @@ impl ZooKeeperServer {
 }
 
 /// One of ZooKeeper's four-letter commands, answered in plain text.
-fn four_letter(port: u16, command: &str) -> String {
+pub(super) fn four_letter(port: u16, command: &str) -> String {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return String::new();
     };
