@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::watch;
-use tokio::time::Instant;
+
+use crate::boot_clock::BootInstant;
 
 use crate::error::Result;
 
@@ -53,7 +54,7 @@ pub trait Driver: Send + Sync + 'static {
     /// `sent` (and just answered) gave: the claim lasts one lease from then. For most backends
     /// the server that decides sees the call itself, so `sent`; ZooKeeper's leader counts from
     /// a follower's earlier, relayed sign of life.
-    fn counted_from(&self, _lease: &Lease, sent: Instant) -> Instant {
+    fn counted_from(&self, _lease: &Lease, sent: BootInstant) -> BootInstant {
         sent
     }
 

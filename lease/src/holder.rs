@@ -3,7 +3,8 @@
 //! commands (acquire, release, shutdown) and an event stream.
 //!
 //! Self-fencing (DESIGN.md invariant 1): a lease is claimed only while the local monotonic clock
-//! is before `t_sent + lease_duration - safety_margin`, where `t_sent` is when the last successful
+//! (`CLOCK_BOOTTIME`, which unlike `CLOCK_MONOTONIC` keeps counting while the machine is
+//! suspended: [`crate::boot_clock`]) is before `t_sent + lease_duration - safety_margin`, where `t_sent` is when the last successful
 //! acquire or renew request was *sent*. The backend started its own lease no earlier than that, so
 //! this process stops claiming before the backend can give the lock to anyone else. Where the
 //! server that decides does not see the request itself (a ZooKeeper follower relays signs of
@@ -19,6 +20,7 @@ use rand::Rng;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
+use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 use crate::names::validate_lock_name;
@@ -152,8 +154,9 @@ impl Answer {
 #[derive(Debug, Clone)]
 pub struct Held {
     pub token: u64,
-    /// The self-fence deadline: not holder from this instant on, unless renewed.
-    pub valid_until: Instant,
+    /// The self-fence deadline: not holder from this instant on, unless renewed. On the boot
+    /// clock, which counts time suspended.
+    pub valid_until: BootInstant,
     pub acquired_at: SystemTime,
 }
 
@@ -192,21 +195,21 @@ impl Snapshot {
 
     /// The answer at `now`. Computed by the reader so that it is right even when the holder task
     /// has not run for a while (a paused process).
-    pub fn answer_at(&self, now: Instant) -> Answer {
+    pub fn answer_at(&self, now: BootInstant) -> Answer {
         if !self.contacted || self.backend_error.is_some() {
             return Answer::Unknown;
         }
         match &self.held {
             Some(held) if now < held.valid_until => Answer::Holder {
                 token: held.token,
-                valid_for: held.valid_until - now,
+                valid_for: held.valid_until.saturating_duration_since(now),
             },
             _ => Answer::NotHolder,
         }
     }
 
     pub fn answer(&self) -> Answer {
-        self.answer_at(Instant::now())
+        self.answer_at(BootInstant::now())
     }
 
     /// Ready for traffic: the backend answered the last call.
@@ -426,7 +429,7 @@ impl Lock {
 
 struct HeldLease {
     lease: Lease,
-    valid_until: Instant,
+    valid_until: BootInstant,
     last_sent: Instant,
     acquired_at: SystemTime,
 }
@@ -517,7 +520,7 @@ impl Engine {
         if self
             .held
             .as_ref()
-            .is_some_and(|held| Instant::now() >= held.valid_until)
+            .is_some_and(|held| BootInstant::now() >= held.valid_until)
         {
             self.lose("the lease ran out before it could be renewed");
         }
@@ -600,7 +603,7 @@ impl Engine {
         let me = self.held.as_ref().map(|h| Holding {
             identity: h.lease.identity.clone(),
             token: h.lease.token,
-            expires_in: Some(h.valid_until.saturating_duration_since(Instant::now())),
+            expires_in: Some(h.valid_until.remaining()),
         });
         let holds = self.holds;
         self.state.send_modify(|s| {
@@ -676,13 +679,13 @@ impl Engine {
     }
 
     /// The self-fence deadline after an acquisition or renewal of `lease` sent at `sent`.
-    fn claim_until(&self, lease: &Lease, sent: Instant) -> Instant {
+    fn claim_until(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
         self.driver.counted_from(lease, sent) + self.config.lease_duration
             - safety_margin(self.config.lease_duration)
     }
 
-    fn on_acquired(&mut self, lease: Lease, sent: Instant) {
-        let valid_until = self.claim_until(&lease, sent);
+    fn on_acquired(&mut self, lease: Lease, sent: Instant, sent_boot: BootInstant) {
+        let valid_until = self.claim_until(&lease, sent_boot);
         let token = lease.token;
         self.held = Some(HeldLease {
             lease,
@@ -797,7 +800,7 @@ impl Engine {
         let Some(held) = &self.held else {
             return Flow::Continue;
         };
-        let valid_until = held.valid_until;
+        let valid_until = held.valid_until.to_tokio();
         let renew_at = self
             .retry_at
             .unwrap_or(held.last_sent + self.config.renew_interval);
@@ -822,11 +825,11 @@ impl Engine {
             return Flow::Continue;
         };
         let lease = held.lease.clone();
-        let sent = Instant::now();
+        let (sent, sent_boot) = (Instant::now(), BootInstant::now());
         // Waiting past the self-fence deadline is pointless: the lease is gone by then.
         let budget = held
             .valid_until
-            .saturating_duration_since(sent)
+            .saturating_duration_since(sent_boot)
             .min(self.config.renew_interval);
         if budget.is_zero() {
             self.lose("the lease ran out before it could be renewed");
@@ -837,7 +840,7 @@ impl Engine {
         match self.call(budget, driver.renew(&lease, ttl)).await {
             Call::Done(true) => {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());
-                let valid_until = self.claim_until(&lease, sent);
+                let valid_until = self.claim_until(&lease, sent_boot);
                 if let Some(held) = &mut self.held {
                     held.last_sent = sent;
                     held.valid_until = valid_until;
@@ -871,7 +874,7 @@ impl Engine {
             changes.borrow_and_update();
         }
         let driver = self.driver.clone();
-        let sent = Instant::now();
+        let (sent, sent_boot) = (Instant::now(), BootInstant::now());
         let budget = self.config.renew_interval;
         let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
         let attempt = driver.try_acquire(&name, &identity, self.config.lease_duration);
@@ -879,7 +882,7 @@ impl Engine {
         self.check_enforced_lease();
         let pause = match outcome {
             Call::Done(Acquire::Acquired(lease)) => {
-                self.on_acquired(lease, sent);
+                self.on_acquired(lease, sent, sent_boot);
                 self.release_unwanted().await;
                 return Flow::Continue;
             }

@@ -14,6 +14,7 @@
 //!   suite every driver passes.
 
 mod backend_url;
+pub mod boot_clock;
 mod driver;
 pub mod drivers;
 mod error;
@@ -29,6 +30,7 @@ pub use drivers::{etcd, kubernetes, redis, redlock, sql, sqlite, zookeeper};
 use std::sync::Arc;
 
 pub use backend_url::{BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE};
+pub use boot_clock::BootInstant;
 pub use driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 pub use error::{Error, Result};
 pub use holder::{

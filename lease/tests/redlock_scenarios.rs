@@ -89,7 +89,7 @@ async fn minority_crashes_never_give_two_holders() {
     let until = tokio::time::Instant::now() + Duration::from_secs(4);
     while tokio::time::Instant::now() < until {
         // Both claims judged at one instant: their self-fenced deadlines, not two reads apart.
-        let now = tokio::time::Instant::now();
+        let now = leasehold_lease::BootInstant::now();
         let (sa, sb) = (a.snapshot().answer_at(now), b.snapshot().answer_at(now));
         assert!(
             !(sa.is_holder() && sb.is_holder()),

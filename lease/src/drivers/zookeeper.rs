@@ -32,6 +32,7 @@ use tokio::sync::{OnceCell, watch};
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
+use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::queue_slot::{Expiry, QueueSlot};
 use crate::error::{Error, Result};
@@ -83,11 +84,11 @@ struct Entry {
     slot: QueueSlot,
     /// From when the leader surely counts the session that keeps this node, as of the last
     /// acquisition or renewal (see [`Session::counted_from`]).
-    counted_from: Mutex<Option<Instant>>,
+    counted_from: Mutex<Option<BootInstant>>,
 }
 
 impl Entry {
-    fn count_from(&self, from: Instant) {
+    fn count_from(&self, from: BootInstant) {
         *self.counted_from.lock().unwrap_or_else(|e| e.into_inner()) = Some(from);
     }
 }
@@ -99,9 +100,10 @@ struct Session {
     timeout: Duration,
     /// Sent before the session was asked for: the leader created it, and started counting its
     /// life, later than this.
-    opened: Instant,
-    /// The latest requests the server answered, (sent, answered), oldest first.
-    answered: Mutex<VecDeque<(Instant, Instant)>>,
+    opened: BootInstant,
+    /// The latest requests the server answered, (sent, answered), oldest first. On the boot
+    /// clock, as the claims they date.
+    answered: Mutex<VecDeque<(BootInstant, BootInstant)>>,
 }
 
 /// How many answered requests a session remembers; only the newest one old enough to count is
@@ -109,7 +111,7 @@ struct Session {
 const ANSWERS_KEPT: usize = 16;
 
 impl Session {
-    fn answered(&self, sent: Instant, answered: Instant) {
+    fn answered(&self, sent: BootInstant, answered: BootInstant) {
         let mut kept = self.answered.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() == ANSWERS_KEPT {
             kept.pop_front();
@@ -128,7 +130,7 @@ impl Session {
     /// leader, so the link was up after every request answered a whole tick before the `sync`
     /// was sent, and at least one ping answer carried those requests' touches to the leader.
     /// The newest of them dates the leader's count; failing one, the session's opening does.
-    fn counted_from(&self, synced: Instant, tick: Duration) -> Instant {
+    fn counted_from(&self, synced: BootInstant, tick: Duration) -> BootInstant {
         let kept = self.answered.lock().unwrap_or_else(|e| e.into_inner());
         kept.iter()
             .rev()
@@ -238,7 +240,7 @@ impl Shared {
                 self.drop_entries();
             }
         }
-        let opened = Instant::now();
+        let opened = BootInstant::now();
         let mut connector = zk::Client::connector()
             .with_session_timeout(lease)
             .with_connection_timeout(connection_timeout(lease));
@@ -653,7 +655,7 @@ impl Driver for ZooKeeperDriver {
         self.shared.delete_orphans(&session.client).await;
         // Through the leader first: a follower cut off from it lists a queue the leader may
         // already have moved on from (see `Session::counted_from`).
-        let synced = Instant::now();
+        let synced = BootInstant::now();
         session
             .client
             .sync(&self.shared.parent(lock))
@@ -661,7 +663,7 @@ impl Driver for ZooKeeperDriver {
             .map_err(map_err)?;
         let queue = self.shared.queue(&session.client, lock).await?;
         let counted_from = session.counted_from(synced, self.shared.config.tick_time);
-        session.answered(synced, Instant::now());
+        session.answered(synced, BootInstant::now());
         let Some(position) = queue.iter().position(|(seq, _)| *seq == entry.sequence) else {
             // The node is gone (session expired and renewed): back to the end of the queue.
             self.shared.forget(&entry);
@@ -699,7 +701,7 @@ impl Driver for ZooKeeperDriver {
         let session = self.shared.session(ttl).await?;
         // A read alone could be answered by a follower cut off from the leader, which may be
         // expiring this session meanwhile; the `sync` goes through the leader.
-        let synced = Instant::now();
+        let synced = BootInstant::now();
         let found = match session.client.sync(&self.shared.parent(&lease.lock)).await {
             Ok(()) => session.client.check_stat(&entry.path).await,
             Err(e) => Err(e),
@@ -708,7 +710,7 @@ impl Driver for ZooKeeperDriver {
             Ok(Some(_)) => {
                 entry.slot.extend(sent + ttl);
                 entry.count_from(session.counted_from(synced, self.shared.config.tick_time));
-                session.answered(synced, Instant::now());
+                session.answered(synced, BootInstant::now());
                 Ok(true)
             }
             Ok(None) | Err(zk::Error::SessionExpired) => {
@@ -722,7 +724,7 @@ impl Driver for ZooKeeperDriver {
 
     /// ZooKeeper's leader counts a session from the last sign of life a follower relayed to it,
     /// which may be older than the request that renewed.
-    fn counted_from(&self, lease: &Lease, sent: Instant) -> Instant {
+    fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
         self.held(lease)
             .and_then(|e| *e.counted_from.lock().unwrap_or_else(|e| e.into_inner()))
             .map_or(sent, |from| from.min(sent))

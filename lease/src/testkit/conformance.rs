@@ -548,7 +548,7 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
             // b holds in the backend now; a must already have stopped claiming. Check the
             // self-fence deadline itself, not only the answer: a stalled renewal also makes the
             // answer "unknown", which would hide a deadline that is too late.
-            let now = Instant::now();
+            let now = crate::BootInstant::now();
             let snapshot = a.snapshot();
             assert!(
                 !snapshot.answer_at(now).is_holder(),
@@ -558,7 +558,7 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
                 assert!(
                     held.valid_until <= now,
                     "a's lease was still valid for {:?} after b acquired",
-                    held.valid_until - now
+                    held.valid_until.saturating_duration_since(now)
                 );
             }
             break;

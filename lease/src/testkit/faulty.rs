@@ -66,7 +66,11 @@ impl Driver for FaultyDriver {
         outcome
     }
 
-    fn counted_from(&self, lease: &Lease, sent: tokio::time::Instant) -> tokio::time::Instant {
+    fn counted_from(
+        &self,
+        lease: &Lease,
+        sent: crate::boot_clock::BootInstant,
+    ) -> crate::boot_clock::BootInstant {
         self.inner.counted_from(lease, sent)
     }
 

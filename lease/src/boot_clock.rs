@@ -1,0 +1,67 @@
+//! The clock that self-fence deadlines are kept on. tokio's `Instant` is `CLOCK_MONOTONIC`, which
+//! stops while a VM or its host is suspended: a holder resumed after a suspend longer than its
+//! lease would go on answering "you are the holder" until its next renewal failed, while the
+//! backend, whose clock kept going, has long handed the lock on. `CLOCK_BOOTTIME` is the same
+//! clock but counts the time suspended, so a deadline on it has passed the instant the process
+//! runs again. Timers still sleep on tokio's clock; whoever answers compares with this one.
+
+use std::ops::{Add, Sub};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use nix::time::{ClockId, clock_gettime};
+
+/// An instant on `CLOCK_BOOTTIME`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BootInstant(Duration);
+
+/// Time added by [`simulate_suspend`]: a suspend cannot be caused from a test.
+static SUSPENDED_NANOS: AtomicU64 = AtomicU64::new(0);
+
+impl BootInstant {
+    pub fn now() -> Self {
+        // Linux has had CLOCK_BOOTTIME since 2.6.39; reading a clock that exists cannot fail.
+        let now = clock_gettime(ClockId::CLOCK_BOOTTIME).expect("CLOCK_BOOTTIME");
+        let since_boot = Duration::new(
+            u64::try_from(now.tv_sec()).unwrap_or(0),
+            u32::try_from(now.tv_nsec()).unwrap_or(0),
+        );
+        Self(since_boot + Duration::from_nanos(SUSPENDED_NANOS.load(Ordering::SeqCst)))
+    }
+
+    pub fn saturating_duration_since(self, earlier: Self) -> Duration {
+        self.0.saturating_sub(earlier.0)
+    }
+
+    /// How long from now until `self`; zero once it has passed.
+    pub fn remaining(self) -> Duration {
+        self.saturating_duration_since(Self::now())
+    }
+
+    /// The tokio instant to wake at for `self`, as far as anyone can tell now.
+    pub fn to_tokio(self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.remaining()
+    }
+}
+
+impl Add<Duration> for BootInstant {
+    type Output = Self;
+    fn add(self, d: Duration) -> Self {
+        Self(self.0 + d)
+    }
+}
+
+impl Sub<Duration> for BootInstant {
+    type Output = Self;
+    fn sub(self, d: Duration) -> Self {
+        Self(self.0.saturating_sub(d))
+    }
+}
+
+/// Make this process's boot clock jump `by` ahead while tokio's clock does not, as a suspend of
+/// the machine does. For tests only: a real suspend cannot be caused from one.
+#[cfg(feature = "testkit")]
+pub fn simulate_suspend(by: Duration) {
+    let nanos = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+    SUSPENDED_NANOS.fetch_add(nanos, Ordering::SeqCst);
+}
