@@ -13,6 +13,11 @@ pub enum Error {
     /// The finalizer machinery failed (adding or removing it, or the clean-up behind it).
     #[error("finalizer: {0}")]
     Finalizer(String),
+
+    /// A lock being deleted with `cleanupPolicy: Delete` still has a live holder, so its records
+    /// stay (and the finalizer with them) until it releases or its lease runs out.
+    #[error("clean-up waits: {0}")]
+    HolderAlive(String),
 }
 
 impl Error {
@@ -21,6 +26,7 @@ impl Error {
             Error::Kube(_) => "kube",
             Error::Backend(_) => "backend",
             Error::Finalizer(_) => "finalizer",
+            Error::HolderAlive(_) => "holder_alive",
         }
     }
 }

@@ -44,6 +44,9 @@ pub enum Scenario {
     RemoveFinalizer(DistributedLock),
     /// The lock is being deleted with Delete: a `CleanedUp` event, then the finalizer goes.
     CleanedUp(DistributedLock),
+    /// The lock is being deleted with Delete while it has a holder: a `CleanupWaiting` warning,
+    /// and the finalizer stays.
+    CleanupWaits(DistributedLock),
 }
 
 impl Context {
@@ -164,6 +167,7 @@ impl ApiServerVerifier {
                     api.event(&lock, "CleanedUp").await;
                     api.finalizer_removed(lock).await;
                 }
+                Scenario::CleanupWaits(lock) => api.event(&lock, "CleanupWaiting").await,
             }
         })
     }

@@ -34,6 +34,8 @@ pub const RESYNC: Duration = Duration::from_secs(15);
 /// The first retry of a failing lock, doubled per failure up to [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_secs(2);
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
+/// The longest pause between two looks at a holder that a clean-up waits for.
+const HOLDER_RECHECK: Duration = Duration::from_secs(8);
 
 pub struct Context {
     pub client: kube::Client,
@@ -154,8 +156,39 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
 }
 
 /// On deletion: remove the backend's artifacts when the spec says `Delete`, then let go.
+///
+/// Not while someone holds the lock: with its record gone, a newcomer would take the lock while
+/// the holder still claims it until its next renewal fails, and the newcomer's token would start
+/// again from the bottom. Sidecars that follow the resource step down as soon as it is being
+/// deleted; the records go once the last holder has released or its lease has run out.
 async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
     if lock.spec.cleanup_policy == CleanupPolicy::Delete {
+        // An unreadable backend falls through to the clean-up, which says what failed.
+        if let Ok(Some(holder)) = ctx.backends.holder(&ctx.client, lock).await {
+            // Said once per deletion, not at every re-check.
+            let first_wait = !ctx
+                .failures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&ObjectRef::from(lock));
+            let note = format!(
+                "{} (token {}) still holds the lock, so its records are kept until it releases or                  its lease runs out; sidecars that follow this resource release it now, other                  clients must stop (or set cleanupPolicy: Retain to keep the records and let the                  resource go)",
+                holder.identity, holder.token
+            );
+            if first_wait {
+                publish(
+                    ctx,
+                    lock,
+                    &Notice {
+                        warning: true,
+                        reason: "CleanupWaiting",
+                        note: note.clone(),
+                    },
+                )
+                .await?;
+            }
+            return Err(Error::HolderAlive(note));
+        }
         match ctx.backends.clean_up(&ctx.client, lock).await {
             Ok(()) => {
                 publish(
@@ -238,7 +271,11 @@ pub fn error_policy(lock: Arc<DistributedLock>, error: &Error, ctx: Arc<Context>
     let mut failures = ctx.failures.lock().unwrap_or_else(|e| e.into_inner());
     let count = failures.entry(ObjectRef::from(lock.as_ref())).or_insert(0);
     *count = count.saturating_add(1);
-    let delay = backoff(*count);
+    let delay = match error {
+        // Not a failure: the holder's release is what the clean-up waits for, soon.
+        Error::HolderAlive(_) => backoff(*count).min(HOLDER_RECHECK),
+        _ => backoff(*count),
+    };
     tracing::warn!(lock = %lock.name_any(), namespace = ?lock.namespace(), error = %error,
         retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
@@ -417,6 +454,18 @@ mod tests {
                 .await
                 .unwrap();
         }
+        // "jobs" was released before its resource was deleted; "other" is still held.
+        let held = driver.observe("jobs").await.unwrap().unwrap();
+        assert!(
+            driver
+                .release(&leasehold_lease::Lease {
+                    lock: "jobs".into(),
+                    identity: held.identity,
+                    token: held.token,
+                })
+                .await
+                .unwrap()
+        );
         let (ctx, api) = Context::test();
         let lock =
             fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
@@ -428,6 +477,43 @@ mod tests {
             ["other"],
             "only the deleted lock's row goes"
         );
+    }
+
+    /// Deleting a held lock's records would let a newcomer in beside the holder and restart the
+    /// lock's tokens: the clean-up waits, says so, and keeps the finalizer and the row.
+    #[tokio::test]
+    async fn delete_waits_while_the_lock_has_a_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("locks.db");
+        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
+            .await
+            .unwrap();
+        let leasehold_lease::Acquire::Acquired(lease) = driver
+            .try_acquire("jobs", "pod-a", Duration::from_secs(30))
+            .await
+            .unwrap()
+        else {
+            panic!("the free lock was not acquired")
+        };
+        let (ctx, api) = Context::test();
+        let lock =
+            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
+        let server = api.run(Scenario::CleanupWaits(lock.clone()));
+        let error = reconcile(Arc::new(lock.clone()), ctx)
+            .await
+            .expect_err("the clean-up went ahead under a live holder");
+        assert_eq!(error.label(), "holder_alive");
+        assert!(error.to_string().contains("pod-a (token 1)"), "{error}");
+        timeout_after_1s(server).await;
+        assert_eq!(sqlite_rows(&db).await, ["jobs"], "the held row was deleted");
+
+        // Once the holder has released, the same clean-up goes through.
+        assert!(driver.release(&lease).await.unwrap());
+        let (ctx, api) = Context::test();
+        let server = api.run(Scenario::CleanedUp(lock.clone()));
+        reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        timeout_after_1s(server).await;
+        assert!(sqlite_rows(&db).await.is_empty());
     }
 
     #[test]

@@ -109,6 +109,8 @@ pub async fn follow(
     let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
     let config = watcher::Config::default().fields(&format!("metadata.name={}", r.name));
     let mut changes = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
+    // Released because the resource is being deleted; started again if it comes back.
+    let mut stepped_down = false;
     while let Some(change) = changes.next().await {
         let lock = match change {
             Ok(lock) => lock,
@@ -117,8 +119,20 @@ pub async fn follow(
                 continue;
             }
         };
+        if lock.metadata.deletion_timestamp.is_some() {
+            // The operator deletes a `cleanupPolicy: Delete` lock's records only once nobody
+            // holds it: release now rather than at the next failed renewal.
+            if !stepped_down {
+                tracing::warn!(resource = %r, "the DistributedLock is being deleted: releasing its lock and campaigning no more");
+                if let Some(old) = state.locks().into_iter().find(|l| l.name() == current.name) {
+                    old.shutdown().await;
+                }
+                stepped_down = true;
+            }
+            continue;
+        }
         let next = match read(&client, &lock).await {
-            Ok(next) if next == current => continue,
+            Ok(next) if next == current && !stepped_down => continue,
             Ok(next) => next,
             Err(e) => {
                 tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be used; keeping the running configuration");
@@ -141,6 +155,7 @@ pub async fn follow(
                     old.shutdown().await;
                 }
                 current = next;
+                stepped_down = false;
             }
             Err(e) => {
                 tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be started; keeping the running configuration");

@@ -136,3 +136,46 @@ async fn a_moved_backend_is_never_held_on_both() {
     assert!(!old_lock.answer().is_holder());
     follower.abort();
 }
+
+/// A DistributedLock being deleted (its finalizer still on, as the operator keeps it while a
+/// `cleanupPolicy: Delete` lock has a holder): the sidecar releases at once, so the operator can
+/// delete the records without a newcomer ever overlapping it. Recreated, the lock is campaigned
+/// for again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("locks.db");
+    let api = InMemoryApiServer::new();
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "30s"));
+    let (state, _lock, follower) = follow_jobs(&api).await;
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+
+    let mut deleting = distributed_lock(&db, "30s");
+    deleting["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:00:00Z");
+    deleting["metadata"]["finalizers"] = json!(["leasehold.dev/cleanup"]);
+    api.put(DISTRIBUTED_LOCKS, deleting);
+    // Well within the 30 s lease: released, not merely expired.
+    eventually("pod-a released the lock being deleted", || {
+        !state.locks()[0].answer().is_holder()
+    })
+    .await;
+    let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
+        .await
+        .unwrap();
+    use leasehold_lease::Driver;
+    assert_eq!(
+        driver.observe("jobs").await.unwrap(),
+        None,
+        "the backend still has a holder"
+    );
+
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "30s"));
+    eventually("pod-a holds the recreated lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    follower.abort();
+}
