@@ -85,7 +85,9 @@ pub struct DistributedLockSpec {
     #[serde(default)]
     pub mode: LockMode,
 
-    /// What happens to backend artifacts (table rows, znodes, Lease) when the lock is deleted.
+    /// What happens to backend artifacts (table rows, znodes, Lease) when the lock is deleted:
+    /// `Delete` clears them once nobody holds the lock, keeping only the token's high-water
+    /// mark, so that a lock created again under the same name never reuses a token.
     #[serde(default)]
     pub cleanup_policy: CleanupPolicy,
 }

@@ -100,10 +100,12 @@ pub trait Driver: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Remove what the use of `locks` left in the backend (their rows, keys, znodes, Leases),
-    /// for a lock deleted with `cleanupPolicy: Delete`. Structures other locks share (the lock
-    /// table, the ZooKeeper root) stay. Removing a lock's token history means a lock created
-    /// again under the same name starts its tokens afresh.
+    /// Remove what the use of `locks` left in the backend (their holders, keys, znodes, seeded
+    /// rows), for a lock deleted with `cleanupPolicy: Delete`, but never the token's high-water
+    /// mark: a lock created again under the same name must continue above every token it gave
+    /// (a freed row or Lease, a kept counter; etcd and ZooKeeper tokens are cluster-wide
+    /// revisions, which need nothing kept). Structures other locks share (the lock table, the
+    /// ZooKeeper root) stay.
     async fn deprovision(&self, locks: &[String]) -> Result<()>;
 
     /// Backend settings that endanger locks (Redis may evict lock keys), as warnings for the

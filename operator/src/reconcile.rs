@@ -293,14 +293,19 @@ mod tests {
     use crate::fixtures::{self, Scenario, timeout_after_1s};
     use leasehold_lease::Driver;
 
-    async fn sqlite_rows(path: &std::path::Path) -> Vec<String> {
+    /// The SQLite lock table: (name, holder, token) by name.
+    async fn sqlite_rows(path: &std::path::Path) -> Vec<(String, Option<String>, i64)> {
         let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
             .await
             .unwrap();
-        sqlx::query_scalar("SELECT name FROM leasehold_locks ORDER BY name")
+        sqlx::query_as("SELECT name, holder, token FROM leasehold_locks ORDER BY name")
             .fetch_all(&pool)
             .await
             .unwrap()
+    }
+
+    fn row(name: &str, holder: Option<&str>, token: i64) -> (String, Option<String>, i64) {
+        (name.into(), holder.map(Into::into), token)
     }
 
     #[tokio::test]
@@ -438,44 +443,36 @@ mod tests {
         let server = api.run(Scenario::RemoveFinalizer(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         timeout_after_1s(server).await;
-        assert_eq!(sqlite_rows(&db).await, ["jobs"]);
+        assert_eq!(sqlite_rows(&db).await, [row("jobs", Some("pod-a"), 1)]);
     }
 
     #[tokio::test]
-    async fn delete_with_delete_removes_the_lock_from_the_backend() {
+    async fn delete_with_delete_clears_the_lock_in_the_backend_and_keeps_its_token() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("locks.db");
         let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
             .await
             .unwrap();
-        for lock in ["jobs", "other"] {
+        // "jobs" had a holder that crashed (its lease ran out; its name is still in the row);
+        // "other" is held.
+        for (lock, lease) in [("jobs", 50), ("other", 30_000)] {
             driver
-                .try_acquire(lock, "pod-a", Duration::from_secs(30))
+                .try_acquire(lock, "pod-a", Duration::from_millis(lease))
                 .await
                 .unwrap();
         }
-        // "jobs" was released before its resource was deleted; "other" is still held.
-        let held = driver.observe("jobs").await.unwrap().unwrap();
-        assert!(
-            driver
-                .release(&leasehold_lease::Lease {
-                    lock: "jobs".into(),
-                    identity: held.identity,
-                    token: held.token,
-                })
-                .await
-                .unwrap()
-        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let (ctx, api) = Context::test();
         let lock =
             fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
         let server = api.run(Scenario::CleanedUp(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         timeout_after_1s(server).await;
+        // Only the deleted lock is cleared; its token stays, so that a lock created again under
+        // the name continues above it.
         assert_eq!(
             sqlite_rows(&db).await,
-            ["other"],
-            "only the deleted lock's row goes"
+            [row("jobs", None, 1), row("other", Some("pod-a"), 1)]
         );
     }
 
@@ -505,7 +502,11 @@ mod tests {
         assert_eq!(error.label(), "holder_alive");
         assert!(error.to_string().contains("pod-a (token 1)"), "{error}");
         timeout_after_1s(server).await;
-        assert_eq!(sqlite_rows(&db).await, ["jobs"], "the held row was deleted");
+        assert_eq!(
+            sqlite_rows(&db).await,
+            [row("jobs", Some("pod-a"), 1)],
+            "the held row was cleared"
+        );
 
         // Once the holder has released, the same clean-up goes through.
         assert!(driver.release(&lease).await.unwrap());
@@ -513,7 +514,7 @@ mod tests {
         let server = api.run(Scenario::CleanedUp(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         timeout_after_1s(server).await;
-        assert!(sqlite_rows(&db).await.is_empty());
+        assert_eq!(sqlite_rows(&db).await, [row("jobs", None, 1)]);
     }
 
     #[test]

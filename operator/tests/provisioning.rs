@@ -72,7 +72,7 @@ fn ready(observation: &Observation) -> &[String] {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_row_lock_gets_its_tables_and_seeded_row_and_loses_the_row_on_delete() {
+async fn postgres_row_lock_is_seeded_and_keeps_only_its_token_on_delete() {
     let server = PostgresServer::start();
     let api = InMemoryApiServer::new();
     let user = secret(&api, "pg", "user", "postgres");
@@ -104,14 +104,19 @@ async fn postgres_row_lock_gets_its_tables_and_seeded_row_and_loses_the_row_on_d
         .clean_up(&api.client(), &lock)
         .await
         .unwrap();
-    for table in ["leasehold_locks", "leasehold_locks_rows"] {
-        let left: i64 =
-            sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE name = 'jobs'"))
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-        assert_eq!(left, 0, "{table} still has the deleted lock");
-    }
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM leasehold_locks_rows WHERE name = 'jobs'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 0, "the seeded row of the deleted lock is still there");
+    // The lease row stays, free, with its token: a lock created again continues above it.
+    let (holder, token): (Option<String>, i64) =
+        sqlx::query_as("SELECT holder, token FROM leasehold_locks WHERE name = 'jobs'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((holder, token), (None, 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -179,17 +184,23 @@ async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
         "{warnings:?}"
     );
     takes(&*driver, "cache").await;
-    // The clean-up removes the token counter too.
+    // The clean-up removes the lease key and keeps the token counter, so that a lock created
+    // again under the name continues above it.
     Backends::default()
         .clean_up(&api.client(), &lock)
         .await
         .unwrap();
-    let left: i64 = redis::cmd("EXISTS")
-        .arg("leasehold:{cache}:token")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(left, 0);
+    for (key, kept) in [
+        ("leasehold:{cache}:lease", 0),
+        ("leasehold:{cache}:token", 1),
+    ] {
+        let left: i64 = redis::cmd("EXISTS")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(left, kept, "{key}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,7 +308,14 @@ async fn the_kubernetes_backend_gets_a_lease_owned_by_its_lock() {
         .clean_up(&api.client(), &lock)
         .await
         .unwrap();
-    assert!(api.object(LEASES, NS, "leader-lease").is_none());
+    // Freed and cut loose from the lock (the garbage collector would follow the lock's
+    // deletion), with its transitions kept: a lock created again continues above them.
+    let lease = api
+        .object(LEASES, NS, "leader-lease")
+        .expect("the Lease, and its token, were deleted");
+    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
+    assert!(lease["spec"]["holderIdentity"].is_null(), "{lease}");
+    assert_eq!(lease["spec"]["leaseTransitions"], 1, "{lease}");
 }
 
 /// Under `cleanupPolicy: Retain` the Lease is not owned by the lock: the garbage collector

@@ -28,7 +28,7 @@ use k8s_openapi::api::coordination::v1::{Lease as LeaseObject, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Api;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::PostParams;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
@@ -354,16 +354,33 @@ impl Driver for KubernetesLeaseDriver {
         "kubernetes"
     }
 
+    /// The Lease is freed, not deleted: it keeps `leaseTransitions`, the token, so that a lock
+    /// created again under the name continues above it. It is also cut loose from its
+    /// `DistributedLock`, whose deletion the garbage collector would otherwise follow.
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         for lock in locks {
-            match self
-                .api()
-                .delete(self.lease_name(lock), &DeleteParams::default())
-                .await
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(status)) if status.code == 404 => {}
-                Err(e) => return Err(classify(e)),
+            let mut freed = false;
+            for _ in 0..CONFLICT_RETRIES {
+                let Some(mut object) = self.read(lock).await? else {
+                    freed = true;
+                    break;
+                };
+                object.metadata.owner_references = None;
+                if let Some(spec) = object.spec.as_mut() {
+                    spec.holder_identity = None;
+                    spec.acquire_time = None;
+                    spec.renew_time = None;
+                }
+                if self.replace(lock, &object).await?.is_some() {
+                    freed = true;
+                    break;
+                }
+            }
+            if !freed {
+                return Err(Error::Backend(format!(
+                    "the Lease {} kept changing; it was not freed",
+                    self.lease_name(lock)
+                )));
             }
         }
         Ok(())

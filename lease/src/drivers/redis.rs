@@ -220,16 +220,16 @@ pub(crate) async fn listen_for_releases(
     }
 }
 
-/// Remove the lease and token keys of `locks` from one master.
+/// Remove the lease keys of `locks` from one master.
 pub(crate) async fn delete_keys(
     conn: &mut ConnectionManager,
     keys: &KeyLayout,
     locks: &[String],
 ) -> Result<()> {
     for lock in locks {
+        // The token counter stays: a lock created again under the name continues above it.
         let _: i64 = redis::cmd("DEL")
             .arg(keys.lease(lock))
-            .arg(keys.token(lock))
             .query_async(conn)
             .await
             .map_err(map_err)?;

@@ -93,7 +93,8 @@ pub struct Statements {
     pub renew: String,
     pub release: String,
     pub observe: String,
-    /// Clean-up of a deleted lock: its lease row, and its seeded row.
+    /// Clean-up of a deleted lock: its lease row is freed but kept with its token (so that a
+    /// lock created again under the name continues above it), and its seeded row goes.
     pub delete_lock: String,
     pub delete_row: String,
 }
@@ -155,7 +156,9 @@ impl Dialect {
                            CAST(EXTRACT(EPOCH FROM (expires_at - now())) * 1000 AS BIGINT) AS remaining_ms \
                          FROM {t} WHERE name = $1 AND holder IS NOT NULL AND expires_at > now()"
                     ),
-                    delete_lock: format!("DELETE FROM {t} WHERE name = $1"),
+                    delete_lock: format!(
+                        "UPDATE {t} SET holder = NULL, expires_at = now() WHERE name = $1"
+                    ),
                     delete_row: format!("DELETE FROM {r} WHERE name = $1"),
                 }
             }
@@ -200,7 +203,9 @@ impl Dialect {
                        CAST(TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) DIV 1000 AS SIGNED) AS remaining_ms \
                      FROM {t} WHERE name = ? AND holder IS NOT NULL AND expires_at > NOW(6)"
                 ),
-                delete_lock: format!("DELETE FROM {t} WHERE name = ?"),
+                delete_lock: format!(
+                    "UPDATE {t} SET holder = NULL, expires_at = NOW(6) WHERE name = ?"
+                ),
                 delete_row: format!("DELETE FROM {r} WHERE name = ?"),
             },
         }

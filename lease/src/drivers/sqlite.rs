@@ -71,7 +71,9 @@ impl Statements {
                 "SELECT holder, token, expires_at_ms - {NOW_MS} AS remaining_ms FROM {t} \
                  WHERE name = ?1 AND holder IS NOT NULL AND expires_at_ms > {NOW_MS}"
             ),
-            delete: format!("DELETE FROM {t} WHERE name = ?1"),
+            // Freed, not deleted: the row keeps the lock's token, so that a lock created again
+            // under the name continues above it.
+            delete: format!("UPDATE {t} SET holder = NULL, expires_at_ms = 0 WHERE name = ?1"),
         }
     }
 }

@@ -429,7 +429,7 @@ pub async fn only_holder_renews_or_releases(h: &mut dyn Harness) {
 
 /// A lock's records deleted from under a running holder (`cleanupPolicy: Delete`) end its claim
 /// at its next renew, whatever still lives on in the backend (an etcd lease, a session), and the
-/// lock can be taken again.
+/// lock can be taken again, with a token above every earlier one.
 pub async fn deprovision_ends_the_holders_claim(h: &mut dyn Harness) {
     let (a, b, operator) = (h.driver().await, h.driver().await, h.driver().await);
     let lock = unique_lock("deprovision");
@@ -449,6 +449,14 @@ pub async fn deprovision_ends_the_holders_claim(h: &mut dyn Harness) {
                 assert!(
                     !a.renew(&la, LEASE).await.unwrap(),
                     "two holders: a renewed"
+                );
+                // A lock created again under the same name must not hand out tokens that an
+                // old holder's writes may already have carried.
+                assert!(
+                    lb.token > la.token,
+                    "the token went back from {} to {} after the lock's records were deleted",
+                    la.token,
+                    lb.token
                 );
                 assert!(b.release(&lb).await.unwrap());
                 break;
