@@ -262,6 +262,10 @@ enum Command {
     Release {
         reply: oneshot::Sender<bool>,
     },
+    Extend {
+        hold: Duration,
+        reply: oneshot::Sender<Answer>,
+    },
 }
 
 /// A lock held (or sought) by this process. Cheap to clone; the task stops when the last clone
@@ -402,6 +406,18 @@ impl Lock {
             .await
             .map_err(|_| Error::Shutdown)?;
         released.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// On-demand: move the end of the app's hold to `hold` from now, without acquiring again.
+    /// The answer is the lock's as it stands; nothing changes when it is not held.
+    pub async fn extend(&self, hold: Duration) -> Result<Answer> {
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Command::Extend { hold, reply })
+            .await
+            .map_err(|_| Error::Shutdown)?;
+        answer.await.map_err(|_| Error::Shutdown)
     }
 
     /// Release the lease if held and stop the task. Returns within
@@ -773,6 +789,13 @@ impl Engine {
                         reply,
                     });
                 }
+            }
+            Command::Extend { hold, reply } => {
+                let answer = self.state.borrow().answer();
+                if self.held.is_some() && answer.is_holder() && self.config.mode == Mode::OnDemand {
+                    self.hold_deadline = Some(Instant::now() + hold);
+                }
+                let _ = reply.send(answer);
             }
             Command::Release { reply } => {
                 if self.held.is_none() {

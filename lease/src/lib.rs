@@ -19,6 +19,7 @@ mod driver;
 pub mod drivers;
 mod error;
 mod holder;
+pub mod keyed;
 pub mod names;
 mod redact;
 pub mod resource;

@@ -14,6 +14,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::{Stream, StreamExt, stream};
+use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeyedFamily};
 use leasehold_lease::{Answer, DEFAULT_HOLD, Event, Lock, Mode, Snapshot};
 use serde::Serialize;
 use tokio_stream::wrappers::BroadcastStream;
@@ -59,6 +60,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// Whether `/readyz` fails while a backend is unreachable (`--readiness-requires-backend`).
     readiness_requires_backend: std::sync::atomic::AtomicBool,
+    /// `--keyed`: families of keyed locks.
+    families: Vec<KeyedFamily>,
 }
 
 impl AppState {
@@ -68,8 +71,49 @@ impl AppState {
                 locks: std::sync::RwLock::new(locks),
                 metrics,
                 readiness_requires_backend: std::sync::atomic::AtomicBool::new(false),
+                families: Vec::new(),
             }),
         }
+    }
+
+    /// The same state, serving `families` too. Call before the state is shared.
+    pub fn with_families(self, families: Vec<KeyedFamily>) -> Self {
+        let mut inner = Arc::try_unwrap(self.inner)
+            .unwrap_or_else(|_| panic!("with_families on a state already shared"));
+        inner.families = families;
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    pub fn families(&self) -> &[KeyedFamily] {
+        &self.inner.families
+    }
+
+    fn family(&self, name: &str) -> Result<&KeyedFamily, ApiError> {
+        self.inner
+            .families
+            .iter()
+            .find(|f| f.config().name == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = self
+                    .inner
+                    .families
+                    .iter()
+                    .map(|f| f.config().name.as_str())
+                    .collect();
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "no keyed family named {name:?} here; this sidecar serves: {}",
+                        if known.is_empty() {
+                            "none (start it with --keyed FAMILY)".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                )
+            })
     }
 
     /// Let `/readyz` fail while a backend is unreachable (by default it does not: see
@@ -137,6 +181,10 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/locks/{name}/events", get(events))
         .route("/locks/{name}/acquire", post(acquire))
         .route("/locks/{name}/release", post(release))
+        .route("/locks/{family}/keys/{key}", get(key_status))
+        .route("/locks/{family}/keys/{key}/acquire", post(key_acquire))
+        .route("/locks/{family}/keys/{key}/release", post(key_release))
+        .route("/locks/{family}/keys/{key}/extend", post(key_extend))
         .route("/resign", post(resign))
         .merge(probe_api())
         .fallback(not_found)
@@ -342,6 +390,197 @@ async fn release(
         StatusCode::CONFLICT
     };
     Ok(response)
+}
+
+/// The answer for one key, as the keyed routes send it.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct KeyStatus<'a> {
+    family: &'a str,
+    key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    owner: Option<&'a str>,
+    holder: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    current_holder: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fencing_token: Option<u64>,
+    valid_for_ms: u64,
+    holds: u32,
+    backend: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released: Option<bool>,
+}
+
+fn key_response(
+    family: &KeyedFamily,
+    key: &str,
+    owner: Option<&str>,
+    answer: &KeyAnswer,
+    not_held: StatusCode,
+) -> Response {
+    let mut body = KeyStatus {
+        family: &family.config().name,
+        key,
+        owner,
+        holder: false,
+        current_holder: None,
+        fencing_token: None,
+        valid_for_ms: 0,
+        holds: 0,
+        backend: family.backend(),
+        released: None,
+    };
+    let status = match answer {
+        KeyAnswer::Held {
+            token,
+            valid_for,
+            holds,
+        } => {
+            body.holder = true;
+            body.fencing_token = Some(*token);
+            body.valid_for_ms = valid_for.as_millis() as u64;
+            body.holds = *holds;
+            StatusCode::OK
+        }
+        KeyAnswer::HeldByAnother { holder } => {
+            body.current_holder = holder.clone();
+            StatusCode::CONFLICT
+        }
+        KeyAnswer::NotHeld => not_held,
+        KeyAnswer::Unknown => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    json(status, &body)
+}
+
+fn key_error(error: KeyError) -> ApiError {
+    let status = match error {
+        KeyError::BadKey { .. } | KeyError::BadOwner(_) => StatusCode::BAD_REQUEST,
+        KeyError::TooManyKeys(_) => StatusCode::TOO_MANY_REQUESTS,
+        KeyError::Lock(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    ApiError::new(status, error.to_string())
+}
+
+/// A keyed route's query: `owner` (required unless `optional_owner`) and the named durations.
+fn key_query(
+    mut query: HashMap<String, String>,
+    allowed: &[(&str, Duration)],
+    optional_owner: bool,
+) -> Result<(Option<String>, HashMap<String, Duration>), ApiError> {
+    let owner = query.remove("owner");
+    if owner.is_none() && !optional_owner {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "owner is required: the worker's own id for this request (e.g. ?owner=req-42)",
+        ));
+    }
+    Ok((owner, durations(&query, allowed)?))
+}
+
+async fn key_status(
+    State(state): State<AppState>,
+    Path((family, key)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let family = state.family(&family)?;
+    let (owner, _) = key_query(query, &[], true)?;
+    let answer = family.status(&key, owner.as_deref()).map_err(key_error)?;
+    Ok(key_response(
+        family,
+        &key,
+        owner.as_deref(),
+        &answer,
+        StatusCode::CONFLICT,
+    ))
+}
+
+async fn key_acquire(
+    State(state): State<AppState>,
+    Path((family, key)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let family = state.family(&family)?;
+    let (owner, params) = key_query(query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)], false)?;
+    let owner = owner.unwrap_or_default();
+    let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
+    let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
+    if hold.is_zero() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "hold must be above zero",
+        ));
+    }
+    let answer = family
+        .acquire(&key, &owner, wait, hold)
+        .await
+        .map_err(key_error)?;
+    Ok(key_response(
+        family,
+        &key,
+        Some(&owner),
+        &answer,
+        StatusCode::CONFLICT,
+    ))
+}
+
+async fn key_release(
+    State(state): State<AppState>,
+    Path((family, key)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let family = state.family(&family)?;
+    let (owner, _) = key_query(query, &[], false)?;
+    let owner = owner.unwrap_or_default();
+    let released = family.release(&key, &owner).await.map_err(key_error)?;
+    let (answer, status) = match &released {
+        KeyRelease::Released { holds } => (
+            family.status(&key, Some(&owner)).map_err(key_error)?,
+            if *holds == 0 {
+                Some(StatusCode::OK)
+            } else {
+                None
+            },
+        ),
+        KeyRelease::HeldByAnother { holder } => (
+            KeyAnswer::HeldByAnother {
+                holder: Some(holder.clone()),
+            },
+            None,
+        ),
+        KeyRelease::NotHeld => (KeyAnswer::NotHeld, None),
+    };
+    let mut response = key_response(family, &key, Some(&owner), &answer, StatusCode::NOT_FOUND);
+    // A release that freed the key: 200 with holder false.
+    if let Some(status) = status {
+        *response.status_mut() = status;
+    }
+    Ok(response)
+}
+
+async fn key_extend(
+    State(state): State<AppState>,
+    Path((family, key)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let family = state.family(&family)?;
+    let (owner, params) = key_query(query, &[("hold", MAX_HOLD)], false)?;
+    let owner = owner.unwrap_or_default();
+    let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
+    if hold.is_zero() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "hold must be above zero",
+        ));
+    }
+    let answer = family.extend(&key, &owner, hold).await.map_err(key_error)?;
+    Ok(key_response(
+        family,
+        &key,
+        Some(&owner),
+        &answer,
+        StatusCode::NOT_FOUND,
+    ))
 }
 
 /// Step down from every lock for good: release each and stop campaigning, while the process

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
+use leasehold_lease::keyed::{FamilyConfig, collides_with_family};
 use leasehold_lease::{BackendUrl, DEFAULT_BACKEND, LockConfig, Mode};
 
 pub use crate::from_resource::ResourceRef;
@@ -29,6 +30,22 @@ struct Args {
         value_delimiter = ','
     )]
     locks: Vec<String>,
+
+    /// A family of keyed locks (repeatable, or comma-separated): workers take keys chosen at run
+    /// time, each for a per-request owner, at /locks/FAMILY/keys/KEY/acquire?owner=...
+    #[arg(
+        long = "keyed",
+        env = "LEASEHOLD_KEYED",
+        value_name = "FAMILY",
+        value_delimiter = ','
+    )]
+    families: Vec<String>,
+
+    /// How many keys of one family this sidecar may hold at once.
+    #[arg(long, env = "LEASEHOLD_MAX_KEYS", value_name = "N",
+          default_value_t = leasehold_lease::keyed::DEFAULT_MAX_KEYS,
+          value_parser = clap::value_parser!(usize))]
+    max_keys: usize,
 
     /// sqlite://PATH, redis://[user:pass@]host:port[/db], redlock://h:p,h:p,h:p,
     /// postgres://.. or mysql://..[?mode=lease|row-lock], etcd://h:p[,h:p] (etcds://...?ca=&cert=&key= for TLS), zk://h:p[,h:p]/PATH.
@@ -79,7 +96,7 @@ struct Args {
     /// changes (repeatable, or comma-separated). Replaces --lock, --backend, --lease-duration,
     /// --renew-interval and --mode.
     #[arg(long = "resource", env = "LEASEHOLD_RESOURCE", value_name = "NS/NAME", value_delimiter = ',',
-          conflicts_with_all = ["locks", "backend", "lease_duration", "renew_interval", "mode", "provision"])]
+          conflicts_with_all = ["locks", "families", "backend", "lease_duration", "renew_interval", "mode", "provision"])]
     resources: Vec<String>,
 
     /// Create the backend's lock table (if absent) and exit: 0 when done, 1 with the reason.
@@ -108,6 +125,8 @@ pub struct Config {
     /// Provision the backend (seeding rows for `locks`) and exit, instead of holding locks.
     pub provision_only: bool,
     pub locks: Vec<LockConfig>,
+    /// `--keyed`: families of keyed locks on the same backend.
+    pub families: Vec<FamilyConfig>,
     pub backend: BackendUrl,
     pub listen: SocketAddr,
     pub probe_listen: Option<SocketAddr>,
@@ -169,9 +188,14 @@ impl Config {
             other => bad("backend", &leasehold_lease::redact(&args.backend), &other),
         })?;
         // --provision takes the locks whose rows it seeds (row-lock mode), and needs none.
-        if args.locks.is_empty() && !args.provision && resources.is_empty() && !args.resign {
+        if args.locks.is_empty()
+            && args.families.is_empty()
+            && !args.provision
+            && resources.is_empty()
+            && !args.resign
+        {
             return Err(Exit::BadConfig(
-                "error: --lock NAME (or LEASEHOLD_LOCK) or --resource NAMESPACE/NAME is required"
+                "error: --lock NAME, --keyed FAMILY (or LEASEHOLD_LOCK, LEASEHOLD_KEYED) or --resource NAMESPACE/NAME is required"
                     .into(),
             ));
         }
@@ -217,6 +241,48 @@ impl Config {
             }
             locks.push(lock);
         }
+        let mut families: Vec<FamilyConfig> = Vec::new();
+        for name in &args.families {
+            if families.iter().any(|f| &f.name == name) || locks.iter().any(|l| &l.name == name) {
+                return Err(bad("keyed", name, &"the name is given twice"));
+            }
+            if let Some(lock) = locks.iter().find(|l| collides_with_family(&l.name, name)) {
+                return Err(bad(
+                    "keyed",
+                    name,
+                    &format!(
+                        "the lock {:?} would share the backend with its keys",
+                        lock.name
+                    ),
+                ));
+            }
+            if let Err(e) = leasehold_lease::names::validate_lock_name(name) {
+                return Err(bad("keyed", name, &e));
+            }
+            if args.max_keys == 0 {
+                return Err(bad("max-keys", "0", &"must be at least 1"));
+            }
+            families.push(FamilyConfig {
+                renew_interval,
+                max_keys: args.max_keys,
+                ..FamilyConfig::new(name, &identity, args.lease_duration)
+            });
+        }
+        if !families.is_empty() && args.locks.is_empty() {
+            // The lease settings are checked once per lock above; with families alone, here.
+            if let Err(leasehold_lease::Error::InvalidConfig { field, reason }) = (LockConfig {
+                renew_interval,
+                ..LockConfig::new(&families[0].name, &identity, args.lease_duration)
+            })
+            .validate()
+            {
+                let value = match field {
+                    "lease-duration" => humantime::format_duration(args.lease_duration).to_string(),
+                    _ => humantime::format_duration(renew_interval).to_string(),
+                };
+                return Err(bad(field, &value, &reason));
+            }
+        }
         if let Some(probe) = args.probe_listen
             && probe == args.listen
         {
@@ -232,6 +298,7 @@ impl Config {
             identity,
             provision_only: args.provision,
             locks,
+            families,
             backend,
             listen: args.listen,
             probe_listen: args.probe_listen,

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use leasehold_lease::keyed::KeyedFamily;
 use leasehold_lease::{Lock, connect};
 use tokio::net::TcpListener;
 
@@ -23,7 +24,10 @@ pub async fn run(config: Config) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let (state, followers) = if config.resources.is_empty() {
         match start_from_flags(&config, &metrics).await? {
-            Some(locks) => (AppState::new(locks, metrics.clone()), Vec::new()),
+            Some((locks, families)) => (
+                AppState::new(locks, metrics.clone()).with_families(families),
+                Vec::new(),
+            ),
             None => return Ok(()),
         }
     } else {
@@ -70,6 +74,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         follower.abort();
     }
     futures_util::future::join_all(state.locks().iter().map(Lock::shutdown)).await;
+    futures_util::future::join_all(state.families().iter().map(KeyedFamily::shutdown)).await;
     stop_tx.send_replace(true);
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, api).await;
     if let Some(probes) = probes {
@@ -79,11 +84,12 @@ pub async fn run(config: Config) -> Result<(), String> {
     Ok(())
 }
 
-/// `--lock` and `--backend`. `None`: `--provision` did its work and the process is done.
+/// `--lock`, `--keyed` and `--backend`. `None`: `--provision` did its work and the process is
+/// done.
 async fn start_from_flags(
     config: &Config,
     metrics: &Arc<Metrics>,
-) -> Result<Option<Vec<Lock>>, String> {
+) -> Result<Option<(Vec<Lock>, Vec<KeyedFamily>)>, String> {
     let driver = connect(&config.backend)
         .await
         .map_err(|e| format!("cannot open backend {}: {e}", config.backend))?;
@@ -101,13 +107,19 @@ async fn start_from_flags(
         metrics.register_lock(&lock.name);
     }
     tracing::info!(backend = %config.backend, "backend configured by flags");
-    config
+    let locks = config
         .locks
         .iter()
         .map(|lock| Lock::start(driver.clone(), lock.clone(), metrics.clone()))
         .collect::<Result<Vec<_>, _>>()
-        .map(Some)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    let families = config
+        .families
+        .iter()
+        .map(|family| KeyedFamily::new(driver.clone(), family.clone(), metrics.clone()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    Ok(Some((locks, families)))
 }
 
 /// `--resource`: each lock from its DistributedLock, each followed for changes.

@@ -130,15 +130,28 @@ impl Session {
     /// leader, so the link was up after every request answered a whole tick before the `sync`
     /// was sent, and at least one ping answer carried those requests' touches to the leader.
     /// The newest of them dates the leader's count; failing one, the session's opening does.
-    fn counted_from(&self, synced: BootInstant, tick: Duration) -> BootInstant {
+    ///
+    /// A waiter that sent nothing for a while (a quiet place in the queue) has no such request
+    /// of its own, but the client library pings a connected session at least every 3/10 of its
+    /// timeout, so the leader has heard from the session no longer than that, plus the tick,
+    /// before the `sync`: the leader keeps it until `synced + 7/10 timeout - tick` at least, and
+    /// a claim of `lease` may start `lease` before that.
+    fn counted_from(&self, synced: BootInstant, tick: Duration, lease: Duration) -> BootInstant {
         let kept = self.answered.lock().unwrap_or_else(|e| e.into_inner());
-        kept.iter()
+        let relayed = kept
+            .iter()
             .rev()
             .find(|(_, answered)| *answered + tick <= synced)
             .map_or(self.opened, |(sent, _)| *sent)
-            .max(self.opened)
+            .max(self.opened);
+        let kept_until = synced + self.timeout.mul_f64(1.0 - IDLE_PING_FRACTION);
+        relayed.max(kept_until - (tick + lease))
     }
 }
+
+/// The longest a connected, idle session goes without a request, as a fraction of its timeout:
+/// zookeeper-client's pings (see [`connection_timeout`]).
+const IDLE_PING_FRACTION: f64 = 0.3;
 
 /// The session timeout when a call needs a session before any lease asked for one.
 const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(15);
@@ -662,7 +675,7 @@ impl Driver for ZooKeeperDriver {
             .await
             .map_err(map_err)?;
         let queue = self.shared.queue(&session.client, lock).await?;
-        let counted_from = session.counted_from(synced, self.shared.config.tick_time);
+        let counted_from = session.counted_from(synced, self.shared.config.tick_time, ttl);
         session.answered(synced, BootInstant::now());
         let Some(position) = queue.iter().position(|(seq, _)| *seq == entry.sequence) else {
             // The node is gone (session expired and renewed): back to the end of the queue.
@@ -709,7 +722,7 @@ impl Driver for ZooKeeperDriver {
         match found {
             Ok(Some(_)) => {
                 entry.slot.extend(sent + ttl);
-                entry.count_from(session.counted_from(synced, self.shared.config.tick_time));
+                entry.count_from(session.counted_from(synced, self.shared.config.tick_time, ttl));
                 session.answered(synced, BootInstant::now());
                 Ok(true)
             }

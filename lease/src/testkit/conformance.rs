@@ -843,6 +843,137 @@ pub async fn waiters_further_back_poll_quietly<D: CountsWakeups>(
     assert!(back.release(&third).await.unwrap());
 }
 
+/// Keyed locks on this backend: owners exclude each other whether they share a pod or not, a
+/// key is re-entrant for its owner only, only its owner releases it, a key passes to the next
+/// owner (of the same pod, then of another) with a higher token, a hold that lapses frees the
+/// key, keys are independent, and a bad key changes nothing.
+pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
+    use crate::keyed::{FamilyConfig, KeyAnswer, KeyError, KeyRelease, KeyedFamily};
+    const HOLD: Duration = Duration::from_secs(60);
+    let family = unique_lock("keyed");
+    let pod = |driver: Arc<dyn Driver>, identity: &str| {
+        KeyedFamily::new(
+            driver,
+            FamilyConfig {
+                renew_interval: RENEW,
+                ..FamilyConfig::new(&family, identity, LEASE)
+            },
+            Arc::new(()),
+        )
+        .expect("family")
+    };
+    let (a, b) = (
+        pod(h.driver().await, "pod-a"),
+        pod(h.driver().await, "pod-b"),
+    );
+    let token = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held { token, .. } => token,
+        other => panic!("not held: {other:?}"),
+    };
+    let key = "order-1234";
+    let first = token(a.acquire(key, "w1", Duration::ZERO, HOLD).await.unwrap());
+    assert!(
+        matches!(
+            a.acquire(key, "w2", Duration::ZERO, HOLD).await.unwrap(),
+            KeyAnswer::HeldByAnother { holder: Some(ref h) } if h == "pod-a/w1"
+        ),
+        "a second owner of the same pod took a held key"
+    );
+    assert!(
+        matches!(
+            b.acquire(key, "w3", Duration::ZERO, HOLD).await.unwrap(),
+            KeyAnswer::HeldByAnother { .. }
+        ),
+        "an owner of another pod took a held key"
+    );
+    assert!(matches!(
+        a.acquire(key, "w1", Duration::ZERO, HOLD).await.unwrap(),
+        KeyAnswer::Held { holds: 2, .. }
+    ));
+    assert_eq!(
+        a.release(key, "w2").await.unwrap(),
+        KeyRelease::HeldByAnother {
+            holder: "pod-a/w1".into()
+        }
+    );
+    assert_eq!(b.release(key, "w1").await.unwrap(), KeyRelease::NotHeld);
+    assert!(matches!(
+        a.status(key, Some("w1")).unwrap(),
+        KeyAnswer::Held { .. }
+    ));
+    // Another key is another lock.
+    let other = token(
+        b.acquire("sku-998", "w3", Duration::ZERO, HOLD)
+            .await
+            .unwrap(),
+    );
+    assert!(other > 0);
+
+    // w2 (same pod) waits; w1 lets go twice; w2 gets the key with a higher token.
+    let waiting = {
+        let a = a.clone();
+        tokio::spawn(async move { a.acquire(key, "w2", LEASE + SLACK, HOLD).await })
+    };
+    sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        a.release(key, "w1").await.unwrap(),
+        KeyRelease::Released { holds: 1 }
+    );
+    assert_eq!(
+        a.release(key, "w1").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let second = token(waiting.await.unwrap().unwrap());
+    assert!(second > first, "token {second} after {first}");
+
+    // An owner of pod b waits; w2 lets go; it gets the key with a higher token still.
+    let waiting = {
+        let b = b.clone();
+        tokio::spawn(async move { b.acquire(key, "w4", LEASE + SLACK, HOLD).await })
+    };
+    sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        a.release(key, "w2").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let third = token(waiting.await.unwrap().unwrap());
+    assert!(third > second, "token {third} after {second}");
+    assert!(matches!(a.status(key, None).unwrap(), KeyAnswer::NotHeld));
+
+    // A hold that lapses without a release or an extension frees the key.
+    assert!(matches!(
+        b.extend(key, "w4", Duration::from_millis(300))
+            .await
+            .unwrap(),
+        KeyAnswer::Held { .. }
+    ));
+    let fourth = token(
+        a.acquire(key, "w5", Duration::from_millis(300) + LEASE + SLACK, HOLD)
+            .await
+            .unwrap(),
+    );
+    assert!(fourth > third, "token {fourth} after {third}");
+    assert_eq!(b.release(key, "w4").await.unwrap(), KeyRelease::NotHeld);
+
+    // Bad input changes nothing.
+    for bad in ["", "has space", &"k".repeat(500)] {
+        assert!(matches!(
+            a.acquire(bad, "w1", Duration::ZERO, HOLD).await,
+            Err(KeyError::BadKey { .. })
+        ));
+    }
+    assert!(matches!(
+        a.acquire(key, "", Duration::ZERO, HOLD).await,
+        Err(KeyError::BadOwner(_))
+    ));
+    assert!(matches!(
+        a.status(key, Some("w5")).unwrap(),
+        KeyAnswer::Held { .. }
+    ));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// Generates one `#[tokio::test]` per conformance scenario for a harness expression.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -857,7 +988,8 @@ macro_rules! conformance_suite {
             paused_holder_fences_itself_first,
             many_contenders,
             release_wakes_a_waiter,
-            backend_outage_and_recovery
+            backend_outage_and_recovery,
+            keyed_owners_exclude_each_other
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

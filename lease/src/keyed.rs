@@ -1,0 +1,490 @@
+//! Keyed locks (DESIGN.md, "Keyed locks"): a *family* of locks on keys that workers choose at
+//! run time (`order-1234`), each taken by a per-request *owner*, so that only the worker that took
+//! a key can extend or release it.
+//!
+//! Every key is an ordinary lock of the family's backend, run by the same self-fencing engine as
+//! any other ([`crate::Lock`], on demand, with the identity `POD/OWNER`), so each key gets the
+//! engine's guarantees: a claim that ends before the backend can hand the key on, a token per
+//! key that rises with every holder, a hold that lapses when its owner goes quiet.
+//!
+//! Owners of one pod contend like owners of different pods. Within a pod they queue for a key on
+//! a local first-come first-served slot, and only the slot's owner runs an engine for the key,
+//! so the backend sees one contender per pod and key, and a key passes from owner to owner
+//! through the backend: released, then acquired again with a new, higher token. (Handing the
+//! backend lease over locally would give the next owner the same token as the last one.)
+//!
+//! A key's backend name is derived from the family and the key and cannot leave the family:
+//! `FAMILY.keys.KEY` when the key is a plain lowercase name (so that it also fits a Kubernetes
+//! Lease), else `FAMILY.keyh.` and the first 40 hex digits of the key's SHA-256. A plain lock whose
+//! name starts with a family's `FAMILY.keys.` or `FAMILY.keyh.` is refused where the two meet.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::sync::OwnedMutexGuard;
+use tokio::time::{Instant, timeout};
+
+use crate::driver::{Driver, Holding};
+use crate::error::Error;
+use crate::holder::{Answer, Lock, LockConfig, Mode, Telemetry};
+use crate::names::{MAX_LOCK_NAME, validate_lock_name};
+
+/// The longest key accepted by default.
+pub const DEFAULT_MAX_KEY_LENGTH: usize = 128;
+/// How many keys one sidecar may hold at once in a family, by default.
+pub const DEFAULT_MAX_KEYS: usize = 1024;
+/// The longest owner value accepted.
+pub const MAX_OWNER_LENGTH: usize = 128;
+/// Hex digits of a hashed key in its backend name.
+const HASHED_KEY_DIGITS: usize = 40;
+
+/// A family's settings: its name, this pod's identity, the lease every key shares, and the
+/// bounds on keys.
+#[derive(Debug, Clone)]
+pub struct FamilyConfig {
+    pub name: String,
+    /// This pod; owners are told apart within it as `IDENTITY/OWNER`.
+    pub identity: String,
+    pub lease_duration: Duration,
+    pub renew_interval: Duration,
+    pub max_key_length: usize,
+    pub max_keys: usize,
+}
+
+impl FamilyConfig {
+    pub fn new(name: &str, identity: &str, lease_duration: Duration) -> Self {
+        Self {
+            name: name.to_owned(),
+            identity: identity.to_owned(),
+            lease_duration,
+            renew_interval: lease_duration / 3,
+            max_key_length: DEFAULT_MAX_KEY_LENGTH,
+            max_keys: DEFAULT_MAX_KEYS,
+        }
+    }
+}
+
+/// What a keyed call refuses or cannot do. The first three are the caller's to fix (4xx).
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("invalid key {key:?}: {rule}")]
+    BadKey { key: String, rule: String },
+    #[error("invalid owner: {0}")]
+    BadOwner(String),
+    #[error("this sidecar already holds {0} keys of the family, its limit")]
+    TooManyKeys(usize),
+    #[error(transparent)]
+    Lock(#[from] Error),
+}
+
+/// The state of one key as seen by one owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyAnswer {
+    /// `owner` holds the key now, self-fenced, with `holds` re-entrant acquisitions.
+    Held {
+        token: u64,
+        valid_for: Duration,
+        holds: u32,
+    },
+    /// Another owner holds it (in this pod, or in the backend as far as it was seen).
+    HeldByAnother { holder: Option<String> },
+    /// Nobody this pod knows of holds it for `owner`.
+    NotHeld,
+    /// The backend cannot be reached: nobody can tell.
+    Unknown,
+}
+
+/// What a release did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyRelease {
+    /// Released; `holds` acquisitions of the owner remain (0: the key is free).
+    Released {
+        holds: u32,
+    },
+    HeldByAnother {
+        holder: String,
+    },
+    NotHeld,
+}
+
+/// One key's local slot and, while an owner holds it, that owner's engine.
+#[derive(Default)]
+struct KeyState {
+    /// First come, first served among this pod's owners (tokio's mutex queues fairly).
+    slot: Arc<tokio::sync::Mutex<()>>,
+    current: Mutex<Option<Arc<KeyHolding>>>,
+}
+
+struct KeyHolding {
+    owner: String,
+    lock: Lock,
+    _slot: OwnedMutexGuard<()>,
+}
+
+/// A family of keyed locks on one backend. Cheap to clone.
+#[derive(Clone)]
+pub struct KeyedFamily {
+    inner: Arc<FamilyInner>,
+}
+
+struct FamilyInner {
+    config: FamilyConfig,
+    driver: Arc<dyn Driver>,
+    telemetry: Arc<dyn Telemetry>,
+    keys: Mutex<HashMap<String, Arc<KeyState>>>,
+    held: AtomicUsize,
+}
+
+impl KeyedFamily {
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        config: FamilyConfig,
+        telemetry: Arc<dyn Telemetry>,
+    ) -> Result<Self, Error> {
+        validate_lock_name(&config.name)?;
+        // The longest derived name must still be a valid lock name.
+        validate_lock_name(&hashed_name(&config.name, "x"))?;
+        // The engine checks the lease and renew interval; check them once, up front.
+        LockConfig {
+            renew_interval: config.renew_interval,
+            ..LockConfig::new(&config.name, &config.identity, config.lease_duration)
+        }
+        .validate()?;
+        Ok(Self {
+            inner: Arc::new(FamilyInner {
+                config,
+                driver,
+                telemetry,
+                keys: Mutex::new(HashMap::new()),
+                held: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &FamilyConfig {
+        &self.inner.config
+    }
+
+    pub fn backend(&self) -> &'static str {
+        self.inner.driver.kind()
+    }
+
+    /// How many keys owners of this pod hold now.
+    pub fn held_keys(&self) -> usize {
+        self.inner.held.load(Ordering::SeqCst)
+    }
+
+    /// The backend lock name of `key`, after checking the key.
+    pub fn backend_name(&self, key: &str) -> Result<String, KeyError> {
+        self.check_key(key)?;
+        Ok(backend_name(&self.inner.config.name, key))
+    }
+
+    fn check_key(&self, key: &str) -> Result<(), KeyError> {
+        let max = self.inner.config.max_key_length;
+        let rule = format!(
+            "a key is 1 to {max} characters among letters, digits and . _ - : / @ (it was {} long)",
+            key.len()
+        );
+        let ok = !key.is_empty()
+            && key.len() <= max
+            && key
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-:/@".contains(&b));
+        if ok {
+            Ok(())
+        } else {
+            Err(KeyError::BadKey {
+                key: key.chars().take(max + 16).collect(),
+                rule,
+            })
+        }
+    }
+
+    fn state(&self, key: &str) -> Arc<KeyState> {
+        self.inner
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    fn existing(&self, key: &str) -> Option<Arc<KeyState>> {
+        self.inner
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
+    }
+
+    /// Take `key` for `owner`, waiting up to `wait`, and keep it at most `hold` unless extended
+    /// or acquired again. Re-entrant for the same owner (a count).
+    pub async fn acquire(
+        &self,
+        key: &str,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<KeyAnswer, KeyError> {
+        self.check_key(key)?;
+        check_owner(owner)?;
+        let deadline = Instant::now() + wait;
+        let state = self.state(key);
+        if let Some(current) = current_of(&state).filter(|c| c.owner == owner) {
+            let answer = current.lock.acquire(Duration::ZERO, hold).await?;
+            return Ok(self.answer_for(&current, answer));
+        }
+        let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
+            Ok(slot) => slot,
+            Err(_) => {
+                return Ok(KeyAnswer::HeldByAnother {
+                    holder: current_of(&state).map(|c| self.qualified(&c.owner)),
+                });
+            }
+        };
+        if self.inner.held.load(Ordering::SeqCst) >= self.inner.config.max_keys {
+            return Err(KeyError::TooManyKeys(self.inner.config.max_keys));
+        }
+        let lock = Lock::start(
+            self.inner.driver.clone(),
+            LockConfig {
+                mode: Mode::OnDemand,
+                renew_interval: self.inner.config.renew_interval,
+                ..LockConfig::new(
+                    &backend_name(&self.inner.config.name, key),
+                    &self.qualified(owner),
+                    self.inner.config.lease_duration,
+                )
+            },
+            self.inner.telemetry.clone(),
+        )?;
+        let answer = lock
+            .acquire(deadline.saturating_duration_since(Instant::now()), hold)
+            .await?;
+        if !answer.is_holder() {
+            let holder = lock.snapshot().current_holder.map(|h: Holding| h.identity);
+            lock.shutdown().await;
+            drop(slot);
+            return Ok(match answer {
+                Answer::Unknown => KeyAnswer::Unknown,
+                _ => KeyAnswer::HeldByAnother { holder },
+            });
+        }
+        let holding = Arc::new(KeyHolding {
+            owner: owner.to_owned(),
+            lock,
+            _slot: slot,
+        });
+        *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
+        self.inner.held.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(
+            self.clone()
+                .forget_when_gone(key.to_owned(), holding.clone()),
+        );
+        Ok(self.answer_for(&holding, answer))
+    }
+
+    /// Give up one acquisition of `key` by `owner`.
+    pub async fn release(&self, key: &str, owner: &str) -> Result<KeyRelease, KeyError> {
+        self.check_key(key)?;
+        check_owner(owner)?;
+        let Some(current) = self.existing(key).and_then(|s| current_of(&s)) else {
+            return Ok(KeyRelease::NotHeld);
+        };
+        if current.owner != owner {
+            return Ok(KeyRelease::HeldByAnother {
+                holder: self.qualified(&current.owner),
+            });
+        }
+        if !current.lock.release().await? {
+            return Ok(KeyRelease::NotHeld);
+        }
+        let holds = current.lock.snapshot().holds;
+        if holds == 0 {
+            // Free the slot now rather than when the watcher gets to it, so that the next
+            // owner's acquisition is not refused for a moment.
+            self.forget(key, &current);
+        }
+        Ok(KeyRelease::Released { holds })
+    }
+
+    /// Move the end of `owner`'s hold on `key` to `hold` from now, without acquiring again.
+    pub async fn extend(
+        &self,
+        key: &str,
+        owner: &str,
+        hold: Duration,
+    ) -> Result<KeyAnswer, KeyError> {
+        self.check_key(key)?;
+        check_owner(owner)?;
+        let Some(current) = self.existing(key).and_then(|s| current_of(&s)) else {
+            return Ok(KeyAnswer::NotHeld);
+        };
+        if current.owner != owner {
+            return Ok(KeyAnswer::HeldByAnother {
+                holder: Some(self.qualified(&current.owner)),
+            });
+        }
+        let answer = current.lock.extend(hold).await?;
+        Ok(self.answer_for(&current, answer))
+    }
+
+    /// Whether `owner` (or, without one, any owner of this pod) holds `key` now, self-fenced.
+    pub fn status(&self, key: &str, owner: Option<&str>) -> Result<KeyAnswer, KeyError> {
+        self.check_key(key)?;
+        if let Some(owner) = owner {
+            check_owner(owner)?;
+        }
+        let Some(current) = self.existing(key).and_then(|s| current_of(&s)) else {
+            return Ok(KeyAnswer::NotHeld);
+        };
+        if owner.is_some_and(|o| o != current.owner) {
+            return Ok(KeyAnswer::HeldByAnother {
+                holder: Some(self.qualified(&current.owner)),
+            });
+        }
+        let answer = current.lock.answer();
+        Ok(self.answer_for(&current, answer))
+    }
+
+    /// Release every key and stop.
+    pub async fn shutdown(&self) {
+        let holdings: Vec<Arc<KeyHolding>> = {
+            let keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
+            keys.values().filter_map(|s| current_of(s)).collect()
+        };
+        for holding in holdings {
+            holding.lock.shutdown().await;
+        }
+    }
+
+    fn qualified(&self, owner: &str) -> String {
+        format!("{}/{owner}", self.inner.config.identity)
+    }
+
+    fn answer_for(&self, holding: &KeyHolding, answer: Answer) -> KeyAnswer {
+        match answer {
+            Answer::Holder { token, valid_for } => KeyAnswer::Held {
+                token,
+                valid_for,
+                holds: holding.lock.snapshot().holds,
+            },
+            Answer::NotHolder => KeyAnswer::NotHeld,
+            Answer::Unknown => KeyAnswer::Unknown,
+        }
+    }
+
+    /// Once the engine no longer holds the key (released, its hold lapsed, its lease lost), stop
+    /// it and free the key's slot for the next owner.
+    async fn forget_when_gone(self, key: String, holding: Arc<KeyHolding>) {
+        let mut changes = holding.lock.watch();
+        let _ = changes.wait_for(|s| s.held.is_none()).await;
+        self.forget(&key, &holding);
+    }
+
+    fn forget(&self, key: &str, holding: &Arc<KeyHolding>) {
+        let Some(state) = self.existing(key) else {
+            return;
+        };
+        let mut current = state.current.lock().unwrap_or_else(|e| e.into_inner());
+        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, holding)) {
+            *current = None;
+            drop(current);
+            self.inner.held.fetch_sub(1, Ordering::SeqCst);
+            let lock = holding.lock.clone();
+            tokio::spawn(async move { lock.shutdown().await });
+            // Drop the key's state when nobody holds or waits for it (the slot's only other
+            // reference would be a waiter's).
+            let mut keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
+            if keys.get(key).is_some_and(|s| {
+                Arc::strong_count(s) <= 2
+                    && Arc::strong_count(&s.slot) == 1
+                    && current_of(s).is_none()
+            }) {
+                keys.remove(key);
+            }
+        }
+    }
+}
+
+fn current_of(state: &KeyState) -> Option<Arc<KeyHolding>> {
+    state
+        .current
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+}
+
+fn check_owner(owner: &str) -> Result<(), KeyError> {
+    if owner.is_empty() || owner.len() > MAX_OWNER_LENGTH {
+        return Err(KeyError::BadOwner(format!(
+            "an owner is 1 to {MAX_OWNER_LENGTH} characters (it was {})",
+            owner.len()
+        )));
+    }
+    if !owner.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(KeyError::BadOwner(
+            "an owner is printable ASCII without spaces".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `FAMILY.keys.KEY` for a plain lowercase key that keeps the name valid everywhere, else
+/// `FAMILY.keyh.` and the key's hash.
+fn backend_name(family: &str, key: &str) -> String {
+    let plain = key
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && key.as_bytes()[0].is_ascii_alphanumeric()
+        && key.as_bytes()[key.len() - 1].is_ascii_alphanumeric()
+        && !key.contains("..");
+    let name = format!("{family}.keys.{key}");
+    if plain && name.len() <= MAX_LOCK_NAME {
+        name
+    } else {
+        hashed_name(family, key)
+    }
+}
+
+fn hashed_name(family: &str, key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{family}.keyh.{}", &hex[..HASHED_KEY_DIGITS])
+}
+
+/// Whether a plain lock named `lock` would share the backend with a key of `family`.
+pub fn collides_with_family(lock: &str, family: &str) -> bool {
+    lock.starts_with(&format!("{family}.keys.")) || lock.starts_with(&format!("{family}.keyh."))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_keys_keep_their_name_and_others_are_hashed() {
+        assert_eq!(
+            backend_name("orders", "order-1234"),
+            "orders.keys.order-1234"
+        );
+        for odd in ["Order-1", "sku/998", "a:b", "x_y", "-a", "a..b", "@"] {
+            let name = backend_name("orders", odd);
+            assert!(name.starts_with("orders.keyh."), "{odd}: {name}");
+            validate_lock_name(&name).unwrap();
+        }
+        // Deterministic, and distinct keys stay distinct.
+        assert_eq!(backend_name("f", "Sku/1"), backend_name("f", "Sku/1"));
+        assert_ne!(backend_name("f", "Sku/1"), backend_name("f", "Sku/2"));
+        let long = "a".repeat(250);
+        assert!(backend_name("orders", &long).starts_with("orders.keyh."));
+        assert!(collides_with_family("orders.keys.x", "orders"));
+        assert!(!collides_with_family("orders", "orders"));
+    }
+}

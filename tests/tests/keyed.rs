@@ -1,0 +1,147 @@
+//! Keyed locks over HTTP, against real sidecar processes on a real Redis: two pods, several
+//! owners per pod, one family (`--keyed orders`) beside a plain lock.
+
+use std::time::Duration;
+
+use leasehold_e2e::{RedisServer, Reply, Sidecar, eventually, unique_lock};
+
+fn token(reply: &Reply) -> u64 {
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    reply.json()["fencingToken"].as_u64().expect("fencingToken")
+}
+
+#[test]
+fn owners_of_one_pod_and_of_two_contend_for_keys_over_http() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let keyed = ["--keyed", &family, "--mode", "on-demand"];
+    let a = Sidecar::start("pod-a", &redis.url(), &unique_lock("plain"), &keyed);
+    let b = Sidecar::start("pod-b", &redis.url(), &unique_lock("plain"), &keyed);
+    let key = |k: &str| format!("/locks/{family}/keys/{k}");
+
+    let taken = a.post(&format!("{}/acquire?owner=w1&hold=30s", key("order-1234")));
+    let first = token(&taken);
+    let body = taken.json();
+    assert_eq!(body["family"], family.as_str());
+    assert_eq!(body["key"], "order-1234");
+    assert_eq!(body["owner"], "w1");
+    assert_eq!(body["holds"], 1);
+    assert!(body["validForMs"].as_u64().unwrap() > 0);
+
+    // Another owner of the same pod, and an owner of another pod: refused, told who holds it.
+    let same_pod = a.post(&format!("{}/acquire?owner=w2", key("order-1234")));
+    assert_eq!(same_pod.status, 409, "{}", same_pod.body);
+    assert_eq!(same_pod.json()["currentHolder"], "pod-a/w1");
+    let other_pod = b.post(&format!(
+        "{}/acquire?owner=w3&wait=200ms",
+        key("order-1234")
+    ));
+    assert_eq!(other_pod.status, 409, "{}", other_pod.body);
+
+    // Asking: the owner holds it; another owner does not; pod b's owners do not.
+    assert_eq!(
+        a.get(&format!("{}?owner=w1", key("order-1234"))).status,
+        200
+    );
+    assert_eq!(
+        a.get(&format!("{}?owner=w2", key("order-1234"))).status,
+        409
+    );
+    assert_eq!(a.get(&key("order-1234")).status, 200, "any owner of pod a");
+    assert_eq!(b.get(&key("order-1234")).status, 409);
+
+    // Only the owner releases.
+    assert_eq!(
+        a.post(&format!("{}/release?owner=w2", key("order-1234")))
+            .status,
+        409
+    );
+    assert_eq!(
+        b.post(&format!("{}/release?owner=w1", key("order-1234")))
+            .status,
+        404,
+        "pod b holds nothing"
+    );
+
+    // Pod b's owner waits; the owner in pod a releases; pod b's owner gets a higher token.
+    let waiting = {
+        let path = format!("{}/acquire?owner=w3&wait=10s&hold=30s", key("order-1234"));
+        let addr = b.addr;
+        std::thread::spawn(move || leasehold_e2e::http(addr, "POST", &path).expect("acquire"))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let released = a.post(&format!("{}/release?owner=w1", key("order-1234")));
+    assert_eq!(released.status, 200, "{}", released.body);
+    let second = token(&waiting.join().unwrap());
+    assert!(second > first, "token {second} after {first}");
+
+    // Extend: the holder's owner only.
+    assert_eq!(
+        b.post(&format!("{}/extend?owner=w3&hold=1m", key("order-1234")))
+            .status,
+        200
+    );
+    assert_eq!(
+        a.post(&format!("{}/extend?owner=w3&hold=1m", key("order-1234")))
+            .status,
+        404
+    );
+
+    // Keys are independent, and odd keys are fine (their backend name is a hash).
+    token(&a.post(&format!("{}/acquire?owner=w1", key("SKU:998@warehouse"))));
+
+    // Bad input: a 4xx with a JSON error, and nothing changes.
+    for (path, status) in [
+        (format!("{}/acquire?owner=w1", key("has%20space")), 400),
+        (format!("{}/acquire?owner=w1", key(&"k".repeat(200))), 400),
+        (format!("{}/acquire", key("order-1")), 400),
+        (format!("{}/acquire?owner=w1&hold=0s", key("order-1")), 400),
+        (format!("{}/acquire?owner=w1&bogus=1", key("order-1")), 400),
+        ("/locks/nope/keys/order-1/acquire?owner=w1".to_owned(), 404),
+    ] {
+        let reply = a.post(&path);
+        assert_eq!(reply.status, status, "{path}: {}", reply.body);
+        assert!(
+            reply.json()["error"]
+                .as_str()
+                .is_some_and(|e| !e.is_empty()),
+            "{path}: {}",
+            reply.body
+        );
+    }
+    assert_eq!(
+        b.get(&format!("{}?owner=w3", key("order-1234"))).status,
+        200
+    );
+    assert_eq!(a.get(&key("order-1")).status, 409);
+
+    // A worker that forgets to release loses the key when its hold lapses.
+    token(&a.post(&format!("{}/acquire?owner=w9&hold=500ms", key("order-7"))));
+    eventually(Duration::from_secs(5), "the hold lapses", || {
+        a.get(&format!("{}?owner=w9", key("order-7"))).status == 409
+    });
+    token(&b.post(&format!("{}/acquire?owner=w4&wait=5s", key("order-7"))));
+}
+
+#[test]
+fn a_sidecar_holds_no_more_keys_than_its_limit() {
+    let redis = RedisServer::start();
+    let family = unique_lock("jobs");
+    let s = Sidecar::start(
+        "pod-a",
+        &redis.url(),
+        &unique_lock("plain"),
+        &["--keyed", &family, "--max-keys", "2"],
+    );
+    for k in ["a", "b"] {
+        token(&s.post(&format!("/locks/{family}/keys/{k}/acquire?owner=w")));
+    }
+    let third = s.post(&format!("/locks/{family}/keys/c/acquire?owner=w"));
+    assert_eq!(third.status, 429, "{}", third.body);
+    assert_eq!(
+        s.post(&format!("/locks/{family}/keys/a/release?owner=w"))
+            .status,
+        200
+    );
+    token(&s.post(&format!("/locks/{family}/keys/c/acquire?owner=w")));
+}
