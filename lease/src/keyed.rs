@@ -232,11 +232,38 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
+        self.take(key, owner, wait, hold, true).await
+    }
+
+    /// Take `key` for `owner` if nobody holds it, the owner included: Dapr's `TryLock`, which
+    /// is not re-entrant (a second try by the holder fails, and one unlock frees the key).
+    pub async fn try_acquire_once(
+        &self,
+        key: &str,
+        owner: &str,
+        hold: Duration,
+    ) -> Result<KeyAnswer, KeyError> {
+        self.take(key, owner, Duration::ZERO, hold, false).await
+    }
+
+    async fn take(
+        &self,
+        key: &str,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+        reentrant: bool,
+    ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
         let deadline = Instant::now() + wait;
         let state = self.state(key);
         if let Some(current) = current_of(&state).filter(|c| c.owner == owner) {
+            if !reentrant {
+                return Ok(KeyAnswer::HeldByAnother {
+                    holder: Some(self.qualified(owner)),
+                });
+            }
             let answer = current.lock.acquire(Duration::ZERO, hold).await?;
             return Ok(self.answer_for(&current, answer));
         }

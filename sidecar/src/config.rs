@@ -63,6 +63,16 @@ struct Args {
           value_parser = parse_loopback)]
     listen: SocketAddr,
 
+    /// Serve Dapr's lock API over HTTP here (loopback; Dapr's own port is 127.0.0.1:3500): a
+    /// --keyed family is a Dapr lock store.
+    #[arg(long, env = "LEASEHOLD_DAPR_HTTP_LISTEN", value_name = "ADDR", value_parser = parse_loopback)]
+    dapr_http_listen: Option<SocketAddr>,
+
+    /// Serve Dapr's gRPC lock calls (TryLockAlpha1, UnlockAlpha1) here (loopback; Dapr's own
+    /// port is 127.0.0.1:50001).
+    #[arg(long, env = "LEASEHOLD_DAPR_GRPC_LISTEN", value_name = "ADDR", value_parser = parse_loopback)]
+    dapr_grpc_listen: Option<SocketAddr>,
+
     /// Address for /healthz, /readyz and /metrics only, for kubelet probes and Prometheus (which
     /// come to the pod IP).
     #[arg(long, env = "LEASEHOLD_PROBE_LISTEN", value_name = "ADDR")]
@@ -130,6 +140,9 @@ pub struct Config {
     pub backend: BackendUrl,
     pub listen: SocketAddr,
     pub probe_listen: Option<SocketAddr>,
+    /// Dapr's lock API, over HTTP and over gRPC.
+    pub dapr_http_listen: Option<SocketAddr>,
+    pub dapr_grpc_listen: Option<SocketAddr>,
     /// `/readyz` fails while a backend is unreachable (opt-in).
     pub readiness_requires_backend: bool,
     pub json_logs: bool,
@@ -283,6 +296,34 @@ impl Config {
                 return Err(bad(field, &value, &reason));
             }
         }
+        for (flag, dapr) in [
+            ("dapr-http-listen", args.dapr_http_listen),
+            ("dapr-grpc-listen", args.dapr_grpc_listen),
+        ] {
+            let Some(addr) = dapr else { continue };
+            if families.is_empty() {
+                return Err(bad(
+                    flag,
+                    &addr.to_string(),
+                    &"Dapr's lock API serves keyed families: add --keyed FAMILY (its lock store)",
+                ));
+            }
+            let taken = [Some(args.listen), args.probe_listen]
+                .into_iter()
+                .flatten()
+                .chain(
+                    (flag == "dapr-grpc-listen")
+                        .then_some(args.dapr_http_listen)
+                        .flatten(),
+                );
+            if taken.into_iter().any(|a| a == addr) {
+                return Err(bad(
+                    flag,
+                    &addr.to_string(),
+                    &"the address is already in use by another flag",
+                ));
+            }
+        }
         if let Some(probe) = args.probe_listen
             && probe == args.listen
         {
@@ -302,6 +343,8 @@ impl Config {
             backend,
             listen: args.listen,
             probe_listen: args.probe_listen,
+            dapr_http_listen: args.dapr_http_listen,
+            dapr_grpc_listen: args.dapr_grpc_listen,
             readiness_requires_backend: args.readiness_requires_backend,
             json_logs: args.log_format == "json",
         })

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod config;
+pub mod dapr;
 pub mod from_resource;
 pub mod metrics;
 pub mod process;

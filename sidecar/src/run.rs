@@ -46,8 +46,11 @@ pub async fn run(config: Config) -> Result<(), String> {
         ),
         None => None,
     };
+    let dapr_http = bind(config.dapr_http_listen, "Dapr's HTTP lock API").await?;
+    let dapr_grpc = bind(config.dapr_grpc_listen, "Dapr's gRPC lock API").await?;
     tracing::info!(listen = %config.listen, probe_listen = ?config.probe_listen,
-        locks = locks.len(), "leasehold sidecar started");
+        dapr_http_listen = ?config.dapr_http_listen, dapr_grpc_listen = ?config.dapr_grpc_listen,
+        locks = locks.len(), families = state.families().len(), "leasehold sidecar started");
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -66,6 +69,28 @@ pub async fn run(config: Config) -> Result<(), String> {
         )
     });
 
+    let dapr_http = dapr_http.map(|l| {
+        tokio::spawn(
+            axum::serve(l, crate::dapr::http_api(state.clone()))
+                .with_graceful_shutdown(stopped(stop_rx.clone()))
+                .into_future(),
+        )
+    });
+    let dapr_grpc = dapr_grpc.map(|l| {
+        let service = crate::dapr::GrpcService::new(state.clone());
+        let stop = stopped(stop_rx.clone());
+        tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, stop)
+                .await
+            {
+                tracing::error!(error = %e, "Dapr's gRPC lock API stopped");
+            }
+        })
+    });
+
     let signal = crate::process::shutdown_signal().await;
     tracing::info!(signal, "shutting down: releasing leases");
     // Stop following resources (no lock may be swapped in now), then release first: waiters
@@ -80,8 +105,28 @@ pub async fn run(config: Config) -> Result<(), String> {
     if let Some(probes) = probes {
         let _ = tokio::time::timeout(DRAIN_TIMEOUT, probes).await;
     }
+    if let Some(server) = dapr_http {
+        let _ = tokio::time::timeout(DRAIN_TIMEOUT, server).await;
+    }
+    if let Some(server) = dapr_grpc {
+        let _ = tokio::time::timeout(DRAIN_TIMEOUT, server).await;
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// A listener on `addr`, when one is asked for.
+async fn bind(
+    addr: Option<std::net::SocketAddr>,
+    what: &str,
+) -> Result<Option<TcpListener>, String> {
+    match addr {
+        None => Ok(None),
+        Some(addr) => TcpListener::bind(addr)
+            .await
+            .map(Some)
+            .map_err(|e| format!("cannot listen on {addr} for {what}: {e}")),
+    }
 }
 
 /// `--lock`, `--keyed` and `--backend`. `None`: `--provision` did its work and the process is

@@ -107,6 +107,24 @@ pub fn http(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Reply
     )
 }
 
+/// A request with a JSON body.
+pub fn http_with_body(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<Reply> {
+    raw_http(
+        addr,
+        format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+}
+
 pub struct Sidecar {
     child: Option<Child>,
     pub addr: SocketAddr,

@@ -1,0 +1,369 @@
+//! Dapr's distributed-lock API (alpha), so that clients written against Dapr work unchanged
+//! (DESIGN.md, "Keyed locks"): `store` is a keyed family, `resourceId` the key, `lockOwner`
+//! the owner, `expiryInSeconds` the hold.
+//!
+//! - HTTP (`--dapr-http-listen`, Dapr's port 3500): `POST /v1.0-alpha1/lock/{store}`,
+//!   `POST /v1.0-alpha1/unlock/{store}`, and the calls SDKs make first: `GET /v1.0/healthz`,
+//!   `GET /v1.0/healthz/outbound` (the Python SDK waits for it before any gRPC call) and
+//!   `GET /v1.0/metadata`.
+//! - gRPC (`--dapr-grpc-listen`, Dapr's port 50001): `TryLockAlpha1` and `UnlockAlpha1` of
+//!   `dapr.proto.runtime.v1.Dapr`. Their four messages are written out below with Dapr's field
+//!   numbers (`dapr/proto/runtime/v1/dapr.proto`) rather than generated, as for etcd.
+//!
+//! As in Dapr, a try-lock never waits and is not re-entrant: a second try by the owner that
+//! holds the key fails, and one unlock frees it. Unlike Dapr's Redis store, the answer is
+//! self-fenced and the key's token rises with every holder (the keyed routes show it).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeyedFamily};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::api::{AppState, MAX_HOLD};
+
+/// Dapr's unlock statuses (`UnlockResponse.Status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum UnlockStatus {
+    Success = 0,
+    LockDoesNotExist = 1,
+    LockBelongsToOthers = 2,
+    InternalError = 3,
+}
+
+/// Why a Dapr call is refused: Dapr's error code and a message.
+struct DaprError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl IntoResponse for DaprError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            axum::Json(json!({ "errorCode": self.code, "message": self.message })),
+        )
+            .into_response()
+    }
+}
+
+impl DaprError {
+    fn malformed(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            code: "ERR_MALFORMED_REQUEST",
+            message: message.into(),
+        }
+    }
+
+    fn grpc(self) -> tonic::Status {
+        match self.status {
+            StatusCode::BAD_REQUEST => tonic::Status::invalid_argument(self.message),
+            _ => tonic::Status::internal(self.message),
+        }
+    }
+}
+
+fn family<'a>(state: &'a AppState, store: &str) -> Result<&'a KeyedFamily, DaprError> {
+    state
+        .families()
+        .iter()
+        .find(|f| f.config().name == store)
+        .ok_or_else(|| DaprError {
+            status: StatusCode::BAD_REQUEST,
+            code: "ERR_LOCK_STORE_NOT_FOUND",
+            message: format!(
+                "lock store {store} is not found; this sidecar serves the keyed families: {}",
+                state
+                    .families()
+                    .iter()
+                    .map(|f| f.config().name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })
+}
+
+fn key_error(error: KeyError) -> DaprError {
+    match error {
+        KeyError::Lock(e) => DaprError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            code: "ERR_TRY_LOCK",
+            message: e.to_string(),
+        },
+        other => DaprError::malformed(other.to_string()),
+    }
+}
+
+async fn try_lock(
+    state: &AppState,
+    store: &str,
+    resource_id: &str,
+    owner: &str,
+    expiry_in_seconds: i64,
+) -> Result<bool, DaprError> {
+    let family = family(state, store)?;
+    let hold = u64::try_from(expiry_in_seconds)
+        .ok()
+        .filter(|s| *s >= 1)
+        .map(Duration::from_secs)
+        .filter(|h| *h <= MAX_HOLD)
+        .ok_or_else(|| {
+            DaprError::malformed(format!(
+                "expiryInSeconds must be from 1 to {}, got {expiry_in_seconds}",
+                MAX_HOLD.as_secs()
+            ))
+        })?;
+    let answer = family
+        .try_acquire_once(resource_id, owner, hold)
+        .await
+        .map_err(key_error)?;
+    match answer {
+        KeyAnswer::Held { .. } => Ok(true),
+        KeyAnswer::HeldByAnother { .. } | KeyAnswer::NotHeld => Ok(false),
+        KeyAnswer::Unknown => Err(DaprError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            code: "ERR_TRY_LOCK",
+            message: format!("the {} backend cannot be reached", family.backend()),
+        }),
+    }
+}
+
+async fn unlock(
+    state: &AppState,
+    store: &str,
+    resource_id: &str,
+    owner: &str,
+) -> Result<UnlockStatus, DaprError> {
+    let family = family(state, store)?;
+    Ok(match family.release(resource_id, owner).await {
+        Ok(KeyRelease::Released { .. }) => UnlockStatus::Success,
+        Ok(KeyRelease::NotHeld) => UnlockStatus::LockDoesNotExist,
+        Ok(KeyRelease::HeldByAnother { .. }) => UnlockStatus::LockBelongsToOthers,
+        Err(KeyError::Lock(e)) => {
+            tracing::warn!(store, error = %e, "Dapr unlock failed");
+            UnlockStatus::InternalError
+        }
+        Err(other) => return Err(key_error(other)),
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct HttpLockRequest {
+    resource_id: String,
+    lock_owner: String,
+    expiry_in_seconds: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct HttpUnlockRequest {
+    resource_id: String,
+    lock_owner: String,
+}
+
+/// The body as JSON, with a Dapr-style error naming what is wrong.
+fn body<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, DaprError> {
+    serde_json::from_slice(bytes).map_err(|e| DaprError::malformed(format!("malformed body: {e}")))
+}
+
+async fn http_lock(
+    State(state): State<AppState>,
+    Path(store): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<Response, DaprError> {
+    let request: HttpLockRequest = body(&bytes)?;
+    let success = try_lock(
+        &state,
+        &store,
+        &request.resource_id,
+        &request.lock_owner,
+        request.expiry_in_seconds,
+    )
+    .await?;
+    Ok(axum::Json(json!({ "success": success })).into_response())
+}
+
+async fn http_unlock(
+    State(state): State<AppState>,
+    Path(store): Path<String>,
+    bytes: axum::body::Bytes,
+) -> Result<Response, DaprError> {
+    let request: HttpUnlockRequest = body(&bytes)?;
+    let status = unlock(&state, &store, &request.resource_id, &request.lock_owner).await?;
+    Ok(axum::Json(json!({ "status": status as i32 })).into_response())
+}
+
+async fn metadata(State(state): State<AppState>) -> Response {
+    let components: Vec<_> = state
+        .families()
+        .iter()
+        .map(|f| json!({ "name": f.config().name, "type": format!("lock.leasehold.{}", f.backend()), "version": "v1" }))
+        .collect();
+    axum::Json(json!({
+        "id": state.families().first().map(|f| f.config().identity.clone()),
+        "runtimeVersion": concat!("leasehold-", env!("CARGO_PKG_VERSION")),
+        "components": components,
+    }))
+    .into_response()
+}
+
+/// Dapr's HTTP lock API and the health and metadata calls SDKs make first.
+pub fn http_api(state: AppState) -> Router {
+    Router::new()
+        .route("/v1.0/healthz", get(|| async { StatusCode::NO_CONTENT }))
+        .route(
+            "/v1.0/healthz/outbound",
+            get(|| async { StatusCode::NO_CONTENT }),
+        )
+        .route("/v1.0/metadata", get(metadata))
+        .route("/v1.0-alpha1/lock/{store}", post(http_lock))
+        .route("/v1.0-alpha1/unlock/{store}", post(http_unlock))
+        .with_state(state)
+}
+
+/// `dapr.proto.runtime.v1.TryLockRequest`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TryLockRequest {
+    #[prost(string, tag = "1")]
+    pub store_name: String,
+    #[prost(string, tag = "2")]
+    pub resource_id: String,
+    #[prost(string, tag = "3")]
+    pub lock_owner: String,
+    #[prost(int32, tag = "4")]
+    pub expiry_in_seconds: i32,
+}
+
+/// `dapr.proto.runtime.v1.TryLockResponse`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TryLockResponse {
+    #[prost(bool, tag = "1")]
+    pub success: bool,
+}
+
+/// `dapr.proto.runtime.v1.UnlockRequest`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UnlockRequest {
+    #[prost(string, tag = "1")]
+    pub store_name: String,
+    #[prost(string, tag = "2")]
+    pub resource_id: String,
+    #[prost(string, tag = "3")]
+    pub lock_owner: String,
+}
+
+/// `dapr.proto.runtime.v1.UnlockResponse`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UnlockResponse {
+    #[prost(int32, tag = "1")]
+    pub status: i32,
+}
+
+/// The two lock calls of Dapr's runtime service; every other call is `UNIMPLEMENTED`.
+#[derive(Clone)]
+pub struct GrpcService {
+    state: AppState,
+}
+
+impl GrpcService {
+    pub fn new(state: AppState) -> Self {
+        Self { state }
+    }
+}
+
+impl tonic::server::NamedService for GrpcService {
+    const NAME: &'static str = "dapr.proto.runtime.v1.Dapr";
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+struct TryLockCall(AppState);
+
+impl tonic::server::UnaryService<TryLockRequest> for TryLockCall {
+    type Response = TryLockResponse;
+    type Future = BoxFuture<Result<tonic::Response<TryLockResponse>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<TryLockRequest>) -> Self::Future {
+        let state = self.0.clone();
+        Box::pin(async move {
+            let r = request.into_inner();
+            let success = try_lock(
+                &state,
+                &r.store_name,
+                &r.resource_id,
+                &r.lock_owner,
+                i64::from(r.expiry_in_seconds),
+            )
+            .await
+            .map_err(DaprError::grpc)?;
+            Ok(tonic::Response::new(TryLockResponse { success }))
+        })
+    }
+}
+
+struct UnlockCall(AppState);
+
+impl tonic::server::UnaryService<UnlockRequest> for UnlockCall {
+    type Response = UnlockResponse;
+    type Future = BoxFuture<Result<tonic::Response<UnlockResponse>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<UnlockRequest>) -> Self::Future {
+        let state = self.0.clone();
+        Box::pin(async move {
+            let r = request.into_inner();
+            let status = unlock(&state, &r.store_name, &r.resource_id, &r.lock_owner)
+                .await
+                .map_err(DaprError::grpc)?;
+            Ok(tonic::Response::new(UnlockResponse {
+                status: status as i32,
+            }))
+        })
+    }
+}
+
+impl<B> tower::Service<http::Request<B>> for GrpcService
+where
+    B: axum::body::HttpBody + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let state = self.state.clone();
+        match request.uri().path() {
+            "/dapr.proto.runtime.v1.Dapr/TryLockAlpha1" => Box::pin(async move {
+                let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
+                Ok(grpc.unary(TryLockCall(state), request).await)
+            }),
+            "/dapr.proto.runtime.v1.Dapr/UnlockAlpha1" => Box::pin(async move {
+                let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
+                Ok(grpc.unary(UnlockCall(state), request).await)
+            }),
+            other => {
+                let message = format!(
+                    "{other} is not served: this sidecar answers Dapr's TryLockAlpha1 and UnlockAlpha1 only"
+                );
+                Box::pin(async move { Ok(tonic::Status::unimplemented(message).into_http()) })
+            }
+        }
+    }
+}
