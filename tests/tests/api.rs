@@ -45,6 +45,21 @@ fn bad_flags_exit_2_with_one_line_naming_the_value() {
             &["--lock", "jobs", "--backend", "mysql://db/app?table=x;drop"],
             "table",
         ),
+        (&["--keyed", "no/slashes"], "no/slashes"),
+        (&["--keyed", "orders,orders"], "orders"),
+        (
+            &["--lock", "orders.keys.x", "--keyed", "orders"],
+            "orders.keys.x",
+        ),
+        (&["--keyed", "orders", "--max-keys", "0"], "max-keys"),
+        (
+            &["--lock", "jobs", "--dapr-http-listen", "127.0.0.1:3500"],
+            "--keyed",
+        ),
+        (
+            &["--keyed", "orders", "--dapr-grpc-listen", "0.0.0.0:50001"],
+            "0.0.0.0:50001",
+        ),
     ];
     for (args, needle) in cases {
         let out = Command::new(sidecar_binary()).args(*args).output().unwrap();
