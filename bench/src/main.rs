@@ -55,7 +55,18 @@ fn main() {
 }
 
 /// The benchmark's sections, all of them when none is named on the command line.
-const SECTIONS: &[&str] = &["http", "drivers", "sql", "etcd", "zookeeper", "safety"];
+const SECTIONS: &[&str] = &[
+    "http",
+    "drivers",
+    "sql",
+    "etcd",
+    "zookeeper",
+    "keyed",
+    "safety",
+];
+/// Keyed locks: concurrent owners, each cycling on a key of its own, and how long each run is.
+const KEYED_OWNERS: usize = 16;
+const KEYED_DURATION: Duration = Duration::from_secs(3);
 /// The idle-waiter measurement: how many waiters, on which leases (a short one, and the default
 /// 15 s), renewing every third of the lease, measured for at least 15 s and 5 renew intervals.
 const IDLE_WAITERS: usize = 100;
@@ -954,7 +965,189 @@ async fn run(sections: &[&str]) {
     if wanted("zookeeper") {
         zookeeper_section().await;
     }
+    if wanted("keyed") {
+        keyed_section().await;
+    }
     if wanted("safety") {
         safety_section().await;
     }
+}
+
+/// Acquire+release cycles per second of `KEYED_OWNERS` owners of one sidecar's family, each on
+/// a key of its own, for `KEYED_DURATION`.
+async fn keyed_cycles(family: &leasehold_lease::keyed::KeyedFamily) -> f64 {
+    let start = Instant::now();
+    let owners: Vec<_> = (0..KEYED_OWNERS)
+        .map(|i| {
+            let family = family.clone();
+            tokio::spawn(async move {
+                let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
+                let mut cycles = 0u64;
+                while start.elapsed() < KEYED_DURATION {
+                    let answer = family
+                        .acquire(&key, &owner, Duration::ZERO, LEASE)
+                        .await
+                        .expect("acquire");
+                    assert!(
+                        matches!(answer, leasehold_lease::keyed::KeyAnswer::Held { .. }),
+                        "{key}: {answer:?}"
+                    );
+                    family.release(&key, &owner).await.expect("release");
+                    cycles += 1;
+                }
+                cycles
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for owner in owners {
+        total += owner.await.expect("owner");
+    }
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The same load on raw Redis: `SET NX PX` and the compare-and-delete script, one key per owner,
+/// on one multiplexed connection (as the driver has).
+async fn keyed_redis_raw_cycles(url: &str) -> f64 {
+    let client = redis::Client::open(url).expect("client");
+    let conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let start = Instant::now();
+    let owners: Vec<_> = (0..KEYED_OWNERS)
+        .map(|i| {
+            let mut conn = conn.clone();
+            tokio::spawn(async move {
+                let release = redis::Script::new(
+                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+                );
+                let (key, owner) = (format!("raw:order-{i}"), format!("worker-{i}"));
+                let mut cycles = 0u64;
+                while start.elapsed() < KEYED_DURATION {
+                    let set: Option<String> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg(&owner)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(LEASE.as_millis() as u64)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("SET");
+                    assert!(set.is_some(), "{key}: SET NX failed");
+                    let deleted: i64 = release
+                        .key(&key)
+                        .arg(&owner)
+                        .invoke_async(&mut conn)
+                        .await
+                        .expect("EVAL");
+                    assert_eq!(deleted, 1);
+                    cycles += 1;
+                }
+                cycles
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for owner in owners {
+        total += owner.await.expect("owner");
+    }
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The same load on raw PostgreSQL: insert the key's row, delete it where the owner matches, on
+/// a pool as large as the driver's.
+async fn keyed_postgres_raw_cycles(url: &str) -> f64 {
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::any::AnyPoolOptions::new()
+        .max_connections(4)
+        .connect(url)
+        .await
+        .expect("pool");
+    sqlx::query("CREATE TABLE IF NOT EXISTS raw_keys (name VARCHAR(253) PRIMARY KEY, holder VARCHAR(253), expires_at TIMESTAMPTZ NOT NULL)")
+        .execute(&pool)
+        .await
+        .expect("create");
+    let start = Instant::now();
+    let owners: Vec<_> = (0..KEYED_OWNERS)
+        .map(|i| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
+                let mut cycles = 0u64;
+                while start.elapsed() < KEYED_DURATION {
+                    sqlx::query("INSERT INTO raw_keys (name, holder, expires_at) VALUES ($1, $2, now() + interval '15 seconds')")
+                        .bind(&key)
+                        .bind(&owner)
+                        .execute(&pool)
+                        .await
+                        .expect("insert");
+                    sqlx::query("DELETE FROM raw_keys WHERE name = $1 AND holder = $2")
+                        .bind(&key)
+                        .bind(&owner)
+                        .execute(&pool)
+                        .await
+                        .expect("delete");
+                    cycles += 1;
+                }
+                cycles
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for owner in owners {
+        total += owner.await.expect("owner");
+    }
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn keyed_section() {
+    use leasehold_lease::keyed::{FamilyConfig, KeyedFamily};
+    println!(
+        "## keyed locks: {KEYED_OWNERS} owners of one sidecar, each cycling acquire+release on a key of its own ({KEYED_DURATION:?}, best of {ROUNDS}, alternating)"
+    );
+    let family = |driver: Arc<dyn Driver>| {
+        KeyedFamily::new(
+            driver,
+            FamilyConfig::new("orders", "bench", LEASE),
+            Arc::new(()),
+        )
+        .expect("family")
+    };
+    let redis = RedisServer::start_with(false);
+    let driver =
+        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&redis.url()).expect("url"))
+            .await
+            .expect("redis");
+    let keyed = family(driver);
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(keyed_redis_raw_cycles(&redis.url()).await);
+        ours = ours.max(keyed_cycles(&keyed).await);
+    }
+    println!("  redis    raw SET NX PX + EVAL del : {raw:>8.0} cycles/s");
+    println!(
+        "  redis    keyed family             : {ours:>8.0} cycles/s  ({:.0} %)",
+        100.0 * ours / raw
+    );
+    keyed.shutdown().await;
+
+    let postgres = PostgresServer::start();
+    let driver = leasehold_lease::connect(
+        &leasehold_lease::BackendUrl::parse(&postgres.url()).expect("url"),
+    )
+    .await
+    .expect("postgres");
+    let keyed = family(driver);
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(keyed_postgres_raw_cycles(&postgres.url()).await);
+        ours = ours.max(keyed_cycles(&keyed).await);
+    }
+    println!("  postgres raw INSERT + DELETE, 4 connections: {raw:>6.0} cycles/s");
+    println!(
+        "  postgres keyed family, 4 connections     : {ours:>6.0} cycles/s  ({:.0} %)",
+        100.0 * ours / raw
+    );
+    keyed.shutdown().await;
 }
