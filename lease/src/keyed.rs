@@ -121,7 +121,9 @@ struct KeyState {
 struct KeyHolding {
     owner: String,
     lock: Lock,
-    _slot: OwnedMutexGuard<()>,
+    /// The key's local slot, given back the moment the holding is forgotten: a task may still
+    /// hold the holding itself a moment longer, and the next owner must not wait for it.
+    slot: Mutex<Option<OwnedMutexGuard<()>>>,
 }
 
 /// A family of keyed locks on one backend. Cheap to clone.
@@ -306,7 +308,7 @@ impl KeyedFamily {
         let holding = Arc::new(KeyHolding {
             owner: owner.to_owned(),
             lock,
-            _slot: slot,
+            slot: Mutex::new(Some(slot)),
         });
         *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
         self.inner.held.fetch_add(1, Ordering::SeqCst);
@@ -423,6 +425,13 @@ impl KeyedFamily {
         if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, holding)) {
             *current = None;
             drop(current);
+            drop(
+                holding
+                    .slot
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take(),
+            );
             self.inner.held.fetch_sub(1, Ordering::SeqCst);
             let lock = holding.lock.clone();
             tokio::spawn(async move { lock.shutdown().await });

@@ -901,13 +901,35 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
         a.status(key, Some("w1")).unwrap(),
         KeyAnswer::Held { .. }
     ));
-    // Another key is another lock.
-    let other = token(
-        b.acquire("sku-998", "w3", Duration::ZERO, HOLD)
-            .await
-            .unwrap(),
-    );
-    assert!(other > 0);
+    // Another key is another lock. Eight owners, each on a key of its own, take and give back
+    // their key in a tight loop, never finding their own last holding in the way.
+    let cyclers: Vec<_> = (0..8)
+        .map(|i| {
+            let b = b.clone();
+            tokio::spawn(async move {
+                let (key, owner) = (format!("sku-{i}"), format!("c{i}"));
+                let mut last = 0;
+                for round in 0..20 {
+                    let next = match b.acquire(&key, &owner, Duration::ZERO, HOLD).await {
+                        Ok(KeyAnswer::Held { token, .. }) => token,
+                        other => panic!("{key} round {round}: {other:?}"),
+                    };
+                    assert!(
+                        next > last,
+                        "{key} round {round}: token {next} after {last}"
+                    );
+                    last = next;
+                    assert_eq!(
+                        b.release(&key, &owner).await.unwrap(),
+                        KeyRelease::Released { holds: 0 }
+                    );
+                }
+            })
+        })
+        .collect();
+    for cycler in cyclers {
+        cycler.await.expect("cycling owner");
+    }
 
     // w2 (same pod) waits; w1 lets go twice; w2 gets the key with a higher token.
     let waiting = {
