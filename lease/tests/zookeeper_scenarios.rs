@@ -130,3 +130,31 @@ async fn a_follower_cut_off_from_its_quorum_cannot_extend_a_claim() {
     quorum_side.shutdown().await;
     stale_side.shutdown().await;
 }
+
+/// A lease shorter than three of the ensemble's ticks is refused with the reason, before any
+/// request: its claims, dated from what the leader has surely heard of, would run out between
+/// renewals.
+#[tokio::test]
+async fn a_lease_too_short_for_the_tick_is_refused() {
+    use leasehold_lease::Driver;
+    use std::time::Duration;
+    let driver = ZooKeeperDriver::connect(ZooKeeperConfig {
+        servers: "127.0.0.1:1".into(),
+        root: "/leasehold".into(),
+        digest: None,
+        tick_time: Duration::from_secs(2),
+    })
+    .expect("driver");
+    let error = driver
+        .try_acquire("jobs", "a", Duration::from_secs(5))
+        .await
+        .expect_err("a 5 s lease at a 2 s tick");
+    let text = error.to_string();
+    assert!(text.contains("at least 3 ticks (6s"), "{text}");
+    // Six seconds are enough at that tick: the refusal comes only from the unreachable server.
+    let error = driver
+        .try_acquire("jobs", "a", Duration::from_secs(6))
+        .await
+        .expect_err("nothing listens");
+    assert!(!error.to_string().contains("ticks"), "{error}");
+}

@@ -149,6 +149,10 @@ impl Session {
     }
 }
 
+/// The shortest lease, in the ensemble's ticks, that the refusal in `try_acquire` names: claims
+/// outlast a third of the lease from 2.8 ticks on (see [`Session::counted_from`]).
+const MIN_LEASE_TICKS: u32 = 3;
+
 /// The longest a connected, idle session goes without a request, as a fraction of its timeout:
 /// zookeeper-client's pings (see [`connection_timeout`]).
 const IDLE_PING_FRACTION: f64 = 0.3;
@@ -640,6 +644,27 @@ impl Driver for ZooKeeperDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        // After a quiet wait a claim lasts 7/10 of the session minus a tick (see
+        // `Session::counted_from`); it must outlast the default renew interval, a third of the
+        // lease, or the holder would lose every claim before renewing it.
+        let tick = self.shared.config.tick_time;
+        let session = ttl.max(MIN_SESSION_TIMEOUT);
+        if session
+            .mul_f64(1.0 - IDLE_PING_FRACTION)
+            .saturating_sub(tick)
+            <= ttl / 3
+        {
+            return Err(Error::InvalidConfig {
+                field: "lease-duration",
+                reason: format!(
+                    "ZooKeeper needs a lease of at least {MIN_LEASE_TICKS} ticks ({:?} at tick-time {tick:?}): a \
+                     claim counts from the last sign of life the leader has surely heard of, up to a tick \
+                     and 3/10 of the session before a renewal, so a shorter lease would run out between \
+                     renewals; lengthen the lease, or set tick-time to the ensemble's own tickTime",
+                    tick * MIN_LEASE_TICKS
+                ),
+            });
+        }
         // Opening a session first, when needed, must not eat into the lease measured below.
         let current = self.shared.session(ttl).await?;
         let sent = Instant::now();
