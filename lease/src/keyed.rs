@@ -187,23 +187,22 @@ impl KeyedFamily {
 
     fn check_key(&self, key: &str) -> Result<(), KeyError> {
         let max = self.inner.config.max_key_length;
-        let rule = format!(
-            "a key is 1 to {max} characters among letters, digits and . _ - : / @ (it was {} long)",
-            key.len()
-        );
         let ok = !key.is_empty()
             && key.len() <= max
             && key
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"._-:/@".contains(&b));
         if ok {
-            Ok(())
-        } else {
-            Err(KeyError::BadKey {
-                key: key.chars().take(max + 16).collect(),
-                rule,
-            })
+            return Ok(());
         }
+        // Every keyed call checks its key: the message is only built for a refusal.
+        Err(KeyError::BadKey {
+            key: key.chars().take(max + 16).collect(),
+            rule: format!(
+                "a key is 1 to {max} characters among letters, digits and . _ - : / @ (it was {} long)",
+                key.len()
+            ),
+        })
     }
 
     fn state(&self, key: &str) -> Arc<KeyState> {

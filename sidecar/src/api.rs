@@ -327,6 +327,18 @@ fn durations(
     Ok(out)
 }
 
+/// `hold` (default [`DEFAULT_HOLD`]), which must be above zero.
+fn hold_param(params: &HashMap<String, Duration>) -> Result<Duration, ApiError> {
+    let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
+    if hold.is_zero() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "hold must be above zero",
+        ));
+    }
+    Ok(hold)
+}
+
 async fn status(
     State(state): State<AppState>,
     name: Option<Path<String>>,
@@ -358,13 +370,7 @@ async fn acquire(
     }
     let params = durations(&query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)])?;
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
-    let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
-    if hold.is_zero() {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "hold must be above zero",
-        ));
-    }
+    let hold = hold_param(&params)?;
     lock.acquire(wait, hold)
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
@@ -504,13 +510,7 @@ async fn key_acquire(
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
-    let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
-    if hold.is_zero() {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "hold must be above zero",
-        ));
-    }
+    let hold = hold_param(&params)?;
     let answer = family
         .acquire(&key, &owner, wait, hold)
         .await
@@ -566,13 +566,7 @@ async fn key_extend(
     let family = state.family(&family)?;
     let (owner, params) = key_query(query, &[("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();
-    let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
-    if hold.is_zero() {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "hold must be above zero",
-        ));
-    }
+    let hold = hold_param(&params)?;
     let answer = family.extend(&key, &owner, hold).await.map_err(key_error)?;
     Ok(key_response(
         family,

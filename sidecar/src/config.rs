@@ -224,6 +224,15 @@ impl Config {
             return Err(bad("identity", &identity, &reason));
         }
         let renew_interval = args.renew_interval.unwrap_or(args.lease_duration / 3);
+        // The lock engine names the setting it refuses; each maps to the flag of the same name.
+        let invalid_setting = |field: &str, reason: &str| {
+            let value = match field {
+                "identity" => identity.clone(),
+                "lease-duration" => humantime::format_duration(args.lease_duration).to_string(),
+                _ => humantime::format_duration(renew_interval).to_string(),
+            };
+            bad(field, &value, &reason)
+        };
         let mut locks: Vec<LockConfig> = Vec::new();
         for name in &args.locks {
             if locks.iter().any(|l| &l.name == name) {
@@ -239,16 +248,8 @@ impl Config {
             }
             match lock.validate() {
                 Ok(()) => {}
-                // The lock engine names the setting; each maps to the flag of the same name.
                 Err(leasehold_lease::Error::InvalidConfig { field, reason }) => {
-                    let value = match field {
-                        "identity" => identity.clone(),
-                        "lease-duration" => {
-                            humantime::format_duration(args.lease_duration).to_string()
-                        }
-                        _ => humantime::format_duration(renew_interval).to_string(),
-                    };
-                    return Err(bad(field, &value, &reason));
+                    return Err(invalid_setting(field, &reason));
                 }
                 Err(other) => return Err(bad("lock", name, &other)),
             }
@@ -289,11 +290,7 @@ impl Config {
             })
             .validate()
             {
-                let value = match field {
-                    "lease-duration" => humantime::format_duration(args.lease_duration).to_string(),
-                    _ => humantime::format_duration(renew_interval).to_string(),
-                };
-                return Err(bad(field, &value, &reason));
+                return Err(invalid_setting(field, &reason));
             }
         }
         for (flag, dapr) in [
