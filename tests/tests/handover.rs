@@ -13,6 +13,8 @@ const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
 /// Headroom for a loaded CI machine; the bounds under test come on top of it.
 const SLACK: Duration = Duration::from_secs(1);
+/// How long two fresh sidecars may take to elect a first holder.
+const STARTUP: Duration = Duration::from_secs(15);
 const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
 
 fn pair(backend: &str, lock: &str) -> (Sidecar, Sidecar) {
@@ -29,8 +31,10 @@ fn settle(sidecars: &[&Sidecar]) -> usize {
             .map(|s| format!("\n--- {} log:\n{}", s.identity, s.log()))
             .collect()
     };
+    // Starting two sidecars (and their first backend connections) on a machine busy with the
+    // rest of the suite is not what is under test: this bound only catches a hang.
     eventually_or(
-        LEASE + SLACK,
+        STARTUP,
         "a holder appears",
         || sole_holder(sidecars).is_some(),
         logs,
