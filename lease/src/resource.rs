@@ -76,11 +76,96 @@ pub fn secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
     refs
 }
 
-/// Read the referenced Secret keys from the lock's namespace. A missing Secret or key is an
+/// The annotation by which a Secret's owner lets Leasehold send the Secret's values to servers:
+/// a comma-separated list of `host` or `host:port`, or `*` for any server.
+///
+/// Without it anyone who may create a `DistributedLock` could name any Secret of the namespace
+/// and a server of theirs, and the operator (which may read Secrets) would log in there with the
+/// Secret's value: the opt-in makes the Secret's owner, not the lock's author, decide where its
+/// values go.
+pub const ALLOWED_HOSTS_ANNOTATION: &str = "leasehold.dev/allowed-hosts";
+
+/// `host:port` of every server the lock's backend is reached at: where its Secrets' values go.
+pub fn backend_endpoints(lock: &DistributedLock) -> Vec<String> {
+    let b = &lock.spec.backend;
+    let mut endpoints = Vec::new();
+    if let Some(r) = &b.redis {
+        endpoints.extend(r.endpoints.iter().cloned());
+    }
+    for (sql, default_port) in [(&b.postgres, 5432), (&b.mysql, 3306)] {
+        if let Some(sql) = sql {
+            endpoints.push(format!("{}:{}", sql.host, sql.port.unwrap_or(default_port)));
+        }
+    }
+    if let Some(z) = &b.zookeeper {
+        endpoints.extend(z.servers.iter().cloned());
+    }
+    if let Some(e) = &b.etcd {
+        endpoints.extend(e.endpoints.iter().cloned());
+    }
+    endpoints
+}
+
+/// `host` (lower-cased, IPv6 without brackets) and `port` of `host[:port]` or `[v6][:port]`.
+fn split_port(endpoint: &str) -> (String, Option<&str>) {
+    let (host, port) = match endpoint.rsplit_once(':') {
+        Some((host, port))
+            if !port.is_empty()
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && (!host.contains(':') || host.ends_with(']')) =>
+        {
+            (host, Some(port))
+        }
+        _ => (endpoint, None),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (host.to_ascii_lowercase(), port)
+}
+
+/// Whether the Secret `name`, annotated `allowed`, may be sent to every one of `endpoints`;
+/// the refusal says what to annotate.
+pub fn check_secret_allowed(name: &str, allowed: Option<&str>, endpoints: &[String]) -> Result<()> {
+    let refuse = |reason: String| Error::InvalidConfig {
+        field: "secretRef",
+        reason: format!(
+            "Secret {name:?} {reason}; its owner allows a server with the annotation \
+             {ALLOWED_HOSTS_ANNOTATION}: \"HOST[:PORT],...\" (here {:?})",
+            endpoints.join(",")
+        ),
+    };
+    let Some(allowed) = allowed else {
+        return Err(refuse("is not opened to Leasehold".into()));
+    };
+    let entries: Vec<&str> = allowed
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    if entries.contains(&"*") {
+        return Ok(());
+    }
+    for endpoint in endpoints {
+        let (host, port) = split_port(endpoint);
+        let named = entries.iter().any(|entry| {
+            let (allowed_host, allowed_port) = split_port(entry);
+            allowed_host == host && allowed_port.is_none_or(|p| Some(p) == port)
+        });
+        if !named {
+            return Err(refuse(format!(
+                "may not be sent to {endpoint:?}: {ALLOWED_HOSTS_ANNOTATION} does not name it"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Read the referenced Secret keys from the lock's namespace. A missing Secret or key, or a
+/// Secret whose owner has not allowed the lock's servers ([`ALLOWED_HOSTS_ANNOTATION`]), is an
 /// [`Error::InvalidConfig`] that names it (never its value).
 pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Result<SecretValues> {
     let namespace = lock.namespace().unwrap_or_else(|| "default".into());
     let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let endpoints = backend_endpoints(lock);
     let mut values = SecretValues::new();
     for r in secret_refs(lock) {
         let key = (r.name.clone(), r.key.clone());
@@ -100,6 +185,14 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
                 }
             })?
             .ok_or_else(|| missing(&r, "the Secret does not exist"))?;
+        check_secret_allowed(
+            &r.name,
+            secret
+                .annotations()
+                .get(ALLOWED_HOSTS_ANNOTATION)
+                .map(String::as_str),
+            &endpoints,
+        )?;
         let value = secret
             .data
             .as_ref()
@@ -509,6 +602,40 @@ mod tests {
             error.contains("\"redis\"") && error.contains("\"password\""),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_secret_goes_only_to_the_servers_its_owner_allows() {
+        let endpoints = [
+            "redis.team.svc:6379".to_owned(),
+            "[fd00::1]:6380".to_owned(),
+        ];
+        let allowed = |annotation: Option<&str>| {
+            check_secret_allowed("redis-auth", annotation, &endpoints).map_err(|e| e.to_string())
+        };
+        for ok in [
+            "*",
+            "redis.team.svc, [fd00::1]",
+            "REDIS.team.svc:6379,[fd00::1]:6380",
+            "other:1,redis.team.svc,fd00::1",
+        ] {
+            assert_eq!(allowed(Some(ok)), Ok(()), "{ok}");
+        }
+        let unopened = allowed(None).unwrap_err();
+        assert!(
+            unopened.contains("\"redis-auth\" is not opened to Leasehold")
+                && unopened.contains(ALLOWED_HOSTS_ANNOTATION),
+            "{unopened}"
+        );
+        for refused in [
+            "redis.team.svc",
+            "redis.team.svc:6380,[fd00::1]",
+            "",
+            "redis",
+        ] {
+            let error = allowed(Some(refused)).unwrap_err();
+            assert!(error.contains("may not be sent to"), "{refused}: {error}");
+        }
     }
 
     #[test]

@@ -265,7 +265,9 @@ impl ApiServerVerifier {
         let encoded = k8s_openapi::ByteString(value.as_bytes().to_vec());
         let secret = json!({
             "apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": name, "namespace": NAMESPACE},
+            "metadata": {"name": name, "namespace": NAMESPACE, "annotations": {
+                leasehold_lease::resource::ALLOWED_HOSTS_ANNOTATION: "127.0.0.1",
+            }},
             "data": {key: encoded},
         });
         Self::reply(send, StatusCode::OK, &secret);

@@ -28,12 +28,28 @@ fn lock(name: &str, backend: Backend) -> DistributedLock {
     lock
 }
 
+/// A Secret its owner opened to the test servers, which all listen on loopback.
 fn secret(api: &InMemoryApiServer, name: &str, key: &str, value: &str) -> SecretKeyRef {
+    secret_allowing(api, name, key, value, Some("127.0.0.1"))
+}
+
+fn secret_allowing(
+    api: &InMemoryApiServer,
+    name: &str,
+    key: &str,
+    value: &str,
+    allowed_hosts: Option<&str>,
+) -> SecretKeyRef {
     let data = k8s_openapi::ByteString(value.as_bytes().to_vec());
+    let annotations = match allowed_hosts {
+        Some(hosts) => json!({resource::ALLOWED_HOSTS_ANNOTATION: hosts}),
+        None => json!({}),
+    };
     api.put(
         SECRETS,
         json!({"apiVersion": "v1", "kind": "Secret",
-               "metadata": {"name": name, "namespace": NS}, "data": {key: data}}),
+               "metadata": {"name": name, "namespace": NS, "annotations": annotations},
+               "data": {key: data}}),
     );
     SecretKeyRef {
         name: name.into(),
@@ -367,4 +383,48 @@ async fn a_missing_secret_is_an_invalid_spec_that_names_it() {
     };
     assert_eq!(reason, "InvalidSpec");
     assert!(message.contains("\"absent\""), "{message}");
+}
+
+/// Whoever may create a lock must not be able to make the operator log in to a server of theirs
+/// with a Secret of the namespace: the Secret's owner names the servers it may go to, and until
+/// then the operator does not even connect.
+#[tokio::test]
+async fn a_secret_goes_only_to_servers_its_owner_allowed() {
+    let api = InMemoryApiServer::new();
+    // The lock's author's server: it counts the connections the operator makes to it.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let theirs = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
+    for (secret_name, allowed) in [
+        ("unopened", None),
+        ("elsewhere", Some("redis.team.svc:6379")),
+    ] {
+        let password = secret_allowing(&api, secret_name, "password", "hunter2", allowed);
+        let lock = lock(
+            "jobs",
+            Backend {
+                redis: Some(RedisBackend {
+                    endpoints: vec![theirs.clone()],
+                    password_secret_ref: Some(password),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        );
+        let (_, observation) = Backends::default().observe(&api.client(), &lock).await;
+        let Observation::Failed { reason, message } = observation else {
+            panic!("{observation:?}")
+        };
+        assert_eq!(reason, "InvalidSpec");
+        assert!(
+            message.contains(&format!("Secret {secret_name:?}"))
+                && message.contains(resource::ALLOWED_HOSTS_ANNOTATION)
+                && !message.contains("hunter2"),
+            "{message}"
+        );
+        assert!(
+            listener.accept().is_err(),
+            "the operator connected to a server the Secret's owner never allowed"
+        );
+    }
 }

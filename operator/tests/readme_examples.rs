@@ -154,3 +154,36 @@ fn the_complete_helm_example_is_valid_and_gets_its_sidecar() {
         template["spec"]["serviceAccountName"]
     );
 }
+
+/// The README's Secret is opened to the server of the example lock that uses it, and to nothing
+/// else.
+#[test]
+fn the_readme_secret_is_opened_to_its_example_lock() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let yaml = readme
+        .split("### Secrets: their owner decides where they go")
+        .nth(1)
+        .and_then(|s| s.split("```yaml").nth(1))
+        .and_then(|s| s.split("```").next())
+        .expect("the README shows an opened Secret");
+    let secret: k8s_openapi::api::core::v1::Secret = serde_yaml::from_str(yaml).unwrap();
+    let name = secret.metadata.name.as_deref().unwrap();
+    let allowed = secret
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(resource::ALLOWED_HOSTS_ANNOTATION))
+        .map(String::as_str);
+    let users: Vec<DistributedLock> = examples()
+        .into_iter()
+        .filter(|lock| resource::secret_refs(lock).iter().any(|r| r.name == name))
+        .collect();
+    assert!(!users.is_empty(), "no example lock uses Secret {name}");
+    for lock in users {
+        resource::check_secret_allowed(name, allowed, &resource::backend_endpoints(&lock)).unwrap();
+    }
+    assert!(
+        resource::check_secret_allowed(name, allowed, &["attacker.example:6379".into()]).is_err()
+    );
+}
