@@ -19,6 +19,9 @@ pub const DEFAULT_LEASE_DURATION: &str = "15s";
 pub const DEFAULT_TABLE: &str = "leasehold_locks";
 /// The condition the operator sets on every lock.
 pub const CONDITION_BACKEND_READY: &str = "BackendReady";
+/// The condition of a lock being deleted with `cleanupPolicy: Delete`: `False` while its
+/// records cannot be removed yet, with why (`HolderAlive`, `CleanupFailed`, `GaveUp`).
+pub const CONDITION_CLEANED_UP: &str = "CleanedUp";
 
 /// A Go-style duration, as Kubernetes CEL's `duration()` reads it: `15s`, `500ms`, `1m30s`.
 const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";

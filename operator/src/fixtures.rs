@@ -45,8 +45,16 @@ pub enum Scenario {
     /// The lock is being deleted with Delete: a `CleanedUp` event, then the finalizer goes.
     CleanedUp(DistributedLock),
     /// The lock is being deleted with Delete while it has a holder: a `CleanupWaiting` warning,
-    /// and the finalizer stays.
+    /// the `CleanedUp` condition says why, and the finalizer stays.
     CleanupWaits(DistributedLock),
+    /// The same in a namespace being deleted: the API server refuses every event, as a real one
+    /// does there; the clean-up gives up at once, says so in the status, and the finalizer goes.
+    CleanupInTerminatingNamespace(DistributedLock),
+    /// Delete on a backend that has not answered since the lock was deleted, past the deadline:
+    /// given up, said in the status and an event, and the finalizer goes.
+    CleanupPastItsDeadline(DistributedLock),
+    /// The same before the deadline: the failure is in the status, the finalizer stays.
+    CleanupFailsForNow(DistributedLock),
 }
 
 impl Context {
@@ -119,6 +127,14 @@ pub fn being_deleted(mut lock: DistributedLock, policy: CleanupPolicy) -> Distri
     with_finalizer(lock)
 }
 
+/// The `CleanedUp` condition of a status sent.
+fn cleaned_up(status: &Value) -> &Value {
+    status["conditions"]
+        .as_array()
+        .and_then(|all| all.iter().find(|c| c["type"] == "CleanedUp"))
+        .unwrap_or_else(|| panic!("no CleanedUp condition: {status}"))
+}
+
 fn path_of(lock: &DistributedLock) -> String {
     format!(
         "/apis/leasehold.dev/v1alpha1/namespaces/{NAMESPACE}/distributedlocks/{}",
@@ -167,7 +183,52 @@ impl ApiServerVerifier {
                     api.event(&lock, "CleanedUp").await;
                     api.finalizer_removed(lock).await;
                 }
-                Scenario::CleanupWaits(lock) => api.event(&lock, "CleanupWaiting").await,
+                Scenario::CleanupWaits(lock) => {
+                    api.event(&lock, "CleanupWaiting").await;
+                    api.namespace_read(false).await;
+                    let status = api.status_patched(&lock).await;
+                    assert_eq!(cleaned_up(&status)["type"], "CleanedUp", "{status}");
+                    assert_eq!(cleaned_up(&status)["reason"], "HolderAlive", "{status}");
+                }
+                Scenario::CleanupInTerminatingNamespace(lock) => {
+                    api.event_refused_in_terminating_namespace().await;
+                    api.namespace_read(true).await;
+                    let status = api.status_patched(&lock).await;
+                    let condition = cleaned_up(&status);
+                    assert_eq!(condition["reason"], "GaveUp", "{status}");
+                    let message = condition["message"].as_str().unwrap();
+                    assert!(
+                        message.starts_with("the namespace is being deleted")
+                            && message.contains("still holds the lock"),
+                        "{message}"
+                    );
+                    api.event_refused_in_terminating_namespace().await;
+                    api.finalizer_removed(lock).await;
+                }
+                Scenario::CleanupFailsForNow(lock) => {
+                    for _ in 0..2 {
+                        api.secret_read("redis-auth", "password", SECRET_PASSWORD)
+                            .await;
+                    }
+                    api.event(&lock, "CleanupFailed").await;
+                    api.namespace_read(false).await;
+                    let status = api.status_patched(&lock).await;
+                    assert_eq!(cleaned_up(&status)["reason"], "CleanupFailed", "{status}");
+                }
+                Scenario::CleanupPastItsDeadline(lock) => {
+                    // The holder is looked for, then the clean-up tried: each reads the Secret.
+                    for _ in 0..2 {
+                        api.secret_read("redis-auth", "password", SECRET_PASSWORD)
+                            .await;
+                    }
+                    api.event(&lock, "CleanupFailed").await;
+                    api.namespace_read(false).await;
+                    let status = api.status_patched(&lock).await;
+                    let message = cleaned_up(&status)["message"].as_str().unwrap();
+                    assert!(message.starts_with("the clean-up was retried"), "{message}");
+                    api.event(&lock, "CleanupAbandoned").await;
+                    api.finalizer_removed(lock).await;
+                }
             }
         })
     }
@@ -253,6 +314,49 @@ impl ApiServerVerifier {
         assert_eq!(event["reason"], reason, "{event}");
         assert_eq!(event["regarding"]["name"], lock.name_any());
         Self::reply(send, StatusCode::CREATED, &event);
+    }
+
+    /// An event POST refused as a real API server refuses any new object in a namespace being
+    /// deleted.
+    async fn event_refused_in_terminating_namespace(&mut self) {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::POST);
+        assert!(
+            request.uri().path().ends_with("/events"),
+            "{}",
+            request.uri()
+        );
+        Self::reply(
+            send,
+            StatusCode::FORBIDDEN,
+            &json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": format!("events.events.k8s.io is forbidden: unable to create new content in namespace {NAMESPACE} because it is being terminated"),
+                "reason": "Forbidden", "code": 403,
+                "details": {"kind": "events.events.k8s.io",
+                            "causes": [{"reason": "NamespaceTerminating",
+                                        "message": format!("namespace {NAMESPACE} is being terminated"),
+                                        "field": "metadata.namespace"}]},
+            }),
+        );
+    }
+
+    async fn namespace_read(&mut self, terminating: bool) {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::GET);
+        assert_eq!(
+            request.uri().path(),
+            format!("/api/v1/namespaces/{NAMESPACE}")
+        );
+        let mut namespace = json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": NAMESPACE},
+            "status": {"phase": if terminating { "Terminating" } else { "Active" }},
+        });
+        if terminating {
+            namespace["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
+        Self::reply(send, StatusCode::OK, &namespace);
     }
 
     async fn secret_read(&mut self, name: &str, key: &str, value: &str) {

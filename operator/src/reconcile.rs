@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease as LeaseObject;
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -36,6 +37,8 @@ pub const FIRST_BACKOFF: Duration = Duration::from_secs(2);
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
 /// The longest pause between two looks at a holder that a clean-up waits for.
 const HOLDER_RECHECK: Duration = Duration::from_secs(8);
+/// How long a clean-up is retried before the lock is let go with its records kept.
+pub const CLEANUP_DEADLINE: Duration = Duration::from_secs(300);
 
 pub struct Context {
     pub client: kube::Client,
@@ -138,7 +141,7 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
         .map_err(Error::Kube)?;
     }
     for notice in status::notices(current, &next) {
-        publish(ctx, lock, &notice).await?;
+        publish(ctx, lock, &notice).await;
     }
     match observation {
         Observation::Ready { .. } => {
@@ -161,79 +164,49 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
 /// the holder still claims it until its next renewal fails, and the newcomer's token would start
 /// again from the bottom. Sidecars that follow the resource step down as soon as it is being
 /// deleted; the records go once the last holder has released or its lease has run out.
+///
+/// Never for ever: a clean-up that cannot finish (a holder that does not let go, a backend the
+/// operator cannot reach) is given up at once when the namespace is being deleted, and after
+/// [`CLEANUP_DEADLINE`] otherwise. The records are then kept, which is always safe (a lock
+/// created again under the name continues from them), the status says so, and the finalizer
+/// goes, so that neither the lock nor its namespace stays `Terminating`.
 async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
-    if lock.spec.cleanup_policy == CleanupPolicy::Delete {
-        // An unreadable backend falls through to the clean-up, which says what failed.
-        if let Ok(Some(holder)) = ctx.backends.holder(&ctx.client, lock).await {
-            // Said once per deletion, not at every re-check.
-            let first_wait = !ctx
-                .failures
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains_key(&ObjectRef::from(lock));
-            let note = format!(
-                "{} (token {}) still holds the lock, so its records are kept until it releases or                  its lease runs out; sidecars that follow this resource release it now, other                  clients must stop (or set cleanupPolicy: Retain to keep the records and let the                  resource go)",
-                holder.identity, holder.token
-            );
-            if first_wait {
-                publish(
-                    ctx,
-                    lock,
-                    &Notice {
-                        warning: true,
-                        reason: "CleanupWaiting",
-                        note: note.clone(),
-                    },
-                )
-                .await?;
-            }
-            return Err(Error::HolderAlive(note));
-        }
-        match ctx.backends.clean_up(&ctx.client, lock).await {
-            Ok(()) => {
-                publish(
-                    ctx,
-                    lock,
-                    &Notice {
-                        warning: false,
-                        reason: "CleanedUp",
-                        note: "removed the lock's artifacts from the backend".into(),
-                    },
-                )
-                .await?;
-            }
-            // A spec or Secret that can no longer be read (a namespace being deleted takes the
-            // Secrets too) must not hold the lock forever: say so and let go.
-            Err(
-                e @ (leasehold_lease::Error::InvalidConfig { .. }
-                | leasehold_lease::Error::InvalidUrl { .. }
-                | leasehold_lease::Error::InvalidName { .. }),
-            ) => {
-                publish(
-                    ctx,
-                    lock,
-                    &Notice {
-                        warning: true,
-                        reason: "CleanupSkipped",
-                        note: format!("the backend was not cleaned up: {e}"),
-                    },
-                )
-                .await?;
-            }
-            Err(e) => {
-                publish(
-                    ctx,
-                    lock,
-                    &Notice {
-                        warning: true,
-                        reason: "CleanupFailed",
-                        note: e.to_string(),
-                    },
-                )
-                .await?;
-                return Err(Error::Backend(e));
-            }
-        }
+    if lock.spec.cleanup_policy == CleanupPolicy::Delete
+        && let Err(error) = clean_up_backend(lock, ctx).await
+    {
+        let namespace = lock.namespace().unwrap_or_default();
+        let why_stop = if namespace_terminating(ctx, &namespace).await {
+            Some("the namespace is being deleted".to_owned())
+        } else if time_since_deletion(lock) >= CLEANUP_DEADLINE {
+            Some(format!(
+                "the clean-up was retried for {}s",
+                CLEANUP_DEADLINE.as_secs()
+            ))
+        } else {
+            None
+        };
+        let Some(why_stop) = why_stop else {
+            let reason = match error {
+                Error::HolderAlive(_) => "HolderAlive",
+                _ => "CleanupFailed",
+            };
+            record_cleanup(ctx, lock, reason, &error.to_string()).await;
+            return Err(error);
+        };
+        let note = format!(
+            "{why_stop}: the lock is let go with its records kept in the backend ({error})"
+        );
+        record_cleanup(ctx, lock, "GaveUp", &note).await;
+        publish(
+            ctx,
+            lock,
+            &Notice {
+                warning: true,
+                reason: "CleanupAbandoned",
+                note,
+            },
+        )
+        .await;
     }
     ctx.backends.forget(lock);
     ctx.failures
@@ -243,7 +216,130 @@ async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
     Ok(Action::await_change())
 }
 
-async fn publish(ctx: &Context, lock: &DistributedLock, notice: &Notice) -> Result<()> {
+/// The clean-up proper: an error when it must be tried again.
+async fn clean_up_backend(lock: &DistributedLock, ctx: &Context) -> Result<()> {
+    // An unreadable backend falls through to the clean-up, which says what failed.
+    if let Ok(Some(holder)) = ctx.backends.holder(&ctx.client, lock).await {
+        // Said once per deletion, not at every re-check.
+        let first_wait = !ctx
+            .failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&ObjectRef::from(lock));
+        let note = format!(
+            "{} (token {}) still holds the lock, so its records are kept until it releases or \
+             its lease runs out; sidecars that follow this resource release it now, other \
+             clients must stop (or set cleanupPolicy: Retain to keep the records and let the \
+             resource go)",
+            holder.identity, holder.token
+        );
+        if first_wait {
+            publish(
+                ctx,
+                lock,
+                &Notice {
+                    warning: true,
+                    reason: "CleanupWaiting",
+                    note: note.clone(),
+                },
+            )
+            .await;
+        }
+        return Err(Error::HolderAlive(note));
+    }
+    let notice = match ctx.backends.clean_up(&ctx.client, lock).await {
+        Ok(()) => Notice {
+            warning: false,
+            reason: "CleanedUp",
+            note: "removed the lock's artifacts from the backend".into(),
+        },
+        // A spec or Secret that can no longer be read (a namespace being deleted takes the
+        // Secrets too) must not hold the lock forever: say so and let go.
+        Err(
+            e @ (leasehold_lease::Error::InvalidConfig { .. }
+            | leasehold_lease::Error::InvalidUrl { .. }
+            | leasehold_lease::Error::InvalidName { .. }),
+        ) => Notice {
+            warning: true,
+            reason: "CleanupSkipped",
+            note: format!("the backend was not cleaned up: {e}"),
+        },
+        Err(e) => {
+            publish(
+                ctx,
+                lock,
+                &Notice {
+                    warning: true,
+                    reason: "CleanupFailed",
+                    note: e.to_string(),
+                },
+            )
+            .await;
+            return Err(Error::Backend(e));
+        }
+    };
+    publish(ctx, lock, &notice).await;
+    Ok(())
+}
+
+/// Whether `namespace` is being deleted. The API server then refuses every new object in it
+/// (events included) and waits for this lock's finalizer. Unknown (not allowed to read it, no
+/// answer) counts as no.
+async fn namespace_terminating(ctx: &Context, namespace: &str) -> bool {
+    let api: Api<Namespace> = Api::all(ctx.client.clone());
+    match api.get_opt(namespace).await {
+        Ok(Some(ns)) => {
+            ns.metadata.deletion_timestamp.is_some()
+                || ns
+                    .status
+                    .and_then(|s| s.phase)
+                    .is_some_and(|p| p == "Terminating")
+        }
+        Ok(None) => true,
+        Err(e) => {
+            tracing::debug!(%namespace, error = %e, "cannot read the namespace");
+            false
+        }
+    }
+}
+
+fn time_since_deletion(lock: &DistributedLock) -> Duration {
+    lock.meta()
+        .deletion_timestamp
+        .as_ref()
+        .and_then(|t| Duration::try_from(Timestamp::now().duration_since(t.0)).ok())
+        .unwrap_or_default()
+}
+
+/// Say in the status how the clean-up stands: status writes, unlike events, are accepted in a
+/// namespace being deleted. Best effort: it must not keep the finalizer.
+async fn record_cleanup(ctx: &Context, lock: &DistributedLock, reason: &str, message: &str) {
+    let current = lock.status.clone().unwrap_or_default();
+    let Some(next) = status::with_cleanup(&current, reason, message, Timestamp::now()) else {
+        return;
+    };
+    let api: Api<DistributedLock> =
+        Api::namespaced(ctx.client.clone(), &lock.namespace().unwrap_or_default());
+    let patch = json!({
+        "apiVersion": DistributedLock::api_version(&()),
+        "kind": DistributedLock::kind(&()),
+        "status": next,
+    });
+    if let Err(e) = api
+        .patch_status(
+            &lock.name_any(),
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+    {
+        tracing::warn!(lock = %lock.name_any(), error = %e, "cannot write the clean-up status");
+    }
+}
+
+/// Publish an event on the lock. Best effort: events are refused in a namespace being deleted,
+/// and a lost event must never keep a finalizer.
+async fn publish(ctx: &Context, lock: &DistributedLock, notice: &Notice) {
     let event = Event {
         type_: if notice.warning {
             EventType::Warning
@@ -251,7 +347,7 @@ async fn publish(ctx: &Context, lock: &DistributedLock, notice: &Notice) -> Resu
             EventType::Normal
         },
         reason: notice.reason.into(),
-        note: Some(notice.note.chars().take(1024).collect()),
+        note: Some(status::event_note(&notice.note)),
         action: if notice.warning {
             "Check".into()
         } else {
@@ -259,10 +355,10 @@ async fn publish(ctx: &Context, lock: &DistributedLock, notice: &Notice) -> Resu
         },
         secondary: None,
     };
-    ctx.recorder
-        .publish(&event, &lock.object_ref(&()))
-        .await
-        .map_err(Error::Kube)
+    if let Err(e) = ctx.recorder.publish(&event, &lock.object_ref(&())).await {
+        tracing::warn!(lock = %lock.name_any(), reason = notice.reason, error = %e,
+            "cannot publish an event");
+    }
 }
 
 /// Retry a failing lock after a delay that doubles per consecutive failure, so one broken
@@ -515,6 +611,63 @@ mod tests {
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         timeout_after_1s(server).await;
         assert_eq!(sqlite_rows(&db).await, [row("jobs", None, 1)]);
+    }
+
+    /// A namespace being deleted refuses every event; the clean-up must not wait for a holder
+    /// there (or retry a publish) and keep the namespace `Terminating`.
+    #[tokio::test]
+    async fn delete_in_a_terminating_namespace_lets_go_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("locks.db");
+        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
+            .await
+            .unwrap();
+        driver
+            .try_acquire("jobs", "pod-a", Duration::from_secs(30))
+            .await
+            .unwrap();
+        let (ctx, api) = Context::test();
+        let lock =
+            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
+        let server = api.run(Scenario::CleanupInTerminatingNamespace(lock.clone()));
+        let action = reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        assert_eq!(action, Action::await_change());
+        timeout_after_1s(server).await;
+        assert_eq!(
+            sqlite_rows(&db).await,
+            [row("jobs", Some("pod-a"), 1)],
+            "the held row must be kept, not cleared under its holder"
+        );
+    }
+
+    #[tokio::test]
+    async fn delete_gives_up_on_an_unreachable_backend_after_the_deadline() {
+        let (ctx, api) = Context::test();
+        let mut lock = fixtures::being_deleted(
+            fixtures::unreachable_redis_lock("cache"),
+            CleanupPolicy::Delete,
+        );
+        let deleted = Timestamp::now() - CLEANUP_DEADLINE - Duration::from_secs(1);
+        lock.meta_mut().deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(deleted),
+        );
+        let server = api.run(Scenario::CleanupPastItsDeadline(lock.clone()));
+        let action = reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        assert_eq!(action, Action::await_change());
+        timeout_after_1s(server).await;
+    }
+
+    #[tokio::test]
+    async fn before_the_deadline_an_unreachable_backend_keeps_the_finalizer() {
+        let (ctx, api) = Context::test();
+        let lock = fixtures::being_deleted(
+            fixtures::unreachable_redis_lock("cache"),
+            CleanupPolicy::Delete,
+        );
+        let server = api.run(Scenario::CleanupFailsForNow(lock.clone()));
+        let error = reconcile(Arc::new(lock), ctx).await.unwrap_err();
+        assert_eq!(error.label(), "backend");
+        timeout_after_1s(server).await;
     }
 
     #[test]

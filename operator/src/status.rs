@@ -3,7 +3,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
-use leasehold_crds::{CONDITION_BACKEND_READY, DistributedLockStatus};
+use leasehold_crds::{CONDITION_BACKEND_READY, CONDITION_CLEANED_UP, DistributedLockStatus};
 use leasehold_lease::Holding;
 
 /// What one look at the backend showed.
@@ -155,6 +155,53 @@ pub fn notices(
     notices
 }
 
+/// The API server's limit on an event's note, in bytes.
+pub const EVENT_NOTE_LIMIT: usize = 1024;
+
+/// `note` cut to [`EVENT_NOTE_LIMIT`] bytes on a character boundary (a longer note gets the
+/// whole event refused).
+pub fn event_note(note: &str) -> String {
+    if note.len() <= EVENT_NOTE_LIMIT {
+        return note.to_owned();
+    }
+    const MORE: &str = "...";
+    let mut end = EVENT_NOTE_LIMIT - MORE.len();
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{MORE}", &note[..end])
+}
+
+/// `current` with the clean-up condition set to `False`, `reason` and `message`; `None` when it
+/// already says so.
+pub fn with_cleanup(
+    current: &DistributedLockStatus,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) -> Option<DistributedLockStatus> {
+    let previous = current
+        .conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_CLEANED_UP);
+    if previous.is_some_and(|c| c.reason == reason && c.message == message) {
+        return None;
+    }
+    let mut next = current.clone();
+    next.conditions.retain(|c| c.type_ != CONDITION_CLEANED_UP);
+    next.conditions.push(Condition {
+        type_: CONDITION_CLEANED_UP.to_owned(),
+        status: "False".to_owned(),
+        reason: reason.to_owned(),
+        message: message.to_owned(),
+        observed_generation: current.observed_generation,
+        last_transition_time: previous
+            .map(|p| p.last_transition_time.clone())
+            .unwrap_or(Time(now)),
+    });
+    Some(next)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,5 +318,31 @@ mod tests {
         assert_eq!(second.observed_generation, Some(2));
         assert_eq!(second.conditions[0].observed_generation, Some(2));
         assert_ne!(first, second);
+    }
+
+    #[test]
+    fn event_notes_are_cut_to_the_byte_limit_on_a_character() {
+        assert_eq!(event_note("short"), "short");
+        // Three bytes per character: a cut by characters would send 3072 bytes.
+        let long = "锁".repeat(1024);
+        let note = event_note(&long);
+        assert!(note.len() <= EVENT_NOTE_LIMIT, "{}", note.len());
+        assert!(note.ends_with("...") && note.starts_with("锁锁"));
+    }
+
+    #[test]
+    fn the_cleanup_condition_sits_beside_backend_ready_and_moves_only_on_change() {
+        let status = desired(None, Some(1), "redis", &ready(None), at(100));
+        let waiting = with_cleanup(&status, "HolderAlive", "pod-a holds", at(200)).unwrap();
+        assert_eq!(waiting.conditions.len(), 2);
+        assert_eq!(waiting.conditions[0], status.conditions[0]);
+        assert!(with_cleanup(&waiting, "HolderAlive", "pod-a holds", at(300)).is_none());
+        let gave_up = with_cleanup(&waiting, "GaveUp", "kept", at(400)).unwrap();
+        let c = &gave_up.conditions[1];
+        assert_eq!(
+            (c.type_.as_str(), c.reason.as_str()),
+            ("CleanedUp", "GaveUp")
+        );
+        assert_eq!(gave_up.conditions.len(), 2);
     }
 }

@@ -428,3 +428,30 @@ async fn a_secret_goes_only_to_servers_its_owner_allowed() {
         );
     }
 }
+
+/// In a namespace being deleted the API server refuses new objects: a Kubernetes-backed lock
+/// whose Lease does not exist yet is reported with the server's reason, and the namespace's
+/// state is there to read (the clean-up gives up at once on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_being_deleted_refuses_the_lease_and_says_so() {
+    let api = InMemoryApiServer::new();
+    api.terminate_namespace(NS);
+    let lock = lock(
+        "leader",
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    );
+    let (_, observation) = Backends::default().observe(&api.client(), &lock).await;
+    let Observation::Failed { message, .. } = observation else {
+        panic!("a Lease was created in a namespace being deleted: {observation:?}")
+    };
+    assert!(message.contains("being terminated"), "{message}");
+    assert!(api.object(LEASES, NS, "leader").is_none());
+    let namespace = kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(api.client())
+        .get(NS)
+        .await
+        .unwrap();
+    assert!(namespace.metadata.deletion_timestamp.is_some());
+}

@@ -7,6 +7,8 @@
 //!   a POST of an existing name 409 AlreadyExists, a read of a missing one 404;
 //! - list and watch with a `metadata.name` field selector, replaying every event after the
 //!   requested `resourceVersion`, so kube-runtime's watcher works against it unchanged;
+//! - a namespace being deleted ([`InMemoryApiServer::terminate_namespace`]) refuses new objects
+//!   with the real server's 403, as events and Leases meet it there;
 //! - an outage: every request fails as a refused connection and open watches end, while the
 //!   stored Leases survive (as they would in the API server's etcd).
 //!
@@ -135,6 +137,20 @@ impl InMemoryApiServer {
             .objects
             .get(&(collection.to_owned(), namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// Start deleting namespace `ns`, as `kubectl delete namespace` does while its objects still
+    /// have finalizers: from now on every new object in it is refused (403, cause
+    /// `NamespaceTerminating`), while existing ones can still be read, updated and deleted.
+    pub fn terminate_namespace(&self, ns: &str) {
+        self.put(
+            NAMESPACES,
+            json!({
+                "apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": ns, "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                "status": {"phase": "Terminating"},
+            }),
+        );
     }
 
     /// Create or overwrite `object` (namespace and name from its metadata) in `collection`, as
@@ -270,6 +286,13 @@ impl InMemoryApiServer {
             );
         };
         let mut store = self.store.lock().unwrap();
+        if store
+            .objects
+            .get(&(NAMESPACES.to_owned(), String::new(), ns.to_owned()))
+            .is_some_and(|n| !n["metadata"]["deletionTimestamp"].is_null())
+        {
+            return namespace_terminating(collection, ns);
+        }
         if store
             .objects
             .contains_key(&(collection.to_owned(), ns.to_owned(), name.clone()))
@@ -416,6 +439,8 @@ pub const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";
 pub const DISTRIBUTED_LOCKS: &str = "/apis/leasehold.dev/v1alpha1/distributedlocks";
 /// The collection of Secrets.
 pub const SECRETS: &str = "/api/v1/secrets";
+/// The collection of Namespaces (cluster-scoped).
+pub const NAMESPACES: &str = "/api/v1/namespaces";
 /// The collection of MutatingWebhookConfigurations (cluster-scoped: namespace "").
 pub const MUTATING_WEBHOOK_CONFIGURATIONS: &str =
     "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations";
@@ -453,6 +478,12 @@ impl Route {
         };
         let root = segments[..at].join("/");
         match &segments[at + 1..] {
+            // The Namespace objects themselves (cluster-scoped).
+            [] | [_] if root == "api/v1" => Some(Self {
+                collection: NAMESPACES.to_owned(),
+                namespace: String::new(),
+                name: segments.get(at + 1).map(|n| (*n).to_owned()),
+            }),
             [ns, plural] => Some(Self {
                 collection: format!("/{root}/{plural}"),
                 namespace: (*ns).to_owned(),
@@ -497,6 +528,24 @@ fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
         &json!({
             "kind": "Status", "apiVersion": "v1", "metadata": {},
             "status": "Failure", "message": message, "reason": reason, "code": code.as_u16(),
+        }),
+    )
+}
+
+/// What a real API server answers to a create in a namespace being deleted.
+fn namespace_terminating(collection: &str, ns: &str) -> Response<Body> {
+    let plural = collection.rsplit('/').next().unwrap_or_default();
+    json_response(
+        StatusCode::FORBIDDEN,
+        &json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": format!("{plural} is forbidden: unable to create new content in namespace {ns} because it is being terminated"),
+            "reason": "Forbidden", "code": 403,
+            "details": {"kind": plural, "causes": [{
+                "reason": "NamespaceTerminating",
+                "message": format!("namespace {ns} is being terminated"),
+                "field": "metadata.namespace",
+            }]},
         }),
     )
 }
