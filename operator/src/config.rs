@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use crate::webhook::{self, Injection, Resources};
+
 pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:8080";
 /// The webhook's HTTPS port (the webhook Service's targetPort).
 pub const DEFAULT_WEBHOOK_LISTEN: &str = "0.0.0.0:9443";
@@ -69,7 +71,95 @@ pub struct Config {
     #[arg(long, env = "LEASEHOLD_SIDECAR_MODE", default_value = "native", value_parser = ["native", "container"])]
     pub sidecar_mode: String,
 
+    /// The sidecar's CPU request (a Kubernetes quantity; empty for none).
+    #[arg(long, env = "LEASEHOLD_SIDECAR_CPU_REQUEST", default_value = webhook::DEFAULT_CPU_REQUEST, value_parser = quantity)]
+    pub sidecar_cpu_request: String,
+
+    /// The sidecar's memory request.
+    #[arg(long, env = "LEASEHOLD_SIDECAR_MEMORY_REQUEST", default_value = webhook::DEFAULT_MEMORY_REQUEST, value_parser = quantity)]
+    pub sidecar_memory_request: String,
+
+    /// The sidecar's CPU limit [default: none, since a throttled holder renews late; set one
+    /// where a namespace quota on limits.cpu requires it].
+    #[arg(long, env = "LEASEHOLD_SIDECAR_CPU_LIMIT", default_value = "", value_parser = quantity)]
+    pub sidecar_cpu_limit: String,
+
+    /// The sidecar's memory limit.
+    #[arg(long, env = "LEASEHOLD_SIDECAR_MEMORY_LIMIT", default_value = webhook::DEFAULT_MEMORY_LIMIT, value_parser = quantity)]
+    pub sidecar_memory_limit: String,
+
+    /// Image pull secrets (names, in each injected pod's namespace) added to injected pods for
+    /// the sidecar's image, beside the pod's own; comma-separated or repeated.
+    #[arg(
+        long,
+        env = "LEASEHOLD_SIDECAR_IMAGE_PULL_SECRETS",
+        value_delimiter = ','
+    )]
+    pub sidecar_image_pull_secret: Vec<String>,
+
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+}
+
+/// A Kubernetes quantity, or empty for none.
+fn quantity(value: &str) -> Result<String, String> {
+    if value.is_empty() || webhook::is_quantity(value) {
+        Ok(value.to_owned())
+    } else {
+        Err(format!(
+            "{value:?} is not a Kubernetes quantity (e.g. 10m, 0.5, 64Mi)"
+        ))
+    }
+}
+
+impl Config {
+    /// How the webhook injects the sidecar.
+    pub fn injection(&self) -> Injection {
+        let set = |v: &String| (!v.is_empty()).then(|| v.clone());
+        Injection {
+            image: self.sidecar_image.clone(),
+            native_sidecar: self.sidecar_mode == "native",
+            resources: webhook::resources(&Resources {
+                cpu_request: set(&self.sidecar_cpu_request),
+                memory_request: set(&self.sidecar_memory_request),
+                cpu_limit: set(&self.sidecar_cpu_limit),
+                memory_limit: set(&self.sidecar_memory_limit),
+            }),
+            image_pull_secrets: self
+                .sidecar_image_pull_secret
+                .iter()
+                .filter(|n| !n.is_empty())
+                .cloned()
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sidecar_resources_and_pull_secrets_come_from_flags() {
+        let config = Config::try_parse_from([
+            "leasehold-operator",
+            "--sidecar-cpu-limit=",
+            "--sidecar-memory-limit=128Mi",
+            "--sidecar-cpu-request=",
+            "--sidecar-image-pull-secret=a,b",
+        ])
+        .unwrap();
+        let injection = config.injection();
+        let r = &injection.resources;
+        assert!(r.requests.as_ref().unwrap().get("cpu").is_none());
+        assert_eq!(r.requests.as_ref().unwrap()["memory"].0, "16Mi");
+        assert_eq!(r.limits.as_ref().unwrap()["memory"].0, "128Mi");
+        assert!(r.limits.as_ref().unwrap().get("cpu").is_none());
+        assert_eq!(injection.image_pull_secrets, ["a", "b"]);
+        let error = Config::try_parse_from(["leasehold-operator", "--sidecar-cpu-limit=lots"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("not a Kubernetes quantity"), "{error}");
+    }
 }

@@ -8,7 +8,6 @@ use clap::Parser;
 use leasehold_operator::config::Config;
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context};
-use leasehold_operator::webhook::Injection;
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
 use leasehold_operator::{election, server, webhook_server};
 use leasehold_sidecar::process::{hostname, init_logging, shutdown_signal};
@@ -129,10 +128,7 @@ async fn start_webhook(
             ));
         }
     }
-    let injection = Injection {
-        image: config.sidecar_image.clone(),
-        native_sidecar: config.sidecar_mode == "native",
-    };
+    let injection = config.injection();
     let router = webhook_server::router(client.clone(), injection, metrics);
     tokio::spawn(webhook_server::serve(
         listener,

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
     Lifecycle, LifecycleHandler, ObjectFieldSelector, Pod, Probe, ResourceRequirements,
-    SecurityContext,
+    SeccompProfile, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -39,6 +39,86 @@ pub struct Injection {
     /// An init container with `restartPolicy: Always` (Kubernetes 1.29+); `false` appends a
     /// plain container for older clusters.
     pub native_sidecar: bool,
+    /// The sidecar's requests and limits (a namespace quota on `limits.cpu` refuses pods
+    /// whose containers set none).
+    pub resources: ResourceRequirements,
+    /// Pull secrets (in the pod's namespace) added to the pod for the sidecar's image, beside
+    /// the pod's own.
+    pub image_pull_secrets: Vec<String>,
+}
+
+impl Injection {
+    /// `image` with the default requests and limits and no extra pull secret.
+    pub fn new(image: &str, native_sidecar: bool) -> Self {
+        Self {
+            image: image.to_owned(),
+            native_sidecar,
+            resources: resources(&Resources::default()),
+            image_pull_secrets: Vec::new(),
+        }
+    }
+}
+
+/// The sidecar's CPU and memory, as Kubernetes quantities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resources {
+    pub cpu_request: Option<String>,
+    pub memory_request: Option<String>,
+    /// None by default: a CPU limit throttles the sidecar under load, and a throttled holder
+    /// renews late.
+    pub cpu_limit: Option<String>,
+    pub memory_limit: Option<String>,
+}
+
+impl Default for Resources {
+    fn default() -> Self {
+        Self {
+            cpu_request: Some(DEFAULT_CPU_REQUEST.to_owned()),
+            memory_request: Some(DEFAULT_MEMORY_REQUEST.to_owned()),
+            cpu_limit: None,
+            memory_limit: Some(DEFAULT_MEMORY_LIMIT.to_owned()),
+        }
+    }
+}
+
+pub const DEFAULT_CPU_REQUEST: &str = "10m";
+pub const DEFAULT_MEMORY_REQUEST: &str = "16Mi";
+pub const DEFAULT_MEMORY_LIMIT: &str = "64Mi";
+
+/// Whether `value` is a Kubernetes quantity (`10m`, `0.5`, `64Mi`, `1e3`): checked when the
+/// operator starts, since a bad one would get every annotated pod refused.
+pub fn is_quantity(value: &str) -> bool {
+    let number_end = value
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(value.len());
+    let (number, suffix) = value.split_at(number_end);
+    let number_ok = !number.is_empty()
+        && number.matches('.').count() <= 1
+        && number.chars().any(|c| c.is_ascii_digit());
+    let suffix_ok = matches!(
+        suffix,
+        "" | "m" | "k" | "M" | "G" | "T" | "P" | "E" | "Ki" | "Mi" | "Gi" | "Ti" | "Pi" | "Ei"
+    ) || suffix.strip_prefix(['e', 'E']).is_some_and(|exp| {
+        let digits = exp.strip_prefix(['+', '-']).unwrap_or(exp);
+        !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
+    });
+    number_ok && suffix_ok
+}
+
+/// The container's resources from `r`.
+pub fn resources(r: &Resources) -> ResourceRequirements {
+    let pick = |pairs: [(&str, &Option<String>); 2]| {
+        let map: std::collections::BTreeMap<String, Quantity> = pairs
+            .into_iter()
+            .filter_map(|(k, v)| Some((k.to_owned(), Quantity(v.clone()?))))
+            .collect();
+        (!map.is_empty()).then_some(map)
+    };
+    ResourceRequirements {
+        requests: pick([("cpu", &r.cpu_request), ("memory", &r.memory_request)]),
+        limits: pick([("cpu", &r.cpu_limit), ("memory", &r.memory_limit)]),
+        ..ResourceRequirements::default()
+    }
 }
 
 /// What the webhook answers for one pod.
@@ -166,13 +246,32 @@ pub fn decide(
     } else {
         json!({"op": "add", "path": "/metadata/labels", "value": {INJECTED_LABEL: "true"}})
     };
-    Decision::Patch(vec![op, label])
+    let mut ops = vec![op, label];
+    let present: Vec<&str> = spec
+        .and_then(|s| s.image_pull_secrets.as_ref())
+        .map(|l| l.iter().map(|r| r.name.as_str()).collect())
+        .unwrap_or_default();
+    let missing: Vec<&String> = injection
+        .image_pull_secrets
+        .iter()
+        .filter(|name| !present.contains(&name.as_str()))
+        .collect();
+    if !missing.is_empty() {
+        if spec.and_then(|s| s.image_pull_secrets.as_ref()).is_some() {
+            ops.extend(missing.iter().map(|name| {
+                json!({"op": "add", "path": "/spec/imagePullSecrets/-", "value": {"name": name}})
+            }));
+        } else {
+            let list: Vec<Value> = missing.iter().map(|name| json!({"name": name})).collect();
+            ops.push(json!({"op": "add", "path": "/spec/imagePullSecrets", "value": list}));
+        }
+    }
+    Decision::Patch(ops)
 }
 
 /// The sidecar container for `locks` in `namespace`.
 pub fn sidecar(namespace: &str, locks: &[String], injection: &Injection) -> Container {
     let resources: Vec<String> = locks.iter().map(|l| format!("{namespace}/{l}")).collect();
-    let quantity = |q: &str| Quantity(q.to_owned());
     let http = |path: &str| HTTPGetAction {
         path: Some(path.to_owned()),
         port: IntOrString::Int(i32::from(PROBE_PORT)),
@@ -238,18 +337,14 @@ pub fn sidecar(namespace: &str, locks: &[String], injection: &Injection) -> Cont
             }),
             ..Lifecycle::default()
         }),
-        resources: Some(ResourceRequirements {
-            requests: Some(
-                [
-                    ("cpu".to_owned(), quantity("10m")),
-                    ("memory".to_owned(), quantity("16Mi")),
-                ]
-                .into(),
-            ),
-            limits: Some([("memory".to_owned(), quantity("64Mi"))].into()),
-            ..ResourceRequirements::default()
-        }),
+        resources: Some(injection.resources.clone()),
+        // Everything Pod Security's `restricted` profile asks of a container, so that the
+        // injected pod is admitted wherever the app alone would be.
         security_context: Some(SecurityContext {
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_owned(),
+                ..SeccompProfile::default()
+            }),
             run_as_non_root: Some(true),
             run_as_user: Some(65532),
             read_only_root_filesystem: Some(true),

@@ -96,10 +96,7 @@ fn the_monitors_select_the_injected_sidecars_and_the_operators_metrics() {
     let sidecar = serde_json::to_value(leasehold_operator::webhook::sidecar(
         "team",
         &["jobs".to_owned()],
-        &leasehold_operator::webhook::Injection {
-            image: "leasehold/leasehold:0.1.0".into(),
-            native_sidecar: true,
-        },
+        &leasehold_operator::webhook::Injection::new("leasehold/leasehold:0.1.0", true),
     ))
     .unwrap();
     assert_eq!(sidecar["ports"][0]["name"], "leasehold-probe");

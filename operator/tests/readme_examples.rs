@@ -100,10 +100,7 @@ fn the_complete_helm_example_is_valid_and_gets_its_sidecar() {
         "metadata": template["metadata"].clone(), "spec": template["spec"].clone()});
     pod["metadata"]["name"] = "report-runner-7c9d-x2".into();
     let typed: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod.clone()).unwrap();
-    let injection = Injection {
-        image: "leasehold/leasehold:0.1.0".into(),
-        native_sidecar: true,
-    };
+    let injection = Injection::new("leasehold/leasehold:0.1.0", true);
     let Decision::Patch(ops) = webhook::decide(
         &typed,
         &namespace,

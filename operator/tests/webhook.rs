@@ -61,10 +61,7 @@ fn admission_review(pod: &Value) -> AdmissionReview<k8s_openapi::api::core::v1::
 }
 
 fn injection(native: bool) -> Injection {
-    Injection {
-        image: "leasehold/leasehold:0.1.0".into(),
-        native_sidecar: native,
-    }
+    Injection::new("leasehold/leasehold:0.1.0", native)
 }
 
 /// The webhook's answer: allowed, the message, and the pod after its patch.
@@ -300,4 +297,169 @@ async fn backend_gated_readiness_is_opted_into_by_annotation() {
     let (allowed, message, _) = admit(&api, &gated, true).await;
     assert!(!allowed);
     assert!(message.contains("readiness-requires-backend"), "{message}");
+}
+
+/// Pod Security's `restricted` profile, as documented
+/// (kubernetes.io/docs/concepts/security/pod-security-standards): the checks that a container
+/// or a pod can fail, with the pod-level fields that satisfy a container's.
+fn restricted_violations(pod: &Value) -> Vec<String> {
+    let spec = &pod["spec"];
+    let pod_sc = &spec["securityContext"];
+    let mut violations = Vec::new();
+    for field in ["hostNetwork", "hostPID", "hostIPC"] {
+        if spec[field] == true {
+            violations.push(format!("pod: {field}"));
+        }
+    }
+    const VOLUMES: [&str; 8] = [
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    ];
+    for volume in spec["volumes"].as_array().into_iter().flatten() {
+        let kinds: Vec<&String> = volume
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter(|k| *k != "name")
+            .collect();
+        if kinds.iter().any(|k| !VOLUMES.contains(&k.as_str())) {
+            violations.push(format!("volume {}: {kinds:?}", volume["name"]));
+        }
+    }
+    let containers = ["initContainers", "containers", "ephemeralContainers"]
+        .into_iter()
+        .flat_map(|list| spec[list].as_array().into_iter().flatten());
+    for c in containers {
+        let name = c["name"].as_str().unwrap_or("?");
+        let sc = &c["securityContext"];
+        let either = |field: &str| {
+            if sc[field].is_null() {
+                &pod_sc[field]
+            } else {
+                &sc[field]
+            }
+        };
+        if sc["privileged"] == true {
+            violations.push(format!("{name}: privileged"));
+        }
+        if sc["allowPrivilegeEscalation"] != false {
+            violations.push(format!("{name}: allowPrivilegeEscalation is not false"));
+        }
+        if either("runAsNonRoot") != true {
+            violations.push(format!("{name}: runAsNonRoot is not true"));
+        }
+        if either("runAsUser") == 0 {
+            violations.push(format!("{name}: runAsUser 0"));
+        }
+        let seccomp = either("seccompProfile")["type"].as_str().unwrap_or("");
+        if !matches!(seccomp, "RuntimeDefault" | "Localhost") {
+            violations.push(format!("{name}: seccompProfile {seccomp:?}"));
+        }
+        let drops = sc["capabilities"]["drop"].as_array();
+        if !drops.is_some_and(|d| d.contains(&json!("ALL"))) {
+            violations.push(format!("{name}: capabilities do not drop ALL"));
+        }
+        for added in sc["capabilities"]["add"].as_array().into_iter().flatten() {
+            if added != "NET_BIND_SERVICE" {
+                violations.push(format!("{name}: adds capability {added}"));
+            }
+        }
+        for port in c["ports"].as_array().into_iter().flatten() {
+            if port["hostPort"].as_i64().is_some_and(|p| p != 0) {
+                violations.push(format!("{name}: hostPort"));
+            }
+        }
+        if !sc["procMount"].is_null() && sc["procMount"] != "Default" {
+            violations.push(format!("{name}: procMount"));
+        }
+    }
+    violations
+}
+
+/// A pod that `restricted` admits stays admissible with the sidecar, in both injection modes;
+/// the checker itself refuses a pod that leaves the container settings out.
+#[tokio::test]
+async fn the_injected_pod_meets_pod_security_restricted() {
+    let api = api_with_locks(&["jobs"]);
+    let mut app = pod(Some("jobs"), None, None);
+    app["spec"]["securityContext"] = json!({"runAsNonRoot": true});
+    app["spec"]["containers"][0]["securityContext"] = json!({
+        "allowPrivilegeEscalation": false,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    });
+    assert_eq!(restricted_violations(&app), Vec::<String>::new());
+    for native in [true, false] {
+        let (allowed, _, patched) = admit(&api, &app, native).await;
+        assert!(allowed);
+        assert_eq!(
+            restricted_violations(&patched),
+            Vec::<String>::new(),
+            "native sidecar: {native}"
+        );
+    }
+    let bare = pod(Some("jobs"), None, None);
+    let violations = restricted_violations(&bare);
+    assert!(
+        violations.iter().any(|v| v.contains("seccompProfile")),
+        "{violations:?}"
+    );
+}
+
+#[tokio::test]
+async fn resources_and_pull_secrets_are_the_operators_settings() {
+    let api = api_with_locks(&["jobs"]);
+    let mut injection = Injection::new("registry.example/leasehold:0.1.0", true);
+    injection.resources = webhook::resources(&webhook::Resources {
+        cpu_limit: Some("200m".into()),
+        ..webhook::Resources::default()
+    });
+    injection.image_pull_secrets = vec!["registry-a".into(), "registry-b".into()];
+    let patch = |pod: &Value| {
+        let review = admission_review(pod);
+        let api = api.clone();
+        let injection = injection.clone();
+        let pod = pod.clone();
+        async move {
+            let answer = webhook::review(&api.client(), &injection, review).await;
+            let bytes = base64_decode(answer["response"]["patch"].as_str().unwrap());
+            let patch: json_patch::Patch = serde_json::from_slice(&bytes).unwrap();
+            let mut patched = pod;
+            json_patch::patch(&mut patched, &patch).unwrap();
+            patched
+        }
+    };
+    let patched = patch(&pod(Some("jobs"), None, None)).await;
+    let c = &sidecars(&patched, "initContainers")[0];
+    assert_eq!(c["resources"]["limits"]["cpu"], "200m");
+    assert_eq!(c["resources"]["requests"]["cpu"], "10m");
+    assert_eq!(c["resources"]["limits"]["memory"], "64Mi");
+    assert_eq!(
+        patched["spec"]["imagePullSecrets"],
+        json!([{"name": "registry-a"}, {"name": "registry-b"}])
+    );
+    // The pod's own pull secrets stay, and one it already names is not added twice.
+    let mut own = pod(Some("jobs"), None, None);
+    own["spec"]["imagePullSecrets"] = json!([{"name": "app-registry"}, {"name": "registry-b"}]);
+    let patched = patch(&own).await;
+    assert_eq!(
+        patched["spec"]["imagePullSecrets"],
+        json!([{"name": "app-registry"}, {"name": "registry-b"}, {"name": "registry-a"}])
+    );
+}
+
+#[test]
+fn quantities_are_checked_before_they_reach_a_pod() {
+    for ok in ["10m", "0.5", "64Mi", "1", "1e3", "2Gi", "100k"] {
+        assert!(webhook::is_quantity(ok), "{ok}");
+    }
+    for bad in ["", "ten", "64MB", "1.2.3", "-1", "m", "1e", "64 Mi"] {
+        assert!(!webhook::is_quantity(bad), "{bad}");
+    }
 }

@@ -204,10 +204,7 @@ async fn the_listener_serves_admission_reviews_and_picks_up_a_rotated_certificat
     let metrics = Arc::new(leasehold_operator::metrics::Metrics::new());
     let router = webhook_server::router(
         client.clone(),
-        Injection {
-            image: "leasehold/leasehold:0.1.0".into(),
-            native_sidecar: true,
-        },
+        Injection::new("leasehold/leasehold:0.1.0", true),
         metrics.clone(),
     );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
