@@ -1,6 +1,7 @@
 //! Leader election among operator replicas, on Leasehold's own Kubernetes Lease driver: one
-//! replica reconciles, the others wait. A leader that loses its lease stops at once (the
-//! process exits and restarts as a standby), because two reconcilers would fight over status.
+//! replica reconciles, the others wait. A leader that loses its lease stops reconciling at once,
+//! because two reconcilers would fight over status, and campaigns again as a standby; every
+//! replica serves the webhook throughout.
 
 use std::sync::Arc;
 use std::time::Duration;

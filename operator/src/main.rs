@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use clap::Parser;
 use leasehold_operator::config::Config;
@@ -12,8 +13,10 @@ use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
 use leasehold_operator::{election, server, webhook_server};
 use leasehold_sidecar::process::{hostname, init_logging, shutdown_signal};
 
-/// Exit status when leadership is lost: the pod restarts as a standby with fresh caches.
-const EXIT_DEPOSED: u8 = 3;
+/// How long the webhook keeps answering after SIGTERM (not ready meanwhile): Services and the
+/// API server's endpoints take a few seconds to drop a terminating pod. The chart's
+/// terminationGracePeriodSeconds leaves room for it.
+const WEBHOOK_DRAIN: Duration = Duration::from_secs(5);
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
@@ -57,45 +60,56 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         .map_err(|e| format!("cannot start the leader election: {e}"))?;
     // Ready once the webhook presents a certificate: the Service must not send admission
     // reviews to a replica that would fail every handshake.
-    tokio::spawn({
+    let turn_ready = tokio::spawn({
         let ready = ready.clone();
         async move {
             serving.wait_loaded().await;
             ready.store(true, Ordering::SeqCst);
         }
     });
-    tracing::info!(%identity, namespace = %election_namespace, "waiting to lead");
-    tokio::select! {
-        () = election::elected(&leadership) => {}
-        signal = shutdown_signal() => {
-            tracing::info!(signal, "stopping before being elected");
-            leadership.shutdown().await;
-            return Ok(ExitCode::SUCCESS);
-        }
-    }
-    metrics.set_leader(true);
-    tracing::info!(%identity, "elected: reconciling");
-
     let ctx = Arc::new(Context::new(client, &identity, metrics.clone()));
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(reconcile::run(ctx, config.watch_namespace.clone(), async {
-        let _ = stop_rx.await;
-    }));
-    let code = tokio::select! {
-        signal = shutdown_signal() => {
-            tracing::info!(signal, "shutting down");
-            ExitCode::SUCCESS
+    let mut signal = std::pin::pin!(shutdown_signal());
+    let signal = loop {
+        tracing::info!(%identity, namespace = %election_namespace, "waiting to lead");
+        tokio::select! {
+            () = election::elected(&leadership) => {}
+            signal = &mut signal => break signal,
         }
-        () = election::deposed(&leadership) => {
-            tracing::error!("lost the leader election: stopping so that only the new leader reconciles");
-            ExitCode::from(EXIT_DEPOSED)
+        metrics.set_leader(true);
+        tracing::info!(%identity, "elected: reconciling");
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let controller = tokio::spawn(reconcile::run(
+            ctx.clone(),
+            config.watch_namespace.clone(),
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        let outcome = tokio::select! {
+            signal = &mut signal => Some(signal),
+            () = election::deposed(&leadership) => None,
+        };
+        // Stopped before anything else: a deposed leader's controller must not run beside the
+        // new leader's.
+        let _ = stop_tx.send(());
+        let _ = controller.await;
+        metrics.set_leader(false);
+        match outcome {
+            Some(signal) => break signal,
+            // The webhook (served by every replica) keeps answering: only reconciling stops.
+            None => tracing::warn!(
+                "lost the leader election: reconciling stopped; standing by, the webhook serves on"
+            ),
         }
     };
-    let _ = stop_tx.send(());
-    let _ = controller.await;
-    metrics.set_leader(false);
+    tracing::info!(signal, "shutting down");
+    // Hand the leadership over at once, then keep answering admission reviews while the
+    // endpoints drop this replica: the API server sends them here until then.
     leadership.shutdown().await;
-    Ok(code)
+    turn_ready.abort();
+    ready.store(false, Ordering::SeqCst);
+    tokio::time::sleep(WEBHOOK_DRAIN).await;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Listen for admission reviews on every replica, with a certificate from files (cert-manager)

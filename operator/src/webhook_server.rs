@@ -27,7 +27,11 @@ pub const MUTATE_PATH: &str = "/mutate";
 /// The API server gives up after the webhook's `timeoutSeconds` (at most 30 s); a client that has
 /// not finished its handshake or headers by then is not the API server.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may sit between requests (hyper's header-read timeout also bounds the
+/// idle wait of a kept-alive connection). The API server keeps idle connections to a webhook in
+/// its pool for 90 s; closing them earlier makes it reuse a connection that is being closed, and
+/// an admission fails now and then during normal operation.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Clone)]
 struct Webhook {
@@ -114,7 +118,7 @@ pub async fn serve(
             };
             let served = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
+                .header_read_timeout(IDLE_TIMEOUT)
                 .serve_connection(TokioIo::new(tls), service)
                 .await;
             if let Err(e) = served {

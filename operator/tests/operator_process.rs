@@ -1,13 +1,14 @@
 //! The `leasehold-operator` binary as the chart runs it, against the in-memory Kubernetes API
 //! served over HTTP (a kubeconfig names it): it issues its webhook certificate into the Secret,
 //! publishes the CA as the webhook configuration's `caBundle`, turns ready only then, answers
-//! admission reviews over TLS with the sidecar patch, counts them, leads, and stops on SIGTERM.
+//! admission reviews over TLS with the sidecar patch, counts them, leads, stands by with its
+//! webhook serving when deposed, and drains on SIGTERM.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use leasehold_lease::testkit::in_memory_api_server::{
-    DISTRIBUTED_LOCKS, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
+    DISTRIBUTED_LOCKS, LEASES, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
 };
 use leasehold_lease::testkit::{InMemoryApiServer, free_port};
 use serde_json::{Value, json};
@@ -173,14 +174,73 @@ async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
         "{expiry} is not about 90 days from {now}"
     );
 
+    // Another replica takes the election Lease: this one stops reconciling but stays up, and
+    // its webhook answers on.
+    let mut lease = api
+        .object(LEASES, NS, "leasehold-operator")
+        .expect("the election Lease");
+    lease["spec"]["holderIdentity"] = json!("leasehold-operator-1");
+    lease["spec"]["renewTime"] = json!(now_micro_time());
+    api.put(LEASES, lease.clone());
+    eventually(Duration::from_secs(20), "deposed", async || {
+        get(metrics_port, "/metrics")
+            .await
+            .filter(|(_, m)| m.contains("leasehold_operator_leader 0"))
+    })
+    .await;
+    assert!(
+        operator.0.try_wait().unwrap().is_none(),
+        "a deposed replica exited: the webhook went with it"
+    );
+    let (status, body, _) = post(webhook, &ca, time::OffsetDateTime::now_utc(), &review)
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "a deposed replica's webhook: {body}");
+    // The other replica steps down: this one leads again.
+    lease["spec"]["holderIdentity"] = Value::Null;
+    api.put(LEASES, lease);
+    eventually(Duration::from_secs(20), "leading again", async || {
+        get(metrics_port, "/metrics")
+            .await
+            .filter(|(_, m)| m.contains("leasehold_operator_leader 1"))
+    })
+    .await;
+
+    // SIGTERM: not ready at once, the webhook still answers while endpoints catch up, then a
+    // clean exit.
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(operator.0.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
+    eventually(
+        Duration::from_secs(3),
+        "not ready after SIGTERM",
+        async || {
+            get(metrics_port, "/readyz")
+                .await
+                .filter(|(status, _)| *status == 503)
+        },
+    )
+    .await;
+    let (status, body, _) = post(webhook, &ca, time::OffsetDateTime::now_utc(), &review)
+        .await
+        .expect("the webhook stopped answering at SIGTERM");
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        operator.0.try_wait().unwrap().is_none(),
+        "exited without draining"
+    );
     let status = eventually(Duration::from_secs(15), "exit after SIGTERM", async || {
         operator.0.try_wait().unwrap()
     })
     .await;
     assert!(status.success(), "{status:?}");
+}
+
+/// A Lease's `renewTime`, now.
+fn now_micro_time() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap()
 }

@@ -343,3 +343,42 @@ async fn certificates_from_files_are_reloaded_when_they_change() {
     assert!(!mismatch.to_string().contains("PRIVATE"), "{mismatch}");
     assert_eq!(serving.presented().as_deref(), Some(second.cert.as_str()));
 }
+
+/// The API server keeps idle connections to a webhook for 90 s and reuses them: one left idle
+/// past hyper's old 10 s header timeout still answers the next review.
+#[tokio::test]
+async fn an_idle_kept_alive_connection_still_answers() {
+    let api = api_with_configuration();
+    let client = api.client();
+    let serving = ServingCert::new();
+    let t = now();
+    webhook_tls::pass(&client, &settings(), &serving, t)
+        .await
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = webhook_server::router(
+        client,
+        Injection::new("leasehold/leasehold:0.1.0", true),
+        Arc::new(leasehold_operator::metrics::Metrics::new()),
+    );
+    tokio::spawn(webhook_server::serve(
+        listener,
+        serving,
+        router,
+        std::future::pending(),
+    ));
+    let ca = published_ca(&api);
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::try_from(support::HOST).unwrap();
+    let mut tls = support::connector(&ca, t).connect(name, tcp).await.unwrap();
+    let review = review_of_annotated_pod();
+    let (status, _) = support::post_kept_alive(&mut tls, &review).await.unwrap();
+    assert_eq!(status, 200);
+    tokio::time::sleep(std::time::Duration::from_secs(12)).await;
+    let (status, body) = support::post_kept_alive(&mut tls, &review)
+        .await
+        .expect("the idle connection was closed");
+    assert_eq!(status, 200, "{body}");
+    assert!(webhook_server::IDLE_TIMEOUT > std::time::Duration::from_secs(90));
+}

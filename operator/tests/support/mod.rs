@@ -128,6 +128,42 @@ pub async fn post(
     Ok((status, body, presented))
 }
 
+/// POST `body` to `/mutate` on an open connection, keeping it open: (status, body).
+pub async fn post_kept_alive(
+    tls: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    body: &str,
+) -> std::io::Result<(u16, String)> {
+    let request = format!(
+        "POST /mutate HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(request.as_bytes()).await?;
+    // Read the head, then exactly Content-Length bytes of body.
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        if tls.read(&mut byte).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("content-length:")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .expect("a Content-Length");
+    let mut body = vec![0u8; length];
+    tls.read_exact(&mut body).await?;
+    Ok((
+        head[9..12].parse().unwrap(),
+        String::from_utf8_lossy(&body).into_owned(),
+    ))
+}
+
 pub fn der_of(pem: &str) -> Vec<u8> {
     use rustls_pki_types::CertificateDer;
     use rustls_pki_types::pem::PemObject;
