@@ -4,7 +4,7 @@ against values.schema.json, and validate the rendered objects against the Kubern
 (kubernetes-validate). operator/tests/manifests.rs calls it; scripts/install-test-deps installs
 the two packages in the venv it runs from.
 
-  check.py lint FILE...               strict lint with each values file
+  check.py lint [--kube-version V] FILE...   strict lint with each values file
   check.py render [-f FILE] [--set K=V]...   the manifests, as one YAML stream
   check.py validate [-f FILE] [--set K=V]... render, then validate every object
   check.py schema [--set K=V]...      check values against values.schema.json only
@@ -85,6 +85,8 @@ def main():
     parser.add_argument("files", nargs="*")
     parser.add_argument("-f", "--values", action="append")
     parser.add_argument("--set", action="append")
+    parser.add_argument("--kube-version", default=KUBE_VERSION,
+                        help="the cluster version lint renders for (default %(default)s)")
     args = parser.parse_args()
 
     if args.command == "lint":
@@ -92,7 +94,7 @@ def main():
         for path in args.files:
             values = yaml.safe_load(pathlib.Path(path).read_text()) or {}
             report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE,
-                               kube_version="v" + KUBE_VERSION)
+                               kube_version="v" + args.kube_version)
             for message in report["messages"]:
                 print(f"{path}: severity {message['severity']}: {message['path']}: {message['error']}")
                 failed |= message["severity"] >= 2

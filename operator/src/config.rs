@@ -7,9 +7,10 @@ use clap::Parser;
 
 use crate::webhook::{self, Injection, Resources};
 
-pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:8080";
+/// Every address, IPv6 and IPv4 (IPv4 only where the kernel has no IPv6).
+pub const DEFAULT_METRICS_LISTEN: &str = "[::]:8080";
 /// The webhook's HTTPS port (the webhook Service's targetPort).
-pub const DEFAULT_WEBHOOK_LISTEN: &str = "0.0.0.0:9443";
+pub const DEFAULT_WEBHOOK_LISTEN: &str = "[::]:9443";
 /// The names the chart gives the webhook's objects.
 pub const DEFAULT_WEBHOOK_SERVICE: &str = "leasehold-webhook";
 pub const DEFAULT_WEBHOOK_CONFIGURATION: &str = "leasehold";

@@ -11,7 +11,7 @@ use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context};
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
 use leasehold_operator::{election, server, webhook_server};
-use leasehold_sidecar::process::{hostname, init_logging, shutdown_signal};
+use leasehold_sidecar::process::{hostname, init_logging, listen, shutdown_signal};
 
 /// How long the webhook keeps answering after SIGTERM (not ready meanwhile): Services and the
 /// API server's endpoints take a few seconds to drop a terminating pod. The chart's
@@ -46,7 +46,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         .unwrap_or_else(|| client.default_namespace().to_owned());
     let metrics = Arc::new(Metrics::new());
     let ready = Arc::new(AtomicBool::new(false));
-    let listener = tokio::net::TcpListener::bind(config.metrics_listen)
+    let listener = listen(config.metrics_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.metrics_listen))?;
     let health = server::Health {
@@ -120,7 +120,7 @@ async fn start_webhook(
     namespace: &str,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<ServingCert>, String> {
-    let listener = tokio::net::TcpListener::bind(config.webhook_listen)
+    let listener = listen(config.webhook_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.webhook_listen))?;
     let serving = ServingCert::with_expiry_gauge(metrics.certificate_expiry());

@@ -285,7 +285,7 @@ pub fn sidecar(namespace: &str, locks: &[String], injection: &Injection) -> Cont
             "--resource".to_owned(),
             resources.join(","),
             "--probe-listen".to_owned(),
-            format!("0.0.0.0:{PROBE_PORT}"),
+            format!("[::]:{PROBE_PORT}"),
             "--log-format".to_owned(),
             "json".to_owned(),
         ]),

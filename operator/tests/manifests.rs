@@ -197,7 +197,7 @@ fn operator_args(docs: &[Value]) -> Vec<String> {
 
 #[test]
 fn only_annotated_pods_outside_the_operator_and_kube_system_reach_the_webhook() {
-    let docs = render_chart(&["--set", "webhook.excludeNamespaces[0]=batch"]);
+    let docs = render_chart(&["--set", "webhook.excludeNamespaces={batch,no,on}"]);
     let webhook = webhook_of(&docs);
     assert_eq!(webhook["failurePolicy"].as_str(), Some("Fail"));
     assert_eq!(webhook["sideEffects"].as_str(), Some("None"));
@@ -220,7 +220,8 @@ fn only_annotated_pods_outside_the_operator_and_kube_system_reach_the_webhook() 
     assert_eq!(excluded["operator"].as_str(), Some("NotIn"));
     assert_eq!(
         strings(&excluded["values"]),
-        ["leasehold-system", "kube-system", "batch"]
+        ["leasehold-system", "kube-system", "batch", "no", "on"],
+        "namespace names are strings, never booleans"
     );
     let condition = webhook["matchConditions"][0]["expression"]
         .as_str()
@@ -255,6 +256,27 @@ fn only_annotated_pods_outside_the_operator_and_kube_system_reach_the_webhook() 
         of_kind(&older, "PodDisruptionBudget").is_empty(),
         "no PDB for one replica: it would block every drain"
     );
+}
+
+/// The PodDisruptionBudget guards evictions only; the replicas must also be on different nodes
+/// whenever the cluster has several, or one node's loss takes every webhook replica.
+#[test]
+fn webhook_replicas_are_spread_over_nodes() {
+    let docs = render_chart(&[]);
+    let deployment = of_kind(&docs, "Deployment")[0];
+    let spec = &deployment["spec"]["template"]["spec"];
+    let spread = &spec["topologySpreadConstraints"][0];
+    assert_eq!(
+        spread["topologyKey"].as_str(),
+        Some("kubernetes.io/hostname")
+    );
+    assert_eq!(spread["whenUnsatisfiable"].as_str(), Some("DoNotSchedule"));
+    assert_eq!(spread["maxSkew"].as_i64(), Some(1));
+    assert_eq!(
+        spread["labelSelector"]["matchLabels"],
+        deployment["spec"]["selector"]["matchLabels"]
+    );
+    assert_eq!(of_kind(&docs, "PodDisruptionBudget").len(), 1);
 }
 
 #[test]
@@ -459,5 +481,28 @@ fn operator_runs_non_root_on_a_read_only_root(docs: &[Value]) {
             container["readinessProbe"]["httpGet"]["path"].as_str(),
             Some("/readyz")
         );
+    }
+}
+
+/// Native sidecars need Kubernetes 1.29: on 1.28 the chart refuses the default mode with what
+/// to set instead, and installs in container mode. (Helm's lint, the one place its offline
+/// engine takes a cluster version, reports a template's `fail` without failing.)
+#[test]
+fn kubernetes_1_28_is_told_to_use_container_mode() {
+    let refusal = "sidecar.mode=native needs Kubernetes 1.29 or later";
+    let (_, text) = chart(&[
+        "--kube-version",
+        "1.28.5",
+        "lint",
+        &ci_values("default-values.yaml"),
+    ]);
+    assert!(text.contains(refusal), "{text}");
+    assert!(text.contains("set sidecar.mode=container"), "{text}");
+    for (version, values) in [
+        ("1.28.5", "older-cluster-values.yaml"),
+        ("1.29.0", "default-values.yaml"),
+    ] {
+        let (ok, text) = chart(&["--kube-version", version, "lint", &ci_values(values)]);
+        assert!(ok && !text.contains(refusal), "{version} {values}: {text}");
     }
 }

@@ -131,7 +131,7 @@ async fn an_annotated_pod_gets_a_native_sidecar() {
             "--resource",
             "team/jobs",
             "--probe-listen",
-            "0.0.0.0:4041",
+            "[::]:4041",
             "--log-format",
             "json"
         ])

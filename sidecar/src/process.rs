@@ -1,6 +1,6 @@
 //! What every Leasehold process does the same way: log to stderr (text or JSON, filtered by
-//! `RUST_LOG`), wait for SIGTERM or SIGINT, and know its host's name. The operator uses these
-//! too.
+//! `RUST_LOG`), wait for SIGTERM or SIGINT, know its host's name, and listen on every address
+//! family the host has. The operator uses these too.
 
 /// Logs on stderr; `RUST_LOG` filters (default `info`).
 pub fn init_logging(json: bool) {
@@ -35,4 +35,53 @@ pub fn hostname(fallback: &str) -> String {
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| fallback.to_owned())
+}
+
+/// Every address, IPv6 and IPv4: the default of the listeners that pods' peers reach (probes,
+/// metrics, the webhook), so that IPv6-only and dual-stack clusters reach them as IPv4 ones do.
+pub const ANY_ADDRESS: std::net::Ipv6Addr = std::net::Ipv6Addr::UNSPECIFIED;
+
+/// A listener on `addr`. `[::]` takes IPv4 too (as IPv4-mapped addresses, Linux's default);
+/// where the kernel has no IPv6 at all, it falls back to `0.0.0.0` on the same port.
+pub async fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    match tokio::net::TcpListener::bind(addr).await {
+        Err(e) if addr.ip() == std::net::IpAddr::V6(ANY_ADDRESS) => {
+            let v4 = std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
+            tracing::info!(%addr, error = %e, fallback = %v4, "no IPv6 here: listening on IPv4 only");
+            tokio::net::TcpListener::bind(v4).await
+        }
+        bound => bound,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default listeners take IPv4 peers as well as IPv6 ones (kubelet probes come over
+    /// whichever family the pod has).
+    #[tokio::test]
+    async fn any_address_takes_ipv4_and_ipv6_peers() {
+        let listener = listen((ANY_ADDRESS, 0).into()).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accept = tokio::spawn(async move {
+            for _ in 0..2 {
+                listener.accept().await.unwrap();
+            }
+        });
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("an IPv4 peer");
+        // A machine without IPv6 has fallen back to IPv4 only; then there is no ::1 to try.
+        if tokio::net::TcpStream::connect(("::1", port)).await.is_err() {
+            assert!(
+                tokio::net::TcpListener::bind("[::1]:0").await.is_err(),
+                "this machine has IPv6, but the listener did not take an IPv6 peer"
+            );
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+        }
+        accept.await.unwrap();
+    }
 }

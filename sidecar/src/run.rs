@@ -40,7 +40,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let probe_listener = match config.probe_listen {
         Some(addr) => Some(
-            TcpListener::bind(addr)
+            crate::process::listen(addr)
                 .await
                 .map_err(|e| format!("cannot listen on {addr} for probes: {e}"))?,
         ),
