@@ -137,6 +137,61 @@ impl Backends {
         Ok(())
     }
 
+    /// Keep the lock's records past its deletion: on the Kubernetes backend the Lease is owned
+    /// by the lock (under `cleanupPolicy: Delete`), and the garbage collector would delete it,
+    /// holder and token history with it, once the lock goes without a clean-up. Cut it loose.
+    pub async fn keep_records(
+        &self,
+        client: &kube::Client,
+        lock: &DistributedLock,
+    ) -> leasehold_lease::Result<()> {
+        let Some(kubernetes) = &lock.spec.backend.kubernetes else {
+            return Ok(());
+        };
+        let namespace = lock.namespace().unwrap_or_default();
+        let name = kubernetes
+            .lease_name
+            .clone()
+            .unwrap_or_else(|| lock.name_any());
+        let api: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+            kube::Api::namespaced(client.clone(), &namespace);
+        let unreachable =
+            |e: kube::Error| Error::Unreachable(format!("Lease {namespace}/{name}: {e}"));
+        for _ in 0..3 {
+            let Some(mut lease) =
+                bounded(async { api.get_opt(&name).await.map_err(unreachable) }).await?
+            else {
+                return Ok(());
+            };
+            let uid = lock.metadata.uid.as_deref();
+            let owners = lease.metadata.owner_references.take().unwrap_or_default();
+            let kept: Vec<_> = owners
+                .iter()
+                .filter(|o| Some(o.uid.as_str()) != uid)
+                .cloned()
+                .collect();
+            if kept.len() == owners.len() {
+                return Ok(());
+            }
+            lease.metadata.owner_references = (!kept.is_empty()).then_some(kept);
+            let replaced = bounded(async {
+                match api.replace(&name, &Default::default(), &lease).await {
+                    Ok(_) => Ok(true),
+                    // Renewed meanwhile: read it again.
+                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+                    Err(e) => Err(unreachable(e)),
+                }
+            })
+            .await?;
+            if replaced {
+                return Ok(());
+            }
+        }
+        Err(Error::Backend(format!(
+            "the Lease {namespace}/{name} kept changing; it is still owned by its lock"
+        )))
+    }
+
     pub fn forget(&self, lock: &DistributedLock) {
         self.open
             .lock()

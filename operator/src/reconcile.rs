@@ -193,9 +193,14 @@ async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
             record_cleanup(ctx, lock, reason, &error.to_string()).await;
             return Err(error);
         };
-        let note = format!(
+        let mut note = format!(
             "{why_stop}: the lock is let go with its records kept in the backend ({error})"
         );
+        if let Err(e) = ctx.backends.keep_records(&ctx.client, lock).await {
+            note.push_str(&format!(
+                "; its Lease could not be cut loose, so the garbage collector may delete it: {e}"
+            ));
+        }
         record_cleanup(ctx, lock, "GaveUp", &note).await;
         publish(
             ctx,

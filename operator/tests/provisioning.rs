@@ -455,3 +455,71 @@ async fn a_namespace_being_deleted_refuses_the_lease_and_says_so() {
         .unwrap();
     assert!(namespace.metadata.deletion_timestamp.is_some());
 }
+
+/// A clean-up given up keeps the records; on the Kubernetes backend that means cutting the
+/// Lease loose from its lock, or the garbage collector deletes it (holder and token history
+/// with it) once the lock goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_kept_on_giving_up_survive_the_garbage_collector() {
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "leader",
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    );
+    api.put(
+        leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
+        serde_json::to_value(&lock).unwrap(),
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    let Acquire::Acquired(_) = driver
+        .try_acquire("leader", "pod-a", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("not acquired")
+    };
+    let owned = api.object(LEASES, NS, "leader").unwrap();
+    assert_eq!(owned["metadata"]["ownerReferences"][0]["uid"], "uid-leader");
+    Backends::default()
+        .keep_records(&api.client(), &lock)
+        .await
+        .unwrap();
+    kube::Api::<DistributedLock>::namespaced(api.client(), NS)
+        .delete("leader", &Default::default())
+        .await
+        .unwrap();
+    let lease = api
+        .object(LEASES, NS, "leader")
+        .expect("the garbage collector deleted the held Lease");
+    assert_eq!(lease["spec"]["holderIdentity"], "pod-a");
+    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
+}
+
+/// The in-memory API server's garbage collector is real enough to catch the above: without the
+/// cut, the owned Lease goes with its lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owned_lease_goes_with_its_lock() {
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "leader",
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    );
+    api.put(
+        leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
+        serde_json::to_value(&lock).unwrap(),
+    );
+    let (observation, _) = provision(&api, &lock).await;
+    ready(&observation);
+    kube::Api::<DistributedLock>::namespaced(api.client(), NS)
+        .delete("leader", &Default::default())
+        .await
+        .unwrap();
+    assert!(api.object(LEASES, NS, "leader").is_none());
+}

@@ -9,6 +9,10 @@
 //!   requested `resourceVersion`, so kube-runtime's watcher works against it unchanged;
 //! - a namespace being deleted ([`InMemoryApiServer::terminate_namespace`]) refuses new objects
 //!   with the real server's 403, as events and Leases meet it there;
+//! - PATCH (JSON patch, merge patch, server-side apply as a merge) on objects and on their
+//!   `status` subresource, each writing only its part; a delete of an object with finalizers
+//!   only marks it, and it goes when the last finalizer is removed; the garbage collector then
+//!   deletes what it owned (by `ownerReferences` uid);
 //! - an outage: every request fails as a refused connection and open watches end, while the
 //!   stored Leases survive (as they would in the API server's etcd).
 //!
@@ -228,6 +232,21 @@ impl InMemoryApiServer {
                 None => not_found(name),
             },
             (&Method::PUT, Some(name)) => self.replace(c, ns, name, &body),
+            (&Method::PATCH, Some(name)) => {
+                let content_type = parts
+                    .headers
+                    .get(http::header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default();
+                self.patch(
+                    c,
+                    ns,
+                    name,
+                    route.subresource.as_deref(),
+                    content_type,
+                    &body,
+                )
+            }
             (&Method::DELETE, Some(name)) => self.delete(c, ns, name),
             _ => status(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -348,6 +367,88 @@ impl InMemoryApiServer {
         json_response(StatusCode::OK, &object)
     }
 
+    /// A JSON patch, a merge patch, or a server-side apply (taken as a merge of the fields
+    /// sent: one field manager at a time is all the operator uses). On the `status`
+    /// subresource only the status changes, and on the object itself everything but the
+    /// status, as with a real API server; the resourceVersion moves either way.
+    fn patch(
+        &self,
+        collection: &str,
+        ns: &str,
+        name: &str,
+        subresource: Option<&str>,
+        content_type: &str,
+        body: &[u8],
+    ) -> Response<Body> {
+        let mut store = self.store.lock().unwrap();
+        let Some(current) = store
+            .objects
+            .get(&(collection.to_owned(), ns.to_owned(), name.to_owned()))
+            .cloned()
+        else {
+            return not_found(name);
+        };
+        let mut patched = current.clone();
+        let applied = match content_type.split(';').next().unwrap_or_default() {
+            "application/json-patch+json" => serde_json::from_slice::<Vec<Value>>(body)
+                .map(|ops| {
+                    // The API server's JSON patch takes a missing field for a `null` one, as
+                    // `test` ops of kube's finalizer helper expect.
+                    ops.into_iter()
+                        .filter(|op| {
+                            !(op["op"] == "test"
+                                && op["value"].is_null()
+                                && op["path"]
+                                    .as_str()
+                                    .is_some_and(|path| patched.pointer(path).is_none()))
+                        })
+                        .collect::<Vec<Value>>()
+                })
+                .and_then(|ops| serde_json::from_value::<json_patch::Patch>(Value::Array(ops)))
+                .map_err(|e| e.to_string())
+                .and_then(|p| json_patch::patch(&mut patched, &p).map_err(|e| e.to_string())),
+            "application/merge-patch+json" | "application/apply-patch+yaml" => {
+                serde_json::from_slice::<Value>(body)
+                    .map(|p| json_patch::merge(&mut patched, &p))
+                    .map_err(|e| e.to_string())
+            }
+            other => Err(format!("unsupported patch type {other:?}")),
+        };
+        if let Err(e) = applied {
+            return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &e);
+        }
+        let mut object = current.clone();
+        match subresource {
+            Some("status") => object["status"] = patched["status"].take(),
+            Some(other) => {
+                return status(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    &format!("no subresource {other}"),
+                );
+            }
+            None => {
+                let kept = current["status"].clone();
+                object = patched;
+                object["status"] = kept;
+            }
+        }
+        for field in ["uid", "creationTimestamp", "namespace", "name"] {
+            object["metadata"][field] = current["metadata"][field].clone();
+        }
+        // The API server deletes an object being deleted once its last finalizer goes.
+        let finalized = !object["metadata"]["deletionTimestamp"].is_null()
+            && object["metadata"]["finalizers"]
+                .as_array()
+                .is_none_or(|f| f.is_empty());
+        let kind = if finalized { "DELETED" } else { "MODIFIED" };
+        let object = self.commit(&mut store, collection, ns, name, kind, object);
+        if finalized {
+            self.collect_garbage(&mut store);
+        }
+        json_response(StatusCode::OK, &object)
+    }
+
     fn delete(&self, collection: &str, ns: &str, name: &str) -> Response<Body> {
         let mut store = self.store.lock().unwrap();
         let Some(current) = store
@@ -357,8 +458,46 @@ impl InMemoryApiServer {
         else {
             return not_found(name);
         };
+        // With finalizers, a delete only marks the object; it goes when the last one is removed.
+        if current["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty())
+        {
+            if !current["metadata"]["deletionTimestamp"].is_null() {
+                return json_response(StatusCode::OK, &current);
+            }
+            let mut marked = current;
+            marked["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+            let object = self.commit(&mut store, collection, ns, name, "MODIFIED", marked);
+            return json_response(StatusCode::OK, &object);
+        }
         let object = self.commit(&mut store, collection, ns, name, "DELETED", current);
+        self.collect_garbage(&mut store);
         json_response(StatusCode::OK, &object)
+    }
+
+    /// The garbage collector: objects whose every owner (by uid) is gone are deleted, and so on
+    /// down the chain.
+    fn collect_garbage(&self, store: &mut Store) {
+        loop {
+            let uids: std::collections::BTreeSet<String> = store
+                .objects
+                .values()
+                .filter_map(|o| o["metadata"]["uid"].as_str().map(str::to_owned))
+                .collect();
+            let orphan = store.objects.iter().find_map(|(key, object)| {
+                let owners = object["metadata"]["ownerReferences"].as_array()?;
+                let orphaned = !owners.is_empty()
+                    && owners
+                        .iter()
+                        .all(|o| o["uid"].as_str().is_none_or(|uid| !uids.contains(uid)));
+                orphaned.then(|| (key.clone(), object.clone()))
+            });
+            let Some(((collection, ns, name), object)) = orphan else {
+                return;
+            };
+            self.commit(store, &collection, &ns, &name, "DELETED", object);
+        }
     }
 
     fn list(&self, collection: &str, ns: &str, name: Option<&str>) -> Response<Body> {
@@ -366,8 +505,11 @@ impl InMemoryApiServer {
         let items: Vec<Value> = store
             .objects
             .iter()
+            // No namespace in the path: every namespace (and the cluster-scoped objects).
             .filter(|((c, n, object), _)| {
-                c == collection && n == ns && name.is_none_or(|name| name == object)
+                c == collection
+                    && (ns.is_empty() || n == ns)
+                    && name.is_none_or(|name| name == object)
             })
             .map(|(_, object)| object.clone())
             .collect();
@@ -406,7 +548,7 @@ impl InMemoryApiServer {
         let (collection, ns) = (collection.to_owned(), ns.to_owned());
         let matches = move |c: &Change| {
             c.collection == collection
-                && c.namespace == ns
+                && (ns.is_empty() || c.namespace == ns)
                 && name.as_deref().is_none_or(|n| n == c.name)
         };
         let live = tokio_stream::wrappers::BroadcastStream::new(live)
@@ -450,6 +592,8 @@ struct Route {
     collection: Collection,
     namespace: String,
     name: Option<String>,
+    /// `status` in `.../NAME/status`.
+    subresource: Option<String>,
 }
 
 impl Route {
@@ -467,11 +611,13 @@ impl Route {
                     collection: format!("/{}/{plural}", segments[..root].join("/")),
                     namespace: String::new(),
                     name: None,
+                    subresource: None,
                 }),
                 [plural, name] => Some(Self {
                     collection: format!("/{}/{plural}", segments[..root].join("/")),
                     namespace: String::new(),
                     name: Some((*name).to_owned()),
+                    subresource: None,
                 }),
                 _ => None,
             };
@@ -483,16 +629,25 @@ impl Route {
                 collection: NAMESPACES.to_owned(),
                 namespace: String::new(),
                 name: segments.get(at + 1).map(|n| (*n).to_owned()),
+                subresource: None,
             }),
             [ns, plural] => Some(Self {
                 collection: format!("/{root}/{plural}"),
                 namespace: (*ns).to_owned(),
                 name: None,
+                subresource: None,
             }),
             [ns, plural, name] => Some(Self {
                 collection: format!("/{root}/{plural}"),
                 namespace: (*ns).to_owned(),
                 name: Some((*name).to_owned()),
+                subresource: None,
+            }),
+            [ns, plural, name, subresource] => Some(Self {
+                collection: format!("/{root}/{plural}"),
+                namespace: (*ns).to_owned(),
+                name: Some((*name).to_owned()),
+                subresource: Some((*subresource).to_owned()),
             }),
             _ => None,
         }

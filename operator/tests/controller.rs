@@ -1,0 +1,129 @@
+//! The whole controller (watch, finalizer, provisioning, status, clean-up) against the in-memory
+//! API server, which behaves as a real one where it matters here: the status subresource, a
+//! delete that waits for finalizers, the garbage collector, and a namespace being deleted that
+//! refuses new objects (events included).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold_crds::{Backend, CleanupPolicy, KubernetesBackend};
+use leasehold_lease::testkit::InMemoryApiServer;
+use leasehold_lease::testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, LEASES};
+use leasehold_lease::{Acquire, Driver};
+use leasehold_operator::metrics::Metrics;
+use leasehold_operator::reconcile::{self, Context, FINALIZER};
+use serde_json::Value;
+
+const NS: &str = "team";
+
+fn put_lock(api: &InMemoryApiServer, name: &str) {
+    let mut lock = leasehold_lease::testkit::distributed_lock(
+        NS,
+        name,
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    );
+    lock.spec.cleanup_policy = CleanupPolicy::Delete;
+    lock.metadata.uid = None;
+    api.put(DISTRIBUTED_LOCKS, serde_json::to_value(&lock).unwrap());
+}
+
+async fn eventually<T>(within: Duration, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(start.elapsed() < within, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The operator running against `api` until the returned sender is dropped or fired.
+fn operator(api: &InMemoryApiServer) -> tokio::sync::oneshot::Sender<()> {
+    let ctx = Arc::new(Context::new(
+        api.client(),
+        "operator-0",
+        Arc::new(Metrics::new()),
+    ));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(reconcile::run(ctx, None, async {
+        let _ = stopped.await;
+    }));
+    stop
+}
+
+fn lock_object(api: &InMemoryApiServer, name: &str) -> Option<Value> {
+    api.object(DISTRIBUTED_LOCKS, NS, name)
+}
+
+async fn delete_lock(api: &InMemoryApiServer, name: &str) {
+    kube::Api::<leasehold_crds::DistributedLock>::namespaced(api.client(), NS)
+        .delete(name, &Default::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_is_provisioned_reported_and_cleaned_up_on_delete() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "jobs");
+    let _stop = operator(&api);
+    let ready = eventually(
+        Duration::from_secs(10),
+        "finalizer and ready status",
+        || {
+            let lock = lock_object(&api, "jobs")?;
+            let finalized = lock["metadata"]["finalizers"][0] == FINALIZER;
+            let ready = lock["status"]["conditions"][0]["status"] == "True";
+            (finalized && ready).then_some(lock)
+        },
+    )
+    .await;
+    assert_eq!(ready["status"]["backend"], "kubernetes", "{ready}");
+    assert!(api.object(LEASES, NS, "jobs").is_some(), "the Lease");
+
+    delete_lock(&api, "jobs").await;
+    eventually(Duration::from_secs(10), "the lock is gone", || {
+        lock_object(&api, "jobs").is_none().then_some(())
+    })
+    .await;
+    // Cleaned up and cut loose first, so the garbage collector left the Lease and its
+    // transitions (the token's high-water mark).
+    let lease = api.object(LEASES, NS, "jobs").expect("the Lease was kept");
+    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
+}
+
+/// Deleting a namespace deletes its locks; the clean-up must not keep the namespace
+/// `Terminating` waiting for a holder that is going away, nor for events it cannot publish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lock_in_a_namespace_being_deleted_lets_go() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "jobs");
+    let stop = operator(&api);
+    eventually(Duration::from_secs(10), "ready", || {
+        let lock = lock_object(&api, "jobs")?;
+        (lock["status"]["conditions"][0]["status"] == "True").then_some(())
+    })
+    .await;
+    // A pod holds the lock.
+    let driver = leasehold_lease::kubernetes::KubernetesLeaseDriver::new(api.client(), NS);
+    let Acquire::Acquired(_) = driver
+        .try_acquire("jobs", "pod-a", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("the free lock was not acquired")
+    };
+    api.terminate_namespace(NS);
+    delete_lock(&api, "jobs").await;
+    let started = Instant::now();
+    eventually(Duration::from_secs(10), "the lock is gone", || {
+        lock_object(&api, "jobs").is_none().then_some(())
+    })
+    .await;
+    eprintln!("let go {:?} after the delete", started.elapsed());
+    drop(stop);
+}
