@@ -16,8 +16,16 @@ use crate::status::Observation;
 /// How long one backend call may take before the lock is reported unreachable.
 pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A lock's driver, and the backend it was opened for.
-type OpenDriver = (BackendUrl, Arc<dyn Driver>);
+/// How long a provisioning holds before it is done again (it also repairs what was removed by
+/// hand: a dropped table, a deleted znode or Lease).
+pub const PROVISION_EVERY: Duration = Duration::from_secs(300);
+
+/// A lock's driver, the backend it was opened for, and when it last provisioned which spec.
+struct OpenDriver {
+    url: BackendUrl,
+    driver: Arc<dyn Driver>,
+    provisioned: Option<(Option<i64>, std::time::Instant)>,
+}
 
 #[derive(Default)]
 pub struct Backends {
@@ -71,21 +79,49 @@ impl Backends {
         resolved: &ResolvedLock,
     ) -> leasehold_lease::Result<Arc<dyn Driver>> {
         let key = key(lock);
-        if let Some((url, driver)) = self
+        if let Some(open) = self
             .open
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&key)
-            && *url == resolved.backend
+            && open.url == resolved.backend
         {
-            return Ok(driver.clone());
+            return Ok(open.driver.clone());
         }
         let driver = bounded(resource::open(client, resolved)).await?;
+        self.open.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            key,
+            OpenDriver {
+                url: resolved.backend.clone(),
+                driver: driver.clone(),
+                provisioned: None,
+            },
+        );
+        Ok(driver)
+    }
+
+    /// Whether the lock's backend was provisioned for its current spec less than
+    /// [`PROVISION_EVERY`] ago.
+    fn provisioned(&self, lock: &DistributedLock) -> bool {
         self.open
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key, (resolved.backend.clone(), driver.clone()));
-        Ok(driver)
+            .get(&key(lock))
+            .and_then(|open| open.provisioned)
+            .is_some_and(|(generation, at)| {
+                generation == lock.metadata.generation && at.elapsed() < PROVISION_EVERY
+            })
+    }
+
+    fn mark_provisioned(&self, lock: &DistributedLock, done: bool) {
+        if let Some(open) = self
+            .open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&key(lock))
+        {
+            open.provisioned = done.then(|| (lock.metadata.generation, std::time::Instant::now()));
+        }
     }
 
     /// Provision the lock's backend and read its holder.
@@ -104,10 +140,21 @@ impl Backends {
         let kind = resolved.backend.kind().to_owned();
         let outcome = async {
             let driver = self.driver(client, lock, &resolved).await?;
-            bounded(driver.provision(std::slice::from_ref(&resolved.name))).await?;
-            let holder = bounded(driver.observe(&resolved.name)).await?;
+            if !self.provisioned(lock) {
+                bounded(driver.provision(std::slice::from_ref(&resolved.name))).await?;
+                self.mark_provisioned(lock, true);
+            }
+            let holder = bounded(driver.observe(&resolved.name)).await;
+            // A backend that fails is provisioned again at the next look: what failed may be
+            // what provisioning makes.
+            if holder.is_err() {
+                self.mark_provisioned(lock, false);
+            }
             let warnings = bounded(driver.warnings()).await.unwrap_or_default();
-            Ok::<_, Error>(Observation::Ready { holder, warnings })
+            Ok::<_, Error>(Observation::Ready {
+                holder: holder?,
+                warnings,
+            })
         }
         .await;
         (kind, outcome.unwrap_or_else(|e| failed(&e)))

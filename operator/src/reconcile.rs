@@ -15,7 +15,7 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 use leasehold_crds::{CleanupPolicy, DistributedLock};
 use serde_json::json;
@@ -30,7 +30,7 @@ pub const FINALIZER: &str = "leasehold.dev/cleanup";
 /// The field manager of the status, for server-side apply.
 pub const MANAGER: &str = "leasehold-operator";
 /// How often a healthy lock's holder is read again (holders change without touching the
-/// resource; Kubernetes Leases also trigger a reconcile through `owns`).
+/// resource; a Kubernetes Lease whose holder changes also triggers a reconcile).
 pub const RESYNC: Duration = Duration::from_secs(15);
 /// The first retry of a failing lock, doubled per failure up to [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_secs(2);
@@ -78,10 +78,15 @@ pub async fn run(
         ),
         None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
     };
-    // Only Leases the operator made for a lock: they carry the managed-by label.
+    // Only Leases the operator made for a lock (they carry the managed-by label), and only when
+    // their holder changes: a renewal every few seconds per lock must not cost a reconcile.
     let owned_leases = watcher::Config::default().labels("app.kubernetes.io/managed-by=leasehold");
+    let holder_changes = watcher(leases, owned_leases)
+        .default_backoff()
+        .touched_objects()
+        .predicate_filter(lease_holder, Default::default());
     Controller::new(locks, watcher::Config::default().any_semantic())
-        .owns(leases, owned_leases)
+        .owns_stream(holder_changes)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|outcome| async move {
@@ -90,6 +95,18 @@ pub async fn run(
             }
         })
         .await;
+}
+
+/// What of a Lease the status shows: who holds it and how many times it changed hands (not when
+/// it was last renewed).
+fn lease_holder(lease: &LeaseObject) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let spec = lease.spec.as_ref();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    spec.and_then(|s| s.holder_identity.as_deref())
+        .hash(&mut hasher);
+    spec.and_then(|s| s.lease_transitions).hash(&mut hasher);
+    Some(hasher.finish())
 }
 
 pub async fn reconcile(lock: Arc<DistributedLock>, ctx: Arc<Context>) -> Result<Action> {

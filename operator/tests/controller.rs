@@ -127,3 +127,52 @@ async fn a_held_lock_in_a_namespace_being_deleted_lets_go() {
     eprintln!("let go {:?} after the delete", started.elapsed());
     drop(stop);
 }
+
+/// A Lease's new holder shows in the status at once (not at the next resync), while its
+/// renewals, every few seconds per lock, cost the operator no request at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "jobs");
+    let _stop = operator(&api);
+    eventually(Duration::from_secs(10), "ready", || {
+        let lock = lock_object(&api, "jobs")?;
+        (lock["status"]["conditions"][0]["status"] == "True").then_some(())
+    })
+    .await;
+    let driver = leasehold_lease::kubernetes::KubernetesLeaseDriver::new(api.client(), NS);
+    let Acquire::Acquired(_) = driver
+        .try_acquire("jobs", "pod-a", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("the free lock was not acquired")
+    };
+    let took = Instant::now();
+    eventually(
+        reconcile::RESYNC / 3,
+        "the holder in the status before the resync",
+        || (lock_object(&api, "jobs")?["status"]["holder"] == "pod-a").then_some(()),
+    )
+    .await;
+    eprintln!("the new holder showed after {:?}", took.elapsed());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = api.requests();
+    for _ in 0..20 {
+        let mut lease = api.object(LEASES, NS, "jobs").unwrap();
+        lease["spec"]["renewTime"] = serde_json::json!(
+            k8s_openapi::jiff::Timestamp::now()
+                .round(k8s_openapi::jiff::Unit::Microsecond)
+                .unwrap()
+                .to_string()
+        );
+        api.put(LEASES, lease);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        api.requests() - before,
+        0,
+        "renewals made the operator call the API server"
+    );
+}

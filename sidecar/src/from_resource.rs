@@ -111,6 +111,10 @@ pub async fn follow(
     let mut changes = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
     // Released because the resource is being deleted; started again if it comes back.
     let mut stepped_down = false;
+    // The object (uid) and generation last read: the operator writes the status on every
+    // holder change, and reading the Secrets again for each of those, in every pod, would load
+    // the API server for nothing (the generation moves with the spec only).
+    let mut read_generation: Option<(Option<String>, i64)> = None;
     while let Some(change) = changes.next().await {
         let lock = match change {
             Ok(lock) => lock,
@@ -131,6 +135,14 @@ pub async fn follow(
             }
             continue;
         }
+        let generation = lock
+            .metadata
+            .generation
+            .map(|g| (lock.metadata.uid.clone(), g));
+        if generation.is_some() && generation == read_generation && !stepped_down {
+            continue;
+        }
+        read_generation = generation;
         let next = match read(&client, &lock).await {
             Ok(next) if next == current && !stepped_down => continue,
             Ok(next) => next,

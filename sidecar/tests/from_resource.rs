@@ -183,3 +183,58 @@ async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_retur
     .await;
     follower.abort();
 }
+
+/// The operator writes a lock's status at every holder change: that must not make every pod's
+/// sidecar read the lock's Secrets again (only a spec change, a new generation, does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_writes_cost_the_sidecar_no_secret_reads() {
+    use leasehold_lease::testkit::in_memory_api_server::SECRETS;
+    let redis = leasehold_lease::testkit::RedisServer::start();
+    let api = InMemoryApiServer::new();
+    // Redis's default user has no password, so any password is accepted for it.
+    api.put(
+        SECRETS,
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "redis-auth", "namespace": "team",
+                            "annotations": {"leasehold.dev/allowed-hosts": "127.0.0.1"}},
+               "stringData": {"user": "default", "password": "anything"}}),
+    );
+    let mut lock = json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+        "metadata": {"name": "jobs", "namespace": "team"},
+        "spec": {"backend": {"redis": {
+                    "endpoints": [format!("127.0.0.1:{}", redis.port())],
+                    "usernameSecretRef": {"name": "redis-auth", "key": "user"},
+                    "passwordSecretRef": {"name": "redis-auth", "key": "password"}}},
+                 "leaseDuration": "5s", "renewInterval": "1s"}
+    });
+    api.put(DISTRIBUTED_LOCKS, lock.clone());
+    let (state, _, follower) = follow_jobs(&api).await;
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = api.requests();
+    for transitions in 1..=10 {
+        lock["status"] =
+            json!({"holder": "pod-a", "fencingToken": transitions, "transitions": transitions});
+        api.put(DISTRIBUTED_LOCKS, lock.clone());
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        api.requests() - before,
+        0,
+        "status writes made the sidecar call the API server"
+    );
+    // A spec change is read, Secrets included.
+    lock["spec"]["leaseDuration"] = json!("7s");
+    api.put(DISTRIBUTED_LOCKS, lock.clone());
+    eventually("the new settings are in force", || {
+        state.locks()[0].config().lease_duration == Duration::from_secs(7)
+    })
+    .await;
+    assert!(api.requests() > before, "the spec change was not read");
+    follower.abort();
+}

@@ -9,6 +9,8 @@
 //!   requested `resourceVersion`, so kube-runtime's watcher works against it unchanged;
 //! - a namespace being deleted ([`InMemoryApiServer::terminate_namespace`]) refuses new objects
 //!   with the real server's 403, as events and Leases meet it there;
+//! - a `DistributedLock`'s `metadata.generation` moves with its spec (and its deletion), not
+//!   with its status;
 //! - PATCH (JSON patch, merge patch, server-side apply as a merge) on objects and on their
 //!   `status` subresource, each writing only its part; a delete of an object with finalizers
 //!   only marks it, and it goes when the last finalizer is removed; the garbage collector then
@@ -271,6 +273,25 @@ impl InMemoryApiServer {
         store.revision += 1;
         object["metadata"]["resourceVersion"] = json!(store.revision.to_string());
         let key = (collection.to_owned(), ns.to_owned(), name.to_owned());
+        // A custom resource's generation starts at 1 and moves when its spec changes or its
+        // deletion starts, never for its status: what the sidecar and the operator go by.
+        if collection == DISTRIBUTED_LOCKS && kind != "DELETED" {
+            let previous = store.objects.get(&key);
+            let generation = match previous {
+                None => 1,
+                Some(p) => {
+                    let before = p["metadata"]["generation"].as_i64().unwrap_or(1);
+                    let deleting = p["metadata"]["deletionTimestamp"].is_null()
+                        && !object["metadata"]["deletionTimestamp"].is_null();
+                    if p["spec"] != object["spec"] || deleting {
+                        before + 1
+                    } else {
+                        before
+                    }
+                }
+            };
+            object["metadata"]["generation"] = json!(generation);
+        }
         if kind == "DELETED" {
             store.objects.remove(&key);
         } else {
