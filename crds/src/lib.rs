@@ -134,6 +134,9 @@ pub struct Backend {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mysql: Option<SqlBackend>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("false").message(
+        "SQLite is not supported in a cluster: a SQLite file lives on one machine, so pods on other nodes would each take their own copy of the lock; use kubernetes: {} (a Lease, nothing to run) or another shared backend"
+    ))]
     pub sqlite: Option<SqliteBackend>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zookeeper: Option<ZooKeeperBackend>,
@@ -250,8 +253,9 @@ pub struct SqlBackend {
     pub password_secret_ref: Option<SecretKeyRef>,
 }
 
-/// A SQLite file: one node only (a hostPath or a ReadWriteOnce volume shared by one pod's
-/// containers). For anything spread over nodes, pick another backend.
+/// A SQLite file: refused in a cluster (a CEL rule says why). The field stays so that a lock
+/// that names it gets that reason rather than a silently pruned field; SQLite is for the
+/// sidecar outside Kubernetes.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct SqliteBackend {

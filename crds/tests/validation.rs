@@ -58,7 +58,6 @@ fn good_locks_pass() {
         json!({ "backend": { "postgres": { "host": "db", "database": "app", "table": "locks",
             "schema": "public", "lockMode": "RowLock" } }, "mode": "OnDemand" }),
         json!({ "backend": { "mysql": { "host": "db", "database": "app" } } }),
-        json!({ "backend": { "sqlite": { "path": "/var/lib/leasehold/locks.db" } } }),
         json!({ "backend": { "zookeeper": { "servers": ["zk:2181"], "path": "/leasehold/locks" } } }),
         json!({ "backend": { "etcd": { "endpoints": ["etcd:2379"] } } }),
         json!({ "backend": { "kubernetes": { "leaseName": "jobs.lock" } } }),
@@ -120,8 +119,8 @@ fn bad_locks_are_rejected_with_a_reason() {
             "schema must be a plain SQL identifier",
         ),
         (
-            json!({ "backend": { "sqlite": { "path": "relative.db" } } }),
-            "path must be absolute",
+            json!({ "backend": { "sqlite": { "path": "/var/lib/leasehold/locks.db" } } }),
+            "SQLite is not supported in a cluster",
         ),
         (
             json!({ "backend": { "zookeeper": { "servers": ["zk:2181"], "path": "/a/../b" } } }),

@@ -355,10 +355,14 @@ impl fmt::Display for BackendUrl {
             BackendUrl::Sqlite { path, table } => {
                 write!(f, "sqlite://{}?table={table}", path.display())
             }
-            BackendUrl::Redis { url, .. } => f.write_str(&redact(url.as_str())),
-            BackendUrl::Redlock { masters, .. } => {
+            // The prefix is shown: it is part of where the lock lives (a sidecar that follows a
+            // resource tells a moved lock by this text).
+            BackendUrl::Redis { url, prefix } => {
+                write!(f, "{} (prefix {prefix})", redact(url.as_str()))
+            }
+            BackendUrl::Redlock { masters, prefix } => {
                 let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
-                write!(f, "redlock over {}", masters.join(", "))
+                write!(f, "redlock over {} (prefix {prefix})", masters.join(", "))
             }
             BackendUrl::ZooKeeper {
                 servers,

@@ -46,6 +46,13 @@ impl ResolvedLock {
     }
 }
 
+/// Why a `DistributedLock` cannot use SQLite (the CRD's rule, the operator and the webhook say
+/// the same).
+pub const SQLITE_IN_A_CLUSTER: &str = "SQLite is not supported in a cluster: a SQLite file lives on \
+    one machine, so pods on other nodes would each take their own copy of the lock. Use \
+    `kubernetes: {}` (a Lease, nothing to run) or another shared backend; SQLite is for the \
+    sidecar outside Kubernetes (--backend sqlite://PATH)";
+
 /// The keys of an etcd `tlsSecretName` Secret, as cert-manager writes them: the CA, the client
 /// certificate and its key.
 pub const TLS_SECRET_KEYS: [&str; 3] = ["ca.crt", "tls.crt", "tls.key"];
@@ -373,12 +380,11 @@ fn backend_url(
         ]);
         let database = utf8_percent_encode(&sql.database, NON_ALPHANUMERIC);
         format!("{scheme}://{auth}{}{port}/{database}{q}", sql.host)
-    } else if let Some(s) = sqlite {
-        format!(
-            "sqlite://{}{}",
-            s.path,
-            query(&[("table", s.table.as_deref())])
-        )
+    } else if sqlite.is_some() {
+        return Err(Error::InvalidConfig {
+            field: "backend.sqlite",
+            reason: SQLITE_IN_A_CLUSTER.into(),
+        });
     } else if let Some(z) = zookeeper {
         if z.session_timeout.is_some() {
             // The driver derives the session timeout from the lease (a session that outlives

@@ -8,9 +8,7 @@ use std::time::Duration;
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use kube::{Resource, ResourceExt};
-use leasehold_crds::{
-    Backend, CleanupPolicy, DistributedLock, RedisBackend, SecretKeyRef, SqliteBackend,
-};
+use leasehold_crds::{Backend, CleanupPolicy, DistributedLock, RedisBackend, SecretKeyRef};
 use serde_json::{Value, json};
 use tower_test::mock;
 
@@ -82,13 +80,14 @@ pub fn lock(name: &str, backend: Backend) -> DistributedLock {
     lock
 }
 
-pub fn sqlite_lock(name: &str, path: &std::path::Path) -> DistributedLock {
+/// A lock on the Redis at `127.0.0.1:port`, without credentials.
+pub fn redis_lock(name: &str, port: u16) -> DistributedLock {
     lock(
         name,
         Backend {
-            sqlite: Some(SqliteBackend {
-                path: path.display().to_string(),
-                table: None,
+            redis: Some(RedisBackend {
+                endpoints: vec![format!("127.0.0.1:{port}")],
+                ..Default::default()
             }),
             ..Default::default()
         },

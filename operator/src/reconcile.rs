@@ -410,48 +410,63 @@ mod tests {
     use super::*;
     use crate::fixtures::{self, Scenario, timeout_after_1s};
     use leasehold_lease::Driver;
+    use leasehold_lease::testkit::RedisServer;
 
-    /// The SQLite lock table: (name, holder, token) by name.
-    async fn sqlite_rows(path: &std::path::Path) -> Vec<(String, Option<String>, i64)> {
-        let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
-            .await
-            .unwrap();
-        sqlx::query_as("SELECT name, holder, token FROM leasehold_locks ORDER BY name")
-            .fetch_all(&pool)
-            .await
-            .unwrap()
+    /// A Redis server of the test's own, and a driver on it as a pod's sidecar would have.
+    async fn redis() -> (RedisServer, Arc<dyn Driver>) {
+        let server = RedisServer::start();
+        let url = leasehold_lease::BackendUrl::parse(&server.url()).unwrap();
+        let driver = leasehold_lease::connect(&url).await.unwrap();
+        (server, driver)
     }
 
-    fn row(name: &str, holder: Option<&str>, token: i64) -> (String, Option<String>, i64) {
-        (name.into(), holder.map(Into::into), token)
+    /// The lock's holder and token in the backend.
+    async fn holder(driver: &Arc<dyn Driver>, lock: &str) -> Option<(String, u64)> {
+        driver
+            .observe(lock)
+            .await
+            .unwrap()
+            .map(|h| (h.identity, h.token))
+    }
+
+    fn held(identity: &str, token: u64) -> Option<(String, u64)> {
+        Some((identity.into(), token))
+    }
+
+    /// The token the next holder of `lock` gets (it takes and releases the lock).
+    async fn next_token(driver: &Arc<dyn Driver>, lock: &str) -> u64 {
+        let leasehold_lease::Acquire::Acquired(lease) = driver
+            .try_acquire(lock, "pod-next", Duration::from_secs(30))
+            .await
+            .unwrap()
+        else {
+            panic!("{lock} is not free")
+        };
+        driver.release(&lease).await.unwrap();
+        lease.token
     }
 
     #[tokio::test]
     async fn a_new_lock_gets_the_finalizer_first() {
-        let dir = tempfile::tempdir().unwrap();
         let (ctx, api) = Context::test();
-        let lock = fixtures::sqlite_lock("jobs", &dir.path().join("locks.db"));
-        let server = api.run(Scenario::FinalizerCreation(lock.clone()));
+        let lock = fixtures::redis_lock("jobs", leasehold_lease::testkit::free_port());
+        let scenario = api.run(Scenario::FinalizerCreation(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
     }
 
     #[tokio::test]
     async fn create_then_provision_then_status_then_a_quiet_resync() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("locks.db");
+        let (server, driver) = redis().await;
         let (ctx, api) = Context::test();
-        let lock = fixtures::with_finalizer(fixtures::sqlite_lock("jobs", &db));
-        let server = api.run(Scenario::Provisioned(lock.clone()));
+        let lock = fixtures::with_finalizer(fixtures::redis_lock("jobs", server.port()));
+        let scenario = api.run(Scenario::Provisioned(lock.clone()));
         let action = reconcile(Arc::new(lock.clone()), ctx.clone())
             .await
             .expect("reconcile");
         assert_eq!(action, Action::requeue(RESYNC));
-        timeout_after_1s(server).await;
-        // The backend really was provisioned: the table exists and a driver can take the lock.
-        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
-            .await
-            .unwrap();
+        timeout_after_1s(scenario).await;
+        // The backend is reachable and a driver can take the lock.
         assert!(matches!(
             driver
                 .try_acquire("jobs", "pod-a", Duration::from_secs(30))
@@ -469,16 +484,16 @@ mod tests {
         lock.status = Some(status::desired(
             None,
             Some(1),
-            "sqlite",
+            "redis",
             &provisioned,
             Timestamp::now(),
         ));
         let (ctx2, api) = Context::test();
-        let server = api.run(Scenario::HolderChanged(lock.clone(), "pod-a"));
+        let scenario = api.run(Scenario::HolderChanged(lock.clone(), "pod-a"));
         reconcile(Arc::new(lock.clone()), ctx2)
             .await
             .expect("reconcile");
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
 
         // With the status as it should be, a second reconcile sends nothing at all.
         let (backend, observation) = ctx.backends.observe(&ctx.client, &lock).await;
@@ -495,22 +510,22 @@ mod tests {
             Some("pod-a")
         );
         let (ctx, api) = Context::test();
-        let server = api.run(Scenario::Nothing);
+        let scenario = api.run(Scenario::Nothing);
         reconcile(Arc::new(settled), ctx).await.expect("reconcile");
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
     }
 
     #[tokio::test]
     async fn an_unreachable_backend_sets_the_condition_warns_and_backs_off() {
         let (ctx, api) = Context::test();
         let lock = fixtures::with_finalizer(fixtures::unreachable_redis_lock("cache"));
-        let server = api.run(Scenario::BackendUnreachable(lock.clone()));
+        let scenario = api.run(Scenario::BackendUnreachable(lock.clone()));
         let error = reconcile(Arc::new(lock.clone()), ctx.clone())
             .await
             .unwrap_err();
         assert_eq!(error.label(), "backend");
         assert!(!error.to_string().contains(fixtures::SECRET_PASSWORD));
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
         let lock = Arc::new(lock);
         assert_eq!(
             error_policy(lock.clone(), &error, ctx.clone()),
@@ -524,10 +539,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_spec_change_moves_observed_generation_without_events() {
-        let dir = tempfile::tempdir().unwrap();
+        let (server, _) = redis().await;
         let (ctx, api) = Context::test();
-        let mut lock =
-            fixtures::with_finalizer(fixtures::sqlite_lock("jobs", &dir.path().join("a.db")));
+        let mut lock = fixtures::with_finalizer(fixtures::redis_lock("jobs", server.port()));
         let (backend, observation) = ctx.backends.observe(&ctx.client, &lock).await;
         lock.status = Some(status::desired(
             None,
@@ -539,40 +553,33 @@ mod tests {
         // The user changed the lease duration: generation 2.
         lock.spec.lease_duration = "30s".into();
         lock.meta_mut().generation = Some(2);
-        let server = api.run(Scenario::StatusOnly(lock.clone()));
+        let scenario = api.run(Scenario::StatusOnly(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
     }
 
     #[tokio::test]
     async fn delete_with_retain_leaves_the_backend_alone() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("locks.db");
-        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
-            .await
-            .unwrap();
+        let (server, driver) = redis().await;
         driver
             .try_acquire("jobs", "pod-a", Duration::from_secs(30))
             .await
             .unwrap();
         let (ctx, api) = Context::test();
-        let lock =
-            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Retain);
-        let server = api.run(Scenario::RemoveFinalizer(lock.clone()));
+        let lock = fixtures::being_deleted(
+            fixtures::redis_lock("jobs", server.port()),
+            CleanupPolicy::Retain,
+        );
+        let scenario = api.run(Scenario::RemoveFinalizer(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
-        timeout_after_1s(server).await;
-        assert_eq!(sqlite_rows(&db).await, [row("jobs", Some("pod-a"), 1)]);
+        timeout_after_1s(scenario).await;
+        assert_eq!(holder(&driver, "jobs").await, held("pod-a", 1));
     }
 
     #[tokio::test]
     async fn delete_with_delete_clears_the_lock_in_the_backend_and_keeps_its_token() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("locks.db");
-        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
-            .await
-            .unwrap();
-        // "jobs" had a holder that crashed (its lease ran out; its name is still in the row);
-        // "other" is held.
+        let (server, driver) = redis().await;
+        // "jobs" had a holder that crashed (its lease ran out); "other" is held.
         for (lock, lease) in [("jobs", 50), ("other", 30_000)] {
             driver
                 .try_acquire(lock, "pod-a", Duration::from_millis(lease))
@@ -581,28 +588,25 @@ mod tests {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (ctx, api) = Context::test();
-        let lock =
-            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
-        let server = api.run(Scenario::CleanedUp(lock.clone()));
+        let lock = fixtures::being_deleted(
+            fixtures::redis_lock("jobs", server.port()),
+            CleanupPolicy::Delete,
+        );
+        let scenario = api.run(Scenario::CleanedUp(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
         // Only the deleted lock is cleared; its token stays, so that a lock created again under
         // the name continues above it.
-        assert_eq!(
-            sqlite_rows(&db).await,
-            [row("jobs", None, 1), row("other", Some("pod-a"), 1)]
-        );
+        assert_eq!(holder(&driver, "jobs").await, None);
+        assert_eq!(holder(&driver, "other").await, held("pod-a", 1));
+        assert_eq!(next_token(&driver, "jobs").await, 2);
     }
 
     /// Deleting a held lock's records would let a newcomer in beside the holder and restart the
     /// lock's tokens: the clean-up waits, says so, and keeps the finalizer and the row.
     #[tokio::test]
     async fn delete_waits_while_the_lock_has_a_holder() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("locks.db");
-        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
-            .await
-            .unwrap();
+        let (server, driver) = redis().await;
         let leasehold_lease::Acquire::Acquired(lease) = driver
             .try_acquire("jobs", "pod-a", Duration::from_secs(30))
             .await
@@ -611,54 +615,55 @@ mod tests {
             panic!("the free lock was not acquired")
         };
         let (ctx, api) = Context::test();
-        let lock =
-            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
-        let server = api.run(Scenario::CleanupWaits(lock.clone()));
+        let lock = fixtures::being_deleted(
+            fixtures::redis_lock("jobs", server.port()),
+            CleanupPolicy::Delete,
+        );
+        let scenario = api.run(Scenario::CleanupWaits(lock.clone()));
         let error = reconcile(Arc::new(lock.clone()), ctx)
             .await
             .expect_err("the clean-up went ahead under a live holder");
         assert_eq!(error.label(), "holder_alive");
         assert!(error.to_string().contains("pod-a (token 1)"), "{error}");
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
         assert_eq!(
-            sqlite_rows(&db).await,
-            [row("jobs", Some("pod-a"), 1)],
-            "the held row was cleared"
+            holder(&driver, "jobs").await,
+            held("pod-a", 1),
+            "the held lock was cleared"
         );
 
         // Once the holder has released, the same clean-up goes through.
         assert!(driver.release(&lease).await.unwrap());
         let (ctx, api) = Context::test();
-        let server = api.run(Scenario::CleanedUp(lock.clone()));
+        let scenario = api.run(Scenario::CleanedUp(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
-        timeout_after_1s(server).await;
-        assert_eq!(sqlite_rows(&db).await, [row("jobs", None, 1)]);
+        timeout_after_1s(scenario).await;
+        assert_eq!(holder(&driver, "jobs").await, None);
+        assert_eq!(next_token(&driver, "jobs").await, 2);
     }
 
     /// A namespace being deleted refuses every event; the clean-up must not wait for a holder
     /// there (or retry a publish) and keep the namespace `Terminating`.
     #[tokio::test]
     async fn delete_in_a_terminating_namespace_lets_go_at_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("locks.db");
-        let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
-            .await
-            .unwrap();
+        let (server, driver) = redis().await;
         driver
             .try_acquire("jobs", "pod-a", Duration::from_secs(30))
             .await
             .unwrap();
         let (ctx, api) = Context::test();
-        let lock =
-            fixtures::being_deleted(fixtures::sqlite_lock("jobs", &db), CleanupPolicy::Delete);
-        let server = api.run(Scenario::CleanupInTerminatingNamespace(lock.clone()));
+        let lock = fixtures::being_deleted(
+            fixtures::redis_lock("jobs", server.port()),
+            CleanupPolicy::Delete,
+        );
+        let scenario = api.run(Scenario::CleanupInTerminatingNamespace(lock.clone()));
         let action = reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         assert_eq!(action, Action::await_change());
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
         assert_eq!(
-            sqlite_rows(&db).await,
-            [row("jobs", Some("pod-a"), 1)],
-            "the held row must be kept, not cleared under its holder"
+            holder(&driver, "jobs").await,
+            held("pod-a", 1),
+            "the held lock must be kept, not cleared under its holder"
         );
     }
 
@@ -673,10 +678,10 @@ mod tests {
         lock.meta_mut().deletion_timestamp = Some(
             k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(deleted),
         );
-        let server = api.run(Scenario::CleanupPastItsDeadline(lock.clone()));
+        let scenario = api.run(Scenario::CleanupPastItsDeadline(lock.clone()));
         let action = reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         assert_eq!(action, Action::await_change());
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
     }
 
     #[tokio::test]
@@ -686,10 +691,10 @@ mod tests {
             fixtures::unreachable_redis_lock("cache"),
             CleanupPolicy::Delete,
         );
-        let server = api.run(Scenario::CleanupFailsForNow(lock.clone()));
+        let scenario = api.run(Scenario::CleanupFailsForNow(lock.clone()));
         let error = reconcile(Arc::new(lock), ctx).await.unwrap_err();
         assert_eq!(error.label(), "backend");
-        timeout_after_1s(server).await;
+        timeout_after_1s(scenario).await;
     }
 
     #[test]

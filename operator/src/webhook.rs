@@ -407,6 +407,15 @@ async fn decide_review(
             kube::Api::namespaced(client.clone(), &namespace);
         for lock in locks {
             match api.get_opt(&lock).await {
+                // A lock the CRD's rule would refuse today (created before it, or without it).
+                Ok(Some(found)) if found.spec.backend.sqlite.is_some() => {
+                    return response
+                        .deny(format!(
+                            "DistributedLock {namespace}/{lock}: {}",
+                            leasehold_lease::resource::SQLITE_IN_A_CLUSTER
+                        ))
+                        .into_review();
+                }
                 Ok(Some(_)) => {
                     existing.insert(lock);
                 }

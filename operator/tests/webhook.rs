@@ -463,3 +463,23 @@ fn quantities_are_checked_before_they_reach_a_pod() {
         assert!(!webhook::is_quantity(bad), "{bad}");
     }
 }
+
+/// A SQLite file is on one machine: a pod must not get a sidecar that would hold its own copy
+/// of the lock (the CRD refuses such locks; this catches one made before the rule).
+#[tokio::test]
+async fn a_pod_naming_a_sqlite_lock_is_denied_with_the_reason() {
+    let api = api_with_locks(&["jobs"]);
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+               "metadata": {"name": "local", "namespace": NS},
+               "spec": {"backend": {"sqlite": {"path": "/var/lib/leasehold/locks.db"}}}}),
+    );
+    let (allowed, message, patched) = admit(&api, &pod(Some("jobs,local"), None, None), true).await;
+    assert!(!allowed);
+    assert!(
+        message.contains("team/local") && message.contains("SQLite is not supported in a cluster"),
+        "{message}"
+    );
+    assert!(sidecars(&patched, "initContainers").is_empty());
+}

@@ -5,20 +5,31 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::testkit::InMemoryApiServer;
+use leasehold_lease::Driver;
 use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
+use leasehold_lease::testkit::{InMemoryApiServer, RedisServer};
 use leasehold_sidecar::api::AppState;
 use leasehold_sidecar::from_resource::{self, ResourceRef};
 use leasehold_sidecar::metrics::Metrics;
 use serde_json::{Value, json};
 
-fn distributed_lock(db: &std::path::Path, lease: &str) -> Value {
+/// `team/jobs` on the Redis at `redis`, its keys under `prefix`.
+fn distributed_lock(redis: &RedisServer, prefix: &str, lease: &str) -> Value {
     json!({
         "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
-        "metadata": {"name": "jobs", "namespace": "team", "generation": 1},
-        "spec": {"backend": {"sqlite": {"path": db.display().to_string()}},
+        "metadata": {"name": "jobs", "namespace": "team"},
+        "spec": {"backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())],
+                                       "keyPrefix": prefix}},
                  "leaseDuration": lease, "renewInterval": "1s"}
     })
+}
+
+/// A driver on the Redis of `distributed_lock(redis, prefix, _)`.
+async fn redis_driver(redis: &RedisServer, prefix: &str) -> std::sync::Arc<dyn Driver> {
+    let url = format!("{}?prefix={prefix}", redis.url());
+    leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
+        .await
+        .unwrap()
 }
 
 async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
@@ -57,10 +68,12 @@ async fn follow_jobs(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_from_its_resource_follows_spec_changes() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("locks.db");
+    let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "5s"));
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "5s"),
+    );
     let (state, lock, follower) = follow_jobs(&api).await;
     assert_eq!(lock.config().lease_duration, Duration::from_secs(5));
     assert_eq!(lock.config().identity, "pod-a");
@@ -70,7 +83,10 @@ async fn a_lock_from_its_resource_follows_spec_changes() {
     .await;
 
     // The user changes the lease duration: the lock is restarted with it and held again.
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "7s"));
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "7s"),
+    );
     eventually("the new settings are in force", || {
         state.locks()[0].config().lease_duration == Duration::from_secs(7)
     })
@@ -82,11 +98,15 @@ async fn a_lock_from_its_resource_follows_spec_changes() {
     assert_eq!(state.locks().len(), 1);
 
     // A change that cannot work keeps the running lock.
-    let mut broken = distributed_lock(&db, "7s");
-    broken["spec"]["backend"] = json!({"redis": {"endpoints": ["127.0.0.1:6379"], "tls": true}});
+    let mut broken = distributed_lock(&redis, "leasehold", "7s");
+    broken["spec"]["backend"]["redis"]["tls"] = json!(true);
     api.put(DISTRIBUTED_LOCKS, broken);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(state.locks()[0].backend(), "sqlite");
+    assert_eq!(
+        state.locks()[0].config().lease_duration,
+        Duration::from_secs(7)
+    );
+    assert_eq!(state.locks()[0].backend(), "redis");
     assert!(state.locks()[0].answer().is_holder());
     follower.abort();
 }
@@ -107,14 +127,13 @@ async fn a_missing_resource_stops_the_start_with_its_name() {
 /// interval have passed, so it never holds on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_backend_is_never_held_on_both() {
-    let dir = tempfile::tempdir().unwrap();
-    let (old_db, new_db) = (dir.path().join("old.db"), dir.path().join("new.db"));
+    let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&old_db, "3s"));
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&redis, "old", "3s"));
     let (state, old_lock, follower) = follow_jobs(&api).await;
     eventually("pod-a holds the lock", || old_lock.answer().is_holder()).await;
 
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&new_db, "3s"));
+    api.put(DISTRIBUTED_LOCKS, distributed_lock(&redis, "new", "3s"));
     let moved = tokio::time::Instant::now();
     eventually("pod-a steps down on the old backend", || {
         !old_lock.answer().is_holder()
@@ -143,17 +162,19 @@ async fn a_moved_backend_is_never_held_on_both() {
 /// for again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_returns() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("locks.db");
+    let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "30s"));
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "30s"),
+    );
     let (state, _lock, follower) = follow_jobs(&api).await;
     eventually("pod-a holds the lock", || {
         state.locks()[0].answer().is_holder()
     })
     .await;
 
-    let mut deleting = distributed_lock(&db, "30s");
+    let mut deleting = distributed_lock(&redis, "leasehold", "30s");
     deleting["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:00:00Z");
     deleting["metadata"]["finalizers"] = json!(["leasehold.dev/cleanup"]);
     api.put(DISTRIBUTED_LOCKS, deleting);
@@ -163,10 +184,7 @@ async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_retur
     })
     .await;
     // The answer turns as the lock steps down; the backend's release follows a moment later.
-    let driver = leasehold_lease::sqlite::SqliteDriver::open(&db, "leasehold_locks")
-        .await
-        .unwrap();
-    use leasehold_lease::Driver;
+    let driver = redis_driver(&redis, "leasehold").await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while let Some(holder) = driver.observe("jobs").await.unwrap() {
         assert!(
@@ -176,7 +194,10 @@ async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_retur
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&db, "30s"));
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "30s"),
+    );
     eventually("pod-a holds the recreated lock", || {
         state.locks()[0].answer().is_holder()
     })
@@ -189,7 +210,7 @@ async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_retur
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_writes_cost_the_sidecar_no_secret_reads() {
     use leasehold_lease::testkit::in_memory_api_server::SECRETS;
-    let redis = leasehold_lease::testkit::RedisServer::start();
+    let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
     // Redis's default user has no password, so any password is accepted for it.
     api.put(
