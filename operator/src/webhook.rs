@@ -223,6 +223,13 @@ pub fn decide(
             ));
         }
     }
+    if !injection.native_sidecar
+        && let Some(args) = &mut container.args
+    {
+        // A plain container keeps a Job's pod running until it exits: it exits once the
+        // pod's other containers have finished (a native sidecar is stopped by the kubelet).
+        args.extend(["--exit-with-pod".to_owned(), SIDECAR_NAME.to_owned()]);
+    }
     let mut value = serde_json::to_value(&container).expect("a container serializes");
     let spec = pod.spec.as_ref();
     let (list, present) = if injection.native_sidecar {

@@ -190,6 +190,17 @@ async fn without_native_sidecars_a_plain_container_is_added() {
     assert_eq!(injected.len(), 1);
     assert!(injected[0].get("restartPolicy").is_none());
     assert!(patched["spec"].get("initContainers").is_none());
+    // A plain container would keep a Job's pod running: it exits with the pod's containers.
+    let args = injected[0]["args"].as_array().unwrap();
+    let at = args
+        .iter()
+        .position(|a| a == "--exit-with-pod")
+        .expect("--exit-with-pod");
+    assert_eq!(args[at + 1], SIDECAR_NAME);
+    // A native sidecar is stopped by the kubelet and needs none of it.
+    let (_, _, native) = admit(&api, &pod(Some("jobs"), None, None), true).await;
+    let native_args = sidecars(&native, "initContainers")[0]["args"].to_string();
+    assert!(!native_args.contains("--exit-with-pod"), "{native_args}");
 }
 
 #[tokio::test]

@@ -118,6 +118,13 @@ struct Args {
     #[arg(long, env = "LEASEHOLD_RESIGN", conflicts_with_all = ["locks", "resources", "provision"])]
     resign: bool,
 
+    /// Run as the plain container CONTAINER of a pod (clusters without native sidecars): step
+    /// down and exit once the pod's other containers have finished for good, so that a Job's
+    /// pod completes. Reads this pod (named by --identity) through the Kubernetes API.
+    #[arg(long, env = "LEASEHOLD_EXIT_WITH_POD", value_name = "CONTAINER",
+          conflicts_with_all = ["resign", "provision"])]
+    exit_with_pod: Option<String>,
+
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", value_name = "FORMAT", default_value = "text",
           value_parser = ["text", "json"])]
@@ -134,6 +141,8 @@ pub struct Config {
     pub identity: String,
     /// Provision the backend (seeding rows for `locks`) and exit, instead of holding locks.
     pub provision_only: bool,
+    /// `--exit-with-pod`: this sidecar's container name in the pod named `identity`.
+    pub exit_with_pod: Option<String>,
     pub locks: Vec<LockConfig>,
     /// `--keyed`: families of keyed locks on the same backend.
     pub families: Vec<FamilyConfig>,
@@ -335,6 +344,7 @@ impl Config {
             resources,
             identity,
             provision_only: args.provision,
+            exit_with_pod: args.exit_with_pod,
             locks,
             families,
             backend,

@@ -7,5 +7,6 @@ pub mod config;
 pub mod dapr;
 pub mod from_resource;
 pub mod metrics;
+pub mod pod_exit;
 pub mod process;
 pub mod run;

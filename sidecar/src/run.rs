@@ -1,4 +1,5 @@
-//! The process's life: start the locks, serve, and on SIGTERM or SIGINT release every lease
+//! The process's life: start the locks, serve, and on SIGTERM or SIGINT (or, with
+//! `--exit-with-pod`, once the pod's other containers have finished) release every lease
 //! before exiting, within a second.
 
 use std::sync::Arc;
@@ -91,7 +92,25 @@ pub async fn run(config: Config) -> Result<(), String> {
         })
     });
 
-    let signal = crate::process::shutdown_signal().await;
+    let pod_finished = async {
+        match &config.exit_with_pod {
+            Some(own) => match kube::Client::try_default().await {
+                Ok(client) => {
+                    let namespace = client.default_namespace().to_owned();
+                    crate::pod_exit::wait(client, &namespace, &config.identity, own).await
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "--exit-with-pod: no Kubernetes API configuration; the sidecar will not exit with the pod");
+                    std::future::pending().await
+                }
+            },
+            None => std::future::pending().await,
+        }
+    };
+    let signal = tokio::select! {
+        signal = crate::process::shutdown_signal() => signal,
+        () = pod_finished => "the pod's other containers have finished",
+    };
     tracing::info!(signal, "shutting down: releasing leases");
     // Stop following resources (no lock may be swapped in now), then release first: waiters
     // elsewhere take over while this process is still draining.
