@@ -5,7 +5,7 @@ against values.schema.json, and validate the rendered objects against the Kubern
 the two packages in the venv it runs from.
 
   check.py lint [--kube-version V] FILE...   strict lint with each values file
-  check.py render [-f FILE] [--set K=V]...   the manifests, as one YAML stream
+  check.py render [--no-hooks] [-f FILE] [--set K=V]...   the manifests, as one YAML stream
   check.py validate [-f FILE] [--set K=V]... render, then validate every object
   check.py schema [--set K=V]...      check values against values.schema.json only
   check.py validate-file FILE...      validate the Kubernetes objects in YAML files
@@ -85,6 +85,8 @@ def main():
     parser.add_argument("files", nargs="*")
     parser.add_argument("-f", "--values", action="append")
     parser.add_argument("--set", action="append")
+    parser.add_argument("--no-hooks", action="store_true",
+                        help="render without Helm hooks, as the kustomize copy is")
     parser.add_argument("--kube-version", default=KUBE_VERSION,
                         help="the cluster version lint renders for (default %(default)s)")
     args = parser.parse_args()
@@ -119,6 +121,11 @@ def main():
         return 0
 
     docs = render(values)
+    if args.command == "kustomize" or args.no_hooks:
+        # Helm hooks run at Helm's moments (the uninstall Job); `kubectl apply` would run them
+        # at once.
+        docs = [d for d in docs
+                if "helm.sh/hook" not in (d.get("metadata", {}).get("annotations") or {})]
     if args.command == "render":
         yaml.safe_dump_all(docs, sys.stdout, sort_keys=False)
         return 0

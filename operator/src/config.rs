@@ -98,6 +98,12 @@ pub struct Config {
     )]
     pub sidecar_image_pull_secret: Vec<String>,
 
+    /// Remove the operator's finalizer from every DistributedLock (of --watch-namespace, or
+    /// all), keeping their records, and exit: the chart's pre-delete hook, so that nothing stays
+    /// Terminating once the operator is gone.
+    #[arg(long)]
+    pub release_finalizers: bool,
+
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,

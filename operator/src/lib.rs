@@ -3,7 +3,8 @@
 //! provisioning through [`backends`], status and events decided in [`status`]; [`election`]
 //! makes one replica the reconciler; [`server`] serves metrics and probes; [`webhook`] decides
 //! the sidecar injection, [`webhook_server`] serves it over HTTPS with the certificate that
-//! [`webhook_tls`] keeps current ([`webhook_certs`] issues and rotates it).
+//! [`webhook_tls`] keeps current ([`webhook_certs`] issues and rotates it); [`uninstall`] lets
+//! every lock go when the operator is removed.
 
 pub mod backends;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod metrics;
 pub mod reconcile;
 pub mod server;
 pub mod status;
+pub mod uninstall;
 pub mod webhook;
 pub mod webhook_certs;
 pub mod webhook_server;

@@ -36,6 +36,18 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     let client = kube::Client::try_default()
         .await
         .map_err(|e| format!("no Kubernetes API configuration: {e}"))?;
+    if config.release_finalizers {
+        let released = leasehold_operator::uninstall::release_finalizers(
+            &client,
+            config.watch_namespace.as_deref(),
+        )
+        .await?;
+        println!(
+            "released the finalizer of {} DistributedLock(s); their records are kept",
+            released.len()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let identity = config
         .identity
         .clone()

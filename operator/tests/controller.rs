@@ -176,3 +176,48 @@ async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
         "renewals made the operator call the API server"
     );
 }
+
+/// Uninstalling: the chart's pre-delete hook lets every lock go, so that deleting a lock or its
+/// namespace later does not hang on a finalizer nobody will remove, and keeps the records (a
+/// Kubernetes-backed lock's Lease is cut loose, not garbage-collected with its lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_uninstall_hook_releases_every_finalizer_and_keeps_the_records() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "jobs");
+    put_lock(&api, "reports");
+    let stop = operator(&api);
+    eventually(Duration::from_secs(10), "both locks ready", || {
+        ["jobs", "reports"]
+            .iter()
+            .all(|name| {
+                lock_object(&api, name).is_some_and(|l| {
+                    l["metadata"]["finalizers"][0] == FINALIZER
+                        && l["status"]["conditions"][0]["status"] == "True"
+                })
+            })
+            .then_some(())
+    })
+    .await;
+    // The operator is uninstalled.
+    let _ = stop.send(());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released = leasehold_operator::uninstall::release_finalizers(&api.client(), None)
+        .await
+        .unwrap();
+    assert_eq!(released, ["team/jobs", "team/reports"]);
+    for name in ["jobs", "reports"] {
+        let lock = lock_object(&api, name).unwrap();
+        assert!(
+            lock["metadata"]["finalizers"]
+                .as_array()
+                .is_none_or(|f| f.is_empty()),
+            "{lock}"
+        );
+    }
+    delete_lock(&api, "jobs").await;
+    assert!(lock_object(&api, "jobs").is_none(), "the delete hung");
+    let lease = api
+        .object(LEASES, NS, "jobs")
+        .expect("the Lease went with its lock");
+    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
+}

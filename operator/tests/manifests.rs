@@ -157,7 +157,7 @@ fn bad_values_are_refused_by_the_schema_with_the_key_named() {
 
 #[test]
 fn the_kustomize_copy_of_the_chart_is_current() {
-    let (ok, text) = chart(&["render"]);
+    let (ok, text) = chart(&["--no-hooks", "render"]);
     assert!(ok, "{text}");
     let committed = std::fs::read_to_string(root().join("operator/config/leasehold.yaml")).unwrap();
     let body = committed
@@ -508,4 +508,45 @@ fn kubernetes_1_28_is_told_to_use_container_mode() {
         let (ok, text) = chart(&["--kube-version", version, "lint", &ci_values(values)]);
         assert!(ok && !text.contains(refusal), "{version} {values}: {text}");
     }
+}
+
+/// `helm uninstall` first releases every lock's finalizer (records kept), with RBAC that exists
+/// only while it runs; the kustomize copy, which `kubectl apply` would run at once, has no hook.
+#[test]
+fn uninstalling_releases_the_finalizers_first() {
+    let docs = render_chart(&[]);
+    let job = of_kind(&docs, "Job")
+        .into_iter()
+        .find(|j| j["metadata"]["name"].as_str() == Some("leasehold-operator-uninstall"))
+        .expect("the uninstall Job");
+    assert_eq!(
+        job["metadata"]["annotations"]["helm.sh/hook"].as_str(),
+        Some("pre-delete")
+    );
+    let container = &job["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        strings(&container["args"])[0],
+        "--release-finalizers",
+        "{container:?}"
+    );
+    assert_eq!(
+        container["securityContext"]["readOnlyRootFilesystem"].as_bool(),
+        Some(true)
+    );
+    for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"] {
+        let hooked = of_kind(&docs, kind).into_iter().any(|d| {
+            d["metadata"]["name"].as_str() == Some("leasehold-operator-uninstall")
+                && d["metadata"]["annotations"]["helm.sh/hook"].as_str() == Some("pre-delete")
+        });
+        assert!(hooked, "no pre-delete {kind}");
+    }
+    let kustomize = render("operator/config");
+    assert!(
+        !kustomize
+            .iter()
+            .any(|d| d["metadata"]["name"].as_str() == Some("leasehold-operator-uninstall")),
+        "a hook in the kustomize copy would run at apply time"
+    );
+    let off = render_chart(&["--set", "uninstall.releaseFinalizers=false"]);
+    assert!(of_kind(&off, "Job").is_empty());
 }
