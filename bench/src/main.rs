@@ -668,7 +668,8 @@ async fn driver_section() {
     );
     let redis = RedisServer::start_with(false);
     let url = url::Url::parse(&redis.url()).expect("url");
-    let driver = leasehold_lease::redis::RedisDriver::connect(&url, "leasehold").expect("driver");
+    let driver =
+        leasehold_lease::redis::RedisDriver::connect(&url, "leasehold", None).expect("driver");
     let (mut raw, mut ours) = (0.0f64, 0.0f64);
     for _ in 0..ROUNDS {
         raw = raw.max(redis_raw_cycles(&redis.url()).await);
@@ -687,8 +688,8 @@ async fn driver_section() {
         .iter()
         .map(|m| url::Url::parse(&m.url()).expect("url"))
         .collect();
-    let driver =
-        leasehold_lease::redlock::RedlockDriver::connect(&urls, "leasehold").expect("redlock");
+    let driver = leasehold_lease::redlock::RedlockDriver::connect(&urls, "leasehold", None)
+        .expect("redlock");
     let (mut raw, mut ours) = (0.0f64, 0.0f64);
     for _ in 0..ROUNDS {
         raw = raw.max(redlock_raw_cycles(&urls).await);
@@ -722,7 +723,9 @@ async fn driver_section() {
     let durable = RedisServer::start();
     let url = url::Url::parse(&durable.url()).expect("url");
     let connect = || -> Arc<dyn Driver> {
-        Arc::new(leasehold_lease::redis::RedisDriver::connect(&url, "leasehold").expect("driver"))
+        Arc::new(
+            leasehold_lease::redis::RedisDriver::connect(&url, "leasehold", None).expect("driver"),
+        )
     };
     let redis_latency = handover_latencies(connect(), connect()).await;
     println!(

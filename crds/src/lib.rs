@@ -207,8 +207,15 @@ pub struct RedisBackend {
     pub username_secret_ref: Option<SecretKeyRef>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
+    /// TLS to every endpoint (`rediss://`), verified against the system's roots unless
+    /// `tlsSecretName` gives a CA.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<bool>,
+    /// A Secret with `ca.crt` (the CA that signed the servers' certificates) and/or `tls.crt`
+    /// and `tls.key` (a client certificate, for servers that ask for one); implies `tls`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub tls_secret_name: Option<String>,
 }
 
 #[derive(

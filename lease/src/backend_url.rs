@@ -26,13 +26,19 @@ const MAX_ZOOKEEPER_TICK_TIME: Duration = Duration::from_secs(60);
 pub enum BackendUrl {
     /// `sqlite://PATH[?table=NAME]`: lease rows in a local file.
     Sqlite { path: PathBuf, table: String },
-    /// `redis://[user:password@]host[:port][/db][?prefix=NAME]`: one Redis master.
-    Redis { url: url::Url, prefix: String },
+    /// `redis://[user:password@]host[:port][/db][?prefix=NAME]`: one Redis master;
+    /// `rediss://...[&ca=PATH][&cert=PATH&key=PATH]` over TLS (the system's roots without `ca`).
+    Redis {
+        url: url::Url,
+        prefix: String,
+        tls: Option<crate::tls::Tls>,
+    },
     /// `redlock://[user:password@]host:port,host:port,host:port[/db][?prefix=NAME]`: N >= 3
-    /// independent masters, one `redis://` URL each.
+    /// independent masters, one `redis://` URL each; `redlocks://` over TLS, as `rediss://`.
     Redlock {
         masters: Vec<url::Url>,
         prefix: String,
+        tls: Option<crate::tls::Tls>,
     },
     /// `etcd://[user:password@]host:port[,host:port...][?prefix=NAME]`: one etcd cluster;
     /// `etcds://...?ca=PATH[&cert=PATH&key=PATH]` over TLS.
@@ -97,7 +103,7 @@ impl BackendUrl {
                     table,
                 })
             }
-            "redlock" => {
+            "redlock" | "redlocks" => {
                 let (authority_and_path, query) = rest.split_once('?').unwrap_or((rest, ""));
                 let (authority, path) = authority_and_path
                     .split_once('/')
@@ -115,12 +121,22 @@ impl BackendUrl {
                 }
                 let mut masters = Vec::new();
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                let mut tls = None;
+                let single_scheme = if scheme == "redlocks" {
+                    "rediss"
+                } else {
+                    "redis"
+                };
                 for host in &hosts {
                     let single = match query {
-                        "" => format!("redis://{userinfo}{host}/{path}"),
-                        q => format!("redis://{userinfo}{host}/{path}?{q}"),
+                        "" => format!("{single_scheme}://{userinfo}{host}/{path}"),
+                        q => format!("{single_scheme}://{userinfo}{host}/{path}?{q}"),
                     };
-                    let BackendUrl::Redis { url, prefix: p } = Self::parse(&single)
+                    let BackendUrl::Redis {
+                        url,
+                        prefix: p,
+                        tls: t,
+                    } = Self::parse(&single)
                         .map_err(|e| invalid(format!("master {host:?}: {e}")))?
                     else {
                         unreachable!("redis:// parses as Redis")
@@ -130,8 +146,13 @@ impl BackendUrl {
                     }
                     masters.push(url);
                     prefix = p;
+                    tls = t;
                 }
-                Ok(BackendUrl::Redlock { masters, prefix })
+                Ok(BackendUrl::Redlock {
+                    masters,
+                    prefix,
+                    tls,
+                })
             }
             "zk" => {
                 let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -158,7 +179,9 @@ impl BackendUrl {
                 let (authority, path) = rest
                     .split_once('/')
                     .map(|(a, p)| (a, format!("/{p}")))
-                    .ok_or_else(|| invalid("the lock path is missing (zk://host:port/PATH)".into()))?;
+                    .ok_or_else(|| {
+                        invalid("the lock path is missing (zk://host:port/PATH)".into())
+                    })?;
                 crate::names::validate_zookeeper_path(&path).map_err(|e| invalid(e.to_string()))?;
                 let (digest, hosts) = split_credentials(authority).map_err(invalid)?;
                 let servers = host_list(hosts, 2181).map_err(invalid)?;
@@ -193,43 +216,31 @@ impl BackendUrl {
                 let (user, hosts) = split_credentials(authority).map_err(invalid)?;
                 let endpoints = host_list(hosts, 2379).map_err(invalid)?;
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
-                let (mut ca, mut cert, mut key) = (None, None, None);
+                let mut tls = crate::tls::TlsOptions::default();
                 for (key_name, value) in query_pairs(query) {
-                    let file = || crate::drivers::etcd::Pem::File(PathBuf::from(&value));
                     match key_name.as_str() {
                         "prefix" => prefix = value,
-                        "ca" => ca = Some(file()),
-                        "cert" => cert = Some(file()),
-                        "key" => key = Some(file()),
+                        other if tls.take(other, &value) => {}
                         other => return Err(invalid(format!("unknown option {other:?}"))),
                     }
                 }
                 crate::names::validate_lock_name(&prefix).map_err(|_| {
-                    invalid(format!("prefix {prefix:?} must be letters, digits, '.', '_' or '-'"))
+                    invalid(format!(
+                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
+                    ))
                 })?;
-                let tls = match (scheme, ca, cert, key) {
-                    ("etcd", None, None, None) => None,
-                    ("etcd", ..) => {
-                        return Err(invalid(
-                            "ca, cert and key are TLS options: use etcds://".into(),
-                        ));
-                    }
-                    (_, None, ..) => {
+                let tls = match tls.finish(scheme == "etcds", "etcds://").map_err(invalid)? {
+                    None => None,
+                    Some(crate::tls::Tls { ca: None, .. }) => {
                         return Err(invalid(
                             "etcds:// needs ?ca=PATH, the CA that signed the members' certificates"
                                 .into(),
                         ));
                     }
-                    (_, Some(ca), Some(cert), Some(key)) => Some(crate::drivers::etcd::EtcdTls {
-                        ca,
-                        client: Some((cert, key)),
-                    }),
-                    (_, Some(ca), None, None) => Some(crate::drivers::etcd::EtcdTls { ca, client: None }),
-                    _ => {
-                        return Err(invalid(
-                            "cert and key go together: the client certificate and its key".into(),
-                        ));
-                    }
+                    Some(crate::tls::Tls {
+                        ca: Some(ca),
+                        client,
+                    }) => Some(crate::drivers::etcd::EtcdTls { ca, client }),
                 };
                 Ok(BackendUrl::Etcd {
                     endpoints,
@@ -238,7 +249,7 @@ impl BackendUrl {
                     tls,
                 })
             }
-            "redis" => {
+            "redis" | "rediss" => {
                 let url = url::Url::parse(raw).map_err(|e| invalid(e.to_string()))?;
                 if url.host_str().is_none_or(str::is_empty) {
                     return Err(invalid("the Redis host is missing".into()));
@@ -250,18 +261,25 @@ impl BackendUrl {
                     )));
                 }
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                let mut tls = crate::tls::TlsOptions::default();
                 for (key, value) in url.query_pairs() {
                     match &*key {
                         "prefix" => prefix = value.into_owned(),
+                        other if tls.take(other, &value) => {}
                         other => return Err(invalid(format!("unknown option {other:?}"))),
                     }
                 }
                 crate::names::validate_lock_name(&prefix).map_err(|_| {
-                    invalid(format!("prefix {prefix:?} must be letters, digits, '.', '_' or '-'"))
+                    invalid(format!(
+                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
+                    ))
                 })?;
+                let tls = tls
+                    .finish(scheme == "rediss", "rediss:// (redlocks:// for Redlock)")
+                    .map_err(invalid)?;
                 let mut url = url;
                 url.set_query(None);
-                Ok(BackendUrl::Redis { url, prefix })
+                Ok(BackendUrl::Redis { url, prefix, tls })
             }
             "postgres" | "postgresql" | "mysql" | "mariadb" => {
                 let dialect = if scheme.starts_with("postgres") {
@@ -295,9 +313,12 @@ impl BackendUrl {
                             ));
                         }
                         "mode" => {
-                            mode = crate::drivers::sql::SqlMode::parse(&value).ok_or_else(|| {
-                                invalid(format!("mode must be lease or row-lock, got {value:?}"))
-                            })?;
+                            mode =
+                                crate::drivers::sql::SqlMode::parse(&value).ok_or_else(|| {
+                                    invalid(format!(
+                                        "mode must be lease or row-lock, got {value:?}"
+                                    ))
+                                })?;
                         }
                         _ => passed_on.push((key.into_owned(), value.into_owned())),
                     }
@@ -325,11 +346,8 @@ impl BackendUrl {
                     mode,
                 })
             }
-            "rediss" => Err(invalid(
-                "TLS to Redis is not built into this release yet; use redis:// (e.g. through a TLS sidecar)".into(),
-            )),
             other => Err(invalid(format!(
-                "unknown scheme {other:?} (available: sqlite://, redis://, redlock://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
+                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redlock://, redlocks://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
             ))),
         }
     }
@@ -357,12 +375,20 @@ impl fmt::Display for BackendUrl {
             }
             // The prefix is shown: it is part of where the lock lives (a sidecar that follows a
             // resource tells a moved lock by this text).
-            BackendUrl::Redis { url, prefix } => {
-                write!(f, "{} (prefix {prefix})", redact(url.as_str()))
+            BackendUrl::Redis { url, prefix, tls } => {
+                write!(f, "{} (prefix {prefix}", redact(url.as_str()))?;
+                write_tls_files(f, tls.as_ref())?;
+                f.write_str(")")
             }
-            BackendUrl::Redlock { masters, prefix } => {
+            BackendUrl::Redlock {
+                masters,
+                prefix,
+                tls,
+            } => {
                 let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
-                write!(f, "redlock over {} (prefix {prefix})", masters.join(", "))
+                write!(f, "redlock over {} (prefix {prefix}", masters.join(", "))?;
+                write_tls_files(f, tls.as_ref())?;
+                f.write_str(")")
             }
             BackendUrl::ZooKeeper {
                 servers,
@@ -400,7 +426,7 @@ impl fmt::Display for BackendUrl {
                         .chain(t.client.iter().flat_map(|(c, k)| [("cert", c), ("key", k)]))
                 });
                 for (name, pem) in files {
-                    if let crate::drivers::etcd::Pem::File(path) = pem {
+                    if let crate::tls::Pem::File(path) = pem {
                         write!(f, "&{name}={}", path.display())?;
                     }
                 }
@@ -425,6 +451,23 @@ impl fmt::Display for BackendUrl {
             }
         }
     }
+}
+
+/// `, ca FILE, cert FILE, key FILE` for the files among `tls`'s documents; PEM text from a
+/// Secret is never shown.
+fn write_tls_files(f: &mut fmt::Formatter<'_>, tls: Option<&crate::tls::Tls>) -> fmt::Result {
+    let Some(tls) = tls else { return Ok(()) };
+    let documents = std::iter::once(("ca", tls.ca.as_ref())).chain(
+        tls.client
+            .iter()
+            .flat_map(|(c, k)| [("cert", Some(c)), ("key", Some(k))]),
+    );
+    for (name, pem) in documents {
+        if let Some(path) = pem.and_then(crate::tls::Pem::file) {
+            write!(f, ", {name} {}", path.display())?;
+        }
+    }
+    Ok(())
 }
 
 impl fmt::Debug for BackendUrl {
@@ -514,7 +557,8 @@ mod tests {
     fn redis_urls() {
         let u = BackendUrl::parse("redis://:s3cret@127.0.0.1:6380/2?prefix=team-a").unwrap();
         match &u {
-            BackendUrl::Redis { url, prefix } => {
+            BackendUrl::Redis { url, prefix, tls } => {
+                assert!(tls.is_none());
                 assert_eq!(url.port(), Some(6380));
                 assert_eq!(prefix, "team-a");
             }
@@ -609,7 +653,10 @@ mod tests {
     #[test]
     fn redlock_urls() {
         let url = BackendUrl::parse("redlock://:pw@a:1,b:2,c:3/2?prefix=team").unwrap();
-        let BackendUrl::Redlock { masters, prefix } = &url else {
+        let BackendUrl::Redlock {
+            masters, prefix, ..
+        } = &url
+        else {
             panic!("not redlock: {url}")
         };
         assert_eq!(prefix, "team");

@@ -25,6 +25,7 @@ mod redact;
 pub mod resource;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod tls;
 
 pub use drivers::{etcd, kubernetes, redis, redlock, sql, sqlite, zookeeper};
 
@@ -47,7 +48,9 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
         BackendUrl::Sqlite { path, table } => {
             Arc::new(sqlite::SqliteDriver::open(path, table).await?)
         }
-        BackendUrl::Redis { url, prefix } => Arc::new(redis::RedisDriver::connect(url, prefix)?),
+        BackendUrl::Redis { url, prefix, tls } => {
+            Arc::new(redis::RedisDriver::connect(url, prefix, tls.as_ref())?)
+        }
         BackendUrl::Etcd {
             endpoints,
             prefix,
@@ -75,9 +78,15 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
         BackendUrl::Kubernetes { namespace } => {
             Arc::new(kubernetes::KubernetesLeaseDriver::connect(namespace.as_deref()).await?)
         }
-        BackendUrl::Redlock { masters, prefix } => {
-            Arc::new(redlock::RedlockDriver::connect(masters, prefix)?)
-        }
+        BackendUrl::Redlock {
+            masters,
+            prefix,
+            tls,
+        } => Arc::new(redlock::RedlockDriver::connect(
+            masters,
+            prefix,
+            tls.as_ref(),
+        )?),
         BackendUrl::Sql {
             dialect,
             url,

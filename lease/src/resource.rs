@@ -166,6 +166,26 @@ pub fn check_secret_allowed(name: &str, allowed: Option<&str>, endpoints: &[Stri
     Ok(())
 }
 
+/// The Secret keys `lock` may reference: read when present, not required. A Redis
+/// `tlsSecretName` Secret may hold a CA, a client pair, or both.
+pub fn optional_secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
+    let name = lock
+        .spec
+        .backend
+        .redis
+        .as_ref()
+        .and_then(|r| r.tls_secret_name.as_ref());
+    name.map(|name| {
+        TLS_SECRET_KEYS
+            .map(|key| SecretKeyRef {
+                name: name.clone(),
+                key: key.into(),
+            })
+            .to_vec()
+    })
+    .unwrap_or_default()
+}
+
 /// Read the referenced Secret keys from the lock's namespace. A missing Secret or key, or a
 /// Secret whose owner has not allowed the lock's servers ([`ALLOWED_HOSTS_ANNOTATION`]), is an
 /// [`Error::InvalidConfig`] that names it (never its value).
@@ -174,7 +194,9 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
     let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     let endpoints = backend_endpoints(lock);
     let mut values = SecretValues::new();
-    for r in secret_refs(lock) {
+    let required = secret_refs(lock).into_iter().map(|r| (r, true));
+    let optional = optional_secret_refs(lock).into_iter().map(|r| (r, false));
+    for (r, required) in required.chain(optional) {
         let key = (r.name.clone(), r.key.clone());
         if values.contains_key(&key) {
             continue;
@@ -213,9 +235,14 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
                     .as_ref()
                     .and_then(|d| d.get(&r.key))
                     .cloned()
-            })
-            .ok_or_else(|| missing(&r, "the Secret has no such key"))?;
-        values.insert(key, value);
+            });
+        match value {
+            Some(value) => {
+                values.insert(key, value);
+            }
+            None if required => return Err(missing(&r, "the Secret has no such key")),
+            None => {}
+        }
     }
     Ok(values)
 }
@@ -304,13 +331,6 @@ fn userinfo(user: Option<&str>, password: Option<&str>) -> String {
     }
 }
 
-fn unsupported(what: &str) -> Error {
-    Error::InvalidConfig {
-        field: "backend",
-        reason: format!("{what} is not supported by this release"),
-    }
-}
-
 fn backend_url(
     lock: &DistributedLock,
     namespace: &str,
@@ -344,21 +364,27 @@ fn backend_url(
         }
     };
     let raw = if let Some(r) = redis {
-        if r.tls == Some(true) {
-            return Err(unsupported("TLS to Redis"));
-        }
+        let tls = r.tls == Some(true) || r.tls_secret_name.is_some();
         let auth = userinfo(
             secret(secrets, &r.username_secret_ref)?,
             secret(secrets, &r.password_secret_ref)?,
         );
         let db = r.database.map_or_else(String::new, |d| d.to_string());
         let q = query(&[("prefix", r.key_prefix.as_deref())]);
-        let scheme = if r.endpoints.len() >= 3 {
-            "redlock"
-        } else {
-            "redis"
+        let scheme = match (r.endpoints.len() >= 3, tls) {
+            (true, false) => "redlock",
+            (true, true) => "redlocks",
+            (false, false) => "redis",
+            (false, true) => "rediss",
         };
-        format!("{scheme}://{auth}{}/{db}{q}", r.endpoints.join(","))
+        let url = BackendUrl::parse(&format!(
+            "{scheme}://{auth}{}/{db}{q}",
+            r.endpoints.join(",")
+        ))?;
+        return Ok((
+            with_redis_tls(url, r.tls_secret_name.as_deref(), secrets)?,
+            None,
+        ));
     } else if let Some((scheme, sql)) = postgres
         .as_ref()
         .map(|s| ("postgres", s))
@@ -452,10 +478,10 @@ fn with_etcd_tls(
     let (BackendUrl::Etcd { tls, .. }, Some(name)) = (&mut url, tls_secret) else {
         return Ok(url);
     };
-    let pem = |key: &str| -> Result<crate::drivers::etcd::Pem> {
+    let pem = |key: &str| -> Result<crate::tls::Pem> {
         secrets
             .get(&(name.to_owned(), key.to_owned()))
-            .map(|text| crate::drivers::etcd::Pem::Text(text.clone()))
+            .map(|text| crate::tls::Pem::Text(text.clone()))
             .ok_or_else(|| Error::InvalidConfig {
                 field: "tlsSecretName",
                 reason: format!("Secret {name:?} key {key:?} was not read"),
@@ -466,6 +492,45 @@ fn with_etcd_tls(
         ca: pem(ca)?,
         client: Some((pem(cert)?, pem(key)?)),
     });
+    Ok(url)
+}
+
+/// TLS from a Redis `tlsSecretName` Secret's PEM text: its CA if it has one (else the system's
+/// roots), its client pair if it has one.
+fn with_redis_tls(
+    mut url: BackendUrl,
+    tls_secret: Option<&str>,
+    secrets: &SecretValues,
+) -> Result<BackendUrl> {
+    let (BackendUrl::Redis { tls, .. } | BackendUrl::Redlock { tls, .. }, Some(name)) =
+        (&mut url, tls_secret)
+    else {
+        return Ok(url);
+    };
+    let pem = |key: &str| {
+        secrets
+            .get(&(name.to_owned(), key.to_owned()))
+            .map(|text| crate::tls::Pem::Text(text.clone()))
+    };
+    let [ca, cert, key] = TLS_SECRET_KEYS;
+    let client = match (pem(cert), pem(key)) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => {
+            return Err(Error::InvalidConfig {
+                field: "tlsSecretName",
+                reason: format!("Secret {name:?} has one of tls.crt and tls.key without the other"),
+            });
+        }
+    };
+    let ca = pem(ca);
+    if ca.is_none() && client.is_none() {
+        return Err(Error::InvalidConfig {
+            field: "tlsSecretName",
+            reason: format!("Secret {name:?} has none of ca.crt, tls.crt and tls.key"),
+        });
+    }
+    *tls = Some(crate::tls::Tls { ca, client });
     Ok(url)
 }
 
@@ -733,7 +798,7 @@ mod tests {
             panic!("not etcd: {}", resolved.backend)
         };
         assert_eq!(endpoints, &["e1:2379", "e2:2379"]);
-        let text = |t: &str| crate::drivers::etcd::Pem::Text(t.into());
+        let text = |t: &str| crate::tls::Pem::Text(t.into());
         assert!(tls.as_ref().is_some_and(|t| t.ca == text("PEM OF ca.crt")
             && t.client == Some((text("PEM OF tls.crt"), text("PEM OF tls.key")))));
         let shown = resolved.backend.to_string();
@@ -745,20 +810,52 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_options_are_refused_by_name() {
-        let lock = lock(Backend {
-            redis: Some(RedisBackend {
-                endpoints: vec!["r:6379".into()],
-                tls: Some(true),
+    fn redis_tls_comes_from_the_flag_and_the_secret() {
+        let mut redis = RedisBackend {
+            endpoints: vec!["r:6379".into()],
+            tls: Some(true),
+            ..Default::default()
+        };
+        let resolved = resolve(
+            &lock(Backend {
+                redis: Some(redis.clone()),
                 ..Default::default()
             }),
+            &SecretValues::new(),
+        )
+        .unwrap();
+        let BackendUrl::Redis { url, tls, .. } = &resolved.backend else {
+            panic!("{}", resolved.backend)
+        };
+        assert_eq!(url.scheme(), "rediss");
+        assert!(
+            tls.as_ref()
+                .is_some_and(|t| t.ca.is_none() && t.client.is_none())
+        );
+
+        redis.tls = None;
+        redis.tls_secret_name = Some("redis-tls".into());
+        redis.endpoints = vec!["a:1".into(), "b:1".into(), "c:1".into()];
+        let lock = lock(Backend {
+            redis: Some(redis),
             ..Default::default()
         });
-        assert!(
-            resolve(&lock, &SecretValues::new())
-                .unwrap_err()
-                .to_string()
-                .contains("TLS")
-        );
+        let optional: Vec<String> = optional_secret_refs(&lock)
+            .into_iter()
+            .map(|r| r.key)
+            .collect();
+        assert_eq!(optional, TLS_SECRET_KEYS);
+        let ca_only: SecretValues =
+            [(("redis-tls".into(), "ca.crt".into()), "CA PEM".into())].into();
+        let BackendUrl::Redlock { tls, masters, .. } = resolve(&lock, &ca_only).unwrap().backend
+        else {
+            panic!()
+        };
+        assert!(masters.iter().all(|m| m.scheme() == "rediss"));
+        let tls = tls.unwrap();
+        assert!(tls.ca == Some(crate::tls::Pem::Text("CA PEM".into())) && tls.client.is_none());
+        let half: SecretValues = [(("redis-tls".into(), "tls.crt".into()), "CERT".into())].into();
+        let e = resolve(&lock, &half).unwrap_err().to_string();
+        assert!(e.contains("tls.crt and tls.key"), "{e}");
     }
 }

@@ -523,3 +523,42 @@ async fn an_owned_lease_goes_with_its_lock() {
         .unwrap();
     assert!(api.object(LEASES, NS, "leader").is_none());
 }
+
+/// Redis over TLS from a `DistributedLock`: the CA and the client pair come from a Secret's PEM
+/// text, and the operator provisions and observes through them (the server asks every client
+/// for a certificate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_over_tls_with_its_certificates_from_a_secret() {
+    let server = RedisServer::start_tls();
+    let files = server.tls_files();
+    let api = InMemoryApiServer::new();
+    let pem = |path: &std::path::Path| std::fs::read_to_string(path).unwrap();
+    api.put(
+        SECRETS,
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "redis-tls", "namespace": NS,
+                            "annotations": {resource::ALLOWED_HOSTS_ANNOTATION: "127.0.0.1"}},
+               "stringData": {"ca.crt": pem(&files.ca), "tls.crt": pem(&files.client_cert),
+                              "tls.key": pem(&files.client_key)}}),
+    );
+    let lock = lock(
+        "cache",
+        Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec![format!("127.0.0.1:{}", server.tls_port().unwrap())],
+                tls_secret_name: Some("redis-tls".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    takes(&*driver, "cache").await;
+    let resolved = Backends::resolve(&api.client(), &lock).await.unwrap();
+    let shown = resolved.backend.to_string();
+    assert!(
+        shown.starts_with("rediss://") && !shown.contains("PRIVATE KEY"),
+        "{shown}"
+    );
+}

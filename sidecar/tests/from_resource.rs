@@ -99,7 +99,7 @@ async fn a_lock_from_its_resource_follows_spec_changes() {
 
     // A change that cannot work keeps the running lock.
     let mut broken = distributed_lock(&redis, "leasehold", "7s");
-    broken["spec"]["backend"]["redis"]["tls"] = json!(true);
+    broken["spec"]["backend"]["redis"]["keyPrefix"] = json!("not a prefix");
     api.put(DISTRIBUTED_LOCKS, broken);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(

@@ -49,25 +49,7 @@ pub struct EtcdConfig {
     pub tls: Option<EtcdTls>,
 }
 
-/// A PEM document: a file named on the command line (read when the driver connects), or the
-/// text of a Secret key.
-#[derive(Clone, PartialEq, Eq)]
-pub enum Pem {
-    File(std::path::PathBuf),
-    Text(String),
-}
-
-impl Pem {
-    fn read(&self, field: &'static str) -> Result<String> {
-        match self {
-            Pem::Text(text) => Ok(text.clone()),
-            Pem::File(path) => std::fs::read_to_string(path).map_err(|e| Error::InvalidConfig {
-                field,
-                reason: format!("reading {}: {e}", path.display()),
-            }),
-        }
-    }
-}
+pub use crate::tls::Pem;
 
 /// TLS to etcd: the CA that signed the members' certificates, and this client's certificate and
 /// key for members that ask for one (`--client-cert-auth`).

@@ -17,6 +17,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use crate::tls::Tls;
 use redis::{Script, Value};
 use tokio::sync::watch;
 
@@ -71,6 +73,8 @@ return false
 
 pub struct RedisDriver {
     conn: ConnectionManager,
+    /// Over TLS: a timeout then most likely means no TLS on the other side.
+    tls: bool,
     keys: KeyLayout,
     acquire: Script,
     renew: Script,
@@ -144,10 +148,42 @@ pub(crate) fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
 
 pub(crate) fn map_err(e: redis::RedisError) -> Error {
     if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout() {
-        Error::Unreachable(e.to_string())
+        // A TLS failure is an I/O error too: say which one it is.
+        Error::Unreachable(crate::tls::with_cause(e.to_string()))
     } else {
         Error::Backend(e.to_string())
     }
+}
+
+/// A client for `url`: over TLS (`rediss://`) with `tls`'s CA (else the system's roots) and
+/// client pair when given. The PEM documents are read now, so a missing file says so at start.
+pub(crate) fn client(url: &url::Url, tls: Option<&Tls>) -> Result<redis::Client> {
+    let invalid = |reason: String| Error::InvalidUrl {
+        url: crate::redact::redact(url.as_str()),
+        reason,
+    };
+    let Some(tls) = tls else {
+        return redis::Client::open(url.as_str()).map_err(|e| invalid(e.to_string()));
+    };
+    let client_tls = match &tls.client {
+        Some((cert, key)) => Some(redis::ClientTlsConfig {
+            client_cert: cert.read("cert")?.into_bytes(),
+            client_key: key.read("key")?.into_bytes(),
+        }),
+        None => None,
+    };
+    let root_cert = match &tls.ca {
+        Some(ca) => Some(ca.read("ca")?.into_bytes()),
+        None => None,
+    };
+    redis::Client::build_with_tls(
+        url.as_str(),
+        redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        },
+    )
+    .map_err(|e| invalid(e.to_string()))
 }
 
 fn ms(d: Duration) -> u64 {
@@ -155,13 +191,23 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl RedisDriver {
+    /// [`map_err`], and over TLS a timeout explained: a plain-text server may never answer a
+    /// TLS handshake (it waits for the end of a command line that never comes).
+    fn error(&self, e: redis::RedisError) -> Error {
+        match map_err(e) {
+            Error::Unreachable(message) if self.tls && message.contains("timed out") => {
+                Error::Unreachable(format!(
+                    "{message} (no answer over TLS in time: a plain-text server behind a TLS URL, or one that does not answer)"
+                ))
+            }
+            other => other,
+        }
+    }
+
     /// Set up the connection lazily: an unreachable Redis at start-up is reported by the lease
     /// loop and readiness, not by a crash.
-    pub fn connect(url: &url::Url, prefix: &str) -> Result<Self> {
-        let client = redis::Client::open(url.as_str()).map_err(|e| Error::InvalidUrl {
-            url: crate::redact::redact(url.as_str()),
-            reason: e.to_string(),
-        })?;
+    pub fn connect(url: &url::Url, prefix: &str, tls: Option<&Tls>) -> Result<Self> {
+        let client = client(url, tls)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(CONNECT_TIMEOUT))
             .set_response_timeout(Some(RESPONSE_TIMEOUT))
@@ -174,6 +220,7 @@ impl RedisDriver {
         let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
         Ok(Self {
             conn,
+            tls: tls.is_some(),
             keys,
             acquire: Script::new(ACQUIRE),
             renew: Script::new(RENEW),
@@ -298,7 +345,7 @@ impl Driver for RedisDriver {
             .arg(ms(ttl))
             .invoke_async(&mut conn)
             .await
-            .map_err(map_err)?;
+            .map_err(|e| self.error(e))?;
         match reply {
             Value::Int(token) if token > 0 => Ok(Acquire::Acquired(Lease {
                 lock: lock.to_owned(),
@@ -318,7 +365,7 @@ impl Driver for RedisDriver {
             .arg(ms(ttl))
             .invoke_async(&mut conn)
             .await
-            .map_err(map_err)?;
+            .map_err(|e| self.error(e))?;
         Ok(renewed == 1)
     }
 
@@ -331,7 +378,7 @@ impl Driver for RedisDriver {
             .arg(self.keys.released_channel(&lease.lock))
             .invoke_async(&mut conn)
             .await
-            .map_err(map_err)?;
+            .map_err(|e| self.error(e))?;
         Ok(released == 1)
     }
 
@@ -342,7 +389,7 @@ impl Driver for RedisDriver {
             .key(self.keys.lease(lock))
             .invoke_async(&mut conn)
             .await
-            .map_err(map_err)?;
+            .map_err(|e| self.error(e))?;
         Ok(parse_value_and_pttl(&reply))
     }
 
@@ -355,7 +402,7 @@ impl Driver for RedisDriver {
         let _: String = redis::cmd("PING")
             .query_async(&mut conn)
             .await
-            .map_err(map_err)?;
+            .map_err(|e| self.error(e))?;
         Ok(())
     }
 }

@@ -106,8 +106,12 @@ fn ms(d: Duration) -> u64 {
 type Reply = std::result::Result<Value, Error>;
 
 impl RedlockDriver {
-    /// Connect lazily to every master (each a `redis://` URL).
-    pub fn connect(masters: &[url::Url], prefix: &str) -> Result<Self> {
+    /// Connect lazily to every master (each a `redis://` URL, or `rediss://` with `tls`).
+    pub fn connect(
+        masters: &[url::Url],
+        prefix: &str,
+        tls: Option<&crate::tls::Tls>,
+    ) -> Result<Self> {
         if masters.len() < 3 {
             return Err(Error::InvalidConfig {
                 field: "backend",
@@ -119,10 +123,7 @@ impl RedlockDriver {
         let masters = masters
             .iter()
             .map(|url| {
-                let client = redis::Client::open(url.as_str()).map_err(|e| Error::InvalidUrl {
-                    url: crate::redact::redact(url.as_str()),
-                    reason: e.to_string(),
-                })?;
+                let client = super::redis::client(url, tls)?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(MAX_MASTER_TIMEOUT))

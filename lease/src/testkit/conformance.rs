@@ -179,6 +179,16 @@ impl ServerHarness<super::EtcdServer> {
     }
 }
 
+impl ServerHarness<RedisServer> {
+    /// Redis over TLS, asking every client for a certificate.
+    pub fn tls() -> Self {
+        Self {
+            server: RedisServer::start_tls(),
+            options: "",
+        }
+    }
+}
+
 impl<S: BackendServer> Default for ServerHarness<S> {
     fn default() -> Self {
         Self::new()

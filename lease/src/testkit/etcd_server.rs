@@ -9,7 +9,6 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -24,12 +23,7 @@ pub struct EtcdServer {
     tls: bool,
 }
 
-/// The PEM files of a TLS test server, in its throwaway directory.
-pub struct EtcdTlsFiles {
-    pub ca: PathBuf,
-    pub client_cert: PathBuf,
-    pub client_key: PathBuf,
-}
+pub use super::TlsFiles as EtcdTlsFiles;
 
 impl EtcdServer {
     pub fn start() -> Self {
@@ -50,7 +44,7 @@ impl EtcdServer {
             tls,
         };
         if tls {
-            write_certificates(server.process.dir());
+            super::write_test_certificates(server.process.dir());
         }
         server.spawn();
         server
@@ -58,12 +52,7 @@ impl EtcdServer {
 
     /// The CA and the client pair, for a TLS server.
     pub fn tls_files(&self) -> EtcdTlsFiles {
-        let dir = self.process.dir();
-        EtcdTlsFiles {
-            ca: dir.join("ca.crt"),
-            client_cert: dir.join("client.crt"),
-            client_key: dir.join("client.key"),
-        }
+        super::TlsFiles::in_dir(self.process.dir())
     }
 
     pub fn port(&self) -> u16 {
@@ -142,35 +131,6 @@ impl EtcdServer {
 }
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`.
-fn write_certificates(dir: &std::path::Path) {
-    use rcgen::{
-        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    };
-    let write = |name: &str, pem: String| std::fs::write(dir.join(name), pem).expect(name);
-    let ca_key = KeyPair::generate().expect("CA key");
-    let mut ca = CertificateParams::default();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca.distinguished_name
-        .push(DnType::CommonName, "leasehold test CA");
-    write("ca.crt", ca.self_signed(&ca_key).expect("CA").pem());
-    let issuer = Issuer::new(ca, ca_key);
-    let leaf = |file: &str, names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
-        let key = KeyPair::generate().expect("key");
-        let mut params = CertificateParams::new(names).expect("names");
-        params.distinguished_name.push(DnType::CommonName, file);
-        params.extended_key_usages = vec![usage];
-        let cert = params.signed_by(&key, &issuer).expect("sign");
-        write(&format!("{file}.crt"), cert.pem());
-        write(&format!("{file}.key"), key.serialize_pem());
-    };
-    leaf(
-        "server",
-        vec!["127.0.0.1".into(), "localhost".into()],
-        ExtendedKeyUsagePurpose::ServerAuth,
-    );
-    leaf("client", vec![], ExtendedKeyUsagePurpose::ClientAuth);
-}
-
 /// etcd's own health endpoint: healthy once it has a leader.
 fn healthy(port: u16) -> bool {
     get(port, "/health").contains("\"health\":\"true\"")

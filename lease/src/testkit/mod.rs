@@ -88,3 +88,52 @@ pub fn unique_lock(prefix: &str) -> String {
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
 }
+
+/// The PEM files of a TLS test server, in its throwaway directory.
+pub struct TlsFiles {
+    pub ca: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl TlsFiles {
+    /// The files [`write_test_certificates`] wrote in `dir`.
+    pub fn in_dir(dir: &std::path::Path) -> Self {
+        Self {
+            ca: dir.join("ca.crt"),
+            client_cert: dir.join("client.crt"),
+            client_key: dir.join("client.key"),
+        }
+    }
+}
+
+/// A CA of the test's own, and a server (for 127.0.0.1 and localhost) and a client certificate
+/// signed by it, as PEM files in `dir` (see [`TlsFiles::in_dir`]).
+pub fn write_test_certificates(dir: &std::path::Path) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+    let write = |name: &str, pem: String| std::fs::write(dir.join(name), pem).expect(name);
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca = CertificateParams::default();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.distinguished_name
+        .push(DnType::CommonName, "leasehold test CA");
+    write("ca.crt", ca.self_signed(&ca_key).expect("CA").pem());
+    let issuer = Issuer::new(ca, ca_key);
+    let leaf = |file: &str, names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(names).expect("names");
+        params.distinguished_name.push(DnType::CommonName, file);
+        params.extended_key_usages = vec![usage];
+        let cert = params.signed_by(&key, &issuer).expect("sign");
+        write(&format!("{file}.crt"), cert.pem());
+        write(&format!("{file}.key"), key.serialize_pem());
+    };
+    leaf(
+        "server",
+        vec!["127.0.0.1".into(), "localhost".into()],
+        ExtendedKeyUsagePurpose::ServerAuth,
+    );
+    leaf("client", vec![], ExtendedKeyUsagePurpose::ClientAuth);
+}

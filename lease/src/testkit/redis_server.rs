@@ -1,5 +1,9 @@
 //! A real `redis-server` on a free loopback port, with its own throwaway directory and an
 //! append-only file, so that it can be killed and restarted with its data.
+//!
+//! [`RedisServer::start_tls`] also serves TLS on a port of its own (Debian's build has TLS), with
+//! a CA of its own and a client certificate asked of every client; the plain port stays, for
+//! the health check and for the "plain-text server behind a TLS URL" case.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -13,6 +17,8 @@ pub struct RedisServer {
     process: ServerProcess,
     port: u16,
     durable: bool,
+    /// The TLS port, when serving TLS.
+    tls_port: Option<u16>,
 }
 
 impl RedisServer {
@@ -29,16 +35,60 @@ impl RedisServer {
             process: ServerProcess::new("redis"),
             port: free_port(),
             durable,
+            tls_port: None,
         };
         server.spawn();
         server
     }
 
+    /// Durable, and serving TLS too; [`RedisServer::url`] is then the TLS one, with the
+    /// client's certificate.
+    pub fn start_tls() -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis"),
+            port: free_port(),
+            durable: true,
+            tls_port: Some(free_port()),
+        };
+        super::write_test_certificates(server.process.dir());
+        server.spawn();
+        server
+    }
+
+    /// The plain-text port.
     pub fn port(&self) -> u16 {
         self.port
     }
 
+    /// The TLS port, when serving TLS.
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// The CA and the client pair, for a TLS server.
+    pub fn tls_files(&self) -> super::TlsFiles {
+        super::TlsFiles::in_dir(self.process.dir())
+    }
+
+    /// `redis://` on the plain port, or for a TLS server `rediss://` on its TLS port with the
+    /// CA and the client's certificate.
     pub fn url(&self) -> String {
+        match self.tls_port {
+            None => self.plain_url(),
+            Some(port) => {
+                let files = self.tls_files();
+                format!(
+                    "rediss://127.0.0.1:{port}?ca={}&cert={}&key={}",
+                    files.ca.display(),
+                    files.client_cert.display(),
+                    files.client_key.display()
+                )
+            }
+        }
+    }
+
+    /// `redis://` on the plain port.
+    pub fn plain_url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
@@ -56,6 +106,18 @@ impl RedisServer {
             })
             .args(["--save", ""])
             .args(["--daemonize", "no"]);
+        if let Some(tls_port) = self.tls_port {
+            let dir = self.process.dir();
+            command
+                .args(["--tls-port", &tls_port.to_string()])
+                .arg("--tls-cert-file")
+                .arg(dir.join("server.crt"))
+                .arg("--tls-key-file")
+                .arg(dir.join("server.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(dir.join("ca.crt"))
+                .args(["--tls-auth-clients", "yes"]);
+        }
         let port = self.port;
         self.process.spawn(command, move || ping(port));
     }

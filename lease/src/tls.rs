@@ -1,0 +1,136 @@
+//! TLS settings shared by the drivers that speak it (etcd, Redis, Redlock): PEM documents from
+//! files named on the command line or from a Secret's keys, the `ca`/`cert`/`key` URL options,
+//! and failures told apart for the people who must fix them.
+
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+
+/// A PEM document: a file named on the command line (read when the driver connects), or the
+/// text of a Secret key.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Pem {
+    File(PathBuf),
+    Text(String),
+}
+
+impl Pem {
+    pub fn read(&self, field: &'static str) -> Result<String> {
+        match self {
+            Pem::Text(text) => Ok(text.clone()),
+            Pem::File(path) => std::fs::read_to_string(path).map_err(|e| Error::InvalidConfig {
+                field,
+                reason: format!("reading {}: {e}", path.display()),
+            }),
+        }
+    }
+
+    /// The file's path, for logs; PEM text from a Secret is never shown.
+    pub fn file(&self) -> Option<&std::path::Path> {
+        match self {
+            Pem::File(path) => Some(path),
+            Pem::Text(_) => None,
+        }
+    }
+}
+
+/// TLS to a server: the CA to verify it against (`None`: the system's roots, as managed
+/// services need), and a client certificate and key for servers that ask for one.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Tls {
+    pub ca: Option<Pem>,
+    pub client: Option<(Pem, Pem)>,
+}
+
+/// The `ca`, `cert` and `key` URL options gathered while parsing a URL.
+#[derive(Default)]
+pub struct TlsOptions {
+    pub ca: Option<Pem>,
+    pub cert: Option<Pem>,
+    pub key: Option<Pem>,
+}
+
+impl TlsOptions {
+    /// Take `key=value` if it is one of the TLS options.
+    pub fn take(&mut self, key: &str, value: &str) -> bool {
+        let file = || Some(Pem::File(PathBuf::from(value)));
+        match key {
+            "ca" => self.ca = file(),
+            "cert" => self.cert = file(),
+            "key" => self.key = file(),
+            _ => return false,
+        }
+        true
+    }
+
+    /// The TLS settings of a URL whose scheme asks for TLS (`secure`), or none; `reason` says
+    /// what is wrong.
+    pub fn finish(
+        self,
+        secure: bool,
+        tls_scheme: &str,
+    ) -> std::result::Result<Option<Tls>, String> {
+        let client = match (self.cert, self.key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => return Err("cert and key go together: the client certificate and its key".into()),
+        };
+        match (secure, self.ca, client) {
+            (false, None, None) => Ok(None),
+            (false, ..) => Err(format!(
+                "ca, cert and key are TLS options: use {tls_scheme}"
+            )),
+            (true, ca, client) => Ok(Some(Tls { ca, client })),
+        }
+    }
+}
+
+/// What a TLS failure means, in words, for the usual causes; appended to the error so that a
+/// readiness failure says which of them it is.
+pub fn explain(error: &str) -> Option<&'static str> {
+    let causes: [(&[&str], &str); 5] = [
+        (
+            &["UnknownIssuer", "unknown issuer", "BadSignature"],
+            "the server's certificate is not signed by the CA given (ca=, or ca.crt in the Secret)",
+        ),
+        (
+            &["Expired", "expired"],
+            "a certificate has expired (the server's, or this client's as the server says)",
+        ),
+        (
+            &["NotValidForName", "not valid for name"],
+            "the server's certificate does not name the host in the URL",
+        ),
+        (
+            &[
+                "CertificateRequired",
+                "certificate required",
+                "HandshakeFailure",
+                "BadCertificate",
+                "UnknownCA",
+            ],
+            "the server asks for a client certificate this client does not have, or does not accept the one it sent (cert= and key=, or tls.crt and tls.key)",
+        ),
+        (
+            &[
+                "InvalidContentType",
+                "corrupt message",
+                "InvalidMessage",
+                "wrong version number",
+            ],
+            "the server does not speak TLS on this port: a plain-text server behind a TLS URL",
+        ),
+    ];
+    causes
+        .into_iter()
+        .find(|(needles, _)| needles.iter().any(|n| error.contains(n)))
+        .map(|(_, cause)| cause)
+}
+
+/// `message` with the [`explain`]ed cause, if there is one.
+pub fn with_cause(message: String) -> String {
+    match explain(&message) {
+        Some(cause) => format!("{message} ({cause})"),
+        None => message,
+    }
+}
