@@ -258,6 +258,15 @@ pub struct SqlBackend {
     pub user_secret_ref: Option<SecretKeyRef>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
+    /// TLS with the server verified, certificate and host name (PostgreSQL `verify-full`,
+    /// MySQL `VERIFY_IDENTITY`), against the system's roots unless `tlsSecretName` gives a CA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<bool>,
+    /// A Secret with `ca.crt` and/or `tls.crt` and `tls.key` (a client certificate); implies
+    /// `tls`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub tls_secret_name: Option<String>,
 }
 
 /// A SQLite file: refused in a cluster (a CEL rule says why). The field stays so that a lock

@@ -442,7 +442,23 @@ impl fmt::Display for BackendUrl {
                 mode,
                 ..
             } => {
-                write!(f, "{}", redact(url.as_str()))?;
+                // PEM text given inline (from a Secret) is never shown; file paths are.
+                let mut shown = url.clone();
+                if shown.query().is_some() {
+                    let pairs: Vec<(String, String)> = url
+                        .query_pairs()
+                        .map(|(k, v)| {
+                            let v = if v.trim_start().starts_with("-----BEGIN") {
+                                "inline-pem".to_owned()
+                            } else {
+                                v.into_owned()
+                            };
+                            (k.into_owned(), v)
+                        })
+                        .collect();
+                    shown.query_pairs_mut().clear().extend_pairs(pairs);
+                }
+                write!(f, "{}", redact(shown.as_str()))?;
                 match schema {
                     Some(schema) => write!(f, " (table {schema}.{table}")?,
                     None => write!(f, " (table {table}")?,

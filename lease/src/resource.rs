@@ -166,15 +166,20 @@ pub fn check_secret_allowed(name: &str, allowed: Option<&str>, endpoints: &[Stri
     Ok(())
 }
 
-/// The Secret keys `lock` may reference: read when present, not required. A Redis
+/// The Secret keys `lock` may reference: read when present, not required. A Redis or SQL
 /// `tlsSecretName` Secret may hold a CA, a client pair, or both.
 pub fn optional_secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
-    let name = lock
-        .spec
-        .backend
+    let b = &lock.spec.backend;
+    let name = b
         .redis
         .as_ref()
-        .and_then(|r| r.tls_secret_name.as_ref());
+        .and_then(|r| r.tls_secret_name.as_ref())
+        .or_else(|| {
+            [&b.postgres, &b.mysql]
+                .into_iter()
+                .flatten()
+                .find_map(|sql| sql.tls_secret_name.as_ref())
+        });
     name.map(|name| {
         TLS_SECRET_KEYS
             .map(|key| SecretKeyRef {
@@ -399,11 +404,14 @@ fn backend_url(
             SqlLockMode::Lease => None,
             SqlLockMode::RowLock => Some("row-lock"),
         };
-        let q = query(&[
+        let tls = sql_tls(scheme, sql, secrets)?;
+        let mut pairs = vec![
             ("table", sql.table.as_deref()),
             ("schema", sql.schema.as_deref()),
             ("mode", mode),
-        ]);
+        ];
+        pairs.extend(tls.iter().map(|(k, v)| (*k, Some(v.as_str()))));
+        let q = query(&pairs);
         let database = utf8_percent_encode(&sql.database, NON_ALPHANUMERIC);
         format!("{scheme}://{auth}{}{port}/{database}{q}", sql.host)
     } else if sqlite.is_some() {
@@ -495,18 +503,47 @@ fn with_etcd_tls(
     Ok(url)
 }
 
-/// TLS from a Redis `tlsSecretName` Secret's PEM text: its CA if it has one (else the system's
-/// roots), its client pair if it has one.
-fn with_redis_tls(
-    mut url: BackendUrl,
-    tls_secret: Option<&str>,
+/// The database driver's own TLS options for `sql`: the server verified, certificate and host
+/// name, against the Secret's CA (PEM text, which the driver takes inline) or the system's
+/// roots, with the Secret's client pair when it has one.
+fn sql_tls(
+    scheme: &str,
+    sql: &leasehold_crds::SqlBackend,
     secrets: &SecretValues,
-) -> Result<BackendUrl> {
-    let (BackendUrl::Redis { tls, .. } | BackendUrl::Redlock { tls, .. }, Some(name)) =
-        (&mut url, tls_secret)
-    else {
-        return Ok(url);
+) -> Result<Vec<(&'static str, String)>> {
+    if sql.tls != Some(true) && sql.tls_secret_name.is_none() {
+        return Ok(Vec::new());
+    }
+    let (mode, ca, cert, key) = match scheme {
+        "postgres" => (
+            ("sslmode", "verify-full"),
+            "sslrootcert",
+            "sslcert",
+            "sslkey",
+        ),
+        _ => (
+            ("ssl-mode", "VERIFY_IDENTITY"),
+            "ssl-ca",
+            "ssl-cert",
+            "ssl-key",
+        ),
     };
+    let mut options = vec![(mode.0, mode.1.to_owned())];
+    if let Some(name) = &sql.tls_secret_name {
+        let tls = tls_from_secret(name, secrets)?;
+        if let Some(crate::tls::Pem::Text(pem)) = tls.ca {
+            options.push((ca, pem));
+        }
+        if let Some((crate::tls::Pem::Text(c), crate::tls::Pem::Text(k))) = tls.client {
+            options.push((cert, c));
+            options.push((key, k));
+        }
+    }
+    Ok(options)
+}
+
+/// The CA and the client pair in a `tlsSecretName` Secret whose keys are each optional.
+fn tls_from_secret(name: &str, secrets: &SecretValues) -> Result<crate::tls::Tls> {
     let pem = |key: &str| {
         secrets
             .get(&(name.to_owned(), key.to_owned()))
@@ -530,7 +567,23 @@ fn with_redis_tls(
             reason: format!("Secret {name:?} has none of ca.crt, tls.crt and tls.key"),
         });
     }
-    *tls = Some(crate::tls::Tls { ca, client });
+    Ok(crate::tls::Tls { ca, client })
+}
+
+/// TLS from a Redis `tlsSecretName` Secret's PEM text: its CA if it has one (else the system's
+/// roots), its client pair if it has one.
+fn with_redis_tls(
+    mut url: BackendUrl,
+    tls_secret: Option<&str>,
+    secrets: &SecretValues,
+) -> Result<BackendUrl> {
+    let (BackendUrl::Redis { tls, .. } | BackendUrl::Redlock { tls, .. }, Some(name)) =
+        (&mut url, tls_secret)
+    else {
+        return Ok(url);
+    };
+    let found = tls_from_secret(name, secrets)?;
+    *tls = Some(found);
     Ok(url)
 }
 
@@ -857,5 +910,36 @@ mod tests {
         let half: SecretValues = [(("redis-tls".into(), "tls.crt".into()), "CERT".into())].into();
         let e = resolve(&lock, &half).unwrap_err().to_string();
         assert!(e.contains("tls.crt and tls.key"), "{e}");
+    }
+
+    #[test]
+    fn sql_tls_verifies_the_server_in_each_dialect() {
+        for (postgres, wanted) in [
+            (true, "sslmode=verify-full"),
+            (false, "ssl-mode=VERIFY_IDENTITY"),
+        ] {
+            let sql = leasehold_crds::SqlBackend {
+                host: "db".into(),
+                database: "app".into(),
+                tls: Some(true),
+                ..Default::default()
+            };
+            let backend = if postgres {
+                Backend {
+                    postgres: Some(sql),
+                    ..Default::default()
+                }
+            } else {
+                Backend {
+                    mysql: Some(sql),
+                    ..Default::default()
+                }
+            };
+            let shown = resolve(&lock(backend), &SecretValues::new())
+                .unwrap()
+                .backend
+                .to_string();
+            assert!(shown.contains(wanted), "{shown}");
+        }
     }
 }

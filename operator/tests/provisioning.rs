@@ -562,3 +562,49 @@ async fn redis_over_tls_with_its_certificates_from_a_secret() {
         "{shown}"
     );
 }
+
+/// PostgreSQL over TLS from a `DistributedLock`: `verify-full` against the Secret's CA, with its
+/// client pair, the PEM text held in memory (no file is written: the root filesystem is
+/// read-only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_tls_with_its_certificates_from_a_secret() {
+    let server = PostgresServer::start_tls();
+    let files = server.tls_files();
+    let api = InMemoryApiServer::new();
+    let pem = |path: &std::path::Path| std::fs::read_to_string(path).unwrap();
+    api.put(
+        SECRETS,
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "pg-tls", "namespace": NS,
+                            "annotations": {resource::ALLOWED_HOSTS_ANNOTATION: "127.0.0.1"}},
+               "stringData": {"ca.crt": pem(&files.ca), "tls.crt": pem(&files.client_cert),
+                              "tls.key": pem(&files.client_key)}}),
+    );
+    let user = secret(&api, "pg", "user", "postgres");
+    let lock = lock(
+        "jobs",
+        Backend {
+            postgres: Some(SqlBackend {
+                host: "127.0.0.1".into(),
+                port: Some(server.port()),
+                database: "postgres".into(),
+                user_secret_ref: Some(user),
+                tls_secret_name: Some("pg-tls".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    takes(&*driver, "jobs").await;
+    let shown = Backends::resolve(&api.client(), &lock)
+        .await
+        .unwrap()
+        .backend
+        .to_string();
+    assert!(
+        shown.contains("sslmode=verify-full") && !shown.contains("BEGIN"),
+        "{shown}"
+    );
+}

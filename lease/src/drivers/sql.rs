@@ -249,6 +249,59 @@ pub struct SqlDriver {
     provisioned: OnceCell<()>,
     pub(crate) releases: Arc<ChangeFeeds>,
     listener: Option<tokio::task::JoinHandle<()>>,
+    /// In-memory files holding PEM text given inline, open while the pool may connect.
+    _pem_files: Vec<std::fs::File>,
+}
+
+/// The database drivers' TLS options that name a PEM file.
+const PEM_OPTIONS: [&str; 8] = [
+    "sslrootcert",
+    "ssl-root-cert",
+    "sslca",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+];
+
+/// `url` with every TLS option that carries PEM text (a Secret's, from a `DistributedLock`)
+/// turned into the name of an in-memory file holding it: the database drivers read these
+/// options as file names, and the sidecar's root filesystem is read-only. The files are
+/// returned, to be kept open as long as connections may be made.
+fn pem_text_to_files(url: &str) -> Result<(String, Vec<std::fs::File>)> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let invalid = |reason: String| Error::InvalidUrl {
+        url: crate::redact::redact(url),
+        reason,
+    };
+    let mut parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
+    let inline = |(k, v): &(String, String)| {
+        PEM_OPTIONS.contains(&k.as_str()) && v.trim_start().starts_with("-----BEGIN")
+    };
+    let pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
+    if !pairs.iter().any(inline) {
+        return Ok((url.to_owned(), Vec::new()));
+    }
+    let mut files = Vec::new();
+    let mut rewritten = Vec::new();
+    for pair in pairs {
+        if !inline(&pair) {
+            rewritten.push(pair);
+            continue;
+        }
+        let fd =
+            nix::sys::memfd::memfd_create(c"leasehold-tls", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                .map_err(|e| invalid(format!("cannot hold {} in memory: {e}", pair.0)))?;
+        let mut file = std::fs::File::from(fd);
+        file.write_all(pair.1.as_bytes())
+            .map_err(|e| invalid(format!("cannot hold {} in memory: {e}", pair.0)))?;
+        rewritten.push((pair.0, format!("/proc/self/fd/{}", file.as_raw_fd())));
+        files.push(file);
+    }
+    parsed.query_pairs_mut().clear().extend_pairs(rewritten);
+    Ok((parsed.into(), files))
 }
 
 impl Drop for SqlDriver {
@@ -319,6 +372,8 @@ impl SqlDriver {
         if let Some(schema) = schema {
             validate_sql_identifier("schema name", schema)?;
         }
+        let (url, pem_files) = pem_text_to_files(url)?;
+        let url = url.as_str();
         sqlx::any::install_default_drivers();
         let pool = AnyPoolOptions::new()
             .max_connections(POOL_SIZE)
@@ -340,6 +395,7 @@ impl SqlDriver {
             provisioned: OnceCell::new(),
             releases,
             listener,
+            _pem_files: pem_files,
         })
     }
 

@@ -179,6 +179,26 @@ impl ServerHarness<super::EtcdServer> {
     }
 }
 
+impl ServerHarness<super::PostgresServer> {
+    /// PostgreSQL over TLS only, asking every client for a certificate.
+    pub fn tls() -> Self {
+        Self {
+            server: super::PostgresServer::start_tls(),
+            options: "",
+        }
+    }
+}
+
+impl ServerHarness<super::MariaDbServer> {
+    /// MariaDB taking TCP clients over TLS only.
+    pub fn tls() -> Self {
+        Self {
+            server: super::MariaDbServer::start_tls(),
+            options: "",
+        }
+    }
+}
+
 impl ServerHarness<RedisServer> {
     /// Redis over TLS, asking every client for a certificate.
     pub fn tls() -> Self {

@@ -1,5 +1,9 @@
 //! A real MariaDB (`mariadb-install-db` + `mariadbd`) on a free loopback port, in a throwaway
 //! directory, with a `leasehold` database.
+//!
+//! [`MariaDbServer::start_tls`] takes TCP clients over TLS only (`require_secure_transport`),
+//! with a certificate from a test CA of its own; it checks a client certificate when one is
+//! presented.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,10 +18,25 @@ pub struct MariaDbServer {
     port: u16,
     server: PathBuf,
     client: PathBuf,
+    tls: bool,
 }
 
 impl MariaDbServer {
     pub fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// TCP clients over TLS only.
+    pub fn start_tls() -> Self {
+        Self::start_with(true)
+    }
+
+    /// The CA and the client pair, for a TLS server.
+    pub fn tls_files(&self) -> super::TlsFiles {
+        super::TlsFiles::in_dir(self.process.dir())
+    }
+
+    fn start_with(tls: bool) -> Self {
         let server = require_binary("mariadbd", "mariadb-server");
         let install = require_binary("mariadb-install-db", "mariadb-server");
         let client = require_binary("mariadb", "mariadb-client");
@@ -27,8 +46,12 @@ impl MariaDbServer {
             port: free_port(),
             server,
             client,
+            tls,
         };
         std::fs::create_dir_all(me.tmp()).expect("tmp dir");
+        if tls {
+            super::write_test_certificates(me.process.dir());
+        }
         let mut init = Command::new(install);
         init.arg("--no-defaults")
             .arg(format!("--datadir={}", me.data().display()))
@@ -71,12 +94,27 @@ impl MariaDbServer {
                 "--innodb-buffer-pool-size=16M",
             ])
             .arg("--innodb-use-native-aio=0");
+        if self.tls {
+            mariadbd
+                .arg(format!("--ssl-ca={}", dir.join("ca.crt").display()))
+                .arg(format!("--ssl-cert={}", dir.join("server.crt").display()))
+                .arg(format!("--ssl-key={}", dir.join("server.key").display()))
+                .arg("--require-secure-transport=ON");
+        }
         let (client, port) = (self.client.clone(), self.port);
-        // Ready when it answers a query; creating the database is that query.
+        let socket = dir.join("mysqld.sock");
+        let tls = self.tls;
+        // Ready when it answers a query; creating the database is that query. Over the local
+        // socket when TCP takes TLS only (the socket counts as secure).
         self.process.spawn(mariadbd, move || {
-            Command::new(&client)
-                .args(["--no-defaults", "-h", "127.0.0.1", "-u", "root"])
-                .args(["-P", &port.to_string()])
+            let mut check = Command::new(&client);
+            check.args(["--no-defaults", "-u", "root"]);
+            if tls {
+                check.arg(format!("--socket={}", socket.display()));
+            } else {
+                check.args(["-h", "127.0.0.1", "-P", &port.to_string()]);
+            }
+            check
                 .args(["-e", &format!("CREATE DATABASE IF NOT EXISTS {DATABASE}")])
                 .output()
                 .is_ok_and(|o| o.status.success())
@@ -87,8 +125,19 @@ impl MariaDbServer {
         self.port
     }
 
+    /// The backend URL; for a TLS server, with `VERIFY_IDENTITY`, the CA and the client pair.
     pub fn url(&self) -> String {
-        format!("mysql://root@127.0.0.1:{}/{DATABASE}", self.port)
+        let plain = format!("mysql://root@127.0.0.1:{}/{DATABASE}", self.port);
+        if !self.tls {
+            return plain;
+        }
+        let files = self.tls_files();
+        format!(
+            "{plain}?ssl-mode=VERIFY_IDENTITY&ssl-ca={}&ssl-cert={}&ssl-key={}",
+            files.ca.display(),
+            files.client_cert.display(),
+            files.client_key.display()
+        )
     }
 
     /// `kill -9`: InnoDB recovers on the next start.

@@ -12,6 +12,8 @@ pub struct PostgresServer {
     port: u16,
     bin: PathBuf,
     run_as: Option<(u32, u32)>,
+    /// Clients only over TLS, each with a certificate from [`PostgresServer::tls_files`].
+    tls: bool,
 }
 
 /// Debian keeps the server binaries under /usr/lib/postgresql/VERSION/bin.
@@ -33,6 +35,21 @@ fn bin_dir() -> PathBuf {
 
 impl PostgresServer {
     pub fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// Clients only over TLS (`hostssl`, plain text rejected), each asked for a certificate
+    /// signed by the server's own test CA.
+    pub fn start_tls() -> Self {
+        Self::start_with(true)
+    }
+
+    /// The CA and the client pair, for a TLS server.
+    pub fn tls_files(&self) -> super::TlsFiles {
+        super::TlsFiles::in_dir(self.process.dir())
+    }
+
+    fn start_with(tls: bool) -> Self {
         let bin = bin_dir();
         let process = ServerProcess::new("postgres");
         let run_as = system_user("postgres");
@@ -44,6 +61,7 @@ impl PostgresServer {
             port: free_port(),
             bin,
             run_as,
+            tls,
         };
         let mut initdb = server.command("initdb");
         initdb.arg("-D").arg(server.data()).args([
@@ -55,6 +73,26 @@ impl PostgresServer {
             "--no-sync",
         ]);
         server.process.prepare(initdb);
+        if tls {
+            let dir = server.process.dir();
+            super::write_test_certificates(dir);
+            for file in ["ca.crt", "server.crt", "server.key"] {
+                let path = dir.join(file);
+                if let Some((uid, gid)) = run_as {
+                    std::os::unix::fs::chown(&path, Some(uid), Some(gid)).expect("chown");
+                }
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                    .expect("chmod");
+            }
+            std::fs::write(
+                server.data().join("pg_hba.conf"),
+                "local all all trust\n\
+                 hostssl all all 127.0.0.1/32 trust clientcert=verify-ca\n\
+                 hostnossl all all 127.0.0.1/32 reject\n",
+            )
+            .expect("pg_hba.conf");
+        }
         server.spawn();
         server
     }
@@ -87,6 +125,19 @@ impl PostgresServer {
                 "unix_socket_directories={}",
                 self.process.dir().display()
             ));
+        if self.tls {
+            let dir = self.process.dir();
+            postgres.args(["-c", "ssl=on"]);
+            for (option, file) in [
+                ("ssl_cert_file", "server.crt"),
+                ("ssl_key_file", "server.key"),
+                ("ssl_ca_file", "ca.crt"),
+            ] {
+                postgres
+                    .arg("-c")
+                    .arg(format!("{option}={}", dir.join(file).display()));
+            }
+        }
         let (isready, port) = (self.bin.join("pg_isready"), self.port);
         self.process.spawn(postgres, move || {
             Command::new(&isready)
@@ -100,8 +151,19 @@ impl PostgresServer {
         self.port
     }
 
+    /// The backend URL; for a TLS server, with `verify-full`, the CA and the client pair.
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        let plain = format!("postgres://postgres@127.0.0.1:{}/postgres", self.port);
+        if !self.tls {
+            return plain;
+        }
+        let files = self.tls_files();
+        format!(
+            "{plain}?sslmode=verify-full&sslrootcert={}&sslcert={}&sslkey={}",
+            files.ca.display(),
+            files.client_cert.display(),
+            files.client_key.display()
+        )
     }
 
     /// An immediate shutdown (SIGQUIT): no checkpoint, crash recovery on the next start.
