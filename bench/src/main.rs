@@ -64,6 +64,7 @@ const SECTIONS: &[&str] = &[
     "keyed",
     "safety",
     "operator",
+    "tls",
 ];
 /// The operator's load: this many Kubernetes-backed locks (`cleanupPolicy: Delete`, so each
 /// Lease is owned by its lock), each held by a pod that renews every `OPERATOR_RENEW`, and how
@@ -984,6 +985,47 @@ async fn run(sections: &[&str]) {
     if wanted("operator") {
         operator_section().await;
     }
+    if wanted("tls") {
+        tls_section().await;
+    }
+}
+
+/// What TLS costs: the same driver's acquire+release cycles in plain text and over TLS (with a
+/// client certificate), in the same run. Redis on one server (its plain and TLS ports);
+/// PostgreSQL on two, since the TLS one refuses plain text.
+async fn tls_section() {
+    println!(
+        "## TLS: acquire+release cycles, plain text beside TLS with client certificates ({CYCLES} sequential cycles, best of {ROUNDS}, alternating)"
+    );
+    let open = |url: String| async move {
+        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
+            .await
+            .expect("driver")
+    };
+    let redis = RedisServer::start_tls();
+    let (plain, tls) = (open(redis.plain_url()).await, open(redis.url()).await);
+    let (mut p, mut t) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        p = p.max(driver_cycles(&*plain).await);
+        t = t.max(driver_cycles(&*tls).await);
+    }
+    println!("  redis      redis://   : {p:>7.0} cycles/s");
+    println!(
+        "  redis      rediss://  : {t:>7.0} cycles/s  ({:.0} % of plain)",
+        100.0 * t / p
+    );
+    let (plain_server, tls_server) = (PostgresServer::start(), PostgresServer::start_tls());
+    let (plain, tls) = (open(plain_server.url()).await, open(tls_server.url()).await);
+    let (mut p, mut t) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        p = p.max(driver_cycles(&*plain).await);
+        t = t.max(driver_cycles(&*tls).await);
+    }
+    println!("  postgres   plain      : {p:>7.0} cycles/s");
+    println!(
+        "  postgres   verify-full: {t:>7.0} cycles/s  ({:.0} % of plain)",
+        100.0 * t / p
+    );
 }
 
 /// API requests per second that one operator makes for `OPERATOR_LOCKS` locks whose holders
