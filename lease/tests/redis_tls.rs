@@ -106,3 +106,49 @@ fn tls_options_belong_to_tls_schemes() {
     assert!(masters.iter().all(|m| m.scheme() == "rediss"));
     assert!(tls.is_some_and(|t| t.ca.is_some()));
 }
+
+/// Redlock over TLS: three masters trusted through one CA, each asking for the client's
+/// certificate; the lock is taken, renewed and released on a majority, with tokens rising.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_over_tls() {
+    let first = RedisServer::start_tls();
+    let masters = [
+        RedisServer::start_tls_like(&first),
+        RedisServer::start_tls_like(&first),
+    ];
+    let files = first.tls_files();
+    let hosts: Vec<String> = std::iter::once(&first)
+        .chain(&masters)
+        .map(|m| format!("127.0.0.1:{}", m.tls_port().unwrap()))
+        .collect();
+    let url = format!(
+        "redlocks://{}?ca={}&cert={}&key={}",
+        hosts.join(","),
+        files.ca.display(),
+        files.client_cert.display(),
+        files.client_key.display()
+    );
+    let driver = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    let mut last = 0;
+    for round in 0..3 {
+        let leasehold_lease::Acquire::Acquired(lease) = driver
+            .try_acquire(
+                "redlock-tls",
+                &format!("pod-{round}"),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+        else {
+            panic!("round {round}: the free lock was not acquired")
+        };
+        assert!(
+            lease.token > last,
+            "round {round}: {} after {last}",
+            lease.token
+        );
+        last = lease.token;
+        assert!(driver.renew(&lease, Duration::from_secs(5)).await.unwrap());
+        assert!(driver.release(&lease).await.unwrap());
+    }
+}

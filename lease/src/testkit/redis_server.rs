@@ -55,6 +55,32 @@ impl RedisServer {
         server
     }
 
+    /// Like [`RedisServer::start_tls`], with `other`'s CA and certificates: the masters of a
+    /// Redlock over TLS, trusted through one CA.
+    pub fn start_tls_like(other: &RedisServer) -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis"),
+            port: free_port(),
+            durable: true,
+            tls_port: Some(free_port()),
+        };
+        for file in [
+            "ca.crt",
+            "server.crt",
+            "server.key",
+            "client.crt",
+            "client.key",
+        ] {
+            std::fs::copy(
+                other.process.dir().join(file),
+                server.process.dir().join(file),
+            )
+            .expect(file);
+        }
+        server.spawn();
+        server
+    }
+
     /// The plain-text port.
     pub fn port(&self) -> u16 {
         self.port
