@@ -122,8 +122,8 @@ pub enum CleanupPolicy {
 #[x_kube(validation = Rule::new(
     "(has(self.redis) ? 1 : 0) + (has(self.postgres) ? 1 : 0) + (has(self.mysql) ? 1 : 0) + \
      (has(self.sqlite) ? 1 : 0) + (has(self.zookeeper) ? 1 : 0) + (has(self.etcd) ? 1 : 0) + \
-     (has(self.kubernetes) ? 1 : 0) == 1"
-).message("set exactly one backend: redis, postgres, mysql, sqlite, zookeeper, etcd or kubernetes"))]
+     (has(self.kubernetes) ? 1 : 0) + (has(self.tair) ? 1 : 0) == 1"
+).message("set exactly one backend: redis, tair, postgres, mysql, zookeeper, etcd or kubernetes"))]
 #[serde(rename_all = "camelCase")]
 pub struct Backend {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -144,6 +144,9 @@ pub struct Backend {
     pub etcd: Option<EtcdBackend>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubernetes: Option<KubernetesBackend>,
+    /// Tair (or Redis with the TairString module): the versioned put of the seed articles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tair: Option<TairBackend>,
 }
 
 impl Backend {
@@ -164,6 +167,7 @@ impl Backend {
             (self.zookeeper.is_some(), "zookeeper"),
             (self.etcd.is_some(), "etcd"),
             (self.kubernetes.is_some(), "kubernetes"),
+            (self.tair.is_some(), "tair"),
         ];
         let mut chosen = set.iter().filter(|(on, _)| *on).map(|(_, name)| *name);
         match (chosen.next(), chosen.next()) {
@@ -227,6 +231,29 @@ pub enum SqlLockMode {
     Lease,
     /// `SELECT ... FOR UPDATE` on a seeded row held in an open transaction.
     RowLock,
+}
+
+/// One Tair instance (or Redis with the TairString module).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TairBackend {
+    /// `host:port`.
+    #[schemars(length(min = 1, max = 253))]
+    pub endpoint: String,
+    /// The logical database.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 255))]
+    pub database: Option<u16>,
+    /// Prefix of every key and channel (default `leasehold`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$')")
+        .message("keyPrefix: letters, digits, '.', '_' and '-'"))]
+    pub key_prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
 }
 
 /// PostgreSQL, or MySQL/MariaDB.

@@ -60,6 +60,7 @@ fn good_locks_pass() {
         json!({ "backend": { "mysql": { "host": "db", "database": "app" } } }),
         json!({ "backend": { "zookeeper": { "servers": ["zk:2181"], "path": "/leasehold/locks" } } }),
         json!({ "backend": { "etcd": { "endpoints": ["etcd:2379"] } } }),
+        json!({ "backend": { "tair": { "endpoint": "tair:6379", "keyPrefix": "orders" } } }),
         json!({ "backend": { "kubernetes": { "leaseName": "jobs.lock" } } }),
         json!({ "backend": { "kubernetes": {} }, "leaseDuration": "1m30s", "renewInterval": "20s" }),
         json!({ "backend": redis(), "leaseDuration": "1s", "renewInterval": "500ms" }),

@@ -33,6 +33,10 @@ pub enum BackendUrl {
         prefix: String,
         tls: Option<crate::tls::Tls>,
     },
+    /// `tair://[user:password@]host[:port][/db][?prefix=NAME]`: Tair, or Redis with the
+    /// TairString module, locked with its versioned put (`EXSET`/`EXCAS`/`EXCAD`); `url` is
+    /// the `redis://` URL to reach it.
+    Tair { url: url::Url, prefix: String },
     /// `redlock://[user:password@]host:port,host:port,host:port[/db][?prefix=NAME]`: N >= 3
     /// independent masters, one `redis://` URL each; `redlocks://` over TLS, as `rediss://`.
     Redlock {
@@ -249,6 +253,10 @@ impl BackendUrl {
                     tls,
                 })
             }
+            "tair" => match Self::parse(&format!("redis://{rest}"))? {
+                BackendUrl::Redis { url, prefix, .. } => Ok(BackendUrl::Tair { url, prefix }),
+                _ => unreachable!("redis:// parses as Redis"),
+            },
             "redis" | "rediss" => {
                 let url = url::Url::parse(raw).map_err(|e| invalid(e.to_string()))?;
                 if url.host_str().is_none_or(str::is_empty) {
@@ -347,7 +355,7 @@ impl BackendUrl {
                 })
             }
             other => Err(invalid(format!(
-                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redlock://, redlocks://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
+                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redlock://, redlocks://, tair://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
             ))),
         }
     }
@@ -358,6 +366,7 @@ impl BackendUrl {
             BackendUrl::Sqlite { .. } => "sqlite",
             BackendUrl::Redis { .. } => "redis",
             BackendUrl::Redlock { .. } => "redlock",
+            BackendUrl::Tair { .. } => "tair",
             BackendUrl::Etcd { .. } => "etcd",
             BackendUrl::ZooKeeper { .. } => "zookeeper",
             BackendUrl::Kubernetes { .. } => "kubernetes",
@@ -379,6 +388,11 @@ impl fmt::Display for BackendUrl {
                 write!(f, "{} (prefix {prefix}", redact(url.as_str()))?;
                 write_tls_files(f, tls.as_ref())?;
                 f.write_str(")")
+            }
+            BackendUrl::Tair { url, prefix } => {
+                let shown = redact(url.as_str());
+                let shown = shown.strip_prefix("redis://").unwrap_or(&shown);
+                write!(f, "tair://{shown} (prefix {prefix})")
             }
             BackendUrl::Redlock {
                 masters,

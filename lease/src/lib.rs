@@ -27,7 +27,7 @@ pub mod resource;
 pub mod testkit;
 pub mod tls;
 
-pub use drivers::{etcd, kubernetes, redis, redlock, sql, sqlite, zookeeper};
+pub use drivers::{etcd, kubernetes, redis, redlock, sql, sqlite, tair, zookeeper};
 
 use std::sync::Arc;
 
@@ -48,6 +48,7 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
         BackendUrl::Sqlite { path, table } => {
             Arc::new(sqlite::SqliteDriver::open(path, table).await?)
         }
+        BackendUrl::Tair { url, prefix } => Arc::new(tair::TairDriver::connect(url, prefix)?),
         BackendUrl::Redis { url, prefix, tls } => {
             Arc::new(redis::RedisDriver::connect(url, prefix, tls.as_ref())?)
         }

@@ -64,6 +64,9 @@ pub fn secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
     if let Some(r) = &b.redis {
         refs.extend(r.username_secret_ref.iter().chain(&r.password_secret_ref));
     }
+    if let Some(t) = &b.tair {
+        refs.extend(t.username_secret_ref.iter().chain(&t.password_secret_ref));
+    }
     for sql in [&b.postgres, &b.mysql].into_iter().flatten() {
         refs.extend(sql.user_secret_ref.iter().chain(&sql.password_secret_ref));
     }
@@ -98,6 +101,9 @@ pub fn backend_endpoints(lock: &DistributedLock) -> Vec<String> {
     let mut endpoints = Vec::new();
     if let Some(r) = &b.redis {
         endpoints.extend(r.endpoints.iter().cloned());
+    }
+    if let Some(t) = &b.tair {
+        endpoints.push(t.endpoint.clone());
     }
     for (sql, default_port) in [(&b.postgres, 5432), (&b.mysql, 3306)] {
         if let Some(sql) = sql {
@@ -349,6 +355,7 @@ fn backend_url(
         zookeeper,
         etcd,
         kubernetes,
+        tair,
     } = &lock.spec.backend;
     if lock.spec.backend.kind().is_none() {
         return Err(Error::InvalidConfig {
@@ -414,6 +421,14 @@ fn backend_url(
         let q = query(&pairs);
         let database = utf8_percent_encode(&sql.database, NON_ALPHANUMERIC);
         format!("{scheme}://{auth}{}{port}/{database}{q}", sql.host)
+    } else if let Some(t) = tair {
+        let auth = userinfo(
+            secret(secrets, &t.username_secret_ref)?,
+            secret(secrets, &t.password_secret_ref)?,
+        );
+        let db = t.database.map_or_else(String::new, |d| d.to_string());
+        let q = query(&[("prefix", t.key_prefix.as_deref())]);
+        format!("tair://{auth}{}/{db}{q}", t.endpoint)
     } else if sqlite.is_some() {
         return Err(Error::InvalidConfig {
             field: "backend.sqlite",

@@ -608,3 +608,39 @@ async fn postgres_over_tls_with_its_certificates_from_a_secret() {
         "{shown}"
     );
 }
+
+/// Tair from a `DistributedLock`: provisioned and taken on a server with the TairString module;
+/// a plain Redis behind it is reported with the missing commands named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tair_is_checked_for_its_commands() {
+    let api = InMemoryApiServer::new();
+    let tair_lock = |port: u16| {
+        lock(
+            "orders",
+            Backend {
+                tair: Some(leasehold_crds::TairBackend {
+                    endpoint: format!("127.0.0.1:{port}"),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+    };
+    let server = RedisServer::start_tair();
+    let (observation, driver) = provision(&api, &tair_lock(server.port())).await;
+    ready(&observation);
+    takes(&*driver, "orders").await;
+
+    let plain = RedisServer::start();
+    let (_, observation) = Backends::default()
+        .observe(&api.client(), &tair_lock(plain.port()))
+        .await;
+    let Observation::Failed { reason, message } = observation else {
+        panic!("a plain Redis passed for Tair: {observation:?}")
+    };
+    assert_eq!(reason, "BackendError");
+    assert!(
+        message.contains("EXSET") && message.contains("TairString"),
+        "{message}"
+    );
+}

@@ -47,6 +47,7 @@ fn every_readme_example_resolves_and_every_cluster_backend_has_one() {
         "redlock",
         "postgres",
         "mysql",
+        "tair",
         "zookeeper",
         "etcd",
     ]

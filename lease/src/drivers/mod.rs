@@ -11,4 +11,5 @@ pub mod redlock;
 pub mod sql;
 pub(crate) mod sql_row_lock;
 pub mod sqlite;
+pub mod tair;
 pub mod zookeeper;

@@ -26,11 +26,11 @@ use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
 /// How long one Redis round trip may take before the connection is considered dead.
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bounds of the pause between attempts to re-establish the release subscription.
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
-const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
+pub(crate) const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
 /// KEYS: lease, token counter. ARGV: identity, ttl ms.
 /// Returns the new token, or {current value, remaining ms} when the lock is held.

@@ -200,6 +200,14 @@ impl ServerHarness<super::MariaDbServer> {
 }
 
 impl ServerHarness<RedisServer> {
+    /// Redis with the TairString module, reached as `tair://`.
+    pub fn tair() -> Self {
+        Self {
+            server: RedisServer::start_tair(),
+            options: "",
+        }
+    }
+
     /// Redis over TLS, asking every client for a certificate.
     pub fn tls() -> Self {
         Self {

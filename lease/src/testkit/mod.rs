@@ -12,6 +12,7 @@ pub mod mariadb_server;
 pub mod postgres_server;
 pub mod redis_server;
 mod server_process;
+pub mod tairstring;
 pub mod zookeeper_ensemble;
 pub mod zookeeper_server;
 

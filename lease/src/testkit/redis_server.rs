@@ -19,6 +19,8 @@ pub struct RedisServer {
     durable: bool,
     /// The TLS port, when serving TLS.
     tls_port: Option<u16>,
+    /// The TairString module, loaded for `tair://`.
+    module: Option<std::path::PathBuf>,
 }
 
 impl RedisServer {
@@ -36,6 +38,20 @@ impl RedisServer {
             port: free_port(),
             durable,
             tls_port: None,
+            module: None,
+        };
+        server.spawn();
+        server
+    }
+
+    /// Durable, with the TairString module loaded; [`RedisServer::url`] is then `tair://`.
+    pub fn start_tair() -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis"),
+            port: free_port(),
+            durable: true,
+            tls_port: None,
+            module: Some(super::tairstring::module()),
         };
         server.spawn();
         server
@@ -49,6 +65,7 @@ impl RedisServer {
             port: free_port(),
             durable: true,
             tls_port: Some(free_port()),
+            module: None,
         };
         super::write_test_certificates(server.process.dir());
         server.spawn();
@@ -63,6 +80,7 @@ impl RedisServer {
             port: free_port(),
             durable: true,
             tls_port: Some(free_port()),
+            module: None,
         };
         for file in [
             "ca.crt",
@@ -99,6 +117,9 @@ impl RedisServer {
     /// `redis://` on the plain port, or for a TLS server `rediss://` on its TLS port with the
     /// CA and the client's certificate.
     pub fn url(&self) -> String {
+        if self.module.is_some() {
+            return format!("tair://127.0.0.1:{}", self.port);
+        }
         match self.tls_port {
             None => self.plain_url(),
             Some(port) => {
@@ -132,6 +153,9 @@ impl RedisServer {
             })
             .args(["--save", ""])
             .args(["--daemonize", "no"]);
+        if let Some(module) = &self.module {
+            command.arg("--loadmodule").arg(module);
+        }
         if let Some(tls_port) = self.tls_port {
             let dir = self.process.dir();
             command

@@ -1,0 +1,296 @@
+//! Tair's versioned put, the seeds' fourth lock (`tair://`): the lease is an `exstrtype` value
+//! whose version moves on every write, taken, renewed and released with the TairString
+//! commands instead of Lua.
+//!
+//! - **Acquire**: `INCR` the lock's token counter (a plain key, kept for ever), then `EXSET lease
+//!   "TOKEN:IDENTITY" PX ttl NX WITHVERSION`, which only succeeds on an absent (or expired) key.
+//!   Two round trips cannot make the token and the claim one atomic step, so the claim is then
+//!   checked: if the counter has moved past our token, a later token may already have held the
+//!   lock, and ours would go backwards; the claim is undone (`EXCAD`) and counted as busy.
+//!   While we hold, no later token can hold, so a claim that passes the check keeps tokens
+//!   strictly increasing.
+//! - **Renew**: `EXCAS lease VALUE VERSION PX ttl` with the version this holder last saw; the
+//!   version moves on each renewal, so a holder whose version is stale has lost the lock.
+//! - **Release**: `EXCAD lease VERSION`, then a notice on the release channel (as on Redis).
+//! - **Observe**: `EXGET` and `PTTL`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::Value;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::sync::watch;
+
+use super::redis::{
+    CONNECT_TIMEOUT, KeyLayout, RESPONSE_TIMEOUT, RESUBSCRIBE_MAX, client, delete_keys,
+    eviction_warning, listen_for_releases, map_err,
+};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+
+/// The commands a server must have for `tair://`.
+pub const TAIR_COMMANDS: [&str; 4] = ["EXSET", "EXGET", "EXCAS", "EXCAD"];
+
+pub struct TairDriver {
+    conn: ConnectionManager,
+    keys: KeyLayout,
+    /// The version of each holding's value, as this driver last wrote it: (lock, token).
+    versions: Mutex<HashMap<(String, u64), i64>>,
+    releases: Arc<ChangeFeeds>,
+    subscriber: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TairDriver {
+    fn drop(&mut self) {
+        self.subscriber.abort();
+    }
+}
+
+/// What a server without the TairString commands means.
+fn lacking(commands: &str) -> Error {
+    Error::Backend(format!(
+        "the server lacks {commands}: tair:// needs Tair or Redis with the TairString module loaded (a plain Redis is redis://)"
+    ))
+}
+
+/// [`map_err`], with an unknown command said in words.
+fn tair_err(e: redis::RedisError) -> Error {
+    let text = e.to_string();
+    if text.contains("unknown command") {
+        return lacking(&TAIR_COMMANDS.join(", "));
+    }
+    map_err(e)
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn value_of(lease: &Lease) -> String {
+    format!("{}:{}", lease.token, lease.identity)
+}
+
+/// `TOKEN:IDENTITY` and a PTTL as a holding.
+fn holding(value: &[u8], pttl: i64) -> Option<Holding> {
+    let (token, identity) = std::str::from_utf8(value).ok()?.split_once(':')?;
+    Some(Holding {
+        identity: identity.to_owned(),
+        token: token.parse().ok()?,
+        expires_in: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+    })
+}
+
+impl TairDriver {
+    /// Connect lazily to the Tair (or Redis with the TairString module) at `url` (a `redis://`
+    /// URL).
+    pub fn connect(url: &url::Url, prefix: &str) -> Result<Self> {
+        let client = client(url, None)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(RESPONSE_TIMEOUT))
+            .set_number_of_retries(2)
+            .set_max_delay(RESUBSCRIBE_MAX);
+        let conn =
+            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(map_err)?;
+        let keys = KeyLayout::new(prefix);
+        let releases = Arc::new(ChangeFeeds::default());
+        let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
+        Ok(Self {
+            conn,
+            keys,
+            versions: Mutex::default(),
+            releases,
+            subscriber,
+        })
+    }
+
+    fn versions(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u64), i64>> {
+        self.versions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn announce_release(&self, lock: &str) -> Result<()> {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(self.keys.released_channel(lock))
+            .arg(1)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(tair_err)?;
+        Ok(())
+    }
+
+    /// A server without the TairString commands answers every lock call with an unknown
+    /// command: say which are missing, once, in words.
+    async fn missing_commands(&self) -> Result<Vec<&'static str>> {
+        let mut missing = Vec::new();
+        for command in TAIR_COMMANDS {
+            let info: Value = redis::cmd("COMMAND")
+                .arg("INFO")
+                .arg(command)
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(map_err)?;
+            let known = match info {
+                Value::Array(items) => items.first().is_some_and(|i| *i != Value::Nil),
+                _ => false,
+            };
+            if !known {
+                missing.push(command);
+            }
+        }
+        Ok(missing)
+    }
+}
+
+#[async_trait]
+impl Driver for TairDriver {
+    fn kind(&self) -> &'static str {
+        "tair"
+    }
+
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        delete_keys(&mut self.conn.clone(), &self.keys, locks).await
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        Ok(eviction_warning(&mut self.conn.clone())
+            .await?
+            .into_iter()
+            .collect())
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let mut conn = self.conn.clone();
+        let token: i64 = redis::cmd("INCR")
+            .arg(self.keys.token(lock))
+            .query_async(&mut conn)
+            .await
+            .map_err(tair_err)?;
+        let lease = Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token: token as u64,
+        };
+        let set: Value = redis::cmd("EXSET")
+            .arg(self.keys.lease(lock))
+            .arg(value_of(&lease))
+            .arg("PX")
+            .arg(ms(ttl))
+            .arg("NX")
+            .arg("WITHVERSION")
+            .query_async(&mut conn)
+            .await
+            .map_err(tair_err)?;
+        let Value::Int(version) = set else {
+            return Ok(Acquire::Busy(self.observe(lock).await?));
+        };
+        let now: i64 = redis::cmd("GET")
+            .arg(self.keys.token(lock))
+            .query_async(&mut conn)
+            .await
+            .map_err(tair_err)?;
+        if now != token {
+            // A later token was drawn meanwhile and may have held already: ours must not.
+            let _: i64 = redis::cmd("EXCAD")
+                .arg(self.keys.lease(lock))
+                .arg(version)
+                .query_async(&mut conn)
+                .await
+                .map_err(tair_err)?;
+            self.announce_release(lock).await?;
+            return Ok(Acquire::Busy(None));
+        }
+        self.versions()
+            .insert((lock.to_owned(), lease.token), version);
+        Ok(Acquire::Acquired(lease))
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let key = (lease.lock.clone(), lease.token);
+        let Some(version) = self.versions().get(&key).copied() else {
+            return Ok(false);
+        };
+        let reply: Value = redis::cmd("EXCAS")
+            .arg(self.keys.lease(&lease.lock))
+            .arg(value_of(lease))
+            .arg(version)
+            .arg("PX")
+            .arg(ms(ttl))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(tair_err)?;
+        match reply {
+            Value::Array(items) if items.first() == Some(&Value::Okay) => {
+                let Some(Value::Int(next)) = items.get(2) else {
+                    return Err(Error::Backend(format!("EXCAS answered {items:?}")));
+                };
+                self.versions().insert(key, *next);
+                Ok(true)
+            }
+            // -1: the key is gone; otherwise another version, another holder.
+            _ => {
+                self.versions().remove(&key);
+                Ok(false)
+            }
+        }
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let key = (lease.lock.clone(), lease.token);
+        let Some(version) = self.versions().remove(&key) else {
+            return Ok(false);
+        };
+        let deleted: i64 = redis::cmd("EXCAD")
+            .arg(self.keys.lease(&lease.lock))
+            .arg(version)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(tair_err)?;
+        if deleted == 1 {
+            self.announce_release(&lease.lock).await?;
+        }
+        Ok(deleted == 1)
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        let mut conn = self.conn.clone();
+        let (got, pttl): (Value, i64) = redis::pipe()
+            .cmd("EXGET")
+            .arg(self.keys.lease(lock))
+            .cmd("PTTL")
+            .arg(self.keys.lease(lock))
+            .query_async(&mut conn)
+            .await
+            .map_err(tair_err)?;
+        Ok(match got {
+            Value::Array(items) => match items.first() {
+                Some(Value::BulkString(value)) => holding(value, pttl),
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.releases.subscribe(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let _: String = redis::cmd("PING")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+
+    /// Provisioning checks the server has the commands (the operator reports it).
+    async fn provision(&self, _locks: &[String]) -> Result<()> {
+        let missing = self.missing_commands().await?;
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(lacking(&missing.join(", ")))
+        }
+    }
+}
