@@ -58,10 +58,11 @@ pub enum Target {
     MariaDbRowLock,
     Etcd,
     ZooKeeper,
+    Tair,
 }
 
 impl Target {
-    pub const ALL: [Target; 9] = [
+    pub const ALL: [Target; 10] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -71,6 +72,7 @@ impl Target {
         Target::MariaDbRowLock,
         Target::Etcd,
         Target::ZooKeeper,
+        Target::Tair,
     ];
 
     pub fn name(self) -> &'static str {
@@ -84,6 +86,7 @@ impl Target {
             Target::MariaDbRowLock => "mariadb-row-lock",
             Target::Etcd => "etcd",
             Target::ZooKeeper => "zookeeper",
+            Target::Tair => "tair",
         }
     }
 
@@ -115,6 +118,8 @@ impl Fault {
 enum Backend {
     Sqlite(tempfile::TempDir),
     Redis(RedisServer),
+    /// Redis with the TairString module, reached as `tair://`.
+    Tair(RedisServer),
     Redlock(Vec<RedisServer>),
     Postgres(PostgresServer, &'static str),
     MariaDb(MariaDbServer, &'static str),
@@ -134,13 +139,14 @@ impl Backend {
             Target::MariaDbRowLock => Backend::MariaDb(MariaDbServer::start(), "?mode=row-lock"),
             Target::Etcd => Backend::Etcd(EtcdServer::start()),
             Target::ZooKeeper => Backend::ZooKeeper(ZooKeeperServer::start()),
+            Target::Tair => Backend::Tair(RedisServer::start_tair()),
         }
     }
 
     fn ports(&self) -> Vec<u16> {
         match self {
             Backend::Sqlite(_) => Vec::new(),
-            Backend::Redis(s) => vec![s.port()],
+            Backend::Redis(s) | Backend::Tair(s) => vec![s.port()],
             Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
             Backend::Postgres(s, _) => vec![s.port()],
             Backend::MariaDb(s, _) => vec![s.port()],
@@ -156,7 +162,7 @@ impl Backend {
         };
         match self {
             Backend::Sqlite(dir) => format!("sqlite://{}", dir.path().join("locks.db").display()),
-            Backend::Redis(s) => swap(s.url(), s.port(), proxies[0]),
+            Backend::Redis(s) | Backend::Tair(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::Redlock(_) => {
                 let hosts: Vec<String> = proxies.iter().map(|p| format!("127.0.0.1:{p}")).collect();
                 format!("redlock://{}", hosts.join(","))
@@ -185,7 +191,7 @@ impl Backend {
     fn restart(&mut self) {
         match self {
             Backend::Sqlite(_) => {}
-            Backend::Redis(s) => s.restart(),
+            Backend::Redis(s) | Backend::Tair(s) => s.restart(),
             Backend::Redlock(masters) => masters.iter_mut().for_each(RedisServer::restart),
             Backend::Postgres(s, _) => s.restart(),
             Backend::MariaDb(s, _) => s.restart(),

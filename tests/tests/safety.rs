@@ -49,6 +49,11 @@ fn redis_survives_random_faults() {
 }
 
 #[test]
+fn tair_survives_random_faults() {
+    check(Target::Tair);
+}
+
+#[test]
 fn redlock_survives_random_faults() {
     check(Target::Redlock);
 }
