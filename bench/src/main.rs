@@ -65,6 +65,7 @@ const SECTIONS: &[&str] = &[
     "safety",
     "operator",
     "tls",
+    "tair",
 ];
 /// The operator's load: this many Kubernetes-backed locks (`cleanupPolicy: Delete`, so each
 /// Lease is owned by its lock), each held by a pod that renews every `OPERATOR_RENEW`, and how
@@ -988,6 +989,70 @@ async fn run(sections: &[&str]) {
     if wanted("tls") {
         tls_section().await;
     }
+    if wanted("tair") {
+        tair_section().await;
+    }
+}
+
+/// The raw versioned-put lock: `EXSET NX PX WITHVERSION`, then `EXCAD` with that version.
+async fn tair_raw_cycles(port: u16) -> f64 {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let start = Instant::now();
+    for i in 0..CYCLES {
+        let version: i64 = redis::cmd("EXSET")
+            .arg("raw")
+            .arg("bench")
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64)
+            .arg("NX")
+            .arg("WITHVERSION")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("cycle {i}: EXSET: {e}"));
+        let deleted: i64 = redis::cmd("EXCAD")
+            .arg("raw")
+            .arg(version)
+            .query_async(&mut conn)
+            .await
+            .expect("EXCAD");
+        assert_eq!(deleted, 1);
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The Tair driver beside the raw versioned-put lock on the same server, and its hand-over
+/// beside the Redis driver's, in the same run.
+async fn tair_section() {
+    println!(
+        "## Tair (Redis 7 with the TairString module, no append-only file; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
+    );
+    let tair = RedisServer::start_tair_with(false);
+    let open = |url: String| async move {
+        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
+            .await
+            .expect("driver")
+    };
+    let driver = open(tair.url()).await;
+    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(tair_raw_cycles(tair.port()).await);
+        ours = ours.max(driver_cycles(&*driver).await);
+    }
+    println!("  raw EXSET NX PX + EXCAD        : {raw:>7.0} cycles/s");
+    println!(
+        "  TairDriver                     : {ours:>7.0} cycles/s  ({:.0} %; the token counter costs one more round trip)",
+        100.0 * ours / raw
+    );
+    let tair_handover = handover_latencies(open(tair.url()).await, open(tair.url()).await).await;
+    let redis = RedisServer::start_with(false);
+    let redis_handover =
+        handover_latencies(open(redis.url()).await, open(redis.url()).await).await;
+    println!("  hand-over, tair  : {}", describe(&tair_handover));
+    println!("  hand-over, redis : {}", describe(&redis_handover));
 }
 
 /// What TLS costs: the same driver's acquire+release cycles in plain text and over TLS (with a

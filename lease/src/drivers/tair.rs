@@ -4,14 +4,16 @@
 //!
 //! - **Acquire**: `INCR` the lock's token counter (a plain key, kept for ever), then `EXSET lease
 //!   "TOKEN:IDENTITY" PX ttl NX WITHVERSION`, which only succeeds on an absent (or expired) key.
-//!   Two round trips cannot make the token and the claim one atomic step, so the claim is then
-//!   checked: if the counter has moved past our token, a later token may already have held the
-//!   lock, and ours would go backwards; the claim is undone (`EXCAD`) and counted as busy.
+//!   Two round trips cannot make the token and the claim one atomic step, so the claim is
+//!   checked (a `GET` of the counter pipelined with the `EXSET`): if the counter has moved past
+//!   our token, a later token may already have held the lock, and ours would go backwards; the
+//!   claim is undone (`EXCAD`) and counted as busy.
 //!   While we hold, no later token can hold, so a claim that passes the check keeps tokens
 //!   strictly increasing.
 //! - **Renew**: `EXCAS lease VALUE VERSION PX ttl` with the version this holder last saw; the
 //!   version moves on each renewal, so a holder whose version is stale has lost the lock.
-//! - **Release**: `EXCAD lease VERSION`, then a notice on the release channel (as on Redis).
+//! - **Release**: `EXCAD lease VERSION`, pipelined with a notice on the release channel (as on
+//!   Redis).
 //! - **Observe**: `EXGET` and `PTTL`.
 
 use std::collections::HashMap;
@@ -172,24 +174,24 @@ impl Driver for TairDriver {
             identity: identity.to_owned(),
             token: token as u64,
         };
-        let set: Value = redis::cmd("EXSET")
+        // The claim and the counter's check in one round trip: the check is harmless when the
+        // claim fails.
+        let (set, now): (Value, i64) = redis::pipe()
+            .cmd("EXSET")
             .arg(self.keys.lease(lock))
             .arg(value_of(&lease))
             .arg("PX")
             .arg(ms(ttl))
             .arg("NX")
             .arg("WITHVERSION")
+            .cmd("GET")
+            .arg(self.keys.token(lock))
             .query_async(&mut conn)
             .await
             .map_err(tair_err)?;
         let Value::Int(version) = set else {
             return Ok(Acquire::Busy(self.observe(lock).await?));
         };
-        let now: i64 = redis::cmd("GET")
-            .arg(self.keys.token(lock))
-            .query_async(&mut conn)
-            .await
-            .map_err(tair_err)?;
         if now != token {
             // A later token was drawn meanwhile and may have held already: ours must not.
             let _: i64 = redis::cmd("EXCAD")
@@ -241,15 +243,18 @@ impl Driver for TairDriver {
         let Some(version) = self.versions().remove(&key) else {
             return Ok(false);
         };
-        let deleted: i64 = redis::cmd("EXCAD")
+        // The notice goes with the delete in one round trip; should the delete fail, waiters
+        // woken for nothing find the lock held and wait again.
+        let (deleted, _): (i64, i64) = redis::pipe()
+            .cmd("EXCAD")
             .arg(self.keys.lease(&lease.lock))
             .arg(version)
+            .cmd("PUBLISH")
+            .arg(self.keys.released_channel(&lease.lock))
+            .arg(1)
             .query_async(&mut self.conn.clone())
             .await
             .map_err(tair_err)?;
-        if deleted == 1 {
-            self.announce_release(&lease.lock).await?;
-        }
         Ok(deleted == 1)
     }
 

@@ -46,10 +46,15 @@ impl RedisServer {
 
     /// Durable, with the TairString module loaded; [`RedisServer::url`] is then `tair://`.
     pub fn start_tair() -> Self {
+        Self::start_tair_with(true)
+    }
+
+    /// With the TairString module; `durable: false` for throughput baselines.
+    pub fn start_tair_with(durable: bool) -> Self {
         let mut server = Self {
             process: ServerProcess::new("redis"),
             port: free_port(),
-            durable: true,
+            durable,
             tls_port: None,
             module: Some(super::tairstring::module()),
         };
