@@ -1049,8 +1049,7 @@ async fn tair_section() {
     );
     let tair_handover = handover_latencies(open(tair.url()).await, open(tair.url()).await).await;
     let redis = RedisServer::start_with(false);
-    let redis_handover =
-        handover_latencies(open(redis.url()).await, open(redis.url()).await).await;
+    let redis_handover = handover_latencies(open(redis.url()).await, open(redis.url()).await).await;
     println!("  hand-over, tair  : {}", describe(&tair_handover));
     println!("  hand-over, redis : {}", describe(&redis_handover));
 }
