@@ -142,20 +142,7 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
         Timestamp::now(),
     );
     if current != Some(&next) {
-        let api: Api<DistributedLock> =
-            Api::namespaced(ctx.client.clone(), &lock.namespace().unwrap_or_default());
-        let patch = json!({
-            "apiVersion": DistributedLock::api_version(&()),
-            "kind": DistributedLock::kind(&()),
-            "status": next,
-        });
-        api.patch_status(
-            &lock.name_any(),
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await
-        .map_err(Error::Kube)?;
+        write_status(ctx, lock, &next).await.map_err(Error::Kube)?;
     }
     for notice in status::notices(current, &next) {
         publish(ctx, lock, &notice).await;
@@ -340,23 +327,31 @@ async fn record_cleanup(ctx: &Context, lock: &DistributedLock, reason: &str, mes
     let Some(next) = status::with_cleanup(&current, reason, message, Timestamp::now()) else {
         return;
     };
+    if let Err(e) = write_status(ctx, lock, &next).await {
+        tracing::warn!(lock = %lock.name_any(), error = %e, "cannot write the clean-up status");
+    }
+}
+
+/// Server-side apply of the lock's whole status, as the operator's field manager.
+async fn write_status(
+    ctx: &Context,
+    lock: &DistributedLock,
+    status: &leasehold_crds::DistributedLockStatus,
+) -> kube::Result<()> {
     let api: Api<DistributedLock> =
         Api::namespaced(ctx.client.clone(), &lock.namespace().unwrap_or_default());
     let patch = json!({
         "apiVersion": DistributedLock::api_version(&()),
         "kind": DistributedLock::kind(&()),
-        "status": next,
+        "status": status,
     });
-    if let Err(e) = api
-        .patch_status(
-            &lock.name_any(),
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await
-    {
-        tracing::warn!(lock = %lock.name_any(), error = %e, "cannot write the clean-up status");
-    }
+    api.patch_status(
+        &lock.name_any(),
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map(|_| ())
 }
 
 /// Publish an event on the lock. Best effort: events are refused in a namespace being deleted,

@@ -26,11 +26,11 @@ use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
 /// How long one Redis round trip may take before the connection is considered dead.
-pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
-pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bounds of the pause between attempts to re-establish the release subscription.
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
-pub(crate) const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
+const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
 /// KEYS: lease, token counter. ARGV: identity, ttl ms.
 /// Returns the new token, or {current value, remaining ms} when the lock is held.
@@ -126,7 +126,7 @@ pub fn lease_value(lease: &Lease) -> String {
     format!("{}:{}", lease.token, lease.identity)
 }
 
-fn parse_holding(value: &[u8], pttl: i64) -> Option<Holding> {
+pub(crate) fn parse_holding(value: &[u8], pttl: i64) -> Option<Holding> {
     let value = std::str::from_utf8(value).ok()?;
     let (token, identity) = value.split_once(':')?;
     Some(Holding {
@@ -186,7 +186,7 @@ pub(crate) fn client(url: &url::Url, tls: Option<&Tls>) -> Result<redis::Client>
     .map_err(|e| invalid(e.to_string()))
 }
 
-fn ms(d: Duration) -> u64 {
+pub(crate) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
@@ -208,13 +208,7 @@ impl RedisDriver {
     /// loop and readiness, not by a crash.
     pub fn connect(url: &url::Url, prefix: &str, tls: Option<&Tls>) -> Result<Self> {
         let client = client(url, tls)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_number_of_retries(2)
-            .set_max_delay(RESUBSCRIBE_MAX);
-        let conn =
-            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(map_err)?;
+        let conn = connection(&client)?;
         let keys = KeyLayout::new(prefix);
         let releases = Arc::new(ChangeFeeds::default());
         let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
@@ -230,6 +224,16 @@ impl RedisDriver {
             subscriber,
         })
     }
+}
+
+/// The lazily connecting, reconnecting connection of a single-server driver (Redis, Tair).
+pub(crate) fn connection(client: &redis::Client) -> Result<ConnectionManager> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(RESPONSE_TIMEOUT))
+        .set_number_of_retries(2)
+        .set_max_delay(RESUBSCRIBE_MAX);
+    ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(map_err)
 }
 
 /// One pattern subscription per process carries every lock's release notices. When it breaks it

@@ -32,7 +32,7 @@ use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::redis::{
-    KeyLayout, OBSERVE, RELEASE, RENEW, lease_value, listen_for_releases, map_err,
+    KeyLayout, OBSERVE, RELEASE, RENEW, lease_value, listen_for_releases, map_err, ms,
     parse_value_and_pttl,
 };
 use crate::error::{Error, Result};
@@ -96,10 +96,6 @@ impl Drop for RedlockDriver {
 
 fn master_timeout(ttl: Duration) -> Duration {
     (ttl / 10).clamp(MIN_MASTER_TIMEOUT, MAX_MASTER_TIMEOUT)
-}
-
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// What one master answered, or why it did not.

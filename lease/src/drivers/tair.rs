@@ -22,12 +22,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::Value;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use super::redis::{
-    CONNECT_TIMEOUT, KeyLayout, RESPONSE_TIMEOUT, RESUBSCRIBE_MAX, client, delete_keys,
-    eviction_warning, listen_for_releases, map_err,
+    KeyLayout, client, connection, delete_keys, eviction_warning, lease_value, listen_for_releases,
+    map_err, ms, parse_holding,
 };
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
@@ -66,36 +66,12 @@ fn tair_err(e: redis::RedisError) -> Error {
     map_err(e)
 }
 
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-fn value_of(lease: &Lease) -> String {
-    format!("{}:{}", lease.token, lease.identity)
-}
-
-/// `TOKEN:IDENTITY` and a PTTL as a holding.
-fn holding(value: &[u8], pttl: i64) -> Option<Holding> {
-    let (token, identity) = std::str::from_utf8(value).ok()?.split_once(':')?;
-    Some(Holding {
-        identity: identity.to_owned(),
-        token: token.parse().ok()?,
-        expires_in: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-    })
-}
-
 impl TairDriver {
     /// Connect lazily to the Tair (or Redis with the TairString module) at `url` (a `redis://`
     /// URL).
     pub fn connect(url: &url::Url, prefix: &str) -> Result<Self> {
         let client = client(url, None)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_number_of_retries(2)
-            .set_max_delay(RESUBSCRIBE_MAX);
-        let conn =
-            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(map_err)?;
+        let conn = connection(&client)?;
         let keys = KeyLayout::new(prefix);
         let releases = Arc::new(ChangeFeeds::default());
         let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
@@ -179,7 +155,7 @@ impl Driver for TairDriver {
         let (set, now): (Value, i64) = redis::pipe()
             .cmd("EXSET")
             .arg(self.keys.lease(lock))
-            .arg(value_of(&lease))
+            .arg(lease_value(&lease))
             .arg("PX")
             .arg(ms(ttl))
             .arg("NX")
@@ -215,7 +191,7 @@ impl Driver for TairDriver {
         };
         let reply: Value = redis::cmd("EXCAS")
             .arg(self.keys.lease(&lease.lock))
-            .arg(value_of(lease))
+            .arg(lease_value(lease))
             .arg(version)
             .arg("PX")
             .arg(ms(ttl))
@@ -270,7 +246,7 @@ impl Driver for TairDriver {
             .map_err(tair_err)?;
         Ok(match got {
             Value::Array(items) => match items.first() {
-                Some(Value::BulkString(value)) => holding(value, pttl),
+                Some(Value::BulkString(value)) => parse_holding(value, pttl),
                 _ => None,
             },
             _ => None,
