@@ -11,10 +11,13 @@ use leasehold_e2e::{
 
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
-/// Slack on top of the protocol's bounds, only to catch hangs: the tests of this file start
-/// database servers two at a time, and a commit's fsync behind another server's start-up has
-/// taken over a second in CI. What the file checks (no steal, the token unchanged) is exact.
-const SLACK: Duration = Duration::from_secs(3);
+/// Slack on top of the protocol's bounds, only to catch hangs. What the file checks (no steal,
+/// the token unchanged, the next token higher) is exact; how soon things happen is not, on a
+/// 2-core machine running the whole suite: a commit's fsync behind another server's start-up
+/// has taken over a second, and in row-lock mode a first acquisition that must open its
+/// connection ran past its 500 ms budget twice in a row in CI, putting the takeover 5.5 s after
+/// the kill.
+const SLACK: Duration = Duration::from_secs(15);
 const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
 const SKEW: Duration = Duration::from_secs(600);
 
