@@ -62,6 +62,7 @@ const SECTIONS: &[&str] = &[
     "etcd",
     "zookeeper",
     "keyed",
+    "keyed-many",
     "safety",
     "operator",
     "tls",
@@ -76,6 +77,9 @@ const OPERATOR_MEASURE: Duration = Duration::from_secs(30);
 /// Keyed locks: concurrent owners, each cycling on a key of its own, and how long each run is.
 const KEYED_OWNERS: usize = 16;
 const KEYED_DURATION: Duration = Duration::from_secs(3);
+/// One sidecar holding this many keys of one family at once, its requests counted this long.
+const MANY_KEYS: usize = 10_000;
+const MANY_KEYS_MEASURE: Duration = Duration::from_secs(15);
 /// The idle-waiter measurement: how many waiters, on which leases (a short one, and the default
 /// 15 s), renewing every third of the lease, measured for at least 15 s and 5 renew intervals.
 const IDLE_WAITERS: usize = 100;
@@ -369,8 +373,19 @@ async fn wait_until_serving(addr: SocketAddr, path: &str, want: u16) {
 /// One keep-alive request; returns the status. Minimal on purpose: the client's own cost is
 /// the same for both servers.
 async fn get(conn: &mut BufReader<&mut TcpStream>, path: &str) -> std::io::Result<u16> {
+    request(conn, "GET", path).await
+}
+
+async fn request(
+    conn: &mut BufReader<&mut TcpStream>,
+    method: &str,
+    path: &str,
+) -> std::io::Result<u16> {
     conn.get_mut()
-        .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .write_all(
+            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n")
+                .as_bytes(),
+        )
         .await?;
     let mut line = String::new();
     conn.read_line(&mut line).await?;
@@ -980,6 +995,9 @@ async fn run(sections: &[&str]) {
     if wanted("keyed") {
         keyed_section().await;
     }
+    if wanted("keyed-many") {
+        many_keys_section().await;
+    }
     if wanted("safety") {
         safety_section().await;
     }
@@ -1369,4 +1387,92 @@ async fn keyed_section() {
         100.0 * ours / raw
     );
     keyed.shutdown().await;
+}
+
+/// Redis's count of the commands it has processed.
+async fn redis_commands(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(conn)
+        .await
+        .expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("total_commands_processed")
+}
+
+/// One sidecar process holding `MANY_KEYS` keys of a family on Redis: its memory, idle and
+/// loaded, and the Redis commands per second that keeping the keys costs, beside the least
+/// it could cost with one renewal per key per renew interval.
+async fn many_keys_section() {
+    println!(
+        "## keyed locks: one sidecar holding {MANY_KEYS} keys of one family on Redis (lease {LEASE:?}, renewals every {:?})",
+        LEASE / 3
+    );
+    let redis = RedisServer::start_with(false);
+    let port = free_port();
+    let sidecar = Process(
+        Command::new(sibling_binary("leasehold-sidecar"))
+            .args(["--keyed", "orders", "--identity", "bench"])
+            .args(["--max-keys", &MANY_KEYS.to_string()])
+            .args(["--backend", &redis.url()])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start sidecar"),
+    );
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    wait_until_serving(addr, "/locks/orders/keys/probe", 409).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let idle_rss = rss_kib(sidecar.0.id());
+
+    let started = Instant::now();
+    let workers: Vec<_> = (0..KEYED_OWNERS)
+        .map(|w| {
+            tokio::spawn(async move {
+                let mut conn = TcpStream::connect(addr).await.expect("connect");
+                let mut reader = BufReader::new(&mut conn);
+                for i in (w..MANY_KEYS).step_by(KEYED_OWNERS) {
+                    let path =
+                        format!("/locks/orders/keys/order-{i}/acquire?owner=req-{i}&hold=1h");
+                    let status = request(&mut reader, "POST", &path).await.expect("acquire");
+                    assert_eq!(status, 200, "{path}");
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    let took = started.elapsed();
+    // Past the first renewals of every key, so that what is counted is the steady state.
+    tokio::time::sleep(LEASE / 3 + Duration::from_secs(1)).await;
+    let client = redis::Client::open(redis.url()).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let before = redis_commands(&mut conn).await;
+    let measure = Instant::now();
+    tokio::time::sleep(MANY_KEYS_MEASURE).await;
+    let commands = (redis_commands(&mut conn).await - before).saturating_sub(1) as f64
+        / measure.elapsed().as_secs_f64();
+    let held_rss = rss_kib(sidecar.0.id());
+    let least = MANY_KEYS as f64 / (LEASE / 3).as_secs_f64();
+    println!(
+        "  acquiring {MANY_KEYS} keys over {KEYED_OWNERS} connections: {:.1} s ({:.0} keys/s)",
+        took.as_secs_f64(),
+        MANY_KEYS as f64 / took.as_secs_f64()
+    );
+    println!(
+        "  sidecar RSS: idle {:.1} MiB, holding {MANY_KEYS} keys {:.1} MiB (target under 64 MiB)",
+        idle_rss as f64 / 1024.0,
+        held_rss as f64 / 1024.0
+    );
+    println!(
+        "  Redis commands/s keeping them: {commands:.0} (one renewal per key per interval: {least:.0}; each key renews on its own, none batched)"
+    );
 }

@@ -54,6 +54,12 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 #[x_kube(validation = Rule::new(
     "!has(self.renewInterval) || duration(self.renewInterval) < duration(self.leaseDuration)"
 ).message("renewInterval must be shorter than leaseDuration"))]
+#[x_kube(validation = Rule::new("!has(self.keys) || !has(self.cleanupPolicy) || self.cleanupPolicy == 'Retain'").message(
+    "cleanupPolicy Delete is not available for a family of keyed locks: its keys' records are kept, and they are what keeps each key's fencing tokens rising"
+))]
+#[x_kube(validation = Rule::new("has(self.keys) == has(oldSelf.keys)").message(
+    "keys cannot be added or removed: a lock and a family of keyed locks keep different records; create a new DistributedLock instead"
+))]
 #[serde(rename_all = "camelCase")]
 pub struct DistributedLockSpec {
     /// Where the lock lives: exactly one backend. It cannot change: a holder that has not yet
@@ -93,6 +99,29 @@ pub struct DistributedLockSpec {
     /// mark, so that a lock created again under the same name never reuses a token.
     #[serde(default)]
     pub cleanup_policy: CleanupPolicy,
+
+    /// Declares a family of keyed locks rather than one lock: workers take keys they choose at
+    /// run time (`POST localhost:4040/locks/NAME/keys/KEY/acquire?owner=ID`), each key an
+    /// ordinary lock on this backend with this lease. Every key is taken on demand, so `mode`
+    /// does not apply. Cannot be added or removed later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<KeysSpec>,
+}
+
+/// The bounds of a family's keys.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KeysSpec {
+    /// The longest key accepted, in bytes (default 128). A key is letters, digits and
+    /// `. _ - : / @`; a longer or ill-formed key is refused with 400.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub max_key_length: Option<u32>,
+    /// How many keys of the family one pod may hold at once (default 1024); one more is
+    /// refused with 429.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub max_held_per_pod: Option<u32>,
 }
 
 fn default_lease_duration() -> String {

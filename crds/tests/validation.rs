@@ -64,6 +64,9 @@ fn good_locks_pass() {
         json!({ "backend": { "kubernetes": { "leaseName": "jobs.lock" } } }),
         json!({ "backend": { "kubernetes": {} }, "leaseDuration": "1m30s", "renewInterval": "20s" }),
         json!({ "backend": redis(), "leaseDuration": "1s", "renewInterval": "500ms" }),
+        json!({ "backend": redis(), "keys": {} }),
+        json!({ "backend": redis(), "keys": { "maxKeyLength": 64, "maxHeldPerPod": 10000 },
+            "cleanupPolicy": "Retain" }),
     ];
     for spec in good {
         assert_eq!(violations(spec.clone()), Vec::<String>::new(), "{spec}");
@@ -234,7 +237,8 @@ fn secrets_are_referenced_never_inline() {
                     && sub["properties"]["name"].is_object()
                     && sub["properties"]["key"].is_object();
                 let is_name = name.ends_with("SecretName") && sub["type"] == "string";
-                let allowed = ["keyPrefix", "key"];
+                // A keyed family's bounds, not key material.
+                let allowed = ["keyPrefix", "key", "keys", "maxKeyLength"];
                 if sensitive && !is_ref && !is_name && !allowed.contains(&name.as_str()) {
                     found.push(format!("{path}.{name}"));
                 }
@@ -318,4 +322,37 @@ fn the_backend_cannot_change_once_created() {
     assert_eq!(update(before.clone(), longer), Vec::<String>::new());
     // A new lock has no old self: any backend.
     assert_eq!(violations(before), Vec::<String>::new());
+}
+
+/// A family of keyed locks: bounds in range, its records kept (they keep each key's tokens
+/// rising), and a lock cannot become a family or back (their records differ).
+#[test]
+fn a_family_of_keyed_locks_is_checked() {
+    let errors = violations(json!({ "backend": redis(), "keys": {}, "cleanupPolicy": "Delete" }));
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("cleanupPolicy Delete is not available for a family")),
+        "{errors:?}"
+    );
+    let update = |old: Value, new: Value| object_violations(&lock(new), Some(&lock(old)));
+    let plain = json!({ "backend": redis() });
+    let family = json!({ "backend": redis(), "keys": { "maxHeldPerPod": 5 } });
+    for (old, new) in [(plain.clone(), family.clone()), (family.clone(), plain)] {
+        let errors = update(old, new);
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("keys cannot be added or removed")),
+            "{errors:?}"
+        );
+    }
+    let wider = json!({ "backend": redis(), "keys": { "maxHeldPerPod": 50 } });
+    assert_eq!(update(family, wider), Vec::<String>::new());
+    // The bounds' ranges are plain schema limits, which the API server checks before any rule.
+    let keys = &schema()["properties"]["spec"]["properties"]["keys"]["properties"];
+    for (field, min, max) in [("maxKeyLength", 1, 1024), ("maxHeldPerPod", 1, 1_000_000)] {
+        assert_eq!(keys[field]["minimum"].as_f64(), Some(min as f64), "{field}");
+        assert_eq!(keys[field]["maximum"].as_f64(), Some(max as f64), "{field}");
+    }
 }

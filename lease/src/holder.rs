@@ -245,10 +245,20 @@ pub struct Event {
 }
 
 /// Hooks for metrics; the lease engine itself depends on no metrics library.
+///
+/// The `key_*` hooks carry a keyed family's keys, reported by family only: keys are chosen at
+/// run time and without bound, so a key must never become a metric label (every key ever taken
+/// would stay a series in the sidecar's memory and in Prometheus).
 pub trait Telemetry: Send + Sync + 'static {
     fn event(&self, _event: &Event) {}
     fn renewed(&self, _lock: &str, _latency: Duration) {}
     fn backend_error(&self, _lock: &str, _error: &Error) {}
+    /// A key of `family` was acquired, lost or released (`event.lock` is the key's backend name).
+    fn key_event(&self, _family: &str, _event: &Event) {}
+    fn key_renewed(&self, _family: &str, _latency: Duration) {}
+    fn key_backend_error(&self, _family: &str, _error: &Error) {}
+    /// An owner of `family` was refused a key another owner held (after its wait).
+    fn key_contended(&self, _family: &str) {}
 }
 
 impl Telemetry for () {}

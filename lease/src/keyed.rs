@@ -29,7 +29,7 @@ use tokio::time::{Instant, timeout};
 
 use crate::driver::{Driver, Holding};
 use crate::error::Error;
-use crate::holder::{Answer, Lock, LockConfig, Mode, Telemetry};
+use crate::holder::{Answer, Event, Lock, LockConfig, Mode, Telemetry};
 use crate::names::{MAX_LOCK_NAME, validate_lock_name};
 
 /// The longest key accepted by default.
@@ -76,6 +76,10 @@ pub enum KeyError {
     BadOwner(String),
     #[error("this sidecar already holds {0} keys of the family, its limit")]
     TooManyKeys(usize),
+    /// The family's `DistributedLock` is being deleted: its keys were released and no more are
+    /// taken until it is created again.
+    #[error("the family {0:?} is stopped: its DistributedLock is being deleted")]
+    Stopped(String),
     #[error(transparent)]
     Lock(#[from] Error),
 }
@@ -133,11 +137,54 @@ pub struct KeyedFamily {
 }
 
 struct FamilyInner {
-    config: FamilyConfig,
+    name: String,
+    identity: String,
+    /// The lease and the bounds; a change applies to the keys acquired after it, while each
+    /// held key keeps the lease it was taken with.
+    config: std::sync::RwLock<FamilyConfig>,
+    /// Set while the family is stopped (its resource deleted): no key is taken.
+    stopped: std::sync::atomic::AtomicBool,
     driver: Arc<dyn Driver>,
-    telemetry: Arc<dyn Telemetry>,
+    /// What the keys' engines report, by family ([`FamilyTelemetry`]).
+    telemetry: Arc<FamilyTelemetry>,
     keys: Mutex<HashMap<String, Arc<KeyState>>>,
     held: AtomicUsize,
+    /// Owners inside an acquisition that does not hold the key yet.
+    waiting: AtomicUsize,
+}
+
+/// The keys' engines report under the family's name through this, never under their own.
+struct FamilyTelemetry {
+    family: String,
+    inner: Arc<dyn Telemetry>,
+}
+
+impl Telemetry for FamilyTelemetry {
+    fn event(&self, event: &Event) {
+        self.inner.key_event(&self.family, event);
+    }
+    fn renewed(&self, _lock: &str, latency: Duration) {
+        self.inner.key_renewed(&self.family, latency);
+    }
+    fn backend_error(&self, _lock: &str, error: &Error) {
+        self.inner.key_backend_error(&self.family, error);
+    }
+}
+
+/// Counts an owner as waiting for as long as it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl KeyedFamily {
@@ -146,28 +193,76 @@ impl KeyedFamily {
         config: FamilyConfig,
         telemetry: Arc<dyn Telemetry>,
     ) -> Result<Self, Error> {
-        validate_lock_name(&config.name)?;
-        // The longest derived name must still be a valid lock name.
-        validate_lock_name(&hashed_name(&config.name, "x"))?;
-        // The engine checks the lease and renew interval; check them once, up front.
-        LockConfig {
-            renew_interval: config.renew_interval,
-            ..LockConfig::new(&config.name, &config.identity, config.lease_duration)
-        }
-        .validate()?;
+        validate_family_name(&config.name)?;
+        check_settings(&config)?;
         Ok(Self {
             inner: Arc::new(FamilyInner {
-                config,
+                telemetry: Arc::new(FamilyTelemetry {
+                    family: config.name.clone(),
+                    inner: telemetry,
+                }),
+                name: config.name.clone(),
+                identity: config.identity.clone(),
+                config: std::sync::RwLock::new(config),
+                stopped: std::sync::atomic::AtomicBool::new(false),
                 driver,
-                telemetry,
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
+                waiting: AtomicUsize::new(0),
             }),
         })
     }
 
-    pub fn config(&self) -> &FamilyConfig {
-        &self.inner.config
+    /// The family's name: its route (`/locks/NAME/keys/...`), its Dapr store, its metric label.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// This pod's identity; owners are `IDENTITY/OWNER`.
+    pub fn identity(&self) -> &str {
+        &self.inner.identity
+    }
+
+    /// The settings now in force.
+    pub fn config(&self) -> FamilyConfig {
+        self.inner
+            .config
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Apply new settings (the family's resource changed). The name and the identity stay; the
+    /// lease and bounds apply from the next acquisition, and a key held now keeps the lease it
+    /// was taken with until it is released (each key is its own lock, so the two never meet).
+    pub fn reconfigure(&self, config: FamilyConfig) -> Result<(), Error> {
+        if config.name != self.inner.name || config.identity != self.inner.identity {
+            return Err(Error::InvalidConfig {
+                field: "family",
+                reason: "a family's name and identity cannot change".into(),
+            });
+        }
+        check_settings(&config)?;
+        *self.inner.config.write().unwrap_or_else(|e| e.into_inner()) = config;
+        Ok(())
+    }
+
+    /// Release every key and take no more until [`KeyedFamily::resume`]: the family's resource is
+    /// being deleted.
+    pub async fn stop(&self) {
+        self.inner.stopped.store(true, Ordering::SeqCst);
+        self.shutdown().await;
+    }
+
+    pub fn resume(&self) {
+        self.inner.stopped.store(false, Ordering::SeqCst);
+    }
+
+    fn check_running(&self) -> Result<(), KeyError> {
+        if self.inner.stopped.load(Ordering::SeqCst) {
+            return Err(KeyError::Stopped(self.inner.name.clone()));
+        }
+        Ok(())
     }
 
     pub fn backend(&self) -> &'static str {
@@ -179,14 +274,19 @@ impl KeyedFamily {
         self.inner.held.load(Ordering::SeqCst)
     }
 
+    /// How many of this pod's owners are waiting for a key now.
+    pub fn waiting_owners(&self) -> usize {
+        self.inner.waiting.load(Ordering::SeqCst)
+    }
+
     /// The backend lock name of `key`, after checking the key.
     pub fn backend_name(&self, key: &str) -> Result<String, KeyError> {
         self.check_key(key)?;
-        Ok(backend_name(&self.inner.config.name, key))
+        Ok(backend_name(&self.inner.name, key))
     }
 
     fn check_key(&self, key: &str) -> Result<(), KeyError> {
-        let max = self.inner.config.max_key_length;
+        let max = self.config().max_key_length;
         let ok = !key.is_empty()
             && key.len() <= max
             && key
@@ -257,6 +357,22 @@ impl KeyedFamily {
     ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
+        self.check_running()?;
+        let answer = self.take_checked(key, owner, wait, hold, reentrant).await;
+        if let Ok(KeyAnswer::HeldByAnother { .. }) = answer {
+            self.inner.telemetry.inner.key_contended(&self.inner.name);
+        }
+        answer
+    }
+
+    async fn take_checked(
+        &self,
+        key: &str,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+        reentrant: bool,
+    ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         let state = self.state(key);
         if let Some(current) = current_of(&state).filter(|c| c.owner == owner) {
@@ -268,6 +384,7 @@ impl KeyedFamily {
             let answer = current.lock.acquire(Duration::ZERO, hold).await?;
             return Ok(self.answer_for(&current, answer));
         }
+        let waiting = Waiting::new(&self.inner.waiting);
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
             Ok(slot) => slot,
             Err(_) => {
@@ -276,18 +393,20 @@ impl KeyedFamily {
                 });
             }
         };
-        if self.inner.held.load(Ordering::SeqCst) >= self.inner.config.max_keys {
-            return Err(KeyError::TooManyKeys(self.inner.config.max_keys));
+        let config = self.config();
+        if self.inner.held.load(Ordering::SeqCst) >= config.max_keys {
+            return Err(KeyError::TooManyKeys(config.max_keys));
         }
+        self.check_running()?;
         let lock = Lock::start(
             self.inner.driver.clone(),
             LockConfig {
                 mode: Mode::OnDemand,
-                renew_interval: self.inner.config.renew_interval,
+                renew_interval: config.renew_interval,
                 ..LockConfig::new(
-                    &backend_name(&self.inner.config.name, key),
+                    &backend_name(&self.inner.name, key),
                     &self.qualified(owner),
-                    self.inner.config.lease_duration,
+                    config.lease_duration,
                 )
             },
             self.inner.telemetry.clone(),
@@ -304,6 +423,7 @@ impl KeyedFamily {
                 _ => KeyAnswer::HeldByAnother { holder },
             });
         }
+        drop(waiting);
         let holding = Arc::new(KeyHolding {
             owner: owner.to_owned(),
             lock,
@@ -311,6 +431,13 @@ impl KeyedFamily {
         });
         *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
         self.inner.held.fetch_add(1, Ordering::SeqCst);
+        // `stop` raises its flag before it looks for holdings: either it saw this one, or this
+        // sees the flag.
+        if let Err(stopped) = self.check_running() {
+            holding.lock.shutdown().await;
+            self.forget(key, &holding);
+            return Err(stopped);
+        }
         tokio::spawn(
             self.clone()
                 .forget_when_gone(key.to_owned(), holding.clone()),
@@ -393,7 +520,7 @@ impl KeyedFamily {
     }
 
     fn qualified(&self, owner: &str) -> String {
-        format!("{}/{owner}", self.inner.config.identity)
+        format!("{}/{owner}", self.inner.identity)
     }
 
     fn answer_for(&self, holding: &KeyHolding, answer: Answer) -> KeyAnswer {
@@ -456,6 +583,21 @@ fn current_of(state: &KeyState) -> Option<Arc<KeyHolding>> {
         .clone()
 }
 
+/// The engine checks the lease and renew interval of each key; check them once, up front.
+fn check_settings(config: &FamilyConfig) -> Result<(), Error> {
+    if config.max_keys == 0 || config.max_key_length == 0 {
+        return Err(Error::InvalidConfig {
+            field: "family",
+            reason: "the key length and the number of keys held must be at least 1".into(),
+        });
+    }
+    LockConfig {
+        renew_interval: config.renew_interval,
+        ..LockConfig::new(&config.name, &config.identity, config.lease_duration)
+    }
+    .validate()
+}
+
 fn check_owner(owner: &str) -> Result<(), KeyError> {
     if owner.is_empty() || owner.len() > MAX_OWNER_LENGTH {
         return Err(KeyError::BadOwner(format!(
@@ -494,6 +636,22 @@ fn hashed_name(family: &str, key: &str) -> String {
     format!("{family}.keyh.{}", &hex[..HASHED_KEY_DIGITS])
 }
 
+/// A family's name is a lock name short enough that its keys' derived names are lock names too.
+pub fn validate_family_name(family: &str) -> Result<(), Error> {
+    validate_lock_name(family)?;
+    let longest = hashed_name(family, "x");
+    if longest.len() > MAX_LOCK_NAME {
+        return Err(Error::InvalidConfig {
+            field: "family",
+            reason: format!(
+                "{family:?} is too long for a family: its keys' backend names ({family}.keyh. and {HASHED_KEY_DIGITS} hex digits) must stay within {MAX_LOCK_NAME} characters, so a family name is at most {} characters",
+                MAX_LOCK_NAME - (longest.len() - family.len())
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Whether a plain lock named `lock` would share the backend with a key of `family`.
 pub fn collides_with_family(lock: &str, family: &str) -> bool {
     lock.starts_with(&format!("{family}.keys.")) || lock.starts_with(&format!("{family}.keyh."))
@@ -521,5 +679,12 @@ mod tests {
         assert!(backend_name("orders", &long).starts_with("orders.keyh."));
         assert!(collides_with_family("orders.keys.x", "orders"));
         assert!(!collides_with_family("orders", "orders"));
+    }
+
+    #[test]
+    fn a_family_name_leaves_room_for_its_keys() {
+        validate_family_name(&"a".repeat(207)).unwrap();
+        let error = validate_family_name(&"a".repeat(208)).unwrap_err();
+        assert!(error.to_string().contains("at most 207"), "{error}");
     }
 }

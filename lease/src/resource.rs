@@ -34,6 +34,15 @@ pub struct ResolvedLock {
     pub mode: Mode,
     /// The Lease holding the lock, for the Kubernetes backend.
     pub lease: Option<LeaseTarget>,
+    /// Set when the resource declares a family of keyed locks (`spec.keys`) rather than a lock.
+    pub keys: Option<KeyLimits>,
+}
+
+/// A family's bounds on keys, from `spec.keys`, with the command line's defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyLimits {
+    pub max_key_length: usize,
+    pub max_keys: usize,
 }
 
 impl ResolvedLock {
@@ -43,6 +52,16 @@ impl ResolvedLock {
             mode: self.mode,
             ..LockConfig::new(&self.name, identity, self.lease_duration)
         }
+    }
+
+    /// The family this resource declares, for the pod `identity`; `None` for a plain lock.
+    pub fn family_config(&self, identity: &str) -> Option<crate::keyed::FamilyConfig> {
+        self.keys.map(|limits| crate::keyed::FamilyConfig {
+            renew_interval: self.renew_interval,
+            max_key_length: limits.max_key_length,
+            max_keys: limits.max_keys,
+            ..crate::keyed::FamilyConfig::new(&self.name, identity, self.lease_duration)
+        })
     }
 }
 
@@ -294,8 +313,19 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
             leasehold_crds::LockMode::OnDemand => Mode::OnDemand,
         },
         lease,
+        keys: spec.keys.as_ref().map(|keys| KeyLimits {
+            max_key_length: keys
+                .max_key_length
+                .map_or(crate::keyed::DEFAULT_MAX_KEY_LENGTH, |n| n as usize),
+            max_keys: keys
+                .max_held_per_pod
+                .map_or(crate::keyed::DEFAULT_MAX_KEYS, |n| n as usize),
+        }),
     };
     resolved.lock_config("validation").validate()?;
+    if resolved.keys.is_some() {
+        crate::keyed::validate_family_name(&resolved.name)?;
+    }
     Ok(resolved)
 }
 
@@ -660,6 +690,7 @@ mod tests {
                 renew_interval: None,
                 mode: Default::default(),
                 cleanup_policy: Default::default(),
+                keys: None,
             },
         );
         lock.metadata.namespace = Some("team".into());

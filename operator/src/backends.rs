@@ -140,11 +140,22 @@ impl Backends {
         let kind = resolved.backend.kind().to_owned();
         let outcome = async {
             let driver = self.driver(client, lock, &resolved).await?;
+            // A family's keys come and go at run time: provisioning makes what they share (the
+            // table, the parent node), and nothing is seeded or created under the family's name.
+            let family = resolved.keys.is_some();
+            let names = if family {
+                &[][..]
+            } else {
+                std::slice::from_ref(&resolved.name)
+            };
             if !self.provisioned(lock) {
-                bounded(driver.provision(std::slice::from_ref(&resolved.name))).await?;
+                bounded(driver.provision(names)).await?;
                 self.mark_provisioned(lock, true);
             }
-            let holder = bounded(driver.observe(&resolved.name)).await;
+            // For a family this read is the health check only: no key is named after it.
+            let holder = bounded(driver.observe(&resolved.name))
+                .await
+                .map(|holder| holder.filter(|_| !family));
             // A backend that fails is provisioned again at the next look: what failed may be
             // what provisioning makes.
             if holder.is_err() {

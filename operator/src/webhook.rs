@@ -7,7 +7,7 @@
 //! Always`, so it starts before the app and stops after it) or, where configured, as a plain
 //! container.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
@@ -25,6 +25,23 @@ pub const SIDECAR_NAME: &str = "leasehold-sidecar";
 /// The annotation that opts a pod into backend-gated readiness (`"true"`): its sidecar's
 /// `/readyz`, and so the pod, fails while the lock's backend is unreachable.
 pub const READINESS_ANNOTATION: &str = "leasehold.dev/readiness-requires-backend";
+
+/// The annotation that serves Dapr's lock API beside Leasehold's (`"true"`), on Dapr's own
+/// loopback ports, so that an app written for Dapr's lock building block runs unchanged: each
+/// named family of keyed locks is a Dapr lock store.
+pub const DAPR_ANNOTATION: &str = "leasehold.dev/dapr-api";
+/// Dapr's default ports, which Dapr's SDKs use unless `DAPR_HTTP_PORT` / `DAPR_GRPC_PORT` say
+/// otherwise.
+pub const DAPR_HTTP_LISTEN: &str = "127.0.0.1:3500";
+pub const DAPR_GRPC_LISTEN: &str = "127.0.0.1:50001";
+
+/// What a named `DistributedLock` declares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declares {
+    Lock,
+    /// A family of keyed locks (`spec.keys`).
+    Family,
+}
 
 /// The label injected pods carry, so that a PodMonitor can select them (annotations cannot be
 /// selected on).
@@ -171,11 +188,28 @@ fn already_injected(pod: &Pod) -> bool {
         .any(|c| c.name == SIDECAR_NAME)
 }
 
-/// Decide for `pod` in `namespace`, given which DistributedLocks exist there.
+/// A `"true"`/`"false"` annotation of `pod`, `false` when absent.
+fn flag_annotation(pod: &Pod, annotation: &str) -> Result<bool, String> {
+    let value = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(annotation));
+    match value.map(String::as_str) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(other) => Err(format!(
+            "annotation {annotation}={other:?}: expected \"true\" or \"false\""
+        )),
+    }
+}
+
+/// Decide for `pod` in `namespace`, given which DistributedLocks exist there and what each
+/// declares.
 pub fn decide(
     pod: &Pod,
     namespace: &str,
-    existing: &BTreeSet<String>,
+    existing: &BTreeMap<String, Declares>,
     injection: &Injection,
 ) -> Decision {
     let locks = match requested_locks(pod) {
@@ -188,7 +222,7 @@ pub fn decide(
     }
     let missing: Vec<&str> = locks
         .iter()
-        .filter(|l| !existing.contains(*l))
+        .filter(|l| !existing.contains_key(*l))
         .map(String::as_str)
         .collect();
     if !missing.is_empty() {
@@ -205,22 +239,37 @@ pub fn decide(
         ));
     }
     let mut container = sidecar(namespace, &locks, injection);
-    let gated = pod
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(READINESS_ANNOTATION));
-    match gated.map(String::as_str) {
-        None | Some("false") => {}
-        Some("true") => {
-            if let Some(args) = &mut container.args {
-                args.push("--readiness-requires-backend".to_owned());
-            }
+    let (gated, dapr) = match (
+        flag_annotation(pod, READINESS_ANNOTATION),
+        flag_annotation(pod, DAPR_ANNOTATION),
+    ) {
+        (Ok(gated), Ok(dapr)) => (gated, dapr),
+        (Err(message), _) | (_, Err(message)) => return Decision::Deny(message),
+    };
+    if dapr
+        && !locks
+            .iter()
+            .any(|l| existing.get(l) == Some(&Declares::Family))
+    {
+        return Decision::Deny(format!(
+            "annotation {DAPR_ANNOTATION}=\"true\": Dapr's lock API serves families of keyed locks (each is a lock store), and none of {} declares spec.keys",
+            locks.join(", ")
+        ));
+    }
+    if let Some(args) = &mut container.args {
+        if gated {
+            args.push("--readiness-requires-backend".to_owned());
         }
-        Some(other) => {
-            return Decision::Deny(format!(
-                "annotation {READINESS_ANNOTATION}={other:?}: expected \"true\" or \"false\""
-            ));
+        if dapr {
+            args.extend(
+                [
+                    "--dapr-http-listen",
+                    DAPR_HTTP_LISTEN,
+                    "--dapr-grpc-listen",
+                    DAPR_GRPC_LISTEN,
+                ]
+                .map(str::to_owned),
+            );
         }
     }
     if !injection.native_sidecar
@@ -408,7 +457,7 @@ async fn decide_review(
         .clone()
         .or_else(|| pod.metadata.namespace.clone())
         .unwrap_or_else(|| "default".to_owned());
-    let mut existing = BTreeSet::new();
+    let mut existing = BTreeMap::new();
     if let Some(Ok(locks)) = requested_locks(pod) {
         let api: kube::Api<leasehold_crds::DistributedLock> =
             kube::Api::namespaced(client.clone(), &namespace);
@@ -423,8 +472,13 @@ async fn decide_review(
                         ))
                         .into_review();
                 }
-                Ok(Some(_)) => {
-                    existing.insert(lock);
+                Ok(Some(found)) => {
+                    let declares = if found.spec.keys.is_some() {
+                        Declares::Family
+                    } else {
+                        Declares::Lock
+                    };
+                    existing.insert(lock, declares);
                 }
                 Ok(None) => {}
                 Err(e) => {

@@ -156,7 +156,7 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
     names
 }
 
-/// The metric names the sidecar (with one lock) and the operator export.
+/// The metric names the sidecar (with one lock and one keyed family) and the operator export.
 async fn exported_names() -> BTreeSet<String> {
     let harness = leasehold_lease::testkit::SqliteHarness::new();
     let driver = leasehold_lease::testkit::Harness::driver(&harness).await;
@@ -166,8 +166,23 @@ async fn exported_names() -> BTreeSet<String> {
         Arc::new(()),
     )
     .unwrap();
+    let family = leasehold_lease::keyed::KeyedFamily::new(
+        leasehold_lease::testkit::Harness::driver(&harness).await,
+        leasehold_lease::keyed::FamilyConfig::new(
+            "orders",
+            "pod-a",
+            std::time::Duration::from_secs(5),
+        ),
+        Arc::new(()),
+    )
+    .unwrap();
     let sidecar = leasehold_sidecar::metrics::Metrics::new();
     sidecar.register_lock("jobs");
+    leasehold_lease::Telemetry::key_backend_error(
+        &sidecar,
+        "orders",
+        &leasehold_lease::Error::Unreachable("down".into()),
+    );
     // Families with no series yet are not exported at all: give each one.
     leasehold_lease::Telemetry::backend_error(
         &sidecar,
@@ -177,7 +192,8 @@ async fn exported_names() -> BTreeSet<String> {
     let operator = leasehold_operator::metrics::Metrics::new();
     operator.admitted("injected");
     operator.reconciled(std::time::Duration::from_millis(1), Some("kube"));
-    let text = sidecar.render(std::slice::from_ref(&lock)) + &operator.render();
+    let text = sidecar.render(std::slice::from_ref(&lock), std::slice::from_ref(&family))
+        + &operator.render();
     lock.shutdown().await;
     text.lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

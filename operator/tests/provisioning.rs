@@ -644,3 +644,66 @@ async fn tair_is_checked_for_its_commands() {
         "{message}"
     );
 }
+
+/// A family of keyed locks (`spec.keys`): the operator provisions what its keys share (the
+/// tables) and checks the backend, but seeds no row and creates no Lease under the family's own
+/// name, which no key uses; and a family has no single holder to report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_family_gets_what_its_keys_share_and_no_record_of_its_own() {
+    let server = PostgresServer::start();
+    let api = InMemoryApiServer::new();
+    let user = secret(&api, "pg", "user", "postgres");
+    let mut family = lock(
+        "orders",
+        Backend {
+            postgres: Some(SqlBackend {
+                host: "127.0.0.1".into(),
+                port: Some(server.port()),
+                database: "postgres".into(),
+                lock_mode: SqlLockMode::RowLock,
+                user_secret_ref: Some(user),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    family.spec.cleanup_policy = CleanupPolicy::Retain;
+    family.spec.keys = Some(leasehold_crds::KeysSpec::default());
+    let (observation, driver) = provision(&api, &family).await;
+    assert!(ready(&observation).is_empty());
+    let pool = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM leasehold_locks_rows")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "a row was seeded under the family's name");
+    // A key held: still no holder for the family as a whole.
+    let Acquire::Acquired(_held) = driver
+        .try_acquire("orders.keys.sku-1", "pod-a/w1", Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("the key is not free");
+    };
+    let (_, observation) = Backends::default().observe(&api.client(), &family).await;
+    assert!(
+        matches!(observation, Observation::Ready { holder: None, .. }),
+        "{observation:?}"
+    );
+
+    let mut leases = lock(
+        "jobs",
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    );
+    leases.spec.cleanup_policy = CleanupPolicy::Retain;
+    leases.spec.keys = Some(leasehold_crds::KeysSpec::default());
+    let (observation, _) = provision(&api, &leases).await;
+    ready(&observation);
+    assert!(
+        api.object(LEASES, NS, "jobs").is_none(),
+        "a Lease was made for the family's own name"
+    );
+}

@@ -3,7 +3,7 @@
 //! Helm example validates against the Kubernetes schemas, its Deployment gets the sidecar from
 //! the webhook, and its Role grants what that sidecar does.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use support::chart;
 
@@ -104,7 +104,7 @@ fn the_complete_helm_example_is_valid_and_gets_its_sidecar() {
     let Decision::Patch(ops) = webhook::decide(
         &typed,
         &namespace,
-        &BTreeSet::from([name.clone()]),
+        &BTreeMap::from([(name.clone(), webhook::Declares::Lock)]),
         &injection,
     ) else {
         panic!("the example's pod is not injected");

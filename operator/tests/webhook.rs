@@ -494,3 +494,54 @@ async fn a_pod_naming_a_sqlite_lock_is_denied_with_the_reason() {
     );
     assert!(sidecars(&patched, "initContainers").is_empty());
 }
+
+/// `leasehold.dev/dapr-api: "true"` serves Dapr's lock API on Dapr's own loopback ports, so an
+/// app written for Dapr's lock building block runs unchanged; only for a family of keyed locks
+/// (a Dapr lock store), and anything but true or false is refused with the reason.
+#[tokio::test]
+async fn dapr_api_is_opted_into_for_a_family() {
+    let api = api_with_locks(&["jobs"]);
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+               "metadata": {"name": "orders", "namespace": NS},
+               "spec": {"backend": {"kubernetes": {}}, "keys": {"maxHeldPerPod": 64}}}),
+    );
+    let with = |locks: &str, dapr: &str| {
+        let mut p = pod(Some(locks), None, None);
+        p["metadata"]["annotations"][webhook::DAPR_ANNOTATION] = json!(dapr);
+        p
+    };
+    let (allowed, message, patched) = admit(&api, &with("jobs,orders", "true"), true).await;
+    assert!(allowed, "{message}");
+    let args = sidecars(&patched, "initContainers")[0]["args"].clone();
+    let args: Vec<&str> = args
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    for pair in [
+        ["--dapr-http-listen", "127.0.0.1:3500"],
+        ["--dapr-grpc-listen", "127.0.0.1:50001"],
+    ] {
+        assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
+    }
+
+    let (allowed, message, _) = admit(&api, &with("jobs", "true"), true).await;
+    assert!(!allowed);
+    assert!(
+        message.contains(webhook::DAPR_ANNOTATION) && message.contains("spec.keys"),
+        "{message}"
+    );
+    let (allowed, message, _) = admit(&api, &with("orders", "yes"), true).await;
+    assert!(!allowed);
+    assert!(
+        message.contains("expected \"true\" or \"false\""),
+        "{message}"
+    );
+    let (allowed, _, patched) = admit(&api, &with("orders", "false"), true).await;
+    assert!(allowed);
+    let args = sidecars(&patched, "initContainers")[0]["args"].to_string();
+    assert!(!args.contains("dapr"), "{args}");
+}

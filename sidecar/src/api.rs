@@ -94,14 +94,9 @@ impl AppState {
         self.inner
             .families
             .iter()
-            .find(|f| f.config().name == name)
+            .find(|f| f.name() == name)
             .ok_or_else(|| {
-                let known: Vec<&str> = self
-                    .inner
-                    .families
-                    .iter()
-                    .map(|f| f.config().name.as_str())
-                    .collect();
+                let known: Vec<&str> = self.inner.families.iter().map(|f| f.name()).collect();
                 ApiError::new(
                     StatusCode::NOT_FOUND,
                     format!(
@@ -426,7 +421,7 @@ fn key_response(
     not_held: StatusCode,
 ) -> Response {
     let mut body = KeyStatus {
-        family: &family.config().name,
+        family: family.name(),
         key,
         owner,
         holder: false,
@@ -463,7 +458,7 @@ fn key_error(error: KeyError) -> ApiError {
     let status = match error {
         KeyError::BadKey { .. } | KeyError::BadOwner(_) => StatusCode::BAD_REQUEST,
         KeyError::TooManyKeys(_) => StatusCode::TOO_MANY_REQUESTS,
-        KeyError::Lock(_) => StatusCode::SERVICE_UNAVAILABLE,
+        KeyError::Lock(_) | KeyError::Stopped(_) => StatusCode::SERVICE_UNAVAILABLE,
     };
     ApiError::new(status, error.to_string())
 }
@@ -643,7 +638,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.inner.metrics.render(&state.locks()),
+        state.inner.metrics.render(&state.locks(), state.families()),
     )
         .into_response()
 }

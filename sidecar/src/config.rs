@@ -307,7 +307,8 @@ impl Config {
             ("dapr-grpc-listen", args.dapr_grpc_listen),
         ] {
             let Some(addr) = dapr else { continue };
-            if families.is_empty() {
+            // With --resource, which resources are families is known once they are read.
+            if families.is_empty() && args.resources.is_empty() {
                 return Err(bad(
                     flag,
                     &addr.to_string(),

@@ -79,7 +79,7 @@ fn family<'a>(state: &'a AppState, store: &str) -> Result<&'a KeyedFamily, DaprE
     state
         .families()
         .iter()
-        .find(|f| f.config().name == store)
+        .find(|f| f.name() == store)
         .ok_or_else(|| DaprError {
             status: StatusCode::BAD_REQUEST,
             code: "ERR_LOCK_STORE_NOT_FOUND",
@@ -88,7 +88,7 @@ fn family<'a>(state: &'a AppState, store: &str) -> Result<&'a KeyedFamily, DaprE
                 state
                     .families()
                     .iter()
-                    .map(|f| f.config().name.as_str())
+                    .map(|f| f.name())
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
@@ -97,7 +97,7 @@ fn family<'a>(state: &'a AppState, store: &str) -> Result<&'a KeyedFamily, DaprE
 
 fn key_error(error: KeyError) -> DaprError {
     match error {
-        KeyError::Lock(e) => DaprError {
+        e @ (KeyError::Lock(_) | KeyError::Stopped(_)) => DaprError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             code: "ERR_TRY_LOCK",
             message: e.to_string(),
@@ -210,10 +210,10 @@ async fn metadata(State(state): State<AppState>) -> Response {
     let components: Vec<_> = state
         .families()
         .iter()
-        .map(|f| json!({ "name": f.config().name, "type": format!("lock.leasehold.{}", f.backend()), "version": "v1" }))
+        .map(|f| json!({ "name": f.name(), "type": format!("lock.leasehold.{}", f.backend()), "version": "v1" }))
         .collect();
     axum::Json(json!({
-        "id": state.families().first().map(|f| f.config().identity.clone()),
+        "id": state.families().first().map(|f| f.identity().to_owned()),
         "runtimeVersion": concat!("leasehold-", env!("CARGO_PKG_VERSION")),
         "components": components,
     }))

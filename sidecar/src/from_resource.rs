@@ -17,6 +17,7 @@ use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use leasehold_crds::DistributedLock;
 use leasehold_lease::Lock;
+use leasehold_lease::keyed::KeyedFamily;
 use leasehold_lease::resource::{self, ResolvedLock};
 
 use crate::api::AppState;
@@ -57,17 +58,57 @@ async fn read(client: &kube::Client, lock: &DistributedLock) -> Result<ResolvedL
     resource::resolve(lock, &secrets).map_err(|e| e.to_string())
 }
 
+/// What a resource runs in this sidecar: one lock, or a family of keyed locks (`spec.keys`).
+#[derive(Clone)]
+pub enum Running {
+    Lock(Lock),
+    Family(KeyedFamily),
+}
+
+async fn open(
+    client: &kube::Client,
+    resolved: &ResolvedLock,
+) -> Result<Arc<dyn leasehold_lease::Driver>, String> {
+    resource::open(client, resolved)
+        .await
+        .map_err(|e| format!("cannot open backend {}: {e}", resolved.backend))
+}
+
 async fn start(
     client: &kube::Client,
     resolved: &ResolvedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
+) -> Result<Running, String> {
+    match resolved.family_config(identity) {
+        Some(family) => KeyedFamily::new(open(client, resolved).await?, family, metrics.clone())
+            .map(Running::Family)
+            .map_err(|e| e.to_string()),
+        None => start_lock(client, resolved, identity, metrics)
+            .await
+            .map(Running::Lock),
+    }
+}
+
+async fn start_lock(
+    client: &kube::Client,
+    resolved: &ResolvedLock,
+    identity: &str,
+    metrics: &Arc<Metrics>,
 ) -> Result<Lock, String> {
-    let driver = resource::open(client, resolved)
-        .await
-        .map_err(|e| format!("cannot open backend {}: {e}", resolved.backend))?;
+    let driver = open(client, resolved).await?;
     metrics.register_lock(&resolved.name);
     Lock::start(driver, resolved.lock_config(identity), metrics.clone()).map_err(|e| e.to_string())
+}
+
+/// Stop claiming: the lock's lease, or every key of the family, is released.
+async fn step_down(state: &AppState, current: &ResolvedLock) {
+    if let Some(old) = state.locks().into_iter().find(|l| l.name() == current.name) {
+        old.shutdown().await;
+    }
+    if let Some(family) = state.families().iter().find(|f| f.name() == current.name) {
+        family.stop().await;
+    }
 }
 
 /// Read each resource and start its lock. Any failure here stops the start-up with a message
@@ -77,7 +118,7 @@ pub async fn start_all(
     resources: &[ResourceRef],
     identity: &str,
     metrics: &Arc<Metrics>,
-) -> Result<Vec<(ResourceRef, ResolvedLock, Lock)>, String> {
+) -> Result<Vec<(ResourceRef, ResolvedLock, Running)>, String> {
     let mut started = Vec::new();
     for r in resources {
         let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
@@ -127,10 +168,8 @@ pub async fn follow(
             // The operator deletes a `cleanupPolicy: Delete` lock's records only once nobody
             // holds it: release now rather than at the next failed renewal.
             if !stepped_down {
-                tracing::warn!(resource = %r, "the DistributedLock is being deleted: releasing its lock and campaigning no more");
-                if let Some(old) = state.locks().into_iter().find(|l| l.name() == current.name) {
-                    old.shutdown().await;
-                }
+                tracing::warn!(resource = %r, "the DistributedLock is being deleted: releasing its lock (or its keys) and taking it no more");
+                step_down(&state, &current).await;
                 stepped_down = true;
             }
             continue;
@@ -151,16 +190,45 @@ pub async fn follow(
                 continue;
             }
         };
+        if next.keys.is_some() != current.keys.is_some() {
+            tracing::error!(resource = %r, "the DistributedLock changed between a lock and a family of keyed locks, which its CRD forbids; keeping the running configuration");
+            continue;
+        }
         // Credentials aside (the URL's text hides them), a different URL is another backend.
-        if next.backend.to_string() != current.backend.to_string() {
+        let moved = next.backend.to_string() != current.backend.to_string();
+        if let Some(config) = next.family_config(&identity) {
+            let Some(family) = state.families().iter().find(|f| f.name() == current.name) else {
+                continue;
+            };
+            if moved {
+                // Each held key is a lock on the old backend: stopping releases them all, and
+                // the family stays stopped rather than start afresh beside holders elsewhere.
+                tracing::error!(resource = %r, from = %current.backend, to = %next.backend,
+                    "the DistributedLock's backend changed, which its CRD forbids: the family's keys are released and no more are taken until this pod restarts");
+                family.stop().await;
+                stepped_down = true;
+                continue;
+            }
+            match family.reconfigure(config) {
+                Ok(()) => {
+                    family.resume();
+                    tracing::info!(resource = %r, "DistributedLock changed: the family's new settings apply from the next acquisition");
+                    current = next;
+                    stepped_down = false;
+                }
+                Err(e) => {
+                    tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be applied; keeping the running configuration");
+                }
+            }
+            continue;
+        }
+        if moved {
             tracing::error!(resource = %r, from = %current.backend, to = %next.backend,
                 "the DistributedLock's backend changed, which its CRD forbids: stepping down on the old backend before campaigning on the new one");
-            if let Some(old) = state.locks().into_iter().find(|l| l.name() == current.name) {
-                old.shutdown().await;
-            }
+            step_down(&state, &current).await;
             tokio::time::sleep(current.lease_duration + current.renew_interval).await;
         }
-        match start(&client, &next, &identity, &metrics).await {
+        match start_lock(&client, &next, &identity, &metrics).await {
             Ok(fresh) => {
                 tracing::info!(resource = %r, backend = %next.backend, "DistributedLock changed: lock restarted with the new settings");
                 if let Some(old) = state.replace(fresh) {

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use leasehold_lease::keyed::KeyedFamily;
 use leasehold_lease::{Error, Event, EventKind, Lock, Telemetry};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -30,6 +31,140 @@ struct ErrorLabels {
     reason: &'static str,
 }
 
+/// A keyed family: its keys are never labels (they are chosen at run time, without bound).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FamilyLabel {
+    family: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FamilyErrorLabels {
+    family: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FamilyInfoLabels {
+    family: String,
+    backend: &'static str,
+}
+
+/// The per-family series, all labelled `family` only.
+struct KeyedMetrics {
+    info: Family<FamilyInfoLabels, Gauge>,
+    held: Family<FamilyLabel, Gauge>,
+    waiting: Family<FamilyLabel, Gauge>,
+    max_keys: Family<FamilyLabel, Gauge>,
+    acquisitions: Family<FamilyLabel, Counter>,
+    contended: Family<FamilyLabel, Counter>,
+    losses: Family<FamilyLabel, Counter>,
+    releases: Family<FamilyLabel, Counter>,
+    renew_seconds: Family<FamilyLabel, Histogram, fn() -> Histogram>,
+    backend_errors: Family<FamilyErrorLabels, Counter>,
+}
+
+impl KeyedMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            info: Family::default(),
+            held: Family::default(),
+            waiting: Family::default(),
+            max_keys: Family::default(),
+            acquisitions: Family::default(),
+            contended: Family::default(),
+            losses: Family::default(),
+            releases: Family::default(),
+            renew_seconds: Family::new_with_constructor(renew_histogram),
+            backend_errors: Family::default(),
+        };
+        let keyed = registry.sub_registry_with_prefix("keyed");
+        keyed.register(
+            "family_info",
+            "1 for each family of keyed locks this sidecar serves, with its backend",
+            metrics.info.clone(),
+        );
+        keyed.register(
+            "held_keys",
+            "Keys of the family that this pod's owners hold now",
+            metrics.held.clone(),
+        );
+        keyed.register(
+            "waiting_owners",
+            "Owners of this pod waiting for a key of the family now",
+            metrics.waiting.clone(),
+        );
+        keyed.register(
+            "max_keys",
+            "How many keys of the family one sidecar may hold at once",
+            metrics.max_keys.clone(),
+        );
+        keyed.register(
+            "acquisitions",
+            "Keys acquired (a re-entrant acquisition counts once)",
+            metrics.acquisitions.clone(),
+        );
+        keyed.register(
+            "contended",
+            "Acquisitions refused because another owner held the key",
+            metrics.contended.clone(),
+        );
+        keyed.register(
+            "losses",
+            "Keys lost without releasing (hold lapsed, lease expired, backend down)",
+            metrics.losses.clone(),
+        );
+        keyed.register("releases", "Keys released", metrics.releases.clone());
+        keyed.register(
+            "renew_duration_seconds",
+            "Latency of successful renewals of held keys",
+            metrics.renew_seconds.clone(),
+        );
+        keyed.register(
+            "backend_errors",
+            "Failed backend calls for the family's keys, by reason",
+            metrics.backend_errors.clone(),
+        );
+        metrics
+    }
+
+    fn label(family: &str) -> FamilyLabel {
+        FamilyLabel {
+            family: family.to_owned(),
+        }
+    }
+
+    /// Create every per-family series up front, so dashboards see zeros rather than gaps.
+    fn register_family(&self, family: &str) {
+        let label = Self::label(family);
+        let _ = self.acquisitions.get_or_create(&label);
+        let _ = self.contended.get_or_create(&label);
+        let _ = self.losses.get_or_create(&label);
+        let _ = self.releases.get_or_create(&label);
+        let _ = self.renew_seconds.get_or_create(&label);
+    }
+
+    fn read(&self, family: &KeyedFamily) {
+        let config = family.config();
+        let label = Self::label(family.name());
+        self.register_family(family.name());
+        self.held
+            .get_or_create(&label)
+            .set(family.held_keys() as i64);
+        self.waiting
+            .get_or_create(&label)
+            .set(family.waiting_owners() as i64);
+        self.max_keys
+            .get_or_create(&label)
+            .set(config.max_keys as i64);
+        self.info
+            .get_or_create(&FamilyInfoLabels {
+                family: label.family,
+                backend: family.backend(),
+            })
+            .set(1);
+    }
+}
+
 fn renew_histogram() -> Histogram {
     // 0.5 ms .. ~4 s
     Histogram::new(exponential_buckets(0.0005, 2.0, 14))
@@ -46,6 +181,7 @@ pub struct Metrics {
     backend_errors: Family<ErrorLabels, Counter>,
     info: Family<InfoLabels, Gauge>,
     lease_seconds: Family<LockLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    keyed: KeyedMetrics,
 }
 
 impl Metrics {
@@ -99,8 +235,10 @@ impl Metrics {
             "Failed backend calls, by reason",
             backend_errors.clone(),
         );
+        let keyed = KeyedMetrics::register(&mut registry);
         Self {
             registry,
+            keyed,
             holder,
             fencing_token,
             acquisitions,
@@ -127,8 +265,11 @@ impl Metrics {
     }
 
     /// The text exposition, with the holder gauges read from the locks at scrape time (a paused
-    /// process must not report a stale 1).
-    pub fn render(&self, locks: &[Lock]) -> String {
+    /// process must not report a stale 1), and the families' gauges from the families.
+    pub fn render(&self, locks: &[Lock], families: &[KeyedFamily]) -> String {
+        for family in families {
+            self.keyed.read(family);
+        }
         for lock in locks {
             let label = LockLabel {
                 lock: lock.name().to_owned(),
@@ -191,6 +332,40 @@ impl Telemetry for Metrics {
                 lock: lock.to_owned(),
                 reason: error.label(),
             })
+            .inc();
+    }
+
+    fn key_event(&self, family: &str, event: &Event) {
+        let label = KeyedMetrics::label(family);
+        let counter = match event.kind {
+            EventKind::Acquired => &self.keyed.acquisitions,
+            EventKind::Lost => &self.keyed.losses,
+            EventKind::Released => &self.keyed.releases,
+        };
+        counter.get_or_create(&label).inc();
+    }
+
+    fn key_renewed(&self, family: &str, latency: Duration) {
+        self.keyed
+            .renew_seconds
+            .get_or_create(&KeyedMetrics::label(family))
+            .observe(latency.as_secs_f64());
+    }
+
+    fn key_backend_error(&self, family: &str, error: &Error) {
+        self.keyed
+            .backend_errors
+            .get_or_create(&FamilyErrorLabels {
+                family: family.to_owned(),
+                reason: error.label(),
+            })
+            .inc();
+    }
+
+    fn key_contended(&self, family: &str) {
+        self.keyed
+            .contended
+            .get_or_create(&KeyedMetrics::label(family))
             .inc();
     }
 }

@@ -34,6 +34,11 @@ pub async fn run(config: Config) -> Result<(), String> {
     } else {
         start_from_resources(&config, &metrics).await?
     };
+    if state.families().is_empty()
+        && (config.dapr_http_listen.is_some() || config.dapr_grpc_listen.is_some())
+    {
+        return Err("--dapr-http-listen/--dapr-grpc-listen: Dapr's lock API serves families of keyed locks (each is a lock store), and none of the --resource locks declares spec.keys".into());
+    }
     state.set_readiness_requires_backend(config.readiness_requires_backend);
     let locks = state.locks();
     let listener = TcpListener::bind(config.listen)
@@ -196,10 +201,15 @@ async fn start_from_resources(
     })?;
     let started =
         from_resource::start_all(&client, &config.resources, &config.identity, metrics).await?;
-    let state = AppState::new(
-        started.iter().map(|(_, _, lock)| lock.clone()).collect(),
-        metrics.clone(),
-    );
+    let mut locks = Vec::new();
+    let mut families = Vec::new();
+    for (_, _, running) in &started {
+        match running {
+            from_resource::Running::Lock(lock) => locks.push(lock.clone()),
+            from_resource::Running::Family(family) => families.push(family.clone()),
+        }
+    }
+    let state = AppState::new(locks, metrics.clone()).with_families(families);
     let followers = started
         .into_iter()
         .map(|(r, resolved, _)| {

@@ -9,7 +9,7 @@ use leasehold_lease::Driver;
 use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
 use leasehold_lease::testkit::{InMemoryApiServer, RedisServer};
 use leasehold_sidecar::api::AppState;
-use leasehold_sidecar::from_resource::{self, ResourceRef};
+use leasehold_sidecar::from_resource::{self, ResourceRef, Running};
 use leasehold_sidecar::metrics::Metrics;
 use serde_json::{Value, json};
 
@@ -53,7 +53,10 @@ async fn follow_jobs(
     let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
         .await
         .expect("started from the resource");
-    let (_, resolved, lock) = started.into_iter().next().unwrap();
+    let (_, resolved, running) = started.into_iter().next().unwrap();
+    let Running::Lock(lock) = running else {
+        panic!("team/jobs declares a lock, not a family");
+    };
     let state = AppState::new(vec![lock.clone()], metrics.clone());
     let follower = tokio::spawn(from_resource::follow(
         client,
@@ -257,5 +260,97 @@ async fn status_writes_cost_the_sidecar_no_secret_reads() {
     })
     .await;
     assert!(api.requests() > before, "the spec change was not read");
+    follower.abort();
+}
+
+/// `team/orders` on the Redis at `redis`: a family of keyed locks.
+fn keyed_family(redis: &RedisServer, lease: &str, max_held: u32) -> Value {
+    json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+        "metadata": {"name": "orders", "namespace": "team"},
+        "spec": {"backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+                 "leaseDuration": lease, "renewInterval": "1s",
+                 "keys": {"maxKeyLength": 16, "maxHeldPerPod": max_held}}
+    })
+}
+
+/// A `DistributedLock` with `spec.keys` is served as a family (`/locks/orders/keys/...`) with its
+/// bounds; a spec change applies from the next acquisition; a deletion releases every key and
+/// takes no more until the resource returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
+    use leasehold_lease::keyed::{KeyAnswer, KeyError};
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    api.put(DISTRIBUTED_LOCKS, keyed_family(&redis, "5s", 2));
+    let client = api.client();
+    let metrics = Arc::new(Metrics::new());
+    let r: ResourceRef = "team/orders".parse().unwrap();
+    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
+        .await
+        .expect("started from the resource");
+    let (_, resolved, running) = started.into_iter().next().unwrap();
+    let Running::Family(family) = running else {
+        panic!("team/orders declares a family");
+    };
+    let state = AppState::new(Vec::new(), metrics.clone()).with_families(vec![family.clone()]);
+    let follower = tokio::spawn(from_resource::follow(
+        client,
+        r,
+        resolved,
+        "pod-a".into(),
+        state.clone(),
+        metrics,
+    ));
+    assert_eq!(family.name(), "orders");
+    assert_eq!(family.config().lease_duration, Duration::from_secs(5));
+    let hold = Duration::from_secs(60);
+    let take = |key: &'static str| {
+        let family = family.clone();
+        async move { family.acquire(key, "w1", Duration::ZERO, hold).await }
+    };
+    for key in ["sku-1", "sku-2"] {
+        assert!(
+            matches!(take(key).await, Ok(KeyAnswer::Held { .. })),
+            "{key}"
+        );
+    }
+    assert!(matches!(take("sku-3").await, Err(KeyError::TooManyKeys(2))));
+    assert!(matches!(
+        take("sku-with-a-long-name").await,
+        Err(KeyError::BadKey { .. })
+    ));
+
+    api.put(DISTRIBUTED_LOCKS, keyed_family(&redis, "7s", 3));
+    eventually("the new bounds are in force", || {
+        family.config().max_keys == 3
+    })
+    .await;
+    assert_eq!(family.config().lease_duration, Duration::from_secs(7));
+    assert!(matches!(take("sku-3").await, Ok(KeyAnswer::Held { .. })));
+
+    let mut deleting = keyed_family(&redis, "7s", 3);
+    deleting["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:00:00Z");
+    deleting["metadata"]["finalizers"] = json!(["leasehold.dev/cleanup"]);
+    api.put(DISTRIBUTED_LOCKS, deleting);
+    eventually("every key is released", || family.held_keys() == 0).await;
+    let driver = redis_driver(&redis, "leasehold").await;
+    for key in ["sku-1", "sku-2", "sku-3"] {
+        let name = family.backend_name(key).unwrap();
+        assert_eq!(driver.observe(&name).await.unwrap(), None, "{name}");
+    }
+    assert!(matches!(take("sku-4").await, Err(KeyError::Stopped(_))));
+
+    api.put(DISTRIBUTED_LOCKS, keyed_family(&redis, "7s", 3));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match take("sku-4").await {
+            Ok(KeyAnswer::Held { .. }) => break,
+            Err(KeyError::Stopped(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("the recreated family does not serve: {other:?}"),
+        }
+    }
     follower.abort();
 }

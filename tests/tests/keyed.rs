@@ -145,3 +145,78 @@ fn a_sidecar_holds_no_more_keys_than_its_limit() {
     );
     token(&s.post(&format!("/locks/{family}/keys/c/acquire?owner=w")));
 }
+
+/// A key is chosen at run time and without bound, so it must never become a metric label: each
+/// key ever taken would stay a series, in the sidecar's memory and in Prometheus, for the life
+/// of the pod. The family's series count keys, owners waiting and contention instead.
+#[test]
+fn metrics_count_keys_by_family_and_never_label_a_key() {
+    let redis = RedisServer::start();
+    let family = unique_lock("stock");
+    let s = Sidecar::start(
+        "pod-a",
+        &redis.url(),
+        &unique_lock("plain"),
+        &["--keyed", &family],
+    );
+    let key = |k: &str| format!("/locks/{family}/keys/{k}");
+    const TAKEN: usize = 40;
+    for i in 0..TAKEN {
+        token(&s.post(&format!("{}/acquire?owner=w{i}", key(&format!("sku-{i}")))));
+        let released = s.post(&format!("{}/release?owner=w{i}", key(&format!("sku-{i}"))));
+        assert_eq!(released.status, 200, "{}", released.body);
+    }
+    // Three keys held, one owner refused, one waiting.
+    for k in ["Held:1", "held-2", "held-3"] {
+        token(&s.post(&format!("{}/acquire?owner=keeper", key(k))));
+    }
+    assert_eq!(
+        s.post(&format!("{}/acquire?owner=other", key("held-2")))
+            .status,
+        409
+    );
+    let waiter = {
+        let path = format!("{}/acquire?owner=patient&wait=20s", key("held-3"));
+        let addr = s.addr;
+        std::thread::spawn(move || leasehold_e2e::http(addr, "POST", &path).expect("acquire"))
+    };
+    let line = |body: &str, series: &str| {
+        let prefix = format!("{series}{{family=\"{family}\"}} ");
+        body.lines()
+            .find_map(|l| l.strip_prefix(&prefix).map(str::to_owned))
+            .unwrap_or_else(|| panic!("no {prefix}in:\n{body}"))
+    };
+    eventually(Duration::from_secs(10), "the waiter is counted", || {
+        line(&s.get("/metrics").body, "leasehold_keyed_waiting_owners") == "1"
+    });
+    let body = s.get("/metrics").body;
+    assert_eq!(line(&body, "leasehold_keyed_held_keys"), "3");
+    assert_eq!(
+        line(&body, "leasehold_keyed_acquisitions_total"),
+        (TAKEN + 3).to_string()
+    );
+    assert_eq!(
+        line(&body, "leasehold_keyed_releases_total"),
+        TAKEN.to_string()
+    );
+    assert_eq!(line(&body, "leasehold_keyed_contended_total"), "1");
+    assert_eq!(line(&body, "leasehold_keyed_max_keys"), "1024");
+    assert!(
+        body.contains(&format!(
+            "leasehold_keyed_family_info{{family=\"{family}\",backend=\"redis\"}} 1"
+        )),
+        "{body}"
+    );
+    for leaked in [".keys.", ".keyh.", "sku-", "held-"] {
+        assert!(
+            !body.contains(leaked),
+            "a key became a metric label ({leaked}):\n{body}"
+        );
+    }
+
+    let released = s.post(&format!("{}/release?owner=keeper", key("held-3")));
+    assert_eq!(released.status, 200, "{}", released.body);
+    token(&waiter.join().unwrap());
+    let body = s.get("/metrics").body;
+    assert_eq!(line(&body, "leasehold_keyed_waiting_owners"), "0");
+}

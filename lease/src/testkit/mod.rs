@@ -48,6 +48,7 @@ pub fn distributed_lock(
             renew_interval: None,
             mode: Default::default(),
             cleanup_policy: Default::default(),
+            keys: None,
         },
     );
     lock.metadata.namespace = Some(namespace.into());
