@@ -1,9 +1,11 @@
 #![forbid(unsafe_code)]
 //! Fixtures for the end-to-end suites: real `leasehold-sidecar` processes on free ports, a tiny
 //! HTTP/1.1 client that can also send malformed requests, and signals; a fault-injecting TCP
-//! proxy ([`fault_proxy`]) and the multi-process safety check ([`safety`]).
+//! proxy ([`fault_proxy`]) and the multi-process safety checks, of a lock ([`safety`]) and of a
+//! family of keyed locks ([`keyed_safety`]).
 
 pub use leasehold_lease::testkit::fault_proxy;
+pub mod keyed_safety;
 pub mod safety;
 
 use std::io::{Read, Write};

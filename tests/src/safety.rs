@@ -34,17 +34,17 @@ use crate::{Sidecar, unique_lock};
 
 pub const LEASE: Duration = Duration::from_secs(1);
 pub const RENEW: Duration = Duration::from_millis(250);
-const TIMING: &[&str] = &["--lease-duration", "1s", "--renew-interval", "250ms"];
+pub(crate) const TIMING: &[&str] = &["--lease-duration", "1s", "--renew-interval", "250ms"];
 /// On top of lease + renew interval, for a 2-core machine running servers, sidecars and checker.
 pub const RECOVERY_SLACK: Duration = Duration::from_millis(1500);
 /// How long a fault lasts: longer than the lease, so that it always forces a hand-over.
-const FAULT_LENGTH: Duration = Duration::from_millis(1500);
-const CALM_MIN_MS: u64 = 300;
-const CALM_MAX_MS: u64 = 1200;
+pub(crate) const FAULT_LENGTH: Duration = Duration::from_millis(1500);
+pub(crate) const CALM_MIN_MS: u64 = 300;
+pub(crate) const CALM_MAX_MS: u64 = 1200;
 const POLL_PAUSE: Duration = Duration::from_millis(3);
 const POLL_TIMEOUT: Duration = Duration::from_millis(300);
 /// A restarted MariaDB replays its redo log first; every other restart is quicker.
-const BACKEND_READY: Duration = Duration::from_secs(30);
+pub(crate) const BACKEND_READY: Duration = Duration::from_secs(30);
 
 /// The backends (and SQL modes) the check runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,7 +115,7 @@ impl Fault {
 }
 
 /// The backend under test, and how to reach it through a sidecar's own proxies.
-enum Backend {
+pub(crate) enum Backend {
     Sqlite(tempfile::TempDir),
     Redis(RedisServer),
     /// Redis with the TairString module, reached as `tair://`.
@@ -128,7 +128,7 @@ enum Backend {
 }
 
 impl Backend {
-    fn start(target: Target) -> Self {
+    pub(crate) fn start(target: Target) -> Self {
         match target {
             Target::Sqlite => Backend::Sqlite(tempfile::tempdir().expect("temp dir")),
             Target::Redis => Backend::Redis(RedisServer::start()),
@@ -143,7 +143,7 @@ impl Backend {
         }
     }
 
-    fn ports(&self) -> Vec<u16> {
+    pub(crate) fn ports(&self) -> Vec<u16> {
         match self {
             Backend::Sqlite(_) => Vec::new(),
             Backend::Redis(s) | Backend::Tair(s) => vec![s.port()],
@@ -156,7 +156,7 @@ impl Backend {
     }
 
     /// The `--backend` URL with each endpoint replaced by the matching proxy port.
-    fn url_via(&self, proxies: &[u16]) -> String {
+    pub(crate) fn url_via(&self, proxies: &[u16]) -> String {
         let swap = |url: String, port: u16, proxy: u16| {
             url.replace(&format!("127.0.0.1:{port}"), &format!("127.0.0.1:{proxy}"))
         };
@@ -174,7 +174,7 @@ impl Backend {
         }
     }
 
-    fn faults(&self) -> &'static [Fault] {
+    pub(crate) fn faults(&self) -> &'static [Fault] {
         match self {
             // One file, no network, no server: what can fail is the process.
             Backend::Sqlite(_) => &[Fault::KillHolder, Fault::PauseHolder],
@@ -188,7 +188,7 @@ impl Backend {
     }
 
     /// Crash the backend and start it again on the same data.
-    fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         match self {
             Backend::Sqlite(_) => {}
             Backend::Redis(s) | Backend::Tair(s) => s.restart(),

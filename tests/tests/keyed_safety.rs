@@ -1,0 +1,90 @@
+//! The keyed safety check on every driver (and SQL mode): three sidecars, eight workers each,
+//! random keys out of fifty, while sidecars are killed, paused and cut off and the backend
+//! restarts; no key is ever held by two owners at once, every key's tokens rise, and no worker
+//! is refused a key that stayed free while it waited.
+
+use std::time::Duration;
+
+use leasehold_e2e::keyed_safety;
+use leasehold_e2e::safety::Target;
+
+/// Half a minute per driver; `LEASEHOLD_KEYED_SAFETY_SECS` changes it.
+fn duration() -> Duration {
+    let secs = std::env::var("LEASEHOLD_KEYED_SAFETY_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    Duration::from_secs(secs)
+}
+
+fn check(target: Target) {
+    let seed = rand::random();
+    let report = keyed_safety::run(target, duration(), seed);
+    eprintln!("{}", report.summary());
+    assert!(
+        report.violations.is_empty(),
+        "{}:\n{}",
+        report.summary(),
+        report.violations.join("\n")
+    );
+    assert!(
+        report.faults.values().sum::<usize>() >= 5,
+        "too few faults to mean anything: {:?}",
+        report.faults
+    );
+    assert!(
+        report.acquisitions >= 100,
+        "only {} acquisitions",
+        report.acquisitions
+    );
+}
+
+#[test]
+fn sqlite_keys_survive_random_faults() {
+    check(Target::Sqlite);
+}
+
+#[test]
+fn redis_keys_survive_random_faults() {
+    check(Target::Redis);
+}
+
+#[test]
+fn tair_keys_survive_random_faults() {
+    check(Target::Tair);
+}
+
+#[test]
+fn redlock_keys_survive_random_faults() {
+    check(Target::Redlock);
+}
+
+#[test]
+fn postgres_keys_survive_random_faults() {
+    check(Target::Postgres);
+}
+
+#[test]
+fn postgres_row_lock_keys_survive_random_faults() {
+    check(Target::PostgresRowLock);
+}
+
+#[test]
+fn mariadb_keys_survive_random_faults() {
+    check(Target::MariaDb);
+}
+
+#[test]
+fn mariadb_row_lock_keys_survive_random_faults() {
+    check(Target::MariaDbRowLock);
+}
+
+#[test]
+fn etcd_keys_survive_random_faults() {
+    check(Target::Etcd);
+}
+
+#[test]
+fn zookeeper_keys_survive_random_faults() {
+    check(Target::ZooKeeper);
+}
