@@ -285,12 +285,33 @@ pub struct Lock {
     inner: Arc<LockInner>,
 }
 
+/// The event channel, made at the first subscription. A channel holds its whole capacity from
+/// the start (some 8 KiB), which a sidecar holding thousands of keyed locks, whose events nobody
+/// reads, would pay for every key; and an event sent before anyone subscribes is lost either way.
+#[derive(Clone, Default)]
+struct Events(Arc<std::sync::OnceLock<broadcast::Sender<Event>>>);
+
+impl Events {
+    fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.0
+            .get_or_init(|| broadcast::channel(EVENT_CAPACITY).0)
+            .subscribe()
+    }
+
+    fn send(&self, event: Event) {
+        if let Some(sender) = self.0.get() {
+            let _ = sender.send(event);
+        }
+    }
+}
+
 struct LockInner {
     config: LockConfig,
     backend: &'static str,
     state: watch::Receiver<Snapshot>,
-    events: broadcast::Sender<Event>,
-    commands: mpsc::Sender<Command>,
+    events: Events,
+    /// Boxed: a channel allocates room for 32 messages up front, per lock.
+    commands: mpsc::Sender<Box<Command>>,
     shutdown: watch::Sender<bool>,
     task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -312,7 +333,7 @@ impl Lock {
     ) -> Result<Self> {
         config.validate()?;
         let (state_tx, state_rx) = watch::channel(Snapshot::initial());
-        let (events, _) = broadcast::channel(EVENT_CAPACITY);
+        let events = Events::default();
         let (command_tx, command_rx) = mpsc::channel(64);
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let engine = Engine {
@@ -400,7 +421,7 @@ impl Lock {
         let (reply, answer) = oneshot::channel();
         self.inner
             .commands
-            .send(Command::Acquire { wait, hold, reply })
+            .send(Box::new(Command::Acquire { wait, hold, reply }))
             .await
             .map_err(|_| Error::Shutdown)?;
         answer.await.map_err(|_| Error::Shutdown)
@@ -412,7 +433,7 @@ impl Lock {
         let (reply, released) = oneshot::channel();
         self.inner
             .commands
-            .send(Command::Release { reply })
+            .send(Box::new(Command::Release { reply }))
             .await
             .map_err(|_| Error::Shutdown)?;
         released.await.map_err(|_| Error::Shutdown)
@@ -424,7 +445,7 @@ impl Lock {
         let (reply, answer) = oneshot::channel();
         self.inner
             .commands
-            .send(Command::Extend { hold, reply })
+            .send(Box::new(Command::Extend { hold, reply }))
             .await
             .map_err(|_| Error::Shutdown)?;
         answer.await.map_err(|_| Error::Shutdown)
@@ -478,8 +499,8 @@ struct Engine {
     backend: &'static str,
     config: LockConfig,
     state: watch::Sender<Snapshot>,
-    events: broadcast::Sender<Event>,
-    commands: mpsc::Receiver<Command>,
+    events: Events,
+    commands: mpsc::Receiver<Box<Command>>,
     shutdown: watch::Receiver<bool>,
     telemetry: Arc<dyn Telemetry>,
     held: Option<HeldLease>,
@@ -660,7 +681,7 @@ impl Engine {
             EventKind::Released => tracing::info!(lock = %event.lock, token, reason, "released"),
         }
         self.telemetry.event(&event);
-        let _ = self.events.send(event);
+        self.events.send(event);
     }
 
     /// Stop claiming the lease (if any) and tell readers and listeners, before anything else.
@@ -776,11 +797,11 @@ impl Engine {
         self.waiters.iter().map(|w| w.deadline).min()
     }
 
-    async fn command(&mut self, command: Option<Command>) -> Flow {
+    async fn command(&mut self, command: Option<Box<Command>>) -> Flow {
         let Some(command) = command else {
             return Flow::Stop;
         };
-        match command {
+        match *command {
             Command::Acquire { wait, hold, reply } => {
                 let answer = self.state.borrow().answer();
                 if self.held.is_some() {
