@@ -119,22 +119,60 @@ pub trait Driver: Send + Sync + 'static {
 /// another holder in the same process) and wake local waiters through [`Driver::changes`].
 #[derive(Default)]
 pub struct ChangeFeeds {
-    feeds: std::sync::Mutex<std::collections::HashMap<String, watch::Sender<u64>>>,
+    feeds: std::sync::Mutex<Feeds>,
+}
+
+#[derive(Default)]
+struct Feeds {
+    by_lock: std::collections::HashMap<String, watch::Sender<u64>>,
+    /// How many feeds were left after the last pruning.
+    kept: usize,
 }
 
 impl ChangeFeeds {
     pub fn subscribe(&self, lock: &str) -> watch::Receiver<u64> {
         let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+        // Keyed locks subscribe under names chosen at run time, without bound: a feed nobody
+        // listens to any more goes, once the map has doubled since the last look.
+        if feeds.by_lock.len() >= 64 && feeds.by_lock.len() >= 2 * feeds.kept {
+            feeds.by_lock.retain(|_, tx| tx.receiver_count() > 0);
+            feeds.kept = feeds.by_lock.len();
+        }
         feeds
+            .by_lock
             .entry(lock.to_owned())
             .or_insert_with(|| watch::channel(0).0)
             .subscribe()
     }
 
+    /// The locks with a waiter subscribed now, among those `wanted`.
+    pub fn subscribed(&self, wanted: impl Fn(&str) -> bool) -> Vec<String> {
+        let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+        feeds
+            .by_lock
+            .iter()
+            .filter(|(lock, tx)| tx.receiver_count() > 0 && wanted(lock))
+            .map(|(lock, _)| lock.clone())
+            .collect()
+    }
+
+    /// How many feeds are kept (for tests of the pruning).
+    pub fn len(&self) -> usize {
+        self.feeds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_lock
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Wake the waiters of one lock.
     pub fn bump(&self, lock: &str) {
         let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = feeds.get(lock) {
+        if let Some(tx) = feeds.by_lock.get(lock) {
             tx.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
@@ -142,8 +180,26 @@ impl ChangeFeeds {
     /// Wake every waiter: after a reconnect, releases may have been missed.
     pub fn bump_all(&self) {
         let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        for tx in feeds.values() {
+        for tx in feeds.by_lock.values() {
             tx.send_modify(|n| *n = n.wrapping_add(1));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn feeds_nobody_listens_to_are_pruned() {
+        let feeds = ChangeFeeds::default();
+        let kept = feeds.subscribe("kept");
+        for i in 0..1000 {
+            drop(feeds.subscribe(&format!("gone-{i}")));
+        }
+        assert!(feeds.len() <= 64, "{} feeds kept", feeds.len());
+        assert_eq!(feeds.subscribed(|_| true), vec!["kept".to_owned()]);
+        feeds.bump("kept");
+        assert!(kept.has_changed().unwrap(), "the live feed still wakes");
     }
 }

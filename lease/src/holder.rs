@@ -82,6 +82,11 @@ pub struct LockConfig {
     pub mode: Mode,
     /// After a voluntary release in campaign mode, sit out this long before campaigning again.
     pub cooldown: Duration,
+    /// On demand, for one holding only (a keyed lock's key, taken for one owner): the engine
+    /// touches the backend only for its first command, and stops once nothing is held or
+    /// awaited, rather than keep watching an idle lock. Its events are logged at debug level: a
+    /// family may take thousands of keys a second.
+    pub single_use: bool,
 }
 
 impl LockConfig {
@@ -95,6 +100,7 @@ impl LockConfig {
             renew_interval: lease_duration / 3,
             mode: Mode::Campaign,
             cooldown: lease_duration,
+            single_use: false,
         }
     }
 
@@ -351,6 +357,7 @@ impl Lock {
             holds: 0,
             hold_deadline: None,
             waiters: Vec::new(),
+            served: false,
         };
         let backend = engine.backend;
         let task = tokio::spawn(engine.run());
@@ -511,6 +518,8 @@ struct Engine {
     holds: u32,
     hold_deadline: Option<Instant>,
     waiters: Vec<Waiter>,
+    /// A single-use engine has taken its first command.
+    served: bool,
 }
 
 /// Whether the task goes on.
@@ -530,8 +539,13 @@ fn jitter(d: Duration) -> Duration {
 
 impl Engine {
     async fn run(mut self) {
-        tracing::info!(lock = %self.config.name, identity = %self.config.identity,
-            backend = self.backend, mode = self.config.mode.as_str(), "lock started");
+        if self.config.single_use {
+            tracing::debug!(lock = %self.config.name, identity = %self.config.identity,
+                backend = self.backend, "single-use lock started");
+        } else {
+            tracing::info!(lock = %self.config.name, identity = %self.config.identity,
+                backend = self.backend, mode = self.config.mode.as_str(), "lock started");
+        }
         loop {
             if *self.shutdown.borrow() {
                 break;
@@ -541,6 +555,11 @@ impl Engine {
                 self.hold_step().await
             } else if self.wants_lock() {
                 self.campaign_step().await
+            } else if self.config.single_use {
+                if self.served {
+                    break; // its holding is over, or its wait ended without one
+                }
+                self.first_command().await
             } else {
                 self.idle_step().await
             };
@@ -552,7 +571,23 @@ impl Engine {
         for waiter in self.waiters.drain(..) {
             let _ = waiter.reply.send(Answer::NotHolder);
         }
-        tracing::info!(lock = %self.config.name, "lock stopped");
+        if self.config.single_use {
+            tracing::debug!(lock = %self.config.name, "single-use lock stopped");
+        } else {
+            tracing::info!(lock = %self.config.name, "lock stopped");
+        }
+    }
+
+    /// A single-use engine waits for its one command without reading the backend first.
+    async fn first_command(&mut self) -> Flow {
+        tokio::select! {
+            biased;
+            _ = stopped(self.shutdown.clone()) => Flow::Stop,
+            command = self.commands.recv() => {
+                self.served = true;
+                self.command(command).await
+            }
+        }
     }
 
     fn wants_lock(&self) -> bool {
@@ -674,6 +709,9 @@ impl Engine {
             reason,
         };
         match kind {
+            EventKind::Acquired | EventKind::Released if self.config.single_use => {
+                tracing::debug!(lock = %event.lock, token, reason, kind = kind.as_str());
+            }
             EventKind::Acquired => {
                 tracing::info!(lock = %event.lock, token, "acquired")
             }

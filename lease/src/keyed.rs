@@ -381,8 +381,13 @@ impl KeyedFamily {
                     holder: Some(self.qualified(owner)),
                 });
             }
-            let answer = current.lock.acquire(Duration::ZERO, hold).await?;
-            return Ok(self.answer_for(&current, answer));
+            match current.lock.acquire(Duration::ZERO, hold).await {
+                Ok(answer) => return Ok(self.answer_for(&current, answer)),
+                // Its engine ended a moment ago (the hold lapsed, the lease was lost) and is
+                // about to be forgotten: take the key afresh.
+                Err(Error::Shutdown) => self.forget(key, &current),
+                Err(e) => return Err(e.into()),
+            }
         }
         let waiting = Waiting::new(&self.inner.waiting);
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
@@ -402,6 +407,7 @@ impl KeyedFamily {
             self.inner.driver.clone(),
             LockConfig {
                 mode: Mode::OnDemand,
+                single_use: true,
                 renew_interval: config.renew_interval,
                 ..LockConfig::new(
                     &backend_name(&self.inner.name, key),
@@ -457,8 +463,11 @@ impl KeyedFamily {
                 holder: self.qualified(&current.owner),
             });
         }
-        if !current.lock.release().await? {
-            return Ok(KeyRelease::NotHeld);
+        match current.lock.release().await {
+            Ok(true) => {}
+            // Nothing held, or its engine ended a moment ago (the hold lapsed).
+            Ok(false) | Err(Error::Shutdown) => return Ok(KeyRelease::NotHeld),
+            Err(e) => return Err(e.into()),
         }
         let holds = current.lock.snapshot().holds;
         if holds == 0 {
@@ -486,8 +495,11 @@ impl KeyedFamily {
                 holder: Some(self.qualified(&current.owner)),
             });
         }
-        let answer = current.lock.extend(hold).await?;
-        Ok(self.answer_for(&current, answer))
+        match current.lock.extend(hold).await {
+            Ok(answer) => Ok(self.answer_for(&current, answer)),
+            Err(Error::Shutdown) => Ok(KeyAnswer::NotHeld),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Whether `owner` (or, without one, any owner of this pod) holds `key` now, self-fenced.

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_e2e::{
     EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, ZooKeeperServer, eventually,
-    eventually_or, sole_holder, unique_lock,
+    eventually_or, http, sole_holder, unique_lock,
 };
 use nix::sys::signal::Signal;
 
@@ -160,6 +160,45 @@ fn sqlite_sigterm_hands_over_before_expiry() {
     let dir = tempfile::tempdir().unwrap();
     let took = sigterm_handover(&format!("sqlite://{}/locks.db", dir.path().display()));
     assert!(took < LEASE, "hand-over took {took:?}");
+}
+
+/// Two processes on one SQLite file at the default lease, where a waiter reads the file only once
+/// a second: a release wakes the waiter in the other process through the wake files at once.
+#[test]
+fn sqlite_release_wakes_a_waiter_in_another_process_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = format!("sqlite://{}/locks.db", dir.path().display());
+    let lock = unique_lock("wake");
+    let on_demand = ["--mode", "on-demand"];
+    let a = Sidecar::start("a", &backend, &lock, &on_demand);
+    let b = Sidecar::start("b", &backend, &lock, &on_demand);
+    let mut took = Vec::new();
+    for round in 0..5 {
+        let (holder, waiter) = if round % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        let held = holder.post("/lock/acquire?wait=10s&hold=1m");
+        assert_eq!(held.status, 200, "{}", held.body);
+        let addr = waiter.addr;
+        let waiting = std::thread::spawn(move || {
+            let reply = http(addr, "POST", "/lock/acquire?wait=20s&hold=1m").expect("acquire");
+            (reply, Instant::now())
+        });
+        // Well into the wait: the waiter has read the file and found it held.
+        std::thread::sleep(Duration::from_millis(700));
+        let released = Instant::now();
+        assert_eq!(holder.post("/lock/release").status, 200);
+        let (reply, at) = waiting.join().unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        took.push(at - released);
+        assert_eq!(waiter.post("/lock/release").status, 200);
+    }
+    took.sort();
+    eprintln!("sqlite: hand-overs between two processes: {took:?}");
+    // Polling the file once a second would put the median near half a second.
+    assert!(
+        took[2] < Duration::from_millis(200),
+        "median hand-over {:?} ({took:?})",
+        took[2]
+    );
 }
 
 /// A holder frozen longer than its lease is replaced, and answers "not holder" the moment it

@@ -11,5 +11,6 @@ pub mod redlock;
 pub mod sql;
 pub(crate) mod sql_row_lock;
 pub mod sqlite;
+pub(crate) mod sqlite_wake;
 pub mod tair;
 pub mod zookeeper;

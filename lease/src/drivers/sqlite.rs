@@ -8,6 +8,7 @@
 
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -18,6 +19,7 @@ use sqlx::sqlite::{
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::sqlite_wake::WakeFiles;
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
 
@@ -36,8 +38,10 @@ const MAX_POLL: Duration = Duration::from_secs(1);
 pub struct SqliteDriver {
     pool: SqlitePool,
     sql: Statements,
-    /// Wakes waiters in this process at once; other processes poll.
-    local_releases: ChangeFeeds,
+    /// Wakes waiters in this process at once.
+    local_releases: Arc<ChangeFeeds>,
+    /// Wakes waiters in other processes on the machine ([`crate::drivers::sqlite_wake`]).
+    wake: Option<Arc<WakeFiles>>,
 }
 
 struct Statements {
@@ -100,7 +104,8 @@ impl SqliteDriver {
         Ok(Self {
             pool,
             sql: Statements::new(table),
-            local_releases: ChangeFeeds::default(),
+            local_releases: Arc::default(),
+            wake: WakeFiles::beside(path),
         })
     }
 }
@@ -173,6 +178,9 @@ impl Driver for SqliteDriver {
         match rows.into_iter().next() {
             Some(row) => {
                 let token: i64 = row.try_get("token").map_err(map_err)?;
+                if let Some(wake) = &self.wake {
+                    wake.held(lock);
+                }
                 Ok(Acquire::Acquired(Lease {
                     lock: lock.to_owned(),
                     identity: identity.to_owned(),
@@ -192,7 +200,11 @@ impl Driver for SqliteDriver {
             .execute(&self.pool)
             .await
             .map_err(map_err)?;
-        Ok(done.rows_affected() == 1)
+        let renewed = done.rows_affected() == 1;
+        if !renewed && let Some(wake) = &self.wake {
+            wake.let_go(&lease.lock);
+        }
+        Ok(renewed)
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -204,6 +216,10 @@ impl Driver for SqliteDriver {
             .await
             .map_err(map_err)?;
         let released = done.rows_affected() == 1;
+        // Not held either way now: a waiter elsewhere may go.
+        if let Some(wake) = &self.wake {
+            wake.let_go(&lease.lock);
+        }
         if released {
             self.local_releases.bump(&lease.lock);
         }
@@ -223,7 +239,11 @@ impl Driver for SqliteDriver {
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.local_releases.subscribe(lock))
+        let changes = self.local_releases.subscribe(lock);
+        if let Some(wake) = &self.wake {
+            wake.watch(lock, &self.local_releases);
+        }
+        Some(changes)
     }
 
     fn poll_interval(&self, renew_interval: Duration) -> Duration {
