@@ -758,7 +758,7 @@ async fn driver_section() {
     };
     let sqlite_latency = handover_latencies(open().await, open().await).await;
     println!(
-        "  sqlite (poll, two connections)  : {}",
+        "  sqlite (wake files, two drivers): {}",
         describe(&sqlite_latency)
     );
 }

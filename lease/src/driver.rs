@@ -156,6 +156,15 @@ impl ChangeFeeds {
             .collect()
     }
 
+    /// Whether a waiter is subscribed to `lock` now.
+    pub fn is_subscribed(&self, lock: &str) -> bool {
+        let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+        feeds
+            .by_lock
+            .get(lock)
+            .is_some_and(|tx| tx.receiver_count() > 0)
+    }
+
     /// How many feeds are kept (for tests of the pruning).
     pub fn len(&self) -> usize {
         self.feeds

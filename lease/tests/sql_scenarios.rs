@@ -253,3 +253,92 @@ async fn bad_table_names_are_refused() {
         assert!(err.to_string().contains("invalid"), "{err}");
     }
 }
+
+/// The session that has the named lock `name`, if any.
+async fn named_lock_session(admin: &mut sqlx::AnyConnection, name: &str) -> Option<i64> {
+    use sqlx::Row;
+    sqlx::query("SELECT CAST(IS_USED_LOCK(?) AS SIGNED) AS id")
+        .bind(name)
+        .fetch_one(admin)
+        .await
+        .expect("IS_USED_LOCK")
+        .try_get::<Option<i64>, _>("id")
+        .expect("id")
+}
+
+/// MySQL's named-lock wake-up is only a hint: a waiter woken because the holder's named-lock
+/// session ended (killed here; in life a proxy dropping it) while the holder's lease still runs
+/// does not take the lock before that lease has run out, and then takes it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
+    use leasehold_lease::Acquire;
+    let h = MariaDbHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("woken");
+    let holder = h.driver().await;
+    let ttl = Duration::from_secs(4);
+    let sent = tokio::time::Instant::now();
+    let Acquire::Acquired(_lease) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    let name = leasehold_lease::drivers::mysql_wake::named_lock("leasehold_locks", &lock);
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url)
+        .await
+        .expect("admin connection");
+    let session = loop {
+        if let Some(id) = named_lock_session(&mut admin, &name).await {
+            break id;
+        }
+        assert!(
+            sent.elapsed() < SLACK,
+            "the holder never took its named lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // A waiter in another process (its own driver), on demand.
+    let waiter = Lock::start(
+        h.driver().await,
+        LockConfig {
+            mode: Mode::OnDemand,
+            renew_interval: RENEW,
+            ..LockConfig::new(&lock, "b", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("lock");
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move {
+            waiter
+                .acquire(Duration::from_secs(20), Duration::from_secs(60))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query(&format!("KILL CONNECTION {session}"))
+        .execute(&mut admin)
+        .await
+        .expect("kill the holder's named-lock session");
+    // The waiter's session gets the named lock: it was woken.
+    let woken = loop {
+        match named_lock_session(&mut admin, &name).await {
+            Some(id) if id != session => break sent.elapsed(),
+            _ => {}
+        }
+        assert!(sent.elapsed() < ttl, "the waiter was never woken");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let answer = waiting.await.unwrap().expect("acquire");
+    let took = sent.elapsed();
+    assert!(answer.is_holder(), "{answer:?}");
+    assert!(
+        took >= ttl,
+        "woken at {woken:?}, the waiter took the lock {took:?} after the holder's {ttl:?} lease began"
+    );
+    assert!(
+        took < ttl + RENEW + SLACK,
+        "the waiter took {took:?}, long after the lease ran out"
+    );
+    waiter.shutdown().await;
+}

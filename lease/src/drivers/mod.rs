@@ -5,6 +5,7 @@
 pub mod etcd;
 pub mod etcd_rpc;
 pub mod kubernetes;
+pub mod mysql_wake;
 pub(crate) mod queue_slot;
 pub mod redis;
 pub mod redlock;

@@ -8,8 +8,9 @@
 //!   expired; the token goes up by one on every acquisition and is never reset (a release keeps
 //!   the row).
 //! - Renew and release match name, holder **and** token.
-//! - PostgreSQL wakes waiters with `LISTEN`/`NOTIFY` (the release statement notifies);
-//!   MySQL waiters poll with jitter, O(1) queries per interval.
+//! - PostgreSQL wakes waiters with `LISTEN`/`NOTIFY` (the release statement notifies); MySQL
+//!   in lease mode with named locks ([`crate::drivers::mysql_wake`]); row-lock mode's MySQL
+//!   waiters poll with jitter, O(1) queries per interval.
 //!
 //! Table and schema names are validated identifiers, quoted in the dialect's way; lock names and
 //! identities are always bound parameters.
@@ -25,6 +26,7 @@ use sqlx::{Connection, Row};
 use tokio::sync::{OnceCell, watch};
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::mysql_wake::NamedLocks;
 use crate::drivers::sql_row_lock::RowLocks;
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
@@ -249,6 +251,8 @@ pub struct SqlDriver {
     provisioned: OnceCell<()>,
     pub(crate) releases: Arc<ChangeFeeds>,
     listener: Option<tokio::task::JoinHandle<()>>,
+    /// MySQL in lease mode: the named locks that wake waiters.
+    named_locks: Option<Arc<NamedLocks>>,
     /// In-memory files holding PEM text given inline, open while the pool may connect.
     _pem_files: Vec<std::fs::File>,
 }
@@ -393,6 +397,8 @@ impl SqlDriver {
             mode,
             row_locks: (mode == SqlMode::RowLock).then(|| RowLocks::new(url)),
             provisioned: OnceCell::new(),
+            named_locks: (dialect == Dialect::MySql && mode == SqlMode::Lease)
+                .then(|| NamedLocks::new(url, table, releases.clone())),
             releases,
             listener,
             _pem_files: pem_files,
@@ -603,20 +609,29 @@ impl Driver for SqlDriver {
             return row_locks.try_acquire(self, lock, identity, ttl).await;
         }
         match self.acquire_row(lock, identity, ttl).await? {
-            Some(token) => Ok(Acquire::Acquired(Lease {
-                lock: lock.to_owned(),
-                identity: identity.to_owned(),
-                token,
-            })),
+            Some(token) => {
+                if let Some(named) = &self.named_locks {
+                    named.held(lock);
+                }
+                Ok(Acquire::Acquired(Lease {
+                    lock: lock.to_owned(),
+                    identity: identity.to_owned(),
+                    token,
+                }))
+            }
             None => Ok(Acquire::Busy(self.observe(lock).await?)),
         }
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        match &self.row_locks {
+        let renewed = match &self.row_locks {
             Some(row_locks) => row_locks.renew(self, lease, ttl).await,
             None => self.renew_row(lease, ttl).await,
+        };
+        if let (Ok(false), Some(named)) = (&renewed, &self.named_locks) {
+            named.let_go(&lease.lock);
         }
+        renewed
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
@@ -624,6 +639,10 @@ impl Driver for SqlDriver {
             Some(row_locks) => row_locks.release(self, lease).await?,
             None => self.release_row(&self.pool, lease).await?,
         };
+        // Not held either way now: the next waiter goes.
+        if let Some(named) = &self.named_locks {
+            named.let_go(&lease.lock);
+        }
         if released {
             self.releases.bump(&lease.lock);
         }
@@ -644,16 +663,21 @@ impl Driver for SqlDriver {
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.releases.subscribe(lock))
+        let changes = self.releases.subscribe(lock);
+        if let Some(named) = &self.named_locks {
+            named.watch(lock);
+        }
+        Some(changes)
     }
 
-    /// PostgreSQL waiters are woken by NOTIFY and poll once per renew interval as a fallback.
-    /// MySQL has nothing to wake them, so they poll five times per renew interval (still O(1)
-    /// per waiter), so that a released lock changes hands in well under a second.
+    /// PostgreSQL waiters are woken by NOTIFY, MySQL's in lease mode by named locks, and both
+    /// read the row once per renew interval as a fallback. Row-lock mode's MySQL waiters have
+    /// nothing to wake them, so they poll five times per renew interval (still O(1) per
+    /// waiter), so that a released lock changes hands in well under a second.
     fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        match self.dialect {
-            Dialect::Postgres => renew_interval,
-            Dialect::MySql => (renew_interval / 5).clamp(MYSQL_MIN_POLL, MYSQL_MAX_POLL),
+        match (self.dialect, &self.named_locks) {
+            (Dialect::Postgres, _) | (Dialect::MySql, Some(_)) => renew_interval,
+            (Dialect::MySql, None) => (renew_interval / 5).clamp(MYSQL_MIN_POLL, MYSQL_MAX_POLL),
         }
     }
 

@@ -1,0 +1,254 @@
+//! MySQL/MariaDB waiters woken by the database (lease mode), as PostgreSQL's are by `NOTIFY`: a
+//! release hands the lock over in milliseconds, where polling the row took a fifth of the renew
+//! interval.
+//!
+//! Each lock has a server-wide named lock (`GET_LOCK`), which the holding process keeps on a
+//! session of its own for as long as it holds. A waiting process blocks in `GET_LOCK` on such a
+//! session, a second at a time; when the holder's `RELEASE_LOCK` (or its session's end) lets the
+//! server grant it, the waiter's engine is woken to try the lease row. The server grants a named
+//! lock to one session at a time, so a release wakes one waiter, and that waiter keeps the named
+//! lock, as the next in line, until it holds the row (and keeps it then) or stops waiting.
+//!
+//! A wake-up is only a hint: the lease row, with its expiry by the database's clock, decides. A
+//! waiter woken by a holder whose session died while its lease runs finds the row still leased
+//! and waits out the lease as before; when a session cannot be had, waiters poll the row.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::{AnyConnection, Connection, Row};
+use tokio::sync::mpsc;
+
+use crate::driver::ChangeFeeds;
+
+/// How long one blocking `GET_LOCK` waits before the waiter looks whether it is still wanted.
+/// With the row read once per renew interval besides, an idle waiter costs the server fewer
+/// requests than the five row reads per interval it took before.
+const WAIT_STEP_SECS: u32 = 2;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// After a failed session, before the next try.
+const RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// What the driver tells a lock's task.
+enum Holding {
+    /// This process holds the lock now.
+    Held,
+    /// It no longer does.
+    LetGo,
+}
+
+pub(crate) struct NamedLocks {
+    url: String,
+    table: String,
+    feeds: Arc<ChangeFeeds>,
+    tasks: Mutex<HashMap<String, mpsc::UnboundedSender<Holding>>>,
+}
+
+impl NamedLocks {
+    pub(crate) fn new(url: &str, table: &str, feeds: Arc<ChangeFeeds>) -> Arc<Self> {
+        Arc::new(Self {
+            url: url.to_owned(),
+            table: table.to_owned(),
+            feeds,
+            tasks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn name(&self, lock: &str) -> String {
+        named_lock(&self.table, lock)
+    }
+
+    /// Send `message` to `lock`'s task, starting it when there is none.
+    fn tell(self: &Arc<Self>, lock: &str, message: Option<Holding>) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(task) = tasks.get(lock) {
+            match message {
+                None => return,
+                Some(message) => match task.send(message) {
+                    Ok(()) => return,
+                    // The task ended a moment ago: start another.
+                    Err(mpsc::error::SendError(message)) => {
+                        tasks.remove(lock);
+                        return self.start(&mut tasks, lock, Some(message));
+                    }
+                },
+            }
+        }
+        self.start(&mut tasks, lock, message);
+    }
+
+    fn start(
+        self: &Arc<Self>,
+        tasks: &mut HashMap<String, mpsc::UnboundedSender<Holding>>,
+        lock: &str,
+        first: Option<Holding>,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Some(first) = first {
+            let _ = tx.send(first);
+        }
+        tasks.insert(lock.to_owned(), tx);
+        tokio::spawn(self.clone().run(lock.to_owned(), rx));
+    }
+
+    /// This process holds `lock` now: keep its named lock until it lets go.
+    pub(crate) fn held(self: &Arc<Self>, lock: &str) {
+        self.tell(lock, Some(Holding::Held));
+    }
+
+    pub(crate) fn let_go(self: &Arc<Self>, lock: &str) {
+        let running = self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(lock);
+        if running {
+            self.tell(lock, Some(Holding::LetGo));
+        }
+    }
+
+    /// A waiter of this process subscribed to `lock`'s releases.
+    pub(crate) fn watch(self: &Arc<Self>, lock: &str) {
+        self.tell(lock, None);
+    }
+
+    fn waited(&self, lock: &str) -> bool {
+        self.feeds.is_subscribed(lock)
+    }
+
+    async fn connect(&self) -> Option<AnyConnection> {
+        match tokio::time::timeout(CONNECT_TIMEOUT, AnyConnection::connect(&self.url)).await {
+            Ok(Ok(conn)) => Some(conn),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %crate::redact::redact(&e.to_string()), "no session for a named lock");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// One lock's task: its session, whether the named lock is this process's, and whether the
+    /// process holds the lock. Ends when the lock is neither held nor waited for here.
+    async fn run(self: Arc<Self>, lock: String, mut messages: mpsc::UnboundedReceiver<Holding>) {
+        let name = self.name(&lock);
+        let mut session: Option<AnyConnection> = None;
+        let (mut holding, mut locked) = (false, false);
+        loop {
+            // Everything the driver said so far.
+            while let Ok(message) = messages.try_recv() {
+                match message {
+                    Holding::Held => holding = true,
+                    Holding::LetGo => holding = false,
+                }
+            }
+            let wanted = holding || self.waited(&lock);
+            if !wanted {
+                if locked && let Some(conn) = &mut session {
+                    let _ = release(conn, &name).await;
+                }
+                let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+                // A message or a waiter that came meanwhile keeps the task.
+                if messages.is_empty() && !self.waited(&lock) {
+                    tasks.remove(&lock);
+                    return;
+                }
+                locked = false;
+                continue;
+            }
+            if session.is_none() {
+                session = self.connect().await;
+                locked = false;
+                if session.is_none() {
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                    continue;
+                }
+            }
+            let conn = session.as_mut().expect("a session");
+            let outcome = if locked {
+                if holding {
+                    // Ours, and held: nothing to do until the driver speaks.
+                    match messages.recv().await {
+                        Some(Holding::LetGo) => {
+                            holding = false;
+                            // The release's whole point: the next waiter goes now.
+                            let released = release(conn, &name).await;
+                            locked = false;
+                            released.map(|_| ())
+                        }
+                        Some(Holding::Held) => Ok(()),
+                        None => return,
+                    }
+                } else {
+                    // Ours as the next in line: the engine tries the row at the lease's end.
+                    tokio::select! {
+                        message = messages.recv() => match message {
+                            Some(Holding::Held) => { holding = true; Ok(()) }
+                            Some(Holding::LetGo) => Ok(()),
+                            None => return,
+                        },
+                        () = tokio::time::sleep(Duration::from_secs(u64::from(WAIT_STEP_SECS))) => Ok(()),
+                    }
+                }
+            } else {
+                // Held: take it at once if free. Waiting: block a step for the holder to let go.
+                let wait = if holding { 0 } else { WAIT_STEP_SECS };
+                match get(conn, &name, wait).await {
+                    Ok(true) => {
+                        locked = true;
+                        if !holding {
+                            self.feeds.bump(&lock);
+                        }
+                        Ok(())
+                    }
+                    Ok(false) if holding => {
+                        // Another session has it (a waiter between its wake-up and its try):
+                        // wait for the driver rather than spin.
+                        match messages.recv().await {
+                            Some(Holding::LetGo) => holding = false,
+                            Some(Holding::Held) => {}
+                            None => return,
+                        }
+                        Ok(())
+                    }
+                    Ok(false) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            };
+            if let Err(e) = outcome {
+                tracing::debug!(lock, error = %e, "named-lock session failed; waiters poll meanwhile");
+                session = None;
+                locked = false;
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
+        }
+    }
+}
+
+/// The server-wide name of `lock`'s named lock: 64 characters at most, whatever the lock's name,
+/// and apart from other tables' locks of the same name.
+pub fn named_lock(table: &str, lock: &str) -> String {
+    let digest = Sha256::digest(format!("{table}\0{lock}").as_bytes());
+    let hex: String = digest[..20].iter().map(|b| format!("{b:02x}")).collect();
+    format!("leasehold:{hex}")
+}
+
+/// `GET_LOCK(name, wait)`: whether this session has the named lock now.
+async fn get(conn: &mut AnyConnection, name: &str, wait_secs: u32) -> Result<bool, sqlx::Error> {
+    let row = sqlx::query("SELECT GET_LOCK(?, ?) AS got")
+        .bind(name)
+        .bind(i64::from(wait_secs))
+        .fetch_one(conn)
+        .await?;
+    // NULL on an error such as the session being killed: not ours.
+    Ok(row.try_get::<Option<i64>, _>("got")?.unwrap_or(0) == 1)
+}
+
+async fn release(conn: &mut AnyConnection, name: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT RELEASE_LOCK(?) AS released")
+        .bind(name)
+        .fetch_one(conn)
+        .await?;
+    Ok(())
+}
