@@ -926,12 +926,17 @@ async fn sql_same_statements_cycles(dialect: Dialect, url: &str, mode: SqlMode) 
 async fn sql_section() {
     let postgres = PostgresServer::start();
     let mariadb = MariaDbServer::start();
-    for (dialect, url, wakeup) in [
-        (Dialect::Postgres, postgres.url(), "LISTEN/NOTIFY"),
-        (Dialect::MySql, mariadb.url(), "poll"),
+    for (dialect, url) in [
+        (Dialect::Postgres, postgres.url()),
+        (Dialect::MySql, mariadb.url()),
     ] {
         let name = dialect.as_str();
         for mode in [SqlMode::Lease, SqlMode::RowLock] {
+            let wakeup = match (dialect, mode) {
+                (Dialect::Postgres, _) => "LISTEN/NOTIFY",
+                (Dialect::MySql, SqlMode::Lease) => "named locks",
+                (Dialect::MySql, SqlMode::RowLock) => "poll",
+            };
             let connect = || -> Arc<dyn Driver> {
                 Arc::new(
                     SqlDriver::connect(dialect, &url, None, "leasehold_locks", mode)

@@ -30,6 +30,9 @@ const WAIT_STEP_SECS: u32 = 2;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// After a failed session, before the next try.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
+/// Sessions kept after their lock's task ends, so that the next holding or wait does not
+/// connect again (a keyed family takes a lock per acquisition).
+const SPARE_SESSIONS: usize = 4;
 
 /// What the driver tells a lock's task.
 enum Holding {
@@ -44,6 +47,7 @@ pub(crate) struct NamedLocks {
     table: String,
     feeds: Arc<ChangeFeeds>,
     tasks: Mutex<HashMap<String, mpsc::UnboundedSender<Holding>>>,
+    spares: Mutex<Vec<AnyConnection>>,
 }
 
 impl NamedLocks {
@@ -53,6 +57,7 @@ impl NamedLocks {
             table: table.to_owned(),
             feeds,
             tasks: Mutex::new(HashMap::new()),
+            spares: Mutex::new(Vec::new()),
         })
     }
 
@@ -133,7 +138,9 @@ impl NamedLocks {
     /// process holds the lock. Ends when the lock is neither held nor waited for here.
     async fn run(self: Arc<Self>, lock: String, mut messages: mpsc::UnboundedReceiver<Holding>) {
         let name = self.name(&lock);
-        let mut session: Option<AnyConnection> = None;
+        let mut session = self.spares.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        // A spare may have gone stale (a server restart): its failure is retried at once.
+        let mut spare = session.is_some();
         let (mut holding, mut locked) = (false, false);
         loop {
             // Everything the driver said so far.
@@ -145,16 +152,24 @@ impl NamedLocks {
             }
             let wanted = holding || self.waited(&lock);
             if !wanted {
+                let mut clean = !locked;
                 if locked && let Some(conn) = &mut session {
-                    let _ = release(conn, &name).await;
+                    clean = release(conn, &name).await.is_ok();
                 }
+                locked = false;
                 let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
                 // A message or a waiter that came meanwhile keeps the task.
                 if messages.is_empty() && !self.waited(&lock) {
                     tasks.remove(&lock);
+                    drop(tasks);
+                    if let Some(conn) = session.filter(|_| clean) {
+                        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+                        if spares.len() < SPARE_SESSIONS {
+                            spares.push(conn);
+                        }
+                    }
                     return;
                 }
-                locked = false;
                 continue;
             }
             if session.is_none() {
@@ -216,11 +231,18 @@ impl NamedLocks {
                     Err(e) => Err(e),
                 }
             };
-            if let Err(e) = outcome {
-                tracing::debug!(lock, error = %e, "named-lock session failed; waiters poll meanwhile");
-                session = None;
-                locked = false;
-                tokio::time::sleep(RETRY_PAUSE).await;
+            match outcome {
+                Ok(()) => spare = false,
+                Err(_) if std::mem::take(&mut spare) => {
+                    session = None;
+                    locked = false;
+                }
+                Err(e) => {
+                    tracing::debug!(lock, error = %e, "named-lock session failed; waiters poll meanwhile");
+                    session = None;
+                    locked = false;
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
             }
         }
     }
