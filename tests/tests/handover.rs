@@ -206,6 +206,14 @@ fn sqlite_release_wakes_a_waiter_in_another_process_at_once() {
 }
 
 #[test]
+fn mariadb_row_lock_release_wakes_a_waiter_in_another_process_at_once() {
+    let mariadb = MariaDbServer::start();
+    let median =
+        release_wakes_a_waiter_in_another_process(&format!("{}?mode=row-lock", mariadb.url()));
+    assert!(median < Duration::from_millis(200), "median {median:?}");
+}
+
+#[test]
 fn mariadb_release_wakes_a_waiter_in_another_process_at_once() {
     let mariadb = MariaDbServer::start();
     let median = release_wakes_a_waiter_in_another_process(&mariadb.url());

@@ -1,6 +1,6 @@
-//! MySQL/MariaDB waiters woken by the database (lease mode), as PostgreSQL's are by `NOTIFY`: a
-//! release hands the lock over in milliseconds, where polling the row took a fifth of the renew
-//! interval.
+//! MySQL/MariaDB waiters woken by the database, in both modes, as PostgreSQL's are by `NOTIFY`:
+//! a release hands the lock over in milliseconds, where polling the row took a fifth of the
+//! renew interval.
 //!
 //! Each lock has a server-wide named lock (`GET_LOCK`), which the holding process keeps on a
 //! session of its own for as long as it holds. A waiting process blocks in `GET_LOCK` on such a
@@ -8,6 +8,10 @@
 //! server grant it, the waiter's engine is woken to try the lease row. The server grants a named
 //! lock to one session at a time, so a release wakes one waiter, and that waiter keeps the named
 //! lock, as the next in line, until it holds the row (and keeps it then) or stops waiting.
+//!
+//! A holding engine that stops claiming without telling the driver (its lease ran out while it
+//! was paused) would keep the named lock for good; so a held named lock checks every
+//! [`HOLDING_CHECK`] that the row still names its holder and token.
 //!
 //! A wake-up is only a hint: the lease row, with its expiry by the database's clock, decides. A
 //! waiter woken by a holder whose session died while its lease runs finds the row still leased
@@ -30,14 +34,18 @@ const WAIT_STEP_SECS: u32 = 2;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// After a failed session, before the next try.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
+/// How often a held named lock checks that the row is still its process's: an engine that stops
+/// claiming without a word to the driver (its lease ran out while it was paused) must not keep
+/// the named lock, and with it every waiter's wake-up, for good.
+const HOLDING_CHECK: Duration = Duration::from_secs(30);
 /// Sessions kept after their lock's task ends, so that the next holding or wait does not
 /// connect again (a keyed family takes a lock per acquisition).
 const SPARE_SESSIONS: usize = 4;
 
 /// What the driver tells a lock's task.
 enum Holding {
-    /// This process holds the lock now.
-    Held,
+    /// This process holds the lock now, as this holder with this token.
+    Held(String, u64),
     /// It no longer does.
     LetGo,
 }
@@ -45,16 +53,19 @@ enum Holding {
 pub(crate) struct NamedLocks {
     url: String,
     table: String,
+    /// The dialect's read of a lock's live holder and token (`?` = the lock's name).
+    observe: String,
     feeds: Arc<ChangeFeeds>,
     tasks: Mutex<HashMap<String, mpsc::UnboundedSender<Holding>>>,
     spares: Mutex<Vec<AnyConnection>>,
 }
 
 impl NamedLocks {
-    pub(crate) fn new(url: &str, table: &str, feeds: Arc<ChangeFeeds>) -> Arc<Self> {
+    pub(crate) fn new(url: &str, table: &str, observe: &str, feeds: Arc<ChangeFeeds>) -> Arc<Self> {
         Arc::new(Self {
             url: url.to_owned(),
             table: table.to_owned(),
+            observe: observe.to_owned(),
             feeds,
             tasks: Mutex::new(HashMap::new()),
             spares: Mutex::new(Vec::new()),
@@ -99,8 +110,8 @@ impl NamedLocks {
     }
 
     /// This process holds `lock` now: keep its named lock until it lets go.
-    pub(crate) fn held(self: &Arc<Self>, lock: &str) {
-        self.tell(lock, Some(Holding::Held));
+    pub(crate) fn held(self: &Arc<Self>, lock: &str, identity: &str, token: u64) {
+        self.tell(lock, Some(Holding::Held(identity.to_owned(), token)));
     }
 
     pub(crate) fn let_go(self: &Arc<Self>, lock: &str) {
@@ -142,11 +153,16 @@ impl NamedLocks {
         // A spare may have gone stale (a server restart): its failure is retried at once.
         let mut spare = session.is_some();
         let (mut holding, mut locked) = (false, false);
+        // The holding the driver last announced.
+        let mut lease: Option<(String, u64)> = None;
         loop {
             // Everything the driver said so far.
             while let Ok(message) = messages.try_recv() {
                 match message {
-                    Holding::Held => holding = true,
+                    Holding::Held(identity, token) => {
+                        holding = true;
+                        lease = Some((identity, token));
+                    }
                     Holding::LetGo => holding = false,
                 }
             }
@@ -183,23 +199,42 @@ impl NamedLocks {
             let conn = session.as_mut().expect("a session");
             let outcome = if locked {
                 if holding {
-                    // Ours, and held: nothing to do until the driver speaks.
-                    match messages.recv().await {
-                        Some(Holding::LetGo) => {
-                            holding = false;
-                            // The release's whole point: the next waiter goes now.
-                            let released = release(conn, &name).await;
-                            locked = false;
-                            released.map(|_| ())
+                    // Ours, and held: nothing to do until the driver speaks, but look now and
+                    // then whether the row still says so.
+                    tokio::select! {
+                        message = messages.recv() => match message {
+                            Some(Holding::LetGo) => {
+                                holding = false;
+                                // The release's whole point: the next waiter goes now.
+                                let released = release(conn, &name).await;
+                                locked = false;
+                                released.map(|_| ())
+                            }
+                            Some(Holding::Held(identity, token)) => {
+                                lease = Some((identity, token));
+                                Ok(())
+                            }
+                            None => return,
+                        },
+                        () = tokio::time::sleep(HOLDING_CHECK) => {
+                            match self.still_held(conn, &lock, lease.as_ref()).await {
+                                Ok(still) => {
+                                    holding = still;
+                                    Ok(())
+                                }
+                                Err(e) => Err(e),
+                            }
                         }
-                        Some(Holding::Held) => Ok(()),
-                        None => return,
                     }
                 } else {
                     // Ours as the next in line: the engine tries the row at the lease's end.
                     tokio::select! {
                         message = messages.recv() => match message {
-                            Some(Holding::Held) => { holding = true; Ok(()) }
+                            Some(Holding::Held(identity, token)) => {
+                                holding = true;
+                                lease = Some((identity, token));
+                                Ok(())
+                            }
                             Some(Holding::LetGo) => Ok(()),
                             None => return,
                         },
@@ -222,7 +257,9 @@ impl NamedLocks {
                         // wait for the driver rather than spin.
                         match messages.recv().await {
                             Some(Holding::LetGo) => holding = false,
-                            Some(Holding::Held) => {}
+                            Some(Holding::Held(identity, token)) => {
+                                lease = Some((identity, token));
+                            }
                             None => return,
                         }
                         Ok(())
@@ -245,6 +282,31 @@ impl NamedLocks {
                 }
             }
         }
+    }
+}
+
+impl NamedLocks {
+    /// Whether the row still shows `lease` as its live holder.
+    async fn still_held(
+        &self,
+        conn: &mut AnyConnection,
+        lock: &str,
+        lease: Option<&(String, u64)>,
+    ) -> Result<bool, sqlx::Error> {
+        let Some((identity, token)) = lease else {
+            return Ok(false);
+        };
+        let row = sqlx::query(&self.observe)
+            .bind(lock)
+            .fetch_optional(conn)
+            .await?;
+        Ok(match row {
+            Some(row) => {
+                row.try_get::<Option<String>, _>("holder")?.as_deref() == Some(identity.as_str())
+                    && row.try_get::<i64, _>("token")? == i64::try_from(*token).unwrap_or(-1)
+            }
+            None => false,
+        })
     }
 }
 

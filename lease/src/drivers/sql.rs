@@ -9,8 +9,7 @@
 //!   the row).
 //! - Renew and release match name, holder **and** token.
 //! - PostgreSQL wakes waiters with `LISTEN`/`NOTIFY` (the release statement notifies); MySQL
-//!   in lease mode with named locks ([`crate::drivers::mysql_wake`]); row-lock mode's MySQL
-//!   waiters poll with jitter, O(1) queries per interval.
+//!   with named locks ([`crate::drivers::mysql_wake`]), in both modes.
 //!
 //! Table and schema names are validated identifiers, quoted in the dialect's way; lock names and
 //! identities are always bound parameters.
@@ -36,8 +35,6 @@ pub const RELEASE_CHANNEL: &str = "leasehold_released";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RELISTEN_MIN: Duration = Duration::from_millis(100);
 const RELISTEN_MAX: Duration = Duration::from_secs(2);
-const MYSQL_MIN_POLL: Duration = Duration::from_millis(50);
-const MYSQL_MAX_POLL: Duration = Duration::from_secs(1);
 /// Connections per sidecar: renewals of several locks, and acquisitions, in parallel.
 const POOL_SIZE: u32 = 4;
 
@@ -397,8 +394,14 @@ impl SqlDriver {
             mode,
             row_locks: (mode == SqlMode::RowLock).then(|| RowLocks::new(url)),
             provisioned: OnceCell::new(),
-            named_locks: (dialect == Dialect::MySql && mode == SqlMode::Lease)
-                .then(|| NamedLocks::new(url, table, releases.clone())),
+            named_locks: (dialect == Dialect::MySql).then(|| {
+                NamedLocks::new(
+                    url,
+                    table,
+                    &dialect.statements(schema, table).observe,
+                    releases.clone(),
+                )
+            }),
             releases,
             listener,
             _pem_files: pem_files,
@@ -605,22 +608,21 @@ impl Driver for SqlDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         self.ensure_tables().await?;
-        if let Some(row_locks) = &self.row_locks {
-            return row_locks.try_acquire(self, lock, identity, ttl).await;
-        }
-        match self.acquire_row(lock, identity, ttl).await? {
-            Some(token) => {
-                if let Some(named) = &self.named_locks {
-                    named.held(lock);
-                }
-                Ok(Acquire::Acquired(Lease {
+        let acquired = match &self.row_locks {
+            Some(row_locks) => row_locks.try_acquire(self, lock, identity, ttl).await?,
+            None => match self.acquire_row(lock, identity, ttl).await? {
+                Some(token) => Acquire::Acquired(Lease {
                     lock: lock.to_owned(),
                     identity: identity.to_owned(),
                     token,
-                }))
-            }
-            None => Ok(Acquire::Busy(self.observe(lock).await?)),
+                }),
+                None => Acquire::Busy(self.observe(lock).await?),
+            },
+        };
+        if let (Acquire::Acquired(lease), Some(named)) = (&acquired, &self.named_locks) {
+            named.held(lock, &lease.identity, lease.token);
         }
+        Ok(acquired)
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
@@ -670,15 +672,10 @@ impl Driver for SqlDriver {
         Some(changes)
     }
 
-    /// PostgreSQL waiters are woken by NOTIFY, MySQL's in lease mode by named locks, and both
-    /// read the row once per renew interval as a fallback. Row-lock mode's MySQL waiters have
-    /// nothing to wake them, so they poll five times per renew interval (still O(1) per
-    /// waiter), so that a released lock changes hands in well under a second.
+    /// PostgreSQL waiters are woken by NOTIFY, MySQL's by named locks, and both read the row once
+    /// per renew interval as a fallback.
     fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        match (self.dialect, &self.named_locks) {
-            (Dialect::Postgres, _) | (Dialect::MySql, Some(_)) => renew_interval,
-            (Dialect::MySql, None) => (renew_interval / 5).clamp(MYSQL_MIN_POLL, MYSQL_MAX_POLL),
-        }
+        renew_interval
     }
 
     async fn ping(&self) -> Result<()> {
