@@ -932,10 +932,9 @@ async fn sql_section() {
     ] {
         let name = dialect.as_str();
         for mode in [SqlMode::Lease, SqlMode::RowLock] {
-            let wakeup = match (dialect, mode) {
-                (Dialect::Postgres, _) => "LISTEN/NOTIFY",
-                (Dialect::MySql, SqlMode::Lease) => "named locks",
-                (Dialect::MySql, SqlMode::RowLock) => "poll",
+            let wakeup = match dialect {
+                Dialect::Postgres => "LISTEN/NOTIFY",
+                Dialect::MySql => "named locks",
             };
             let connect = || -> Arc<dyn Driver> {
                 Arc::new(
