@@ -17,14 +17,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::fault_proxy::FaultProxy;
 use crate::safety::{
-    BACKEND_READY, Backend, CALM_MAX_MS, CALM_MIN_MS, FAULT_LENGTH, Fault, LEASE, RECOVERY_SLACK,
-    RENEW, TIMING, Target,
+    Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target, inject,
 };
 use crate::{Sidecar, http, unique_lock};
 
@@ -105,14 +103,6 @@ impl Report {
             self.seed,
         )
     }
-}
-
-/// One sidecar and its links to the backend; `addr` is swapped when the process is replaced.
-struct Slot {
-    sidecar: Sidecar,
-    generation: u32,
-    proxies: Vec<FaultProxy>,
-    addr: Arc<Mutex<(SocketAddr, u32)>>,
 }
 
 fn token_of(body: &str) -> Option<u64> {
@@ -218,18 +208,21 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
         .copied()
         .chain(["--keyed", &family, "--mode", "on-demand"])
         .collect();
-    let start_sidecar =
-        |i: usize, url: &str| Sidecar::start(&format!("pod-{i}"), url, &plain, &args);
+    let start_sidecar = |slot: &Slot, backend: &Backend| {
+        Sidecar::start(&slot.identity, &slot.url(backend), &plain, &args)
+    };
     let mut slots: Vec<Slot> = (0..SIDECARS)
         .map(|i| {
             let proxies: Vec<FaultProxy> =
                 backend.ports().into_iter().map(FaultProxy::start).collect();
             let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
-            let sidecar = start_sidecar(i, &backend.url_via(&ports));
+            let identity = format!("pod-{i}");
+            let sidecar = Sidecar::start(&identity, &backend.url_via(&ports), &plain, &args);
             let addr = Arc::new(Mutex::new((sidecar.addr, 0)));
             Slot {
-                sidecar,
+                identity,
                 generation: 0,
+                sidecar,
                 proxies,
                 addr,
             }
@@ -262,35 +255,7 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
         let fault = backend.faults()[rng.random_range(0..backend.faults().len())];
         let victim = rng.random_range(0..slots.len());
         let started = Instant::now();
-        match fault {
-            Fault::KillHolder => {
-                let slot = &mut slots[victim];
-                slot.sidecar.kill9();
-                std::thread::sleep(LEASE / 2);
-                slot.generation += 1;
-                let ports: Vec<u16> = slot.proxies.iter().map(|p| p.port).collect();
-                slot.sidecar = start_sidecar(victim, &backend.url_via(&ports));
-                *slot.addr.lock().unwrap() = (slot.sidecar.addr, slot.generation);
-            }
-            Fault::PauseHolder => {
-                slots[victim].sidecar.signal(Signal::SIGSTOP);
-                std::thread::sleep(FAULT_LENGTH);
-                slots[victim].sidecar.signal(Signal::SIGCONT);
-            }
-            Fault::RestartBackend => {
-                backend.restart();
-                assert!(
-                    started.elapsed() < BACKEND_READY,
-                    "the backend took {:?} to restart",
-                    started.elapsed()
-                );
-            }
-            Fault::PartitionHolder => {
-                slots[victim].proxies.iter().for_each(FaultProxy::cut);
-                std::thread::sleep(FAULT_LENGTH);
-                slots[victim].proxies.iter().for_each(FaultProxy::restore);
-            }
-        }
+        inject(fault, &mut slots[victim], &mut backend, &start_sidecar);
         log.lock().unwrap().faults.push((started, Instant::now()));
         *report.faults.entry(fault.name()).or_default() += 1;
     }

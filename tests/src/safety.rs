@@ -38,13 +38,13 @@ pub(crate) const TIMING: &[&str] = &["--lease-duration", "1s", "--renew-interval
 /// On top of lease + renew interval, for a 2-core machine running servers, sidecars and checker.
 pub const RECOVERY_SLACK: Duration = Duration::from_millis(1500);
 /// How long a fault lasts: longer than the lease, so that it always forces a hand-over.
-pub(crate) const FAULT_LENGTH: Duration = Duration::from_millis(1500);
+const FAULT_LENGTH: Duration = Duration::from_millis(1500);
 pub(crate) const CALM_MIN_MS: u64 = 300;
 pub(crate) const CALM_MAX_MS: u64 = 1200;
 const POLL_PAUSE: Duration = Duration::from_millis(3);
 const POLL_TIMEOUT: Duration = Duration::from_millis(300);
 /// A restarted MariaDB replays its redo log first; every other restart is quicker.
-pub(crate) const BACKEND_READY: Duration = Duration::from_secs(30);
+const BACKEND_READY: Duration = Duration::from_secs(30);
 
 /// The backends (and SQL modes) the check runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,17 +202,17 @@ impl Backend {
 }
 
 /// One contender: a sidecar process, replaced after a kill, and its links to the backend.
-struct Slot {
-    identity: String,
-    generation: u32,
-    sidecar: Sidecar,
-    proxies: Vec<FaultProxy>,
+pub(crate) struct Slot {
+    pub(crate) identity: String,
+    pub(crate) generation: u32,
+    pub(crate) sidecar: Sidecar,
+    pub(crate) proxies: Vec<FaultProxy>,
     /// Where the checker asks; swapped when the process is replaced.
-    addr: Arc<Mutex<(SocketAddr, u32)>>,
+    pub(crate) addr: Arc<Mutex<(SocketAddr, u32)>>,
 }
 
 impl Slot {
-    fn url(&self, backend: &Backend) -> String {
+    pub(crate) fn url(&self, backend: &Backend) -> String {
         let ports: Vec<u16> = self.proxies.iter().map(|p| p.port).collect();
         backend.url_via(&ports)
     }
@@ -398,35 +398,7 @@ pub fn run(target: Target, duration: Duration, contenders: usize, seed: u64) -> 
         // The holder now, as the checker last saw it; anyone when nobody holds.
         let holder = current_holder(&log.lock().unwrap())
             .unwrap_or_else(|| rng.random_range(0..slots.len()));
-        match fault {
-            Fault::KillHolder => {
-                let slot = &mut slots[holder];
-                slot.sidecar.kill9();
-                std::thread::sleep(LEASE / 2);
-                slot.generation += 1;
-                slot.sidecar = start_sidecar(slot, &backend);
-                *slot.addr.lock().unwrap() = (slot.sidecar.addr, slot.generation);
-            }
-            Fault::PauseHolder => {
-                slots[holder].sidecar.signal(Signal::SIGSTOP);
-                std::thread::sleep(FAULT_LENGTH);
-                slots[holder].sidecar.signal(Signal::SIGCONT);
-            }
-            Fault::RestartBackend => {
-                let restarting = Instant::now();
-                backend.restart();
-                assert!(
-                    restarting.elapsed() < BACKEND_READY,
-                    "the backend took {:?} to restart",
-                    restarting.elapsed()
-                );
-            }
-            Fault::PartitionHolder => {
-                slots[holder].proxies.iter().for_each(FaultProxy::cut);
-                std::thread::sleep(FAULT_LENGTH);
-                slots[holder].proxies.iter().for_each(FaultProxy::restore);
-            }
-        }
+        inject(fault, &mut slots[holder], &mut backend, &start_sidecar);
         *report.faults.entry(fault.name()).or_default() += 1;
         let healed = Instant::now();
         let bound = LEASE + RENEW + RECOVERY_SLACK;
@@ -452,6 +424,44 @@ pub fn run(target: Target, duration: Duration, contenders: usize, seed: u64) -> 
     analyse(&samples, began, &mut report);
     drop(slots);
     report
+}
+
+/// Inject `fault` on `slot` (or on the backend) and end it: a killed process is replaced by
+/// `start_sidecar`, a pause or a partition lasts [`FAULT_LENGTH`].
+pub(crate) fn inject(
+    fault: Fault,
+    slot: &mut Slot,
+    backend: &mut Backend,
+    start_sidecar: &dyn Fn(&Slot, &Backend) -> Sidecar,
+) {
+    match fault {
+        Fault::KillHolder => {
+            slot.sidecar.kill9();
+            std::thread::sleep(LEASE / 2);
+            slot.generation += 1;
+            slot.sidecar = start_sidecar(slot, backend);
+            *slot.addr.lock().unwrap() = (slot.sidecar.addr, slot.generation);
+        }
+        Fault::PauseHolder => {
+            slot.sidecar.signal(Signal::SIGSTOP);
+            std::thread::sleep(FAULT_LENGTH);
+            slot.sidecar.signal(Signal::SIGCONT);
+        }
+        Fault::RestartBackend => {
+            let restarting = Instant::now();
+            backend.restart();
+            assert!(
+                restarting.elapsed() < BACKEND_READY,
+                "the backend took {:?} to restart",
+                restarting.elapsed()
+            );
+        }
+        Fault::PartitionHolder => {
+            slot.proxies.iter().for_each(FaultProxy::cut);
+            std::thread::sleep(FAULT_LENGTH);
+            slot.proxies.iter().for_each(FaultProxy::restore);
+        }
+    }
 }
 
 /// The slot that answered 200 most recently, if its last answer was 200.
