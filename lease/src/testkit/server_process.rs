@@ -50,7 +50,19 @@ impl ServerProcess {
     }
 
     /// Start the server and wait until `ready` says so.
-    pub fn spawn(&mut self, mut command: Command, ready: impl Fn() -> bool) {
+    pub fn spawn(&mut self, command: Command, ready: impl Fn() -> bool) {
+        if let Err(why) = self.try_spawn(command, ready) {
+            panic!("{why}");
+        }
+    }
+
+    /// Start the server and wait until `ready` says so; `Err` says why it did not come up (it
+    /// exited, or it was not ready in time), with its log.
+    pub fn try_spawn(
+        &mut self,
+        mut command: Command,
+        ready: impl Fn() -> bool,
+    ) -> Result<(), String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -66,26 +78,29 @@ impl ServerProcess {
         let deadline = Instant::now() + START_TIMEOUT;
         while Instant::now() < deadline {
             if ready() {
-                return;
+                return Ok(());
             }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                panic!(
+            if let Some(status) = self.exited() {
+                return Err(format!(
                     "{} exited with {status}; its log:\n{}",
                     self.name,
                     self.log()
-                );
+                ));
             }
             std::thread::sleep(Duration::from_millis(25));
         }
-        panic!(
+        Err(format!(
             "{} was not ready within {START_TIMEOUT:?}; its log:\n{}",
             self.name,
             self.log()
-        );
+        ))
+    }
+
+    /// How the server ended, if it has.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     pub fn log(&self) -> String {

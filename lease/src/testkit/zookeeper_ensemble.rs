@@ -10,17 +10,17 @@
 //! proxies; they carry votes only, and a server cut off from the leader's quorum port cannot
 //! follow whatever it learns from them.)
 
-use std::process::Command;
 use std::time::Duration;
 
 use super::fault_proxy::FaultProxy;
 use super::server_process::ServerProcess;
 use super::zookeeper_server::{
-    ZOOKEEPER_JAR, four_letter, one_zookeeper_at_a_time, zookeeper_is_done,
+    ZOOKEEPER_JAR, four_letter, one_zookeeper_at_a_time, server_command, zookeeper_is_done,
 };
 use super::{free_port, require_binary};
 
 const SERVERS: usize = 3;
+const START_ATTEMPTS: usize = 3;
 
 /// How long a follower goes on serving after it last heard from the leader, in ticks. Long
 /// enough that a stale follower outlives a lease by far, as `syncLimit=5` at a 2 s tick (10 s)
@@ -38,6 +38,9 @@ pub struct ZooKeeperEnsemble {
     members: Vec<Member>,
     /// `links[i][j]`: the proxies server `i` reaches server `j` through (quorum, election).
     links: Vec<Vec<Option<(FaultProxy, FaultProxy)>>>,
+    /// Whether dropping this ensemble ends the process's one-ZooKeeper-at-a-time turn: a
+    /// failed start that is retried does not.
+    holds_turn: bool,
 }
 
 impl Drop for ZooKeeperEnsemble {
@@ -45,7 +48,9 @@ impl Drop for ZooKeeperEnsemble {
         for member in &mut self.members {
             member.process.stop(None);
         }
-        zookeeper_is_done();
+        if self.holds_turn {
+            zookeeper_is_done();
+        }
     }
 }
 
@@ -54,6 +59,10 @@ impl ZooKeeperEnsemble {
     pub const TICK_TIME: Duration = super::ZooKeeperServer::TICK_TIME;
 
     /// Start three servers and wait until one leads and two follow.
+    ///
+    /// The ensemble's 21 ports are chosen free and then bound by other processes a moment
+    /// later, so another test (or a proxy of this ensemble) can take one in between; a server
+    /// that then cannot bind exits. Such a start is retried on fresh ports, and said so.
     pub fn start() -> Self {
         one_zookeeper_at_a_time();
         let java = require_binary("java", "zookeeper");
@@ -62,6 +71,27 @@ impl ZooKeeperEnsemble {
             "{ZOOKEEPER_JAR} was not found. Install it with `apt-get install -y zookeeper` \
              (scripts/test does this), then run the tests again."
         );
+        let mut failures = Vec::new();
+        for attempt in 1..=START_ATTEMPTS {
+            match Self::try_start(&java) {
+                Ok(ensemble) => return ensemble,
+                Err(why) => {
+                    eprintln!(
+                        "zookeeper-ensemble: start {attempt} of {START_ATTEMPTS} failed, \
+                         retrying on fresh ports: {why}"
+                    );
+                    failures.push(why);
+                }
+            }
+        }
+        zookeeper_is_done();
+        panic!(
+            "the ZooKeeper ensemble did not start in {START_ATTEMPTS} attempts:\n{}",
+            failures.join("\n")
+        );
+    }
+
+    fn try_start(java: &std::path::Path) -> Result<Self, String> {
         let members: Vec<Member> = (0..SERVERS)
             .map(|_| Member {
                 process: ServerProcess::new("zookeeper-ensemble"),
@@ -84,36 +114,46 @@ impl ZooKeeperEnsemble {
                     .collect()
             })
             .collect();
-        let mut ensemble = Self { members, links };
+        let mut ensemble = Self {
+            members,
+            links,
+            holds_turn: false,
+        };
+        ensemble.start_members(java)?;
+        ensemble.holds_turn = true;
+        Ok(ensemble)
+    }
+
+    fn start_members(&mut self, java: &std::path::Path) -> Result<(), String> {
         for i in 0..SERVERS {
-            ensemble.write_config(i);
+            self.write_config(i);
         }
         for i in 0..SERVERS {
-            let config = ensemble.members[i].process.dir().join("zoo.cfg");
-            let mut command = Command::new(&java);
-            command
-                .arg("-Xmx192m")
-                .args(["-cp", &format!("{ZOOKEEPER_JAR}:/etc/zookeeper/conf")])
-                .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
-                .arg(config);
+            let config = self.members[i].process.dir().join("zoo.cfg");
             // A member serves only once a quorum has formed, so only the first start is waited
             // for here, and only until its JVM is up.
-            let port = ensemble.members[i].client_port;
-            ensemble.members[i]
+            let port = self.members[i].client_port;
+            self.members[i]
                 .process
-                .spawn(command, move || four_letter(port, "ruok") == "imok");
+                .try_spawn(server_command(java, "192m", &config), move || {
+                    four_letter(port, "ruok") == "imok"
+                })?;
         }
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while ensemble.leader().is_none() || ensemble.followers().len() != SERVERS - 1 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the ensemble formed no quorum within 60 s; modes: {:?}; logs:\n{}",
-                ensemble.modes(),
-                ensemble.logs()
-            );
+        while self.leader().is_none() || self.followers().len() != SERVERS - 1 {
+            let exited: Vec<usize> = (0..SERVERS)
+                .filter(|&i| self.members[i].process.exited().is_some())
+                .collect();
+            if !exited.is_empty() || std::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "no quorum formed (modes: {:?}; exited: {exited:?}); logs:\n{}",
+                    self.modes(),
+                    self.logs()
+                ));
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
-        ensemble
+        Ok(())
     }
 
     fn write_config(&self, i: usize) {

@@ -6,6 +6,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -102,12 +103,7 @@ impl ZooKeeperServer {
             "{ZOOKEEPER_JAR} was not found. Install it with `apt-get install -y zookeeper` \
              (scripts/test does this), then run the tests again."
         );
-        let mut command = Command::new(java);
-        command
-            .arg("-Xmx256m")
-            .args(["-cp", &format!("{ZOOKEEPER_JAR}:/etc/zookeeper/conf")])
-            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
-            .arg(self.process.dir().join("zoo.cfg"));
+        let command = server_command(&java, "256m", &self.process.dir().join("zoo.cfg"));
         let port = self.port;
         self.process
             .spawn(command, move || four_letter(port, "ruok") == "imok");
@@ -133,6 +129,25 @@ impl ZooKeeperServer {
             .unwrap_or(0)
     }
 }
+
+/// A ZooKeeper server on `config`. Debian's `zookeeper.jar` finds no SLF4J binding and logs
+/// nothing, so a server that exits at start-up would leave no reason; `slf4j-simple` (from
+/// `libslf4j-java`, which the package pulls in) writes its warnings and errors to the log.
+pub(super) fn server_command(java: &Path, heap: &str, config: &Path) -> Command {
+    let mut command = Command::new(java);
+    command
+        .arg(format!("-Xmx{heap}"))
+        .arg("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn")
+        .args([
+            "-cp",
+            &format!("{ZOOKEEPER_JAR}:{SLF4J_SIMPLE_JAR}:/etc/zookeeper/conf"),
+        ])
+        .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+        .arg(config);
+    command
+}
+
+const SLF4J_SIMPLE_JAR: &str = "/usr/share/java/slf4j-simple.jar";
 
 /// One of ZooKeeper's four-letter commands, answered in plain text.
 pub(super) fn four_letter(port: u16, command: &str) -> String {
