@@ -33,6 +33,10 @@ pub enum BackendUrl {
         prefix: String,
         tls: Option<crate::tls::Tls>,
     },
+    /// `redis+sentinel://[user:password@]host:port[,host:port...]/MASTER[/db][?prefix=NAME&min-replicas=N]`:
+    /// the master the sentinels name MASTER, followed across failovers. Credentials and `db` are
+    /// the master's; the sentinels are asked without them.
+    RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig),
     /// `tair://[user:password@]host[:port][/db][?prefix=NAME]`: Tair, or Redis with the
     /// TairString module, locked with its versioned put (`EXSET`/`EXCAS`/`EXCAD`); `url` is
     /// the `redis://` URL to reach it.
@@ -253,6 +257,78 @@ impl BackendUrl {
                     tls,
                 })
             }
+            "redis+sentinel" => {
+                let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+                let (authority, path) = rest.split_once('/').ok_or_else(|| {
+                    invalid(
+                        "the master's name is missing (redis+sentinel://host:port,.../MASTER)"
+                            .into(),
+                    )
+                })?;
+                let (master_name, db) = path.split_once('/').unwrap_or((path, ""));
+                crate::names::validate_lock_name(master_name).map_err(|_| {
+                    invalid(format!(
+                        "the master's name {master_name:?} must be letters, digits, '.', '_' or '-'"
+                    ))
+                })?;
+                if !db.is_empty() && db.parse::<u16>().is_err() {
+                    return Err(invalid(format!(
+                        "the database must be a number, got {db:?}"
+                    )));
+                }
+                let (userinfo, hosts) = match authority.rsplit_once('@') {
+                    Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
+                    None => (String::new(), authority),
+                };
+                let sentinels =
+                    host_list(hosts, crate::drivers::redis_sentinel::DEFAULT_SENTINEL_PORT)
+                        .map_err(invalid)?;
+                let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                let mut min_replicas = crate::drivers::redis_sentinel::DEFAULT_MIN_REPLICAS;
+                for (key, value) in query_pairs(query) {
+                    match key.as_str() {
+                        "prefix" => prefix = value,
+                        "min-replicas" => {
+                            min_replicas = value.parse().ok().filter(|n| *n <= 16).ok_or_else(|| {
+                                invalid(format!(
+                                    "min-replicas must be a number from 0 to 16 (replicas that confirm each acquisition and renewal), got {value:?}"
+                                ))
+                            })?;
+                        }
+                        "ca" | "cert" | "key" => {
+                            return Err(invalid(
+                                "TLS through Sentinel is not built yet: reach the master with rediss:// directly".into(),
+                            ));
+                        }
+                        other => {
+                            return Err(invalid(format!(
+                                "unknown option {other:?} (redis+sentinel:// takes prefix and min-replicas)"
+                            )));
+                        }
+                    }
+                }
+                crate::names::validate_lock_name(&prefix).map_err(|_| {
+                    invalid(format!(
+                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
+                    ))
+                })?;
+                // Where the master is comes from the sentinels; the address here is replaced.
+                let master = url::Url::parse(&format!("redis://{userinfo}127.0.0.1/{db}"))
+                    .map_err(|e| invalid(format!("the credentials: {e}")))?;
+                Ok(BackendUrl::RedisSentinel(
+                    crate::drivers::redis_sentinel::SentinelConfig {
+                        sentinels,
+                        master_name: master_name.to_owned(),
+                        master,
+                        prefix,
+                        min_replicas,
+                    },
+                ))
+            }
+            "rediss+sentinel" => Err(invalid(
+                "TLS through Sentinel is not built yet: reach the master with rediss:// directly"
+                    .into(),
+            )),
             "tair" => match Self::parse(&format!("redis://{rest}"))? {
                 BackendUrl::Redis { url, prefix, .. } => Ok(BackendUrl::Tair { url, prefix }),
                 _ => unreachable!("redis:// parses as Redis"),
@@ -355,7 +431,7 @@ impl BackendUrl {
                 })
             }
             other => Err(invalid(format!(
-                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redlock://, redlocks://, tair://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
+                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redis+sentinel://, redlock://, redlocks://, tair://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
             ))),
         }
     }
@@ -365,6 +441,7 @@ impl BackendUrl {
         match self {
             BackendUrl::Sqlite { .. } => "sqlite",
             BackendUrl::Redis { .. } => "redis",
+            BackendUrl::RedisSentinel(_) => "redis-sentinel",
             BackendUrl::Redlock { .. } => "redlock",
             BackendUrl::Tair { .. } => "tair",
             BackendUrl::Etcd { .. } => "etcd",
@@ -388,6 +465,22 @@ impl fmt::Display for BackendUrl {
                 write!(f, "{} (prefix {prefix}", redact(url.as_str()))?;
                 write_tls_files(f, tls.as_ref())?;
                 f.write_str(")")
+            }
+            BackendUrl::RedisSentinel(config) => {
+                let user = match (config.master.username(), config.master.password()) {
+                    ("", None) => String::new(),
+                    (user, Some(_)) => format!("{user}:***@"),
+                    (user, None) => format!("{user}@"),
+                };
+                write!(
+                    f,
+                    "redis+sentinel://{user}{}/{}{} (prefix {}, min-replicas {})",
+                    config.sentinels.join(","),
+                    config.master_name,
+                    config.master.path().trim_end_matches('/'),
+                    config.prefix,
+                    config.min_replicas
+                )
             }
             BackendUrl::Tair { url, prefix } => {
                 let shown = redact(url.as_str());

@@ -27,7 +27,7 @@ pub mod resource;
 pub mod testkit;
 pub mod tls;
 
-pub use drivers::{etcd, kubernetes, redis, redlock, sql, sqlite, tair, zookeeper};
+pub use drivers::{etcd, kubernetes, redis, redis_sentinel, redlock, sql, sqlite, tair, zookeeper};
 
 use std::sync::Arc;
 
@@ -51,6 +51,9 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
         BackendUrl::Tair { url, prefix } => Arc::new(tair::TairDriver::connect(url, prefix)?),
         BackendUrl::Redis { url, prefix, tls } => {
             Arc::new(redis::RedisDriver::connect(url, prefix, tls.as_ref())?)
+        }
+        BackendUrl::RedisSentinel(config) => {
+            Arc::new(redis_sentinel::RedisSentinelDriver::connect(config))
         }
         BackendUrl::Etcd {
             endpoints,

@@ -8,6 +8,7 @@ pub mod kubernetes;
 pub mod mysql_wake;
 pub(crate) mod queue_slot;
 pub mod redis;
+pub mod redis_sentinel;
 pub mod redlock;
 pub mod sql;
 pub(crate) mod sql_row_lock;

@@ -111,10 +111,10 @@ impl KeyLayout {
     pub fn released_channel(&self, lock: &str) -> String {
         format!("{}:released:{lock}", self.prefix)
     }
-    fn released_pattern(&self) -> String {
+    pub(crate) fn released_pattern(&self) -> String {
         format!("{}:released:*", self.prefix)
     }
-    fn lock_of_channel<'a>(&self, channel: &'a str) -> Option<&'a str> {
+    pub(crate) fn lock_of_channel<'a>(&self, channel: &'a str) -> Option<&'a str> {
         channel
             .strip_prefix(self.prefix.as_str())?
             .strip_prefix(":released:")
@@ -273,7 +273,7 @@ pub(crate) async fn listen_for_releases(
 
 /// Remove the lease keys of `locks` from one master.
 pub(crate) async fn delete_keys(
-    conn: &mut ConnectionManager,
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
     keys: &KeyLayout,
     locks: &[String],
 ) -> Result<()> {
@@ -290,7 +290,9 @@ pub(crate) async fn delete_keys(
 
 /// A warning when the master may evict lock keys under memory pressure: an evicted lease frees
 /// the lock while its holder still claims it, and an evicted counter restarts the tokens.
-pub(crate) async fn eviction_warning(conn: &mut ConnectionManager) -> Result<Option<String>> {
+pub(crate) async fn eviction_warning(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+) -> Result<Option<String>> {
     let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
         .arg("GET")
         .arg("maxmemory-policy")

@@ -239,6 +239,9 @@ impl<S: BackendServer> Harness for ServerHarness<S> {
 
 /// Redis: `kill -9`, then a restart on the same append-only file.
 pub type RedisHarness = ServerHarness<RedisServer>;
+/// Redis behind Sentinel (a master, a replica, a sentinel): an outage is a crash of both data
+/// servers, recovery a restart of both on their append-only files.
+pub type RedisSentinelHarness = ServerHarness<super::RedisSentinelSet>;
 /// PostgreSQL: an immediate shutdown, then a restart with crash recovery.
 pub type PostgresHarness = ServerHarness<super::PostgresServer>;
 /// ZooKeeper: `kill -9`, then a restart on the same data directory.

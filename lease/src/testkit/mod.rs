@@ -10,6 +10,7 @@ pub mod faulty;
 pub mod in_memory_api_server;
 pub mod mariadb_server;
 pub mod postgres_server;
+pub mod redis_sentinel;
 pub mod redis_server;
 mod server_process;
 pub mod tairstring;
@@ -21,7 +22,8 @@ use std::path::PathBuf;
 
 pub use conformance::{
     BackendServer, EtcdHarness, Harness, KubernetesHarness, MariaDbHarness, PostgresHarness,
-    REDLOCK_MASTERS, RedisHarness, RedlockHarness, ServerHarness, SqliteHarness, ZooKeeperHarness,
+    REDLOCK_MASTERS, RedisHarness, RedisSentinelHarness, RedlockHarness, ServerHarness,
+    SqliteHarness, ZooKeeperHarness,
 };
 pub use etcd_server::EtcdServer;
 pub use fault_proxy::FaultProxy;
@@ -29,6 +31,7 @@ pub use faulty::FaultyDriver;
 pub use in_memory_api_server::InMemoryApiServer;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
+pub use redis_sentinel::RedisSentinelSet;
 pub use redis_server::RedisServer;
 pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;

@@ -21,6 +21,8 @@ pub struct RedisServer {
     tls_port: Option<u16>,
     /// The TairString module, loaded for `tair://`.
     module: Option<std::path::PathBuf>,
+    /// The port this server replicates from at start (`--replicaof`).
+    replica_of: Option<u16>,
 }
 
 impl RedisServer {
@@ -39,6 +41,7 @@ impl RedisServer {
             durable,
             tls_port: None,
             module: None,
+            replica_of: None,
         };
         server.spawn();
         server
@@ -57,6 +60,7 @@ impl RedisServer {
             durable,
             tls_port: None,
             module: Some(super::tairstring::module()),
+            replica_of: None,
         };
         server.spawn();
         server
@@ -71,6 +75,7 @@ impl RedisServer {
             durable: true,
             tls_port: Some(free_port()),
             module: None,
+            replica_of: None,
         };
         super::write_test_certificates(server.process.dir());
         server.spawn();
@@ -86,6 +91,7 @@ impl RedisServer {
             durable: true,
             tls_port: Some(free_port()),
             module: None,
+            replica_of: None,
         };
         for file in [
             "ca.crt",
@@ -100,6 +106,20 @@ impl RedisServer {
             )
             .expect(file);
         }
+        server.spawn();
+        server
+    }
+
+    /// A durable replica of whatever listens on `port` (a master, or a proxy to one).
+    pub fn start_replica_of(port: u16) -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis-replica"),
+            port: free_port(),
+            durable: true,
+            tls_port: None,
+            module: None,
+            replica_of: Some(port),
+        };
         server.spawn();
         server
     }
@@ -157,7 +177,13 @@ impl RedisServer {
                 ["--appendonly", "no", "--appendfsync", "no"]
             })
             .args(["--save", ""])
+            // A replica that (re)connects is synced at once, not after the default 5 s wait for
+            // more replicas.
+            .args(["--repl-diskless-sync-delay", "0"])
             .args(["--daemonize", "no"]);
+        if let Some(master) = self.replica_of {
+            command.args(["--replicaof", "127.0.0.1", &master.to_string()]);
+        }
         if let Some(module) = &self.module {
             command.arg("--loadmodule").arg(module);
         }
@@ -190,7 +216,7 @@ impl RedisServer {
 }
 
 /// One raw `PING`, the protocol's own health check.
-fn ping(port: u16) -> bool {
+pub(super) fn ping(port: u16) -> bool {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
     };

@@ -1,0 +1,507 @@
+//! Redis behind Sentinel: the lease, token and scripts of [`crate::drivers::redis`], on whichever
+//! server the sentinels name master, followed across failovers.
+//!
+//! Redis replicates asynchronously, so a failover can lose what the old master last wrote, and a
+//! partitioned old master can go on taking writes from the clients on its side. Three things keep
+//! two pods from both holding the lock:
+//!
+//! - **Acquisitions and renewals count only once a replica has them.** Each is followed by
+//!   `WAIT min-replicas` (default 1); one the replicas did not confirm in time is an error, and an
+//!   unconfirmed acquisition is given back. An old master cut off from its replicas therefore
+//!   extends nobody's claim, and its holder stops claiming when its last confirmed lease runs out.
+//! - **A server whose history is not the one the last acquisition saw waits out one lease before
+//!   it grants a free lock.** The acquire script keeps the master's replication ID in the
+//!   prefix's epoch record (`PREFIX:epoch`). A promoted replica has a new one, and so does a
+//!   restarted master. When the IDs differ, the script starts a new epoch, and for one lease from
+//!   then no free lock is granted. A lease the old master granted and the new one never received
+//!   has ended by then, because its holder counts it from before the promotion. One case counts
+//!   from the server's start instead: no record at all on a server that was never promoted. Such
+//!   a server lost nothing since it started, so a fresh server is not held up. A held lease that
+//!   did reach the new master is renewed there as before.
+//! - **Tokens are rebased at every new epoch.** A promoted replica's counter can be behind tokens
+//!   the old master handed out. The first acquisition of each lock in a new epoch raises its
+//!   counter to the epoch's floor: the larger of the server's clock in microseconds and the last
+//!   floor plus 10^9. Tokens go on increasing unless the old master handed out more tokens for
+//!   one lock than microseconds passed, and a billion more than that across epochs shorter than
+//!   the clocks' disagreement.
+//!
+//! What it costs: after a failover, a free lock is granted one lease after the first attempt on
+//! the new master, so takeover takes Sentinel's detection time plus one lease. And each
+//! acquisition and renewal waits for one replica's acknowledgement.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::StreamExt;
+use redis::aio::MultiplexedConnection;
+use redis::{Script, Value};
+use tokio::sync::watch;
+
+use super::redis::{self as single, KeyLayout};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::error::{Error, Result};
+
+/// Sentinel's own default port.
+pub const DEFAULT_SENTINEL_PORT: u16 = 26379;
+/// Replicas that must confirm each acquisition and renewal unless `?min-replicas=` says otherwise.
+pub const DEFAULT_MIN_REPLICAS: u32 = 1;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the sentinels are asked whether the master moved, besides after every failure.
+const MASTER_CHECK: Duration = Duration::from_secs(1);
+/// The longest a `WAIT` for replicas may hold up the connection the driver's calls share.
+const MAX_REPLICA_WAIT: Duration = Duration::from_millis(500);
+const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
+const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
+
+/// What `redis+sentinel://` names.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct SentinelConfig {
+    /// `host:port` of each sentinel, asked in order.
+    pub sentinels: Vec<String>,
+    /// The name the sentinels monitor the master under.
+    pub master_name: String,
+    /// `redis://[user:password@]127.0.0.1/db`: the master's credentials and database; its
+    /// address is what the sentinels say.
+    pub master: url::Url,
+    pub prefix: String,
+    /// Replicas that must confirm each acquisition and renewal (`WAIT`).
+    pub min_replicas: u32,
+}
+
+/// KEYS: lease, token counter, epoch record. ARGV: identity, ttl ms.
+/// Returns the new token, {current value, remaining ms} when the lock is held, or
+/// {false, remaining ms} while a new epoch waits out one lease.
+const ACQUIRE: &str = r"
+local current = redis.call('GET', KEYS[1])
+if current then
+  return {current, redis.call('PTTL', KEYS[1])}
+end
+local replication = redis.call('INFO', 'replication')
+local replid = string.match(replication, 'master_replid:(%w+)')
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local epoch = redis.call('HMGET', KEYS[3], 'replid', 'since', 'floor')
+local since, floor = tonumber(epoch[2]), tonumber(epoch[3])
+if epoch[1] ~= replid then
+  if epoch[1] or string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1' then
+    since = now
+  else
+    local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
+    since = now - tonumber(uptime) * 1000000
+  end
+  floor = math.max(now, (floor or 0) + 1000000000)
+  redis.call('HSET', KEYS[3], 'replid', replid, 'since', string.format('%d', since),
+    'floor', string.format('%d', floor))
+end
+local left = since + tonumber(ARGV[2]) * 1000 - now
+if left > 0 then
+  return {false, math.ceil(left / 1000)}
+end
+if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
+  redis.call('SET', KEYS[2], string.format('%d', floor))
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], string.format('%d', token) .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
+return token
+";
+
+/// The master the sentinels name, and one shared connection to it.
+pub struct SentinelMaster {
+    config: SentinelConfig,
+    current: tokio::sync::Mutex<Option<Master>>,
+    /// One connection per sentinel, kept while it works.
+    sentinels: Mutex<Vec<Option<MultiplexedConnection>>>,
+}
+
+#[derive(Clone)]
+struct Master {
+    address: String,
+    client: redis::Client,
+    conn: MultiplexedConnection,
+}
+
+fn connection_config() -> redis::AsyncConnectionConfig {
+    redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(RESPONSE_TIMEOUT))
+}
+
+impl SentinelMaster {
+    pub fn new(config: SentinelConfig) -> Self {
+        let sentinels = Mutex::new(vec![None; config.sentinels.len()]);
+        Self {
+            config,
+            current: tokio::sync::Mutex::new(None),
+            sentinels,
+        }
+    }
+
+    /// `host:port` of the master, as the first sentinel that answers says.
+    pub async fn named_master(&self) -> Result<String> {
+        let mut failures = Vec::new();
+        for (i, sentinel) in self.config.sentinels.iter().enumerate() {
+            match self.ask_sentinel(i, sentinel).await {
+                Ok(Some(address)) => return Ok(address),
+                Ok(None) => failures.push(format!(
+                    "{sentinel} does not monitor a master named {:?}",
+                    self.config.master_name
+                )),
+                Err(e) => {
+                    self.sentinels.lock().expect("sentinels")[i] = None;
+                    failures.push(format!("{sentinel}: {e}"));
+                }
+            }
+        }
+        Err(Error::Unreachable(format!(
+            "no sentinel named the master {:?}: {}",
+            self.config.master_name,
+            failures.join("; ")
+        )))
+    }
+
+    async fn ask_sentinel(&self, i: usize, sentinel: &str) -> redis::RedisResult<Option<String>> {
+        let cached = self.sentinels.lock().expect("sentinels")[i].clone();
+        let mut conn = match cached {
+            Some(conn) => conn,
+            None => {
+                let client = redis::Client::open(format!("redis://{sentinel}"))?;
+                let conn = client
+                    .get_multiplexed_async_connection_with_config(&connection_config())
+                    .await?;
+                self.sentinels.lock().expect("sentinels")[i] = Some(conn.clone());
+                conn
+            }
+        };
+        let reply: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(&self.config.master_name)
+            .query_async(&mut conn)
+            .await?;
+        Ok(reply.map(|(host, port)| match host.contains(':') {
+            true => format!("[{host}]:{port}"),
+            false => format!("{host}:{port}"),
+        }))
+    }
+
+    /// The current master's connection, found through the sentinels when there is none.
+    async fn master(&self) -> Result<Master> {
+        let mut current = self.current.lock().await;
+        if let Some(master) = &*current {
+            return Ok(master.clone());
+        }
+        let address = self.named_master().await?;
+        let mut url = self.config.master.clone();
+        let (host, port) = address
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h.trim_matches(['[', ']']), p.parse::<u16>().ok()?)))
+            .ok_or_else(|| Error::Backend(format!("the sentinels named {address:?}")))?;
+        url.set_host(Some(host))
+            .map_err(|e| Error::Backend(format!("the sentinels named {address:?}: {e}")))?;
+        let _ = url.set_port(Some(port));
+        let unreachable = |e: redis::RedisError| {
+            Error::Unreachable(format!("the master {address} the sentinels name: {e}"))
+        };
+        let client = redis::Client::open(url.as_str()).map_err(unreachable)?;
+        let mut conn = client
+            .get_multiplexed_async_connection_with_config(&connection_config())
+            .await
+            .map_err(unreachable)?;
+        // During a failover the sentinels may still name a server that has become a replica.
+        let role: Vec<Value> = redis::cmd("ROLE")
+            .query_async(&mut conn)
+            .await
+            .map_err(unreachable)?;
+        if !matches!(role.first(), Some(Value::BulkString(r)) if r == b"master") {
+            return Err(Error::Unreachable(format!(
+                "the sentinels name {address} master of {:?}, but it is not (a failover in progress)",
+                self.config.master_name
+            )));
+        }
+        let master = Master {
+            address,
+            client,
+            conn,
+        };
+        *current = Some(master.clone());
+        Ok(master)
+    }
+
+    /// Drop the connection to `address` (if it is still the current one), so that the next call
+    /// asks the sentinels again.
+    async fn forget(&self, address: &str) {
+        let mut current = self.current.lock().await;
+        if current.as_ref().is_some_and(|m| m.address == address) {
+            tracing::info!(
+                master = address,
+                "leaving the Redis master; asking the sentinels again"
+            );
+            *current = None;
+        }
+    }
+}
+
+/// Whether `e` means that this server is no longer (or not yet) the master to talk to.
+fn means_another_master(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_timeout()
+        || matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"))
+}
+
+pub struct RedisSentinelDriver {
+    master: Arc<SentinelMaster>,
+    keys: KeyLayout,
+    epoch_key: String,
+    min_replicas: u32,
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    observe: Script,
+    releases: Arc<ChangeFeeds>,
+    follower: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RedisSentinelDriver {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
+}
+
+impl RedisSentinelDriver {
+    /// Nothing is contacted yet: an unreachable Sentinel shows in readiness, not as a crash.
+    pub fn connect(config: &SentinelConfig) -> Self {
+        let keys = KeyLayout::new(&config.prefix);
+        let master = Arc::new(SentinelMaster::new(config.clone()));
+        let releases = Arc::new(ChangeFeeds::default());
+        let follower = tokio::spawn(follow_master(
+            master.clone(),
+            keys.clone(),
+            releases.clone(),
+        ));
+        Self {
+            epoch_key: format!("{}:epoch", config.prefix),
+            master,
+            keys,
+            min_replicas: config.min_replicas,
+            acquire: Script::new(ACQUIRE),
+            renew: Script::new(single::RENEW),
+            release: Script::new(single::RELEASE),
+            observe: Script::new(single::OBSERVE),
+            releases,
+            follower,
+        }
+    }
+
+    /// A failed call: forget a master that no longer serves, then say what failed.
+    async fn failed(&self, master: &Master, e: redis::RedisError) -> Error {
+        if means_another_master(&e) {
+            self.master.forget(&master.address).await;
+        }
+        single::map_err(e)
+    }
+
+    /// `WAIT` until `min_replicas` replicas have every write so far on this connection; an error
+    /// when they do not within a fraction of the lease.
+    async fn replicated(&self, master: &Master, ttl: Duration, what: &str) -> Result<()> {
+        if self.min_replicas == 0 {
+            return Ok(());
+        }
+        let wait = (ttl / 10).min(MAX_REPLICA_WAIT);
+        let mut conn = master.conn.clone();
+        let acked: i64 = match redis::cmd("WAIT")
+            .arg(self.min_replicas)
+            .arg(single::ms(wait))
+            .query_async(&mut conn)
+            .await
+        {
+            Ok(acked) => acked,
+            Err(e) => return Err(self.failed(master, e).await),
+        };
+        if acked >= i64::from(self.min_replicas) {
+            return Ok(());
+        }
+        Err(Error::Unreachable(format!(
+            "the {what} was confirmed by {acked} of the {} replica(s) min-replicas asks for within \
+             {wait:?}: the master {} has too few replicas in sync, and a failover could lose it",
+            self.min_replicas, master.address
+        )))
+    }
+}
+
+#[async_trait]
+impl Driver for RedisSentinelDriver {
+    fn kind(&self) -> &'static str {
+        "redis-sentinel"
+    }
+
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        let master = self.master.master().await?;
+        let mut conn = master.conn.clone();
+        match single::delete_keys(&mut conn, &self.keys, locks).await {
+            Err(Error::Unreachable(m)) => {
+                self.master.forget(&master.address).await;
+                Err(Error::Unreachable(m))
+            }
+            other => other,
+        }
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        let master = self.master.master().await?;
+        Ok(single::eviction_warning(&mut master.conn.clone())
+            .await?
+            .into_iter()
+            .collect())
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let master = self.master.master().await?;
+        let reply: Value = match self
+            .acquire
+            .key(self.keys.lease(lock))
+            .key(self.keys.token(lock))
+            .key(&self.epoch_key)
+            .arg(identity)
+            .arg(single::ms(ttl))
+            .invoke_async(&mut master.conn.clone())
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) => return Err(self.failed(&master, e).await),
+        };
+        let Value::Int(token) = reply else {
+            return Ok(Acquire::Busy(single::parse_value_and_pttl(&reply)));
+        };
+        let lease = Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token: token as u64,
+        };
+        if let Err(e) = self.replicated(&master, ttl, "acquisition").await {
+            // Not held, so not kept: give it back (if this fails too, it expires).
+            let _ = self.release(&lease).await;
+            return Err(e);
+        }
+        Ok(Acquire::Acquired(lease))
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let master = self.master.master().await?;
+        let renewed: i64 = match self
+            .renew
+            .key(self.keys.lease(&lease.lock))
+            .arg(single::lease_value(lease))
+            .arg(single::ms(ttl))
+            .invoke_async(&mut master.conn.clone())
+            .await
+        {
+            Ok(renewed) => renewed,
+            Err(e) => return Err(self.failed(&master, e).await),
+        };
+        if renewed != 1 {
+            return Ok(false);
+        }
+        self.replicated(&master, ttl, "renewal").await?;
+        Ok(true)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let master = self.master.master().await?;
+        match self
+            .release
+            .key(self.keys.lease(&lease.lock))
+            .arg(single::lease_value(lease))
+            .arg(self.keys.released_channel(&lease.lock))
+            .invoke_async::<i64>(&mut master.conn.clone())
+            .await
+        {
+            Ok(released) => Ok(released == 1),
+            Err(e) => Err(self.failed(&master, e).await),
+        }
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        let master = self.master.master().await?;
+        match self
+            .observe
+            .key(self.keys.lease(lock))
+            .invoke_async::<Value>(&mut master.conn.clone())
+            .await
+        {
+            Ok(reply) => Ok(single::parse_value_and_pttl(&reply)),
+            Err(e) => Err(self.failed(&master, e).await),
+        }
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.releases.subscribe(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let master = self.master.master().await?;
+        match redis::cmd("PING")
+            .query_async::<String>(&mut master.conn.clone())
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.failed(&master, e).await),
+        }
+    }
+}
+
+/// Listen for releases on the current master, and move to the next master as soon as the
+/// sentinels name another one (waking every waiter, since a release may have been missed).
+async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<ChangeFeeds>) {
+    let mut pause = RESUBSCRIBE_MIN;
+    loop {
+        let subscribed = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            let current = master.master().await.map_err(|e| e.to_string())?;
+            let mut pubsub = current
+                .client
+                .get_async_pubsub()
+                .await
+                .map_err(|e| e.to_string())?;
+            pubsub
+                .psubscribe(keys.released_pattern())
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>((current.address, pubsub))
+        })
+        .await;
+        match subscribed {
+            Ok(Ok((address, mut pubsub))) => {
+                pause = RESUBSCRIBE_MIN;
+                feeds.bump_all();
+                let mut messages = pubsub.on_message();
+                let mut check = tokio::time::interval(MASTER_CHECK);
+                loop {
+                    tokio::select! {
+                        message = messages.next() => match message {
+                            Some(message) => {
+                                if let Some(lock) = keys.lock_of_channel(message.get_channel_name()) {
+                                    feeds.bump(lock);
+                                }
+                            }
+                            None => break,
+                        },
+                        _ = check.tick() => match master.named_master().await {
+                            Ok(named) if named != address => {
+                                tracing::info!(from = %address, to = %named, "the sentinels name a new Redis master");
+                                master.forget(&address).await;
+                                break;
+                            }
+                            _ => {}
+                        },
+                    }
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "redis release subscription failed"),
+            Err(_) => tracing::debug!("redis release subscription timed out"),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(RESUBSCRIBE_MAX);
+    }
+}

@@ -1,0 +1,192 @@
+//! Redis as Sentinel runs it: a master, a replica, and a sentinel watching them, each a real
+//! `redis-server` on a free loopback port with its own throwaway directory.
+//!
+//! The replica reaches the first master through a [`FaultProxy`], so that a test can cut
+//! replication and make the master's last writes the ones a failover loses. The sentinel fails
+//! over one second after the master stops answering (`down-after-milliseconds 1000`). Its
+//! `failover-timeout` is long because that is also how long it waits before it re-points a
+//! replica that follows another address than the master's (the proxy's) at the master itself.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::fault_proxy::FaultProxy;
+use super::redis_server::{RedisServer, ping};
+use super::server_process::ServerProcess;
+use super::{free_port, require_binary};
+
+/// The name the sentinel monitors the master under.
+pub const MASTER_NAME: &str = "leasehold-test";
+const DOWN_AFTER: Duration = Duration::from_millis(1000);
+const SET_UP_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub struct RedisSentinelSet {
+    /// The data servers: `[0]` starts as the master, `[1]` as its replica.
+    pub servers: Vec<RedisServer>,
+    /// The replica's link to the first master.
+    pub replication_link: FaultProxy,
+    sentinel: ServerProcess,
+    sentinel_port: u16,
+    /// A port nothing listens on, listed first in the URL: the driver must get past a dead
+    /// sentinel.
+    dead_sentinel_port: u16,
+}
+
+impl RedisSentinelSet {
+    /// Start the master, its replica and the sentinel; return once the sentinel knows the
+    /// replica (so that it can fail over) and the master has been up longer than the
+    /// conformance suite's lease (a fresh server holds free locks for one lease after it starts;
+    /// see `redis_sentinel.rs`).
+    pub fn start() -> Self {
+        let master = RedisServer::start();
+        let replication_link = FaultProxy::start(master.port());
+        let replica = RedisServer::start_replica_of(replication_link.port);
+        let sentinel_port = free_port();
+        let mut set = Self {
+            servers: vec![master, replica],
+            replication_link,
+            sentinel: ServerProcess::new("redis-sentinel"),
+            sentinel_port,
+            dead_sentinel_port: free_port(),
+        };
+        set.wait_for("the replica to be in sync", |s| {
+            info(s.servers[1].port(), "replication").contains("master_link_status:up")
+        });
+        set.spawn_sentinel();
+        set.wait_for("the sentinel to know the replica", |s| {
+            s.sentinel_command(&["SENTINEL", "replicas", MASTER_NAME])
+                .is_ok_and(|reply| reply.contains(&s.servers[1].port().to_string()))
+        });
+        let lease = super::conformance::LEASE.as_secs().max(1);
+        set.wait_for("the master to be up longer than a lease", |s| {
+            field(&info(s.servers[0].port(), "server"), "uptime_in_seconds")
+                .is_some_and(|up| up.parse::<u64>().is_ok_and(|up| up >= lease))
+        });
+        set
+    }
+
+    fn spawn_sentinel(&mut self) {
+        let config = format!(
+            "port {}\n\
+             bind 127.0.0.1\n\
+             dir {}\n\
+             sentinel monitor {MASTER_NAME} 127.0.0.1 {} 1\n\
+             sentinel down-after-milliseconds {MASTER_NAME} {}\n\
+             sentinel failover-timeout {MASTER_NAME} 120000\n",
+            self.sentinel_port,
+            self.sentinel.dir().display(),
+            self.servers[0].port(),
+            DOWN_AFTER.as_millis(),
+        );
+        // Sentinel rewrites its configuration file as it learns, so it lives in the throwaway
+        // directory.
+        let path = self.sentinel.dir().join("sentinel.conf");
+        std::fs::write(&path, config).expect("sentinel.conf");
+        let mut command = Command::new(require_binary("redis-server", "redis-server"));
+        command.arg(&path).arg("--sentinel");
+        let port = self.sentinel_port;
+        self.sentinel.spawn(command, move || ping(port));
+    }
+
+    fn wait_for(&self, what: &str, done: impl Fn(&Self) -> bool) {
+        let deadline = Instant::now() + SET_UP_TIMEOUT;
+        while !done(self) {
+            assert!(
+                Instant::now() < deadline,
+                "Redis Sentinel set-up: waited {SET_UP_TIMEOUT:?} for {what}; the sentinel's log:\n{}",
+                self.sentinel.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis+sentinel://` with a dead sentinel first, then the live one.
+    pub fn url(&self) -> String {
+        format!(
+            "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/{MASTER_NAME}",
+            self.dead_sentinel_port, self.sentinel_port
+        )
+    }
+
+    /// Which of [`Self::servers`] the sentinel names master now.
+    pub fn master(&self) -> Option<usize> {
+        let reply = self
+            .sentinel_command(&["SENTINEL", "get-master-addr-by-name", MASTER_NAME])
+            .ok()?;
+        self.servers
+            .iter()
+            .position(|s| reply.contains(&format!("\"{}\"", s.port())))
+    }
+
+    /// `kill -9` the master and wait until the sentinel has promoted the other server and that
+    /// server says it is master. Returns the new master's index.
+    pub fn fail_over(&mut self) -> usize {
+        let old = self.master().expect("the sentinel names a master");
+        self.servers[old].kill();
+        let new = 1 - old;
+        self.wait_for("the sentinel to promote the replica", |s| {
+            s.master() == Some(new)
+                && info(s.servers[new].port(), "replication").contains("role:master")
+        });
+        new
+    }
+
+    /// One command to the sentinel, its reply in Rust's debug form.
+    fn sentinel_command(&self, args: &[&str]) -> redis::RedisResult<String> {
+        command(self.sentinel_port, args)
+    }
+}
+
+/// One command to the server on `port`, its reply in Rust's debug form.
+fn command(port: u16, args: &[&str]) -> redis::RedisResult<String> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+    let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
+    let mut cmd = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        cmd.arg(*arg);
+    }
+    let reply: redis::Value = cmd.query(&mut conn)?;
+    Ok(format!("{reply:?}"))
+}
+
+/// `INFO section` of the server on `port`, or nothing when it does not answer.
+pub fn info(port: u16, section: &str) -> String {
+    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
+        return String::new();
+    };
+    let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
+        return String::new();
+    };
+    redis::cmd("INFO")
+        .arg(section)
+        .query::<String>(&mut conn)
+        .unwrap_or_default()
+}
+
+fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+impl super::conformance::BackendServer for RedisSentinelSet {
+    fn start() -> Self {
+        RedisSentinelSet::start()
+    }
+    fn url(&self) -> String {
+        RedisSentinelSet::url(self)
+    }
+    /// The whole data tier down: no server left to fail over to.
+    fn kill(&mut self) {
+        for server in &mut self.servers {
+            server.kill();
+        }
+    }
+    /// The master first, so that the sentinel sees it back before the replica could be
+    /// promoted.
+    fn restart(&mut self) {
+        for server in &mut self.servers {
+            server.restart();
+        }
+    }
+}
