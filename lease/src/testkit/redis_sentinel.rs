@@ -131,6 +131,12 @@ impl RedisSentinelSet {
         new
     }
 
+    /// One command to the server the sentinel names master, its reply in Rust's debug form.
+    pub fn on_master(&self, args: &[&str]) -> redis::RedisResult<String> {
+        let master = self.master().expect("the sentinel names a master");
+        command(self.servers[master].port(), args)
+    }
+
     /// One command to the sentinel, its reply in Rust's debug form.
     fn sentinel_command(&self, args: &[&str]) -> redis::RedisResult<String> {
         command(self.sentinel_port, args)

@@ -1,0 +1,155 @@
+//! Redis behind Sentinel through failovers, on a real master, replica and sentinel: what a
+//! promoted replica that never received the holder's lease does, and what an acquisition that
+//! no replica confirmed does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::testkit::{FaultyDriver, RedisSentinelSet, unique_lock};
+use leasehold_lease::{Answer, BackendUrl, BootInstant, Driver, Lock, LockConfig, Mode};
+use tokio::time::{Instant, sleep};
+
+async fn driver(url: &str) -> Arc<dyn Driver> {
+    leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
+        .await
+        .expect("driver")
+}
+
+fn campaign(driver: Arc<dyn Driver>, lock: &str, identity: &str, lease: Duration) -> Lock {
+    let config = LockConfig {
+        renew_interval: lease / 10,
+        mode: Mode::Campaign,
+        ..LockConfig::new(lock, identity, lease)
+    };
+    Lock::start(driver, config, Arc::new(())).expect("start lock")
+}
+
+/// Whether `lock` still counts itself holder: its self-fence deadline has not passed, whether or
+/// not it can reach the backend to say so (a holder that cannot answers 503, but still acts on
+/// what it was doing).
+fn claims(lock: &Lock) -> bool {
+    lock.snapshot()
+        .held
+        .is_some_and(|held| held.valid_until > BootInstant::now())
+}
+
+fn token(answer: &Answer) -> Option<u64> {
+    match answer {
+        Answer::Holder { token, .. } => Some(*token),
+        _ => None,
+    }
+}
+
+/// The replica stops receiving (its link is cut), the holder takes the lock on the master alone
+/// (`min-replicas=0`), the holder's renewals stop getting through (a partition, a long pause),
+/// and the master dies: the sentinel promotes a replica that has neither the lease nor the token
+/// the holder got, while the holder still claims the lock for the rest of its lease. A new
+/// contender must not hold before that claim has ended, and must get a greater token. Without
+/// the epoch record, the contender takes the lock as soon as the replica is promoted, with the
+/// same token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_old_claim() {
+    let mut set = RedisSentinelSet::start();
+    let url = format!("{}?min-replicas=0", set.url());
+    let lock = unique_lock("failover");
+    // Longer than detection plus promotion, so that the old holder still claims when the new
+    // master first serves.
+    let lease = Duration::from_secs(5);
+
+    set.replication_link.cut();
+    let a_driver = FaultyDriver::wrap(driver(&url).await);
+    let a = campaign(a_driver.clone(), &lock, "a", lease);
+    let start = Instant::now();
+    while !a.answer().is_holder() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "a never held: {:?}",
+            a.answer()
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    let a_token = token(&a.answer()).expect("a holds");
+
+    a_driver.stall_renewals(true);
+    let killed = Instant::now();
+    tokio::task::block_in_place(|| set.fail_over());
+    let promoted = killed.elapsed();
+    let b = campaign(driver(&url).await, &lock, "b", lease);
+
+    let mut a_last_claimed = None;
+    let b_token = loop {
+        let (a_claims, b_answer) = (claims(&a), b.answer());
+        assert!(
+            !(a_claims && b_answer.is_holder()),
+            "two holders after the failover: a claims {:?}, b answers {b_answer:?}",
+            a.snapshot().held
+        );
+        if a_claims {
+            a_last_claimed = Some(killed.elapsed());
+        }
+        if let Some(token) = token(&b_answer) {
+            break token;
+        }
+        assert!(
+            killed.elapsed() < promoted + lease * 3,
+            "b never took over after the failover ({promoted:?} to promote): {b_answer:?}, {:?}; \
+             on the new master, epoch {:?}, lease {:?}",
+            b.snapshot(),
+            set.on_master(&["HGETALL", "leasehold:epoch"]),
+            set.on_master(&["GET", &format!("leasehold:{{{lock}}}:lease")]),
+        );
+        sleep(Duration::from_millis(5)).await;
+    };
+    let b_held = killed.elapsed();
+    assert!(
+        a_last_claimed.is_some_and(|t| t > promoted),
+        "the old holder still claimed when the replica was promoted (the case under test): \
+         last claimed at {a_last_claimed:?}, promoted at {promoted:?}"
+    );
+    assert!(
+        b_token > a_token,
+        "token {b_token} after the failover, {a_token} before"
+    );
+    assert!(!claims(&a));
+    println!(
+        "promoted after {promoted:?}; a claimed until {a_last_claimed:?}; b held at {b_held:?} with token {b_token} (a had {a_token})"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// With the replica's link cut, an acquisition `WAIT` cannot confirm is an error that says so,
+/// and it is given back: once replication is back, another client takes the lock at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquisition_no_replica_confirms_is_not_held() {
+    let set = RedisSentinelSet::start();
+    let lock = unique_lock("unconfirmed");
+    let (a, b) = (driver(&set.url()).await, driver(&set.url()).await);
+    set.replication_link.cut();
+    let error = a
+        .try_acquire(&lock, "a", Duration::from_secs(1))
+        .await
+        .expect_err("an acquisition no replica confirmed");
+    assert!(
+        error
+            .to_string()
+            .contains("confirmed by 0 of the 1 replica(s) min-replicas asks for"),
+        "{error}"
+    );
+    assert_eq!(b.observe(&lock).await.expect("observe"), None);
+
+    set.replication_link.restore();
+    let start = Instant::now();
+    loop {
+        match b.try_acquire(&lock, "b", Duration::from_secs(1)).await {
+            Ok(leasehold_lease::Acquire::Acquired(_)) => break,
+            Ok(other) => panic!("b could not take the lock a gave back: {other:?}"),
+            // Until the replica has caught up again.
+            Err(e) => assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "replication never came back: {e}"
+            ),
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+}
