@@ -184,10 +184,10 @@ impl Backend {
         let set = [
             (
                 self.redis.is_some(),
-                if self.redis.as_ref().is_some_and(|r| r.endpoints.len() >= 3) {
-                    "redlock"
-                } else {
-                    "redis"
+                match &self.redis {
+                    Some(r) if r.sentinel.is_some() => "redis-sentinel",
+                    Some(r) if r.endpoints.len() >= 3 => "redlock",
+                    _ => "redis",
                 },
             ),
             (self.postgres.is_some(), "postgres"),
@@ -217,15 +217,22 @@ pub struct SecretKeyRef {
     pub key: String,
 }
 
-/// One Redis master, or three or more independent masters for Redlock.
+/// One Redis master, three or more independent masters for Redlock, or the sentinels of a
+/// master that Redis Sentinel fails over.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.sentinel) || self.endpoints.size() == 1 || self.endpoints.size() >= 3")
+    .message("give one endpoint for a single Redis, or three or more independent masters for Redlock"))]
+#[x_kube(validation = Rule::new("!has(self.sentinel) || (!(has(self.tls) && self.tls) && !has(self.tlsSecretName))")
+    .message("TLS through Sentinel is not built yet: reach the master over TLS directly"))]
 pub struct RedisBackend {
-    /// `host:port` of each master.
+    /// `host:port` of each master, or with `sentinel`, of each sentinel (port 26379 when
+    /// omitted).
     #[schemars(length(min = 1, max = 9))]
-    #[x_kube(validation = Rule::new("self.size() == 1 || self.size() >= 3")
-        .message("give one endpoint for a single Redis, or three or more independent masters for Redlock"))]
     pub endpoints: Vec<String>,
+    /// Redis Sentinel: `endpoints` are sentinels, and the lock lives on the master they name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sentinel: Option<RedisSentinel>,
     /// The logical database.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 15))]
@@ -249,6 +256,22 @@ pub struct RedisBackend {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub tls_secret_name: Option<String>,
+}
+
+/// The master Redis Sentinel monitors, and how many replicas must confirm each write.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisSentinel {
+    /// The name the sentinels monitor the master under (`sentinel monitor NAME ...`).
+    #[schemars(length(min = 1, max = 128))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$')")
+        .message("masterName: letters, digits, '.', '_' and '-'"))]
+    pub master_name: String,
+    /// Replicas that must confirm each acquisition and renewal before it counts (default 1);
+    /// 0 lets a failover lose a lease the master took alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 16))]
+    pub min_replicas: Option<u32>,
 }
 
 #[derive(

@@ -55,6 +55,8 @@ fn good_locks_pass() {
         json!({ "backend": redis() }),
         json!({ "backend": { "redis": { "endpoints": ["a:6379", "b:6379", "c:6379"],
             "passwordSecretRef": { "name": "redis", "key": "password" } } } }),
+        json!({ "backend": { "redis": { "endpoints": ["sentinel-0:26379", "sentinel-1"],
+            "sentinel": { "masterName": "locks", "minReplicas": 2 } } } }),
         json!({ "backend": { "postgres": { "host": "db", "database": "app", "table": "locks",
             "schema": "public", "lockMode": "RowLock" } }, "mode": "OnDemand" }),
         json!({ "backend": { "mysql": { "host": "db", "database": "app" } } }),
@@ -77,6 +79,20 @@ fn good_locks_pass() {
 fn bad_locks_are_rejected_with_a_reason() {
     let bad = [
         (json!({ "backend": {} }), "set exactly one backend"),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["a:1", "b:1"] } } }),
+            "give one endpoint for a single Redis, or three or more independent masters for Redlock",
+        ),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["s:26379"], "tls": true,
+                "sentinel": { "masterName": "locks" } } } }),
+            "TLS through Sentinel is not built yet",
+        ),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["s:26379"],
+                "sentinel": { "masterName": "locks; FLUSHALL" } } } }),
+            "masterName: letters, digits",
+        ),
         (
             json!({ "backend": { "redis": { "endpoints": ["r:1"] }, "kubernetes": {} } }),
             "set exactly one backend",
@@ -293,6 +309,23 @@ fn backend_kind() {
         ..Default::default()
     };
     assert_eq!(redlock.kind(), Some("redlock"));
+    let sentinel = Backend {
+        redis: Some(RedisBackend {
+            endpoints: vec!["a:1".into(), "b:1".into(), "c:1".into()],
+            sentinel: Some(leasehold_crds::RedisSentinel {
+                master_name: "locks".into(),
+                min_replicas: None,
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    assert_eq!(sentinel.kind(), Some("redis-sentinel"));
+    // minReplicas's range is a plain schema limit, which the API server checks before any rule.
+    let min_replicas = &schema()["properties"]["spec"]["properties"]["backend"]["properties"]["redis"]
+        ["properties"]["sentinel"]["properties"]["minReplicas"];
+    assert_eq!(min_replicas["minimum"].as_f64(), Some(0.0));
+    assert_eq!(min_replicas["maximum"].as_f64(), Some(16.0));
     assert_eq!(Backend::default().kind(), None);
     let two = Backend {
         kubernetes: Some(Default::default()),

@@ -652,6 +652,59 @@ mod tests {
     use super::*;
 
     #[test]
+    fn redis_sentinel_urls() {
+        let url = BackendUrl::parse(
+            "redis+sentinel://u:pw@s1:26380,s2/locks/3?prefix=team&min-replicas=0",
+        )
+        .unwrap();
+        let BackendUrl::RedisSentinel(config) = &url else {
+            panic!("{url}")
+        };
+        assert_eq!(config.sentinels, ["s1:26380", "s2:26379"]);
+        assert_eq!(
+            (
+                config.master_name.as_str(),
+                config.prefix.as_str(),
+                config.min_replicas
+            ),
+            ("locks", "team", 0)
+        );
+        assert_eq!(config.master.username(), "u");
+        assert_eq!(
+            url.to_string(),
+            "redis+sentinel://u:***@s1:26380,s2:26379/locks/3 (prefix team, min-replicas 0)"
+        );
+        let plain = BackendUrl::parse("redis+sentinel://s1/locks").unwrap();
+        assert!(matches!(&plain, BackendUrl::RedisSentinel(c) if c.min_replicas == 1));
+        assert_eq!(plain.kind(), "redis-sentinel");
+        for (bad, reason) in [
+            ("redis+sentinel://s1", "the master's name is missing"),
+            ("redis+sentinel://s1/", "must be letters, digits"),
+            ("redis+sentinel://s1/a b", "must be letters, digits"),
+            (
+                "redis+sentinel://s1/locks/x",
+                "the database must be a number",
+            ),
+            (
+                "redis+sentinel://s1/locks?min-replicas=17",
+                "min-replicas must be a number",
+            ),
+            (
+                "redis+sentinel://s1/locks?ca=/ca.crt",
+                "TLS through Sentinel is not built yet",
+            ),
+            (
+                "rediss+sentinel://s1/locks",
+                "TLS through Sentinel is not built yet",
+            ),
+            ("redis+sentinel://s1/locks?db=1", "unknown option \"db\""),
+        ] {
+            let error = BackendUrl::parse(bad).unwrap_err().to_string();
+            assert!(error.contains(reason), "{bad}: {error}");
+        }
+    }
+
+    #[test]
     fn sqlite_urls() {
         assert_eq!(
             BackendUrl::parse(DEFAULT_BACKEND).unwrap(),

@@ -412,6 +412,19 @@ fn backend_url(
             secret(secrets, &r.password_secret_ref)?,
         );
         let db = r.database.map_or_else(String::new, |d| d.to_string());
+        if let Some(sentinel) = &r.sentinel {
+            let min_replicas = sentinel.min_replicas.map(|n| n.to_string());
+            let q = query(&[
+                ("prefix", r.key_prefix.as_deref()),
+                ("min-replicas", min_replicas.as_deref()),
+            ]);
+            let url = BackendUrl::parse(&format!(
+                "redis+sentinel://{auth}{}/{}/{db}{q}",
+                r.endpoints.join(","),
+                sentinel.master_name
+            ))?;
+            return Ok((url, None));
+        }
         let q = query(&[("prefix", r.key_prefix.as_deref())]);
         let scheme = match (r.endpoints.len() >= 3, tls) {
             (true, false) => "redlock",
@@ -806,6 +819,40 @@ mod tests {
             let error = allowed(Some(refused)).unwrap_err();
             assert!(error.contains("may not be sent to"), "{refused}: {error}");
         }
+    }
+
+    /// The sentinels are the endpoints; the password and database are the master's, and the
+    /// password never shows.
+    #[test]
+    fn a_sentinel_resource_names_the_sentinels_and_the_master() {
+        let sentinel = lock(Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec!["s-0:26379".into(), "s-1".into()],
+                database: Some(2),
+                password_secret_ref: Some(key("redis", "password")),
+                sentinel: Some(leasehold_crds::RedisSentinel {
+                    master_name: "locks".into(),
+                    min_replicas: Some(2),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let secrets: SecretValues =
+            [(("redis".into(), "password".into()), "p@ss/word".into())].into();
+        let backend = resolve(&sentinel, &secrets).unwrap().backend;
+        let BackendUrl::RedisSentinel(config) = &backend else {
+            panic!("{backend}")
+        };
+        assert_eq!(config.sentinels, ["s-0:26379", "s-1:26379"]);
+        assert_eq!(config.master_name, "locks");
+        assert_eq!(config.min_replicas, 2);
+        assert_eq!(config.master.password(), Some("p%40ss%2Fword"));
+        assert_eq!(config.master.path(), "/2");
+        assert_eq!(
+            backend.to_string(),
+            "redis+sentinel://:***@s-0:26379,s-1:26379/locks/2 (prefix leasehold, min-replicas 2)"
+        );
     }
 
     #[test]
