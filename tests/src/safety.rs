@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold_lease::testkit::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisServer, ZooKeeperServer,
+    EtcdServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer, ZooKeeperServer,
 };
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
@@ -59,10 +59,11 @@ pub enum Target {
     Etcd,
     ZooKeeper,
     Tair,
+    RedisSentinel,
 }
 
 impl Target {
-    pub const ALL: [Target; 10] = [
+    pub const ALL: [Target; 11] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -73,6 +74,7 @@ impl Target {
         Target::Etcd,
         Target::ZooKeeper,
         Target::Tair,
+        Target::RedisSentinel,
     ];
 
     pub fn name(self) -> &'static str {
@@ -87,6 +89,7 @@ impl Target {
             Target::Etcd => "etcd",
             Target::ZooKeeper => "zookeeper",
             Target::Tair => "tair",
+            Target::RedisSentinel => "redis-sentinel",
         }
     }
 
@@ -125,6 +128,8 @@ pub(crate) enum Backend {
     MariaDb(MariaDbServer, &'static str),
     Etcd(EtcdServer),
     ZooKeeper(ZooKeeperServer),
+    /// A master, a replica and a sentinel; a restart is a failover.
+    RedisSentinel(RedisSentinelSet),
 }
 
 impl Backend {
@@ -140,12 +145,14 @@ impl Backend {
             Target::Etcd => Backend::Etcd(EtcdServer::start()),
             Target::ZooKeeper => Backend::ZooKeeper(ZooKeeperServer::start()),
             Target::Tair => Backend::Tair(RedisServer::start_tair()),
+            Target::RedisSentinel => Backend::RedisSentinel(RedisSentinelSet::start()),
         }
     }
 
     pub(crate) fn ports(&self) -> Vec<u16> {
         match self {
-            Backend::Sqlite(_) => Vec::new(),
+            // The sentinels name the master's own address, past any proxy of ours.
+            Backend::Sqlite(_) | Backend::RedisSentinel(_) => Vec::new(),
             Backend::Redis(s) | Backend::Tair(s) => vec![s.port()],
             Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
             Backend::Postgres(s, _) => vec![s.port()],
@@ -171,6 +178,7 @@ impl Backend {
             Backend::MariaDb(s, mode) => swap(s.url(), s.port(), proxies[0]) + mode,
             Backend::Etcd(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::ZooKeeper(s) => swap(s.url(), s.port(), proxies[0]),
+            Backend::RedisSentinel(set) => set.url(),
         }
     }
 
@@ -178,6 +186,10 @@ impl Backend {
         match self {
             // One file, no network, no server: what can fail is the process.
             Backend::Sqlite(_) => &[Fault::KillHolder, Fault::PauseHolder],
+            // A restart is a failover; a partition from the master cannot be placed (see ports).
+            Backend::RedisSentinel(_) => {
+                &[Fault::KillHolder, Fault::PauseHolder, Fault::RestartBackend]
+            }
             _ => &[
                 Fault::KillHolder,
                 Fault::PauseHolder,
@@ -197,6 +209,9 @@ impl Backend {
             Backend::MariaDb(s, _) => s.restart(),
             Backend::Etcd(s) => s.restart(),
             Backend::ZooKeeper(s) => s.restart(),
+            Backend::RedisSentinel(set) => {
+                set.fail_over_and_rejoin();
+            }
         }
     }
 }

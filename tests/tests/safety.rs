@@ -87,3 +87,10 @@ fn etcd_survives_random_faults() {
 fn zookeeper_survives_random_faults() {
     check(Target::ZooKeeper);
 }
+
+/// A restart here is a failover: the master killed, the replica promoted, the old master back
+/// as a replica.
+#[test]
+fn redis_sentinel_survives_random_faults_and_failovers() {
+    check(Target::RedisSentinel);
+}

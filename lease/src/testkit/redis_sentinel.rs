@@ -131,6 +131,27 @@ impl RedisSentinelSet {
         new
     }
 
+    /// A whole failover, as production goes through it: [`Self::fail_over`], then the old
+    /// master back on its data and made a replica of the new one (as the sentinel would do a
+    /// few seconds later), in sync. Returns the new master's index.
+    pub fn fail_over_and_rejoin(&mut self) -> usize {
+        let old = self.master().expect("the sentinel names a master");
+        let new = self.fail_over();
+        self.servers[old].restart();
+        let new_port = self.servers[new].port().to_string();
+        command(
+            self.servers[old].port(),
+            &["REPLICAOF", "127.0.0.1", &new_port],
+        )
+        .expect("make the old master a replica");
+        self.wait_for("the old master to rejoin as a replica in sync", |s| {
+            let replication = info(s.servers[old].port(), "replication");
+            field(&replication, "master_port") == Some(new_port.as_str())
+                && replication.contains("master_link_status:up")
+        });
+        new
+    }
+
     /// One command to the server the sentinel names master, its reply in Rust's debug form.
     pub fn on_master(&self, args: &[&str]) -> redis::RedisResult<String> {
         let master = self.master().expect("the sentinel names a master");
