@@ -67,6 +67,7 @@ const SECTIONS: &[&str] = &[
     "operator",
     "tls",
     "tair",
+    "sentinel",
 ];
 /// The operator's load: this many Kubernetes-backed locks (`cleanupPolicy: Delete`, so each
 /// Lease is owned by its lock), each held by a pod that renews every `OPERATOR_RENEW`, and how
@@ -494,6 +495,15 @@ async fn http_section() {
     );
 }
 
+/// Redis without an append-only file (fsync would dominate both sides of a comparison), once it
+/// has been up for a lease: until then it grants no free lock, since it cannot tell its start
+/// from a restart that lost leases their holders still claim (`drivers/redis.rs`).
+fn redis_without_persistence() -> RedisServer {
+    let redis = RedisServer::start_with(false);
+    tokio::task::block_in_place(|| redis.wait_until_up_for(LEASE));
+    redis
+}
+
 async fn driver_cycles(driver: &dyn Driver) -> f64 {
     let start = Instant::now();
     for i in 0..CYCLES {
@@ -683,7 +693,7 @@ async fn driver_section() {
     println!(
         "## acquire+release cycles ({CYCLES} sequential cycles on one client, best of {ROUNDS}, alternating)"
     );
-    let redis = RedisServer::start_with(false);
+    let redis = redis_without_persistence();
     let url = url::Url::parse(&redis.url()).expect("url");
     let driver =
         leasehold_lease::redis::RedisDriver::connect(&url, "leasehold", None).expect("driver");
@@ -1014,6 +1024,88 @@ async fn run(sections: &[&str]) {
     if wanted("tair") {
         tair_section().await;
     }
+    if wanted("sentinel") {
+        sentinel_section().await;
+    }
+}
+
+/// The raw lock with one replica's confirmation: `SET NX PX`, `WAIT 1`, the compare-and-delete
+/// script.
+async fn sentinel_raw_cycles(port: u16) -> f64 {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let release = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    );
+    let start = Instant::now();
+    for i in 0..CYCLES {
+        let set: Option<String> = redis::cmd("SET")
+            .arg("raw")
+            .arg("bench")
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64)
+            .query_async(&mut conn)
+            .await
+            .expect("SET");
+        assert!(set.is_some(), "cycle {i}: SET NX failed");
+        let acked: i64 = redis::cmd("WAIT")
+            .arg(1)
+            .arg(500)
+            .query_async(&mut conn)
+            .await
+            .expect("WAIT");
+        assert_eq!(acked, 1, "cycle {i}: no replica confirmed");
+        let deleted: i64 = release
+            .key("raw")
+            .arg("bench")
+            .invoke_async(&mut conn)
+            .await
+            .expect("EVAL");
+        assert_eq!(deleted, 1);
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Redis behind Sentinel (a master and a replica, both `appendfsync always`, and a sentinel):
+/// the Sentinel driver's cycles with and without a replica's confirmation, beside the
+/// single-master driver on the same master and the raw lock with `WAIT 1`; hand-over latency.
+async fn sentinel_section() {
+    println!(
+        "## Redis Sentinel (master + replica, append-only with fsync always; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
+    );
+    let set = leasehold_lease::testkit::RedisSentinelSet::start();
+    let open = |url: String| async move {
+        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
+            .await
+            .expect("driver")
+    };
+    let master = set.servers[set.master().expect("a master")].port();
+    let confirmed = open(set.url()).await;
+    let unconfirmed = open(format!("{}?min-replicas=0", set.url())).await;
+    let single = open(format!("redis://127.0.0.1:{master}")).await;
+    let (mut raw, mut ours, mut alone, mut plain) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    for _ in 0..ROUNDS {
+        raw = raw.max(sentinel_raw_cycles(master).await);
+        ours = ours.max(driver_cycles(&*confirmed).await);
+        alone = alone.max(driver_cycles(&*unconfirmed).await);
+        plain = plain.max(driver_cycles(&*single).await);
+    }
+    println!("  raw SET NX PX + WAIT 1 + DEL script    : {raw:>7.0} cycles/s");
+    println!(
+        "  redis+sentinel:// (min-replicas=1)     : {ours:>7.0} cycles/s  ({:.0} % of raw)",
+        100.0 * ours / raw
+    );
+    println!("  redis+sentinel:// (min-replicas=0)     : {alone:>7.0} cycles/s");
+    println!("  redis:// on the same master            : {plain:>7.0} cycles/s");
+    let handover = handover_latencies(open(set.url()).await, open(set.url()).await).await;
+    println!(
+        "  hand-over, redis+sentinel://           : {}",
+        describe(&handover)
+    );
 }
 
 /// The raw versioned-put lock: `EXSET NX PX WITHVERSION`, then `EXCAD` with that version.
@@ -1070,7 +1162,7 @@ async fn tair_section() {
         100.0 * ours / raw
     );
     let tair_handover = handover_latencies(open(tair.url()).await, open(tair.url()).await).await;
-    let redis = RedisServer::start_with(false);
+    let redis = redis_without_persistence();
     let redis_handover = handover_latencies(open(redis.url()).await, open(redis.url()).await).await;
     println!("  hand-over, tair  : {}", describe(&tair_handover));
     println!("  hand-over, redis : {}", describe(&redis_handover));
@@ -1355,7 +1447,7 @@ async fn keyed_section() {
         )
         .expect("family")
     };
-    let redis = RedisServer::start_with(false);
+    let redis = redis_without_persistence();
     let driver =
         leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&redis.url()).expect("url"))
             .await
@@ -1427,7 +1519,7 @@ async fn many_keys_section() {
         "## keyed locks: one sidecar holding {MANY_KEYS} keys of one family on Redis (lease {LEASE:?}, renewals every {:?})",
         LEASE / 3
     );
-    let redis = RedisServer::start_with(false);
+    let redis = redis_without_persistence();
     let port = free_port();
     let sidecar = Process(
         Command::new(sibling_binary("leasehold-sidecar"))

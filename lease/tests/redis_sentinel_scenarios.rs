@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::testkit::{FaultyDriver, RedisSentinelSet, unique_lock};
-use leasehold_lease::{Answer, BackendUrl, BootInstant, Driver, Lock, LockConfig, Mode};
+use leasehold_lease::testkit::{FaultyDriver, RedisSentinelSet, claims, unique_lock};
+use leasehold_lease::{Answer, BackendUrl, Driver, Lock, LockConfig, Mode};
 use tokio::time::{Instant, sleep};
 
 async fn driver(url: &str) -> Arc<dyn Driver> {
@@ -24,15 +24,6 @@ fn campaign(driver: Arc<dyn Driver>, lock: &str, identity: &str, lease: Duration
     Lock::start(driver, config, Arc::new(())).expect("start lock")
 }
 
-/// Whether `lock` still counts itself holder: its self-fence deadline has not passed, whether or
-/// not it can reach the backend to say so (a holder that cannot answers 503, but still acts on
-/// what it was doing).
-fn claims(lock: &Lock) -> bool {
-    lock.snapshot()
-        .held
-        .is_some_and(|held| held.valid_until > BootInstant::now())
-}
-
 fn token(answer: &Answer) -> Option<u64> {
     match answer {
         Answer::Holder { token, .. } => Some(*token),
@@ -41,7 +32,7 @@ fn token(answer: &Answer) -> Option<u64> {
 }
 
 /// The replica stops receiving (its link is cut), the holder takes the lock on the master alone
-/// (`min-replicas=0`), the holder's renewals stop getting through (a partition, a long pause),
+/// (`min-replicas=0`), the holder is cut off from Redis (a partition, a long pause),
 /// and the master dies: the sentinel promotes a replica that has neither the lease nor the token
 /// the holder got, while the holder still claims the lock for the rest of its lease. A new
 /// contender must not hold before that claim has ended, and must get a greater token. Without
@@ -70,7 +61,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
     }
     let a_token = token(&a.answer()).expect("a holds");
 
-    a_driver.stall_renewals(true);
+    a_driver.cut_off(true);
     let killed = Instant::now();
     tokio::task::block_in_place(|| set.fail_over());
     let promoted = killed.elapsed();

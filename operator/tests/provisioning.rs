@@ -8,12 +8,13 @@ use std::time::Duration;
 use kube::ResourceExt;
 use leasehold_crds::{
     Backend, CleanupPolicy, DistributedLock, EtcdBackend, KubernetesBackend, RedisBackend,
-    SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
+    RedisSentinel, SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
 };
 use leasehold_lease::resource;
 use leasehold_lease::testkit::in_memory_api_server::{LEASES, SECRETS};
 use leasehold_lease::testkit::{
-    EtcdServer, InMemoryApiServer, MariaDbServer, PostgresServer, RedisServer, ZooKeeperServer,
+    EtcdServer, InMemoryApiServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer,
+    ZooKeeperServer,
 };
 use leasehold_lease::{Acquire, Driver};
 use leasehold_operator::backends::Backends;
@@ -217,6 +218,56 @@ async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
             .unwrap();
         assert_eq!(left, kept, "{key}");
     }
+}
+
+/// Redis behind Sentinel: the operator reaches the master through the sentinels it is given
+/// (the endpoints), reports the lock ready, and its clean-up runs on that master, keeping the
+/// token counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sentinel_is_reached_through_the_sentinels() {
+    let set = RedisSentinelSet::start();
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "payouts",
+        Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec![format!("127.0.0.1:{}", set.sentinel_port())],
+                sentinel: Some(RedisSentinel {
+                    master_name: leasehold_lease::testkit::redis_sentinel::MASTER_NAME.into(),
+                    min_replicas: Some(1),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (observation, driver) = provision(&api, &lock).await;
+    ready(&observation);
+    assert_eq!(driver.kind(), "redis-sentinel");
+    // The replica must confirm the acquisition; on a machine busy starting the other tests'
+    // servers that can take longer than the driver waits, and the acquisition is then retried,
+    // as the sidecar's engine would.
+    let started = std::time::Instant::now();
+    let lease = loop {
+        match driver
+            .try_acquire("payouts", "pod-a", Duration::from_secs(10))
+            .await
+        {
+            Ok(Acquire::Acquired(lease)) => break lease,
+            Ok(busy) => panic!("the provisioned lock is not free: {busy:?}"),
+            Err(e) => assert!(started.elapsed() < Duration::from_secs(10), "{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let exists = |key: &str| set.on_master(&["EXISTS", key]).unwrap();
+    assert_eq!(exists("leasehold:{payouts}:lease"), "int(1)");
+    Backends::default()
+        .clean_up(&api.client(), &lock)
+        .await
+        .unwrap();
+    assert_eq!(exists("leasehold:{payouts}:lease"), "int(0)");
+    assert_eq!(exists("leasehold:{payouts}:token"), "int(1)");
+    assert!(!driver.release(&lease).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,10 +6,11 @@
 //! Keys use a hash tag on the lock name (`leasehold:{jobs}:lease`, `leasehold:{jobs}:token`) so
 //! both keys of a lock land in one slot of a Redis Cluster.
 //!
-//! Token durability: the counter is an ordinary key. With `appendonly yes` it survives a restart,
-//! and tokens keep increasing; on a Redis without persistence a restart resets it. With
-//! `appendfsync everysec` (the Redis default) the last second of increments can be lost in a
-//! crash, so run lock Redis with `appendfsync always` when tokens must never repeat.
+//! Restarts: a server without persistence (or one that lost the last second of `appendfsync
+//! everysec`) comes back without leases their holders still claim, and without their token
+//! counters. The acquire script's epoch record (see [`ACQUIRE`]) makes such a server wait out
+//! one lease before it grants a free lock, and raises the counters above every earlier token; a
+//! durable server (`appendfsync always`) lost nothing and goes on at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,17 +33,94 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
-/// KEYS: lease, token counter. ARGV: identity, ttl ms.
-/// Returns the new token, or {current value, remaining ms} when the lock is held.
-const ACQUIRE: &str = r"
+/// KEYS: lease, token counter, epoch record. ARGV: identity, ttl ms, durable ("1" when the
+/// server loses no acknowledged write in a crash: `appendonly yes`, `appendfsync always`).
+/// Returns the new token, {current value, remaining ms} when the lock is held, or
+/// {false, remaining ms} while the server waits out a lease it may have lost.
+///
+/// The epoch record holds the replication ID of the server the last acquisition ran on. A
+/// restarted server and a promoted replica each have a new one; then a lease it granted may be
+/// missing (a restart without its data, a replica that never received it), so no free lock is
+/// granted for one lease (from the server's start when it was never promoted and has no record,
+/// else from now), and the token counters are raised above every token of earlier epochs (the
+/// floor: the server's clock in microseconds, and at least 10^9 above the last floor). A durable
+/// server that was never promoted lost nothing: its new epoch begins at once, tokens untouched.
+pub(crate) const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
   return {current, redis.call('PTTL', KEYS[1])}
 end
+local replication = redis.call('INFO', 'replication')
+local replid = string.match(replication, 'master_replid:(%w+)')
+local promoted = string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1'
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local epoch = redis.call('HMGET', KEYS[3], 'replid', 'since', 'floor')
+local since, floor = tonumber(epoch[2]) or 0, tonumber(epoch[3]) or 0
+if epoch[1] ~= replid then
+  if promoted or ARGV[3] ~= '1' then
+    if epoch[1] or promoted then
+      since = now
+    else
+      local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
+      since = now - tonumber(uptime) * 1000000
+    end
+    floor = math.max(now, floor + 1000000000)
+  end
+  redis.call('HSET', KEYS[3], 'replid', replid, 'since', string.format('%d', since),
+    'floor', string.format('%d', floor))
+end
+local left = since + tonumber(ARGV[2]) * 1000 - now
+if left > 0 then
+  return {false, math.ceil(left / 1000)}
+end
+if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
+  redis.call('SET', KEYS[2], string.format('%d', floor))
+end
 local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], token .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
+redis.call('SET', KEYS[1], string.format('%d', token) .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
 return token
 ";
+
+/// How long a master's durability (as CONFIG tells it) is trusted before it is read again.
+const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
+
+/// Whether a master loses no acknowledged write in a crash (`appendonly yes` with `appendfsync
+/// always`), read through CONFIG at most once a [`DURABILITY_RECHECK`] per master. Where CONFIG
+/// is renamed or forbidden (managed services), a master counts as not durable.
+#[derive(Default)]
+pub(crate) struct Durability {
+    checked: std::sync::Mutex<Option<(std::time::Instant, String, bool)>>,
+}
+
+impl Durability {
+    pub(crate) async fn of(
+        &self,
+        conn: &mut (impl redis::aio::ConnectionLike + Send),
+        master: &str,
+    ) -> bool {
+        if let Some((at, of, durable)) = &*self.checked.lock().expect("durability")
+            && of == master
+            && at.elapsed() < DURABILITY_RECHECK
+        {
+            return *durable;
+        }
+        let mut setting = async |name: &str| -> Option<String> {
+            let pair: Vec<String> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg(name)
+                .query_async(conn)
+                .await
+                .ok()?;
+            pair.into_iter().nth(1)
+        };
+        let durable = setting("appendonly").await.as_deref() == Some("yes")
+            && setting("appendfsync").await.as_deref() == Some("always");
+        *self.checked.lock().expect("durability") =
+            Some((std::time::Instant::now(), master.to_owned(), durable));
+        durable
+    }
+}
 
 /// KEYS: lease. ARGV: expected value, ttl ms. Returns 1 when renewed.
 pub(crate) const RENEW: &str = r"
@@ -76,6 +154,7 @@ pub struct RedisDriver {
     /// Over TLS: a timeout then most likely means no TLS on the other side.
     tls: bool,
     keys: KeyLayout,
+    durability: Durability,
     acquire: Script,
     renew: Script,
     release: Script,
@@ -107,6 +186,10 @@ impl KeyLayout {
     }
     pub fn token(&self, lock: &str) -> String {
         format!("{}:{{{lock}}}:token", self.prefix)
+    }
+    /// The prefix's epoch record (see [`ACQUIRE`]).
+    pub fn epoch(&self) -> String {
+        format!("{}:epoch", self.prefix)
     }
     pub fn released_channel(&self, lock: &str) -> String {
         format!("{}:released:{lock}", self.prefix)
@@ -216,6 +299,7 @@ impl RedisDriver {
             conn,
             tls: tls.is_some(),
             keys,
+            durability: Durability::default(),
             acquire: Script::new(ACQUIRE),
             renew: Script::new(RENEW),
             release: Script::new(RELEASE),
@@ -343,12 +427,15 @@ impl Driver for RedisDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.conn.clone();
+        let durable = self.durability.of(&mut conn, "").await;
         let reply: Value = self
             .acquire
             .key(self.keys.lease(lock))
             .key(self.keys.token(lock))
+            .key(self.keys.epoch())
             .arg(identity)
             .arg(ms(ttl))
+            .arg(if durable { "1" } else { "0" })
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.error(e))?;
@@ -422,6 +509,7 @@ mod tests {
         let k = KeyLayout::new("leasehold");
         assert_eq!(k.lease("jobs"), "leasehold:{jobs}:lease");
         assert_eq!(k.token("jobs"), "leasehold:{jobs}:token");
+        assert_eq!(k.epoch(), "leasehold:epoch");
         assert_eq!(k.released_channel("jobs"), "leasehold:released:jobs");
         assert_eq!(k.lock_of_channel("leasehold:released:jobs"), Some("jobs"));
         assert_eq!(k.lock_of_channel("other:released:jobs"), None);

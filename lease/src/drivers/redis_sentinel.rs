@@ -2,28 +2,18 @@
 //! server the sentinels name master, followed across failovers.
 //!
 //! Redis replicates asynchronously, so a failover can lose what the old master last wrote, and a
-//! partitioned old master can go on taking writes from the clients on its side. Three things keep
+//! partitioned old master can go on taking writes from the clients on its side. Two things keep
 //! two pods from both holding the lock:
 //!
 //! - **Acquisitions and renewals count only once a replica has them.** Each is followed by
 //!   `WAIT min-replicas` (default 1); one the replicas did not confirm in time is an error, and an
 //!   unconfirmed acquisition is given back. An old master cut off from its replicas therefore
 //!   extends nobody's claim, and its holder stops claiming when its last confirmed lease runs out.
-//! - **A server whose history is not the one the last acquisition saw waits out one lease before
-//!   it grants a free lock.** The acquire script keeps the master's replication ID in the
-//!   prefix's epoch record (`PREFIX:epoch`). A promoted replica has a new one, and so does a
-//!   restarted master. When the IDs differ, the script starts a new epoch, and for one lease from
-//!   then no free lock is granted. A lease the old master granted and the new one never received
-//!   has ended by then, because its holder counts it from before the promotion. One case counts
-//!   from the server's start instead: no record at all on a server that was never promoted. Such
-//!   a server lost nothing since it started, so a fresh server is not held up. A held lease that
-//!   did reach the new master is renewed there as before.
-//! - **Tokens are rebased at every new epoch.** A promoted replica's counter can be behind tokens
-//!   the old master handed out. The first acquisition of each lock in a new epoch raises its
-//!   counter to the epoch's floor: the larger of the server's clock in microseconds and the last
-//!   floor plus 10^9. Tokens go on increasing unless the old master handed out more tokens for
-//!   one lock than microseconds passed, and a billion more than that across epochs shorter than
-//!   the clocks' disagreement.
+//! - **A promoted replica waits out one lease before it grants a free lock, and rebases the
+//!   tokens**: the single master's epoch record ([`super::redis::ACQUIRE`]), in which a promoted
+//!   server is never durable. A lease the old master granted and the new one never received has
+//!   ended by then, because its holder counts it from before the promotion; a lease that did
+//!   reach the new master is renewed there as before.
 //!
 //! What it costs: after a failover, a free lock is granted one lease after the first attempt on
 //! the new master, so takeover takes Sentinel's detection time plus one lease. And each
@@ -52,6 +42,8 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 const MASTER_CHECK: Duration = Duration::from_secs(1);
 /// The longest a `WAIT` for replicas may hold up the connection the driver's calls share.
 const MAX_REPLICA_WAIT: Duration = Duration::from_millis(500);
+/// The shortest: a replica that is in sync but busy (its own fsync) still answers in time.
+const MIN_REPLICA_WAIT: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
@@ -69,43 +61,6 @@ pub struct SentinelConfig {
     /// Replicas that must confirm each acquisition and renewal (`WAIT`).
     pub min_replicas: u32,
 }
-
-/// KEYS: lease, token counter, epoch record. ARGV: identity, ttl ms.
-/// Returns the new token, {current value, remaining ms} when the lock is held, or
-/// {false, remaining ms} while a new epoch waits out one lease.
-const ACQUIRE: &str = r"
-local current = redis.call('GET', KEYS[1])
-if current then
-  return {current, redis.call('PTTL', KEYS[1])}
-end
-local replication = redis.call('INFO', 'replication')
-local replid = string.match(replication, 'master_replid:(%w+)')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local epoch = redis.call('HMGET', KEYS[3], 'replid', 'since', 'floor')
-local since, floor = tonumber(epoch[2]), tonumber(epoch[3])
-if epoch[1] ~= replid then
-  if epoch[1] or string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1' then
-    since = now
-  else
-    local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
-    since = now - tonumber(uptime) * 1000000
-  end
-  floor = math.max(now, (floor or 0) + 1000000000)
-  redis.call('HSET', KEYS[3], 'replid', replid, 'since', string.format('%d', since),
-    'floor', string.format('%d', floor))
-end
-local left = since + tonumber(ARGV[2]) * 1000 - now
-if left > 0 then
-  return {false, math.ceil(left / 1000)}
-end
-if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
-  redis.call('SET', KEYS[2], string.format('%d', floor))
-end
-local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], string.format('%d', token) .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
-return token
-";
 
 /// The master the sentinels name, and one shared connection to it.
 pub struct SentinelMaster {
@@ -254,7 +209,7 @@ fn means_another_master(e: &redis::RedisError) -> bool {
 pub struct RedisSentinelDriver {
     master: Arc<SentinelMaster>,
     keys: KeyLayout,
-    epoch_key: String,
+    durability: single::Durability,
     min_replicas: u32,
     acquire: Script,
     renew: Script,
@@ -282,11 +237,11 @@ impl RedisSentinelDriver {
             releases.clone(),
         ));
         Self {
-            epoch_key: format!("{}:epoch", config.prefix),
+            durability: single::Durability::default(),
             master,
             keys,
             min_replicas: config.min_replicas,
-            acquire: Script::new(ACQUIRE),
+            acquire: Script::new(single::ACQUIRE),
             renew: Script::new(single::RENEW),
             release: Script::new(single::RELEASE),
             observe: Script::new(single::OBSERVE),
@@ -304,12 +259,12 @@ impl RedisSentinelDriver {
     }
 
     /// `WAIT` until `min_replicas` replicas have every write so far on this connection; an error
-    /// when they do not within a fraction of the lease.
+    /// when they do not within a quarter of the lease (100-500 ms).
     async fn replicated(&self, master: &Master, ttl: Duration, what: &str) -> Result<()> {
         if self.min_replicas == 0 {
             return Ok(());
         }
-        let wait = (ttl / 10).min(MAX_REPLICA_WAIT);
+        let wait = (ttl / 4).clamp(MIN_REPLICA_WAIT, MAX_REPLICA_WAIT);
         let mut conn = master.conn.clone();
         let acked: i64 = match redis::cmd("WAIT")
             .arg(self.min_replicas)
@@ -359,13 +314,18 @@ impl Driver for RedisSentinelDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let master = self.master.master().await?;
+        let durable = self
+            .durability
+            .of(&mut master.conn.clone(), &master.address)
+            .await;
         let reply: Value = match self
             .acquire
             .key(self.keys.lease(lock))
             .key(self.keys.token(lock))
-            .key(&self.epoch_key)
+            .key(self.keys.epoch())
             .arg(identity)
             .arg(single::ms(ttl))
+            .arg(if durable { "1" } else { "0" })
             .invoke_async(&mut master.conn.clone())
             .await
         {

@@ -1,5 +1,6 @@
 //! A driver wrapper that injects the faults a real network and scheduler produce: renewals that
-//! never come back (a partitioned or paused holder) and answers that arrive late.
+//! never come back (a partitioned or paused holder), a client cut off from the backend
+//! altogether, and answers that arrive late.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,6 +15,7 @@ use crate::error::Result;
 pub struct FaultyDriver {
     inner: Arc<dyn Driver>,
     stall_renewals: AtomicBool,
+    cut_off: AtomicBool,
     response_delay_ms: AtomicU64,
 }
 
@@ -22,6 +24,7 @@ impl FaultyDriver {
         Arc::new(Self {
             inner,
             stall_renewals: AtomicBool::new(false),
+            cut_off: AtomicBool::new(false),
             response_delay_ms: AtomicU64::new(0),
         })
     }
@@ -29,6 +32,18 @@ impl FaultyDriver {
     /// From now on, renewals hang (the request may or may not have reached the backend).
     pub fn stall_renewals(&self, stall: bool) {
         self.stall_renewals.store(stall, Ordering::SeqCst);
+    }
+
+    /// From now on, every call hangs before it reaches the backend, as behind a partition: the
+    /// holder can neither renew nor take the lock again.
+    pub fn cut_off(&self, cut: bool) {
+        self.cut_off.store(cut, Ordering::SeqCst);
+    }
+
+    async fn unless_cut_off(&self) {
+        if self.cut_off.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// Deliver every answer this much later than the backend gave it.
@@ -52,6 +67,7 @@ impl Driver for FaultyDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        self.unless_cut_off().await;
         let outcome = self.inner.try_acquire(lock, identity, ttl).await;
         self.delay().await;
         outcome
@@ -61,6 +77,7 @@ impl Driver for FaultyDriver {
         if self.stall_renewals.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
+        self.unless_cut_off().await;
         let outcome = self.inner.renew(lease, ttl).await;
         self.delay().await;
         outcome
@@ -75,6 +92,7 @@ impl Driver for FaultyDriver {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
+        self.unless_cut_off().await;
         self.inner.release(lease).await
     }
 
@@ -91,6 +109,7 @@ impl Driver for FaultyDriver {
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        self.unless_cut_off().await;
         self.inner.observe(lock).await
     }
 
@@ -103,6 +122,7 @@ impl Driver for FaultyDriver {
     }
 
     async fn ping(&self) -> Result<()> {
+        self.unless_cut_off().await;
         self.inner.ping().await
     }
 }

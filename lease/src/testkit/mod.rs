@@ -36,6 +36,15 @@ pub use redis_server::RedisServer;
 pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 
+/// Whether `lock` still counts itself holder: its self-fence deadline has not passed, whether or
+/// not it can reach the backend to say so (a holder that cannot answers 503, but an app may
+/// still be acting on its last 200).
+pub fn claims(lock: &crate::Lock) -> bool {
+    lock.snapshot()
+        .held
+        .is_some_and(|held| held.valid_until > crate::BootInstant::now())
+}
+
 /// A `DistributedLock` NAMESPACE/NAME on `backend`, as a user would write it (15 s lease, 5 s
 /// renew interval, the defaults otherwise), with the uid `uid-NAME` the API server would give.
 pub fn distributed_lock(

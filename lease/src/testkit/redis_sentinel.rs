@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::fault_proxy::FaultProxy;
-use super::redis_server::{RedisServer, ping};
+use super::redis_server::{RedisServer, field, info, ping};
 use super::server_process::ServerProcess;
 use super::{free_port, require_binary};
 
@@ -33,10 +33,8 @@ pub struct RedisSentinelSet {
 }
 
 impl RedisSentinelSet {
-    /// Start the master, its replica and the sentinel; return once the sentinel knows the
-    /// replica (so that it can fail over) and the master has been up longer than the
-    /// conformance suite's lease (a fresh server holds free locks for one lease after it starts;
-    /// see `redis_sentinel.rs`).
+    /// Start the master, its replica and the sentinel (all durable: a fresh durable master
+    /// grants at once); return once the sentinel knows the replica, so that it can fail over.
     pub fn start() -> Self {
         let master = RedisServer::start();
         let replication_link = FaultProxy::start(master.port());
@@ -56,11 +54,6 @@ impl RedisSentinelSet {
         set.wait_for("the sentinel to know the replica", |s| {
             s.sentinel_command(&["SENTINEL", "replicas", MASTER_NAME])
                 .is_ok_and(|reply| reply.contains(&s.servers[1].port().to_string()))
-        });
-        let lease = super::conformance::LEASE.as_secs().max(1);
-        set.wait_for("the master to be up longer than a lease", |s| {
-            field(&info(s.servers[0].port(), "server"), "uptime_in_seconds")
-                .is_some_and(|up| up.parse::<u64>().is_ok_and(|up| up >= lease))
         });
         set
     }
@@ -106,6 +99,11 @@ impl RedisSentinelSet {
             "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/{MASTER_NAME}",
             self.dead_sentinel_port, self.sentinel_port
         )
+    }
+
+    /// The live sentinel's port.
+    pub fn sentinel_port(&self) -> u16 {
+        self.sentinel_port
     }
 
     /// Which of [`Self::servers`] the sentinel names master now.
@@ -174,26 +172,6 @@ fn command(port: u16, args: &[&str]) -> redis::RedisResult<String> {
     }
     let reply: redis::Value = cmd.query(&mut conn)?;
     Ok(format!("{reply:?}"))
-}
-
-/// `INFO section` of the server on `port`, or nothing when it does not answer.
-pub fn info(port: u16, section: &str) -> String {
-    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
-        return String::new();
-    };
-    let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
-        return String::new();
-    };
-    redis::cmd("INFO")
-        .arg(section)
-        .query::<String>(&mut conn)
-        .unwrap_or_default()
-}
-
-fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
-    info.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-        .map(str::trim)
 }
 
 impl super::conformance::BackendServer for RedisSentinelSet {

@@ -110,18 +110,34 @@ impl RedisServer {
         server
     }
 
-    /// A durable replica of whatever listens on `port` (a master, or a proxy to one).
+    /// A replica of whatever listens on `port` (a master, or a proxy to one), without an
+    /// append-only file: it acknowledges what it received without waiting for its disk (on a
+    /// loaded machine an fsync alone can outlast a `WAIT`), and a restart syncs it again from its
+    /// master.
     pub fn start_replica_of(port: u16) -> Self {
         let mut server = Self {
             process: ServerProcess::new("redis-replica"),
             port: free_port(),
-            durable: true,
+            durable: false,
             tls_port: None,
             module: None,
             replica_of: Some(port),
         };
         server.spawn();
         server
+    }
+
+    /// Wait until the server has been up for `lease`. A server without an append-only file
+    /// synced on every write grants a free lock only then: it cannot tell its first start from
+    /// a restart that lost the leases its holders still claim (see `drivers/redis.rs`).
+    pub fn wait_until_up_for(&self, lease: Duration) {
+        let seconds = lease.as_secs_f64().ceil() as u64;
+        while field(&info(self.port, "server"), "uptime_in_seconds")
+            .and_then(|up| up.parse::<u64>().ok())
+            .is_none_or(|up| up < seconds)
+        {
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The plain-text port.
@@ -213,6 +229,26 @@ impl RedisServer {
         self.kill();
         self.spawn();
     }
+}
+
+/// `INFO section` of the server on `port`, or nothing when it does not answer.
+pub fn info(port: u16, section: &str) -> String {
+    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
+        return String::new();
+    };
+    let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
+        return String::new();
+    };
+    redis::cmd("INFO")
+        .arg(section)
+        .query::<String>(&mut conn)
+        .unwrap_or_default()
+}
+
+pub(super) fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
 }
 
 /// One raw `PING`, the protocol's own health check.

@@ -1,0 +1,116 @@
+//! A single Redis master that restarts: with its data (an append-only file synced on every
+//! write) it lost nothing, and locks go on at once; without it (no persistence, or the last
+//! second of `appendfsync everysec`), a lease its holder still claims is gone, and the server
+//! must not hand the lock to anyone else before that claim has ended.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::testkit::{FaultyDriver, RedisServer, claims, unique_lock};
+use leasehold_lease::{Acquire, Answer, BackendUrl, Driver, Lock, LockConfig, Mode};
+use tokio::time::{Instant, sleep};
+
+async fn driver(url: &str) -> Arc<dyn Driver> {
+    leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
+        .await
+        .expect("driver")
+}
+
+fn campaign(driver: Arc<dyn Driver>, lock: &str, identity: &str, lease: Duration) -> Lock {
+    let config = LockConfig {
+        renew_interval: lease / 10,
+        mode: Mode::Campaign,
+        ..LockConfig::new(lock, identity, lease)
+    };
+    Lock::start(driver, config, Arc::new(())).expect("start lock")
+}
+
+async fn held_token(lock: &Lock, within: Duration) -> u64 {
+    let start = Instant::now();
+    loop {
+        if let Answer::Holder { token, .. } = lock.answer() {
+            return token;
+        }
+        assert!(start.elapsed() < within, "never held: {:?}", lock.answer());
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The holder is cut off from Redis (a partition, a long pause) and Redis restarts without its
+/// data: the lease and the token counter are gone. A contender must hold only once the old
+/// claim has ended, with a greater token. Without the epoch record it took the lock at once,
+/// with the same token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim() {
+    let mut server = RedisServer::start_with(false);
+    let lock = unique_lock("restart");
+    let lease = Duration::from_secs(3);
+    let a_driver = FaultyDriver::wrap(driver(&server.url()).await);
+    let a = campaign(a_driver.clone(), &lock, "a", lease);
+    // A fresh server without persistence cannot tell its start from a restart that lost
+    // everything: its first grant waits until it has been up for a lease.
+    let a_token = held_token(&a, lease * 3).await;
+
+    a_driver.cut_off(true);
+    let restarted = Instant::now();
+    tokio::task::block_in_place(|| server.restart());
+    let b = campaign(driver(&server.url()).await, &lock, "b", lease);
+    let mut a_last_claimed = None;
+    let b_token = loop {
+        let (a_claims, b_answer) = (claims(&a), b.answer());
+        assert!(
+            !(a_claims && b_answer.is_holder()),
+            "two holders after the restart: a claims {:?}, b answers {b_answer:?}",
+            a.snapshot().held
+        );
+        if a_claims {
+            a_last_claimed = Some(restarted.elapsed());
+        }
+        if let Answer::Holder { token, .. } = b_answer {
+            break token;
+        }
+        assert!(
+            restarted.elapsed() < lease * 4,
+            "b never took over after the restart: {b_answer:?}"
+        );
+        sleep(Duration::from_millis(5)).await;
+    };
+    assert!(
+        a_last_claimed.is_some_and(|t| t > Duration::from_millis(100)),
+        "the old holder still claimed after the restart (the case under test): {a_last_claimed:?}"
+    );
+    assert!(
+        b_token > a_token,
+        "token {b_token} after the restart, {a_token} before"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A durable master (`appendonly yes`, `appendfsync always`) that restarts lost nothing: the
+/// holder's lease is still there, a free lock is granted at once, and tokens are not rebased
+/// (the first lock's first token is 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_restart_keeps_the_lease_and_grants_free_locks_at_once() {
+    let mut server = RedisServer::start();
+    let (held, free) = (unique_lock("kept"), unique_lock("free"));
+    let client = driver(&server.url()).await;
+    let lease = Duration::from_secs(30);
+    let Acquire::Acquired(first) = client.try_acquire(&held, "a", lease).await.unwrap() else {
+        panic!("a fresh durable server grants at once");
+    };
+    assert_eq!(first.token, 1);
+    tokio::task::block_in_place(|| server.restart());
+    let client = driver(&server.url()).await;
+    let holding = client
+        .observe(&held)
+        .await
+        .unwrap()
+        .expect("the lease survived");
+    assert_eq!((holding.identity.as_str(), holding.token), ("a", 1));
+    assert!(client.renew(&first, lease).await.unwrap());
+    match client.try_acquire(&free, "b", lease).await.unwrap() {
+        Acquire::Acquired(lease) => assert_eq!(lease.token, 1),
+        busy => panic!("a durable restart held up a free lock: {busy:?}"),
+    }
+}
