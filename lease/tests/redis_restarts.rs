@@ -114,3 +114,48 @@ async fn a_durable_restart_keeps_the_lease_and_grants_free_locks_at_once() {
         busy => panic!("a durable restart held up a free lock: {busy:?}"),
     }
 }
+
+/// A Redis user that may not run `INFO` still takes locks, without the guard against a restart
+/// that lost a lease, and the lock's warnings say so and what to allow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_info_gets_locks_and_a_warning() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).expect("client");
+    let mut admin = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let _: () = redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER", "locker", "on", ">secret", "~*", "&*", "+@all", "-info",
+            ][..],
+        )
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let locker = driver(&format!(
+        "redis://locker:secret@127.0.0.1:{}",
+        server.port()
+    ))
+    .await;
+    let lock = unique_lock("no-info");
+    match locker
+        .try_acquire(&lock, "a", Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
+        Acquire::Acquired(lease) => assert!(locker.release(&lease).await.unwrap()),
+        busy => panic!("{busy:?}"),
+    }
+    let warnings = locker.warnings().await.unwrap();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("INFO is refused")
+                && w.contains("let the lock's Redis user run INFO")),
+        "{warnings:?}"
+    );
+    let full = driver(&server.url()).await;
+    assert_eq!(full.warnings().await.unwrap(), Vec::<String>::new());
+}

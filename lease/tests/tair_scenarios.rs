@@ -64,3 +64,42 @@ async fn the_module_server_provisions_and_tokens_survive_a_restart() {
     let shown = BackendUrl::parse(&server.url()).unwrap().to_string();
     assert!(shown.starts_with("tair://127.0.0.1:"), "{shown}");
 }
+
+async fn acquired(
+    driver: &dyn leasehold_lease::Driver,
+    lock: &str,
+    who: &str,
+    ttl: Duration,
+) -> leasehold_lease::Lease {
+    match driver.try_acquire(lock, who, ttl).await.unwrap() {
+        leasehold_lease::Acquire::Acquired(lease) => lease,
+        busy => panic!("{who} could not take {lock}: {busy:?}"),
+    }
+}
+
+/// A holder whose key expired and was taken by another can neither renew nor release the new
+/// holder's key. TairString starts every new key at version 1, and `EXCAS`/`EXCAD` compare the
+/// version alone: with versions that repeat across holdings, the stale holder's first-version
+/// renewal succeeded on the new holder's first-version key, and both claimed the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_key_was_taken_again_cannot_renew_or_release_it() {
+    let server = RedisServer::start_tair();
+    let url = BackendUrl::parse(&server.url()).unwrap();
+    let (a, b) = (connect(&url).await.unwrap(), connect(&url).await.unwrap());
+    let short = Duration::from_millis(200);
+    let long = Duration::from_secs(30);
+    for (lock, stale_call) in [("renewed", "renew"), ("released", "release")] {
+        let stale = acquired(&*a, lock, "a", short).await;
+        tokio::time::sleep(short + Duration::from_millis(100)).await;
+        let fresh = acquired(&*b, lock, "b", long).await;
+        let stale_won = match stale_call {
+            "renew" => a.renew(&stale, long).await.unwrap(),
+            _ => a.release(&stale).await.unwrap(),
+        };
+        assert!(!stale_won, "a's {stale_call} went through on b's key");
+        let holder = b.observe(lock).await.unwrap().expect("b still holds");
+        assert_eq!((holder.identity.as_str(), holder.token), ("b", fresh.token));
+        assert!(b.renew(&fresh, long).await.unwrap());
+        assert!(b.release(&fresh).await.unwrap());
+    }
+}

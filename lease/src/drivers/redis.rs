@@ -50,29 +50,33 @@ local current = redis.call('GET', KEYS[1])
 if current then
   return {current, redis.call('PTTL', KEYS[1])}
 end
-local replication = redis.call('INFO', 'replication')
-local replid = string.match(replication, 'master_replid:(%w+)')
-local promoted = string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1'
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local epoch = redis.call('HMGET', KEYS[3], 'replid', 'since', 'floor')
-local since, floor = tonumber(epoch[2]) or 0, tonumber(epoch[3]) or 0
-if epoch[1] ~= replid then
-  if promoted or ARGV[3] ~= '1' then
-    if epoch[1] or promoted then
-      since = now
-    else
-      local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
-      since = now - tonumber(uptime) * 1000000
+local floor = 0
+local replication = redis.pcall('INFO', 'replication')
+local replid = type(replication) == 'string' and string.match(replication, 'master_replid:(%w+)')
+if replid then
+  local promoted = string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1'
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local epoch = redis.call('HMGET', KEYS[3], 'replid', 'since', 'floor')
+  local since = tonumber(epoch[2]) or 0
+  floor = tonumber(epoch[3]) or 0
+  if epoch[1] ~= replid then
+    if promoted or ARGV[3] ~= '1' then
+      if epoch[1] or promoted then
+        since = now
+      else
+        local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
+        since = now - tonumber(uptime) * 1000000
+      end
+      floor = math.max(now, floor + 1000000000)
     end
-    floor = math.max(now, floor + 1000000000)
+    redis.call('HSET', KEYS[3], 'replid', replid, 'since', string.format('%d', since),
+      'floor', string.format('%d', floor))
   end
-  redis.call('HSET', KEYS[3], 'replid', replid, 'since', string.format('%d', since),
-    'floor', string.format('%d', floor))
-end
-local left = since + tonumber(ARGV[2]) * 1000 - now
-if left > 0 then
-  return {false, math.ceil(left / 1000)}
+  local left = since + tonumber(ARGV[2]) * 1000 - now
+  if left > 0 then
+    return {false, math.ceil(left / 1000)}
+  end
 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
   redis.call('SET', KEYS[2], string.format('%d', floor))
@@ -81,7 +85,6 @@ local token = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], string.format('%d', token) .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
 return token
 ";
-
 /// How long a master's durability (as CONFIG tells it) is trusted before it is read again.
 const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
 
@@ -372,6 +375,29 @@ pub(crate) async fn delete_keys(
     Ok(())
 }
 
+/// Warnings about a master's settings that endanger locks: it may evict lock keys under memory
+/// pressure, or this user may not run `INFO`, without which a restart or failover that lost a
+/// held lease goes unnoticed.
+pub(crate) async fn lock_key_warnings(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+) -> Result<Vec<String>> {
+    let mut warnings: Vec<String> = eviction_warning(conn).await?.into_iter().collect();
+    let info: redis::RedisResult<String> = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(conn)
+        .await;
+    match info {
+        Ok(_) => {}
+        Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => warnings.push(format!(
+            "INFO is refused ({e}): a restart or failover that loses a held lease goes \
+             unnoticed, and another pod may then take the lock while its holder still claims \
+             it; let the lock's Redis user run INFO"
+        )),
+        Err(e) => return Err(map_err(e)),
+    }
+    Ok(warnings)
+}
+
 /// A warning when the master may evict lock keys under memory pressure: an evicted lease frees
 /// the lock while its holder still claims it, and an evicted counter restarts the tokens.
 pub(crate) async fn eviction_warning(
@@ -397,7 +423,8 @@ pub(crate) async fn eviction_warning(
     };
     Ok(evicts_lock_keys(&policy).then(|| {
         format!(
-            "maxmemory-policy is {policy}: Redis may evict lock keys under memory pressure;              use noeviction (or volatile-* with a dedicated instance)"
+            "maxmemory-policy is {policy}: Redis may evict lock keys under memory pressure; \
+             use noeviction (or volatile-* with a dedicated instance)"
         )
     }))
 }
@@ -419,10 +446,7 @@ impl Driver for RedisDriver {
     }
 
     async fn warnings(&self) -> Result<Vec<String>> {
-        Ok(eviction_warning(&mut self.conn.clone())
-            .await?
-            .into_iter()
-            .collect())
+        lock_key_warnings(&mut self.conn.clone()).await
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {

@@ -68,6 +68,8 @@ pub struct SentinelMaster {
     current: tokio::sync::Mutex<Option<Master>>,
     /// One connection per sentinel, kept while it works.
     sentinels: Mutex<Vec<Option<MultiplexedConnection>>>,
+    /// The index of the sentinel that answered last.
+    answering: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Clone)]
@@ -90,15 +92,25 @@ impl SentinelMaster {
             config,
             current: tokio::sync::Mutex::new(None),
             sentinels,
+            answering: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
     /// `host:port` of the master, as the first sentinel that answers says.
     pub async fn named_master(&self) -> Result<String> {
         let mut failures = Vec::new();
-        for (i, sentinel) in self.config.sentinels.iter().enumerate() {
+        // The sentinel that answered last is asked first: a dead one listed before it would
+        // otherwise cost a connect timeout at every check.
+        let first = self.answering.load(std::sync::atomic::Ordering::Relaxed);
+        let count = self.config.sentinels.len();
+        for i in (0..count).map(|k| (first + k) % count) {
+            let sentinel = &self.config.sentinels[i];
             match self.ask_sentinel(i, sentinel).await {
-                Ok(Some(address)) => return Ok(address),
+                Ok(Some(address)) => {
+                    self.answering
+                        .store(i, std::sync::atomic::Ordering::Relaxed);
+                    return Ok(address);
+                }
                 Ok(None) => failures.push(format!(
                     "{sentinel} does not monitor a master named {:?}",
                     self.config.master_name
@@ -306,10 +318,7 @@ impl Driver for RedisSentinelDriver {
 
     async fn warnings(&self) -> Result<Vec<String>> {
         let master = self.master.master().await?;
-        Ok(single::eviction_warning(&mut master.conn.clone())
-            .await?
-            .into_iter()
-            .collect())
+        single::lock_key_warnings(&mut master.conn.clone()).await
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {

@@ -10,8 +10,12 @@
 //!   claim is undone (`EXCAD`) and counted as busy.
 //!   While we hold, no later token can hold, so a claim that passes the check keeps tokens
 //!   strictly increasing.
+//!   The claim sets the key's version to TOKEN x 2^32 (`ABS`): TairString starts each new key at
+//!   version 1, so without that a holder whose key expired and was taken again would find its
+//!   old version on the new holder's key.
 //! - **Renew**: `EXCAS lease VALUE VERSION PX ttl` with the version this holder last saw; the
-//!   version moves on each renewal, so a holder whose version is stale has lost the lock.
+//!   version moves on each renewal, and versions never repeat across holdings, so a holder
+//!   whose version is stale has lost the lock.
 //! - **Release**: `EXCAD lease VERSION`, pipelined with a notice on the release channel (as on
 //!   Redis).
 //! - **Observe**: `EXGET` and `PTTL`.
@@ -121,6 +125,22 @@ impl TairDriver {
     }
 }
 
+/// The version a holding starts at: its token times 2^32, so that versions never repeat across
+/// holdings. TairString starts every new key at version 1, and `EXCAS`/`EXCAD` compare the
+/// version alone: a holder whose key expired and was taken again would otherwise renew or
+/// delete the new holder's key once that key reached the same version, and both would claim
+/// the lock. A holding would have to be renewed 2^32 times to reach the next token's versions.
+fn first_version(token: u64) -> Result<i64> {
+    token
+        .checked_mul(1 << 32)
+        .and_then(|v| i64::try_from(v).ok())
+        .ok_or_else(|| {
+            Error::Backend(format!(
+                "token {token} is past the versions TairString can hold (2^31 acquisitions of one lock)"
+            ))
+        })
+}
+
 #[async_trait]
 impl Driver for TairDriver {
     fn kind(&self) -> &'static str {
@@ -159,6 +179,8 @@ impl Driver for TairDriver {
             .arg("PX")
             .arg(ms(ttl))
             .arg("NX")
+            .arg("ABS")
+            .arg(first_version(lease.token)?)
             .arg("WITHVERSION")
             .cmd("GET")
             .arg(self.keys.token(lock))
