@@ -103,3 +103,30 @@ async fn a_holder_whose_key_was_taken_again_cannot_renew_or_release_it() {
         assert!(b.release(&fresh).await.unwrap());
     }
 }
+
+/// A driver draws its token in the claim's own round trip, guessing one above the counter it
+/// last saw. When others have drawn since, the guess is wrong: the claim under it is undone and
+/// tried again, and the token it ends with is the one it drew, above everyone else's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_token_guess_is_undone_and_tried_again() {
+    let server = RedisServer::start_tair();
+    let url = BackendUrl::parse(&server.url()).unwrap();
+    let (a, b) = (connect(&url).await.unwrap(), connect(&url).await.unwrap());
+    let ttl = Duration::from_secs(30);
+    let first = acquired(&*a, "guess", "a", ttl).await;
+    assert!(a.release(&first).await.unwrap());
+    let mut last = first.token;
+    for _ in 0..5 {
+        let lease = acquired(&*b, "guess", "b", ttl).await;
+        assert!(lease.token > last);
+        last = lease.token;
+        assert!(b.release(&lease).await.unwrap());
+    }
+    // a last saw the counter at its own token: its guess is five behind.
+    let again = acquired(&*a, "guess", "a", ttl).await;
+    assert!(again.token > last, "{} after {last}", again.token);
+    let holder = b.observe("guess").await.unwrap().expect("a holds");
+    assert_eq!((holder.identity.as_str(), holder.token), ("a", again.token));
+    assert!(a.renew(&again, ttl).await.unwrap());
+    assert!(a.release(&again).await.unwrap());
+}

@@ -4,10 +4,13 @@
 //!
 //! - **Acquire**: `INCR` the lock's token counter (a plain key, kept for ever), then `EXSET lease
 //!   "TOKEN:IDENTITY" PX ttl NX WITHVERSION`, which only succeeds on an absent (or expired) key.
-//!   Two round trips cannot make the token and the claim one atomic step, so the claim is
-//!   checked (a `GET` of the counter pipelined with the `EXSET`): if the counter has moved past
-//!   our token, a later token may already have held the lock, and ours would go backwards; the
-//!   claim is undone (`EXCAD`) and counted as busy.
+//!   Two commands cannot make the token and the claim one atomic step, so the claim is checked
+//!   (a `GET` of the counter pipelined after the `EXSET`): if the counter has moved past our
+//!   token, a later token may already have held the lock, and ours would go backwards; the claim
+//!   is undone (`EXCAD`) and counted as busy. The three go in one round trip: the `EXSET` names
+//!   the token this driver expects the `INCR` to draw (one above the counter it last saw), and a
+//!   claim under a wrong guess is undone and tried again with the counter's new value. A first
+//!   acquisition of a lock draws its token alone first.
 //!   While we hold, no later token can hold, so a claim that passes the check keeps tokens
 //!   strictly increasing.
 //!   The claim sets the key's version to TOKEN x 2^32 (`ABS`): TairString starts each new key at
@@ -36,6 +39,11 @@ use super::redis::{
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
+/// How many times one acquisition guesses its token again after a wrong guess.
+const CLAIM_ATTEMPTS: usize = 3;
+/// The locks whose counters one driver remembers.
+const MAX_REMEMBERED_COUNTERS: usize = 10_000;
+
 /// The commands a server must have for `tair://`.
 pub const TAIR_COMMANDS: [&str; 4] = ["EXSET", "EXGET", "EXCAS", "EXCAD"];
 
@@ -44,6 +52,9 @@ pub struct TairDriver {
     keys: KeyLayout,
     /// The version of each holding's value, as this driver last wrote it: (lock, token).
     versions: Mutex<HashMap<(String, u64), i64>>,
+    /// Each lock's token counter as this driver last saw it, to draw the next token in the
+    /// claim's own round trip.
+    counters: Mutex<HashMap<String, i64>>,
     releases: Arc<ChangeFeeds>,
     subscriber: tokio::task::JoinHandle<()>,
 }
@@ -83,6 +94,7 @@ impl TairDriver {
             conn,
             keys,
             versions: Mutex::default(),
+            counters: Mutex::default(),
             releases,
             subscriber,
         })
@@ -90,6 +102,21 @@ impl TairDriver {
 
     fn versions(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u64), i64>> {
         self.versions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn predicted_token(&self, lock: &str) -> Option<i64> {
+        let counters = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        counters.get(lock).map(|c| c + 1)
+    }
+
+    fn saw_counter(&self, lock: &str, counter: i64) {
+        let mut counters = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        // A guess is only worth a round trip: a driver that has seen more locks than this
+        // forgets them all rather than grow.
+        if counters.len() >= MAX_REMEMBERED_COUNTERS && !counters.contains_key(lock) {
+            counters.clear();
+        }
+        counters.insert(lock.to_owned(), counter);
     }
 
     async fn announce_release(&self, lock: &str) -> Result<()> {
@@ -160,38 +187,68 @@ impl Driver for TairDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.conn.clone();
-        let token: i64 = redis::cmd("INCR")
-            .arg(self.keys.token(lock))
-            .query_async(&mut conn)
-            .await
-            .map_err(tair_err)?;
-        let lease = Lease {
-            lock: lock.to_owned(),
-            identity: identity.to_owned(),
-            token: token as u64,
+        // The token is one above the counter as this driver last saw it, most likely: drawn in
+        // the same round trip as the claim. A first attempt on a lock draws it alone first.
+        let (mut token, mut drawn) = match self.predicted_token(lock) {
+            Some(token) => (token, None),
+            None => {
+                let token: i64 = redis::cmd("INCR")
+                    .arg(self.keys.token(lock))
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(tair_err)?;
+                (token, Some(token))
+            }
         };
-        // The claim and the counter's check in one round trip: the check is harmless when the
-        // claim fails.
-        let (set, now): (Value, i64) = redis::pipe()
-            .cmd("EXSET")
-            .arg(self.keys.lease(lock))
-            .arg(lease_value(&lease))
-            .arg("PX")
-            .arg(ms(ttl))
-            .arg("NX")
-            .arg("ABS")
-            .arg(first_version(lease.token)?)
-            .arg("WITHVERSION")
-            .cmd("GET")
-            .arg(self.keys.token(lock))
-            .query_async(&mut conn)
-            .await
-            .map_err(tair_err)?;
-        let Value::Int(version) = set else {
-            return Ok(Acquire::Busy(self.observe(lock).await?));
-        };
-        if now != token {
-            // A later token was drawn meanwhile and may have held already: ours must not.
+        for _ in 0..CLAIM_ATTEMPTS {
+            let lease = Lease {
+                lock: lock.to_owned(),
+                identity: identity.to_owned(),
+                token: token as u64,
+            };
+            // The draw (unless done), the claim, and the counter's check in one round trip;
+            // the check is harmless when the claim fails.
+            let mut pipe = redis::pipe();
+            if drawn.is_none() {
+                pipe.cmd("INCR").arg(self.keys.token(lock));
+            }
+            pipe.cmd("EXSET")
+                .arg(self.keys.lease(lock))
+                .arg(lease_value(&lease))
+                .arg("PX")
+                .arg(ms(ttl))
+                .arg("NX")
+                .arg("ABS")
+                .arg(first_version(lease.token)?)
+                .arg("WITHVERSION")
+                .cmd("GET")
+                .arg(self.keys.token(lock));
+            let replies: Vec<Value> = pipe.query_async(&mut conn).await.map_err(tair_err)?;
+            let int = |v: &Value| {
+                <i64 as redis::FromRedisValue>::from_redis_value_ref(v).map_err(|e| {
+                    Error::Backend(format!("the claim's pipeline answered {replies:?}: {e}"))
+                })
+            };
+            let (ours, set, now) = match (drawn, replies.as_slice()) {
+                (None, [incr, set, get]) => (int(incr)?, set.clone(), int(get)?),
+                (Some(ours), [set, get]) => (ours, set.clone(), int(get)?),
+                _ => {
+                    return Err(Error::Backend(format!(
+                        "the claim's pipeline answered {replies:?}"
+                    )));
+                }
+            };
+            self.saw_counter(lock, now);
+            let Value::Int(version) = set else {
+                return Ok(Acquire::Busy(self.observe(lock).await?));
+            };
+            if ours == token && now == token {
+                self.versions()
+                    .insert((lock.to_owned(), lease.token), version);
+                return Ok(Acquire::Acquired(lease));
+            }
+            // A claim under a token that is not ours (the guess was wrong), or one a later
+            // token was drawn after (it may have held already): undone, never held.
             let _: i64 = redis::cmd("EXCAD")
                 .arg(self.keys.lease(lock))
                 .arg(version)
@@ -199,11 +256,13 @@ impl Driver for TairDriver {
                 .await
                 .map_err(tair_err)?;
             self.announce_release(lock).await?;
-            return Ok(Acquire::Busy(None));
+            if ours == token {
+                return Ok(Acquire::Busy(None));
+            }
+            // The token we did draw is lost; guess again from where the counter is.
+            (token, drawn) = (now + 1, None);
         }
-        self.versions()
-            .insert((lock.to_owned(), lease.token), version);
-        Ok(Acquire::Acquired(lease))
+        Ok(Acquire::Busy(None))
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
