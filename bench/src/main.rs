@@ -1158,7 +1158,7 @@ async fn tair_section() {
     }
     println!("  raw EXSET NX PX + EXCAD        : {raw:>7.0} cycles/s");
     println!(
-        "  TairDriver                     : {ours:>7.0} cycles/s  ({:.0} %; the token counter costs one more round trip)",
+        "  TairDriver                     : {ours:>7.0} cycles/s  ({:.0} %; the token draw and its check ride in the claim's round trip, the release notice in the delete's)",
         100.0 * ours / raw
     );
     let tair_handover = handover_latencies(open(tair.url()).await, open(tair.url()).await).await;

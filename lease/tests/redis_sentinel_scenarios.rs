@@ -45,7 +45,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
     let lock = unique_lock("failover");
     // Longer than detection plus promotion, so that the old holder still claims when the new
     // master first serves.
-    let lease = Duration::from_secs(5);
+    let lease = Duration::from_secs(8);
 
     set.replication_link.cut();
     let a_driver = FaultyDriver::wrap(driver(&url).await);

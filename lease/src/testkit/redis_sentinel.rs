@@ -3,7 +3,7 @@
 //!
 //! The replica reaches the first master through a [`FaultProxy`], so that a test can cut
 //! replication and make the master's last writes the ones a failover loses. The sentinel fails
-//! over one second after the master stops answering (`down-after-milliseconds 1000`). Its
+//! over 2.5 seconds after the master stops answering (`down-after-milliseconds 2500`). Its
 //! `failover-timeout` is long because that is also how long it waits before it re-points a
 //! replica that follows another address than the master's (the proxy's) at the master itself.
 
@@ -17,7 +17,11 @@ use super::{free_port, require_binary};
 
 /// The name the sentinel monitors the master under.
 pub const MASTER_NAME: &str = "leasehold-test";
-const DOWN_AFTER: Duration = Duration::from_millis(1000);
+/// How long the master may not answer before the sentinel fails over. A second is too tight:
+/// a freshly promoted master that answers the sentinel's first pings late (it is busy syncing
+/// the old master back in) was taken for down and failed over again, leaving no replica for
+/// ten seconds.
+const DOWN_AFTER: Duration = Duration::from_millis(2500);
 const SET_UP_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub struct RedisSentinelSet {
@@ -147,7 +151,29 @@ impl RedisSentinelSet {
             field(&replication, "master_port") == Some(new_port.as_str())
                 && replication.contains("master_link_status:up")
         });
+        let old_port = self.servers[old].port().to_string();
+        self.wait_for("the sentinel to see the rejoined replica healthy", |s| {
+            s.replica_flags(&old_port).as_deref() == Some("slave")
+        });
         new
+    }
+
+    /// The sentinel's flags for the replica on `port` (`slave` when healthy).
+    fn replica_flags(&self, port: &str) -> Option<String> {
+        let client =
+            redis::Client::open(format!("redis://127.0.0.1:{}", self.sentinel_port)).ok()?;
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(1))
+            .ok()?;
+        let replicas: Vec<std::collections::HashMap<String, String>> = redis::cmd("SENTINEL")
+            .arg("replicas")
+            .arg(MASTER_NAME)
+            .query(&mut conn)
+            .ok()?;
+        replicas
+            .into_iter()
+            .find(|r| r.get("port").map(String::as_str) == Some(port))
+            .and_then(|r| r.get("flags").cloned())
     }
 
     /// One command to the server the sentinel names master, its reply in Rust's debug form.
