@@ -44,6 +44,7 @@ fn every_readme_example_resolves_and_every_cluster_backend_has_one() {
     let expected: BTreeSet<&str> = [
         "kubernetes",
         "redis",
+        "redis-sentinel",
         "redlock",
         "postgres",
         "mysql",
