@@ -42,8 +42,9 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 const MASTER_CHECK: Duration = Duration::from_secs(1);
 /// The longest a `WAIT` for replicas may hold up the connection the driver's calls share.
 const MAX_REPLICA_WAIT: Duration = Duration::from_millis(500);
-/// The shortest: a replica that is in sync but busy (its own fsync) still answers in time.
-const MIN_REPLICA_WAIT: Duration = Duration::from_millis(100);
+/// The shortest: the replica receives a write only after the master's own fsync (with
+/// `appendfsync always`), which a busy disk can stretch past 100 ms.
+const MIN_REPLICA_WAIT: Duration = Duration::from_millis(250);
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
@@ -271,7 +272,7 @@ impl RedisSentinelDriver {
     }
 
     /// `WAIT` until `min_replicas` replicas have every write so far on this connection; an error
-    /// when they do not within a quarter of the lease (100-500 ms).
+    /// when they do not within a quarter of the lease (250-500 ms).
     async fn replicated(&self, master: &Master, ttl: Duration, what: &str) -> Result<()> {
         if self.min_replicas == 0 {
             return Ok(());

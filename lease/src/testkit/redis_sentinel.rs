@@ -51,9 +51,7 @@ impl RedisSentinelSet {
             sentinel_port,
             dead_sentinel_port: free_port(),
         };
-        set.wait_for("the replica to be in sync", |s| {
-            info(s.servers[1].port(), "replication").contains("master_link_status:up")
-        });
+        set.wait_for("the replica to confirm writes", |s| s.replica_confirms(0));
         set.spawn_sentinel();
         set.wait_for("the sentinel to know the replica", |s| {
             s.sentinel_command(&["SENTINEL", "replicas", MASTER_NAME])
@@ -155,7 +153,28 @@ impl RedisSentinelSet {
         self.wait_for("the sentinel to see the rejoined replica healthy", |s| {
             s.replica_flags(&old_port).as_deref() == Some("slave")
         });
+        self.wait_for("the rejoined replica to confirm writes", |s| {
+            s.replica_confirms(new)
+        });
         new
+    }
+
+    /// Whether a write to `master` is confirmed by its replica (`WAIT 1`). A replica whose link
+    /// is up is not yet enough: after a diskless full sync, Redis 7 streams writes to it only
+    /// once it has acknowledged the load, up to a second later, and until then every `WAIT`
+    /// times out.
+    fn replica_confirms(&self, master: usize) -> bool {
+        let confirmed = || -> redis::RedisResult<bool> {
+            let client =
+                redis::Client::open(format!("redis://127.0.0.1:{}", self.servers[master].port()))?;
+            let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
+            redis::cmd("INCR")
+                .arg("leasehold-test:replication-check")
+                .query::<i64>(&mut conn)?;
+            let acked: i64 = redis::cmd("WAIT").arg(1).arg(200).query(&mut conn)?;
+            Ok(acked >= 1)
+        };
+        confirmed().unwrap_or(false)
     }
 
     /// The sentinel's flags for the replica on `port` (`slave` when healthy).
