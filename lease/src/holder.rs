@@ -16,7 +16,6 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use rand::Rng;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
@@ -533,8 +532,19 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
+/// `d` spread by +-20 %. The spread needs no secrecy, so it is drawn from the clock (splitmix64)
+/// rather than the OS's entropy, which a sidecar alone in a root filesystem without `/dev` (as
+/// `scripts/smoke-root` runs it) cannot open: seeding `rand`'s thread generator panicked there.
 fn jitter(d: Duration) -> Duration {
-    d.mul_f64(rand::rng().random_range(0.8..1.2))
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.subsec_nanos() as u64 ^ t.as_secs());
+    let mut x = nanos.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    let unit = (x >> 11) as f64 / (1u64 << 53) as f64;
+    d.mul_f64(0.8 + 0.4 * unit)
 }
 
 impl Engine {
