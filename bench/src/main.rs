@@ -521,6 +521,12 @@ async fn driver_cycles(driver: &dyn Driver) -> f64 {
 }
 
 async fn redis_raw_cycles(url: &str) -> f64 {
+    redis_raw_cycles_confirmed(url, 0).await
+}
+
+/// The raw lock (`SET NX PX`, the compare-and-delete script), each `SET` confirmed by
+/// `replicas` replicas (`WAIT`) when that is not 0.
+async fn redis_raw_cycles_confirmed(url: &str, replicas: i64) -> f64 {
     let client = redis::Client::open(url).expect("client");
     let mut conn = client
         .get_multiplexed_async_connection()
@@ -541,6 +547,15 @@ async fn redis_raw_cycles(url: &str) -> f64 {
             .await
             .expect("SET");
         assert!(set.is_some(), "cycle {i}: SET NX failed");
+        if replicas > 0 {
+            let acked: i64 = redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(500)
+                .query_async(&mut conn)
+                .await
+                .expect("WAIT");
+            assert!(acked >= replicas, "cycle {i}: {acked} replicas confirmed");
+        }
         let deleted: i64 = release
             .key("raw")
             .arg("bench")
@@ -1029,47 +1044,6 @@ async fn run(sections: &[&str]) {
     }
 }
 
-/// The raw lock with one replica's confirmation: `SET NX PX`, `WAIT 1`, the compare-and-delete
-/// script.
-async fn sentinel_raw_cycles(port: u16) -> f64 {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
-    let release = redis::Script::new(
-        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-    );
-    let start = Instant::now();
-    for i in 0..CYCLES {
-        let set: Option<String> = redis::cmd("SET")
-            .arg("raw")
-            .arg("bench")
-            .arg("NX")
-            .arg("PX")
-            .arg(LEASE.as_millis() as u64)
-            .query_async(&mut conn)
-            .await
-            .expect("SET");
-        assert!(set.is_some(), "cycle {i}: SET NX failed");
-        let acked: i64 = redis::cmd("WAIT")
-            .arg(1)
-            .arg(500)
-            .query_async(&mut conn)
-            .await
-            .expect("WAIT");
-        assert_eq!(acked, 1, "cycle {i}: no replica confirmed");
-        let deleted: i64 = release
-            .key("raw")
-            .arg("bench")
-            .invoke_async(&mut conn)
-            .await
-            .expect("EVAL");
-        assert_eq!(deleted, 1);
-    }
-    CYCLES as f64 / start.elapsed().as_secs_f64()
-}
-
 /// Redis behind Sentinel (a master and a replica, both `appendfsync always`, and a sentinel):
 /// the Sentinel driver's cycles with and without a replica's confirmation, beside the
 /// single-master driver on the same master and the raw lock with `WAIT 1`; hand-over latency.
@@ -1089,7 +1063,7 @@ async fn sentinel_section() {
     let single = open(format!("redis://127.0.0.1:{master}")).await;
     let (mut raw, mut ours, mut alone, mut plain) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     for _ in 0..ROUNDS {
-        raw = raw.max(sentinel_raw_cycles(master).await);
+        raw = raw.max(redis_raw_cycles_confirmed(&format!("redis://127.0.0.1:{master}"), 1).await);
         ours = ours.max(driver_cycles(&*confirmed).await);
         alone = alone.max(driver_cycles(&*unconfirmed).await);
         plain = plain.max(driver_cycles(&*single).await);

@@ -3,27 +3,13 @@
 //! second of `appendfsync everysec`), a lease its holder still claims is gone, and the server
 //! must not hand the lock to anyone else before that claim has ended.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::testkit::{FaultyDriver, RedisServer, claims, unique_lock};
-use leasehold_lease::{Acquire, Answer, BackendUrl, Driver, Lock, LockConfig, Mode};
+use leasehold_lease::testkit::{
+    FaultyDriver, RedisServer, campaign, claims, driver_for, unique_lock,
+};
+use leasehold_lease::{Acquire, Answer, Lock};
 use tokio::time::{Instant, sleep};
-
-async fn driver(url: &str) -> Arc<dyn Driver> {
-    leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
-        .await
-        .expect("driver")
-}
-
-fn campaign(driver: Arc<dyn Driver>, lock: &str, identity: &str, lease: Duration) -> Lock {
-    let config = LockConfig {
-        renew_interval: lease / 10,
-        mode: Mode::Campaign,
-        ..LockConfig::new(lock, identity, lease)
-    };
-    Lock::start(driver, config, Arc::new(())).expect("start lock")
-}
 
 async fn held_token(lock: &Lock, within: Duration) -> u64 {
     let start = Instant::now();
@@ -45,7 +31,7 @@ async fn a_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim(
     let mut server = RedisServer::start_with(false);
     let lock = unique_lock("restart");
     let lease = Duration::from_secs(3);
-    let a_driver = FaultyDriver::wrap(driver(&server.url()).await);
+    let a_driver = FaultyDriver::wrap(driver_for(&server.url()).await);
     let a = campaign(a_driver.clone(), &lock, "a", lease);
     // A fresh server without persistence cannot tell its start from a restart that lost
     // everything: its first grant waits until it has been up for a lease.
@@ -54,7 +40,7 @@ async fn a_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim(
     a_driver.cut_off(true);
     let restarted = Instant::now();
     tokio::task::block_in_place(|| server.restart());
-    let b = campaign(driver(&server.url()).await, &lock, "b", lease);
+    let b = campaign(driver_for(&server.url()).await, &lock, "b", lease);
     let mut a_last_claimed = None;
     let b_token = loop {
         let (a_claims, b_answer) = (claims(&a), b.answer());
@@ -94,14 +80,14 @@ async fn a_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim(
 async fn a_durable_restart_keeps_the_lease_and_grants_free_locks_at_once() {
     let mut server = RedisServer::start();
     let (held, free) = (unique_lock("kept"), unique_lock("free"));
-    let client = driver(&server.url()).await;
+    let client = driver_for(&server.url()).await;
     let lease = Duration::from_secs(30);
     let Acquire::Acquired(first) = client.try_acquire(&held, "a", lease).await.unwrap() else {
         panic!("a fresh durable server grants at once");
     };
     assert_eq!(first.token, 1);
     tokio::task::block_in_place(|| server.restart());
-    let client = driver(&server.url()).await;
+    let client = driver_for(&server.url()).await;
     let holding = client
         .observe(&held)
         .await
@@ -134,7 +120,7 @@ async fn a_user_without_info_gets_locks_and_a_warning() {
         .query_async(&mut admin)
         .await
         .expect("ACL SETUSER");
-    let locker = driver(&format!(
+    let locker = driver_for(&format!(
         "redis://locker:secret@127.0.0.1:{}",
         server.port()
     ))
@@ -156,6 +142,6 @@ async fn a_user_without_info_gets_locks_and_a_warning() {
                 && w.contains("let the lock's Redis user run INFO")),
         "{warnings:?}"
     );
-    let full = driver(&server.url()).await;
+    let full = driver_for(&server.url()).await;
     assert_eq!(full.warnings().await.unwrap(), Vec::<String>::new());
 }

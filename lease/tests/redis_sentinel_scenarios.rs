@@ -2,27 +2,13 @@
 //! promoted replica that never received the holder's lease does, and what an acquisition that
 //! no replica confirmed does.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::testkit::{FaultyDriver, RedisSentinelSet, claims, unique_lock};
-use leasehold_lease::{Answer, BackendUrl, Driver, Lock, LockConfig, Mode};
+use leasehold_lease::Answer;
+use leasehold_lease::testkit::{
+    FaultyDriver, RedisSentinelSet, campaign, claims, driver_for, unique_lock,
+};
 use tokio::time::{Instant, sleep};
-
-async fn driver(url: &str) -> Arc<dyn Driver> {
-    leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
-        .await
-        .expect("driver")
-}
-
-fn campaign(driver: Arc<dyn Driver>, lock: &str, identity: &str, lease: Duration) -> Lock {
-    let config = LockConfig {
-        renew_interval: lease / 10,
-        mode: Mode::Campaign,
-        ..LockConfig::new(lock, identity, lease)
-    };
-    Lock::start(driver, config, Arc::new(())).expect("start lock")
-}
 
 fn token(answer: &Answer) -> Option<u64> {
     match answer {
@@ -48,7 +34,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
     let lease = Duration::from_secs(8);
 
     set.replication_link.cut();
-    let a_driver = FaultyDriver::wrap(driver(&url).await);
+    let a_driver = FaultyDriver::wrap(driver_for(&url).await);
     let a = campaign(a_driver.clone(), &lock, "a", lease);
     let start = Instant::now();
     while !a.answer().is_holder() {
@@ -65,7 +51,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
     let killed = Instant::now();
     tokio::task::block_in_place(|| set.fail_over());
     let promoted = killed.elapsed();
-    let b = campaign(driver(&url).await, &lock, "b", lease);
+    let b = campaign(driver_for(&url).await, &lock, "b", lease);
 
     let mut a_last_claimed = None;
     let b_token = loop {
@@ -115,7 +101,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
 async fn an_acquisition_no_replica_confirms_is_not_held() {
     let set = RedisSentinelSet::start();
     let lock = unique_lock("unconfirmed");
-    let (a, b) = (driver(&set.url()).await, driver(&set.url()).await);
+    let (a, b) = (driver_for(&set.url()).await, driver_for(&set.url()).await);
     set.replication_link.cut();
     let error = a
         .try_acquire(&lock, "a", Duration::from_secs(1))

@@ -36,6 +36,28 @@ pub use redis_server::RedisServer;
 pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 
+/// A driver for `url`, through the same parsing and `connect` as the sidecar.
+pub async fn driver_for(url: &str) -> std::sync::Arc<dyn crate::Driver> {
+    crate::connect(&crate::BackendUrl::parse(url).expect("url"))
+        .await
+        .expect("driver")
+}
+
+/// A lock that campaigns for `lock` as `identity`, renewing ten times a lease.
+pub fn campaign(
+    driver: std::sync::Arc<dyn crate::Driver>,
+    lock: &str,
+    identity: &str,
+    lease: std::time::Duration,
+) -> crate::Lock {
+    let config = crate::LockConfig {
+        renew_interval: lease / 10,
+        mode: crate::Mode::Campaign,
+        ..crate::LockConfig::new(lock, identity, lease)
+    };
+    crate::Lock::start(driver, config, std::sync::Arc::new(())).expect("start lock")
+}
+
 /// Whether `lock` still counts itself holder: its self-fence deadline has not passed, whether or
 /// not it can reach the backend to say so (a holder that cannot answers 503, but an app may
 /// still be acting on its last 200).
