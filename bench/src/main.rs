@@ -1119,6 +1119,9 @@ async fn tair_section() {
         "## Tair (Redis 7 with the TairString module, no append-only file; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
     );
     let tair = RedisServer::start_tair_with(false);
+    // Without persistence the driver cannot tell the server's start from a restart that lost
+    // leases: it grants once the server has been up for a lease.
+    tokio::task::block_in_place(|| tair.wait_until_up_for(LEASE));
     let open = |url: String| async move {
         leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
             .await

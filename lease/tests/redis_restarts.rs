@@ -1,7 +1,8 @@
 //! A single Redis master that restarts: with its data (an append-only file synced on every
 //! write) it lost nothing, and locks go on at once; without it (no persistence, or the last
 //! second of `appendfsync everysec`), a lease its holder still claims is gone, and the server
-//! must not hand the lock to anyone else before that claim has ended.
+//! must not hand the lock to anyone else before that claim has ended. The same on Tair (Redis
+//! with the TairString module behind `tair://`), whose driver guards it without Lua.
 
 use std::time::Duration;
 
@@ -28,7 +29,15 @@ async fn held_token(lock: &Lock, within: Duration) -> u64 {
 /// with the same token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim() {
-    let mut server = RedisServer::start_with(false);
+    restart_that_lost_the_lease(RedisServer::start_with(false)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tair_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim() {
+    restart_that_lost_the_lease(RedisServer::start_tair_with(false)).await;
+}
+
+async fn restart_that_lost_the_lease(mut server: RedisServer) {
     let lock = unique_lock("restart");
     let lease = Duration::from_secs(3);
     let a_driver = FaultyDriver::wrap(driver_for(&server.url()).await);
@@ -75,10 +84,18 @@ async fn a_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim(
 
 /// A durable master (`appendonly yes`, `appendfsync always`) that restarts lost nothing: the
 /// holder's lease is still there, a free lock is granted at once, and tokens are not rebased
-/// (the first lock's first token is 1).
+/// (the free lock's first token is 1, or 2 after a draw lost to the reconnection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_durable_restart_keeps_the_lease_and_grants_free_locks_at_once() {
-    let mut server = RedisServer::start();
+    durable_restart(RedisServer::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_tair_restart_keeps_the_lease_and_grants_free_locks_at_once() {
+    durable_restart(RedisServer::start_tair()).await;
+}
+
+async fn durable_restart(mut server: RedisServer) {
     let (held, free) = (unique_lock("kept"), unique_lock("free"));
     let client = driver_for(&server.url()).await;
     let lease = Duration::from_secs(30);
@@ -87,16 +104,21 @@ async fn a_durable_restart_keeps_the_lease_and_grants_free_locks_at_once() {
     };
     assert_eq!(first.token, 1);
     tokio::task::block_in_place(|| server.restart());
-    let client = driver_for(&server.url()).await;
-    let holding = client
-        .observe(&held)
-        .await
-        .unwrap()
-        .expect("the lease survived");
+    // The same driver, as in a sidecar that outlives the restart (Tair's renewals go by the
+    // version that only the holder's driver knows); its first call may meet the old connection.
+    let mut observed = client.observe(&held).await;
+    let reconnecting = Instant::now();
+    while observed.is_err() && reconnecting.elapsed() < Duration::from_secs(5) {
+        sleep(Duration::from_millis(50)).await;
+        observed = client.observe(&held).await;
+    }
+    let holding = observed.unwrap().expect("the lease survived");
     assert_eq!((holding.identity.as_str(), holding.token), ("a", 1));
     assert!(client.renew(&first, lease).await.unwrap());
     match client.try_acquire(&free, "b", lease).await.unwrap() {
-        Acquire::Acquired(lease) => assert_eq!(lease.token, 1),
+        // Not raised to a floor (the server's clock in microseconds); on Tair a draw whose
+        // claim met the reconnection is undone and lost, so 1 or 2.
+        Acquire::Acquired(lease) => assert!(lease.token <= 2, "token {}", lease.token),
         busy => panic!("a durable restart held up a free lock: {busy:?}"),
     }
 }
@@ -105,8 +127,17 @@ async fn a_durable_restart_keeps_the_lease_and_grants_free_locks_at_once() {
 /// that lost a lease, and the lock's warnings say so and what to allow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_without_info_gets_locks_and_a_warning() {
-    let server = RedisServer::start();
-    let client = redis::Client::open(server.url()).expect("client");
+    user_without_info(RedisServer::start(), "redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tair_user_without_info_gets_locks_and_a_warning() {
+    user_without_info(RedisServer::start_tair(), "tair").await;
+}
+
+async fn user_without_info(server: RedisServer, scheme: &str) {
+    let client =
+        redis::Client::open(format!("redis://127.0.0.1:{}", server.port())).expect("client");
     let mut admin = client
         .get_multiplexed_async_connection()
         .await
@@ -121,7 +152,7 @@ async fn a_user_without_info_gets_locks_and_a_warning() {
         .await
         .expect("ACL SETUSER");
     let locker = driver_for(&format!(
-        "redis://locker:secret@127.0.0.1:{}",
+        "{scheme}://locker:secret@127.0.0.1:{}",
         server.port()
     ))
     .await;

@@ -194,6 +194,11 @@ impl KeyLayout {
     pub fn epoch(&self) -> String {
         format!("{}:epoch", self.prefix)
     }
+    /// The Tair driver's epoch record (see [`crate::drivers::tair`]): its own, since it tells
+    /// incarnations by `run_id` where the script tells them by replication ID.
+    pub fn tair_epoch(&self) -> String {
+        format!("{}:epoch:tair", self.prefix)
+    }
     pub fn released_channel(&self, lock: &str) -> String {
         format!("{}:released:{lock}", self.prefix)
     }

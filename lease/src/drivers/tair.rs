@@ -22,10 +22,20 @@
 //! - **Release**: `EXCAD lease VERSION`, pipelined with a notice on the release channel (as on
 //!   Redis).
 //! - **Observe**: `EXGET` and `PTTL`.
+//!
+//! **Restarts.** A server without persistence (or with `appendfsync everysec`) comes back
+//! without leases their holders still claim, and without the token counters. As on Redis
+//! ([`super::redis::ACQUIRE`]), such a server grants no free lock for one lease and raises the
+//! counters above every earlier token; without Lua the driver does it itself. It learns the
+//! server's incarnation (`run_id`, new at every start) once per connection and names the
+//! connection after it (`CLIENT SETNAME`); every claim carries a `CLIENT GETNAME` in its round
+//! trip, so a claim that landed on a connection the driver has not checked (a reconnect,
+//! perhaps to a restarted server) is undone. The epoch record `PREFIX:epoch:tair` holds the
+//! incarnation the last check ran on, from when it grants (`since`) and its token floor.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::Value;
@@ -33,14 +43,21 @@ use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use super::redis::{
-    KeyLayout, client, connection, delete_keys, eviction_warning, lease_value, listen_for_releases,
-    map_err, ms, parse_holding,
+    Durability, KeyLayout, client, connection, delete_keys, lease_value, listen_for_releases,
+    lock_key_warnings, map_err, ms, parse_holding,
 };
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
-/// How many times one acquisition guesses its token again after a wrong guess.
-const CLAIM_ATTEMPTS: usize = 3;
+/// How many claims one acquisition sends: a wrong token guess, a connection not yet checked and
+/// a counter below the epoch's floor each cost one more.
+const CLAIM_ATTEMPTS: usize = 5;
+/// How long a server that refuses `INFO` (no restart guard) goes before it is asked again.
+const INFO_REFUSED_RECHECK: Duration = Duration::from_secs(60);
+/// The epoch floor's least step over the last one (tokens), as on Redis.
+const FLOOR_STEP: i64 = 1_000_000_000;
+/// Holdings of one lock between two repeats of a version (see [`first_version`]).
+const VERSION_CYCLE: u64 = 1 << 31;
 /// The locks whose counters one driver remembers.
 const MAX_REMEMBERED_COUNTERS: usize = 10_000;
 
@@ -55,6 +72,9 @@ pub struct TairDriver {
     /// Each lock's token counter as this driver last saw it, to draw the next token in the
     /// claim's own round trip.
     counters: Mutex<HashMap<String, i64>>,
+    /// The incarnation of the server this driver's connection was last checked on.
+    epoch: Mutex<Guard>,
+    durability: Durability,
     releases: Arc<ChangeFeeds>,
     subscriber: tokio::task::JoinHandle<()>,
 }
@@ -63,6 +83,84 @@ impl Drop for TairDriver {
     fn drop(&mut self) {
         self.subscriber.abort();
     }
+}
+
+/// What the driver knows of the server's incarnation.
+enum Guard {
+    /// Not checked on the current connection yet.
+    Unknown,
+    /// Checked: claims on a connection of this name are claims on this incarnation.
+    Known(Epoch),
+    /// The server refuses `INFO` (or `CLIENT`): no guard, and the lock's warnings say so.
+    Refused(Instant),
+}
+
+/// One incarnation of the server, as the epoch record describes it.
+#[derive(Clone, Debug)]
+struct Epoch {
+    /// The name the checked connection carries: `leasehold-tair-RUN_ID`.
+    connection: String,
+    /// The server's clock (µs) from which it may lack leases: no free lock before one lease on.
+    since_us: i64,
+    /// Every token of this incarnation is above it.
+    floor: i64,
+    /// The server's clock (µs) when `learned`, to tell its time later without asking.
+    server_us: i64,
+    learned: Instant,
+}
+
+impl Epoch {
+    /// How long a free lock is still not granted under a lease of `ttl`.
+    fn waiting(&self, ttl: Duration) -> Option<Duration> {
+        let now = self.server_us + self.learned.elapsed().as_micros() as i64;
+        let left = self.since_us + ttl.as_micros() as i64 - now;
+        (left > 0).then(|| Duration::from_micros(left as u64))
+    }
+}
+
+/// A field of an `INFO` answer.
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':').map(str::trim))
+}
+
+/// `TIME`'s answer in microseconds.
+fn micros(time: &[String]) -> Result<i64> {
+    match time {
+        [secs, us] => match (secs.parse::<i64>(), us.parse::<i64>()) {
+            (Ok(secs), Ok(us)) => Ok(secs * 1_000_000 + us),
+            _ => Err(Error::Backend(format!("TIME answered {time:?}"))),
+        },
+        _ => Err(Error::Backend(format!("TIME answered {time:?}"))),
+    }
+}
+
+/// The epoch after a check on a server whose incarnation is `run_id`, up for `uptime_s`, at
+/// `now` (µs), given the record's (run_id, since, floor): the same rule as Redis's acquire
+/// script. A durable server lost nothing; one that may have lost data grants no free lock for a
+/// lease (from its start when nothing was recorded before it, else from now: behind one
+/// endpoint a standby may have taken over from a master that served until a moment ago), and
+/// its tokens start above every earlier one.
+fn next_epoch(
+    record: (Option<&str>, Option<i64>, Option<i64>),
+    run_id: &str,
+    uptime_s: i64,
+    now: i64,
+    durable: bool,
+) -> (i64, i64, bool) {
+    let (recorded, since, floor) = (record.0, record.1.unwrap_or(0), record.2.unwrap_or(0));
+    if recorded == Some(run_id) {
+        return (since, floor, false);
+    }
+    if durable {
+        return (since, floor, true);
+    }
+    let since = if recorded.is_some() {
+        now
+    } else {
+        now - uptime_s * 1_000_000
+    };
+    (since, now.max(floor + FLOOR_STEP), true)
 }
 
 /// What a server without the TairString commands means.
@@ -95,6 +193,8 @@ impl TairDriver {
             keys,
             versions: Mutex::default(),
             counters: Mutex::default(),
+            epoch: Mutex::new(Guard::Unknown),
+            durability: Durability::default(),
             releases,
             subscriber,
         })
@@ -129,6 +229,121 @@ impl TairDriver {
         Ok(())
     }
 
+    fn guard(&self) -> std::sync::MutexGuard<'_, Guard> {
+        self.epoch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The incarnation the connection is checked on; `None` where the server refuses the check.
+    async fn epoch(&self, conn: &mut ConnectionManager) -> Result<Option<Epoch>> {
+        match &*self.guard() {
+            Guard::Known(epoch) => return Ok(Some(epoch.clone())),
+            Guard::Refused(at) if at.elapsed() < INFO_REFUSED_RECHECK => return Ok(None),
+            _ => {}
+        }
+        let learned = self.learn(conn).await?;
+        *self.guard() = match &learned {
+            Some(epoch) => Guard::Known(epoch.clone()),
+            None => Guard::Refused(Instant::now()),
+        };
+        Ok(learned)
+    }
+
+    /// Check the server's incarnation on the current connection, name the connection after it,
+    /// and bring the epoch record up to date.
+    async fn learn(&self, conn: &mut ConnectionManager) -> Result<Option<Epoch>> {
+        let refused = |e: &redis::RedisError| matches!(e.kind(), redis::ErrorKind::Server(_));
+        let run_id = |info: &str| {
+            info_field(info, "run_id")
+                .map(str::to_owned)
+                .ok_or_else(|| Error::Backend("INFO server names no run_id".into()))
+        };
+        for _ in 0..3 {
+            let info: String = match redis::cmd("INFO").arg("server").query_async(conn).await {
+                Ok(info) => info,
+                Err(e) if refused(&e) => return Ok(None),
+                Err(e) => return Err(tair_err(e)),
+            };
+            let expected = run_id(&info)?;
+            let durable = self.durability.of(conn, "").await;
+            let connection = format!("leasehold-tair-{expected}");
+            // The name and the facts in one round trip: they are about one connection, so one
+            // incarnation, even if the connection was replaced since the first INFO.
+            let checked: redis::RedisResult<(
+                (),
+                String,
+                Vec<String>,
+                (Option<String>, Option<i64>, Option<i64>),
+            )> = redis::pipe()
+                .cmd("CLIENT")
+                .arg("SETNAME")
+                .arg(&connection)
+                .cmd("INFO")
+                .arg("server")
+                .cmd("TIME")
+                .cmd("HMGET")
+                .arg(self.keys.tair_epoch())
+                .arg("run_id")
+                .arg("since")
+                .arg("floor")
+                .query_async(conn)
+                .await;
+            let (_, info, time, record) = match checked {
+                Ok(checked) => checked,
+                Err(e) if refused(&e) => return Ok(None),
+                Err(e) => return Err(tair_err(e)),
+            };
+            if run_id(&info)? != expected {
+                continue;
+            }
+            let learned = Instant::now();
+            let now = micros(&time)?;
+            let uptime = info_field(&info, "uptime_in_seconds")
+                .and_then(|u| u.parse().ok())
+                .unwrap_or(0);
+            let (since, floor, changed) = next_epoch(
+                (record.0.as_deref(), record.1, record.2),
+                &expected,
+                uptime,
+                now,
+                durable,
+            );
+            if changed {
+                let _: () = redis::cmd("HSET")
+                    .arg(self.keys.tair_epoch())
+                    .arg("run_id")
+                    .arg(&expected)
+                    .arg("since")
+                    .arg(since)
+                    .arg("floor")
+                    .arg(floor)
+                    .query_async(conn)
+                    .await
+                    .map_err(tair_err)?;
+            }
+            return Ok(Some(Epoch {
+                connection,
+                since_us: since,
+                floor,
+                server_us: now,
+                learned,
+            }));
+        }
+        Err(Error::Unreachable(
+            "the server changed three times while the driver read which one it is".into(),
+        ))
+    }
+
+    /// Undo a claim that must not count, and wake the waiters it held up.
+    async fn undo(&self, conn: &mut ConnectionManager, lock: &str, version: i64) -> Result<()> {
+        let _: i64 = redis::cmd("EXCAD")
+            .arg(self.keys.lease(lock))
+            .arg(version)
+            .query_async(conn)
+            .await
+            .map_err(tair_err)?;
+        self.announce_release(lock).await
+    }
+
     /// A server without the TairString commands answers every lock call with an unknown
     /// command: say which are missing, once, in words.
     async fn missing_commands(&self) -> Result<Vec<&'static str>> {
@@ -152,20 +367,17 @@ impl TairDriver {
     }
 }
 
-/// The version a holding starts at: its token times 2^32, so that versions never repeat across
-/// holdings. TairString starts every new key at version 1, and `EXCAS`/`EXCAD` compare the
-/// version alone: a holder whose key expired and was taken again would otherwise renew or
-/// delete the new holder's key once that key reached the same version, and both would claim
-/// the lock. A holding would have to be renewed 2^32 times to reach the next token's versions.
-fn first_version(token: u64) -> Result<i64> {
-    token
-        .checked_mul(1 << 32)
-        .and_then(|v| i64::try_from(v).ok())
-        .ok_or_else(|| {
-            Error::Backend(format!(
-                "token {token} is past the versions TairString can hold (2^31 acquisitions of one lock)"
-            ))
-        })
+/// The version a holding starts at: its token's place in a cycle of 2^31 holdings, times 2^32,
+/// so that versions do not repeat across holdings. TairString starts every new key at version
+/// 1, and `EXCAS`/`EXCAD` compare the version alone: a holder whose key expired and was taken
+/// again would otherwise renew or delete the new holder's key once that key reached the same
+/// version, and both would claim the lock. Within one epoch a version comes back only after
+/// 2^31 holdings of the lock, or a holding renewed 2^32 times; tokens below 2^31 keep the
+/// version TOKEN x 2^32. A restarted server's tokens start at its clock in microseconds, far
+/// past 2^31, hence the cycle (the holders of the epoch before have stopped claiming by the
+/// time the new one grants).
+fn first_version(token: u64) -> i64 {
+    (((token.max(1) - 1) % VERSION_CYCLE + 1) << 32) as i64
 }
 
 #[async_trait]
@@ -179,14 +391,12 @@ impl Driver for TairDriver {
     }
 
     async fn warnings(&self) -> Result<Vec<String>> {
-        Ok(eviction_warning(&mut self.conn.clone())
-            .await?
-            .into_iter()
-            .collect())
+        lock_key_warnings(&mut self.conn.clone()).await
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.conn.clone();
+        let mut epoch = self.epoch(&mut conn).await?;
         // The token is one above the counter as this driver last saw it, most likely: drawn in
         // the same round trip as the claim. A first attempt on a lock draws it alone first.
         let (mut token, mut drawn) = match self.predicted_token(lock) {
@@ -201,14 +411,23 @@ impl Driver for TairDriver {
             }
         };
         for _ in 0..CLAIM_ATTEMPTS {
+            if epoch.as_ref().is_some_and(|e| e.waiting(ttl).is_some()) {
+                // A server that may have lost leases their holders still claim: a held lock is
+                // busy as ever, a free one is not granted yet.
+                return Ok(Acquire::Busy(self.observe(lock).await?));
+            }
             let lease = Lease {
                 lock: lock.to_owned(),
                 identity: identity.to_owned(),
                 token: token as u64,
             };
-            // The draw (unless done), the claim, and the counter's check in one round trip;
-            // the check is harmless when the claim fails.
+            // The connection's name (unless the server refuses the guard), the draw (unless
+            // done), the claim, and the counter's check in one round trip; the checks are
+            // harmless when the claim fails.
             let mut pipe = redis::pipe();
+            if epoch.is_some() {
+                pipe.cmd("CLIENT").arg("GETNAME");
+            }
             if drawn.is_none() {
                 pipe.cmd("INCR").arg(self.keys.token(lock));
             }
@@ -219,7 +438,7 @@ impl Driver for TairDriver {
                 .arg(ms(ttl))
                 .arg("NX")
                 .arg("ABS")
-                .arg(first_version(lease.token)?)
+                .arg(first_version(lease.token))
                 .arg("WITHVERSION")
                 .cmd("GET")
                 .arg(self.keys.token(lock));
@@ -229,7 +448,12 @@ impl Driver for TairDriver {
                     Error::Backend(format!("the claim's pipeline answered {replies:?}: {e}"))
                 })
             };
-            let (ours, set, now) = match (drawn, replies.as_slice()) {
+            let (name, rest) = match (&epoch, replies.as_slice()) {
+                (Some(_), [name, rest @ ..]) => (Some(name), rest),
+                (None, rest) => (None, rest),
+                _ => (None, &[][..]),
+            };
+            let (ours, set, now) = match (drawn, rest) {
                 (None, [incr, set, get]) => (int(incr)?, set.clone(), int(get)?),
                 (Some(ours), [set, get]) => (ours, set.clone(), int(get)?),
                 _ => {
@@ -239,28 +463,55 @@ impl Driver for TairDriver {
                 }
             };
             self.saw_counter(lock, now);
-            let Value::Int(version) = set else {
+            let claimed = match set {
+                Value::Int(version) => Some(version),
+                _ => None,
+            };
+            if let (Some(epoch_now), Some(name)) = (&epoch, name) {
+                let unchecked = match name {
+                    Value::BulkString(name) => name.as_slice() != epoch_now.connection.as_bytes(),
+                    _ => true,
+                };
+                if unchecked {
+                    // A connection the driver has not checked: perhaps a restarted server.
+                    if let Some(version) = claimed {
+                        self.undo(&mut conn, lock, version).await?;
+                    }
+                    *self.guard() = Guard::Unknown;
+                    epoch = self.epoch(&mut conn).await?;
+                    (token, drawn) = (now + 1, None);
+                    continue;
+                }
+            }
+            let Some(version) = claimed else {
                 return Ok(Acquire::Busy(self.observe(lock).await?));
             };
-            if ours == token && now == token {
+            let floor = epoch.as_ref().map_or(0, |e| e.floor);
+            if ours == token && now == token && ours > floor {
                 self.versions()
                     .insert((lock.to_owned(), lease.token), version);
                 return Ok(Acquire::Acquired(lease));
             }
-            // A claim under a token that is not ours (the guess was wrong), or one a later
-            // token was drawn after (it may have held already): undone, never held.
-            let _: i64 = redis::cmd("EXCAD")
-                .arg(self.keys.lease(lock))
-                .arg(version)
-                .query_async(&mut conn)
-                .await
-                .map_err(tair_err)?;
-            self.announce_release(lock).await?;
-            if ours == token {
+            // A claim under a token that is not ours (the guess was wrong), one a later token
+            // was drawn after (it may have held already), or one below the epoch's floor (the
+            // counter may have gone back with the server's data): undone, never held.
+            self.undo(&mut conn, lock, version).await?;
+            if ours == token && ours > floor {
                 return Ok(Acquire::Busy(None));
             }
+            let mut next = now;
+            if now < floor {
+                // Raised, not set: a draw since `now` only lifts it further.
+                next = redis::cmd("INCRBY")
+                    .arg(self.keys.token(lock))
+                    .arg(floor - now)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(tair_err)?;
+                self.saw_counter(lock, next);
+            }
             // The token we did draw is lost; guess again from where the counter is.
-            (token, drawn) = (now + 1, None);
+            (token, drawn) = (next + 1, None);
         }
         Ok(Acquire::Busy(None))
     }
@@ -354,5 +605,62 @@ impl Driver for TairDriver {
         } else {
             Err(lacking(&missing.join(", ")))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_fit_and_repeat_only_after_a_cycle_of_holdings() {
+        assert_eq!(first_version(1), 1 << 32);
+        assert_eq!(first_version(VERSION_CYCLE), (VERSION_CYCLE as i64) << 32);
+        assert_eq!(first_version(VERSION_CYCLE + 1), 1 << 32);
+        // A rebased token (the server's clock in microseconds) still has room for 2^32
+        // renewals below i64::MAX.
+        let rebased = first_version(1_795_000_000_000_000);
+        assert!(rebased > 0 && rebased.checked_add(u32::MAX as i64).is_some());
+        assert_ne!(
+            first_version(1_795_000_000_000_000),
+            first_version(1_795_000_000_000_001)
+        );
+    }
+
+    #[test]
+    fn an_epoch_waits_and_rebases_only_where_data_may_be_lost() {
+        let now = 1_800_000_000_000_000;
+        // The same incarnation: as recorded.
+        assert_eq!(
+            next_epoch((Some("a"), Some(5), Some(7)), "a", 100, now, false),
+            (5, 7, false)
+        );
+        // Durable: nothing lost, nothing changes but the incarnation.
+        assert_eq!(
+            next_epoch((Some("a"), Some(5), Some(7)), "b", 100, now, true),
+            (5, 7, true)
+        );
+        assert_eq!(
+            next_epoch((None, None, None), "b", 100, now, true),
+            (0, 0, true)
+        );
+        // Not durable, nothing recorded: from the server's start.
+        assert_eq!(
+            next_epoch((None, None, None), "b", 100, now, false),
+            (now - 100_000_000, now, true)
+        );
+        // Not durable, another incarnation recorded: from now, and a floor above the last.
+        assert_eq!(
+            next_epoch((Some("a"), Some(5), Some(now)), "b", 100, now, false),
+            (now, now + FLOOR_STEP, true)
+        );
+    }
+
+    #[test]
+    fn info_fields_are_read_by_name() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nrun_id:abc123\r\nuptime_in_seconds:42\r\n";
+        assert_eq!(info_field(info, "run_id"), Some("abc123"));
+        assert_eq!(info_field(info, "uptime_in_seconds"), Some("42"));
+        assert_eq!(info_field(info, "run"), None);
     }
 }
