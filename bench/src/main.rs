@@ -1112,6 +1112,49 @@ async fn tair_raw_cycles(port: u16) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The driver's own commands issued raw: the connection's name, the claim and the token's
+/// draw in one round trip; the delete and the release notice in another. What the driver
+/// costs beyond its commands is the gap between this and the driver.
+async fn tair_raw_driver_commands(port: u16) -> f64 {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let start = Instant::now();
+    for i in 0..CYCLES {
+        let (_, version, _): (Option<String>, i64, i64) = redis::pipe()
+            .cmd("CLIENT")
+            .arg("GETNAME")
+            .cmd("EXSET")
+            .arg("{raw}:lease")
+            .arg(format!("{}:bench", i + 1))
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64)
+            .arg("NX")
+            .arg("ABS")
+            .arg(((i + 1) as i64) << 32)
+            .arg("WITHVERSION")
+            .cmd("INCR")
+            .arg("{raw}:token")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("cycle {i}: claim: {e}"));
+        let (deleted, _): (i64, i64) = redis::pipe()
+            .cmd("EXCAD")
+            .arg("{raw}:lease")
+            .arg(version)
+            .cmd("PUBLISH")
+            .arg("raw:released:bench")
+            .arg(1)
+            .query_async(&mut conn)
+            .await
+            .expect("EXCAD");
+        assert_eq!(deleted, 1);
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
+}
+
 /// The Tair driver beside the raw versioned-put lock on the same server, and its hand-over
 /// beside the Redis driver's, in the same run.
 async fn tair_section() {
@@ -1128,12 +1171,17 @@ async fn tair_section() {
             .expect("driver")
     };
     let driver = open(tair.url()).await;
-    let (mut raw, mut ours) = (0.0f64, 0.0f64);
+    let (mut raw, mut same, mut ours) = (0.0f64, 0.0f64, 0.0f64);
     for _ in 0..ROUNDS {
         raw = raw.max(tair_raw_cycles(tair.port()).await);
+        same = same.max(tair_raw_driver_commands(tair.port()).await);
         ours = ours.max(driver_cycles(&*driver).await);
     }
     println!("  raw EXSET NX PX + EXCAD        : {raw:>7.0} cycles/s");
+    println!(
+        "  the driver's commands, raw     : {same:>7.0} cycles/s  ({:.0} %; GETNAME+EXSET+INCR, EXCAD+PUBLISH)",
+        100.0 * same / raw
+    );
     println!(
         "  TairDriver                     : {ours:>7.0} cycles/s  ({:.0} %; the token draw and its check ride in the claim's round trip, the release notice in the delete's)",
         100.0 * ours / raw

@@ -2,20 +2,17 @@
 //! whose version moves on every write, taken, renewed and released with the TairString
 //! commands instead of Lua.
 //!
-//! - **Acquire**: `INCR` the lock's token counter (a plain key, kept for ever), then `EXSET lease
-//!   "TOKEN:IDENTITY" PX ttl NX WITHVERSION`, which only succeeds on an absent (or expired) key.
-//!   Two commands cannot make the token and the claim one atomic step, so the claim is checked
-//!   (a `GET` of the counter pipelined after the `EXSET`): if the counter has moved past our
-//!   token, a later token may already have held the lock, and ours would go backwards; the claim
-//!   is undone (`EXCAD`) and counted as busy. The three go in one round trip: the `EXSET` names
-//!   the token this driver expects the `INCR` to draw (one above the counter it last saw), and a
-//!   claim under a wrong guess is undone and tried again with the counter's new value. A first
-//!   acquisition of a lock draws its token alone first.
-//!   While we hold, no later token can hold, so a claim that passes the check keeps tokens
-//!   strictly increasing.
-//!   The claim sets the key's version to TOKEN x 2^32 (`ABS`): TairString starts each new key at
-//!   version 1, so without that a holder whose key expired and was taken again would find its
-//!   old version on the new holder's key.
+//! - **Acquire**: `EXSET lease "TOKEN:IDENTITY" PX ttl NX ABS VERSION WITHVERSION`, which only
+//!   succeeds on an absent (or expired) key, then `INCR` of the lock's token counter (a plain
+//!   key, kept for ever), in one round trip. The `EXSET` names the token this driver expects
+//!   the `INCR` to draw (one above the counter it last saw; a first attempt on a lock reads the
+//!   counter first). When the draw is the token guessed, the counter stood one below it when
+//!   the claim had already landed: every token drawn before the claim is smaller, and every
+//!   later holder draws after this one, so tokens strictly increase. A claim under a wrong
+//!   guess is undone (`EXCAD`) and tried again above the counter's new value.
+//!   The claim sets the key's version from the token (`ABS`, see [`first_version`]):
+//!   TairString starts each new key at version 1, so without that a holder whose key expired
+//!   and was taken again would find its old version on the new holder's key.
 //! - **Renew**: `EXCAS lease VALUE VERSION PX ttl` with the version this holder last saw; the
 //!   version moves on each renewal, and versions never repeat across holdings, so a holder
 //!   whose version is stale has lost the lock.
@@ -90,7 +87,7 @@ enum Guard {
     /// Not checked on the current connection yet.
     Unknown,
     /// Checked: claims on a connection of this name are claims on this incarnation.
-    Known(Epoch),
+    Known(Arc<Epoch>),
     /// The server refuses `INFO` (or `CLIENT`): no guard, and the lock's warnings say so.
     Refused(Instant),
 }
@@ -117,6 +114,9 @@ impl Epoch {
         (left > 0).then(|| Duration::from_micros(left as u64))
     }
 }
+
+/// The epoch record's fields: the incarnation, `since` and the floor.
+type EpochRecord = (Option<String>, Option<i64>, Option<i64>);
 
 /// A field of an `INFO` answer.
 fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
@@ -213,7 +213,11 @@ impl TairDriver {
         let mut counters = self.counters.lock().unwrap_or_else(|e| e.into_inner());
         // A guess is only worth a round trip: a driver that has seen more locks than this
         // forgets them all rather than grow.
-        if counters.len() >= MAX_REMEMBERED_COUNTERS && !counters.contains_key(lock) {
+        if let Some(known) = counters.get_mut(lock) {
+            *known = counter;
+            return;
+        }
+        if counters.len() >= MAX_REMEMBERED_COUNTERS {
             counters.clear();
         }
         counters.insert(lock.to_owned(), counter);
@@ -234,15 +238,15 @@ impl TairDriver {
     }
 
     /// The incarnation the connection is checked on; `None` where the server refuses the check.
-    async fn epoch(&self, conn: &mut ConnectionManager) -> Result<Option<Epoch>> {
+    async fn epoch(&self, conn: &mut ConnectionManager) -> Result<Option<Arc<Epoch>>> {
         match &*self.guard() {
-            Guard::Known(epoch) => return Ok(Some(epoch.clone())),
+            Guard::Known(epoch) => return Ok(Some(Arc::clone(epoch))),
             Guard::Refused(at) if at.elapsed() < INFO_REFUSED_RECHECK => return Ok(None),
             _ => {}
         }
-        let learned = self.learn(conn).await?;
+        let learned = self.learn(conn).await?.map(Arc::new);
         *self.guard() = match &learned {
-            Some(epoch) => Guard::Known(epoch.clone()),
+            Some(epoch) => Guard::Known(Arc::clone(epoch)),
             None => Guard::Refused(Instant::now()),
         };
         Ok(learned)
@@ -268,12 +272,7 @@ impl TairDriver {
             let connection = format!("leasehold-tair-{expected}");
             // The name and the facts in one round trip: they are about one connection, so one
             // incarnation, even if the connection was replaced since the first INFO.
-            let checked: redis::RedisResult<(
-                (),
-                String,
-                Vec<String>,
-                (Option<String>, Option<i64>, Option<i64>),
-            )> = redis::pipe()
+            let checked: redis::RedisResult<((), String, Vec<String>, EpochRecord)> = redis::pipe()
                 .cmd("CLIENT")
                 .arg("SETNAME")
                 .arg(&connection)
@@ -397,17 +396,17 @@ impl Driver for TairDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.conn.clone();
         let mut epoch = self.epoch(&mut conn).await?;
-        // The token is one above the counter as this driver last saw it, most likely: drawn in
-        // the same round trip as the claim. A first attempt on a lock draws it alone first.
-        let (mut token, mut drawn) = match self.predicted_token(lock) {
-            Some(token) => (token, None),
+        // The token is one above the counter as this driver last saw it, most likely. A first
+        // attempt on a lock reads the counter first.
+        let mut token = match self.predicted_token(lock) {
+            Some(token) => token,
             None => {
-                let token: i64 = redis::cmd("INCR")
+                let counter: Option<i64> = redis::cmd("GET")
                     .arg(self.keys.token(lock))
                     .query_async(&mut conn)
                     .await
                     .map_err(tair_err)?;
-                (token, Some(token))
+                counter.unwrap_or(0) + 1
             }
         };
         for _ in 0..CLAIM_ATTEMPTS {
@@ -421,15 +420,11 @@ impl Driver for TairDriver {
                 identity: identity.to_owned(),
                 token: token as u64,
             };
-            // The connection's name (unless the server refuses the guard), the draw (unless
-            // done), the claim, and the counter's check in one round trip; the checks are
-            // harmless when the claim fails.
+            // The connection's name (unless the server refuses the guard), the claim under the
+            // guessed token, and the draw after it, in one round trip.
             let mut pipe = redis::pipe();
             if epoch.is_some() {
                 pipe.cmd("CLIENT").arg("GETNAME");
-            }
-            if drawn.is_none() {
-                pipe.cmd("INCR").arg(self.keys.token(lock));
             }
             pipe.cmd("EXSET")
                 .arg(self.keys.lease(lock))
@@ -440,78 +435,66 @@ impl Driver for TairDriver {
                 .arg("ABS")
                 .arg(first_version(lease.token))
                 .arg("WITHVERSION")
-                .cmd("GET")
+                .cmd("INCR")
                 .arg(self.keys.token(lock));
             let replies: Vec<Value> = pipe.query_async(&mut conn).await.map_err(tair_err)?;
-            let int = |v: &Value| {
-                <i64 as redis::FromRedisValue>::from_redis_value_ref(v).map_err(|e| {
-                    Error::Backend(format!("the claim's pipeline answered {replies:?}: {e}"))
-                })
-            };
-            let (name, rest) = match (&epoch, replies.as_slice()) {
-                (Some(_), [name, rest @ ..]) => (Some(name), rest),
-                (None, rest) => (None, rest),
-                _ => (None, &[][..]),
-            };
-            let (ours, set, now) = match (drawn, rest) {
-                (None, [incr, set, get]) => (int(incr)?, set.clone(), int(get)?),
-                (Some(ours), [set, get]) => (ours, set.clone(), int(get)?),
+            let (name, set, drawn) = match (&epoch, replies.as_slice()) {
+                (Some(_), [name, set, drawn]) => (Some(name), set, drawn),
+                (None, [set, drawn]) => (None, set, drawn),
                 _ => {
                     return Err(Error::Backend(format!(
                         "the claim's pipeline answered {replies:?}"
                     )));
                 }
             };
-            self.saw_counter(lock, now);
+            let ours =
+                <i64 as redis::FromRedisValue>::from_redis_value_ref(drawn).map_err(|e| {
+                    Error::Backend(format!("the claim's pipeline answered {replies:?}: {e}"))
+                })?;
+            self.saw_counter(lock, ours);
             let claimed = match set {
-                Value::Int(version) => Some(version),
+                Value::Int(version) => Some(*version),
                 _ => None,
             };
-            if let (Some(epoch_now), Some(name)) = (&epoch, name) {
-                let unchecked = match name {
-                    Value::BulkString(name) => name.as_slice() != epoch_now.connection.as_bytes(),
-                    _ => true,
-                };
-                if unchecked {
-                    // A connection the driver has not checked: perhaps a restarted server.
-                    if let Some(version) = claimed {
-                        self.undo(&mut conn, lock, version).await?;
-                    }
-                    *self.guard() = Guard::Unknown;
-                    epoch = self.epoch(&mut conn).await?;
-                    (token, drawn) = (now + 1, None);
-                    continue;
+            if let (Some(checked), Some(name)) = (&epoch, name)
+                && !matches!(name, Value::BulkString(n) if n.as_slice() == checked.connection.as_bytes())
+            {
+                // A connection the driver has not checked: perhaps a restarted server.
+                if let Some(version) = claimed {
+                    self.undo(&mut conn, lock, version).await?;
                 }
+                *self.guard() = Guard::Unknown;
+                epoch = self.epoch(&mut conn).await?;
+                token = ours + 1;
+                continue;
             }
             let Some(version) = claimed else {
                 return Ok(Acquire::Busy(self.observe(lock).await?));
             };
+            // The draw came after the claim: when it is the token guessed, every token drawn
+            // before the claim is below it, and every later holder draws after this one.
             let floor = epoch.as_ref().map_or(0, |e| e.floor);
-            if ours == token && now == token && ours > floor {
+            if ours == token && ours > floor {
                 self.versions()
                     .insert((lock.to_owned(), lease.token), version);
                 return Ok(Acquire::Acquired(lease));
             }
-            // A claim under a token that is not ours (the guess was wrong), one a later token
-            // was drawn after (it may have held already), or one below the epoch's floor (the
-            // counter may have gone back with the server's data): undone, never held.
+            // A claim under a token that is not ours (the guess was wrong: an earlier holder
+            // may have drawn it), or one below the epoch's floor (the counter may have gone
+            // back with the server's data): undone, never held.
             self.undo(&mut conn, lock, version).await?;
-            if ours == token && ours > floor {
-                return Ok(Acquire::Busy(None));
-            }
-            let mut next = now;
-            if now < floor {
-                // Raised, not set: a draw since `now` only lifts it further.
+            let mut next = ours;
+            if ours <= floor {
+                // Raised, not set: a draw since only lifts it further.
                 next = redis::cmd("INCRBY")
                     .arg(self.keys.token(lock))
-                    .arg(floor - now)
+                    .arg(floor - ours)
                     .query_async(&mut conn)
                     .await
                     .map_err(tair_err)?;
                 self.saw_counter(lock, next);
             }
-            // The token we did draw is lost; guess again from where the counter is.
-            (token, drawn) = (next + 1, None);
+            token = next + 1;
         }
         Ok(Acquire::Busy(None))
     }
