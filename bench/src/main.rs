@@ -1082,13 +1082,18 @@ async fn sentinel_section() {
     );
 }
 
-/// The raw versioned-put lock: `EXSET NX PX WITHVERSION`, then `EXCAD` with that version.
-async fn tair_raw_cycles(port: u16) -> f64 {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
-    let mut conn = client
+/// A bare connection to the Tair server, as the raw baselines use.
+async fn tair_raw_connection(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .expect("client")
         .get_multiplexed_async_connection()
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+/// The raw versioned-put lock: `EXSET NX PX WITHVERSION`, then `EXCAD` with that version.
+async fn tair_raw_cycles(port: u16) -> f64 {
+    let mut conn = tair_raw_connection(port).await;
     let start = Instant::now();
     for i in 0..CYCLES {
         let version: i64 = redis::cmd("EXSET")
@@ -1116,11 +1121,7 @@ async fn tair_raw_cycles(port: u16) -> f64 {
 /// draw in one round trip; the delete and the release notice in another. What the driver
 /// costs beyond its commands is the gap between this and the driver.
 async fn tair_raw_driver_commands(port: u16) -> f64 {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("client");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut conn = tair_raw_connection(port).await;
     let start = Instant::now();
     for i in 0..CYCLES {
         let (_, version, _): (Option<String>, i64, i64) = redis::pipe()

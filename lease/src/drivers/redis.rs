@@ -217,6 +217,13 @@ pub fn lease_value(lease: &Lease) -> String {
     format!("{}:{}", lease.token, lease.identity)
 }
 
+/// A field of an `INFO` answer.
+pub(crate) fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
 pub(crate) fn parse_holding(value: &[u8], pttl: i64) -> Option<Holding> {
     let value = std::str::from_utf8(value).ok()?;
     let (token, identity) = value.split_once(':')?;

@@ -40,8 +40,8 @@ use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use super::redis::{
-    Durability, KeyLayout, client, connection, delete_keys, lease_value, listen_for_releases,
-    lock_key_warnings, map_err, ms, parse_holding,
+    Durability, KeyLayout, client, connection, delete_keys, info_field, lease_value,
+    listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
 };
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
@@ -117,12 +117,6 @@ impl Epoch {
 
 /// The epoch record's fields: the incarnation, `since` and the floor.
 type EpochRecord = (Option<String>, Option<i64>, Option<i64>);
-
-/// A field of an `INFO` answer.
-fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
-    info.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':').map(str::trim))
-}
 
 /// `TIME`'s answer in microseconds.
 fn micros(time: &[String]) -> Result<i64> {
@@ -223,14 +217,25 @@ impl TairDriver {
         counters.insert(lock.to_owned(), counter);
     }
 
-    async fn announce_release(&self, lock: &str) -> Result<()> {
-        let _: i64 = redis::cmd("PUBLISH")
+    /// `EXCAD` of `version` with the release notice in one round trip; should the delete fail,
+    /// waiters woken for nothing find the lock held and wait again. True when deleted.
+    async fn delete_and_announce(
+        &self,
+        conn: &mut ConnectionManager,
+        lock: &str,
+        version: i64,
+    ) -> Result<bool> {
+        let (deleted, _): (i64, i64) = redis::pipe()
+            .cmd("EXCAD")
+            .arg(self.keys.lease(lock))
+            .arg(version)
+            .cmd("PUBLISH")
             .arg(self.keys.released_channel(lock))
             .arg(1)
-            .query_async(&mut self.conn.clone())
+            .query_async(conn)
             .await
             .map_err(tair_err)?;
-        Ok(())
+        Ok(deleted == 1)
     }
 
     fn guard(&self) -> std::sync::MutexGuard<'_, Guard> {
@@ -330,17 +335,6 @@ impl TairDriver {
         Err(Error::Unreachable(
             "the server changed three times while the driver read which one it is".into(),
         ))
-    }
-
-    /// Undo a claim that must not count, and wake the waiters it held up.
-    async fn undo(&self, conn: &mut ConnectionManager, lock: &str, version: i64) -> Result<()> {
-        let _: i64 = redis::cmd("EXCAD")
-            .arg(self.keys.lease(lock))
-            .arg(version)
-            .query_async(conn)
-            .await
-            .map_err(tair_err)?;
-        self.announce_release(lock).await
     }
 
     /// A server without the TairString commands answers every lock call with an unknown
@@ -461,7 +455,7 @@ impl Driver for TairDriver {
             {
                 // A connection the driver has not checked: perhaps a restarted server.
                 if let Some(version) = claimed {
-                    self.undo(&mut conn, lock, version).await?;
+                    self.delete_and_announce(&mut conn, lock, version).await?;
                 }
                 *self.guard() = Guard::Unknown;
                 epoch = self.epoch(&mut conn).await?;
@@ -482,7 +476,7 @@ impl Driver for TairDriver {
             // A claim under a token that is not ours (the guess was wrong: an earlier holder
             // may have drawn it), or one below the epoch's floor (the counter may have gone
             // back with the server's data): undone, never held.
-            self.undo(&mut conn, lock, version).await?;
+            self.delete_and_announce(&mut conn, lock, version).await?;
             let mut next = ours;
             if ours <= floor {
                 // Raised, not set: a draw since only lifts it further.
@@ -534,19 +528,8 @@ impl Driver for TairDriver {
         let Some(version) = self.versions().remove(&key) else {
             return Ok(false);
         };
-        // The notice goes with the delete in one round trip; should the delete fail, waiters
-        // woken for nothing find the lock held and wait again.
-        let (deleted, _): (i64, i64) = redis::pipe()
-            .cmd("EXCAD")
-            .arg(self.keys.lease(&lease.lock))
-            .arg(version)
-            .cmd("PUBLISH")
-            .arg(self.keys.released_channel(&lease.lock))
-            .arg(1)
-            .query_async(&mut self.conn.clone())
+        self.delete_and_announce(&mut self.conn.clone(), &lease.lock, version)
             .await
-            .map_err(tair_err)?;
-        Ok(deleted == 1)
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {

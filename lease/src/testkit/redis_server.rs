@@ -245,11 +245,7 @@ pub fn info(port: u16, section: &str) -> String {
         .unwrap_or_default()
 }
 
-pub(super) fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
-    info.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-        .map(str::trim)
-}
+pub(super) use crate::drivers::redis::info_field as field;
 
 /// One raw `PING`, the protocol's own health check.
 pub(super) fn ping(port: u16) -> bool {
