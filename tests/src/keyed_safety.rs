@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::fault_proxy::FaultProxy;
 use crate::safety::{
     Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target, inject,
+    longest_gap,
 };
 use crate::{Sidecar, http, unique_lock};
 
@@ -208,25 +208,9 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
         .copied()
         .chain(["--keyed", &family, "--mode", "on-demand"])
         .collect();
-    let start_sidecar = |slot: &Slot, backend: &Backend| {
-        Sidecar::start(&slot.identity, &slot.url(backend), &plain, &args)
-    };
+    let start_sidecar = |identity: &str, url: &str| Sidecar::start(identity, url, &plain, &args);
     let mut slots: Vec<Slot> = (0..SIDECARS)
-        .map(|i| {
-            let proxies: Vec<FaultProxy> =
-                backend.ports().into_iter().map(FaultProxy::start).collect();
-            let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
-            let identity = format!("pod-{i}");
-            let sidecar = Sidecar::start(&identity, &backend.url_via(&ports), &plain, &args);
-            let addr = Arc::new(Mutex::new((sidecar.addr, 0)));
-            Slot {
-                identity,
-                generation: 0,
-                sidecar,
-                proxies,
-                addr,
-            }
-        })
+        .map(|i| Slot::start(i, format!("pod-{i}"), &backend, &start_sidecar))
         .collect();
 
     let log = Arc::new(Mutex::new(Log::default()));
@@ -396,20 +380,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
             })
             .unwrap_or_default();
         busy.sort();
-        let mut free_from = refusal.sent;
-        let mut longest = Duration::ZERO;
-        for (from, to) in busy {
-            if from > free_from {
-                longest = longest.max(from.min(refusal.received) - free_from);
-            }
-            free_from = free_from.max(to);
-            if free_from >= refusal.received {
-                break;
-            }
-        }
-        if free_from < refusal.received {
-            longest = longest.max(refusal.received - free_from);
-        }
+        let longest = longest_gap(&busy, refusal.sent, refusal.received);
         if longest > free_gap {
             report.violations.push(format!(
                 "key k{}: a worker waited {:?} and was refused, though the key was free for {:?} of it (from {:.3?})",

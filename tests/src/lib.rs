@@ -88,7 +88,45 @@ pub fn raw_http(addr: SocketAddr, request: &[u8]) -> std::io::Result<Reply> {
     stream.write_all(request)?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
+    parse_reply(&raw)
+}
+
+/// A client that gives up: `POST path`, and close the connection unread once `patience` has
+/// passed. `Ok(None)` when it hung up before any byte of the answer came.
+pub fn post_or_hang_up(
+    addr: SocketAddr,
+    path: &str,
+    patience: Duration,
+) -> std::io::Result<Option<Reply>> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(patience))?;
+    stream.write_all(
+        format!("POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            .as_bytes(),
+    )?;
+    let mut raw = Vec::new();
+    match stream.read_to_end(&mut raw) {
+        Ok(_) => parse_reply(&raw).map(Some),
+        Err(e)
+            if raw.is_empty()
+                && matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+        {
+            Ok(None)
+        }
+        // Part of the answer came before the patience ran out: the rest follows at once.
+        Err(_) => {
+            stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+            stream.read_to_end(&mut raw)?;
+            parse_reply(&raw).map(Some)
+        }
+    }
+}
+
+fn parse_reply(raw: &[u8]) -> std::io::Result<Reply> {
+    let text = String::from_utf8_lossy(raw);
     let status = text
         .split_whitespace()
         .nth(1)
@@ -244,6 +282,17 @@ impl Drop for Sidecar {
             let _ = nix::sys::signal::killpg(Pid::from_raw(child.id() as i32), Signal::SIGCONT);
         }
         self.kill9();
+        // To read what a sidecar did after its test has gone: LEASEHOLD_TEST_LOGS=DIR keeps
+        // every sidecar's log there, named after its identity and port.
+        if let Some(dir) = std::env::var_os("LEASEHOLD_TEST_LOGS") {
+            let kept = std::path::Path::new(&dir).join(format!(
+                "{}-{}.log",
+                self.identity,
+                self.addr.port()
+            ));
+            let _ = std::fs::create_dir_all(&dir);
+            let _ = std::fs::copy(self.log.path(), kept);
+        }
     }
 }
 

@@ -3,8 +3,16 @@
 //! second, recording on one clock who claimed to hold, when, and with which token.
 //!
 //! Faults: SIGKILL of the holder (then a new process in its place), SIGSTOP of the holder for
-//! longer than the lease (then SIGCONT), a crash and restart of the backend, and a partition of
-//! the holder from the backend (a [`FaultProxy`] per sidecar and endpoint).
+//! longer than the lease (then SIGCONT), a crash and restart of the backend, a partition of
+//! the holder from the backend (a [`FaultProxy`] per sidecar and endpoint), and on a
+//! three-server ZooKeeper ensemble a follower cut off from its quorum while it goes on serving.
+//!
+//! Two workloads: every sidecar campaigns ([`Workload::Campaign`]), or the sidecars run
+//! on-demand and workers beside each take and release the lock ([`Workload::Waiters`]), some
+//! blocking, some with try-locks (`wait=0`), some hanging up while they wait. The second also
+//! fails when a sidecar holds the lock for nobody (a token that no worker of it was given), and
+//! when a blocking waiter is refused although, with no fault near, the lock stayed free for
+//! longer than a hand-over takes.
 //!
 //! It fails when two sidecars' claims certainly overlap, when a token does not increase from one
 //! holder to the next (or two sidecars claim one token), or when no holder appears within
@@ -16,21 +24,22 @@
 //! sent]; two of those spans that intersect are two holders at once. The polling resolution
 //! (how long a request takes, how often each sidecar is asked) is reported alongside.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold_lease::testkit::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer, ZooKeeperServer,
+    EtcdServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer, ZooKeeperEnsemble,
+    ZooKeeperServer,
 };
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::fault_proxy::FaultProxy;
-use crate::{Sidecar, unique_lock};
+use crate::{Sidecar, http, post_or_hang_up, unique_lock};
 
 pub const LEASE: Duration = Duration::from_secs(1);
 pub const RENEW: Duration = Duration::from_millis(250);
@@ -39,6 +48,12 @@ pub(crate) const TIMING: &[&str] = &["--lease-duration", "1s", "--renew-interval
 pub const RECOVERY_SLACK: Duration = Duration::from_millis(1500);
 /// How long a fault lasts: longer than the lease, so that it always forces a hand-over.
 const FAULT_LENGTH: Duration = Duration::from_millis(1500);
+/// How long a ZooKeeper follower stays cut off from its quorum: long enough for its clients'
+/// sessions to expire on the leader, well within the ensemble's sync limit (5 s), so it serves
+/// stale reads throughout.
+const FOLLOWER_CUT: Duration = Duration::from_millis(3000);
+/// How long an isolated follower may take to follow again once healed.
+const FOLLOWER_REJOIN: Duration = Duration::from_secs(20);
 pub(crate) const CALM_MIN_MS: u64 = 300;
 pub(crate) const CALM_MAX_MS: u64 = 1200;
 const POLL_PAUSE: Duration = Duration::from_millis(3);
@@ -60,10 +75,12 @@ pub enum Target {
     ZooKeeper,
     Tair,
     RedisSentinel,
+    /// Three ZooKeeper servers, each sidecar connected to one of them.
+    ZooKeeperEnsemble,
 }
 
 impl Target {
-    pub const ALL: [Target; 11] = [
+    pub const ALL: [Target; 12] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -75,6 +92,7 @@ impl Target {
         Target::ZooKeeper,
         Target::Tair,
         Target::RedisSentinel,
+        Target::ZooKeeperEnsemble,
     ];
 
     pub fn name(self) -> &'static str {
@@ -90,11 +108,79 @@ impl Target {
             Target::ZooKeeper => "zookeeper",
             Target::Tair => "tair",
             Target::RedisSentinel => "redis-sentinel",
+            Target::ZooKeeperEnsemble => "zookeeper-ensemble",
         }
     }
 
     pub fn parse(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|t| t.name() == name)
+    }
+}
+
+/// What the sidecars of a run are asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// Every sidecar campaigns: someone always holds the lock.
+    Campaign,
+    /// On-demand sidecars, each with [`WAITERS_PER_SIDECAR`] workers that take the lock and
+    /// give it back: blocking waits, try-locks and clients that hang up while they wait, mixed.
+    Waiters,
+}
+
+impl Workload {
+    pub const ALL: [Workload; 2] = [Workload::Campaign, Workload::Waiters];
+
+    /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
+    fn suffix(self) -> &'static str {
+        match self {
+            Workload::Campaign => "",
+            Workload::Waiters => "+waiters",
+        }
+    }
+}
+
+/// A backend and a workload: what one run of the check exercises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scenario {
+    pub target: Target,
+    pub workload: Workload,
+}
+
+impl Scenario {
+    pub const fn campaign(target: Target) -> Self {
+        Self {
+            target,
+            workload: Workload::Campaign,
+        }
+    }
+
+    pub const fn waiters(target: Target) -> Self {
+        Self {
+            target,
+            workload: Workload::Waiters,
+        }
+    }
+
+    /// What `scripts/soak DURATION` runs when it is given no names: every driver campaigning,
+    /// and waiters where their faults live (the fair queues of etcd and ZooKeeper, which
+    /// try-locks and hung-up clients could leave places in; Redis's pub/sub wake-ups).
+    pub fn soak_default() -> Vec<Self> {
+        let mut all: Vec<Self> = Target::ALL.into_iter().map(Self::campaign).collect();
+        all.extend([Target::Etcd, Target::ZooKeeper, Target::Redis].map(Self::waiters));
+        all
+    }
+
+    pub fn name(self) -> String {
+        format!("{}{}", self.target.name(), self.workload.suffix())
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Target::ALL.into_iter().find_map(|target| {
+            Workload::ALL.into_iter().find_map(|workload| {
+                let scenario = Self { target, workload };
+                (scenario.name() == name).then_some(scenario)
+            })
+        })
     }
 }
 
@@ -104,6 +190,9 @@ pub enum Fault {
     PauseHolder,
     RestartBackend,
     PartitionHolder,
+    /// A ZooKeeper follower (the holder's, when it is one) cut off from the leader and the
+    /// other follower, while its clients still reach it.
+    IsolateFollower,
 }
 
 impl Fault {
@@ -113,6 +202,7 @@ impl Fault {
             Fault::PauseHolder => "pause",
             Fault::RestartBackend => "restart",
             Fault::PartitionHolder => "partition",
+            Fault::IsolateFollower => "isolate-follower",
         }
     }
 }
@@ -130,6 +220,9 @@ pub(crate) enum Backend {
     ZooKeeper(ZooKeeperServer),
     /// A master, a replica and a sentinel; a restart is a failover.
     RedisSentinel(RedisSentinelSet),
+    /// Three servers; sidecar `i` is connected to server `i % 3` only, so that cutting a
+    /// follower off cuts off the sidecars it serves, and nothing else.
+    ZooKeeperEnsemble(ZooKeeperEnsemble),
 }
 
 impl Backend {
@@ -146,6 +239,7 @@ impl Backend {
             Target::ZooKeeper => Backend::ZooKeeper(ZooKeeperServer::start()),
             Target::Tair => Backend::Tair(RedisServer::start_tair()),
             Target::RedisSentinel => Backend::RedisSentinel(RedisSentinelSet::start()),
+            Target::ZooKeeperEnsemble => Backend::ZooKeeperEnsemble(ZooKeeperEnsemble::start()),
         }
     }
 
@@ -159,11 +253,12 @@ impl Backend {
             Backend::MariaDb(s, _) => vec![s.port()],
             Backend::Etcd(s) => vec![s.port()],
             Backend::ZooKeeper(s) => vec![s.port()],
+            Backend::ZooKeeperEnsemble(e) => (0..3).map(|m| e.client_port(m)).collect(),
         }
     }
 
-    /// The `--backend` URL with each endpoint replaced by the matching proxy port.
-    pub(crate) fn url_via(&self, proxies: &[u16]) -> String {
+    /// Sidecar `index`'s `--backend` URL, each endpoint replaced by the matching proxy port.
+    pub(crate) fn url_via(&self, index: usize, proxies: &[u16]) -> String {
         let swap = |url: String, port: u16, proxy: u16| {
             url.replace(&format!("127.0.0.1:{port}"), &format!("127.0.0.1:{proxy}"))
         };
@@ -179,6 +274,10 @@ impl Backend {
             Backend::Etcd(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::ZooKeeper(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::RedisSentinel(set) => set.url(),
+            Backend::ZooKeeperEnsemble(e) => {
+                let member = index % 3;
+                swap(e.url(&[member]), e.client_port(member), proxies[member])
+            }
         }
     }
 
@@ -190,6 +289,14 @@ impl Backend {
             Backend::RedisSentinel(_) => {
                 &[Fault::KillHolder, Fault::PauseHolder, Fault::RestartBackend]
             }
+            // A restart of a server is the single-server target's; here a server stays up
+            // and loses its quorum.
+            Backend::ZooKeeperEnsemble(_) => &[
+                Fault::KillHolder,
+                Fault::PauseHolder,
+                Fault::PartitionHolder,
+                Fault::IsolateFollower,
+            ],
             _ => &[
                 Fault::KillHolder,
                 Fault::PauseHolder,
@@ -212,12 +319,38 @@ impl Backend {
             Backend::RedisSentinel(set) => {
                 set.fail_over_and_rejoin();
             }
+            Backend::ZooKeeperEnsemble(_) => unreachable!("an ensemble's faults name no restart"),
         }
+    }
+
+    /// Cut a follower off from its quorum for [`FOLLOWER_CUT`] (sidecar `near`'s server when
+    /// it follows, else another follower), then heal it and wait until it follows again.
+    fn isolate_follower(&self, near: usize) {
+        let Backend::ZooKeeperEnsemble(ensemble) = self else {
+            unreachable!("only an ensemble has followers to isolate")
+        };
+        let followers = ensemble.followers();
+        let Some(&member) = followers
+            .iter()
+            .find(|&&f| f == near % 3)
+            .or(followers.first())
+        else {
+            return;
+        };
+        ensemble.isolate(member);
+        std::thread::sleep(FOLLOWER_CUT);
+        assert!(
+            ensemble.rejoin(member, FOLLOWER_REJOIN),
+            "server {member} did not follow again within {FOLLOWER_REJOIN:?} of healing (modes {:?}); logs:\n{}",
+            ensemble.modes(),
+            ensemble.logs()
+        );
     }
 }
 
 /// One contender: a sidecar process, replaced after a kill, and its links to the backend.
 pub(crate) struct Slot {
+    pub(crate) index: usize,
     pub(crate) identity: String,
     pub(crate) generation: u32,
     pub(crate) sidecar: Sidecar,
@@ -229,9 +362,33 @@ pub(crate) struct Slot {
 impl Slot {
     pub(crate) fn url(&self, backend: &Backend) -> String {
         let ports: Vec<u16> = self.proxies.iter().map(|p| p.port).collect();
-        backend.url_via(&ports)
+        backend.url_via(self.index, &ports)
+    }
+
+    /// Sidecar `index` of a run, with its own proxy to each of the backend's endpoints.
+    pub(crate) fn start(
+        index: usize,
+        identity: String,
+        backend: &Backend,
+        start_sidecar: &StartSidecar,
+    ) -> Self {
+        let proxies: Vec<FaultProxy> = backend.ports().into_iter().map(FaultProxy::start).collect();
+        let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+        let sidecar = start_sidecar(&identity, &backend.url_via(index, &ports));
+        let addr = Arc::new(Mutex::new((sidecar.addr, 0)));
+        Slot {
+            index,
+            identity,
+            generation: 0,
+            sidecar,
+            proxies,
+            addr,
+        }
     }
 }
+
+/// Starts a sidecar process: (identity, `--backend` URL).
+pub(crate) type StartSidecar<'a> = dyn Fn(&str, &str) -> Sidecar + 'a;
 
 /// One answer from one sidecar.
 #[derive(Debug, Clone, Copy)]
@@ -247,11 +404,15 @@ struct Sample {
 /// The figures of one run.
 #[derive(Debug, Default)]
 pub struct Report {
-    pub target: &'static str,
+    pub target: String,
     pub duration: Duration,
     pub seed: u64,
     pub samples: usize,
     pub handovers: usize,
+    /// With waiters: acquisitions answered 200, try-locks answered 409, clients that hung up.
+    pub acquisitions: usize,
+    pub try_locks_refused: usize,
+    pub hang_ups: usize,
     pub faults: BTreeMap<&'static str, usize>,
     pub violations: Vec<String>,
     pub longest_without_holder: Duration,
@@ -290,7 +451,14 @@ impl Report {
             self.poll_interval,
             self.longest_request,
             self.seed,
-        )
+        ) + &if self.acquisitions > 0 {
+            format!(
+                "  waiters: acquisitions {}, try-locks refused {}, hung up {}",
+                self.acquisitions, self.try_locks_refused, self.hang_ups
+            )
+        } else {
+            String::new()
+        }
     }
 }
 
@@ -343,36 +511,125 @@ fn checker(
     }
 }
 
-/// Run the check against `target` for `duration`, with `contenders` sidecars.
-pub fn run(target: Target, duration: Duration, contenders: usize, seed: u64) -> Report {
+/// The waiters' workload: how long a blocking waiter waits, how long a holder may keep the
+/// lock without acquiring again, and the mix of requests.
+/// Two per sidecar, each pausing between holdings: an on-demand lock is re-entrant for the pod,
+/// so more workers (or none pausing) would keep one pod's count from ever reaching zero, and
+/// the lock would pass between pods only through faults.
+pub const WAITERS_PER_SIDECAR: usize = 2;
+const WAIT: Duration = Duration::from_secs(3);
+const HOLD: Duration = Duration::from_secs(3);
+/// Out of 100 requests: this many try-locks, and this many clients that hang up.
+const TRY_LOCKS: u32 = 25;
+const HANG_UPS: u32 = 15;
+/// How long a client that hangs up waits first.
+const PATIENCE_MS: std::ops::Range<u64> = 30..1000;
+/// How long a worker keeps the lock once it has it, and pauses after giving it back.
+const WORK_MS: std::ops::Range<u64> = 2..20;
+const BETWEEN_MS: std::ops::Range<u64> = 0..40;
+/// A client that hangs up at the very instant its acquisition succeeds leaves a holding that
+/// nobody was told of: no sidecar can tell that race from a client that read its answer. A
+/// holding first seen this close to a hang-up of its sidecar's client is that race.
+const HANG_UP_RACE: Duration = Duration::from_millis(100);
+
+/// What the waiters saw, besides the checker's samples.
+#[derive(Default)]
+struct WaiterLog {
+    /// The tokens each slot's workers were given.
+    delivered: BTreeMap<usize, BTreeSet<u64>>,
+    acquisitions: usize,
+    try_locks_refused: usize,
+    /// When a client of each slot hung up.
+    hang_ups: Vec<(usize, Instant)>,
+    /// Blocking waits refused after the whole wait: (sent, received).
+    refusals: Vec<(Instant, Instant)>,
+    /// When each fault began and ended.
+    faults: Vec<(Instant, Instant)>,
+}
+
+/// One worker beside sidecar `slot`: take the lock (a blocking wait, a try-lock, or a wait it
+/// gives up on), keep it a moment, give it back; again until `stop`.
+fn waiter(
+    slot: usize,
+    addr: Arc<Mutex<(SocketAddr, u32)>>,
+    log: Arc<Mutex<WaiterLog>>,
+    stop: Arc<AtomicBool>,
+    seed: u64,
+) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut backend = Backend::start(target);
-    let lock = unique_lock("safety");
-    let start_sidecar = |slot: &Slot, backend: &Backend| {
-        Sidecar::start(&slot.identity, &slot.url(backend), &lock, TIMING)
-    };
-    let mut slots: Vec<Slot> = (0..contenders)
-        .map(|i| {
-            let proxies: Vec<FaultProxy> =
-                backend.ports().into_iter().map(FaultProxy::start).collect();
-            let identity = format!("contender-{i}");
-            let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
-            let sidecar = Sidecar::start(&identity, &backend.url_via(&ports), &lock, TIMING);
-            let addr = Arc::new(Mutex::new((sidecar.addr, 0)));
-            Slot {
-                identity,
-                generation: 0,
-                sidecar,
-                proxies,
-                addr,
+    while !stop.load(Ordering::SeqCst) {
+        let (target, _) = *addr.lock().unwrap();
+        let roll = rng.random_range(0..100);
+        let try_lock = roll < TRY_LOCKS;
+        let wait = if try_lock { Duration::ZERO } else { WAIT };
+        let path = format!(
+            "/lock/acquire?wait={}ms&hold={}ms",
+            wait.as_millis(),
+            HOLD.as_millis()
+        );
+        let sent = Instant::now();
+        let answer = if roll >= 100 - HANG_UPS {
+            let patience = Duration::from_millis(rng.random_range(PATIENCE_MS));
+            match post_or_hang_up(target, &path, patience) {
+                Ok(None) => {
+                    log.lock().unwrap().hang_ups.push((slot, Instant::now()));
+                    continue;
+                }
+                other => other.map(|reply| reply.expect("answered")),
             }
-        })
+        } else {
+            http(target, "POST", &path)
+        };
+        let received = Instant::now();
+        match answer {
+            Ok(reply) if reply.status == 200 => {
+                let token = reply.json()["fencingToken"].as_u64();
+                {
+                    let mut log = log.lock().unwrap();
+                    log.acquisitions += 1;
+                    if let Some(token) = token {
+                        log.delivered.entry(slot).or_default().insert(token);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(rng.random_range(WORK_MS)));
+                let _ = http(target, "POST", "/lock/release");
+                std::thread::sleep(Duration::from_millis(rng.random_range(BETWEEN_MS)));
+            }
+            Ok(reply) if reply.status == 409 => {
+                let mut log = log.lock().unwrap();
+                if try_lock {
+                    log.try_locks_refused += 1;
+                } else if received - sent >= WAIT {
+                    log.refusals.push((sent, received));
+                }
+                drop(log);
+                std::thread::sleep(Duration::from_millis(rng.random_range(5..30)));
+            }
+            // 503 (cannot tell), or the sidecar killed under us: try again shortly.
+            _ => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Run the check of `scenario` for `duration`, with `contenders` sidecars.
+pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64) -> Report {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut backend = Backend::start(scenario.target);
+    let lock = unique_lock("safety");
+    let args: Vec<&str> = match scenario.workload {
+        Workload::Campaign => TIMING.to_vec(),
+        Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
+    };
+    let start_sidecar = |identity: &str, url: &str| Sidecar::start(identity, url, &lock, &args);
+    let mut slots: Vec<Slot> = (0..contenders)
+        .map(|i| Slot::start(i, format!("contender-{i}"), &backend, &start_sidecar))
         .collect();
 
     let log = Arc::new(Mutex::new(Vec::new()));
+    let waiter_log = Arc::new(Mutex::new(WaiterLog::default()));
     let last_holder = Arc::new(Mutex::new(None));
     let stop = Arc::new(AtomicBool::new(false));
-    let checkers: Vec<_> = slots
+    let mut threads: Vec<_> = slots
         .iter()
         .enumerate()
         .map(|(i, slot)| {
@@ -385,9 +642,22 @@ pub fn run(target: Target, duration: Duration, contenders: usize, seed: u64) -> 
             std::thread::spawn(move || checker(i, addr, log, last, stop))
         })
         .collect();
+    if scenario.workload == Workload::Waiters {
+        for (i, slot) in slots.iter().enumerate() {
+            for _ in 0..WAITERS_PER_SIDECAR {
+                let (addr, log, stop, seed) = (
+                    slot.addr.clone(),
+                    waiter_log.clone(),
+                    stop.clone(),
+                    rng.random(),
+                );
+                threads.push(std::thread::spawn(move || waiter(i, addr, log, stop, seed)));
+            }
+        }
+    }
 
     let mut report = Report {
-        target: target.name(),
+        target: scenario.name(),
         seed,
         ..Report::default()
     };
@@ -413,9 +683,11 @@ pub fn run(target: Target, duration: Duration, contenders: usize, seed: u64) -> 
         // The holder now, as the checker last saw it; anyone when nobody holds.
         let holder = current_holder(&log.lock().unwrap())
             .unwrap_or_else(|| rng.random_range(0..slots.len()));
+        let started = Instant::now();
         inject(fault, &mut slots[holder], &mut backend, &start_sidecar);
         *report.faults.entry(fault.name()).or_default() += 1;
         let healed = Instant::now();
+        waiter_log.lock().unwrap().faults.push((started, healed));
         let bound = LEASE + RENEW + RECOVERY_SLACK;
         while !recovered(healed) && healed.elapsed() < bound {
             std::thread::sleep(Duration::from_millis(2));
@@ -432,11 +704,15 @@ pub fn run(target: Target, duration: Duration, contenders: usize, seed: u64) -> 
     }
     report.duration = began.elapsed();
     stop.store(true, Ordering::SeqCst);
-    for checker in checkers {
-        let _ = checker.join();
+    for thread in threads {
+        let _ = thread.join();
     }
     let samples = std::mem::take(&mut *log.lock().unwrap());
-    analyse(&samples, began, &mut report);
+    let holdings = analyse(&samples, began, &mut report);
+    if scenario.workload == Workload::Waiters {
+        let waiters = std::mem::take(&mut *waiter_log.lock().unwrap());
+        analyse_waiters(&holdings, &waiters, began, &mut report);
+    }
     drop(slots);
     report
 }
@@ -447,14 +723,14 @@ pub(crate) fn inject(
     fault: Fault,
     slot: &mut Slot,
     backend: &mut Backend,
-    start_sidecar: &dyn Fn(&Slot, &Backend) -> Sidecar,
+    start_sidecar: &StartSidecar,
 ) {
     match fault {
         Fault::KillHolder => {
             slot.sidecar.kill9();
             std::thread::sleep(LEASE / 2);
             slot.generation += 1;
-            slot.sidecar = start_sidecar(slot, backend);
+            slot.sidecar = start_sidecar(&slot.identity, &slot.url(backend));
             *slot.addr.lock().unwrap() = (slot.sidecar.addr, slot.generation);
         }
         Fault::PauseHolder => {
@@ -476,6 +752,7 @@ pub(crate) fn inject(
             std::thread::sleep(FAULT_LENGTH);
             slot.proxies.iter().for_each(FaultProxy::restore);
         }
+        Fault::IsolateFollower => backend.isolate_follower(slot.index),
     }
 }
 
@@ -492,18 +769,23 @@ fn current_holder(samples: &[Sample]) -> Option<usize> {
 }
 
 /// One token's claim by one process: surely held over [certain_from, certain_to] when that is
-/// not empty, and at some instant within [first_sent, first_received].
+/// not empty, and at some instant within [first_sent, first_received]; possibly held from
+/// `first_sent` to `last_received`.
 #[derive(Debug, Clone, Copy)]
 struct Holding {
     slot: usize,
     generation: u32,
     token: u64,
     first_sent: Instant,
+    first_received: Instant,
     certain_from: Instant,
     certain_to: Instant,
+    last_received: Instant,
 }
 
-fn analyse(samples: &[Sample], began: Instant, report: &mut Report) {
+/// The holdings the samples show, in the order they began; overlaps, falling or shared tokens
+/// and the polling figures go into `report`.
+fn analyse(samples: &[Sample], began: Instant, report: &mut Report) -> Vec<Holding> {
     report.samples = samples.len();
     let mut holdings: BTreeMap<(usize, u32, u64), Holding> = BTreeMap::new();
     for s in samples {
@@ -513,15 +795,21 @@ fn analyse(samples: &[Sample], began: Instant, report: &mut Report) {
             .and_modify(|h| {
                 h.certain_from = h.certain_from.min(s.received);
                 h.certain_to = h.certain_to.max(s.sent);
-                h.first_sent = h.first_sent.min(s.sent);
+                if s.sent < h.first_sent {
+                    h.first_sent = s.sent;
+                    h.first_received = s.received;
+                }
+                h.last_received = h.last_received.max(s.received);
             })
             .or_insert(Holding {
                 slot: s.slot,
                 generation: s.generation,
                 token,
                 first_sent: s.sent,
+                first_received: s.received,
                 certain_from: s.received,
                 certain_to: s.sent,
+                last_received: s.received,
             });
     }
     let mut holdings: Vec<Holding> = holdings.into_values().collect();
@@ -591,6 +879,84 @@ fn analyse(samples: &[Sample], began: Instant, report: &mut Report) {
         .map(|s| s.received - s.sent)
         .max()
         .unwrap_or_default();
+    holdings
+}
+
+/// The waiters' own checks: no holding for nobody, and no blocking waiter refused while the
+/// lock stayed free.
+fn analyse_waiters(holdings: &[Holding], log: &WaiterLog, began: Instant, report: &mut Report) {
+    let at = |t: Instant| t.saturating_duration_since(began);
+    report.acquisitions = log.acquisitions;
+    report.try_locks_refused = log.try_locks_refused;
+    report.hang_ups = log.hang_ups.len();
+    let nobody = BTreeSet::new();
+    for h in holdings {
+        if log
+            .delivered
+            .get(&h.slot)
+            .unwrap_or(&nobody)
+            .contains(&h.token)
+        {
+            continue;
+        }
+        let raced = log.hang_ups.iter().any(|&(slot, hung_up)| {
+            slot == h.slot
+                && hung_up + HANG_UP_RACE >= h.first_sent
+                && hung_up <= h.first_received + HANG_UP_RACE
+        });
+        if !raced {
+            report.violations.push(format!(
+                "contender-{} held token {} for nobody: no worker of it was given it, and none of its clients hung up as it began (at {:.3?})",
+                h.slot,
+                h.token,
+                at(h.first_sent)
+            ));
+        }
+    }
+
+    // A blocking waiter refused after its whole wait is a liveness failure when, with no fault
+    // near, nobody held the lock for longer than a hand-over takes during that wait.
+    let quiet_before = LEASE + HOLD + RENEW + RECOVERY_SLACK;
+    let free_gap = RENEW + RECOVERY_SLACK;
+    let mut busy: Vec<(Instant, Instant)> = holdings
+        .iter()
+        .map(|h| (h.first_sent, h.last_received))
+        .collect();
+    busy.sort();
+    for &(sent, received) in &log.refusals {
+        let faulted = log
+            .faults
+            .iter()
+            .any(|&(from, to)| from < received && to + quiet_before > sent);
+        if faulted {
+            continue;
+        }
+        let longest = longest_gap(&busy, sent, received);
+        if longest > free_gap {
+            report.violations.push(format!(
+                "a waiter waited {:?} and was refused, though nobody held the lock for {:?} of it (from {:.3?})",
+                received - sent,
+                longest,
+                at(sent)
+            ));
+        }
+    }
+}
+
+/// The longest stretch of [from, to] that none of the sorted `busy` spans covers.
+pub(crate) fn longest_gap(busy: &[(Instant, Instant)], from: Instant, to: Instant) -> Duration {
+    let mut free_from = from;
+    let mut longest = Duration::ZERO;
+    for &(start, end) in busy {
+        if start > free_from {
+            longest = longest.max(start.min(to) - free_from);
+        }
+        free_from = free_from.max(end);
+        if free_from >= to {
+            return longest;
+        }
+    }
+    longest.max(to - free_from)
 }
 
 #[cfg(test)]

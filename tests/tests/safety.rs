@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use leasehold_e2e::safety::{self, Target};
+use leasehold_e2e::safety::{self, Scenario, Target, Workload};
 
 /// About a minute per driver; `LEASEHOLD_SAFETY_SECS` changes it.
 fn duration() -> Duration {
@@ -17,8 +17,12 @@ fn duration() -> Duration {
 }
 
 fn check(target: Target) {
+    check_scenario(Scenario::campaign(target));
+}
+
+fn check_scenario(scenario: Scenario) {
     let seed = rand::random();
-    let report = safety::run(target, duration(), 3, seed);
+    let report = safety::run(scenario, duration(), 3, seed);
     eprintln!("{}", report.summary());
     assert!(
         report.violations.is_empty(),
@@ -36,6 +40,14 @@ fn check(target: Target) {
         "only {} hand-overs",
         report.handovers
     );
+    if scenario.workload == Workload::Waiters {
+        assert!(
+            report.try_locks_refused >= 5 && report.hang_ups >= 5,
+            "too few try-locks refused ({}) or clients hung up ({}) to mean anything",
+            report.try_locks_refused,
+            report.hang_ups
+        );
+    }
 }
 
 #[test]
@@ -93,4 +105,28 @@ fn zookeeper_survives_random_faults() {
 #[test]
 fn redis_sentinel_survives_random_faults_and_failovers() {
     check(Target::RedisSentinel);
+}
+
+/// Each sidecar serves one of three servers; the holder's, when it follows, is cut off from
+/// the leader and the other follower while it goes on answering its clients from stale state.
+#[test]
+fn zookeeper_ensemble_survives_random_faults_and_isolated_followers() {
+    check(Target::ZooKeeperEnsemble);
+}
+
+/// On-demand sidecars with workers that wait, try (`wait=0`) and hang up while they wait, on
+/// the fair queues where an abandoned place could block the lock, and on Redis's wake-ups.
+#[test]
+fn etcd_waiters_try_locks_and_hang_ups_survive_random_faults() {
+    check_scenario(Scenario::waiters(Target::Etcd));
+}
+
+#[test]
+fn zookeeper_waiters_try_locks_and_hang_ups_survive_random_faults() {
+    check_scenario(Scenario::waiters(Target::ZooKeeper));
+}
+
+#[test]
+fn redis_waiters_try_locks_and_hang_ups_survive_random_faults() {
+    check_scenario(Scenario::waiters(Target::Redis));
 }

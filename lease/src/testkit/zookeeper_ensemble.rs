@@ -244,6 +244,36 @@ impl ZooKeeperEnsemble {
         }
     }
 
+    /// Heal what [`Self::isolate`] cut (the proxies reset the links that lived through the
+    /// cut, so the member rejoins as a fresh follower) and wait until it follows again, so
+    /// that a later isolation of another member still leaves a quorum. `false` if it did not
+    /// rejoin within `within`.
+    pub fn rejoin(&self, member: usize, within: Duration) -> bool {
+        for i in 0..SERVERS {
+            for j in 0..SERVERS {
+                if (i == member || j == member)
+                    && let Some((quorum, election)) = &self.links[i][j]
+                {
+                    quorum.restore();
+                    election.restore();
+                }
+            }
+        }
+        let deadline = std::time::Instant::now() + within;
+        while std::time::Instant::now() < deadline {
+            if self.leader().is_some() && self.followers().len() == SERVERS - 1 {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// The client port of `member`.
+    pub fn client_port(&self, member: usize) -> u16 {
+        self.members[member].client_port
+    }
+
     pub fn logs(&self) -> String {
         self.members
             .iter()

@@ -1,30 +1,39 @@
 #![forbid(unsafe_code)]
-//! The long safety check: `leasehold-soak DURATION [TARGET...]` runs the multi-process check
-//! against each target (all of them by default) for DURATION each, prints one line of figures per
-//! target, and exits 1 if any run found a violation. `LEASEHOLD_SOAK_SEED` fixes the fault
-//! schedule to replay a run.
+//! The long safety check: `leasehold-soak DURATION [SCENARIO...]` runs the multi-process check
+//! of each scenario (by default every driver campaigning, and waiters on etcd, ZooKeeper and
+//! Redis) for DURATION each, prints one line of figures per scenario, and exits 1 if any run
+//! found a violation. A scenario is a target (`etcd`), or a target and a workload
+//! (`etcd+waiters`: on-demand sidecars with blocking waiters, try-locks and clients that hang
+//! up). `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
 
-use leasehold_e2e::safety::{self, Target};
+use leasehold_e2e::safety::{self, Scenario, Target, Workload};
 
 const CONTENDERS: usize = 3;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = || {
-        let names: Vec<&str> = Target::ALL.iter().map(|t| t.name()).collect();
+        let names: Vec<String> = Target::ALL
+            .into_iter()
+            .flat_map(|target| {
+                Workload::ALL
+                    .into_iter()
+                    .map(move |workload| Scenario { target, workload }.name())
+            })
+            .collect();
         eprintln!("usage: leasehold-soak DURATION [{}]...", names.join("|"));
         std::process::exit(2);
     };
     let Some(duration) = args.first().and_then(|d| humantime::parse_duration(d).ok()) else {
         usage()
     };
-    let targets: Vec<Target> = if args.len() > 1 {
+    let scenarios: Vec<Scenario> = if args.len() > 1 {
         args[1..]
             .iter()
-            .map(|name| Target::parse(name).unwrap_or_else(|| usage()))
+            .map(|name| Scenario::parse(name).unwrap_or_else(|| usage()))
             .collect()
     } else {
-        Target::ALL.to_vec()
+        Scenario::soak_default()
     };
     let seed = std::env::var("LEASEHOLD_SOAK_SEED")
         .ok()
@@ -37,8 +46,8 @@ fn main() {
         humantime::format_duration(duration)
     );
     let mut failed = false;
-    for target in targets {
-        let report = safety::run(target, duration, CONTENDERS, seed);
+    for scenario in scenarios {
+        let report = safety::run(scenario, duration, CONTENDERS, seed);
         println!("{}", report.summary());
         for violation in &report.violations {
             println!("  VIOLATION {violation}");
