@@ -1,10 +1,12 @@
 #![forbid(unsafe_code)]
 //! Fixtures for the end-to-end suites: real `leasehold-sidecar` processes on free ports, a tiny
 //! HTTP/1.1 client that can also send malformed requests, and signals; a fault-injecting TCP
-//! proxy ([`fault_proxy`]) and the multi-process safety checks, of a lock ([`safety`]) and of a
-//! family of keyed locks ([`keyed_safety`]).
+//! proxy ([`fault_proxy`]), a cluster of the in-memory API and the operator for sidecars that
+//! follow a `DistributedLock` ([`cluster`]), and the multi-process safety checks, of a lock
+//! ([`safety`]) and of a family of keyed locks ([`keyed_safety`]).
 
 pub use leasehold_lease::testkit::fault_proxy;
+pub mod cluster;
 pub mod keyed_safety;
 pub mod safety;
 
@@ -44,7 +46,16 @@ pub fn libfaketime() -> PathBuf {
 /// The sidecar binary beside this executable (target/<profile>/ for a binary, its parent for a
 /// test in target/<profile>/deps/), or `LEASEHOLD_SIDECAR_BIN`.
 pub fn sidecar_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("LEASEHOLD_SIDECAR_BIN") {
+    workspace_binary("leasehold-sidecar", "LEASEHOLD_SIDECAR_BIN")
+}
+
+/// The operator binary, found as [`sidecar_binary`] is, or `LEASEHOLD_OPERATOR_BIN`.
+pub fn operator_binary() -> PathBuf {
+    workspace_binary("leasehold-operator", "LEASEHOLD_OPERATOR_BIN")
+}
+
+fn workspace_binary(name: &str, variable: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(variable) {
         return path.into();
     }
     let exe = std::env::current_exe().expect("current exe");
@@ -53,11 +64,11 @@ pub fn sidecar_binary() -> PathBuf {
     candidates
         .into_iter()
         .flatten()
-        .map(|d| d.join("leasehold-sidecar"))
+        .map(|d| d.join(name))
         .find(|p| p.is_file())
         .unwrap_or_else(|| {
             panic!(
-                "leasehold-sidecar is missing beside {}: build it first with `cargo build -p leasehold-sidecar` (scripts/test does)",
+                "{name} is missing beside {}: build it first with `cargo build -p {name}` (scripts/test does)",
                 exe.display()
             )
         })
@@ -185,6 +196,17 @@ impl Sidecar {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
+        let args = [["--lock", lock, "--backend", backend].as_slice(), extra].concat();
+        Self::spawn(identity, &args, env)
+    }
+
+    /// A sidecar whose lock comes from a `DistributedLock` (`--resource NAMESPACE/NAME`) on the
+    /// API server that `KUBECONFIG` in `env` names.
+    pub fn start_from_resource(identity: &str, resource: &str, env: &[(&str, &str)]) -> Self {
+        Self::spawn(identity, &["--resource", resource], env)
+    }
+
+    fn spawn(identity: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
         let mut command = Command::new(sidecar_binary());
@@ -192,9 +214,9 @@ impl Sidecar {
         // an orphan would keep running, and loading the machine, through every later test.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let child = command
-            .args(["--lock", lock, "--backend", backend, "--identity", identity])
+            .args(args)
+            .args(["--identity", identity])
             .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(extra)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
             .stdin(Stdio::null())

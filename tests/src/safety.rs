@@ -38,6 +38,7 @@ use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::cluster::Cluster;
 use crate::fault_proxy::FaultProxy;
 use crate::{Sidecar, http, post_or_hang_up, unique_lock};
 
@@ -125,16 +126,21 @@ pub enum Workload {
     /// On-demand sidecars, each with [`WAITERS_PER_SIDECAR`] workers that take the lock and
     /// give it back: blocking waits, try-locks and clients that hang up while they wait, mixed.
     Waiters,
+    /// Campaigning sidecars that follow a `DistributedLock` (`--resource`) on the in-memory
+    /// API, with the operator binary reconciling it; the lock is deleted (its records cleaned
+    /// up by the operator) and created again, and edited, among the faults.
+    Resource,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 2] = [Workload::Campaign, Workload::Waiters];
+    pub const ALL: [Workload; 3] = [Workload::Campaign, Workload::Waiters, Workload::Resource];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
     fn suffix(self) -> &'static str {
         match self {
             Workload::Campaign => "",
             Workload::Waiters => "+waiters",
+            Workload::Resource => "+resource",
         }
     }
 }
@@ -167,7 +173,26 @@ impl Scenario {
     pub fn soak_default() -> Vec<Self> {
         let mut all: Vec<Self> = Target::ALL.into_iter().map(Self::campaign).collect();
         all.extend([Target::Etcd, Target::ZooKeeper, Target::Redis].map(Self::waiters));
+        all.push(Self::resource(Target::Redis));
         all
+    }
+
+    pub const fn resource(target: Target) -> Self {
+        Self {
+            target,
+            workload: Workload::Resource,
+        }
+    }
+
+    /// Every scenario the check can run: a resource needs a backend a `DistributedLock` here
+    /// can name.
+    pub fn all() -> impl Iterator<Item = Self> {
+        Target::ALL.into_iter().flat_map(|target| {
+            Workload::ALL
+                .into_iter()
+                .map(move |workload| Self { target, workload })
+                .filter(|s| s.workload != Workload::Resource || s.target == Target::Redis)
+        })
     }
 
     pub fn name(self) -> String {
@@ -175,12 +200,7 @@ impl Scenario {
     }
 
     pub fn parse(name: &str) -> Option<Self> {
-        Target::ALL.into_iter().find_map(|target| {
-            Workload::ALL.into_iter().find_map(|workload| {
-                let scenario = Self { target, workload };
-                (scenario.name() == name).then_some(scenario)
-            })
-        })
+        Self::all().find(|s| s.name() == name)
     }
 }
 
@@ -193,7 +213,25 @@ pub enum Fault {
     /// A ZooKeeper follower (the holder's, when it is one) cut off from the leader and the
     /// other follower, while its clients still reach it.
     IsolateFollower,
+    /// The `DistributedLock` (`cleanupPolicy: Delete`) deleted during a hold: the operator
+    /// cleans up its records once the sidecars have let go, then it is created again.
+    DeleteLock,
+    /// Its renew interval edited: every sidecar swaps in a lock with the new settings.
+    EditSettings,
+    /// Its backend edited (another address of the same server), which the CRD's rule refuses
+    /// and the fake API lets through: every sidecar steps down before campaigning anew.
+    EditBackend,
 }
+
+/// The faults of a resource scenario: no partition, since every sidecar reads one address.
+const RESOURCE_FAULTS: &[Fault] = &[
+    Fault::KillHolder,
+    Fault::PauseHolder,
+    Fault::RestartBackend,
+    Fault::DeleteLock,
+    Fault::EditSettings,
+    Fault::EditBackend,
+];
 
 impl Fault {
     pub fn name(self) -> &'static str {
@@ -203,6 +241,9 @@ impl Fault {
             Fault::RestartBackend => "restart",
             Fault::PartitionHolder => "partition",
             Fault::IsolateFollower => "isolate-follower",
+            Fault::DeleteLock => "delete-recreate",
+            Fault::EditSettings => "edit-settings",
+            Fault::EditBackend => "edit-backend",
         }
     }
 }
@@ -321,6 +362,17 @@ impl Backend {
             }
             Backend::ZooKeeperEnsemble(_) => unreachable!("an ensemble's faults name no restart"),
         }
+    }
+
+    /// The `DistributedLock` spec of a lock on this backend, reached at `port`.
+    fn resource_spec(&self, port: u16) -> serde_json::Value {
+        let Backend::Redis(_) = self else {
+            unreachable!("resource scenarios run on Redis")
+        };
+        serde_json::json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{port}")]}},
+            "leaseDuration": "1s", "renewInterval": "250ms", "cleanupPolicy": "Delete",
+        })
     }
 
     /// Cut a follower off from its quorum for [`FOLLOWER_CUT`] (sidecar `near`'s server when
@@ -617,10 +669,36 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
     let mut backend = Backend::start(scenario.target);
     let lock = unique_lock("safety");
     let args: Vec<&str> = match scenario.workload {
-        Workload::Campaign => TIMING.to_vec(),
+        Workload::Campaign | Workload::Resource => TIMING.to_vec(),
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
-    let start_sidecar = |identity: &str, url: &str| Sidecar::start(identity, url, &lock, &args);
+    // A resource scenario's sidecars read their lock from the cluster; its backend can also be
+    // reached through `alias`, the address an edit of the backend moves it to and back.
+    let mut cluster = None;
+    let mut alias = None;
+    if scenario.workload == Workload::Resource {
+        let direct = backend.ports()[0];
+        alias = Some((direct, FaultProxy::start(direct)));
+        cluster = Some(Cluster::start(&lock, backend.resource_spec(direct)));
+    }
+    let (resource, env) = cluster
+        .as_ref()
+        .map(|c| (c.resource(), c.env()))
+        .unwrap_or_default();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let faults: &[Fault] = if cluster.is_some() {
+        RESOURCE_FAULTS
+    } else {
+        backend.faults()
+    };
+    let from_resource = cluster.is_some();
+    let start_sidecar = |identity: &str, url: &str| {
+        if from_resource {
+            Sidecar::start_from_resource(identity, &resource, &env)
+        } else {
+            Sidecar::start(identity, url, &lock, &args)
+        }
+    };
     let mut slots: Vec<Slot> = (0..contenders)
         .map(|i| Slot::start(i, format!("contender-{i}"), &backend, &start_sidecar))
         .collect();
@@ -679,12 +757,19 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         std::thread::sleep(Duration::from_millis(
             rng.random_range(CALM_MIN_MS..CALM_MAX_MS),
         ));
-        let fault = backend.faults()[rng.random_range(0..backend.faults().len())];
+        let fault = faults[rng.random_range(0..faults.len())];
         // The holder now, as the checker last saw it; anyone when nobody holds.
         let holder = current_holder(&log.lock().unwrap())
             .unwrap_or_else(|| rng.random_range(0..slots.len()));
         let started = Instant::now();
-        inject(fault, &mut slots[holder], &mut backend, &start_sidecar);
+        match (&mut cluster, &alias) {
+            (Some(cluster), Some((direct, alias))) if RESOURCE_ONLY.contains(&fault) => {
+                if let Err(failed) = edit_resource(fault, cluster, *direct, alias.port) {
+                    report.violations.push(failed);
+                }
+            }
+            _ => inject(fault, &mut slots[holder], &mut backend, &start_sidecar),
+        }
         *report.faults.entry(fault.name()).or_default() += 1;
         let healed = Instant::now();
         waiter_log.lock().unwrap().faults.push((started, healed));
@@ -753,6 +838,49 @@ pub(crate) fn inject(
             slot.proxies.iter().for_each(FaultProxy::restore);
         }
         Fault::IsolateFollower => backend.isolate_follower(slot.index),
+        Fault::DeleteLock | Fault::EditSettings | Fault::EditBackend => {
+            unreachable!("{} acts on the resource (edit_resource)", fault.name())
+        }
+    }
+}
+
+/// The faults that act on the `DistributedLock`, not on a process or the backend.
+const RESOURCE_ONLY: &[Fault] = &[Fault::DeleteLock, Fault::EditSettings, Fault::EditBackend];
+
+/// Delete and recreate, or edit, the lock in `cluster`. An edit moves to the other of two
+/// values: renew intervals, or the backend's two addresses (`direct` and `alias`).
+fn edit_resource(
+    fault: Fault,
+    cluster: &mut Cluster,
+    direct: u16,
+    alias: u16,
+) -> Result<(), String> {
+    match fault {
+        Fault::DeleteLock => cluster.delete_and_recreate().map(drop),
+        Fault::EditSettings => {
+            cluster.edit(|spec| {
+                let next = if spec["renewInterval"] == "250ms" {
+                    "200ms"
+                } else {
+                    "250ms"
+                };
+                spec["renewInterval"] = next.into();
+            });
+            Ok(())
+        }
+        Fault::EditBackend => {
+            cluster.edit(|spec| {
+                let endpoint = &mut spec["backend"]["redis"]["endpoints"][0];
+                let port = if *endpoint == format!("127.0.0.1:{direct}") {
+                    alias
+                } else {
+                    direct
+                };
+                *endpoint = format!("127.0.0.1:{port}").into();
+            });
+            Ok(())
+        }
+        _ => unreachable!("{} does not act on the resource", fault.name()),
     }
 }
 

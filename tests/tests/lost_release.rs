@@ -18,6 +18,25 @@ async fn driver(url: &str) -> std::sync::Arc<dyn Driver> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zookeeper_a_release_lost_in_a_partition_does_not_block_the_lock() {
+    a_lost_release_does_not_block_the_lock(Release::Awaited).await;
+}
+
+/// The same release, given up by its caller mid-way, as the engine gives up a release that
+/// takes longer than its budget: the dropped call must still leave the node to be deleted
+/// (found by the waiters' safety check, on a ZooKeeper restart: four seconds with no holder).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_a_release_given_up_mid_way_does_not_block_the_lock() {
+    a_lost_release_does_not_block_the_lock(Release::GivenUp).await;
+}
+
+enum Release {
+    /// The caller waits for the release's own error.
+    Awaited,
+    /// The caller drops the release after a moment.
+    GivenUp,
+}
+
+async fn a_lost_release_does_not_block_the_lock(release: Release) {
     let server = ZooKeeperServer::start();
     let proxy = FaultProxy::start(server.port());
     let lease = Duration::from_secs(6);
@@ -33,21 +52,31 @@ async fn zookeeper_a_release_lost_in_a_partition_does_not_block_the_lock() {
     };
 
     proxy.cut();
-    let releasing = {
-        let (a, la) = (a.clone(), la.clone());
-        tokio::spawn(async move { a.release(&la).await })
-    };
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    // Healed well within the session timeout: the session, and the node, live on.
-    proxy.restore();
-    let released = tokio::time::timeout(Duration::from_secs(10), releasing)
-        .await
-        .expect("the release returns")
-        .expect("task");
-    assert!(
-        !matches!(released, Ok(true)),
-        "the delete was not supposed to get through: {released:?}"
-    );
+    match release {
+        Release::Awaited => {
+            let releasing = {
+                let (a, la) = (a.clone(), la.clone());
+                tokio::spawn(async move { a.release(&la).await })
+            };
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            // Healed well within the session timeout: the session, and the node, live on.
+            proxy.restore();
+            let released = tokio::time::timeout(Duration::from_secs(10), releasing)
+                .await
+                .expect("the release returns")
+                .expect("task");
+            assert!(
+                !matches!(released, Ok(true)),
+                "the delete was not supposed to get through: {released:?}"
+            );
+        }
+        Release::GivenUp => {
+            let given_up = tokio::time::timeout(Duration::from_millis(300), a.release(&la)).await;
+            assert!(given_up.is_err(), "the release returned: {given_up:?}");
+            tokio::time::sleep(Duration::from_millis(1200)).await;
+            proxy.restore();
+        }
+    }
 
     // What an idle sidecar does every renew interval; it reaches ZooKeeper again.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

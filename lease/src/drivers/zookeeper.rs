@@ -319,12 +319,13 @@ impl Shared {
     }
 
     /// Give the node up: `Ok(true)` deleted now, `Ok(false)` already gone. If the delete fails
-    /// (it may never have arrived, and the session outlives a dropped connection, so the node
-    /// would stand in the queue for as long as this process lives), the node is remembered as an
-    /// orphan and deleted at the next call that reaches ZooKeeper, an idle sidecar's
-    /// observation included.
+    /// or this call is dropped before it ends (the delete may never have arrived, and the
+    /// session outlives a dropped connection, so the node would stand in the queue for as long
+    /// as this process lives), the node is remembered as an orphan and deleted at the next call
+    /// that reaches ZooKeeper, an idle sidecar's observation included.
     async fn leave(&self, entry: &Entry) -> Result<bool> {
         self.forget(entry);
+        let unless_deleted = OrphanGuard::new(self, entry.path.clone());
         let deleted = match self.any_session().await {
             Ok(session) => match session.client.delete(&entry.path, None).await {
                 Ok(()) => Ok(true),
@@ -333,8 +334,8 @@ impl Shared {
             },
             Err(e) => Err(e),
         };
-        if deleted.is_err() {
-            self.orphan(entry.path.clone());
+        if deleted.is_ok() {
+            unless_deleted.disarm();
         }
         deleted
     }
@@ -405,6 +406,10 @@ impl Shared {
         );
         let acls = self.acls();
         let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
+        // The create may happen with its answer lost (or with this call given up mid-way):
+        // then the node is found by its protected name later and deleted (Curator's
+        // protection mode does the same).
+        let unless_created = OrphanGuard::new(self, prefix.clone());
         let created = match client.create(&prefix, identity.as_bytes(), &options).await {
             Err(zk::Error::NoNode) => {
                 self.ensure_parent(client, lock).await?;
@@ -412,15 +417,8 @@ impl Shared {
             }
             other => other,
         };
-        let (stat, sequence) = match created {
-            Ok(created) => created,
-            Err(e) => {
-                // The create may have happened with its answer lost: find it by its protected
-                // name later and delete it (Curator's protection mode does the same).
-                self.orphan(prefix.clone());
-                return Err(map_err(e));
-            }
-        };
+        let (stat, sequence) = created.map_err(map_err)?;
+        unless_created.disarm();
         let (slot, watch_expires) = QueueSlot::new();
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
@@ -530,6 +528,38 @@ impl Shared {
                 shared.releases.bump(&lock);
             })
         });
+    }
+}
+
+/// A node (or protected prefix) that a call may leave behind, remembered as an orphan unless
+/// the call disarms the guard: it ends early on an error, and also when its caller gives up on
+/// it mid-way (the engine bounds a release by a budget, and drops it then), where code after
+/// the `await` would never run. The session outlives a dropped connection, and a node left
+/// behind would stand in the queue for as long as this process lives.
+struct OrphanGuard<'a> {
+    shared: &'a Shared,
+    path: Option<String>,
+}
+
+impl<'a> OrphanGuard<'a> {
+    fn new(shared: &'a Shared, path: String) -> Self {
+        Self {
+            shared,
+            path: Some(path),
+        }
+    }
+
+    /// The call finished what it began: nothing is left behind.
+    fn disarm(mut self) {
+        self.path = None;
+    }
+}
+
+impl Drop for OrphanGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(path) = self.path.take() {
+            self.shared.orphan(path);
+        }
     }
 }
 

@@ -185,6 +185,12 @@ impl InMemoryApiServer {
         self.commit(&mut store, collection, &ns, &name, kind, object);
     }
 
+    /// Delete an object as `kubectl delete` would: with finalizers it is only marked, and goes
+    /// when the last one is removed. `false` if there was no such object.
+    pub fn remove(&self, collection: &str, namespace: &str, name: &str) -> bool {
+        self.delete(collection, namespace, name).status() == StatusCode::OK
+    }
+
     async fn handle<B>(&self, request: Request<B>) -> Result<Response<Body>, std::io::Error>
     where
         B: http_body::Body,
