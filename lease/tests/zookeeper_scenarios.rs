@@ -158,3 +158,62 @@ async fn a_lease_too_short_for_the_tick_is_refused() {
         .expect_err("nothing listens");
     assert!(!error.to_string().contains("ticks"), "{error}");
 }
+
+/// Attempts that the engine gives up while the server is down each leave a `create` queued in
+/// the client, and each lands once the session reconnects. One place in the queue must stay
+/// this process's and the others be deleted; otherwise the extra ones, which the driver no
+/// longer knows of, stand ahead of its place until they are abandoned three leases later (found
+/// by the waiters' safety check: after a ZooKeeper restart, seconds with nobody holding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_given_up_while_the_server_is_down_leave_one_place() {
+    use std::time::Duration;
+
+    use leasehold_lease::testkit::unique_lock;
+    use leasehold_lease::{Acquire, Driver};
+    use tokio::time::{Instant, sleep, timeout};
+
+    let mut server = ZooKeeperServer::start();
+    let lease = Duration::from_secs(6);
+    let lock = unique_lock("restart-places");
+    let (a, b) = (driver(&server), driver(&server));
+    let Acquire::Acquired(lb) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
+        panic!("b did not acquire a free lock")
+    };
+    // a's session, with the lease's timeout, opened by a holding of another lock.
+    let other = unique_lock("restart-places-other");
+    let Acquire::Acquired(lo) = a.try_acquire(&other, "a", lease).await.expect("a") else {
+        panic!("a did not acquire a free lock")
+    };
+    assert!(a.release(&lo).await.expect("release"));
+
+    server.kill();
+    for _ in 0..4 {
+        let attempt = timeout(Duration::from_millis(100), a.try_acquire(&lock, "a", lease)).await;
+        assert!(attempt.is_err() || attempt.is_ok_and(|r| r.is_err()));
+    }
+    tokio::task::block_in_place(|| server.restart());
+
+    let reconnected = Instant::now() + Duration::from_secs(10);
+    while !matches!(b.release(&lb).await, Ok(true)) {
+        assert!(
+            Instant::now() < reconnected,
+            "b never released after the restart"
+        );
+        sleep(Duration::from_millis(100)).await;
+    }
+    // a's place is now first: a holds within a poll or two, not three leases later.
+    let taken = Instant::now() + Duration::from_secs(3);
+    loop {
+        match a.try_acquire(&lock, "a", lease).await {
+            Ok(Acquire::Acquired(la)) => {
+                assert!(la.token > lb.token);
+                break;
+            }
+            other => assert!(
+                Instant::now() < taken,
+                "a is still queued behind places of its own it no longer knows of: {other:?}"
+            ),
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -217,7 +217,11 @@ impl Sidecar {
             .args(args)
             .args(["--identity", identity])
             .args(["--listen", &format!("127.0.0.1:{port}")])
-            .env("RUST_LOG", "info")
+            // LEASEHOLD_SIDECAR_LOG=leasehold_lease=debug, say, to follow a driver's calls.
+            .env(
+                "RUST_LOG",
+                std::env::var("LEASEHOLD_SIDECAR_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())

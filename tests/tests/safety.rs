@@ -1,7 +1,9 @@
 //! The bounded safety check: for every driver (and SQL mode), three sidecars contend while kills, pauses,
 //! backend restarts and partitions are injected at random, and a checker polling every sidecar
 //! finds no two holders at once, tokens that only go up, and a holder back after every fault.
-//! `scripts/soak DURATION` runs the same check for longer.
+//! Beyond process faults: a ZooKeeper ensemble whose followers are cut off from their quorum,
+//! on-demand waiters that try and hang up, and a `DistributedLock` deleted and edited under its
+//! sidecars. `scripts/soak DURATION` runs the same check for longer.
 
 use std::time::Duration;
 
@@ -129,4 +131,13 @@ fn zookeeper_waiters_try_locks_and_hang_ups_survive_random_faults() {
 #[test]
 fn redis_waiters_try_locks_and_hang_ups_survive_random_faults() {
     check_scenario(Scenario::waiters(Target::Redis));
+}
+
+/// Sidecars that follow a `DistributedLock` on the in-memory API, with the operator binary
+/// reconciling it: the lock is deleted during holds (the operator cleans up its records once
+/// the sidecars let go) and created again, its settings and its backend's address are edited,
+/// besides kills, pauses and Redis restarts. Tokens must keep rising across every deletion.
+#[test]
+fn redis_resource_survives_deletion_edits_and_random_faults() {
+    check_scenario(Scenario::resource(Target::Redis));
 }

@@ -431,11 +431,32 @@ impl Shared {
         });
         let task = tokio::spawn(tend(self.clone(), entry.clone(), watch_expires, ttl));
         entry.slot.set_tender(task);
-        self.entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(lock.to_owned(), entry.clone());
-        Ok(entry)
+        // Attempts given up while the connection was down each left a create queued in the
+        // client, and they all land once it reconnects: this process keeps its earliest place
+        // (or the one it holds) and leaves the others, which it would otherwise no longer know
+        // of while they stood ahead of the place it watches.
+        let placed = {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let earlier = entries
+                .get(lock)
+                .filter(|kept| kept.slot.holding() || kept.sequence < entry.sequence)
+                .cloned();
+            match earlier {
+                Some(kept) => Err(kept),
+                None => Ok(entries.insert(lock.to_owned(), entry.clone())),
+            }
+        };
+        let (kept, surplus) = match placed {
+            Err(kept) => (kept, Some(entry)),
+            Ok(later) => (entry, later),
+        };
+        if let Some(surplus) = surplus {
+            tracing::debug!(lock, node = %surplus.path, kept = %kept.path,
+                "a second place in the queue; leaving it");
+            surplus.slot.abort_tasks();
+            let _ = self.leave(&surplus).await;
+        }
+        Ok(kept)
     }
 
     /// The queue of `lock`, lowest sequence first: (sequence, node name).
@@ -734,11 +755,14 @@ impl Driver for ZooKeeperDriver {
         session.answered(synced, BootInstant::now());
         let Some(position) = queue.iter().position(|(seq, _)| *seq == entry.sequence) else {
             // The node is gone (session expired and renewed): back to the end of the queue.
+            tracing::debug!(lock, node = %entry.path, "queue place gone; joining again");
             self.shared.forget(&entry);
             entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         };
         if position > 0 {
+            tracing::debug!(lock, position, queued = queue.len(), first = %queue[0].1,
+                mine = %entry.path, "waiting in the queue");
             let parent = self.shared.parent(lock);
             let predecessor = format!("{parent}/{}", queue[position - 1].1);
             self.shared.watch_predecessor(&session, &entry, predecessor);

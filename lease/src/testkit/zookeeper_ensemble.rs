@@ -232,16 +232,18 @@ impl ZooKeeperEnsemble {
 
     /// Cut every link between `member` and the others, both ways; its clients still reach it.
     pub fn isolate(&self, member: usize) {
-        for i in 0..SERVERS {
-            for j in 0..SERVERS {
-                if (i == member || j == member)
-                    && let Some((quorum, election)) = &self.links[i][j]
-                {
-                    quorum.cut();
-                    election.cut();
-                }
-            }
+        for (quorum, election) in self.links_of(member) {
+            quorum.cut();
+            election.cut();
         }
+    }
+
+    /// The proxies of every link between `member` and the others, both ways.
+    fn links_of(&self, member: usize) -> impl Iterator<Item = &(FaultProxy, FaultProxy)> {
+        (0..SERVERS)
+            .flat_map(|i| (0..SERVERS).map(move |j| (i, j)))
+            .filter(move |&(i, j)| i == member || j == member)
+            .filter_map(|(i, j)| self.links[i][j].as_ref())
     }
 
     /// Heal what [`Self::isolate`] cut (the proxies reset the links that lived through the
@@ -249,15 +251,9 @@ impl ZooKeeperEnsemble {
     /// that a later isolation of another member still leaves a quorum. `false` if it did not
     /// rejoin within `within`.
     pub fn rejoin(&self, member: usize, within: Duration) -> bool {
-        for i in 0..SERVERS {
-            for j in 0..SERVERS {
-                if (i == member || j == member)
-                    && let Some((quorum, election)) = &self.links[i][j]
-                {
-                    quorum.restore();
-                    election.restore();
-                }
-            }
+        for (quorum, election) in self.links_of(member) {
+            quorum.restore();
+            election.restore();
         }
         let deadline = std::time::Instant::now() + within;
         while std::time::Instant::now() < deadline {

@@ -81,6 +81,7 @@ impl ZooKeeperServer {
         );
         std::fs::write(server.process.dir().join("zoo.cfg"), config).expect("zoo.cfg");
         server.spawn();
+        warm_up(server.port);
         server
     }
 
@@ -128,6 +129,53 @@ impl ZooKeeperServer {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0)
     }
+}
+
+/// Take a fresh server's JVM through what a lock does (sessions, creates, listings, deletes)
+/// until it answers at its usual speed: its very first requests take half a second while the
+/// JIT warms up, past the budget of a try-lock's one attempt (`wait=0` answered "cannot tell"),
+/// and a test meant to measure the driver would measure the JVM. A server in production has
+/// long been warm; a restart in a test keeps its JVM cold on purpose (the outage scenarios).
+fn warm_up(port: u16) {
+    use zookeeper_client as zk;
+    const USUAL: Duration = Duration::from_millis(50);
+    const ROUNDS: usize = 30;
+    let warmed = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let options = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+            let parent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+            for _ in 0..ROUNDS {
+                let began = std::time::Instant::now();
+                let client = zk::Client::connector()
+                    .with_session_timeout(Duration::from_secs(2))
+                    .connect(&format!("127.0.0.1:{port}"))
+                    .await
+                    .ok()?;
+                let _ = client.mkdir("/warm-up", &parent).await;
+                let (_, sequence) = client.create("/warm-up/n-", b"", &options).await.ok()?;
+                client.list_children("/warm-up").await.ok()?;
+                client.sync("/warm-up").await.ok()?;
+                client
+                    .delete(&format!("/warm-up/n-{sequence}"), None)
+                    .await
+                    .ok()?;
+                drop(client);
+                if began.elapsed() < USUAL {
+                    return Some(());
+                }
+            }
+            Some(())
+        })
+    })
+    .join();
+    assert!(
+        matches!(warmed, Ok(Some(()))),
+        "the ZooKeeper on port {port} did not answer its warm-up requests"
+    );
 }
 
 /// A ZooKeeper server on `config`. Debian's `zookeeper.jar` finds no SLF4J binding and logs
