@@ -24,7 +24,7 @@
 //! sent]; two of those spans that intersect are two holders at once. The polling resolution
 //! (how long a request takes, how often each sidecar is asked) is reported alongside.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -587,8 +587,8 @@ const HANG_UP_RACE: Duration = Duration::from_millis(100);
 /// What the waiters saw, besides the checker's samples.
 #[derive(Default)]
 struct WaiterLog {
-    /// The tokens each slot's workers were given.
-    delivered: BTreeMap<usize, BTreeSet<u64>>,
+    /// Every acquisition a worker was answered 200, by (slot, token).
+    given: BTreeMap<(usize, u64), Vec<Take>>,
     acquisitions: usize,
     try_locks_refused: usize,
     /// When a client of each slot hung up.
@@ -597,6 +597,15 @@ struct WaiterLog {
     refusals: Vec<(Instant, Instant)>,
     /// When each fault began and ended.
     faults: Vec<(Instant, Instant)>,
+}
+
+/// One acquisition answered 200: when it was asked and answered, and when its release was
+/// answered 200 (`None` when the release failed or was never answered).
+#[derive(Debug, Clone, Copy)]
+struct Take {
+    sent: Instant,
+    received: Instant,
+    released: Option<Instant>,
 }
 
 /// One worker beside sidecar `slot`: take the lock (a blocking wait, a try-lock, or a wait it
@@ -635,16 +644,19 @@ fn waiter(
         let received = Instant::now();
         match answer {
             Ok(reply) if reply.status == 200 => {
-                let token = reply.json()["fencingToken"].as_u64();
-                {
-                    let mut log = log.lock().unwrap();
-                    log.acquisitions += 1;
-                    if let Some(token) = token {
-                        log.delivered.entry(slot).or_default().insert(token);
-                    }
-                }
+                let token = reply.json()["fencingToken"].as_u64().unwrap_or(0);
                 std::thread::sleep(Duration::from_millis(rng.random_range(WORK_MS)));
-                let _ = http(target, "POST", "/lock/release");
+                let released = http(target, "POST", "/lock/release")
+                    .is_ok_and(|r| r.status == 200)
+                    .then(Instant::now);
+                let mut log = log.lock().unwrap();
+                log.acquisitions += 1;
+                log.given.entry((slot, token)).or_default().push(Take {
+                    sent,
+                    received,
+                    released,
+                });
+                drop(log);
                 std::thread::sleep(Duration::from_millis(rng.random_range(BETWEEN_MS)));
             }
             Ok(reply) if reply.status == 409 => {
@@ -1017,28 +1029,45 @@ fn analyse_waiters(holdings: &[Holding], log: &WaiterLog, began: Instant, report
     report.acquisitions = log.acquisitions;
     report.try_locks_refused = log.try_locks_refused;
     report.hang_ups = log.hang_ups.len();
-    let nobody = BTreeSet::new();
+    let hung_up_within = |slot: usize, from: Instant, to: Instant| {
+        log.hang_ups
+            .iter()
+            .any(|&(s, at)| s == slot && at + HANG_UP_RACE >= from && at <= to)
+    };
     for h in holdings {
-        if log
-            .delivered
-            .get(&h.slot)
-            .unwrap_or(&nobody)
-            .contains(&h.token)
-        {
+        let Some(takes) = log.given.get(&(h.slot, h.token)) else {
+            if !hung_up_within(h.slot, h.first_sent, h.first_received + HANG_UP_RACE) {
+                report.violations.push(format!(
+                    "contender-{} held token {} for nobody: no worker of it was given it, and none of its clients hung up as it began (at {:.3?})",
+                    h.slot,
+                    h.token,
+                    at(h.first_sent)
+                ));
+            }
+            continue;
+        };
+        // The pod's count of this token's holds: once every take answered before a later one
+        // was asked had been released, the count was zero and the lock given back, so the
+        // later take must have got a new token. A count kept above zero by a client that had
+        // gone (or a release that failed) is what this finds.
+        if takes.iter().any(|t| t.released.is_none()) {
             continue;
         }
-        let raced = log.hang_ups.iter().any(|&(slot, hung_up)| {
-            slot == h.slot
-                && hung_up + HANG_UP_RACE >= h.first_sent
-                && hung_up <= h.first_received + HANG_UP_RACE
-        });
-        if !raced {
-            report.violations.push(format!(
-                "contender-{} held token {} for nobody: no worker of it was given it, and none of its clients hung up as it began (at {:.3?})",
-                h.slot,
-                h.token,
-                at(h.first_sent)
-            ));
+        for later in takes {
+            let before: Vec<&Take> = takes.iter().filter(|t| t.received < later.sent).collect();
+            let all_released = !before.is_empty()
+                && before
+                    .iter()
+                    .all(|t| t.released.is_some_and(|r| r < later.sent));
+            if all_released && !hung_up_within(h.slot, h.first_sent, later.sent) {
+                report.violations.push(format!(
+                    "contender-{} gave token {} again at {:.3?}, after every worker that had it released it: a hold was counted for nobody",
+                    h.slot,
+                    h.token,
+                    at(later.sent)
+                ));
+                break;
+            }
         }
     }
 
@@ -1159,5 +1188,86 @@ mod tests {
             "{:?}",
             r.violations
         );
+    }
+
+    /// The waiters' checks on a log: `raw` as for [`report`], and the workers' takes and
+    /// hang-ups in ms from the same origin.
+    fn waiter_violations(
+        raw: &[(usize, Option<u64>, u64, u64)],
+        takes: &[(usize, u64, u64, u64, Option<u64>)],
+        hang_ups: &[(usize, u64)],
+    ) -> Vec<String> {
+        let origin = Instant::now();
+        let ms = |t: u64| origin + Duration::from_millis(t);
+        let mut report = Report::default();
+        let holdings = analyse(&samples(origin, raw), origin, &mut report);
+        let mut log = WaiterLog::default();
+        for &(slot, token, sent, received, released) in takes {
+            log.given.entry((slot, token)).or_default().push(Take {
+                sent: ms(sent),
+                received: ms(received),
+                released: released.map(ms),
+            });
+        }
+        log.hang_ups = hang_ups.iter().map(|&(slot, at)| (slot, ms(at))).collect();
+        analyse_waiters(&holdings, &log, origin, &mut report);
+        report.violations
+    }
+
+    #[test]
+    fn a_holding_nobody_was_given_is_caught_unless_a_client_hung_up_as_it_began() {
+        let held = [(0, Some(7), 500, 501), (0, Some(7), 900, 901)];
+        let found = waiter_violations(&held, &[], &[]);
+        assert!(found.iter().any(|v| v.contains("for nobody")), "{found:?}");
+        // A client of that sidecar hung up just as it began: the race no server can tell.
+        assert_eq!(
+            waiter_violations(&held, &[], &[(0, 450)]),
+            Vec::<String>::new()
+        );
+        // A hang-up of another sidecar's client explains nothing.
+        let found = waiter_violations(&held, &[], &[(1, 450)]);
+        assert!(found.iter().any(|v| v.contains("for nobody")), "{found:?}");
+    }
+
+    #[test]
+    fn a_token_given_again_after_every_worker_released_it_is_caught() {
+        let held = [(0, Some(7), 0, 1), (0, Some(7), 200, 201)];
+        // Two workers overlapping: the second came while the first still held. Fine.
+        let overlapping = [(0, 7, 0, 2, Some(100)), (0, 7, 50, 52, Some(150))];
+        assert_eq!(
+            waiter_violations(&held, &overlapping, &[]),
+            Vec::<String>::new()
+        );
+        // The second came after the first had released: the count was zero, yet the same
+        // token was given again, so something else still held a count.
+        let after = [(0, 7, 0, 2, Some(40)), (0, 7, 100, 102, Some(150))];
+        let found = waiter_violations(&held, &after, &[]);
+        assert!(
+            found.iter().any(|v| v.contains("gave token 7 again")),
+            "{found:?}"
+        );
+        // Unless one of its clients hung up during the holding, or a release failed.
+        assert_eq!(
+            waiter_violations(&held, &after, &[(0, 20)]),
+            Vec::<String>::new()
+        );
+        let failed = [(0, 7, 0, 2, None), (0, 7, 100, 102, Some(150))];
+        assert_eq!(waiter_violations(&held, &failed, &[]), Vec::<String>::new());
+    }
+
+    #[test]
+    fn longest_gap_counts_what_no_span_covers() {
+        let origin = Instant::now();
+        let ms = |t: u64| origin + Duration::from_millis(t);
+        let busy = [(ms(0), ms(100)), (ms(50), ms(300)), (ms(900), ms(1000))];
+        assert_eq!(
+            longest_gap(&busy, ms(0), ms(1200)),
+            Duration::from_millis(600)
+        );
+        assert_eq!(
+            longest_gap(&busy, ms(0), ms(950)),
+            Duration::from_millis(600)
+        );
+        assert_eq!(longest_gap(&[], ms(0), ms(10)), Duration::from_millis(10));
     }
 }
