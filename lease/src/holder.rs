@@ -853,14 +853,15 @@ impl Engine {
             Command::Acquire { wait, hold, reply } => {
                 let answer = self.state.borrow().answer();
                 if self.held.is_some() {
-                    // Already ours: count it (re-entrant). While the backend cannot confirm the
+                    // Already ours: count it (re-entrant), but only for a client still there
+                    // (one that hung up while this command waited for a busy engine would keep
+                    // the lock for its hold, for nobody). While the backend cannot confirm the
                     // lease, answer "unknown" at once and count nothing.
-                    if answer.is_holder() {
+                    if reply.send(answer).is_ok() && answer.is_holder() {
                         self.holds += 1;
                         self.hold_deadline = Some(Instant::now() + hold);
                         self.publish_lease();
                     }
-                    let _ = reply.send(answer);
                 } else {
                     self.waiters.push(Waiter {
                         deadline: Instant::now() + wait,

@@ -128,3 +128,45 @@ async fn zookeeper_try_lock() {
     let server = ZooKeeperServer::start();
     a_try_lock_leaves_no_place_in_the_queue(&server.url()).await;
 }
+
+/// A re-entrant acquisition (the pod already holds) whose client hung up while the engine was
+/// busy, its command still queued: it must not be counted, or the pod keeps the lock for its
+/// `hold` after every real holder released (found by the waiters' safety check: a token given
+/// again after every worker that had it released it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_departed_reentrant_acquisition_is_not_counted() {
+    use leasehold_lease::testkit::faulty::FaultyDriver;
+
+    let server = RedisServer::start();
+    let inner = leasehold_lease::connect(&BackendUrl::parse(&server.url()).expect("url"))
+        .await
+        .expect("driver");
+    let faulty = FaultyDriver::wrap(inner);
+    let mut config = LockConfig::new(&unique_lock("gone-reentrant"), "a", LEASE);
+    config.mode = Mode::OnDemand;
+    let renew = config.renew_interval;
+    let a = Lock::start(faulty.clone(), config, Arc::new(())).expect("lock");
+    assert!(holds(&a, Duration::ZERO).await, "a takes the free lock");
+    let acquired = Instant::now();
+    // The next renewal keeps the engine busy for 600 ms, from one renew interval on.
+    faulty.delay_responses(Duration::from_millis(600));
+    sleep(
+        (acquired + renew + Duration::from_millis(100)).saturating_duration_since(Instant::now()),
+    )
+    .await;
+    let gone = {
+        let a = a.clone();
+        tokio::spawn(async move { a.acquire(Duration::ZERO, HOLD).await })
+    };
+    sleep(Duration::from_millis(100)).await;
+    gone.abort(); // hung up while its command waited for the busy engine
+    let _ = gone.await;
+    faulty.delay_responses(Duration::ZERO);
+    assert!(a.release().await.expect("release"));
+    assert_eq!(
+        a.snapshot().holds,
+        0,
+        "the departed client's acquisition was counted"
+    );
+    assert!(!a.answer().is_holder(), "a holds the lock for nobody");
+}
