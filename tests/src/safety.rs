@@ -677,6 +677,17 @@ fn waiter(
 
 /// Run the check of `scenario` for `duration`, with `contenders` sidecars.
 pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64) -> Report {
+    run_without(scenario, duration, contenders, seed, &[])
+}
+
+/// [`run`], with none of the `excluded` faults.
+pub fn run_without(
+    scenario: Scenario,
+    duration: Duration,
+    contenders: usize,
+    seed: u64,
+    excluded: &[Fault],
+) -> Report {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut backend = Backend::start(scenario.target);
     let lock = unique_lock("safety");
@@ -698,11 +709,15 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         .map(|c| (c.resource(), c.env()))
         .unwrap_or_default();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let faults: &[Fault] = if cluster.is_some() {
+    let faults: Vec<Fault> = if cluster.is_some() {
         RESOURCE_FAULTS
     } else {
         backend.faults()
-    };
+    }
+    .iter()
+    .copied()
+    .filter(|f| !excluded.contains(f))
+    .collect();
     let from_resource = cluster.is_some();
     let start_sidecar = |identity: &str, url: &str| {
         if from_resource {
