@@ -92,6 +92,9 @@ async fn a_lost_release_does_not_block_the_lock(release: Release) {
     }
     let taken = tokio::time::Instant::now() + Duration::from_secs(2);
     loop {
+        // a goes on observing, as an idle sidecar does every renew interval: an orphan whose
+        // delete failed while a's connection came back is tried again then.
+        let _ = a.observe(&lock).await;
         match b.try_acquire(&lock, "b", lease).await.expect("b") {
             Acquire::Acquired(lb) => {
                 assert!(lb.token > la.token);
