@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::safety::{
     Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target, inject,
-    longest_gap,
+    longest_gap, surely_ordered,
 };
 use crate::{Sidecar, http, unique_lock};
 
@@ -329,11 +329,9 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                     ));
                 }
                 // Certainly in this order: the one answered before the other was asked.
-                let (first, second) = if a.acquire_received < b.acquire_sent {
-                    (a, b)
-                } else if b.acquire_received < a.acquire_sent {
-                    (b, a)
-                } else {
+                let Some((first, second)) =
+                    surely_ordered(*a, *b, |h| (h.acquire_sent, h.acquire_received))
+                else {
                     continue;
                 };
                 if second.token <= first.token {

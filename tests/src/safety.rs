@@ -991,11 +991,8 @@ fn analyse(samples: &[Sample], began: Instant, report: &mut Report) -> Vec<Holdi
             // Tokens rise in the order the claims began, where that order is certain: one
             // claim was seen before the first request that saw the other was sent. (Sorted by
             // that request alone, a slow answer misorders two short holdings.)
-            let (first, second) = if a.first_received < b.first_sent {
-                (a, b)
-            } else if b.first_received < a.first_sent {
-                (b, a)
-            } else {
+            let Some((first, second)) = surely_ordered(a, b, |h| (h.first_sent, h.first_received))
+            else {
                 continue;
             };
             if second.token < first.token {
@@ -1121,6 +1118,24 @@ fn analyse_waiters(holdings: &[Holding], log: &WaiterLog, began: Instant, report
                 at(sent)
             ));
         }
+    }
+}
+
+/// Two claims in the order they surely began, each known to have begun by the answer to a
+/// request (`seen`: sent, received): the one answered before the request about the other was
+/// sent came first. `None` when the requests overlap and the order cannot be told.
+pub(crate) fn surely_ordered<T: Copy>(
+    a: T,
+    b: T,
+    seen: impl Fn(T) -> (Instant, Instant),
+) -> Option<(T, T)> {
+    let ((a_sent, a_received), (b_sent, b_received)) = (seen(a), seen(b));
+    if a_received < b_sent {
+        Some((a, b))
+    } else if b_received < a_sent {
+        Some((b, a))
+    } else {
+        None
     }
 }
 
