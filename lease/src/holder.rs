@@ -857,10 +857,20 @@ impl Engine {
                     // (one that hung up while this command waited for a busy engine would keep
                     // the lock for its hold, for nobody). While the backend cannot confirm the
                     // lease, answer "unknown" at once and count nothing.
-                    if reply.send(answer).is_ok() && answer.is_holder() {
+                    if answer.is_holder() {
+                        // Counted before the answer goes out, so that the caller reads the
+                        // new count; taken back if nobody was there to get it.
+                        let before = self.hold_deadline;
                         self.holds += 1;
                         self.hold_deadline = Some(Instant::now() + hold);
                         self.publish_lease();
+                        if reply.send(answer).is_err() {
+                            self.holds -= 1;
+                            self.hold_deadline = before;
+                            self.publish_lease();
+                        }
+                    } else {
+                        let _ = reply.send(answer);
                     }
                 } else {
                     self.waiters.push(Waiter {
