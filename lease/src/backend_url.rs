@@ -37,6 +37,13 @@ pub enum BackendUrl {
     /// the master the sentinels name MASTER, followed across failovers. Credentials and `db` are
     /// the master's; the sentinels are asked without them.
     RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig),
+    /// `redis+cluster://[user:password@]host[:port][,host[:port]...][?prefix=NAME]` (also spelled
+    /// `redis-cluster://`): a Redis Cluster, found from any node listed, one `redis://` URL
+    /// each. A lock's keys share one hash slot; the client follows `MOVED`, `ASK` and failovers.
+    RedisCluster {
+        nodes: Vec<url::Url>,
+        prefix: String,
+    },
     /// `tair://[user:password@]host[:port][/db][?prefix=NAME]`: Tair, or Redis with the
     /// TairString module, locked with its versioned put (`EXSET`/`EXCAS`/`EXCAD`); `url` is
     /// the `redis://` URL to reach it.
@@ -325,6 +332,51 @@ impl BackendUrl {
                     },
                 ))
             }
+            "redis+cluster" | "redis-cluster" => {
+                let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
+                let authority = authority.strip_suffix('/').unwrap_or(authority);
+                if authority.contains('/') {
+                    return Err(invalid(
+                        "a Redis Cluster has only database 0, so its URL has no path".into(),
+                    ));
+                }
+                let (userinfo, hosts) = match authority.rsplit_once('@') {
+                    Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
+                    None => (String::new(), authority),
+                };
+                let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                for (key, value) in query_pairs(query) {
+                    match key.as_str() {
+                        "prefix" => prefix = value,
+                        "ca" | "cert" | "key" => {
+                            return Err(invalid("TLS to a Redis Cluster is not built yet".into()));
+                        }
+                        other => {
+                            return Err(invalid(format!(
+                                "unknown option {other:?} (redis+cluster:// takes prefix)"
+                            )));
+                        }
+                    }
+                }
+                crate::names::validate_lock_name(&prefix).map_err(|_| {
+                    invalid(format!(
+                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
+                    ))
+                })?;
+                let mut nodes: Vec<url::Url> = Vec::new();
+                for host in host_list(hosts, 6379).map_err(invalid)? {
+                    let node = url::Url::parse(&format!("redis://{userinfo}{host}"))
+                        .map_err(|e| invalid(format!("node {host:?}: {e}")))?;
+                    if nodes.contains(&node) {
+                        return Err(invalid(format!("node {host:?} is listed twice")));
+                    }
+                    nodes.push(node);
+                }
+                Ok(BackendUrl::RedisCluster { nodes, prefix })
+            }
+            "rediss+cluster" | "rediss-cluster" => {
+                Err(invalid("TLS to a Redis Cluster is not built yet".into()))
+            }
             "rediss+sentinel" => Err(invalid(
                 "TLS through Sentinel is not built yet: reach the master with rediss:// directly"
                     .into(),
@@ -431,7 +483,7 @@ impl BackendUrl {
                 })
             }
             other => Err(invalid(format!(
-                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redis+sentinel://, redlock://, redlocks://, tair://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
+                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, redlocks://, tair://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
             ))),
         }
     }
@@ -442,6 +494,7 @@ impl BackendUrl {
             BackendUrl::Sqlite { .. } => "sqlite",
             BackendUrl::Redis { .. } => "redis",
             BackendUrl::RedisSentinel(_) => "redis-sentinel",
+            BackendUrl::RedisCluster { .. } => "redis-cluster",
             BackendUrl::Redlock { .. } => "redlock",
             BackendUrl::Tair { .. } => "tair",
             BackendUrl::Etcd { .. } => "etcd",
@@ -480,6 +533,28 @@ impl fmt::Display for BackendUrl {
                     config.master.path().trim_end_matches('/'),
                     config.prefix,
                     config.min_replicas
+                )
+            }
+            BackendUrl::RedisCluster { nodes, prefix } => {
+                let user = match nodes.first().map(|n| (n.username(), n.password())) {
+                    Some((user, Some(_))) => format!("{user}:***@"),
+                    Some((user, None)) if !user.is_empty() => format!("{user}@"),
+                    _ => String::new(),
+                };
+                let hosts: Vec<String> = nodes
+                    .iter()
+                    .map(|n| {
+                        format!(
+                            "{}:{}",
+                            n.host_str().unwrap_or_default(),
+                            n.port().unwrap_or(6379)
+                        )
+                    })
+                    .collect();
+                write!(
+                    f,
+                    "redis+cluster://{user}{} (prefix {prefix})",
+                    hosts.join(",")
                 )
             }
             BackendUrl::Tair { url, prefix } => {
@@ -698,6 +773,47 @@ mod tests {
                 "TLS through Sentinel is not built yet",
             ),
             ("redis+sentinel://s1/locks?db=1", "unknown option \"db\""),
+        ] {
+            let error = BackendUrl::parse(bad).unwrap_err().to_string();
+            assert!(error.contains(reason), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn redis_cluster_urls() {
+        let url = BackendUrl::parse("redis+cluster://u:pw@n1:7000,n2?prefix=team").unwrap();
+        let BackendUrl::RedisCluster { nodes, prefix } = &url else {
+            panic!("{url}")
+        };
+        assert_eq!(
+            nodes.iter().map(url::Url::as_str).collect::<Vec<_>>(),
+            ["redis://u:pw@n1:7000", "redis://u:pw@n2:6379"]
+        );
+        assert_eq!(prefix, "team");
+        assert_eq!(
+            url.to_string(),
+            "redis+cluster://u:***@n1:7000,n2:6379 (prefix team)"
+        );
+        assert_eq!(url.kind(), "redis-cluster");
+        // The spelling is the same backend.
+        assert_eq!(
+            BackendUrl::parse("redis-cluster://n1:7000/").unwrap(),
+            BackendUrl::parse("redis+cluster://n1:7000").unwrap()
+        );
+        for (bad, reason) in [
+            ("redis+cluster://n1/1", "has no path"),
+            ("redis+cluster://n1,n1", "listed twice"),
+            ("redis+cluster://n1?db=1", "unknown option \"db\""),
+            ("redis+cluster://n1?prefix=a:b", "must be letters, digits"),
+            (
+                "redis+cluster://n1?ca=/ca.crt",
+                "TLS to a Redis Cluster is not built yet",
+            ),
+            (
+                "rediss+cluster://n1",
+                "TLS to a Redis Cluster is not built yet",
+            ),
+            ("redis+cluster://", "bad endpoint"),
         ] {
             let error = BackendUrl::parse(bad).unwrap_err().to_string();
             assert!(error.contains(reason), "{bad}: {error}");

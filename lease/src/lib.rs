@@ -55,6 +55,9 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
         BackendUrl::RedisSentinel(config) => {
             Arc::new(redis_sentinel::RedisSentinelDriver::connect(config))
         }
+        BackendUrl::RedisCluster { nodes, prefix } => {
+            Arc::new(redis::RedisDriver::connect_cluster(nodes, prefix)?)
+        }
         BackendUrl::Etcd {
             endpoints,
             prefix,

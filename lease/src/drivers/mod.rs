@@ -8,6 +8,7 @@ pub mod kubernetes;
 pub mod mysql_wake;
 pub(crate) mod queue_slot;
 pub mod redis;
+pub(crate) mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redlock;
 pub mod sql;

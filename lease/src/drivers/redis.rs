@@ -4,7 +4,8 @@
 //! identity) before they touch the key. A release publishes on a channel that waiters listen to.
 //!
 //! Keys use a hash tag on the lock name (`leasehold:{jobs}:lease`, `leasehold:{jobs}:token`) so
-//! both keys of a lock land in one slot of a Redis Cluster.
+//! both keys of a lock land in one slot of a Redis Cluster, which this driver also serves
+//! (`redis+cluster://`, see [`crate::drivers::redis_cluster`]).
 //!
 //! Restarts: a server without persistence (or one that lost the last second of `appendfsync
 //! everysec`) comes back without leases their holders still claim, and without their token
@@ -27,8 +28,8 @@ use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
 /// How long one Redis round trip may take before the connection is considered dead.
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bounds of the pause between attempts to re-establish the release subscription.
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
@@ -102,11 +103,8 @@ impl Durability {
         conn: &mut (impl redis::aio::ConnectionLike + Send),
         master: &str,
     ) -> bool {
-        if let Some((at, of, durable)) = &*self.checked.lock().expect("durability")
-            && of == master
-            && at.elapsed() < DURABILITY_RECHECK
-        {
-            return *durable;
+        if let Some(durable) = self.cached(master) {
+            return durable;
         }
         let mut setting = async |name: &str| -> Option<String> {
             let pair: Vec<String> = redis::cmd("CONFIG")
@@ -119,6 +117,29 @@ impl Durability {
         };
         let durable = setting("appendonly").await.as_deref() == Some("yes")
             && setting("appendfsync").await.as_deref() == Some("always");
+        self.remember(master, durable)
+    }
+
+    /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any).
+    async fn of_cluster(&self, conn: &mut redis::cluster_async::ClusterConnection) -> bool {
+        const CLUSTER: &str = "every master of the cluster";
+        if let Some(durable) = self.cached(CLUSTER) {
+            return durable;
+        }
+        let durable = crate::drivers::redis_cluster::every_master_durable(conn).await;
+        self.remember(CLUSTER, durable)
+    }
+
+    fn cached(&self, master: &str) -> Option<bool> {
+        match &*self.checked.lock().expect("durability") {
+            Some((at, of, durable)) if of == master && at.elapsed() < DURABILITY_RECHECK => {
+                Some(*durable)
+            }
+            _ => None,
+        }
+    }
+
+    fn remember(&self, master: &str, durable: bool) -> bool {
         *self.checked.lock().expect("durability") =
             Some((std::time::Instant::now(), master.to_owned(), durable));
         durable
@@ -153,7 +174,7 @@ return false
 ";
 
 pub struct RedisDriver {
-    conn: ConnectionManager,
+    target: Target,
     /// Over TLS: a timeout then most likely means no TLS on the other side.
     tls: bool,
     keys: KeyLayout,
@@ -166,6 +187,47 @@ pub struct RedisDriver {
     subscriber: tokio::task::JoinHandle<()>,
 }
 
+/// One master, or a Redis Cluster.
+enum Target {
+    Single(ConnectionManager),
+    Cluster(crate::drivers::redis_cluster::Cluster),
+}
+
+/// A connection to either: a cluster's routes each script to its keys' master.
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 impl Drop for RedisDriver {
     fn drop(&mut self) {
         self.subscriber.abort();
@@ -176,12 +238,23 @@ impl Drop for RedisDriver {
 #[derive(Clone)]
 pub struct KeyLayout {
     prefix: String,
+    /// In a Redis Cluster each lock has its own epoch record, in its own slot: a script may
+    /// touch only keys of one slot.
+    epoch_per_lock: bool,
 }
 
 impl KeyLayout {
     pub fn new(prefix: &str) -> Self {
         Self {
             prefix: prefix.to_owned(),
+            epoch_per_lock: false,
+        }
+    }
+    /// The layout on a Redis Cluster.
+    pub fn for_cluster(prefix: &str) -> Self {
+        Self {
+            prefix: prefix.to_owned(),
+            epoch_per_lock: true,
         }
     }
     pub fn lease(&self, lock: &str) -> String {
@@ -193,6 +266,14 @@ impl KeyLayout {
     /// The prefix's epoch record (see [`ACQUIRE`]).
     pub fn epoch(&self) -> String {
         format!("{}:epoch", self.prefix)
+    }
+    /// The epoch record `lock`'s acquisitions check: the prefix's, or on a cluster the lock's.
+    pub fn epoch_of(&self, lock: &str) -> String {
+        if self.epoch_per_lock {
+            format!("{}:{{{lock}}}:epoch", self.prefix)
+        } else {
+            self.epoch()
+        }
     }
     /// The Tair driver's epoch record (see [`crate::drivers::tair`]): its own, since it tells
     /// incarnations by `run_id` where the script tells them by replication ID.
@@ -311,7 +392,7 @@ impl RedisDriver {
         let releases = Arc::new(ChangeFeeds::default());
         let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
         Ok(Self {
-            conn,
+            target: Target::Single(conn),
             tls: tls.is_some(),
             keys,
             durability: Durability::default(),
@@ -322,6 +403,51 @@ impl RedisDriver {
             releases,
             subscriber,
         })
+    }
+}
+
+impl RedisDriver {
+    /// A Redis Cluster found from `nodes` (`redis+cluster://`); connects lazily, as
+    /// [`RedisDriver::connect`] does.
+    pub fn connect_cluster(nodes: &[url::Url], prefix: &str) -> Result<Self> {
+        let cluster = crate::drivers::redis_cluster::Cluster::new(nodes)?;
+        let clients = nodes
+            .iter()
+            .map(|node| client(node, None))
+            .collect::<Result<Vec<_>>>()?;
+        let keys = KeyLayout::for_cluster(prefix);
+        let releases = Arc::new(ChangeFeeds::default());
+        let subscriber = tokio::spawn(listen_for_releases_on(
+            clients,
+            keys.clone(),
+            releases.clone(),
+        ));
+        Ok(Self {
+            target: Target::Cluster(cluster),
+            tls: false,
+            keys,
+            durability: Durability::default(),
+            acquire: Script::new(ACQUIRE),
+            renew: Script::new(RENEW),
+            release: Script::new(RELEASE),
+            observe: Script::new(OBSERVE),
+            releases,
+            subscriber,
+        })
+    }
+
+    async fn connection(&self) -> Result<Connection> {
+        match &self.target {
+            Target::Single(conn) => Ok(Connection::Single(conn.clone())),
+            Target::Cluster(cluster) => Ok(Connection::Cluster(cluster.connection().await?)),
+        }
+    }
+
+    async fn durable(&self, conn: &mut Connection) -> bool {
+        match conn {
+            Connection::Single(_) => self.durability.of(conn, "").await,
+            Connection::Cluster(cluster) => self.durability.of_cluster(cluster).await,
+        }
     }
 }
 
@@ -342,8 +468,18 @@ pub(crate) async fn listen_for_releases(
     keys: KeyLayout,
     feeds: Arc<ChangeFeeds>,
 ) {
+    listen_for_releases_on(vec![client], keys, feeds).await;
+}
+
+/// [`listen_for_releases`] on the first of `clients` that answers, trying the next when one
+/// fails: the nodes of a Redis Cluster, any of which hears every `PUBLISH`.
+async fn listen_for_releases_on(
+    clients: Vec<redis::Client>,
+    keys: KeyLayout,
+    feeds: Arc<ChangeFeeds>,
+) {
     let mut pause = RESUBSCRIBE_MIN;
-    loop {
+    for client in clients.iter().cycle() {
         let subscribed = tokio::time::timeout(CONNECT_TIMEOUT, async {
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.psubscribe(keys.released_pattern()).await?;
@@ -443,7 +579,7 @@ pub(crate) async fn eviction_warning(
 
 /// `allkeys-*` evicts any key, including the token counters (which have no TTL); the
 /// `volatile-*` policies can evict a held lease.
-fn evicts_lock_keys(policy: &str) -> bool {
+pub(crate) fn evicts_lock_keys(policy: &str) -> bool {
     policy != "noeviction" && !policy.is_empty()
 }
 
@@ -454,21 +590,26 @@ impl Driver for RedisDriver {
     }
 
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        delete_keys(&mut self.conn.clone(), &self.keys, locks).await
+        delete_keys(&mut self.connection().await?, &self.keys, locks).await
     }
 
     async fn warnings(&self) -> Result<Vec<String>> {
-        lock_key_warnings(&mut self.conn.clone()).await
+        match self.connection().await? {
+            Connection::Cluster(mut cluster) => {
+                crate::drivers::redis_cluster::warnings(&mut cluster).await
+            }
+            mut single => lock_key_warnings(&mut single).await,
+        }
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let mut conn = self.conn.clone();
-        let durable = self.durability.of(&mut conn, "").await;
+        let mut conn = self.connection().await?;
+        let durable = self.durable(&mut conn).await;
         let reply: Value = self
             .acquire
             .key(self.keys.lease(lock))
             .key(self.keys.token(lock))
-            .key(self.keys.epoch())
+            .key(self.keys.epoch_of(lock))
             .arg(identity)
             .arg(ms(ttl))
             .arg(if durable { "1" } else { "0" })
@@ -486,7 +627,7 @@ impl Driver for RedisDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection().await?;
         let renewed: i64 = self
             .renew
             .key(self.keys.lease(&lease.lock))
@@ -499,7 +640,7 @@ impl Driver for RedisDriver {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection().await?;
         let released: i64 = self
             .release
             .key(self.keys.lease(&lease.lock))
@@ -512,7 +653,7 @@ impl Driver for RedisDriver {
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection().await?;
         let reply: Value = self
             .observe
             .key(self.keys.lease(lock))
@@ -527,8 +668,9 @@ impl Driver for RedisDriver {
     }
 
     async fn ping(&self) -> Result<()> {
-        let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING")
+        let mut conn = self.connection().await?;
+        // A cluster answers from every node: any answer will do.
+        let _: Value = redis::cmd("PING")
             .query_async(&mut conn)
             .await
             .map_err(|e| self.error(e))?;
@@ -546,6 +688,10 @@ mod tests {
         assert_eq!(k.lease("jobs"), "leasehold:{jobs}:lease");
         assert_eq!(k.token("jobs"), "leasehold:{jobs}:token");
         assert_eq!(k.epoch(), "leasehold:epoch");
+        assert_eq!(k.epoch_of("jobs"), "leasehold:epoch");
+        let cluster = KeyLayout::for_cluster("leasehold");
+        assert_eq!(cluster.epoch_of("jobs"), "leasehold:{jobs}:epoch");
+        assert_eq!(cluster.lease("jobs"), k.lease("jobs"));
         assert_eq!(k.released_channel("jobs"), "leasehold:released:jobs");
         assert_eq!(k.lock_of_channel("leasehold:released:jobs"), Some("jobs"));
         assert_eq!(k.lock_of_channel("other:released:jobs"), None);

@@ -117,6 +117,7 @@ macro_rules! backend_server {
 }
 backend_server!(
     RedisServer,
+    super::redis_cluster::RedisCluster,
     super::PostgresServer,
     super::MariaDbServer,
     super::EtcdServer,

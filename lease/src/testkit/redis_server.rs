@@ -23,6 +23,8 @@ pub struct RedisServer {
     module: Option<std::path::PathBuf>,
     /// The port this server replicates from at start (`--replicaof`).
     replica_of: Option<u16>,
+    /// A Redis Cluster node: its cluster bus port.
+    cluster_port: Option<u16>,
 }
 
 impl RedisServer {
@@ -42,6 +44,7 @@ impl RedisServer {
             tls_port: None,
             module: None,
             replica_of: None,
+            cluster_port: None,
         };
         server.spawn();
         server
@@ -61,6 +64,7 @@ impl RedisServer {
             tls_port: None,
             module: Some(super::tairstring::module()),
             replica_of: None,
+            cluster_port: None,
         };
         server.spawn();
         server
@@ -76,6 +80,7 @@ impl RedisServer {
             tls_port: Some(free_port()),
             module: None,
             replica_of: None,
+            cluster_port: None,
         };
         super::write_test_certificates(server.process.dir());
         server.spawn();
@@ -92,6 +97,7 @@ impl RedisServer {
             tls_port: Some(free_port()),
             module: None,
             replica_of: None,
+            cluster_port: None,
         };
         for file in [
             "ca.crt",
@@ -122,6 +128,23 @@ impl RedisServer {
             tls_port: None,
             module: None,
             replica_of: Some(port),
+            cluster_port: None,
+        };
+        server.spawn();
+        server
+    }
+
+    /// A durable node of a Redis Cluster, with no slots yet (see
+    /// [`super::redis_cluster::RedisCluster`]).
+    pub fn start_cluster_node() -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis-cluster"),
+            port: free_port(),
+            durable: true,
+            tls_port: None,
+            module: None,
+            replica_of: None,
+            cluster_port: Some(free_port()),
         };
         server.spawn();
         server
@@ -143,6 +166,11 @@ impl RedisServer {
     /// The plain-text port.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// A cluster node's cluster bus port.
+    pub fn cluster_port(&self) -> Option<u16> {
+        self.cluster_port
     }
 
     /// The TLS port, when serving TLS.
@@ -199,6 +227,14 @@ impl RedisServer {
             .args(["--daemonize", "no"]);
         if let Some(master) = self.replica_of {
             command.args(["--replicaof", "127.0.0.1", &master.to_string()]);
+        }
+        if let Some(bus) = self.cluster_port {
+            // The node's view of the cluster lives in its directory, so a restart rejoins.
+            command
+                .args(["--cluster-enabled", "yes"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-port", &bus.to_string()])
+                .args(["--cluster-node-timeout", "2000"]);
         }
         if let Some(module) = &self.module {
             command.arg("--loadmodule").arg(module);

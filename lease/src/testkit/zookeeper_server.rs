@@ -106,8 +106,7 @@ impl ZooKeeperServer {
         );
         let command = server_command(&java, "256m", &self.process.dir().join("zoo.cfg"));
         let port = self.port;
-        self.process
-            .spawn(command, move || four_letter(port, "ruok") == "imok");
+        self.process.spawn(command, move || serving(port));
     }
 
     /// `kill -9`: the transaction log and snapshots survive.
@@ -129,6 +128,14 @@ impl ZooKeeperServer {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0)
     }
+}
+
+/// Whether the server serves requests: `ruok` answers `imok` as soon as the port is open, while
+/// the server still loads its database and turns every session away (a restart "ended" by it
+/// left the sidecars 2 s more without a server, and the safety soak counted that against them).
+/// `mntr` reports the server's state only once it serves.
+fn serving(port: u16) -> bool {
+    four_letter(port, "mntr").contains("zk_server_state")
 }
 
 /// Take a fresh server's JVM through what a lock does (sessions, creates, listings, deletes)

@@ -1,0 +1,161 @@
+//! Redis Cluster: the Redis driver's scripts (see [`crate::drivers::redis`]), each routed to the
+//! master of its keys' hash slot. A lock's keys (lease, token counter and, here, its epoch
+//! record) carry the lock's name as a hash tag, so they share one slot and every script runs on
+//! one master. The client follows `MOVED` and `ASK` while a slot migrates, and the new master of
+//! a failed-over shard.
+//!
+//! What a move means for the lock:
+//! - A slot migration carries the keys with their TTLs (`MIGRATE`), so a holder keeps its lease
+//!   and its renewals go on against the new master.
+//! - The epoch record moves with the lock. The new master has another replication ID, so on
+//!   the next free acquisition it counts as a new epoch: unless every master is durable it
+//!   waits out one lease and raises the lock's counter above every earlier token, exactly as
+//!   after a restart. A migration that lost nothing costs a free lock one lease at most.
+//! - A failover of the lock's shard is a promoted replica: as behind Sentinel, it waits out one
+//!   lease and raises the tokens.
+//!
+//! Release notices: a `PUBLISH` reaches every node of a cluster over the cluster bus, so one
+//! pattern subscription on any reachable node hears every lock's releases.
+
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::{RedisResult, Value};
+use tokio::sync::OnceCell;
+
+use crate::drivers::redis::{CONNECT_TIMEOUT, RESPONSE_TIMEOUT, evicts_lock_keys, map_err};
+use crate::error::{Error, Result};
+
+/// How many times the client retries a command on `MOVED`, `ASK`, `TRYAGAIN` or a broken
+/// connection before the error reaches the engine (which retries at its own pace).
+const RETRIES: u32 = 3;
+
+/// The cluster client, and its connection once made: made on first use, so that an unreachable
+/// cluster at start-up shows in readiness and answers, not as a start-up failure.
+pub(crate) struct Cluster {
+    client: ClusterClient,
+    connection: OnceCell<ClusterConnection>,
+}
+
+impl Cluster {
+    pub(crate) fn new(nodes: &[url::Url]) -> Result<Self> {
+        let client = ClusterClientBuilder::new(nodes.iter().map(url::Url::as_str))
+            .connection_timeout(CONNECT_TIMEOUT)
+            .response_timeout(RESPONSE_TIMEOUT)
+            .retries(RETRIES)
+            .build()
+            .map_err(|e| Error::InvalidUrl {
+                url: nodes
+                    .iter()
+                    .map(|n| crate::redact::redact(n.as_str()))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            client,
+            connection: OnceCell::new(),
+        })
+    }
+
+    /// The connection, made now if it was never made. Once made it reconnects by itself: it
+    /// asks the nodes it knows (and else the ones listed) for the slots again.
+    pub(crate) async fn connection(&self) -> Result<ClusterConnection> {
+        self.connection
+            .get_or_try_init(|| async {
+                tokio::time::timeout(CONNECT_TIMEOUT, self.client.get_async_connection())
+                    .await
+                    .map_err(|_| {
+                        Error::Unreachable(format!(
+                            "no Redis Cluster node answered within {CONNECT_TIMEOUT:?}"
+                        ))
+                    })?
+                    .map_err(map_err)
+            })
+            .await
+            .cloned()
+    }
+}
+
+/// `command`'s answer from every master, by address.
+async fn from_every_master(
+    conn: &mut ClusterConnection,
+    command: redis::Cmd,
+) -> RedisResult<Vec<(String, Value)>> {
+    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+    Ok(match conn.route_command(command, routing).await? {
+        Value::Map(answers) => answers
+            .into_iter()
+            .map(|(node, answer)| (redis::from_redis_value(node).unwrap_or_default(), answer))
+            .collect(),
+        single => vec![(String::new(), single)],
+    })
+}
+
+fn config_get(name: &str) -> redis::Cmd {
+    let mut command = redis::cmd("CONFIG");
+    command.arg("GET").arg(name);
+    command
+}
+
+/// A setting's value on every master (`None` where CONFIG is refused or renamed).
+async fn setting_on_every_master(
+    conn: &mut ClusterConnection,
+    name: &str,
+) -> RedisResult<Vec<(String, Option<String>)>> {
+    Ok(from_every_master(conn, config_get(name))
+        .await?
+        .into_iter()
+        .map(|(node, answer)| {
+            let value = redis::from_redis_value::<Vec<String>>(answer)
+                .ok()
+                .and_then(|pair| pair.into_iter().nth(1));
+            (node, value)
+        })
+        .collect())
+}
+
+/// Whether every master loses no acknowledged write in a crash (see
+/// [`crate::drivers::redis::Durability`]): a lock's slot may move to any of them.
+pub(crate) async fn every_master_durable(conn: &mut ClusterConnection) -> bool {
+    let (Ok(appendonly), Ok(fsync)) = (
+        setting_on_every_master(conn, "appendonly").await,
+        setting_on_every_master(conn, "appendfsync").await,
+    ) else {
+        return false;
+    };
+    !appendonly.is_empty()
+        && appendonly.iter().all(|(_, v)| v.as_deref() == Some("yes"))
+        && fsync.iter().all(|(_, v)| v.as_deref() == Some("always"))
+}
+
+/// The single driver's warnings (eviction, `INFO` refused), asked of every master and naming
+/// the ones they concern.
+pub(crate) async fn warnings(conn: &mut ClusterConnection) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let policies = setting_on_every_master(conn, "maxmemory-policy")
+        .await
+        .map_err(map_err)?;
+    for (node, policy) in policies {
+        if let Some(policy) = policy.filter(|p| evicts_lock_keys(p)) {
+            warnings.push(format!(
+                "master {node}: maxmemory-policy is {policy}: Redis may evict lock keys under memory \
+                 pressure; use noeviction (or volatile-* with a dedicated instance)"
+            ));
+        }
+    }
+    let mut info = redis::cmd("INFO");
+    info.arg("replication");
+    let answers = from_every_master(conn, info).await.map_err(map_err)?;
+    for (node, answer) in answers {
+        if let Value::ServerError(e) = answer {
+            warnings.push(format!(
+                "master {node}: INFO is refused ({}): a restart or failover that loses a held \
+                 lease goes unnoticed, and another pod may then take the lock while its holder \
+                 still claims it; let the lock's Redis user run INFO",
+                e.details().unwrap_or_default()
+            ));
+        }
+    }
+    Ok(warnings)
+}

@@ -1,0 +1,220 @@
+//! A Redis Cluster of three durable masters, each a real `redis-server --cluster-enabled yes` on
+//! a free loopback port (and a free cluster bus port) with its own throwaway directory. The
+//! slots are split in three ranges, as `redis-cli --cluster create` splits them; a test moves
+//! a lock's slot from one master to another with the commands `redis-cli --cluster reshard`
+//! sends (`SETSLOT IMPORTING`/`MIGRATING`, `MIGRATE`, `SETSLOT NODE`).
+
+use std::time::{Duration, Instant};
+
+use super::redis_server::RedisServer;
+
+const SET_UP_TIMEOUT: Duration = Duration::from_secs(30);
+const SLOTS: u16 = 16384;
+
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Three masters, each with a third of the slots; returns once every node sees all of them.
+    pub fn start() -> Self {
+        let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start_cluster_node()).collect();
+        let cluster = Self { nodes };
+        let third = SLOTS / 3;
+        let ranges = [
+            (0, third),
+            (third + 1, 2 * third + 1),
+            (2 * third + 2, SLOTS - 1),
+        ];
+        for (node, (from, to)) in cluster.nodes.iter().zip(ranges) {
+            command(
+                node.port(),
+                &[
+                    "CLUSTER",
+                    "ADDSLOTSRANGE",
+                    &from.to_string(),
+                    &to.to_string(),
+                ],
+            )
+            .expect("assign slots");
+        }
+        let first = cluster.nodes[0].port();
+        for node in &cluster.nodes[1..] {
+            let bus = node.cluster_port().expect("a cluster node");
+            command(
+                first,
+                &[
+                    "CLUSTER",
+                    "MEET",
+                    "127.0.0.1",
+                    &node.port().to_string(),
+                    &bus.to_string(),
+                ],
+            )
+            .expect("meet");
+        }
+        cluster.wait_until_ok();
+        cluster
+    }
+
+    /// `redis+cluster://` naming every node.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    /// `kill -9` every node: the cluster is down.
+    pub fn kill(&mut self) {
+        for node in &mut self.nodes {
+            node.kill();
+        }
+    }
+
+    /// Every node again, on its data and its `nodes.conf`; returns once the cluster serves.
+    pub fn restart(&mut self) {
+        for node in &mut self.nodes {
+            node.restart();
+        }
+        self.wait_until_ok();
+    }
+
+    fn wait_until_ok(&self) {
+        let began = Instant::now();
+        let ok = |port: u16| {
+            command(port, &["CLUSTER", "INFO"]).is_ok_and(|info| {
+                info.contains("cluster_state:ok")
+                    && info.contains(&format!("cluster_slots_assigned:{SLOTS}"))
+                    && info.contains(&format!("cluster_known_nodes:{}", self.nodes.len()))
+            })
+        };
+        while !self.nodes.iter().all(|n| ok(n.port())) {
+            assert!(
+                began.elapsed() < SET_UP_TIMEOUT,
+                "the Redis Cluster did not come up within {SET_UP_TIMEOUT:?}: {:?}",
+                command(self.nodes[0].port(), &["CLUSTER", "INFO"])
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The hash slot of `key`.
+    pub fn slot_of(&self, key: &str) -> u16 {
+        command(self.nodes[0].port(), &["CLUSTER", "KEYSLOT", key])
+            .expect("keyslot")
+            .parse()
+            .expect("a slot number")
+    }
+
+    /// The index of the node that serves `slot` now, as the first node sees it.
+    pub fn owner_of(&self, slot: u16) -> usize {
+        let nodes = command(self.nodes[0].port(), &["CLUSTER", "NODES"]).expect("cluster nodes");
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let Some(address) = fields.get(1) else {
+                continue;
+            };
+            let serves = fields.iter().skip(8).any(|range| {
+                let (from, to) = range.split_once('-').unwrap_or((range, range));
+                matches!((from.parse::<u16>(), to.parse::<u16>()), (Ok(f), Ok(t)) if (f..=t).contains(&slot))
+            });
+            if serves {
+                let port: u16 = address
+                    .split(['@', ':'])
+                    .nth(1)
+                    .and_then(|p| p.parse().ok())
+                    .expect("a node's port");
+                return self
+                    .nodes
+                    .iter()
+                    .position(|n| n.port() == port)
+                    .expect("a node of this cluster");
+            }
+        }
+        panic!("no node serves slot {slot}:\n{nodes}")
+    }
+
+    /// Move `slot`, with its keys, to node `to`, as `redis-cli --cluster reshard` does; returns
+    /// once every node routes it there.
+    pub fn migrate_slot(&self, slot: u16, to: usize) {
+        let from = self.owner_of(slot);
+        assert_ne!(from, to, "slot {slot} is already on node {to}");
+        let (source, target) = (self.nodes[from].port(), self.nodes[to].port());
+        let id = |port: u16| command(port, &["CLUSTER", "MYID"]).expect("myid");
+        let (source_id, target_id) = (id(source), id(target));
+        let slot_text = slot.to_string();
+        command(
+            target,
+            &["CLUSTER", "SETSLOT", &slot_text, "IMPORTING", &source_id],
+        )
+        .expect("importing");
+        command(
+            source,
+            &["CLUSTER", "SETSLOT", &slot_text, "MIGRATING", &target_id],
+        )
+        .expect("migrating");
+        loop {
+            let keys = keys_in_slot(source, slot);
+            if keys.is_empty() {
+                break;
+            }
+            let mut migrate = redis::cmd("MIGRATE");
+            migrate
+                .arg("127.0.0.1")
+                .arg(target)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys);
+            let _: redis::Value = migrate
+                .query(&mut connection(source).expect("connect"))
+                .expect("migrate");
+        }
+        for port in std::iter::once(target)
+            .chain(std::iter::once(source))
+            .chain(self.nodes.iter().map(RedisServer::port))
+        {
+            command(
+                port,
+                &["CLUSTER", "SETSLOT", &slot_text, "NODE", &target_id],
+            )
+            .expect("setslot node");
+        }
+        let began = Instant::now();
+        while self.owner_of(slot) != to {
+            assert!(began.elapsed() < SET_UP_TIMEOUT, "slot {slot} did not move");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn connection(port: u16) -> redis::RedisResult<redis::Connection> {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))?
+        .get_connection_with_timeout(Duration::from_secs(2))
+}
+
+/// One command on one node, its answer as text (simple and bulk strings, numbers).
+pub fn command(port: u16, args: &[&str]) -> redis::RedisResult<String> {
+    let mut cmd = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        cmd.arg(*arg);
+    }
+    let value: redis::Value = cmd.query(&mut connection(port)?)?;
+    Ok(match value {
+        redis::Value::Int(n) => n.to_string(),
+        other => redis::from_redis_value(other)?,
+    })
+}
+
+fn keys_in_slot(port: u16, slot: u16) -> Vec<String> {
+    redis::cmd("CLUSTER")
+        .arg("GETKEYSINSLOT")
+        .arg(slot)
+        .arg(100)
+        .query(&mut connection(port).expect("connect"))
+        .expect("getkeysinslot")
+}
