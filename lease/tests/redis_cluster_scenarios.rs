@@ -1,0 +1,180 @@
+//! Redis Cluster beyond the conformance suite, on three real masters: a lock whose slot moves to
+//! another master while it is held, and release notices published on one master that reach a
+//! waiter listening on another.
+
+use std::time::Duration;
+
+use leasehold_lease::testkit::{RedisCluster, campaign, claims, driver_for, unique_lock};
+use leasehold_lease::{Acquire, Answer, Driver};
+use tokio::time::{Instant, sleep, timeout};
+
+fn token(answer: &Answer) -> Option<u64> {
+    match answer {
+        Answer::Holder { token, .. } => Some(*token),
+        _ => None,
+    }
+}
+
+fn lease_key(lock: &str) -> String {
+    format!("leasehold:{{{lock}}}:lease")
+}
+
+/// A lock is held while its slot, with the lease, the token counter and the epoch record, is
+/// moved to another master (`MIGRATING`/`IMPORTING`, `MIGRATE`, `SETSLOT NODE`). The holder's
+/// renewals follow it (`ASK`, then `MOVED`): it keeps the lock with the same token, nobody else
+/// holds meanwhile, and on the new master the next holder's token is greater.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lock_keeps_its_holder_while_its_slot_moves() {
+    let cluster = std::sync::Arc::new(tokio::task::block_in_place(RedisCluster::start));
+    let lock = unique_lock("moving");
+    let lease = Duration::from_secs(2);
+    let a = campaign(driver_for(&cluster.url()).await, &lock, "a", lease);
+    let began = Instant::now();
+    let a_token = loop {
+        if let Some(token) = token(&a.answer()) {
+            break token;
+        }
+        assert!(began.elapsed() < Duration::from_secs(10), "a never held");
+        sleep(Duration::from_millis(10)).await;
+    };
+    let b = campaign(driver_for(&cluster.url()).await, &lock, "b", lease);
+
+    let slot = cluster.slot_of(&lease_key(&lock));
+    let from = cluster.owner_of(slot);
+    let to = (from + 1) % cluster.nodes.len();
+    let mover = {
+        let cluster = cluster.clone();
+        tokio::task::spawn_blocking(move || cluster.migrate_slot(slot, to))
+    };
+    // Sampled through the move, and for a lease after it.
+    let mut moved_at = None;
+    while moved_at.is_none_or(|at: Instant| at.elapsed() < lease) {
+        assert!(
+            !(claims(&a) && b.answer().is_holder()),
+            "two holders while the slot moved: a {:?}, b {:?}",
+            a.snapshot().held,
+            b.answer()
+        );
+        if moved_at.is_none() && mover.is_finished() {
+            moved_at = Some(Instant::now());
+        }
+        sleep(Duration::from_millis(5)).await;
+    }
+    mover.await.expect("the slot moved");
+    assert_eq!(cluster.owner_of(slot), to, "the slot moved");
+    let moved = Instant::now();
+    while token(&a.answer()) != Some(a_token) {
+        assert!(
+            moved.elapsed() < lease * 2,
+            "a lost the lock to the move: {:?}, {:?}",
+            a.answer(),
+            a.snapshot()
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        !b.answer().is_holder(),
+        "b holds beside a: {:?}",
+        b.answer()
+    );
+    // The lease is on the new master, and renewed there.
+    sleep(lease).await;
+    assert_eq!(token(&a.answer()), Some(a_token), "a kept renewing");
+
+    a.shutdown().await;
+    let released = Instant::now();
+    let b_token = loop {
+        if let Some(token) = token(&b.answer()) {
+            break token;
+        }
+        assert!(
+            released.elapsed() < lease * 3,
+            "b never took over on the new master: {:?}",
+            b.snapshot()
+        );
+        sleep(Duration::from_millis(10)).await;
+    };
+    assert!(
+        b_token > a_token,
+        "tokens go on rising on the new master: {a_token} then {b_token}"
+    );
+    b.shutdown().await;
+}
+
+/// Three locks, one on each master: a driver listens for release notices on one node, and a
+/// release on any master wakes it through the cluster bus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_on_any_master_wakes_a_waiter() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let mut locks = vec![None; cluster.nodes.len()];
+    let mut n = 0;
+    while locks.iter().any(Option::is_none) {
+        let lock = format!("{}-{n}", unique_lock("wake"));
+        let owner = cluster.owner_of(cluster.slot_of(&lease_key(&lock)));
+        locks[owner].get_or_insert(lock);
+        n += 1;
+    }
+    let holder = driver_for(&cluster.url()).await;
+    let waiter = driver_for(&cluster.url()).await;
+    let ttl = Duration::from_secs(5);
+    for (node, lock) in locks.iter().flatten().enumerate() {
+        let mut changes = waiter.changes(lock).expect("release notices");
+        // The waiter's subscription wakes every feed once it is (re)established.
+        if node == 0 {
+            let _ = timeout(Duration::from_secs(3), changes.changed()).await;
+        }
+        changes.borrow_and_update();
+        let Acquire::Acquired(lease) = holder.try_acquire(lock, "a", ttl).await.unwrap() else {
+            panic!("{lock} on node {node} was free");
+        };
+        assert!(matches!(
+            waiter.try_acquire(lock, "b", ttl).await.unwrap(),
+            Acquire::Busy(Some(_))
+        ));
+        assert!(holder.release(&lease).await.unwrap());
+        timeout(Duration::from_secs(2), changes.changed())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("no release notice from node {node} (the waiter listens on one node)")
+            })
+            .expect("feed open");
+        assert!(matches!(
+            waiter.try_acquire(lock, "b", ttl).await.unwrap(),
+            Acquire::Acquired(_)
+        ));
+    }
+}
+
+/// Driven by the driver alone: the cluster's answers are routed by slot, so a lock named to land
+/// on each master is held, refused to another and released there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_master_serves_the_locks_of_its_slots() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let driver: std::sync::Arc<dyn Driver> = driver_for(&cluster.url()).await;
+    let mut seen = vec![false; cluster.nodes.len()];
+    let mut n = 0;
+    while seen.iter().any(|s| !s) {
+        let lock = format!("{}-{n}", unique_lock("spread"));
+        n += 1;
+        let node = cluster.owner_of(cluster.slot_of(&lease_key(&lock)));
+        if seen[node] {
+            continue;
+        }
+        seen[node] = true;
+        let Acquire::Acquired(lease) = driver
+            .try_acquire(&lock, "a", Duration::from_secs(5))
+            .await
+            .unwrap()
+        else {
+            panic!("{lock} was free");
+        };
+        // The lease is on that master itself, not on the node the client first asked.
+        let stored = leasehold_lease::testkit::redis_cluster::command(
+            cluster.nodes[node].port(),
+            &["GET", &lease_key(&lock)],
+        )
+        .unwrap();
+        assert_eq!(stored, format!("{}:a", lease.token), "on node {node}");
+        assert!(driver.release(&lease).await.unwrap());
+    }
+}
