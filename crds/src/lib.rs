@@ -186,6 +186,7 @@ impl Backend {
                 self.redis.is_some(),
                 match &self.redis {
                     Some(r) if r.sentinel.is_some() => "redis-sentinel",
+                    Some(r) if r.cluster == Some(true) => "redis-cluster",
                     Some(r) if r.endpoints.len() >= 3 => "redlock",
                     _ => "redis",
                 },
@@ -221,8 +222,14 @@ pub struct SecretKeyRef {
 /// master that Redis Sentinel fails over.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.sentinel) || self.endpoints.size() == 1 || self.endpoints.size() >= 3")
+#[x_kube(validation = Rule::new("has(self.sentinel) || (has(self.cluster) && self.cluster) || self.endpoints.size() == 1 || self.endpoints.size() >= 3")
     .message("give one endpoint for a single Redis, or three or more independent masters for Redlock"))]
+#[x_kube(validation = Rule::new("!(has(self.cluster) && self.cluster) || !has(self.sentinel)")
+    .message("cluster and sentinel exclude each other: a Redis Cluster finds its masters itself"))]
+#[x_kube(validation = Rule::new("!(has(self.cluster) && self.cluster) || !has(self.database) || self.database == 0")
+    .message("a Redis Cluster has only database 0"))]
+#[x_kube(validation = Rule::new("!(has(self.cluster) && self.cluster) || (!(has(self.tls) && self.tls) && !has(self.tlsSecretName))")
+    .message("TLS to a Redis Cluster is not built yet"))]
 #[x_kube(validation = Rule::new("!has(self.sentinel) || (!(has(self.tls) && self.tls) && !has(self.tlsSecretName))")
     .message("TLS through Sentinel is not built yet: reach the master over TLS directly"))]
 pub struct RedisBackend {
@@ -233,6 +240,10 @@ pub struct RedisBackend {
     /// Redis Sentinel: `endpoints` are sentinels, and the lock lives on the master they name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sentinel: Option<RedisSentinel>,
+    /// Redis Cluster: `endpoints` are nodes of one cluster (any of them will do to find the
+    /// rest), and each lock lives on the master of its keys' slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<bool>,
     /// The logical database.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 15))]

@@ -57,6 +57,10 @@ fn good_locks_pass() {
             "passwordSecretRef": { "name": "redis", "key": "password" } } } }),
         json!({ "backend": { "redis": { "endpoints": ["sentinel-0:26379", "sentinel-1"],
             "sentinel": { "masterName": "locks", "minReplicas": 2 } } } }),
+        json!({ "backend": { "redis": { "endpoints": ["node-0:6379", "node-1:6379"],
+            "cluster": true } } }),
+        json!({ "backend": { "redis": { "endpoints": ["node-0:6379"], "cluster": true,
+            "database": 0 } } }),
         json!({ "backend": { "postgres": { "host": "db", "database": "app", "table": "locks",
             "schema": "public", "lockMode": "RowLock" } }, "mode": "OnDemand" }),
         json!({ "backend": { "mysql": { "host": "db", "database": "app" } } }),
@@ -87,6 +91,21 @@ fn bad_locks_are_rejected_with_a_reason() {
             json!({ "backend": { "redis": { "endpoints": ["s:26379"], "tls": true,
                 "sentinel": { "masterName": "locks" } } } }),
             "TLS through Sentinel is not built yet",
+        ),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["n:6379"], "cluster": true,
+                "sentinel": { "masterName": "locks" } } } }),
+            "cluster and sentinel exclude each other",
+        ),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["n:6379"], "cluster": true,
+                "database": 2 } } }),
+            "a Redis Cluster has only database 0",
+        ),
+        (
+            json!({ "backend": { "redis": { "endpoints": ["n:6379"], "cluster": true,
+                "tlsSecretName": "redis-ca" } } }),
+            "TLS to a Redis Cluster is not built yet",
         ),
         (
             json!({ "backend": { "redis": { "endpoints": ["s:26379"],

@@ -108,6 +108,13 @@ pub trait Driver: Send + Sync + 'static {
     /// ZooKeeper root) stay.
     async fn deprovision(&self, locks: &[String]) -> Result<()>;
 
+    /// [`Driver::deprovision`] of `lease`'s lock, while this process holds it (see
+    /// [`crate::delete_records`]): no other holder can exist meanwhile. Backends whose deletion
+    /// would wait for the holder's own lock (a row held `FOR UPDATE`) override it.
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        self.deprovision(std::slice::from_ref(&lease.lock)).await
+    }
+
     /// Backend settings that endanger locks (Redis may evict lock keys), as warnings for the
     /// lock's status and events.
     async fn warnings(&self) -> Result<Vec<String>> {

@@ -21,6 +21,7 @@ mod error;
 mod holder;
 pub mod keyed;
 pub mod names;
+mod records;
 mod redact;
 pub mod resource;
 #[cfg(feature = "testkit")]
@@ -39,6 +40,7 @@ pub use holder::{
     Answer, DEFAULT_HOLD, Event, EventKind, Held, Lock, LockConfig, MAX_LEASE_DURATION,
     MIN_LEASE_DURATION, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry, safety_margin,
 };
+pub use records::{RECORDS_DELETER, delete_records};
 pub use redact::redact;
 
 /// Open the driver a backend URL names. Network backends connect lazily, so an unreachable

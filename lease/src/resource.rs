@@ -426,6 +426,26 @@ fn backend_url(
             return Ok((url, None));
         }
         let q = query(&[("prefix", r.key_prefix.as_deref())]);
+        if r.cluster == Some(true) {
+            // The CRD's rules refuse these too; a lock written before them must not slip by.
+            if tls {
+                return Err(Error::InvalidConfig {
+                    field: "backend.redis.tls",
+                    reason: "TLS to a Redis Cluster is not built yet".into(),
+                });
+            }
+            if r.database.is_some_and(|d| d != 0) {
+                return Err(Error::InvalidConfig {
+                    field: "backend.redis.database",
+                    reason: "a Redis Cluster has only database 0".into(),
+                });
+            }
+            let url = BackendUrl::parse(&format!(
+                "redis+cluster://{auth}{}{q}",
+                r.endpoints.join(",")
+            ))?;
+            return Ok((url, None));
+        }
         let scheme = match (r.endpoints.len() >= 3, tls) {
             (true, false) => "redlock",
             (true, true) => "redlocks",
@@ -819,6 +839,51 @@ mod tests {
             let error = allowed(Some(refused)).unwrap_err();
             assert!(error.contains("may not be sent to"), "{refused}: {error}");
         }
+    }
+
+    /// A cluster's endpoints are its nodes, any number of them; the password never shows, and
+    /// what a cluster cannot do is refused by name.
+    #[test]
+    fn a_cluster_resource_names_its_nodes() {
+        let cluster = |change: fn(&mut RedisBackend)| {
+            let mut redis = RedisBackend {
+                endpoints: vec!["node-0:7000".into(), "node-1".into()],
+                cluster: Some(true),
+                key_prefix: Some("team".into()),
+                password_secret_ref: Some(key("redis", "password")),
+                ..Default::default()
+            };
+            change(&mut redis);
+            lock(Backend {
+                redis: Some(redis),
+                ..Default::default()
+            })
+        };
+        let secrets: SecretValues =
+            [(("redis".into(), "password".into()), "p@ss/word".into())].into();
+        let backend = resolve(&cluster(|_| {}), &secrets).unwrap().backend;
+        let BackendUrl::RedisCluster { nodes, prefix } = &backend else {
+            panic!("{backend}")
+        };
+        assert_eq!(nodes.len(), 2);
+        assert_eq!(nodes[1].port(), Some(6379), "the default port");
+        assert_eq!(nodes[0].password(), Some("p%40ss%2Fword"));
+        assert_eq!(prefix, "team");
+        assert_eq!(
+            backend.to_string(),
+            "redis+cluster://:***@node-0:7000,node-1:6379 (prefix team)"
+        );
+        for (change, refused) in [
+            (
+                (|r: &mut RedisBackend| r.database = Some(3)) as fn(&mut RedisBackend),
+                "only database 0",
+            ),
+            (|r: &mut RedisBackend| r.tls = Some(true), "not built yet"),
+        ] {
+            let error = resolve(&cluster(change), &secrets).unwrap_err().to_string();
+            assert!(error.contains(refused), "{error}");
+        }
+        assert!(resolve(&cluster(|r| r.database = Some(0)), &secrets).is_ok());
     }
 
     /// The sentinels are the endpoints; the password and database are the master's, and the

@@ -182,17 +182,32 @@ impl Backends {
         bounded(driver.observe(&resolved.name)).await
     }
 
-    /// Remove the lock's artifacts from its backend, and forget its driver.
+    /// Remove the lock's artifacts from its backend while holding the lock (see
+    /// [`leasehold_lease::delete_records`]), and forget its driver: `Ok(Some(holder))`, with
+    /// nothing removed, while another holds it. A family of keyed locks has no lock of its own
+    /// to take (its keys' records are kept; see the README's "Not built yet").
     pub async fn clean_up(
         &self,
         client: &kube::Client,
         lock: &DistributedLock,
-    ) -> leasehold_lease::Result<()> {
+    ) -> leasehold_lease::Result<Option<Option<leasehold_lease::Holding>>> {
         let resolved = Self::resolve(client, lock).await?;
         let driver = self.driver(client, lock, &resolved).await?;
-        bounded(driver.deprovision(std::slice::from_ref(&resolved.name))).await?;
+        if resolved.keys.is_some() {
+            bounded(driver.deprovision(std::slice::from_ref(&resolved.name))).await?;
+        } else {
+            let held = bounded(leasehold_lease::delete_records(
+                &*driver,
+                &resolved.name,
+                resolved.lease_duration,
+            ))
+            .await?;
+            if held.is_some() {
+                return Ok(held);
+            }
+        }
         self.forget(lock);
-        Ok(())
+        Ok(None)
     }
 
     /// Keep the lock's records past its deletion: on the Kubernetes backend the Lease is owned

@@ -227,37 +227,40 @@ async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
 
 /// The clean-up proper: an error when it must be tried again.
 async fn clean_up_backend(lock: &DistributedLock, ctx: &Context) -> Result<()> {
-    // An unreadable backend falls through to the clean-up, which says what failed.
-    if let Ok(Some(holder)) = ctx.backends.holder(&ctx.client, lock).await {
-        // Said once per deletion, not at every re-check.
-        let first_wait = !ctx
-            .failures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&ObjectRef::from(lock));
-        let note = format!(
-            "{} (token {}) still holds the lock, so its records are kept until it releases or \
-             its lease runs out; sidecars that follow this resource release it now, other \
-             clients must stop (or set cleanupPolicy: Retain to keep the records and let the \
-             resource go)",
-            holder.identity, holder.token
-        );
-        if first_wait {
-            publish(
-                ctx,
-                lock,
-                &Notice {
-                    warning: true,
-                    reason: "CleanupWaiting",
-                    note: note.clone(),
-                },
-            )
-            .await;
-        }
-        return Err(Error::HolderAlive(note));
-    }
+    // The lock is taken before its records go, so that nobody can take it in between (see
+    // `leasehold_lease::delete_records`); a holder keeps the records until it lets go.
     let notice = match ctx.backends.clean_up(&ctx.client, lock).await {
-        Ok(()) => Notice {
+        Ok(Some(holder)) => {
+            // Said once per deletion, not at every re-check.
+            let first_wait = !ctx
+                .failures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&ObjectRef::from(lock));
+            let who = holder.map_or_else(
+                || "the backend cannot name the holder yet (it waits out a lease a restart may have lost)".to_owned(),
+                |h| format!("{} (token {}) still holds the lock", h.identity, h.token),
+            );
+            let note = format!(
+                "{who}, so its records are kept until it releases or its lease runs out; \
+                 sidecars that follow this resource release it now, other clients must stop \
+                 (or set cleanupPolicy: Retain to keep the records and let the resource go)"
+            );
+            if first_wait {
+                publish(
+                    ctx,
+                    lock,
+                    &Notice {
+                        warning: true,
+                        reason: "CleanupWaiting",
+                        note: note.clone(),
+                    },
+                )
+                .await;
+            }
+            return Err(Error::HolderAlive(note));
+        }
+        Ok(None) => Notice {
             warning: false,
             reason: "CleanedUp",
             note: "removed the lock's artifacts from the backend".into(),
@@ -594,7 +597,8 @@ mod tests {
         // the name continues above it.
         assert_eq!(holder(&driver, "jobs").await, None);
         assert_eq!(holder(&driver, "other").await, held("pod-a", 1));
-        assert_eq!(next_token(&driver, "jobs").await, 2);
+        // Token 2 went to the clean-up itself, which took the lock to delete its records.
+        assert_eq!(next_token(&driver, "jobs").await, 3);
     }
 
     /// Deleting a held lock's records would let a newcomer in beside the holder and restart the
@@ -634,7 +638,7 @@ mod tests {
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         timeout_after_1s(scenario).await;
         assert_eq!(holder(&driver, "jobs").await, None);
-        assert_eq!(next_token(&driver, "jobs").await, 2);
+        assert_eq!(next_token(&driver, "jobs").await, 3);
     }
 
     /// A namespace being deleted refuses every event; the clean-up must not wait for a holder

@@ -190,7 +190,7 @@ pub struct RedisDriver {
 /// One master, or a Redis Cluster.
 enum Target {
     Single(ConnectionManager),
-    Cluster(crate::drivers::redis_cluster::Cluster),
+    Cluster(Box<crate::drivers::redis_cluster::Cluster>),
 }
 
 /// A connection to either: a cluster's routes each script to its keys' master.
@@ -423,7 +423,7 @@ impl RedisDriver {
             releases.clone(),
         ));
         Ok(Self {
-            target: Target::Cluster(cluster),
+            target: Target::Cluster(Box::new(cluster)),
             tls: false,
             keys,
             durability: Durability::default(),

@@ -685,6 +685,16 @@ impl Driver for SqlDriver {
 
     /// Create the lock table (and in row-lock mode the row table, seeded with `locks`) if
     /// absent; needs CREATE the first time only.
+    /// In row-lock mode the row is held `FOR UPDATE` by this process's own transaction, which its
+    /// DELETE (on another connection) would wait for: it is released first. A contender that
+    /// takes the row meanwhile holds it alone, and the DELETE waits for its transaction in turn.
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        if self.mode == SqlMode::RowLock {
+            self.release(lease).await?;
+        }
+        self.deprovision(std::slice::from_ref(&lease.lock)).await
+    }
+
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         for lock in locks {
             for statement in [&self.sql.delete_lock, &self.sql.delete_row] {

@@ -511,6 +511,68 @@ pub async fn deprovision_ends_the_holders_claim(h: &mut dyn Harness) {
     }
 }
 
+/// A lock's records are deleted (`cleanupPolicy: Delete`) only while the deleter holds the lock:
+/// under a live holder nothing is deleted and the holder goes on renewing, nobody else gets in,
+/// and no place is left in a queue; once it is free they are deleted, and the next holder's
+/// token is above every earlier one. (Reading "free" and then deleting let a holder that came
+/// in between lose its records, and a newcomer take the lock beside it.)
+pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
+    let (a, b, operator) = (h.driver().await, h.driver().await, h.driver().await);
+    let lock = unique_lock("records");
+    let la = acquired(&*a, &lock, "a", LEASE).await;
+    let waiting = crate::delete_records(&*operator, &lock, LEASE)
+        .await
+        .expect("delete records");
+    assert_eq!(
+        waiting.flatten().map(|h| (h.identity, h.token)),
+        Some(("a".to_owned(), la.token)),
+        "the deleter names the holder"
+    );
+    assert!(
+        a.renew(&la, LEASE).await.unwrap(),
+        "the holder's records were deleted under it"
+    );
+    assert!(matches!(
+        b.try_acquire(&lock, "b", LEASE).await.unwrap(),
+        Acquire::Busy(_)
+    ));
+    b.abandon(&lock, "b").await;
+    assert!(a.release(&la).await.unwrap());
+    // Free now (a queue-based backend has no place of the deleter's left ahead of anyone).
+    let start = Instant::now();
+    while crate::delete_records(&*operator, &lock, LEASE)
+        .await
+        .expect("delete records")
+        .is_some()
+    {
+        assert!(
+            start.elapsed() < LEASE + SLACK,
+            "the free lock was never deleted"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    let start = Instant::now();
+    let lb = loop {
+        match b.try_acquire(&lock, "b", LEASE).await.expect("acquire") {
+            Acquire::Acquired(lb) => break lb,
+            Acquire::Busy(_) => {
+                assert!(
+                    start.elapsed() < LEASE + SLACK,
+                    "never free after the deletion"
+                );
+                sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert!(
+        lb.token > la.token,
+        "the token went back from {} to {} after the records were deleted",
+        la.token,
+        lb.token
+    );
+    assert!(b.release(&lb).await.unwrap());
+}
+
 /// Every acquisition's token is greater than all before it: releases, expiries, many clients.
 pub async fn tokens_strictly_increase(h: &mut dyn Harness) {
     let drivers = [h.driver().await, h.driver().await, h.driver().await];
@@ -1060,6 +1122,7 @@ macro_rules! conformance_suite {
             release_and_takeover,
             only_holder_renews_or_releases,
             deprovision_ends_the_holders_claim,
+            records_are_deleted_only_while_held,
             tokens_strictly_increase,
             crash_takeover_within_lease,
             paused_holder_fences_itself_first,

@@ -1,0 +1,46 @@
+//! Deleting a lock's records from its backend (`cleanupPolicy: Delete`) without a window for two
+//! holders.
+//!
+//! Reading "nobody holds" and then deleting is two steps: a contender that has not yet seen the
+//! lock's deletion may take it in between, and the deletion then frees a lock it holds; the next
+//! contender takes it at once, while the first still claims until its next renewal. (The safety
+//! soak caught exactly that: two holders for 220 ms after a `DistributedLock` was deleted.) So
+//! the deletion takes the lock first, through the backend's own exclusion, and deletes only
+//! while holding it: whoever takes the lock afterwards takes it alone.
+
+use std::time::Duration;
+
+use crate::driver::{Acquire, Driver, Holding};
+use crate::error::Result;
+
+/// Who takes a lock to delete its records, as holders and events name it.
+pub const RECORDS_DELETER: &str = "leasehold-operator (deleting the lock's records)";
+
+/// Take `lock` for `lease` and delete its records while holding it: `Ok(None)` when deleted,
+/// `Ok(Some(holder))` when another holds it (nothing is deleted; `holder` is `None` where the
+/// backend cannot name it yet, e.g. while it waits out a lease a restart may have lost).
+pub async fn delete_records(
+    driver: &dyn Driver,
+    lock: &str,
+    lease: Duration,
+) -> Result<Option<Option<Holding>>> {
+    match driver.try_acquire(lock, RECORDS_DELETER, lease).await {
+        Ok(Acquire::Acquired(held)) => {
+            if let Err(e) = driver.deprovision_held(&held).await {
+                // Not deleted: let go, so that the lock is not blocked for its lease.
+                let _ = driver.release(&held).await;
+                return Err(e);
+            }
+            Ok(None)
+        }
+        Ok(Acquire::Busy(holder)) => {
+            // A queue place taken by the attempt (etcd, ZooKeeper) must not stand in line.
+            driver.abandon(lock, RECORDS_DELETER).await;
+            Ok(Some(holder))
+        }
+        Err(e) => {
+            driver.abandon(lock, RECORDS_DELETER).await;
+            Err(e)
+        }
+    }
+}
