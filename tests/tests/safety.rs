@@ -127,16 +127,9 @@ fn etcd_waiters_try_locks_and_hang_ups_survive_random_faults() {
     check_scenario(Scenario::waiters(Target::Etcd));
 }
 
-/// Without server restarts here: with waiters, a ZooKeeper restart still leaves the lock with
-/// no holder past the bound now and then (2 of 64 restarts in a ten-minute soak, 8.8 s at the
-/// longest, after the two fixes this check found), which is open in issue 14. `scripts/soak
-/// 10m zookeeper+waiters` keeps the restarts.
 #[test]
 fn zookeeper_waiters_try_locks_and_hang_ups_survive_random_faults() {
-    check_scenario_without(
-        Scenario::waiters(Target::ZooKeeper),
-        &[Fault::RestartBackend],
-    );
+    check_scenario(Scenario::waiters(Target::ZooKeeper));
 }
 
 #[test]
