@@ -123,10 +123,7 @@ impl BackendUrl {
                 let (authority, path) = authority_and_path
                     .split_once('/')
                     .map_or((authority_and_path, ""), |(a, p)| (a, p));
-                let (userinfo, hosts) = match authority.rsplit_once('@') {
-                    Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
-                    None => (String::new(), authority),
-                };
+                let (userinfo, hosts) = userinfo_and_hosts(authority);
                 let hosts: Vec<&str> = hosts.split(',').collect();
                 if hosts.len() < 3 {
                     return Err(invalid(format!(
@@ -239,11 +236,7 @@ impl BackendUrl {
                         other => return Err(invalid(format!("unknown option {other:?}"))),
                     }
                 }
-                crate::names::validate_lock_name(&prefix).map_err(|_| {
-                    invalid(format!(
-                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
-                    ))
-                })?;
+                check_prefix(&prefix).map_err(invalid)?;
                 let tls = match tls.finish(scheme == "etcds", "etcds://").map_err(invalid)? {
                     None => None,
                     Some(crate::tls::Tls { ca: None, .. }) => {
@@ -283,10 +276,7 @@ impl BackendUrl {
                         "the database must be a number, got {db:?}"
                     )));
                 }
-                let (userinfo, hosts) = match authority.rsplit_once('@') {
-                    Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
-                    None => (String::new(), authority),
-                };
+                let (userinfo, hosts) = userinfo_and_hosts(authority);
                 let sentinels =
                     host_list(hosts, crate::drivers::redis_sentinel::DEFAULT_SENTINEL_PORT)
                         .map_err(invalid)?;
@@ -314,11 +304,7 @@ impl BackendUrl {
                         }
                     }
                 }
-                crate::names::validate_lock_name(&prefix).map_err(|_| {
-                    invalid(format!(
-                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
-                    ))
-                })?;
+                check_prefix(&prefix).map_err(invalid)?;
                 // Where the master is comes from the sentinels; the address here is replaced.
                 let master = url::Url::parse(&format!("redis://{userinfo}127.0.0.1/{db}"))
                     .map_err(|e| invalid(format!("the credentials: {e}")))?;
@@ -340,10 +326,7 @@ impl BackendUrl {
                         "a Redis Cluster has only database 0, so its URL has no path".into(),
                     ));
                 }
-                let (userinfo, hosts) = match authority.rsplit_once('@') {
-                    Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
-                    None => (String::new(), authority),
-                };
+                let (userinfo, hosts) = userinfo_and_hosts(authority);
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
                 for (key, value) in query_pairs(query) {
                     match key.as_str() {
@@ -358,11 +341,7 @@ impl BackendUrl {
                         }
                     }
                 }
-                crate::names::validate_lock_name(&prefix).map_err(|_| {
-                    invalid(format!(
-                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
-                    ))
-                })?;
+                check_prefix(&prefix).map_err(invalid)?;
                 let mut nodes: Vec<url::Url> = Vec::new();
                 for host in host_list(hosts, 6379).map_err(invalid)? {
                     let node = url::Url::parse(&format!("redis://{userinfo}{host}"))
@@ -405,11 +384,7 @@ impl BackendUrl {
                         other => return Err(invalid(format!("unknown option {other:?}"))),
                     }
                 }
-                crate::names::validate_lock_name(&prefix).map_err(|_| {
-                    invalid(format!(
-                        "prefix {prefix:?} must be letters, digits, '.', '_' or '-'"
-                    ))
-                })?;
+                check_prefix(&prefix).map_err(invalid)?;
                 let tls = tls
                     .finish(scheme == "rediss", "rediss:// (redlocks:// for Redlock)")
                     .map_err(invalid)?;
@@ -678,6 +653,21 @@ impl std::str::FromStr for BackendUrl {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         Self::parse(s)
+    }
+}
+
+/// The key prefix of a Redis or etcd URL: a name that cannot reach into other keys.
+fn check_prefix(prefix: &str) -> std::result::Result<(), String> {
+    crate::names::validate_lock_name(prefix)
+        .map_err(|_| format!("prefix {prefix:?} must be letters, digits, '.', '_' or '-'"))
+}
+
+/// `user:password@hosts` into the user information as written, `@` included (empty without
+/// one), for URLs of each host, and the host list.
+fn userinfo_and_hosts(authority: &str) -> (String, &str) {
+    match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => (format!("{userinfo}@"), hosts),
+        None => (String::new(), authority),
     }
 }
 

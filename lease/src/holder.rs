@@ -153,6 +153,14 @@ impl Answer {
     pub fn is_holder(&self) -> bool {
         matches!(self, Answer::Holder { .. })
     }
+
+    /// The fencing token, while this process holds.
+    pub fn token(&self) -> Option<u64> {
+        match self {
+            Answer::Holder { token, .. } => Some(*token),
+            _ => None,
+        }
+    }
 }
 
 /// This process's lease, while it has one.

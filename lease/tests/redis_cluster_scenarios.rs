@@ -5,15 +5,8 @@
 use std::time::Duration;
 
 use leasehold_lease::testkit::{RedisCluster, campaign, claims, driver_for, unique_lock};
-use leasehold_lease::{Acquire, Answer, Driver};
+use leasehold_lease::{Acquire, Driver};
 use tokio::time::{Instant, sleep, timeout};
-
-fn token(answer: &Answer) -> Option<u64> {
-    match answer {
-        Answer::Holder { token, .. } => Some(*token),
-        _ => None,
-    }
-}
 
 fn lease_key(lock: &str) -> String {
     format!("leasehold:{{{lock}}}:lease")
@@ -31,7 +24,7 @@ async fn a_held_lock_keeps_its_holder_while_its_slot_moves() {
     let a = campaign(driver_for(&cluster.url()).await, &lock, "a", lease);
     let began = Instant::now();
     let a_token = loop {
-        if let Some(token) = token(&a.answer()) {
+        if let Some(token) = a.answer().token() {
             break token;
         }
         assert!(began.elapsed() < Duration::from_secs(10), "a never held");
@@ -63,7 +56,7 @@ async fn a_held_lock_keeps_its_holder_while_its_slot_moves() {
     mover.await.expect("the slot moved");
     assert_eq!(cluster.owner_of(slot), to, "the slot moved");
     let moved = Instant::now();
-    while token(&a.answer()) != Some(a_token) {
+    while a.answer().token() != Some(a_token) {
         assert!(
             moved.elapsed() < lease * 2,
             "a lost the lock to the move: {:?}, {:?}",
@@ -79,12 +72,12 @@ async fn a_held_lock_keeps_its_holder_while_its_slot_moves() {
     );
     // The lease is on the new master, and renewed there.
     sleep(lease).await;
-    assert_eq!(token(&a.answer()), Some(a_token), "a kept renewing");
+    assert_eq!(a.answer().token(), Some(a_token), "a kept renewing");
 
     a.shutdown().await;
     let released = Instant::now();
     let b_token = loop {
-        if let Some(token) = token(&b.answer()) {
+        if let Some(token) = b.answer().token() {
             break token;
         }
         assert!(

@@ -4,18 +4,10 @@
 
 use std::time::Duration;
 
-use leasehold_lease::Answer;
 use leasehold_lease::testkit::{
     FaultyDriver, RedisSentinelSet, campaign, claims, driver_for, unique_lock,
 };
 use tokio::time::{Instant, sleep};
-
-fn token(answer: &Answer) -> Option<u64> {
-    match answer {
-        Answer::Holder { token, .. } => Some(*token),
-        _ => None,
-    }
-}
 
 /// The replica stops receiving (its link is cut), the holder takes the lock on the master alone
 /// (`min-replicas=0`), the holder is cut off from Redis (a partition, a long pause),
@@ -45,7 +37,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
         );
         sleep(Duration::from_millis(10)).await;
     }
-    let a_token = token(&a.answer()).expect("a holds");
+    let a_token = a.answer().token().expect("a holds");
 
     a_driver.cut_off(true);
     let killed = Instant::now();
@@ -64,7 +56,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
         if a_claims {
             a_last_claimed = Some(killed.elapsed());
         }
-        if let Some(token) = token(&b_answer) {
+        if let Some(token) = b_answer.token() {
             break token;
         }
         assert!(

@@ -171,17 +171,6 @@ impl Backends {
         (kind, outcome.unwrap_or_else(|e| failed(&e)))
     }
 
-    /// The lock's live holder in its backend, if any, read without provisioning anything.
-    pub async fn holder(
-        &self,
-        client: &kube::Client,
-        lock: &DistributedLock,
-    ) -> leasehold_lease::Result<Option<leasehold_lease::Holding>> {
-        let resolved = Self::resolve(client, lock).await?;
-        let driver = self.driver(client, lock, &resolved).await?;
-        bounded(driver.observe(&resolved.name)).await
-    }
-
     /// Remove the lock's artifacts from its backend while holding the lock (see
     /// [`leasehold_lease::delete_records`]), and forget its driver: `Ok(Some(holder))`, with
     /// nothing removed, while another holds it. A family of keyed locks has no lock of its own

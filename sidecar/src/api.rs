@@ -617,7 +617,7 @@ async fn events(
         serde_json::json!({
             "lock": lock.name(),
             "holder": answer.is_holder(),
-            "fencingToken": match answer { Answer::Holder { token, .. } => Some(token), _ => None },
+            "fencingToken": answer.token(),
             "since": rfc3339(snapshot.since),
         })
         .to_string(),

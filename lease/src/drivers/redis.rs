@@ -387,44 +387,45 @@ impl RedisDriver {
     /// loop and readiness, not by a crash.
     pub fn connect(url: &url::Url, prefix: &str, tls: Option<&Tls>) -> Result<Self> {
         let client = client(url, tls)?;
-        let conn = connection(&client)?;
-        let keys = KeyLayout::new(prefix);
-        let releases = Arc::new(ChangeFeeds::default());
-        let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
-        Ok(Self {
-            target: Target::Single(conn),
-            tls: tls.is_some(),
-            keys,
-            durability: Durability::default(),
-            acquire: Script::new(ACQUIRE),
-            renew: Script::new(RENEW),
-            release: Script::new(RELEASE),
-            observe: Script::new(OBSERVE),
-            releases,
-            subscriber,
-        })
+        let target = Target::Single(connection(&client)?);
+        Ok(Self::with(
+            target,
+            tls.is_some(),
+            KeyLayout::new(prefix),
+            vec![client],
+        ))
     }
-}
 
-impl RedisDriver {
     /// A Redis Cluster found from `nodes` (`redis+cluster://`); connects lazily, as
-    /// [`RedisDriver::connect`] does.
+    /// [`RedisDriver::connect`] does. Release notices come from any node that answers.
     pub fn connect_cluster(nodes: &[url::Url], prefix: &str) -> Result<Self> {
-        let cluster = crate::drivers::redis_cluster::Cluster::new(nodes)?;
+        let target = Target::Cluster(Box::new(crate::drivers::redis_cluster::Cluster::new(
+            nodes,
+        )?));
         let clients = nodes
             .iter()
             .map(|node| client(node, None))
             .collect::<Result<Vec<_>>>()?;
-        let keys = KeyLayout::for_cluster(prefix);
+        Ok(Self::with(
+            target,
+            false,
+            KeyLayout::for_cluster(prefix),
+            clients,
+        ))
+    }
+
+    /// The driver on `target`, listening for release notices on the first of `clients` that
+    /// answers.
+    fn with(target: Target, tls: bool, keys: KeyLayout, clients: Vec<redis::Client>) -> Self {
         let releases = Arc::new(ChangeFeeds::default());
         let subscriber = tokio::spawn(listen_for_releases_on(
             clients,
             keys.clone(),
             releases.clone(),
         ));
-        Ok(Self {
-            target: Target::Cluster(Box::new(cluster)),
-            tls: false,
+        Self {
+            target,
+            tls,
             keys,
             durability: Durability::default(),
             acquire: Script::new(ACQUIRE),
@@ -433,7 +434,7 @@ impl RedisDriver {
             observe: Script::new(OBSERVE),
             releases,
             subscriber,
-        })
+        }
     }
 
     async fn connection(&self) -> Result<Connection> {

@@ -374,6 +374,24 @@ async fn acquired(driver: &dyn Driver, lock: &str, identity: &str, ttl: Duration
     }
 }
 
+/// `identity` takes `lock` once it is free, within a lease (and slack); `never` says what failed.
+async fn acquired_within(driver: &dyn Driver, lock: &str, identity: &str, never: &str) -> Lease {
+    let start = Instant::now();
+    loop {
+        match driver
+            .try_acquire(lock, identity, LEASE)
+            .await
+            .expect("acquire")
+        {
+            Acquire::Acquired(lease) => return lease,
+            Acquire::Busy(_) => {
+                assert!(start.elapsed() < LEASE + SLACK, "{never}");
+                sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
 async fn busy(driver: &dyn Driver, lock: &str, identity: &str) -> Option<crate::Holding> {
     match driver
         .try_acquire(lock, identity, LEASE)
@@ -484,31 +502,20 @@ pub async fn deprovision_ends_the_holders_claim(h: &mut dyn Harness) {
         !a.renew(&la, LEASE).await.unwrap(),
         "the holder renewed a lock whose records were deleted"
     );
-    let start = Instant::now();
-    loop {
-        match b.try_acquire(&lock, "b", LEASE).await.expect("acquire") {
-            Acquire::Acquired(lb) => {
-                assert!(
-                    !a.renew(&la, LEASE).await.unwrap(),
-                    "two holders: a renewed"
-                );
-                // A lock created again under the same name must not hand out tokens that an
-                // old holder's writes may already have carried.
-                assert!(
-                    lb.token > la.token,
-                    "the token went back from {} to {} after the lock's records were deleted",
-                    la.token,
-                    lb.token
-                );
-                assert!(b.release(&lb).await.unwrap());
-                break;
-            }
-            Acquire::Busy(_) => {
-                assert!(start.elapsed() < LEASE + SLACK, "never free again");
-                sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
+    let lb = acquired_within(&*b, &lock, "b", "never free again").await;
+    assert!(
+        !a.renew(&la, LEASE).await.unwrap(),
+        "two holders: a renewed"
+    );
+    // A lock created again under the same name must not hand out tokens that an old holder's
+    // writes may already have carried.
+    assert!(
+        lb.token > la.token,
+        "the token went back from {} to {} after the lock's records were deleted",
+        la.token,
+        lb.token
+    );
+    assert!(b.release(&lb).await.unwrap());
 }
 
 /// A lock's records are deleted (`cleanupPolicy: Delete`) only while the deleter holds the lock:
@@ -532,10 +539,7 @@ pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
         a.renew(&la, LEASE).await.unwrap(),
         "the holder's records were deleted under it"
     );
-    assert!(matches!(
-        b.try_acquire(&lock, "b", LEASE).await.unwrap(),
-        Acquire::Busy(_)
-    ));
+    busy(&*b, &lock, "b").await;
     b.abandon(&lock, "b").await;
     assert!(a.release(&la).await.unwrap());
     // Free now (a queue-based backend has no place of the deleter's left ahead of anyone).
@@ -551,19 +555,7 @@ pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
         );
         sleep(Duration::from_millis(20)).await;
     }
-    let start = Instant::now();
-    let lb = loop {
-        match b.try_acquire(&lock, "b", LEASE).await.expect("acquire") {
-            Acquire::Acquired(lb) => break lb,
-            Acquire::Busy(_) => {
-                assert!(
-                    start.elapsed() < LEASE + SLACK,
-                    "never free after the deletion"
-                );
-                sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
+    let lb = acquired_within(&*b, &lock, "b", "never free after the deletion").await;
     assert!(
         lb.token > la.token,
         "the token went back from {} to {} after the records were deleted",
