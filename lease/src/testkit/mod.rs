@@ -92,12 +92,48 @@ pub fn distributed_lock(
     lock
 }
 
-/// A TCP port that was free on loopback a moment ago.
+/// A TCP port that was free on loopback a moment ago, and that nothing else will be given.
+///
+/// The ports come from below the kernel's ephemeral range, and none is handed out twice in one
+/// process. A port the kernel picks for `bind(0)` comes from the same range as every outgoing
+/// connection's local port, so a server killed and restarted on it can find it taken: a Redis
+/// Cluster node's bus port was, by a peer redialling it during the outage (CI, stop 26).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free loopback port")
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(usize::MAX);
+    let ports = reserved_test_ports();
+    let span = ports.len();
+    // Each process starts at its own place, so test binaries and soaks running side by side
+    // rarely probe the same ports.
+    let seed = std::process::id() as usize * 7919
+        + std::time::UNIX_EPOCH
+            .elapsed()
+            .map_or(0, |d| d.subsec_nanos() as usize);
+    let _ = NEXT.compare_exchange(
+        usize::MAX,
+        seed % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let port = ports.start + (NEXT.fetch_add(1, Ordering::Relaxed) % span) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {ports:?}")
+}
+
+/// Loopback ports for test servers: the 12,000 below the kernel's ephemeral range.
+fn reserved_test_ports() -> std::ops::Range<u16> {
+    const SPAN: u16 = 12_000;
+    const LINUX_DEFAULT_EPHEMERAL_START: u16 = 32_768;
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(LINUX_DEFAULT_EPHEMERAL_START);
+    let start = ephemeral_start.saturating_sub(SPAN).max(1024);
+    start..ephemeral_start.max(start + 1000)
 }
 
 /// Find a server binary, or fail the test with what to install.
