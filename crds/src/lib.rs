@@ -228,8 +228,6 @@ pub struct SecretKeyRef {
     .message("cluster and sentinel exclude each other: a Redis Cluster finds its masters itself"))]
 #[x_kube(validation = Rule::new("!(has(self.cluster) && self.cluster) || !has(self.database) || self.database == 0")
     .message("a Redis Cluster has only database 0"))]
-#[x_kube(validation = Rule::new("!(has(self.cluster) && self.cluster) || (!(has(self.tls) && self.tls) && !has(self.tlsSecretName))")
-    .message("TLS to a Redis Cluster is not built yet"))]
 #[x_kube(validation = Rule::new("!has(self.sentinel) || (!(has(self.tls) && self.tls) && !has(self.tlsSecretName))")
     .message("TLS through Sentinel is not built yet: reach the master over TLS directly"))]
 pub struct RedisBackend {
@@ -258,8 +256,8 @@ pub struct RedisBackend {
     pub username_secret_ref: Option<SecretKeyRef>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
-    /// TLS to every endpoint (`rediss://`), verified against the system's roots unless
-    /// `tlsSecretName` gives a CA.
+    /// TLS to every endpoint (`rediss://`; in a cluster, to every node the cluster names too),
+    /// verified against the system's roots unless `tlsSecretName` gives a CA.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<bool>,
     /// A Secret with `ca.crt` (the CA that signed the servers' certificates) and/or `tls.crt`

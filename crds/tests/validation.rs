@@ -103,11 +103,6 @@ fn bad_locks_are_rejected_with_a_reason() {
             "a Redis Cluster has only database 0",
         ),
         (
-            json!({ "backend": { "redis": { "endpoints": ["n:6379"], "cluster": true,
-                "tlsSecretName": "redis-ca" } } }),
-            "TLS to a Redis Cluster is not built yet",
-        ),
-        (
             json!({ "backend": { "redis": { "endpoints": ["s:26379"],
                 "sentinel": { "masterName": "locks; FLUSHALL" } } } }),
             "masterName: letters, digits",

@@ -40,9 +40,11 @@ pub enum BackendUrl {
     /// `redis+cluster://[user:password@]host[:port][,host[:port]...][?prefix=NAME]` (also spelled
     /// `redis-cluster://`): a Redis Cluster, found from any node listed, one `redis://` URL
     /// each. A lock's keys share one hash slot; the client follows `MOVED`, `ASK` and failovers.
+    /// `rediss+cluster://...[?ca=PATH][&cert=PATH&key=PATH]` over TLS to every node, as `rediss://`.
     RedisCluster {
         nodes: Vec<url::Url>,
         prefix: String,
+        tls: Option<crate::tls::Tls>,
     },
     /// `tair://[user:password@]host[:port][/db][?prefix=NAME]`: Tair, or Redis with the
     /// TairString module, locked with its versioned put (`EXSET`/`EXCAS`/`EXCAD`); `url` is
@@ -318,7 +320,8 @@ impl BackendUrl {
                     },
                 ))
             }
-            "redis+cluster" | "redis-cluster" => {
+            "redis+cluster" | "redis-cluster" | "rediss+cluster" | "rediss-cluster" => {
+                let secure = scheme.starts_with("rediss");
                 let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
                 let authority = authority.strip_suffix('/').unwrap_or(authority);
                 if authority.contains('/') {
@@ -328,33 +331,31 @@ impl BackendUrl {
                 }
                 let (userinfo, hosts) = userinfo_and_hosts(authority);
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+                let mut tls = crate::tls::TlsOptions::default();
                 for (key, value) in query_pairs(query) {
                     match key.as_str() {
                         "prefix" => prefix = value,
-                        "ca" | "cert" | "key" => {
-                            return Err(invalid("TLS to a Redis Cluster is not built yet".into()));
-                        }
+                        other if tls.take(other, &value) => {}
                         other => {
                             return Err(invalid(format!(
-                                "unknown option {other:?} (redis+cluster:// takes prefix)"
+                                "unknown option {other:?} (redis+cluster:// takes prefix; rediss+cluster:// also ca, cert and key)"
                             )));
                         }
                     }
                 }
                 check_prefix(&prefix).map_err(invalid)?;
+                let tls = tls.finish(secure, "rediss+cluster://").map_err(invalid)?;
+                let node_scheme = if secure { "rediss" } else { "redis" };
                 let mut nodes: Vec<url::Url> = Vec::new();
                 for host in host_list(hosts, 6379).map_err(invalid)? {
-                    let node = url::Url::parse(&format!("redis://{userinfo}{host}"))
+                    let node = url::Url::parse(&format!("{node_scheme}://{userinfo}{host}"))
                         .map_err(|e| invalid(format!("node {host:?}: {e}")))?;
                     if nodes.contains(&node) {
                         return Err(invalid(format!("node {host:?} is listed twice")));
                     }
                     nodes.push(node);
                 }
-                Ok(BackendUrl::RedisCluster { nodes, prefix })
-            }
-            "rediss+cluster" | "rediss-cluster" => {
-                Err(invalid("TLS to a Redis Cluster is not built yet".into()))
+                Ok(BackendUrl::RedisCluster { nodes, prefix, tls })
             }
             "rediss+sentinel" => Err(invalid(
                 "TLS through Sentinel is not built yet: reach the master with rediss:// directly"
@@ -510,7 +511,7 @@ impl fmt::Display for BackendUrl {
                     config.min_replicas
                 )
             }
-            BackendUrl::RedisCluster { nodes, prefix } => {
+            BackendUrl::RedisCluster { nodes, prefix, tls } => {
                 let user = match nodes.first().map(|n| (n.username(), n.password())) {
                     Some((user, Some(_))) => format!("{user}:***@"),
                     Some((user, None)) if !user.is_empty() => format!("{user}@"),
@@ -526,11 +527,14 @@ impl fmt::Display for BackendUrl {
                         )
                     })
                     .collect();
-                write!(
-                    f,
-                    "redis+cluster://{user}{} (prefix {prefix})",
-                    hosts.join(",")
-                )
+                let scheme = if tls.is_some() {
+                    "rediss+cluster"
+                } else {
+                    "redis+cluster"
+                };
+                write!(f, "{scheme}://{user}{} (prefix {prefix}", hosts.join(","))?;
+                write_tls_files(f, tls.as_ref())?;
+                f.write_str(")")
             }
             BackendUrl::Tair { url, prefix } => {
                 let shown = redact(url.as_str());
@@ -772,9 +776,10 @@ mod tests {
     #[test]
     fn redis_cluster_urls() {
         let url = BackendUrl::parse("redis+cluster://u:pw@n1:7000,n2?prefix=team").unwrap();
-        let BackendUrl::RedisCluster { nodes, prefix } = &url else {
+        let BackendUrl::RedisCluster { nodes, prefix, tls } = &url else {
             panic!("{url}")
         };
+        assert!(tls.is_none());
         assert_eq!(
             nodes.iter().map(url::Url::as_str).collect::<Vec<_>>(),
             ["redis://u:pw@n1:7000", "redis://u:pw@n2:6379"]
@@ -797,17 +802,55 @@ mod tests {
             ("redis+cluster://n1?prefix=a:b", "must be letters, digits"),
             (
                 "redis+cluster://n1?ca=/ca.crt",
-                "TLS to a Redis Cluster is not built yet",
+                "ca, cert and key are TLS options: use rediss+cluster://",
             ),
             (
-                "rediss+cluster://n1",
-                "TLS to a Redis Cluster is not built yet",
+                "rediss+cluster://n1?cert=/c.crt",
+                "cert and key go together",
             ),
             ("redis+cluster://", "bad endpoint"),
         ] {
             let error = BackendUrl::parse(bad).unwrap_err().to_string();
             assert!(error.contains(reason), "{bad}: {error}");
         }
+    }
+
+    /// Over TLS every node is a `rediss://` URL, verified against the CA given (else the
+    /// system's roots), and the files' paths show where the URL is shown.
+    #[test]
+    fn redis_cluster_tls_urls() {
+        let url = BackendUrl::parse(
+            "rediss+cluster://:pw@n1:7000,n2?ca=/etc/ca.crt&cert=/etc/c.crt&key=/etc/c.key",
+        )
+        .unwrap();
+        let BackendUrl::RedisCluster { nodes, tls, .. } = &url else {
+            panic!("{url}")
+        };
+        assert_eq!(
+            nodes.iter().map(url::Url::as_str).collect::<Vec<_>>(),
+            ["rediss://:pw@n1:7000", "rediss://:pw@n2:6379"]
+        );
+        let tls = tls.as_ref().expect("TLS settings");
+        assert!(tls.ca.is_some() && tls.client.is_some());
+        let shown = url.to_string();
+        assert!(
+            shown.starts_with("rediss+cluster://:***@n1:7000,n2:6379 (prefix leasehold"),
+            "{shown}"
+        );
+        assert!(!shown.contains("pw"), "{shown}");
+        assert_eq!(
+            BackendUrl::parse("rediss-cluster://n1").unwrap(),
+            BackendUrl::parse("rediss+cluster://n1").unwrap()
+        );
+        let BackendUrl::RedisCluster { tls, .. } =
+            BackendUrl::parse("rediss+cluster://n1").unwrap()
+        else {
+            unreachable!()
+        };
+        assert!(
+            tls.is_some_and(|t| t.ca.is_none() && t.client.is_none()),
+            "the system's roots, no client certificate"
+        );
     }
 
     #[test]

@@ -57,9 +57,9 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
         BackendUrl::RedisSentinel(config) => {
             Arc::new(redis_sentinel::RedisSentinelDriver::connect(config))
         }
-        BackendUrl::RedisCluster { nodes, prefix } => {
-            Arc::new(redis::RedisDriver::connect_cluster(nodes, prefix)?)
-        }
+        BackendUrl::RedisCluster { nodes, prefix, tls } => Arc::new(
+            redis::RedisDriver::connect_cluster(nodes, prefix, tls.as_ref())?,
+        ),
         BackendUrl::Etcd {
             endpoints,
             prefix,

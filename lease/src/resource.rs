@@ -427,24 +427,23 @@ fn backend_url(
         }
         let q = query(&[("prefix", r.key_prefix.as_deref())]);
         if r.cluster == Some(true) {
-            // The CRD's rules refuse these too; a lock written before them must not slip by.
-            if tls {
-                return Err(Error::InvalidConfig {
-                    field: "backend.redis.tls",
-                    reason: "TLS to a Redis Cluster is not built yet".into(),
-                });
-            }
+            // The CRD's rule refuses it too; a lock written before the rule must not slip by.
             if r.database.is_some_and(|d| d != 0) {
                 return Err(Error::InvalidConfig {
                     field: "backend.redis.database",
                     reason: "a Redis Cluster has only database 0".into(),
                 });
             }
-            let url = BackendUrl::parse(&format!(
-                "redis+cluster://{auth}{}{q}",
-                r.endpoints.join(",")
-            ))?;
-            return Ok((url, None));
+            let scheme = if tls {
+                "rediss+cluster"
+            } else {
+                "redis+cluster"
+            };
+            let url = BackendUrl::parse(&format!("{scheme}://{auth}{}{q}", r.endpoints.join(",")))?;
+            return Ok((
+                with_redis_tls(url, r.tls_secret_name.as_deref(), secrets)?,
+                None,
+            ));
         }
         let scheme = match (r.endpoints.len() >= 3, tls) {
             (true, false) => "redlock",
@@ -655,8 +654,12 @@ fn with_redis_tls(
     tls_secret: Option<&str>,
     secrets: &SecretValues,
 ) -> Result<BackendUrl> {
-    let (BackendUrl::Redis { tls, .. } | BackendUrl::Redlock { tls, .. }, Some(name)) =
-        (&mut url, tls_secret)
+    let (
+        BackendUrl::Redis { tls, .. }
+        | BackendUrl::Redlock { tls, .. }
+        | BackendUrl::RedisCluster { tls, .. },
+        Some(name),
+    ) = (&mut url, tls_secret)
     else {
         return Ok(url);
     };
@@ -862,9 +865,10 @@ mod tests {
         let secrets: SecretValues =
             [(("redis".into(), "password".into()), "p@ss/word".into())].into();
         let backend = resolve(&cluster(|_| {}), &secrets).unwrap().backend;
-        let BackendUrl::RedisCluster { nodes, prefix } = &backend else {
+        let BackendUrl::RedisCluster { nodes, prefix, tls } = &backend else {
             panic!("{backend}")
         };
+        assert!(tls.is_none());
         assert_eq!(nodes.len(), 2);
         assert_eq!(nodes[1].port(), Some(6379), "the default port");
         assert_eq!(nodes[0].password(), Some("p%40ss%2Fword"));
@@ -873,17 +877,45 @@ mod tests {
             backend.to_string(),
             "redis+cluster://:***@node-0:7000,node-1:6379 (prefix team)"
         );
-        for (change, refused) in [
-            (
-                (|r: &mut RedisBackend| r.database = Some(3)) as fn(&mut RedisBackend),
-                "only database 0",
-            ),
-            (|r: &mut RedisBackend| r.tls = Some(true), "not built yet"),
-        ] {
-            let error = resolve(&cluster(change), &secrets).unwrap_err().to_string();
-            assert!(error.contains(refused), "{error}");
-        }
+        let error = resolve(&cluster(|r| r.database = Some(3)), &secrets)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("only database 0"), "{error}");
         assert!(resolve(&cluster(|r| r.database = Some(0)), &secrets).is_ok());
+
+        // Over TLS: every node is `rediss://`, with the CA from the Secret, never shown.
+        let secrets: SecretValues = [
+            (("redis".into(), "password".into()), "p@ss/word".into()),
+            (("redis-ca".into(), "ca.crt".into()), "CA PEM".into()),
+        ]
+        .into();
+        let backend = resolve(
+            &cluster(|r| r.tls_secret_name = Some("redis-ca".into())),
+            &secrets,
+        )
+        .unwrap()
+        .backend;
+        let BackendUrl::RedisCluster { nodes, tls, .. } = &backend else {
+            panic!("{backend}")
+        };
+        assert!(nodes.iter().all(|n| n.scheme() == "rediss"));
+        assert!(
+            tls.as_ref().and_then(|t| t.ca.clone()) == Some(crate::tls::Pem::Text("CA PEM".into())),
+            "the Secret's CA"
+        );
+        let shown = backend.to_string();
+        assert!(
+            shown.starts_with("rediss+cluster://:***@node-0:7000"),
+            "{shown}"
+        );
+        assert!(!shown.contains("CA PEM"), "{shown}");
+        let system_roots = resolve(&cluster(|r| r.tls = Some(true)), &secrets)
+            .unwrap()
+            .backend;
+        assert!(
+            matches!(&system_roots, BackendUrl::RedisCluster { tls: Some(t), .. } if t.ca.is_none()),
+            "{system_roots}"
+        );
     }
 
     /// The sentinels are the endpoints; the password and database are the master's, and the

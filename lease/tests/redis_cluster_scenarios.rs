@@ -171,3 +171,38 @@ async fn every_master_serves_the_locks_of_its_slots() {
         assert!(driver.release(&lease).await.unwrap());
     }
 }
+
+/// Over TLS, a cluster whose nodes another CA signed is refused with the cause named, from the
+/// driver's calls (readiness carries it), never a panic; the right CA then works on the same
+/// nodes, each reached on its TLS port as the cluster names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_signed_by_another_ca_is_refused_by_name() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start_tls);
+    let url = cluster.url();
+    let elsewhere = tempfile::tempdir().unwrap();
+    leasehold_lease::testkit::write_test_certificates(elsewhere.path());
+    let files = cluster.nodes[0].tls_files();
+    let wrong_ca = url.replace(
+        &format!("ca={}", files.ca.display()),
+        &format!("ca={}", elsewhere.path().join("ca.crt").display()),
+    );
+    assert_ne!(wrong_ca, url);
+    let driver = driver_for(&wrong_ca).await;
+    match driver
+        .try_acquire("tls-refusal", "a", Duration::from_secs(5))
+        .await
+    {
+        Err(leasehold_lease::Error::Unreachable(message)) => {
+            assert!(message.contains("not signed by the CA given"), "{message}")
+        }
+        other => panic!("expected the cluster to be unreachable over TLS, got {other:?}"),
+    }
+    let driver = driver_for(&url).await;
+    assert!(matches!(
+        driver
+            .try_acquire("tls-refusal", "a", Duration::from_secs(5))
+            .await
+            .unwrap(),
+        Acquire::Acquired(_)
+    ));
+}

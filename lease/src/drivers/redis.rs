@@ -344,6 +344,12 @@ pub(crate) fn client(url: &url::Url, tls: Option<&Tls>) -> Result<redis::Client>
     let Some(tls) = tls else {
         return redis::Client::open(url.as_str()).map_err(|e| invalid(e.to_string()));
     };
+    redis::Client::build_with_tls(url.as_str(), certificates(tls)?)
+        .map_err(|e| invalid(e.to_string()))
+}
+
+/// `tls`'s PEM documents as the client takes them, read now.
+pub(crate) fn certificates(tls: &Tls) -> Result<redis::TlsCertificates> {
     let client_tls = match &tls.client {
         Some((cert, key)) => Some(redis::ClientTlsConfig {
             client_cert: cert.read("cert")?.into_bytes(),
@@ -355,14 +361,10 @@ pub(crate) fn client(url: &url::Url, tls: Option<&Tls>) -> Result<redis::Client>
         Some(ca) => Some(ca.read("ca")?.into_bytes()),
         None => None,
     };
-    redis::Client::build_with_tls(
-        url.as_str(),
-        redis::TlsCertificates {
-            client_tls,
-            root_cert,
-        },
-    )
-    .map_err(|e| invalid(e.to_string()))
+    Ok(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    })
 }
 
 pub(crate) fn ms(d: Duration) -> u64 {
@@ -396,19 +398,20 @@ impl RedisDriver {
         ))
     }
 
-    /// A Redis Cluster found from `nodes` (`redis+cluster://`); connects lazily, as
-    /// [`RedisDriver::connect`] does. Release notices come from any node that answers.
-    pub fn connect_cluster(nodes: &[url::Url], prefix: &str) -> Result<Self> {
+    /// A Redis Cluster found from `nodes` (`redis+cluster://`, over TLS `rediss+cluster://`);
+    /// connects lazily, as [`RedisDriver::connect`] does. Release notices come from any node
+    /// that answers.
+    pub fn connect_cluster(nodes: &[url::Url], prefix: &str, tls: Option<&Tls>) -> Result<Self> {
         let target = Target::Cluster(Box::new(crate::drivers::redis_cluster::Cluster::new(
-            nodes,
+            nodes, tls,
         )?));
         let clients = nodes
             .iter()
-            .map(|node| client(node, None))
+            .map(|node| client(node, tls))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self::with(
             target,
-            false,
+            tls.is_some(),
             KeyLayout::for_cluster(prefix),
             clients,
         ))

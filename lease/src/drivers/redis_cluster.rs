@@ -23,8 +23,11 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{RedisResult, Value};
 use tokio::sync::OnceCell;
 
-use crate::drivers::redis::{CONNECT_TIMEOUT, RESPONSE_TIMEOUT, evicts_lock_keys, map_err};
+use crate::drivers::redis::{
+    CONNECT_TIMEOUT, RESPONSE_TIMEOUT, certificates, evicts_lock_keys, map_err,
+};
 use crate::error::{Error, Result};
+use crate::tls::Tls;
 
 /// How many times the client retries a command on `MOVED`, `ASK`, `TRYAGAIN` or a broken
 /// connection before the error reaches the engine (which retries at its own pace).
@@ -38,20 +41,24 @@ pub(crate) struct Cluster {
 }
 
 impl Cluster {
-    pub(crate) fn new(nodes: &[url::Url]) -> Result<Self> {
-        let client = ClusterClientBuilder::new(nodes.iter().map(url::Url::as_str))
+    /// Over TLS (`rediss://` nodes) every node the cluster names is verified against `tls`'s CA
+    /// (else the system's roots), with its client certificate when given.
+    pub(crate) fn new(nodes: &[url::Url], tls: Option<&Tls>) -> Result<Self> {
+        let mut builder = ClusterClientBuilder::new(nodes.iter().map(url::Url::as_str))
             .connection_timeout(CONNECT_TIMEOUT)
             .response_timeout(RESPONSE_TIMEOUT)
-            .retries(RETRIES)
-            .build()
-            .map_err(|e| Error::InvalidUrl {
-                url: nodes
-                    .iter()
-                    .map(|n| crate::redact::redact(n.as_str()))
-                    .collect::<Vec<_>>()
-                    .join(","),
-                reason: e.to_string(),
-            })?;
+            .retries(RETRIES);
+        if let Some(tls) = tls {
+            builder = builder.certs(certificates(tls)?);
+        }
+        let client = builder.build().map_err(|e| Error::InvalidUrl {
+            url: nodes
+                .iter()
+                .map(|n| crate::redact::redact(n.as_str()))
+                .collect::<Vec<_>>()
+                .join(","),
+            reason: e.to_string(),
+        })?;
         Ok(Self {
             client,
             connection: OnceCell::new(),

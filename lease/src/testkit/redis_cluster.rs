@@ -15,10 +15,43 @@ pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
 }
 
+/// [`RedisCluster::start_tls`], as a server the conformance suite runs on.
+pub struct TlsRedisCluster(pub RedisCluster);
+
+impl super::BackendServer for TlsRedisCluster {
+    fn start() -> Self {
+        Self(RedisCluster::start_tls())
+    }
+    fn url(&self) -> String {
+        self.0.url()
+    }
+    fn kill(&mut self) {
+        self.0.kill();
+    }
+    fn restart(&mut self) {
+        self.0.restart();
+    }
+}
+
 impl RedisCluster {
     /// Three masters, each with a third of the slots; returns once every node sees all of them.
     pub fn start() -> Self {
-        let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start_cluster_node()).collect();
+        Self::assemble((0..3).map(|_| RedisServer::start_cluster_node()).collect())
+    }
+
+    /// Three masters that serve clients over TLS only to those with a client certificate, and
+    /// speak TLS among themselves; [`RedisCluster::url`] is then `rediss+cluster://` with the
+    /// CA and the client's pair.
+    pub fn start_tls() -> Self {
+        let first = RedisServer::start_tls_cluster_node(None);
+        let mut nodes: Vec<RedisServer> = (0..2)
+            .map(|_| RedisServer::start_tls_cluster_node(Some(&first)))
+            .collect();
+        nodes.insert(0, first);
+        Self::assemble(nodes)
+    }
+
+    fn assemble(nodes: Vec<RedisServer>) -> Self {
         let cluster = Self { nodes };
         let third = SLOTS / 3;
         let ranges = [
@@ -57,14 +90,25 @@ impl RedisCluster {
         cluster
     }
 
-    /// `redis+cluster://` naming every node.
+    /// `redis+cluster://` naming every node, or over TLS `rediss+cluster://` naming their TLS
+    /// ports, with the CA and the client's certificate.
     pub fn url(&self) -> String {
         let hosts: Vec<String> = self
             .nodes
             .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .map(|n| format!("127.0.0.1:{}", n.tls_port().unwrap_or(n.port())))
             .collect();
-        format!("redis+cluster://{}", hosts.join(","))
+        if self.nodes[0].tls_port().is_none() {
+            return format!("redis+cluster://{}", hosts.join(","));
+        }
+        let files = self.nodes[0].tls_files();
+        format!(
+            "rediss+cluster://{}?ca={}&cert={}&key={}",
+            hosts.join(","),
+            files.ca.display(),
+            files.client_cert.display(),
+            files.client_key.display()
+        )
     }
 
     /// `kill -9` every node: the cluster is down.

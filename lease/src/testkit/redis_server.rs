@@ -99,19 +99,7 @@ impl RedisServer {
             replica_of: None,
             cluster_port: None,
         };
-        for file in [
-            "ca.crt",
-            "server.crt",
-            "server.key",
-            "client.crt",
-            "client.key",
-        ] {
-            std::fs::copy(
-                other.process.dir().join(file),
-                server.process.dir().join(file),
-            )
-            .expect(file);
-        }
+        other.share_certificates_with(&server);
         server.spawn();
         server
     }
@@ -148,6 +136,45 @@ impl RedisServer {
         };
         server.spawn();
         server
+    }
+
+    /// A cluster node that serves clients over TLS and speaks TLS on its cluster bus
+    /// (`--tls-cluster yes`): TLS clients are told the nodes' TLS ports, and the plain port
+    /// stays for the harness's own commands. The certificates are `like`'s, so that one CA
+    /// signs every node, or new ones for the first node.
+    pub fn start_tls_cluster_node(like: Option<&RedisServer>) -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis-cluster"),
+            port: free_port(),
+            durable: true,
+            tls_port: Some(free_port()),
+            module: None,
+            replica_of: None,
+            cluster_port: Some(free_port()),
+        };
+        match like {
+            Some(other) => other.share_certificates_with(&server),
+            None => super::write_test_certificates(server.process.dir()),
+        }
+        server.spawn();
+        server
+    }
+
+    /// Copy this server's CA, server and client pairs into `other`'s directory.
+    fn share_certificates_with(&self, other: &RedisServer) {
+        for file in [
+            "ca.crt",
+            "server.crt",
+            "server.key",
+            "client.crt",
+            "client.key",
+        ] {
+            std::fs::copy(
+                self.process.dir().join(file),
+                other.process.dir().join(file),
+            )
+            .expect(file);
+        }
     }
 
     /// Wait until the server has been up for `lease`. A server without an append-only file
@@ -250,6 +277,16 @@ impl RedisServer {
                 .arg("--tls-ca-cert-file")
                 .arg(dir.join("ca.crt"))
                 .args(["--tls-auth-clients", "yes"]);
+            if self.cluster_port.is_some() {
+                // The bus's outgoing links present the client certificate: the server's is for
+                // serving only.
+                command
+                    .args(["--tls-cluster", "yes"])
+                    .arg("--tls-client-cert-file")
+                    .arg(dir.join("client.crt"))
+                    .arg("--tls-client-key-file")
+                    .arg(dir.join("client.key"));
+            }
         }
         let port = self.port;
         self.process.spawn(command, move || ping(port));
