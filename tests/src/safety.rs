@@ -31,8 +31,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold_lease::testkit::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer, ZooKeeperEnsemble,
-    ZooKeeperServer,
+    EtcdServer, MariaDbServer, PostgresServer, RedisCluster, RedisSentinelSet, RedisServer,
+    ZooKeeperEnsemble, ZooKeeperServer,
 };
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
@@ -78,10 +78,12 @@ pub enum Target {
     RedisSentinel,
     /// Three ZooKeeper servers, each sidecar connected to one of them.
     ZooKeeperEnsemble,
+    /// A Redis Cluster of three masters, whose lock slots move between them.
+    RedisCluster,
 }
 
 impl Target {
-    pub const ALL: [Target; 12] = [
+    pub const ALL: [Target; 13] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -94,6 +96,7 @@ impl Target {
         Target::Tair,
         Target::RedisSentinel,
         Target::ZooKeeperEnsemble,
+        Target::RedisCluster,
     ];
 
     pub fn name(self) -> &'static str {
@@ -110,6 +113,7 @@ impl Target {
             Target::Tair => "tair",
             Target::RedisSentinel => "redis-sentinel",
             Target::ZooKeeperEnsemble => "zookeeper-ensemble",
+            Target::RedisCluster => "redis-cluster",
         }
     }
 
@@ -221,6 +225,9 @@ pub enum Fault {
     /// Its backend edited (another address of the same server), which the CRD's rule refuses
     /// and the fake API lets through: every sidecar steps down before campaigning anew.
     EditBackend,
+    /// The hash slot of a lock's keys moved, keys and all, to another master of a Redis
+    /// Cluster (`redis-cli --cluster reshard`'s commands), held or not.
+    MigrateSlot,
 }
 
 /// The faults of a resource scenario: no partition, since every sidecar reads one address.
@@ -244,6 +251,7 @@ impl Fault {
             Fault::DeleteLock => "delete-recreate",
             Fault::EditSettings => "edit-settings",
             Fault::EditBackend => "edit-backend",
+            Fault::MigrateSlot => "migrate-slot",
         }
     }
 }
@@ -264,6 +272,8 @@ pub(crate) enum Backend {
     /// Three servers; sidecar `i` is connected to server `i % 3` only, so that cutting a
     /// follower off cuts off the sidecars it serves, and nothing else.
     ZooKeeperEnsemble(ZooKeeperEnsemble),
+    /// Three masters; a restart is every node killed and started again on its data.
+    RedisCluster(RedisCluster),
 }
 
 impl Backend {
@@ -281,13 +291,15 @@ impl Backend {
             Target::Tair => Backend::Tair(RedisServer::start_tair()),
             Target::RedisSentinel => Backend::RedisSentinel(RedisSentinelSet::start()),
             Target::ZooKeeperEnsemble => Backend::ZooKeeperEnsemble(ZooKeeperEnsemble::start()),
+            Target::RedisCluster => Backend::RedisCluster(RedisCluster::start()),
         }
     }
 
     pub(crate) fn ports(&self) -> Vec<u16> {
         match self {
-            // The sentinels name the master's own address, past any proxy of ours.
-            Backend::Sqlite(_) | Backend::RedisSentinel(_) => Vec::new(),
+            // The sentinels name the master's own address, past any proxy of ours; so do the
+            // nodes of a cluster, for every slot.
+            Backend::Sqlite(_) | Backend::RedisSentinel(_) | Backend::RedisCluster(_) => Vec::new(),
             Backend::Redis(s) | Backend::Tair(s) => vec![s.port()],
             Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
             Backend::Postgres(s, _) => vec![s.port()],
@@ -315,6 +327,7 @@ impl Backend {
             Backend::Etcd(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::ZooKeeper(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::RedisSentinel(set) => set.url(),
+            Backend::RedisCluster(cluster) => cluster.url(),
             Backend::ZooKeeperEnsemble(e) => {
                 let member = index % 3;
                 swap(e.url(&[member]), e.client_port(member), proxies[member])
@@ -330,6 +343,13 @@ impl Backend {
             Backend::RedisSentinel(_) => {
                 &[Fault::KillHolder, Fault::PauseHolder, Fault::RestartBackend]
             }
+            // No partition, for the same reason; the lock's slot moves instead.
+            Backend::RedisCluster(_) => &[
+                Fault::KillHolder,
+                Fault::PauseHolder,
+                Fault::RestartBackend,
+                Fault::MigrateSlot,
+            ],
             // A restart of a server is the single-server target's; here a server stays up
             // and loses its quorum.
             Backend::ZooKeeperEnsemble(_) => &[
@@ -360,7 +380,18 @@ impl Backend {
             Backend::RedisSentinel(set) => {
                 set.fail_over_and_rejoin();
             }
+            Backend::RedisCluster(cluster) => cluster.restart(),
             Backend::ZooKeeperEnsemble(_) => unreachable!("an ensemble's faults name no restart"),
+        }
+    }
+
+    /// Move the slot of a lock (or a key of a family) stored in the cluster to the next master.
+    fn migrate_a_lock_slot(&self) {
+        let Backend::RedisCluster(cluster) = self else {
+            unreachable!("only a Redis Cluster has slots to move")
+        };
+        if let Some(&slot) = cluster.lock_slots().first() {
+            cluster.migrate_slot(slot, (cluster.owner_of(slot) + 1) % cluster.nodes.len());
         }
     }
 
@@ -865,6 +896,7 @@ pub(crate) fn inject(
             slot.proxies.iter().for_each(FaultProxy::restore);
         }
         Fault::IsolateFollower => backend.isolate_follower(slot.index),
+        Fault::MigrateSlot => backend.migrate_a_lock_slot(),
         Fault::DeleteLock | Fault::EditSettings | Fault::EditBackend => {
             unreachable!("{} acts on the resource (edit_resource)", fault.name())
         }

@@ -140,6 +140,13 @@ fn zookeeper_waiters_try_locks_and_hang_ups_survive_random_faults() {
     );
 }
 
+/// A Redis Cluster: besides kills, pauses and every node restarted, the lock's slot moves to
+/// another master during holds.
+#[test]
+fn redis_cluster_survives_random_faults_and_slot_migrations() {
+    check(Target::RedisCluster);
+}
+
 #[test]
 fn redis_waiters_try_locks_and_hang_ups_survive_random_faults() {
     check_scenario(Scenario::waiters(Target::Redis));

@@ -153,6 +153,24 @@ impl RedisCluster {
             .expect("a slot number")
     }
 
+    /// The slots that hold a lock's keys (a key with a hash tag), on any master, lowest first.
+    pub fn lock_slots(&self) -> Vec<u16> {
+        let mut slots: Vec<u16> = self
+            .nodes
+            .iter()
+            .flat_map(|node| {
+                redis::cmd("KEYS")
+                    .arg("*{*}*")
+                    .query::<Vec<String>>(&mut connection(node.port()).expect("connect"))
+                    .expect("keys")
+            })
+            .map(|key| self.slot_of(&key))
+            .collect();
+        slots.sort_unstable();
+        slots.dedup();
+        slots
+    }
+
     /// The index of the node that serves `slot` now, as the first node sees it.
     pub fn owner_of(&self, slot: u16) -> usize {
         let nodes = command(self.nodes[0].port(), &["CLUSTER", "NODES"]).expect("cluster nodes");
