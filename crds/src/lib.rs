@@ -228,8 +228,6 @@ pub struct SecretKeyRef {
     .message("cluster and sentinel exclude each other: a Redis Cluster finds its masters itself"))]
 #[x_kube(validation = Rule::new("!(has(self.cluster) && self.cluster) || !has(self.database) || self.database == 0")
     .message("a Redis Cluster has only database 0"))]
-#[x_kube(validation = Rule::new("!has(self.sentinel) || (!(has(self.tls) && self.tls) && !has(self.tlsSecretName))")
-    .message("TLS through Sentinel is not built yet: reach the master over TLS directly"))]
 pub struct RedisBackend {
     /// `host:port` of each master, or with `sentinel`, of each sentinel (port 26379 when
     /// omitted).
@@ -281,6 +279,13 @@ pub struct RedisSentinel {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 16))]
     pub min_replicas: Option<u32>,
+    /// The sentinels' own user (an ACL user on the sentinels), when they ask for one; the
+    /// redis section's username and password are the master's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    /// The sentinels' own password (`requirepass` on the sentinels).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
 }
 
 #[derive(

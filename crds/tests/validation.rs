@@ -88,11 +88,6 @@ fn bad_locks_are_rejected_with_a_reason() {
             "give one endpoint for a single Redis, or three or more independent masters for Redlock",
         ),
         (
-            json!({ "backend": { "redis": { "endpoints": ["s:26379"], "tls": true,
-                "sentinel": { "masterName": "locks" } } } }),
-            "TLS through Sentinel is not built yet",
-        ),
-        (
             json!({ "backend": { "redis": { "endpoints": ["n:6379"], "cluster": true,
                 "sentinel": { "masterName": "locks" } } } }),
             "cluster and sentinel exclude each other",
@@ -328,7 +323,7 @@ fn backend_kind() {
             endpoints: vec!["a:1".into(), "b:1".into(), "c:1".into()],
             sentinel: Some(leasehold_crds::RedisSentinel {
                 master_name: "locks".into(),
-                min_replicas: None,
+                ..Default::default()
             }),
             ..Default::default()
         }),

@@ -35,7 +35,8 @@ pub enum BackendUrl {
     },
     /// `redis+sentinel://[user:password@]host:port[,host:port...]/MASTER[/db][?prefix=NAME&min-replicas=N]`:
     /// the master the sentinels name MASTER, followed across failovers. Credentials and `db` are
-    /// the master's; the sentinels are asked without them.
+    /// the master's; the sentinels' own are `sentinel-username` and `sentinel-password`.
+    /// `rediss+sentinel://...[&ca=PATH][&cert=PATH&key=PATH]`: TLS to the sentinels and the master.
     RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig),
     /// `redis+cluster://[user:password@]host[:port][,host[:port]...][?prefix=NAME]` (also spelled
     /// `redis-cluster://`): a Redis Cluster, found from any node listed, one `redis://` URL
@@ -259,7 +260,8 @@ impl BackendUrl {
                     tls,
                 })
             }
-            "redis+sentinel" => {
+            "redis+sentinel" | "rediss+sentinel" => {
+                let secure = scheme == "rediss+sentinel";
                 let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
                 let (authority, path) = rest.split_once('/').ok_or_else(|| {
                     invalid(
@@ -284,6 +286,8 @@ impl BackendUrl {
                         .map_err(invalid)?;
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
                 let mut min_replicas = crate::drivers::redis_sentinel::DEFAULT_MIN_REPLICAS;
+                let mut tls = crate::tls::TlsOptions::default();
+                let (mut sentinel_username, mut sentinel_password) = (None, None);
                 for (key, value) in query_pairs(query) {
                     match key.as_str() {
                         "prefix" => prefix = value,
@@ -294,22 +298,35 @@ impl BackendUrl {
                                 ))
                             })?;
                         }
-                        "ca" | "cert" | "key" => {
-                            return Err(invalid(
-                                "TLS through Sentinel is not built yet: reach the master with rediss:// directly".into(),
-                            ));
-                        }
+                        "sentinel-username" => sentinel_username = Some(value),
+                        "sentinel-password" => sentinel_password = Some(value),
+                        other if tls.take(other, &value) => {}
                         other => {
                             return Err(invalid(format!(
-                                "unknown option {other:?} (redis+sentinel:// takes prefix and min-replicas)"
+                                "unknown option {other:?} (redis+sentinel:// takes prefix, min-replicas, sentinel-username and sentinel-password; rediss+sentinel:// also ca, cert and key)"
                             )));
                         }
                     }
                 }
                 check_prefix(&prefix).map_err(invalid)?;
+                let tls = tls.finish(secure, "rediss+sentinel://").map_err(invalid)?;
+                let sentinel_auth = match (sentinel_username, sentinel_password) {
+                    (username, Some(password)) => {
+                        Some(crate::drivers::redis_sentinel::SentinelAuth {
+                            username: username.unwrap_or_default(),
+                            password,
+                        })
+                    }
+                    (None, None) => None,
+                    (Some(_), None) => {
+                        return Err(invalid("sentinel-username needs sentinel-password".into()));
+                    }
+                };
                 // Where the master is comes from the sentinels; the address here is replaced.
-                let master = url::Url::parse(&format!("redis://{userinfo}127.0.0.1/{db}"))
-                    .map_err(|e| invalid(format!("the credentials: {e}")))?;
+                let master_scheme = if secure { "rediss" } else { "redis" };
+                let master =
+                    url::Url::parse(&format!("{master_scheme}://{userinfo}127.0.0.1/{db}"))
+                        .map_err(|e| invalid(format!("the credentials: {e}")))?;
                 Ok(BackendUrl::RedisSentinel(
                     crate::drivers::redis_sentinel::SentinelConfig {
                         sentinels,
@@ -317,6 +334,8 @@ impl BackendUrl {
                         master,
                         prefix,
                         min_replicas,
+                        tls,
+                        sentinel_auth,
                     },
                 ))
             }
@@ -357,10 +376,6 @@ impl BackendUrl {
                 }
                 Ok(BackendUrl::RedisCluster { nodes, prefix, tls })
             }
-            "rediss+sentinel" => Err(invalid(
-                "TLS through Sentinel is not built yet: reach the master with rediss:// directly"
-                    .into(),
-            )),
             "tair" => match Self::parse(&format!("redis://{rest}"))? {
                 BackendUrl::Redis { url, prefix, .. } => Ok(BackendUrl::Tair { url, prefix }),
                 _ => unreachable!("redis:// parses as Redis"),
@@ -501,15 +516,28 @@ impl fmt::Display for BackendUrl {
                     (user, Some(_)) => format!("{user}:***@"),
                     (user, None) => format!("{user}@"),
                 };
+                let scheme = if config.tls.is_some() {
+                    "rediss+sentinel"
+                } else {
+                    "redis+sentinel"
+                };
                 write!(
                     f,
-                    "redis+sentinel://{user}{}/{}{} (prefix {}, min-replicas {})",
+                    "{scheme}://{user}{}/{}{} (prefix {}, min-replicas {}",
                     config.sentinels.join(","),
                     config.master_name,
                     config.master.path().trim_end_matches('/'),
                     config.prefix,
                     config.min_replicas
-                )
+                )?;
+                if let Some(auth) = &config.sentinel_auth {
+                    match auth.username.as_str() {
+                        "" => f.write_str(", sentinel password ***")?,
+                        user => write!(f, ", sentinel user {user} with password ***")?,
+                    }
+                }
+                write_tls_files(f, config.tls.as_ref())?;
+                f.write_str(")")
             }
             BackendUrl::RedisCluster { nodes, prefix, tls } => {
                 let user = match nodes.first().map(|n| (n.username(), n.password())) {
@@ -760,17 +788,56 @@ mod tests {
             ),
             (
                 "redis+sentinel://s1/locks?ca=/ca.crt",
-                "TLS through Sentinel is not built yet",
+                "ca, cert and key are TLS options: use rediss+sentinel://",
             ),
             (
-                "rediss+sentinel://s1/locks",
-                "TLS through Sentinel is not built yet",
+                "rediss+sentinel://s1/locks?key=/c.key",
+                "cert and key go together",
+            ),
+            (
+                "redis+sentinel://s1/locks?sentinel-username=watcher",
+                "sentinel-username needs sentinel-password",
             ),
             ("redis+sentinel://s1/locks?db=1", "unknown option \"db\""),
         ] {
             let error = BackendUrl::parse(bad).unwrap_err().to_string();
             assert!(error.contains(reason), "{bad}: {error}");
         }
+    }
+
+    /// Over TLS the sentinels and the master are both reached with `rediss://`; the sentinels'
+    /// own password never shows.
+    #[test]
+    fn redis_sentinel_tls_and_sentinel_credentials() {
+        let url = BackendUrl::parse(
+            "rediss+sentinel://:pw@s1:26380/locks?ca=/tls/ca.crt&sentinel-username=watcher&sentinel-password=s%40cret",
+        )
+        .unwrap();
+        let BackendUrl::RedisSentinel(config) = &url else {
+            panic!("{url}")
+        };
+        assert_eq!(config.master.scheme(), "rediss");
+        assert!(config.tls.as_ref().is_some_and(|t| t.ca.is_some()));
+        let auth = config
+            .sentinel_auth
+            .as_ref()
+            .expect("the sentinels' credentials");
+        assert_eq!(
+            (auth.username.as_str(), auth.password.as_str()),
+            ("watcher", "s@cret")
+        );
+        let shown = url.to_string();
+        assert_eq!(
+            shown,
+            "rediss+sentinel://:***@s1:26380/locks (prefix leasehold, min-replicas 1, sentinel user watcher with password ***, ca /tls/ca.crt)"
+        );
+        let password_only =
+            BackendUrl::parse("redis+sentinel://s1/locks?sentinel-password=x").unwrap();
+        assert!(
+            password_only.to_string().contains("sentinel password ***"),
+            "{password_only}"
+        );
+        assert!(!password_only.to_string().contains("=x"), "{password_only}");
     }
 
     #[test]
@@ -911,6 +978,9 @@ mod tests {
         assert!(err.to_string().contains("lease or row-lock"), "{err}");
         let err = BackendUrl::parse("zk://u:pw@zk:2181/zookeeper").unwrap_err();
         assert!(!err.to_string().contains("pw@"), "{err}");
+        let err =
+            BackendUrl::parse("redis+sentinel://s/m?sentinel-password=hunter2&db=1").unwrap_err();
+        assert!(!err.to_string().contains("hunter2"), "{err}");
         assert!(
             BackendUrl::parse("nosuch://x")
                 .unwrap_err()

@@ -7,6 +7,7 @@ pub fn redact(raw: &str) -> String {
     };
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(authority_end);
+    let tail = redact_query_passwords(tail);
     match authority.rsplit_once('@') {
         Some((userinfo, host)) => {
             let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
@@ -16,8 +17,23 @@ pub fn redact(raw: &str) -> String {
                 format!("{scheme}://***@{host}{tail}")
             }
         }
-        None => raw.to_owned(),
+        None => format!("{scheme}://{authority}{tail}"),
     }
+}
+
+/// `...?a=1&sentinel-password=x` with the value of every option named `*password` replaced.
+fn redact_query_passwords(tail: &str) -> String {
+    let Some((path, query)) = tail.split_once('?') else {
+        return tail.to_owned();
+    };
+    let options: Vec<String> = query
+        .split('&')
+        .map(|option| match option.split_once('=') {
+            Some((key, _)) if key.ends_with("password") => format!("{key}=***"),
+            _ => option.to_owned(),
+        })
+        .collect();
+    format!("{path}?{}", options.join("&"))
 }
 
 #[cfg(test)]
@@ -30,5 +46,9 @@ mod tests {
         assert_eq!(redact("redis://:pw@h:1/0"), "redis://:***@h:1/0");
         assert_eq!(redact("redis://tok@h"), "redis://***@h");
         assert_eq!(redact("a://u:p@w@h/x"), "a://u:***@h/x");
+        assert_eq!(
+            redact("redis+sentinel://s/m?prefix=p&sentinel-password=x&min-replicas=1"),
+            "redis+sentinel://s/m?prefix=p&sentinel-password=***&min-replicas=1"
+        );
     }
 }

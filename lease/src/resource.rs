@@ -82,6 +82,14 @@ pub fn secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
     let mut refs: Vec<&SecretKeyRef> = Vec::new();
     if let Some(r) = &b.redis {
         refs.extend(r.username_secret_ref.iter().chain(&r.password_secret_ref));
+        if let Some(sentinel) = &r.sentinel {
+            refs.extend(
+                sentinel
+                    .username_secret_ref
+                    .iter()
+                    .chain(&sentinel.password_secret_ref),
+            );
+        }
     }
     if let Some(t) = &b.tair {
         refs.extend(t.username_secret_ref.iter().chain(&t.password_secret_ref));
@@ -414,16 +422,28 @@ fn backend_url(
         let db = r.database.map_or_else(String::new, |d| d.to_string());
         if let Some(sentinel) = &r.sentinel {
             let min_replicas = sentinel.min_replicas.map(|n| n.to_string());
+            let sentinel_username = secret(secrets, &sentinel.username_secret_ref)?;
+            let sentinel_password = secret(secrets, &sentinel.password_secret_ref)?;
             let q = query(&[
                 ("prefix", r.key_prefix.as_deref()),
                 ("min-replicas", min_replicas.as_deref()),
+                ("sentinel-username", sentinel_username),
+                ("sentinel-password", sentinel_password),
             ]);
+            let scheme = if tls {
+                "rediss+sentinel"
+            } else {
+                "redis+sentinel"
+            };
             let url = BackendUrl::parse(&format!(
-                "redis+sentinel://{auth}{}/{}/{db}{q}",
+                "{scheme}://{auth}{}/{}/{db}{q}",
                 r.endpoints.join(","),
                 sentinel.master_name
             ))?;
-            return Ok((url, None));
+            return Ok((
+                with_redis_tls(url, r.tls_secret_name.as_deref(), secrets)?,
+                None,
+            ));
         }
         let q = query(&[("prefix", r.key_prefix.as_deref())]);
         if r.cluster == Some(true) {
@@ -657,7 +677,8 @@ fn with_redis_tls(
     let (
         BackendUrl::Redis { tls, .. }
         | BackendUrl::Redlock { tls, .. }
-        | BackendUrl::RedisCluster { tls, .. },
+        | BackendUrl::RedisCluster { tls, .. }
+        | BackendUrl::RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig { tls, .. }),
         Some(name),
     ) = (&mut url, tls_secret)
     else {
@@ -930,6 +951,7 @@ mod tests {
                 sentinel: Some(leasehold_crds::RedisSentinel {
                     master_name: "locks".into(),
                     min_replicas: Some(2),
+                    ..Default::default()
                 }),
                 ..Default::default()
             }),
@@ -946,9 +968,70 @@ mod tests {
         assert_eq!(config.min_replicas, 2);
         assert_eq!(config.master.password(), Some("p%40ss%2Fword"));
         assert_eq!(config.master.path(), "/2");
+        assert!(config.tls.is_none() && config.sentinel_auth.is_none());
         assert_eq!(
             backend.to_string(),
             "redis+sentinel://:***@s-0:26379,s-1:26379/locks/2 (prefix leasehold, min-replicas 2)"
+        );
+    }
+
+    /// Over TLS, with the sentinels' own credentials from a Secret: both reach the driver, the
+    /// CA from `tlsSecretName`, and neither password shows.
+    #[test]
+    fn a_sentinel_resource_over_tls_with_the_sentinels_credentials() {
+        let sentinel = lock(Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec!["s-0:26380".into()],
+                password_secret_ref: Some(key("redis", "password")),
+                tls_secret_name: Some("redis-ca".into()),
+                sentinel: Some(leasehold_crds::RedisSentinel {
+                    master_name: "locks".into(),
+                    username_secret_ref: Some(key("sentinel", "username")),
+                    password_secret_ref: Some(key("sentinel", "password")),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let refs = secret_refs(&sentinel);
+        assert!(
+            refs.contains(&key("sentinel", "password"))
+                && refs.contains(&key("sentinel", "username")),
+            "the sentinels' Secret keys are read: {refs:?}"
+        );
+        let secrets: SecretValues = [
+            (("redis".into(), "password".into()), "master-pw".into()),
+            (("sentinel".into(), "username".into()), "watcher".into()),
+            (("sentinel".into(), "password".into()), "s&ntinel=pw".into()),
+            (("redis-ca".into(), "ca.crt".into()), "CA PEM".into()),
+        ]
+        .into();
+        let backend = resolve(&sentinel, &secrets).unwrap().backend;
+        let BackendUrl::RedisSentinel(config) = &backend else {
+            panic!("{backend}")
+        };
+        assert_eq!(config.master.scheme(), "rediss");
+        assert!(
+            config.tls.as_ref().and_then(|t| t.ca.clone())
+                == Some(crate::tls::Pem::Text("CA PEM".into()))
+        );
+        let auth = config
+            .sentinel_auth
+            .as_ref()
+            .expect("the sentinels' credentials");
+        assert_eq!(
+            (auth.username.as_str(), auth.password.as_str()),
+            ("watcher", "s&ntinel=pw")
+        );
+        let shown = backend.to_string();
+        assert!(
+            shown.starts_with("rediss+sentinel://:***@s-0:26380/locks"),
+            "{shown}"
+        );
+        assert!(
+            !shown.contains("pw") && !shown.contains("CA PEM"),
+            "{shown}"
         );
     }
 

@@ -122,3 +122,66 @@ async fn an_acquisition_no_replica_confirms_is_not_held() {
         sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Over TLS (`rediss+sentinel://`, the sentinel asking for its own password): the master dies,
+/// the sentinel promotes the replica, which it names by its TLS port, the old master rejoins
+/// as its replica over TLS, and the holder follows the failover. Its lease was confirmed by the
+/// replica, so it keeps the lock on the new master, and the next holder's token is greater.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_the_holder_follows_a_failover_to_the_promoted_replica() {
+    let mut set = tokio::task::block_in_place(RedisSentinelSet::start_tls);
+    let url = set.url();
+    assert!(url.starts_with("rediss+sentinel://"), "{url}");
+    let lock = unique_lock("tls-failover");
+    // Longer than detection, promotion and the old master's rejoining together.
+    let lease = Duration::from_secs(20);
+    let a = campaign(driver_for(&url).await, &lock, "a", lease);
+    let start = Instant::now();
+    let a_token = loop {
+        if let Some(token) = a.answer().token() {
+            break token;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "a never held: {:?}",
+            a.answer()
+        );
+        sleep(Duration::from_millis(10)).await;
+    };
+    // The old master back as the new one's replica: each renewal waits for a replica's
+    // confirmation (`min-replicas` 1), so without one the holder could not renew.
+    let new_master = tokio::task::block_in_place(|| set.fail_over_and_rejoin());
+    let lease_key = format!("leasehold:{{{lock}}}:lease");
+    let followed = Instant::now();
+    // a renews on the promoted replica: its lease is there, under its name.
+    while !set
+        .on_master(&["GET", &lease_key])
+        .is_ok_and(|lease| lease.contains('a'))
+        || !a.answer().is_holder()
+    {
+        assert!(
+            followed.elapsed() < lease * 2,
+            "a did not follow the failover to server {new_master}: {:?}, lease there {:?}",
+            a.answer(),
+            set.on_master(&["GET", &lease_key])
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(a.answer().token(), Some(a_token), "the same holding");
+    a.shutdown().await;
+    let b = campaign(driver_for(&url).await, &lock, "b", lease);
+    let handed = Instant::now();
+    let b_token = loop {
+        if let Some(token) = b.answer().token() {
+            break token;
+        }
+        assert!(
+            handed.elapsed() < lease * 3,
+            "b never held on the new master: {:?}",
+            b.answer()
+        );
+        sleep(Duration::from_millis(10)).await;
+    };
+    assert!(b_token > a_token, "token {b_token} after {a_token}");
+    b.shutdown().await;
+}

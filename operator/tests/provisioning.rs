@@ -236,6 +236,7 @@ async fn redis_sentinel_is_reached_through_the_sentinels() {
                 sentinel: Some(RedisSentinel {
                     master_name: leasehold_lease::testkit::redis_sentinel::MASTER_NAME.into(),
                     min_replicas: Some(1),
+                    ..Default::default()
                 }),
                 ..Default::default()
             }),

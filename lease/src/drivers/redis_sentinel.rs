@@ -49,7 +49,7 @@ const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
 /// What `redis+sentinel://` names.
-#[derive(Clone, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct SentinelConfig {
     /// `host:port` of each sentinel, asked in order.
     pub sentinels: Vec<String>,
@@ -61,6 +61,36 @@ pub struct SentinelConfig {
     pub prefix: String,
     /// Replicas that must confirm each acquisition and renewal (`WAIT`).
     pub min_replicas: u32,
+    /// TLS to the sentinels and to the master they name (`rediss+sentinel://`), with one CA
+    /// and client pair for both, as a deployment with `tls-replication yes` has.
+    pub tls: Option<crate::tls::Tls>,
+    /// The sentinels' own credentials (`requirepass`/ACL user on the sentinels), which are not
+    /// the master's: `sentinel-username` and `sentinel-password`.
+    pub sentinel_auth: Option<SentinelAuth>,
+}
+
+/// A sentinel's username (empty: the default user) and password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SentinelAuth {
+    pub username: String,
+    pub password: String,
+}
+
+impl SentinelConfig {
+    /// `redis://` (or over TLS `rediss://`) to `host:port`, with the sentinels' credentials.
+    fn sentinel_url(&self, sentinel: &str) -> std::result::Result<url::Url, url::ParseError> {
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        let mut url = url::Url::parse(&format!("{scheme}://{sentinel}"))?;
+        if let Some(auth) = &self.sentinel_auth {
+            let _ = url.set_username(&auth.username);
+            let _ = url.set_password(Some(&auth.password));
+        }
+        Ok(url)
+    }
 }
 
 /// The master the sentinels name, and one shared connection to it.
@@ -134,7 +164,20 @@ impl SentinelMaster {
         let mut conn = match cached {
             Some(conn) => conn,
             None => {
-                let client = redis::Client::open(format!("redis://{sentinel}"))?;
+                let url = self.config.sentinel_url(sentinel).map_err(|e| {
+                    redis::RedisError::from((
+                        redis::ErrorKind::InvalidClientConfig,
+                        "a sentinel's address",
+                        e.to_string(),
+                    ))
+                })?;
+                let client = single::client(&url, self.config.tls.as_ref()).map_err(|e| {
+                    redis::RedisError::from((
+                        redis::ErrorKind::InvalidClientConfig,
+                        "the sentinels' TLS settings",
+                        e.to_string(),
+                    ))
+                })?;
                 let conn = client
                     .get_multiplexed_async_connection_with_config(&connection_config())
                     .await?;
@@ -171,7 +214,7 @@ impl SentinelMaster {
         let unreachable = |e: redis::RedisError| {
             Error::Unreachable(format!("the master {address} the sentinels name: {e}"))
         };
-        let client = redis::Client::open(url.as_str()).map_err(unreachable)?;
+        let client = single::client(&url, self.config.tls.as_ref())?;
         let mut conn = client
             .get_multiplexed_async_connection_with_config(&connection_config())
             .await

@@ -33,7 +33,7 @@ pub use in_memory_api_server::InMemoryApiServer;
 pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
 pub use redis_cluster::{RedisCluster, TlsRedisCluster};
-pub use redis_sentinel::RedisSentinelSet;
+pub use redis_sentinel::{RedisSentinelSet, TlsRedisSentinelSet};
 pub use redis_server::RedisServer;
 pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;

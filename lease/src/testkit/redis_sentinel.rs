@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::fault_proxy::FaultProxy;
-use super::redis_server::{RedisServer, field, info, ping};
+use super::redis_server::{RedisServer, field, info};
 use super::server_process::ServerProcess;
 use super::{free_port, require_binary};
 
@@ -34,7 +34,13 @@ pub struct RedisSentinelSet {
     /// A port nothing listens on, listed first in the URL: the driver must get past a dead
     /// sentinel.
     dead_sentinel_port: u16,
+    /// Over TLS: the sentinel's TLS port (it asks for a client certificate and a password, and
+    /// reaches the servers over TLS too).
+    sentinel_tls_port: Option<u16>,
 }
+
+/// The TLS sentinel's `requirepass`: the driver sends it as `sentinel-password`.
+pub const SENTINEL_PASSWORD: &str = "sentinel-only-secret";
 
 impl RedisSentinelSet {
     /// Start the master, its replica and the sentinel (all durable: a fresh durable master
@@ -43,25 +49,45 @@ impl RedisSentinelSet {
         let master = RedisServer::start();
         let replication_link = FaultProxy::start(master.port());
         let replica = RedisServer::start_replica_of(replication_link.port);
-        let sentinel_port = free_port();
+        Self::assemble(master, replica, replication_link, None)
+    }
+
+    /// The same, over TLS everywhere: clients, replication, and the sentinel's links to the
+    /// servers; the sentinel also asks its clients for a password ([`SENTINEL_PASSWORD`]).
+    /// [`RedisSentinelSet::url`] is then `rediss+sentinel://` with the CA, the client's pair and
+    /// the sentinel's password.
+    pub fn start_tls() -> Self {
+        let master = RedisServer::start_tls();
+        let replication_link = FaultProxy::start(master.client_port());
+        let replica = RedisServer::start_tls_replica_of(replication_link.port, &master);
+        Self::assemble(master, replica, replication_link, Some(free_port()))
+    }
+
+    fn assemble(
+        master: RedisServer,
+        replica: RedisServer,
+        replication_link: FaultProxy,
+        sentinel_tls_port: Option<u16>,
+    ) -> Self {
         let mut set = Self {
             servers: vec![master, replica],
             replication_link,
             sentinel: ServerProcess::new("redis-sentinel"),
-            sentinel_port,
+            sentinel_port: free_port(),
             dead_sentinel_port: free_port(),
+            sentinel_tls_port,
         };
         set.wait_for("the replica to confirm writes", |s| s.replica_confirms(0));
         set.spawn_sentinel();
         set.wait_for("the sentinel to know the replica", |s| {
             s.sentinel_command(&["SENTINEL", "replicas", MASTER_NAME])
-                .is_ok_and(|reply| reply.contains(&s.servers[1].port().to_string()))
+                .is_ok_and(|reply| reply.contains(&s.servers[1].client_port().to_string()))
         });
         set
     }
 
     fn spawn_sentinel(&mut self) {
-        let config = format!(
+        let mut config = format!(
             "port {}\n\
              bind 127.0.0.1\n\
              dir {}\n\
@@ -70,17 +96,34 @@ impl RedisSentinelSet {
              sentinel failover-timeout {MASTER_NAME} 120000\n",
             self.sentinel_port,
             self.sentinel.dir().display(),
-            self.servers[0].port(),
+            self.servers[0].client_port(),
             DOWN_AFTER.as_millis(),
         );
+        if let Some(tls_port) = self.sentinel_tls_port {
+            let files = self.servers[0].tls_files();
+            let certificates = files.ca.parent().expect("the certificates' directory");
+            config.push_str(&format!(
+                "tls-port {tls_port}\n\
+                 tls-cert-file {dir}/server.crt\n\
+                 tls-key-file {dir}/server.key\n\
+                 tls-ca-cert-file {dir}/ca.crt\n\
+                 tls-client-cert-file {dir}/client.crt\n\
+                 tls-client-key-file {dir}/client.key\n\
+                 tls-auth-clients yes\n\
+                 tls-replication yes\n\
+                 requirepass {SENTINEL_PASSWORD}\n",
+                dir = certificates.display(),
+            ));
+        }
         // Sentinel rewrites its configuration file as it learns, so it lives in the throwaway
         // directory.
         let path = self.sentinel.dir().join("sentinel.conf");
         std::fs::write(&path, config).expect("sentinel.conf");
         let mut command = Command::new(require_binary("redis-server", "redis-server"));
         command.arg(&path).arg("--sentinel");
-        let port = self.sentinel_port;
-        self.sentinel.spawn(command, move || ping(port));
+        let url = self.sentinel_plain_url();
+        self.sentinel
+            .spawn(command, move || command_at(&url, &["PING"]).is_ok());
     }
 
     fn wait_for(&self, what: &str, done: impl Fn(&Self) -> bool) {
@@ -95,11 +138,23 @@ impl RedisSentinelSet {
         }
     }
 
-    /// `redis+sentinel://` with a dead sentinel first, then the live one.
+    /// `redis+sentinel://` with a dead sentinel first, then the live one; over TLS
+    /// `rediss+sentinel://` to the sentinel's TLS port, with the CA, the client's pair and the
+    /// sentinel's password.
     pub fn url(&self) -> String {
+        let Some(tls_port) = self.sentinel_tls_port else {
+            return format!(
+                "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/{MASTER_NAME}",
+                self.dead_sentinel_port, self.sentinel_port
+            );
+        };
+        let files = self.servers[0].tls_files();
         format!(
-            "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/{MASTER_NAME}",
-            self.dead_sentinel_port, self.sentinel_port
+            "rediss+sentinel://127.0.0.1:{},127.0.0.1:{tls_port}/{MASTER_NAME}?ca={}&cert={}&key={}&sentinel-password={SENTINEL_PASSWORD}",
+            self.dead_sentinel_port,
+            files.ca.display(),
+            files.client_cert.display(),
+            files.client_key.display()
         )
     }
 
@@ -115,7 +170,7 @@ impl RedisSentinelSet {
             .ok()?;
         self.servers
             .iter()
-            .position(|s| reply.contains(&format!("\"{}\"", s.port())))
+            .position(|s| reply.contains(&format!("\"{}\"", s.client_port())))
     }
 
     /// `kill -9` the master and wait until the sentinel has promoted the other server and that
@@ -138,7 +193,7 @@ impl RedisSentinelSet {
         let old = self.master().expect("the sentinel names a master");
         let new = self.fail_over();
         self.servers[old].restart();
-        let new_port = self.servers[new].port().to_string();
+        let new_port = self.servers[new].client_port().to_string();
         command(
             self.servers[old].port(),
             &["REPLICAOF", "127.0.0.1", &new_port],
@@ -149,7 +204,7 @@ impl RedisSentinelSet {
             field(&replication, "master_port") == Some(new_port.as_str())
                 && replication.contains("master_link_status:up")
         });
-        let old_port = self.servers[old].port().to_string();
+        let old_port = self.servers[old].client_port().to_string();
         self.wait_for("the sentinel to see the rejoined replica healthy", |s| {
             s.replica_flags(&old_port).as_deref() == Some("slave")
         });
@@ -179,8 +234,7 @@ impl RedisSentinelSet {
 
     /// The sentinel's flags for the replica on `port` (`slave` when healthy).
     fn replica_flags(&self, port: &str) -> Option<String> {
-        let client =
-            redis::Client::open(format!("redis://127.0.0.1:{}", self.sentinel_port)).ok()?;
+        let client = redis::Client::open(self.sentinel_plain_url()).ok()?;
         let mut conn = client
             .get_connection_with_timeout(Duration::from_secs(1))
             .ok()?;
@@ -203,13 +257,28 @@ impl RedisSentinelSet {
 
     /// One command to the sentinel, its reply in Rust's debug form.
     fn sentinel_command(&self, args: &[&str]) -> redis::RedisResult<String> {
-        command(self.sentinel_port, args)
+        command_at(&self.sentinel_plain_url(), args)
+    }
+
+    /// The sentinel's plain port, with its password when it asks for one.
+    fn sentinel_plain_url(&self) -> String {
+        match self.sentinel_tls_port {
+            Some(_) => format!(
+                "redis://:{SENTINEL_PASSWORD}@127.0.0.1:{}",
+                self.sentinel_port
+            ),
+            None => format!("redis://127.0.0.1:{}", self.sentinel_port),
+        }
     }
 }
 
 /// One command to the server on `port`, its reply in Rust's debug form.
 fn command(port: u16, args: &[&str]) -> redis::RedisResult<String> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+    command_at(&format!("redis://127.0.0.1:{port}"), args)
+}
+
+fn command_at(url: &str, args: &[&str]) -> redis::RedisResult<String> {
+    let client = redis::Client::open(url)?;
     let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
     let mut cmd = redis::cmd(args[0]);
     for arg in &args[1..] {
@@ -217,6 +286,24 @@ fn command(port: u16, args: &[&str]) -> redis::RedisResult<String> {
     }
     let reply: redis::Value = cmd.query(&mut conn)?;
     Ok(format!("{reply:?}"))
+}
+
+/// [`RedisSentinelSet::start_tls`], as a server the conformance suite runs on.
+pub struct TlsRedisSentinelSet(pub RedisSentinelSet);
+
+impl super::conformance::BackendServer for TlsRedisSentinelSet {
+    fn start() -> Self {
+        Self(RedisSentinelSet::start_tls())
+    }
+    fn url(&self) -> String {
+        self.0.url()
+    }
+    fn kill(&mut self) {
+        super::conformance::BackendServer::kill(&mut self.0);
+    }
+    fn restart(&mut self) {
+        super::conformance::BackendServer::restart(&mut self.0);
+    }
 }
 
 impl super::conformance::BackendServer for RedisSentinelSet {

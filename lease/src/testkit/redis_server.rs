@@ -122,6 +122,28 @@ impl RedisServer {
         server
     }
 
+    /// [`RedisServer::start_replica_of`] a TLS master's TLS port (or a proxy to it), serving
+    /// TLS too, with `master`'s certificates: it replicates over TLS (`tls-replication yes`).
+    pub fn start_tls_replica_of(port: u16, master: &RedisServer) -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis-replica"),
+            port: free_port(),
+            durable: false,
+            tls_port: Some(free_port()),
+            module: None,
+            replica_of: Some(port),
+            cluster_port: None,
+        };
+        master.share_certificates_with(&server);
+        server.spawn();
+        server
+    }
+
+    /// The port clients use: the TLS one when serving TLS.
+    pub fn client_port(&self) -> u16 {
+        self.tls_port.unwrap_or(self.port)
+    }
+
     /// A durable node of a Redis Cluster, with no slots yet (see
     /// [`super::redis_cluster::RedisCluster`]).
     pub fn start_cluster_node() -> Self {
@@ -276,16 +298,16 @@ impl RedisServer {
                 .arg(dir.join("server.key"))
                 .arg("--tls-ca-cert-file")
                 .arg(dir.join("ca.crt"))
-                .args(["--tls-auth-clients", "yes"]);
+                .args(["--tls-auth-clients", "yes"])
+                // Replication, and a cluster's bus, over TLS too; their outgoing links present
+                // the client certificate (the server's is for serving only).
+                .args(["--tls-replication", "yes"])
+                .arg("--tls-client-cert-file")
+                .arg(dir.join("client.crt"))
+                .arg("--tls-client-key-file")
+                .arg(dir.join("client.key"));
             if self.cluster_port.is_some() {
-                // The bus's outgoing links present the client certificate: the server's is for
-                // serving only.
-                command
-                    .args(["--tls-cluster", "yes"])
-                    .arg("--tls-client-cert-file")
-                    .arg(dir.join("client.crt"))
-                    .arg("--tls-client-key-file")
-                    .arg(dir.join("client.key"));
+                command.args(["--tls-cluster", "yes"]);
             }
         }
         let port = self.port;
