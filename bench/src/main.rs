@@ -68,6 +68,7 @@ const SECTIONS: &[&str] = &[
     "tls",
     "tair",
     "sentinel",
+    "cluster",
 ];
 /// The operator's load: this many Kubernetes-backed locks (`cleanupPolicy: Delete`, so each
 /// Lease is owned by its lock), each held by a pod that renews every `OPERATOR_RENEW`, and how
@@ -1043,6 +1044,111 @@ async fn run(sections: &[&str]) {
     if wanted("sentinel") {
         sentinel_section().await;
     }
+    if wanted("cluster") {
+        cluster_section().await;
+    }
+}
+
+/// Redis Cluster (three durable masters): the driver's cycles beside the raw lock sent through
+/// the same cluster client, in plain text and over TLS (three more masters that serve TLS
+/// only); hand-over latency.
+async fn cluster_section() {
+    use leasehold_lease::testkit::RedisCluster;
+    println!(
+        "## Redis Cluster (3 masters, append-only with fsync always; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
+    );
+    let open = |url: String| async move {
+        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
+            .await
+            .expect("driver")
+    };
+    for tls in [false, true] {
+        let cluster = if tls {
+            tokio::task::block_in_place(RedisCluster::start_tls)
+        } else {
+            tokio::task::block_in_place(RedisCluster::start)
+        };
+        let driver = open(cluster.url()).await;
+        let (mut raw, mut ours) = (0.0f64, 0.0f64);
+        for _ in 0..ROUNDS {
+            raw = raw.max(redis_cluster_raw_cycles(&cluster).await);
+            ours = ours.max(driver_cycles(&*driver).await);
+        }
+        let (scheme, wire) = if tls {
+            ("rediss+cluster://", "TLS")
+        } else {
+            ("redis+cluster:// ", "plain")
+        };
+        println!("  raw SET NX PX + DEL script, {wire:<5}    : {raw:>7.0} cycles/s");
+        println!(
+            "  {scheme}                   : {ours:>7.0} cycles/s  ({:.0} % of raw)",
+            100.0 * ours / raw
+        );
+        if !tls {
+            let handover =
+                handover_latencies(open(cluster.url()).await, open(cluster.url()).await).await;
+            println!(
+                "  hand-over, redis+cluster://            : {}",
+                describe(&handover)
+            );
+        }
+    }
+}
+
+/// The raw lock through the redis-rs cluster client, which routes each command to the master
+/// of its key's slot as the driver's client does.
+async fn redis_cluster_raw_cycles(cluster: &leasehold_lease::testkit::RedisCluster) -> f64 {
+    let tls = cluster.nodes[0].tls_port().is_some();
+    let nodes: Vec<String> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            let scheme = if tls { "rediss" } else { "redis" };
+            format!("{scheme}://127.0.0.1:{}", n.client_port())
+        })
+        .collect();
+    let mut builder = redis::cluster::ClusterClientBuilder::new(nodes);
+    if tls {
+        let files = cluster.nodes[0].tls_files();
+        let read = |path: &std::path::Path| std::fs::read(path).expect("a test certificate");
+        builder = builder.certs(redis::TlsCertificates {
+            client_tls: Some(redis::ClientTlsConfig {
+                client_cert: read(&files.client_cert),
+                client_key: read(&files.client_key),
+            }),
+            root_cert: Some(read(&files.ca)),
+        });
+    }
+    let mut conn = builder
+        .build()
+        .expect("cluster client")
+        .get_async_connection()
+        .await
+        .expect("connect");
+    let release = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    );
+    let start = Instant::now();
+    for i in 0..CYCLES {
+        let set: Option<String> = redis::cmd("SET")
+            .arg("raw")
+            .arg("bench")
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64)
+            .query_async(&mut conn)
+            .await
+            .expect("SET");
+        assert!(set.is_some(), "cycle {i}: SET NX failed");
+        let deleted: i64 = release
+            .key("raw")
+            .arg("bench")
+            .invoke_async(&mut conn)
+            .await
+            .expect("EVAL");
+        assert_eq!(deleted, 1);
+    }
+    CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
 /// Redis behind Sentinel (a master and a replica, both `appendfsync always`, and a sentinel):

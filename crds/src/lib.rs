@@ -320,6 +320,14 @@ pub struct TairBackend {
     pub username_secret_ref: Option<SecretKeyRef>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
+    /// TLS (`tairs://`), verified against the system's roots unless `tlsSecretName` gives a
+    /// CA: managed Tair instances accept only TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<bool>,
+    /// A Secret with `ca.crt` and/or `tls.crt` and `tls.key`, as for Redis; implies `tls`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub tls_secret_name: Option<String>,
 }
 
 /// PostgreSQL, or MySQL/MariaDB.

@@ -49,8 +49,13 @@ pub enum BackendUrl {
     },
     /// `tair://[user:password@]host[:port][/db][?prefix=NAME]`: Tair, or Redis with the
     /// TairString module, locked with its versioned put (`EXSET`/`EXCAS`/`EXCAD`); `url` is
-    /// the `redis://` URL to reach it.
-    Tair { url: url::Url, prefix: String },
+    /// the `redis://` URL to reach it. `tairs://...[&ca=PATH][&cert=PATH&key=PATH]` over TLS,
+    /// as `rediss://` (`url` is then `rediss://`).
+    Tair {
+        url: url::Url,
+        prefix: String,
+        tls: Option<crate::tls::Tls>,
+    },
     /// `redlock://[user:password@]host:port,host:port,host:port[/db][?prefix=NAME]`: N >= 3
     /// independent masters, one `redis://` URL each; `redlocks://` over TLS, as `rediss://`.
     Redlock {
@@ -376,10 +381,23 @@ impl BackendUrl {
                 }
                 Ok(BackendUrl::RedisCluster { nodes, prefix, tls })
             }
-            "tair" => match Self::parse(&format!("redis://{rest}"))? {
-                BackendUrl::Redis { url, prefix, .. } => Ok(BackendUrl::Tair { url, prefix }),
-                _ => unreachable!("redis:// parses as Redis"),
-            },
+            "tair" | "tairs" => {
+                let redis_scheme = if scheme == "tairs" { "rediss" } else { "redis" };
+                // Errors name the scheme the user wrote, not the one it is parsed as.
+                let as_redis =
+                    Self::parse(&format!("{redis_scheme}://{rest}")).map_err(|e| match e {
+                        Error::InvalidUrl { reason, .. } => {
+                            invalid(reason.replace("rediss://", "tairs://"))
+                        }
+                        other => other,
+                    })?;
+                match as_redis {
+                    BackendUrl::Redis { url, prefix, tls } => {
+                        Ok(BackendUrl::Tair { url, prefix, tls })
+                    }
+                    _ => unreachable!("redis:// parses as Redis"),
+                }
+            }
             "redis" | "rediss" => {
                 let url = url::Url::parse(raw).map_err(|e| invalid(e.to_string()))?;
                 if url.host_str().is_none_or(str::is_empty) {
@@ -474,7 +492,7 @@ impl BackendUrl {
                 })
             }
             other => Err(invalid(format!(
-                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, redlocks://, tair://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
+                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redis+sentinel://, rediss+sentinel://, redis+cluster://, rediss+cluster://, redlock://, redlocks://, tair://, tairs://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
             ))),
         }
     }
@@ -564,10 +582,15 @@ impl fmt::Display for BackendUrl {
                 write_tls_files(f, tls.as_ref())?;
                 f.write_str(")")
             }
-            BackendUrl::Tair { url, prefix } => {
+            BackendUrl::Tair { url, prefix, tls } => {
                 let shown = redact(url.as_str());
-                let shown = shown.strip_prefix("redis://").unwrap_or(&shown);
-                write!(f, "tair://{shown} (prefix {prefix})")
+                let (scheme, shown) = match shown.strip_prefix("rediss://") {
+                    Some(rest) => ("tairs", rest),
+                    None => ("tair", shown.strip_prefix("redis://").unwrap_or(&shown)),
+                };
+                write!(f, "{scheme}://{shown} (prefix {prefix}")?;
+                write_tls_files(f, tls.as_ref())?;
+                f.write_str(")")
             }
             BackendUrl::Redlock {
                 masters,
@@ -879,6 +902,44 @@ mod tests {
         ] {
             let error = BackendUrl::parse(bad).unwrap_err().to_string();
             assert!(error.contains(reason), "{bad}: {error}");
+        }
+    }
+
+    /// `tairs://` is Tair over TLS, as `rediss://` is Redis; its errors name `tairs://`.
+    #[test]
+    fn tair_urls() {
+        let plain = BackendUrl::parse("tair://:pw@t:6379/2?prefix=team").unwrap();
+        assert!(
+            matches!(&plain, BackendUrl::Tair { url, tls: None, .. } if url.scheme() == "redis")
+        );
+        assert_eq!(plain.to_string(), "tair://:***@t:6379/2 (prefix team)");
+        assert_eq!(plain.kind(), "tair");
+        let secure =
+            BackendUrl::parse("tairs://t:6380?ca=/tls/ca.crt&cert=/tls/c.crt&key=/tls/c.key")
+                .unwrap();
+        let BackendUrl::Tair { url, tls, .. } = &secure else {
+            panic!("{secure}")
+        };
+        assert_eq!(url.scheme(), "rediss");
+        assert!(
+            tls.as_ref()
+                .is_some_and(|t| t.ca.is_some() && t.client.is_some())
+        );
+        assert_eq!(
+            secure.to_string(),
+            "tairs://t:6380 (prefix leasehold, ca /tls/ca.crt, cert /tls/c.crt, key /tls/c.key)"
+        );
+        assert_eq!(secure.kind(), "tair");
+        for (bad, reason) in [
+            ("tair://t?ca=/ca.crt", "use tairs://"),
+            ("tairs://t?cert=/c.crt", "cert and key go together"),
+        ] {
+            let error = BackendUrl::parse(bad).unwrap_err().to_string();
+            assert!(error.contains(reason), "{bad}: {error}");
+            assert!(
+                error.contains(bad.split('?').next().unwrap()),
+                "{bad}: {error}"
+            );
         }
     }
 

@@ -50,7 +50,9 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
         BackendUrl::Sqlite { path, table } => {
             Arc::new(sqlite::SqliteDriver::open(path, table).await?)
         }
-        BackendUrl::Tair { url, prefix } => Arc::new(tair::TairDriver::connect(url, prefix)?),
+        BackendUrl::Tair { url, prefix, tls } => {
+            Arc::new(tair::TairDriver::connect(url, prefix, tls.as_ref())?)
+        }
         BackendUrl::Redis { url, prefix, tls } => {
             Arc::new(redis::RedisDriver::connect(url, prefix, tls.as_ref())?)
         }

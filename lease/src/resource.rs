@@ -199,7 +199,7 @@ pub fn check_secret_allowed(name: &str, allowed: Option<&str>, endpoints: &[Stri
     Ok(())
 }
 
-/// The Secret keys `lock` may reference: read when present, not required. A Redis or SQL
+/// The Secret keys `lock` may reference: read when present, not required. A Redis, Tair or SQL
 /// `tlsSecretName` Secret may hold a CA, a client pair, or both.
 pub fn optional_secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
     let b = &lock.spec.backend;
@@ -207,6 +207,7 @@ pub fn optional_secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
         .redis
         .as_ref()
         .and_then(|r| r.tls_secret_name.as_ref())
+        .or_else(|| b.tair.as_ref().and_then(|t| t.tls_secret_name.as_ref()))
         .or_else(|| {
             [&b.postgres, &b.mysql]
                 .into_iter()
@@ -510,7 +511,16 @@ fn backend_url(
         );
         let db = t.database.map_or_else(String::new, |d| d.to_string());
         let q = query(&[("prefix", t.key_prefix.as_deref())]);
-        format!("tair://{auth}{}/{db}{q}", t.endpoint)
+        let scheme = if t.tls == Some(true) || t.tls_secret_name.is_some() {
+            "tairs"
+        } else {
+            "tair"
+        };
+        let url = BackendUrl::parse(&format!("{scheme}://{auth}{}/{db}{q}", t.endpoint))?;
+        return Ok((
+            with_redis_tls(url, t.tls_secret_name.as_deref(), secrets)?,
+            None,
+        ));
     } else if sqlite.is_some() {
         return Err(Error::InvalidConfig {
             field: "backend.sqlite",
@@ -678,6 +688,7 @@ fn with_redis_tls(
         BackendUrl::Redis { tls, .. }
         | BackendUrl::Redlock { tls, .. }
         | BackendUrl::RedisCluster { tls, .. }
+        | BackendUrl::Tair { tls, .. }
         | BackendUrl::RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig { tls, .. }),
         Some(name),
     ) = (&mut url, tls_secret)
@@ -972,6 +983,33 @@ mod tests {
         assert_eq!(
             backend.to_string(),
             "redis+sentinel://:***@s-0:26379,s-1:26379/locks/2 (prefix leasehold, min-replicas 2)"
+        );
+    }
+
+    /// Tair over TLS from a `DistributedLock`: `tairs://` with the Secret's CA, never shown.
+    #[test]
+    fn a_tair_resource_over_tls() {
+        let tair = lock(Backend {
+            tair: Some(leasehold_crds::TairBackend {
+                endpoint: "r-tair.example:6380".into(),
+                tls_secret_name: Some("tair-ca".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        assert!(optional_secret_refs(&tair).contains(&key("tair-ca", "ca.crt")));
+        let secrets: SecretValues = [(("tair-ca".into(), "ca.crt".into()), "CA PEM".into())].into();
+        let backend = resolve(&tair, &secrets).unwrap().backend;
+        let BackendUrl::Tair { url, tls, .. } = &backend else {
+            panic!("{backend}")
+        };
+        assert_eq!(url.scheme(), "rediss");
+        assert!(
+            tls.as_ref().and_then(|t| t.ca.clone()) == Some(crate::tls::Pem::Text("CA PEM".into()))
+        );
+        assert_eq!(
+            backend.to_string(),
+            "tairs://r-tair.example:6380/ (prefix leasehold)"
         );
     }
 

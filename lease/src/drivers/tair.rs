@@ -175,9 +175,9 @@ fn tair_err(e: redis::RedisError) -> Error {
 
 impl TairDriver {
     /// Connect lazily to the Tair (or Redis with the TairString module) at `url` (a `redis://`
-    /// URL).
-    pub fn connect(url: &url::Url, prefix: &str) -> Result<Self> {
-        let client = client(url, None)?;
+    /// URL, or over TLS a `rediss://` one with `tls`'s CA and client pair).
+    pub fn connect(url: &url::Url, prefix: &str, tls: Option<&crate::tls::Tls>) -> Result<Self> {
+        let client = client(url, tls)?;
         let conn = connection(&client)?;
         let keys = KeyLayout::new(prefix);
         let releases = Arc::new(ChangeFeeds::default());

@@ -201,6 +201,14 @@ impl ServerHarness<super::MariaDbServer> {
 }
 
 impl ServerHarness<RedisServer> {
+    /// Redis with the TairString module over TLS, reached as `tairs://`.
+    pub fn tair_tls() -> Self {
+        Self {
+            server: RedisServer::start_tair_tls(),
+            options: "",
+        }
+    }
+
     /// Redis with the TairString module, reached as `tair://`.
     pub fn tair() -> Self {
         Self {

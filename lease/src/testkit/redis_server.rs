@@ -70,6 +70,23 @@ impl RedisServer {
         server
     }
 
+    /// Durable, with the TairString module, and serving TLS too; [`RedisServer::url`] is then
+    /// `tairs://` on the TLS port, with the CA and the client's certificate.
+    pub fn start_tair_tls() -> Self {
+        let mut server = Self {
+            process: ServerProcess::new("redis"),
+            port: free_port(),
+            durable: true,
+            tls_port: Some(free_port()),
+            module: Some(super::tairstring::module()),
+            replica_of: None,
+            cluster_port: None,
+        };
+        super::write_test_certificates(server.process.dir());
+        server.spawn();
+        server
+    }
+
     /// Durable, and serving TLS too; [`RedisServer::url`] is then the TLS one, with the
     /// client's certificate.
     pub fn start_tls() -> Self {
@@ -235,15 +252,17 @@ impl RedisServer {
     /// `redis://` on the plain port, or for a TLS server `rediss://` on its TLS port with the
     /// CA and the client's certificate.
     pub fn url(&self) -> String {
-        if self.module.is_some() {
-            return format!("tair://127.0.0.1:{}", self.port);
-        }
+        let scheme = if self.module.is_some() {
+            "tair"
+        } else {
+            "redis"
+        };
         match self.tls_port {
-            None => self.plain_url(),
+            None => format!("{scheme}://127.0.0.1:{}", self.port),
             Some(port) => {
                 let files = self.tls_files();
                 format!(
-                    "rediss://127.0.0.1:{port}?ca={}&cert={}&key={}",
+                    "{scheme}s://127.0.0.1:{port}?ca={}&cert={}&key={}",
                     files.ca.display(),
                     files.client_cert.display(),
                     files.client_key.display()
