@@ -217,3 +217,56 @@ async fn attempts_given_up_while_the_server_is_down_leave_one_place() {
         sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A lock's parent created on demand (a keyed family's key, chosen at run time) is a container
+/// node: once its last contender's node is gone, the server deletes it, so keys do not pile up
+/// in the ensemble's memory. The next holder's token, a czxid, is still greater. A parent
+/// provisioned up front (a declared lock) is persistent and stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keys_parent_is_deleted_and_its_tokens_still_rise() {
+    use leasehold_lease::{Acquire, Driver};
+    use std::time::Duration;
+    let server = ZooKeeperServer::start();
+    let driver = driver(&server);
+    let lease = Duration::from_secs(2);
+    let take = |lock: &'static str| {
+        let driver = &driver;
+        async move {
+            match driver.try_acquire(lock, "pod-a", lease).await.unwrap() {
+                Acquire::Acquired(held) => {
+                    assert!(driver.release(&held).await.unwrap());
+                    held.token
+                }
+                Acquire::Busy(holder) => panic!("{lock} busy: {holder:?}"),
+            }
+        }
+    };
+    let (key, declared) = ("orders.keys.order-1234", "leader");
+    driver.provision(&[declared.to_owned()]).await.unwrap();
+    let first = take(key).await;
+    take(declared).await;
+
+    let zk = zookeeper_client::Client::connect(&format!("127.0.0.1:{}", server.port()))
+        .await
+        .unwrap();
+    let exists = |path: String| {
+        let zk = zk.clone();
+        async move { zk.check_stat(&path).await.unwrap().is_some() }
+    };
+    let began = std::time::Instant::now();
+    while exists(format!("/leasehold/{key}")).await {
+        assert!(
+            began.elapsed() < Duration::from_secs(20),
+            "the idle key's parent is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        exists(format!("/leasehold/{declared}")).await,
+        "a provisioned lock's parent stays"
+    );
+    assert!(exists("/leasehold".into()).await, "the root stays");
+
+    let second = take(key).await;
+    assert!(second > first, "token {second} after {first}");
+}

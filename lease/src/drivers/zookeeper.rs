@@ -2,7 +2,9 @@
 //! `InterProcessMutex` names them (`LOCKPATH/_c_<uuid>-lock-<sequence>`), so a Leasehold sidecar
 //! and a Curator client on the same path queue together. The lowest sequence holds; each waiter
 //! watches only the node just below its own; release deletes the node. The token is the node's
-//! czxid: later nodes are created by later transactions.
+//! czxid: later nodes are created by later transactions. `LOCKPATH` is persistent when
+//! provisioned, and a container node when a first contender creates it, so that the server
+//! deletes an idle key's parent (see [`Shared::ensure_container_parent`]).
 //!
 //! Sessions: one per driver, with the lease as its timeout (the server may raise it to its
 //! minimum, never lower it below the lease, else acquisition fails with an error). The leader
@@ -60,6 +62,8 @@ const NODE_MARKER: &str = "_c_";
 const LOCK_NAME: &str = "-lock-";
 /// A waiting node whose engine has not asked for this many leases is given up.
 const ABANDONED_AFTER_LEASES: u32 = 3;
+/// How many times a contender creates a missing parent before its node.
+const PARENT_ATTEMPTS: usize = 3;
 
 /// Where to find ZooKeeper, under which path, and with which credentials.
 #[derive(Clone)]
@@ -382,11 +386,37 @@ impl Shared {
         }
     }
 
+    /// The lock's parent as a persistent node, for locks provisioned up front.
     async fn ensure_parent(&self, client: &zk::Client, lock: &str) -> Result<()> {
         let acls = self.acls();
         let options = zk::CreateMode::Persistent.with_acls(acls);
         match client.mkdir(&self.parent(lock), &options).await {
             Ok(()) | Err(zk::Error::NodeExists) => Ok(()),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    /// The lock's parent created on demand, by a first contender: a container node, which the
+    /// server deletes once its last child is gone (as Curator creates its locks' parents). A
+    /// keyed family's keys are chosen at run time without bound (`order-1234`), so persistent
+    /// parents would pile up in every server's memory; the tokens (czxids) rise across the
+    /// deletion, since zxids are the ensemble's. The root stays persistent.
+    async fn ensure_container_parent(&self, client: &zk::Client, lock: &str) -> Result<()> {
+        let options = zk::CreateMode::Container.with_acls(self.acls());
+        let parent = self.parent(lock);
+        match client.create(&parent, &[], &options).await {
+            Ok(_) | Err(zk::Error::NodeExists) => Ok(()),
+            Err(zk::Error::NoNode) => {
+                let root = zk::CreateMode::Persistent.with_acls(self.acls());
+                match client.mkdir(&self.config.root, &root).await {
+                    Ok(()) | Err(zk::Error::NodeExists) => {}
+                    Err(e) => return Err(map_err(e)),
+                }
+                match client.create(&parent, &[], &options).await {
+                    Ok(_) | Err(zk::Error::NodeExists) => Ok(()),
+                    Err(e) => Err(map_err(e)),
+                }
+            }
             Err(e) => Err(map_err(e)),
         }
     }
@@ -410,13 +440,16 @@ impl Shared {
         // then the node is found by its protected name later and deleted (Curator's
         // protection mode does the same).
         let unless_created = OrphanGuard::new(self, prefix.clone());
-        let created = match client.create(&prefix, identity.as_bytes(), &options).await {
-            Err(zk::Error::NoNode) => {
-                self.ensure_parent(client, lock).await?;
-                client.create(&prefix, identity.as_bytes(), &options).await
+        // The parent may be missing, or be a container the server deletes between our
+        // creating it and our child landing in it: a few tries.
+        let mut created = client.create(&prefix, identity.as_bytes(), &options).await;
+        for _ in 0..PARENT_ATTEMPTS {
+            if !matches!(created, Err(zk::Error::NoNode)) {
+                break;
             }
-            other => other,
-        };
+            self.ensure_container_parent(client, lock).await?;
+            created = client.create(&prefix, identity.as_bytes(), &options).await;
+        }
         let (stat, sequence) = created.map_err(map_err)?;
         unless_created.disarm();
         let (slot, watch_expires) = QueueSlot::new();

@@ -193,6 +193,9 @@ pub(super) fn server_command(java: &Path, heap: &str, config: &Path) -> Command 
     command
         .arg(format!("-Xmx{heap}"))
         .arg("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn")
+        // Empty container nodes are deleted within half a second rather than a minute, so a
+        // test sees an idle lock's parent go.
+        .arg("-Dznode.container.checkIntervalMs=500")
         .args([
             "-cp",
             &format!("{ZOOKEEPER_JAR}:{SLF4J_SIMPLE_JAR}:/etc/zookeeper/conf"),
