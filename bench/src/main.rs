@@ -996,7 +996,105 @@ async fn sql_section() {
                 describe(&latency)
             );
         }
+        // The best blocking locks of the same server, for the hand-overs above.
+        for (what, setup, take, give) in blocking_locks(dialect) {
+            let latency = raw_blocking_handovers(&url, setup, take, give).await;
+            println!(
+                "  {name:<8} raw blocking hand-over, {what:<17}: {}",
+                describe(&latency)
+            );
+        }
     }
+}
+
+/// A server's own blocking locks, as (name, set-up, take, give) statements: the waiter blocks
+/// in `take` until the holder's `give`.
+type BlockingLock = (
+    &'static str,
+    &'static [&'static str],
+    &'static [&'static str],
+    &'static [&'static str],
+);
+
+fn blocking_locks(dialect: Dialect) -> Vec<BlockingLock> {
+    const ROW: &[&str] = &[
+        "CREATE TABLE IF NOT EXISTS leasehold_bench_row (id INT PRIMARY KEY, n INT NOT NULL)",
+        "DELETE FROM leasehold_bench_row",
+        "INSERT INTO leasehold_bench_row VALUES (1, 0)",
+    ];
+    const FOR_UPDATE: &[&str] = &[
+        "BEGIN",
+        "SELECT n FROM leasehold_bench_row WHERE id = 1 FOR UPDATE",
+    ];
+    match dialect {
+        Dialect::Postgres => vec![
+            (
+                "pg_advisory_lock",
+                &[],
+                &["SELECT pg_advisory_lock(4242)"],
+                &["SELECT pg_advisory_unlock(4242)"],
+            ),
+            ("SELECT FOR UPDATE", ROW, FOR_UPDATE, &["COMMIT"]),
+        ],
+        Dialect::MySql => vec![
+            (
+                "GET_LOCK",
+                &[],
+                &["SELECT GET_LOCK('leasehold_bench', 60)"],
+                &["SELECT RELEASE_LOCK('leasehold_bench')"],
+            ),
+            ("SELECT FOR UPDATE", ROW, FOR_UPDATE, &["COMMIT"]),
+        ],
+    }
+}
+
+async fn run_statements(conn: &mut sqlx::AnyConnection, statements: &'static [&'static str]) {
+    for statement in statements {
+        sqlx::raw_sql(statement)
+            .execute(&mut *conn)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+}
+
+/// Two sessions hand a server's own blocking lock back and forth: the time from the holder's
+/// `give` being sent to the blocked waiter's `take` returning.
+async fn raw_blocking_handovers(
+    url: &str,
+    setup: &'static [&'static str],
+    take: &'static [&'static str],
+    give: &'static [&'static str],
+) -> Vec<Duration> {
+    use sqlx::Connection;
+    sqlx::any::install_default_drivers();
+    let mut a = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let mut b = sqlx::AnyConnection::connect(url).await.expect("connect");
+    run_statements(&mut a, setup).await;
+    run_statements(&mut a, take).await;
+    let mut latencies = Vec::new();
+    for round in 0..HANDOVERS {
+        let (holder, waiter) = if round % 2 == 0 {
+            (&mut a, &mut b)
+        } else {
+            (&mut b, &mut a)
+        };
+        // Polled side by side in one task: the waiter blocks in the server, and the holder
+        // gives the lock up once the waiter is surely blocked.
+        let waiting = async {
+            run_statements(waiter, take).await;
+            Instant::now()
+        };
+        let giving = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let released = Instant::now();
+            run_statements(holder, give).await;
+            released
+        };
+        let (held, released) = tokio::join!(waiting, giving);
+        latencies.push(held - released);
+    }
+    latencies.sort();
+    latencies
 }
 
 async fn run(sections: &[&str]) {
