@@ -228,6 +228,8 @@ pub enum Fault {
     /// The hash slot of a lock's keys moved, keys and all, to another master of a Redis
     /// Cluster (`redis-cli --cluster reshard`'s commands), held or not.
     MigrateSlot,
+    /// The shard that serves a lock's slot failed over to its replica (`CLUSTER FAILOVER`).
+    FailOverShard,
 }
 
 /// The faults of a resource scenario: no partition, since every sidecar reads one address.
@@ -252,6 +254,7 @@ impl Fault {
             Fault::EditSettings => "edit-settings",
             Fault::EditBackend => "edit-backend",
             Fault::MigrateSlot => "migrate-slot",
+            Fault::FailOverShard => "failover",
         }
     }
 }
@@ -272,7 +275,8 @@ pub(crate) enum Backend {
     /// Three servers; sidecar `i` is connected to server `i % 3` only, so that cutting a
     /// follower off cuts off the sidecars it serves, and nothing else.
     ZooKeeperEnsemble(ZooKeeperEnsemble),
-    /// Three masters; a restart is every node killed and started again on its data.
+    /// Three masters and a replica of each; a restart is every node killed and started again
+    /// on its data.
     RedisCluster(RedisCluster),
 }
 
@@ -291,7 +295,7 @@ impl Backend {
             Target::Tair => Backend::Tair(RedisServer::start_tair()),
             Target::RedisSentinel => Backend::RedisSentinel(RedisSentinelSet::start()),
             Target::ZooKeeperEnsemble => Backend::ZooKeeperEnsemble(ZooKeeperEnsemble::start()),
-            Target::RedisCluster => Backend::RedisCluster(RedisCluster::start()),
+            Target::RedisCluster => Backend::RedisCluster(RedisCluster::start_with_replicas()),
         }
     }
 
@@ -343,12 +347,14 @@ impl Backend {
             Backend::RedisSentinel(_) => {
                 &[Fault::KillHolder, Fault::PauseHolder, Fault::RestartBackend]
             }
-            // No partition, for the same reason; the lock's slot moves instead.
+            // No partition, for the same reason; the lock's slot moves, or its shard fails
+            // over, instead.
             Backend::RedisCluster(_) => &[
                 Fault::KillHolder,
                 Fault::PauseHolder,
                 Fault::RestartBackend,
                 Fault::MigrateSlot,
+                Fault::FailOverShard,
             ],
             // A restart of a server is the single-server target's; here a server stays up
             // and loses its quorum.
@@ -391,7 +397,28 @@ impl Backend {
             unreachable!("only a Redis Cluster has slots to move")
         };
         if let Some(&slot) = cluster.lock_slots().first() {
-            cluster.migrate_slot(slot, (cluster.owner_of(slot) + 1) % cluster.nodes.len());
+            let mut masters = cluster.masters();
+            masters.sort_unstable();
+            let owner = cluster.owner_of(slot);
+            let next = masters
+                .iter()
+                .copied()
+                .find(|&m| m > owner)
+                .or(masters.first().copied())
+                .filter(|&m| m != owner);
+            if let Some(next) = next {
+                cluster.migrate_slot(slot, next);
+            }
+        }
+    }
+
+    /// Fail over the shard that serves a lock's slot to its replica.
+    fn fail_over_a_lock_shard(&self) {
+        let Backend::RedisCluster(cluster) = self else {
+            unreachable!("only a Redis Cluster has shards to fail over")
+        };
+        if let Some(&slot) = cluster.lock_slots().first() {
+            cluster.fail_over_shard(slot);
         }
     }
 
@@ -897,6 +924,7 @@ pub(crate) fn inject(
         }
         Fault::IsolateFollower => backend.isolate_follower(slot.index),
         Fault::MigrateSlot => backend.migrate_a_lock_slot(),
+        Fault::FailOverShard => backend.fail_over_a_lock_shard(),
         Fault::DeleteLock | Fault::EditSettings | Fault::EditBackend => {
             unreachable!("{} acts on the resource (edit_resource)", fault.name())
         }

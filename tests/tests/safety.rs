@@ -140,10 +140,11 @@ fn zookeeper_waiters_try_locks_and_hang_ups_survive_random_faults() {
     );
 }
 
-/// A Redis Cluster: besides kills, pauses and every node restarted, the lock's slot moves to
-/// another master during holds.
+/// A Redis Cluster of three masters and their replicas: besides kills, pauses and every node
+/// restarted, the lock's slot moves to another master, and its shard fails over to the replica,
+/// during holds.
 #[test]
-fn redis_cluster_survives_random_faults_and_slot_migrations() {
+fn redis_cluster_survives_random_faults_slot_migrations_and_failovers() {
     check(Target::RedisCluster);
 }
 

@@ -51,6 +51,119 @@ impl RedisCluster {
         Self::assemble(nodes)
     }
 
+    /// Three masters and a replica of each (`CLUSTER REPLICATE`), so that a shard can fail
+    /// over; returns once every node sees all six and each replica is in sync.
+    pub fn start_with_replicas() -> Self {
+        let mut cluster = Self::start();
+        let masters: Vec<String> = cluster
+            .nodes
+            .iter()
+            .map(|n| command(n.port(), &["CLUSTER", "MYID"]).expect("myid"))
+            .collect();
+        for master in masters {
+            let replica = RedisServer::start_cluster_node();
+            let bus = replica.cluster_port().expect("a cluster node");
+            command(
+                cluster.nodes[0].port(),
+                &[
+                    "CLUSTER",
+                    "MEET",
+                    "127.0.0.1",
+                    &replica.port().to_string(),
+                    &bus.to_string(),
+                ],
+            )
+            .expect("meet");
+            let began = Instant::now();
+            // A node can be made a replica only once it knows its master.
+            while command(replica.port(), &["CLUSTER", "REPLICATE", &master]).is_err() {
+                assert!(
+                    began.elapsed() < SET_UP_TIMEOUT,
+                    "the new node never learnt of master {master}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            cluster.nodes.push(replica);
+        }
+        cluster.wait_until_ok();
+        let began = Instant::now();
+        while !cluster.replicas_in_sync() {
+            assert!(
+                began.elapsed() < SET_UP_TIMEOUT,
+                "the replicas did not sync within {SET_UP_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cluster
+    }
+
+    /// Whether every replica's link to its master is up.
+    fn replicas_in_sync(&self) -> bool {
+        self.nodes.iter().all(|n| {
+            let replication = super::redis_server::info(n.port(), "replication");
+            replication.contains("role:master") || replication.contains("master_link_status:up")
+        })
+    }
+
+    /// The indices of the nodes that are masters now, as the first node sees it.
+    pub fn masters(&self) -> Vec<usize> {
+        let nodes = command(self.nodes[0].port(), &["CLUSTER", "NODES"]).expect("cluster nodes");
+        nodes
+            .lines()
+            .filter(|line| {
+                line.split_whitespace()
+                    .nth(2)
+                    .is_some_and(|flags| flags.contains("master") && !flags.contains("fail"))
+            })
+            .filter_map(|line| self.index_of(line.split_whitespace().nth(1)?))
+            .collect()
+    }
+
+    /// The node whose `ip:port@bus` address a `CLUSTER NODES` line shows.
+    fn index_of(&self, address: &str) -> Option<usize> {
+        let port: u16 = address.split(['@', ':']).nth(1)?.parse().ok()?;
+        self.nodes.iter().position(|n| n.port() == port)
+    }
+
+    /// A manual failover of `slot`'s shard (`CLUSTER FAILOVER` on its replica: the replica
+    /// catches up with its master first, then takes over), as an operator runs before
+    /// maintenance of a master; returns once every node routes the slot to the promoted replica
+    /// and the old master follows it.
+    pub fn fail_over_shard(&self, slot: u16) {
+        // A replica that is not in sync (a restart a moment ago) would not be promoted.
+        let began = Instant::now();
+        while !self.replicas_in_sync() {
+            assert!(
+                began.elapsed() < SET_UP_TIMEOUT,
+                "the replicas are not in sync"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let master = self.owner_of(slot);
+        let master_id = command(self.nodes[master].port(), &["CLUSTER", "MYID"]).expect("myid");
+        let replica = self
+            .nodes
+            .iter()
+            .position(|n| {
+                super::redis_server::info(n.port(), "replication").contains("role:slave")
+                    && command(n.port(), &["CLUSTER", "NODES"]).is_ok_and(|nodes| {
+                        nodes
+                            .lines()
+                            .any(|line| line.contains("myself") && line.contains(&master_id))
+                    })
+            })
+            .expect("a replica of the slot's master");
+        command(self.nodes[replica].port(), &["CLUSTER", "FAILOVER"]).expect("failover");
+        let began = Instant::now();
+        while self.owner_of(slot) != replica || !self.replicas_in_sync() {
+            assert!(
+                began.elapsed() < SET_UP_TIMEOUT,
+                "the replica of slot {slot}'s shard did not take over"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn assemble(nodes: Vec<RedisServer>) -> Self {
         let cluster = Self { nodes };
         let third = SLOTS / 3;
@@ -236,9 +349,11 @@ impl RedisCluster {
                 .query(&mut connection(source).expect("connect"))
                 .expect("migrate");
         }
+        // Only masters take `SETSLOT`; replicas learn from their masters.
+        let masters = self.masters();
         for port in std::iter::once(target)
             .chain(std::iter::once(source))
-            .chain(self.nodes.iter().map(RedisServer::port))
+            .chain(masters.iter().map(|&m| self.nodes[m].port()))
         {
             command(
                 port,
