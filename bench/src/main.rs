@@ -146,6 +146,145 @@ async fn zookeeper_raw_cycles(port: u16) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The raw predecessor-watch lock on ZooKeeper (Curator's recipe, hand-written): two sessions
+/// take turns; the waiter's node watches the holder's, and the waiter holds once the watch has
+/// fired and a listing shows its node first. Timed from the holder's delete being sent.
+async fn zookeeper_raw_handovers(port: u16) -> Vec<Duration> {
+    use zookeeper_client as zk;
+    let connect = || async {
+        zk::Client::connector()
+            .with_session_timeout(LEASE)
+            .connect(&format!("127.0.0.1:{port}"))
+            .await
+            .expect("zookeeper")
+    };
+    let sessions = [connect().await, connect().await];
+    let options = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+    match sessions[0].create("/raw-handover", b"", &options).await {
+        Ok(_) | Err(zk::Error::NodeExists) => {}
+        Err(e) => panic!("create /raw-handover: {e}"),
+    }
+    let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+    let join = |session: &zk::Client| {
+        let session = session.clone();
+        let ephemeral = ephemeral.clone();
+        async move {
+            let (_, sequence) = session
+                .create("/raw-handover/lock-", b"bench", &ephemeral)
+                .await
+                .expect("create");
+            format!("lock-{sequence}")
+        }
+    };
+    let mut holding = join(&sessions[0]).await;
+    let mut latencies = Vec::new();
+    for round in 0..HANDOVERS {
+        let (holder, waiter) = (&sessions[round % 2], &sessions[(round + 1) % 2]);
+        let waiting = join(waiter).await;
+        let (stat, watcher) = waiter
+            .check_and_watch_stat(&format!("/raw-handover/{holding}"))
+            .await
+            .expect("watch the predecessor");
+        assert!(stat.is_some(), "the holder's node is there");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let released = Instant::now();
+        holder
+            .delete(&format!("/raw-handover/{holding}"), None)
+            .await
+            .expect("delete");
+        watcher.changed().await;
+        let mut children = waiter.list_children("/raw-handover").await.expect("list");
+        children.sort();
+        assert_eq!(children.first(), Some(&waiting), "the waiter is first");
+        latencies.push(released.elapsed());
+        holding = waiting;
+    }
+    latencies.sort();
+    latencies
+}
+
+/// The raw blocking lock on Redis: `SET NX PX`, and a waiter that blocks in `BLPOP` on a signal
+/// list the holder pushes to after its `DEL`, then takes the key. Timed from the holder's
+/// release being sent to the waiter's `SET` succeeding.
+async fn redis_raw_blocking_handovers(url: &str) -> Vec<Duration> {
+    let client = redis::Client::open(url).expect("client");
+    let mut sessions = Vec::new();
+    for _ in 0..2 {
+        sessions.push(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connect"),
+        );
+    }
+    let take = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut conn = conn.clone();
+        async move {
+            redis::cmd("SET")
+                .arg("raw-blocking")
+                .arg("bench")
+                .arg("NX")
+                .arg("PX")
+                .arg(LEASE.as_millis() as u64)
+                .query_async::<Option<String>>(&mut conn)
+                .await
+                .expect("SET")
+                .is_some()
+        }
+    };
+    let _: () = redis::cmd("DEL")
+        .arg("raw-blocking")
+        .arg("raw-blocking:signal")
+        .query_async(&mut sessions[0])
+        .await
+        .expect("DEL");
+    assert!(take(&mut sessions[0]).await);
+    let mut latencies = Vec::new();
+    for round in 0..HANDOVERS {
+        let (h, w) = (round % 2, (round + 1) % 2);
+        let mut holder = sessions[h].clone();
+        let mut waiter = sessions[w].clone();
+        let waiting = async {
+            loop {
+                if take(&mut waiter).await {
+                    return Instant::now();
+                }
+                let _: Option<(String, String)> = redis::cmd("BLPOP")
+                    .arg("raw-blocking:signal")
+                    .arg(5)
+                    .query_async(&mut waiter)
+                    .await
+                    .expect("BLPOP");
+            }
+        };
+        let giving = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let released = Instant::now();
+            let _: () = redis::pipe()
+                .cmd("DEL")
+                .arg("raw-blocking")
+                .ignore()
+                .cmd("LPUSH")
+                .arg("raw-blocking:signal")
+                .arg(1)
+                .ignore()
+                .query_async(&mut holder)
+                .await
+                .expect("release");
+            released
+        };
+        let (held, released) = tokio::join!(waiting, giving);
+        latencies.push(held - released);
+        let _: () = redis::cmd("DEL")
+            .arg("raw-blocking:signal")
+            .query_async(&mut sessions[0])
+            .await
+            .expect("DEL");
+    }
+    latencies.sort();
+    latencies
+}
+
 /// 100 idle waiters behind one holder, on each of `IDLE_LEASES`: what they cost the backend, in
 /// requests it received. One line per lease.
 async fn idle_waiters(
@@ -228,6 +367,11 @@ async fn zookeeper_section() {
     );
     let latency = handover_latencies(connect(), connect()).await;
     println!("  zookeeper hand-over, watch     : {}", describe(&latency));
+    let raw = zookeeper_raw_handovers(port).await;
+    println!(
+        "  zookeeper raw predecessor-watch lock, hand-over: {}",
+        describe(&raw)
+    );
     for idle in idle_waiters(connect, || server.packets_received()).await {
         println!("  zookeeper {IDLE_WAITERS} idle waiters + holder: {idle}");
     }
@@ -775,6 +919,11 @@ async fn driver_section() {
     println!(
         "  redis  (pub/sub wake-up)        : {}",
         describe(&redis_latency)
+    );
+    let redis_raw = redis_raw_blocking_handovers(&durable.url()).await;
+    println!(
+        "  redis  raw BLPOP-signalled lock : {}",
+        describe(&redis_raw)
     );
     let open = || async {
         Arc::new(
