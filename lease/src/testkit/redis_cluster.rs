@@ -10,6 +10,8 @@ use super::redis_server::RedisServer;
 
 const SET_UP_TIMEOUT: Duration = Duration::from_secs(30);
 const SLOTS: u16 = 16384;
+/// Redis abandons a manual failover after 5 s; one not done by then is asked for again.
+const MANUAL_FAILOVER_RETRY: Duration = Duration::from_secs(6);
 
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
@@ -153,12 +155,29 @@ impl RedisCluster {
                     })
             })
             .expect("a replica of the slot's master");
-        command(self.nodes[replica].port(), &["CLUSTER", "FAILOVER"]).expect("failover");
+        // A manual failover that does not complete in Redis's own 5 s (the master and the
+        // replica must agree on the replication offset) is abandoned by Redis: ask again.
         let began = Instant::now();
-        while self.owner_of(slot) != replica || !self.replicas_in_sync() {
+        let mut asked = None::<Instant>;
+        while self.owner_of(slot) != replica {
+            if asked.is_none_or(|at| at.elapsed() > MANUAL_FAILOVER_RETRY) {
+                let _ = command(self.nodes[replica].port(), &["CLUSTER", "FAILOVER"]);
+                asked = Some(Instant::now());
+            }
             assert!(
                 began.elapsed() < SET_UP_TIMEOUT,
-                "the replica of slot {slot}'s shard did not take over"
+                "node {replica} did not take slot {slot}'s shard over from node {master}; the cluster:\n{}\nthe replica:\n{}",
+                command(self.nodes[0].port(), &["CLUSTER", "NODES"]).unwrap_or_default(),
+                super::redis_server::info(self.nodes[replica].port(), "replication")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let began = Instant::now();
+        while !self.replicas_in_sync() {
+            assert!(
+                began.elapsed() < SET_UP_TIMEOUT,
+                "the old master of slot {slot} did not follow its replica: {}",
+                super::redis_server::info(self.nodes[master].port(), "replication")
             );
             std::thread::sleep(Duration::from_millis(20));
         }
