@@ -107,17 +107,14 @@ impl RedisCluster {
         })
     }
 
-    /// The indices of the nodes that are masters now, as the first node sees it.
+    /// The indices of the nodes that are masters now, each by its own account (`INFO`): right
+    /// after a failover another node's view may still call the old master one.
     pub fn masters(&self) -> Vec<usize> {
-        let nodes = command(self.nodes[0].port(), &["CLUSTER", "NODES"]).expect("cluster nodes");
-        nodes
-            .lines()
-            .filter(|line| {
-                line.split_whitespace()
-                    .nth(2)
-                    .is_some_and(|flags| flags.contains("master") && !flags.contains("fail"))
+        (0..self.nodes.len())
+            .filter(|&i| {
+                super::redis_server::info(self.nodes[i].port(), "replication")
+                    .contains("role:master")
             })
-            .filter_map(|line| self.index_of(line.split_whitespace().nth(1)?))
             .collect()
     }
 
@@ -316,16 +313,7 @@ impl RedisCluster {
                 matches!((from.parse::<u16>(), to.parse::<u16>()), (Ok(f), Ok(t)) if (f..=t).contains(&slot))
             });
             if serves {
-                let port: u16 = address
-                    .split(['@', ':'])
-                    .nth(1)
-                    .and_then(|p| p.parse().ok())
-                    .expect("a node's port");
-                return self
-                    .nodes
-                    .iter()
-                    .position(|n| n.port() == port)
-                    .expect("a node of this cluster");
+                return self.index_of(address).expect("a node of this cluster");
             }
         }
         panic!("no node serves slot {slot}:\n{nodes}")
