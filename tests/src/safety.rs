@@ -78,7 +78,8 @@ pub enum Target {
     RedisSentinel,
     /// Three ZooKeeper servers, each sidecar connected to one of them.
     ZooKeeperEnsemble,
-    /// A Redis Cluster of three masters, whose lock slots move between them.
+    /// A Redis Cluster of three masters and their replicas: lock slots move between the masters,
+    /// and shards fail over.
     RedisCluster,
 }
 
