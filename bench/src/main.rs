@@ -678,6 +678,12 @@ async fn redis_raw_cycles_confirmed(url: &str, replicas: i64) -> f64 {
         .get_multiplexed_async_connection()
         .await
         .expect("connect");
+    raw_lock_cycles(&mut conn, replicas).await
+}
+
+/// The raw lock's cycles on `conn` (one server, or a cluster client that routes each command
+/// to its key's master), each `SET` confirmed by `replicas` replicas when that is not 0.
+async fn raw_lock_cycles(conn: &mut impl redis::aio::ConnectionLike, replicas: i64) -> f64 {
     let release = redis::Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
     );
@@ -689,7 +695,7 @@ async fn redis_raw_cycles_confirmed(url: &str, replicas: i64) -> f64 {
             .arg("NX")
             .arg("PX")
             .arg(LEASE.as_millis() as u64)
-            .query_async(&mut conn)
+            .query_async(conn)
             .await
             .expect("SET");
         assert!(set.is_some(), "cycle {i}: SET NX failed");
@@ -697,7 +703,7 @@ async fn redis_raw_cycles_confirmed(url: &str, replicas: i64) -> f64 {
             let acked: i64 = redis::cmd("WAIT")
                 .arg(replicas)
                 .arg(500)
-                .query_async(&mut conn)
+                .query_async(conn)
                 .await
                 .expect("WAIT");
             assert!(acked >= replicas, "cycle {i}: {acked} replicas confirmed");
@@ -705,7 +711,7 @@ async fn redis_raw_cycles_confirmed(url: &str, replicas: i64) -> f64 {
         let deleted: i64 = release
             .key("raw")
             .arg("bench")
-            .invoke_async(&mut conn)
+            .invoke_async(conn)
             .await
             .expect("EVAL");
         assert_eq!(deleted, 1);
@@ -1372,30 +1378,7 @@ async fn redis_cluster_raw_cycles(cluster: &leasehold_lease::testkit::RedisClust
         .get_async_connection()
         .await
         .expect("connect");
-    let release = redis::Script::new(
-        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-    );
-    let start = Instant::now();
-    for i in 0..CYCLES {
-        let set: Option<String> = redis::cmd("SET")
-            .arg("raw")
-            .arg("bench")
-            .arg("NX")
-            .arg("PX")
-            .arg(LEASE.as_millis() as u64)
-            .query_async(&mut conn)
-            .await
-            .expect("SET");
-        assert!(set.is_some(), "cycle {i}: SET NX failed");
-        let deleted: i64 = release
-            .key("raw")
-            .arg("bench")
-            .invoke_async(&mut conn)
-            .await
-            .expect("EVAL");
-        assert_eq!(deleted, 1);
-    }
-    CYCLES as f64 / start.elapsed().as_secs_f64()
+    raw_lock_cycles(&mut conn, 0).await
 }
 
 /// Redis behind Sentinel (a master and a replica, both `appendfsync always`, and a sentinel):

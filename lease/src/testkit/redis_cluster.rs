@@ -76,26 +76,18 @@ impl RedisCluster {
                 ],
             )
             .expect("meet");
-            let began = Instant::now();
             // A node can be made a replica only once it knows its master.
-            while command(replica.port(), &["CLUSTER", "REPLICATE", &master]).is_err() {
-                assert!(
-                    began.elapsed() < SET_UP_TIMEOUT,
-                    "the new node never learnt of master {master}"
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
+            wait_until(
+                || command(replica.port(), &["CLUSTER", "REPLICATE", &master]).is_ok(),
+                || format!("the new node never learnt of master {master}"),
+            );
             cluster.nodes.push(replica);
         }
         cluster.wait_until_ok();
-        let began = Instant::now();
-        while !cluster.replicas_in_sync() {
-            assert!(
-                began.elapsed() < SET_UP_TIMEOUT,
-                "the replicas did not sync within {SET_UP_TIMEOUT:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_until(
+            || cluster.replicas_in_sync(),
+            || format!("the replicas did not sync within {SET_UP_TIMEOUT:?}"),
+        );
         cluster
     }
 
@@ -130,14 +122,10 @@ impl RedisCluster {
     /// and the old master follows it.
     pub fn fail_over_shard(&self, slot: u16) {
         // A replica that is not in sync (a restart a moment ago) would not be promoted.
-        let began = Instant::now();
-        while !self.replicas_in_sync() {
-            assert!(
-                began.elapsed() < SET_UP_TIMEOUT,
-                "the replicas are not in sync"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_until(
+            || self.replicas_in_sync(),
+            || "the replicas are not in sync".into(),
+        );
         let master = self.owner_of(slot);
         let master_id = command(self.nodes[master].port(), &["CLUSTER", "MYID"]).expect("myid");
         let replica = self
@@ -154,30 +142,35 @@ impl RedisCluster {
             .expect("a replica of the slot's master");
         // A manual failover that does not complete in Redis's own 5 s (the master and the
         // replica must agree on the replication offset) is abandoned by Redis: ask again.
-        let began = Instant::now();
         let mut asked = None::<Instant>;
-        while self.owner_of(slot) != replica {
-            if asked.is_none_or(|at| at.elapsed() > MANUAL_FAILOVER_RETRY) {
-                let _ = command(self.nodes[replica].port(), &["CLUSTER", "FAILOVER"]);
-                asked = Some(Instant::now());
-            }
-            assert!(
-                began.elapsed() < SET_UP_TIMEOUT,
-                "node {replica} did not take slot {slot}'s shard over from node {master}; the cluster:\n{}\nthe replica:\n{}",
-                command(self.nodes[0].port(), &["CLUSTER", "NODES"]).unwrap_or_default(),
-                super::redis_server::info(self.nodes[replica].port(), "replication")
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let began = Instant::now();
-        while !self.replicas_in_sync() {
-            assert!(
-                began.elapsed() < SET_UP_TIMEOUT,
-                "the old master of slot {slot} did not follow its replica: {}",
-                super::redis_server::info(self.nodes[master].port(), "replication")
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_until(
+            || {
+                if self.owner_of(slot) == replica {
+                    return true;
+                }
+                if asked.is_none_or(|at| at.elapsed() > MANUAL_FAILOVER_RETRY) {
+                    let _ = command(self.nodes[replica].port(), &["CLUSTER", "FAILOVER"]);
+                    asked = Some(Instant::now());
+                }
+                false
+            },
+            || {
+                format!(
+                    "node {replica} did not take slot {slot}'s shard over from node {master}; the cluster:\n{}\nthe replica:\n{}",
+                    command(self.nodes[0].port(), &["CLUSTER", "NODES"]).unwrap_or_default(),
+                    super::redis_server::info(self.nodes[replica].port(), "replication")
+                )
+            },
+        );
+        wait_until(
+            || self.replicas_in_sync(),
+            || {
+                format!(
+                    "the old master of slot {slot} did not follow its replica: {}",
+                    super::redis_server::info(self.nodes[master].port(), "replication")
+                )
+            },
+        );
     }
 
     fn assemble(nodes: Vec<RedisServer>) -> Self {
@@ -225,7 +218,7 @@ impl RedisCluster {
         let hosts: Vec<String> = self
             .nodes
             .iter()
-            .map(|n| format!("127.0.0.1:{}", n.tls_port().unwrap_or(n.port())))
+            .map(|n| format!("127.0.0.1:{}", n.client_port()))
             .collect();
         if self.nodes[0].tls_port().is_none() {
             return format!("redis+cluster://{}", hosts.join(","));
@@ -256,7 +249,6 @@ impl RedisCluster {
     }
 
     fn wait_until_ok(&self) {
-        let began = Instant::now();
         let ok = |port: u16| {
             command(port, &["CLUSTER", "INFO"]).is_ok_and(|info| {
                 info.contains("cluster_state:ok")
@@ -264,14 +256,15 @@ impl RedisCluster {
                     && info.contains(&format!("cluster_known_nodes:{}", self.nodes.len()))
             })
         };
-        while !self.nodes.iter().all(|n| ok(n.port())) {
-            assert!(
-                began.elapsed() < SET_UP_TIMEOUT,
-                "the Redis Cluster did not come up within {SET_UP_TIMEOUT:?}: {:?}",
-                command(self.nodes[0].port(), &["CLUSTER", "INFO"])
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_until(
+            || self.nodes.iter().all(|n| ok(n.port())),
+            || {
+                format!(
+                    "the Redis Cluster did not come up within {SET_UP_TIMEOUT:?}: {:?}",
+                    command(self.nodes[0].port(), &["CLUSTER", "INFO"])
+                )
+            },
+        );
     }
 
     /// The hash slot of `key`.
@@ -368,11 +361,19 @@ impl RedisCluster {
             )
             .expect("setslot node");
         }
-        let began = Instant::now();
-        while self.owner_of(slot) != to {
-            assert!(began.elapsed() < SET_UP_TIMEOUT, "slot {slot} did not move");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_until(
+            || self.owner_of(slot) == to,
+            || format!("slot {slot} did not move"),
+        );
+    }
+}
+
+/// Poll `done` until it holds; past [`SET_UP_TIMEOUT`], fail with what `failure` says then.
+fn wait_until(mut done: impl FnMut() -> bool, failure: impl Fn() -> String) {
+    let began = Instant::now();
+    while !done() {
+        assert!(began.elapsed() < SET_UP_TIMEOUT, "{}", failure());
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

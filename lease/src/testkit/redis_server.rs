@@ -37,17 +37,7 @@ impl RedisServer {
     /// `durable: false`: no append-only file, for throughput baselines where fsync would
     /// dominate both sides of the comparison.
     pub fn start_with(durable: bool) -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis"),
-            port: free_port(),
-            durable,
-            tls_port: None,
-            module: None,
-            replica_of: None,
-            cluster_port: None,
-        };
-        server.spawn();
-        server
+        Self::unstarted("redis", durable).started()
     }
 
     /// Durable, with the TairString module loaded; [`RedisServer::url`] is then `tair://`.
@@ -57,68 +47,36 @@ impl RedisServer {
 
     /// With the TairString module; `durable: false` for throughput baselines.
     pub fn start_tair_with(durable: bool) -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis"),
-            port: free_port(),
-            durable,
-            tls_port: None,
+        Self {
             module: Some(super::tairstring::module()),
-            replica_of: None,
-            cluster_port: None,
-        };
-        server.spawn();
-        server
+            ..Self::unstarted("redis", durable)
+        }
+        .started()
     }
 
     /// Durable, with the TairString module, and serving TLS too; [`RedisServer::url`] is then
     /// `tairs://` on the TLS port, with the CA and the client's certificate.
     pub fn start_tair_tls() -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis"),
-            port: free_port(),
-            durable: true,
-            tls_port: Some(free_port()),
+        Self {
             module: Some(super::tairstring::module()),
-            replica_of: None,
-            cluster_port: None,
-        };
-        super::write_test_certificates(server.process.dir());
-        server.spawn();
-        server
+            ..Self::unstarted("redis", true)
+        }
+        .serving_tls(None)
+        .started()
     }
 
     /// Durable, and serving TLS too; [`RedisServer::url`] is then the TLS one, with the
     /// client's certificate.
     pub fn start_tls() -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis"),
-            port: free_port(),
-            durable: true,
-            tls_port: Some(free_port()),
-            module: None,
-            replica_of: None,
-            cluster_port: None,
-        };
-        super::write_test_certificates(server.process.dir());
-        server.spawn();
-        server
+        Self::unstarted("redis", true).serving_tls(None).started()
     }
 
     /// Like [`RedisServer::start_tls`], with `other`'s CA and certificates: the masters of a
     /// Redlock over TLS, trusted through one CA.
     pub fn start_tls_like(other: &RedisServer) -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis"),
-            port: free_port(),
-            durable: true,
-            tls_port: Some(free_port()),
-            module: None,
-            replica_of: None,
-            cluster_port: None,
-        };
-        other.share_certificates_with(&server);
-        server.spawn();
-        server
+        Self::unstarted("redis", true)
+            .serving_tls(Some(other))
+            .started()
     }
 
     /// A replica of whatever listens on `port` (a master, or a proxy to one), without an
@@ -126,34 +84,22 @@ impl RedisServer {
     /// loaded machine an fsync alone can outlast a `WAIT`), and a restart syncs it again from its
     /// master.
     pub fn start_replica_of(port: u16) -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis-replica"),
-            port: free_port(),
-            durable: false,
-            tls_port: None,
-            module: None,
+        Self {
             replica_of: Some(port),
-            cluster_port: None,
-        };
-        server.spawn();
-        server
+            ..Self::unstarted("redis-replica", false)
+        }
+        .started()
     }
 
     /// [`RedisServer::start_replica_of`] a TLS master's TLS port (or a proxy to it), serving
     /// TLS too, with `master`'s certificates: it replicates over TLS (`tls-replication yes`).
     pub fn start_tls_replica_of(port: u16, master: &RedisServer) -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis-replica"),
-            port: free_port(),
-            durable: false,
-            tls_port: Some(free_port()),
-            module: None,
+        Self {
             replica_of: Some(port),
-            cluster_port: None,
-        };
-        master.share_certificates_with(&server);
-        server.spawn();
-        server
+            ..Self::unstarted("redis-replica", false)
+        }
+        .serving_tls(Some(master))
+        .started()
     }
 
     /// The port clients use: the TLS one when serving TLS.
@@ -164,17 +110,11 @@ impl RedisServer {
     /// A durable node of a Redis Cluster, with no slots yet (see
     /// [`super::redis_cluster::RedisCluster`]).
     pub fn start_cluster_node() -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis-cluster"),
-            port: free_port(),
-            durable: true,
-            tls_port: None,
-            module: None,
-            replica_of: None,
+        Self {
             cluster_port: Some(free_port()),
-        };
-        server.spawn();
-        server
+            ..Self::unstarted("redis-cluster", true)
+        }
+        .started()
     }
 
     /// A cluster node that serves clients over TLS and speaks TLS on its cluster bus
@@ -182,21 +122,40 @@ impl RedisServer {
     /// stays for the harness's own commands. The certificates are `like`'s, so that one CA
     /// signs every node, or new ones for the first node.
     pub fn start_tls_cluster_node(like: Option<&RedisServer>) -> Self {
-        let mut server = Self {
-            process: ServerProcess::new("redis-cluster"),
+        Self {
+            cluster_port: Some(free_port()),
+            ..Self::unstarted("redis-cluster", true)
+        }
+        .serving_tls(like)
+        .started()
+    }
+
+    /// A plain server on a free port, not yet started: the constructors above set what differs.
+    fn unstarted(kind: &'static str, durable: bool) -> Self {
+        Self {
+            process: ServerProcess::new(kind),
             port: free_port(),
-            durable: true,
-            tls_port: Some(free_port()),
+            durable,
+            tls_port: None,
             module: None,
             replica_of: None,
-            cluster_port: Some(free_port()),
-        };
-        match like {
-            Some(other) => other.share_certificates_with(&server),
-            None => super::write_test_certificates(server.process.dir()),
+            cluster_port: None,
         }
-        server.spawn();
-        server
+    }
+
+    /// Serving TLS too, on a port of its own, with `like`'s CA and certificates, or new ones.
+    fn serving_tls(mut self, like: Option<&RedisServer>) -> Self {
+        self.tls_port = Some(free_port());
+        match like {
+            Some(other) => other.share_certificates_with(&self),
+            None => super::write_test_certificates(self.process.dir()),
+        }
+        self
+    }
+
+    fn started(mut self) -> Self {
+        self.spawn();
+        self
     }
 
     /// Copy this server's CA, server and client pairs into `other`'s directory.
