@@ -13,6 +13,8 @@
 //! compare the deadline with the clock themselves, so a process that was paused answers "not
 //! holder" the instant it resumes, before this task has run again.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -327,6 +329,8 @@ struct LockInner {
     commands: mpsc::Sender<Box<Command>>,
     shutdown: watch::Sender<bool>,
     task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Closed once the task and every acquisition it left in flight have ended ([`Lock::settled`]).
+    settled: watch::Receiver<()>,
 }
 
 impl Drop for LockInner {
@@ -349,6 +353,7 @@ impl Lock {
         let events = Events::default();
         let (command_tx, command_rx) = mpsc::channel(64);
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let (settled_tx, settled_rx) = watch::channel(());
         let engine = Engine {
             backend: driver.kind(),
             driver,
@@ -365,6 +370,8 @@ impl Lock {
             hold_deadline: None,
             waiters: Vec::new(),
             served: false,
+            in_flight: None,
+            settled: Arc::new(settled_tx),
         };
         let backend = engine.backend;
         let task = tokio::spawn(engine.run());
@@ -377,6 +384,7 @@ impl Lock {
                 commands: command_tx,
                 shutdown: shutdown_tx,
                 task: std::sync::Mutex::new(Some(task)),
+                settled: settled_rx,
             }),
         })
     }
@@ -486,6 +494,54 @@ impl Lock {
             task.abort();
         }
     }
+
+    /// Resolves once the task has ended and no acquisition it started can still take the lock:
+    /// one it stopped waiting for is followed to its end, and what it took is given back
+    /// ([`InFlight`]). Until then the backend may still show this identity as the holder.
+    pub async fn settled(&self) {
+        let mut settled = self.inner.settled.clone();
+        while settled.changed().await.is_ok() {}
+    }
+}
+
+/// An acquisition sent to the backend, whose answer the engine has not had yet.
+type Attempt = Pin<Box<dyn Future<Output = Result<Acquire>> + Send>>;
+
+/// An acquisition the engine stopped waiting for (its budget ran out, or the engine stopped).
+/// The backend may still carry it out: a statement already handed to SQLite's worker, a
+/// command already on the wire. The engine's next campaign step waits for it rather than
+/// sending another; if the engine ends first, it is followed to its end in the background and
+/// a lease it took is released, so that nobody is left holding the lock for nobody (until its
+/// lease runs out) and a retry by the same identity does not meet its own earlier attempt.
+struct InFlight {
+    attempt: Option<Attempt>,
+    sent: Instant,
+    sent_boot: BootInstant,
+    driver: Arc<dyn Driver>,
+    /// How long the follow-up waits for the attempt before giving up on it.
+    patience: Duration,
+    settled: Arc<watch::Sender<()>>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(attempt) = self.attempt.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (driver, patience, settled) =
+            (self.driver.clone(), self.patience, self.settled.clone());
+        runtime.spawn(async move {
+            let _settled = settled;
+            if let Ok(Ok(Acquire::Acquired(lease))) = timeout(patience, attempt).await {
+                tracing::debug!(lock = %lease.lock, token = lease.token,
+                    "an acquisition answered too late took the lock; releasing it");
+                let _ = timeout(patience, driver.release(&lease)).await;
+            }
+        });
+    }
 }
 
 struct HeldLease {
@@ -505,6 +561,8 @@ struct Waiter {
 enum Call<T> {
     Done(T),
     Failed,
+    /// No answer within the budget: the call may still take effect.
+    TimedOut,
     ShuttingDown,
 }
 
@@ -527,6 +585,10 @@ struct Engine {
     waiters: Vec<Waiter>,
     /// A single-use engine has taken its first command.
     served: bool,
+    in_flight: Option<InFlight>,
+    /// Kept by the engine and by each follow-up of an [`InFlight`]; [`Lock::settled`] resolves
+    /// when the last is dropped.
+    settled: Arc<watch::Sender<()>>,
 }
 
 /// Whether the task goes on.
@@ -615,6 +677,23 @@ impl Engine {
         }
     }
 
+    /// Send an acquisition of the lock; it is waited for through [`InFlight`].
+    fn send_acquisition(&self) -> InFlight {
+        let driver = self.driver.clone();
+        let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
+        let ttl = self.config.lease_duration;
+        InFlight {
+            attempt: Some(Box::pin(async move {
+                driver.try_acquire(&name, &identity, ttl).await
+            })),
+            sent: Instant::now(),
+            sent_boot: BootInstant::now(),
+            driver: self.driver.clone(),
+            patience: self.config.lease_duration,
+            settled: self.settled.clone(),
+        }
+    }
+
     /// Drop a lease whose self-fence deadline has passed.
     fn fence(&mut self) {
         if self
@@ -646,7 +725,7 @@ impl Engine {
                 Err(_) => {
                     let e = Error::Timeout(budget);
                     self.backend_failed(&e);
-                    Call::Failed
+                    Call::TimedOut
                 }
             },
         }
@@ -970,7 +1049,9 @@ impl Engine {
                 self.publish_lease();
             }
             Call::Done(false) => self.lose("the backend no longer has this lease"),
-            Call::Failed => self.retry_at = Some(Instant::now() + self.retry_pause()),
+            Call::Failed | Call::TimedOut => {
+                self.retry_at = Some(Instant::now() + self.retry_pause())
+            }
             Call::ShuttingDown => return Flow::Stop,
         }
         Flow::Continue
@@ -994,15 +1075,30 @@ impl Engine {
         if let Some(changes) = &mut changes {
             changes.borrow_and_update();
         }
-        let driver = self.driver.clone();
-        let (sent, sent_boot) = (Instant::now(), BootInstant::now());
         let budget = self.config.renew_interval;
-        let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
-        let attempt = driver.try_acquire(&name, &identity, self.config.lease_duration);
-        let outcome = self.call(budget, attempt).await;
+        let mut in_flight = match self.in_flight.take() {
+            Some(in_flight) => in_flight,
+            None => self.send_acquisition(),
+        };
+        let outcome = match in_flight.attempt.as_mut() {
+            Some(attempt) => self.call(budget, attempt.as_mut()).await,
+            None => Call::Failed,
+        };
+        let (sent, sent_boot) = (in_flight.sent, in_flight.sent_boot);
+        match outcome {
+            // Unfinished: the backend may still carry it out.
+            Call::TimedOut | Call::ShuttingDown => self.in_flight = Some(in_flight),
+            Call::Done(_) | Call::Failed => in_flight.attempt = None,
+        }
         self.check_enforced_lease();
         let pause = match outcome {
             Call::Done(Acquire::Acquired(lease)) => {
+                if BootInstant::now() >= self.claim_until(&lease, sent_boot) {
+                    // An attempt that was waited for again, and whose claim ran out meanwhile.
+                    let budget = self.config.renew_interval;
+                    let _ = timeout(budget, self.driver.release(&lease)).await;
+                    return Flow::Continue;
+                }
                 self.on_acquired(lease, sent, sent_boot);
                 self.release_unwanted().await;
                 return Flow::Continue;
@@ -1021,11 +1117,13 @@ impl Engine {
                 });
                 pause
             }
-            Call::Failed => self.retry_pause(),
+            Call::Failed | Call::TimedOut => self.retry_pause(),
             Call::ShuttingDown => return Flow::Stop,
         };
         self.expire_waiters().await;
         if !self.wants_lock() {
+            // Nobody waits for an unanswered attempt now: it is followed up in the background.
+            self.in_flight = None;
             return Flow::Continue;
         }
         let wake = Instant::now() + pause;
@@ -1085,7 +1183,7 @@ impl Engine {
                     changed
                 });
             }
-            Call::Failed => {}
+            Call::Failed | Call::TimedOut => {}
             Call::ShuttingDown => return Flow::Stop,
         }
         let pause = jitter(self.config.renew_interval);

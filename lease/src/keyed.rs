@@ -30,7 +30,7 @@ use tokio::time::{Instant, timeout};
 use crate::driver::{Driver, Holding};
 use crate::error::Error;
 use crate::holder::{Answer, Event, Lock, LockConfig, Mode, Telemetry};
-use crate::names::{MAX_LOCK_NAME, validate_lock_name};
+use crate::names::{HASHED_KEY_INFIX, MAX_LOCK_NAME, PLAIN_KEY_INFIX, validate_lock_name};
 
 /// The longest key accepted by default.
 pub const DEFAULT_MAX_KEY_LENGTH: usize = 128;
@@ -423,7 +423,17 @@ impl KeyedFamily {
         if !answer.is_holder() {
             let holder = lock.snapshot().current_holder.map(|h: Holding| h.identity);
             lock.shutdown().await;
-            drop(slot);
+            // An attempt that could not tell may still take the key (a write the backend carries
+            // out late): the slot waits for it to be followed up and given back, so that the
+            // owner's retry does not meet its own earlier attempt in the backend.
+            if timeout(Duration::ZERO, lock.settled()).await.is_ok() {
+                drop(slot);
+            } else {
+                tokio::spawn(async move {
+                    lock.settled().await;
+                    drop(slot);
+                });
+            }
             return Ok(match answer {
                 Answer::Unknown => KeyAnswer::Unknown,
                 _ => KeyAnswer::HeldByAnother { holder },
@@ -634,7 +644,7 @@ fn backend_name(family: &str, key: &str) -> String {
         && key.as_bytes()[0].is_ascii_alphanumeric()
         && key.as_bytes()[key.len() - 1].is_ascii_alphanumeric()
         && !key.contains("..");
-    let name = format!("{family}.keys.{key}");
+    let name = format!("{family}{PLAIN_KEY_INFIX}{key}");
     if plain && name.len() <= MAX_LOCK_NAME {
         name
     } else {
@@ -645,7 +655,7 @@ fn backend_name(family: &str, key: &str) -> String {
 fn hashed_name(family: &str, key: &str) -> String {
     let digest = Sha256::digest(key.as_bytes());
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{family}.keyh.{}", &hex[..HASHED_KEY_DIGITS])
+    format!("{family}{HASHED_KEY_INFIX}{}", &hex[..HASHED_KEY_DIGITS])
 }
 
 /// A family's name is a lock name short enough that its keys' derived names are lock names too.
@@ -666,12 +676,15 @@ pub fn validate_family_name(family: &str) -> Result<(), Error> {
 
 /// Whether a plain lock named `lock` would share the backend with a key of `family`.
 pub fn collides_with_family(lock: &str, family: &str) -> bool {
-    lock.starts_with(&format!("{family}.keys.")) || lock.starts_with(&format!("{family}.keyh."))
+    [PLAIN_KEY_INFIX, HASHED_KEY_INFIX]
+        .iter()
+        .any(|infix| lock.starts_with(&format!("{family}{infix}")))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::names::family_of;
 
     #[test]
     fn plain_keys_keep_their_name_and_others_are_hashed() {
@@ -691,6 +704,9 @@ mod tests {
         assert!(backend_name("orders", &long).starts_with("orders.keyh."));
         assert!(collides_with_family("orders.keys.x", "orders"));
         assert!(!collides_with_family("orders", "orders"));
+        assert_eq!(family_of(&backend_name("orders", "Sku/1")), Some("orders"));
+        assert_eq!(family_of("a.keys.b.keyh.c"), Some("a"));
+        assert_eq!(family_of(".keys.x"), None);
     }
 
     #[test]

@@ -6,6 +6,23 @@ use crate::error::{Error, Result};
 /// The longest lock name: a Kubernetes object name (DNS subdomain) fits.
 pub const MAX_LOCK_NAME: usize = 253;
 
+/// What joins a family's name and a key in the lock name of a keyed lock ([`crate::keyed`]):
+/// `FAMILY.keys.KEY` for a plain key, `FAMILY.keyh.HASH` for any other.
+pub const PLAIN_KEY_INFIX: &str = ".keys.";
+pub const HASHED_KEY_INFIX: &str = ".keyh.";
+
+/// The family whose keys a lock name has the form of, if any. A plain lock named that way is
+/// counted with the family by the backends that share a token counter per family: harmless,
+/// since a counter shared by several locks still rises for each of them.
+pub fn family_of(lock: &str) -> Option<&str> {
+    [PLAIN_KEY_INFIX, HASHED_KEY_INFIX]
+        .iter()
+        .filter_map(|infix| lock.find(infix))
+        .min()
+        .map(|at| &lock[..at])
+        .filter(|family| !family.is_empty())
+}
+
 /// The longest SQL identifier accepted; PostgreSQL truncates at 63 bytes, so we refuse there.
 pub const MAX_SQL_IDENTIFIER: usize = 63;
 

@@ -1,0 +1,135 @@
+//! An acquisition whose answer comes after the engine stopped waiting for it may still have taken
+//! the lock: SQLite's worker runs a statement it was handed whether or not anyone still waits,
+//! and a command on the wire is carried out all the same. Such a late acquisition must be
+//! adopted while its claim still stands, or given back, never left holding the lock for nobody
+//! until its lease runs out (a conformance run on SQLite met exactly that: an owner released its
+//! key and, taking it again, found its own earlier attempt in the way).
+//!
+//! The late answers come from [`FaultyDriver::delay_responses`] over a real SQLite file: the
+//! backend carries each call out at once, and its answer reaches the engine later.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyedFamily};
+use leasehold_lease::testkit::faulty::FaultyDriver;
+use leasehold_lease::testkit::{SqliteHarness, unique_lock};
+use leasehold_lease::{Answer, BackendUrl, Driver, Lock, LockConfig, Mode};
+use tokio::time::{Instant, sleep};
+
+/// Renew interval 2 s: the engine waits that long for an answer.
+const LEASE: Duration = Duration::from_secs(6);
+/// Longer than the engine waits, far shorter than the lease.
+const LATE: Duration = Duration::from_millis(2500);
+const HOLD: Duration = Duration::from_secs(60);
+
+async fn sqlite(harness: &SqliteHarness) -> Arc<dyn Driver> {
+    let url = format!("sqlite://{}", harness.path().display());
+    leasehold_lease::connect(&BackendUrl::parse(&url).expect("url"))
+        .await
+        .expect("driver")
+}
+
+fn on_demand(driver: Arc<dyn Driver>, name: &str, identity: &str) -> Lock {
+    let mut config = LockConfig::new(name, identity, LEASE);
+    config.mode = Mode::OnDemand;
+    Lock::start(driver, config, Arc::new(())).expect("lock")
+}
+
+/// A waiter still there when the late answer comes gets the lock it took, with that
+/// acquisition's token, rather than a second attempt that finds the first in the way and waits
+/// out its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_acquisition_is_adopted_while_its_claim_stands() {
+    let harness = SqliteHarness::new();
+    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let name = unique_lock("late");
+    let a = on_demand(faulty.clone(), &name, "a");
+    faulty.delay_responses(LATE);
+    let started = Instant::now();
+    let answer = a.acquire(LEASE, HOLD).await.expect("acquire");
+    faulty.delay_responses(Duration::ZERO);
+    let Answer::Holder { token, .. } = answer else {
+        panic!("the waiter did not get the lock its own attempt took: {answer:?}")
+    };
+    assert_eq!(
+        token, 1,
+        "a second acquisition was made: the first, answered late, was dropped"
+    );
+    assert!(
+        started.elapsed() < LEASE,
+        "took {:?}: the waiter waited out its own attempt's lease",
+        started.elapsed()
+    );
+    assert!(a.release().await.expect("release"));
+}
+
+/// Nobody waits any more when the late answer comes (a try-lock answered "cannot tell"): what
+/// the attempt took is given back at once, and another pod's waiter gets the lock long before
+/// that lease would have run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_acquisition_nobody_waits_for_is_given_back() {
+    let harness = SqliteHarness::new();
+    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let name = unique_lock("late");
+    let a = on_demand(faulty.clone(), &name, "a");
+    let b = on_demand(sqlite(&harness).await, &name, "b");
+    faulty.delay_responses(LATE);
+    let answer = a.acquire(Duration::ZERO, HOLD).await.expect("acquire");
+    assert_eq!(answer, Answer::Unknown, "a's try-lock could not tell");
+    faulty.delay_responses(Duration::ZERO);
+    // a's attempt took the lock in the file when it was sent; its lease would last until about
+    // LEASE from then. Given back when its answer comes (LATE), b gets it well before.
+    let waited = Instant::now();
+    let answer = b.acquire(LEASE / 2, HOLD).await.expect("acquire");
+    assert!(
+        answer.is_holder(),
+        "b did not get the lock within {:?} of a's try-lock: {answer:?} (a's late attempt kept it for nobody)",
+        LEASE / 2
+    );
+    assert!(!a.answer().is_holder(), "a claims a lock nobody asked for");
+    assert!(waited.elapsed() < LEASE / 2);
+    assert!(b.release().await.expect("release"));
+}
+
+/// A keyed owner told "cannot tell" asks again: it is never told that it holds the key itself,
+/// elsewhere, and gets the key as soon as its earlier attempt has been given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_owner_never_meets_its_own_late_attempt() {
+    let harness = SqliteHarness::new();
+    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let family = KeyedFamily::new(
+        faulty.clone(),
+        FamilyConfig::new(&unique_lock("latekeys"), "pod-a", LEASE),
+        Arc::new(()),
+    )
+    .expect("family");
+    faulty.delay_responses(LATE);
+    let answer = family
+        .acquire("order-1", "w1", Duration::ZERO, HOLD)
+        .await
+        .expect("acquire");
+    assert_eq!(answer, KeyAnswer::Unknown);
+    faulty.delay_responses(Duration::ZERO);
+    let asked = Instant::now();
+    let token = loop {
+        match family
+            .acquire("order-1", "w1", Duration::ZERO, HOLD)
+            .await
+            .expect("acquire")
+        {
+            KeyAnswer::Held { token, .. } => break token,
+            // Its earlier attempt is still being followed up in this pod.
+            KeyAnswer::HeldByAnother { holder: None } => {}
+            other => panic!("the owner's retry was told {other:?}"),
+        }
+        assert!(
+            asked.elapsed() < LEASE / 2,
+            "the key was not free again within {:?} of the late answer",
+            LEASE / 2
+        );
+        sleep(Duration::from_millis(20)).await;
+    };
+    assert!(token > 1, "token {token}: the late attempt took token 1");
+    family.shutdown().await;
+}
