@@ -34,8 +34,10 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
-/// KEYS: lease, token counter, epoch record. ARGV: identity, ttl ms, durable ("1" when the
-/// server loses no acknowledged write in a crash: `appendonly yes`, `appendfsync always`).
+/// KEYS: lease, token counter, epoch record, the lock's own counter (the same as the token
+/// counter unless the lock is a family's key). ARGV: identity, ttl ms, durable ("1" when the
+/// server loses no acknowledged write in a crash: `appendonly yes`, `appendfsync always`), how
+/// long a key's own counter outlives its last acquisition (ms).
 /// Returns the new token, {current value, remaining ms} when the lock is held, or
 /// {false, remaining ms} while the server waits out a lease it may have lost.
 ///
@@ -46,6 +48,12 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// else from now), and the token counters are raised above every token of earlier epochs (the
 /// floor: the server's clock in microseconds, and at least 10^9 above the last floor). A durable
 /// server that was never promoted lost nothing: its new epoch begins at once, tokens untouched.
+///
+/// A family's keys draw their tokens from the family's counter ([`KeyLayout::counter`]), above
+/// the key's own counter where one is left, and leave the token in the key's own counter for
+/// [`KEY_COUNTER_RETENTION`]: so a key idle that long has no record left, and a sidecar of an
+/// earlier version, which counts on the key's own counter alone, still draws above every
+/// token given meanwhile, through a rolling upgrade.
 pub(crate) const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
@@ -79,13 +87,47 @@ if replid then
     return {false, math.ceil(left / 1000)}
   end
 end
+local keyed = KEYS[4] ~= KEYS[2]
+if keyed then
+  floor = math.max(floor, tonumber(redis.call('GET', KEYS[4]) or '0'))
+end
 if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
   redis.call('SET', KEYS[2], string.format('%d', floor))
 end
 local token = redis.call('INCR', KEYS[2])
+if keyed then
+  redis.call('SET', KEYS[4], string.format('%d', token), 'PX', ARGV[4])
+end
 redis.call('SET', KEYS[1], string.format('%d', token) .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
 return token
 ";
+/// An invocation of [`ACQUIRE`] for `lock`.
+pub(crate) fn acquisition<'a>(
+    acquire: &'a Script,
+    keys: &KeyLayout,
+    lock: &str,
+    identity: &str,
+    ttl: Duration,
+    durable: bool,
+) -> redis::ScriptInvocation<'a> {
+    let mut invocation = acquire.prepare_invoke();
+    invocation
+        .key(keys.lease(lock))
+        .key(keys.counter(lock))
+        .key(keys.epoch_of(lock))
+        .key(keys.token(lock))
+        .arg(identity)
+        .arg(ms(ttl))
+        .arg(if durable { "1" } else { "0" })
+        .arg(ms(KEY_COUNTER_RETENTION));
+    invocation
+}
+
+/// How long a family key's own token counter outlives the key's last acquisition (see
+/// [`ACQUIRE`]): the time a family's sidecars may run versions from before and after family
+/// counters side by side, and the time after which an idle key leaves nothing in Redis.
+pub const KEY_COUNTER_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
 /// How long a master's durability (as CONFIG tells it) is trusted before it is read again.
 const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
 
@@ -260,8 +302,22 @@ impl KeyLayout {
     pub fn lease(&self, lock: &str) -> String {
         format!("{}:{{{lock}}}:lease", self.prefix)
     }
+    /// The lock's own token counter.
     pub fn token(&self, lock: &str) -> String {
         format!("{}:{{{lock}}}:token", self.prefix)
+    }
+    /// The counter `lock`'s tokens are drawn from: for a family's key, the family's, so that a
+    /// key nobody holds has no record left (its lease key expires or is deleted), while its
+    /// tokens still rise; for any other lock, and for every lock on a Redis Cluster (a script
+    /// may only touch keys of one slot, and a family's keys are spread over the slots), the
+    /// lock's own.
+    pub fn counter(&self, lock: &str) -> String {
+        match crate::names::family_of(lock) {
+            Some(family) if !self.epoch_per_lock => {
+                format!("{}:{{{family}}}:keytokens", self.prefix)
+            }
+            _ => self.token(lock),
+        }
     }
     /// The prefix's epoch record (see [`ACQUIRE`]).
     pub fn epoch(&self) -> String {
@@ -609,14 +665,7 @@ impl Driver for RedisDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.connection().await?;
         let durable = self.durable(&mut conn).await;
-        let reply: Value = self
-            .acquire
-            .key(self.keys.lease(lock))
-            .key(self.keys.token(lock))
-            .key(self.keys.epoch_of(lock))
-            .arg(identity)
-            .arg(ms(ttl))
-            .arg(if durable { "1" } else { "0" })
+        let reply: Value = acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.error(e))?;
@@ -699,6 +748,14 @@ mod tests {
         assert_eq!(k.released_channel("jobs"), "leasehold:released:jobs");
         assert_eq!(k.lock_of_channel("leasehold:released:jobs"), Some("jobs"));
         assert_eq!(k.lock_of_channel("other:released:jobs"), None);
+        // A family's keys share its counter, except on a cluster.
+        assert_eq!(k.counter("jobs"), k.token("jobs"));
+        assert_eq!(k.counter("orders.keys.o-1"), "leasehold:{orders}:keytokens");
+        assert_eq!(k.counter("orders.keyh.ab12"), k.counter("orders.keys.o-2"));
+        assert_eq!(
+            cluster.counter("orders.keys.o-1"),
+            cluster.token("orders.keys.o-1")
+        );
     }
 
     #[test]

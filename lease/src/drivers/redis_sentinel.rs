@@ -371,20 +371,14 @@ impl Driver for RedisSentinelDriver {
             .durability
             .of(&mut master.conn.clone(), &master.address)
             .await;
-        let reply: Value = match self
-            .acquire
-            .key(self.keys.lease(lock))
-            .key(self.keys.token(lock))
-            .key(self.keys.epoch())
-            .arg(identity)
-            .arg(single::ms(ttl))
-            .arg(if durable { "1" } else { "0" })
-            .invoke_async(&mut master.conn.clone())
-            .await
-        {
-            Ok(reply) => reply,
-            Err(e) => return Err(self.failed(&master, e).await),
-        };
+        let reply: Value =
+            match single::acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
+                .invoke_async(&mut master.conn.clone())
+                .await
+            {
+                Ok(reply) => reply,
+                Err(e) => return Err(self.failed(&master, e).await),
+            };
         let Value::Int(token) = reply else {
             return Ok(Acquire::Busy(single::parse_value_and_pttl(&reply)));
         };

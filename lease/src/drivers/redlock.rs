@@ -32,8 +32,8 @@ use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::redis::{
-    KeyLayout, OBSERVE, RELEASE, RENEW, lease_value, listen_for_releases, map_err, ms,
-    parse_value_and_pttl,
+    KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, RENEW, lease_value, listen_for_releases,
+    map_err, ms, parse_value_and_pttl,
 };
 use crate::error::{Error, Result};
 
@@ -47,18 +47,21 @@ const MAX_DELAY: Duration = Duration::from_secs(1);
 const DRIFT_FACTOR: u32 = 100;
 const DRIFT_FLOOR: Duration = Duration::from_millis(2);
 
-/// KEYS: lease, token counter. ARGV: pending value, ttl ms.
-/// Returns the counter when the key was set, or {current value, remaining ms} when held.
+/// KEYS: lease, token counter, the lock's own counter (the same unless the lock is a family's
+/// key: see [`crate::drivers::redis::ACQUIRE`]). ARGV: pending value, ttl ms.
+/// Returns the larger counter when the key was set, or {current value, remaining ms} when held.
 const PHASE_1: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
   return {current, redis.call('PTTL', KEYS[1])}
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return tonumber(redis.call('GET', KEYS[2]) or '0')
+return math.max(tonumber(redis.call('GET', KEYS[2]) or '0'),
+  tonumber(redis.call('GET', KEYS[3]) or '0'))
 ";
 
-/// KEYS: lease, token counter. ARGV: pending value, final value, token. Returns 1 when done.
+/// KEYS: lease, token counter, the lock's own counter. ARGV: pending value, final value, token,
+/// how long a family key's own counter is kept (ms). Returns 1 when done.
 const PHASE_2: &str = r"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
@@ -66,6 +69,9 @@ end
 redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
 if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[3]) then
   redis.call('SET', KEYS[2], ARGV[3])
+end
+if KEYS[3] ~= KEYS[2] then
+  redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
 end
 return 1
 ";
@@ -250,6 +256,7 @@ impl Driver for RedlockDriver {
         let mut phase_1 = self.phase_1.prepare_invoke();
         phase_1
             .key(self.keys.lease(lock))
+            .key(self.keys.counter(lock))
             .key(self.keys.token(lock))
             .arg(&pending)
             .arg(ms(ttl));
@@ -282,10 +289,12 @@ impl Driver for RedlockDriver {
         let mut phase_2 = self.phase_2.prepare_invoke();
         phase_2
             .key(self.keys.lease(lock))
+            .key(self.keys.counter(lock))
             .key(self.keys.token(lock))
             .arg(&pending)
             .arg(&value)
-            .arg(lease.token);
+            .arg(lease.token)
+            .arg(ms(KEY_COUNTER_RETENTION));
         let confirmed = self
             .on_masters(&granted, timeout, &phase_2)
             .await
