@@ -350,6 +350,7 @@ async fn zookeeper_section() {
                 root: "/leasehold".into(),
                 digest: None,
                 tick_time: leasehold_lease::testkit::ZooKeeperServer::TICK_TIME,
+                tls: None,
             })
             .expect("zookeeper driver"),
         )

@@ -409,6 +409,12 @@ pub struct ZooKeeperBackend {
     /// Digest credentials (`user:password`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth_secret_ref: Option<SecretKeyRef>,
+    /// TLS to every server (their `secureClientPort`): a Secret with `ca.crt`, the CA that
+    /// signed the servers' certificates, and `tls.crt` and `tls.key` for servers that ask for a
+    /// client certificate (`ssl.clientAuth`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub tls_secret_name: Option<String>,
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]

@@ -74,12 +74,15 @@ pub enum BackendUrl {
     /// `zk://[user:password@]host:port[,host:port...]/PATH[?tick-time=DURATION]`: one ZooKeeper
     /// ensemble; locks live under PATH. Credentials are ZooKeeper digest auth. `tick-time` is the
     /// ensemble's `tickTime` (default 2s, ZooKeeper's own), which bounds how late a follower
-    /// relays a session's signs of life to the leader.
+    /// relays a session's signs of life to the leader. `zks://` speaks TLS to every server (their
+    /// `secureClientPort`), verified against `?ca=PATH`, with `&cert=PATH&key=PATH` for servers
+    /// that ask for a client certificate (`ssl.clientAuth`).
     ZooKeeper {
         servers: String,
         root: String,
         digest: Option<(String, String)>,
         tick_time: Duration,
+        tls: Option<crate::tls::Tls>,
     },
     /// `kubernetes://[NAMESPACE]`: a `coordination.k8s.io/v1` Lease per lock, named after the
     /// lock, in NAMESPACE (default: the pod's own), with in-cluster or `KUBECONFIG` credentials.
@@ -174,11 +177,13 @@ impl BackendUrl {
                     tls,
                 })
             }
-            "zk" => {
+            "zk" | "zks" => {
                 let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
                 let mut tick_time = DEFAULT_ZOOKEEPER_TICK_TIME;
+                let mut tls = crate::tls::TlsOptions::default();
                 for (key, value) in query_pairs(query) {
                     match key.as_str() {
+                        other if tls.take(other, &value) => {}
                         "tick-time" => {
                             tick_time = humantime::parse_duration(&value)
                                 .ok()
@@ -191,7 +196,7 @@ impl BackendUrl {
                         }
                         other => {
                             return Err(invalid(format!(
-                                "unknown option {other:?} (zk:// takes tick-time)"
+                                "unknown option {other:?} (zk:// takes tick-time, zks:// also ca, cert and key)"
                             )));
                         }
                     }
@@ -205,11 +210,19 @@ impl BackendUrl {
                 crate::names::validate_zookeeper_path(&path).map_err(|e| invalid(e.to_string()))?;
                 let (digest, hosts) = split_credentials(authority).map_err(invalid)?;
                 let servers = host_list(hosts, 2181).map_err(invalid)?;
+                let tls = tls.finish(scheme == "zks", "zks://").map_err(invalid)?;
+                if tls.as_ref().is_some_and(|t| t.ca.is_none()) {
+                    return Err(invalid(
+                        "zks:// needs ?ca=PATH, the CA that signed the servers' certificates"
+                            .into(),
+                    ));
+                }
                 Ok(BackendUrl::ZooKeeper {
                     servers: servers.join(","),
                     root: path,
                     digest,
                     tick_time,
+                    tls,
                 })
             }
             "kubernetes" => {
@@ -492,7 +505,7 @@ impl BackendUrl {
                 })
             }
             other => Err(invalid(format!(
-                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redis+sentinel://, rediss+sentinel://, redis+cluster://, rediss+cluster://, redlock://, redlocks://, tair://, tairs://, postgres://, mysql://, etcd://, etcds://, zk://, kubernetes://)"
+                "unknown scheme {other:?} (available: sqlite://, redis://, rediss://, redis+sentinel://, rediss+sentinel://, redis+cluster://, rediss+cluster://, redlock://, redlocks://, tair://, tairs://, postgres://, mysql://, etcd://, etcds://, zk://, zks://, kubernetes://)"
             ))),
         }
     }
@@ -607,13 +620,25 @@ impl fmt::Display for BackendUrl {
                 root,
                 digest,
                 tick_time,
+                tls,
             } => {
                 let user = digest
                     .as_ref()
                     .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
-                write!(f, "zk://{user}{servers}{root}")?;
+                let scheme = if tls.is_some() { "zks" } else { "zk" };
+                write!(f, "{scheme}://{user}{servers}{root}")?;
+                let mut options = Vec::new();
                 if *tick_time != DEFAULT_ZOOKEEPER_TICK_TIME {
-                    write!(f, "?tick-time={}", humantime::format_duration(*tick_time))?;
+                    options.push(format!(
+                        "tick-time={}",
+                        humantime::format_duration(*tick_time)
+                    ));
+                }
+                for (name, path) in tls.iter().flat_map(crate::tls::Tls::files) {
+                    options.push(format!("{name}={}", path.display()));
+                }
+                if !options.is_empty() {
+                    write!(f, "?{}", options.join("&"))?;
                 }
                 Ok(())
             }
@@ -684,16 +709,8 @@ impl fmt::Display for BackendUrl {
 /// `, ca FILE, cert FILE, key FILE` for the files among `tls`'s documents; PEM text from a
 /// Secret is never shown.
 fn write_tls_files(f: &mut fmt::Formatter<'_>, tls: Option<&crate::tls::Tls>) -> fmt::Result {
-    let Some(tls) = tls else { return Ok(()) };
-    let documents = std::iter::once(("ca", tls.ca.as_ref())).chain(
-        tls.client
-            .iter()
-            .flat_map(|(c, k)| [("cert", Some(c)), ("key", Some(k))]),
-    );
-    for (name, pem) in documents {
-        if let Some(path) = pem.and_then(crate::tls::Pem::file) {
-            write!(f, ", {name} {}", path.display())?;
-        }
+    for (name, path) in tls.into_iter().flat_map(crate::tls::Tls::files) {
+        write!(f, ", {name} {}", path.display())?;
     }
     Ok(())
 }
@@ -1152,6 +1169,7 @@ mod tests {
             root,
             digest,
             tick_time,
+            tls: None,
         } = &url
         else {
             panic!("not zk: {url}")
@@ -1178,9 +1196,24 @@ mod tests {
             "zk://z1:2181/a?tick-time=2m",
             "zk://z1:2181/a?tick-time=soon",
             "zk://z1:x/a",
+            "zk://z1:2181/a?ca=/ca.crt",
+            "zks://z1:2181/a",
+            "zks://z1:2181/a?ca=/ca.crt&cert=/c.crt",
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
         }
+        let secure =
+            BackendUrl::parse("zks://z1:2281/locks?ca=/tls/ca.crt&cert=/tls/c.crt&key=/tls/c.key")
+                .unwrap();
+        let BackendUrl::ZooKeeper { tls: Some(tls), .. } = &secure else {
+            panic!("not zks: {secure}")
+        };
+        assert!(tls.ca.is_some() && tls.client.is_some());
+        assert_eq!(
+            secure.to_string(),
+            "zks://z1:2281/locks?ca=/tls/ca.crt&cert=/tls/c.crt&key=/tls/c.key"
+        );
+        assert_eq!(BackendUrl::parse(&secure.to_string()).unwrap(), secure);
     }
 
     #[test]

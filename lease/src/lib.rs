@@ -78,12 +78,14 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
             root,
             digest,
             tick_time,
+            tls,
         } => Arc::new(zookeeper::ZooKeeperDriver::connect(
             zookeeper::ZooKeeperConfig {
                 servers: servers.clone(),
                 root: root.clone(),
                 digest: digest.clone(),
                 tick_time: *tick_time,
+                tls: tls.clone(),
             },
         )?),
         BackendUrl::Kubernetes { namespace } => {

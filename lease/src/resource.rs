@@ -200,7 +200,8 @@ pub fn check_secret_allowed(name: &str, allowed: Option<&str>, endpoints: &[Stri
 }
 
 /// The Secret keys `lock` may reference: read when present, not required. A Redis, Tair or SQL
-/// `tlsSecretName` Secret may hold a CA, a client pair, or both.
+/// `tlsSecretName` Secret may hold a CA, a client pair, or both; a ZooKeeper one needs the CA
+/// (checked when the URL is built).
 pub fn optional_secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
     let b = &lock.spec.backend;
     let name = b
@@ -208,6 +209,11 @@ pub fn optional_secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
         .as_ref()
         .and_then(|r| r.tls_secret_name.as_ref())
         .or_else(|| b.tair.as_ref().and_then(|t| t.tls_secret_name.as_ref()))
+        .or_else(|| {
+            b.zookeeper
+                .as_ref()
+                .and_then(|z| z.tls_secret_name.as_ref())
+        })
         .or_else(|| {
             [&b.postgres, &b.mysql]
                 .into_iter()
@@ -548,12 +554,16 @@ fn backend_url(
                 userinfo(Some(user), Some(password))
             }
         };
-        format!(
+        let url = BackendUrl::parse(&format!(
             "zk://{auth}{}{}{}",
             z.servers.join(","),
             z.path,
             query(&[("tick-time", z.tick_time.as_deref())])
-        )
+        ))?;
+        return Ok((
+            with_zookeeper_tls(url, z.tls_secret_name.as_deref(), secrets)?,
+            None,
+        ));
     } else if let Some(e) = etcd {
         let auth = userinfo(
             secret(secrets, &e.username_secret_ref)?,
@@ -696,6 +706,29 @@ fn with_redis_tls(
         return Ok(url);
     };
     let found = tls_from_secret(name, secrets)?;
+    *tls = Some(found);
+    Ok(url)
+}
+
+/// TLS to ZooKeeper from a `tlsSecretName` Secret's PEM text: its CA, which ZooKeeper's TLS
+/// needs, and its client pair if it has one.
+fn with_zookeeper_tls(
+    mut url: BackendUrl,
+    tls_secret: Option<&str>,
+    secrets: &SecretValues,
+) -> Result<BackendUrl> {
+    let (BackendUrl::ZooKeeper { tls, .. }, Some(name)) = (&mut url, tls_secret) else {
+        return Ok(url);
+    };
+    let found = tls_from_secret(name, secrets)?;
+    if found.ca.is_none() {
+        return Err(Error::InvalidConfig {
+            field: "tlsSecretName",
+            reason: format!(
+                "Secret {name:?} has no ca.crt: TLS to ZooKeeper needs the CA that signed the servers' certificates"
+            ),
+        });
+    }
     *tls = Some(found);
     Ok(url)
 }
@@ -1071,6 +1104,42 @@ mod tests {
             !shown.contains("pw") && !shown.contains("CA PEM"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn zookeeper_tls_comes_from_its_secret_and_needs_the_ca() {
+        let zk = lock(Backend {
+            zookeeper: Some(ZooKeeperBackend {
+                servers: vec!["z:2281".into()],
+                path: "/locks".into(),
+                tls_secret_name: Some("zk-tls".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let keys: Vec<String> = optional_secret_refs(&zk)
+            .into_iter()
+            .map(|r| r.key)
+            .collect();
+        assert_eq!(keys, TLS_SECRET_KEYS.map(String::from));
+        let pem = |key: &str, text: &str| (("zk-tls".to_owned(), key.to_owned()), text.to_owned());
+        let full: SecretValues = [
+            pem("ca.crt", "CA"),
+            pem("tls.crt", "CERT"),
+            pem("tls.key", "KEY"),
+        ]
+        .into();
+        let resolved = resolve(&zk, &full).unwrap().backend;
+        let BackendUrl::ZooKeeper { tls: Some(tls), .. } = &resolved else {
+            panic!("no TLS: {resolved}")
+        };
+        assert!(tls.ca == Some(crate::tls::Pem::Text("CA".into())));
+        assert!(tls.client.is_some());
+        assert!(resolved.to_string().starts_with("zks://z:2281/locks"));
+        assert!(!resolved.to_string().contains("KEY"));
+        let without_ca: SecretValues = [pem("tls.crt", "CERT"), pem("tls.key", "KEY")].into();
+        let error = resolve(&zk, &without_ca).unwrap_err().to_string();
+        assert!(error.contains("ca.crt"), "{error}");
     }
 
     #[test]

@@ -42,6 +42,20 @@ pub struct Tls {
     pub client: Option<(Pem, Pem)>,
 }
 
+impl Tls {
+    /// The documents given as files, by their URL option's name (`ca`, `cert`, `key`), for logs:
+    /// PEM text from a Secret is never shown.
+    pub fn files(&self) -> impl Iterator<Item = (&'static str, &std::path::Path)> {
+        std::iter::once(("ca", self.ca.as_ref()))
+            .chain(
+                self.client
+                    .iter()
+                    .flat_map(|(c, k)| [("cert", Some(c)), ("key", Some(k))]),
+            )
+            .filter_map(|(name, pem)| Some((name, pem?.file()?)))
+    }
+}
+
 /// The `ca`, `cert` and `key` URL options gathered while parsing a URL.
 #[derive(Default)]
 pub struct TlsOptions {

@@ -114,6 +114,7 @@ async fn curator_and_leasehold_exclude_each_other_on_one_path() {
             root: "/leasehold".into(),
             digest: None,
             tick_time: ZooKeeperServer::TICK_TIME,
+            tls: None,
         })
         .expect("driver")
     };

@@ -12,6 +12,7 @@ fn driver(server: &ZooKeeperServer) -> ZooKeeperDriver {
         root: "/leasehold".into(),
         digest: None,
         tick_time: ZooKeeperServer::TICK_TIME,
+        tls: None,
     })
     .expect("driver")
 }
@@ -143,6 +144,7 @@ async fn a_lease_too_short_for_the_tick_is_refused() {
         root: "/leasehold".into(),
         digest: None,
         tick_time: Duration::from_secs(2),
+        tls: None,
     })
     .expect("driver");
     let error = driver

@@ -38,6 +38,7 @@ use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::queue_slot::{Expiry, QueueSlot};
 use crate::error::{Error, Result};
+use crate::tls::Tls;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// The floor of [`connection_timeout`].
@@ -77,6 +78,8 @@ pub struct ZooKeeperConfig {
     /// The ensemble's `tickTime`: a follower relays its sessions' signs of life to the leader
     /// with its answer to the leader's ping, sent every half tick.
     pub tick_time: Duration,
+    /// TLS to every server (`zks://`): the CA is required, the client pair optional.
+    pub tls: Option<Tls>,
 }
 
 struct Entry {
@@ -169,6 +172,8 @@ const MIN_SESSION_TIMEOUT: Duration = Duration::from_secs(1);
 
 struct Shared {
     config: ZooKeeperConfig,
+    /// The TLS settings of `config`, their PEM documents read at start.
+    tls: Option<zk::TlsOptions>,
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
     releases: ChangeFeeds,
@@ -268,10 +273,30 @@ impl Shared {
         if let Some((user, password)) = &self.config.digest {
             connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
         }
-        let client = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(&self.config.servers))
+        let connecting = async {
+            match &self.tls {
+                Some(tls) => {
+                    connector
+                        .with_tls(tls.clone())
+                        .secure_connect(&self.config.servers)
+                        .await
+                }
+                None => connector.connect(&self.config.servers).await,
+            }
+        };
+        let client = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
             .await
             .map_err(|_| {
-                Error::Unreachable(format!("no ZooKeeper session within {CONNECT_TIMEOUT:?}"))
+                Error::Unreachable(match self.tls {
+                    // The client retries a failed handshake quietly until the timeout.
+                    Some(_) => format!(
+                        "no ZooKeeper session over TLS within {CONNECT_TIMEOUT:?}: no server \
+                         answered, or none completed a TLS handshake (a plain-text port behind \
+                         zks://, a server certificate not signed by the CA given, not naming \
+                         the host, or a client certificate the server refuses)"
+                    ),
+                    None => format!("no ZooKeeper session within {CONNECT_TIMEOUT:?}"),
+                })
             })?
             .map_err(map_err)?;
         let timeout = client.session_timeout();
@@ -661,9 +686,11 @@ impl ZooKeeperDriver {
     /// Opens the session on first use, with the first lease as its timeout.
     pub fn connect(config: ZooKeeperConfig) -> Result<Self> {
         crate::names::validate_zookeeper_path(&config.root)?;
+        let tls = config.tls.as_ref().map(tls_options).transpose()?;
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
+                tls,
                 session: tokio::sync::Mutex::new(None),
                 entries: Mutex::new(HashMap::new()),
                 releases: ChangeFeeds::default(),
@@ -956,4 +983,28 @@ impl Driver for ZooKeeperDriver {
         }
         Ok(())
     }
+}
+
+/// The client's TLS settings from `tls`'s PEM documents, read now so that a missing or bad file
+/// says so at start. The servers are verified against the CA given (`zks://` requires one).
+fn tls_options(tls: &Tls) -> Result<zk::TlsOptions> {
+    let invalid = |field: &'static str, e: zk::Error| Error::InvalidConfig {
+        field,
+        reason: format!("not usable for TLS to ZooKeeper: {e}"),
+    };
+    let Some(ca) = &tls.ca else {
+        return Err(Error::InvalidConfig {
+            field: "ca",
+            reason: "TLS to ZooKeeper needs the CA that signed the servers' certificates".into(),
+        });
+    };
+    let mut options = zk::TlsOptions::new()
+        .with_pem_ca(&ca.read("ca")?)
+        .map_err(|e| invalid("ca", e))?;
+    if let Some((cert, key)) = &tls.client {
+        options = options
+            .with_pem_identity(&cert.read("cert")?, &key.read("key")?)
+            .map_err(|e| invalid("cert", e))?;
+    }
+    Ok(options)
 }

@@ -180,6 +180,16 @@ impl ServerHarness<super::EtcdServer> {
     }
 }
 
+impl ServerHarness<super::ZooKeeperServer> {
+    /// ZooKeeper over TLS (its secure port), asking every client for a certificate.
+    pub fn tls() -> Self {
+        Self {
+            server: super::ZooKeeperServer::start_tls(),
+            options: "",
+        }
+    }
+}
+
 impl ServerHarness<super::PostgresServer> {
     /// PostgreSQL over TLS only, asking every client for a certificate.
     pub fn tls() -> Self {

@@ -19,6 +19,8 @@ pub(super) const ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
 pub struct ZooKeeperServer {
     process: ServerProcess,
     port: u16,
+    /// The TLS port (`secureClientPort`), on a server started with [`ZooKeeperServer::start_tls`].
+    tls_port: Option<u16>,
 }
 
 /// One ZooKeeper (server or ensemble) per test process at a time: two JVMs starting and warming
@@ -57,10 +59,23 @@ impl ZooKeeperServer {
     /// A server that grants no session shorter than `min` (`minSessionTimeout`; production
     /// ensembles have 2 x tickTime, 4 s by default).
     pub fn start_with_min_session(min: Option<Duration>) -> Self {
+        Self::start_configured(min, false)
+    }
+
+    /// A server that also serves TLS on [`ZooKeeperServer::tls_port`], with a certificate for
+    /// 127.0.0.1 signed by a CA of the test's own, and that asks every TLS client for a
+    /// certificate signed by it ([`ZooKeeperServer::tls_files`]). The plain port stays open for
+    /// the test's own checks.
+    pub fn start_tls() -> Self {
+        Self::start_configured(None, true)
+    }
+
+    fn start_configured(min: Option<Duration>, tls: bool) -> Self {
         one_zookeeper_at_a_time();
         let mut server = Self {
             process: ServerProcess::new("zookeeper"),
             port: free_port(),
+            tls_port: tls.then(free_port),
         };
         let data = server.process.dir().join("data");
         std::fs::create_dir_all(&data).expect("zookeeper data dir");
@@ -78,18 +93,76 @@ impl ZooKeeperServer {
             server.port,
             min.map(|m| format!("minSessionTimeout={}\n", m.as_millis()))
                 .unwrap_or_default()
-        );
+        ) + &server.tls_config();
         std::fs::write(server.process.dir().join("zoo.cfg"), config).expect("zoo.cfg");
         server.spawn();
-        warm_up(server.port);
+        warm_up(server.port, None);
+        if let Some(tls_port) = server.tls_port {
+            // The TLS path (Netty's handshakes and codecs) has its own cold start.
+            warm_up(tls_port, Some(server.tls_files()));
+        }
         server
+    }
+
+    /// ZooKeeper's TLS settings, after writing the certificates they name: Netty serves the
+    /// secure port, with PEM key and trust stores (the key store holds the key and the
+    /// certificate in one file).
+    fn tls_config(&self) -> String {
+        let Some(tls_port) = self.tls_port else {
+            return String::new();
+        };
+        let dir = self.process.dir();
+        super::write_test_certificates(dir);
+        let key = std::fs::read_to_string(dir.join("server.key")).expect("server.key");
+        let cert = std::fs::read_to_string(dir.join("server.crt")).expect("server.crt");
+        let store = dir.join("server.pem");
+        std::fs::write(&store, key + &cert).expect("server.pem");
+        format!(
+            "secureClientPort={tls_port}\n\
+             secureClientPortAddress=127.0.0.1\n\
+             serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory\n\
+             ssl.keyStore.location={}\n\
+             ssl.keyStore.type=PEM\n\
+             ssl.trustStore.location={}\n\
+             ssl.trustStore.type=PEM\n\
+             ssl.clientAuth=need\n",
+            store.display(),
+            dir.join("ca.crt").display(),
+        )
     }
 
     pub fn port(&self) -> u16 {
         self.port
     }
 
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// The CA and the client pair of a server started with [`ZooKeeperServer::start_tls`].
+    pub fn tls_files(&self) -> super::TlsFiles {
+        super::TlsFiles::in_dir(self.process.dir())
+    }
+
+    /// `zks://` to the TLS port, with the CA and the client pair.
+    fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("a server started with start_tls");
+        let files = self.tls_files();
+        format!(
+            "zks://127.0.0.1:{port}/leasehold?tick-time={}ms&ca={}&cert={}&key={}",
+            Self::TICK_TIME.as_millis(),
+            files.ca.display(),
+            files.client_cert.display(),
+            files.client_key.display()
+        )
+    }
+
+    /// The driver's URL: `zks://` to the TLS port on a server started with
+    /// [`ZooKeeperServer::start_tls`], else `zk://`.
     pub fn url(&self) -> String {
+        if self.tls_port.is_some() {
+            return self.tls_url();
+        }
         format!(
             "zk://127.0.0.1:{}/leasehold?tick-time={}ms",
             self.port,
@@ -143,7 +216,7 @@ fn serving(port: u16) -> bool {
 /// JIT warms up, past the budget of a try-lock's one attempt (`wait=0` answered "cannot tell"),
 /// and a test meant to measure the driver would measure the JVM. A server in production has
 /// long been warm; a restart in a test keeps its JVM cold on purpose (the outage scenarios).
-fn warm_up(port: u16) {
+fn warm_up(port: u16, tls: Option<super::TlsFiles>) {
     use zookeeper_client as zk;
     const USUAL: Duration = Duration::from_millis(50);
     const ROUNDS: usize = 30;
@@ -157,11 +230,28 @@ fn warm_up(port: u16) {
             let parent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
             for _ in 0..ROUNDS {
                 let began = std::time::Instant::now();
-                let client = zk::Client::connector()
-                    .with_session_timeout(Duration::from_secs(2))
-                    .connect(&format!("127.0.0.1:{port}"))
-                    .await
-                    .ok()?;
+                let connector =
+                    zk::Client::connector().with_session_timeout(Duration::from_secs(2));
+                let server = format!("127.0.0.1:{port}");
+                let client = match &tls {
+                    None => connector.connect(&server).await.ok()?,
+                    Some(files) => {
+                        let read = |path: &std::path::Path| std::fs::read_to_string(path).ok();
+                        let options = zk::TlsOptions::new()
+                            .with_pem_ca(&read(&files.ca)?)
+                            .ok()?
+                            .with_pem_identity(
+                                &read(&files.client_cert)?,
+                                &read(&files.client_key)?,
+                            )
+                            .ok()?;
+                        connector
+                            .with_tls(options)
+                            .secure_connect(&server)
+                            .await
+                            .ok()?
+                    }
+                };
                 let _ = client.mkdir("/warm-up", &parent).await;
                 let (_, sequence) = client.create("/warm-up/n-", b"", &options).await.ok()?;
                 client.list_children("/warm-up").await.ok()?;
@@ -198,7 +288,7 @@ pub(super) fn server_command(java: &Path, heap: &str, config: &Path) -> Command 
         .arg("-Dznode.container.checkIntervalMs=500")
         .args([
             "-cp",
-            &format!("{ZOOKEEPER_JAR}:{SLF4J_SIMPLE_JAR}:/etc/zookeeper/conf"),
+            &format!("{ZOOKEEPER_JAR}:{SLF4J_SIMPLE_JAR}:{NETTY_CODEC_JAR}:/etc/zookeeper/conf"),
         ])
         .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
         .arg(config);
@@ -206,6 +296,10 @@ pub(super) fn server_command(java: &Path, heap: &str, config: &Path) -> Command 
 }
 
 const SLF4J_SIMPLE_JAR: &str = "/usr/share/java/slf4j-simple.jar";
+/// Netty's codecs, which ZooKeeper's Netty connection factory (the one that serves TLS) needs and
+/// Debian's `zookeeper.jar` leaves off its class path (`libnetty-java`, a dependency of the
+/// package, has it).
+const NETTY_CODEC_JAR: &str = "/usr/share/java/netty-codec.jar";
 
 /// One of ZooKeeper's four-letter commands, answered in plain text.
 pub(super) fn four_letter(port: u16, command: &str) -> String {
