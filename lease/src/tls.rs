@@ -3,6 +3,7 @@
 //! and failures told apart for the people who must fix them.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
@@ -131,6 +132,8 @@ pub fn explain(error: &str) -> Option<&'static str> {
                 "corrupt message",
                 "InvalidMessage",
                 "wrong version number",
+                // A plain-text ZooKeeper closes the connection on a TLS greeting.
+                "handshake eof",
             ],
             "the server does not speak TLS on this port: a plain-text server behind a TLS URL",
         ),
@@ -146,5 +149,55 @@ pub fn with_cause(message: String) -> String {
     match explain(&message) {
         Some(cause) => format!("{message} ({cause})"),
         None => message,
+    }
+}
+
+/// Why a TLS session with `host:port` under `tls` fails, by one handshake made as a client with
+/// these settings would make it (ring, the CA given, the client pair if any), and a short read
+/// after it, since under TLS 1.3 a server refuses a client certificate only once the client has
+/// finished. `None`: the handshake succeeded, or the server could not be reached at all.
+pub async fn handshake_failure(host: &str, port: u16, tls: &Tls) -> Option<String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio::io::AsyncReadExt;
+    use tokio_rustls::rustls;
+
+    const STEP: std::time::Duration = std::time::Duration::from_secs(1);
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    if let Some(ca) = &tls.ca {
+        for cert in CertificateDer::pem_slice_iter(ca.read("ca").ok()?.as_bytes()) {
+            roots.add(cert.ok()?).ok()?;
+        }
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .ok()?
+        .with_root_certificates(roots);
+    let config = match &tls.client {
+        Some((cert, key)) => {
+            let chain = CertificateDer::pem_slice_iter(cert.read("cert").ok()?.as_bytes())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .ok()?;
+            let key = PrivateKeyDer::from_pem_slice(key.read("key").ok()?.as_bytes()).ok()?;
+            builder.with_client_auth_cert(chain, key).ok()?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let name = ServerName::try_from(host.to_owned()).ok()?;
+    let tcp = tokio::time::timeout(STEP, tokio::net::TcpStream::connect((host, port)))
+        .await
+        .ok()?
+        .ok()?;
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let mut stream = match tokio::time::timeout(STEP, connector.connect(name, tcp)).await {
+        Err(_) => return Some("the TLS handshake did not finish".into()),
+        Ok(Err(e)) => return Some(with_cause(e.to_string())),
+        Ok(Ok(stream)) => stream,
+    };
+    let mut byte = [0u8; 1];
+    match tokio::time::timeout(STEP / 4, stream.read(&mut byte)).await {
+        Ok(Err(e)) => Some(with_cause(e.to_string())),
+        _ => None,
     }
 }

@@ -1,5 +1,7 @@
 //! ZooKeeper's fair queue: a release wakes exactly one waiter, and hand-overs follow the queue.
 
+use std::time::Duration;
+
 use leasehold_lease::testkit::conformance::{
     contenders, one_release_wakes_exactly_one_waiter, waiters_further_back_poll_quietly,
 };
@@ -271,4 +273,58 @@ async fn an_idle_keys_parent_is_deleted_and_its_tokens_still_rise() {
 
     let second = take(key).await;
     assert!(second > first, "token {second} after {first}");
+}
+
+/// Over TLS, each way of getting it wrong is refused with its cause named (the client library
+/// only retries until its timeout): a server certificate another CA signed, no client
+/// certificate for a server that asks for one, a plain-text port behind `zks://`. The right
+/// settings then work against the same server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_mistakes_are_refused_with_their_cause() {
+    use leasehold_lease::testkit::driver_for;
+    let server = tokio::task::block_in_place(ZooKeeperServer::start_tls);
+    let url = server.url();
+    let files = server.tls_files();
+    let elsewhere = tempfile::tempdir().unwrap();
+    leasehold_lease::testkit::write_test_certificates(elsewhere.path());
+    let other_ca = url.replace(
+        &format!("ca={}", files.ca.display()),
+        &format!("ca={}", elsewhere.path().join("ca.crt").display()),
+    );
+    let no_client_pair = url
+        .split("&cert=")
+        .next()
+        .expect("url with a client pair")
+        .to_owned();
+    let plain_port = url.replace(
+        &format!(":{}/", server.tls_port().unwrap()),
+        &format!(":{}/", server.port()),
+    );
+    for (wrong, cause) in [
+        (&other_ca, "not signed by the CA given"),
+        (&no_client_pair, "client certificate"),
+        (&plain_port, "does not speak TLS"),
+    ] {
+        assert_ne!(wrong, &url);
+        let driver = driver_for(wrong).await;
+        match driver
+            .try_acquire("tls-refusal", "a", Duration::from_secs(5))
+            .await
+        {
+            Err(leasehold_lease::Error::Unreachable(message)) => {
+                assert!(message.contains(cause), "{wrong}: {message}")
+            }
+            other => {
+                panic!("{wrong}: expected ZooKeeper to be unreachable over TLS, got {other:?}")
+            }
+        }
+    }
+    let driver = driver_for(&url).await;
+    assert!(matches!(
+        driver
+            .try_acquire("tls-refusal", "a", Duration::from_secs(5))
+            .await
+            .expect("the right CA and client pair"),
+        leasehold_lease::Acquire::Acquired(_)
+    ));
 }

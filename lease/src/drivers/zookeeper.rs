@@ -284,21 +284,10 @@ impl Shared {
                 None => connector.connect(&self.config.servers).await,
             }
         };
-        let client = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
-            .await
-            .map_err(|_| {
-                Error::Unreachable(match self.tls {
-                    // The client retries a failed handshake quietly until the timeout.
-                    Some(_) => format!(
-                        "no ZooKeeper session over TLS within {CONNECT_TIMEOUT:?}: no server \
-                         answered, or none completed a TLS handshake (a plain-text port behind \
-                         zks://, a server certificate not signed by the CA given, not naming \
-                         the host, or a client certificate the server refuses)"
-                    ),
-                    None => format!("no ZooKeeper session within {CONNECT_TIMEOUT:?}"),
-                })
-            })?
-            .map_err(map_err)?;
+        let client = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+            Ok(client) => client.map_err(map_err)?,
+            Err(_) => return Err(self.no_session().await),
+        };
         let timeout = client.session_timeout();
         if timeout < lease {
             return Err(Error::InvalidConfig {
@@ -317,6 +306,33 @@ impl Shared {
         });
         *session = Some(fresh.clone());
         Ok(fresh)
+    }
+
+    /// Why no session came within [`CONNECT_TIMEOUT`]. Over TLS the client retries a failed
+    /// handshake without saying why, so one handshake of our own with the first server names it.
+    async fn no_session(&self) -> Error {
+        let Some(tls) = &self.config.tls else {
+            return Error::Unreachable(format!("no ZooKeeper session within {CONNECT_TIMEOUT:?}"));
+        };
+        let first = self.config.servers.split(',').next().unwrap_or_default();
+        let cause = match first.rsplit_once(':') {
+            Some((host, port)) => match port.parse() {
+                Ok(port) => {
+                    let host = host.trim_start_matches('[').trim_end_matches(']');
+                    crate::tls::handshake_failure(host, port, tls).await
+                }
+                Err(_) => None,
+            },
+            None => None,
+        };
+        Error::Unreachable(match cause {
+            Some(cause) => format!(
+                "no ZooKeeper session over TLS within {CONNECT_TIMEOUT:?}: the TLS handshake with {first} fails: {cause}"
+            ),
+            None => format!(
+                "no ZooKeeper session over TLS within {CONNECT_TIMEOUT:?} (no server answered in time)"
+            ),
+        })
     }
 
     /// The current session, whatever its timeout, for calls that need no particular one.
