@@ -115,6 +115,15 @@ pub trait Driver: Send + Sync + 'static {
         self.deprovision(std::slice::from_ref(&lease.lock)).await
     }
 
+    /// Delete the records of `family`'s keys that nobody has held for `idle_for` (keys are
+    /// chosen at run time without bound), raising first what keeps their tokens rising (see
+    /// [`crate::names::family_of`]); how many were deleted. Backends whose idle keys leave
+    /// nothing of their own accord (Redis, etcd, ZooKeeper) or that keep them (those not built
+    /// yet) do nothing.
+    async fn forget_idle_keys(&self, _family: &str, _idle_for: Duration) -> Result<u64> {
+        Ok(0)
+    }
+
     /// Backend settings that endanger locks (Redis may evict lock keys), as warnings for the
     /// lock's status and events.
     async fn warnings(&self) -> Result<Vec<String>> {

@@ -605,7 +605,7 @@ async fn stopped(mut shutdown: watch::Receiver<bool>) {
 /// `d` spread by +-20 %. The spread needs no secrecy, so it is drawn from the clock (splitmix64)
 /// rather than the OS's entropy, which a sidecar alone in a root filesystem without `/dev` (as
 /// `scripts/smoke-root` runs it) cannot open: seeding `rand`'s thread generator panicked there.
-fn jitter(d: Duration) -> Duration {
+pub(crate) fn jitter(d: Duration) -> Duration {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |t| t.subsec_nanos() as u64 ^ t.as_secs());

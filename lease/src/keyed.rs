@@ -40,6 +40,12 @@ pub const DEFAULT_MAX_KEYS: usize = 1024;
 pub const MAX_OWNER_LENGTH: usize = 128;
 /// Hex digits of a hashed key in its backend name.
 const HASHED_KEY_DIGITS: usize = 40;
+/// How long a key nobody holds keeps its record, on the backends that delete idle keys'
+/// records ([`Driver::forget_idle_keys`]): long enough that a busy key is seldom forgotten
+/// between two of its holders.
+pub const IDLE_KEY_RETENTION: Duration = Duration::from_secs(3600);
+/// How often each sidecar forgets its families' idle keys (spread by +-20 %).
+pub const IDLE_KEY_SWEEP_INTERVAL: Duration = Duration::from_secs(600);
 
 /// A family's settings: its name, this pod's identity, the lease every key shares, and the
 /// bounds on keys.
@@ -195,7 +201,7 @@ impl KeyedFamily {
     ) -> Result<Self, Error> {
         validate_family_name(&config.name)?;
         check_settings(&config)?;
-        Ok(Self {
+        let family = Self {
             inner: Arc::new(FamilyInner {
                 telemetry: Arc::new(FamilyTelemetry {
                     family: config.name.clone(),
@@ -210,7 +216,11 @@ impl KeyedFamily {
                 held: AtomicUsize::new(0),
                 waiting: AtomicUsize::new(0),
             }),
-        })
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(forget_idle_keys(Arc::downgrade(&family.inner)));
+        }
+        Ok(family)
     }
 
     /// The family's name: its route (`/locks/NAME/keys/...`), its Dapr store, its metric label.
@@ -597,6 +607,30 @@ impl KeyedFamily {
     }
 }
 
+/// Forget the family's idle keys every [`IDLE_KEY_SWEEP_INTERVAL`], for as long as the family
+/// lives. A sweep that fails is tried again at the next.
+async fn forget_idle_keys(family: std::sync::Weak<FamilyInner>) {
+    loop {
+        tokio::time::sleep(crate::holder::jitter(IDLE_KEY_SWEEP_INTERVAL)).await;
+        let Some(family) = family.upgrade() else {
+            return;
+        };
+        match family
+            .driver
+            .forget_idle_keys(&family.name, IDLE_KEY_RETENTION)
+            .await
+        {
+            Ok(0) => {}
+            Ok(forgotten) => {
+                tracing::info!(family = %family.name, forgotten, "forgot idle keys' records")
+            }
+            Err(e) => {
+                tracing::warn!(family = %family.name, error = %e, "could not forget idle keys")
+            }
+        }
+    }
+}
+
 fn current_of(state: &KeyState) -> Option<Arc<KeyHolding>> {
     state
         .current
@@ -661,6 +695,18 @@ fn hashed_name(family: &str, key: &str) -> String {
 /// A family's name is a lock name short enough that its keys' derived names are lock names too.
 pub fn validate_family_name(family: &str) -> Result<(), Error> {
     validate_lock_name(family)?;
+    // A key's lock name must say which family it is of: the first infix in it ends the family.
+    if let Some(infix) = [PLAIN_KEY_INFIX, HASHED_KEY_INFIX]
+        .into_iter()
+        .find(|infix| family.contains(infix))
+    {
+        return Err(Error::InvalidConfig {
+            field: "family",
+            reason: format!(
+                "{family:?} contains {infix:?}, which the names of a family's keys use to end the family's name"
+            ),
+        });
+    }
     let longest = hashed_name(family, "x");
     if longest.len() > MAX_LOCK_NAME {
         return Err(Error::InvalidConfig {
@@ -714,5 +760,8 @@ mod tests {
         validate_family_name(&"a".repeat(207)).unwrap();
         let error = validate_family_name(&"a".repeat(208)).unwrap_err();
         assert!(error.to_string().contains("at most 207"), "{error}");
+        assert!(validate_family_name("orders.keys.x").is_err());
+        assert!(validate_family_name("a.keyh.b").is_err());
+        validate_family_name("orders.keys").unwrap();
     }
 }

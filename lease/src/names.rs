@@ -23,6 +23,22 @@ pub fn family_of(lock: &str) -> Option<&str> {
         .filter(|family| !family.is_empty())
 }
 
+/// The row of a lock table that keeps a family's token floor: at least every token of the
+/// family's keys whose rows were deleted as idle, so that a key taken again draws above them.
+/// `/` is in no lock name, so it is no lock's row.
+pub fn key_floor_row(family: &str) -> String {
+    format!("{family}/floor")
+}
+
+/// SQL `LIKE` patterns (escape character `\`) of the names of `family`'s keys.
+pub fn key_name_patterns(family: &str) -> [String; 2] {
+    let escaped = family
+        .replace('\\', "\\\\")
+        .replace('_', "\\_")
+        .replace('%', "\\%");
+    [PLAIN_KEY_INFIX, HASHED_KEY_INFIX].map(|infix| format!("{escaped}{infix}%"))
+}
+
 /// The longest SQL identifier accepted; PostgreSQL truncates at 63 bytes, so we refuse there.
 pub const MAX_SQL_IDENTIFIER: usize = 63;
 

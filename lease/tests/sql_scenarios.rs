@@ -342,3 +342,92 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
     );
     waiter.shutdown().await;
 }
+
+/// A family's keys nobody has held for the idle time given are deleted, raising the family's
+/// floor above their tokens first; a key held, a key idle for less, and a plain lock stay; a
+/// key taken again draws above its forgotten tokens.
+async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str) {
+    use leasehold_lease::Acquire;
+    let driver = h.driver().await;
+    let family = unique_lock("idle");
+    let (idle, held, plain) = (
+        format!("{family}.keys.idle"),
+        format!("{family}.keys.held"),
+        unique_lock("plain"),
+    );
+    let take = async |lock: &str| match driver.try_acquire(lock, "a", LEASE).await {
+        Ok(Acquire::Acquired(lease)) => lease,
+        other => panic!("{lock}: {other:?}"),
+    };
+    let first = take(&idle).await;
+    assert!(driver.release(&first).await.unwrap());
+    let _held = take(&held).await;
+    let plain_lease = take(&plain).await;
+    assert!(driver.release(&plain_lease).await.unwrap());
+    assert_eq!(
+        driver
+            .forget_idle_keys(&family, Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        0,
+        "a key idle for less than the idle time was forgotten"
+    );
+    assert_eq!(
+        driver
+            .forget_idle_keys(&family, Duration::ZERO)
+            .await
+            .unwrap(),
+        1
+    );
+    sqlx::any::install_default_drivers();
+    let mut db = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let table = leasehold_lease::DEFAULT_TABLE;
+    let rows = async |db: &mut sqlx::AnyConnection, name: &str| -> Vec<i64> {
+        use sqlx::Row;
+        sqlx::query(&format!("SELECT token FROM {table} WHERE name = '{name}'"))
+            .fetch_all(db)
+            .await
+            .expect("select")
+            .iter()
+            .map(|row| row.try_get::<i64, _>(0).expect("token"))
+            .collect()
+    };
+    assert_eq!(
+        rows(&mut db, &idle).await,
+        Vec::<i64>::new(),
+        "the idle key's row stayed"
+    );
+    assert_eq!(rows(&mut db, &held).await.len(), 1, "a held key's row went");
+    assert_eq!(
+        rows(&mut db, &plain).await.len(),
+        1,
+        "a plain lock's row went"
+    );
+    let floor = rows(&mut db, &format!("{family}/floor")).await;
+    assert!(
+        floor.first().is_some_and(|&f| f >= first.token as i64),
+        "the floor {floor:?} is below the forgotten token {}",
+        first.token
+    );
+    let again = take(&idle).await;
+    assert!(
+        again.token > first.token,
+        "{} after {}",
+        again.token,
+        first.token
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_idle_keys_rows_are_deleted() {
+    let mut h = PostgresHarness::new();
+    let url = h.server.url();
+    idle_keys_rows_are_deleted(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_idle_keys_rows_are_deleted() {
+    let mut h = leasehold_lease::testkit::SqliteHarness::new();
+    let url = format!("sqlite://{}", h.path().display());
+    idle_keys_rows_are_deleted(&mut h, &url).await;
+}

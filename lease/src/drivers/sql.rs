@@ -96,6 +96,24 @@ pub struct Statements {
     /// lock created again under the name continues above it), and its seeded row goes.
     pub delete_lock: String,
     pub delete_row: String,
+    /// Idle keys forgotten, with a family's token floor (PostgreSQL; MySQL keeps its keys'
+    /// rows): see [`KeyFloor`].
+    pub key_floor: Option<KeyFloor>,
+}
+
+/// PostgreSQL's statements for a family's keys, whose idle rows are deleted. A key's new row
+/// takes its token from one above the family's floor row ([`crate::names::key_floor_row`]),
+/// read `FOR SHARE`; a sweep locks the floor `FOR UPDATE`, raises it to every token of the rows
+/// it deletes and deletes them, in one transaction. So an acquisition either ends before the
+/// sweep starts (and its key is held, not idle, when the sweep looks), or waits for the sweep
+/// and reads the raised floor.
+pub struct KeyFloor {
+    /// `$1` lock, `$2` identity, `$3` ttl ms, `$4` the floor row.
+    pub acquire: String,
+    pub ensure: String,
+    pub lock: String,
+    /// `$1` the floor row, `$2`/`$3` the keys' name patterns, `$4` idle ms; returns `forgotten`.
+    pub forget_idle: String,
 }
 
 impl Dialect {
@@ -159,6 +177,31 @@ impl Dialect {
                         "UPDATE {t} SET holder = NULL, expires_at = now() WHERE name = $1"
                     ),
                     delete_row: format!("DELETE FROM {r} WHERE name = $1"),
+                    key_floor: Some(KeyFloor {
+                        acquire: format!(
+                            "INSERT INTO {t} AS l (name, holder, token, expires_at) \
+                             SELECT $1, $2, f.token + 1, {until} FROM {t} AS f WHERE f.name = $4 FOR SHARE \
+                             ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, token = l.token + 1, \
+                             expires_at = EXCLUDED.expires_at \
+                             WHERE l.holder IS NULL OR l.expires_at <= now() \
+                             RETURNING token"
+                        ),
+                        ensure: format!(
+                            "INSERT INTO {t} (name, holder, token, expires_at) VALUES ($1, NULL, 0, now()) \
+                             ON CONFLICT (name) DO NOTHING"
+                        ),
+                        lock: format!("SELECT token FROM {t} WHERE name = $1 FOR UPDATE"),
+                        forget_idle: format!(
+                            "WITH gone AS (\
+                               DELETE FROM {t} WHERE (name LIKE $2 OR name LIKE $3) \
+                               AND expires_at <= now() - make_interval(secs => $4::bigint / 1000.0) \
+                               RETURNING token), \
+                             raised AS (\
+                               UPDATE {t} SET token = GREATEST({t}.token, (SELECT max(token) FROM gone)) \
+                               WHERE name = $1 RETURNING name) \
+                             SELECT count(*) AS forgotten FROM gone"
+                        ),
+                    }),
                 }
             }
             Dialect::MySql => Statements {
@@ -206,6 +249,7 @@ impl Dialect {
                     "UPDATE {t} SET holder = NULL, expires_at = NOW(6) WHERE name = ?"
                 ),
                 delete_row: format!("DELETE FROM {r} WHERE name = ?"),
+                key_floor: None,
             },
         }
     }
@@ -250,6 +294,8 @@ pub struct SqlDriver {
     listener: Option<tokio::task::JoinHandle<()>>,
     /// MySQL in lease mode: the named locks that wake waiters.
     named_locks: Option<Arc<NamedLocks>>,
+    /// The families whose floor row this process has made sure of ([`KeyFloor`]).
+    floors: std::sync::Mutex<std::collections::HashSet<String>>,
     /// In-memory files holding PEM text given inline, open while the pool may connect.
     _pem_files: Vec<std::fs::File>,
 }
@@ -404,6 +450,7 @@ impl SqlDriver {
             }),
             releases,
             listener,
+            floors: Default::default(),
             _pem_files: pem_files,
         })
     }
@@ -497,19 +544,69 @@ impl SqlDriver {
         Ok(())
     }
 
+    /// Make sure `family`'s floor row exists: once per process, or again when `again`.
+    async fn ensure_floor(&self, floor: &KeyFloor, family: &str, again: bool) -> Result<()> {
+        let known = || {
+            self.floors
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(family)
+        };
+        if !again && known() {
+            return Ok(());
+        }
+        sqlx::query(&floor.ensure)
+            .bind(crate::names::key_floor_row(family))
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        self.floors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(family.to_owned());
+        Ok(())
+    }
+
+    /// A lock found free, yet not taken. For a family's key its floor row may be gone (deleted
+    /// by hand; the acquisition reads it): put it back and try once more.
+    async fn again_with_floor(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let (Some(family), Some(floor)) = (crate::names::family_of(lock), &self.sql.key_floor)
+        else {
+            return Ok(Acquire::Busy(None));
+        };
+        self.ensure_floor(floor, family, true).await?;
+        Ok(match self.acquire_row(lock, identity, ttl).await? {
+            Some(token) => Acquire::Acquired(Lease {
+                lock: lock.to_owned(),
+                identity: identity.to_owned(),
+                token,
+            }),
+            None => Acquire::Busy(self.observe(lock).await?),
+        })
+    }
+
     async fn acquire_postgres(
         &self,
         lock: &str,
         identity: &str,
         ttl: Duration,
     ) -> Result<Option<u64>> {
-        let rows = sqlx::query(&self.sql.acquire)
-            .bind(lock)
-            .bind(identity)
-            .bind(ms(ttl))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)?;
+        let keyed = crate::names::family_of(lock).zip(self.sql.key_floor.as_ref());
+        let query = match keyed {
+            Some((family, floor)) => {
+                self.ensure_floor(floor, family, false).await?;
+                sqlx::query(&floor.acquire)
+                    .bind(lock)
+                    .bind(identity)
+                    .bind(ms(ttl))
+                    .bind(crate::names::key_floor_row(family))
+            }
+            None => sqlx::query(&self.sql.acquire)
+                .bind(lock)
+                .bind(identity)
+                .bind(ms(ttl)),
+        };
+        let rows = query.fetch_all(&self.pool).await.map_err(map_err)?;
         rows.first()
             .map(|row| row.try_get::<i64, _>("token").map(|t| t as u64))
             .transpose()
@@ -616,13 +713,48 @@ impl Driver for SqlDriver {
                     identity: identity.to_owned(),
                     token,
                 }),
-                None => Acquire::Busy(self.observe(lock).await?),
+                None => match self.observe(lock).await? {
+                    None => self.again_with_floor(lock, identity, ttl).await?,
+                    holder => Acquire::Busy(holder),
+                },
             },
         };
         if let (Acquire::Acquired(lease), Some(named)) = (&acquired, &self.named_locks) {
             named.held(lock, &lease.identity, lease.token);
         }
         Ok(acquired)
+    }
+
+    async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
+        let Some(floor) = &self.sql.key_floor else {
+            return Ok(0);
+        };
+        self.ensure_tables().await?;
+        let row = crate::names::key_floor_row(family);
+        let [plain, hashed] = crate::names::key_name_patterns(family);
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        sqlx::query(&floor.ensure)
+            .bind(&row)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        sqlx::query(&floor.lock)
+            .bind(&row)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        let forgotten: i64 = sqlx::query(&floor.forget_idle)
+            .bind(&row)
+            .bind(&plain)
+            .bind(&hashed)
+            .bind(ms(idle_for))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map_err)?
+            .try_get("forgotten")
+            .map_err(map_err)?;
+        tx.commit().await.map_err(map_err)?;
+        Ok(u64::try_from(forgotten).unwrap_or(0))
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {

@@ -46,6 +46,11 @@ pub struct SqliteDriver {
 
 struct Statements {
     acquire: String,
+    /// For a family's key: a new row's token is one above the family's floor.
+    acquire_key: String,
+    ensure_floor: String,
+    raise_floor: String,
+    forget_idle: String,
     renew: String,
     release: String,
     observe: String,
@@ -63,12 +68,38 @@ impl Statements {
                  WHERE {t}.holder IS NULL OR {t}.expires_at_ms <= {NOW_MS} \
                  RETURNING token"
             ),
+            // WHERE true: SQLite's upsert after a SELECT needs it, to tell ON CONFLICT from a join.
+            acquire_key: format!(
+                "INSERT INTO {t} (name, holder, token, expires_at_ms) \
+                 SELECT ?1, ?2, COALESCE((SELECT token FROM {t} WHERE name = ?4), 0) + 1, {NOW_MS} + ?3 WHERE true \
+                 ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, token = {t}.token + 1, \
+                 expires_at_ms = excluded.expires_at_ms \
+                 WHERE {t}.holder IS NULL OR {t}.expires_at_ms <= {NOW_MS} \
+                 RETURNING token"
+            ),
+            ensure_floor: format!(
+                "INSERT INTO {t} (name, holder, token, expires_at_ms) VALUES (?1, NULL, 0, 0) \
+                 ON CONFLICT (name) DO NOTHING"
+            ),
+            // ?2, ?3: the keys' name patterns; ?4: the idle cut-off, one instant for both
+            // statements of a sweep.
+            raise_floor: format!(
+                "UPDATE {t} SET token = MAX(token, COALESCE((SELECT MAX(token) FROM {t} \
+                   WHERE (name LIKE ?2 ESCAPE '\\' OR name LIKE ?3 ESCAPE '\\') AND expires_at_ms <= ?4), 0)) \
+                 WHERE name = ?1"
+            ),
+            forget_idle: format!(
+                "DELETE FROM {t} \
+                 WHERE (name LIKE ?1 ESCAPE '\\' OR name LIKE ?2 ESCAPE '\\') AND expires_at_ms <= ?3"
+            ),
             renew: format!(
                 "UPDATE {t} SET expires_at_ms = {NOW_MS} + ?4 \
                  WHERE name = ?1 AND holder = ?2 AND token = ?3 AND expires_at_ms > {NOW_MS}"
             ),
+            // The release's time stays in the row: a family's key is forgotten only once it has
+            // been idle a while (`forget_idle_keys`).
             release: format!(
-                "UPDATE {t} SET holder = NULL, expires_at_ms = 0 \
+                "UPDATE {t} SET holder = NULL, expires_at_ms = {NOW_MS} \
                  WHERE name = ?1 AND holder = ?2 AND token = ?3"
             ),
             observe: format!(
@@ -168,13 +199,20 @@ impl Driver for SqliteDriver {
         // fetch_all, not fetch_optional: the statement must run to completion so that its
         // write transaction commits now. A half-stepped INSERT ... RETURNING keeps the file's
         // write lock, and a holder paused at that moment would lock everyone out.
-        let rows = sqlx::query(&self.sql.acquire)
-            .bind(lock)
-            .bind(identity)
-            .bind(ms(ttl))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)?;
+        let rows = match crate::names::family_of(lock) {
+            Some(family) => sqlx::query(&self.sql.acquire_key)
+                .bind(lock)
+                .bind(identity)
+                .bind(ms(ttl))
+                .bind(crate::names::key_floor_row(family)),
+            None => sqlx::query(&self.sql.acquire)
+                .bind(lock)
+                .bind(identity)
+                .bind(ms(ttl)),
+        }
+        .fetch_all(&self.pool)
+        .await
+        .map_err(map_err)?;
         match rows.into_iter().next() {
             Some(row) => {
                 let token: i64 = row.try_get("token").map_err(map_err)?;
@@ -224,6 +262,43 @@ impl Driver for SqliteDriver {
             self.local_releases.bump(&lease.lock);
         }
         Ok(released)
+    }
+
+    /// One write transaction, so nobody takes a key between the floor's rise and its row's
+    /// deletion: the floor first rises to every token of the rows idle since the cut-off, then
+    /// those rows go.
+    async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
+        let floor = crate::names::key_floor_row(family);
+        let [plain, hashed] = crate::names::key_name_patterns(family);
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        sqlx::query(&self.sql.ensure_floor)
+            .bind(&floor)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        let now: i64 = sqlx::query_scalar(&format!("SELECT {NOW_MS}"))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        let cutoff = now.saturating_sub(ms(idle_for));
+        sqlx::query(&self.sql.raise_floor)
+            .bind(&floor)
+            .bind(&plain)
+            .bind(&hashed)
+            .bind(cutoff)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        let forgotten = sqlx::query(&self.sql.forget_idle)
+            .bind(&plain)
+            .bind(&hashed)
+            .bind(cutoff)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?
+            .rows_affected();
+        tx.commit().await.map_err(map_err)?;
+        Ok(forgotten)
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {

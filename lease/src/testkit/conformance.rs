@@ -1144,6 +1144,77 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
 }
 
 /// Generates one `#[tokio::test]` per conformance scenario for a harness expression.
+/// A family's keys taken and released over and over while idle keys are forgotten as fast as
+/// the backend allows ([`Driver::forget_idle_keys`] with no idle time at all, from another
+/// client): every key's tokens still rise, and each key is free again after its release. On
+/// the backends that delete idle keys' records this races every acquisition against the floor
+/// that keeps their tokens rising; on the others it checks that nothing else changes.
+pub async fn idle_keys_are_forgotten_and_their_tokens_still_rise(h: &mut dyn Harness) {
+    const KEYS: usize = 4;
+    const ROUNDS: usize = 12;
+    let family = unique_lock("sweep");
+    let sweeper_driver = h.driver().await;
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sweeper = {
+        let (family, done) = (family.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut forgotten = 0;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                // A failed sweep (a busy SQLite file) changes nothing; the next one goes on.
+                forgotten += sweeper_driver
+                    .forget_idle_keys(&family, Duration::ZERO)
+                    .await
+                    .unwrap_or(0);
+                sleep(Duration::from_millis(5)).await;
+            }
+            forgotten
+        })
+    };
+    let mut cyclers = Vec::new();
+    for i in 0..KEYS {
+        let driver = h.driver().await;
+        let lock = format!("{family}.keys.k-{i}");
+        cyclers.push(tokio::spawn(async move {
+            let mut last = 0;
+            for round in 0..ROUNDS {
+                let started = Instant::now();
+                let lease = loop {
+                    match driver.try_acquire(&lock, "cycler", LEASE).await {
+                        Ok(Acquire::Acquired(lease)) => break lease,
+                        // A slow or busy backend: ask again, as the engine would.
+                        Ok(Acquire::Busy(None)) | Err(_) => {}
+                        Ok(Acquire::Busy(Some(holder))) => {
+                            panic!("{lock} round {round}: held by {holder:?} after its release")
+                        }
+                    }
+                    assert!(
+                        started.elapsed() < LEASE + SLACK,
+                        "{lock} round {round}: not free again"
+                    );
+                    sleep(Duration::from_millis(10)).await;
+                };
+                assert!(
+                    lease.token > last,
+                    "{lock} round {round}: token {} after {last}",
+                    lease.token
+                );
+                last = lease.token;
+                assert!(driver.release(&lease).await.expect("release"));
+                // Every other round, idle long enough for a sweep to forget the key; else taken
+                // again at once, racing the sweeps.
+                if round % 2 == 0 {
+                    sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }));
+    }
+    for cycler in cyclers {
+        cycler.await.expect("cycler");
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    sweeper.await.expect("sweeper");
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -1159,7 +1230,8 @@ macro_rules! conformance_suite {
             many_contenders,
             release_wakes_a_waiter,
             backend_outage_and_recovery,
-            keyed_owners_exclude_each_other
+            keyed_owners_exclude_each_other,
+            idle_keys_are_forgotten_and_their_tokens_still_rise
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {
