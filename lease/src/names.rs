@@ -30,12 +30,13 @@ pub fn key_floor_row(family: &str) -> String {
     format!("{family}/floor")
 }
 
-/// SQL `LIKE` patterns (escape character `\`) of the names of `family`'s keys.
+/// SQL `LIKE` patterns (escape character `|`, which no lock name has: a backslash means
+/// different things in different SQL modes) of the names of `family`'s keys.
 pub fn key_name_patterns(family: &str) -> [String; 2] {
     let escaped = family
-        .replace('\\', "\\\\")
-        .replace('_', "\\_")
-        .replace('%', "\\%");
+        .replace('|', "||")
+        .replace('_', "|_")
+        .replace('%', "|%");
     [PLAIN_KEY_INFIX, HASHED_KEY_INFIX].map(|infix| format!("{escaped}{infix}%"))
 }
 
@@ -153,6 +154,19 @@ pub fn quote_sql_identifier(ident: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keyed_names() {
+        assert_eq!(family_of("orders.keys.o-1"), Some("orders"));
+        assert_eq!(family_of("orders.keyh.ab12"), Some("orders"));
+        assert_eq!(family_of("orders"), None);
+        assert_eq!(key_floor_row("orders"), "orders/floor");
+        // `_` matches any one character unless escaped.
+        assert_eq!(
+            key_name_patterns("my_orders"),
+            ["my|_orders.keys.%", "my|_orders.keyh.%"]
+        );
+    }
 
     #[test]
     fn lock_names() {

@@ -349,11 +349,14 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
 async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str) {
     use leasehold_lease::Acquire;
     let driver = h.driver().await;
-    let family = unique_lock("idle");
-    let (idle, held, plain) = (
+    let family = unique_lock("idle_keys");
+    // Another family whose name the first's `_` would match, unescaped.
+    let decoy = family.replace('_', "x");
+    let (idle, held, plain, other) = (
         format!("{family}.keys.idle"),
         format!("{family}.keys.held"),
         unique_lock("plain"),
+        format!("{decoy}.keys.idle"),
     );
     let take = async |lock: &str| match driver.try_acquire(lock, "a", LEASE).await {
         Ok(Acquire::Acquired(lease)) => lease,
@@ -364,6 +367,8 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str) {
     let _held = take(&held).await;
     let plain_lease = take(&plain).await;
     assert!(driver.release(&plain_lease).await.unwrap());
+    let other_lease = take(&other).await;
+    assert!(driver.release(&other_lease).await.unwrap());
     assert_eq!(
         driver
             .forget_idle_keys(&family, Duration::from_secs(3600))
@@ -403,6 +408,11 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str) {
         1,
         "a plain lock's row went"
     );
+    assert_eq!(
+        rows(&mut db, &other).await.len(),
+        1,
+        "another family's key went"
+    );
     let floor = rows(&mut db, &format!("{family}/floor")).await;
     assert!(
         floor.first().is_some_and(|&f| f >= first.token as i64),
@@ -429,5 +439,12 @@ async fn postgres_idle_keys_rows_are_deleted() {
 async fn sqlite_idle_keys_rows_are_deleted() {
     let mut h = leasehold_lease::testkit::SqliteHarness::new();
     let url = format!("sqlite://{}", h.path().display());
+    idle_keys_rows_are_deleted(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_idle_keys_rows_are_deleted() {
+    let mut h = MariaDbHarness::new();
+    let url = h.server.url();
     idle_keys_rows_are_deleted(&mut h, &url).await;
 }

@@ -96,24 +96,41 @@ pub struct Statements {
     /// lock created again under the name continues above it), and its seeded row goes.
     pub delete_lock: String,
     pub delete_row: String,
-    /// Idle keys forgotten, with a family's token floor (PostgreSQL; MySQL keeps its keys'
-    /// rows): see [`KeyFloor`].
-    pub key_floor: Option<KeyFloor>,
+    /// A family's idle keys forgotten above its token floor: see [`KeyFloor`].
+    pub key_floor: KeyFloor,
 }
 
-/// PostgreSQL's statements for a family's keys, whose idle rows are deleted. A key's new row
-/// takes its token from one above the family's floor row ([`crate::names::key_floor_row`]),
-/// read `FOR SHARE`; a sweep locks the floor `FOR UPDATE`, raises it to every token of the rows
-/// it deletes and deletes them, in one transaction. So an acquisition either ends before the
-/// sweep starts (and its key is held, not idle, when the sweep looks), or waits for the sweep
-/// and reads the raised floor.
+/// The statements for a family's keys, whose idle rows are deleted. A key's new row takes its
+/// token from one above the family's floor row ([`crate::names::key_floor_row`]), read with a
+/// shared lock; a sweep locks the floor exclusively, raises it to every token of the rows it
+/// deletes and deletes them, in one transaction. So an acquisition either ends before the sweep
+/// starts (and its key is held, not idle, when the sweep looks), or waits for the sweep and
+/// reads the raised floor.
 pub struct KeyFloor {
-    /// `$1` lock, `$2` identity, `$3` ttl ms, `$4` the floor row.
+    /// PostgreSQL: the whole acquisition (`$1` lock, `$2` identity, `$3` ttl ms, `$4` the
+    /// floor row). MySQL: the insertion of a key's first row, its token handed over by
+    /// `LAST_INSERT_ID` (lock, identity, ttl µs, floor row), after the take-over of an existing
+    /// row found none.
     pub acquire: String,
     pub ensure: String,
     pub lock: String,
-    /// `$1` the floor row, `$2`/`$3` the keys' name patterns, `$4` idle ms; returns `forgotten`.
-    pub forget_idle: String,
+    pub forget: ForgetIdle,
+}
+
+/// A sweep's statements after the floor is locked.
+pub enum ForgetIdle {
+    /// One statement: `$1` the floor row, `$2`/`$3` the keys' name patterns, `$4` idle ms;
+    /// returns `forgotten`.
+    Postgres(String),
+    /// The idle cut-off fixed once in a session variable (idle µs), then the highest idle
+    /// token (patterns), the floor raised to it (token, floor row), the idle rows deleted
+    /// (patterns).
+    MySql {
+        cutoff: String,
+        highest: String,
+        raise: String,
+        delete: String,
+    },
 }
 
 impl Dialect {
@@ -177,7 +194,7 @@ impl Dialect {
                         "UPDATE {t} SET holder = NULL, expires_at = now() WHERE name = $1"
                     ),
                     delete_row: format!("DELETE FROM {r} WHERE name = $1"),
-                    key_floor: Some(KeyFloor {
+                    key_floor: KeyFloor {
                         acquire: format!(
                             "INSERT INTO {t} AS l (name, holder, token, expires_at) \
                              SELECT $1, $2, f.token + 1, {until} FROM {t} AS f WHERE f.name = $4 FOR SHARE \
@@ -191,17 +208,17 @@ impl Dialect {
                              ON CONFLICT (name) DO NOTHING"
                         ),
                         lock: format!("SELECT token FROM {t} WHERE name = $1 FOR UPDATE"),
-                        forget_idle: format!(
+                        forget: ForgetIdle::Postgres(format!(
                             "WITH gone AS (\
-                               DELETE FROM {t} WHERE (name LIKE $2 OR name LIKE $3) \
+                               DELETE FROM {t} WHERE (name LIKE $2 ESCAPE '|' OR name LIKE $3 ESCAPE '|') \
                                AND expires_at <= now() - make_interval(secs => $4::bigint / 1000.0) \
                                RETURNING token), \
                              raised AS (\
                                UPDATE {t} SET token = GREATEST({t}.token, (SELECT max(token) FROM gone)) \
                                WHERE name = $1 RETURNING name) \
                              SELECT count(*) AS forgotten FROM gone"
-                        ),
-                    }),
+                        )),
+                    },
                 }
             }
             Dialect::MySql => Statements {
@@ -249,7 +266,31 @@ impl Dialect {
                     "UPDATE {t} SET holder = NULL, expires_at = NOW(6) WHERE name = ?"
                 ),
                 delete_row: format!("DELETE FROM {r} WHERE name = ?"),
-                key_floor: None,
+                key_floor: KeyFloor {
+                    // LOCK IN SHARE MODE: MariaDB's spelling too. The ignored duplicate is a key
+                    // whose row another session inserted first.
+                    acquire: format!(
+                        "INSERT IGNORE INTO {t} (name, holder, token, expires_at) \
+                         SELECT ?, ?, LAST_INSERT_ID(f.token + 1), NOW(6) + INTERVAL ? MICROSECOND \
+                         FROM {t} AS f WHERE f.name = ? LOCK IN SHARE MODE"
+                    ),
+                    ensure: format!(
+                        "INSERT IGNORE INTO {t} (name, holder, token, expires_at) VALUES (?, NULL, 0, NOW(6))"
+                    ),
+                    lock: format!("SELECT token FROM {t} WHERE name = ? FOR UPDATE"),
+                    forget: ForgetIdle::MySql {
+                        cutoff: "SET @leasehold_cutoff = NOW(6) - INTERVAL ? MICROSECOND".into(),
+                        highest: format!(
+                            "SELECT COALESCE(MAX(token), 0) AS highest FROM {t} \
+                             WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') AND expires_at <= @leasehold_cutoff"
+                        ),
+                        raise: format!("UPDATE {t} SET token = GREATEST(token, ?) WHERE name = ?"),
+                        delete: format!(
+                            "DELETE FROM {t} \
+                             WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') AND expires_at <= @leasehold_cutoff"
+                        ),
+                    },
+                },
             },
         }
     }
@@ -570,11 +611,10 @@ impl SqlDriver {
     /// A lock found free, yet not taken. For a family's key its floor row may be gone (deleted
     /// by hand; the acquisition reads it): put it back and try once more.
     async fn again_with_floor(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let (Some(family), Some(floor)) = (crate::names::family_of(lock), &self.sql.key_floor)
-        else {
+        let Some(family) = crate::names::family_of(lock) else {
             return Ok(Acquire::Busy(None));
         };
-        self.ensure_floor(floor, family, true).await?;
+        self.ensure_floor(&self.sql.key_floor, family, true).await?;
         Ok(match self.acquire_row(lock, identity, ttl).await? {
             Some(token) => Acquire::Acquired(Lease {
                 lock: lock.to_owned(),
@@ -591,9 +631,9 @@ impl SqlDriver {
         identity: &str,
         ttl: Duration,
     ) -> Result<Option<u64>> {
-        let keyed = crate::names::family_of(lock).zip(self.sql.key_floor.as_ref());
-        let query = match keyed {
-            Some((family, floor)) => {
+        let query = match crate::names::family_of(lock) {
+            Some(family) => {
+                let floor = &self.sql.key_floor;
                 self.ensure_floor(floor, family, false).await?;
                 sqlx::query(&floor.acquire)
                     .bind(lock)
@@ -630,6 +670,25 @@ impl SqlDriver {
             .map_err(map_err)?;
         if taken.rows_affected() == 1 {
             let token = taken.last_insert_id().ok_or_else(|| {
+                Error::Backend("MySQL did not return the new token (LAST_INSERT_ID)".into())
+            })?;
+            return Ok(Some(token as u64));
+        }
+        if let Some(family) = crate::names::family_of(lock) {
+            let floor = &self.sql.key_floor;
+            self.ensure_floor(floor, family, false).await?;
+            let inserted = sqlx::query(&floor.acquire)
+                .bind(lock)
+                .bind(identity)
+                .bind(micros(ttl))
+                .bind(crate::names::key_floor_row(family))
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+            if inserted.rows_affected() != 1 {
+                return Ok(None);
+            }
+            let token = inserted.last_insert_id().ok_or_else(|| {
                 Error::Backend("MySQL did not return the new token (LAST_INSERT_ID)".into())
             })?;
             return Ok(Some(token as u64));
@@ -726,9 +785,7 @@ impl Driver for SqlDriver {
     }
 
     async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
-        let Some(floor) = &self.sql.key_floor else {
-            return Ok(0);
-        };
+        let floor = &self.sql.key_floor;
         self.ensure_tables().await?;
         let row = crate::names::key_floor_row(family);
         let [plain, hashed] = crate::names::key_name_patterns(family);
@@ -743,18 +800,56 @@ impl Driver for SqlDriver {
             .fetch_all(&mut *tx)
             .await
             .map_err(map_err)?;
-        let forgotten: i64 = sqlx::query(&floor.forget_idle)
-            .bind(&row)
-            .bind(&plain)
-            .bind(&hashed)
-            .bind(ms(idle_for))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(map_err)?
-            .try_get("forgotten")
-            .map_err(map_err)?;
+        let forgotten = match &floor.forget {
+            ForgetIdle::Postgres(forget) => {
+                let forgotten: i64 = sqlx::query(forget)
+                    .bind(&row)
+                    .bind(&plain)
+                    .bind(&hashed)
+                    .bind(ms(idle_for))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(map_err)?
+                    .try_get("forgotten")
+                    .map_err(map_err)?;
+                u64::try_from(forgotten).unwrap_or(0)
+            }
+            ForgetIdle::MySql {
+                cutoff,
+                highest,
+                raise,
+                delete,
+            } => {
+                sqlx::query(cutoff)
+                    .bind(micros(idle_for))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                let highest: i64 = sqlx::query(highest)
+                    .bind(&plain)
+                    .bind(&hashed)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(map_err)?
+                    .try_get("highest")
+                    .map_err(map_err)?;
+                sqlx::query(raise)
+                    .bind(highest)
+                    .bind(&row)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                sqlx::query(delete)
+                    .bind(&plain)
+                    .bind(&hashed)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?
+                    .rows_affected()
+            }
+        };
         tx.commit().await.map_err(map_err)?;
-        Ok(u64::try_from(forgotten).unwrap_or(0))
+        Ok(forgotten)
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {

@@ -85,12 +85,12 @@ impl Statements {
             // statements of a sweep.
             raise_floor: format!(
                 "UPDATE {t} SET token = MAX(token, COALESCE((SELECT MAX(token) FROM {t} \
-                   WHERE (name LIKE ?2 ESCAPE '\\' OR name LIKE ?3 ESCAPE '\\') AND expires_at_ms <= ?4), 0)) \
+                   WHERE (name LIKE ?2 ESCAPE '|' OR name LIKE ?3 ESCAPE '|') AND expires_at_ms <= ?4), 0)) \
                  WHERE name = ?1"
             ),
             forget_idle: format!(
                 "DELETE FROM {t} \
-                 WHERE (name LIKE ?1 ESCAPE '\\' OR name LIKE ?2 ESCAPE '\\') AND expires_at_ms <= ?3"
+                 WHERE (name LIKE ?1 ESCAPE '|' OR name LIKE ?2 ESCAPE '|') AND expires_at_ms <= ?3"
             ),
             renew: format!(
                 "UPDATE {t} SET expires_at_ms = {NOW_MS} + ?4 \
