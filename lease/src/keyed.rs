@@ -30,7 +30,9 @@ use tokio::time::{Instant, timeout};
 use crate::driver::{Driver, Holding};
 use crate::error::Error;
 use crate::holder::{Answer, Event, Lock, LockConfig, Mode, Telemetry};
-use crate::names::{HASHED_KEY_INFIX, MAX_LOCK_NAME, PLAIN_KEY_INFIX, validate_lock_name};
+use crate::names::{
+    HASHED_KEY_INFIX, MAX_LOCK_NAME, PLAIN_KEY_INFIX, family_of, validate_lock_name,
+};
 
 /// The longest key accepted by default.
 pub const DEFAULT_MAX_KEY_LENGTH: usize = 128;
@@ -695,15 +697,17 @@ fn hashed_name(family: &str, key: &str) -> String {
 /// A family's name is a lock name short enough that its keys' derived names are lock names too.
 pub fn validate_family_name(family: &str) -> Result<(), Error> {
     validate_lock_name(family)?;
-    // A key's lock name must say which family it is of: the first infix in it ends the family.
+    // A key's lock name must say which family it is of (`family_of`: the first infix in it
+    // ends the family), which a family containing an infix, or ending in `.keys` or `.keyh`,
+    // would not: the backends count tokens and forget idle keys by that family.
     if let Some(infix) = [PLAIN_KEY_INFIX, HASHED_KEY_INFIX]
         .into_iter()
-        .find(|infix| family.contains(infix))
+        .find(|infix| family_of(&format!("{family}{infix}x")) != Some(family))
     {
         return Err(Error::InvalidConfig {
             field: "family",
             reason: format!(
-                "{family:?} contains {infix:?}, which the names of a family's keys use to end the family's name"
+                "{family:?} would not end where {infix:?} follows it in its keys' names: a family may neither contain `.keys.` or `.keyh.` nor end in `.keys` or `.keyh`"
             ),
         });
     }
@@ -722,15 +726,12 @@ pub fn validate_family_name(family: &str) -> Result<(), Error> {
 
 /// Whether a plain lock named `lock` would share the backend with a key of `family`.
 pub fn collides_with_family(lock: &str, family: &str) -> bool {
-    [PLAIN_KEY_INFIX, HASHED_KEY_INFIX]
-        .iter()
-        .any(|infix| lock.starts_with(&format!("{family}{infix}")))
+    family_of(lock) == Some(family)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::names::family_of;
 
     #[test]
     fn plain_keys_keep_their_name_and_others_are_hashed() {
@@ -762,6 +763,10 @@ mod tests {
         assert!(error.to_string().contains("at most 207"), "{error}");
         assert!(validate_family_name("orders.keys.x").is_err());
         assert!(validate_family_name("a.keyh.b").is_err());
-        validate_family_name("orders.keys").unwrap();
+        // Its keys would be named `orders.keys.keys.K`, whose family reads as `orders`.
+        assert!(validate_family_name("orders.keys").is_err());
+        assert!(validate_family_name("orders.keyh").is_err());
+        validate_family_name("orders.key").unwrap();
+        validate_family_name("orders.keyset").unwrap();
     }
 }
