@@ -448,7 +448,7 @@ fn backend_url(
                 sentinel.master_name
             ))?;
             return Ok((
-                with_redis_tls(url, r.tls_secret_name.as_deref(), secrets)?,
+                with_tls_secret(url, r.tls_secret_name.as_deref(), secrets)?,
                 None,
             ));
         }
@@ -468,7 +468,7 @@ fn backend_url(
             };
             let url = BackendUrl::parse(&format!("{scheme}://{auth}{}{q}", r.endpoints.join(",")))?;
             return Ok((
-                with_redis_tls(url, r.tls_secret_name.as_deref(), secrets)?,
+                with_tls_secret(url, r.tls_secret_name.as_deref(), secrets)?,
                 None,
             ));
         }
@@ -483,7 +483,7 @@ fn backend_url(
             r.endpoints.join(",")
         ))?;
         return Ok((
-            with_redis_tls(url, r.tls_secret_name.as_deref(), secrets)?,
+            with_tls_secret(url, r.tls_secret_name.as_deref(), secrets)?,
             None,
         ));
     } else if let Some((scheme, sql)) = postgres
@@ -524,7 +524,7 @@ fn backend_url(
         };
         let url = BackendUrl::parse(&format!("{scheme}://{auth}{}/{db}{q}", t.endpoint))?;
         return Ok((
-            with_redis_tls(url, t.tls_secret_name.as_deref(), secrets)?,
+            with_tls_secret(url, t.tls_secret_name.as_deref(), secrets)?,
             None,
         ));
     } else if sqlite.is_some() {
@@ -560,10 +560,19 @@ fn backend_url(
             z.path,
             query(&[("tick-time", z.tick_time.as_deref())])
         ))?;
-        return Ok((
-            with_zookeeper_tls(url, z.tls_secret_name.as_deref(), secrets)?,
-            None,
-        ));
+        let url = with_tls_secret(url, z.tls_secret_name.as_deref(), secrets)?;
+        if let (BackendUrl::ZooKeeper { tls: Some(tls), .. }, Some(name)) =
+            (&url, &z.tls_secret_name)
+            && tls.ca.is_none()
+        {
+            return Err(Error::InvalidConfig {
+                field: "tlsSecretName",
+                reason: format!(
+                    "Secret {name:?} has no ca.crt: TLS to ZooKeeper needs the CA that signed the servers' certificates"
+                ),
+            });
+        }
+        return Ok((url, None));
     } else if let Some(e) = etcd {
         let auth = userinfo(
             secret(secrets, &e.username_secret_ref)?,
@@ -687,9 +696,9 @@ fn tls_from_secret(name: &str, secrets: &SecretValues) -> Result<crate::tls::Tls
     Ok(crate::tls::Tls { ca, client })
 }
 
-/// TLS from a Redis `tlsSecretName` Secret's PEM text: its CA if it has one (else the system's
-/// roots), its client pair if it has one.
-fn with_redis_tls(
+/// TLS from a Redis, Tair or ZooKeeper `tlsSecretName` Secret's PEM text: its CA if it has one
+/// (else the system's roots; ZooKeeper's caller requires one), its client pair if it has one.
+fn with_tls_secret(
     mut url: BackendUrl,
     tls_secret: Option<&str>,
     secrets: &SecretValues,
@@ -699,6 +708,7 @@ fn with_redis_tls(
         | BackendUrl::Redlock { tls, .. }
         | BackendUrl::RedisCluster { tls, .. }
         | BackendUrl::Tair { tls, .. }
+        | BackendUrl::ZooKeeper { tls, .. }
         | BackendUrl::RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig { tls, .. }),
         Some(name),
     ) = (&mut url, tls_secret)
@@ -706,29 +716,6 @@ fn with_redis_tls(
         return Ok(url);
     };
     let found = tls_from_secret(name, secrets)?;
-    *tls = Some(found);
-    Ok(url)
-}
-
-/// TLS to ZooKeeper from a `tlsSecretName` Secret's PEM text: its CA, which ZooKeeper's TLS
-/// needs, and its client pair if it has one.
-fn with_zookeeper_tls(
-    mut url: BackendUrl,
-    tls_secret: Option<&str>,
-    secrets: &SecretValues,
-) -> Result<BackendUrl> {
-    let (BackendUrl::ZooKeeper { tls, .. }, Some(name)) = (&mut url, tls_secret) else {
-        return Ok(url);
-    };
-    let found = tls_from_secret(name, secrets)?;
-    if found.ca.is_none() {
-        return Err(Error::InvalidConfig {
-            field: "tlsSecretName",
-            reason: format!(
-                "Secret {name:?} has no ca.crt: TLS to ZooKeeper needs the CA that signed the servers' certificates"
-            ),
-        });
-    }
     *tls = Some(found);
     Ok(url)
 }
