@@ -30,6 +30,13 @@ async fn sqlite(harness: &SqliteHarness) -> Arc<dyn Driver> {
         .expect("driver")
 }
 
+/// A SQLite file, and a driver on it whose answers can be made late.
+async fn late_sqlite() -> (SqliteHarness, Arc<FaultyDriver>) {
+    let harness = SqliteHarness::new();
+    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    (harness, faulty)
+}
+
 fn on_demand(driver: Arc<dyn Driver>, name: &str, identity: &str) -> Lock {
     let mut config = LockConfig::new(name, identity, LEASE);
     config.mode = Mode::OnDemand;
@@ -41,8 +48,7 @@ fn on_demand(driver: Arc<dyn Driver>, name: &str, identity: &str) -> Lock {
 /// out its lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_acquisition_is_adopted_while_its_claim_stands() {
-    let harness = SqliteHarness::new();
-    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let (_harness, faulty) = late_sqlite().await;
     let name = unique_lock("late");
     let a = on_demand(faulty.clone(), &name, "a");
     faulty.delay_responses(LATE);
@@ -69,8 +75,7 @@ async fn a_late_acquisition_is_adopted_while_its_claim_stands() {
 /// that lease would have run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_acquisition_nobody_waits_for_is_given_back() {
-    let harness = SqliteHarness::new();
-    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let (harness, faulty) = late_sqlite().await;
     let name = unique_lock("late");
     let a = on_demand(faulty.clone(), &name, "a");
     let b = on_demand(sqlite(&harness).await, &name, "b");
@@ -96,8 +101,7 @@ async fn a_late_acquisition_nobody_waits_for_is_given_back() {
 /// elsewhere, and gets the key as soon as its earlier attempt has been given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_owner_never_meets_its_own_late_attempt() {
-    let harness = SqliteHarness::new();
-    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let (_harness, faulty) = late_sqlite().await;
     let family = KeyedFamily::new(
         faulty.clone(),
         FamilyConfig::new(&unique_lock("latekeys"), "pod-a", LEASE),

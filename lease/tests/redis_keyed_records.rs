@@ -42,6 +42,18 @@ async fn pttl(conn: &mut MultiplexedConnection, key: &str) -> i64 {
         .expect("PTTL")
 }
 
+/// A family of a name of its own (from `prefix`) on `url`.
+async fn family_on(url: &str, prefix: &str) -> (String, KeyedFamily) {
+    let name = unique_lock(prefix);
+    let family = KeyedFamily::new(
+        driver_for(url).await,
+        FamilyConfig::new(&name, "pod-a", LEASE),
+        Arc::new(()),
+    )
+    .expect("family");
+    (name, family)
+}
+
 async fn take(family: &KeyedFamily, key: &str) -> u64 {
     match family
         .acquire(key, "worker", Duration::ZERO, HOLD)
@@ -63,13 +75,7 @@ async fn give_back(family: &KeyedFamily, key: &str) {
 /// Every key's own counter is gone after a while: the only records kept for good are the
 /// family's counter and the server's epoch record.
 async fn only_family_records_stay(servers: &[RedisServer], url: &str) {
-    let name = unique_lock("idle");
-    let family = KeyedFamily::new(
-        driver_for(url).await,
-        FamilyConfig::new(&name, "pod-a", LEASE),
-        Arc::new(()),
-    )
-    .expect("family");
+    let (name, family) = family_on(url, "idle").await;
     let mut tokens = Vec::new();
     for i in 0..20 {
         let key = format!("order-{i}");
@@ -124,13 +130,7 @@ async fn only_family_records_stay(servers: &[RedisServer], url: &str) {
 /// A key with a counter of its own left by an earlier version: the next token is above it, and
 /// an earlier version's next draw (`INCR` of that counter) is above that.
 async fn earlier_versions_counters_are_honoured(servers: &[RedisServer], url: &str) {
-    let name = unique_lock("upgrade");
-    let family = KeyedFamily::new(
-        driver_for(url).await,
-        FamilyConfig::new(&name, "pod-a", LEASE),
-        Arc::new(()),
-    )
-    .expect("family");
+    let (name, family) = family_on(url, "upgrade").await;
     let own = format!("leasehold:{{{name}.keys.sku-9}}:token");
     for server in servers {
         let _: () = redis::cmd("SET")
