@@ -448,3 +448,113 @@ async fn mariadb_idle_keys_rows_are_deleted() {
     let url = h.server.url();
     idle_keys_rows_are_deleted(&mut h, &url).await;
 }
+
+/// A release that commits while a sweep is under way (row-lock mode commits its release with
+/// the holder's transaction, after stamping the release time) is either seen by the sweep, which
+/// raises the floor to the row's token before deleting it, or kept: never deleted above the
+/// floor, where the key's next token would repeat one already handed out.
+async fn release_committed_during_a_sweep_keeps_tokens_rising(
+    h: &mut dyn Harness,
+    url: &str,
+    dialect: Dialect,
+) {
+    use leasehold_lease::Acquire;
+    use sqlx::Row;
+    let driver = h.driver().await;
+    let family = unique_lock("late_release");
+    let key = format!("{family}.keys.k");
+    let first = match driver.try_acquire(&key, "a", LEASE).await {
+        Ok(Acquire::Acquired(lease)) => lease,
+        other => panic!("{key}: {other:?}"),
+    };
+    sqlx::any::install_default_drivers();
+    let table = leasehold_lease::DEFAULT_TABLE;
+    let mut releaser = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let mut admin = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let release = match dialect {
+        Dialect::Postgres => {
+            format!("UPDATE {table} SET holder = NULL, expires_at = now() WHERE name = '{key}'")
+        }
+        Dialect::MySql => {
+            format!("UPDATE {table} SET holder = NULL, expires_at = NOW(6) WHERE name = '{key}'")
+        }
+    };
+    sqlx::query("BEGIN")
+        .execute(&mut releaser)
+        .await
+        .expect("begin");
+    sqlx::query(&release)
+        .execute(&mut releaser)
+        .await
+        .expect("release, uncommitted");
+    let sweep = {
+        let (driver, family) = (driver.clone(), family.clone());
+        tokio::spawn(async move { driver.forget_idle_keys(&family, Duration::ZERO).await })
+    };
+    // Commit only once the sweep waits on the released row, having read what it reads first;
+    // PostgreSQL's one statement may instead keep the row, seen held, and end at once.
+    let waiting = match dialect {
+        Dialect::Postgres => {
+            "SELECT CAST(count(*) AS BIGINT) AS n FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        }
+        // The sweep's DELETE under way: it read the highest idle token before it started.
+        Dialect::MySql => {
+            "SELECT CAST(count(*) AS SIGNED) AS n FROM information_schema.processlist \
+             WHERE info LIKE 'DELETE FROM%@leasehold%cutoff%'"
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let n: i64 = sqlx::query(waiting)
+            .fetch_one(&mut admin)
+            .await
+            .expect("lock waits")
+            .try_get("n")
+            .expect("n");
+        if n > 0 {
+            break;
+        }
+        if sweep.is_finished() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sweep never waited on the row being released"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sqlx::query("COMMIT")
+        .execute(&mut releaser)
+        .await
+        .expect("commit");
+    tokio::time::timeout(SLACK, sweep)
+        .await
+        .expect("the sweep hung")
+        .expect("sweep task")
+        .expect("sweep");
+    let again = match driver.try_acquire(&key, "b", LEASE).await {
+        Ok(Acquire::Acquired(lease)) => lease,
+        other => panic!("{key} again: {other:?}"),
+    };
+    assert!(
+        again.token > first.token,
+        "token {} after {}: the row went without raising the floor",
+        again.token,
+        first.token
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_release_committed_during_a_sweep_keeps_tokens_rising() {
+    let mut h = PostgresHarness::new();
+    let url = h.server.url();
+    release_committed_during_a_sweep_keeps_tokens_rising(&mut h, &url, Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_release_committed_during_a_sweep_keeps_tokens_rising() {
+    let mut h = MariaDbHarness::new();
+    let url = h.server.url();
+    release_committed_during_a_sweep_keeps_tokens_rising(&mut h, &url, Dialect::MySql).await;
+}

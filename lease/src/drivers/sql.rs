@@ -123,8 +123,8 @@ pub enum ForgetIdle {
     /// returns `forgotten`.
     Postgres(String),
     /// The idle cut-off fixed once in a session variable (idle µs), then the highest idle
-    /// token (patterns), the floor raised to it (token, floor row), the idle rows deleted
-    /// (patterns).
+    /// token (patterns), the floor raised to it (token, floor row), the idle rows at or below
+    /// it deleted (patterns, token).
     MySql {
         cutoff: String,
         highest: String,
@@ -285,9 +285,15 @@ impl Dialect {
                              WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') AND expires_at <= @leasehold_cutoff"
                         ),
                         raise: format!("UPDATE {t} SET token = GREATEST(token, ?) WHERE name = ?"),
+                        // `token <= ?`: the DELETE reads rows as they are now, the SELECT
+                        // of `highest` from the transaction's snapshot. A release committed in
+                        // between (row-lock mode commits it with the holder's transaction,
+                        // after stamping its time) is kept for the next sweep, never deleted
+                        // above the floor.
                         delete: format!(
                             "DELETE FROM {t} \
-                             WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') AND expires_at <= @leasehold_cutoff"
+                             WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') AND expires_at <= @leasehold_cutoff \
+                             AND token <= ?"
                         ),
                     },
                 },
@@ -842,6 +848,7 @@ impl Driver for SqlDriver {
                 sqlx::query(delete)
                     .bind(&plain)
                     .bind(&hashed)
+                    .bind(highest)
                     .execute(&mut *tx)
                     .await
                     .map_err(map_err)?
