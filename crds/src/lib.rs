@@ -40,6 +40,7 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
     printcolumn(name = "Backend", type_ = "string", json_path = ".status.backend"),
     printcolumn(name = "Holder", type_ = "string", json_path = ".status.holder"),
     printcolumn(name = "Token", type_ = "integer", json_path = ".status.fencingToken"),
+    printcolumn(name = "Held keys", type_ = "integer", json_path = ".status.heldKeys"),
     printcolumn(
         name = "Ready",
         type_ = "string",
@@ -54,8 +55,12 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 #[x_kube(validation = Rule::new(
     "!has(self.renewInterval) || duration(self.renewInterval) < duration(self.leaseDuration)"
 ).message("renewInterval must be shorter than leaseDuration"))]
-#[x_kube(validation = Rule::new("!has(self.keys) || !has(self.cleanupPolicy) || self.cleanupPolicy == 'Retain'").message(
-    "cleanupPolicy Delete is not available for a family of keyed locks: its keys' records are kept, and they are what keeps each key's fencing tokens rising"
+#[x_kube(validation = Rule::new(
+    "!has(self.keys) || !has(self.cleanupPolicy) || self.cleanupPolicy == 'Retain' || \
+     !(has(self.backend.tair) || has(self.backend.kubernetes) || \
+       (has(self.backend.redis) && has(self.backend.redis.cluster) && self.backend.redis.cluster))"
+).message(
+    "cleanupPolicy Delete is not available for a family of keyed locks on Redis Cluster, Tair or the Kubernetes Lease: each key keeps its own record there, which is what keeps its fencing tokens rising; use Retain"
 ))]
 #[x_kube(validation = Rule::new("has(self.keys) == has(oldSelf.keys)").message(
     "keys cannot be added or removed: a lock and a family of keyed locks keep different records; create a new DistributedLock instead"
@@ -470,6 +475,11 @@ pub struct DistributedLockStatus {
     /// How many times the holder has changed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transitions: Option<i64>,
+    /// For a family of keyed locks (`spec.keys`), which has no single holder: how many of its
+    /// keys are held now, across every pod, as the operator last counted them (once a minute).
+    /// Absent where the backend cannot count them (Redis Cluster, Tair).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_keys: Option<i64>,
 }
 
 /// The CRD as YAML, exactly as `crdgen` writes it and `crds/distributedlock.yaml` holds it.

@@ -124,6 +124,13 @@ pub trait Driver: Send + Sync + 'static {
         Ok(0)
     }
 
+    /// How many of `family`'s keys have a live holder now, in every process, for the family's
+    /// status and its clean-up; `None` from the backends that cannot count them short of
+    /// reading every key's own record (Redis Cluster, Tair).
+    async fn count_held_keys(&self, _family: &str) -> Result<Option<u64>> {
+        Ok(None)
+    }
+
     /// Backend settings that endanger locks (Redis may evict lock keys), as warnings for the
     /// lock's status and events.
     async fn warnings(&self) -> Result<Vec<String>> {

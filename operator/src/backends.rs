@@ -20,11 +20,26 @@ pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// hand: a dropped table, a deleted znode or Lease).
 pub const PROVISION_EVERY: Duration = Duration::from_secs(300);
 
-/// A lock's driver, the backend it was opened for, and when it last provisioned which spec.
+/// How long a family's count of held keys stands before it is counted again: counting may
+/// walk the backend's whole keyspace (Redis's `SCAN`), too much for every resync.
+pub const HELD_KEYS_EVERY: Duration = Duration::from_secs(60);
+
+/// A lock's driver, the backend it was opened for, when it last provisioned which spec, and a
+/// family's last count of held keys.
 struct OpenDriver {
     url: BackendUrl,
     driver: Arc<dyn Driver>,
     provisioned: Option<(Option<i64>, std::time::Instant)>,
+    held_keys: Option<(Option<u64>, std::time::Instant)>,
+}
+
+/// What keeps a lock's records in the backend at its deletion.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StillHeld {
+    /// The lock's holder; `None` while the backend cannot name it yet.
+    Lock(Option<leasehold_lease::Holding>),
+    /// How many keys of a family are held.
+    Keys(u64),
 }
 
 #[derive(Default)]
@@ -95,6 +110,7 @@ impl Backends {
                 url: resolved.backend.clone(),
                 driver: driver.clone(),
                 provisioned: None,
+                held_keys: None,
             },
         );
         Ok(driver)
@@ -121,6 +137,28 @@ impl Backends {
             .get_mut(&key(lock))
         {
             open.provisioned = done.then(|| (lock.metadata.generation, std::time::Instant::now()));
+        }
+    }
+
+    /// A family's count of held keys made less than [`HELD_KEYS_EVERY`] ago.
+    fn held_keys_counted(&self, lock: &DistributedLock) -> Option<Option<u64>> {
+        self.open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key(lock))
+            .and_then(|open| open.held_keys)
+            .filter(|(_, at)| at.elapsed() < HELD_KEYS_EVERY)
+            .map(|(counted, _)| counted)
+    }
+
+    fn mark_held_keys(&self, lock: &DistributedLock, counted: Option<u64>) {
+        if let Some(open) = self
+            .open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&key(lock))
+        {
+            open.held_keys = Some((counted, std::time::Instant::now()));
         }
     }
 
@@ -161,9 +199,29 @@ impl Backends {
             if holder.is_err() {
                 self.mark_provisioned(lock, false);
             }
-            let warnings = bounded(driver.warnings()).await.unwrap_or_default();
+            let holder = holder?;
+            let mut warnings = bounded(driver.warnings()).await.unwrap_or_default();
+            // Counting reads more than a lock's health needs (Redis's SCAN, which a user may
+            // not be allowed): a failure is a warning, not an unusable backend.
+            let held_keys = if !family {
+                None
+            } else if let Some(counted) = self.held_keys_counted(lock) {
+                counted
+            } else {
+                match bounded(driver.count_held_keys(&resolved.name)).await {
+                    Ok(counted) => {
+                        self.mark_held_keys(lock, counted);
+                        counted
+                    }
+                    Err(e) => {
+                        warnings.push(format!("the family's held keys could not be counted: {e}"));
+                        None
+                    }
+                }
+            };
             Ok::<_, Error>(Observation::Ready {
-                holder: holder?,
+                holder,
+                held_keys,
                 warnings,
             })
         }
@@ -172,18 +230,37 @@ impl Backends {
     }
 
     /// Remove the lock's artifacts from its backend while holding the lock (see
-    /// [`leasehold_lease::delete_records`]), and forget its driver: `Ok(Some(holder))`, with
-    /// nothing removed, while another holds it. A family of keyed locks has no lock of its own
-    /// to take (its keys' records are kept; see the README's "Not built yet").
+    /// [`leasehold_lease::delete_records`]), and forget its driver: `Ok(Some(kept))`, with
+    /// nothing removed, while another holds it.
+    ///
+    /// A family of keyed locks has no lock of its own to take: its keys' records go once none
+    /// of them is held, above what keeps their tokens rising (a floor or counter per family),
+    /// as the sidecars' idle-key sweeps delete them. A key taken meanwhile by a client that does
+    /// not follow the resource keeps its record.
     pub async fn clean_up(
         &self,
         client: &kube::Client,
         lock: &DistributedLock,
-    ) -> leasehold_lease::Result<Option<Option<leasehold_lease::Holding>>> {
+    ) -> leasehold_lease::Result<Option<StillHeld>> {
         let resolved = Self::resolve(client, lock).await?;
         let driver = self.driver(client, lock, &resolved).await?;
         if resolved.keys.is_some() {
-            bounded(driver.deprovision(std::slice::from_ref(&resolved.name))).await?;
+            match bounded(driver.count_held_keys(&resolved.name)).await? {
+                Some(0) => {
+                    bounded(driver.forget_idle_keys(&resolved.name, Duration::ZERO)).await?;
+                }
+                Some(held) => return Ok(Some(StillHeld::Keys(held))),
+                // The CRD refuses Delete for a family on these backends.
+                None => {
+                    return Err(Error::InvalidConfig {
+                        field: "cleanupPolicy",
+                        reason: format!(
+                            "the {} backend keeps a record per key, which is what keeps its tokens rising: a family's records are kept",
+                            resolved.backend.kind()
+                        ),
+                    });
+                }
+            }
         } else {
             let held = bounded(leasehold_lease::delete_records(
                 &*driver,
@@ -191,8 +268,8 @@ impl Backends {
                 resolved.lease_duration,
             ))
             .await?;
-            if held.is_some() {
-                return Ok(held);
+            if let Some(holder) = held {
+                return Ok(Some(StillHeld::Lock(holder)));
             }
         }
         self.forget(lock);

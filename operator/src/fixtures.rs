@@ -36,6 +36,11 @@ pub enum Scenario {
     StatusOnly(DistributedLock),
     /// A holder appeared in the backend: it shows in the status, with a `HolderChanged` event.
     HolderChanged(DistributedLock, &'static str),
+    /// A family of keyed locks provisioned: the status counts its held keys and names no
+    /// holder, with a `Provisioned` event.
+    FamilyProvisioned(DistributedLock, i64),
+    /// Only the family's count of held keys moves; no event.
+    HeldKeysChanged(DistributedLock, i64),
     /// Nothing at all: the status is already right.
     Nothing,
     /// The lock is being deleted with Retain: the finalizer goes, nothing else.
@@ -113,6 +118,12 @@ pub fn unreachable_redis_lock(name: &str) -> DistributedLock {
     )
 }
 
+/// `lock` as a family of keyed locks, with the default bounds.
+pub fn family(mut lock: DistributedLock) -> DistributedLock {
+    lock.spec.keys = Some(Default::default());
+    lock
+}
+
 pub fn with_finalizer(mut lock: DistributedLock) -> DistributedLock {
     lock.meta_mut().finalizers = Some(vec![FINALIZER.into()]);
     lock
@@ -175,6 +186,18 @@ impl ApiServerVerifier {
                         "{status}"
                     );
                     api.event(&lock, "HolderChanged").await;
+                }
+                Scenario::FamilyProvisioned(lock, held) => {
+                    let status = api.status_patched(&lock).await;
+                    assert_eq!(status["conditions"][0]["status"], "True", "{status}");
+                    assert_eq!(status["heldKeys"], json!(held), "{status}");
+                    assert!(status.get("holder").is_none(), "{status}");
+                    api.event(&lock, "Provisioned").await;
+                }
+                Scenario::HeldKeysChanged(lock, held) => {
+                    let status = api.status_patched(&lock).await;
+                    assert_eq!(status["heldKeys"], json!(held), "{status}");
+                    api.nothing().await;
                 }
                 Scenario::Nothing => api.nothing().await,
                 Scenario::RemoveFinalizer(lock) => api.finalizer_removed(lock).await,

@@ -20,7 +20,7 @@ use kube::{Api, Resource, ResourceExt};
 use leasehold_crds::{CleanupPolicy, DistributedLock};
 use serde_json::json;
 
-use crate::backends::Backends;
+use crate::backends::{Backends, StillHeld};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::status::{self, Notice, Observation};
@@ -230,20 +230,24 @@ async fn clean_up_backend(lock: &DistributedLock, ctx: &Context) -> Result<()> {
     // The lock is taken before its records go, so that nobody can take it in between (see
     // `leasehold_lease::delete_records`); a holder keeps the records until it lets go.
     let notice = match ctx.backends.clean_up(&ctx.client, lock).await {
-        Ok(Some(holder)) => {
+        Ok(Some(kept)) => {
             // Said once per deletion, not at every re-check.
             let first_wait = !ctx
                 .failures
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .contains_key(&ObjectRef::from(lock));
-            let who = holder.map_or_else(
-                || "the backend cannot name the holder yet (it waits out a lease a restart may have lost)".to_owned(),
-                |h| format!("{} (token {}) still holds the lock", h.identity, h.token),
-            );
+            let who = match kept {
+                StillHeld::Lock(None) => "the backend cannot name the holder yet (it waits out a lease a restart may have lost)".to_owned(),
+                StillHeld::Lock(Some(h)) => {
+                    format!("{} (token {}) still holds the lock", h.identity, h.token)
+                }
+                StillHeld::Keys(1) => "1 key of the family is still held".to_owned(),
+                StillHeld::Keys(n) => format!("{n} keys of the family are still held"),
+            };
             let note = format!(
-                "{who}, so its records are kept until it releases or its lease runs out; \
-                 sidecars that follow this resource release it now, other clients must stop \
+                "{who}, so the records are kept until nothing holds them (a release, or a lease \
+                 that runs out); sidecars that follow this resource release now, other clients must stop \
                  (or set cleanupPolicy: Retain to keep the records and let the resource go)"
             );
             if first_wait {
@@ -477,6 +481,7 @@ mod tests {
         let mut lock = lock;
         let provisioned = Observation::Ready {
             holder: None,
+            held_keys: None,
             warnings: vec![],
         };
         lock.status = Some(status::desired(
@@ -639,6 +644,96 @@ mod tests {
         timeout_after_1s(scenario).await;
         assert_eq!(holder(&driver, "jobs").await, None);
         assert_eq!(next_token(&driver, "jobs").await, 3);
+    }
+
+    /// A family has no single holder: its status counts the keys held in every pod, and
+    /// follows the count at each look.
+    #[tokio::test]
+    async fn a_family_status_counts_its_held_keys() {
+        let (server, driver) = redis().await;
+        let mut leases = Vec::new();
+        for key in ["orders.keys.o-1", "orders.keyh.0123456789abcdef"] {
+            let leasehold_lease::Acquire::Acquired(lease) = driver
+                .try_acquire(key, "pod-a", Duration::from_secs(30))
+                .await
+                .unwrap()
+            else {
+                panic!("{key} is not free")
+            };
+            leases.push(lease);
+        }
+        // Neither a plain lock nor another family's key is one of the family's.
+        for other in ["orders", "ordersx.keys.o-1"] {
+            driver
+                .try_acquire(other, "pod-a", Duration::from_secs(30))
+                .await
+                .unwrap();
+        }
+        let (ctx, api) = Context::test();
+        let lock = fixtures::with_finalizer(fixtures::family(fixtures::redis_lock(
+            "orders",
+            server.port(),
+        )));
+        let scenario = api.run(Scenario::FamilyProvisioned(lock.clone(), 2));
+        reconcile(Arc::new(lock.clone()), ctx.clone())
+            .await
+            .expect("reconcile");
+        timeout_after_1s(scenario).await;
+
+        assert!(driver.release(&leases[0]).await.unwrap());
+        let (ctx, api) = Context::test();
+        let mut counted = lock.clone();
+        counted.status = Some(status::desired(
+            None,
+            lock.meta().generation,
+            "redis",
+            &Observation::Ready {
+                holder: None,
+                held_keys: Some(2),
+                warnings: vec![],
+            },
+            Timestamp::now(),
+        ));
+        let scenario = api.run(Scenario::HeldKeysChanged(counted.clone(), 1));
+        reconcile(Arc::new(counted), ctx).await.expect("reconcile");
+        timeout_after_1s(scenario).await;
+    }
+
+    /// `cleanupPolicy: Delete` on a family waits while any of its keys is held, names how many,
+    /// and goes through once none is.
+    #[tokio::test]
+    async fn delete_of_a_family_waits_for_its_held_keys() {
+        let (server, driver) = redis().await;
+        let leasehold_lease::Acquire::Acquired(lease) = driver
+            .try_acquire("orders.keys.o-1", "pod-a", Duration::from_secs(30))
+            .await
+            .unwrap()
+        else {
+            panic!("the free key was not acquired")
+        };
+        let (ctx, api) = Context::test();
+        let lock = fixtures::being_deleted(
+            fixtures::family(fixtures::redis_lock("orders", server.port())),
+            CleanupPolicy::Delete,
+        );
+        let scenario = api.run(Scenario::CleanupWaits(lock.clone()));
+        let error = reconcile(Arc::new(lock.clone()), ctx)
+            .await
+            .expect_err("the clean-up went ahead with a key held");
+        assert_eq!(error.label(), "holder_alive");
+        assert!(
+            error
+                .to_string()
+                .contains("1 key of the family is still held"),
+            "{error}"
+        );
+        timeout_after_1s(scenario).await;
+
+        assert!(driver.release(&lease).await.unwrap());
+        let (ctx, api) = Context::test();
+        let scenario = api.run(Scenario::CleanedUp(lock.clone()));
+        reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        timeout_after_1s(scenario).await;
     }
 
     /// A namespace being deleted refuses every event; the clean-up must not wait for a holder

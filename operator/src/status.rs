@@ -12,6 +12,9 @@ pub enum Observation {
     /// Provisioned and reachable; the holder as the backend reports it.
     Ready {
         holder: Option<Holding>,
+        /// For a family of keyed locks: how many of its keys are held now, in every pod, where
+        /// the backend can count them.
+        held_keys: Option<u64>,
         warnings: Vec<String>,
     },
     /// The backend could not be used; `reason` is a CamelCase condition reason.
@@ -45,8 +48,12 @@ pub fn desired(
             .iter()
             .find(|c| c.type_ == CONDITION_BACKEND_READY)
     });
-    let (ready, reason, message, holder) = match observation {
-        Observation::Ready { holder, warnings } => (
+    let (ready, reason, message, holder, held_keys) = match observation {
+        Observation::Ready {
+            holder,
+            held_keys,
+            warnings,
+        } => (
             "True",
             REASON_READY,
             if warnings.is_empty() {
@@ -55,8 +62,10 @@ pub fn desired(
                 warnings.join("; ")
             },
             holder.clone(),
+            held_keys.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
         ),
-        Observation::Failed { reason, message } => ("False", *reason, message.clone(), None),
+        // Unknown while the backend cannot be read: the last count is not kept as if current.
+        Observation::Failed { reason, message } => ("False", *reason, message.clone(), None, None),
     };
     let last_transition_time = match previous {
         Some(p) if p.status == ready => p.last_transition_time.clone(),
@@ -85,6 +94,7 @@ pub fn desired(
         holder: holder.as_ref().map(|h| h.identity.clone()),
         fencing_token: new_token,
         transitions: Some(transitions),
+        held_keys,
     }
 }
 
@@ -218,6 +228,7 @@ mod tests {
     fn ready(holder: Option<Holding>) -> Observation {
         Observation::Ready {
             holder,
+            held_keys: None,
             warnings: vec![],
         }
     }
@@ -298,6 +309,7 @@ mod tests {
     fn warnings_are_announced_once() {
         let warned = Observation::Ready {
             holder: None,
+            held_keys: None,
             warnings: vec!["maxmemory-policy is allkeys-lru".into()],
         };
         let first = desired(None, Some(1), "redis", &warned, at(100));

@@ -17,7 +17,7 @@ use leasehold_lease::testkit::{
     ZooKeeperServer,
 };
 use leasehold_lease::{Acquire, Driver};
-use leasehold_operator::backends::Backends;
+use leasehold_operator::backends::{Backends, StillHeld};
 use leasehold_operator::status::Observation;
 use serde_json::json;
 
@@ -266,10 +266,10 @@ async fn redis_sentinel_is_reached_through_the_sentinels() {
     // Held: the clean-up names the holder and deletes nothing.
     let backends = Backends::default();
     let waiting = backends.clean_up(&api.client(), &lock).await.unwrap();
-    assert_eq!(
-        waiting.flatten().map(|h| h.identity),
-        Some("pod-a".to_owned())
-    );
+    let Some(StillHeld::Lock(Some(holder))) = waiting else {
+        panic!("{waiting:?}")
+    };
+    assert_eq!(holder.identity, "pod-a");
     assert_eq!(exists("leasehold:{payouts}:lease"), "int(1)");
     assert!(driver.release(&lease).await.unwrap());
     assert_eq!(backends.clean_up(&api.client(), &lock).await.unwrap(), None);
@@ -340,10 +340,10 @@ async fn etcd_is_checked_and_its_queue_removed_on_delete() {
     // Held: the clean-up names the holder, deletes nothing and leaves no place in the queue.
     let backends = Backends::default();
     let waiting = backends.clean_up(&api.client(), &lock).await.unwrap();
-    assert_eq!(
-        waiting.flatten().map(|h| h.identity),
-        Some("pod-a".to_owned())
-    );
+    let Some(StillHeld::Lock(Some(holder))) = waiting else {
+        panic!("{waiting:?}")
+    };
+    assert_eq!(holder.identity, "pod-a");
     assert!(driver.renew(&held, Duration::from_secs(30)).await.unwrap());
     assert!(driver.release(&held).await.unwrap());
     assert_eq!(backends.clean_up(&api.client(), &lock).await.unwrap(), None);

@@ -596,6 +596,27 @@ impl Driver for EtcdDriver {
         self.shared.holder(lock).await
     }
 
+    /// A key whose queue has an entry has a holder: its lowest (a released key's entries go).
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let client = self.shared.client().await?;
+        let root = format!("{}/", self.shared.config.prefix);
+        let reply = client
+            .range(RangeRequest {
+                keys_only: true,
+                ..RangeRequest::prefix(&format!("{root}{family}.key"))
+            })
+            .await
+            .map_err(map_err)?;
+        let held: std::collections::HashSet<&str> = reply
+            .kvs
+            .iter()
+            .filter_map(|kv| std::str::from_utf8(&kv.key).ok())
+            .filter_map(|key| key.strip_prefix(&root)?.split('/').next())
+            .filter(|lock| crate::names::family_of(lock) == Some(family))
+            .collect();
+        Ok(Some(held.len() as u64))
+    }
+
     /// The TTL etcd granted (whole seconds, at least its minimum): a dead holder's key lives
     /// that long.
     fn enforced_lease(&self, lock: &str) -> Option<Duration> {

@@ -55,6 +55,8 @@ pub struct RangeRequest {
     pub sort_order: i32,
     #[prost(int32, tag = "6")]
     pub sort_target: i32,
+    #[prost(bool, tag = "8")]
+    pub keys_only: bool,
     #[prost(int64, tag = "13")]
     pub max_create_revision: i64,
 }

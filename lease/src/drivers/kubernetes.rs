@@ -440,6 +440,35 @@ impl Driver for KubernetesLeaseDriver {
             .and_then(|r| r.holding(Timestamp::now())))
     }
 
+    /// The namespace's Leases, read page by page; a key's Lease is named after its lock.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        const PAGE: u32 = 500;
+        let now = Timestamp::now();
+        let mut params = kube::api::ListParams::default().limit(PAGE);
+        let mut held = 0;
+        loop {
+            let page = self.api().list(&params).await.map_err(classify)?;
+            held += page
+                .items
+                .iter()
+                .filter(|lease| {
+                    lease
+                        .metadata
+                        .name
+                        .as_deref()
+                        .and_then(crate::names::family_of)
+                        == Some(family)
+                })
+                .filter_map(Record::of)
+                .filter(|record| record.holding(now).is_some())
+                .count() as u64;
+            match page.metadata.continue_ {
+                Some(next) if !next.is_empty() => params = params.continue_token(&next),
+                _ => return Ok(Some(held)),
+            }
+        }
+    }
+
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
         Some(self.feed(lock))
     }

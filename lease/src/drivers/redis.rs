@@ -583,6 +583,55 @@ pub(crate) async fn delete_keys(
     Ok(())
 }
 
+/// The lease keys of `family`'s keys that one server holds now. `SCAN` walks the whole keyspace
+/// (a family's keys are spread over it), in pages, and may name a key twice or one that has
+/// just expired; `EXISTS` then counts those still there.
+pub(crate) async fn held_key_leases(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    keys: &KeyLayout,
+    family: &str,
+) -> Result<std::collections::HashSet<String>> {
+    const PAGE: usize = 1000;
+    // `.key[sh].`: both infixes, `names::PLAIN_KEY_INFIX` and `HASHED_KEY_INFIX`. Lock names
+    // hold none of the glob's special characters.
+    let pattern = keys.lease(&format!("{family}.key[sh].*"));
+    let mut seen = std::collections::HashSet::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(PAGE)
+            .query_async(conn)
+            .await
+            .map_err(map_err)?;
+        seen.extend(page);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    let seen: Vec<String> = seen.into_iter().collect();
+    let mut held = std::collections::HashSet::new();
+    for chunk in seen.chunks(PAGE) {
+        let mut pipe = redis::pipe();
+        for key in chunk {
+            pipe.exists(key);
+        }
+        let present: Vec<bool> = pipe.query_async(conn).await.map_err(map_err)?;
+        held.extend(
+            chunk
+                .iter()
+                .zip(present)
+                .filter(|(_, present)| *present)
+                .map(|(key, _)| key.clone()),
+        );
+    }
+    Ok(held)
+}
+
 /// Warnings about a master's settings that endanger locks: it may evict lock keys under memory
 /// pressure, or this user may not run `INFO`, without which a restart or failover that lost a
 /// held lease goes unnoticed.
@@ -718,6 +767,15 @@ impl Driver for RedisDriver {
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
         Some(self.releases.subscribe(lock))
+    }
+
+    /// A Redis Cluster spreads a family's keys over every master: not counted.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let Target::Single(conn) = &self.target else {
+            return Ok(None);
+        };
+        let held = held_key_leases(&mut conn.clone(), &self.keys, family).await?;
+        Ok(Some(held.len() as u64))
     }
 
     async fn ping(&self) -> Result<()> {

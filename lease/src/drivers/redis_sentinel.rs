@@ -360,6 +360,15 @@ impl Driver for RedisSentinelDriver {
         }
     }
 
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let master = self.master.master().await?;
+        let held = single::held_key_leases(&mut master.conn.clone(), &self.keys, family).await;
+        if let Err(Error::Unreachable(_)) = &held {
+            self.master.forget(&master.address).await;
+        }
+        Ok(Some(held?.len() as u64))
+    }
+
     async fn warnings(&self) -> Result<Vec<String>> {
         let master = self.master.master().await?;
         single::lock_key_warnings(&mut master.conn.clone()).await

@@ -180,7 +180,7 @@ impl RedlockDriver {
     }
 
     /// Too few masters answered to decide either way.
-    fn no_quorum(&self, answered: usize, replies: &[Reply]) -> Error {
+    fn no_quorum<T>(&self, answered: usize, replies: &[Result<T>]) -> Error {
         let why = replies
             .iter()
             .find_map(|r| r.as_ref().err())
@@ -234,6 +234,35 @@ impl Driver for RedlockDriver {
             crate::drivers::redis::delete_keys(&mut master.conn.clone(), &self.keys, locks).await?;
         }
         Ok(())
+    }
+
+    /// A key is held where a majority of the masters has its lease; masters that do not
+    /// answer count as not having it, and without a majority answering nothing is counted.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let listed = join_all(self.masters.iter().map(|master| {
+            let mut conn = master.conn.clone();
+            async move {
+                tokio::time::timeout(
+                    MAX_MASTER_TIMEOUT,
+                    crate::drivers::redis::held_key_leases(&mut conn, &self.keys, family),
+                )
+                .await
+                .map_err(|_| Error::Timeout(MAX_MASTER_TIMEOUT))
+                .and_then(|held| held)
+            }
+        }))
+        .await;
+        let answered: Vec<_> = listed.iter().filter_map(|l| l.as_ref().ok()).collect();
+        if answered.len() < self.quorum() {
+            return Err(self.no_quorum(answered.len(), &listed));
+        }
+        let mut votes: std::collections::HashMap<&str, usize> = Default::default();
+        for key in answered.iter().flat_map(|held| held.iter()) {
+            *votes.entry(key).or_default() += 1;
+        }
+        Ok(Some(
+            votes.values().filter(|&&n| n >= self.quorum()).count() as u64,
+        ))
     }
 
     async fn warnings(&self) -> Result<Vec<String>> {

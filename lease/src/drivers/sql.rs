@@ -115,6 +115,8 @@ pub struct KeyFloor {
     pub ensure: String,
     pub lock: String,
     pub forget: ForgetIdle,
+    /// The family's keys held now (patterns); returns `held`.
+    pub count_held: String,
 }
 
 /// A sweep's statements after the floor is locked.
@@ -218,6 +220,11 @@ impl Dialect {
                                WHERE name = $1 RETURNING name) \
                              SELECT count(*) AS forgotten FROM gone"
                         )),
+                        count_held: format!(
+                            "SELECT count(*) AS held FROM {t} \
+                             WHERE (name LIKE $1 ESCAPE '|' OR name LIKE $2 ESCAPE '|') \
+                             AND holder IS NOT NULL AND expires_at > now()"
+                        ),
                     },
                 }
             }
@@ -296,6 +303,11 @@ impl Dialect {
                              AND token <= ?"
                         ),
                     },
+                    count_held: format!(
+                        "SELECT CAST(COUNT(*) AS SIGNED) AS held FROM {t} \
+                         WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') \
+                         AND holder IS NOT NULL AND expires_at > NOW(6)"
+                    ),
                 },
             },
         }
@@ -788,6 +800,20 @@ impl Driver for SqlDriver {
             named.held(lock, &lease.identity, lease.token);
         }
         Ok(acquired)
+    }
+
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        self.ensure_tables().await?;
+        let [plain, hashed] = crate::names::key_name_patterns(family);
+        let held: i64 = sqlx::query(&self.sql.key_floor.count_held)
+            .bind(&plain)
+            .bind(&hashed)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(map_err)?
+            .try_get("held")
+            .map_err(map_err)?;
+        Ok(Some(u64::try_from(held).unwrap_or(0)))
     }
 
     async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {

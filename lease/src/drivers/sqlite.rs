@@ -51,6 +51,7 @@ struct Statements {
     ensure_floor: String,
     raise_floor: String,
     forget_idle: String,
+    count_held_keys: String,
     renew: String,
     release: String,
     observe: String,
@@ -91,6 +92,10 @@ impl Statements {
             forget_idle: format!(
                 "DELETE FROM {t} \
                  WHERE (name LIKE ?1 ESCAPE '|' OR name LIKE ?2 ESCAPE '|') AND expires_at_ms <= ?3"
+            ),
+            count_held_keys: format!(
+                "SELECT COUNT(*) FROM {t} WHERE (name LIKE ?1 ESCAPE '|' OR name LIKE ?2 ESCAPE '|') \
+                 AND holder IS NOT NULL AND expires_at_ms > {NOW_MS}"
             ),
             renew: format!(
                 "UPDATE {t} SET expires_at_ms = {NOW_MS} + ?4 \
@@ -299,6 +304,17 @@ impl Driver for SqliteDriver {
             .rows_affected();
         tx.commit().await.map_err(map_err)?;
         Ok(forgotten)
+    }
+
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let [plain, hashed] = crate::names::key_name_patterns(family);
+        let held: i64 = sqlx::query_scalar(&self.sql.count_held_keys)
+            .bind(&plain)
+            .bind(&hashed)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(Some(u64::try_from(held).unwrap_or(0)))
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {

@@ -951,7 +951,38 @@ impl Driver for ZooKeeperDriver {
             .map_err(map_err)
     }
 
-    /// Create the root path and each lock's parent node.
+    /// A key's parent with a node under it has a holder: its lowest. The root's children are
+    /// listed once, then each of the family's parents is asked for its count, many at a time.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        const AT_ONCE: usize = 256;
+        let session = self.shared.any_session().await?;
+        let client = &session.client;
+        let keys: Vec<String> = match client.list_children(&self.shared.config.root).await {
+            Ok(children) => children
+                .into_iter()
+                .filter(|lock| crate::names::family_of(lock) == Some(family))
+                .collect(),
+            Err(zk::Error::NoNode) => return Ok(Some(0)),
+            Err(e) => return Err(map_err(e)),
+        };
+        let mut held = 0;
+        for chunk in keys.chunks(AT_ONCE) {
+            let stats = futures_util::future::join_all(
+                chunk
+                    .iter()
+                    .map(|lock| client.check_stat(&self.shared.parent(lock))),
+            )
+            .await;
+            for stat in stats {
+                // A parent gone meanwhile (a container the server deleted) is not held.
+                if stat.map_err(map_err)?.is_some_and(|s| s.num_children > 0) {
+                    held += 1;
+                }
+            }
+        }
+        Ok(Some(held))
+    }
+
     /// The lock's parent node and the contenders' nodes under it (whose sessions then find
     /// their node gone and stop claiming).
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
@@ -978,6 +1009,7 @@ impl Driver for ZooKeeperDriver {
         Ok(())
     }
 
+    /// Create the root path and each lock's parent node.
     async fn provision(&self, locks: &[String]) -> Result<()> {
         let session = self.shared.any_session().await?;
         self.shared

@@ -30,6 +30,10 @@ pub trait Harness: Send {
     async fn outage_begin(&mut self);
     /// Bring the backend back, with the data it had.
     async fn outage_end(&mut self);
+    /// Whether its driver counts a family's held keys ([`Driver::count_held_keys`]).
+    fn counts_held_keys(&self) -> bool {
+        true
+    }
 }
 
 /// SQLite: a throwaway file; an outage is another process holding the file's write lock.
@@ -253,6 +257,11 @@ impl<S: BackendServer> Harness for ServerHarness<S> {
     }
     async fn outage_end(&mut self) {
         self.server.restart();
+    }
+    /// Tair and Redis Cluster keep a record per key, spread over the keyspace or the slots.
+    fn counts_held_keys(&self) -> bool {
+        let url = self.url();
+        !url.starts_with("tair") && !url.contains("cluster")
     }
 }
 
@@ -1215,6 +1224,51 @@ pub async fn idle_keys_are_forgotten_and_their_tokens_still_rise(h: &mut dyn Har
     sweeper.await.expect("sweeper");
 }
 
+/// A family's held keys are counted across processes, a hashed key's too, and nothing else:
+/// not a released key, not a contender queued behind a holder, not a key of a family whose name
+/// starts the same, not a plain lock. Backends that keep a record per key spread over the
+/// keyspace say they do not count.
+pub async fn held_keys_are_counted(h: &mut dyn Harness) {
+    let family = unique_lock("count");
+    let (a, b) = (h.driver().await, h.driver().await);
+    if !h.counts_held_keys() {
+        assert_eq!(a.count_held_keys(&family).await.expect("count"), None);
+        return;
+    }
+    let count = async || a.count_held_keys(&family).await.expect("count");
+    assert_eq!(count().await, Some(0), "a family never used");
+    let take = async |driver: &Arc<dyn Driver>, lock: &str| match driver
+        .try_acquire(lock, "owner", LEASE)
+        .await
+    {
+        Ok(Acquire::Acquired(lease)) => lease,
+        other => panic!("{lock}: {other:?}"),
+    };
+    let keys = [
+        format!("{family}.keys.k-0"),
+        format!("{family}.keys.k-1"),
+        format!("{family}.keyh.0123456789abcdef"),
+    ];
+    let mut held = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        held.push(take(if i == 0 { &a } else { &b }, key).await);
+    }
+    let decoys = [format!("{family}x.keys.k-0"), family.clone()];
+    for decoy in &decoys {
+        take(&a, decoy).await;
+    }
+    assert_eq!(count().await, Some(3), "three keys held in two processes");
+    // A contender queued behind a holder (etcd, ZooKeeper) adds no key.
+    match b.try_acquire(&keys[0], "other", LEASE).await {
+        Ok(Acquire::Busy(_)) => {}
+        other => panic!("{}: {other:?}", keys[0]),
+    }
+    b.abandon(&keys[0], "other").await;
+    assert_eq!(count().await, Some(3), "a contender counted as a key");
+    assert!(b.release(&held[1]).await.expect("release"));
+    assert_eq!(count().await, Some(2), "a released key still counted");
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -1231,7 +1285,8 @@ macro_rules! conformance_suite {
             release_wakes_a_waiter,
             backend_outage_and_recovery,
             keyed_owners_exclude_each_other,
-            idle_keys_are_forgotten_and_their_tokens_still_rise
+            idle_keys_are_forgotten_and_their_tokens_still_rise,
+            held_keys_are_counted
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

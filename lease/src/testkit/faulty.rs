@@ -108,6 +108,16 @@ impl Driver for FaultyDriver {
         self.inner.deprovision(locks).await
     }
 
+    async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
+        self.unless_cut_off().await;
+        self.inner.forget_idle_keys(family, idle_for).await
+    }
+
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        self.unless_cut_off().await;
+        self.inner.count_held_keys(family).await
+    }
+
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
         self.unless_cut_off().await;
         self.inner.observe(lock).await
