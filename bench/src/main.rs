@@ -1949,6 +1949,7 @@ async fn many_keys_section() {
         held_rss as f64 / 1024.0
     );
     println!(
-        "  Redis requests/s keeping them: {scripts:.0} renewal scripts (one per key per interval would be {least:.0}; each key renews on its own, none batched), {commands:.0} commands run inside them and beside"
+        "  Redis requests/s keeping them: {scripts:.0} script calls (one renewal per key per interval would be {least:.0}; renewals within {:?} of each other go in one call), {commands:.0} commands run inside them and beside",
+        leasehold_lease::redis::RENEWAL_LINGER
     );
 }

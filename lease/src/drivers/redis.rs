@@ -25,6 +25,9 @@ use redis::{Script, Value};
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+/// How long a renewal waits for others to go out with it in one script call.
+pub use crate::drivers::redis_renewals::LINGER as RENEWAL_LINGER;
+use crate::drivers::redis_renewals::RenewalBatches;
 use crate::error::{Error, Result};
 
 /// How long one Redis round trip may take before the connection is considered dead.
@@ -227,6 +230,8 @@ pub struct RedisDriver {
     observe: Script,
     releases: Arc<ChangeFeeds>,
     subscriber: tokio::task::JoinHandle<()>,
+    /// On one master, renewals go out together ([`crate::drivers::redis_renewals`]).
+    renewals: Option<RenewalBatches>,
 }
 
 /// One master, or a Redis Cluster.
@@ -381,6 +386,19 @@ pub(crate) fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
     }
 }
 
+/// A Redis error as the driver reports it; over TLS, a timeout most likely means no TLS on
+/// the other side.
+fn explain(e: redis::RedisError, tls: bool) -> Error {
+    match map_err(e) {
+        Error::Unreachable(message) if tls && message.contains("timed out") => {
+            Error::Unreachable(format!(
+                "{message} (no answer over TLS in time: a plain-text server behind a TLS URL, or one that does not answer)"
+            ))
+        }
+        other => other,
+    }
+}
+
 pub(crate) fn map_err(e: redis::RedisError) -> Error {
     if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout() {
         // A TLS failure is an I/O error too: say which one it is.
@@ -431,14 +449,7 @@ impl RedisDriver {
     /// [`map_err`], and over TLS a timeout explained: a plain-text server may never answer a
     /// TLS handshake (it waits for the end of a command line that never comes).
     fn error(&self, e: redis::RedisError) -> Error {
-        match map_err(e) {
-            Error::Unreachable(message) if self.tls && message.contains("timed out") => {
-                Error::Unreachable(format!(
-                    "{message} (no answer over TLS in time: a plain-text server behind a TLS URL, or one that does not answer)"
-                ))
-            }
-            other => other,
-        }
+        explain(e, self.tls)
     }
 
     /// Set up the connection lazily: an unreachable Redis at start-up is reported by the lease
@@ -482,7 +493,15 @@ impl RedisDriver {
             keys.clone(),
             releases.clone(),
         ));
+        let renewals = match &target {
+            Target::Single(conn) => Some(RenewalBatches::new(
+                conn.clone(),
+                Arc::new(move |e| explain(e, tls)),
+            )),
+            Target::Cluster(_) => None,
+        };
         Self {
+            renewals,
             target,
             tls,
             keys,
@@ -729,6 +748,10 @@ impl Driver for RedisDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        if let Some(renewals) = &self.renewals {
+            let key = self.keys.lease(&lease.lock);
+            return renewals.renew(key, lease_value(lease), ms(ttl)).await;
+        }
         let mut conn = self.connection().await?;
         let renewed: i64 = self
             .renew
