@@ -32,9 +32,10 @@ use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::redis::{
-    KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, RENEW, lease_value, listen_for_releases,
-    map_err, ms, parse_value_and_pttl,
+    KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, lease_value, listen_for_releases, map_err,
+    ms, parse_value_and_pttl,
 };
+use crate::drivers::redis_renewals::RenewalBatches;
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -79,6 +80,8 @@ return 1
 struct Master {
     conn: ConnectionManager,
     subscriber: tokio::task::JoinHandle<()>,
+    /// Renewals on this master go out together ([`crate::drivers::redis_renewals`]).
+    renewals: RenewalBatches,
 }
 
 pub struct RedlockDriver {
@@ -86,7 +89,6 @@ pub struct RedlockDriver {
     keys: KeyLayout,
     phase_1: Script,
     phase_2: Script,
-    renew: Script,
     release: Script,
     observe: Script,
     releases: Arc<ChangeFeeds>,
@@ -135,7 +137,12 @@ impl RedlockDriver {
                     .map_err(map_err)?;
                 let subscriber =
                     tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
-                Ok(Master { conn, subscriber })
+                let renewals = RenewalBatches::new(conn.clone(), Arc::new(map_err));
+                Ok(Master {
+                    conn,
+                    subscriber,
+                    renewals,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -143,7 +150,6 @@ impl RedlockDriver {
             keys,
             phase_1: Script::new(PHASE_1),
             phase_2: Script::new(PHASE_2),
-            renew: Script::new(RENEW),
             release: Script::new(RELEASE),
             observe: Script::new(OBSERVE),
             releases,
@@ -345,18 +351,18 @@ impl Driver for RedlockDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let mut renew = self.renew.prepare_invoke();
-        renew
-            .key(self.keys.lease(&lease.lock))
-            .arg(lease_value(lease))
-            .arg(ms(ttl));
-        let replies = self
-            .on_masters(&self.all(), master_timeout(ttl), &renew)
-            .await;
-        let renewed = replies
-            .iter()
-            .filter(|r| matches!(r, Ok(Value::Int(1))))
-            .count();
+        let (key, value) = (self.keys.lease(&lease.lock), lease_value(lease));
+        let timeout = master_timeout(ttl);
+        let replies: Vec<Result<bool>> = join_all(self.masters.iter().map(|master| {
+            let (key, value) = (key.clone(), value.clone());
+            async move {
+                tokio::time::timeout(timeout, master.renewals.renew(key, value, ms(ttl)))
+                    .await
+                    .unwrap_or(Err(Error::Timeout(timeout)))
+            }
+        }))
+        .await;
+        let renewed = replies.iter().filter(|r| matches!(r, Ok(true))).count();
         let answered = replies.iter().filter(|r| r.is_ok()).count();
         if renewed >= self.quorum() {
             Ok(true)
