@@ -5,18 +5,29 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::testkit::{Harness, RedisServer, RedlockHarness, driver_for, unique_lock};
+use leasehold_lease::testkit::{
+    Harness, RedisSentinelSet, RedisServer, RedlockHarness, driver_for, unique_lock,
+};
 use leasehold_lease::{Acquire, Driver, Lease};
 
 /// How many times Redis has run a script (`EVALSHA`, `EVAL`).
 async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    calls(conn, &["evalsha", "eval"]).await
+}
+
+/// How many times Redis has run `commands`.
+async fn calls(conn: &mut redis::aio::MultiplexedConnection, commands: &[&str]) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
         .await
         .expect("INFO");
     info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter(|l| {
+            commands
+                .iter()
+                .any(|c| l.starts_with(&format!("cmdstat_{c}:")))
+        })
         .filter_map(|l| {
             l.split_once("calls=")?
                 .1
@@ -28,9 +39,25 @@ async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
         .sum()
 }
 
+/// `count` locks named after `name`, each taken for 2 s.
+async fn acquired(driver: &dyn Driver, name: &str, count: usize) -> Vec<Lease> {
+    let mut leases = Vec::new();
+    for i in 0..count {
+        let lock = unique_lock(&format!("{name}-{i}"));
+        match driver
+            .try_acquire(&lock, "pod-a", Duration::from_secs(2))
+            .await
+        {
+            Ok(Acquire::Acquired(lease)) => leases.push(lease),
+            other => panic!("{lock}: {other:?}"),
+        }
+    }
+    leases
+}
+
 /// 40 renewals at once, every other with a token its lock never had: each is answered for its
 /// own lease (and only the owned ones extend their key, on every server in `urls`), in fewer
-/// than 4 script calls per server.
+/// than 4 script calls per server, and fewer than 4 `WAIT`s for replicas where they are asked.
 async fn renewals_at_once(driver: Arc<dyn Driver>, urls: &[String]) {
     const LOCKS: usize = 40;
     let mut admins = Vec::new();
@@ -43,17 +70,7 @@ async fn renewals_at_once(driver: Arc<dyn Driver>, urls: &[String]) {
                 .expect("connect"),
         );
     }
-    let mut leases = Vec::new();
-    for i in 0..LOCKS {
-        let lock = unique_lock(&format!("renew-{i}"));
-        match driver
-            .try_acquire(&lock, "pod-a", Duration::from_secs(2))
-            .await
-        {
-            Ok(Acquire::Acquired(lease)) => leases.push(lease),
-            other => panic!("{lock}: {other:?}"),
-        }
-    }
+    let leases = acquired(&*driver, "renew", LOCKS).await;
     let asked: Vec<(Lease, bool)> = leases
         .iter()
         .enumerate()
@@ -67,7 +84,7 @@ async fn renewals_at_once(driver: Arc<dyn Driver>, urls: &[String]) {
         .collect();
     let mut before = Vec::new();
     for admin in &mut admins {
-        before.push(script_calls(admin).await);
+        before.push((script_calls(admin).await, calls(admin, &["wait"]).await));
     }
     let answers = futures_util::future::join_all(
         asked
@@ -78,12 +95,14 @@ async fn renewals_at_once(driver: Arc<dyn Driver>, urls: &[String]) {
     for ((lease, owned), answer) in asked.iter().zip(answers) {
         assert_eq!(answer.expect("renew"), *owned, "{}", lease.lock);
     }
-    for (admin, before) in admins.iter_mut().zip(before) {
-        let calls = script_calls(admin).await - before - 1;
+    for (admin, (scripts_before, waits_before)) in admins.iter_mut().zip(before) {
+        let scripts = script_calls(admin).await - scripts_before - 1;
         assert!(
-            calls < 4,
-            "{LOCKS} renewals at once took {calls} script calls"
+            scripts < 4,
+            "{LOCKS} renewals at once took {scripts} script calls"
         );
+        let waits = calls(admin, &["wait"]).await - waits_before;
+        assert!(waits < 4, "{LOCKS} renewals at once took {waits} WAITs");
         for (i, lease) in leases.iter().enumerate() {
             let pttl: i64 = redis::cmd("PTTL")
                 .arg(format!("leasehold:{{{}}}:lease", lease.lock))
@@ -121,4 +140,34 @@ async fn redlock_renewals_at_once_go_in_one_call_per_master() {
         .map(RedisServer::url)
         .collect();
     renewals_at_once(harness.driver().await, &urls).await;
+}
+
+/// Behind Sentinel, on the master, each batch confirmed by the replica with one `WAIT`; with
+/// the replica's link cut, every renewal of a batch is an error that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_renewals_at_once_go_in_one_call_with_one_wait() {
+    let set = RedisSentinelSet::start();
+    let master = set.servers[set.master().expect("the sentinel names a master")].url();
+    renewals_at_once(driver_for(&set.url()).await, &[master]).await;
+
+    let driver = driver_for(&set.url()).await;
+    let leases = acquired(&*driver, "unconfirmed", 10).await;
+    set.replication_link.cut();
+    let answers = futures_util::future::join_all(
+        leases
+            .iter()
+            .map(|lease| driver.renew(lease, Duration::from_secs(2))),
+    )
+    .await;
+    for (lease, answer) in leases.iter().zip(answers) {
+        let error = answer.expect_err("a renewal no replica confirmed");
+        assert!(
+            error
+                .to_string()
+                .contains("confirmed by 0 of the 1 replica(s) min-replicas asks for"),
+            "{}: {error}",
+            lease.lock
+        );
+    }
+    set.replication_link.restore();
 }

@@ -494,10 +494,7 @@ impl RedisDriver {
             releases.clone(),
         ));
         let renewals = match &target {
-            Target::Single(conn) => Some(RenewalBatches::new(
-                conn.clone(),
-                Arc::new(move |e| explain(e, tls)),
-            )),
+            Target::Single(conn) => Some(RenewalBatches::new(conn.clone(), 0)),
             Target::Cluster(_) => None,
         };
         Self {
@@ -750,7 +747,10 @@ impl Driver for RedisDriver {
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
         if let Some(renewals) = &self.renewals {
             let key = self.keys.lease(&lease.lock);
-            return renewals.renew(key, lease_value(lease), ms(ttl)).await;
+            let answer = renewals
+                .renew(key, lease_value(lease), ms(ttl), Duration::ZERO)
+                .await?;
+            return answer.map(|r| r.extended).map_err(|e| self.error(e));
         }
         let mut conn = self.connection().await?;
         let renewed: i64 = self

@@ -5,13 +5,13 @@
 //!
 //! The wait costs a renewal at most [`LINGER`], far inside its budget, and nothing in safety:
 //! the engine dates a claim from when it asked, and the server's expiry, set later, only ends
-//! later. Not on a Redis Cluster, where one script may touch keys of one slot only.
+//! later. Behind Sentinel, the replicas' confirmation (`WAIT`) is asked once per batch too.
+//! Not on a Redis Cluster, where one script may touch keys of one slot only.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use redis::Script;
-use redis::aio::ConnectionManager;
+use redis::aio::ConnectionLike;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -37,14 +37,26 @@ end
 return renewed
 ";
 
-/// How a Redis error reads for the driver that owns the batches.
-pub(crate) type Explain = Arc<dyn Fn(redis::RedisError) -> Error + Send + Sync>;
+/// What one renewal of a batch came to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Renewed {
+    /// The lease still held the value and was extended.
+    pub(crate) extended: bool,
+    /// How many replicas confirmed the batch's writes (`WAIT`), when the batches ask for any.
+    pub(crate) confirmed_by: Option<i64>,
+}
+
+/// A renewal's answer: the server's own error is left to the driver to read (a Sentinel driver
+/// leaves a master that turned replica).
+pub(crate) type Answer = std::result::Result<Renewed, redis::RedisError>;
 
 struct Renewal {
     key: String,
     value: String,
     ttl_ms: u64,
-    reply: oneshot::Sender<Result<bool>>,
+    /// How long the batch's `WAIT` may take for this renewal.
+    confirm_within: Duration,
+    reply: oneshot::Sender<Result<Answer>>,
 }
 
 /// The queue the renewals of one master go through; its task ends with the last sender.
@@ -53,20 +65,33 @@ pub(crate) struct RenewalBatches {
 }
 
 impl RenewalBatches {
-    pub(crate) fn new(conn: ConnectionManager, explain: Explain) -> Self {
+    /// Batches on `conn`; each batch is confirmed by `replicas` replicas (`WAIT`) when that is
+    /// not 0.
+    pub(crate) fn new<C>(conn: C, replicas: u32) -> Self
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
         let (queue, renewals) = mpsc::unbounded_channel();
-        tokio::spawn(gather(renewals, conn, explain));
+        tokio::spawn(gather(renewals, conn, replicas));
         Self { queue }
     }
 
-    /// Extend `key` to `ttl_ms` if it still holds `value`.
-    pub(crate) async fn renew(&self, key: String, value: String, ttl_ms: u64) -> Result<bool> {
+    /// Extend `key` to `ttl_ms` if it still holds `value`; a confirmation by replicas waits at
+    /// most `confirm_within` (the least of a batch's).
+    pub(crate) async fn renew(
+        &self,
+        key: String,
+        value: String,
+        ttl_ms: u64,
+        confirm_within: Duration,
+    ) -> Result<Answer> {
         let (reply, answer) = oneshot::channel();
         self.queue
             .send(Renewal {
                 key,
                 value,
                 ttl_ms,
+                confirm_within,
                 reply,
             })
             .map_err(|_| Error::Shutdown)?;
@@ -76,11 +101,10 @@ impl RenewalBatches {
 
 /// Gather renewals into batches; each batch is sent on its own, so that a slow answer holds up
 /// only its own renewals.
-async fn gather(
-    mut renewals: mpsc::UnboundedReceiver<Renewal>,
-    conn: ConnectionManager,
-    explain: Explain,
-) {
+async fn gather<C>(mut renewals: mpsc::UnboundedReceiver<Renewal>, conn: C, replicas: u32)
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
     let script = Script::new(RENEW_MANY);
     while let Some(first) = renewals.recv().await {
         let mut batch = vec![first];
@@ -91,11 +115,16 @@ async fn gather(
                 Ok(None) | Err(_) => break,
             }
         }
-        tokio::spawn(send(batch, script.clone(), conn.clone(), explain.clone()));
+        tokio::spawn(send(batch, script.clone(), conn.clone(), replicas));
     }
 }
 
-async fn send(batch: Vec<Renewal>, script: Script, mut conn: ConnectionManager, explain: Explain) {
+/// One script call for the batch, then (when replicas are asked for and a lease was extended)
+/// one `WAIT` for all of it.
+async fn send<C>(batch: Vec<Renewal>, script: Script, mut conn: C, replicas: u32)
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
     let mut call = script.prepare_invoke();
     for renewal in &batch {
         call.key(&renewal.key);
@@ -103,28 +132,45 @@ async fn send(batch: Vec<Renewal>, script: Script, mut conn: ConnectionManager, 
     for renewal in &batch {
         call.arg(&renewal.value).arg(renewal.ttl_ms);
     }
-    let renewed: std::result::Result<Vec<i64>, Error> =
-        call.invoke_async(&mut conn).await.map_err(|e| explain(e));
-    match renewed {
-        Ok(renewed) if renewed.len() == batch.len() => {
-            for (renewal, renewed) in batch.into_iter().zip(renewed) {
-                let _ = renewal.reply.send(Ok(renewed == 1));
-            }
-        }
+    let renewed: Vec<i64> = match call.invoke_async::<Vec<i64>>(&mut conn).await {
+        Ok(renewed) if renewed.len() == batch.len() => renewed,
         Ok(renewed) => {
             let error = Error::Backend(format!(
                 "a batch of {} renewals was answered with {} results",
                 batch.len(),
                 renewed.len()
             ));
-            for renewal in batch {
-                let _ = renewal.reply.send(Err(error.clone()));
-            }
+            return answer_all(batch, Err(error));
         }
-        Err(error) => {
-            for renewal in batch {
-                let _ = renewal.reply.send(Err(error.clone()));
-            }
+        Err(e) => return answer_all(batch, Ok(Err(e))),
+    };
+    let mut confirmed_by = None;
+    if replicas > 0 && renewed.contains(&1) {
+        let within = batch
+            .iter()
+            .map(|r| r.confirm_within)
+            .min()
+            .unwrap_or_default();
+        match redis::cmd("WAIT")
+            .arg(replicas)
+            .arg(within.as_millis() as u64)
+            .query_async::<i64>(&mut conn)
+            .await
+        {
+            Ok(acked) => confirmed_by = Some(acked),
+            Err(e) => return answer_all(batch, Ok(Err(e))),
         }
+    }
+    for (renewal, renewed) in batch.into_iter().zip(renewed) {
+        let _ = renewal.reply.send(Ok(Ok(Renewed {
+            extended: renewed == 1,
+            confirmed_by,
+        })));
+    }
+}
+
+fn answer_all(batch: Vec<Renewal>, answer: Result<Answer>) {
+    for renewal in batch {
+        let _ = renewal.reply.send(answer.clone());
     }
 }

@@ -9,6 +9,8 @@
 //!   `WAIT min-replicas` (default 1); one the replicas did not confirm in time is an error, and an
 //!   unconfirmed acquisition is given back. An old master cut off from its replicas therefore
 //!   extends nobody's claim, and its holder stops claiming when its last confirmed lease runs out.
+//!   Renewals that arrive together go out as one script call and one `WAIT`
+//!   ([`super::redis_renewals`]).
 //! - **A promoted replica waits out one lease before it grants a free lock, and rebases the
 //!   tokens**: the single master's epoch record ([`super::redis::ACQUIRE`]), in which a promoted
 //!   server is never durable. A lease the old master granted and the new one never received has
@@ -29,6 +31,7 @@ use redis::{Script, Value};
 use tokio::sync::watch;
 
 use super::redis::{self as single, KeyLayout};
+use super::redis_renewals::RenewalBatches;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
@@ -108,6 +111,9 @@ struct Master {
     address: String,
     client: redis::Client,
     conn: MultiplexedConnection,
+    /// Renewals on this master go out together, with one `WAIT` for each batch
+    /// ([`crate::drivers::redis_renewals`]).
+    renewals: Arc<RenewalBatches>,
 }
 
 fn connection_config() -> redis::AsyncConnectionConfig {
@@ -230,10 +236,12 @@ impl SentinelMaster {
                 self.config.master_name
             )));
         }
+        let renewals = Arc::new(RenewalBatches::new(conn.clone(), self.config.min_replicas));
         let master = Master {
             address,
             client,
             conn,
+            renewals,
         };
         *current = Some(master.clone());
         Ok(master)
@@ -268,7 +276,6 @@ pub struct RedisSentinelDriver {
     durability: single::Durability,
     min_replicas: u32,
     acquire: Script,
-    renew: Script,
     release: Script,
     observe: Script,
     releases: Arc<ChangeFeeds>,
@@ -298,7 +305,6 @@ impl RedisSentinelDriver {
             keys,
             min_replicas: config.min_replicas,
             acquire: Script::new(single::ACQUIRE),
-            renew: Script::new(single::RENEW),
             release: Script::new(single::RELEASE),
             observe: Script::new(single::OBSERVE),
             releases,
@@ -315,12 +321,12 @@ impl RedisSentinelDriver {
     }
 
     /// `WAIT` until `min_replicas` replicas have every write so far on this connection; an error
-    /// when they do not within a quarter of the lease (250-500 ms).
+    /// when they do not within [`replica_wait`].
     async fn replicated(&self, master: &Master, ttl: Duration, what: &str) -> Result<()> {
         if self.min_replicas == 0 {
             return Ok(());
         }
-        let wait = (ttl / 4).clamp(MIN_REPLICA_WAIT, MAX_REPLICA_WAIT);
+        let wait = replica_wait(ttl);
         let mut conn = master.conn.clone();
         let acked: i64 = match redis::cmd("WAIT")
             .arg(self.min_replicas)
@@ -331,6 +337,11 @@ impl RedisSentinelDriver {
             Ok(acked) => acked,
             Err(e) => return Err(self.failed(master, e).await),
         };
+        self.confirmed(master, acked, wait, what)
+    }
+
+    /// An error unless `acked` replicas are as many as `min_replicas` asks for.
+    fn confirmed(&self, master: &Master, acked: i64, wait: Duration, what: &str) -> Result<()> {
         if acked >= i64::from(self.min_replicas) {
             return Ok(());
         }
@@ -340,6 +351,12 @@ impl RedisSentinelDriver {
             self.min_replicas, master.address
         )))
     }
+}
+
+/// How long the replicas may take to confirm a write under a lease of `ttl`: a quarter of it,
+/// within 250-500 ms.
+fn replica_wait(ttl: Duration) -> Duration {
+    (ttl / 4).clamp(MIN_REPLICA_WAIT, MAX_REPLICA_WAIT)
 }
 
 #[async_trait]
@@ -406,21 +423,32 @@ impl Driver for RedisSentinelDriver {
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
         let master = self.master.master().await?;
-        let renewed: i64 = match self
-            .renew
-            .key(self.keys.lease(&lease.lock))
-            .arg(single::lease_value(lease))
-            .arg(single::ms(ttl))
-            .invoke_async(&mut master.conn.clone())
-            .await
-        {
+        let wait = replica_wait(ttl);
+        let answer = master
+            .renewals
+            .renew(
+                self.keys.lease(&lease.lock),
+                single::lease_value(lease),
+                single::ms(ttl),
+                wait,
+            )
+            .await?;
+        let renewed = match answer {
             Ok(renewed) => renewed,
             Err(e) => return Err(self.failed(&master, e).await),
         };
-        if renewed != 1 {
+        if !renewed.extended {
             return Ok(false);
         }
-        self.replicated(&master, ttl, "renewal").await?;
+        match renewed.confirmed_by {
+            Some(acked) => self.confirmed(&master, acked, wait, "renewal")?,
+            None if self.min_replicas > 0 => {
+                return Err(Error::Backend(
+                    "a renewal batch extended a lease without asking the replicas".into(),
+                ));
+            }
+            None => {}
+        }
         Ok(true)
     }
 

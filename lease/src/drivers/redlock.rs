@@ -137,7 +137,7 @@ impl RedlockDriver {
                     .map_err(map_err)?;
                 let subscriber =
                     tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
-                let renewals = RenewalBatches::new(conn.clone(), Arc::new(map_err));
+                let renewals = RenewalBatches::new(conn.clone(), 0);
                 Ok(Master {
                     conn,
                     subscriber,
@@ -356,9 +356,11 @@ impl Driver for RedlockDriver {
         let replies: Vec<Result<bool>> = join_all(self.masters.iter().map(|master| {
             let (key, value) = (key.clone(), value.clone());
             async move {
-                tokio::time::timeout(timeout, master.renewals.renew(key, value, ms(ttl)))
-                    .await
-                    .unwrap_or(Err(Error::Timeout(timeout)))
+                let renewal = master.renewals.renew(key, value, ms(ttl), Duration::ZERO);
+                match tokio::time::timeout(timeout, renewal).await {
+                    Ok(answer) => answer?.map(|r| r.extended).map_err(map_err),
+                    Err(_) => Err(Error::Timeout(timeout)),
+                }
             }
         }))
         .await;
