@@ -170,3 +170,53 @@ async fn redis_departed_reentrant_acquisition_is_not_counted() {
     );
     assert!(!a.answer().is_holder(), "a holds the lock for nobody");
 }
+
+/// Two attempts by one identity at once, on a lock whose queue already holds that identity's
+/// place, are granted once: the other is told the lock is busy. Both used to find the place
+/// first in line and both answer "acquired"; an engine that released what one of them took (an
+/// answer that came too late, followed up in the background while the engine sent another for
+/// a new waiter) then deleted the place under the other, which claimed the lock until its next
+/// renewal while the next in line took it (the `zookeeper+waiters` soak: two holders for 5 ms).
+async fn one_identitys_attempts_at_once_are_granted_once(url: &str) {
+    use leasehold_lease::Acquire;
+    let connect = || async {
+        leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
+            .await
+            .expect("driver")
+    };
+    let (a, b) = (connect().await, connect().await);
+    let name = unique_lock("at-once");
+    let Acquire::Acquired(held) = b.try_acquire(&name, "b", LEASE).await.expect("b") else {
+        panic!("b could not take the free lock");
+    };
+    // a queues behind b, then b lets go.
+    assert!(matches!(
+        a.try_acquire(&name, "a", LEASE).await.expect("a queues"),
+        Acquire::Busy(_)
+    ));
+    assert!(b.release(&held).await.expect("release"));
+    let (first, second) = tokio::join!(
+        a.try_acquire(&name, "a", LEASE),
+        a.try_acquire(&name, "a", LEASE)
+    );
+    let granted = [first.expect("first"), second.expect("second")]
+        .into_iter()
+        .filter(|answer| matches!(answer, Acquire::Acquired(_)))
+        .count();
+    assert_eq!(
+        granted, 1,
+        "two attempts at once by one identity were granted {granted} times"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_one_identitys_attempts_at_once_are_granted_once() {
+    let server = ZooKeeperServer::start();
+    one_identitys_attempts_at_once_are_granted_once(&server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_one_identitys_attempts_at_once_are_granted_once() {
+    let server = EtcdServer::start();
+    one_identitys_attempts_at_once_are_granted_once(&server.url()).await;
+}

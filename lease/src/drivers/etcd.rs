@@ -30,7 +30,7 @@ use crate::drivers::etcd_rpc::{
     Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
     RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
-use crate::drivers::queue_slot::{Expiry, QueueSlot};
+use crate::drivers::queue_slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -86,6 +86,8 @@ struct Shared {
     config: EtcdConfig,
     client: OnceCell<EtcdClient>,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
+    /// One acquisition of a lock at a time ([`Attempts`]).
+    attempts: Attempts,
     releases: ChangeFeeds,
     wakeups: AtomicU64,
 }
@@ -424,6 +426,7 @@ impl EtcdDriver {
                 config,
                 client: OnceCell::new(),
                 entries: Mutex::new(HashMap::new()),
+                attempts: Attempts::default(),
                 releases: ChangeFeeds::default(),
                 wakeups: AtomicU64::new(0),
             }),
@@ -487,6 +490,7 @@ impl Driver for EtcdDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let _turn = self.shared.attempts.turn(lock).await;
         let sent = Instant::now();
         let entry = match self.entry(lock) {
             Some(entry) if entry.slot.holding() || entry.identity != identity => {

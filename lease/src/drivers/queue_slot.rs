@@ -8,11 +8,12 @@
 //! [`QUIET_REREAD`] leases old (for a watch gone deaf, and for the holder's name it reports). The
 //! next in line polls the queue every time, so a holder's expiry is never left to a watch alone.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{OwnedMutexGuard, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -214,6 +215,51 @@ impl QueueSlot {
         self.stop_watching();
         if let Some(task) = self.tender.lock().unwrap_or_else(|e| e.into_inner()).take() {
             task.abort();
+        }
+    }
+}
+
+/// One acquisition at a time per lock in one driver. Two at once by one identity would both find
+/// its place first in line and both be granted the lock; whoever then released one of them (an
+/// engine giving back an answer that came too late) would delete the place under the other,
+/// which claims the lock until its next renewal while the next in line takes it.
+#[derive(Default)]
+pub(crate) struct Attempts(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+/// The right to make the one acquisition of a lock now.
+pub(crate) struct AttemptTurn<'a> {
+    attempts: &'a Attempts,
+    lock: String,
+    turn: Option<OwnedMutexGuard<()>>,
+}
+
+impl Attempts {
+    /// Wait until no other acquisition of `lock` is under way.
+    pub(crate) async fn turn(&self, lock: &str) -> AttemptTurn<'_> {
+        let mutex = self.map().entry(lock.to_owned()).or_default().clone();
+        AttemptTurn {
+            attempts: self,
+            lock: lock.to_owned(),
+            turn: Some(mutex.lock_owned().await),
+        }
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for AttemptTurn<'_> {
+    fn drop(&mut self) {
+        let mut map = self.attempts.map();
+        drop(self.turn.take());
+        // Forgotten once nobody holds or waits for it, so the map is as large as the attempts
+        // under way (a keyed family's locks come and go).
+        if map
+            .get(&self.lock)
+            .is_some_and(|mutex| Arc::strong_count(mutex) == 1)
+        {
+            map.remove(&self.lock);
         }
     }
 }

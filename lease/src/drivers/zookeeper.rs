@@ -36,7 +36,7 @@ use zookeeper_client as zk;
 
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
-use crate::drivers::queue_slot::{Expiry, QueueSlot};
+use crate::drivers::queue_slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
@@ -176,6 +176,8 @@ struct Shared {
     tls: Option<zk::TlsOptions>,
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
+    /// One acquisition of a lock at a time ([`Attempts`]).
+    attempts: Attempts,
     releases: ChangeFeeds,
     wakeups: AtomicU64,
     provisioned: OnceCell<()>,
@@ -709,6 +711,7 @@ impl ZooKeeperDriver {
                 tls,
                 session: tokio::sync::Mutex::new(None),
                 entries: Mutex::new(HashMap::new()),
+                attempts: Attempts::default(),
                 releases: ChangeFeeds::default(),
                 wakeups: AtomicU64::new(0),
                 provisioned: OnceCell::new(),
@@ -792,6 +795,7 @@ impl Driver for ZooKeeperDriver {
                 ),
             });
         }
+        let _turn = self.shared.attempts.turn(lock).await;
         // Opening a session first, when needed, must not eat into the lease measured below.
         let current = self.shared.session(ttl).await?;
         let sent = Instant::now();
