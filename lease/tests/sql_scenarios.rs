@@ -558,3 +558,80 @@ async fn mariadb_release_committed_during_a_sweep_keeps_tokens_rising() {
     let url = h.server.url();
     release_committed_during_a_sweep_keeps_tokens_rising(&mut h, &url, Dialect::MySql).await;
 }
+
+/// Whether PostgreSQL has written WAL it has not yet flushed to disk, beyond `slack` bytes (a
+/// page header the insert position may already have skipped).
+async fn wal_unflushed(admin: &mut sqlx::AnyConnection, slack: i64) -> bool {
+    let row = sqlx::query(
+        "SELECT CAST(pg_wal_lsn_diff(pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()) AS BIGINT) AS behind",
+    )
+    .fetch_one(&mut *admin)
+    .await
+    .expect("WAL positions");
+    sqlx::Row::try_get::<i64, _>(&row, "behind").expect("behind") > slack
+}
+
+/// A release does not wait for its commit to reach the disk, so the waiter it wakes is not held
+/// up by a flush; acquisitions and renewals do wait. A release lost in a crash leaves the lease
+/// as it was, held until it runs out: the next holder waits longer, and never overlaps. With
+/// the WAL writer slowed to 10 s, the WAL flushed stops short of each release and reaches past
+/// each acquisition and renewal.
+async fn releases_commit_without_waiting_for_the_disk(h: &mut dyn Harness, url: &str) {
+    use leasehold_lease::Acquire;
+    use sqlx::Executor;
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(url).await.expect("connect");
+    admin
+        .execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        .await
+        .expect("wal_writer_delay");
+    admin
+        .execute("SELECT pg_reload_conf()")
+        .await
+        .expect("reload");
+    // The WAL writer reads the setting at its next wake-up (200 ms by default).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let driver = h.driver().await;
+    let lock = unique_lock("unflushed");
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    for round in 0..5 {
+        let Acquire::Acquired(lease) = driver
+            .try_acquire(&lock, "a", LEASE)
+            .await
+            .expect("acquire")
+        else {
+            panic!("round {round}: not acquired")
+        };
+        assert!(
+            !wal_unflushed(&mut admin, 64).await,
+            "round {round}: an acquisition returned before its commit was on disk"
+        );
+        assert!(driver.renew(&lease, LEASE).await.expect("renew"));
+        assert!(
+            !wal_unflushed(&mut admin, 64).await,
+            "round {round}: a renewal returned before its commit was on disk"
+        );
+        assert!(driver.release(&lease).await.expect("release"));
+        assert!(
+            wal_unflushed(&mut admin, 0).await,
+            "round {round}: the release waited for its commit to reach the disk"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_releases_commit_without_waiting_for_the_disk() {
+    let mut h = PostgresHarness::new();
+    let url = h.server.url();
+    releases_commit_without_waiting_for_the_disk(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_releases_commit_without_waiting_for_the_disk() {
+    let mut h = PostgresHarness::row_lock();
+    let url = h.server.url();
+    releases_commit_without_waiting_for_the_disk(&mut h, &url).await;
+}

@@ -180,12 +180,18 @@ impl Dialect {
                         "UPDATE {t} SET expires_at = now() + make_interval(secs => $4::bigint / 1000.0) \
                          WHERE name = $1 AND holder = $2 AND token = $3 AND expires_at > now()"
                     ),
+                    // A release that freed the lease notifies the waiters and commits without
+                    // waiting for the disk, so the waiter it wakes is not held up by a flush. A
+                    // release lost in a crash leaves the lease held until it runs out: the next
+                    // holder waits longer, and never overlaps. Acquisitions and renewals still
+                    // wait: lost, they would repeat a token or shorten a lease its holder counts on.
                     release: format!(
                         "WITH released AS (\
                            UPDATE {t} SET holder = NULL, expires_at = now() \
                            WHERE name = $1 AND holder = $2 AND token = $3 RETURNING name) \
                          SELECT count(*) AS released FROM released, \
-                           LATERAL (SELECT pg_notify('{RELEASE_CHANNEL}', released.name)) AS notified"
+                           LATERAL (SELECT pg_notify('{RELEASE_CHANNEL}', released.name), \
+                             set_config('synchronous_commit', 'off', true)) AS notified"
                     ),
                     observe: format!(
                         "SELECT holder, token, \
