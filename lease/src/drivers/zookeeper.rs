@@ -185,8 +185,8 @@ struct Shared {
     /// session alive across a reconnect, so they would stay first in line forever: they are
     /// deleted on the next call that reaches the server.
     orphans: Mutex<Vec<String>>,
-    /// Per lock: the lowest node last read, and who it is.
-    holders: Mutex<HashMap<String, (String, Holding)>>,
+    /// Per lock: the lowest node last read, who it is, and the session that owns it.
+    holders: Mutex<HashMap<String, (String, Holding, i64)>>,
 }
 
 pub struct ZooKeeperDriver {
@@ -553,20 +553,21 @@ impl Shared {
     /// Who holds, from the lowest node's name. A node's data and czxid never change, so the
     /// answer is cached per lock until the lowest node does: an idle waiter's poll costs one
     /// listing.
-    async fn holding(
+    /// Who the node `name` of `lock`'s queue is, and the session that owns it.
+    async fn holding_and_owner(
         &self,
         client: &zk::Client,
         lock: &str,
         name: &str,
-    ) -> Result<Option<Holding>> {
-        if let Some((cached, holding)) = self
+    ) -> Result<Option<(Holding, i64)>> {
+        if let Some((cached, holding, owner)) = self
             .holders
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(lock)
             && cached == name
         {
-            return Ok(Some(holding.clone()));
+            return Ok(Some((holding.clone(), *owner)));
         }
         let path = format!("{}/{name}", self.parent(lock));
         match client.get_data(&path).await {
@@ -579,8 +580,11 @@ impl Shared {
                 self.holders
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .insert(lock.to_owned(), (name.to_owned(), holding.clone()));
-                Ok(Some(holding))
+                    .insert(
+                        lock.to_owned(),
+                        (name.to_owned(), holding.clone(), stat.ephemeral_owner),
+                    );
+                Ok(Some((holding, stat.ephemeral_owner)))
             }
             // Gone between the listing and the read: free right now.
             Err(zk::Error::NoNode) => Ok(None),
@@ -589,12 +593,68 @@ impl Shared {
     }
 
     async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
+        self.first_in_line(lock, false).await
+    }
+
+    /// Who holds `lock` now. With `clear`, a place of this session's that the driver does not
+    /// know, first in line, is deleted ([`Shared::deleted_if_unknown_own`]); only under the
+    /// lock's [`Attempts`] turn, so that no acquisition of this driver's counts the place as
+    /// its own meanwhile.
+    async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
         let session = self.any_session().await?;
         self.delete_orphans(&session.client).await;
         let queue = self.queue(&session.client, lock).await?;
-        match queue.first() {
-            Some((_, name)) => self.holding(&session.client, lock, name).await,
-            None => Ok(None),
+        let Some((_, name)) = queue.first() else {
+            return Ok(None);
+        };
+        let first = self.holding_and_owner(&session.client, lock, name).await?;
+        if clear
+            && self
+                .deleted_if_unknown_own(&session, lock, name, first.as_ref())
+                .await?
+        {
+            return Ok(None);
+        }
+        Ok(first.map(|(holding, _)| holding))
+    }
+
+    /// Delete `name`, first in `lock`'s queue (`first`: who it is and its owner), when it is a
+    /// place of this driver's own session that no entry of the driver knows (one place per lock
+    /// and process): a create whose answer never came back, or a place given up and not yet
+    /// deleted. Left alone it would block every waiter, this process's included, for as long
+    /// as the session lives. True when it was deleted (or was already gone). Called under the
+    /// lock's [`Attempts`] turn only.
+    async fn deleted_if_unknown_own(
+        &self,
+        session: &Session,
+        lock: &str,
+        name: &str,
+        first: Option<&(Holding, i64)>,
+    ) -> Result<bool> {
+        if first.is_none_or(|(_, owner)| *owner != session.client.session_id().0) {
+            return Ok(false);
+        }
+        let path = format!("{}/{name}", self.parent(lock));
+        let known = self
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(lock)
+            .is_some_and(|entry| entry.path == path);
+        if known {
+            return Ok(false);
+        }
+        tracing::debug!(lock, node = %path,
+            "a place of this session's that the driver does not know, first in line; deleting it");
+        match session.client.delete(&path, None).await {
+            Ok(()) | Err(zk::Error::NoNode) => {
+                self.holders
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(lock);
+                Ok(true)
+            }
+            Err(e) => Err(map_err(e)),
         }
     }
 
@@ -726,6 +786,30 @@ impl ZooKeeperDriver {
         self.shared.wakeups.load(Ordering::Relaxed)
     }
 
+    /// For tests: a place in `lock`'s queue on this driver's own session that the driver does not
+    /// know of, as a create whose answer never came back leaves one. Returns its path.
+    #[cfg(feature = "testkit")]
+    pub async fn place_unknown_to_the_driver(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<String> {
+        let session = self.shared.session(ttl).await?;
+        let prefix = format!(
+            "{}/{NODE_MARKER}{:032x}{LOCK_NAME}",
+            self.shared.parent(lock),
+            rand::random::<u128>()
+        );
+        let options = zk::CreateMode::EphemeralSequential.with_acls(self.shared.acls());
+        let (_, sequence) = session
+            .client
+            .create(&prefix, identity.as_bytes(), &options)
+            .await
+            .map_err(map_err)?;
+        Ok(format!("{prefix}{sequence}"))
+    }
+
     fn entry(&self, lock: &str) -> Option<Arc<Entry>> {
         let entries = self
             .shared
@@ -846,10 +930,18 @@ impl Driver for ZooKeeperDriver {
             let parent = self.shared.parent(lock);
             let predecessor = format!("{parent}/{}", queue[position - 1].1);
             self.shared.watch_predecessor(&session, &entry, predecessor);
-            let holder = self
+            let first = self
                 .shared
-                .holding(&session.client, lock, &queue[0].1)
+                .holding_and_owner(&session.client, lock, &queue[0].1)
                 .await?;
+            if self
+                .shared
+                .deleted_if_unknown_own(&session, lock, &queue[0].1, first.as_ref())
+                .await?
+            {
+                return Ok(Acquire::Busy(None));
+            }
+            let holder = first.map(|(holding, _)| holding);
             entry.slot.saw(sent, position == 1, holder.clone());
             return Ok(Acquire::Busy(holder));
         }
@@ -914,8 +1006,11 @@ impl Driver for ZooKeeperDriver {
         Ok(released)
     }
 
+    /// An idle engine observes every renew interval: its driver's unknown places are cleared
+    /// here too, not only when it tries to acquire.
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        self.shared.holder(lock).await
+        let _turn = self.shared.attempts.turn(lock).await;
+        self.shared.first_in_line(lock, true).await
     }
 
     /// The session's timeout: ZooKeeper deletes a dead holder's node only when it ends.
