@@ -13,10 +13,14 @@ use tokio::time::{Instant, sleep};
 const LEASE: Duration = Duration::from_secs(3);
 const HOLD: Duration = Duration::from_secs(60);
 
-async fn lock(url: &str, name: &str, identity: &str) -> Lock {
-    let driver = leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
+async fn driver(url: &str) -> Arc<dyn leasehold_lease::Driver> {
+    leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
         .await
-        .expect("driver");
+        .expect("driver")
+}
+
+async fn lock(url: &str, name: &str, identity: &str) -> Lock {
+    let driver = driver(url).await;
     let mut config = LockConfig::new(name, identity, LEASE);
     config.mode = Mode::OnDemand;
     Lock::start(driver, config, Arc::new(())).expect("lock")
@@ -138,9 +142,7 @@ async fn redis_departed_reentrant_acquisition_is_not_counted() {
     use leasehold_lease::testkit::faulty::FaultyDriver;
 
     let server = RedisServer::start();
-    let inner = leasehold_lease::connect(&BackendUrl::parse(&server.url()).expect("url"))
-        .await
-        .expect("driver");
+    let inner = driver(&server.url()).await;
     let faulty = FaultyDriver::wrap(inner);
     let mut config = LockConfig::new(&unique_lock("gone-reentrant"), "a", LEASE);
     config.mode = Mode::OnDemand;
@@ -179,12 +181,7 @@ async fn redis_departed_reentrant_acquisition_is_not_counted() {
 /// renewal while the next in line took it (the `zookeeper+waiters` soak: two holders for 5 ms).
 async fn one_identitys_attempts_at_once_are_granted_once(url: &str) {
     use leasehold_lease::Acquire;
-    let connect = || async {
-        leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
-            .await
-            .expect("driver")
-    };
-    let (a, b) = (connect().await, connect().await);
+    let (a, b) = (driver(url).await, driver(url).await);
     let name = unique_lock("at-once");
     let Acquire::Acquired(held) = b.try_acquire(&name, "b", LEASE).await.expect("b") else {
         panic!("b could not take the free lock");

@@ -464,6 +464,16 @@ impl Shared {
         }
     }
 
+    /// A new place's protected name in `lock`'s queue, before the sequence number the server
+    /// appends: unique, so that a create whose answer was lost can be found by it.
+    fn place_prefix(&self, lock: &str) -> String {
+        format!(
+            "{}/{NODE_MARKER}{:032x}{LOCK_NAME}",
+            self.parent(lock),
+            rand::random::<u128>()
+        )
+    }
+
     async fn enqueue(
         self: &Arc<Self>,
         lock: &str,
@@ -472,11 +482,7 @@ impl Shared {
     ) -> Result<Arc<Entry>> {
         let session = self.session(ttl).await?;
         let client = &session.client;
-        let prefix = format!(
-            "{}/{NODE_MARKER}{:032x}{LOCK_NAME}",
-            self.parent(lock),
-            rand::random::<u128>()
-        );
+        let prefix = self.place_prefix(lock);
         let acls = self.acls();
         let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
         // The create may happen with its answer lost (or with this call given up mid-way):
@@ -550,10 +556,9 @@ impl Shared {
         Ok(queue)
     }
 
-    /// Who holds, from the lowest node's name. A node's data and czxid never change, so the
-    /// answer is cached per lock until the lowest node does: an idle waiter's poll costs one
-    /// listing.
-    /// Who the node `name` of `lock`'s queue is, and the session that owns it.
+    /// Who the node `name` of `lock`'s queue is, and the session that owns it. A node's data,
+    /// czxid and owner never change, so the answer for the lowest node is cached per lock until
+    /// the lowest node does: an idle waiter's poll costs one listing.
     async fn holding_and_owner(
         &self,
         client: &zk::Client,
@@ -796,11 +801,7 @@ impl ZooKeeperDriver {
         ttl: Duration,
     ) -> Result<String> {
         let session = self.shared.session(ttl).await?;
-        let prefix = format!(
-            "{}/{NODE_MARKER}{:032x}{LOCK_NAME}",
-            self.shared.parent(lock),
-            rand::random::<u128>()
-        );
+        let prefix = self.shared.place_prefix(lock);
         let options = zk::CreateMode::EphemeralSequential.with_acls(self.shared.acls());
         let (_, sequence) = session
             .client
