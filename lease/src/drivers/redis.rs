@@ -38,7 +38,8 @@ const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
 /// KEYS: lease, token counter, epoch record, the lock's own counter (the same as the token
-/// counter unless the lock is a family's key). ARGV: identity, ttl ms, durable ("1" when the
+/// counter unless the lock is a family's key), the lock's waiters mark ([`KeyLayout::waiters`]).
+/// ARGV: identity, ttl ms, durable ("1" when the
 /// server loses no acknowledged write in a crash: `appendonly yes`, `appendfsync always`), how
 /// long a key's own counter outlives its last acquisition (ms).
 /// Returns the new token, {current value, remaining ms} when the lock is held, or
@@ -57,9 +58,15 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// [`KEY_COUNTER_RETENTION`]: so a key idle that long has no record left, and a sidecar of an
 /// earlier version, which counts on the key's own counter alone, still draws above every
 /// token given meanwhile, through a rolling upgrade.
+///
+/// An attempt that finds the lock held marks it as waited for, in the same step, so that the
+/// release ([`RELEASE`]) publishes its notice: a release that nobody waits for publishes
+/// nothing, and no sidecar's listener is sent it. The mark outlives a waiter's next attempt
+/// (waiters try again at least once a lease, and every busy attempt sets it again).
 pub(crate) const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
+  redis.call('SET', KEYS[5], '1', 'PX', tonumber(ARGV[2]) * 2)
   return {current, redis.call('PTTL', KEYS[1])}
 end
 local floor = 0
@@ -119,6 +126,7 @@ pub(crate) fn acquisition<'a>(
         .key(keys.counter(lock))
         .key(keys.epoch_of(lock))
         .key(keys.token(lock))
+        .key(keys.waiters(lock))
         .arg(identity)
         .arg(ms(ttl))
         .arg(if durable { "1" } else { "0" })
@@ -199,15 +207,38 @@ end
 return 0
 ";
 
-/// KEYS: lease. ARGV: expected value, release channel. Returns 1 when released.
+/// KEYS: lease, and the lock's waiters mark where the acquisitions set one ([`ACQUIRE`]).
+/// ARGV: expected value, release channel. Returns 1 when released.
+///
+/// The notice is published only when an attempt found the lock held since the last release
+/// (the mark, taken down here), or when the caller passes no mark (Redlock, whose acquisitions
+/// set none): every sidecar listens to every lock's notices, so a notice that nobody waits for
+/// costs each of them a message.
 pub(crate) const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  if not KEYS[2] or redis.call('DEL', KEYS[2]) == 1 then
+    redis.call('PUBLISH', ARGV[2], ARGV[1])
+  end
   return 1
 end
 return 0
 ";
+
+/// An invocation of [`RELEASE`] for `lease`, with the lock's waiters mark.
+pub(crate) fn release_of<'a>(
+    release: &'a Script,
+    keys: &KeyLayout,
+    lease: &Lease,
+) -> redis::ScriptInvocation<'a> {
+    let mut invocation = release.prepare_invoke();
+    invocation
+        .key(keys.lease(&lease.lock))
+        .key(keys.waiters(&lease.lock))
+        .arg(lease_value(lease))
+        .arg(keys.released_channel(&lease.lock));
+    invocation
+}
 
 /// KEYS: lease. Returns {value, remaining ms}, or false when free.
 pub(crate) const OBSERVE: &str = r"
@@ -310,6 +341,10 @@ impl KeyLayout {
     /// The lock's own token counter.
     pub fn token(&self, lock: &str) -> String {
         format!("{}:{{{lock}}}:token", self.prefix)
+    }
+    /// Set while an acquisition has found the lock held: the release publishes its notice.
+    pub fn waiters(&self, lock: &str) -> String {
+        format!("{}:{{{lock}}}:waiters", self.prefix)
     }
     /// The counter `lock`'s tokens are drawn from: for a family's key, the family's, so that a
     /// key nobody holds has no record left (its lease key expires or is deleted), while its
@@ -592,6 +627,7 @@ pub(crate) async fn delete_keys(
         // The token counter stays: a lock created again under the name continues above it.
         let _: i64 = redis::cmd("DEL")
             .arg(keys.lease(lock))
+            .arg(keys.waiters(lock))
             .query_async(conn)
             .await
             .map_err(map_err)?;
@@ -766,11 +802,7 @@ impl Driver for RedisDriver {
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
         let mut conn = self.connection().await?;
-        let released: i64 = self
-            .release
-            .key(self.keys.lease(&lease.lock))
-            .arg(lease_value(lease))
-            .arg(self.keys.released_channel(&lease.lock))
+        let released: i64 = release_of(&self.release, &self.keys, lease)
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.error(e))?;

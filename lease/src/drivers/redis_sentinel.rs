@@ -454,11 +454,7 @@ impl Driver for RedisSentinelDriver {
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
         let master = self.master.master().await?;
-        match self
-            .release
-            .key(self.keys.lease(&lease.lock))
-            .arg(single::lease_value(lease))
-            .arg(self.keys.released_channel(&lease.lock))
+        match single::release_of(&self.release, &self.keys, lease)
             .invoke_async::<i64>(&mut master.conn.clone())
             .await
         {
