@@ -117,6 +117,97 @@ async fn etcd_raw_cycles(port: u16) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The raw predecessor-watch lock on etcd (the recipe of etcd's own `concurrency.Mutex`,
+/// hand-written): two sessions, each with a lease and a key under one prefix, take turns; the
+/// waiter puts its key, watches the holder's from its own put's revision on, and holds once the
+/// delete has arrived and a listing by create revision shows its key first. Timed from the
+/// holder's delete being sent.
+async fn etcd_raw_handovers(port: u16) -> Vec<Duration> {
+    use leasehold_lease::drivers::etcd_rpc::{
+        Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, PutRequest, RangeRequest,
+        SORT_ASCEND,
+    };
+    const PREFIX: &str = "raw-handover/";
+    let endpoints = [format!("127.0.0.1:{port}")];
+    let mut sessions = Vec::new();
+    for _ in 0..2 {
+        let client = EtcdClient::connect(Connect {
+            endpoints: &endpoints,
+            tls: None,
+            user: None,
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(5),
+        })
+        .await
+        .expect("etcd");
+        let lease = client
+            .lease_grant(LEASE.as_secs() as i64)
+            .await
+            .expect("grant");
+        sessions.push((client, format!("{PREFIX}{:016x}", lease.id), lease.id));
+    }
+    let join = |(client, key, lease): &(EtcdClient, String, i64)| {
+        let (client, key, lease) = (client.clone(), key.clone(), *lease);
+        async move {
+            client
+                .put(PutRequest {
+                    key: key.into_bytes(),
+                    value: b"bench".to_vec(),
+                    lease,
+                })
+                .await
+                .expect("put")
+                .header
+                .map_or(0, |h| h.revision)
+        }
+    };
+    join(&sessions[0]).await;
+    let mut latencies = Vec::new();
+    for round in 0..HANDOVERS {
+        let (holder, waiter) = (&sessions[round % 2], &sessions[(round + 1) % 2]);
+        let joined = join(waiter).await;
+        let mut deleted = waiter
+            .0
+            .watch(holder.1.clone().into_bytes(), joined + 1)
+            .await
+            .expect("watch the predecessor");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let released = Instant::now();
+        holder
+            .0
+            .delete_range(DeleteRangeRequest {
+                key: holder.1.clone().into_bytes(),
+                range_end: Vec::new(),
+                prev_kv: false,
+            })
+            .await
+            .expect("delete");
+        loop {
+            let reply = deleted
+                .message()
+                .await
+                .expect("watch")
+                .expect("the watch stream ended");
+            if reply.events.iter().any(|e| e.r#type == EVENT_DELETE) {
+                break;
+            }
+        }
+        let first = waiter
+            .0
+            .range(RangeRequest::prefix(PREFIX).first_by_create(SORT_ASCEND))
+            .await
+            .expect("list");
+        assert_eq!(
+            first.kvs.first().map(|kv| kv.key.as_slice()),
+            Some(waiter.1.as_bytes()),
+            "the waiter is first"
+        );
+        latencies.push(released.elapsed());
+    }
+    latencies.sort();
+    latencies
+}
+
 /// The raw client operations of the simplest ZooKeeper lock: create an ephemeral sequential
 /// node, delete it.
 async fn zookeeper_raw_cycles(port: u16) -> f64 {
@@ -411,6 +502,11 @@ async fn etcd_section() {
     );
     let latency = handover_latencies(connect(), connect()).await;
     println!("  etcd hand-over, watch          : {}", describe(&latency));
+    let raw = etcd_raw_handovers(port).await;
+    println!(
+        "  etcd raw predecessor-watch lock, hand-over: {}",
+        describe(&raw)
+    );
 
     for idle in idle_waiters(connect, || server.messages_received()).await {
         println!("  etcd {IDLE_WAITERS} idle waiters + holder: {idle}");
