@@ -293,23 +293,37 @@ impl RedisCluster {
         slots
     }
 
-    /// The index of the node that serves `slot` now, as the first node sees it.
+    /// The index of the node that serves `slot` now, as the first node sees it. While a
+    /// failover is under way the first node can see the shard's master and replica both as
+    /// replicas, and nobody serving the slot, for a moment: that is waited out.
     pub fn owner_of(&self, slot: u16) -> usize {
+        let mut owner = None;
+        wait_until(
+            || {
+                owner = self.serving(slot);
+                owner.is_some()
+            },
+            || {
+                format!(
+                    "no node serves slot {slot}:\n{}",
+                    command(self.nodes[0].port(), &["CLUSTER", "NODES"]).unwrap_or_default()
+                )
+            },
+        );
+        owner.expect("a node serves the slot")
+    }
+
+    fn serving(&self, slot: u16) -> Option<usize> {
         let nodes = command(self.nodes[0].port(), &["CLUSTER", "NODES"]).expect("cluster nodes");
-        for line in nodes.lines() {
+        nodes.lines().find_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            let Some(address) = fields.get(1) else {
-                continue;
-            };
+            let address = fields.get(1)?;
             let serves = fields.iter().skip(8).any(|range| {
                 let (from, to) = range.split_once('-').unwrap_or((range, range));
                 matches!((from.parse::<u16>(), to.parse::<u16>()), (Ok(f), Ok(t)) if (f..=t).contains(&slot))
             });
-            if serves {
-                return self.index_of(address).expect("a node of this cluster");
-            }
-        }
-        panic!("no node serves slot {slot}:\n{nodes}")
+            serves.then(|| self.index_of(address).expect("a node of this cluster"))
+        })
     }
 
     /// Move `slot`, with its keys, to node `to`, as `redis-cli --cluster reshard` does; returns
