@@ -88,11 +88,10 @@ const IDLE_WAITERS: usize = 100;
 const IDLE_LEASES: [Duration; 2] = [Duration::from_secs(3), Duration::from_secs(15)];
 const IDLE_MEASURE: Duration = Duration::from_secs(15);
 
-/// The raw client operations of the simplest etcd lock: grant a lease, put the key with it,
-/// revoke the lease.
-async fn etcd_raw_cycles(port: u16) -> f64 {
-    use leasehold_lease::drivers::etcd_rpc::{Connect, EtcdClient, PutRequest};
-    let client = EtcdClient::connect(Connect {
+/// A plain etcd client on the local server, for the raw baselines.
+async fn raw_etcd_client(port: u16) -> leasehold_lease::drivers::etcd_rpc::EtcdClient {
+    use leasehold_lease::drivers::etcd_rpc::{Connect, EtcdClient};
+    EtcdClient::connect(Connect {
         endpoints: &[format!("127.0.0.1:{port}")],
         tls: None,
         user: None,
@@ -100,7 +99,14 @@ async fn etcd_raw_cycles(port: u16) -> f64 {
         request_timeout: Duration::from_secs(5),
     })
     .await
-    .expect("etcd");
+    .expect("etcd")
+}
+
+/// The raw client operations of the simplest etcd lock: grant a lease, put the key with it,
+/// revoke the lease.
+async fn etcd_raw_cycles(port: u16) -> f64 {
+    use leasehold_lease::drivers::etcd_rpc::PutRequest;
+    let client = raw_etcd_client(port).await;
     let start = Instant::now();
     for _ in 0..CYCLES {
         let lease = client.lease_grant(15).await.expect("grant");
@@ -124,22 +130,12 @@ async fn etcd_raw_cycles(port: u16) -> f64 {
 /// holder's delete being sent.
 async fn etcd_raw_handovers(port: u16) -> Vec<Duration> {
     use leasehold_lease::drivers::etcd_rpc::{
-        Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, PutRequest, RangeRequest,
-        SORT_ASCEND,
+        DeleteRangeRequest, EVENT_DELETE, EtcdClient, PutRequest, RangeRequest, SORT_ASCEND,
     };
     const PREFIX: &str = "raw-handover/";
-    let endpoints = [format!("127.0.0.1:{port}")];
     let mut sessions = Vec::new();
     for _ in 0..2 {
-        let client = EtcdClient::connect(Connect {
-            endpoints: &endpoints,
-            tls: None,
-            user: None,
-            connect_timeout: Duration::from_secs(2),
-            request_timeout: Duration::from_secs(5),
-        })
-        .await
-        .expect("etcd");
+        let client = raw_etcd_client(port).await;
         let lease = client
             .lease_grant(LEASE.as_secs() as i64)
             .await

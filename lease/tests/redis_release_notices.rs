@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::{RedisServer, driver_for, unique_lock};
+use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
 use leasehold_lease::{Acquire, Driver, Lease};
 use tokio::time::timeout;
 
@@ -13,15 +13,7 @@ const TTL: Duration = Duration::from_secs(5);
 
 /// How many notices the server has published (those from scripts included).
 async fn publishes(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .expect("INFO");
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_publish:calls="))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
-        .unwrap_or(0)
+    command_calls(conn, &["publish"]).await
 }
 
 async fn take(driver: &dyn Driver, lock: &str, identity: &str) -> Lease {

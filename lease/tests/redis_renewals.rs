@@ -6,37 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold_lease::testkit::{
-    Harness, RedisSentinelSet, RedisServer, RedlockHarness, driver_for, unique_lock,
+    Harness, RedisSentinelSet, RedisServer, RedlockHarness, command_calls, driver_for, unique_lock,
 };
 use leasehold_lease::{Acquire, Driver, Lease};
 
 /// How many times Redis has run a script (`EVALSHA`, `EVAL`).
 async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
-    calls(conn, &["evalsha", "eval"]).await
-}
-
-/// How many times Redis has run `commands`.
-async fn calls(conn: &mut redis::aio::MultiplexedConnection, commands: &[&str]) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .expect("INFO");
-    info.lines()
-        .filter(|l| {
-            commands
-                .iter()
-                .any(|c| l.starts_with(&format!("cmdstat_{c}:")))
-        })
-        .filter_map(|l| {
-            l.split_once("calls=")?
-                .1
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
+    command_calls(conn, &["evalsha", "eval"]).await
 }
 
 /// `count` locks named after `name`, each taken for 2 s.
@@ -84,7 +60,10 @@ async fn renewals_at_once(driver: Arc<dyn Driver>, urls: &[String]) {
         .collect();
     let mut before = Vec::new();
     for admin in &mut admins {
-        before.push((script_calls(admin).await, calls(admin, &["wait"]).await));
+        before.push((
+            script_calls(admin).await,
+            command_calls(admin, &["wait"]).await,
+        ));
     }
     let answers = futures_util::future::join_all(
         asked
@@ -101,7 +80,7 @@ async fn renewals_at_once(driver: Arc<dyn Driver>, urls: &[String]) {
             scripts < 4,
             "{LOCKS} renewals at once took {scripts} script calls"
         );
-        let waits = calls(admin, &["wait"]).await - waits_before;
+        let waits = command_calls(admin, &["wait"]).await - waits_before;
         assert!(waits < 4, "{LOCKS} renewals at once took {waits} WAITs");
         for (i, lease) in leases.iter().enumerate() {
             let pttl: i64 = redis::cmd("PTTL")

@@ -736,17 +736,6 @@ fn waiter(
 
 /// Run the check of `scenario` for `duration`, with `contenders` sidecars.
 pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64) -> Report {
-    run_without(scenario, duration, contenders, seed, &[])
-}
-
-/// [`run`], with none of the `excluded` faults.
-pub fn run_without(
-    scenario: Scenario,
-    duration: Duration,
-    contenders: usize,
-    seed: u64,
-    excluded: &[Fault],
-) -> Report {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut backend = Backend::start(scenario.target);
     let lock = unique_lock("safety");
@@ -773,10 +762,7 @@ pub fn run_without(
     } else {
         backend.faults()
     }
-    .iter()
-    .copied()
-    .filter(|f| !excluded.contains(f))
-    .collect();
+    .to_vec();
     let from_resource = cluster.is_some();
     let start_sidecar = |identity: &str, url: &str| {
         if from_resource {

@@ -39,9 +39,9 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
 /// KEYS: lease, token counter, epoch record, the lock's own counter (the same as the token
 /// counter unless the lock is a family's key), the lock's waiters mark ([`KeyLayout::waiters`]).
-/// ARGV: identity, ttl ms, durable ("1" when the
-/// server loses no acknowledged write in a crash: `appendonly yes`, `appendfsync always`), how
-/// long a key's own counter outlives its last acquisition (ms).
+/// ARGV: identity, ttl ms, durable ("1" when the server loses no acknowledged write in a crash:
+/// `appendonly yes`, `appendfsync always`), how long a key's own counter outlives its last
+/// acquisition (ms).
 /// Returns the new token, {current value, remaining ms} when the lock is held, or
 /// {false, remaining ms} while the server waits out a lease it may have lost.
 ///

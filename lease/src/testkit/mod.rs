@@ -34,7 +34,7 @@ pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
 pub use redis_cluster::{RedisCluster, TlsRedisCluster};
 pub use redis_sentinel::{RedisSentinelSet, TlsRedisSentinelSet};
-pub use redis_server::RedisServer;
+pub use redis_server::{RedisServer, command_calls};
 pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 

@@ -318,6 +318,34 @@ pub fn info(port: u16, section: &str) -> String {
         .unwrap_or_default()
 }
 
+/// How many times the server has run `commands` (`INFO commandstats`; commands run inside
+/// scripts count too).
+pub async fn command_calls(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    commands: &[&str],
+) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("INFO");
+    info.lines()
+        .filter(|l| {
+            commands
+                .iter()
+                .any(|c| l.starts_with(&format!("cmdstat_{c}:")))
+        })
+        .filter_map(|l| {
+            l.split_once("calls=")?
+                .1
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
 pub(super) use crate::drivers::redis::info_field as field;
 
 /// One raw `PING`, the protocol's own health check.
