@@ -29,6 +29,36 @@ async fn waiters_further_back_cost_no_requests() {
     waiters_further_back_poll_quietly(|| driver(&server), || server.messages_received()).await;
 }
 
+/// A free lock costs etcd what a bare grant + put + revoke does: two requests to take (the lease
+/// grant, then one transaction that puts the key and reads the queue around it) and one to give
+/// back. It took four before the put and the queue read were one transaction and a key queued
+/// by the acquisition itself stopped sending a keep-alive before it held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_lock_costs_two_requests_to_take_and_one_to_release() {
+    use leasehold_lease::{Acquire, Driver};
+    let server = EtcdServer::start();
+    let driver = driver(&server);
+    driver.ping().await.expect("etcd answers");
+    for round in 0..3 {
+        let before = server.messages_received();
+        let Acquire::Acquired(lease) = driver
+            .try_acquire("free", "a", std::time::Duration::from_secs(10))
+            .await
+            .expect("acquire")
+        else {
+            panic!("round {round}: the lock is not free");
+        };
+        let taken = server.messages_received() - before;
+        assert!(driver.release(&lease).await.expect("release"));
+        let released = server.messages_received() - before - taken;
+        assert_eq!(
+            (taken, released),
+            (2, 1),
+            "round {round}: requests to take, to release"
+        );
+    }
+}
+
 /// Twenty contenders, two hundred hand-overs. The token is the create revision of a contender's
 /// key, the order it joined the
 /// queue in, so strictly increasing tokens (checked by `contenders`) mean the lock went round

@@ -13,8 +13,13 @@
 //! - while holding, only the engine's renewals keep the lease alive, so a holder whose renewals
 //!   stall is dropped by etcd; and when its own lease runs out locally, the driver revokes the
 //!   etcd lease at once instead of leaving the others to wait for the server's whole seconds;
-//! - becoming the holder costs one keep-alive sent after `t_sent`, since the last keep-alive of
-//!   the waiting task may be older than the claim about to start.
+//! - a key that waited costs one keep-alive sent after `t_sent` to become the holder, since the
+//!   waiting task's last keep-alive may be older than the claim about to start; a key queued by
+//!   the acquisition itself needs none, as its etcd lease was granted after `t_sent`.
+//!
+//! A free lock costs two round trips to take (the lease grant, then one transaction that puts
+//! the key and reads the queue around it) and one to release (the revoke), as a bare
+//! grant + put + revoke does.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -190,13 +195,14 @@ impl Shared {
         entry.slot.stop_watching();
     }
 
-    /// Queue a new key for `lock` under a new etcd lease.
+    /// Queue a new key for `lock` under a new etcd lease, and learn where it stands from the
+    /// same transaction that puts it: the put and the reads are one round trip.
     async fn enqueue(
         self: &Arc<Self>,
         lock: &str,
         identity: &str,
         ttl: Duration,
-    ) -> Result<Arc<Entry>> {
+    ) -> Result<(Arc<Entry>, Position)> {
         let client = self.client().await?;
         let grant = client
             .lease_grant(ttl_seconds(ttl))
@@ -212,19 +218,49 @@ impl Shared {
                 "etcd granted a {granted:?} lease where {ttl:?} was asked"
             )));
         }
-        let key = format!("{}{:016x}", self.queue_prefix(lock), grant.id);
-        let put = client
-            .put(PutRequest {
-                key: key.clone().into_bytes(),
-                value: identity.as_bytes().to_vec(),
-                lease: grant.id,
-            })
-            .await
-            .map_err(map_err)?;
-        let revision = put
-            .header
-            .map(|h| h.revision)
-            .ok_or_else(|| Error::Backend("etcd put without a revision".into()))?;
+        let queue = self.queue_prefix(lock);
+        let key = format!("{queue}{:016x}", grant.id);
+        // Reads after a put in one transaction see the put: the newest two keys by create
+        // revision are this one and the one just below it, since nothing can be created
+        // after this put within its revision.
+        let mut newest_two = RangeRequest::prefix(&queue).first_by_create(SORT_DESCEND);
+        newest_two.limit = 2;
+        let txn = TxnRequest {
+            success: vec![
+                PutRequest {
+                    key: key.clone().into_bytes(),
+                    value: identity.as_bytes().to_vec(),
+                    lease: grant.id,
+                }
+                .into(),
+                RangeRequest::key(&key).into(),
+                newest_two.into(),
+                lowest(&queue).into(),
+            ],
+            ..TxnRequest::default()
+        };
+        let reply = client.txn(txn).await.map_err(map_err)?;
+        let read_at = reply.header.as_ref().map_or(0, |h| h.revision);
+        let mut gets = reply.ranges().into_iter();
+        let (Some(own), Some(newest), Some(lowest)) = (gets.next(), gets.next(), gets.next())
+        else {
+            let _ = client.lease_revoke(grant.id).await;
+            return Err(Error::Backend("etcd txn answered without its reads".into()));
+        };
+        let Some(revision) = own.kvs.first().map(|kv| kv.create_revision) else {
+            let _ = client.lease_revoke(grant.id).await;
+            return Err(Error::Backend("etcd txn did not read back its put".into()));
+        };
+        let position = Position {
+            queued: true,
+            predecessor: newest
+                .kvs
+                .into_iter()
+                .find(|kv| kv.create_revision < revision)
+                .map(|kv| kv.key),
+            holder: lowest.kvs.into_iter().next(),
+            revision: read_at,
+        };
         let (slot, watch_expires) = QueueSlot::new();
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
@@ -241,7 +277,7 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(lock.to_owned(), entry.clone());
-        Ok(entry)
+        Ok((entry, position))
     }
 
     /// Where `entry` stands: whether its key still exists, the key just below it, the lowest
@@ -492,7 +528,9 @@ impl Driver for EtcdDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let _turn = self.shared.attempts.turn(lock).await;
         let sent = Instant::now();
-        let entry = match self.entry(lock) {
+        // A key queued by this call was granted its etcd lease after `sent`: its TTL already
+        // runs from later than the claim, and its position was read with the put.
+        let (entry, position, granted_after_sent) = match self.entry(lock) {
             Some(entry) if entry.slot.holding() || entry.identity != identity => {
                 // Not re-entrant, and one identity per lock and process.
                 return Ok(Acquire::Busy(self.shared.holder(lock).await?));
@@ -503,23 +541,26 @@ impl Driver for EtcdDriver {
                 if let Some(holder) = entry.slot.quiet_wait(sent, ttl) {
                     return Ok(Acquire::Busy(holder));
                 }
-                entry
+                let position = self.shared.position(&entry).await?;
+                (entry, position, false)
             }
             Some(entry) => {
                 self.shared.leave(&entry).await;
-                self.shared.enqueue(lock, identity, ttl).await?
+                let (entry, position) = self.shared.enqueue(lock, identity, ttl).await?;
+                (entry, position, true)
             }
             None => {
                 // A task of its own: if this call is abandoned midway (the engine's time budget),
                 // the key it may already have put is still recorded and tended.
                 let (shared, lock, identity) =
                     (self.shared.clone(), lock.to_owned(), identity.to_owned());
-                tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
-                    .await
-                    .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??
+                let (entry, position) =
+                    tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
+                        .await
+                        .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??;
+                (entry, position, true)
             }
         };
-        let position = self.shared.position(&entry).await?;
         if !position.queued {
             // The key expired (keep-alives failed): back to the end of the queue next time.
             self.shared.forget(&entry);
@@ -543,8 +584,9 @@ impl Driver for EtcdDriver {
             entry.slot.saw(sent, next_in_line, holder.clone());
             return Ok(Acquire::Busy(holder));
         }
-        // Lowest: ours. Refresh the etcd lease after `sent` before claiming from `sent`.
-        if !self.shared.keep_alive(entry.etcd_lease).await? {
+        // Lowest: ours. A key that waited refreshes its etcd lease after `sent` before claiming
+        // from `sent`; its last keep-alive may be older than the claim.
+        if !granted_after_sent && !self.shared.keep_alive(entry.etcd_lease).await? {
             self.shared.forget(&entry);
             entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));

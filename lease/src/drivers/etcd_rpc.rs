@@ -144,10 +144,10 @@ pub struct DeleteRangeResponse {
     pub prev_kvs: Vec<KeyValue>,
 }
 
-/// `RequestOp`: the reads a transaction makes.
+/// `RequestOp`: the reads and puts a transaction makes.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct RequestOp {
-    #[prost(oneof = "Op", tags = "1")]
+    #[prost(oneof = "Op", tags = "1, 2")]
     pub request: Option<Op>,
 }
 
@@ -155,6 +155,8 @@ pub struct RequestOp {
 pub enum Op {
     #[prost(message, tag = "1")]
     Range(RangeRequest),
+    #[prost(message, tag = "2")]
+    Put(PutRequest),
 }
 
 impl From<RangeRequest> for RequestOp {
@@ -165,9 +167,17 @@ impl From<RangeRequest> for RequestOp {
     }
 }
 
+impl From<PutRequest> for RequestOp {
+    fn from(put: PutRequest) -> Self {
+        Self {
+            request: Some(Op::Put(put)),
+        }
+    }
+}
+
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ResponseOp {
-    #[prost(oneof = "OpResponse", tags = "1")]
+    #[prost(oneof = "OpResponse", tags = "1, 2")]
     pub response: Option<OpResponse>,
 }
 
@@ -175,6 +185,8 @@ pub struct ResponseOp {
 pub enum OpResponse {
     #[prost(message, tag = "1")]
     Range(RangeResponse),
+    #[prost(message, tag = "2")]
+    Put(PutResponse),
 }
 
 /// `Compare.CompareResult::EQUAL` and `Compare.CompareTarget::CREATE`.
@@ -236,7 +248,10 @@ impl TxnResponse {
     pub fn ranges(self) -> Vec<RangeResponse> {
         self.responses
             .into_iter()
-            .filter_map(|r| r.response.map(|OpResponse::Range(range)| range))
+            .filter_map(|r| match r.response {
+                Some(OpResponse::Range(range)) => Some(range),
+                _ => None,
+            })
             .collect()
     }
 }
