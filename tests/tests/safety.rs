@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use leasehold_e2e::safety::{self, Scenario, Target, Workload};
 
-/// About a minute per driver; `LEASEHOLD_SAFETY_SECS` changes it.
+/// About a minute per driver; `LEASEHOLD_SAFETY_SECS` changes it, and `LEASEHOLD_SOAK_SEED`
+/// replays a run's fault schedule.
 fn duration() -> Duration {
     let secs = std::env::var("LEASEHOLD_SAFETY_SECS")
         .ok()
@@ -23,7 +24,11 @@ fn check(target: Target) {
 }
 
 fn check_scenario(scenario: Scenario) {
-    let seed = rand::random();
+    // As in `scripts/soak`: a failed run's seed (in its summary) replays its fault schedule.
+    let seed = std::env::var("LEASEHOLD_SOAK_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
     let report = safety::run(scenario, duration(), 3, seed);
     eprintln!("{}", report.summary());
     assert!(
