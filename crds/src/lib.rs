@@ -477,7 +477,7 @@ pub struct DistributedLockStatus {
     pub transitions: Option<i64>,
     /// For a family of keyed locks (`spec.keys`), which has no single holder: how many of its
     /// keys are held now, across every pod, as the operator last counted them (once a minute).
-    /// Absent where the backend cannot count them (Redis Cluster, Tair).
+    /// Absent until the first count, or when the backend cannot be counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_keys: Option<i64>,
 }

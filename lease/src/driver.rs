@@ -125,8 +125,7 @@ pub trait Driver: Send + Sync + 'static {
     }
 
     /// How many of `family`'s keys have a live holder now, in every process, for the family's
-    /// status and its clean-up; `None` from the backends that cannot count them short of
-    /// reading every key's own record (Redis Cluster, Tair).
+    /// status and its clean-up; `None` from a backend that cannot count them.
     async fn count_held_keys(&self, _family: &str) -> Result<Option<u64>> {
         Ok(None)
     }

@@ -825,12 +825,25 @@ impl Driver for RedisDriver {
     }
 
     /// A Redis Cluster spreads a family's keys over every master: not counted.
+    /// On a cluster, each master's keyspace in turn: a family's keys are spread over the slots.
+    /// A key whose slot moves while the masters are read may be counted twice or not at all.
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        let Target::Single(conn) = &self.target else {
-            return Ok(None);
+        let held = match &self.target {
+            Target::Single(conn) => held_key_leases(&mut conn.clone(), &self.keys, family)
+                .await?
+                .len(),
+            Target::Cluster(cluster) => {
+                let conn = cluster.connection().await?;
+                let mut held = 0;
+                for mut master in crate::drivers::redis_cluster::every_master(&conn).await? {
+                    held += held_key_leases(&mut master, &self.keys, family)
+                        .await?
+                        .len();
+                }
+                held
+            }
         };
-        let held = held_key_leases(&mut conn.clone(), &self.keys, family).await?;
-        Ok(Some(held.len() as u64))
+        Ok(Some(held as u64))
     }
 
     async fn ping(&self) -> Result<()> {

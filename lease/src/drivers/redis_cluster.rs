@@ -19,8 +19,8 @@
 
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
-use redis::{RedisResult, Value};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+use redis::{RedisFuture, RedisResult, Value};
 use tokio::sync::OnceCell;
 
 use crate::drivers::redis::{
@@ -97,6 +97,70 @@ async fn from_every_master(
             .collect(),
         single => vec![(String::new(), single)],
     })
+}
+
+/// A connection to one node of the cluster, by its address: every command and pipeline goes
+/// there, whatever its keys' slots, as a `SCAN` of that node's keyspace needs.
+pub(crate) struct OneNode {
+    conn: ClusterConnection,
+    route: SingleNodeRoutingInfo,
+}
+
+impl redis::aio::ConnectionLike for OneNode {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, Value> {
+        let routing = RoutingInfo::SingleNode(self.route.clone());
+        Box::pin(self.conn.route_command(cmd.clone(), routing))
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(
+            self.conn
+                .route_pipeline(pipeline.clone(), offset, count, self.route.clone()),
+        )
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
+}
+
+/// A connection to each master the cluster has now.
+pub(crate) async fn every_master(conn: &ClusterConnection) -> Result<Vec<OneNode>> {
+    let answers = from_every_master(&mut conn.clone(), redis::cmd("PING"))
+        .await
+        .map_err(map_err)?;
+    answers
+        .into_iter()
+        .map(|(node, _)| {
+            // A cluster of one master answers without naming it.
+            let route = if node.is_empty() {
+                SingleNodeRoutingInfo::RandomPrimary
+            } else {
+                let (host, port) = node
+                    .rsplit_once(':')
+                    .and_then(|(host, port)| Some((host, port.parse().ok()?)))
+                    .ok_or_else(|| {
+                        Error::Backend(format!("a cluster node named {node:?}, not host:port"))
+                    })?;
+                SingleNodeRoutingInfo::ByAddress {
+                    host: host
+                        .trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .to_owned(),
+                    port,
+                }
+            };
+            Ok(OneNode {
+                conn: conn.clone(),
+                route,
+            })
+        })
+        .collect()
 }
 
 fn config_get(name: &str) -> redis::Cmd {

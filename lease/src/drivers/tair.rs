@@ -40,8 +40,8 @@ use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use super::redis::{
-    Durability, KeyLayout, client, connection, delete_keys, info_field, lease_value,
-    listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
+    Durability, KeyLayout, client, connection, delete_keys, held_key_leases, info_field,
+    lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
 };
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
@@ -549,6 +549,13 @@ impl Driver for TairDriver {
             },
             _ => None,
         })
+    }
+
+    /// The lease keys are named as on Redis, so the same `SCAN` finds them; a released key is
+    /// deleted (`EXCAD`) and an expired one is gone.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let held = held_key_leases(&mut self.conn.clone(), &self.keys, family).await?;
+        Ok(Some(held.len() as u64))
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {

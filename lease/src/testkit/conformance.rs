@@ -30,10 +30,6 @@ pub trait Harness: Send {
     async fn outage_begin(&mut self);
     /// Bring the backend back, with the data it had.
     async fn outage_end(&mut self);
-    /// Whether its driver counts a family's held keys ([`Driver::count_held_keys`]).
-    fn counts_held_keys(&self) -> bool {
-        true
-    }
 }
 
 /// SQLite: a throwaway file; an outage is another process holding the file's write lock.
@@ -257,11 +253,6 @@ impl<S: BackendServer> Harness for ServerHarness<S> {
     }
     async fn outage_end(&mut self) {
         self.server.restart();
-    }
-    /// Tair and Redis Cluster keep a record per key, spread over the keyspace or the slots.
-    fn counts_held_keys(&self) -> bool {
-        let url = self.url();
-        !url.starts_with("tair") && !url.contains("cluster")
     }
 }
 
@@ -1226,15 +1217,11 @@ pub async fn idle_keys_are_forgotten_and_their_tokens_still_rise(h: &mut dyn Har
 
 /// A family's held keys are counted across processes, a hashed key's too, and nothing else:
 /// not a released key, not a contender queued behind a holder, not a key of a family whose name
-/// starts the same, not a plain lock. Backends that keep a record per key spread over the
-/// keyspace say they do not count.
+/// starts the same, not a plain lock. On a Redis Cluster the keys are spread over every
+/// master's slots, and each master is counted.
 pub async fn held_keys_are_counted(h: &mut dyn Harness) {
     let family = unique_lock("count");
     let (a, b) = (h.driver().await, h.driver().await);
-    if !h.counts_held_keys() {
-        assert_eq!(a.count_held_keys(&family).await.expect("count"), None);
-        return;
-    }
     let count = async || a.count_held_keys(&family).await.expect("count");
     assert_eq!(count().await, Some(0), "a family never used");
     let take = async |driver: &Arc<dyn Driver>, lock: &str| match driver
