@@ -239,7 +239,15 @@ impl Shared {
             ],
             ..TxnRequest::default()
         };
-        let reply = client.txn(txn).await.map_err(map_err)?;
+        let reply = match client.txn(txn).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                // The put may have been applied with its answer lost: a key nobody tends would
+                // stand in the queue until its TTL ran out.
+                let _ = client.lease_revoke(grant.id).await;
+                return Err(map_err(e));
+            }
+        };
         let read_at = reply.header.as_ref().map_or(0, |h| h.revision);
         let mut gets = reply.ranges().into_iter();
         let (Some(own), Some(newest), Some(lowest)) = (gets.next(), gets.next(), gets.next())
