@@ -1354,9 +1354,31 @@ async fn mysql_idle_waiters(url: &str) {
             SqlMode::Lease => "lease mode",
             SqlMode::RowLock => "row-lock mode",
         };
-        for idle in idle_waiters(connect, questions).await {
+        for idle in idle_waiters(connect, &questions).await {
             println!("  mysql    {mode_name}: {IDLE_WAITERS} idle waiters + holder: {idle}");
         }
+        // What one poll of a waiter costs, which it sent five times per renew interval before.
+        let (holder, waiter) = (connect(), connect());
+        let lock = format!("poll-cost-{}", mode_name.replace(' ', "-"));
+        let Acquire::Acquired(lease) = holder.try_acquire(&lock, "holder", LEASE).await.unwrap()
+        else {
+            panic!("{lock} is not free");
+        };
+        let busy = async || {
+            let attempt = waiter.try_acquire(&lock, "waiter", LEASE).await.unwrap();
+            assert!(matches!(attempt, Acquire::Busy(_)), "{attempt:?}");
+        };
+        busy().await; // the waiter's first use makes sure of the tables
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let before = questions().await;
+        busy().await;
+        // Less the second `SHOW`, which counts itself.
+        let poll = questions().await - before - 1;
+        holder.release(&lease).await.expect("release");
+        println!(
+            "  mysql    {mode_name}: one poll of a waiter: {poll} statements (five polls per renew interval before named-lock wake-ups: {} per waiter)",
+            5 * poll
+        );
     }
 }
 
