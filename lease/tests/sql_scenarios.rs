@@ -635,3 +635,75 @@ async fn postgres_row_lock_releases_commit_without_waiting_for_the_disk() {
     let url = h.server.url();
     releases_commit_without_waiting_for_the_disk(&mut h, &url).await;
 }
+
+/// How many lease renewals PostgreSQL has run, one statement or a batch each
+/// (`pg_stat_statements`, preloaded by the test server).
+async fn postgres_renew_statements(admin: &mut sqlx::AnyConnection) -> i64 {
+    use sqlx::Row;
+    sqlx::query(
+        "SELECT CAST(COALESCE(SUM(calls), 0) AS BIGINT) AS calls FROM pg_stat_statements \
+         WHERE query LIKE 'UPDATE %SET expires_at = now() + make_interval%'",
+    )
+    .fetch_one(admin)
+    .await
+    .expect("pg_stat_statements")
+    .try_get("calls")
+    .expect("calls")
+}
+
+/// Renewals that arrive at once on PostgreSQL go out together: 40 at once, every other with a
+/// token its lock never had, take fewer than 4 statements (40 before), and each is answered for
+/// its own lease: only the owned ones extend their row, to their own ttl.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_renewals_at_once_go_in_one_statement_and_answer_each_for_its_lease() {
+    use leasehold_lease::{Acquire, Lease};
+    const LOCKS: usize = 40;
+    let h = PostgresHarness::new();
+    let driver = h.driver().await;
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&h.server.url())
+        .await
+        .expect("admin connection");
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&mut admin)
+        .await
+        .expect("pg_stat_statements");
+    let mut asked: Vec<(Lease, bool)> = Vec::new();
+    for i in 0..LOCKS {
+        let lock = unique_lock(&format!("renew-{i}"));
+        let Acquire::Acquired(mut lease) = driver
+            .try_acquire(&lock, "pod-a", Duration::from_secs(2))
+            .await
+            .expect("acquire")
+        else {
+            panic!("{lock} is not free");
+        };
+        let owned = i % 2 == 0;
+        if !owned {
+            lease.token += 100;
+        }
+        asked.push((lease, owned));
+    }
+    let before = postgres_renew_statements(&mut admin).await;
+    let answers = futures_util::future::join_all(
+        asked
+            .iter()
+            .map(|(lease, _)| driver.renew(lease, Duration::from_secs(30))),
+    )
+    .await;
+    let statements = postgres_renew_statements(&mut admin).await - before;
+    for ((lease, owned), answer) in asked.iter().zip(answers) {
+        assert_eq!(answer.expect("renew"), *owned, "{}", lease.lock);
+        let holding = driver
+            .observe(&lease.lock)
+            .await
+            .expect("observe")
+            .expect("held");
+        let extended = holding.expires_in.expect("expiry") > Duration::from_secs(10);
+        assert_eq!(extended, *owned, "{}: {holding:?}", lease.lock);
+    }
+    assert!(
+        statements < 4,
+        "{statements} statements for {LOCKS} renewals at once"
+    );
+}

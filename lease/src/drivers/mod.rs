@@ -2,6 +2,7 @@
 //! Nothing here knows about URLs, resources or the holder state machine; those import drivers,
 //! never the other way round.
 
+pub(crate) mod batches;
 pub mod etcd;
 pub mod etcd_rpc;
 pub mod kubernetes;

@@ -26,7 +26,7 @@ use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 /// How long a renewal waits for others to go out with it in one script call.
-pub use crate::drivers::redis_renewals::LINGER as RENEWAL_LINGER;
+pub use crate::drivers::batches::LINGER as RENEWAL_LINGER;
 use crate::drivers::redis_renewals::RenewalBatches;
 use crate::error::{Error, Result};
 

@@ -25,6 +25,7 @@ use sqlx::{Connection, Row};
 use tokio::sync::{OnceCell, watch};
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::batches::{Batches, Pending};
 use crate::drivers::mysql_wake::NamedLocks;
 use crate::drivers::sql_row_lock::RowLocks;
 use crate::error::{Error, Result};
@@ -90,6 +91,8 @@ pub struct Statements {
     /// MySQL only: the first acquisition of a lock, inserting its row.
     pub insert: Option<String>,
     pub renew: String,
+    /// PostgreSQL only: many renewals in one statement ([`RenewMany`]).
+    pub renew_many: Option<RenewMany>,
     pub release: String,
     pub observe: String,
     /// Clean-up of a deleted lock: its lease row is freed but kept with its token (so that a
@@ -98,6 +101,41 @@ pub struct Statements {
     pub delete_row: String,
     /// A family's idle keys forgotten above its token floor: see [`KeyFloor`].
     pub key_floor: KeyFloor,
+}
+
+/// PostgreSQL's renewal of many leases in one statement: each row is extended exactly as
+/// [`Statements::renew`] extends one (its holder and token compared, its lease still running),
+/// and the statement returns the rows it extended.
+pub struct RenewMany {
+    table: String,
+}
+
+impl RenewMany {
+    /// The statement for `rows` renewals; its parameters are each renewal's lock, holder,
+    /// token and ttl in ms, in turn.
+    pub fn statement(&self, rows: usize) -> String {
+        let values: Vec<String> = (0..rows)
+            .map(|i| {
+                let n = 4 * i;
+                format!(
+                    "(${}::varchar, ${}::varchar, ${}::bigint, ${}::bigint)",
+                    n + 1,
+                    n + 2,
+                    n + 3,
+                    n + 4
+                )
+            })
+            .collect();
+        format!(
+            "UPDATE {t} AS l SET expires_at = now() + make_interval(secs => v.ttl / 1000.0) \
+             FROM (VALUES {values}) AS v(name, holder, token, ttl) \
+             WHERE l.name = v.name AND l.holder = v.holder AND l.token = v.token \
+             AND l.expires_at > now() \
+             RETURNING l.name, l.holder, l.token",
+            t = self.table,
+            values = values.join(", ")
+        )
+    }
 }
 
 /// The statements for a family's keys, whose idle rows are deleted. A key's new row takes its
@@ -180,6 +218,7 @@ impl Dialect {
                         "UPDATE {t} SET expires_at = now() + make_interval(secs => $4::bigint / 1000.0) \
                          WHERE name = $1 AND holder = $2 AND token = $3 AND expires_at > now()"
                     ),
+                    renew_many: Some(RenewMany { table: t.clone() }),
                     // A release that freed the lease notifies the waiters and commits without
                     // waiting for the disk, so the waiter it wakes is not held up by a flush. A
                     // release lost in a crash leaves the lease held until it runs out: the next
@@ -266,6 +305,8 @@ impl Dialect {
                     "UPDATE {t} SET expires_at = NOW(6) + INTERVAL ? MICROSECOND \
                      WHERE name = ? AND holder = ? AND token = ? AND expires_at > NOW(6)"
                 ),
+                // No RETURNING: an UPDATE of many rows cannot say which it extended.
+                renew_many: None,
                 release: format!(
                     "UPDATE {t} SET holder = NULL, expires_at = NOW(6) \
                      WHERE name = ? AND holder = ? AND token = ?"
@@ -359,6 +400,8 @@ pub struct SqlDriver {
     listener: Option<tokio::task::JoinHandle<()>>,
     /// MySQL in lease mode: the named locks that wake waiters.
     named_locks: Option<Arc<NamedLocks>>,
+    /// PostgreSQL: renewals that arrive together go out as one statement.
+    renewals: Option<Batches<(Lease, Duration), Result<bool>>>,
     /// The families whose floor row this process has made sure of ([`KeyFloor`]).
     floors: std::sync::Mutex<std::collections::HashSet<String>>,
     /// In-memory files holding PEM text given inline, open while the pool may connect.
@@ -436,6 +479,54 @@ fn token(lease: &Lease) -> i64 {
     i64::try_from(lease.token).unwrap_or(i64::MAX)
 }
 
+/// The most renewals one statement carries: four parameters each, far under PostgreSQL's
+/// 65,535.
+const MAX_RENEW_BATCH: usize = 512;
+
+/// One statement for a batch of renewals ([`RenewMany`]); each renewal is answered with whether
+/// its row came back extended. A batch is padded to a power of two with its last renewal again
+/// (the same row twice extends it once), so that each connection's statement cache holds ten
+/// statements, not one per batch size.
+async fn renew_batch(
+    pool: AnyPool,
+    many: Arc<RenewMany>,
+    batch: Vec<Pending<(Lease, Duration), Result<bool>>>,
+) {
+    let rows = batch.len().next_power_of_two();
+    let sql = many.statement(rows);
+    let mut query = sqlx::query(&sql);
+    for i in 0..rows {
+        let (lease, ttl) = &batch[i.min(batch.len() - 1)].request;
+        query = query
+            .bind(lease.lock.clone())
+            .bind(lease.identity.clone())
+            .bind(token(lease))
+            .bind(ms(*ttl));
+    }
+    let extended = query.fetch_all(&pool).await.and_then(|rows| {
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get::<String, _>("name")?,
+                    row.try_get::<String, _>("holder")?,
+                    row.try_get::<i64, _>("token")?,
+                ))
+            })
+            .collect::<std::result::Result<std::collections::HashSet<_>, sqlx::Error>>()
+    });
+    let extended = extended.map_err(map_err);
+    for pending in batch {
+        let (lease, _) = &pending.request;
+        let answer = match &extended {
+            Ok(rows) => {
+                Ok(rows.contains(&(lease.lock.clone(), lease.identity.clone(), token(lease))))
+            }
+            Err(e) => Err(e.clone()),
+        };
+        let _ = pending.reply.send(answer);
+    }
+}
+
 /// Sort database errors into unreachable (retry), missing privilege (say which), and the rest.
 /// PostgreSQL undefined_table (42P01); MySQL ER_NO_SUCH_TABLE (42S02).
 fn is_missing_table(e: &sqlx::Error) -> bool {
@@ -498,10 +589,22 @@ impl SqlDriver {
         let releases = Arc::new(ChangeFeeds::default());
         let listener = (dialect == Dialect::Postgres)
             .then(|| tokio::spawn(listen_for_releases(url.to_owned(), releases.clone())));
+        let sql = dialect.statements(schema, table);
+        let renewals = sql.renew_many.as_ref().map(|many| {
+            let (pool, many) = (
+                pool.clone(),
+                Arc::new(RenewMany {
+                    table: many.table.clone(),
+                }),
+            );
+            Batches::new(MAX_RENEW_BATCH, move |batch| {
+                renew_batch(pool.clone(), many.clone(), batch)
+            })
+        });
         Ok(Self {
             dialect,
             pool,
-            sql: dialect.statements(schema, table),
+            sql,
             mode,
             row_locks: (mode == SqlMode::RowLock).then(|| RowLocks::new(url)),
             provisioned: OnceCell::new(),
@@ -515,6 +618,7 @@ impl SqlDriver {
             }),
             releases,
             listener,
+            renewals,
             floors: Default::default(),
             _pem_files: pem_files,
         })
@@ -538,6 +642,9 @@ impl SqlDriver {
     }
 
     pub(crate) async fn renew_row(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        if let Some(renewals) = &self.renewals {
+            return renewals.call((lease.clone(), ttl)).await?;
+        }
         let query = match self.dialect {
             Dialect::Postgres => sqlx::query(&self.sql.renew)
                 .bind(&lease.lock)

@@ -120,6 +120,9 @@ impl PostgresServer {
             // SIGQUIT or SIGKILL leaves its segments behind, and they go with the throwaway
             // directory only when they live in it.
             .args(["-c", "dynamic_shared_memory_type=mmap"])
+            // Statements counted as the server ran them, for tests that count round trips
+            // (`CREATE EXTENSION pg_stat_statements` to read them).
+            .args(["-c", "shared_preload_libraries=pg_stat_statements"])
             .arg("-c")
             .arg(format!(
                 "unix_socket_directories={}",
