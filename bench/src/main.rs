@@ -307,12 +307,7 @@ async fn redis_raw_blocking_handovers(url: &str) -> Vec<Duration> {
     let take = |conn: &mut redis::aio::MultiplexedConnection| {
         let mut conn = conn.clone();
         async move {
-            redis::cmd("SET")
-                .arg("raw-blocking")
-                .arg("bench")
-                .arg("NX")
-                .arg("PX")
-                .arg(LEASE.as_millis() as u64)
+            set_nx_px("raw-blocking", "bench")
                 .query_async::<Option<String>>(&mut conn)
                 .await
                 .expect("SET")
@@ -759,6 +754,17 @@ async fn driver_cycles(driver: &dyn Driver) -> f64 {
     CYCLES as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The raw lock's take: `SET key value NX PX lease`, answered `OK` or nil.
+fn set_nx_px(key: &str, value: &str) -> redis::Cmd {
+    let mut set = redis::cmd("SET");
+    set.arg(key)
+        .arg(value)
+        .arg("NX")
+        .arg("PX")
+        .arg(LEASE.as_millis() as u64);
+    set
+}
+
 async fn redis_raw_cycles(url: &str) -> f64 {
     redis_raw_cycles_confirmed(url, 0).await
 }
@@ -782,12 +788,7 @@ async fn raw_lock_cycles(conn: &mut impl redis::aio::ConnectionLike, replicas: i
     );
     let start = Instant::now();
     for i in 0..CYCLES {
-        let set: Option<String> = redis::cmd("SET")
-            .arg("raw")
-            .arg("bench")
-            .arg("NX")
-            .arg("PX")
-            .arg(LEASE.as_millis() as u64)
+        let set: Option<String> = set_nx_px("raw", "bench")
             .query_async(conn)
             .await
             .expect("SET");
@@ -857,12 +858,7 @@ async fn redlock_raw_cycles(masters: &[url::Url], tokens: bool) -> f64 {
                         .await?;
                     Ok((counter >= 0).then_some(counter))
                 } else {
-                    redis::cmd("SET")
-                        .arg("raw")
-                        .arg("bench")
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(LEASE.as_millis() as u64)
+                    set_nx_px("raw", "bench")
                         .query_async::<Option<String>>(&mut conn)
                         .await
                         .map(|set| set.map(|_| 0))
@@ -1941,12 +1937,7 @@ async fn keyed_redis_raw_cycles(url: &str) -> f64 {
                 let (key, owner) = (format!("raw:order-{i}"), format!("worker-{i}"));
                 let mut cycles = 0u64;
                 while start.elapsed() < KEYED_DURATION {
-                    let set: Option<String> = redis::cmd("SET")
-                        .arg(&key)
-                        .arg(&owner)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(LEASE.as_millis() as u64)
+                    let set: Option<String> = set_nx_px(&key, &owner)
                         .query_async(&mut conn)
                         .await
                         .expect("SET");
