@@ -2090,16 +2090,76 @@ async fn redis_commands(conn: &mut redis::aio::MultiplexedConnection) -> (u64, u
 /// it could cost with one renewal per key per renew interval.
 async fn many_keys_section() {
     println!(
-        "## keyed locks: one sidecar holding {MANY_KEYS} keys of one family on Redis (lease {LEASE:?}, renewals every {:?})",
+        "## keyed locks: one sidecar holding {MANY_KEYS} keys of one family (lease {LEASE:?}, renewals every {:?})",
         LEASE / 3
     );
     let redis = redis_without_persistence();
+    let client = redis::Client::open(redis.url()).expect("client");
+    let conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let [commands, scripts] = many_keys_on(&redis.url(), "Redis", async || {
+        let (commands, scripts) = redis_commands(&mut conn.clone()).await;
+        // Less this count's own INFO call.
+        [commands.saturating_sub(1), scripts]
+    })
+    .await;
+    println!(
+        "  Redis requests/s keeping them: {scripts:.0} script calls (one renewal per key per interval would be {:.0}; renewals within {:?} of each other go in one call), {commands:.0} commands run inside them and beside",
+        MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
+        leasehold_lease::redis::RENEWAL_LINGER
+    );
+    let postgres = PostgresServer::start();
+    let admin = {
+        use sqlx::Connection;
+        sqlx::any::install_default_drivers();
+        let mut admin = sqlx::AnyConnection::connect(&postgres.url())
+            .await
+            .expect("connect");
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(&mut admin)
+            .await
+            .expect("pg_stat_statements");
+        tokio::sync::Mutex::new(admin)
+    };
+    let [statements, renewals] = many_keys_on(&postgres.url(), "PostgreSQL", async || {
+        use sqlx::Row;
+        let row = sqlx::query(
+            "SELECT CAST(COALESCE(SUM(calls), 0) AS BIGINT) AS every, \
+               CAST(COALESCE(SUM(calls) FILTER (WHERE query LIKE 'UPDATE %SET expires_at%'), 0) AS BIGINT) AS renewals \
+             FROM pg_stat_statements",
+        )
+        .fetch_one(&mut *admin.lock().await)
+        .await
+        .expect("pg_stat_statements");
+        let count = |column: &str| row.try_get::<i64, _>(column).expect("count") as u64;
+        // Less this count's own query.
+        [count("every").saturating_sub(1), count("renewals")]
+    })
+    .await;
+    println!(
+        "  PostgreSQL statements/s keeping them: {renewals:.0} renewal statements (one renewal per key per interval would be {:.0}; renewals within {:?} of each other go in one statement), {statements:.0} statements in all",
+        MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
+        leasehold_lease::redis::RENEWAL_LINGER
+    );
+}
+
+/// One sidecar on `backend` takes `MANY_KEYS` keys of a family over `KEYED_OWNERS`
+/// connections and keeps them: prints how long taking them took and its memory, idle and
+/// holding them, and answers the backend's request counters (`count`, each counting up) per
+/// second in the steady state.
+async fn many_keys_on<const N: usize>(
+    backend: &str,
+    name: &str,
+    count: impl AsyncFn() -> [u64; N],
+) -> [f64; N] {
     let port = free_port();
     let sidecar = Process(
         Command::new(sibling_binary("leasehold-sidecar"))
             .args(["--keyed", "orders", "--identity", "bench"])
             .args(["--max-keys", &MANY_KEYS.to_string()])
-            .args(["--backend", &redis.url()])
+            .args(["--backend", backend])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -2133,33 +2193,21 @@ async fn many_keys_section() {
     let took = started.elapsed();
     // Past the first renewals of every key, so that what is counted is the steady state.
     tokio::time::sleep(LEASE / 3 + Duration::from_secs(1)).await;
-    let client = redis::Client::open(redis.url()).expect("client");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
-    let before = redis_commands(&mut conn).await;
+    let before = count().await;
     let measure = Instant::now();
     tokio::time::sleep(MANY_KEYS_MEASURE).await;
-    let after = redis_commands(&mut conn).await;
+    let after = count().await;
     let seconds = measure.elapsed().as_secs_f64();
-    // Less this measurement's own INFO call.
-    let commands = (after.0 - before.0).saturating_sub(1) as f64 / seconds;
-    let scripts = (after.1 - before.1) as f64 / seconds;
     let held_rss = rss_kib(sidecar.0.id());
-    let least = MANY_KEYS as f64 / (LEASE / 3).as_secs_f64();
     println!(
-        "  acquiring {MANY_KEYS} keys over {KEYED_OWNERS} connections: {:.1} s ({:.0} keys/s)",
+        "  {name}: acquiring {MANY_KEYS} keys over {KEYED_OWNERS} connections: {:.1} s ({:.0} keys/s)",
         took.as_secs_f64(),
         MANY_KEYS as f64 / took.as_secs_f64()
     );
     println!(
-        "  sidecar RSS: idle {:.1} MiB, holding {MANY_KEYS} keys {:.1} MiB (target under 64 MiB)",
+        "  {name}: sidecar RSS: idle {:.1} MiB, holding {MANY_KEYS} keys {:.1} MiB (target under 64 MiB)",
         idle_rss as f64 / 1024.0,
         held_rss as f64 / 1024.0
     );
-    println!(
-        "  Redis requests/s keeping them: {scripts:.0} script calls (one renewal per key per interval would be {least:.0}; renewals within {:?} of each other go in one call), {commands:.0} commands run inside them and beside",
-        leasehold_lease::redis::RENEWAL_LINGER
-    );
+    std::array::from_fn(|i| (after[i] - before[i]) as f64 / seconds)
 }
