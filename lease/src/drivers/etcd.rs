@@ -13,13 +13,12 @@
 //! - while holding, only the engine's renewals keep the lease alive, so a holder whose renewals
 //!   stall is dropped by etcd; and when its own lease runs out locally, the driver revokes the
 //!   etcd lease at once instead of leaving the others to wait for the server's whole seconds;
-//! - a key that waited costs one keep-alive sent after `t_sent` to become the holder, since the
-//!   waiting task's last keep-alive may be older than the claim about to start; a key queued by
-//!   the acquisition itself needs none, as its etcd lease was granted after `t_sent`.
+//! - becoming the holder costs one keep-alive sent after `t_sent`, since the waiting task's last
+//!   keep-alive may be older than the claim about to start, and the lease may have been revoked
+//!   since the position was read.
 //!
-//! A free lock costs two round trips to take (the lease grant, then one transaction that puts
-//! the key and reads the queue around it) and one to release (the revoke), as a bare
-//! grant + put + revoke does.
+//! A free lock costs three round trips to take (the lease grant, one transaction that puts the
+//! key and reads the queue around it, the keep-alive) and one to release (the revoke).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -536,9 +535,8 @@ impl Driver for EtcdDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let _turn = self.shared.attempts.turn(lock).await;
         let sent = Instant::now();
-        // A key queued by this call was granted its etcd lease after `sent`: its TTL already
-        // runs from later than the claim, and its position was read with the put.
-        let (entry, position, granted_after_sent) = match self.entry(lock) {
+        // A key queued by this call has its position read with the put.
+        let (entry, position) = match self.entry(lock) {
             Some(entry) if entry.slot.holding() || entry.identity != identity => {
                 // Not re-entrant, and one identity per lock and process.
                 return Ok(Acquire::Busy(self.shared.holder(lock).await?));
@@ -550,23 +548,20 @@ impl Driver for EtcdDriver {
                     return Ok(Acquire::Busy(holder));
                 }
                 let position = self.shared.position(&entry).await?;
-                (entry, position, false)
+                (entry, position)
             }
             Some(entry) => {
                 self.shared.leave(&entry).await;
-                let (entry, position) = self.shared.enqueue(lock, identity, ttl).await?;
-                (entry, position, true)
+                self.shared.enqueue(lock, identity, ttl).await?
             }
             None => {
                 // A task of its own: if this call is abandoned midway (the engine's time budget),
                 // the key it may already have put is still recorded and tended.
                 let (shared, lock, identity) =
                     (self.shared.clone(), lock.to_owned(), identity.to_owned());
-                let (entry, position) =
-                    tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
-                        .await
-                        .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??;
-                (entry, position, true)
+                tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
+                    .await
+                    .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??
             }
         };
         if !position.queued {
@@ -592,9 +587,14 @@ impl Driver for EtcdDriver {
             entry.slot.saw(sent, next_in_line, holder.clone());
             return Ok(Acquire::Busy(holder));
         }
-        // Lowest: ours. A key that waited refreshes its etcd lease after `sent` before claiming
-        // from `sent`; its last keep-alive may be older than the claim.
-        if !granted_after_sent && !self.shared.keep_alive(entry.etcd_lease).await? {
+        // Lowest: ours. A keep-alive sent after `sent` before claiming from `sent`: it refreshes
+        // the lease of a key that waited (its last keep-alive may be older than the claim), and
+        // for every key it shows the lease still there, read after the position was. A key
+        // queued by this very call needs it too: its position may be stale by now (an answer
+        // followed up late) and its lease revoked meanwhile (the waiter hung up and the key
+        // was abandoned); claiming on that stale position let a second holder in for 6 ms in
+        // the suite's etcd waiter check.
+        if !self.shared.keep_alive(entry.etcd_lease).await? {
             self.shared.forget(&entry);
             entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
