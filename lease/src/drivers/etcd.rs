@@ -238,35 +238,37 @@ impl Shared {
             ],
             ..TxnRequest::default()
         };
-        let reply = match client.txn(txn).await {
-            Ok(reply) => reply,
+        let read = async {
+            let reply = client.txn(txn).await.map_err(map_err)?;
+            let read_at = reply.header.as_ref().map_or(0, |h| h.revision);
+            let mut gets = reply.ranges().into_iter();
+            let (Some(own), Some(newest), Some(lowest)) = (gets.next(), gets.next(), gets.next())
+            else {
+                return Err(Error::Backend("etcd txn answered without its reads".into()));
+            };
+            let Some(revision) = own.kvs.first().map(|kv| kv.create_revision) else {
+                return Err(Error::Backend("etcd txn did not read back its put".into()));
+            };
+            let position = Position {
+                queued: true,
+                predecessor: newest
+                    .kvs
+                    .into_iter()
+                    .find(|kv| kv.create_revision < revision)
+                    .map(|kv| kv.key),
+                holder: lowest.kvs.into_iter().next(),
+                revision: read_at,
+            };
+            Ok((revision, position))
+        };
+        let (revision, position) = match read.await {
+            Ok(read) => read,
             Err(e) => {
-                // The put may have been applied with its answer lost: a key nobody tends would
-                // stand in the queue until its TTL ran out.
+                // The put may have landed with its answer lost (or unread): a key nobody tends
+                // would stand in the queue until its TTL ran out.
                 let _ = client.lease_revoke(grant.id).await;
-                return Err(map_err(e));
+                return Err(e);
             }
-        };
-        let read_at = reply.header.as_ref().map_or(0, |h| h.revision);
-        let mut gets = reply.ranges().into_iter();
-        let (Some(own), Some(newest), Some(lowest)) = (gets.next(), gets.next(), gets.next())
-        else {
-            let _ = client.lease_revoke(grant.id).await;
-            return Err(Error::Backend("etcd txn answered without its reads".into()));
-        };
-        let Some(revision) = own.kvs.first().map(|kv| kv.create_revision) else {
-            let _ = client.lease_revoke(grant.id).await;
-            return Err(Error::Backend("etcd txn did not read back its put".into()));
-        };
-        let position = Position {
-            queued: true,
-            predecessor: newest
-                .kvs
-                .into_iter()
-                .find(|kv| kv.create_revision < revision)
-                .map(|kv| kv.key),
-            holder: lowest.kvs.into_iter().next(),
-            revision: read_at,
         };
         let (slot, watch_expires) = QueueSlot::new();
         let entry = Arc::new(Entry {

@@ -824,7 +824,6 @@ impl Driver for RedisDriver {
         Some(self.releases.subscribe(lock))
     }
 
-    /// A Redis Cluster spreads a family's keys over every master: not counted.
     /// On a cluster, each master's keyspace in turn: a family's keys are spread over the slots.
     /// A key whose slot moves while the masters are read may be counted twice or not at all.
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {

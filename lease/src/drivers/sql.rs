@@ -106,6 +106,7 @@ pub struct Statements {
 /// PostgreSQL's renewal of many leases in one statement: each row is extended exactly as
 /// [`Statements::renew`] extends one (its holder and token compared, its lease still running),
 /// and the statement returns the rows it extended.
+#[derive(Clone)]
 pub struct RenewMany {
     table: String,
 }
@@ -590,13 +591,8 @@ impl SqlDriver {
         let listener = (dialect == Dialect::Postgres)
             .then(|| tokio::spawn(listen_for_releases(url.to_owned(), releases.clone())));
         let sql = dialect.statements(schema, table);
-        let renewals = sql.renew_many.as_ref().map(|many| {
-            let (pool, many) = (
-                pool.clone(),
-                Arc::new(RenewMany {
-                    table: many.table.clone(),
-                }),
-            );
+        let renewals = sql.renew_many.clone().map(|many| {
+            let (pool, many) = (pool.clone(), Arc::new(many));
             Batches::new(MAX_RENEW_BATCH, move |batch| {
                 renew_batch(pool.clone(), many.clone(), batch)
             })
