@@ -191,6 +191,7 @@ impl Shared {
             entries.remove(&entry.lock);
         }
         drop(entries);
+        entry.slot.mark_left();
         entry.slot.stop_watching();
     }
 
@@ -416,13 +417,19 @@ fn lowest(queue: &str) -> RangeRequest {
 /// runs out.
 async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiver<Instant>) {
     loop {
+        if entry.slot.left() {
+            return;
+        }
         match entry.slot.asked() {
             Some(asked) if asked.elapsed() > entry.granted * ABANDONED_AFTER_TTLS => {
                 // Nobody asks any more (an on-demand wait that timed out): leave the queue
-                // rather than hold everyone behind a key no one will use.
-                shared.leave(&entry).await;
-                shared.releases.bump(&entry.lock);
-                return;
+                // rather than hold everyone behind a key no one will use. Unless an
+                // acquisition claimed the place meanwhile: then guard it.
+                if entry.slot.leave_if_waiting() {
+                    shared.leave(&entry).await;
+                    shared.releases.bump(&entry.lock);
+                    return;
+                }
             }
             Some(_) => {
                 // An acquisition sets the expiry: stop waiting and start guarding it at once.
@@ -601,7 +608,10 @@ impl Driver for EtcdDriver {
             entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         }
-        entry.slot.hold_until(sent + ttl);
+        if !entry.slot.hold_until(sent + ttl) {
+            // Abandoned while this attempt ran (the engine gave up on it): its key is gone.
+            return Ok(Acquire::Busy(self.shared.holder(lock).await?));
+        }
         Ok(Acquire::Acquired(Lease {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -680,9 +690,11 @@ impl Driver for EtcdDriver {
     }
 
     async fn abandon(&self, lock: &str, identity: &str) {
+        // Without the lock's attempt turn, which the engine's own late attempt may hold while
+        // it calls this: the place's own state decides whether the attempt claimed first.
         if let Some(entry) = self
             .entry(lock)
-            .filter(|e| !e.slot.holding() && e.identity == identity)
+            .filter(|e| e.identity == identity && e.slot.leave_if_waiting())
         {
             self.shared.leave(&entry).await;
             entry.slot.abort_tasks();

@@ -52,6 +52,8 @@ enum Place {
         asked: Instant,
     },
     Holding,
+    /// Left the queue (abandoned, expired or given up): it can never hold again.
+    Left,
 }
 
 /// How a held place's wait for its local expiry ended.
@@ -98,23 +100,59 @@ impl QueueSlot {
         matches!(*self.place(), Place::Holding)
     }
 
+    pub(crate) fn left(&self) -> bool {
+        matches!(*self.place(), Place::Left)
+    }
+
     /// While waiting: when the engine last asked.
     pub(crate) fn asked(&self) -> Option<Instant> {
         match *self.place() {
             Place::Waiting { asked } => Some(asked),
-            Place::Holding => None,
+            Place::Holding | Place::Left => None,
         }
     }
 
-    /// The engine asks again: still waiting, as of `at`.
+    /// The engine asks again: still waiting, as of `at` (a place that left stays gone).
     pub(crate) fn ask(&self, at: Instant) {
-        *self.place() = Place::Waiting { asked: at };
+        let mut place = self.place();
+        if let Place::Waiting { .. } = *place {
+            *place = Place::Waiting { asked: at };
+        }
+    }
+
+    /// Leave the queue if still waiting; `false` if the place holds (or left already).
+    ///
+    /// This and [`QueueSlot::hold_until`] decide under one mutex which comes first, so a
+    /// waiter given up without the lock's attempt turn (the engine's `abandon`, the tending
+    /// task of a place nobody asks for) can never be removed from the backend after a late
+    /// acquisition of that same place has claimed it, nor claim after it was removed.
+    pub(crate) fn leave_if_waiting(&self) -> bool {
+        let mut place = self.place();
+        if let Place::Waiting { .. } = *place {
+            *place = Place::Left;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The place left for good, whatever it was doing.
+    pub(crate) fn mark_left(&self) {
+        *self.place() = Place::Left;
     }
 
     /// Acquired: holding first, then the expiry that wakes the tending task, so it sees both.
-    pub(crate) fn hold_until(&self, until: Instant) {
-        *self.place() = Place::Holding;
+    /// `false` if the place left meanwhile: it must not claim the lock.
+    #[must_use]
+    pub(crate) fn hold_until(&self, until: Instant) -> bool {
+        let mut place = self.place();
+        if let Place::Left = *place {
+            return false;
+        }
+        *place = Place::Holding;
+        drop(place);
         self.expires.send_replace(until);
+        true
     }
 
     /// Renewed.
@@ -261,5 +299,27 @@ impl Drop for AttemptTurn<'_> {
         {
             map.remove(&self.lock);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_place_left_while_waiting_can_no_longer_hold() {
+        let (slot, _expires) = QueueSlot::new();
+        assert!(slot.leave_if_waiting());
+        slot.ask(Instant::now());
+        assert!(!slot.hold_until(Instant::now() + Duration::from_secs(5)));
+        assert!(!slot.holding() && slot.left());
+    }
+
+    #[tokio::test]
+    async fn a_held_place_is_not_left_by_an_abandoned_wait() {
+        let (slot, _expires) = QueueSlot::new();
+        assert!(slot.hold_until(Instant::now() + Duration::from_secs(5)));
+        assert!(!slot.leave_if_waiting());
+        assert!(slot.holding());
     }
 }

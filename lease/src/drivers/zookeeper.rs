@@ -362,6 +362,7 @@ impl Shared {
             entries.remove(&entry.lock);
         }
         drop(entries);
+        entry.slot.mark_left();
         entry.slot.stop_watching();
     }
 
@@ -733,6 +734,9 @@ async fn tend(
     lease: Duration,
 ) {
     loop {
+        if entry.slot.left() {
+            return;
+        }
         match entry.slot.asked() {
             Some(asked) => {
                 let abandon_at = asked + lease * ABANDONED_AFTER_LEASES;
@@ -742,7 +746,8 @@ async fn tend(
                             .slot
                             .asked()
                             .is_some_and(|asked| asked + lease * ABANDONED_AFTER_LEASES <= Instant::now());
-                        if still_waiting {
+                        // Unless an acquisition claimed the place meanwhile: then guard it.
+                        if still_waiting && entry.slot.leave_if_waiting() {
                             // A failed delete is kept as an orphan.
                             let _ = shared.leave(&entry).await;
                             shared.releases.bump(&entry.lock);
@@ -946,7 +951,10 @@ impl Driver for ZooKeeperDriver {
             entry.slot.saw(sent, position == 1, holder.clone());
             return Ok(Acquire::Busy(holder));
         }
-        entry.slot.hold_until(sent + ttl);
+        if !entry.slot.hold_until(sent + ttl) {
+            // Abandoned while this attempt ran (the engine gave up on it): its node is gone.
+            return Ok(Acquire::Busy(None));
+        }
         entry.count_from(counted_from);
         Ok(Acquire::Acquired(Lease {
             lock: lock.to_owned(),
@@ -1021,9 +1029,10 @@ impl Driver for ZooKeeperDriver {
     }
 
     async fn abandon(&self, lock: &str, identity: &str) {
+        // Without the lock's attempt turn (see the etcd driver's `abandon`).
         if let Some(entry) = self
             .entry(lock)
-            .filter(|e| !e.slot.holding() && e.identity == identity)
+            .filter(|e| e.identity == identity && e.slot.leave_if_waiting())
         {
             let _ = self.shared.leave(&entry).await;
             entry.slot.abort_tasks();
