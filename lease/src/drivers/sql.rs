@@ -582,6 +582,10 @@ impl SqlDriver {
         let pool = AnyPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(CONNECT_TIMEOUT)
+            // sqlx pings a pooled connection before each use by default: a second round trip
+            // for every statement, a hand-over's two included. A dead connection fails its
+            // statement instead, which the engine counts as a backend error and tries again.
+            .test_before_acquire(false)
             .connect_lazy(url)
             .map_err(|e| Error::InvalidUrl {
                 url: crate::redact::redact(url),

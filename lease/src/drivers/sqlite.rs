@@ -133,6 +133,8 @@ impl SqliteDriver {
         let pool = SqlitePoolOptions::new()
             .max_connections(2)
             .acquire_timeout(BUSY_TIMEOUT * 2)
+            // An in-process file has no connection to lose: no ping before each use.
+            .test_before_acquire(false)
             .connect_with(options)
             .await
             .map_err(|e| Error::Unreachable(format!("cannot open {}: {e}", path.display())))?;
