@@ -6,11 +6,17 @@
 //! The wait costs a renewal at most [`LINGER`], far inside its budget, and nothing in safety:
 //! the engine dates a claim from when it asked, and the backend's expiry, set later, only ends
 //! later.
+//!
+//! Acquisitions cannot wait that long (a hand-over would), so their batches do not linger: a
+//! request goes out at once unless [`IN_FLIGHT`] batches are on their way, and then goes out
+//! with the others that arrived meanwhile, as soon as one of those is answered
+//! ([`Gather::WhileBusy`]).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
@@ -22,6 +28,20 @@ pub const LINGER: Duration = Duration::from_millis(5);
 pub(crate) struct Pending<R, A> {
     pub(crate) request: R,
     pub(crate) reply: oneshot::Sender<A>,
+}
+
+/// How many batches gathered [`Gather::WhileBusy`] may be out at once: one gathering while one
+/// is answered.
+const IN_FLIGHT: usize = 2;
+
+/// How a batch is gathered.
+#[derive(Clone, Copy)]
+pub(crate) enum Gather {
+    /// The first request waits [`LINGER`] for others; batches go out side by side.
+    Linger,
+    /// No wait: at most [`IN_FLIGHT`] batches out at a time, each of the requests that arrived
+    /// while the others were out.
+    WhileBusy,
 }
 
 /// The queue requests go through; its task ends with the last sender.
@@ -37,18 +57,49 @@ impl<R: Send + 'static, A: Send + 'static> Batches<R, A> {
         F: Fn(Vec<Pending<R, A>>) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
+        Self::gathered(Gather::Linger, max, send)
+    }
+
+    pub(crate) fn gathered<F, Fut>(gather: Gather, max: usize, send: F) -> Self
+    where
+        F: Fn(Vec<Pending<R, A>>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
         let (queue, mut pending) = mpsc::unbounded_channel::<Pending<R, A>>();
+        let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
         tokio::spawn(async move {
             while let Some(first) = pending.recv().await {
                 let mut batch = vec![first];
-                let until = Instant::now() + LINGER;
-                while batch.len() < max {
-                    match tokio::time::timeout_at(until, pending.recv()).await {
-                        Ok(Some(next)) => batch.push(next),
-                        Ok(None) | Err(_) => break,
+                match gather {
+                    Gather::Linger => {
+                        let until = Instant::now() + LINGER;
+                        while batch.len() < max {
+                            match tokio::time::timeout_at(until, pending.recv()).await {
+                                Ok(Some(next)) => batch.push(next),
+                                Ok(None) | Err(_) => break,
+                            }
+                        }
+                        tokio::spawn(send(batch));
+                    }
+                    Gather::WhileBusy => {
+                        // Waited for before the batch is gathered: while the batches allowed
+                        // out are on their way, the requests behind them gather.
+                        let Ok(out) = in_flight.clone().acquire_owned().await else {
+                            break;
+                        };
+                        while batch.len() < max {
+                            match pending.try_recv() {
+                                Ok(next) => batch.push(next),
+                                Err(_) => break,
+                            }
+                        }
+                        let sent = send(batch);
+                        tokio::spawn(async move {
+                            sent.await;
+                            drop(out);
+                        });
                     }
                 }
-                tokio::spawn(send(batch));
             }
         });
         Self { queue }

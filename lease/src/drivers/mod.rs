@@ -9,6 +9,7 @@ pub mod kubernetes;
 pub mod mysql_wake;
 pub(crate) mod queue_slot;
 pub mod redis;
+pub(crate) mod redis_acquisitions;
 pub(crate) mod redis_cluster;
 pub(crate) mod redis_renewals;
 pub mod redis_sentinel;

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 /// How long a renewal waits for others to go out with it in one script call.
 pub use crate::drivers::batches::LINGER as RENEWAL_LINGER;
+use crate::drivers::redis_acquisitions::AcquisitionBatches;
 use crate::drivers::redis_renewals::RenewalBatches;
 use crate::error::{Error, Result};
 
@@ -37,13 +38,18 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
-/// KEYS: lease, token counter, epoch record, the lock's own counter (the same as the token
-/// counter unless the lock is a family's key), the lock's waiters mark ([`KeyLayout::waiters`]).
-/// ARGV: identity, ttl ms, durable ("1" when the server loses no acknowledged write in a crash:
-/// `appendonly yes`, `appendfsync always`), how long a key's own counter outlives its last
-/// acquisition (ms).
-/// Returns the new token, {current value, remaining ms} when the lock is held, or
-/// {false, remaining ms} while the server waits out a lease it may have lost.
+/// KEYS: the epoch record, then for each lock in turn its lease, token counter, own counter (the
+/// same as the token counter unless the lock is a family's key) and waiters mark
+/// ([`KeyLayout::waiters`]). ARGV: durable ("1" when the server loses no acknowledged write in a
+/// crash: `appendonly yes`, `appendfsync always`), how long a key's own counter outlives its
+/// last acquisition (ms), then for each lock in turn the identity and the ttl in ms.
+/// Returns, for each lock: the new token, {current value, remaining ms} when the lock is held,
+/// or {false, remaining ms} while the server waits out a lease it may have lost.
+///
+/// Several locks in one call are acquired exactly as by one call each, back to back: the
+/// epoch is checked once, when the first free lock is met ([`crate::drivers::redis_acquisitions`]
+/// sends a master's concurrent acquisitions together). On a Redis Cluster a call carries one
+/// lock, whose keys (its epoch record included) share its slot.
 ///
 /// The epoch record holds the replication ID of the server the last acquisition ran on. A
 /// restarted server and a promoted replica each have a new one; then a lease it granted may be
@@ -64,23 +70,23 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// nothing, and no sidecar's listener is sent it. The mark outlives a waiter's next attempt
 /// (waiters try again at least once a lease, and every busy attempt sets it again).
 pub(crate) const ACQUIRE: &str = r"
-local current = redis.call('GET', KEYS[1])
-if current then
-  redis.call('SET', KEYS[5], '1', 'PX', tonumber(ARGV[2]) * 2)
-  return {current, redis.call('PTTL', KEYS[1])}
-end
-local floor = 0
-local replication = redis.pcall('INFO', 'replication')
-local replid = type(replication) == 'string' and string.match(replication, 'master_replid:(%w+)')
-if replid then
+local checked, guarded, since, now, floor = false, false, 0, 0, 0
+local function check_epoch()
+  checked = true
+  local replication = redis.pcall('INFO', 'replication')
+  local replid = type(replication) == 'string' and string.match(replication, 'master_replid:(%w+)')
+  if not replid then
+    return
+  end
+  guarded = true
   local promoted = string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1'
   local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local epoch = redis.call('HMGET', KEYS[3], 'replid', 'since', 'floor')
-  local since = tonumber(epoch[2]) or 0
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local epoch = redis.call('HMGET', KEYS[1], 'replid', 'since', 'floor')
+  since = tonumber(epoch[2]) or 0
   floor = tonumber(epoch[3]) or 0
   if epoch[1] ~= replid then
-    if promoted or ARGV[3] ~= '1' then
+    if promoted or ARGV[1] ~= '1' then
       if epoch[1] or promoted then
         since = now
       else
@@ -89,29 +95,82 @@ if replid then
       end
       floor = math.max(now, floor + 1000000000)
     end
-    redis.call('HSET', KEYS[3], 'replid', replid, 'since', string.format('%d', since),
+    redis.call('HSET', KEYS[1], 'replid', replid, 'since', string.format('%d', since),
       'floor', string.format('%d', floor))
   end
-  local left = since + tonumber(ARGV[2]) * 1000 - now
-  if left > 0 then
-    return {false, math.ceil(left / 1000)}
+end
+local results = {}
+for i = 1, (#KEYS - 1) / 4 do
+  local lease, counter, own, waiters = KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], KEYS[4 * i + 1]
+  local identity, ttl = ARGV[2 * i + 1], tonumber(ARGV[2 * i + 2])
+  local current = redis.call('GET', lease)
+  if current then
+    redis.call('SET', waiters, '1', 'PX', ttl * 2)
+    results[i] = {current, redis.call('PTTL', lease)}
+  else
+    if not checked then
+      check_epoch()
+    end
+    local left = guarded and since + ttl * 1000 - now or 0
+    if left > 0 then
+      results[i] = {false, math.ceil(left / 1000)}
+    else
+      local least = floor
+      local keyed = own ~= counter
+      if keyed then
+        least = math.max(least, tonumber(redis.call('GET', own) or '0'))
+      end
+      if tonumber(redis.call('GET', counter) or '0') < least then
+        redis.call('SET', counter, string.format('%d', least))
+      end
+      local token = redis.call('INCR', counter)
+      if keyed then
+        redis.call('SET', own, string.format('%d', token), 'PX', ARGV[2])
+      end
+      redis.call('SET', lease, string.format('%d', token) .. ':' .. identity, 'NX', 'PX', ttl)
+      results[i] = token
+    end
   end
 end
-local keyed = KEYS[4] ~= KEYS[2]
-if keyed then
-  floor = math.max(floor, tonumber(redis.call('GET', KEYS[4]) or '0'))
-end
-if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
-  redis.call('SET', KEYS[2], string.format('%d', floor))
-end
-local token = redis.call('INCR', KEYS[2])
-if keyed then
-  redis.call('SET', KEYS[4], string.format('%d', token), 'PX', ARGV[4])
-end
-redis.call('SET', KEYS[1], string.format('%d', token) .. ':' .. ARGV[1], 'NX', 'PX', ARGV[2])
-return token
+return results
 ";
-/// An invocation of [`ACQUIRE`] for `lock`.
+
+/// One acquisition of an [`ACQUIRE`] call.
+pub(crate) struct Acquisition<'a> {
+    pub(crate) lock: &'a str,
+    pub(crate) identity: &'a str,
+    pub(crate) ttl: Duration,
+}
+
+/// An invocation of [`ACQUIRE`] for `locks`, all of whose keys share one epoch record (one
+/// master; on a cluster, one lock).
+pub(crate) fn acquisitions<'a>(
+    acquire: &'a Script,
+    keys: &KeyLayout,
+    locks: &[Acquisition<'_>],
+    durable: bool,
+) -> redis::ScriptInvocation<'a> {
+    let mut invocation = acquire.prepare_invoke();
+    if let Some(first) = locks.first() {
+        invocation.key(keys.epoch_of(first.lock));
+    }
+    invocation
+        .arg(if durable { "1" } else { "0" })
+        .arg(ms(KEY_COUNTER_RETENTION));
+    for acquisition in locks {
+        let lock = acquisition.lock;
+        invocation
+            .key(keys.lease(lock))
+            .key(keys.counter(lock))
+            .key(keys.token(lock))
+            .key(keys.waiters(lock))
+            .arg(acquisition.identity)
+            .arg(ms(acquisition.ttl));
+    }
+    invocation
+}
+
+/// An invocation of [`ACQUIRE`] for `lock` alone.
 pub(crate) fn acquisition<'a>(
     acquire: &'a Script,
     keys: &KeyLayout,
@@ -120,18 +179,34 @@ pub(crate) fn acquisition<'a>(
     ttl: Duration,
     durable: bool,
 ) -> redis::ScriptInvocation<'a> {
-    let mut invocation = acquire.prepare_invoke();
-    invocation
-        .key(keys.lease(lock))
-        .key(keys.counter(lock))
-        .key(keys.epoch_of(lock))
-        .key(keys.token(lock))
-        .key(keys.waiters(lock))
-        .arg(identity)
-        .arg(ms(ttl))
-        .arg(if durable { "1" } else { "0" })
-        .arg(ms(KEY_COUNTER_RETENTION));
-    invocation
+    let one = Acquisition {
+        lock,
+        identity,
+        ttl,
+    };
+    acquisitions(acquire, keys, &[one], durable)
+}
+
+/// What one acquisition of an [`ACQUIRE`] call came to.
+pub(crate) fn acquired(lock: &str, identity: &str, result: &Value) -> Acquire {
+    match result {
+        Value::Int(token) if *token > 0 => Acquire::Acquired(Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token: *token as u64,
+        }),
+        other => Acquire::Busy(parse_value_and_pttl(other)),
+    }
+}
+
+/// The one result of an [`ACQUIRE`] call for one lock.
+pub(crate) fn only_result(reply: Value) -> Result<Value> {
+    match reply {
+        Value::Array(mut results) if results.len() == 1 => Ok(results.remove(0)),
+        other => Err(Error::Backend(format!(
+            "the acquire script answered {other:?} for one lock"
+        ))),
+    }
 }
 
 /// How long a family key's own token counter outlives the key's last acquisition (see
@@ -263,6 +338,9 @@ pub struct RedisDriver {
     subscriber: tokio::task::JoinHandle<()>,
     /// On one master, renewals go out together ([`crate::drivers::redis_renewals`]).
     renewals: Option<RenewalBatches>,
+    /// On one master, acquisitions under way at once go out together
+    /// ([`crate::drivers::redis_acquisitions`]).
+    acquisitions: Option<AcquisitionBatches>,
 }
 
 /// One master, or a Redis Cluster.
@@ -528,12 +606,16 @@ impl RedisDriver {
             keys.clone(),
             releases.clone(),
         ));
-        let renewals = match &target {
-            Target::Single(conn) => Some(RenewalBatches::new(conn.clone(), 0)),
-            Target::Cluster(_) => None,
+        let (renewals, acquisitions) = match &target {
+            Target::Single(conn) => (
+                Some(RenewalBatches::new(conn.clone(), 0)),
+                Some(AcquisitionBatches::new(conn.clone(), keys.clone())),
+            ),
+            Target::Cluster(_) => (None, None),
         };
         Self {
             renewals,
+            acquisitions,
             target,
             tls,
             keys,
@@ -766,18 +848,21 @@ impl Driver for RedisDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.connection().await?;
         let durable = self.durable(&mut conn).await;
-        let reply: Value = acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.error(e))?;
-        match reply {
-            Value::Int(token) if token > 0 => Ok(Acquire::Acquired(Lease {
-                lock: lock.to_owned(),
-                identity: identity.to_owned(),
-                token: token as u64,
-            })),
-            other => Ok(Acquire::Busy(parse_value_and_pttl(&other))),
-        }
+        let result = match &self.acquisitions {
+            Some(batches) => batches
+                .acquire(lock, identity, ttl, durable)
+                .await?
+                .map_err(|e| self.error(e))?,
+            None => {
+                let reply: Value =
+                    acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
+                        .invoke_async(&mut conn)
+                        .await
+                        .map_err(|e| self.error(e))?;
+                only_result(reply)?
+            }
+        };
+        Ok(acquired(lock, identity, &result))
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {

@@ -405,13 +405,9 @@ impl Driver for RedisSentinelDriver {
                 Ok(reply) => reply,
                 Err(e) => return Err(self.failed(&master, e).await),
             };
-        let Value::Int(token) = reply else {
-            return Ok(Acquire::Busy(single::parse_value_and_pttl(&reply)));
-        };
-        let lease = Lease {
-            lock: lock.to_owned(),
-            identity: identity.to_owned(),
-            token: token as u64,
+        let lease = match single::acquired(lock, identity, &single::only_result(reply)?) {
+            Acquire::Acquired(lease) => lease,
+            busy => return Ok(busy),
         };
         if let Err(e) = self.replicated(&master, ttl, "acquisition").await {
             // Not held, so not kept: give it back (if this fails too, it expires).

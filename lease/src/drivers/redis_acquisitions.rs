@@ -1,0 +1,111 @@
+//! Acquisitions on one Redis master sent together ([`crate::drivers::batches`], without a
+//! wait): one call of the acquire script for every acquisition that arrived while the last
+//! call was out. The script acquires each lock exactly as a call of its own would, and checks
+//! the server's epoch (its `INFO`, the costliest part) once per call, so a sidecar whose many
+//! owners take many keys at once pays for it once per batch. Not on a Redis Cluster, where one
+//! script may touch keys of one slot only.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::{Script, Value};
+
+use crate::drivers::batches::{Batches, Gather, Pending};
+use crate::drivers::redis::{ACQUIRE, Acquisition, KeyLayout, acquisitions};
+use crate::error::{Error, Result};
+
+/// The most acquisitions one script call carries.
+const MAX_BATCH: usize = 256;
+
+/// An acquisition's result as the script gave it; the server's own error is left to the
+/// driver to read.
+pub(crate) type Answer = std::result::Result<Value, redis::RedisError>;
+
+struct Request {
+    lock: String,
+    identity: String,
+    ttl: Duration,
+    durable: bool,
+}
+
+/// The queue the acquisitions of one master go through.
+pub(crate) struct AcquisitionBatches {
+    batches: Batches<Request, Result<Answer>>,
+}
+
+impl AcquisitionBatches {
+    pub(crate) fn new(conn: ConnectionManager, keys: KeyLayout) -> Self {
+        let script = Script::new(ACQUIRE);
+        Self {
+            batches: Batches::gathered(Gather::WhileBusy, MAX_BATCH, move |batch| {
+                send(batch, script.clone(), conn.clone(), keys.clone())
+            }),
+        }
+    }
+
+    /// The script's result for `lock`: a token, or who holds it. `durable`: the master loses
+    /// no acknowledged write (a batch counts as durable only if every request says so).
+    pub(crate) async fn acquire(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+        durable: bool,
+    ) -> Result<Answer> {
+        self.batches
+            .call(Request {
+                lock: lock.to_owned(),
+                identity: identity.to_owned(),
+                ttl,
+                durable,
+            })
+            .await?
+    }
+}
+
+async fn send(
+    batch: Vec<Pending<Request, Result<Answer>>>,
+    script: Script,
+    mut conn: ConnectionManager,
+    keys: KeyLayout,
+) {
+    // An attempt nobody waits for any more is not made: it would take a lock for no one.
+    let batch: Vec<_> = batch.into_iter().filter(|p| !p.reply.is_closed()).collect();
+    if batch.is_empty() {
+        return;
+    }
+    let durable = batch.iter().all(|p| p.request.durable);
+    let locks: Vec<Acquisition<'_>> = batch
+        .iter()
+        .map(|p| Acquisition {
+            lock: &p.request.lock,
+            identity: &p.request.identity,
+            ttl: p.request.ttl,
+        })
+        .collect();
+    let reply = acquisitions(&script, &keys, &locks, durable)
+        .invoke_async::<Vec<Value>>(&mut conn)
+        .await;
+    drop(locks);
+    let results = match reply {
+        Ok(results) if results.len() == batch.len() => results,
+        Ok(results) => {
+            let error = Error::Backend(format!(
+                "a batch of {} acquisitions was answered with {} results",
+                batch.len(),
+                results.len()
+            ));
+            return answer_all(batch, Err(error));
+        }
+        Err(e) => return answer_all(batch, Ok(Err(e))),
+    };
+    for (pending, result) in batch.into_iter().zip(results) {
+        let _ = pending.reply.send(Ok(Ok(result)));
+    }
+}
+
+fn answer_all(batch: Vec<Pending<Request, Result<Answer>>>, answer: Result<Answer>) {
+    for pending in batch {
+        let _ = pending.reply.send(answer.clone());
+    }
+}

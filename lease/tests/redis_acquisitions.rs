@@ -1,0 +1,129 @@
+//! Acquisitions on one Redis master that are under way at once go out together: many owners
+//! taking many keys cost the server few script calls (and one epoch check each), and every
+//! acquisition is still answered for its own lock, as it would be alone. Real servers.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
+use leasehold_lease::Acquire;
+
+const TTL: Duration = Duration::from_secs(5);
+
+/// 30 free locks, one lock wanted by 10 identities at once, and one lock held before: 41
+/// acquisitions at once, in far fewer script calls. Each free lock is granted with a token of
+/// its own, exactly one of the 10 wins its lock and the other 9 are told who holds it, and the
+/// lock held before stays its holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquisitions_at_once_go_in_few_calls_and_answer_each_for_its_lock() {
+    let server = RedisServer::start();
+    let driver = driver_for(&server.url()).await;
+    let mut admin = redis::Client::open(server.url())
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let held = unique_lock("held");
+    let Acquire::Acquired(before) = driver.try_acquire(&held, "pod-x", TTL).await.unwrap() else {
+        panic!("{held}: not acquired");
+    };
+    let contested = unique_lock("contested");
+    let mut asked: Vec<(String, String)> = (0..30)
+        .map(|i| (unique_lock(&format!("free-{i}")), "pod-a".to_owned()))
+        .collect();
+    asked.extend((0..10).map(|i| (contested.clone(), format!("pod-{i}"))));
+    asked.push((held.clone(), "pod-y".to_owned()));
+
+    let calls_before = command_calls(&mut admin, &["evalsha", "eval"]).await;
+    let answers = futures_util::future::join_all(
+        asked
+            .iter()
+            .map(|(lock, identity)| driver.try_acquire(lock, identity, TTL)),
+    )
+    .await;
+    let calls = command_calls(&mut admin, &["evalsha", "eval"]).await - calls_before - 1;
+    assert!(
+        calls < 10,
+        "{} acquisitions at once took {calls} script calls",
+        asked.len()
+    );
+
+    let mut winners = HashMap::new();
+    let mut busy = Vec::new();
+    for ((lock, identity), answer) in asked.iter().zip(answers) {
+        match answer.expect("acquire") {
+            Acquire::Acquired(lease) => {
+                assert_eq!((&lease.lock, &lease.identity), (lock, identity));
+                assert!(
+                    winners.insert(lock.clone(), lease).is_none(),
+                    "{lock}: two winners"
+                );
+            }
+            Acquire::Busy(holder) => busy.push((lock.clone(), holder)),
+        }
+    }
+    assert_eq!(
+        winners.len(),
+        31,
+        "every free lock and one contested: {winners:?}"
+    );
+    assert!(
+        !winners.contains_key(&held),
+        "a held lock was granted again"
+    );
+    let winner = &winners[&contested];
+    assert_eq!(busy.len(), 10, "{busy:?}");
+    for (lock, holder) in &busy {
+        let holder = holder.as_ref().expect("the holder is named");
+        if lock == &held {
+            assert_eq!(
+                (holder.identity.as_str(), holder.token),
+                ("pod-x", before.token)
+            );
+        } else {
+            assert_eq!(lock, &contested);
+            assert_eq!(
+                (&holder.identity, holder.token),
+                (&winner.identity, winner.token)
+            );
+        }
+    }
+    for (lock, lease) in &winners {
+        let value: String = redis::cmd("GET")
+            .arg(format!("leasehold:{{{lock}}}:lease"))
+            .query_async(&mut admin)
+            .await
+            .expect("GET");
+        assert_eq!(
+            value,
+            format!("{}:{}", lease.token, lease.identity),
+            "{lock}"
+        );
+        assert!(driver.release(lease).await.unwrap(), "{lock}");
+    }
+    assert!(driver.release(&before).await.unwrap());
+}
+
+/// A server without an append-only file, up for less than a lease, may have lost leases its
+/// holders still claim: no free lock is granted, for any acquisition of a batch, not only
+/// the one that checked the epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_on_a_server_that_may_have_lost_leases_grants_nothing() {
+    let server = RedisServer::start_with(false);
+    let driver = driver_for(&server.url()).await;
+    let locks: Vec<String> = (0..20)
+        .map(|i| unique_lock(&format!("young-{i}")))
+        .collect();
+    let answers = futures_util::future::join_all(
+        locks
+            .iter()
+            .map(|lock| driver.try_acquire(lock, "pod-a", Duration::from_secs(30))),
+    )
+    .await;
+    for (lock, answer) in locks.iter().zip(answers) {
+        assert!(
+            matches!(answer.expect("acquire"), Acquire::Busy(None)),
+            "{lock}: granted by a server that may have lost leases"
+        );
+    }
+}
