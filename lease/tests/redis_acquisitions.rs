@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
 use leasehold_lease::Acquire;
+use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
 
 const TTL: Duration = Duration::from_secs(5);
 

@@ -55,9 +55,11 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// restarted server and a promoted replica each have a new one; then a lease it granted may be
 /// missing (a restart without its data, a replica that never received it), so no free lock is
 /// granted for one lease (from the server's start when it was never promoted and has no record,
-/// else from now), and the token counters are raised above every token of earlier epochs (the
-/// floor: the server's clock in microseconds, and at least 10^9 above the last floor). A durable
-/// server that was never promoted lost nothing: its new epoch begins at once, tokens untouched.
+/// else from now; the start as `uptime_in_seconds` tells it, less the second by which it may
+/// overstate the uptime: [`crate::drivers::tair::started_at_most_ago_s`]), and the token
+/// counters are raised above every token of earlier epochs (the floor: the server's clock in
+/// microseconds, and at least 10^9 above the last floor). A durable server that was never
+/// promoted lost nothing: its new epoch begins at once, tokens untouched.
 ///
 /// A family's keys draw their tokens from the family's counter ([`KeyLayout::counter`]), above
 /// the key's own counter where one is left, and leave the token in the key's own counter for
@@ -91,7 +93,7 @@ local function check_epoch()
         since = now
       else
         local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
-        since = now - tonumber(uptime) * 1000000
+        since = now - math.max(tonumber(uptime) - 1, 0) * 1000000
       end
       floor = math.max(now, floor + 1000000000)
     end

@@ -179,7 +179,9 @@ impl RedisServer {
     /// synced on every write grants a free lock only then: it cannot tell its first start from
     /// a restart that lost the leases its holders still claim (see `drivers/redis.rs`).
     pub fn wait_until_up_for(&self, lease: Duration) {
-        let seconds = lease.as_secs_f64().ceil() as u64;
+        // One more: the drivers count the uptime's whole seconds less one (see
+        // `drivers::tair::started_at_most_ago_s`).
+        let seconds = lease.as_secs_f64().ceil() as u64 + 1;
         while field(&info(self.port, "server"), "uptime_in_seconds")
             .and_then(|up| up.parse::<u64>().ok())
             .is_none_or(|up| up < seconds)
