@@ -122,10 +122,11 @@ for i = 1, (#KEYS - 1) / 4 do
       if keyed then
         least = math.max(least, tonumber(redis.call('GET', own) or '0'))
       end
-      if tonumber(redis.call('GET', counter) or '0') < least then
-        redis.call('SET', counter, string.format('%d', least))
-      end
       local token = redis.call('INCR', counter)
+      if token <= least then
+        token = least + 1
+        redis.call('SET', counter, string.format('%d', token))
+      end
       if keyed then
         redis.call('SET', own, string.format('%d', token), 'PX', ARGV[2])
       end
