@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
+use leasehold_lease::testkit::redis_server::field;
 use leasehold_lease::testkit::{
     MariaDbServer, PostgresServer, REDLOCK_MASTERS, RedisServer, SqliteHarness, free_port,
 };
@@ -1885,31 +1886,16 @@ fn k8s_now() -> String {
         .to_string()
 }
 
-/// Acquire+release cycles per second of `KEYED_OWNERS` owners of one sidecar's family, each on
-/// a key of its own, for `KEYED_DURATION`.
-async fn keyed_cycles(family: &leasehold_lease::keyed::KeyedFamily) -> f64 {
+/// [`KEYED_OWNERS`] owners at once, each a task running `owner(i, start)` (its cycles until
+/// [`KEYED_DURATION`] after `start`, counted): all their cycles per second.
+async fn owners_cycling<F, Fut>(owner: F) -> f64
+where
+    F: Fn(usize, Instant) -> Fut,
+    Fut: std::future::Future<Output = u64> + Send + 'static,
+{
     let start = Instant::now();
     let owners: Vec<_> = (0..KEYED_OWNERS)
-        .map(|i| {
-            let family = family.clone();
-            tokio::spawn(async move {
-                let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
-                let mut cycles = 0u64;
-                while start.elapsed() < KEYED_DURATION {
-                    let answer = family
-                        .acquire(&key, &owner, Duration::ZERO, LEASE)
-                        .await
-                        .expect("acquire");
-                    assert!(
-                        matches!(answer, leasehold_lease::keyed::KeyAnswer::Held { .. }),
-                        "{key}: {answer:?}"
-                    );
-                    family.release(&key, &owner).await.expect("release");
-                    cycles += 1;
-                }
-                cycles
-            })
-        })
+        .map(|i| tokio::spawn(owner(i, start)))
         .collect();
     let mut total = 0;
     for owner in owners {
@@ -1918,41 +1904,60 @@ async fn keyed_cycles(family: &leasehold_lease::keyed::KeyedFamily) -> f64 {
     total as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Acquire+release cycles per second of `KEYED_OWNERS` owners of one sidecar's family, each on
+/// a key of its own, for `KEYED_DURATION`.
+async fn keyed_cycles(family: &leasehold_lease::keyed::KeyedFamily) -> f64 {
+    owners_cycling(|i, start| {
+        let family = family.clone();
+        async move {
+            let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
+            let mut cycles = 0u64;
+            while start.elapsed() < KEYED_DURATION {
+                let answer = family
+                    .acquire(&key, &owner, Duration::ZERO, LEASE)
+                    .await
+                    .expect("acquire");
+                assert!(
+                    matches!(answer, leasehold_lease::keyed::KeyAnswer::Held { .. }),
+                    "{key}: {answer:?}"
+                );
+                family.release(&key, &owner).await.expect("release");
+                cycles += 1;
+            }
+            cycles
+        }
+    })
+    .await
+}
+
 /// The same load on the family's driver alone, without the engine a key's holding runs: where
 /// the family's gap to raw lies, in the driver's calls or around them.
 async fn keyed_driver_cycles(
     family: &leasehold_lease::keyed::KeyedFamily,
     driver: Arc<dyn Driver>,
 ) -> f64 {
-    let start = Instant::now();
-    let owners: Vec<_> = (0..KEYED_OWNERS)
-        .map(|i| {
-            let driver = driver.clone();
-            let lock = family.backend_name(&format!("order-{i}")).expect("key");
-            tokio::spawn(async move {
-                let owner = format!("bench/worker-{i}");
-                let mut cycles = 0u64;
-                while start.elapsed() < KEYED_DURATION {
-                    let lease = match driver
-                        .try_acquire(&lock, &owner, LEASE)
-                        .await
-                        .expect("acquire")
-                    {
-                        Acquire::Acquired(lease) => lease,
-                        Acquire::Busy(h) => panic!("{lock}: busy {h:?}"),
-                    };
-                    assert!(driver.release(&lease).await.expect("release"));
-                    cycles += 1;
-                }
-                cycles
-            })
-        })
-        .collect();
-    let mut total = 0;
-    for owner in owners {
-        total += owner.await.expect("owner");
-    }
-    total as f64 / start.elapsed().as_secs_f64()
+    owners_cycling(|i, start| {
+        let driver = driver.clone();
+        let lock = family.backend_name(&format!("order-{i}")).expect("key");
+        async move {
+            let owner = format!("bench/worker-{i}");
+            let mut cycles = 0u64;
+            while start.elapsed() < KEYED_DURATION {
+                let lease = match driver
+                    .try_acquire(&lock, &owner, LEASE)
+                    .await
+                    .expect("acquire")
+                {
+                    Acquire::Acquired(lease) => lease,
+                    Acquire::Busy(h) => panic!("{lock}: busy {h:?}"),
+                };
+                assert!(driver.release(&lease).await.expect("release"));
+                cycles += 1;
+            }
+            cycles
+        }
+    })
+    .await
 }
 
 /// The same load on raw Redis: `SET NX PX` and the compare-and-delete script, one key per owner,
@@ -1963,40 +1968,33 @@ async fn keyed_redis_raw_cycles(url: &str) -> f64 {
         .get_multiplexed_async_connection()
         .await
         .expect("connect");
-    let start = Instant::now();
-    let owners: Vec<_> = (0..KEYED_OWNERS)
-        .map(|i| {
-            let mut conn = conn.clone();
-            tokio::spawn(async move {
-                let release = redis::Script::new(
-                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-                );
-                let (key, owner) = (format!("raw:order-{i}"), format!("worker-{i}"));
-                let mut cycles = 0u64;
-                while start.elapsed() < KEYED_DURATION {
-                    let set: Option<String> = set_nx_px(&key, &owner)
-                        .query_async(&mut conn)
-                        .await
-                        .expect("SET");
-                    assert!(set.is_some(), "{key}: SET NX failed");
-                    let deleted: i64 = release
-                        .key(&key)
-                        .arg(&owner)
-                        .invoke_async(&mut conn)
-                        .await
-                        .expect("EVAL");
-                    assert_eq!(deleted, 1);
-                    cycles += 1;
-                }
-                cycles
-            })
-        })
-        .collect();
-    let mut total = 0;
-    for owner in owners {
-        total += owner.await.expect("owner");
-    }
-    total as f64 / start.elapsed().as_secs_f64()
+    owners_cycling(|i, start| {
+        let mut conn = conn.clone();
+        async move {
+            let release = redis::Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+            );
+            let (key, owner) = (format!("raw:order-{i}"), format!("worker-{i}"));
+            let mut cycles = 0u64;
+            while start.elapsed() < KEYED_DURATION {
+                let set: Option<String> = set_nx_px(&key, &owner)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("SET");
+                assert!(set.is_some(), "{key}: SET NX failed");
+                let deleted: i64 = release
+                    .key(&key)
+                    .arg(&owner)
+                    .invoke_async(&mut conn)
+                    .await
+                    .expect("EVAL");
+                assert_eq!(deleted, 1);
+                cycles += 1;
+            }
+            cycles
+        }
+    })
+    .await
 }
 
 /// The same load on raw PostgreSQL: insert the key's row, delete it where the owner matches, on
@@ -2012,37 +2010,30 @@ async fn keyed_postgres_raw_cycles(url: &str) -> f64 {
         .execute(&pool)
         .await
         .expect("create");
-    let start = Instant::now();
-    let owners: Vec<_> = (0..KEYED_OWNERS)
-        .map(|i| {
-            let pool = pool.clone();
-            tokio::spawn(async move {
-                let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
-                let mut cycles = 0u64;
-                while start.elapsed() < KEYED_DURATION {
-                    sqlx::query("INSERT INTO raw_keys (name, holder, expires_at) VALUES ($1, $2, now() + interval '15 seconds')")
-                        .bind(&key)
-                        .bind(&owner)
-                        .execute(&pool)
-                        .await
-                        .expect("insert");
-                    sqlx::query("DELETE FROM raw_keys WHERE name = $1 AND holder = $2")
-                        .bind(&key)
-                        .bind(&owner)
-                        .execute(&pool)
-                        .await
-                        .expect("delete");
-                    cycles += 1;
-                }
-                cycles
-            })
-        })
-        .collect();
-    let mut total = 0;
-    for owner in owners {
-        total += owner.await.expect("owner");
-    }
-    total as f64 / start.elapsed().as_secs_f64()
+    owners_cycling(|i, start| {
+        let pool = pool.clone();
+        async move {
+            let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
+            let mut cycles = 0u64;
+            while start.elapsed() < KEYED_DURATION {
+                sqlx::query("INSERT INTO raw_keys (name, holder, expires_at) VALUES ($1, $2, now() + interval '15 seconds')")
+                    .bind(&key)
+                    .bind(&owner)
+                    .execute(&pool)
+                    .await
+                    .expect("insert");
+                sqlx::query("DELETE FROM raw_keys WHERE name = $1 AND holder = $2")
+                    .bind(&key)
+                    .bind(&owner)
+                    .execute(&pool)
+                    .await
+                    .expect("delete");
+                cycles += 1;
+            }
+            cycles
+        }
+    })
+    .await
 }
 
 async fn keyed_section() {
@@ -2064,11 +2055,7 @@ async fn keyed_section() {
             .await
             .expect("redis");
     let keyed = family(driver.clone());
-    let mut admin = redis::Client::open(redis.url())
-        .expect("client")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut admin = redis.admin().await;
     // Best rate of each, and the server's CPU per cycle over all rounds (µs).
     let mut runs = [(0.0f64, 0.0f64, 0.0f64); 3];
     for _ in 0..ROUNDS {
@@ -2126,13 +2113,9 @@ async fn redis_cpu_seconds(conn: &mut redis::aio::MultiplexedConnection) -> f64 
         .query_async(conn)
         .await
         .expect("INFO");
-    ["used_cpu_user:", "used_cpu_sys:"]
+    ["used_cpu_user", "used_cpu_sys"]
         .iter()
-        .filter_map(|field| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(field))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-        })
+        .filter_map(|name| field(&info, name)?.parse::<f64>().ok())
         .sum()
 }
 
@@ -2171,11 +2154,7 @@ async fn many_keys_section() {
         LEASE / 3
     );
     let redis = redis_without_persistence();
-    let client = redis::Client::open(redis.url()).expect("client");
-    let conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let conn = redis.admin().await;
     let [commands, scripts] = many_keys_on(&redis.url(), "Redis", async || {
         let (commands, scripts) = redis_commands(&mut conn.clone()).await;
         // Less this count's own INFO call.

@@ -18,11 +18,7 @@ const TTL: Duration = Duration::from_secs(5);
 async fn acquisitions_at_once_go_in_few_calls_and_answer_each_for_its_lock() {
     let server = RedisServer::start();
     let driver = driver_for(&server.url()).await;
-    let mut admin = redis::Client::open(server.url())
-        .expect("client")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut admin = server.admin().await;
     let held = unique_lock("held");
     let Acquire::Acquired(before) = driver.try_acquire(&held, "pod-x", TTL).await.unwrap() else {
         panic!("{held}: not acquired");

@@ -16,14 +16,6 @@ use redis::aio::MultiplexedConnection;
 const LEASE: Duration = Duration::from_secs(5);
 const HOLD: Duration = Duration::from_secs(60);
 
-async fn admin(server: &RedisServer) -> MultiplexedConnection {
-    redis::Client::open(format!("redis://127.0.0.1:{}", server.port()))
-        .expect("client")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect")
-}
-
 async fn keys(conn: &mut MultiplexedConnection) -> Vec<String> {
     let mut keys: Vec<String> = redis::cmd("KEYS")
         .arg("leasehold:*")
@@ -84,7 +76,7 @@ async fn only_family_records_stay(servers: &[RedisServer], url: &str) {
     }
     let counter = format!("leasehold:{{{name}}}:keytokens");
     for server in servers {
-        let mut conn = admin(server).await;
+        let mut conn = server.admin().await;
         for key in keys(&mut conn).await {
             let left = pttl(&mut conn, &key).await;
             if key == counter || key == "leasehold:epoch" {
@@ -106,7 +98,7 @@ async fn only_family_records_stay(servers: &[RedisServer], url: &str) {
     // The key's own counters expire (here: at once): a key taken again still gets a higher
     // token, from the family's counter.
     for server in servers {
-        let mut conn = admin(server).await;
+        let mut conn = server.admin().await;
         for key in keys(&mut conn).await {
             if key.ends_with(":token") {
                 let _: i64 = redis::cmd("DEL")
@@ -136,7 +128,7 @@ async fn earlier_versions_counters_are_honoured(servers: &[RedisServer], url: &s
         let _: () = redis::cmd("SET")
             .arg(&own)
             .arg(1000)
-            .query_async(&mut admin(server).await)
+            .query_async(&mut server.admin().await)
             .await
             .unwrap();
     }
@@ -156,7 +148,7 @@ async fn earlier_versions_counters_are_honoured(servers: &[RedisServer], url: &s
     for server in servers {
         let drawn: u64 = redis::cmd("INCR")
             .arg(&own)
-            .query_async(&mut admin(server).await)
+            .query_async(&mut server.admin().await)
             .await
             .unwrap();
         assert!(

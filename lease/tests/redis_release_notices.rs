@@ -34,11 +34,7 @@ async fn a_release_publishes_only_after_an_attempt_found_the_lock_held() {
         driver_for(&server.url()).await,
         driver_for(&server.url()).await,
     );
-    let mut admin = redis::Client::open(server.url())
-        .expect("client")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut admin = server.admin().await;
     let lock = unique_lock("notice");
     let mark = format!("leasehold:{{{lock}}}:waiters");
     let mut changes = waiter.changes(&lock).expect("release notices");

@@ -136,12 +136,7 @@ async fn a_tair_user_without_info_gets_locks_and_a_warning() {
 }
 
 async fn user_without_info(server: RedisServer, scheme: &str) {
-    let client =
-        redis::Client::open(format!("redis://127.0.0.1:{}", server.port())).expect("client");
-    let mut admin = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut admin = server.admin().await;
     let _: () = redis::cmd("ACL")
         .arg(
             &[

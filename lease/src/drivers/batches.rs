@@ -114,3 +114,42 @@ impl<R: Send + 'static, A: Send + 'static> Batches<R, A> {
         answer.await.map_err(|_| Error::Shutdown)
     }
 }
+
+/// The requests of one batch.
+pub(crate) type Batch<R, A> = Vec<Pending<R, A>>;
+
+/// A batch, and one result for each of its requests, in order.
+pub(crate) type WithResults<R, A, T> = (Batch<R, A>, Vec<T>);
+
+/// Give every request of `batch` the same answer: the batch failed as a whole.
+pub(crate) fn answer_all<R, A: Clone>(batch: Batch<R, A>, answer: A) {
+    for pending in batch {
+        let _ = pending.reply.send(answer.clone());
+    }
+}
+
+/// The batch with one result per request, in order; or `None` once every request has been told
+/// why there are none: the call failed (each request is answered with `failed`), or its results
+/// do not match the requests in number (each is answered with an error naming `what`).
+pub(crate) fn one_each<R, A: Clone, T>(
+    batch: Batch<R, Result<A>>,
+    results: std::result::Result<Vec<T>, A>,
+    what: &str,
+) -> Option<WithResults<R, Result<A>, T>> {
+    match results {
+        Ok(results) if results.len() == batch.len() => Some((batch, results)),
+        Ok(results) => {
+            let error = Error::Backend(format!(
+                "a batch of {} {what} was answered with {} results",
+                batch.len(),
+                results.len()
+            ));
+            answer_all(batch, Err(error));
+            None
+        }
+        Err(failed) => {
+            answer_all(batch, Ok(failed));
+            None
+        }
+    }
+}

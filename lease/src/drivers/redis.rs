@@ -476,7 +476,7 @@ pub fn lease_value(lease: &Lease) -> String {
 }
 
 /// A field of an `INFO` answer.
-pub(crate) fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+pub fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
         .map(str::trim)

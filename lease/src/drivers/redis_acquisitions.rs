@@ -10,9 +10,9 @@ use std::time::Duration;
 use redis::aio::ConnectionManager;
 use redis::{Script, Value};
 
-use crate::drivers::batches::{Batches, Gather, Pending};
+use crate::drivers::batches::{Batches, Gather, Pending, one_each};
 use crate::drivers::redis::{ACQUIRE, Acquisition, KeyLayout, acquisitions};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// The most acquisitions one script call carries.
 const MAX_BATCH: usize = 256;
@@ -87,25 +87,10 @@ async fn send(
         .invoke_async::<Vec<Value>>(&mut conn)
         .await;
     drop(locks);
-    let results = match reply {
-        Ok(results) if results.len() == batch.len() => results,
-        Ok(results) => {
-            let error = Error::Backend(format!(
-                "a batch of {} acquisitions was answered with {} results",
-                batch.len(),
-                results.len()
-            ));
-            return answer_all(batch, Err(error));
-        }
-        Err(e) => return answer_all(batch, Ok(Err(e))),
+    let Some((batch, results)) = one_each(batch, reply.map_err(Err), "acquisitions") else {
+        return;
     };
     for (pending, result) in batch.into_iter().zip(results) {
         let _ = pending.reply.send(Ok(Ok(result)));
-    }
-}
-
-fn answer_all(batch: Vec<Pending<Request, Result<Answer>>>, answer: Result<Answer>) {
-    for pending in batch {
-        let _ = pending.reply.send(answer.clone());
     }
 }

@@ -8,8 +8,8 @@ use std::time::Duration;
 use redis::Script;
 use redis::aio::ConnectionLike;
 
-use crate::drivers::batches::{Batches, Pending};
-use crate::error::{Error, Result};
+use crate::drivers::batches::{Batches, Pending, answer_all, one_each};
+use crate::error::Result;
 
 /// The most renewals one script call carries.
 pub(crate) const MAX_BATCH: usize = 512;
@@ -106,17 +106,9 @@ async fn send<C>(
     for pending in &batch {
         call.arg(&pending.request.value).arg(pending.request.ttl_ms);
     }
-    let renewed: Vec<i64> = match call.invoke_async::<Vec<i64>>(&mut conn).await {
-        Ok(renewed) if renewed.len() == batch.len() => renewed,
-        Ok(renewed) => {
-            let error = Error::Backend(format!(
-                "a batch of {} renewals was answered with {} results",
-                batch.len(),
-                renewed.len()
-            ));
-            return answer_all(batch, Err(error));
-        }
-        Err(e) => return answer_all(batch, Ok(Err(e))),
+    let reply = call.invoke_async::<Vec<i64>>(&mut conn).await;
+    let Some((batch, renewed)) = one_each(batch, reply.map_err(Err), "renewals") else {
+        return;
     };
     let mut confirmed_by = None;
     if replicas > 0 && renewed.contains(&1) {
@@ -140,11 +132,5 @@ async fn send<C>(
             extended: renewed == 1,
             confirmed_by,
         })));
-    }
-}
-
-fn answer_all(batch: Vec<Pending<Renewal, Result<Answer>>>, answer: Result<Answer>) {
-    for pending in batch {
-        let _ = pending.reply.send(answer.clone());
     }
 }

@@ -237,6 +237,16 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// A connection on the plain port, for a test's or a benchmark's own commands (counts,
+    /// records, ACLs).
+    pub async fn admin(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.plain_url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect")
+    }
+
     fn spawn(&mut self) {
         let mut command = Command::new(require_binary("redis-server", "redis-server"));
         command
@@ -348,7 +358,7 @@ pub async fn command_calls(
         .sum()
 }
 
-pub(super) use crate::drivers::redis::info_field as field;
+pub use crate::drivers::redis::info_field as field;
 
 /// One raw `PING`, the protocol's own health check.
 pub(super) fn ping(port: u16) -> bool {
