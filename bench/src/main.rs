@@ -2056,11 +2056,13 @@ async fn keyed_section() {
             .expect("redis");
     let keyed = family(driver.clone());
     let mut admin = redis.admin().await;
-    // Best rate of each, and the server's CPU per cycle over all rounds (µs).
-    let mut runs = [(0.0f64, 0.0f64, 0.0f64); 3];
+    // Best rate of each; over all rounds, the server's CPU (s), the cycles, and the calls and
+    // commands the server ran.
+    let mut runs = [(0.0f64, 0.0f64, 0.0f64, 0u64, 0u64); 3];
     for _ in 0..ROUNDS {
         for (i, run) in runs.iter_mut().enumerate() {
             let cpu = redis_cpu_seconds(&mut admin).await;
+            let (commands, scripts) = redis_commands(&mut admin).await;
             let rate = match i {
                 0 => keyed_redis_raw_cycles(&redis.url()).await,
                 1 => keyed_driver_cycles(&keyed, driver.clone()).await,
@@ -2069,6 +2071,10 @@ async fn keyed_section() {
             run.0 = run.0.max(rate);
             run.1 += redis_cpu_seconds(&mut admin).await - cpu;
             run.2 += rate * KEYED_DURATION.as_secs_f64();
+            let (commands_after, scripts_after) = redis_commands(&mut admin).await;
+            run.3 += scripts_after - scripts;
+            // Less the INFO calls that read the counters.
+            run.4 += commands_after - commands - 2;
         }
     }
     let raw = runs[0].0;
@@ -2078,10 +2084,12 @@ async fn keyed_section() {
         "keyed family            ",
     ]) {
         println!(
-            "  redis    {label} : {:>8.0} cycles/s  ({:>3.0} %)   server CPU {:>5.1} µs/cycle",
+            "  redis    {label} : {:>8.0} cycles/s  ({:>3.0} %)   server CPU {:>5.1} µs/cycle, {:.2} script calls and {:.1} commands a cycle",
             run.0,
             100.0 * run.0 / raw,
-            1e6 * run.1 / run.2
+            1e6 * run.1 / run.2,
+            run.3 as f64 / run.2,
+            run.4 as f64 / run.2,
         );
     }
     keyed.shutdown().await;

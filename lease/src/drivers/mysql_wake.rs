@@ -16,6 +16,14 @@
 //! A wake-up is only a hint: the lease row, with its expiry by the database's clock, decides. A
 //! waiter woken by a holder whose session died while its lease runs finds the row still leased
 //! and waits out the lease as before; when a session cannot be had, waiters poll the row.
+//!
+//! A process keeps at most [`NAMED_LOCK_SESSIONS`] such sessions: a sidecar holding thousands of
+//! a family's keys would otherwise take every connection the server allows (151 by default on
+//! MySQL and MariaDB) from every other client. A lock beyond them gets a session when one frees
+//! up; meanwhile its holder keeps no named lock, and its waiters here read the row every
+//! [`WAIT_STEP_SECS`]. A waiter elsewhere that finds a held lock's named lock free (its holder has
+//! none) holds it as the next in line and reads the row as often, so a release is noticed
+//! within that step rather than at the next renew interval.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,7 +31,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use sqlx::{AnyConnection, Connection, Row};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::driver::ChangeFeeds;
 
@@ -31,6 +39,7 @@ use crate::driver::ChangeFeeds;
 /// With the row read once per renew interval besides, an idle waiter costs the server fewer
 /// requests than the five row reads per interval it took before.
 const WAIT_STEP_SECS: u32 = 2;
+const WAIT_STEP: Duration = Duration::from_secs(WAIT_STEP_SECS as u64);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// After a failed session, before the next try.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
@@ -41,6 +50,14 @@ const HOLDING_CHECK: Duration = Duration::from_secs(30);
 /// Sessions kept after their lock's task ends, so that the next holding or wait does not
 /// connect again (a keyed family takes a lock per acquisition).
 const SPARE_SESSIONS: usize = 4;
+/// The most named-lock sessions one process keeps open, spares included.
+pub const NAMED_LOCK_SESSIONS: usize = 16;
+
+/// A named-lock session, and its place among the process's [`NAMED_LOCK_SESSIONS`].
+struct Session {
+    conn: AnyConnection,
+    _permit: OwnedSemaphorePermit,
+}
 
 /// What the driver tells a lock's task.
 enum Holding {
@@ -57,7 +74,8 @@ pub(crate) struct NamedLocks {
     observe: String,
     feeds: Arc<ChangeFeeds>,
     tasks: Mutex<HashMap<String, mpsc::UnboundedSender<Holding>>>,
-    spares: Mutex<Vec<AnyConnection>>,
+    spares: Mutex<Vec<Session>>,
+    sessions: Arc<Semaphore>,
 }
 
 impl NamedLocks {
@@ -69,6 +87,7 @@ impl NamedLocks {
             feeds,
             tasks: Mutex::new(HashMap::new()),
             spares: Mutex::new(Vec::new()),
+            sessions: Arc::new(Semaphore::new(NAMED_LOCK_SESSIONS)),
         })
     }
 
@@ -134,9 +153,12 @@ impl NamedLocks {
         self.feeds.is_subscribed(lock)
     }
 
-    async fn connect(&self) -> Option<AnyConnection> {
+    async fn connect(&self, permit: OwnedSemaphorePermit) -> Option<Session> {
         match tokio::time::timeout(CONNECT_TIMEOUT, AnyConnection::connect(&self.url)).await {
-            Ok(Ok(conn)) => Some(conn),
+            Ok(Ok(conn)) => Some(Session {
+                conn,
+                _permit: permit,
+            }),
             Ok(Err(e)) => {
                 tracing::debug!(error = %crate::redact::redact(&e.to_string()), "no session for a named lock");
                 None
@@ -158,19 +180,13 @@ impl NamedLocks {
         loop {
             // Everything the driver said so far.
             while let Ok(message) = messages.try_recv() {
-                match message {
-                    Holding::Held(identity, token) => {
-                        holding = true;
-                        lease = Some((identity, token));
-                    }
-                    Holding::LetGo => holding = false,
-                }
+                apply(message, &mut holding, &mut lease);
             }
             let wanted = holding || self.waited(&lock);
             if !wanted {
                 let mut clean = !locked;
-                if locked && let Some(conn) = &mut session {
-                    clean = release(conn, &name).await.is_ok();
+                if locked && let Some(session) = &mut session {
+                    clean = release(&mut session.conn, &name).await.is_ok();
                 }
                 locked = false;
                 let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
@@ -178,10 +194,11 @@ impl NamedLocks {
                 if messages.is_empty() && !self.waited(&lock) {
                     tasks.remove(&lock);
                     drop(tasks);
-                    if let Some(conn) = session.filter(|_| clean) {
+                    if let Some(session) = session.filter(|_| clean) {
                         let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
-                        if spares.len() < SPARE_SESSIONS {
-                            spares.push(conn);
+                        // Not while other locks wait for a session: it is theirs.
+                        if spares.len() < SPARE_SESSIONS && self.sessions.available_permits() > 0 {
+                            spares.push(session);
                         }
                     }
                     return;
@@ -189,14 +206,38 @@ impl NamedLocks {
                 continue;
             }
             if session.is_none() {
-                session = self.connect().await;
                 locked = false;
+                let permit = match self.sessions.clone().try_acquire_owned() {
+                    Ok(permit) => permit,
+                    // All the process's sessions are taken: wait for one, and meanwhile let
+                    // the waiters here read the row every step.
+                    Err(_) => {
+                        tokio::select! {
+                            message = messages.recv() => match message {
+                                Some(message) => apply(message, &mut holding, &mut lease),
+                                None => return,
+                            },
+                            permit = self.sessions.clone().acquire_owned() => {
+                                if let Ok(permit) = permit {
+                                    session = self.connect(permit).await;
+                                }
+                            }
+                            () = tokio::time::sleep(WAIT_STEP) => {
+                                if !holding && self.waited(&lock) {
+                                    self.feeds.bump(&lock);
+                                }
+                            }
+                        }
+                        continue;
+                    }
+                };
+                session = self.connect(permit).await;
                 if session.is_none() {
                     tokio::time::sleep(RETRY_PAUSE).await;
                     continue;
                 }
             }
-            let conn = session.as_mut().expect("a session");
+            let conn = &mut session.as_mut().expect("a session").conn;
             let outcome = if locked {
                 if holding {
                     // Ours, and held: nothing to do until the driver speaks, but look now and
@@ -227,18 +268,21 @@ impl NamedLocks {
                         }
                     }
                 } else {
-                    // Ours as the next in line: the engine tries the row at the lease's end.
+                    // Ours as the next in line: the holder has no named lock (beyond its
+                    // process's sessions, or its session gone), so no release would wake us.
+                    // The engine reads the row every step, and at the lease's end.
                     tokio::select! {
                         message = messages.recv() => match message {
-                            Some(Holding::Held(identity, token)) => {
-                                holding = true;
-                                lease = Some((identity, token));
+                            Some(message) => {
+                                apply(message, &mut holding, &mut lease);
                                 Ok(())
                             }
-                            Some(Holding::LetGo) => Ok(()),
                             None => return,
                         },
-                        () = tokio::time::sleep(Duration::from_secs(u64::from(WAIT_STEP_SECS))) => Ok(()),
+                        () = tokio::time::sleep(WAIT_STEP) => {
+                            self.feeds.bump(&lock);
+                            Ok(())
+                        }
                     }
                 }
             } else {
@@ -307,6 +351,18 @@ impl NamedLocks {
             }
             None => false,
         })
+    }
+}
+
+/// What the driver said, applied to a lock task's view: whether the process holds the lock,
+/// and as which holder and token.
+fn apply(message: Holding, holding: &mut bool, lease: &mut Option<(String, u64)>) {
+    match message {
+        Holding::Held(identity, token) => {
+            *holding = true;
+            *lease = Some((identity, token));
+        }
+        Holding::LetGo => *holding = false,
     }
 }
 

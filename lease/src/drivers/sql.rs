@@ -90,9 +90,8 @@ pub struct Statements {
     pub acquire: String,
     /// MySQL only: the first acquisition of a lock, inserting its row.
     pub insert: Option<String>,
-    pub renew: String,
-    /// PostgreSQL only: many renewals in one statement ([`RenewMany`]).
-    pub renew_many: Option<RenewMany>,
+    /// Many renewals at once ([`RenewMany`]).
+    pub renew_many: RenewMany,
     pub release: String,
     pub observe: String,
     /// Clean-up of a deleted lock: its lease row is freed but kept with its token (so that a
@@ -103,39 +102,80 @@ pub struct Statements {
     pub key_floor: KeyFloor,
 }
 
-/// PostgreSQL's renewal of many leases in one statement: each row is extended exactly as
-/// [`Statements::renew`] extends one (its holder and token compared, its lease still running),
-/// and the statement returns the rows it extended.
+/// Renewals, one or many at once. Each row is extended only where its holder and token are the
+/// renewal's and its lease still runs (by the database's clock), and the rows extended are read back:
+/// PostgreSQL's `UPDATE` returns them; MySQL's cannot, so a second statement reads which of the
+/// renewals' rows now run past the present. A row that matched a renewal's holder and token but
+/// was not extended had run out, and a token never comes back, so it cannot match that read;
+/// a row extended and then released by its own holder before the read is answered as not
+/// renewed, which is no loss.
 #[derive(Clone)]
 pub struct RenewMany {
+    dialect: Dialect,
     table: String,
 }
 
 impl RenewMany {
-    /// The statement for `rows` renewals; its parameters are each renewal's lock, holder,
-    /// token and ttl in ms, in turn.
-    pub fn statement(&self, rows: usize) -> String {
-        let values: Vec<String> = (0..rows)
-            .map(|i| {
-                let n = 4 * i;
+    /// The renewals as a table `v(name, holder, token, ttl)`; its parameters are each renewal's
+    /// lock, holder, token and ttl (PostgreSQL: ms; MySQL: µs), in turn.
+    fn values(&self, rows: usize) -> String {
+        match self.dialect {
+            Dialect::Postgres => {
+                let values: Vec<String> = (0..rows)
+                    .map(|i| {
+                        let n = 4 * i;
+                        format!(
+                            "(${}::varchar, ${}::varchar, ${}::bigint, ${}::bigint)",
+                            n + 1,
+                            n + 2,
+                            n + 3,
+                            n + 4
+                        )
+                    })
+                    .collect();
                 format!(
-                    "(${}::varchar, ${}::varchar, ${}::bigint, ${}::bigint)",
-                    n + 1,
-                    n + 2,
-                    n + 3,
-                    n + 4
+                    "(VALUES {}) AS v(name, holder, token, ttl)",
+                    values.join(", ")
                 )
-            })
-            .collect();
-        format!(
-            "UPDATE {t} AS l SET expires_at = now() + make_interval(secs => v.ttl / 1000.0) \
-             FROM (VALUES {values}) AS v(name, holder, token, ttl) \
-             WHERE l.name = v.name AND l.holder = v.holder AND l.token = v.token \
-             AND l.expires_at > now() \
-             RETURNING l.name, l.holder, l.token",
-            t = self.table,
-            values = values.join(", ")
-        )
+            }
+            Dialect::MySql => {
+                let first = "SELECT ? AS name, ? AS holder, ? AS token, ? AS ttl";
+                let rest = " UNION ALL SELECT ?, ?, ?, ?".repeat(rows.saturating_sub(1));
+                format!("({first}{rest}) AS v")
+            }
+        }
+    }
+
+    /// The statement extending `rows` renewals' rows (PostgreSQL: returning them).
+    pub fn statement(&self, rows: usize) -> String {
+        let (t, v) = (&self.table, self.values(rows));
+        match self.dialect {
+            Dialect::Postgres => format!(
+                "UPDATE {t} AS l SET expires_at = now() + make_interval(secs => v.ttl / 1000.0) \
+                 FROM {v} \
+                 WHERE l.name = v.name AND l.holder = v.holder AND l.token = v.token \
+                 AND l.expires_at > now() \
+                 RETURNING l.name, l.holder, l.token"
+            ),
+            Dialect::MySql => format!(
+                "UPDATE {t} AS l JOIN {v} \
+                   ON l.name = v.name AND l.holder = v.holder AND l.token = v.token \
+                 SET l.expires_at = NOW(6) + INTERVAL v.ttl MICROSECOND \
+                 WHERE l.expires_at > NOW(6)"
+            ),
+        }
+    }
+
+    /// MySQL: the read of the rows [`Self::statement`] extended, with the same parameters.
+    pub fn extended(&self, rows: usize) -> Option<String> {
+        let (t, v) = (&self.table, self.values(rows));
+        (self.dialect == Dialect::MySql).then(|| {
+            format!(
+                "SELECT l.name, l.holder, l.token FROM {t} AS l JOIN {v} \
+                   ON l.name = v.name AND l.holder = v.holder AND l.token = v.token \
+                 WHERE l.expires_at > NOW(6)"
+            )
+        })
     }
 }
 
@@ -215,11 +255,10 @@ impl Dialect {
                          RETURNING token"
                     ),
                     insert: None,
-                    renew: format!(
-                        "UPDATE {t} SET expires_at = now() + make_interval(secs => $4::bigint / 1000.0) \
-                         WHERE name = $1 AND holder = $2 AND token = $3 AND expires_at > now()"
-                    ),
-                    renew_many: Some(RenewMany { table: t.clone() }),
+                    renew_many: RenewMany {
+                        dialect: self,
+                        table: t.clone(),
+                    },
                     // A release that freed the lease notifies the waiters and commits without
                     // waiting for the disk, so the waiter it wakes is not held up by a flush. A
                     // release lost in a crash leaves the lease held until it runs out: the next
@@ -302,12 +341,10 @@ impl Dialect {
                     "INSERT IGNORE INTO {t} (name, holder, token, expires_at) \
                      VALUES (?, ?, 1, NOW(6) + INTERVAL ? MICROSECOND)"
                 )),
-                renew: format!(
-                    "UPDATE {t} SET expires_at = NOW(6) + INTERVAL ? MICROSECOND \
-                     WHERE name = ? AND holder = ? AND token = ? AND expires_at > NOW(6)"
-                ),
-                // No RETURNING: an UPDATE of many rows cannot say which it extended.
-                renew_many: None,
+                renew_many: RenewMany {
+                    dialect: self,
+                    table: t.clone(),
+                },
                 release: format!(
                     "UPDATE {t} SET holder = NULL, expires_at = NOW(6) \
                      WHERE name = ? AND holder = ? AND token = ?"
@@ -401,8 +438,8 @@ pub struct SqlDriver {
     listener: Option<tokio::task::JoinHandle<()>>,
     /// MySQL in lease mode: the named locks that wake waiters.
     named_locks: Option<Arc<NamedLocks>>,
-    /// PostgreSQL: renewals that arrive together go out as one statement.
-    renewals: Option<Batches<(Lease, Duration), Result<bool>>>,
+    /// Renewals that arrive together go out together ([`RenewMany`]).
+    renewals: Batches<(Lease, Duration), Result<bool>>,
     /// The families whose floor row this process has made sure of ([`KeyFloor`]).
     floors: std::sync::Mutex<std::collections::HashSet<String>>,
     /// In-memory files holding PEM text given inline, open while the pool may connect.
@@ -480,31 +517,45 @@ fn token(lease: &Lease) -> i64 {
     i64::try_from(lease.token).unwrap_or(i64::MAX)
 }
 
-/// The most renewals one statement carries: four parameters each, far under PostgreSQL's
-/// 65,535.
+/// The most renewals one batch carries: four parameters each, far under PostgreSQL's and
+/// MySQL's 65,535.
 const MAX_RENEW_BATCH: usize = 512;
 
-/// One statement for a batch of renewals ([`RenewMany`]); each renewal is answered with whether
-/// its row came back extended. A batch is padded to a power of two with its last renewal again
-/// (the same row twice extends it once), so that each connection's statement cache holds ten
-/// statements, not one per batch size.
+/// A batch of renewals ([`RenewMany`]): each renewal is answered with whether its row came back
+/// extended. A batch is padded to a power of two with its last renewal again (the same row
+/// twice extends it once), so that each connection's statement cache holds ten statements per
+/// kind, not one per batch size.
 async fn renew_batch(
     pool: AnyPool,
     many: Arc<RenewMany>,
     batch: Vec<Pending<(Lease, Duration), Result<bool>>>,
 ) {
     let rows = batch.len().next_power_of_two();
-    let sql = many.statement(rows);
-    let mut query = sqlx::query(&sql);
-    for i in 0..rows {
-        let (lease, ttl) = &batch[i.min(batch.len() - 1)].request;
-        query = query
-            .bind(lease.lock.clone())
-            .bind(lease.identity.clone())
-            .bind(token(lease))
-            .bind(ms(*ttl));
-    }
-    let extended = query.fetch_all(&pool).await.and_then(|rows| {
+    let bound = |sql| {
+        let mut query = sqlx::query(sql);
+        for i in 0..rows {
+            let (lease, ttl) = &batch[i.min(batch.len() - 1)].request;
+            let ttl = match many.dialect {
+                Dialect::Postgres => ms(*ttl),
+                Dialect::MySql => micros(*ttl),
+            };
+            query = query
+                .bind(lease.lock.clone())
+                .bind(lease.identity.clone())
+                .bind(token(lease))
+                .bind(ttl);
+        }
+        query
+    };
+    let (update, read_back) = (many.statement(rows), many.extended(rows));
+    let extended = async {
+        let rows = match &read_back {
+            None => bound(&update).fetch_all(&pool).await?,
+            Some(read_back) => {
+                bound(&update).execute(&pool).await?;
+                bound(read_back).fetch_all(&pool).await?
+            }
+        };
         rows.iter()
             .map(|row| {
                 Ok((
@@ -514,8 +565,8 @@ async fn renew_batch(
                 ))
             })
             .collect::<std::result::Result<std::collections::HashSet<_>, sqlx::Error>>()
-    });
-    let extended = extended.map_err(map_err);
+    };
+    let extended = extended.await.map_err(map_err);
     for pending in batch {
         let (lease, _) = &pending.request;
         let answer = match &extended {
@@ -595,12 +646,12 @@ impl SqlDriver {
         let listener = (dialect == Dialect::Postgres)
             .then(|| tokio::spawn(listen_for_releases(url.to_owned(), releases.clone())));
         let sql = dialect.statements(schema, table);
-        let renewals = sql.renew_many.clone().map(|many| {
-            let (pool, many) = (pool.clone(), Arc::new(many));
+        let renewals = {
+            let (pool, many) = (pool.clone(), Arc::new(sql.renew_many.clone()));
             Batches::new(MAX_RENEW_BATCH, move |batch| {
                 renew_batch(pool.clone(), many.clone(), batch)
             })
-        });
+        };
         Ok(Self {
             dialect,
             pool,
@@ -642,23 +693,7 @@ impl SqlDriver {
     }
 
     pub(crate) async fn renew_row(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        if let Some(renewals) = &self.renewals {
-            return renewals.call((lease.clone(), ttl)).await?;
-        }
-        let query = match self.dialect {
-            Dialect::Postgres => sqlx::query(&self.sql.renew)
-                .bind(&lease.lock)
-                .bind(&lease.identity)
-                .bind(token(lease))
-                .bind(ms(ttl)),
-            Dialect::MySql => sqlx::query(&self.sql.renew)
-                .bind(micros(ttl))
-                .bind(&lease.lock)
-                .bind(&lease.identity)
-                .bind(token(lease)),
-        };
-        let done = query.execute(&self.pool).await.map_err(map_err)?;
-        Ok(done.rows_affected() == 1)
+        self.renewals.call((lease.clone(), ttl)).await?
     }
 
     /// Free the lock row if `lease` still holds it, on the pool or inside a transaction.
