@@ -1322,7 +1322,7 @@ async fn sql_section() {
 /// times per renew interval; each waiter here is a process of its own (its own driver), with
 /// its pool's connection and its named-lock session.
 async fn mysql_idle_waiters(url: &str) {
-    use sqlx::{Connection, Row};
+    use sqlx::Connection;
     sqlx::any::install_default_drivers();
     let admin = tokio::sync::Mutex::new(sqlx::AnyConnection::connect(url).await.expect("connect"));
     // Two sessions per waiter: more than MariaDB's default of 151.
@@ -1331,16 +1331,7 @@ async fn mysql_idle_waiters(url: &str) {
         .await
         .expect("max_connections");
     for mode in [SqlMode::Lease, SqlMode::RowLock] {
-        let questions = async || -> u64 {
-            let row = sqlx::query("SHOW GLOBAL STATUS LIKE 'Questions'")
-                .fetch_one(&mut *admin.lock().await)
-                .await
-                .expect("Questions");
-            row.try_get::<String, _>(1)
-                .expect("value")
-                .parse()
-                .expect("a count")
-        };
+        let questions = async || mariadb_status(&mut *admin.lock().await, "Questions").await;
         let connect = || -> Arc<dyn Driver> {
             Arc::new(
                 SqlDriver::connect(Dialect::MySql, url, None, "leasehold_locks", mode)
@@ -2207,6 +2198,45 @@ async fn many_keys_section() {
         MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
         leasehold_lease::redis::RENEWAL_LINGER
     );
+    drop(postgres);
+
+    let mariadb = MariaDbServer::start();
+    let admin = {
+        use sqlx::Connection;
+        tokio::sync::Mutex::new(
+            sqlx::AnyConnection::connect(&mariadb.url())
+                .await
+                .expect("connect"),
+        )
+    };
+    // Statements the clients sent (`Questions`), and the most sessions open at once.
+    let [statements, _] = many_keys_on(&mariadb.url(), "MariaDB", async || {
+        let mut admin = admin.lock().await;
+        // Less these two statements.
+        let questions = mariadb_status(&mut admin, "Questions")
+            .await
+            .saturating_sub(2);
+        [questions, 0]
+    })
+    .await;
+    let sessions = mariadb_status(&mut *admin.lock().await, "Max_used_connections").await;
+    println!(
+        "  MariaDB statements/s keeping them: {statements:.0} (one renewal per key per interval would be {:.0}); the most sessions open at once: {sessions} (the sidecar's pool, its named-lock sessions, this bench's own)",
+        MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
+    );
+}
+
+/// A counter or gauge of MariaDB's `SHOW GLOBAL STATUS`.
+async fn mariadb_status(admin: &mut sqlx::AnyConnection, name: &str) -> u64 {
+    use sqlx::Row;
+    sqlx::query(&format!("SHOW GLOBAL STATUS LIKE '{name}'"))
+        .fetch_one(admin)
+        .await
+        .expect("SHOW STATUS")
+        .try_get::<String, _>("Value")
+        .expect("Value")
+        .parse()
+        .expect("a count")
 }
 
 /// One sidecar on `backend` takes `MANY_KEYS` keys of a family over `KEYED_OWNERS`

@@ -752,6 +752,41 @@ async fn mariadb_renewals_at_once_go_together_and_answer_each_for_its_lease() {
         .await;
 }
 
+/// SQLite batches its renewals too, in one write transaction each. Counted in the frames the
+/// renewals add to the write-ahead log: each commit writes at least one, so 20 renewals that
+/// extend a row, one transaction each, wrote 20 or more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_renewals_at_once_go_in_one_transaction_and_answer_each_for_its_lease() {
+    use sqlx::Row;
+    let h = leasehold_lease::testkit::SqliteHarness::new();
+    let driver = h.driver().await;
+    sqlx::any::install_default_drivers();
+    let url = format!("sqlite://{}", h.path().display());
+    let mut admin = sqlx::AnyConnection::connect(&url)
+        .await
+        .expect("admin connection");
+    // The first count empties the log; the later ones read how many frames it has.
+    let emptied = std::cell::Cell::new(false);
+    let frames = async |admin: &mut sqlx::AnyConnection| -> i64 {
+        let mode = if emptied.replace(true) {
+            "PASSIVE"
+        } else {
+            "TRUNCATE"
+        };
+        let row = sqlx::query(&format!("PRAGMA wal_checkpoint({mode})"))
+            .fetch_one(admin)
+            .await
+            .expect("checkpoint");
+        assert_eq!(
+            row.try_get::<i64, _>(0).expect("busy"),
+            0,
+            "checkpoint busy"
+        );
+        row.try_get::<i64, _>(1).expect("log frames")
+    };
+    renewals_at_once_go_together(driver, &mut admin, frames, 4).await;
+}
+
 /// The sessions MariaDB has open (`Threads_connected`).
 async fn mariadb_sessions(admin: &mut sqlx::AnyConnection) -> i64 {
     use sqlx::Row;

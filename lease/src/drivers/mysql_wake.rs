@@ -210,8 +210,10 @@ impl NamedLocks {
                 let permit = match self.sessions.clone().try_acquire_owned() {
                     Ok(permit) => permit,
                     // All the process's sessions are taken: wait for one, and meanwhile let
-                    // the waiters here read the row every step.
+                    // the waiters here read the row every step (a lock only held here waits
+                    // without a timer: a sidecar may hold thousands of them).
                     Err(_) => {
+                        let waited = !holding && self.waited(&lock);
                         tokio::select! {
                             message = messages.recv() => match message {
                                 Some(message) => apply(message, &mut holding, &mut lease),
@@ -222,10 +224,8 @@ impl NamedLocks {
                                     session = self.connect(permit).await;
                                 }
                             }
-                            () = tokio::time::sleep(WAIT_STEP) => {
-                                if !holding && self.waited(&lock) {
-                                    self.feeds.bump(&lock);
-                                }
+                            () = tokio::time::sleep(WAIT_STEP), if waited => {
+                                self.feeds.bump(&lock);
                             }
                         }
                         continue;

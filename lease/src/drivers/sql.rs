@@ -513,23 +513,19 @@ pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
-fn token(lease: &Lease) -> i64 {
+pub(crate) fn token(lease: &Lease) -> i64 {
     i64::try_from(lease.token).unwrap_or(i64::MAX)
 }
 
 /// The most renewals one batch carries: four parameters each, far under PostgreSQL's and
 /// MySQL's 65,535.
-const MAX_RENEW_BATCH: usize = 512;
+pub(crate) const MAX_RENEW_BATCH: usize = 512;
 
 /// A batch of renewals ([`RenewMany`]): each renewal is answered with whether its row came back
 /// extended. A batch is padded to a power of two with its last renewal again (the same row
 /// twice extends it once), so that each connection's statement cache holds ten statements per
 /// kind, not one per batch size.
-async fn renew_batch(
-    pool: AnyPool,
-    many: Arc<RenewMany>,
-    batch: Vec<Pending<(Lease, Duration), Result<bool>>>,
-) {
+async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: RenewalBatch) {
     let rows = batch.len().next_power_of_two();
     let bound = |sql| {
         let mut query = sqlx::query(sql);
@@ -557,16 +553,38 @@ async fn renew_batch(
             }
         };
         rows.iter()
-            .map(|row| {
-                Ok((
-                    row.try_get::<String, _>("name")?,
-                    row.try_get::<String, _>("holder")?,
-                    row.try_get::<i64, _>("token")?,
-                ))
-            })
-            .collect::<std::result::Result<std::collections::HashSet<_>, sqlx::Error>>()
+            .map(extended_row)
+            .collect::<std::result::Result<Extended, _>>()
     };
     let extended = extended.await.map_err(map_err);
+    answer_renewals(batch, extended);
+}
+
+/// A batch of renewals, each a lease and its ttl, answered with whether it was renewed.
+pub(crate) type RenewalBatch = Vec<Pending<(Lease, Duration), Result<bool>>>;
+
+/// The rows a batch of renewals extended: lock, holder and token.
+pub(crate) type Extended = std::collections::HashSet<(String, String, i64)>;
+
+/// One row a batch of renewals extended (columns `name`, `holder`, `token`).
+pub(crate) fn extended_row<'r, R>(
+    row: &'r R,
+) -> std::result::Result<(String, String, i64), sqlx::Error>
+where
+    R: Row,
+    &'r str: sqlx::ColumnIndex<R>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    Ok((
+        row.try_get("name")?,
+        row.try_get("holder")?,
+        row.try_get("token")?,
+    ))
+}
+
+/// Each renewal of `batch` is renewed when its row is among those `extended`.
+pub(crate) fn answer_renewals(batch: RenewalBatch, extended: Result<Extended>) {
     for pending in batch {
         let (lease, _) = &pending.request;
         let answer = match &extended {

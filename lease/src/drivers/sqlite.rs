@@ -19,6 +19,10 @@ use sqlx::sqlite::{
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::batches::Batches;
+use crate::drivers::sql::{
+    Extended, MAX_RENEW_BATCH, RenewalBatch, answer_renewals, extended_row, token,
+};
 use crate::drivers::sqlite_wake::WakeFiles;
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
@@ -38,6 +42,8 @@ const MAX_POLL: Duration = Duration::from_secs(1);
 pub struct SqliteDriver {
     pool: SqlitePool,
     sql: Statements,
+    /// Renewals that arrive together go out in one statement.
+    renewals: Batches<(Lease, Duration), Result<bool>>,
     /// Wakes waiters in this process at once.
     local_releases: Arc<ChangeFeeds>,
     /// Wakes waiters in other processes on the machine ([`crate::drivers::sqlite_wake`]).
@@ -52,10 +58,53 @@ struct Statements {
     raise_floor: String,
     forget_idle: String,
     count_held_keys: String,
-    renew: String,
     release: String,
     observe: String,
     delete: String,
+}
+
+/// The renewal of `rows` leases at once: each row is extended only where its holder and token
+/// are the renewal's and its lease still runs, and the statement returns the rows it extended.
+/// Parameters: each renewal's lock, holder, token and ttl in ms, in turn.
+fn renew_many(table: &str, rows: usize) -> String {
+    let t = quote_sql_identifier(table);
+    let values: Vec<String> = (0..rows)
+        .map(|i| {
+            let n = 4 * i;
+            format!("(?{}, ?{}, ?{}, ?{})", n + 1, n + 2, n + 3, n + 4)
+        })
+        .collect();
+    format!(
+        "UPDATE {t} SET expires_at_ms = {NOW_MS} + v.column4 FROM (VALUES {}) AS v \
+         WHERE {t}.name = v.column1 AND {t}.holder = v.column2 AND {t}.token = v.column3 \
+         AND {t}.expires_at_ms > {NOW_MS} \
+         RETURNING name, holder, token",
+        values.join(", ")
+    )
+}
+
+/// A batch of renewals in one write transaction (one fsync, where each renewal took one); it is
+/// padded to a power of two with its last renewal again, as PostgreSQL's is.
+async fn renew_batch(pool: SqlitePool, table: Arc<str>, batch: RenewalBatch) {
+    let rows = batch.len().next_power_of_two();
+    let sql = renew_many(&table, rows);
+    let mut query = sqlx::query(&sql);
+    for i in 0..rows {
+        let (lease, ttl) = &batch[i.min(batch.len() - 1)].request;
+        query = query
+            .bind(lease.lock.clone())
+            .bind(lease.identity.clone())
+            .bind(token(lease))
+            .bind(ms(*ttl));
+    }
+    let extended = match query.fetch_all(&pool).await {
+        Ok(rows) => rows
+            .iter()
+            .map(extended_row)
+            .collect::<std::result::Result<Extended, _>>(),
+        Err(e) => Err(e),
+    };
+    answer_renewals(batch, extended.map_err(map_err));
 }
 
 impl Statements {
@@ -97,10 +146,6 @@ impl Statements {
                 "SELECT COUNT(*) FROM {t} WHERE (name LIKE ?1 ESCAPE '|' OR name LIKE ?2 ESCAPE '|') \
                  AND holder IS NOT NULL AND expires_at_ms > {NOW_MS}"
             ),
-            renew: format!(
-                "UPDATE {t} SET expires_at_ms = {NOW_MS} + ?4 \
-                 WHERE name = ?1 AND holder = ?2 AND token = ?3 AND expires_at_ms > {NOW_MS}"
-            ),
             // The release's time stays in the row: a family's key is forgotten only once it has
             // been idle a while (`forget_idle_keys`).
             release: format!(
@@ -139,9 +184,16 @@ impl SqliteDriver {
             .await
             .map_err(|e| Error::Unreachable(format!("cannot open {}: {e}", path.display())))?;
         provision(&pool, table).await?;
+        let renewals = {
+            let (pool, table) = (pool.clone(), Arc::<str>::from(table));
+            Batches::new(MAX_RENEW_BATCH, move |batch| {
+                renew_batch(pool.clone(), table.clone(), batch)
+            })
+        };
         Ok(Self {
             pool,
             sql: Statements::new(table),
+            renewals,
             local_releases: Arc::default(),
             wake: WakeFiles::beside(path),
         })
@@ -166,10 +218,6 @@ async fn provision(pool: &SqlitePool, table: &str) -> Result<()> {
 
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn token(lease: &Lease) -> i64 {
-    i64::try_from(lease.token).unwrap_or(i64::MAX)
 }
 
 fn map_err(e: sqlx::Error) -> Error {
@@ -237,15 +285,7 @@ impl Driver for SqliteDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let done = sqlx::query(&self.sql.renew)
-            .bind(&lease.lock)
-            .bind(&lease.identity)
-            .bind(token(lease))
-            .bind(ms(ttl))
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        let renewed = done.rows_affected() == 1;
+        let renewed = self.renewals.call((lease.clone(), ttl)).await??;
         if !renewed && let Some(wake) = &self.wake {
             wake.let_go(&lease.lock);
         }
