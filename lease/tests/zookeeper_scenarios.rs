@@ -386,3 +386,50 @@ async fn an_unknown_place_of_the_drivers_own_session_is_cleared_by_its_next_atte
 async fn an_unknown_place_of_an_idle_drivers_session_is_cleared_when_it_observes() {
     an_unknown_place_is_cleared(false).await;
 }
+
+/// Renewals that arrive at once are checked with one `sync` and one `multiRead`: 40 at once,
+/// every fourth of whose nodes was deleted behind the driver's back, take a handful of requests
+/// (a `sync` and a read each, 80, before), and each is answered for its own node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_at_once_take_one_sync_and_one_read_and_answer_each_for_its_node() {
+    use leasehold_lease::{Acquire, Driver};
+    const LOCKS: usize = 40;
+    const TTL: Duration = Duration::from_secs(10);
+    let server = ZooKeeperServer::start();
+    let driver = driver(&server);
+    let mut leases = Vec::new();
+    for i in 0..LOCKS {
+        let lock = format!("renew-{i}");
+        match driver
+            .try_acquire(&lock, "pod-a", TTL)
+            .await
+            .expect("acquire")
+        {
+            Acquire::Acquired(lease) => leases.push(lease),
+            Acquire::Busy(holding) => panic!("{lock}: busy {holding:?}"),
+        }
+    }
+    let admin = zookeeper_client::Client::connect(&format!("127.0.0.1:{}", server.port()))
+        .await
+        .expect("admin client");
+    for i in (0..LOCKS).step_by(4) {
+        let parent = format!("/leasehold/renew-{i}");
+        for child in admin.list_children(&parent).await.expect("children") {
+            admin
+                .delete(&format!("{parent}/{child}"), None)
+                .await
+                .expect("delete");
+        }
+    }
+    let before = server.packets_received();
+    let answers =
+        futures_util::future::join_all(leases.iter().map(|lease| driver.renew(lease, TTL))).await;
+    let requests = server.packets_received() - before;
+    for (i, answer) in answers.into_iter().enumerate() {
+        assert_eq!(answer.expect("renew"), i % 4 != 0, "renew-{i}");
+    }
+    assert!(
+        requests <= 8,
+        "{requests} requests for {LOCKS} renewals at once"
+    );
+}

@@ -36,6 +36,7 @@ use zookeeper_client as zk;
 
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::batches::{Batches, Pending};
 use crate::drivers::queue_slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
@@ -191,6 +192,107 @@ struct Shared {
 
 pub struct ZooKeeperDriver {
     shared: Arc<Shared>,
+    /// Renewals that arrive together are checked together ([`check_nodes`]).
+    renewals: Batches<NodeCheck, NodeFound>,
+}
+
+/// The most nodes one batch of renewals reads: each answer carries the node's data (a holder's
+/// identity) and stat, well within ZooKeeper's 1 MiB `jute.maxbuffer`.
+const MAX_RENEW_BATCH: usize = 512;
+
+/// A renewal's check that its node is still there, on the session that should keep it.
+struct NodeCheck {
+    session: Arc<Session>,
+    path: String,
+    /// What the batch's `sync` names (ZooKeeper syncs the whole server with the leader).
+    parent: String,
+}
+
+/// When the check's `sync` was sent, and whether the node was there after it.
+type NodeFound = std::result::Result<(BootInstant, bool), zk::Error>;
+
+/// The renewals of a batch, per session (one, unless it was replaced meanwhile): one `sync`
+/// through the leader, then one `multiRead` of every node, where each renewal took a `sync` and
+/// a read of its own. Each node is read after the `sync` was answered, as a renewal of its own
+/// reads it, so each claim is dated as before. A server older than 3.6 has no `multiRead`:
+/// there each node is read on its own, after the batch's one `sync`.
+async fn check_nodes(batch: Vec<Pending<NodeCheck, NodeFound>>) {
+    let mut sessions: Vec<Vec<Pending<NodeCheck, NodeFound>>> = Vec::new();
+    for pending in batch {
+        match sessions
+            .iter_mut()
+            .find(|group| Arc::ptr_eq(&group[0].request.session, &pending.request.session))
+        {
+            Some(group) => group.push(pending),
+            None => sessions.push(vec![pending]),
+        }
+    }
+    for group in sessions {
+        let session = group[0].request.session.clone();
+        let synced = BootInstant::now();
+        let found = match session.client.sync(&group[0].request.parent).await {
+            Ok(()) => read_nodes(&session.client, &group).await,
+            Err(e) => Err(e),
+        };
+        match found {
+            Ok(found) => {
+                session.answered(synced, BootInstant::now());
+                for (pending, found) in group.into_iter().zip(found) {
+                    let _ = pending.reply.send(found.map(|found| (synced, found)));
+                }
+            }
+            Err(e) => {
+                for pending in group {
+                    let _ = pending.reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// Whether each node of `group` is there: one `multiRead`, or a read each where the server has
+/// none.
+async fn read_nodes(
+    client: &zk::Client,
+    group: &[Pending<NodeCheck, NodeFound>],
+) -> std::result::Result<Vec<std::result::Result<bool, zk::Error>>, zk::Error> {
+    let mut reader = client.new_multi_reader();
+    for pending in group {
+        reader.add_get_data(&pending.request.path)?;
+    }
+    match reader.commit().await {
+        Ok(results) if results.len() == group.len() => Ok(results
+            .into_iter()
+            .map(|result| match result {
+                zk::MultiReadResult::Data { .. } => Ok(true),
+                zk::MultiReadResult::Error {
+                    err: zk::Error::NoNode,
+                } => Ok(false),
+                zk::MultiReadResult::Error { err } => Err(err),
+                _ => Err(zk::Error::UnexpectedError(
+                    "multiRead answered a data read with something else".to_owned(),
+                )),
+            })
+            .collect()),
+        Ok(results) => Err(zk::Error::UnexpectedError(format!(
+            "multiRead answered {} reads with {} results",
+            group.len(),
+            results.len()
+        ))),
+        Err(zk::Error::Unimplemented) => {
+            let mut found = Vec::with_capacity(group.len());
+            for pending in group {
+                found.push(
+                    client
+                        .check_stat(&pending.request.path)
+                        .await
+                        .map(|s| s.is_some()),
+                );
+            }
+            Ok(found)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 impl Drop for ZooKeeperDriver {
@@ -788,6 +890,7 @@ impl ZooKeeperDriver {
                 orphans: Mutex::new(Vec::new()),
                 holders: Mutex::new(HashMap::new()),
             }),
+            renewals: Batches::new(MAX_RENEW_BATCH, check_nodes),
         })
     }
 
@@ -974,19 +1077,21 @@ impl Driver for ZooKeeperDriver {
         let session = self.shared.session(ttl).await?;
         // A read alone could be answered by a follower cut off from the leader, which may be
         // expiring this session meanwhile; the `sync` goes through the leader.
-        let synced = BootInstant::now();
-        let found = match session.client.sync(&self.shared.parent(&lease.lock)).await {
-            Ok(()) => session.client.check_stat(&entry.path).await,
-            Err(e) => Err(e),
-        };
+        let found = self
+            .renewals
+            .call(NodeCheck {
+                session: session.clone(),
+                path: entry.path.clone(),
+                parent: self.shared.parent(&lease.lock),
+            })
+            .await?;
         match found {
-            Ok(Some(_)) => {
+            Ok((synced, true)) => {
                 entry.slot.extend(sent + ttl);
                 entry.count_from(session.counted_from(synced, self.shared.config.tick_time, ttl));
-                session.answered(synced, BootInstant::now());
                 Ok(true)
             }
-            Ok(None) | Err(zk::Error::SessionExpired) => {
+            Ok((_, false)) | Err(zk::Error::SessionExpired) => {
                 self.shared.forget(&entry);
                 entry.slot.abort_tasks();
                 Ok(false)
