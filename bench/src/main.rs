@@ -2224,6 +2224,18 @@ async fn many_keys_section() {
         "  MariaDB statements/s keeping them: {statements:.0} (one renewal per key per interval would be {:.0}); the most sessions open at once: {sessions} (the sidecar's pool, its named-lock sessions, this bench's own)",
         MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
     );
+    drop(mariadb);
+
+    let zookeeper = leasehold_lease::testkit::ZooKeeperServer::start();
+    let [requests] = many_keys_on(&zookeeper.url(), "ZooKeeper", async || {
+        [zookeeper.packets_received()]
+    })
+    .await;
+    println!(
+        "  ZooKeeper requests/s keeping them: {requests:.0} (a sync and a read per key per interval would be {:.0}; renewals within {:?} of each other take one sync and one multiRead)",
+        2.0 * MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
+        leasehold_lease::redis::RENEWAL_LINGER
+    );
 }
 
 /// A counter or gauge of MariaDB's `SHOW GLOBAL STATUS`.

@@ -19,11 +19,11 @@
 //!
 //! A process keeps at most [`NAMED_LOCK_SESSIONS`] such sessions: a sidecar holding thousands of
 //! a family's keys would otherwise take every connection the server allows (151 by default on
-//! MySQL and MariaDB) from every other client. A lock beyond them gets a session when one frees
-//! up; meanwhile its holder keeps no named lock, and its waiters here read the row every
-//! [`WAIT_STEP_SECS`]. A waiter elsewhere that finds a held lock's named lock free (its holder has
-//! none) holds it as the next in line and reads the row as often, so a release is noticed
-//! within that step rather than at the next renew interval.
+//! MySQL and MariaDB) from every other client. A lock held beyond them keeps no named lock; a
+//! lock waited for beyond them gets a session when one frees up, and its waiters here read the
+//! row every [`WAIT_STEP_SECS`] meanwhile. A waiter elsewhere that finds a held lock's named lock
+//! free (its holder has none) holds it as the next in line and reads the row as often, so a
+//! release is noticed within that step rather than at the next renew interval.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -128,9 +128,24 @@ impl NamedLocks {
         tokio::spawn(self.clone().run(lock.to_owned(), rx));
     }
 
-    /// This process holds `lock` now: keep its named lock until it lets go.
+    /// This process holds `lock` now: keep its named lock until it lets go. Not when all the
+    /// process's sessions are taken and the lock has no task yet: the holding goes without a
+    /// named lock, and without a task, which a sidecar holding thousands of keys would pay for
+    /// in memory (waiters elsewhere read the row every step as the next in line).
     pub(crate) fn held(self: &Arc<Self>, lock: &str, identity: &str, token: u64) {
-        self.tell(lock, Some(Holding::Held(identity.to_owned(), token)));
+        let running = self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(lock);
+        let spare = !self
+            .spares
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        if running || spare || self.sessions.available_permits() > 0 {
+            self.tell(lock, Some(Holding::Held(identity.to_owned(), token)));
+        }
     }
 
     pub(crate) fn let_go(self: &Arc<Self>, lock: &str) {
