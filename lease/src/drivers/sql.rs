@@ -962,8 +962,18 @@ impl Driver for SqlDriver {
                 },
             },
         };
-        if let (Acquire::Acquired(lease), Some(named)) = (&acquired, &self.named_locks) {
-            named.held(lock, &lease.identity, lease.token);
+        match (&acquired, &self.named_locks) {
+            (Acquire::Acquired(lease), Some(named)) => {
+                named.held(lock, &lease.identity, lease.token)
+            }
+            // A waiter here: block on the lock's named lock. Not at the subscription, which
+            // comes before every attempt: a session per acquisition of a free lock would be
+            // spent for nothing. A release between the two leaves the named lock free, so the
+            // waiter's first `GET_LOCK` is granted at once and wakes it.
+            (Acquire::Busy(_), Some(named)) if self.releases.is_subscribed(lock) => {
+                named.watch(lock)
+            }
+            _ => {}
         }
         Ok(acquired)
     }
@@ -1091,11 +1101,7 @@ impl Driver for SqlDriver {
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        let changes = self.releases.subscribe(lock);
-        if let Some(named) = &self.named_locks {
-            named.watch(lock);
-        }
-        Some(changes)
+        Some(self.releases.subscribe(lock))
     }
 
     /// PostgreSQL waiters are woken by NOTIFY, MySQL's by named locks, and both read the row once
