@@ -17,6 +17,7 @@ use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
 use leasehold_lease::testkit::redis_server::field;
 use leasehold_lease::testkit::{
     MariaDbServer, PostgresServer, REDLOCK_MASTERS, RedisServer, SqliteHarness, free_port,
+    mariadb_server,
 };
 use leasehold_lease::{Acquire, Answer, Driver, Lock, LockConfig, Mode};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -1331,7 +1332,8 @@ async fn mysql_idle_waiters(url: &str) {
         .await
         .expect("max_connections");
     for mode in [SqlMode::Lease, SqlMode::RowLock] {
-        let questions = async || mariadb_status(&mut *admin.lock().await, "Questions").await;
+        let questions =
+            async || mariadb_server::status(&mut *admin.lock().await, "Questions").await;
         let connect = || -> Arc<dyn Driver> {
             Arc::new(
                 SqlDriver::connect(Dialect::MySql, url, None, "leasehold_locks", mode)
@@ -2213,13 +2215,13 @@ async fn many_keys_section() {
     let [statements, _] = many_keys_on(&mariadb.url(), "MariaDB", async || {
         let mut admin = admin.lock().await;
         // Less these two statements.
-        let questions = mariadb_status(&mut admin, "Questions")
+        let questions = mariadb_server::status(&mut admin, "Questions")
             .await
             .saturating_sub(2);
         [questions, 0]
     })
     .await;
-    let sessions = mariadb_status(&mut *admin.lock().await, "Max_used_connections").await;
+    let sessions = mariadb_server::status(&mut *admin.lock().await, "Max_used_connections").await;
     println!(
         "  MariaDB statements/s keeping them: {statements:.0} (one renewal per key per interval would be {:.0}); the most sessions open at once: {sessions} (the sidecar's pool, its named-lock sessions, this bench's own)",
         MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
@@ -2236,19 +2238,6 @@ async fn many_keys_section() {
         2.0 * MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
         leasehold_lease::redis::RENEWAL_LINGER
     );
-}
-
-/// A counter or gauge of MariaDB's `SHOW GLOBAL STATUS`.
-async fn mariadb_status(admin: &mut sqlx::AnyConnection, name: &str) -> u64 {
-    use sqlx::Row;
-    sqlx::query(&format!("SHOW GLOBAL STATUS LIKE '{name}'"))
-        .fetch_one(admin)
-        .await
-        .expect("SHOW STATUS")
-        .try_get::<String, _>("Value")
-        .expect("Value")
-        .parse()
-        .expect("a count")
 }
 
 /// One sidecar on `backend` takes `MANY_KEYS` keys of a family over `KEYED_OWNERS`

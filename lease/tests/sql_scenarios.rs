@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
 use leasehold_lease::testkit::conformance::{LEASE, RENEW, SLACK, contenders};
-use leasehold_lease::testkit::{Harness, MariaDbHarness, PostgresHarness, unique_lock};
+use leasehold_lease::testkit::{
+    Harness, MariaDbHarness, PostgresHarness, mariadb_server, unique_lock,
+};
 use leasehold_lease::{Answer, Lock, LockConfig, Mode};
 use sqlx::Connection;
 
@@ -655,14 +657,7 @@ async fn postgres_renew_statements(admin: &mut sqlx::AnyConnection) -> i64 {
 /// all prepared): a batch of renewals is an `UPDATE` and a read, and a renewal on its own was
 /// one `UPDATE`.
 async fn mariadb_prepared_statements(admin: &mut sqlx::AnyConnection) -> i64 {
-    use sqlx::Row;
-    let value: String = sqlx::query("SHOW GLOBAL STATUS LIKE 'Com_stmt_execute'")
-        .fetch_one(admin)
-        .await
-        .expect("SHOW STATUS")
-        .try_get("Value")
-        .expect("Value");
-    value.parse().expect("a count")
+    mariadb_server::status(admin, "Com_stmt_execute").await as i64
 }
 
 /// 40 renewals at once, every other with a token its lock never had: at most 3 batches of
@@ -789,14 +784,7 @@ async fn sqlite_renewals_at_once_go_in_one_transaction_and_answer_each_for_its_l
 
 /// The sessions MariaDB has open (`Threads_connected`).
 async fn mariadb_sessions(admin: &mut sqlx::AnyConnection) -> i64 {
-    use sqlx::Row;
-    let value: String = sqlx::query("SHOW GLOBAL STATUS LIKE 'Threads_connected'")
-        .fetch_one(admin)
-        .await
-        .expect("SHOW STATUS")
-        .try_get("Value")
-        .expect("Value");
-    value.parse().expect("a count")
+    mariadb_server::status(admin, "Threads_connected").await as i64
 }
 
 /// A process holding many locks on MySQL (a keyed family's keys) keeps a bounded number of

@@ -521,16 +521,13 @@ pub(crate) fn token(lease: &Lease) -> i64 {
 /// MySQL's 65,535.
 pub(crate) const MAX_RENEW_BATCH: usize = 512;
 
-/// A batch of renewals ([`RenewMany`]): each renewal is answered with whether its row came back
-/// extended. A batch is padded to a power of two with its last renewal again (the same row
-/// twice extends it once), so that each connection's statement cache holds ten statements per
-/// kind, not one per batch size.
+/// A batch of renewals ([`RenewMany`]), [`padded`]: each renewal is answered with whether its
+/// row came back extended.
 async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: RenewalBatch) {
     let rows = batch.len().next_power_of_two();
     let bound = |sql| {
         let mut query = sqlx::query(sql);
-        for i in 0..rows {
-            let (lease, ttl) = &batch[i.min(batch.len() - 1)].request;
+        for (lease, ttl) in padded(&batch) {
             let ttl = match many.dialect {
                 Dialect::Postgres => ms(*ttl),
                 Dialect::MySql => micros(*ttl),
@@ -558,6 +555,14 @@ async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: RenewalBatch) {
     };
     let extended = extended.await.map_err(map_err);
     answer_renewals(batch, extended);
+}
+
+/// The renewals of `batch`, padded to a power of two with its last one again (the same row
+/// twice is extended once), so that each connection's statement cache holds one statement per
+/// power of two, not one per batch size.
+pub(crate) fn padded(batch: &RenewalBatch) -> impl Iterator<Item = &(Lease, Duration)> {
+    let last = batch.len().saturating_sub(1);
+    (0..batch.len().next_power_of_two()).map(move |i| &batch[i.min(last)].request)
 }
 
 /// A batch of renewals, each a lease and its ttl, answered with whether it was renewed.

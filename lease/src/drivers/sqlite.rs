@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::batches::Batches;
 use crate::drivers::sql::{
-    Extended, MAX_RENEW_BATCH, RenewalBatch, answer_renewals, extended_row, token,
+    Extended, MAX_RENEW_BATCH, RenewalBatch, answer_renewals, extended_row, padded, token,
 };
 use crate::drivers::sqlite_wake::WakeFiles;
 use crate::error::{Error, Result};
@@ -83,14 +83,13 @@ fn renew_many(table: &str, rows: usize) -> String {
     )
 }
 
-/// A batch of renewals in one write transaction (one fsync, where each renewal took one); it is
-/// padded to a power of two with its last renewal again, as PostgreSQL's is.
+/// A batch of renewals in one write transaction (one fsync, where each renewal took one),
+/// [`padded`] as the other SQL drivers' are.
 async fn renew_batch(pool: SqlitePool, table: Arc<str>, batch: RenewalBatch) {
     let rows = batch.len().next_power_of_two();
     let sql = renew_many(&table, rows);
     let mut query = sqlx::query(&sql);
-    for i in 0..rows {
-        let (lease, ttl) = &batch[i.min(batch.len() - 1)].request;
+    for (lease, ttl) in padded(&batch) {
         query = query
             .bind(lease.lock.clone())
             .bind(lease.identity.clone())

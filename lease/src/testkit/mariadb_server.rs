@@ -13,6 +13,25 @@ use super::{free_port, require_binary};
 
 pub const DATABASE: &str = "leasehold";
 
+/// A counter or gauge of the server's `SHOW GLOBAL STATUS` (`Questions`, `Threads_connected`),
+/// read on `admin`. The read is a prepared statement itself, so it counts once in
+/// `Com_stmt_execute`.
+pub async fn status(admin: &mut sqlx::AnyConnection, name: &str) -> u64 {
+    use sqlx::Row;
+    assert!(
+        name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+        "not a status variable: {name}"
+    );
+    sqlx::query(&format!("SHOW GLOBAL STATUS LIKE '{name}'"))
+        .fetch_one(admin)
+        .await
+        .expect("SHOW STATUS")
+        .try_get::<String, _>("Value")
+        .expect("Value")
+        .parse()
+        .expect("a count")
+}
+
 pub struct MariaDbServer {
     process: ServerProcess,
     port: u16,
