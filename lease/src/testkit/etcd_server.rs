@@ -128,6 +128,21 @@ impl EtcdServer {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>() as u64
     }
+
+    /// Streams of the gRPC method `method` (`LeaseKeepAlive`, `Watch`) the server has started
+    /// and not yet ended (`grpc_server_started_total` less `grpc_server_handled_total`).
+    pub fn open_streams(&self, method: &str) -> u64 {
+        let metrics = get(self.metrics_port, "/metrics");
+        let label = format!("grpc_method=\"{method}\"");
+        let sum = |name: &str| {
+            metrics
+                .lines()
+                .filter(|l| l.starts_with(name) && l.contains(&label))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64
+        };
+        sum("grpc_server_started_total").saturating_sub(sum("grpc_server_handled_total"))
+    }
 }
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`.
