@@ -2238,6 +2238,14 @@ async fn many_keys_section() {
         2.0 * MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
         leasehold_lease::redis::RENEWAL_LINGER
     );
+    drop(zookeeper);
+
+    let etcd = leasehold_lease::testkit::EtcdServer::start();
+    let [messages] = many_keys_on(&etcd.url(), "etcd", async || [etcd.messages_received()]).await;
+    println!(
+        "  etcd requests/s keeping them: {messages:.0} gRPC messages (one keep-alive per key per interval is {:.0}: each key has its own etcd lease, not batched)",
+        MANY_KEYS as f64 / (LEASE / 3).as_secs_f64(),
+    );
 }
 
 /// One sidecar on `backend` takes `MANY_KEYS` keys of a family over `KEYED_OWNERS`

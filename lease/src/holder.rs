@@ -18,11 +18,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{broadcast, oneshot, watch};
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::boot_clock::BootInstant;
+use crate::commands;
 use crate::driver::{Acquire, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 use crate::names::validate_lock_name;
@@ -326,8 +327,8 @@ struct LockInner {
     backend: &'static str,
     state: watch::Receiver<Snapshot>,
     events: Events,
-    /// Boxed: a channel allocates room for 32 messages up front, per lock.
-    commands: mpsc::Sender<Box<Command>>,
+    /// Boxed: a command is queued rarely, and most of them are small.
+    commands: commands::Sender<Box<Command>>,
     /// Latches rather than watch channels: a watch channel takes some 400 bytes, which a
     /// sidecar holding 10,000 keyed locks pays per lock.
     shutdown: CancellationToken,
@@ -356,7 +357,7 @@ impl Lock {
         config.validate()?;
         let (state_tx, state_rx) = watch::channel(Snapshot::initial());
         let events = Events::default();
-        let (command_tx, command_rx) = mpsc::channel(64);
+        let (command_tx, command_rx) = commands::channel();
         let shutdown = CancellationToken::new();
         let settled = CancellationToken::new();
         let engine = Engine {
@@ -379,7 +380,7 @@ impl Lock {
             settled: Arc::new(settled.clone().drop_guard()),
         };
         let backend = engine.backend;
-        let task = tokio::spawn(engine.run());
+        let task = tokio::spawn(Box::new(engine).run());
         Ok(Self {
             inner: Arc::new(LockInner {
                 config,
@@ -449,7 +450,6 @@ impl Lock {
         self.inner
             .commands
             .send(Box::new(Command::Acquire { wait, hold, reply }))
-            .await
             .map_err(|_| Error::Shutdown)?;
         answer.await.map_err(|_| Error::Shutdown)
     }
@@ -461,7 +461,6 @@ impl Lock {
         self.inner
             .commands
             .send(Box::new(Command::Release { reply }))
-            .await
             .map_err(|_| Error::Shutdown)?;
         released.await.map_err(|_| Error::Shutdown)
     }
@@ -473,7 +472,6 @@ impl Lock {
         self.inner
             .commands
             .send(Box::new(Command::Extend { hold, reply }))
-            .await
             .map_err(|_| Error::Shutdown)?;
         answer.await.map_err(|_| Error::Shutdown)
     }
@@ -576,7 +574,7 @@ struct Engine {
     config: LockConfig,
     state: watch::Sender<Snapshot>,
     events: Events,
-    commands: mpsc::Receiver<Box<Command>>,
+    commands: commands::Receiver<Box<Command>>,
     shutdown: CancellationToken,
     telemetry: Arc<dyn Telemetry>,
     held: Option<HeldLease>,
@@ -622,7 +620,9 @@ pub(crate) fn jitter(d: Duration) -> Duration {
 }
 
 impl Engine {
-    async fn run(mut self) {
+    /// The engine is boxed: an `async fn` keeps its arguments apart from its locals, so an
+    /// engine taken by value would be stored twice in every lock's task.
+    async fn run(mut self: Box<Self>) {
         if self.config.single_use {
             tracing::debug!(lock = %self.config.name, identity = %self.config.identity,
                 backend = self.backend, "single-use lock started");
@@ -638,16 +638,16 @@ impl Engine {
             let flow = if self.held.is_some() {
                 self.hold_step().await
             } else if self.wants_lock() {
-                // Boxed: the largest step, which would otherwise size every engine's task, also
-                // while it only holds (each keyed lock has one).
+                // Every step but the holding one is boxed: each keyed lock has a task, and it
+                // spends its life holding, so the other steps should not size it.
                 Box::pin(self.campaign_step()).await
             } else if self.config.single_use {
                 if self.served {
                     break; // its holding is over, or its wait ended without one
                 }
-                self.first_command().await
+                Box::pin(self.first_command()).await
             } else {
-                self.idle_step().await
+                Box::pin(self.idle_step()).await
             };
             if let Flow::Stop = flow {
                 break;
@@ -1011,17 +1011,31 @@ impl Engine {
             .retry_at
             .unwrap_or(held.last_sent + self.config.renew_interval);
         let hold_deadline = self.hold_deadline;
+        // One timer for the three deadlines, and the rarer steps boxed: each lock's task is
+        // sized by this wait, which it sits in while it holds (a sleep takes about a hundred
+        // bytes, a renewal about 450).
+        let next = renew_at
+            .min(valid_until)
+            .min(hold_deadline.unwrap_or(valid_until));
         tokio::select! {
             biased;
             _ = stopped(self.shutdown.clone()) => return Flow::Stop,
-            command = self.commands.recv() => return self.command(command).await,
-            _ = sleep_until(valid_until) => {}
-            _ = sleep_until(hold_deadline.unwrap_or(valid_until)), if hold_deadline.is_some() => {
-                tracing::warn!(lock = %self.config.name,
-                    "the app did not acquire again within its hold; releasing");
-                self.step_down("the app's hold elapsed").await;
-            }
-            _ = sleep_until(renew_at) => return self.renew().await,
+            command = self.commands.recv() => return Box::pin(self.command(command)).await,
+            _ = sleep_until(next) => {}
+        }
+        let now = Instant::now();
+        if now >= valid_until {
+            // The fence at the top of the loop gives the lease up.
+            return Flow::Continue;
+        }
+        if hold_deadline.is_some_and(|deadline| now >= deadline) {
+            tracing::warn!(lock = %self.config.name,
+                "the app did not acquire again within its hold; releasing");
+            Box::pin(self.step_down("the app's hold elapsed")).await;
+            return Flow::Continue;
+        }
+        if now >= renew_at {
+            return Box::pin(self.renew()).await;
         }
         Flow::Continue
     }

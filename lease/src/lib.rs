@@ -15,6 +15,7 @@
 
 mod backend_url;
 pub mod boot_clock;
+mod commands;
 mod driver;
 pub mod drivers;
 mod error;

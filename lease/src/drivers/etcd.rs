@@ -271,7 +271,7 @@ impl Shared {
                 return Err(e);
             }
         };
-        let (slot, watch_expires) = QueueSlot::new();
+        let slot = QueueSlot::new();
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -281,7 +281,7 @@ impl Shared {
             revision,
             slot,
         });
-        let task = tokio::spawn(tend(self.clone(), entry.clone(), watch_expires));
+        let task = tokio::spawn(tend(self.clone(), entry.clone()));
         entry.slot.set_tender(task);
         self.entries
             .lock()
@@ -415,7 +415,7 @@ fn lowest(queue: &str) -> RangeRequest {
 
 /// Keep a waiting key alive while its engine keeps asking; end a held one when its local lease
 /// runs out.
-async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiver<Instant>) {
+async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
     loop {
         if entry.slot.left() {
             return;
@@ -435,10 +435,7 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiv
                 // An acquisition sets the expiry: stop waiting and start guarding it at once.
                 tokio::select! {
                     () = tokio::time::sleep(entry.granted / 2) => {}
-                    changed = expires.changed() => {
-                        if changed.is_err() { return }
-                        continue;
-                    }
+                    () = entry.slot.expiry_moved() => continue,
                 }
                 if !entry.slot.holding() {
                     match shared.keep_alive(entry.etcd_lease).await {
@@ -451,14 +448,13 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, mut expires: watch::Receiv
                     }
                 }
             }
-            None => match entry.slot.wait_expiry(&mut expires).await {
+            None => match entry.slot.wait_expiry().await {
                 Expiry::Passed => {
                     shared.leave(&entry).await;
                     shared.releases.bump(&entry.lock);
                     return;
                 }
                 Expiry::Moved => {}
-                Expiry::Closed => return,
             },
         }
     }
