@@ -323,7 +323,8 @@ impl Events {
 }
 
 struct LockInner {
-    config: LockConfig,
+    /// Shared with the engine: one copy per lock, of which a keyed family has thousands.
+    config: Arc<LockConfig>,
     backend: &'static str,
     state: watch::Receiver<Snapshot>,
     events: Events,
@@ -355,6 +356,7 @@ impl Lock {
         telemetry: Arc<dyn Telemetry>,
     ) -> Result<Self> {
         config.validate()?;
+        let config = Arc::new(config);
         let (state_tx, state_rx) = watch::channel(Snapshot::initial());
         let events = Events::default();
         let (command_tx, command_rx) = commands::channel();
@@ -571,7 +573,7 @@ enum Call<T> {
 struct Engine {
     driver: Arc<dyn Driver>,
     backend: &'static str,
-    config: LockConfig,
+    config: Arc<LockConfig>,
     state: watch::Sender<Snapshot>,
     events: Events,
     commands: commands::Receiver<Box<Command>>,

@@ -215,6 +215,68 @@ async fn a_holder_whose_key_was_deleted_stops_claiming() {
     assert!(b.renew(&lb, lease).await.unwrap(), "b is the one holder");
 }
 
+/// Renewals that arrive together check their keys in one transaction, and each is answered for
+/// its own key: forty renewals, every fourth of whose keys was deleted behind the driver's back,
+/// cost etcd forty keep-alives, one transaction and a revoke per deleted key, where each renewal
+/// sent a transaction of its own (90 messages).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_at_once_check_their_keys_in_one_transaction() {
+    use leasehold_lease::drivers::etcd_rpc::{Connect, DeleteRangeRequest, EtcdClient};
+    use leasehold_lease::{Acquire, Driver};
+    use std::time::Duration;
+
+    const LOCKS: usize = 40;
+    let server = EtcdServer::start();
+    let holder = driver(&server);
+    let ttl = Duration::from_secs(10);
+    let mut leases = Vec::new();
+    for i in 0..LOCKS {
+        let Acquire::Acquired(lease) = holder
+            .try_acquire(&format!("k{i}"), "a", ttl)
+            .await
+            .unwrap()
+        else {
+            panic!("k{i} is free");
+        };
+        leases.push(lease);
+    }
+    let raw = EtcdClient::connect(Connect {
+        endpoints: &[format!("127.0.0.1:{}", server.port())],
+        tls: None,
+        user: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+    })
+    .await
+    .expect("raw client");
+    for i in (0..LOCKS).step_by(4) {
+        // `leasehold/kI/` up to `leasehold/kI0`: the lock's keys only.
+        raw.delete_range(DeleteRangeRequest {
+            key: format!("leasehold/k{i}/").into_bytes(),
+            range_end: format!("leasehold/k{i}0").into_bytes(),
+            prev_kv: false,
+        })
+        .await
+        .expect("delete");
+    }
+    let before = server.messages_received();
+    let renewed =
+        futures_util::future::join_all(leases.iter().map(|lease| holder.renew(lease, ttl))).await;
+    let sent = server.messages_received() - before;
+    for (i, renewed) in renewed.into_iter().enumerate() {
+        assert_eq!(
+            renewed.expect("renew"),
+            i % 4 != 0,
+            "k{i}: renewed only where its key is still there"
+        );
+    }
+    let deleted = LOCKS.div_ceil(4) as u64;
+    assert!(
+        sent <= LOCKS as u64 + deleted + 3,
+        "{sent} messages for {LOCKS} renewals ({deleted} of deleted keys)"
+    );
+}
+
 /// etcd counts leases in whole seconds: a 1.5 s lease is a 2 s etcd lease, which a crashed
 /// holder keeps; the lock says so rather than promise a takeover within 1.5 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,9 +30,10 @@ use tokio::sync::{OnceCell, watch};
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::batches::{Batch, Batches, answer_all};
 use crate::drivers::etcd_rpc::{
-    Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
-    RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
+    Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest, RangeRequest,
+    RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
 use crate::drivers::queue_slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
@@ -98,6 +99,55 @@ struct Shared {
 
 pub struct EtcdDriver {
     shared: Arc<Shared>,
+    /// Renewals' checks that arrive together are read together ([`check_keys`]).
+    checks: Batches<KeyCheck, Result<bool>>,
+}
+
+/// A renewal's check that its key is still the one it put: a key deleted behind the driver's
+/// back (`etcdctl del --prefix`, a lock's clean-up) lets the next contender in while the etcd
+/// lease lives on, so a live lease alone proves nothing.
+struct KeyCheck {
+    client: EtcdClient,
+    key: String,
+    revision: i64,
+}
+
+/// The most keys one batch of checks reads: etcd refuses a transaction of more operations than
+/// its `--max-txn-ops` (128 by default).
+const MAX_CHECK_BATCH: usize = 128;
+
+/// The checks of a batch in one transaction that reads every key, where each renewal sent a
+/// transaction of its own. A key is still queued when it is there with the create revision it
+/// was put with (a key put again has another). Each read is sent after its renewal began, as
+/// its own transaction was.
+async fn check_keys(batch: Batch<KeyCheck, Result<bool>>) {
+    let client = batch[0].request.client.clone();
+    let request = TxnRequest {
+        success: batch
+            .iter()
+            .map(|pending| RangeRequest::key(&pending.request.key).into())
+            .collect(),
+        ..TxnRequest::default()
+    };
+    let ranges = match client.txn(request).await {
+        Ok(reply) => reply.ranges(),
+        Err(e) => return answer_all(batch, Err(map_err(e))),
+    };
+    if ranges.len() != batch.len() {
+        let error = Error::Backend(format!(
+            "a transaction of {} reads was answered with {} results",
+            batch.len(),
+            ranges.len()
+        ));
+        return answer_all(batch, Err(error));
+    }
+    for (pending, range) in batch.into_iter().zip(ranges) {
+        let queued = range
+            .kvs
+            .first()
+            .is_some_and(|kv| kv.create_revision == pending.request.revision);
+        let _ = pending.reply.send(Ok(queued));
+    }
 }
 
 impl Drop for EtcdDriver {
@@ -157,21 +207,6 @@ impl Shared {
             .await
             .map_err(map_err)?
             .is_some())
-    }
-
-    /// Whether `entry`'s key is still the one it put: a key deleted behind the driver's back
-    /// (`etcdctl del --prefix`, a lock's clean-up) lets the next contender in while the etcd
-    /// lease lives on, so a live lease alone proves nothing.
-    async fn still_queued(&self, entry: &Entry) -> Result<bool> {
-        let client = self.client().await?;
-        let reply = client
-            .txn(TxnRequest {
-                compare: vec![Compare::created_at(&entry.key, entry.revision)],
-                ..TxnRequest::default()
-            })
-            .await
-            .map_err(map_err)?;
-        Ok(reply.succeeded)
     }
 
     /// Give the key up (best effort: if etcd is unreachable, its TTL does it).
@@ -415,6 +450,9 @@ fn lowest(queue: &str) -> RangeRequest {
 
 /// Keep a waiting key alive while its engine keeps asking; end a held one when its local lease
 /// runs out.
+///
+/// Every held or waiting key keeps one of these tasks, so its size counts per key: the calls to
+/// etcd are boxed, since a gRPC call's future would otherwise make each task several KB.
 async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
     loop {
         if entry.slot.left() {
@@ -426,7 +464,7 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
                 // rather than hold everyone behind a key no one will use. Unless an
                 // acquisition claimed the place meanwhile: then guard it.
                 if entry.slot.leave_if_waiting() {
-                    shared.leave(&entry).await;
+                    Box::pin(shared.leave(&entry)).await;
                     shared.releases.bump(&entry.lock);
                     return;
                 }
@@ -438,7 +476,7 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
                     () = entry.slot.expiry_moved() => continue,
                 }
                 if !entry.slot.holding() {
-                    match shared.keep_alive(entry.etcd_lease).await {
+                    match Box::pin(shared.keep_alive(entry.etcd_lease)).await {
                         Ok(false) => {
                             shared.forget(&entry);
                             return;
@@ -450,7 +488,7 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
             }
             None => match entry.slot.wait_expiry().await {
                 Expiry::Passed => {
-                    shared.leave(&entry).await;
+                    Box::pin(shared.leave(&entry)).await;
                     shared.releases.bump(&entry.lock);
                     return;
                 }
@@ -478,6 +516,7 @@ impl EtcdDriver {
                 releases: ChangeFeeds::default(),
                 wakeups: AtomicU64::new(0),
             }),
+            checks: Batches::new(MAX_CHECK_BATCH, check_keys),
         })
     }
 
@@ -624,11 +663,16 @@ impl Driver for EtcdDriver {
             return Ok(false);
         }
         // Both sent after `sent`: the lease restarted at the server, and the key is still ours.
+        let check = KeyCheck {
+            client: self.shared.client().await?,
+            key: entry.key.clone(),
+            revision: entry.revision,
+        };
         let (alive, queued) = tokio::join!(
             self.shared.keep_alive(entry.etcd_lease),
-            self.shared.still_queued(&entry)
+            self.checks.call(check)
         );
-        if !alive? || !queued? {
+        if !alive? || !queued?? {
             // The key may have been deleted while its lease lived: end the lease too, so that
             // nothing of this claim remains.
             self.shared.leave(&entry).await;
