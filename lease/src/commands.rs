@@ -164,19 +164,22 @@ mod tests {
 
     #[tokio::test]
     async fn a_cancelled_wait_loses_no_command() {
+        use futures_util::FutureExt;
         let (tx, mut rx) = channel();
-        // Cancelled before anything arrives, as the engine's select cancels it for a timer.
-        assert!(timeout(Duration::from_millis(10), rx.recv()).await.is_err());
-        tx.send("after").unwrap();
-        assert!(
-            timeout(Duration::from_millis(10), async {
-                tokio::task::yield_now().await
-            })
-            .await
-            .is_ok()
-        );
-        let got = timeout(Duration::from_secs(5), rx.recv()).await;
-        assert_eq!(got.expect("not lost"), Some("after"));
+        {
+            // Waiting, then woken by a send, then cancelled before it runs again: as the
+            // engine's select drops it when a timer wins the same poll.
+            let mut waiting = Box::pin(rx.recv());
+            assert!((&mut waiting).now_or_never().is_none());
+            tx.send("first").unwrap();
+        }
+        tx.send("second").unwrap();
+        for expected in ["first", "second"] {
+            let got = timeout(Duration::from_secs(5), rx.recv()).await;
+            assert_eq!(got.expect("not lost"), Some(expected));
+        }
+        // Nothing left over: a further wait waits.
+        assert!(timeout(Duration::from_millis(20), rx.recv()).await.is_err());
     }
 
     #[tokio::test]
