@@ -661,7 +661,8 @@ async fn mariadb_prepared_statements(admin: &mut sqlx::AnyConnection) -> i64 {
 }
 
 /// 40 renewals at once, every other with a token its lock never had: at most 3 batches of
-/// `per_batch` statements each by `statements` (40 renewals, one statement each, before), and
+/// `per_batch` statements each by `statements`, and two besides (40 renewals, one statement
+/// each, before), and
 /// each answered for its own lease: only the owned ones extend their row, to their own ttl.
 async fn renewals_at_once_go_together(
     driver: Arc<dyn leasehold_lease::Driver>,
@@ -716,8 +717,11 @@ async fn renewals_at_once_go_together(
         let extended = holding.expires_in.expect("expiry") > Duration::from_secs(10);
         assert_eq!(extended, *owned, "{}: {holding:?}", lease.lock);
     }
+    // Two more for what runs beside the renewals: MySQL's named-lock sessions each check their
+    // holding every 30 s, and one such check in the window failed a CI run with 7 (batches of
+    // one send 40 or more).
     assert!(
-        count <= 3 * per_batch,
+        count <= 3 * per_batch + 2,
         "{count} statements for {LOCKS} renewals at once"
     );
 }
