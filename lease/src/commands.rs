@@ -1,5 +1,5 @@
-//! The queue of an app's commands to one lock's task: many senders (requests), one receiver (the
-//! task).
+//! The queue of an app's commands to one lock's task: one sender (the lock, shared by its
+//! callers), one receiver (the task).
 //!
 //! Built here rather than taken from tokio's `mpsc`, whose channel allocates about 800 bytes up
 //! front (cache-padded counters and a first block of 32 slots): a sidecar holding 10,000 keyed
@@ -21,8 +21,8 @@ struct Queue<T> {
     items: VecDeque<T>,
     /// The receiver has been dropped: sends fail.
     receiver_gone: bool,
-    /// Every sender has been dropped: once drained, `recv` answers `None`.
-    senders: usize,
+    /// The sender has been dropped: once drained, `recv` answers `None`.
+    sender_gone: bool,
 }
 
 struct Shared<T> {
@@ -50,7 +50,7 @@ pub(crate) fn channel<T>() -> (Sender<T>, Receiver<T>) {
         queue: Mutex::new(Queue {
             items: VecDeque::new(),
             receiver_gone: false,
-            senders: 1,
+            sender_gone: false,
         }),
         ready: Notify::new(),
     });
@@ -71,28 +71,15 @@ impl<T> Sender<T> {
     }
 }
 
-impl<T> Clone for Sender<T> {
-    fn clone(&self) -> Self {
-        self.0.queue().senders += 1;
-        Self(self.0.clone())
-    }
-}
-
 impl<T> Drop for Sender<T> {
     fn drop(&mut self) {
-        let last = {
-            let mut queue = self.0.queue();
-            queue.senders -= 1;
-            queue.senders == 0
-        };
-        if last {
-            self.0.ready.notify_one();
-        }
+        self.0.queue().sender_gone = true;
+        self.0.ready.notify_one();
     }
 }
 
 impl<T> Receiver<T> {
-    /// The next command, or `None` once every sender is gone and the queue is empty.
+    /// The next command, or `None` once the sender is gone and the queue is empty.
     /// Cancel-safe: a command is taken only by the call that returns it, and a wake-up left by
     /// a cancelled call stays as `Notify`'s permit.
     pub(crate) async fn recv(&mut self) -> Option<T> {
@@ -102,7 +89,7 @@ impl<T> Receiver<T> {
                 if let Some(item) = queue.items.pop_front() {
                     return Some(item);
                 }
-                if queue.senders == 0 {
+                if queue.sender_gone {
                     return None;
                 }
             }
@@ -133,22 +120,25 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn commands_arrive_in_order_and_end_when_every_sender_is_gone() {
+    async fn commands_arrive_in_order_and_end_when_the_sender_is_gone() {
         let (tx, mut rx) = channel();
-        let second = tx.clone();
         tx.send(1).unwrap();
-        second.send(2).unwrap();
-        drop(tx);
+        tx.send(2).unwrap();
         assert_eq!(rx.recv().await, Some(1));
         assert_eq!(rx.recv().await, Some(2));
-        let waiting = tokio::spawn(async move { rx.recv().await });
+        let waiting = tokio::spawn(async move {
+            let third = rx.recv().await;
+            (third, rx.recv().await)
+        });
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!waiting.is_finished(), "a sender is left: recv must wait");
-        drop(second);
+        assert!(!waiting.is_finished(), "the sender is left: recv must wait");
+        // Sent just before the sender goes: still delivered, and only then the end.
+        tx.send(3).unwrap();
+        drop(tx);
         let ended = timeout(Duration::from_secs(5), waiting).await;
         assert_eq!(
-            ended.expect("woken by the last sender's drop").unwrap(),
-            None
+            ended.expect("woken by the sender's drop").unwrap(),
+            (Some(3), None)
         );
     }
 

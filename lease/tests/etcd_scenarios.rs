@@ -16,6 +16,21 @@ fn driver(server: &EtcdServer) -> EtcdDriver {
     .expect("driver")
 }
 
+/// A client of the test's own, to change keys behind the driver's back.
+async fn raw_client(server: &EtcdServer) -> leasehold_lease::drivers::etcd_rpc::EtcdClient {
+    use leasehold_lease::drivers::etcd_rpc::{Connect, EtcdClient};
+    use std::time::Duration;
+    EtcdClient::connect(Connect {
+        endpoints: &[format!("127.0.0.1:{}", server.port())],
+        tls: None,
+        user: None,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+    })
+    .await
+    .expect("raw client")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_release_wakes_exactly_one_of_fifty_waiters() {
     let server = EtcdServer::start();
@@ -177,7 +192,7 @@ async fn tls_refusals_say_why() {
 /// rather than keep both claiming with different tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_whose_key_was_deleted_stops_claiming() {
-    use leasehold_lease::drivers::etcd_rpc::{Connect, DeleteRangeRequest, EtcdClient};
+    use leasehold_lease::drivers::etcd_rpc::DeleteRangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use std::time::Duration;
 
@@ -187,15 +202,7 @@ async fn a_holder_whose_key_was_deleted_stops_claiming() {
     let Acquire::Acquired(la) = a.try_acquire("deleted", "a", lease).await.unwrap() else {
         panic!("a did not acquire")
     };
-    let raw = EtcdClient::connect(Connect {
-        endpoints: &[format!("127.0.0.1:{}", server.port())],
-        tls: None,
-        user: None,
-        connect_timeout: Duration::from_secs(2),
-        request_timeout: Duration::from_secs(5),
-    })
-    .await
-    .expect("raw client");
+    let raw = raw_client(&server).await;
     // `leasehold/` up to `leasehold0`: every key of every lock, as `etcdctl del --prefix`.
     raw.delete_range(DeleteRangeRequest {
         key: b"leasehold/".to_vec(),
@@ -221,7 +228,7 @@ async fn a_holder_whose_key_was_deleted_stops_claiming() {
 /// sent a transaction of its own (90 messages).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_at_once_check_their_keys_in_one_transaction() {
-    use leasehold_lease::drivers::etcd_rpc::{Connect, DeleteRangeRequest, EtcdClient};
+    use leasehold_lease::drivers::etcd_rpc::DeleteRangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use std::time::Duration;
 
@@ -240,15 +247,7 @@ async fn renewals_at_once_check_their_keys_in_one_transaction() {
         };
         leases.push(lease);
     }
-    let raw = EtcdClient::connect(Connect {
-        endpoints: &[format!("127.0.0.1:{}", server.port())],
-        tls: None,
-        user: None,
-        connect_timeout: Duration::from_secs(2),
-        request_timeout: Duration::from_secs(5),
-    })
-    .await
-    .expect("raw client");
+    let raw = raw_client(&server).await;
     for i in (0..LOCKS).step_by(4) {
         // `leasehold/kI/` up to `leasehold/kI0`: the lock's keys only.
         raw.delete_range(DeleteRangeRequest {

@@ -122,11 +122,8 @@ impl EtcdServer {
     /// gRPC messages the server has received so far, over every service and stream
     /// (`grpc_server_msg_received_total` summed from its metrics).
     pub fn messages_received(&self) -> u64 {
-        get(self.metrics_port, "/metrics")
-            .lines()
-            .filter(|l| l.starts_with("grpc_server_msg_received_total"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
+        let metrics = get(self.metrics_port, "/metrics");
+        metric_total(&metrics, "grpc_server_msg_received_total", "")
     }
 
     /// Streams of the gRPC method `method` (`LeaseKeepAlive`, `Watch`) the server has started
@@ -134,15 +131,22 @@ impl EtcdServer {
     pub fn open_streams(&self, method: &str) -> u64 {
         let metrics = get(self.metrics_port, "/metrics");
         let label = format!("grpc_method=\"{method}\"");
-        let sum = |name: &str| {
-            metrics
-                .lines()
-                .filter(|l| l.starts_with(name) && l.contains(&label))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>() as u64
-        };
-        sum("grpc_server_started_total").saturating_sub(sum("grpc_server_handled_total"))
+        metric_total(&metrics, "grpc_server_started_total", &label).saturating_sub(metric_total(
+            &metrics,
+            "grpc_server_handled_total",
+            &label,
+        ))
     }
+}
+
+/// The sum of the series of the metric `name` whose labels contain `label` (every series when
+/// it is empty), from a Prometheus text page.
+fn metric_total(metrics: &str, name: &str, label: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`.
