@@ -295,6 +295,30 @@ enum Command {
     },
 }
 
+/// Called once when a lock stops being held by this process: its lease released or lost, or its
+/// task ended (or aborted) before that. It runs on whatever thread the engine runs or is dropped
+/// on, so it must only do quick, non-blocking work. A keyed family frees a key's slot with it,
+/// where a task per held key, waiting for the same moment, would cost each key its own memory.
+pub(crate) struct OnUnheld(Option<Box<dyn FnOnce() + Send>>);
+
+impl OnUnheld {
+    pub(crate) fn new(hook: impl FnOnce() + Send + 'static) -> Self {
+        Self(Some(Box::new(hook)))
+    }
+
+    fn fire(&mut self) {
+        if let Some(hook) = self.0.take() {
+            hook();
+        }
+    }
+}
+
+impl Drop for OnUnheld {
+    fn drop(&mut self) {
+        self.fire();
+    }
+}
+
 /// A lock held (or sought) by this process. Cheap to clone; the task stops when the last clone
 /// is shut down or dropped.
 #[derive(Clone)]
@@ -355,6 +379,17 @@ impl Lock {
         config: LockConfig,
         telemetry: Arc<dyn Telemetry>,
     ) -> Result<Self> {
+        Self::start_with_hook(driver, config, telemetry, None)
+    }
+
+    /// [`Lock::start`], with `on_unheld` called once when this process stops holding the lock
+    /// (after it is published as not held), or when the task ends without that.
+    pub(crate) fn start_with_hook(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+        on_unheld: Option<OnUnheld>,
+    ) -> Result<Self> {
         config.validate()?;
         let config = Arc::new(config);
         let (state_tx, state_rx) = watch::channel(Snapshot::initial());
@@ -380,6 +415,7 @@ impl Lock {
             served: false,
             in_flight: None,
             settled: Arc::new(settled.clone().drop_guard()),
+            on_unheld,
         };
         let backend = engine.backend;
         let task = tokio::spawn(Box::new(engine).run());
@@ -593,6 +629,8 @@ struct Engine {
     /// Kept by the engine and by each follow-up of an [`InFlight`]; [`Lock::settled`] resolves
     /// when the last is dropped.
     settled: Arc<DropGuard>,
+    /// Fired by [`Engine::forget`], or when the engine is dropped.
+    on_unheld: Option<OnUnheld>,
 }
 
 /// Whether the task goes on.
@@ -836,6 +874,9 @@ impl Engine {
         self.publish_lease();
         self.state.send_modify(|s| s.current_holder = None);
         self.emit(kind, held.lease.token, reason);
+        if let Some(mut hook) = self.on_unheld.take() {
+            hook.fire();
+        }
         Some(held)
     }
 

@@ -29,7 +29,7 @@ use tokio::time::{Instant, timeout};
 
 use crate::driver::{Driver, Holding};
 use crate::error::Error;
-use crate::holder::{Answer, Event, Lock, LockConfig, Mode, Telemetry};
+use crate::holder::{Answer, Event, Lock, LockConfig, Mode, OnUnheld, Telemetry};
 use crate::names::{
     HASHED_KEY_INFIX, MAX_LOCK_NAME, PLAIN_KEY_INFIX, family_of, validate_lock_name,
 };
@@ -133,6 +133,8 @@ struct KeyState {
 struct KeyHolding {
     owner: String,
     lock: Lock,
+    /// Tells this holding from the key's later ones ([`FamilyInner::serials`]).
+    serial: u64,
     /// The key's local slot, given back the moment the holding is forgotten: a task may still
     /// hold the holding itself a moment longer, and the next owner must not wait for it.
     slot: Mutex<Option<OwnedMutexGuard<()>>>,
@@ -159,6 +161,9 @@ struct FamilyInner {
     held: AtomicUsize,
     /// Owners inside an acquisition that does not hold the key yet.
     waiting: AtomicUsize,
+    /// The last holding's serial: an engine's hook names the holding it ends by it, since it
+    /// cannot keep the holding (which keeps the engine's lock).
+    serials: std::sync::atomic::AtomicU64,
 }
 
 /// The keys' engines report under the family's name through this, never under their own.
@@ -217,6 +222,7 @@ impl KeyedFamily {
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
                 waiting: AtomicUsize::new(0),
+                serials: std::sync::atomic::AtomicU64::new(0),
             }),
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -397,7 +403,7 @@ impl KeyedFamily {
                 Ok(answer) => return Ok(self.answer_for(&current, answer)),
                 // Its engine ended a moment ago (the hold lapsed, the lease was lost) and is
                 // about to be forgotten: take the key afresh.
-                Err(Error::Shutdown) => self.forget(key, &current),
+                Err(Error::Shutdown) => self.forget(key, current.serial),
                 Err(e) => return Err(e.into()),
             }
         }
@@ -415,7 +421,17 @@ impl KeyedFamily {
             return Err(KeyError::TooManyKeys(config.max_keys));
         }
         self.check_running()?;
-        let lock = Lock::start(
+        let serial = self.inner.serials.fetch_add(1, Ordering::Relaxed) + 1;
+        // Once the engine no longer holds the key (released, its hold lapsed, its lease lost) or
+        // has ended, the key's slot goes to the next owner.
+        let family = Arc::downgrade(&self.inner);
+        let forgotten = key.to_owned();
+        let on_unheld = OnUnheld::new(move || {
+            if let Some(inner) = family.upgrade() {
+                KeyedFamily { inner }.forget(&forgotten, serial);
+            }
+        });
+        let lock = Lock::start_with_hook(
             self.inner.driver.clone(),
             LockConfig {
                 mode: Mode::OnDemand,
@@ -428,6 +444,7 @@ impl KeyedFamily {
                 )
             },
             self.inner.telemetry.clone(),
+            Some(on_unheld),
         )?;
         let answer = lock
             .acquire(deadline.saturating_duration_since(Instant::now()), hold)
@@ -455,21 +472,25 @@ impl KeyedFamily {
         let holding = Arc::new(KeyHolding {
             owner: owner.to_owned(),
             lock,
+            serial,
             slot: Mutex::new(Some(slot)),
         });
-        *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
+        // Counted before it is put in place: the engine's hook may forget it (and count it
+        // out) from then on.
         self.inner.held.fetch_add(1, Ordering::SeqCst);
+        *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
         // `stop` raises its flag before it looks for holdings: either it saw this one, or this
         // sees the flag.
         if let Err(stopped) = self.check_running() {
             holding.lock.shutdown().await;
-            self.forget(key, &holding);
+            self.forget(key, serial);
             return Err(stopped);
         }
-        tokio::spawn(
-            self.clone()
-                .forget_when_gone(key.to_owned(), holding.clone()),
-        );
+        // The engine's hook found nothing to forget if the holding ended before it was put in
+        // place; the engine publishes that before it calls the hook.
+        if holding.lock.snapshot().held.is_none() {
+            self.forget(key, serial);
+        }
         Ok(self.answer_for(&holding, answer))
     }
 
@@ -495,7 +516,7 @@ impl KeyedFamily {
         if holds == 0 {
             // Free the slot now rather than when the watcher gets to it, so that the next
             // owner's acquisition is not refused for a moment.
-            self.forget(key, &current);
+            self.forget(key, current.serial);
         }
         Ok(KeyRelease::Released { holds })
     }
@@ -569,21 +590,14 @@ impl KeyedFamily {
         }
     }
 
-    /// Once the engine no longer holds the key (released, its hold lapsed, its lease lost), stop
-    /// it and free the key's slot for the next owner.
-    async fn forget_when_gone(self, key: String, holding: Arc<KeyHolding>) {
-        let mut changes = holding.lock.watch();
-        let _ = changes.wait_for(|s| s.held.is_none()).await;
-        self.forget(&key, &holding);
-    }
-
-    fn forget(&self, key: &str, holding: &Arc<KeyHolding>) {
+    /// Stop the engine of `key`'s holding `serial` and free the key's slot for the next owner,
+    /// if that holding is still the key's.
+    fn forget(&self, key: &str, serial: u64) {
         let Some(state) = self.existing(key) else {
             return;
         };
         let mut current = state.current.lock().unwrap_or_else(|e| e.into_inner());
-        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, holding)) {
-            *current = None;
+        if let Some(holding) = current.take_if(|c| c.serial == serial) {
             drop(current);
             drop(
                 holding
@@ -593,8 +607,11 @@ impl KeyedFamily {
                     .take(),
             );
             self.inner.held.fetch_sub(1, Ordering::SeqCst);
-            let lock = holding.lock.clone();
-            tokio::spawn(async move { lock.shutdown().await });
+            // The hook may run as the runtime winds down, where there is nothing to spawn on.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let lock = holding.lock.clone();
+                runtime.spawn(async move { lock.shutdown().await });
+            }
             // Drop the key's state when nobody holds or waits for it (the slot's only other
             // reference would be a waiter's).
             let mut keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());

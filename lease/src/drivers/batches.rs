@@ -13,10 +13,11 @@
 //! ([`Gather::WhileBusy`]).
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
@@ -66,12 +67,11 @@ impl<R: Send + 'static, A: Send + 'static> Batches<R, A> {
         Fut: Future<Output = ()> + Send + 'static,
     {
         let (queue, mut pending) = mpsc::unbounded_channel::<Pending<R, A>>();
-        let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
         tokio::spawn(async move {
-            while let Some(first) = pending.recv().await {
-                let mut batch = vec![first];
-                match gather {
-                    Gather::Linger => {
+            match gather {
+                Gather::Linger => {
+                    while let Some(first) = pending.recv().await {
+                        let mut batch = vec![first];
                         let until = Instant::now() + LINGER;
                         while batch.len() < max {
                             match tokio::time::timeout_at(until, pending.recv()).await {
@@ -81,24 +81,31 @@ impl<R: Send + 'static, A: Send + 'static> Batches<R, A> {
                         }
                         tokio::spawn(send(batch));
                     }
-                    Gather::WhileBusy => {
-                        // Waited for before the batch is gathered: while the batches allowed
-                        // out are on their way, the requests behind them gather.
-                        let Ok(out) = in_flight.clone().acquire_owned().await else {
-                            break;
-                        };
-                        while batch.len() < max {
-                            match pending.try_recv() {
-                                Ok(next) => batch.push(next),
-                                Err(_) => break,
+                }
+                Gather::WhileBusy => {
+                    // The batches out are driven here, not on tasks of their own: one task
+                    // less to wake for every batch, where a batch is a round trip or two.
+                    let mut out = FuturesUnordered::new();
+                    loop {
+                        tokio::select! {
+                            biased;
+                            Some(()) = out.next(), if !out.is_empty() => {}
+                            first = pending.recv(), if out.len() < IN_FLIGHT => {
+                                let Some(first) = first else { break };
+                                // The requests that arrived while the batches before were
+                                // out go together.
+                                let mut batch = vec![first];
+                                while batch.len() < max {
+                                    match pending.try_recv() {
+                                        Ok(next) => batch.push(next),
+                                        Err(_) => break,
+                                    }
+                                }
+                                out.push(send(batch));
                             }
                         }
-                        let sent = send(batch);
-                        tokio::spawn(async move {
-                            sent.await;
-                            drop(out);
-                        });
                     }
+                    while out.next().await.is_some() {}
                 }
             }
         });

@@ -11,6 +11,7 @@ pub(crate) mod queue_slot;
 pub mod redis;
 pub(crate) mod redis_acquisitions;
 pub(crate) mod redis_cluster;
+pub(crate) mod redis_releases;
 pub(crate) mod redis_renewals;
 pub mod redis_sentinel;
 pub mod redlock;

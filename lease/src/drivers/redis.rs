@@ -28,6 +28,7 @@ use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 /// How long a renewal waits for others to go out with it in one script call.
 pub use crate::drivers::batches::LINGER as RENEWAL_LINGER;
 use crate::drivers::redis_acquisitions::AcquisitionBatches;
+use crate::drivers::redis_releases::ReleaseBatches;
 use crate::drivers::redis_renewals::RenewalBatches;
 use crate::error::{Error, Result};
 
@@ -285,37 +286,58 @@ end
 return 0
 ";
 
-/// KEYS: lease, and the lock's waiters mark where the acquisitions set one ([`ACQUIRE`]).
-/// ARGV: expected value, release channel. Returns 1 when released.
+/// KEYS: for each lease in turn, the lease, then the lock's waiters mark where the
+/// acquisitions set one ([`ACQUIRE`]): every lease with its mark, or none with one. ARGV: for
+/// each lease in turn, its expected value and the lock's release channel. Returns, for each
+/// lease, 1 when it was released.
 ///
 /// The notice is published only when an attempt found the lock held since the last release
 /// (the mark, taken down here), or when the caller passes no mark (Redlock, whose acquisitions
 /// set none): every sidecar listens to every lock's notices, so a notice that nobody waits for
-/// costs each of them a message.
+/// costs each of them a message. Several leases in one call are released exactly as by one call
+/// each ([`crate::drivers::redis_releases`] sends a master's concurrent releases together).
 pub(crate) const RELEASE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  if not KEYS[2] or redis.call('DEL', KEYS[2]) == 1 then
-    redis.call('PUBLISH', ARGV[2], ARGV[1])
+local marked = #KEYS == #ARGV
+local stride = marked and 2 or 1
+local released = {}
+for i = 1, #ARGV / 2 do
+  local lease, value = KEYS[stride * i - stride + 1], ARGV[2 * i - 1]
+  if redis.call('GET', lease) == value then
+    -- The lease is there, so a mark was too when two keys go.
+    if not marked then
+      redis.call('DEL', lease)
+      redis.call('PUBLISH', ARGV[2 * i], value)
+    elseif redis.call('DEL', lease, KEYS[stride * i]) == 2 then
+      redis.call('PUBLISH', ARGV[2 * i], value)
+    end
+    released[i] = 1
+  else
+    released[i] = 0
   end
-  return 1
 end
-return 0
+return released
 ";
 
-/// An invocation of [`RELEASE`] for `lease`, with the lock's waiters mark.
-pub(crate) fn release_of<'a>(
+/// An invocation of [`RELEASE`] for `leases`, each with its lock's waiters mark.
+pub(crate) fn releases_of<'a>(
     release: &'a Script,
     keys: &KeyLayout,
-    lease: &Lease,
+    leases: &[&Lease],
 ) -> redis::ScriptInvocation<'a> {
     let mut invocation = release.prepare_invoke();
+    for lease in leases {
+        invocation
+            .key(keys.lease(&lease.lock))
+            .key(keys.waiters(&lease.lock))
+            .arg(lease_value(lease))
+            .arg(keys.released_channel(&lease.lock));
+    }
     invocation
-        .key(keys.lease(&lease.lock))
-        .key(keys.waiters(&lease.lock))
-        .arg(lease_value(lease))
-        .arg(keys.released_channel(&lease.lock));
-    invocation
+}
+
+/// Whether the one lease of a [`RELEASE`] call was released.
+pub(crate) fn released_one(reply: &Value) -> bool {
+    matches!(reply, Value::Array(results) if matches!(results.as_slice(), [Value::Int(1)]))
 }
 
 /// KEYS: lease. Returns {value, remaining ms}, or false when free.
@@ -344,6 +366,9 @@ pub struct RedisDriver {
     /// On one master, acquisitions under way at once go out together
     /// ([`crate::drivers::redis_acquisitions`]).
     acquisitions: Option<AcquisitionBatches>,
+    /// On one master, releases under way at once go out together
+    /// ([`crate::drivers::redis_releases`]).
+    releases_out: Option<ReleaseBatches>,
 }
 
 /// One master, or a Redis Cluster.
@@ -609,16 +634,18 @@ impl RedisDriver {
             keys.clone(),
             releases.clone(),
         ));
-        let (renewals, acquisitions) = match &target {
+        let (renewals, acquisitions, releases_out) = match &target {
             Target::Single(conn) => (
                 Some(RenewalBatches::new(conn.clone(), 0)),
                 Some(AcquisitionBatches::new(conn.clone(), keys.clone())),
+                Some(ReleaseBatches::new(conn.clone(), keys.clone())),
             ),
-            Target::Cluster(_) => (None, None),
+            Target::Cluster(_) => (None, None, None),
         };
         Self {
             renewals,
             acquisitions,
+            releases_out,
             target,
             tls,
             keys,
@@ -889,12 +916,15 @@ impl Driver for RedisDriver {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
+        if let Some(batches) = &self.releases_out {
+            return batches.release(lease).await?.map_err(|e| self.error(e));
+        }
         let mut conn = self.connection().await?;
-        let released: i64 = release_of(&self.release, &self.keys, lease)
+        let reply: Value = releases_of(&self.release, &self.keys, &[lease])
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.error(e))?;
-        Ok(released == 1)
+        Ok(released_one(&reply))
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {

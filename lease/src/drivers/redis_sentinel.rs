@@ -450,11 +450,11 @@ impl Driver for RedisSentinelDriver {
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
         let master = self.master.master().await?;
-        match single::release_of(&self.release, &self.keys, lease)
-            .invoke_async::<i64>(&mut master.conn.clone())
+        match single::releases_of(&self.release, &self.keys, &[lease])
+            .invoke_async::<Value>(&mut master.conn.clone())
             .await
         {
-            Ok(released) => Ok(released == 1),
+            Ok(reply) => Ok(single::released_one(&reply)),
             Err(e) => Err(self.failed(&master, e).await),
         }
     }

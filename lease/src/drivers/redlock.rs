@@ -33,7 +33,7 @@ use tokio::time::Instant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, lease_value, listen_for_releases, map_err,
-    ms, parse_value_and_pttl,
+    ms, parse_value_and_pttl, released_one,
 };
 use crate::drivers::redis_renewals::RenewalBatches;
 use crate::error::{Error, Result};
@@ -387,7 +387,7 @@ impl Driver for RedlockDriver {
             .await;
         let released = replies
             .iter()
-            .filter(|r| matches!(r, Ok(Value::Int(1))))
+            .filter(|r| matches!(r, Ok(reply) if released_one(reply)))
             .count();
         if released == 0 && replies.iter().all(|r| r.is_err()) {
             return Err(self.no_quorum(0, &replies));

@@ -973,7 +973,7 @@ pub async fn waiters_further_back_poll_quietly<D: CountsWakeups>(
 /// Keyed locks on this backend: owners exclude each other whether they share a pod or not, a
 /// key is re-entrant for its owner only, only its owner releases it, a key passes to the next
 /// owner (of the same pod, then of another) with a higher token, a hold that lapses frees the
-/// key, keys are independent, and a bad key changes nothing.
+/// key (for every pod, its own included), keys are independent, and a bad key changes nothing.
 pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
     use crate::keyed::{FamilyConfig, KeyAnswer, KeyError, KeyRelease, KeyedFamily};
     const HOLD: Duration = Duration::from_secs(60);
@@ -1139,6 +1139,18 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
         a.status(key, Some("w5")).unwrap(),
         KeyAnswer::Held { .. }
     ));
+    // The lapsed holding is gone from its own pod too: the pod's next owner gets the key as
+    // soon as it is free.
+    assert_eq!(
+        a.release(key, "w5").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let fifth = token(b.acquire(key, "w6", LEASE + SLACK, HOLD).await.unwrap());
+    assert!(fifth > fourth, "token {fifth} after {fourth}");
+    assert_eq!(
+        b.release(key, "w6").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
     a.shutdown().await;
     b.shutdown().await;
 }

@@ -1,6 +1,7 @@
-//! Acquisitions on one Redis master that are under way at once go out together: many owners
-//! taking many keys cost the server few script calls (and one epoch check each), and every
-//! acquisition is still answered for its own lock, as it would be alone. Real servers.
+//! Acquisitions on one Redis master that are under way at once go out together, and so do
+//! releases: many owners taking and giving back many keys cost the server few script calls
+//! (and one epoch check per acquisitions' call), and every call is still answered for its own
+//! lock, as it would be alone. Real servers.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -122,4 +123,82 @@ async fn a_batch_on_a_server_that_may_have_lost_leases_grants_nothing() {
             "{lock}: granted by a server that may have lost leases"
         );
     }
+}
+
+/// 30 leases released at once with two that are no longer their holders' (one taken over, one
+/// already released): few script calls; each of the 30 is released, the other two are told
+/// so and leave the lock as it is; the waiter of a lock whose release it waited for hears the
+/// notice, and only the locks someone waited for are announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_at_once_go_in_few_calls_and_answer_each_for_its_lease() {
+    let server = RedisServer::start();
+    let driver = driver_for(&server.url()).await;
+    let mut admin = server.admin().await;
+    let mut leases = Vec::new();
+    for i in 0..30 {
+        let lock = unique_lock(&format!("held-{i}"));
+        let Acquire::Acquired(lease) = driver.try_acquire(&lock, "pod-a", TTL).await.unwrap()
+        else {
+            panic!("{lock}: not acquired");
+        };
+        leases.push(lease);
+    }
+    // A waiter on the first lock marks it waited for; its release must wake it.
+    let waited = leases[0].lock.clone();
+    let mut changes = driver.changes(&waited).expect("redis has change feeds");
+    changes.borrow_and_update();
+    assert!(matches!(
+        driver.try_acquire(&waited, "pod-b", TTL).await.unwrap(),
+        Acquire::Busy(Some(_))
+    ));
+    // A lease already released, and one whose lock is now another's.
+    let gone = leases.pop().unwrap();
+    assert!(driver.release(&gone).await.unwrap());
+    let overtaken = leases.pop().unwrap();
+    assert!(driver.release(&overtaken).await.unwrap());
+    let Acquire::Acquired(other) = driver
+        .try_acquire(&overtaken.lock, "pod-c", TTL)
+        .await
+        .unwrap()
+    else {
+        panic!("not acquired again");
+    };
+    let notices_before = command_calls(&mut admin, &["publish"]).await;
+    let calls_before = command_calls(&mut admin, &["evalsha", "eval"]).await;
+    let mut releases = leases.clone();
+    releases.push(gone.clone());
+    releases.push(overtaken.clone());
+    let answers =
+        futures_util::future::join_all(releases.iter().map(|lease| driver.release(lease))).await;
+    let calls = command_calls(&mut admin, &["evalsha", "eval"]).await - calls_before - 1;
+    assert!(
+        calls < 10,
+        "{} releases at once took {calls} script calls",
+        releases.len()
+    );
+    for (lease, answer) in releases.iter().zip(answers) {
+        let released = answer.expect("release");
+        assert_eq!(
+            released,
+            leases.contains(lease),
+            "{}: released {released}",
+            lease.lock
+        );
+        let value: Option<String> = redis::cmd("GET")
+            .arg(format!("leasehold:{{{}}}:lease", lease.lock))
+            .query_async(&mut admin)
+            .await
+            .expect("GET");
+        if lease == &overtaken {
+            assert_eq!(value, Some(format!("{}:pod-c", other.token)));
+        } else {
+            assert_eq!(value, None, "{}", lease.lock);
+        }
+    }
+    let notices = command_calls(&mut admin, &["publish"]).await - notices_before;
+    assert_eq!(notices, 1, "only the lock waited for is announced");
+    tokio::time::timeout(Duration::from_secs(5), changes.changed())
+        .await
+        .expect("the waiter hears the release")
+        .expect("feed open");
 }
