@@ -308,3 +308,84 @@ async fn a_release_wakes_the_waiter_through_the_watch() {
     assert_eq!(stored["spec"]["holderIdentity"], "b");
     assert_eq!(stored["spec"]["leaseTransitions"], 2);
 }
+
+/// A family's key Leases that nobody has held for the idle time are deleted, and no other: not
+/// a held key's, not one released just now (with an hour's idle time), not the floor's, not a
+/// plain lock's, not another family's. A key taken again after its Lease went draws above every
+/// token it had (the family's floor Lease keeps them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
+    use leasehold_lease::kubernetes::floor_lease;
+    const TTL: Duration = Duration::from_secs(10);
+    const HOUR: Duration = Duration::from_secs(3600);
+    let harness = KubernetesHarness::new();
+    let driver = harness.client_driver();
+    let family = unique_lock("idle");
+    let idle = format!("{family}.keys.idle");
+    let held = format!("{family}.keys.held");
+    let other_family = format!("{}.keys.k", unique_lock("other"));
+    let plain = unique_lock("plain");
+    let take = async |lock: &str| match driver.try_acquire(lock, "pod-a", TTL).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        other => panic!("{lock}: {other:?}"),
+    };
+    // The idle key goes through three holders, so its token is 3 when it is forgotten.
+    let mut last = None;
+    for _ in 0..3 {
+        let lease = take(&idle).await;
+        assert!(driver.release(&lease).await.unwrap());
+        last = Some(lease);
+    }
+    let last = last.unwrap();
+    assert_eq!(last.token, 3);
+    let held_lease = take(&held).await;
+    for lock in [&other_family, &plain] {
+        let lease = take(lock).await;
+        assert!(driver.release(&lease).await.unwrap());
+    }
+    let stored = |name: &str| harness.api.lease(KubernetesHarness::NAMESPACE, name);
+
+    assert_eq!(driver.forget_idle_keys(&family, HOUR).await.unwrap(), 0);
+    assert!(
+        stored(&idle).is_some(),
+        "released a moment ago, not idle an hour"
+    );
+
+    assert_eq!(
+        driver
+            .forget_idle_keys(&family, Duration::ZERO)
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(
+        stored(&idle).is_none(),
+        "the idle key's Lease is still there"
+    );
+    assert!(stored(&held).is_some(), "a held key's Lease was deleted");
+    assert!(stored(&other_family).is_some() && stored(&plain).is_some());
+    let floor = stored(&floor_lease(&family)).expect("the family's floor");
+    assert_eq!(floor["spec"]["leaseTransitions"], 3);
+    assert!(
+        floor["spec"]["holderIdentity"].is_null(),
+        "the floor is held"
+    );
+    // The floor is no key: another sweep leaves it.
+    assert_eq!(
+        driver
+            .forget_idle_keys(&family, Duration::ZERO)
+            .await
+            .unwrap(),
+        0
+    );
+    assert!(stored(&floor_lease(&family)).is_some());
+
+    let again = take(&idle).await;
+    assert_eq!(
+        again.token, 4,
+        "a key taken again draws above its forgotten tokens"
+    );
+    assert!(driver.release(&again).await.unwrap());
+    assert!(driver.release(&held_lease).await.unwrap());
+    assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(0));
+}

@@ -189,6 +189,70 @@ impl KubernetesLeaseDriver {
         )))
     }
 
+    /// `family`'s token floor; 0 while it has none.
+    async fn floor(&self, family: &str) -> Result<u64> {
+        Ok(self
+            .read(&floor_lease(family))
+            .await?
+            .as_ref()
+            .and_then(Record::of)
+            .map_or(0, |record| record.transitions))
+    }
+
+    /// Raise `family`'s token floor to at least `token`.
+    async fn raise_floor(&self, family: &str, token: u64) -> Result<()> {
+        let name = floor_lease(family);
+        let token = i32::try_from(token)
+            .map_err(|_| Error::Backend("leaseTransitions would pass 2^31".into()))?;
+        for _ in 0..CONFLICT_RETRIES {
+            let mut object = self.read(&name).await?.unwrap_or_else(|| self.blank(&name));
+            let spec = object.spec.get_or_insert_with(LeaseSpec::default);
+            if spec.lease_transitions.unwrap_or(0) >= token {
+                return Ok(());
+            }
+            spec.lease_transitions = Some(token);
+            if self.replace(&name, &object).await?.is_some() {
+                return Ok(());
+            }
+        }
+        Err(Error::Backend(format!(
+            "the Lease {name} kept changing during {CONFLICT_RETRIES} attempts to raise it"
+        )))
+    }
+
+    /// `lease`, just created for a key of `family`, raised above the family's floor if a sweep
+    /// raised the floor after this acquisition read it. A sweep raises the floor before it
+    /// deletes, and the creation found no Lease, so the floor read now covers every token the
+    /// key had. Until this answers, nobody has been given the token it replaces.
+    async fn above_floor(&self, lease: Lease, family: &str, ttl: Duration) -> Result<Acquire> {
+        let raised = async {
+            let floor = self.floor(family).await?;
+            if floor < lease.token {
+                return Ok(Some(lease.clone()));
+            }
+            let token = floor + 1;
+            let written = self
+                .rewrite_own(&lease, true, |object| {
+                    let _ = claim(object, &lease.identity, token, ttl);
+                })
+                .await?;
+            Ok::<_, Error>(written.then(|| Lease {
+                token,
+                ..lease.clone()
+            }))
+        };
+        match raised.await {
+            Ok(Some(lease)) => Ok(Acquire::Acquired(lease)),
+            // Taken from it already: the lease ran out meanwhile.
+            Ok(None) => Ok(Acquire::Busy(None)),
+            Err(e) => {
+                // The token below the floor is never handed out; the Lease goes back.
+                let _ = self.release(&lease).await;
+                Err(e)
+            }
+        }
+    }
+
     fn feed(&self, lock: &str) -> watch::Receiver<u64> {
         let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((tx, task)) = feeds.get(lock)
@@ -286,6 +350,13 @@ impl Record {
             expires_in: Duration::try_from(left).ok(),
         })
     }
+}
+
+/// The Lease that keeps `family`'s token floor: at least every token of the family's keys whose
+/// Leases were deleted as idle. Named like a hashed key's Lease, but a hash is hex digits, so
+/// it is no key's.
+pub fn floor_lease(family: &str) -> String {
+    format!("{family}{}floor", crate::names::HASHED_KEY_INFIX)
 }
 
 fn round_up(d: Duration) -> Duration {
@@ -387,9 +458,9 @@ impl Driver for KubernetesLeaseDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let mut object = match self.read(lock).await? {
-            Some(object) => object,
-            None => self.blank(lock),
+        let (mut object, created) = match self.read(lock).await? {
+            Some(object) => (object, false),
+            None => (self.blank(lock), true),
         };
         let record = Record::of(&object).unwrap_or(Record {
             identity: None,
@@ -400,17 +471,28 @@ impl Driver for KubernetesLeaseDriver {
         if let Some(holding) = record.holding(Timestamp::now()) {
             return Ok(Acquire::Busy(Some(holding)));
         }
-        let token = record.transitions + 1;
+        // A family's key whose Lease was forgotten as idle starts again above the family's
+        // floor, which the sweep raised before it deleted the Lease.
+        let family = crate::names::family_of(lock).filter(|_| created);
+        let floor = match family {
+            Some(family) => self.floor(family).await?,
+            None => 0,
+        };
+        let token = record.transitions.max(floor) + 1;
         claim(&mut object, identity, token, ttl)?;
-        Ok(match self.replace(lock, &object).await? {
-            Some(_) => Acquire::Acquired(Lease {
-                lock: lock.to_owned(),
-                identity: identity.to_owned(),
-                token,
-            }),
+        let lease = Lease {
+            lock: lock.to_owned(),
+            identity: identity.to_owned(),
+            token,
+        };
+        match self.replace(lock, &object).await? {
+            Some(_) => match family {
+                Some(family) => self.above_floor(lease, family, ttl).await,
+                None => Ok(Acquire::Acquired(lease)),
+            },
             // Another contender wrote first; whoever it is, the next read shows it.
-            None => Acquire::Busy(None),
-        })
+            None => Ok(Acquire::Busy(None)),
+        }
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
@@ -421,10 +503,12 @@ impl Driver for KubernetesLeaseDriver {
     async fn release(&self, lease: &Lease) -> Result<bool> {
         // Like client-go: the holder is cleared, the transitions count stays as the next
         // token's base.
+        // `renewTime` is kept as the moment of the release: how long a key has been idle, for
+        // the sweep ([`Driver::forget_idle_keys`]). Nobody is named, so nobody holds it.
         self.rewrite_own(lease, false, |object| {
             let spec = object.spec.get_or_insert_with(LeaseSpec::default);
             spec.holder_identity = None;
-            spec.renew_time = None;
+            spec.renew_time = Some(now_micro());
             spec.acquire_time = None;
             spec.lease_duration_seconds = Some(1);
         })
@@ -465,6 +549,67 @@ impl Driver for KubernetesLeaseDriver {
             match page.metadata.continue_ {
                 Some(next) if !next.is_empty() => params = params.continue_token(&next),
                 _ => return Ok(Some(held)),
+            }
+        }
+    }
+
+    /// The family's key Leases that nobody has held for `idle_for` are deleted, each only as it
+    /// was read (a precondition on its `resourceVersion`), after the family's floor
+    /// ([`floor_lease`]) was raised to its token: a key taken again draws above it.
+    async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
+        const PAGE: u32 = 500;
+        let idle_for = SignedDuration::try_from(idle_for).unwrap_or(SignedDuration::MAX);
+        let floor = floor_lease(family);
+        let mut params = kube::api::ListParams::default().limit(PAGE);
+        let mut forgotten = 0;
+        loop {
+            let page = self.api().list(&params).await.map_err(classify)?;
+            for lease in &page.items {
+                let (Some(name), Some(version)) = (
+                    lease.metadata.name.as_deref(),
+                    lease.metadata.resource_version.as_deref(),
+                ) else {
+                    continue;
+                };
+                if name == floor || crate::names::family_of(name) != Some(family) {
+                    continue;
+                }
+                let Some(record) = Record::of(lease) else {
+                    continue;
+                };
+                let now = Timestamp::now();
+                // Idle since its release, or since its last holder's lease ran out.
+                let created = lease.metadata.creation_timestamp.as_ref().map(|t| t.0);
+                let idle_since = match record.identity {
+                    None => record.renewed,
+                    Some(_) => record.expires_at(),
+                }
+                .or(created);
+                let idle = record.expired_at(now)
+                    && idle_since
+                        .and_then(|since| since.checked_add(idle_for).ok())
+                        .is_none_or(|until| until <= now);
+                if !idle {
+                    continue;
+                }
+                self.raise_floor(family, record.transitions).await?;
+                let delete = kube::api::DeleteParams {
+                    preconditions: Some(kube::api::Preconditions {
+                        resource_version: Some(version.to_owned()),
+                        uid: None,
+                    }),
+                    ..kube::api::DeleteParams::default()
+                };
+                match self.api().delete(name, &delete).await {
+                    Ok(_) => forgotten += 1,
+                    // Taken (or forgotten by another sweep) since it was read.
+                    Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => {}
+                    Err(e) => return Err(classify(e)),
+                }
+            }
+            match page.metadata.continue_ {
+                Some(next) if !next.is_empty() => params = params.continue_token(&next),
+                _ => return Ok(forgotten),
             }
         }
     }

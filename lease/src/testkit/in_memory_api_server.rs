@@ -188,7 +188,7 @@ impl InMemoryApiServer {
     /// Delete an object as `kubectl delete` would: with finalizers it is only marked, and goes
     /// when the last one is removed. `false` if there was no such object.
     pub fn remove(&self, collection: &str, namespace: &str, name: &str) -> bool {
-        self.delete(collection, namespace, name).status() == StatusCode::OK
+        self.delete(collection, namespace, name, b"").status() == StatusCode::OK
     }
 
     async fn handle<B>(&self, request: Request<B>) -> Result<Response<Body>, std::io::Error>
@@ -255,7 +255,7 @@ impl InMemoryApiServer {
                     &body,
                 )
             }
-            (&Method::DELETE, Some(name)) => self.delete(c, ns, name),
+            (&Method::DELETE, Some(name)) => self.delete(c, ns, name, &body),
             _ => status(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "MethodNotAllowed",
@@ -476,7 +476,7 @@ impl InMemoryApiServer {
         json_response(StatusCode::OK, &object)
     }
 
-    fn delete(&self, collection: &str, ns: &str, name: &str) -> Response<Body> {
+    fn delete(&self, collection: &str, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
         let mut store = self.store.lock().unwrap();
         let Some(current) = store
             .objects
@@ -485,6 +485,18 @@ impl InMemoryApiServer {
         else {
             return not_found(name);
         };
+        // DeleteOptions' preconditions: the object is deleted only as it was read.
+        let options: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        for field in ["resourceVersion", "uid"] {
+            let wanted = &options["preconditions"][field];
+            if !wanted.is_null() && wanted != &current["metadata"][field] {
+                return status(
+                    StatusCode::CONFLICT,
+                    "Conflict",
+                    &format!("precondition failed: {field} {wanted} does not match"),
+                );
+            }
+        }
         // With finalizers, a delete only marks the object; it goes when the last one is removed.
         if current["metadata"]["finalizers"]
             .as_array()
