@@ -368,7 +368,7 @@ pub struct RedisDriver {
     acquisitions: Option<AcquisitionBatches>,
     /// On one master, releases under way at once go out together
     /// ([`crate::drivers::redis_releases`]).
-    releases_out: Option<ReleaseBatches>,
+    release_batches: Option<ReleaseBatches>,
 }
 
 /// One master, or a Redis Cluster.
@@ -634,7 +634,7 @@ impl RedisDriver {
             keys.clone(),
             releases.clone(),
         ));
-        let (renewals, acquisitions, releases_out) = match &target {
+        let (renewals, acquisitions, release_batches) = match &target {
             Target::Single(conn) => (
                 Some(RenewalBatches::new(conn.clone(), 0)),
                 Some(AcquisitionBatches::new(conn.clone(), keys.clone())),
@@ -645,7 +645,7 @@ impl RedisDriver {
         Self {
             renewals,
             acquisitions,
-            releases_out,
+            release_batches,
             target,
             tls,
             keys,
@@ -916,7 +916,7 @@ impl Driver for RedisDriver {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        if let Some(batches) = &self.releases_out {
+        if let Some(batches) = &self.release_batches {
             return batches.release(lease).await?.map_err(|e| self.error(e));
         }
         let mut conn = self.connection().await?;
