@@ -389,3 +389,39 @@ async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
     assert!(driver.release(&held_lease).await.unwrap());
     assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(0));
 }
+
+/// A keyed family's waiters watch Leases named at run time: the watches nobody listens to any
+/// more are stopped (each is a request the API server keeps open), and one still listened to
+/// stays and still wakes its waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watches_nobody_listens_to_are_stopped() {
+    let harness = KubernetesHarness::new();
+    let driver = harness.client_driver();
+    let kept_lock = unique_lock("kept");
+    let mut kept = driver.changes(&kept_lock).expect("a watch");
+    let gone = unique_lock("gone");
+    for i in 0..500 {
+        drop(driver.changes(&format!("{gone}-{i}")).expect("a watch"));
+    }
+    assert!(
+        driver.watches() < 200,
+        "{} watches kept for 1 waiter",
+        driver.watches()
+    );
+    // Let the watch settle before the write it must see.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    kept.borrow_and_update();
+    let other = harness.client_driver();
+    let Acquire::Acquired(lease) = other
+        .try_acquire(&kept_lock, "pod-b", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!("not acquired");
+    };
+    tokio::time::timeout(Duration::from_secs(5), kept.changed())
+        .await
+        .expect("the kept watch saw the write")
+        .expect("feed open");
+    assert!(other.release(&lease).await.unwrap());
+}

@@ -61,7 +61,12 @@ pub struct KubernetesLeaseDriver {
     namespace: String,
     targets: HashMap<String, LeaseTarget>,
     feeds: Mutex<HashMap<String, LeaseWatch>>,
+    /// How many watches were left after the last pruning.
+    kept_watches: std::sync::atomic::AtomicUsize,
 }
+
+/// Below this many watches, none is stopped for want of listeners.
+const MIN_WATCHES_PRUNED: usize = 64;
 
 impl KubernetesLeaseDriver {
     /// Leases in `namespace`, through `client`.
@@ -71,6 +76,7 @@ impl KubernetesLeaseDriver {
             namespace: namespace.into(),
             targets: HashMap::new(),
             feeds: Mutex::new(HashMap::new()),
+            kept_watches: Default::default(),
         }
     }
 
@@ -189,6 +195,15 @@ impl KubernetesLeaseDriver {
         )))
     }
 
+    fn watches_kept(&self) -> usize {
+        self.kept_watches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many Leases are watched now (for tests of the pruning).
+    pub fn watches(&self) -> usize {
+        self.feeds.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     /// `family`'s token floor; 0 while it has none.
     async fn floor(&self, family: &str) -> Result<u64> {
         Ok(self
@@ -259,6 +274,20 @@ impl KubernetesLeaseDriver {
             && !task.is_finished()
         {
             return tx.subscribe();
+        }
+        // A keyed family's waiters watch Leases named at run time, without bound, and each
+        // watch is a request the API server keeps open: a watch nobody listens to any more is
+        // stopped once the map has doubled since the last look.
+        if feeds.len() >= MIN_WATCHES_PRUNED && feeds.len() >= 2 * self.watches_kept() {
+            feeds.retain(|_, (tx, task)| {
+                let wanted = tx.receiver_count() > 0;
+                if !wanted {
+                    task.abort();
+                }
+                wanted
+            });
+            self.kept_watches
+                .store(feeds.len(), std::sync::atomic::Ordering::Relaxed);
         }
         let (tx, rx) = watch::channel(0u64);
         let stream = watcher(

@@ -196,6 +196,9 @@ pub struct ZooKeeperDriver {
     renewals: Batches<NodeCheck, NodeFound>,
 }
 
+/// The most locks whose lowest node's holder is remembered ([`Shared::holders`]).
+const HOLDERS_CACHED: usize = 4096;
+
 /// The most nodes one batch of renewals reads: each answer carries the node's data (a holder's
 /// identity) and stat, well within ZooKeeper's 1 MiB `jute.maxbuffer`.
 const MAX_RENEW_BATCH: usize = 512;
@@ -462,6 +465,11 @@ impl Shared {
             .is_some_and(|e| e.path == entry.path)
         {
             entries.remove(&entry.lock);
+            // Nobody here waits for the lock any more: its holder needs no remembering.
+            self.holders
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&entry.lock);
         }
         drop(entries);
         entry.slot.mark_left();
@@ -685,13 +693,16 @@ impl Shared {
                     token: u64::try_from(stat.czxid).unwrap_or(0),
                     expires_in: None,
                 };
-                self.holders
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(
-                        lock.to_owned(),
-                        (name.to_owned(), holding.clone(), stat.ephemeral_owner),
-                    );
+                let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+                // Keyed locks are named at run time, without bound; the cache only saves a
+                // read, so it starts over rather than grow.
+                if holders.len() >= HOLDERS_CACHED && !holders.contains_key(lock) {
+                    holders.clear();
+                }
+                holders.insert(
+                    lock.to_owned(),
+                    (name.to_owned(), holding.clone(), stat.ephemeral_owner),
+                );
                 Ok(Some((holding, stat.ephemeral_owner)))
             }
             // Gone between the listing and the read: free right now.
