@@ -933,7 +933,8 @@ impl Engine {
         let answer = self.state.borrow().answer();
         let now = Instant::now();
         let mut hold = None;
-        for waiter in self.waiters.drain(..) {
+        // Taken, not drained: a held keyed lock would keep the emptied list's room for good.
+        for waiter in std::mem::take(&mut self.waiters) {
             if waiter.reply.send(answer).is_err() {
                 continue;
             }
