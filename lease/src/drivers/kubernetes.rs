@@ -246,6 +246,9 @@ impl KubernetesLeaseDriver {
                 return Ok(Some(lease.clone()));
             }
             let token = floor + 1;
+            // `claim` below cannot fail then.
+            i32::try_from(token)
+                .map_err(|_| Error::Backend("leaseTransitions would pass 2^31".into()))?;
             let written = self
                 .rewrite_own(&lease, true, |object| {
                     let _ = claim(object, &lease.identity, token, ttl);
