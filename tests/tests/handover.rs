@@ -39,15 +39,32 @@ fn settle(sidecars: &[&Sidecar]) -> usize {
         || sole_holder(sidecars).is_some(),
         logs,
     );
+    let holder = sole_holder(sidecars).expect("holder");
     let until = Instant::now() + RENEW * 2;
     while Instant::now() < until {
-        assert!(
-            sole_holder(sidecars).is_some(),
-            "the holder disappeared without a fault{}",
-            logs()
-        );
+        match sole_holder(sidecars) {
+            Some(now) => assert_eq!(now, holder, "the lock moved without a fault{}", logs()),
+            // A backend call that missed its budget on a loaded machine makes the holder answer
+            // 503 ("cannot tell") for a moment; that is not losing the lock, a 409 would be.
+            None => {
+                let answer = sidecars[holder].get("/lock");
+                assert_ne!(
+                    answer.status,
+                    409,
+                    "the holder lost the lock without a fault: {}{}",
+                    answer.body,
+                    logs()
+                );
+            }
+        }
     }
-    sole_holder(sidecars).expect("holder")
+    eventually_or(
+        STARTUP,
+        "the holder answers 200 again",
+        || sole_holder(sidecars) == Some(holder),
+        logs,
+    );
+    holder
 }
 
 fn crash_takeover(backend: &str) {
