@@ -137,6 +137,23 @@ pub trait Driver: Send + Sync + 'static {
     }
 }
 
+/// Below this many entries, [`prune_unlistened`] keeps them all.
+const MIN_PRUNED: usize = 64;
+
+/// Drop the entries of `by_lock` that nobody listens to any more, once the map has doubled
+/// since the last look (`kept`, the entries left then): keyed locks are named at run time,
+/// without bound, so what a driver keeps per lock for its listeners must not stay for good.
+pub(crate) fn prune_unlistened<V>(
+    by_lock: &mut std::collections::HashMap<String, V>,
+    kept: &mut usize,
+    listened: impl Fn(&V) -> bool,
+) {
+    if by_lock.len() >= MIN_PRUNED && by_lock.len() >= 2 * *kept {
+        by_lock.retain(|_, entry| listened(entry));
+        *kept = by_lock.len();
+    }
+}
+
 /// Per-lock change counters, for drivers that learn of releases (from the backend, or from
 /// another holder in the same process) and wake local waiters through [`Driver::changes`].
 #[derive(Default)]
@@ -154,12 +171,8 @@ struct Feeds {
 impl ChangeFeeds {
     pub fn subscribe(&self, lock: &str) -> watch::Receiver<u64> {
         let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        // Keyed locks subscribe under names chosen at run time, without bound: a feed nobody
-        // listens to any more goes, once the map has doubled since the last look.
-        if feeds.by_lock.len() >= 64 && feeds.by_lock.len() >= 2 * feeds.kept {
-            feeds.by_lock.retain(|_, tx| tx.receiver_count() > 0);
-            feeds.kept = feeds.by_lock.len();
-        }
+        let Feeds { by_lock, kept } = &mut *feeds;
+        prune_unlistened(by_lock, kept, |tx| tx.receiver_count() > 0);
         feeds
             .by_lock
             .entry(lock.to_owned())

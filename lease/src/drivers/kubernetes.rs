@@ -32,7 +32,7 @@ use kube::api::PostParams;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, Driver, Holding, Lease};
+use crate::driver::{Acquire, Driver, Holding, Lease, prune_unlistened};
 use crate::error::{Error, Result};
 
 /// The exact lease duration in milliseconds, next to the whole seconds of the spec.
@@ -53,20 +53,31 @@ pub struct LeaseTarget {
     pub owner: Option<OwnerReference>,
 }
 
-/// One lock's wake-up counter and the task that watches its Lease.
-type LeaseWatch = (watch::Sender<u64>, tokio::task::JoinHandle<()>);
+/// One lock's wake-up counter and the task that watches its Lease, stopped with it.
+struct LeaseWatch {
+    tx: watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for LeaseWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The Leases watched for waiters, and how many were kept at the last pruning.
+#[derive(Default)]
+struct Watches {
+    by_lock: HashMap<String, LeaseWatch>,
+    kept: usize,
+}
 
 pub struct KubernetesLeaseDriver {
     client: kube::Client,
     namespace: String,
     targets: HashMap<String, LeaseTarget>,
-    feeds: Mutex<HashMap<String, LeaseWatch>>,
-    /// How many watches were left after the last pruning.
-    kept_watches: std::sync::atomic::AtomicUsize,
+    feeds: Mutex<Watches>,
 }
-
-/// Below this many watches, none is stopped for want of listeners.
-const MIN_WATCHES_PRUNED: usize = 64;
 
 impl KubernetesLeaseDriver {
     /// Leases in `namespace`, through `client`.
@@ -75,8 +86,7 @@ impl KubernetesLeaseDriver {
             client,
             namespace: namespace.into(),
             targets: HashMap::new(),
-            feeds: Mutex::new(HashMap::new()),
-            kept_watches: Default::default(),
+            feeds: Mutex::default(),
         }
     }
 
@@ -195,13 +205,22 @@ impl KubernetesLeaseDriver {
         )))
     }
 
-    fn watches_kept(&self) -> usize {
-        self.kept_watches.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// How many Leases are watched now (for tests of the pruning).
     pub fn watches(&self) -> usize {
-        self.feeds.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.feeds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_lock
+            .len()
+    }
+
+    /// The namespace's Leases of `family`'s keys (its floor's too), page by page.
+    fn leases_of<'a>(&'a self, family: &'a str) -> FamilyLeases<'a> {
+        FamilyLeases {
+            driver: self,
+            family,
+            params: Some(kube::api::ListParams::default().limit(FamilyLeases::PAGE)),
+        }
     }
 
     /// `family`'s token floor; 0 while it has none.
@@ -273,25 +292,15 @@ impl KubernetesLeaseDriver {
 
     fn feed(&self, lock: &str) -> watch::Receiver<u64> {
         let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((tx, task)) = feeds.get(lock)
-            && !task.is_finished()
+        let Watches { by_lock, kept } = &mut *feeds;
+        if let Some(watch) = by_lock.get(lock)
+            && !watch.task.is_finished()
         {
-            return tx.subscribe();
+            return watch.tx.subscribe();
         }
-        // A keyed family's waiters watch Leases named at run time, without bound, and each
-        // watch is a request the API server keeps open: a watch nobody listens to any more is
-        // stopped once the map has doubled since the last look.
-        if feeds.len() >= MIN_WATCHES_PRUNED && feeds.len() >= 2 * self.watches_kept() {
-            feeds.retain(|_, (tx, task)| {
-                let wanted = tx.receiver_count() > 0;
-                if !wanted {
-                    task.abort();
-                }
-                wanted
-            });
-            self.kept_watches
-                .store(feeds.len(), std::sync::atomic::Ordering::Relaxed);
-        }
+        // Each watch is a request the API server keeps open, so one nobody listens to any
+        // more is stopped (dropped).
+        prune_unlistened(by_lock, kept, |watch| watch.tx.receiver_count() > 0);
         let (tx, rx) = watch::channel(0u64);
         let stream = watcher(
             self.api(),
@@ -309,17 +318,45 @@ impl KubernetesLeaseDriver {
                 }
             }
         });
-        feeds.insert(lock.to_owned(), (tx, task));
+        by_lock.insert(lock.to_owned(), LeaseWatch { tx, task });
         rx
     }
 }
 
-impl Drop for KubernetesLeaseDriver {
-    fn drop(&mut self) {
-        let feeds = self.feeds.get_mut().unwrap_or_else(|e| e.into_inner());
-        for (_, task) in feeds.values() {
-            task.abort();
+/// The Leases of a family's keys, read a page at a time ([`KubernetesLeaseDriver::leases_of`]);
+/// a key's Lease is named after its lock.
+struct FamilyLeases<'a> {
+    driver: &'a KubernetesLeaseDriver,
+    family: &'a str,
+    /// The next page's request; `None` after the last page.
+    params: Option<kube::api::ListParams>,
+}
+
+impl FamilyLeases<'_> {
+    const PAGE: u32 = 500;
+
+    async fn next(&mut self) -> Result<Option<Vec<LeaseObject>>> {
+        let Some(params) = self.params.take() else {
+            return Ok(None);
+        };
+        let page = self.driver.api().list(&params).await.map_err(classify)?;
+        if let Some(next) = page.metadata.continue_.filter(|next| !next.is_empty()) {
+            self.params = Some(params.continue_token(&next));
         }
+        let family = Some(self.family);
+        Ok(Some(
+            page.items
+                .into_iter()
+                .filter(|lease| {
+                    lease
+                        .metadata
+                        .name
+                        .as_deref()
+                        .and_then(crate::names::family_of)
+                        == family
+                })
+                .collect(),
+        ))
     }
 }
 
@@ -558,55 +595,36 @@ impl Driver for KubernetesLeaseDriver {
 
     /// The namespace's Leases, read page by page; a key's Lease is named after its lock.
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        const PAGE: u32 = 500;
         let now = Timestamp::now();
-        let mut params = kube::api::ListParams::default().limit(PAGE);
         let mut held = 0;
-        loop {
-            let page = self.api().list(&params).await.map_err(classify)?;
+        let mut pages = self.leases_of(family);
+        while let Some(page) = pages.next().await? {
             held += page
-                .items
                 .iter()
-                .filter(|lease| {
-                    lease
-                        .metadata
-                        .name
-                        .as_deref()
-                        .and_then(crate::names::family_of)
-                        == Some(family)
-                })
                 .filter_map(Record::of)
                 .filter(|record| record.holding(now).is_some())
                 .count() as u64;
-            match page.metadata.continue_ {
-                Some(next) if !next.is_empty() => params = params.continue_token(&next),
-                _ => return Ok(Some(held)),
-            }
         }
+        Ok(Some(held))
     }
 
     /// The family's key Leases that nobody has held for `idle_for` are deleted, each only as it
     /// was read (a precondition on its `resourceVersion`), after the family's floor
     /// ([`floor_lease`]) was raised to its token: a key taken again draws above it.
     async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
-        const PAGE: u32 = 500;
         let idle_for = SignedDuration::try_from(idle_for).unwrap_or(SignedDuration::MAX);
         let floor = floor_lease(family);
-        let mut params = kube::api::ListParams::default().limit(PAGE);
         let mut forgotten = 0;
-        loop {
-            let page = self.api().list(&params).await.map_err(classify)?;
-            for lease in &page.items {
+        let mut pages = self.leases_of(family);
+        while let Some(page) = pages.next().await? {
+            for lease in &page {
                 let (Some(name), Some(version)) = (
                     lease.metadata.name.as_deref(),
                     lease.metadata.resource_version.as_deref(),
                 ) else {
                     continue;
                 };
-                if name == floor || crate::names::family_of(name) != Some(family) {
-                    continue;
-                }
-                let Some(record) = Record::of(lease) else {
+                let Some(record) = Record::of(lease).filter(|_| name != floor) else {
                     continue;
                 };
                 let now = Timestamp::now();
@@ -639,11 +657,8 @@ impl Driver for KubernetesLeaseDriver {
                     Err(e) => return Err(classify(e)),
                 }
             }
-            match page.metadata.continue_ {
-                Some(next) if !next.is_empty() => params = params.continue_token(&next),
-                _ => return Ok(forgotten),
-            }
         }
+        Ok(forgotten)
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
