@@ -55,13 +55,6 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 #[x_kube(validation = Rule::new(
     "!has(self.renewInterval) || duration(self.renewInterval) < duration(self.leaseDuration)"
 ).message("renewInterval must be shorter than leaseDuration"))]
-#[x_kube(validation = Rule::new(
-    "!has(self.keys) || !has(self.cleanupPolicy) || self.cleanupPolicy == 'Retain' || \
-     !(has(self.backend.tair) || has(self.backend.kubernetes) || \
-       (has(self.backend.redis) && has(self.backend.redis.cluster) && self.backend.redis.cluster))"
-).message(
-    "cleanupPolicy Delete is not available for a family of keyed locks on Redis Cluster, Tair or the Kubernetes Lease: each key keeps its own record there, which is what keeps its fencing tokens rising; use Retain"
-))]
 #[x_kube(validation = Rule::new("has(self.keys) == has(oldSelf.keys)").message(
     "keys cannot be added or removed: a lock and a family of keyed locks keep different records; create a new DistributedLock instead"
 ))]
@@ -101,7 +94,10 @@ pub struct DistributedLockSpec {
 
     /// What happens to backend artifacts (table rows, znodes, Lease) when the lock is deleted:
     /// `Delete` clears them once nobody holds the lock, keeping only the token's high-water
-    /// mark, so that a lock created again under the same name never reuses a token.
+    /// mark, so that a lock created again under the same name never reuses a token. For a
+    /// family of keyed locks, once none of its keys is held: the keys' records go, above the
+    /// family's counter or floor (on Redis Cluster and Tair each key's records expire by
+    /// themselves, a day after its last acquisition).
     #[serde(default)]
     pub cleanup_policy: CleanupPolicy,
 

@@ -1,6 +1,6 @@
-//! What a family's keys leave in Redis (single master, and each master of Redlock). Keys are
-//! chosen at run time without bound (`order-1234`, ...), so a key nobody holds must not keep a
-//! record for ever; its tokens must still rise when it is taken again after its records are
+//! What a family's keys leave in Redis (single master, each master of Redlock, Redis Cluster,
+//! Tair). Keys are chosen at run time without bound (`order-1234`, ...), so a key nobody holds
+//! must not keep a record for ever; its tokens must still rise when it is taken again after its records are
 //! gone; and a sidecar of an earlier version, which draws a key's token from the key's own
 //! counter alone, must keep drawing above every token given meanwhile (a rolling upgrade runs
 //! both side by side). Real servers.
@@ -195,4 +195,193 @@ async fn redlock_idle_keys_leave_only_the_familys_counter() {
 async fn redlock_keys_draw_above_counters_of_earlier_versions() {
     let (servers, url) = redlock();
     earlier_versions_counters_are_honoured(&servers, &url).await;
+}
+
+/// The server's clock in microseconds (`TIME`).
+async fn server_micros(conn: &mut MultiplexedConnection) -> i64 {
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await.expect("TIME");
+    secs * 1_000_000 + micros
+}
+
+/// On a Redis Cluster a family's key keeps a counter and an epoch record of its own, in its own
+/// slot: both expire a day after the key's last acquisition, later by as much as its token runs
+/// ahead of the clock, and a key whose records are gone still draws above every earlier token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_idle_keys_leave_records_that_expire() {
+    let cluster = tokio::task::block_in_place(leasehold_lease::testkit::RedisCluster::start);
+    let (name, family) = family_on(&cluster.url(), "idle").await;
+    let mut last = std::collections::HashMap::new();
+    for round in 0..3 {
+        for i in 0..20 {
+            let key = format!("order-{i}");
+            let token = take(&family, &key).await;
+            if let Some(before) = last.insert(key.clone(), token) {
+                assert!(
+                    token > before,
+                    "{key} round {round}: {token} after {before}"
+                );
+            }
+            give_back(&family, &key).await;
+        }
+    }
+    let retention = KEY_COUNTER_RETENTION.as_millis() as i64;
+    let mut records = 0;
+    for node in &cluster.nodes {
+        let mut conn = node.admin().await;
+        for key in keys(&mut conn).await {
+            assert!(
+                key.contains(&format!("{{{name}.keys.order-")),
+                "a record of no key: {key}"
+            );
+            let left = pttl(&mut conn, &key).await;
+            assert!(
+                left > 0 && left <= retention,
+                "{key} is kept for ever (PTTL {left})"
+            );
+            records += 1;
+        }
+    }
+    // Each key's counter and epoch record; the leases are gone with their release.
+    assert_eq!(records, 40, "records of 20 idle keys");
+
+    // A key whose token runs ahead of the clock (a floor raised by restarts in quick
+    // succession) keeps its records until the clock has passed it by the retention.
+    let ahead_ms: i64 = 1_000_000_000;
+    let counter = format!("leasehold:{{{name}.keys.order-1}}:token");
+    let node = &cluster.nodes[cluster.owner_of(cluster.slot_of(&counter))];
+    let mut conn = node.admin().await;
+    let now = server_micros(&mut conn).await;
+    let _: () = redis::cmd("SET")
+        .arg(&counter)
+        .arg(now + ahead_ms * 1000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let token = take(&family, "order-1").await;
+    assert!(token as i64 > now + ahead_ms * 1000, "token {token}");
+    give_back(&family, "order-1").await;
+    let left = pttl(&mut conn, &counter).await;
+    assert!(
+        left > retention + ahead_ms - 60_000,
+        "a counter {ahead_ms} ms ahead of the clock is kept {left} ms"
+    );
+
+    // Records gone (as when they expire): the key's next token is still above its last one,
+    // whether the epoch record went with the counter or stayed.
+    for (key, with_epoch) in [("order-2", true), ("order-3", false)] {
+        let prefix = format!("leasehold:{{{name}.keys.{key}}}");
+        let node = &cluster.nodes[cluster.owner_of(cluster.slot_of(&prefix))];
+        let mut conn = node.admin().await;
+        let mut gone = redis::cmd("DEL");
+        gone.arg(format!("{prefix}:token"));
+        if with_epoch {
+            gone.arg(format!("{prefix}:epoch"));
+        }
+        let deleted: i64 = gone.query_async(&mut conn).await.unwrap();
+        assert_eq!(deleted, if with_epoch { 2 } else { 1 }, "{key}'s records");
+        let again = take(&family, key).await;
+        assert!(
+            again > last[key],
+            "{key} taken again with token {again} after {}",
+            last[key]
+        );
+        give_back(&family, key).await;
+    }
+    family.shutdown().await;
+}
+
+/// On Tair each of a family's keys has a token counter of its own (the claim draws it in the
+/// claim's round trip, without Lua): it expires a day after the key's last claim, later by as
+/// much as its token runs ahead of the clock, and a key whose counter is gone still draws above
+/// every earlier token. The server's epoch record is the only record kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tair_idle_keys_leave_counters_that_expire() {
+    let server = RedisServer::start_tair();
+    let (name, family) = family_on(&server.url(), "idle").await;
+    let mut last = std::collections::HashMap::new();
+    for round in 0..3 {
+        for i in 0..20 {
+            let key = format!("order-{i}");
+            let token = take(&family, &key).await;
+            if let Some(before) = last.insert(key.clone(), token) {
+                assert!(
+                    token > before,
+                    "{key} round {round}: {token} after {before}"
+                );
+            }
+            give_back(&family, &key).await;
+        }
+    }
+    let retention = KEY_COUNTER_RETENTION.as_millis() as i64;
+    let mut conn = server.admin().await;
+    let mut counters = 0;
+    for key in keys(&mut conn).await {
+        let left = pttl(&mut conn, &key).await;
+        if key == "leasehold:epoch:tair" {
+            assert_eq!(left, -1, "{key}");
+            continue;
+        }
+        assert!(
+            key.starts_with(&format!("leasehold:{{{name}.keys.order-")) && key.ends_with(":token"),
+            "a record left by an idle key: {key}"
+        );
+        assert!(
+            left > 0 && left <= retention,
+            "{key} is kept for ever (PTTL {left})"
+        );
+        counters += 1;
+    }
+    assert_eq!(counters, 20, "one counter a key");
+
+    // A counter ahead of the clock is kept until the clock has passed it by the retention.
+    let ahead_ms: i64 = 1_000_000_000;
+    let counter = format!("leasehold:{{{name}.keys.order-1}}:token");
+    let now = server_micros(&mut conn).await;
+    let _: () = redis::cmd("SET")
+        .arg(&counter)
+        .arg(now + ahead_ms * 1000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let token = take(&family, "order-1").await;
+    assert!(token as i64 > now + ahead_ms * 1000, "token {token}");
+    give_back(&family, "order-1").await;
+    let left = pttl(&mut conn, &counter).await;
+    assert!(
+        left > retention + ahead_ms - 60_000,
+        "a counter {ahead_ms} ms ahead of the clock is kept {left} ms"
+    );
+
+    // A counter gone (as when it expires): the key's next token is still above its last one,
+    // from this driver (which remembers the counter) and from a new one (which reads it first).
+    for (key, fresh) in [("order-2", false), ("order-3", true)] {
+        let deleted: i64 = redis::cmd("DEL")
+            .arg(format!("leasehold:{{{name}.keys.{key}}}:token"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(deleted, 1, "{key}'s counter");
+        let again = if fresh {
+            let other = KeyedFamily::new(
+                driver_for(&server.url()).await,
+                FamilyConfig::new(&name, "pod-b", LEASE),
+                Arc::new(()),
+            )
+            .expect("family");
+            let token = take(&other, key).await;
+            give_back(&other, key).await;
+            other.shutdown().await;
+            token
+        } else {
+            let token = take(&family, key).await;
+            give_back(&family, key).await;
+            token
+        };
+        assert!(
+            again > last[key],
+            "{key} taken again with token {again} after {}",
+            last[key]
+        );
+    }
+    family.shutdown().await;
 }

@@ -250,12 +250,13 @@ impl Backends {
                     bounded(driver.forget_idle_keys(&resolved.name, Duration::ZERO)).await?;
                 }
                 Some(held) => return Ok(Some(StillHeld::Keys(held))),
-                // The CRD refuses Delete for a family on these backends.
+                // Every driver counts today; a backend that could not would lose its keys'
+                // records under their holders.
                 None => {
                     return Err(Error::InvalidConfig {
                         field: "cleanupPolicy",
                         reason: format!(
-                            "the {} backend keeps a record per key, which is what keeps its tokens rising: a family's records are kept",
+                            "the {} backend cannot count a family's held keys, so their records are kept",
                             resolved.backend.kind()
                         ),
                     });

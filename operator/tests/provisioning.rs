@@ -772,3 +772,87 @@ async fn a_family_gets_what_its_keys_share_and_no_record_of_its_own() {
         "a Lease was made for the family's own name"
     );
 }
+
+/// `cleanupPolicy: Delete` on a family on the Kubernetes Lease: the clean-up waits while a key
+/// is held and names how many are, then deletes every key's Lease and keeps the family's floor
+/// Lease, at least every deleted key's token: a family created again continues above them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_family_loses_its_keys_leases_on_delete_and_keeps_its_floor() {
+    let api = InMemoryApiServer::new();
+    let mut family = lock(
+        "orders",
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    );
+    family.spec.keys = Some(leasehold_crds::KeysSpec::default());
+    let (observation, driver) = provision(&api, &family).await;
+    ready(&observation);
+    let take = async |key: &str| match driver
+        .try_acquire(key, "pod-a/w1", Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
+        Acquire::Acquired(lease) => lease,
+        busy => panic!("{key} is not free: {busy:?}"),
+    };
+    // Each key taken twice (tokens 1 and 2), and sku-3 held at the end.
+    let mut highest = 0;
+    for key in [
+        "orders.keys.sku-1",
+        "orders.keys.sku-2",
+        "orders.keys.sku-3",
+    ] {
+        let lease = take(key).await;
+        assert!(driver.release(&lease).await.unwrap());
+        highest = highest.max(lease.token);
+    }
+    for key in ["orders.keys.sku-1", "orders.keys.sku-2"] {
+        let lease = take(key).await;
+        assert!(driver.release(&lease).await.unwrap());
+        highest = highest.max(lease.token);
+    }
+    let held = take("orders.keys.sku-3").await;
+    highest = highest.max(held.token);
+    let backends = Backends::default();
+    let waiting = backends.clean_up(&api.client(), &family).await.unwrap();
+    assert_eq!(waiting, Some(StillHeld::Keys(1)));
+    for key in [
+        "orders.keys.sku-1",
+        "orders.keys.sku-2",
+        "orders.keys.sku-3",
+    ] {
+        assert!(
+            api.object(LEASES, NS, key).is_some(),
+            "{key}'s Lease went while a key was held"
+        );
+    }
+    assert!(driver.release(&held).await.unwrap());
+    assert_eq!(
+        backends.clean_up(&api.client(), &family).await.unwrap(),
+        None
+    );
+    for key in [
+        "orders.keys.sku-1",
+        "orders.keys.sku-2",
+        "orders.keys.sku-3",
+    ] {
+        assert!(
+            api.object(LEASES, NS, key).is_none(),
+            "{key}'s Lease is left after the family's clean-up"
+        );
+    }
+    let floor = api
+        .object(
+            LEASES,
+            NS,
+            &leasehold_lease::kubernetes::floor_lease("orders"),
+        )
+        .expect("the family's floor Lease");
+    let transitions = floor["spec"]["leaseTransitions"].as_u64().unwrap_or(0);
+    assert!(
+        transitions >= highest,
+        "the floor {transitions} is below the deleted keys' token {highest}: {floor}"
+    );
+}

@@ -43,7 +43,8 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// same as the token counter unless the lock is a family's key) and waiters mark
 /// ([`KeyLayout::waiters`]). ARGV: durable ("1" when the server loses no acknowledged write in a
 /// crash: `appendonly yes`, `appendfsync always`), how long a key's own counter outlives its
-/// last acquisition (ms), then for each lock in turn the identity and the ttl in ms.
+/// last acquisition (ms), then for each lock in turn the identity, the ttl in ms, and "1" when
+/// its records expire ([`KeyLayout::records_expire`]).
 /// Returns, for each lock: the new token, {current value, remaining ms} when the lock is held,
 /// or {false, remaining ms} while the server waits out a lease it may have lost.
 ///
@@ -68,12 +69,29 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// earlier version, which counts on the key's own counter alone, still draws above every
 /// token given meanwhile, through a rolling upgrade.
 ///
+/// On a Redis Cluster a family's key has a counter and an epoch record of its own (a script
+/// touches one slot), and they expire ([`KeyLayout::records_expire`]): an idle key leaves
+/// nothing. Both are kept for [`KEY_COUNTER_RETENTION`] after the key's last free acquisition,
+/// and longer by as much as its token (or the epoch's floor) runs ahead of the server's clock
+/// in microseconds. A counter that starts afresh starts at that clock, so it starts above every
+/// token the key was given before its records expired, as long as the clock of the master
+/// serving the slot is not a day behind the one that gave them. (A sidecar of a version before
+/// this one starts such a counter at 1 on a durable master, so during a rolling upgrade from
+/// one a key idle for a day may be given a lower token.)
+///
 /// An attempt that finds the lock held marks it as waited for, in the same step, so that the
 /// release ([`RELEASE`]) publishes its notice: a release that nobody waits for publishes
 /// nothing, and no sidecar's listener is sent it. The mark outlives a waiter's next attempt
 /// (waiters try again at least once a lease, and every busy attempt sets it again).
 pub(crate) const ACQUIRE: &str = r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
+local function clock()
+  if now == 0 then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  return now
+end
 local function check_epoch()
   checked = true
   local replication = redis.pcall('INFO', 'replication')
@@ -83,8 +101,7 @@ local function check_epoch()
   end
   guarded = true
   local promoted = string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1'
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  clock()
   local epoch = redis.call('HMGET', KEYS[1], 'replid', 'since', 'floor')
   since = tonumber(epoch[2]) or 0
   floor = tonumber(epoch[3]) or 0
@@ -102,10 +119,16 @@ local function check_epoch()
       'floor', string.format('%d', floor))
   end
 end
+local function keep_records(counter, ahead)
+  local keep = string.format('%d', tonumber(ARGV[2]) + math.max(0, math.ceil((ahead - clock()) / 1000)))
+  redis.call('PEXPIRE', counter, keep)
+  redis.call('PEXPIRE', KEYS[1], keep)
+end
 local results = {}
 for i = 1, (#KEYS - 1) / 4 do
   local lease, counter, own, waiters = KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], KEYS[4 * i + 1]
-  local identity, ttl = ARGV[2 * i + 1], tonumber(ARGV[2 * i + 2])
+  local identity, ttl = ARGV[3 * i], tonumber(ARGV[3 * i + 1])
+  local expires = ARGV[3 * i + 2] == '1'
   local current = redis.call('GET', lease)
   if current then
     redis.call('SET', waiters, '1', 'PX', ttl * 2)
@@ -116,6 +139,9 @@ for i = 1, (#KEYS - 1) / 4 do
     end
     local left = guarded and since + ttl * 1000 - now or 0
     if left > 0 then
+      if expires then
+        keep_records(counter, floor)
+      end
       results[i] = {false, math.ceil(left / 1000)}
     else
       local least = floor
@@ -124,12 +150,18 @@ for i = 1, (#KEYS - 1) / 4 do
         least = math.max(least, tonumber(redis.call('GET', own) or '0'))
       end
       local token = redis.call('INCR', counter)
+      if expires and token == 1 then
+        least = math.max(least, clock())
+      end
       if token <= least then
         token = least + 1
         redis.call('SET', counter, string.format('%d', token))
       end
       if keyed then
         redis.call('SET', own, string.format('%d', token), 'PX', ARGV[2])
+      end
+      if expires then
+        keep_records(counter, math.max(token, floor))
       end
       redis.call('SET', lease, string.format('%d', token) .. ':' .. identity, 'NX', 'PX', ttl)
       results[i] = token
@@ -169,7 +201,8 @@ pub(crate) fn acquisitions<'a>(
             .key(keys.token(lock))
             .key(keys.waiters(lock))
             .arg(acquisition.identity)
-            .arg(ms(acquisition.ttl));
+            .arg(ms(acquisition.ttl))
+            .arg(if keys.records_expire(lock) { "1" } else { "0" });
     }
     invocation
 }
@@ -464,6 +497,12 @@ impl KeyLayout {
             }
             _ => self.token(lock),
         }
+    }
+    /// Whether `lock`'s counter and epoch record expire once it is idle (see [`ACQUIRE`]): a
+    /// family's key on a Redis Cluster, where they are the key's own. Elsewhere a family's keys
+    /// share their family's, and a declared lock keeps its own for good.
+    pub fn records_expire(&self, lock: &str) -> bool {
+        self.epoch_per_lock && crate::names::family_of(lock).is_some()
     }
     /// The prefix's epoch record (see [`ACQUIRE`]).
     pub fn epoch(&self) -> String {

@@ -4,7 +4,8 @@
 //!
 //! - **Acquire**: `EXSET lease "TOKEN:IDENTITY" PX ttl NX ABS VERSION WITHVERSION`, which only
 //!   succeeds on an absent (or expired) key, then `INCR` of the lock's token counter (a plain
-//!   key, kept for ever), in one round trip. The `EXSET` names the token this driver expects
+//!   key, kept for ever for a declared lock; a family's key's expires, see [`CounterKept`]), in
+//!   one round trip. The `EXSET` names the token this driver expects
 //!   the `INCR` to draw (one above the counter it last saw; a first attempt on a lock reads the
 //!   counter first). When the draw is the token guessed, the counter stood one below it when
 //!   the claim had already landed: every token drawn before the claim is smaller, and every
@@ -40,8 +41,8 @@ use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use super::redis::{
-    Durability, KeyLayout, client, connection, delete_keys, held_key_leases, info_field,
-    lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
+    Durability, KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases,
+    info_field, lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
 };
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
@@ -370,6 +371,44 @@ impl TairDriver {
     }
 }
 
+/// The server's clock in microseconds, as the checked epoch tells it; where the server refuses
+/// the check, this machine's clock (a family key's counter only needs a clock within a day of
+/// the server's, see [`CounterKept`]).
+fn server_clock(epoch: Option<&Epoch>) -> i64 {
+    match epoch {
+        Some(epoch) => epoch.server_us + epoch.learned.elapsed().as_micros() as i64,
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as i64),
+    }
+}
+
+/// A family's key has a token counter of its own (keys are chosen at run time, without bound),
+/// and it expires: [`KEY_COUNTER_RETENTION`] after the key's last claim, later by as much as
+/// the token runs ahead of the clock (a floor raised by restarts), so that an idle key leaves
+/// nothing. A counter that is gone starts again at the clock in microseconds (`SET NX`, in the
+/// claim's round trip), which by then is past every token it gave; a counter that is there is
+/// left alone. A sidecar of a version before this one starts such a counter at 1: during a
+/// rolling upgrade from one, a key idle for a day may be given a token below its earlier ones.
+struct CounterKept {
+    /// What a counter that is gone starts at: the clock, or above it the counter's value as
+    /// last seen (which a counter that really expired has long passed).
+    start: i64,
+    for_ms: u64,
+}
+
+impl CounterKept {
+    /// For a claim of `token` at `now`, in an epoch whose tokens are above `floor` (the tokens
+    /// that run ahead of the clock are the floor's and those drawn just after it).
+    fn at(now: i64, token: i64, floor: i64) -> Self {
+        let ahead_ms = ((token.max(floor) - now).max(0) as u64).div_ceil(1000);
+        Self {
+            start: now.max(token - 1),
+            for_ms: ms(KEY_COUNTER_RETENTION) + ahead_ms,
+        }
+    }
+}
+
 /// The version a holding starts at: its token's place in a cycle of 2^31 holdings, times 2^32,
 /// so that versions do not repeat across holdings. TairString starts every new key at version
 /// 1, and `EXCAS`/`EXCAD` compare the version alone: a holder whose key expired and was taken
@@ -400,8 +439,10 @@ impl Driver for TairDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.conn.clone();
         let mut epoch = self.epoch(&mut conn).await?;
+        let expires = crate::names::family_of(lock).is_some();
         // The token is one above the counter as this driver last saw it, most likely. A first
-        // attempt on a lock reads the counter first.
+        // attempt on a lock reads the counter first; a family's key without one will start it
+        // at the clock.
         let mut token = match self.predicted_token(lock) {
             Some(token) => token,
             None => {
@@ -410,7 +451,11 @@ impl Driver for TairDriver {
                     .query_async(&mut conn)
                     .await
                     .map_err(tair_err)?;
-                counter.unwrap_or(0) + 1
+                match counter {
+                    Some(counter) => counter + 1,
+                    None if expires => server_clock(epoch.as_deref()) + 1,
+                    None => 1,
+                }
             }
         };
         for _ in 0..CLAIM_ATTEMPTS {
@@ -425,10 +470,24 @@ impl Driver for TairDriver {
                 token: token as u64,
             };
             // The connection's name (unless the server refuses the guard), the claim under the
-            // guessed token, and the draw after it, in one round trip.
+            // guessed token, and the draw after it, in one round trip; for a family's key, its
+            // counter started at the clock should it be gone, and kept a while after the draw.
             let mut pipe = redis::pipe();
             if epoch.is_some() {
                 pipe.cmd("CLIENT").arg("GETNAME");
+            }
+            let kept = expires.then(|| {
+                let floor = epoch.as_ref().map_or(0, |e| e.floor);
+                CounterKept::at(server_clock(epoch.as_deref()), token, floor)
+            });
+            if let Some(kept) = &kept {
+                pipe.cmd("SET")
+                    .arg(self.keys.token(lock))
+                    .arg(kept.start)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(kept.for_ms)
+                    .ignore();
             }
             pipe.cmd("EXSET")
                 .arg(self.keys.lease(lock))
@@ -441,6 +500,12 @@ impl Driver for TairDriver {
                 .arg("WITHVERSION")
                 .cmd("INCR")
                 .arg(self.keys.token(lock));
+            if let Some(kept) = &kept {
+                pipe.cmd("PEXPIRE")
+                    .arg(self.keys.token(lock))
+                    .arg(kept.for_ms)
+                    .ignore();
+            }
             let replies: Vec<Value> = pipe.query_async(&mut conn).await.map_err(tair_err)?;
             let (name, set, drawn) = match (&epoch, replies.as_slice()) {
                 (Some(_), [name, set, drawn]) => (Some(name), set, drawn),
