@@ -347,8 +347,9 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
 
 /// A family's keys nobody has held for the idle time given are deleted, raising the family's
 /// floor above their tokens first; a key held, a key idle for less, and a plain lock stay; a
-/// key taken again draws above its forgotten tokens.
-async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str) {
+/// key taken again draws above its forgotten tokens. In row-lock mode the forgotten keys'
+/// seeded rows go too, and the held key's (locked by its holder) stays.
+async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str, row_lock: bool) {
     use leasehold_lease::Acquire;
     let driver = h.driver().await;
     let family = unique_lock("idle_keys");
@@ -415,6 +416,29 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str) {
         1,
         "another family's key went"
     );
+    if row_lock {
+        let seeded = async |db: &mut sqlx::AnyConnection, name: &str| -> usize {
+            sqlx::query(&format!(
+                "SELECT name FROM {table}_rows WHERE name = '{name}'"
+            ))
+            .fetch_all(db)
+            .await
+            .expect("select seeded")
+            .len()
+        };
+        assert_eq!(
+            seeded(&mut db, &idle).await,
+            0,
+            "the idle key's seeded row stayed"
+        );
+        for (name, what) in [
+            (&held, "the held key's"),
+            (&plain, "a plain lock's"),
+            (&other, "another family's key's"),
+        ] {
+            assert_eq!(seeded(&mut db, name).await, 1, "{what} seeded row went");
+        }
+    }
     let floor = rows(&mut db, &format!("{family}/floor")).await;
     assert!(
         floor.first().is_some_and(|&f| f >= first.token as i64),
@@ -434,21 +458,35 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str) {
 async fn postgres_idle_keys_rows_are_deleted() {
     let mut h = PostgresHarness::new();
     let url = h.server.url();
-    idle_keys_rows_are_deleted(&mut h, &url).await;
+    idle_keys_rows_are_deleted(&mut h, &url, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_idle_keys_rows_are_deleted() {
     let mut h = leasehold_lease::testkit::SqliteHarness::new();
     let url = format!("sqlite://{}", h.path().display());
-    idle_keys_rows_are_deleted(&mut h, &url).await;
+    idle_keys_rows_are_deleted(&mut h, &url, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_idle_keys_rows_are_deleted() {
     let mut h = MariaDbHarness::new();
     let url = h.server.url();
-    idle_keys_rows_are_deleted(&mut h, &url).await;
+    idle_keys_rows_are_deleted(&mut h, &url, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_idle_keys_rows_are_deleted() {
+    let mut h = PostgresHarness::row_lock();
+    let url = h.server.url();
+    idle_keys_rows_are_deleted(&mut h, &url, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_idle_keys_rows_are_deleted() {
+    let mut h = MariaDbHarness::row_lock();
+    let url = h.server.url();
+    idle_keys_rows_are_deleted(&mut h, &url, true).await;
 }
 
 /// A release that commits while a sweep is under way (row-lock mode commits its release with

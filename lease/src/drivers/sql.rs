@@ -100,6 +100,21 @@ pub struct Statements {
     pub delete_row: String,
     /// A family's idle keys forgotten above its token floor: see [`KeyFloor`].
     pub key_floor: KeyFloor,
+    /// Row-lock mode: the seeded rows of a family's forgotten keys.
+    pub forget_seeded: ForgetSeeded,
+}
+
+/// Row-lock mode's seeded rows of a family's keys that have no lease row left (the sweep that
+/// deleted them runs this in its transaction), skipping every row a holder or an acquisition
+/// has locked (`FOR UPDATE SKIP LOCKED`): the sweep never waits for a holder, and a row it
+/// deletes is one nobody holds. An acquisition that seeded a row the sweep then deleted seeds
+/// it again. Exclusion never rests on a seeded row being there: the fence does.
+pub enum ForgetSeeded {
+    /// One statement: `$1`/`$2` the keys' name patterns.
+    Postgres(String),
+    /// The rows locked and read (patterns), then deleted by name: MySQL's `DELETE` has no
+    /// `SKIP LOCKED`, and would wait for every holder's row it scans.
+    MySql { select: String, table: String },
 }
 
 /// Renewals, one or many at once. Each row is extended only where its holder and token are the
@@ -196,6 +211,49 @@ pub struct KeyFloor {
     pub forget: ForgetIdle,
     /// The family's keys held now (patterns); returns `held`.
     pub count_held: String,
+}
+
+/// How many seeded rows one MySQL `DELETE` names.
+const SEEDED_DELETED_AT_ONCE: usize = 500;
+
+/// Row-lock mode: delete the seeded rows of a family's keys left without a lease row, in the
+/// sweep's transaction (see [`ForgetSeeded`]).
+async fn forget_seeded(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    statements: &ForgetSeeded,
+    plain: &str,
+    hashed: &str,
+) -> Result<()> {
+    match statements {
+        ForgetSeeded::Postgres(delete) => {
+            sqlx::query(delete)
+                .bind(plain)
+                .bind(hashed)
+                .execute(&mut **tx)
+                .await
+                .map_err(map_err)?;
+        }
+        ForgetSeeded::MySql { select, table } => {
+            let names: Vec<String> = sqlx::query_scalar(select)
+                .bind(plain)
+                .bind(hashed)
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(map_err)?;
+            for chunk in names.chunks(SEEDED_DELETED_AT_ONCE) {
+                let delete = format!(
+                    "DELETE FROM {table} WHERE name IN ({})",
+                    vec!["?"; chunk.len()].join(", ")
+                );
+                let mut query = sqlx::query(&delete);
+                for name in chunk {
+                    query = query.bind(name);
+                }
+                query.execute(&mut **tx).await.map_err(map_err)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A sweep's statements after the floor is locked.
@@ -311,6 +369,13 @@ impl Dialect {
                              AND holder IS NOT NULL AND expires_at > now()"
                         ),
                     },
+                    forget_seeded: ForgetSeeded::Postgres(format!(
+                        "DELETE FROM {r} WHERE name IN (\
+                           SELECT s.name FROM {r} AS s \
+                           WHERE (s.name LIKE $1 ESCAPE '|' OR s.name LIKE $2 ESCAPE '|') \
+                           AND NOT EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = s.name) \
+                           FOR UPDATE OF s SKIP LOCKED)"
+                    )),
                 }
             }
             Dialect::MySql => Statements {
@@ -393,6 +458,15 @@ impl Dialect {
                          WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') \
                          AND holder IS NOT NULL AND expires_at > NOW(6)"
                     ),
+                },
+                forget_seeded: ForgetSeeded::MySql {
+                    select: format!(
+                        "SELECT s.name FROM {r} AS s \
+                         WHERE (s.name LIKE ? ESCAPE '|' OR s.name LIKE ? ESCAPE '|') \
+                         AND NOT EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = s.name) \
+                         FOR UPDATE SKIP LOCKED"
+                    ),
+                    table: r.clone(),
                 },
             },
         }
@@ -1062,6 +1136,9 @@ impl Driver for SqlDriver {
                     .rows_affected()
             }
         };
+        if self.row_locks.is_some() {
+            forget_seeded(&mut tx, &self.sql.forget_seeded, &plain, &hashed).await?;
+        }
         tx.commit().await.map_err(map_err)?;
         Ok(forgotten)
     }

@@ -34,6 +34,8 @@ use crate::driver::{Acquire, Driver, Lease};
 use crate::drivers::sql::{SqlDriver, map_err};
 use crate::error::{Error, Result};
 
+/// How many times one attempt seeds its lock's row before it gives up (see [`RowLocks::lock_row`]).
+const SEEDINGS: usize = 3;
 /// Idle connections kept for the next attempt, so that a waiter's polling does not reconnect.
 const SPARE_CONNECTIONS: usize = 2;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -150,7 +152,7 @@ impl RowLocks {
             Some(conn) => (conn, true),
             None => (self.connect().await?, false),
         };
-        let mut seeded = false;
+        let mut seeded = 0;
         loop {
             if let Err(e) = conn.execute(&*driver.dialect.row_lock_begin(ttl)).await {
                 if !reused {
@@ -166,14 +168,16 @@ impl RowLocks {
                 .await;
             match rows {
                 Ok(rows) if !rows.is_empty() => return Ok(Locked::Held(conn)),
-                Ok(_) if !seeded => {
+                // A family's idle-key sweep may delete a row between its seeding and its
+                // locking: seeded again, a few times.
+                Ok(_) if seeded < SEEDINGS => {
                     conn.execute("ROLLBACK").await.map_err(map_err)?;
                     driver.seed_row(lock).await?;
-                    seeded = true;
+                    seeded += 1;
                 }
                 Ok(_) => {
                     return Err(Error::Backend(format!(
-                        "the row of lock {lock:?} vanished right after it was seeded"
+                        "the row of lock {lock:?} vanished right after it was seeded, {SEEDINGS} times"
                     )));
                 }
                 Err(e) if lock_unavailable(&e) => return Ok(Locked::Taken(conn)),
