@@ -1,27 +1,40 @@
-//! etcd: a fair queue, as etcd's own `concurrency.Mutex`. Each contender puts a key
-//! `PREFIX/LOCK/LEASE_ID` bound to an etcd lease; the key with the lowest create revision holds,
-//! and every waiter watches only the key just below its own, so a release wakes exactly one
-//! waiter. The token is the holder's create revision: later keys always get larger revisions.
+//! etcd: a fair queue, as etcd's own `concurrency.Mutex` on a `concurrency.Session`. Each
+//! contender puts a key `PREFIX/LOCK/SESSION_ID-N` bound to its process's etcd lease (its
+//! session); the key with the lowest create revision holds, and every waiter watches only the
+//! key just below its own, so a release wakes exactly one waiter. The token is the holder's
+//! create revision: later keys always get larger revisions.
+//!
+//! **One etcd lease per process** (and lease length), as a ZooKeeper session binds a client's
+//! nodes: a sidecar holding 10,000 keyed locks keeps them all alive with one keep-alive per
+//! batch of renewals, where a lease per key cost a keep-alive per renewal. A process that dies
+//! or stops loses every key when its lease runs out.
 //!
 //! The holder's claim is bounded like every other driver's: `t_sent + ttl - margin`, where the
 //! etcd lease's TTL (whole seconds, rounded up, never below etcd's minimum) is at least `ttl` and
 //! restarts at the server when a keep-alive sent after `t_sent` arrives. So the key outlives the
-//! claim. Three things keep the queue moving:
+//! claim:
 //!
-//! - while waiting, a task sends keep-alives (every half TTL) so the place in the queue is kept;
-//!   a waiter that stops asking (its app gave up) leaves the queue after three TTLs;
-//! - while holding, only the engine's renewals keep the lease alive, so a holder whose renewals
-//!   stall is dropped by etcd; and when its own lease runs out locally, the driver revokes the
-//!   etcd lease at once instead of leaving the others to wait for the server's whole seconds;
-//! - becoming the holder costs one keep-alive sent after `t_sent`, since the waiting task's last
-//!   keep-alive may be older than the claim about to start, and the lease may have been revoked
-//!   since the position was read.
+//! - becoming the holder costs one keep-alive sent after `t_sent` (shared by the claims and
+//!   renewals asked at once), since the last keep-alive may be older than the claim about to
+//!   start, and the lease may have ended since the position was read;
+//! - a renewal sends a keep-alive after `t_sent` too, and reads its key back: a key deleted
+//!   behind the driver's back lets the next contender in while the lease lives on;
+//! - between them a keeper task keeps the lease alive (every third of its TTL), so a waiter keeps
+//!   its place while its engine asks; a waiter that stops asking (its app gave up) leaves the
+//!   queue after three TTLs.
 //!
-//! A free lock costs three round trips to take (the lease grant, one transaction that puts the
-//! key and reads the queue around it, the keep-alive) and one to release (the revoke).
+//! A key leaves the queue by its own delete, guarded by its create revision (a release, a
+//! waiter giving up, a holder whose local lease ran out): the lease lives on for the process's
+//! other keys. A delete that fails is tried again at each of the keeper's rounds until it lands
+//! or the lease ends, so a key its process has let go never blocks the queue for longer than
+//! etcd takes to answer again.
+//!
+//! A free lock costs two round trips to take (one transaction that puts the key and reads the
+//! queue around it, the keep-alive), after the process's first, which grants its lease, and one
+//! to release (the delete).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,10 +43,10 @@ use tokio::sync::{OnceCell, watch};
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
-use crate::drivers::batches::{Batch, Batches, answer_all};
+use crate::drivers::batches::{Batch, Batches, Gather, answer_all};
 use crate::drivers::etcd_rpc::{
-    Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest, RangeRequest,
-    RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
+    Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
+    RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
 use crate::drivers::queue_slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
@@ -43,6 +56,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// A waiting key whose engine has not asked for this many TTLs is given up: its app stopped
 /// waiting. Engines ask at least once per poll interval (about one lease).
 const ABANDONED_AFTER_TTLS: u32 = 3;
+/// How many keep-alives a session's keeper sends per TTL.
+const KEEP_ALIVES_PER_TTL: u32 = 3;
+/// How many of its keeper's rounds a session goes unused before it is ended (revoked).
+const IDLE_ROUNDS: u32 = KEEP_ALIVES_PER_TTL;
 
 /// Where to find etcd and how to log in.
 #[derive(Clone)]
@@ -81,16 +98,97 @@ struct Entry {
     lock: String,
     identity: String,
     key: String,
-    etcd_lease: i64,
-    granted: Duration,
+    session: SessionUse,
     revision: i64,
     slot: QueueSlot,
+}
+
+/// This process's etcd lease for its keys of one TTL (see the module's notes).
+struct Session {
+    id: i64,
+    /// The TTL etcd granted: at least the one asked for, in whole seconds.
+    granted: Duration,
+    /// Claims' keep-alives: those asked while one is on its way go out together in the next
+    /// ([`Gather::WhileBusy`]), each sent after it was asked.
+    keep_alives: Batches<(), Result<bool>>,
+    /// Set once etcd has said the lease is gone (or this process revoked it): its keys went
+    /// with it, and no key is put under it any more.
+    ended: AtomicBool,
+    /// How many of this process's entries are bound to it.
+    users: AtomicUsize,
+    keeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Session {
+    fn ended(&self) -> bool {
+        self.ended.load(Ordering::SeqCst)
+    }
+
+    /// One keep-alive sent after this call began: whether the lease is still there.
+    async fn keep_alive(&self) -> Result<bool> {
+        let alive = self.keep_alives.call(()).await??;
+        if !alive {
+            self.ended.store(true, Ordering::SeqCst);
+        }
+        Ok(alive)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(keeper) = self
+            .keeper
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            keeper.abort();
+        }
+    }
+}
+
+/// An entry's hold on its session: counted while the entry lives, so that an unused session
+/// can be ended.
+struct SessionUse(Arc<Session>);
+
+impl SessionUse {
+    fn new(session: Arc<Session>) -> Self {
+        session.users.fetch_add(1, Ordering::SeqCst);
+        Self(session)
+    }
+}
+
+impl Drop for SessionUse {
+    fn drop(&mut self) {
+        self.0.users.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl std::ops::Deref for SessionUse {
+    type Target = Session;
+    fn deref(&self) -> &Session {
+        &self.0
+    }
+}
+
+/// A key this process let go whose delete failed: tried again at the keeper's next round, while
+/// its session lasts (the key goes with it).
+struct Orphan {
+    key: String,
+    /// The key's create revision, when known (a put whose answer was lost has none).
+    revision: Option<i64>,
+    session: std::sync::Weak<Session>,
 }
 
 struct Shared {
     config: EtcdConfig,
     client: OnceCell<EtcdClient>,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
+    /// This process's etcd leases, by their TTL in seconds; granted on first use.
+    sessions: tokio::sync::Mutex<HashMap<i64, Arc<Session>>>,
+    orphans: Mutex<Vec<Orphan>>,
+    /// Numbers this process's keys, so that a key is never put twice under one name.
+    keys_put: AtomicU64,
     /// One acquisition of a lock at a time ([`Attempts`]).
     attempts: Attempts,
     releases: ChangeFeeds,
@@ -100,16 +198,26 @@ struct Shared {
 pub struct EtcdDriver {
     shared: Arc<Shared>,
     /// Renewals' checks that arrive together are read together ([`check_keys`]).
-    checks: Batches<KeyCheck, Result<bool>>,
+    checks: Batches<KeyCheck, Result<Checked>>,
 }
 
 /// A renewal's check that its key is still the one it put: a key deleted behind the driver's
 /// back (`etcdctl del --prefix`, a lock's clean-up) lets the next contender in while the etcd
-/// lease lives on, so a live lease alone proves nothing.
+/// lease lives on, so a live lease alone proves nothing. Its session's keep-alive goes with it.
 struct KeyCheck {
     client: EtcdClient,
     key: String,
     revision: i64,
+    session: Arc<Session>,
+}
+
+/// What a renewal's check found.
+#[derive(Clone, Copy)]
+struct Checked {
+    /// The session's lease is still there, after a keep-alive sent after the renewal began.
+    alive: bool,
+    /// The key is still the one put.
+    queued: bool,
 }
 
 /// The most keys one batch of checks reads: etcd refuses a transaction of more operations than
@@ -117,10 +225,11 @@ struct KeyCheck {
 const MAX_CHECK_BATCH: usize = 128;
 
 /// The checks of a batch in one transaction that reads every key, where each renewal sent a
-/// transaction of its own. A key is still queued when it is there with the create revision it
-/// was put with (a key put again has another). Each read is sent after its renewal began, as
-/// its own transaction was.
-async fn check_keys(batch: Batch<KeyCheck, Result<bool>>) {
+/// transaction of its own, beside one keep-alive for each session the batch's keys are bound
+/// to, where each renewal sent its own. A key is still queued when it is there with the create
+/// revision it was put with (a key put again has another). Each read and keep-alive is sent
+/// after its renewal began, as its own were.
+async fn check_keys(batch: Batch<KeyCheck, Result<Checked>>) {
     let client = batch[0].request.client.clone();
     let request = TxnRequest {
         success: batch
@@ -129,7 +238,29 @@ async fn check_keys(batch: Batch<KeyCheck, Result<bool>>) {
             .collect(),
         ..TxnRequest::default()
     };
-    let ranges = match client.txn(request).await {
+    let mut sessions: Vec<&Arc<Session>> = Vec::new();
+    for pending in &batch {
+        if !sessions
+            .iter()
+            .any(|s| Arc::ptr_eq(s, &pending.request.session))
+        {
+            sessions.push(&pending.request.session);
+        }
+    }
+    let keep_alives = futures_util::future::join_all(sessions.iter().map(|session| async {
+        let alive = client.lease_keep_alive(session.id).await.map_err(map_err)?;
+        if alive.is_none() {
+            session.ended.store(true, Ordering::SeqCst);
+        }
+        Ok::<_, Error>((session.id, alive.is_some()))
+    }));
+    let (read, kept) = tokio::join!(client.txn(request), keep_alives);
+    let alive: HashMap<i64, Result<bool>> = kept
+        .into_iter()
+        .zip(&sessions)
+        .map(|(kept, session)| (session.id, kept.map(|(_, alive)| alive)))
+        .collect();
+    let ranges = match read {
         Ok(reply) => reply.ranges(),
         Err(e) => return answer_all(batch, Err(map_err(e))),
     };
@@ -146,7 +277,14 @@ async fn check_keys(batch: Batch<KeyCheck, Result<bool>>) {
             .kvs
             .first()
             .is_some_and(|kv| kv.create_revision == pending.request.revision);
-        let _ = pending.reply.send(Ok(queued));
+        let answer = match &alive[&pending.request.session.id] {
+            Ok(alive) => Ok(Checked {
+                alive: *alive,
+                queued,
+            }),
+            Err(e) => Err(e.clone()),
+        };
+        let _ = pending.reply.send(answer);
     }
 }
 
@@ -169,6 +307,11 @@ fn map_err(e: RpcError) -> Error {
         RpcError::Unreachable(text) => Error::Unreachable(text),
         RpcError::Status(_) => Error::Backend(e.to_string()),
     }
+}
+
+/// Whether etcd refused a request for naming a lease that is gone.
+fn lease_gone(e: &RpcError) -> bool {
+    matches!(e, RpcError::Status(status) if status.message().contains("lease not found"))
 }
 
 /// etcd leases count whole seconds: round up, so the key never expires before the claim does.
@@ -199,21 +342,102 @@ impl Shared {
             .cloned()
     }
 
-    /// One keep-alive round trip: whether the lease is still there.
-    async fn keep_alive(&self, etcd_lease: i64) -> Result<bool> {
+    /// The session for keys of `ttl`: this process's live one, or a new one granted now.
+    async fn session(self: &Arc<Self>, ttl: Duration) -> Result<SessionUse> {
+        let seconds = ttl_seconds(ttl);
+        let mut sessions = self.sessions.lock().await;
+        if let Some(session) = sessions.get(&seconds).filter(|s| !s.ended()) {
+            // Counted under the map's lock: the keeper ends only a session nobody uses.
+            return Ok(SessionUse::new(session.clone()));
+        }
         let client = self.client().await?;
-        Ok(client
-            .lease_keep_alive(etcd_lease)
-            .await
-            .map_err(map_err)?
-            .is_some())
+        let grant = client.lease_grant(seconds).await.map_err(map_err)?;
+        if !grant.error.is_empty() {
+            return Err(Error::Backend(format!("etcd lease grant: {}", grant.error)));
+        }
+        let granted = Duration::from_secs(u64::try_from(grant.ttl).unwrap_or(0));
+        if granted < ttl {
+            let _ = client.lease_revoke(grant.id).await;
+            return Err(Error::Backend(format!(
+                "etcd granted a {granted:?} lease where {ttl:?} was asked"
+            )));
+        }
+        let id = grant.id;
+        let session = Arc::new(Session {
+            id,
+            granted,
+            keep_alives: Batches::gathered(Gather::WhileBusy, usize::MAX, move |batch| {
+                let client = client.clone();
+                async move {
+                    let alive = client.lease_keep_alive(id).await;
+                    answer_all(batch, alive.map(|ttl| ttl.is_some()).map_err(map_err));
+                }
+            }),
+            ended: AtomicBool::new(false),
+            users: AtomicUsize::new(0),
+            keeper: Mutex::new(None),
+        });
+        let keeper = tokio::spawn(keep(Arc::downgrade(self), Arc::downgrade(&session)));
+        *session.keeper.lock().unwrap_or_else(|e| e.into_inner()) = Some(keeper);
+        sessions.insert(seconds, session.clone());
+        Ok(SessionUse::new(session))
     }
 
-    /// Give the key up (best effort: if etcd is unreachable, its TTL does it).
+    /// Delete `key` if it is still the one put at `revision` (whatever it is, without one: a key
+    /// name is never put twice).
+    async fn delete_key(&self, key: &str, revision: Option<i64>) -> Result<()> {
+        let client = self.client().await?;
+        let delete = TxnRequest {
+            compare: revision
+                .map(|revision| Compare::created_at(key, revision))
+                .into_iter()
+                .collect(),
+            success: vec![
+                DeleteRangeRequest {
+                    key: key.as_bytes().to_vec(),
+                    range_end: Vec::new(),
+                    prev_kv: false,
+                }
+                .into(),
+            ],
+            failure: Vec::new(),
+        };
+        client.txn(delete).await.map_err(map_err)?;
+        Ok(())
+    }
+
+    /// Give the key up. Should etcd not answer, the delete is tried again at the keeper's next
+    /// round (or the key goes with the session's lease).
     async fn leave(&self, entry: &Entry) {
         self.forget(entry);
-        if let Ok(client) = self.client().await {
-            let _ = client.lease_revoke(entry.etcd_lease).await;
+        if let Err(e) = self.delete_key(&entry.key, Some(entry.revision)).await {
+            tracing::debug!(error = %e, key = %entry.key, "etcd delete failed; tried again");
+            self.orphaned(&entry.key, Some(entry.revision), &entry.session.0);
+        }
+    }
+
+    fn orphaned(&self, key: &str, revision: Option<i64>, session: &Arc<Session>) {
+        let mut orphans = self.orphans.lock().unwrap_or_else(|e| e.into_inner());
+        orphans.push(Orphan {
+            key: key.to_owned(),
+            revision,
+            session: Arc::downgrade(session),
+        });
+    }
+
+    /// Try the failed deletes again; those of an ended session are gone with it.
+    async fn delete_orphans(&self) {
+        let orphans = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|e| e.into_inner()));
+        for orphan in orphans {
+            if orphan.session.upgrade().is_none_or(|s| s.ended()) {
+                continue;
+            }
+            if self.delete_key(&orphan.key, orphan.revision).await.is_err() {
+                self.orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(orphan);
+            }
         }
     }
 
@@ -239,22 +463,10 @@ impl Shared {
         ttl: Duration,
     ) -> Result<(Arc<Entry>, Position)> {
         let client = self.client().await?;
-        let grant = client
-            .lease_grant(ttl_seconds(ttl))
-            .await
-            .map_err(map_err)?;
-        if !grant.error.is_empty() {
-            return Err(Error::Backend(format!("etcd lease grant: {}", grant.error)));
-        }
-        let granted = Duration::from_secs(u64::try_from(grant.ttl).unwrap_or(0));
-        if granted < ttl {
-            let _ = client.lease_revoke(grant.id).await;
-            return Err(Error::Backend(format!(
-                "etcd granted a {granted:?} lease where {ttl:?} was asked"
-            )));
-        }
+        let session = self.session(ttl).await?;
         let queue = self.queue_prefix(lock);
-        let key = format!("{queue}{:016x}", grant.id);
+        let number = self.keys_put.fetch_add(1, Ordering::Relaxed);
+        let key = format!("{queue}{:016x}-{number:x}", session.id);
         // Reads after a put in one transaction see the put: the newest two keys by create
         // revision are this one and the one just below it, since nothing can be created
         // after this put within its revision.
@@ -265,7 +477,7 @@ impl Shared {
                 PutRequest {
                     key: key.clone().into_bytes(),
                     value: identity.as_bytes().to_vec(),
-                    lease: grant.id,
+                    lease: session.id,
                 }
                 .into(),
                 RangeRequest::key(&key).into(),
@@ -275,7 +487,13 @@ impl Shared {
             ..TxnRequest::default()
         };
         let read = async {
-            let reply = client.txn(txn).await.map_err(map_err)?;
+            let reply = client.txn(txn).await.map_err(|e| {
+                if lease_gone(&e) {
+                    // Revoked or run out since it was looked up: the next attempt grants anew.
+                    session.ended.store(true, Ordering::SeqCst);
+                }
+                map_err(e)
+            })?;
             let read_at = reply.header.as_ref().map_or(0, |h| h.revision);
             let mut gets = reply.ranges().into_iter();
             let (Some(own), Some(newest), Some(lowest)) = (gets.next(), gets.next(), gets.next())
@@ -301,8 +519,11 @@ impl Shared {
             Ok(read) => read,
             Err(e) => {
                 // The put may have landed with its answer lost (or unread): a key nobody tends
-                // would stand in the queue until its TTL ran out.
-                let _ = client.lease_revoke(grant.id).await;
+                // would stand in the queue for as long as the session lives. Its name is new, so
+                // whatever holds that name is this put.
+                if self.delete_key(&key, None).await.is_err() {
+                    self.orphaned(&key, None, &session.0);
+                }
                 return Err(e);
             }
         };
@@ -311,8 +532,7 @@ impl Shared {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
             key,
-            etcd_lease: grant.id,
-            granted,
+            session,
             revision,
             slot,
         });
@@ -454,12 +674,18 @@ fn lowest(queue: &str) -> RangeRequest {
 /// Every held or waiting key keeps one of these tasks, so its size counts per key: the calls to
 /// etcd are boxed, since a gRPC call's future would otherwise make each task several KB.
 async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
+    let abandoned_after = entry.session.granted * ABANDONED_AFTER_TTLS;
     loop {
         if entry.slot.left() {
             return;
         }
+        if entry.session.ended() {
+            // The lease is gone, and the key with it.
+            shared.forget(&entry);
+            return;
+        }
         match entry.slot.asked() {
-            Some(asked) if asked.elapsed() > entry.granted * ABANDONED_AFTER_TTLS => {
+            Some(asked) if asked.elapsed() > abandoned_after => {
                 // Nobody asks any more (an on-demand wait that timed out): leave the queue
                 // rather than hold everyone behind a key no one will use. Unless an
                 // acquisition claimed the place meanwhile: then guard it.
@@ -469,21 +695,12 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
                     return;
                 }
             }
-            Some(_) => {
-                // An acquisition sets the expiry: stop waiting and start guarding it at once.
+            Some(asked) => {
+                // The session's keeper keeps the place; an acquisition sets the expiry: stop
+                // waiting and start guarding it at once.
                 tokio::select! {
-                    () = tokio::time::sleep(entry.granted / 2) => {}
-                    () = entry.slot.expiry_moved() => continue,
-                }
-                if !entry.slot.holding() {
-                    match Box::pin(shared.keep_alive(entry.etcd_lease)).await {
-                        Ok(false) => {
-                            shared.forget(&entry);
-                            return;
-                        }
-                        Ok(true) => {}
-                        Err(e) => tracing::debug!(error = %e, "etcd keep-alive failed"),
-                    }
+                    () = tokio::time::sleep_until(asked + abandoned_after) => {}
+                    () = entry.slot.expiry_moved() => {}
                 }
             }
             None => match entry.slot.wait_expiry().await {
@@ -495,6 +712,52 @@ async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
                 Expiry::Moved => {}
             },
         }
+    }
+}
+
+/// Keep a session's lease alive while the session is used, try failed deletes again, and end
+/// (revoke) a session nobody has used for [`IDLE_ROUNDS`].
+async fn keep(shared: std::sync::Weak<Shared>, session: std::sync::Weak<Session>) {
+    let mut idle = 0;
+    loop {
+        let Some(period) = session.upgrade().map(|s| s.granted / KEEP_ALIVES_PER_TTL) else {
+            return;
+        };
+        tokio::time::sleep(period).await;
+        let (Some(shared), Some(session)) = (shared.upgrade(), session.upgrade()) else {
+            return;
+        };
+        idle = if session.users.load(Ordering::SeqCst) == 0 {
+            idle + 1
+        } else {
+            0
+        };
+        if idle >= IDLE_ROUNDS {
+            let mut sessions = shared.sessions.lock().await;
+            if session.users.load(Ordering::SeqCst) == 0 {
+                sessions.retain(|_, s| !Arc::ptr_eq(s, &session));
+                drop(sessions);
+                session.ended.store(true, Ordering::SeqCst);
+                if let Ok(client) = shared.client().await {
+                    let _ = client.lease_revoke(session.id).await;
+                }
+                return;
+            }
+        }
+        if !session.ended() {
+            match Box::pin(session.keep_alive()).await {
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "etcd keep-alive failed"),
+            }
+        }
+        if session.ended() {
+            // Gone (run out while this process was cut off or paused): the next acquisition
+            // grants a new one, and the keys bound to this one went with it.
+            let mut sessions = shared.sessions.lock().await;
+            sessions.retain(|_, s| !Arc::ptr_eq(s, &session));
+            return;
+        }
+        Box::pin(shared.delete_orphans()).await;
     }
 }
 
@@ -512,6 +775,9 @@ impl EtcdDriver {
                 config,
                 client: OnceCell::new(),
                 entries: Mutex::new(HashMap::new()),
+                sessions: tokio::sync::Mutex::new(HashMap::new()),
+                orphans: Mutex::new(Vec::new()),
+                keys_put: AtomicU64::new(0),
                 attempts: Attempts::default(),
                 releases: ChangeFeeds::default(),
                 wakeups: AtomicU64::new(0),
@@ -549,29 +815,22 @@ impl Driver for EtcdDriver {
         "etcd"
     }
 
-    /// The lock's whole queue: every contender's key goes, and so does the etcd lease each key
-    /// was bound to, so that a holder's next keep-alive fails even if it missed the delete.
+    /// The lock's whole queue: every contender's key goes. Their etcd leases stay, since each is
+    /// a whole process's (its other locks' keys are bound to it): a holder learns at its next
+    /// renewal, which reads its key back.
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         let client = self.shared.client().await?;
         for lock in locks {
             let queue = self.shared.queue_prefix(lock);
             let range = RangeRequest::prefix(&queue);
-            let deleted = client
+            client
                 .delete_range(DeleteRangeRequest {
                     key: range.key,
                     range_end: range.range_end,
-                    prev_kv: true,
+                    prev_kv: false,
                 })
                 .await
                 .map_err(map_err)?;
-            for kv in deleted.prev_kvs.iter().filter(|kv| kv.lease != 0) {
-                match client.lease_revoke(kv.lease).await {
-                    Ok(()) => {}
-                    // Revoked or expired meanwhile: the key's claim is gone either way.
-                    Err(RpcError::Status(status)) if status.code() == tonic::Code::NotFound => {}
-                    Err(e) => return Err(map_err(e)),
-                }
-            }
         }
         Ok(())
     }
@@ -585,7 +844,7 @@ impl Driver for EtcdDriver {
                 // Not re-entrant, and one identity per lock and process.
                 return Ok(Acquire::Busy(self.shared.holder(lock).await?));
             }
-            Some(entry) if entry.granted >= ttl => {
+            Some(entry) if entry.session.granted >= ttl && !entry.session.ended() => {
                 entry.slot.ask(sent);
                 // Further back than next in line, with the watch standing: see `queue_slot`.
                 if let Some(holder) = entry.slot.quiet_wait(sent, ttl) {
@@ -638,7 +897,7 @@ impl Driver for EtcdDriver {
         // followed up late) and its lease revoked meanwhile (the waiter hung up and the key
         // was abandoned); claiming on that stale position let a second holder in for 6 ms in
         // the suite's etcd waiter check.
-        if !self.shared.keep_alive(entry.etcd_lease).await? {
+        if !entry.session.keep_alive().await? {
             self.shared.forget(&entry);
             entry.slot.abort_tasks();
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
@@ -659,7 +918,7 @@ impl Driver for EtcdDriver {
         let Some(entry) = self.held(lease) else {
             return Ok(false);
         };
-        if entry.slot.expired_by(sent) || ttl > entry.granted {
+        if entry.slot.expired_by(sent) || ttl > entry.session.granted {
             return Ok(false);
         }
         // Both sent after `sent`: the lease restarted at the server, and the key is still ours.
@@ -667,14 +926,12 @@ impl Driver for EtcdDriver {
             client: self.shared.client().await?,
             key: entry.key.clone(),
             revision: entry.revision,
+            session: entry.session.0.clone(),
         };
-        let (alive, queued) = tokio::join!(
-            self.shared.keep_alive(entry.etcd_lease),
-            self.checks.call(check)
-        );
-        if !alive? || !queued?? {
-            // The key may have been deleted while its lease lived: end the lease too, so that
-            // nothing of this claim remains.
+        let checked = self.checks.call(check).await??;
+        if !checked.alive || !checked.queued {
+            // The key may have been deleted, or its lease have run out: either way it is not
+            // ours any more, and whatever of it is left goes.
             self.shared.leave(&entry).await;
             entry.slot.abort_tasks();
             return Ok(false);
@@ -689,11 +946,16 @@ impl Driver for EtcdDriver {
         };
         self.shared.forget(&entry);
         entry.slot.abort_tasks();
-        let client = self.shared.client().await?;
-        client
-            .lease_revoke(entry.etcd_lease)
+        if let Err(e) = self
+            .shared
+            .delete_key(&entry.key, Some(entry.revision))
             .await
-            .map_err(map_err)?;
+        {
+            // Not answered: the key goes at the keeper's next round, or with the session.
+            self.shared
+                .orphaned(&entry.key, Some(entry.revision), &entry.session.0);
+            return Err(e);
+        }
         self.shared.releases.bump(&lease.lock);
         Ok(true)
     }
@@ -726,7 +988,7 @@ impl Driver for EtcdDriver {
     /// The TTL etcd granted (whole seconds, at least its minimum): a dead holder's key lives
     /// that long.
     fn enforced_lease(&self, lock: &str) -> Option<Duration> {
-        self.entry(lock).map(|e| e.granted)
+        self.entry(lock).map(|e| e.session.granted)
     }
 
     async fn abandon(&self, lock: &str, identity: &str) {

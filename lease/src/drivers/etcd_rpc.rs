@@ -126,6 +126,7 @@ pub struct PutResponse {
     pub header: Option<ResponseHeader>,
 }
 
+/// A delete of `key` alone (an empty `range_end`), in a transaction or on its own.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct DeleteRangeRequest {
     #[prost(bytes = "vec", tag = "1")]
@@ -144,10 +145,10 @@ pub struct DeleteRangeResponse {
     pub prev_kvs: Vec<KeyValue>,
 }
 
-/// `RequestOp`: the reads and puts a transaction makes.
+/// `RequestOp`: the reads, puts and deletes a transaction makes.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct RequestOp {
-    #[prost(oneof = "Op", tags = "1, 2")]
+    #[prost(oneof = "Op", tags = "1, 2, 3")]
     pub request: Option<Op>,
 }
 
@@ -157,6 +158,16 @@ pub enum Op {
     Range(RangeRequest),
     #[prost(message, tag = "2")]
     Put(PutRequest),
+    #[prost(message, tag = "3")]
+    DeleteRange(DeleteRangeRequest),
+}
+
+impl From<DeleteRangeRequest> for RequestOp {
+    fn from(delete: DeleteRangeRequest) -> Self {
+        Self {
+            request: Some(Op::DeleteRange(delete)),
+        }
+    }
 }
 
 impl From<RangeRequest> for RequestOp {
@@ -177,7 +188,7 @@ impl From<PutRequest> for RequestOp {
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ResponseOp {
-    #[prost(oneof = "OpResponse", tags = "1, 2")]
+    #[prost(oneof = "OpResponse", tags = "1, 2, 3")]
     pub response: Option<OpResponse>,
 }
 
@@ -187,6 +198,8 @@ pub enum OpResponse {
     Range(RangeResponse),
     #[prost(message, tag = "2")]
     Put(PutResponse),
+    #[prost(message, tag = "3")]
+    DeleteRange(DeleteRangeResponse),
 }
 
 /// `Compare.CompareResult::EQUAL` and `Compare.CompareTarget::CREATE`.
