@@ -354,9 +354,9 @@ async fn a_release_etcd_missed_is_done_once_it_answers() {
 
     let mut server = EtcdServer::start();
     let holder = driver(&server);
-    // Long enough for the kill and the restart inside one lease; the keeper's rounds are a
-    // third of it apart.
-    let ttl = Duration::from_secs(15);
+    // Long enough for the kill, the restart and the keeper's next round (half a lease apart)
+    // inside one lease.
+    let ttl = Duration::from_secs(20);
     let take = async |lock: &str| match holder.try_acquire(lock, "a", ttl).await.unwrap() {
         Acquire::Acquired(lease) => lease,
         busy => panic!("{lock}: {busy:?}"),

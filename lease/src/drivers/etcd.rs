@@ -19,7 +19,7 @@
 //!   start, and the lease may have ended since the position was read;
 //! - a renewal sends a keep-alive after `t_sent` too, and reads its key back: a key deleted
 //!   behind the driver's back lets the next contender in while the lease lives on;
-//! - between them a keeper task keeps the lease alive (every third of its TTL), so a waiter keeps
+//! - between them a keeper task keeps the lease alive (every half TTL), so a waiter keeps
 //!   its place while its engine asks; a waiter that stops asking (its app gave up) leaves the
 //!   queue after three TTLs.
 //!
@@ -56,8 +56,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// A waiting key whose engine has not asked for this many TTLs is given up: its app stopped
 /// waiting. Engines ask at least once per poll interval (about one lease).
 const ABANDONED_AFTER_TTLS: u32 = 3;
-/// How many keep-alives a session's keeper sends per TTL.
-const KEEP_ALIVES_PER_TTL: u32 = 3;
+/// How many keep-alives a session's keeper sends per TTL: the lease then always has half its TTL
+/// left for a keep-alive to arrive, as a waiter's own keep-alives had before sessions.
+const KEEP_ALIVES_PER_TTL: u32 = 2;
 /// How many of its keeper's rounds a session goes unused before it is ended (revoked).
 const IDLE_ROUNDS: u32 = KEEP_ALIVES_PER_TTL;
 
