@@ -137,19 +137,20 @@ pub trait Driver: Send + Sync + 'static {
     }
 }
 
-/// Below this many entries, [`prune_unlistened`] keeps them all.
+/// Below this many entries, [`prune_doubled`] keeps them all.
 const MIN_PRUNED: usize = 64;
 
-/// Drop the entries of `by_lock` that nobody listens to any more, once the map has doubled
-/// since the last look (`kept`, the entries left then): keyed locks are named at run time,
-/// without bound, so what a driver keeps per lock for its listeners must not stay for good.
-pub(crate) fn prune_unlistened<V>(
-    by_lock: &mut std::collections::HashMap<String, V>,
+/// Drop the entries of `by_lock` that `wanted` no longer wants (nobody listens to them, their
+/// holding is over), once the map has doubled since the last look (`kept`, the entries left
+/// then): keyed locks are named at run time, without bound, so what a driver keeps per lock
+/// must not stay for good.
+pub(crate) fn prune_doubled<K, V>(
+    by_lock: &mut std::collections::HashMap<K, V>,
     kept: &mut usize,
-    listened: impl Fn(&V) -> bool,
+    wanted: impl Fn(&V) -> bool,
 ) {
     if by_lock.len() >= MIN_PRUNED && by_lock.len() >= 2 * *kept {
-        by_lock.retain(|_, entry| listened(entry));
+        by_lock.retain(|_, entry| wanted(entry));
         *kept = by_lock.len();
     }
 }
@@ -172,7 +173,7 @@ impl ChangeFeeds {
     pub fn subscribe(&self, lock: &str) -> watch::Receiver<u64> {
         let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
         let Feeds { by_lock, kept } = &mut *feeds;
-        prune_unlistened(by_lock, kept, |tx| tx.receiver_count() > 0);
+        prune_doubled(by_lock, kept, |tx| tx.receiver_count() > 0);
         feeds
             .by_lock
             .entry(lock.to_owned())

@@ -32,7 +32,7 @@ use kube::api::PostParams;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, Driver, Holding, Lease, prune_unlistened};
+use crate::driver::{Acquire, Driver, Holding, Lease, prune_doubled};
 use crate::error::{Error, Result};
 
 /// The exact lease duration in milliseconds, next to the whole seconds of the spec.
@@ -300,7 +300,7 @@ impl KubernetesLeaseDriver {
         }
         // Each watch is a request the API server keeps open, so one nobody listens to any
         // more is stopped (dropped).
-        prune_unlistened(by_lock, kept, |watch| watch.tx.receiver_count() > 0);
+        prune_doubled(by_lock, kept, |watch| watch.tx.receiver_count() > 0);
         let (tx, rx) = watch::channel(0u64);
         let stream = watcher(
             self.api(),

@@ -44,7 +44,7 @@ use super::redis::{
     Durability, KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases,
     info_field, lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
 };
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, prune_doubled};
 use crate::error::{Error, Result};
 
 /// How many claims one acquisition sends: a wrong token guess, a connection not yet checked and
@@ -66,7 +66,7 @@ pub struct TairDriver {
     conn: ConnectionManager,
     keys: KeyLayout,
     /// The version of each holding's value, as this driver last wrote it: (lock, token).
-    versions: Mutex<HashMap<(String, u64), i64>>,
+    versions: Mutex<Versions>,
     /// Each lock's token counter as this driver last saw it, to draw the next token in the
     /// claim's own round trip.
     counters: Mutex<HashMap<String, i64>>,
@@ -80,6 +80,45 @@ pub struct TairDriver {
 impl Drop for TairDriver {
     fn drop(&mut self) {
         self.subscriber.abort();
+    }
+}
+
+/// Each holding's version, and until when its lease runs at most. A holding whose engine lost
+/// it without a word to the driver (renewals that failed until its lease ran out) is dropped
+/// once the map has doubled since the last look ([`prune_doubled`]): keyed locks are named at
+/// run time, without bound.
+#[derive(Default)]
+struct Versions {
+    by_holding: HashMap<(String, u64), Versioned>,
+    kept: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Versioned {
+    version: i64,
+    /// The lease written with this version ends by then (it was written after this was taken).
+    until: Instant,
+}
+
+impl Versions {
+    fn wrote(&mut self, holding: (String, u64), version: i64, ttl: Duration) {
+        let now = Instant::now();
+        prune_doubled(&mut self.by_holding, &mut self.kept, |v| v.until > now);
+        self.by_holding.insert(
+            holding,
+            Versioned {
+                version,
+                until: now + ttl,
+            },
+        );
+    }
+
+    fn get(&self, holding: &(String, u64)) -> Option<i64> {
+        self.by_holding.get(holding).map(|v| v.version)
+    }
+
+    fn remove(&mut self, holding: &(String, u64)) -> Option<i64> {
+        self.by_holding.remove(holding).map(|v| v.version)
     }
 }
 
@@ -205,7 +244,7 @@ impl TairDriver {
         })
     }
 
-    fn versions(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u64), i64>> {
+    fn versions(&self) -> std::sync::MutexGuard<'_, Versions> {
         self.versions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -545,7 +584,7 @@ impl Driver for TairDriver {
             let floor = epoch.as_ref().map_or(0, |e| e.floor);
             if ours == token && ours > floor {
                 self.versions()
-                    .insert((lock.to_owned(), lease.token), version);
+                    .wrote((lock.to_owned(), lease.token), version, ttl);
                 return Ok(Acquire::Acquired(lease));
             }
             // A claim under a token that is not ours (the guess was wrong: an earlier holder
@@ -570,7 +609,7 @@ impl Driver for TairDriver {
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
         let key = (lease.lock.clone(), lease.token);
-        let Some(version) = self.versions().get(&key).copied() else {
+        let Some(version) = self.versions().get(&key) else {
             return Ok(false);
         };
         let reply: Value = redis::cmd("EXCAS")
@@ -587,7 +626,7 @@ impl Driver for TairDriver {
                 let Some(Value::Int(next)) = items.get(2) else {
                     return Err(Error::Backend(format!("EXCAS answered {items:?}")));
                 };
-                self.versions().insert(key, *next);
+                self.versions().wrote(key, *next, ttl);
                 Ok(true)
             }
             // -1: the key is gone; otherwise another version, another holder.
@@ -659,6 +698,33 @@ impl Driver for TairDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn holdings_whose_lease_ran_out_are_dropped_as_the_map_grows() {
+        let mut versions = Versions::default();
+        // Lost without a word to the driver: their leases are over.
+        for token in 0..100 {
+            versions.wrote(("orders.keys.lost".into(), token), 7, Duration::ZERO);
+        }
+        // Live ones, written while the map keeps doubling.
+        for token in 0..100 {
+            versions.wrote(
+                ("orders.keys.live".into(), token),
+                9,
+                Duration::from_secs(60),
+            );
+        }
+        assert!(
+            versions.by_holding.len() < 150,
+            "{} holdings kept",
+            versions.by_holding.len()
+        );
+        for token in 0..100 {
+            assert_eq!(versions.get(&("orders.keys.live".into(), token)), Some(9));
+        }
+        assert_eq!(versions.remove(&("orders.keys.live".into(), 3)), Some(9));
+        assert_eq!(versions.get(&("orders.keys.live".into(), 3)), None);
+    }
 
     #[test]
     fn versions_fit_and_repeat_only_after_a_cycle_of_holdings() {
