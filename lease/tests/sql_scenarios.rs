@@ -790,6 +790,59 @@ async fn mariadb_renewals_at_once_go_together_and_answer_each_for_its_lease() {
         .await;
 }
 
+/// A waiter's polls of a lock its process found held cost MariaDB two statements each (the
+/// take-over and the read of who holds), where they cost three (the insertion of a first row
+/// came before the read). A lock first tried, as a family's new key, still inserts its row
+/// before anything else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_waiters_poll_is_two_statements() {
+    use leasehold_lease::Acquire;
+    const POLLS: i64 = 20;
+    let h = MariaDbHarness::new();
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&h.server.url())
+        .await
+        .expect("admin connection");
+    let (holder, waiter) = (h.driver().await, h.driver().await);
+    let lock = unique_lock("polled");
+    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "a", LEASE).await.unwrap() else {
+        panic!("{lock} is free");
+    };
+    let busy = waiter.try_acquire(&lock, "b", LEASE).await.unwrap();
+    assert!(matches!(busy, Acquire::Busy(Some(_))), "{busy:?}");
+    // Quiet first: the named-lock sessions take their locks in the background.
+    let mut before = mariadb_prepared_statements(&mut admin).await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = mariadb_prepared_statements(&mut admin).await;
+        if now - before <= 1 {
+            before = now;
+            break;
+        }
+        before = now;
+    }
+    for _ in 0..POLLS {
+        let busy = waiter.try_acquire(&lock, "b", LEASE).await.unwrap();
+        assert!(
+            matches!(&busy, Acquire::Busy(Some(h)) if h.identity == "a"),
+            "{busy:?}"
+        );
+    }
+    let count = mariadb_prepared_statements(&mut admin).await - before;
+    // Room for a statement or two beside the polls (a named-lock session's).
+    assert!(
+        count <= 2 * POLLS + 4,
+        "{POLLS} polls cost {count} statements"
+    );
+    // Released: the next poll takes it, from the take-over.
+    assert!(holder.release(&lease).await.unwrap());
+    let taken = waiter.try_acquire(&lock, "b", LEASE).await.unwrap();
+    assert!(
+        matches!(&taken, Acquire::Acquired(l) if l.token > lease.token),
+        "{taken:?}"
+    );
+}
+
 /// SQLite batches its renewals too, in one write transaction each. Counted in the frames the
 /// renewals add to the write-ahead log: each commit writes at least one, so 20 renewals that
 /// extend a row, one transaction each, wrote 20 or more.

@@ -213,6 +213,18 @@ pub struct KeyFloor {
     pub count_held: String,
 }
 
+/// `lock` taken by `identity` with `token`.
+fn taken(lock: &str, identity: &str, token: u64) -> Acquire {
+    Acquire::Acquired(Lease {
+        lock: lock.to_owned(),
+        identity: identity.to_owned(),
+        token,
+    })
+}
+
+/// How many locks a MySQL driver remembers having found held ([`SqlDriver::poll_mysql`]).
+const SEEN_HELD_REMEMBERED: usize = 4096;
+
 /// How many seeded rows one MySQL `DELETE` names.
 const SEEDED_DELETED_AT_ONCE: usize = 500;
 
@@ -516,6 +528,8 @@ pub struct SqlDriver {
     renewals: Batches<(Lease, Duration), Result<bool>>,
     /// The families whose floor row this process has made sure of ([`KeyFloor`]).
     floors: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// MySQL in lease mode: the locks this process last found held ([`SqlDriver::poll_mysql`]).
+    seen_held: std::sync::Mutex<std::collections::HashSet<String>>,
     /// In-memory files holding PEM text given inline, open while the pool may connect.
     _pem_files: Vec<std::fs::File>,
 }
@@ -768,6 +782,7 @@ impl SqlDriver {
             listener,
             renewals,
             floors: Default::default(),
+            seen_held: Default::default(),
             _pem_files: pem_files,
         })
     }
@@ -879,11 +894,7 @@ impl SqlDriver {
         };
         self.ensure_floor(&self.sql.key_floor, family, true).await?;
         Ok(match self.acquire_row(lock, identity, ttl).await? {
-            Some(token) => Acquire::Acquired(Lease {
-                lock: lock.to_owned(),
-                identity: identity.to_owned(),
-                token,
-            }),
+            Some(token) => taken(lock, identity, token),
             None => Acquire::Busy(self.observe(lock).await?),
         })
     }
@@ -916,7 +927,8 @@ impl SqlDriver {
             .map_err(map_err)
     }
 
-    async fn acquire_mysql(
+    /// The take-over of `lock`'s row where it is free or run out: one statement.
+    async fn take_over_mysql(
         &self,
         lock: &str,
         identity: &str,
@@ -931,11 +943,57 @@ impl SqlDriver {
             .execute(&self.pool)
             .await
             .map_err(map_err)?;
-        if taken.rows_affected() == 1 {
-            let token = taken.last_insert_id().ok_or_else(|| {
-                Error::Backend("MySQL did not return the new token (LAST_INSERT_ID)".into())
-            })?;
-            return Ok(Some(token as u64));
+        if taken.rows_affected() != 1 {
+            return Ok(None);
+        }
+        let token = taken.last_insert_id().ok_or_else(|| {
+            Error::Backend("MySQL did not return the new token (LAST_INSERT_ID)".into())
+        })?;
+        Ok(Some(token as u64))
+    }
+
+    /// A waiter's poll of a lock this process last found held (MySQL, lease mode): the take-over,
+    /// then the read of who holds, two statements. An attempt on a lock not known held tries
+    /// the insertion of its first row before the read instead (three statements when held),
+    /// which a lock taken once, as a family's new key, needs. `None` when the read finds no
+    /// holder: the lock is to be tried in full.
+    async fn poll_mysql(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Option<Acquire>> {
+        if let Some(token) = self.take_over_mysql(lock, identity, ttl).await? {
+            return Ok(Some(taken(lock, identity, token)));
+        }
+        Ok(self
+            .observe(lock)
+            .await?
+            .map(|holder| Acquire::Busy(Some(holder))))
+    }
+
+    /// Remember whether `lock` was found held, for the next attempt's order of statements.
+    fn saw_held(&self, lock: &str, held: bool) {
+        let mut seen = self.seen_held.lock().unwrap_or_else(|e| e.into_inner());
+        if !held {
+            seen.remove(lock);
+            return;
+        }
+        // Only an order of statements rides on it: past this many locks, start over.
+        if seen.len() >= SEEN_HELD_REMEMBERED && !seen.contains(lock) {
+            seen.clear();
+        }
+        seen.insert(lock.to_owned());
+    }
+
+    async fn acquire_mysql(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>> {
+        if let Some(token) = self.take_over_mysql(lock, identity, ttl).await? {
+            return Ok(Some(token));
         }
         if let Some(family) = crate::names::family_of(lock) {
             let floor = &self.sql.key_floor;
@@ -1027,20 +1085,32 @@ impl Driver for SqlDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         self.ensure_tables().await?;
-        let acquired = match &self.row_locks {
-            Some(row_locks) => row_locks.try_acquire(self, lock, identity, ttl).await?,
-            None => match self.acquire_row(lock, identity, ttl).await? {
-                Some(token) => Acquire::Acquired(Lease {
-                    lock: lock.to_owned(),
-                    identity: identity.to_owned(),
-                    token,
-                }),
+        let known_held = self.dialect == Dialect::MySql
+            && self.row_locks.is_none()
+            && self
+                .seen_held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(lock);
+        let polled = if known_held {
+            self.poll_mysql(lock, identity, ttl).await?
+        } else {
+            None
+        };
+        let acquired = match (polled, &self.row_locks) {
+            (Some(polled), _) => polled,
+            (None, Some(row_locks)) => row_locks.try_acquire(self, lock, identity, ttl).await?,
+            (None, None) => match self.acquire_row(lock, identity, ttl).await? {
+                Some(token) => taken(lock, identity, token),
                 None => match self.observe(lock).await? {
                     None => self.again_with_floor(lock, identity, ttl).await?,
                     holder => Acquire::Busy(holder),
                 },
             },
         };
+        if self.dialect == Dialect::MySql && self.row_locks.is_none() {
+            self.saw_held(lock, matches!(acquired, Acquire::Busy(Some(_))));
+        }
         match (&acquired, &self.named_locks) {
             (Acquire::Acquired(lease), Some(named)) => {
                 named.held(lock, &lease.identity, lease.token)
