@@ -246,12 +246,21 @@ async fn forget_seeded(
                 .map_err(map_err)?;
         }
         ForgetSeeded::MySql { select, table } => {
-            let names: Vec<String> = sqlx::query_scalar(select)
+            let names: Vec<String> = match sqlx::query_scalar(select)
                 .bind(plain)
                 .bind(hashed)
                 .fetch_all(&mut **tx)
                 .await
-                .map_err(map_err)?;
+            {
+                Ok(names) => names,
+                // MariaDB before 10.6 has no SKIP LOCKED. A failed statement leaves a MySQL
+                // transaction usable, so the sweep of the lease rows still commits; the seeded
+                // rows stay there, as they did before they were swept.
+                Err(e) => {
+                    tracing::warn!(error = %map_err(e), "row-lock mode's seeded rows of idle keys are kept");
+                    return Ok(());
+                }
+            };
             for chunk in names.chunks(SEEDED_DELETED_AT_ONCE) {
                 let delete = format!(
                     "DELETE FROM {table} WHERE name IN ({})",
