@@ -137,21 +137,47 @@ pub trait Driver: Send + Sync + 'static {
     }
 }
 
-/// Below this many entries, [`prune_doubled`] keeps them all.
+/// Below this many entries, [`Pruned::prune`] keeps them all.
 const MIN_PRUNED: usize = 64;
 
-/// Drop the entries of `by_lock` that `wanted` no longer wants (nobody listens to them, their
-/// holding is over), once the map has doubled since the last look (`kept`, the entries left
-/// then): keyed locks are named at run time, without bound, so what a driver keeps per lock
-/// must not stay for good.
-pub(crate) fn prune_doubled<K, V>(
-    by_lock: &mut std::collections::HashMap<K, V>,
-    kept: &mut usize,
-    wanted: impl Fn(&V) -> bool,
-) {
-    if by_lock.len() >= MIN_PRUNED && by_lock.len() >= 2 * *kept {
-        by_lock.retain(|_, entry| wanted(entry));
-        *kept = by_lock.len();
+/// What a driver keeps per lock (or per holding), pruned as it grows: keyed locks are named at
+/// run time, without bound, so nothing kept for them may stay for good. A map otherwise.
+pub(crate) struct Pruned<K, V> {
+    entries: std::collections::HashMap<K, V>,
+    /// How many entries were left after the last pruning.
+    kept: usize,
+}
+
+impl<K, V> Default for Pruned<K, V> {
+    fn default() -> Self {
+        Self {
+            entries: std::collections::HashMap::new(),
+            kept: 0,
+        }
+    }
+}
+
+impl<K, V> Pruned<K, V> {
+    /// Drop the entries `wanted` no longer wants (nobody listens to them, their holding is
+    /// over), once the map has doubled since the last look.
+    pub(crate) fn prune(&mut self, wanted: impl Fn(&V) -> bool) {
+        if self.entries.len() >= MIN_PRUNED && self.entries.len() >= 2 * self.kept {
+            self.entries.retain(|_, entry| wanted(entry));
+            self.kept = self.entries.len();
+        }
+    }
+}
+
+impl<K, V> std::ops::Deref for Pruned<K, V> {
+    type Target = std::collections::HashMap<K, V>;
+    fn deref(&self) -> &Self::Target {
+        &self.entries
+    }
+}
+
+impl<K, V> std::ops::DerefMut for Pruned<K, V> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.entries
     }
 }
 
@@ -159,23 +185,14 @@ pub(crate) fn prune_doubled<K, V>(
 /// another holder in the same process) and wake local waiters through [`Driver::changes`].
 #[derive(Default)]
 pub struct ChangeFeeds {
-    feeds: std::sync::Mutex<Feeds>,
-}
-
-#[derive(Default)]
-struct Feeds {
-    by_lock: std::collections::HashMap<String, watch::Sender<u64>>,
-    /// How many feeds were left after the last pruning.
-    kept: usize,
+    feeds: std::sync::Mutex<Pruned<String, watch::Sender<u64>>>,
 }
 
 impl ChangeFeeds {
     pub fn subscribe(&self, lock: &str) -> watch::Receiver<u64> {
         let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        let Feeds { by_lock, kept } = &mut *feeds;
-        prune_doubled(by_lock, kept, |tx| tx.receiver_count() > 0);
+        feeds.prune(|tx| tx.receiver_count() > 0);
         feeds
-            .by_lock
             .entry(lock.to_owned())
             .or_insert_with(|| watch::channel(0).0)
             .subscribe()
@@ -185,7 +202,6 @@ impl ChangeFeeds {
     pub fn subscribed(&self, wanted: impl Fn(&str) -> bool) -> Vec<String> {
         let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
         feeds
-            .by_lock
             .iter()
             .filter(|(lock, tx)| tx.receiver_count() > 0 && wanted(lock))
             .map(|(lock, _)| lock.clone())
@@ -195,19 +211,12 @@ impl ChangeFeeds {
     /// Whether a waiter is subscribed to `lock` now.
     pub fn is_subscribed(&self, lock: &str) -> bool {
         let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        feeds
-            .by_lock
-            .get(lock)
-            .is_some_and(|tx| tx.receiver_count() > 0)
+        feeds.get(lock).is_some_and(|tx| tx.receiver_count() > 0)
     }
 
     /// How many feeds are kept (for tests of the pruning).
     pub fn len(&self) -> usize {
-        self.feeds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_lock
-            .len()
+        self.feeds.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -217,7 +226,7 @@ impl ChangeFeeds {
     /// Wake the waiters of one lock.
     pub fn bump(&self, lock: &str) {
         let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = feeds.by_lock.get(lock) {
+        if let Some(tx) = feeds.get(lock) {
             tx.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
@@ -225,7 +234,7 @@ impl ChangeFeeds {
     /// Wake every waiter: after a reconnect, releases may have been missed.
     pub fn bump_all(&self) {
         let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        for tx in feeds.by_lock.values() {
+        for tx in feeds.values() {
             tx.send_modify(|n| *n = n.wrapping_add(1));
         }
     }

@@ -203,6 +203,54 @@ async fn server_micros(conn: &mut MultiplexedConnection) -> i64 {
     secs * 1_000_000 + micros
 }
 
+/// Twenty keys, each taken and given back three times over: each key's tokens rise. The last
+/// token of each, by key.
+async fn cycle_keys(family: &KeyedFamily) -> std::collections::HashMap<String, u64> {
+    let mut last = std::collections::HashMap::new();
+    for round in 0..3 {
+        for i in 0..20 {
+            let key = format!("order-{i}");
+            let token = take(family, &key).await;
+            if let Some(before) = last.insert(key.clone(), token) {
+                assert!(
+                    token > before,
+                    "{key} round {round}: {token} after {before}"
+                );
+            }
+            give_back(family, &key).await;
+        }
+    }
+    last
+}
+
+/// A key whose token runs ahead of the clock (a floor raised by restarts in quick succession)
+/// keeps its counter until the clock has passed it by the retention: `order-1`'s counter, set
+/// 10^9 ms ahead through `conn`, a connection to the server that holds it.
+async fn ahead_of_the_clock_is_kept_longer(
+    family: &KeyedFamily,
+    name: &str,
+    conn: &mut MultiplexedConnection,
+) {
+    let retention = KEY_COUNTER_RETENTION.as_millis() as i64;
+    let ahead_ms: i64 = 1_000_000_000;
+    let counter = format!("leasehold:{{{name}.keys.order-1}}:token");
+    let now = server_micros(conn).await;
+    let _: () = redis::cmd("SET")
+        .arg(&counter)
+        .arg(now + ahead_ms * 1000)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let token = take(family, "order-1").await;
+    assert!(token as i64 > now + ahead_ms * 1000, "token {token}");
+    give_back(family, "order-1").await;
+    let left = pttl(conn, &counter).await;
+    assert!(
+        left > retention + ahead_ms - 60_000,
+        "a counter {ahead_ms} ms ahead of the clock is kept {left} ms"
+    );
+}
+
 /// On a Redis Cluster a family's key keeps a counter and an epoch record of its own, in its own
 /// slot: both expire a day after the key's last acquisition, later by as much as its token runs
 /// ahead of the clock, and a key whose records are gone still draws above every earlier token.
@@ -210,20 +258,7 @@ async fn server_micros(conn: &mut MultiplexedConnection) -> i64 {
 async fn redis_cluster_idle_keys_leave_records_that_expire() {
     let cluster = tokio::task::block_in_place(leasehold_lease::testkit::RedisCluster::start);
     let (name, family) = family_on(&cluster.url(), "idle").await;
-    let mut last = std::collections::HashMap::new();
-    for round in 0..3 {
-        for i in 0..20 {
-            let key = format!("order-{i}");
-            let token = take(&family, &key).await;
-            if let Some(before) = last.insert(key.clone(), token) {
-                assert!(
-                    token > before,
-                    "{key} round {round}: {token} after {before}"
-                );
-            }
-            give_back(&family, &key).await;
-        }
-    }
+    let last = cycle_keys(&family).await;
     let retention = KEY_COUNTER_RETENTION.as_millis() as i64;
     let mut records = 0;
     for node in &cluster.nodes {
@@ -244,27 +279,9 @@ async fn redis_cluster_idle_keys_leave_records_that_expire() {
     // Each key's counter and epoch record; the leases are gone with their release.
     assert_eq!(records, 40, "records of 20 idle keys");
 
-    // A key whose token runs ahead of the clock (a floor raised by restarts in quick
-    // succession) keeps its records until the clock has passed it by the retention.
-    let ahead_ms: i64 = 1_000_000_000;
     let counter = format!("leasehold:{{{name}.keys.order-1}}:token");
     let node = &cluster.nodes[cluster.owner_of(cluster.slot_of(&counter))];
-    let mut conn = node.admin().await;
-    let now = server_micros(&mut conn).await;
-    let _: () = redis::cmd("SET")
-        .arg(&counter)
-        .arg(now + ahead_ms * 1000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let token = take(&family, "order-1").await;
-    assert!(token as i64 > now + ahead_ms * 1000, "token {token}");
-    give_back(&family, "order-1").await;
-    let left = pttl(&mut conn, &counter).await;
-    assert!(
-        left > retention + ahead_ms - 60_000,
-        "a counter {ahead_ms} ms ahead of the clock is kept {left} ms"
-    );
+    ahead_of_the_clock_is_kept_longer(&family, &name, &mut node.admin().await).await;
 
     // Records gone (as when they expire): the key's next token is still above its last one,
     // whether the epoch record went with the counter or stayed.
@@ -298,20 +315,7 @@ async fn redis_cluster_idle_keys_leave_records_that_expire() {
 async fn tair_idle_keys_leave_counters_that_expire() {
     let server = RedisServer::start_tair();
     let (name, family) = family_on(&server.url(), "idle").await;
-    let mut last = std::collections::HashMap::new();
-    for round in 0..3 {
-        for i in 0..20 {
-            let key = format!("order-{i}");
-            let token = take(&family, &key).await;
-            if let Some(before) = last.insert(key.clone(), token) {
-                assert!(
-                    token > before,
-                    "{key} round {round}: {token} after {before}"
-                );
-            }
-            give_back(&family, &key).await;
-        }
-    }
+    let last = cycle_keys(&family).await;
     let retention = KEY_COUNTER_RETENTION.as_millis() as i64;
     let mut conn = server.admin().await;
     let mut counters = 0;
@@ -333,24 +337,7 @@ async fn tair_idle_keys_leave_counters_that_expire() {
     }
     assert_eq!(counters, 20, "one counter a key");
 
-    // A counter ahead of the clock is kept until the clock has passed it by the retention.
-    let ahead_ms: i64 = 1_000_000_000;
-    let counter = format!("leasehold:{{{name}.keys.order-1}}:token");
-    let now = server_micros(&mut conn).await;
-    let _: () = redis::cmd("SET")
-        .arg(&counter)
-        .arg(now + ahead_ms * 1000)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let token = take(&family, "order-1").await;
-    assert!(token as i64 > now + ahead_ms * 1000, "token {token}");
-    give_back(&family, "order-1").await;
-    let left = pttl(&mut conn, &counter).await;
-    assert!(
-        left > retention + ahead_ms - 60_000,
-        "a counter {ahead_ms} ms ahead of the clock is kept {left} ms"
-    );
+    ahead_of_the_clock_is_kept_longer(&family, &name, &mut conn).await;
 
     // A counter gone (as when it expires): the key's next token is still above its last one,
     // from this driver (which remembers the counter) and from a new one (which reads it first).

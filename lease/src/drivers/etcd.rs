@@ -127,11 +127,15 @@ impl Session {
 
     /// One keep-alive sent after this call began: whether the lease is still there.
     async fn keep_alive(&self) -> Result<bool> {
-        let alive = self.keep_alives.call(()).await??;
+        Ok(self.kept(self.keep_alives.call(()).await??))
+    }
+
+    /// A keep-alive's answer, `alive`, taken note of: a lease gone ends the session.
+    fn kept(&self, alive: bool) -> bool {
         if !alive {
             self.ended.store(true, Ordering::SeqCst);
         }
-        Ok(alive)
+        alive
     }
 }
 
@@ -250,17 +254,10 @@ async fn check_keys(batch: Batch<KeyCheck, Result<Checked>>) {
     }
     let keep_alives = futures_util::future::join_all(sessions.iter().map(|session| async {
         let alive = client.lease_keep_alive(session.id).await.map_err(map_err)?;
-        if alive.is_none() {
-            session.ended.store(true, Ordering::SeqCst);
-        }
-        Ok::<_, Error>((session.id, alive.is_some()))
+        Ok::<_, Error>(session.kept(alive.is_some()))
     }));
     let (read, kept) = tokio::join!(client.txn(request), keep_alives);
-    let alive: HashMap<i64, Result<bool>> = kept
-        .into_iter()
-        .zip(&sessions)
-        .map(|(kept, session)| (session.id, kept.map(|(_, alive)| alive)))
-        .collect();
+    let alive: HashMap<i64, Result<bool>> = sessions.iter().map(|s| s.id).zip(kept).collect();
     let ranges = match read {
         Ok(reply) => reply.ranges(),
         Err(e) => return answer_all(batch, Err(map_err(e))),
@@ -745,11 +742,10 @@ async fn keep(shared: std::sync::Weak<Shared>, session: std::sync::Weak<Session>
                 return;
             }
         }
-        if !session.ended() {
-            match Box::pin(session.keep_alive()).await {
-                Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "etcd keep-alive failed"),
-            }
+        if !session.ended()
+            && let Err(e) = Box::pin(session.keep_alive()).await
+        {
+            tracing::debug!(error = %e, "etcd keep-alive failed");
         }
         if session.ended() {
             // Gone (run out while this process was cut off or paused): the next acquisition

@@ -32,7 +32,7 @@ use kube::api::PostParams;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, Driver, Holding, Lease, prune_doubled};
+use crate::driver::{Acquire, Driver, Holding, Lease, Pruned};
 use crate::error::{Error, Result};
 
 /// The exact lease duration in milliseconds, next to the whole seconds of the spec.
@@ -65,12 +65,8 @@ impl Drop for LeaseWatch {
     }
 }
 
-/// The Leases watched for waiters, and how many were kept at the last pruning.
-#[derive(Default)]
-struct Watches {
-    by_lock: HashMap<String, LeaseWatch>,
-    kept: usize,
-}
+/// The Leases watched for waiters, by lock.
+type Watches = Pruned<String, LeaseWatch>;
 
 pub struct KubernetesLeaseDriver {
     client: kube::Client,
@@ -207,11 +203,7 @@ impl KubernetesLeaseDriver {
 
     /// How many Leases are watched now (for tests of the pruning).
     pub fn watches(&self) -> usize {
-        self.feeds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_lock
-            .len()
+        self.feeds.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The namespace's Leases of `family`'s keys (its floor's too), page by page.
@@ -292,15 +284,14 @@ impl KubernetesLeaseDriver {
 
     fn feed(&self, lock: &str) -> watch::Receiver<u64> {
         let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
-        let Watches { by_lock, kept } = &mut *feeds;
-        if let Some(watch) = by_lock.get(lock)
+        if let Some(watch) = feeds.get(lock)
             && !watch.task.is_finished()
         {
             return watch.tx.subscribe();
         }
         // Each watch is a request the API server keeps open, so one nobody listens to any
         // more is stopped (dropped).
-        prune_doubled(by_lock, kept, |watch| watch.tx.receiver_count() > 0);
+        feeds.prune(|watch| watch.tx.receiver_count() > 0);
         let (tx, rx) = watch::channel(0u64);
         let stream = watcher(
             self.api(),
@@ -318,7 +309,7 @@ impl KubernetesLeaseDriver {
                 }
             }
         });
-        by_lock.insert(lock.to_owned(), LeaseWatch { tx, task });
+        feeds.insert(lock.to_owned(), LeaseWatch { tx, task });
         rx
     }
 }

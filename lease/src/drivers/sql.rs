@@ -1094,8 +1094,8 @@ impl Driver for SqlDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         self.ensure_tables().await?;
-        let known_held = self.dialect == Dialect::MySql
-            && self.row_locks.is_none()
+        let mysql_lease = self.dialect == Dialect::MySql && self.row_locks.is_none();
+        let known_held = mysql_lease
             && self
                 .seen_held
                 .lock()
@@ -1117,7 +1117,7 @@ impl Driver for SqlDriver {
                 },
             },
         };
-        if self.dialect == Dialect::MySql && self.row_locks.is_none() {
+        if mysql_lease {
             self.saw_held(lock, matches!(acquired, Acquire::Busy(Some(_))));
         }
         match (&acquired, &self.named_locks) {

@@ -44,7 +44,7 @@ use super::redis::{
     Durability, KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases,
     info_field, lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
 };
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, prune_doubled};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned};
 use crate::error::{Error, Result};
 
 /// How many claims one acquisition sends: a wrong token guess, a connection not yet checked and
@@ -85,12 +85,10 @@ impl Drop for TairDriver {
 
 /// Each holding's version, and until when its lease runs at most. A holding whose engine lost
 /// it without a word to the driver (renewals that failed until its lease ran out) is dropped
-/// once the map has doubled since the last look ([`prune_doubled`]): keyed locks are named at
-/// run time, without bound.
+/// as the map grows ([`Pruned`]): keyed locks are named at run time, without bound.
 #[derive(Default)]
 struct Versions {
-    by_holding: HashMap<(String, u64), Versioned>,
-    kept: usize,
+    by_holding: Pruned<(String, u64), Versioned>,
 }
 
 #[derive(Clone, Copy)]
@@ -103,7 +101,7 @@ struct Versioned {
 impl Versions {
     fn wrote(&mut self, holding: (String, u64), version: i64, ttl: Duration) {
         let now = Instant::now();
-        prune_doubled(&mut self.by_holding, &mut self.kept, |v| v.until > now);
+        self.by_holding.prune(|v| v.until > now);
         self.by_holding.insert(
             holding,
             Versioned {
