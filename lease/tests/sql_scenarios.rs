@@ -345,6 +345,64 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
     waiter.shutdown().await;
 }
 
+/// A holder that stops claiming without a word to its driver (here: its driver is never asked
+/// to renew, as when a paused engine's lease ran out) keeps its named lock only until the
+/// holding check finds the row taken over: then it lets the named lock go, so that the wake-ups
+/// of the lock's waiters work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
+    use leasehold_lease::Acquire;
+    use leasehold_lease::drivers::mysql_wake::{HOLDING_CHECK, named_lock};
+    let h = MariaDbHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("lapsed");
+    let ttl = Duration::from_secs(2);
+    let lapsed = h.driver().await;
+    let Acquire::Acquired(_lease) = lapsed.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    let name = named_lock("leasehold_locks", &lock);
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url)
+        .await
+        .expect("admin connection");
+    let taken = tokio::time::Instant::now();
+    let session = loop {
+        if let Some(id) = named_lock_session(&mut admin, &name).await {
+            break id;
+        }
+        assert!(
+            taken.elapsed() < SLACK,
+            "the holder never took its named lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // Another process takes the lock over once the lease has run out.
+    tokio::time::sleep(ttl).await;
+    let next = h.driver().await;
+    let Acquire::Acquired(_taken_over) = next.try_acquire(&lock, "b", LEASE).await.unwrap() else {
+        panic!("the lapsed lease was not taken over");
+    };
+    assert_eq!(
+        named_lock_session(&mut admin, &name).await,
+        Some(session),
+        "the lapsed holder's session should still have the named lock before its check"
+    );
+    let deadline = taken + HOLDING_CHECK + Duration::from_secs(5);
+    while named_lock_session(&mut admin, &name).await == Some(session) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lapsed holder's session kept the named lock past its holding check ({HOLDING_CHECK:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let freed = taken.elapsed();
+    assert!(
+        freed + SLACK >= HOLDING_CHECK,
+        "the named lock went after {freed:?}, before any holding check was due: not by the check"
+    );
+}
+
 /// A family's keys nobody has held for the idle time given are deleted, raising the family's
 /// floor above their tokens first; a key held, a key idle for less, and a plain lock stay; a
 /// key taken again draws above its forgotten tokens. In row-lock mode the forgotten keys'

@@ -7,6 +7,11 @@ use leasehold_sidecar::config::{Config, EXIT_BAD_CONFIG, Exit};
 /// The sidecar needs little parallelism: two workers keep latency low and memory small.
 const WORKER_THREADS: usize = 2;
 
+/// mimalloc: with the C library's allocator, `malloc` and `free` took a sixth of the CPU a keyed
+/// lock's acquire and release cost (`scripts/bench keyed`, docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let config = match Config::from_env_and_args() {
         Ok(config) => config,

@@ -46,7 +46,7 @@ const RETRY_PAUSE: Duration = Duration::from_secs(1);
 /// How often a held named lock checks that the row is still its process's: an engine that stops
 /// claiming without a word to the driver (its lease ran out while it was paused) must not keep
 /// the named lock, and with it every waiter's wake-up, for good.
-const HOLDING_CHECK: Duration = Duration::from_secs(30);
+pub const HOLDING_CHECK: Duration = Duration::from_secs(30);
 /// Sessions kept after their lock's task ends, so that the next holding or wait does not
 /// connect again (a keyed family takes a lock per acquisition).
 const SPARE_SESSIONS: usize = 4;
