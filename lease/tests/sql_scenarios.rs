@@ -268,6 +268,25 @@ async fn named_lock_session(admin: &mut sqlx::AnyConnection, name: &str) -> Opti
         .expect("id")
 }
 
+/// The session that took the named lock `name` for its holder, which must have it within
+/// [`SLACK`] of `since`.
+async fn holders_named_lock_session(
+    admin: &mut sqlx::AnyConnection,
+    name: &str,
+    since: tokio::time::Instant,
+) -> i64 {
+    loop {
+        if let Some(id) = named_lock_session(admin, name).await {
+            return id;
+        }
+        assert!(
+            since.elapsed() < SLACK,
+            "the holder never took its named lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// MySQL's named-lock wake-up is only a hint: a waiter woken because the holder's named-lock
 /// session ended (killed here; in life a proxy dropping it) while the holder's lease still runs
 /// does not take the lock before that lease has run out, and then takes it at once.
@@ -288,16 +307,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
     let mut admin = sqlx::AnyConnection::connect(&url)
         .await
         .expect("admin connection");
-    let session = loop {
-        if let Some(id) = named_lock_session(&mut admin, &name).await {
-            break id;
-        }
-        assert!(
-            sent.elapsed() < SLACK,
-            "the holder never took its named lock"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let session = holders_named_lock_session(&mut admin, &name, sent).await;
     // A waiter in another process (its own driver), on demand.
     let waiter = Lock::start(
         h.driver().await,
@@ -367,16 +377,7 @@ async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
         .await
         .expect("admin connection");
     let taken = tokio::time::Instant::now();
-    let session = loop {
-        if let Some(id) = named_lock_session(&mut admin, &name).await {
-            break id;
-        }
-        assert!(
-            taken.elapsed() < SLACK,
-            "the holder never took its named lock"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let session = holders_named_lock_session(&mut admin, &name, taken).await;
     // Another process takes the lock over once the lease has run out.
     tokio::time::sleep(ttl).await;
     let next = h.driver().await;

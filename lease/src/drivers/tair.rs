@@ -94,7 +94,8 @@ struct Versions {
 #[derive(Clone, Copy)]
 struct Versioned {
     version: i64,
-    /// The lease written with this version ends by then (it was written after this was taken).
+    /// The lease written with this version ends by then, or before: this is taken once the
+    /// write has been answered, and a holding is dropped only once it has passed.
     until: Instant,
 }
 
