@@ -1273,9 +1273,10 @@ async fn sql_section() {
     ] {
         let name = dialect.as_str();
         for mode in [SqlMode::Lease, SqlMode::RowLock] {
-            let wakeup = match dialect {
-                Dialect::Postgres => "LISTEN/NOTIFY",
-                Dialect::MySql => "named locks",
+            let wakeup = match (dialect, mode) {
+                (Dialect::Postgres, SqlMode::Lease) => "advisory lock",
+                (Dialect::Postgres, SqlMode::RowLock) => "LISTEN/NOTIFY",
+                (Dialect::MySql, _) => "named locks",
             };
             let connect = || -> Arc<dyn Driver> {
                 Arc::new(

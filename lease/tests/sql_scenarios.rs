@@ -302,7 +302,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
     let Acquire::Acquired(_lease) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
         panic!("the lock is not free");
     };
-    let name = leasehold_lease::drivers::mysql_wake::named_lock("leasehold_locks", &lock);
+    let name = leasehold_lease::drivers::sql_wake::named_lock("leasehold_locks", &lock);
     sqlx::any::install_default_drivers();
     let mut admin = sqlx::AnyConnection::connect(&url)
         .await
@@ -362,7 +362,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
     use leasehold_lease::Acquire;
-    use leasehold_lease::drivers::mysql_wake::{HOLDING_CHECK, named_lock};
+    use leasehold_lease::drivers::sql_wake::{HOLDING_CHECK, named_lock};
     let h = MariaDbHarness::new();
     let url = h.server.url();
     let lock = unique_lock("lapsed");
@@ -402,6 +402,207 @@ async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
         freed + SLACK >= HOLDING_CHECK,
         "the named lock went after {freed:?}, before any holding check was due: not by the check"
     );
+}
+
+/// The PostgreSQL sessions waiting for (`false`) or holding (`true`) `lock`'s advisory lock.
+async fn advisory_sessions(admin: &mut sqlx::AnyConnection, lock: &str) -> Vec<(i32, bool)> {
+    use sqlx::Row;
+    let key = leasehold_lease::drivers::sql_wake::advisory_key("leasehold_locks", lock);
+    // An advisory lock on a bigint key shows as its high and low halves.
+    let rows = sqlx::query(
+        "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+         AND classid::bigint = ($1::bigint >> 32) & 4294967295 \
+         AND objid::bigint = $1::bigint & 4294967295",
+    )
+    .bind(key)
+    .fetch_all(admin)
+    .await
+    .expect("pg_locks");
+    rows.iter()
+        .map(|row| (row.get::<i32, _>("pid"), row.get::<bool, _>("granted")))
+        .collect()
+}
+
+/// Wait until `ready` holds of `lock`'s advisory sessions, within [`SLACK`].
+async fn await_advisory(
+    admin: &mut sqlx::AnyConnection,
+    lock: &str,
+    what: &str,
+    ready: impl Fn(&[(i32, bool)]) -> bool,
+) -> Vec<(i32, bool)> {
+    let since = tokio::time::Instant::now();
+    loop {
+        let sessions = advisory_sessions(admin, lock).await;
+        if ready(&sessions) {
+            return sessions;
+        }
+        assert!(since.elapsed() < SLACK, "{what}: {sessions:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// PostgreSQL in lease mode: a waiter blocks inside the server on the holder's advisory lock,
+/// in the statement that takes the row. The holder's release lets the advisory lock go; the
+/// waiter's statement takes the row with a higher token and keeps the advisory lock as the new
+/// holder's, and its driver hands the lease to the engine without another statement. The claim
+/// counts from when the database wrote the row (after the release began), not from when the
+/// blocked statement was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
+    use leasehold_lease::Acquire;
+    use leasehold_lease::boot_clock::BootInstant;
+    use sqlx::Row;
+    let h = PostgresHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("woken");
+    let (holder, waiter) = (h.driver().await, h.driver().await);
+    let Acquire::Acquired(first) = holder.try_acquire(&lock, "a", LEASE).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
+    let held = await_advisory(
+        &mut admin,
+        &lock,
+        "the holder never took its advisory lock",
+        |s| s.len() == 1 && s[0].1,
+    )
+    .await;
+    // The waiter: subscribed, as its engine is, then refused.
+    let mut changes = waiter.changes(&lock).expect("a change feed");
+    let refused = waiter.try_acquire(&lock, "b", LEASE).await.unwrap();
+    assert!(matches!(refused, Acquire::Busy(Some(_))), "{refused:?}");
+    let blocked = await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
+        s.iter().any(|(_, granted)| !granted)
+    })
+    .await;
+    let waiting_pid = blocked.iter().find(|(_, granted)| !granted).unwrap().0;
+    // Long enough blocked that a claim dated from its statement's sending would show.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    changes.borrow_and_update();
+    let releasing = BootInstant::now();
+    assert!(holder.release(&first).await.unwrap());
+    tokio::time::timeout(SLACK, changes.changed())
+        .await
+        .expect("the waiter's engine was never woken")
+        .expect("feed");
+    let woken = BootInstant::now();
+    let Acquire::Acquired(lease) = waiter.try_acquire(&lock, "b", LEASE).await.unwrap() else {
+        panic!("the woken waiter did not hold");
+    };
+    // A holding engine waits no more.
+    drop(changes);
+    assert!(lease.token > first.token, "{lease:?} after {first:?}");
+    let counted = waiter.counted_from(&lease, BootInstant::now());
+    assert!(
+        counted >= releasing && counted <= woken,
+        "the claim counts from {counted:?}; the release began at {releasing:?}, the engine was woken at {woken:?}"
+    );
+    // The waiting session took the row, and keeps the advisory lock now.
+    let now = advisory_sessions(&mut admin, &lock).await;
+    assert_eq!(now, vec![(waiting_pid, true)], "held before: {held:?}");
+    let last = sqlx::query("SELECT query FROM pg_stat_activity WHERE pid = $1")
+        .bind(waiting_pid)
+        .fetch_one(&mut admin)
+        .await
+        .expect("pg_stat_activity")
+        .get::<String, _>("query");
+    assert!(
+        last.contains("pg_advisory_lock") && last.contains("INSERT INTO"),
+        "the waiting session's last statement: {last}"
+    );
+    // Renewed, the claim counts from the renewal again.
+    assert!(waiter.renew(&lease, LEASE).await.unwrap());
+    let renewed = BootInstant::now();
+    assert_eq!(waiter.counted_from(&lease, renewed), renewed);
+    assert!(waiter.release(&lease).await.unwrap());
+    await_advisory(
+        &mut admin,
+        &lock,
+        "the advisory lock stayed after the release",
+        |s| s.is_empty(),
+    )
+    .await;
+}
+
+/// The wake-up is only a hint on PostgreSQL too: a waiter whose blocking statement is granted
+/// the advisory lock because the holder's session ended (terminated here) while the holder's
+/// lease still runs finds the row leased, and takes the lock only once that lease has run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiter_woken_early_waits_out_the_lease() {
+    use leasehold_lease::Acquire;
+    let h = PostgresHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("woken-early");
+    let holder = h.driver().await;
+    let ttl = Duration::from_secs(4);
+    let sent = tokio::time::Instant::now();
+    let Acquire::Acquired(_lease) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
+    let held = await_advisory(
+        &mut admin,
+        &lock,
+        "the holder never took its advisory lock",
+        |s| s.len() == 1 && s[0].1,
+    )
+    .await;
+    let waiter = Lock::start(
+        h.driver().await,
+        LockConfig {
+            mode: Mode::OnDemand,
+            renew_interval: RENEW,
+            ..LockConfig::new(&lock, "b", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("lock");
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move {
+            waiter
+                .acquire(Duration::from_secs(20), Duration::from_secs(60))
+                .await
+        }
+    });
+    await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
+        s.iter().any(|(_, granted)| !granted)
+    })
+    .await;
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(held[0].0)
+        .execute(&mut admin)
+        .await
+        .expect("terminate the holder's advisory session");
+    // The waiter's session gets the advisory lock: it was woken.
+    let woken = loop {
+        let sessions = advisory_sessions(&mut admin, &lock).await;
+        if sessions
+            .iter()
+            .any(|&(pid, granted)| granted && pid != held[0].0)
+        {
+            break sent.elapsed();
+        }
+        assert!(
+            sent.elapsed() < ttl,
+            "the waiter was never woken: {sessions:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let answer = waiting.await.unwrap().expect("acquire");
+    let took = sent.elapsed();
+    assert!(answer.is_holder(), "{answer:?}");
+    assert!(
+        took >= ttl,
+        "woken at {woken:?}, the waiter took the lock {took:?} after the holder's {ttl:?} lease began"
+    );
+    assert!(
+        took < ttl + RENEW + SLACK,
+        "the waiter took {took:?}, long after the lease ran out"
+    );
+    waiter.shutdown().await;
 }
 
 /// A family's keys nobody has held for the idle time given are deleted, raising the family's
@@ -978,7 +1179,7 @@ async fn mariadb_many_held_locks_keep_few_sessions() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         most = most.max(mariadb_sessions(&mut admin).await);
     }
-    let bound = 4 + leasehold_lease::drivers::mysql_wake::NAMED_LOCK_SESSIONS as i64 + 1;
+    let bound = 4 + leasehold_lease::drivers::sql_wake::NAMED_LOCK_SESSIONS as i64 + 1;
     assert!(
         most <= bound,
         "{most} sessions open for {LOCKS} held locks (the pool, the named locks and this one)"

@@ -8,8 +8,11 @@
 //!   expired; the token goes up by one on every acquisition and is never reset (a release keeps
 //!   the row).
 //! - Renew and release match name, holder **and** token.
-//! - PostgreSQL wakes waiters with `LISTEN`/`NOTIFY` (the release statement notifies); MySQL
-//!   with named locks ([`crate::drivers::mysql_wake`]), in both modes.
+//! - Waiters are woken by a lock the holder keeps in the server ([`crate::drivers::sql_wake`]):
+//!   MySQL's named locks, in both modes; PostgreSQL's advisory locks in lease mode, where the
+//!   waiter's blocking statement takes the row too. PostgreSQL's release statements also
+//!   `NOTIFY`, which wakes what keeps no such lock: row-lock mode, a family's keys, a lock held
+//!   beyond the process's sessions.
 //!
 //! Table and schema names are validated identifiers, quoted in the dialect's way; lock names and
 //! identities are always bound parameters.
@@ -24,10 +27,11 @@ use sqlx::{Connection, Row};
 
 use tokio::sync::{OnceCell, watch};
 
+use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::batches::{Batches, Pending};
-use crate::drivers::mysql_wake::NamedLocks;
 use crate::drivers::sql_row_lock::RowLocks;
+use crate::drivers::sql_wake::{AdvisoryStatements, ServerLock, ServerLocks};
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
 
@@ -102,6 +106,8 @@ pub struct Statements {
     pub key_floor: KeyFloor,
     /// Row-lock mode: the seeded rows of a family's forgotten keys.
     pub forget_seeded: ForgetSeeded,
+    /// PostgreSQL: the statements on an advisory lock's session ([`crate::drivers::sql_wake`]).
+    pub(crate) advisory: Option<AdvisoryStatements>,
 }
 
 /// Row-lock mode's seeded rows of a family's keys that have no lease row left (the sweep that
@@ -397,6 +403,36 @@ impl Dialect {
                            AND NOT EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = s.name) \
                            FOR UPDATE OF s SKIP LOCKED)"
                     )),
+                    advisory: Some(AdvisoryStatements {
+                        // The advisory lock first (the session holds nothing else: a wait that
+                        // ended in an error may have left it held), then the row, dated by the
+                        // clock as the row is written (`now()` is the statement's start, a
+                        // blocked step earlier), with how long after the start that was.
+                        acquire: format!(
+                            "WITH cleared AS MATERIALIZED (SELECT pg_advisory_unlock_all()), \
+                             woken AS MATERIALIZED (SELECT pg_advisory_lock($4) FROM cleared) \
+                             INSERT INTO {t} AS l (name, holder, token, expires_at) \
+                             SELECT $1, $2, 1, clock_timestamp() + make_interval(secs => $3::bigint / 1000.0) FROM woken \
+                             ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, token = l.token + 1, \
+                             expires_at = EXCLUDED.expires_at \
+                             WHERE l.holder IS NULL OR l.expires_at <= clock_timestamp() \
+                             RETURNING token, \
+                               CAST(EXTRACT(EPOCH FROM (l.expires_at - statement_timestamp())) * 1000000 AS BIGINT) \
+                               - $3::bigint * 1000 AS blocked_us"
+                        ),
+                        // The advisory lock goes once the row is updated, before the commit:
+                        // the waiter it wakes waits inside the server for the commit, and
+                        // takes the row then.
+                        release: format!(
+                            "WITH released AS (\
+                               UPDATE {t} SET holder = NULL, expires_at = now() \
+                               WHERE name = $1 AND holder = $2 AND token = $3 RETURNING name) \
+                             SELECT count(*) AS released, pg_advisory_unlock($4) AS unlocked \
+                             FROM released, \
+                               LATERAL (SELECT pg_notify('{RELEASE_CHANNEL}', released.name), \
+                                 set_config('synchronous_commit', 'off', true)) AS notified"
+                        ),
+                    }),
                 }
             }
             Dialect::MySql => Statements {
@@ -489,6 +525,7 @@ impl Dialect {
                     ),
                     table: r.clone(),
                 },
+                advisory: None,
             },
         }
     }
@@ -531,8 +568,9 @@ pub struct SqlDriver {
     provisioned: OnceCell<()>,
     pub(crate) releases: Arc<ChangeFeeds>,
     listener: Option<tokio::task::JoinHandle<()>>,
-    /// MySQL in lease mode: the named locks that wake waiters.
-    named_locks: Option<Arc<NamedLocks>>,
+    /// The server locks that wake waiters: MySQL's named locks, PostgreSQL's advisory locks
+    /// (lease mode; see [`SqlDriver::server_lock`]).
+    server_locks: Option<Arc<ServerLocks>>,
     /// Renewals that arrive together go out together ([`RenewMany`]).
     renewals: Batches<(Lease, Duration), Result<bool>>,
     /// The families whose floor row this process has made sure of ([`KeyFloor`]).
@@ -763,9 +801,23 @@ impl SqlDriver {
                 reason: e.to_string(),
             })?;
         let releases = Arc::new(ChangeFeeds::default());
-        let listener = (dialect == Dialect::Postgres)
-            .then(|| tokio::spawn(listen_for_releases(url.to_owned(), releases.clone())));
         let sql = dialect.statements(schema, table);
+        let server_lock = match (dialect, mode) {
+            (Dialect::MySql, _) => Some(ServerLock::Named),
+            (Dialect::Postgres, SqlMode::Lease) => sql.advisory.clone().map(ServerLock::Advisory),
+            // Row-lock mode's holder keeps its row locked on a session of its own already;
+            // its waiters hear `NOTIFY`.
+            (Dialect::Postgres, SqlMode::RowLock) => None,
+        };
+        let server_locks = server_lock
+            .map(|kind| ServerLocks::new(kind, url, table, &sql.observe, releases.clone()));
+        let listener = (dialect == Dialect::Postgres).then(|| {
+            tokio::spawn(listen_for_releases(
+                url.to_owned(),
+                releases.clone(),
+                server_locks.clone(),
+            ))
+        });
         let renewals = {
             let (pool, many) = (pool.clone(), Arc::new(sql.renew_many.clone()));
             Batches::new(MAX_RENEW_BATCH, move |batch| {
@@ -779,14 +831,7 @@ impl SqlDriver {
             mode,
             row_locks: (mode == SqlMode::RowLock).then(|| RowLocks::new(url)),
             provisioned: OnceCell::new(),
-            named_locks: (dialect == Dialect::MySql).then(|| {
-                NamedLocks::new(
-                    url,
-                    table,
-                    &dialect.statements(schema, table).observe,
-                    releases.clone(),
-                )
-            }),
+            server_locks,
             releases,
             listener,
             renewals,
@@ -798,6 +843,15 @@ impl SqlDriver {
 
     pub fn mode(&self) -> SqlMode {
         self.mode
+    }
+
+    /// The server locks that wake `lock`'s waiters. Not for a family's keys on PostgreSQL:
+    /// an advisory lock's session per acquisition would cost every cycle of a key a statement
+    /// (or a connection) more, and `NOTIFY` wakes their waiters.
+    fn server_lock(&self, lock: &str) -> Option<&Arc<ServerLocks>> {
+        let keyed_postgres =
+            self.dialect == Dialect::Postgres && crate::names::family_of(lock).is_some();
+        self.server_locks.as_ref().filter(|_| !keyed_postgres)
     }
 
     /// The compare-and-set on the lock row: the new token, or `None` while someone holds it.
@@ -1053,7 +1107,11 @@ where
 
 /// One LISTEN connection per process; a lost connection wakes every waiter, since a release may
 /// have gone unheard meanwhile.
-async fn listen_for_releases(url: String, feeds: Arc<ChangeFeeds>) {
+async fn listen_for_releases(
+    url: String,
+    feeds: Arc<ChangeFeeds>,
+    server_locks: Option<Arc<ServerLocks>>,
+) {
     let mut pause = RELISTEN_MIN;
     loop {
         let listening = tokio::time::timeout(CONNECT_TIMEOUT, async {
@@ -1068,7 +1126,13 @@ async fn listen_for_releases(url: String, feeds: Arc<ChangeFeeds>) {
                 feeds.bump_all();
                 loop {
                     match listener.try_recv().await {
-                        Ok(Some(notice)) => feeds.bump(notice.payload()),
+                        Ok(Some(notice)) => {
+                            let lock = notice.payload();
+                            // A waiter blocked in the server is woken there, taking the row.
+                            if !server_locks.as_ref().is_some_and(|s| s.heard_release(lock)) {
+                                feeds.bump(lock);
+                            }
+                        }
                         // The connection dropped; try_recv reconnects on the next call.
                         Ok(None) => feeds.bump_all(),
                         Err(e) => {
@@ -1093,6 +1157,11 @@ impl Driver for SqlDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let server_lock = self.server_lock(lock);
+        // Taken already, by this waiter's blocking statement, which woke it.
+        if let Some(lease) = server_lock.and_then(|s| s.take_woken(lock, identity, ttl)) {
+            return Ok(Acquire::Acquired(lease));
+        }
         self.ensure_tables().await?;
         let mysql_lease = self.dialect == Dialect::MySql && self.row_locks.is_none();
         let known_held = mysql_lease
@@ -1120,16 +1189,16 @@ impl Driver for SqlDriver {
         if mysql_lease {
             self.saw_held(lock, matches!(acquired, Acquire::Busy(Some(_))));
         }
-        match (&acquired, &self.named_locks) {
-            (Acquire::Acquired(lease), Some(named)) => {
-                named.held(lock, &lease.identity, lease.token)
+        match (&acquired, server_lock) {
+            (Acquire::Acquired(lease), Some(server)) => {
+                server.held(lock, &lease.identity, lease.token)
             }
-            // A waiter here: block on the lock's named lock. Not at the subscription, which
+            // A waiter here: block on the lock's server lock. Not at the subscription, which
             // comes before every attempt: a session per acquisition of a free lock would be
-            // spent for nothing. A release between the two leaves the named lock free, so the
-            // waiter's first `GET_LOCK` is granted at once and wakes it.
-            (Acquire::Busy(_), Some(named)) if self.releases.is_subscribed(lock) => {
-                named.watch(lock)
+            // spent for nothing. A release between the two leaves the server lock free, so the
+            // waiter's first wait is granted at once and wakes it.
+            (Acquire::Busy(_), Some(server)) if self.releases.is_subscribed(lock) => {
+                server.watch(lock, identity, ttl)
             }
             _ => {}
         }
@@ -1227,20 +1296,30 @@ impl Driver for SqlDriver {
             Some(row_locks) => row_locks.renew(self, lease, ttl).await,
             None => self.renew_row(lease, ttl).await,
         };
-        if let (Ok(false), Some(named)) = (&renewed, &self.named_locks) {
-            named.let_go(&lease.lock);
+        if let Some(server) = self.server_lock(&lease.lock) {
+            server.forget_counted(&lease.lock);
+            if let Ok(false) = renewed {
+                server.let_go(&lease.lock);
+            }
         }
         renewed
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        let released = match &self.row_locks {
-            Some(row_locks) => row_locks.release(self, lease).await?,
-            None => self.release_row(&self.pool, lease).await?,
+        let server_lock = self.server_lock(&lease.lock);
+        // PostgreSQL: on the advisory lock's session, which lets it go in the same statement.
+        let released_there = match server_lock {
+            Some(server) => server.release(lease).await,
+            None => None,
+        };
+        let released = match (released_there, &self.row_locks) {
+            (Some(released), _) => released.map_err(map_err)?,
+            (None, Some(row_locks)) => row_locks.release(self, lease).await?,
+            (None, None) => self.release_row(&self.pool, lease).await?,
         };
         // Not held either way now: the next waiter goes.
-        if let Some(named) = &self.named_locks {
-            named.let_go(&lease.lock);
+        if let Some(server) = server_lock {
+            server.let_go(&lease.lock);
         }
         if released {
             self.releases.bump(&lease.lock);
@@ -1263,6 +1342,15 @@ impl Driver for SqlDriver {
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
         Some(self.releases.subscribe(lock))
+    }
+
+    /// A row taken in a waiter's blocking statement counts from the database's writing it,
+    /// before the engine asked for it.
+    fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
+        match self.server_lock(&lease.lock) {
+            Some(server) => server.counted_from(lease, sent),
+            None => sent,
+        }
     }
 
     /// PostgreSQL waiters are woken by NOTIFY, MySQL's by named locks, and both read the row once

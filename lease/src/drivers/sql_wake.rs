@@ -1,0 +1,807 @@
+//! SQL waiters woken by a lock the holder keeps inside the database server: MySQL/MariaDB's
+//! named locks (`GET_LOCK`), in both modes, and PostgreSQL's session advisory locks
+//! (`pg_advisory_lock`), in lease mode. A release hands the lock over in milliseconds, where
+//! polling the row took a fifth of the renew interval.
+//!
+//! Each lock has a server-wide lock of its own, which the holding process keeps on a session of
+//! its own for as long as it holds. A waiting process blocks on it on such a session, a step at a
+//! time; when the holder lets it go (or its session ends) the server grants it to one waiter,
+//! which keeps it, as the next in line, until it holds the row (and keeps it then) or stops
+//! waiting. So a release wakes one waiter per process, with no herd.
+//!
+//! - **MySQL**: the granted waiter's engine is woken to try the lease row, one statement more.
+//! - **PostgreSQL**: the waiter's blocking statement is its acquisition. It takes the advisory
+//!   lock, then the row, in one statement, so the hand-over costs what a blocking
+//!   `SELECT ... FOR UPDATE` does: no round trip after the wake-up. The holder lets go in its
+//!   release statement, on its advisory lock's session, so the waiter is woken inside the server
+//!   while that statement runs (its insertion then waits for the release's commit). A row taken
+//!   so is kept for the waiter's engine ([`ServerLocks::take_woken`]), which claims it from the
+//!   instant the database dated it ([`ServerLocks::counted_from`]): the statement's send, plus
+//!   how long the server says it blocked. Nobody claims it for long, it is released.
+//!
+//! A holding engine that stops claiming without telling the driver (its lease ran out while it
+//! was paused) would keep the server lock for good; so a held one checks every
+//! [`HOLDING_CHECK`] that the row still names its holder and token.
+//!
+//! A wake-up is only a hint: the lease row, with its expiry by the database's clock, decides. A
+//! waiter woken by a holder whose session died while its lease runs finds the row still leased
+//! and waits out the lease as before; when a session cannot be had, waiters poll the row (and on
+//! PostgreSQL hear `NOTIFY`).
+//!
+//! A process keeps at most [`NAMED_LOCK_SESSIONS`] such sessions: a sidecar holding thousands of
+//! a family's keys would otherwise take every connection the server allows (151 by default on
+//! MySQL and MariaDB, 100 on PostgreSQL) from every other client. A lock held beyond them keeps
+//! no server lock; a lock waited for beyond them gets a session when one frees up, and its
+//! waiters here read the row every [`WAIT_STEP_SECS`] meanwhile. A waiter elsewhere that finds a
+//! held lock's server lock free (its holder has none) holds it as the next in line and reads the
+//! row as often, so a release is noticed within that step rather than at the next renew
+//! interval.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::{AnyConnection, Connection, Row};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::boot_clock::BootInstant;
+use crate::driver::{ChangeFeeds, Lease};
+
+/// How long one blocking wait lasts before the waiter looks whether it is still wanted. With the
+/// row read once per renew interval besides, an idle waiter costs the server fewer requests than
+/// the five row reads per interval it took before.
+const WAIT_STEP_SECS: u32 = 2;
+const WAIT_STEP: Duration = Duration::from_secs(WAIT_STEP_SECS as u64);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// After a failed session, before the next try.
+const RETRY_PAUSE: Duration = Duration::from_secs(1);
+/// How often a held server lock checks that the row is still its process's: an engine that
+/// stops claiming without a word to the driver (its lease ran out while it was paused) must not
+/// keep the server lock, and with it every waiter's wake-up, for good.
+pub const HOLDING_CHECK: Duration = Duration::from_secs(30);
+/// How long a row taken in a waiter's blocking statement (PostgreSQL) is kept for its engine,
+/// which was woken to claim it at once; past this nobody wants it, and it is released.
+const WOKEN_KEPT: Duration = Duration::from_secs(1);
+/// How long a release waits for its lock's task to carry it out on the server lock's session.
+const RELEASE_PATIENCE: Duration = Duration::from_millis(500);
+/// Sessions kept after their lock's task ends, so that the next holding or wait does not
+/// connect again (a keyed family takes a lock per acquisition).
+const SPARE_SESSIONS: usize = 4;
+/// The most server-lock sessions one process keeps open, spares included.
+pub const NAMED_LOCK_SESSIONS: usize = 16;
+/// PostgreSQL's error for a lock wait past `lock_timeout`: a waiter's step that ended.
+const PG_LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// PostgreSQL's statements on an advisory-lock session (see [`crate::drivers::sql::Dialect`]).
+#[derive(Clone)]
+pub(crate) struct AdvisoryStatements {
+    /// Block on the advisory lock a step, then take the row if free: `$1` lock, `$2` holder,
+    /// `$3` lease in ms, `$4` advisory key; returns `token` and `blocked_us`.
+    pub acquire: String,
+    /// Free the row if still held as `$2` with token `$3`, and let the advisory key `$4` go in
+    /// the same statement; returns `released`.
+    pub release: String,
+}
+
+/// The kind of lock the server keeps for each lease lock.
+pub(crate) enum ServerLock {
+    /// MySQL/MariaDB: `GET_LOCK` on a name of 64 characters at most.
+    Named,
+    /// PostgreSQL: a session advisory lock on a 64-bit key.
+    Advisory(AdvisoryStatements),
+}
+
+/// A server lock's session, and its place among the process's [`NAMED_LOCK_SESSIONS`].
+struct Session {
+    conn: AnyConnection,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// Who waits here, for a PostgreSQL waiter's statement to take the row for.
+#[derive(Clone)]
+struct Waiter {
+    identity: String,
+    ttl: Duration,
+}
+
+/// What the driver tells a lock's task.
+enum Message {
+    /// This process holds the lock now, as this holder with this token.
+    Held(String, u64),
+    /// It no longer does.
+    LetGo,
+    /// This holder waits for the lock here, for a lease this long.
+    Waiting(Waiter),
+    /// Release this lease on the server lock's session (PostgreSQL); `None` back when the task
+    /// does not hold the lock's server lock for it, and the pool is to release it.
+    Release(Lease, oneshot::Sender<Option<Result<bool, sqlx::Error>>>),
+}
+
+/// One step of a waiter's blocking wait.
+enum Step {
+    /// The server lock is this session's; the row is to be tried.
+    Granted,
+    NotGranted,
+    /// PostgreSQL: the server lock is this session's, and the row was taken for the waiter,
+    /// counted from this instant.
+    Took(Lease, BootInstant),
+}
+
+/// A row a waiter's blocking statement took, kept for its engine.
+struct Woken {
+    lease: Lease,
+    ttl: Duration,
+    counted_from: BootInstant,
+    at: Instant,
+}
+
+/// What a lock's task tells itself about the lock: whether this process holds it, as which
+/// lease, and who waits here.
+#[derive(Default)]
+struct View {
+    holding: bool,
+    lease: Option<(String, u64)>,
+    waiter: Option<Waiter>,
+}
+
+impl View {
+    /// Apply the driver's message; a release the task cannot carry out here is answered so.
+    fn apply(&mut self, message: Message) {
+        match message {
+            Message::Held(identity, token) => {
+                self.holding = true;
+                self.lease = Some((identity, token));
+                // Its engine no longer waits; the next waiter here says so when it does.
+                self.waiter = None;
+            }
+            Message::LetGo => self.holding = false,
+            Message::Waiting(waiter) => self.waiter = Some(waiter),
+            Message::Release(_, reply) => {
+                let _ = reply.send(None);
+            }
+        }
+    }
+}
+
+pub(crate) struct ServerLocks {
+    kind: ServerLock,
+    url: String,
+    table: String,
+    /// The dialect's read of a lock's live holder and token (the lock's name bound first).
+    observe: String,
+    feeds: Arc<ChangeFeeds>,
+    tasks: Mutex<HashMap<String, mpsc::UnboundedSender<Message>>>,
+    spares: Mutex<Vec<Session>>,
+    sessions: Arc<Semaphore>,
+    /// PostgreSQL: rows taken by waiters' statements, not yet claimed by their engines.
+    woken: Mutex<HashMap<String, Woken>>,
+    /// PostgreSQL: the instants claims of rows taken so count from, by lock and token, until
+    /// their first renewal.
+    counted: Mutex<HashMap<String, (u64, BootInstant)>>,
+    /// PostgreSQL: locks whose waiter here is blocked in the server, and whether a `NOTIFY` of
+    /// a release came meanwhile (which the blocked statement may not have been woken by).
+    blocked: Mutex<HashMap<String, bool>>,
+}
+
+impl ServerLocks {
+    pub(crate) fn new(
+        kind: ServerLock,
+        url: &str,
+        table: &str,
+        observe: &str,
+        feeds: Arc<ChangeFeeds>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            kind,
+            url: url.to_owned(),
+            table: table.to_owned(),
+            observe: observe.to_owned(),
+            feeds,
+            tasks: Mutex::new(HashMap::new()),
+            spares: Mutex::new(Vec::new()),
+            sessions: Arc::new(Semaphore::new(NAMED_LOCK_SESSIONS)),
+            woken: Mutex::new(HashMap::new()),
+            counted: Mutex::new(HashMap::new()),
+            blocked: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Send `message` to `lock`'s task, starting it when there is none.
+    fn tell(self: &Arc<Self>, lock: &str, message: Option<Message>) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(task) = tasks.get(lock) {
+            match message {
+                None => return,
+                Some(message) => match task.send(message) {
+                    Ok(()) => return,
+                    // The task ended a moment ago: start another.
+                    Err(mpsc::error::SendError(message)) => {
+                        tasks.remove(lock);
+                        return self.start(&mut tasks, lock, Some(message));
+                    }
+                },
+            }
+        }
+        self.start(&mut tasks, lock, message);
+    }
+
+    fn start(
+        self: &Arc<Self>,
+        tasks: &mut HashMap<String, mpsc::UnboundedSender<Message>>,
+        lock: &str,
+        first: Option<Message>,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Some(first) = first {
+            let _ = tx.send(first);
+        }
+        tasks.insert(lock.to_owned(), tx);
+        tokio::spawn(self.clone().run(lock.to_owned(), rx));
+    }
+
+    fn running(&self, lock: &str) -> bool {
+        self.tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(lock)
+    }
+
+    /// This process holds `lock` now: keep its server lock until it lets go. Not when all the
+    /// process's sessions are taken and the lock has no task yet: the holding goes without a
+    /// server lock, and without a task, which a sidecar holding thousands of keys would pay for
+    /// in memory (waiters elsewhere read the row every step as the next in line).
+    pub(crate) fn held(self: &Arc<Self>, lock: &str, identity: &str, token: u64) {
+        let spare = !self
+            .spares
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        if self.running(lock) || spare || self.sessions.available_permits() > 0 {
+            self.tell(lock, Some(Message::Held(identity.to_owned(), token)));
+        }
+    }
+
+    pub(crate) fn let_go(self: &Arc<Self>, lock: &str) {
+        if self.running(lock) {
+            self.tell(lock, Some(Message::LetGo));
+        }
+    }
+
+    /// `identity` of this process waits for `lock`, with leases of `ttl`.
+    pub(crate) fn watch(self: &Arc<Self>, lock: &str, identity: &str, ttl: Duration) {
+        let waiter = Waiter {
+            identity: identity.to_owned(),
+            ttl,
+        };
+        self.tell(lock, Some(Message::Waiting(waiter)));
+    }
+
+    /// Release `lease` on its server lock's session, letting the server lock go in the same
+    /// statement (PostgreSQL): the next waiter is woken inside the server. `None`: this process
+    /// keeps no server lock for it, and the pool is to release it.
+    pub(crate) async fn release(
+        self: &Arc<Self>,
+        lease: &Lease,
+    ) -> Option<Result<bool, sqlx::Error>> {
+        self.forget_counted(&lease.lock);
+        if !matches!(self.kind, ServerLock::Advisory(_)) || !self.running(&lease.lock) {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        self.tell(&lease.lock, Some(Message::Release(lease.clone(), tx)));
+        // A task busy elsewhere (connecting) leaves the release to the pool; its own release
+        // statement, when it comes to it, then matches no row and lets the server lock go.
+        tokio::time::timeout(RELEASE_PATIENCE, rx)
+            .await
+            .ok()?
+            .ok()
+            .flatten()
+    }
+
+    /// A row a waiter's statement took for `identity` with leases of `ttl`, which its engine now
+    /// claims; the task goes on keeping the server lock as the holder's.
+    pub(crate) fn take_woken(
+        self: &Arc<Self>,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Option<Lease> {
+        let woken = {
+            let mut all = self.woken.lock().unwrap_or_else(|e| e.into_inner());
+            match all.get(lock) {
+                Some(w) if w.lease.identity == identity && w.ttl == ttl => all.remove(lock)?,
+                _ => return None,
+            }
+        };
+        self.counted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(lock.to_owned(), (woken.lease.token, woken.counted_from));
+        self.held(lock, identity, woken.lease.token);
+        Some(woken.lease)
+    }
+
+    /// From when the database counts `lease`, acquired or renewed by a call sent at `sent`: a
+    /// row taken in a blocking statement counts from that statement's wake-up.
+    pub(crate) fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
+        let counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
+        match counted.get(&lease.lock) {
+            Some((token, from)) if *token == lease.token => sent.min(*from),
+            _ => sent,
+        }
+    }
+
+    /// `lock`'s lease was renewed or released: its claims count from their own calls again.
+    pub(crate) fn forget_counted(&self, lock: &str) {
+        let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
+        if !counted.is_empty() {
+            counted.remove(lock);
+        }
+    }
+
+    /// A `NOTIFY` of `lock`'s release came: whether a waiter here is blocked in the server,
+    /// which the release wakes there (the feed is not bumped, or its engine would try the row
+    /// beside the statement that takes it).
+    pub(crate) fn heard_release(&self, lock: &str) -> bool {
+        let mut blocked = self.blocked.lock().unwrap_or_else(|e| e.into_inner());
+        match blocked.get_mut(lock) {
+            Some(notified) => {
+                *notified = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn waited(&self, lock: &str) -> bool {
+        self.feeds.is_subscribed(lock)
+    }
+
+    async fn connect(&self, permit: OwnedSemaphorePermit) -> Option<Session> {
+        let connecting = async {
+            let mut conn = AnyConnection::connect(&self.url).await?;
+            if let ServerLock::Advisory(_) = self.kind {
+                // A waiter's statement blocks a step at a time.
+                sqlx::query(&format!("SET lock_timeout = {}", WAIT_STEP.as_millis()))
+                    .execute(&mut conn)
+                    .await?;
+            }
+            Ok::<_, sqlx::Error>(conn)
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+            Ok(Ok(conn)) => Some(Session {
+                conn,
+                _permit: permit,
+            }),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %crate::redact::redact(&e.to_string()), "no session for a server lock");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// One lock's task: its session, whether the server lock is this process's, and whether the
+    /// process holds the lock. Ends when the lock is neither held nor waited for here.
+    async fn run(self: Arc<Self>, lock: String, mut messages: mpsc::UnboundedReceiver<Message>) {
+        let mut session = self.spares.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        // A spare may have gone stale (a server restart): its failure is retried at once.
+        let mut spare = session.is_some();
+        let mut locked = false;
+        let mut view = View::default();
+        loop {
+            // Everything the driver said so far.
+            while let Ok(message) = messages.try_recv() {
+                view.apply(message);
+            }
+            let wanted = view.holding || self.waited(&lock);
+            if !wanted {
+                let mut clean = !locked;
+                if locked && let Some(session) = &mut session {
+                    clean = self.let_go_here(&mut session.conn, &lock).await.is_ok();
+                }
+                locked = false;
+                let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
+                // A message or a waiter that came meanwhile keeps the task.
+                if messages.is_empty() && !self.waited(&lock) {
+                    tasks.remove(&lock);
+                    drop(tasks);
+                    if let Some(session) = session.filter(|_| clean) {
+                        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+                        // Not while other locks wait for a session: it is theirs.
+                        if spares.len() < SPARE_SESSIONS && self.sessions.available_permits() > 0 {
+                            spares.push(session);
+                        }
+                    }
+                    return;
+                }
+                continue;
+            }
+            if session.is_none() {
+                locked = false;
+                let permit = match self.sessions.clone().try_acquire_owned() {
+                    Ok(permit) => permit,
+                    // All the process's sessions are taken: wait for one, and meanwhile let
+                    // the waiters here read the row every step (a lock only held here waits
+                    // without a timer: a sidecar may hold thousands of them).
+                    Err(_) => {
+                        let waited = !view.holding && self.waited(&lock);
+                        tokio::select! {
+                            message = messages.recv() => match message {
+                                Some(message) => view.apply(message),
+                                None => return,
+                            },
+                            permit = self.sessions.clone().acquire_owned() => {
+                                if let Ok(permit) = permit {
+                                    session = self.connect(permit).await;
+                                }
+                            }
+                            () = tokio::time::sleep(WAIT_STEP), if waited => {
+                                self.feeds.bump(&lock);
+                            }
+                        }
+                        continue;
+                    }
+                };
+                session = self.connect(permit).await;
+                if session.is_none() {
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                    continue;
+                }
+            }
+            let conn = &mut session.as_mut().expect("a session").conn;
+            let outcome = if locked && view.holding {
+                // Ours, and held: nothing to do until the driver speaks, but look now and then
+                // whether the row still says so.
+                tokio::select! {
+                    message = messages.recv() => match message {
+                        Some(Message::LetGo) => {
+                            view.holding = false;
+                            // The release's whole point: the next waiter goes now.
+                            let released = self.let_go_of(conn, &lock).await;
+                            locked = false;
+                            released
+                        }
+                        Some(Message::Release(lease, reply)) => {
+                            view.holding = false;
+                            locked = false;
+                            match self.release_here(conn, &lease).await {
+                                Ok(released) => {
+                                    let _ = reply.send(Some(Ok(released)));
+                                    Ok(())
+                                }
+                                Err(e) => {
+                                    // Not known let go: the session goes, and the pool tries.
+                                    let _ = reply.send(None);
+                                    Err(e)
+                                }
+                            }
+                        }
+                        Some(message) => {
+                            view.apply(message);
+                            Ok(())
+                        }
+                        None => return,
+                    },
+                    () = tokio::time::sleep(HOLDING_CHECK) => {
+                        match self.still_held(conn, &lock, view.lease.as_ref()).await {
+                            Ok(still) => {
+                                view.holding = still;
+                                Ok(())
+                            }
+                            Err(e) => Err(e),
+                        }
+                    }
+                }
+            } else if locked {
+                // Ours as the next in line: the holder has no server lock (beyond its process's
+                // sessions, or its session gone), so no release would wake us. The engine reads
+                // the row every step, and at the lease's end. A row taken for an engine here
+                // waits for it to claim it, a moment.
+                let kept = self.woken_left(&lock);
+                tokio::select! {
+                    message = messages.recv() => match message {
+                        Some(message) => {
+                            view.apply(message);
+                            Ok(())
+                        }
+                        None => return,
+                    },
+                    () = tokio::time::sleep(kept.unwrap_or(WAIT_STEP)) => {
+                        if kept.is_some() {
+                            // Unclaimed: release it, and the server lock with it.
+                            let unclaimed = self.let_go_here(conn, &lock).await;
+                            locked = false;
+                            unclaimed
+                        } else {
+                            self.feeds.bump(&lock);
+                            Ok(())
+                        }
+                    }
+                }
+            } else if view.holding {
+                // Held: take the server lock at once if free.
+                match self.take_now(conn, &lock).await {
+                    Ok(true) => {
+                        locked = true;
+                        Ok(())
+                    }
+                    Ok(false) => {
+                        // Another session has it (a waiter between its wake-up and its try):
+                        // wait for the driver rather than spin.
+                        match messages.recv().await {
+                            Some(message) => view.apply(message),
+                            None => return,
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            } else {
+                // Waiting: block a step for the holder to let go.
+                self.blocked
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(lock.clone(), false);
+                let step = self.wait_step(conn, &lock, view.waiter.as_ref()).await;
+                let notified = self
+                    .blocked
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&lock)
+                    .unwrap_or(false);
+                match step {
+                    Ok(Step::Granted) => {
+                        locked = true;
+                        self.feeds.bump(&lock);
+                        Ok(())
+                    }
+                    Ok(Step::Took(lease, counted_from)) => {
+                        locked = true;
+                        self.keep_woken(lease, view.waiter.take().as_ref(), counted_from);
+                        self.feeds.bump(&lock);
+                        Ok(())
+                    }
+                    Ok(Step::NotGranted) => {
+                        if notified {
+                            self.feeds.bump(&lock);
+                        }
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.feeds.bump(&lock);
+                        Err(e)
+                    }
+                }
+            };
+            match outcome {
+                Ok(()) => spare = false,
+                Err(_) if std::mem::take(&mut spare) => {
+                    session = None;
+                    locked = false;
+                }
+                Err(e) => {
+                    tracing::debug!(lock, error = %e, "server-lock session failed; waiters poll meanwhile");
+                    session = None;
+                    locked = false;
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+            }
+        }
+    }
+
+    fn keep_woken(&self, lease: Lease, waiter: Option<&Waiter>, counted_from: BootInstant) {
+        let Some(waiter) = waiter else { return };
+        self.woken.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            lease.lock.clone(),
+            Woken {
+                lease,
+                ttl: waiter.ttl,
+                counted_from,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    /// How much longer the row taken for an engine here is kept for it, if there is one.
+    fn woken_left(&self, lock: &str) -> Option<Duration> {
+        let woken = self.woken.lock().unwrap_or_else(|e| e.into_inner());
+        woken
+            .get(lock)
+            .map(|w| (w.at + WOKEN_KEPT).saturating_duration_since(Instant::now()))
+    }
+
+    /// Let go of the server lock this session holds as the next in line, and of a row taken for
+    /// an engine here that nobody claimed.
+    async fn let_go_here(&self, conn: &mut AnyConnection, lock: &str) -> Result<(), sqlx::Error> {
+        let unclaimed = self
+            .woken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(lock);
+        match unclaimed {
+            Some(woken) => self.release_here(conn, &woken.lease).await.map(|_| ()),
+            None => self.let_go_of(conn, lock).await,
+        }
+    }
+}
+
+impl ServerLocks {
+    /// The server-wide name of `lock`'s named lock (MySQL).
+    fn name(&self, lock: &str) -> String {
+        named_lock(&self.table, lock)
+    }
+
+    /// Take `lock`'s server lock if free, without waiting.
+    async fn take_now(&self, conn: &mut AnyConnection, lock: &str) -> Result<bool, sqlx::Error> {
+        match &self.kind {
+            ServerLock::Named => get(conn, &self.name(lock), 0).await,
+            ServerLock::Advisory(_) => {
+                let row = sqlx::query("SELECT pg_try_advisory_lock($1) AS got")
+                    .bind(advisory_key(&self.table, lock))
+                    .fetch_one(conn)
+                    .await?;
+                row.try_get::<bool, _>("got")
+            }
+        }
+    }
+
+    /// Wait a step for `lock`'s server lock; on PostgreSQL, with a waiter known, take the row
+    /// for it in the same statement.
+    async fn wait_step(
+        &self,
+        conn: &mut AnyConnection,
+        lock: &str,
+        waiter: Option<&Waiter>,
+    ) -> Result<Step, sqlx::Error> {
+        let granted = |got: bool| if got { Step::Granted } else { Step::NotGranted };
+        let ServerLock::Advisory(sql) = &self.kind else {
+            return get(conn, &self.name(lock), WAIT_STEP_SECS)
+                .await
+                .map(granted);
+        };
+        let key = advisory_key(&self.table, lock);
+        let Some(waiter) = waiter else {
+            return match sqlx::query("SELECT pg_advisory_lock($1)")
+                .bind(key)
+                .execute(conn)
+                .await
+            {
+                Ok(_) => Ok(Step::Granted),
+                Err(e) if lock_not_available(&e) => Ok(Step::NotGranted),
+                Err(e) => Err(e),
+            };
+        };
+        let query = sqlx::query(&sql.acquire)
+            .bind(lock)
+            .bind(&waiter.identity)
+            .bind(i64::try_from(waiter.ttl.as_millis()).unwrap_or(i64::MAX))
+            .bind(key);
+        let (sent, started) = (BootInstant::now(), Instant::now());
+        let rows = match query.fetch_all(conn).await {
+            Ok(rows) => rows,
+            Err(e) if lock_not_available(&e) => return Ok(Step::NotGranted),
+            Err(e) => return Err(e),
+        };
+        let Some(row) = rows.first() else {
+            // Granted, and the row still held (its holder keeps no advisory lock, or its
+            // lease runs on after its session died): the next in line.
+            return Ok(Step::Granted);
+        };
+        let token = row.try_get::<i64, _>("token")? as u64;
+        // The database dated the lease `blocked` after the statement began, which was after it
+        // was sent; never later than the answer came, whatever its clock did meanwhile.
+        let blocked = Duration::from_micros(row.try_get::<i64, _>("blocked_us")?.max(0) as u64);
+        let counted_from = sent + blocked.min(started.elapsed());
+        let lease = Lease {
+            lock: lock.to_owned(),
+            identity: waiter.identity.clone(),
+            token,
+        };
+        Ok(Step::Took(lease, counted_from))
+    }
+
+    /// Let `lock`'s server lock go.
+    async fn let_go_of(&self, conn: &mut AnyConnection, lock: &str) -> Result<(), sqlx::Error> {
+        match &self.kind {
+            ServerLock::Named => {
+                sqlx::query("SELECT RELEASE_LOCK(?) AS released")
+                    .bind(self.name(lock))
+                    .fetch_one(conn)
+                    .await?;
+            }
+            ServerLock::Advisory(_) => {
+                sqlx::query("SELECT pg_advisory_unlock($1) AS released")
+                    .bind(advisory_key(&self.table, lock))
+                    .fetch_one(conn)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Release `lease`'s row and its server lock in one statement (PostgreSQL).
+    async fn release_here(
+        &self,
+        conn: &mut AnyConnection,
+        lease: &Lease,
+    ) -> Result<bool, sqlx::Error> {
+        let ServerLock::Advisory(sql) = &self.kind else {
+            self.let_go_of(conn, &lease.lock).await?;
+            return Ok(false);
+        };
+        let row = sqlx::query(&sql.release)
+            .bind(&lease.lock)
+            .bind(&lease.identity)
+            .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+            .bind(advisory_key(&self.table, &lease.lock))
+            .fetch_one(conn)
+            .await?;
+        Ok(row.try_get::<i64, _>("released")? == 1)
+    }
+
+    /// Whether the row still shows `lease` as its live holder.
+    async fn still_held(
+        &self,
+        conn: &mut AnyConnection,
+        lock: &str,
+        lease: Option<&(String, u64)>,
+    ) -> Result<bool, sqlx::Error> {
+        let Some((identity, token)) = lease else {
+            return Ok(false);
+        };
+        let row = sqlx::query(&self.observe)
+            .bind(lock)
+            .fetch_optional(conn)
+            .await?;
+        Ok(match row {
+            Some(row) => {
+                row.try_get::<Option<String>, _>("holder")?.as_deref() == Some(identity.as_str())
+                    && row.try_get::<i64, _>("token")? == i64::try_from(*token).unwrap_or(-1)
+            }
+            None => false,
+        })
+    }
+}
+
+fn lock_not_available(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == PG_LOCK_NOT_AVAILABLE)
+}
+
+fn digest(table: &str, lock: &str) -> [u8; 32] {
+    Sha256::digest(format!("{table}\0{lock}").as_bytes()).into()
+}
+
+/// The server-wide name of `lock`'s named lock: 64 characters at most, whatever the lock's name,
+/// and apart from other tables' locks of the same name.
+pub fn named_lock(table: &str, lock: &str) -> String {
+    let hex: String = digest(table, lock)[..20]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("leasehold:{hex}")
+}
+
+/// The key of `lock`'s PostgreSQL advisory lock, apart from other tables' locks of the same
+/// name. Advisory keys are one space per database: an application's own advisory locks could
+/// meet one of these only by a 64-bit collision, and would then delay wake-ups, never decide
+/// who holds.
+pub fn advisory_key(table: &str, lock: &str) -> i64 {
+    let digest = digest(table, lock);
+    i64::from_be_bytes(digest[..8].try_into().expect("eight bytes"))
+}
+
+/// `GET_LOCK(name, wait)`: whether this session has the named lock now.
+async fn get(conn: &mut AnyConnection, name: &str, wait_secs: u32) -> Result<bool, sqlx::Error> {
+    let row = sqlx::query("SELECT GET_LOCK(?, ?) AS got")
+        .bind(name)
+        .bind(i64::from(wait_secs))
+        .fetch_one(conn)
+        .await?;
+    // NULL on an error such as the session being killed: not ours.
+    Ok(row.try_get::<Option<i64>, _>("got")?.unwrap_or(0) == 1)
+}
