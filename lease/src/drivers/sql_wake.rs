@@ -17,7 +17,8 @@
 //!   while that statement runs (its insertion then waits for the release's commit). A row taken
 //!   so is kept for the waiter's engine ([`ServerLocks::take_woken`]), which claims it from the
 //!   instant the database dated it ([`ServerLocks::counted_from`]): the statement's send, plus
-//!   how long the server says it blocked. Nobody claims it for long, it is released.
+//!   how long the server says it blocked. A row nobody claims within [`WOKEN_KEPT`] is
+//!   released. A family's keys keep to `NOTIFY` instead (see `SqlDriver::server_lock`).
 //!
 //! A holding engine that stops claiming without telling the driver (its lease ran out while it
 //! was paused) would keep the server lock for good; so a held one checks every
