@@ -640,7 +640,12 @@ impl ServerLocks {
         match &self.kind {
             ServerLock::Named => get(conn, &self.name(lock), 0).await,
             ServerLock::Advisory(_) => {
-                let row = sqlx::query("SELECT pg_try_advisory_lock($1) AS got")
+                // Nothing else held first: a waiter's step that timed out in its insertion (a
+                // row locked past `lock_timeout`) leaves its advisory lock with the session.
+                let row = sqlx::query(
+                    "WITH cleared AS MATERIALIZED (SELECT pg_advisory_unlock_all()) \
+                     SELECT pg_try_advisory_lock($1) AS got FROM cleared",
+                )
                     .bind(advisory_key(&self.table, lock))
                     .fetch_one(conn)
                     .await?;
