@@ -404,6 +404,21 @@ async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
     );
 }
 
+/// How many acquisitions PostgreSQL's pool statements have run (a waiter's blocking statement
+/// begins `WITH`, and is not one of them).
+async fn postgres_pool_acquisitions(admin: &mut sqlx::AnyConnection) -> i64 {
+    use sqlx::Row;
+    sqlx::query(
+        "SELECT CAST(COALESCE(SUM(calls), 0) AS BIGINT) AS calls FROM pg_stat_statements \
+         WHERE query LIKE 'INSERT INTO %'",
+    )
+    .fetch_one(admin)
+    .await
+    .expect("pg_stat_statements")
+    .try_get("calls")
+    .expect("calls")
+}
+
 /// The PostgreSQL sessions waiting for (`false`) or holding (`true`) `lock`'s advisory lock.
 async fn advisory_sessions(admin: &mut sqlx::AnyConnection, lock: &str) -> Vec<(i32, bool)> {
     use sqlx::Row;
@@ -461,6 +476,10 @@ async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
     };
     sqlx::any::install_default_drivers();
     let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&mut admin)
+        .await
+        .expect("pg_stat_statements");
     let held = await_advisory(
         &mut admin,
         &lock,
@@ -487,9 +506,15 @@ async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
         .expect("the waiter's engine was never woken")
         .expect("feed");
     let woken = BootInstant::now();
+    let acquisitions = postgres_pool_acquisitions(&mut admin).await;
     let Acquire::Acquired(lease) = waiter.try_acquire(&lock, "b", LEASE).await.unwrap() else {
         panic!("the woken waiter did not hold");
     };
+    assert_eq!(
+        postgres_pool_acquisitions(&mut admin).await,
+        acquisitions,
+        "the woken waiter sent an acquisition of its own"
+    );
     // A holding engine waits no more.
     drop(changes);
     assert!(lease.token > first.token, "{lease:?} after {first:?}");

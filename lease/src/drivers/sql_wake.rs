@@ -646,9 +646,9 @@ impl ServerLocks {
                     "WITH cleared AS MATERIALIZED (SELECT pg_advisory_unlock_all()) \
                      SELECT pg_try_advisory_lock($1) AS got FROM cleared",
                 )
-                    .bind(advisory_key(&self.table, lock))
-                    .fetch_one(conn)
-                    .await?;
+                .bind(advisory_key(&self.table, lock))
+                .fetch_one(conn)
+                .await?;
                 row.try_get::<bool, _>("got")
             }
         }
