@@ -287,6 +287,58 @@ async fn holders_named_lock_session(
     }
 }
 
+/// A waiter in another process (its own driver), on demand, and its acquisition under way.
+fn start_waiting(
+    driver: Arc<dyn leasehold_lease::Driver>,
+    lock: &str,
+) -> (
+    Lock,
+    tokio::task::JoinHandle<leasehold_lease::Result<Answer>>,
+) {
+    let waiter = Lock::start(
+        driver,
+        LockConfig {
+            mode: Mode::OnDemand,
+            renew_interval: RENEW,
+            ..LockConfig::new(lock, "b", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("lock");
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move {
+            waiter
+                .acquire(Duration::from_secs(20), Duration::from_secs(60))
+                .await
+        }
+    });
+    (waiter, waiting)
+}
+
+/// The waiter, woken `woken` after the holder's `ttl` lease began at `sent`, takes the lock only
+/// once that lease has run out, and soon after.
+async fn waits_out_the_lease(
+    waiter: Lock,
+    waiting: tokio::task::JoinHandle<leasehold_lease::Result<Answer>>,
+    sent: tokio::time::Instant,
+    ttl: Duration,
+    woken: Duration,
+) {
+    let answer = waiting.await.unwrap().expect("acquire");
+    let took = sent.elapsed();
+    assert!(answer.is_holder(), "{answer:?}");
+    assert!(
+        took >= ttl,
+        "woken at {woken:?}, the waiter took the lock {took:?} after the holder's {ttl:?} lease began"
+    );
+    assert!(
+        took < ttl + RENEW + SLACK,
+        "the waiter took {took:?}, long after the lease ran out"
+    );
+    waiter.shutdown().await;
+}
+
 /// MySQL's named-lock wake-up is only a hint: a waiter woken because the holder's named-lock
 /// session ended (killed here; in life a proxy dropping it) while the holder's lease still runs
 /// does not take the lock before that lease has run out, and then takes it at once.
@@ -308,25 +360,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
         .await
         .expect("admin connection");
     let session = holders_named_lock_session(&mut admin, &name, sent).await;
-    // A waiter in another process (its own driver), on demand.
-    let waiter = Lock::start(
-        h.driver().await,
-        LockConfig {
-            mode: Mode::OnDemand,
-            renew_interval: RENEW,
-            ..LockConfig::new(&lock, "b", LEASE)
-        },
-        Arc::new(()),
-    )
-    .expect("lock");
-    let waiting = tokio::spawn({
-        let waiter = waiter.clone();
-        async move {
-            waiter
-                .acquire(Duration::from_secs(20), Duration::from_secs(60))
-                .await
-        }
-    });
+    let (waiter, waiting) = start_waiting(h.driver().await, &lock);
     tokio::time::sleep(Duration::from_millis(300)).await;
     sqlx::query(&format!("KILL CONNECTION {session}"))
         .execute(&mut admin)
@@ -341,18 +375,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
         assert!(sent.elapsed() < ttl, "the waiter was never woken");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    let answer = waiting.await.unwrap().expect("acquire");
-    let took = sent.elapsed();
-    assert!(answer.is_holder(), "{answer:?}");
-    assert!(
-        took >= ttl,
-        "woken at {woken:?}, the waiter took the lock {took:?} after the holder's {ttl:?} lease began"
-    );
-    assert!(
-        took < ttl + RENEW + SLACK,
-        "the waiter took {took:?}, long after the lease ran out"
-    );
-    waiter.shutdown().await;
+    waits_out_the_lease(waiter, waiting, sent, ttl, woken).await;
 }
 
 /// A holder that stops claiming without a word to its driver (here: its driver is never asked
@@ -574,24 +597,7 @@ async fn postgres_a_waiter_woken_early_waits_out_the_lease() {
         |s| s.len() == 1 && s[0].1,
     )
     .await;
-    let waiter = Lock::start(
-        h.driver().await,
-        LockConfig {
-            mode: Mode::OnDemand,
-            renew_interval: RENEW,
-            ..LockConfig::new(&lock, "b", LEASE)
-        },
-        Arc::new(()),
-    )
-    .expect("lock");
-    let waiting = tokio::spawn({
-        let waiter = waiter.clone();
-        async move {
-            waiter
-                .acquire(Duration::from_secs(20), Duration::from_secs(60))
-                .await
-        }
-    });
+    let (waiter, waiting) = start_waiting(h.driver().await, &lock);
     await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
         s.iter().any(|(_, granted)| !granted)
     })
@@ -616,18 +622,7 @@ async fn postgres_a_waiter_woken_early_waits_out_the_lease() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    let answer = waiting.await.unwrap().expect("acquire");
-    let took = sent.elapsed();
-    assert!(answer.is_holder(), "{answer:?}");
-    assert!(
-        took >= ttl,
-        "woken at {woken:?}, the waiter took the lock {took:?} after the holder's {ttl:?} lease began"
-    );
-    assert!(
-        took < ttl + RENEW + SLACK,
-        "the waiter took {took:?}, long after the lease ran out"
-    );
-    waiter.shutdown().await;
+    waits_out_the_lease(waiter, waiting, sent, ttl, woken).await;
 }
 
 /// A family's keys nobody has held for the idle time given are deleted, raising the family's

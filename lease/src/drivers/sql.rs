@@ -1312,13 +1312,15 @@ impl Driver for SqlDriver {
             Some(server) => server.release(lease).await,
             None => None,
         };
+        // There, the server lock went in the same statement.
+        let let_go = released_there.is_none();
         let released = match (released_there, &self.row_locks) {
             (Some(released), _) => released.map_err(map_err)?,
             (None, Some(row_locks)) => row_locks.release(self, lease).await?,
             (None, None) => self.release_row(&self.pool, lease).await?,
         };
         // Not held either way now: the next waiter goes.
-        if let Some(server) = server_lock {
+        if let (true, Some(server)) = (let_go, server_lock) {
             server.let_go(&lease.lock);
         }
         if released {

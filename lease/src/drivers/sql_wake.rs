@@ -125,9 +125,8 @@ enum Step {
     /// The server lock is this session's; the row is to be tried.
     Granted,
     NotGranted,
-    /// PostgreSQL: the server lock is this session's, and the row was taken for the waiter,
-    /// counted from this instant.
-    Took(Lease, BootInstant),
+    /// PostgreSQL: the server lock is this session's, and the row was taken for the waiter.
+    Took(Woken),
 }
 
 /// A row a waiter's blocking statement took, kept for its engine.
@@ -559,9 +558,14 @@ impl ServerLocks {
                         self.feeds.bump(&lock);
                         Ok(())
                     }
-                    Ok(Step::Took(lease, counted_from)) => {
+                    Ok(Step::Took(woken)) => {
                         locked = true;
-                        self.keep_woken(lease, view.waiter.take().as_ref(), counted_from);
+                        // Its engine is told to claim it, and waits no more.
+                        view.waiter = None;
+                        self.woken
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(lock.clone(), woken);
                         self.feeds.bump(&lock);
                         Ok(())
                     }
@@ -591,19 +595,6 @@ impl ServerLocks {
                 }
             }
         }
-    }
-
-    fn keep_woken(&self, lease: Lease, waiter: Option<&Waiter>, counted_from: BootInstant) {
-        let Some(waiter) = waiter else { return };
-        self.woken.lock().unwrap_or_else(|e| e.into_inner()).insert(
-            lease.lock.clone(),
-            Woken {
-                lease,
-                ttl: waiter.ttl,
-                counted_from,
-                at: Instant::now(),
-            },
-        );
     }
 
     /// How much longer the row taken for an engine here is kept for it, if there is one.
@@ -706,7 +697,12 @@ impl ServerLocks {
             identity: waiter.identity.clone(),
             token,
         };
-        Ok(Step::Took(lease, counted_from))
+        Ok(Step::Took(Woken {
+            lease,
+            ttl: waiter.ttl,
+            counted_from,
+            at: Instant::now(),
+        }))
     }
 
     /// Let `lock`'s server lock go.
