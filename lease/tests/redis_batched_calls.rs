@@ -6,10 +6,19 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use leasehold_lease::Acquire;
+use futures_util::FutureExt;
 use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
+use leasehold_lease::{Acquire, Driver, Lease};
 
 const TTL: Duration = Duration::from_secs(5);
+
+/// `lock` taken for `identity`, which must find it free.
+async fn acquired(driver: &dyn Driver, lock: &str, identity: &str) -> Lease {
+    match driver.try_acquire(lock, identity, TTL).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        Acquire::Busy(holder) => panic!("{lock}: not acquired by {identity}, held by {holder:?}"),
+    }
+}
 
 /// 30 free locks, one lock wanted by 10 identities at once, and one lock held before: 41
 /// acquisitions at once, in far fewer script calls. Each free lock is granted with a token of
@@ -21,9 +30,7 @@ async fn acquisitions_at_once_go_in_few_calls_and_answer_each_for_its_lock() {
     let driver = driver_for(&server.url()).await;
     let mut admin = server.admin().await;
     let held = unique_lock("held");
-    let Acquire::Acquired(before) = driver.try_acquire(&held, "pod-x", TTL).await.unwrap() else {
-        panic!("{held}: not acquired");
-    };
+    let before = acquired(&*driver, &held, "pod-x").await;
     let contested = unique_lock("contested");
     let mut asked: Vec<(String, String)> = (0..30)
         .map(|i| (unique_lock(&format!("free-{i}")), "pod-a".to_owned()))
@@ -137,11 +144,7 @@ async fn releases_at_once_go_in_few_calls_and_answer_each_for_its_lease() {
     let mut leases = Vec::new();
     for i in 0..30 {
         let lock = unique_lock(&format!("held-{i}"));
-        let Acquire::Acquired(lease) = driver.try_acquire(&lock, "pod-a", TTL).await.unwrap()
-        else {
-            panic!("{lock}: not acquired");
-        };
-        leases.push(lease);
+        leases.push(acquired(&*driver, &lock, "pod-a").await);
     }
     // A waiter on the first lock marks it waited for; its release must wake it.
     let waited = leases[0].lock.clone();
@@ -156,13 +159,7 @@ async fn releases_at_once_go_in_few_calls_and_answer_each_for_its_lease() {
     assert!(driver.release(&gone).await.unwrap());
     let overtaken = leases.pop().unwrap();
     assert!(driver.release(&overtaken).await.unwrap());
-    let Acquire::Acquired(other) = driver
-        .try_acquire(&overtaken.lock, "pod-c", TTL)
-        .await
-        .unwrap()
-    else {
-        panic!("not acquired again");
-    };
+    let other = acquired(&*driver, &overtaken.lock, "pod-c").await;
     let notices_before = command_calls(&mut admin, &["publish"]).await;
     let calls_before = command_calls(&mut admin, &["evalsha", "eval"]).await;
     let mut releases = leases.clone();
@@ -201,4 +198,45 @@ async fn releases_at_once_go_in_few_calls_and_answer_each_for_its_lease() {
         .await
         .expect("the waiter hears the release")
         .expect("feed open");
+}
+
+/// A release whose caller stops waiting right after asking is still made, all of it (here the
+/// server's first answer, `NOSCRIPT`, then loading the release script and calling it again):
+/// a lease left behind would keep its lock from everyone until it ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_abandoned_by_its_caller_is_still_made() {
+    let server = RedisServer::start();
+    let driver = driver_for(&server.url()).await;
+    let mut admin = server.admin().await;
+    let lock = unique_lock("abandoned");
+    let lease = acquired(&*driver, &lock, "pod-a").await;
+    // Without scripts loaded, the release's first call is refused, and the rest of the release
+    // needs the caller's future (or what carries on for it).
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .expect("SCRIPT FLUSH");
+    // Polled once, then dropped.
+    assert!(
+        driver.release(&lease).now_or_never().is_none(),
+        "the release was answered at its first poll"
+    );
+    let key = format!("leasehold:{{{lock}}}:lease");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(&key)
+            .query_async(&mut admin)
+            .await
+            .expect("EXISTS");
+        if !exists {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the abandoned release was never made"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -23,6 +23,19 @@ async fn held_token(lock: &Lock, within: Duration) -> u64 {
     }
 }
 
+/// `call`'s result once it stops failing, trying for up to 5 s: a driver's first calls after a
+/// restart may meet the old connection, or a server not up yet.
+async fn once_reconnected<T, E>(mut call: impl AsyncFnMut() -> Result<T, E>) -> Result<T, E> {
+    let reconnecting = Instant::now();
+    loop {
+        let result = call().await;
+        if result.is_ok() || reconnecting.elapsed() >= Duration::from_secs(5) {
+            return result;
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The holder is cut off from Redis (a partition, a long pause) and Redis restarts without its
 /// data: the lease and the token counter are gone. A contender must hold only once the old
 /// claim has ended, with a greater token. Without the epoch record it took the lock at once,
@@ -106,12 +119,7 @@ async fn durable_restart(mut server: RedisServer) {
     tokio::task::block_in_place(|| server.restart());
     // The same driver, as in a sidecar that outlives the restart (Tair's renewals go by the
     // version that only the holder's driver knows); its first call may meet the old connection.
-    let mut observed = client.observe(&held).await;
-    let reconnecting = Instant::now();
-    while observed.is_err() && reconnecting.elapsed() < Duration::from_secs(5) {
-        sleep(Duration::from_millis(50)).await;
-        observed = client.observe(&held).await;
-    }
+    let observed = once_reconnected(async || client.observe(&held).await).await;
     let holding = observed.unwrap().expect("the lease survived");
     assert_eq!((holding.identity.as_str(), holding.token), ("a", 1));
     assert!(client.renew(&first, lease).await.unwrap());
@@ -120,6 +128,94 @@ async fn durable_restart(mut server: RedisServer) {
         // claim met the reconnection is undone and lost, so 1 or 2.
         Acquire::Acquired(lease) => assert!(lease.token <= 2, "token {}", lease.token),
         busy => panic!("a durable restart held up a free lock: {busy:?}"),
+    }
+}
+
+/// A durable master that the driver first meets while it is down (a sidecar that starts with
+/// its Redis, or during a restart) is still known to be durable once it answers: a free lock is
+/// granted at once. When the failed `CONFIG GET` counted as "not durable", the first
+/// acquisition recorded a new epoch and the free lock was refused for a whole lease (the smoke
+/// test of the static binary waited 10 s for it in CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_master_first_met_while_down_grants_free_locks_at_once() {
+    first_met_while_down(RedisServer::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_tair_master_first_met_while_down_grants_free_locks_at_once() {
+    first_met_while_down(RedisServer::start_tair()).await;
+}
+
+async fn first_met_while_down(mut server: RedisServer) {
+    let lock = unique_lock("first-met-while-down");
+    let lease = Duration::from_secs(30);
+    tokio::task::block_in_place(|| server.kill());
+    let client = driver_for(&server.url()).await;
+    let down = client.try_acquire(&lock, "a", lease).await;
+    assert!(down.is_err(), "a stopped server answered: {down:?}");
+    tokio::task::block_in_place(|| server.restart());
+    let acquired = once_reconnected(async || client.try_acquire(&lock, "a", lease).await).await;
+    match acquired.unwrap() {
+        Acquire::Acquired(lease) => assert!(lease.token <= 2, "token {}", lease.token),
+        busy => panic!("a durable server met first while down held up a free lock: {busy:?}"),
+    }
+}
+
+/// A durable master busy with someone's long script when the driver first asks it its
+/// settings (every command but `SCRIPT KILL` is answered `BUSY`) is still known to be durable
+/// once it answers: a free lock is granted at once. Taken for a refusal of `CONFIG`, the
+/// `BUSY` counted the master as not durable, and the free lock was refused for a whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_master_busy_with_a_script_grants_free_locks_once_it_is_done() {
+    let server = RedisServer::start();
+    let lock = unique_lock("busy-master");
+    let lease = Duration::from_secs(30);
+    let mut admin = server.admin().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("busy-reply-threshold")
+        .arg(20)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let mut spinning = server.admin().await;
+    let script = tokio::spawn(async move {
+        redis::cmd("EVAL")
+            .arg("while true do end")
+            .arg(0)
+            .query_async::<()>(&mut spinning)
+            .await
+    });
+    // Busy once another client is answered BUSY (not before the script runs, however slowly
+    // the machine starts it).
+    let mut probe = server.admin().await;
+    let started = Instant::now();
+    loop {
+        let ping = redis::cmd("PING").query_async::<String>(&mut probe).await;
+        if ping.as_ref().is_err_and(|e| e.code() == Some("BUSY")) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never busy: {ping:?}"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    let client = driver_for(&server.url()).await;
+    let busy = client.try_acquire(&lock, "a", lease).await;
+    assert!(
+        busy.is_err(),
+        "a master busy with a script answered: {busy:?}"
+    );
+    let _: () = redis::cmd("SCRIPT")
+        .arg("KILL")
+        .query_async(&mut server.admin().await)
+        .await
+        .unwrap();
+    assert!(script.await.unwrap().is_err(), "the script was not killed");
+    match client.try_acquire(&lock, "a", lease).await.unwrap() {
+        Acquire::Acquired(lease) => assert!(lease.token <= 2, "token {}", lease.token),
+        busy => panic!("a durable master met busy held up a free lock: {busy:?}"),
     }
 }
 

@@ -256,7 +256,12 @@ const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
 
 /// Whether a master loses no acknowledged write in a crash (`appendonly yes` with `appendfsync
 /// always`), read through CONFIG at most once a [`DURABILITY_RECHECK`] per master. Where CONFIG
-/// is renamed or forbidden (managed services), a master counts as not durable.
+/// is renamed or forbidden (managed services), a master counts as not durable. Where it cannot
+/// be asked yet (the connection failed, the server is still loading its data), nothing is
+/// concluded or remembered: the caller's call fails and is retried (on one master, as the
+/// acquisition itself would; a cluster's masters are another matter: [`Durability::of_cluster`]). Counting such a master as
+/// not durable would make its first acquisition record a new epoch, and a durable server that
+/// was only starting would then grant no free lock for a whole lease.
 #[derive(Default)]
 pub(crate) struct Durability {
     checked: std::sync::Mutex<Option<(std::time::Instant, String, bool)>>,
@@ -267,25 +272,26 @@ impl Durability {
         &self,
         conn: &mut (impl redis::aio::ConnectionLike + Send),
         master: &str,
-    ) -> bool {
+    ) -> redis::RedisResult<bool> {
         if let Some(durable) = self.cached(master) {
-            return durable;
+            return Ok(durable);
         }
-        let mut setting = async |name: &str| -> Option<String> {
-            let pair: Vec<String> = redis::cmd("CONFIG")
-                .arg("GET")
-                .arg(name)
-                .query_async(conn)
-                .await
-                .ok()?;
-            pair.into_iter().nth(1)
+        let mut setting = async |name: &str| {
+            config_value(
+                redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg(name)
+                    .query_async(conn)
+                    .await,
+            )
         };
-        let durable = setting("appendonly").await.as_deref() == Some("yes")
-            && setting("appendfsync").await.as_deref() == Some("always");
-        self.remember(master, durable)
+        let durable = setting("appendonly").await?.as_deref() == Some("yes")
+            && setting("appendfsync").await?.as_deref() == Some("always");
+        Ok(self.remember(master, durable))
     }
 
-    /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any).
+    /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any; see
+    /// [`crate::drivers::redis_cluster::every_master_durable`] for a master that cannot answer).
     async fn of_cluster(&self, conn: &mut redis::cluster_async::ClusterConnection) -> bool {
         const CLUSTER: &str = "every master of the cluster";
         if let Some(durable) = self.cached(CLUSTER) {
@@ -309,6 +315,40 @@ impl Durability {
             Some((std::time::Instant::now(), master.to_owned(), durable));
         durable
     }
+}
+
+/// A setting's value from one server's answer to `CONFIG GET`: `None` where the command is
+/// refused for good (renamed, unknown, or not permitted to this user), and the error itself where
+/// the answer is only not to be had yet (see [`passing`]).
+fn config_value(answer: redis::RedisResult<Value>) -> redis::RedisResult<Option<String>> {
+    match answer.and_then(Value::extract_error) {
+        Ok(pair) => Ok(redis::from_redis_value::<Vec<String>>(pair)
+            .ok()
+            .and_then(|pair| pair.into_iter().nth(1))),
+        Err(e) if passing(&e) => Err(e),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Whether an error says nothing about the server's settings or rights, only that it cannot
+/// answer now: the connection failed or timed out, or the server is loading its data, running
+/// someone's long script (`BUSY`), failing over, or telling a cluster client to try again.
+pub(crate) fn passing(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_timeout()
+        || e.code() == Some("BUSY")
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                    | ServerErrorKind::TryAgain
+                    | ServerErrorKind::ClusterDown
+                    | ServerErrorKind::MasterDown
+            )
+        )
 }
 
 /// KEYS: lease. ARGV: expected value, ttl ms. Returns 1 when renewed.
@@ -705,10 +745,14 @@ impl RedisDriver {
         }
     }
 
-    async fn durable(&self, conn: &mut Connection) -> bool {
+    async fn durable(&self, conn: &mut Connection) -> Result<bool> {
         match conn {
-            Connection::Single(_) => self.durability.of(conn, "").await,
-            Connection::Cluster(cluster) => self.durability.of_cluster(cluster).await,
+            Connection::Single(_) => self
+                .durability
+                .of(conn, "")
+                .await
+                .map_err(|e| self.error(e)),
+            Connection::Cluster(cluster) => Ok(self.durability.of_cluster(cluster).await),
         }
     }
 }
@@ -916,7 +960,7 @@ impl Driver for RedisDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.connection().await?;
-        let durable = self.durable(&mut conn).await;
+        let durable = self.durable(&mut conn).await?;
         let result = match &self.acquisitions {
             Some(batches) => batches
                 .acquire(lock, identity, ttl, durable)

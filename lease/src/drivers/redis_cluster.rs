@@ -187,7 +187,10 @@ async fn setting_on_every_master(
 }
 
 /// Whether every master loses no acknowledged write in a crash (see
-/// [`crate::drivers::redis::Durability`]): a lock's slot may move to any of them.
+/// [`crate::drivers::redis::Durability`]): a lock's slot may move to any of them. Unlike a single
+/// server's, a master that cannot answer now counts as not durable, and that is remembered as an
+/// answer would be: an acquisition in a slot whose master is up must neither fail nor wait
+/// because another master is down. The cost is a wait of one lease at the next change of epoch.
 pub(crate) async fn every_master_durable(conn: &mut ClusterConnection) -> bool {
     let (Ok(appendonly), Ok(fsync)) = (
         setting_on_every_master(conn, "appendonly").await,

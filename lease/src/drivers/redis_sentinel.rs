@@ -393,10 +393,14 @@ impl Driver for RedisSentinelDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let master = self.master.master().await?;
-        let durable = self
+        let durable = match self
             .durability
             .of(&mut master.conn.clone(), &master.address)
-            .await;
+            .await
+        {
+            Ok(durable) => durable,
+            Err(e) => return Err(self.failed(&master, e).await),
+        };
         let reply: Value =
             match single::acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
                 .invoke_async(&mut master.conn.clone())

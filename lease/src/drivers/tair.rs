@@ -43,6 +43,7 @@ use tokio::sync::watch;
 use super::redis::{
     Durability, KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases,
     info_field, lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
+    passing,
 };
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned};
 use crate::error::{Error, Result};
@@ -119,6 +120,15 @@ impl Versions {
     fn remove(&mut self, holding: &(String, u64)) -> Option<i64> {
         self.by_holding.remove(holding).map(|v| v.version)
     }
+}
+
+/// Whether the server refused `INFO` or `CLIENT` for good (renamed, or not permitted to the
+/// lock's user), so that the driver goes without a restart guard. A server that only cannot
+/// answer now (loading its data after a restart, failing over, busy with a script) refused
+/// nothing: taken for a refusal, it left the driver unguarded for [`INFO_REFUSED_RECHECK`],
+/// in which a restart that lost a lease could hand the lock to a second holder.
+fn refuses_info(e: &redis::RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(_)) && !passing(e)
 }
 
 /// What the driver knows of the server's incarnation.
@@ -309,7 +319,6 @@ impl TairDriver {
     /// Check the server's incarnation on the current connection, name the connection after it,
     /// and bring the epoch record up to date.
     async fn learn(&self, conn: &mut ConnectionManager) -> Result<Option<Epoch>> {
-        let refused = |e: &redis::RedisError| matches!(e.kind(), redis::ErrorKind::Server(_));
         let run_id = |info: &str| {
             info_field(info, "run_id")
                 .map(str::to_owned)
@@ -318,11 +327,11 @@ impl TairDriver {
         for _ in 0..3 {
             let info: String = match redis::cmd("INFO").arg("server").query_async(conn).await {
                 Ok(info) => info,
-                Err(e) if refused(&e) => return Ok(None),
+                Err(e) if refuses_info(&e) => return Ok(None),
                 Err(e) => return Err(tair_err(e)),
             };
             let expected = run_id(&info)?;
-            let durable = self.durability.of(conn, "").await;
+            let durable = self.durability.of(conn, "").await.map_err(tair_err)?;
             let connection = format!("leasehold-tair-{expected}");
             // The name and the facts in one round trip: they are about one connection, so one
             // incarnation, even if the connection was replaced since the first INFO.
@@ -342,7 +351,7 @@ impl TairDriver {
                 .await;
             let (_, info, time, record) = match checked {
                 Ok(checked) => checked,
-                Err(e) if refused(&e) => return Ok(None),
+                Err(e) if refuses_info(&e) => return Ok(None),
                 Err(e) => return Err(tair_err(e)),
             };
             if run_id(&info)? != expected {
@@ -697,6 +706,29 @@ impl Driver for TairDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_refusal_for_good_leaves_the_driver_unguarded() {
+        let reply = |line: &str| {
+            redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+                .and_then(Value::extract_error)
+                .expect_err("an error reply")
+        };
+        for refusal in [
+            "NOPERM User lock has no permissions to run the 'info' command",
+            "ERR unknown command 'INFO', with args beginning with: 'server'",
+        ] {
+            assert!(refuses_info(&reply(refusal)), "{refusal}");
+        }
+        for passing in [
+            "LOADING Redis is loading the dataset in memory",
+            "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.",
+            "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+        ] {
+            assert!(!refuses_info(&reply(passing)), "{passing}");
+        }
+    }
 
     #[test]
     fn holdings_whose_lease_ran_out_are_dropped_as_the_map_grows() {
