@@ -365,8 +365,14 @@ struct LockInner {
 
 impl Drop for LockInner {
     fn drop(&mut self) {
+        // Asked to stop before ([`Lock::stop`]; a shutdown has taken the task already): the
+        // task is left to end by itself.
+        let stopping = self.shutdown.is_cancelled();
         self.shutdown.cancel();
-        if let Some(task) = self.task.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(task) = self.task.lock().unwrap_or_else(|e| e.into_inner()).take()
+            && !stopping
+        {
+            // Like kill -9: whatever the task was doing (a release too) is not finished.
             task.abort();
         }
     }
@@ -390,6 +396,58 @@ impl Lock {
         telemetry: Arc<dyn Telemetry>,
         on_unheld: Option<OnUnheld>,
     ) -> Result<Self> {
+        let (lock, engine) = Self::prepare(driver, config, telemetry, on_unheld)?;
+        lock.spawn(Box::new(engine).run());
+        Ok(lock)
+    }
+
+    /// A single-use on-demand lock whose one acquisition (waiting up to `wait`, then kept at
+    /// most `hold`) the engine makes on the caller's task, which would only wait for it
+    /// otherwise; the engine's task is spawned once the lock is held, to renew it and answer
+    /// commands. A keyed family starts one per acquisition, and the hops between the caller's
+    /// task and the engine's were most of what a keyed cycle cost beyond its backend calls.
+    /// Dropping the returned future mid-way drops the engine, as aborting its task would.
+    pub(crate) async fn acquire_single_use(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+        on_unheld: Option<OnUnheld>,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<(Self, Answer)> {
+        debug_assert!(config.single_use && config.mode == Mode::OnDemand);
+        let (lock, engine) = Self::prepare(driver, config, telemetry, on_unheld)?;
+        let mut engine = Box::new(engine);
+        engine.started();
+        let (reply, mut answer) = oneshot::channel();
+        engine.served = true;
+        let _ = engine
+            .command(Some(Box::new(Command::Acquire { wait, hold, reply })))
+            .await;
+        // The steps the engine's task would take until the lock is held or nobody waits.
+        while engine.held.is_none() && engine.wants_lock() && !engine.shutdown.is_cancelled() {
+            engine.fence();
+            if let Flow::Stop = Box::pin(engine.campaign_step()).await {
+                break;
+            }
+        }
+        if engine.held.is_some() {
+            lock.spawn(engine.steps());
+        } else {
+            // Nothing to keep: the engine ends here (a late attempt is followed up by itself).
+            engine.steps().await;
+        }
+        let answer = answer.try_recv().map_err(|_| Error::Shutdown)?;
+        Ok((lock, answer))
+    }
+
+    /// The handle and its engine, not yet running.
+    fn prepare(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+        on_unheld: Option<OnUnheld>,
+    ) -> Result<(Self, Engine)> {
         config.validate()?;
         let config = Arc::new(config);
         let (state_tx, state_rx) = watch::channel(Snapshot::initial());
@@ -417,20 +475,24 @@ impl Lock {
             settled: Arc::new(settled.clone().drop_guard()),
             on_unheld,
         };
-        let backend = engine.backend;
-        let task = tokio::spawn(Box::new(engine).run());
-        Ok(Self {
+        let lock = Self {
             inner: Arc::new(LockInner {
                 config,
-                backend,
+                backend: engine.backend,
                 state: state_rx,
                 events,
                 commands: command_tx,
                 shutdown,
-                task: std::sync::Mutex::new(Some(task)),
+                task: std::sync::Mutex::new(None),
                 settled,
             }),
-        })
+        };
+        Ok((lock, engine))
+    }
+
+    fn spawn(&self, engine: impl Future<Output = ()> + Send + 'static) {
+        let task = tokio::spawn(engine);
+        *self.inner.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
     }
 
     pub fn config(&self) -> &LockConfig {
@@ -536,6 +598,14 @@ impl Lock {
         }
     }
 
+    /// Ask the task to stop, without waiting for it: it releases what it holds on its way out
+    /// (as on shutdown), and it is left to end by itself, not aborted, when the last handle is
+    /// dropped. Cheaper than a task that waits for [`Lock::shutdown`], which a keyed family
+    /// would spawn for every holding that ends.
+    pub(crate) fn stop(&self) {
+        self.inner.shutdown.cancel();
+    }
+
     /// Resolves once the task has ended and no acquisition it started can still take the lock:
     /// one it stopped waiting for is followed to its end, and what it took is given back
     /// ([`InFlight`]). Until then the backend may still show this identity as the holder.
@@ -587,6 +657,8 @@ impl Drop for InFlight {
 struct HeldLease {
     lease: Lease,
     valid_until: BootInstant,
+    /// The next renewal is due a renew interval after this: the newest renewal's call, or for
+    /// a lease not yet renewed, its acquisition's (or earlier, see [`Engine::on_acquired`]).
     last_sent: Instant,
     acquired_at: SystemTime,
 }
@@ -662,7 +734,12 @@ pub(crate) fn jitter(d: Duration) -> Duration {
 impl Engine {
     /// The engine is boxed: an `async fn` keeps its arguments apart from its locals, so an
     /// engine taken by value would be stored twice in every lock's task.
-    async fn run(mut self: Box<Self>) {
+    async fn run(self: Box<Self>) {
+        self.started();
+        self.steps().await;
+    }
+
+    fn started(&self) {
         if self.config.single_use {
             tracing::debug!(lock = %self.config.name, identity = %self.config.identity,
                 backend = self.backend, "single-use lock started");
@@ -670,6 +747,10 @@ impl Engine {
             tracing::info!(lock = %self.config.name, identity = %self.config.identity,
                 backend = self.backend, mode = self.config.mode.as_str(), "lock started");
         }
+    }
+
+    /// The engine's steps until it stops, then its release.
+    async fn steps(mut self: Box<Self>) {
         loop {
             if self.shutdown.is_cancelled() {
                 break;
@@ -917,11 +998,20 @@ impl Engine {
 
     fn on_acquired(&mut self, lease: Lease, sent: Instant, sent_boot: BootInstant) {
         let valid_until = self.claim_until(&lease, sent_boot);
+        // The first renewal goes out while a renew interval of the claim is left, so that it
+        // has its whole budget: a lease the backend counted from well before this engine's call
+        // (a PostgreSQL waiter's row, taken in its blocking statement while the engine was busy)
+        // would otherwise run out before a renewal due a renew interval after the call.
+        let renew_interval = self.config.renew_interval;
+        let due = (valid_until - renew_interval).to_tokio();
+        let schedule_from = due
+            .checked_sub(renew_interval)
+            .map_or(sent, |from| from.min(sent));
         let token = lease.token;
         self.held = Some(HeldLease {
             lease,
             valid_until,
-            last_sent: sent,
+            last_sent: schedule_from,
             acquired_at: SystemTime::now(),
         });
         self.retry_at = None;

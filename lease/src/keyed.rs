@@ -243,11 +243,13 @@ impl KeyedFamily {
 
     /// The settings now in force.
     pub fn config(&self) -> FamilyConfig {
-        self.inner
-            .config
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.read_config(FamilyConfig::clone)
+    }
+
+    /// What `read` takes from the settings now in force, without copying them whole (every
+    /// keyed call reads them).
+    fn read_config<T>(&self, read: impl FnOnce(&FamilyConfig) -> T) -> T {
+        read(&self.inner.config.read().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Apply new settings (the family's resource changed). The name and the identity stay; the
@@ -304,7 +306,7 @@ impl KeyedFamily {
     }
 
     fn check_key(&self, key: &str) -> Result<(), KeyError> {
-        let max = self.config().max_key_length;
+        let max = self.read_config(|c| c.max_key_length);
         let ok = !key.is_empty()
             && key.len() <= max
             && key
@@ -416,9 +418,10 @@ impl KeyedFamily {
                 });
             }
         };
-        let config = self.config();
-        if self.inner.held.load(Ordering::SeqCst) >= config.max_keys {
-            return Err(KeyError::TooManyKeys(config.max_keys));
+        let (lease_duration, renew_interval, max_keys) =
+            self.read_config(|c| (c.lease_duration, c.renew_interval, c.max_keys));
+        if self.inner.held.load(Ordering::SeqCst) >= max_keys {
+            return Err(KeyError::TooManyKeys(max_keys));
         }
         self.check_running()?;
         let serial = self.inner.serials.fetch_add(1, Ordering::Relaxed) + 1;
@@ -431,24 +434,24 @@ impl KeyedFamily {
                 KeyedFamily { inner }.forget(&forgotten, serial);
             }
         });
-        let lock = Lock::start_with_hook(
+        let (lock, answer) = Lock::acquire_single_use(
             self.inner.driver.clone(),
             LockConfig {
                 mode: Mode::OnDemand,
                 single_use: true,
-                renew_interval: config.renew_interval,
+                renew_interval,
                 ..LockConfig::new(
                     &backend_name(&self.inner.name, key),
                     &self.qualified(owner),
-                    config.lease_duration,
+                    lease_duration,
                 )
             },
             self.inner.telemetry.clone(),
             Some(on_unheld),
-        )?;
-        let answer = lock
-            .acquire(deadline.saturating_duration_since(Instant::now()), hold)
-            .await?;
+            deadline.saturating_duration_since(Instant::now()),
+            hold,
+        )
+        .await?;
         if !answer.is_holder() {
             let holder = lock.snapshot().current_holder.map(|h: Holding| h.identity);
             lock.shutdown().await;
@@ -607,11 +610,10 @@ impl KeyedFamily {
                     .take(),
             );
             self.inner.held.fetch_sub(1, Ordering::SeqCst);
-            // The hook may run as the runtime winds down, where there is nothing to spawn on.
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let lock = holding.lock.clone();
-                runtime.spawn(async move { lock.shutdown().await });
-            }
+            // Stopped, not shut down: the hook runs inside the engine's step down, before the
+            // release goes out, and the engine must be left to finish it even when this drops
+            // its last handle.
+            holding.lock.stop();
             // Drop the key's state when nobody holds or waits for it (the slot's only other
             // reference would be a waiter's).
             let mut keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());

@@ -14,7 +14,7 @@ use std::time::Duration;
 use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyedFamily};
 use leasehold_lease::testkit::faulty::FaultyDriver;
 use leasehold_lease::testkit::{SqliteHarness, unique_lock};
-use leasehold_lease::{Answer, BackendUrl, Driver, Lock, LockConfig, Mode};
+use leasehold_lease::{Answer, BackendUrl, Driver, EventKind, Lock, LockConfig, Mode};
 use tokio::time::{Instant, sleep};
 
 /// Renew interval 2 s: the engine waits that long for an answer.
@@ -136,4 +136,78 @@ async fn a_keyed_owner_never_meets_its_own_late_attempt() {
     };
     assert!(token > 1, "token {token}: the late attempt took token 1");
     family.shutdown().await;
+}
+
+/// A key whose hold lapses is given back by its engine, although the family lets go of the
+/// engine's last handle as the engine begins that release: a release that reaches the backend
+/// late (every call here takes 300 ms on its way) is still made, not cut short with the
+/// engine's task, which would leave the key taken until its lease ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_hold_is_released_after_its_family_lets_go_of_the_engine() {
+    let (harness, faulty) = late_sqlite().await;
+    let name = unique_lock("lapsed");
+    let pod_a = KeyedFamily::new(
+        faulty.clone(),
+        FamilyConfig::new(&name, "pod-a", LEASE),
+        Arc::new(()),
+    )
+    .expect("family");
+    let pod_b = KeyedFamily::new(
+        sqlite(&harness).await,
+        FamilyConfig::new(&name, "pod-b", LEASE),
+        Arc::new(()),
+    )
+    .expect("family");
+    let taken = Instant::now();
+    let held = pod_a
+        .acquire("order-1", "w1", Duration::ZERO, Duration::from_millis(300))
+        .await
+        .expect("acquire");
+    assert!(matches!(held, KeyAnswer::Held { .. }), "{held:?}");
+    faulty.delay_requests(Duration::from_millis(300));
+    // Unreleased, the key would stay taken until its lease ran out, LEASE after it was taken.
+    let answer = pod_b
+        .acquire("order-1", "w2", LEASE * 2 / 3, HOLD)
+        .await
+        .expect("acquire");
+    assert!(
+        matches!(answer, KeyAnswer::Held { .. }),
+        "the lapsed hold's key was not released: {answer:?} after {:?}",
+        taken.elapsed()
+    );
+    assert!(taken.elapsed() < LEASE, "taken after {:?}", taken.elapsed());
+    pod_b.shutdown().await;
+}
+
+/// A lease the backend counts from well before its acquisition was sent (PostgreSQL's woken
+/// waiter: its row was taken in a blocking statement, and the engine claimed it later) is
+/// renewed before its claim runs out, not a renew interval after the engine's own call, by
+/// which time it would be gone: a holder told it holds would lose the lock moments later (a
+/// PostgreSQL run of twenty contenders on a loaded machine met exactly that).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_counted_from_before_its_acquisition_is_renewed_in_time() {
+    let (_harness, faulty) = late_sqlite().await;
+    let name = unique_lock("counted");
+    // Of the 6 s claim, 1.4 s left when it is taken: less than the 2 s renew interval.
+    faulty.count_acquisitions_earlier(LEASE * 3 / 4);
+    let a = on_demand(faulty.clone(), &name, "a");
+    let mut events = a.events();
+    let answer = a.acquire(LEASE, HOLD).await.expect("acquire");
+    let Answer::Holder { valid_for, .. } = answer else {
+        panic!("a did not get the free lock: {answer:?}")
+    };
+    assert!(
+        valid_for < LEASE / 4,
+        "the claim was not counted early: {valid_for:?}"
+    );
+    sleep(LEASE / 2).await;
+    assert!(
+        a.answer().is_holder(),
+        "a lost the lock: {:?}",
+        a.snapshot()
+    );
+    while let Ok(event) = events.try_recv() {
+        assert_ne!(event.kind, EventKind::Lost, "{event:?}");
+    }
+    a.shutdown().await;
 }

@@ -317,7 +317,10 @@ fn map_err(e: zk::Error) -> Error {
         | zk::Error::Timeout
         | zk::Error::NoHosts
         | zk::Error::SessionExpired
-        | zk::Error::ClientClosed => Error::Unreachable(e.to_string()),
+        | zk::Error::ClientClosed
+        // What ended the request's connection: zookeeper-client hands a request in flight the
+        // connection's own failure ("no response from connection in 400ms", an I/O error).
+        | zk::Error::Custom(_) => Error::Unreachable(e.to_string()),
         zk::Error::NoAuth | zk::Error::AuthFailed => {
             Error::Backend(format!("not allowed by ZooKeeper: {e}"))
         }

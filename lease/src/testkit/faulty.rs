@@ -1,9 +1,11 @@
 //! A driver wrapper that injects the faults a real network and scheduler produce: renewals that
 //! never come back (a partitioned or paused holder), a client cut off from the backend
-//! altogether, and answers that arrive late.
+//! altogether, calls or answers that arrive late, and leases the backend counts from before
+//! their acquisition was sent.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -16,7 +18,11 @@ pub struct FaultyDriver {
     inner: Arc<dyn Driver>,
     stall_renewals: AtomicBool,
     cut_off: AtomicBool,
+    request_delay_ms: AtomicU64,
     response_delay_ms: AtomicU64,
+    counted_earlier_ms: AtomicU64,
+    /// The leases counted early (lock, token) and not renewed since.
+    counted_early: Mutex<HashSet<(String, u64)>>,
 }
 
 impl FaultyDriver {
@@ -25,7 +31,10 @@ impl FaultyDriver {
             inner,
             stall_renewals: AtomicBool::new(false),
             cut_off: AtomicBool::new(false),
+            request_delay_ms: AtomicU64::new(0),
             response_delay_ms: AtomicU64::new(0),
+            counted_earlier_ms: AtomicU64::new(0),
+            counted_early: Mutex::new(HashSet::new()),
         })
     }
 
@@ -40,9 +49,20 @@ impl FaultyDriver {
         self.cut_off.store(cut, Ordering::SeqCst);
     }
 
+    /// From now on, every call reaches the backend this much later than it was made: a call
+    /// dropped meanwhile is never made.
+    pub fn delay_requests(&self, delay: Duration) {
+        self.request_delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
     async fn unless_cut_off(&self) {
         if self.cut_off.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
+        }
+        let ms = self.request_delay_ms.load(Ordering::SeqCst);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
         }
     }
 
@@ -50,6 +70,18 @@ impl FaultyDriver {
     pub fn delay_responses(&self, delay: Duration) {
         self.response_delay_ms
             .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// From now on, the backend counts each lease acquired from this much before its call was
+    /// sent, until it is renewed: as PostgreSQL counts a waiter's row, taken in its blocking
+    /// statement a while before its engine claims it.
+    pub fn count_acquisitions_earlier(&self, by: Duration) {
+        self.counted_earlier_ms
+            .store(by.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    fn counted_early(&self) -> std::sync::MutexGuard<'_, HashSet<(String, u64)>> {
+        self.counted_early.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     async fn delay(&self) {
@@ -69,6 +101,12 @@ impl Driver for FaultyDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         self.unless_cut_off().await;
         let outcome = self.inner.try_acquire(lock, identity, ttl).await;
+        if let Ok(Acquire::Acquired(lease)) = &outcome
+            && self.counted_earlier_ms.load(Ordering::SeqCst) > 0
+        {
+            self.counted_early()
+                .insert((lease.lock.clone(), lease.token));
+        }
         self.delay().await;
         outcome
     }
@@ -79,6 +117,8 @@ impl Driver for FaultyDriver {
         }
         self.unless_cut_off().await;
         let outcome = self.inner.renew(lease, ttl).await;
+        self.counted_early()
+            .remove(&(lease.lock.clone(), lease.token));
         self.delay().await;
         outcome
     }
@@ -88,7 +128,13 @@ impl Driver for FaultyDriver {
         lease: &Lease,
         sent: crate::boot_clock::BootInstant,
     ) -> crate::boot_clock::BootInstant {
-        self.inner.counted_from(lease, sent)
+        let counted_from = self.inner.counted_from(lease, sent);
+        let key = (lease.lock.clone(), lease.token);
+        if self.counted_early().contains(&key) {
+            let earlier = self.counted_earlier_ms.load(Ordering::SeqCst);
+            return counted_from - Duration::from_millis(earlier);
+        }
+        counted_from
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
