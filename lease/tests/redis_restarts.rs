@@ -42,28 +42,77 @@ async fn once_reconnected<T, E>(mut call: impl AsyncFnMut() -> Result<T, E>) -> 
 /// with the same token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim() {
-    restart_that_lost_the_lease(RedisServer::start_with(false)).await;
+    restart_that_lost_the_lease(RedisServer::start_with(false), Restart::Empty).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tair_restart_that_lost_the_lease_grants_the_lock_only_after_the_old_claim() {
-    restart_that_lost_the_lease(RedisServer::start_tair_with(false)).await;
+    restart_that_lost_the_lease(RedisServer::start_tair_with(false), Restart::Empty).await;
 }
 
-async fn restart_that_lost_the_lease(mut server: RedisServer) {
+/// The same with a server that comes back from a snapshot taken before the lease (Redis's
+/// default `save` points, no append-only file) and answers `LOADING` while it loads it: the
+/// contender meets that first, and must not take it for a server without a restart guard.
+/// Tair's driver did (any error reply to `INFO` was a refusal for good) and, once the snapshot
+/// was loaded, granted the lock at once, beside the old claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_from_an_old_snapshot_grants_the_lock_only_after_the_old_claim() {
+    let server = RedisServer::start_with(false);
+    restart_that_lost_the_lease(server, Restart::FromAnOldSnapshot).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tair_restart_from_an_old_snapshot_grants_the_lock_only_after_the_old_claim() {
+    let server = RedisServer::start_tair_with(false);
+    restart_that_lost_the_lease(server, Restart::FromAnOldSnapshot).await;
+}
+
+/// How the server of [`restart_that_lost_the_lease`] comes back.
+#[derive(Clone, Copy, PartialEq)]
+enum Restart {
+    /// With nothing: no persistence at all.
+    Empty,
+    /// With a snapshot taken before the lease, loaded for about 1.5 s.
+    FromAnOldSnapshot,
+}
+
+/// Keys in the snapshot of [`Restart::FromAnOldSnapshot`], and how long each takes to load.
+const SNAPSHOT_KEYS: usize = 3000;
+const LOAD_PER_KEY: Duration = Duration::from_micros(500);
+
+async fn restart_that_lost_the_lease(mut server: RedisServer, restart: Restart) {
     let lock = unique_lock("restart");
     let lease = Duration::from_secs(3);
+    if restart == Restart::FromAnOldSnapshot {
+        let mut admin = server.admin().await;
+        let mut fill = redis::pipe();
+        for i in 0..SNAPSHOT_KEYS {
+            fill.set(format!("fill:{i}"), "x").ignore();
+        }
+        let () = fill.query_async(&mut admin).await.expect("fill");
+        let () = redis::cmd("SAVE")
+            .query_async(&mut admin)
+            .await
+            .expect("SAVE");
+    }
     let a_driver = FaultyDriver::wrap(driver_for(&server.url()).await);
     let a = campaign(a_driver.clone(), &lock, "a", lease);
     // A fresh server without persistence cannot tell its start from a restart that lost
     // everything: its first grant waits until it has been up for a lease.
     let a_token = held_token(&a, lease * 3).await;
+    let b_driver = driver_for(&server.url()).await;
 
     a_driver.cut_off(true);
     let restarted = Instant::now();
-    tokio::task::block_in_place(|| server.restart());
-    let b = campaign(driver_for(&server.url()).await, &lock, "b", lease);
-    let mut a_last_claimed = None;
+    let restarting = tokio::task::spawn_blocking(move || {
+        match restart {
+            Restart::Empty => server.restart(),
+            Restart::FromAnOldSnapshot => server.restart_loading_slowly(LOAD_PER_KEY),
+        }
+        server
+    });
+    let b = campaign(b_driver, &lock, "b", lease);
+    let (mut a_last_claimed, mut b_met_loading) = (None, false);
     let b_token = loop {
         let (a_claims, b_answer) = (claims(&a), b.answer());
         assert!(
@@ -74,6 +123,10 @@ async fn restart_that_lost_the_lease(mut server: RedisServer) {
         if a_claims {
             a_last_claimed = Some(restarted.elapsed());
         }
+        b_met_loading |= b
+            .snapshot()
+            .backend_error
+            .is_some_and(|e| e.to_lowercase().contains("loading"));
         if let Answer::Holder { token, .. } = b_answer {
             break token;
         }
@@ -83,10 +136,17 @@ async fn restart_that_lost_the_lease(mut server: RedisServer) {
         );
         sleep(Duration::from_millis(5)).await;
     };
+    let _server = restarting.await.expect("restarted");
     assert!(
         a_last_claimed.is_some_and(|t| t > Duration::from_millis(100)),
         "the old holder still claimed after the restart (the case under test): {a_last_claimed:?}"
     );
+    if restart == Restart::FromAnOldSnapshot {
+        assert!(
+            b_met_loading,
+            "b never met the server loading (the case under test)"
+        );
+    }
     assert!(
         b_token > a_token,
         "token {b_token} after the restart, {a_token} before"

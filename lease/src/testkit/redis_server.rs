@@ -25,6 +25,8 @@ pub struct RedisServer {
     replica_of: Option<u16>,
     /// A Redis Cluster node: its cluster bus port.
     cluster_port: Option<u16>,
+    /// How long the next start spends loading each key of its snapshot (`key-load-delay`).
+    load_delay_per_key: Option<Duration>,
 }
 
 impl RedisServer {
@@ -140,6 +142,7 @@ impl RedisServer {
             module: None,
             replica_of: None,
             cluster_port: None,
+            load_delay_per_key: None,
         }
     }
 
@@ -278,6 +281,13 @@ impl RedisServer {
         if let Some(module) = &self.module {
             command.arg("--loadmodule").arg(module);
         }
+        if let Some(delay) = self.load_delay_per_key.take() {
+            // Loading slowly, and answering `LOADING` meanwhile (the server only looks at its
+            // clients between chunks of this many bytes of the file).
+            command
+                .args(["--key-load-delay", &delay.as_micros().to_string()])
+                .args(["--loading-process-events-interval-bytes", "1024"]);
+        }
         if let Some(tls_port) = self.tls_port {
             let dir = self.process.dir();
             command
@@ -313,6 +323,15 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.kill();
         self.spawn();
+    }
+
+    /// `kill -9`, then start again loading the snapshot in the data directory (`SAVE` wrote
+    /// it; a server without an append-only file loads it at start) at `per_key` a key, as a
+    /// large dataset loads: until it is loaded, every command is answered `LOADING`. Returns
+    /// once the server is loaded.
+    pub fn restart_loading_slowly(&mut self, per_key: Duration) {
+        self.load_delay_per_key = Some(per_key);
+        self.restart();
     }
 }
 
