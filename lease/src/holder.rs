@@ -998,12 +998,16 @@ impl Engine {
 
     fn on_acquired(&mut self, lease: Lease, sent: Instant, sent_boot: BootInstant) {
         let valid_until = self.claim_until(&lease, sent_boot);
-        // The first renewal goes out while a renew interval of the claim is left, so that it
-        // has its whole budget: a lease the backend counted from well before this engine's call
+        // The first renewal is due a renew interval after the call, as ever, or earlier, while
+        // as much of the claim is left as a claim counted from the call would leave it (a renew
+        // interval at most): a lease the backend counted from well before this engine's call
         // (a PostgreSQL waiter's row, taken in its blocking statement while the engine was busy)
         // would otherwise run out before a renewal due a renew interval after the call.
-        let renew_interval = self.config.renew_interval;
-        let due = (valid_until - renew_interval).to_tokio();
+        let (lease_duration, renew_interval) =
+            (self.config.lease_duration, self.config.renew_interval);
+        let left_at_renewal = renew_interval
+            .min(lease_duration.saturating_sub(safety_margin(lease_duration) + renew_interval));
+        let due = (valid_until - left_at_renewal).to_tokio();
         let schedule_from = due
             .checked_sub(renew_interval)
             .map_or(sent, |from| from.min(sent));
