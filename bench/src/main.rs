@@ -45,7 +45,7 @@ fn main() {
         return;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(worker_threads())
         .enable_all()
         .build()
         .expect("runtime");
@@ -58,6 +58,24 @@ fn main() {
         std::process::exit(2);
     }
     runtime.block_on(run(&sections));
+}
+
+/// The load generator's runtime threads: the sidecar's (2) unless [`WORKER_THREADS_VAR`] says
+/// otherwise, to see how a figure and its baseline depend on the threads they share.
+const WORKER_THREADS: usize = 2;
+const WORKER_THREADS_VAR: &str = "LEASEHOLD_BENCH_WORKER_THREADS";
+
+fn worker_threads() -> usize {
+    match std::env::var(WORKER_THREADS_VAR) {
+        Err(_) => WORKER_THREADS,
+        Ok(v) => match v.parse() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!("{WORKER_THREADS_VAR}={v:?}: expected a number of threads, at least 1");
+                std::process::exit(2);
+            }
+        },
+    }
 }
 
 /// The benchmark's sections, all of them when none is named on the command line.
