@@ -421,6 +421,7 @@ impl Lock {
         engine.started();
         let (reply, mut answer) = oneshot::channel();
         engine.served = true;
+        engine.unwatched = true;
         let _ = engine
             .command(Some(Box::new(Command::Acquire { wait, hold, reply })))
             .await;
@@ -431,6 +432,7 @@ impl Lock {
                 break;
             }
         }
+        engine.unwatched = false;
         if engine.held.is_some() {
             lock.spawn(engine.steps());
         } else {
@@ -471,6 +473,7 @@ impl Lock {
             hold_deadline: None,
             waiters: Vec::new(),
             served: false,
+            unwatched: false,
             in_flight: None,
             settled: Arc::new(settled.clone().drop_guard()),
             on_unheld,
@@ -697,6 +700,10 @@ struct Engine {
     waiters: Vec<Waiter>,
     /// A single-use engine has taken its first command.
     served: bool,
+    /// No reader can wait for a change yet: a single-use engine's steps on its caller's task,
+    /// before the caller has the handle. Publications then change the state without waking
+    /// anyone, which was a good part of a keyed cycle's cost ([`Engine::publish`]).
+    unwatched: bool,
     in_flight: Option<InFlight>,
     /// Kept by the engine and by each follow-up of an [`InFlight`]; [`Lock::settled`] resolves
     /// when the last is dropped.
@@ -709,11 +716,6 @@ struct Engine {
 enum Flow {
     Continue,
     Stop,
-}
-
-/// Resolves once shutdown has been asked for.
-async fn stopped(shutdown: CancellationToken) {
-    shutdown.cancelled_owned().await;
 }
 
 /// `d` spread by +-20 %. The spread needs no secrecy, so it is drawn from the clock (splitmix64)
@@ -789,7 +791,7 @@ impl Engine {
     async fn first_command(&mut self) -> Flow {
         tokio::select! {
             biased;
-            _ = stopped(self.shutdown.clone()) => Flow::Stop,
+            _ = self.shutdown.cancelled() => Flow::Stop,
             command = self.commands.recv() => {
                 self.served = true;
                 self.command(command).await
@@ -839,7 +841,7 @@ impl Engine {
     ) -> Call<T> {
         tokio::select! {
             biased;
-            _ = stopped(self.shutdown.clone()) => Call::ShuttingDown,
+            _ = self.shutdown.cancelled() => Call::ShuttingDown,
             outcome = timeout(budget, op) => match outcome {
                 Ok(Ok(value)) => {
                     self.backend_ok();
@@ -863,7 +865,7 @@ impl Engine {
         if was {
             tracing::info!(lock = %self.config.name, "backend reachable again");
         }
-        self.state.send_if_modified(|s| {
+        self.publish(|s| {
             let changed = s.backend_error.is_some() || !s.contacted;
             if changed {
                 s.since = SystemTime::now();
@@ -883,11 +885,12 @@ impl Engine {
             tracing::debug!(lock = %self.config.name, error = %e, "backend call failed again");
         }
         let message = e.to_string();
-        self.state.send_modify(|s| {
+        self.publish(|s| {
             if s.backend_error.is_none() {
                 s.since = SystemTime::now();
             }
             s.backend_error = Some(message);
+            true
         });
     }
 
@@ -901,6 +904,12 @@ impl Engine {
 
     /// Publish the lease state (holder or not) after it changed.
     fn publish_lease(&mut self) {
+        self.publish_lease_and(|_| {});
+    }
+
+    /// [`Engine::publish_lease`], with `also` changed in the same step: each publication wakes
+    /// every reader's notifier, at a price a keyed cycle paid several times.
+    fn publish_lease_and(&mut self, also: impl FnOnce(&mut Snapshot)) {
         let held = self.held.as_ref().map(|h| Held {
             token: h.lease.token,
             valid_until: h.valid_until,
@@ -912,7 +921,7 @@ impl Engine {
             expires_in: Some(h.valid_until.remaining()),
         });
         let holds = self.holds;
-        self.state.send_modify(|s| {
+        self.publish(|s| {
             if s.held.is_some() != held.is_some() {
                 s.since = SystemTime::now();
             }
@@ -921,7 +930,17 @@ impl Engine {
                 s.current_holder = me;
             }
             s.holds = holds;
+            also(s);
+            true
         });
+    }
+
+    /// Change the published state; `change` tells whether anything changed. Readers are woken
+    /// when something did, unless none can be waiting yet ([`Engine::unwatched`]): they read
+    /// the state as it is when they first look.
+    fn publish(&self, change: impl FnOnce(&mut Snapshot) -> bool) {
+        let unwatched = self.unwatched;
+        self.state.send_if_modified(|s| change(s) && !unwatched);
     }
 
     fn emit(&self, kind: EventKind, token: u64, reason: &'static str) {
@@ -952,8 +971,7 @@ impl Engine {
         self.holds = 0;
         self.hold_deadline = None;
         self.retry_at = None;
-        self.publish_lease();
-        self.state.send_modify(|s| s.current_holder = None);
+        self.publish_lease_and(|s| s.current_holder = None);
         self.emit(kind, held.lease.token, reason);
         if let Some(mut hook) = self.on_unheld.take() {
             hook.fire();
@@ -1019,28 +1037,49 @@ impl Engine {
             acquired_at: SystemTime::now(),
         });
         self.retry_at = None;
-        self.publish_lease();
-        self.emit(EventKind::Acquired, token, "acquired");
         // Only waiters still there get the lock and count: one whose client went away would
         // otherwise keep it for its whole hold, for nobody. (A waiter whose wait ran out while
-        // this attempt was in flight is still there, and is told it holds.)
-        let answer = self.state.borrow().answer();
-        let now = Instant::now();
-        let mut hold = None;
+        // this attempt was in flight is still there, and is told it holds.) They are counted
+        // before the lease is published, in one publication with it, so that a caller told it
+        // holds reads its count; the rare waiter that goes in between is taken back out.
         // Taken, not drained: a held keyed lock would keep the emptied list's room for good.
-        for waiter in std::mem::take(&mut self.waiters) {
-            if waiter.reply.send(answer).is_err() {
-                continue;
-            }
-            if answer.is_holder() {
-                self.holds += 1;
-                hold = hold.max(Some(waiter.hold));
+        let waiters: Vec<Waiter> = std::mem::take(&mut self.waiters)
+            .into_iter()
+            .filter(|w| !w.reply.is_closed())
+            .collect();
+        let (holds_before, deadline_before) = (self.holds, self.hold_deadline);
+        let now = Instant::now();
+        self.count_holds(now, waiters.iter().map(|w| w.hold));
+        self.publish_lease();
+        self.emit(EventKind::Acquired, token, "acquired");
+        let answer = self.state.borrow().answer();
+        let mut told = Vec::with_capacity(waiters.len());
+        for waiter in waiters {
+            if waiter.reply.send(answer).is_ok() {
+                told.push(waiter.hold);
             }
         }
-        if let Some(hold) = hold {
+        let everyone_told = told.len() == (self.holds - holds_before) as usize;
+        if !(answer.is_holder() && everyone_told) {
+            self.holds = holds_before;
+            self.hold_deadline = deadline_before;
+            if answer.is_holder() {
+                self.count_holds(now, told.into_iter());
+            }
+            self.publish_lease();
+        }
+    }
+
+    /// Count one acquisition for each of `holds`, the longest setting the hold's end.
+    fn count_holds(&mut self, now: Instant, holds: impl Iterator<Item = Duration>) {
+        let mut longest = None;
+        for hold in holds {
+            self.holds += 1;
+            longest = longest.max(Some(hold));
+        }
+        if let Some(hold) = longest {
             self.hold_deadline = Some(now + hold);
         }
-        self.publish_lease();
     }
 
     /// On-demand: a lease that no app holds (every waiter had gone by the time it was taken) is
@@ -1157,7 +1196,7 @@ impl Engine {
             .min(hold_deadline.unwrap_or(valid_until));
         tokio::select! {
             biased;
-            _ = stopped(self.shutdown.clone()) => return Flow::Stop,
+            _ = self.shutdown.cancelled() => return Flow::Stop,
             command = self.commands.recv() => return Box::pin(self.command(command)).await,
             _ = sleep_until(next) => {}
         }
@@ -1220,7 +1259,7 @@ impl Engine {
             if Instant::now() < until {
                 tokio::select! {
                     biased;
-                    _ = stopped(self.shutdown.clone()) => return Flow::Stop,
+                    _ = self.shutdown.cancelled() => return Flow::Stop,
                     command = self.commands.recv() => return self.command(command).await,
                     _ = sleep_until(until) => {}
                 }
@@ -1228,8 +1267,19 @@ impl Engine {
             }
             self.cooldown_until = None;
         }
-        // Subscribe before the attempt, so that a release right after it still wakes us.
-        let mut changes = self.driver.changes(&self.config.name);
+        // Subscribe before the attempt, so that a release right after it still wakes us; not
+        // when nobody can be left waiting after it (try-locks: every wait already over), which
+        // would cost a try-lock a feed, and on SQL a waiter's blocking statement.
+        let now = Instant::now();
+        let may_wait = match self.config.mode {
+            Mode::Campaign => true,
+            Mode::OnDemand => self.waiters.iter().any(|w| w.deadline > now),
+        };
+        let mut changes = if may_wait {
+            self.driver.changes(&self.config.name)
+        } else {
+            None
+        };
         if let Some(changes) = &mut changes {
             changes.borrow_and_update();
         }
@@ -1268,7 +1318,7 @@ impl Engine {
                     .as_ref()
                     .and_then(|h| h.expires_in)
                     .map_or(poll, |left| (left + Duration::from_millis(1)).min(poll));
-                self.state.send_if_modified(|s| {
+                self.publish(|s| {
                     let changed = s.current_holder != holding;
                     s.current_holder = holding;
                     changed
@@ -1288,7 +1338,7 @@ impl Engine {
         let waiter_deadline = self.next_waiter_deadline();
         tokio::select! {
             biased;
-            _ = stopped(self.shutdown.clone()) => return Flow::Stop,
+            _ = self.shutdown.cancelled() => return Flow::Stop,
             command = self.commands.recv() => return self.command(command).await,
             _ = async {
                 match &mut changes {
@@ -1325,7 +1375,10 @@ impl Engine {
         if let Some(text) = &warning {
             tracing::warn!(lock = %self.config.name, "{text}");
         }
-        self.state.send_modify(|s| s.warning = warning);
+        self.publish(|s| {
+            s.warning = warning;
+            true
+        });
     }
 
     /// On-demand and not wanted: keep an eye on the holder and on the backend's health.
@@ -1335,7 +1388,7 @@ impl Engine {
         let name = self.config.name.clone();
         match self.call(budget, driver.observe(&name)).await {
             Call::Done(holding) => {
-                self.state.send_if_modified(|s| {
+                self.publish(|s| {
                     let changed = s.current_holder != holding;
                     s.current_holder = holding;
                     changed
@@ -1347,7 +1400,7 @@ impl Engine {
         let pause = jitter(self.config.renew_interval);
         tokio::select! {
             biased;
-            _ = stopped(self.shutdown.clone()) => Flow::Stop,
+            _ = self.shutdown.cancelled() => Flow::Stop,
             command = self.commands.recv() => self.command(command).await,
             _ = sleep(pause) => Flow::Continue,
         }

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use leasehold_lease::testkit::faulty::FaultyDriver;
 use leasehold_lease::testkit::{EtcdServer, RedisServer, ZooKeeperServer, unique_lock};
 use leasehold_lease::{Answer, BackendUrl, Lock, LockConfig, Mode};
 use tokio::time::{Instant, sleep};
@@ -216,4 +217,32 @@ async fn zookeeper_one_identitys_attempts_at_once_are_granted_once() {
 async fn etcd_one_identitys_attempts_at_once_are_granted_once() {
     let server = EtcdServer::start();
     one_identitys_attempts_at_once_are_granted_once(&server.url()).await;
+}
+
+/// A try-lock (no wait) that finds the lock held subscribes to no release notice: nobody would
+/// be left to wake. A subscription costs a feed, and on PostgreSQL and MySQL/MariaDB it is what
+/// starts a waiter's blocking statement: a session for every refused try-lock (Dapr's `TryLock`
+/// never waits). A wait, however short, still subscribes.
+#[tokio::test]
+async fn a_refused_try_lock_subscribes_to_no_release_notice() {
+    let redis = RedisServer::start();
+    let name = unique_lock("try");
+    let holder = lock(&redis.url(), &name, "a").await;
+    assert!(
+        holds(&holder, Duration::ZERO).await,
+        "a takes the free lock"
+    );
+    let faulty = FaultyDriver::wrap(driver(&redis.url()).await);
+    let mut config = LockConfig::new(&name, "b", LEASE);
+    config.mode = Mode::OnDemand;
+    let trying = Lock::start(faulty.clone(), config, Arc::new(())).expect("lock");
+    for _ in 0..3 {
+        assert!(!holds(&trying, Duration::ZERO).await, "b took a held lock");
+    }
+    assert_eq!(faulty.subscriptions(), 0, "a try-lock subscribed");
+    assert!(
+        !holds(&trying, Duration::from_millis(300)).await,
+        "b took a held lock"
+    );
+    assert!(faulty.subscriptions() > 0, "a waiter did not subscribe");
 }

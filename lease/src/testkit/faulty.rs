@@ -21,6 +21,8 @@ pub struct FaultyDriver {
     request_delay_ms: AtomicU64,
     response_delay_ms: AtomicU64,
     counted_earlier_ms: AtomicU64,
+    /// How many times a change feed was asked for (a waiter's subscription).
+    subscriptions: AtomicU64,
     /// The leases counted early (lock, token) and not renewed since.
     counted_early: Mutex<HashSet<(String, u64)>>,
 }
@@ -34,8 +36,14 @@ impl FaultyDriver {
             request_delay_ms: AtomicU64::new(0),
             response_delay_ms: AtomicU64::new(0),
             counted_earlier_ms: AtomicU64::new(0),
+            subscriptions: AtomicU64::new(0),
             counted_early: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// How many times an engine has subscribed to the lock's release notices.
+    pub fn subscriptions(&self) -> u64 {
+        self.subscriptions.load(Ordering::SeqCst)
     }
 
     /// From now on, renewals hang (the request may or may not have reached the backend).
@@ -170,6 +178,7 @@ impl Driver for FaultyDriver {
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        self.subscriptions.fetch_add(1, Ordering::SeqCst);
         self.inner.changes(lock)
     }
 
