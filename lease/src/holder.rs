@@ -1049,34 +1049,31 @@ impl Engine {
             .collect();
         let (holds_before, deadline_before) = (self.holds, self.hold_deadline);
         let now = Instant::now();
-        self.count_holds(now, waiters.iter().map(|w| w.hold));
+        let longest = waiters.iter().map(|w| w.hold).max();
+        self.count_holds(now, waiters.len() as u32, longest);
         self.publish_lease();
         self.emit(EventKind::Acquired, token, "acquired");
         let answer = self.state.borrow().answer();
-        let mut told = Vec::with_capacity(waiters.len());
+        let (mut told, mut longest_told) = (0, None);
         for waiter in waiters {
             if waiter.reply.send(answer).is_ok() {
-                told.push(waiter.hold);
+                told += 1;
+                longest_told = longest_told.max(Some(waiter.hold));
             }
         }
-        let everyone_told = told.len() == (self.holds - holds_before) as usize;
-        if !(answer.is_holder() && everyone_told) {
+        if !(answer.is_holder() && told == self.holds - holds_before) {
             self.holds = holds_before;
             self.hold_deadline = deadline_before;
             if answer.is_holder() {
-                self.count_holds(now, told.into_iter());
+                self.count_holds(now, told, longest_told);
             }
             self.publish_lease();
         }
     }
 
-    /// Count one acquisition for each of `holds`, the longest setting the hold's end.
-    fn count_holds(&mut self, now: Instant, holds: impl Iterator<Item = Duration>) {
-        let mut longest = None;
-        for hold in holds {
-            self.holds += 1;
-            longest = longest.max(Some(hold));
-        }
+    /// Count `acquisitions` more, the `longest` of their holds setting the hold's end.
+    fn count_holds(&mut self, now: Instant, acquisitions: u32, longest: Option<Duration>) {
+        self.holds += acquisitions;
         if let Some(hold) = longest {
             self.hold_deadline = Some(now + hold);
         }
