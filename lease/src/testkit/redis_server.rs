@@ -93,6 +93,16 @@ impl RedisServer {
         .started()
     }
 
+    /// [`RedisServer::start_replica_of`] with the TairString module, for a Tair master.
+    pub fn start_tair_replica_of(port: u16) -> Self {
+        Self {
+            replica_of: Some(port),
+            module: Some(super::tairstring::module()),
+            ..Self::unstarted("redis-replica", false)
+        }
+        .started()
+    }
+
     /// [`RedisServer::start_replica_of`] a TLS master's TLS port (or a proxy to it), serving
     /// TLS too, with `master`'s certificates: it replicates over TLS (`tls-replication yes`).
     pub fn start_tls_replica_of(port: u16, master: &RedisServer) -> Self {

@@ -1,11 +1,16 @@
-//! The TairString module for a test `redis-server`, built once per test process from
-//! `../shared/vendor/TairString` (beside the repository) with the C compiler, as the vendor
-//! README says, or taken from `LEASEHOLD_TAIRSTRING_MODULE`. Anything missing fails the run
-//! with what to do.
+//! The TairString commands for a test `redis-server`: the module `leasehold-tairstring-fake`
+//! (a test double written in this repository, see `tairstring-fake/src/lib.rs`), built once
+//! per test process with cargo into the target directory the tests run from, or a real module
+//! given as `LEASEHOLD_TAIRSTRING_MODULE`. Anything missing fails the run with what to do.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+
+/// The crate that builds the test double.
+const FAKE_CRATE: &str = "leasehold-tairstring-fake";
+/// The library cargo writes for it.
+const FAKE_LIBRARY: &str = "libleasehold_tairstring_fake.so";
 
 /// The module's path, built on first use.
 pub fn module() -> PathBuf {
@@ -23,33 +28,42 @@ fn build() -> PathBuf {
         );
         return given;
     }
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/vendor/TairString");
-    assert!(
-        source.join("src/tairstring.c").is_file(),
-        "the TairString sources are missing at {}: the tests of tair:// build the module from \
-         ../shared/vendor/TairString beside the repository; put it there, or set \
-         LEASEHOLD_TAIRSTRING_MODULE to a built tairstring_module.so",
-        source.display()
-    );
-    let dir = std::env::temp_dir().join(format!("leasehold-tairstring-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("module dir");
-    let module = dir.join("tairstring_module.so");
-    let built = Command::new("cc")
-        .args(["-O2", "-fPIC", "-shared", "-std=gnu99"])
-        .arg(format!("-I{}", source.join("dep").display()))
-        .arg(format!("-I{}", source.join("src").display()))
-        .arg(source.join("src/tairstring.c"))
-        .arg(source.join("dep/util.c"))
-        .arg("-o")
-        .arg(&module)
+    let target = target_dir();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    // The cargo that runs the tests, where it says which; up to date, this is a no-op.
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let built = Command::new(cargo)
+        .args(["build", "--quiet", "--locked", "-p", FAKE_CRATE])
+        .arg("--manifest-path")
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
         .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run cc to build the TairString module ({e}): apt-get install gcc")
-        });
+        .unwrap_or_else(|e| panic!("cannot run cargo to build {FAKE_CRATE}: {e}"));
     assert!(
         built.status.success(),
-        "building the TairString module failed:\n{}",
+        "building the TairString test double ({FAKE_CRATE}) failed; its bindings need libclang \
+         (scripts/install-test-deps installs libclang-dev):\n{}",
         String::from_utf8_lossy(&built.stderr)
     );
+    let module = target.join("debug").join(FAKE_LIBRARY);
+    assert!(module.is_file(), "cargo built no {}", module.display());
     module
+}
+
+/// The target directory of the running executable (a test, or the benchmark): the nearest
+/// ancestor that cargo marked as one.
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the running executable's path");
+    exe.ancestors()
+        .find(|dir| dir.join("CACHEDIR.TAG").is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "{} is not inside a cargo target directory: build the TairString test double \
+                 with `cargo build -p {FAKE_CRATE}` and set LEASEHOLD_TAIRSTRING_MODULE to its \
+                 {FAKE_LIBRARY}",
+                exe.display()
+            )
+        })
+        .to_path_buf()
 }
