@@ -175,6 +175,9 @@ pub struct Held {
     /// clock, which counts time suspended.
     pub valid_until: BootInstant,
     pub acquired_at: SystemTime,
+    /// On-demand: the sidecar releases the lock by then unless acquired again or extended (the
+    /// end of the longest outstanding hold). An answer's validity never runs past it.
+    pub hold_until: Option<BootInstant>,
 }
 
 /// Everything the API shows, published by the holder task on every change.
@@ -219,7 +222,10 @@ impl Snapshot {
         match &self.held {
             Some(held) if now < held.valid_until => Answer::Holder {
                 token: held.token,
-                valid_for: held.valid_until.saturating_duration_since(now),
+                valid_for: held
+                    .hold_until
+                    .map_or(held.valid_until, |hold| hold.min(held.valid_until))
+                    .saturating_duration_since(now),
             },
             _ => Answer::NotHolder,
         }
@@ -470,7 +476,7 @@ impl Lock {
             retry_at: None,
             cooldown_until: None,
             holds: 0,
-            hold_deadline: None,
+            hold_until: None,
             waiters: Vec::new(),
             served: false,
             unwatched: false,
@@ -568,7 +574,8 @@ impl Lock {
         released.await.map_err(|_| Error::Shutdown)
     }
 
-    /// On-demand: move the end of the app's hold to `hold` from now, without acquiring again.
+    /// On-demand: keep the app's hold at least `hold` from now, without acquiring again (a hold
+    /// only moves later: an extension never cuts an acquisition's hold short).
     /// The answer is the lock's as it stands; nothing changes when it is not held.
     pub async fn extend(&self, hold: Duration) -> Result<Answer> {
         let (reply, answer) = oneshot::channel();
@@ -631,6 +638,8 @@ struct InFlight {
     sent: Instant,
     sent_boot: BootInstant,
     driver: Arc<dyn Driver>,
+    /// The lock and identity the attempt is for, to leave the queue if it took a place.
+    config: Arc<LockConfig>,
     /// How long the follow-up waits for the attempt before giving up on it.
     patience: Duration,
     settled: Arc<DropGuard>,
@@ -644,14 +653,26 @@ impl Drop for InFlight {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (driver, patience, settled) =
-            (self.driver.clone(), self.patience, self.settled.clone());
+        let (driver, config, patience, settled) = (
+            self.driver.clone(),
+            self.config.clone(),
+            self.patience,
+            self.settled.clone(),
+        );
         runtime.spawn(async move {
             let _settled = settled;
-            if let Ok(Ok(Acquire::Acquired(lease))) = timeout(patience, attempt).await {
-                tracing::debug!(lock = %lease.lock, token = lease.token,
-                    "an acquisition answered too late took the lock; releasing it");
-                let _ = timeout(patience, driver.release(&lease)).await;
+            match timeout(patience, attempt).await {
+                Ok(Ok(Acquire::Acquired(lease))) => {
+                    tracing::debug!(lock = %lease.lock, token = lease.token,
+                        "an acquisition answered too late took the lock; releasing it");
+                    let _ = timeout(patience, driver.release(&lease)).await;
+                }
+                // Nobody waits for it: a place it took in a fair queue (etcd, ZooKeeper) after
+                // the wait ended, and so after the engine left the queue, is left too, rather
+                // than standing first in line for three leases.
+                _ => {
+                    let _ = timeout(patience, driver.abandon(&config.name, &config.identity)).await;
+                }
             }
         });
     }
@@ -694,9 +715,10 @@ struct Engine {
     /// After a failed renewal: when to try again (before the regular schedule).
     retry_at: Option<Instant>,
     cooldown_until: Option<Instant>,
-    /// On-demand: acquisitions the app holds, and when the hold lapses.
+    /// On-demand: acquisitions the app holds, and when the hold lapses: the end of the longest
+    /// hold among them, since each acquisition keeps the lock at least for its own hold.
     holds: u32,
-    hold_deadline: Option<Instant>,
+    hold_until: Option<BootInstant>,
     waiters: Vec<Waiter>,
     /// A single-use engine has taken its first command.
     served: bool,
@@ -710,6 +732,28 @@ struct Engine {
     settled: Arc<DropGuard>,
     /// Fired by [`Engine::forget`], or when the engine is dropped.
     on_unheld: Option<OnUnheld>,
+}
+
+/// An engine dropped while it waited for the lock (a keyed acquisition runs on its caller's
+/// task, which is dropped when the client hangs up) leaves the queue as a wait that ends does:
+/// otherwise its place would stand first in line, for nobody, until the backend gives it up.
+/// An attempt still in flight leaves it once answered ([`InFlight`]).
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.waiters.is_empty() || self.held.is_some() || self.in_flight.is_some() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (driver, config) = (self.driver.clone(), self.config.clone());
+        let settled = self.settled.clone();
+        runtime.spawn(async move {
+            let _settled = settled;
+            let budget = config.renew_interval;
+            let _ = timeout(budget, driver.abandon(&config.name, &config.identity)).await;
+        });
+    }
 }
 
 /// Whether the task goes on.
@@ -818,6 +862,7 @@ impl Engine {
             sent: Instant::now(),
             sent_boot: BootInstant::now(),
             driver: self.driver.clone(),
+            config: self.config.clone(),
             patience: self.config.lease_duration,
             settled: self.settled.clone(),
         }
@@ -910,10 +955,12 @@ impl Engine {
     /// [`Engine::publish_lease`], with `also` changed in the same step: each publication wakes
     /// every reader's notifier, at a price a keyed cycle paid several times.
     fn publish_lease_and(&mut self, also: impl FnOnce(&mut Snapshot)) {
+        let hold_until = self.hold_until;
         let held = self.held.as_ref().map(|h| Held {
             token: h.lease.token,
             valid_until: h.valid_until,
             acquired_at: h.acquired_at,
+            hold_until,
         });
         let me = self.held.as_ref().map(|h| Holding {
             identity: h.lease.identity.clone(),
@@ -969,7 +1016,7 @@ impl Engine {
     fn forget(&mut self, kind: EventKind, reason: &'static str) -> Option<HeldLease> {
         let held = self.held.take()?;
         self.holds = 0;
-        self.hold_deadline = None;
+        self.hold_until = None;
         self.retry_at = None;
         self.publish_lease_and(|s| s.current_holder = None);
         self.emit(kind, held.lease.token, reason);
@@ -1047,8 +1094,8 @@ impl Engine {
             .into_iter()
             .filter(|w| !w.reply.is_closed())
             .collect();
-        let (holds_before, deadline_before) = (self.holds, self.hold_deadline);
-        let now = Instant::now();
+        let (holds_before, hold_before) = (self.holds, self.hold_until);
+        let now = BootInstant::now();
         let longest = waiters.iter().map(|w| w.hold).max();
         self.count_holds(now, waiters.len() as u32, longest);
         self.publish_lease();
@@ -1063,7 +1110,7 @@ impl Engine {
         }
         if !(answer.is_holder() && told == self.holds - holds_before) {
             self.holds = holds_before;
-            self.hold_deadline = deadline_before;
+            self.hold_until = hold_before;
             if answer.is_holder() {
                 self.count_holds(now, told, longest_told);
             }
@@ -1071,12 +1118,20 @@ impl Engine {
         }
     }
 
-    /// Count `acquisitions` more, the `longest` of their holds setting the hold's end.
-    fn count_holds(&mut self, now: Instant, acquisitions: u32, longest: Option<Duration>) {
+    /// Count `acquisitions` more, the `longest` of their holds keeping the lock at least that
+    /// long from `now`.
+    fn count_holds(&mut self, now: BootInstant, acquisitions: u32, longest: Option<Duration>) {
         self.holds += acquisitions;
         if let Some(hold) = longest {
-            self.hold_deadline = Some(now + hold);
+            self.keep_for(now, hold);
         }
+    }
+
+    /// Keep the lock at least `hold` from `now`: a hold only ever moves later, so that no
+    /// acquisition (nor an extension) cuts short an earlier one's, which its caller counts on.
+    fn keep_for(&mut self, now: BootInstant, hold: Duration) {
+        let end = now + hold;
+        self.hold_until = Some(self.hold_until.map_or(end, |current| current.max(end)));
     }
 
     /// On-demand: a lease that no app holds (every waiter had gone by the time it was taken) is
@@ -1127,13 +1182,14 @@ impl Engine {
                     if answer.is_holder() {
                         // Counted before the answer goes out, so that the caller reads the
                         // new count; taken back if nobody was there to get it.
-                        let before = self.hold_deadline;
-                        self.holds += 1;
-                        self.hold_deadline = Some(Instant::now() + hold);
+                        let before = self.hold_until;
+                        self.count_holds(BootInstant::now(), 1, Some(hold));
                         self.publish_lease();
+                        // The answer's validity as the new hold leaves it.
+                        let answer = self.state.borrow().answer();
                         if reply.send(answer).is_err() {
                             self.holds -= 1;
-                            self.hold_deadline = before;
+                            self.hold_until = before;
                             self.publish_lease();
                         }
                     } else {
@@ -1150,9 +1206,10 @@ impl Engine {
             Command::Extend { hold, reply } => {
                 let answer = self.state.borrow().answer();
                 if self.held.is_some() && answer.is_holder() && self.config.mode == Mode::OnDemand {
-                    self.hold_deadline = Some(Instant::now() + hold);
+                    self.keep_for(BootInstant::now(), hold);
+                    self.publish_lease();
                 }
-                let _ = reply.send(answer);
+                let _ = reply.send(self.state.borrow().answer());
             }
             Command::Release { reply } => {
                 if self.held.is_none() {
@@ -1184,7 +1241,7 @@ impl Engine {
         let renew_at = self
             .retry_at
             .unwrap_or(held.last_sent + self.config.renew_interval);
-        let hold_deadline = self.hold_deadline;
+        let hold_deadline = self.hold_until.map(BootInstant::to_tokio);
         // One timer for the three deadlines, and the rarer steps boxed: each lock's task is
         // sized by this wait, which it sits in while it holds (a sleep takes about a hundred
         // bytes, a renewal about 450).

@@ -524,7 +524,8 @@ impl KeyedFamily {
         Ok(KeyRelease::Released { holds })
     }
 
-    /// Move the end of `owner`'s hold on `key` to `hold` from now, without acquiring again.
+    /// Keep `owner`'s hold on `key` at least `hold` from now, without acquiring again (a hold
+    /// only moves later).
     pub async fn extend(
         &self,
         key: &str,

@@ -1,15 +1,19 @@
 //! On-demand waiters that are gone must not get, keep or block the lock: a client that gave up
-//! on a long wait (its request dropped) never holds the lock for its `hold`, and a try-lock that
-//! found the lock held leaves no place in a fair queue (etcd, ZooKeeper) for the next real waiter
-//! to queue behind. Real servers; one test per backend where the fault applies.
+//! on a long wait (its request dropped) never holds the lock for its `hold`, and a try-lock, a
+//! keyed wait whose client hung up, or an attempt answered after its wait ended leaves no place
+//! in a fair queue (etcd, ZooKeeper) for the next real waiter to queue behind. And holds keep
+//! their word: a re-entrant acquisition or an extension never shortens an earlier hold, and an
+//! answer is never valid past its hold. Real servers; one test per backend where the fault
+//! applies.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease, KeyedFamily};
 use leasehold_lease::testkit::faulty::FaultyDriver;
 use leasehold_lease::testkit::{EtcdServer, RedisServer, ZooKeeperServer, unique_lock};
 use leasehold_lease::{Answer, BackendUrl, Lock, LockConfig, Mode};
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, sleep, sleep_until};
 
 const LEASE: Duration = Duration::from_secs(3);
 const HOLD: Duration = Duration::from_secs(60);
@@ -140,8 +144,6 @@ async fn zookeeper_try_lock() {
 /// again after every worker that had it released it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_departed_reentrant_acquisition_is_not_counted() {
-    use leasehold_lease::testkit::faulty::FaultyDriver;
-
     let server = RedisServer::start();
     let inner = driver(&server.url()).await;
     let faulty = FaultyDriver::wrap(inner);
@@ -245,4 +247,272 @@ async fn a_refused_try_lock_subscribes_to_no_release_notice() {
         "b took a held lock"
     );
     assert!(faulty.subscriptions() > 0, "a waiter did not subscribe");
+}
+
+fn family(driver: Arc<dyn leasehold_lease::Driver>, name: &str, identity: &str) -> KeyedFamily {
+    KeyedFamily::new(
+        driver,
+        FamilyConfig::new(name, identity, LEASE),
+        Arc::new(()),
+    )
+    .expect("family")
+}
+
+async fn holds_key(family: &KeyedFamily, owner: &str, wait: Duration) -> bool {
+    matches!(
+        family
+            .acquire("k1", owner, wait, HOLD)
+            .await
+            .expect("acquire"),
+        KeyAnswer::Held { .. }
+    )
+}
+
+/// p1 holds the key and `leave` makes p2's wait end without it; once p1 releases, p3's waiter
+/// takes the key within a lease, not behind a place p2 left standing in the queue (which the
+/// backend gives up three leases after p2's last ask).
+async fn after_a_keyed_wait_ends_the_next_waiter_takes_over(
+    url: &str,
+    p2_driver: Arc<dyn leasehold_lease::Driver>,
+    leave: impl AsyncFnOnce(&KeyedFamily),
+) {
+    let name = unique_lock("keyedgone");
+    let p1 = family(driver(url).await, &name, "p1");
+    let p3 = family(driver(url).await, &name, "p3");
+    assert!(
+        holds_key(&p1, "h", Duration::ZERO).await,
+        "p1 takes the free key"
+    );
+    // p2's sidecar stays up, its session with it, after its wait ends.
+    let p2 = family(p2_driver, &name, "p2");
+    leave(&p2).await;
+    let waiting = tokio::spawn(async move {
+        let held = holds_key(&p3, "c", Duration::from_secs(20)).await;
+        (held, Instant::now())
+    });
+    sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        p1.release("k1", "h").await.expect("release"),
+        KeyRelease::Released { holds: 0 }
+    );
+    let released = Instant::now();
+    let (held, at) = waiting.await.expect("p3's wait");
+    assert!(held, "p3 waited 20 s for a free key");
+    let took = at.saturating_duration_since(released);
+    assert!(
+        took < LEASE,
+        "p3 took the key {took:?} after the release: it queued behind p2's abandoned place"
+    );
+    drop(p2);
+}
+
+/// The client of a keyed wait hangs up: its request, and the acquisition running on its task,
+/// are dropped mid-wait.
+async fn the_client_hangs_up(p2: &KeyedFamily) {
+    let p2 = p2.clone();
+    let gone =
+        tokio::spawn(async move { p2.acquire("k1", "a", Duration::from_secs(60), HOLD).await });
+    sleep(Duration::from_millis(500)).await;
+    gone.abort();
+    let _ = gone.await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_keyed_wait_whose_client_hung_up_leaves_the_queue() {
+    let server = EtcdServer::start();
+    let p2 = driver(&server.url()).await;
+    after_a_keyed_wait_ends_the_next_waiter_takes_over(&server.url(), p2, the_client_hangs_up)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_a_keyed_wait_whose_client_hung_up_leaves_the_queue() {
+    let server = ZooKeeperServer::start();
+    let p2 = driver(&server.url()).await;
+    after_a_keyed_wait_ends_the_next_waiter_takes_over(&server.url(), p2, the_client_hangs_up)
+        .await;
+}
+
+/// A keyed wait of one second whose attempt reaches the backend only after it ended (`faulty`
+/// is p2's driver; it delays p2's calls, not its leaving the queue): the attempt takes a place
+/// in the queue after the engine left it, and its answer (busy) comes to nobody. Returns once
+/// the attempt has landed and been answered, its place ahead of any waiter that comes next.
+fn the_wait_ends_before_its_attempt_lands(
+    faulty: Arc<FaultyDriver>,
+) -> impl AsyncFnOnce(&KeyedFamily) {
+    const LATE: Duration = Duration::from_millis(2500);
+    async move |p2: &KeyedFamily| {
+        faulty.delay_requests(LATE);
+        let asked = Instant::now();
+        let answer = p2
+            .acquire("k1", "a", Duration::from_secs(1), HOLD)
+            .await
+            .expect("acquire");
+        faulty.delay_requests(Duration::ZERO);
+        assert!(
+            !matches!(answer, KeyAnswer::Held { .. }),
+            "p2 took a held key"
+        );
+        sleep_until(asked + LATE + Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_keyed_attempt_answered_after_its_wait_leaves_the_queue() {
+    let server = EtcdServer::start();
+    let faulty = FaultyDriver::wrap(driver(&server.url()).await);
+    let leave = the_wait_ends_before_its_attempt_lands(faulty.clone());
+    after_a_keyed_wait_ends_the_next_waiter_takes_over(&server.url(), faulty, leave).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_a_keyed_attempt_answered_after_its_wait_leaves_the_queue() {
+    let server = ZooKeeperServer::start();
+    let faulty = FaultyDriver::wrap(driver(&server.url()).await);
+    let leave = the_wait_ends_before_its_attempt_lands(faulty.clone());
+    after_a_keyed_wait_ends_the_next_waiter_takes_over(&server.url(), faulty, leave).await;
+}
+
+/// A re-entrant acquisition with a shorter hold than an earlier one keeps the lock until the
+/// longer hold ends: the earlier acquisition's caller counts on it. Releasing one of two
+/// acquisitions keeps the lock; releasing both frees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_shorter_reentrant_hold_keeps_the_longer_one() {
+    let server = RedisServer::start();
+    let name = unique_lock("reentrant-hold");
+    let (a, b) = (
+        lock(&server.url(), &name, "a").await,
+        lock(&server.url(), &name, "b").await,
+    );
+    assert!(
+        a.acquire(Duration::ZERO, Duration::from_secs(600))
+            .await
+            .expect("acquire")
+            .is_holder()
+    );
+    assert!(
+        a.acquire(Duration::ZERO, Duration::from_secs(1))
+            .await
+            .expect("acquire again")
+            .is_holder()
+    );
+    sleep(Duration::from_millis(1500)).await;
+    assert!(a.answer().is_holder(), "a stepped down at the shorter hold");
+    assert!(
+        !holds(&b, Duration::ZERO).await,
+        "b took the lock while a's first acquisition held it"
+    );
+    assert!(a.release().await.expect("release one"));
+    assert!(a.answer().is_holder(), "one release of two freed the lock");
+    assert!(a.release().await.expect("release the other"));
+    assert!(!a.answer().is_holder());
+    assert!(
+        holds(&b, Duration::from_secs(2)).await,
+        "b takes the freed lock"
+    );
+}
+
+/// An extension never shortens a hold: `extend` with a shorter hold than is left keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_shorter_extension_keeps_the_hold() {
+    let server = RedisServer::start();
+    let name = unique_lock("extend-hold");
+    let (a, b) = (
+        lock(&server.url(), &name, "a").await,
+        lock(&server.url(), &name, "b").await,
+    );
+    assert!(holds(&a, Duration::ZERO).await);
+    assert!(
+        a.extend(Duration::from_secs(1))
+            .await
+            .expect("extend")
+            .is_holder()
+    );
+    sleep(Duration::from_millis(1500)).await;
+    assert!(a.answer().is_holder(), "a shorter extension cut the hold");
+    assert!(!holds(&b, Duration::ZERO).await, "b took a held lock");
+}
+
+/// Every holder's answer is valid no longer than its hold: an app that budgets its work by
+/// `validForMs` stops before the sidecar releases, and before anyone else can hold. On the
+/// lock and on a family's key: the acquisition's answer, the status read later, and the next
+/// holder, who gets the lock only after the validity promised has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_an_answers_validity_ends_with_its_hold() {
+    let server = RedisServer::start();
+    let hold = Duration::from_millis(1000);
+    let name = unique_lock("valid-hold");
+    let (a, b) = (
+        lock(&server.url(), &name, "a").await,
+        lock(&server.url(), &name, "b").await,
+    );
+    let asked = Instant::now();
+    let Answer::Holder { valid_for, .. } = a.acquire(Duration::ZERO, hold).await.expect("a") else {
+        panic!("a could not take the free lock");
+    };
+    assert!(
+        valid_for <= hold,
+        "valid for {valid_for:?}, past the {hold:?} hold"
+    );
+    let Answer::Holder {
+        valid_for: later, ..
+    } = a.answer()
+    else {
+        panic!("a lost the lock");
+    };
+    assert!(
+        later <= hold,
+        "a's status: valid for {later:?}, past its hold"
+    );
+    let promised_until = asked + valid_for;
+    assert!(
+        holds(&b, Duration::from_secs(5)).await,
+        "b takes the lock after a's hold"
+    );
+    assert!(
+        Instant::now() >= promised_until,
+        "b holds while a's answer is still valid"
+    );
+
+    let keys = unique_lock("valid-hold-keys");
+    let (p1, p2) = (
+        family(driver(&server.url()).await, &keys, "p1"),
+        family(driver(&server.url()).await, &keys, "p2"),
+    );
+    let asked = Instant::now();
+    let KeyAnswer::Held { valid_for, .. } = p1
+        .acquire("k1", "w1", Duration::ZERO, hold)
+        .await
+        .expect("p1")
+    else {
+        panic!("p1 could not take the free key");
+    };
+    assert!(
+        valid_for <= hold,
+        "key valid for {valid_for:?}, past the {hold:?} hold"
+    );
+    let KeyAnswer::Held {
+        valid_for: later, ..
+    } = p1.status("k1", Some("w1")).expect("status")
+    else {
+        panic!("p1 lost the key");
+    };
+    assert!(
+        later <= hold,
+        "the key's status: valid for {later:?}, past its hold"
+    );
+    let promised_until = asked + valid_for;
+    assert!(
+        matches!(
+            p2.acquire("k1", "w2", Duration::from_secs(5), HOLD)
+                .await
+                .expect("p2"),
+            KeyAnswer::Held { .. }
+        ),
+        "p2 takes the key after p1's hold"
+    );
+    assert!(
+        Instant::now() >= promised_until,
+        "p2 holds while p1's answer is still valid"
+    );
 }
