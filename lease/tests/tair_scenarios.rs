@@ -130,3 +130,113 @@ async fn a_wrong_token_guess_is_undone_and_tried_again() {
     assert!(a.renew(&again, ttl).await.unwrap());
     assert!(a.release(&again).await.unwrap());
 }
+
+/// The lease of the failover scenarios.
+const FAILOVER_LEASE: Duration = Duration::from_secs(3);
+
+fn server_command(server: &RedisServer, args: &[&str]) {
+    let mut conn = redis::Client::open(server.plain_url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let mut command = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        command.arg(*arg);
+    }
+    let _: redis::Value = command.query(&mut conn).unwrap();
+}
+
+/// After a failover behind `endpoint`, a fresh driver asks for the lock `a` took at `sent`
+/// (token `taken`): it must not get it while a's claim may stand (a lease from its call), and
+/// when it does, its token is above a's.
+async fn the_new_primary_waits_out_the_lease(
+    endpoint: &str,
+    lock: &str,
+    sent: tokio::time::Instant,
+    taken: u64,
+) {
+    let b = connect(&BackendUrl::parse(endpoint).unwrap())
+        .await
+        .unwrap();
+    let deadline = sent + FAILOVER_LEASE * 4;
+    let lease = loop {
+        match b.try_acquire(lock, "b", FAILOVER_LEASE).await {
+            Ok(leasehold_lease::Acquire::Acquired(lease)) => break lease,
+            other => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "b never got the lock: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let granted = tokio::time::Instant::now();
+    assert!(
+        granted >= sent + FAILOVER_LEASE,
+        "the new primary granted the lock {:?} after a's acquisition, within a's lease: two holders",
+        granted - sent
+    );
+    assert!(
+        lease.token > taken,
+        "b's token {} is not above a's {taken}",
+        lease.token
+    );
+}
+
+/// A durable standby promoted behind the primary's address (a virtual IP, a proxy, a Service)
+/// may lack the primary's last writes, the lease a holder still claims among them: it counts
+/// as a new incarnation that may have lost data, not as a durable server that lost nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_durable_standby_waits_out_the_lease() {
+    use leasehold_lease::testkit::FaultProxy;
+
+    let primary = RedisServer::start_tair();
+    let standby = RedisServer::start_tair_replica_of(primary.port());
+    standby.wait_until_synced();
+    let endpoint = FaultProxy::start(primary.port());
+    let url = format!("tair://127.0.0.1:{}", endpoint.port);
+    let a = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    // The epoch record names the primary, on both servers.
+    let first = acquired(&*a, "warm-up", "a", FAILOVER_LEASE).await;
+    assert!(a.release(&first).await.unwrap());
+    server_command(&primary, &["WAIT", "1", "10000"]);
+    // The standby is promoted before a's claim reaches it; a takes the lock on the primary.
+    server_command(&standby, &["REPLICAOF", "NO", "ONE"]);
+    let sent = tokio::time::Instant::now();
+    let taken = acquired(&*a, "failover", "a", FAILOVER_LEASE).await;
+    endpoint.redirect(standby.port());
+    the_new_primary_waits_out_the_lease(&url, "failover", sent, taken.token).await;
+}
+
+/// A failover and a failback with nothing acquired on the other side in between: the old
+/// primary, promoted again, comes back with the other side's data (without the lease taken
+/// on it after the first failover) and the epoch record it wrote itself. It is a new
+/// incarnation all the same (a new replication ID), not the one the record names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_promoted_again_after_a_failback_waits_out_the_lease() {
+    use leasehold_lease::testkit::FaultProxy;
+
+    let primary = RedisServer::start_tair();
+    let standby = RedisServer::start_tair_replica_of(primary.port());
+    standby.wait_until_synced();
+    let endpoint = FaultProxy::start(primary.port());
+    let url = format!("tair://127.0.0.1:{}", endpoint.port);
+    let a = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    let first = acquired(&*a, "warm-up", "a", FAILOVER_LEASE).await;
+    assert!(a.release(&first).await.unwrap());
+    server_command(&primary, &["WAIT", "1", "10000"]);
+    // The standby takes over; the old primary serves a moment longer (a's claim lands there
+    // only), then follows the standby, which replaces its data.
+    server_command(&standby, &["REPLICAOF", "NO", "ONE"]);
+    let sent = tokio::time::Instant::now();
+    let taken = acquired(&*a, "failback", "a", FAILOVER_LEASE).await;
+    server_command(
+        &primary,
+        &["REPLICAOF", "127.0.0.1", &standby.port().to_string()],
+    );
+    primary.wait_until_synced();
+    // Failback: the old primary is promoted again, behind the address that never moved.
+    server_command(&primary, &["REPLICAOF", "NO", "ONE"]);
+    the_new_primary_waits_out_the_lease(&url, "failback", sent, taken.token).await;
+}

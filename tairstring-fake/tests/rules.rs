@@ -367,11 +367,7 @@ fn keys_versions_and_expiry_survive_a_restart_from_the_append_only_file() {
 fn writes_reach_replicas_as_the_state_they_produced() {
     let master = RedisServer::start_tair();
     let replica = RedisServer::start_tair_replica_of(master.port());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while field(&info(replica.port(), "replication"), "master_link_status") != Some("up") {
-        assert!(Instant::now() < deadline, "the replica never synced");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    replica.wait_until_synced();
     let mut m = connect(&master);
     let mut r = connect(&replica);
     write_state(&mut m);

@@ -21,15 +21,19 @@
 //!   Redis).
 //! - **Observe**: `EXGET` and `PTTL`.
 //!
-//! **Restarts.** A server without persistence (or with `appendfsync everysec`) comes back
-//! without leases their holders still claim, and without the token counters. As on Redis
-//! ([`super::redis::ACQUIRE`]), such a server grants no free lock for one lease and raises the
-//! counters above every earlier token; without Lua the driver does it itself. It learns the
-//! server's incarnation (`run_id`, new at every start) once per connection and names the
-//! connection after it (`CLIENT SETNAME`); every claim carries a `CLIENT GETNAME` in its round
-//! trip, so a claim that landed on a connection the driver has not checked (a reconnect,
-//! perhaps to a restarted server) is undone. The epoch record `PREFIX:epoch:tair` holds the
-//! incarnation the last check ran on, from when it grants (`since`) and its token floor.
+//! **Restarts and failovers.** A server without persistence (or with `appendfsync everysec`)
+//! comes back without leases their holders still claim, and without the token counters; a
+//! promoted standby may lack the last writes of the primary it replaces, durable or not. As on
+//! Redis ([`super::redis::ACQUIRE`]), such a server grants no free lock for one lease and raises
+//! the counters above every earlier token; without Lua the driver does it itself. It learns the
+//! server's incarnation (its replication ID, new at every start and every promotion, failbacks
+//! included) once per connection and names the connection after it (`CLIENT SETNAME`); every
+//! claim carries a `CLIENT GETNAME` in its round trip, so a claim that landed on a connection
+//! the driver has not checked (a reconnect, perhaps to a restarted or promoted server) is
+//! undone, and a connection whose server turned replica (`READONLY`) is checked again before
+//! its next claim. A replica is never taken for an incarnation. The epoch record
+//! `PREFIX:epoch:tair` holds the incarnation the last check ran on, from when it grants
+//! (`since`) and its token floor.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -144,7 +148,7 @@ enum Guard {
 /// One incarnation of the server, as the epoch record describes it.
 #[derive(Clone, Debug)]
 struct Epoch {
-    /// The name the checked connection carries: `leasehold-tair-RUN_ID`.
+    /// The name the checked connection carries: `leasehold-tair-REPLID`.
     connection: String,
     /// The server's clock (µs) from which it may lack leases: no free lock before one lease on.
     since_us: i64,
@@ -167,6 +171,32 @@ impl Epoch {
 /// The epoch record's fields: the incarnation, `since` and the floor.
 type EpochRecord = (Option<String>, Option<i64>, Option<i64>);
 
+/// What `INFO replication` tells of the server's incarnation.
+struct Replication {
+    /// `master_replid`: new at every start and every promotion.
+    replid: String,
+    /// `second_repl_offset` is set: a standby promoted since it started.
+    promoted: bool,
+}
+
+impl Replication {
+    /// The incarnation of a master; a replica is none (its writes fail, and once promoted it is
+    /// a new one), and a server that names none is an error.
+    fn read(info: &str) -> Result<Self> {
+        if info_field(info, "role").is_some_and(|role| role != "master") {
+            return Err(Error::Unreachable(
+                "the server is a replica: tair:// needs the primary".into(),
+            ));
+        }
+        let replid = info_field(info, "master_replid")
+            .ok_or_else(|| Error::Backend("INFO replication names no master_replid".into()))?;
+        Ok(Self {
+            replid: replid.to_owned(),
+            promoted: info_field(info, "second_repl_offset").is_some_and(|o| o != "-1"),
+        })
+    }
+}
+
 /// `TIME`'s answer in microseconds.
 fn micros(time: &[String]) -> Result<i64> {
     match time {
@@ -178,27 +208,30 @@ fn micros(time: &[String]) -> Result<i64> {
     }
 }
 
-/// The epoch after a check on a server whose incarnation is `run_id`, up for `uptime_s`, at
-/// `now` (µs), given the record's (run_id, since, floor): the same rule as Redis's acquire
-/// script. A durable server lost nothing; one that may have lost data grants no free lock for a
-/// lease (from its start when nothing was recorded before it, else from now: behind one
-/// endpoint a standby may have taken over from a master that served until a moment ago), and
-/// its tokens start above every earlier one.
+/// The epoch after a check on a server whose incarnation is `replid`, up for `uptime_s`, at
+/// `now` (µs), given the record's (replid, since, floor): the same rule as Redis's acquire
+/// script. A durable server that was never promoted lost nothing; one that may have lost data
+/// (not durable, or `promoted` from a standby, which may lack the old primary's last writes
+/// however it persists its own) grants no free lock for a lease (from its start when it was
+/// never promoted and nothing was recorded before it, else from now: behind one endpoint a
+/// standby may have taken over from a master that served until a moment ago), and its tokens
+/// start above every earlier one.
 fn next_epoch(
     record: (Option<&str>, Option<i64>, Option<i64>),
-    run_id: &str,
+    replid: &str,
+    promoted: bool,
     uptime_s: i64,
     now: i64,
     durable: bool,
 ) -> (i64, i64, bool) {
     let (recorded, since, floor) = (record.0, record.1.unwrap_or(0), record.2.unwrap_or(0));
-    if recorded == Some(run_id) {
+    if recorded == Some(replid) {
         return (since, floor, false);
     }
-    if durable {
+    if durable && !promoted {
         return (since, floor, true);
     }
-    let since = if recorded.is_some() {
+    let since = if recorded.is_some() || promoted {
         now
     } else {
         now - started_at_most_ago_s(uptime_s) * 1_000_000
@@ -293,12 +326,22 @@ impl TairDriver {
             .arg(1)
             .query_async(conn)
             .await
-            .map_err(tair_err)?;
+            .map_err(|e| self.call_failed(e))?;
         Ok(deleted == 1)
     }
 
     fn guard(&self) -> std::sync::MutexGuard<'_, Guard> {
         self.epoch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// [`tair_err`] for a lock call: a server that turned replica under the checked connection
+    /// (a failover that kept it open) is a new incarnation once it is promoted again, so the
+    /// connection is checked again before the next claim.
+    fn call_failed(&self, e: redis::RedisError) -> Error {
+        if e.code() == Some("READONLY") {
+            *self.guard() = Guard::Unknown;
+        }
+        tair_err(e)
     }
 
     /// The incarnation the connection is checked on; `None` where the server refuses the check.
@@ -319,42 +362,45 @@ impl TairDriver {
     /// Check the server's incarnation on the current connection, name the connection after it,
     /// and bring the epoch record up to date.
     async fn learn(&self, conn: &mut ConnectionManager) -> Result<Option<Epoch>> {
-        let run_id = |info: &str| {
-            info_field(info, "run_id")
-                .map(str::to_owned)
-                .ok_or_else(|| Error::Backend("INFO server names no run_id".into()))
-        };
         for _ in 0..3 {
-            let info: String = match redis::cmd("INFO").arg("server").query_async(conn).await {
+            let info: String = match redis::cmd("INFO")
+                .arg("replication")
+                .query_async(conn)
+                .await
+            {
                 Ok(info) => info,
                 Err(e) if refuses_info(&e) => return Ok(None),
                 Err(e) => return Err(tair_err(e)),
             };
-            let expected = run_id(&info)?;
+            let expected = Replication::read(&info)?.replid;
             let durable = self.durability.of(conn, "").await.map_err(tair_err)?;
             let connection = format!("leasehold-tair-{expected}");
             // The name and the facts in one round trip: they are about one connection, so one
             // incarnation, even if the connection was replaced since the first INFO.
-            let checked: redis::RedisResult<((), String, Vec<String>, EpochRecord)> = redis::pipe()
-                .cmd("CLIENT")
-                .arg("SETNAME")
-                .arg(&connection)
-                .cmd("INFO")
-                .arg("server")
-                .cmd("TIME")
-                .cmd("HMGET")
-                .arg(self.keys.tair_epoch())
-                .arg("run_id")
-                .arg("since")
-                .arg("floor")
-                .query_async(conn)
-                .await;
-            let (_, info, time, record) = match checked {
+            let checked: redis::RedisResult<((), String, String, Vec<String>, EpochRecord)> =
+                redis::pipe()
+                    .cmd("CLIENT")
+                    .arg("SETNAME")
+                    .arg(&connection)
+                    .cmd("INFO")
+                    .arg("replication")
+                    .cmd("INFO")
+                    .arg("server")
+                    .cmd("TIME")
+                    .cmd("HMGET")
+                    .arg(self.keys.tair_epoch())
+                    .arg("replid")
+                    .arg("since")
+                    .arg("floor")
+                    .query_async(conn)
+                    .await;
+            let (_, replication, info, time, record) = match checked {
                 Ok(checked) => checked,
                 Err(e) if refuses_info(&e) => return Ok(None),
                 Err(e) => return Err(tair_err(e)),
             };
-            if run_id(&info)? != expected {
+            let replication = Replication::read(&replication)?;
+            if replication.replid != expected {
                 continue;
             }
             let learned = Instant::now();
@@ -365,6 +411,7 @@ impl TairDriver {
             let (since, floor, changed) = next_epoch(
                 (record.0.as_deref(), record.1, record.2),
                 &expected,
+                replication.promoted,
                 uptime,
                 now,
                 durable,
@@ -372,7 +419,7 @@ impl TairDriver {
             if changed {
                 let _: () = redis::cmd("HSET")
                     .arg(self.keys.tair_epoch())
-                    .arg("run_id")
+                    .arg("replid")
                     .arg(&expected)
                     .arg("since")
                     .arg(since)
@@ -553,7 +600,10 @@ impl Driver for TairDriver {
                     .arg(kept.for_ms)
                     .ignore();
             }
-            let replies: Vec<Value> = pipe.query_async(&mut conn).await.map_err(tair_err)?;
+            let replies: Vec<Value> = pipe
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| self.call_failed(e))?;
             let (name, set, drawn) = match (&epoch, replies.as_slice()) {
                 (Some(_), [name, set, drawn]) => (Some(name), set, drawn),
                 (None, [set, drawn]) => (None, set, drawn),
@@ -628,7 +678,7 @@ impl Driver for TairDriver {
             .arg(ms(ttl))
             .query_async(&mut self.conn.clone())
             .await
-            .map_err(tair_err)?;
+            .map_err(|e| self.call_failed(e))?;
         match reply {
             Value::Array(items) if items.first() == Some(&Value::Okay) => {
                 let Some(Value::Int(next)) = items.get(2) else {
@@ -777,32 +827,42 @@ mod tests {
         let now = 1_800_000_000_000_000;
         // The same incarnation: as recorded.
         assert_eq!(
-            next_epoch((Some("a"), Some(5), Some(7)), "a", 100, now, false),
+            next_epoch((Some("a"), Some(5), Some(7)), "a", false, 100, now, false),
             (5, 7, false)
         );
-        // Durable: nothing lost, nothing changes but the incarnation.
+        // Durable and never promoted: nothing lost, nothing changes but the incarnation.
         assert_eq!(
-            next_epoch((Some("a"), Some(5), Some(7)), "b", 100, now, true),
+            next_epoch((Some("a"), Some(5), Some(7)), "b", false, 100, now, true),
             (5, 7, true)
         );
         assert_eq!(
-            next_epoch((None, None, None), "b", 100, now, true),
+            next_epoch((None, None, None), "b", false, 100, now, true),
             (0, 0, true)
         );
         // Not durable, nothing recorded: from the server's start, which the whole seconds of
         // its uptime may overstate by almost one.
         assert_eq!(
-            next_epoch((None, None, None), "b", 100, now, false),
+            next_epoch((None, None, None), "b", false, 100, now, false),
             (now - 99_000_000, now, true)
         );
         assert_eq!(
-            next_epoch((None, None, None), "b", 1, now, false),
+            next_epoch((None, None, None), "b", false, 1, now, false),
             (now, now, true)
         );
         // Not durable, another incarnation recorded: from now, and a floor above the last.
         assert_eq!(
-            next_epoch((Some("a"), Some(5), Some(now)), "b", 100, now, false),
+            next_epoch((Some("a"), Some(5), Some(now)), "b", false, 100, now, false),
             (now, now + FLOOR_STEP, true)
+        );
+        // A promoted standby, however durable: from now (it served as a replica until a moment
+        // ago, whatever its uptime), and a floor above the last.
+        assert_eq!(
+            next_epoch((Some("a"), Some(5), Some(now)), "b", true, 100, now, true),
+            (now, now + FLOOR_STEP, true)
+        );
+        assert_eq!(
+            next_epoch((None, None, None), "b", true, 100, now, true),
+            (now, now, true)
         );
     }
 

@@ -1,11 +1,12 @@
 //! A TCP proxy between one sidecar and one backend endpoint that can cut the link the way a
 //! network partition does: bytes stop flowing in both directions, but nothing is closed, so the
 //! sidecar learns of it only through its own timeouts. Restoring the link resets every connection
-//! that lived through the cut (their streams lost bytes), and the sidecar reconnects.
+//! that lived through the cut (their streams lost bytes), and the sidecar reconnects. It can
+//! also move to another server, as a virtual IP or a Service does in a failover.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -14,7 +15,8 @@ const ACCEPT_POLL: Duration = Duration::from_millis(5);
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 struct Shared {
-    upstream: SocketAddr,
+    /// The loopback port forwarded to.
+    upstream: AtomicU16,
     cut: AtomicBool,
     stop: AtomicBool,
     /// Both ends of every proxied connection, to reset them on restore.
@@ -34,7 +36,7 @@ impl FaultProxy {
         let port = listener.local_addr().expect("addr").port();
         listener.set_nonblocking(true).expect("nonblocking");
         let shared = Arc::new(Shared {
-            upstream: SocketAddr::from(([127, 0, 0, 1], upstream_port)),
+            upstream: AtomicU16::new(upstream_port),
             cut: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             streams: Mutex::new(Vec::new()),
@@ -58,6 +60,13 @@ impl FaultProxy {
     /// Heal: reset the connections that lived through the cut; new ones pass again.
     pub fn restore(&self) {
         self.shared.cut.store(false, Ordering::SeqCst);
+        reset_all(&self.shared);
+    }
+
+    /// Fail over to the server on `upstream_port`: connections to the old one are reset, and
+    /// new ones reach the new one, behind the same address.
+    pub fn redirect(&self, upstream_port: u16) {
+        self.shared.upstream.store(upstream_port, Ordering::SeqCst);
         reset_all(&self.shared);
     }
 }
@@ -97,8 +106,8 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             }
             continue;
         }
-        let Ok(upstream) = TcpStream::connect_timeout(&shared.upstream, UPSTREAM_CONNECT_TIMEOUT)
-        else {
+        let upstream = SocketAddr::from(([127, 0, 0, 1], shared.upstream.load(Ordering::SeqCst)));
+        let Ok(upstream) = TcpStream::connect_timeout(&upstream, UPSTREAM_CONNECT_TIMEOUT) else {
             continue; // the backend is down: the client sees its connection closed
         };
         let _ = upstream.set_nodelay(true);

@@ -93,14 +93,28 @@ impl RedisServer {
         .started()
     }
 
-    /// [`RedisServer::start_replica_of`] with the TairString module, for a Tair master.
+    /// A standby of a Tair master on `port`, with the TairString module, durable
+    /// (`appendfsync always`) as a standby that must pass for a durable master once promoted.
     pub fn start_tair_replica_of(port: u16) -> Self {
         Self {
             replica_of: Some(port),
             module: Some(super::tairstring::module()),
-            ..Self::unstarted("redis-replica", false)
+            ..Self::unstarted("redis-replica", true)
         }
         .started()
+    }
+
+    /// Wait until this replica's link to its master is up (synced).
+    pub fn wait_until_synced(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while field(&info(self.port, "replication"), "master_link_status") != Some("up") {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the replica on {} never synced with its master",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// [`RedisServer::start_replica_of`] a TLS master's TLS port (or a proxy to it), serving
