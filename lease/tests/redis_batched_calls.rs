@@ -240,3 +240,60 @@ async fn a_release_abandoned_by_its_caller_is_still_made() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A lock whose keys Leasehold did not write (here a lease key that is a hash) fails its own
+/// acquisition, with the key named, and no other: every lock that shared its script call is
+/// granted to its caller, and no lease is left held for a caller that was told it failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_with_foreign_keys_fails_alone_in_its_batch() {
+    let server = RedisServer::start();
+    let driver = driver_for(&server.url()).await;
+    let mut admin = server.admin().await;
+    let locks: Vec<String> = (0..40)
+        .map(|i| unique_lock(&format!("batch-{i}")))
+        .collect();
+    let poisoned = &locks[20];
+    let poisoned_key = format!("leasehold:{{{poisoned}}}:lease");
+    let _: () = redis::cmd("HSET")
+        .arg(&poisoned_key)
+        .arg("field")
+        .arg("value")
+        .query_async(&mut admin)
+        .await
+        .expect("HSET");
+    let answers = futures_util::future::join_all(
+        locks
+            .iter()
+            .map(|lock| driver.try_acquire(lock, "pod-a", TTL)),
+    )
+    .await;
+    for (lock, answer) in locks.iter().zip(answers) {
+        let key = format!("leasehold:{{{lock}}}:lease");
+        if lock == poisoned {
+            let error = answer.expect_err("a lease key that is a hash was used");
+            assert!(
+                error.to_string().contains(&poisoned_key),
+                "the error does not name the key: {error}"
+            );
+            continue;
+        }
+        match answer {
+            Ok(Acquire::Acquired(lease)) => {
+                let value: String = redis::cmd("GET")
+                    .arg(&key)
+                    .query_async(&mut admin)
+                    .await
+                    .expect("GET");
+                assert_eq!(value, format!("{}:pod-a", lease.token), "{lock}");
+            }
+            other => {
+                let exists: bool = redis::cmd("EXISTS")
+                    .arg(&key)
+                    .query_async(&mut admin)
+                    .await
+                    .expect("EXISTS");
+                panic!("{lock} was not granted ({other:?}); its lease left in place: {exists}");
+            }
+        }
+    }
+}

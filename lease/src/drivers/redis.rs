@@ -83,6 +83,14 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// release ([`RELEASE`]) publishes its notice: a release that nobody waits for publishes
 /// nothing, and no sidecar's listener is sent it. The mark outlives a waiter's next attempt
 /// (waiters try again at least once a lease, and every busy attempt sets it again).
+///
+/// A lock whose keys are not the script's own (a key of another type under the prefix, a
+/// counter that is not a number) fails its own acquisition, with an error that names the keys
+/// (`{false, false, why}`: an error reply inside the result fails the whole reply), and no
+/// other: Redis keeps a script's writes made before a runtime error, so a whole call
+/// failing would leave the leases its earlier acquisitions took held for nobody. A failed epoch
+/// check still fails the whole call, before any lease is written: no lock is granted
+/// unguarded.
 pub(crate) const ACQUIRE: &str = r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
 local function clock()
@@ -93,10 +101,11 @@ local function clock()
   return now
 end
 local function check_epoch()
-  checked = true
+  checked = 'pending'
   local replication = redis.pcall('INFO', 'replication')
   local replid = type(replication) == 'string' and string.match(replication, 'master_replid:(%w+)')
   if not replid then
+    checked = true
     return
   end
   guarded = true
@@ -118,21 +127,21 @@ local function check_epoch()
     redis.call('HSET', KEYS[1], 'replid', replid, 'since', string.format('%d', since),
       'floor', string.format('%d', floor))
   end
+  checked = true
 end
 local function keep_records(counter, ahead)
   local keep = string.format('%d', tonumber(ARGV[2]) + math.max(0, math.ceil((ahead - clock()) / 1000)))
   redis.call('PEXPIRE', counter, keep)
   redis.call('PEXPIRE', KEYS[1], keep)
 end
-local results = {}
-for i = 1, (#KEYS - 1) / 4 do
+local function acquire(i)
   local lease, counter, own, waiters = KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], KEYS[4 * i + 1]
   local identity, ttl = ARGV[3 * i], tonumber(ARGV[3 * i + 1])
   local expires = ARGV[3 * i + 2] == '1'
   local current = redis.call('GET', lease)
   if current then
     redis.call('SET', waiters, '1', 'PX', ttl * 2)
-    results[i] = {current, redis.call('PTTL', lease)}
+    return {current, redis.call('PTTL', lease)}
   else
     if not checked then
       check_epoch()
@@ -142,7 +151,7 @@ for i = 1, (#KEYS - 1) / 4 do
       if expires then
         keep_records(counter, floor)
       end
-      results[i] = {false, math.ceil(left / 1000)}
+      return {false, math.ceil(left / 1000)}
     else
       local least = floor
       local keyed = own ~= counter
@@ -164,8 +173,38 @@ for i = 1, (#KEYS - 1) / 4 do
         keep_records(counter, math.max(token, floor))
       end
       redis.call('SET', lease, string.format('%d', token) .. ':' .. identity, 'NX', 'PX', ttl)
-      results[i] = token
+      return token
     end
+  end
+end
+local function unusable(i, failure)
+  local found, seen = {}, {}
+  for k = 4 * i - 2, 4 * i + 1 do
+    local key = KEYS[k]
+    if not seen[key] then
+      seen[key] = true
+      local kind = redis.call('TYPE', key)['ok']
+      if kind ~= 'string' and kind ~= 'none' then
+        table.insert(found, key .. ' is a ' .. kind)
+      elseif kind == 'string' and (k == 4 * i - 1 or k == 4 * i)
+          and not tonumber(redis.call('GET', key)) then
+        table.insert(found, key .. ' is not a number')
+      end
+    end
+  end
+  local reason = type(failure) == 'table' and (failure.err or failure.ok) or tostring(failure)
+  return {false, false, 'a key of this lock is not one Leasehold wrote (' ..
+    table.concat(found, ', ') .. '): ' .. reason}
+end
+local results = {}
+for i = 1, (#KEYS - 1) / 4 do
+  local ok, result = pcall(acquire, i)
+  if ok then
+    results[i] = result
+  elseif checked == 'pending' then
+    error(result)
+  else
+    results[i] = unusable(i, result)
   end
 end
 return results
@@ -224,16 +263,26 @@ pub(crate) fn acquisition<'a>(
     acquisitions(acquire, keys, &[one], durable)
 }
 
-/// What one acquisition of an [`ACQUIRE`] call came to.
-pub(crate) fn acquired(lock: &str, identity: &str, result: &Value) -> Acquire {
-    match result {
+/// What one acquisition of an [`ACQUIRE`] call came to; an error for a lock whose keys the
+/// script cannot use.
+pub(crate) fn acquired(lock: &str, identity: &str, result: &Value) -> Result<Acquire> {
+    Ok(match result {
         Value::Int(token) if *token > 0 => Acquire::Acquired(Lease {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
             token: *token as u64,
         }),
+        Value::Array(items) => match items.as_slice() {
+            [Value::Nil, Value::Nil, Value::BulkString(why)] => {
+                return Err(Error::Backend(format!(
+                    "lock {lock}: {}",
+                    String::from_utf8_lossy(why)
+                )));
+            }
+            _ => Acquire::Busy(parse_value_and_pttl(result)),
+        },
         other => Acquire::Busy(parse_value_and_pttl(other)),
-    }
+    })
 }
 
 /// The one result of an [`ACQUIRE`] call for one lock.
@@ -556,8 +605,8 @@ impl KeyLayout {
             self.epoch()
         }
     }
-    /// The Tair driver's epoch record (see [`crate::drivers::tair`]): its own, since it tells
-    /// incarnations by `run_id` where the script tells them by replication ID.
+    /// The Tair driver's epoch record (see [`crate::drivers::tair`]): its own, kept by the
+    /// driver's commands where the acquire script keeps Redis's.
     pub fn tair_epoch(&self) -> String {
         format!("{}:epoch:tair", self.prefix)
     }
@@ -975,7 +1024,7 @@ impl Driver for RedisDriver {
                 only_result(reply)?
             }
         };
-        Ok(acquired(lock, identity, &result))
+        acquired(lock, identity, &result)
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {

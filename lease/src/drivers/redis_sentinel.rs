@@ -409,7 +409,7 @@ impl Driver for RedisSentinelDriver {
                 Ok(reply) => reply,
                 Err(e) => return Err(self.failed(&master, e).await),
             };
-        let lease = match single::acquired(lock, identity, &single::only_result(reply)?) {
+        let lease = match single::acquired(lock, identity, &single::only_result(reply)?)? {
             Acquire::Acquired(lease) => lease,
             busy => return Ok(busy),
         };
