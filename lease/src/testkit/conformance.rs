@@ -1120,13 +1120,30 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
     assert!(third > second, "token {third} after {second}");
     assert!(matches!(a.status(key, None).unwrap(), KeyAnswer::NotHeld));
 
-    // A hold that lapses without a release or an extension frees the key.
+    // An extension never shortens a hold: w4 keeps the key past a shorter one.
     assert!(matches!(
         b.extend(key, "w4", Duration::from_millis(300))
             .await
             .unwrap(),
         KeyAnswer::Held { .. }
     ));
+    sleep(Duration::from_millis(400)).await;
+    assert!(
+        matches!(b.status(key, Some("w4")).unwrap(), KeyAnswer::Held { .. }),
+        "a shorter extension cut w4's hold short"
+    );
+    // A hold that lapses without a release or an extension frees the key.
+    assert_eq!(
+        b.release(key, "w4").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let short = token(
+        b.acquire(key, "w4", LEASE + SLACK, Duration::from_millis(300))
+            .await
+            .unwrap(),
+    );
+    assert!(short > third, "token {short} after {third}");
+    let third = short;
     let fourth = token(
         a.acquire(key, "w5", Duration::from_millis(300) + LEASE + SLACK, HOLD)
             .await
