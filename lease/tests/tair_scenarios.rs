@@ -146,18 +146,15 @@ fn server_command(server: &RedisServer, args: &[&str]) {
     let _: redis::Value = command.query(&mut conn).unwrap();
 }
 
-/// After a failover behind `endpoint`, a fresh driver asks for the lock `a` took at `sent`
-/// (token `taken`): it must not get it while a's claim may stand (a lease from its call), and
-/// when it does, its token is above a's.
+/// After a failover, driver `b` asks for the lock `a` took at `sent` (token `taken`): it must
+/// not get it while a's claim may stand (a lease from its call), and when it does, its token
+/// is above a's.
 async fn the_new_primary_waits_out_the_lease(
-    endpoint: &str,
+    b: &dyn leasehold_lease::Driver,
     lock: &str,
     sent: tokio::time::Instant,
     taken: u64,
 ) {
-    let b = connect(&BackendUrl::parse(endpoint).unwrap())
-        .await
-        .unwrap();
     let deadline = sent + FAILOVER_LEASE * 4;
     let lease = loop {
         match b.try_acquire(lock, "b", FAILOVER_LEASE).await {
@@ -206,13 +203,15 @@ async fn a_promoted_durable_standby_waits_out_the_lease() {
     let sent = tokio::time::Instant::now();
     let taken = acquired(&*a, "failover", "a", FAILOVER_LEASE).await;
     endpoint.redirect(standby.port());
-    the_new_primary_waits_out_the_lease(&url, "failover", sent, taken.token).await;
+    let b = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    the_new_primary_waits_out_the_lease(&*b, "failover", sent, taken.token).await;
 }
 
 /// A failover and a failback with nothing acquired on the other side in between: the old
 /// primary, promoted again, comes back with the other side's data (without the lease taken
 /// on it after the first failover) and the epoch record it wrote itself. It is a new
-/// incarnation all the same (a new replication ID), not the one the record names.
+/// incarnation all the same (a new replication ID), not the one the record names, also to a
+/// driver whose connection to it stayed open throughout and that wrote nothing meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_promoted_again_after_a_failback_waits_out_the_lease() {
     use leasehold_lease::testkit::FaultProxy;
@@ -223,8 +222,11 @@ async fn a_primary_promoted_again_after_a_failback_waits_out_the_lease() {
     let endpoint = FaultProxy::start(primary.port());
     let url = format!("tair://127.0.0.1:{}", endpoint.port);
     let a = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
-    let first = acquired(&*a, "warm-up", "a", FAILOVER_LEASE).await;
-    assert!(a.release(&first).await.unwrap());
+    let c = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    for (driver, who) in [(&a, "a"), (&c, "c")] {
+        let first = acquired(&**driver, &format!("warm-up-{who}"), who, FAILOVER_LEASE).await;
+        assert!(driver.release(&first).await.unwrap());
+    }
     server_command(&primary, &["WAIT", "1", "10000"]);
     // The standby takes over; the old primary serves a moment longer (a's claim lands there
     // only), then follows the standby, which replaces its data.
@@ -238,5 +240,5 @@ async fn a_primary_promoted_again_after_a_failback_waits_out_the_lease() {
     primary.wait_until_synced();
     // Failback: the old primary is promoted again, behind the address that never moved.
     server_command(&primary, &["REPLICAOF", "NO", "ONE"]);
-    the_new_primary_waits_out_the_lease(&url, "failback", sent, taken.token).await;
+    the_new_primary_waits_out_the_lease(&*c, "failback", sent, taken.token).await;
 }

@@ -27,13 +27,12 @@
 //! Redis ([`super::redis::ACQUIRE`]), such a server grants no free lock for one lease and raises
 //! the counters above every earlier token; without Lua the driver does it itself. It learns the
 //! server's incarnation (its replication ID, new at every start and every promotion, failbacks
-//! included) once per connection and names the connection after it (`CLIENT SETNAME`); every
-//! claim carries a `CLIENT GETNAME` in its round trip, so a claim that landed on a connection
-//! the driver has not checked (a reconnect, perhaps to a restarted or promoted server) is
-//! undone, and a connection whose server turned replica (`READONLY`) is checked again before
-//! its next claim. A replica is never taken for an incarnation. The epoch record
-//! `PREFIX:epoch:tair` holds the incarnation the last check ran on, from when it grants
-//! (`since`) and its token floor.
+//! included), and every claim carries an `INFO replication` in its round trip: a claim that
+//! landed on another incarnation (a reconnect to a restarted server, a standby promoted behind
+//! the same address, a primary demoted and promoted again under an open connection) is undone,
+//! and the new incarnation is checked before the next claim. A replica is never taken for an
+//! incarnation. The epoch record `PREFIX:epoch:tair` holds the incarnation the last check ran
+//! on, from when it grants (`since`) and its token floor.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -52,7 +51,7 @@ use super::redis::{
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned};
 use crate::error::{Error, Result};
 
-/// How many claims one acquisition sends: a wrong token guess, a connection not yet checked and
+/// How many claims one acquisition sends: a wrong token guess, an incarnation not yet checked and
 /// a counter below the epoch's floor each cost one more.
 const CLAIM_ATTEMPTS: usize = 5;
 /// How long a server that refuses `INFO` (no restart guard) goes before it is asked again.
@@ -126,7 +125,7 @@ impl Versions {
     }
 }
 
-/// Whether the server refused `INFO` or `CLIENT` for good (renamed, or not permitted to the
+/// Whether the server refused `INFO` for good (renamed, or not permitted to the
 /// lock's user), so that the driver goes without a restart guard. A server that only cannot
 /// answer now (loading its data after a restart, failing over, busy with a script) refused
 /// nothing: taken for a refusal, it left the driver unguarded for [`INFO_REFUSED_RECHECK`],
@@ -139,17 +138,17 @@ fn refuses_info(e: &redis::RedisError) -> bool {
 enum Guard {
     /// Not checked on the current connection yet.
     Unknown,
-    /// Checked: claims on a connection of this name are claims on this incarnation.
+    /// Checked: claims are on this incarnation while each claim's `INFO replication` says so.
     Known(Arc<Epoch>),
-    /// The server refuses `INFO` (or `CLIENT`): no guard, and the lock's warnings say so.
+    /// The server refuses `INFO`: no guard, and the lock's warnings say so.
     Refused(Instant),
 }
 
 /// One incarnation of the server, as the epoch record describes it.
 #[derive(Clone, Debug)]
 struct Epoch {
-    /// The name the checked connection carries: `leasehold-tair-REPLID`.
-    connection: String,
+    /// The incarnation: the server's replication ID when it was checked.
+    replid: String,
     /// The server's clock (µs) from which it may lack leases: no free lock before one lease on.
     since_us: i64,
     /// Every token of this incarnation is above it.
@@ -160,6 +159,15 @@ struct Epoch {
 }
 
 impl Epoch {
+    /// Whether `info` (`INFO replication`, answered in a claim's round trip) is this
+    /// incarnation's, as a primary.
+    fn is_current(&self, info: &Value) -> bool {
+        <String as redis::FromRedisValue>::from_redis_value_ref(info)
+            .ok()
+            .and_then(|info| Replication::read(&info).ok())
+            .is_some_and(|now| now.replid == self.replid)
+    }
+
     /// How long a free lock is still not granted under a lease of `ttl`.
     fn waiting(&self, ttl: Duration) -> Option<Duration> {
         let now = self.server_us + self.learned.elapsed().as_micros() as i64;
@@ -181,12 +189,20 @@ struct Replication {
 
 impl Replication {
     /// The incarnation of a master; a replica is none (its writes fail, and once promoted it is
-    /// a new one), and a server that names none is an error.
+    /// a new one), and a server that names no role or no replication ID is an error.
     fn read(info: &str) -> Result<Self> {
-        if info_field(info, "role").is_some_and(|role| role != "master") {
-            return Err(Error::Unreachable(
-                "the server is a replica: tair:// needs the primary".into(),
-            ));
+        match info_field(info, "role") {
+            Some("master") => {}
+            Some(_) => {
+                return Err(Error::Unreachable(
+                    "the server is a replica: tair:// needs the primary".into(),
+                ));
+            }
+            None => {
+                return Err(Error::Backend(
+                    "INFO replication names no role: the driver cannot tell a primary".into(),
+                ));
+            }
         }
         let replid = info_field(info, "master_replid")
             .ok_or_else(|| Error::Backend("INFO replication names no master_replid".into()))?;
@@ -359,8 +375,8 @@ impl TairDriver {
         Ok(learned)
     }
 
-    /// Check the server's incarnation on the current connection, name the connection after it,
-    /// and bring the epoch record up to date.
+    /// Check the server's incarnation on the current connection and bring the epoch record up
+    /// to date.
     async fn learn(&self, conn: &mut ConnectionManager) -> Result<Option<Epoch>> {
         for _ in 0..3 {
             let info: String = match redis::cmd("INFO")
@@ -374,14 +390,10 @@ impl TairDriver {
             };
             let expected = Replication::read(&info)?.replid;
             let durable = self.durability.of(conn, "").await.map_err(tair_err)?;
-            let connection = format!("leasehold-tair-{expected}");
-            // The name and the facts in one round trip: they are about one connection, so one
-            // incarnation, even if the connection was replaced since the first INFO.
-            let checked: redis::RedisResult<((), String, String, Vec<String>, EpochRecord)> =
+            // The facts in one round trip: they are about one connection, so one incarnation,
+            // even if the connection was replaced since the first INFO.
+            let checked: redis::RedisResult<(String, String, Vec<String>, EpochRecord)> =
                 redis::pipe()
-                    .cmd("CLIENT")
-                    .arg("SETNAME")
-                    .arg(&connection)
                     .cmd("INFO")
                     .arg("replication")
                     .cmd("INFO")
@@ -394,7 +406,7 @@ impl TairDriver {
                     .arg("floor")
                     .query_async(conn)
                     .await;
-            let (_, replication, info, time, record) = match checked {
+            let (replication, info, time, record) = match checked {
                 Ok(checked) => checked,
                 Err(e) if refuses_info(&e) => return Ok(None),
                 Err(e) => return Err(tair_err(e)),
@@ -430,7 +442,7 @@ impl TairDriver {
                     .map_err(tair_err)?;
             }
             return Ok(Some(Epoch {
-                connection,
+                replid: expected,
                 since_us: since,
                 floor,
                 server_us: now,
@@ -563,12 +575,12 @@ impl Driver for TairDriver {
                 identity: identity.to_owned(),
                 token: token as u64,
             };
-            // The connection's name (unless the server refuses the guard), the claim under the
+            // The server's incarnation (unless it refuses the guard), the claim under the
             // guessed token, and the draw after it, in one round trip; for a family's key, its
             // counter started at the clock should it be gone, and kept a while after the draw.
             let mut pipe = redis::pipe();
             if epoch.is_some() {
-                pipe.cmd("CLIENT").arg("GETNAME");
+                pipe.cmd("INFO").arg("replication");
             }
             let kept = expires.then(|| {
                 let floor = epoch.as_ref().map_or(0, |e| e.floor);
@@ -622,10 +634,10 @@ impl Driver for TairDriver {
                 Value::Int(version) => Some(*version),
                 _ => None,
             };
-            if let (Some(checked), Some(name)) = (&epoch, name)
-                && !matches!(name, Value::BulkString(n) if n.as_slice() == checked.connection.as_bytes())
+            if let (Some(checked), Some(info)) = (&epoch, name)
+                && !checked.is_current(info)
             {
-                // A connection the driver has not checked: perhaps a restarted server.
+                // Another incarnation than the one checked: a restarted or promoted server.
                 if let Some(version) = claimed {
                     self.delete_and_announce(&mut conn, lock, version).await?;
                 }
