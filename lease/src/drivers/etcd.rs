@@ -405,13 +405,27 @@ impl Shared {
     }
 
     /// Give the key up. Should etcd not answer, the delete is tried again at the keeper's next
-    /// round (or the key goes with the session's lease).
+    /// round (or the key goes with the session's lease). The key is recorded as an orphan
+    /// before the delete and taken back after it, so that a delete whose caller stops waiting
+    /// (a time limit drops this future) is tried again too, rather than leaving the key in the
+    /// queue for nobody while the session lives.
     async fn leave(&self, entry: &Entry) {
         self.forget(entry);
-        if let Err(e) = self.delete_key(&entry.key, Some(entry.revision)).await {
-            tracing::debug!(error = %e, key = %entry.key, "etcd delete failed; tried again");
-            self.orphaned(&entry.key, Some(entry.revision), &entry.session.0);
+        self.orphaned(&entry.key, Some(entry.revision), &entry.session.0);
+        match self.delete_key(&entry.key, Some(entry.revision)).await {
+            Ok(()) => self.adopted(&entry.key, entry.revision),
+            Err(e) => {
+                tracing::debug!(error = %e, key = %entry.key, "etcd delete failed; tried again")
+            }
         }
+    }
+
+    /// `key` put at `revision` is deleted: no longer an orphan.
+    fn adopted(&self, key: &str, revision: i64) {
+        self.orphans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|o| !(o.key == key && o.revision == Some(revision)));
     }
 
     fn orphaned(&self, key: &str, revision: Option<i64>, session: &Arc<Session>) {

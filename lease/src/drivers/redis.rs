@@ -192,6 +192,11 @@ local function unusable(i, failure)
       end
     end
   end
+  if #found == 0 then
+    -- Not this lock's keys (a replica's READONLY, a server out of memory): the whole call fails,
+    -- as such a failure fails every write of it.
+    error(failure)
+  end
   local reason = type(failure) == 'table' and (failure.err or failure.ok) or tostring(failure)
   return {false, false, 'a key of this lock is not one Leasehold wrote (' ..
     table.concat(found, ', ') .. '): ' .. reason}
