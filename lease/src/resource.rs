@@ -10,8 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 use leasehold_crds::{Backend, DistributedLock, SecretKeyRef, SqlLockMode};
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 
@@ -589,7 +588,6 @@ fn backend_url(
         crate::names::validate_lease_name(&lease_name)?;
         let target = LeaseTarget {
             name: Some(lease_name),
-            owner: owner_reference(lock),
         };
         return Ok((
             BackendUrl::Kubernetes {
@@ -718,18 +716,6 @@ fn with_tls_secret(
     let found = tls_from_secret(name, secrets)?;
     *tls = Some(found);
     Ok(url)
-}
-
-/// The lock as the controlling owner of what is provisioned for it, under `cleanupPolicy:
-/// Delete` only: the garbage collector deletes what a lock owns, whatever its policy, so an
-/// owned Lease would not be retained (and a lock created again would start its tokens afresh).
-pub fn owner_reference(lock: &DistributedLock) -> Option<OwnerReference> {
-    if lock.spec.cleanup_policy != leasehold_crds::CleanupPolicy::Delete {
-        return None;
-    }
-    let mut owner = lock.controller_owner_ref(&())?;
-    owner.block_owner_deletion = Some(false);
-    Some(owner)
 }
 
 /// A Go duration as the CRD's pattern admits it (`1m30s`, `500ms`, `1.5s`).
@@ -1167,29 +1153,25 @@ mod tests {
     }
 
     #[test]
-    fn the_kubernetes_backend_targets_an_owned_lease() {
+    fn the_kubernetes_backend_targets_its_lease_under_either_policy() {
         let mut lock = lock(Backend {
             kubernetes: Some(Default::default()),
             ..Default::default()
         });
-        // Retained (the default): not owned, so the garbage collector keeps it.
-        let retained = resolve(&lock, &SecretValues::new()).unwrap();
-        assert!(retained.lease.unwrap().owner.is_none());
-        lock.spec.cleanup_policy = leasehold_crds::CleanupPolicy::Delete;
-        let resolved = resolve(&lock, &SecretValues::new()).unwrap();
-        assert_eq!(
-            resolved.backend,
-            BackendUrl::Kubernetes {
-                namespace: Some("team".into())
-            }
-        );
-        let lease = resolved.lease.unwrap();
-        assert_eq!(lease.name.as_deref(), Some("jobs"));
-        let owner = lease.owner.unwrap();
-        assert_eq!(
-            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
-            ("DistributedLock", "uid-1", Some(true))
-        );
+        for policy in [
+            leasehold_crds::CleanupPolicy::Retain,
+            leasehold_crds::CleanupPolicy::Delete,
+        ] {
+            lock.spec.cleanup_policy = policy;
+            let resolved = resolve(&lock, &SecretValues::new()).unwrap();
+            assert_eq!(
+                resolved.backend,
+                BackendUrl::Kubernetes {
+                    namespace: Some("team".into())
+                }
+            );
+            assert_eq!(resolved.lease.unwrap().name.as_deref(), Some("jobs"));
+        }
     }
 
     /// The TLS Secret's three keys are read like any other, their PEM text goes to the driver,

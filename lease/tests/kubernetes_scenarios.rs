@@ -222,20 +222,12 @@ async fn forbidden_says_to_check_rbac() {
 }
 
 #[tokio::test]
-async fn provision_creates_an_unheld_lease_owned_by_its_lock() {
+async fn provision_creates_an_unheld_lease_owned_by_nothing() {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-    let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-        api_version: "leasehold.dev/v1alpha1".into(),
-        kind: "DistributedLock".into(),
-        name: "jobs".into(),
-        uid: "uid-1".into(),
-        ..Default::default()
-    };
     let driver = KubernetesLeaseDriver::new(kube::Client::new(service, "ns"), "ns").with_target(
         "jobs",
         LeaseTarget {
             name: Some("jobs-lease".into()),
-            owner: Some(owner),
         },
     );
     let mut api = ApiServerVerifier(handle);
@@ -245,11 +237,8 @@ async fn provision_creates_an_unheld_lease_owned_by_its_lock() {
         let (post, send) = api.expect(Method::POST, "/namespaces/ns/leases").await;
         let created: LeaseObject = serde_json::from_value(post.clone()).unwrap();
         assert_eq!(created.metadata.name.as_deref(), Some("jobs-lease"));
-        let owners = created.metadata.owner_references.unwrap();
-        assert_eq!(
-            (owners[0].kind.as_str(), owners[0].uid.as_str()),
-            ("DistributedLock", "uid-1")
-        );
+        // No owner: the garbage collector must never take a Lease from under its holders.
+        assert_eq!(created.metadata.owner_references, None);
         let spec = created.spec.unwrap();
         assert_eq!(
             (spec.holder_identity, spec.lease_transitions),

@@ -188,6 +188,7 @@ impl Backends {
             };
             if !self.provisioned(lock) {
                 bounded(driver.provision(names)).await?;
+                self.disown_lease(client, lock).await?;
                 self.mark_provisioned(lock, true);
             }
             // For a family this read is the health check only: no key is named after it.
@@ -277,10 +278,12 @@ impl Backends {
         Ok(None)
     }
 
-    /// Keep the lock's records past its deletion: on the Kubernetes backend the Lease is owned
-    /// by the lock (under `cleanupPolicy: Delete`), and the garbage collector would delete it,
-    /// holder and token history with it, once the lock goes without a clean-up. Cut it loose.
-    pub async fn keep_records(
+    /// On the Kubernetes backend, cut the lock's Lease loose from the lock, which an earlier
+    /// version made its owner: the garbage collector would delete an owned Lease, holder and
+    /// token history with it, while holders still claim the lock (a foreground deletion takes
+    /// dependents before the finalizer has run) or once the lock goes without a clean-up. No
+    /// Lease is given an owner now; this is done at provisioning and before a lock is let go.
+    pub async fn disown_lease(
         &self,
         client: &kube::Client,
         lock: &DistributedLock,

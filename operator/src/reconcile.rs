@@ -200,7 +200,7 @@ async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
         let mut note = format!(
             "{why_stop}: the lock is let go with its records kept in the backend ({error})"
         );
-        if let Err(e) = ctx.backends.keep_records(&ctx.client, lock).await {
+        if let Err(e) = ctx.backends.disown_lease(&ctx.client, lock).await {
             note.push_str(&format!(
                 "; its Lease could not be cut loose, so the garbage collector may delete it: {e}"
             ));

@@ -36,7 +36,7 @@ pub async fn release_finalizers(
             lock.namespace().unwrap_or_default(),
             lock.name_any()
         );
-        if let Err(e) = backends.keep_records(client, &lock).await {
+        if let Err(e) = backends.disown_lease(client, &lock).await {
             tracing::warn!(lock = %name, error = %e, "its Lease could not be cut loose; the garbage collector may delete it with the lock");
         }
         let others: Vec<&String> = lock

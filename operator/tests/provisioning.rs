@@ -360,8 +360,10 @@ async fn etcd_is_checked_and_its_queue_removed_on_delete() {
     );
 }
 
+/// The Lease is owned by no object, so that no garbage collection takes it (see
+/// `a_foreground_deletion_of_a_held_lock_leaves_its_lease`); the finalizer frees it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_kubernetes_backend_gets_a_lease_owned_by_its_lock() {
+async fn the_kubernetes_backend_gets_a_lease_no_object_owns() {
     let api = InMemoryApiServer::new();
     let lock = lock(
         "leader",
@@ -377,19 +379,13 @@ async fn the_kubernetes_backend_gets_a_lease_owned_by_its_lock() {
     let lease = api
         .object(LEASES, NS, "leader-lease")
         .expect("the Lease was created");
-    assert_eq!(
-        lease["metadata"]["ownerReferences"][0]["kind"],
-        "DistributedLock"
-    );
-    assert_eq!(lease["metadata"]["ownerReferences"][0]["uid"], "uid-leader");
-    assert_eq!(lease["metadata"]["ownerReferences"][0]["controller"], true);
+    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
     takes(&*driver, &lock.name_any()).await;
     Backends::default()
         .clean_up(&api.client(), &lock)
         .await
         .unwrap();
-    // Freed and cut loose from the lock (the garbage collector would follow the lock's
-    // deletion), with its transitions kept: a lock created again continues above them.
+    // Freed, with its transitions kept: a lock created again continues above them.
     let lease = api
         .object(LEASES, NS, "leader-lease")
         .expect("the Lease, and its token, were deleted");
@@ -521,11 +517,11 @@ async fn a_namespace_being_deleted_refuses_the_lease_and_says_so() {
     assert!(namespace.metadata.deletion_timestamp.is_some());
 }
 
-/// A clean-up given up keeps the records; on the Kubernetes backend that means cutting the
-/// Lease loose from its lock, or the garbage collector deletes it (holder and token history
-/// with it) once the lock goes.
+/// A Lease an earlier version made the lock's dependent is cut loose at provisioning: the
+/// garbage collector deletes an owned Lease (holder and token history with it) once its lock
+/// goes, before or without the finalizer's clean-up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_kept_on_giving_up_survive_the_garbage_collector() {
+async fn a_lease_owned_by_its_lock_is_cut_loose_at_provisioning() {
     let api = InMemoryApiServer::new();
     let lock = lock(
         "leader",
@@ -538,21 +534,31 @@ async fn records_kept_on_giving_up_survive_the_garbage_collector() {
         leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
         serde_json::to_value(&lock).unwrap(),
     );
-    let (observation, driver) = provision(&api, &lock).await;
-    ready(&observation);
-    let Acquire::Acquired(_) = driver
-        .try_acquire("leader", "pod-a", Duration::from_secs(60))
-        .await
-        .unwrap()
-    else {
-        panic!("not acquired")
+    api.put(LEASES, owned_lease("leader", "pod-a"));
+    // The in-memory garbage collector is real enough to take such a Lease with its lock.
+    let other = {
+        let mut other = lock.clone();
+        other.metadata.name = Some("other".into());
+        other.metadata.uid = Some("uid-other".into());
+        other
     };
-    let owned = api.object(LEASES, NS, "leader").unwrap();
-    assert_eq!(owned["metadata"]["ownerReferences"][0]["uid"], "uid-leader");
-    Backends::default()
-        .keep_records(&api.client(), &lock)
+    api.put(
+        leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
+        serde_json::to_value(&other).unwrap(),
+    );
+    let mut owned_by_other = owned_lease("other", "pod-b");
+    owned_by_other["metadata"]["ownerReferences"][0]["uid"] = json!("uid-other");
+    api.put(LEASES, owned_by_other);
+    kube::Api::<DistributedLock>::namespaced(api.client(), NS)
+        .delete("other", &Default::default())
         .await
         .unwrap();
+    assert!(api.object(LEASES, NS, "other").is_none());
+
+    let (observation, _) = provision(&api, &lock).await;
+    ready(&observation);
+    let lease = api.object(LEASES, NS, "leader").expect("the Lease");
+    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
     kube::Api::<DistributedLock>::namespaced(api.client(), NS)
         .delete("leader", &Default::default())
         .await
@@ -561,32 +567,82 @@ async fn records_kept_on_giving_up_survive_the_garbage_collector() {
         .object(LEASES, NS, "leader")
         .expect("the garbage collector deleted the held Lease");
     assert_eq!(lease["spec"]["holderIdentity"], "pod-a");
-    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
 }
 
-/// The in-memory API server's garbage collector is real enough to catch the above: without the
-/// cut, the owned Lease goes with its lock.
+/// A Lease held by `holder` and owned by the lock `lock` (uid `uid-LOCK`), as an earlier
+/// version created it.
+fn owned_lease(lock: &str, holder: &str) -> serde_json::Value {
+    json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {
+            "name": lock, "namespace": NS,
+            "labels": {"app.kubernetes.io/managed-by": "leasehold"},
+            "ownerReferences": [{
+                "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+                "name": lock, "uid": format!("uid-{lock}"), "controller": true,
+                "blockOwnerDeletion": false
+            }]
+        },
+        "spec": {
+            "holderIdentity": holder, "leaseDurationSeconds": 30,
+            "acquireTime": "2026-01-01T00:00:00.000000Z",
+            "renewTime": "2030-01-01T00:00:00.000000Z",
+            "leaseTransitions": 7
+        }
+    })
+}
+
+/// A foreground deletion (`kubectl delete --cascade=foreground`, Argo CD's prune) deletes a
+/// lock's dependents while its finalizer still waits for the holder to let go: the Lease,
+/// owned by nothing, stays, its holder and token with it, so that nobody else can take the
+/// lock meanwhile and the next token continues above the last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_owned_lease_goes_with_its_lock() {
+async fn a_foreground_deletion_of_a_held_lock_leaves_its_lease() {
     let api = InMemoryApiServer::new();
-    let lock = lock(
+    let mut lock = lock(
         "leader",
         Backend {
             kubernetes: Some(KubernetesBackend::default()),
             ..Default::default()
         },
     );
+    lock.metadata.finalizers = Some(vec!["leasehold.dev/cleanup".into()]);
     api.put(
         leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
         serde_json::to_value(&lock).unwrap(),
     );
-    let (observation, _) = provision(&api, &lock).await;
+    let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
+    let Acquire::Acquired(held) = driver
+        .try_acquire("leader", "pod-a", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("not acquired")
+    };
     kube::Api::<DistributedLock>::namespaced(api.client(), NS)
-        .delete("leader", &Default::default())
+        .delete(
+            "leader",
+            &kube::api::DeleteParams {
+                propagation_policy: Some(kube::api::PropagationPolicy::Foreground),
+                ..Default::default()
+            },
+        )
         .await
         .unwrap();
-    assert!(api.object(LEASES, NS, "leader").is_none());
+    let lease = api
+        .object(LEASES, NS, "leader")
+        .expect("the foreground deletion took the held Lease");
+    assert_eq!(lease["spec"]["holderIdentity"], "pod-a");
+    let busy = driver
+        .try_acquire("leader", "pod-b", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(
+        matches!(busy, Acquire::Busy(_)),
+        "pod-b took the lock pod-a holds: {busy:?}"
+    );
+    assert!(driver.renew(&held, Duration::from_secs(60)).await.unwrap());
 }
 
 /// Redis over TLS from a `DistributedLock`: the CA and the client pair come from a Secret's PEM

@@ -25,7 +25,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease as LeaseObject, LeaseSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Api;
 use kube::api::PostParams;
@@ -43,14 +43,15 @@ pub const DURATION_ANNOTATION: &str = "leasehold.dev/lease-duration-ms";
 /// a holder should not lose its lease to them.
 const CONFLICT_RETRIES: usize = 3;
 
-/// Which Lease holds a lock, and whom it belongs to.
+/// Which Lease holds a lock. The Lease is owned by no object: the garbage collector would
+/// delete an owned Lease with its owner, holder and token history with it, even while holders
+/// still claim the lock (a foreground deletion deletes dependents before the owner's
+/// finalizers have run), and a lock created again would start its tokens afresh. Clean-up is
+/// the operator's finalizer's.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LeaseTarget {
     /// The Lease's name (default: the lock's name).
     pub name: Option<String>,
-    /// Set on a Lease this driver creates (the `DistributedLock`), so it is garbage-collected
-    /// with its lock.
-    pub owner: Option<OwnerReference>,
 }
 
 /// One lock's wake-up counter and the task that watches its Lease, stopped with it.
@@ -128,11 +129,6 @@ impl KubernetesLeaseDriver {
             metadata: ObjectMeta {
                 name: Some(self.lease_name(lock).to_owned()),
                 namespace: Some(self.namespace.clone()),
-                owner_references: self
-                    .targets
-                    .get(lock)
-                    .and_then(|t| t.owner.clone())
-                    .map(|o| vec![o]),
                 labels: Some(
                     [(
                         "app.kubernetes.io/managed-by".to_owned(),
@@ -486,8 +482,8 @@ impl Driver for KubernetesLeaseDriver {
     }
 
     /// The Lease is freed, not deleted: it keeps `leaseTransitions`, the token, so that a lock
-    /// created again under the name continues above it. It is also cut loose from its
-    /// `DistributedLock`, whose deletion the garbage collector would otherwise follow.
+    /// created again under the name continues above it. It is also cut loose from any owner an
+    /// earlier version gave it, whose deletion the garbage collector would otherwise follow.
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         for lock in locks {
             let mut freed = false;

@@ -14,7 +14,9 @@
 //! - PATCH (JSON patch, merge patch, server-side apply as a merge) on objects and on their
 //!   `status` subresource, each writing only its part; a delete of an object with finalizers
 //!   only marks it, and it goes when the last finalizer is removed; the garbage collector then
-//!   deletes what it owned (by `ownerReferences` uid);
+//!   deletes what it owned (by `ownerReferences` uid); a foreground deletion
+//!   (`propagationPolicy: Foreground`, `kubectl delete --cascade=foreground`, Argo CD's prune)
+//!   deletes what the object owns first, while the object itself still waits on its finalizers;
 //! - an outage: every request fails as a refused connection and open watches end, while the
 //!   stored Leases survive (as they would in the API server's etcd).
 //!
@@ -497,6 +499,11 @@ impl InMemoryApiServer {
                 );
             }
         }
+        if options["propagationPolicy"] == "Foreground"
+            && let Some(uid) = current["metadata"]["uid"].as_str()
+        {
+            self.delete_dependents(&mut store, uid);
+        }
         // With finalizers, a delete only marks the object; it goes when the last one is removed.
         if current["metadata"]["finalizers"]
             .as_array()
@@ -513,6 +520,27 @@ impl InMemoryApiServer {
         let object = self.commit(&mut store, collection, ns, name, "DELETED", current);
         self.collect_garbage(&mut store);
         json_response(StatusCode::OK, &object)
+    }
+
+    /// A foreground deletion's first step: what names `owner` (by uid) among its owners is
+    /// deleted, and so on down the chain, before the owner goes.
+    fn delete_dependents(&self, store: &mut Store, owner: &str) {
+        let dependents: Vec<_> = store
+            .objects
+            .iter()
+            .filter(|(_, object)| {
+                object["metadata"]["ownerReferences"]
+                    .as_array()
+                    .is_some_and(|owners| owners.iter().any(|o| o["uid"] == owner))
+            })
+            .map(|(key, object)| (key.clone(), object.clone()))
+            .collect();
+        for ((collection, ns, name), object) in dependents {
+            if let Some(uid) = object["metadata"]["uid"].as_str() {
+                self.delete_dependents(store, uid);
+            }
+            self.commit(store, &collection, &ns, &name, "DELETED", object);
+        }
     }
 
     /// The garbage collector: objects whose every owner (by uid) is gone are deleted, and so on
