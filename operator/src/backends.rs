@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 use leasehold_crds::DistributedLock;
+use leasehold_lease::kubernetes::LOCK_ANNOTATION;
 use leasehold_lease::resource::{self, ResolvedLock};
 use leasehold_lease::{BackendUrl, Driver, Error};
 
@@ -283,6 +284,7 @@ impl Backends {
     /// token history with it, while holders still claim the lock (a foreground deletion takes
     /// dependents before the finalizer has run) or once the lock goes without a clean-up. No
     /// Lease is given an owner now; this is done at provisioning and before a lock is let go.
+    /// The Lease is annotated with its lock's name ([`LOCK_ANNOTATION`]) at the same time.
     pub async fn disown_lease(
         &self,
         client: &kube::Client,
@@ -313,9 +315,18 @@ impl Backends {
                 .filter(|o| Some(o.uid.as_str()) != uid)
                 .cloned()
                 .collect();
-            if kept.len() == owners.len() {
+            // The annotation the operator maps the Lease's holder changes by, where an earlier
+            // version mapped them by the owner.
+            let name_of_lock = lock.name_any();
+            let annotations = lease
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default);
+            let annotated = annotations.get(LOCK_ANNOTATION) == Some(&name_of_lock);
+            if kept.len() == owners.len() && annotated {
                 return Ok(());
             }
+            annotations.insert(LOCK_ANNOTATION.to_owned(), name_of_lock);
             lease.metadata.owner_references = (!kept.is_empty()).then_some(kept);
             let replaced = bounded(async {
                 match api.replace(&name, &Default::default(), &lease).await {

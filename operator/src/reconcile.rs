@@ -18,6 +18,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 use leasehold_crds::{CleanupPolicy, DistributedLock};
+use leasehold_lease::kubernetes::LOCK_ANNOTATION;
 use serde_json::json;
 
 use crate::backends::{Backends, StillHeld};
@@ -86,7 +87,7 @@ pub async fn run(
         .touched_objects()
         .predicate_filter(lease_holder, Default::default());
     Controller::new(locks, watcher::Config::default().any_semantic())
-        .owns_stream(holder_changes)
+        .watches_stream(holder_changes, lock_of_lease)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|outcome| async move {
@@ -95,6 +96,12 @@ pub async fn run(
             }
         })
         .await;
+}
+
+/// The lock a Lease serves: the one its annotation names (a key's Lease names none).
+fn lock_of_lease(lease: LeaseObject) -> Option<ObjectRef<DistributedLock>> {
+    let lock = lease.annotations().get(LOCK_ANNOTATION)?;
+    Some(ObjectRef::new(lock).within(&lease.namespace()?))
 }
 
 /// What of a Lease the status shows: who holds it and how many times it changed hands (not when

@@ -43,6 +43,11 @@ pub const DURATION_ANNOTATION: &str = "leasehold.dev/lease-duration-ms";
 /// a holder should not lose its lease to them.
 const CONFLICT_RETRIES: usize = 3;
 
+/// The annotation that names, on a lock's Lease, the `DistributedLock` it serves: the operator
+/// maps the Lease's holder changes to its lock by it (the Lease has no owner to map by). An
+/// annotation, not a label: a lock's name may be longer than a label value may be.
+pub const LOCK_ANNOTATION: &str = "leasehold.dev/lock";
+
 /// Which Lease holds a lock. The Lease is owned by no object: the garbage collector would
 /// delete an owned Lease with its owner, holder and token history with it, even while holders
 /// still claim the lock (a foreground deletion deletes dependents before the owner's
@@ -123,7 +128,7 @@ impl KubernetesLeaseDriver {
             .map_err(classify)
     }
 
-    /// A fresh, unheld Lease for `lock`.
+    /// A fresh, unheld Lease for `lock`; a declared lock's names its `DistributedLock`.
     fn blank(&self, lock: &str) -> LeaseObject {
         LeaseObject {
             metadata: ObjectMeta {
@@ -136,6 +141,10 @@ impl KubernetesLeaseDriver {
                     )]
                     .into(),
                 ),
+                annotations: self
+                    .targets
+                    .contains_key(lock)
+                    .then(|| [(LOCK_ANNOTATION.to_owned(), lock.to_owned())].into()),
                 ..ObjectMeta::default()
             },
             spec: Some(LeaseSpec {
