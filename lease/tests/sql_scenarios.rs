@@ -1248,3 +1248,69 @@ async fn mariadb_many_held_locks_keep_few_sessions() {
     );
     lock.shutdown().await;
 }
+
+/// A family's floor row deleted by hand comes back above every token still recorded for the
+/// family's keys: a key taken for the first time never draws a token below one already handed
+/// out to a key that is still recorded.
+async fn a_deleted_floor_comes_back_above_the_familys_tokens(h: &mut dyn Harness, url: &str) {
+    use leasehold_lease::Acquire;
+    let driver = h.driver().await;
+    let family = unique_lock("floor_gone");
+    let (cycled, new) = (
+        format!("{family}.keys.cycled"),
+        format!("{family}.keys.new"),
+    );
+    let take = async |lock: &str| match driver.try_acquire(lock, "a", LEASE).await {
+        Ok(Acquire::Acquired(lease)) => lease,
+        other => panic!("{lock}: {other:?}"),
+    };
+    let mut last = 0;
+    for _ in 0..5 {
+        let lease = take(&cycled).await;
+        last = lease.token;
+        assert!(driver.release(&lease).await.unwrap());
+    }
+    // A sweep that forgets nothing makes sure the floor row exists (SQLite makes it there).
+    driver
+        .forget_idle_keys(&family, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    sqlx::any::install_default_drivers();
+    let mut db = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let table = leasehold_lease::DEFAULT_TABLE;
+    let deleted = sqlx::query(&format!(
+        "DELETE FROM {table} WHERE name = '{family}/floor'"
+    ))
+    .execute(&mut db)
+    .await
+    .expect("delete the floor")
+    .rows_affected();
+    assert_eq!(deleted, 1, "no floor row to delete");
+    let first = take(&new).await;
+    assert!(
+        first.token > last,
+        "a new key drew token {} with {cycled} recorded at {last}",
+        first.token
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_deleted_floor_comes_back_above_the_familys_tokens() {
+    let mut h = PostgresHarness::new();
+    let url = h.server.url();
+    a_deleted_floor_comes_back_above_the_familys_tokens(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_deleted_floor_comes_back_above_the_familys_tokens() {
+    let mut h = MariaDbHarness::new();
+    let url = h.server.url();
+    a_deleted_floor_comes_back_above_the_familys_tokens(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_deleted_floor_comes_back_above_the_familys_tokens() {
+    let mut h = leasehold_lease::testkit::SqliteHarness::new();
+    let url = format!("sqlite://{}", h.path().display());
+    a_deleted_floor_comes_back_above_the_familys_tokens(&mut h, &url).await;
+}

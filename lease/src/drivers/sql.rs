@@ -212,11 +212,53 @@ pub struct KeyFloor {
     /// `LAST_INSERT_ID` (lock, identity, ttl µs, floor row), after the take-over of an existing
     /// row found none.
     pub acquire: String,
+    /// The floor row where it is missing (the row, then its token): see [`make_floor`].
     pub ensure: String,
+    /// The floor row's token, if there is one (the row).
+    pub read: String,
+    /// The highest token of the family's rows (the keys' name patterns), read without locking
+    /// them: a held key's row may be locked by its holder's transaction (row-lock mode).
+    pub highest: String,
     pub lock: String,
     pub forget: ForgetIdle,
     /// The family's keys held now (patterns); returns `held`.
     pub count_held: String,
+}
+
+/// Make `family`'s floor row where it is missing, at the highest token of the family's rows: 0
+/// for a new family; for one whose floor row was deleted by hand, above every key still
+/// recorded, so that a key taken for the first time never draws below them. True when made.
+async fn make_floor(
+    conn: &mut sqlx::AnyConnection,
+    floor: &KeyFloor,
+    family: &str,
+) -> Result<bool> {
+    let row = crate::names::key_floor_row(family);
+    let existing = sqlx::query(&floor.read)
+        .bind(&row)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(map_err)?;
+    if existing.is_some() {
+        return Ok(false);
+    }
+    let [plain, hashed] = crate::names::key_name_patterns(family);
+    let highest: i64 = sqlx::query(&floor.highest)
+        .bind(&plain)
+        .bind(&hashed)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .try_get("highest")
+        .map_err(map_err)?;
+    let made = sqlx::query(&floor.ensure)
+        .bind(&row)
+        .bind(highest)
+        .execute(&mut *conn)
+        .await
+        .map_err(map_err)?
+        .rows_affected();
+    Ok(made > 0)
 }
 
 /// `lock` taken by `identity` with `token`.
@@ -376,8 +418,13 @@ impl Dialect {
                              RETURNING token"
                         ),
                         ensure: format!(
-                            "INSERT INTO {t} (name, holder, token, expires_at) VALUES ($1, NULL, 0, now()) \
+                            "INSERT INTO {t} (name, holder, token, expires_at) VALUES ($1, NULL, $2, now()) \
                              ON CONFLICT (name) DO NOTHING"
+                        ),
+                        read: format!("SELECT token FROM {t} WHERE name = $1"),
+                        highest: format!(
+                            "SELECT COALESCE(MAX(token), 0) AS highest FROM {t} \
+                             WHERE name LIKE $1 ESCAPE '|' OR name LIKE $2 ESCAPE '|'"
                         ),
                         lock: format!("SELECT token FROM {t} WHERE name = $1 FOR UPDATE"),
                         forget: ForgetIdle::Postgres(format!(
@@ -489,7 +536,12 @@ impl Dialect {
                          FROM {t} AS f WHERE f.name = ? LOCK IN SHARE MODE"
                     ),
                     ensure: format!(
-                        "INSERT IGNORE INTO {t} (name, holder, token, expires_at) VALUES (?, NULL, 0, NOW(6))"
+                        "INSERT IGNORE INTO {t} (name, holder, token, expires_at) VALUES (?, NULL, ?, NOW(6))"
+                    ),
+                    read: format!("SELECT token FROM {t} WHERE name = ?"),
+                    highest: format!(
+                        "SELECT CAST(COALESCE(MAX(token), 0) AS SIGNED) AS highest FROM {t} \
+                         WHERE name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|'"
                     ),
                     lock: format!("SELECT token FROM {t} WHERE name = ? FOR UPDATE"),
                     forget: ForgetIdle::MySql {
@@ -937,11 +989,15 @@ impl SqlDriver {
         if !again && known() {
             return Ok(());
         }
-        sqlx::query(&floor.ensure)
-            .bind(crate::names::key_floor_row(family))
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
+        let mut conn = self.pool.acquire().await.map_err(map_err)?;
+        let created = make_floor(&mut conn, floor, family).await?;
+        if again && created && known() {
+            tracing::warn!(
+                family,
+                "the family's token floor row was missing (deleted by hand?): made again above \
+                 its keys' highest recorded token; keys forgotten as idle before may repeat theirs"
+            );
+        }
         self.floors
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -1225,11 +1281,7 @@ impl Driver for SqlDriver {
         let row = crate::names::key_floor_row(family);
         let [plain, hashed] = crate::names::key_name_patterns(family);
         let mut tx = self.pool.begin().await.map_err(map_err)?;
-        sqlx::query(&floor.ensure)
-            .bind(&row)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
+        make_floor(&mut tx, floor, family).await?;
         sqlx::query(&floor.lock)
             .bind(&row)
             .fetch_all(&mut *tx)

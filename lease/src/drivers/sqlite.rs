@@ -52,7 +52,8 @@ pub struct SqliteDriver {
 
 struct Statements {
     acquire: String,
-    /// For a family's key: a new row's token is one above the family's floor.
+    /// For a family's key: a new row's token is one above the family's floor, or where the
+    /// floor row is gone (deleted by hand), above the highest token of the family's rows.
     acquire_key: String,
     ensure_floor: String,
     raise_floor: String,
@@ -120,14 +121,20 @@ impl Statements {
             // WHERE true: SQLite's upsert after a SELECT needs it, to tell ON CONFLICT from a join.
             acquire_key: format!(
                 "INSERT INTO {t} (name, holder, token, expires_at_ms) \
-                 SELECT ?1, ?2, COALESCE((SELECT token FROM {t} WHERE name = ?4), 0) + 1, {NOW_MS} + ?3 WHERE true \
+                 SELECT ?1, ?2, COALESCE((SELECT token FROM {t} WHERE name = ?4), \
+                   (SELECT MAX(token) FROM {t} WHERE name LIKE ?5 ESCAPE '|' OR name LIKE ?6 ESCAPE '|'), 0) + 1, \
+                   {NOW_MS} + ?3 WHERE true \
                  ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, token = {t}.token + 1, \
                  expires_at_ms = excluded.expires_at_ms \
                  WHERE {t}.holder IS NULL OR {t}.expires_at_ms <= {NOW_MS} \
                  RETURNING token"
             ),
+            // ?2, ?3: the keys' name patterns. A family whose floor row was deleted by hand
+            // gets it back above every key still recorded.
             ensure_floor: format!(
-                "INSERT INTO {t} (name, holder, token, expires_at_ms) VALUES (?1, NULL, 0, 0) \
+                "INSERT INTO {t} (name, holder, token, expires_at_ms) \
+                 SELECT ?1, NULL, COALESCE(MAX(token), 0), 0 FROM {t} \
+                 WHERE name LIKE ?2 ESCAPE '|' OR name LIKE ?3 ESCAPE '|' \
                  ON CONFLICT (name) DO NOTHING"
             ),
             // ?2, ?3: the keys' name patterns; ?4: the idle cut-off, one instant for both
@@ -254,11 +261,16 @@ impl Driver for SqliteDriver {
         // write transaction commits now. A half-stepped INSERT ... RETURNING keeps the file's
         // write lock, and a holder paused at that moment would lock everyone out.
         let rows = match crate::names::family_of(lock) {
-            Some(family) => sqlx::query(&self.sql.acquire_key)
-                .bind(lock)
-                .bind(identity)
-                .bind(ms(ttl))
-                .bind(crate::names::key_floor_row(family)),
+            Some(family) => {
+                let [plain, hashed] = crate::names::key_name_patterns(family);
+                sqlx::query(&self.sql.acquire_key)
+                    .bind(lock)
+                    .bind(identity)
+                    .bind(ms(ttl))
+                    .bind(crate::names::key_floor_row(family))
+                    .bind(plain)
+                    .bind(hashed)
+            }
             None => sqlx::query(&self.sql.acquire)
                 .bind(lock)
                 .bind(identity)
@@ -319,6 +331,8 @@ impl Driver for SqliteDriver {
         let mut tx = self.pool.begin().await.map_err(map_err)?;
         sqlx::query(&self.sql.ensure_floor)
             .bind(&floor)
+            .bind(&plain)
+            .bind(&hashed)
             .execute(&mut *tx)
             .await
             .map_err(map_err)?;
