@@ -181,18 +181,28 @@ async fn the_new_primary_waits_out_the_lease(
     );
 }
 
+/// A durable Tair primary with a synced durable standby, and the address clients use: a proxy
+/// to the primary that a failover can move (`tair://` URL).
+fn primary_and_standby() -> (
+    RedisServer,
+    RedisServer,
+    leasehold_lease::testkit::FaultProxy,
+    String,
+) {
+    let primary = RedisServer::start_tair();
+    let standby = RedisServer::start_tair_replica_of(primary.port());
+    standby.wait_until_synced();
+    let endpoint = leasehold_lease::testkit::FaultProxy::start(primary.port());
+    let url = format!("tair://127.0.0.1:{}", endpoint.port);
+    (primary, standby, endpoint, url)
+}
+
 /// A durable standby promoted behind the primary's address (a virtual IP, a proxy, a Service)
 /// may lack the primary's last writes, the lease a holder still claims among them: it counts
 /// as a new incarnation that may have lost data, not as a durable server that lost nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_promoted_durable_standby_waits_out_the_lease() {
-    use leasehold_lease::testkit::FaultProxy;
-
-    let primary = RedisServer::start_tair();
-    let standby = RedisServer::start_tair_replica_of(primary.port());
-    standby.wait_until_synced();
-    let endpoint = FaultProxy::start(primary.port());
-    let url = format!("tair://127.0.0.1:{}", endpoint.port);
+    let (primary, standby, endpoint, url) = primary_and_standby();
     let a = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
     // The epoch record names the primary, on both servers.
     let first = acquired(&*a, "warm-up", "a", FAILOVER_LEASE).await;
@@ -214,13 +224,8 @@ async fn a_promoted_durable_standby_waits_out_the_lease() {
 /// driver whose connection to it stayed open throughout and that wrote nothing meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_promoted_again_after_a_failback_waits_out_the_lease() {
-    use leasehold_lease::testkit::FaultProxy;
-
-    let primary = RedisServer::start_tair();
-    let standby = RedisServer::start_tair_replica_of(primary.port());
-    standby.wait_until_synced();
-    let endpoint = FaultProxy::start(primary.port());
-    let url = format!("tair://127.0.0.1:{}", endpoint.port);
+    // The address never moves: the failback happens behind it.
+    let (primary, standby, _endpoint, url) = primary_and_standby();
     let a = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
     let c = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
     for (driver, who) in [(&a, "a"), (&c, "c")] {
