@@ -1730,7 +1730,7 @@ async fn tair_raw_driver_commands(port: u16) -> f64 {
 /// beside the Redis driver's, in the same run.
 async fn tair_section() {
     println!(
-        "## Tair (Redis 7 with the TairString module, no append-only file; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
+        "## Tair (Redis 7 with the TairString test double, tairstring-fake, no append-only file; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
     );
     let tair = RedisServer::start_tair_with(false);
     // Without persistence the driver cannot tell the server's start from a restart that lost
