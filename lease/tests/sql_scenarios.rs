@@ -579,6 +579,84 @@ async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
     .await;
 }
 
+/// A waiter's blocking statement reports how long it blocked as a difference of the server's
+/// wall clock. When that clock steps forward during the block (here `clock_timestamp()` is
+/// shadowed by one an hour ahead, set while the waiter blocks) and the answer comes well after
+/// the row's write (a commit held back 300 ms, as a slow synchronous standby does), the claim
+/// still counts from no later than the write: from the statement's send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_woken_claim_never_counts_past_the_write_when_the_server_clock_steps() {
+    const COMMIT_DELAY: Duration = Duration::from_millis(300);
+    use leasehold_lease::Acquire;
+    use leasehold_lease::boot_clock::BootInstant;
+    let ttl = Duration::from_secs(5);
+    let h = PostgresHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("clock-step");
+    let holder = h.driver().await;
+    let Acquire::Acquired(first) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
+    for statement in [
+        "CREATE TABLE public.clock_step (step interval NOT NULL)",
+        "INSERT INTO public.clock_step VALUES (interval '0')",
+        "CREATE FUNCTION public.clock_timestamp() RETURNS timestamptz LANGUAGE sql VOLATILE \
+         AS $$ SELECT pg_catalog.clock_timestamp() + (SELECT step FROM public.clock_step) $$",
+        "ALTER ROLE CURRENT_USER SET search_path = public, pg_catalog",
+        "CREATE FUNCTION public.slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.holder = 'b' THEN PERFORM pg_sleep(0.3); END IF; RETURN NULL; END $$",
+        "CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT OR UPDATE ON public.leasehold_locks \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.slow_commit()",
+    ] {
+        sqlx::query(statement)
+            .execute(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    await_advisory(
+        &mut admin,
+        &lock,
+        "the holder never took its advisory lock",
+        |s| s.len() == 1 && s[0].1,
+    )
+    .await;
+    // The waiter's sessions start after the shadowing clock is in their search path.
+    let waiter = h.driver().await;
+    let mut changes = waiter.changes(&lock).expect("a change feed");
+    let refused = waiter.try_acquire(&lock, "b", ttl).await.unwrap();
+    assert!(matches!(refused, Acquire::Busy(Some(_))), "{refused:?}");
+    await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
+        s.iter().any(|(_, granted)| !granted)
+    })
+    .await;
+    sqlx::query("UPDATE public.clock_step SET step = interval '1 hour'")
+        .execute(&mut admin)
+        .await
+        .expect("step the clock");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    changes.borrow_and_update();
+    assert!(holder.release(&first).await.unwrap());
+    tokio::time::timeout(SLACK + COMMIT_DELAY, changes.changed())
+        .await
+        .expect("the waiter's engine was never woken")
+        .expect("feed");
+    let woken = BootInstant::now();
+    let Acquire::Acquired(lease) = waiter.try_acquire(&lock, "b", ttl).await.unwrap() else {
+        panic!("the woken waiter did not hold");
+    };
+    drop(changes);
+    assert!(lease.token > first.token, "{lease:?} after {first:?}");
+    let counted = waiter.counted_from(&lease, BootInstant::now());
+    // The row was written before its commit was held back, so at least COMMIT_DELAY before
+    // the answer, which came before the wake-up.
+    assert!(
+        counted + COMMIT_DELAY <= woken,
+        "the claim counts from {counted:?}, less than {COMMIT_DELAY:?} before the wake-up at {woken:?}"
+    );
+}
+
 /// The wake-up is only a hint on PostgreSQL too: a waiter whose blocking statement is granted
 /// the advisory lock because the holder's session ended (terminated here) while the holder's
 /// lease still runs finds the row leased, and takes the lock only once that lease has run out.

@@ -17,8 +17,9 @@
 //!   while that statement runs (its insertion then waits for the release's commit). A row taken
 //!   so is kept for the waiter's engine ([`ServerLocks::take_woken`]), which claims it from the
 //!   instant the database dated it ([`ServerLocks::counted_from`]): the statement's send, plus
-//!   how long the server says it blocked. A row nobody claims within [`WOKEN_KEPT`] is
-//!   released. A family's keys keep to `NOTIFY` instead (see `SqlDriver::server_lock`).
+//!   how long the server says it blocked, at most the answer's arrival less a round trip (from
+//!   the send alone when the server's clock stepped meanwhile). A row nobody claims within
+//!   [`WOKEN_KEPT`] is released. A family's keys keep to `NOTIFY` instead (see `SqlDriver::server_lock`).
 //!
 //! A holding engine that stops claiming without telling the driver (its lease ran out while it
 //! was paused) would keep the server lock for good; so a held one checks every
@@ -620,6 +621,31 @@ impl ServerLocks {
     }
 }
 
+/// The instant a row taken in a blocking statement is claimed from: the statement's `sent`, plus
+/// the `blocked` time the server reports between the statement's start and the row's write
+/// (a difference of its wall clock), answered `elapsed` after the send.
+///
+/// The row was written at least a round trip before the answer came, so the claim counts from
+/// no later than that. A `blocked` longer than `elapsed` can only come from the server's clock
+/// stepping forward during the block; its figure then says nothing, and the claim counts from
+/// the send, which came before the write whatever the clock did.
+fn woken_counted_from(
+    sent: BootInstant,
+    elapsed: Duration,
+    blocked: Duration,
+    round_trip: Duration,
+) -> BootInstant {
+    if blocked > elapsed {
+        tracing::warn!(
+            blocked_ms = blocked.as_millis() as u64,
+            elapsed_ms = elapsed.as_millis() as u64,
+            "the database's clock stepped forward while a waiter blocked; its claim counts from the statement's send"
+        );
+        return sent;
+    }
+    sent + blocked.min(elapsed.saturating_sub(round_trip))
+}
+
 impl ServerLocks {
     /// The server-wide name of `lock`'s named lock (MySQL).
     fn name(&self, lock: &str) -> String {
@@ -676,8 +702,12 @@ impl ServerLocks {
             .bind(&waiter.identity)
             .bind(i64::try_from(waiter.ttl.as_millis()).unwrap_or(i64::MAX))
             .bind(key);
+        // A round trip measured now bounds how long the answer took to come back.
+        let probe = Instant::now();
+        sqlx::query("SELECT 1").execute(&mut *conn).await?;
+        let round_trip = probe.elapsed();
         let (sent, started) = (BootInstant::now(), Instant::now());
-        let rows = match query.fetch_all(conn).await {
+        let rows = match query.fetch_all(&mut *conn).await {
             Ok(rows) => rows,
             Err(e) if lock_not_available(&e) => return Ok(Step::NotGranted),
             Err(e) => return Err(e),
@@ -688,10 +718,8 @@ impl ServerLocks {
             return Ok(Step::Granted);
         };
         let token = row.try_get::<i64, _>("token")? as u64;
-        // The database dated the lease `blocked` after the statement began, which was after it
-        // was sent; never later than the answer came, whatever its clock did meanwhile.
         let blocked = Duration::from_micros(row.try_get::<i64, _>("blocked_us")?.max(0) as u64);
-        let counted_from = sent + blocked.min(started.elapsed());
+        let counted_from = woken_counted_from(sent, started.elapsed(), blocked, round_trip);
         let lease = Lease {
             lock: lock.to_owned(),
             identity: waiter.identity.clone(),
