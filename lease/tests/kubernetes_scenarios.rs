@@ -298,6 +298,61 @@ async fn a_release_wakes_the_waiter_through_the_watch() {
     assert_eq!(stored["spec"]["leaseTransitions"], 2);
 }
 
+/// A family's floor Lease deleted by hand comes back at the highest token among the family's
+/// key Leases, so that a key forgotten as idle and taken again draws above every key still
+/// recorded, never from 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_floor_lease_comes_back_above_the_familys_tokens() {
+    use leasehold_lease::kubernetes::floor_lease;
+    const TTL: Duration = Duration::from_secs(10);
+    let harness = KubernetesHarness::new();
+    let driver = harness.client_driver();
+    let family = unique_lock("floor");
+    let forgotten = format!("{family}.keys.forgotten");
+    let busy = format!("{family}.keys.busy");
+    let take = async |lock: &str| match driver.try_acquire(lock, "pod-a", TTL).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        other => panic!("{lock}: {other:?}"),
+    };
+    for _ in 0..2 {
+        let lease = take(&forgotten).await;
+        assert!(driver.release(&lease).await.unwrap());
+    }
+    let mut last = None;
+    for _ in 0..5 {
+        let lease = take(&busy).await;
+        assert!(driver.release(&lease).await.unwrap());
+        last = Some(lease);
+    }
+    assert_eq!(last.unwrap().token, 5);
+    let held = take(&busy).await;
+    assert_eq!(
+        driver
+            .forget_idle_keys(&family, Duration::ZERO)
+            .await
+            .unwrap(),
+        1,
+        "only the released key is idle"
+    );
+    assert!(harness.api.remove(
+        leasehold_lease::testkit::in_memory_api_server::LEASES,
+        KubernetesHarness::NAMESPACE,
+        &floor_lease(&family)
+    ));
+    let again = take(&forgotten).await;
+    assert!(
+        again.token > held.token,
+        "a key taken again drew {} below the family's recorded {}",
+        again.token,
+        held.token
+    );
+    let floor = harness
+        .api
+        .lease(KubernetesHarness::NAMESPACE, &floor_lease(&family))
+        .expect("the floor made again");
+    assert_eq!(floor["spec"]["leaseTransitions"], 6);
+}
+
 /// A family's key Leases that nobody has held for the idle time are deleted, and no other: not
 /// a held key's, not one released just now (with an hour's idle time), not the floor's, not a
 /// plain lock's, not another family's. A key taken again after its Lease went draws above every

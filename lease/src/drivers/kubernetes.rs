@@ -220,14 +220,52 @@ impl KubernetesLeaseDriver {
         }
     }
 
-    /// `family`'s token floor; 0 while it has none.
+    /// `family`'s token floor, its Lease made first where it is missing ([`Self::make_floor`]).
     async fn floor(&self, family: &str) -> Result<u64> {
-        Ok(self
-            .read(&floor_lease(family))
-            .await?
-            .as_ref()
-            .and_then(Record::of)
-            .map_or(0, |record| record.transitions))
+        for _ in 0..CONFLICT_RETRIES {
+            if let Some(object) = self.read(&floor_lease(family)).await? {
+                return Ok(Record::of(&object).map_or(0, |record| record.transitions));
+            }
+            self.make_floor(family).await?;
+        }
+        Err(Error::Backend(format!(
+            "the Lease {} kept disappearing during {CONFLICT_RETRIES} attempts to read it",
+            floor_lease(family)
+        )))
+    }
+
+    /// Make `family`'s floor Lease, which is missing, at the highest token among the family's
+    /// key Leases: 0 for a new family; for one whose floor was deleted by hand, above every key
+    /// still recorded, so that a key taken again never draws below them. Another writer's floor
+    /// made meanwhile wins (the creation fails with a conflict, and the floor is read again).
+    async fn make_floor(&self, family: &str) -> Result<()> {
+        let name = floor_lease(family);
+        let mut highest = 0;
+        let mut pages = self.leases_of(family);
+        while let Some(page) = pages.next().await? {
+            highest = page
+                .iter()
+                .filter(|lease| lease.metadata.name.as_deref() != Some(name.as_str()))
+                .filter_map(Record::of)
+                .map(|record| record.transitions)
+                .fold(highest, u64::max);
+        }
+        let mut object = self.blank(&name);
+        object
+            .spec
+            .get_or_insert_with(LeaseSpec::default)
+            .lease_transitions = Some(
+            i32::try_from(highest)
+                .map_err(|_| Error::Backend("leaseTransitions would pass 2^31".into()))?,
+        );
+        if self.replace(&name, &object).await?.is_some() && highest > 0 {
+            tracing::warn!(
+                family,
+                floor = highest,
+                "the family's token floor Lease was missing while key Leases remain; it was made again at their highest token"
+            );
+        }
+        Ok(())
     }
 
     /// Raise `family`'s token floor to at least `token`.
@@ -236,7 +274,10 @@ impl KubernetesLeaseDriver {
         let token = i32::try_from(token)
             .map_err(|_| Error::Backend("leaseTransitions would pass 2^31".into()))?;
         for _ in 0..CONFLICT_RETRIES {
-            let mut object = self.read(&name).await?.unwrap_or_else(|| self.blank(&name));
+            let Some(mut object) = self.read(&name).await? else {
+                self.make_floor(family).await?;
+                continue;
+            };
             let spec = object.spec.get_or_insert_with(LeaseSpec::default);
             if spec.lease_transitions.unwrap_or(0) >= token {
                 return Ok(());
