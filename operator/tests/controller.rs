@@ -14,6 +14,8 @@ use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context, FINALIZER};
 use serde_json::Value;
 
+mod support;
+
 const NS: &str = "team";
 
 fn put_lock(api: &InMemoryApiServer, name: &str) {
@@ -44,7 +46,7 @@ async fn eventually<T>(within: Duration, what: &str, mut check: impl FnMut() -> 
 /// The operator running against `api` until the returned sender is dropped or fired.
 fn operator(api: &InMemoryApiServer) -> tokio::sync::oneshot::Sender<()> {
     let ctx = Arc::new(Context::new(
-        api.client(),
+        support::operator_client(api),
         "operator-0",
         Arc::new(Metrics::new()),
     ));

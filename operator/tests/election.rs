@@ -1,6 +1,8 @@
 //! Leader election among operator replicas on the Lease driver (in-memory Kubernetes API): one
 //! leader at a time, and a standby takes over when the leader steps down.
 
+mod support;
+
 use std::time::Duration;
 
 use leasehold_lease::testkit::InMemoryApiServer;
@@ -10,11 +12,21 @@ use leasehold_operator::election::{self, ELECTION_LEASE};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_leads_and_a_standby_takes_over_when_it_steps_down() {
     let api = InMemoryApiServer::new();
-    let a = election::campaign(api.client(), "leasehold-system", "operator-a").unwrap();
+    let a = election::campaign(
+        support::operator_client(&api),
+        "leasehold-system",
+        "operator-a",
+    )
+    .unwrap();
     tokio::time::timeout(Duration::from_secs(5), election::elected(&a))
         .await
         .expect("the first replica is elected");
-    let b = election::campaign(api.client(), "leasehold-system", "operator-b").unwrap();
+    let b = election::campaign(
+        support::operator_client(&api),
+        "leasehold-system",
+        "operator-b",
+    )
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!b.answer().is_holder(), "two leaders");
     let lease = api

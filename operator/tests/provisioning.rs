@@ -21,6 +21,9 @@ use leasehold_operator::backends::{Backends, StillHeld};
 use leasehold_operator::status::Observation;
 use serde_json::json;
 
+mod support;
+use support::operator_client;
+
 const NS: &str = "team";
 
 fn lock(name: &str, backend: Backend) -> DistributedLock {
@@ -63,10 +66,13 @@ async fn provision(
     api: &InMemoryApiServer,
     lock: &DistributedLock,
 ) -> (Observation, std::sync::Arc<dyn Driver>) {
-    let client = api.client();
-    let (_, observation) = Backends::default().observe(&client, lock).await;
-    let resolved = Backends::resolve(&client, lock).await.expect("resolve");
-    let driver = resource::open(&client, &resolved).await.expect("open");
+    let operator = operator_client(api);
+    let (_, observation) = Backends::default().observe(&operator, lock).await;
+    let resolved = Backends::resolve(&operator, lock).await.expect("resolve");
+    // The sidecar's driver, with the pod's own rights (not under test here).
+    let driver = resource::open(&api.client(), &resolved)
+        .await
+        .expect("open");
     (observation, driver)
 }
 
@@ -118,7 +124,7 @@ async fn postgres_row_lock_is_seeded_and_keeps_only_its_token_on_delete() {
     takes(&*driver, "jobs").await;
 
     Backends::default()
-        .clean_up(&api.client(), &lock)
+        .clean_up(&operator_client(&api), &lock)
         .await
         .unwrap();
     let left: i64 =
@@ -205,7 +211,7 @@ async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
     // The clean-up removes the lease key and keeps the token counter, so that a lock created
     // again under the name continues above it.
     Backends::default()
-        .clean_up(&api.client(), &lock)
+        .clean_up(&operator_client(&api), &lock)
         .await
         .unwrap();
     for (key, kept) in [
@@ -265,14 +271,23 @@ async fn redis_sentinel_is_reached_through_the_sentinels() {
     assert_eq!(exists("leasehold:{payouts}:lease"), "int(1)");
     // Held: the clean-up names the holder and deletes nothing.
     let backends = Backends::default();
-    let waiting = backends.clean_up(&api.client(), &lock).await.unwrap();
+    let waiting = backends
+        .clean_up(&operator_client(&api), &lock)
+        .await
+        .unwrap();
     let Some(StillHeld::Lock(Some(holder))) = waiting else {
         panic!("{waiting:?}")
     };
     assert_eq!(holder.identity, "pod-a");
     assert_eq!(exists("leasehold:{payouts}:lease"), "int(1)");
     assert!(driver.release(&lease).await.unwrap());
-    assert_eq!(backends.clean_up(&api.client(), &lock).await.unwrap(), None);
+    assert_eq!(
+        backends
+            .clean_up(&operator_client(&api), &lock)
+            .await
+            .unwrap(),
+        None
+    );
     assert_eq!(exists("leasehold:{payouts}:lease"), "int(0)");
     assert_eq!(exists("leasehold:{payouts}:token"), "int(1)");
 }
@@ -304,7 +319,7 @@ async fn zookeeper_gets_its_parent_node_and_loses_it_on_delete() {
     takes(&*driver, "elect").await;
     drop(driver);
     Backends::default()
-        .clean_up(&api.client(), &lock)
+        .clean_up(&operator_client(&api), &lock)
         .await
         .unwrap();
     assert!(zk.check_stat("/apps/team/elect").await.unwrap().is_none());
@@ -339,17 +354,28 @@ async fn etcd_is_checked_and_its_queue_removed_on_delete() {
     };
     // Held: the clean-up names the holder, deletes nothing and leaves no place in the queue.
     let backends = Backends::default();
-    let waiting = backends.clean_up(&api.client(), &lock).await.unwrap();
+    let waiting = backends
+        .clean_up(&operator_client(&api), &lock)
+        .await
+        .unwrap();
     let Some(StillHeld::Lock(Some(holder))) = waiting else {
         panic!("{waiting:?}")
     };
     assert_eq!(holder.identity, "pod-a");
     assert!(driver.renew(&held, Duration::from_secs(30)).await.unwrap());
     assert!(driver.release(&held).await.unwrap());
-    assert_eq!(backends.clean_up(&api.client(), &lock).await.unwrap(), None);
+    assert_eq!(
+        backends
+            .clean_up(&operator_client(&api), &lock)
+            .await
+            .unwrap(),
+        None
+    );
     let other = resource::open(
         &api.client(),
-        &Backends::resolve(&api.client(), &lock).await.unwrap(),
+        &Backends::resolve(&operator_client(&api), &lock)
+            .await
+            .unwrap(),
     )
     .await
     .unwrap();
@@ -382,7 +408,7 @@ async fn the_kubernetes_backend_gets_a_lease_no_object_owns() {
     assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
     takes(&*driver, &lock.name_any()).await;
     Backends::default()
-        .clean_up(&api.client(), &lock)
+        .clean_up(&operator_client(&api), &lock)
         .await
         .unwrap();
     // Freed, with its transitions kept: a lock created again continues above them.
@@ -438,7 +464,9 @@ async fn a_missing_secret_is_an_invalid_spec_that_names_it() {
             ..Default::default()
         },
     );
-    let (_, observation) = Backends::default().observe(&api.client(), &lock).await;
+    let (_, observation) = Backends::default()
+        .observe(&operator_client(&api), &lock)
+        .await;
     let Observation::Failed { reason, message } = observation else {
         panic!("{observation:?}")
     };
@@ -472,7 +500,9 @@ async fn a_secret_goes_only_to_servers_its_owner_allowed() {
                 ..Default::default()
             },
         );
-        let (_, observation) = Backends::default().observe(&api.client(), &lock).await;
+        let (_, observation) = Backends::default()
+            .observe(&operator_client(&api), &lock)
+            .await;
         let Observation::Failed { reason, message } = observation else {
             panic!("{observation:?}")
         };
@@ -504,7 +534,9 @@ async fn a_namespace_being_deleted_refuses_the_lease_and_says_so() {
             ..Default::default()
         },
     );
-    let (_, observation) = Backends::default().observe(&api.client(), &lock).await;
+    let (_, observation) = Backends::default()
+        .observe(&operator_client(&api), &lock)
+        .await;
     let Observation::Failed { message, .. } = observation else {
         panic!("a Lease was created in a namespace being deleted: {observation:?}")
     };
@@ -676,7 +708,9 @@ async fn redis_over_tls_with_its_certificates_from_a_secret() {
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
     takes(&*driver, "cache").await;
-    let resolved = Backends::resolve(&api.client(), &lock).await.unwrap();
+    let resolved = Backends::resolve(&operator_client(&api), &lock)
+        .await
+        .unwrap();
     let shown = resolved.backend.to_string();
     assert!(
         shown.starts_with("rediss://") && !shown.contains("PRIVATE KEY"),
@@ -719,7 +753,7 @@ async fn postgres_over_tls_with_its_certificates_from_a_secret() {
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
     takes(&*driver, "jobs").await;
-    let shown = Backends::resolve(&api.client(), &lock)
+    let shown = Backends::resolve(&operator_client(&api), &lock)
         .await
         .unwrap()
         .backend
@@ -754,7 +788,7 @@ async fn tair_is_checked_for_its_commands() {
 
     let plain = RedisServer::start();
     let (_, observation) = Backends::default()
-        .observe(&api.client(), &tair_lock(plain.port()))
+        .observe(&operator_client(&api), &tair_lock(plain.port()))
         .await;
     let Observation::Failed { reason, message } = observation else {
         panic!("a plain Redis passed for Tair: {observation:?}")
@@ -806,7 +840,9 @@ async fn a_family_gets_what_its_keys_share_and_no_record_of_its_own() {
     else {
         panic!("the key is not free");
     };
-    let (_, observation) = Backends::default().observe(&api.client(), &family).await;
+    let (_, observation) = Backends::default()
+        .observe(&operator_client(&api), &family)
+        .await;
     assert!(
         matches!(observation, Observation::Ready { holder: None, .. }),
         "{observation:?}"
@@ -872,7 +908,10 @@ async fn a_lease_family_loses_its_keys_leases_on_delete_and_keeps_its_floor() {
     let held = take("orders.keys.sku-3").await;
     highest = highest.max(held.token);
     let backends = Backends::default();
-    let waiting = backends.clean_up(&api.client(), &family).await.unwrap();
+    let waiting = backends
+        .clean_up(&operator_client(&api), &family)
+        .await
+        .unwrap();
     assert_eq!(waiting, Some(StillHeld::Keys(1)));
     for key in [
         "orders.keys.sku-1",
@@ -886,7 +925,10 @@ async fn a_lease_family_loses_its_keys_leases_on_delete_and_keeps_its_floor() {
     }
     assert!(driver.release(&held).await.unwrap());
     assert_eq!(
-        backends.clean_up(&api.client(), &family).await.unwrap(),
+        backends
+            .clean_up(&operator_client(&api), &family)
+            .await
+            .unwrap(),
         None
     );
     for key in [

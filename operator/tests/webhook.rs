@@ -1,6 +1,8 @@
 //! The injection webhook on AdmissionReview fixtures: the locks are looked up on the in-memory
 //! Kubernetes API, the JSON patch is applied to the pod, and the result checked field by field.
 
+mod support;
+
 use kube::core::admission::AdmissionReview;
 use leasehold_lease::testkit::InMemoryApiServer;
 use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
@@ -66,7 +68,12 @@ fn injection(native: bool) -> Injection {
 
 /// The webhook's answer: allowed, the message, and the pod after its patch.
 async fn admit(api: &InMemoryApiServer, pod: &Value, native: bool) -> (bool, String, Value) {
-    let answer = webhook::review(&api.client(), &injection(native), admission_review(pod)).await;
+    let answer = webhook::review(
+        &support::operator_client(api),
+        &injection(native),
+        admission_review(pod),
+    )
+    .await;
     assert_eq!(answer["kind"], "AdmissionReview");
     assert_eq!(answer["apiVersion"], "admission.k8s.io/v1");
     let response = &answer["response"];
@@ -438,7 +445,7 @@ async fn resources_and_pull_secrets_are_the_operators_settings() {
         let injection = injection.clone();
         let pod = pod.clone();
         async move {
-            let answer = webhook::review(&api.client(), &injection, review).await;
+            let answer = webhook::review(&support::operator_client(&api), &injection, review).await;
             let bytes = base64_decode(answer["response"]["patch"].as_str().unwrap());
             let patch: json_patch::Patch = serde_json::from_slice(&bytes).unwrap();
             let mut patched = pod;

@@ -75,7 +75,10 @@ fn now() -> OffsetDateTime {
 async fn racing_replicas_agree_on_one_ca_and_publish_it() {
     let api = api_with_configuration();
     let (a, b) = (ServingCert::new(), ServingCert::new());
-    let (client_a, client_b) = (api.client(), api.client());
+    let (client_a, client_b) = (
+        support::operator_client(&api),
+        support::operator_client(&api),
+    );
     let (t, settings) = (now(), settings());
     let (first_a, first_b) = tokio::join!(
         webhook_tls::pass(&client_a, &settings, &a, t),
@@ -124,7 +127,7 @@ async fn racing_replicas_agree_on_one_ca_and_publish_it() {
 async fn a_blanked_ca_bundle_is_restored() {
     let api = api_with_configuration();
     let serving = ServingCert::new();
-    let client = api.client();
+    let client = support::operator_client(&api);
     webhook_tls::pass(&client, &settings(), &serving, now())
         .await
         .unwrap();
@@ -147,9 +150,14 @@ async fn a_blanked_ca_bundle_is_restored() {
 async fn a_missing_configuration_is_reported_and_the_certificate_still_served() {
     let api = InMemoryApiServer::new();
     let serving = ServingCert::new();
-    let pass = webhook_tls::pass(&api.client(), &settings(), &serving, now())
-        .await
-        .unwrap();
+    let pass = webhook_tls::pass(
+        &support::operator_client(&api),
+        &settings(),
+        &serving,
+        now(),
+    )
+    .await
+    .unwrap();
     assert!(pass.configuration_missing);
     assert!(serving.presented().is_some());
 }
@@ -159,9 +167,14 @@ async fn an_unreachable_api_is_an_error_and_nothing_is_loaded() {
     let api = InMemoryApiServer::new();
     api.set_down(true);
     let serving = ServingCert::new();
-    let error = webhook_tls::pass(&api.client(), &settings(), &serving, now())
-        .await
-        .unwrap_err();
+    let error = webhook_tls::pass(
+        &support::operator_client(&api),
+        &settings(),
+        &serving,
+        now(),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(error, webhook_tls::TlsError::Kube(_)), "{error}");
     assert!(serving.presented().is_none());
 }
@@ -193,7 +206,7 @@ async fn the_listener_serves_admission_reviews_and_picks_up_a_rotated_certificat
                "metadata": {"name": "nightly-report", "namespace": "team"},
                "spec": {"backend": {"kubernetes": {}}}}),
     );
-    let client = api.client();
+    let client = support::operator_client(&api);
     let serving = ServingCert::new();
     let t = now();
     webhook_tls::pass(&client, &settings(), &serving, t)
@@ -349,7 +362,7 @@ async fn certificates_from_files_are_reloaded_when_they_change() {
 #[tokio::test]
 async fn an_idle_kept_alive_connection_still_answers() {
     let api = api_with_configuration();
-    let client = api.client();
+    let client = support::operator_client(&api);
     let serving = ServingCert::new();
     let t = now();
     webhook_tls::pass(&client, &settings(), &serving, t)

@@ -18,7 +18,13 @@
 //!   (`propagationPolicy: Foreground`, `kubectl delete --cascade=foreground`, Argo CD's prune)
 //!   deletes what the object owns first, while the object itself still waits on its finalizers;
 //! - an outage: every request fails as a refused connection and open watches end, while the
-//!   stored Leases survive (as they would in the API server's etcd).
+//!   stored Leases survive (as they would in the API server's etcd);
+//! - RBAC: a client made with [`InMemoryApiServer::client_as`] (or a process whose kubeconfig
+//!   token names the user) may do only what [`InMemoryApiServer::grant`] gave that user, as
+//!   Kubernetes' RBAC authorizer decides: verb, API group, resource and subresource, resource
+//!   names, and the namespace of a RoleBinding. Anything else gets the real server's 403, and
+//!   is kept for the test to show ([`InMemoryApiServer::denied`]). A client without a user is
+//!   the cluster's administrator.
 //!
 //! Scripted exchanges (a conflict at one exact moment, a 403) use `tower-test` instead, in the
 //! Lease driver's scenario tests.
@@ -51,6 +57,82 @@ struct Change {
     object: Value,
 }
 
+/// Rules granted to one user, each either cluster-wide (a ClusterRoleBinding) or inside one
+/// namespace (a RoleBinding).
+#[derive(Clone, Debug)]
+pub struct Grant {
+    /// `None`: every namespace, and cluster-scoped resources.
+    pub namespace: Option<String>,
+    /// One RBAC `PolicyRule`, as JSON: `apiGroups`, `resources`, `verbs`, `resourceNames`.
+    pub rule: Value,
+}
+
+/// A request as the RBAC authorizer sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attributes {
+    pub user: String,
+    pub verb: String,
+    pub group: String,
+    /// `leases`, or `distributedlocks/status` for a subresource.
+    pub resource: String,
+    /// Empty for a cluster-scoped resource.
+    pub namespace: String,
+    pub name: Option<String>,
+}
+
+impl std::fmt::Display for Attributes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} {} {}",
+            self.user, self.verb, self.resource, self.group
+        )?;
+        if !self.namespace.is_empty() {
+            write!(f, " in namespace {}", self.namespace)?;
+        }
+        if let Some(name) = &self.name {
+            write!(f, " named {name}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Grant {
+    fn allows(&self, request: &Attributes) -> bool {
+        let listed = |field: &str, value: &str| {
+            self.rule[field].as_array().is_some_and(|values| {
+                values
+                    .iter()
+                    .any(|v| v.as_str() == Some(value) || v.as_str() == Some("*"))
+            })
+        };
+        if let Some(namespace) = &self.namespace
+            && *namespace != request.namespace
+        {
+            return false;
+        }
+        if !listed("apiGroups", &request.group)
+            || !listed("verbs", &request.verb)
+            || !listed("resources", &request.resource)
+        {
+            return false;
+        }
+        match self.rule["resourceNames"].as_array() {
+            Some(names) if !names.is_empty() => request
+                .name
+                .as_deref()
+                .is_some_and(|name| names.iter().any(|n| n.as_str() == Some(name))),
+            _ => true,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Rbac {
+    grants: BTreeMap<String, Vec<Grant>>,
+    denied: Vec<Attributes>,
+}
+
 #[derive(Default)]
 struct Store {
     revision: u64,
@@ -65,6 +147,7 @@ pub struct InMemoryApiServer {
     changes: broadcast::Sender<Change>,
     down: watch::Sender<bool>,
     requests: Arc<AtomicU64>,
+    rbac: Arc<Mutex<Rbac>>,
 }
 
 impl Default for InMemoryApiServer {
@@ -80,7 +163,65 @@ impl InMemoryApiServer {
             changes: broadcast::channel(4096).0,
             down: watch::channel(false).0,
             requests: Arc::default(),
+            rbac: Arc::default(),
         }
+    }
+
+    /// A client of this server that authenticates as `user` (for a ServiceAccount,
+    /// `system:serviceaccount:NAMESPACE:NAME`), so that every request it makes is authorized
+    /// against what [`Self::grant`] gave the user, and nothing else.
+    pub fn client_as(&self, user: &str) -> kube::Client {
+        let server = self.clone();
+        let bearer = http::HeaderValue::from_str(&format!("Bearer {user}")).expect("a user name");
+        let service = tower::service_fn(move |mut request: Request<kube::client::Body>| {
+            let server = server.clone();
+            request
+                .headers_mut()
+                .insert(http::header::AUTHORIZATION, bearer.clone());
+            async move { server.handle(request).await }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    /// Give `user` exactly `grants` (replacing what it had).
+    pub fn grant(&self, user: &str, grants: Vec<Grant>) {
+        let mut rbac = self.rbac.lock().unwrap();
+        rbac.grants.insert(user.to_owned(), grants);
+    }
+
+    /// Every request refused by RBAC so far, in order.
+    pub fn denied(&self) -> Vec<Attributes> {
+        self.rbac.lock().unwrap().denied.clone()
+    }
+
+    /// RBAC's decision on a request by `user`: `None` when allowed, else the 403.
+    fn authorize(&self, user: &str, request: Attributes) -> Option<Response<Body>> {
+        let mut rbac = self.rbac.lock().unwrap();
+        let allowed = rbac
+            .grants
+            .get(user)
+            .is_some_and(|grants| grants.iter().any(|grant| grant.allows(&request)));
+        if allowed {
+            return None;
+        }
+        let (plural, group) = (request.resource.as_str(), request.group.as_str());
+        let what = match &request.name {
+            Some(name) if group.is_empty() => format!("{plural} \"{name}\""),
+            Some(name) => format!("{plural}.{group} \"{name}\""),
+            None if group.is_empty() => plural.to_owned(),
+            None => format!("{plural}.{group}"),
+        };
+        let scope = if request.namespace.is_empty() {
+            "at the cluster scope".to_owned()
+        } else {
+            format!("in the namespace \"{}\"", request.namespace)
+        };
+        let message = format!(
+            "{what} is forbidden: User \"{user}\" cannot {} resource \"{plural}\" in API group \"{group}\" {scope}",
+            request.verb
+        );
+        rbac.denied.push(request);
+        Some(status(StatusCode::FORBIDDEN, "Forbidden", &message))
     }
 
     /// A client of this server, as a separate process would have (its own connection pool).
@@ -233,6 +374,48 @@ impl InMemoryApiServer {
         };
         let (c, ns) = (route.collection.as_str(), route.namespace.as_str());
         let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+        let user = parts
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if let Some(user) = user {
+            let verb = match (&parts.method, route.name.is_some()) {
+                (&Method::GET, true) => "get",
+                (&Method::GET, false) if watch => "watch",
+                (&Method::GET, false) => "list",
+                (&Method::POST, _) => "create",
+                (&Method::PUT, _) => "update",
+                (&Method::PATCH, _) => "patch",
+                (&Method::DELETE, true) => "delete",
+                (&Method::DELETE, false) => "deletecollection",
+                _ => "unknown",
+            };
+            let segments: Vec<&str> = c.trim_start_matches('/').split('/').collect();
+            let group = match segments.as_slice() {
+                ["apis", group, ..] => *group,
+                _ => "",
+            };
+            let plural = segments.last().copied().unwrap_or_default();
+            let resource = match &route.subresource {
+                Some(sub) => format!("{plural}/{sub}"),
+                None => plural.to_owned(),
+            };
+            // A list or watch of one name (a field selector) is authorized for that name, as
+            // the real authorizer does.
+            let name = route.name.clone().or_else(|| name_selector(&query));
+            let attributes = Attributes {
+                user: user.to_owned(),
+                verb: verb.to_owned(),
+                group: group.to_owned(),
+                resource,
+                namespace: ns.to_owned(),
+                name,
+            };
+            if let Some(forbidden) = self.authorize(user, attributes) {
+                return Ok(forbidden);
+            }
+        }
         let response = match (&parts.method, route.name.as_deref()) {
             (&Method::GET, None) if watch => self.watch(c, ns, name_selector(&query), &query),
             (&Method::GET, None) => self.list(c, ns, name_selector(&query).as_deref()),

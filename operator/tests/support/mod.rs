@@ -171,3 +171,81 @@ pub fn der_of(pem: &str) -> Vec<u8> {
         .unwrap()
         .to_vec()
 }
+
+/// The operator's ServiceAccount, as the API server names the user.
+pub const OPERATOR_USER: &str = "system:serviceaccount:leasehold-system:leasehold-operator";
+
+/// What the installed manifest (`operator/config/leasehold.yaml`, the chart rendered with its
+/// defaults) lets ServiceAccount `name` of `namespace` do: the rules of every Role and
+/// ClusterRole bound to it, each inside its RoleBinding's namespace or cluster-wide.
+pub fn chart_grants(
+    namespace: &str,
+    name: &str,
+) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
+    use leasehold_lease::testkit::in_memory_api_server::Grant;
+    use serde::Deserialize;
+    let text = std::fs::read_to_string(root().join("operator/config/leasehold.yaml"))
+        .expect("operator/config/leasehold.yaml");
+    let objects: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|document| serde_json::Value::deserialize(document).expect("a YAML document"))
+        .filter(|object| !object.is_null())
+        .collect();
+    let find = |kind: &str, role: &str, role_namespace: Option<&str>| {
+        objects
+            .iter()
+            .find(|o| {
+                o["kind"] == kind
+                    && o["metadata"]["name"] == role
+                    && role_namespace.is_none_or(|ns| o["metadata"]["namespace"] == ns)
+            })
+            .unwrap_or_else(|| panic!("the manifest binds a missing {kind} {role}"))
+    };
+    let mut grants = Vec::new();
+    for binding in &objects {
+        let scope = match binding["kind"].as_str() {
+            Some("ClusterRoleBinding") => None,
+            Some("RoleBinding") => Some(
+                binding["metadata"]["namespace"]
+                    .as_str()
+                    .expect("a RoleBinding's namespace")
+                    .to_owned(),
+            ),
+            _ => continue,
+        };
+        let bound = binding["subjects"].as_array().is_some_and(|subjects| {
+            subjects.iter().any(|s| {
+                s["kind"] == "ServiceAccount" && s["name"] == name && s["namespace"] == namespace
+            })
+        });
+        if !bound {
+            continue;
+        }
+        let role_ref = &binding["roleRef"];
+        let role_name = role_ref["name"].as_str().expect("roleRef.name");
+        let role = match role_ref["kind"].as_str() {
+            Some("ClusterRole") => find("ClusterRole", role_name, None),
+            _ => find("Role", role_name, scope.as_deref()),
+        };
+        for rule in role["rules"].as_array().into_iter().flatten() {
+            grants.push(Grant {
+                namespace: scope.clone(),
+                rule: rule.clone(),
+            });
+        }
+    }
+    assert!(
+        !grants.is_empty(),
+        "the manifest grants {namespace}/{name} nothing"
+    );
+    grants
+}
+
+/// A client of `api` that may do what the chart lets the operator's ServiceAccount do, and no
+/// more: a request outside its RBAC rules gets the real API server's 403.
+pub fn operator_client(api: &leasehold_lease::testkit::InMemoryApiServer) -> kube::Client {
+    api.grant(
+        OPERATOR_USER,
+        chart_grants("leasehold-system", "leasehold-operator"),
+    );
+    api.client_as(OPERATOR_USER)
+}

@@ -1,0 +1,128 @@
+//! The in-memory API server's RBAC, against what Kubernetes documents for its RBAC authorizer:
+//! a user may do what a bound rule lists (verb, API group, resource or `resource/subresource`,
+//! `resourceNames`), a RoleBinding's rules hold inside its namespace only, and anything else is
+//! a 403 `Forbidden` naming the user, verb, resource and scope.
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use leasehold_lease::testkit::InMemoryApiServer;
+use leasehold_lease::testkit::in_memory_api_server::{Attributes, Grant, LEASES};
+use serde_json::json;
+
+const USER: &str = "system:serviceaccount:apps:worker";
+
+fn lease(namespace: &str, name: &str) -> serde_json::Value {
+    json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+           "metadata": {"name": name, "namespace": namespace}, "spec": {}})
+}
+
+fn forbidden(result: Result<impl std::fmt::Debug, kube::Error>) -> String {
+    match result {
+        Err(kube::Error::Api(status)) if status.code == 403 && status.reason == "Forbidden" => {
+            status.message
+        }
+        other => panic!("not a 403 Forbidden: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_role_binding_grants_its_verbs_inside_its_namespace_only() {
+    let api = InMemoryApiServer::new();
+    api.put(LEASES, lease("apps", "a"));
+    api.put(LEASES, lease("other", "a"));
+    api.grant(
+        USER,
+        vec![Grant {
+            namespace: Some("apps".into()),
+            rule: json!({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                         "verbs": ["get", "list"]}),
+        }],
+    );
+    let client = api.client_as(USER);
+    let apps = Api::<Lease>::namespaced(client.clone(), "apps");
+    apps.get("a").await.expect("get in the bound namespace");
+    apps.list(&ListParams::default()).await.expect("list there");
+    let message = forbidden(
+        Api::<Lease>::namespaced(client.clone(), "other")
+            .get("a")
+            .await,
+    );
+    assert_eq!(
+        message,
+        "leases.coordination.k8s.io \"a\" is forbidden: User \"system:serviceaccount:apps:worker\" \
+         cannot get resource \"leases\" in API group \"coordination.k8s.io\" in the namespace \"other\""
+    );
+    forbidden(apps.delete("a", &DeleteParams::default()).await);
+    let created = serde_json::from_value(lease("apps", "b")).unwrap();
+    forbidden(apps.create(&PostParams::default(), &created).await);
+    assert!(api.lease("apps", "b").is_none(), "a refused create wrote");
+    assert!(api.lease("apps", "a").is_some(), "a refused delete deleted");
+    let denied: Vec<(String, String)> = api
+        .denied()
+        .into_iter()
+        .map(
+            |Attributes {
+                 verb, namespace, ..
+             }| (verb, namespace),
+        )
+        .collect();
+    assert_eq!(
+        denied,
+        [
+            ("get".to_owned(), "other".to_owned()),
+            ("delete".to_owned(), "apps".to_owned()),
+            ("create".to_owned(), "apps".to_owned()),
+        ]
+    );
+    // Without a user, the client is the cluster's administrator.
+    Api::<Lease>::namespaced(api.client(), "other")
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("the administrator deletes");
+}
+
+#[tokio::test]
+async fn resource_names_subresources_and_cluster_scope_are_authorized_as_kubernetes_does() {
+    use k8s_openapi::api::core::v1::Namespace;
+    let api = InMemoryApiServer::new();
+    api.put(LEASES, lease("apps", "mine"));
+    api.put(LEASES, lease("apps", "theirs"));
+    api.put(
+        leasehold_lease::testkit::in_memory_api_server::NAMESPACES,
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "apps"}}),
+    );
+    api.grant(
+        USER,
+        vec![
+            Grant {
+                namespace: None,
+                rule: json!({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                             "resourceNames": ["mine"], "verbs": ["get", "list", "watch"]}),
+            },
+            Grant {
+                namespace: Some("apps".into()),
+                rule: json!({"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]}),
+            },
+        ],
+    );
+    let client = api.client_as(USER);
+    let leases = Api::<Lease>::namespaced(client.clone(), "apps");
+    leases.get("mine").await.expect("a listed name");
+    forbidden(leases.get("theirs").await);
+    // A list restricted to a listed name by a field selector is allowed; a plain list is not.
+    leases
+        .list(&ListParams::default().fields("metadata.name=mine"))
+        .await
+        .expect("a list of one listed name");
+    forbidden(leases.list(&ListParams::default()).await);
+    // The status subresource is a resource of its own.
+    let patch = kube::api::Patch::Merge(json!({"status": {}}));
+    forbidden(
+        leases
+            .patch_status("mine", &kube::api::PatchParams::default(), &patch)
+            .await,
+    );
+    // A RoleBinding never grants a cluster-scoped resource, though the rule names it.
+    let message = forbidden(Api::<Namespace>::all(client).get("apps").await);
+    assert!(message.ends_with("at the cluster scope"), "{message}");
+}
