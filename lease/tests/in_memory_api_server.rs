@@ -126,3 +126,75 @@ async fn resource_names_subresources_and_cluster_scope_are_authorized_as_kuberne
     let message = forbidden(Api::<Namespace>::all(client).get("apps").await);
     assert!(message.ends_with("at the cluster scope"), "{message}");
 }
+
+/// Lists and watches honour equality-based and existence label selectors; empty metadata
+/// lists are stored as absent (`omitempty`), so a JSON patch testing for `null` finds it.
+#[tokio::test]
+async fn label_selectors_filter_and_empty_metadata_lists_are_absent() {
+    use futures_util::{StreamExt, TryStreamExt};
+    use kube::api::{Patch, PatchParams, WatchEvent, WatchParams};
+    let api = InMemoryApiServer::new();
+    let labelled = |name: &str, labels: serde_json::Value| {
+        let mut object = lease("apps", name);
+        object["metadata"]["labels"] = labels;
+        object
+    };
+    api.put(
+        LEASES,
+        labelled("ours", json!({"app": "leasehold", "tier": "a"})),
+    );
+    api.put(LEASES, labelled("theirs", json!({"app": "other"})));
+    api.put(LEASES, lease("bare", "bare"));
+    api.put(LEASES, lease("apps", "bare"));
+    let leases = Api::<Lease>::namespaced(api.client(), "apps");
+    let names = |list: kube::core::ObjectList<Lease>| {
+        let mut names: Vec<String> = list
+            .items
+            .into_iter()
+            .filter_map(|l| l.metadata.name)
+            .collect();
+        names.sort();
+        names
+    };
+    for (selector, expected) in [
+        ("app=leasehold", vec!["ours"]),
+        ("app==leasehold,tier=a", vec!["ours"]),
+        ("app!=leasehold", vec!["bare", "theirs"]),
+        ("app", vec!["ours", "theirs"]),
+        ("!app", vec!["bare"]),
+        ("app=leasehold,tier=b", vec![]),
+    ] {
+        let listed = leases
+            .list(&ListParams::default().labels(selector))
+            .await
+            .unwrap();
+        assert_eq!(names(listed), expected, "{selector}");
+    }
+    let mut watch = leases
+        .watch(&WatchParams::default().labels("app=leasehold"), "0")
+        .await
+        .unwrap()
+        .boxed();
+    api.put(LEASES, labelled("late", json!({"app": "other"})));
+    api.put(LEASES, labelled("later", json!({"app": "leasehold"})));
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        if let Some(WatchEvent::Added(lease)) = watch.try_next().await.unwrap() {
+            seen.push(lease.metadata.name.unwrap());
+        }
+    }
+    assert_eq!(seen, ["ours", "later"]);
+
+    let patch = Patch::Merge(json!({"metadata": {"finalizers": ["x"]}}));
+    leases
+        .patch("bare", &PatchParams::default(), &patch)
+        .await
+        .unwrap();
+    let patch = Patch::Merge(json!({"metadata": {"finalizers": []}}));
+    leases
+        .patch("bare", &PatchParams::default(), &patch)
+        .await
+        .unwrap();
+    let stored = api.lease("apps", "bare").unwrap();
+    assert!(stored["metadata"].get("finalizers").is_none(), "{stored}");
+}

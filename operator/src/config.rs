@@ -104,6 +104,16 @@ pub struct Config {
     #[arg(long)]
     pub release_finalizers: bool,
 
+    /// With --release-finalizers: the operator's Deployment (in the pod's namespace), scaled to
+    /// zero first, whose pods are waited out, so that no running operator adds its finalizer
+    /// back.
+    #[arg(long, requires = "operator_pods")]
+    pub operator_deployment: Option<String>,
+
+    /// With --operator-deployment: the label selector of its pods.
+    #[arg(long, requires = "operator_deployment")]
+    pub operator_pods: Option<String>,
+
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,

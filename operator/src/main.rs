@@ -17,6 +17,9 @@ use leasehold_sidecar::process::{hostname, init_logging, listen, shutdown_signal
 /// API server's endpoints take a few seconds to drop a terminating pod. The chart's
 /// terminationGracePeriodSeconds leaves room for it.
 const WEBHOOK_DRAIN: Duration = Duration::from_secs(5);
+/// How long the uninstall hook waits for the operator's pods to go (their grace period is 30 s
+/// by default; the hook's Job gives up at 300 s).
+const STOP_PATIENCE: Duration = Duration::from_secs(180);
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
@@ -37,6 +40,18 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         .await
         .map_err(|e| format!("no Kubernetes API configuration: {e}"))?;
     if config.release_finalizers {
+        if let (Some(name), Some(pods)) = (&config.operator_deployment, &config.operator_pods) {
+            let deployment = leasehold_operator::uninstall::OperatorDeployment {
+                namespace: config
+                    .election_namespace
+                    .clone()
+                    .unwrap_or_else(|| client.default_namespace().to_owned()),
+                name: name.clone(),
+                pods: pods.clone(),
+            };
+            leasehold_operator::uninstall::stop_operator(&client, &deployment, STOP_PATIENCE)
+                .await?;
+        }
         let released = leasehold_operator::uninstall::release_finalizers(
             &client,
             config.watch_namespace.as_deref(),

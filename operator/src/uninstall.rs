@@ -3,7 +3,15 @@
 //! the CRD) would stay `Terminating` when deleted. This removes the finalizer from every lock and
 //! keeps each lock's records, as `cleanupPolicy: Retain` would: a Kubernetes-backed lock's Lease
 //! is cut loose first, so the garbage collector does not delete it with its lock.
+//!
+//! Helm runs the hook while the operator still runs, and a running operator adds its finalizer
+//! back to every lock at once; so the hook first scales the operator's Deployment to zero and
+//! waits until none of its pods is left ([`stop_operator`]).
 
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use leasehold_crds::DistributedLock;
@@ -11,6 +19,68 @@ use serde_json::json;
 
 use crate::backends::Backends;
 use crate::reconcile::FINALIZER;
+
+/// The operator's Deployment, and the labels of its pods.
+#[derive(Clone, Debug)]
+pub struct OperatorDeployment {
+    pub namespace: String,
+    pub name: String,
+    /// A label selector of the Deployment's pods, e.g. `app.kubernetes.io/name=leasehold-operator`.
+    pub pods: String,
+}
+
+/// How often [`stop_operator`] looks for pods still running.
+const POD_POLL: Duration = Duration::from_millis(500);
+
+/// Scale the operator's Deployment to zero and wait until none of its pods is left, at most
+/// `patience`: a pod that is gone reconciles no more. A Deployment already deleted only waits
+/// for its pods.
+pub async fn stop_operator(
+    client: &kube::Client,
+    deployment: &OperatorDeployment,
+    patience: Duration,
+) -> Result<(), String> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
+    let scale = json!({"spec": {"replicas": 0}});
+    match deployments
+        .patch(
+            &deployment.name,
+            &PatchParams::default(),
+            &Patch::Merge(&scale),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 404 => {}
+        Err(e) => {
+            return Err(format!(
+                "cannot scale the operator's Deployment {}/{} to zero: {e}",
+                deployment.namespace, deployment.name
+            ));
+        }
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &deployment.namespace);
+    let started = Instant::now();
+    loop {
+        let left = pods
+            .list(&ListParams::default().labels(&deployment.pods))
+            .await
+            .map_err(|e| format!("cannot list the operator's pods: {e}"))?;
+        if left.items.is_empty() {
+            tracing::info!(deployment = %deployment.name, "the operator is stopped");
+            return Ok(());
+        }
+        if started.elapsed() >= patience {
+            let names: Vec<String> = left.items.iter().map(|p| p.name_any()).collect();
+            return Err(format!(
+                "the operator's pods are still running after {patience:?} ({}); a running \
+                 operator would add its finalizer back, so none was released",
+                names.join(", ")
+            ));
+        }
+        tokio::time::sleep(POD_POLL).await;
+    }
+}
 
 /// Release every lock's finalizer (in `namespace`, or all); the names of the locks released.
 pub async fn release_finalizers(

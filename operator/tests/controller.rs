@@ -45,16 +45,27 @@ async fn eventually<T>(within: Duration, what: &str, mut check: impl FnMut() -> 
 
 /// The operator running against `api` until the returned sender is dropped or fired.
 fn operator(api: &InMemoryApiServer) -> tokio::sync::oneshot::Sender<()> {
+    operator_task(api).0
+}
+
+/// The operator running against `api` until the returned sender is dropped or fired, and its
+/// task, which ends once it has stopped.
+fn operator_task(
+    api: &InMemoryApiServer,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
     let ctx = Arc::new(Context::new(
         support::operator_client(api),
         "operator-0",
         Arc::new(Metrics::new()),
     ));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(reconcile::run(ctx, None, async {
+    let task = tokio::spawn(reconcile::run(ctx, None, async {
         let _ = stopped.await;
     }));
-    stop
+    (stop, task)
 }
 
 fn lock_object(api: &InMemoryApiServer, name: &str) -> Option<Value> {
@@ -179,15 +190,62 @@ async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
     );
 }
 
-/// Uninstalling: the chart's pre-delete hook lets every lock go, so that deleting a lock or its
-/// namespace later does not hang on a finalizer nobody will remove, and keeps the records (a
-/// Kubernetes-backed lock's Lease is cut loose, not garbage-collected with its lock).
+/// Uninstalling: Helm runs the chart's pre-delete hook while the operator still runs. The hook
+/// scales the operator's Deployment to zero and waits its pods out, then lets every lock go, so
+/// that deleting a lock or its namespace later does not hang on a finalizer nobody will remove,
+/// and keeps the records (a Kubernetes-backed lock's Lease is cut loose, not garbage-collected
+/// with its lock). The test plays the Deployment controller and the kubelet: scaled to zero, the
+/// operator runs on for a grace period, stops, and only then its pod goes. The hook runs as its
+/// ServiceAccount, with the RBAC the rendered chart gives it, and with the arguments the
+/// rendered Job passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_uninstall_hook_releases_every_finalizer_and_keeps_the_records() {
+async fn the_uninstall_hook_stops_the_operator_then_releases_every_finalizer() {
+    use leasehold_operator::uninstall::{OperatorDeployment, release_finalizers, stop_operator};
+    const RELEASE_NS: &str = "leasehold-system";
+    const DEPLOYMENTS: &str = "/apis/apps/v1/deployments";
+    const PODS: &str = "/api/v1/pods";
+    const GRACE: Duration = Duration::from_millis(700);
+    let chart = support::objects(&support::rendered_chart());
+    let named = |kind: &str, name: &str| {
+        chart
+            .iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("the chart has no {kind} {name}"))
+            .clone()
+    };
+    let job = named("Job", "leasehold-operator-uninstall");
+    let args: Vec<&str> = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .expect("the hook's args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let flag = |name: &str| {
+        args.iter()
+            .find_map(|a| a.strip_prefix(&format!("--{name}=")))
+            .unwrap_or_else(|| panic!("the hook passes no --{name}: {args:?}"))
+            .to_owned()
+    };
+    let deployment = OperatorDeployment {
+        namespace: RELEASE_NS.into(),
+        name: flag("operator-deployment"),
+        pods: flag("operator-pods"),
+    };
+    let mut operator_deployment = named("Deployment", &deployment.name);
+    operator_deployment["metadata"]["namespace"] = RELEASE_NS.into();
+    let pod_labels = operator_deployment["spec"]["template"]["metadata"]["labels"].clone();
+
     let api = InMemoryApiServer::new();
     put_lock(&api, "jobs");
     put_lock(&api, "reports");
-    let stop = operator(&api);
+    api.put(DEPLOYMENTS, operator_deployment);
+    api.put(
+        PODS,
+        serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "leasehold-operator-0", "namespace": RELEASE_NS,
+                         "labels": pod_labels}}),
+    );
+    let (stop, operator_task) = operator_task(&api);
     eventually(Duration::from_secs(10), "both locks ready", || {
         ["jobs", "reports"]
             .iter()
@@ -200,13 +258,35 @@ async fn the_uninstall_hook_releases_every_finalizer_and_keeps_the_records() {
             .then_some(())
     })
     .await;
-    // The operator is uninstalled.
-    let _ = stop.send(());
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let released = leasehold_operator::uninstall::release_finalizers(&api.client(), None)
+    let kubelet = tokio::spawn({
+        let (api, name) = (api.clone(), deployment.name.clone());
+        async move {
+            while api
+                .object(DEPLOYMENTS, RELEASE_NS, &name)
+                .is_none_or(|d| d["spec"]["replicas"] != 0)
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(GRACE).await;
+            let _ = stop.send(());
+            operator_task.await.unwrap();
+            assert!(api.remove(PODS, RELEASE_NS, "leasehold-operator-0"));
+        }
+    });
+    let hook_user = "system:serviceaccount:leasehold-system:leasehold-operator-uninstall";
+    api.grant(
+        hook_user,
+        support::rendered_chart_grants(RELEASE_NS, "leasehold-operator-uninstall"),
+    );
+    let hook = api.client_as(hook_user);
+    stop_operator(&hook, &deployment, Duration::from_secs(30))
         .await
         .unwrap();
+    kubelet.await.unwrap();
+    let released = release_finalizers(&hook, None).await.unwrap();
     assert_eq!(released, ["team/jobs", "team/reports"]);
+    // Nothing adds a finalizer back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     for name in ["jobs", "reports"] {
         let lock = lock_object(&api, name).unwrap();
         assert!(
@@ -216,6 +296,7 @@ async fn the_uninstall_hook_releases_every_finalizer_and_keeps_the_records() {
             "{lock}"
         );
     }
+    assert_eq!(api.denied(), [], "requests outside the chart's RBAC");
     delete_lock(&api, "jobs").await;
     assert!(lock_object(&api, "jobs").is_none(), "the delete hung");
     let lease = api

@@ -510,8 +510,8 @@ fn kubernetes_1_28_is_told_to_use_container_mode() {
     }
 }
 
-/// `helm uninstall` first releases every lock's finalizer (records kept), with RBAC that exists
-/// only while it runs; the kustomize copy, which `kubectl apply` would run at once, has no hook.
+/// `helm uninstall` first stops the operator, then releases every lock's finalizer (records
+/// kept), with RBAC that exists only while it runs; the kustomize copy, which `kubectl apply` would run at once, has no hook.
 #[test]
 fn uninstalling_releases_the_finalizers_first() {
     let docs = render_chart(&[]);
@@ -533,7 +533,37 @@ fn uninstalling_releases_the_finalizers_first() {
         container["securityContext"]["readOnlyRootFilesystem"].as_bool(),
         Some(true)
     );
-    for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"] {
+    // It stops the operator first (a running operator adds its finalizer back), by the
+    // Deployment's name and its pods' labels.
+    let args = strings(&container["args"]);
+    assert!(
+        args.contains(&"--operator-deployment=leasehold-operator"),
+        "{args:?}"
+    );
+    let deployment = of_kind(&docs, "Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"].as_str() == Some("leasehold-operator"))
+        .expect("the operator's Deployment");
+    let labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    let selector = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--operator-pods="))
+        .expect("--operator-pods");
+    for requirement in selector.split(',') {
+        let (key, value) = requirement.split_once('=').expect("key=value");
+        assert_eq!(
+            labels[key].as_str(),
+            Some(value),
+            "{selector} against {labels:?}"
+        );
+    }
+    for kind in [
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+    ] {
         let hooked = of_kind(&docs, kind).into_iter().any(|d| {
             d["metadata"]["name"].as_str() == Some("leasehold-operator-uninstall")
                 && d["metadata"]["annotations"]["helm.sh/hook"].as_str() == Some("pre-delete")

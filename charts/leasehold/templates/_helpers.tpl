@@ -26,3 +26,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/name: leasehold-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{/* The same labels as a label selector's text. */}}
+{{- define "leasehold.selectorText" -}}
+app.kubernetes.io/name=leasehold-operator,app.kubernetes.io/instance={{ .Release.Name }}
+{{- end -}}

@@ -5,10 +5,13 @@
 //!
 //! - one `resourceVersion` counter; a PUT whose `resourceVersion` is stale gets 409 Conflict,
 //!   a POST of an existing name 409 AlreadyExists, a read of a missing one 404;
-//! - list and watch with a `metadata.name` field selector, replaying every event after the
-//!   requested `resourceVersion`, so kube-runtime's watcher works against it unchanged;
+//! - list and watch with a `metadata.name` field selector and equality-based label selectors,
+//!   replaying every event after the requested `resourceVersion`, so kube-runtime's watcher
+//!   works against it unchanged;
 //! - a namespace being deleted ([`InMemoryApiServer::terminate_namespace`]) refuses new objects
 //!   with the real server's 403, as events and Leases meet it there;
+//! - empty `metadata` lists and maps (finalizers, owner references, labels, annotations) are
+//!   stored as absent, as the real server's `omitempty` serialization does;
 //! - a `DistributedLock`'s `metadata.generation` moves with its spec (and its deletion), not
 //!   with its status;
 //! - PATCH (JSON patch, merge patch, server-side apply as a merge) on objects and on their
@@ -418,7 +421,12 @@ impl InMemoryApiServer {
         }
         let response = match (&parts.method, route.name.as_deref()) {
             (&Method::GET, None) if watch => self.watch(c, ns, name_selector(&query), &query),
-            (&Method::GET, None) => self.list(c, ns, name_selector(&query).as_deref()),
+            (&Method::GET, None) => self.list(
+                c,
+                ns,
+                name_selector(&query).as_deref(),
+                &LabelSelector::of(&query),
+            ),
             (&Method::POST, None) => self.create(c, ns, &body),
             (&Method::GET, Some(name)) => match self.object(c, ns, name) {
                 Some(object) => json_response(StatusCode::OK, &object),
@@ -463,6 +471,18 @@ impl InMemoryApiServer {
     ) -> Value {
         store.revision += 1;
         object["metadata"]["resourceVersion"] = json!(store.revision.to_string());
+        // ObjectMeta's lists and maps are `omitempty`: an empty one is stored as absent, so a
+        // JSON patch that tests for `null` (kube-runtime's finalizer helper) sees what it would.
+        if let Some(metadata) = object["metadata"].as_object_mut() {
+            metadata.retain(|field, value| {
+                !(matches!(
+                    field.as_str(),
+                    "finalizers" | "ownerReferences" | "labels" | "annotations"
+                ) && (value.is_null()
+                    || value.as_array().is_some_and(Vec::is_empty)
+                    || value.as_object().is_some_and(serde_json::Map::is_empty)))
+            });
+        }
         let key = (collection.to_owned(), ns.to_owned(), name.to_owned());
         // A custom resource's generation starts at 1 and moves when its spec changes or its
         // deletion starts, never for its status: what the sidecar and the operator go by.
@@ -750,16 +770,23 @@ impl InMemoryApiServer {
         }
     }
 
-    fn list(&self, collection: &str, ns: &str, name: Option<&str>) -> Response<Body> {
+    fn list(
+        &self,
+        collection: &str,
+        ns: &str,
+        name: Option<&str>,
+        labels: &LabelSelector,
+    ) -> Response<Body> {
         let store = self.store.lock().unwrap();
         let items: Vec<Value> = store
             .objects
             .iter()
             // No namespace in the path: every namespace (and the cluster-scoped objects).
-            .filter(|((c, n, object), _)| {
+            .filter(|((c, n, object_name), object)| {
                 c == collection
                     && (ns.is_empty() || n == ns)
-                    && name.is_none_or(|name| name == object)
+                    && name.is_none_or(|name| name == object_name)
+                    && labels.matches(object)
             })
             .map(|(_, object)| object.clone())
             .collect();
@@ -796,10 +823,14 @@ impl InMemoryApiServer {
             (replay, self.changes.subscribe())
         };
         let (collection, ns) = (collection.to_owned(), ns.to_owned());
+        // An object outside the selector is not sent (a real server would also send DELETED
+        // for an object whose labels stop matching; nothing here relabels objects).
+        let labels = LabelSelector::of(query);
         let matches = move |c: &Change| {
             c.collection == collection
                 && (ns.is_empty() || c.namespace == ns)
                 && name.as_deref().is_none_or(|n| n == c.name)
+                && labels.matches(&c.object)
         };
         let live = tokio_stream::wrappers::BroadcastStream::new(live)
             .filter_map(|c| async move { c.ok() });
@@ -901,6 +932,57 @@ impl Route {
             }),
             _ => None,
         }
+    }
+}
+
+/// A `labelSelector` of equality-based requirements (`k=v`, `k==v`, `k!=v`) and existence
+/// ones (`k`, `!k`), all of which an object's labels must meet.
+struct LabelSelector(Vec<Requirement>);
+
+enum Requirement {
+    Equals(String, String),
+    Differs(String, String),
+    Exists(String),
+    Absent(String),
+}
+
+impl LabelSelector {
+    fn of(query: &BTreeMap<String, String>) -> Self {
+        let Some(selector) = query.get("labelSelector") else {
+            return Self(Vec::new());
+        };
+        let requirements = selector
+            .split(',')
+            .map(str::trim)
+            .filter(|r| !r.is_empty())
+            .map(|r| {
+                if let Some((k, v)) = r.split_once("!=") {
+                    Requirement::Differs(k.trim().into(), v.trim().into())
+                } else if let Some((k, v)) = r.split_once("==").or_else(|| r.split_once('=')) {
+                    Requirement::Equals(k.trim().into(), v.trim().into())
+                } else if let Some(k) = r.strip_prefix('!') {
+                    Requirement::Absent(k.trim().into())
+                } else {
+                    assert!(
+                        !r.contains(' '),
+                        "set-based label selectors are not served here: {r}"
+                    );
+                    Requirement::Exists(r.into())
+                }
+            })
+            .collect();
+        Self(requirements)
+    }
+
+    fn matches(&self, object: &Value) -> bool {
+        let labels = &object["metadata"]["labels"];
+        let label = |k: &str| labels[k].as_str();
+        self.0.iter().all(|requirement| match requirement {
+            Requirement::Equals(k, v) => label(k) == Some(v.as_str()),
+            Requirement::Differs(k, v) => label(k) != Some(v.as_str()),
+            Requirement::Exists(k) => label(k).is_some(),
+            Requirement::Absent(k) => label(k).is_none(),
+        })
     }
 }
 

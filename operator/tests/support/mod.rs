@@ -182,14 +182,44 @@ pub fn chart_grants(
     namespace: &str,
     name: &str,
 ) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
-    use leasehold_lease::testkit::in_memory_api_server::Grant;
-    use serde::Deserialize;
     let text = std::fs::read_to_string(root().join("operator/config/leasehold.yaml"))
         .expect("operator/config/leasehold.yaml");
-    let objects: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&text)
+    grants_in(&text, namespace, name)
+}
+
+/// What the chart rendered by Helm with its defaults, hooks included, lets ServiceAccount
+/// `name` of `namespace` do (needs the chart tools, as `chart` does).
+pub fn rendered_chart_grants(
+    namespace: &str,
+    name: &str,
+) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
+    grants_in(&rendered_chart(), namespace, name)
+}
+
+/// The chart rendered by Helm with its defaults, hooks included, as YAML.
+pub fn rendered_chart() -> String {
+    let (ok, text) = chart(&["render"]);
+    assert!(ok, "helm render failed: {text}");
+    text
+}
+
+/// The objects of manifest `text`.
+pub fn objects(text: &str) -> Vec<serde_json::Value> {
+    use serde::Deserialize;
+    serde_yaml::Deserializer::from_str(text)
         .map(|document| serde_json::Value::deserialize(document).expect("a YAML document"))
         .filter(|object| !object.is_null())
-        .collect();
+        .collect()
+}
+
+/// The rules bound to ServiceAccount `name` of `namespace` in the manifest `text`.
+fn grants_in(
+    text: &str,
+    namespace: &str,
+    name: &str,
+) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
+    use leasehold_lease::testkit::in_memory_api_server::Grant;
+    let objects = objects(text);
     let find = |kind: &str, role: &str, role_namespace: Option<&str>| {
         objects
             .iter()
