@@ -185,3 +185,58 @@ async fn over_tls_the_holder_follows_a_failover_to_the_promoted_replica() {
     assert!(b_token > a_token, "token {b_token} after {a_token}");
     b.shutdown().await;
 }
+
+/// A pod that hears only a minority of the sentinels (it is partitioned with one of three,
+/// while its master and the master's replica still serve it) stops holding within the lease:
+/// the majority, on the other side, may be failing over. With two of the three it holds on,
+/// and once a majority answers again it holds again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_hears_only_a_minority_of_the_sentinels_stops_within_the_lease() {
+    use leasehold_lease::redis_sentinel::CONFIRMED_FOR;
+    use leasehold_lease::testkit::FaultProxy;
+    let set = RedisSentinelSet::start_with_three_sentinels();
+    let proxies: Vec<FaultProxy> = set
+        .sentinel_ports()
+        .into_iter()
+        .map(FaultProxy::start)
+        .collect();
+    let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+    let url = RedisSentinelSet::url_of(&ports);
+    let lock = unique_lock("minority");
+    let lease = Duration::from_secs(3);
+    let a = campaign(driver_for(&url).await, &lock, "a", lease);
+    let holds = async |within: Duration| {
+        let start = Instant::now();
+        while !a.answer().is_holder() {
+            assert!(start.elapsed() < within, "a never held: {:?}", a.answer());
+            sleep(Duration::from_millis(10)).await;
+        }
+        a.answer().token().expect("a holds")
+    };
+    let token = holds(Duration::from_secs(10)).await;
+
+    proxies[2].cut();
+    sleep(lease + Duration::from_secs(1)).await;
+    assert_eq!(
+        a.answer().token(),
+        Some(token),
+        "two of three sentinels are a majority: {:?}",
+        a.answer()
+    );
+
+    proxies[1].cut();
+    let cut = Instant::now();
+    while a.answer().is_holder() {
+        assert!(
+            cut.elapsed() < lease + CONFIRMED_FOR + Duration::from_millis(500),
+            "a still holds {:?} after {:?}, hearing one sentinel of three",
+            a.answer(),
+            cut.elapsed()
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+
+    proxies[1].restore();
+    holds(Duration::from_secs(10)).await;
+    drop(set);
+}

@@ -17,9 +17,19 @@
 //!   ended by then, because its holder counts it from before the promotion; a lease that did
 //!   reach the new master is renewed there as before.
 //!
+//! - **The master is the one a majority of the configured sentinels names, lately.** Every
+//!   sentinel is asked, and a server counts as master only while more than half of those listed
+//!   name it; every call (acquisition, renewal, release) goes out only within [`CONFIRMED_FOR`]
+//!   of a question that a majority answered so. A pod partitioned with the old master and a
+//!   minority of the sentinels cannot hear a majority, so it forgets the master and stops
+//!   renewing, and its claim ends within a lease, while the majority's side fails over (which
+//!   takes Sentinel's `down-after-milliseconds` at least, then one lease on the promoted
+//!   master). List every sentinel: with a single one listed, its word is the majority.
+//!
 //! What it costs: after a failover, a free lock is granted one lease after the first attempt on
-//! the new master, so takeover takes Sentinel's detection time plus one lease. And each
-//! acquisition and renewal waits for one replica's acknowledgement.
+//! the new master, so takeover takes Sentinel's detection time plus one lease. Each acquisition
+//! and renewal waits for one replica's acknowledgement, and the sentinels are asked every
+//! [`MASTER_CHECK`] (by one task per driver, not per call).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -42,7 +52,13 @@ pub const DEFAULT_MIN_REPLICAS: u32 = 1;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the sentinels are asked whether the master moved, besides after every failure.
-const MASTER_CHECK: Duration = Duration::from_secs(1);
+pub const MASTER_CHECK: Duration = Duration::from_secs(1);
+/// How long a majority's naming of the master counts, from when it was asked: a call after
+/// that asks the sentinels again first. Far below Sentinel's `down-after-milliseconds` (30 s by
+/// default), the least time a failover takes.
+pub const CONFIRMED_FOR: Duration = Duration::from_millis(1500);
+/// How long one sentinel may take to answer before it counts as not answering.
+const SENTINEL_ANSWER: Duration = Duration::from_secs(1);
 /// The longest a `WAIT` for replicas may hold up the connection the driver's calls share.
 const MAX_REPLICA_WAIT: Duration = Duration::from_millis(500);
 /// The shortest: the replica receives a write only after the master's own fsync (with
@@ -102,8 +118,8 @@ pub struct SentinelMaster {
     current: tokio::sync::Mutex<Option<Master>>,
     /// One connection per sentinel, kept while it works.
     sentinels: Mutex<Vec<Option<MultiplexedConnection>>>,
-    /// The index of the sentinel that answered last.
-    answering: std::sync::atomic::AtomicUsize,
+    /// The address a majority of the sentinels named last, and when they were asked.
+    confirmed: Mutex<Option<(String, std::time::Instant)>>,
 }
 
 #[derive(Clone)]
@@ -129,40 +145,86 @@ impl SentinelMaster {
             config,
             current: tokio::sync::Mutex::new(None),
             sentinels,
-            answering: std::sync::atomic::AtomicUsize::new(0),
+            confirmed: Mutex::new(None),
         }
     }
 
-    /// `host:port` of the master, as the first sentinel that answers says.
+    /// `host:port` of the master, as more than half of the configured sentinels name it now:
+    /// all are asked at once, each for at most [`SENTINEL_ANSWER`], and the answer comes as
+    /// soon as a majority agrees (a silent sentinel costs nothing then).
     pub async fn named_master(&self) -> Result<String> {
+        use futures_util::stream::FuturesUnordered;
+        let asked = std::time::Instant::now();
+        let majority = self.config.sentinels.len() / 2 + 1;
+        let mut answers: FuturesUnordered<_> = self
+            .config
+            .sentinels
+            .iter()
+            .enumerate()
+            .map(|(i, sentinel)| async move {
+                let answer =
+                    tokio::time::timeout(SENTINEL_ANSWER, self.ask_sentinel(i, sentinel)).await;
+                (i, sentinel, answer)
+            })
+            .collect();
+        let mut votes: Vec<(String, usize)> = Vec::new();
         let mut failures = Vec::new();
-        // The sentinel that answered last is asked first: a dead one listed before it would
-        // otherwise cost a connect timeout at every check.
-        let first = self.answering.load(std::sync::atomic::Ordering::Relaxed);
-        let count = self.config.sentinels.len();
-        for i in (0..count).map(|k| (first + k) % count) {
-            let sentinel = &self.config.sentinels[i];
-            match self.ask_sentinel(i, sentinel).await {
-                Ok(Some(address)) => {
-                    self.answering
-                        .store(i, std::sync::atomic::Ordering::Relaxed);
-                    return Ok(address);
-                }
-                Ok(None) => failures.push(format!(
+        while let Some((i, sentinel, answer)) = answers.next().await {
+            match answer {
+                Ok(Ok(Some(address))) => match votes.iter_mut().find(|(a, _)| *a == address) {
+                    Some((_, count)) => *count += 1,
+                    None => votes.push((address, 1)),
+                },
+                Ok(Ok(None)) => failures.push(format!(
                     "{sentinel} does not monitor a master named {:?}",
                     self.config.master_name
                 )),
-                Err(e) => {
+                Ok(Err(e)) => {
                     self.sentinels.lock().expect("sentinels")[i] = None;
                     failures.push(format!("{sentinel}: {e}"));
                 }
+                Err(_) => {
+                    self.sentinels.lock().expect("sentinels")[i] = None;
+                    failures.push(format!("{sentinel}: no answer within {SENTINEL_ANSWER:?}"));
+                }
+            }
+            if votes.iter().any(|(_, count)| *count >= majority) {
+                break;
             }
         }
+        if let Some((address, _)) = votes.iter().find(|(_, count)| *count >= majority) {
+            *self.confirmed.lock().expect("confirmed") = Some((address.clone(), asked));
+            return Ok(address.clone());
+        }
+        *self.confirmed.lock().expect("confirmed") = None;
+        let named: Vec<String> = votes
+            .iter()
+            .map(|(address, count)| format!("{count} named {address}"))
+            .collect();
         Err(Error::Unreachable(format!(
-            "no sentinel named the master {:?}: {}",
+            "no majority ({majority} of {}) of the sentinels names the master {:?}{}{}",
+            self.config.sentinels.len(),
             self.config.master_name,
-            failures.join("; ")
+            if named.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", named.join(", "))
+            },
+            if failures.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", failures.join("; "))
+            }
         )))
+    }
+
+    /// Whether a majority named `address` master within [`CONFIRMED_FOR`].
+    fn confirmed(&self, address: &str) -> bool {
+        self.confirmed
+            .lock()
+            .expect("confirmed")
+            .as_ref()
+            .is_some_and(|(named, asked)| named == address && asked.elapsed() < CONFIRMED_FOR)
     }
 
     async fn ask_sentinel(&self, i: usize, sentinel: &str) -> redis::RedisResult<Option<String>> {
@@ -202,13 +264,32 @@ impl SentinelMaster {
         }))
     }
 
-    /// The current master's connection, found through the sentinels when there is none.
+    /// The current master's connection, while a majority of the sentinels names it lately;
+    /// found (or confirmed) through the sentinels otherwise. Forgotten when no majority names
+    /// it.
     async fn master(&self) -> Result<Master> {
         let mut current = self.current.lock().await;
-        if let Some(master) = &*current {
+        if let Some(master) = &*current
+            && self.confirmed(&master.address)
+        {
             return Ok(master.clone());
         }
-        let address = self.named_master().await?;
+        let address = match self.named_master().await {
+            Ok(address) => address,
+            Err(e) => {
+                if let Some(master) = current.take() {
+                    tracing::warn!(master = %master.address, error = %e, "no majority of the sentinels names the Redis master: leaving it");
+                }
+                return Err(e);
+            }
+        };
+        if let Some(master) = &*current {
+            if master.address == address {
+                return Ok(master.clone());
+            }
+            tracing::info!(from = %master.address, to = %address, "the sentinels name a new Redis master");
+            *current = None;
+        }
         let mut url = self.config.master.clone();
         let (host, port) = address
             .rsplit_once(':')
@@ -533,7 +614,13 @@ async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<
                                 master.forget(&address).await;
                                 break;
                             }
-                            _ => {}
+                            Ok(_) => {}
+                            // No majority names it: calls stop going to it at once.
+                            Err(e) => {
+                                tracing::warn!(master = %address, error = %e, "no majority of the sentinels names the Redis master: leaving it");
+                                master.forget(&address).await;
+                                break;
+                            }
                         },
                     }
                 }

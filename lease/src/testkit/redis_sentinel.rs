@@ -1,5 +1,6 @@
-//! Redis as Sentinel runs it: a master, a replica, and a sentinel watching them, each a real
-//! `redis-server` on a free loopback port with its own throwaway directory.
+//! Redis as Sentinel runs it: a master, a replica, and one sentinel (or three, with a quorum of
+//! two) watching them, each a real `redis-server` on a free loopback port with its own
+//! throwaway directory.
 //!
 //! The replica reaches the first master through a [`FaultProxy`], so that a test can cut
 //! replication and make the master's last writes the ones a failover loses. The sentinel fails
@@ -29,11 +30,8 @@ pub struct RedisSentinelSet {
     pub servers: Vec<RedisServer>,
     /// The replica's link to the first master.
     pub replication_link: FaultProxy,
-    sentinel: ServerProcess,
-    sentinel_port: u16,
-    /// A port nothing listens on, listed first in the URL: the driver must get past a dead
-    /// sentinel.
-    dead_sentinel_port: u16,
+    /// The sentinels, each with its port; the first one answers the harness's own questions.
+    sentinels: Vec<(ServerProcess, u16)>,
     /// Over TLS: the sentinel's TLS port (it asks for a client certificate and a password, and
     /// reaches the servers over TLS too).
     sentinel_tls_port: Option<u16>,
@@ -49,7 +47,15 @@ impl RedisSentinelSet {
         let master = RedisServer::start();
         let replication_link = FaultProxy::start(master.port());
         let replica = RedisServer::start_replica_of(replication_link.port);
-        Self::assemble(master, replica, replication_link, None)
+        Self::assemble(master, replica, replication_link, None, 1)
+    }
+
+    /// The same with three sentinels, any two of which make a quorum and a majority.
+    pub fn start_with_three_sentinels() -> Self {
+        let master = RedisServer::start();
+        let replication_link = FaultProxy::start(master.port());
+        let replica = RedisServer::start_replica_of(replication_link.port);
+        Self::assemble(master, replica, replication_link, None, 3)
     }
 
     /// The same, over TLS everywhere: clients, replication, and the sentinel's links to the
@@ -60,7 +66,7 @@ impl RedisSentinelSet {
         let master = RedisServer::start_tls();
         let replication_link = FaultProxy::start(master.client_port());
         let replica = RedisServer::start_tls_replica_of(replication_link.port, &master);
-        Self::assemble(master, replica, replication_link, Some(free_port()))
+        Self::assemble(master, replica, replication_link, Some(free_port()), 1)
     }
 
     fn assemble(
@@ -68,17 +74,20 @@ impl RedisSentinelSet {
         replica: RedisServer,
         replication_link: FaultProxy,
         sentinel_tls_port: Option<u16>,
+        sentinels: usize,
     ) -> Self {
         let mut set = Self {
             servers: vec![master, replica],
             replication_link,
-            sentinel: ServerProcess::new("redis-sentinel"),
-            sentinel_port: free_port(),
-            dead_sentinel_port: free_port(),
+            sentinels: (0..sentinels)
+                .map(|_| (ServerProcess::new("redis-sentinel"), free_port()))
+                .collect(),
             sentinel_tls_port,
         };
         set.wait_for("the replica to confirm writes", |s| s.replica_confirms(0));
-        set.spawn_sentinel();
+        for i in 0..sentinels {
+            set.spawn_sentinel(i, sentinels / 2 + 1);
+        }
         set.wait_for("the sentinel to know the replica", |s| {
             s.sentinel_command(&["SENTINEL", "replicas", MASTER_NAME])
                 .is_ok_and(|reply| reply.contains(&s.servers[1].client_port().to_string()))
@@ -86,16 +95,16 @@ impl RedisSentinelSet {
         set
     }
 
-    fn spawn_sentinel(&mut self) {
+    fn spawn_sentinel(&mut self, i: usize, quorum: usize) {
+        let port = self.sentinels[i].1;
         let mut config = format!(
-            "port {}\n\
+            "port {port}\n\
              bind 127.0.0.1\n\
              dir {}\n\
-             sentinel monitor {MASTER_NAME} 127.0.0.1 {} 1\n\
+             sentinel monitor {MASTER_NAME} 127.0.0.1 {} {quorum}\n\
              sentinel down-after-milliseconds {MASTER_NAME} {}\n\
              sentinel failover-timeout {MASTER_NAME} 120000\n",
-            self.sentinel_port,
-            self.sentinel.dir().display(),
+            self.sentinels[i].0.dir().display(),
             self.servers[0].client_port(),
             DOWN_AFTER.as_millis(),
         );
@@ -117,12 +126,13 @@ impl RedisSentinelSet {
         }
         // Sentinel rewrites its configuration file as it learns, so it lives in the throwaway
         // directory.
-        let path = self.sentinel.dir().join("sentinel.conf");
+        let path = self.sentinels[i].0.dir().join("sentinel.conf");
         std::fs::write(&path, config).expect("sentinel.conf");
         let mut command = Command::new(require_binary("redis-server", "redis-server"));
         command.arg(&path).arg("--sentinel");
-        let url = self.sentinel_plain_url();
-        self.sentinel
+        let url = self.sentinel_plain_url_at(port);
+        self.sentinels[i]
+            .0
             .spawn(command, move || command_at(&url, &["PING"]).is_ok());
     }
 
@@ -131,36 +141,42 @@ impl RedisSentinelSet {
         while !done(self) {
             assert!(
                 Instant::now() < deadline,
-                "Redis Sentinel set-up: waited {SET_UP_TIMEOUT:?} for {what}; the sentinel's log:\n{}",
-                self.sentinel.log()
+                "Redis Sentinel set-up: waited {SET_UP_TIMEOUT:?} for {what}; the first sentinel's log:\n{}",
+                self.sentinels[0].0.log()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
 
-    /// `redis+sentinel://` with a dead sentinel first, then the live one; over TLS
-    /// `rediss+sentinel://` to the sentinel's TLS port, with the CA, the client's pair and the
-    /// sentinel's password.
+    /// `redis+sentinel://` listing every sentinel; over TLS `rediss+sentinel://` to the
+    /// sentinel's TLS port, with the CA, the client's pair and the sentinel's password.
     pub fn url(&self) -> String {
         let Some(tls_port) = self.sentinel_tls_port else {
-            return format!(
-                "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/{MASTER_NAME}",
-                self.dead_sentinel_port, self.sentinel_port
-            );
+            return Self::url_of(&self.sentinel_ports());
         };
         let files = self.servers[0].tls_files();
         format!(
-            "rediss+sentinel://127.0.0.1:{},127.0.0.1:{tls_port}/{MASTER_NAME}?ca={}&cert={}&key={}&sentinel-password={SENTINEL_PASSWORD}",
-            self.dead_sentinel_port,
+            "rediss+sentinel://127.0.0.1:{tls_port}/{MASTER_NAME}?ca={}&cert={}&key={}&sentinel-password={SENTINEL_PASSWORD}",
             files.ca.display(),
             files.client_cert.display(),
             files.client_key.display()
         )
     }
 
-    /// The live sentinel's port.
+    /// `redis+sentinel://` listing the sentinels on `ports` (for instance proxies to them).
+    pub fn url_of(ports: &[u16]) -> String {
+        let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("redis+sentinel://{}/{MASTER_NAME}", hosts.join(","))
+    }
+
+    /// The first sentinel's port.
     pub fn sentinel_port(&self) -> u16 {
-        self.sentinel_port
+        self.sentinels[0].1
+    }
+
+    /// Every sentinel's port.
+    pub fn sentinel_ports(&self) -> Vec<u16> {
+        self.sentinels.iter().map(|(_, port)| *port).collect()
     }
 
     /// Which of [`Self::servers`] the sentinel names master now.
@@ -260,14 +276,15 @@ impl RedisSentinelSet {
         command_at(&self.sentinel_plain_url(), args)
     }
 
-    /// The sentinel's plain port, with its password when it asks for one.
+    /// The first sentinel's plain port, with its password when it asks for one.
     fn sentinel_plain_url(&self) -> String {
+        self.sentinel_plain_url_at(self.sentinel_port())
+    }
+
+    fn sentinel_plain_url_at(&self, port: u16) -> String {
         match self.sentinel_tls_port {
-            Some(_) => format!(
-                "redis://:{SENTINEL_PASSWORD}@127.0.0.1:{}",
-                self.sentinel_port
-            ),
-            None => format!("redis://127.0.0.1:{}", self.sentinel_port),
+            Some(_) => format!("redis://:{SENTINEL_PASSWORD}@127.0.0.1:{port}"),
+            None => format!("redis://127.0.0.1:{port}"),
         }
     }
 }
