@@ -240,3 +240,41 @@ async fn a_holder_that_hears_only_a_minority_of_the_sentinels_stops_within_the_l
     holds(Duration::from_secs(10)).await;
     drop(set);
 }
+
+/// A claim counts from the question whose majority named the master, not from the call: a
+/// majority that names another master later can only follow that question, so the claim ends
+/// before the other master can grant the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_counts_from_the_sentinels_answer_not_from_the_call() {
+    use leasehold_lease::boot_clock::BootInstant;
+    use leasehold_lease::Acquire;
+    let set = RedisSentinelSet::start();
+    let driver = driver_for(&set.url()).await;
+    let ttl = Duration::from_secs(10);
+    let Acquire::Acquired(first) = driver
+        .try_acquire(&unique_lock("asked"), "a", ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("the lock is not free");
+    };
+    // The majority's answer this call used was asked before it was sent.
+    let sent = BootInstant::now();
+    let Acquire::Acquired(lease) = driver
+        .try_acquire(&unique_lock("asked"), "a", ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("the lock is not free");
+    };
+    let counted = driver.counted_from(&lease, sent);
+    assert!(counted < sent, "counted from {counted:?}, sent at {sent:?}");
+    assert!(
+        sent.saturating_duration_since(counted) <= leasehold_lease::redis_sentinel::CONFIRMED_FOR,
+        "counted from {counted:?}, sent at {sent:?}"
+    );
+    // Released, the lock's claim counts from its calls again.
+    assert!(driver.release(&lease).await.unwrap());
+    assert!(driver.release(&first).await.unwrap());
+    assert_eq!(driver.counted_from(&lease, sent), sent);
+}

@@ -24,7 +24,9 @@
 //!   minority of the sentinels cannot hear a majority, so it forgets the master and stops
 //!   renewing, and its claim ends within a lease, while the majority's side fails over (which
 //!   takes Sentinel's `down-after-milliseconds` at least, then one lease on the promoted
-//!   master). List every sentinel: with a single one listed, its word is the majority.
+//!   master). Each claim counts from the question, not from the call, so it ends before a
+//!   master a later majority names can grant the lock. List every sentinel (not a Service in
+//!   front of them): with a single one listed, its word is the majority.
 //!
 //! What it costs: after a failover, a free lock is granted one lease after the first attempt on
 //! the new master, so takeover takes Sentinel's detection time plus one lease. Each acquisition
@@ -42,6 +44,7 @@ use tokio::sync::watch;
 
 use super::redis::{self as single, KeyLayout};
 use super::redis_renewals::RenewalBatches;
+use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
@@ -118,12 +121,16 @@ pub struct SentinelMaster {
     current: tokio::sync::Mutex<Option<Master>>,
     /// One connection per sentinel, kept while it works.
     sentinels: Mutex<Vec<Option<MultiplexedConnection>>>,
-    /// The address a majority of the sentinels named last, and when they were asked.
-    confirmed: Mutex<Option<(String, std::time::Instant)>>,
+    /// The address a majority of the sentinels named last, and when they were asked (on the
+    /// boot clock, which counts a suspend).
+    confirmed: Mutex<Option<(String, BootInstant)>>,
 }
 
 #[derive(Clone)]
 struct Master {
+    /// When a majority was last asked and named this master, as the call that took this clone
+    /// found it: the claim a call on it gives counts from then at the latest.
+    confirmed_asked: BootInstant,
     address: String,
     client: redis::Client,
     conn: MultiplexedConnection,
@@ -152,9 +159,9 @@ impl SentinelMaster {
     /// `host:port` of the master, as more than half of the configured sentinels name it now:
     /// all are asked at once, each for at most [`SENTINEL_ANSWER`], and the answer comes as
     /// soon as a majority agrees (a silent sentinel costs nothing then).
-    pub async fn named_master(&self) -> Result<String> {
+    pub async fn named_master(&self) -> Result<(String, BootInstant)> {
         use futures_util::stream::FuturesUnordered;
-        let asked = std::time::Instant::now();
+        let asked = BootInstant::now();
         let majority = self.config.sentinels.len() / 2 + 1;
         let mut answers: FuturesUnordered<_> = self
             .config
@@ -192,11 +199,20 @@ impl SentinelMaster {
                 break;
             }
         }
+        // Questions overlap (the follower's and a call's): an answer never replaces a later
+        // question's.
+        let mut confirmed = self.confirmed.lock().expect("confirmed");
+        let later = confirmed.as_ref().is_none_or(|(_, last)| asked >= *last);
         if let Some((address, _)) = votes.iter().find(|(_, count)| *count >= majority) {
-            *self.confirmed.lock().expect("confirmed") = Some((address.clone(), asked));
-            return Ok(address.clone());
+            if later {
+                *confirmed = Some((address.clone(), asked));
+            }
+            return Ok((address.clone(), asked));
         }
-        *self.confirmed.lock().expect("confirmed") = None;
+        if later {
+            *confirmed = None;
+        }
+        drop(confirmed);
         let named: Vec<String> = votes
             .iter()
             .map(|(address, count)| format!("{count} named {address}"))
@@ -218,13 +234,16 @@ impl SentinelMaster {
         )))
     }
 
-    /// Whether a majority named `address` master within [`CONFIRMED_FOR`].
-    fn confirmed(&self, address: &str) -> bool {
+    /// When a majority that named `address` master was asked, if within `fresh`.
+    fn confirmed(&self, address: &str, fresh: Duration) -> Option<BootInstant> {
         self.confirmed
             .lock()
             .expect("confirmed")
             .as_ref()
-            .is_some_and(|(named, asked)| named == address && asked.elapsed() < CONFIRMED_FOR)
+            .filter(|(named, asked)| {
+                named == address && BootInstant::now().saturating_duration_since(*asked) < fresh
+            })
+            .map(|(_, asked)| *asked)
     }
 
     async fn ask_sentinel(&self, i: usize, sentinel: &str) -> redis::RedisResult<Option<String>> {
@@ -268,14 +287,23 @@ impl SentinelMaster {
     /// found (or confirmed) through the sentinels otherwise. Forgotten when no majority names
     /// it.
     async fn master(&self) -> Result<Master> {
+        self.master_within(CONFIRMED_FOR).await
+    }
+
+    /// The same, with a majority's naming no older than `fresh`: a call whose claim counts from
+    /// the question ([`Driver::counted_from`]) asks for one recent against its lease.
+    async fn master_within(&self, fresh: Duration) -> Result<Master> {
         let mut current = self.current.lock().await;
         if let Some(master) = &*current
-            && self.confirmed(&master.address)
+            && let Some(asked) = self.confirmed(&master.address, fresh)
         {
-            return Ok(master.clone());
+            return Ok(Master {
+                confirmed_asked: asked,
+                ..master.clone()
+            });
         }
-        let address = match self.named_master().await {
-            Ok(address) => address,
+        let (address, confirmed_asked) = match self.named_master().await {
+            Ok(named) => named,
             Err(e) => {
                 if let Some(master) = current.take() {
                     tracing::warn!(master = %master.address, error = %e, "no majority of the sentinels names the Redis master: leaving it");
@@ -285,7 +313,10 @@ impl SentinelMaster {
         };
         if let Some(master) = &*current {
             if master.address == address {
-                return Ok(master.clone());
+                return Ok(Master {
+                    confirmed_asked,
+                    ..master.clone()
+                });
             }
             tracing::info!(from = %master.address, to = %address, "the sentinels name a new Redis master");
             *current = None;
@@ -319,6 +350,7 @@ impl SentinelMaster {
         }
         let renewals = Arc::new(RenewalBatches::new(conn.clone(), self.config.min_replicas));
         let master = Master {
+            confirmed_asked,
             address,
             client,
             conn,
@@ -361,7 +393,14 @@ pub struct RedisSentinelDriver {
     observe: Script,
     releases: Arc<ChangeFeeds>,
     follower: tokio::task::JoinHandle<()>,
+    /// For each lock acquired or renewed here, when the majority that named the master of its
+    /// last such call was asked ([`Driver::counted_from`]).
+    counted: Mutex<std::collections::HashMap<String, BootInstant>>,
 }
+
+/// How many locks' confirmation instants are kept before those older than a minute go (a lock
+/// released drops its own; one left to expire is dropped so).
+const COUNTED_KEPT: usize = 4096;
 
 impl Drop for RedisSentinelDriver {
     fn drop(&mut self) {
@@ -372,6 +411,12 @@ impl Drop for RedisSentinelDriver {
 impl RedisSentinelDriver {
     /// Nothing is contacted yet: an unreachable Sentinel shows in readiness, not as a crash.
     pub fn connect(config: &SentinelConfig) -> Self {
+        if config.sentinels.len() < 3 {
+            tracing::warn!(
+                sentinels = config.sentinels.len(),
+                "fewer than three sentinels are listed: the master is whatever they name, and a pod partitioned with them and the old master is not stopped; list every sentinel (not one Service in front of them)"
+            );
+        }
         let keys = KeyLayout::new(&config.prefix);
         let master = Arc::new(SentinelMaster::new(config.clone()));
         let releases = Arc::new(ChangeFeeds::default());
@@ -390,7 +435,20 @@ impl RedisSentinelDriver {
             observe: Script::new(single::OBSERVE),
             releases,
             follower,
+            counted: Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// A call on `master` gave `lock` a lease: it counts from the majority's question at the
+    /// latest.
+    fn count_from_confirmation(&self, lock: &str, master: &Master) {
+        let mut counted = self.counted.lock().expect("counted");
+        if counted.len() >= COUNTED_KEPT {
+            let now = BootInstant::now();
+            counted
+                .retain(|_, asked| now.saturating_duration_since(*asked) < Duration::from_secs(60));
+        }
+        counted.insert(lock.to_owned(), master.confirmed_asked);
     }
 
     /// A failed call: forget a master that no longer serves, then say what failed.
@@ -434,6 +492,13 @@ impl RedisSentinelDriver {
     }
 }
 
+/// How old a majority's naming of the master may be for a call giving a lease of `ttl`: a
+/// quarter of it, at most [`CONFIRMED_FOR`]. The claim counts from the question, so that much of
+/// the lease is spent before the call.
+fn confirmation_window(ttl: Duration) -> Duration {
+    (ttl / 4).min(CONFIRMED_FOR)
+}
+
 /// How long the replicas may take to confirm a write under a lease of `ttl`: a quarter of it,
 /// within 250-500 ms.
 fn replica_wait(ttl: Duration) -> Duration {
@@ -473,7 +538,7 @@ impl Driver for RedisSentinelDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let master = self.master.master().await?;
+        let master = self.master.master_within(confirmation_window(ttl)).await?;
         let durable = match self
             .durability
             .of(&mut master.conn.clone(), &master.address)
@@ -499,11 +564,12 @@ impl Driver for RedisSentinelDriver {
             let _ = self.release(&lease).await;
             return Err(e);
         }
+        self.count_from_confirmation(lock, &master);
         Ok(Acquire::Acquired(lease))
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let master = self.master.master().await?;
+        let master = self.master.master_within(confirmation_window(ttl)).await?;
         let wait = replica_wait(ttl);
         let answer = master
             .renewals
@@ -530,10 +596,23 @@ impl Driver for RedisSentinelDriver {
             }
             None => {}
         }
+        self.count_from_confirmation(&lease.lock, &master);
         Ok(true)
     }
 
+    /// No later than the question whose majority named the master the call went to: a holder
+    /// that heard the majority at that moment has its claim end one lease after it, before a
+    /// master that a majority named later (after a failover) can grant the lock, since two
+    /// majorities share a sentinel that changed its answer in between.
+    fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
+        let counted = self.counted.lock().expect("counted");
+        counted
+            .get(&lease.lock)
+            .map_or(sent, |asked| sent.min(*asked))
+    }
+
     async fn release(&self, lease: &Lease) -> Result<bool> {
+        self.counted.lock().expect("counted").remove(&lease.lock);
         let master = self.master.master().await?;
         match single::releases_of(&self.release, &self.keys, &[lease])
             .invoke_async::<Value>(&mut master.conn.clone())
@@ -609,7 +688,7 @@ async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<
                             None => break,
                         },
                         _ = check.tick() => match master.named_master().await {
-                            Ok(named) if named != address => {
+                            Ok((named, _)) if named != address => {
                                 tracing::info!(from = %address, to = %named, "the sentinels name a new Redis master");
                                 master.forget(&address).await;
                                 break;
