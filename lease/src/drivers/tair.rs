@@ -58,8 +58,9 @@ const CLAIM_ATTEMPTS: usize = 5;
 const INFO_REFUSED_RECHECK: Duration = Duration::from_secs(60);
 /// The epoch floor's least step over the last one (tokens), as on Redis.
 const FLOOR_STEP: i64 = 1_000_000_000;
-/// Holdings of one lock between two repeats of a version (see [`first_version`]).
-const VERSION_CYCLE: u64 = 1 << 31;
+/// Holdings of one lock between two repeats of a version (see [`first_version`]): the last
+/// place's first version, (2^31 - 1) x 2^32, leaves 2^32 renewals below `i64::MAX`.
+const VERSION_CYCLE: u64 = (1 << 31) - 1;
 /// The locks whose counters one driver remembers.
 const MAX_REMEMBERED_COUNTERS: usize = 10_000;
 
@@ -515,12 +516,12 @@ impl CounterKept {
     }
 }
 
-/// The version a holding starts at: its token's place in a cycle of 2^31 holdings, times 2^32,
+/// The version a holding starts at: its token's place in a cycle of 2^31 - 1 holdings, times 2^32,
 /// so that versions do not repeat across holdings. TairString starts every new key at version
 /// 1, and `EXCAS`/`EXCAD` compare the version alone: a holder whose key expired and was taken
 /// again would otherwise renew or delete the new holder's key once that key reached the same
 /// version, and both would claim the lock. Within one epoch a version comes back only after
-/// 2^31 holdings of the lock, or a holding renewed 2^32 times; tokens below 2^31 keep the
+/// 2^31 - 1 holdings of the lock, or a holding renewed 2^32 times; tokens below 2^31 keep the
 /// version TOKEN x 2^32. A restarted server's tokens start at its clock in microseconds, far
 /// past 2^31, hence the cycle (the holders of the epoch before have stopped claiming by the
 /// time the new one grants).
@@ -822,6 +823,15 @@ mod tests {
     #[test]
     fn versions_fit_and_repeat_only_after_a_cycle_of_holdings() {
         assert_eq!(first_version(1), 1 << 32);
+        // Every place's first version, the last included, is positive and leaves room for
+        // 2^32 renewals: TairString refuses a version that is not.
+        for token in [VERSION_CYCLE - 1, VERSION_CYCLE, 1 << 31, u64::MAX] {
+            let version = first_version(token);
+            assert!(
+                version > 0 && version.checked_add(u32::MAX as i64).is_some(),
+                "{token}: {version}"
+            );
+        }
         assert_eq!(first_version(VERSION_CYCLE), (VERSION_CYCLE as i64) << 32);
         assert_eq!(first_version(VERSION_CYCLE + 1), 1 << 32);
         // A rebased token (the server's clock in microseconds) still has room for 2^32
