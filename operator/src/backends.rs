@@ -352,6 +352,16 @@ impl Backends {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&key(lock));
     }
+
+    /// Forget the backends of locks that are gone: a lock without a finalizer
+    /// (`cleanupPolicy: Retain`) is deleted without a last reconcile that would forget it.
+    pub fn forget_all_but(&self, locks: &[std::sync::Arc<DistributedLock>]) {
+        let alive: std::collections::HashSet<String> = locks.iter().map(|lock| key(lock)).collect();
+        self.open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|lock, _| alive.contains(lock));
+    }
 }
 
 fn failed(error: &Error) -> Observation {

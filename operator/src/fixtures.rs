@@ -78,8 +78,10 @@ pub async fn timeout_after_1s(server: tokio::task::JoinHandle<()>) {
         .expect("the scenario failed");
 }
 
+/// A lock whose records go with it (`cleanupPolicy: Delete`), so that it carries the finalizer.
 pub fn lock(name: &str, backend: Backend) -> DistributedLock {
     let mut lock = leasehold_lease::testkit::distributed_lock(NAMESPACE, name, backend);
+    lock.spec.cleanup_policy = CleanupPolicy::Delete;
     lock.meta_mut().generation = Some(1);
     lock.meta_mut().resource_version = Some("100".into());
     lock

@@ -86,16 +86,33 @@ pub async fn run(
         .default_backoff()
         .touched_objects()
         .predicate_filter(lease_holder, Default::default());
-    Controller::new(locks, watcher::Config::default().any_semantic())
+    let controller = Controller::new(locks, watcher::Config::default().any_semantic())
         .watches_stream(holder_changes, lock_of_lease)
-        .graceful_shutdown_on(shutdown)
+        .graceful_shutdown_on(shutdown);
+    let store = controller.store();
+    let forget_deleted = {
+        let ctx = ctx.clone();
+        async move {
+            if store.wait_until_ready().await.is_err() {
+                return std::future::pending().await;
+            }
+            loop {
+                tokio::time::sleep(RESYNC).await;
+                ctx.backends.forget_all_but(&store.state());
+            }
+        }
+    };
+    let controlled = controller
         .run(reconcile, error_policy, ctx)
         .for_each(|outcome| async move {
             if let Err(e) = outcome {
                 tracing::debug!(error = %e, "reconcile did not complete");
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        () = controlled => {}
+        () = forget_deleted => {}
+    }
 }
 
 /// The lock a Lease serves: the one its annotation names (a key's Lease names none).
@@ -120,21 +137,56 @@ pub async fn reconcile(lock: Arc<DistributedLock>, ctx: Arc<Context>) -> Result<
     let started = std::time::Instant::now();
     let namespace = lock.namespace().unwrap_or_default();
     let api: Api<DistributedLock> = Api::namespaced(ctx.client.clone(), &namespace);
-    let outcome = finalizer(&api, FINALIZER, lock, |event| async {
-        match event {
-            Finalizer::Apply(lock) => apply(&lock, &ctx).await,
-            Finalizer::Cleanup(lock) => cleanup(&lock, &ctx).await,
-        }
-    })
-    .await
-    .map_err(|e| match e {
-        kube::runtime::finalizer::Error::ApplyFailed(e)
-        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
-        other => Error::Finalizer(other.to_string()),
-    });
+    let outcome = if lock.spec.cleanup_policy == CleanupPolicy::Retain {
+        retained(&api, &lock, &ctx).await
+    } else {
+        finalizer(&api, FINALIZER, lock, |event| async {
+            match event {
+                Finalizer::Apply(lock) => apply(&lock, &ctx).await,
+                Finalizer::Cleanup(lock) => cleanup(&lock, &ctx).await,
+            }
+        })
+        .await
+        .map_err(|e| match e {
+            kube::runtime::finalizer::Error::ApplyFailed(e)
+            | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+            other => Error::Finalizer(other.to_string()),
+        })
+    };
     ctx.metrics
         .reconciled(started.elapsed(), outcome.as_ref().err().map(Error::label));
     outcome
+}
+
+/// A lock whose records are kept when it is deleted (`cleanupPolicy: Retain`) needs no clean-up,
+/// so it carries no finalizer: deleting it, or its namespace, never waits on the operator. One
+/// left from when its policy was `Delete` is taken off.
+async fn retained(
+    api: &Api<DistributedLock>,
+    lock: &DistributedLock,
+    ctx: &Context,
+) -> Result<Action> {
+    let finalizers = lock.finalizers();
+    if let Some(at) = finalizers.iter().position(|f| f == FINALIZER) {
+        // Tested against the list read: a finalizer another controller added meanwhile stays.
+        let patch: json_patch::Patch = serde_json::from_value(json!([
+            {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+            {"op": "remove", "path": format!("/metadata/finalizers/{at}")},
+        ]))
+        .map_err(|e| Error::Finalizer(e.to_string()))?;
+        api.patch(
+            &lock.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+        .map_err(Error::Kube)?;
+    }
+    if lock.meta().deletion_timestamp.is_some() {
+        ctx.backends.forget(lock);
+        return Ok(Action::await_change());
+    }
+    apply(lock, ctx).await
 }
 
 /// Provision, read the holder, and write status and events when they changed.

@@ -59,27 +59,50 @@ pub async fn stop_operator(
             ));
         }
     }
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &deployment.namespace);
     let started = Instant::now();
     loop {
-        let left = pods
-            .list(&ListParams::default().labels(&deployment.pods))
-            .await
-            .map_err(|e| format!("cannot list the operator's pods: {e}"))?;
-        if left.items.is_empty() {
+        let running = running_pods(client, deployment).await?;
+        if running.is_empty() {
             tracing::info!(deployment = %deployment.name, "the operator is stopped");
             return Ok(());
         }
         if started.elapsed() >= patience {
-            let names: Vec<String> = left.items.iter().map(|p| p.name_any()).collect();
             return Err(format!(
                 "the operator's pods are still running after {patience:?} ({}); a running \
-                 operator would add its finalizer back, so none was released",
-                names.join(", ")
+                 operator would add its finalizer back, so none was released. The operator is \
+                 scaled to zero: scale it back up (kubectl scale deployment/{} -n {} \
+                 --replicas=2) or find what keeps its pods",
+                running.join(", "),
+                deployment.name,
+                deployment.namespace
             ));
         }
         tokio::time::sleep(POD_POLL).await;
     }
+}
+
+/// The operator's pods that may still run: all but those that ended (`Succeeded`, `Failed`:
+/// an evicted pod stays listed until it is cleaned up).
+pub async fn running_pods(
+    client: &kube::Client,
+    deployment: &OperatorDeployment,
+) -> Result<Vec<String>, String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &deployment.namespace);
+    let listed = pods
+        .list(&ListParams::default().labels(&deployment.pods))
+        .await
+        .map_err(|e| format!("cannot list the operator's pods: {e}"))?;
+    Ok(listed
+        .items
+        .iter()
+        .filter(|pod| {
+            !matches!(
+                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            )
+        })
+        .map(|pod| pod.name_any())
+        .collect())
 }
 
 /// Release every lock's finalizer (in `namespace`, or all); the names of the locks released.

@@ -19,6 +19,10 @@ mod support;
 const NS: &str = "team";
 
 fn put_lock(api: &InMemoryApiServer, name: &str) {
+    put_lock_with(api, name, CleanupPolicy::Delete);
+}
+
+fn put_lock_with(api: &InMemoryApiServer, name: &str, policy: CleanupPolicy) {
     let mut lock = leasehold_lease::testkit::distributed_lock(
         NS,
         name,
@@ -27,7 +31,7 @@ fn put_lock(api: &InMemoryApiServer, name: &str) {
             ..Default::default()
         },
     );
-    lock.spec.cleanup_policy = CleanupPolicy::Delete;
+    lock.spec.cleanup_policy = policy;
     lock.metadata.uid = None;
     api.put(DISTRIBUTED_LOCKS, serde_json::to_value(&lock).unwrap());
 }
@@ -195,7 +199,8 @@ async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
 /// that deleting a lock or its namespace later does not hang on a finalizer nobody will remove,
 /// and keeps the records (a Kubernetes-backed lock's Lease is cut loose, not garbage-collected
 /// with its lock). The test plays the Deployment controller and the kubelet: scaled to zero, the
-/// operator runs on for a grace period, stops, and only then its pod goes. The hook runs as its
+/// operator runs on for a grace period, stops, and only then its pod goes (an evicted pod stays
+/// listed, and is not waited for). The hook runs as its
 /// ServiceAccount, with the RBAC the rendered chart gives it, and with the arguments the
 /// rendered Job passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,7 +248,15 @@ async fn the_uninstall_hook_stops_the_operator_then_releases_every_finalizer() {
         PODS,
         serde_json::json!({"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": "leasehold-operator-0", "namespace": RELEASE_NS,
-                         "labels": pod_labels}}),
+                         "labels": pod_labels.clone()}}),
+    );
+    // An evicted pod stays listed, and runs nothing.
+    api.put(
+        PODS,
+        serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "leasehold-operator-evicted", "namespace": RELEASE_NS,
+                         "labels": pod_labels},
+            "status": {"phase": "Failed", "reason": "Evicted"}}),
     );
     let (stop, operator_task) = operator_task(&api);
     eventually(Duration::from_secs(10), "both locks ready", || {
@@ -303,4 +316,47 @@ async fn the_uninstall_hook_stops_the_operator_then_releases_every_finalizer() {
         .object(LEASES, NS, "jobs")
         .expect("the Lease went with its lock");
     assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
+}
+
+/// A lock whose records are kept (`cleanupPolicy: Retain`) needs no clean-up and carries no
+/// finalizer: it is provisioned and reported all the same, and deleting it, operator or not,
+/// does not wait. A `Delete` lock switched to `Retain` has the finalizer taken off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_lock_carries_no_finalizer() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "switched");
+    put_lock_with(&api, "kept", CleanupPolicy::Retain);
+    let stop = operator(&api);
+    let ready = |l: &Value| l["status"]["conditions"][0]["status"] == "True";
+    let has_finalizer = |l: &Value| {
+        l["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| f.iter().any(|f| f == FINALIZER))
+    };
+    eventually(Duration::from_secs(10), "both locks ready", || {
+        let switched = lock_object(&api, "switched")?;
+        let kept = lock_object(&api, "kept")?;
+        (ready(&switched) && has_finalizer(&switched) && ready(&kept)).then_some(())
+    })
+    .await;
+    assert!(
+        !has_finalizer(&lock_object(&api, "kept").unwrap()),
+        "a retained lock got the finalizer"
+    );
+    let mut switched = lock_object(&api, "switched").unwrap();
+    switched["spec"]["cleanupPolicy"] = "Retain".into();
+    api.put(DISTRIBUTED_LOCKS, switched);
+    eventually(Duration::from_secs(10), "the finalizer taken off", || {
+        lock_object(&api, "switched")
+            .filter(|l| !has_finalizer(l) && ready(l))
+            .map(|_| ())
+    })
+    .await;
+    // With the operator gone, deleting them does not wait on it.
+    let _ = stop.send(());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for name in ["kept", "switched"] {
+        delete_lock(&api, name).await;
+        assert!(lock_object(&api, name).is_none(), "deleting {name} waits");
+    }
 }

@@ -272,6 +272,10 @@ fn webhook_replicas_are_spread_over_nodes() {
     );
     assert_eq!(spread["whenUnsatisfiable"].as_str(), Some("DoNotSchedule"));
     assert_eq!(spread["maxSkew"].as_i64(), Some(1));
+    // A tainted node (a control plane) is no empty domain that would hold a replica Pending,
+    // and a rollout's surge pod is spread among its own ReplicaSet's pods only.
+    assert_eq!(spread["nodeTaintsPolicy"].as_str(), Some("Honor"));
+    assert_eq!(strings(&spread["matchLabelKeys"]), ["pod-template-hash"]);
     assert_eq!(
         spread["labelSelector"]["matchLabels"],
         deployment["spec"]["selector"]["matchLabels"]
@@ -283,9 +287,14 @@ fn webhook_replicas_are_spread_over_nodes() {
 fn with_cert_manager_the_certificate_is_mounted_and_the_operator_writes_neither_secret_nor_webhook()
 {
     let docs = render_chart(&["-f", &ci_values("cert-manager-values.yaml")]);
-    let certificate = of_kind(&docs, "Certificate");
-    assert_eq!(certificate.len(), 1);
-    let certificate = certificate[0];
+    let named = |kind: &str, name: &str| {
+        of_kind(&docs, kind)
+            .into_iter()
+            .find(|d| d["metadata"]["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+    };
+    assert_eq!(of_kind(&docs, "Certificate").len(), 2);
+    let certificate = named("Certificate", "leasehold-webhook");
     assert_eq!(
         certificate["spec"]["secretName"].as_str(),
         Some("leasehold-webhook-tls")
@@ -297,12 +306,24 @@ fn with_cert_manager_the_certificate_is_mounted_and_the_operator_writes_neither_
             "leasehold-webhook.leasehold-system.svc.cluster.local"
         ]
     );
-    let issuer = of_kind(&docs, "Issuer");
-    assert_eq!(issuer.len(), 1);
-    assert_eq!(
-        certificate["spec"]["issuerRef"]["name"],
-        issuer[0]["metadata"]["name"]
+    // The standard chain: self-signed issuer, CA certificate, CA issuer, serving certificate.
+    // The caBundle cert-manager injects is then the CA, the same across serving renewals.
+    let ca_issuer = named(
+        "Issuer",
+        certificate["spec"]["issuerRef"]["name"].as_str().unwrap(),
     );
+    let ca = named("Certificate", "leasehold-webhook-ca");
+    assert_eq!(ca["spec"]["isCA"], Value::Bool(true));
+    assert_eq!(
+        ca_issuer["spec"]["ca"]["secretName"],
+        ca["spec"]["secretName"]
+    );
+    let self_signed = named("Issuer", ca["spec"]["issuerRef"]["name"].as_str().unwrap());
+    assert!(
+        self_signed["spec"]["selfSigned"].is_mapping(),
+        "{self_signed:?}"
+    );
+    assert_ne!(ca["spec"]["secretName"], certificate["spec"]["secretName"]);
     let configuration = of_kind(&docs, "MutatingWebhookConfiguration")[0];
     assert_eq!(
         configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].as_str(),
@@ -346,6 +367,7 @@ fn with_cert_manager_the_certificate_is_mounted_and_the_operator_writes_neither_
         "webhook.certManager.issuerRef.kind=ClusterIssuer",
     ]);
     assert!(of_kind(&existing, "Issuer").is_empty());
+    assert_eq!(of_kind(&existing, "Certificate").len(), 1);
     let certificate = of_kind(&existing, "Certificate")[0];
     assert_eq!(
         certificate["spec"]["issuerRef"]["kind"].as_str(),
