@@ -154,7 +154,8 @@ struct FamilyInner {
     config: std::sync::RwLock<FamilyConfig>,
     /// Set while the family is stopped (its resource deleted): no key is taken.
     stopped: std::sync::atomic::AtomicBool,
-    driver: Arc<dyn Driver>,
+    /// The driver new keys are taken with; a key held now keeps the one it was taken with.
+    driver: std::sync::RwLock<Arc<dyn Driver>>,
     /// What the keys' engines report, by family ([`FamilyTelemetry`]).
     telemetry: Arc<FamilyTelemetry>,
     keys: Mutex<HashMap<String, Arc<KeyState>>>,
@@ -164,6 +165,15 @@ struct FamilyInner {
     /// The last holding's serial: an engine's hook names the holding it ends by it, since it
     /// cannot keep the holding (which keeps the engine's lock).
     serials: std::sync::atomic::AtomicU64,
+}
+
+impl FamilyInner {
+    fn driver(&self) -> Arc<dyn Driver> {
+        self.driver
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
 }
 
 /// The keys' engines report under the family's name through this, never under their own.
@@ -218,7 +228,7 @@ impl KeyedFamily {
                 identity: config.identity.clone(),
                 config: std::sync::RwLock::new(config),
                 stopped: std::sync::atomic::AtomicBool::new(false),
-                driver,
+                driver: std::sync::RwLock::new(driver),
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
                 waiting: AtomicUsize::new(0),
@@ -267,6 +277,18 @@ impl KeyedFamily {
         Ok(())
     }
 
+    /// Take the keys acquired from now on with `driver`: the same backend, reached with new
+    /// credentials (a rotated password or certificate). A key held now keeps the driver it was
+    /// taken with until it is released, so nothing held changes hands.
+    pub fn replace_driver(&self, driver: Arc<dyn Driver>) {
+        *self.inner.driver.write().unwrap_or_else(|e| e.into_inner()) = driver;
+    }
+
+    /// The driver new keys are taken with.
+    fn driver(&self) -> Arc<dyn Driver> {
+        self.inner.driver()
+    }
+
     /// Release every key and take no more until [`KeyedFamily::resume`]: the family's resource is
     /// being deleted.
     pub async fn stop(&self) {
@@ -286,7 +308,7 @@ impl KeyedFamily {
     }
 
     pub fn backend(&self) -> &'static str {
-        self.inner.driver.kind()
+        self.driver().kind()
     }
 
     /// How many keys owners of this pod hold now.
@@ -435,7 +457,7 @@ impl KeyedFamily {
             }
         });
         let (lock, answer) = Lock::acquire_single_use(
-            self.inner.driver.clone(),
+            self.driver(),
             LockConfig {
                 mode: Mode::OnDemand,
                 single_use: true,
@@ -638,7 +660,7 @@ async fn forget_idle_keys(family: std::sync::Weak<FamilyInner>) {
             return;
         };
         match family
-            .driver
+            .driver()
             .forget_idle_keys(&family.name, IDLE_KEY_RETENTION)
             .await
         {

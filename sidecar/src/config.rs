@@ -109,6 +109,13 @@ struct Args {
           conflicts_with_all = ["locks", "families", "backend", "lease_duration", "renew_interval", "mode", "provision"])]
     resources: Vec<String>,
 
+    /// With --resource: how often the Secrets a DistributedLock references are read again, so
+    /// that a rotated password or certificate reaches the backend before the old one is
+    /// revoked.
+    #[arg(long, env = "LEASEHOLD_SECRET_RECHECK", value_name = "DURATION", default_value = "30s",
+          value_parser = parse_duration, requires = "resources")]
+    secret_recheck: Duration,
+
     /// Create the backend's lock table (if absent) and exit: 0 when done, 1 with the reason.
     #[arg(long, env = "LEASEHOLD_PROVISION")]
     provision: bool,
@@ -137,6 +144,8 @@ pub struct Config {
     pub resign_only: bool,
     /// `--resource`: the locks come from these DistributedLocks (and `locks` is empty).
     pub resources: Vec<ResourceRef>,
+    /// `--secret-recheck`: how often those locks' Secrets are read again.
+    pub secret_recheck: Duration,
     /// Who this holder is (the pod name in a cluster).
     pub identity: String,
     /// Provision the backend (seeding rows for `locks`) and exit, instead of holding locks.
@@ -343,6 +352,7 @@ impl Config {
         Ok(Self {
             resign_only: args.resign,
             resources,
+            secret_recheck: args.secret_recheck,
             identity,
             provision_only: args.provision,
             exit_with_pod: args.exit_with_pod,

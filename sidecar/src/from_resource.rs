@@ -11,6 +11,7 @@
 //! can still overlap with it, which is why the API server refuses the edit.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use kube::Api;
@@ -138,7 +139,20 @@ pub async fn start_all(
     Ok(started)
 }
 
-/// Follow one resource until the process ends, replacing its lock in `state` on spec changes.
+/// How often a running lock's Secrets are read again by default, so that a rotated password or
+/// certificate (External Secrets, Vault, cert-manager) reaches the backend connections before
+/// the old one is revoked.
+pub const SECRET_RECHECK: Duration = Duration::from_secs(30);
+
+/// Whether `lock` takes anything from a Secret.
+fn references_secrets(lock: &DistributedLock) -> bool {
+    !resource::secret_refs(lock).is_empty() || !resource::optional_secret_refs(lock).is_empty()
+}
+
+/// Follow one resource until the process ends, replacing its lock in `state` on spec changes,
+/// and on a change of the Secrets it references, read again every `secret_recheck`: a lock is
+/// restarted with the new credentials (the spec change's hand-over), a family takes its next
+/// keys with them while the keys held keep theirs.
 pub async fn follow(
     client: kube::Client,
     r: ResourceRef,
@@ -146,6 +160,7 @@ pub async fn follow(
     identity: String,
     state: AppState,
     metrics: Arc<Metrics>,
+    secret_recheck: Duration,
 ) {
     let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
     let config = watcher::Config::default().fields(&format!("metadata.name={}", r.name));
@@ -156,35 +171,55 @@ pub async fn follow(
     // holder change, and reading the Secrets again for each of those, in every pod, would load
     // the API server for nothing (the generation moves with the spec only).
     let mut read_generation: Option<(Option<String>, i64)> = None;
-    while let Some(change) = changes.next().await {
-        let lock = match change {
-            Ok(lock) => lock,
-            Err(e) => {
-                tracing::warn!(resource = %r, error = %e, "watching the DistributedLock failed; retrying");
+    // The resource as last read, whose Secrets the re-check reads again.
+    let mut last: Option<DistributedLock> = None;
+    let mut recheck =
+        tokio::time::interval_at(tokio::time::Instant::now() + secret_recheck, secret_recheck);
+    recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let rechecking = last.as_ref().is_some_and(references_secrets) && !stepped_down;
+        let (lock, secrets_only) = tokio::select! {
+            change = changes.next() => match change {
+                None => return,
+                Some(Ok(lock)) => (lock, false),
+                Some(Err(e)) => {
+                    tracing::warn!(resource = %r, error = %e, "watching the DistributedLock failed; retrying");
+                    continue;
+                }
+            },
+            _ = recheck.tick(), if rechecking => match &last {
+                Some(lock) => (lock.clone(), true),
+                None => continue,
+            },
+        };
+        if !secrets_only {
+            if lock.metadata.deletion_timestamp.is_some() {
+                // The operator deletes a `cleanupPolicy: Delete` lock's records only once nobody
+                // holds it: release now rather than at the next failed renewal.
+                if !stepped_down {
+                    tracing::warn!(resource = %r, "the DistributedLock is being deleted: releasing its lock (or its keys) and taking it no more");
+                    step_down(&state, &current).await;
+                    stepped_down = true;
+                }
                 continue;
             }
-        };
-        if lock.metadata.deletion_timestamp.is_some() {
-            // The operator deletes a `cleanupPolicy: Delete` lock's records only once nobody
-            // holds it: release now rather than at the next failed renewal.
-            if !stepped_down {
-                tracing::warn!(resource = %r, "the DistributedLock is being deleted: releasing its lock (or its keys) and taking it no more");
-                step_down(&state, &current).await;
-                stepped_down = true;
+            let generation = lock
+                .metadata
+                .generation
+                .map(|g| (lock.metadata.uid.clone(), g));
+            last = Some(lock.clone());
+            if generation.is_some() && generation == read_generation && !stepped_down {
+                continue;
             }
-            continue;
+            read_generation = generation;
         }
-        let generation = lock
-            .metadata
-            .generation
-            .map(|g| (lock.metadata.uid.clone(), g));
-        if generation.is_some() && generation == read_generation && !stepped_down {
-            continue;
-        }
-        read_generation = generation;
         let next = match read(&client, &lock).await {
             Ok(next) if next == current && !stepped_down => continue,
             Ok(next) => next,
+            Err(e) if secrets_only => {
+                tracing::warn!(resource = %r, error = %e, "the DistributedLock's Secrets cannot be read again; keeping the running credentials");
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be used; keeping the running configuration");
                 continue;
@@ -196,6 +231,8 @@ pub async fn follow(
         }
         // Credentials aside (the URL's text hides them), a different URL is another backend.
         let moved = next.backend.to_string() != current.backend.to_string();
+        // The same backend, reached otherwise: new credentials.
+        let credentials_changed = !moved && next.backend != current.backend;
         if let Some(config) = next.family_config(&identity) {
             let Some(family) = state.families().iter().find(|f| f.name() == current.name) else {
                 continue;
@@ -208,6 +245,18 @@ pub async fn follow(
                 family.stop().await;
                 stepped_down = true;
                 continue;
+            }
+            if credentials_changed {
+                match open(&client, &next).await {
+                    Ok(driver) => {
+                        family.replace_driver(driver);
+                        tracing::info!(resource = %r, "the DistributedLock's credentials changed: the family takes its next keys with them");
+                    }
+                    Err(e) => {
+                        tracing::warn!(resource = %r, error = %e, "the changed credentials cannot be used; keeping the running ones");
+                        continue;
+                    }
+                }
             }
             match family.reconfigure(config) {
                 Ok(()) => {
@@ -230,7 +279,11 @@ pub async fn follow(
         }
         match start_lock(&client, &next, &identity, &metrics).await {
             Ok(fresh) => {
-                tracing::info!(resource = %r, backend = %next.backend, "DistributedLock changed: lock restarted with the new settings");
+                if credentials_changed {
+                    tracing::info!(resource = %r, backend = %next.backend, "the DistributedLock's credentials changed: lock restarted with them");
+                } else {
+                    tracing::info!(resource = %r, backend = %next.backend, "DistributedLock changed: lock restarted with the new settings");
+                }
                 if let Some(old) = state.replace(fresh) {
                     old.shutdown().await;
                 }

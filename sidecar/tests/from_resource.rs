@@ -47,6 +47,14 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
 async fn follow_jobs(
     api: &InMemoryApiServer,
 ) -> (AppState, leasehold_lease::Lock, tokio::task::JoinHandle<()>) {
+    follow_jobs_rechecking(api, from_resource::SECRET_RECHECK).await
+}
+
+/// The same, reading the lock's Secrets again every `recheck`.
+async fn follow_jobs_rechecking(
+    api: &InMemoryApiServer,
+    recheck: Duration,
+) -> (AppState, leasehold_lease::Lock, tokio::task::JoinHandle<()>) {
     let client = api.client();
     let metrics = Arc::new(Metrics::new());
     let r: ResourceRef = "team/jobs".parse().unwrap();
@@ -65,6 +73,7 @@ async fn follow_jobs(
         "pod-a".into(),
         state.clone(),
         metrics,
+        recheck,
     ));
     (state, lock, follower)
 }
@@ -301,6 +310,7 @@ async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
         "pod-a".into(),
         state.clone(),
         metrics,
+        from_resource::SECRET_RECHECK,
     ));
     assert_eq!(family.name(), "orders");
     assert_eq!(family.config().lease_duration, Duration::from_secs(5));
@@ -351,6 +361,149 @@ async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
             }
             other => panic!("the recreated family does not serve: {other:?}"),
         }
+    }
+    follower.abort();
+}
+
+/// Redis ACL user `app` with `password` only, and the Secret `redis-auth` holding it.
+fn rotate_redis_password(redis: &RedisServer, api: &InMemoryApiServer, password: &str) {
+    use leasehold_lease::testkit::in_memory_api_server::SECRETS;
+    use leasehold_lease::testkit::redis_cluster::command;
+    command(
+        redis.port(),
+        &[
+            "ACL",
+            "SETUSER",
+            "app",
+            "on",
+            "resetpass",
+            &format!(">{password}"),
+            "~*",
+            "&*",
+            "+@all",
+        ],
+    )
+    .expect("ACL SETUSER");
+    api.put(
+        SECRETS,
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "redis-auth", "namespace": "team",
+                            "annotations": {"leasehold.dev/allowed-hosts": "127.0.0.1"}},
+               "stringData": {"user": "app", "password": password}}),
+    );
+}
+
+/// Every connection `app` has is cut: its clients must log in again, with what they know.
+fn cut_app_connections(redis: &RedisServer) {
+    leasehold_lease::testkit::redis_cluster::command(
+        redis.port(),
+        &["CLIENT", "KILL", "USER", "app"],
+    )
+    .expect("CLIENT KILL");
+}
+
+/// A lock or family of `team/NAME` on `redis`, logging in as `app` from `redis-auth`.
+fn with_app_credentials(mut resource: Value) -> Value {
+    let redis = &mut resource["spec"]["backend"]["redis"];
+    redis["usernameSecretRef"] = json!({"name": "redis-auth", "key": "user"});
+    redis["passwordSecretRef"] = json!({"name": "redis-auth", "key": "password"});
+    resource
+}
+
+/// A password rotated under a running lock (the new one set and the old one revoked, as External
+/// Secrets or Vault do, then every connection cut): the sidecar reads the Secret again within its
+/// re-check, restarts the lock with it, and holds again with a greater token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_password_reaches_the_running_lock() {
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    rotate_redis_password(&redis, &api, "first-password");
+    api.put(
+        DISTRIBUTED_LOCKS,
+        with_app_credentials(distributed_lock(&redis, "leasehold", "3s")),
+    );
+    let (state, _, follower) = follow_jobs_rechecking(&api, Duration::from_millis(300)).await;
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    let before = state.locks()[0].answer().token().unwrap();
+
+    rotate_redis_password(&redis, &api, "second-password");
+    cut_app_connections(&redis);
+    eventually(
+        "pod-a holds the lock with the new password, a greater token",
+        || {
+            state.locks()[0]
+                .answer()
+                .token()
+                .is_some_and(|token| token > before)
+        },
+    )
+    .await;
+    // The new lock's connections log in with the new password: cut them, and it still holds.
+    let token = state.locks()[0].answer().token().unwrap();
+    cut_app_connections(&redis);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        state.locks()[0].answer().token(),
+        Some(token),
+        "{:?}",
+        state.locks()[0].answer()
+    );
+    follower.abort();
+}
+
+/// The same under a family: the keys taken after the rotation are taken with the new password.
+/// (A key held across it keeps the connections it was taken with; cut, as here, it is lost
+/// within its lease and taken again with the new password.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_password_reaches_a_running_family() {
+    use leasehold_lease::keyed::KeyAnswer;
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    rotate_redis_password(&redis, &api, "first-password");
+    api.put(
+        DISTRIBUTED_LOCKS,
+        with_app_credentials(keyed_family(&redis, "3s", 8)),
+    );
+    let client = api.client();
+    let metrics = Arc::new(Metrics::new());
+    let r: ResourceRef = "team/orders".parse().unwrap();
+    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
+        .await
+        .expect("started from the resource");
+    let (_, resolved, running) = started.into_iter().next().unwrap();
+    let Running::Family(family) = running else {
+        panic!("team/orders declares a family");
+    };
+    let state = AppState::new(Vec::new(), metrics.clone()).with_families(vec![family.clone()]);
+    let follower = tokio::spawn(from_resource::follow(
+        client,
+        r,
+        resolved,
+        "pod-a".into(),
+        state.clone(),
+        metrics,
+        Duration::from_millis(300),
+    ));
+    let hold = Duration::from_secs(60);
+    let held = family.acquire("sku-1", "w1", Duration::ZERO, hold).await;
+    assert!(matches!(held, Ok(KeyAnswer::Held { .. })), "{held:?}");
+
+    rotate_redis_password(&redis, &api, "second-password");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    cut_app_connections(&redis);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match family.acquire("sku-2", "w2", Duration::ZERO, hold).await {
+            Ok(KeyAnswer::Held { .. }) => break,
+            other => assert!(
+                tokio::time::Instant::now() < deadline,
+                "a key taken after the rotation: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     follower.abort();
 }
