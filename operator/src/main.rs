@@ -40,23 +40,36 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         .await
         .map_err(|e| format!("no Kubernetes API configuration: {e}"))?;
     if config.release_finalizers {
-        if let (Some(name), Some(pods)) = (&config.operator_deployment, &config.operator_pods) {
-            let deployment = leasehold_operator::uninstall::OperatorDeployment {
+        use leasehold_operator::uninstall;
+        let deployment = match (&config.operator_deployment, &config.operator_pods) {
+            (Some(name), Some(pods)) => Some(uninstall::OperatorDeployment {
                 namespace: config
                     .election_namespace
                     .clone()
                     .unwrap_or_else(|| client.default_namespace().to_owned()),
                 name: name.clone(),
                 pods: pods.clone(),
-            };
-            leasehold_operator::uninstall::stop_operator(&client, &deployment, STOP_PATIENCE)
-                .await?;
+            }),
+            _ => None,
+        };
+        if let Some(deployment) = &deployment {
+            uninstall::stop_operator(&client, deployment, STOP_PATIENCE).await?;
         }
-        let released = leasehold_operator::uninstall::release_finalizers(
-            &client,
-            config.watch_namespace.as_deref(),
-        )
-        .await?;
+        let released =
+            uninstall::release_finalizers(&client, config.watch_namespace.as_deref()).await?;
+        // Something (a GitOps tool's drift correction, a person) may have scaled the operator
+        // back meanwhile; it would have added the finalizers back.
+        if let Some(deployment) = &deployment {
+            let running = uninstall::running_pods(&client, deployment).await?;
+            if !running.is_empty() {
+                return Err(format!(
+                    "the operator was started again while the finalizers were released ({}): \
+                     stop whatever scales deployment/{} up, then uninstall again",
+                    running.join(", "),
+                    deployment.name
+                ));
+            }
+        }
         println!(
             "released the finalizer of {} DistributedLock(s); their records are kept",
             released.len()
@@ -80,7 +93,13 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         metrics: metrics.clone(),
         ready: ready.clone(),
     };
-    tokio::spawn(async move { axum::serve(listener, server::router(health)).await });
+    tokio::spawn(async move {
+        axum::serve(
+            leasehold_sidecar::process::without_delay(listener),
+            server::router(health),
+        )
+        .await
+    });
 
     let serving = start_webhook(&config, &client, &election_namespace, metrics.clone()).await?;
     let leadership = election::campaign(client.clone(), &election_namespace, &identity)

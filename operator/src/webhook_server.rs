@@ -105,6 +105,11 @@ pub async fn serve(
             },
             () = &mut shutdown => return,
         };
+        // A TLS handshake and each answer go out in several records: without TCP_NODELAY the
+        // later ones wait for the API server's delayed acknowledgement.
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "webhook: TCP_NODELAY could not be set");
+        }
         let acceptor = acceptor.clone();
         let service = TowerToHyperService::new(router.clone());
         tokio::spawn(async move {

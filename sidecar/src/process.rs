@@ -54,9 +54,58 @@ pub async fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::T
     }
 }
 
+/// A listener as the servers take it: each accepted connection with `TCP_NODELAY`. A response
+/// goes out in several small writes (HTTP/2's HEADERS, DATA and trailers frames; TLS records),
+/// and with Nagle's algorithm each small write after the first waits for the peer's
+/// acknowledgement, which Linux delays up to 40 ms when the peer has nothing to send back.
+pub type NoDelayListener =
+    axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)>;
+
+/// `listener`, whose accepted connections get `TCP_NODELAY` ([`NoDelayListener`]).
+pub fn without_delay(listener: tokio::net::TcpListener) -> NoDelayListener {
+    use axum::serve::ListenerExt;
+    fn no_delay(tcp: &mut tokio::net::TcpStream) {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY could not be set; the connection is served as it is");
+        }
+    }
+    listener.tap_io(no_delay as fn(&mut tokio::net::TcpStream))
+}
+
+/// `listener` as tonic's incoming connections, each with `TCP_NODELAY` ([`NoDelayListener`]
+/// says why): tonic sets it only on the sockets it binds and accepts itself.
+pub fn grpc_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every connection the HTTP servers and Dapr's gRPC server accept has `TCP_NODELAY`.
+    #[tokio::test]
+    async fn accepted_connections_do_not_wait_for_acknowledgements() {
+        use axum::serve::Listener;
+        use futures_util::StreamExt;
+        let mut http = without_delay(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let addr = http.local_addr().unwrap();
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = http.accept().await;
+        assert!(
+            accepted.nodelay().unwrap(),
+            "an HTTP connection without TCP_NODELAY"
+        );
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut grpc = grpc_incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = grpc.next().await.expect("a connection").expect("accepted");
+        assert!(
+            accepted.nodelay().unwrap(),
+            "a gRPC connection without TCP_NODELAY"
+        );
+    }
 
     /// The default listeners take IPv4 peers as well as IPv6 ones (kubelet probes come over
     /// whichever family the pod has).

@@ -63,30 +63,39 @@ pub async fn run(config: Config) -> Result<(), String> {
         let _ = rx.wait_for(|s| *s).await;
     };
     let api = tokio::spawn(
-        axum::serve(listener, lock_api(state.clone()))
-            .with_graceful_shutdown(stopped(stop_rx.clone()))
-            .into_future(),
+        axum::serve(
+            crate::process::without_delay(listener),
+            lock_api(state.clone()),
+        )
+        .with_graceful_shutdown(stopped(stop_rx.clone()))
+        .into_future(),
     );
     let probes = probe_listener.map(|l| {
         tokio::spawn(
-            axum::serve(l, probe_router(state.clone()))
-                .with_graceful_shutdown(stopped(stop_rx.clone()))
-                .into_future(),
+            axum::serve(
+                crate::process::without_delay(l),
+                probe_router(state.clone()),
+            )
+            .with_graceful_shutdown(stopped(stop_rx.clone()))
+            .into_future(),
         )
     });
 
     let dapr_http = dapr_http.map(|l| {
         tokio::spawn(
-            axum::serve(l, crate::dapr::http_api(state.clone()))
-                .with_graceful_shutdown(stopped(stop_rx.clone()))
-                .into_future(),
+            axum::serve(
+                crate::process::without_delay(l),
+                crate::dapr::http_api(state.clone()),
+            )
+            .with_graceful_shutdown(stopped(stop_rx.clone()))
+            .into_future(),
         )
     });
     let dapr_grpc = dapr_grpc.map(|l| {
         let service = crate::dapr::GrpcService::new(state.clone());
         let stop = stopped(stop_rx.clone());
         tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            let incoming = crate::process::grpc_incoming(l);
             if let Err(e) = tonic::transport::Server::builder()
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, stop)
@@ -220,6 +229,7 @@ async fn start_from_resources(
                 config.identity.clone(),
                 state.clone(),
                 metrics.clone(),
+                config.secret_recheck,
             ))
         })
         .collect();
