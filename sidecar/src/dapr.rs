@@ -11,7 +11,9 @@
 //!   numbers (`dapr/proto/runtime/v1/dapr.proto`) rather than generated, as for etcd.
 //!
 //! As in Dapr, a try-lock never waits and is not re-entrant: a second try by the owner that
-//! holds the key fails, and one unlock frees it. Unlike Dapr's Redis store, the answer is
+//! holds the key fails, and one unlock frees it. The expiry must end within the store's first
+//! lease (its `leaseDuration` less the safety margin): a Dapr client has no way to learn of a
+//! loss, so its lock is never left to depend on renewals. Unlike Dapr's Redis store, the answer is
 //! self-fenced and the key's token rises with every holder (the keyed routes show it).
 
 use std::convert::Infallible;
@@ -125,6 +127,24 @@ async fn try_lock(
                 MAX_HOLD.as_secs()
             ))
         })?;
+    // A Dapr client cannot learn that its lock was lost: it holds until its expiry as far as it
+    // knows. So the expiry must end within the key's first lease, which the backend keeps
+    // whatever happens to this sidecar or its connection; longer, the lock would depend on
+    // renewals, and a sidecar or backend failing for a lease would pass it to another client
+    // while this one still believed it held it.
+    let lease = family.config().lease_duration;
+    let covered = lease.saturating_sub(leasehold_lease::safety_margin(lease));
+    if hold > covered {
+        return Err(DaprError::malformed(format!(
+            "expiryInSeconds {expiry_in_seconds} is longer than lock store {store}'s lease covers \
+             ({} s of its {lease:?} lease): a lock held longer would depend on renewals, and a \
+             failure of this sidecar or of the backend for a lease would pass it to another \
+             client while this one still believed it held it. Ask for at most {} s, or give the \
+             store a leaseDuration longer than the longest expiry",
+            covered.as_secs(),
+            covered.as_secs()
+        )));
+    }
     let answer = family
         .try_acquire_once(resource_id, owner, hold)
         .await

@@ -1,10 +1,12 @@
 """Drive a Dapr lock store with Dapr's own Python SDK, unmodified, as an app written for Dapr
 would: DaprClient() finds the sidecar through DAPR_HTTP_PORT and DAPR_GRPC_PORT, waits for its
 health endpoint, then calls TryLockAlpha1 and UnlockAlpha1 over gRPC. Prints what it saw as one
-JSON object for tests/tests/dapr.rs to check."""
+JSON object for tests/tests/dapr.rs to check, with how long each of 50 try_lock + unlock cycles
+took, in milliseconds, after 10 to warm up."""
 
 import json
 import sys
+import time
 import warnings
 
 from dapr.clients import DaprClient
@@ -14,19 +16,32 @@ warnings.simplefilter("ignore")  # "The Distributed Lock API is an Alpha version
 store, key = sys.argv[1], sys.argv[2]
 seen = {}
 with DaprClient() as dapr:
-    seen["first"] = dapr.try_lock(store, key, "worker-1", 60).success
-    seen["other_owner"] = dapr.try_lock(store, key, "worker-2", 60).success
-    seen["same_owner_again"] = dapr.try_lock(store, key, "worker-1", 60).success
+    seen["first"] = dapr.try_lock(store, key, "worker-1", 10).success
+    seen["other_owner"] = dapr.try_lock(store, key, "worker-2", 10).success
+    seen["same_owner_again"] = dapr.try_lock(store, key, "worker-1", 10).success
     seen["unlock_by_other"] = dapr.unlock(store, key, "worker-2").status.value
     seen["unlock"] = dapr.unlock(store, key, "worker-1").status.value
     seen["unlock_again"] = dapr.unlock(store, key, "worker-1").status.value
-    seen["after_release"] = bool(dapr.try_lock(store, key, "worker-2", 60))
-    with dapr.try_lock(store, key + "-scoped", "worker-3", 60) as lock:
+    seen["after_release"] = bool(dapr.try_lock(store, key, "worker-2", 10))
+    with dapr.try_lock(store, key + "-scoped", "worker-3", 10) as lock:
         seen["scoped"] = bool(lock)
-    seen["after_scope"] = dapr.try_lock(store, key + "-scoped", "worker-4", 60).success
+    seen["after_scope"] = dapr.try_lock(store, key + "-scoped", "worker-4", 10).success
     try:
-        dapr.try_lock("no-such-store", key, "worker-1", 60)
+        dapr.try_lock(store, key + "-long", "worker-1", 3600)
+        seen["beyond_lease"] = "accepted"
+    except Exception as e:  # grpc.RpcError
+        seen["beyond_lease"] = str(getattr(e, "code", lambda: e)())
+    try:
+        dapr.try_lock("no-such-store", key, "worker-1", 10)
         seen["unknown_store"] = "accepted"
     except Exception as e:  # grpc.RpcError
         seen["unknown_store"] = str(getattr(e, "code", lambda: e)())
+    cycles = []
+    for i in range(60):
+        started = time.perf_counter()
+        assert dapr.try_lock(store, key + "-timed", "worker-5", 10).success
+        assert dapr.unlock(store, key + "-timed", "worker-5").status.value == 0
+        if i >= 10:
+            cycles.append((time.perf_counter() - started) * 1000)
+    seen["cycles_ms"] = cycles
 print(json.dumps(seen))
