@@ -2,7 +2,7 @@
 //! every backend. Its public face is [`Lock`]: a snapshot that is always instant to read, a few
 //! commands (acquire, release, shutdown) and an event stream.
 //!
-//! Self-fencing (DESIGN.md invariant 1): a lease is claimed only while the local monotonic clock
+//! Self-fencing (docs/design.md, invariant 1): a lease is claimed only while the local monotonic clock
 //! (`CLOCK_BOOTTIME`, which unlike `CLOCK_MONOTONIC` keeps counting while the machine is
 //! suspended: [`crate::boot_clock`]) is before `t_sent + lease_duration - safety_margin`, where `t_sent` is when the last successful
 //! acquire or renew request was *sent*. The backend started its own lease no earlier than that, so
@@ -93,7 +93,7 @@ pub struct LockConfig {
 }
 
 impl LockConfig {
-    /// A config with the defaults of DESIGN.md: renew every third of the lease, and a cool-down
+    /// A config with the defaults of docs/design.md: renew every third of the lease, and a cool-down
     /// of one lease after stepping down.
     pub fn new(name: &str, identity: &str, lease_duration: Duration) -> Self {
         Self {

@@ -1,4 +1,4 @@
-//! Keyed locks (DESIGN.md, "Keyed locks"): a *family* of locks on keys that workers choose at
+//! Keyed locks (docs/design.md, "Keyed locks"): a *family* of locks on keys that workers choose at
 //! run time (`order-1234`), each taken by a per-request *owner*, so that only the worker that took
 //! a key can extend or release it.
 //!

@@ -246,8 +246,8 @@ async fn a_holder_that_hears_only_a_minority_of_the_sentinels_stops_within_the_l
 /// before the other master can grant the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_counts_from_the_sentinels_answer_not_from_the_call() {
-    use leasehold_lease::boot_clock::BootInstant;
     use leasehold_lease::Acquire;
+    use leasehold_lease::boot_clock::BootInstant;
     let set = RedisSentinelSet::start();
     let driver = driver_for(&set.url()).await;
     let ttl = Duration::from_secs(10);

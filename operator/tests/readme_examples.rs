@@ -185,3 +185,34 @@ fn the_readme_secret_is_opened_to_its_example_lock() {
         resource::check_secret_allowed(name, allowed, &["attacker.example:6379".into()]).is_err()
     );
 }
+
+/// Every relative link in the README and under `docs/` names a file that exists (anchors aside).
+#[test]
+fn every_relative_link_in_the_readme_and_docs_resolves() {
+    let root = support::root();
+    let mut pages = vec![root.join("README.md")];
+    for entry in std::fs::read_dir(root.join("docs")).expect("docs/") {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        // `[text](target)`: the target runs to the closing parenthesis.
+        for (at, _) in text.match_indices("](") {
+            let rest = &text[at + 2..];
+            let Some(end) = rest.find(')') else { continue };
+            let target = rest[..end].split('#').next().unwrap_or_default();
+            if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let resolved = page.parent().unwrap().join(target);
+            if !resolved.exists() {
+                broken.push(format!("{}: {target}", page.display()));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "links to nothing: {broken:#?}");
+}

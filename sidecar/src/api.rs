@@ -1,4 +1,4 @@
-//! The localhost HTTP API (DESIGN.md, "The sidecar's HTTP contract"). Every answer is read from
+//! The localhost HTTP API (docs/design.md, "The sidecar's HTTP contract"). Every answer is read from
 //! the holder's in-memory snapshot; no request waits on the backend, except the long polls and
 //! acquisitions that ask to wait.
 

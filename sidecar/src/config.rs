@@ -12,7 +12,7 @@ pub use crate::from_resource::ResourceRef;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:4040";
 pub const DEFAULT_LEASE_DURATION: &str = "15s";
-/// Exit status for bad configuration, as DESIGN.md requires.
+/// Exit status for bad configuration, as docs/design.md requires.
 pub const EXIT_BAD_CONFIG: u8 = 2;
 
 #[derive(Debug, Parser)]

@@ -1,5 +1,5 @@
 //! Dapr's distributed-lock API (alpha), so that clients written against Dapr work unchanged
-//! (DESIGN.md, "Keyed locks"): `store` is a keyed family, `resourceId` the key, `lockOwner`
+//! (docs/design.md, "Keyed locks"): `store` is a keyed family, `resourceId` the key, `lockOwner`
 //! the owner, `expiryInSeconds` the hold.
 //!
 //! - HTTP (`--dapr-http-listen`, Dapr's port 3500): `POST /v1.0-alpha1/lock/{store}`,
