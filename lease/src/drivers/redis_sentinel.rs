@@ -393,9 +393,9 @@ pub struct RedisSentinelDriver {
     observe: Script,
     releases: Arc<ChangeFeeds>,
     follower: tokio::task::JoinHandle<()>,
-    /// For each lock acquired or renewed here, when the majority that named the master of its
-    /// last such call was asked ([`Driver::counted_from`]).
-    counted: Mutex<std::collections::HashMap<String, BootInstant>>,
+    /// For each lock acquired or renewed here, the token of that holding and when the majority
+    /// that named the master of its last such call was asked ([`Driver::counted_from`]).
+    counted: Mutex<std::collections::HashMap<String, (u64, BootInstant)>>,
 }
 
 /// How many locks' confirmation instants are kept before those older than a minute go (a lock
@@ -441,14 +441,15 @@ impl RedisSentinelDriver {
 
     /// A call on `master` gave `lock` a lease: it counts from the majority's question at the
     /// latest.
-    fn count_from_confirmation(&self, lock: &str, master: &Master) {
+    fn count_from_confirmation(&self, lease: &Lease, master: &Master) {
         let mut counted = self.counted.lock().expect("counted");
         if counted.len() >= COUNTED_KEPT {
             let now = BootInstant::now();
-            counted
-                .retain(|_, asked| now.saturating_duration_since(*asked) < Duration::from_secs(60));
+            counted.retain(|_, (_, asked)| {
+                now.saturating_duration_since(*asked) < Duration::from_secs(60)
+            });
         }
-        counted.insert(lock.to_owned(), master.confirmed_asked);
+        counted.insert(lease.lock.clone(), (lease.token, master.confirmed_asked));
     }
 
     /// A failed call: forget a master that no longer serves, then say what failed.
@@ -564,7 +565,7 @@ impl Driver for RedisSentinelDriver {
             let _ = self.release(&lease).await;
             return Err(e);
         }
-        self.count_from_confirmation(lock, &master);
+        self.count_from_confirmation(&lease, &master);
         Ok(Acquire::Acquired(lease))
     }
 
@@ -596,7 +597,7 @@ impl Driver for RedisSentinelDriver {
             }
             None => {}
         }
-        self.count_from_confirmation(&lease.lock, &master);
+        self.count_from_confirmation(lease, &master);
         Ok(true)
     }
 
@@ -606,13 +607,24 @@ impl Driver for RedisSentinelDriver {
     /// majorities share a sentinel that changed its answer in between.
     fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
         let counted = self.counted.lock().expect("counted");
-        counted
-            .get(&lease.lock)
-            .map_or(sent, |asked| sent.min(*asked))
+        match counted.get(&lease.lock) {
+            Some((token, asked)) if *token == lease.token => sent.min(*asked),
+            // Not this holding's (another holding of the lock here replaced the entry): from
+            // the send less the oldest a majority's naming may be, never later than the truth.
+            _ => sent - CONFIRMED_FOR,
+        }
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        self.counted.lock().expect("counted").remove(&lease.lock);
+        {
+            let mut counted = self.counted.lock().expect("counted");
+            if counted
+                .get(&lease.lock)
+                .is_some_and(|(token, _)| *token == lease.token)
+            {
+                counted.remove(&lease.lock);
+            }
+        }
         let master = self.master.master().await?;
         match single::releases_of(&self.release, &self.keys, &[lease])
             .invoke_async::<Value>(&mut master.conn.clone())
