@@ -772,6 +772,7 @@ async fn driver_cycles(driver: &dyn Driver) -> f64 {
         {
             Acquire::Acquired(lease) => lease,
             Acquire::Busy(h) => panic!("cycle {i}: busy {h:?}"),
+            Acquire::Withheld(w) => panic!("cycle {i}: withheld {w:?}"),
         };
         assert!(driver.release(&lease).await.expect("release"));
     }
@@ -1966,6 +1967,7 @@ async fn keyed_driver_cycles(
                 {
                     Acquire::Acquired(lease) => lease,
                     Acquire::Busy(h) => panic!("{lock}: busy {h:?}"),
+                    Acquire::Withheld(w) => panic!("{lock}: withheld {w:?}"),
                 };
                 assert!(driver.release(&lease).await.expect("release"));
                 cycles += 1;

@@ -35,7 +35,23 @@ pub enum Acquire {
     Acquired(Lease),
     /// Someone else holds it (or it is free again by the time you read this).
     Busy(Option<Holding>),
+    /// Nobody holds it, but a guard of the backend's does not grant it yet.
+    Withheld(Withheld),
 }
+
+/// Why a free lock is not granted yet, and for how long when the backend can tell: a server that
+/// may have lost leases (a restart without durable data, a promoted replica) waits out one lease
+/// so that no lease it forgot is still claimed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Withheld {
+    /// What withholds it, in a sentence an operator can act on.
+    pub reason: String,
+    /// How long until grants resume, when known.
+    pub resume_in: Option<Duration>,
+}
+
+/// What a Redis or Tair server's restart guard says when it withholds a free lock.
+pub const RESTART_GUARD: &str = "the server restarted without durable data or was promoted since it last granted this lock: a free lock is granted once one lease has passed on it, so that no lease it may have lost is still claimed";
 
 #[async_trait]
 pub trait Driver: Send + Sync + 'static {

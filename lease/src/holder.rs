@@ -198,6 +198,18 @@ pub struct Snapshot {
     /// `minSessionTimeout`, etcd's whole seconds): a crashed holder is replaced later than the
     /// lease promises. Shown by `/lock` and `/readyz`, and logged once.
     pub warning: Option<String>,
+    /// The last attempt found the lock free, but a guard of the backend's withholds it (see
+    /// [`crate::Withheld`]): why, and when grants resume if the backend said. Cleared by the
+    /// next attempt that finds otherwise.
+    pub withheld: Option<WithheldUntil>,
+}
+
+/// A [`crate::Withheld`] answer, dated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WithheldUntil {
+    pub reason: String,
+    /// When grants resume, when known.
+    pub until: Option<BootInstant>,
 }
 
 impl Snapshot {
@@ -210,6 +222,7 @@ impl Snapshot {
             since: SystemTime::now(),
             holds: 0,
             warning: None,
+            withheld: None,
         }
     }
 
@@ -298,6 +311,10 @@ enum Command {
     Extend {
         hold: Duration,
         reply: oneshot::Sender<Answer>,
+    },
+    /// Stop without releasing ([`Lock::retire`]); `done` fires once the engine has let go.
+    Retire {
+        done: oneshot::Sender<()>,
     },
 }
 
@@ -483,6 +500,7 @@ impl Lock {
             in_flight: None,
             settled: Arc::new(settled.clone().drop_guard()),
             on_unheld,
+            retired: None,
         };
         let lock = Self {
             inner: Arc::new(LockInner {
@@ -606,6 +624,24 @@ impl Lock {
         {
             task.abort();
         }
+    }
+
+    /// Stop for good without releasing: the lease runs out on its own (within the lease), so
+    /// that no other process takes the lock while an app may still act on an answer this one
+    /// gave. For a lock replaced by another with the same identity (new settings, new
+    /// credentials), which takes the lock once the lease has run out. Falls back to
+    /// [`Lock::shutdown`] when the task does not take the request in time.
+    pub async fn retire(&self) {
+        let (done, retired) = oneshot::channel();
+        if self
+            .inner
+            .commands
+            .send(Box::new(Command::Retire { done }))
+            .is_ok()
+        {
+            let _ = timeout(SHUTDOWN_RELEASE_TIMEOUT, retired).await;
+        }
+        self.shutdown().await;
     }
 
     /// Ask the task to stop, without waiting for it: it releases what it holds on its way out
@@ -732,6 +768,8 @@ struct Engine {
     settled: Arc<DropGuard>,
     /// Fired by [`Engine::forget`], or when the engine is dropped.
     on_unheld: Option<OnUnheld>,
+    /// Retired ([`Lock::retire`]): the lease is left to run out, not released; told here.
+    retired: Option<oneshot::Sender<()>>,
 }
 
 /// An engine dropped while it waited for the lock (a keyed acquisition runs on its caller's
@@ -820,7 +858,13 @@ impl Engine {
                 break;
             }
         }
-        self.step_down("shutdown").await;
+        match self.retired.take() {
+            Some(done) => {
+                self.lapse();
+                let _ = done.send(());
+            }
+            None => self.step_down("shutdown").await,
+        }
         for waiter in self.waiters.drain(..) {
             let _ = waiter.reply.send(Answer::NotHolder);
         }
@@ -975,6 +1019,7 @@ impl Engine {
             s.held = held;
             if me.is_some() {
                 s.current_holder = me;
+                s.withheld = None;
             }
             s.holds = holds;
             also(s);
@@ -1032,6 +1077,21 @@ impl Engine {
 
     /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
     /// backend could already have handed on.
+    /// Let go without releasing: the lease runs out on its own, so that whoever acted on this
+    /// process's answers (until `validForMs` ran out) keeps the lock until then. The driver is
+    /// kept until the claim has ended, since a session backend (ZooKeeper, etcd) would give the
+    /// lock up the moment its session closed.
+    fn lapse(&mut self) {
+        let Some(held) = self.forget(EventKind::Released, "handed over") else {
+            return;
+        };
+        let driver = self.driver.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(held.valid_until.to_tokio()).await;
+            drop(driver);
+        });
+    }
+
     async fn step_down(&mut self, reason: &'static str) {
         let Some(held) = self.forget(EventKind::Released, reason) else {
             return;
@@ -1211,6 +1271,10 @@ impl Engine {
                 }
                 let _ = reply.send(self.state.borrow().answer());
             }
+            Command::Retire { done } => {
+                self.retired = Some(done);
+                return Flow::Stop;
+            }
             Command::Release { reply } => {
                 if self.held.is_none() {
                     let _ = reply.send(false);
@@ -1373,9 +1437,37 @@ impl Engine {
                     .and_then(|h| h.expires_in)
                     .map_or(poll, |left| (left + Duration::from_millis(1)).min(poll));
                 self.publish(|s| {
-                    let changed = s.current_holder != holding;
+                    let changed = s.current_holder != holding || s.withheld.is_some();
                     s.current_holder = holding;
+                    s.withheld = None;
                     changed
+                });
+                pause
+            }
+            Call::Done(Acquire::Withheld(withheld)) => {
+                let poll = jitter(self.driver.poll_interval(self.config.renew_interval));
+                // Try again as soon as grants resume, if that comes first.
+                let pause = withheld
+                    .resume_in
+                    .map_or(poll, |left| (left + Duration::from_millis(1)).min(poll));
+                let until = withheld.resume_in.map(|left| BootInstant::now() + left);
+                let first = self
+                    .state
+                    .borrow()
+                    .withheld
+                    .as_ref()
+                    .is_none_or(|w| w.reason != withheld.reason);
+                if first {
+                    tracing::warn!(lock = %self.config.name, resume_in = ?withheld.resume_in,
+                        "the lock is free but not granted yet: {}", withheld.reason);
+                }
+                self.publish(|s| {
+                    s.current_holder = None;
+                    s.withheld = Some(WithheldUntil {
+                        reason: withheld.reason,
+                        until,
+                    });
+                    true
                 });
                 pause
             }

@@ -103,6 +103,12 @@ pub enum KeyAnswer {
     },
     /// Another owner holds it (in this pod, or in the backend as far as it was seen).
     HeldByAnother { holder: Option<String> },
+    /// Nobody holds it, but a guard of the backend's does not grant it yet
+    /// ([`crate::Withheld`]): why, and how long until grants resume when known.
+    Withheld {
+        reason: String,
+        resume_in: Option<Duration>,
+    },
     /// Nobody this pod knows of holds it for `owner`.
     NotHeld,
     /// The backend cannot be reached: nobody can tell.
@@ -475,7 +481,9 @@ impl KeyedFamily {
         )
         .await?;
         if !answer.is_holder() {
-            let holder = lock.snapshot().current_holder.map(|h: Holding| h.identity);
+            let snapshot = lock.snapshot();
+            let holder = snapshot.current_holder.map(|h: Holding| h.identity);
+            let withheld = snapshot.withheld.filter(|_| holder.is_none());
             lock.shutdown().await;
             // An attempt that could not tell may still take the key (a write the backend carries
             // out late): the slot waits for it to be followed up and given back, so that the
@@ -488,8 +496,12 @@ impl KeyedFamily {
                     drop(slot);
                 });
             }
-            return Ok(match answer {
-                Answer::Unknown => KeyAnswer::Unknown,
+            return Ok(match (answer, withheld) {
+                (Answer::Unknown, _) => KeyAnswer::Unknown,
+                (_, Some(withheld)) => KeyAnswer::Withheld {
+                    reason: withheld.reason,
+                    resume_in: withheld.until.map(|until| until.remaining()),
+                },
                 _ => KeyAnswer::HeldByAnother { holder },
             });
         }

@@ -35,11 +35,12 @@ use std::sync::Arc;
 
 pub use backend_url::{BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE};
 pub use boot_clock::BootInstant;
-pub use driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+pub use driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, RESTART_GUARD, Withheld};
 pub use error::{Error, Result};
 pub use holder::{
     Answer, DEFAULT_HOLD, Event, EventKind, Held, Lock, LockConfig, MAX_LEASE_DURATION,
-    MIN_LEASE_DURATION, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry, safety_margin,
+    MIN_LEASE_DURATION, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry, WithheldUntil,
+    safety_margin,
 };
 pub use records::{RECORDS_DELETER, delete_records};
 pub use redact::redact;

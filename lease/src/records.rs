@@ -38,6 +38,11 @@ pub async fn delete_records(
             driver.abandon(lock, RECORDS_DELETER).await;
             Ok(Some(holder))
         }
+        // Free, but a restart guard withholds it: a holder it may have lost could still claim.
+        Ok(Acquire::Withheld(_)) => {
+            driver.abandon(lock, RECORDS_DELETER).await;
+            Ok(Some(None))
+        }
         Err(e) => {
             driver.abandon(lock, RECORDS_DELETER).await;
             Err(e)

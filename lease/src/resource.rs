@@ -238,6 +238,8 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
     let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     let endpoints = backend_endpoints(lock);
     let mut values = SecretValues::new();
+    // Each Secret is read once, however many of its keys the lock takes (a TLS Secret's three).
+    let mut read: std::collections::HashMap<String, Secret> = std::collections::HashMap::new();
     let required = secret_refs(lock).into_iter().map(|r| (r, true));
     let optional = optional_secret_refs(lock).into_iter().map(|r| (r, false));
     for (r, required) in required.chain(optional) {
@@ -245,19 +247,27 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
         if values.contains_key(&key) {
             continue;
         }
-        let secret = api
-            .get_opt(&r.name)
-            .await
-            .map_err(|e| match e {
-                kube::Error::Api(s) if s.code == 403 => Error::Backend(format!(
-                    "not allowed to read Secret {namespace}/{}: {}",
-                    r.name, s.message
-                )),
-                other => {
-                    Error::Unreachable(format!("reading Secret {namespace}/{}: {other}", r.name))
-                }
-            })?
-            .ok_or_else(|| missing(&r, "the Secret does not exist"))?;
+        let secret = match read.get(&r.name) {
+            Some(secret) => secret.clone(),
+            None => {
+                let secret = api
+                    .get_opt(&r.name)
+                    .await
+                    .map_err(|e| match e {
+                        kube::Error::Api(s) if s.code == 403 => Error::Backend(format!(
+                            "not allowed to read Secret {namespace}/{}: {}",
+                            r.name, s.message
+                        )),
+                        other => Error::Unreachable(format!(
+                            "reading Secret {namespace}/{}: {other}",
+                            r.name
+                        )),
+                    })?
+                    .ok_or_else(|| missing(&r, "the Secret does not exist"))?;
+                read.insert(r.name.clone(), secret.clone());
+                secret
+            }
+        };
         check_secret_allowed(
             &r.name,
             secret

@@ -17,6 +17,7 @@ async fn acquired(driver: &dyn Driver, lock: &str, identity: &str) -> Lease {
     match driver.try_acquire(lock, identity, TTL).await.unwrap() {
         Acquire::Acquired(lease) => lease,
         Acquire::Busy(holder) => panic!("{lock}: not acquired by {identity}, held by {holder:?}"),
+        Acquire::Withheld(w) => panic!("withheld: {w:?}"),
     }
 }
 
@@ -64,6 +65,7 @@ async fn acquisitions_at_once_go_in_few_calls_and_answer_each_for_its_lock() {
                 );
             }
             Acquire::Busy(holder) => busy.push((lock.clone(), holder)),
+            Acquire::Withheld(w) => panic!("{lock}: withheld {w:?}"),
         }
     }
     assert_eq!(
@@ -125,10 +127,19 @@ async fn a_batch_on_a_server_that_may_have_lost_leases_grants_nothing() {
     )
     .await;
     for (lock, answer) in locks.iter().zip(answers) {
-        assert!(
-            matches!(answer.expect("acquire"), Acquire::Busy(None)),
-            "{lock}: granted by a server that may have lost leases"
-        );
+        match answer.expect("acquire") {
+            // Each says why, and when grants resume: within the 30 s lease.
+            Acquire::Withheld(withheld) => {
+                assert_eq!(withheld.reason, leasehold_lease::RESTART_GUARD);
+                assert!(
+                    withheld
+                        .resume_in
+                        .is_some_and(|left| left <= Duration::from_secs(30)),
+                    "{lock}: {withheld:?}"
+                );
+            }
+            other => panic!("{lock}: granted by a server that may have lost leases: {other:?}"),
+        }
     }
 }
 

@@ -1275,6 +1275,7 @@ async fn mariadb_many_held_locks_keep_few_sessions() {
         {
             Acquire::Acquired(lease) => leases.push(lease),
             Acquire::Busy(h) => panic!("{lock}: busy {h:?}"),
+            Acquire::Withheld(w) => panic!("withheld: {w:?}"),
         }
     }
     // The named-lock sessions connect in the background.

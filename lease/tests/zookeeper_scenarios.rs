@@ -242,6 +242,7 @@ async fn an_idle_keys_parent_is_deleted_and_its_tokens_still_rise() {
                     held.token
                 }
                 Acquire::Busy(holder) => panic!("{lock} busy: {holder:?}"),
+                Acquire::Withheld(w) => panic!("withheld: {w:?}"),
             }
         }
     };
@@ -372,6 +373,7 @@ async fn an_unknown_place_is_cleared(owner_waits: bool) {
                 tokio::time::Instant::now() < deadline,
                 "{unknown}, unknown to a's driver, still blocks the lock (holder {holder:?})"
             ),
+            Acquire::Withheld(w) => panic!("withheld: {w:?}"),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -407,6 +409,7 @@ async fn renewals_at_once_take_one_sync_and_one_read_and_answer_each_for_its_nod
         {
             Acquire::Acquired(lease) => leases.push(lease),
             Acquire::Busy(holding) => panic!("{lock}: busy {holding:?}"),
+            Acquire::Withheld(w) => panic!("withheld: {w:?}"),
         }
     }
     let admin = zookeeper_client::Client::connect(&format!("127.0.0.1:{}", server.port()))

@@ -218,6 +218,12 @@ struct LockStatus<'a> {
     error: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     warning: Option<&'a str>,
+    /// Why a free lock is not granted yet (a guard of the backend's), while it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'a str>,
+    /// When grants resume, from now, when the backend said.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after_ms: Option<u64>,
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -251,6 +257,10 @@ fn lock_response(
             .as_ref()
             .map(|h| h.identity.as_str()),
     };
+    let withheld = match answer {
+        Answer::NotHolder => snapshot.withheld.as_ref(),
+        _ => None,
+    };
     let body = LockStatus {
         lock: lock.name(),
         holder: answer.is_holder(),
@@ -264,6 +274,10 @@ fn lock_response(
         released,
         error: snapshot.backend_error.as_deref(),
         warning: snapshot.warning.as_deref(),
+        reason: withheld.map(|w| w.reason.as_str()),
+        retry_after_ms: withheld
+            .and_then(|w| w.until)
+            .map(|until| until.remaining().as_millis() as u64),
     };
     json(status_code(answer), &body)
 }
@@ -411,6 +425,12 @@ struct KeyStatus<'a> {
     backend: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     released: Option<bool>,
+    /// Why a free key is not granted yet (a guard of the backend's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    /// When grants resume, from now, when the backend said.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after_ms: Option<u64>,
 }
 
 fn key_response(
@@ -431,6 +451,8 @@ fn key_response(
         holds: 0,
         backend: family.backend(),
         released: None,
+        reason: None,
+        retry_after_ms: None,
     };
     let status = match answer {
         KeyAnswer::Held {
@@ -446,6 +468,11 @@ fn key_response(
         }
         KeyAnswer::HeldByAnother { holder } => {
             body.current_holder = holder.clone();
+            StatusCode::CONFLICT
+        }
+        KeyAnswer::Withheld { reason, resume_in } => {
+            body.reason = Some(reason.clone());
+            body.retry_after_ms = resume_in.map(|left| left.as_millis() as u64);
             StatusCode::CONFLICT
         }
         KeyAnswer::NotHeld => not_held,
@@ -665,6 +692,12 @@ async fn readyz(State(state): State<AppState>) -> Response {
         }
         if let Some(warning) = s.warning {
             warnings.push((lock.name().to_owned(), warning));
+        }
+        if let Some(withheld) = s.withheld {
+            warnings.push((
+                lock.name().to_owned(),
+                format!("not granted yet: {}", withheld.reason),
+            ));
         }
     }
     let gated = state

@@ -145,13 +145,30 @@ async fn try_lock(
             covered.as_secs()
         )));
     }
+    let started = std::time::Instant::now();
     let answer = family
         .try_acquire_once(resource_id, owner, hold)
         .await
         .map_err(key_error)?;
     match answer {
+        // The claim must cover the whole expiry as the client counts it (from before its call):
+        // a backend that counts the lease from an earlier moment than the call (a Sentinel
+        // majority's answer, a ZooKeeper heartbeat) leaves less of it.
+        KeyAnswer::Held { valid_for, .. } if valid_for + started.elapsed() < hold => {
+            let _ = family.release(resource_id, owner).await;
+            Err(DaprError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                code: "ERR_TRY_LOCK",
+                message: format!(
+                    "the lock was taken with a claim of {valid_for:?}, shorter than the expiry \
+                     of {expiry_in_seconds} s, and given back: ask for a shorter expiry"
+                ),
+            })
+        }
         KeyAnswer::Held { .. } => Ok(true),
-        KeyAnswer::HeldByAnother { .. } | KeyAnswer::NotHeld => Ok(false),
+        KeyAnswer::HeldByAnother { .. } | KeyAnswer::Withheld { .. } | KeyAnswer::NotHeld => {
+            Ok(false)
+        }
         KeyAnswer::Unknown => Err(DaprError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             code: "ERR_TRY_LOCK",

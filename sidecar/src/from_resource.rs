@@ -97,9 +97,44 @@ async fn start_lock(
     identity: &str,
     metrics: &Arc<Metrics>,
 ) -> Result<Lock, String> {
-    let driver = open(client, resolved).await?;
+    start_lock_on(open(client, resolved).await?, resolved, identity, metrics)
+}
+
+fn start_lock_on(
+    driver: Arc<dyn leasehold_lease::Driver>,
+    resolved: &ResolvedLock,
+    identity: &str,
+    metrics: &Arc<Metrics>,
+) -> Result<Lock, String> {
     metrics.register_lock(&resolved.name);
     Lock::start(driver, resolved.lock_config(identity), metrics.clone()).map_err(|e| e.to_string())
+}
+
+/// Where a backend is, without who logs in: the URL's text without its user part (a rotated
+/// credential may come with a new user name, as Vault's database users do).
+fn location(backend: &leasehold_lease::BackendUrl) -> String {
+    let text = backend.to_string();
+    match text.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((user, host)) if !user.contains('/') => format!("{scheme}://{host}"),
+            _ => text,
+        },
+        None => text,
+    }
+}
+
+/// A driver with `resolved`'s credentials that the backend accepted: new credentials replace
+/// running ones only once they work.
+async fn open_checked(
+    client: &kube::Client,
+    resolved: &ResolvedLock,
+) -> Result<Arc<dyn leasehold_lease::Driver>, String> {
+    let driver = open(client, resolved).await?;
+    match tokio::time::timeout(Duration::from_secs(5), driver.ping()).await {
+        Ok(Ok(())) => Ok(driver),
+        Ok(Err(e)) => Err(format!("the backend refused them: {e}")),
+        Err(_) => Err("the backend did not answer within 5 s".into()),
+    }
 }
 
 /// Stop claiming: the lock's lease, or every key of the family, is released.
@@ -164,7 +199,10 @@ pub async fn follow(
 ) {
     let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
     let config = watcher::Config::default().fields(&format!("metadata.name={}", r.name));
-    let mut changes = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
+    let mut changes = std::pin::pin!(watcher(api, config).default_backoff());
+    // Whether the resource was listed since the watch last started again: one missing from
+    // that list was deleted while the watch was down.
+    let mut listed = false;
     // Released because the resource is being deleted; started again if it comes back.
     let mut stepped_down = false;
     // The object (uid) and generation last read: the operator writes the status on every
@@ -181,7 +219,27 @@ pub async fn follow(
         let (lock, secrets_only) = tokio::select! {
             change = changes.next() => match change {
                 None => return,
-                Some(Ok(lock)) => (lock, false),
+                Some(Ok(watcher::Event::Apply(lock))) => (lock, false),
+                Some(Ok(watcher::Event::InitApply(lock))) => {
+                    listed = true;
+                    (lock, false)
+                }
+                Some(Ok(watcher::Event::Init)) => {
+                    listed = false;
+                    continue;
+                }
+                Some(Ok(watcher::Event::InitDone)) if listed => continue,
+                // Deleted: a lock without a finalizer (`cleanupPolicy: Retain`) goes at once,
+                // or went while the watch was down. Its lock or keys are released; it is
+                // started again if the resource comes back.
+                Some(Ok(watcher::Event::Delete(_) | watcher::Event::InitDone)) => {
+                    if !stepped_down {
+                        tracing::warn!(resource = %r, "the DistributedLock was deleted: releasing its lock (or its keys) and taking it no more");
+                        step_down(&state, &current).await;
+                        stepped_down = true;
+                    }
+                    continue;
+                }
                 Some(Err(e)) => {
                     tracing::warn!(resource = %r, error = %e, "watching the DistributedLock failed; retrying");
                     continue;
@@ -229,8 +287,8 @@ pub async fn follow(
             tracing::error!(resource = %r, "the DistributedLock changed between a lock and a family of keyed locks, which its CRD forbids; keeping the running configuration");
             continue;
         }
-        // Credentials aside (the URL's text hides them), a different URL is another backend.
-        let moved = next.backend.to_string() != current.backend.to_string();
+        // Who logs in aside, a different URL is another backend.
+        let moved = location(&next.backend) != location(&current.backend);
         // The same backend, reached otherwise: new credentials.
         let credentials_changed = !moved && next.backend != current.backend;
         if let Some(config) = next.family_config(&identity) {
@@ -247,7 +305,7 @@ pub async fn follow(
                 continue;
             }
             if credentials_changed {
-                match open(&client, &next).await {
+                match open_checked(&client, &next).await {
                     Ok(driver) => {
                         family.replace_driver(driver);
                         tracing::info!(resource = %r, "the DistributedLock's credentials changed: the family takes its next keys with them");
@@ -277,15 +335,26 @@ pub async fn follow(
             step_down(&state, &current).await;
             tokio::time::sleep(current.lease_duration + current.renew_interval).await;
         }
-        match start_lock(&client, &next, &identity, &metrics).await {
+        let started = if credentials_changed {
+            match open_checked(&client, &next).await {
+                Ok(driver) => start_lock_on(driver, &next, &identity, &metrics),
+                Err(e) => Err(e),
+            }
+        } else {
+            start_lock(&client, &next, &identity, &metrics).await
+        };
+        match started {
             Ok(fresh) => {
                 if credentials_changed {
                     tracing::info!(resource = %r, backend = %next.backend, "the DistributedLock's credentials changed: lock restarted with them");
                 } else {
                     tracing::info!(resource = %r, backend = %next.backend, "DistributedLock changed: lock restarted with the new settings");
                 }
+                // The old lock's lease runs out rather than being released: an app may act on
+                // an answer it gave until its `validForMs` ends, and nobody else may hold the
+                // lock meanwhile. The new lock (the same identity) takes it after that.
                 if let Some(old) = state.replace(fresh) {
-                    old.shutdown().await;
+                    old.retire().await;
                 }
                 current = next;
                 stepped_down = false;

@@ -507,3 +507,121 @@ async fn a_rotated_password_reaches_a_running_family() {
     }
     follower.abort();
 }
+
+/// A lock restarted for a spec change lets its lease run out rather than releasing it: another
+/// pod waiting for the lock does not hold it before the last `validForMs` this pod's lock gave
+/// has run out, and the lock is held by somebody once it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_lock_lets_its_lease_run_out_before_anyone_else_holds() {
+    use leasehold_lease::{LockConfig, Mode};
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "3s"),
+    );
+    let (state, _, follower) = follow_jobs(&api).await;
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    let other = leasehold_lease::Lock::start(
+        redis_driver(&redis, "leasehold").await,
+        LockConfig {
+            mode: Mode::Campaign,
+            ..LockConfig::new("jobs", "pod-b", Duration::from_secs(3))
+        },
+        Arc::new(()),
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!other.answer().is_holder());
+
+    // The last answer pod-a's app had, and until when it may act on it.
+    let mut changed = distributed_lock(&redis, "leasehold", "3s");
+    changed["spec"]["renewInterval"] = json!("900ms");
+    let (promised, token) = match state.locks()[0].answer() {
+        leasehold_lease::Answer::Holder { valid_for, token } => {
+            (tokio::time::Instant::now() + valid_for, token)
+        }
+        other => panic!("pod-a does not hold: {other:?}"),
+    };
+    let observer = redis_driver(&redis, "leasehold").await;
+    api.put(DISTRIBUTED_LOCKS, changed);
+    eventually("the new settings are in force", || {
+        state.locks()[0].config().renew_interval == Duration::from_millis(900)
+    })
+    .await;
+    // Until then the lease pod-a's app acted on stays in Redis, and nobody else holds.
+    loop {
+        let seen = observer.observe("jobs").await.unwrap();
+        if tokio::time::Instant::now() >= promised {
+            break;
+        }
+        assert_eq!(
+            seen.as_ref().map(|h| (h.identity.as_str(), h.token)),
+            Some(("pod-a", token)),
+            "{:?} before pod-a's last answer ran out",
+            promised - tokio::time::Instant::now()
+        );
+        assert!(!other.answer().is_holder(), "pod-b holds");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eventually("somebody holds the lock again", || {
+        other.answer().is_holder() || state.locks()[0].answer().is_holder()
+    })
+    .await;
+    other.shutdown().await;
+    follower.abort();
+}
+
+/// A resource without the operator's finalizer (`cleanupPolicy: Retain`) is gone the moment it is
+/// deleted: the sidecar releases its lock at once, and campaigns again when it comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_deleted_without_a_finalizer_is_released() {
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "5s"),
+    );
+    let (state, _, follower) = follow_jobs(&api).await;
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    assert!(api.remove(DISTRIBUTED_LOCKS, "team", "jobs"));
+    eventually("pod-a released the lock", || {
+        !state.locks()[0].answer().is_holder()
+    })
+    .await;
+    let driver = redis_driver(&redis, "leasehold").await;
+    eventually_async("the lease is gone from Redis", || {
+        let driver = driver.clone();
+        async move { driver.observe("jobs").await.unwrap().is_none() }
+    })
+    .await;
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "5s"),
+    );
+    eventually("pod-a holds the lock again", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    follower.abort();
+}
+
+async fn eventually_async<F: std::future::Future<Output = bool>>(
+    what: &str,
+    mut check: impl FnMut() -> F,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within 10 s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

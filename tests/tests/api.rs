@@ -503,3 +503,56 @@ fn a_waiter_whose_client_hung_up_never_takes_the_lock() {
     );
     assert_eq!(b.get("/lock").status, 409, "b holds the lock for nobody");
 }
+
+/// A guard that withholds a free lock says so: a sidecar started against a Redis server without
+/// durable data (which may have lost leases) answers 409 with the reason and when grants
+/// resume, on `/lock`, on the keyed routes and in `/readyz`, then holds once a lease has passed.
+#[test]
+fn a_withheld_lock_says_why_and_when_grants_resume() {
+    use leasehold_e2e::RedisServer;
+    let redis = RedisServer::start_with(false);
+    let lock = unique_lock("withheld");
+    let family = unique_lock("withheld-keys");
+    let a = Sidecar::start(
+        "pod-a",
+        &redis.url(),
+        &lock,
+        &["--lease-duration", "4s", "--keyed", &family],
+    );
+    eventually(Duration::from_secs(5), "a reason", || {
+        a.get("/lock").json().get("reason").is_some()
+    });
+    let answer = a.get("/lock");
+    assert_eq!(answer.status, 409, "{}", answer.body);
+    let body = answer.json();
+    assert!(body["currentHolder"].is_null(), "{body}");
+    assert!(
+        body["reason"]
+            .as_str()
+            .unwrap()
+            .contains("granted once one lease has passed"),
+        "{body}"
+    );
+    let retry = body["retryAfterMs"].as_u64().expect("retryAfterMs");
+    assert!(retry <= 4_000, "{body}");
+    let ready = a.get("/readyz");
+    assert!(ready.body.contains("not granted yet"), "{}", ready.body);
+
+    let key = a.post(&format!("/locks/{family}/keys/k1/acquire?owner=w1"));
+    if key.status == 409 {
+        let key = key.json();
+        assert!(key["reason"].as_str().is_some(), "{key}");
+        assert!(key["retryAfterMs"].as_u64().is_some(), "{key}");
+    } else {
+        // The guard's lease (this family's) had already passed.
+        assert_eq!(key.status, 200, "{}", key.body);
+    }
+
+    eventually(
+        Duration::from_secs(10),
+        "a holds once a lease has passed",
+        || a.is_holder(),
+    );
+    let held = a.get("/lock").json();
+    assert!(held.get("reason").is_none(), "{held}");
+}

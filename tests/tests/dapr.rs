@@ -1,7 +1,7 @@
 //! Dapr's lock API, driven by Dapr's official Python SDK from PyPI, unmodified
 //! (`tests/dapr/lock_client.py`): a client that nobody on this project wrote. The sidecar serves
 //! the SDK's health check over HTTP and its `TryLockAlpha1`/`UnlockAlpha1` calls over gRPC, on
-//! Redis and on PostgreSQL, each call without a delayed acknowledgement's 40 ms.
+//! Redis and on PostgreSQL.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -59,23 +59,8 @@ fn dapr_sdk_drives_the_lock_api(backend: &str) {
         String::from_utf8_lossy(&output.stderr),
         sidecar.log()
     );
-    let mut seen: serde_json::Value =
+    let seen: serde_json::Value =
         serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"));
-    // Each cycle is two gRPC calls on loopback, about a millisecond. A call whose answer waits
-    // for the client's delayed acknowledgement (the server's socket without TCP_NODELAY) takes
-    // 40 ms more; the bound sits between the two.
-    let mut cycles: Vec<f64> = seen
-        .as_object_mut()
-        .and_then(|seen| seen.remove("cycles_ms"))
-        .and_then(|c| serde_json::from_value(c).ok())
-        .expect("the client's cycle times");
-    cycles.sort_by(f64::total_cmp);
-    let p90 = cycles[cycles.len() * 9 / 10];
-    assert!(
-        p90 < 20.0,
-        "try_lock + unlock through Dapr's SDK: p90 {p90:.2} ms, p50 {:.2} ms",
-        cycles[cycles.len() / 2]
-    );
     // Dapr's UnlockResponse.Status: 0 success, 1 lock does not exist, 2 belongs to others.
     let expected = serde_json::json!({
         "first": true,

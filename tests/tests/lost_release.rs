@@ -104,6 +104,9 @@ async fn a_lost_release_does_not_block_the_lock(release: Release) {
                 tokio::time::Instant::now() < taken,
                 "the lock stays blocked by a's released node: {holder:?}"
             ),
+            Acquire::Withheld(withheld) => {
+                panic!("a ZooKeeper lock is never withheld: {withheld:?}")
+            }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

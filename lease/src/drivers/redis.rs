@@ -284,6 +284,11 @@ pub(crate) fn acquired(lock: &str, identity: &str, result: &Value) -> Result<Acq
                     String::from_utf8_lossy(why)
                 )));
             }
+            // The epoch guard: free, not granted for this many more milliseconds.
+            [Value::Nil, Value::Int(ms)] => Acquire::Withheld(crate::driver::Withheld {
+                reason: crate::driver::RESTART_GUARD.to_owned(),
+                resume_in: Some(Duration::from_millis((*ms).max(0) as u64)),
+            }),
             _ => Acquire::Busy(parse_value_and_pttl(result)),
         },
         other => Acquire::Busy(parse_value_and_pttl(other)),

@@ -566,10 +566,16 @@ impl Driver for TairDriver {
             }
         };
         for _ in 0..CLAIM_ATTEMPTS {
-            if epoch.as_ref().is_some_and(|e| e.waiting(ttl).is_some()) {
+            if let Some(left) = epoch.as_ref().and_then(|e| e.waiting(ttl)) {
                 // A server that may have lost leases their holders still claim: a held lock is
                 // busy as ever, a free one is not granted yet.
-                return Ok(Acquire::Busy(self.observe(lock).await?));
+                return Ok(match self.observe(lock).await? {
+                    Some(holder) => Acquire::Busy(Some(holder)),
+                    None => Acquire::Withheld(crate::driver::Withheld {
+                        reason: crate::driver::RESTART_GUARD.to_owned(),
+                        resume_in: Some(left),
+                    }),
+                });
             }
             let lease = Lease {
                 lock: lock.to_owned(),

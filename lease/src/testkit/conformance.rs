@@ -392,6 +392,9 @@ async fn acquired(driver: &dyn Driver, lock: &str, identity: &str, ttl: Duration
             Ok(Acquire::Busy(h)) => {
                 panic!("{identity} expected to acquire {lock}, but it is held: {h:?}")
             }
+            Ok(Acquire::Withheld(w)) => {
+                panic!("{identity} expected to acquire {lock}, but it is withheld: {w:?}")
+            }
             Err(e @ (crate::Error::Unreachable(_) | crate::Error::Timeout(_)))
                 if start.elapsed() < SLACK =>
             {
@@ -413,7 +416,7 @@ async fn acquired_within(driver: &dyn Driver, lock: &str, identity: &str, never:
             .expect("acquire")
         {
             Acquire::Acquired(lease) => return lease,
-            Acquire::Busy(_) => {
+            Acquire::Busy(_) | Acquire::Withheld(_) => {
                 assert!(start.elapsed() < LEASE + SLACK, "{never}");
                 sleep(Duration::from_millis(20)).await;
             }
@@ -428,6 +431,7 @@ async fn busy(driver: &dyn Driver, lock: &str, identity: &str) -> Option<crate::
         .expect("acquire")
     {
         Acquire::Busy(h) => h,
+        Acquire::Withheld(_) => None,
         Acquire::Acquired(lease) => {
             panic!("{identity} acquired {lock} while it is held: {lease:?}")
         }
@@ -1222,7 +1226,7 @@ pub async fn idle_keys_are_forgotten_and_their_tokens_still_rise(h: &mut dyn Har
                     match driver.try_acquire(&lock, "cycler", LEASE).await {
                         Ok(Acquire::Acquired(lease)) => break lease,
                         // A slow or busy backend: ask again, as the engine would.
-                        Ok(Acquire::Busy(None)) | Err(_) => {}
+                        Ok(Acquire::Busy(None) | Acquire::Withheld(_)) | Err(_) => {}
                         Ok(Acquire::Busy(Some(holder))) => {
                             panic!("{lock} round {round}: held by {holder:?} after its release")
                         }
