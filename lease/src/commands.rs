@@ -98,6 +98,15 @@ impl<T> Receiver<T> {
     }
 }
 
+impl<T> Receiver<T> {
+    /// Take the first queued command that `pick` wants, without waiting.
+    pub(crate) fn take_queued(&mut self, pick: impl Fn(&T) -> bool) -> Option<T> {
+        let mut queue = self.0.queue();
+        let at = queue.items.iter().position(pick)?;
+        queue.items.remove(at)
+    }
+}
+
 impl<T> Drop for Receiver<T> {
     fn drop(&mut self) {
         let dropped = {

@@ -858,6 +858,16 @@ impl Engine {
                 break;
             }
         }
+        // A retirement still queued (the engine was in a call when it came, and the caller then
+        // shut it down) is honoured all the same: a retired lock never releases.
+        if self.retired.is_none()
+            && let Some(command) = self
+                .commands
+                .take_queued(|c| matches!(**c, Command::Retire { .. }))
+            && let Command::Retire { done } = *command
+        {
+            self.retired = Some(done);
+        }
         match self.retired.take() {
             Some(done) => {
                 self.lapse();
@@ -979,6 +989,7 @@ impl Engine {
                 s.since = SystemTime::now();
             }
             s.backend_error = Some(message);
+            s.withheld = None;
             true
         });
     }
@@ -1075,23 +1086,28 @@ impl Engine {
         self.forget(EventKind::Lost, reason);
     }
 
-    /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
-    /// backend could already have handed on.
-    /// Let go without releasing: the lease runs out on its own, so that whoever acted on this
-    /// process's answers (until `validForMs` ran out) keeps the lock until then. The driver is
-    /// kept until the claim has ended, since a session backend (ZooKeeper, etcd) would give the
-    /// lock up the moment its session closed.
+    /// Let go without releasing at once: whoever acted on this process's answers may do so until
+    /// the last `validForMs` ran out (the claim, or the hold if it ends first), and nobody else
+    /// may hold the lock before. Then, with a safety margin for an answer read late, the lease is
+    /// released (compared by token, so only if still this one) and the driver dropped: a session
+    /// backend (ZooKeeper, etcd) keeps the lock as long as its session lives.
     fn lapse(&mut self) {
+        let hold_until = self.hold_until;
         let Some(held) = self.forget(EventKind::Released, "handed over") else {
             return;
         };
+        let answered_until = hold_until.map_or(held.valid_until, |h| h.min(held.valid_until));
+        let after = answered_until + safety_margin(self.config.lease_duration);
         let driver = self.driver.clone();
         tokio::spawn(async move {
-            tokio::time::sleep_until(held.valid_until.to_tokio()).await;
+            tokio::time::sleep_until(after.to_tokio()).await;
+            let _ = timeout(SHUTDOWN_RELEASE_TIMEOUT, driver.release(&held.lease)).await;
             drop(driver);
         });
     }
 
+    /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
+    /// backend could already have handed on.
     async fn step_down(&mut self, reason: &'static str) {
         let Some(held) = self.forget(EventKind::Released, reason) else {
             return;

@@ -211,3 +211,55 @@ async fn a_lease_counted_from_before_its_acquisition_is_renewed_in_time() {
     }
     a.shutdown().await;
 }
+
+/// A retired lock never releases: its lease stays in the backend until its last answer has run
+/// out, even when the engine was inside a renewal that did not answer when it was asked to
+/// retire (the retirement then waits, and the lock is shut down with it still queued). After
+/// that the lease is released, so that the lock does not wait out the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retired_lock_keeps_its_lease_until_its_last_answer_ran_out() {
+    let (harness, faulty) = late_sqlite().await;
+    let lock = unique_lock("retired");
+    let holder = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            mode: Mode::Campaign,
+            ..LockConfig::new(&lock, "a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .unwrap();
+    let started = Instant::now();
+    while !holder.answer().is_holder() {
+        assert!(started.elapsed() < Duration::from_secs(5), "a never held");
+        sleep(Duration::from_millis(10)).await;
+    }
+    // The next renewal does not answer: the engine is inside it when asked to retire.
+    faulty.stall_renewals(true);
+    sleep(Duration::from_millis(2100)).await;
+    let Answer::Holder { token, valid_for } = holder.answer() else {
+        panic!("a lost the lock: {:?}", holder.answer());
+    };
+    let answered_until = Instant::now() + valid_for;
+    holder.retire().await;
+    let observer = sqlite(&harness).await;
+    while Instant::now() < answered_until {
+        let seen = observer.observe(&lock).await.unwrap();
+        assert_eq!(
+            seen.as_ref().map(|h| (h.identity.as_str(), h.token)),
+            Some(("a", token)),
+            "{:?} before a's last answer ran out",
+            answered_until - Instant::now()
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    // Released then, well before the lease would have run out.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while observer.observe(&lock).await.unwrap().is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the retired lease was never released"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}

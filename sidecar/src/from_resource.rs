@@ -114,11 +114,15 @@ fn start_lock_on(
 /// credential may come with a new user name, as Vault's database users do).
 fn location(backend: &leasehold_lease::BackendUrl) -> String {
     let text = backend.to_string();
-    match text.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
-            Some((user, host)) if !user.contains('/') => format!("{scheme}://{host}"),
-            _ => text,
-        },
+    let Some((scheme, rest)) = text.split_once("://") else {
+        return text;
+    };
+    // The user part is in the authority only: before the first path, query, space or comma.
+    let authority = rest
+        .find(['/', '?', ' ', '(', ','])
+        .map_or(rest, |end| &rest[..end]);
+    match authority.rfind('@') {
+        Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
         None => text,
     }
 }
@@ -363,5 +367,38 @@ pub async fn follow(
                 tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be started; keeping the running configuration");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::location;
+    use leasehold_lease::BackendUrl;
+
+    fn at(url: &str) -> String {
+        location(&BackendUrl::parse(url).expect("a backend URL"))
+    }
+
+    /// A user name rotated with its password is the same backend; another host, database or
+    /// file is another, even when an `@` stands in its path or options.
+    #[test]
+    fn the_location_leaves_out_who_logs_in_and_nothing_else() {
+        assert_eq!(
+            at("redis://app-1:pw1@redis.team:6379/0"),
+            at("redis://app-2:pw2@redis.team:6379/0")
+        );
+        assert_ne!(
+            at("redis://app:pw@redis.team:6379/0"),
+            at("redis://app:pw@redis.other:6379/0")
+        );
+        assert_eq!(
+            at("postgres://v-app-1:pw@db:5432/locks"),
+            at("postgres://v-app-2:pw@db:5432/locks")
+        );
+        assert_ne!(at("sqlite:///data/a@b.db"), at("sqlite:///data/c@b.db"));
+        assert_ne!(
+            at("redis://redis.team:6379/0?prefix=a"),
+            at("redis://redis.team:6379/0?prefix=b")
+        );
     }
 }
