@@ -78,6 +78,25 @@ async fn follow_jobs_rechecking(
     (state, lock, follower)
 }
 
+/// `team/jobs` on `redis` with a lease of `lease`, put on a new in-memory API server and
+/// followed by pod-a, once pod-a holds it.
+async fn jobs_held_by_pod_a(
+    redis: &RedisServer,
+    lease: &str,
+) -> (InMemoryApiServer, AppState, tokio::task::JoinHandle<()>) {
+    let api = InMemoryApiServer::new();
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(redis, "leasehold", lease),
+    );
+    let (state, _, follower) = follow_jobs(&api).await;
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    (api, state, follower)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_from_its_resource_follows_spec_changes() {
     let redis = RedisServer::start();
@@ -175,16 +194,7 @@ async fn a_moved_backend_is_never_held_on_both() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_returns() {
     let redis = RedisServer::start();
-    let api = InMemoryApiServer::new();
-    api.put(
-        DISTRIBUTED_LOCKS,
-        distributed_lock(&redis, "leasehold", "30s"),
-    );
-    let (state, _lock, follower) = follow_jobs(&api).await;
-    eventually("pod-a holds the lock", || {
-        state.locks()[0].answer().is_holder()
-    })
-    .await;
+    let (api, state, follower) = jobs_held_by_pod_a(&redis, "30s").await;
 
     let mut deleting = distributed_lock(&redis, "leasehold", "30s");
     deleting["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:00:00Z");
@@ -515,16 +525,7 @@ async fn a_rotated_password_reaches_a_running_family() {
 async fn a_restarted_lock_lets_its_lease_run_out_before_anyone_else_holds() {
     use leasehold_lease::{LockConfig, Mode};
     let redis = RedisServer::start();
-    let api = InMemoryApiServer::new();
-    api.put(
-        DISTRIBUTED_LOCKS,
-        distributed_lock(&redis, "leasehold", "3s"),
-    );
-    let (state, _, follower) = follow_jobs(&api).await;
-    eventually("pod-a holds the lock", || {
-        state.locks()[0].answer().is_holder()
-    })
-    .await;
+    let (api, state, follower) = jobs_held_by_pod_a(&redis, "3s").await;
     let other = leasehold_lease::Lock::start(
         redis_driver(&redis, "leasehold").await,
         LockConfig {
@@ -580,16 +581,7 @@ async fn a_restarted_lock_lets_its_lease_run_out_before_anyone_else_holds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resource_deleted_without_a_finalizer_is_released() {
     let redis = RedisServer::start();
-    let api = InMemoryApiServer::new();
-    api.put(
-        DISTRIBUTED_LOCKS,
-        distributed_lock(&redis, "leasehold", "5s"),
-    );
-    let (state, _, follower) = follow_jobs(&api).await;
-    eventually("pod-a holds the lock", || {
-        state.locks()[0].answer().is_holder()
-    })
-    .await;
+    let (api, state, follower) = jobs_held_by_pod_a(&redis, "5s").await;
     assert!(api.remove(DISTRIBUTED_LOCKS, "team", "jobs"));
     eventually("pod-a released the lock", || {
         !state.locks()[0].answer().is_holder()
