@@ -293,15 +293,15 @@ fn keyed_family(redis: &RedisServer, lease: &str, max_held: u32) -> Value {
     })
 }
 
-/// A `DistributedLock` with `spec.keys` is served as a family (`/locks/orders/keys/...`) with its
-/// bounds; a spec change applies from the next acquisition; a deletion releases every key and
-/// takes no more until the resource returns.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
-    use leasehold_lease::keyed::{KeyAnswer, KeyError};
-    let redis = RedisServer::start();
-    let api = InMemoryApiServer::new();
-    api.put(DISTRIBUTED_LOCKS, keyed_family(&redis, "5s", 2));
+/// pod-a's family started from `team/orders` on `api`, and the task that follows the resource
+/// (reading its Secrets again every `recheck`).
+async fn follow_orders(
+    api: &InMemoryApiServer,
+    recheck: Duration,
+) -> (
+    leasehold_lease::keyed::KeyedFamily,
+    tokio::task::JoinHandle<()>,
+) {
     let client = api.client();
     let metrics = Arc::new(Metrics::new());
     let r: ResourceRef = "team/orders".parse().unwrap();
@@ -318,10 +318,23 @@ async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
         r,
         resolved,
         "pod-a".into(),
-        state.clone(),
+        state,
         metrics,
-        from_resource::SECRET_RECHECK,
+        recheck,
     ));
+    (family, follower)
+}
+
+/// A `DistributedLock` with `spec.keys` is served as a family (`/locks/orders/keys/...`) with its
+/// bounds; a spec change applies from the next acquisition; a deletion releases every key and
+/// takes no more until the resource returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
+    use leasehold_lease::keyed::{KeyAnswer, KeyError};
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    api.put(DISTRIBUTED_LOCKS, keyed_family(&redis, "5s", 2));
+    let (family, follower) = follow_orders(&api, from_resource::SECRET_RECHECK).await;
     assert_eq!(family.name(), "orders");
     assert_eq!(family.config().lease_duration, Duration::from_secs(5));
     let hold = Duration::from_secs(60);
@@ -477,26 +490,7 @@ async fn a_rotated_password_reaches_a_running_family() {
         DISTRIBUTED_LOCKS,
         with_app_credentials(keyed_family(&redis, "3s", 8)),
     );
-    let client = api.client();
-    let metrics = Arc::new(Metrics::new());
-    let r: ResourceRef = "team/orders".parse().unwrap();
-    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
-        .await
-        .expect("started from the resource");
-    let (_, resolved, running) = started.into_iter().next().unwrap();
-    let Running::Family(family) = running else {
-        panic!("team/orders declares a family");
-    };
-    let state = AppState::new(Vec::new(), metrics.clone()).with_families(vec![family.clone()]);
-    let follower = tokio::spawn(from_resource::follow(
-        client,
-        r,
-        resolved,
-        "pod-a".into(),
-        state.clone(),
-        metrics,
-        Duration::from_millis(300),
-    ));
+    let (family, follower) = follow_orders(&api, Duration::from_millis(300)).await;
     let hold = Duration::from_secs(60);
     let held = family.acquire("sku-1", "w1", Duration::ZERO, hold).await;
     assert!(matches!(held, Ok(KeyAnswer::Held { .. })), "{held:?}");
