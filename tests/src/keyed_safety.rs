@@ -3,13 +3,21 @@
 //! as a request id would be), ask about the key while they "work", and release it, while a
 //! sidecar is killed, paused or cut from the backend, or the backend restarts, at random.
 //!
-//! It fails when two owners' claims on one key certainly overlap, when a key's token does not
-//! rise from one holder to the next (or two owners get one token), or when a worker is refused
-//! a key after waiting through a stretch in which nobody could hold it, with no fault nearby.
+//! Some workers acquire a key again with a shorter `hold` (a re-entrant acquisition, which must
+//! not cut the first one's hold short), and some ask another sidecar for a key they hold under
+//! another owner and hang up while it waits (which must leave no queue place behind).
+//!
+//! It fails when two owners' claims on one key certainly overlap, when an answer's `validForMs`
+//! promised a claim past the moment another owner certainly held the key, when a key's token
+//! does not rise from one holder to the next (or two owners get one token), or when a worker is
+//! refused a key after waiting through a stretch in which nobody could hold it, with no fault
+//! nearby.
 //!
 //! "Certainly" is as in [`crate::safety`]: a 200 answer means the sidecar claimed for that owner
 //! at some instant between the request and the answer, so an owner's claim surely covers
-//! [first 200 received, last 200 sent], and two of those that intersect are two holders.
+//! [first 200 received, last 200 sent], and two of those that intersect are two holders. A 200
+//! answer's `validForMs` was measured at the sidecar after the request was sent, so it promises
+//! the claim until the request's sending plus `validForMs`, or until the owner asks to release.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -24,7 +32,7 @@ use crate::safety::{
     Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target, inject,
     longest_gap, surely_ordered,
 };
-use crate::{Sidecar, http, unique_lock};
+use crate::{Sidecar, http, post_or_hang_up, unique_lock};
 
 pub const SIDECARS: usize = 3;
 pub const WORKERS_PER_SIDECAR: usize = 8;
@@ -35,6 +43,17 @@ const HOLD: Duration = Duration::from_secs(3);
 /// How many times a worker asks about its key while it works, and the pause between.
 const WORK_POLLS: usize = 4;
 const WORK_PAUSE_MS: std::ops::Range<u64> = 2..15;
+/// Percent of holdings acquired again, re-entrantly, with a hold this much shorter; the worker
+/// then works past the shorter hold, which must not end the first acquisition's.
+const REENTRIES: u32 = 20;
+const SHORT_HOLD_MS: std::ops::Range<u64> = 30..300;
+/// Percent of holdings during which the worker also asks the next sidecar for its key under
+/// another owner, and hangs up after this long.
+const HANG_UPS: u32 = 10;
+const PATIENCE_MS: std::ops::Range<u64> = 30..600;
+/// How long after a client hangs up its request may still be served (a sidecar notices the
+/// closed connection and drops the request).
+const HANG_UP_RACE: Duration = Duration::from_millis(100);
 
 /// One answer about one owner's hold on one key.
 #[derive(Debug, Clone)]
@@ -45,6 +64,8 @@ struct Sample {
     sent: Instant,
     received: Instant,
     token: Option<u64>,
+    /// The answer's `validForMs`.
+    valid_for: Duration,
 }
 
 /// A worker's acquisition that was refused (409) after its full wait.
@@ -59,8 +80,18 @@ struct Refusal {
 #[derive(Debug, Clone)]
 struct Ending {
     owner: String,
+    /// The (first) release was asked for at this instant: no answer's promise outlives it.
+    release_sent: Instant,
     /// The release was answered 200 at this instant.
     released: Option<Instant>,
+}
+
+/// A wait for a key that its client gave up on before any answer came.
+#[derive(Debug, Clone, Copy)]
+struct HangUp {
+    key: usize,
+    sent: Instant,
+    hung_up: Instant,
 }
 
 #[derive(Default)]
@@ -68,6 +99,8 @@ struct Log {
     samples: Vec<Sample>,
     refusals: Vec<Refusal>,
     endings: Vec<Ending>,
+    hang_ups: Vec<HangUp>,
+    reentries: usize,
     /// When each fault began and ended.
     faults: Vec<(Instant, Instant)>,
 }
@@ -80,6 +113,8 @@ pub struct Report {
     pub seed: u64,
     pub acquisitions: usize,
     pub refusals: usize,
+    pub reentries: usize,
+    pub hang_ups: usize,
     pub faults: BTreeMap<&'static str, usize>,
     pub violations: Vec<String>,
 }
@@ -92,10 +127,12 @@ impl Report {
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
         format!(
-            "{:<18} keyed {:>5.0}s  acquisitions {:>5}  refused after waiting {:>4}  faults {:>3} ({})  violations {}  seed {}",
+            "{:<18} keyed {:>5.0}s  acquisitions {:>5}  re-entered {:>4}  hung up {:>3}  refused after waiting {:>4}  faults {:>3} ({})  violations {}  seed {}",
             self.target,
             self.duration.as_secs_f64(),
             self.acquisitions,
+            self.reentries,
+            self.hang_ups,
             self.refusals,
             self.faults.values().sum::<usize>(),
             faults.join(", "),
@@ -105,19 +142,91 @@ impl Report {
     }
 }
 
-fn token_of(body: &str) -> Option<u64> {
-    serde_json::from_str::<serde_json::Value>(body)
-        .ok()?
-        .get("fencingToken")?
-        .as_u64()
+/// The fencing token and `validForMs` of a 200 answer.
+fn claim_of(body: &str) -> Option<(u64, Duration)> {
+    let answer = serde_json::from_str::<serde_json::Value>(body).ok()?;
+    let token = answer.get("fencingToken")?.as_u64()?;
+    let valid_for = answer.get("validForMs")?.as_u64()?;
+    Some((token, Duration::from_millis(valid_for)))
+}
+
+/// Release `owner`'s hold on `path` `holds` times (once per acquisition) and log how it ended.
+fn release(target: SocketAddr, path: &str, owner: String, holds: usize, log: &Mutex<Log>) {
+    let release_sent = Instant::now();
+    let mut released = None;
+    for _ in 0..holds {
+        released = http(target, "POST", &format!("{path}/release?owner={owner}"))
+            .ok()
+            .filter(|r| r.status == 200)
+            .map(|_| Instant::now());
+    }
+    log.lock().unwrap().endings.push(Ending {
+        owner,
+        release_sent,
+        released,
+    });
+}
+
+/// Ask `other` (another sidecar) for `key` under a new owner while this worker holds it, and
+/// hang up while it waits. Should the wait have been served (this worker's holding was lost
+/// meanwhile), the holding is logged and released like any other.
+fn wait_and_hang_up(
+    other: SocketAddr,
+    key: usize,
+    path: &str,
+    owner: String,
+    patience: Duration,
+    log: &Mutex<Log>,
+) {
+    let sent = Instant::now();
+    let acquire = format!(
+        "{path}/acquire?owner={owner}&wait={}ms&hold={}ms",
+        WAIT.as_millis(),
+        HOLD.as_millis()
+    );
+    let served = match post_or_hang_up(other, &acquire, patience) {
+        Ok(Some(reply)) => (reply.status == 200).then_some((reply, sent, Instant::now())),
+        Ok(None) => {
+            let hung_up = Instant::now();
+            std::thread::sleep(HANG_UP_RACE);
+            let asked = Instant::now();
+            match http(other, "GET", &format!("{path}?owner={owner}")) {
+                // Served as it hung up: the holding is real, and this worker gives it back.
+                Ok(reply) if reply.status == 200 => Some((reply, asked, Instant::now())),
+                _ => {
+                    log.lock()
+                        .unwrap()
+                        .hang_ups
+                        .push(HangUp { key, sent, hung_up });
+                    None
+                }
+            }
+        }
+        Err(_) => None,
+    };
+    let Some((reply, sent, received)) = served else {
+        return;
+    };
+    if let Some((token, valid_for)) = claim_of(&reply.body) {
+        log.lock().unwrap().samples.push(Sample {
+            key,
+            owner: owner.clone(),
+            sent,
+            received,
+            token: Some(token),
+            valid_for,
+        });
+    }
+    release(other, path, owner, 1, log);
 }
 
 /// One worker: take a random key, ask about it a few times, release it; again until `stop`.
+/// `addrs` are every sidecar's addresses, this worker's at `slot`.
 fn worker(
     slot: usize,
     index: usize,
     family: String,
-    addr: Arc<Mutex<(SocketAddr, u32)>>,
+    addrs: Vec<Arc<Mutex<(SocketAddr, u32)>>>,
     log: Arc<Mutex<Log>>,
     stop: Arc<AtomicBool>,
     seed: u64,
@@ -126,7 +235,7 @@ fn worker(
     let mut n = 0u64;
     while !stop.load(Ordering::SeqCst) {
         let key = rng.random_range(0..KEYS);
-        let (target, generation) = *addr.lock().unwrap();
+        let (target, generation) = *addrs[slot].lock().unwrap();
         n += 1;
         let owner = format!("s{slot}g{generation}w{index}n{n}");
         let path = format!("/locks/{family}/keys/k{key}");
@@ -141,8 +250,8 @@ fn worker(
             ),
         );
         let received = Instant::now();
-        let token = match answer {
-            Ok(reply) if reply.status == 200 => token_of(&reply.body),
+        let claim = match answer {
+            Ok(reply) if reply.status == 200 => claim_of(&reply.body),
             Ok(reply) if reply.status == 409 => {
                 // Only a refusal after the whole wait says the key was never free for us.
                 if received - sent >= WAIT {
@@ -160,14 +269,52 @@ fn worker(
                 continue;
             }
         };
-        let Some(token) = token else { continue };
+        let Some((token, valid_for)) = claim else {
+            continue;
+        };
         log.lock().unwrap().samples.push(Sample {
             key,
             owner: owner.clone(),
             sent,
             received,
             token: Some(token),
+            valid_for,
         });
+        let mut holds = 1;
+        let roll = rng.random_range(0..100);
+        if roll < REENTRIES {
+            let short = Duration::from_millis(rng.random_range(SHORT_HOLD_MS));
+            let sent = Instant::now();
+            let again = http(
+                target,
+                "POST",
+                &format!("{path}/acquire?owner={owner}&hold={}ms", short.as_millis()),
+            );
+            let received = Instant::now();
+            if let Some((token, valid_for)) = again
+                .ok()
+                .filter(|r| r.status == 200)
+                .and_then(|r| claim_of(&r.body))
+            {
+                holds += 1;
+                let mut log = log.lock().unwrap();
+                log.reentries += 1;
+                log.samples.push(Sample {
+                    key,
+                    owner: owner.clone(),
+                    sent,
+                    received,
+                    token: Some(token),
+                    valid_for,
+                });
+            }
+            // Work past the shorter hold: the first acquisition still keeps the key.
+            std::thread::sleep(short + Duration::from_millis(rng.random_range(20..100)));
+        } else if roll < REENTRIES + HANG_UPS {
+            let (other, _) = *addrs[(slot + 1) % addrs.len()].lock().unwrap();
+            let patience = Duration::from_millis(rng.random_range(PATIENCE_MS));
+            wait_and_hang_up(other, key, &path, format!("{owner}x"), patience, &log);
+        }
         for _ in 0..rng.random_range(1..=WORK_POLLS) {
             std::thread::sleep(Duration::from_millis(rng.random_range(WORK_PAUSE_MS)));
             let sent = Instant::now();
@@ -175,25 +322,22 @@ fn worker(
                 break;
             };
             let received = Instant::now();
-            let token = (reply.status == 200)
-                .then(|| token_of(&reply.body))
+            let claim = (reply.status == 200)
+                .then(|| claim_of(&reply.body))
                 .flatten();
             log.lock().unwrap().samples.push(Sample {
                 key,
                 owner: owner.clone(),
                 sent,
                 received,
-                token,
+                token: claim.map(|(token, _)| token),
+                valid_for: claim.map(|(_, valid_for)| valid_for).unwrap_or_default(),
             });
             if reply.status == 409 {
                 break; // lost it (hold lapsed, lease lost): nothing to release
             }
         }
-        let released = http(target, "POST", &format!("{path}/release?owner={owner}"))
-            .ok()
-            .filter(|r| r.status == 200)
-            .map(|_| Instant::now());
-        log.lock().unwrap().endings.push(Ending { owner, released });
+        release(target, &path, owner, holds, &log);
     }
 }
 
@@ -218,11 +362,12 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
     let workers: Vec<_> = slots
         .iter()
         .enumerate()
-        .flat_map(|(s, slot)| (0..WORKERS_PER_SIDECAR).map(move |w| (s, w, slot.addr.clone())))
-        .map(|(s, w, addr)| {
+        .flat_map(|(s, _)| (0..WORKERS_PER_SIDECAR).map(move |w| (s, w)))
+        .map(|(s, w)| {
             let (family, log, stop) = (family.clone(), log.clone(), stop.clone());
+            let addrs = slots.iter().map(|slot| slot.addr.clone()).collect();
             let seed = rng.random();
-            std::thread::spawn(move || worker(s, w, family, addr, log, stop, seed))
+            std::thread::spawn(move || worker(s, w, family, addrs, log, stop, seed))
         })
         .collect();
 
@@ -266,6 +411,9 @@ struct Holding {
     certain_to: Instant,
     /// The last 200 about this holding was received then.
     last_seen: Instant,
+    /// The latest end of the claim an answer promised (its request's sending plus its
+    /// `validForMs`), before the owner asked to release.
+    promised_to: Instant,
 }
 
 fn analyse(log: &Log, began: Instant, report: &mut Report) {
@@ -285,6 +433,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                 h.certain_from = h.certain_from.min(s.received);
                 h.certain_to = h.certain_to.max(s.sent);
                 h.last_seen = h.last_seen.max(s.received);
+                h.promised_to = h.promised_to.max(s.sent + s.valid_for);
             }
             None => {
                 holdings.insert(
@@ -297,6 +446,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                         certain_from: s.received,
                         certain_to: s.sent,
                         last_seen: s.received,
+                        promised_to: s.sent + s.valid_for,
                     },
                 );
             }
@@ -304,11 +454,21 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
     }
     report.acquisitions = by_key.values().map(BTreeMap::len).sum();
     report.refusals = log.refusals.len();
+    report.reentries = log.reentries;
+    report.hang_ups = log.hang_ups.len();
     let released: BTreeMap<&str, Instant> = log
         .endings
         .iter()
         .filter_map(|e| Some((e.owner.as_str(), e.released?)))
         .collect();
+    // A promise ends when its owner asks to release: the app has stopped relying on it.
+    for e in &log.endings {
+        for holdings in by_key.values_mut() {
+            if let Some(h) = holdings.get_mut(e.owner.as_str()) {
+                h.promised_to = h.promised_to.min(e.release_sent.max(h.certain_to));
+            }
+        }
+    }
 
     for (key, holdings) in &by_key {
         let holdings: Vec<&Holding> = holdings.values().collect();
@@ -321,6 +481,23 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                         "overlap on key k{key}: {} (token {}) and {} (token {}) both held for {:?} at {:.3?}",
                         a.owner, a.token, b.owner, b.token, to - from, at(from)
                     ));
+                } else {
+                    // One's answer promised the claim past the moment the other surely held.
+                    for (promiser, other) in [(a, b), (b, a)] {
+                        let from = promiser.certain_from.max(other.certain_from);
+                        let to = promiser.promised_to.min(other.certain_to);
+                        if from < to {
+                            report.violations.push(format!(
+                                "broken promise on key k{key}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
+                                promiser.owner,
+                                promiser.token,
+                                at(promiser.promised_to),
+                                other.owner,
+                                other.token,
+                                at(from)
+                            ));
+                        }
+                    }
                 }
                 if a.token == b.token {
                     report.violations.push(format!(
@@ -377,6 +554,12 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                     .collect()
             })
             .unwrap_or_default();
+        busy.extend(
+            log.hang_ups
+                .iter()
+                .filter(|h| h.key == refusal.key)
+                .map(|h| (h.sent, h.hung_up + HANG_UP_RACE)),
+        );
         busy.sort();
         let longest = longest_gap(&busy, refusal.sent, refusal.received);
         if longest > free_gap {
@@ -409,15 +592,22 @@ mod tests {
                     sent: origin + MS * sent as u32,
                     received: origin + MS * received as u32,
                     token,
+                    valid_for: Duration::ZERO,
                 })
                 .collect(),
             ..Log::default()
         }
     }
 
+    /// `log`'s answer `index` promised validity for `ms`.
+    fn promise(log: &mut Log, index: usize, ms: u32) {
+        log.samples[index].valid_for = MS * ms;
+    }
+
     fn release(log: &mut Log, origin: Instant, owner: &str, at_ms: u32) {
         log.endings.push(Ending {
             owner: owner.to_owned(),
+            release_sent: origin + MS * at_ms,
             released: Some(origin + MS * at_ms),
         });
     }
@@ -474,6 +664,53 @@ mod tests {
             ],
         );
         assert_eq!(violations(&log2, origin), Vec::<String>::new());
+    }
+
+    #[test]
+    fn another_owner_holding_before_an_answers_validity_ends_is_a_broken_promise() {
+        let origin = Instant::now();
+        // "a" asked at 0 ms and was promised 1000 ms; "b" held the key from 500 ms.
+        let mut broken = log(
+            origin,
+            &[
+                (1, "a", Some(1), 0, 2),
+                (1, "b", Some(2), 400, 500),
+                (1, "b", Some(2), 600, 601),
+            ],
+        );
+        promise(&mut broken, 0, 1000);
+        let found = violations(&broken, origin);
+        assert!(
+            found
+                .iter()
+                .any(|v| v.starts_with("broken promise on key k1")),
+            "{found:?}"
+        );
+
+        // The same, but "a" asked to release at 300 ms: the promise ended there.
+        let mut kept = log(
+            origin,
+            &[
+                (1, "a", Some(1), 0, 2),
+                (1, "b", Some(2), 400, 500),
+                (1, "b", Some(2), 600, 601),
+            ],
+        );
+        promise(&mut kept, 0, 1000);
+        release(&mut kept, origin, "a", 300);
+        assert_eq!(violations(&kept, origin), Vec::<String>::new());
+
+        // A promise that ended before "b" held is kept.
+        let mut short = log(
+            origin,
+            &[
+                (1, "a", Some(1), 0, 2),
+                (1, "b", Some(2), 400, 500),
+                (1, "b", Some(2), 600, 601),
+            ],
+        );
+        promise(&mut short, 0, 450);
+        assert_eq!(violations(&short, origin), Vec::<String>::new());
     }
 
     #[test]

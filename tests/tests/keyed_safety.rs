@@ -1,7 +1,8 @@
 //! The keyed safety check on every driver (and SQL mode): three sidecars, eight workers each,
 //! random keys out of fifty, while sidecars are killed, paused and cut off and the backend
-//! restarts; no key is ever held by two owners at once, every key's tokens rise, and no worker
-//! is refused a key that stayed free while it waited.
+//! restarts, while some owners re-enter with shorter holds and some waiters hang up; no key is
+//! ever held by two owners at once or by another owner within an answer's `validForMs`, every
+//! key's tokens rise, and no worker is refused a key that stayed free while it waited.
 
 use std::time::Duration;
 
@@ -36,6 +37,12 @@ fn check(target: Target) {
         report.acquisitions >= 100,
         "only {} acquisitions",
         report.acquisitions
+    );
+    assert!(
+        report.reentries >= 10 && report.hang_ups >= 5,
+        "too few re-entrant acquisitions ({}) or clients hung up ({}) to mean anything",
+        report.reentries,
+        report.hang_ups
     );
 }
 
