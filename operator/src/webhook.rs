@@ -180,6 +180,30 @@ pub fn requested_locks(pod: &Pod) -> Option<Result<Vec<String>, String>> {
     Some(parse_annotation(value))
 }
 
+/// Why the sidecar could never read its lock in `pod`: it reads the `DistributedLock` with the
+/// pod's service account token, and a pod that turns the token off (with no projected token of
+/// its own in the usual place) has none.
+fn no_token(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    if spec.automount_service_account_token != Some(false) {
+        return None;
+    }
+    let projects_a_token = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .flat_map(|c| c.volume_mounts.iter().flatten())
+        .any(|m| m.mount_path.trim_end_matches('/') == SERVICE_ACCOUNT_DIR);
+    (!projects_a_token).then(|| {
+        format!(
+            "annotation {ANNOTATION}: the pod sets automountServiceAccountToken: false, and the injected sidecar reads its DistributedLock with the pod's service account token; remove the setting (or set it to true) for this pod"
+        )
+    })
+}
+
+/// Where a pod's service account token is mounted.
+const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
 fn already_injected(pod: &Pod) -> bool {
     let Some(spec) = &pod.spec else { return false };
     spec.containers
@@ -220,23 +244,11 @@ pub fn decide(
     if already_injected(pod) {
         return Decision::Unchanged;
     }
-    let missing: Vec<&str> = locks
-        .iter()
-        .filter(|l| !existing.contains_key(*l))
-        .map(String::as_str)
-        .collect();
-    if !missing.is_empty() {
-        return Decision::Deny(format!(
-            "annotation {ANNOTATION} names {} that {} not exist in namespace {namespace}: {}; create {} first (kubectl get dlock -n {namespace})",
-            if missing.len() == 1 {
-                "a DistributedLock"
-            } else {
-                "DistributedLocks"
-            },
-            if missing.len() == 1 { "does" } else { "do" },
-            missing.join(", "),
-            if missing.len() == 1 { "it" } else { "them" },
-        ));
+    // A lock not found (not created yet: Helm and Argo CD create custom resources after
+    // Deployments) or not looked up (the API server did not answer) is injected all the same:
+    // the sidecar answers 503 with the reason until the lock exists, and takes it then.
+    if let Some(reason) = no_token(pod) {
+        return Decision::Deny(reason);
     }
     let mut container = sidecar(namespace, &locks, injection);
     let (gated, dapr) = match (
@@ -246,7 +258,9 @@ pub fn decide(
         (Ok(gated), Ok(dapr)) => (gated, dapr),
         (Err(message), _) | (_, Err(message)) => return Decision::Deny(message),
     };
+    // Only when every lock named is known to declare none: one not found may be a family.
     if dapr
+        && locks.iter().all(|l| existing.contains_key(l))
         && !locks
             .iter()
             .any(|l| existing.get(l) == Some(&Declares::Family))
@@ -416,8 +430,8 @@ pub fn sidecar(namespace: &str, locks: &[String], injection: &Injection) -> Cont
 }
 
 /// Answer one AdmissionReview with the JSON to send back: look up the locks the pod names (in
-/// its namespace) and decide. Unreadable reviews and API failures are refused with the reason
-/// (the webhook's failurePolicy then decides whether the pod is admitted without the sidecar).
+/// its namespace) and decide. Unreadable reviews are refused with the reason; a lock that cannot
+/// be looked up is injected unchecked (the sidecar waits for it).
 pub async fn review(
     client: &kube::Client,
     injection: &Injection,
@@ -481,12 +495,12 @@ async fn decide_review(
                     existing.insert(lock, declares);
                 }
                 Ok(None) => {}
+                // Injected all the same: the sidecar reads the lock itself and says why it
+                // cannot while it cannot; refusing here would refuse every annotated pod for
+                // an API hiccup, whatever the failure policy says.
                 Err(e) => {
-                    return response
-                        .deny(format!(
-                            "cannot look up DistributedLock {namespace}/{lock}: {e}"
-                        ))
-                        .into_review();
+                    tracing::warn!(namespace = %namespace, lock = %lock, error = %e,
+                        "cannot look up the DistributedLock; injecting the sidecar without checking it");
                 }
             }
         }

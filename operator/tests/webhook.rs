@@ -260,21 +260,64 @@ async fn a_malformed_annotation_is_denied_with_the_reason() {
     }
 }
 
+/// Helm and Argo CD create custom resources after Deployments: a pod naming a lock that does
+/// not exist yet gets its sidecar, which waits for the lock (503 with the reason until then).
 #[tokio::test]
-async fn an_unknown_lock_is_denied_by_name() {
+async fn a_lock_not_created_yet_is_injected_all_the_same() {
     let api = api_with_locks(&["jobs"]);
     let (allowed, message, patched) =
         admit(&api, &pod(Some("jobs,nightly"), None, None), true).await;
+    assert!(allowed, "{message}");
+    let injected = sidecars(&patched, "initContainers");
+    assert_eq!(injected.len(), 1);
+    assert_eq!(injected[0]["args"][1], "team/jobs,team/nightly");
+
+    // Dapr's API asked for, and the lock that may be a family not there yet: injected too.
+    let mut dapr = pod(Some("nightly"), None, None);
+    dapr["metadata"]["annotations"]["leasehold.dev/dapr-api"] = json!("true");
+    let (allowed, message, _) = admit(&api, &dapr, true).await;
+    assert!(allowed, "{message}");
+}
+
+/// The webhook's own API errors (here: it may not read locks) do not refuse pods, whatever the
+/// failure policy: the sidecar is injected unchecked and reads the lock itself.
+#[tokio::test]
+async fn a_lock_the_webhook_cannot_look_up_is_injected_unchecked() {
+    let api = api_with_locks(&["jobs"]);
+    let answer = webhook::review(
+        &api.client_as("system:serviceaccount:leasehold-system:nobody"),
+        &injection(true),
+        admission_review(&pod(Some("jobs"), None, None)),
+    )
+    .await;
+    assert!(
+        !api.denied().is_empty(),
+        "the look-up was refused by RBAC, as the test intends"
+    );
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    assert!(answer["response"]["patch"].is_string(), "{answer}");
+}
+
+/// A pod that turns its service account token off could never read its lock: refused at once
+/// with the reason, rather than admitted with a sidecar that can only answer 503.
+#[tokio::test]
+async fn a_pod_without_a_service_account_token_is_refused_with_the_reason() {
+    let api = api_with_locks(&["jobs"]);
+    let mut tokenless = pod(Some("jobs"), None, None);
+    tokenless["spec"]["automountServiceAccountToken"] = json!(false);
+    let (allowed, message, _) = admit(&api, &tokenless, true).await;
     assert!(!allowed);
     assert!(
-        message.contains("nightly") && message.contains("namespace team"),
+        message.contains("automountServiceAccountToken"),
         "{message}"
     );
-    assert!(
-        !message.contains("jobs,"),
-        "only the missing lock is named: {message}"
-    );
-    assert!(sidecars(&patched, "initContainers").is_empty());
+
+    // One that projects its own token where the sidecar looks is admitted.
+    tokenless["spec"]["containers"][0]["volumeMounts"] = json!([
+        {"name": "token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    ]);
+    let (allowed, message, _) = admit(&api, &tokenless, true).await;
+    assert!(allowed, "{message}");
 }
 
 /// Most pods carry labels already: the injected label joins them and changes none.

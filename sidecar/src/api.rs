@@ -2,7 +2,7 @@
 //! the holder's in-memory snapshot; no request waits on the backend, except the long polls and
 //! acquisitions that ask to wait.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -60,8 +60,15 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// Whether `/readyz` fails while a backend is unreachable (`--readiness-requires-backend`).
     readiness_requires_backend: std::sync::atomic::AtomicBool,
-    /// `--keyed`: families of keyed locks.
-    families: Vec<KeyedFamily>,
+    /// `--keyed`, or resources that declare `spec.keys`: families of keyed locks.
+    families: std::sync::RwLock<Vec<KeyedFamily>>,
+    /// `--resource`: the names of the locks and families in command-line order (`/lock` means
+    /// the first that is a lock), known before any of them could be read.
+    expected: Vec<String>,
+    /// Those of `expected` not started yet, each with why: answered 503 with the reason.
+    pending: std::sync::RwLock<BTreeMap<String, String>>,
+    /// `POST /resign` was called: nothing is started or taken any more.
+    resigned: std::sync::atomic::AtomicBool,
 }
 
 impl AppState {
@@ -71,44 +78,156 @@ impl AppState {
                 locks: std::sync::RwLock::new(locks),
                 metrics,
                 readiness_requires_backend: std::sync::atomic::AtomicBool::new(false),
-                families: Vec::new(),
+                families: std::sync::RwLock::new(Vec::new()),
+                expected: Vec::new(),
+                pending: std::sync::RwLock::new(BTreeMap::new()),
+                resigned: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
 
     /// The same state, serving `families` too. Call before the state is shared.
     pub fn with_families(self, families: Vec<KeyedFamily>) -> Self {
+        *self
+            .inner
+            .families
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = families;
+        self
+    }
+
+    /// The same state, serving the locks and families `names` (in command-line order) once
+    /// they are started; until then each answers 503 with `reason`. Call before the state is
+    /// shared.
+    pub fn expecting(self, names: Vec<String>, reason: &str) -> Self {
         let mut inner = Arc::try_unwrap(self.inner)
-            .unwrap_or_else(|_| panic!("with_families on a state already shared"));
-        inner.families = families;
+            .unwrap_or_else(|_| panic!("expecting on a state already shared"));
+        inner.pending = std::sync::RwLock::new(
+            names
+                .iter()
+                .map(|name| (name.clone(), reason.to_owned()))
+                .collect(),
+        );
+        inner.expected = names;
         Self {
             inner: Arc::new(inner),
         }
     }
 
-    pub fn families(&self) -> &[KeyedFamily] {
-        &self.inner.families
-    }
-
-    fn family(&self, name: &str) -> Result<&KeyedFamily, ApiError> {
+    pub fn families(&self) -> Vec<KeyedFamily> {
         self.inner
             .families
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Why the lock or family `name` is not started yet, if it is not.
+    pub fn pending_reason(&self, name: &str) -> Option<String> {
+        self.inner
+            .pending
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    /// Every lock or family not started yet, with why.
+    pub fn pending(&self) -> Vec<(String, String)> {
+        self.inner
+            .pending
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .find(|f| f.name() == name)
-            .ok_or_else(|| {
-                let known: Vec<&str> = self.inner.families.iter().map(|f| f.name()).collect();
-                ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!(
-                        "no keyed family named {name:?} here; this sidecar serves: {}",
-                        if known.is_empty() {
-                            "none (start it with --keyed FAMILY)".to_owned()
-                        } else {
-                            known.join(", ")
-                        }
-                    ),
-                )
-            })
+            .map(|(name, reason)| (name.clone(), reason.clone()))
+            .collect()
+    }
+
+    /// Say why `name` cannot be started yet; it answers 503 with `reason` until it is.
+    pub fn set_pending(&self, name: &str, reason: String) {
+        self.inner
+            .pending
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_owned(), reason);
+    }
+
+    /// Serve a lock that has been started, in the place of its pending entry. `false` once the
+    /// sidecar has resigned: the caller shuts the lock down instead.
+    pub fn install_lock(&self, lock: Lock) -> Result<(), Lock> {
+        if self.has_resigned() {
+            return Err(lock);
+        }
+        let name = lock.name().to_owned();
+        if let Some(old) = self.replace(lock) {
+            // Not expected: a lock is installed once, and replaced by `replace` afterwards.
+            tracing::warn!(lock = %name, "a lock was installed twice; the first is shut down");
+            tokio::spawn(async move { old.shutdown().await });
+        }
+        self.clear_pending(&name);
+        Ok(())
+    }
+
+    /// Serve a family that has been started, in the place of its pending entry; as
+    /// [`AppState::install_lock`].
+    pub fn install_family(&self, family: KeyedFamily) -> Result<(), KeyedFamily> {
+        if self.has_resigned() {
+            return Err(family);
+        }
+        let name = family.name().to_owned();
+        self.inner
+            .families
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(family);
+        self.clear_pending(&name);
+        Ok(())
+    }
+
+    fn clear_pending(&self, name: &str) {
+        self.inner
+            .pending
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+    }
+
+    /// Whether `POST /resign` has been called.
+    pub fn has_resigned(&self) -> bool {
+        self.inner
+            .resigned
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn not_started(&self, name: &str) -> Option<ApiError> {
+        self.pending_reason(name).map(|reason| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("{name} is not started yet: {reason}"),
+            )
+        })
+    }
+
+    fn family(&self, name: &str) -> Result<KeyedFamily, ApiError> {
+        let families = self.families();
+        if let Some(family) = families.iter().find(|f| f.name() == name) {
+            return Ok(family.clone());
+        }
+        if let Some(error) = self.not_started(name) {
+            return Err(error);
+        }
+        let known: Vec<&str> = families.iter().map(|f| f.name()).collect();
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no keyed family named {name:?} here; this sidecar serves: {}",
+                if known.is_empty() {
+                    "none (start it with --keyed FAMILY)".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        ))
     }
 
     /// Let `/readyz` fail while a backend is unreachable (by default it does not: see
@@ -141,17 +260,30 @@ impl AppState {
     }
 
     fn lock(&self, name: Option<Path<String>>) -> Result<Lock, ApiError> {
-        let locks = self.inner.locks.read().unwrap_or_else(|e| e.into_inner());
+        let locks = self.locks();
+        let named = |name: &str| locks.iter().find(|l| l.name() == name).cloned();
         match name {
+            // The first lock on the command line; one not started yet may be it.
+            None if !self.inner.expected.is_empty() => {
+                for name in &self.inner.expected {
+                    if let Some(lock) = named(name) {
+                        return Ok(lock);
+                    }
+                    if let Some(error) = self.not_started(name) {
+                        return Err(error);
+                    }
+                }
+                Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "no lock is configured (every resource is a family of keyed locks)",
+                ))
+            }
             None => locks
                 .first()
                 .cloned()
                 .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "no lock is configured")),
-            Some(Path(name)) => locks
-                .iter()
-                .find(|l| l.name() == name)
-                .cloned()
-                .ok_or_else(|| {
+            Some(Path(name)) => named(&name).ok_or_else(|| {
+                self.not_started(&name).unwrap_or_else(|| {
                     let known: Vec<&str> = locks.iter().map(Lock::name).collect();
                     ApiError::new(
                         StatusCode::NOT_FOUND,
@@ -160,7 +292,8 @@ impl AppState {
                             known.join(", ")
                         ),
                     )
-                }),
+                })
+            }),
         }
     }
 }
@@ -511,7 +644,7 @@ async fn key_status(
     Path((family, key)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    let family = state.family(&family)?;
+    let family = &state.family(&family)?;
     let (owner, _) = key_query(query, &[], true)?;
     let answer = family.status(&key, owner.as_deref()).map_err(key_error)?;
     Ok(key_response(
@@ -528,7 +661,7 @@ async fn key_acquire(
     Path((family, key)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    let family = state.family(&family)?;
+    let family = &state.family(&family)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
@@ -551,7 +684,7 @@ async fn key_release(
     Path((family, key)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    let family = state.family(&family)?;
+    let family = &state.family(&family)?;
     let (owner, _) = key_query(query, &[], false)?;
     let owner = owner.unwrap_or_default();
     let released = family.release(&key, &owner).await.map_err(key_error)?;
@@ -585,7 +718,7 @@ async fn key_extend(
     Path((family, key)): Path<(String, String)>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    let family = state.family(&family)?;
+    let family = &state.family(&family)?;
     let (owner, params) = key_query(query, &[("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();
     let hold = hold_param(&params)?;
@@ -602,6 +735,12 @@ async fn key_extend(
 /// Step down from every lock for good: release each and stop campaigning, while the process
 /// keeps answering (409) until it is stopped. The pod's preStop hook (`--resign`).
 async fn resign(State(state): State<AppState>) -> Response {
+    // First, so that no lock still starting (or restarting with a changed spec) begins to
+    // campaign after the locks below have stepped down.
+    state
+        .inner
+        .resigned
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     let locks = state.locks();
     futures_util::future::join_all(locks.iter().map(Lock::shutdown)).await;
     let names: Vec<&str> = locks.iter().map(Lock::name).collect();
@@ -665,7 +804,10 @@ async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.inner.metrics.render(&state.locks(), state.families()),
+        state
+            .inner
+            .metrics
+            .render(&state.locks(), &state.families()),
     )
         .into_response()
 }
@@ -699,6 +841,11 @@ async fn readyz(State(state): State<AppState>) -> Response {
                 format!("not granted yet: {}", withheld.reason),
             ));
         }
+    }
+    // A lock or family not started (its resource missing or unreadable, its backend not
+    // opened) is a backend not reached, for readiness.
+    for (name, reason) in state.pending() {
+        unreachable.push((name, format!("not started: {reason}")));
     }
     let gated = state
         .inner

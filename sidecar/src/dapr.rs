@@ -77,24 +77,32 @@ impl DaprError {
     }
 }
 
-fn family<'a>(state: &'a AppState, store: &str) -> Result<&'a KeyedFamily, DaprError> {
-    state
-        .families()
-        .iter()
-        .find(|f| f.name() == store)
-        .ok_or_else(|| DaprError {
-            status: StatusCode::BAD_REQUEST,
-            code: "ERR_LOCK_STORE_NOT_FOUND",
-            message: format!(
-                "lock store {store} is not found; this sidecar serves the keyed families: {}",
-                state
-                    .families()
-                    .iter()
-                    .map(|f| f.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        })
+/// The family serving lock store `store`. One not started yet is answered as a failure of the
+/// call (`code`), with the reason: it is a store, served once its resource can be used.
+fn family(state: &AppState, store: &str, code: &'static str) -> Result<KeyedFamily, DaprError> {
+    if let Some(family) = state.families().into_iter().find(|f| f.name() == store) {
+        return Ok(family);
+    }
+    if let Some(reason) = state.pending_reason(store) {
+        return Err(DaprError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            code,
+            message: format!("lock store {store} is not started yet: {reason}"),
+        });
+    }
+    Err(DaprError {
+        status: StatusCode::BAD_REQUEST,
+        code: "ERR_LOCK_STORE_NOT_FOUND",
+        message: format!(
+            "lock store {store} is not found; this sidecar serves the keyed families: {}",
+            state
+                .families()
+                .iter()
+                .map(|f| f.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    })
 }
 
 fn key_error(error: KeyError) -> DaprError {
@@ -115,7 +123,7 @@ async fn try_lock(
     owner: &str,
     expiry_in_seconds: i64,
 ) -> Result<bool, DaprError> {
-    let family = family(state, store)?;
+    let family = family(state, store, "ERR_TRY_LOCK")?;
     let hold = u64::try_from(expiry_in_seconds)
         .ok()
         .filter(|s| *s >= 1)
@@ -183,7 +191,7 @@ async fn unlock(
     resource_id: &str,
     owner: &str,
 ) -> Result<UnlockStatus, DaprError> {
-    let family = family(state, store)?;
+    let family = family(state, store, "ERR_UNLOCK")?;
     Ok(match family.release(resource_id, owner).await {
         Ok(KeyRelease::Released { .. }) => UnlockStatus::Success,
         Ok(KeyRelease::NotHeld) => UnlockStatus::LockDoesNotExist,

@@ -20,6 +20,7 @@ use leasehold_crds::DistributedLock;
 use leasehold_lease::Lock;
 use leasehold_lease::keyed::KeyedFamily;
 use leasehold_lease::resource::{self, ResolvedLock};
+use tokio::time::sleep_until;
 
 use crate::api::AppState;
 use crate::metrics::Metrics;
@@ -146,37 +147,33 @@ async fn step_down(state: &AppState, current: &ResolvedLock) {
     if let Some(old) = state.locks().into_iter().find(|l| l.name() == current.name) {
         old.shutdown().await;
     }
-    if let Some(family) = state.families().iter().find(|f| f.name() == current.name) {
+    if let Some(family) = state
+        .families()
+        .into_iter()
+        .find(|f| f.name() == current.name)
+    {
         family.stop().await;
     }
 }
 
-/// Read each resource and start its lock. Any failure here stops the start-up with a message
-/// naming the resource.
-pub async fn start_all(
+/// Read `lock`'s Secrets and start what it declares. The error is the reason to answer with
+/// until it can be started.
+async fn start_resource(
     client: &kube::Client,
-    resources: &[ResourceRef],
+    lock: &DistributedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
-) -> Result<Vec<(ResourceRef, ResolvedLock, Running)>, String> {
-    let mut started = Vec::new();
-    for r in resources {
-        let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
-        let lock = api
-            .get(&r.name)
-            .await
-            .map_err(|e| format!("cannot read DistributedLock {r}: {e}"))?;
-        let resolved = read(client, &lock)
-            .await
-            .map_err(|e| format!("DistributedLock {r}: {e}"))?;
-        let running = start(client, &resolved, identity, metrics)
-            .await
-            .map_err(|e| format!("DistributedLock {r}: {e}"))?;
-        tracing::info!(resource = %r, backend = %resolved.backend, "lock configured from its resource");
-        started.push((r.clone(), resolved, running));
-    }
-    Ok(started)
+) -> Result<(ResolvedLock, Running), String> {
+    let resolved = read(client, lock).await?;
+    let running = start(client, &resolved, identity, metrics).await?;
+    Ok((resolved, running))
 }
+
+/// How soon a resource that could not be started (a Secret missing, the backend not reached)
+/// is tried again, doubling up to [`START_RETRY_MAX`]. A resource created or edited meanwhile
+/// is tried at once.
+const START_RETRY_MIN: Duration = Duration::from_secs(1);
+const START_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How often a running lock's Secrets are read again by default, so that a rotated password or
 /// certificate (External Secrets, Vault, cert-manager) reaches the backend connections before
@@ -188,14 +185,15 @@ fn references_secrets(lock: &DistributedLock) -> bool {
     !resource::secret_refs(lock).is_empty() || !resource::optional_secret_refs(lock).is_empty()
 }
 
-/// Follow one resource until the process ends, replacing its lock in `state` on spec changes,
-/// and on a change of the Secrets it references, read again every `secret_recheck`: a lock is
-/// restarted with the new credentials (the spec change's hand-over), a family takes its next
-/// keys with them while the keys held keep theirs.
+/// Follow one resource until the process ends: start its lock (or family) once the resource
+/// exists and its Secrets and backend can be used, until then answering 503 with the reason;
+/// then replace the lock in `state` on spec changes, and on a change of the Secrets it
+/// references, read again every `secret_recheck`: a lock is restarted with the new credentials
+/// (the spec change's hand-over), a family takes its next keys with them while the keys held
+/// keep theirs.
 pub async fn follow(
     client: kube::Client,
     r: ResourceRef,
-    mut current: ResolvedLock,
     identity: String,
     state: AppState,
     metrics: Arc<Metrics>,
@@ -218,8 +216,21 @@ pub async fn follow(
     let mut recheck =
         tokio::time::interval_at(tokio::time::Instant::now() + secret_recheck, secret_recheck);
     recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // What runs, once started.
+    let mut current: Option<ResolvedLock> = None;
+    // Not started: when to try the resource last read again, and the delay after that.
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut retry_delay = START_RETRY_MIN;
+    let not_started = |reason: String| {
+        if state.pending_reason(&r.name).as_deref() != Some(reason.as_str()) {
+            tracing::warn!(resource = %r, reason = %reason, "the lock is not started yet; it answers 503 with the reason until it is");
+        }
+        state.set_pending(&r.name, reason);
+    };
     loop {
-        let rechecking = last.as_ref().is_some_and(references_secrets) && !stepped_down;
+        let rechecking =
+            current.is_some() && last.as_ref().is_some_and(references_secrets) && !stepped_down;
+        let retry = retry_at.filter(|_| current.is_none());
         let (lock, secrets_only) = tokio::select! {
             change = changes.next() => match change {
                 None => return,
@@ -237,22 +248,80 @@ pub async fn follow(
                 // or went while the watch was down. Its lock or keys are released; it is
                 // started again if the resource comes back.
                 Some(Ok(watcher::Event::Delete(_) | watcher::Event::InitDone)) => {
-                    if !stepped_down {
+                    if current.is_none() {
+                        last = None;
+                        retry_at = None;
+                        not_started(format!("DistributedLock {r} does not exist (yet); it is taken once it is created"));
+                        continue;
+                    }
+                    if let Some(current) = current.as_ref().filter(|_| !stepped_down) {
                         tracing::warn!(resource = %r, "the DistributedLock was deleted: releasing its lock (or its keys) and taking it no more");
-                        step_down(&state, &current).await;
+                        step_down(&state, current).await;
                         stepped_down = true;
                     }
                     continue;
                 }
                 Some(Err(e)) => {
-                    tracing::warn!(resource = %r, error = %e, "watching the DistributedLock failed; retrying");
+                    if current.is_none() {
+                        not_started(format!("cannot read DistributedLock {r}: {e}"));
+                    } else {
+                        tracing::warn!(resource = %r, error = %e, "watching the DistributedLock failed; retrying");
+                    }
                     continue;
                 }
+            },
+            () = sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)), if retry.is_some() => match &last {
+                Some(lock) => (lock.clone(), false),
+                None => continue,
             },
             _ = recheck.tick(), if rechecking => match &last {
                 Some(lock) => (lock.clone(), true),
                 None => continue,
             },
+        };
+        let Some(running) = current.clone() else {
+            if lock.metadata.deletion_timestamp.is_some() {
+                last = None;
+                retry_at = None;
+                not_started(format!(
+                    "DistributedLock {r} is being deleted; it is taken if it is created again"
+                ));
+                continue;
+            }
+            last = Some(lock.clone());
+            match start_resource(&client, &lock, &identity, &metrics).await {
+                Ok((resolved, started)) => {
+                    let installed = match started {
+                        Running::Lock(lock) => state.install_lock(lock).map_err(Running::Lock),
+                        Running::Family(family) => {
+                            state.install_family(family).map_err(Running::Family)
+                        }
+                    };
+                    if let Err(unwanted) = installed {
+                        // The pod resigned meanwhile: it takes nothing any more.
+                        match unwanted {
+                            Running::Lock(lock) => lock.shutdown().await,
+                            Running::Family(family) => family.shutdown().await,
+                        }
+                        return;
+                    }
+                    tracing::info!(resource = %r, backend = %resolved.backend, "lock configured from its resource");
+                    read_generation = lock
+                        .metadata
+                        .generation
+                        .map(|g| (lock.metadata.uid.clone(), g));
+                    current = Some(resolved);
+                    retry_at = None;
+                    retry_delay = START_RETRY_MIN;
+                    recheck.reset();
+                }
+                Err(reason) => {
+                    not_started(format!("DistributedLock {r}: {reason}"));
+                    retry_at = Some(tokio::time::Instant::now() + retry_delay);
+                    retry_delay = (retry_delay * 2).min(START_RETRY_MAX);
+                }
+            }
+            continue;
         };
         if !secrets_only {
             if lock.metadata.deletion_timestamp.is_some() {
@@ -260,7 +329,7 @@ pub async fn follow(
                 // holds it: release now rather than at the next failed renewal.
                 if !stepped_down {
                     tracing::warn!(resource = %r, "the DistributedLock is being deleted: releasing its lock (or its keys) and taking it no more");
-                    step_down(&state, &current).await;
+                    step_down(&state, &running).await;
                     stepped_down = true;
                 }
                 continue;
@@ -276,7 +345,7 @@ pub async fn follow(
             read_generation = generation;
         }
         let next = match read(&client, &lock).await {
-            Ok(next) if next == current && !stepped_down => continue,
+            Ok(next) if next == running && !stepped_down => continue,
             Ok(next) => next,
             Err(e) if secrets_only => {
                 tracing::warn!(resource = %r, error = %e, "the DistributedLock's Secrets cannot be read again; keeping the running credentials");
@@ -287,22 +356,26 @@ pub async fn follow(
                 continue;
             }
         };
-        if next.keys.is_some() != current.keys.is_some() {
+        if next.keys.is_some() != running.keys.is_some() {
             tracing::error!(resource = %r, "the DistributedLock changed between a lock and a family of keyed locks, which its CRD forbids; keeping the running configuration");
             continue;
         }
         // Who logs in aside, a different URL is another backend.
-        let moved = location(&next.backend) != location(&current.backend);
+        let moved = location(&next.backend) != location(&running.backend);
         // The same backend, reached otherwise: new credentials.
-        let credentials_changed = !moved && next.backend != current.backend;
+        let credentials_changed = !moved && next.backend != running.backend;
         if let Some(config) = next.family_config(&identity) {
-            let Some(family) = state.families().iter().find(|f| f.name() == current.name) else {
+            let Some(family) = state
+                .families()
+                .into_iter()
+                .find(|f| f.name() == running.name)
+            else {
                 continue;
             };
             if moved {
                 // Each held key is a lock on the old backend: stopping releases them all, and
                 // the family stays stopped rather than start afresh beside holders elsewhere.
-                tracing::error!(resource = %r, from = %current.backend, to = %next.backend,
+                tracing::error!(resource = %r, from = %running.backend, to = %next.backend,
                     "the DistributedLock's backend changed, which its CRD forbids: the family's keys are released and no more are taken until this pod restarts");
                 family.stop().await;
                 stepped_down = true;
@@ -324,7 +397,7 @@ pub async fn follow(
                 Ok(()) => {
                     family.resume();
                     tracing::info!(resource = %r, "DistributedLock changed: the family's new settings apply from the next acquisition");
-                    current = next;
+                    current = Some(next);
                     stepped_down = false;
                 }
                 Err(e) => {
@@ -334,10 +407,10 @@ pub async fn follow(
             continue;
         }
         if moved {
-            tracing::error!(resource = %r, from = %current.backend, to = %next.backend,
+            tracing::error!(resource = %r, from = %running.backend, to = %next.backend,
                 "the DistributedLock's backend changed, which its CRD forbids: stepping down on the old backend before campaigning on the new one");
-            step_down(&state, &current).await;
-            tokio::time::sleep(current.lease_duration + current.renew_interval).await;
+            step_down(&state, &running).await;
+            tokio::time::sleep(running.lease_duration + running.renew_interval).await;
         }
         let started = if credentials_changed {
             match open_checked(&client, &next).await {
@@ -357,10 +430,15 @@ pub async fn follow(
                 // The old lock's lease runs out rather than being released: an app may act on
                 // an answer it gave until its `validForMs` ends, and nobody else may hold the
                 // lock meanwhile. The new lock (the same identity) takes it after that.
+                if state.has_resigned() {
+                    // The pod resigned meanwhile: the new lock takes nothing.
+                    fresh.shutdown().await;
+                    return;
+                }
                 if let Some(old) = state.replace(fresh) {
                     old.retire().await;
                 }
-                current = next;
+                current = Some(next);
                 stepped_down = false;
             }
             Err(e) => {

@@ -34,7 +34,10 @@ pub async fn run(config: Config) -> Result<(), String> {
     } else {
         start_from_resources(&config, &metrics).await?
     };
-    if state.families().is_empty()
+    // With --resource, what each resource declares is known only once it is read: a Dapr
+    // store that turns out to be a lock is answered as not found.
+    if config.resources.is_empty()
+        && state.families().is_empty()
         && (config.dapr_http_listen.is_some() || config.dapr_grpc_listen.is_some())
     {
         return Err("--dapr-http-listen/--dapr-grpc-listen: Dapr's lock API serves families of keyed locks (each is a lock store), and none of the --resource locks declares spec.keys".into());
@@ -200,32 +203,40 @@ async fn start_from_flags(
     Ok(Some((locks, families)))
 }
 
-/// `--resource`: each lock from its DistributedLock, each followed for changes.
+/// `--resource`: each lock from its DistributedLock, each followed for changes. Nothing here
+/// waits for the API server: the listeners bind at once, and each lock answers 503 with the
+/// reason until its resource can be read and started (a DistributedLock created after the pod,
+/// a Secret or a permission still missing, an API server not reached yet).
 async fn start_from_resources(
     config: &Config,
     metrics: &Arc<Metrics>,
 ) -> Result<(AppState, Vec<tokio::task::JoinHandle<()>>), String> {
-    let client = kube::Client::try_default().await.map_err(|e| {
-        format!("--resource needs the Kubernetes API (in-cluster or KUBECONFIG): {e}")
-    })?;
-    let started =
-        from_resource::start_all(&client, &config.resources, &config.identity, metrics).await?;
-    let mut locks = Vec::new();
-    let mut families = Vec::new();
-    for (_, _, running) in &started {
-        match running {
-            from_resource::Running::Lock(lock) => locks.push(lock.clone()),
-            from_resource::Running::Family(family) => families.push(family.clone()),
+    let names = config.resources.iter().map(|r| r.name.clone()).collect();
+    let state = AppState::new(Vec::new(), metrics.clone())
+        .expecting(names, "its DistributedLock is being read");
+    let client = match kube::Client::try_default().await {
+        Ok(client) => client,
+        Err(e) => {
+            // No service account token mounted, no KUBECONFIG: nothing will change that while
+            // the process runs, so it says why on every answer rather than restart in a loop
+            // that keeps the pod's app from starting.
+            let reason = format!(
+                "--resource needs the Kubernetes API (in-cluster service account token or KUBECONFIG): {e}"
+            );
+            tracing::error!(error = %reason, "no lock can be started");
+            for r in &config.resources {
+                state.set_pending(&r.name, reason.clone());
+            }
+            return Ok((state, Vec::new()));
         }
-    }
-    let state = AppState::new(locks, metrics.clone()).with_families(families);
-    let followers = started
-        .into_iter()
-        .map(|(r, resolved, _)| {
+    };
+    let followers = config
+        .resources
+        .iter()
+        .map(|r| {
             tokio::spawn(from_resource::follow(
                 client.clone(),
-                r,
-                resolved,
+                r.clone(),
                 config.identity.clone(),
                 state.clone(),
                 metrics.clone(),

@@ -9,7 +9,7 @@ use leasehold_lease::Driver;
 use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
 use leasehold_lease::testkit::{InMemoryApiServer, RedisServer};
 use leasehold_sidecar::api::AppState;
-use leasehold_sidecar::from_resource::{self, ResourceRef, Running};
+use leasehold_sidecar::from_resource::{self, ResourceRef};
 use leasehold_sidecar::metrics::Metrics;
 use serde_json::{Value, json};
 
@@ -55,27 +55,63 @@ async fn follow_jobs_rechecking(
     api: &InMemoryApiServer,
     recheck: Duration,
 ) -> (AppState, leasehold_lease::Lock, tokio::task::JoinHandle<()>) {
-    let client = api.client();
+    let (state, follower) = follow_resource(api, "team/jobs", recheck);
+    eventually("team/jobs is started", || !state.locks().is_empty()).await;
+    assert!(state.families().is_empty(), "team/jobs declares a lock");
+    let lock = state.locks()[0].clone();
+    (state, lock, follower)
+}
+
+/// pod-a's state serving `resource` (`NAMESPACE/NAME`) once it can, and the task that starts
+/// it and follows it, reading its Secrets again every `recheck`.
+fn follow_resource(
+    api: &InMemoryApiServer,
+    resource: &str,
+    recheck: Duration,
+) -> (AppState, tokio::task::JoinHandle<()>) {
     let metrics = Arc::new(Metrics::new());
-    let r: ResourceRef = "team/jobs".parse().unwrap();
-    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
-        .await
-        .expect("started from the resource");
-    let (_, resolved, running) = started.into_iter().next().unwrap();
-    let Running::Lock(lock) = running else {
-        panic!("team/jobs declares a lock, not a family");
-    };
-    let state = AppState::new(vec![lock.clone()], metrics.clone());
+    let r: ResourceRef = resource.parse().unwrap();
+    let state = AppState::new(Vec::new(), metrics.clone())
+        .expecting(vec![r.name.clone()], "its DistributedLock is being read");
     let follower = tokio::spawn(from_resource::follow(
-        client,
+        api.client(),
         r,
-        resolved,
         "pod-a".into(),
         state.clone(),
         metrics,
         recheck,
     ));
-    (state, lock, follower)
+    (state, follower)
+}
+
+/// `state`'s lock API on a loopback port.
+async fn serve(state: &AppState) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = leasehold_sidecar::api::lock_api(state.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// One request to `addr`: the status and the body.
+async fn request(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await.unwrap();
+    let status = raw.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
 }
 
 /// `team/jobs` on `redis` with a lease of `lease`, put on a new in-memory API server and
@@ -142,15 +178,89 @@ async fn a_lock_from_its_resource_follows_spec_changes() {
     follower.abort();
 }
 
-#[tokio::test]
-async fn a_missing_resource_stops_the_start_with_its_name() {
+/// Helm and Argo CD create custom resources after Deployments: a pod whose lock does not exist
+/// yet answers 503 with the reason (its app starts and can say why), then holds the lock once it
+/// is created. A Secret it references that is missing is waited for the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_created_after_its_pod_is_taken_once_it_exists() {
+    let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
-    let r: ResourceRef = "team/absent".parse().unwrap();
-    let error = from_resource::start_all(&api.client(), &[r], "pod-a", &Arc::new(Metrics::new()))
+    let (state, follower) = follow_resource(&api, "team/jobs", from_resource::SECRET_RECHECK);
+    let addr = serve(&state).await;
+    let mut said = String::new();
+    for _ in 0..500 {
+        let (status, body) = request(addr, "GET", "/lock").await;
+        assert_eq!(status, 503, "{body}");
+        said = body;
+        if said.contains("does not exist") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        said.contains("team/jobs") && said.contains("does not exist"),
+        "{said}"
+    );
+    let (status, body) = request(addr, "GET", "/locks/jobs").await;
+    assert_eq!(status, 503, "{body}");
+
+    // Created with a password from a Secret that does not exist yet.
+    api.put(
+        DISTRIBUTED_LOCKS,
+        with_app_credentials(distributed_lock(&redis, "leasehold", "5s")),
+    );
+    eventually("the missing Secret is the reason", || {
+        state
+            .pending_reason("jobs")
+            .is_some_and(|reason| reason.contains("redis-auth"))
+    })
+    .await;
+    let (status, body) = request(addr, "GET", "/lock").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("redis-auth"), "{body}");
+
+    rotate_redis_password(&redis, &api, "s3cret");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = request(addr, "GET", "/lock").await;
+        if status == 200 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not held within 10 s of the Secret: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(state.pending_reason("jobs"), None);
+    follower.abort();
+}
+
+/// A pod that resigned (its preStop hook) while its lock did not exist yet never takes the lock
+/// once it is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_resigned_before_its_lock_existed_never_takes_it() {
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    let (state, follower) = follow_resource(&api, "team/jobs", from_resource::SECRET_RECHECK);
+    let addr = serve(&state).await;
+    let (status, body) = request(addr, "POST", "/resign").await;
+    assert_eq!(status, 200, "{body}");
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "5s"),
+    );
+    tokio::time::timeout(Duration::from_secs(10), follower)
         .await
-        .err()
-        .expect("no such lock");
-    assert!(error.contains("team/absent"), "{error}");
+        .expect("the follower ends once the lock it would start is unwanted")
+        .expect("the follower ran to its end");
+    assert!(state.locks().is_empty());
+    let driver = redis_driver(&redis, "leasehold").await;
+    assert_eq!(
+        driver.observe("jobs").await.unwrap(),
+        None,
+        "nobody holds it"
+    );
 }
 
 /// The CRD forbids moving a lock to another backend; a sidecar that sees it anyway steps down on
@@ -302,27 +412,10 @@ async fn follow_orders(
     leasehold_lease::keyed::KeyedFamily,
     tokio::task::JoinHandle<()>,
 ) {
-    let client = api.client();
-    let metrics = Arc::new(Metrics::new());
-    let r: ResourceRef = "team/orders".parse().unwrap();
-    let started = from_resource::start_all(&client, std::slice::from_ref(&r), "pod-a", &metrics)
-        .await
-        .expect("started from the resource");
-    let (_, resolved, running) = started.into_iter().next().unwrap();
-    let Running::Family(family) = running else {
-        panic!("team/orders declares a family");
-    };
-    let state = AppState::new(Vec::new(), metrics.clone()).with_families(vec![family.clone()]);
-    let follower = tokio::spawn(from_resource::follow(
-        client,
-        r,
-        resolved,
-        "pod-a".into(),
-        state,
-        metrics,
-        recheck,
-    ));
-    (family, follower)
+    let (state, follower) = follow_resource(api, "team/orders", recheck);
+    eventually("team/orders is started", || !state.families().is_empty()).await;
+    assert!(state.locks().is_empty(), "team/orders declares a family");
+    (state.families()[0].clone(), follower)
 }
 
 /// A `DistributedLock` with `spec.keys` is served as a family (`/locks/orders/keys/...`) with its
