@@ -88,10 +88,11 @@ async fn a_conflict_on_resource_version_means_busy_not_an_error() {
     let (driver, mut api) = driver();
     let server = tokio::spawn(async move {
         let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
+        // Run out long ago (beyond any clock skew): taken at once.
         reply(
             send,
             StatusCode::OK,
-            &lease("jobs", "a", 7, Duration::from_secs(60), "5"),
+            &lease("jobs", "a", 7, Duration::from_secs(120), "5"),
         );
         let (put, send) = api.expect(Method::PUT, "/namespaces/ns/leases/jobs").await;
         // The expired record is replaced with the version that was read, the next token, and
@@ -130,7 +131,62 @@ async fn a_held_lease_is_busy_without_a_write() {
         panic!("a fresh lease must be busy")
     };
     assert_eq!((holding.identity.as_str(), holding.token), ("a", 7));
-    assert!(holding.expires_in.unwrap() <= Duration::from_secs(14));
+    // First seen now: held for a whole lease from now, whatever `renewTime` says.
+    assert!(holding.expires_in.unwrap() <= Duration::from_secs(15));
+    server.await.unwrap();
+}
+
+/// A Lease held by `holder` for 400 ms (its exact duration), renewed `ago` by the holder's clock.
+fn short_lease(holder: &str, ago: Duration, rv: &str) -> Value {
+    let mut lease = lease("jobs", holder, 3, ago, rv);
+    lease["spec"]["leaseDurationSeconds"] = json!(1);
+    lease["metadata"]["annotations"] = json!({ DURATION_ANNOTATION: "400" });
+    lease
+}
+
+/// The holder's node runs seconds behind: its `renewTime` looks run out by this node's clock
+/// while the holder still claims. A contender times the record from when it first saw it, and
+/// from each renewal it sees, so it takes the lock only once the record has stood unchanged for
+/// its whole duration.
+#[tokio::test]
+async fn expiry_is_observed_so_a_holder_with_a_slow_clock_keeps_its_lease() {
+    let (driver, mut api) = driver();
+    let server = tokio::spawn(async move {
+        let skewed = Duration::from_secs(5);
+        // First seen: busy, although renewTime + 400 ms passed 4.6 s ago here.
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(send, StatusCode::OK, &short_lease("a", skewed, "5"));
+        // Renewed (a new resourceVersion): timed again from now.
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(send, StatusCode::OK, &short_lease("a", skewed, "6"));
+        // Unchanged for its whole duration: taken.
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(send, StatusCode::OK, &short_lease("a", skewed, "6"));
+        let (put, send) = api.expect(Method::PUT, "/leases/jobs").await;
+        assert_eq!(put["metadata"]["resourceVersion"], "6");
+        assert_eq!(put["spec"]["holderIdentity"], "b");
+        let mut taken = put.clone();
+        taken["metadata"]["resourceVersion"] = json!("7");
+        reply(send, StatusCode::OK, &taken);
+    });
+    let busy = |outcome: Acquire| match outcome {
+        Acquire::Busy(Some(holding)) => holding,
+        other => panic!("a held record was not busy: {other:?}"),
+    };
+    let ttl = Duration::from_secs(1);
+    let first = busy(driver.try_acquire("jobs", "b", ttl).await.unwrap());
+    assert_eq!(first.identity, "a");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let renewed = busy(driver.try_acquire("jobs", "b", ttl).await.unwrap());
+    assert!(
+        renewed.expires_in.unwrap() > Duration::from_millis(300),
+        "a renewal seen restarts the count: {renewed:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let Acquire::Acquired(lease) = driver.try_acquire("jobs", "b", ttl).await.unwrap() else {
+        panic!("a record unchanged for its duration is free");
+    };
+    assert_eq!(lease.token, 4);
     server.await.unwrap();
 }
 

@@ -9,13 +9,17 @@
 //!   one pod takes the lock twice). Release keeps it, so the next holder continues from it.
 //! - **Renew and release** present the identity and token they hold and write with the
 //!   `resourceVersion` they read; a conflict re-reads and re-checks.
-//! - **Expiry** is `renewTime + duration`. `leaseDurationSeconds` is whole seconds (what client-go
-//!   and `kubectl` read), rounded up; the exact duration is kept in the annotation
-//!   [`DURATION_ANNOTATION`]. Holder and waiters compare wall clocks here, since the API server
-//!   offers no clock of its own: nodes must agree within the holder's safety margin (`lease/50 +
-//!   10ms`, 310 ms at the default 15 s), which NTP-synced nodes do by two orders of magnitude.
-//!   The holder writes `renewTime` *after* it has started its own lease clock, which only moves
-//!   a waiter's view of the expiry later.
+//! - **Expiry** is observed, as client-go's leader election does: a contender takes a held
+//!   Lease only once it has seen the same record (the same `resourceVersion`) unchanged for the
+//!   record's whole duration on its own boot clock. The holder started its claim before it
+//!   wrote the record, and the contender first saw the record after it was written, so the
+//!   holder's claim has ended by then whatever the nodes' wall clocks say: `renewTime` is never
+//!   compared across nodes. A contender that first sees a dead holder's record waits one lease
+//!   from then, unless the record's `renewTime` is more than [`MAX_CLOCK_SKEW`] past its end on
+//!   this node's wall clock (a key whose holder died long ago is taken at once): nodes' clocks
+//!   must then agree within that, not within the lease's safety margin.
+//!   `leaseDurationSeconds` is whole seconds (what client-go and `kubectl` read), rounded up;
+//!   the exact duration is kept in the annotation [`DURATION_ANNOTATION`].
 //! - **Wake-ups**: one watch per lock (on the Lease's name), started by the first waiter.
 
 use std::collections::HashMap;
@@ -32,6 +36,7 @@ use kube::api::PostParams;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
+use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, Driver, Holding, Lease, Pruned};
 use crate::error::{Error, Result};
 
@@ -74,11 +79,34 @@ impl Drop for LeaseWatch {
 /// The Leases watched for waiters, by lock.
 type Watches = Pruned<String, LeaseWatch>;
 
+/// How far apart two nodes' wall clocks may be for a record dated by another node to count as
+/// run out by this node's clock alone: far beyond what NTP-synced nodes see (milliseconds), and
+/// beyond what breaks a cluster anyway (TLS validity, token expiry).
+pub const MAX_CLOCK_SKEW: Duration = Duration::from_secs(60);
+
+/// When this process first saw a held Lease's current record.
+struct Sighting {
+    /// The record's `resourceVersion`: any write (a renewal) changes it.
+    version: Option<String>,
+    since: BootInstant,
+    duration: Duration,
+}
+
+impl Sighting {
+    /// How long the record seen stays held, from `now`: zero once it has run out.
+    fn left(&self, now: BootInstant) -> Duration {
+        self.duration
+            .saturating_sub(now.saturating_duration_since(self.since))
+    }
+}
+
 pub struct KubernetesLeaseDriver {
     client: kube::Client,
     namespace: String,
     targets: HashMap<String, LeaseTarget>,
     feeds: Mutex<Watches>,
+    /// Held records as this process first saw them, by lock: their expiry.
+    sightings: Mutex<Pruned<String, Sighting>>,
 }
 
 impl KubernetesLeaseDriver {
@@ -89,7 +117,50 @@ impl KubernetesLeaseDriver {
             namespace: namespace.into(),
             targets: HashMap::new(),
             feeds: Mutex::default(),
+            sightings: Mutex::default(),
         }
+    }
+
+    /// Who holds `lock` by `object`, as observed: a named holder whose record this process has
+    /// seen unchanged for less than its duration. A record first seen now counts from now.
+    fn held_by(&self, lock: &str, object: &LeaseObject, record: &Record) -> Option<Holding> {
+        let mut sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
+        let now = BootInstant::now();
+        sightings.prune(|s| !s.left(now).is_zero());
+        let Some(identity) = record.identity.clone() else {
+            sightings.remove(lock);
+            return None;
+        };
+        let version = object.metadata.resource_version.clone();
+        let sighting = sightings
+            .entry(lock.to_owned())
+            .and_modify(|seen| {
+                if seen.version != version || seen.duration != record.duration {
+                    *seen = Sighting {
+                        version: version.clone(),
+                        since: now,
+                        duration: record.duration,
+                    };
+                }
+            })
+            .or_insert_with(|| Sighting {
+                version: version.clone(),
+                since: now,
+                duration: record.duration,
+            });
+        let left = sighting.left(now);
+        let long_over = record
+            .expires_at()
+            .and_then(|end| {
+                end.checked_add(SignedDuration::try_from(MAX_CLOCK_SKEW).ok()?)
+                    .ok()
+            })
+            .is_some_and(|end| end <= Timestamp::now());
+        (!left.is_zero() && !long_over).then_some(Holding {
+            identity,
+            token: record.transitions,
+            expires_in: Some(left),
+        })
     }
 
     /// In-cluster (or `KUBECONFIG`) credentials; `namespace` defaults to the pod's own.
@@ -574,7 +645,7 @@ impl Driver for KubernetesLeaseDriver {
             renewed: None,
             duration: Duration::ZERO,
         });
-        if let Some(holding) = record.holding(Timestamp::now()) {
+        if let Some(holding) = self.held_by(lock, &object, &record) {
             return Ok(Acquire::Busy(Some(holding)));
         }
         // A family's key whose Lease was forgotten as idle starts again above the family's
@@ -622,12 +693,10 @@ impl Driver for KubernetesLeaseDriver {
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        Ok(self
-            .read(lock)
-            .await?
-            .as_ref()
-            .and_then(Record::of)
-            .and_then(|r| r.holding(Timestamp::now())))
+        let Some(object) = self.read(lock).await? else {
+            return Ok(None);
+        };
+        Ok(Record::of(&object).and_then(|record| self.held_by(lock, &object, &record)))
     }
 
     /// The namespace's Leases, read page by page; a key's Lease is named after its lock.

@@ -506,6 +506,9 @@ pub async fn only_holder_renews_or_releases(h: &mut dyn Harness) {
         assert!(!b.release(fake).await.unwrap(), "released by {fake:?}");
     }
     assert!(a.renew(&la, short).await.unwrap());
+    // b looks while a holds: a backend whose contenders time a record from when they first
+    // saw it (Kubernetes) lets b take it once the lease has run out since then.
+    assert_eq!(b.observe(&lock).await.unwrap().unwrap().identity, "a");
     sleep(short + Duration::from_millis(100)).await;
     // Expired: the old holder can neither renew nor release it, and b takes it.
     assert!(
@@ -614,7 +617,11 @@ pub async fn tokens_strictly_increase(h: &mut dyn Harness) {
         );
         last = lease.token;
         if round % 3 == 2 {
-            sleep(short + Duration::from_millis(50)).await; // let it expire instead
+            // Let it expire instead, the next contender watching (see
+            // `only_holder_renews_or_releases`).
+            let next = &drivers[(round + 1) % drivers.len()];
+            assert!(next.observe(&lock).await.unwrap().is_some());
+            sleep(short + Duration::from_millis(50)).await;
         } else {
             assert!(driver.release(&lease).await.unwrap());
         }
