@@ -181,28 +181,16 @@ pub fn requested_locks(pod: &Pod) -> Option<Result<Vec<String>, String>> {
 }
 
 /// Why the sidecar could never read its lock in `pod`: it reads the `DistributedLock` with the
-/// pod's service account token, and a pod that turns the token off (with no projected token of
-/// its own in the usual place) has none.
+/// pod's service account token, which a pod that turns automounting off does not give it (a
+/// token the app mounts for itself is in the app's container only).
 fn no_token(pod: &Pod) -> Option<String> {
     let spec = pod.spec.as_ref()?;
-    if spec.automount_service_account_token != Some(false) {
-        return None;
-    }
-    let projects_a_token = spec
-        .containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .flat_map(|c| c.volume_mounts.iter().flatten())
-        .any(|m| m.mount_path.trim_end_matches('/') == SERVICE_ACCOUNT_DIR);
-    (!projects_a_token).then(|| {
+    (spec.automount_service_account_token == Some(false)).then(|| {
         format!(
             "annotation {ANNOTATION}: the pod sets automountServiceAccountToken: false, and the injected sidecar reads its DistributedLock with the pod's service account token; remove the setting (or set it to true) for this pod"
         )
     })
 }
-
-/// Where a pod's service account token is mounted.
-const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
 fn already_injected(pod: &Pod) -> bool {
     let Some(spec) = &pod.spec else { return false };

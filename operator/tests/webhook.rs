@@ -312,10 +312,7 @@ async fn a_pod_without_a_service_account_token_is_refused_with_the_reason() {
         "{message}"
     );
 
-    // One that projects its own token where the sidecar looks is admitted.
-    tokenless["spec"]["containers"][0]["volumeMounts"] = json!([
-        {"name": "token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
-    ]);
+    tokenless["spec"]["automountServiceAccountToken"] = json!(true);
     let (allowed, message, _) = admit(&api, &tokenless, true).await;
     assert!(allowed, "{message}");
 }

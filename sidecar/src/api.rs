@@ -67,7 +67,7 @@ struct Inner {
     expected: Vec<String>,
     /// Those of `expected` not started yet, each with why: answered 503 with the reason.
     pending: std::sync::RwLock<BTreeMap<String, String>>,
-    /// `POST /resign` was called: nothing is started or taken any more.
+    /// `POST /resign` was called: no lock is started or put in place any more.
     resigned: std::sync::atomic::AtomicBool,
 }
 
@@ -152,14 +152,11 @@ impl AppState {
             .insert(name.to_owned(), reason);
     }
 
-    /// Serve a lock that has been started, in the place of its pending entry. `false` once the
+    /// Serve a lock that has been started, in the place of its pending entry. `Err` once the
     /// sidecar has resigned: the caller shuts the lock down instead.
     pub fn install_lock(&self, lock: Lock) -> Result<(), Lock> {
-        if self.has_resigned() {
-            return Err(lock);
-        }
         let name = lock.name().to_owned();
-        if let Some(old) = self.replace(lock) {
+        if let Some(old) = self.replace(lock)? {
             // Not expected: a lock is installed once, and replaced by `replace` afterwards.
             tracing::warn!(lock = %name, "a lock was installed twice; the first is shut down");
             tokio::spawn(async move { old.shutdown().await });
@@ -171,15 +168,17 @@ impl AppState {
     /// Serve a family that has been started, in the place of its pending entry; as
     /// [`AppState::install_lock`].
     pub fn install_family(&self, family: KeyedFamily) -> Result<(), KeyedFamily> {
+        let name = family.name().to_owned();
+        let mut families = self
+            .inner
+            .families
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
         if self.has_resigned() {
             return Err(family);
         }
-        let name = family.name().to_owned();
-        self.inner
-            .families
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(family);
+        families.push(family);
+        drop(families);
         self.clear_pending(&name);
         Ok(())
     }
@@ -247,16 +246,21 @@ impl AppState {
     }
 
     /// Put `lock` in the place of the lock of the same name; the old one is returned for the
-    /// caller to shut down (after the new one is answering, so that `/lock` never 404s).
-    pub fn replace(&self, lock: Lock) -> Option<Lock> {
+    /// caller to shut down (after the new one is answering, so that `/lock` never 404s). `Err`
+    /// once the sidecar has resigned, checked under the same guard `POST /resign` reads the
+    /// locks through, so that no lock put in place escapes its stepping down.
+    pub fn replace(&self, lock: Lock) -> Result<Option<Lock>, Lock> {
         let mut locks = self.inner.locks.write().unwrap_or_else(|e| e.into_inner());
-        match locks.iter_mut().find(|l| l.name() == lock.name()) {
+        if self.has_resigned() {
+            return Err(lock);
+        }
+        Ok(match locks.iter_mut().find(|l| l.name() == lock.name()) {
             Some(slot) => Some(std::mem::replace(slot, lock)),
             None => {
                 locks.push(lock);
                 None
             }
-        }
+        })
     }
 
     fn lock(&self, name: Option<Path<String>>) -> Result<Lock, ApiError> {

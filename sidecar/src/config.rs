@@ -212,6 +212,16 @@ impl Config {
             if resources.contains(&r) {
                 return Err(bad("resource", raw, &"the resource is named twice"));
             }
+            // The lock API names locks without their namespace (`/locks/jobs`).
+            if let Some(other) = resources.iter().find(|o| o.name == r.name) {
+                return Err(bad(
+                    "resource",
+                    raw,
+                    &format_args!(
+                        "{other} has the same name, and the lock API names locks without their namespace"
+                    ),
+                ));
+            }
             resources.push(r);
         }
         let backend = BackendUrl::parse(&args.backend).map_err(|e| match e {
@@ -463,6 +473,7 @@ mod tests {
             (&["--resource", "ns"], "NAMESPACE/NAME"),
             (&["--resource", "Ns/x"], "Ns/x"),
             (&["--resource", "ns/x,ns/x"], "twice"),
+            (&["--resource", "a/jobs,b/jobs"], "a/jobs has the same name"),
             (
                 &["--resource", "ns/x", "--backend", "redis://h"],
                 "--backend",

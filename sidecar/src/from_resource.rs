@@ -221,6 +221,8 @@ pub async fn follow(
     // Not started: when to try the resource last read again, and the delay after that.
     let mut retry_at: Option<tokio::time::Instant> = None;
     let mut retry_delay = START_RETRY_MIN;
+    // The object (uid) and generation whose start failed last.
+    let mut failed_generation: Option<(Option<String>, i64)> = None;
     let not_started = |reason: String| {
         if state.pending_reason(&r.name).as_deref() != Some(reason.as_str()) {
             tracing::warn!(resource = %r, reason = %reason, "the lock is not started yet; it answers 503 with the reason until it is");
@@ -231,13 +233,13 @@ pub async fn follow(
         let rechecking =
             current.is_some() && last.as_ref().is_some_and(references_secrets) && !stepped_down;
         let retry = retry_at.filter(|_| current.is_none());
-        let (lock, secrets_only) = tokio::select! {
+        let (lock, secrets_only, retried) = tokio::select! {
             change = changes.next() => match change {
                 None => return,
-                Some(Ok(watcher::Event::Apply(lock))) => (lock, false),
+                Some(Ok(watcher::Event::Apply(lock))) => (lock, false, false),
                 Some(Ok(watcher::Event::InitApply(lock))) => {
                     listed = true;
-                    (lock, false)
+                    (lock, false, false)
                 }
                 Some(Ok(watcher::Event::Init)) => {
                     listed = false;
@@ -271,11 +273,11 @@ pub async fn follow(
                 }
             },
             () = sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)), if retry.is_some() => match &last {
-                Some(lock) => (lock.clone(), false),
+                Some(lock) => (lock.clone(), false, true),
                 None => continue,
             },
             _ = recheck.tick(), if rechecking => match &last {
-                Some(lock) => (lock.clone(), true),
+                Some(lock) => (lock.clone(), true, false),
                 None => continue,
             },
         };
@@ -289,6 +291,22 @@ pub async fn follow(
                 continue;
             }
             last = Some(lock.clone());
+            if state.has_resigned() {
+                return; // nothing is started once the pod has resigned
+            }
+            // The operator's status writes change the object, not its spec: an attempt that
+            // failed on this generation is tried again on the timer only.
+            let generation = lock
+                .metadata
+                .generation
+                .map(|g| (lock.metadata.uid.clone(), g));
+            if !retried
+                && retry_at.is_some()
+                && generation.is_some()
+                && generation == failed_generation
+            {
+                continue;
+            }
             match start_resource(&client, &lock, &identity, &metrics).await {
                 Ok((resolved, started)) => {
                     let installed = match started {
@@ -306,16 +324,14 @@ pub async fn follow(
                         return;
                     }
                     tracing::info!(resource = %r, backend = %resolved.backend, "lock configured from its resource");
-                    read_generation = lock
-                        .metadata
-                        .generation
-                        .map(|g| (lock.metadata.uid.clone(), g));
+                    read_generation = generation;
                     current = Some(resolved);
                     retry_at = None;
                     retry_delay = START_RETRY_MIN;
                     recheck.reset();
                 }
                 Err(reason) => {
+                    failed_generation = generation;
                     not_started(format!("DistributedLock {r}: {reason}"));
                     retry_at = Some(tokio::time::Instant::now() + retry_delay);
                     retry_delay = (retry_delay * 2).min(START_RETRY_MAX);
@@ -430,13 +446,14 @@ pub async fn follow(
                 // The old lock's lease runs out rather than being released: an app may act on
                 // an answer it gave until its `validForMs` ends, and nobody else may hold the
                 // lock meanwhile. The new lock (the same identity) takes it after that.
-                if state.has_resigned() {
-                    // The pod resigned meanwhile: the new lock takes nothing.
-                    fresh.shutdown().await;
-                    return;
-                }
-                if let Some(old) = state.replace(fresh) {
-                    old.retire().await;
+                match state.replace(fresh) {
+                    Ok(Some(old)) => old.retire().await,
+                    Ok(None) => {}
+                    Err(fresh) => {
+                        // The pod resigned meanwhile: the new lock takes nothing.
+                        fresh.shutdown().await;
+                        return;
+                    }
                 }
                 current = Some(next);
                 stepped_down = false;

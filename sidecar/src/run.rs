@@ -131,8 +131,13 @@ pub async fn run(config: Config) -> Result<(), String> {
     tracing::info!(signal, "shutting down: releasing leases");
     // Stop following resources (no lock may be swapped in now), then release first: waiters
     // elsewhere take over while this process is still draining.
-    for follower in followers {
+    for follower in &followers {
         follower.abort();
+    }
+    // An aborted task still being polled on another thread may yet put a lock in place:
+    // waiting for each to end makes the list below the last word.
+    for follower in followers {
+        let _ = follower.await;
     }
     futures_util::future::join_all(state.locks().iter().map(Lock::shutdown)).await;
     futures_util::future::join_all(state.families().iter().map(KeyedFamily::shutdown)).await;

@@ -418,18 +418,14 @@ struct Holding {
 
 fn analyse(log: &Log, began: Instant, report: &mut Report) {
     let at = |t: Instant| t.saturating_duration_since(began);
-    let mut by_key: BTreeMap<usize, BTreeMap<&str, Holding>> = BTreeMap::new();
+    // By owner and token: an owner whose holding ended (its sidecar paused past the lease) and
+    // that acquires again (a re-entrant acquisition finds nothing to re-enter) holds anew.
+    let mut by_key: BTreeMap<usize, BTreeMap<(&str, u64), Holding>> = BTreeMap::new();
     for s in &log.samples {
         let Some(token) = s.token else { continue };
         let holdings = by_key.entry(s.key).or_default();
-        match holdings.get_mut(s.owner.as_str()) {
+        match holdings.get_mut(&(s.owner.as_str(), token)) {
             Some(h) => {
-                if h.token != token {
-                    report.violations.push(format!(
-                        "key k{}: owner {} answered token {} and then {}",
-                        s.key, s.owner, h.token, token
-                    ));
-                }
                 h.certain_from = h.certain_from.min(s.received);
                 h.certain_to = h.certain_to.max(s.sent);
                 h.last_seen = h.last_seen.max(s.received);
@@ -437,7 +433,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
             }
             None => {
                 holdings.insert(
-                    s.owner.as_str(),
+                    (s.owner.as_str(), token),
                     Holding {
                         owner: s.owner.clone(),
                         token,
@@ -463,8 +459,8 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
         .collect();
     // A promise ends when its owner asks to release: the app has stopped relying on it.
     for e in &log.endings {
-        for holdings in by_key.values_mut() {
-            if let Some(h) = holdings.get_mut(e.owner.as_str()) {
+        for h in by_key.values_mut().flat_map(BTreeMap::values_mut) {
+            if h.owner == e.owner {
                 h.promised_to = h.promised_to.min(e.release_sent.max(h.certain_to));
             }
         }
