@@ -1,6 +1,8 @@
-# One image, both binaries, nothing else: /leasehold-operator and /leasehold-sidecar, static,
-# on scratch, as user 65532. The chart runs the operator from it and the webhook injects the
-# sidecar from it.
+# One image, both binaries and the CA roots, nothing else: /leasehold-operator and
+# /leasehold-sidecar, static, on scratch, as user 65532, with Debian's CA bundle at
+# /etc/ssl/certs/ca-certificates.crt, where both look for the system's roots (`tls: true`
+# without a CA of its own, as managed services need). The chart runs the operator from it and
+# the webhook injects the sidecar from it.
 #
 #   docker build -t leasehold/leasehold:0.1.0 .
 #
@@ -14,15 +16,16 @@ ARG RUST_VERSION=1.95
 FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS build
 ARG TARGET=x86_64-unknown-linux-musl
 RUN apt-get update \
- && apt-get install -y --no-install-recommends musl-tools binutils \
+ && apt-get install -y --no-install-recommends musl-tools binutils ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && rustup target add "${TARGET}"
 WORKDIR /src
 COPY . .
 ENV LEASEHOLD_STATIC_TARGET_DIR=/target
 RUN out="$(scripts/build-static "${TARGET}")" \
- && mkdir /out \
- && cp "$out/leasehold-sidecar" "$out/leasehold-operator" /out/
+ && mkdir -p /out/etc/ssl/certs \
+ && cp "$out/leasehold-sidecar" "$out/leasehold-operator" /out/ \
+ && cp /etc/ssl/certs/ca-certificates.crt /out/etc/ssl/certs/
 
 FROM scratch
 COPY --from=build /out/ /
