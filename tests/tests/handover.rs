@@ -241,7 +241,7 @@ fn mariadb_release_wakes_a_waiter_in_another_process_at_once() {
 /// A holder frozen longer than its lease is replaced, and answers "not holder" the moment it
 /// resumes. Only for backends whose expiry does not need the frozen client: Redis's key TTL, and
 /// row-lock mode, where the server ends the frozen holder's session after the lease. (On SQLite a
-/// process frozen in the middle of a write keeps the file's write lock: see README, "SQLite".)
+/// process frozen in the middle of a write keeps the file's write lock: see docs/backends/sqlite.md.)
 fn paused_holder(backend: &str) {
     let lock = unique_lock("paused");
     let (a, b) = pair(backend, &lock);

@@ -1,7 +1,8 @@
-//! The README's examples are real: each example lock parses as a DistributedLock, resolves to a
-//! backend (with stand-in Secret values), and together they cover every backend; the complete
-//! Helm example validates against the Kubernetes schemas, its Deployment gets the sidecar from
-//! the webhook, and its Role grants what that sidecar does.
+//! The documentation's examples are real: each example lock in `docs/crd.md` parses as a
+//! DistributedLock, resolves to a backend (with stand-in Secret values), and together they cover
+//! every backend; the complete Helm example of `docs/kubernetes.md` validates against the
+//! Kubernetes schemas, its Deployment gets the sidecar from the webhook, and its Role grants what
+//! that sidecar does. Every relative link in the README and under `docs/` resolves.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -12,13 +13,17 @@ mod support;
 use leasehold_crds::DistributedLock;
 use leasehold_lease::resource::{self, SecretValues};
 
+/// A page of the documentation, by its path from the repository's root.
+fn page(path: &str) -> String {
+    std::fs::read_to_string(support::root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
 fn examples() -> Vec<DistributedLock> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-    let section = readme
-        .split("### One example per backend")
+    let crd = page("docs/crd.md");
+    let section = crd
+        .split("## One example per backend")
         .nth(1)
-        .expect("the README has its examples section");
+        .expect("docs/crd.md has its examples section");
     let yaml = section
         .split("```yaml")
         .nth(1)
@@ -30,7 +35,7 @@ fn examples() -> Vec<DistributedLock> {
 }
 
 #[test]
-fn every_readme_example_resolves_and_every_cluster_backend_has_one() {
+fn every_documented_example_resolves_and_every_cluster_backend_has_one() {
     let mut kinds = BTreeSet::new();
     for lock in examples() {
         let mut secrets = SecretValues::new();
@@ -56,16 +61,13 @@ fn every_readme_example_resolves_and_every_cluster_backend_has_one() {
     assert_eq!(kinds, expected);
 }
 
-/// The complete example under "Install with Helm": its YAML documents.
+/// The complete example of `docs/kubernetes.md`: its YAML documents.
 fn helm_example() -> (String, Vec<serde_json::Value>) {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-    let yaml = readme
-        .split("## Install with Helm, then annotate a Deployment")
+    let yaml = page("docs/kubernetes.md")
+        .split("```yaml")
         .nth(1)
-        .and_then(|s| s.split("```yaml").nth(1))
         .and_then(|s| s.split("```").next())
-        .expect("the README's complete example")
+        .expect("docs/kubernetes.md's complete example")
         .to_owned();
     let docs = serde_yaml::Deserializer::from_str(&yaml)
         .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
@@ -76,7 +78,7 @@ fn helm_example() -> (String, Vec<serde_json::Value>) {
 fn kind<'a>(docs: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
     docs.iter()
         .find(|d| d["kind"] == kind)
-        .unwrap_or_else(|| panic!("no {kind} in the README example"))
+        .unwrap_or_else(|| panic!("no {kind} in the complete example"))
 }
 
 #[test]
@@ -153,18 +155,17 @@ fn the_complete_helm_example_is_valid_and_gets_its_sidecar() {
     );
 }
 
-/// The README's Secret is opened to the server of the example lock that uses it, and to nothing
-/// else.
+/// The Secret of `docs/operator.md` is opened to the server of the example lock that uses it,
+/// and to nothing else.
 #[test]
-fn the_readme_secret_is_opened_to_its_example_lock() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-    let yaml = readme
-        .split("### Secrets: their owner decides where they go")
+fn the_documented_secret_is_opened_to_its_example_lock() {
+    let operator = page("docs/operator.md");
+    let yaml = operator
+        .split("## Secrets: their owner decides where they go")
         .nth(1)
         .and_then(|s| s.split("```yaml").nth(1))
         .and_then(|s| s.split("```").next())
-        .expect("the README shows an opened Secret");
+        .expect("docs/operator.md shows an opened Secret");
     let secret: k8s_openapi::api::core::v1::Secret = serde_yaml::from_str(yaml).unwrap();
     let name = secret.metadata.name.as_deref().unwrap();
     let allowed = secret
@@ -191,12 +192,18 @@ fn the_readme_secret_is_opened_to_its_example_lock() {
 fn every_relative_link_in_the_readme_and_docs_resolves() {
     let root = support::root();
     let mut pages = vec![root.join("README.md")];
-    for entry in std::fs::read_dir(root.join("docs")).expect("docs/") {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "md") {
-            pages.push(path);
+    let mut folders = vec![root.join("docs")];
+    while let Some(folder) = folders.pop() {
+        for entry in std::fs::read_dir(&folder).expect("docs/") {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                folders.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                pages.push(path);
+            }
         }
     }
+    assert!(pages.len() > 10, "the pages were not found: {pages:?}");
     let mut broken = Vec::new();
     for page in &pages {
         let text = std::fs::read_to_string(page).unwrap();
