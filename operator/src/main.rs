@@ -11,7 +11,7 @@ use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context};
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
 use leasehold_operator::{election, server, webhook_server};
-use leasehold_sidecar::process::{hostname, init_logging, listen, shutdown_signal};
+use leasehold_process::{hostname, init_logging, listen, shutdown_signal};
 
 /// How long the webhook keeps answering after SIGTERM (not ready meanwhile): Services and the
 /// API server's endpoints take a few seconds to drop a terminating pod. The chart's
@@ -95,7 +95,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     };
     tokio::spawn(async move {
         axum::serve(
-            leasehold_sidecar::process::without_delay(listener),
+            leasehold_process::without_delay(listener),
             server::router(health),
         )
         .await

@@ -242,7 +242,7 @@ impl Config {
         }
         let identity = args
             .identity
-            .unwrap_or_else(|| crate::process::hostname("leasehold"));
+            .unwrap_or_else(|| leasehold_process::hostname("leasehold"));
         // With --resource the locks are validated later; the identity is checked here.
         if let Err(leasehold_lease::Error::InvalidConfig {
             field: "identity",

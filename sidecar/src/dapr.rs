@@ -412,3 +412,28 @@ where
         }
     }
 }
+
+/// `listener` as tonic's incoming connections, each with `TCP_NODELAY`
+/// ([`leasehold_process::NoDelayListener`] says why): tonic sets it only on the sockets it binds
+/// and accepts itself.
+pub fn grpc_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every connection Dapr's gRPC server accepts has `TCP_NODELAY`.
+    #[tokio::test]
+    async fn accepted_grpc_connections_do_not_wait_for_acknowledgements() {
+        use futures_util::StreamExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut grpc = super::grpc_incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = grpc.next().await.expect("a connection").expect("accepted");
+        assert!(
+            accepted.nodelay().unwrap(),
+            "a gRPC connection without TCP_NODELAY"
+        );
+    }
+}

@@ -1,6 +1,6 @@
 #![forbid(unsafe_code)]
 //! The Leasehold sidecar: configuration, the localhost HTTP API, metrics and the process's life
-//! (start, readiness, shutdown on signals).
+//! (start, readiness, shutdown on signals; what it shares with the operator is `leasehold-process`).
 
 pub mod api;
 pub mod config;
@@ -8,5 +8,4 @@ pub mod dapr;
 pub mod from_resource;
 pub mod metrics;
 pub mod pod_exit;
-pub mod process;
 pub mod run;

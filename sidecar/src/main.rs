@@ -24,7 +24,7 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_BAD_CONFIG);
         }
     };
-    leasehold_sidecar::process::init_logging(config.json_logs);
+    leasehold_process::init_logging(config.json_logs);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKER_THREADS)
         .enable_all()

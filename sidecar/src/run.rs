@@ -49,7 +49,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let probe_listener = match config.probe_listen {
         Some(addr) => Some(
-            crate::process::listen(addr)
+            leasehold_process::listen(addr)
                 .await
                 .map_err(|e| format!("cannot listen on {addr} for probes: {e}"))?,
         ),
@@ -67,7 +67,7 @@ pub async fn run(config: Config) -> Result<(), String> {
     };
     let api = tokio::spawn(
         axum::serve(
-            crate::process::without_delay(listener),
+            leasehold_process::without_delay(listener),
             lock_api(state.clone()),
         )
         .with_graceful_shutdown(stopped(stop_rx.clone()))
@@ -76,7 +76,7 @@ pub async fn run(config: Config) -> Result<(), String> {
     let probes = probe_listener.map(|l| {
         tokio::spawn(
             axum::serve(
-                crate::process::without_delay(l),
+                leasehold_process::without_delay(l),
                 probe_router(state.clone()),
             )
             .with_graceful_shutdown(stopped(stop_rx.clone()))
@@ -87,7 +87,7 @@ pub async fn run(config: Config) -> Result<(), String> {
     let dapr_http = dapr_http.map(|l| {
         tokio::spawn(
             axum::serve(
-                crate::process::without_delay(l),
+                leasehold_process::without_delay(l),
                 crate::dapr::http_api(state.clone()),
             )
             .with_graceful_shutdown(stopped(stop_rx.clone()))
@@ -98,7 +98,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         let service = crate::dapr::GrpcService::new(state.clone());
         let stop = stopped(stop_rx.clone());
         tokio::spawn(async move {
-            let incoming = crate::process::grpc_incoming(l);
+            let incoming = crate::dapr::grpc_incoming(l);
             if let Err(e) = tonic::transport::Server::builder()
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, stop)
@@ -125,7 +125,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         }
     };
     let signal = tokio::select! {
-        signal = crate::process::shutdown_signal() => signal,
+        signal = leasehold_process::shutdown_signal() => signal,
         () = pod_finished => "the pod's other containers have finished",
     };
     tracing::info!(signal, "shutting down: releasing leases");
