@@ -1,7 +1,7 @@
 //! The Kubernetes Lease driver at the API boundary, exchange by exchange (the kube-rs
 //! `ApiServerVerifier` pattern with `tower-test`): what it sends, and what it makes of the
 //! answers that a stateful fake would rarely produce at the right moment (a conflict between
-//! read and write, a 403). The full lease behaviour is in `conformance_kubernetes.rs`.
+//! read and write, a 403). The full lease behaviour is in module `kubernetes` of `lease/tests/conformance.rs`.
 
 use std::time::Duration;
 
