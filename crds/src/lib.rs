@@ -60,12 +60,86 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 ))]
 #[serde(rename_all = "camelCase")]
 pub struct DistributedLockSpec {
-    /// Where the lock lives: exactly one backend. It cannot change: a holder that has not yet
-    /// seen the change would keep claiming on the old backend while others start afresh on the
-    /// new one (two holders, and tokens starting again). To move a lock, stop its pods (or
-    /// remove their annotation), delete the lock, and create it again on the new backend.
-    #[x_kube(validation = Rule::new("self == oldSelf").message(
-        "backend is immutable: holders and fencing tokens live in it; to move a lock, stop its pods, delete the DistributedLock and create it again on the new backend"
+    /// Where the lock lives: exactly one backend. Its location cannot change (the kind, the
+    /// endpoints or host, database, table, schema, mode, key prefix or path, the Lease's name,
+    /// TLS on or off): a holder that has not yet seen the change would keep claiming on the old
+    /// backend while others start afresh on the new one (two holders, and tokens starting
+    /// again). Credentials may change (the Secrets named for users, passwords and TLS
+    /// material): running sidecars pick them up and hand over as for any other change. To move
+    /// a lock, stop its pods (or remove their annotation), delete the lock, and create it again
+    /// on the new backend.
+    #[x_kube(validation = Rule::new(concat!(
+        "has(self.redis) == has(oldSelf.redis) && ",
+        "has(self.tair) == has(oldSelf.tair) && ",
+        "has(self.postgres) == has(oldSelf.postgres) && ",
+        "has(self.mysql) == has(oldSelf.mysql) && ",
+        "has(self.sqlite) == has(oldSelf.sqlite) && ",
+        "has(self.zookeeper) == has(oldSelf.zookeeper) && ",
+        "has(self.etcd) == has(oldSelf.etcd) && ",
+        "has(self.kubernetes) == has(oldSelf.kubernetes) && ",
+        "(!has(self.redis) || (self.redis.endpoints == oldSelf.redis.endpoints && ",
+        "has(self.redis.cluster) == has(oldSelf.redis.cluster) && ",
+        "(!has(self.redis.cluster) || self.redis.cluster == oldSelf.redis.cluster) && ",
+        "has(self.redis.database) == has(oldSelf.redis.database) && ",
+        "(!has(self.redis.database) || self.redis.database == oldSelf.redis.database) && ",
+        "has(self.redis.keyPrefix) == has(oldSelf.redis.keyPrefix) && ",
+        "(!has(self.redis.keyPrefix) || self.redis.keyPrefix == oldSelf.redis.keyPrefix) && ",
+        "((has(self.redis.tls) && ",
+        "self.redis.tls) || has(self.redis.tlsSecretName)) == ((has(oldSelf.redis.tls) && ",
+        "oldSelf.redis.tls) || has(oldSelf.redis.tlsSecretName)) && ",
+        "has(self.redis.sentinel) == has(oldSelf.redis.sentinel) && ",
+        "(!has(self.redis.sentinel) || (self.redis.sentinel.masterName == oldSelf.redis.sentinel.masterName && ",
+        "has(self.redis.sentinel.minReplicas) == has(oldSelf.redis.sentinel.minReplicas) && ",
+        "(!has(self.redis.sentinel.minReplicas) || self.redis.sentinel.minReplicas == oldSelf.redis.sentinel.minReplicas))))) && ",
+        "(!has(self.tair) || (self.tair.endpoint == oldSelf.tair.endpoint && ",
+        "has(self.tair.database) == has(oldSelf.tair.database) && ",
+        "(!has(self.tair.database) || self.tair.database == oldSelf.tair.database) && ",
+        "has(self.tair.keyPrefix) == has(oldSelf.tair.keyPrefix) && ",
+        "(!has(self.tair.keyPrefix) || self.tair.keyPrefix == oldSelf.tair.keyPrefix) && ",
+        "((has(self.tair.tls) && ",
+        "self.tair.tls) || has(self.tair.tlsSecretName)) == ((has(oldSelf.tair.tls) && ",
+        "oldSelf.tair.tls) || has(oldSelf.tair.tlsSecretName)))) && ",
+        "(!has(self.postgres) || (self.postgres.host == oldSelf.postgres.host && ",
+        "has(self.postgres.port) == has(oldSelf.postgres.port) && ",
+        "(!has(self.postgres.port) || self.postgres.port == oldSelf.postgres.port) && ",
+        "self.postgres.database == oldSelf.postgres.database && ",
+        "has(self.postgres.table) == has(oldSelf.postgres.table) && ",
+        "(!has(self.postgres.table) || self.postgres.table == oldSelf.postgres.table) && ",
+        "has(self.postgres.schema) == has(oldSelf.postgres.schema) && ",
+        "(!has(self.postgres.schema) || self.postgres.schema == oldSelf.postgres.schema) && ",
+        "has(self.postgres.lockMode) == has(oldSelf.postgres.lockMode) && ",
+        "(!has(self.postgres.lockMode) || self.postgres.lockMode == oldSelf.postgres.lockMode) && ",
+        "((has(self.postgres.tls) && ",
+        "self.postgres.tls) || has(self.postgres.tlsSecretName)) == ((has(oldSelf.postgres.tls) && ",
+        "oldSelf.postgres.tls) || has(oldSelf.postgres.tlsSecretName)))) && ",
+        "(!has(self.mysql) || (self.mysql.host == oldSelf.mysql.host && ",
+        "has(self.mysql.port) == has(oldSelf.mysql.port) && ",
+        "(!has(self.mysql.port) || self.mysql.port == oldSelf.mysql.port) && ",
+        "self.mysql.database == oldSelf.mysql.database && ",
+        "has(self.mysql.table) == has(oldSelf.mysql.table) && ",
+        "(!has(self.mysql.table) || self.mysql.table == oldSelf.mysql.table) && ",
+        "has(self.mysql.schema) == has(oldSelf.mysql.schema) && ",
+        "(!has(self.mysql.schema) || self.mysql.schema == oldSelf.mysql.schema) && ",
+        "has(self.mysql.lockMode) == has(oldSelf.mysql.lockMode) && ",
+        "(!has(self.mysql.lockMode) || self.mysql.lockMode == oldSelf.mysql.lockMode) && ",
+        "((has(self.mysql.tls) && ",
+        "self.mysql.tls) || has(self.mysql.tlsSecretName)) == ((has(oldSelf.mysql.tls) && ",
+        "oldSelf.mysql.tls) || has(oldSelf.mysql.tlsSecretName)))) && ",
+        "(!has(self.sqlite) || self.sqlite == oldSelf.sqlite) && ",
+        "(!has(self.zookeeper) || (self.zookeeper.servers == oldSelf.zookeeper.servers && ",
+        "self.zookeeper.path == oldSelf.zookeeper.path && ",
+        "has(self.zookeeper.sessionTimeout) == has(oldSelf.zookeeper.sessionTimeout) && ",
+        "(!has(self.zookeeper.sessionTimeout) || self.zookeeper.sessionTimeout == oldSelf.zookeeper.sessionTimeout) && ",
+        "has(self.zookeeper.tickTime) == has(oldSelf.zookeeper.tickTime) && ",
+        "(!has(self.zookeeper.tickTime) || self.zookeeper.tickTime == oldSelf.zookeeper.tickTime) && ",
+        "has(self.zookeeper.tlsSecretName) == has(oldSelf.zookeeper.tlsSecretName))) && ",
+        "(!has(self.etcd) || (self.etcd.endpoints == oldSelf.etcd.endpoints && ",
+        "has(self.etcd.prefix) == has(oldSelf.etcd.prefix) && ",
+        "(!has(self.etcd.prefix) || self.etcd.prefix == oldSelf.etcd.prefix) && ",
+        "has(self.etcd.tlsSecretName) == has(oldSelf.etcd.tlsSecretName))) && ",
+        "(!has(self.kubernetes) || self.kubernetes == oldSelf.kubernetes)",
+    )).message(
+        "backend's location is immutable (kind, endpoints, database, table, prefix, path, lease name, TLS on or off): holders and fencing tokens live in it; credentials and the Secrets they come from may change; to move a lock, stop its pods, delete the DistributedLock and create it again on the new backend"
     ))]
     pub backend: Backend,
 

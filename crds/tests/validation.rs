@@ -343,27 +343,76 @@ fn backend_kind() {
     assert_eq!(two.kind(), None);
 }
 
-/// A transition rule, as the API server runs it on an update: the backend cannot change, since
-/// a holder that has not yet seen the edit would keep claiming on the old one while others start
-/// on the new one; everything else may.
+/// A transition rule, as the API server runs it on an update: the backend's location cannot
+/// change, since a holder that has not yet seen the edit would keep claiming on the old one
+/// while others start on the new one; its credentials may (a Secret renamed by External Secrets
+/// or a kustomize hash), and everything outside the backend may.
 #[test]
-fn the_backend_cannot_change_once_created() {
+fn the_backends_location_cannot_change_once_created_but_its_credentials_may() {
     let update = |old: Value, new: Value| object_violations(&lock(new), Some(&lock(old)));
-    let before = json!({"backend": redis(), "leaseDuration": "15s", "renewInterval": "5s"});
-    let moved = json!({"backend": {"redis": {"endpoints": ["other-redis:6379"]}},
-                       "leaseDuration": "15s", "renewInterval": "5s"});
-    let errors = update(before.clone(), moved);
-    assert!(
-        errors.iter().any(|e| e.contains("backend is immutable")),
-        "{errors:?}"
+    let spec =
+        |backend: Value| json!({"backend": backend, "leaseDuration": "15s", "renewInterval": "5s"});
+    let refused = |old: Value, new: Value| {
+        let errors = update(spec(old.clone()), spec(new.clone()));
+        assert!(
+            errors.iter().any(|e| e.contains("location is immutable")),
+            "{old} -> {new}: {errors:?}"
+        );
+    };
+    let allowed = |old: Value, new: Value| {
+        assert_eq!(
+            update(spec(old.clone()), spec(new.clone())),
+            Vec::<String>::new(),
+            "{old} -> {new}"
+        );
+    };
+    let redis = json!({"redis": {"endpoints": ["redis:6379"],
+        "passwordSecretRef": {"name": "redis-auth-1", "key": "password"}}});
+
+    // Moves: another endpoint, database, prefix, TLS, kind.
+    refused(
+        redis.clone(),
+        json!({"redis": {"endpoints": ["other-redis:6379"]}}),
     );
-    let other_kind = json!({"backend": {"etcd": {"endpoints": ["etcd:2379"]}},
-                            "leaseDuration": "15s", "renewInterval": "5s"});
-    assert!(!update(before.clone(), other_kind).is_empty());
-    let longer = json!({"backend": redis(), "leaseDuration": "30s", "renewInterval": "10s"});
-    assert_eq!(update(before.clone(), longer), Vec::<String>::new());
+    let mut database = redis.clone();
+    database["redis"]["database"] = json!(2);
+    refused(redis.clone(), database);
+    let mut prefix = redis.clone();
+    prefix["redis"]["keyPrefix"] = json!("other");
+    refused(redis.clone(), prefix);
+    let mut tls = redis.clone();
+    tls["redis"]["tls"] = json!(true);
+    refused(redis.clone(), tls);
+    refused(redis.clone(), json!({"etcd": {"endpoints": ["etcd:2379"]}}));
+    let sentinel = |master: &str| {
+        json!({"redis": {"endpoints": ["s1:26379", "s2:26379", "s3:26379"],
+                         "sentinel": {"masterName": master}}})
+    };
+    refused(sentinel("locks"), sentinel("other"));
+    let pg = |host: &str, secret: &str| {
+        json!({"postgres": {"host": host, "database": "app",
+                            "userSecretRef": {"name": secret, "key": "user"},
+                            "passwordSecretRef": {"name": secret, "key": "password"}}})
+    };
+    refused(pg("pg-1", "pg-auth"), pg("pg-2", "pg-auth"));
+
+    // Credentials: a renamed Secret, a password added, the TLS material's Secret renamed.
+    let mut renamed = redis.clone();
+    renamed["redis"]["passwordSecretRef"]["name"] = json!("redis-auth-2");
+    allowed(redis.clone(), renamed);
+    let mut with_user = redis.clone();
+    with_user["redis"]["usernameSecretRef"] = json!({"name": "redis-auth-2", "key": "user"});
+    allowed(redis.clone(), with_user);
+    allowed(pg("pg-1", "pg-auth-1"), pg("pg-1", "pg-auth-2"));
+    let etcd =
+        |secret: &str| json!({"etcd": {"endpoints": ["etcd:2379"], "tlsSecretName": secret}});
+    allowed(etcd("etcd-tls-1"), etcd("etcd-tls-2"));
+
+    // Outside the backend, anything.
+    let longer = json!({"backend": redis.clone(), "leaseDuration": "30s", "renewInterval": "10s"});
+    assert_eq!(update(spec(redis.clone()), longer), Vec::<String>::new());
     // A new lock has no old self: any backend.
-    assert_eq!(violations(before), Vec::<String>::new());
+    assert_eq!(violations(spec(redis)), Vec::<String>::new());
 }
 
 /// A family of keyed locks: bounds in range, deleted with its records on every backend, and a
