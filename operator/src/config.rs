@@ -98,6 +98,18 @@ pub struct Config {
     )]
     pub sidecar_image_pull_secret: Vec<String>,
 
+    /// The CPU architectures the sidecar's image is built for (`kubernetes.io/arch` values,
+    /// comma-separated): injected pods get a node affinity for them. Empty: any node, for a
+    /// multi-architecture image.
+    #[arg(
+        long,
+        env = "LEASEHOLD_SIDECAR_ARCHITECTURES",
+        value_delimiter = ',',
+        default_value = "amd64",
+        value_parser = architecture
+    )]
+    pub sidecar_architectures: Vec<String>,
+
     /// Remove the operator's finalizer from every DistributedLock (of --watch-namespace, or
     /// all), keeping their records, and exit: the chart's pre-delete hook, so that nothing stays
     /// Terminating once the operator is gone.
@@ -117,6 +129,23 @@ pub struct Config {
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+}
+
+/// A `kubernetes.io/arch` value (a label value), or empty for none.
+fn architecture(value: &str) -> Result<String, String> {
+    let valid = value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_.".contains(c))
+        && !value.starts_with(['-', '_', '.'])
+        && !value.ends_with(['-', '_', '.']);
+    if valid {
+        Ok(value.to_owned())
+    } else {
+        Err(format!(
+            "{value:?} is not a kubernetes.io/arch value (e.g. amd64, arm64)"
+        ))
+    }
 }
 
 /// A Kubernetes quantity, or empty for none.
@@ -143,6 +172,12 @@ impl Config {
                 cpu_limit: set(&self.sidecar_cpu_limit),
                 memory_limit: set(&self.sidecar_memory_limit),
             }),
+            architectures: self
+                .sidecar_architectures
+                .iter()
+                .filter(|a| !a.is_empty())
+                .cloned()
+                .collect(),
             image_pull_secrets: self
                 .sidecar_image_pull_secret
                 .iter()
@@ -178,5 +213,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("not a Kubernetes quantity"), "{error}");
+    }
+
+    #[test]
+    fn the_sidecars_architectures_come_from_flags() {
+        let parse = |args: &[&str]| {
+            Config::try_parse_from([&["leasehold-operator"], args].concat())
+                .map(|c| c.injection().architectures)
+        };
+        assert_eq!(parse(&[]).unwrap(), ["amd64"]);
+        assert_eq!(
+            parse(&["--sidecar-architectures=amd64,arm64"]).unwrap(),
+            ["amd64", "arm64"]
+        );
+        assert!(
+            parse(&["--sidecar-architectures="]).unwrap().is_empty(),
+            "empty: any node"
+        );
+        let error = parse(&["--sidecar-architectures=AMD 64"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("not a kubernetes.io/arch value"), "{error}");
     }
 }

@@ -62,6 +62,9 @@ pub struct Injection {
     /// Pull secrets (in the pod's namespace) added to the pod for the sidecar's image, beside
     /// the pod's own.
     pub image_pull_secrets: Vec<String>,
+    /// The CPU architectures the sidecar's image is built for (`kubernetes.io/arch` values):
+    /// an injected pod is scheduled only on such nodes. Empty: any node.
+    pub architectures: Vec<String>,
 }
 
 impl Injection {
@@ -72,6 +75,7 @@ impl Injection {
             native_sidecar,
             resources: resources(&Resources::default()),
             image_pull_secrets: Vec::new(),
+            architectures: vec!["amd64".to_owned()],
         }
     }
 }
@@ -324,7 +328,72 @@ pub fn decide(
             ops.push(json!({"op": "add", "path": "/spec/imagePullSecrets", "value": list}));
         }
     }
+    match architecture_ops(pod, &injection.architectures) {
+        Ok(more) => ops.extend(more),
+        Err(reason) => return Decision::Deny(reason),
+    }
     Decision::Patch(ops)
+}
+
+/// The label nodes carry their CPU architecture in.
+const ARCH_LABEL: &str = "kubernetes.io/arch";
+
+/// The operations that keep `pod` on nodes of one of `architectures` (the sidecar's image runs
+/// nowhere else): a required node affinity term, added to each of the pod's own terms (terms
+/// are alternatives, so each must carry it) or as the only one. A pod whose node selector names
+/// another architecture could never run the sidecar, and is refused with the reason.
+fn architecture_ops(pod: &Pod, architectures: &[String]) -> Result<Vec<Value>, String> {
+    if architectures.is_empty() {
+        return Ok(Vec::new());
+    }
+    let spec = pod.spec.as_ref();
+    if let Some(wanted) = spec
+        .and_then(|s| s.node_selector.as_ref())
+        .and_then(|n| n.get(ARCH_LABEL))
+        && !architectures.contains(wanted)
+    {
+        return Err(format!(
+            "annotation {ANNOTATION}: the pod's nodeSelector asks for {ARCH_LABEL}={wanted}, and the sidecar's image is built for {} only",
+            architectures.join(", ")
+        ));
+    }
+    let expression = json!({"key": ARCH_LABEL, "operator": "In", "values": architectures});
+    let term = json!({"matchExpressions": [expression.clone()]});
+    let affinity = spec.and_then(|s| s.affinity.as_ref());
+    let node_affinity = affinity.and_then(|a| a.node_affinity.as_ref());
+    let required = node_affinity.and_then(|n| {
+        n.required_during_scheduling_ignored_during_execution
+            .as_ref()
+    });
+    const REQUIRED: &str =
+        "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution";
+    Ok(match (affinity, node_affinity, required) {
+        (None, _, _) => vec![json!({"op": "add", "path": "/spec/affinity",
+            "value": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                {"nodeSelectorTerms": [term]}}}})],
+        (Some(_), None, _) => vec![json!({"op": "add", "path": "/spec/affinity/nodeAffinity",
+            "value": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}})],
+        (Some(_), Some(_), None) => vec![json!({"op": "add", "path": REQUIRED,
+            "value": {"nodeSelectorTerms": [term]}})],
+        (Some(_), Some(_), Some(required)) if required.node_selector_terms.is_empty() => {
+            vec![
+                json!({"op": "add", "path": format!("{REQUIRED}/nodeSelectorTerms"), "value": [term]}),
+            ]
+        }
+        (Some(_), Some(_), Some(required)) => required
+            .node_selector_terms
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let path = format!("{REQUIRED}/nodeSelectorTerms/{i}/matchExpressions");
+                if t.match_expressions.is_some() {
+                    json!({"op": "add", "path": format!("{path}/-"), "value": expression})
+                } else {
+                    json!({"op": "add", "path": path, "value": [expression]})
+                }
+            })
+            .collect(),
+    })
 }
 
 /// The sidecar container for `locks` in `namespace`.

@@ -592,3 +592,82 @@ async fn dapr_api_is_opted_into_for_a_family() {
     let args = sidecars(&patched, "initContainers")[0]["args"].to_string();
     assert!(!args.contains("dapr"), "{args}");
 }
+
+/// The sidecar's image runs on the architectures it is built for only: an injected pod is kept
+/// on such nodes by a required node affinity, added to each of its own terms (terms are
+/// alternatives), and a pod whose node selector names another architecture is refused.
+#[tokio::test]
+async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
+    let api = api_with_locks(&["jobs"]);
+    let arch = json!({"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]});
+    let terms = |pod: &Value| {
+        pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"]
+            .clone()
+    };
+
+    let (allowed, message, patched) = admit(&api, &pod(Some("jobs"), None, None), true).await;
+    assert!(allowed, "{message}");
+    assert_eq!(
+        terms(&patched),
+        json!([{"matchExpressions": [arch.clone()]}])
+    );
+
+    // The pod's own terms each gain the requirement; its other affinities stay.
+    let mut placed = pod(Some("jobs"), None, None);
+    placed["spec"]["affinity"] = json!({
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-7"]}]}
+        ]}},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}
+    });
+    let (allowed, message, patched) = admit(&api, &placed, true).await;
+    assert!(allowed, "{message}");
+    assert_eq!(
+        terms(&patched),
+        json!([
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}, arch.clone()]},
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-7"]}],
+             "matchExpressions": [arch.clone()]}
+        ])
+    );
+    assert!(patched["spec"]["affinity"]["podAntiAffinity"].is_object());
+
+    // An affinity without a node affinity, and a node affinity without required terms.
+    for affinity in [
+        json!({"podAffinity": {}}),
+        json!({"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}),
+    ] {
+        let mut other = pod(Some("jobs"), None, None);
+        other["spec"]["affinity"] = affinity.clone();
+        let (allowed, message, patched) = admit(&api, &other, true).await;
+        assert!(allowed, "{message}");
+        assert_eq!(
+            terms(&patched),
+            json!([{"matchExpressions": [arch.clone()]}]),
+            "{affinity}"
+        );
+    }
+
+    // A pod bound to another architecture could never run the sidecar.
+    let mut arm = pod(Some("jobs"), None, None);
+    arm["spec"]["nodeSelector"] = json!({"kubernetes.io/arch": "arm64"});
+    let (allowed, message, _) = admit(&api, &arm, true).await;
+    assert!(!allowed);
+    assert!(
+        message.contains("arm64") && message.contains("amd64"),
+        "{message}"
+    );
+
+    // A multi-architecture image: no affinity.
+    let mut any = injection(true);
+    any.architectures.clear();
+    let answer = webhook::review(
+        &support::operator_client(&api),
+        &any,
+        admission_review(&arm),
+    )
+    .await;
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+}
