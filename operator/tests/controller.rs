@@ -360,3 +360,67 @@ async fn a_retained_lock_carries_no_finalizer() {
         assert!(lock_object(&api, name).is_none(), "deleting {name} waits");
     }
 }
+
+/// With `operator.watchNamespace`, the chart grants the operator the watched namespace's locks,
+/// Secrets, Leases and events there alone (not kube-system's election Leases, nor any other
+/// namespace's Secrets): with those grants it provisions, reports and cleans up a lock there,
+/// and is refused nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_watched_namespace_the_operator_is_granted_that_namespace_alone() {
+    let text = support::rendered_chart_with(&["--set", &format!("operator.watchNamespace={NS}")]);
+    let grants = support::grants_of(&text, "leasehold-system", "leasehold-operator");
+    for grant in grants.iter().filter(|g| g.namespace.is_none()) {
+        let resources = grant.rule["resources"].as_array().unwrap();
+        for kept_to_the_namespace in ["secrets", "leases", "events", "distributedlocks/status"] {
+            assert!(
+                !resources.iter().any(|r| r == kept_to_the_namespace),
+                "{kept_to_the_namespace} granted cluster-wide: {}",
+                grant.rule
+            );
+        }
+    }
+    let hook = support::grants_of(&text, "leasehold-system", "leasehold-operator-uninstall");
+    assert!(
+        hook.iter()
+            .filter(|g| g.namespace.is_none())
+            .all(|g| !g.rule["resources"].to_string().contains("leases")),
+        "the uninstall hook may touch Leases cluster-wide: {hook:?}"
+    );
+
+    let api = InMemoryApiServer::new();
+    api.grant(support::OPERATOR_USER, grants);
+    put_lock(&api, "jobs");
+    let ctx = Arc::new(Context::new(
+        api.client_as(support::OPERATOR_USER),
+        "operator-0",
+        Arc::new(Metrics::new()),
+    ));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(reconcile::run(ctx, Some(NS.to_owned()), async {
+        let _ = stopped.await;
+    }));
+    eventually(
+        Duration::from_secs(10),
+        "finalizer and ready status",
+        || {
+            let lock = lock_object(&api, "jobs")?;
+            let finalized = lock["metadata"]["finalizers"][0] == FINALIZER;
+            let ready = lock["status"]["conditions"][0]["status"] == "True";
+            (finalized && ready).then_some(())
+        },
+    )
+    .await;
+    assert!(api.object(LEASES, NS, "jobs").is_some(), "the Lease");
+    delete_lock(&api, "jobs").await;
+    eventually(Duration::from_secs(10), "the lock is gone", || {
+        lock_object(&api, "jobs").is_none().then_some(())
+    })
+    .await;
+    let _ = stop.send(());
+    task.await.unwrap();
+    assert_eq!(
+        api.denied(),
+        Vec::new(),
+        "requests the chart's Role does not allow"
+    );
+}

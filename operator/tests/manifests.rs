@@ -113,6 +113,7 @@ fn the_chart_lints_and_validates_against_the_kubernetes_schemas() {
         "cert-manager-values.yaml",
         "older-cluster-values.yaml",
         "monitoring-values.yaml",
+        "watch-namespace-values.yaml",
     ];
     let files: Vec<String> = variants.iter().map(|v| ci_values(v)).collect();
     let mut lint = vec!["lint"];

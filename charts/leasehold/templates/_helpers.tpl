@@ -31,3 +31,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "leasehold.selectorText" -}}
 app.kubernetes.io/name=leasehold-operator,app.kubernetes.io/instance={{ .Release.Name }}
 {{- end -}}
+
+{{/*
+What the operator does to the locks of the namespaces it reconciles: cluster-wide by default,
+in operator.watchNamespace alone when it is set.
+*/}}
+{{- define "leasehold.namespacedRules" -}}
+- apiGroups: ["leasehold.dev"]
+  resources: ["distributedlocks"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["leasehold.dev"]
+  resources: ["distributedlocks/status"]
+  verbs: ["patch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["get", "list", "watch", "create", "update", "delete"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}

@@ -198,9 +198,23 @@ pub fn rendered_chart_grants(
 
 /// The chart rendered by Helm with its defaults, hooks included, as YAML.
 pub fn rendered_chart() -> String {
-    let (ok, text) = chart(&["render"]);
+    rendered_chart_with(&[])
+}
+
+/// The chart rendered by Helm with `args` (`--set K=V`, `-f FILE`), hooks included, as YAML.
+pub fn rendered_chart_with(args: &[&str]) -> String {
+    let (ok, text) = chart(&[&["render"], args].concat());
     assert!(ok, "helm render failed: {text}");
     text
+}
+
+/// What manifest `text` lets ServiceAccount `name` of `namespace` do.
+pub fn grants_of(
+    text: &str,
+    namespace: &str,
+    name: &str,
+) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
+    grants_in(text, namespace, name)
 }
 
 /// The objects of manifest `text`.
