@@ -114,6 +114,7 @@ fn the_chart_lints_and_validates_against_the_kubernetes_schemas() {
         "older-cluster-values.yaml",
         "monitoring-values.yaml",
         "watch-namespace-values.yaml",
+        "reachability-values.yaml",
     ];
     let files: Vec<String> = variants.iter().map(|v| ci_values(v)).collect();
     let mut lint = vec!["lint"];
@@ -602,4 +603,54 @@ fn uninstalling_releases_the_finalizers_first() {
     );
     let off = render_chart(&["--set", "uninstall.releaseFinalizers=false"]);
     assert!(of_kind(&off, "Job").is_empty());
+}
+
+/// Where the API server cannot reach pod IPs (an overlay CNI on EKS), a private control plane
+/// reaches only some ports (GKE), or a namespace denies ingress by default, the webhook is
+/// reachable by values: the node's network (with cluster DNS kept), a priority class, and a
+/// NetworkPolicy admitting the webhook and metrics ports only. None of it by default.
+#[test]
+fn the_webhook_is_reachable_by_values_where_pod_ips_are_not() {
+    let kind = |docs: &[Value], kind: &str| -> Option<Value> {
+        docs.iter().find(|d| d["kind"] == kind).cloned()
+    };
+    let default = render_chart(&[]);
+    let pod = &kind(&default, "Deployment").unwrap()["spec"]["template"]["spec"];
+    assert!(
+        pod["hostNetwork"].is_null() && pod["priorityClassName"].is_null(),
+        "{pod:?}"
+    );
+    assert!(kind(&default, "NetworkPolicy").is_none());
+
+    let reachable = render_chart(&["-f", &ci_values("reachability-values.yaml")]);
+    let deployment = kind(&reachable, "Deployment").unwrap();
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
+    assert_eq!(pod["priorityClassName"], "system-cluster-critical");
+    let args = serde_yaml::to_string(&pod["containers"][0]["args"]).unwrap();
+    assert!(args.contains("--webhook-listen=[::]:9443"), "{args}");
+    assert!(args.contains("--metrics-listen=[::]:18080"), "{args}");
+    let policy = kind(&reachable, "NetworkPolicy").expect("a NetworkPolicy");
+    assert_eq!(policy["spec"]["policyTypes"][0], "Ingress");
+    assert!(policy["spec"]["policyTypes"][1].is_null(), "ingress only");
+    let ingress = policy["spec"]["ingress"].as_sequence().unwrap();
+    assert_eq!(ingress[0]["ports"][0]["port"], 9443);
+    assert_eq!(ingress[0]["from"][0]["ipBlock"]["cidr"], "10.0.0.0/8");
+    assert_eq!(ingress[1]["ports"][0]["port"], 18080);
+    assert!(ingress[1]["from"].is_null(), "metrics from any source");
+    assert_eq!(
+        policy["spec"]["podSelector"]["matchLabels"],
+        deployment["spec"]["selector"]["matchLabels"]
+    );
+
+    // The kubelet's port on the node's network is refused with the reason.
+    let (ok, text) = chart(&[
+        "render",
+        "--set",
+        "operator.hostNetwork=true",
+        "--set",
+        "webhook.port=10250",
+    ]);
+    assert!(!ok && text.contains("10250 is the kubelet's"), "{text}");
 }
