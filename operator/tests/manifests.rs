@@ -654,3 +654,27 @@ fn the_webhook_is_reachable_by_values_where_pod_ips_are_not() {
     ]);
     assert!(!ok && text.contains("10250 is the kubelet's"), "{text}");
 }
+
+/// As a subchart, the chart gets its parent's `global` values, which its schema accepts; a
+/// dashboard without extra labels still renders valid labels.
+#[test]
+fn the_chart_works_as_a_subchart_and_without_dashboard_labels() {
+    let (ok, text) = chart(&["schema", "--set", "global.imageRegistry=registry.example"]);
+    assert!(ok, "the schema refuses a parent's global values: {text}");
+    let docs = render_chart(&[
+        "--set",
+        "monitoring.grafanaDashboard.enabled=true",
+        "--set",
+        "monitoring.grafanaDashboard.labels=null",
+    ]);
+    let dashboard = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["data"]["leasehold.json"].is_string())
+        .or_else(|| docs.iter().find(|d| d["kind"] == "ConfigMap"))
+        .expect("the dashboard's ConfigMap");
+    assert!(
+        dashboard["metadata"]["labels"].is_mapping(),
+        "{:?}",
+        dashboard["metadata"]
+    );
+}
