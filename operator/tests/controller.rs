@@ -72,6 +72,21 @@ fn operator_task(
     (stop, task)
 }
 
+/// Lock `name` once the operator has put its finalizer on it and reported it ready.
+async fn finalized_and_ready(api: &InMemoryApiServer, name: &str) -> Value {
+    eventually(
+        Duration::from_secs(10),
+        "finalizer and ready status",
+        || {
+            let lock = lock_object(api, name)?;
+            let finalized = lock["metadata"]["finalizers"][0] == FINALIZER;
+            let ready = lock["status"]["conditions"][0]["status"] == "True";
+            (finalized && ready).then_some(lock)
+        },
+    )
+    .await
+}
+
 fn lock_object(api: &InMemoryApiServer, name: &str) -> Option<Value> {
     api.object(DISTRIBUTED_LOCKS, NS, name)
 }
@@ -88,17 +103,7 @@ async fn a_lock_is_provisioned_reported_and_cleaned_up_on_delete() {
     let api = InMemoryApiServer::new();
     put_lock(&api, "jobs");
     let _stop = operator(&api);
-    let ready = eventually(
-        Duration::from_secs(10),
-        "finalizer and ready status",
-        || {
-            let lock = lock_object(&api, "jobs")?;
-            let finalized = lock["metadata"]["finalizers"][0] == FINALIZER;
-            let ready = lock["status"]["conditions"][0]["status"] == "True";
-            (finalized && ready).then_some(lock)
-        },
-    )
-    .await;
+    let ready = finalized_and_ready(&api, "jobs").await;
     assert_eq!(ready["status"]["backend"], "kubernetes", "{ready}");
     assert!(api.object(LEASES, NS, "jobs").is_some(), "the Lease");
 
@@ -399,17 +404,7 @@ async fn with_a_watched_namespace_the_operator_is_granted_that_namespace_alone()
     let task = tokio::spawn(reconcile::run(ctx, Some(NS.to_owned()), async {
         let _ = stopped.await;
     }));
-    eventually(
-        Duration::from_secs(10),
-        "finalizer and ready status",
-        || {
-            let lock = lock_object(&api, "jobs")?;
-            let finalized = lock["metadata"]["finalizers"][0] == FINALIZER;
-            let ready = lock["status"]["conditions"][0]["status"] == "True";
-            (finalized && ready).then_some(())
-        },
-    )
-    .await;
+    finalized_and_ready(&api, "jobs").await;
     assert!(api.object(LEASES, NS, "jobs").is_some(), "the Lease");
     delete_lock(&api, "jobs").await;
     eventually(Duration::from_secs(10), "the lock is gone", || {

@@ -84,6 +84,15 @@ fn follow_resource(
     (state, follower)
 }
 
+/// pod-a following `team/jobs` (which does not exist yet) with its lock API on a loopback port.
+async fn jobs_served_before_they_exist(
+    api: &InMemoryApiServer,
+) -> (AppState, tokio::task::JoinHandle<()>, std::net::SocketAddr) {
+    let (state, follower) = follow_resource(api, "team/jobs", from_resource::SECRET_RECHECK);
+    let addr = serve(&state).await;
+    (state, follower, addr)
+}
+
 /// `state`'s lock API on a loopback port.
 async fn serve(state: &AppState) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -185,8 +194,7 @@ async fn a_lock_from_its_resource_follows_spec_changes() {
 async fn a_lock_created_after_its_pod_is_taken_once_it_exists() {
     let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
-    let (state, follower) = follow_resource(&api, "team/jobs", from_resource::SECRET_RECHECK);
-    let addr = serve(&state).await;
+    let (state, follower, addr) = jobs_served_before_they_exist(&api).await;
     let mut said = String::new();
     for _ in 0..500 {
         let (status, body) = request(addr, "GET", "/lock").await;
@@ -242,8 +250,7 @@ async fn a_lock_created_after_its_pod_is_taken_once_it_exists() {
 async fn a_pod_that_resigned_before_its_lock_existed_never_takes_it() {
     let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
-    let (state, follower) = follow_resource(&api, "team/jobs", from_resource::SECRET_RECHECK);
-    let addr = serve(&state).await;
+    let (state, follower, addr) = jobs_served_before_they_exist(&api).await;
     let (status, body) = request(addr, "POST", "/resign").await;
     assert_eq!(status, 200, "{body}");
     api.put(

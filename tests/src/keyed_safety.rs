@@ -665,17 +665,20 @@ mod tests {
     #[test]
     fn another_owner_holding_before_an_answers_validity_ends_is_a_broken_promise() {
         let origin = Instant::now();
-        // "a" asked at 0 ms and was promised 1000 ms; "b" held the key from 500 ms.
-        let mut broken = log(
-            origin,
-            &[
-                (1, "a", Some(1), 0, 2),
-                (1, "b", Some(2), 400, 500),
-                (1, "b", Some(2), 600, 601),
-            ],
-        );
-        promise(&mut broken, 0, 1000);
-        let found = violations(&broken, origin);
+        // "a" asked at 0 ms and was promised `ms`; "b" held the key from 500 ms.
+        let promised = |ms: u32| {
+            let mut log = log(
+                origin,
+                &[
+                    (1, "a", Some(1), 0, 2),
+                    (1, "b", Some(2), 400, 500),
+                    (1, "b", Some(2), 600, 601),
+                ],
+            );
+            promise(&mut log, 0, ms);
+            log
+        };
+        let found = violations(&promised(1000), origin);
         assert!(
             found
                 .iter()
@@ -684,29 +687,12 @@ mod tests {
         );
 
         // The same, but "a" asked to release at 300 ms: the promise ended there.
-        let mut kept = log(
-            origin,
-            &[
-                (1, "a", Some(1), 0, 2),
-                (1, "b", Some(2), 400, 500),
-                (1, "b", Some(2), 600, 601),
-            ],
-        );
-        promise(&mut kept, 0, 1000);
+        let mut kept = promised(1000);
         release(&mut kept, origin, "a", 300);
         assert_eq!(violations(&kept, origin), Vec::<String>::new());
 
         // A promise that ended before "b" held is kept.
-        let mut short = log(
-            origin,
-            &[
-                (1, "a", Some(1), 0, 2),
-                (1, "b", Some(2), 400, 500),
-                (1, "b", Some(2), 600, 601),
-            ],
-        );
-        promise(&mut short, 0, 450);
-        assert_eq!(violations(&short, origin), Vec::<String>::new());
+        assert_eq!(violations(&promised(450), origin), Vec::<String>::new());
     }
 
     #[test]
