@@ -113,8 +113,8 @@ const IDLE_LEASES: [Duration; 2] = [Duration::from_secs(3), Duration::from_secs(
 const IDLE_MEASURE: Duration = Duration::from_secs(15);
 
 /// A plain etcd client on the local server, for the raw baselines.
-async fn raw_etcd_client(port: u16) -> leasehold_lease::drivers::etcd_rpc::EtcdClient {
-    use leasehold_lease::drivers::etcd_rpc::{Connect, EtcdClient};
+async fn raw_etcd_client(port: u16) -> leasehold_lease::drivers::queue::etcd_rpc::EtcdClient {
+    use leasehold_lease::drivers::queue::etcd_rpc::{Connect, EtcdClient};
     EtcdClient::connect(Connect {
         endpoints: &[format!("127.0.0.1:{port}")],
         tls: None,
@@ -129,7 +129,7 @@ async fn raw_etcd_client(port: u16) -> leasehold_lease::drivers::etcd_rpc::EtcdC
 /// The raw client operations of the simplest etcd lock: grant a lease, put the key with it,
 /// revoke the lease.
 async fn etcd_raw_cycles(port: u16) -> f64 {
-    use leasehold_lease::drivers::etcd_rpc::PutRequest;
+    use leasehold_lease::drivers::queue::etcd_rpc::PutRequest;
     let client = raw_etcd_client(port).await;
     let start = Instant::now();
     for _ in 0..CYCLES {
@@ -153,7 +153,7 @@ async fn etcd_raw_cycles(port: u16) -> f64 {
 /// delete has arrived and a listing by create revision shows its key first. Timed from the
 /// holder's delete being sent.
 async fn etcd_raw_handovers(port: u16) -> Vec<Duration> {
-    use leasehold_lease::drivers::etcd_rpc::{
+    use leasehold_lease::drivers::queue::etcd_rpc::{
         DeleteRangeRequest, EVENT_DELETE, EtcdClient, PutRequest, RangeRequest, SORT_ASCEND,
     };
     const PREFIX: &str = "raw-handover/";
@@ -755,7 +755,7 @@ async fn http_section() {
 
 /// Redis without an append-only file (fsync would dominate both sides of a comparison), once it
 /// has been up for a lease: until then it grants no free lock, since it cannot tell its start
-/// from a restart that lost leases their holders still claim (`drivers/redis.rs`).
+/// from a restart that lost leases their holders still claim (`drivers/redis/mod.rs`).
 fn redis_without_persistence() -> RedisServer {
     let redis = RedisServer::start_with(false);
     tokio::task::block_in_place(|| redis.wait_until_up_for(LEASE));

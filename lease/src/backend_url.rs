@@ -37,7 +37,7 @@ pub enum BackendUrl {
     /// the master the sentinels name MASTER, followed across failovers. Credentials and `db` are
     /// the master's; the sentinels' own are `sentinel-username` and `sentinel-password`.
     /// `rediss+sentinel://...[&ca=PATH][&cert=PATH&key=PATH]`: TLS to the sentinels and the master.
-    RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig),
+    RedisSentinel(crate::drivers::redis::sentinel::SentinelConfig),
     /// `redis+cluster://[user:password@]host[:port][,host[:port]...][?prefix=NAME]` (also spelled
     /// `redis-cluster://`): a Redis Cluster, found from any node listed, one `redis://` URL
     /// each. A lock's keys share one hash slot; the client follows `MOVED`, `ASK` and failovers.
@@ -69,7 +69,7 @@ pub enum BackendUrl {
         endpoints: Vec<String>,
         prefix: String,
         user: Option<(String, String)>,
-        tls: Option<crate::drivers::etcd::EtcdTls>,
+        tls: Option<crate::drivers::queue::etcd::EtcdTls>,
     },
     /// `zk://[user:password@]host:port[,host:port...]/PATH[?tick-time=DURATION]`: one ZooKeeper
     /// ensemble; locks live under PATH. Credentials are ZooKeeper digest auth. `tick-time` is the
@@ -269,7 +269,7 @@ impl BackendUrl {
                     Some(crate::tls::Tls {
                         ca: Some(ca),
                         client,
-                    }) => Some(crate::drivers::etcd::EtcdTls { ca, client }),
+                    }) => Some(crate::drivers::queue::etcd::EtcdTls { ca, client }),
                 };
                 Ok(BackendUrl::Etcd {
                     endpoints,
@@ -299,11 +299,13 @@ impl BackendUrl {
                     )));
                 }
                 let (userinfo, hosts) = userinfo_and_hosts(authority);
-                let sentinels =
-                    host_list(hosts, crate::drivers::redis_sentinel::DEFAULT_SENTINEL_PORT)
-                        .map_err(invalid)?;
+                let sentinels = host_list(
+                    hosts,
+                    crate::drivers::redis::sentinel::DEFAULT_SENTINEL_PORT,
+                )
+                .map_err(invalid)?;
                 let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
-                let mut min_replicas = crate::drivers::redis_sentinel::DEFAULT_MIN_REPLICAS;
+                let mut min_replicas = crate::drivers::redis::sentinel::DEFAULT_MIN_REPLICAS;
                 let mut tls = crate::tls::TlsOptions::default();
                 let (mut sentinel_username, mut sentinel_password) = (None, None);
                 for (key, value) in query_pairs(query) {
@@ -330,7 +332,7 @@ impl BackendUrl {
                 let tls = tls.finish(secure, "rediss+sentinel://").map_err(invalid)?;
                 let sentinel_auth = match (sentinel_username, sentinel_password) {
                     (username, Some(password)) => {
-                        Some(crate::drivers::redis_sentinel::SentinelAuth {
+                        Some(crate::drivers::redis::sentinel::SentinelAuth {
                             username: username.unwrap_or_default(),
                             password,
                         })
@@ -346,7 +348,7 @@ impl BackendUrl {
                     url::Url::parse(&format!("{master_scheme}://{userinfo}127.0.0.1/{db}"))
                         .map_err(|e| invalid(format!("the credentials: {e}")))?;
                 Ok(BackendUrl::RedisSentinel(
-                    crate::drivers::redis_sentinel::SentinelConfig {
+                    crate::drivers::redis::sentinel::SentinelConfig {
                         sentinels,
                         master_name: master_name.to_owned(),
                         master,
@@ -1240,7 +1242,7 @@ mod tests {
             panic!("not etcd: {url}")
         };
         assert_eq!(endpoints, &["a:1"]);
-        let file = |p: &str| crate::drivers::etcd::Pem::File(p.into());
+        let file = |p: &str| crate::drivers::queue::etcd::Pem::File(p.into());
         assert!(tls.as_ref().is_some_and(|t| t.ca == file("/tls/ca.crt")
             && t.client == Some((file("/tls/c.crt"), file("/tls/c.key")))));
         assert_eq!(

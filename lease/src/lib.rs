@@ -8,8 +8,9 @@
 //! - [`Lock`]: the holder state machine shared by all drivers: campaign or on-demand acquisition,
 //!   renewal, release, wake-ups, and self-fencing.
 //! - [`connect`]: a driver from a [`BackendUrl`].
-//! - [`drivers`]: one file per backend; the engine (this folder) imports them, and they import
-//!   only the trait, the error type and the name rules.
+//! - [`drivers`]: one folder per backend family (Redis and its kin, SQL, the fair queue) and the
+//!   Kubernetes Lease; the engine (this folder) imports them, and they import only the trait,
+//!   the error type and the name rules.
 //! - `testkit` (feature): real backend servers for tests, fault wrappers, and the conformance
 //!   suite every driver passes.
 
@@ -29,7 +30,10 @@ pub mod resource;
 pub mod testkit;
 pub mod tls;
 
-pub use drivers::{etcd, kubernetes, redis, redis_sentinel, redlock, sql, sqlite, tair, zookeeper};
+pub use drivers::kubernetes;
+pub use drivers::queue::{etcd, zookeeper};
+pub use drivers::redis::{self, redlock, sentinel as redis_sentinel, tair};
+pub use drivers::sql::{self, sqlite};
 
 use std::sync::Arc;
 

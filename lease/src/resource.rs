@@ -630,7 +630,7 @@ fn with_etcd_tls(
             })
     };
     let [ca, cert, key] = TLS_SECRET_KEYS;
-    *tls = Some(crate::drivers::etcd::EtcdTls {
+    *tls = Some(crate::drivers::queue::etcd::EtcdTls {
         ca: pem(ca)?,
         client: Some((pem(cert)?, pem(key)?)),
     });
@@ -717,7 +717,7 @@ fn with_tls_secret(
         | BackendUrl::RedisCluster { tls, .. }
         | BackendUrl::Tair { tls, .. }
         | BackendUrl::ZooKeeper { tls, .. }
-        | BackendUrl::RedisSentinel(crate::drivers::redis_sentinel::SentinelConfig { tls, .. }),
+        | BackendUrl::RedisSentinel(crate::drivers::redis::sentinel::SentinelConfig { tls, .. }),
         Some(name),
     ) = (&mut url, tls_secret)
     else {

@@ -17,8 +17,8 @@ fn driver(server: &EtcdServer) -> EtcdDriver {
 }
 
 /// A client of the test's own, to change keys behind the driver's back.
-async fn raw_client(server: &EtcdServer) -> leasehold_lease::drivers::etcd_rpc::EtcdClient {
-    use leasehold_lease::drivers::etcd_rpc::{Connect, EtcdClient};
+async fn raw_client(server: &EtcdServer) -> leasehold_lease::drivers::queue::etcd_rpc::EtcdClient {
+    use leasehold_lease::drivers::queue::etcd_rpc::{Connect, EtcdClient};
     use std::time::Duration;
     EtcdClient::connect(Connect {
         endpoints: &[format!("127.0.0.1:{}", server.port())],
@@ -194,7 +194,7 @@ async fn tls_refusals_say_why() {
 /// rather than keep both claiming with different tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_whose_key_was_deleted_stops_claiming() {
-    use leasehold_lease::drivers::etcd_rpc::DeleteRangeRequest;
+    use leasehold_lease::drivers::queue::etcd_rpc::DeleteRangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use std::time::Duration;
 
@@ -231,7 +231,7 @@ async fn a_holder_whose_key_was_deleted_stops_claiming() {
 /// keep-alive of its own (90 messages with the revokes), and then a keep-alive each (50).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_at_once_check_their_keys_in_one_transaction() {
-    use leasehold_lease::drivers::etcd_rpc::DeleteRangeRequest;
+    use leasehold_lease::drivers::queue::etcd_rpc::DeleteRangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use std::time::Duration;
 
@@ -285,7 +285,7 @@ async fn renewals_at_once_check_their_keys_in_one_transaction() {
 /// by its own delete, and the lease, with the process's other keys, lives on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_processs_keys_share_one_etcd_lease() {
-    use leasehold_lease::drivers::etcd_rpc::RangeRequest;
+    use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use std::time::Duration;
 
@@ -348,7 +348,7 @@ async fn a_processs_keys_share_one_etcd_lease() {
 /// alive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_etcd_missed_is_done_once_it_answers() {
-    use leasehold_lease::drivers::etcd_rpc::RangeRequest;
+    use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use std::time::Duration;
 

@@ -354,7 +354,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
     let Acquire::Acquired(_lease) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
         panic!("the lock is not free");
     };
-    let name = leasehold_lease::drivers::sql_wake::named_lock("leasehold_locks", &lock);
+    let name = leasehold_lease::drivers::sql::wake::named_lock("leasehold_locks", &lock);
     sqlx::any::install_default_drivers();
     let mut admin = sqlx::AnyConnection::connect(&url)
         .await
@@ -385,7 +385,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
     use leasehold_lease::Acquire;
-    use leasehold_lease::drivers::sql_wake::{HOLDING_CHECK, named_lock};
+    use leasehold_lease::drivers::sql::wake::{HOLDING_CHECK, named_lock};
     let h = MariaDbHarness::new();
     let url = h.server.url();
     let lock = unique_lock("lapsed");
@@ -445,7 +445,7 @@ async fn postgres_pool_acquisitions(admin: &mut sqlx::AnyConnection) -> i64 {
 /// The PostgreSQL sessions waiting for (`false`) or holding (`true`) `lock`'s advisory lock.
 async fn advisory_sessions(admin: &mut sqlx::AnyConnection, lock: &str) -> Vec<(i32, bool)> {
     use sqlx::Row;
-    let key = leasehold_lease::drivers::sql_wake::advisory_key("leasehold_locks", lock);
+    let key = leasehold_lease::drivers::sql::wake::advisory_key("leasehold_locks", lock);
     // An advisory lock on a bigint key shows as its high and low halves.
     let rows = sqlx::query(
         "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
@@ -1284,7 +1284,7 @@ async fn mariadb_many_held_locks_keep_few_sessions() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         most = most.max(mariadb_sessions(&mut admin).await);
     }
-    let bound = 4 + leasehold_lease::drivers::sql_wake::NAMED_LOCK_SESSIONS as i64 + 1;
+    let bound = 4 + leasehold_lease::drivers::sql::wake::NAMED_LOCK_SESSIONS as i64 + 1;
     assert!(
         most <= bound,
         "{most} sessions open for {LOCKS} held locks (the pool, the named locks and this one)"

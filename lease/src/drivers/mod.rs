@@ -1,23 +1,18 @@
 //! One driver per backend, each behind [`crate::Driver`]: an atomic compare-and-set per call.
 //! Nothing here knows about URLs, resources or the holder state machine; those import drivers,
 //! never the other way round.
+//!
+//! - [`redis`]: a single master, and beside it every backend that speaks Redis's protocol:
+//!   Sentinel, Cluster, Redlock over several masters, Tair's versioned put.
+//! - [`sql`]: PostgreSQL and MySQL/MariaDB (lease and row-lock modes, and the wake-ups the
+//!   servers' own locks give), and SQLite.
+//! - [`queue`]: the fair queue (one contender's place, waiting or holding) on its two
+//!   transports, etcd and ZooKeeper.
+//! - [`kubernetes`]: a `coordination.k8s.io/v1` Lease.
+//! - `batches`: calls that arrive together go out as one (renewals, acquisitions, releases).
 
 pub(crate) mod batches;
-pub mod etcd;
-pub mod etcd_rpc;
 pub mod kubernetes;
-pub(crate) mod queue_slot;
+pub mod queue;
 pub mod redis;
-pub(crate) mod redis_acquisitions;
-pub(crate) mod redis_cluster;
-pub(crate) mod redis_releases;
-pub(crate) mod redis_renewals;
-pub mod redis_sentinel;
-pub mod redlock;
 pub mod sql;
-pub(crate) mod sql_row_lock;
-pub mod sql_wake;
-pub mod sqlite;
-pub(crate) mod sqlite_wake;
-pub mod tair;
-pub mod zookeeper;

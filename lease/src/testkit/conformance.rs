@@ -66,7 +66,7 @@ impl Default for SqliteHarness {
 impl Harness for SqliteHarness {
     async fn driver(&self) -> Arc<dyn Driver> {
         Arc::new(
-            crate::drivers::sqlite::SqliteDriver::open(&self.path(), crate::DEFAULT_TABLE)
+            crate::drivers::sql::sqlite::SqliteDriver::open(&self.path(), crate::DEFAULT_TABLE)
                 .await
                 .expect("open sqlite"),
         )
@@ -846,15 +846,15 @@ pub trait CountsWakeups: Driver {
     fn wakeups(&self) -> u64;
 }
 
-impl CountsWakeups for crate::drivers::etcd::EtcdDriver {
+impl CountsWakeups for crate::drivers::queue::etcd::EtcdDriver {
     fn wakeups(&self) -> u64 {
-        crate::drivers::etcd::EtcdDriver::wakeups(self)
+        crate::drivers::queue::etcd::EtcdDriver::wakeups(self)
     }
 }
 
-impl CountsWakeups for crate::drivers::zookeeper::ZooKeeperDriver {
+impl CountsWakeups for crate::drivers::queue::zookeeper::ZooKeeperDriver {
     fn wakeups(&self) -> u64 {
-        crate::drivers::zookeeper::ZooKeeperDriver::wakeups(self)
+        crate::drivers::queue::zookeeper::ZooKeeperDriver::wakeups(self)
     }
 }
 

@@ -204,10 +204,10 @@ impl RedisServer {
 
     /// Wait until the server has been up for `lease`. A server without an append-only file
     /// synced on every write grants a free lock only then: it cannot tell its first start from
-    /// a restart that lost the leases its holders still claim (see `drivers/redis.rs`).
+    /// a restart that lost the leases its holders still claim (see `drivers/redis/mod.rs`).
     pub fn wait_until_up_for(&self, lease: Duration) {
         // One more: the drivers count the uptime's whole seconds less one (see
-        // `drivers::tair::started_at_most_ago_s`).
+        // `drivers::redis::tair::started_at_most_ago_s`).
         let seconds = lease.as_secs_f64().ceil() as u64 + 1;
         while field(&info(self.port, "server"), "uptime_in_seconds")
             .and_then(|up| up.parse::<u64>().ok())

@@ -44,11 +44,11 @@ use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::batches::{Batch, Batches, Gather, answer_all};
-use crate::drivers::etcd_rpc::{
+use crate::drivers::queue::etcd_rpc::{
     Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
     RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
-use crate::drivers::queue_slot::{Attempts, Expiry, QueueSlot};
+use crate::drivers::queue::slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -857,7 +857,7 @@ impl Driver for EtcdDriver {
             }
             Some(entry) if entry.session.granted >= ttl && !entry.session.ended() => {
                 entry.slot.ask(sent);
-                // Further back than next in line, with the watch standing: see `queue_slot`.
+                // Further back than next in line, with the watch standing: see `queue::slot`.
                 if let Some(holder) = entry.slot.quiet_wait(sent, ttl) {
                     return Ok(Acquire::Busy(holder));
                 }

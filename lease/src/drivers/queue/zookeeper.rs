@@ -37,7 +37,7 @@ use zookeeper_client as zk;
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::batches::{Batches, Pending};
-use crate::drivers::queue_slot::{Attempts, Expiry, QueueSlot};
+use crate::drivers::queue::slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
@@ -940,7 +940,7 @@ impl ZooKeeperDriver {
         entries.get(lock).cloned()
     }
 
-    /// A waiter further back answered without a request (see `queue_slot`), while `session` is
+    /// A waiter further back answered without a request (see `queue::slot`), while `session` is
     /// connected and no orphan waits to be deleted.
     fn quiet_wait(
         &self,

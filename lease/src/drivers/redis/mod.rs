@@ -5,13 +5,21 @@
 //!
 //! Keys use a hash tag on the lock name (`leasehold:{jobs}:lease`, `leasehold:{jobs}:token`) so
 //! both keys of a lock land in one slot of a Redis Cluster, which this driver also serves
-//! (`redis+cluster://`, see [`crate::drivers::redis_cluster`]).
+//! (`redis+cluster://`, see [`crate::drivers::redis::cluster`]).
 //!
 //! Restarts: a server without persistence (or one that lost the last second of `appendfsync
 //! everysec`) comes back without leases their holders still claim, and without their token
 //! counters. The acquire script's epoch record (see [`ACQUIRE`]) makes such a server wait out
 //! one lease before it grants a free lock, and raises the counters above every earlier token; a
 //! durable server (`appendfsync always`) lost nothing and goes on at once.
+
+pub(crate) mod acquisitions;
+pub(crate) mod cluster;
+pub mod redlock;
+pub(crate) mod releases;
+pub(crate) mod renewals;
+pub mod sentinel;
+pub mod tair;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,9 +35,9 @@ use tokio::sync::watch;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 /// How long a renewal waits for others to go out with it in one script call.
 pub use crate::drivers::batches::LINGER as RENEWAL_LINGER;
-use crate::drivers::redis_acquisitions::AcquisitionBatches;
-use crate::drivers::redis_releases::ReleaseBatches;
-use crate::drivers::redis_renewals::RenewalBatches;
+use crate::drivers::redis::acquisitions::AcquisitionBatches;
+use crate::drivers::redis::releases::ReleaseBatches;
+use crate::drivers::redis::renewals::RenewalBatches;
 use crate::error::{Error, Result};
 
 /// How long one Redis round trip may take before the connection is considered dead.
@@ -49,7 +57,7 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// or {false, remaining ms} while the server waits out a lease it may have lost.
 ///
 /// Several locks in one call are acquired exactly as by one call each, back to back: the
-/// epoch is checked once, when the first free lock is met ([`crate::drivers::redis_acquisitions`]
+/// epoch is checked once, when the first free lock is met ([`crate::drivers::redis::acquisitions`]
 /// sends a master's concurrent acquisitions together). On a Redis Cluster a call carries one
 /// lock, whose keys (its epoch record included) share its slot.
 ///
@@ -58,7 +66,7 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// missing (a restart without its data, a replica that never received it), so no free lock is
 /// granted for one lease (from the server's start when it was never promoted and has no record,
 /// else from now; the start as `uptime_in_seconds` tells it, less the second by which it may
-/// overstate the uptime: [`crate::drivers::tair::started_at_most_ago_s`]), and the token
+/// overstate the uptime: [`crate::drivers::redis::tair::started_at_most_ago_s`]), and the token
 /// counters are raised above every token of earlier epochs (the floor: the server's clock in
 /// microseconds, and at least 10^9 above the last floor). A durable server that was never
 /// promoted lost nothing: its new epoch begins at once, tokens untouched.
@@ -350,13 +358,13 @@ impl Durability {
     }
 
     /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any; see
-    /// [`crate::drivers::redis_cluster::every_master_durable`] for a master that cannot answer).
+    /// [`crate::drivers::redis::cluster::every_master_durable`] for a master that cannot answer).
     async fn of_cluster(&self, conn: &mut redis::cluster_async::ClusterConnection) -> bool {
         const CLUSTER: &str = "every master of the cluster";
         if let Some(durable) = self.cached(CLUSTER) {
             return durable;
         }
-        let durable = crate::drivers::redis_cluster::every_master_durable(conn).await;
+        let durable = crate::drivers::redis::cluster::every_master_durable(conn).await;
         self.remember(CLUSTER, durable)
     }
 
@@ -427,7 +435,7 @@ return 0
 /// (the mark, taken down here), or when the caller passes no mark (Redlock, whose acquisitions
 /// set none): every sidecar listens to every lock's notices, so a notice that nobody waits for
 /// costs each of them a message. Several leases in one call are released exactly as by one call
-/// each ([`crate::drivers::redis_releases`] sends a master's concurrent releases together).
+/// each ([`crate::drivers::redis::releases`] sends a master's concurrent releases together).
 pub(crate) const RELEASE: &str = r"
 local marked = #KEYS == #ARGV
 local stride = marked and 2 or 1
@@ -493,20 +501,20 @@ pub struct RedisDriver {
     observe: Script,
     releases: Arc<ChangeFeeds>,
     subscriber: tokio::task::JoinHandle<()>,
-    /// On one master, renewals go out together ([`crate::drivers::redis_renewals`]).
+    /// On one master, renewals go out together ([`crate::drivers::redis::renewals`]).
     renewals: Option<RenewalBatches>,
     /// On one master, acquisitions under way at once go out together
-    /// ([`crate::drivers::redis_acquisitions`]).
+    /// ([`crate::drivers::redis::acquisitions`]).
     acquisitions: Option<AcquisitionBatches>,
     /// On one master, releases under way at once go out together
-    /// ([`crate::drivers::redis_releases`]).
+    /// ([`crate::drivers::redis::releases`]).
     release_batches: Option<ReleaseBatches>,
 }
 
 /// One master, or a Redis Cluster.
 enum Target {
     Single(ConnectionManager),
-    Cluster(Box<crate::drivers::redis_cluster::Cluster>),
+    Cluster(Box<crate::drivers::redis::cluster::Cluster>),
 }
 
 /// A connection to either: a cluster's routes each script to its keys' master.
@@ -615,7 +623,7 @@ impl KeyLayout {
             self.epoch()
         }
     }
-    /// The Tair driver's epoch record (see [`crate::drivers::tair`]): its own, kept by the
+    /// The Tair driver's epoch record (see [`crate::drivers::redis::tair`]): its own, kept by the
     /// driver's commands where the acquire script keeps Redis's.
     pub fn tair_epoch(&self) -> String {
         format!("{}:epoch:tair", self.prefix)
@@ -748,7 +756,7 @@ impl RedisDriver {
     /// connects lazily, as [`RedisDriver::connect`] does. Release notices come from any node
     /// that answers.
     pub fn connect_cluster(nodes: &[url::Url], prefix: &str, tls: Option<&Tls>) -> Result<Self> {
-        let target = Target::Cluster(Box::new(crate::drivers::redis_cluster::Cluster::new(
+        let target = Target::Cluster(Box::new(crate::drivers::redis::cluster::Cluster::new(
             nodes, tls,
         )?));
         let clients = nodes
@@ -1011,7 +1019,7 @@ impl Driver for RedisDriver {
     async fn warnings(&self) -> Result<Vec<String>> {
         match self.connection().await? {
             Connection::Cluster(mut cluster) => {
-                crate::drivers::redis_cluster::warnings(&mut cluster).await
+                crate::drivers::redis::cluster::warnings(&mut cluster).await
             }
             mut single => lock_key_warnings(&mut single).await,
         }
@@ -1094,7 +1102,7 @@ impl Driver for RedisDriver {
             Target::Cluster(cluster) => {
                 let conn = cluster.connection().await?;
                 let mut held = 0;
-                for mut master in crate::drivers::redis_cluster::every_master(&conn).await? {
+                for mut master in crate::drivers::redis::cluster::every_master(&conn).await? {
                     held += held_key_leases(&mut master, &self.keys, family)
                         .await?
                         .len();

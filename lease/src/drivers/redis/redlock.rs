@@ -31,11 +31,11 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, lease_value, listen_for_releases, map_err,
     ms, parse_value_and_pttl, released_one,
 };
-use crate::drivers::redis_renewals::RenewalBatches;
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -80,7 +80,7 @@ return 1
 struct Master {
     conn: ConnectionManager,
     subscriber: tokio::task::JoinHandle<()>,
-    /// Renewals on this master go out together ([`crate::drivers::redis_renewals`]).
+    /// Renewals on this master go out together ([`crate::drivers::redis::renewals`]).
     renewals: RenewalBatches,
 }
 
@@ -127,7 +127,7 @@ impl RedlockDriver {
         let masters = masters
             .iter()
             .map(|url| {
-                let client = super::redis::client(url, tls)?;
+                let client = crate::drivers::redis::client(url, tls)?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(MAX_MASTER_TIMEOUT))

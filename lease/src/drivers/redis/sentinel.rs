@@ -10,9 +10,9 @@
 //!   unconfirmed acquisition is given back. An old master cut off from its replicas therefore
 //!   extends nobody's claim, and its holder stops claiming when its last confirmed lease runs out.
 //!   Renewals that arrive together go out as one script call and one `WAIT`
-//!   ([`super::redis_renewals`]).
+//!   ([`crate::drivers::redis::renewals`]).
 //! - **A promoted replica waits out one lease before it grants a free lock, and rebases the
-//!   tokens**: the single master's epoch record ([`super::redis::ACQUIRE`]), in which a promoted
+//!   tokens**: the single master's epoch record ([`crate::drivers::redis::ACQUIRE`]), in which a promoted
 //!   server is never durable. A lease the old master granted and the new one never received has
 //!   ended by then, because its holder counts it from before the promotion; a lease that did
 //!   reach the new master is renewed there as before.
@@ -42,10 +42,10 @@ use redis::aio::MultiplexedConnection;
 use redis::{Script, Value};
 use tokio::sync::watch;
 
-use super::redis::{self as single, KeyLayout};
-use super::redis_renewals::RenewalBatches;
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::drivers::redis::renewals::RenewalBatches;
+use crate::drivers::redis::{self as single, KeyLayout};
 use crate::error::{Error, Result};
 
 /// Sentinel's own default port.
@@ -135,7 +135,7 @@ struct Master {
     client: redis::Client,
     conn: MultiplexedConnection,
     /// Renewals on this master go out together, with one `WAIT` for each batch
-    /// ([`crate::drivers::redis_renewals`]).
+    /// ([`crate::drivers::redis::renewals`]).
     renewals: Arc<RenewalBatches>,
 }
 

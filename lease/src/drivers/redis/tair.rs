@@ -24,7 +24,7 @@
 //! **Restarts and failovers.** A server without persistence (or with `appendfsync everysec`)
 //! comes back without leases their holders still claim, and without the token counters; a
 //! promoted standby may lack the last writes of the primary it replaces, durable or not. As on
-//! Redis ([`super::redis::ACQUIRE`]), such a server grants no free lock for one lease and raises
+//! Redis ([`crate::drivers::redis::ACQUIRE`]), such a server grants no free lock for one lease and raises
 //! the counters above every earlier token; without Lua the driver does it itself. It learns the
 //! server's incarnation (its replication ID, new at every start and every promotion, failbacks
 //! included), and every claim carries an `INFO replication` in its round trip: a claim that
@@ -43,12 +43,12 @@ use redis::Value;
 use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
-use super::redis::{
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned};
+use crate::drivers::redis::{
     Durability, KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases,
     info_field, lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
     passing,
 };
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned};
 use crate::error::{Error, Result};
 
 /// How many claims one acquisition sends: a wrong token guess, an incarnation not yet checked and

@@ -1,5 +1,5 @@
 //! PostgreSQL and MySQL/MariaDB: one row per lock in a lock table, one SQL core with the dialect
-//! differences kept in [`Dialect`]. This is lease mode; row-lock mode ([`crate::drivers::sql_row_lock`])
+//! differences kept in [`Dialect`]. This is lease mode; row-lock mode ([`crate::drivers::sql::row_lock`])
 //! adds a `FOR UPDATE` row lock in front of the very same row, which stays its fence.
 //!
 //! - Expiry is computed by the database's own clock (`now()`, `NOW(6)`), so a client whose clock
@@ -8,7 +8,7 @@
 //!   expired; the token goes up by one on every acquisition and is never reset (a release keeps
 //!   the row).
 //! - Renew and release match name, holder **and** token.
-//! - Waiters are woken by a lock the holder keeps in the server ([`crate::drivers::sql_wake`]):
+//! - Waiters are woken by a lock the holder keeps in the server ([`crate::drivers::sql::wake`]):
 //!   MySQL's named locks, in both modes; PostgreSQL's advisory locks in lease mode, where the
 //!   waiter's blocking statement takes the row too. PostgreSQL's release statements also
 //!   `NOTIFY`, which wakes what keeps no such lock: row-lock mode, a family's keys, a lock held
@@ -16,6 +16,11 @@
 //!
 //! Table and schema names are validated identifiers, quoted in the dialect's way; lock names and
 //! identities are always bound parameters.
+
+pub(crate) mod row_lock;
+pub mod sqlite;
+pub(crate) mod sqlite_wake;
+pub mod wake;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,8 +35,8 @@ use tokio::sync::{OnceCell, watch};
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::batches::{Batches, Pending};
-use crate::drivers::sql_row_lock::RowLocks;
-use crate::drivers::sql_wake::{AdvisoryStatements, ServerLock, ServerLocks};
+use crate::drivers::sql::row_lock::RowLocks;
+use crate::drivers::sql::wake::{AdvisoryStatements, ServerLock, ServerLocks};
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
 
@@ -50,7 +55,7 @@ pub enum SqlMode {
     #[default]
     Lease,
     /// The same row as the fence, plus a seeded row held `SELECT ... FOR UPDATE` in an open
-    /// transaction on a dedicated connection; see [`crate::drivers::sql_row_lock`].
+    /// transaction on a dedicated connection; see [`crate::drivers::sql::row_lock`].
     RowLock,
 }
 
@@ -106,7 +111,7 @@ pub struct Statements {
     pub key_floor: KeyFloor,
     /// Row-lock mode: the seeded rows of a family's forgotten keys.
     pub forget_seeded: ForgetSeeded,
-    /// PostgreSQL: the statements on an advisory lock's session ([`crate::drivers::sql_wake`]).
+    /// PostgreSQL: the statements on an advisory lock's session ([`crate::drivers::sql::wake`]).
     pub(crate) advisory: Option<AdvisoryStatements>,
 }
 

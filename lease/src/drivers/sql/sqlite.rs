@@ -20,10 +20,10 @@ use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
 use crate::drivers::batches::Batches;
+use crate::drivers::sql::sqlite_wake::WakeFiles;
 use crate::drivers::sql::{
     Extended, MAX_RENEW_BATCH, RenewalBatch, answer_renewals, extended_row, padded, token,
 };
-use crate::drivers::sqlite_wake::WakeFiles;
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
 
@@ -46,7 +46,7 @@ pub struct SqliteDriver {
     renewals: Batches<(Lease, Duration), Result<bool>>,
     /// Wakes waiters in this process at once.
     local_releases: Arc<ChangeFeeds>,
-    /// Wakes waiters in other processes on the machine ([`crate::drivers::sqlite_wake`]).
+    /// Wakes waiters in other processes on the machine ([`crate::drivers::sql::sqlite_wake`]).
     wake: Option<Arc<WakeFiles>>,
 }
 
