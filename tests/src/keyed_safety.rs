@@ -142,6 +142,26 @@ impl Report {
     }
 }
 
+impl Sample {
+    /// An answer about `owner`'s hold on `key`: `claim` is the token and `validForMs` of a 200.
+    fn of(
+        key: usize,
+        owner: &str,
+        sent: Instant,
+        received: Instant,
+        claim: Option<(u64, Duration)>,
+    ) -> Self {
+        Self {
+            key,
+            owner: owner.to_owned(),
+            sent,
+            received,
+            token: claim.map(|(token, _)| token),
+            valid_for: claim.map(|(_, valid_for)| valid_for).unwrap_or_default(),
+        }
+    }
+}
+
 /// The fencing token and `validForMs` of a 200 answer.
 fn claim_of(body: &str) -> Option<(u64, Duration)> {
     let answer = serde_json::from_str::<serde_json::Value>(body).ok()?;
@@ -207,15 +227,9 @@ fn wait_and_hang_up(
     let Some((reply, sent, received)) = served else {
         return;
     };
-    if let Some((token, valid_for)) = claim_of(&reply.body) {
-        log.lock().unwrap().samples.push(Sample {
-            key,
-            owner: owner.clone(),
-            sent,
-            received,
-            token: Some(token),
-            valid_for,
-        });
+    if let Some(claim) = claim_of(&reply.body) {
+        let sample = Sample::of(key, &owner, sent, received, Some(claim));
+        log.lock().unwrap().samples.push(sample);
     }
     release(other, path, owner, 1, log);
 }
@@ -269,17 +283,11 @@ fn worker(
                 continue;
             }
         };
-        let Some((token, valid_for)) = claim else {
+        if claim.is_none() {
             continue;
-        };
-        log.lock().unwrap().samples.push(Sample {
-            key,
-            owner: owner.clone(),
-            sent,
-            received,
-            token: Some(token),
-            valid_for,
-        });
+        }
+        let sample = Sample::of(key, &owner, sent, received, claim);
+        log.lock().unwrap().samples.push(sample);
         let mut holds = 1;
         let roll = rng.random_range(0..100);
         if roll < REENTRIES {
@@ -291,22 +299,16 @@ fn worker(
                 &format!("{path}/acquire?owner={owner}&hold={}ms", short.as_millis()),
             );
             let received = Instant::now();
-            if let Some((token, valid_for)) = again
+            let claim = again
                 .ok()
                 .filter(|r| r.status == 200)
-                .and_then(|r| claim_of(&r.body))
-            {
+                .and_then(|r| claim_of(&r.body));
+            if claim.is_some() {
                 holds += 1;
                 let mut log = log.lock().unwrap();
                 log.reentries += 1;
-                log.samples.push(Sample {
-                    key,
-                    owner: owner.clone(),
-                    sent,
-                    received,
-                    token: Some(token),
-                    valid_for,
-                });
+                log.samples
+                    .push(Sample::of(key, &owner, sent, received, claim));
             }
             // Work past the shorter hold: the first acquisition still keeps the key.
             std::thread::sleep(short + Duration::from_millis(rng.random_range(20..100)));
@@ -325,14 +327,8 @@ fn worker(
             let claim = (reply.status == 200)
                 .then(|| claim_of(&reply.body))
                 .flatten();
-            log.lock().unwrap().samples.push(Sample {
-                key,
-                owner: owner.clone(),
-                sent,
-                received,
-                token: claim.map(|(token, _)| token),
-                valid_for: claim.map(|(_, valid_for)| valid_for).unwrap_or_default(),
-            });
+            let sample = Sample::of(key, &owner, sent, received, claim);
+            log.lock().unwrap().samples.push(sample);
             if reply.status == 409 {
                 break; // lost it (hold lapsed, lease lost): nothing to release
             }
