@@ -126,7 +126,6 @@ impl KubernetesLeaseDriver {
     fn held_by(&self, lock: &str, object: &LeaseObject, record: &Record) -> Option<Holding> {
         let mut sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
         let now = BootInstant::now();
-        sightings.prune(|s| !s.left(now).is_zero());
         let Some(identity) = record.identity.clone() else {
             sightings.remove(lock);
             return None;
@@ -149,6 +148,9 @@ impl KubernetesLeaseDriver {
                 duration: record.duration,
             });
         let left = sighting.left(now);
+        // Pruned only now: a sighting that has just run out is this call's answer, not a record
+        // to count again from now.
+        sightings.prune(|s| !s.left(now).is_zero());
         let long_over = record
             .expires_at()
             .and_then(|end| {
