@@ -65,7 +65,9 @@ pub struct DistributedLockSpec {
     /// TLS on or off): a holder that has not yet seen the change would keep claiming on the old
     /// backend while others start afresh on the new one (two holders, and tokens starting
     /// again). Credentials may change (the Secrets named for users, passwords and TLS
-    /// material): running sidecars pick them up and hand over as for any other change. To move
+    /// material): running sidecars pick them up and hand over as for any other change. On
+    /// PostgreSQL without `schema`, the user is part of the location: the table is found through
+    /// the user's `search_path`, which another user may resolve to another schema. To move
     /// a lock, stop its pods (or remove their annotation), delete the lock, and create it again
     /// on the new backend.
     #[x_kube(validation = Rule::new(concat!(
@@ -107,6 +109,8 @@ pub struct DistributedLockSpec {
         "(!has(self.postgres.table) || self.postgres.table == oldSelf.postgres.table) && ",
         "has(self.postgres.schema) == has(oldSelf.postgres.schema) && ",
         "(!has(self.postgres.schema) || self.postgres.schema == oldSelf.postgres.schema) && ",
+        "(has(self.postgres.schema) || (has(self.postgres.userSecretRef) == has(oldSelf.postgres.userSecretRef) && ",
+        "(!has(self.postgres.userSecretRef) || self.postgres.userSecretRef == oldSelf.postgres.userSecretRef))) && ",
         "has(self.postgres.lockMode) == has(oldSelf.postgres.lockMode) && ",
         "(!has(self.postgres.lockMode) || self.postgres.lockMode == oldSelf.postgres.lockMode) && ",
         "((has(self.postgres.tls) && ",

@@ -390,11 +390,21 @@ fn the_backends_location_cannot_change_once_created_but_its_credentials_may() {
     };
     refused(sentinel("locks"), sentinel("other"));
     let pg = |host: &str, secret: &str| {
-        json!({"postgres": {"host": host, "database": "app",
+        json!({"postgres": {"host": host, "database": "app", "schema": "locks",
                             "userSecretRef": {"name": secret, "key": "user"},
                             "passwordSecretRef": {"name": secret, "key": "password"}}})
     };
     refused(pg("pg-1", "pg-auth"), pg("pg-2", "pg-auth"));
+    // Without a schema, the user's search_path finds the table: the user is part of the place.
+    let unqualified = |secret: &str| {
+        let mut lock = pg("pg-1", secret);
+        lock["postgres"].as_object_mut().unwrap().remove("schema");
+        lock
+    };
+    refused(unqualified("pg-auth-1"), unqualified("pg-auth-2"));
+    let mut password_only = unqualified("pg-auth-1");
+    password_only["postgres"]["passwordSecretRef"]["name"] = json!("pg-password-2");
+    allowed(unqualified("pg-auth-1"), password_only);
 
     // Credentials: a renamed Secret, a password added, the TLS material's Secret renamed.
     let mut renamed = redis.clone();

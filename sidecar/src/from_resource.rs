@@ -112,9 +112,18 @@ fn start_lock_on(
 }
 
 /// Where a backend is, without who logs in: the URL's text without its user part (a rotated
-/// credential may come with a new user name, as Vault's database users do).
+/// credential may come with a new user name, as Vault's database users do). On PostgreSQL
+/// without an explicit `schema`, who logs in decides where the table is (the user's
+/// `search_path`), so there the user stays part of the location.
 fn location(backend: &leasehold_lease::BackendUrl) -> String {
     let text = backend.to_string();
+    if let leasehold_lease::BackendUrl::Sql {
+        url, schema: None, ..
+    } = backend
+        && url.scheme().starts_with("postgres")
+    {
+        return text;
+    }
     let Some((scheme, rest)) = text.split_once("://") else {
         return text;
     };
@@ -487,8 +496,13 @@ mod tests {
             at("redis://app:pw@redis.other:6379/0")
         );
         assert_eq!(
-            at("postgres://v-app-1:pw@db:5432/locks"),
-            at("postgres://v-app-2:pw@db:5432/locks")
+            at("postgres://v-app-1:pw@db:5432/locks?schema=locks"),
+            at("postgres://v-app-2:pw@db:5432/locks?schema=locks")
+        );
+        // Without a schema, the user's search_path finds the table: another user, another place.
+        assert_ne!(
+            at("postgres://alice:pw@db:5432/locks"),
+            at("postgres://bob:pw@db:5432/locks")
         );
         assert_ne!(at("sqlite:///data/a@b.db"), at("sqlite:///data/c@b.db"));
         assert_ne!(
