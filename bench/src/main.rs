@@ -19,7 +19,7 @@ use leasehold_lease::testkit::{
     MariaDbServer, PostgresServer, REDLOCK_MASTERS, RedisServer, SqliteHarness, free_port,
     mariadb_server,
 };
-use leasehold_lease::{Acquire, Answer, Driver, Lock, LockConfig, Mode};
+use leasehold_lease::{Acquire, Answer, Backend, Lock, LockConfig, Mode};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
@@ -394,7 +394,7 @@ async fn redis_raw_blocking_handovers(url: &str) -> Vec<Duration> {
 /// 100 idle waiters behind one holder, on each of `IDLE_LEASES`: what they cost the backend, in
 /// requests it received. One line per lease.
 async fn idle_waiters(
-    connect: impl Fn() -> Arc<dyn Driver>,
+    connect: impl Fn() -> Arc<dyn Backend>,
     received: impl AsyncFn() -> u64,
 ) -> Vec<String> {
     let mut lines = Vec::new();
@@ -405,7 +405,7 @@ async fn idle_waiters(
 }
 
 async fn idle_waiters_on(
-    connect: &impl Fn() -> Arc<dyn Driver>,
+    connect: &impl Fn() -> Arc<dyn Backend>,
     received: &impl AsyncFn() -> u64,
     lease: Duration,
 ) -> String {
@@ -449,7 +449,7 @@ async fn zookeeper_section() {
     );
     let server = leasehold_lease::testkit::ZooKeeperServer::start();
     let port = server.port();
-    let connect = || -> Arc<dyn Driver> {
+    let connect = || -> Arc<dyn Backend> {
         Arc::new(
             ZooKeeperDriver::connect(ZooKeeperConfig {
                 servers: format!("127.0.0.1:{port}"),
@@ -493,7 +493,7 @@ async fn etcd_section() {
     );
     let server = leasehold_lease::testkit::EtcdServer::start();
     let port = server.port();
-    let connect = || -> Arc<dyn Driver> {
+    let connect = || -> Arc<dyn Backend> {
         Arc::new(
             EtcdDriver::connect(EtcdConfig {
                 endpoints: vec![format!("127.0.0.1:{port}")],
@@ -762,7 +762,7 @@ fn redis_without_persistence() -> RedisServer {
     redis
 }
 
-async fn driver_cycles(driver: &dyn Driver) -> f64 {
+async fn driver_cycles(driver: &dyn Backend) -> f64 {
     let start = Instant::now();
     for i in 0..CYCLES {
         let lease = match driver
@@ -974,7 +974,7 @@ async fn sqlite_raw_cycles(path: &std::path::Path) -> f64 {
 
 /// Two on-demand holders, each on its own connection, hand the lock back and forth; the time
 /// from the holder's release call to the waiter holding.
-async fn handover_latencies(a: Arc<dyn Driver>, b: Arc<dyn Driver>) -> Vec<Duration> {
+async fn handover_latencies(a: Arc<dyn Backend>, b: Arc<dyn Backend>) -> Vec<Duration> {
     let config = |id: &str| LockConfig {
         mode: Mode::OnDemand,
         ..LockConfig::new("handover", id, LEASE)
@@ -1094,7 +1094,7 @@ async fn driver_section() {
     );
     let durable = RedisServer::start();
     let url = url::Url::parse(&durable.url()).expect("url");
-    let connect = || -> Arc<dyn Driver> {
+    let connect = || -> Arc<dyn Backend> {
         Arc::new(
             leasehold_lease::redis::RedisDriver::connect(&url, "leasehold", None).expect("driver"),
         )
@@ -1114,7 +1114,7 @@ async fn driver_section() {
             leasehold_lease::sqlite::SqliteDriver::open(&sqlite.path(), "leasehold_locks")
                 .await
                 .expect("sqlite"),
-        ) as Arc<dyn Driver>
+        ) as Arc<dyn Backend>
     };
     let sqlite_latency = handover_latencies(open().await, open().await).await;
     println!(
@@ -1297,7 +1297,7 @@ async fn sql_section() {
                 (Dialect::Postgres, SqlMode::RowLock) => "LISTEN/NOTIFY",
                 (Dialect::MySql, _) => "named locks",
             };
-            let connect = || -> Arc<dyn Driver> {
+            let connect = || -> Arc<dyn Backend> {
                 Arc::new(
                     SqlDriver::connect(dialect, &url, None, "leasehold_locks", mode)
                         .expect("driver"),
@@ -1358,7 +1358,7 @@ async fn mysql_idle_waiters(url: &str) {
     for mode in [SqlMode::Lease, SqlMode::RowLock] {
         let questions =
             async || mariadb_server::status(&mut *admin.lock().await, "Questions").await;
-        let connect = || -> Arc<dyn Driver> {
+        let connect = || -> Arc<dyn Backend> {
             Arc::new(
                 SqlDriver::connect(Dialect::MySql, url, None, "leasehold_locks", mode)
                     .expect("driver"),
@@ -1951,7 +1951,7 @@ async fn keyed_cycles(family: &leasehold_lease::keyed::KeyedFamily) -> f64 {
 /// the family's gap to raw lies, in the driver's calls or around them.
 async fn keyed_driver_cycles(
     family: &leasehold_lease::keyed::KeyedFamily,
-    driver: Arc<dyn Driver>,
+    driver: Arc<dyn Backend>,
 ) -> f64 {
     owners_cycling(|i, start| {
         let driver = driver.clone();
@@ -2059,7 +2059,7 @@ async fn keyed_section() {
     println!(
         "## keyed locks: {KEYED_OWNERS} owners of one sidecar, each cycling acquire+release on a key of its own ({KEYED_DURATION:?}, best of {ROUNDS}, alternating)"
     );
-    let family = |driver: Arc<dyn Driver>| {
+    let family = |driver: Arc<dyn Backend>| {
         KeyedFamily::new(
             driver,
             FamilyConfig::new("orders", "bench", LEASE),

@@ -1,6 +1,8 @@
-//! The one trait every backend implements. Drivers are deliberately dumb: each call is one atomic
-//! compare-and-set on the backend. Timing, self-fencing, retries and wake-ups live in
-//! [`crate::holder`], once for all backends.
+//! The two contracts every backend implements. [`Driver`] is what the engine calls on a lock's
+//! path: each call is one atomic compare-and-set on the backend, and timing, self-fencing,
+//! retries and wake-ups live in [`crate::holder`], once for all backends. [`Upkeep`] is what
+//! the operator and the idle-key sweep call: provisioning, clean-up, counting and warnings.
+//! [`Backend`] is both, as [`crate::connect`] opens it.
 
 use std::time::Duration;
 
@@ -108,7 +110,12 @@ pub trait Driver: Send + Sync + 'static {
     /// abandoned place stands first in line when the holder releases. No effect on a lease this
     /// process holds. Best effort: a place that cannot be left now expires on its own.
     async fn abandon(&self, _lock: &str, _identity: &str) {}
+}
 
+/// What provisioning and clean-up need of a backend: the operator prepares and clears it, and
+/// the sidecar sweeps idle keys and counts held ones. Never on a lock's hot path.
+#[async_trait]
+pub trait Upkeep: Send + Sync + 'static {
     /// Create what the backend needs (the lock table, seeded rows for `locks`), if absent.
     /// Idempotent; backends with nothing to create, or that create it on open, need not
     /// override it.
@@ -124,7 +131,7 @@ pub trait Driver: Send + Sync + 'static {
     /// ZooKeeper root) stay.
     async fn deprovision(&self, locks: &[String]) -> Result<()>;
 
-    /// [`Driver::deprovision`] of `lease`'s lock, while this process holds it (see
+    /// [`Upkeep::deprovision`] of `lease`'s lock, while this process holds it (see
     /// [`crate::delete_records`]): no other holder can exist meanwhile. Backends whose deletion
     /// would wait for the holder's own lock (a row held `FOR UPDATE`) override it.
     async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
@@ -152,6 +159,12 @@ pub trait Driver: Send + Sync + 'static {
         Ok(Vec::new())
     }
 }
+
+/// A connected backend: both contracts, as [`crate::connect`] opens it. Hand it to the engine as
+/// an `Arc<dyn Driver>`.
+pub trait Backend: Driver + Upkeep {}
+
+impl<T: Driver + Upkeep> Backend for T {}
 
 /// Below this many entries, [`Pruned::prune`] keeps them all.
 const MIN_PRUNED: usize = 64;

@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::OwnedMutexGuard;
 use tokio::time::{Instant, timeout};
 
-use crate::driver::{Driver, Holding};
+use crate::driver::{Backend, Holding};
 use crate::error::Error;
 use crate::holder::{Answer, Event, Lock, LockConfig, Mode, OnUnheld, Telemetry};
 use crate::names::{
@@ -161,7 +161,7 @@ struct FamilyInner {
     /// Set while the family is stopped (its resource deleted): no key is taken.
     stopped: std::sync::atomic::AtomicBool,
     /// The driver new keys are taken with; a key held now keeps the one it was taken with.
-    driver: std::sync::RwLock<Arc<dyn Driver>>,
+    driver: std::sync::RwLock<Arc<dyn Backend>>,
     /// What the keys' engines report, by family ([`FamilyTelemetry`]).
     telemetry: Arc<FamilyTelemetry>,
     keys: Mutex<HashMap<String, Arc<KeyState>>>,
@@ -174,7 +174,7 @@ struct FamilyInner {
 }
 
 impl FamilyInner {
-    fn driver(&self) -> Arc<dyn Driver> {
+    fn driver(&self) -> Arc<dyn Backend> {
         self.driver
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -218,7 +218,7 @@ impl Drop for Waiting<'_> {
 
 impl KeyedFamily {
     pub fn new(
-        driver: Arc<dyn Driver>,
+        driver: Arc<dyn Backend>,
         config: FamilyConfig,
         telemetry: Arc<dyn Telemetry>,
     ) -> Result<Self, Error> {
@@ -286,12 +286,12 @@ impl KeyedFamily {
     /// Take the keys acquired from now on with `driver`: the same backend, reached with new
     /// credentials (a rotated password or certificate). A key held now keeps the driver it was
     /// taken with until it is released, so nothing held changes hands.
-    pub fn replace_driver(&self, driver: Arc<dyn Driver>) {
+    pub fn replace_driver(&self, driver: Arc<dyn Backend>) {
         *self.inner.driver.write().unwrap_or_else(|e| e.into_inner()) = driver;
     }
 
     /// The driver new keys are taken with.
-    fn driver(&self) -> Arc<dyn Driver> {
+    fn driver(&self) -> Arc<dyn Backend> {
         self.inner.driver()
     }
 

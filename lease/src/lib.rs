@@ -39,7 +39,9 @@ use std::sync::Arc;
 
 pub use backend_url::{BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE};
 pub use boot_clock::BootInstant;
-pub use driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, RESTART_GUARD, Withheld};
+pub use driver::{
+    Acquire, Backend, ChangeFeeds, Driver, Holding, Lease, RESTART_GUARD, Upkeep, Withheld,
+};
 pub use error::{Error, Result};
 pub use holder::{
     Answer, DEFAULT_HOLD, Event, EventKind, Held, Lock, LockConfig, MAX_LEASE_DURATION,
@@ -51,7 +53,7 @@ pub use redact::redact;
 
 /// Open the driver a backend URL names. Network backends connect lazily, so an unreachable
 /// server shows up in readiness and answers, not as a start-up failure.
-pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Driver>> {
+pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Backend>> {
     Ok(match url {
         BackendUrl::Sqlite { path, table } => {
             Arc::new(sqlite::SqliteDriver::open(path, table).await?)

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use crate::driver::{Acquire, Driver, Holding};
+use crate::driver::{Acquire, Backend, Holding};
 use crate::error::Result;
 
 /// Who takes a lock to delete its records, as holders and events name it.
@@ -20,7 +20,7 @@ pub const RECORDS_DELETER: &str = "leasehold-operator (deleting the lock's recor
 /// `Ok(Some(holder))` when another holds it (nothing is deleted; `holder` is `None` where the
 /// backend cannot name it yet, e.g. while it waits out a lease a restart may have lost).
 pub async fn delete_records(
-    driver: &dyn Driver,
+    driver: &dyn Backend,
     lock: &str,
     lease: Duration,
 ) -> Result<Option<Option<Holding>>> {

@@ -358,7 +358,7 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
 pub async fn open(
     client: &kube::Client,
     resolved: &ResolvedLock,
-) -> Result<std::sync::Arc<dyn crate::Driver>> {
+) -> Result<std::sync::Arc<dyn crate::Backend>> {
     Ok(match &resolved.backend {
         BackendUrl::Kubernetes { namespace } => std::sync::Arc::new(
             crate::drivers::kubernetes::KubernetesLeaseDriver::new(

@@ -7,6 +7,18 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
+/// Makes ring the process's TLS provider, once; later calls do nothing. Some dependencies
+/// (the Redis and ZooKeeper clients, kube's HTTPS) build their TLS settings from the process's
+/// provider, and rustls has none of its own when two are compiled in, as they are here:
+/// zookeeper-client's TLS brings aws-lc-rs beside the ring everything else is built on.
+pub fn use_ring_provider() {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        // An error means another provider was installed first, which serves as well.
+        let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
 /// A PEM document: a file named on the command line (read when the driver connects), or the
 /// text of a Secret key.
 #[derive(Clone, PartialEq, Eq)]

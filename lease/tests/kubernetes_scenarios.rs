@@ -10,7 +10,7 @@ use k8s_openapi::api::coordination::v1::Lease as LeaseObject;
 use kube::client::Body;
 use leasehold_lease::kubernetes::{DURATION_ANNOTATION, KubernetesLeaseDriver, LeaseTarget};
 use leasehold_lease::testkit::{KubernetesHarness, unique_lock};
-use leasehold_lease::{Acquire, Driver, Error, Lease, Lock, LockConfig, Mode};
+use leasehold_lease::{Acquire, Driver, Error, Lease, Lock, LockConfig, Mode, Upkeep};
 use serde_json::{Value, json};
 use tower_test::mock::{self, Handle};
 

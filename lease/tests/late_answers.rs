@@ -14,7 +14,7 @@ use std::time::Duration;
 use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyedFamily};
 use leasehold_lease::testkit::faulty::FaultyDriver;
 use leasehold_lease::testkit::{SqliteHarness, unique_lock};
-use leasehold_lease::{Answer, BackendUrl, Driver, EventKind, Lock, LockConfig, Mode};
+use leasehold_lease::{Answer, Backend, BackendUrl, EventKind, Lock, LockConfig, Mode};
 use tokio::time::{Instant, sleep};
 
 /// Renew interval 2 s: the engine waits that long for an answer.
@@ -23,7 +23,7 @@ const LEASE: Duration = Duration::from_secs(6);
 const LATE: Duration = Duration::from_millis(2500);
 const HOLD: Duration = Duration::from_secs(60);
 
-async fn sqlite(harness: &SqliteHarness) -> Arc<dyn Driver> {
+async fn sqlite(harness: &SqliteHarness) -> Arc<dyn Backend> {
     let url = format!("sqlite://{}", harness.path().display());
     leasehold_lease::connect(&BackendUrl::parse(&url).expect("url"))
         .await
@@ -37,7 +37,7 @@ async fn late_sqlite() -> (SqliteHarness, Arc<FaultyDriver>) {
     (harness, faulty)
 }
 
-fn on_demand(driver: Arc<dyn Driver>, name: &str, identity: &str) -> Lock {
+fn on_demand(driver: Arc<dyn Backend>, name: &str, identity: &str) -> Lock {
     let mut config = LockConfig::new(name, identity, LEASE);
     config.mode = Mode::OnDemand;
     Lock::start(driver, config, Arc::new(())).expect("lock")

@@ -18,7 +18,7 @@ use tokio::time::{Instant, sleep, sleep_until};
 const LEASE: Duration = Duration::from_secs(3);
 const HOLD: Duration = Duration::from_secs(60);
 
-async fn driver(url: &str) -> Arc<dyn leasehold_lease::Driver> {
+async fn driver(url: &str) -> Arc<dyn leasehold_lease::Backend> {
     leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
         .await
         .expect("driver")
@@ -249,7 +249,7 @@ async fn a_refused_try_lock_subscribes_to_no_release_notice() {
     assert!(faulty.subscriptions() > 0, "a waiter did not subscribe");
 }
 
-fn family(driver: Arc<dyn leasehold_lease::Driver>, name: &str, identity: &str) -> KeyedFamily {
+fn family(driver: Arc<dyn leasehold_lease::Backend>, name: &str, identity: &str) -> KeyedFamily {
     KeyedFamily::new(
         driver,
         FamilyConfig::new(name, identity, LEASE),
@@ -273,7 +273,7 @@ async fn holds_key(family: &KeyedFamily, owner: &str, wait: Duration) -> bool {
 /// backend gives up three leases after p2's last ask).
 async fn after_a_keyed_wait_ends_the_next_waiter_takes_over(
     url: &str,
-    p2_driver: Arc<dyn leasehold_lease::Driver>,
+    p2_driver: Arc<dyn leasehold_lease::Backend>,
     leave: impl AsyncFnOnce(&KeyedFamily),
 ) {
     let name = unique_lock("keyedgone");

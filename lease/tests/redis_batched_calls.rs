@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
-use leasehold_lease::{Acquire, Driver, Lease};
+use leasehold_lease::{Acquire, Backend, Lease};
 
 const TTL: Duration = Duration::from_secs(5);
 
 /// `lock` taken for `identity`, which must find it free.
-async fn acquired(driver: &dyn Driver, lock: &str, identity: &str) -> Lease {
+async fn acquired(driver: &dyn Backend, lock: &str, identity: &str) -> Lease {
     match driver.try_acquire(lock, identity, TTL).await.unwrap() {
         Acquire::Acquired(lease) => lease,
         Acquire::Busy(holder) => panic!("{lock}: not acquired by {identity}, held by {holder:?}"),

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use leasehold_lease::testkit::{RedisCluster, campaign, claims, driver_for, unique_lock};
-use leasehold_lease::{Acquire, Driver};
+use leasehold_lease::{Acquire, Backend};
 use tokio::time::{Instant, sleep, timeout};
 
 fn lease_key(lock: &str) -> String {
@@ -143,7 +143,7 @@ async fn a_release_on_any_master_wakes_a_waiter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_master_serves_the_locks_of_its_slots() {
     let cluster = tokio::task::block_in_place(RedisCluster::start);
-    let driver: std::sync::Arc<dyn Driver> = driver_for(&cluster.url()).await;
+    let driver: std::sync::Arc<dyn Backend> = driver_for(&cluster.url()).await;
     let mut seen = vec![false; cluster.nodes.len()];
     let mut n = 0;
     while seen.iter().any(|s| !s) {

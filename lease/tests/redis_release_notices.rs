@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
-use leasehold_lease::{Acquire, Driver, Lease};
+use leasehold_lease::{Acquire, Backend, Lease};
 use tokio::time::timeout;
 
 const TTL: Duration = Duration::from_secs(5);
@@ -16,7 +16,7 @@ async fn publishes(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
     command_calls(conn, &["publish"]).await
 }
 
-async fn take(driver: &dyn Driver, lock: &str, identity: &str) -> Lease {
+async fn take(driver: &dyn Backend, lock: &str, identity: &str) -> Lease {
     match driver
         .try_acquire(lock, identity, TTL)
         .await

@@ -8,7 +8,7 @@ use std::time::Duration;
 use leasehold_lease::testkit::{
     Harness, RedisSentinelSet, RedisServer, RedlockHarness, command_calls, driver_for, unique_lock,
 };
-use leasehold_lease::{Acquire, Driver, Lease};
+use leasehold_lease::{Acquire, Backend, Lease};
 
 /// How many times Redis has run a script (`EVALSHA`, `EVAL`).
 async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
@@ -16,7 +16,7 @@ async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
 }
 
 /// `count` locks named after `name`, each taken for 2 s.
-async fn acquired(driver: &dyn Driver, name: &str, count: usize) -> Vec<Lease> {
+async fn acquired(driver: &dyn Backend, name: &str, count: usize) -> Vec<Lease> {
     let mut leases = Vec::new();
     for i in 0..count {
         let lock = unique_lock(&format!("{name}-{i}"));
@@ -34,7 +34,7 @@ async fn acquired(driver: &dyn Driver, name: &str, count: usize) -> Vec<Lease> {
 /// 40 renewals at once, every other with a token its lock never had: each is answered for its
 /// own lease (and only the owned ones extend their key, on every server in `urls`), in fewer
 /// than 4 script calls per server, and fewer than 4 `WAIT`s for replicas where they are asked.
-async fn renewals_at_once(driver: Arc<dyn Driver>, urls: &[String]) {
+async fn renewals_at_once(driver: Arc<dyn Backend>, urls: &[String]) {
     const LOCKS: usize = 40;
     let mut admins = Vec::new();
     for url in urls {

@@ -11,7 +11,7 @@ use leasehold_lease::testkit::{
 use leasehold_lease::{Answer, Lock, LockConfig, Mode};
 use sqlx::Connection;
 
-fn start(driver: Arc<dyn leasehold_lease::Driver>, lock: &str, identity: &str) -> Lock {
+fn start(driver: Arc<dyn leasehold_lease::Backend>, lock: &str, identity: &str) -> Lock {
     let config = LockConfig {
         renew_interval: RENEW,
         mode: Mode::Campaign,
@@ -289,7 +289,7 @@ async fn holders_named_lock_session(
 
 /// A waiter in another process (its own driver), on demand, and its acquisition under way.
 fn start_waiting(
-    driver: Arc<dyn leasehold_lease::Driver>,
+    driver: Arc<dyn leasehold_lease::Backend>,
     lock: &str,
 ) -> (
     Lock,
@@ -1066,7 +1066,7 @@ async fn mariadb_prepared_statements(admin: &mut sqlx::AnyConnection) -> i64 {
 /// `per_batch` statements each by `statements`, where one statement a renewal would be 40, and
 /// each answered for its own lease: only the owned ones extend their row, to their own ttl.
 async fn renewals_at_once_go_together(
-    driver: Arc<dyn leasehold_lease::Driver>,
+    driver: Arc<dyn leasehold_lease::Backend>,
     admin: &mut sqlx::AnyConnection,
     statements: impl AsyncFn(&mut sqlx::AnyConnection) -> i64,
     per_batch: i64,

@@ -66,7 +66,7 @@ async fn the_module_server_provisions_and_tokens_survive_a_restart() {
 }
 
 async fn acquired(
-    driver: &dyn leasehold_lease::Driver,
+    driver: &dyn leasehold_lease::Backend,
     lock: &str,
     who: &str,
     ttl: Duration,
@@ -150,7 +150,7 @@ fn server_command(server: &RedisServer, args: &[&str]) {
 /// not get it while a's claim may stand (a lease from its call), and when it does, its token
 /// is above a's.
 async fn the_new_primary_waits_out_the_lease(
-    b: &dyn leasehold_lease::Driver,
+    b: &dyn leasehold_lease::Backend,
     lock: &str,
     sent: tokio::time::Instant,
     taken: u64,

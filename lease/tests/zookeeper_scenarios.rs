@@ -228,7 +228,7 @@ async fn attempts_given_up_while_the_server_is_down_leave_one_place() {
 /// provisioned up front (a declared lock) is persistent and stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_keys_parent_is_deleted_and_its_tokens_still_rise() {
-    use leasehold_lease::{Acquire, Driver};
+    use leasehold_lease::{Acquire, Driver, Upkeep};
     use std::time::Duration;
     let server = ZooKeeperServer::start();
     let driver = driver(&server);

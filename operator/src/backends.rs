@@ -10,7 +10,7 @@ use kube::ResourceExt;
 use leasehold_crds::DistributedLock;
 use leasehold_lease::kubernetes::LOCK_ANNOTATION;
 use leasehold_lease::resource::{self, ResolvedLock};
-use leasehold_lease::{BackendUrl, Driver, Error};
+use leasehold_lease::{Backend, BackendUrl, Error};
 
 use crate::status::Observation;
 
@@ -29,7 +29,7 @@ pub const HELD_KEYS_EVERY: Duration = Duration::from_secs(60);
 /// family's last count of held keys.
 struct OpenDriver {
     url: BackendUrl,
-    driver: Arc<dyn Driver>,
+    driver: Arc<dyn Backend>,
     provisioned: Option<(Option<i64>, std::time::Instant)>,
     held_keys: Option<(Option<u64>, std::time::Instant)>,
 }
@@ -93,7 +93,7 @@ impl Backends {
         client: &kube::Client,
         lock: &DistributedLock,
         resolved: &ResolvedLock,
-    ) -> leasehold_lease::Result<Arc<dyn Driver>> {
+    ) -> leasehold_lease::Result<Arc<dyn Backend>> {
         let key = key(lock);
         if let Some(open) = self
             .open

@@ -25,6 +25,7 @@ const STOP_PATIENCE: Duration = Duration::from_secs(180);
 async fn main() -> ExitCode {
     let config = Config::parse();
     init_logging(config.log_format == "json");
+    leasehold_lease::tls::use_ring_provider();
     match run(config).await {
         Ok(code) => code,
         Err(message) => {

@@ -470,11 +470,11 @@ pub fn backoff(failures: u32) -> Duration {
 mod tests {
     use super::*;
     use crate::fixtures::{self, Scenario, timeout_after_1s};
-    use leasehold_lease::Driver;
+    use leasehold_lease::Backend;
     use leasehold_lease::testkit::RedisServer;
 
     /// A Redis server of the test's own, and a driver on it as a pod's sidecar would have.
-    async fn redis() -> (RedisServer, Arc<dyn Driver>) {
+    async fn redis() -> (RedisServer, Arc<dyn Backend>) {
         let server = RedisServer::start();
         let url = leasehold_lease::BackendUrl::parse(&server.url()).unwrap();
         let driver = leasehold_lease::connect(&url).await.unwrap();
@@ -482,7 +482,7 @@ mod tests {
     }
 
     /// The lock's holder and token in the backend.
-    async fn holder(driver: &Arc<dyn Driver>, lock: &str) -> Option<(String, u64)> {
+    async fn holder(driver: &Arc<dyn Backend>, lock: &str) -> Option<(String, u64)> {
         driver
             .observe(lock)
             .await
@@ -495,7 +495,7 @@ mod tests {
     }
 
     /// The token the next holder of `lock` gets (it takes and releases the lock).
-    async fn next_token(driver: &Arc<dyn Driver>, lock: &str) -> u64 {
+    async fn next_token(driver: &Arc<dyn Backend>, lock: &str) -> u64 {
         let leasehold_lease::Acquire::Acquired(lease) = driver
             .try_acquire(lock, "pod-next", Duration::from_secs(30))
             .await

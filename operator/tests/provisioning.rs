@@ -10,13 +10,13 @@ use leasehold_crds::{
     Backend, CleanupPolicy, DistributedLock, EtcdBackend, KubernetesBackend, RedisBackend,
     RedisSentinel, SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
 };
+use leasehold_lease::Acquire;
 use leasehold_lease::resource;
 use leasehold_lease::testkit::in_memory_api_server::{LEASES, SECRETS};
 use leasehold_lease::testkit::{
     EtcdServer, InMemoryApiServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer,
     ZooKeeperServer,
 };
-use leasehold_lease::{Acquire, Driver};
 use leasehold_operator::backends::{Backends, StillHeld};
 use leasehold_operator::status::Observation;
 use serde_json::json;
@@ -65,7 +65,7 @@ fn secret_allowing(
 async fn provision(
     api: &InMemoryApiServer,
     lock: &DistributedLock,
-) -> (Observation, std::sync::Arc<dyn Driver>) {
+) -> (Observation, std::sync::Arc<dyn leasehold_lease::Backend>) {
     let operator = operator_client(api);
     let (_, observation) = Backends::default().observe(&operator, lock).await;
     let resolved = Backends::resolve(&operator, lock).await.expect("resolve");
@@ -76,7 +76,7 @@ async fn provision(
     (observation, driver)
 }
 
-async fn takes(driver: &dyn Driver, lock: &str) {
+async fn takes(driver: &dyn leasehold_lease::Backend, lock: &str) {
     match driver
         .try_acquire(lock, "pod-a", Duration::from_secs(30))
         .await

@@ -70,7 +70,7 @@ pub enum Running {
 async fn open(
     client: &kube::Client,
     resolved: &ResolvedLock,
-) -> Result<Arc<dyn leasehold_lease::Driver>, String> {
+) -> Result<Arc<dyn leasehold_lease::Backend>, String> {
     resource::open(client, resolved)
         .await
         .map_err(|e| format!("cannot open backend {}: {e}", resolved.backend))
@@ -102,7 +102,7 @@ async fn start_lock(
 }
 
 fn start_lock_on(
-    driver: Arc<dyn leasehold_lease::Driver>,
+    driver: Arc<dyn leasehold_lease::Backend>,
     resolved: &ResolvedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
@@ -142,7 +142,7 @@ fn location(backend: &leasehold_lease::BackendUrl) -> String {
 async fn open_checked(
     client: &kube::Client,
     resolved: &ResolvedLock,
-) -> Result<Arc<dyn leasehold_lease::Driver>, String> {
+) -> Result<Arc<dyn leasehold_lease::Backend>, String> {
     let driver = open(client, resolved).await?;
     match tokio::time::timeout(Duration::from_secs(5), driver.ping()).await {
         Ok(Ok(())) => Ok(driver),

@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         }
     };
     leasehold_process::init_logging(config.json_logs);
+    leasehold_lease::tls::use_ring_provider();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKER_THREADS)
         .enable_all()

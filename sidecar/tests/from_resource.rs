@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::Driver;
+use leasehold_lease::Backend;
 use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
 use leasehold_lease::testkit::{InMemoryApiServer, RedisServer};
 use leasehold_sidecar::api::AppState;
@@ -25,7 +25,7 @@ fn distributed_lock(redis: &RedisServer, prefix: &str, lease: &str) -> Value {
 }
 
 /// A driver on the Redis of `distributed_lock(redis, prefix, _)`.
-async fn redis_driver(redis: &RedisServer, prefix: &str) -> std::sync::Arc<dyn Driver> {
+async fn redis_driver(redis: &RedisServer, prefix: &str) -> std::sync::Arc<dyn Backend> {
     let url = format!("{}?prefix={prefix}", redis.url());
     leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
         .await

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use leasehold_e2e::fault_proxy::FaultProxy;
 use leasehold_lease::testkit::{ZooKeeperServer, unique_lock};
-use leasehold_lease::{Acquire, BackendUrl, Driver};
+use leasehold_lease::{Acquire, Backend, BackendUrl};
 
-async fn driver(url: &str) -> std::sync::Arc<dyn Driver> {
+async fn driver(url: &str) -> std::sync::Arc<dyn Backend> {
     leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))
         .await
         .expect("driver")

@@ -37,7 +37,7 @@ use kube::runtime::watcher;
 use tokio::sync::watch;
 
 use crate::boot_clock::BootInstant;
-use crate::driver::{Acquire, Driver, Holding, Lease, Pruned};
+use crate::driver::{Acquire, Driver, Holding, Lease, Pruned, Upkeep};
 use crate::error::{Error, Result};
 
 /// The exact lease duration in milliseconds, next to the whole seconds of the spec.
@@ -167,6 +167,7 @@ impl KubernetesLeaseDriver {
 
     /// In-cluster (or `KUBECONFIG`) credentials; `namespace` defaults to the pod's own.
     pub async fn connect(namespace: Option<&str>) -> Result<Self> {
+        crate::tls::use_ring_provider();
         let client = kube::Client::try_default()
             .await
             .map_err(|e| Error::Unreachable(format!("no Kubernetes API configuration: {e}")))?;
@@ -604,38 +605,6 @@ impl Driver for KubernetesLeaseDriver {
         "kubernetes"
     }
 
-    /// The Lease is freed, not deleted: it keeps `leaseTransitions`, the token, so that a lock
-    /// created again under the name continues above it. It is also cut loose from any owner an
-    /// earlier version gave it, whose deletion the garbage collector would otherwise follow.
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        for lock in locks {
-            let mut freed = false;
-            for _ in 0..CONFLICT_RETRIES {
-                let Some(mut object) = self.read(lock).await? else {
-                    freed = true;
-                    break;
-                };
-                object.metadata.owner_references = None;
-                if let Some(spec) = object.spec.as_mut() {
-                    spec.holder_identity = None;
-                    spec.acquire_time = None;
-                    spec.renew_time = None;
-                }
-                if self.replace(lock, &object).await?.is_some() {
-                    freed = true;
-                    break;
-                }
-            }
-            if !freed {
-                return Err(Error::Backend(format!(
-                    "the Lease {} kept changing; it was not freed",
-                    self.lease_name(lock)
-                )));
-            }
-        }
-        Ok(())
-    }
-
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let (mut object, created) = match self.read(lock).await? {
             Some(object) => (object, false),
@@ -699,6 +668,53 @@ impl Driver for KubernetesLeaseDriver {
             return Ok(None);
         };
         Ok(Record::of(&object).and_then(|record| self.held_by(lock, &object, &record)))
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.feed(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.client
+            .apiserver_version()
+            .await
+            .map(|_| ())
+            .map_err(classify)
+    }
+}
+
+#[async_trait]
+impl Upkeep for KubernetesLeaseDriver {
+    /// The Lease is freed, not deleted: it keeps `leaseTransitions`, the token, so that a lock
+    /// created again under the name continues above it. It is also cut loose from any owner an
+    /// earlier version gave it, whose deletion the garbage collector would otherwise follow.
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        for lock in locks {
+            let mut freed = false;
+            for _ in 0..CONFLICT_RETRIES {
+                let Some(mut object) = self.read(lock).await? else {
+                    freed = true;
+                    break;
+                };
+                object.metadata.owner_references = None;
+                if let Some(spec) = object.spec.as_mut() {
+                    spec.holder_identity = None;
+                    spec.acquire_time = None;
+                    spec.renew_time = None;
+                }
+                if self.replace(lock, &object).await?.is_some() {
+                    freed = true;
+                    break;
+                }
+            }
+            if !freed {
+                return Err(Error::Backend(format!(
+                    "the Lease {} kept changing; it was not freed",
+                    self.lease_name(lock)
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The namespace's Leases, read page by page; a key's Lease is named after its lock.
@@ -767,18 +783,6 @@ impl Driver for KubernetesLeaseDriver {
             }
         }
         Ok(forgotten)
-    }
-
-    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.feed(lock))
-    }
-
-    async fn ping(&self) -> Result<()> {
-        self.client
-            .apiserver_version()
-            .await
-            .map(|_| ())
-            .map_err(classify)
     }
 
     /// A Lease per lock, unheld, owned by its `DistributedLock` when the target names one.

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use tokio::time::{Instant, sleep};
 
 use super::{FaultyDriver, RedisServer, unique_lock};
-use crate::driver::{Acquire, Driver, Lease};
+use crate::driver::{Acquire, Backend, Driver, Lease};
 use crate::holder::{Answer, EventKind, Lock, LockConfig, Mode};
 
 /// Short leases keep the suite quick; every bound below is derived from these.
@@ -25,7 +25,7 @@ pub const SLACK: Duration = Duration::from_millis(1500);
 #[async_trait]
 pub trait Harness: Send {
     /// A new client with its own connection, as a separate process would have.
-    async fn driver(&self) -> Arc<dyn Driver>;
+    async fn driver(&self) -> Arc<dyn Backend>;
     /// Make the backend unavailable to every client (kill the server, lock the file).
     async fn outage_begin(&mut self);
     /// Bring the backend back, with the data it had.
@@ -64,7 +64,7 @@ impl Default for SqliteHarness {
 
 #[async_trait]
 impl Harness for SqliteHarness {
-    async fn driver(&self) -> Arc<dyn Driver> {
+    async fn driver(&self) -> Arc<dyn Backend> {
         Arc::new(
             crate::drivers::sql::sqlite::SqliteDriver::open(&self.path(), crate::DEFAULT_TABLE)
                 .await
@@ -244,7 +244,7 @@ impl<S: BackendServer> Default for ServerHarness<S> {
 
 #[async_trait]
 impl<S: BackendServer> Harness for ServerHarness<S> {
-    async fn driver(&self) -> Arc<dyn Driver> {
+    async fn driver(&self) -> Arc<dyn Backend> {
         let url = crate::BackendUrl::parse(&self.url()).expect("backend url");
         crate::connect(&url).await.expect("driver")
     }
@@ -312,7 +312,7 @@ impl Default for RedlockHarness {
 
 #[async_trait]
 impl Harness for RedlockHarness {
-    async fn driver(&self) -> Arc<dyn Driver> {
+    async fn driver(&self) -> Arc<dyn Backend> {
         let url = crate::BackendUrl::parse(&self.url()).expect("backend url");
         crate::connect(&url).await.expect("driver")
     }
@@ -358,7 +358,7 @@ impl Default for KubernetesHarness {
 
 #[async_trait]
 impl Harness for KubernetesHarness {
-    async fn driver(&self) -> Arc<dyn Driver> {
+    async fn driver(&self) -> Arc<dyn Backend> {
         Arc::new(self.client_driver())
     }
     async fn outage_begin(&mut self) {
@@ -377,14 +377,14 @@ fn config(lock: &str, identity: &str, mode: Mode) -> LockConfig {
     }
 }
 
-fn start(driver: Arc<dyn Driver>, lock: &str, identity: &str, mode: Mode) -> Lock {
+fn start(driver: Arc<dyn Backend>, lock: &str, identity: &str, mode: Mode) -> Lock {
     Lock::start(driver, config(lock, identity, mode), Arc::new(())).expect("start lock")
 }
 
 /// `identity` takes the free `lock`. A call the backend's connection failed under is tried
 /// again for up to [`SLACK`], as the engine would: ZooKeeper's client drops a connection of the
 /// suite's 1 s sessions that is silent for 400 ms, which a loaded machine sometimes makes it.
-async fn acquired(driver: &dyn Driver, lock: &str, identity: &str, ttl: Duration) -> Lease {
+async fn acquired(driver: &dyn Backend, lock: &str, identity: &str, ttl: Duration) -> Lease {
     let start = Instant::now();
     loop {
         match driver.try_acquire(lock, identity, ttl).await {
@@ -407,7 +407,7 @@ async fn acquired(driver: &dyn Driver, lock: &str, identity: &str, ttl: Duration
 }
 
 /// `identity` takes `lock` once it is free, within a lease (and slack); `never` says what failed.
-async fn acquired_within(driver: &dyn Driver, lock: &str, identity: &str, never: &str) -> Lease {
+async fn acquired_within(driver: &dyn Backend, lock: &str, identity: &str, never: &str) -> Lease {
     let start = Instant::now();
     loop {
         match driver
@@ -424,7 +424,7 @@ async fn acquired_within(driver: &dyn Driver, lock: &str, identity: &str, never:
     }
 }
 
-async fn busy(driver: &dyn Driver, lock: &str, identity: &str) -> Option<crate::Holding> {
+async fn busy(driver: &dyn Backend, lock: &str, identity: &str) -> Option<crate::Holding> {
     match driver
         .try_acquire(lock, identity, LEASE)
         .await
@@ -1000,7 +1000,7 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
     use crate::keyed::{FamilyConfig, KeyAnswer, KeyError, KeyRelease, KeyedFamily};
     const HOLD: Duration = Duration::from_secs(60);
     let family = unique_lock("keyed");
-    let pod = |driver: Arc<dyn Driver>, identity: &str| {
+    let pod = |driver: Arc<dyn Backend>, identity: &str| {
         KeyedFamily::new(
             driver,
             FamilyConfig {
@@ -1275,7 +1275,7 @@ pub async fn held_keys_are_counted(h: &mut dyn Harness) {
     let (a, b) = (h.driver().await, h.driver().await);
     let count = async || a.count_held_keys(&family).await.expect("count");
     assert_eq!(count().await, Some(0), "a family never used");
-    let take = async |driver: &Arc<dyn Driver>, lock: &str| match driver
+    let take = async |driver: &Arc<dyn Backend>, lock: &str| match driver
         .try_acquire(lock, "owner", LEASE)
         .await
     {
@@ -1342,7 +1342,7 @@ macro_rules! conformance_suite {
 /// whole seconds) is reported once held: the lock's warning names both, rather than promising a
 /// takeover within the lease.
 pub async fn an_enforced_lease_longer_than_configured_is_reported(
-    driver: Arc<dyn Driver>,
+    driver: Arc<dyn Backend>,
     lease: Duration,
     enforced: &str,
 ) {

@@ -11,11 +11,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, Driver, Holding, Lease};
+use crate::driver::{Acquire, Backend, Driver, Holding, Lease, Upkeep};
 use crate::error::Result;
 
 pub struct FaultyDriver {
-    inner: Arc<dyn Driver>,
+    inner: Arc<dyn Backend>,
     stall_renewals: AtomicBool,
     cut_off: AtomicBool,
     request_delay_ms: AtomicU64,
@@ -28,7 +28,7 @@ pub struct FaultyDriver {
 }
 
 impl FaultyDriver {
-    pub fn wrap(inner: Arc<dyn Driver>) -> Arc<Self> {
+    pub fn wrap(inner: Arc<dyn Backend>) -> Arc<Self> {
         Arc::new(Self {
             inner,
             stall_renewals: AtomicBool::new(false),
@@ -158,20 +158,6 @@ impl Driver for FaultyDriver {
         self.inner.abandon(lock, identity).await
     }
 
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        self.inner.deprovision(locks).await
-    }
-
-    async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
-        self.unless_cut_off().await;
-        self.inner.forget_idle_keys(family, idle_for).await
-    }
-
-    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        self.unless_cut_off().await;
-        self.inner.count_held_keys(family).await
-    }
-
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
         self.unless_cut_off().await;
         self.inner.observe(lock).await
@@ -189,5 +175,22 @@ impl Driver for FaultyDriver {
     async fn ping(&self) -> Result<()> {
         self.unless_cut_off().await;
         self.inner.ping().await
+    }
+}
+
+#[async_trait]
+impl Upkeep for FaultyDriver {
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        self.inner.deprovision(locks).await
+    }
+
+    async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
+        self.unless_cut_off().await;
+        self.inner.forget_idle_keys(family, idle_for).await
+    }
+
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        self.unless_cut_off().await;
+        self.inner.count_held_keys(family).await
     }
 }

@@ -39,7 +39,7 @@ pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 
 /// A driver for `url`, through the same parsing and `connect` as the sidecar.
-pub async fn driver_for(url: &str) -> std::sync::Arc<dyn crate::Driver> {
+pub async fn driver_for(url: &str) -> std::sync::Arc<dyn crate::Backend> {
     crate::connect(&crate::BackendUrl::parse(url).expect("url"))
         .await
         .expect("driver")
@@ -47,7 +47,7 @@ pub async fn driver_for(url: &str) -> std::sync::Arc<dyn crate::Driver> {
 
 /// A lock that campaigns for `lock` as `identity`, renewing ten times a lease.
 pub fn campaign(
-    driver: std::sync::Arc<dyn crate::Driver>,
+    driver: std::sync::Arc<dyn crate::Backend>,
     lock: &str,
     identity: &str,
     lease: std::time::Duration,

@@ -42,7 +42,7 @@ use async_trait::async_trait;
 use tokio::sync::{OnceCell, watch};
 use tokio::time::Instant;
 
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batch, Batches, Gather, answer_all};
 use crate::drivers::queue::etcd_rpc::{
     Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
@@ -826,26 +826,6 @@ impl Driver for EtcdDriver {
         "etcd"
     }
 
-    /// The lock's whole queue: every contender's key goes. Their etcd leases stay, since each is
-    /// a whole process's (its other locks' keys are bound to it): a holder learns at its next
-    /// renewal, which reads its key back.
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        let client = self.shared.client().await?;
-        for lock in locks {
-            let queue = self.shared.queue_prefix(lock);
-            let range = RangeRequest::prefix(&queue);
-            client
-                .delete_range(DeleteRangeRequest {
-                    key: range.key,
-                    range_end: range.range_end,
-                    prev_kv: false,
-                })
-                .await
-                .map_err(map_err)?;
-        }
-        Ok(())
-    }
-
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let _turn = self.shared.attempts.turn(lock).await;
         let sent = Instant::now();
@@ -975,27 +955,6 @@ impl Driver for EtcdDriver {
         self.shared.holder(lock).await
     }
 
-    /// A key whose queue has an entry has a holder: its lowest (a released key's entries go).
-    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        let client = self.shared.client().await?;
-        let root = format!("{}/", self.shared.config.prefix);
-        let reply = client
-            .range(RangeRequest {
-                keys_only: true,
-                ..RangeRequest::prefix(&format!("{root}{family}.key"))
-            })
-            .await
-            .map_err(map_err)?;
-        let held: std::collections::HashSet<&str> = reply
-            .kvs
-            .iter()
-            .filter_map(|kv| std::str::from_utf8(&kv.key).ok())
-            .filter_map(|key| key.strip_prefix(&root)?.split('/').next())
-            .filter(|lock| crate::names::family_of(lock) == Some(family))
-            .collect();
-        Ok(Some(held.len() as u64))
-    }
-
     /// The TTL etcd granted (whole seconds, at least its minimum): a dead holder's key lives
     /// that long.
     fn enforced_lease(&self, lock: &str) -> Option<Duration> {
@@ -1031,5 +990,49 @@ impl Driver for EtcdDriver {
         let client = self.shared.client().await?;
         client.status().await.map_err(map_err)?;
         Ok(())
+    }
+}
+
+#[async_trait]
+impl Upkeep for EtcdDriver {
+    /// The lock's whole queue: every contender's key goes. Their etcd leases stay, since each is
+    /// a whole process's (its other locks' keys are bound to it): a holder learns at its next
+    /// renewal, which reads its key back.
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        let client = self.shared.client().await?;
+        for lock in locks {
+            let queue = self.shared.queue_prefix(lock);
+            let range = RangeRequest::prefix(&queue);
+            client
+                .delete_range(DeleteRangeRequest {
+                    key: range.key,
+                    range_end: range.range_end,
+                    prev_kv: false,
+                })
+                .await
+                .map_err(map_err)?;
+        }
+        Ok(())
+    }
+
+    /// A key whose queue has an entry has a holder: its lowest (a released key's entries go).
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let client = self.shared.client().await?;
+        let root = format!("{}/", self.shared.config.prefix);
+        let reply = client
+            .range(RangeRequest {
+                keys_only: true,
+                ..RangeRequest::prefix(&format!("{root}{family}.key"))
+            })
+            .await
+            .map_err(map_err)?;
+        let held: std::collections::HashSet<&str> = reply
+            .kvs
+            .iter()
+            .filter_map(|kv| std::str::from_utf8(&kv.key).ok())
+            .filter_map(|key| key.strip_prefix(&root)?.split('/').next())
+            .filter(|lock| crate::names::family_of(lock) == Some(family))
+            .collect();
+        Ok(Some(held.len() as u64))
     }
 }

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use zookeeper_client as zk;
 
 use crate::boot_clock::BootInstant;
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batches, Pending};
 use crate::drivers::queue::slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
@@ -386,6 +386,7 @@ impl Shared {
         let connecting = async {
             match &self.tls {
                 Some(tls) => {
+                    crate::tls::use_ring_provider();
                     connector
                         .with_tls(tls.clone())
                         .secure_connect(&self.config.servers)
@@ -1176,7 +1177,10 @@ impl Driver for ZooKeeperDriver {
             .map(|_| ())
             .map_err(map_err)
     }
+}
 
+#[async_trait]
+impl Upkeep for ZooKeeperDriver {
     /// A key's parent with a node under it has a holder: its lowest. The root's children are
     /// listed once, then each of the family's parents is asked for its count, many at a time.
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {

@@ -32,7 +32,7 @@ use crate::tls::Tls;
 use redis::{Script, Value};
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 /// How long a renewal waits for others to go out with it in one script call.
 pub use crate::drivers::batches::LINGER as RENEWAL_LINGER;
 use crate::drivers::redis::acquisitions::AcquisitionBatches;
@@ -703,6 +703,7 @@ pub(crate) fn client(url: &url::Url, tls: Option<&Tls>) -> Result<redis::Client>
         reason,
     };
     let Some(tls) = tls else {
+        crate::tls::use_ring_provider();
         return redis::Client::open(url.as_str()).map_err(|e| invalid(e.to_string()));
     };
     redis::Client::build_with_tls(url.as_str(), certificates(tls)?)
@@ -711,6 +712,7 @@ pub(crate) fn client(url: &url::Url, tls: Option<&Tls>) -> Result<redis::Client>
 
 /// `tls`'s PEM documents as the client takes them, read now.
 pub(crate) fn certificates(tls: &Tls) -> Result<redis::TlsCertificates> {
+    crate::tls::use_ring_provider();
     let client_tls = match &tls.client {
         Some((cert, key)) => Some(redis::ClientTlsConfig {
             client_cert: cert.read("cert")?.into_bytes(),
@@ -1012,19 +1014,6 @@ impl Driver for RedisDriver {
         "redis"
     }
 
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        delete_keys(&mut self.connection().await?, &self.keys, locks).await
-    }
-
-    async fn warnings(&self) -> Result<Vec<String>> {
-        match self.connection().await? {
-            Connection::Cluster(mut cluster) => {
-                crate::drivers::redis::cluster::warnings(&mut cluster).await
-            }
-            mut single => lock_key_warnings(&mut single).await,
-        }
-    }
-
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.connection().await?;
         let durable = self.durable(&mut conn).await?;
@@ -1092,6 +1081,32 @@ impl Driver for RedisDriver {
         Some(self.releases.subscribe(lock))
     }
 
+    async fn ping(&self) -> Result<()> {
+        let mut conn = self.connection().await?;
+        // A cluster answers from every node: any answer will do.
+        let _: Value = redis::cmd("PING")
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Upkeep for RedisDriver {
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        delete_keys(&mut self.connection().await?, &self.keys, locks).await
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        match self.connection().await? {
+            Connection::Cluster(mut cluster) => {
+                crate::drivers::redis::cluster::warnings(&mut cluster).await
+            }
+            mut single => lock_key_warnings(&mut single).await,
+        }
+    }
+
     /// On a cluster, each master's keyspace in turn: a family's keys are spread over the slots.
     /// A key whose slot moves while the masters are read may be counted twice or not at all.
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
@@ -1111,16 +1126,6 @@ impl Driver for RedisDriver {
             }
         };
         Ok(Some(held as u64))
-    }
-
-    async fn ping(&self) -> Result<()> {
-        let mut conn = self.connection().await?;
-        // A cluster answers from every node: any answer will do.
-        let _: Value = redis::cmd("PING")
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.error(e))?;
-        Ok(())
     }
 }
 

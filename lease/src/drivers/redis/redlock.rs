@@ -30,7 +30,7 @@ use redis::{Script, Value};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, lease_value, listen_for_releases, map_err,
@@ -234,55 +234,6 @@ impl Driver for RedlockDriver {
         "redlock"
     }
 
-    /// Every master must forget the lock, or its counter would outvote a fresh start later.
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        for master in &self.masters {
-            crate::drivers::redis::delete_keys(&mut master.conn.clone(), &self.keys, locks).await?;
-        }
-        Ok(())
-    }
-
-    /// A key is held where a majority of the masters has its lease; masters that do not
-    /// answer count as not having it, and without a majority answering nothing is counted.
-    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        let listed = join_all(self.masters.iter().map(|master| {
-            let mut conn = master.conn.clone();
-            async move {
-                tokio::time::timeout(
-                    MAX_MASTER_TIMEOUT,
-                    crate::drivers::redis::held_key_leases(&mut conn, &self.keys, family),
-                )
-                .await
-                .map_err(|_| Error::Timeout(MAX_MASTER_TIMEOUT))
-                .and_then(|held| held)
-            }
-        }))
-        .await;
-        let answered: Vec<_> = listed.iter().filter_map(|l| l.as_ref().ok()).collect();
-        if answered.len() < self.quorum() {
-            return Err(self.no_quorum(answered.len(), &listed));
-        }
-        let mut votes: std::collections::HashMap<&str, usize> = Default::default();
-        for key in answered.iter().flat_map(|held| held.iter()) {
-            *votes.entry(key).or_default() += 1;
-        }
-        Ok(Some(
-            votes.values().filter(|&&n| n >= self.quorum()).count() as u64,
-        ))
-    }
-
-    async fn warnings(&self) -> Result<Vec<String>> {
-        let mut warnings = Vec::new();
-        for (i, master) in self.masters.iter().enumerate() {
-            if let Ok(Some(w)) =
-                crate::drivers::redis::eviction_warning(&mut master.conn.clone()).await
-            {
-                warnings.push(format!("master {}: {w}", i + 1));
-            }
-        }
-        Ok(warnings)
-    }
-
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let started = Instant::now();
         let timeout = master_timeout(ttl);
@@ -434,5 +385,57 @@ impl Driver for RedlockDriver {
             return Err(self.no_quorum(answered, &pings));
         }
         Ok(())
+    }
+}
+
+#[async_trait]
+impl Upkeep for RedlockDriver {
+    /// Every master must forget the lock, or its counter would outvote a fresh start later.
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        for master in &self.masters {
+            crate::drivers::redis::delete_keys(&mut master.conn.clone(), &self.keys, locks).await?;
+        }
+        Ok(())
+    }
+
+    /// A key is held where a majority of the masters has its lease; masters that do not
+    /// answer count as not having it, and without a majority answering nothing is counted.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let listed = join_all(self.masters.iter().map(|master| {
+            let mut conn = master.conn.clone();
+            async move {
+                tokio::time::timeout(
+                    MAX_MASTER_TIMEOUT,
+                    crate::drivers::redis::held_key_leases(&mut conn, &self.keys, family),
+                )
+                .await
+                .map_err(|_| Error::Timeout(MAX_MASTER_TIMEOUT))
+                .and_then(|held| held)
+            }
+        }))
+        .await;
+        let answered: Vec<_> = listed.iter().filter_map(|l| l.as_ref().ok()).collect();
+        if answered.len() < self.quorum() {
+            return Err(self.no_quorum(answered.len(), &listed));
+        }
+        let mut votes: std::collections::HashMap<&str, usize> = Default::default();
+        for key in answered.iter().flat_map(|held| held.iter()) {
+            *votes.entry(key).or_default() += 1;
+        }
+        Ok(Some(
+            votes.values().filter(|&&n| n >= self.quorum()).count() as u64,
+        ))
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        let mut warnings = Vec::new();
+        for (i, master) in self.masters.iter().enumerate() {
+            if let Ok(Some(w)) =
+                crate::drivers::redis::eviction_warning(&mut master.conn.clone()).await
+            {
+                warnings.push(format!("master {}: {w}", i + 1));
+            }
+        }
+        Ok(warnings)
     }
 }

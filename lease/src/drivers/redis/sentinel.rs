@@ -43,7 +43,7 @@ use redis::{Script, Value};
 use tokio::sync::watch;
 
 use crate::boot_clock::BootInstant;
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{self as single, KeyLayout};
 use crate::error::{Error, Result};
@@ -512,32 +512,6 @@ impl Driver for RedisSentinelDriver {
         "redis-sentinel"
     }
 
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        let master = self.master.master().await?;
-        let mut conn = master.conn.clone();
-        match single::delete_keys(&mut conn, &self.keys, locks).await {
-            Err(Error::Unreachable(m)) => {
-                self.master.forget(&master.address).await;
-                Err(Error::Unreachable(m))
-            }
-            other => other,
-        }
-    }
-
-    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        let master = self.master.master().await?;
-        let held = single::held_key_leases(&mut master.conn.clone(), &self.keys, family).await;
-        if let Err(Error::Unreachable(_)) = &held {
-            self.master.forget(&master.address).await;
-        }
-        Ok(Some(held?.len() as u64))
-    }
-
-    async fn warnings(&self) -> Result<Vec<String>> {
-        let master = self.master.master().await?;
-        single::lock_key_warnings(&mut master.conn.clone()).await
-    }
-
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let master = self.master.master_within(confirmation_window(ttl)).await?;
         let durable = match self
@@ -661,6 +635,35 @@ impl Driver for RedisSentinelDriver {
             Ok(_) => Ok(()),
             Err(e) => Err(self.failed(&master, e).await),
         }
+    }
+}
+
+#[async_trait]
+impl Upkeep for RedisSentinelDriver {
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        let master = self.master.master().await?;
+        let mut conn = master.conn.clone();
+        match single::delete_keys(&mut conn, &self.keys, locks).await {
+            Err(Error::Unreachable(m)) => {
+                self.master.forget(&master.address).await;
+                Err(Error::Unreachable(m))
+            }
+            other => other,
+        }
+    }
+
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let master = self.master.master().await?;
+        let held = single::held_key_leases(&mut master.conn.clone(), &self.keys, family).await;
+        if let Err(Error::Unreachable(_)) = &held {
+            self.master.forget(&master.address).await;
+        }
+        Ok(Some(held?.len() as u64))
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        let master = self.master.master().await?;
+        single::lock_key_warnings(&mut master.conn.clone()).await
     }
 }
 

@@ -43,7 +43,7 @@ use redis::Value;
 use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned, Upkeep};
 use crate::drivers::redis::{
     Durability, KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases,
     info_field, lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
@@ -535,14 +535,6 @@ impl Driver for TairDriver {
         "tair"
     }
 
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        delete_keys(&mut self.conn.clone(), &self.keys, locks).await
-    }
-
-    async fn warnings(&self) -> Result<Vec<String>> {
-        lock_key_warnings(&mut self.conn.clone()).await
-    }
-
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.conn.clone();
         let mut epoch = self.epoch(&mut conn).await?;
@@ -742,13 +734,6 @@ impl Driver for TairDriver {
         })
     }
 
-    /// The lease keys are named as on Redis, so the same `SCAN` finds them; a released key is
-    /// deleted (`EXCAD`) and an expired one is gone.
-    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        let held = held_key_leases(&mut self.conn.clone(), &self.keys, family).await?;
-        Ok(Some(held.len() as u64))
-    }
-
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
         Some(self.releases.subscribe(lock))
     }
@@ -759,6 +744,24 @@ impl Driver for TairDriver {
             .await
             .map_err(map_err)?;
         Ok(())
+    }
+}
+
+#[async_trait]
+impl Upkeep for TairDriver {
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        delete_keys(&mut self.conn.clone(), &self.keys, locks).await
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        lock_key_warnings(&mut self.conn.clone()).await
+    }
+
+    /// The lease keys are named as on Redis, so the same `SCAN` finds them; a released key is
+    /// deleted (`EXCAD`) and an expired one is gone.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let held = held_key_leases(&mut self.conn.clone(), &self.keys, family).await?;
+        Ok(Some(held.len() as u64))
     }
 
     /// Provisioning checks the server has the commands (the operator reports it).

@@ -33,7 +33,7 @@ use sqlx::{Connection, Row};
 use tokio::sync::{OnceCell, watch};
 
 use crate::boot_clock::BootInstant;
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batches, Pending};
 use crate::drivers::sql::row_lock::RowLocks;
 use crate::drivers::sql::wake::{AdvisoryStatements, ServerLock, ServerLocks};
@@ -1266,6 +1266,84 @@ impl Driver for SqlDriver {
         Ok(acquired)
     }
 
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let renewed = match &self.row_locks {
+            Some(row_locks) => row_locks.renew(self, lease, ttl).await,
+            None => self.renew_row(lease, ttl).await,
+        };
+        if let Some(server) = self.server_lock(&lease.lock) {
+            server.forget_counted(&lease.lock);
+            if let Ok(false) = renewed {
+                server.let_go(&lease.lock);
+            }
+        }
+        renewed
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        let server_lock = self.server_lock(&lease.lock);
+        // PostgreSQL: on the advisory lock's session, which lets it go in the same statement.
+        let released_there = match server_lock {
+            Some(server) => server.release(lease).await,
+            None => None,
+        };
+        // There, the server lock went in the same statement.
+        let let_go = released_there.is_none();
+        let released = match (released_there, &self.row_locks) {
+            (Some(released), _) => released.map_err(map_err)?,
+            (None, Some(row_locks)) => row_locks.release(self, lease).await?,
+            (None, None) => self.release_row(&self.pool, lease).await?,
+        };
+        // Not held either way now: the next waiter goes.
+        if let (true, Some(server)) = (let_go, server_lock) {
+            server.let_go(&lease.lock);
+        }
+        if released {
+            self.releases.bump(&lease.lock);
+        }
+        Ok(released)
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        self.ensure_tables().await?;
+        let rows = sqlx::query(&self.sql.observe)
+            .bind(lock)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)?;
+        rows.first()
+            .map(holding_from_row)
+            .transpose()
+            .map_err(map_err)
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.releases.subscribe(lock))
+    }
+
+    /// A row taken in a waiter's blocking statement counts from the database's writing it,
+    /// before the engine asked for it.
+    fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
+        match self.server_lock(&lease.lock) {
+            Some(server) => server.counted_from(lease, sent),
+            None => sent,
+        }
+    }
+
+    /// PostgreSQL waiters are woken by NOTIFY, MySQL's by named locks, and both read the row once
+    /// per renew interval as a fallback.
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        renew_interval
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let mut conn = self.pool.acquire().await.map_err(map_err)?;
+        conn.ping().await.map_err(map_err)
+    }
+}
+
+#[async_trait]
+impl Upkeep for SqlDriver {
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
         self.ensure_tables().await?;
         let [plain, hashed] = crate::names::key_name_patterns(family);
@@ -1346,81 +1424,6 @@ impl Driver for SqlDriver {
         }
         tx.commit().await.map_err(map_err)?;
         Ok(forgotten)
-    }
-
-    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let renewed = match &self.row_locks {
-            Some(row_locks) => row_locks.renew(self, lease, ttl).await,
-            None => self.renew_row(lease, ttl).await,
-        };
-        if let Some(server) = self.server_lock(&lease.lock) {
-            server.forget_counted(&lease.lock);
-            if let Ok(false) = renewed {
-                server.let_go(&lease.lock);
-            }
-        }
-        renewed
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<bool> {
-        let server_lock = self.server_lock(&lease.lock);
-        // PostgreSQL: on the advisory lock's session, which lets it go in the same statement.
-        let released_there = match server_lock {
-            Some(server) => server.release(lease).await,
-            None => None,
-        };
-        // There, the server lock went in the same statement.
-        let let_go = released_there.is_none();
-        let released = match (released_there, &self.row_locks) {
-            (Some(released), _) => released.map_err(map_err)?,
-            (None, Some(row_locks)) => row_locks.release(self, lease).await?,
-            (None, None) => self.release_row(&self.pool, lease).await?,
-        };
-        // Not held either way now: the next waiter goes.
-        if let (true, Some(server)) = (let_go, server_lock) {
-            server.let_go(&lease.lock);
-        }
-        if released {
-            self.releases.bump(&lease.lock);
-        }
-        Ok(released)
-    }
-
-    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        self.ensure_tables().await?;
-        let rows = sqlx::query(&self.sql.observe)
-            .bind(lock)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)?;
-        rows.first()
-            .map(holding_from_row)
-            .transpose()
-            .map_err(map_err)
-    }
-
-    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.releases.subscribe(lock))
-    }
-
-    /// A row taken in a waiter's blocking statement counts from the database's writing it,
-    /// before the engine asked for it.
-    fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
-        match self.server_lock(&lease.lock) {
-            Some(server) => server.counted_from(lease, sent),
-            None => sent,
-        }
-    }
-
-    /// PostgreSQL waiters are woken by NOTIFY, MySQL's by named locks, and both read the row once
-    /// per renew interval as a fallback.
-    fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        renew_interval
-    }
-
-    async fn ping(&self) -> Result<()> {
-        let mut conn = self.pool.acquire().await.map_err(map_err)?;
-        conn.ping().await.map_err(map_err)
     }
 
     /// Create the lock table (and in row-lock mode the row table, seeded with `locks`) if

@@ -18,7 +18,7 @@ use sqlx::sqlite::{
 };
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease};
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::Batches;
 use crate::drivers::sql::sqlite_wake::WakeFiles;
 use crate::drivers::sql::{
@@ -241,17 +241,6 @@ fn map_err(e: sqlx::Error) -> Error {
 
 #[async_trait]
 impl Driver for SqliteDriver {
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        for lock in locks {
-            sqlx::query(&self.sql.delete)
-                .bind(lock)
-                .execute(&self.pool)
-                .await
-                .map_err(map_err)?;
-        }
-        Ok(())
-    }
-
     fn kind(&self) -> &'static str {
         "sqlite"
     }
@@ -322,6 +311,52 @@ impl Driver for SqliteDriver {
         Ok(released)
     }
 
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        let rows = sqlx::query(&self.sql.observe)
+            .bind(lock)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)?;
+        rows.first()
+            .map(crate::drivers::sql::holding_from_row)
+            .transpose()
+            .map_err(map_err)
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        let changes = self.local_releases.subscribe(lock);
+        if let Some(wake) = &self.wake {
+            wake.watch(lock, &self.local_releases);
+        }
+        Some(changes)
+    }
+
+    fn poll_interval(&self, renew_interval: Duration) -> Duration {
+        (renew_interval / 5).clamp(MIN_POLL, MAX_POLL)
+    }
+
+    async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Upkeep for SqliteDriver {
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        for lock in locks {
+            sqlx::query(&self.sql.delete)
+                .bind(lock)
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+        }
+        Ok(())
+    }
+
     /// One write transaction, so nobody takes a key between the floor's rise and its row's
     /// deletion: the floor first rises to every token of the rows idle since the cut-off, then
     /// those rows go.
@@ -370,37 +405,5 @@ impl Driver for SqliteDriver {
             .await
             .map_err(map_err)?;
         Ok(Some(u64::try_from(held).unwrap_or(0)))
-    }
-
-    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let rows = sqlx::query(&self.sql.observe)
-            .bind(lock)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)?;
-        rows.first()
-            .map(crate::drivers::sql::holding_from_row)
-            .transpose()
-            .map_err(map_err)
-    }
-
-    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        let changes = self.local_releases.subscribe(lock);
-        if let Some(wake) = &self.wake {
-            wake.watch(lock, &self.local_releases);
-        }
-        Some(changes)
-    }
-
-    fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        (renew_interval / 5).clamp(MIN_POLL, MAX_POLL)
-    }
-
-    async fn ping(&self) -> Result<()> {
-        sqlx::query("SELECT 1")
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(())
     }
 }
