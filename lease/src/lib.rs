@@ -37,7 +37,11 @@ pub use drivers::sql::{self, sqlite};
 
 use std::sync::Arc;
 
-pub use backend_url::{BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE};
+pub use backend_url::{
+    BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE, EtcdConfig, KubernetesConfig, RedisClusterConfig,
+    RedisConfig, RedlockConfig, SentinelConfig, SqlConfig, SqliteConfig, TairConfig,
+    ZooKeeperConfig,
+};
 pub use boot_clock::BootInstant;
 pub use driver::{
     Acquire, Backend, ChangeFeeds, Driver, Holding, Lease, RESTART_GUARD, Upkeep, Withheld,
@@ -55,71 +59,39 @@ pub use redact::redact;
 /// server shows up in readiness and answers, not as a start-up failure.
 pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Backend>> {
     Ok(match url {
-        BackendUrl::Sqlite { path, table } => {
-            Arc::new(sqlite::SqliteDriver::open(path, table).await?)
-        }
-        BackendUrl::Tair { url, prefix, tls } => {
-            Arc::new(tair::TairDriver::connect(url, prefix, tls.as_ref())?)
-        }
-        BackendUrl::Redis { url, prefix, tls } => {
-            Arc::new(redis::RedisDriver::connect(url, prefix, tls.as_ref())?)
-        }
-        BackendUrl::RedisSentinel(config) => {
-            Arc::new(redis_sentinel::RedisSentinelDriver::connect(config))
-        }
-        BackendUrl::RedisCluster { nodes, prefix, tls } => Arc::new(
-            redis::RedisDriver::connect_cluster(nodes, prefix, tls.as_ref())?,
-        ),
-        BackendUrl::Etcd {
-            endpoints,
-            prefix,
-            user,
-            tls,
-        } => Arc::new(etcd::EtcdDriver::connect(etcd::EtcdConfig {
-            endpoints: endpoints.clone(),
-            prefix: prefix.clone(),
-            user: user.clone(),
-            tls: tls.clone(),
-        })?),
-        BackendUrl::ZooKeeper {
-            servers,
-            root,
-            digest,
-            tick_time,
-            tls,
-        } => Arc::new(zookeeper::ZooKeeperDriver::connect(
-            zookeeper::ZooKeeperConfig {
-                servers: servers.clone(),
-                root: root.clone(),
-                digest: digest.clone(),
-                tick_time: *tick_time,
-                tls: tls.clone(),
-            },
+        BackendUrl::Sqlite(c) => Arc::new(sqlite::SqliteDriver::open(&c.path, &c.table).await?),
+        BackendUrl::Redis(c) => Arc::new(redis::RedisDriver::connect(
+            &c.url,
+            &c.prefix,
+            c.tls.as_ref(),
         )?),
-        BackendUrl::Kubernetes { namespace } => {
-            Arc::new(kubernetes::KubernetesLeaseDriver::connect(namespace.as_deref()).await?)
-        }
-        BackendUrl::Redlock {
-            masters,
-            prefix,
-            tls,
-        } => Arc::new(redlock::RedlockDriver::connect(
-            masters,
-            prefix,
-            tls.as_ref(),
+        BackendUrl::RedisSentinel(c) => Arc::new(redis_sentinel::RedisSentinelDriver::connect(c)),
+        BackendUrl::RedisCluster(c) => Arc::new(redis::RedisDriver::connect_cluster(
+            &c.nodes,
+            &c.prefix,
+            c.tls.as_ref(),
         )?),
-        BackendUrl::Sql {
-            dialect,
-            url,
-            table,
-            schema,
-            mode,
-        } => Arc::new(sql::SqlDriver::connect(
-            *dialect,
-            url.as_str(),
-            schema.as_deref(),
-            table,
-            *mode,
+        BackendUrl::Tair(c) => Arc::new(tair::TairDriver::connect(
+            &c.url,
+            &c.prefix,
+            c.tls.as_ref(),
+        )?),
+        BackendUrl::Redlock(c) => Arc::new(redlock::RedlockDriver::connect(
+            &c.masters,
+            &c.prefix,
+            c.tls.as_ref(),
+        )?),
+        BackendUrl::Etcd(c) => Arc::new(etcd::EtcdDriver::connect(c.clone())?),
+        BackendUrl::ZooKeeper(c) => Arc::new(zookeeper::ZooKeeperDriver::connect(c.clone())?),
+        BackendUrl::Kubernetes(c) => {
+            Arc::new(kubernetes::KubernetesLeaseDriver::connect(c.namespace.as_deref()).await?)
+        }
+        BackendUrl::Sql(c) => Arc::new(sql::SqlDriver::connect(
+            c.dialect,
+            c.url.as_str(),
+            c.schema.as_deref(),
+            &c.table,
+            c.mode,
         )?),
     })
 }

@@ -14,7 +14,10 @@ use kube::{Api, ResourceExt};
 use leasehold_crds::{Backend, DistributedLock, SecretKeyRef, SqlLockMode};
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 
-use crate::backend_url::BackendUrl;
+use crate::backend_url::{
+    BackendUrl, EtcdConfig, KubernetesConfig, RedisClusterConfig, RedisConfig, RedlockConfig,
+    TairConfig, ZooKeeperConfig,
+};
 use crate::drivers::kubernetes::LeaseTarget;
 use crate::error::{Error, Result};
 use crate::holder::{LockConfig, Mode};
@@ -360,7 +363,7 @@ pub async fn open(
     resolved: &ResolvedLock,
 ) -> Result<std::sync::Arc<dyn crate::Backend>> {
     Ok(match &resolved.backend {
-        BackendUrl::Kubernetes { namespace } => std::sync::Arc::new(
+        BackendUrl::Kubernetes(KubernetesConfig { namespace }) => std::sync::Arc::new(
             crate::drivers::kubernetes::KubernetesLeaseDriver::new(
                 client.clone(),
                 namespace
@@ -570,7 +573,7 @@ fn backend_url(
             query(&[("tick-time", z.tick_time.as_deref())])
         ))?;
         let url = with_tls_secret(url, z.tls_secret_name.as_deref(), secrets)?;
-        if let (BackendUrl::ZooKeeper { tls: Some(tls), .. }, Some(name)) =
+        if let (BackendUrl::ZooKeeper(ZooKeeperConfig { tls: Some(tls), .. }), Some(name)) =
             (&url, &z.tls_secret_name)
             && tls.ca.is_none()
         {
@@ -600,9 +603,9 @@ fn backend_url(
             name: Some(lease_name),
         };
         return Ok((
-            BackendUrl::Kubernetes {
+            BackendUrl::Kubernetes(KubernetesConfig {
                 namespace: Some(namespace.to_owned()),
-            },
+            }),
             Some(target),
         ));
     } else {
@@ -617,7 +620,7 @@ fn with_etcd_tls(
     tls_secret: Option<&str>,
     secrets: &SecretValues,
 ) -> Result<BackendUrl> {
-    let (BackendUrl::Etcd { tls, .. }, Some(name)) = (&mut url, tls_secret) else {
+    let (BackendUrl::Etcd(EtcdConfig { tls, .. }), Some(name)) = (&mut url, tls_secret) else {
         return Ok(url);
     };
     let pem = |key: &str| -> Result<crate::tls::Pem> {
@@ -712,11 +715,11 @@ fn with_tls_secret(
     secrets: &SecretValues,
 ) -> Result<BackendUrl> {
     let (
-        BackendUrl::Redis { tls, .. }
-        | BackendUrl::Redlock { tls, .. }
-        | BackendUrl::RedisCluster { tls, .. }
-        | BackendUrl::Tair { tls, .. }
-        | BackendUrl::ZooKeeper { tls, .. }
+        BackendUrl::Redis(RedisConfig { tls, .. })
+        | BackendUrl::Redlock(RedlockConfig { tls, .. })
+        | BackendUrl::RedisCluster(RedisClusterConfig { tls, .. })
+        | BackendUrl::Tair(TairConfig { tls, .. })
+        | BackendUrl::ZooKeeper(ZooKeeperConfig { tls, .. })
         | BackendUrl::RedisSentinel(crate::drivers::redis::sentinel::SentinelConfig { tls, .. }),
         Some(name),
     ) = (&mut url, tls_secret)
@@ -761,6 +764,7 @@ pub fn parse_go_duration(raw: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend_url::SqlConfig;
     use leasehold_crds::{
         DistributedLockSpec, EtcdBackend, RedisBackend, SqlBackend, ZooKeeperBackend,
     };
@@ -820,7 +824,7 @@ mod tests {
         ]
         .into();
         let resolved = resolve(&lock, &secrets).unwrap();
-        let BackendUrl::Sql { url, mode, .. } = &resolved.backend else {
+        let BackendUrl::Sql(SqlConfig { url, mode, .. }) = &resolved.backend else {
             panic!("{:?}", resolved.backend)
         };
         assert_eq!(*mode, crate::drivers::sql::SqlMode::RowLock);
@@ -913,7 +917,7 @@ mod tests {
         let secrets: SecretValues =
             [(("redis".into(), "password".into()), "p@ss/word".into())].into();
         let backend = resolve(&cluster(|_| {}), &secrets).unwrap().backend;
-        let BackendUrl::RedisCluster { nodes, prefix, tls } = &backend else {
+        let BackendUrl::RedisCluster(RedisClusterConfig { nodes, prefix, tls }) = &backend else {
             panic!("{backend}")
         };
         assert!(tls.is_none());
@@ -943,7 +947,7 @@ mod tests {
         )
         .unwrap()
         .backend;
-        let BackendUrl::RedisCluster { nodes, tls, .. } = &backend else {
+        let BackendUrl::RedisCluster(RedisClusterConfig { nodes, tls, .. }) = &backend else {
             panic!("{backend}")
         };
         assert!(nodes.iter().all(|n| n.scheme() == "rediss"));
@@ -961,7 +965,7 @@ mod tests {
             .unwrap()
             .backend;
         assert!(
-            matches!(&system_roots, BackendUrl::RedisCluster { tls: Some(t), .. } if t.ca.is_none()),
+            matches!(&system_roots, BackendUrl::RedisCluster(RedisClusterConfig { tls: Some(t), .. }) if t.ca.is_none()),
             "{system_roots}"
         );
     }
@@ -1016,7 +1020,7 @@ mod tests {
         assert!(optional_secret_refs(&tair).contains(&key("tair-ca", "ca.crt")));
         let secrets: SecretValues = [(("tair-ca".into(), "ca.crt".into()), "CA PEM".into())].into();
         let backend = resolve(&tair, &secrets).unwrap().backend;
-        let BackendUrl::Tair { url, tls, .. } = &backend else {
+        let BackendUrl::Tair(TairConfig { url, tls, .. }) = &backend else {
             panic!("{backend}")
         };
         assert_eq!(url.scheme(), "rediss");
@@ -1113,7 +1117,7 @@ mod tests {
         ]
         .into();
         let resolved = resolve(&zk, &full).unwrap().backend;
-        let BackendUrl::ZooKeeper { tls: Some(tls), .. } = &resolved else {
+        let BackendUrl::ZooKeeper(ZooKeeperConfig { tls: Some(tls), .. }) = &resolved else {
             panic!("no TLS: {resolved}")
         };
         assert!(tls.ca == Some(crate::tls::Pem::Text("CA".into())));
@@ -1148,12 +1152,12 @@ mod tests {
             ..Default::default()
         });
         let secrets: SecretValues = [(("zk".into(), "digest".into()), "app:s3 cr+t".into())].into();
-        let BackendUrl::ZooKeeper {
+        let BackendUrl::ZooKeeper(ZooKeeperConfig {
             digest,
             root,
             tick_time,
             ..
-        } = resolve(&zk, &secrets).unwrap().backend
+        }) = resolve(&zk, &secrets).unwrap().backend
         else {
             panic!()
         };
@@ -1176,9 +1180,9 @@ mod tests {
             let resolved = resolve(&lock, &SecretValues::new()).unwrap();
             assert_eq!(
                 resolved.backend,
-                BackendUrl::Kubernetes {
+                BackendUrl::Kubernetes(KubernetesConfig {
                     namespace: Some("team".into())
-                }
+                })
             );
             assert_eq!(resolved.lease.unwrap().name.as_deref(), Some("jobs"));
         }
@@ -1206,7 +1210,7 @@ mod tests {
             .map(|r| ((r.name.clone(), r.key.clone()), format!("PEM OF {}", r.key)))
             .collect();
         let resolved = resolve(&lock, &secrets).unwrap();
-        let BackendUrl::Etcd { endpoints, tls, .. } = &resolved.backend else {
+        let BackendUrl::Etcd(EtcdConfig { endpoints, tls, .. }) = &resolved.backend else {
             panic!("not etcd: {}", resolved.backend)
         };
         assert_eq!(endpoints, &["e1:2379", "e2:2379"]);
@@ -1236,7 +1240,7 @@ mod tests {
             &SecretValues::new(),
         )
         .unwrap();
-        let BackendUrl::Redis { url, tls, .. } = &resolved.backend else {
+        let BackendUrl::Redis(RedisConfig { url, tls, .. }) = &resolved.backend else {
             panic!("{}", resolved.backend)
         };
         assert_eq!(url.scheme(), "rediss");
@@ -1259,7 +1263,8 @@ mod tests {
         assert_eq!(optional, TLS_SECRET_KEYS);
         let ca_only: SecretValues =
             [(("redis-tls".into(), "ca.crt".into()), "CA PEM".into())].into();
-        let BackendUrl::Redlock { tls, masters, .. } = resolve(&lock, &ca_only).unwrap().backend
+        let BackendUrl::Redlock(RedlockConfig { tls, masters, .. }) =
+            resolve(&lock, &ca_only).unwrap().backend
         else {
             panic!()
         };

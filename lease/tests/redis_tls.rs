@@ -100,7 +100,7 @@ fn tls_options_belong_to_tls_schemes() {
         "{shown}"
     );
     let redlock = BackendUrl::parse("redlocks://a:1,b:1,c:1?ca=/tls/ca.crt").unwrap();
-    let BackendUrl::Redlock { masters, tls, .. } = redlock else {
+    let BackendUrl::Redlock(leasehold_lease::RedlockConfig { masters, tls, .. }) = redlock else {
         panic!()
     };
     assert!(masters.iter().all(|m| m.scheme() == "rediss"));

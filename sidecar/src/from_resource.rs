@@ -117,9 +117,9 @@ fn start_lock_on(
 /// `search_path`), so there the user stays part of the location.
 fn location(backend: &leasehold_lease::BackendUrl) -> String {
     let text = backend.to_string();
-    if let leasehold_lease::BackendUrl::Sql {
+    if let leasehold_lease::BackendUrl::Sql(leasehold_lease::SqlConfig {
         url, schema: None, ..
-    } = backend
+    }) = backend
         && url.scheme().starts_with("postgres")
     {
         return text;

@@ -23,6 +23,7 @@
 //! - **Wake-ups**: one watch per lock (on the Lease's name), started by the first waiter.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -36,9 +37,44 @@ use kube::api::PostParams;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
+use crate::backend_url::invalid_url;
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, Driver, Holding, Lease, Pruned, Upkeep};
 use crate::error::{Error, Result};
+
+/// `kubernetes://[NAMESPACE]`: a `coordination.k8s.io/v1` Lease per lock, named after the lock,
+/// in NAMESPACE (default: the pod's own), with in-cluster or `KUBECONFIG` credentials.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KubernetesConfig {
+    pub namespace: Option<String>,
+}
+
+impl KubernetesConfig {
+    /// `kubernetes://[NAMESPACE]`.
+    pub(crate) fn from_url(raw: &str, _scheme: &str, rest: &str) -> Result<Self> {
+        let invalid = invalid_url(raw);
+        if rest.contains(['/', '?', '@']) {
+            return Err(invalid(
+                        "kubernetes:// takes only a namespace (kubernetes://NAMESPACE), or nothing for the pod's own".into(),
+                    ));
+        }
+        if rest.is_empty() {
+            return Ok(KubernetesConfig { namespace: None });
+        }
+        crate::names::validate_namespace(rest).map_err(|e| invalid(e.to_string()))?;
+        Ok(KubernetesConfig {
+            namespace: Some(rest.to_owned()),
+        })
+    }
+}
+
+/// `kubernetes://NAMESPACE`, or `kubernetes://` for the pod's own.
+impl fmt::Display for KubernetesConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let KubernetesConfig { namespace } = self;
+        write!(f, "kubernetes://{}", namespace.as_deref().unwrap_or(""))
+    }
+}
 
 /// The exact lease duration in milliseconds, next to the whole seconds of the spec.
 pub const DURATION_ANNOTATION: &str = "leasehold.dev/lease-duration-ms";
@@ -801,6 +837,7 @@ impl Upkeep for KubernetesLeaseDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend_url::BackendUrl;
 
     fn holding_of(object: &LeaseObject) -> Option<Holding> {
         Record::of(object).and_then(|r| r.holding(Timestamp::now()))
@@ -860,5 +897,33 @@ mod tests {
             round_up(Duration::from_millis(15_001)),
             Duration::from_secs(16)
         );
+    }
+
+    #[test]
+    fn kubernetes_urls() {
+        assert_eq!(
+            BackendUrl::parse("kubernetes://").unwrap(),
+            BackendUrl::Kubernetes(KubernetesConfig { namespace: None })
+        );
+        let url = BackendUrl::parse("kubernetes://team-a").unwrap();
+        assert_eq!(
+            url,
+            BackendUrl::Kubernetes(KubernetesConfig {
+                namespace: Some("team-a".into())
+            })
+        );
+        assert_eq!(
+            (url.kind(), url.to_string().as_str()),
+            ("kubernetes", "kubernetes://team-a")
+        );
+        for bad in [
+            "kubernetes://Team",
+            "kubernetes://a.b",
+            "kubernetes://ns/lease",
+            "kubernetes://ns?lease=x",
+            "kubernetes://u:p@ns",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
     }
 }

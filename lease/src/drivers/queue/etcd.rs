@@ -63,7 +63,7 @@ const KEEP_ALIVES_PER_TTL: u32 = 2;
 const IDLE_ROUNDS: u32 = KEEP_ALIVES_PER_TTL;
 
 /// Where to find etcd and how to log in.
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
     /// `host:port`: reached over HTTPS when `tls` is set, else over HTTP.
     pub endpoints: Vec<String>,

@@ -7,4 +7,5 @@
 pub mod etcd;
 pub mod etcd_rpc;
 pub(crate) mod slot;
+mod urls;
 pub mod zookeeper;

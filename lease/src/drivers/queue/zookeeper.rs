@@ -68,7 +68,7 @@ const ABANDONED_AFTER_LEASES: u32 = 3;
 const PARENT_ATTEMPTS: usize = 3;
 
 /// Where to find ZooKeeper, under which path, and with which credentials.
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct ZooKeeperConfig {
     /// `host:port,host:port`
     pub servers: String,

@@ -29,6 +29,17 @@ use crate::drivers::redis::{
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
+/// A Redis Cluster: `redis+cluster://[user:password@]host[:port][,host[:port]...][?prefix=NAME]`
+/// (also spelled `redis-cluster://`), found from any node listed, one `redis://` URL each. A
+/// lock's keys share one hash slot; the client follows `MOVED`, `ASK` and failovers.
+/// `rediss+cluster://...[?ca=PATH][&cert=PATH&key=PATH]` over TLS to every node, as `rediss://`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisClusterConfig {
+    pub nodes: Vec<url::Url>,
+    pub prefix: String,
+    pub tls: Option<Tls>,
+}
+
 /// How many times the client retries a command on `MOVED`, `ASK`, `TRYAGAIN` or a broken
 /// connection before the error reaches the engine (which retries at its own pace).
 const RETRIES: u32 = 3;

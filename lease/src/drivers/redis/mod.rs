@@ -15,11 +15,13 @@
 
 pub(crate) mod acquisitions;
 pub(crate) mod cluster;
+pub use cluster::RedisClusterConfig;
 pub mod redlock;
 pub(crate) mod releases;
 pub(crate) mod renewals;
 pub mod sentinel;
 pub mod tair;
+mod urls;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +41,15 @@ use crate::drivers::redis::acquisitions::AcquisitionBatches;
 use crate::drivers::redis::releases::ReleaseBatches;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::error::{Error, Result};
+
+/// One Redis master: `redis://[user:password@]host[:port][/db][?prefix=NAME]`;
+/// `rediss://...[&ca=PATH][&cert=PATH&key=PATH]` over TLS (the system's roots without `ca`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    pub url: url::Url,
+    pub prefix: String,
+    pub tls: Option<Tls>,
+}
 
 /// How long one Redis round trip may take before the connection is considered dead.
 pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);

@@ -38,6 +38,15 @@ use crate::drivers::redis::{
 };
 use crate::error::{Error, Result};
 
+/// N >= 3 independent masters: `redlock://[user:password@]host:port,host:port,host:port[/db][?prefix=NAME]`,
+/// one `redis://` URL each; `redlocks://` over TLS, as `rediss://`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedlockConfig {
+    pub masters: Vec<url::Url>,
+    pub prefix: String,
+    pub tls: Option<crate::tls::Tls>,
+}
+
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Bounds of one master's share of an operation: small against the lease, so that a dead
 /// master does not eat the lease (Redlock's "a few milliseconds to tens").

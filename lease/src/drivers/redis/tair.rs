@@ -51,6 +51,17 @@ use crate::drivers::redis::{
 };
 use crate::error::{Error, Result};
 
+/// Tair, or Redis with the TairString module, locked with its versioned put
+/// (`EXSET`/`EXCAS`/`EXCAD`): `tair://[user:password@]host[:port][/db][?prefix=NAME]`;
+/// `tairs://...[&ca=PATH][&cert=PATH&key=PATH]` over TLS, as `rediss://`. `url` is the
+/// `redis://` (or `rediss://`) URL that reaches it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TairConfig {
+    pub url: url::Url,
+    pub prefix: String,
+    pub tls: Option<crate::tls::Tls>,
+}
+
 /// How many claims one acquisition sends: a wrong token guess, an incarnation not yet checked and
 /// a counter below the epoch's floor each cost one more.
 const CLAIM_ATTEMPTS: usize = 5;

@@ -20,6 +20,7 @@
 pub(crate) mod row_lock;
 pub mod sqlite;
 pub(crate) mod sqlite_wake;
+mod urls;
 pub mod wake;
 
 use std::sync::Arc;
@@ -39,6 +40,18 @@ use crate::drivers::sql::row_lock::RowLocks;
 use crate::drivers::sql::wake::{AdvisoryStatements, ServerLock, ServerLocks};
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
+
+/// Where a PostgreSQL or MySQL/MariaDB lock table lives: `postgres://` or `mysql://`
+/// (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`; every other query parameter goes
+/// to the database driver (e.g. `sslmode`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct SqlConfig {
+    pub dialect: Dialect,
+    pub url: url::Url,
+    pub table: String,
+    pub schema: Option<String>,
+    pub mode: SqlMode,
+}
 
 /// The NOTIFY channel of releases; the payload is the lock name.
 pub const RELEASE_CHANNEL: &str = "leasehold_released";

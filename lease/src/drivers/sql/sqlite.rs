@@ -27,6 +27,13 @@ use crate::drivers::sql::{
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
 
+/// Where a SQLite lock table lives (`sqlite://PATH[?table=NAME]`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct SqliteConfig {
+    pub path: std::path::PathBuf,
+    pub table: String,
+}
+
 /// How long a statement waits for another process's write lock before giving up.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
 

@@ -1,0 +1,234 @@
+//! The SQL backends' URLs: `sqlite://` and `postgres://` or `mysql://` (`mariadb://`), parsed
+//! into their configs (table, schema and mode names validated) and shown with credentials
+//! redacted.
+
+use std::fmt;
+
+use std::path::PathBuf;
+
+use crate::backend_url::{DEFAULT_TABLE, invalid_url, query_pairs};
+use crate::drivers::sql::SqlConfig;
+use crate::drivers::sql::sqlite::SqliteConfig;
+use crate::error::Result;
+use crate::names::validate_sql_identifier;
+use crate::redact::redact;
+
+impl SqliteConfig {
+    /// `sqlite://PATH[?table=NAME]`.
+    pub(crate) fn from_url(raw: &str, _scheme: &str, rest: &str) -> Result<Self> {
+        let invalid = invalid_url(raw);
+        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if path.is_empty() {
+            return Err(invalid("the SQLite file path is empty".into()));
+        }
+        let mut table = DEFAULT_TABLE.to_owned();
+        for (key, value) in query_pairs(query) {
+            match key.as_str() {
+                "table" => table = value,
+                other => return Err(invalid(format!("unknown option {other:?}"))),
+            }
+        }
+        validate_sql_identifier("table name", &table)?;
+        Ok(SqliteConfig {
+            path: PathBuf::from(path),
+            table,
+        })
+    }
+}
+
+/// The file and the table.
+impl fmt::Display for SqliteConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let SqliteConfig { path, table } = self;
+        write!(f, "sqlite://{}?table={table}", path.display())
+    }
+}
+
+impl SqlConfig {
+    /// `postgres://`, `mysql://` or `mariadb://`; options Leasehold does not read go to the database driver.
+    pub(crate) fn from_url(raw: &str, scheme: &str, rest: &str) -> Result<Self> {
+        let invalid = invalid_url(raw);
+        let dialect = if scheme.starts_with("postgres") {
+            crate::drivers::sql::Dialect::Postgres
+        } else {
+            crate::drivers::sql::Dialect::MySql
+        };
+        let normalized = match scheme {
+            "mariadb" => format!("mysql://{rest}"),
+            _ => raw.to_owned(),
+        };
+        let mut url = url::Url::parse(&normalized).map_err(|e| invalid(e.to_string()))?;
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(invalid("the database host is missing".into()));
+        }
+        if url.path().trim_start_matches('/').is_empty() {
+            return Err(invalid("the database name is missing (…/DATABASE)".into()));
+        }
+        let (mut table, mut schema) = (DEFAULT_TABLE.to_owned(), None);
+        let mut mode = crate::drivers::sql::SqlMode::Lease;
+        let mut passed_on = Vec::new();
+        for (key, value) in url.query_pairs() {
+            match &*key {
+                "table" => table = value.into_owned(),
+                "schema" if dialect == crate::drivers::sql::Dialect::Postgres => {
+                    schema = Some(value.into_owned())
+                }
+                "schema" => {
+                    return Err(invalid(
+                        "MySQL has no schemas inside a database; put the database in the path"
+                            .into(),
+                    ));
+                }
+                "mode" => {
+                    mode = crate::drivers::sql::SqlMode::parse(&value).ok_or_else(|| {
+                        invalid(format!("mode must be lease or row-lock, got {value:?}"))
+                    })?;
+                }
+                _ => passed_on.push((key.into_owned(), value.into_owned())),
+            }
+        }
+        validate_sql_identifier("table name", &table)?;
+        if mode == crate::drivers::sql::SqlMode::RowLock {
+            validate_sql_identifier(
+                "row-lock table name (table + \"_rows\")",
+                &crate::drivers::sql::row_table(&table),
+            )?;
+        }
+        if let Some(schema) = &schema {
+            validate_sql_identifier("schema name", schema)?;
+        }
+        if passed_on.is_empty() {
+            url.set_query(None);
+        } else {
+            url.query_pairs_mut().clear().extend_pairs(passed_on);
+        }
+        Ok(SqlConfig {
+            dialect,
+            url,
+            table,
+            schema,
+            mode,
+        })
+    }
+}
+
+/// The database URL, redacted, with the table and the mode.
+impl fmt::Display for SqlConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let SqlConfig {
+            url,
+            table,
+            schema,
+            mode,
+            ..
+        } = self;
+        // PEM text given inline (from a Secret) is never shown; file paths are.
+        let mut shown = url.clone();
+        if shown.query().is_some() {
+            let pairs: Vec<(String, String)> = url
+                .query_pairs()
+                .map(|(k, v)| {
+                    let v = if v.trim_start().starts_with("-----BEGIN") {
+                        "inline-pem".to_owned()
+                    } else {
+                        v.into_owned()
+                    };
+                    (k.into_owned(), v)
+                })
+                .collect();
+            shown.query_pairs_mut().clear().extend_pairs(pairs);
+        }
+        write!(f, "{}", redact(shown.as_str()))?;
+        match schema {
+            Some(schema) => write!(f, " (table {schema}.{table}")?,
+            None => write!(f, " (table {table}")?,
+        }
+        write!(f, ", {} mode)", mode.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend_url::{BackendUrl, DEFAULT_BACKEND};
+
+    #[test]
+    fn sqlite_urls() {
+        assert_eq!(
+            BackendUrl::parse(DEFAULT_BACKEND).unwrap(),
+            BackendUrl::Sqlite(SqliteConfig {
+                path: "./leasehold.db".into(),
+                table: DEFAULT_TABLE.into()
+            })
+        );
+        assert_eq!(
+            BackendUrl::parse("sqlite:///var/lib/l.db?table=my_locks").unwrap(),
+            BackendUrl::Sqlite(SqliteConfig {
+                path: "/var/lib/l.db".into(),
+                table: "my_locks".into()
+            })
+        );
+        for bad in [
+            "sqlite://",
+            "sqlite://x.db?table=a;drop",
+            "sqlite://x.db?tabel=a",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn sql_urls() {
+        let pg = BackendUrl::parse(
+            "postgres://app:pw@db:5432/app?schema=locking&table=locks&sslmode=require",
+        )
+        .unwrap();
+        let BackendUrl::Sql(SqlConfig {
+            dialect,
+            url,
+            table,
+            schema,
+            mode,
+        }) = &pg
+        else {
+            panic!("not sql")
+        };
+        assert_eq!(*dialect, crate::drivers::sql::Dialect::Postgres);
+        assert_eq!(
+            (table.as_str(), schema.as_deref()),
+            ("locks", Some("locking"))
+        );
+        assert_eq!(
+            url.query(),
+            Some("sslmode=require"),
+            "driver options pass through"
+        );
+        assert!(!pg.to_string().contains("pw"), "{pg}");
+        assert_eq!(*mode, crate::drivers::sql::SqlMode::Lease);
+        let rows = BackendUrl::parse("postgres://db/app?mode=row-lock").unwrap();
+        assert!(
+            matches!(
+                rows,
+                BackendUrl::Sql(SqlConfig {
+                    mode: crate::drivers::sql::SqlMode::RowLock,
+                    ..
+                })
+            ),
+            "{rows}"
+        );
+        let my = BackendUrl::parse("mariadb://root@127.0.0.1:3306/app").unwrap();
+        assert_eq!(my.kind(), "mysql");
+        for bad in [
+            "postgres://db",
+            "postgres:///app",
+            "mysql://db/app?schema=x",
+            "mysql://db/app?table=a-b",
+            "postgres://db/app?schema=a;b",
+            "postgres://db/app?mode=sometimes",
+            // 60 + "_rows" is past the 63-character identifier limit.
+            "postgres://db/app?mode=row-lock&table=aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        ] {
+            assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
