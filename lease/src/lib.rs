@@ -1,7 +1,7 @@
 #![forbid(unsafe_code)]
 //! The Leasehold lease engine.
 //!
-//! - [`Driver`]: one atomic compare-and-set per call, one implementation per backend
+//! - [`Driver`]: what the engine calls, one atomic compare-and-set per call, one implementation per backend
 //!   ([`sqlite::SqliteDriver`], [`redis::RedisDriver`], [`redlock::RedlockDriver`],
 //!   [`sql::SqlDriver`] for PostgreSQL and MySQL/MariaDB, [`etcd::EtcdDriver`],
 //!   [`zookeeper::ZooKeeperDriver`], [`kubernetes::KubernetesLeaseDriver`]).
@@ -25,7 +25,6 @@ pub mod keyed;
 pub mod names;
 mod records;
 mod redact;
-pub mod resource;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod tls;

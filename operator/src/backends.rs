@@ -9,8 +9,8 @@ use std::time::Duration;
 use kube::ResourceExt;
 use leasehold_crds::DistributedLock;
 use leasehold_lease::kubernetes::LOCK_ANNOTATION;
-use leasehold_lease::resource::{self, ResolvedLock};
 use leasehold_lease::{Backend, BackendUrl, Error};
+use leasehold_resource::{self as resource, ResolvedLock};
 
 use crate::status::Observation;
 

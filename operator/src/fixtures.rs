@@ -390,7 +390,7 @@ impl ApiServerVerifier {
         let secret = json!({
             "apiVersion": "v1", "kind": "Secret",
             "metadata": {"name": name, "namespace": NAMESPACE, "annotations": {
-                leasehold_lease::resource::ALLOWED_HOSTS_ANNOTATION: "127.0.0.1",
+                leasehold_resource::ALLOWED_HOSTS_ANNOTATION: "127.0.0.1",
             }},
             "data": {key: encoded},
         });

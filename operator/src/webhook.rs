@@ -539,7 +539,7 @@ async fn decide_review(
                     return response
                         .deny(format!(
                             "DistributedLock {namespace}/{lock}: {}",
-                            leasehold_lease::resource::SQLITE_IN_A_CLUSTER
+                            leasehold_resource::SQLITE_IN_A_CLUSTER
                         ))
                         .into_review();
                 }

@@ -11,7 +11,7 @@ use support::chart;
 mod support;
 
 use leasehold_crds::DistributedLock;
-use leasehold_lease::resource::{self, SecretValues};
+use leasehold_resource::{self as resource, SecretValues};
 
 /// A page of the documentation, by its path from the repository's root.
 fn page(path: &str) -> String {

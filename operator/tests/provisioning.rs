@@ -11,7 +11,6 @@ use leasehold_crds::{
     RedisSentinel, SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
 };
 use leasehold_lease::Acquire;
-use leasehold_lease::resource;
 use leasehold_lease::testkit::in_memory_api_server::{LEASES, SECRETS};
 use leasehold_lease::testkit::{
     EtcdServer, InMemoryApiServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer,
@@ -19,6 +18,7 @@ use leasehold_lease::testkit::{
 };
 use leasehold_operator::backends::{Backends, StillHeld};
 use leasehold_operator::status::Observation;
+use leasehold_resource as resource;
 use serde_json::json;
 
 mod support;

@@ -19,7 +19,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use leasehold_crds::DistributedLock;
 use leasehold_lease::Lock;
 use leasehold_lease::keyed::KeyedFamily;
-use leasehold_lease::resource::{self, ResolvedLock};
+use leasehold_resource::{self as resource, ResolvedLock};
 use tokio::time::sleep_until;
 
 use crate::api::AppState;

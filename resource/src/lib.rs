@@ -1,4 +1,5 @@
-//! A `DistributedLock` as the lease engine's configuration: the backend URL (with credentials
+#![forbid(unsafe_code)]
+//! A `DistributedLock` as the lease engine's configuration: the backend's config (with credentials
 //! from the Secrets it references), the lock's timing, and for the Kubernetes backend the Lease
 //! and its owner. The operator and the sidecar's `--resource` both read a lock through here, so
 //! they always agree on where it lives.
@@ -14,13 +15,11 @@ use kube::{Api, ResourceExt};
 use leasehold_crds::{Backend, DistributedLock, SecretKeyRef, SqlLockMode};
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 
-use crate::backend_url::{
-    BackendUrl, EtcdConfig, KubernetesConfig, RedisClusterConfig, RedisConfig, RedlockConfig,
-    TairConfig, ZooKeeperConfig,
+use leasehold_lease::kubernetes::LeaseTarget;
+use leasehold_lease::{
+    BackendUrl, Error, EtcdConfig, KubernetesConfig, LockConfig, Mode, RedisClusterConfig,
+    RedisConfig, RedlockConfig, Result, TairConfig, ZooKeeperConfig,
 };
-use crate::drivers::kubernetes::LeaseTarget;
-use crate::error::{Error, Result};
-use crate::holder::{LockConfig, Mode};
 
 /// Secret values by (Secret name, key).
 pub type SecretValues = BTreeMap<(String, String), String>;
@@ -57,13 +56,18 @@ impl ResolvedLock {
     }
 
     /// The family this resource declares, for the pod `identity`; `None` for a plain lock.
-    pub fn family_config(&self, identity: &str) -> Option<crate::keyed::FamilyConfig> {
-        self.keys.map(|limits| crate::keyed::FamilyConfig {
-            renew_interval: self.renew_interval,
-            max_key_length: limits.max_key_length,
-            max_keys: limits.max_keys,
-            ..crate::keyed::FamilyConfig::new(&self.name, identity, self.lease_duration)
-        })
+    pub fn family_config(&self, identity: &str) -> Option<leasehold_lease::keyed::FamilyConfig> {
+        self.keys
+            .map(|limits| leasehold_lease::keyed::FamilyConfig {
+                renew_interval: self.renew_interval,
+                max_key_length: limits.max_key_length,
+                max_keys: limits.max_keys,
+                ..leasehold_lease::keyed::FamilyConfig::new(
+                    &self.name,
+                    identity,
+                    self.lease_duration,
+                )
+            })
     }
 }
 
@@ -314,7 +318,7 @@ fn missing(r: &SecretKeyRef, reason: &str) -> Error {
 /// The lock's configuration, with `secrets` from [`read_secrets`].
 pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<ResolvedLock> {
     let name = lock.name_any();
-    crate::names::validate_lock_name(&name)?;
+    leasehold_lease::names::validate_lock_name(&name)?;
     let namespace = lock.namespace().unwrap_or_else(|| "default".into());
     let spec = &lock.spec;
     let duration = |field: &'static str, raw: &str| {
@@ -343,15 +347,17 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
         keys: spec.keys.as_ref().map(|keys| KeyLimits {
             max_key_length: keys
                 .max_key_length
-                .map_or(crate::keyed::DEFAULT_MAX_KEY_LENGTH, |n| n as usize),
+                .map_or(leasehold_lease::keyed::DEFAULT_MAX_KEY_LENGTH, |n| {
+                    n as usize
+                }),
             max_keys: keys
                 .max_held_per_pod
-                .map_or(crate::keyed::DEFAULT_MAX_KEYS, |n| n as usize),
+                .map_or(leasehold_lease::keyed::DEFAULT_MAX_KEYS, |n| n as usize),
         }),
     };
     resolved.lock_config("validation").validate()?;
     if resolved.keys.is_some() {
-        crate::keyed::validate_family_name(&resolved.name)?;
+        leasehold_lease::keyed::validate_family_name(&resolved.name)?;
     }
     Ok(resolved)
 }
@@ -361,10 +367,10 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
 pub async fn open(
     client: &kube::Client,
     resolved: &ResolvedLock,
-) -> Result<std::sync::Arc<dyn crate::Backend>> {
+) -> Result<std::sync::Arc<dyn leasehold_lease::Backend>> {
     Ok(match &resolved.backend {
         BackendUrl::Kubernetes(KubernetesConfig { namespace }) => std::sync::Arc::new(
-            crate::drivers::kubernetes::KubernetesLeaseDriver::new(
+            leasehold_lease::kubernetes::KubernetesLeaseDriver::new(
                 client.clone(),
                 namespace
                     .clone()
@@ -372,7 +378,7 @@ pub async fn open(
             )
             .with_target(&resolved.name, resolved.lease.clone().unwrap_or_default()),
         ),
-        url => crate::connect(url).await?,
+        url => leasehold_lease::connect(url).await?,
     })
 }
 
@@ -598,7 +604,7 @@ fn backend_url(
         ));
     } else if let Some(k) = kubernetes {
         let lease_name = k.lease_name.clone().unwrap_or_else(|| lock.name_any());
-        crate::names::validate_lease_name(&lease_name)?;
+        leasehold_lease::names::validate_lease_name(&lease_name)?;
         let target = LeaseTarget {
             name: Some(lease_name),
         };
@@ -623,17 +629,17 @@ fn with_etcd_tls(
     let (BackendUrl::Etcd(EtcdConfig { tls, .. }), Some(name)) = (&mut url, tls_secret) else {
         return Ok(url);
     };
-    let pem = |key: &str| -> Result<crate::tls::Pem> {
+    let pem = |key: &str| -> Result<leasehold_lease::tls::Pem> {
         secrets
             .get(&(name.to_owned(), key.to_owned()))
-            .map(|text| crate::tls::Pem::Text(text.clone()))
+            .map(|text| leasehold_lease::tls::Pem::Text(text.clone()))
             .ok_or_else(|| Error::InvalidConfig {
                 field: "tlsSecretName",
                 reason: format!("Secret {name:?} key {key:?} was not read"),
             })
     };
     let [ca, cert, key] = TLS_SECRET_KEYS;
-    *tls = Some(crate::drivers::queue::etcd::EtcdTls {
+    *tls = Some(leasehold_lease::etcd::EtcdTls {
         ca: pem(ca)?,
         client: Some((pem(cert)?, pem(key)?)),
     });
@@ -668,10 +674,12 @@ fn sql_tls(
     let mut options = vec![(mode.0, mode.1.to_owned())];
     if let Some(name) = &sql.tls_secret_name {
         let tls = tls_from_secret(name, secrets)?;
-        if let Some(crate::tls::Pem::Text(pem)) = tls.ca {
+        if let Some(leasehold_lease::tls::Pem::Text(pem)) = tls.ca {
             options.push((ca, pem));
         }
-        if let Some((crate::tls::Pem::Text(c), crate::tls::Pem::Text(k))) = tls.client {
+        if let Some((leasehold_lease::tls::Pem::Text(c), leasehold_lease::tls::Pem::Text(k))) =
+            tls.client
+        {
             options.push((cert, c));
             options.push((key, k));
         }
@@ -680,11 +688,11 @@ fn sql_tls(
 }
 
 /// The CA and the client pair in a `tlsSecretName` Secret whose keys are each optional.
-fn tls_from_secret(name: &str, secrets: &SecretValues) -> Result<crate::tls::Tls> {
+fn tls_from_secret(name: &str, secrets: &SecretValues) -> Result<leasehold_lease::tls::Tls> {
     let pem = |key: &str| {
         secrets
             .get(&(name.to_owned(), key.to_owned()))
-            .map(|text| crate::tls::Pem::Text(text.clone()))
+            .map(|text| leasehold_lease::tls::Pem::Text(text.clone()))
     };
     let [ca, cert, key] = TLS_SECRET_KEYS;
     let client = match (pem(cert), pem(key)) {
@@ -704,7 +712,7 @@ fn tls_from_secret(name: &str, secrets: &SecretValues) -> Result<crate::tls::Tls
             reason: format!("Secret {name:?} has none of ca.crt, tls.crt and tls.key"),
         });
     }
-    Ok(crate::tls::Tls { ca, client })
+    Ok(leasehold_lease::tls::Tls { ca, client })
 }
 
 /// TLS from a Redis, Tair or ZooKeeper `tlsSecretName` Secret's PEM text: its CA if it has one
@@ -720,7 +728,7 @@ fn with_tls_secret(
         | BackendUrl::RedisCluster(RedisClusterConfig { tls, .. })
         | BackendUrl::Tair(TairConfig { tls, .. })
         | BackendUrl::ZooKeeper(ZooKeeperConfig { tls, .. })
-        | BackendUrl::RedisSentinel(crate::drivers::redis::sentinel::SentinelConfig { tls, .. }),
+        | BackendUrl::RedisSentinel(leasehold_lease::SentinelConfig { tls, .. }),
         Some(name),
     ) = (&mut url, tls_secret)
     else {
@@ -764,10 +772,10 @@ pub fn parse_go_duration(raw: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend_url::SqlConfig;
     use leasehold_crds::{
         DistributedLockSpec, EtcdBackend, RedisBackend, SqlBackend, ZooKeeperBackend,
     };
+    use leasehold_lease::SqlConfig;
 
     fn lock(backend: Backend) -> DistributedLock {
         let mut lock = DistributedLock::new(
@@ -827,7 +835,7 @@ mod tests {
         let BackendUrl::Sql(SqlConfig { url, mode, .. }) = &resolved.backend else {
             panic!("{:?}", resolved.backend)
         };
-        assert_eq!(*mode, crate::drivers::sql::SqlMode::RowLock);
+        assert_eq!(*mode, leasehold_lease::sql::SqlMode::RowLock);
         assert_eq!(url.host_str(), Some("pg.db"));
         assert_eq!(url.port(), Some(5433));
         assert_eq!(url.username(), "app");
@@ -952,7 +960,8 @@ mod tests {
         };
         assert!(nodes.iter().all(|n| n.scheme() == "rediss"));
         assert!(
-            tls.as_ref().and_then(|t| t.ca.clone()) == Some(crate::tls::Pem::Text("CA PEM".into())),
+            tls.as_ref().and_then(|t| t.ca.clone())
+                == Some(leasehold_lease::tls::Pem::Text("CA PEM".into())),
             "the Secret's CA"
         );
         let shown = backend.to_string();
@@ -1025,7 +1034,8 @@ mod tests {
         };
         assert_eq!(url.scheme(), "rediss");
         assert!(
-            tls.as_ref().and_then(|t| t.ca.clone()) == Some(crate::tls::Pem::Text("CA PEM".into()))
+            tls.as_ref().and_then(|t| t.ca.clone())
+                == Some(leasehold_lease::tls::Pem::Text("CA PEM".into()))
         );
         assert_eq!(
             backend.to_string(),
@@ -1072,7 +1082,7 @@ mod tests {
         assert_eq!(config.master.scheme(), "rediss");
         assert!(
             config.tls.as_ref().and_then(|t| t.ca.clone())
-                == Some(crate::tls::Pem::Text("CA PEM".into()))
+                == Some(leasehold_lease::tls::Pem::Text("CA PEM".into()))
         );
         let auth = config
             .sentinel_auth
@@ -1120,7 +1130,7 @@ mod tests {
         let BackendUrl::ZooKeeper(ZooKeeperConfig { tls: Some(tls), .. }) = &resolved else {
             panic!("no TLS: {resolved}")
         };
-        assert!(tls.ca == Some(crate::tls::Pem::Text("CA".into())));
+        assert!(tls.ca == Some(leasehold_lease::tls::Pem::Text("CA".into())));
         assert!(tls.client.is_some());
         assert!(resolved.to_string().starts_with("zks://z:2281/locks"));
         assert!(!resolved.to_string().contains("KEY"));
@@ -1214,7 +1224,7 @@ mod tests {
             panic!("not etcd: {}", resolved.backend)
         };
         assert_eq!(endpoints, &["e1:2379", "e2:2379"]);
-        let text = |t: &str| crate::tls::Pem::Text(t.into());
+        let text = |t: &str| leasehold_lease::tls::Pem::Text(t.into());
         assert!(tls.as_ref().is_some_and(|t| t.ca == text("PEM OF ca.crt")
             && t.client == Some((text("PEM OF tls.crt"), text("PEM OF tls.key")))));
         let shown = resolved.backend.to_string();
@@ -1270,7 +1280,10 @@ mod tests {
         };
         assert!(masters.iter().all(|m| m.scheme() == "rediss"));
         let tls = tls.unwrap();
-        assert!(tls.ca == Some(crate::tls::Pem::Text("CA PEM".into())) && tls.client.is_none());
+        assert!(
+            tls.ca == Some(leasehold_lease::tls::Pem::Text("CA PEM".into()))
+                && tls.client.is_none()
+        );
         let half: SecretValues = [(("redis-tls".into(), "tls.crt".into()), "CERT".into())].into();
         let e = resolve(&lock, &half).unwrap_err().to_string();
         assert!(e.contains("tls.crt and tls.key"), "{e}");
