@@ -1,45 +1,35 @@
-//! Redis, single master ([`crate::redlock`] spans several). The lease is one key, `SET NX PX` inside an acquire script that also
-//! takes the fencing token from a per-lock `INCR` counter, so a token is only ever handed out
-//! together with the key. Renew and release are scripts that compare the stored value (token and
-//! identity) before they touch the key. A release publishes on a channel that waiters listen to.
-//!
-//! Keys use a hash tag on the lock name (`leasehold:{jobs}:lease`, `leasehold:{jobs}:token`) so
-//! both keys of a lock land in one slot of a Redis Cluster, which this driver also serves
-//! (`redis+cluster://`, see [`crate::drivers::redis::cluster`]).
-//!
-//! Restarts: a server without persistence (or one that lost the last second of `appendfsync
-//! everysec`) comes back without leases their holders still claim, and without their token
-//! counters. The acquire script's epoch record (see [`ACQUIRE`]) makes such a server wait out
-//! one lease before it grants a free lock, and raises the counters above every earlier token; a
-//! durable server (`appendfsync always`) lost nothing and goes on at once.
+//! The Redis family: one master ([`single`]), Redis Cluster (`cluster`), Sentinel
+//! ([`sentinel`]), Redlock ([`redlock`]) and Tair ([`tair`]), with their URLs (`urls`). This
+//! module holds what they share: the key layout, the Lua scripts, the client and its errors,
+//! the release channel's listener, and the clean-up and warning helpers; calls that arrive
+//! together go out as one (`acquisitions`, `renewals`, `releases`); `durability` tells a
+//! master that loses no acknowledged write from one that can.
 
 pub(crate) mod acquisitions;
 pub(crate) mod cluster;
+pub(crate) mod durability;
 pub use cluster::RedisClusterConfig;
+pub use single::RedisDriver;
 pub mod redlock;
 pub(crate) mod releases;
 pub(crate) mod renewals;
 pub mod sentinel;
+pub mod single;
 pub mod tair;
 mod urls;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use crate::tls::Tls;
 use redis::{Script, Value};
-use tokio::sync::watch;
 
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
+use crate::driver::{Acquire, ChangeFeeds, Holding, Lease};
 /// How long a renewal waits for others to go out with it in one script call.
 pub use crate::drivers::batches::LINGER as RENEWAL_LINGER;
-use crate::drivers::redis::acquisitions::AcquisitionBatches;
-use crate::drivers::redis::releases::ReleaseBatches;
-use crate::drivers::redis::renewals::RenewalBatches;
 use crate::error::{Error, Result};
 
 /// One Redis master: `redis://[user:password@]host[:port][/db][?prefix=NAME]`;
@@ -329,85 +319,6 @@ pub(crate) fn only_result(reply: Value) -> Result<Value> {
 /// counters side by side, and the time after which an idle key leaves nothing in Redis.
 pub const KEY_COUNTER_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
-/// How long a master's durability (as CONFIG tells it) is trusted before it is read again.
-const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
-
-/// Whether a master loses no acknowledged write in a crash (`appendonly yes` with `appendfsync
-/// always`), read through CONFIG at most once a [`DURABILITY_RECHECK`] per master. Where CONFIG
-/// is renamed or forbidden (managed services), a master counts as not durable. Where it cannot
-/// be asked yet (the connection failed, the server is still loading its data), nothing is
-/// concluded or remembered: the caller's call fails and is retried (on one master, as the
-/// acquisition itself would; a cluster's masters are another matter: [`Durability::of_cluster`]). Counting such a master as
-/// not durable would make its first acquisition record a new epoch, and a durable server that
-/// was only starting would then grant no free lock for a whole lease.
-#[derive(Default)]
-pub(crate) struct Durability {
-    checked: std::sync::Mutex<Option<(std::time::Instant, String, bool)>>,
-}
-
-impl Durability {
-    pub(crate) async fn of(
-        &self,
-        conn: &mut (impl redis::aio::ConnectionLike + Send),
-        master: &str,
-    ) -> redis::RedisResult<bool> {
-        if let Some(durable) = self.cached(master) {
-            return Ok(durable);
-        }
-        let mut setting = async |name: &str| {
-            config_value(
-                redis::cmd("CONFIG")
-                    .arg("GET")
-                    .arg(name)
-                    .query_async(conn)
-                    .await,
-            )
-        };
-        let durable = setting("appendonly").await?.as_deref() == Some("yes")
-            && setting("appendfsync").await?.as_deref() == Some("always");
-        Ok(self.remember(master, durable))
-    }
-
-    /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any; see
-    /// [`crate::drivers::redis::cluster::every_master_durable`] for a master that cannot answer).
-    async fn of_cluster(&self, conn: &mut redis::cluster_async::ClusterConnection) -> bool {
-        const CLUSTER: &str = "every master of the cluster";
-        if let Some(durable) = self.cached(CLUSTER) {
-            return durable;
-        }
-        let durable = crate::drivers::redis::cluster::every_master_durable(conn).await;
-        self.remember(CLUSTER, durable)
-    }
-
-    fn cached(&self, master: &str) -> Option<bool> {
-        match &*self.checked.lock().expect("durability") {
-            Some((at, of, durable)) if of == master && at.elapsed() < DURABILITY_RECHECK => {
-                Some(*durable)
-            }
-            _ => None,
-        }
-    }
-
-    fn remember(&self, master: &str, durable: bool) -> bool {
-        *self.checked.lock().expect("durability") =
-            Some((std::time::Instant::now(), master.to_owned(), durable));
-        durable
-    }
-}
-
-/// A setting's value from one server's answer to `CONFIG GET`: `None` where the command is
-/// refused for good (renamed, unknown, or not permitted to this user), and the error itself where
-/// the answer is only not to be had yet (see [`passing`]).
-fn config_value(answer: redis::RedisResult<Value>) -> redis::RedisResult<Option<String>> {
-    match answer.and_then(Value::extract_error) {
-        Ok(pair) => Ok(redis::from_redis_value::<Vec<String>>(pair)
-            .ok()
-            .and_then(|pair| pair.into_iter().nth(1))),
-        Err(e) if passing(&e) => Err(e),
-        Err(_) => Ok(None),
-    }
-}
-
 /// Whether an error says nothing about the server's settings or rights, only that it cannot
 /// answer now: the connection failed or timed out, or the server is loading its data, running
 /// someone's long script (`BUSY`), failing over, or telling a cluster client to try again.
@@ -499,75 +410,6 @@ if current then
 end
 return false
 ";
-
-pub struct RedisDriver {
-    target: Target,
-    /// Over TLS: a timeout then most likely means no TLS on the other side.
-    tls: bool,
-    keys: KeyLayout,
-    durability: Durability,
-    acquire: Script,
-    renew: Script,
-    release: Script,
-    observe: Script,
-    releases: Arc<ChangeFeeds>,
-    subscriber: tokio::task::JoinHandle<()>,
-    /// On one master, renewals go out together ([`crate::drivers::redis::renewals`]).
-    renewals: Option<RenewalBatches>,
-    /// On one master, acquisitions under way at once go out together
-    /// ([`crate::drivers::redis::acquisitions`]).
-    acquisitions: Option<AcquisitionBatches>,
-    /// On one master, releases under way at once go out together
-    /// ([`crate::drivers::redis::releases`]).
-    release_batches: Option<ReleaseBatches>,
-}
-
-/// One master, or a Redis Cluster.
-enum Target {
-    Single(ConnectionManager),
-    Cluster(Box<crate::drivers::redis::cluster::Cluster>),
-}
-
-/// A connection to either: a cluster's routes each script to its keys' master.
-#[derive(Clone)]
-enum Connection {
-    Single(ConnectionManager),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl redis::aio::ConnectionLike for Connection {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        match self {
-            Connection::Single(c) => c.req_packed_command(cmd),
-            Connection::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        match self {
-            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Connection::Single(c) => c.get_db(),
-            Connection::Cluster(c) => c.get_db(),
-        }
-    }
-}
-
-impl Drop for RedisDriver {
-    fn drop(&mut self) {
-        self.subscriber.abort();
-    }
-}
 
 /// Where a lock's keys and channel live.
 #[derive(Clone)]
@@ -686,7 +528,7 @@ pub(crate) fn parse_value_and_pttl(value: &Value) -> Option<Holding> {
 
 /// A Redis error as the driver reports it; over TLS, a timeout most likely means no TLS on
 /// the other side.
-fn explain(e: redis::RedisError, tls: bool) -> Error {
+pub(crate) fn explain(e: redis::RedisError, tls: bool) -> Error {
     match map_err(e) {
         Error::Unreachable(message) if tls && message.contains("timed out") => {
             Error::Unreachable(format!(
@@ -745,98 +587,6 @@ pub(crate) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
-impl RedisDriver {
-    /// [`map_err`], and over TLS a timeout explained: a plain-text server may never answer a
-    /// TLS handshake (it waits for the end of a command line that never comes).
-    fn error(&self, e: redis::RedisError) -> Error {
-        explain(e, self.tls)
-    }
-
-    /// Set up the connection lazily: an unreachable Redis at start-up is reported by the lease
-    /// loop and readiness, not by a crash.
-    pub fn connect(url: &url::Url, prefix: &str, tls: Option<&Tls>) -> Result<Self> {
-        let client = client(url, tls)?;
-        let target = Target::Single(connection(&client)?);
-        Ok(Self::with(
-            target,
-            tls.is_some(),
-            KeyLayout::new(prefix),
-            vec![client],
-        ))
-    }
-
-    /// A Redis Cluster found from `nodes` (`redis+cluster://`, over TLS `rediss+cluster://`);
-    /// connects lazily, as [`RedisDriver::connect`] does. Release notices come from any node
-    /// that answers.
-    pub fn connect_cluster(nodes: &[url::Url], prefix: &str, tls: Option<&Tls>) -> Result<Self> {
-        let target = Target::Cluster(Box::new(crate::drivers::redis::cluster::Cluster::new(
-            nodes, tls,
-        )?));
-        let clients = nodes
-            .iter()
-            .map(|node| client(node, tls))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self::with(
-            target,
-            tls.is_some(),
-            KeyLayout::for_cluster(prefix),
-            clients,
-        ))
-    }
-
-    /// The driver on `target`, listening for release notices on the first of `clients` that
-    /// answers.
-    fn with(target: Target, tls: bool, keys: KeyLayout, clients: Vec<redis::Client>) -> Self {
-        let releases = Arc::new(ChangeFeeds::default());
-        let subscriber = tokio::spawn(listen_for_releases_on(
-            clients,
-            keys.clone(),
-            releases.clone(),
-        ));
-        let (renewals, acquisitions, release_batches) = match &target {
-            Target::Single(conn) => (
-                Some(RenewalBatches::new(conn.clone(), 0)),
-                Some(AcquisitionBatches::new(conn.clone(), keys.clone())),
-                Some(ReleaseBatches::new(conn.clone(), keys.clone())),
-            ),
-            Target::Cluster(_) => (None, None, None),
-        };
-        Self {
-            renewals,
-            acquisitions,
-            release_batches,
-            target,
-            tls,
-            keys,
-            durability: Durability::default(),
-            acquire: Script::new(ACQUIRE),
-            renew: Script::new(RENEW),
-            release: Script::new(RELEASE),
-            observe: Script::new(OBSERVE),
-            releases,
-            subscriber,
-        }
-    }
-
-    async fn connection(&self) -> Result<Connection> {
-        match &self.target {
-            Target::Single(conn) => Ok(Connection::Single(conn.clone())),
-            Target::Cluster(cluster) => Ok(Connection::Cluster(cluster.connection().await?)),
-        }
-    }
-
-    async fn durable(&self, conn: &mut Connection) -> Result<bool> {
-        match conn {
-            Connection::Single(_) => self
-                .durability
-                .of(conn, "")
-                .await
-                .map_err(|e| self.error(e)),
-            Connection::Cluster(cluster) => Ok(self.durability.of_cluster(cluster).await),
-        }
-    }
-}
-
 /// The lazily connecting, reconnecting connection of a single-server driver (Redis, Tair).
 pub(crate) fn connection(client: &redis::Client) -> Result<ConnectionManager> {
     let config = ConnectionManagerConfig::new()
@@ -859,7 +609,7 @@ pub(crate) async fn listen_for_releases(
 
 /// [`listen_for_releases`] on the first of `clients` that answers, trying the next when one
 /// fails: the nodes of a Redis Cluster, any of which hears every `PUBLISH`.
-async fn listen_for_releases_on(
+pub(crate) async fn listen_for_releases_on(
     clients: Vec<redis::Client>,
     keys: KeyLayout,
     feeds: Arc<ChangeFeeds>,
@@ -1017,127 +767,6 @@ pub(crate) async fn eviction_warning(
 /// `volatile-*` policies can evict a held lease.
 pub(crate) fn evicts_lock_keys(policy: &str) -> bool {
     policy != "noeviction" && !policy.is_empty()
-}
-
-#[async_trait]
-impl Driver for RedisDriver {
-    fn kind(&self) -> &'static str {
-        "redis"
-    }
-
-    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let mut conn = self.connection().await?;
-        let durable = self.durable(&mut conn).await?;
-        let result = match &self.acquisitions {
-            Some(batches) => batches
-                .acquire(lock, identity, ttl, durable)
-                .await?
-                .map_err(|e| self.error(e))?,
-            None => {
-                let reply: Value =
-                    acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
-                        .invoke_async(&mut conn)
-                        .await
-                        .map_err(|e| self.error(e))?;
-                only_result(reply)?
-            }
-        };
-        acquired(lock, identity, &result)
-    }
-
-    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        if let Some(renewals) = &self.renewals {
-            let key = self.keys.lease(&lease.lock);
-            let answer = renewals
-                .renew(key, lease_value(lease), ms(ttl), Duration::ZERO)
-                .await?;
-            return answer.map(|r| r.extended).map_err(|e| self.error(e));
-        }
-        let mut conn = self.connection().await?;
-        let renewed: i64 = self
-            .renew
-            .key(self.keys.lease(&lease.lock))
-            .arg(lease_value(lease))
-            .arg(ms(ttl))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.error(e))?;
-        Ok(renewed == 1)
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<bool> {
-        if let Some(batches) = &self.release_batches {
-            return batches.release(lease).await?.map_err(|e| self.error(e));
-        }
-        let mut conn = self.connection().await?;
-        let reply: Value = releases_of(&self.release, &self.keys, &[lease])
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.error(e))?;
-        Ok(released_one(&reply))
-    }
-
-    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let mut conn = self.connection().await?;
-        let reply: Value = self
-            .observe
-            .key(self.keys.lease(lock))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.error(e))?;
-        Ok(parse_value_and_pttl(&reply))
-    }
-
-    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.releases.subscribe(lock))
-    }
-
-    async fn ping(&self) -> Result<()> {
-        let mut conn = self.connection().await?;
-        // A cluster answers from every node: any answer will do.
-        let _: Value = redis::cmd("PING")
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| self.error(e))?;
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl Upkeep for RedisDriver {
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        delete_keys(&mut self.connection().await?, &self.keys, locks).await
-    }
-
-    async fn warnings(&self) -> Result<Vec<String>> {
-        match self.connection().await? {
-            Connection::Cluster(mut cluster) => {
-                crate::drivers::redis::cluster::warnings(&mut cluster).await
-            }
-            mut single => lock_key_warnings(&mut single).await,
-        }
-    }
-
-    /// On a cluster, each master's keyspace in turn: a family's keys are spread over the slots.
-    /// A key whose slot moves while the masters are read may be counted twice or not at all.
-    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        let held = match &self.target {
-            Target::Single(conn) => held_key_leases(&mut conn.clone(), &self.keys, family)
-                .await?
-                .len(),
-            Target::Cluster(cluster) => {
-                let conn = cluster.connection().await?;
-                let mut held = 0;
-                for mut master in crate::drivers::redis::cluster::every_master(&conn).await? {
-                    held += held_key_leases(&mut master, &self.keys, family)
-                        .await?
-                        .len();
-                }
-                held
-            }
-        };
-        Ok(Some(held as u64))
-    }
 }
 
 #[cfg(test)]

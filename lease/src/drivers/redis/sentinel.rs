@@ -386,7 +386,7 @@ fn means_another_master(e: &redis::RedisError) -> bool {
 pub struct RedisSentinelDriver {
     master: Arc<SentinelMaster>,
     keys: KeyLayout,
-    durability: single::Durability,
+    durability: crate::drivers::redis::durability::Durability,
     min_replicas: u32,
     acquire: Script,
     release: Script,
@@ -426,7 +426,7 @@ impl RedisSentinelDriver {
             releases.clone(),
         ));
         Self {
-            durability: single::Durability::default(),
+            durability: crate::drivers::redis::durability::Durability::default(),
             master,
             keys,
             min_replicas: config.min_replicas,

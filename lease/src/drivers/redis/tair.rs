@@ -44,10 +44,10 @@ use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned, Upkeep};
+use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::{
-    Durability, KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases,
-    info_field, lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding,
-    passing,
+    KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases, info_field,
+    lease_value, listen_for_releases, lock_key_warnings, map_err, ms, parse_holding, passing,
 };
 use crate::error::{Error, Result};
 

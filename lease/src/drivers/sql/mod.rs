@@ -1,45 +1,29 @@
-//! PostgreSQL and MySQL/MariaDB: one row per lock in a lock table, one SQL core with the dialect
-//! differences kept in [`Dialect`]. This is lease mode; row-lock mode ([`crate::drivers::sql::row_lock`])
-//! adds a `FOR UPDATE` row lock in front of the very same row, which stays its fence.
-//!
-//! - Expiry is computed by the database's own clock (`now()`, `NOW(6)`), so a client whose clock
-//!   is wrong by minutes can neither steal a live lease nor keep an expired one.
-//! - Acquire inserts the row, or takes it over with a compare-and-set when it is free or
-//!   expired; the token goes up by one on every acquisition and is never reset (a release keeps
-//!   the row).
-//! - Renew and release match name, holder **and** token.
-//! - Waiters are woken by a lock the holder keeps in the server ([`crate::drivers::sql::wake`]):
-//!   MySQL's named locks, in both modes; PostgreSQL's advisory locks in lease mode, where the
-//!   waiter's blocking statement takes the row too. PostgreSQL's release statements also
-//!   `NOTIFY`, which wakes what keeps no such lock: row-lock mode, a family's keys, a lock held
-//!   beyond the process's sessions.
-//!
-//! Table and schema names are validated identifiers, quoted in the dialect's way; lock names and
-//! identities are always bound parameters.
+//! The SQL family: PostgreSQL and MySQL/MariaDB ([`server`], lease mode, with `row_lock` for
+//! row-lock mode and [`wake`] for waiters woken through the server), and the SQLite file
+//! ([`sqlite`], with `sqlite_wake`), with their URLs (`urls`). This module holds what they
+//! share: the dialects and their statements, the modes, the key floors, batched renewals and
+//! the row decoding.
 
 pub(crate) mod row_lock;
+pub mod server;
 pub mod sqlite;
 pub(crate) mod sqlite_wake;
 mod urls;
 pub mod wake;
 
+pub use server::SqlDriver;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use sqlx::AnyPool;
-use sqlx::any::AnyPoolOptions;
-use sqlx::{Connection, Row};
+use sqlx::Row;
 
-use tokio::sync::{OnceCell, watch};
-
-use crate::boot_clock::BootInstant;
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
-use crate::drivers::batches::{Batches, Pending};
-use crate::drivers::sql::row_lock::RowLocks;
-use crate::drivers::sql::wake::{AdvisoryStatements, ServerLock, ServerLocks};
+use crate::driver::{Acquire, Holding, Lease};
+use crate::drivers::batches::Pending;
+use crate::drivers::sql::wake::AdvisoryStatements;
 use crate::error::{Error, Result};
-use crate::names::{quote_sql_identifier, validate_sql_identifier};
+use crate::names::quote_sql_identifier;
 
 /// Where a PostgreSQL or MySQL/MariaDB lock table lives: `postgres://` or `mysql://`
 /// (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`; every other query parameter goes
@@ -55,11 +39,11 @@ pub struct SqlConfig {
 
 /// The NOTIFY channel of releases; the payload is the lock name.
 pub const RELEASE_CHANNEL: &str = "leasehold_released";
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-const RELISTEN_MIN: Duration = Duration::from_millis(100);
-const RELISTEN_MAX: Duration = Duration::from_secs(2);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const RELISTEN_MIN: Duration = Duration::from_millis(100);
+pub(crate) const RELISTEN_MAX: Duration = Duration::from_secs(2);
 /// Connections per sidecar: renewals of several locks, and acquisitions, in parallel.
-const POOL_SIZE: u32 = 4;
+pub(crate) const POOL_SIZE: u32 = 4;
 
 /// How a lock is held (`?mode=` in the URL, `lockMode` in the resource).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -246,7 +230,7 @@ pub struct KeyFloor {
 /// Make `family`'s floor row where it is missing, at the highest token of the family's rows: 0
 /// for a new family; for one whose floor row was deleted by hand, above every key still
 /// recorded, so that a key taken for the first time never draws below them. True when made.
-async fn make_floor(
+pub(crate) async fn make_floor(
     conn: &mut sqlx::AnyConnection,
     floor: &KeyFloor,
     family: &str,
@@ -280,7 +264,7 @@ async fn make_floor(
 }
 
 /// `lock` taken by `identity` with `token`.
-fn taken(lock: &str, identity: &str, token: u64) -> Acquire {
+pub(crate) fn taken(lock: &str, identity: &str, token: u64) -> Acquire {
     Acquire::Acquired(Lease {
         lock: lock.to_owned(),
         identity: identity.to_owned(),
@@ -289,14 +273,14 @@ fn taken(lock: &str, identity: &str, token: u64) -> Acquire {
 }
 
 /// How many locks a MySQL driver remembers having found held ([`SqlDriver::poll_mysql`]).
-const SEEN_HELD_REMEMBERED: usize = 4096;
+pub(crate) const SEEN_HELD_REMEMBERED: usize = 4096;
 
 /// How many seeded rows one MySQL `DELETE` names.
 const SEEDED_DELETED_AT_ONCE: usize = 500;
 
 /// Row-lock mode: delete the seeded rows of a family's keys left without a lease row, in the
 /// sweep's transaction (see [`ForgetSeeded`]).
-async fn forget_seeded(
+pub(crate) async fn forget_seeded(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     statements: &ForgetSeeded,
     plain: &str,
@@ -626,90 +610,6 @@ impl Dialect {
     }
 }
 
-pub struct SqlDriver {
-    pub(crate) dialect: Dialect,
-    pub(crate) pool: AnyPool,
-    pub(crate) sql: Statements,
-    mode: SqlMode,
-    /// Row-lock mode's open transactions.
-    row_locks: Option<RowLocks>,
-    /// The table is created on first use, so that a database that is down at start-up is
-    /// reported by readiness rather than by a crash.
-    provisioned: OnceCell<()>,
-    pub(crate) releases: Arc<ChangeFeeds>,
-    listener: Option<tokio::task::JoinHandle<()>>,
-    /// The server locks that wake waiters: MySQL's named locks, PostgreSQL's advisory locks
-    /// (lease mode; see [`SqlDriver::server_lock`]).
-    server_locks: Option<Arc<ServerLocks>>,
-    /// Renewals that arrive together go out together ([`RenewMany`]).
-    renewals: Batches<(Lease, Duration), Result<bool>>,
-    /// The families whose floor row this process has made sure of ([`KeyFloor`]).
-    floors: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// MySQL in lease mode: the locks this process last found held ([`SqlDriver::poll_mysql`]).
-    seen_held: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// In-memory files holding PEM text given inline, open while the pool may connect.
-    _pem_files: Vec<std::fs::File>,
-}
-
-/// The database drivers' TLS options that name a PEM file.
-const PEM_OPTIONS: [&str; 8] = [
-    "sslrootcert",
-    "ssl-root-cert",
-    "sslca",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
-];
-
-/// `url` with every TLS option that carries PEM text (a Secret's, from a `DistributedLock`)
-/// turned into the name of an in-memory file holding it: the database drivers read these
-/// options as file names, and the sidecar's root filesystem is read-only. The files are
-/// returned, to be kept open as long as connections may be made.
-fn pem_text_to_files(url: &str) -> Result<(String, Vec<std::fs::File>)> {
-    use std::io::Write;
-    use std::os::fd::AsRawFd;
-    let invalid = |reason: String| Error::InvalidUrl {
-        url: crate::redact::redact(url),
-        reason,
-    };
-    let mut parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
-    let inline = |(k, v): &(String, String)| {
-        PEM_OPTIONS.contains(&k.as_str()) && v.trim_start().starts_with("-----BEGIN")
-    };
-    let pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
-    if !pairs.iter().any(inline) {
-        return Ok((url.to_owned(), Vec::new()));
-    }
-    let mut files = Vec::new();
-    let mut rewritten = Vec::new();
-    for pair in pairs {
-        if !inline(&pair) {
-            rewritten.push(pair);
-            continue;
-        }
-        let fd =
-            nix::sys::memfd::memfd_create(c"leasehold-tls", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
-                .map_err(|e| invalid(format!("cannot hold {} in memory: {e}", pair.0)))?;
-        let mut file = std::fs::File::from(fd);
-        file.write_all(pair.1.as_bytes())
-            .map_err(|e| invalid(format!("cannot hold {} in memory: {e}", pair.0)))?;
-        rewritten.push((pair.0, format!("/proc/self/fd/{}", file.as_raw_fd())));
-        files.push(file);
-    }
-    parsed.query_pairs_mut().clear().extend_pairs(rewritten);
-    Ok((parsed.into(), files))
-}
-
-impl Drop for SqlDriver {
-    fn drop(&mut self) {
-        if let Some(listener) = &self.listener {
-            listener.abort();
-        }
-    }
-}
-
 pub(crate) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -728,7 +628,7 @@ pub(crate) const MAX_RENEW_BATCH: usize = 512;
 
 /// A batch of renewals ([`RenewMany`]), [`padded`]: each renewal is answered with whether its
 /// row came back extended.
-async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: RenewalBatch) {
+pub(crate) async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: RenewalBatch) {
     let rows = batch.len().next_power_of_two();
     let bound = |sql| {
         let mut query = sqlx::query(sql);
@@ -809,7 +709,7 @@ pub(crate) fn answer_renewals(batch: RenewalBatch, extended: Result<Extended>) {
 
 /// Sort database errors into unreachable (retry), missing privilege (say which), and the rest.
 /// PostgreSQL undefined_table (42P01); MySQL ER_NO_SUCH_TABLE (42S02).
-fn is_missing_table(e: &sqlx::Error) -> bool {
+pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01") | Some("42S02")))
 }
 
@@ -838,331 +738,6 @@ pub(crate) fn map_err(e: sqlx::Error) -> Error {
     }
 }
 
-impl SqlDriver {
-    /// A lazily connecting pool; `url` is the database's own URL (credentials included, never
-    /// logged).
-    pub fn connect(
-        dialect: Dialect,
-        url: &str,
-        schema: Option<&str>,
-        table: &str,
-        mode: SqlMode,
-    ) -> Result<Self> {
-        validate_sql_identifier("table name", table)?;
-        if mode == SqlMode::RowLock {
-            validate_sql_identifier("row-lock table name (table + \"_rows\")", &row_table(table))?;
-        }
-        if let Some(schema) = schema {
-            validate_sql_identifier("schema name", schema)?;
-        }
-        let (url, pem_files) = pem_text_to_files(url)?;
-        let url = url.as_str();
-        sqlx::any::install_default_drivers();
-        let pool = AnyPoolOptions::new()
-            .max_connections(POOL_SIZE)
-            .acquire_timeout(CONNECT_TIMEOUT)
-            // sqlx pings a pooled connection before each use by default: a second round trip
-            // for every statement, a hand-over's two included. A dead connection fails its
-            // statement instead, which the engine counts as a backend error and tries again.
-            .test_before_acquire(false)
-            .connect_lazy(url)
-            .map_err(|e| Error::InvalidUrl {
-                url: crate::redact::redact(url),
-                reason: e.to_string(),
-            })?;
-        let releases = Arc::new(ChangeFeeds::default());
-        let sql = dialect.statements(schema, table);
-        let server_lock = match (dialect, mode) {
-            (Dialect::MySql, _) => Some(ServerLock::Named),
-            (Dialect::Postgres, SqlMode::Lease) => sql.advisory.clone().map(ServerLock::Advisory),
-            // Row-lock mode's holder keeps its row locked on a session of its own already;
-            // its waiters hear `NOTIFY`.
-            (Dialect::Postgres, SqlMode::RowLock) => None,
-        };
-        let server_locks = server_lock
-            .map(|kind| ServerLocks::new(kind, url, table, &sql.observe, releases.clone()));
-        let listener = (dialect == Dialect::Postgres).then(|| {
-            tokio::spawn(listen_for_releases(
-                url.to_owned(),
-                releases.clone(),
-                server_locks.clone(),
-            ))
-        });
-        let renewals = {
-            let (pool, many) = (pool.clone(), Arc::new(sql.renew_many.clone()));
-            Batches::new(MAX_RENEW_BATCH, move |batch| {
-                renew_batch(pool.clone(), many.clone(), batch)
-            })
-        };
-        Ok(Self {
-            dialect,
-            pool,
-            sql,
-            mode,
-            row_locks: (mode == SqlMode::RowLock).then(|| RowLocks::new(url)),
-            provisioned: OnceCell::new(),
-            server_locks,
-            releases,
-            listener,
-            renewals,
-            floors: Default::default(),
-            seen_held: Default::default(),
-            _pem_files: pem_files,
-        })
-    }
-
-    pub fn mode(&self) -> SqlMode {
-        self.mode
-    }
-
-    /// The server locks that wake `lock`'s waiters. Not for a family's keys on PostgreSQL:
-    /// an advisory lock's session per acquisition would cost every cycle of a key a statement
-    /// (or a connection) more, and `NOTIFY` wakes their waiters.
-    fn server_lock(&self, lock: &str) -> Option<&Arc<ServerLocks>> {
-        let keyed_postgres =
-            self.dialect == Dialect::Postgres && crate::names::family_of(lock).is_some();
-        self.server_locks.as_ref().filter(|_| !keyed_postgres)
-    }
-
-    /// The compare-and-set on the lock row: the new token, or `None` while someone holds it.
-    pub(crate) async fn acquire_row(
-        &self,
-        lock: &str,
-        identity: &str,
-        ttl: Duration,
-    ) -> Result<Option<u64>> {
-        match self.dialect {
-            Dialect::Postgres => self.acquire_postgres(lock, identity, ttl).await,
-            Dialect::MySql => self.acquire_mysql(lock, identity, ttl).await,
-        }
-    }
-
-    pub(crate) async fn renew_row(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        self.renewals.call((lease.clone(), ttl)).await?
-    }
-
-    /// Free the lock row if `lease` still holds it, on the pool or inside a transaction.
-    pub(crate) async fn release_row<'c, E>(&self, executor: E, lease: &Lease) -> Result<bool>
-    where
-        E: sqlx::Executor<'c, Database = sqlx::Any>,
-    {
-        let query = sqlx::query(&self.sql.release)
-            .bind(&lease.lock)
-            .bind(&lease.identity)
-            .bind(token(lease));
-        Ok(match self.dialect {
-            Dialect::Postgres => {
-                let row = query.fetch_one(executor).await.map_err(map_err)?;
-                row.try_get::<i64, _>("released").map_err(map_err)? == 1
-            }
-            Dialect::MySql => {
-                query
-                    .execute(executor)
-                    .await
-                    .map_err(map_err)?
-                    .rows_affected()
-                    == 1
-            }
-        })
-    }
-
-    /// Create the tables if they are absent, once per process.
-    pub(crate) async fn ensure_tables(&self) -> Result<()> {
-        self.provisioned
-            .get_or_try_init(|| async {
-                sqlx::query(&self.sql.create_table)
-                    .execute(&self.pool)
-                    .await
-                    .map_err(map_err)?;
-                if self.mode == SqlMode::RowLock {
-                    sqlx::query(&self.sql.create_row_table)
-                        .execute(&self.pool)
-                        .await
-                        .map_err(map_err)?;
-                }
-                Ok::<_, Error>(())
-            })
-            .await?;
-        Ok(())
-    }
-
-    /// Row-lock mode: insert the lock's row if absent.
-    pub(crate) async fn seed_row(&self, lock: &str) -> Result<()> {
-        sqlx::query(&self.sql.seed_row)
-            .bind(lock)
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(())
-    }
-
-    /// Make sure `family`'s floor row exists: once per process, or again when `again`.
-    async fn ensure_floor(&self, floor: &KeyFloor, family: &str, again: bool) -> Result<()> {
-        let known = || {
-            self.floors
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains(family)
-        };
-        if !again && known() {
-            return Ok(());
-        }
-        let mut conn = self.pool.acquire().await.map_err(map_err)?;
-        let created = make_floor(&mut conn, floor, family).await?;
-        if again && created && known() {
-            tracing::warn!(
-                family,
-                "the family's token floor row was missing (deleted by hand?): made again above \
-                 its keys' highest recorded token; keys forgotten as idle before may repeat theirs"
-            );
-        }
-        self.floors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(family.to_owned());
-        Ok(())
-    }
-
-    /// A lock found free, yet not taken. For a family's key its floor row may be gone (deleted
-    /// by hand; the acquisition reads it): put it back and try once more.
-    async fn again_with_floor(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let Some(family) = crate::names::family_of(lock) else {
-            return Ok(Acquire::Busy(None));
-        };
-        self.ensure_floor(&self.sql.key_floor, family, true).await?;
-        Ok(match self.acquire_row(lock, identity, ttl).await? {
-            Some(token) => taken(lock, identity, token),
-            None => Acquire::Busy(self.observe(lock).await?),
-        })
-    }
-
-    async fn acquire_postgres(
-        &self,
-        lock: &str,
-        identity: &str,
-        ttl: Duration,
-    ) -> Result<Option<u64>> {
-        let query = match crate::names::family_of(lock) {
-            Some(family) => {
-                let floor = &self.sql.key_floor;
-                self.ensure_floor(floor, family, false).await?;
-                sqlx::query(&floor.acquire)
-                    .bind(lock)
-                    .bind(identity)
-                    .bind(ms(ttl))
-                    .bind(crate::names::key_floor_row(family))
-            }
-            None => sqlx::query(&self.sql.acquire)
-                .bind(lock)
-                .bind(identity)
-                .bind(ms(ttl)),
-        };
-        let rows = query.fetch_all(&self.pool).await.map_err(map_err)?;
-        rows.first()
-            .map(|row| row.try_get::<i64, _>("token").map(|t| t as u64))
-            .transpose()
-            .map_err(map_err)
-    }
-
-    /// The take-over of `lock`'s row where it is free or run out: one statement.
-    async fn take_over_mysql(
-        &self,
-        lock: &str,
-        identity: &str,
-        ttl: Duration,
-    ) -> Result<Option<u64>> {
-        // LAST_INSERT_ID(token + 1) puts the new token in the statement's own OK packet: one
-        // round trip, and no other session can see or change it in between.
-        let taken = sqlx::query(&self.sql.acquire)
-            .bind(identity)
-            .bind(micros(ttl))
-            .bind(lock)
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        if taken.rows_affected() != 1 {
-            return Ok(None);
-        }
-        let token = taken.last_insert_id().ok_or_else(|| {
-            Error::Backend("MySQL did not return the new token (LAST_INSERT_ID)".into())
-        })?;
-        Ok(Some(token as u64))
-    }
-
-    /// A waiter's poll of a lock this process last found held (MySQL, lease mode): the take-over,
-    /// then the read of who holds, two statements. An attempt on a lock not known held tries
-    /// the insertion of its first row before the read instead (three statements when held),
-    /// which a lock taken once, as a family's new key, needs. `None` when the read finds no
-    /// holder: the lock is to be tried in full.
-    async fn poll_mysql(
-        &self,
-        lock: &str,
-        identity: &str,
-        ttl: Duration,
-    ) -> Result<Option<Acquire>> {
-        if let Some(token) = self.take_over_mysql(lock, identity, ttl).await? {
-            return Ok(Some(taken(lock, identity, token)));
-        }
-        Ok(self
-            .observe(lock)
-            .await?
-            .map(|holder| Acquire::Busy(Some(holder))))
-    }
-
-    /// Remember whether `lock` was found held, for the next attempt's order of statements.
-    fn saw_held(&self, lock: &str, held: bool) {
-        let mut seen = self.seen_held.lock().unwrap_or_else(|e| e.into_inner());
-        if !held {
-            seen.remove(lock);
-            return;
-        }
-        // Only an order of statements rides on it: past this many locks, start over.
-        if seen.len() >= SEEN_HELD_REMEMBERED && !seen.contains(lock) {
-            seen.clear();
-        }
-        seen.insert(lock.to_owned());
-    }
-
-    async fn acquire_mysql(
-        &self,
-        lock: &str,
-        identity: &str,
-        ttl: Duration,
-    ) -> Result<Option<u64>> {
-        if let Some(token) = self.take_over_mysql(lock, identity, ttl).await? {
-            return Ok(Some(token));
-        }
-        if let Some(family) = crate::names::family_of(lock) {
-            let floor = &self.sql.key_floor;
-            self.ensure_floor(floor, family, false).await?;
-            let inserted = sqlx::query(&floor.acquire)
-                .bind(lock)
-                .bind(identity)
-                .bind(micros(ttl))
-                .bind(crate::names::key_floor_row(family))
-                .execute(&self.pool)
-                .await
-                .map_err(map_err)?;
-            if inserted.rows_affected() != 1 {
-                return Ok(None);
-            }
-            let token = inserted.last_insert_id().ok_or_else(|| {
-                Error::Backend("MySQL did not return the new token (LAST_INSERT_ID)".into())
-            })?;
-            return Ok(Some(token as u64));
-        }
-        let insert = self.sql.insert.as_deref().unwrap_or_default();
-        let inserted = sqlx::query(insert)
-            .bind(lock)
-            .bind(identity)
-            .bind(micros(ttl))
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok((inserted.rows_affected() == 1).then_some(1))
-    }
-}
-
 /// The holder from an `observe` row (`holder`, `token`, `remaining_ms`), for every SQL backend.
 pub(crate) fn holding_from_row<'r, R>(row: &'r R) -> Result<Holding, sqlx::Error>
 where
@@ -1177,301 +752,4 @@ where
         token: row.try_get::<i64, _>("token")? as u64,
         expires_in: Some(Duration::from_millis(remaining.max(0) as u64)),
     })
-}
-
-/// One LISTEN connection per process; a lost connection wakes every waiter, since a release may
-/// have gone unheard meanwhile.
-async fn listen_for_releases(
-    url: String,
-    feeds: Arc<ChangeFeeds>,
-    server_locks: Option<Arc<ServerLocks>>,
-) {
-    let mut pause = RELISTEN_MIN;
-    loop {
-        let listening = tokio::time::timeout(CONNECT_TIMEOUT, async {
-            let mut listener = sqlx::postgres::PgListener::connect(&url).await?;
-            listener.listen(RELEASE_CHANNEL).await?;
-            Ok::<_, sqlx::Error>(listener)
-        })
-        .await;
-        match listening {
-            Ok(Ok(mut listener)) => {
-                pause = RELISTEN_MIN;
-                feeds.bump_all();
-                loop {
-                    match listener.try_recv().await {
-                        Ok(Some(notice)) => {
-                            let lock = notice.payload();
-                            // A waiter blocked in the server is woken there, taking the row.
-                            if !server_locks.as_ref().is_some_and(|s| s.heard_release(lock)) {
-                                feeds.bump(lock);
-                            }
-                        }
-                        // The connection dropped; try_recv reconnects on the next call.
-                        Ok(None) => feeds.bump_all(),
-                        Err(e) => {
-                            tracing::debug!(error = %e, "postgres LISTEN failed");
-                            break;
-                        }
-                    }
-                }
-            }
-            Ok(Err(e)) => tracing::debug!(error = %e, "postgres LISTEN could not start"),
-            Err(_) => tracing::debug!("postgres LISTEN timed out"),
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(RELISTEN_MAX);
-    }
-}
-
-#[async_trait]
-impl Driver for SqlDriver {
-    fn kind(&self) -> &'static str {
-        self.dialect.as_str()
-    }
-
-    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let server_lock = self.server_lock(lock);
-        // Taken already, by this waiter's blocking statement, which woke it.
-        if let Some(lease) = server_lock.and_then(|s| s.take_woken(lock, identity, ttl)) {
-            return Ok(Acquire::Acquired(lease));
-        }
-        self.ensure_tables().await?;
-        let mysql_lease = self.dialect == Dialect::MySql && self.row_locks.is_none();
-        let known_held = mysql_lease
-            && self
-                .seen_held
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains(lock);
-        let polled = if known_held {
-            self.poll_mysql(lock, identity, ttl).await?
-        } else {
-            None
-        };
-        let acquired = match (polled, &self.row_locks) {
-            (Some(polled), _) => polled,
-            (None, Some(row_locks)) => row_locks.try_acquire(self, lock, identity, ttl).await?,
-            (None, None) => match self.acquire_row(lock, identity, ttl).await? {
-                Some(token) => taken(lock, identity, token),
-                None => match self.observe(lock).await? {
-                    None => self.again_with_floor(lock, identity, ttl).await?,
-                    holder => Acquire::Busy(holder),
-                },
-            },
-        };
-        if mysql_lease {
-            self.saw_held(lock, matches!(acquired, Acquire::Busy(Some(_))));
-        }
-        match (&acquired, server_lock) {
-            (Acquire::Acquired(lease), Some(server)) => {
-                server.held(lock, &lease.identity, lease.token)
-            }
-            // A waiter here: block on the lock's server lock. Not at the subscription, which
-            // comes before every attempt: a session per acquisition of a free lock would be
-            // spent for nothing. A release between the two leaves the server lock free, so the
-            // waiter's first wait is granted at once and wakes it.
-            (Acquire::Busy(_), Some(server)) if self.releases.is_subscribed(lock) => {
-                server.watch(lock, identity, ttl)
-            }
-            _ => {}
-        }
-        Ok(acquired)
-    }
-
-    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        let renewed = match &self.row_locks {
-            Some(row_locks) => row_locks.renew(self, lease, ttl).await,
-            None => self.renew_row(lease, ttl).await,
-        };
-        if let Some(server) = self.server_lock(&lease.lock) {
-            server.forget_counted(&lease.lock);
-            if let Ok(false) = renewed {
-                server.let_go(&lease.lock);
-            }
-        }
-        renewed
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<bool> {
-        let server_lock = self.server_lock(&lease.lock);
-        // PostgreSQL: on the advisory lock's session, which lets it go in the same statement.
-        let released_there = match server_lock {
-            Some(server) => server.release(lease).await,
-            None => None,
-        };
-        // There, the server lock went in the same statement.
-        let let_go = released_there.is_none();
-        let released = match (released_there, &self.row_locks) {
-            (Some(released), _) => released.map_err(map_err)?,
-            (None, Some(row_locks)) => row_locks.release(self, lease).await?,
-            (None, None) => self.release_row(&self.pool, lease).await?,
-        };
-        // Not held either way now: the next waiter goes.
-        if let (true, Some(server)) = (let_go, server_lock) {
-            server.let_go(&lease.lock);
-        }
-        if released {
-            self.releases.bump(&lease.lock);
-        }
-        Ok(released)
-    }
-
-    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        self.ensure_tables().await?;
-        let rows = sqlx::query(&self.sql.observe)
-            .bind(lock)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)?;
-        rows.first()
-            .map(holding_from_row)
-            .transpose()
-            .map_err(map_err)
-    }
-
-    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.releases.subscribe(lock))
-    }
-
-    /// A row taken in a waiter's blocking statement counts from the database's writing it,
-    /// before the engine asked for it.
-    fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
-        match self.server_lock(&lease.lock) {
-            Some(server) => server.counted_from(lease, sent),
-            None => sent,
-        }
-    }
-
-    /// PostgreSQL waiters are woken by NOTIFY, MySQL's by named locks, and both read the row once
-    /// per renew interval as a fallback.
-    fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        renew_interval
-    }
-
-    async fn ping(&self) -> Result<()> {
-        let mut conn = self.pool.acquire().await.map_err(map_err)?;
-        conn.ping().await.map_err(map_err)
-    }
-}
-
-#[async_trait]
-impl Upkeep for SqlDriver {
-    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
-        self.ensure_tables().await?;
-        let [plain, hashed] = crate::names::key_name_patterns(family);
-        let held: i64 = sqlx::query(&self.sql.key_floor.count_held)
-            .bind(&plain)
-            .bind(&hashed)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(map_err)?
-            .try_get("held")
-            .map_err(map_err)?;
-        Ok(Some(u64::try_from(held).unwrap_or(0)))
-    }
-
-    async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
-        let floor = &self.sql.key_floor;
-        self.ensure_tables().await?;
-        let row = crate::names::key_floor_row(family);
-        let [plain, hashed] = crate::names::key_name_patterns(family);
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        make_floor(&mut tx, floor, family).await?;
-        sqlx::query(&floor.lock)
-            .bind(&row)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        let forgotten = match &floor.forget {
-            ForgetIdle::Postgres(forget) => {
-                let forgotten: i64 = sqlx::query(forget)
-                    .bind(&row)
-                    .bind(&plain)
-                    .bind(&hashed)
-                    .bind(ms(idle_for))
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(map_err)?
-                    .try_get("forgotten")
-                    .map_err(map_err)?;
-                u64::try_from(forgotten).unwrap_or(0)
-            }
-            ForgetIdle::MySql {
-                cutoff,
-                highest,
-                raise,
-                delete,
-            } => {
-                sqlx::query(cutoff)
-                    .bind(micros(idle_for))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                let highest: i64 = sqlx::query(highest)
-                    .bind(&plain)
-                    .bind(&hashed)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(map_err)?
-                    .try_get("highest")
-                    .map_err(map_err)?;
-                sqlx::query(raise)
-                    .bind(highest)
-                    .bind(&row)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                sqlx::query(delete)
-                    .bind(&plain)
-                    .bind(&hashed)
-                    .bind(highest)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?
-                    .rows_affected()
-            }
-        };
-        if self.row_locks.is_some() {
-            forget_seeded(&mut tx, &self.sql.forget_seeded, &plain, &hashed).await?;
-        }
-        tx.commit().await.map_err(map_err)?;
-        Ok(forgotten)
-    }
-
-    /// Create the lock table (and in row-lock mode the row table, seeded with `locks`) if
-    /// absent; needs CREATE the first time only.
-    /// In row-lock mode the row is held `FOR UPDATE` by this process's own transaction, which its
-    /// DELETE (on another connection) would wait for: it is released first. A contender that
-    /// takes the row meanwhile holds it alone, and the DELETE waits for its transaction in turn.
-    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
-        if self.mode == SqlMode::RowLock {
-            self.release(lease).await?;
-        }
-        self.deprovision(std::slice::from_ref(&lease.lock)).await
-    }
-
-    async fn deprovision(&self, locks: &[String]) -> Result<()> {
-        for lock in locks {
-            for statement in [&self.sql.delete_lock, &self.sql.delete_row] {
-                match sqlx::query(statement).bind(lock).execute(&self.pool).await {
-                    Ok(_) => {}
-                    // The table was never created: nothing to remove.
-                    Err(e) if is_missing_table(&e) => {}
-                    Err(e) => return Err(map_err(e)),
-                }
-            }
-        }
-        Ok(())
-    }
-
-    async fn provision(&self, locks: &[String]) -> Result<()> {
-        self.ensure_tables().await?;
-        if self.mode == SqlMode::RowLock {
-            for lock in locks {
-                self.seed_row(lock).await?;
-            }
-        }
-        Ok(())
-    }
 }

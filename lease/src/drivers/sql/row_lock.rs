@@ -30,9 +30,36 @@ use sqlx::{Connection, Executor};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::driver::{Acquire, Driver, Lease};
-use crate::drivers::sql::{SqlDriver, map_err};
+use crate::driver::{Acquire, Holding, Lease};
+use crate::drivers::sql::{Dialect, Statements, map_err};
 use crate::error::{Error, Result};
+
+/// What row-lock mode asks of the lease-mode driver whose row of the same lock stays its fence
+/// (the PostgreSQL and MySQL driver implements it).
+pub(crate) trait Fence: Sync {
+    fn dialect(&self) -> Dialect;
+    fn statements(&self) -> &Statements;
+    /// The fence's holder, if any.
+    fn holder(&self, lock: &str) -> impl Future<Output = Result<Option<Holding>>> + Send;
+    /// Insert the lock's row if absent.
+    fn seed_row(&self, lock: &str) -> impl Future<Output = Result<()>> + Send;
+    /// The fence's compare-and-set: the new token, or `None` while someone holds it.
+    fn acquire_row(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Option<u64>>> + Send;
+    fn renew_row(&self, lease: &Lease, ttl: Duration) -> impl Future<Output = Result<bool>> + Send;
+    /// Free the fence if `lease` still holds it, on the pool.
+    fn release_row(&self, lease: &Lease) -> impl Future<Output = Result<bool>> + Send;
+    /// The same inside the transaction `tx`, so that the fence and the row lock leave together.
+    fn release_row_in(
+        &self,
+        tx: &mut AnyConnection,
+        lease: &Lease,
+    ) -> impl Future<Output = Result<bool>> + Send;
+}
 
 /// How many times one attempt seeds its lock's row before it gives up (see [`RowLocks::lock_row`]).
 const SEEDINGS: usize = 3;
@@ -146,7 +173,7 @@ impl RowLocks {
     }
 
     /// Open a transaction and try the row; seeds the row on first use.
-    async fn lock_row(&self, driver: &SqlDriver, lock: &str, ttl: Duration) -> Result<Locked> {
+    async fn lock_row(&self, driver: &impl Fence, lock: &str, ttl: Duration) -> Result<Locked> {
         let spare = self.spares.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let (mut conn, mut reused) = match spare {
             Some(conn) => (conn, true),
@@ -154,7 +181,7 @@ impl RowLocks {
         };
         let mut seeded = 0;
         loop {
-            if let Err(e) = conn.execute(&*driver.dialect.row_lock_begin(ttl)).await {
+            if let Err(e) = conn.execute(&*driver.dialect().row_lock_begin(ttl)).await {
                 if !reused {
                     return Err(map_err(e));
                 }
@@ -162,7 +189,7 @@ impl RowLocks {
                 (conn, reused) = (self.connect().await?, false);
                 continue;
             }
-            let rows = sqlx::query(&driver.sql.lock_row)
+            let rows = sqlx::query(&driver.statements().lock_row)
                 .bind(lock)
                 .fetch_all(&mut conn)
                 .await;
@@ -188,7 +215,7 @@ impl RowLocks {
 
     pub(crate) async fn try_acquire(
         &self,
-        driver: &SqlDriver,
+        driver: &impl Fence,
         lock: &str,
         identity: &str,
         ttl: Duration,
@@ -197,13 +224,13 @@ impl RowLocks {
             // Not re-entrant: this process already holds the row (or is using it right now).
             let live = row.conn.try_lock().map_or(true, |conn| conn.is_some());
             if live {
-                return Ok(Acquire::Busy(driver.observe(lock).await?));
+                return Ok(Acquire::Busy(driver.holder(lock).await?));
             }
             self.forget(lock, &row);
         }
         // While the fence shows a live holder the row cannot be ours either: a waiter costs one
         // plain read, as in lease mode, and opens no transaction.
-        if let Some(holder) = driver.observe(lock).await? {
+        if let Some(holder) = driver.holder(lock).await? {
             return Ok(Acquire::Busy(Some(holder)));
         }
         let started = Instant::now();
@@ -211,7 +238,7 @@ impl RowLocks {
             Locked::Held(conn) => conn,
             Locked::Taken(conn) => {
                 self.rollback_and_spare(conn).await;
-                return Ok(Acquire::Busy(driver.observe(lock).await?));
+                return Ok(Acquire::Busy(driver.holder(lock).await?));
             }
         };
         // Holding the row, bump the token on the fence; this commits on its own, so it outlives
@@ -220,7 +247,7 @@ impl RowLocks {
             Ok(Some(token)) => token,
             Ok(None) => {
                 self.rollback_and_spare(conn).await;
-                return Ok(Acquire::Busy(driver.observe(lock).await?));
+                return Ok(Acquire::Busy(driver.holder(lock).await?));
             }
             Err(e) => return Err(e), // dropping the connection frees the row
         };
@@ -245,7 +272,7 @@ impl RowLocks {
 
     pub(crate) async fn renew(
         &self,
-        driver: &SqlDriver,
+        driver: &impl Fence,
         lease: &Lease,
         ttl: Duration,
     ) -> Result<bool> {
@@ -259,7 +286,7 @@ impl RowLocks {
             return Ok(false);
         };
         // Already ours, so this returns at once; an error means the transaction is gone.
-        let still_held = sqlx::query(&driver.sql.lock_row)
+        let still_held = sqlx::query(&driver.statements().lock_row)
             .bind(&lease.lock)
             .fetch_all(&mut *tx)
             .await;
@@ -287,12 +314,12 @@ impl RowLocks {
         Ok(true)
     }
 
-    pub(crate) async fn release(&self, driver: &SqlDriver, lease: &Lease) -> Result<bool> {
+    pub(crate) async fn release(&self, driver: &impl Fence, lease: &Lease) -> Result<bool> {
         if let Some(row) = self.held(&lease.lock).filter(|row| row.lease == *lease) {
             self.forget(&lease.lock, &row);
             let tx = row.conn.lock().await.take();
             if let Some(mut tx) = tx {
-                let released = driver.release_row(&mut tx, lease).await;
+                let released = driver.release_row_in(&mut tx, lease).await;
                 if let Ok(released) = released
                     && tx.execute("COMMIT").await.is_ok()
                 {
@@ -302,6 +329,6 @@ impl RowLocks {
                 // The transaction is gone with its update; free the fence on its own below.
             }
         }
-        driver.release_row(&driver.pool, lease).await
+        driver.release_row(lease).await
     }
 }

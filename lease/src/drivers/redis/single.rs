@@ -1,0 +1,318 @@
+//! Redis, single master ([`crate::redlock`] spans several). The lease is one key, `SET NX PX` inside an acquire script that also
+//! takes the fencing token from a per-lock `INCR` counter, so a token is only ever handed out
+//! together with the key. Renew and release are scripts that compare the stored value (token and
+//! identity) before they touch the key. A release publishes on a channel that waiters listen to.
+//!
+//! Keys use a hash tag on the lock name (`leasehold:{jobs}:lease`, `leasehold:{jobs}:token`) so
+//! both keys of a lock land in one slot of a Redis Cluster, which this driver also serves
+//! (`redis+cluster://`, see [`crate::drivers::redis::cluster`]).
+//!
+//! Restarts: a server without persistence (or one that lost the last second of `appendfsync
+//! everysec`) comes back without leases their holders still claim, and without their token
+//! counters. The acquire script's epoch record (see [`ACQUIRE`]) makes such a server wait out
+//! one lease before it grants a free lock, and raises the counters above every earlier token; a
+//! durable server (`appendfsync always`) lost nothing and goes on at once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::Script;
+use redis::Value;
+use redis::aio::ConnectionManager;
+use tokio::sync::watch;
+
+use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
+use crate::drivers::redis::acquisitions::AcquisitionBatches;
+use crate::drivers::redis::durability::Durability;
+use crate::drivers::redis::releases::ReleaseBatches;
+use crate::drivers::redis::renewals::RenewalBatches;
+use crate::drivers::redis::{
+    ACQUIRE, KeyLayout, OBSERVE, RELEASE, RENEW, acquired, acquisition, client, connection,
+    delete_keys, explain, held_key_leases, lease_value, listen_for_releases_on, lock_key_warnings,
+    ms, only_result, parse_value_and_pttl, released_one, releases_of,
+};
+use crate::error::{Error, Result};
+use crate::tls::Tls;
+
+pub struct RedisDriver {
+    target: Target,
+    /// Over TLS: a timeout then most likely means no TLS on the other side.
+    tls: bool,
+    keys: KeyLayout,
+    durability: Durability,
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    observe: Script,
+    releases: Arc<ChangeFeeds>,
+    subscriber: tokio::task::JoinHandle<()>,
+    /// On one master, renewals go out together ([`crate::drivers::redis::renewals`]).
+    renewals: Option<RenewalBatches>,
+    /// On one master, acquisitions under way at once go out together
+    /// ([`crate::drivers::redis::acquisitions`]).
+    acquisitions: Option<AcquisitionBatches>,
+    /// On one master, releases under way at once go out together
+    /// ([`crate::drivers::redis::releases`]).
+    release_batches: Option<ReleaseBatches>,
+}
+
+/// One master, or a Redis Cluster.
+enum Target {
+    Single(ConnectionManager),
+    Cluster(Box<crate::drivers::redis::cluster::Cluster>),
+}
+
+/// A connection to either: a cluster's routes each script to its keys' master.
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl Drop for RedisDriver {
+    fn drop(&mut self) {
+        self.subscriber.abort();
+    }
+}
+
+impl RedisDriver {
+    /// [`map_err`], and over TLS a timeout explained: a plain-text server may never answer a
+    /// TLS handshake (it waits for the end of a command line that never comes).
+    fn error(&self, e: redis::RedisError) -> Error {
+        explain(e, self.tls)
+    }
+
+    /// Set up the connection lazily: an unreachable Redis at start-up is reported by the lease
+    /// loop and readiness, not by a crash.
+    pub fn connect(url: &url::Url, prefix: &str, tls: Option<&Tls>) -> Result<Self> {
+        let client = client(url, tls)?;
+        let target = Target::Single(connection(&client)?);
+        Ok(Self::with(
+            target,
+            tls.is_some(),
+            KeyLayout::new(prefix),
+            vec![client],
+        ))
+    }
+
+    /// A Redis Cluster found from `nodes` (`redis+cluster://`, over TLS `rediss+cluster://`);
+    /// connects lazily, as [`RedisDriver::connect`] does. Release notices come from any node
+    /// that answers.
+    pub fn connect_cluster(nodes: &[url::Url], prefix: &str, tls: Option<&Tls>) -> Result<Self> {
+        let target = Target::Cluster(Box::new(crate::drivers::redis::cluster::Cluster::new(
+            nodes, tls,
+        )?));
+        let clients = nodes
+            .iter()
+            .map(|node| client(node, tls))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::with(
+            target,
+            tls.is_some(),
+            KeyLayout::for_cluster(prefix),
+            clients,
+        ))
+    }
+
+    /// The driver on `target`, listening for release notices on the first of `clients` that
+    /// answers.
+    fn with(target: Target, tls: bool, keys: KeyLayout, clients: Vec<redis::Client>) -> Self {
+        let releases = Arc::new(ChangeFeeds::default());
+        let subscriber = tokio::spawn(listen_for_releases_on(
+            clients,
+            keys.clone(),
+            releases.clone(),
+        ));
+        let (renewals, acquisitions, release_batches) = match &target {
+            Target::Single(conn) => (
+                Some(RenewalBatches::new(conn.clone(), 0)),
+                Some(AcquisitionBatches::new(conn.clone(), keys.clone())),
+                Some(ReleaseBatches::new(conn.clone(), keys.clone())),
+            ),
+            Target::Cluster(_) => (None, None, None),
+        };
+        Self {
+            renewals,
+            acquisitions,
+            release_batches,
+            target,
+            tls,
+            keys,
+            durability: Durability::default(),
+            acquire: Script::new(ACQUIRE),
+            renew: Script::new(RENEW),
+            release: Script::new(RELEASE),
+            observe: Script::new(OBSERVE),
+            releases,
+            subscriber,
+        }
+    }
+
+    async fn connection(&self) -> Result<Connection> {
+        match &self.target {
+            Target::Single(conn) => Ok(Connection::Single(conn.clone())),
+            Target::Cluster(cluster) => Ok(Connection::Cluster(cluster.connection().await?)),
+        }
+    }
+
+    async fn durable(&self, conn: &mut Connection) -> Result<bool> {
+        match conn {
+            Connection::Single(_) => self
+                .durability
+                .of(conn, "")
+                .await
+                .map_err(|e| self.error(e)),
+            Connection::Cluster(cluster) => Ok(self.durability.of_cluster(cluster).await),
+        }
+    }
+}
+
+#[async_trait]
+impl Driver for RedisDriver {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
+        let mut conn = self.connection().await?;
+        let durable = self.durable(&mut conn).await?;
+        let result = match &self.acquisitions {
+            Some(batches) => batches
+                .acquire(lock, identity, ttl, durable)
+                .await?
+                .map_err(|e| self.error(e))?,
+            None => {
+                let reply: Value =
+                    acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
+                        .invoke_async(&mut conn)
+                        .await
+                        .map_err(|e| self.error(e))?;
+                only_result(reply)?
+            }
+        };
+        acquired(lock, identity, &result)
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        if let Some(renewals) = &self.renewals {
+            let key = self.keys.lease(&lease.lock);
+            let answer = renewals
+                .renew(key, lease_value(lease), ms(ttl), Duration::ZERO)
+                .await?;
+            return answer.map(|r| r.extended).map_err(|e| self.error(e));
+        }
+        let mut conn = self.connection().await?;
+        let renewed: i64 = self
+            .renew
+            .key(self.keys.lease(&lease.lock))
+            .arg(lease_value(lease))
+            .arg(ms(ttl))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(renewed == 1)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<bool> {
+        if let Some(batches) = &self.release_batches {
+            return batches.release(lease).await?.map_err(|e| self.error(e));
+        }
+        let mut conn = self.connection().await?;
+        let reply: Value = releases_of(&self.release, &self.keys, &[lease])
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(released_one(&reply))
+    }
+
+    async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
+        let mut conn = self.connection().await?;
+        let reply: Value = self
+            .observe
+            .key(self.keys.lease(lock))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(parse_value_and_pttl(&reply))
+    }
+
+    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
+        Some(self.releases.subscribe(lock))
+    }
+
+    async fn ping(&self) -> Result<()> {
+        let mut conn = self.connection().await?;
+        // A cluster answers from every node: any answer will do.
+        let _: Value = redis::cmd("PING")
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Upkeep for RedisDriver {
+    async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        delete_keys(&mut self.connection().await?, &self.keys, locks).await
+    }
+
+    async fn warnings(&self) -> Result<Vec<String>> {
+        match self.connection().await? {
+            Connection::Cluster(mut cluster) => {
+                crate::drivers::redis::cluster::warnings(&mut cluster).await
+            }
+            mut single => lock_key_warnings(&mut single).await,
+        }
+    }
+
+    /// On a cluster, each master's keyspace in turn: a family's keys are spread over the slots.
+    /// A key whose slot moves while the masters are read may be counted twice or not at all.
+    async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
+        let held = match &self.target {
+            Target::Single(conn) => held_key_leases(&mut conn.clone(), &self.keys, family)
+                .await?
+                .len(),
+            Target::Cluster(cluster) => {
+                let conn = cluster.connection().await?;
+                let mut held = 0;
+                for mut master in crate::drivers::redis::cluster::every_master(&conn).await? {
+                    held += held_key_leases(&mut master, &self.keys, family)
+                        .await?
+                        .len();
+                }
+                held
+            }
+        };
+        Ok(Some(held as u64))
+    }
+}
