@@ -1,0 +1,380 @@
+//! The handle an app holds ([`Lock`]): reading the published snapshot, sending the engine its
+//! commands, and ending it.
+
+use super::engine::{Engine, Flow};
+use super::{
+    Answer, EVENT_CAPACITY, Event, LockConfig, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry,
+};
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{broadcast, oneshot, watch};
+use tokio::time::{Instant, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+
+use crate::commands;
+use crate::driver::Driver;
+use crate::error::{Error, Result};
+
+pub(super) enum Command {
+    Acquire {
+        wait: Duration,
+        hold: Duration,
+        reply: oneshot::Sender<Answer>,
+    },
+    Release {
+        reply: oneshot::Sender<bool>,
+    },
+    Extend {
+        hold: Duration,
+        reply: oneshot::Sender<Answer>,
+    },
+    /// Stop without releasing ([`Lock::retire`]); `done` fires once the engine has let go.
+    Retire {
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// Called once when a lock stops being held by this process: its lease released or lost, or its
+/// task ended (or aborted) before that. It runs on whatever thread the engine runs or is dropped
+/// on, so it must only do quick, non-blocking work. A keyed family frees a key's slot with it,
+/// where a task per held key, waiting for the same moment, would cost each key its own memory.
+pub(crate) struct OnUnheld(Option<Box<dyn FnOnce() + Send>>);
+
+impl OnUnheld {
+    pub(crate) fn new(hook: impl FnOnce() + Send + 'static) -> Self {
+        Self(Some(Box::new(hook)))
+    }
+
+    pub(super) fn fire(&mut self) {
+        if let Some(hook) = self.0.take() {
+            hook();
+        }
+    }
+}
+
+impl Drop for OnUnheld {
+    fn drop(&mut self) {
+        self.fire();
+    }
+}
+
+/// A lock held (or sought) by this process. Cheap to clone; the task stops when the last clone
+/// is shut down or dropped.
+#[derive(Clone)]
+pub struct Lock {
+    pub(super) inner: Arc<LockInner>,
+}
+
+/// The event channel, made at the first subscription. A channel holds its whole capacity from
+/// the start (some 8 KiB), which a sidecar holding thousands of keyed locks, whose events nobody
+/// reads, would pay for every key; and an event sent before anyone subscribes is lost either way.
+#[derive(Clone, Default)]
+pub(super) struct Events(Arc<std::sync::OnceLock<broadcast::Sender<Event>>>);
+
+impl Events {
+    pub(super) fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.0
+            .get_or_init(|| broadcast::channel(EVENT_CAPACITY).0)
+            .subscribe()
+    }
+
+    pub(super) fn send(&self, event: Event) {
+        if let Some(sender) = self.0.get() {
+            let _ = sender.send(event);
+        }
+    }
+}
+
+pub(super) struct LockInner {
+    /// Shared with the engine: one copy per lock, of which a keyed family has thousands.
+    pub(super) config: Arc<LockConfig>,
+    pub(super) backend: &'static str,
+    pub(super) state: watch::Receiver<Snapshot>,
+    pub(super) events: Events,
+    /// Boxed: a command is queued rarely, and most of them are small.
+    pub(super) commands: commands::Sender<Box<Command>>,
+    /// Latches rather than watch channels: a watch channel takes some 400 bytes, which a
+    /// sidecar holding 10,000 keyed locks pays per lock.
+    pub(super) shutdown: CancellationToken,
+    pub(super) task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Cancelled once the task and every acquisition it left in flight have ended
+    /// ([`Lock::settled`]).
+    pub(super) settled: CancellationToken,
+}
+
+impl Drop for LockInner {
+    fn drop(&mut self) {
+        // Asked to stop before ([`Lock::stop`]; a shutdown has taken the task already): the
+        // task is left to end by itself.
+        let stopping = self.shutdown.is_cancelled();
+        self.shutdown.cancel();
+        if let Some(task) = self.task.lock().unwrap_or_else(|e| e.into_inner()).take()
+            && !stopping
+        {
+            // Like kill -9: whatever the task was doing (a release too) is not finished.
+            task.abort();
+        }
+    }
+}
+
+impl Lock {
+    /// Validate the config and start the holder task.
+    pub fn start(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+    ) -> Result<Self> {
+        Self::start_with_hook(driver, config, telemetry, None)
+    }
+
+    /// [`Lock::start`], with `on_unheld` called once when this process stops holding the lock
+    /// (after it is published as not held), or when the task ends without that.
+    pub(crate) fn start_with_hook(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+        on_unheld: Option<OnUnheld>,
+    ) -> Result<Self> {
+        let (lock, engine) = Self::prepare(driver, config, telemetry, on_unheld)?;
+        lock.spawn(Box::new(engine).run());
+        Ok(lock)
+    }
+
+    /// A single-use on-demand lock whose one acquisition (waiting up to `wait`, then kept at
+    /// most `hold`) the engine makes on the caller's task, which would only wait for it
+    /// otherwise; the engine's task is spawned once the lock is held, to renew it and answer
+    /// commands. A keyed family starts one per acquisition, and the hops between the caller's
+    /// task and the engine's were most of what a keyed cycle cost beyond its backend calls.
+    /// Dropping the returned future mid-way drops the engine, as aborting its task would.
+    pub(crate) async fn acquire_single_use(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+        on_unheld: Option<OnUnheld>,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<(Self, Answer)> {
+        debug_assert!(config.single_use && config.mode == Mode::OnDemand);
+        let (lock, engine) = Self::prepare(driver, config, telemetry, on_unheld)?;
+        let mut engine = Box::new(engine);
+        engine.started();
+        let (reply, mut answer) = oneshot::channel();
+        engine.served = true;
+        engine.unwatched = true;
+        let _ = engine
+            .command(Some(Box::new(Command::Acquire { wait, hold, reply })))
+            .await;
+        // The steps the engine's task would take until the lock is held or nobody waits.
+        while engine.held.is_none() && engine.wants_lock() && !engine.shutdown.is_cancelled() {
+            engine.fence();
+            if let Flow::Stop = Box::pin(engine.campaign_step()).await {
+                break;
+            }
+        }
+        engine.unwatched = false;
+        if engine.held.is_some() {
+            lock.spawn(engine.steps());
+        } else {
+            // Nothing to keep: the engine ends here (a late attempt is followed up by itself).
+            engine.steps().await;
+        }
+        let answer = answer.try_recv().map_err(|_| Error::Shutdown)?;
+        Ok((lock, answer))
+    }
+
+    /// The handle and its engine, not yet running.
+    pub(super) fn prepare(
+        driver: Arc<dyn Driver>,
+        config: LockConfig,
+        telemetry: Arc<dyn Telemetry>,
+        on_unheld: Option<OnUnheld>,
+    ) -> Result<(Self, Engine)> {
+        config.validate()?;
+        let config = Arc::new(config);
+        let (state_tx, state_rx) = watch::channel(Snapshot::initial());
+        let events = Events::default();
+        let (command_tx, command_rx) = commands::channel();
+        let shutdown = CancellationToken::new();
+        let settled = CancellationToken::new();
+        let engine = Engine {
+            backend: driver.kind(),
+            driver,
+            config: config.clone(),
+            state: state_tx,
+            events: events.clone(),
+            commands: command_rx,
+            shutdown: shutdown.clone(),
+            telemetry,
+            held: None,
+            retry_at: None,
+            cooldown_until: None,
+            holds: 0,
+            hold_until: None,
+            waiters: Vec::new(),
+            served: false,
+            unwatched: false,
+            in_flight: None,
+            settled: Arc::new(settled.clone().drop_guard()),
+            on_unheld,
+            retired: None,
+        };
+        let lock = Self {
+            inner: Arc::new(LockInner {
+                config,
+                backend: engine.backend,
+                state: state_rx,
+                events,
+                commands: command_tx,
+                shutdown,
+                task: std::sync::Mutex::new(None),
+                settled,
+            }),
+        };
+        Ok((lock, engine))
+    }
+
+    pub(super) fn spawn(&self, engine: impl Future<Output = ()> + Send + 'static) {
+        let task = tokio::spawn(engine);
+        *self.inner.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
+    }
+
+    pub fn config(&self) -> &LockConfig {
+        &self.inner.config
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.config.name
+    }
+
+    pub fn backend(&self) -> &'static str {
+        self.inner.backend
+    }
+
+    /// The latest state; never waits on the backend.
+    pub fn snapshot(&self) -> Snapshot {
+        self.inner.state.borrow().clone()
+    }
+
+    pub fn answer(&self) -> Answer {
+        self.inner.state.borrow().answer()
+    }
+
+    pub fn watch(&self) -> watch::Receiver<Snapshot> {
+        self.inner.state.clone()
+    }
+
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.inner.events.subscribe()
+    }
+
+    /// Wait up to `max` for this process to become the holder; then the answer as it is.
+    pub async fn wait_for_holder(&self, max: Duration) -> Answer {
+        let deadline = Instant::now() + max;
+        let mut state = self.inner.state.clone();
+        loop {
+            let answer = state.borrow_and_update().answer();
+            if answer.is_holder() {
+                return answer;
+            }
+            tokio::select! {
+                changed = state.changed() => if changed.is_err() { return self.answer() },
+                _ = sleep_until(deadline) => return self.answer(),
+            }
+        }
+    }
+
+    /// On-demand: acquire (re-entrant), waiting up to `wait`, and keep it at most `hold` unless
+    /// acquired again. In campaign mode this only waits for the campaign to win.
+    pub async fn acquire(&self, wait: Duration, hold: Duration) -> Result<Answer> {
+        if self.inner.config.mode == Mode::Campaign {
+            return Ok(self.wait_for_holder(wait).await);
+        }
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Box::new(Command::Acquire { wait, hold, reply }))
+            .map_err(|_| Error::Shutdown)?;
+        answer.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// Step down (campaign mode: then sit out the cool-down) or drop one on-demand acquisition.
+    /// `Ok(false)`: this process did not hold the lock.
+    pub async fn release(&self) -> Result<bool> {
+        let (reply, released) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Box::new(Command::Release { reply }))
+            .map_err(|_| Error::Shutdown)?;
+        released.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// On-demand: keep the app's hold at least `hold` from now, without acquiring again (a hold
+    /// only moves later: an extension never cuts an acquisition's hold short).
+    /// The answer is the lock's as it stands; nothing changes when it is not held.
+    pub async fn extend(&self, hold: Duration) -> Result<Answer> {
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Box::new(Command::Extend { hold, reply }))
+            .map_err(|_| Error::Shutdown)?;
+        answer.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// Release the lease if held and stop the task. Returns within
+    /// [`SHUTDOWN_RELEASE_TIMEOUT`] plus a little, whatever the backend does.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        let task = self
+            .inner
+            .task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(mut task) = task
+            && timeout(
+                SHUTDOWN_RELEASE_TIMEOUT + Duration::from_millis(200),
+                &mut task,
+            )
+            .await
+            .is_err()
+        {
+            task.abort();
+        }
+    }
+
+    /// Stop for good without releasing: the lease runs out on its own (within the lease), so
+    /// that no other process takes the lock while an app may still act on an answer this one
+    /// gave. For a lock replaced by another with the same identity (new settings, new
+    /// credentials), which takes the lock once the lease has run out. Falls back to
+    /// [`Lock::shutdown`] when the task does not take the request in time.
+    pub async fn retire(&self) {
+        let (done, retired) = oneshot::channel();
+        if self
+            .inner
+            .commands
+            .send(Box::new(Command::Retire { done }))
+            .is_ok()
+        {
+            let _ = timeout(SHUTDOWN_RELEASE_TIMEOUT, retired).await;
+        }
+        self.shutdown().await;
+    }
+
+    /// Ask the task to stop, without waiting for it: it releases what it holds on its way out
+    /// (as on shutdown), and it is left to end by itself, not aborted, when the last handle is
+    /// dropped. Cheaper than a task that waits for [`Lock::shutdown`], which a keyed family
+    /// would spawn for every holding that ends.
+    pub(crate) fn stop(&self) {
+        self.inner.shutdown.cancel();
+    }
+
+    /// Resolves once the task has ended and no acquisition it started can still take the lock:
+    /// one it stopped waiting for is followed to its end, and what it took is given back
+    /// ([`InFlight`]). Until then the backend may still show this identity as the holder.
+    pub async fn settled(&self) {
+        self.inner.settled.cancelled().await;
+    }
+}
