@@ -307,7 +307,7 @@ pub(crate) async fn many_keys_section() {
     );
     drop(mariadb);
 
-    let zookeeper = leasehold_lease::testkit::ZooKeeperServer::start();
+    let zookeeper = leasehold_testkit::ZooKeeperServer::start();
     let [requests] = many_keys_on(&zookeeper.url(), "ZooKeeper", async || {
         [zookeeper.packets_received()]
     })
@@ -319,7 +319,7 @@ pub(crate) async fn many_keys_section() {
     );
     drop(zookeeper);
 
-    let etcd = leasehold_lease::testkit::EtcdServer::start();
+    let etcd = leasehold_testkit::EtcdServer::start();
     let [messages] = many_keys_on(&etcd.url(), "etcd", async || [etcd.messages_received()]).await;
     println!(
         "  etcd requests/s keeping them: {messages:.0} gRPC messages (one keep-alive per key per interval would be {:.0}; the sidecar's keys share one etcd lease, and renewals within {:?} of each other take one read and one keep-alive)",

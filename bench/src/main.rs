@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
-use leasehold_lease::testkit::redis_server::field;
-use leasehold_lease::testkit::{
+use leasehold_lease::{Acquire, Answer, Backend, Lock, LockConfig, Mode};
+use leasehold_testkit::redis_server::field;
+use leasehold_testkit::{
     MariaDbServer, PostgresServer, REDLOCK_MASTERS, RedisServer, SqliteHarness, free_port,
     mariadb_server,
 };
-use leasehold_lease::{Acquire, Answer, Backend, Lock, LockConfig, Mode};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 

@@ -14,15 +14,15 @@ pub(crate) const OPERATOR_MEASURE: Duration = Duration::from_secs(30);
 /// renew every `OPERATOR_RENEW`, on the in-memory API server (it counts the requests it
 /// serves; the holders' renewals are written to it directly, so only the operator's count).
 pub(crate) async fn operator_section() {
-    use leasehold_lease::testkit::InMemoryApiServer;
-    use leasehold_lease::testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, LEASES};
+    use leasehold_testkit::InMemoryApiServer;
+    use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, LEASES};
     println!(
         "## operator: {OPERATOR_LOCKS} Kubernetes-backed locks, each held by a pod renewing every {OPERATOR_RENEW:?} (requests counted for {OPERATOR_MEASURE:?})"
     );
     let api = InMemoryApiServer::new();
     let ns = "load";
     for i in 0..OPERATOR_LOCKS {
-        let mut lock = leasehold_lease::testkit::distributed_lock(
+        let mut lock = leasehold_testkit::distributed_lock(
             ns,
             &format!("lock-{i}"),
             leasehold_crds::Backend {

@@ -213,7 +213,7 @@ pub(crate) async fn zookeeper_section() {
     println!(
         "## ZooKeeper 3.8 ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds; {IDLE_WAITERS} idle waiters)"
     );
-    let server = leasehold_lease::testkit::ZooKeeperServer::start();
+    let server = leasehold_testkit::ZooKeeperServer::start();
     let port = server.port();
     let connect = || -> Arc<dyn Backend> {
         Arc::new(
@@ -221,7 +221,7 @@ pub(crate) async fn zookeeper_section() {
                 servers: format!("127.0.0.1:{port}"),
                 root: "/leasehold".into(),
                 digest: None,
-                tick_time: leasehold_lease::testkit::ZooKeeperServer::TICK_TIME,
+                tick_time: leasehold_testkit::ZooKeeperServer::TICK_TIME,
                 tls: None,
             })
             .expect("zookeeper driver"),
@@ -257,7 +257,7 @@ pub(crate) async fn etcd_section() {
     println!(
         "## etcd 3.4 ({CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds; {IDLE_WAITERS} idle waiters)"
     );
-    let server = leasehold_lease::testkit::EtcdServer::start();
+    let server = leasehold_testkit::EtcdServer::start();
     let port = server.port();
     let connect = || -> Arc<dyn Backend> {
         Arc::new(

@@ -7,7 +7,7 @@ use super::*;
 /// the same cluster client, in plain text and over TLS (three more masters that serve TLS
 /// only); hand-over latency.
 pub(crate) async fn cluster_section() {
-    use leasehold_lease::testkit::RedisCluster;
+    use leasehold_testkit::RedisCluster;
     println!(
         "## Redis Cluster (3 masters, append-only with fsync always; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
     );
@@ -51,9 +51,7 @@ pub(crate) async fn cluster_section() {
 
 /// The raw lock through the redis-rs cluster client, which routes each command to the master
 /// of its key's slot as the driver's client does.
-pub(crate) async fn redis_cluster_raw_cycles(
-    cluster: &leasehold_lease::testkit::RedisCluster,
-) -> f64 {
+pub(crate) async fn redis_cluster_raw_cycles(cluster: &leasehold_testkit::RedisCluster) -> f64 {
     let tls = cluster.nodes[0].tls_port().is_some();
     let nodes: Vec<String> = cluster
         .nodes
@@ -91,7 +89,7 @@ pub(crate) async fn sentinel_section() {
     println!(
         "## Redis Sentinel (master + replica, append-only with fsync always; {CYCLES} cycles, best of {ROUNDS}; hand-over: {HANDOVERS} rounds)"
     );
-    let set = leasehold_lease::testkit::RedisSentinelSet::start();
+    let set = leasehold_testkit::RedisSentinelSet::start();
     let open = |url: String| async move {
         leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
             .await

@@ -60,7 +60,7 @@ impl Sub<Duration> for BootInstant {
 
 /// Make this process's boot clock jump `by` ahead while tokio's clock does not, as a suspend of
 /// the machine does. For tests only: a real suspend cannot be caused from one.
-#[cfg(feature = "testkit")]
+#[cfg(feature = "test-hooks")]
 pub fn simulate_suspend(by: Duration) {
     let nanos = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
     SUSPENDED_NANOS.fetch_add(nanos, Ordering::SeqCst);

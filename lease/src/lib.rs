@@ -11,8 +11,8 @@
 //! - [`drivers`]: one folder per backend family (Redis and its kin, SQL, the fair queue) and the
 //!   Kubernetes Lease; the engine (this folder) imports them, and they import only the trait,
 //!   the error type and the name rules.
-//! - `testkit` (feature): real backend servers for tests, fault wrappers, and the conformance
-//!   suite every driver passes.
+//! - Test support (real backend servers, fault wrappers, the conformance suite) is the
+//!   `leasehold-testkit` crate; the `test-hooks` feature exposes what only it calls.
 
 mod backend_url;
 pub mod boot_clock;
@@ -25,8 +25,6 @@ pub mod keyed;
 pub mod names;
 mod records;
 mod redact;
-#[cfg(feature = "testkit")]
-pub mod testkit;
 pub mod tls;
 
 pub use drivers::kubernetes;

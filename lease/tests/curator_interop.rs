@@ -9,9 +9,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::ZooKeeperServer;
 use leasehold_lease::zookeeper::{ZooKeeperConfig, ZooKeeperDriver};
 use leasehold_lease::{Acquire, Driver};
+use leasehold_testkit::ZooKeeperServer;
 
 /// Debian's jars that Curator's mutex needs.
 const JARS: &[&str] = &[

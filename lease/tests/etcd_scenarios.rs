@@ -1,10 +1,10 @@
 //! etcd's fair queue: a release wakes exactly one waiter, and hand-overs follow the queue.
 
 use leasehold_lease::etcd::{EtcdConfig, EtcdDriver};
-use leasehold_lease::testkit::conformance::{
+use leasehold_testkit::conformance::{
     contenders, one_release_wakes_exactly_one_waiter, waiters_further_back_poll_quietly,
 };
-use leasehold_lease::testkit::{EtcdHarness, EtcdServer};
+use leasehold_testkit::{EtcdHarness, EtcdServer};
 
 fn driver(server: &EtcdServer) -> EtcdDriver {
     EtcdDriver::connect(EtcdConfig {
@@ -408,7 +408,7 @@ async fn a_release_etcd_missed_is_done_once_it_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ttl_longer_than_the_lease_is_reported() {
     let server = EtcdServer::start();
-    leasehold_lease::testkit::conformance::an_enforced_lease_longer_than_configured_is_reported(
+    leasehold_testkit::conformance::an_enforced_lease_longer_than_configured_is_reported(
         std::sync::Arc::new(driver(&server)),
         std::time::Duration::from_millis(1500),
         "2s",

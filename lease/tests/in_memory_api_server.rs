@@ -5,8 +5,8 @@
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use leasehold_lease::testkit::InMemoryApiServer;
-use leasehold_lease::testkit::in_memory_api_server::{Attributes, Grant, LEASES};
+use leasehold_testkit::InMemoryApiServer;
+use leasehold_testkit::in_memory_api_server::{Attributes, Grant, LEASES};
 use serde_json::json;
 
 const USER: &str = "system:serviceaccount:apps:worker";
@@ -88,7 +88,7 @@ async fn resource_names_subresources_and_cluster_scope_are_authorized_as_kuberne
     api.put(LEASES, lease("apps", "mine"));
     api.put(LEASES, lease("apps", "theirs"));
     api.put(
-        leasehold_lease::testkit::in_memory_api_server::NAMESPACES,
+        leasehold_testkit::in_memory_api_server::NAMESPACES,
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "apps"}}),
     );
     api.grant(

@@ -9,8 +9,8 @@ use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::api::coordination::v1::Lease as LeaseObject;
 use kube::client::Body;
 use leasehold_lease::kubernetes::{DURATION_ANNOTATION, KubernetesLeaseDriver, LeaseTarget};
-use leasehold_lease::testkit::{KubernetesHarness, unique_lock};
 use leasehold_lease::{Acquire, Driver, Error, Lease, Lock, LockConfig, Mode, Upkeep};
+use leasehold_testkit::{KubernetesHarness, unique_lock};
 use serde_json::{Value, json};
 use tower_test::mock::{self, Handle};
 
@@ -391,7 +391,7 @@ async fn a_deleted_floor_lease_comes_back_above_the_familys_tokens() {
         "only the released key is idle"
     );
     assert!(harness.api.remove(
-        leasehold_lease::testkit::in_memory_api_server::LEASES,
+        leasehold_testkit::in_memory_api_server::LEASES,
         KubernetesHarness::NAMESPACE,
         &floor_lease(&family)
     ));

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyedFamily};
-use leasehold_lease::testkit::faulty::FaultyDriver;
-use leasehold_lease::testkit::{SqliteHarness, unique_lock};
 use leasehold_lease::{Answer, Backend, BackendUrl, EventKind, Lock, LockConfig, Mode};
+use leasehold_testkit::faulty::FaultyDriver;
+use leasehold_testkit::{SqliteHarness, unique_lock};
 use tokio::time::{Instant, sleep};
 
 /// Renew interval 2 s: the engine waits that long for an answer.

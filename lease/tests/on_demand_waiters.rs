@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease, KeyedFamily};
-use leasehold_lease::testkit::faulty::FaultyDriver;
-use leasehold_lease::testkit::{EtcdServer, RedisServer, ZooKeeperServer, unique_lock};
 use leasehold_lease::{Answer, BackendUrl, Lock, LockConfig, Mode};
+use leasehold_testkit::faulty::FaultyDriver;
+use leasehold_testkit::{EtcdServer, RedisServer, ZooKeeperServer, unique_lock};
 use tokio::time::{Instant, sleep, sleep_until};
 
 const LEASE: Duration = Duration::from_secs(3);

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
 use leasehold_lease::{Acquire, Backend, Lease};
+use leasehold_testkit::{RedisServer, command_calls, driver_for, unique_lock};
 
 const TTL: Duration = Duration::from_secs(5);
 

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::{RedisCluster, campaign, claims, driver_for, unique_lock};
 use leasehold_lease::{Acquire, Backend};
+use leasehold_testkit::{RedisCluster, campaign, claims, driver_for, unique_lock};
 use tokio::time::{Instant, sleep, timeout};
 
 fn lease_key(lock: &str) -> String {
@@ -162,7 +162,7 @@ async fn every_master_serves_the_locks_of_its_slots() {
             panic!("{lock} was free");
         };
         // The lease is on that master itself, not on the node the client first asked.
-        let stored = leasehold_lease::testkit::redis_cluster::command(
+        let stored = leasehold_testkit::redis_cluster::command(
             cluster.nodes[node].port(),
             &["GET", &lease_key(&lock)],
         )
@@ -180,7 +180,7 @@ async fn a_tls_cluster_signed_by_another_ca_is_refused_by_name() {
     let cluster = tokio::task::block_in_place(RedisCluster::start_tls);
     let url = cluster.url();
     let elsewhere = tempfile::tempdir().unwrap();
-    leasehold_lease::testkit::write_test_certificates(elsewhere.path());
+    leasehold_testkit::write_test_certificates(elsewhere.path());
     let files = cluster.nodes[0].tls_files();
     let wrong_ca = url.replace(
         &format!("ca={}", files.ca.display()),

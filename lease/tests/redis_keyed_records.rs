@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease, KeyedFamily};
 use leasehold_lease::redis::KEY_COUNTER_RETENTION;
-use leasehold_lease::testkit::{RedisServer, driver_for, unique_lock};
+use leasehold_testkit::{RedisServer, driver_for, unique_lock};
 use redis::aio::MultiplexedConnection;
 
 const LEASE: Duration = Duration::from_secs(5);
@@ -256,7 +256,7 @@ async fn ahead_of_the_clock_is_kept_longer(
 /// ahead of the clock, and a key whose records are gone still draws above every earlier token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_idle_keys_leave_records_that_expire() {
-    let cluster = tokio::task::block_in_place(leasehold_lease::testkit::RedisCluster::start);
+    let cluster = tokio::task::block_in_place(leasehold_testkit::RedisCluster::start);
     let (name, family) = family_on(&cluster.url(), "idle").await;
     let last = cycle_keys(&family).await;
     let retention = KEY_COUNTER_RETENTION.as_millis() as i64;

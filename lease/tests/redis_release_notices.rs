@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::{RedisServer, command_calls, driver_for, unique_lock};
 use leasehold_lease::{Acquire, Backend, Lease};
+use leasehold_testkit::{RedisServer, command_calls, driver_for, unique_lock};
 use tokio::time::timeout;
 
 const TTL: Duration = Duration::from_secs(5);

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_lease::testkit::{
+use leasehold_lease::{Acquire, Backend, Lease};
+use leasehold_testkit::{
     Harness, RedisSentinelSet, RedisServer, RedlockHarness, command_calls, driver_for, unique_lock,
 };
-use leasehold_lease::{Acquire, Backend, Lease};
 
 /// How many times Redis has run a script (`EVALSHA`, `EVAL`).
 async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {

@@ -6,10 +6,8 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::{
-    FaultyDriver, RedisServer, campaign, claims, driver_for, unique_lock,
-};
 use leasehold_lease::{Acquire, Answer, Lock};
+use leasehold_testkit::{FaultyDriver, RedisServer, campaign, claims, driver_for, unique_lock};
 use tokio::time::{Instant, sleep};
 
 async fn held_token(lock: &Lock, within: Duration) -> u64 {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::{
+use leasehold_testkit::{
     FaultyDriver, RedisSentinelSet, campaign, claims, driver_for, unique_lock,
 };
 use tokio::time::{Instant, sleep};
@@ -193,7 +193,7 @@ async fn over_tls_the_holder_follows_a_failover_to_the_promoted_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_that_hears_only_a_minority_of_the_sentinels_stops_within_the_lease() {
     use leasehold_lease::redis_sentinel::CONFIRMED_FOR;
-    use leasehold_lease::testkit::FaultProxy;
+    use leasehold_testkit::FaultProxy;
     let set = RedisSentinelSet::start_with_three_sentinels();
     let proxies: Vec<FaultProxy> = set
         .sentinel_ports()

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::{RedisServer, write_test_certificates};
 use leasehold_lease::{BackendUrl, Error, connect};
+use leasehold_testkit::{RedisServer, write_test_certificates};
 
 async fn first_error(url: &str) -> String {
     let driver = connect(&BackendUrl::parse(url).unwrap())

@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use leasehold_lease::testkit::conformance::{LEASE, RENEW, SLACK, contenders};
-use leasehold_lease::testkit::{Harness, REDLOCK_MASTERS, RedlockHarness, unique_lock};
 use leasehold_lease::{Answer, Lock, LockConfig, Mode};
+use leasehold_testkit::conformance::{LEASE, RENEW, SLACK, contenders};
+use leasehold_testkit::{Harness, REDLOCK_MASTERS, RedlockHarness, unique_lock};
 
 /// Crash two masters at a time (always a minority), restart them, move on to another pair, until
 /// told to stop. Returns how many crashes it caused.

@@ -4,11 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
-use leasehold_lease::testkit::conformance::{LEASE, RENEW, SLACK, contenders};
-use leasehold_lease::testkit::{
-    Harness, MariaDbHarness, PostgresHarness, mariadb_server, unique_lock,
-};
 use leasehold_lease::{Answer, Lock, LockConfig, Mode};
+use leasehold_testkit::conformance::{LEASE, RENEW, SLACK, contenders};
+use leasehold_testkit::{Harness, MariaDbHarness, PostgresHarness, mariadb_server, unique_lock};
 use sqlx::Connection;
 
 fn start(driver: Arc<dyn leasehold_lease::Backend>, lock: &str, identity: &str) -> Lock {
@@ -827,7 +825,7 @@ async fn postgres_idle_keys_rows_are_deleted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_idle_keys_rows_are_deleted() {
-    let mut h = leasehold_lease::testkit::SqliteHarness::new();
+    let mut h = leasehold_testkit::SqliteHarness::new();
     let url = format!("sqlite://{}", h.path().display());
     idle_keys_rows_are_deleted(&mut h, &url, false).await;
 }
@@ -1213,7 +1211,7 @@ async fn mariadb_a_waiters_poll_is_two_statements() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_renewals_at_once_go_in_one_transaction_and_answer_each_for_its_lease() {
     use sqlx::Row;
-    let h = leasehold_lease::testkit::SqliteHarness::new();
+    let h = leasehold_testkit::SqliteHarness::new();
     let driver = h.driver().await;
     sqlx::any::install_default_drivers();
     let url = format!("sqlite://{}", h.path().display());
@@ -1389,7 +1387,7 @@ async fn mariadb_a_deleted_floor_comes_back_above_the_familys_tokens() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_deleted_floor_comes_back_above_the_familys_tokens() {
-    let mut h = leasehold_lease::testkit::SqliteHarness::new();
+    let mut h = leasehold_testkit::SqliteHarness::new();
     let url = format!("sqlite://{}", h.path().display());
     a_deleted_floor_comes_back_above_the_familys_tokens(&mut h, &url).await;
 }

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::{PostgresServer, write_test_certificates};
 use leasehold_lease::{Acquire, BackendUrl, connect};
+use leasehold_testkit::{PostgresServer, write_test_certificates};
 
 async fn outcome(url: &str) -> Result<Acquire, leasehold_lease::Error> {
     let driver = connect(&BackendUrl::parse(url).unwrap())
@@ -76,11 +76,11 @@ async fn postgres_over_tls_refusals_and_inline_pem() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_over_tls_refusals() {
-    let server = leasehold_lease::testkit::MariaDbServer::start_tls();
+    let server = leasehold_testkit::MariaDbServer::start_tls();
     let base = format!(
         "mysql://root@127.0.0.1:{}/{}",
         server.port(),
-        leasehold_lease::testkit::mariadb_server::DATABASE
+        leasehold_testkit::mariadb_server::DATABASE
     );
     // MariaDB turns a plain-text client away (10.11 says "Access denied" for it).
     let plain = outcome(&format!("{base}?ssl-mode=DISABLED")).await;

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::RedisServer;
 use leasehold_lease::{BackendUrl, Error, connect};
+use leasehold_testkit::RedisServer;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_redis_behind_tair_is_named_as_such() {
@@ -186,13 +186,13 @@ async fn the_new_primary_waits_out_the_lease(
 fn primary_and_standby() -> (
     RedisServer,
     RedisServer,
-    leasehold_lease::testkit::FaultProxy,
+    leasehold_testkit::FaultProxy,
     String,
 ) {
     let primary = RedisServer::start_tair();
     let standby = RedisServer::start_tair_replica_of(primary.port());
     standby.wait_until_synced();
-    let endpoint = leasehold_lease::testkit::FaultProxy::start(primary.port());
+    let endpoint = leasehold_testkit::FaultProxy::start(primary.port());
     let url = format!("tair://127.0.0.1:{}", endpoint.port);
     (primary, standby, endpoint, url)
 }

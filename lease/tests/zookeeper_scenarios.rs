@@ -2,11 +2,11 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::conformance::{
+use leasehold_lease::zookeeper::{ZooKeeperConfig, ZooKeeperDriver};
+use leasehold_testkit::conformance::{
     contenders, one_release_wakes_exactly_one_waiter, waiters_further_back_poll_quietly,
 };
-use leasehold_lease::testkit::{ZooKeeperHarness, ZooKeeperServer};
-use leasehold_lease::zookeeper::{ZooKeeperConfig, ZooKeeperDriver};
+use leasehold_testkit::{ZooKeeperHarness, ZooKeeperServer};
 
 fn driver(server: &ZooKeeperServer) -> ZooKeeperDriver {
     ZooKeeperDriver::connect(ZooKeeperConfig {
@@ -46,11 +46,10 @@ async fn twenty_contenders_two_hundred_handovers_in_fifo_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_longer_than_the_lease_is_reported() {
     use std::time::Duration;
-    let server = leasehold_lease::testkit::ZooKeeperServer::start_with_min_session(Some(
-        Duration::from_secs(4),
-    ));
+    let server =
+        leasehold_testkit::ZooKeeperServer::start_with_min_session(Some(Duration::from_secs(4)));
     let url = leasehold_lease::BackendUrl::parse(&server.url()).unwrap();
-    leasehold_lease::testkit::conformance::an_enforced_lease_longer_than_configured_is_reported(
+    leasehold_testkit::conformance::an_enforced_lease_longer_than_configured_is_reported(
         leasehold_lease::connect(&url).await.unwrap(),
         Duration::from_secs(2),
         "4s",
@@ -68,8 +67,8 @@ async fn a_follower_cut_off_from_its_quorum_cannot_extend_a_claim() {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use leasehold_lease::testkit::{ZooKeeperEnsemble, unique_lock, zookeeper_ensemble};
     use leasehold_lease::{BackendUrl, Lock, LockConfig};
+    use leasehold_testkit::{ZooKeeperEnsemble, unique_lock, zookeeper_ensemble};
     use tokio::time::{Instant, sleep};
 
     const LEASE: Duration = Duration::from_secs(2);
@@ -172,8 +171,8 @@ async fn a_lease_too_short_for_the_tick_is_refused() {
 async fn attempts_given_up_while_the_server_is_down_leave_one_place() {
     use std::time::Duration;
 
-    use leasehold_lease::testkit::unique_lock;
     use leasehold_lease::{Acquire, Driver};
+    use leasehold_testkit::unique_lock;
     use tokio::time::{Instant, sleep, timeout};
 
     let mut server = ZooKeeperServer::start();
@@ -282,12 +281,12 @@ async fn an_idle_keys_parent_is_deleted_and_its_tokens_still_rise() {
 /// settings then work against the same server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_mistakes_are_refused_with_their_cause() {
-    use leasehold_lease::testkit::driver_for;
+    use leasehold_testkit::driver_for;
     let server = tokio::task::block_in_place(ZooKeeperServer::start_tls);
     let url = server.url();
     let files = server.tls_files();
     let elsewhere = tempfile::tempdir().unwrap();
-    leasehold_lease::testkit::write_test_certificates(elsewhere.path());
+    leasehold_testkit::write_test_certificates(elsewhere.path());
     let other_ca = url.replace(
         &format!("ca={}", files.ca.display()),
         &format!("ca={}", elsewhere.path().join("ca.crt").display()),
@@ -339,7 +338,7 @@ async fn an_unknown_place_is_cleared(owner_waits: bool) {
     use leasehold_lease::{Acquire, Driver};
     let server = ZooKeeperServer::start();
     let (a, b, c) = (driver(&server), driver(&server), driver(&server));
-    let lock = leasehold_lease::testkit::unique_lock("unknown-place");
+    let lock = leasehold_testkit::unique_lock("unknown-place");
     let lease = Duration::from_secs(3);
     let Acquire::Acquired(held) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
         panic!("b could not take the free lock");

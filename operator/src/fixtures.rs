@@ -80,7 +80,7 @@ pub async fn timeout_after_1s(server: tokio::task::JoinHandle<()>) {
 
 /// A lock whose records go with it (`cleanupPolicy: Delete`), so that it carries the finalizer.
 pub fn lock(name: &str, backend: Backend) -> DistributedLock {
-    let mut lock = leasehold_lease::testkit::distributed_lock(NAMESPACE, name, backend);
+    let mut lock = leasehold_testkit::distributed_lock(NAMESPACE, name, backend);
     lock.spec.cleanup_policy = CleanupPolicy::Delete;
     lock.meta_mut().generation = Some(1);
     lock.meta_mut().resource_version = Some("100".into());
@@ -103,7 +103,7 @@ pub fn redis_lock(name: &str, port: u16) -> DistributedLock {
 
 /// A Redis lock on a loopback port nothing listens on, with its password in a Secret.
 pub fn unreachable_redis_lock(name: &str) -> DistributedLock {
-    let port = leasehold_lease::testkit::free_port();
+    let port = leasehold_testkit::free_port();
     lock(
         name,
         Backend {

@@ -471,7 +471,7 @@ mod tests {
     use super::*;
     use crate::fixtures::{self, Scenario, timeout_after_1s};
     use leasehold_lease::Backend;
-    use leasehold_lease::testkit::RedisServer;
+    use leasehold_testkit::RedisServer;
 
     /// A Redis server of the test's own, and a driver on it as a pod's sidecar would have.
     async fn redis() -> (RedisServer, Arc<dyn Backend>) {
@@ -510,7 +510,7 @@ mod tests {
     #[tokio::test]
     async fn a_new_lock_gets_the_finalizer_first() {
         let (ctx, api) = Context::test();
-        let lock = fixtures::redis_lock("jobs", leasehold_lease::testkit::free_port());
+        let lock = fixtures::redis_lock("jobs", leasehold_testkit::free_port());
         let scenario = api.run(Scenario::FinalizerCreation(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
         timeout_after_1s(scenario).await;

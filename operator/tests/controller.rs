@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use leasehold_crds::{Backend, CleanupPolicy, KubernetesBackend};
-use leasehold_lease::testkit::InMemoryApiServer;
-use leasehold_lease::testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, LEASES};
 use leasehold_lease::{Acquire, Driver};
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context, FINALIZER};
+use leasehold_testkit::InMemoryApiServer;
+use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, LEASES};
 use serde_json::Value;
 
 mod support;
@@ -23,7 +23,7 @@ fn put_lock(api: &InMemoryApiServer, name: &str) {
 }
 
 fn put_lock_with(api: &InMemoryApiServer, name: &str, policy: CleanupPolicy) {
-    let mut lock = leasehold_lease::testkit::distributed_lock(
+    let mut lock = leasehold_testkit::distributed_lock(
         NS,
         name,
         Backend {

@@ -5,9 +5,9 @@ mod support;
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::InMemoryApiServer;
-use leasehold_lease::testkit::in_memory_api_server::LEASES;
 use leasehold_operator::election::{self, ELECTION_LEASE};
+use leasehold_testkit::InMemoryApiServer;
+use leasehold_testkit::in_memory_api_server::LEASES;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_leads_and_a_standby_takes_over_when_it_steps_down() {

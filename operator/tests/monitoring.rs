@@ -158,8 +158,8 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
 
 /// The metric names the sidecar (with one lock and one keyed family) and the operator export.
 async fn exported_names() -> BTreeSet<String> {
-    let harness = leasehold_lease::testkit::SqliteHarness::new();
-    let driver = leasehold_lease::testkit::Harness::driver(&harness).await;
+    let harness = leasehold_testkit::SqliteHarness::new();
+    let driver = leasehold_testkit::Harness::driver(&harness).await;
     let lock = leasehold_lease::Lock::start(
         driver,
         leasehold_lease::LockConfig::new("jobs", "pod-a", std::time::Duration::from_secs(5)),
@@ -167,7 +167,7 @@ async fn exported_names() -> BTreeSet<String> {
     )
     .unwrap();
     let family = leasehold_lease::keyed::KeyedFamily::new(
-        leasehold_lease::testkit::Harness::driver(&harness).await,
+        leasehold_testkit::Harness::driver(&harness).await,
         leasehold_lease::keyed::FamilyConfig::new(
             "orders",
             "pod-a",

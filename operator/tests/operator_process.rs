@@ -7,10 +7,10 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::in_memory_api_server::{
+use leasehold_testkit::in_memory_api_server::{
     DISTRIBUTED_LOCKS, LEASES, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
 };
-use leasehold_lease::testkit::{InMemoryApiServer, free_port};
+use leasehold_testkit::{InMemoryApiServer, free_port};
 use serde_json::{Value, json};
 use support::{chart_webhook_configuration, from_base64, post};
 

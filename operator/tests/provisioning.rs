@@ -11,14 +11,14 @@ use leasehold_crds::{
     RedisSentinel, SecretKeyRef, SqlBackend, SqlLockMode, ZooKeeperBackend,
 };
 use leasehold_lease::Acquire;
-use leasehold_lease::testkit::in_memory_api_server::{LEASES, SECRETS};
-use leasehold_lease::testkit::{
-    EtcdServer, InMemoryApiServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer,
-    ZooKeeperServer,
-};
 use leasehold_operator::backends::{Backends, StillHeld};
 use leasehold_operator::status::Observation;
 use leasehold_resource as resource;
+use leasehold_testkit::in_memory_api_server::{LEASES, SECRETS};
+use leasehold_testkit::{
+    EtcdServer, InMemoryApiServer, MariaDbServer, PostgresServer, RedisSentinelSet, RedisServer,
+    ZooKeeperServer,
+};
 use serde_json::json;
 
 mod support;
@@ -27,7 +27,7 @@ use support::operator_client;
 const NS: &str = "team";
 
 fn lock(name: &str, backend: Backend) -> DistributedLock {
-    let mut lock = leasehold_lease::testkit::distributed_lock(NS, name, backend);
+    let mut lock = leasehold_testkit::distributed_lock(NS, name, backend);
     lock.spec.cleanup_policy = CleanupPolicy::Delete;
     lock
 }
@@ -240,7 +240,7 @@ async fn redis_sentinel_is_reached_through_the_sentinels() {
             redis: Some(RedisBackend {
                 endpoints: vec![format!("127.0.0.1:{}", set.sentinel_port())],
                 sentinel: Some(RedisSentinel {
-                    master_name: leasehold_lease::testkit::redis_sentinel::MASTER_NAME.into(),
+                    master_name: leasehold_testkit::redis_sentinel::MASTER_NAME.into(),
                     min_replicas: Some(1),
                     ..Default::default()
                 }),
@@ -563,7 +563,7 @@ async fn a_lease_owned_by_its_lock_is_cut_loose_at_provisioning() {
         },
     );
     api.put(
-        leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
+        leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
         serde_json::to_value(&lock).unwrap(),
     );
     api.put(LEASES, owned_lease("leader", "pod-a"));
@@ -575,7 +575,7 @@ async fn a_lease_owned_by_its_lock_is_cut_loose_at_provisioning() {
         other
     };
     api.put(
-        leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
+        leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
         serde_json::to_value(&other).unwrap(),
     );
     let mut owned_by_other = owned_lease("other", "pod-b");
@@ -640,7 +640,7 @@ async fn a_foreground_deletion_of_a_held_lock_leaves_its_lease() {
     );
     lock.metadata.finalizers = Some(vec!["leasehold.dev/cleanup".into()]);
     api.put(
-        leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
+        leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
         serde_json::to_value(&lock).unwrap(),
     );
     let (observation, driver) = provision(&api, &lock).await;

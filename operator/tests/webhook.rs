@@ -4,9 +4,9 @@
 mod support;
 
 use kube::core::admission::AdmissionReview;
-use leasehold_lease::testkit::InMemoryApiServer;
-use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
 use leasehold_operator::webhook::{self, Injection, SIDECAR_NAME};
+use leasehold_testkit::InMemoryApiServer;
+use leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
 use serde_json::{Value, json};
 
 const NS: &str = "team";

@@ -5,14 +5,14 @@
 
 use std::sync::Arc;
 
-use leasehold_lease::testkit::InMemoryApiServer;
-use leasehold_lease::testkit::in_memory_api_server::{
-    DISTRIBUTED_LOCKS, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
-};
 use leasehold_operator::webhook::Injection;
 use leasehold_operator::webhook_certs::{CA_VALIDITY, Renewal, SERVING_VALIDITY};
 use leasehold_operator::webhook_server;
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
+use leasehold_testkit::InMemoryApiServer;
+use leasehold_testkit::in_memory_api_server::{
+    DISTRIBUTED_LOCKS, MUTATING_WEBHOOK_CONFIGURATIONS, SECRETS,
+};
 use serde_json::{Value, json};
 use support::{chart_webhook_configuration, der_of, from_base64, post};
 use time::{Duration, OffsetDateTime};

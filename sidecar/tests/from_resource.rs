@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold_lease::Backend;
-use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
-use leasehold_lease::testkit::{InMemoryApiServer, RedisServer};
 use leasehold_sidecar::api::AppState;
 use leasehold_sidecar::from_resource::{self, ResourceRef};
 use leasehold_sidecar::metrics::Metrics;
+use leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
+use leasehold_testkit::{InMemoryApiServer, RedisServer};
 use serde_json::{Value, json};
 
 /// `team/jobs` on the Redis at `redis`, its keys under `prefix`.
@@ -348,7 +348,7 @@ async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_retur
 /// sidecar read the lock's Secrets again (only a spec change, a new generation, does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_writes_cost_the_sidecar_no_secret_reads() {
-    use leasehold_lease::testkit::in_memory_api_server::SECRETS;
+    use leasehold_testkit::in_memory_api_server::SECRETS;
     let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
     // Redis's default user has no password, so any password is accepted for it.
@@ -490,8 +490,8 @@ async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
 
 /// Redis ACL user `app` with `password` only, and the Secret `redis-auth` holding it.
 fn rotate_redis_password(redis: &RedisServer, api: &InMemoryApiServer, password: &str) {
-    use leasehold_lease::testkit::in_memory_api_server::SECRETS;
-    use leasehold_lease::testkit::redis_cluster::command;
+    use leasehold_testkit::in_memory_api_server::SECRETS;
+    use leasehold_testkit::redis_cluster::command;
     command(
         redis.port(),
         &[
@@ -518,11 +518,8 @@ fn rotate_redis_password(redis: &RedisServer, api: &InMemoryApiServer, password:
 
 /// Every connection `app` has is cut: its clients must log in again, with what they know.
 fn cut_app_connections(redis: &RedisServer) {
-    leasehold_lease::testkit::redis_cluster::command(
-        redis.port(),
-        &["CLIENT", "KILL", "USER", "app"],
-    )
-    .expect("CLIENT KILL");
+    leasehold_testkit::redis_cluster::command(redis.port(), &["CLIENT", "KILL", "USER", "app"])
+        .expect("CLIENT KILL");
 }
 
 /// A lock or family of `team/NAME` on `redis`, logging in as `app` from `redis-auth`.

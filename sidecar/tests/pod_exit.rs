@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use leasehold_lease::testkit::InMemoryApiServer;
 use leasehold_sidecar::pod_exit;
+use leasehold_testkit::InMemoryApiServer;
 use serde_json::{Value, json};
 
 const PODS: &str = "/api/v1/pods";

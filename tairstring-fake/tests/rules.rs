@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use leasehold_lease::testkit::RedisServer;
-use leasehold_lease::testkit::redis_server::{field, info};
+use leasehold_testkit::RedisServer;
+use leasehold_testkit::redis_server::{field, info};
 use redis::{Connection, Value};
 
 fn connect(server: &RedisServer) -> Connection {

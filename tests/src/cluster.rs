@@ -12,8 +12,8 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
-use leasehold_lease::testkit::{InMemoryApiServer, free_port};
+use leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
+use leasehold_testkit::{InMemoryApiServer, free_port};
 use serde_json::{Value, json};
 
 use crate::operator_binary;

@@ -5,7 +5,7 @@
 //! follow a `DistributedLock` ([`cluster`]), and the multi-process safety checks, of a lock
 //! ([`safety`]) and of a family of keyed locks ([`keyed_safety`]).
 
-pub use leasehold_lease::testkit::fault_proxy;
+pub use leasehold_testkit::fault_proxy;
 pub mod cluster;
 pub mod keyed_safety;
 pub mod safety;
@@ -16,11 +16,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::free_port;
+use leasehold_testkit::free_port;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-pub use leasehold_lease::testkit::{
+pub use leasehold_testkit::{
     EtcdServer, MariaDbServer, PostgresServer, RedisServer, ZooKeeperServer, require_binary,
     unique_lock,
 };

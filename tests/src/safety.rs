@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use leasehold_lease::testkit::{
+use leasehold_testkit::{
     EtcdServer, MariaDbServer, PostgresServer, RedisCluster, RedisSentinelSet, RedisServer,
     ZooKeeperEnsemble, ZooKeeperServer,
 };

@@ -305,7 +305,7 @@ fn events_stream_reports_changes() {
 
 #[test]
 fn an_unreachable_backend_is_reported_not_fatal() {
-    let port = leasehold_lease::testkit::free_port();
+    let port = leasehold_testkit::free_port();
     let s = Sidecar::start(
         "a",
         &format!("redis://127.0.0.1:{port}"),
@@ -431,7 +431,7 @@ fn resign_steps_down_for_good_and_hands_over() {
 #[test]
 fn metrics_answer_on_the_probe_listener() {
     let dir = tempfile::tempdir().unwrap();
-    let probe_port = leasehold_lease::testkit::free_port();
+    let probe_port = leasehold_testkit::free_port();
     let lock = unique_lock("scraped");
     let s = Sidecar::start(
         "a",

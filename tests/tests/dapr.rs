@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use leasehold_e2e::{PostgresServer, RedisServer, Sidecar, unique_lock};
-use leasehold_lease::testkit::free_port;
+use leasehold_testkit::free_port;
 
 /// The venv's python, which scripts/install-test-deps gives Dapr's SDK.
 fn python() -> PathBuf {

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use leasehold_e2e::fault_proxy::FaultProxy;
-use leasehold_lease::testkit::{ZooKeeperServer, unique_lock};
 use leasehold_lease::{Acquire, Backend, BackendUrl};
+use leasehold_testkit::{ZooKeeperServer, unique_lock};
 
 async fn driver(url: &str) -> std::sync::Arc<dyn Backend> {
     leasehold_lease::connect(&BackendUrl::parse(url).expect("url"))

@@ -5,7 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use leasehold_e2e::{Sidecar, http, unique_lock};
-use leasehold_lease::testkit::{free_port, require_binary};
+use leasehold_testkit::{free_port, require_binary};
 
 struct Prometheus {
     child: Child,

@@ -181,7 +181,7 @@ pub const OPERATOR_USER: &str = "system:serviceaccount:leasehold-system:leasehol
 pub fn chart_grants(
     namespace: &str,
     name: &str,
-) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
+) -> Vec<leasehold_testkit::in_memory_api_server::Grant> {
     let text = std::fs::read_to_string(root().join("operator/config/leasehold.yaml"))
         .expect("operator/config/leasehold.yaml");
     grants_in(&text, namespace, name)
@@ -192,7 +192,7 @@ pub fn chart_grants(
 pub fn rendered_chart_grants(
     namespace: &str,
     name: &str,
-) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
+) -> Vec<leasehold_testkit::in_memory_api_server::Grant> {
     grants_in(&rendered_chart(), namespace, name)
 }
 
@@ -213,7 +213,7 @@ pub fn grants_of(
     text: &str,
     namespace: &str,
     name: &str,
-) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
+) -> Vec<leasehold_testkit::in_memory_api_server::Grant> {
     grants_in(text, namespace, name)
 }
 
@@ -231,8 +231,8 @@ fn grants_in(
     text: &str,
     namespace: &str,
     name: &str,
-) -> Vec<leasehold_lease::testkit::in_memory_api_server::Grant> {
-    use leasehold_lease::testkit::in_memory_api_server::Grant;
+) -> Vec<leasehold_testkit::in_memory_api_server::Grant> {
+    use leasehold_testkit::in_memory_api_server::Grant;
     let objects = objects(text);
     let find = |kind: &str, role: &str, role_namespace: Option<&str>| {
         objects
@@ -286,7 +286,7 @@ fn grants_in(
 
 /// A client of `api` that may do what the chart lets the operator's ServiceAccount do, and no
 /// more: a request outside its RBAC rules gets the real API server's 403.
-pub fn operator_client(api: &leasehold_lease::testkit::InMemoryApiServer) -> kube::Client {
+pub fn operator_client(api: &leasehold_testkit::InMemoryApiServer) -> kube::Client {
     api.grant(
         OPERATOR_USER,
         chart_grants("leasehold-system", "leasehold-operator"),

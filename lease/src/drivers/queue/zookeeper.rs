@@ -914,7 +914,7 @@ impl ZooKeeperDriver {
 
     /// For tests: a place in `lock`'s queue on this driver's own session that the driver does not
     /// know of, as a create whose answer never came back leaves one. Returns its path.
-    #[cfg(feature = "testkit")]
+    #[cfg(feature = "test-hooks")]
     pub async fn place_unknown_to_the_driver(
         &self,
         lock: &str,

@@ -12,8 +12,8 @@ use async_trait::async_trait;
 use tokio::time::{Instant, sleep};
 
 use super::{FaultyDriver, RedisServer, unique_lock};
-use crate::driver::{Acquire, Backend, Driver, Lease};
-use crate::holder::{Answer, EventKind, Lock, LockConfig, Mode};
+use leasehold_lease::{Acquire, Backend, Driver, Lease};
+use leasehold_lease::{Answer, EventKind, Lock, LockConfig, Mode};
 
 /// Short leases keep the suite quick; every bound below is derived from these.
 pub const LEASE: Duration = Duration::from_millis(1000);
@@ -66,9 +66,12 @@ impl Default for SqliteHarness {
 impl Harness for SqliteHarness {
     async fn driver(&self) -> Arc<dyn Backend> {
         Arc::new(
-            crate::drivers::sql::sqlite::SqliteDriver::open(&self.path(), crate::DEFAULT_TABLE)
-                .await
-                .expect("open sqlite"),
+            leasehold_lease::sqlite::SqliteDriver::open(
+                &self.path(),
+                leasehold_lease::DEFAULT_TABLE,
+            )
+            .await
+            .expect("open sqlite"),
         )
     }
     async fn outage_begin(&mut self) {
@@ -245,8 +248,8 @@ impl<S: BackendServer> Default for ServerHarness<S> {
 #[async_trait]
 impl<S: BackendServer> Harness for ServerHarness<S> {
     async fn driver(&self) -> Arc<dyn Backend> {
-        let url = crate::BackendUrl::parse(&self.url()).expect("backend url");
-        crate::connect(&url).await.expect("driver")
+        let url = leasehold_lease::BackendUrl::parse(&self.url()).expect("backend url");
+        leasehold_lease::connect(&url).await.expect("driver")
     }
     async fn outage_begin(&mut self) {
         self.server.kill();
@@ -313,8 +316,8 @@ impl Default for RedlockHarness {
 #[async_trait]
 impl Harness for RedlockHarness {
     async fn driver(&self) -> Arc<dyn Backend> {
-        let url = crate::BackendUrl::parse(&self.url()).expect("backend url");
-        crate::connect(&url).await.expect("driver")
+        let url = leasehold_lease::BackendUrl::parse(&self.url()).expect("backend url");
+        leasehold_lease::connect(&url).await.expect("driver")
     }
     async fn outage_begin(&mut self) {
         let mut masters = self.masters.lock().unwrap();
@@ -345,8 +348,8 @@ impl KubernetesHarness {
         }
     }
 
-    pub fn client_driver(&self) -> crate::drivers::kubernetes::KubernetesLeaseDriver {
-        crate::drivers::kubernetes::KubernetesLeaseDriver::new(self.api.client(), Self::NAMESPACE)
+    pub fn client_driver(&self) -> leasehold_lease::kubernetes::KubernetesLeaseDriver {
+        leasehold_lease::kubernetes::KubernetesLeaseDriver::new(self.api.client(), Self::NAMESPACE)
     }
 }
 
@@ -395,9 +398,9 @@ async fn acquired(driver: &dyn Backend, lock: &str, identity: &str, ttl: Duratio
             Ok(Acquire::Withheld(w)) => {
                 panic!("{identity} expected to acquire {lock}, but it is withheld: {w:?}")
             }
-            Err(e @ (crate::Error::Unreachable(_) | crate::Error::Timeout(_)))
-                if start.elapsed() < SLACK =>
-            {
+            Err(
+                e @ (leasehold_lease::Error::Unreachable(_) | leasehold_lease::Error::Timeout(_)),
+            ) if start.elapsed() < SLACK => {
                 eprintln!("{identity}: acquiring {lock} failed ({e}); trying again");
                 sleep(Duration::from_millis(20)).await;
             }
@@ -424,7 +427,11 @@ async fn acquired_within(driver: &dyn Backend, lock: &str, identity: &str, never
     }
 }
 
-async fn busy(driver: &dyn Backend, lock: &str, identity: &str) -> Option<crate::Holding> {
+async fn busy(
+    driver: &dyn Backend,
+    lock: &str,
+    identity: &str,
+) -> Option<leasehold_lease::Holding> {
     match driver
         .try_acquire(lock, identity, LEASE)
         .await
@@ -563,7 +570,7 @@ pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
     let (a, b, operator) = (h.driver().await, h.driver().await, h.driver().await);
     let lock = unique_lock("records");
     let la = acquired(&*a, &lock, "a", LEASE).await;
-    let waiting = crate::delete_records(&*operator, &lock, LEASE)
+    let waiting = leasehold_lease::delete_records(&*operator, &lock, LEASE)
         .await
         .expect("delete records");
     assert_eq!(
@@ -580,7 +587,7 @@ pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
     assert!(a.release(&la).await.unwrap());
     // Free now (a queue-based backend has no place of the deleter's left ahead of anyone).
     let start = Instant::now();
-    while crate::delete_records(&*operator, &lock, LEASE)
+    while leasehold_lease::delete_records(&*operator, &lock, LEASE)
         .await
         .expect("delete records")
         .is_some()
@@ -692,7 +699,7 @@ pub async fn paused_holder_fences_itself_first(h: &mut dyn Harness) {
             // b holds in the backend now; a must already have stopped claiming. Check the
             // self-fence deadline itself, not only the answer: a stalled renewal also makes the
             // answer "unknown", which would hide a deadline that is too late.
-            let now = crate::BootInstant::now();
+            let now = leasehold_lease::BootInstant::now();
             let snapshot = a.snapshot();
             assert!(
                 !snapshot.answer_at(now).is_holder(),
@@ -846,15 +853,15 @@ pub trait CountsWakeups: Driver {
     fn wakeups(&self) -> u64;
 }
 
-impl CountsWakeups for crate::drivers::queue::etcd::EtcdDriver {
+impl CountsWakeups for leasehold_lease::etcd::EtcdDriver {
     fn wakeups(&self) -> u64 {
-        crate::drivers::queue::etcd::EtcdDriver::wakeups(self)
+        leasehold_lease::etcd::EtcdDriver::wakeups(self)
     }
 }
 
-impl CountsWakeups for crate::drivers::queue::zookeeper::ZooKeeperDriver {
+impl CountsWakeups for leasehold_lease::zookeeper::ZooKeeperDriver {
     fn wakeups(&self) -> u64 {
-        crate::drivers::queue::zookeeper::ZooKeeperDriver::wakeups(self)
+        leasehold_lease::zookeeper::ZooKeeperDriver::wakeups(self)
     }
 }
 
@@ -878,7 +885,7 @@ pub async fn one_release_wakes_exactly_one_waiter<D: CountsWakeups>(client: impl
         let started = Instant::now();
         let busy = loop {
             match waiter.try_acquire(&lock, &identity, TTL).await {
-                Err(crate::Error::Unreachable(e))
+                Err(leasehold_lease::Error::Unreachable(e))
                     if started.elapsed() < Duration::from_secs(30) =>
                 {
                     tracing::debug!(%identity, error = %e, "waiter's session not up yet");
@@ -997,7 +1004,7 @@ pub async fn waiters_further_back_poll_quietly<D: CountsWakeups>(
 /// owner (of the same pod, then of another) with a higher token, a hold that lapses frees the
 /// key (for every pod, its own included), keys are independent, and a bad key changes nothing.
 pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
-    use crate::keyed::{FamilyConfig, KeyAnswer, KeyError, KeyRelease, KeyedFamily};
+    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyError, KeyRelease, KeyedFamily};
     const HOLD: Duration = Duration::from_secs(60);
     let family = unique_lock("keyed");
     let pod = |driver: Arc<dyn Backend>, identity: &str| {
@@ -1332,7 +1339,7 @@ macro_rules! conformance_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $scenario() {
                 let mut harness = $harness;
-                $crate::testkit::conformance::$scenario(&mut harness).await;
+                $crate::conformance::$scenario(&mut harness).await;
             }
         )+
     };

@@ -11,8 +11,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::watch;
 
-use crate::driver::{Acquire, Backend, Driver, Holding, Lease, Upkeep};
-use crate::error::Result;
+use leasehold_lease::Result;
+use leasehold_lease::{Acquire, Backend, Driver, Holding, Lease, Upkeep};
 
 pub struct FaultyDriver {
     inner: Arc<dyn Backend>,
@@ -134,8 +134,8 @@ impl Driver for FaultyDriver {
     fn counted_from(
         &self,
         lease: &Lease,
-        sent: crate::boot_clock::BootInstant,
-    ) -> crate::boot_clock::BootInstant {
+        sent: leasehold_lease::boot_clock::BootInstant,
+    ) -> leasehold_lease::boot_clock::BootInstant {
         let counted_from = self.inner.counted_from(lease, sent);
         let key = (lease.lock.clone(), lease.token);
         if self.counted_early().contains(&key) {

@@ -39,34 +39,34 @@ pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 
 /// A driver for `url`, through the same parsing and `connect` as the sidecar.
-pub async fn driver_for(url: &str) -> std::sync::Arc<dyn crate::Backend> {
-    crate::connect(&crate::BackendUrl::parse(url).expect("url"))
+pub async fn driver_for(url: &str) -> std::sync::Arc<dyn leasehold_lease::Backend> {
+    leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(url).expect("url"))
         .await
         .expect("driver")
 }
 
 /// A lock that campaigns for `lock` as `identity`, renewing ten times a lease.
 pub fn campaign(
-    driver: std::sync::Arc<dyn crate::Backend>,
+    driver: std::sync::Arc<dyn leasehold_lease::Backend>,
     lock: &str,
     identity: &str,
     lease: std::time::Duration,
-) -> crate::Lock {
-    let config = crate::LockConfig {
+) -> leasehold_lease::Lock {
+    let config = leasehold_lease::LockConfig {
         renew_interval: lease / 10,
-        mode: crate::Mode::Campaign,
-        ..crate::LockConfig::new(lock, identity, lease)
+        mode: leasehold_lease::Mode::Campaign,
+        ..leasehold_lease::LockConfig::new(lock, identity, lease)
     };
-    crate::Lock::start(driver, config, std::sync::Arc::new(())).expect("start lock")
+    leasehold_lease::Lock::start(driver, config, std::sync::Arc::new(())).expect("start lock")
 }
 
 /// Whether `lock` still counts itself holder: its self-fence deadline has not passed, whether or
 /// not it can reach the backend to say so (a holder that cannot answers 503, but an app may
 /// still be acting on its last 200).
-pub fn claims(lock: &crate::Lock) -> bool {
+pub fn claims(lock: &leasehold_lease::Lock) -> bool {
     lock.snapshot()
         .held
-        .is_some_and(|held| held.valid_until > crate::BootInstant::now())
+        .is_some_and(|held| held.valid_until > leasehold_lease::BootInstant::now())
 }
 
 /// A `DistributedLock` NAMESPACE/NAME on `backend`, as a user would write it (15 s lease, 5 s

@@ -401,7 +401,7 @@ pub async fn command_calls(
         .sum()
 }
 
-pub use crate::drivers::redis::info_field as field;
+pub use leasehold_lease::redis::info_field as field;
 
 /// One raw `PING`, the protocol's own health check.
 pub(super) fn ping(port: u16) -> bool {

@@ -245,7 +245,7 @@ fn warm_up(port: u16, tls: Option<super::TlsFiles>) {
                                 &read(&files.client_key)?,
                             )
                             .ok()?;
-                        crate::tls::use_ring_provider();
+                        leasehold_lease::tls::use_ring_provider();
                         connector
                             .with_tls(options)
                             .secure_connect(&server)
