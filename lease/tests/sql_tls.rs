@@ -74,6 +74,22 @@ async fn postgres_over_tls_refusals_and_inline_pem() {
     ));
 }
 
+/// `verify-ca` checks the chain without the host name; the database driver builds that verifier
+/// from the process's TLS provider, which the driver installs (ring) before it connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_verify_ca_takes_the_lock() {
+    let server = PostgresServer::start_tls();
+    let files = server.tls_files();
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres?sslmode=verify-ca&sslrootcert={}&sslcert={}&sslkey={}",
+        server.port(),
+        files.ca.display(),
+        files.client_cert.display(),
+        files.client_key.display()
+    );
+    assert!(matches!(outcome(&url).await.unwrap(), Acquire::Acquired(_)));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_over_tls_refusals() {
     let server = leasehold_testkit::MariaDbServer::start_tls();

@@ -134,6 +134,8 @@ impl SqlDriver {
         table: &str,
         mode: SqlMode,
     ) -> Result<Self> {
+        // sqlx builds a `verify-ca` verifier from the process's provider.
+        crate::tls::use_ring_provider();
         validate_sql_identifier("table name", table)?;
         if mode == SqlMode::RowLock {
             validate_sql_identifier("row-lock table name (table + \"_rows\")", &row_table(table))?;
