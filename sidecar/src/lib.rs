@@ -5,6 +5,7 @@
 pub mod api;
 pub mod config;
 pub mod dapr;
+pub mod exec;
 pub mod from_resource;
 pub mod metrics;
 pub mod pod_exit;

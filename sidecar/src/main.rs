@@ -13,6 +13,13 @@ const WORKER_THREADS: usize = 2;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args
+        .get(1)
+        .is_some_and(|a| a == "exec" || a == "exec-child")
+    {
+        return leasehold_sidecar::exec::main(args[1..].to_vec());
+    }
     let config = match Config::from_env_and_args() {
         Ok(config) => config,
         Err(Exit::Info(text)) => {

@@ -1,0 +1,444 @@
+//! `leasehold-sidecar exec`: run a command only while this process holds a lock.
+//!
+//! It waits for the lock, then starts the command in a process group of its own, with the
+//! fencing token in its environment, and forwards the signals it receives to that group. When
+//! the command exits, the lock is released and its status is this process's. When the lock is
+//! being lost (renewals fail, so the claim's self-fenced end draws near, or the backend says
+//! another holds it), the whole group gets SIGTERM, then SIGKILL after `--kill-grace`, early
+//! enough that it is gone [`KILL_MARGIN`] before the claim ends: no other holder's command can
+//! start while any of this one's processes still runs.
+//!
+//! The command runs behind a small trampoline, this binary again (`exec-child`), which asks
+//! the kernel to kill it if this process dies (`PR_SET_PDEATHSIG`) and then becomes the
+//! command: a `leasehold exec` killed with SIGKILL does not leave its command running without
+//! the lock. Processes the command started in the background are not covered by that signal;
+//! they are by the group kill, which needs this process alive.
+
+use std::ffi::OsString;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::signal::unix::{SignalKind, signal};
+
+use leasehold_lease::{
+    BackendUrl, BootInstant, DEFAULT_BACKEND, Lock, LockConfig, Mode, safety_margin,
+};
+
+use crate::config::EXIT_BAD_CONFIG;
+
+/// The exit status when the lock was lost and the command stopped for it (EX_TEMPFAIL: try
+/// again).
+pub const EXIT_LOCK_LOST: u8 = 75;
+/// The exit status when the lock was not taken within `--wait` (EX_UNAVAILABLE).
+pub const EXIT_NOT_ACQUIRED: u8 = 69;
+/// The status a shell gives a command it cannot run.
+const EXIT_CANNOT_RUN: u8 = 127;
+/// How long before the claim ends the command's whole group must be gone: SIGKILL takes
+/// effect at once, but the kernel must still be given time to reap every process.
+pub const KILL_MARGIN: Duration = Duration::from_millis(250);
+/// How often the group is checked for survivors while it is being stopped.
+const GROUP_POLL: Duration = Duration::from_millis(10);
+/// The longest sleep between checks of the claim, so that a suspended machine (whose boot
+/// clock jumps) is noticed soon after it resumes.
+const CLAIM_POLL: Duration = Duration::from_millis(200);
+/// The trampoline's first argument, and the variable naming the process it must die with.
+const CHILD_ARG: &str = "exec-child";
+const PARENT_VAR: &str = "LEASEHOLD_EXEC_PARENT";
+
+/// The signals passed on to the command's process group.
+const FORWARDED: [Signal; 6] = [
+    Signal::SIGINT,
+    Signal::SIGTERM,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+];
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "leasehold-sidecar exec",
+    about = "Runs a command only while this process holds a lock: leasehold-sidecar exec --lock NAME [--backend URL] -- COMMAND [ARGS]...",
+    after_help = "Exit status: the command's (128+N when killed by signal N); 75 when the lock was lost and the command stopped; 69 when the lock was not taken within --wait; 2 for bad arguments."
+)]
+struct ExecArgs {
+    /// The lock to hold while the command runs.
+    #[arg(long, value_name = "NAME")]
+    lock: String,
+
+    /// The backend, as the sidecar's --backend.
+    #[arg(long, env = "LEASEHOLD_BACKEND", value_name = "URL", default_value = DEFAULT_BACKEND,
+          hide_env_values = true)]
+    backend: String,
+
+    /// Who holds the lock [default: the host name and this process's id].
+    #[arg(long, env = "LEASEHOLD_IDENTITY", value_name = "ID")]
+    identity: Option<String>,
+
+    #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = humantime::parse_duration)]
+    lease_duration: Duration,
+
+    /// [default: a third of the lease]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    renew_interval: Option<Duration>,
+
+    /// Give up when the lock is not taken within this long [default: wait for ever].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    wait: Option<Duration>,
+
+    /// When the lock is being lost: how long the command has between SIGTERM and SIGKILL.
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = humantime::parse_duration)]
+    kill_grace: Duration,
+
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    command: Vec<OsString>,
+}
+
+/// `leasehold-sidecar exec ...` (`args` starts with `exec`) and the trampoline
+/// (`leasehold-sidecar exec-child -- COMMAND...`).
+pub fn main(args: Vec<OsString>) -> ExitCode {
+    if args.first().is_some_and(|a| a == CHILD_ARG) {
+        return become_command(&args[1..]);
+    }
+    let args = match ExecArgs::try_parse_from(&args) {
+        Ok(args) => args,
+        Err(e) => {
+            let _ = e.print();
+            return match e.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                    ExitCode::SUCCESS
+                }
+                _ => ExitCode::from(EXIT_BAD_CONFIG),
+            };
+        }
+    };
+    leasehold_process::init_logging(false);
+    leasehold_lease::tls::use_ring_provider();
+    // One thread: the kernel's parent-death signal follows the thread that started the command,
+    // and this one lives as long as the process.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    ExitCode::from(runtime.block_on(run(args)))
+}
+
+/// What stopped the wait for the lock, or the command.
+enum Outcome {
+    Exited(std::process::ExitStatus),
+    Lost,
+}
+
+async fn run(args: ExecArgs) -> u8 {
+    let bad = |flag: &str, reason: &dyn std::fmt::Display| {
+        eprintln!("error: invalid value for '--{flag}': {reason}");
+        EXIT_BAD_CONFIG
+    };
+    let url = match BackendUrl::parse(&args.backend) {
+        Ok(url) => url,
+        Err(e) => return bad("backend", &e),
+    };
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        format!(
+            "{}-{}",
+            leasehold_process::hostname("leasehold"),
+            std::process::id()
+        )
+    });
+    let mut config = LockConfig::new(&args.lock, &identity, args.lease_duration);
+    config.mode = Mode::Campaign;
+    if let Some(renew) = args.renew_interval {
+        config.renew_interval = renew;
+    }
+    if let Err(e) = config.validate() {
+        return bad("lock", &e);
+    }
+    // Just before a renewal the claim has a lease, less the margin and a renew interval, left:
+    // stopping the command must fit in it, or a healthy holder would stop its own command.
+    let slack = args
+        .lease_duration
+        .saturating_sub(safety_margin(args.lease_duration))
+        .saturating_sub(config.renew_interval);
+    if args.kill_grace + KILL_MARGIN >= slack {
+        return bad(
+            "kill-grace",
+            &format!(
+                "{:?} plus {KILL_MARGIN:?} must be shorter than the {slack:?} a claim has left just before it is renewed; lengthen the lease or shorten the grace",
+                args.kill_grace
+            ),
+        );
+    }
+    let driver = match leasehold_lease::connect(&url).await {
+        Ok(driver) => driver,
+        Err(e) => {
+            eprintln!("error: {url}: {e}");
+            return 1;
+        }
+    };
+    let lock = match Lock::start(driver, config, Arc::new(())) {
+        Ok(lock) => lock,
+        Err(e) => return bad("lock", &e),
+    };
+    let mut signals = match Signals::new() {
+        Ok(signals) => signals,
+        Err(e) => {
+            eprintln!("error: cannot handle signals: {e}");
+            lock.shutdown().await;
+            return 1;
+        }
+    };
+    let status = supervise(&args, &lock, &mut signals).await;
+    lock.shutdown().await;
+    status
+}
+
+async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> u8 {
+    let token = match wait_for_lock(lock, args.wait, signals).await {
+        Ok(token) => token,
+        Err(status) => return status,
+    };
+    let mut child = match spawn(args, lock, token) {
+        Ok(child) => child,
+        Err(e) => {
+            eprintln!("error: cannot start {:?}: {e}", args.command[0]);
+            return EXIT_CANNOT_RUN;
+        }
+    };
+    let Some(pgid) = child.id().map(|id| Pid::from_raw(id as i32)) else {
+        return EXIT_CANNOT_RUN;
+    };
+    tracing::info!(lock = %args.lock, token, pid = pgid.as_raw(), "holding the lock; the command runs");
+    let outcome = follow(lock, token, args.kill_grace, &mut child, pgid, signals).await;
+    match outcome {
+        Outcome::Exited(status) => exit_status(status),
+        Outcome::Lost => {
+            let claim_end = lock.snapshot().held.map(|h| h.valid_until);
+            stop_group(&mut child, pgid, args.kill_grace).await;
+            match claim_end.map(|end| end.saturating_duration_since(BootInstant::now())) {
+                Some(spare) => eprintln!(
+                    "leasehold exec: the lock {:?} is being lost; the command's processes were stopped {} ms before the claim ends",
+                    args.lock,
+                    spare.as_millis()
+                ),
+                None => eprintln!(
+                    "leasehold exec: the lock {:?} was lost; the command's processes were stopped",
+                    args.lock
+                ),
+            }
+            EXIT_LOCK_LOST
+        }
+    }
+}
+
+/// The token once this process holds the lock; `Err(status)` when it gives up (the wait ran
+/// out, or a signal asked it to stop).
+async fn wait_for_lock(
+    lock: &Lock,
+    wait: Option<Duration>,
+    signals: &mut Signals,
+) -> Result<u64, u8> {
+    let mut watch = lock.watch();
+    let started = Instant::now();
+    loop {
+        if let Some(held) = watch.borrow_and_update().held.as_ref()
+            && BootInstant::now() < held.valid_until
+        {
+            return Ok(held.token);
+        }
+        let left = wait.map(|w| w.saturating_sub(started.elapsed()));
+        if left == Some(Duration::ZERO) {
+            eprintln!(
+                "error: the lock was not taken within {:?}",
+                wait.unwrap_or_default()
+            );
+            return Err(EXIT_NOT_ACQUIRED);
+        }
+        tokio::select! {
+            changed = watch.changed() => {
+                if changed.is_err() {
+                    return Err(1);
+                }
+            }
+            signal = signals.next() => return Err(128 + signal as u8),
+            () = tokio::time::sleep(left.unwrap_or(Duration::MAX).min(CLAIM_POLL)) => {}
+        }
+    }
+}
+
+fn spawn(args: &ExecArgs, lock: &Lock, token: u64) -> std::io::Result<tokio::process::Child> {
+    let mut command = tokio::process::Command::new(std::env::current_exe()?);
+    command
+        .arg(CHILD_ARG)
+        .arg("--")
+        .args(&args.command)
+        .env(PARENT_VAR, std::process::id().to_string())
+        .env("LEASEHOLD_LOCK", lock.name())
+        .env("LEASEHOLD_IDENTITY", &lock.config().identity)
+        .env("LEASEHOLD_FENCING_TOKEN", token.to_string())
+        .process_group(0)
+        .kill_on_drop(false);
+    command.spawn()
+}
+
+/// Until the command exits or the lock is being lost: the group is stopped from the moment the
+/// claim's end is nearer than the grace and the margin, or at once when the lock is gone or
+/// changed hands.
+async fn follow(
+    lock: &Lock,
+    token: u64,
+    kill_grace: Duration,
+    child: &mut tokio::process::Child,
+    pgid: Pid,
+    signals: &mut Signals,
+) -> Outcome {
+    let mut watch = lock.watch();
+    loop {
+        let stop_at = match &watch.borrow_and_update().held {
+            Some(held) if held.token == token => held.valid_until - (kill_grace + KILL_MARGIN),
+            _ => return Outcome::Lost,
+        };
+        let left = stop_at.saturating_duration_since(BootInstant::now());
+        if left.is_zero() {
+            return Outcome::Lost;
+        }
+        tokio::select! {
+            status = child.wait() => {
+                return match status {
+                    Ok(status) => Outcome::Exited(status),
+                    Err(e) => {
+                        eprintln!("error: waiting for the command: {e}");
+                        Outcome::Lost
+                    }
+                };
+            }
+            signal = signals.next() => {
+                let _ = killpg(pgid, signal);
+            }
+            changed = watch.changed() => {
+                if changed.is_err() {
+                    return Outcome::Lost;
+                }
+            }
+            () = tokio::time::sleep(left.min(CLAIM_POLL)) => {}
+        }
+    }
+}
+
+/// SIGTERM to the whole group, SIGKILL to what is left after `grace`, and back once no process
+/// of the group runs, or at the latest [`KILL_MARGIN`] after the SIGKILL (a process in an
+/// uninterruptible wait dies as it leaves it).
+async fn stop_group(child: &mut tokio::process::Child, pgid: Pid, grace: Duration) {
+    let _ = killpg(pgid, Signal::SIGTERM);
+    let term_sent = Instant::now();
+    let mut killed_at: Option<Instant> = None;
+    loop {
+        // Reap the command itself; the group's other processes are reaped by whoever inherits
+        // them.
+        let _ = child.try_wait();
+        if !group_running(pgid) {
+            return;
+        }
+        match killed_at {
+            None if term_sent.elapsed() >= grace => {
+                let _ = killpg(pgid, Signal::SIGKILL);
+                killed_at = Some(Instant::now());
+            }
+            Some(at) if at.elapsed() >= KILL_MARGIN => return,
+            _ => {}
+        }
+        tokio::time::sleep(GROUP_POLL).await;
+    }
+}
+
+/// Whether a process of group `pgid` still runs. A zombie does not: it is dead, and waits only
+/// for whoever inherited it to reap it (a container's first process may never do so).
+fn group_running(pgid: Pid) -> bool {
+    let Ok(processes) = std::fs::read_dir("/proc") else {
+        return killpg(pgid, None).is_ok();
+    };
+    processes.flatten().any(|process| {
+        let Ok(stat) = std::fs::read_to_string(process.path().join("stat")) else {
+            return false;
+        };
+        // `PID (COMMAND) STATE PPID PGRP ...`; the command may itself hold spaces and parentheses.
+        let Some((_, fields)) = stat.rsplit_once(") ") else {
+            return false;
+        };
+        let mut fields = fields.split(' ');
+        let state = fields.next().unwrap_or("Z");
+        let group = fields.nth(1).and_then(|g| g.parse::<i32>().ok());
+        group == Some(pgid.as_raw()) && !matches!(state, "Z" | "X" | "x")
+    })
+}
+
+fn exit_status(status: std::process::ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => u8::try_from(code).unwrap_or(1),
+        (None, Some(signal)) => 128u8.saturating_add(u8::try_from(signal).unwrap_or(0)),
+        _ => 1,
+    }
+}
+
+/// The signals this process passes on, as one stream.
+struct Signals(Vec<(Signal, tokio::signal::unix::Signal)>);
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        FORWARDED
+            .iter()
+            .map(|&s| Ok((s, signal(SignalKind::from_raw(s as i32))?)))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map(Self)
+    }
+
+    async fn next(&mut self) -> Signal {
+        let waits = self.0.iter_mut().map(|(kind, stream)| {
+            let kind = *kind;
+            Box::pin(async move {
+                stream.recv().await;
+                kind
+            })
+        });
+        futures_util::future::select_all(waits).await.0
+    }
+}
+
+/// The trampoline: die with the `leasehold exec` that started it, then become the command.
+fn become_command(args: &[OsString]) -> ExitCode {
+    let command = match args.first() {
+        Some(dashes) if dashes == "--" => &args[1..],
+        _ => args,
+    };
+    let Some((program, rest)) = command.split_first() else {
+        eprintln!("error: exec-child needs a command");
+        return ExitCode::from(EXIT_BAD_CONFIG);
+    };
+    if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
+        eprintln!("error: cannot arrange to die with leasehold exec: {e}");
+        return ExitCode::from(EXIT_CANNOT_RUN);
+    }
+    // Set after the fork: the parent may have died in between, and this process would then be
+    // another's child already.
+    let parent = std::env::var(PARENT_VAR).ok();
+    if parent.as_deref() != Some(&nix::unistd::getppid().as_raw().to_string()) {
+        return ExitCode::from(EXIT_LOCK_LOST);
+    }
+    let error = std::process::Command::new(program)
+        .args(rest)
+        .env_remove(PARENT_VAR)
+        .exec();
+    eprintln!("error: cannot run {program:?}: {error}");
+    ExitCode::from(EXIT_CANNOT_RUN)
+}

@@ -1,0 +1,257 @@
+//! `leasehold-sidecar exec`: the command runs only while the lock is held, in a group of its
+//! own that is gone before the claim ends when the lock is lost, with the signals it is sent
+//! and the status it exits with.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use leasehold_testkit::{FaultProxy, RedisServer};
+
+fn exec(lock: &str, backend: &str) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"));
+    command
+        .args(["exec", "--lock", lock, "--backend", backend])
+        .stdin(Stdio::null());
+    command
+}
+
+fn sqlite(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("locks.db").display())
+}
+
+/// `sh -c SCRIPT` after the exec flags.
+fn shell<'a>(command: &'a mut Command, script: &str) -> &'a mut Command {
+    command.args(["--", "sh", "-c", script])
+}
+
+fn wait_for(what: &str, deadline: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < deadline, "{what} within {deadline:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn wait_exit(child: &mut Child, deadline: Duration) -> ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            panic!("exec did not exit within {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Dead: gone, or a zombie waiting for whoever inherited it to reap it.
+fn dead(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+    }
+}
+
+#[test]
+fn the_command_gets_the_token_and_its_status_is_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let out: PathBuf = dir.path().join("seen");
+    let script = format!(
+        "echo $LEASEHOLD_LOCK $LEASEHOLD_FENCING_TOKEN >> {}; exit 7",
+        out.display()
+    );
+    for _ in 0..2 {
+        let status = shell(&mut exec("jobs", &sqlite(dir.path())), &script)
+            .status()
+            .unwrap();
+        assert_eq!(status.code(), Some(7));
+    }
+    let seen = read(&out);
+    let tokens: Vec<u64> = seen
+        .lines()
+        .map(|line| {
+            let (lock, token) = line.split_once(' ').expect("lock and token");
+            assert_eq!(lock, "jobs");
+            token.parse().expect("a token")
+        })
+        .collect();
+    assert_eq!(tokens.len(), 2, "{seen}");
+    assert!(tokens[0] >= 1 && tokens[1] > tokens[0], "{tokens:?}");
+}
+
+#[test]
+fn two_execs_of_one_lock_take_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let script = format!(
+        "echo start >> {0}; sleep 0.5; echo end >> {0}",
+        log.display()
+    );
+    let backend = sqlite(dir.path());
+    let mut children: Vec<Child> = (0..3)
+        .map(|_| shell(&mut exec("jobs", &backend), &script).spawn().unwrap())
+        .collect();
+    for child in &mut children {
+        assert!(wait_exit(child, Duration::from_secs(30)).success());
+    }
+    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
+    assert_eq!(
+        lines,
+        ["start", "end", "start", "end", "start", "end"],
+        "the commands overlapped"
+    );
+}
+
+#[test]
+fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
+    let redis = RedisServer::start_with(true);
+    let proxy = FaultProxy::start(redis.port());
+    let dir = tempfile::tempdir().unwrap();
+    let grandchild = dir.path().join("grandchild");
+    let lease = Duration::from_secs(3);
+    let mut command = exec("jobs", &format!("redis://127.0.0.1:{}", proxy.port));
+    command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
+    // A background grandchild in the command's group, which a signal to the command alone
+    // would leave running.
+    let script = format!("sleep 300 & echo $! > {}; wait", grandchild.display());
+    let child = shell(&mut command, &script)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        !read(&grandchild).trim().is_empty()
+    });
+    let pid: i32 = read(&grandchild).trim().parse().unwrap();
+    assert!(!dead(pid));
+
+    // The last renewal was sent before the cut, so the claim ends within a lease of it.
+    let cut = Instant::now();
+    proxy.cut();
+    wait_for("the grandchild to be stopped", lease, || dead(pid));
+    let stopped_after = cut.elapsed();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(
+        output.status.code(),
+        Some(75),
+        "the lock-lost status: {stderr}"
+    );
+    assert!(
+        stopped_after < lease,
+        "the group was stopped {stopped_after:?} after the cut, past the lease"
+    );
+    // What exec says it had to spare, on its own clock: at least the kill margin, less the
+    // polling of the group.
+    let spare_ms: u64 = stderr
+        .split_once("were stopped ")
+        .and_then(|(_, rest)| rest.split_once(" ms before the claim ends"))
+        .and_then(|(ms, _)| ms.parse().ok())
+        .unwrap_or_else(|| panic!("no spare time reported: {stderr}"));
+    eprintln!(
+        "the group was stopped {spare_ms} ms before the claim ends, {stopped_after:?} after the cut"
+    );
+    assert!(
+        spare_ms >= 150,
+        "stopped only {spare_ms} ms before the claim ended"
+    );
+}
+
+#[test]
+fn signals_reach_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let got = dir.path().join("got");
+    let ready = dir.path().join("ready");
+    let script = format!(
+        "trap 'echo HUP >> {0}' HUP; trap 'echo INT >> {0}' INT; trap 'echo TERM >> {0}; exit 3' TERM; \
+         touch {1}; while true; do sleep 0.05; done",
+        got.display(),
+        ready.display()
+    );
+    let mut child = shell(&mut exec("jobs", &sqlite(dir.path())), &script)
+        .spawn()
+        .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        ready.exists()
+    });
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    for (signal, line) in [
+        (nix::sys::signal::Signal::SIGHUP, "HUP"),
+        (nix::sys::signal::Signal::SIGINT, "INT"),
+    ] {
+        nix::sys::signal::kill(pid, signal).unwrap();
+        wait_for(line, Duration::from_secs(5), || {
+            read(&got).lines().any(|l| l == line)
+        });
+    }
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = wait_exit(&mut child, Duration::from_secs(10));
+    assert_eq!(status.code(), Some(3), "the command's own status");
+    assert_eq!(
+        read(&got).lines().collect::<Vec<_>>(),
+        ["HUP", "INT", "TERM"]
+    );
+}
+
+#[test]
+fn a_lock_not_taken_within_the_wait_runs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = sqlite(dir.path());
+    let ready = dir.path().join("ready");
+    let mut holder = shell(
+        &mut exec("jobs", &backend),
+        &format!("touch {}; sleep 3", ready.display()),
+    )
+    .spawn()
+    .unwrap();
+    wait_for(
+        "the first command to start",
+        Duration::from_secs(10),
+        || ready.exists(),
+    );
+    let ran = dir.path().join("ran");
+    let started = Instant::now();
+    let status = shell(
+        exec("jobs", &backend).args(["--wait", "300ms"]),
+        &format!("touch {}", ran.display()),
+    )
+    .status()
+    .unwrap();
+    assert_eq!(status.code(), Some(69));
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert!(!ran.exists(), "the command ran without the lock");
+    assert!(wait_exit(&mut holder, Duration::from_secs(10)).success());
+}
+
+#[test]
+fn bad_input_is_refused_and_runs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = sqlite(dir.path());
+    let ran = dir.path().join("ran");
+    let touch = format!("touch {}", ran.display());
+    let refused = |command: &mut Command, says: &str| {
+        let output = command.stderr(Stdio::piped()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert_eq!(output.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(says), "{says:?} not in {stderr}");
+    };
+    refused(&mut exec("jobs", &backend), "COMMAND");
+    refused(
+        shell(
+            exec("jobs", &backend).args(["--lease-duration", "3s", "--kill-grace", "2s"]),
+            &touch,
+        ),
+        "kill-grace",
+    );
+    refused(shell(&mut exec("bad name!", &backend), &touch), "--lock");
+    refused(shell(&mut exec("jobs", "nosuch://x"), &touch), "--backend");
+    assert!(!ran.exists());
+}
