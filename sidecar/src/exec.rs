@@ -2,11 +2,12 @@
 //!
 //! It waits for the lock, then starts the command in a process group of its own, with the
 //! fencing token in its environment, and forwards the signals it receives to that group. When
-//! the command exits, the lock is released and its status is this process's. When the lock is
-//! being lost (renewals fail, so the claim's self-fenced end draws near, or the backend says
-//! another holds it), the whole group gets SIGTERM, then SIGKILL after `--kill-grace`, early
-//! enough that it is gone [`KILL_MARGIN`] before the claim ends: no other holder's command can
-//! start while any of this one's processes still runs.
+//! the command exits, what it left running in its group is stopped, the lock is released, and
+//! the command's status is this process's. When the lock is being lost (renewals fail, so the
+//! claim's self-fenced end draws near, or the backend says the lease is gone), the whole group
+//! gets SIGTERM, then SIGKILL after `--kill-grace`, or sooner, so that the SIGKILL goes out
+//! [`KILL_MARGIN`] before the claim ends (at once when the claim is gone): no other holder's
+//! command can start while one of this one's processes still runs.
 //!
 //! The command runs behind a small trampoline, this binary again (`exec-child`), which asks
 //! the kernel to kill it if this process dies (`PR_SET_PDEATHSIG`) and then becomes the
@@ -199,33 +200,56 @@ async fn run(args: ExecArgs) -> u8 {
             return 1;
         }
     };
-    let status = supervise(&args, &lock, &mut signals).await;
-    lock.shutdown().await;
+    let (status, group) = supervise(&args, &lock, &mut signals).await;
+    match group {
+        Group::Gone => lock.shutdown().await,
+        // A process of the command's group outlived SIGKILL (an uninterruptible wait): the
+        // lock is not released, and another holder comes only once the lease has run out.
+        Group::Survived => {
+            eprintln!(
+                "leasehold exec: a process of the command's group outlived SIGKILL; the lock {:?} is left to run out, not released",
+                args.lock
+            );
+            lock.retire().await;
+        }
+    }
     status
 }
 
-async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> u8 {
-    let token = match wait_for_lock(lock, args.wait, signals).await {
+/// Whether the command's process group is gone once `exec` is done with it.
+enum Group {
+    Gone,
+    Survived,
+}
+
+async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> (u8, Group) {
+    let token = match wait_for_lock(lock, args.wait, args.kill_grace + KILL_MARGIN, signals).await {
         Ok(token) => token,
-        Err(status) => return status,
+        Err(status) => return (status, Group::Gone),
     };
     let mut child = match spawn(args, lock, token) {
         Ok(child) => child,
         Err(e) => {
             eprintln!("error: cannot start {:?}: {e}", args.command[0]);
-            return EXIT_CANNOT_RUN;
+            return (EXIT_CANNOT_RUN, Group::Gone);
         }
     };
     let Some(pgid) = child.id().map(|id| Pid::from_raw(id as i32)) else {
-        return EXIT_CANNOT_RUN;
+        return (EXIT_CANNOT_RUN, Group::Gone);
     };
     tracing::info!(lock = %args.lock, token, pid = pgid.as_raw(), "holding the lock; the command runs");
     let outcome = follow(lock, token, args.kill_grace, &mut child, pgid, signals).await;
-    match outcome {
+    // Whatever ended it, nothing of the group may run once the lock is let go: the command's
+    // background processes are stopped too, within what is left of the claim.
+    let claim_end = lock
+        .snapshot()
+        .held
+        .filter(|held| held.token == token)
+        .map(|held| held.valid_until);
+    let group = stop_group(&mut child, pgid, args.kill_grace, claim_end).await;
+    let status = match outcome {
         Outcome::Exited(status) => exit_status(status),
         Outcome::Lost => {
-            let claim_end = lock.snapshot().held.map(|h| h.valid_until);
-            stop_group(&mut child, pgid, args.kill_grace).await;
             match claim_end.map(|end| end.saturating_duration_since(BootInstant::now())) {
                 Some(spare) => eprintln!(
                     "leasehold exec: the lock {:?} is being lost; the command's processes were stopped {} ms before the claim ends",
@@ -239,21 +263,29 @@ async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> u8 {
             }
             EXIT_LOCK_LOST
         }
-    }
+    };
+    (status, group)
 }
 
-/// The token once this process holds the lock; `Err(status)` when it gives up (the wait ran
-/// out, or a signal asked it to stop).
+/// The token once this process holds the lock with more than `needed` of its claim left;
+/// `Err(status)` when it gives up (the wait ran out, or a signal asked it to stop).
 async fn wait_for_lock(
     lock: &Lock,
     wait: Option<Duration>,
+    needed: Duration,
     signals: &mut Signals,
 ) -> Result<u64, u8> {
     let mut watch = lock.watch();
     let started = Instant::now();
     loop {
+        // The claim must outlast stopping the command, or it would start only to be stopped
+        // (a lease a backend dates from before the call may arrive half spent): otherwise the
+        // next renewal is awaited.
         if let Some(held) = watch.borrow_and_update().held.as_ref()
-            && BootInstant::now() < held.valid_until
+            && held
+                .valid_until
+                .saturating_duration_since(BootInstant::now())
+                > needed
         {
             return Ok(held.token);
         }
@@ -284,8 +316,10 @@ fn spawn(args: &ExecArgs, lock: &Lock, token: u64) -> std::io::Result<tokio::pro
         .arg("--")
         .args(&args.command)
         .env(PARENT_VAR, std::process::id().to_string())
-        .env("LEASEHOLD_LOCK", lock.name())
-        .env("LEASEHOLD_IDENTITY", &lock.config().identity)
+        // Not the sidecar's own LEASEHOLD_LOCK and LEASEHOLD_IDENTITY, which a sidecar the
+        // command starts would take for its flags.
+        .env("LEASEHOLD_EXEC_LOCK", lock.name())
+        .env("LEASEHOLD_EXEC_IDENTITY", &lock.config().identity)
         .env("LEASEHOLD_FENCING_TOKEN", token.to_string())
         .process_group(0)
         .kill_on_drop(false);
@@ -336,26 +370,41 @@ async fn follow(
     }
 }
 
-/// SIGTERM to the whole group, SIGKILL to what is left after `grace`, and back once no process
-/// of the group runs, or at the latest [`KILL_MARGIN`] after the SIGKILL (a process in an
-/// uninterruptible wait dies as it leaves it).
-async fn stop_group(child: &mut tokio::process::Child, pgid: Pid, grace: Duration) {
+/// Stops what runs of group `pgid`: SIGTERM, then SIGKILL after `grace`, or sooner so that it
+/// goes out [`KILL_MARGIN`] before `claim_end` (at once when the claim is gone: another may
+/// hold the lock already). [`Group::Survived`] when a process still runs [`KILL_MARGIN`] after
+/// the SIGKILL (an uninterruptible wait, which it dies leaving).
+async fn stop_group(
+    child: &mut tokio::process::Child,
+    pgid: Pid,
+    grace: Duration,
+    claim_end: Option<BootInstant>,
+) -> Group {
+    // Reap the command itself; the group's other processes are reaped by whoever inherits
+    // them.
+    let _ = child.try_wait();
+    if !group_running(pgid) {
+        return Group::Gone;
+    }
+    let left = claim_end.map_or(Duration::ZERO, |end| {
+        end.saturating_duration_since(BootInstant::now())
+            .saturating_sub(KILL_MARGIN)
+    });
+    let kill_after = grace.min(left);
     let _ = killpg(pgid, Signal::SIGTERM);
     let term_sent = Instant::now();
     let mut killed_at: Option<Instant> = None;
     loop {
-        // Reap the command itself; the group's other processes are reaped by whoever inherits
-        // them.
         let _ = child.try_wait();
         if !group_running(pgid) {
-            return;
+            return Group::Gone;
         }
         match killed_at {
-            None if term_sent.elapsed() >= grace => {
+            None if term_sent.elapsed() >= kill_after => {
                 let _ = killpg(pgid, Signal::SIGKILL);
                 killed_at = Some(Instant::now());
             }
-            Some(at) if at.elapsed() >= KILL_MARGIN => return,
+            Some(at) if at.elapsed() >= KILL_MARGIN => return Group::Survived,
             _ => {}
         }
         tokio::time::sleep(GROUP_POLL).await;

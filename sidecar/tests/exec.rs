@@ -51,6 +51,16 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// `DEL key` on the Redis server at `port`, spoken in RESP; the reply's first line.
+fn redis_del(port: u16, key: &str) -> String {
+    use std::io::{BufRead, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).expect("redis");
+    write!(conn, "*2\r\n$3\r\nDEL\r\n${}\r\n{key}\r\n", key.len()).unwrap();
+    let mut reply = String::new();
+    std::io::BufReader::new(conn).read_line(&mut reply).unwrap();
+    reply.trim_end().to_owned()
+}
+
 /// Dead: gone, or a zombie waiting for whoever inherited it to reap it.
 fn dead(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -66,7 +76,7 @@ fn the_command_gets_the_token_and_its_status_is_returned() {
     let dir = tempfile::tempdir().unwrap();
     let out: PathBuf = dir.path().join("seen");
     let script = format!(
-        "echo $LEASEHOLD_LOCK $LEASEHOLD_FENCING_TOKEN >> {}; exit 7",
+        "echo $LEASEHOLD_EXEC_LOCK $LEASEHOLD_FENCING_TOKEN >> {}; exit 7",
         out.display()
     );
     for _ in 0..2 {
@@ -121,8 +131,11 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
     let mut command = exec("jobs", &format!("redis://127.0.0.1:{}", proxy.port));
     command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
     // A background grandchild in the command's group, which a signal to the command alone
-    // would leave running.
-    let script = format!("sleep 300 & echo $! > {}; wait", grandchild.display());
+    // would leave running; both ignore SIGTERM, so only the SIGKILL stops them.
+    let script = format!(
+        "trap '' TERM; sleep 300 & echo $! > {}; wait",
+        grandchild.display()
+    );
     let child = shell(&mut command, &script)
         .stderr(Stdio::piped())
         .spawn()
@@ -149,8 +162,8 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
         stopped_after < lease,
         "the group was stopped {stopped_after:?} after the cut, past the lease"
     );
-    // What exec says it had to spare, on its own clock: at least the kill margin, less the
-    // polling of the group.
+    // What exec says it had to spare, on its own clock: the SIGKILL goes out the kill margin
+    // before the claim ends, and the group is gone soon after.
     let spare_ms: u64 = stderr
         .split_once("were stopped ")
         .and_then(|(_, rest)| rest.split_once(" ms before the claim ends"))
@@ -160,18 +173,69 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
         "the group was stopped {spare_ms} ms before the claim ends, {stopped_after:?} after the cut"
     );
     assert!(
-        spare_ms >= 150,
+        spare_ms >= 100,
         "stopped only {spare_ms} ms before the claim ended"
     );
 }
 
 #[test]
-fn signals_reach_the_command() {
+fn a_lease_the_backend_no_longer_has_stops_the_group_at_once() {
+    let redis = RedisServer::start_with(true);
+    let dir = tempfile::tempdir().unwrap();
+    let grandchild = dir.path().join("grandchild");
+    let mut command = exec("jobs", &redis.url());
+    command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
+    let script = format!(
+        "trap '' TERM; sleep 300 & echo $! > {}; wait",
+        grandchild.display()
+    );
+    let child = shell(&mut command, &script)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        !read(&grandchild).trim().is_empty()
+    });
+    let pid: i32 = read(&grandchild).trim().parse().unwrap();
+    // The lease deleted behind the holder's back: its next renewal (within a renew interval,
+    // 1 s) finds it gone, and the group, which ignores SIGTERM, is killed without its grace.
+    assert_eq!(redis_del(redis.port(), "leasehold:{jobs}:lease"), ":1");
+    wait_for(
+        "the grandchild to be killed",
+        Duration::from_secs(3),
+        || dead(pid),
+    );
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains("was lost; the command's processes were stopped"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn what_the_command_leaves_running_is_stopped_before_the_lock_is_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let background = dir.path().join("background");
+    let script = format!("sleep 300 & echo $! > {}; exit 0", background.display());
+    let status = shell(&mut exec("jobs", &sqlite(dir.path())), &script)
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let pid: i32 = read(&background).trim().parse().unwrap();
+    assert!(dead(pid), "a background process outlived its lock");
+}
+
+#[test]
+fn signals_reach_the_command_and_its_group() {
     let dir = tempfile::tempdir().unwrap();
     let got = dir.path().join("got");
     let ready = dir.path().join("ready");
+    // A background subshell of the group says when it gets SIGHUP too.
     let script = format!(
-        "trap 'echo HUP >> {0}' HUP; trap 'echo INT >> {0}' INT; trap 'echo TERM >> {0}; exit 3' TERM; \
+        "(trap 'echo GROUP-HUP >> {0}' HUP; while true; do sleep 0.05; done) & \
+         trap 'echo HUP >> {0}' HUP; trap 'echo INT >> {0}' INT; trap 'echo TERM >> {0}; exit 3' TERM; \
          touch {1}; while true; do sleep 0.05; done",
         got.display(),
         ready.display()
@@ -183,22 +247,25 @@ fn signals_reach_the_command() {
         ready.exists()
     });
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    for (signal, line) in [
-        (nix::sys::signal::Signal::SIGHUP, "HUP"),
-        (nix::sys::signal::Signal::SIGINT, "INT"),
-    ] {
-        nix::sys::signal::kill(pid, signal).unwrap();
-        wait_for(line, Duration::from_secs(5), || {
-            read(&got).lines().any(|l| l == line)
-        });
-    }
+    let lines = || read(&got).lines().map(str::to_owned).collect::<Vec<_>>();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    wait_for(
+        "HUP at the command and its group",
+        Duration::from_secs(5),
+        || {
+            let lines = lines();
+            lines.iter().any(|l| l == "HUP") && lines.iter().any(|l| l == "GROUP-HUP")
+        },
+    );
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    wait_for("INT", Duration::from_secs(5), || {
+        lines().iter().any(|l| l == "INT")
+    });
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     let status = wait_exit(&mut child, Duration::from_secs(10));
     assert_eq!(status.code(), Some(3), "the command's own status");
-    assert_eq!(
-        read(&got).lines().collect::<Vec<_>>(),
-        ["HUP", "INT", "TERM"]
-    );
+    let own: Vec<String> = lines().into_iter().filter(|l| l != "GROUP-HUP").collect();
+    assert_eq!(own, ["HUP", "INT", "TERM"]);
 }
 
 #[test]
