@@ -121,17 +121,15 @@ fn two_execs_of_one_lock_take_turns() {
     );
 }
 
-#[test]
-fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
-    let redis = RedisServer::start_with(true);
-    let proxy = FaultProxy::start(redis.port());
+/// `exec` on `backend` with a 3 s lease and a 300 ms grace, running a command with a background
+/// grandchild in its group, which a signal to the command alone would leave running; both
+/// ignore SIGTERM, so only a SIGKILL stops them. The exec (its stderr piped), the grandchild's
+/// pid, and the directory it wrote that in.
+fn stubborn_group(backend: &str) -> (Child, i32, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let grandchild = dir.path().join("grandchild");
-    let lease = Duration::from_secs(3);
-    let mut command = exec("jobs", &format!("redis://127.0.0.1:{}", proxy.port));
+    let mut command = exec("jobs", backend);
     command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
-    // A background grandchild in the command's group, which a signal to the command alone
-    // would leave running; both ignore SIGTERM, so only the SIGKILL stops them.
     let script = format!(
         "trap '' TERM; sleep 300 & echo $! > {}; wait",
         grandchild.display()
@@ -145,6 +143,15 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
     });
     let pid: i32 = read(&grandchild).trim().parse().unwrap();
     assert!(!dead(pid));
+    (child, pid, dir)
+}
+
+#[test]
+fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
+    let redis = RedisServer::start_with(true);
+    let proxy = FaultProxy::start(redis.port());
+    let lease = Duration::from_secs(3);
+    let (child, pid, _dir) = stubborn_group(&format!("redis://127.0.0.1:{}", proxy.port));
 
     // The last renewal was sent before the cut, so the claim ends within a lease of it.
     let cut = Instant::now();
@@ -181,22 +188,7 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
 #[test]
 fn a_lease_the_backend_no_longer_has_stops_the_group_at_once() {
     let redis = RedisServer::start_with(true);
-    let dir = tempfile::tempdir().unwrap();
-    let grandchild = dir.path().join("grandchild");
-    let mut command = exec("jobs", &redis.url());
-    command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
-    let script = format!(
-        "trap '' TERM; sleep 300 & echo $! > {}; wait",
-        grandchild.display()
-    );
-    let child = shell(&mut command, &script)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for("the command to start", Duration::from_secs(10), || {
-        !read(&grandchild).trim().is_empty()
-    });
-    let pid: i32 = read(&grandchild).trim().parse().unwrap();
+    let (child, pid, _dir) = stubborn_group(&redis.url());
     // The lease deleted behind the holder's back: its next renewal (within a renew interval,
     // 1 s) finds it gone, and the group, which ignores SIGTERM, is killed without its grace.
     assert_eq!(redis_del(redis.port(), "leasehold:{jobs}:lease"), ":1");
