@@ -65,7 +65,7 @@ const FORWARDED: [Signal; 6] = [
 #[command(
     name = "leasehold-sidecar exec",
     about = "Runs a command only while this process holds a lock: leasehold-sidecar exec --lock NAME [--backend URL] -- COMMAND [ARGS]...",
-    after_help = "Exit status: the command's (128+N when killed by signal N); 75 when the lock was lost and the command stopped; 69 when the lock was not taken within --wait; 2 for bad arguments."
+    after_help = "Exit status: the command's (128+N when killed by signal N); 75 when the lock was lost and the command stopped; 69 when the lock was not taken within --wait; 128+N when exec got signal N while waiting for the lock; 2 for bad arguments; 127 when the command cannot be started; 1 when the backend cannot be opened."
 )]
 struct ExecArgs {
     /// The lock to hold while the command runs.
@@ -316,6 +316,8 @@ fn spawn(args: &ExecArgs, lock: &Lock, token: u64) -> std::io::Result<tokio::pro
         .arg("--")
         .args(&args.command)
         .env(PARENT_VAR, std::process::id().to_string())
+        // It may carry the backend's password, which the command has no use for.
+        .env_remove("LEASEHOLD_BACKEND")
         // Not the sidecar's own LEASEHOLD_LOCK and LEASEHOLD_IDENTITY, which a sidecar the
         // command starts would take for its flags.
         .env("LEASEHOLD_EXEC_LOCK", lock.name())
