@@ -456,7 +456,7 @@ impl Dialect {
                         // The advisory lock first (the session holds nothing else: a wait that
                         // ended in an error may have left it held), then the row, dated by the
                         // clock as the row is written (`now()` is the statement's start, a
-                        // blocked step earlier), with how long after the start that was.
+                        // blocked step earlier).
                         acquire: format!(
                             "WITH cleared AS MATERIALIZED (SELECT pg_advisory_unlock_all()), \
                              woken AS MATERIALIZED (SELECT pg_advisory_lock($4) FROM cleared) \
@@ -465,9 +465,13 @@ impl Dialect {
                              ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, token = l.token + 1, \
                              expires_at = EXCLUDED.expires_at \
                              WHERE l.holder IS NULL OR l.expires_at <= clock_timestamp() \
-                             RETURNING token, \
-                               CAST(EXTRACT(EPOCH FROM (l.expires_at - statement_timestamp())) * 1000000 AS BIGINT) \
-                               - $3::bigint * 1000 AS blocked_us"
+                             RETURNING token"
+                        ),
+                        // The row just taken, extended from this statement on: its claim
+                        // counts from this send, which the blocking statement cannot date.
+                        extend: format!(
+                            "UPDATE {t} SET expires_at = clock_timestamp() + make_interval(secs => $3::bigint / 1000.0) \
+                             WHERE name = $1 AND holder = $2 AND token = $4"
                         ),
                         // The advisory lock goes once the row is updated, before the commit:
                         // the waiter it wakes waits inside the server for the commit, and

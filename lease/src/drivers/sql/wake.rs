@@ -11,15 +11,16 @@
 //!
 //! - **MySQL**: the granted waiter's engine is woken to try the lease row, one statement more.
 //! - **PostgreSQL**: the waiter's blocking statement is its acquisition. It takes the advisory
-//!   lock, then the row, in one statement, so the hand-over costs what a blocking
-//!   `SELECT ... FOR UPDATE` does: no round trip after the wake-up. The holder lets go in its
-//!   release statement, on its advisory lock's session, so the waiter is woken inside the server
-//!   while that statement runs (its insertion then waits for the release's commit). A row taken
-//!   so is kept for the waiter's engine ([`ServerLocks::take_woken`]), which claims it from the
-//!   instant the database dated it ([`ServerLocks::counted_from`]): the statement's send, plus
-//!   how long the server says it blocked, at most the answer's arrival less a round trip (from
-//!   the send alone when the server's clock stepped meanwhile). A row nobody claims within
-//!   [`WOKEN_KEPT`] is released. A family's keys keep to `NOTIFY` instead (see `SqlDriver::server_lock`).
+//!   lock, then the row, in one statement, and one statement more extends the row: the
+//!   hand-over costs a blocking `SELECT ... FOR UPDATE` and a round trip. The holder lets go in
+//!   its release statement, on its advisory lock's session, so the waiter is woken inside the
+//!   server while that statement runs (its insertion then waits for the release's commit). A
+//!   row taken so is kept for the waiter's engine ([`ServerLocks::take_woken`]), which claims it
+//!   from the extension's send ([`ServerLocks::counted_from`]). The blocking statement's send
+//!   came up to a wait step before the row's write, and the server's wall clock, which may
+//!   step, cannot say when the write was; the extension's send came after it. A row nobody
+//!   claims within [`WOKEN_KEPT`] is released. A family's keys keep to `NOTIFY` instead (see
+//!   `SqlDriver::server_lock`).
 //!
 //! A holding engine that stops claiming without telling the driver (its lease ran out while it
 //! was paused) would keep the server lock for good; so a held one checks every
@@ -80,8 +81,11 @@ const PG_LOCK_NOT_AVAILABLE: &str = "55P03";
 #[derive(Clone)]
 pub(crate) struct AdvisoryStatements {
     /// Block on the advisory lock a step, then take the row if free: `$1` lock, `$2` holder,
-    /// `$3` lease in ms, `$4` advisory key; returns `token` and `blocked_us`.
+    /// `$3` lease in ms, `$4` advisory key; returns `token`.
     pub acquire: String,
+    /// Extend the row the blocking statement took: `$1` lock, `$2` holder, `$3` lease in ms,
+    /// `$4` token.
+    pub extend: String,
     /// Free the row if still held as `$2` with token `$3`, and let the advisory key `$4` go in
     /// the same statement; returns `released`.
     pub release: String,
@@ -325,7 +329,7 @@ impl ServerLocks {
     }
 
     /// From when the database counts `lease`, acquired or renewed by a call sent at `sent`: a
-    /// row taken in a blocking statement counts from that statement's wake-up.
+    /// row taken in a blocking statement counts from its extension's send.
     pub(crate) fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
         let counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
         match counted.get(&lease.lock) {
@@ -621,31 +625,6 @@ impl ServerLocks {
     }
 }
 
-/// The instant a row taken in a blocking statement is claimed from: the statement's `sent`, plus
-/// the `blocked` time the server reports between the statement's start and the row's write
-/// (a difference of its wall clock), answered `elapsed` after the send.
-///
-/// The row was written at least a round trip before the answer came, so the claim counts from
-/// no later than that. A `blocked` longer than `elapsed` can only come from the server's clock
-/// stepping forward during the block; its figure then says nothing, and the claim counts from
-/// the send, which came before the write whatever the clock did.
-fn woken_counted_from(
-    sent: BootInstant,
-    elapsed: Duration,
-    blocked: Duration,
-    round_trip: Duration,
-) -> BootInstant {
-    if blocked > elapsed {
-        tracing::warn!(
-            blocked_ms = blocked.as_millis() as u64,
-            elapsed_ms = elapsed.as_millis() as u64,
-            "the database's clock stepped forward while a waiter blocked; its claim counts from the statement's send"
-        );
-        return sent;
-    }
-    sent + blocked.min(elapsed.saturating_sub(round_trip))
-}
-
 impl ServerLocks {
     /// The server-wide name of `lock`'s named lock (MySQL).
     fn name(&self, lock: &str) -> String {
@@ -702,11 +681,7 @@ impl ServerLocks {
             .bind(&waiter.identity)
             .bind(i64::try_from(waiter.ttl.as_millis()).unwrap_or(i64::MAX))
             .bind(key);
-        // A round trip measured now bounds how long the answer took to come back.
-        let probe = Instant::now();
-        sqlx::query("SELECT 1").execute(&mut *conn).await?;
-        let round_trip = probe.elapsed();
-        let (sent, started) = (BootInstant::now(), Instant::now());
+        let sent = BootInstant::now();
         let rows = match query.fetch_all(&mut *conn).await {
             Ok(rows) => rows,
             Err(e) if lock_not_available(&e) => return Ok(Step::NotGranted),
@@ -718,12 +693,20 @@ impl ServerLocks {
             return Ok(Step::Granted);
         };
         let token = row.try_get::<i64, _>("token")? as u64;
-        let blocked = Duration::from_micros(row.try_get::<i64, _>("blocked_us")?.max(0) as u64);
-        let counted_from = woken_counted_from(sent, started.elapsed(), blocked, round_trip);
         let lease = Lease {
             lock: lock.to_owned(),
             identity: waiter.identity.clone(),
             token,
+        };
+        let counted_from = match self.extend_woken(conn, sql, &lease, waiter.ttl).await {
+            Ok(Some(extended)) => extended,
+            // Taken from under it since (only a clock that jumped lets that happen): the
+            // server lock is this session's, and the row is to be tried as the next in line.
+            Ok(None) => return Ok(Step::Granted),
+            Err(e) => {
+                tracing::warn!(lock, error = %e, "extending a row taken by a blocking statement failed; its claim counts from that statement's send");
+                sent
+            }
         };
         Ok(Step::Took(Woken {
             lease,
@@ -731,6 +714,28 @@ impl ServerLocks {
             counted_from,
             at: Instant::now(),
         }))
+    }
+
+    /// Extend the row a blocking statement took for `lease`, and the instant its claim counts
+    /// from: this statement's send. The blocking statement's own send came a wait step before
+    /// the row's write, and the moment of the write cannot be had from the server's wall clock,
+    /// which may step meanwhile; `None` when the row is no longer the lease's.
+    async fn extend_woken(
+        &self,
+        conn: &mut AnyConnection,
+        sql: &AdvisoryStatements,
+        lease: &Lease,
+        ttl: Duration,
+    ) -> Result<Option<BootInstant>, sqlx::Error> {
+        let sent = BootInstant::now();
+        let done = sqlx::query(&sql.extend)
+            .bind(&lease.lock)
+            .bind(&lease.identity)
+            .bind(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX))
+            .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+            .execute(conn)
+            .await?;
+        Ok((done.rows_affected() == 1).then_some(sent))
     }
 
     /// Let `lock`'s server lock go.
