@@ -135,10 +135,19 @@ pub enum Workload {
     /// API, with the operator binary reconciling it; the lock is deleted (its records cleaned
     /// up by the operator) and created again, and edited, among the faults.
     Resource,
+    /// On-demand sidecars of one keyed family, workers taking random keys as per-request
+    /// owners, re-entering with shorter holds and hanging up while they wait: the check of
+    /// [`crate::keyed_safety`].
+    Keyed,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 3] = [Workload::Campaign, Workload::Waiters, Workload::Resource];
+    pub const ALL: [Workload; 4] = [
+        Workload::Campaign,
+        Workload::Waiters,
+        Workload::Resource,
+        Workload::Keyed,
+    ];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
     fn suffix(self) -> &'static str {
@@ -146,6 +155,7 @@ impl Workload {
             Workload::Campaign => "",
             Workload::Waiters => "+waiters",
             Workload::Resource => "+resource",
+            Workload::Keyed => "+keyed",
         }
     }
 }
@@ -173,11 +183,16 @@ impl Scenario {
     }
 
     /// What `scripts/soak DURATION` runs when it is given no names: every driver campaigning,
-    /// and waiters where their faults live (the fair queues of etcd and ZooKeeper, which
-    /// try-locks and hung-up clients could leave places in; Redis's pub/sub wake-ups).
+    /// waiters and keyed owners where their faults live (the fair queues of etcd and ZooKeeper,
+    /// which try-locks and hung-up clients could leave places in; Redis's pub/sub wake-ups).
     pub fn soak_default() -> Vec<Self> {
         let mut all: Vec<Self> = Target::ALL.into_iter().map(Self::campaign).collect();
-        all.extend([Target::Etcd, Target::ZooKeeper, Target::Redis].map(Self::waiters));
+        let queues = [Target::Etcd, Target::ZooKeeper, Target::Redis];
+        all.extend(queues.map(Self::waiters));
+        all.extend(queues.map(|target| Self {
+            target,
+            workload: Workload::Keyed,
+        }));
         all.push(Self::resource(Target::Redis));
         all
     }
@@ -736,11 +751,15 @@ fn waiter(
 
 /// Run the check of `scenario` for `duration`, with `contenders` sidecars.
 pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64) -> Report {
+    assert!(
+        scenario.workload != Workload::Keyed,
+        "keyed scenarios run in keyed_safety::run"
+    );
     let mut rng = StdRng::seed_from_u64(seed);
     let mut backend = Backend::start(scenario.target);
     let lock = unique_lock("safety");
     let args: Vec<&str> = match scenario.workload {
-        Workload::Campaign | Workload::Resource => TIMING.to_vec(),
+        Workload::Campaign | Workload::Resource | Workload::Keyed => TIMING.to_vec(),
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
     // A resource scenario's sidecars read their lock from the cluster; its backend can also be

@@ -4,8 +4,10 @@
 //! Redis) for DURATION each, prints one line of figures per scenario, and exits 1 if any run
 //! found a violation. A scenario is a target (`etcd`), or a target and a workload
 //! (`etcd+waiters`: on-demand sidecars with blocking waiters, try-locks and clients that hang
-//! up). `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
+//! up; `etcd+keyed`: a keyed family's owners, re-entering and hanging up).
+//! `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
 
+use leasehold_e2e::keyed_safety;
 use leasehold_e2e::safety::{self, Scenario, Target, Workload};
 
 const CONTENDERS: usize = 3;
@@ -47,12 +49,18 @@ fn main() {
     );
     let mut failed = false;
     for scenario in scenarios {
-        let report = safety::run(scenario, duration, CONTENDERS, seed);
-        println!("{}", report.summary());
-        for violation in &report.violations {
+        let (summary, violations) = if scenario.workload == Workload::Keyed {
+            let report = keyed_safety::run(scenario.target, duration, seed);
+            (report.summary(), report.violations)
+        } else {
+            let report = safety::run(scenario, duration, CONTENDERS, seed);
+            (report.summary(), report.violations)
+        };
+        println!("{summary}");
+        for violation in &violations {
             println!("  VIOLATION {violation}");
         }
-        failed |= !report.violations.is_empty();
+        failed |= !violations.is_empty();
     }
     if failed {
         std::process::exit(1);
