@@ -531,6 +531,14 @@ impl KeyedFamily {
         Ok(self.answer_for(&holding, answer))
     }
 
+    /// The engine of `key` while `owner` holds it: what a hold bound to a connection follows.
+    pub fn holding(&self, key: &str, owner: &str) -> Option<Lock> {
+        self.existing(key)
+            .and_then(|state| current_of(&state))
+            .filter(|current| current.owner == owner)
+            .map(|current| current.lock.clone())
+    }
+
     /// Give up one acquisition of `key` by `owner`.
     pub async fn release(&self, key: &str, owner: &str) -> Result<KeyRelease, KeyError> {
         self.check_key(key)?;
@@ -556,6 +564,27 @@ impl KeyedFamily {
             self.forget(key, current.serial);
         }
         Ok(KeyRelease::Released { holds })
+    }
+
+    /// Who holds `key` in the backend now, as its driver reports it (any pod's owner, as
+    /// `POD/OWNER`): what an observer of the key follows.
+    pub async fn observe(&self, key: &str) -> Result<Option<Holding>, KeyError> {
+        self.check_key(key)?;
+        Ok(self
+            .driver()
+            .observe(&backend_name(&self.inner.name, key))
+            .await?)
+    }
+
+    /// A counter that moves when the backend signals that `key` may have become free (`None`:
+    /// it cannot signal). A backend signals releases only: an observer also looks every renew
+    /// interval.
+    pub fn key_changes(
+        &self,
+        key: &str,
+    ) -> Result<Option<tokio::sync::watch::Receiver<u64>>, KeyError> {
+        self.check_key(key)?;
+        Ok(self.driver().changes(&backend_name(&self.inner.name, key)))
     }
 
     /// Keep `owner`'s hold on `key` at least `hold` from now, without acquiring again (a hold

@@ -19,6 +19,7 @@ use leasehold_lease::{Answer, DEFAULT_HOLD, Event, Lock, Mode, Snapshot};
 use serde::Serialize;
 use tokio_stream::wrappers::BroadcastStream;
 
+use crate::hold_stream;
 use crate::metrics::Metrics;
 
 /// The longest `wait` a request may ask for; longer waits are refused, not truncated.
@@ -309,14 +310,18 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/lock/events", get(events))
         .route("/lock/acquire", post(acquire))
         .route("/lock/release", post(release))
+        .route("/lock/hold", post(hold))
         .route("/locks/{name}", get(status))
         .route("/locks/{name}/events", get(events))
         .route("/locks/{name}/acquire", post(acquire))
         .route("/locks/{name}/release", post(release))
+        .route("/locks/{name}/hold", post(hold))
         .route("/locks/{family}/keys/{key}", get(key_status))
         .route("/locks/{family}/keys/{key}/acquire", post(key_acquire))
         .route("/locks/{family}/keys/{key}/release", post(key_release))
         .route("/locks/{family}/keys/{key}/extend", post(key_extend))
+        .route("/locks/{family}/keys/{key}/hold", post(key_hold))
+        .route("/locks/{family}/keys/{key}/events", get(key_events))
         .route("/resign", post(resign))
         .merge(probe_api())
         .fallback(not_found)
@@ -521,6 +526,43 @@ async fn acquire(
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     Ok(current(&lock, None))
+}
+
+/// On-demand: acquire, waiting up to `wait`, and hold for as long as the connection stays open
+/// (an event stream, [`crate::hold_stream`]); a lock not acquired is answered as `acquire`
+/// answers it.
+async fn hold(
+    State(state): State<AppState>,
+    name: Option<Path<String>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let lock = state.lock(name)?;
+    if lock.config().mode == Mode::Campaign {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "lock {:?} is in campaign mode: the sidecar holds it by itself; \
+                 follow it with GET /lock/events, or run with --mode on-demand",
+                lock.name()
+            ),
+        ));
+    }
+    let params = durations(&query, &[("wait", MAX_WAIT)])?;
+    let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
+    let answer = lock
+        .acquire(wait, hold_stream::bound_hold(lock.config().lease_duration))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    let Answer::Holder { token, .. } = answer else {
+        return Ok(current(&lock, None));
+    };
+    let mut about = serde_json::Map::new();
+    about.insert("lock".into(), lock.name().into());
+    Ok(hold_stream::respond(
+        hold_stream::Bound::Lock(lock),
+        token,
+        about,
+    ))
 }
 
 async fn release(
@@ -734,6 +776,58 @@ async fn key_extend(
         &answer,
         StatusCode::NOT_FOUND,
     ))
+}
+
+/// Take `key` for `owner`, waiting up to `wait`, and hold it for as long as the connection
+/// stays open (an event stream, [`crate::hold_stream`]); a key not taken is answered as
+/// `acquire` answers it.
+async fn key_hold(
+    State(state): State<AppState>,
+    Path((family, key)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let family = state.family(&family)?;
+    let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
+    let owner = owner.unwrap_or_default();
+    let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
+    let answer = family
+        .acquire(
+            &key,
+            &owner,
+            wait,
+            hold_stream::bound_hold(family.config().lease_duration),
+        )
+        .await
+        .map_err(key_error)?;
+    let KeyAnswer::Held { token, .. } = answer else {
+        return Ok(key_response(
+            &family,
+            &key,
+            Some(&owner),
+            &answer,
+            StatusCode::CONFLICT,
+        ));
+    };
+    let mut about = serde_json::Map::new();
+    about.insert("family".into(), family.name().into());
+    about.insert("key".into(), key.as_str().into());
+    about.insert("owner".into(), owner.as_str().into());
+    Ok(hold_stream::respond(
+        hold_stream::Bound::Key { family, key, owner },
+        token,
+        about,
+    ))
+}
+
+/// Follow `key`'s holders, in any pod ([`crate::key_events`]).
+async fn key_events(
+    State(state): State<AppState>,
+    Path((family, key)): Path<(String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let family = state.family(&family)?;
+    durations(&query, &[])?;
+    crate::key_events::respond(family, key).map_err(key_error)
 }
 
 /// Step down from every lock for good: release each and stop campaigning, while the process

@@ -7,6 +7,8 @@ pub mod config;
 pub mod dapr;
 pub mod exec;
 pub mod from_resource;
+pub mod hold_stream;
+pub mod key_events;
 pub mod metrics;
 pub mod pod_exit;
 pub mod run;

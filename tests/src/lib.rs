@@ -150,6 +150,112 @@ fn parse_reply(raw: &[u8]) -> std::io::Result<Reply> {
     Ok(Reply { status, body })
 }
 
+/// An event stream (`POST .../hold`, `GET .../events`): its events as they come, read by a
+/// thread of its own, until the connection is closed ([`EventStream::close`], or dropped).
+pub struct EventStream {
+    events: std::sync::mpsc::Receiver<StreamEvent>,
+    connection: TcpStream,
+}
+
+/// One event of an [`EventStream`]: its kind, its body, and when it was read.
+#[derive(Debug)]
+pub struct StreamEvent {
+    pub kind: String,
+    pub body: serde_json::Value,
+    pub at: std::time::Instant,
+}
+
+impl EventStream {
+    /// `POST path` and, when the answer is 200, its event stream; any other answer as a reply.
+    pub fn post(addr: SocketAddr, path: &str) -> Result<Self, Reply> {
+        Self::open(addr, "POST", path)
+    }
+
+    /// `GET path`, as [`EventStream::post`].
+    pub fn get(addr: SocketAddr, path: &str) -> Result<Self, Reply> {
+        Self::open(addr, "GET", path)
+    }
+
+    fn open(addr: SocketAddr, method: &str, path: &str) -> Result<Self, Reply> {
+        use std::io::BufRead;
+        let mut connection =
+            TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
+        connection
+            .write_all(
+                format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+                    .as_bytes(),
+            )
+            .expect("send");
+        let mut reader = std::io::BufReader::new(connection.try_clone().expect("clone"));
+        let mut head = String::new();
+        while !head.ends_with("\r\n\r\n") {
+            if reader.read_line(&mut head).expect("the answer's head") == 0 {
+                panic!("the connection closed in the answer's head: {head:?}");
+            }
+        }
+        let status: u16 = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status line in {head:?}"));
+        if status != 200 {
+            let mut body = String::new();
+            let _ = reader.read_to_string(&mut body);
+            return Err(Reply { status, body });
+        }
+        assert!(
+            head.to_ascii_lowercase().contains("text/event-stream"),
+            "not an event stream: {head}"
+        );
+        let (tx, events) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // Chunk sizes come on lines of their own; an event's lines are whole.
+            let mut kind = None;
+            for line in reader.lines() {
+                let Ok(line) = line else { return };
+                if let Some(k) = line.strip_prefix("event: ") {
+                    kind = Some(k.to_owned());
+                } else if let Some(data) = line.strip_prefix("data: ") {
+                    let body = serde_json::from_str(data)
+                        .unwrap_or_else(|e| panic!("event data not JSON ({e}): {data}"));
+                    let event = StreamEvent {
+                        kind: kind.take().unwrap_or_default(),
+                        body,
+                        at: std::time::Instant::now(),
+                    };
+                    if tx.send(event).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Self { events, connection })
+    }
+
+    /// The next event, waiting up to `within`: its kind and its body.
+    pub fn next(&self, within: Duration) -> StreamEvent {
+        self.events
+            .recv_timeout(within)
+            .unwrap_or_else(|e| panic!("no event within {within:?}: {e}"))
+    }
+
+    /// The next event if one came already.
+    pub fn try_next(&self) -> Option<StreamEvent> {
+        self.events.try_recv().ok()
+    }
+
+    /// Close the connection, as an app that exits does.
+    pub fn close(self) {}
+}
+
+impl Drop for EventStream {
+    /// The reading thread keeps a copy of the socket: shut it down, so that the server sees the
+    /// connection end.
+    fn drop(&mut self) {
+        let _ = self.connection.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 pub fn http(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Reply> {
     raw_http(
         addr,

@@ -1,0 +1,259 @@
+//! Holds bound to a connection: `POST /lock/hold`, `/locks/{name}/hold` and
+//! `/locks/{family}/keys/{key}/hold` take the lock as `acquire` does, then answer an event
+//! stream (server-sent events) for as long as the app keeps the connection open. The lock is held
+//! while the connection lives, with no `hold` to guess, and released the moment it closes.
+//!
+//! The stream says `acquired` (token, validity), `renewed` each time the claim moves on (its new
+//! validity), and ends with `lost` (the claim ran out or the backend said the lease is gone, sent
+//! the moment the sidecar knows) or `released` (the sidecar stopped, or the acquisition was
+//! released by another call). An app holds until `validForMs` after the last event it read,
+//! or until `lost`, whichever comes first: a sidecar paused past its claim says nothing until it
+//! runs again, and then says `lost` at once.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use leasehold_lease::boot_clock::BootInstant;
+use leasehold_lease::keyed::KeyedFamily;
+use leasehold_lease::{Answer, EventKind, Lock};
+use serde_json::{Map, Value, json};
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+/// The hold a connection's acquisition is taken with, in leases, moved on every renew interval
+/// while the connection lives: it only matters when the stream's task can no longer move it (an
+/// acquisition granted just as its client hung up), and then frees the lock this long after.
+pub const BOUND_HOLD_LEASES: u32 = 2;
+/// A comment this often keeps proxies from closing an idle stream, and finds a peer that went
+/// away without closing its connection.
+const KEEP_ALIVE: Duration = Duration::from_secs(5);
+
+/// What a connection holds: one acquisition of a lock, or of a key for one owner.
+pub enum Bound {
+    Lock(Lock),
+    Key {
+        family: KeyedFamily,
+        key: String,
+        owner: String,
+    },
+}
+
+/// A connection's hold for a lock of `lease`.
+pub fn bound_hold(lease: Duration) -> Duration {
+    lease * BOUND_HOLD_LEASES
+}
+
+impl Bound {
+    /// The connection's hold, and how often it is moved on.
+    fn timing(&self) -> (Duration, Duration) {
+        let (lease, renew) = match self {
+            Bound::Lock(lock) => (lock.config().lease_duration, lock.config().renew_interval),
+            Bound::Key { family, .. } => {
+                let config = family.config();
+                (config.lease_duration, config.renew_interval)
+            }
+        };
+        (bound_hold(lease), renew)
+    }
+    /// The engine that holds it now, with the token it holds it with.
+    fn engine(&self) -> Option<Lock> {
+        match self {
+            Bound::Lock(lock) => Some(lock.clone()),
+            Bound::Key { family, key, owner } => family.holding(key, owner),
+        }
+    }
+
+    /// Keep the acquisition at least `hold` from now.
+    async fn extend(&self, hold: Duration) {
+        let result = match self {
+            Bound::Lock(lock) => lock.extend(hold).await.map_err(|e| e.to_string()),
+            Bound::Key { family, key, owner } => family
+                .extend(key, owner, hold)
+                .await
+                .map(|_| Answer::NotHolder)
+                .map_err(|e| e.to_string()),
+        };
+        if let Err(e) = result {
+            tracing::debug!(error = %e, "a connection's hold was not extended");
+        }
+    }
+
+    /// Give up the connection's acquisition, if the engine still holds it with `token`: a
+    /// later holding (the lease lost, then taken again by another call) is not the
+    /// connection's to release.
+    async fn release(&self, token: u64) {
+        let Some(engine) = self.engine() else { return };
+        if engine.snapshot().held.map(|h| h.token) != Some(token) {
+            return;
+        }
+        let result = match self {
+            Bound::Lock(lock) => lock.release().await.map(|_| ()).map_err(|e| e.to_string()),
+            Bound::Key { family, key, owner } => family
+                .release(key, owner)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, token, "releasing a closed connection's hold failed; it lapses with its hold");
+        }
+    }
+}
+
+/// The stream for an acquisition `bound` holds with `token`; `about` names it in every event
+/// (lock, or family, key and owner).
+pub fn respond(bound: Bound, token: u64, about: Map<String, Value>) -> Response {
+    let (events, receiver) = mpsc::channel(4);
+    tokio::spawn(follow(bound, token, about, events));
+    let stream = ReceiverStream::new(receiver);
+    Sse::new(futures_util::StreamExt::map(stream, Ok::<_, Infallible>))
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
+        .into_response()
+}
+
+fn event(kind: &str, about: &Map<String, Value>, fields: Value) -> SseEvent {
+    let mut body = about.clone();
+    if let Value::Object(fields) = fields {
+        body.extend(fields);
+    }
+    SseEvent::default()
+        .event(kind)
+        .data(Value::Object(body).to_string())
+}
+
+/// How the acquisition stands now.
+enum Standing {
+    /// Held: the claim (renewed as the lease is) valid until `claim`, and the answer until
+    /// `answer` (the claim, or the hold if that ends first).
+    Held {
+        claim: BootInstant,
+        answer: BootInstant,
+    },
+    /// Ended: by a release (`true`) or a loss.
+    Ended { released: bool, reason: String },
+}
+
+/// Read the engine's state and its events since the last look.
+fn standing(
+    engine: &Lock,
+    token: u64,
+    events: &mut broadcast::Receiver<leasehold_lease::Event>,
+) -> Standing {
+    let held = engine.snapshot().held;
+    match held {
+        Some(h) if h.token == token && BootInstant::now() < h.valid_until => Standing::Held {
+            claim: h.valid_until,
+            answer: h
+                .hold_until
+                .map_or(h.valid_until, |hold| hold.min(h.valid_until)),
+        },
+        Some(h) if h.token == token => Standing::Ended {
+            released: false,
+            reason: "the claim ran out before it was renewed".into(),
+        },
+        _ => {
+            // The engine tells its events in the step that publishes its state.
+            let mut ending = None;
+            loop {
+                match events.try_recv() {
+                    Ok(e) if e.token == token && e.kind != EventKind::Acquired => ending = Some(e),
+                    Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {}
+                    Err(_) => break,
+                }
+            }
+            match ending {
+                Some(e) => Standing::Ended {
+                    released: e.kind == EventKind::Released,
+                    reason: e.reason.to_owned(),
+                },
+                None => Standing::Ended {
+                    released: false,
+                    reason: "the lease is no longer held".into(),
+                },
+            }
+        }
+    }
+}
+
+/// The stream's task: extend while the connection lives, tell every renewal, and end with
+/// `lost` or `released`; release when the connection closes.
+async fn follow(
+    bound: Bound,
+    token: u64,
+    about: Map<String, Value>,
+    events: mpsc::Sender<SseEvent>,
+) {
+    let Some(engine) = bound.engine() else {
+        let _ = events
+            .send(event(
+                "lost",
+                &about,
+                json!({"fencingToken": token, "reason": "the lease is no longer held"}),
+            ))
+            .await;
+        return;
+    };
+    let mut engine_events = engine.events();
+    let mut state = engine.watch();
+    let (hold, extend_every) = bound.timing();
+    let mut extend = tokio::time::interval(extend_every);
+    extend.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    extend.tick().await;
+    let mut told: Option<BootInstant> = None;
+    let mut engine_ended = false;
+    loop {
+        state.borrow_and_update();
+        let standing = match standing(&engine, token, &mut engine_events) {
+            // An engine that ended says so before it ends; this is a backstop.
+            Standing::Held { .. } if engine_ended => Standing::Ended {
+                released: true,
+                reason: "the lock stopped".into(),
+            },
+            standing => standing,
+        };
+        let (claim, answer) = match standing {
+            Standing::Held { claim, answer } => (claim, answer),
+            Standing::Ended { released, reason } => {
+                let kind = if released { "released" } else { "lost" };
+                let _ = events
+                    .send(event(
+                        kind,
+                        &about,
+                        json!({"fencingToken": token, "reason": reason}),
+                    ))
+                    .await;
+                return;
+            }
+        };
+        // Told when the claim moves on (a renewal); the hold moves on with every extension.
+        if told != Some(claim) {
+            let valid_for = answer.saturating_duration_since(BootInstant::now());
+            let kind = if told.is_none() {
+                "acquired"
+            } else {
+                "renewed"
+            };
+            let fields = json!({
+                "fencingToken": token,
+                "validForMs": valid_for.as_millis() as u64,
+                "holds": engine.snapshot().holds,
+            });
+            if events.send(event(kind, &about, fields)).await.is_err() {
+                bound.release(token).await;
+                return;
+            }
+            told = Some(claim);
+        }
+        tokio::select! {
+            _ = events.closed() => {
+                bound.release(token).await;
+                return;
+            }
+            _ = extend.tick() => bound.extend(hold).await,
+            changed = state.changed(), if !engine_ended => engine_ended = changed.is_err(),
+            _ = tokio::time::sleep_until(answer.to_tokio()) => {}
+        }
+    }
+}

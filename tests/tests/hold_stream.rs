@@ -1,0 +1,295 @@
+//! Holds bound to a connection (`POST .../hold`), against real sidecar processes on a real
+//! Redis: the lock or key is held while the app's connection is open, free the moment it closes,
+//! each renewal told with its validity, and a loss told the moment the sidecar runs again.
+
+use std::time::{Duration, Instant};
+
+use leasehold_e2e::{EventStream, RedisServer, Sidecar, StreamEvent, unique_lock};
+use nix::sys::signal::Signal;
+
+const TIMING: [&str; 4] = ["--lease-duration", "3s", "--renew-interval", "1s"];
+
+fn on_demand(identity: &str, redis: &RedisServer, lock: &str, family: &str) -> Sidecar {
+    let args = [&TIMING[..], &["--mode", "on-demand", "--keyed", family]].concat();
+    Sidecar::start(identity, &redis.url(), lock, &args)
+}
+
+fn open(sidecar: &Sidecar, path: &str) -> EventStream {
+    EventStream::post(sidecar.addr, path)
+        .unwrap_or_else(|reply| panic!("POST {path}: {} {}", reply.status, reply.body))
+}
+
+#[test]
+fn a_key_held_by_a_connection_is_held_while_it_is_open_and_free_the_moment_it_closes() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let a = on_demand("pod-a", &redis, &unique_lock("plain"), &family);
+    let b = on_demand("pod-b", &redis, &unique_lock("plain"), &family);
+    let key = format!("/locks/{family}/keys/order-1");
+
+    let stream = open(&a, &format!("{key}/hold?owner=w1&wait=2s"));
+    let acquired = stream.next(Duration::from_secs(5));
+    assert_eq!(acquired.kind, "acquired", "{acquired:?}");
+    let acquired = acquired.body;
+    assert_eq!(acquired["family"], family.as_str());
+    assert_eq!(acquired["key"], "order-1");
+    assert_eq!(acquired["owner"], "w1");
+    let token = acquired["fencingToken"].as_u64().expect("fencingToken");
+    assert!(acquired["validForMs"].as_u64().unwrap() > 0, "{acquired}");
+
+    // Held for longer than the lease and the connection's own hold (two leases), renewed and
+    // told so.
+    let mut renewals = 0;
+    let held_until = Instant::now() + Duration::from_secs(8);
+    while Instant::now() < held_until {
+        if let Some(StreamEvent { kind, body, .. }) = stream.try_next() {
+            assert_eq!(kind, "renewed", "{body}");
+            assert_eq!(body["fencingToken"], token);
+            assert!(body["validForMs"].as_u64().unwrap() > 0, "{body}");
+            renewals += 1;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        renewals >= 5,
+        "{renewals} renewals told in 8 s of a 1 s renew interval"
+    );
+    assert_eq!(a.get(&format!("{key}?owner=w1")).status, 200);
+    assert_eq!(a.post(&format!("{key}/acquire?owner=w2")).status, 409);
+    assert_eq!(b.post(&format!("{key}/acquire?owner=w3")).status, 409);
+
+    // The app goes away: the key is released at once, not when a hold or the lease runs out.
+    let waiting = {
+        let (addr, path) = (b.addr, format!("{key}/acquire?owner=w3&wait=10s"));
+        std::thread::spawn(move || {
+            let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
+            (reply, Instant::now())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let closed = Instant::now();
+    stream.close();
+    let (reply, taken) = waiting.join().unwrap();
+    assert!(reply.token() > token, "{}", reply.body);
+    assert!(
+        taken - closed < Duration::from_secs(1),
+        "the key was taken {:?} after the connection closed",
+        taken - closed
+    );
+}
+
+#[test]
+fn a_lock_held_by_a_connection_is_free_the_moment_it_closes() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("bound");
+    let family = unique_lock("unused");
+    let a = on_demand("pod-a", &redis, &lock, &family);
+    let b = on_demand("pod-b", &redis, &lock, &family);
+
+    let stream = open(&a, "/lock/hold?wait=2s");
+    let acquired = stream.next(Duration::from_secs(5));
+    assert_eq!(acquired.kind, "acquired", "{acquired:?}");
+    let acquired = acquired.body;
+    assert_eq!(acquired["lock"], lock.as_str());
+    let token = acquired["fencingToken"].as_u64().unwrap();
+    assert_eq!(a.get("/lock").status, 200);
+    assert_eq!(b.post("/lock/acquire").status, 409);
+    // Another connection of the same pod shares the holding, counted: the lock stays held
+    // until both have closed.
+    let second = open(&a, "/lock/hold");
+    let StreamEvent { kind, body, .. } = second.next(Duration::from_secs(5));
+    assert_eq!(
+        (kind.as_str(), &body["fencingToken"]),
+        ("acquired", &token.into())
+    );
+    assert_eq!(body["holds"], 2, "{body}");
+    stream.close();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        a.get("/lock").status,
+        200,
+        "the second connection still holds"
+    );
+
+    let closed = Instant::now();
+    second.close();
+    let reply = b.post("/lock/acquire?wait=10s");
+    assert!(reply.token() > token, "{}", reply.body);
+    assert!(
+        closed.elapsed() < Duration::from_secs(1),
+        "the lock was taken {:?} after the connection closed",
+        closed.elapsed()
+    );
+}
+
+/// A sidecar paused past its claim tells nothing while paused; its last word's `validForMs`
+/// had run out before another pod held the key, and once it runs again the stream says `lost`
+/// at once and ends.
+#[test]
+fn a_paused_sidecar_says_lost_the_moment_it_runs_again() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let a = on_demand("pod-a", &redis, &unique_lock("plain"), &family);
+    let b = on_demand("pod-b", &redis, &unique_lock("plain"), &family);
+    let key = format!("/locks/{family}/keys/order-9");
+
+    let stream = open(&a, &format!("{key}/hold?owner=w1"));
+    let acquired = stream.next(Duration::from_secs(5));
+    assert_eq!(acquired.kind, "acquired", "{acquired:?}");
+    let acquired = acquired.body;
+    let token = acquired["fencingToken"].as_u64().unwrap();
+    // The last word before the pause, and when it was read.
+    let mut last = (Instant::now(), acquired);
+    let settle = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < settle {
+        if let Some(StreamEvent { kind, body, at }) = stream.try_next() {
+            assert_eq!(kind, "renewed", "{body}");
+            last = (at, body);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    a.signal(Signal::SIGSTOP);
+    // What was on its way when the sidecar stopped.
+    std::thread::sleep(Duration::from_millis(200));
+    while let Some(StreamEvent { kind, body, at }) = stream.try_next() {
+        assert_eq!(kind, "renewed", "{body}");
+        last = (at, body);
+    }
+    let last_valid_until =
+        last.0 + Duration::from_millis(last.1["validForMs"].as_u64().expect("validForMs"));
+
+    let taken = b.post(&format!("{key}/acquire?owner=w2&wait=10s"));
+    let taken_at = Instant::now();
+    assert!(taken.token() > token, "{}", taken.body);
+    assert!(
+        last_valid_until <= taken_at,
+        "pod b held the key {:?} before pod a's last validity ran out",
+        last_valid_until - taken_at
+    );
+    assert!(
+        stream.try_next().is_none(),
+        "a paused sidecar said something"
+    );
+
+    a.signal(Signal::SIGCONT);
+    let resumed = Instant::now();
+    let StreamEvent { kind, body, .. } = stream.next(Duration::from_secs(5));
+    assert_eq!(kind, "lost", "{body}");
+    assert_eq!(body["fencingToken"], token);
+    assert!(
+        resumed.elapsed() < Duration::from_secs(1),
+        "lost was told {:?} after the sidecar ran again",
+        resumed.elapsed()
+    );
+    assert_eq!(a.get(&format!("{key}?owner=w1")).status, 409);
+}
+
+#[test]
+fn a_hold_request_that_cannot_be_served_gets_a_clear_answer_and_changes_nothing() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("plain");
+    let family = unique_lock("orders");
+    let a = on_demand("pod-a", &redis, &lock, &family);
+    let refused = |path: &str, status: u16, says: &str| {
+        let reply = match EventStream::post(a.addr, path) {
+            Ok(_) => panic!("POST {path} was served a stream"),
+            Err(reply) => reply,
+        };
+        assert_eq!(reply.status, status, "POST {path}: {}", reply.body);
+        assert!(reply.body.contains(says), "POST {path}: {}", reply.body);
+    };
+    refused(
+        "/locks/no-such-family/keys/k/hold?owner=w1",
+        404,
+        "no-such-family",
+    );
+    refused(&format!("/locks/{family}/keys/k/hold"), 400, "owner");
+    refused(
+        &format!("/locks/{family}/keys/k/hold?owner=w1&hold=10s"),
+        400,
+        "unknown parameter",
+    );
+    refused(
+        &format!("/locks/{family}/keys/k%00/hold?owner=w1"),
+        400,
+        "key",
+    );
+    refused("/lock/hold?wait=forever", 400, "not a duration");
+
+    // A key held by another owner: the stream is refused as `acquire` refuses.
+    let holding = open(&a, &format!("/locks/{family}/keys/k/hold?owner=w1"));
+    assert_eq!(holding.next(Duration::from_secs(5)).kind, "acquired");
+    refused(
+        &format!("/locks/{family}/keys/k/hold?owner=w2&wait=100ms"),
+        409,
+        "pod-a/w1",
+    );
+    assert_eq!(
+        a.get(&format!("/locks/{family}/keys/k?owner=w1")).status,
+        200
+    );
+
+    let campaign = Sidecar::start("pod-c", &redis.url(), &unique_lock("campaign"), &TIMING);
+    let reply = EventStream::post(campaign.addr, "/lock/hold")
+        .err()
+        .expect("refused");
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(reply.body.contains("campaign mode"), "{}", reply.body);
+}
+
+/// An observer follows one key's holders in every pod: free, then each holder with its token.
+#[test]
+fn an_observer_follows_a_keys_holders_in_every_pod() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let a = on_demand("pod-a", &redis, &unique_lock("plain"), &family);
+    let b = on_demand("pod-b", &redis, &unique_lock("plain"), &family);
+    let key = format!("/locks/{family}/keys/order-5");
+    let observer = EventStream::get(b.addr, &format!("{key}/events"))
+        .unwrap_or_else(|reply| panic!("{} {}", reply.status, reply.body));
+    let holder = |within: Duration| {
+        let StreamEvent { kind, body, .. } = observer.next(within);
+        assert_eq!(kind, "holder", "{body}");
+        assert_eq!(body["key"], "order-5");
+        (body["currentHolder"].clone(), body["fencingToken"].clone())
+    };
+    assert_eq!(holder(Duration::from_secs(5)).0, serde_json::Value::Null);
+
+    // Within a renew interval (1 s) of each change, and a release as soon as it is signalled.
+    let first = a.post(&format!("{key}/acquire?owner=w1&hold=30s")).token();
+    assert_eq!(
+        holder(Duration::from_secs(3)),
+        ("pod-a/w1".into(), first.into())
+    );
+    assert_eq!(a.post(&format!("{key}/release?owner=w1")).status, 200);
+    assert_eq!(holder(Duration::from_secs(3)).0, serde_json::Value::Null);
+    let stream = open(&b, &format!("{key}/hold?owner=w2"));
+    let second = stream.next(Duration::from_secs(5)).body["fencingToken"]
+        .as_u64()
+        .unwrap();
+    assert!(second > first);
+    assert_eq!(
+        holder(Duration::from_secs(3)),
+        ("pod-b/w2".into(), second.into())
+    );
+    stream.close();
+    assert_eq!(holder(Duration::from_secs(3)).0, serde_json::Value::Null);
+
+    for (path, status, says) in [
+        (format!("{key}/events?owner=w1"), 400, "unknown parameter"),
+        (
+            format!("/locks/{family}/keys/a%20b/events"),
+            400,
+            "invalid key",
+        ),
+        (
+            "/locks/no-such-family/keys/k/events".to_owned(),
+            404,
+            "no-such-family",
+        ),
+    ] {
+        let reply = EventStream::get(b.addr, &path).err().expect("refused");
+        assert_eq!(reply.status, status, "GET {path}: {}", reply.body);
+        assert!(reply.body.contains(says), "GET {path}: {}", reply.body);
+    }
+}
