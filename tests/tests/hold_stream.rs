@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use leasehold_e2e::fault_proxy::FaultProxy;
 use leasehold_e2e::{EventStream, RedisServer, Sidecar, StreamEvent, unique_lock};
 use nix::sys::signal::Signal;
 
@@ -182,6 +183,52 @@ fn a_paused_sidecar_says_lost_the_moment_it_runs_again() {
         resumed.elapsed()
     );
     assert_eq!(a.get(&format!("{key}?owner=w1")).status, 409);
+}
+
+/// A sidecar cut off from its backend tells `lost` when its claim runs out, before the backend
+/// lets another pod hold the key.
+#[test]
+fn a_sidecar_cut_off_from_its_backend_says_lost_before_another_pod_holds() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(redis.port());
+    let family = unique_lock("orders");
+    let args = [&TIMING[..], &["--mode", "on-demand", "--keyed", &family]].concat();
+    let a = Sidecar::start(
+        "pod-a",
+        &format!("redis://127.0.0.1:{}", proxy.port),
+        &unique_lock("plain"),
+        &args,
+    );
+    let b = on_demand("pod-b", &redis, &unique_lock("plain"), &family);
+    let key = format!("/locks/{family}/keys/order-3");
+
+    let stream = open(&a, &format!("{key}/hold?owner=w1"));
+    let acquired = stream.next(Duration::from_secs(5));
+    assert_eq!(acquired.kind, "acquired", "{acquired:?}");
+    let token = acquired.body["fencingToken"].as_u64().unwrap();
+    proxy.cut();
+    let taking = {
+        let (addr, path) = (b.addr, format!("{key}/acquire?owner=w2&wait=10s"));
+        std::thread::spawn(move || {
+            let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
+            (reply, Instant::now())
+        })
+    };
+    let lost = loop {
+        let event = stream.next(Duration::from_secs(10));
+        if event.kind != "renewed" {
+            break event;
+        }
+    };
+    assert_eq!(lost.kind, "lost", "{lost:?}");
+    assert_eq!(lost.body["fencingToken"], token);
+    let (taken, taken_at) = taking.join().unwrap();
+    assert!(taken.token() > token, "{}", taken.body);
+    assert!(
+        lost.at < taken_at,
+        "pod b held the key {:?} before pod a's stream said lost",
+        lost.at - taken_at
+    );
 }
 
 #[test]
