@@ -576,17 +576,6 @@ impl KeyedFamily {
             .await?)
     }
 
-    /// A counter that moves when the backend signals that `key` may have become free (`None`:
-    /// it cannot signal). A backend signals releases only: an observer also looks every renew
-    /// interval.
-    pub fn key_changes(
-        &self,
-        key: &str,
-    ) -> Result<Option<tokio::sync::watch::Receiver<u64>>, KeyError> {
-        self.check_key(key)?;
-        Ok(self.driver().changes(&backend_name(&self.inner.name, key)))
-    }
-
     /// Keep `owner`'s hold on `key` at least `hold` from now, without acquiring again (a hold
     /// only moves later).
     pub async fn extend(

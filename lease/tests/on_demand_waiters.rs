@@ -516,3 +516,78 @@ async fn redis_an_answers_validity_ends_with_its_hold() {
         "p2 holds while p1's answer is still valid"
     );
 }
+
+/// A release or an extension made for one holding (by its token) leaves a later holding of the
+/// same lock alone: a connection-bound hold whose lease was lost, and taken again by another
+/// acquisition meanwhile, gives nothing of that acquisition up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_release_or_extension_for_an_earlier_holding_leaves_a_later_one_alone() {
+    let server = RedisServer::start();
+    let a = lock(&server.url(), &unique_lock("by-token"), "a").await;
+    let Answer::Holder { token: first, .. } = a.acquire(Duration::ZERO, HOLD).await.unwrap() else {
+        panic!("a takes the free lock");
+    };
+    assert!(a.release().await.unwrap());
+    let Answer::Holder { token: second, .. } = a
+        .acquire(Duration::from_secs(5), Duration::from_secs(2))
+        .await
+        .unwrap()
+    else {
+        panic!("a takes the lock again");
+    };
+    assert!(second > first);
+    let hold_until = a.snapshot().held.unwrap().hold_until;
+    a.extend_if(first, HOLD).await.unwrap();
+    assert_eq!(
+        a.snapshot().held.unwrap().hold_until,
+        hold_until,
+        "an extension for the first holding moved the second's hold"
+    );
+    assert!(
+        !a.release_if(first).await.unwrap(),
+        "a release for the first holding was carried out"
+    );
+    assert_eq!(a.answer().token(), Some(second));
+    assert_eq!(a.snapshot().holds, 1);
+    a.extend_if(second, HOLD).await.unwrap();
+    assert!(a.snapshot().held.unwrap().hold_until > hold_until);
+    assert!(a.release_if(second).await.unwrap());
+    assert!(!a.answer().is_holder());
+}
+
+/// An extension applies while the claim stands, even when the last renewal failed (the
+/// backend's address refuses connections: answers say "unknown"): a connection-bound hold
+/// moved on at every renew interval is not dropped because one extension met an outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_an_extension_applies_while_the_claim_stands_through_an_outage() {
+    let server = RedisServer::start();
+    let proxy = leasehold_testkit::FaultProxy::start(server.port());
+    let url = format!("redis://127.0.0.1:{}", proxy.port);
+    let a = lock(&url, &unique_lock("outage"), "a").await;
+    let Answer::Holder { token, .. } = a
+        .acquire(Duration::ZERO, Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!("a takes the free lock");
+    };
+    // Nothing listens there: every call fails at once.
+    proxy.redirect(leasehold_testkit::free_port());
+    let deadline = Instant::now() + LEASE;
+    while a.snapshot().backend_error.is_none() {
+        assert!(Instant::now() < deadline, "no renewal failed");
+        sleep(Duration::from_millis(20)).await;
+    }
+    let before = a.snapshot().held.expect("the claim stands");
+    assert_eq!(a.answer(), Answer::Unknown);
+    a.extend_if(token, HOLD).await.unwrap();
+    let extended = a.snapshot().held.expect("the claim stands");
+    assert!(
+        extended.hold_until.unwrap() > before.hold_until.unwrap() + Duration::from_secs(30),
+        "the hold was not moved during the outage"
+    );
+    assert_eq!(
+        extended.valid_until, before.valid_until,
+        "an extension never moves the claim"
+    );
+}

@@ -554,7 +554,9 @@ async fn hold(
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     let Answer::Holder { token, .. } = answer else {
-        return Ok(current(&lock, None));
+        // The answer the acquisition got, not the state a moment later (another call may
+        // have taken the lock since).
+        return Ok(lock_response(&lock, &lock.snapshot(), answer, None));
     };
     let mut about = serde_json::Map::new();
     about.insert("lock".into(), lock.name().into());

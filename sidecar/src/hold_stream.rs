@@ -17,7 +17,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use leasehold_lease::boot_clock::BootInstant;
 use leasehold_lease::keyed::KeyedFamily;
-use leasehold_lease::{Answer, EventKind, Lock};
+use leasehold_lease::{EventKind, Lock};
 use serde_json::{Map, Value, json};
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -46,16 +46,15 @@ pub fn bound_hold(lease: Duration) -> Duration {
 }
 
 impl Bound {
-    /// The connection's hold, and how often it is moved on.
+    /// The lease and the renew interval it was taken with.
     fn timing(&self) -> (Duration, Duration) {
-        let (lease, renew) = match self {
+        match self {
             Bound::Lock(lock) => (lock.config().lease_duration, lock.config().renew_interval),
             Bound::Key { family, .. } => {
                 let config = family.config();
                 (config.lease_duration, config.renew_interval)
             }
-        };
-        (bound_hold(lease), renew)
+        }
     }
     /// The engine that holds it now, with the token it holds it with.
     fn engine(&self) -> Option<Lock> {
@@ -65,18 +64,11 @@ impl Bound {
         }
     }
 
-    /// Keep the acquisition at least `hold` from now.
-    async fn extend(&self, hold: Duration) {
-        let result = match self {
-            Bound::Lock(lock) => lock.extend(hold).await.map_err(|e| e.to_string()),
-            Bound::Key { family, key, owner } => family
-                .extend(key, owner, hold)
-                .await
-                .map(|_| Answer::NotHolder)
-                .map_err(|e| e.to_string()),
-        };
-        if let Err(e) = result {
-            tracing::debug!(error = %e, "a connection's hold was not extended");
+    /// Keep the acquisition at least `hold` from now, while the holding is `token`'s.
+    async fn extend(&self, token: u64, hold: Duration) {
+        let Some(engine) = self.engine() else { return };
+        if let Err(e) = engine.extend_if(token, hold).await {
+            tracing::debug!(error = %e, token, "a connection's hold was not extended");
         }
     }
 
@@ -85,18 +77,7 @@ impl Bound {
     /// connection's to release.
     async fn release(&self, token: u64) {
         let Some(engine) = self.engine() else { return };
-        if engine.snapshot().held.map(|h| h.token) != Some(token) {
-            return;
-        }
-        let result = match self {
-            Bound::Lock(lock) => lock.release().await.map(|_| ()).map_err(|e| e.to_string()),
-            Bound::Key { family, key, owner } => family
-                .release(key, owner)
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string()),
-        };
-        if let Err(e) = result {
+        if let Err(e) = engine.release_if(token).await {
             tracing::warn!(error = %e, token, "releasing a closed connection's hold failed; it lapses with its hold");
         }
     }
@@ -197,8 +178,9 @@ async fn follow(
     };
     let mut engine_events = engine.events();
     let mut state = engine.watch();
-    let (hold, extend_every) = bound.timing();
-    let mut extend = tokio::time::interval(extend_every);
+    let (lease, renew_interval) = bound.timing();
+    let hold = bound_hold(lease);
+    let mut extend = tokio::time::interval(renew_interval);
     extend.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     extend.tick().await;
     let mut told: Option<BootInstant> = None;
@@ -230,30 +212,40 @@ async fn follow(
         // Told when the claim moves on (a renewal); the hold moves on with every extension.
         if told != Some(claim) {
             let valid_for = answer.saturating_duration_since(BootInstant::now());
-            let kind = if told.is_none() {
-                "acquired"
-            } else {
-                "renewed"
-            };
-            let fields = json!({
+            let mut fields = json!({
                 "fencingToken": token,
                 "validForMs": valid_for.as_millis() as u64,
                 "holds": engine.snapshot().holds,
             });
+            let kind = if told.is_none() {
+                // What a client needs to tell a late renewal from a normal one.
+                fields["leaseDurationMs"] = (lease.as_millis() as u64).into();
+                fields["renewIntervalMs"] = (renew_interval.as_millis() as u64).into();
+                "acquired"
+            } else {
+                "renewed"
+            };
             if events.send(event(kind, &about, fields)).await.is_err() {
                 bound.release(token).await;
                 return;
             }
             told = Some(claim);
         }
+        let wake = if answer > BootInstant::now() {
+            answer
+        } else {
+            claim
+        };
         tokio::select! {
             _ = events.closed() => {
                 bound.release(token).await;
                 return;
             }
-            _ = extend.tick() => bound.extend(hold).await,
+            _ = extend.tick() => bound.extend(token, hold).await,
             changed = state.changed(), if !engine_ended => engine_ended = changed.is_err(),
-            _ = tokio::time::sleep_until(answer.to_tokio()) => {}
+            // The hold's end (the engine steps down then, and says so), or, once that has
+            // passed with the engine busy in a call, the claim's.
+            _ = tokio::time::sleep_until(wake.to_tokio()) => {}
         }
     }
 }

@@ -1,9 +1,10 @@
 //! `GET /locks/{family}/keys/{key}/events`: an observer follows one key's holders, in any pod,
 //! as server-sent events. Each `holder` event names the holder as the backend reports it
 //! (`POD/OWNER`, or `null` when the key is free) and its fencing token; the first comes at once,
-//! the next whenever the holder changes. A release is told as soon as the backend signals it
-//! (where it can), a new holder within a renew interval; `unknown` says the backend could not be
-//! asked, once per outage.
+//! the next whenever the holder changes, within a renew interval. The backend is asked once
+//! per renew interval, and no more: an observer takes no part in the backend's wake-ups (a
+//! waiter's place in line, a session kept blocked), which are its waiters'. `unknown` says the
+//! backend could not be asked, once per outage.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -19,9 +20,9 @@ const KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 /// The stream for `key` of `family`, after checking the key.
 pub fn respond(family: KeyedFamily, key: String) -> Result<Response, KeyError> {
-    let changes = family.key_changes(&key)?;
+    family.backend_name(&key)?;
     let (events, receiver) = mpsc::channel(4);
-    tokio::spawn(follow(family, key, changes, events));
+    tokio::spawn(follow(family, key, events));
     let stream = ReceiverStream::new(receiver);
     Ok(
         Sse::new(futures_util::StreamExt::map(stream, Ok::<_, Infallible>))
@@ -38,18 +39,18 @@ enum Told {
     Unknown,
 }
 
-async fn follow(
-    family: KeyedFamily,
-    key: String,
-    mut changes: Option<tokio::sync::watch::Receiver<u64>>,
-    events: mpsc::Sender<SseEvent>,
-) {
+async fn follow(family: KeyedFamily, key: String, events: mpsc::Sender<SseEvent>) {
     let mut told = Told::Nothing;
     loop {
-        if let Some(changes) = changes.as_mut() {
-            changes.borrow_and_update();
-        }
-        let now = match family.observe(&key).await {
+        let pace = family.config().renew_interval;
+        // A backend that does not answer within the pace is as good as unreachable.
+        let observed = tokio::select! {
+            _ = events.closed() => return,
+            observed = tokio::time::timeout(pace, family.observe(&key)) => observed,
+        };
+        let now = match observed
+            .unwrap_or(Err(KeyError::Lock(leasehold_lease::Error::Timeout(pace))))
+        {
             Ok(holding) => Told::Holder(holding.map(|h| (h.identity, h.token))),
             Err(e) => {
                 if told != Told::Unknown {
@@ -78,16 +79,9 @@ async fn follow(
             }
             told = now;
         }
-        let pace = family.config().renew_interval;
         tokio::select! {
             _ = events.closed() => return,
             _ = tokio::time::sleep(pace) => {}
-            changed = async {
-                match changes.as_mut() {
-                    Some(changes) => changes.changed().await.is_ok(),
-                    None => std::future::pending().await,
-                }
-            } => if !changed { changes = None },
         }
     }
 }

@@ -589,10 +589,15 @@ impl Engine {
                     });
                 }
             }
-            Command::Extend { hold, reply } => {
-                let answer = self.state.borrow().answer();
-                if self.held.is_some() && answer.is_holder() && self.config.mode == Mode::OnDemand {
-                    self.keep_for(BootInstant::now(), hold);
+            Command::Extend { hold, token, reply } => {
+                // While the claim stands, even through a backend error (an answer of
+                // "unknown"): the hold is the app's, and the claim still ends on its own.
+                let now = BootInstant::now();
+                let claimed = self.held.as_ref().is_some_and(|held| {
+                    now < held.valid_until && token.is_none_or(|t| t == held.lease.token)
+                });
+                if claimed && self.config.mode == Mode::OnDemand {
+                    self.keep_for(now, hold);
                     self.publish_lease();
                 }
                 let _ = reply.send(self.state.borrow().answer());
@@ -601,8 +606,12 @@ impl Engine {
                 self.retired = Some(done);
                 return Flow::Stop;
             }
-            Command::Release { reply } => {
-                if self.held.is_none() {
+            Command::Release { token, reply } => {
+                let ours = self
+                    .held
+                    .as_ref()
+                    .is_some_and(|held| token.is_none_or(|t| t == held.lease.token));
+                if !ours {
                     let _ = reply.send(false);
                     return Flow::Continue;
                 }

@@ -24,17 +24,18 @@ pub(super) enum Command {
         hold: Duration,
         reply: oneshot::Sender<Answer>,
     },
+    /// `token`: only the holding with this token (a later one is another acquisition's).
     Release {
+        token: Option<u64>,
         reply: oneshot::Sender<bool>,
     },
     Extend {
         hold: Duration,
+        token: Option<u64>,
         reply: oneshot::Sender<Answer>,
     },
     /// Stop without releasing ([`Lock::retire`]); `done` fires once the engine has let go.
-    Retire {
-        done: oneshot::Sender<()>,
-    },
+    Retire { done: oneshot::Sender<()> },
 }
 
 /// Called once when a lock stops being held by this process: its lease released or lost, or its
@@ -303,10 +304,20 @@ impl Lock {
     /// Step down (campaign mode: then sit out the cool-down) or drop one on-demand acquisition.
     /// `Ok(false)`: this process did not hold the lock.
     pub async fn release(&self) -> Result<bool> {
+        self.release_command(None).await
+    }
+
+    /// [`Lock::release`], only while the lock is held with `token`: an acquisition made under
+    /// one holding gives nothing of a later one up (the lease lost and taken again meanwhile).
+    pub async fn release_if(&self, token: u64) -> Result<bool> {
+        self.release_command(Some(token)).await
+    }
+
+    async fn release_command(&self, token: Option<u64>) -> Result<bool> {
         let (reply, released) = oneshot::channel();
         self.inner
             .commands
-            .send(Box::new(Command::Release { reply }))
+            .send(Box::new(Command::Release { token, reply }))
             .map_err(|_| Error::Shutdown)?;
         released.await.map_err(|_| Error::Shutdown)
     }
@@ -315,10 +326,19 @@ impl Lock {
     /// only moves later: an extension never cuts an acquisition's hold short).
     /// The answer is the lock's as it stands; nothing changes when it is not held.
     pub async fn extend(&self, hold: Duration) -> Result<Answer> {
+        self.extend_command(hold, None).await
+    }
+
+    /// [`Lock::extend`], only while the lock is held with `token`.
+    pub async fn extend_if(&self, token: u64, hold: Duration) -> Result<Answer> {
+        self.extend_command(hold, Some(token)).await
+    }
+
+    async fn extend_command(&self, hold: Duration, token: Option<u64>) -> Result<Answer> {
         let (reply, answer) = oneshot::channel();
         self.inner
             .commands
-            .send(Box::new(Command::Extend { hold, reply }))
+            .send(Box::new(Command::Extend { hold, token, reply }))
             .map_err(|_| Error::Shutdown)?;
         answer.await.map_err(|_| Error::Shutdown)
     }
