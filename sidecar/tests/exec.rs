@@ -314,3 +314,245 @@ fn bad_input_is_refused_and_runs_nothing() {
     refused(shell(&mut exec("jobs", "nosuch://x"), &touch), "--backend");
     assert!(!ran.exists());
 }
+
+/// A sidecar serving the lock API on a free loopback port (on-demand, with a keyed family
+/// `jobs-keys`), stopped when dropped.
+struct RunningSidecar {
+    child: Child,
+    port: u16,
+}
+
+impl RunningSidecar {
+    fn start(identity: &str, lock: &str, backend: &str) -> Self {
+        let port = leasehold_testkit::free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"))
+            .args(["--lock", lock, "--backend", backend, "--identity", identity])
+            .args(["--mode", "on-demand", "--keyed", "jobs-keys"])
+            .args(["--lease-duration", "3s", "--renew-interval", "1s"])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the sidecar");
+        let sidecar = Self { child, port };
+        wait_for("the sidecar to serve", Duration::from_secs(10), || {
+            sidecar
+                .get("/healthz")
+                .is_some_and(|(status, _)| status == 200)
+        });
+        sidecar
+    }
+
+    fn via(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// `GET path`: the status and the body, or `None` when nobody answers.
+    fn get(&self, path: &str) -> Option<(u16, String)> {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        write!(
+            conn,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut raw = String::new();
+        conn.read_to_string(&mut raw).ok()?;
+        let status = raw.split_whitespace().nth(1)?.parse().ok()?;
+        Some((status, raw.split_once("\r\n\r\n")?.1.to_owned()))
+    }
+
+    fn status(&self, path: &str) -> u16 {
+        self.get(path).expect("the sidecar answers").0
+    }
+}
+
+impl Drop for RunningSidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `exec --via` a running sidecar, holding `what` (`--lock NAME` or `--keyed FAMILY/KEY`).
+fn exec_via(sidecar: &RunningSidecar, what: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"));
+    command
+        .arg("exec")
+        .args(what)
+        .args(["--via", &sidecar.via(), "--kill-grace", "300ms"])
+        .stdin(Stdio::null());
+    command
+}
+
+#[test]
+fn through_a_sidecar_the_lock_is_held_while_the_command_runs_and_free_when_it_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
+    let out = dir.path().join("seen");
+    let script = format!(
+        "echo $LEASEHOLD_EXEC_LOCK $LEASEHOLD_FENCING_TOKEN > {}; sleep 1; exit 7",
+        out.display()
+    );
+    let mut child = shell(&mut exec_via(&sidecar, &["--lock", "jobs"]), &script)
+        .spawn()
+        .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        !read(&out).is_empty()
+    });
+    assert_eq!(sidecar.status("/lock"), 200, "held while the command runs");
+    let (lock, token) = read(&out)
+        .trim()
+        .split_once(' ')
+        .map(|(l, t)| (l.to_owned(), t.to_owned()))
+        .unwrap();
+    assert_eq!(lock, "jobs");
+    let (_, body) = sidecar.get("/lock").unwrap();
+    assert!(
+        body.contains(&format!("\"fencingToken\":{token}")),
+        "{body}"
+    );
+    assert_eq!(
+        wait_exit(&mut child, Duration::from_secs(10)).code(),
+        Some(7)
+    );
+    // Released as the connection closed, not when a hold or the lease ran out.
+    assert_eq!(sidecar.status("/lock"), 409);
+}
+
+#[test]
+fn execs_through_two_sidecars_take_turns_on_a_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = sqlite(dir.path());
+    let sidecars = [
+        RunningSidecar::start("pod-a", "jobs", &backend),
+        RunningSidecar::start("pod-b", "jobs", &backend),
+    ];
+    let log = dir.path().join("log");
+    let script = format!(
+        "echo start $LEASEHOLD_FENCING_TOKEN >> {0}; sleep 0.5; echo end >> {0}",
+        log.display()
+    );
+    let mut children: Vec<Child> = (0..4)
+        .map(|i| {
+            let mut command = exec_via(&sidecars[i % 2], &["--keyed", "jobs-keys/report/2026"]);
+            command.args(["--identity", &format!("run-{i}")]);
+            shell(&mut command, &script).spawn().unwrap()
+        })
+        .collect();
+    for child in &mut children {
+        assert!(wait_exit(child, Duration::from_secs(30)).success());
+    }
+    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
+    let shape: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
+    assert_eq!(
+        shape,
+        [
+            "start", "end", "start", "end", "start", "end", "start", "end"
+        ],
+        "the commands overlapped: {lines:?}"
+    );
+    let tokens: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("start ")?.parse().ok())
+        .collect();
+    assert!(tokens.windows(2).all(|w| w[1] > w[0]), "{tokens:?}");
+}
+
+#[test]
+fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
+    let redis = RedisServer::start_with(true);
+    let proxy = FaultProxy::start(redis.port());
+    let sidecar = RunningSidecar::start(
+        "pod-a",
+        "jobs",
+        &format!("redis://127.0.0.1:{}", proxy.port),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let grandchild = dir.path().join("grandchild");
+    let script = format!(
+        "trap '' TERM; sleep 300 & echo $! > {}; wait",
+        grandchild.display()
+    );
+    let child = shell(&mut exec_via(&sidecar, &["--lock", "jobs"]), &script)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        !read(&grandchild).trim().is_empty()
+    });
+    let pid: i32 = read(&grandchild).trim().parse().unwrap();
+    let lease = Duration::from_secs(3);
+    let cut = Instant::now();
+    proxy.cut();
+    wait_for("the grandchild to be stopped", lease, || dead(pid));
+    let stopped_after = cut.elapsed();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains("ms before the claim ends"),
+        "stopped ahead of the claim's end: {stderr}"
+    );
+    eprintln!("stopped {stopped_after:?} after the cut: {stderr}");
+}
+
+#[test]
+fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
+    let ran = dir.path().join("ran");
+    let touch = format!("touch {}", ran.display());
+    let refused = |command: &mut Command, says: &str| {
+        let output = shell(command, &touch)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert_eq!(output.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(says), "{says:?} not in {stderr}");
+    };
+    refused(&mut exec_via(&sidecar, &["--lock", "no-such-lock"]), "404");
+    refused(
+        &mut exec_via(&sidecar, &["--keyed", "nofamily"]),
+        "FAMILY/KEY",
+    );
+    refused(&mut exec_via(&sidecar, &["--keyed", "no-such/k"]), "404");
+    refused(
+        exec_via(&sidecar, &["--lock", "jobs"]).args(["--lease-duration", "5s"]),
+        "--lease-duration",
+    );
+    refused(
+        Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar")).args([
+            "exec",
+            "--keyed",
+            "jobs-keys/k",
+        ]),
+        "--via",
+    );
+    refused(
+        Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar")).args([
+            "exec",
+            "--lock",
+            "jobs",
+            "--via",
+            "127.0.0.1:1",
+        ]),
+        "http://",
+    );
+    // The sidecar's 3 s lease leaves 1.94 s before a renewal: a 2 s grace cannot fit.
+    let mut long_grace = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"));
+    long_grace.args([
+        "exec",
+        "--lock",
+        "jobs",
+        "--via",
+        &sidecar.via(),
+        "--kill-grace",
+        "2s",
+    ]);
+    refused(&mut long_grace, "the sidecar's lease");
+    assert!(!ran.exists());
+    assert_eq!(sidecar.status("/lock"), 409, "nothing is left held");
+}

@@ -9,6 +9,10 @@
 //! [`KILL_MARGIN`] before the claim ends (at once when the claim is gone): no other holder's
 //! command can start while one of this one's processes still runs.
 //!
+//! The lock is held by this process itself, on `--backend`, or by a running sidecar through a
+//! hold bound to a connection (`--via`, [`via`]), which can also hold a keyed lock's key
+//! (`--keyed FAMILY/KEY`).
+//!
 //! The command runs behind a small trampoline, this binary again (`exec-child`), which asks
 //! the kernel to kill it if this process dies (`PR_SET_PDEATHSIG`) and then becomes the
 //! command: a `leasehold exec` killed with SIGKILL does not leave its command running without
@@ -32,6 +36,8 @@ use leasehold_lease::{
 
 use crate::config::EXIT_BAD_CONFIG;
 
+mod via;
+
 /// The exit status when the lock was lost and the command stopped for it (EX_TEMPFAIL: try
 /// again).
 pub const EXIT_LOCK_LOST: u8 = 75;
@@ -42,6 +48,8 @@ const EXIT_CANNOT_RUN: u8 = 127;
 /// How long before the claim ends the command's whole group must be gone: SIGKILL takes
 /// effect at once, but the kernel must still be given time to reap every process.
 pub const KILL_MARGIN: Duration = Duration::from_millis(250);
+/// The lease without --lease-duration, as the sidecar's.
+const DEFAULT_LEASE: Duration = Duration::from_secs(15);
 /// How often the group is checked for survivors while it is being stopped.
 const GROUP_POLL: Duration = Duration::from_millis(10);
 /// The longest sleep between checks of the claim, so that a suspended machine (whose boot
@@ -64,27 +72,41 @@ const FORWARDED: [Signal; 6] = [
 #[derive(Debug, Parser)]
 #[command(
     name = "leasehold-sidecar exec",
-    about = "Runs a command only while this process holds a lock: leasehold-sidecar exec --lock NAME [--backend URL] -- COMMAND [ARGS]...",
+    about = "Runs a command only while a lock is held: leasehold-sidecar exec (--lock NAME | --keyed FAMILY/KEY) [--backend URL | --via http://127.0.0.1:4040] -- COMMAND [ARGS]...",
     after_help = "Exit status: the command's (128+N when killed by signal N); 75 when the lock was lost and the command stopped; 69 when the lock was not taken within --wait; 128+N when exec got signal N while waiting for the lock; 2 for bad arguments; 127 when the command cannot be started; 1 when the backend cannot be opened."
 )]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["lock", "keyed"])))]
 struct ExecArgs {
     /// The lock to hold while the command runs.
     #[arg(long, value_name = "NAME")]
-    lock: String,
+    lock: Option<String>,
 
-    /// The backend, as the sidecar's --backend.
+    /// A key of a keyed family to hold while the command runs, through the sidecar serving the
+    /// family (needs --via); the owner is --identity.
+    #[arg(long, value_name = "FAMILY/KEY", requires = "via")]
+    keyed: Option<String>,
+
+    /// Hold the lock through the sidecar whose lock API is here, for as long as exec runs,
+    /// instead of on a backend of exec's own; the lease settings are the sidecar's.
+    #[arg(long, value_name = "http://HOST:PORT",
+          conflicts_with_all = ["lease_duration", "renew_interval"])]
+    via: Option<String>,
+
+    /// The backend, as the sidecar's --backend (without --via).
     #[arg(long, env = "LEASEHOLD_BACKEND", value_name = "URL", default_value = DEFAULT_BACKEND,
           hide_env_values = true)]
     backend: String,
 
-    /// Who holds the lock [default: the host name and this process's id].
+    /// Who holds the lock, or the key's owner with --keyed [default: the host name and this
+    /// process's id].
     #[arg(long, env = "LEASEHOLD_IDENTITY", value_name = "ID")]
     identity: Option<String>,
 
-    #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = humantime::parse_duration)]
-    lease_duration: Duration,
+    /// [default: 15s; with --via, the sidecar's]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    lease_duration: Option<Duration>,
 
-    /// [default: a third of the lease]
+    /// [default: a third of the lease; with --via, the sidecar's]
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     renew_interval: Option<Duration>,
 
@@ -147,10 +169,6 @@ async fn run(args: ExecArgs) -> u8 {
         eprintln!("error: invalid value for '--{flag}': {reason}");
         EXIT_BAD_CONFIG
     };
-    let url = match BackendUrl::parse(&args.backend) {
-        Ok(url) => url,
-        Err(e) => return bad("backend", &e),
-    };
     let identity = args.identity.clone().unwrap_or_else(|| {
         format!(
             "{}-{}",
@@ -158,76 +176,214 @@ async fn run(args: ExecArgs) -> u8 {
             std::process::id()
         )
     });
-    let mut config = LockConfig::new(&args.lock, &identity, args.lease_duration);
-    config.mode = Mode::Campaign;
-    if let Some(renew) = args.renew_interval {
-        config.renew_interval = renew;
-    }
-    if let Err(e) = config.validate() {
-        return bad("lock", &e);
-    }
-    // Just before a renewal the claim has a lease, less the margin and a renew interval, left:
-    // stopping the command must fit in it, or a healthy holder would stop its own command.
-    let slack = args
-        .lease_duration
-        .saturating_sub(safety_margin(args.lease_duration))
-        .saturating_sub(config.renew_interval);
-    if args.kill_grace + KILL_MARGIN >= slack {
-        return bad(
-            "kill-grace",
-            &format!(
-                "{:?} plus {KILL_MARGIN:?} must be shorter than the {slack:?} a claim has left just before it is renewed; lengthen the lease or shorten the grace",
-                args.kill_grace
-            ),
-        );
-    }
-    let driver = match leasehold_lease::connect(&url).await {
-        Ok(driver) => driver,
-        Err(e) => {
-            eprintln!("error: {url}: {e}");
-            return 1;
+    let mut holder = match &args.via {
+        Some(via) => {
+            let via = match via::Via::parse(via) {
+                Ok(via) => via,
+                Err(e) => return bad("via", &e),
+            };
+            let target = match (&args.lock, &args.keyed) {
+                (Some(lock), _) => via::Target::Lock(lock.clone()),
+                (None, Some(keyed)) => match keyed.split_once('/') {
+                    Some((family, key)) if !family.is_empty() && !key.is_empty() => {
+                        via::Target::Key {
+                            family: family.to_owned(),
+                            key: key.to_owned(),
+                            owner: identity.clone(),
+                        }
+                    }
+                    _ => return bad("keyed", &format!("{keyed:?} is not FAMILY/KEY")),
+                },
+                (None, None) => return bad("lock", &"--lock or --keyed is required"),
+            };
+            let name = args.lock.clone().or(args.keyed.clone()).unwrap_or_default();
+            let (hold, claims) = via::Hold::start(via, target, args.wait);
+            Holder::Via {
+                name,
+                identity,
+                hold,
+                claims,
+            }
         }
-    };
-    let lock = match Lock::start(driver, config, Arc::new(())) {
-        Ok(lock) => lock,
-        Err(e) => return bad("lock", &e),
+        None => match start_direct(&args, &identity).await {
+            Ok(lock) => Holder::Direct(lock),
+            Err(status) => return status,
+        },
     };
     let mut signals = match Signals::new() {
         Ok(signals) => signals,
         Err(e) => {
             eprintln!("error: cannot handle signals: {e}");
-            lock.shutdown().await;
+            holder.let_go(Group::Gone).await;
             return 1;
         }
     };
-    let (status, group) = supervise(&args, &lock, &mut signals).await;
-    match group {
-        Group::Gone => lock.shutdown().await,
+    let (status, group) = supervise(&args, &mut holder, &mut signals).await;
+    if let Group::Survived { .. } = group {
         // A process of the command's group outlived SIGKILL (an uninterruptible wait): the
         // lock is not released, and another holder comes only once the lease has run out.
-        Group::Survived => {
-            eprintln!(
-                "leasehold exec: a process of the command's group outlived SIGKILL; the lock {:?} is left to run out, not released",
-                args.lock
-            );
-            lock.retire().await;
+        eprintln!(
+            "leasehold exec: a process of the command's group outlived SIGKILL; the lock {:?} is left to run out, not released",
+            holder.name()
+        );
+    }
+    holder.let_go(group).await;
+    status
+}
+
+/// The lock, held on this process's own backend connection.
+async fn start_direct(args: &ExecArgs, identity: &str) -> Result<Lock, u8> {
+    let bad = |flag: &str, reason: &dyn std::fmt::Display| {
+        eprintln!("error: invalid value for '--{flag}': {reason}");
+        EXIT_BAD_CONFIG
+    };
+    let Some(name) = &args.lock else {
+        return Err(bad("keyed", &"a key is held through a sidecar: add --via"));
+    };
+    let url = BackendUrl::parse(&args.backend).map_err(|e| bad("backend", &e))?;
+    let lease_duration = args.lease_duration.unwrap_or(DEFAULT_LEASE);
+    let mut config = LockConfig::new(name, identity, lease_duration);
+    config.mode = Mode::Campaign;
+    if let Some(renew) = args.renew_interval {
+        config.renew_interval = renew;
+    }
+    config.validate().map_err(|e| bad("lock", &e))?;
+    check_grace(args.kill_grace, lease_duration, config.renew_interval)
+        .map_err(|e| bad("kill-grace", &e))?;
+    let driver = leasehold_lease::connect(&url).await.map_err(|e| {
+        eprintln!("error: {url}: {e}");
+        1
+    })?;
+    Lock::start(driver, config, Arc::new(())).map_err(|e| bad("lock", &e))
+}
+
+/// Just before a renewal the claim has a lease, less the margin and a renew interval, left:
+/// stopping the command must fit in it, or a healthy holder would stop its own command.
+fn check_grace(grace: Duration, lease: Duration, renew_interval: Duration) -> Result<(), String> {
+    let slack = lease
+        .saturating_sub(safety_margin(lease))
+        .saturating_sub(renew_interval);
+    if grace + KILL_MARGIN >= slack {
+        return Err(format!(
+            "{grace:?} plus {KILL_MARGIN:?} must be shorter than the {slack:?} a claim has left just before it is renewed; lengthen the lease or shorten the grace"
+        ));
+    }
+    Ok(())
+}
+
+/// Who holds the lock for the command.
+enum Holder {
+    /// This process, on its own backend connection.
+    Direct(Lock),
+    /// A running sidecar, for as long as the connection stays open.
+    Via {
+        name: String,
+        identity: String,
+        hold: via::Hold,
+        claims: tokio::sync::watch::Receiver<via::Claim>,
+    },
+}
+
+impl Holder {
+    fn name(&self) -> &str {
+        match self {
+            Holder::Direct(lock) => lock.name(),
+            Holder::Via { name, .. } => name,
         }
     }
-    status
+
+    fn identity(&self) -> &str {
+        match self {
+            Holder::Direct(lock) => &lock.config().identity,
+            Holder::Via { identity, .. } => identity,
+        }
+    }
+
+    /// The claims as they change.
+    fn claims(&self) -> Claims {
+        match self {
+            Holder::Direct(lock) => Claims::Direct(lock.watch()),
+            Holder::Via { claims, .. } => Claims::Via(claims.clone()),
+        }
+    }
+
+    /// Done with the lock: released when the group is gone; left to run out when a process
+    /// survived (through a sidecar, the connection stays open until the group is gone or the
+    /// claim ends, since closing it would release the lock at once).
+    async fn let_go(self, group: Group) {
+        match (self, group) {
+            (Holder::Direct(lock), Group::Gone) => lock.shutdown().await,
+            (Holder::Direct(lock), Group::Survived { .. }) => lock.retire().await,
+            (Holder::Via { hold, .. }, Group::Gone) => drop(hold),
+            (Holder::Via { hold, claims, .. }, Group::Survived { pgid }) => {
+                let mut claims = Claims::Via(claims);
+                while group_running(pgid) && claims.current().is_some() {
+                    tokio::time::sleep(GROUP_POLL).await;
+                }
+                drop(hold);
+            }
+        }
+    }
+}
+
+/// The claim as it moves: the token and the end of the claim while held.
+enum Claims {
+    Direct(tokio::sync::watch::Receiver<leasehold_lease::Snapshot>),
+    Via(tokio::sync::watch::Receiver<via::Claim>),
+}
+
+impl Claims {
+    /// The claim now (marking it seen), if held and not yet ended.
+    fn current(&mut self) -> Option<(u64, BootInstant)> {
+        let held = match self {
+            Claims::Direct(state) => state
+                .borrow_and_update()
+                .held
+                .as_ref()
+                .map(|held| (held.token, held.valid_until)),
+            Claims::Via(claims) => claims.borrow_and_update().held,
+        };
+        held.filter(|(_, end)| BootInstant::now() < *end)
+    }
+
+    /// The lease and renew interval a sidecar holds the lock with (`--via`).
+    fn timing(&self) -> Option<(Duration, Duration)> {
+        match self {
+            Claims::Direct(_) => None,
+            Claims::Via(claims) => claims.borrow().timing,
+        }
+    }
+
+    /// Why the lock can no longer be had, when it cannot: the status to exit with.
+    fn failed(&self) -> Option<(u8, String)> {
+        match self {
+            Claims::Direct(_) => None,
+            Claims::Via(claims) => claims.borrow().failed.clone(),
+        }
+    }
+
+    /// Wait for a change; `false` when nothing will change any more.
+    async fn changed(&mut self) -> bool {
+        match self {
+            Claims::Direct(state) => state.changed().await.is_ok(),
+            Claims::Via(claims) => claims.changed().await.is_ok(),
+        }
+    }
 }
 
 /// Whether the command's process group is gone once `exec` is done with it.
 enum Group {
     Gone,
-    Survived,
+    Survived { pgid: Pid },
 }
 
-async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> (u8, Group) {
-    let token = match wait_for_lock(lock, args.wait, args.kill_grace + KILL_MARGIN, signals).await {
+async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) -> (u8, Group) {
+    let token = match wait_for_lock(holder, args.wait, args.kill_grace + KILL_MARGIN, signals).await
+    {
         Ok(token) => token,
         Err(status) => return (status, Group::Gone),
     };
-    let mut child = match spawn(args, lock, token) {
+    let mut child = match spawn(args, holder, token) {
         Ok(child) => child,
         Err(e) => {
             eprintln!("error: cannot start {:?}: {e}", args.command[0]);
@@ -237,15 +393,23 @@ async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> (u8, 
     let Some(pgid) = child.id().map(|id| Pid::from_raw(id as i32)) else {
         return (EXIT_CANNOT_RUN, Group::Gone);
     };
-    tracing::info!(lock = %args.lock, token, pid = pgid.as_raw(), "holding the lock; the command runs");
-    let outcome = follow(lock, token, args.kill_grace, &mut child, pgid, signals).await;
+    tracing::info!(lock = %holder.name(), token, pid = pgid.as_raw(), "holding the lock; the command runs");
+    let mut claims = holder.claims();
+    let outcome = follow(
+        &mut claims,
+        token,
+        args.kill_grace,
+        &mut child,
+        pgid,
+        signals,
+    )
+    .await;
     // Whatever ended it, nothing of the group may run once the lock is let go: the command's
     // background processes are stopped too, within what is left of the claim.
-    let claim_end = lock
-        .snapshot()
-        .held
-        .filter(|held| held.token == token)
-        .map(|held| held.valid_until);
+    let claim_end = claims
+        .current()
+        .filter(|(held, _)| *held == token)
+        .map(|(_, end)| end);
     let group = stop_group(&mut child, pgid, args.kill_grace, claim_end).await;
     let status = match outcome {
         Outcome::Exited(status) => exit_status(status),
@@ -253,12 +417,12 @@ async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> (u8, 
             match claim_end.map(|end| end.saturating_duration_since(BootInstant::now())) {
                 Some(spare) => eprintln!(
                     "leasehold exec: the lock {:?} is being lost; the command's processes were stopped {} ms before the claim ends",
-                    args.lock,
+                    holder.name(),
                     spare.as_millis()
                 ),
                 None => eprintln!(
                     "leasehold exec: the lock {:?} was lost; the command's processes were stopped",
-                    args.lock
+                    holder.name()
                 ),
             }
             EXIT_LOCK_LOST
@@ -267,27 +431,35 @@ async fn supervise(args: &ExecArgs, lock: &Lock, signals: &mut Signals) -> (u8, 
     (status, group)
 }
 
-/// The token once this process holds the lock with more than `needed` of its claim left;
-/// `Err(status)` when it gives up (the wait ran out, or a signal asked it to stop).
+/// The token once the lock is held with more than `needed` of its claim left; `Err(status)`
+/// when `exec` gives up (the wait ran out, a signal asked it to stop, or the sidecar refused).
 async fn wait_for_lock(
-    lock: &Lock,
+    holder: &Holder,
     wait: Option<Duration>,
     needed: Duration,
     signals: &mut Signals,
 ) -> Result<u64, u8> {
-    let mut watch = lock.watch();
+    let mut claims = holder.claims();
     let started = Instant::now();
     loop {
         // The claim must outlast stopping the command, or it would start only to be stopped
         // (a lease a backend dates from before the call may arrive half spent): otherwise the
         // next renewal is awaited.
-        if let Some(held) = watch.borrow_and_update().held.as_ref()
-            && held
-                .valid_until
-                .saturating_duration_since(BootInstant::now())
-                > needed
-        {
-            return Ok(held.token);
+        if let Some((token, end)) = claims.current() {
+            // Through a sidecar the lease is the sidecar's, known once held.
+            if let Some((lease, renew)) = claims.timing()
+                && let Err(e) = check_grace(needed - KILL_MARGIN, lease, renew)
+            {
+                eprintln!("error: invalid value for '--kill-grace': {e} (the sidecar's lease)");
+                return Err(EXIT_BAD_CONFIG);
+            }
+            if end.saturating_duration_since(BootInstant::now()) > needed {
+                return Ok(token);
+            }
+        }
+        if let Some((status, why)) = claims.failed() {
+            eprintln!("error: {why}");
+            return Err(status);
         }
         let left = wait.map(|w| w.saturating_sub(started.elapsed()));
         if left == Some(Duration::ZERO) {
@@ -298,8 +470,8 @@ async fn wait_for_lock(
             return Err(EXIT_NOT_ACQUIRED);
         }
         tokio::select! {
-            changed = watch.changed() => {
-                if changed.is_err() {
+            changed = claims.changed() => {
+                if !changed && claims.failed().is_none() {
                     return Err(1);
                 }
             }
@@ -309,7 +481,7 @@ async fn wait_for_lock(
     }
 }
 
-fn spawn(args: &ExecArgs, lock: &Lock, token: u64) -> std::io::Result<tokio::process::Child> {
+fn spawn(args: &ExecArgs, holder: &Holder, token: u64) -> std::io::Result<tokio::process::Child> {
     let mut command = tokio::process::Command::new(std::env::current_exe()?);
     command
         .arg(CHILD_ARG)
@@ -320,8 +492,8 @@ fn spawn(args: &ExecArgs, lock: &Lock, token: u64) -> std::io::Result<tokio::pro
         .env_remove("LEASEHOLD_BACKEND")
         // Not the sidecar's own LEASEHOLD_LOCK and LEASEHOLD_IDENTITY, which a sidecar the
         // command starts would take for its flags.
-        .env("LEASEHOLD_EXEC_LOCK", lock.name())
-        .env("LEASEHOLD_EXEC_IDENTITY", &lock.config().identity)
+        .env("LEASEHOLD_EXEC_LOCK", holder.name())
+        .env("LEASEHOLD_EXEC_IDENTITY", holder.identity())
         .env("LEASEHOLD_FENCING_TOKEN", token.to_string())
         .process_group(0)
         .kill_on_drop(false);
@@ -332,17 +504,16 @@ fn spawn(args: &ExecArgs, lock: &Lock, token: u64) -> std::io::Result<tokio::pro
 /// claim's end is nearer than the grace and the margin, or at once when the lock is gone or
 /// changed hands.
 async fn follow(
-    lock: &Lock,
+    claims: &mut Claims,
     token: u64,
     kill_grace: Duration,
     child: &mut tokio::process::Child,
     pgid: Pid,
     signals: &mut Signals,
 ) -> Outcome {
-    let mut watch = lock.watch();
     loop {
-        let stop_at = match &watch.borrow_and_update().held {
-            Some(held) if held.token == token => held.valid_until - (kill_grace + KILL_MARGIN),
+        let stop_at = match claims.current() {
+            Some((held, end)) if held == token => end - (kill_grace + KILL_MARGIN),
             _ => return Outcome::Lost,
         };
         let left = stop_at.saturating_duration_since(BootInstant::now());
@@ -362,8 +533,8 @@ async fn follow(
             signal = signals.next() => {
                 let _ = killpg(pgid, signal);
             }
-            changed = watch.changed() => {
-                if changed.is_err() {
+            changed = claims.changed() => {
+                if !changed {
                     return Outcome::Lost;
                 }
             }
@@ -406,7 +577,7 @@ async fn stop_group(
                 let _ = killpg(pgid, Signal::SIGKILL);
                 killed_at = Some(Instant::now());
             }
-            Some(at) if at.elapsed() >= KILL_MARGIN => return Group::Survived,
+            Some(at) if at.elapsed() >= KILL_MARGIN => return Group::Survived { pgid },
             _ => {}
         }
         tokio::time::sleep(GROUP_POLL).await;

@@ -1,0 +1,320 @@
+//! `exec --via http://127.0.0.1:4040`: a running sidecar holds the lock (or a key) for this
+//! process, through a hold bound to a connection (`POST .../hold`, an event stream). The claim
+//! is what the stream says: held from `acquired`, until `validForMs` after the last event read,
+//! or until `lost` or `released`. Closing the connection releases the lock at once.
+
+use std::time::{Duration, Instant};
+
+use leasehold_lease::BootInstant;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::config::EXIT_BAD_CONFIG;
+
+/// The longest `wait` one request asks the sidecar for (its limit); a longer wait asks again.
+const MAX_WAIT_PER_REQUEST: Duration = Duration::from_secs(300);
+/// After a refused connection or a 503, before asking again.
+const RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// What `--via` names: a sidecar's lock API.
+#[derive(Debug, Clone)]
+pub struct Via {
+    /// `HOST:PORT`.
+    authority: String,
+}
+
+impl Via {
+    /// `http://HOST:PORT`, with no path: the lock API speaks plain HTTP on loopback.
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        let rest = raw
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("{raw:?} is not http://HOST:PORT (the sidecar's lock API)"))?;
+        let authority = rest.strip_suffix('/').unwrap_or(rest);
+        if authority.is_empty() || authority.contains(['/', '?', '#', '@', ' ']) {
+            return Err(format!(
+                "{raw:?} is not http://HOST:PORT (the sidecar's lock API)"
+            ));
+        }
+        Ok(Self {
+            authority: authority.to_owned(),
+        })
+    }
+}
+
+/// What is held through the sidecar.
+#[derive(Debug, Clone)]
+pub enum Target {
+    Lock(String),
+    Key {
+        family: String,
+        key: String,
+        owner: String,
+    },
+}
+
+impl Target {
+    fn path(&self, wait: Duration) -> String {
+        let wait = format!("wait={}ms", wait.as_millis());
+        match self {
+            Target::Lock(name) => format!("/locks/{}/hold?{wait}", encode(name)),
+            Target::Key { family, key, owner } => format!(
+                "/locks/{}/keys/{}/hold?owner={}&{wait}",
+                encode(family),
+                encode(key),
+                encode(owner)
+            ),
+        }
+    }
+}
+
+/// Percent-encodes all but unreserved characters, so that a key's `/` or an owner's `&` stays
+/// one path segment or one parameter.
+fn encode(raw: &str) -> String {
+    raw.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// The hold's state, as the stream tells it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Claim {
+    /// The token and the end of the claim, while held.
+    pub held: Option<(u64, BootInstant)>,
+    /// The lease and the renew interval the sidecar holds it with.
+    pub timing: Option<(Duration, Duration)>,
+    /// The hold cannot go on: the status to exit with and why.
+    pub failed: Option<(u8, String)>,
+}
+
+/// A hold through a sidecar, asked for until taken; closed (and so released) when dropped.
+pub struct Hold {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        // The task owns the connection: ending it closes the connection.
+        self.task.abort();
+    }
+}
+
+impl Hold {
+    /// Ask `via` for `target` until it is held, giving up after `wait` (`None`: never).
+    pub fn start(
+        via: Via,
+        target: Target,
+        wait: Option<Duration>,
+    ) -> (Self, watch::Receiver<Claim>) {
+        let (claims, claim) = watch::channel(Claim::default());
+        let task = tokio::spawn(async move {
+            let failed = hold(&via, &target, wait, &claims).await;
+            claims.send_modify(|c| {
+                c.held = None;
+                c.failed = Some(failed);
+            });
+        });
+        (Self { task }, claim)
+    }
+}
+
+/// Ask until held, then follow the stream; the failure that ends it.
+async fn hold(
+    via: &Via,
+    target: &Target,
+    wait: Option<Duration>,
+    claims: &watch::Sender<Claim>,
+) -> (u8, String) {
+    let started = Instant::now();
+    let mut told_unreachable = false;
+    loop {
+        let left = wait.map_or(MAX_WAIT_PER_REQUEST, |w| {
+            w.saturating_sub(started.elapsed())
+        });
+        let asked = ask(via, target, left.min(MAX_WAIT_PER_REQUEST)).await;
+        match asked {
+            Ok(Answer::Stream(lines)) => return follow(lines, claims).await,
+            Ok(Answer::Refused { status, body }) if status == 409 || status == 503 => {
+                tracing::debug!(status, body, "not held yet");
+                if status == 503 {
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+            }
+            Ok(Answer::Refused { status, body }) => {
+                return (
+                    EXIT_BAD_CONFIG,
+                    format!("the sidecar at {} refused: {status} {body}", via.authority),
+                );
+            }
+            Err(e) => {
+                if !told_unreachable {
+                    eprintln!(
+                        "leasehold exec: the sidecar at {} cannot be reached ({e}); trying again",
+                        via.authority
+                    );
+                    told_unreachable = true;
+                }
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
+        }
+        // Waiting runs out in `exec`'s own wait; this only stops asking.
+        if wait.is_some_and(|w| started.elapsed() >= w) {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+enum Answer {
+    Stream(tokio::io::Lines<BufReader<TcpStream>>),
+    Refused { status: u16, body: String },
+}
+
+async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answer> {
+    let mut connection = TcpStream::connect(&via.authority).await?;
+    connection.set_nodelay(true)?;
+    let request = format!(
+        "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\n\r\n",
+        target.path(wait),
+        via.authority
+    );
+    connection.write_all(request.as_bytes()).await?;
+    let mut reader = BufReader::new(connection);
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line).await?;
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP answer: {status_line:?}")))?;
+    let mut length = None;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).await? == 0 {
+            return Err(std::io::Error::other("the answer ended in its head"));
+        }
+        let line = line.trim_end();
+        if line.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = line.split_once(':')
+            && name.eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse::<usize>().ok();
+        }
+    }
+    if status == 200 {
+        return Ok(Answer::Stream(reader.lines()));
+    }
+    let mut body = vec![0; length.unwrap_or(0).min(64 * 1024)];
+    reader.read_exact(&mut body).await?;
+    Ok(Answer::Refused {
+        status,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+/// Follow the stream until it ends; the claim moves with each event.
+async fn follow(
+    mut lines: tokio::io::Lines<BufReader<TcpStream>>,
+    claims: &watch::Sender<Claim>,
+) -> (u8, String) {
+    let mut kind = String::new();
+    loop {
+        let line = match lines.next_line().await {
+            Ok(Some(line)) => line,
+            Ok(None) => {
+                return (
+                    super::EXIT_LOCK_LOST,
+                    "the sidecar closed the stream".into(),
+                );
+            }
+            Err(e) => return (super::EXIT_LOCK_LOST, format!("the stream broke: {e}")),
+        };
+        // Chunk sizes come on lines of their own; an event's lines are whole.
+        if let Some(k) = line.strip_prefix("event: ") {
+            kind = k.to_owned();
+            continue;
+        }
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        // Dated on arrival, the claim ends no earlier than the sidecar's by the way here:
+        // microseconds on loopback, and within `KILL_MARGIN` on a loaded machine.
+        let read = BootInstant::now();
+        let Ok(body) = serde_json::from_str::<serde_json::Value>(data) else {
+            continue;
+        };
+        let token = body["fencingToken"].as_u64();
+        match kind.as_str() {
+            "acquired" | "renewed" => {
+                let (Some(token), Some(valid_for)) = (token, body["validForMs"].as_u64()) else {
+                    continue;
+                };
+                let end = read + Duration::from_millis(valid_for);
+                let timing = body["leaseDurationMs"]
+                    .as_u64()
+                    .zip(body["renewIntervalMs"].as_u64())
+                    .map(|(lease, renew)| {
+                        (Duration::from_millis(lease), Duration::from_millis(renew))
+                    });
+                claims.send_modify(|c| {
+                    c.held = Some((token, end));
+                    c.timing = timing.or(c.timing);
+                });
+            }
+            "lost" | "released" => {
+                let reason = body["reason"].as_str().unwrap_or("").to_owned();
+                return (
+                    super::EXIT_LOCK_LOST,
+                    format!("the sidecar says {kind}: {reason}"),
+                );
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn via_is_an_http_authority() {
+        assert_eq!(
+            Via::parse("http://127.0.0.1:4040").unwrap().authority,
+            "127.0.0.1:4040"
+        );
+        assert_eq!(
+            Via::parse("http://localhost:4040/").unwrap().authority,
+            "localhost:4040"
+        );
+        for bad in [
+            "127.0.0.1:4040",
+            "https://x:1",
+            "http://",
+            "http://x:1/lock",
+            "http://u@x:1",
+        ] {
+            assert!(Via::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn names_stay_one_segment_or_one_parameter() {
+        let target = Target::Key {
+            family: "orders".into(),
+            key: "a/b:c".into(),
+            owner: "me&you=1".into(),
+        };
+        assert_eq!(
+            target.path(Duration::from_secs(2)),
+            "/locks/orders/keys/a%2Fb%3Ac/hold?owner=me%26you%3D1&wait=2000ms"
+        );
+    }
+}
