@@ -1,10 +1,14 @@
-//! One open driver per lock, reused across reconciliations while the lock's backend stays the
-//! same, and the three things the operator asks of it: provision, observe, clean up. Every call
-//! is bounded, so an unresponsive backend delays only its own lock.
+//! One open driver per backend, shared by the locks that name it and reused across
+//! reconciliations while a lock's backend stays the same, and the three things the operator
+//! asks of it: provision, observe, clean up. Every call is bounded, so an unresponsive backend
+//! delays only its own locks. Secrets are read through a short-lived cache: thousands of locks
+//! naming one password Secret cost one read of it per [`SECRET_TTL`].
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Secret;
 
 use kube::ResourceExt;
 use leasehold_crds::DistributedLock;
@@ -24,6 +28,11 @@ pub const PROVISION_EVERY: Duration = Duration::from_secs(300);
 /// How long a family's count of held keys stands before it is counted again: counting may
 /// walk the backend's whole keyspace (Redis's `SCAN`), too much for every resync.
 pub const HELD_KEYS_EVERY: Duration = Duration::from_secs(60);
+
+/// How long a Secret read for a lock serves the other locks that name it, and its next
+/// reconciliations. A rotated password reaches the operator within this (the sidecars read their
+/// Secrets on their own).
+pub const SECRET_TTL: Duration = Duration::from_secs(60);
 
 /// A lock's driver, the backend it was opened for, when it last provisioned which spec, and a
 /// family's last count of held keys.
@@ -46,6 +55,74 @@ pub enum StillHeld {
 #[derive(Default)]
 pub struct Backends {
     open: Mutex<HashMap<String, OpenDriver>>,
+    /// The drivers open, by backend, for the locks that name the same one: a connection (or
+    /// pool, or session) per backend rather than per lock, as ZooKeeper's 60 connections per
+    /// client address and the SQL servers' connection limits require. Kept while a lock's
+    /// [`OpenDriver`] holds it.
+    shared: Mutex<Vec<(BackendUrl, Weak<dyn Backend>)>>,
+    /// Secrets read lately, by namespace and name, with when.
+    secrets: SecretCache,
+}
+
+/// A Secret by namespace and name.
+type SecretName = (String, String);
+
+/// Secrets read lately, each kept for [`SECRET_TTL`].
+#[derive(Default)]
+pub struct SecretCache {
+    client: Mutex<Option<kube::Client>>,
+    read: Mutex<HashMap<SecretName, (Option<Secret>, Instant)>>,
+}
+
+impl SecretCache {
+    fn with_client(&self, client: &kube::Client) -> &Self {
+        let mut current = self.client.lock().unwrap_or_else(|e| e.into_inner());
+        if current.is_none() {
+            *current = Some(client.clone());
+        }
+        self
+    }
+
+    fn forget_old(&self) {
+        self.read
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, (_, at)| at.elapsed() < SECRET_TTL);
+    }
+}
+
+impl resource::SecretSource for SecretCache {
+    async fn secret(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> std::result::Result<Option<Secret>, kube::Error> {
+        let key = (namespace.to_owned(), name.to_owned());
+        if let Some((secret, at)) = self
+            .read
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            && at.elapsed() < SECRET_TTL
+        {
+            return Ok(secret.clone());
+        }
+        let client = self
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .expect("the cache is given its client before it is read");
+        let secret = client.secret(namespace, name).await?;
+        // A missing Secret is not kept: the one created next is read at the next try.
+        if secret.is_some() {
+            self.read
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, (secret.clone(), Instant::now()));
+        }
+        Ok(secret)
+    }
 }
 
 fn key(lock: &DistributedLock) -> String {
@@ -78,13 +155,39 @@ pub fn reason(error: &Error) -> &'static str {
 }
 
 impl Backends {
-    /// The lock's configuration, with its Secrets read.
+    /// The lock's configuration, with its Secrets read (through the cache).
     pub async fn resolve(
+        &self,
         client: &kube::Client,
         lock: &DistributedLock,
     ) -> leasehold_lease::Result<ResolvedLock> {
-        let secrets = bounded(resource::read_secrets(client, lock)).await?;
+        self.secrets.forget_old();
+        let source = self.secrets.with_client(client);
+        let secrets = bounded(resource::read_secrets(source, lock)).await?;
         resource::resolve(lock, &secrets)
+    }
+
+    /// How many backend drivers are open for all the locks (several locks on one backend
+    /// share one; a Kubernetes-backed lock's is its own, over the shared API client).
+    pub fn drivers_open(&self) -> usize {
+        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut distinct: Vec<*const ()> = open
+            .values()
+            .map(|o| Arc::as_ptr(&o.driver) as *const ())
+            .collect();
+        distinct.sort();
+        distinct.dedup();
+        distinct.len()
+    }
+
+    /// The driver open for `url` by another lock, if any.
+    fn shared_driver(&self, url: &BackendUrl) -> Option<Arc<dyn Backend>> {
+        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        shared.retain(|(_, driver)| driver.strong_count() > 0);
+        shared
+            .iter()
+            .find(|(open, _)| open == url)
+            .and_then(|(_, driver)| driver.upgrade())
     }
 
     /// The driver for `resolved`, opened once and reused while the URL stays the same.
@@ -104,7 +207,21 @@ impl Backends {
         {
             return Ok(open.driver.clone());
         }
-        let driver = bounded(resource::open(client, resolved)).await?;
+        // A Kubernetes-backed lock's driver is bound to its Lease; every other is the backend's.
+        let shareable = !matches!(resolved.backend, BackendUrl::Kubernetes(_));
+        let driver = match self.shared_driver(&resolved.backend).filter(|_| shareable) {
+            Some(driver) => driver,
+            None => {
+                let driver = bounded(resource::open(client, resolved)).await?;
+                if shareable {
+                    self.shared
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((resolved.backend.clone(), Arc::downgrade(&driver)));
+                }
+                driver
+            }
+        };
         self.open.lock().unwrap_or_else(|e| e.into_inner()).insert(
             key,
             OpenDriver {
@@ -169,11 +286,22 @@ impl Backends {
         client: &kube::Client,
         lock: &DistributedLock,
     ) -> (String, Observation) {
-        let resolved = match Self::resolve(client, lock).await {
+        let resolved = match self.resolve(client, lock).await {
             Ok(resolved) => resolved,
             Err(e) => {
                 let kind = lock.spec.backend.kind().unwrap_or("unknown").to_owned();
-                return (kind, failed(&e));
+                // The API server's trouble (a Secret that cannot be read now) is not the
+                // backend's: it gets a reason of its own.
+                let observation = match e {
+                    Error::InvalidConfig { .. }
+                    | Error::InvalidUrl { .. }
+                    | Error::InvalidName { .. } => failed(&e),
+                    _ => Observation::Failed {
+                        reason: "SecretUnreadable",
+                        message: e.to_string(),
+                    },
+                };
+                return (kind, observation);
             }
         };
         let kind = resolved.backend.kind().to_owned();
@@ -244,7 +372,7 @@ impl Backends {
         client: &kube::Client,
         lock: &DistributedLock,
     ) -> leasehold_lease::Result<Option<StillHeld>> {
-        let resolved = Self::resolve(client, lock).await?;
+        let resolved = self.resolve(client, lock).await?;
         let driver = self.driver(client, lock, &resolved).await?;
         if resolved.keys.is_some() {
             match bounded(driver.count_held_keys(&resolved.name)).await? {

@@ -30,9 +30,18 @@ use crate::status::{self, Notice, Observation};
 pub const FINALIZER: &str = "leasehold.dev/cleanup";
 /// The field manager of the status, for server-side apply.
 pub const MANAGER: &str = "leasehold-operator";
-/// How often a healthy lock's holder is read again (holders change without touching the
-/// resource; a Kubernetes Lease whose holder changes also triggers a reconcile).
-pub const RESYNC: Duration = Duration::from_secs(15);
+/// How often, on average, a healthy lock's holder is read again (holders change without
+/// touching the resource). Each lock's period is this within +-20 %, fixed by its name
+/// ([`resync_after`]), so that thousands of locks created at once spread out instead of
+/// coming back in one wave.
+pub const RESYNC: Duration = Duration::from_secs(60);
+/// A Kubernetes-backed lock's holder changes reach the operator through its Lease's watch: it
+/// is read again only this often (to repair what provisioning makes), within +-20 %.
+pub const RESYNC_WATCHED: Duration = Duration::from_secs(300);
+/// The most locks reconciled at once. A reconcile's backend calls are bounded
+/// ([`crate::backends::BACKEND_TIMEOUT`]); this bounds how many run against the backends and
+/// the API server together, after a restart or a leader change reconciles every lock.
+pub const CONCURRENCY: u16 = 32;
 /// The first retry of a failing lock, doubled per failure up to [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_secs(2);
 pub const MAX_BACKOFF: Duration = Duration::from_secs(300);
@@ -87,6 +96,7 @@ pub async fn run(
         .touched_objects()
         .predicate_filter(lease_holder, Default::default());
     let controller = Controller::new(locks, watcher::Config::default().any_semantic())
+        .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
         .watches_stream(holder_changes, lock_of_lease)
         .graceful_shutdown_on(shutdown);
     let store = controller.store();
@@ -212,7 +222,7 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&ObjectRef::from(lock));
-            Ok(Action::requeue(RESYNC))
+            Ok(Action::requeue(resync_after(lock)))
         }
         // The status says why; the error sends the lock through the backoff.
         Observation::Failed { message, .. } => {
@@ -460,6 +470,21 @@ pub fn error_policy(lock: Arc<DistributedLock>, error: &Error, ctx: Arc<Context>
     Action::requeue(delay)
 }
 
+/// When a healthy `lock` is looked at again: [`RESYNC`] (or [`RESYNC_WATCHED`] for a
+/// Kubernetes-backed lock), within +-20 % by a hash of its namespace and name.
+pub fn resync_after(lock: &DistributedLock) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let base = if lock.spec.backend.kubernetes.is_some() {
+        RESYNC_WATCHED
+    } else {
+        RESYNC
+    };
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (lock.namespace(), lock.name_any()).hash(&mut hasher);
+    let place = (hasher.finish() % 1000) as f64 / 1000.0;
+    base.mul_f64(0.8 + 0.4 * place)
+}
+
 /// The delay before retry number `failures` (1-based).
 pub fn backoff(failures: u32) -> Duration {
     let doublings = failures.saturating_sub(1).min(16);
@@ -507,6 +532,42 @@ mod tests {
         lease.token
     }
 
+    /// Thousands of locks created at once come back spread over +-20 % of the resync, each
+    /// at a period of its own that does not change; a Kubernetes-backed lock, whose holder
+    /// changes come through its Lease's watch, at the longer one.
+    #[test]
+    fn resyncs_spread_over_a_fifth_either_side_and_watched_locks_wait_longer() {
+        let periods: Vec<Duration> = (0..1000)
+            .map(|i| resync_after(&fixtures::redis_lock(&format!("lock-{i}"), 1)))
+            .collect();
+        let (min, max) = (
+            *periods.iter().min().unwrap(),
+            *periods.iter().max().unwrap(),
+        );
+        assert!(
+            min >= RESYNC.mul_f64(0.8) && max <= RESYNC.mul_f64(1.2),
+            "{min:?}..{max:?}"
+        );
+        assert!(
+            min < RESYNC.mul_f64(0.82) && max > RESYNC.mul_f64(1.18),
+            "not spread: {min:?}..{max:?}"
+        );
+        let lock = fixtures::redis_lock("lock-7", 1);
+        assert_eq!(resync_after(&lock), resync_after(&lock.clone()));
+        let watched = fixtures::lock(
+            "lease",
+            leasehold_crds::Backend {
+                kubernetes: Some(Default::default()),
+                ..Default::default()
+            },
+        );
+        let period = resync_after(&watched);
+        assert!(
+            period >= RESYNC_WATCHED.mul_f64(0.8) && period <= RESYNC_WATCHED.mul_f64(1.2),
+            "{period:?}"
+        );
+    }
+
     #[tokio::test]
     async fn a_new_lock_gets_the_finalizer_first() {
         let (ctx, api) = Context::test();
@@ -525,7 +586,7 @@ mod tests {
         let action = reconcile(Arc::new(lock.clone()), ctx.clone())
             .await
             .expect("reconcile");
-        assert_eq!(action, Action::requeue(RESYNC));
+        assert_eq!(action, Action::requeue(resync_after(&lock)));
         timeout_after_1s(scenario).await;
         // The backend is reachable and a driver can take the lock.
         assert!(matches!(

@@ -68,7 +68,10 @@ async fn provision(
 ) -> (Observation, std::sync::Arc<dyn leasehold_lease::Backend>) {
     let operator = operator_client(api);
     let (_, observation) = Backends::default().observe(&operator, lock).await;
-    let resolved = Backends::resolve(&operator, lock).await.expect("resolve");
+    let resolved = Backends::default()
+        .resolve(&operator, lock)
+        .await
+        .expect("resolve");
     // The sidecar's driver, with the pod's own rights (not under test here).
     let driver = resource::open(&api.client(), &resolved)
         .await
@@ -373,7 +376,8 @@ async fn etcd_is_checked_and_its_queue_removed_on_delete() {
     );
     let other = resource::open(
         &api.client(),
-        &Backends::resolve(&operator_client(&api), &lock)
+        &Backends::default()
+            .resolve(&operator_client(&api), &lock)
             .await
             .unwrap(),
     )
@@ -708,7 +712,8 @@ async fn redis_over_tls_with_its_certificates_from_a_secret() {
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
     takes(&*driver, "cache").await;
-    let resolved = Backends::resolve(&operator_client(&api), &lock)
+    let resolved = Backends::default()
+        .resolve(&operator_client(&api), &lock)
         .await
         .unwrap();
     let shown = resolved.backend.to_string();
@@ -753,7 +758,8 @@ async fn postgres_over_tls_with_its_certificates_from_a_secret() {
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
     takes(&*driver, "jobs").await;
-    let shown = Backends::resolve(&operator_client(&api), &lock)
+    let shown = Backends::default()
+        .resolve(&operator_client(&api), &lock)
         .await
         .unwrap()
         .backend
@@ -953,4 +959,87 @@ async fn a_lease_family_loses_its_keys_leases_on_delete_and_keeps_its_floor() {
         transitions >= highest,
         "the floor {transitions} is below the deleted keys' token {highest}: {floor}"
     );
+}
+
+/// Locks on one backend share one driver (one connection pool, one ZooKeeper session, not one
+/// per lock), and one read of the Secret they name serves them all for a while; a lock on
+/// another backend gets a driver of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_on_one_backend_share_a_driver_and_one_read_of_their_secret() {
+    let server = RedisServer::start();
+    {
+        use std::io::{BufRead, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        conn.write_all(
+            b"*4\r\n$6\r\nCONFIG\r\n$3\r\nSET\r\n$11\r\nrequirepass\r\n$6\r\ns3cret\r\n",
+        )
+        .unwrap();
+        let mut reply = String::new();
+        std::io::BufReader::new(conn).read_line(&mut reply).unwrap();
+        assert_eq!(reply.trim_end(), "+OK");
+    }
+    let api = InMemoryApiServer::new();
+    let password = secret(&api, "redis-auth", "password", "s3cret");
+    let on = |name: &str, port: u16, password: Option<SecretKeyRef>| {
+        lock(
+            name,
+            Backend {
+                redis: Some(RedisBackend {
+                    endpoints: vec![format!("127.0.0.1:{port}")],
+                    password_secret_ref: password,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+    };
+    let backends = Backends::default();
+    let operator = operator_client(&api);
+    let before = api.requests();
+    for name in ["a", "b", "c"] {
+        let (_, observation) = backends
+            .observe(&operator, &on(name, server.port(), Some(password.clone())))
+            .await;
+        ready(&observation);
+    }
+    assert_eq!(
+        api.requests() - before,
+        1,
+        "three locks naming one Secret read it more than once"
+    );
+    assert_eq!(backends.drivers_open(), 1, "three locks on one Redis");
+    let other = RedisServer::start();
+    let (_, observation) = backends
+        .observe(&operator, &on("d", other.port(), None))
+        .await;
+    ready(&observation);
+    assert_eq!(backends.drivers_open(), 2, "a lock on another Redis");
+}
+
+/// A Secret the API server will not give (refused here; throttled or timed out likewise) is the
+/// API server's trouble, not the backend's: the condition says so with a reason of its own.
+#[tokio::test]
+async fn a_secret_the_api_server_will_not_give_is_not_called_a_backend_fault() {
+    let server = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    let password = secret(&api, "redis-auth", "password", "s3cret");
+    let lock = lock(
+        "jobs",
+        Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec![format!("127.0.0.1:{}", server.port())],
+                password_secret_ref: Some(password),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    let (_, observation) = Backends::default()
+        .observe(&api.client_as("nobody"), &lock)
+        .await;
+    let Observation::Failed { reason, message } = observation else {
+        panic!("read a Secret it may not: {observation:?}")
+    };
+    assert_eq!(reason, "SecretUnreadable", "{message}");
+    assert!(message.contains("redis-auth"), "{message}");
 }

@@ -237,12 +237,36 @@ pub fn optional_secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
     .unwrap_or_default()
 }
 
+/// Where Secrets are read from: the API server (a [`kube::Client`]), or a cache in front of it.
+pub trait SecretSource {
+    /// The Secret `name` of `namespace`, `None` when it does not exist.
+    fn secret(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = std::result::Result<Option<Secret>, kube::Error>> + Send;
+}
+
+impl SecretSource for kube::Client {
+    async fn secret(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> std::result::Result<Option<Secret>, kube::Error> {
+        Api::<Secret>::namespaced(self.clone(), namespace)
+            .get_opt(name)
+            .await
+    }
+}
+
 /// Read the referenced Secret keys from the lock's namespace. A missing Secret or key, or a
 /// Secret whose owner has not allowed the lock's servers ([`ALLOWED_HOSTS_ANNOTATION`]), is an
 /// [`Error::InvalidConfig`] that names it (never its value).
-pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Result<SecretValues> {
+pub async fn read_secrets(
+    source: &impl SecretSource,
+    lock: &DistributedLock,
+) -> Result<SecretValues> {
     let namespace = lock.namespace().unwrap_or_else(|| "default".into());
-    let api: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     let endpoints = backend_endpoints(lock);
     let mut values = SecretValues::new();
     // Each Secret is read once, however many of its keys the lock takes (a TLS Secret's three).
@@ -257,8 +281,8 @@ pub async fn read_secrets(client: &kube::Client, lock: &DistributedLock) -> Resu
         let secret = match read.get(&r.name) {
             Some(secret) => secret.clone(),
             None => {
-                let secret = api
-                    .get_opt(&r.name)
+                let secret = source
+                    .secret(&namespace, &r.name)
                     .await
                     .map_err(|e| match e {
                         kube::Error::Api(s) if s.code == 403 => Error::Backend(format!(
