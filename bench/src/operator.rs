@@ -3,25 +3,51 @@
 
 use super::*;
 
-/// The operator's load: this many Kubernetes-backed locks (`cleanupPolicy: Delete`, so each
-/// Lease is owned by its lock), each held by a pod that renews every `OPERATOR_RENEW`, and how
-/// long the operator's requests are counted once every lock is ready.
-pub(crate) const OPERATOR_LOCKS: usize = 1000;
+/// The operator's load: locks in their thousands (`cleanupPolicy: Delete`, so each Lease is
+/// the operator's), each held by a pod that renews every `OPERATOR_RENEW`, and how long the
+/// operator's requests are counted once every lock is ready.
+pub(crate) const OPERATOR_LOCKS: [usize; 2] = [1_000, 10_000];
 pub(crate) const OPERATOR_RENEW: Duration = Duration::from_secs(5);
 pub(crate) const OPERATOR_MEASURE: Duration = Duration::from_secs(30);
 
-/// API requests per second that one operator makes for `OPERATOR_LOCKS` locks whose holders
-/// renew every `OPERATOR_RENEW`, on the in-memory API server (it counts the requests it
-/// serves; the holders' renewals are written to it directly, so only the operator's count).
+/// API requests per second that one operator makes for each count of locks whose holders
+/// renew every `OPERATOR_RENEW`, on the in-memory API server (it counts the requests it serves;
+/// the holders' renewals are written to it directly, so only the operator's count), then what
+/// a new leader costs: the first reconcile of every lock.
 pub(crate) async fn operator_section() {
+    for locks in OPERATOR_LOCKS {
+        operator_load(locks).await;
+    }
+}
+
+fn start_operator(
+    api: &leasehold_testkit::InMemoryApiServer,
+    name: &str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let ctx = Arc::new(leasehold_operator::reconcile::Context::new(
+        api.client(),
+        name,
+        Arc::new(leasehold_operator::metrics::Metrics::new()),
+    ));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let controller = tokio::spawn(leasehold_operator::reconcile::run(ctx, None, async {
+        let _ = stopped.await;
+    }));
+    (stop, controller)
+}
+
+async fn operator_load(locks: usize) {
     use leasehold_testkit::InMemoryApiServer;
     use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, LEASES};
     println!(
-        "## operator: {OPERATOR_LOCKS} Kubernetes-backed locks, each held by a pod renewing every {OPERATOR_RENEW:?} (requests counted for {OPERATOR_MEASURE:?})"
+        "## operator: {locks} Kubernetes-backed locks, each held by a pod renewing every {OPERATOR_RENEW:?} (requests counted for {OPERATOR_MEASURE:?})"
     );
     let api = InMemoryApiServer::new();
     let ns = "load";
-    for i in 0..OPERATOR_LOCKS {
+    for i in 0..locks {
         let mut lock = leasehold_testkit::distributed_lock(
             ns,
             &format!("lock-{i}"),
@@ -34,18 +60,11 @@ pub(crate) async fn operator_section() {
         lock.metadata.uid = None;
         api.put(DISTRIBUTED_LOCKS, serde_json::to_value(&lock).unwrap());
     }
-    let ctx = Arc::new(leasehold_operator::reconcile::Context::new(
-        api.client(),
-        "operator-0",
-        Arc::new(leasehold_operator::metrics::Metrics::new()),
-    ));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(leasehold_operator::reconcile::run(ctx, None, async {
-        let _ = stopped.await;
-    }));
+    let (stop, controller) = start_operator(&api, "operator-0");
     let started = Instant::now();
+    let first_requests = api.requests();
     let ready = || {
-        (0..OPERATOR_LOCKS).all(|i| {
+        (0..locks).all(|i| {
             api.object(DISTRIBUTED_LOCKS, ns, &format!("lock-{i}"))
                 .is_some_and(|l| l["status"]["conditions"][0]["status"] == "True")
                 && api.object(LEASES, ns, &format!("lock-{i}")).is_some()
@@ -53,23 +72,25 @@ pub(crate) async fn operator_section() {
     };
     while !ready() {
         assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "the locks were not all provisioned within 5 minutes"
+            started.elapsed() < Duration::from_secs(600),
+            "the locks were not all provisioned within 10 minutes"
         );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     println!(
-        "  provisioned {OPERATOR_LOCKS} locks in {:.1} s",
-        started.elapsed().as_secs_f64()
+        "  provisioned {locks} locks in {:.1} s, {} API requests",
+        started.elapsed().as_secs_f64(),
+        api.requests() - first_requests
     );
     // Every lock gets its holder, then renewals spread evenly over the interval.
     let renewals = tokio::spawn({
         let api = api.clone();
         async move {
-            let tick = OPERATOR_RENEW / OPERATOR_LOCKS as u32;
+            let tick = OPERATOR_RENEW / locks as u32;
             let mut interval = tokio::time::interval(tick);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
             for round in 0u64.. {
-                for i in 0..OPERATOR_LOCKS {
+                for i in 0..locks {
                     interval.tick().await;
                     let Some(mut lease) = api.object(LEASES, ns, &format!("lock-{i}")) else {
                         continue;
@@ -92,14 +113,26 @@ pub(crate) async fn operator_section() {
     let before = api.requests();
     tokio::time::sleep(OPERATOR_MEASURE).await;
     let made = api.requests() - before;
+    println!(
+        "  steady: operator API requests {:.1}/s ({made} in {OPERATOR_MEASURE:?}); the holders' own renewals: {:.1}/s",
+        made as f64 / OPERATOR_MEASURE.as_secs_f64(),
+        locks as f64 / OPERATOR_RENEW.as_secs_f64()
+    );
+    // A new leader: the operator stops, another starts and reconciles every lock once.
+    let _ = stop.send(());
+    let _ = controller.await;
+    let before = api.requests();
+    let (stop, controller) = start_operator(&api, "operator-1");
+    tokio::time::sleep(OPERATOR_MEASURE).await;
+    let made = api.requests() - before;
+    println!(
+        "  a new leader's first {OPERATOR_MEASURE:?}: {made} API requests ({:.1} per lock, {:.1}/s)",
+        made as f64 / locks as f64,
+        made as f64 / OPERATOR_MEASURE.as_secs_f64()
+    );
     renewals.abort();
     let _ = stop.send(());
     let _ = controller.await;
-    println!(
-        "  operator API requests: {:.1}/s ({made} in {OPERATOR_MEASURE:?}); the holders' own renewals: {:.1}/s",
-        made as f64 / OPERATOR_MEASURE.as_secs_f64(),
-        OPERATOR_LOCKS as f64 / OPERATOR_RENEW.as_secs_f64()
-    );
 }
 
 /// Now, as a Lease's `MicroTime`.

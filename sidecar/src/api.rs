@@ -70,6 +70,9 @@ struct Inner {
     pending: std::sync::RwLock<BTreeMap<String, String>>,
     /// `POST /resign` was called: no lock is started or put in place any more.
     resigned: std::sync::atomic::AtomicBool,
+    /// By lock: taken by an exclusive hold (`?exclusive=true`) for as long as it lasts, so that
+    /// two such holds in one pod take turns rather than share the pod's acquisition.
+    exclusive_holds: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl AppState {
@@ -83,6 +86,7 @@ impl AppState {
                 expected: Vec::new(),
                 pending: std::sync::RwLock::new(BTreeMap::new()),
                 resigned: std::sync::atomic::AtomicBool::new(false),
+                exclusive_holds: std::sync::Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -530,11 +534,12 @@ async fn acquire(
 
 /// On-demand: acquire, waiting up to `wait`, and hold for as long as the connection stays open
 /// (an event stream, [`crate::hold_stream`]); a lock not acquired is answered as `acquire`
-/// answers it.
+/// answers it. With `exclusive=true` the hold also waits for the other exclusive holds of this
+/// pod to end, rather than sharing the pod's acquisition with them (`leasehold exec --via`).
 async fn hold(
     State(state): State<AppState>,
     name: Option<Path<String>>,
-    Query(query): Query<HashMap<String, String>>,
+    Query(mut query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
     if lock.config().mode == Mode::Campaign {
@@ -547,10 +552,48 @@ async fn hold(
             ),
         ));
     }
+    let exclusive = match query.remove("exclusive").as_deref() {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("exclusive={other:?}: use true or false"),
+            ));
+        }
+    };
     let params = durations(&query, &[("wait", MAX_WAIT)])?;
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
+    let deadline = tokio::time::Instant::now() + wait;
+    let turn = if exclusive {
+        let slot = state
+            .inner
+            .exclusive_holds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(lock.name().to_owned())
+            .or_default()
+            .clone();
+        match tokio::time::timeout(wait, slot.lock_owned()).await {
+            Ok(turn) => Some(turn),
+            // Another exclusive hold of this pod has it: not this caller's.
+            Err(_) => {
+                return Ok(lock_response(
+                    &lock,
+                    &lock.snapshot(),
+                    Answer::NotHolder,
+                    None,
+                ));
+            }
+        }
+    } else {
+        None
+    };
     let answer = lock
-        .acquire(wait, hold_stream::bound_hold(lock.config().lease_duration))
+        .acquire(
+            deadline.saturating_duration_since(tokio::time::Instant::now()),
+            hold_stream::bound_hold(lock.config().lease_duration),
+        )
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     let Answer::Holder { token, .. } = answer else {
@@ -564,6 +607,7 @@ async fn hold(
         hold_stream::Bound::Lock(lock),
         token,
         about,
+        turn,
     ))
 }
 
@@ -818,6 +862,7 @@ async fn key_hold(
         hold_stream::Bound::Key { family, key, owner },
         token,
         about,
+        None,
     ))
 }
 

@@ -84,10 +84,19 @@ impl Bound {
 }
 
 /// The stream for an acquisition `bound` holds with `token`; `about` names it in every event
-/// (lock, or family, key and owner).
-pub fn respond(bound: Bound, token: u64, about: Map<String, Value>) -> Response {
+/// (lock, or family, key and owner). `turn`, an exclusive hold's place, is kept until the
+/// acquisition is given up.
+pub fn respond(
+    bound: Bound,
+    token: u64,
+    about: Map<String, Value>,
+    turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+) -> Response {
     let (events, receiver) = mpsc::channel(4);
-    tokio::spawn(follow(bound, token, about, events));
+    tokio::spawn(async move {
+        follow(bound, token, about, events).await;
+        drop(turn);
+    });
     let stream = ReceiverStream::new(receiver);
     Sse::new(futures_util::StreamExt::map(stream, Ok::<_, Infallible>))
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
@@ -218,6 +227,7 @@ async fn follow(
                 "holds": engine.snapshot().holds,
             });
             let kind = if told.is_none() {
+                fields["identity"] = engine.config().identity.clone().into();
                 // What a client needs to tell a late renewal from a normal one.
                 fields["leaseDurationMs"] = (lease.as_millis() as u64).into();
                 fields["renewIntervalMs"] = (renew_interval.as_millis() as u64).into();

@@ -556,3 +556,51 @@ fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
     assert!(!ran.exists());
     assert_eq!(sidecar.status("/lock"), 409, "nothing is left held");
 }
+
+/// Several `exec`s through one sidecar take turns, on a lock (whose acquisitions are the pod's,
+/// so each waits for the others' exclusive holds) and on a key (each `exec` its own owner when
+/// no `--identity` is given, though host name and process id may repeat across containers).
+#[test]
+fn execs_through_one_sidecar_take_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
+    for what in [&["--lock", "jobs"][..], &["--keyed", "jobs-keys/k"][..]] {
+        let log = dir
+            .path()
+            .join(format!("log-{}", what[0].trim_start_matches('-')));
+        let script = format!(
+            "echo start $LEASEHOLD_EXEC_IDENTITY >> {0}; sleep 0.4; echo end >> {0}",
+            log.display()
+        );
+        let mut children: Vec<Child> = (0..3)
+            .map(|_| {
+                shell(&mut exec_via(&sidecar, what), &script)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for child in &mut children {
+            assert!(wait_exit(child, Duration::from_secs(30)).success());
+        }
+        let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
+        let shape: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
+        assert_eq!(
+            shape,
+            ["start", "end", "start", "end", "start", "end"],
+            "{what:?}: the commands overlapped: {lines:?}"
+        );
+        // The identity the lock is held under in the backend: the sidecar's, or its owner's.
+        let identities: Vec<&str> = lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("start "))
+            .collect();
+        if what[0] == "--lock" {
+            assert!(identities.iter().all(|i| *i == "pod-a"), "{identities:?}");
+        } else {
+            assert!(
+                identities.iter().all(|i| i.starts_with("pod-a/")),
+                "{identities:?}"
+            );
+        }
+    }
+}

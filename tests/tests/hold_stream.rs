@@ -280,6 +280,7 @@ fn a_hold_request_that_cannot_be_served_gets_a_clear_answer_and_changes_nothing(
         "key",
     );
     refused("/lock/hold?wait=forever", 400, "not a duration");
+    refused("/lock/hold?exclusive=yes", 400, "true or false");
 
     // A key held by another owner: the stream is refused as `acquire` refuses.
     let holding = open(&a, &format!("/locks/{family}/keys/k/hold?owner=w1"));

@@ -189,7 +189,7 @@ async fn run(args: ExecArgs) -> u8 {
                         via::Target::Key {
                             family: family.to_owned(),
                             key: key.to_owned(),
-                            owner: identity.clone(),
+                            owner: args.identity.clone().unwrap_or_else(unique_owner),
                         }
                     }
                     _ => return bad("keyed", &format!("{keyed:?} is not FAMILY/KEY")),
@@ -221,14 +221,39 @@ async fn run(args: ExecArgs) -> u8 {
     let (status, group) = supervise(&args, &mut holder, &mut signals).await;
     if let Group::Survived { .. } = group {
         // A process of the command's group outlived SIGKILL (an uninterruptible wait): the
-        // lock is not released, and another holder comes only once the lease has run out.
+        // lock is not released while it lives.
+        let kept = match holder {
+            Holder::Direct(_) => "left to run out, not released",
+            Holder::Via { .. } => "kept until the group is gone (or the claim ends), then released",
+        };
         eprintln!(
-            "leasehold exec: a process of the command's group outlived SIGKILL; the lock {:?} is left to run out, not released",
+            "leasehold exec: a process of the command's group outlived SIGKILL; the lock {:?} is {kept}",
             holder.name()
         );
     }
     holder.let_go(group).await;
     status
+}
+
+/// A key's owner for this `exec` alone: the host name and process id repeat across
+/// containers (each one's first process is 1), so a random part is added.
+fn unique_owner() -> String {
+    let mut random = [0u8; 4];
+    let read = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut random));
+    if read.is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .subsec_nanos();
+        random = nanos.to_le_bytes();
+    }
+    format!(
+        "{}-{}-{:08x}",
+        leasehold_process::hostname("leasehold"),
+        std::process::id(),
+        u32::from_le_bytes(random)
+    )
 }
 
 /// The lock, held on this process's own backend connection.
@@ -292,10 +317,17 @@ impl Holder {
         }
     }
 
-    fn identity(&self) -> &str {
+    /// Who holds the lock in the backend: through a sidecar, as its stream says.
+    fn identity(&self) -> String {
         match self {
-            Holder::Direct(lock) => &lock.config().identity,
-            Holder::Via { identity, .. } => identity,
+            Holder::Direct(lock) => lock.config().identity.clone(),
+            Holder::Via {
+                identity, claims, ..
+            } => claims
+                .borrow()
+                .identity
+                .clone()
+                .unwrap_or_else(|| identity.clone()),
         }
     }
 

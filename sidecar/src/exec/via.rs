@@ -31,7 +31,11 @@ impl Via {
             .strip_prefix("http://")
             .ok_or_else(|| format!("{raw:?} is not http://HOST:PORT (the sidecar's lock API)"))?;
         let authority = rest.strip_suffix('/').unwrap_or(rest);
-        if authority.is_empty() || authority.contains(['/', '?', '#', '@', ' ']) {
+        let port = authority.rsplit_once(':').map(|(_, port)| port);
+        if authority.is_empty()
+            || authority.contains(['/', '?', '#', '@', ' '])
+            || port.is_none_or(|p| p.parse::<u16>().is_err())
+        {
             return Err(format!(
                 "{raw:?} is not http://HOST:PORT (the sidecar's lock API)"
             ));
@@ -57,7 +61,9 @@ impl Target {
     fn path(&self, wait: Duration) -> String {
         let wait = format!("wait={}ms", wait.as_millis());
         match self {
-            Target::Lock(name) => format!("/locks/{}/hold?{wait}", encode(name)),
+            // Exclusive: another `exec` through the same sidecar waits its turn rather than share
+            // the pod's acquisition.
+            Target::Lock(name) => format!("/locks/{}/hold?exclusive=true&{wait}", encode(name)),
             Target::Key { family, key, owner } => format!(
                 "/locks/{}/keys/{}/hold?owner={}&{wait}",
                 encode(family),
@@ -89,6 +95,8 @@ pub struct Claim {
     pub held: Option<(u64, BootInstant)>,
     /// The lease and the renew interval the sidecar holds it with.
     pub timing: Option<(Duration, Duration)>,
+    /// Who holds it in the backend (the sidecar's identity, or `POD/OWNER` for a key).
+    pub identity: Option<String>,
     /// The hold cannot go on: the status to exit with and why.
     pub failed: Option<(u8, String)>,
 }
@@ -140,9 +148,10 @@ async fn hold(
         let asked = ask(via, target, left.min(MAX_WAIT_PER_REQUEST)).await;
         match asked {
             Ok(Answer::Stream(lines)) => return follow(lines, claims).await,
-            Ok(Answer::Refused { status, body }) if status == 409 || status == 503 => {
+            // Held by another, the backend unreachable, or the pod's key limit reached: all pass.
+            Ok(Answer::Refused { status, body }) if matches!(status, 409 | 429 | 503) => {
                 tracing::debug!(status, body, "not held yet");
-                if status == 503 {
+                if status != 409 {
                     tokio::time::sleep(RETRY_PAUSE).await;
                 }
             }
@@ -263,9 +272,11 @@ async fn follow(
                     .map(|(lease, renew)| {
                         (Duration::from_millis(lease), Duration::from_millis(renew))
                     });
+                let identity = body["identity"].as_str().map(str::to_owned);
                 claims.send_modify(|c| {
                     c.held = Some((token, end));
                     c.timing = timing.or(c.timing);
+                    c.identity = identity.or(c.identity.take());
                 });
             }
             "lost" | "released" => {
@@ -315,6 +326,10 @@ mod tests {
         assert_eq!(
             target.path(Duration::from_secs(2)),
             "/locks/orders/keys/a%2Fb%3Ac/hold?owner=me%26you%3D1&wait=2000ms"
+        );
+        assert_eq!(
+            Target::Lock("jobs".into()).path(Duration::ZERO),
+            "/locks/jobs/hold?exclusive=true&wait=0ms"
         );
     }
 }
