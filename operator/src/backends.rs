@@ -37,8 +37,10 @@ pub const SECRET_TTL: Duration = Duration::from_secs(60);
 /// A lock's driver, the backend it was opened for, when it last provisioned which spec, and a
 /// family's last count of held keys.
 struct OpenDriver {
-    url: BackendUrl,
+    backend: DriverKey,
     driver: Arc<dyn Backend>,
+    /// The shared driver's failures (none for a Kubernetes-backed lock's own driver).
+    failure: Option<Failure>,
     provisioned: Option<(Option<i64>, std::time::Instant)>,
     held_keys: Option<(Option<u64>, std::time::Instant)>,
 }
@@ -59,9 +61,69 @@ pub struct Backends {
     /// pool, or session) per backend rather than per lock, as ZooKeeper's 60 connections per
     /// client address and the SQL servers' connection limits require. Kept while a lock's
     /// [`OpenDriver`] holds it.
-    shared: Mutex<Vec<(BackendUrl, Weak<dyn Backend>)>>,
+    shared: Mutex<Vec<SharedDriver>>,
     /// Secrets read lately, by namespace and name, with when.
     secrets: SecretCache,
+}
+
+/// What locks must have in common to share a driver: the backend (with its credentials), and
+/// on ZooKeeper the lease, since its session lasts one lease and is the driver's.
+#[derive(Clone, PartialEq)]
+struct DriverKey {
+    url: BackendUrl,
+    lease: Option<Duration>,
+}
+
+impl DriverKey {
+    fn of(resolved: &ResolvedLock) -> Self {
+        let lease =
+            matches!(resolved.backend, BackendUrl::ZooKeeper(_)).then_some(resolved.lease_duration);
+        Self {
+            url: resolved.backend.clone(),
+            lease,
+        }
+    }
+}
+
+/// One backend's driver as its locks share it. It is opened by one lock at a time: the locks
+/// that come meanwhile (the first reconcile of many, after a restart) wait for it rather than
+/// each open one of their own. A backend that a lock found unreachable (or slow past
+/// [`BACKEND_TIMEOUT`]) is reported so for its other locks at once, for [`FAILURE_STANDS`]:
+/// each would otherwise wait out the timeout, and a down backend's locks would hold every
+/// reconcile slot, deletions on healthy backends waiting behind them.
+struct SharedDriver {
+    key: DriverKey,
+    driver: Arc<tokio::sync::Mutex<Option<Weak<dyn Backend>>>>,
+    failure: Failure,
+}
+
+/// The last failure any of a backend's locks met there, with when.
+type Failure = Arc<Mutex<Option<(Instant, Error)>>>;
+
+/// How long a backend's failure answers for its other locks.
+pub const FAILURE_STANDS: Duration = Duration::from_secs(5);
+
+/// The failure still standing, if any.
+fn standing(failure: &Failure) -> Option<Error> {
+    failure
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .filter(|(at, _)| at.elapsed() < FAILURE_STANDS)
+        .map(|(_, error)| error.clone())
+}
+
+/// Keep what a call met: a failure of reach or time stands for the backend's other locks, and
+/// a success clears it.
+fn note<T>(failure: &Failure, outcome: &leasehold_lease::Result<T>) {
+    let mut slot = failure.lock().unwrap_or_else(|e| e.into_inner());
+    match outcome {
+        Ok(_) => *slot = None,
+        Err(e @ (Error::Unreachable(_) | Error::Timeout(_))) => {
+            *slot = Some((Instant::now(), e.clone()));
+        }
+        Err(_) => {}
+    }
 }
 
 /// A Secret by namespace and name.
@@ -180,58 +242,84 @@ impl Backends {
         distinct.len()
     }
 
-    /// The driver open for `url` by another lock, if any.
-    fn shared_driver(&self, url: &BackendUrl) -> Option<Arc<dyn Backend>> {
+    /// The shared driver's place for `key`, made if there is none.
+    fn shared_entry(
+        &self,
+        key: &DriverKey,
+    ) -> (Arc<tokio::sync::Mutex<Option<Weak<dyn Backend>>>>, Failure) {
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
-        shared.retain(|(_, driver)| driver.strong_count() > 0);
-        shared
-            .iter()
-            .find(|(open, _)| open == url)
-            .and_then(|(_, driver)| driver.upgrade())
+        // Places nobody uses: no lock keeps the driver, nobody opens it, no failure stands.
+        shared.retain(|entry| {
+            Arc::strong_count(&entry.driver) > 1
+                || entry.driver.try_lock().map_or(true, |driver| {
+                    driver.as_ref().is_some_and(|d| d.strong_count() > 0)
+                })
+                || standing(&entry.failure).is_some()
+        });
+        if let Some(entry) = shared.iter().find(|entry| &entry.key == key) {
+            return (entry.driver.clone(), entry.failure.clone());
+        }
+        let entry = SharedDriver {
+            key: key.clone(),
+            driver: Arc::default(),
+            failure: Arc::default(),
+        };
+        let found = (entry.driver.clone(), entry.failure.clone());
+        shared.push(entry);
+        found
     }
 
-    /// The driver for `resolved`, opened once and reused while the URL stays the same.
+    /// The driver for `resolved`: the lock's own while its backend stays the same, else the one
+    /// its backend's other locks share, else one opened now; with the shared driver's failures.
     async fn driver(
         &self,
         client: &kube::Client,
         lock: &DistributedLock,
         resolved: &ResolvedLock,
-    ) -> leasehold_lease::Result<Arc<dyn Backend>> {
+    ) -> leasehold_lease::Result<(Arc<dyn Backend>, Option<Failure>)> {
         let key = key(lock);
+        let backend = DriverKey::of(resolved);
         if let Some(open) = self
             .open
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&key)
-            && open.url == resolved.backend
+            && open.backend == backend
         {
-            return Ok(open.driver.clone());
+            return Ok((open.driver.clone(), open.failure.clone()));
         }
         // A Kubernetes-backed lock's driver is bound to its Lease; every other is the backend's.
-        let shareable = !matches!(resolved.backend, BackendUrl::Kubernetes(_));
-        let driver = match self.shared_driver(&resolved.backend).filter(|_| shareable) {
-            Some(driver) => driver,
-            None => {
-                let driver = bounded(resource::open(client, resolved)).await?;
-                if shareable {
-                    self.shared
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push((resolved.backend.clone(), Arc::downgrade(&driver)));
-                }
-                driver
+        let (driver, failure) = if matches!(resolved.backend, BackendUrl::Kubernetes(_)) {
+            (bounded(resource::open(client, resolved)).await?, None)
+        } else {
+            let (slot, failure) = self.shared_entry(&backend);
+            if let Some(error) = standing(&failure) {
+                return Err(error);
             }
+            let mut slot = slot.lock().await;
+            let driver = match slot.as_ref().and_then(Weak::upgrade) {
+                Some(driver) => driver,
+                None => {
+                    let opened = bounded(resource::open(client, resolved)).await;
+                    note(&failure, &opened);
+                    let driver = opened?;
+                    *slot = Some(Arc::downgrade(&driver));
+                    driver
+                }
+            };
+            (driver, Some(failure))
         };
         self.open.lock().unwrap_or_else(|e| e.into_inner()).insert(
             key,
             OpenDriver {
-                url: resolved.backend.clone(),
+                backend,
                 driver: driver.clone(),
+                failure: failure.clone(),
                 provisioned: None,
                 held_keys: None,
             },
         );
-        Ok(driver)
+        Ok((driver, failure))
     }
 
     /// Whether the lock's backend was provisioned for its current spec less than
@@ -305,8 +393,13 @@ impl Backends {
             }
         };
         let kind = resolved.backend.kind().to_owned();
+        let mut failure = None;
         let outcome = async {
-            let driver = self.driver(client, lock, &resolved).await?;
+            let (driver, shared_failure) = self.driver(client, lock, &resolved).await?;
+            failure = shared_failure;
+            if let Some(error) = failure.as_ref().and_then(standing) {
+                return Err(error);
+            }
             // A family's keys come and go at run time: provisioning makes what they share (the
             // table, the parent node), and nothing is seeded or created under the family's name.
             let family = resolved.keys.is_some();
@@ -356,6 +449,9 @@ impl Backends {
             })
         }
         .await;
+        if let Some(failure) = &failure {
+            note(failure, &outcome);
+        }
         (kind, outcome.unwrap_or_else(|e| failed(&e)))
     }
 
@@ -373,7 +469,7 @@ impl Backends {
         lock: &DistributedLock,
     ) -> leasehold_lease::Result<Option<StillHeld>> {
         let resolved = self.resolve(client, lock).await?;
-        let driver = self.driver(client, lock, &resolved).await?;
+        let (driver, _) = self.driver(client, lock, &resolved).await?;
         if resolved.keys.is_some() {
             match bounded(driver.count_held_keys(&resolved.name)).await? {
                 Some(0) => {

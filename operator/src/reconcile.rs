@@ -36,7 +36,8 @@ pub const MANAGER: &str = "leasehold-operator";
 /// coming back in one wave.
 pub const RESYNC: Duration = Duration::from_secs(60);
 /// A Kubernetes-backed lock's holder changes reach the operator through its Lease's watch: it
-/// is read again only this often (to repair what provisioning makes), within +-20 %.
+/// is read again only this often (to repair what provisioning makes), within +-20 %. Not a
+/// family's (its keys' Leases are not watched), nor one naming a Lease of its own choosing.
 pub const RESYNC_WATCHED: Duration = Duration::from_secs(300);
 /// The most locks reconciled at once. A reconcile's backend calls are bounded
 /// ([`crate::backends::BACKEND_TIMEOUT`]); this bounds how many run against the backends and
@@ -474,11 +475,16 @@ pub fn error_policy(lock: Arc<DistributedLock>, error: &Error, ctx: Arc<Context>
 /// Kubernetes-backed lock), within +-20 % by a hash of its namespace and name.
 pub fn resync_after(lock: &DistributedLock) -> Duration {
     use std::hash::{Hash, Hasher};
-    let base = if lock.spec.backend.kubernetes.is_some() {
-        RESYNC_WATCHED
-    } else {
-        RESYNC
-    };
+    // Only a lock's own Lease, made by the operator, is watched: not a family's key Leases, nor
+    // a Lease the lock names (`leaseName`) that the operator may not have made.
+    let watched = lock
+        .spec
+        .backend
+        .kubernetes
+        .as_ref()
+        .is_some_and(|k| k.lease_name.is_none())
+        && lock.spec.keys.is_none();
+    let base = if watched { RESYNC_WATCHED } else { RESYNC };
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     (lock.namespace(), lock.name_any()).hash(&mut hasher);
     let place = (hasher.finish() % 1000) as f64 / 1000.0;
@@ -566,6 +572,14 @@ mod tests {
             period >= RESYNC_WATCHED.mul_f64(0.8) && period <= RESYNC_WATCHED.mul_f64(1.2),
             "{period:?}"
         );
+        // A family's key Leases, and a Lease the lock names, are not watched.
+        let family = fixtures::family(watched.clone());
+        let mut named = watched;
+        named.spec.backend.kubernetes.as_mut().unwrap().lease_name = Some("theirs".into());
+        for unwatched in [family, named] {
+            let period = resync_after(&unwatched);
+            assert!(period <= RESYNC.mul_f64(1.2), "{period:?}");
+        }
     }
 
     #[tokio::test]

@@ -1043,3 +1043,85 @@ async fn a_secret_the_api_server_will_not_give_is_not_called_a_backend_fault() {
     assert_eq!(reason, "SecretUnreadable", "{message}");
     assert!(message.contains("redis-auth"), "{message}");
 }
+
+/// Locks whose first reconciles come together (a restart) open one driver for their backend,
+/// not one each; on ZooKeeper, whose session lasts a lease, locks of another lease get another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_reconciled_together_open_one_driver_per_backend_and_zookeeper_lease() {
+    let server = ZooKeeperServer::start();
+    let api = InMemoryApiServer::new();
+    let on_zookeeper = |name: &str, lease: u64| {
+        let mut lock = lock(
+            name,
+            Backend {
+                zookeeper: Some(ZooKeeperBackend {
+                    servers: vec![format!("127.0.0.1:{}", server.port())],
+                    path: "/apps/team".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        );
+        lock.spec.lease_duration = format!("{lease}s");
+        lock
+    };
+    let backends = std::sync::Arc::new(Backends::default());
+    let operator = operator_client(&api);
+    let observing: Vec<_> = (0..6)
+        .map(|i| {
+            let (backends, operator) = (backends.clone(), operator.clone());
+            let lock = on_zookeeper(&format!("lock-{i}"), if i < 4 { 15 } else { 30 });
+            tokio::spawn(async move { backends.observe(&operator, &lock).await.1 })
+        })
+        .collect();
+    for observing in observing {
+        ready(&observing.await.unwrap());
+    }
+    assert_eq!(
+        backends.drivers_open(),
+        2,
+        "six locks on one ensemble, of two leases"
+    );
+}
+
+/// A backend that cannot be reached costs its first lock the open's timeout; the locks behind
+/// it are told at once for a few seconds, rather than each holding a reconcile slot as long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_cannot_be_opened_fails_its_other_locks_at_once() {
+    let server = ZooKeeperServer::start();
+    let proxy = leasehold_testkit::FaultProxy::start(server.port());
+    proxy.cut();
+    let api = InMemoryApiServer::new();
+    let on_zookeeper = |name: &str| {
+        lock(
+            name,
+            Backend {
+                zookeeper: Some(ZooKeeperBackend {
+                    servers: vec![format!("127.0.0.1:{}", proxy.port)],
+                    path: "/apps/team".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+    };
+    let backends = Backends::default();
+    let operator = operator_client(&api);
+    let started = std::time::Instant::now();
+    let (_, first) = backends.observe(&operator, &on_zookeeper("a")).await;
+    let first_took = started.elapsed();
+    let Observation::Failed { message, .. } = first else {
+        panic!("opened through a cut link: {first:?}")
+    };
+    let started = std::time::Instant::now();
+    let (_, second) = backends.observe(&operator, &on_zookeeper("b")).await;
+    let second_took = started.elapsed();
+    let Observation::Failed { message: again, .. } = second else {
+        panic!("opened through a cut link: {second:?}")
+    };
+    assert_eq!(again, message);
+    assert!(
+        second_took < first_took / 4,
+        "the second lock waited {second_took:?}, the first {first_took:?}"
+    );
+}
