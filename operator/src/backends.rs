@@ -93,9 +93,12 @@ impl DriverKey {
 /// reconcile slot, deletions on healthy backends waiting behind them.
 struct SharedDriver {
     key: DriverKey,
-    driver: Arc<tokio::sync::Mutex<Option<Weak<dyn Backend>>>>,
+    driver: DriverSlot,
     failure: Failure,
 }
+
+/// Where a shared driver is kept while any lock keeps it, opened under its lock.
+type DriverSlot = Arc<tokio::sync::Mutex<Option<Weak<dyn Backend>>>>;
 
 /// The last failure any of a backend's locks met there, with when.
 type Failure = Arc<Mutex<Option<(Instant, Error)>>>;
@@ -243,10 +246,7 @@ impl Backends {
     }
 
     /// The shared driver's place for `key`, made if there is none.
-    fn shared_entry(
-        &self,
-        key: &DriverKey,
-    ) -> (Arc<tokio::sync::Mutex<Option<Weak<dyn Backend>>>>, Failure) {
+    fn shared_entry(&self, key: &DriverKey) -> (DriverSlot, Failure) {
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
         // Places nobody uses: no lock keeps the driver, nobody opens it, no failure stands.
         shared.retain(|entry| {
