@@ -125,10 +125,17 @@ async fn operator_load(locks: usize) {
     let (stop, controller) = start_operator(&api, "operator-1");
     tokio::time::sleep(OPERATOR_MEASURE).await;
     let made = api.requests() - before;
+    let per_lock = made as f64 / locks as f64;
     println!(
-        "  a new leader's first {OPERATOR_MEASURE:?}: {made} API requests ({:.1} per lock, {:.1}/s)",
-        made as f64 / locks as f64,
+        "  a new leader's first {OPERATOR_MEASURE:?}: {made} API requests ({per_lock:.1} per lock, {:.1}/s)",
         made as f64 / OPERATOR_MEASURE.as_secs_f64()
+    );
+    // A resync does what a new leader's first reconcile does, once per period per lock: a
+    // figure derived from the two measured above, since a window of the period is too long.
+    let period = leasehold_operator::reconcile::RESYNC_WATCHED;
+    println!(
+        "  resyncs, one every {period:?} per lock on average: {:.1} API requests/s (derived)",
+        per_lock * locks as f64 / period.as_secs_f64()
     );
     renewals.abort();
     let _ = stop.send(());

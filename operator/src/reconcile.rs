@@ -38,7 +38,7 @@ pub const RESYNC: Duration = Duration::from_secs(60);
 /// A Kubernetes-backed lock's holder changes reach the operator through its Lease's watch: it
 /// is read again only this often (to repair what provisioning makes), within +-20 %. Not a
 /// family's (its keys' Leases are not watched), nor one naming a Lease of its own choosing.
-pub const RESYNC_WATCHED: Duration = Duration::from_secs(300);
+pub const RESYNC_WATCHED: Duration = Duration::from_secs(900);
 /// The most locks reconciled at once. A reconcile's backend calls are bounded
 /// ([`crate::backends::BACKEND_TIMEOUT`]); this bounds how many run against the backends and
 /// the API server together, after a restart or a leader change reconciles every lock.

@@ -30,6 +30,11 @@ pub const READINESS_ANNOTATION: &str = "leasehold.dev/readiness-requires-backend
 /// loopback ports, so that an app written for Dapr's lock building block runs unchanged: each
 /// named family of keyed locks is a Dapr lock store.
 pub const DAPR_ANNOTATION: &str = "leasehold.dev/dapr-api";
+/// The annotation that makes a pod's campaign-mode locks sit out while its app is unhealthy:
+/// `PORT/PATH` (or `PORT`) of the app's health endpoint on the pod's loopback, which the
+/// sidecar asks every 5 s (`--app-health`), stepping down after three failures in a row.
+pub const APP_HEALTH_ANNOTATION: &str = "leasehold.dev/app-health";
+
 /// Dapr's default ports, which Dapr's SDKs use unless `DAPR_HTTP_PORT` / `DAPR_GRPC_PORT` say
 /// otherwise.
 pub const DAPR_HTTP_LISTEN: &str = "127.0.0.1:3500";
@@ -220,6 +225,30 @@ fn flag_annotation(pod: &Pod, annotation: &str) -> Result<bool, String> {
     }
 }
 
+/// The app's health endpoint that [`APP_HEALTH_ANNOTATION`] names, as the sidecar's URL.
+fn app_health_annotation(pod: &Pod) -> Result<Option<String>, String> {
+    let Some(value) = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(APP_HEALTH_ANNOTATION))
+    else {
+        return Ok(None);
+    };
+    let (port, path) = match value.find('/') {
+        Some(at) => (&value[..at], &value[at..]),
+        None => (value.as_str(), "/"),
+    };
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
+    let path_ok = path.bytes().all(|b| b.is_ascii_graphic() && b != b'#');
+    if !port_ok || !path_ok {
+        return Err(format!(
+            "annotation {APP_HEALTH_ANNOTATION}={value:?}: expected PORT/PATH of the app's health endpoint, e.g. \"8080/healthz\""
+        ));
+    }
+    Ok(Some(format!("http://127.0.0.1:{port}{path}")))
+}
+
 /// Decide for `pod` in `namespace`, given which DistributedLocks exist there and what each
 /// declares.
 pub fn decide(
@@ -262,9 +291,16 @@ pub fn decide(
             locks.join(", ")
         ));
     }
+    let app_health = match app_health_annotation(pod) {
+        Ok(app_health) => app_health,
+        Err(message) => return Decision::Deny(message),
+    };
     if let Some(args) = &mut container.args {
         if gated {
             args.push("--readiness-requires-backend".to_owned());
+        }
+        if let Some(url) = app_health {
+            args.extend(["--app-health".to_owned(), url]);
         }
         if dapr {
             args.extend(

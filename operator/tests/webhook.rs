@@ -357,6 +357,49 @@ async fn backend_gated_readiness_is_opted_into_by_annotation() {
     assert!(message.contains("readiness-requires-backend"), "{message}");
 }
 
+/// A pod names its app's health endpoint by annotation; its sidecar steps down while the app
+/// fails it. Anything but PORT/PATH is refused with the reason.
+#[tokio::test]
+async fn the_apps_health_endpoint_is_named_by_annotation() {
+    let api = api_with_locks(&["jobs"]);
+    let args = |patched: &Value| -> Vec<String> {
+        sidecars(patched, "initContainers")[0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let (_, _, plain) = admit(&api, &pod(Some("jobs"), None, None), true).await;
+    assert!(!args(&plain).contains(&"--app-health".to_owned()));
+    let mut probed = pod(Some("jobs"), None, None);
+    for (value, url) in [
+        ("8080/healthz", "http://127.0.0.1:8080/healthz"),
+        ("9000", "http://127.0.0.1:9000/"),
+    ] {
+        probed["metadata"]["annotations"][webhook::APP_HEALTH_ANNOTATION] = json!(value);
+        let (allowed, message, patched) = admit(&api, &probed, true).await;
+        assert!(allowed, "{message}");
+        let args = args(&patched);
+        let at = args
+            .iter()
+            .position(|a| a == "--app-health")
+            .expect("--app-health");
+        assert_eq!(args[at + 1], url);
+    }
+    for bad in [
+        "healthz",
+        "http://127.0.0.1:8080/healthz",
+        "70000/x",
+        "8080/a b",
+    ] {
+        probed["metadata"]["annotations"][webhook::APP_HEALTH_ANNOTATION] = json!(bad);
+        let (allowed, message, _) = admit(&api, &probed, true).await;
+        assert!(!allowed, "{bad}");
+        assert!(message.contains("PORT/PATH"), "{message}");
+    }
+}
+
 /// Pod Security's `restricted` profile, as documented
 /// (kubernetes.io/docs/concepts/security/pod-security-standards): the checks that a container
 /// or a pod can fail, with the pod-level fields that satisfy a container's.

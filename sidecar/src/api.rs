@@ -420,7 +420,12 @@ fn lock_response(
         released,
         error: snapshot.backend_error.as_deref(),
         warning: snapshot.warning.as_deref(),
-        reason: withheld.map(|w| w.reason.as_str()),
+        // Sitting out (the app is unhealthy) says why before a backend's guard does.
+        reason: match answer {
+            Answer::NotHolder => snapshot.sitting_out.as_deref(),
+            _ => None,
+        }
+        .or(withheld.map(|w| w.reason.as_str())),
         retry_after_ms: withheld
             .and_then(|w| w.until)
             .map(|until| until.remaining().as_millis() as u64),

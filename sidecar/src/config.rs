@@ -132,6 +132,27 @@ struct Args {
           conflicts_with_all = ["resign", "provision"])]
     exit_with_pod: Option<String>,
 
+    /// The app's health endpoint, http://127.0.0.1:PORT/PATH: while it fails
+    /// --app-health-failures probes in a row, campaign-mode locks sit out (step down, and
+    /// campaign again once it answers 200-399).
+    #[arg(long, env = "LEASEHOLD_APP_HEALTH", value_name = "URL")]
+    app_health: Option<String>,
+
+    /// How often the app's health endpoint is asked, and how long an answer may take.
+    #[arg(long, env = "LEASEHOLD_APP_HEALTH_PERIOD", value_name = "DURATION", default_value = "5s",
+          value_parser = parse_duration, requires = "app_health")]
+    app_health_period: Duration,
+
+    /// How many failed probes in a row make the locks sit out.
+    #[arg(
+        long,
+        env = "LEASEHOLD_APP_HEALTH_FAILURES",
+        value_name = "N",
+        default_value_t = 3,
+        requires = "app_health"
+    )]
+    app_health_failures: u32,
+
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", value_name = "FORMAT", default_value = "text",
           value_parser = ["text", "json"])]
@@ -163,6 +184,8 @@ pub struct Config {
     pub dapr_grpc_listen: Option<SocketAddr>,
     /// `/readyz` fails while a backend is unreachable (opt-in).
     pub readiness_requires_backend: bool,
+    /// `--app-health`: campaign-mode locks sit out while the app is unhealthy.
+    pub app_health: Option<crate::app_health::AppHealth>,
     pub json_logs: bool,
 }
 
@@ -189,13 +212,21 @@ impl Config {
             clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
                 Exit::Info(e.to_string())
             }
-            _ => Exit::BadConfig(
-                e.to_string()
+            // One line: clap's first paragraph (a missing argument is named on the lines
+            // after "not provided:").
+            _ => Exit::BadConfig({
+                let message = e.to_string();
+                let first: Vec<&str> = message
                     .lines()
-                    .next()
-                    .unwrap_or("error: invalid arguments")
-                    .to_owned(),
-            ),
+                    .map(str::trim)
+                    .take_while(|line| !line.is_empty())
+                    .collect();
+                if first.is_empty() {
+                    "error: invalid arguments".to_owned()
+                } else {
+                    first.join(" ")
+                }
+            }),
         })?;
         Self::from_args(args)
     }
@@ -359,6 +390,17 @@ impl Config {
                 &"the same as --listen",
             ));
         }
+        let app_health = match &args.app_health {
+            Some(url) => Some(
+                crate::app_health::AppHealth::parse(
+                    url,
+                    args.app_health_period,
+                    args.app_health_failures,
+                )
+                .map_err(|e| bad("app-health", url, &e))?,
+            ),
+            None => None,
+        };
         Ok(Self {
             resign_only: args.resign,
             resources,
@@ -374,6 +416,7 @@ impl Config {
             dapr_http_listen: args.dapr_http_listen,
             dapr_grpc_listen: args.dapr_grpc_listen,
             readiness_requires_backend: args.readiness_requires_backend,
+            app_health,
             json_logs: args.log_format == "json",
         })
     }

@@ -3,6 +3,7 @@
 //! (start, readiness, shutdown on signals; what it shares with the operator is `leasehold-process`).
 
 pub mod api;
+pub mod app_health;
 pub mod config;
 pub mod dapr;
 pub mod exec;

@@ -182,6 +182,8 @@ pub struct Metrics {
     info: Family<InfoLabels, Gauge>,
     lease_seconds: Family<LockLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     keyed: KeyedMetrics,
+    app_healthy: Gauge,
+    app_probe_failures: Counter,
 }
 
 impl Metrics {
@@ -236,9 +238,24 @@ impl Metrics {
             backend_errors.clone(),
         );
         let keyed = KeyedMetrics::register(&mut registry);
+        let app_healthy = Gauge::default();
+        app_healthy.set(1);
+        registry.register(
+            "app_healthy",
+            "0 while the app's health probe (--app-health) fails enough in a row that campaign-mode locks sit out; 1 otherwise",
+            app_healthy.clone(),
+        );
+        let app_probe_failures = Counter::default();
+        registry.register(
+            "app_probe_failures",
+            "Failed probes of the app's health endpoint (--app-health)",
+            app_probe_failures.clone(),
+        );
         Self {
             registry,
             keyed,
+            app_healthy,
+            app_probe_failures,
             holder,
             fencing_token,
             acquisitions,
@@ -249,6 +266,18 @@ impl Metrics {
             info,
             lease_seconds,
         }
+    }
+
+    /// A probe of the app's health endpoint passed or failed.
+    pub fn app_probed(&self, healthy: bool) {
+        if !healthy {
+            self.app_probe_failures.inc();
+        }
+    }
+
+    /// Whether the locks sit out for the app's health.
+    pub fn app_sitting_out(&self, sitting_out: bool) {
+        self.app_healthy.set(i64::from(!sitting_out));
     }
 
     /// Create every per-lock series up front, so dashboards see zeros rather than gaps.

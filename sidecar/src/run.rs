@@ -109,6 +109,14 @@ pub async fn run(config: Config) -> Result<(), String> {
         })
     });
 
+    let app_health = config.app_health.clone().map(|health| {
+        tokio::spawn(crate::app_health::watch(
+            health,
+            state.clone(),
+            metrics.clone(),
+        ))
+    });
+
     let pod_finished = async {
         match &config.exit_with_pod {
             Some(own) => match kube::Client::try_default().await {
@@ -138,6 +146,11 @@ pub async fn run(config: Config) -> Result<(), String> {
     // waiting for each to end makes the list below the last word.
     for follower in followers {
         let _ = follower.await;
+    }
+    // No lock comes back from sitting out while they are being released.
+    if let Some(app_health) = app_health {
+        app_health.abort();
+        let _ = app_health.await;
     }
     futures_util::future::join_all(state.locks().iter().map(Lock::shutdown)).await;
     futures_util::future::join_all(state.families().iter().map(KeyedFamily::shutdown)).await;

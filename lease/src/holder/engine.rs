@@ -75,6 +75,9 @@ pub(super) struct Engine {
     pub(super) on_unheld: Option<OnUnheld>,
     /// Retired ([`Lock::retire`]): the lease is left to run out, not released; told here.
     pub(super) retired: Option<oneshot::Sender<()>>,
+    /// Campaign mode: sitting out, and why ([`Lock::sit_out`]): the lock is neither held nor
+    /// campaigned for until [`Lock::come_back`].
+    pub(super) sitting_out: Option<String>,
 }
 
 /// An engine dropped while it waited for the lock (a keyed acquisition runs on its caller's
@@ -204,7 +207,7 @@ impl Engine {
 
     pub(super) fn wants_lock(&self) -> bool {
         match self.config.mode {
-            Mode::Campaign => true,
+            Mode::Campaign => self.sitting_out.is_none(),
             Mode::OnDemand => !self.waiters.is_empty(),
         }
     }
@@ -397,10 +400,13 @@ impl Engine {
     /// released (compared by token, so only if still this one) and the driver dropped: a session
     /// backend (ZooKeeper, etcd) keeps the lock as long as its session lives.
     pub(super) fn lapse(&mut self) {
+        self.lapse_for("handed over");
+    }
+
+    /// [`Engine::lapse`], saying why; when the lease will be released, if one was held.
+    pub(super) fn lapse_for(&mut self, reason: &'static str) -> Option<BootInstant> {
         let hold_until = self.hold_until;
-        let Some(held) = self.forget(EventKind::Released, "handed over") else {
-            return;
-        };
+        let held = self.forget(EventKind::Released, reason)?;
         let answered_until = hold_until.map_or(held.valid_until, |h| h.min(held.valid_until));
         let after = answered_until + safety_margin(self.config.lease_duration);
         let driver = self.driver.clone();
@@ -409,6 +415,7 @@ impl Engine {
             let _ = timeout(SHUTDOWN_RELEASE_TIMEOUT, driver.release(&held.lease)).await;
             drop(driver);
         });
+        Some(after)
     }
 
     /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
@@ -601,6 +608,31 @@ impl Engine {
                     self.publish_lease();
                 }
                 let _ = reply.send(self.state.borrow().answer());
+            }
+            Command::SitOut { reason, reply } => {
+                if self.config.mode == Mode::Campaign && self.sitting_out.is_none() {
+                    tracing::warn!(lock = %self.config.name, reason, "sitting out");
+                    // Answers say "not holder" at once; the lease is released once the last
+                    // answer's validity has run out, and no campaign starts again before that
+                    // release has been made (the same identity must not meet its own lease).
+                    if let Some(released_at) = self.lapse_for("sitting out") {
+                        let after = released_at + SHUTDOWN_RELEASE_TIMEOUT;
+                        self.cooldown_until = Some(after.to_tokio());
+                    }
+                    self.sitting_out = Some(reason.clone());
+                    self.publish(|s| {
+                        s.sitting_out = Some(reason);
+                        true
+                    });
+                }
+                let _ = reply.send(());
+            }
+            Command::ComeBack { reply } => {
+                if self.sitting_out.take().is_some() {
+                    tracing::info!(lock = %self.config.name, "campaigning again");
+                    self.publish(|s| s.sitting_out.take().is_some());
+                }
+                let _ = reply.send(());
             }
             Command::Retire { done } => {
                 self.retired = Some(done);

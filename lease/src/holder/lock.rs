@@ -34,6 +34,13 @@ pub(super) enum Command {
         token: Option<u64>,
         reply: oneshot::Sender<Answer>,
     },
+    /// Campaign mode: step aside and stop campaigning ([`Lock::sit_out`]).
+    SitOut {
+        reason: String,
+        reply: oneshot::Sender<()>,
+    },
+    /// Campaign again ([`Lock::come_back`]).
+    ComeBack { reply: oneshot::Sender<()> },
     /// Stop without releasing ([`Lock::retire`]); `done` fires once the engine has let go.
     Retire { done: oneshot::Sender<()> },
 }
@@ -217,6 +224,7 @@ impl Lock {
             waiters: Vec::new(),
             served: false,
             unwatched: false,
+            sitting_out: None,
             in_flight: None,
             settled: Arc::new(settled.clone().drop_guard()),
             on_unheld,
@@ -341,6 +349,33 @@ impl Lock {
             .send(Box::new(Command::Extend { hold, token, reply }))
             .map_err(|_| Error::Shutdown)?;
         answer.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// Campaign mode: stop holding and campaigning for the lock, saying why (its app is
+    /// unhealthy), until [`Lock::come_back`]. Answers say "not holder" at once; a lease held is
+    /// released once the last answer's validity has run out, as on [`Lock::retire`], so that
+    /// nobody holds it while this process's app may still act on an answer.
+    pub async fn sit_out(&self, reason: &str) -> Result<()> {
+        let (reply, done) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Box::new(Command::SitOut {
+                reason: reason.to_owned(),
+                reply,
+            }))
+            .map_err(|_| Error::Shutdown)?;
+        done.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// Campaign again after [`Lock::sit_out`] (not before its lease, if it held one, has been
+    /// released).
+    pub async fn come_back(&self) -> Result<()> {
+        let (reply, done) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Box::new(Command::ComeBack { reply }))
+            .map_err(|_| Error::Shutdown)?;
+        done.await.map_err(|_| Error::Shutdown)
     }
 
     /// Release the lease if held and stop the task. Returns within

@@ -207,6 +207,8 @@ pub struct Snapshot {
     /// [`crate::Withheld`]): why, and when grants resume if the backend said. Cleared by the
     /// next attempt that finds otherwise.
     pub withheld: Option<WithheldUntil>,
+    /// Campaign mode: this process sits out, and why ([`Lock::sit_out`]).
+    pub sitting_out: Option<String>,
 }
 
 /// A [`crate::Withheld`] answer, dated.
@@ -228,6 +230,7 @@ impl Snapshot {
             holds: 0,
             warning: None,
             withheld: None,
+            sitting_out: None,
         }
     }
 

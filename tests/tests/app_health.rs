@@ -1,0 +1,148 @@
+//! `--app-health`: a campaign-mode holder whose app fails its health probe sits out (answers
+//! "not holder" with the reason at once, lets its lease go once its last answer has run out),
+//! so that its peer takes the lock; once the app is healthy again it campaigns again. Real
+//! sidecar processes on a SQLite file, and an app that answers its probe 200 or 503.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use leasehold_e2e::{Sidecar, eventually, unique_lock};
+
+/// An app's health endpoint on a free loopback port: 200 while healthy, else 503.
+struct App {
+    port: u16,
+    healthy: Arc<AtomicBool>,
+}
+
+impl App {
+    fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().unwrap().port();
+        let healthy = Arc::new(AtomicBool::new(true));
+        let answers = healthy.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let mut request = [0u8; 1024];
+                let _ = conn.read(&mut request);
+                let status = if answers.load(Ordering::SeqCst) {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                };
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+            }
+        });
+        Self { port, healthy }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/healthz", self.port)
+    }
+
+    fn set_healthy(&self, healthy: bool) {
+        self.healthy.store(healthy, Ordering::SeqCst);
+    }
+}
+
+const TIMING: [&str; 4] = ["--lease-duration", "3s", "--renew-interval", "1s"];
+
+#[test]
+fn a_holder_whose_app_is_unhealthy_sits_out_and_its_peer_takes_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let lock = unique_lock("app-health");
+    let app = App::start();
+    let app_url = app.url();
+    let probing = [
+        &TIMING[..],
+        &[
+            "--app-health",
+            &app_url,
+            "--app-health-period",
+            "200ms",
+            "--app-health-failures",
+            "2",
+        ],
+    ]
+    .concat();
+    let a = Sidecar::start("pod-a", &backend, &lock, &probing);
+    eventually(Duration::from_secs(5), "pod a holds", || a.is_holder());
+    let first = a.get("/lock").token();
+    let b = Sidecar::start("pod-b", &backend, &lock, &TIMING);
+    assert!(a.get("/metrics").body.contains("leasehold_app_healthy 1"));
+
+    app.set_healthy(false);
+    let failing = Instant::now();
+    eventually(Duration::from_secs(3), "pod a steps down", || {
+        let reply = a.get("/lock");
+        reply.status == 409 && reply.body.contains("the app is unhealthy")
+    });
+    let stepped_down = failing.elapsed();
+    // Its last answer's validity runs out, then its lease is released: within a lease.
+    eventually(Duration::from_secs(6), "pod b takes over", || b.is_holder());
+    assert!(b.get("/lock").token() > first);
+    let metrics = a.get("/metrics").body;
+    assert!(metrics.contains("leasehold_app_healthy 0"), "{metrics}");
+    assert!(
+        !metrics.contains("leasehold_app_probe_failures_total 0"),
+        "{metrics}"
+    );
+    eprintln!("pod a stepped down {stepped_down:?} after its app began to fail");
+
+    // Healthy again: pod a campaigns, and takes the lock once pod b is gone.
+    app.set_healthy(true);
+    eventually(
+        Duration::from_secs(3),
+        "pod a's app is healthy again",
+        || a.get("/metrics").body.contains("leasehold_app_healthy 1"),
+    );
+    let reply = a.get("/lock");
+    assert_eq!(reply.status, 409, "{}", reply.body);
+    assert!(!reply.body.contains("unhealthy"), "{}", reply.body);
+    drop(b);
+    eventually(Duration::from_secs(10), "pod a holds again", || {
+        a.is_holder()
+    });
+}
+
+#[test]
+fn a_bad_app_health_endpoint_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = format!("sqlite://{}", dir.path().join("locks.db").display());
+    for (args, says) in [
+        (
+            &["--app-health", "127.0.0.1:8080/healthz"][..],
+            "http://HOST:PORT/PATH",
+        ),
+        (
+            &["--app-health", "http://127.0.0.1/healthz"][..],
+            "http://HOST:PORT/PATH",
+        ),
+        (
+            &[
+                "--app-health",
+                "http://127.0.0.1:8080/",
+                "--app-health-failures",
+                "0",
+            ][..],
+            "at least 1",
+        ),
+        (&["--app-health-period", "1s"][..], "--app-health"),
+    ] {
+        let output = std::process::Command::new(leasehold_e2e::sidecar_binary())
+            .args(["--lock", "jobs", "--backend", &backend])
+            .args(args)
+            .output()
+            .expect("run the sidecar");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {says:?} not in {stderr}");
+    }
+}
