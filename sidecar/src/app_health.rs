@@ -31,18 +31,24 @@ pub struct AppHealth {
 }
 
 impl AppHealth {
-    /// `http://HOST:PORT/PATH`.
+    /// `http://HOST:PORT/PATH`, the host on loopback (`127.0.0.1`, `localhost` or `[::1]`):
+    /// the app runs in the sidecar's pod, or beside it.
     pub fn parse(raw: &str, period: Duration, failures: u32) -> Result<Self, String> {
-        let bad = || format!("{raw:?} is not http://HOST:PORT/PATH (the app's health endpoint)");
+        let bad = || {
+            format!("{raw:?} is not http://HOST:PORT/PATH on loopback (the app's health endpoint)")
+        };
         let rest = raw.strip_prefix("http://").ok_or_else(bad)?;
         let (authority, path) = match rest.find('/') {
             Some(at) => (&rest[..at], &rest[at..]),
             None => (rest, "/"),
         };
-        let port_ok = authority
-            .rsplit_once(':')
-            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-        if !port_ok || authority.contains(['@', ' ']) || path.contains([' ', '\r', '\n', '#']) {
+        let Some((host, port)) = authority.rsplit_once(':') else {
+            return Err(bad());
+        };
+        let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
+        let loopback = matches!(host, "127.0.0.1" | "localhost" | "[::1]");
+        let path_ok = path.bytes().all(|b| b.is_ascii_graphic() && b != b'#');
+        if !port_ok || !loopback || !path_ok {
             return Err(bad());
         }
         if failures == 0 {
@@ -72,16 +78,36 @@ impl AppHealth {
             conn.write_all(request.as_bytes())
                 .await
                 .map_err(|e| format!("cannot send: {e}"))?;
-            let mut status_line = String::new();
-            BufReader::new(conn)
-                .read_line(&mut status_line)
-                .await
-                .map_err(|e| format!("no answer: {e}"))?;
-            let status: u16 = status_line
-                .split_whitespace()
-                .nth(1)
-                .and_then(|s| s.parse().ok())
+            let mut reader = BufReader::new(conn);
+            // An interim answer (1xx, such as 103 Early Hints) is skipped, as the kubelet does.
+            let status = loop {
+                let mut status_line = String::new();
+                reader
+                    .read_line(&mut status_line)
+                    .await
+                    .map_err(|e| format!("no answer: {e}"))?;
+                let mut words = status_line.split_whitespace();
+                let status = match (words.next(), words.next()) {
+                    (Some(version), Some(code)) if version.starts_with("HTTP/1.") => {
+                        code.parse::<u16>().ok()
+                    }
+                    _ => None,
+                }
                 .ok_or_else(|| format!("not an HTTP answer: {:?}", status_line.trim_end()))?;
+                if !(100..200).contains(&status) {
+                    break status;
+                }
+                loop {
+                    let mut header = String::new();
+                    let read = reader
+                        .read_line(&mut header)
+                        .await
+                        .map_err(|e| format!("no answer: {e}"))?;
+                    if read == 0 || header.trim_end().is_empty() {
+                        break;
+                    }
+                }
+            };
             if (200..400).contains(&status) {
                 Ok(())
             } else {
@@ -118,9 +144,10 @@ pub async fn watch(health: AppHealth, state: AppState, metrics: Arc<Metrics>) {
                 failed_in_a_row = 0;
                 if sitting_out {
                     tracing::info!("the app is healthy again: campaigning");
-                    for lock in campaigning() {
-                        let _ = lock.come_back().await;
-                    }
+                    futures_util::future::join_all(
+                        campaigning().iter().map(|lock| lock.come_back()),
+                    )
+                    .await;
                     sitting_out = false;
                     metrics.app_sitting_out(false);
                 }
@@ -133,10 +160,13 @@ pub async fn watch(health: AppHealth, state: AppState, metrics: Arc<Metrics>) {
                         "the app is unhealthy ({failed_in_a_row} probes of {}{} failed in a row, the last: {why})",
                         health.authority, health.path
                     );
-                    // Every time: a lock put in place since (a spec change) sits out too.
-                    for lock in campaigning() {
-                        let _ = lock.sit_out(&reason).await;
-                    }
+                    // Every time: a lock put in place since (a spec change) sits out too. All at
+                    // once: an engine answers between backend calls, which may each take a renew
+                    // interval.
+                    futures_util::future::join_all(
+                        campaigning().iter().map(|lock| lock.sit_out(&reason)),
+                    )
+                    .await;
                     sitting_out = true;
                     metrics.app_sitting_out(true);
                 }
@@ -161,6 +191,7 @@ mod tests {
                 .path,
             "/"
         );
+        assert!(AppHealth::parse("http://[::1]:8080/", period, 3).is_ok());
         for bad in [
             "127.0.0.1:8080/healthz",
             "https://127.0.0.1:8080/",
@@ -168,6 +199,9 @@ mod tests {
             "http://:8080/",
             "http://u@127.0.0.1:8080/",
             "http://127.0.0.1:8080/a b",
+            "http://127.0.0.1:8080/a\tb",
+            "http://127.0.0.1:0/",
+            "http://app.example:8080/healthz",
         ] {
             assert!(AppHealth::parse(bad, period, 3).is_err(), "{bad}");
         }

@@ -80,20 +80,38 @@ fn a_holder_whose_app_is_unhealthy_sits_out_and_its_peer_takes_over() {
 
     app.set_healthy(false);
     let failing = Instant::now();
-    eventually(Duration::from_secs(3), "pod a steps down", || {
+    // Until it steps down, pod a answers as holder; the last such answer's validity, on this
+    // test's clock, must run out before pod b holds.
+    let mut last_valid_until = Instant::now();
+    eventually(Duration::from_secs(5), "pod a steps down", || {
+        let asked = Instant::now();
         let reply = a.get("/lock");
+        if reply.status == 200 {
+            let valid_for = reply.json()["validForMs"].as_u64().unwrap();
+            last_valid_until = asked + Duration::from_millis(valid_for);
+        }
         reply.status == 409 && reply.body.contains("the app is unhealthy")
     });
     let stepped_down = failing.elapsed();
     // Its last answer's validity runs out, then its lease is released: within a lease.
-    eventually(Duration::from_secs(6), "pod b takes over", || b.is_holder());
+    eventually(Duration::from_secs(10), "pod b takes over", || {
+        b.is_holder()
+    });
+    let taken = Instant::now();
+    assert!(
+        taken >= last_valid_until,
+        "pod b held {:?} before pod a's last answer ran out",
+        last_valid_until - taken
+    );
     assert!(b.get("/lock").token() > first);
     let metrics = a.get("/metrics").body;
     assert!(metrics.contains("leasehold_app_healthy 0"), "{metrics}");
-    assert!(
-        !metrics.contains("leasehold_app_probe_failures_total 0"),
-        "{metrics}"
-    );
+    let failures: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("leasehold_app_probe_failures_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no probe failure count: {metrics}"));
+    assert!(failures >= 2, "{failures} failed probes counted");
     eprintln!("pod a stepped down {stepped_down:?} after its app began to fail");
 
     // Healthy again: pod a campaigns, and takes the lock once pod b is gone.
@@ -134,7 +152,7 @@ fn a_bad_app_health_endpoint_is_refused() {
             ][..],
             "at least 1",
         ),
-        (&["--app-health-period", "1s"][..], "--app-health"),
+        (&["--app-health-period", "1s"][..], "--app-health <URL>"),
     ] {
         let output = std::process::Command::new(leasehold_e2e::sidecar_binary())
             .args(["--lock", "jobs", "--backend", &backend])

@@ -615,9 +615,21 @@ impl Engine {
                     // Answers say "not holder" at once; the lease is released once the last
                     // answer's validity has run out, and no campaign starts again before that
                     // release has been made (the same identity must not meet its own lease).
-                    if let Some(released_at) = self.lapse_for("sitting out") {
-                        let after = released_at + SHUTDOWN_RELEASE_TIMEOUT;
-                        self.cooldown_until = Some(after.to_tokio());
+                    match self.lapse_for("sitting out") {
+                        Some(released_at) => {
+                            let after = released_at + SHUTDOWN_RELEASE_TIMEOUT;
+                            self.cooldown_until = Some(after.to_tokio());
+                        }
+                        // Waiting: leave the queue (etcd, ZooKeeper) now, and let an attempt
+                        // still out be followed up (released if it took the lock), rather
+                        // than keep a place first in line for nobody.
+                        None => {
+                            self.in_flight = None;
+                            let (name, identity) =
+                                (self.config.name.clone(), self.config.identity.clone());
+                            let budget = self.config.renew_interval;
+                            let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
+                        }
                     }
                     self.sitting_out = Some(reason.clone());
                     self.publish(|s| {
