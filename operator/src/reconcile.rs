@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease as LeaseObject;
@@ -25,6 +25,7 @@ use crate::backends::{Backends, StillHeld};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::status::{self, Notice, Observation};
+use leasehold_resource as resource;
 
 /// The finalizer that lets the operator clean up the backend before the lock goes.
 pub const FINALIZER: &str = "leasehold.dev/cleanup";
@@ -58,6 +59,9 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Consecutive failures per lock, for the backoff.
     pub failures: Mutex<HashMap<ObjectRef<DistributedLock>, u32>>,
+    /// Force-releases asked for (by lock uid and token) whose holding still runs, with when
+    /// the operator first saw each.
+    pub force_releases: Mutex<HashMap<(String, u64), Instant>>,
 }
 
 impl Context {
@@ -72,6 +76,7 @@ impl Context {
             backends: Backends::default(),
             metrics,
             failures: Mutex::default(),
+            force_releases: Mutex::default(),
         }
     }
 }
@@ -218,17 +223,182 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
         publish(ctx, lock, &notice).await;
     }
     match observation {
-        Observation::Ready { .. } => {
+        Observation::Ready { holder, .. } => {
             ctx.failures
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&ObjectRef::from(lock));
+            if let Some(asked) = resource::force_release_token(lock)
+                && let Some(again) = force_release(ctx, lock, asked, holder.as_ref()).await?
+            {
+                return Ok(Action::requeue(again));
+            }
             Ok(Action::requeue(resync_after(lock)))
         }
         // The status says why; the error sends the lock through the backoff.
         Observation::Failed { message, .. } => {
             Err(Error::Backend(leasehold_lease::Error::Backend(message)))
         }
+    }
+}
+
+/// How often a force-release whose holding still runs is looked at again.
+pub const FORCE_RELEASE_RECHECK: Duration = Duration::from_secs(2);
+/// How long a force-release waits for its holder's sidecar to step down before it is given up.
+pub const FORCE_RELEASE_PATIENCE: Duration = Duration::from_secs(120);
+
+/// A person's `leasehold.dev/force-release=TOKEN`: while `holder` still holds with that token,
+/// its sidecar (which follows the lock) is stepping down, and the lock is looked at again in
+/// [`FORCE_RELEASE_RECHECK`]; once it does not, the annotation is removed and an Event says
+/// what became of it (also when the token was not current, or is no token).
+async fn force_release(
+    ctx: &Context,
+    lock: &DistributedLock,
+    asked: std::result::Result<u64, String>,
+    holder: Option<&leasehold_lease::Holding>,
+) -> Result<Option<Duration>> {
+    let by = annotation_author(lock, resource::FORCE_RELEASE_ANNOTATION);
+    let uid = lock.metadata.uid.clone().unwrap_or_default();
+    let now = match holder {
+        Some(h) => format!("{} holds the lock with token {}", h.identity, h.token),
+        None => "nobody holds the lock".to_owned(),
+    };
+    let notice = match asked {
+        Err(raw) => Notice {
+            warning: true,
+            reason: "ForceReleaseInvalid",
+            note: format!(
+                "{}={raw:?}, set by {by}, is not a fencing token; nothing was released ({now})",
+                resource::FORCE_RELEASE_ANNOTATION
+            ),
+        },
+        Ok(_) if lock.spec.keys.is_some() => Notice {
+            warning: true,
+            reason: "ForceReleaseInvalid",
+            note: format!(
+                "{}, set by {by}, applies to a lock, not to a family of keyed locks, whose keys their owners release; nothing was released",
+                resource::FORCE_RELEASE_ANNOTATION
+            ),
+        },
+        Ok(token) if holder.is_some_and(|h| h.token == token) => {
+            let (first_seen, new) = {
+                let mut asked = ctx.force_releases.lock().unwrap_or_else(|e| e.into_inner());
+                match asked.get(&(uid.clone(), token)) {
+                    Some(at) => (*at, false),
+                    None => {
+                        asked.insert((uid.clone(), token), Instant::now());
+                        (Instant::now(), true)
+                    }
+                }
+            };
+            if first_seen.elapsed() < FORCE_RELEASE_PATIENCE {
+                if new {
+                    publish(
+                        ctx,
+                        lock,
+                        &Notice {
+                            warning: false,
+                            reason: "ForceReleaseRequested",
+                            note: format!(
+                                "{by} asked to end the holding with token {token} ({now}); its sidecar steps down"
+                            ),
+                        },
+                    )
+                    .await;
+                }
+                return Ok(Some(FORCE_RELEASE_RECHECK));
+            }
+            ctx.force_releases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(uid, token));
+            Notice {
+                warning: true,
+                reason: "ForceReleaseStalled",
+                note: format!(
+                    "the holding with token {token} did not end within {}s of {by}'s request ({now}); its sidecar steps down only if it follows the lock (--resource, as the webhook injects it)",
+                    FORCE_RELEASE_PATIENCE.as_secs()
+                ),
+            }
+        }
+        Ok(token) => {
+            let asked_while_current = ctx
+                .force_releases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(uid, token))
+                .is_some();
+            if asked_while_current {
+                Notice {
+                    warning: false,
+                    reason: "ForceReleased",
+                    note: format!(
+                        "the holding with token {token} ended at the request of {by}; {now}"
+                    ),
+                }
+            } else {
+                Notice {
+                    warning: true,
+                    reason: "ForceReleaseIgnored",
+                    note: format!(
+                        "token {token}, set by {by}, is not the current holding; nothing was released ({now})"
+                    ),
+                }
+            }
+        }
+    };
+    remove_annotation(ctx, lock, resource::FORCE_RELEASE_ANNOTATION).await?;
+    publish(ctx, lock, &notice).await;
+    Ok(None)
+}
+
+/// Who set `annotation`, as the field manager that owns it (`kubectl-annotate`, say).
+fn annotation_author(lock: &DistributedLock, annotation: &str) -> String {
+    let field = format!("f:{annotation}");
+    lock.metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|entry| {
+            entry.fields_v1.as_ref().is_some_and(|fields| {
+                fields.0["f:metadata"]["f:annotations"]
+                    .get(&field)
+                    .is_some()
+            })
+        })
+        .filter_map(|entry| entry.manager.clone())
+        .next_back()
+        .unwrap_or_else(|| "an unknown field manager".to_owned())
+}
+
+/// Remove `annotation` if it still has the value read (a newer request stays).
+async fn remove_annotation(ctx: &Context, lock: &DistributedLock, annotation: &str) -> Result<()> {
+    let Some(value) = lock.annotations().get(annotation) else {
+        return Ok(());
+    };
+    let path = format!(
+        "/metadata/annotations/{}",
+        annotation.replace('~', "~0").replace('/', "~1")
+    );
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": path, "value": value},
+        {"op": "remove", "path": path},
+    ]))
+    .map_err(|e| Error::Finalizer(e.to_string()))?;
+    let api: Api<DistributedLock> =
+        Api::namespaced(ctx.client.clone(), &lock.namespace().unwrap_or_default());
+    match api
+        .patch(
+            &lock.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        // Changed meanwhile: the next reconcile reads the new request.
+        Err(kube::Error::Api(s)) if s.code == 422 || s.code == 409 => Ok(()),
+        Err(e) => Err(Error::Kube(e)),
     }
 }
 

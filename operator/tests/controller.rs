@@ -11,7 +11,7 @@ use leasehold_lease::{Acquire, Driver};
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context, FINALIZER};
 use leasehold_testkit::InMemoryApiServer;
-use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, LEASES};
+use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, EVENTS, LEASES};
 use serde_json::Value;
 
 mod support;
@@ -197,6 +197,109 @@ async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
         0,
         "renewals made the operator call the API server"
     );
+}
+
+/// The reasons of the Events about lock `name`, oldest first.
+fn event_reasons(api: &InMemoryApiServer, name: &str) -> Vec<String> {
+    let mut events: Vec<Value> = api
+        .objects(EVENTS)
+        .into_iter()
+        .filter(|e| e["regarding"]["name"] == name)
+        .collect();
+    events.sort_by_key(|e| {
+        e["metadata"]["resourceVersion"]
+            .as_str()
+            .and_then(|v| v.parse::<u64>().ok())
+    });
+    events
+        .iter()
+        .filter_map(|e| e["reason"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Set `leasehold.dev/force-release` on lock `name`.
+fn annotate_force_release(api: &InMemoryApiServer, name: &str, value: &str) {
+    let mut lock = lock_object(api, name).expect("the lock");
+    lock["metadata"]["annotations"]["leasehold.dev/force-release"] = serde_json::json!(value);
+    api.put(DISTRIBUTED_LOCKS, lock);
+}
+
+fn force_release_annotation(api: &InMemoryApiServer, name: &str) -> Option<Value> {
+    lock_object(api, name)?["metadata"]["annotations"]
+        .get("leasehold.dev/force-release")
+        .cloned()
+}
+
+/// A person's force-release: while the holding with that token runs, the operator waits for
+/// its sidecar to step down (here the test releases, as the sidecar does); then the annotation
+/// goes and an Event says the holding ended. A token that is not current, or no token at all,
+/// changes nothing, and the annotation goes with an Event saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_force_release_waits_for_its_holding_to_end_and_says_so() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "jobs");
+    let _stop = operator(&api);
+    finalized_and_ready(&api, "jobs").await;
+    let driver = leasehold_lease::kubernetes::KubernetesLeaseDriver::new(api.client(), NS);
+    let Acquire::Acquired(lease) = driver
+        .try_acquire("jobs", "pod-a", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("the free lock was not acquired")
+    };
+
+    annotate_force_release(&api, "jobs", "999");
+    eventually(
+        Duration::from_secs(10),
+        "a token not current is refused",
+        || {
+            force_release_annotation(&api, "jobs")
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(event_reasons(&api, "jobs").contains(&"ForceReleaseIgnored".to_owned()));
+    assert_eq!(
+        api.lease(NS, "jobs").unwrap()["spec"]["holderIdentity"],
+        "pod-a"
+    );
+
+    annotate_force_release(&api, "jobs", "not-a-token");
+    eventually(Duration::from_secs(10), "no token is refused", || {
+        force_release_annotation(&api, "jobs")
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(event_reasons(&api, "jobs").contains(&"ForceReleaseInvalid".to_owned()));
+
+    annotate_force_release(&api, "jobs", &lease.token.to_string());
+    eventually(
+        Duration::from_secs(10),
+        "the request is acknowledged",
+        || {
+            event_reasons(&api, "jobs")
+                .contains(&"ForceReleaseRequested".to_owned())
+                .then_some(())
+        },
+    )
+    .await;
+    // The holding runs on until its sidecar steps down: the annotation stays meanwhile.
+    tokio::time::sleep(reconcile::FORCE_RELEASE_RECHECK * 2).await;
+    assert!(force_release_annotation(&api, "jobs").is_some());
+    assert!(driver.release(&lease).await.unwrap());
+    eventually(
+        Duration::from_secs(10),
+        "the ended holding is reported",
+        || {
+            (force_release_annotation(&api, "jobs").is_none()
+                && event_reasons(&api, "jobs").contains(&"ForceReleased".to_owned()))
+            .then_some(())
+        },
+    )
+    .await;
 }
 
 /// Uninstalling: Helm runs the chart's pre-delete hook while the operator still runs. The hook

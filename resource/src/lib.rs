@@ -128,6 +128,20 @@ pub fn secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
 /// values go.
 pub const ALLOWED_HOSTS_ANNOTATION: &str = "leasehold.dev/allowed-hosts";
 
+/// The annotation by which a person ends a holding: `kubectl annotate dlock NAME
+/// leasehold.dev/force-release=TOKEN`. The holder's sidecar (following the lock with
+/// `--resource`) steps down if it holds the lock with that token; the operator removes the
+/// annotation once that holding is over, or at once if it was not current, and says so in an
+/// Event.
+pub const FORCE_RELEASE_ANNOTATION: &str = "leasehold.dev/force-release";
+
+/// The token a lock's [`FORCE_RELEASE_ANNOTATION`] names, if it carries one; `Err` with the
+/// value when it is not a token.
+pub fn force_release_token(lock: &DistributedLock) -> Option<Result<u64, String>> {
+    let raw = lock.annotations().get(FORCE_RELEASE_ANNOTATION)?;
+    Some(raw.trim().parse::<u64>().map_err(|_| raw.clone()))
+}
+
 /// `host:port` of every server the lock's backend is reached at: where its Secrets' values go.
 pub fn backend_endpoints(lock: &DistributedLock) -> Vec<String> {
     let b = &lock.spec.backend;

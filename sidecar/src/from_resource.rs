@@ -349,6 +349,14 @@ pub async fn follow(
             continue;
         };
         if !secrets_only {
+            // A person's force-release: only the holding with that token steps down.
+            if let Some(Ok(token)) = resource::force_release_token(&lock)
+                && running.keys.is_none()
+                && let Some(held) = state.locks().into_iter().find(|l| l.name() == running.name)
+                && held.force_release(token).await.unwrap_or(false)
+            {
+                tracing::warn!(resource = %r, token, "force-released by the lock's annotation: stepping down");
+            }
             if lock.metadata.deletion_timestamp.is_some() {
                 // The operator deletes a `cleanupPolicy: Delete` lock's records only once nobody
                 // holds it: release now rather than at the next failed renewal.

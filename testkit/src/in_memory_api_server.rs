@@ -291,6 +291,17 @@ impl InMemoryApiServer {
             .cloned()
     }
 
+    /// Every stored object of `collection` (e.g. [`EVENTS`]), in every namespace, as JSON.
+    pub fn objects(&self, collection: &str) -> Vec<Value> {
+        let store = self.store.lock().unwrap();
+        store
+            .objects
+            .iter()
+            .filter(|((c, _, _), _)| c == collection)
+            .map(|(_, object)| object.clone())
+            .collect()
+    }
+
     /// Start deleting namespace `ns`, as `kubectl delete namespace` does while its objects still
     /// have finalizers: from now on every new object in it is refused (403, cause
     /// `NamespaceTerminating`), while existing ones can still be read, updated and deleted.
@@ -862,6 +873,8 @@ pub const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";
 pub const DISTRIBUTED_LOCKS: &str = "/apis/leasehold.dev/v1alpha1/distributedlocks";
 /// The collection of Secrets.
 pub const SECRETS: &str = "/api/v1/secrets";
+/// The collection of Events (`events.k8s.io`, as kube-runtime's recorder writes them).
+pub const EVENTS: &str = "/apis/events.k8s.io/v1/events";
 /// The collection of Namespaces (cluster-scoped).
 pub const NAMESPACES: &str = "/api/v1/namespaces";
 /// The collection of MutatingWebhookConfigurations (cluster-scoped: namespace "").

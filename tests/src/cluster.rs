@@ -139,6 +139,30 @@ impl Cluster {
         }
     }
 
+    /// Set an annotation on the lock, as `kubectl annotate` would.
+    pub fn annotate(&self, key: &str, value: &str) {
+        let mut lock = self.lock().expect("the lock exists");
+        lock["metadata"]["annotations"][key] = json!(value);
+        self.api.put(DISTRIBUTED_LOCKS, lock);
+    }
+
+    /// The lock's annotation `key`, if it carries one.
+    pub fn annotation(&self, key: &str) -> Option<String> {
+        self.lock()?["metadata"]["annotations"][key]
+            .as_str()
+            .map(str::to_owned)
+    }
+
+    /// The reasons of the Events the operator recorded about the lock.
+    pub fn event_reasons(&self) -> Vec<String> {
+        self.api
+            .objects(leasehold_testkit::in_memory_api_server::EVENTS)
+            .into_iter()
+            .filter(|e| e["regarding"]["name"] == self.name.as_str())
+            .filter_map(|e| e["reason"].as_str().map(str::to_owned))
+            .collect()
+    }
+
     /// Change the lock's spec in place, as `kubectl edit` would.
     pub fn edit(&self, change: impl FnOnce(&mut Value)) {
         let mut lock = self.lock().expect("the lock exists");

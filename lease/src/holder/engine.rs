@@ -639,6 +639,20 @@ impl Engine {
                 }
                 let _ = reply.send(());
             }
+            Command::ForceRelease { token, reply } => {
+                let ours = self.held.as_ref().is_some_and(|h| h.lease.token == token);
+                if ours {
+                    tracing::warn!(lock = %self.config.name, token, "force-released by a person");
+                    // As a sit-out: "not holder" at once, the lease released once the last
+                    // answer has run out, no campaign before then; then one cool-down more, so
+                    // that another contender takes it.
+                    if let Some(released_at) = self.lapse_for("force-released") {
+                        let after = released_at + SHUTDOWN_RELEASE_TIMEOUT + self.config.cooldown;
+                        self.cooldown_until = Some(after.to_tokio());
+                    }
+                }
+                let _ = reply.send(ours);
+            }
             Command::ComeBack { reply } => {
                 if self.sitting_out.take().is_some() {
                     tracing::info!(lock = %self.config.name, "campaigning again");

@@ -41,6 +41,11 @@ pub(super) enum Command {
     },
     /// Campaign again ([`Lock::come_back`]).
     ComeBack { reply: oneshot::Sender<()> },
+    /// End the holding with this token ([`Lock::force_release`]).
+    ForceRelease {
+        token: u64,
+        reply: oneshot::Sender<bool>,
+    },
     /// Stop without releasing ([`Lock::retire`]); `done` fires once the engine has let go.
     Retire { done: oneshot::Sender<()> },
 }
@@ -374,6 +379,20 @@ impl Lock {
         self.inner
             .commands
             .send(Box::new(Command::ComeBack { reply }))
+            .map_err(|_| Error::Shutdown)?;
+        done.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// A person asked to end the holding with `token` (`leasehold.dev/force-release`): if this
+    /// process holds the lock with it, answers say "not holder" at once, the lease is released
+    /// once the last answer's validity has run out, and the lock is not taken again before that
+    /// and a cool-down more (campaign mode campaigns then; on demand, the next acquisition
+    /// waits). `Ok(false)`: not this process's holding.
+    pub async fn force_release(&self, token: u64) -> Result<bool> {
+        let (reply, done) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Box::new(Command::ForceRelease { token, reply }))
             .map_err(|_| Error::Shutdown)?;
         done.await.map_err(|_| Error::Shutdown)
     }
