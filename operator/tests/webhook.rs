@@ -331,19 +331,21 @@ async fn a_labelled_pod_keeps_its_labels_and_gains_the_injected_one() {
     );
 }
 
+/// The arguments of the sidecar a patch injects as a native sidecar.
+fn args(patched: &Value) -> Vec<String> {
+    sidecars(patched, "initContainers")[0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect()
+}
+
 /// Backend-gated readiness is a pod's explicit choice, by annotation; anything but true or false
 /// is refused with the reason.
 #[tokio::test]
 async fn backend_gated_readiness_is_opted_into_by_annotation() {
     let api = api_with_locks(&["jobs"]);
-    let args = |patched: &Value| -> Vec<String> {
-        sidecars(patched, "initContainers")[0]["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_owned())
-            .collect()
-    };
     let (_, _, plain) = admit(&api, &pod(Some("jobs"), None, None), true).await;
     assert!(!args(&plain).contains(&"--readiness-requires-backend".to_owned()));
     let mut gated = pod(Some("jobs"), None, None);
@@ -362,14 +364,6 @@ async fn backend_gated_readiness_is_opted_into_by_annotation() {
 #[tokio::test]
 async fn the_apps_health_endpoint_is_named_by_annotation() {
     let api = api_with_locks(&["jobs"]);
-    let args = |patched: &Value| -> Vec<String> {
-        sidecars(patched, "initContainers")[0]["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_owned())
-            .collect()
-    };
     let (_, _, plain) = admit(&api, &pod(Some("jobs"), None, None), true).await;
     assert!(!args(&plain).contains(&"--app-health".to_owned()));
     let mut probed = pod(Some("jobs"), None, None);

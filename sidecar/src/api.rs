@@ -512,22 +512,29 @@ async fn status(
     Ok(current(&lock, None))
 }
 
+/// A 400 for a campaign-mode lock, which the sidecar takes by itself: `instead` says what the
+/// app does instead.
+fn on_demand_only(lock: &Lock, instead: &str) -> Result<(), ApiError> {
+    if lock.config().mode == Mode::Campaign {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "lock {:?} is in campaign mode: the sidecar takes it by itself; {instead}, \
+                 or run with --mode on-demand",
+                lock.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 async fn acquire(
     State(state): State<AppState>,
     name: Option<Path<String>>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
-    if lock.config().mode == Mode::Campaign {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "lock {:?} is in campaign mode: the sidecar acquires it by itself; \
-                 use GET /lock?wait=... to wait for it, or run with --mode on-demand",
-                lock.name()
-            ),
-        ));
-    }
+    on_demand_only(&lock, "use GET /lock?wait=... to wait for it")?;
     let params = durations(&query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)])?;
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     let hold = hold_param(&params)?;
@@ -547,16 +554,7 @@ async fn hold(
     Query(mut query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
-    if lock.config().mode == Mode::Campaign {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "lock {:?} is in campaign mode: the sidecar holds it by itself; \
-                 follow it with GET /lock/events, or run with --mode on-demand",
-                lock.name()
-            ),
-        ));
-    }
+    on_demand_only(&lock, "follow it with GET /lock/events")?;
     let exclusive = match query.remove("exclusive").as_deref() {
         None | Some("false") => false,
         Some("true") => true,

@@ -110,15 +110,7 @@ fn two_execs_of_one_lock_take_turns() {
     let mut children: Vec<Child> = (0..3)
         .map(|_| shell(&mut exec("jobs", &backend), &script).spawn().unwrap())
         .collect();
-    for child in &mut children {
-        assert!(wait_exit(child, Duration::from_secs(30)).success());
-    }
-    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
-    assert_eq!(
-        lines,
-        ["start", "end", "start", "end", "start", "end"],
-        "the commands overlapped"
-    );
+    took_turns(&mut children, &log);
 }
 
 /// `exec` on `backend` with a 3 s lease and a 300 ms grace, running a command with a background
@@ -315,6 +307,19 @@ fn bad_input_is_refused_and_runs_nothing() {
     assert!(!ran.exists());
 }
 
+/// Each of `children` exits 0, and the `start ...`/`end` lines their commands wrote to `log`
+/// show them one at a time; the lines.
+fn took_turns(children: &mut [Child], log: &Path) -> Vec<String> {
+    for child in children.iter_mut() {
+        assert!(wait_exit(child, Duration::from_secs(30)).success());
+    }
+    let lines: Vec<String> = read(log).lines().map(str::to_owned).collect();
+    let shape: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
+    let expected: Vec<&str> = children.iter().flat_map(|_| ["start", "end"]).collect();
+    assert_eq!(shape, expected, "the commands overlapped: {lines:?}");
+    lines
+}
+
 /// A sidecar serving the lock API on a free loopback port (on-demand, with a keyed family
 /// `jobs-keys`), stopped when dropped.
 struct RunningSidecar {
@@ -446,18 +451,7 @@ fn execs_through_two_sidecars_take_turns_on_a_key() {
             shell(&mut command, &script).spawn().unwrap()
         })
         .collect();
-    for child in &mut children {
-        assert!(wait_exit(child, Duration::from_secs(30)).success());
-    }
-    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
-    let shape: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
-    assert_eq!(
-        shape,
-        [
-            "start", "end", "start", "end", "start", "end", "start", "end"
-        ],
-        "the commands overlapped: {lines:?}"
-    );
+    let lines = took_turns(&mut children, &log);
     let tokens: Vec<u64> = lines
         .iter()
         .filter_map(|l| l.strip_prefix("start ")?.parse().ok())
@@ -587,16 +581,7 @@ fn execs_through_one_sidecar_take_turns() {
                     .unwrap()
             })
             .collect();
-        for child in &mut children {
-            assert!(wait_exit(child, Duration::from_secs(30)).success());
-        }
-        let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
-        let shape: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
-        assert_eq!(
-            shape,
-            ["start", "end", "start", "end", "start", "end"],
-            "{what:?}: the commands overlapped: {lines:?}"
-        );
+        let lines = took_turns(&mut children, &log);
         // The identity the lock is held under in the backend: the sidecar's, or its owner's.
         let identities: Vec<&str> = lines
             .iter()

@@ -429,6 +429,37 @@ impl Drop for Sidecar {
 }
 
 /// Poll until `check` holds; panics after `within`. Returns the time it took.
+/// A holder handing over: `old`'s `/lock` is asked until `stepped_down` says of an answer that
+/// it has let go, then `new`'s until it holds, each within `within`. Panics if `new` held before
+/// the last of `old`'s holder answers had run out (its `validForMs`, counted from before the
+/// request, on this process's clock). Returns when `old` was seen to let go.
+pub fn hands_over(
+    old: &Sidecar,
+    new: &Sidecar,
+    within: Duration,
+    stepped_down: impl Fn(&Reply) -> bool,
+) -> Instant {
+    let mut last_valid_until = Instant::now();
+    eventually(within, "the holder lets go", || {
+        let asked = Instant::now();
+        let reply = old.get("/lock");
+        if reply.status == 200 {
+            let valid_for = reply.json()["validForMs"].as_u64().unwrap_or(0);
+            last_valid_until = asked + Duration::from_millis(valid_for);
+        }
+        stepped_down(&reply)
+    });
+    let let_go = Instant::now();
+    eventually(within, "the next holder takes the lock", || new.is_holder());
+    let taken = Instant::now();
+    assert!(
+        taken >= last_valid_until,
+        "the next holder held {:?} before the last answer of the one before ran out",
+        last_valid_until - taken
+    );
+    let_go
+}
+
 pub fn eventually(within: Duration, what: &str, check: impl FnMut() -> bool) -> Duration {
     eventually_or(within, what, check, String::new)
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use leasehold_e2e::{Sidecar, eventually, unique_lock};
+use leasehold_e2e::{Sidecar, eventually, hands_over, unique_lock};
 
 /// An app's health endpoint on a free loopback port: 200 while healthy, else 503.
 struct App {
@@ -80,29 +80,11 @@ fn a_holder_whose_app_is_unhealthy_sits_out_and_its_peer_takes_over() {
 
     app.set_healthy(false);
     let failing = Instant::now();
-    // Until it steps down, pod a answers as holder; the last such answer's validity, on this
-    // test's clock, must run out before pod b holds.
-    let mut last_valid_until = Instant::now();
-    eventually(Duration::from_secs(5), "pod a steps down", || {
-        let asked = Instant::now();
-        let reply = a.get("/lock");
-        if reply.status == 200 {
-            let valid_for = reply.json()["validForMs"].as_u64().unwrap();
-            last_valid_until = asked + Duration::from_millis(valid_for);
-        }
+    // Until it steps down, pod a answers as holder; pod b takes over only once the last such
+    // answer has run out (its lease is released then: within a lease).
+    let stepped_down = hands_over(&a, &b, Duration::from_secs(10), |reply| {
         reply.status == 409 && reply.body.contains("the app is unhealthy")
-    });
-    let stepped_down = failing.elapsed();
-    // Its last answer's validity runs out, then its lease is released: within a lease.
-    eventually(Duration::from_secs(10), "pod b takes over", || {
-        b.is_holder()
-    });
-    let taken = Instant::now();
-    assert!(
-        taken >= last_valid_until,
-        "pod b held {:?} before pod a's last answer ran out",
-        last_valid_until - taken
-    );
+    }) - failing;
     assert!(b.get("/lock").token() > first);
     let metrics = a.get("/metrics").body;
     assert!(metrics.contains("leasehold_app_healthy 0"), "{metrics}");
