@@ -591,3 +591,35 @@ async fn redis_an_extension_applies_while_the_claim_stands_through_an_outage() {
         "an extension never moves the claim"
     );
 }
+
+/// A force-released on-demand holding says "not holder" at once; an acquisition that follows
+/// is answered within its own wait (busy until the delayed release, not held back by a
+/// cool-down), and one that waits takes the lock after the release with a higher token. A
+/// token that is not the holding's changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_force_released_holding_answers_the_next_acquisition_within_its_wait() {
+    let server = RedisServer::start();
+    let a = lock(&server.url(), &unique_lock("forced"), "a").await;
+    let Answer::Holder { token, .. } = a.acquire(Duration::ZERO, HOLD).await.unwrap() else {
+        panic!("a takes the free lock");
+    };
+    assert!(!a.force_release(token + 1).await.unwrap());
+    assert_eq!(a.answer().token(), Some(token));
+    assert!(a.force_release(token).await.unwrap());
+    assert!(!a.answer().is_holder());
+    let tried = tokio::time::timeout(Duration::from_secs(2), a.acquire(Duration::ZERO, HOLD))
+        .await
+        .expect("a try-lock was not answered within its wait")
+        .unwrap();
+    assert!(
+        !tried.is_holder(),
+        "taken again before the release: {tried:?}"
+    );
+    let again = a
+        .acquire(LEASE * 3, HOLD)
+        .await
+        .unwrap()
+        .token()
+        .expect("taken again once released");
+    assert!(again > token, "{again} after {token}");
+}

@@ -200,6 +200,7 @@ async fn retained(
     }
     if lock.meta().deletion_timestamp.is_some() {
         ctx.backends.forget(lock);
+        forget_force_releases(ctx, lock);
         return Ok(Action::await_change());
     }
     apply(lock, ctx).await
@@ -244,7 +245,9 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
 
 /// How often a force-release whose holding still runs is looked at again.
 pub const FORCE_RELEASE_RECHECK: Duration = Duration::from_secs(2);
-/// How long a force-release waits for its holder's sidecar to step down before it is given up.
+/// How long a force-release waits for its holder's sidecar to step down before it is given up,
+/// at least: the holder's lease is released only once its last answer has run out, so the wait
+/// is also three of the lock's leases when that is longer.
 pub const FORCE_RELEASE_PATIENCE: Duration = Duration::from_secs(120);
 
 /// A person's `leasehold.dev/force-release=TOKEN`: while `holder` still holds with that token,
@@ -291,7 +294,9 @@ async fn force_release(
                     }
                 }
             };
-            if first_seen.elapsed() < FORCE_RELEASE_PATIENCE {
+            let lease = resource::parse_go_duration(&lock.spec.lease_duration).unwrap_or_default();
+            let patience = FORCE_RELEASE_PATIENCE.max(lease * 3);
+            if first_seen.elapsed() < patience {
                 if new {
                     publish(
                         ctx,
@@ -308,16 +313,12 @@ async fn force_release(
                 }
                 return Ok(Some(FORCE_RELEASE_RECHECK));
             }
-            ctx.force_releases
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&(uid, token));
             Notice {
                 warning: true,
                 reason: "ForceReleaseStalled",
                 note: format!(
                     "the holding with token {token} did not end within {}s of {by}'s request ({now}); its sidecar steps down only if it follows the lock (--resource, as the webhook injects it)",
-                    FORCE_RELEASE_PATIENCE.as_secs()
+                    patience.as_secs()
                 ),
             }
         }
@@ -326,8 +327,7 @@ async fn force_release(
                 .force_releases
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .remove(&(uid, token))
-                .is_some();
+                .contains_key(&(uid.clone(), token));
             if asked_while_current {
                 Notice {
                     warning: false,
@@ -348,6 +348,12 @@ async fn force_release(
         }
     };
     remove_annotation(ctx, lock, resource::FORCE_RELEASE_ANNOTATION).await?;
+    // Forgotten only once the annotation is gone: a patch that failed is tried again with the
+    // request still known.
+    ctx.force_releases
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|(asked_of, _), _| asked_of != &uid);
     publish(ctx, lock, &notice).await;
     Ok(None)
 }
@@ -462,7 +468,17 @@ async fn cleanup(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&ObjectRef::from(lock));
+    forget_force_releases(ctx, lock);
     Ok(Action::await_change())
+}
+
+/// A deleted lock's pending force-releases are forgotten with it.
+fn forget_force_releases(ctx: &Context, lock: &DistributedLock) {
+    let uid = lock.metadata.uid.clone().unwrap_or_default();
+    ctx.force_releases
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|(asked_of, _), _| asked_of != &uid);
 }
 
 /// The clean-up proper: an error when it must be tried again.

@@ -644,9 +644,13 @@ impl Engine {
                 if ours {
                     tracing::warn!(lock = %self.config.name, token, "force-released by a person");
                     // As a sit-out: "not holder" at once, the lease released once the last
-                    // answer has run out, no campaign before then; then one cool-down more, so
-                    // that another contender takes it.
-                    if let Some(released_at) = self.lapse_for("force-released") {
+                    // answer has run out.
+                    // No backend gives the lock to the same identity while its lease stands,
+                    // so an on-demand waiter meets "busy" until the release; a campaign sits
+                    // out a cool-down past it too, so that another contender takes the lock.
+                    if let Some(released_at) = self.lapse_for("force-released")
+                        && self.config.mode == Mode::Campaign
+                    {
                         let after = released_at + SHUTDOWN_RELEASE_TIMEOUT + self.config.cooldown;
                         self.cooldown_until = Some(after.to_tokio());
                     }

@@ -385,9 +385,10 @@ impl Lock {
 
     /// A person asked to end the holding with `token` (`leasehold.dev/force-release`): if this
     /// process holds the lock with it, answers say "not holder" at once, the lease is released
-    /// once the last answer's validity has run out, and the lock is not taken again before that
-    /// and a cool-down more (campaign mode campaigns then; on demand, the next acquisition
-    /// waits). `Ok(false)`: not this process's holding.
+    /// once the last answer's validity has run out. Campaign mode campaigns again only a
+    /// cool-down after that release, so that another contender takes the lock; on demand, an
+    /// acquisition meets "busy" until the release (no backend gives the lock again to an
+    /// identity whose lease stands). `Ok(false)`: not this process's holding.
     pub async fn force_release(&self, token: u64) -> Result<bool> {
         let (reply, done) = oneshot::channel();
         self.inner
