@@ -113,15 +113,21 @@ fn two_execs_of_one_lock_take_turns() {
     took_turns(&mut children, &log);
 }
 
-/// `exec` on `backend` with a 3 s lease and a 300 ms grace, running a command with a background
+/// `exec` on `backend` with a 3 s lease and a 300 ms grace, running a stubborn group
+/// ([`stubborn_group_of`]).
+fn stubborn_group(backend: &str) -> (Child, i32, tempfile::TempDir) {
+    let mut command = exec("jobs", backend);
+    command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
+    stubborn_group_of(command)
+}
+
+/// `command` (an `exec` without its command yet) running a command with a background
 /// grandchild in its group, which a signal to the command alone would leave running; both
 /// ignore SIGTERM, so only a SIGKILL stops them. The exec (its stderr piped), the grandchild's
 /// pid, and the directory it wrote that in.
-fn stubborn_group(backend: &str) -> (Child, i32, tempfile::TempDir) {
+fn stubborn_group_of(mut command: Command) -> (Child, i32, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let grandchild = dir.path().join("grandchild");
-    let mut command = exec("jobs", backend);
-    command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
     let script = format!(
         "trap '' TERM; sleep 300 & echo $! > {}; wait",
         grandchild.display()
@@ -468,20 +474,7 @@ fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
         "jobs",
         &format!("redis://127.0.0.1:{}", proxy.port),
     );
-    let dir = tempfile::tempdir().unwrap();
-    let grandchild = dir.path().join("grandchild");
-    let script = format!(
-        "trap '' TERM; sleep 300 & echo $! > {}; wait",
-        grandchild.display()
-    );
-    let child = shell(&mut exec_via(&sidecar, &["--lock", "jobs"]), &script)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for("the command to start", Duration::from_secs(10), || {
-        !read(&grandchild).trim().is_empty()
-    });
-    let pid: i32 = read(&grandchild).trim().parse().unwrap();
+    let (child, pid, _dir) = stubborn_group_of(exec_via(&sidecar, &["--lock", "jobs"]));
     let lease = Duration::from_secs(3);
     let cut = Instant::now();
     proxy.cut();
