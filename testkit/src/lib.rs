@@ -14,6 +14,7 @@ pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
 mod server_process;
+pub mod tair_pair;
 pub mod tairstring;
 pub mod zookeeper_ensemble;
 pub mod zookeeper_server;
@@ -35,6 +36,7 @@ pub use postgres_server::PostgresServer;
 pub use redis_cluster::{RedisCluster, TlsRedisCluster};
 pub use redis_sentinel::{RedisSentinelSet, TlsRedisSentinelSet};
 pub use redis_server::{RedisServer, command_calls};
+pub use tair_pair::TairPair;
 pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 

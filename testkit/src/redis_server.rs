@@ -338,6 +338,22 @@ impl RedisServer {
         self.process.spawn(command, move || ping(port));
     }
 
+    /// Follow the server on `master` (`REPLICAOF`), or be promoted (`REPLICAOF NO ONE`), now
+    /// and after every restart.
+    pub fn replicate_from(&mut self, master: Option<u16>) {
+        let mut conn = redis::Client::open(self.plain_url())
+            .expect("client")
+            .get_connection_with_timeout(Duration::from_secs(5))
+            .expect("connect");
+        let mut command = redis::cmd("REPLICAOF");
+        match master {
+            Some(port) => command.arg("127.0.0.1").arg(port),
+            None => command.arg("NO").arg("ONE"),
+        };
+        let _: redis::Value = command.query(&mut conn).expect("REPLICAOF");
+        self.replica_of = master;
+    }
+
     /// `kill -9`: no shutdown save, only what the append-only file already has.
     pub fn kill(&mut self) {
         self.process.stop(None);

@@ -5,7 +5,8 @@
 //! Faults: SIGKILL of the holder (then a new process in its place), SIGSTOP of the holder for
 //! longer than the lease (then SIGCONT), a crash and restart of the backend, a partition of
 //! the holder from the backend (a [`FaultProxy`] per sidecar and endpoint), and on a
-//! three-server ZooKeeper ensemble a follower cut off from its quorum while it goes on serving.
+//! three-server ZooKeeper ensemble a follower cut off from its quorum while it goes on serving;
+//! on Tair, a standby promoted behind the primary's address while the primary still serves.
 //!
 //! Two workloads: every sidecar campaigns ([`Workload::Campaign`]), or the sidecars run
 //! on-demand and workers beside each take and release the lock ([`Workload::Waiters`]), some
@@ -32,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_testkit::{
     EtcdServer, MariaDbServer, PostgresServer, RedisCluster, RedisSentinelSet, RedisServer,
-    ZooKeeperEnsemble, ZooKeeperServer,
+    TairPair, ZooKeeperEnsemble, ZooKeeperServer,
 };
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
@@ -246,6 +247,10 @@ pub enum Fault {
     MigrateSlot,
     /// The shard that serves a lock's slot failed over to its replica (`CLUSTER FAILOVER`).
     FailOverShard,
+    /// A Tair standby promoted behind the primary's address while the primary serves one
+    /// renew interval longer (what it takes then is lost), the old primary following it; the
+    /// next one is the failback.
+    PromoteStandby,
 }
 
 /// The faults of a resource scenario: no partition, since every sidecar reads one address.
@@ -271,6 +276,7 @@ impl Fault {
             Fault::EditBackend => "edit-backend",
             Fault::MigrateSlot => "migrate-slot",
             Fault::FailOverShard => "failover",
+            Fault::PromoteStandby => "promote-standby",
         }
     }
 }
@@ -279,8 +285,9 @@ impl Fault {
 pub(crate) enum Backend {
     Sqlite(tempfile::TempDir),
     Redis(RedisServer),
-    /// Redis with the TairString module, reached as `tair://`.
-    Tair(RedisServer),
+    /// Redis with the TairString module, reached as `tair://`: a primary and its standby
+    /// behind one address; a restart is the primary's.
+    Tair(TairPair),
     Redlock(Vec<RedisServer>),
     Postgres(PostgresServer, &'static str),
     MariaDb(MariaDbServer, &'static str),
@@ -308,7 +315,7 @@ impl Backend {
             Target::MariaDbRowLock => Backend::MariaDb(MariaDbServer::start(), "?mode=row-lock"),
             Target::Etcd => Backend::Etcd(EtcdServer::start()),
             Target::ZooKeeper => Backend::ZooKeeper(ZooKeeperServer::start()),
-            Target::Tair => Backend::Tair(RedisServer::start_tair()),
+            Target::Tair => Backend::Tair(TairPair::start()),
             Target::RedisSentinel => Backend::RedisSentinel(RedisSentinelSet::start()),
             Target::ZooKeeperEnsemble => Backend::ZooKeeperEnsemble(ZooKeeperEnsemble::start()),
             Target::RedisCluster => Backend::RedisCluster(RedisCluster::start_with_replicas()),
@@ -320,7 +327,8 @@ impl Backend {
             // The sentinels name the master's own address, past any proxy of ours; so do the
             // nodes of a cluster, for every slot.
             Backend::Sqlite(_) | Backend::RedisSentinel(_) | Backend::RedisCluster(_) => Vec::new(),
-            Backend::Redis(s) | Backend::Tair(s) => vec![s.port()],
+            Backend::Redis(s) => vec![s.port()],
+            Backend::Tair(pair) => vec![pair.port()],
             Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
             Backend::Postgres(s, _) => vec![s.port()],
             Backend::MariaDb(s, _) => vec![s.port()],
@@ -337,7 +345,8 @@ impl Backend {
         };
         match self {
             Backend::Sqlite(dir) => format!("sqlite://{}", dir.path().join("locks.db").display()),
-            Backend::Redis(s) | Backend::Tair(s) => swap(s.url(), s.port(), proxies[0]),
+            Backend::Redis(s) => swap(s.url(), s.port(), proxies[0]),
+            Backend::Tair(pair) => swap(pair.url(), pair.port(), proxies[0]),
             Backend::Redlock(_) => {
                 let hosts: Vec<String> = proxies.iter().map(|p| format!("127.0.0.1:{p}")).collect();
                 format!("redlock://{}", hosts.join(","))
@@ -372,6 +381,13 @@ impl Backend {
                 Fault::MigrateSlot,
                 Fault::FailOverShard,
             ],
+            Backend::Tair(_) => &[
+                Fault::KillHolder,
+                Fault::PauseHolder,
+                Fault::RestartBackend,
+                Fault::PartitionHolder,
+                Fault::PromoteStandby,
+            ],
             // A restart of a server is the single-server target's; here a server stays up
             // and loses its quorum.
             Backend::ZooKeeperEnsemble(_) => &[
@@ -393,7 +409,8 @@ impl Backend {
     pub(crate) fn restart(&mut self) {
         match self {
             Backend::Sqlite(_) => {}
-            Backend::Redis(s) | Backend::Tair(s) => s.restart(),
+            Backend::Redis(s) => s.restart(),
+            Backend::Tair(pair) => pair.restart_primary(),
             Backend::Redlock(masters) => masters.iter_mut().for_each(RedisServer::restart),
             Backend::Postgres(s, _) => s.restart(),
             Backend::MariaDb(s, _) => s.restart(),
@@ -405,6 +422,14 @@ impl Backend {
             Backend::RedisCluster(cluster) => cluster.restart(),
             Backend::ZooKeeperEnsemble(_) => unreachable!("an ensemble's faults name no restart"),
         }
+    }
+
+    /// Fail a Tair pair over (or back), the old primary serving one renew interval longer.
+    fn promote_standby(&mut self) {
+        let Backend::Tair(pair) = self else {
+            unreachable!("only the Tair target has a standby to promote")
+        };
+        pair.fail_over(RENEW);
     }
 
     /// Move the slot of a lock (or a key of a family) stored in the cluster to the next master.
@@ -931,6 +956,7 @@ pub(crate) fn inject(
         Fault::IsolateFollower => backend.isolate_follower(slot.index),
         Fault::MigrateSlot => backend.migrate_a_lock_slot(),
         Fault::FailOverShard => backend.fail_over_a_lock_shard(),
+        Fault::PromoteStandby => backend.promote_standby(),
         Fault::DeleteLock | Fault::EditSettings | Fault::EditBackend => {
             unreachable!("{} acts on the resource (edit_resource)", fault.name())
         }
