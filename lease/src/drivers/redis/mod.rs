@@ -69,7 +69,7 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// else from now; the start as `uptime_in_seconds` tells it, less the second by which it may
 /// overstate the uptime: [`crate::drivers::redis::tair::started_at_most_ago_s`]), and the token
 /// counters are raised above every token of earlier epochs (the floor: the server's clock in
-/// microseconds, and at least 10^9 above the last floor). A durable server that was never
+/// microseconds, and at least [`FLOOR_STEP`] above the last floor). A durable server that was never
 /// promoted lost nothing: its new epoch begins at once, tokens untouched.
 ///
 /// A family's keys draw their tokens from the family's counter ([`KeyLayout::counter`]), above
@@ -100,6 +100,15 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// failing would leave the leases its earlier acquisitions took held for nobody. A failed epoch
 /// check still fails the whole call, before any lease is written: no lock is granted
 /// unguarded.
+/// The least step of a new epoch's token floor over the recorded one, when the server's clock
+/// (in microseconds) is not past it already: one second of the clock. The floor follows the
+/// clock, which every server reads, not the record, which a standby promoted before it caught
+/// up (or a server restarted from older data) may have from an earlier epoch: a floor that ran
+/// ahead of the clock, a large step over the record at each of several failovers close
+/// together, would then come from that stale record alone and repeat one already used. The
+/// step covers the tokens an epoch draws while the clock stands behind the record.
+pub(crate) const FLOOR_STEP: i64 = 1_000_000;
+
 pub(crate) const ACQUIRE: &str = r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
 local function clock()
@@ -131,7 +140,7 @@ local function check_epoch()
         local uptime = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
         since = now - math.max(tonumber(uptime) - 1, 0) * 1000000
       end
-      floor = math.max(now, floor + 1000000000)
+      floor = math.max(now, floor + 1000000)
     end
     redis.call('HSET', KEYS[1], 'replid', replid, 'since', string.format('%d', since),
       'floor', string.format('%d', floor))
@@ -772,6 +781,15 @@ pub(crate) fn evicts_lock_keys(policy: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The script steps the floor as the Tair driver does (one constant, two languages).
+    #[test]
+    fn the_scripts_floor_step_is_the_drivers() {
+        assert!(
+            ACQUIRE.contains(&format!("floor = math.max(now, floor + {FLOOR_STEP})")),
+            "ACQUIRE's floor step is not FLOOR_STEP"
+        );
+    }
 
     #[test]
     fn key_layout() {

@@ -44,6 +44,7 @@ use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned, Upkeep};
+use crate::drivers::redis::FLOOR_STEP;
 use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases, info_field,
@@ -67,8 +68,6 @@ pub struct TairConfig {
 const CLAIM_ATTEMPTS: usize = 5;
 /// How long a server that refuses `INFO` (no restart guard) goes before it is asked again.
 const INFO_REFUSED_RECHECK: Duration = Duration::from_secs(60);
-/// The epoch floor's least step over the last one (tokens), as on Redis.
-const FLOOR_STEP: i64 = 1_000_000_000;
 /// Holdings of one lock between two repeats of a version (see [`first_version`]): the last
 /// place's first version, (2^31 - 1) x 2^32, leaves 2^32 renewals below `i64::MAX`.
 const VERSION_CYCLE: u64 = (1 << 31) - 1;
@@ -861,6 +860,37 @@ mod tests {
         assert_ne!(
             first_version(1_795_000_000_000_000),
             first_version(1_795_000_000_000_001)
+        );
+    }
+
+    /// Standbys promoted a few seconds apart, the last one lagging: its record lacks the floor
+    /// its primary set. Its floor must still be above every token of that primary's epoch,
+    /// which only the clock can tell it: a floor that ran ahead of the clock (a large step over
+    /// the record at each promotion) would come from the stale record alone, and repeat one
+    /// already used.
+    #[test]
+    fn a_lagging_standby_promoted_after_others_still_floors_above_every_token() {
+        let start = 1_800_000_000_000_000;
+        let second = 1_000_000;
+        let floor_at = |record: i64, now: i64| {
+            next_epoch(
+                (Some("old"), Some(1), Some(record)),
+                "new",
+                true,
+                100,
+                now,
+                true,
+            )
+            .1
+        };
+        let first = floor_at(start, start + 2 * second);
+        let current = floor_at(first, start + 4 * second);
+        // The primary of the current epoch drew a thousand tokens on a key before it failed.
+        let drawn = current + 1_000;
+        let lagging = floor_at(first, start + 6 * second);
+        assert!(
+            lagging > drawn,
+            "a floor of {lagging} after tokens up to {drawn} (floors {first}, {current})"
         );
     }
 
