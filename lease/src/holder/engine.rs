@@ -19,6 +19,29 @@ use crate::commands;
 use crate::driver::{Acquire, Driver, Holding, Lease};
 use crate::error::{Error, Result};
 
+/// Where an engine stands with its lease. What it keeps while it holds (the renewal schedule,
+/// the app's holds) and what it keeps while it does not (an attempt still out, a cool-down,
+/// sitting out) are apart, so neither outlives its phase.
+pub(super) enum Phase {
+    Unheld(Unheld),
+    Held(HeldLease),
+}
+
+/// No lease.
+#[derive(Default)]
+pub(super) struct Unheld {
+    /// An acquisition the engine stopped waiting for, waited for again by the next campaign
+    /// step rather than sending another.
+    pub(super) in_flight: Option<InFlight>,
+    /// No campaign before this: after the app stepped down, or until a lease let lapse has
+    /// been released (the same identity must not meet its own lease).
+    pub(super) cooldown_until: Option<Instant>,
+    /// Campaign mode: neither held nor campaigned for until [`super::Lock::come_back`], and why
+    /// ([`super::Lock::sit_out`]).
+    pub(super) sitting_out: Option<String>,
+}
+
+/// The lease this process holds, and what the app holds of it.
 pub(super) struct HeldLease {
     pub(super) lease: Lease,
     pub(super) valid_until: BootInstant,
@@ -26,6 +49,42 @@ pub(super) struct HeldLease {
     /// a lease not yet renewed, its acquisition's (or earlier, see [`Engine::on_acquired`]).
     pub(super) last_sent: Instant,
     pub(super) acquired_at: SystemTime,
+    /// After a failed renewal: when to try again (before the regular schedule).
+    pub(super) retry_at: Option<Instant>,
+    /// On-demand: acquisitions the app holds, and when the hold lapses: the end of the longest
+    /// hold among them, since each acquisition keeps the lock at least for its own hold.
+    pub(super) holds: u32,
+    pub(super) hold_until: Option<BootInstant>,
+}
+
+impl HeldLease {
+    /// Count `acquisitions` more, the `longest` of their holds keeping the lock at least that
+    /// long from `now`.
+    fn count_holds(&mut self, now: BootInstant, acquisitions: u32, longest: Option<Duration>) {
+        self.holds += acquisitions;
+        if let Some(hold) = longest {
+            self.keep_for(now, hold);
+        }
+    }
+
+    /// Keep the lock at least `hold` from `now`: a hold only ever moves later, so that no
+    /// acquisition (nor an extension) cuts short an earlier one's, which its caller counts on.
+    fn keep_for(&mut self, now: BootInstant, hold: Duration) {
+        let end = now + hold;
+        self.hold_until = Some(self.hold_until.map_or(end, |current| current.max(end)));
+    }
+}
+
+/// A single-use engine's one command.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Served {
+    /// Not taken yet.
+    No,
+    /// Being served on its caller's task, before the caller has the handle: nobody can wait
+    /// for a change of state yet, so publications change it without waking anyone (waking
+    /// readers is a good part of a keyed cycle's cost otherwise; [`Engine::publish`]).
+    OnCallersTask,
+    Yes,
 }
 
 pub(super) struct Waiter {
@@ -52,22 +111,9 @@ pub(super) struct Engine {
     pub(super) commands: commands::Receiver<Box<Command>>,
     pub(super) shutdown: CancellationToken,
     pub(super) telemetry: Arc<dyn Telemetry>,
-    pub(super) held: Option<HeldLease>,
-    /// After a failed renewal: when to try again (before the regular schedule).
-    pub(super) retry_at: Option<Instant>,
-    pub(super) cooldown_until: Option<Instant>,
-    /// On-demand: acquisitions the app holds, and when the hold lapses: the end of the longest
-    /// hold among them, since each acquisition keeps the lock at least for its own hold.
-    pub(super) holds: u32,
-    pub(super) hold_until: Option<BootInstant>,
+    pub(super) phase: Phase,
     pub(super) waiters: Vec<Waiter>,
-    /// A single-use engine has taken its first command.
-    pub(super) served: bool,
-    /// No reader can wait for a change yet: a single-use engine's steps on its caller's task,
-    /// before the caller has the handle. Publications then change the state without waking
-    /// anyone, which was a good part of a keyed cycle's cost ([`Engine::publish`]).
-    pub(super) unwatched: bool,
-    pub(super) in_flight: Option<InFlight>,
+    pub(super) served: Served,
     /// Kept by the engine and by each follow-up of an [`InFlight`]; [`Lock::settled`] resolves
     /// when the last is dropped.
     pub(super) settled: Arc<DropGuard>,
@@ -75,9 +121,6 @@ pub(super) struct Engine {
     pub(super) on_unheld: Option<OnUnheld>,
     /// Retired ([`Lock::retire`]): the lease is left to run out, not released; told here.
     pub(super) retired: Option<oneshot::Sender<()>>,
-    /// Campaign mode: sitting out, and why ([`Lock::sit_out`]): the lock is neither held nor
-    /// campaigned for until [`Lock::come_back`].
-    pub(super) sitting_out: Option<String>,
 }
 
 /// An engine dropped while it waited for the lock (a keyed acquisition runs on its caller's
@@ -86,7 +129,8 @@ pub(super) struct Engine {
 /// An attempt still in flight leaves it once answered ([`InFlight`]).
 impl Drop for Engine {
     fn drop(&mut self) {
-        if self.waiters.is_empty() || self.held.is_some() || self.in_flight.is_some() {
+        let waiting_unanswered = matches!(&self.phase, Phase::Unheld(u) if u.in_flight.is_none());
+        if self.waiters.is_empty() || !waiting_unanswered {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -124,6 +168,28 @@ pub(crate) fn jitter(d: Duration) -> Duration {
 }
 
 impl Engine {
+    pub(super) fn held(&self) -> Option<&HeldLease> {
+        match &self.phase {
+            Phase::Held(held) => Some(held),
+            Phase::Unheld(_) => None,
+        }
+    }
+
+    pub(super) fn held_mut(&mut self) -> Option<&mut HeldLease> {
+        match &mut self.phase {
+            Phase::Held(held) => Some(held),
+            Phase::Unheld(_) => None,
+        }
+    }
+
+    /// What the engine keeps while it holds no lease; nothing while it holds one.
+    pub(super) fn unheld_mut(&mut self) -> Option<&mut Unheld> {
+        match &mut self.phase {
+            Phase::Unheld(unheld) => Some(unheld),
+            Phase::Held(_) => None,
+        }
+    }
+
     /// The engine is boxed: an `async fn` keeps its arguments apart from its locals, so an
     /// engine taken by value would be stored twice in every lock's task.
     pub(super) async fn run(self: Box<Self>) {
@@ -148,14 +214,14 @@ impl Engine {
                 break;
             }
             self.fence();
-            let flow = if self.held.is_some() {
+            let flow = if self.held().is_some() {
                 self.hold_step().await
             } else if self.wants_lock() {
                 // Every step but the holding one is boxed: each keyed lock has a task, and it
                 // spends its life holding, so the other steps should not size it.
                 Box::pin(self.campaign_step()).await
             } else if self.config.single_use {
-                if self.served {
+                if self.served != Served::No {
                     break; // its holding is over, or its wait ended without one
                 }
                 Box::pin(self.first_command()).await
@@ -199,7 +265,7 @@ impl Engine {
             biased;
             _ = self.shutdown.cancelled() => Flow::Stop,
             command = self.commands.recv() => {
-                self.served = true;
+                self.served = Served::Yes;
                 self.command(command).await
             }
         }
@@ -207,7 +273,10 @@ impl Engine {
 
     pub(super) fn wants_lock(&self) -> bool {
         match self.config.mode {
-            Mode::Campaign => self.sitting_out.is_none(),
+            Mode::Campaign => match &self.phase {
+                Phase::Unheld(unheld) => unheld.sitting_out.is_none(),
+                Phase::Held(_) => true,
+            },
             Mode::OnDemand => !self.waiters.is_empty(),
         }
     }
@@ -233,8 +302,7 @@ impl Engine {
     /// Drop a lease whose self-fence deadline has passed.
     pub(super) fn fence(&mut self) {
         if self
-            .held
-            .as_ref()
+            .held()
             .is_some_and(|held| BootInstant::now() >= held.valid_until)
         {
             self.lose("the lease ran out before it could be renewed");
@@ -318,19 +386,18 @@ impl Engine {
     /// [`Engine::publish_lease`], with `also` changed in the same step: each publication wakes
     /// every reader's notifier, at a price a keyed cycle paid several times.
     pub(super) fn publish_lease_and(&mut self, also: impl FnOnce(&mut Snapshot)) {
-        let hold_until = self.hold_until;
-        let held = self.held.as_ref().map(|h| Held {
+        let held = self.held().map(|h| Held {
             token: h.lease.token,
             valid_until: h.valid_until,
             acquired_at: h.acquired_at,
-            hold_until,
+            hold_until: h.hold_until,
         });
-        let me = self.held.as_ref().map(|h| Holding {
+        let me = self.held().map(|h| Holding {
             identity: h.lease.identity.clone(),
             token: h.lease.token,
             expires_in: Some(h.valid_until.remaining()),
         });
-        let holds = self.holds;
+        let holds = self.held().map_or(0, |h| h.holds);
         self.publish(|s| {
             if s.held.is_some() != held.is_some() {
                 s.since = SystemTime::now();
@@ -347,10 +414,10 @@ impl Engine {
     }
 
     /// Change the published state; `change` tells whether anything changed. Readers are woken
-    /// when something did, unless none can be waiting yet ([`Engine::unwatched`]): they read
+    /// when something did, unless none can be waiting yet ([`Served::OnCallersTask`]): they read
     /// the state as it is when they first look.
     pub(super) fn publish(&self, change: impl FnOnce(&mut Snapshot) -> bool) {
-        let unwatched = self.unwatched;
+        let unwatched = self.served == Served::OnCallersTask;
         self.state.send_if_modified(|s| change(s) && !unwatched);
     }
 
@@ -378,10 +445,14 @@ impl Engine {
 
     /// Stop claiming the lease (if any) and tell readers and listeners, before anything else.
     pub(super) fn forget(&mut self, kind: EventKind, reason: &'static str) -> Option<HeldLease> {
-        let held = self.held.take()?;
-        self.holds = 0;
-        self.hold_until = None;
-        self.retry_at = None;
+        if !matches!(self.phase, Phase::Held(_)) {
+            return None;
+        }
+        let Phase::Held(held) =
+            std::mem::replace(&mut self.phase, Phase::Unheld(Unheld::default()))
+        else {
+            return None;
+        };
         self.publish_lease_and(|s| s.current_holder = None);
         self.emit(kind, held.lease.token, reason);
         if let Some(mut hook) = self.on_unheld.take() {
@@ -405,9 +476,10 @@ impl Engine {
 
     /// [`Engine::lapse`], saying why; when the lease will be released, if one was held.
     pub(super) fn lapse_for(&mut self, reason: &'static str) -> Option<BootInstant> {
-        let hold_until = self.hold_until;
         let held = self.forget(EventKind::Released, reason)?;
-        let answered_until = hold_until.map_or(held.valid_until, |h| h.min(held.valid_until));
+        let answered_until = held
+            .hold_until
+            .map_or(held.valid_until, |h| h.min(held.valid_until));
         let after = answered_until + safety_margin(self.config.lease_duration);
         let driver = self.driver.clone();
         tokio::spawn(async move {
@@ -416,6 +488,19 @@ impl Engine {
             drop(driver);
         });
         Some(after)
+    }
+
+    /// [`Engine::lapse_for`], then no campaign until `past` after the lease's release has been
+    /// made: the same identity must not meet its own lease. Whether a lease was held.
+    pub(super) fn lapse_and_wait(&mut self, reason: &'static str, past: Duration) -> bool {
+        let Some(released_at) = self.lapse_for(reason) else {
+            return false;
+        };
+        let until = (released_at + SHUTDOWN_RELEASE_TIMEOUT + past).to_tokio();
+        if let Some(unheld) = self.unheld_mut() {
+            unheld.cooldown_until = Some(until);
+        }
+        true
     }
 
     /// Stop claiming first, then tell the backend: the app must never believe it holds a lock the
@@ -465,13 +550,15 @@ impl Engine {
             .checked_sub(renew_interval)
             .map_or(sent, |from| from.min(sent));
         let token = lease.token;
-        self.held = Some(HeldLease {
+        self.phase = Phase::Held(HeldLease {
             lease,
             valid_until,
             last_sent: schedule_from,
             acquired_at: SystemTime::now(),
+            retry_at: None,
+            holds: 0,
+            hold_until: None,
         });
-        self.retry_at = None;
         // Only waiters still there get the lock and count: one whose client went away would
         // otherwise keep it for its whole hold, for nobody. (A waiter whose wait ran out while
         // this attempt was in flight is still there, and is told it holds.) They are counted
@@ -482,10 +569,11 @@ impl Engine {
             .into_iter()
             .filter(|w| !w.reply.is_closed())
             .collect();
-        let (holds_before, hold_before) = (self.holds, self.hold_until);
         let now = BootInstant::now();
         let longest = waiters.iter().map(|w| w.hold).max();
-        self.count_holds(now, waiters.len() as u32, longest);
+        if let Some(held) = self.held_mut() {
+            held.count_holds(now, waiters.len() as u32, longest);
+        }
         self.publish_lease();
         self.emit(EventKind::Acquired, token, "acquired");
         let answer = self.state.borrow().answer();
@@ -496,41 +584,23 @@ impl Engine {
                 longest_told = longest_told.max(Some(waiter.hold));
             }
         }
-        if !(answer.is_holder() && told == self.holds - holds_before) {
-            self.holds = holds_before;
-            self.hold_until = hold_before;
-            if answer.is_holder() {
-                self.count_holds(now, told, longest_told);
+        let counted = self.held().map_or(0, |h| h.holds);
+        if !(answer.is_holder() && told == counted) {
+            if let Some(held) = self.held_mut() {
+                held.holds = 0;
+                held.hold_until = None;
+                if answer.is_holder() {
+                    held.count_holds(now, told, longest_told);
+                }
             }
             self.publish_lease();
         }
     }
 
-    /// Count `acquisitions` more, the `longest` of their holds keeping the lock at least that
-    /// long from `now`.
-    pub(super) fn count_holds(
-        &mut self,
-        now: BootInstant,
-        acquisitions: u32,
-        longest: Option<Duration>,
-    ) {
-        self.holds += acquisitions;
-        if let Some(hold) = longest {
-            self.keep_for(now, hold);
-        }
-    }
-
-    /// Keep the lock at least `hold` from `now`: a hold only ever moves later, so that no
-    /// acquisition (nor an extension) cuts short an earlier one's, which its caller counts on.
-    pub(super) fn keep_for(&mut self, now: BootInstant, hold: Duration) {
-        let end = now + hold;
-        self.hold_until = Some(self.hold_until.map_or(end, |current| current.max(end)));
-    }
-
     /// On-demand: a lease that no app holds (every waiter had gone by the time it was taken) is
     /// given back at once.
     pub(super) async fn release_unwanted(&mut self) {
-        if self.config.mode == Mode::OnDemand && self.held.is_some() && self.holds == 0 {
+        if self.config.mode == Mode::OnDemand && self.held().is_some_and(|h| h.holds == 0) {
             self.step_down("nobody waits for it any more").await;
         }
     }
@@ -549,7 +619,7 @@ impl Engine {
         for waiter in expired {
             let _ = waiter.reply.send(answer);
         }
-        if had_waiters && !self.wants_lock() && self.held.is_none() {
+        if had_waiters && !self.wants_lock() && self.held().is_none() {
             let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
             let budget = self.config.renew_interval;
             let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
@@ -567,22 +637,26 @@ impl Engine {
         match *command {
             Command::Acquire { wait, hold, reply } => {
                 let answer = self.state.borrow().answer();
-                if self.held.is_some() {
+                if self.held().is_some() {
                     // Already ours: count it (re-entrant), but only for a client still there
                     // (one that hung up while this command waited for a busy engine would keep
                     // the lock for its hold, for nobody). While the backend cannot confirm the
                     // lease, answer "unknown" at once and count nothing.
-                    if answer.is_holder() {
+                    if answer.is_holder()
+                        && let Some(held) = self.held_mut()
+                    {
                         // Counted before the answer goes out, so that the caller reads the
                         // new count; taken back if nobody was there to get it.
-                        let before = self.hold_until;
-                        self.count_holds(BootInstant::now(), 1, Some(hold));
+                        let before = held.hold_until;
+                        held.count_holds(BootInstant::now(), 1, Some(hold));
                         self.publish_lease();
                         // The answer's validity as the new hold leaves it.
                         let answer = self.state.borrow().answer();
-                        if reply.send(answer).is_err() {
-                            self.holds -= 1;
-                            self.hold_until = before;
+                        if reply.send(answer).is_err()
+                            && let Some(held) = self.held_mut()
+                        {
+                            held.holds -= 1;
+                            held.hold_until = before;
                             self.publish_lease();
                         }
                     } else {
@@ -600,38 +674,39 @@ impl Engine {
                 // While the claim stands, even through a backend error (an answer of
                 // "unknown"): the hold is the app's, and the claim still ends on its own.
                 let now = BootInstant::now();
-                let claimed = self.held.as_ref().is_some_and(|held| {
-                    now < held.valid_until && token.is_none_or(|t| t == held.lease.token)
-                });
-                if claimed && self.config.mode == Mode::OnDemand {
-                    self.keep_for(now, hold);
+                let on_demand = self.config.mode == Mode::OnDemand;
+                if let Some(held) = self.held_mut()
+                    && now < held.valid_until
+                    && token.is_none_or(|t| t == held.lease.token)
+                    && on_demand
+                {
+                    held.keep_for(now, hold);
                     self.publish_lease();
                 }
                 let _ = reply.send(self.state.borrow().answer());
             }
             Command::SitOut { reason, reply } => {
-                if self.config.mode == Mode::Campaign && self.sitting_out.is_none() {
+                let sitting_out =
+                    matches!(&self.phase, Phase::Unheld(u) if u.sitting_out.is_some());
+                if self.config.mode == Mode::Campaign && !sitting_out {
                     tracing::warn!(lock = %self.config.name, reason, "sitting out");
                     // Answers say "not holder" at once; the lease is released once the last
                     // answer's validity has run out, and no campaign starts again before that
-                    // release has been made (the same identity must not meet its own lease).
-                    match self.lapse_for("sitting out") {
-                        Some(released_at) => {
-                            let after = released_at + SHUTDOWN_RELEASE_TIMEOUT;
-                            self.cooldown_until = Some(after.to_tokio());
+                    // release has been made. Not holding but waiting: leave the queue (etcd,
+                    // ZooKeeper) now, and let an attempt still out be followed up (released if
+                    // it took the lock), rather than keep a place first in line for nobody.
+                    if !self.lapse_and_wait("sitting out", Duration::ZERO) {
+                        if let Some(unheld) = self.unheld_mut() {
+                            unheld.in_flight = None;
                         }
-                        // Waiting: leave the queue (etcd, ZooKeeper) now, and let an attempt
-                        // still out be followed up (released if it took the lock), rather
-                        // than keep a place first in line for nobody.
-                        None => {
-                            self.in_flight = None;
-                            let (name, identity) =
-                                (self.config.name.clone(), self.config.identity.clone());
-                            let budget = self.config.renew_interval;
-                            let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
-                        }
+                        let (name, identity) =
+                            (self.config.name.clone(), self.config.identity.clone());
+                        let budget = self.config.renew_interval;
+                        let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
                     }
-                    self.sitting_out = Some(reason.clone());
+                    if let Some(unheld) = self.unheld_mut() {
+                        unheld.sitting_out = Some(reason.clone());
+                    }
                     self.publish(|s| {
                         s.sitting_out = Some(reason);
                         true
@@ -640,7 +715,7 @@ impl Engine {
                 let _ = reply.send(());
             }
             Command::ForceRelease { token, reply } => {
-                let ours = self.held.as_ref().is_some_and(|h| h.lease.token == token);
+                let ours = self.held().is_some_and(|h| h.lease.token == token);
                 if ours {
                     tracing::warn!(lock = %self.config.name, token, "force-released by a person");
                     // As a sit-out: "not holder" at once, the lease released once the last
@@ -648,17 +723,22 @@ impl Engine {
                     // No backend gives the lock to the same identity while its lease stands,
                     // so an on-demand waiter meets "busy" until the release; a campaign sits
                     // out a cool-down past it too, so that another contender takes the lock.
-                    if let Some(released_at) = self.lapse_for("force-released")
-                        && self.config.mode == Mode::Campaign
-                    {
-                        let after = released_at + SHUTDOWN_RELEASE_TIMEOUT + self.config.cooldown;
-                        self.cooldown_until = Some(after.to_tokio());
+                    match self.config.mode {
+                        Mode::Campaign => {
+                            self.lapse_and_wait("force-released", self.config.cooldown);
+                        }
+                        Mode::OnDemand => {
+                            self.lapse_for("force-released");
+                        }
                     }
                 }
                 let _ = reply.send(ours);
             }
             Command::ComeBack { reply } => {
-                if self.sitting_out.take().is_some() {
+                if self
+                    .unheld_mut()
+                    .is_some_and(|unheld| unheld.sitting_out.take().is_some())
+                {
                     tracing::info!(lock = %self.config.name, "campaigning again");
                     self.publish(|s| s.sitting_out.take().is_some());
                 }
@@ -670,22 +750,27 @@ impl Engine {
             }
             Command::Release { token, reply } => {
                 let ours = self
-                    .held
-                    .as_ref()
+                    .held()
                     .is_some_and(|held| token.is_none_or(|t| t == held.lease.token));
                 if !ours {
                     let _ = reply.send(false);
                     return Flow::Continue;
                 }
+                let holds = self.held().map_or(0, |h| h.holds);
                 match self.config.mode {
-                    Mode::OnDemand if self.holds > 1 => {
-                        self.holds -= 1;
+                    Mode::OnDemand if holds > 1 => {
+                        if let Some(held) = self.held_mut() {
+                            held.holds -= 1;
+                        }
                         self.publish_lease();
                     }
                     Mode::OnDemand => self.step_down("released by the app").await,
                     Mode::Campaign => {
                         self.step_down("stepped down by the app").await;
-                        self.cooldown_until = Some(Instant::now() + self.config.cooldown);
+                        let until = Instant::now() + self.config.cooldown;
+                        if let Some(unheld) = self.unheld_mut() {
+                            unheld.cooldown_until = Some(until);
+                        }
                     }
                 }
                 let _ = reply.send(true);
@@ -695,14 +780,14 @@ impl Engine {
     }
 
     pub(super) async fn hold_step(&mut self) -> Flow {
-        let Some(held) = &self.held else {
+        let Some(held) = self.held() else {
             return Flow::Continue;
         };
         let valid_until = held.valid_until.to_tokio();
-        let renew_at = self
+        let renew_at = held
             .retry_at
             .unwrap_or(held.last_sent + self.config.renew_interval);
-        let hold_deadline = self.hold_until.map(BootInstant::to_tokio);
+        let hold_deadline = held.hold_until.map(BootInstant::to_tokio);
         // One timer for the three deadlines, and the rarer steps boxed: each lock's task is
         // sized by this wait, which it sits in while it holds (a sleep takes about a hundred
         // bytes, a renewal about 450).
@@ -733,7 +818,7 @@ impl Engine {
     }
 
     pub(super) async fn renew(&mut self) -> Flow {
-        let Some(held) = &self.held else {
+        let Some(held) = self.held() else {
             return Flow::Continue;
         };
         let lease = held.lease.clone();
@@ -753,16 +838,19 @@ impl Engine {
             Call::Done(true) => {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());
                 let valid_until = self.claim_until(&lease, sent_boot);
-                if let Some(held) = &mut self.held {
+                if let Some(held) = self.held_mut() {
                     held.last_sent = sent;
                     held.valid_until = valid_until;
+                    held.retry_at = None;
                 }
-                self.retry_at = None;
                 self.publish_lease();
             }
             Call::Done(false) => self.lose("the backend no longer has this lease"),
             Call::Failed | Call::TimedOut => {
-                self.retry_at = Some(Instant::now() + self.retry_pause())
+                let at = Instant::now() + self.retry_pause();
+                if let Some(held) = self.held_mut() {
+                    held.retry_at = Some(at);
+                }
             }
             Call::ShuttingDown => return Flow::Stop,
         }
@@ -770,7 +858,11 @@ impl Engine {
     }
 
     pub(super) async fn campaign_step(&mut self) -> Flow {
-        if let Some(until) = self.cooldown_until {
+        let cooldown_until = match &self.phase {
+            Phase::Unheld(unheld) => unheld.cooldown_until,
+            Phase::Held(_) => return Flow::Continue,
+        };
+        if let Some(until) = cooldown_until {
             if Instant::now() < until {
                 tokio::select! {
                     biased;
@@ -780,7 +872,9 @@ impl Engine {
                 }
                 return Flow::Continue;
             }
-            self.cooldown_until = None;
+            if let Some(unheld) = self.unheld_mut() {
+                unheld.cooldown_until = None;
+            }
         }
         // Subscribe before the attempt, so that a release right after it still wakes us; not
         // when nobody can be left waiting after it (try-locks: every wait already over), which
@@ -799,7 +893,7 @@ impl Engine {
             changes.borrow_and_update();
         }
         let budget = self.config.renew_interval;
-        let mut in_flight = match self.in_flight.take() {
+        let mut in_flight = match self.unheld_mut().and_then(|u| u.in_flight.take()) {
             Some(in_flight) => in_flight,
             None => self.send_acquisition(),
         };
@@ -810,7 +904,11 @@ impl Engine {
         let (sent, sent_boot) = (in_flight.sent, in_flight.sent_boot);
         match outcome {
             // Unfinished: the backend may still carry it out.
-            Call::TimedOut | Call::ShuttingDown => self.in_flight = Some(in_flight),
+            Call::TimedOut | Call::ShuttingDown => {
+                if let Some(unheld) = self.unheld_mut() {
+                    unheld.in_flight = Some(in_flight);
+                }
+            }
             Call::Done(_) | Call::Failed => in_flight.attempt = None,
         }
         self.check_enforced_lease();
@@ -874,7 +972,9 @@ impl Engine {
         self.expire_waiters().await;
         if !self.wants_lock() {
             // Nobody waits for an unanswered attempt now: it is followed up in the background.
-            self.in_flight = None;
+            if let Some(unheld) = self.unheld_mut() {
+                unheld.in_flight = None;
+            }
             return Flow::Continue;
         }
         let wake = Instant::now() + pause;

@@ -1,7 +1,7 @@
 //! The handle an app holds ([`Lock`]): reading the published snapshot, sending the engine its
 //! commands, and ending it.
 
-use super::engine::{Engine, Flow};
+use super::engine::{Engine, Flow, Phase, Served, Unheld};
 use super::{
     Answer, EVENT_CAPACITY, Event, LockConfig, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry,
 };
@@ -175,20 +175,19 @@ impl Lock {
         let mut engine = Box::new(engine);
         engine.started();
         let (reply, mut answer) = oneshot::channel();
-        engine.served = true;
-        engine.unwatched = true;
+        engine.served = Served::OnCallersTask;
         let _ = engine
             .command(Some(Box::new(Command::Acquire { wait, hold, reply })))
             .await;
         // The steps the engine's task would take until the lock is held or nobody waits.
-        while engine.held.is_none() && engine.wants_lock() && !engine.shutdown.is_cancelled() {
+        while engine.held().is_none() && engine.wants_lock() && !engine.shutdown.is_cancelled() {
             engine.fence();
             if let Flow::Stop = Box::pin(engine.campaign_step()).await {
                 break;
             }
         }
-        engine.unwatched = false;
-        if engine.held.is_some() {
+        engine.served = Served::Yes;
+        if engine.held().is_some() {
             lock.spawn(engine.steps());
         } else {
             // Nothing to keep: the engine ends here (a late attempt is followed up by itself).
@@ -221,16 +220,9 @@ impl Lock {
             commands: command_rx,
             shutdown: shutdown.clone(),
             telemetry,
-            held: None,
-            retry_at: None,
-            cooldown_until: None,
-            holds: 0,
-            hold_until: None,
+            phase: Phase::Unheld(Unheld::default()),
             waiters: Vec::new(),
-            served: false,
-            unwatched: false,
-            sitting_out: None,
-            in_flight: None,
+            served: Served::No,
             settled: Arc::new(settled.clone().drop_guard()),
             on_unheld,
             retired: None,
