@@ -55,6 +55,9 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 #[x_kube(validation = Rule::new(
     "!has(self.renewInterval) || duration(self.renewInterval) < duration(self.leaseDuration)"
 ).message("renewInterval must be shorter than leaseDuration"))]
+#[x_kube(validation = Rule::new("!has(self.holderLabel) || !self.holderLabel || !has(self.keys)").message(
+    "holderLabel marks the pod that holds a lock; a family of keyed locks has a holder per key"
+))]
 #[x_kube(validation = Rule::new("has(self.keys) == has(oldSelf.keys)").message(
     "keys cannot be added or removed: a lock and a family of keyed locks keep different records; create a new DistributedLock instead"
 ))]
@@ -178,6 +181,15 @@ pub struct DistributedLockSpec {
     /// themselves, a day after its last acquisition).
     #[serde(default)]
     pub cleanup_policy: CleanupPolicy,
+
+    /// The pod that holds the lock carries the label `leasehold.dev/holder: "true"`, and every
+    /// other pod of the lock `"false"`, so that a Service selecting the label sends traffic to
+    /// the holder only (readiness stays as it is, so rolling updates proceed). Its sidecar
+    /// writes the label on its own pod, and takes it off a pod that held the lock before (one
+    /// that died keeps it): the pods' ServiceAccount needs `list` and `patch` on pods in the
+    /// namespace. A lock only, not a family of keyed locks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_label: Option<bool>,
 
     /// Declares a family of keyed locks rather than one lock: workers take keys they choose at
     /// run time (`POST localhost:4040/locks/NAME/keys/KEY/acquire?owner=ID`), each key an
@@ -533,7 +545,10 @@ pub struct KubernetesBackend {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DistributedLockStatus {
+    /// A map keyed by `type` for server-side apply, so that each writer owns its own
+    /// conditions and another writer's stay when the operator applies its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

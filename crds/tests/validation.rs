@@ -49,10 +49,27 @@ fn committed_crd_is_up_to_date() {
     );
 }
 
+/// Server-side apply merges `status.conditions` by `type` only when the schema says so:
+/// otherwise the operator's apply of its conditions replaces the whole list, wiping another
+/// writer's.
+#[test]
+fn conditions_are_a_map_keyed_by_type() {
+    let conditions = &schema()["properties"]["status"]["properties"]["conditions"];
+    assert_eq!(conditions["x-kubernetes-list-type"], "map", "{conditions}");
+    assert_eq!(conditions["x-kubernetes-list-map-keys"], json!(["type"]));
+    let required = conditions["items"]["required"].as_array().unwrap();
+    assert!(
+        required.contains(&json!("type")),
+        "a map key must be required"
+    );
+}
+
 #[test]
 fn good_locks_pass() {
     let good = [
         json!({ "backend": redis() }),
+        json!({ "backend": redis(), "holderLabel": true }),
+        json!({ "backend": redis(), "holderLabel": false, "keys": {} }),
         json!({ "backend": { "redis": { "endpoints": ["a:6379", "b:6379", "c:6379"],
             "passwordSecretRef": { "name": "redis", "key": "password" } } } }),
         json!({ "backend": { "redis": { "endpoints": ["sentinel-0:26379", "sentinel-1"],
@@ -105,6 +122,10 @@ fn bad_locks_are_rejected_with_a_reason() {
         (
             json!({ "backend": { "redis": { "endpoints": ["r:1"] }, "kubernetes": {} } }),
             "set exactly one backend",
+        ),
+        (
+            json!({ "backend": redis(), "holderLabel": true, "keys": {} }),
+            "a family of keyed locks has a holder per key",
         ),
         (
             json!({ "backend": redis(), "leaseDuration": "10s", "renewInterval": "10s" }),

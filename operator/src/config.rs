@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use crate::api_rate_limit;
 use crate::webhook::{self, Injection, Resources};
 
 /// Every address, IPv6 and IPv4 (IPv4 only where the kernel has no IPv6).
@@ -89,6 +90,11 @@ pub struct Config {
     #[arg(long, env = "LEASEHOLD_SIDECAR_MEMORY_LIMIT", default_value = webhook::DEFAULT_MEMORY_LIMIT, value_parser = quantity)]
     pub sidecar_memory_limit: String,
 
+    /// The injected sidecar's imagePullPolicy.
+    #[arg(long, env = "LEASEHOLD_SIDECAR_IMAGE_PULL_POLICY", default_value = "IfNotPresent",
+        value_parser = ["Always", "IfNotPresent", "Never"])]
+    pub sidecar_image_pull_policy: String,
+
     /// Image pull secrets (names, in each injected pod's namespace) added to injected pods for
     /// the sidecar's image, beside the pod's own; comma-separated or repeated.
     #[arg(
@@ -125,6 +131,18 @@ pub struct Config {
     /// With --operator-deployment: the label selector of its pods.
     #[arg(long, requires = "operator_deployment")]
     pub operator_pods: Option<String>,
+
+    /// Requests per second the operator sends to the Kubernetes API, sustained (as client-go's
+    /// QPS): a new leader, or many locks created at once, is paced instead of meeting the API
+    /// server's fairness limits.
+    #[arg(long, env = "LEASEHOLD_API_QPS", default_value_t = api_rate_limit::DEFAULT_QPS,
+        value_parser = clap::value_parser!(u32).range(1..))]
+    pub api_qps: u32,
+
+    /// Requests the operator may send to the Kubernetes API at once after a quiet spell.
+    #[arg(long, env = "LEASEHOLD_API_BURST", default_value_t = api_rate_limit::DEFAULT_BURST,
+        value_parser = clap::value_parser!(u32).range(1..))]
+    pub api_burst: u32,
 
     /// Log format: text or json.
     #[arg(long, env = "LEASEHOLD_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
@@ -178,6 +196,7 @@ impl Config {
                 .filter(|a| !a.is_empty())
                 .cloned()
                 .collect(),
+            image_pull_policy: self.sidecar_image_pull_policy.clone(),
             image_pull_secrets: self
                 .sidecar_image_pull_secret
                 .iter()

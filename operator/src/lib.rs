@@ -4,8 +4,9 @@
 //! makes one replica the reconciler; [`server`] serves metrics and probes; [`webhook`] decides
 //! the sidecar injection, [`webhook_server`] serves it over HTTPS with the certificate that
 //! [`webhook_tls`] keeps current ([`webhook_certs`] issues and rotates it); [`uninstall`] lets
-//! every lock go when the operator is removed.
+//! every lock go when the operator is removed; [`api_rate_limit`] paces its API requests.
 
+pub mod api_rate_limit;
 pub mod backends;
 pub mod config;
 pub mod election;

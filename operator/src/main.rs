@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use clap::Parser;
+use leasehold_operator::api_rate_limit::ApiRateLimitLayer;
 use leasehold_operator::config::Config;
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context};
@@ -37,9 +38,13 @@ async fn main() -> ExitCode {
 }
 
 async fn run(config: Config) -> Result<ExitCode, String> {
-    let client = kube::Client::try_default()
+    let api = kube::Config::infer()
         .await
         .map_err(|e| format!("no Kubernetes API configuration: {e}"))?;
+    let client = kube::client::ClientBuilder::try_from(api)
+        .map_err(|e| format!("cannot build the Kubernetes API client: {e}"))?
+        .with_layer(&ApiRateLimitLayer::new(config.api_qps, config.api_burst))
+        .build();
     if config.release_finalizers {
         use leasehold_operator::uninstall;
         let deployment = match (&config.operator_deployment, &config.operator_pods) {

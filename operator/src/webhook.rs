@@ -53,6 +53,31 @@ pub enum Declares {
 pub const INJECTED_LABEL: &str = "leasehold.dev/injected";
 /// Kubelet probes come to the pod IP; the lock API stays on loopback.
 pub const PROBE_PORT: u16 = 4041;
+/// The lock API's loopback port, the sidecar's default.
+pub const API_PORT: u16 = 4040;
+/// The annotations that move the sidecar's ports in one pod whose app already listens on
+/// 4040 or 4041 (Spark's UI takes 4040): the lock API's loopback port, and the probe port
+/// kubelet asks on the pod's IP.
+pub const PORT_ANNOTATION: &str = "leasehold.dev/port";
+pub const PROBE_PORT_ANNOTATION: &str = "leasehold.dev/probe-port";
+
+/// The sidecar's ports in one pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ports {
+    /// The lock API, on the pod's loopback.
+    pub api: u16,
+    /// Health, readiness and metrics, on the pod's IP.
+    pub probe: u16,
+}
+
+impl Default for Ports {
+    fn default() -> Self {
+        Self {
+            api: API_PORT,
+            probe: PROBE_PORT,
+        }
+    }
+}
 
 /// How the sidecar is injected (the operator's flags; the chart's values).
 #[derive(Debug, Clone, PartialEq)]
@@ -70,6 +95,8 @@ pub struct Injection {
     /// The CPU architectures the sidecar's image is built for (`kubernetes.io/arch` values):
     /// an injected pod is scheduled only on such nodes. Empty: any node.
     pub architectures: Vec<String>,
+    /// The sidecar container's `imagePullPolicy`: `Always`, `IfNotPresent` or `Never`.
+    pub image_pull_policy: String,
 }
 
 impl Injection {
@@ -81,6 +108,7 @@ impl Injection {
             resources: resources(&Resources::default()),
             image_pull_secrets: Vec::new(),
             architectures: vec!["amd64".to_owned()],
+            image_pull_policy: "IfNotPresent".to_owned(),
         }
     }
 }
@@ -249,6 +277,47 @@ fn app_health_annotation(pod: &Pod) -> Result<Option<String>, String> {
     Ok(Some(format!("http://127.0.0.1:{port}{path}")))
 }
 
+/// The sidecar's ports in `pod`: the defaults, or what [`PORT_ANNOTATION`] and
+/// [`PROBE_PORT_ANNOTATION`] say; refused when they are not ports, or collide with each other
+/// or with Dapr's ports when the pod asks for Dapr's API.
+fn ports_annotation(pod: &Pod, dapr: bool) -> Result<Ports, String> {
+    let annotations = pod.metadata.annotations.as_ref();
+    let port = |annotation: &str, default: u16| -> Result<u16, String> {
+        match annotations.and_then(|a| a.get(annotation)) {
+            None => Ok(default),
+            Some(value) => value.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| {
+                format!("annotation {annotation}={value:?}: expected a port number, 1 to 65535")
+            }),
+        }
+    };
+    let ports = Ports {
+        api: port(PORT_ANNOTATION, API_PORT)?,
+        probe: port(PROBE_PORT_ANNOTATION, PROBE_PORT)?,
+    };
+    if ports.api == ports.probe {
+        return Err(format!(
+            "annotations {PORT_ANNOTATION} and {PROBE_PORT_ANNOTATION}: the lock API and the probes need two ports, both are {}",
+            ports.api
+        ));
+    }
+    let dapr_ports = [DAPR_HTTP_LISTEN, DAPR_GRPC_LISTEN].map(|listen| {
+        listen
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+    });
+    if dapr
+        && let Some(taken) = [ports.api, ports.probe]
+            .into_iter()
+            .find(|p| dapr_ports.contains(&Some(*p)))
+    {
+        return Err(format!(
+            "annotations {PORT_ANNOTATION}/{PROBE_PORT_ANNOTATION}: port {taken} is Dapr's, which {DAPR_ANNOTATION}=\"true\" serves on"
+        ));
+    }
+    Ok(ports)
+}
+
 /// Decide for `pod` in `namespace`, given which DistributedLocks exist there and what each
 /// declares.
 pub fn decide(
@@ -271,7 +340,6 @@ pub fn decide(
     if let Some(reason) = no_token(pod) {
         return Decision::Deny(reason);
     }
-    let mut container = sidecar(namespace, &locks, injection);
     let (gated, dapr) = match (
         flag_annotation(pod, READINESS_ANNOTATION),
         flag_annotation(pod, DAPR_ANNOTATION),
@@ -279,6 +347,11 @@ pub fn decide(
         (Ok(gated), Ok(dapr)) => (gated, dapr),
         (Err(message), _) | (_, Err(message)) => return Decision::Deny(message),
     };
+    let ports = match ports_annotation(pod, dapr) {
+        Ok(ports) => ports,
+        Err(message) => return Decision::Deny(message),
+    };
+    let mut container = sidecar(namespace, &locks, injection, ports);
     // Only when every lock named is known to declare none: one not found may be a family.
     if dapr
         && locks.iter().all(|l| existing.contains_key(l))
@@ -433,39 +506,54 @@ fn architecture_ops(pod: &Pod, architectures: &[String]) -> Result<Vec<Value>, S
 }
 
 /// The sidecar container for `locks` in `namespace`.
-pub fn sidecar(namespace: &str, locks: &[String], injection: &Injection) -> Container {
+pub fn sidecar(
+    namespace: &str,
+    locks: &[String],
+    injection: &Injection,
+    ports: Ports,
+) -> Container {
     let resources: Vec<String> = locks.iter().map(|l| format!("{namespace}/{l}")).collect();
     let http = |path: &str| HTTPGetAction {
         path: Some(path.to_owned()),
-        port: IntOrString::Int(i32::from(PROBE_PORT)),
+        port: IntOrString::Int(i32::from(ports.probe)),
         ..HTTPGetAction::default()
     };
+    let mut env = vec![EnvVar {
+        name: "LEASEHOLD_IDENTITY".to_owned(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: "metadata.name".to_owned(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }];
+    if ports.api != API_PORT {
+        // An environment variable, not a flag: the preStop hook's `--resign` reads it too.
+        env.push(EnvVar {
+            name: "LEASEHOLD_LISTEN".to_owned(),
+            value: Some(format!("127.0.0.1:{}", ports.api)),
+            ..EnvVar::default()
+        });
+    }
     Container {
         name: SIDECAR_NAME.to_owned(),
         image: Some(injection.image.clone()),
+        image_pull_policy: Some(injection.image_pull_policy.clone()),
         command: Some(vec!["/leasehold-sidecar".to_owned()]),
         args: Some(vec![
             "--resource".to_owned(),
             resources.join(","),
             "--probe-listen".to_owned(),
-            format!("[::]:{PROBE_PORT}"),
+            format!("[::]:{}", ports.probe),
             "--log-format".to_owned(),
             "json".to_owned(),
         ]),
-        env: Some(vec![EnvVar {
-            name: "LEASEHOLD_IDENTITY".to_owned(),
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.name".to_owned(),
-                    ..ObjectFieldSelector::default()
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        }]),
+        env: Some(env),
         ports: Some(vec![ContainerPort {
             name: Some("leasehold-probe".to_owned()),
-            container_port: i32::from(PROBE_PORT),
+            container_port: i32::from(ports.probe),
             ..ContainerPort::default()
         }]),
         // The app's containers start once the lock API answers (kubelet waits for a native

@@ -678,3 +678,148 @@ fn the_chart_works_as_a_subchart_and_without_dashboard_labels() {
         dashboard["metadata"]
     );
 }
+
+/// A digest pins the image of the operator and of the injected sidecar alike; the sidecar's
+/// pull policy follows the chart's unless set on its own, and a digest that is not one is
+/// refused by the schema.
+#[test]
+fn a_digest_pins_both_images_and_the_sidecars_pull_policy_is_a_value() {
+    let digest = format!("sha256:{}", "ab".repeat(32));
+    let docs = render_chart(&["--set", &format!("image.digest={digest}")]);
+    let deployment = of_kind(&docs, "Deployment")[0];
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let pinned = format!("leasehold/leasehold@{digest}");
+    assert_eq!(container["image"].as_str(), Some(pinned.as_str()));
+    let args = operator_args(&docs);
+    assert!(
+        args.contains(&format!("--sidecar-image={pinned}")),
+        "{args:?}"
+    );
+    assert!(
+        args.contains(&"--sidecar-image-pull-policy=IfNotPresent".to_owned()),
+        "{args:?}"
+    );
+    let docs = render_chart(&[
+        "--set",
+        "image.pullPolicy=Always",
+        "--set",
+        "sidecar.imagePullPolicy=Never",
+    ]);
+    let args = operator_args(&docs);
+    assert!(
+        args.contains(&"--sidecar-image-pull-policy=Never".to_owned()),
+        "{args:?}"
+    );
+    let (ok, text) = chart(&["schema", "--set", "image.digest=latest"]);
+    assert!(!ok && text.contains("image/digest"), "{text}");
+}
+
+/// The policy that narrows `patch` on pods, which `spec.holderLabel` asks of the pods'
+/// ServiceAccounts, evaluated offline as the API server runs it: on a pod that takes a lock, a
+/// ServiceAccount of its namespace may set or clear the holder label and change nothing else;
+/// users, other namespaces' ServiceAccounts and pods without a lock are not its business.
+#[test]
+fn the_holder_label_policy_lets_a_pods_service_account_change_that_label_alone() {
+    use kube_cel::{AdmissionRequest, VapEvaluator, VapExpression};
+    let docs = render_chart(&[]);
+    let policy = of_kind(&docs, "ValidatingAdmissionPolicy")[0];
+    let binding = of_kind(&docs, "ValidatingAdmissionPolicyBinding")[0];
+    assert_eq!(binding["spec"]["policyName"], policy["metadata"]["name"]);
+    assert_eq!(strings(&binding["spec"]["validationActions"]), ["Deny"]);
+    // kube-cel's evaluator escapes every object key as the API server escapes declared field
+    // names (`.` as `__dot__`, `/` as `__slash__`), map keys included, which the API server
+    // leaves as they are: the policy's label and annotation keys are written the same way here.
+    let escaped = |expression: &str| {
+        ["leasehold.dev/lock", "leasehold.dev/holder"].iter().fold(
+            expression.to_owned(),
+            |e, key| {
+                let escaped = key.replace('.', "__dot__").replace('/', "__slash__");
+                e.replace(&format!("'{key}'"), &format!("'{escaped}'"))
+            },
+        )
+    };
+    let expressions = |list: &Value| -> Vec<VapExpression> {
+        list.as_sequence()
+            .unwrap()
+            .iter()
+            .map(|e| VapExpression {
+                expression: escaped(e["expression"].as_str().unwrap()),
+                message: e["message"].as_str().map(str::to_owned),
+                message_expression: None,
+            })
+            .collect()
+    };
+    let conditions = expressions(&policy["spec"]["matchConditions"]);
+    let validations = expressions(&policy["spec"]["validations"]);
+    let old = serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "runner-1", "namespace": "reports",
+                     "labels": {"app": "runner", "leasehold.dev/holder": "false"},
+                     "annotations": {"leasehold.dev/lock": "nightly"}},
+        "spec": {"containers": [{"name": "app", "image": "example/app:1"}]}
+    });
+    // (whether the policy applies, whether every validation passes)
+    let judge = |user: &str, old: &serde_json::Value, new: &serde_json::Value| {
+        let evaluator = VapEvaluator::builder()
+            .object(new.clone())
+            .old_object(old.clone())
+            .request(AdmissionRequest {
+                operation: "UPDATE".into(),
+                username: user.into(),
+                namespace: "reports".into(),
+                ..Default::default()
+            })
+            .build();
+        let matched = evaluator.evaluate(&conditions).iter().all(|r| r.passed);
+        let passed = evaluator.evaluate(&validations).iter().all(|r| r.passed);
+        (matched, passed)
+    };
+    let own = "system:serviceaccount:reports:runner";
+    let with = |change: &dyn Fn(&mut serde_json::Value)| {
+        let mut new = old.clone();
+        change(&mut new);
+        new
+    };
+    let labelled = with(&|p| p["metadata"]["labels"]["leasehold.dev/holder"] = "true".into());
+    assert_eq!(judge(own, &old, &labelled), (true, true), "set the label");
+    let cleared = with(&|p| {
+        p["metadata"]["labels"]
+            .as_object_mut()
+            .unwrap()
+            .remove("leasehold.dev/holder");
+    });
+    assert_eq!(judge(own, &old, &cleared), (true, true), "remove the label");
+    for (what, change) in [
+        (
+            "a container's image",
+            &(|p: &mut serde_json::Value| {
+                p["spec"]["containers"][0]["image"] = "attacker/app:1".into()
+            }) as &dyn Fn(&mut serde_json::Value),
+        ),
+        ("another label", &|p| {
+            p["metadata"]["labels"]["app"] = "other".into()
+        }),
+        ("a new label", &|p| {
+            p["metadata"]["labels"]["tier"] = "web".into()
+        }),
+        ("an annotation", &|p| {
+            p["metadata"]["annotations"]["leasehold.dev/lock"] = "other".into()
+        }),
+        ("a finalizer", &|p| {
+            p["metadata"]["finalizers"] = serde_json::json!(["x/y"])
+        }),
+    ] {
+        assert_eq!(judge(own, &old, &with(change)), (true, false), "{what}");
+    }
+    // Not the policy's business: a person, another namespace's ServiceAccount, a pod that
+    // takes no lock.
+    let image = with(&|p| p["spec"]["containers"][0]["image"] = "example/app:2".into());
+    assert!(!judge("jane@example.com", &old, &image).0);
+    assert!(!judge("system:serviceaccount:ci:deployer", &old, &image).0);
+    let mut plain = old.clone();
+    plain["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("annotations");
+    assert!(!judge(own, &plain, &plain).0);
+}

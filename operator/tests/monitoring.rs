@@ -16,8 +16,18 @@ use support::{chart, root};
 mod support;
 
 fn rendered() -> Vec<Value> {
+    rendered_with(&[])
+}
+
+/// The chart with every monitoring option on, then `sets` (`--set K=V` each).
+fn rendered_with(sets: &[&str]) -> Vec<Value> {
     let values = root().join("charts/leasehold/ci/monitoring-values.yaml");
-    let (ok, text) = chart(&["render", "-f", &values.display().to_string()]);
+    let values = values.display().to_string();
+    let mut args = vec!["render", "-f", &values];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    let (ok, text) = chart(&args);
     assert!(ok, "helm render failed: {text}");
     serde_yaml::Deserializer::from_str(&text)
         .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
@@ -78,6 +88,34 @@ fn the_alerts_pass_promtool_and_their_unit_tests() {
     assert!(tested.contains("SUCCESS"), "{tested}");
 }
 
+/// The alerts named in a rendered PrometheusRule.
+fn alert_names(docs: &[Value]) -> Vec<String> {
+    one(docs, "PrometheusRule")["spec"]["groups"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_sequence().unwrap().iter())
+        .filter_map(|r| r["alert"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// `absent(up{job=...})` fires for ever where nothing scrapes the operator: it is only rendered
+/// with the chart's ServiceMonitor, and the other alerts stay.
+#[test]
+fn the_operator_down_alert_needs_the_service_monitor() {
+    let with = alert_names(&rendered());
+    assert!(
+        with.iter().any(|a| a == "LeaseholdOperatorDown"),
+        "{with:?}"
+    );
+    let without = alert_names(&rendered_with(&["monitoring.serviceMonitor.enabled=false"]));
+    assert!(
+        !without.iter().any(|a| a == "LeaseholdOperatorDown"),
+        "{without:?}"
+    );
+    assert_eq!(without.len(), with.len() - 1, "{without:?}");
+}
+
 #[test]
 fn the_monitors_select_the_injected_sidecars_and_the_operators_metrics() {
     let docs = rendered();
@@ -97,6 +135,7 @@ fn the_monitors_select_the_injected_sidecars_and_the_operators_metrics() {
         "team",
         &["jobs".to_owned()],
         &leasehold_operator::webhook::Injection::new("leasehold/leasehold:0.1.0", true),
+        leasehold_operator::webhook::Ports::default(),
     ))
     .unwrap();
     assert_eq!(sidecar["ports"][0]["name"], "leasehold-probe");

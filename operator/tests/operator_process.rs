@@ -2,7 +2,7 @@
 //! served over HTTP (a kubeconfig names it): it issues its webhook certificate into the Secret,
 //! publishes the CA as the webhook configuration's `caBundle`, turns ready only then, answers
 //! admission reviews over TLS with the sidecar patch, counts them, leads, stands by with its
-//! webhook serving when deposed, and drains on SIGTERM.
+//! webhook serving when deposed, drains on SIGTERM, and paces its requests to the API.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -59,19 +59,9 @@ async fn eventually<T>(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
-    let api = InMemoryApiServer::new();
-    api.put(
-        MUTATING_WEBHOOK_CONFIGURATIONS,
-        chart_webhook_configuration(&[]),
-    );
-    api.put(
-        DISTRIBUTED_LOCKS,
-        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
-               "metadata": {"name": "nightly-report", "namespace": "team"},
-               "spec": {"backend": {"kubernetes": {}}}}),
-    );
+/// The operator binary with `args`, reaching `api` over HTTP through a kubeconfig (kept in the
+/// returned directory while it runs).
+async fn start_operator(api: &InMemoryApiServer, args: &[&str]) -> (Operator, tempfile::TempDir) {
     let addr = api.listen().await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
@@ -85,21 +75,92 @@ async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
         ),
     )
     .unwrap();
-    let (metrics_port, webhook_port) = (free_port(), free_port());
     let child = Command::new(env!("CARGO_BIN_EXE_leasehold-operator"))
         .env("KUBECONFIG", &kubeconfig)
         .env("POD_NAMESPACE", NS)
         .env("POD_NAME", "leasehold-operator-0")
-        .args([
-            &format!("--metrics-listen=127.0.0.1:{metrics_port}"),
-            &format!("--webhook-listen=127.0.0.1:{webhook_port}"),
-            "--sidecar-image=registry.example/leasehold:9",
-        ])
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("the operator binary");
-    let mut operator = Operator(child);
+    (Operator(child), dir)
+}
+
+/// Hundreds of locks to reconcile at once, as after a new leader: the binary sends its API
+/// requests at `--api-qps` once `--api-burst` have gone, not all at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_binary_paces_its_api_requests() {
+    let api = InMemoryApiServer::new();
+    api.put(
+        MUTATING_WEBHOOK_CONFIGURATIONS,
+        chart_webhook_configuration(&[]),
+    );
+    for i in 0..300 {
+        api.put(
+            DISTRIBUTED_LOCKS,
+            json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+                   "metadata": {"name": format!("lock-{i}"), "namespace": "team"},
+                   "spec": {"backend": {"kubernetes": {}}}}),
+        );
+    }
+    let (qps, burst) = (20, 10);
+    let (_operator, _kubeconfig) = start_operator(
+        &api,
+        &[
+            &format!("--metrics-listen=127.0.0.1:{}", free_port()),
+            &format!("--webhook-listen=127.0.0.1:{}", free_port()),
+            &format!("--api-qps={qps}"),
+            &format!("--api-burst={burst}"),
+        ],
+    )
+    .await;
+    // Counted from its first request: whatever it sends later is paced the same.
+    let first = api.requests();
+    eventually(Duration::from_secs(30), "a first API request", async || {
+        (api.requests() > first).then_some(())
+    })
+    .await;
+    let started = Instant::now();
+    let window = Duration::from_secs(4);
+    tokio::time::sleep(window).await;
+    let made = api.requests() - first;
+    let allowed = burst + qps * (started.elapsed().as_secs_f64().ceil() as u64 + 1);
+    assert!(
+        made <= allowed,
+        "{made} API requests in {:?}, more than {burst} at once and {qps}/s after: {:?}",
+        started.elapsed(),
+        api.requests_by_kind()
+    );
+    assert!(
+        made >= qps,
+        "only {made} API requests in {window:?}: the operator is not reconciling"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
+    let api = InMemoryApiServer::new();
+    api.put(
+        MUTATING_WEBHOOK_CONFIGURATIONS,
+        chart_webhook_configuration(&[]),
+    );
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+               "metadata": {"name": "nightly-report", "namespace": "team"},
+               "spec": {"backend": {"kubernetes": {}}}}),
+    );
+    let (metrics_port, webhook_port) = (free_port(), free_port());
+    let (mut operator, _kubeconfig) = start_operator(
+        &api,
+        &[
+            &format!("--metrics-listen=127.0.0.1:{metrics_port}"),
+            &format!("--webhook-listen=127.0.0.1:{webhook_port}"),
+            "--sidecar-image=registry.example/leasehold:9",
+        ],
+    )
+    .await;
 
     eventually(Duration::from_secs(30), "/readyz answers 200", async || {
         get(metrics_port, "/readyz")

@@ -166,6 +166,7 @@ async fn an_annotated_pod_gets_a_native_sidecar() {
     assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
     assert_eq!(c["resources"]["requests"]["memory"], "16Mi");
     assert_eq!(c["resources"]["limits"]["memory"], "64Mi");
+    assert_eq!(c["imagePullPolicy"], "IfNotPresent");
     // The app is untouched.
     assert_eq!(
         patched["spec"]["containers"],
@@ -394,6 +395,68 @@ async fn the_apps_health_endpoint_is_named_by_annotation() {
     }
 }
 
+/// A pod whose app listens on 4040 or 4041 (Spark's UI) moves the sidecar's ports by
+/// annotation: the lock API through `LEASEHOLD_LISTEN` (which the preStop `--resign` reads
+/// too), the probes with their port. Anything but two distinct ports, clear of Dapr's when the
+/// pod asks for Dapr's API, is refused with the reason.
+#[tokio::test]
+async fn the_sidecars_ports_move_by_annotation() {
+    let api = api_with_locks(&["jobs"]);
+    let (_, _, plain) = admit(&api, &pod(Some("jobs"), None, None), true).await;
+    let c = &sidecars(&plain, "initContainers")[0];
+    assert_eq!(c["ports"][0]["containerPort"], 4041);
+    assert!(
+        !c["env"].to_string().contains("LEASEHOLD_LISTEN"),
+        "the default port needs no setting: {}",
+        c["env"]
+    );
+    let mut moved = pod(Some("jobs"), None, None);
+    moved["metadata"]["annotations"][webhook::PORT_ANNOTATION] = json!("4050");
+    moved["metadata"]["annotations"][webhook::PROBE_PORT_ANNOTATION] = json!("4051");
+    let (allowed, message, patched) = admit(&api, &moved, true).await;
+    assert!(allowed, "{message}");
+    let c = &sidecars(&patched, "initContainers")[0];
+    assert!(
+        c["env"]
+            .as_array()
+            .unwrap()
+            .contains(&json!({"name": "LEASEHOLD_LISTEN", "value": "127.0.0.1:4050"})),
+        "{}",
+        c["env"]
+    );
+    let args = args(&patched);
+    let at = args.iter().position(|a| a == "--probe-listen").unwrap();
+    assert_eq!(args[at + 1], "[::]:4051");
+    assert_eq!(c["ports"][0]["containerPort"], 4051);
+    for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
+        assert_eq!(c[probe]["httpGet"]["port"], 4051, "{probe}");
+    }
+    for (port, probe, dapr, why) in [
+        ("0", "4051", "false", "a port number"),
+        ("40x0", "4051", "false", "a port number"),
+        ("70000", "4051", "false", "a port number"),
+        ("4050", "4050", "false", "two ports"),
+        ("3500", "4051", "true", "Dapr's"),
+    ] {
+        let mut bad = pod(Some("jobs"), None, None);
+        bad["metadata"]["annotations"][webhook::PORT_ANNOTATION] = json!(port);
+        bad["metadata"]["annotations"][webhook::PROBE_PORT_ANNOTATION] = json!(probe);
+        bad["metadata"]["annotations"][webhook::DAPR_ANNOTATION] = json!(dapr);
+        if dapr == "true" {
+            api.put(
+                DISTRIBUTED_LOCKS,
+                json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+                       "metadata": {"name": "orders", "namespace": NS},
+                       "spec": {"backend": {"kubernetes": {}}, "keys": {}}}),
+            );
+            bad["metadata"]["annotations"][webhook::ANNOTATION] = json!("orders");
+        }
+        let (allowed, message, _) = admit(&api, &bad, true).await;
+        assert!(!allowed, "{port}/{probe}");
+        assert!(message.contains(why), "{port}/{probe}: {message}");
+    }
+}
+
 /// Pod Security's `restricted` profile, as documented
 /// (kubernetes.io/docs/concepts/security/pod-security-standards): the checks that a container
 /// or a pod can fail, with the pod-level fields that satisfy a container's.
@@ -508,7 +571,7 @@ async fn the_injected_pod_meets_pod_security_restricted() {
 }
 
 #[tokio::test]
-async fn resources_and_pull_secrets_are_the_operators_settings() {
+async fn resources_pull_secrets_and_pull_policy_are_the_operators_settings() {
     let api = api_with_locks(&["jobs"]);
     let mut injection = Injection::new("registry.example/leasehold:0.1.0", true);
     injection.resources = webhook::resources(&webhook::Resources {
@@ -516,6 +579,7 @@ async fn resources_and_pull_secrets_are_the_operators_settings() {
         ..webhook::Resources::default()
     });
     injection.image_pull_secrets = vec!["registry-a".into(), "registry-b".into()];
+    injection.image_pull_policy = "Always".into();
     let patch = |pod: &Value| {
         let review = admission_review(pod);
         let api = api.clone();
@@ -533,6 +597,7 @@ async fn resources_and_pull_secrets_are_the_operators_settings() {
     let patched = patch(&pod(Some("jobs"), None, None)).await;
     let c = &sidecars(&patched, "initContainers")[0];
     assert_eq!(c["resources"]["limits"]["cpu"], "200m");
+    assert_eq!(c["imagePullPolicy"], "Always");
     assert_eq!(c["resources"]["requests"]["cpu"], "10m");
     assert_eq!(c["resources"]["limits"]["memory"], "64Mi");
     assert_eq!(

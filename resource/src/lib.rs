@@ -824,6 +824,7 @@ mod tests {
                 renew_interval: None,
                 mode: Default::default(),
                 cleanup_policy: Default::default(),
+                holder_label: None,
                 keys: None,
             },
         );

@@ -207,6 +207,7 @@ pub async fn follow(
     state: AppState,
     metrics: Arc<Metrics>,
     secret_recheck: Duration,
+    holder_label: Option<tokio::sync::watch::Sender<bool>>,
 ) {
     let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
     let config = watcher::Config::default().fields(&format!("metadata.name={}", r.name));
@@ -238,7 +239,26 @@ pub async fn follow(
         }
         state.set_pending(&r.name, reason);
     };
+    // Said once: the lock asks for the holder label where it cannot be given.
+    let mut label_refused = false;
     loop {
+        // Whether the lock asks for the holder label, as last read.
+        let asked = last.as_ref().is_some_and(|l| {
+            l.spec.holder_label == Some(true)
+                && l.spec.keys.is_none()
+                && l.metadata.deletion_timestamp.is_none()
+        });
+        match &holder_label {
+            Some(label) => {
+                label.send_if_modified(|on| std::mem::replace(on, asked) != asked);
+            }
+            None => {
+                if asked && !label_refused {
+                    tracing::error!(resource = %r, "spec.holderLabel labels a pod that takes one lock; this pod takes several, so none is labelled");
+                }
+                label_refused = asked;
+            }
+        }
         let rechecking =
             current.is_some() && last.as_ref().is_some_and(references_secrets) && !stepped_down;
         let retry = retry_at.filter(|_| current.is_none());

@@ -9,6 +9,7 @@ pub mod dapr;
 pub mod exec;
 pub mod from_resource;
 pub mod hold_stream;
+pub mod holder_label;
 pub mod key_events;
 pub mod metrics;
 pub mod pod_exit;

@@ -252,6 +252,19 @@ async fn start_from_resources(
         .resources
         .iter()
         .map(|r| {
+            // The holder label names a pod, so it serves a pod that takes one lock.
+            let holder_label = (config.resources.len() == 1).then(|| {
+                let (asked, enabled) = tokio::sync::watch::channel(false);
+                tokio::spawn(crate::holder_label::follow(
+                    client.clone(),
+                    r.namespace.clone(),
+                    config.identity.clone(),
+                    r.name.clone(),
+                    state.clone(),
+                    enabled,
+                ));
+                asked
+            });
             tokio::spawn(from_resource::follow(
                 client.clone(),
                 r.clone(),
@@ -259,6 +272,7 @@ async fn start_from_resources(
                 state.clone(),
                 metrics.clone(),
                 config.secret_recheck,
+                holder_label,
             ))
         })
         .collect();

@@ -80,6 +80,7 @@ fn follow_resource(
         state.clone(),
         metrics,
         recheck,
+        None,
     ));
     (state, follower)
 }

@@ -150,6 +150,8 @@ pub struct InMemoryApiServer {
     changes: broadcast::Sender<Change>,
     down: watch::Sender<bool>,
     requests: Arc<AtomicU64>,
+    /// Requests served by method and resource (`GET leases`, `PATCH distributedlocks/status`).
+    requests_by_kind: Arc<Mutex<BTreeMap<String, u64>>>,
     rbac: Arc<Mutex<Rbac>>,
 }
 
@@ -166,6 +168,7 @@ impl InMemoryApiServer {
             changes: broadcast::channel(4096).0,
             down: watch::channel(false).0,
             requests: Arc::default(),
+            requests_by_kind: Arc::default(),
             rbac: Arc::default(),
         }
     }
@@ -229,12 +232,7 @@ impl InMemoryApiServer {
 
     /// A client of this server, as a separate process would have (its own connection pool).
     pub fn client(&self) -> kube::Client {
-        let server = self.clone();
-        let service = tower::service_fn(move |request: Request<kube::client::Body>| {
-            let server = server.clone();
-            async move { server.handle(request).await }
-        });
-        kube::Client::new(service, "default")
+        kube::Client::new(self.clone().service(), "default")
     }
 
     /// Serve this API over plain HTTP on a free loopback port, for another process (the operator
@@ -275,6 +273,30 @@ impl InMemoryApiServer {
     /// How many requests have been served (for cost checks).
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::Relaxed)
+    }
+
+    /// How many requests were served, by method and resource (`GET leases`, `WATCH leases`,
+    /// `PATCH distributedlocks/status`).
+    pub fn requests_by_kind(&self) -> BTreeMap<String, u64> {
+        self.requests_by_kind.lock().unwrap().clone()
+    }
+
+    /// The service behind [`InMemoryApiServer::client`], for a client with layers of its own
+    /// (`api.clone().service()`).
+    pub fn service(
+        self,
+    ) -> impl tower::Service<
+        Request<kube::client::Body>,
+        Response = Response<Body>,
+        Error = std::io::Error,
+        Future = impl Future<Output = Result<Response<Body>, std::io::Error>> + Send,
+    > + Clone
+    + Send {
+        let server = self;
+        tower::service_fn(move |request: Request<kube::client::Body>| {
+            let server = server.clone();
+            async move { server.handle(request).await }
+        })
     }
 
     /// The stored Lease, as JSON.
@@ -388,6 +410,20 @@ impl InMemoryApiServer {
         };
         let (c, ns) = (route.collection.as_str(), route.namespace.as_str());
         let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+        {
+            let plural = c.rsplit('/').next().unwrap_or_default();
+            let kind = match (&route.subresource, watch) {
+                (Some(sub), _) => format!("{} {plural}/{sub}", parts.method),
+                (None, true) => format!("WATCH {plural}"),
+                (None, false) => format!("{} {plural}", parts.method),
+            };
+            *self
+                .requests_by_kind
+                .lock()
+                .unwrap()
+                .entry(kind)
+                .or_default() += 1;
+        }
         let user = parts
             .headers
             .get(http::header::AUTHORIZATION)

@@ -86,6 +86,7 @@ pub fn distributed_lock(
             renew_interval: None,
             mode: Default::default(),
             cleanup_policy: Default::default(),
+            holder_label: None,
             keys: None,
         },
     );

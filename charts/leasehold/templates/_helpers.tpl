@@ -11,7 +11,13 @@
 {{- define "leasehold.webhookService" -}}{{ include "leasehold.fullname" . }}-webhook{{- end -}}
 {{- define "leasehold.webhookSecret" -}}{{ include "leasehold.fullname" . }}-webhook-tls{{- end -}}
 {{- define "leasehold.webhookConfiguration" -}}{{ include "leasehold.fullname" . }}{{- end -}}
-{{- define "leasehold.image" -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
+{{- define "leasehold.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
 
 {{- define "leasehold.labels" -}}
 app.kubernetes.io/name: leasehold-operator

@@ -1,0 +1,180 @@
+//! `spec.holderLabel`: the pod that holds a lock carries `leasehold.dev/holder: "true"`, every
+//! other pod of the lock `"false"`, so that a Service selecting the label routes to the holder
+//! only. Readiness is left alone: gating it on the lock would keep a rolling update from ever
+//! finding a ready new pod.
+//!
+//! Each sidecar writes its own pod's label: it knows at once when it starts or stops holding
+//! (the operator learns of a new holder only at its next read of the backend). A holder first
+//! takes the label off every other pod of the lock that still carries it (one that was killed,
+//! or lost the API server, cannot take its own off), then puts it on its own pod, and looks
+//! again at each renewal; every write is made only while the lock is still held. A sidecar
+//! that stops holding, or stops, takes its own label off first.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams};
+use leasehold_lease::Lock;
+use serde_json::json;
+use tokio::sync::watch;
+
+use crate::api::AppState;
+
+/// The label a Service selects to reach the holder.
+pub const HOLDER_LABEL: &str = "leasehold.dev/holder";
+/// The webhook's annotation, naming the locks a pod takes.
+const LOCK_ANNOTATION: &str = "leasehold.dev/lock";
+/// How often the lock is looked for while it is not running yet.
+const NOT_RUNNING_CHECK: Duration = Duration::from_secs(1);
+/// The longest one label write may take when the sidecar stops.
+const LAST_WRITE: Duration = Duration::from_secs(2);
+
+/// Keep pod `pod`'s label (in `namespace`) in step with whether this sidecar holds `lock`,
+/// while `enabled` says the lock asks for it. Ends when `enabled`'s sender is dropped (the
+/// sidecar stops), taking the pod's label off first if it was on.
+pub async fn follow(
+    client: kube::Client,
+    namespace: String,
+    pod: String,
+    lock: String,
+    state: AppState,
+    mut enabled: watch::Receiver<bool>,
+) {
+    let pods: Api<Pod> = Api::namespaced(client, &namespace);
+    // What this pod's label was last set to; unknown after a start.
+    let mut labeled: Option<bool> = None;
+    loop {
+        let on = *enabled.borrow_and_update();
+        let running = state.locks().into_iter().find(|l| l.name() == lock);
+        // Seen before the answer is read: a change after it wakes the wait below.
+        let mut changes = running.as_ref().map(|l| {
+            let mut changes = l.watch();
+            changes.borrow_and_update();
+            changes
+        });
+        let holding = running.filter(|l| on && l.answer().is_holder());
+        let mut failed = false;
+        if let Some(holding) = &holding {
+            match take_over(&pods, &pod, &lock, holding).await {
+                Ok(true) => labeled = Some(true),
+                Ok(false) => {}
+                Err(e) => {
+                    failed = true;
+                    tracing::warn!(%lock, %pod, error = %e, "cannot label the pod as the lock's holder; trying again");
+                }
+            }
+        } else if labeled != Some(false) && (on || labeled == Some(true)) {
+            match set_label(&pods, &pod, false).await {
+                Ok(()) => labeled = Some(false),
+                Err(e) => {
+                    failed = true;
+                    tracing::warn!(%lock, %pod, error = %e, "cannot take the holder label off the pod; trying again");
+                }
+            }
+        }
+        let period = state
+            .locks()
+            .into_iter()
+            .find(|l| l.name() == lock)
+            .map_or(NOT_RUNNING_CHECK, |l| {
+                l.config().renew_interval.min(NOT_RUNNING_CHECK)
+            });
+        // A failed write is tried again after a pause, whatever wakes the task.
+        if failed {
+            changes = None;
+        }
+        tokio::select! {
+            changed = enabled.changed() => if changed.is_err() {
+                // The sidecar stops: its pod no longer serves as the holder.
+                if labeled == Some(true) {
+                    let _ = tokio::time::timeout(LAST_WRITE, set_label(&pods, &pod, false)).await;
+                }
+                return;
+            },
+            () = async {
+                // A lock that stopped publishes nothing more: the pause below wakes the task.
+                let changed = match &mut changes {
+                    Some(changes) => changes.changed().await.is_ok(),
+                    None => false,
+                };
+                if !changed {
+                    std::future::pending::<()>().await;
+                }
+            } => {}
+            () = tokio::time::sleep(period) => {}
+        }
+    }
+}
+
+/// While this sidecar holds `holding`: take the label off every other pod of the lock that
+/// carries it, then make sure this pod carries it. Each write is made only while the lock is
+/// still held, so a holder that lost it meanwhile labels nobody. Whether this pod carries it.
+async fn take_over(pods: &Api<Pod>, own: &str, lock: &str, holding: &Lock) -> kube::Result<bool> {
+    let labeled = pods
+        .list(&ListParams::default().labels(&format!("{HOLDER_LABEL}=true")))
+        .await?;
+    let mut own_labeled = false;
+    let mut failed = None;
+    for other in labeled {
+        let Some(name) = other.metadata.name.as_deref() else {
+            continue;
+        };
+        if name == own {
+            own_labeled = true;
+        } else if takes(&other, lock) && holding.answer().is_holder() {
+            tracing::info!(%lock, pod = name, "taking the holder label off a pod that no longer holds the lock");
+            // One pod that cannot be written must not keep the holder's own label off.
+            if let Err(e) = set_label(pods, name, false).await {
+                failed = Some(e);
+            }
+        }
+    }
+    if !own_labeled && holding.answer().is_holder() {
+        set_label(pods, own, true).await?;
+        own_labeled = true;
+        tracing::info!(%lock, pod = own, "labelled the pod as the lock's holder");
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(own_labeled),
+    }
+}
+
+/// Whether `pod` takes `lock` (its annotation names it).
+fn takes(pod: &Pod, lock: &str) -> bool {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(LOCK_ANNOTATION))
+        .is_some_and(|names| names.split(',').any(|n| n.trim() == lock))
+}
+
+async fn set_label(pods: &Api<Pod>, pod: &str, holder: bool) -> kube::Result<()> {
+    let patch = json!({"metadata": {"labels": {HOLDER_LABEL: holder.to_string()}}});
+    pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(annotation: Option<&str>) -> Pod {
+        let mut pod = Pod::default();
+        if let Some(value) = annotation {
+            pod.metadata.annotations =
+                Some([(LOCK_ANNOTATION.to_owned(), value.to_owned())].into());
+        }
+        pod
+    }
+
+    #[test]
+    fn a_pod_of_the_lock_is_one_whose_annotation_names_it() {
+        assert!(takes(&pod(Some("report")), "report"));
+        assert!(takes(&pod(Some("jobs, report")), "report"));
+        assert!(!takes(&pod(Some("reports")), "report"));
+        assert!(!takes(&pod(None), "report"));
+    }
+}

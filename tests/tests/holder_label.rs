@@ -1,0 +1,169 @@
+//! `spec.holderLabel` end to end: three sidecars follow one lock (`--resource`) on the in-memory
+//! API with the real operator binary, each on a pod object of its own, over a real Redis. The
+//! holder's pod carries `leasehold.dev/holder: "true"` and no other pod of the lock does; the
+//! label follows each new holder after its holder is killed (`kill -9`, which cannot take its
+//! own label off: the next holder does) or stopped (SIGTERM), and never names two pods at once;
+//! the holder reads the pods at its renewals, not in a loop. A pod of another lock keeps its
+//! label.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use leasehold_e2e::cluster::{Cluster, NAMESPACE};
+use leasehold_e2e::{RedisServer, Sidecar, eventually, unique_lock};
+use leasehold_testkit::InMemoryApiServer;
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+
+const PODS: &str = "/api/v1/pods";
+const HOLDER_LABEL: &str = "leasehold.dev/holder";
+const RENEW: Duration = Duration::from_millis(250);
+/// For a loaded 2-core machine, on top of a renew interval.
+const SLACK: Duration = Duration::from_millis(1500);
+
+fn pod(name: &str, lock: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": NAMESPACE,
+                        "annotations": {"leasehold.dev/lock": lock}}})
+}
+
+/// The pods whose holder label says "true", by name.
+fn labelled(api: &InMemoryApiServer) -> Vec<String> {
+    let mut names: Vec<String> = api
+        .objects(PODS)
+        .into_iter()
+        .filter(|p| p["metadata"]["labels"][HOLDER_LABEL] == "true")
+        .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_owned))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Reads of pods (lists and gets) the API server has served.
+fn pod_reads(api: &InMemoryApiServer) -> u64 {
+    api.requests_by_kind().get("GET pods").copied().unwrap_or(0)
+}
+
+/// Which sidecar holds, when exactly one says so.
+fn holder(sidecars: &[Sidecar]) -> Option<usize> {
+    let holding: Vec<usize> = (0..sidecars.len())
+        .filter(|&i| sidecars[i].is_holder())
+        .collect();
+    match holding.as_slice() {
+        [one] => Some(*one),
+        _ => None,
+    }
+}
+
+#[test]
+fn the_holder_label_follows_the_holder_and_never_names_two_pods() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("labelled");
+    let cluster = Cluster::start(
+        &lock,
+        json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+            "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
+            "cleanupPolicy": "Delete",
+        }),
+    );
+    let names: Vec<String> = (0..3).map(|i| format!("pod-{i}")).collect();
+    for name in &names {
+        cluster.api.put(PODS, pod(name, &lock));
+    }
+    // The holder of another lock in the namespace: not this lock's to take the label off.
+    let mut other = pod("other-holder", "another-lock");
+    other["metadata"]["labels"] = json!({HOLDER_LABEL: "true"});
+    cluster.api.put(PODS, other);
+
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let start = |name: &str| Sidecar::start_from_resource(name, &cluster.resource(), &env);
+    let mut sidecars: Vec<Sidecar> = names.iter().map(|n| start(n)).collect();
+
+    // Sampled all along, many times a renew interval: the most pods of this lock labelled at
+    // once, and when.
+    let stop = Arc::new(AtomicBool::new(false));
+    let worst = Arc::new(Mutex::new((0usize, Vec::<String>::new())));
+    let checker = {
+        let (api, stop, worst) = (cluster.api.clone(), stop.clone(), worst.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let ours: Vec<String> = labelled(&api)
+                    .into_iter()
+                    .filter(|n| n != "other-holder")
+                    .collect();
+                let mut worst = worst.lock().unwrap();
+                if ours.len() > worst.0 {
+                    *worst = (ours.len(), ours);
+                }
+                drop(worst);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+
+    let began = std::time::Instant::now();
+    let lists_before = pod_reads(&cluster.api);
+    for round in 0..6 {
+        let mut held = None;
+        eventually(Duration::from_secs(15), "one holder", || {
+            held = holder(&sidecars);
+            held.is_some()
+        });
+        let held = held.expect("a holder");
+        let expected = vec!["other-holder".to_owned(), names[held].clone()];
+        let took = eventually(
+            Duration::from_secs(15),
+            "the label names the holder",
+            || labelled(&cluster.api) == expected,
+        );
+        assert!(
+            took <= RENEW + SLACK,
+            "the label named the holder {took:?} after it held (labels: {:?}); the holder's log:\n{}",
+            labelled(&cluster.api),
+            sidecars[held].log()
+        );
+        // Kill or stop the holder. A killed one cannot take its own label off: the next
+        // holder must, before it labels its own pod. Its sidecar starts again only once the
+        // label has moved.
+        if round % 2 == 0 {
+            sidecars[held].kill9();
+        } else {
+            sidecars[held].signal(Signal::SIGTERM);
+            assert!(
+                sidecars[held].wait_exit(Duration::from_secs(10)).is_some(),
+                "the holder did not exit on SIGTERM"
+            );
+        }
+        eventually(
+            Duration::from_secs(15),
+            "the label moves to another pod",
+            || {
+                let now = labelled(&cluster.api);
+                now.len() == 2 && !now.contains(&names[held])
+            },
+        );
+        sidecars[held] = start(&names[held]);
+    }
+    let elapsed = began.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    checker.join().unwrap();
+    // The holder lists the labelled pods at each renewal, not in a loop.
+    let lists = pod_reads(&cluster.api) - lists_before;
+    let most_lists = 10 * elapsed.as_secs() + 50;
+    assert!(
+        lists <= most_lists,
+        "{lists} reads of pods in {elapsed:?}, more than {most_lists}"
+    );
+    let (most, when) = worst.lock().unwrap().clone();
+    assert!(
+        most <= 1,
+        "two pods labelled as the holder at once: {when:?}"
+    );
+    assert!(
+        labelled(&cluster.api).contains(&"other-holder".to_owned()),
+        "another lock's holder lost its label"
+    );
+}
