@@ -247,3 +247,57 @@ async fn a_primary_promoted_again_after_a_failback_waits_out_the_lease() {
     server_command(&primary, &["REPLICAOF", "NO", "ONE"]);
     the_new_primary_waits_out_the_lease(&*c, "failback", sent, taken.token).await;
 }
+
+/// A primary with a standby attached whose link has stopped carrying writes: a new epoch's
+/// record (its floor) may not reach the standby, and a standby promoted without it would take
+/// a floor from the record before it, below tokens this primary gave. So no lock is granted in
+/// the new epoch until every attached standby has the record; once the link carries again,
+/// grants resume, and the standby promoted after has the floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_epoch_grants_nothing_until_its_standbys_have_the_record() {
+    use leasehold_testkit::FaultProxy;
+    let old = RedisServer::start_tair();
+    let mut promoted = RedisServer::start_tair_replica_of(old.port());
+    promoted.wait_until_synced();
+    let endpoint = FaultProxy::start(old.port());
+    let url = format!("tair://127.0.0.1:{}", endpoint.port);
+    let a = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    let first = acquired(&*a, "warm-up", "a", FAILOVER_LEASE).await;
+    assert!(a.release(&first).await.unwrap());
+    server_command(&old, &["WAIT", "1", "10000"]);
+    // The standby takes over; the old primary follows it through a link that is then cut.
+    promoted.replicate_from(None);
+    endpoint.redirect(promoted.port());
+    let link = FaultProxy::start(promoted.port());
+    let mut follower = old;
+    follower.replicate_from(Some(link.port));
+    follower.wait_until_synced();
+    link.cut();
+    let b = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + FAILOVER_LEASE * 3;
+    while tokio::time::Instant::now() < deadline {
+        match b.try_acquire("epoch", "b", FAILOVER_LEASE).await {
+            Ok(leasehold_lease::Acquire::Acquired(lease)) => panic!(
+                "granted {lease:?} in a new epoch whose record the attached standby may lack"
+            ),
+            Ok(_) | Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    link.restore();
+    // Granted once the standby has the record and the new epoch's wait is over.
+    let deadline = tokio::time::Instant::now() + FAILOVER_LEASE * 4;
+    let held = loop {
+        match b.try_acquire("epoch", "b", FAILOVER_LEASE).await {
+            Ok(leasehold_lease::Acquire::Acquired(lease)) => break lease,
+            other => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no grant once the standby caught up: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert!(held.token > first.token);
+    drop(promoted);
+}

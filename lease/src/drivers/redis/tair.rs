@@ -66,6 +66,8 @@ pub struct TairConfig {
 /// How many claims one acquisition sends: a wrong token guess, an incarnation not yet checked and
 /// a counter below the epoch's floor each cost one more.
 const CLAIM_ATTEMPTS: usize = 5;
+/// How long an epoch's check waits for the attached standbys to acknowledge its record.
+const STANDBY_WAIT: Duration = Duration::from_millis(200);
 /// How long a server that refuses `INFO` (no restart guard) goes before it is asked again.
 const INFO_REFUSED_RECHECK: Duration = Duration::from_secs(60);
 /// Holdings of one lock between two repeats of a version (see [`first_version`]): the last
@@ -422,7 +424,8 @@ impl TairDriver {
                 Err(e) if refuses_info(&e) => return Ok(None),
                 Err(e) => return Err(tair_err(e)),
             };
-            let replication = Replication::read(&replication)?;
+            let replication_info = replication;
+            let replication = Replication::read(&replication_info)?;
             if replication.replid != expected {
                 continue;
             }
@@ -452,6 +455,8 @@ impl TairDriver {
                     .await
                     .map_err(tair_err)?;
             }
+            self.standbys_have_the_record(conn, &replication_info)
+                .await?;
             return Ok(Some(Epoch {
                 replid: expected,
                 since_us: since,
@@ -463,6 +468,34 @@ impl TairDriver {
         Err(Error::Unreachable(
             "the server changed three times while the driver read which one it is".into(),
         ))
+    }
+
+    /// Every standby attached to the primary has its epoch record (`WAIT`): a standby promoted
+    /// without the record would take its floor from the record before, below tokens this epoch
+    /// gives. Until they have it, nothing is granted (the next acquisition checks again).
+    async fn standbys_have_the_record(
+        &self,
+        conn: &mut ConnectionManager,
+        replication: &str,
+    ) -> Result<()> {
+        let attached: i64 = info_field(replication, "connected_slaves")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        if attached == 0 {
+            return Ok(());
+        }
+        let acknowledged: i64 = redis::cmd("WAIT")
+            .arg(attached)
+            .arg(ms(STANDBY_WAIT))
+            .query_async(conn)
+            .await
+            .map_err(tair_err)?;
+        if acknowledged < attached {
+            return Err(Error::Unreachable(format!(
+                "{acknowledged} of the {attached} standbys attached to the primary acknowledged its epoch record within {STANDBY_WAIT:?}: no lock is granted until every one has it (a standby promoted without it could repeat tokens)"
+            )));
+        }
+        Ok(())
     }
 
     /// A server without the TairString commands answers every lock call with an unknown
