@@ -144,7 +144,8 @@ pub struct DistributedLockSpec {
         "has(self.etcd.prefix) == has(oldSelf.etcd.prefix) && ",
         "(!has(self.etcd.prefix) || self.etcd.prefix == oldSelf.etcd.prefix) && ",
         "has(self.etcd.tlsSecretName) == has(oldSelf.etcd.tlsSecretName))) && ",
-        "(!has(self.kubernetes) || self.kubernetes == oldSelf.kubernetes)",
+        "(!has(self.kubernetes) || (has(self.kubernetes.leaseName) == has(oldSelf.kubernetes.leaseName) && ",
+        "(!has(self.kubernetes.leaseName) || self.kubernetes.leaseName == oldSelf.kubernetes.leaseName)))",
     )).message(
         "backend's location is immutable (kind, endpoints, database, table, prefix, path, lease name, TLS on or off): holders and fencing tokens live in it; credentials and the Secrets they come from may change; to move a lock, stop its pods, delete the DistributedLock and create it again on the new backend"
     ))]
@@ -539,6 +540,13 @@ pub struct KubernetesBackend {
         "self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')"
     ).message("leaseName must be a DNS subdomain name"))]
     pub lease_name: Option<String>,
+    /// Kubernetes' coordinated leader election (KEP-4355): the Lease's `preferredHolder`, which
+    /// cluster tooling sets, moves the lock. A holder it does not name renews no more and lets
+    /// its term run out (it stops claiming first); a contender it does not name takes the free
+    /// Lease only once it has gone unrenewed for two lease durations, the preferred pod's head
+    /// start. Off: `preferredHolder` and `strategy` are kept as they are and change nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub yield_to_preferred_holder: Option<bool>,
 }
 
 /// What the operator last saw.

@@ -390,6 +390,16 @@ fn the_backends_location_cannot_change_once_created_but_its_credentials_may() {
     let redis = json!({"redis": {"endpoints": ["redis:6379"],
         "passwordSecretRef": {"name": "redis-auth-1", "key": "password"}}});
 
+    // A Lease: its name is its place; whether holders yield to a preferred one is not.
+    refused(
+        json!({"kubernetes": {}}),
+        json!({"kubernetes": {"leaseName": "other"}}),
+    );
+    allowed(
+        json!({"kubernetes": {"leaseName": "jobs"}}),
+        json!({"kubernetes": {"leaseName": "jobs", "yieldToPreferredHolder": true}}),
+    );
+
     // Moves: another endpoint, database, prefix, TLS, kind.
     refused(
         redis.clone(),

@@ -80,9 +80,11 @@ pub async fn connect(url: &BackendUrl) -> Result<Arc<dyn Backend>> {
         )?),
         BackendUrl::Etcd(c) => Arc::new(etcd::EtcdDriver::connect(c.clone())?),
         BackendUrl::ZooKeeper(c) => Arc::new(zookeeper::ZooKeeperDriver::connect(c.clone())?),
-        BackendUrl::Kubernetes(c) => {
-            Arc::new(kubernetes::KubernetesLeaseDriver::connect(c.namespace.as_deref()).await?)
-        }
+        BackendUrl::Kubernetes(c) => Arc::new(
+            kubernetes::KubernetesLeaseDriver::connect(c.namespace.as_deref())
+                .await?
+                .yielding_to_preferred_holder(c.yield_to_preferred_holder),
+        ),
         BackendUrl::Sql(c) => Arc::new(sql::SqlDriver::connect(
             c.dialect,
             c.url.as_str(),

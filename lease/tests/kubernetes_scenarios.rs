@@ -525,3 +525,130 @@ async fn watches_nobody_listens_to_are_stopped() {
         .expect("feed open");
     assert!(other.release(&lease).await.unwrap());
 }
+
+/// Set `preferredHolder` and `strategy` on `lock`'s Lease, as coordinated leader election's
+/// tooling (KEP-4355) does.
+fn prefer(harness: &KubernetesHarness, lock: &str, preferred: &str) {
+    let mut lease = harness
+        .api
+        .lease(KubernetesHarness::NAMESPACE, lock)
+        .expect("the Lease");
+    lease["spec"]["preferredHolder"] = json!(preferred);
+    lease["spec"]["strategy"] = json!("OldestEmulationVersion");
+    harness
+        .api
+        .put(leasehold_testkit::in_memory_api_server::LEASES, lease);
+}
+
+fn spec_field(harness: &KubernetesHarness, lock: &str, field: &str) -> Value {
+    harness
+        .api
+        .lease(KubernetesHarness::NAMESPACE, lock)
+        .expect("the Lease")["spec"][field]
+        .clone()
+}
+
+/// Without the option, `preferredHolder` and `strategy` change nothing and are kept through
+/// acquisitions, renewals and releases: they are other tooling's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leases_preferred_holder_and_strategy_are_kept_and_change_nothing_by_default() {
+    const TTL: Duration = Duration::from_secs(10);
+    let harness = KubernetesHarness::new();
+    let driver = harness.client_driver();
+    let lock = unique_lock("kept");
+    let Acquire::Acquired(first) = driver.try_acquire(&lock, "pod-a", TTL).await.unwrap() else {
+        panic!("the lock is free");
+    };
+    prefer(&harness, &lock, "pod-b");
+    assert!(driver.renew(&first, TTL).await.unwrap(), "renewed as ever");
+    assert!(driver.release(&first).await.unwrap());
+    let Acquire::Acquired(again) = driver.try_acquire(&lock, "pod-c", TTL).await.unwrap() else {
+        panic!("the lock is free");
+    };
+    assert!(driver.renew(&again, TTL).await.unwrap());
+    assert_eq!(spec_field(&harness, &lock, "preferredHolder"), "pod-b");
+    assert_eq!(
+        spec_field(&harness, &lock, "strategy"),
+        "OldestEmulationVersion"
+    );
+}
+
+/// With `?preferred-holder=yield`, tooling moves the lock by naming a `preferredHolder`: the
+/// holder renews no more (its engine stops claiming), the Lease runs out, and the preferred pod
+/// takes it, while another pod leaves it a head start of two lease durations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preferred_holder_moves_the_lock_at_the_end_of_the_holders_term() {
+    const TTL: Duration = Duration::from_secs(1);
+    let harness = KubernetesHarness::new();
+    let driver = || harness.client_driver().yielding_to_preferred_holder(true);
+    let (a, b, c) = (driver(), driver(), driver());
+    let lock = unique_lock("preferred");
+    let Acquire::Acquired(held) = a.try_acquire(&lock, "pod-a", TTL).await.unwrap() else {
+        panic!("the lock is free");
+    };
+    // Preferred to itself: renewed as ever.
+    prefer(&harness, &lock, "pod-a");
+    assert!(a.renew(&held, TTL).await.unwrap());
+    prefer(&harness, &lock, "pod-b");
+    let moved = tokio::time::Instant::now();
+    assert!(
+        !a.renew(&held, TTL).await.unwrap(),
+        "the holder renews against another preferredHolder"
+    );
+    // Its term runs out on its own: until then the lock is busy for everyone.
+    assert!(matches!(
+        b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+        Acquire::Busy(Some(_))
+    ));
+    let taken = loop {
+        // Another pod, not preferred, is held back all along.
+        match c.try_acquire(&lock, "pod-c", TTL).await.unwrap() {
+            Acquire::Withheld(w) => assert!(w.reason.contains("pod-b"), "{}", w.reason),
+            Acquire::Busy(_) => {}
+            Acquire::Acquired(lease) => {
+                panic!("pod-c took the preferred pod's head start: {lease:?}")
+            }
+        }
+        match b.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => break lease,
+            _ => {
+                assert!(moved.elapsed() < TTL * 5, "pod-b never took the lock");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert!(
+        moved.elapsed() >= TTL,
+        "pod-b took the lock {:?} after the preference, within pod-a's term",
+        moved.elapsed()
+    );
+    assert!(taken.token > held.token);
+    assert!(
+        b.renew(&taken, TTL).await.unwrap(),
+        "the preferred holder renews"
+    );
+    // A preferred pod that never comes: the others take the lock after the head start.
+    prefer(&harness, &lock, "pod-gone");
+    assert!(!b.renew(&taken, TTL).await.unwrap());
+    let gone = tokio::time::Instant::now();
+    loop {
+        match c.try_acquire(&lock, "pod-c", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => {
+                assert!(lease.token > taken.token);
+                break;
+            }
+            _ => {
+                assert!(
+                    gone.elapsed() < TTL * 8,
+                    "nobody took the lock from a preferred pod that never came"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    assert!(
+        gone.elapsed() >= TTL * 2,
+        "pod-c took the lock {:?} after the last renewal, within the head start",
+        gone.elapsed()
+    );
+}

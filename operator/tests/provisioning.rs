@@ -400,6 +400,7 @@ async fn the_kubernetes_backend_gets_a_lease_no_object_owns() {
         Backend {
             kubernetes: Some(KubernetesBackend {
                 lease_name: Some("leader-lease".into()),
+                ..Default::default()
             }),
             ..Default::default()
         },
@@ -434,7 +435,7 @@ async fn a_retained_lease_is_not_owned_by_its_lock() {
     let mut lock = lock(
         "retained",
         Backend {
-            kubernetes: Some(KubernetesBackend { lease_name: None }),
+            kubernetes: Some(KubernetesBackend::default()),
             ..Default::default()
         },
     );

@@ -407,14 +407,18 @@ pub async fn open(
     resolved: &ResolvedLock,
 ) -> Result<std::sync::Arc<dyn leasehold_lease::Backend>> {
     Ok(match &resolved.backend {
-        BackendUrl::Kubernetes(KubernetesConfig { namespace }) => std::sync::Arc::new(
+        BackendUrl::Kubernetes(KubernetesConfig {
+            namespace,
+            yield_to_preferred_holder,
+        }) => std::sync::Arc::new(
             leasehold_lease::kubernetes::KubernetesLeaseDriver::new(
                 client.clone(),
                 namespace
                     .clone()
                     .unwrap_or_else(|| client.default_namespace().to_owned()),
             )
-            .with_target(&resolved.name, resolved.lease.clone().unwrap_or_default()),
+            .with_target(&resolved.name, resolved.lease.clone().unwrap_or_default())
+            .yielding_to_preferred_holder(*yield_to_preferred_holder),
         ),
         url => leasehold_lease::connect(url).await?,
     })
@@ -649,6 +653,7 @@ fn backend_url(
         return Ok((
             BackendUrl::Kubernetes(KubernetesConfig {
                 namespace: Some(namespace.to_owned()),
+                yield_to_preferred_holder: k.yield_to_preferred_holder.unwrap_or(false),
             }),
             Some(target),
         ));
@@ -1230,11 +1235,21 @@ mod tests {
             assert_eq!(
                 resolved.backend,
                 BackendUrl::Kubernetes(KubernetesConfig {
-                    namespace: Some("team".into())
+                    namespace: Some("team".into()),
+                    yield_to_preferred_holder: false,
                 })
             );
             assert_eq!(resolved.lease.unwrap().name.as_deref(), Some("jobs"));
         }
+        // Coordinated leader election, when the lock asks for it.
+        if let Some(k) = lock.spec.backend.kubernetes.as_mut() {
+            k.yield_to_preferred_holder = Some(true);
+        }
+        let resolved = resolve(&lock, &SecretValues::new()).unwrap();
+        assert_eq!(
+            resolved.backend.to_string(),
+            "kubernetes://team?preferred-holder=yield"
+        );
     }
 
     /// The TLS Secret's three keys are read like any other, their PEM text goes to the driver,

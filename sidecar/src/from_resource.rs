@@ -116,6 +116,14 @@ fn start_lock_on(
 /// without an explicit `schema`, who logs in decides where the table is (the user's
 /// `search_path`), so there the user stays part of the location.
 fn location(backend: &leasehold_lease::BackendUrl) -> String {
+    if let leasehold_lease::BackendUrl::Kubernetes(config) = backend {
+        // Whether holders yield to a preferred one changes how, not where, the lock is held.
+        let place = leasehold_lease::KubernetesConfig {
+            yield_to_preferred_holder: false,
+            ..config.clone()
+        };
+        return place.to_string();
+    }
     let text = backend.to_string();
     if let leasehold_lease::BackendUrl::Sql(leasehold_lease::SqlConfig {
         url, schema: None, ..
@@ -515,6 +523,11 @@ mod tests {
     /// file is another, even when an `@` stands in its path or options.
     #[test]
     fn the_location_leaves_out_who_logs_in_and_nothing_else() {
+        assert_eq!(
+            at("kubernetes://team"),
+            at("kubernetes://team?preferred-holder=yield")
+        );
+        assert_ne!(at("kubernetes://team"), at("kubernetes://other"));
         assert_eq!(
             at("redis://app-1:pw1@redis.team:6379/0"),
             at("redis://app-2:pw2@redis.team:6379/0")

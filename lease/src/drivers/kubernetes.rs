@@ -42,37 +42,68 @@ use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, Driver, Holding, Lease, Pruned, Upkeep};
 use crate::error::{Error, Result};
 
-/// `kubernetes://[NAMESPACE]`: a `coordination.k8s.io/v1` Lease per lock, named after the lock,
-/// in NAMESPACE (default: the pod's own), with in-cluster or `KUBECONFIG` credentials.
-#[derive(Clone, PartialEq, Eq)]
+/// `kubernetes://[NAMESPACE][?preferred-holder=yield]`: a `coordination.k8s.io/v1` Lease per
+/// lock, named after the lock, in NAMESPACE (default: the pod's own), with in-cluster or
+/// `KUBECONFIG` credentials.
+#[derive(Clone, PartialEq, Eq, Default)]
 pub struct KubernetesConfig {
     pub namespace: Option<String>,
+    /// `preferred-holder=yield`: the Lease's `preferredHolder` (Kubernetes' coordinated leader
+    /// election, KEP-4355) moves the lock: a holder it does not name renews no more and lets its
+    /// term run out, and a contender it does not name leaves the preferred one a head start.
+    pub yield_to_preferred_holder: bool,
 }
 
+/// The query that makes a Lease's `preferredHolder` move the lock.
+const YIELD_QUERY: &str = "preferred-holder=yield";
+
 impl KubernetesConfig {
-    /// `kubernetes://[NAMESPACE]`.
+    /// `kubernetes://[NAMESPACE][?preferred-holder=yield]`.
     pub(crate) fn from_url(raw: &str, _scheme: &str, rest: &str) -> Result<Self> {
         let invalid = invalid_url(raw);
-        if rest.contains(['/', '?', '@']) {
+        let (namespace, query) = match rest.split_once('?') {
+            Some((namespace, query)) => (namespace, Some(query)),
+            None => (rest, None),
+        };
+        if namespace.contains(['/', '?', '@']) {
             return Err(invalid(
                         "kubernetes:// takes only a namespace (kubernetes://NAMESPACE), or nothing for the pod's own".into(),
                     ));
         }
-        if rest.is_empty() {
-            return Ok(KubernetesConfig { namespace: None });
-        }
-        crate::names::validate_namespace(rest).map_err(|e| invalid(e.to_string()))?;
+        let yield_to_preferred_holder = match query {
+            None => false,
+            Some(YIELD_QUERY) => true,
+            Some(other) => {
+                return Err(invalid(format!(
+                    "kubernetes:// takes one option, ?{YIELD_QUERY}, not ?{other}"
+                )));
+            }
+        };
+        let namespace = if namespace.is_empty() {
+            None
+        } else {
+            crate::names::validate_namespace(namespace).map_err(|e| invalid(e.to_string()))?;
+            Some(namespace.to_owned())
+        };
         Ok(KubernetesConfig {
-            namespace: Some(rest.to_owned()),
+            namespace,
+            yield_to_preferred_holder,
         })
     }
 }
 
-/// `kubernetes://NAMESPACE`, or `kubernetes://` for the pod's own.
+/// `kubernetes://NAMESPACE`, or `kubernetes://` for the pod's own, and the option.
 impl fmt::Display for KubernetesConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let KubernetesConfig { namespace } = self;
-        write!(f, "kubernetes://{}", namespace.as_deref().unwrap_or(""))
+        let KubernetesConfig {
+            namespace,
+            yield_to_preferred_holder,
+        } = self;
+        write!(f, "kubernetes://{}", namespace.as_deref().unwrap_or(""))?;
+        if *yield_to_preferred_holder {
+            write!(f, "?{YIELD_QUERY}")?;
+        }
+        Ok(())
     }
 }
 
@@ -143,6 +174,8 @@ pub struct KubernetesLeaseDriver {
     feeds: Mutex<Watches>,
     /// Held records as this process first saw them, by lock: their expiry.
     sightings: Mutex<Pruned<String, Sighting>>,
+    /// The Lease's `preferredHolder` moves the lock ([`KubernetesConfig::yield_to_preferred_holder`]).
+    yield_to_preferred_holder: bool,
 }
 
 impl KubernetesLeaseDriver {
@@ -154,7 +187,16 @@ impl KubernetesLeaseDriver {
             targets: HashMap::new(),
             feeds: Mutex::default(),
             sightings: Mutex::default(),
+            yield_to_preferred_holder: false,
         }
+    }
+
+    /// Let the Lease's `preferredHolder` (KEP-4355) move the lock: a holder it does not name
+    /// stops renewing, so its term runs out; a contender it does not name takes a free Lease
+    /// only once it has gone unrenewed for two of its durations, the preferred one's head start.
+    pub fn yielding_to_preferred_holder(mut self, yields: bool) -> Self {
+        self.yield_to_preferred_holder = yields;
+        self
     }
 
     /// Who holds `lock` by `object`, as observed: a named holder whose record this process has
@@ -290,6 +332,7 @@ impl KubernetesLeaseDriver {
         &self,
         lease: &Lease,
         require_unexpired: bool,
+        yields: bool,
         change: impl Fn(&mut LeaseObject),
     ) -> Result<bool> {
         for _ in 0..CONFLICT_RETRIES {
@@ -303,6 +346,13 @@ impl KubernetesLeaseDriver {
                 || record.transitions != lease.token
                 || (require_unexpired && record.expired_at(Timestamp::now()))
             {
+                return Ok(false);
+            }
+            if let Some(preferred) = preferred_other(&object, &lease.identity).filter(|_| yields) {
+                // The end of this holder's term: it stops claiming now, and the Lease runs out
+                // on its own, after which the preferred holder takes it.
+                tracing::info!(lock = %lease.lock, preferred,
+                    "the Lease prefers another holder: not renewing, the term runs out");
                 return Ok(false);
             }
             change(&mut object);
@@ -417,7 +467,7 @@ impl KubernetesLeaseDriver {
             i32::try_from(token)
                 .map_err(|_| Error::Backend("leaseTransitions would pass 2^31".into()))?;
             let written = self
-                .rewrite_own(&lease, true, |object| {
+                .rewrite_own(&lease, true, false, |object| {
                     let _ = claim(object, &lease.identity, token, ttl);
                 })
                 .await?;
@@ -589,6 +639,16 @@ fn now_micro() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
+/// The holder the Lease's `preferredHolder` names, when it is not `identity`.
+fn preferred_other<'a>(object: &'a LeaseObject, identity: &str) -> Option<&'a str> {
+    object
+        .spec
+        .as_ref()?
+        .preferred_holder
+        .as_deref()
+        .filter(|preferred| !preferred.is_empty() && *preferred != identity)
+}
+
 /// Make `spec` this holder's, from now, for `ttl`.
 fn claim(object: &mut LeaseObject, identity: &str, token: u64, ttl: Duration) -> Result<()> {
     let token = i32::try_from(token)
@@ -655,6 +715,25 @@ impl Driver for KubernetesLeaseDriver {
         if let Some(holding) = self.held_by(lock, &object, &record) {
             return Ok(Acquire::Busy(Some(holding)));
         }
+        if self.yield_to_preferred_holder
+            && let Some(preferred) = preferred_other(&object, identity)
+        {
+            // The preferred holder's head start: two durations after the last renewal (by
+            // the writer's clock, which only delays this contender, never lets it in early
+            // beside a holder: the holding itself is judged by observation, above).
+            let unrenewed = record.renewed.map_or(Duration::MAX, |renewed| {
+                Duration::try_from(Timestamp::now().duration_since(renewed)).unwrap_or_default()
+            });
+            let head_start = record.duration.max(ttl) * 2;
+            if unrenewed < head_start {
+                return Ok(Acquire::Withheld(crate::driver::Withheld {
+                    reason: format!(
+                        "the Lease prefers {preferred} (preferredHolder): others take it only once it has gone unrenewed for {head_start:?}"
+                    ),
+                    resume_in: Some(head_start - unrenewed),
+                }));
+            }
+        }
         // A family's key whose Lease was forgotten as idle starts again above the family's
         // floor, which the sweep raised before it deleted the Lease.
         let family = crate::names::family_of(lock).filter(|_| created);
@@ -680,7 +759,8 @@ impl Driver for KubernetesLeaseDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
-        self.rewrite_own(lease, true, |object| extend(object, ttl))
+        let yields = self.yield_to_preferred_holder;
+        self.rewrite_own(lease, true, yields, |object| extend(object, ttl))
             .await
     }
 
@@ -689,7 +769,7 @@ impl Driver for KubernetesLeaseDriver {
         // token's base.
         // `renewTime` is kept as the moment of the release: how long a key has been idle, for
         // the sweep ([`Driver::forget_idle_keys`]). Nobody is named, so nobody holds it.
-        self.rewrite_own(lease, false, |object| {
+        self.rewrite_own(lease, false, false, |object| {
             let spec = object.spec.get_or_insert_with(LeaseSpec::default);
             spec.holder_identity = None;
             spec.renew_time = Some(now_micro());
@@ -903,15 +983,27 @@ mod tests {
     fn kubernetes_urls() {
         assert_eq!(
             BackendUrl::parse("kubernetes://").unwrap(),
-            BackendUrl::Kubernetes(KubernetesConfig { namespace: None })
+            BackendUrl::Kubernetes(KubernetesConfig::default())
         );
         let url = BackendUrl::parse("kubernetes://team-a").unwrap();
         assert_eq!(
             url,
             BackendUrl::Kubernetes(KubernetesConfig {
-                namespace: Some("team-a".into())
+                namespace: Some("team-a".into()),
+                yield_to_preferred_holder: false,
             })
         );
+        for raw in [
+            "kubernetes://team-a?preferred-holder=yield",
+            "kubernetes://?preferred-holder=yield",
+        ] {
+            let url = BackendUrl::parse(raw).unwrap();
+            let BackendUrl::Kubernetes(config) = &url else {
+                panic!("{raw}: {url:?}")
+            };
+            assert!(config.yield_to_preferred_holder, "{raw}");
+            assert_eq!(url.to_string(), raw);
+        }
         assert_eq!(
             (url.kind(), url.to_string().as_str()),
             ("kubernetes", "kubernetes://team-a")
@@ -921,6 +1013,8 @@ mod tests {
             "kubernetes://a.b",
             "kubernetes://ns/lease",
             "kubernetes://ns?lease=x",
+            "kubernetes://ns?preferred-holder=take",
+            "kubernetes://a/b?preferred-holder=yield",
             "kubernetes://u:p@ns",
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
