@@ -226,6 +226,18 @@ impl Replication {
     }
 }
 
+/// The standbys that `INFO replication` lists in sync (`state=online`).
+fn standbys_in_sync(replication: &str) -> usize {
+    replication
+        .lines()
+        .filter(|line| line.starts_with("slave") && line.contains(":ip="))
+        .filter(|line| {
+            line.split([':', ','])
+                .any(|part| part.trim() == "state=online")
+        })
+        .count()
+}
+
 /// `TIME`'s answer in microseconds.
 fn micros(time: &[String]) -> Result<i64> {
     match time {
@@ -455,7 +467,7 @@ impl TairDriver {
                     .await
                     .map_err(tair_err)?;
             }
-            self.standbys_have_the_record(conn, &replication_info)
+            self.standbys_have_the_record(conn, &replication_info, (&expected, since, floor))
                 .await?;
             return Ok(Some(Epoch {
                 replid: expected,
@@ -470,29 +482,51 @@ impl TairDriver {
         ))
     }
 
-    /// Every standby attached to the primary has its epoch record (`WAIT`): a standby promoted
+    /// Every healthy standby of the primary has its epoch record (`WAIT`): a standby promoted
     /// without the record would take its floor from the record before, below tokens this epoch
-    /// gives. Until they have it, nothing is granted (the next acquisition checks again).
+    /// gives. The record is written again first, so that the wait, which counts this
+    /// connection's writes, covers it whoever wrote it first. Until they have it, nothing is
+    /// granted (the next acquisition checks again). Waited for: every standby in sync
+    /// (`state=online`), a cut one too until the primary drops it (`repl-timeout`); one still
+    /// in its first sync gets the record with the rest of the stream. A server that refuses
+    /// `WAIT` goes on without it, as before.
     async fn standbys_have_the_record(
         &self,
         conn: &mut ConnectionManager,
         replication: &str,
+        record: (&str, i64, i64),
     ) -> Result<()> {
-        let attached: i64 = info_field(replication, "connected_slaves")
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
-        if attached == 0 {
+        let healthy = standbys_in_sync(replication);
+        if healthy == 0 {
             return Ok(());
         }
-        let acknowledged: i64 = redis::cmd("WAIT")
-            .arg(attached)
+        let (replid, since, floor) = record;
+        let waited: redis::RedisResult<(i64,)> = redis::pipe()
+            .cmd("HSET")
+            .arg(self.keys.tair_epoch())
+            .arg("replid")
+            .arg(replid)
+            .arg("since")
+            .arg(since)
+            .arg("floor")
+            .arg(floor)
+            .ignore()
+            .cmd("WAIT")
+            .arg(healthy)
             .arg(ms(STANDBY_WAIT))
             .query_async(conn)
-            .await
-            .map_err(tair_err)?;
-        if acknowledged < attached {
+            .await;
+        let acknowledged = match waited {
+            Ok((acknowledged,)) => acknowledged,
+            Err(e) if refuses_info(&e) => {
+                tracing::warn!(error = %e, "the server refuses WAIT: a standby promoted before it has the epoch record could repeat tokens");
+                return Ok(());
+            }
+            Err(e) => return Err(tair_err(e)),
+        };
+        if acknowledged < healthy as i64 {
             return Err(Error::Unreachable(format!(
-                "{acknowledged} of the {attached} standbys attached to the primary acknowledged its epoch record within {STANDBY_WAIT:?}: no lock is granted until every one has it (a standby promoted without it could repeat tokens)"
+                "{acknowledged} of the primary's {healthy} standbys in sync acknowledged its epoch record within {STANDBY_WAIT:?}: no lock is granted until every one has it (a standby promoted without it could repeat tokens)"
             )));
         }
         Ok(())
@@ -894,6 +928,18 @@ mod tests {
             first_version(1_795_000_000_000_000),
             first_version(1_795_000_000_000_001)
         );
+    }
+
+    #[test]
+    fn standbys_waited_for_are_those_in_sync() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:4\r\n\
+            slave0:ip=10.0.0.1,port=6379,state=online,offset=100,lag=0\r\n\
+            slave1:ip=10.0.0.2,port=6379,state=online,offset=90,lag=1\r\n\
+            slave2:ip=10.0.0.3,port=6379,state=wait_bgsave,offset=0,lag=0\r\n\
+            slave3:ip=10.0.0.4,port=6379,state=online,offset=5,lag=37\r\n\
+            master_replid:abc\r\n";
+        assert_eq!(standbys_in_sync(info), 3);
+        assert_eq!(standbys_in_sync("role:master\r\nconnected_slaves:0\r\n"), 0);
     }
 
     /// Standbys promoted a few seconds apart, the last one lagging: its record lacks the floor
