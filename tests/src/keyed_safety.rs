@@ -372,10 +372,9 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
         seed,
         ..Report::default()
     };
-    // Not the Tair standby's promotion: keyed tokens can go back when a standby still syncing
-    // after its primary's restart is promoted within a second or so of an earlier epoch (the
-    // floor then comes from a record that runs ahead of the clock; docs/status.md). The
-    // campaign check runs it.
+    // Not the Tair standby's promotion: under it, a few keys' tokens go back or repeat in ten
+    // minutes of the soak, for a cause not yet established (docs/status.md). The campaign
+    // check runs it.
     let faults: Vec<Fault> = backend
         .faults()
         .iter()
