@@ -6,7 +6,8 @@
 //! longer than the lease (then SIGCONT), a crash and restart of the backend, a partition of
 //! the holder from the backend (a [`FaultProxy`] per sidecar and endpoint), and on a
 //! three-server ZooKeeper ensemble a follower cut off from its quorum while it goes on serving;
-//! on Tair, a standby promoted behind the primary's address while the primary still serves.
+//! on Tair's failover target, a standby promoted behind the primary's address while the
+//! primary still serves.
 //!
 //! Two workloads: every sidecar campaigns ([`Workload::Campaign`]), or the sidecars run
 //! on-demand and workers beside each take and release the lock ([`Workload::Waiters`]), some
@@ -76,6 +77,8 @@ pub enum Target {
     Etcd,
     ZooKeeper,
     Tair,
+    /// Tair as a primary and a standby behind one address, failing over and back.
+    TairFailover,
     RedisSentinel,
     /// Three ZooKeeper servers, each sidecar connected to one of them.
     ZooKeeperEnsemble,
@@ -85,7 +88,7 @@ pub enum Target {
 }
 
 impl Target {
-    pub const ALL: [Target; 13] = [
+    pub const ALL: [Target; 14] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -96,6 +99,7 @@ impl Target {
         Target::Etcd,
         Target::ZooKeeper,
         Target::Tair,
+        Target::TairFailover,
         Target::RedisSentinel,
         Target::ZooKeeperEnsemble,
         Target::RedisCluster,
@@ -113,6 +117,7 @@ impl Target {
             Target::Etcd => "etcd",
             Target::ZooKeeper => "zookeeper",
             Target::Tair => "tair",
+            Target::TairFailover => "tair-failover",
             Target::RedisSentinel => "redis-sentinel",
             Target::ZooKeeperEnsemble => "zookeeper-ensemble",
             Target::RedisCluster => "redis-cluster",
@@ -285,9 +290,10 @@ impl Fault {
 pub(crate) enum Backend {
     Sqlite(tempfile::TempDir),
     Redis(RedisServer),
-    /// Redis with the TairString module, reached as `tair://`: a primary and its standby
-    /// behind one address; a restart is the primary's.
-    Tair(TairPair),
+    /// Redis with the TairString module, reached as `tair://`.
+    Tair(RedisServer),
+    /// The same as a primary and its standby behind one address; a restart is the primary's.
+    TairFailover(TairPair),
     Redlock(Vec<RedisServer>),
     Postgres(PostgresServer, &'static str),
     MariaDb(MariaDbServer, &'static str),
@@ -315,7 +321,8 @@ impl Backend {
             Target::MariaDbRowLock => Backend::MariaDb(MariaDbServer::start(), "?mode=row-lock"),
             Target::Etcd => Backend::Etcd(EtcdServer::start()),
             Target::ZooKeeper => Backend::ZooKeeper(ZooKeeperServer::start()),
-            Target::Tair => Backend::Tair(TairPair::start()),
+            Target::Tair => Backend::Tair(RedisServer::start_tair()),
+            Target::TairFailover => Backend::TairFailover(TairPair::start()),
             Target::RedisSentinel => Backend::RedisSentinel(RedisSentinelSet::start()),
             Target::ZooKeeperEnsemble => Backend::ZooKeeperEnsemble(ZooKeeperEnsemble::start()),
             Target::RedisCluster => Backend::RedisCluster(RedisCluster::start_with_replicas()),
@@ -327,8 +334,8 @@ impl Backend {
             // The sentinels name the master's own address, past any proxy of ours; so do the
             // nodes of a cluster, for every slot.
             Backend::Sqlite(_) | Backend::RedisSentinel(_) | Backend::RedisCluster(_) => Vec::new(),
-            Backend::Redis(s) => vec![s.port()],
-            Backend::Tair(pair) => vec![pair.port()],
+            Backend::Redis(s) | Backend::Tair(s) => vec![s.port()],
+            Backend::TairFailover(pair) => vec![pair.port()],
             Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
             Backend::Postgres(s, _) => vec![s.port()],
             Backend::MariaDb(s, _) => vec![s.port()],
@@ -345,8 +352,8 @@ impl Backend {
         };
         match self {
             Backend::Sqlite(dir) => format!("sqlite://{}", dir.path().join("locks.db").display()),
-            Backend::Redis(s) => swap(s.url(), s.port(), proxies[0]),
-            Backend::Tair(pair) => swap(pair.url(), pair.port(), proxies[0]),
+            Backend::Redis(s) | Backend::Tair(s) => swap(s.url(), s.port(), proxies[0]),
+            Backend::TairFailover(pair) => swap(pair.url(), pair.port(), proxies[0]),
             Backend::Redlock(_) => {
                 let hosts: Vec<String> = proxies.iter().map(|p| format!("127.0.0.1:{p}")).collect();
                 format!("redlock://{}", hosts.join(","))
@@ -381,7 +388,7 @@ impl Backend {
                 Fault::MigrateSlot,
                 Fault::FailOverShard,
             ],
-            Backend::Tair(_) => &[
+            Backend::TairFailover(_) => &[
                 Fault::KillHolder,
                 Fault::PauseHolder,
                 Fault::RestartBackend,
@@ -409,8 +416,8 @@ impl Backend {
     pub(crate) fn restart(&mut self) {
         match self {
             Backend::Sqlite(_) => {}
-            Backend::Redis(s) => s.restart(),
-            Backend::Tair(pair) => pair.restart_primary(),
+            Backend::Redis(s) | Backend::Tair(s) => s.restart(),
+            Backend::TairFailover(pair) => pair.restart_primary(),
             Backend::Redlock(masters) => masters.iter_mut().for_each(RedisServer::restart),
             Backend::Postgres(s, _) => s.restart(),
             Backend::MariaDb(s, _) => s.restart(),
@@ -426,8 +433,8 @@ impl Backend {
 
     /// Fail a Tair pair over (or back), the old primary serving one renew interval longer.
     fn promote_standby(&mut self) {
-        let Backend::Tair(pair) = self else {
-            unreachable!("only the Tair target has a standby to promote")
+        let Backend::TairFailover(pair) = self else {
+            unreachable!("only the Tair failover target has a standby to promote")
         };
         pair.fail_over(RENEW);
     }
