@@ -53,6 +53,9 @@ pub async fn follow(
             changes.borrow_and_update();
             changes
         });
+        let period = running.as_ref().map_or(NOT_RUNNING_CHECK, |l| {
+            l.config().renew_interval.min(NOT_RUNNING_CHECK)
+        });
         let holding = running.filter(|l| on && l.answer().is_holder());
         let mut failed = false;
         if let Some(holding) = &holding {
@@ -73,13 +76,6 @@ pub async fn follow(
                 }
             }
         }
-        let period = state
-            .locks()
-            .into_iter()
-            .find(|l| l.name() == lock)
-            .map_or(NOT_RUNNING_CHECK, |l| {
-                l.config().renew_interval.min(NOT_RUNNING_CHECK)
-            });
         // A failed write is tried again after a pause, whatever wakes the task.
         if failed {
             changes = None;

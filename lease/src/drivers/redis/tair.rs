@@ -454,7 +454,9 @@ impl TairDriver {
                 now,
                 durable,
             );
-            if changed {
+            // With standbys in sync, the record is written where they are waited for.
+            let standbys = standbys_in_sync(&replication_info);
+            if changed && standbys == 0 {
                 let _: () = redis::cmd("HSET")
                     .arg(self.keys.tair_epoch())
                     .arg("replid")
@@ -467,7 +469,7 @@ impl TairDriver {
                     .await
                     .map_err(tair_err)?;
             }
-            self.standbys_have_the_record(conn, &replication_info, (&expected, since, floor))
+            self.standbys_have_the_record(conn, standbys, (&expected, since, floor))
                 .await?;
             return Ok(Some(Epoch {
                 replid: expected,
@@ -493,10 +495,9 @@ impl TairDriver {
     async fn standbys_have_the_record(
         &self,
         conn: &mut ConnectionManager,
-        replication: &str,
+        healthy: usize,
         record: (&str, i64, i64),
     ) -> Result<()> {
-        let healthy = standbys_in_sync(replication);
         if healthy == 0 {
             return Ok(());
         }
