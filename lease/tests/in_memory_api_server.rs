@@ -198,3 +198,52 @@ async fn label_selectors_filter_and_empty_metadata_lists_are_absent() {
     let stored = api.lease("apps", "bare").unwrap();
     assert!(stored["metadata"].get("finalizers").is_none(), "{stored}");
 }
+
+/// A watcher that falls behind by more than the server buffers sees every change all the
+/// same: its watch is ended, and it watches again from the last revision it saw (a server that
+/// thinned the stream instead would leave objects its clients never hear of).
+#[tokio::test]
+async fn a_watcher_that_falls_behind_still_sees_every_change() {
+    use futures_util::StreamExt;
+    use kube::runtime::watcher;
+    const BURST: usize = 10_000;
+    let api = InMemoryApiServer::new();
+    let leases = Api::<Lease>::namespaced(api.client(), "apps");
+    let mut events = watcher(leases, watcher::Config::default()).boxed();
+    // The initial list (empty) first, then a watch.
+    while !matches!(events.next().await, Some(Ok(watcher::Event::InitDone))) {}
+    let mut seen = std::collections::BTreeSet::new();
+    let mut read_until = async |seen: &mut std::collections::BTreeSet<String>, count: usize| {
+        while seen.len() < count {
+            match events
+                .next()
+                .await
+                .expect("a watcher ends only when dropped")
+            {
+                Ok(watcher::Event::Apply(lease) | watcher::Event::InitApply(lease)) => {
+                    seen.insert(lease.metadata.name.unwrap());
+                }
+                Ok(_) => {}
+                Err(e) => panic!("watcher: {e}"),
+            }
+        }
+    };
+    // The watch is open once a change made after the initial list arrives through it.
+    api.put(LEASES, lease("apps", "first"));
+    read_until(&mut seen, 1).await;
+    // The whole burst lands while the watcher reads nothing.
+    for i in 0..BURST {
+        api.put(LEASES, lease("apps", &format!("burst-{i}")));
+    }
+    let all = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        read_until(&mut seen, BURST + 1),
+    )
+    .await;
+    assert!(
+        all.is_ok(),
+        "the watcher saw {} of the {} Leases",
+        seen.len(),
+        BURST + 1
+    );
+}

@@ -20,6 +20,8 @@
 //!   deletes what it owned (by `ownerReferences` uid); a foreground deletion
 //!   (`propagationPolicy: Foreground`, `kubectl delete --cascade=foreground`, Argo CD's prune)
 //!   deletes what the object owns first, while the object itself still waits on its finalizers;
+//! - a watch whose client falls more than a buffer behind is ended, never thinned, as the API
+//!   server closes a watcher that cannot keep up;
 //! - an outage: every request fails as a refused connection and open watches end, while the
 //!   stored Leases survive (as they would in the API server's etcd);
 //! - RBAC: a client made with [`InMemoryApiServer::client_as`] (or a process whose kubeconfig
@@ -879,7 +881,12 @@ impl InMemoryApiServer {
                 && name.as_deref().is_none_or(|n| n == c.name)
                 && labels.matches(&c.object)
         };
+        // A watcher that falls more than the buffer behind has its watch ended, as the API
+        // server closes a watch whose client cannot keep up: the client watches again from
+        // the last revision it saw and misses nothing. Dropping the changes it fell behind
+        // on instead would lose them for good.
         let live = tokio_stream::wrappers::BroadcastStream::new(live)
+            .take_while(|c| std::future::ready(c.is_ok()))
             .filter_map(|c| async move { c.ok() });
         let mut down = self.down.subscribe();
         let until_down = async move {
