@@ -58,6 +58,9 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 #[x_kube(validation = Rule::new("!has(self.holderLabel) || !self.holderLabel || !has(self.keys)").message(
     "holderLabel marks the pod that holds a lock; a family of keyed locks has a holder per key"
 ))]
+#[x_kube(validation = Rule::new("!has(self.permits) || self.permits == 1 || has(self.keys)").message(
+    "permits above 1 make each key of a family of keyed locks a semaphore (spec.keys): a lock held by one sidecar has one holder"
+))]
 #[x_kube(validation = Rule::new("has(self.keys) == has(oldSelf.keys)").message(
     "keys cannot be added or removed: a lock and a family of keyed locks keep different records; create a new DistributedLock instead"
 ))]
@@ -198,6 +201,14 @@ pub struct DistributedLockSpec {
     /// does not apply. Cannot be added or removed later.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keys: Option<KeysSpec>,
+
+    /// How many owners may hold one key at once (default 1): each key of the family is a
+    /// semaphore of this many permits, each permit with its own fencing token; the keyed
+    /// answers then give the permit held and, on `GET`, how many are held. A change applies to
+    /// the acquisitions after it and revokes no holding. Families of keyed locks only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 256))]
+    pub permits: Option<u32>,
 }
 
 /// The bounds of a family's keys.

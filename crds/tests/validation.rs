@@ -88,6 +88,8 @@ fn good_locks_pass() {
         json!({ "backend": { "kubernetes": {} }, "leaseDuration": "1m30s", "renewInterval": "20s" }),
         json!({ "backend": redis(), "leaseDuration": "1s", "renewInterval": "500ms" }),
         json!({ "backend": redis(), "keys": {} }),
+        json!({ "backend": redis(), "keys": {}, "permits": 8 }),
+        json!({ "backend": redis(), "permits": 1 }),
         json!({ "backend": redis(), "keys": { "maxKeyLength": 64, "maxHeldPerPod": 10000 },
             "cleanupPolicy": "Retain" }),
     ];
@@ -126,6 +128,10 @@ fn bad_locks_are_rejected_with_a_reason() {
         (
             json!({ "backend": redis(), "holderLabel": true, "keys": {} }),
             "a family of keyed locks has a holder per key",
+        ),
+        (
+            json!({ "backend": redis(), "permits": 2 }),
+            "permits above 1 make each key of a family of keyed locks a semaphore",
         ),
         (
             json!({ "backend": redis(), "leaseDuration": "10s", "renewInterval": "10s" }),
@@ -495,4 +501,7 @@ fn a_family_of_keyed_locks_is_checked() {
         assert_eq!(keys[field]["minimum"].as_f64(), Some(min as f64), "{field}");
         assert_eq!(keys[field]["maximum"].as_f64(), Some(max as f64), "{field}");
     }
+    let permits = &schema()["properties"]["spec"]["properties"]["permits"];
+    assert_eq!(permits["minimum"].as_f64(), Some(1.0), "{permits}");
+    assert_eq!(permits["maximum"].as_f64(), Some(256.0), "{permits}");
 }

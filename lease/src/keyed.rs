@@ -13,13 +13,21 @@
 //! through the backend: released, then acquired again with a new, higher token. (Handing the
 //! backend lease over locally would give the next owner the same token as the last one.)
 //!
+//! **Semaphores.** A family with `permits: N` lets up to N owners hold a key at once. Each permit
+//! is a lock of its own in the backend (permit 0 under the key's name, permit `i` under the
+//! hashed name of `KEY#i`, which no key can have), so every permit has the engine's guarantees
+//! and its own fencing token, a dead holder's permit is free within the lease, and nothing is
+//! kept for a permit that its backend would not keep for a key. An owner holds at most one
+//! permit of a key; an acquisition tries the permits in turn and, while all are held, waits for
+//! a release notice (or polls) and tries again.
+//!
 //! A key's backend name is derived from the family and the key and cannot leave the family:
 //! `FAMILY.keys.KEY` when the key is a plain lowercase name (so that it also fits a Kubernetes
 //! Lease), else `FAMILY.keyh.` and the first 40 hex digits of the key's SHA-256. A plain lock whose
 //! name starts with a family's `FAMILY.keys.` or `FAMILY.keyh.` is refused where the two meet.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +48,8 @@ pub const DEFAULT_MAX_KEY_LENGTH: usize = 128;
 pub const DEFAULT_MAX_KEYS: usize = 1024;
 /// The longest owner value accepted.
 pub const MAX_OWNER_LENGTH: usize = 128;
+/// The most permits a key may have: an acquisition tries each in turn.
+pub const MAX_PERMITS: u32 = 256;
 /// Hex digits of a hashed key in its backend name.
 const HASHED_KEY_DIGITS: usize = 40;
 /// How long a key nobody holds keeps its record, on the backends that delete idle keys'
@@ -60,6 +70,8 @@ pub struct FamilyConfig {
     pub renew_interval: Duration,
     pub max_key_length: usize,
     pub max_keys: usize,
+    /// How many owners may hold one key at once (a semaphore); 1 is a mutual exclusion lock.
+    pub permits: u32,
 }
 
 impl FamilyConfig {
@@ -71,6 +83,7 @@ impl FamilyConfig {
             renew_interval: lease_duration / 3,
             max_key_length: DEFAULT_MAX_KEY_LENGTH,
             max_keys: DEFAULT_MAX_KEYS,
+            permits: 1,
         }
     }
 }
@@ -95,11 +108,13 @@ pub enum KeyError {
 /// The state of one key as seen by one owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyAnswer {
-    /// `owner` holds the key now, self-fenced, with `holds` re-entrant acquisitions.
+    /// `owner` holds the key (its `permit`, 0 unless the family has several) now, self-fenced,
+    /// with `holds` re-entrant acquisitions.
     Held {
         token: u64,
         valid_for: Duration,
         holds: u32,
+        permit: u32,
     },
     /// Another owner holds it (in this pod, or in the backend as far as it was seen).
     HeldByAnother { holder: Option<String> },
@@ -138,6 +153,9 @@ struct KeyState {
 
 struct KeyHolding {
     owner: String,
+    /// The permit held, and the name of its local state ([`permit_key`]).
+    permit: u32,
+    permit_key: String,
     lock: Lock,
     /// Tells this holding from the key's later ones ([`FamilyInner::serials`]).
     serial: u64,
@@ -166,6 +184,12 @@ struct FamilyInner {
     telemetry: Arc<FamilyTelemetry>,
     keys: Mutex<HashMap<String, Arc<KeyState>>>,
     held: AtomicUsize,
+    /// The most permits the family has had: where an owner's holding may be, permits having
+    /// been lowered since it was taken.
+    permits_ever: AtomicU32,
+    /// Moves whenever an owner of this pod gives a permit up, for this pod's owners waiting on
+    /// a semaphore (the backend's notices cover other pods).
+    given_up: tokio::sync::watch::Sender<u64>,
     /// Owners inside an acquisition that does not hold the key yet.
     waiting: AtomicUsize,
     /// The last holding's serial: an engine's hook names the holding it ends by it, since it
@@ -224,6 +248,7 @@ impl KeyedFamily {
     ) -> Result<Self, Error> {
         validate_family_name(&config.name)?;
         check_settings(&config)?;
+        let permits = config.permits;
         let family = Self {
             inner: Arc::new(FamilyInner {
                 telemetry: Arc::new(FamilyTelemetry {
@@ -237,6 +262,8 @@ impl KeyedFamily {
                 driver: std::sync::RwLock::new(driver),
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
+                permits_ever: AtomicU32::new(permits),
+                given_up: tokio::sync::watch::Sender::new(0),
                 waiting: AtomicUsize::new(0),
                 serials: std::sync::atomic::AtomicU64::new(0),
             }),
@@ -279,6 +306,9 @@ impl KeyedFamily {
             });
         }
         check_settings(&config)?;
+        self.inner
+            .permits_ever
+            .fetch_max(config.permits, Ordering::SeqCst);
         *self.inner.config.write().unwrap_or_else(|e| e.into_inner()) = config;
         Ok(())
     }
@@ -421,7 +451,106 @@ impl KeyedFamily {
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
+        let permits = self.read_config(|c| c.permits);
+        // The permit the owner holds, re-entrant (or refused, once) wherever it is.
+        let permit = match self.owned_permit(key, owner) {
+            Some(holding) => Some(holding.permit),
+            None if permits == 1 => Some(0),
+            None => None,
+        };
+        match permit {
+            Some(permit) => {
+                let _waiting = Waiting::new(&self.inner.waiting);
+                self.take_permit(key, permit, owner, wait, hold, reentrant)
+                    .await
+            }
+            None => {
+                self.take_any_permit(key, permits, owner, wait, hold, reentrant)
+                    .await
+            }
+        }
+    }
+
+    /// Take one of `permits` permits of `key` for `owner`: each in turn (from a different one
+    /// for each acquisition, to spread the owners), and while every one is held, again after a
+    /// release notice (from the backend, or from an owner of this pod) or a poll interval,
+    /// until `wait` runs out.
+    async fn take_any_permit(
+        &self,
+        key: &str,
+        permits: u32,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+        reentrant: bool,
+    ) -> Result<KeyAnswer, KeyError> {
+        let _waiting = Waiting::new(&self.inner.waiting);
         let deadline = Instant::now() + wait;
+        let first = (self.inner.serials.load(Ordering::Relaxed) % u64::from(permits)) as u32;
+        let renew_interval = self.read_config(|c| c.renew_interval);
+        loop {
+            let driver = self.driver();
+            // Taken before the attempts, so that a release between them is not missed.
+            let mut given_up = self.inner.given_up.subscribe();
+            let mut notices: Vec<_> = (0..permits)
+                .filter_map(|permit| {
+                    driver.changes(&backend_name(&self.inner.name, &permit_key(key, permit)))
+                })
+                .collect();
+            let every_permit_notifies = notices.len() == permits as usize;
+            let mut refused = None;
+            for offset in 0..permits {
+                let permit = (first + offset) % permits;
+                let answer = self
+                    .take_permit(key, permit, owner, Duration::ZERO, hold, reentrant)
+                    .await?;
+                if matches!(answer, KeyAnswer::Held { .. }) {
+                    return Ok(answer);
+                }
+                refused = Some(more_telling(refused, answer));
+            }
+            let refused = refused.unwrap_or(KeyAnswer::HeldByAnother { holder: None });
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(refused);
+            }
+            // A holder that dies sends no notice: its permit frees when its lease runs out,
+            // which only a poll sees.
+            let poll = driver.poll_interval(renew_interval);
+            let nap = if every_permit_notifies {
+                left.min(poll)
+            } else {
+                left.min(poll).min(renew_interval)
+            };
+            let notice = async {
+                if notices.is_empty() {
+                    changed(&mut given_up).await;
+                    return;
+                }
+                let backend = futures_util::future::select_all(
+                    notices.iter_mut().map(|n| Box::pin(changed(n))),
+                );
+                tokio::select! {
+                    _ = backend => {}
+                    _ = changed(&mut given_up) => {}
+                }
+            };
+            let _ = timeout(nap, notice).await;
+        }
+    }
+
+    /// Take permit `permit` of `key` for `owner` (permit 0 of a mutual exclusion lock).
+    async fn take_permit(
+        &self,
+        key: &str,
+        permit: u32,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+        reentrant: bool,
+    ) -> Result<KeyAnswer, KeyError> {
+        let deadline = Instant::now() + wait;
+        let key = &permit_key(key, permit);
         let state = self.state(key);
         if let Some(current) = current_of(&state).filter(|c| c.owner == owner) {
             if !reentrant {
@@ -437,7 +566,6 @@ impl KeyedFamily {
                 Err(e) => return Err(e.into()),
             }
         }
-        let waiting = Waiting::new(&self.inner.waiting);
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
             Ok(slot) => slot,
             Err(_) => {
@@ -505,9 +633,10 @@ impl KeyedFamily {
                 _ => KeyAnswer::HeldByAnother { holder },
             });
         }
-        drop(waiting);
         let holding = Arc::new(KeyHolding {
             owner: owner.to_owned(),
+            permit,
+            permit_key: key.clone(),
             lock,
             serial,
             slot: Mutex::new(Some(slot)),
@@ -533,17 +662,47 @@ impl KeyedFamily {
 
     /// The engine of `key` while `owner` holds it: what a hold bound to a connection follows.
     pub fn holding(&self, key: &str, owner: &str) -> Option<Lock> {
-        self.existing(key)
-            .and_then(|state| current_of(&state))
-            .filter(|current| current.owner == owner)
+        self.owned_permit(key, owner)
             .map(|current| current.lock.clone())
+    }
+
+    /// `owner`'s holding of `key`, on whichever permit it is.
+    fn owned_permit(&self, key: &str, owner: &str) -> Option<Arc<KeyHolding>> {
+        self.find_holding(key, |holding| holding.owner == owner)
+    }
+
+    /// A holding of `key` by an owner of this pod that `wanted` accepts, on any permit the
+    /// family has had.
+    fn find_holding(
+        &self,
+        key: &str,
+        wanted: impl Fn(&KeyHolding) -> bool,
+    ) -> Option<Arc<KeyHolding>> {
+        let permits = self.inner.permits_ever.load(Ordering::SeqCst);
+        let keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
+        (0..permits).find_map(|permit| {
+            let state = match permit {
+                0 => keys.get(key),
+                _ => keys.get(&permit_key(key, permit)),
+            };
+            state
+                .and_then(|s| current_of(s))
+                .filter(|holding| wanted(holding))
+        })
+    }
+
+    /// What a call by `owner` on `key` is about: the owner's holding, else another owner's
+    /// (of permit 0, the one a mutual exclusion lock has), to say who holds it.
+    fn holding_for(&self, key: &str, owner: &str) -> Option<Arc<KeyHolding>> {
+        self.owned_permit(key, owner)
+            .or_else(|| self.existing(key).and_then(|s| current_of(&s)))
     }
 
     /// Give up one acquisition of `key` by `owner`.
     pub async fn release(&self, key: &str, owner: &str) -> Result<KeyRelease, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
-        let Some(current) = self.existing(key).and_then(|s| current_of(&s)) else {
+        let Some(current) = self.holding_for(key, owner) else {
             return Ok(KeyRelease::NotHeld);
         };
         if current.owner != owner {
@@ -561,7 +720,7 @@ impl KeyedFamily {
         if holds == 0 {
             // Free the slot now rather than when the watcher gets to it, so that the next
             // owner's acquisition is not refused for a moment.
-            self.forget(key, current.serial);
+            self.forget(&current.permit_key, current.serial);
         }
         Ok(KeyRelease::Released { holds })
     }
@@ -576,6 +735,26 @@ impl KeyedFamily {
             .await?)
     }
 
+    /// The holders of `key`'s permits in the backend now (any pod's owners), one read per
+    /// permit the family has had in this pod.
+    pub async fn observe_permits(&self, key: &str) -> Result<Vec<Holding>, KeyError> {
+        self.check_key(key)?;
+        let permits = self.inner.permits_ever.load(Ordering::SeqCst);
+        let driver = self.driver();
+        let reads = (0..permits).map(|permit| {
+            let name = backend_name(&self.inner.name, &permit_key(key, permit));
+            let driver = driver.clone();
+            async move { driver.observe(&name).await }
+        });
+        let holders = futures_util::future::try_join_all(reads).await?;
+        Ok(holders.into_iter().flatten().collect())
+    }
+
+    /// How many owners may hold one key at once (1 unless the family is a semaphore).
+    pub fn permits(&self) -> u32 {
+        self.read_config(|c| c.permits)
+    }
+
     /// Keep `owner`'s hold on `key` at least `hold` from now, without acquiring again (a hold
     /// only moves later).
     pub async fn extend(
@@ -586,7 +765,7 @@ impl KeyedFamily {
     ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
-        let Some(current) = self.existing(key).and_then(|s| current_of(&s)) else {
+        let Some(current) = self.holding_for(key, owner) else {
             return Ok(KeyAnswer::NotHeld);
         };
         if current.owner != owner {
@@ -607,7 +786,11 @@ impl KeyedFamily {
         if let Some(owner) = owner {
             check_owner(owner)?;
         }
-        let Some(current) = self.existing(key).and_then(|s| current_of(&s)) else {
+        let current = match owner {
+            Some(owner) => self.holding_for(key, owner),
+            None => self.find_holding(key, |_| true),
+        };
+        let Some(current) = current else {
             return Ok(KeyAnswer::NotHeld);
         };
         if owner.is_some_and(|o| o != current.owner) {
@@ -640,6 +823,7 @@ impl KeyedFamily {
                 token,
                 valid_for,
                 holds: holding.lock.snapshot().holds,
+                permit: holding.permit,
             },
             Answer::NotHolder => KeyAnswer::NotHeld,
             Answer::Unknown => KeyAnswer::Unknown,
@@ -663,6 +847,7 @@ impl KeyedFamily {
                     .take(),
             );
             self.inner.held.fetch_sub(1, Ordering::SeqCst);
+            self.inner.given_up.send_modify(|n| *n = n.wrapping_add(1));
             // Stopped, not shut down: the hook runs inside the engine's step down, before the
             // release goes out, and the engine must be left to finish it even when this drops
             // its last handle.
@@ -705,6 +890,39 @@ async fn forget_idle_keys(family: std::sync::Weak<FamilyInner>) {
     }
 }
 
+/// Once `notices` moves; never, should its sender be gone.
+async fn changed(notices: &mut tokio::sync::watch::Receiver<u64>) {
+    if notices.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The name of the local state, and the key of the backend name, of `key`'s permit `permit`:
+/// the key itself for permit 0, else `KEY#PERMIT`, which no key can be (`#` is refused in keys),
+/// and whose backend name is therefore always hashed.
+fn permit_key(key: &str, permit: u32) -> String {
+    if permit == 0 {
+        key.to_owned()
+    } else {
+        format!("{key}#{permit}")
+    }
+}
+
+/// Of two refusals, the one that tells the caller more: a holder over a guard's wait, a guard's
+/// wait over an unreachable backend.
+fn more_telling(earlier: Option<KeyAnswer>, later: KeyAnswer) -> KeyAnswer {
+    let rank = |answer: &KeyAnswer| match answer {
+        KeyAnswer::HeldByAnother { holder: Some(_) } => 3,
+        KeyAnswer::HeldByAnother { holder: None } => 2,
+        KeyAnswer::Withheld { .. } => 1,
+        _ => 0,
+    };
+    match earlier {
+        Some(earlier) if rank(&earlier) >= rank(&later) => earlier,
+        _ => later,
+    }
+}
+
 fn current_of(state: &KeyState) -> Option<Arc<KeyHolding>> {
     state
         .current
@@ -715,6 +933,15 @@ fn current_of(state: &KeyState) -> Option<Arc<KeyHolding>> {
 
 /// The engine checks the lease and renew interval of each key; check them once, up front.
 fn check_settings(config: &FamilyConfig) -> Result<(), Error> {
+    if !(1..=MAX_PERMITS).contains(&config.permits) {
+        return Err(Error::InvalidConfig {
+            field: "permits",
+            reason: format!(
+                "a key has 1 to {MAX_PERMITS} permits (it was {})",
+                config.permits
+            ),
+        });
+    }
     if config.max_keys == 0 || config.max_key_length == 0 {
         return Err(Error::InvalidConfig {
             field: "family",

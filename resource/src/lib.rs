@@ -44,6 +44,8 @@ pub struct ResolvedLock {
 pub struct KeyLimits {
     pub max_key_length: usize,
     pub max_keys: usize,
+    /// How many owners may hold one key at once (`spec.permits`).
+    pub permits: u32,
 }
 
 impl ResolvedLock {
@@ -62,6 +64,7 @@ impl ResolvedLock {
                 renew_interval: self.renew_interval,
                 max_key_length: limits.max_key_length,
                 max_keys: limits.max_keys,
+                permits: limits.permits,
                 ..leasehold_lease::keyed::FamilyConfig::new(
                     &self.name,
                     identity,
@@ -391,9 +394,26 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
             max_keys: keys
                 .max_held_per_pod
                 .map_or(leasehold_lease::keyed::DEFAULT_MAX_KEYS, |n| n as usize),
+            permits: spec.permits.unwrap_or(1),
         }),
     };
     resolved.lock_config("validation").validate()?;
+    if let Some(permits) = spec.permits {
+        let max = leasehold_lease::keyed::MAX_PERMITS;
+        let reason = if !(1..=max).contains(&permits) {
+            Some(format!("a key has 1 to {max} permits (it was {permits})"))
+        } else if permits > 1 && resolved.keys.is_none() {
+            Some("permits above 1 are for a family of keyed locks (spec.keys): a lock held by one sidecar has one holder".to_owned())
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(Error::InvalidConfig {
+                field: "permits",
+                reason,
+            });
+        }
+    }
     if resolved.keys.is_some() {
         leasehold_lease::keyed::validate_family_name(&resolved.name)?;
     }
@@ -831,6 +851,7 @@ mod tests {
                 cleanup_policy: Default::default(),
                 holder_label: None,
                 keys: None,
+                permits: None,
             },
         );
         lock.metadata.namespace = Some("team".into());
@@ -843,6 +864,33 @@ mod tests {
             name: name.into(),
             key: key.into(),
         }
+    }
+
+    #[test]
+    fn permits_make_a_family_a_semaphore_and_a_lock_refuses_them() {
+        let kubernetes = || Backend {
+            kubernetes: Some(Default::default()),
+            ..Default::default()
+        };
+        let mut family = lock(kubernetes());
+        family.spec.keys = Some(Default::default());
+        family.spec.permits = Some(4);
+        let resolved = resolve(&family, &SecretValues::default()).unwrap();
+        assert_eq!(resolved.family_config("pod").unwrap().permits, 4);
+        for (keys, permits, says) in [
+            (false, 2, "spec.keys"),
+            (true, 0, "1 to 256"),
+            (true, 257, "1 to 256"),
+        ] {
+            let mut bad = lock(kubernetes());
+            bad.spec.keys = keys.then(Default::default);
+            bad.spec.permits = Some(permits);
+            let error = resolve(&bad, &SecretValues::default()).unwrap_err();
+            assert!(error.to_string().contains(says), "{permits}: {error}");
+        }
+        let mut one = lock(kubernetes());
+        one.spec.permits = Some(1);
+        resolve(&one, &SecretValues::default()).unwrap();
     }
 
     #[test]

@@ -650,6 +650,14 @@ struct KeyStatus<'a> {
     fencing_token: Option<u64>,
     valid_for_ms: u64,
     holds: u32,
+    /// A semaphore's permits, the one this owner holds, and (on `GET`) how many are held now
+    /// across every pod.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permits: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permit: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permits_held: Option<u32>,
     backend: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     released: Option<bool>,
@@ -668,6 +676,20 @@ fn key_response(
     answer: &KeyAnswer,
     not_held: StatusCode,
 ) -> Response {
+    key_response_with(family, key, owner, answer, not_held, None)
+}
+
+/// [`key_response`], with how many of a semaphore's permits are held now.
+fn key_response_with(
+    family: &KeyedFamily,
+    key: &str,
+    owner: Option<&str>,
+    answer: &KeyAnswer,
+    not_held: StatusCode,
+    permits_held: Option<u32>,
+) -> Response {
+    let permits = family.permits();
+    let semaphore = permits > 1;
     let mut body = KeyStatus {
         family: family.name(),
         key,
@@ -677,6 +699,9 @@ fn key_response(
         fencing_token: None,
         valid_for_ms: 0,
         holds: 0,
+        permits: semaphore.then_some(permits),
+        permit: None,
+        permits_held,
         backend: family.backend(),
         released: None,
         reason: None,
@@ -687,11 +712,13 @@ fn key_response(
             token,
             valid_for,
             holds,
+            permit,
         } => {
             body.holder = true;
             body.fencing_token = Some(*token);
             body.valid_for_ms = valid_for.as_millis() as u64;
             body.holds = *holds;
+            body.permit = semaphore.then_some(*permit);
             StatusCode::OK
         }
         KeyAnswer::HeldByAnother { holder } => {
@@ -742,12 +769,20 @@ async fn key_status(
     let family = &state.family(&family)?;
     let (owner, _) = key_query(query, &[], true)?;
     let answer = family.status(&key, owner.as_deref()).map_err(key_error)?;
-    Ok(key_response(
+    // A semaphore's holders in every pod: one backend read per permit.
+    let permits_held = if family.permits() > 1 {
+        let holders = family.observe_permits(&key).await.map_err(key_error)?;
+        Some(holders.len() as u32)
+    } else {
+        None
+    };
+    Ok(key_response_with(
         family,
         &key,
         owner.as_deref(),
         &answer,
         StatusCode::CONFLICT,
+        permits_held,
     ))
 }
 

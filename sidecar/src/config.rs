@@ -47,6 +47,12 @@ struct Args {
           value_parser = clap::value_parser!(usize))]
     max_keys: usize,
 
+    /// How many owners may hold one key of a family at once: a semaphore of N permits, each
+    /// with its own fencing token (1: one owner at a time).
+    #[arg(long, env = "LEASEHOLD_PERMITS", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32))]
+    permits: u32,
+
     /// sqlite://PATH, redis://[user:pass@]host:port[/db], redlock://h:p,h:p,h:p,
     /// postgres://.. or mysql://..[?mode=lease|row-lock], etcd://h:p[,h:p] (etcds://...?ca=&cert=&key= for TLS), zk://h:p[,h:p]/PATH.
     /// Parsed after clap, so that an error shows the URL with its password redacted.
@@ -315,6 +321,13 @@ impl Config {
             locks.push(lock);
         }
         let mut families: Vec<FamilyConfig> = Vec::new();
+        if args.permits != 1 && args.families.is_empty() {
+            return Err(bad(
+                "permits",
+                &args.permits.to_string(),
+                &"permits are for keyed families (--keyed): a --lock has one holder",
+            ));
+        }
         for name in &args.families {
             if families.iter().any(|f| &f.name == name) || locks.iter().any(|l| &l.name == name) {
                 return Err(bad("keyed", name, &"the name is given twice"));
@@ -335,9 +348,20 @@ impl Config {
             if args.max_keys == 0 {
                 return Err(bad("max-keys", "0", &"must be at least 1"));
             }
+            if !(1..=leasehold_lease::keyed::MAX_PERMITS).contains(&args.permits) {
+                return Err(bad(
+                    "permits",
+                    &args.permits.to_string(),
+                    &format!(
+                        "a key has 1 to {} permits",
+                        leasehold_lease::keyed::MAX_PERMITS
+                    ),
+                ));
+            }
             families.push(FamilyConfig {
                 renew_interval,
                 max_keys: args.max_keys,
+                permits: args.permits,
                 ..FamilyConfig::new(name, &identity, args.lease_duration)
             });
         }
@@ -511,6 +535,9 @@ mod tests {
             (&["--lock", "jobs", "--listen", "nope"], "nope"),
             (&["--lock", "jobs", "--mode", "greedy"], "greedy"),
             (&["--lock", "jobs", "--nosuch"], "--nosuch"),
+            (&["--keyed", "orders", "--permits", "0"], "--permits"),
+            (&["--keyed", "orders", "--permits", "257"], "--permits"),
+            (&["--lock", "jobs", "--permits", "3"], "--permits"),
             (&["--lock", "a,a"], "'a'"),
             (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
             (&["--resource", "ns"], "NAMESPACE/NAME"),

@@ -1314,6 +1314,131 @@ pub async fn held_keys_are_counted(h: &mut dyn Harness) {
     assert_eq!(count().await, Some(2), "a released key still counted");
 }
 
+/// A family with `permits: 3`: three owners (of two pods) hold a key at once, each on a permit
+/// of its own; a fourth is refused; an owner holds one permit (re-entrant on it, refused on a
+/// try-once); a permit given up goes to a waiting owner with a token above the permit's last;
+/// a crashed pod's permit is free within the lease; lowering the permits revokes no holding.
+pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
+    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease, KeyedFamily};
+    const HOLD: Duration = Duration::from_secs(60);
+    const NOW: Duration = Duration::ZERO;
+    let family = unique_lock("permits");
+    let pod = |driver: Arc<dyn Backend>, identity: &str| {
+        KeyedFamily::new(
+            driver,
+            FamilyConfig {
+                renew_interval: RENEW,
+                permits: 3,
+                ..FamilyConfig::new(&family, identity, LEASE)
+            },
+            Arc::new(()),
+        )
+        .expect("family")
+    };
+    let (a, b) = (
+        pod(h.driver().await, "pod-a"),
+        pod(h.driver().await, "pod-b"),
+    );
+    let held = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held { permit, token, .. } => (permit, token),
+        other => panic!("not held: {other:?}"),
+    };
+    let key = "pool";
+    let (p1, t1) = held(a.acquire(key, "w1", NOW, HOLD).await.unwrap());
+    let (p2, t2) = held(a.acquire(key, "w2", NOW, HOLD).await.unwrap());
+    let (p3, _) = held(b.acquire(key, "w3", NOW, HOLD).await.unwrap());
+    let mut permits = [p1, p2, p3];
+    permits.sort_unstable();
+    assert_eq!(permits, [0, 1, 2], "three owners on three permits");
+    for pod in [&a, &b] {
+        let answer = pod.acquire(key, "w4", NOW, HOLD).await.unwrap();
+        assert!(
+            matches!(answer, KeyAnswer::HeldByAnother { .. }),
+            "a fourth owner of {}: {answer:?}",
+            pod.identity()
+        );
+    }
+    let mut holders: Vec<String> = b
+        .observe_permits(key)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| h.identity)
+        .collect();
+    holders.sort();
+    assert_eq!(holders, ["pod-a/w1", "pod-a/w2", "pod-b/w3"]);
+    let again = a.acquire(key, "w1", NOW, HOLD).await.unwrap();
+    assert!(
+        matches!(again, KeyAnswer::Held { holds: 2, permit, token, .. } if permit == p1 && token == t1),
+        "an owner acquiring again keeps its permit: {again:?}"
+    );
+    assert!(matches!(
+        a.try_acquire_once(key, "w1", HOLD).await.unwrap(),
+        KeyAnswer::HeldByAnother { .. }
+    ));
+
+    // w4 of pod b waits; w2 of pod a gives its permit up; w4 gets it, with a higher token.
+    let waiting = {
+        let b = b.clone();
+        tokio::spawn(async move { b.acquire(key, "w4", LEASE + SLACK, HOLD).await })
+    };
+    sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        a.release(key, "w2").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let (p4, t4) = held(waiting.await.expect("waiter").unwrap());
+    assert_eq!(p4, p2, "the waiter takes the permit given up");
+    assert!(t4 > t2, "permit {p4}: token {t4} after {t2}");
+
+    // Pod a dies without a word: w1's permit is free within the lease.
+    drop(a);
+    let crashed = Instant::now();
+    let (p5, t5) = loop {
+        match b
+            .acquire(key, "w5", LEASE + RENEW + SLACK, HOLD)
+            .await
+            .unwrap()
+        {
+            KeyAnswer::Held { permit, token, .. } => break (permit, token),
+            KeyAnswer::Unknown if crashed.elapsed() < LEASE + RENEW + SLACK => {}
+            other => panic!("w5 after pod a crashed: {other:?}"),
+        }
+    };
+    assert_eq!(p5, p1, "the crashed holder's permit");
+    assert!(t5 > t1, "permit {p5}: token {t5} after {t1}");
+    assert!(
+        crashed.elapsed() <= LEASE + RENEW + SLACK,
+        "took {:?}",
+        crashed.elapsed()
+    );
+
+    // One permit from now on: the three holders keep theirs, a new owner waits for all to go.
+    b.reconfigure(FamilyConfig {
+        permits: 1,
+        ..b.config()
+    })
+    .unwrap();
+    for owner in ["w3", "w4", "w5"] {
+        assert!(matches!(
+            b.status(key, Some(owner)).unwrap(),
+            KeyAnswer::Held { .. }
+        ));
+    }
+    assert!(matches!(
+        b.acquire(key, "w6", NOW, HOLD).await.unwrap(),
+        KeyAnswer::HeldByAnother { .. }
+    ));
+    for owner in ["w3", "w4", "w5"] {
+        assert_eq!(
+            b.release(key, owner).await.unwrap(),
+            KeyRelease::Released { holds: 0 }
+        );
+    }
+    let (p6, _) = held(b.acquire(key, "w6", NOW, HOLD).await.unwrap());
+    assert_eq!(p6, 0, "one permit: permit 0");
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -1331,7 +1456,8 @@ macro_rules! conformance_suite {
             backend_outage_and_recovery,
             keyed_owners_exclude_each_other,
             idle_keys_are_forgotten_and_their_tokens_still_rise,
-            held_keys_are_counted
+            held_keys_are_counted,
+            keyed_permits_admit_that_many_owners
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

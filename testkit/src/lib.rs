@@ -88,6 +88,7 @@ pub fn distributed_lock(
             cleanup_policy: Default::default(),
             holder_label: None,
             keys: None,
+            permits: None,
         },
     );
     lock.metadata.namespace = Some(namespace.into());

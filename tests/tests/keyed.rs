@@ -220,3 +220,45 @@ fn metrics_count_keys_by_family_and_never_label_a_key() {
     let body = s.get("/metrics").body;
     assert_eq!(line(&body, "leasehold_keyed_waiting_owners"), "0");
 }
+
+/// A family with `--permits 2` over HTTP: two owners (of two pods) hold a key at once, each told
+/// its permit; a third is refused, then takes the permit given up with a token above its last;
+/// `GET` counts the permits held in every pod.
+#[test]
+fn a_semaphore_family_admits_as_many_owners_as_it_has_permits() {
+    let redis = RedisServer::start();
+    let family = unique_lock("exports");
+    let keyed = ["--keyed", &family, "--mode", "on-demand", "--permits", "2"];
+    let a = Sidecar::start("pod-a", &redis.url(), &unique_lock("plain"), &keyed);
+    let b = Sidecar::start("pod-b", &redis.url(), &unique_lock("plain"), &keyed);
+    let key = format!("/locks/{family}/keys/tenant-7");
+
+    let first = a.post(&format!("{key}/acquire?owner=job-1&hold=30s"));
+    let second = b.post(&format!("{key}/acquire?owner=job-2&hold=30s"));
+    let first_token = token(&first);
+    token(&second);
+    let (first, second) = (first.json(), second.json());
+    assert_eq!(first["permits"], 2);
+    let mut permits = [
+        first["permit"].as_u64().unwrap(),
+        second["permit"].as_u64().unwrap(),
+    ];
+    permits.sort_unstable();
+    assert_eq!(permits, [0, 1], "{first} {second}");
+
+    let third = a.post(&format!("{key}/acquire?owner=job-3&wait=200ms"));
+    assert_eq!(third.status, 409, "{}", third.body);
+    let counted = b.get(&format!("{key}?owner=job-2"));
+    assert_eq!(counted.status, 200, "{}", counted.body);
+    assert_eq!(counted.json()["permitsHeld"], 2, "{}", counted.body);
+
+    let released = a.post(&format!("{key}/release?owner=job-1"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    let third = a.post(&format!("{key}/acquire?owner=job-3&wait=5s&hold=30s"));
+    let third_token = token(&third);
+    assert_eq!(third.json()["permit"], first["permit"], "{}", third.body);
+    assert!(
+        third_token > first_token,
+        "token {third_token} after {first_token}"
+    );
+}
