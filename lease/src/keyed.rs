@@ -50,6 +50,8 @@ pub const DEFAULT_MAX_KEYS: usize = 1024;
 pub const MAX_OWNER_LENGTH: usize = 128;
 /// The most permits a key may have: an acquisition tries each in turn.
 pub const MAX_PERMITS: u32 = 256;
+/// The least time between the starts of two rounds of a semaphore acquisition's attempts.
+const MIN_ROUND_GAP: Duration = Duration::from_millis(20);
 /// Hex digits of a hashed key in its backend name.
 const HASHED_KEY_DIGITS: usize = 40;
 /// How long a key nobody holds keeps its record, on the backends that delete idle keys'
@@ -144,16 +146,29 @@ pub enum KeyRelease {
 }
 
 /// One key's local slot and, while an owner holds it, that owner's engine.
-#[derive(Default)]
 struct KeyState {
     /// First come, first served among this pod's owners (tokio's mutex queues fairly).
     slot: Arc<tokio::sync::Mutex<()>>,
     current: Mutex<Option<Arc<KeyHolding>>>,
+    /// On a key's own state (permit 0's): moves whenever an owner of this pod gives up any
+    /// permit of the key, for this pod's owners waiting on the semaphore.
+    given_up: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for KeyState {
+    fn default() -> Self {
+        Self {
+            slot: Arc::default(),
+            current: Mutex::default(),
+            given_up: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 struct KeyHolding {
     owner: String,
-    /// The permit held, and the name of its local state ([`permit_key`]).
+    /// The key, the permit held, and the name of the permit's local state ([`permit_key`]).
+    key: String,
     permit: u32,
     permit_key: String,
     lock: Lock,
@@ -187,9 +202,8 @@ struct FamilyInner {
     /// The most permits the family has had: where an owner's holding may be, permits having
     /// been lowered since it was taken.
     permits_ever: AtomicU32,
-    /// Moves whenever an owner of this pod gives a permit up, for this pod's owners waiting on
-    /// a semaphore (the backend's notices cover other pods).
-    given_up: tokio::sync::watch::Sender<u64>,
+    /// Where each semaphore acquisition starts among the permits, so that owners spread.
+    next_first: AtomicU32,
     /// Owners inside an acquisition that does not hold the key yet.
     waiting: AtomicUsize,
     /// The last holding's serial: an engine's hook names the holding it ends by it, since it
@@ -198,6 +212,18 @@ struct FamilyInner {
 }
 
 impl FamilyInner {
+    /// Drop `key`'s state when nobody holds it, waits for it or watches it (the slot's only
+    /// other reference would be a waiter's; the state's, a semaphore's waiter's), so that keys
+    /// refused or given back leave nothing behind.
+    fn drop_state_if_idle(&self, key: &str) {
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if keys.get(key).is_some_and(|s| {
+            Arc::strong_count(s) == 1 && Arc::strong_count(&s.slot) == 1 && current_of(s).is_none()
+        }) {
+            keys.remove(key);
+        }
+    }
+
     fn driver(&self) -> Arc<dyn Backend> {
         self.driver
             .read()
@@ -263,7 +289,7 @@ impl KeyedFamily {
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
                 permits_ever: AtomicU32::new(permits),
-                given_up: tokio::sync::watch::Sender::new(0),
+                next_first: AtomicU32::new(0),
                 waiting: AtomicUsize::new(0),
                 serials: std::sync::atomic::AtomicU64::new(0),
             }),
@@ -352,6 +378,16 @@ impl KeyedFamily {
         self.inner.held.load(Ordering::SeqCst)
     }
 
+    /// How many keys and permits this pod keeps local state for: those held, waited for, or
+    /// with an attempt still settling. Keys refused or given back keep none.
+    pub fn tracked_keys(&self) -> usize {
+        self.inner
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
     /// How many of this pod's owners are waiting for a key now.
     pub fn waiting_owners(&self) -> usize {
         self.inner.waiting.load(Ordering::SeqCst)
@@ -381,16 +417,6 @@ impl KeyedFamily {
                 key.len()
             ),
         })
-    }
-
-    fn state(&self, key: &str) -> Arc<KeyState> {
-        self.inner
-            .keys
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(key.to_owned())
-            .or_default()
-            .clone()
     }
 
     fn existing(&self, key: &str) -> Option<Arc<KeyState>> {
@@ -451,56 +477,67 @@ impl KeyedFamily {
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
-        let permits = self.read_config(|c| c.permits);
-        // The permit the owner holds, re-entrant (or refused, once) wherever it is.
-        let permit = match self.owned_permit(key, owner) {
-            Some(holding) => Some(holding.permit),
-            None if permits == 1 => Some(0),
-            None => None,
-        };
-        match permit {
-            Some(permit) => {
-                let _waiting = Waiting::new(&self.inner.waiting);
-                self.take_permit(key, permit, owner, wait, hold, reentrant)
-                    .await
+        let deadline = Instant::now() + wait;
+        // The permit the owner holds: re-entrant (or refused, once) where it is.
+        if let Some(current) = self.owned_permit(key, owner) {
+            if !reentrant {
+                return Ok(KeyAnswer::HeldByAnother {
+                    holder: Some(self.qualified(owner)),
+                });
             }
-            None => {
-                self.take_any_permit(key, permits, owner, wait, hold, reentrant)
-                    .await
+            match current.lock.acquire(Duration::ZERO, hold).await {
+                Ok(answer) => return Ok(self.answer_for(&current, answer)),
+                // Its engine ended a moment ago (the hold lapsed, the lease was lost) and is
+                // about to be forgotten: an acquisition like any other.
+                Err(Error::Shutdown) => self.forget(&current.permit_key, current.serial),
+                Err(e) => return Err(e.into()),
             }
         }
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let _waiting = Waiting::new(&self.inner.waiting);
+        if self.read_config(|c| c.permits) == 1 {
+            return self.take_permit(key, 0, owner, wait, hold, reentrant).await;
+        }
+        self.take_any_permit(key, owner, wait, hold, reentrant)
+            .await
     }
 
-    /// Take one of `permits` permits of `key` for `owner`: each in turn (from a different one
-    /// for each acquisition, to spread the owners), and while every one is held, again after a
-    /// release notice (from the backend, or from an owner of this pod) or a poll interval,
-    /// until `wait` runs out.
+    /// Take a permit of `key` for `owner`: each in turn (from a different one for each
+    /// acquisition, to spread the owners), and while every one is held, again after a release
+    /// notice or a nap, until `wait` runs out. The count of permits is read at each round, so
+    /// that a change applies to the next one.
+    ///
+    /// Notices only shorten the nap: a queue backend's notices also move when this pod's own
+    /// attempts leave the queue, so they are taken as seen after each round (a release during
+    /// the round is found at the next) and a round follows a notice no sooner than
+    /// [`MIN_ROUND_GAP`] after the last. The nap is at most half a renew interval, since a
+    /// holder that dies sends no notice, and queue backends send none to whom is not queued.
     async fn take_any_permit(
         &self,
         key: &str,
-        permits: u32,
         owner: &str,
         wait: Duration,
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
-        let _waiting = Waiting::new(&self.inner.waiting);
         let deadline = Instant::now() + wait;
-        let first = (self.inner.serials.load(Ordering::Relaxed) % u64::from(permits)) as u32;
+        let first = self.inner.next_first.fetch_add(1, Ordering::Relaxed);
         let renew_interval = self.read_config(|c| c.renew_interval);
+        // This pod's releases of any permit of the key; the state is kept while watched.
+        let own_key = StateInUse::new(&self.inner, key);
+        let mut given_up = own_key.given_up.subscribe();
         loop {
+            let round = Instant::now();
+            let permits = self.read_config(|c| c.permits);
             let driver = self.driver();
-            // Taken before the attempts, so that a release between them is not missed.
-            let mut given_up = self.inner.given_up.subscribe();
             let mut notices: Vec<_> = (0..permits)
                 .filter_map(|permit| {
                     driver.changes(&backend_name(&self.inner.name, &permit_key(key, permit)))
                 })
                 .collect();
-            let every_permit_notifies = notices.len() == permits as usize;
             let mut refused = None;
             for offset in 0..permits {
-                let permit = (first + offset) % permits;
+                let permit = first.wrapping_add(offset) % permits;
                 let answer = self
                     .take_permit(key, permit, owner, Duration::ZERO, hold, reentrant)
                     .await?;
@@ -510,32 +547,33 @@ impl KeyedFamily {
                 refused = Some(more_telling(refused, answer));
             }
             let refused = refused.unwrap_or(KeyAnswer::HeldByAnother { holder: None });
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if Instant::now() >= deadline {
                 return Ok(refused);
             }
-            // A holder that dies sends no notice: its permit frees when its lease runs out,
-            // which only a poll sees.
-            let poll = driver.poll_interval(renew_interval);
-            let nap = if every_permit_notifies {
-                left.min(poll)
-            } else {
-                left.min(poll).min(renew_interval)
-            };
+            for notice in &mut notices {
+                notice.borrow_and_update();
+            }
+            let nap_until = deadline.min(
+                Instant::now() + (renew_interval / 2).min(driver.poll_interval(renew_interval)),
+            );
             let notice = async {
-                if notices.is_empty() {
-                    changed(&mut given_up).await;
-                    return;
-                }
-                let backend = futures_util::future::select_all(
-                    notices.iter_mut().map(|n| Box::pin(changed(n))),
-                );
+                let backend = async {
+                    if notices.is_empty() {
+                        std::future::pending::<()>().await;
+                    }
+                    futures_util::future::select_all(
+                        notices.iter_mut().map(|n| Box::pin(changed(n))),
+                    )
+                    .await;
+                };
                 tokio::select! {
                     _ = backend => {}
                     _ = changed(&mut given_up) => {}
                 }
+                tokio::time::sleep_until(round + MIN_ROUND_GAP).await;
             };
-            let _ = timeout(nap, notice).await;
+            let _ = tokio::time::timeout_at(nap_until, notice).await;
+            drop(notices);
         }
     }
 
@@ -550,8 +588,9 @@ impl KeyedFamily {
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
+        let base_key = key;
         let key = &permit_key(key, permit);
-        let state = self.state(key);
+        let state = StateInUse::new(&self.inner, key);
         if let Some(current) = current_of(&state).filter(|c| c.owner == owner) {
             if !reentrant {
                 return Ok(KeyAnswer::HeldByAnother {
@@ -565,6 +604,11 @@ impl KeyedFamily {
                 Err(Error::Shutdown) => self.forget(key, current.serial),
                 Err(e) => return Err(e.into()),
             }
+        }
+        // Permits above the family's count, lowered since, are kept by their holders but
+        // given to nobody new.
+        if permit > 0 && permit >= self.read_config(|c| c.permits) {
+            return Ok(KeyAnswer::NotHeld);
         }
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
             Ok(slot) => slot,
@@ -616,12 +660,20 @@ impl KeyedFamily {
             // An attempt that could not tell may still take the key (a write the backend carries
             // out late): the slot waits for it to be followed up and given back, so that the
             // owner's retry does not meet its own earlier attempt in the backend.
+            drop(state);
             if timeout(Duration::ZERO, lock.settled()).await.is_ok() {
                 drop(slot);
+                self.inner.drop_state_if_idle(key);
             } else {
+                // The slot goes with the attempt; so does the state, unless used by then.
+                let family = Arc::downgrade(&self.inner);
+                let key = key.clone();
                 tokio::spawn(async move {
                     lock.settled().await;
                     drop(slot);
+                    if let Some(inner) = family.upgrade() {
+                        inner.drop_state_if_idle(&key);
+                    }
                 });
             }
             return Ok(match (answer, withheld) {
@@ -635,6 +687,7 @@ impl KeyedFamily {
         }
         let holding = Arc::new(KeyHolding {
             owner: owner.to_owned(),
+            key: base_key.to_owned(),
             permit,
             permit_key: key.clone(),
             lock,
@@ -755,6 +808,12 @@ impl KeyedFamily {
         self.read_config(|c| c.permits)
     }
 
+    /// Whether the family has had more than one permit per key: holders of higher permits may
+    /// remain after the count was lowered, and answers name the permit.
+    pub fn has_had_permits(&self) -> bool {
+        self.inner.permits_ever.load(Ordering::SeqCst) > 1
+    }
+
     /// Keep `owner`'s hold on `key` at least `hold` from now, without acquiring again (a hold
     /// only moves later).
     pub async fn extend(
@@ -847,21 +906,15 @@ impl KeyedFamily {
                     .take(),
             );
             self.inner.held.fetch_sub(1, Ordering::SeqCst);
-            self.inner.given_up.send_modify(|n| *n = n.wrapping_add(1));
+            if let Some(key) = self.existing(&holding.key) {
+                key.given_up.send_modify(|n| *n = n.wrapping_add(1));
+            }
             // Stopped, not shut down: the hook runs inside the engine's step down, before the
             // release goes out, and the engine must be left to finish it even when this drops
             // its last handle.
             holding.lock.stop();
-            // Drop the key's state when nobody holds or waits for it (the slot's only other
-            // reference would be a waiter's).
-            let mut keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
-            if keys.get(key).is_some_and(|s| {
-                Arc::strong_count(s) <= 2
-                    && Arc::strong_count(&s.slot) == 1
-                    && current_of(s).is_none()
-            }) {
-                keys.remove(key);
-            }
+            drop(state);
+            self.inner.drop_state_if_idle(key);
         }
     }
 }
@@ -887,6 +940,45 @@ async fn forget_idle_keys(family: std::sync::Weak<FamilyInner>) {
                 tracing::warn!(family = %family.name, error = %e, "could not forget idle keys")
             }
         }
+    }
+}
+
+/// A key's (or permit's) local state while a call uses it; dropped from the family's map
+/// afterwards if nothing else holds, waits for or watches it.
+struct StateInUse<'a> {
+    inner: &'a FamilyInner,
+    key: &'a str,
+    state: Option<Arc<KeyState>>,
+}
+
+impl<'a> StateInUse<'a> {
+    fn new(inner: &'a FamilyInner, key: &'a str) -> Self {
+        let state = inner
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.to_owned())
+            .or_default()
+            .clone();
+        Self {
+            inner,
+            key,
+            state: Some(state),
+        }
+    }
+}
+
+impl std::ops::Deref for StateInUse<'_> {
+    type Target = KeyState;
+    fn deref(&self) -> &KeyState {
+        self.state.as_deref().expect("in use until dropped")
+    }
+}
+
+impl Drop for StateInUse<'_> {
+    fn drop(&mut self) {
+        self.state.take();
+        self.inner.drop_state_if_idle(self.key);
     }
 }
 

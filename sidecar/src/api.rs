@@ -689,7 +689,7 @@ fn key_response_with(
     permits_held: Option<u32>,
 ) -> Response {
     let permits = family.permits();
-    let semaphore = permits > 1;
+    let semaphore = family.has_had_permits();
     let mut body = KeyStatus {
         family: family.name(),
         key,
@@ -769,10 +769,16 @@ async fn key_status(
     let family = &state.family(&family)?;
     let (owner, _) = key_query(query, &[], true)?;
     let answer = family.status(&key, owner.as_deref()).map_err(key_error)?;
-    // A semaphore's holders in every pod: one backend read per permit.
-    let permits_held = if family.permits() > 1 {
-        let holders = family.observe_permits(&key).await.map_err(key_error)?;
-        Some(holders.len() as u32)
+    // A semaphore's holders in every pod: one backend read per permit, left out when the
+    // backend cannot answer (the owner's own answer needs no read).
+    let permits_held = if family.has_had_permits() {
+        match family.observe_permits(&key).await {
+            Ok(holders) => Some(holders.len() as u32),
+            Err(e) => {
+                tracing::debug!(family = family.name(), error = %e, "could not count the permits held");
+                None
+            }
+        }
     } else {
         None
     };
@@ -883,7 +889,7 @@ async fn key_hold(
         )
         .await
         .map_err(key_error)?;
-    let KeyAnswer::Held { token, .. } = answer else {
+    let KeyAnswer::Held { token, permit, .. } = answer else {
         return Ok(key_response(
             &family,
             &key,
@@ -896,6 +902,9 @@ async fn key_hold(
     about.insert("family".into(), family.name().into());
     about.insert("key".into(), key.as_str().into());
     about.insert("owner".into(), owner.as_str().into());
+    if family.has_had_permits() {
+        about.insert("permit".into(), permit.into());
+    }
     Ok(hold_stream::respond(
         hold_stream::Bound::Key { family, key, owner },
         token,

@@ -1358,6 +1358,15 @@ pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
             pod.identity()
         );
     }
+    // Another key, every permit held in pod a: pod b is refused each of them.
+    for owner in ["x1", "x2", "x3"] {
+        held(a.acquire("elsewhere", owner, NOW, HOLD).await.unwrap());
+    }
+    let refused = b.acquire("elsewhere", "y", NOW, HOLD).await.unwrap();
+    assert!(
+        matches!(refused, KeyAnswer::HeldByAnother { .. }),
+        "{refused:?}"
+    );
     let mut holders: Vec<String> = b
         .observe_permits(key)
         .await
@@ -1435,8 +1444,14 @@ pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
             KeyRelease::Released { holds: 0 }
         );
     }
+    // Nothing is kept for permits given back, nor for attempts refused.
+    eventually(SLACK, "pod b keeps no state for its free permits", || {
+        b.tracked_keys() == 0
+    })
+    .await;
     let (p6, _) = held(b.acquire(key, "w6", NOW, HOLD).await.unwrap());
     assert_eq!(p6, 0, "one permit: permit 0");
+    assert_eq!(b.tracked_keys(), 1);
 }
 
 #[macro_export]

@@ -13,6 +13,11 @@
 //! refused a key after waiting through a stretch in which nobody could hold it, with no fault
 //! nearby.
 //!
+//! A semaphore family ([`run_semaphore`], `--permits 2` on fewer keys) is checked the same way
+//! permit by permit (each permit is a lock with its own tokens), and also fails when more owners
+//! than it has permits certainly hold one key at once; a refusal is a liveness failure when any
+//! permit stayed free through the wait.
+//!
 //! "Certainly" is as in [`crate::safety`]: a 200 answer means the sidecar claimed for that owner
 //! at some instant between the request and the answer, so an owner's claim surely covers
 //! [first 200 received, last 200 sent], and two of those that intersect are two holders. A 200
@@ -37,6 +42,24 @@ use crate::{Sidecar, http, post_or_hang_up, unique_lock};
 pub const SIDECARS: usize = 3;
 pub const WORKERS_PER_SIDECAR: usize = 8;
 pub const KEYS: usize = 50;
+
+/// The family a run checks: how many permits each key has, and how many keys the workers share.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    permits: u32,
+    keys: usize,
+}
+
+/// A key, one owner at a time: fifty keys, seldom contended.
+const MUTEX: Shape = Shape {
+    permits: 1,
+    keys: KEYS,
+};
+/// Two permits per key on twelve keys, so that the 24 workers fill them and wait.
+const SEMAPHORE: Shape = Shape {
+    permits: 2,
+    keys: 12,
+};
 /// How long a worker waits for a key, and how long it may keep one without extending it.
 const WAIT: Duration = Duration::from_secs(3);
 const HOLD: Duration = Duration::from_secs(3);
@@ -66,6 +89,8 @@ struct Sample {
     token: Option<u64>,
     /// The answer's `validForMs`.
     valid_for: Duration,
+    /// The permit held (0 without permits).
+    permit: u32,
 }
 
 /// A worker's acquisition that was refused (409) after its full wait.
@@ -109,6 +134,8 @@ struct Log {
 #[derive(Debug, Default)]
 pub struct Report {
     pub target: &'static str,
+    /// The permits of each key (1: one owner at a time).
+    pub permits: u32,
     pub duration: Duration,
     pub seed: u64,
     pub acquisitions: usize,
@@ -127,8 +154,13 @@ impl Report {
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
         format!(
-            "{:<18} keyed {:>5.0}s  acquisitions {:>5}  re-entered {:>4}  hung up {:>3}  refused after waiting {:>4}  faults {:>3} ({})  violations {}  seed {}",
+            "{:<18} {} {:>5.0}s  acquisitions {:>5}  re-entered {:>4}  hung up {:>3}  refused after waiting {:>4}  faults {:>3} ({})  violations {}  seed {}",
             self.target,
+            if self.permits > 1 {
+                format!("keyed, {} permits", self.permits)
+            } else {
+                "keyed".to_owned()
+            },
             self.duration.as_secs_f64(),
             self.acquisitions,
             self.reentries,
@@ -144,30 +176,41 @@ impl Report {
 
 impl Sample {
     /// An answer about `owner`'s hold on `key`: `claim` is the token and `validForMs` of a 200.
-    fn of(
-        key: usize,
-        owner: &str,
-        sent: Instant,
-        received: Instant,
-        claim: Option<(u64, Duration)>,
-    ) -> Self {
+    fn of(key: usize, owner: &str, sent: Instant, received: Instant, claim: Option<Claim>) -> Self {
         Self {
             key,
             owner: owner.to_owned(),
             sent,
             received,
-            token: claim.map(|(token, _)| token),
-            valid_for: claim.map(|(_, valid_for)| valid_for).unwrap_or_default(),
+            token: claim.map(|c| c.token),
+            valid_for: claim.map(|c| c.valid_for).unwrap_or_default(),
+            permit: claim.map(|c| c.permit).unwrap_or_default(),
         }
     }
 }
 
-/// The fencing token and `validForMs` of a 200 answer.
-fn claim_of(body: &str) -> Option<(u64, Duration)> {
+/// What a 200 answer says of a holding.
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    token: u64,
+    valid_for: Duration,
+    permit: u32,
+}
+
+/// The fencing token, `validForMs` and permit (0 when the family has none) of a 200 answer.
+fn claim_of(body: &str) -> Option<Claim> {
     let answer = serde_json::from_str::<serde_json::Value>(body).ok()?;
     let token = answer.get("fencingToken")?.as_u64()?;
     let valid_for = answer.get("validForMs")?.as_u64()?;
-    Some((token, Duration::from_millis(valid_for)))
+    let permit = answer
+        .get("permit")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0);
+    Some(Claim {
+        token,
+        valid_for: Duration::from_millis(valid_for),
+        permit: u32::try_from(permit).ok()?,
+    })
 }
 
 /// Release `owner`'s hold on `path` `holds` times (once per acquisition) and log how it ended.
@@ -239,7 +282,7 @@ fn wait_and_hang_up(
 fn worker(
     slot: usize,
     index: usize,
-    family: String,
+    (family, keys): (String, usize),
     addrs: Vec<Arc<Mutex<(SocketAddr, u32)>>>,
     log: Arc<Mutex<Log>>,
     stop: Arc<AtomicBool>,
@@ -248,7 +291,7 @@ fn worker(
     let mut rng = StdRng::seed_from_u64(seed);
     let mut n = 0u64;
     while !stop.load(Ordering::SeqCst) {
-        let key = rng.random_range(0..KEYS);
+        let key = rng.random_range(0..keys);
         let (target, generation) = *addrs[slot].lock().unwrap();
         n += 1;
         let owner = format!("s{slot}g{generation}w{index}n{n}");
@@ -339,14 +382,25 @@ fn worker(
 
 /// Run the keyed check against `target` for `duration`.
 pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
+    run_shaped(target, duration, seed, MUTEX)
+}
+
+/// Run the check against `target` for `duration` on a family whose keys have two permits.
+pub fn run_semaphore(target: Target, duration: Duration, seed: u64) -> Report {
+    run_shaped(target, duration, seed, SEMAPHORE)
+}
+
+fn run_shaped(target: Target, duration: Duration, seed: u64, shape: Shape) -> Report {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut backend = Backend::start(target);
     let family = unique_lock("keyed");
     let plain = unique_lock("plain");
+    let permits = shape.permits.to_string();
     let args: Vec<&str> = TIMING
         .iter()
         .copied()
         .chain(["--keyed", &family, "--mode", "on-demand"])
+        .chain(["--permits", &permits])
         .collect();
     let start_sidecar = |identity: &str, url: &str| Sidecar::start(identity, url, &plain, &args);
     let mut slots: Vec<Slot> = (0..SIDECARS)
@@ -363,12 +417,13 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
             let (family, log, stop) = (family.clone(), log.clone(), stop.clone());
             let addrs = slots.iter().map(|slot| slot.addr.clone()).collect();
             let seed = rng.random();
-            std::thread::spawn(move || worker(s, w, family, addrs, log, stop, seed))
+            std::thread::spawn(move || worker(s, w, (family, shape.keys), addrs, log, stop, seed))
         })
         .collect();
 
     let mut report = Report {
         target: target.name(),
+        permits: shape.permits,
         seed,
         ..Report::default()
     };
@@ -391,10 +446,13 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
         let _ = worker.join();
     }
     let log = std::mem::take(&mut *log.lock().unwrap());
-    analyse(&log, began, &mut report);
+    analyse(&log, began, shape.permits, &mut report);
     drop(slots);
     report
 }
+
+/// Each permit's holdings, by (key, permit), each by (owner, token).
+type ByPermit<'a> = BTreeMap<(usize, u32), BTreeMap<(&'a str, u64), Holding>>;
 
 /// One owner's claim on one key.
 #[derive(Debug, Clone)]
@@ -413,14 +471,15 @@ struct Holding {
     promised_to: Instant,
 }
 
-fn analyse(log: &Log, began: Instant, report: &mut Report) {
+fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
     let at = |t: Instant| t.saturating_duration_since(began);
     // By owner and token: an owner whose holding ended (its sidecar paused past the lease) and
     // that acquires again (a re-entrant acquisition finds nothing to re-enter) holds anew.
-    let mut by_key: BTreeMap<usize, BTreeMap<(&str, u64), Holding>> = BTreeMap::new();
+    // Each permit of a key is a lock of its own: checked apart, by (key, permit).
+    let mut by_key: ByPermit = BTreeMap::new();
     for s in &log.samples {
         let Some(token) = s.token else { continue };
-        let holdings = by_key.entry(s.key).or_default();
+        let holdings = by_key.entry((s.key, s.permit)).or_default();
         match holdings.get_mut(&(s.owner.as_str(), token)) {
             Some(h) => {
                 h.certain_from = h.certain_from.min(s.received);
@@ -463,7 +522,12 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
         }
     }
 
-    for (key, holdings) in &by_key {
+    for (&(key, permit), holdings) in &by_key {
+        let name = if permits > 1 {
+            format!("k{key} permit {permit}")
+        } else {
+            format!("k{key}")
+        };
         let holdings: Vec<&Holding> = holdings.values().collect();
         for (i, a) in holdings.iter().enumerate() {
             for b in &holdings[i + 1..] {
@@ -471,7 +535,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                 let to = a.certain_to.min(b.certain_to);
                 if from < to {
                     report.violations.push(format!(
-                        "overlap on key k{key}: {} (token {}) and {} (token {}) both held for {:?} at {:.3?}",
+                        "overlap on key {name}: {} (token {}) and {} (token {}) both held for {:?} at {:.3?}",
                         a.owner, a.token, b.owner, b.token, to - from, at(from)
                     ));
                 } else {
@@ -481,7 +545,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                         let to = promiser.promised_to.min(other.certain_to);
                         if from < to {
                             report.violations.push(format!(
-                                "broken promise on key k{key}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
+                                "broken promise on key {name}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
                                 promiser.owner,
                                 promiser.token,
                                 at(promiser.promised_to),
@@ -494,7 +558,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                 }
                 if a.token == b.token {
                     report.violations.push(format!(
-                        "key k{key}: token {} given to {} and to {}",
+                        "key {name}: token {} given to {} and to {}",
                         a.token, a.owner, b.owner
                     ));
                 }
@@ -506,7 +570,7 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                 };
                 if second.token <= first.token {
                     report.violations.push(format!(
-                        "key k{key}: token went from {} ({}) to {} ({}) at {:.3?}",
+                        "key {name}: token went from {} ({}) to {} ({}) at {:.3?}",
                         first.token,
                         first.owner,
                         second.token,
@@ -518,8 +582,13 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
         }
     }
 
+    if permits > 1 {
+        over_admissions(&by_key, permits, &at, report);
+    }
+
     // A refusal after the whole wait is a liveness failure when, with no fault near, the key
-    // was free (no holding could have been alive) for longer than a hand-over takes.
+    // (one of its permits) was free (no holding could have been alive) for longer than a
+    // hand-over takes.
     let quiet_before = LEASE + HOLD + RENEW + RECOVERY_SLACK;
     let free_gap = RENEW + RECOVERY_SLACK;
     for refusal in &log.refusals {
@@ -530,31 +599,37 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
         if faulted {
             continue;
         }
-        // When each holding of the key could have been alive: from its request until its
+        // When each holding of the permit could have been alive: from its request until its
         // release was answered, or else until its hold or lease lapsed after it was last seen.
-        let mut busy: Vec<(Instant, Instant)> = by_key
-            .get(&refusal.key)
-            .map(|holdings| {
-                holdings
-                    .values()
-                    .map(|h| {
-                        let end = released
-                            .get(h.owner.as_str())
-                            .copied()
-                            .unwrap_or(h.last_seen + HOLD.max(LEASE));
-                        (h.acquire_sent, end)
+        // A client that hung up might have taken any permit.
+        let longest = (0..permits)
+            .map(|permit| {
+                let mut busy: Vec<(Instant, Instant)> = by_key
+                    .get(&(refusal.key, permit))
+                    .map(|holdings| {
+                        holdings
+                            .values()
+                            .map(|h| {
+                                let end = released
+                                    .get(h.owner.as_str())
+                                    .copied()
+                                    .unwrap_or(h.last_seen + HOLD.max(LEASE));
+                                (h.acquire_sent, end)
+                            })
+                            .collect()
                     })
-                    .collect()
+                    .unwrap_or_default();
+                busy.extend(
+                    log.hang_ups
+                        .iter()
+                        .filter(|h| h.key == refusal.key)
+                        .map(|h| (h.sent, h.hung_up + HANG_UP_RACE)),
+                );
+                busy.sort();
+                longest_gap(&busy, refusal.sent, refusal.received)
             })
+            .max()
             .unwrap_or_default();
-        busy.extend(
-            log.hang_ups
-                .iter()
-                .filter(|h| h.key == refusal.key)
-                .map(|h| (h.sent, h.hung_up + HANG_UP_RACE)),
-        );
-        busy.sort();
-        let longest = longest_gap(&busy, refusal.sent, refusal.received);
         if longest > free_gap {
             report.violations.push(format!(
                 "key k{}: a worker waited {:?} and was refused, though the key was free for {:?} of it (from {:.3?})",
@@ -563,6 +638,52 @@ fn analyse(log: &Log, began: Instant, report: &mut Report) {
                 longest,
                 at(refusal.sent)
             ));
+        }
+    }
+}
+
+/// More owners than `permits` certainly holding one key at once, whatever permits their answers
+/// named: the semaphore's own promise.
+fn over_admissions(
+    by_key: &ByPermit,
+    permits: u32,
+    at: &dyn Fn(Instant) -> Duration,
+    report: &mut Report,
+) {
+    let mut by_key_only: BTreeMap<usize, Vec<&Holding>> = BTreeMap::new();
+    for (&(key, _), holdings) in by_key {
+        by_key_only
+            .entry(key)
+            .or_default()
+            .extend(holdings.values());
+    }
+    for (key, holdings) in by_key_only {
+        // Starts before ends at one instant: certain intervals that only touch do not overlap.
+        let mut edges: Vec<(Instant, i32, &Holding)> = holdings
+            .iter()
+            .filter(|h| h.certain_from < h.certain_to)
+            .flat_map(|h| [(h.certain_from, 1, *h), (h.certain_to, -1, *h)])
+            .collect();
+        edges.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut holding: Vec<&Holding> = Vec::new();
+        for (instant, step, h) in edges {
+            if step < 0 {
+                holding.retain(|other| !std::ptr::eq(*other, h));
+                continue;
+            }
+            holding.push(h);
+            if holding.len() > permits as usize {
+                let owners: Vec<String> = holding
+                    .iter()
+                    .map(|h| format!("{} (token {})", h.owner, h.token))
+                    .collect();
+                report.violations.push(format!(
+                    "key k{key}: {} owners held it at once at {:.3?}, with {permits} permits: {}",
+                    holding.len(),
+                    at(instant),
+                    owners.join(", ")
+                ));
+            }
         }
     }
 }
@@ -586,6 +707,7 @@ mod tests {
                     received: origin + MS * received as u32,
                     token,
                     valid_for: Duration::ZERO,
+                    permit: 0,
                 })
                 .collect(),
             ..Log::default()
@@ -606,9 +728,66 @@ mod tests {
     }
 
     fn violations(log: &Log, origin: Instant) -> Vec<String> {
+        violations_with_permits(log, origin, 1)
+    }
+
+    fn violations_with_permits(log: &Log, origin: Instant, permits: u32) -> Vec<String> {
         let mut report = Report::default();
-        analyse(log, origin, &mut report);
+        analyse(log, origin, permits, &mut report);
         report.violations
+    }
+
+    /// `log`'s answers about `owner` named permit `permit`.
+    fn on_permit(log: &mut Log, owner: &str, permit: u32) {
+        for sample in log.samples.iter_mut().filter(|s| s.owner == owner) {
+            sample.permit = permit;
+        }
+    }
+
+    #[test]
+    fn as_many_owners_as_permits_pass_and_one_more_is_caught() {
+        let origin = Instant::now();
+        let answers = [
+            (1, "a", Some(1), 0, 2),
+            (1, "b", Some(1), 1, 3),
+            (1, "a", Some(1), 10, 11),
+            (1, "b", Some(1), 12, 13),
+        ];
+        let mut two = log(origin, &answers);
+        on_permit(&mut two, "b", 1);
+        assert_eq!(
+            violations_with_permits(&two, origin, 2),
+            Vec::<String>::new()
+        );
+        // A third owner, on a permit of its own as its answers say, while both hold.
+        let mut three = log(
+            origin,
+            &[
+                answers.as_slice(),
+                &[(1, "c", Some(7), 4, 5), (1, "c", Some(7), 8, 9)],
+            ]
+            .concat(),
+        );
+        on_permit(&mut three, "b", 1);
+        on_permit(&mut three, "c", 2);
+        let found = violations_with_permits(&three, origin, 2);
+        assert!(
+            found
+                .iter()
+                .any(|v| v.starts_with("key k1: 3 owners held it at once")),
+            "{found:?}"
+        );
+        // Two owners on one permit are an overlap of that permit.
+        let mut shared = log(origin, &answers);
+        on_permit(&mut shared, "a", 1);
+        on_permit(&mut shared, "b", 1);
+        let found = violations_with_permits(&shared, origin, 2);
+        assert!(
+            found
+                .iter()
+                .any(|v| v.starts_with("overlap on key k1 permit 1")),
+            "{found:?}"
+        );
     }
 
     #[test]

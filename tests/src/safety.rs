@@ -145,14 +145,18 @@ pub enum Workload {
     /// owners, re-entering with shorter holds and hanging up while they wait: the check of
     /// [`crate::keyed_safety`].
     Keyed,
+    /// The keyed check on a family whose keys have two permits each
+    /// ([`crate::keyed_safety::run_semaphore`]).
+    Semaphore,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 4] = [
+    pub const ALL: [Workload; 5] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
         Workload::Keyed,
+        Workload::Semaphore,
     ];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
@@ -162,6 +166,7 @@ impl Workload {
             Workload::Waiters => "+waiters",
             Workload::Resource => "+resource",
             Workload::Keyed => "+keyed",
+            Workload::Semaphore => "+semaphore",
         }
     }
 }
@@ -784,14 +789,16 @@ fn waiter(
 /// Run the check of `scenario` for `duration`, with `contenders` sidecars.
 pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64) -> Report {
     assert!(
-        scenario.workload != Workload::Keyed,
+        !matches!(scenario.workload, Workload::Keyed | Workload::Semaphore),
         "keyed scenarios run in keyed_safety::run"
     );
     let mut rng = StdRng::seed_from_u64(seed);
     let mut backend = Backend::start(scenario.target);
     let lock = unique_lock("safety");
     let args: Vec<&str> = match scenario.workload {
-        Workload::Campaign | Workload::Resource | Workload::Keyed => TIMING.to_vec(),
+        Workload::Campaign | Workload::Resource | Workload::Keyed | Workload::Semaphore => {
+            TIMING.to_vec()
+        }
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
     // A resource scenario's sidecars read their lock from the cluster; its backend can also be

@@ -19,8 +19,20 @@ fn duration() -> Duration {
 }
 
 fn check(target: Target) {
-    let seed = rand::random();
-    let report = keyed_safety::run(target, duration(), seed);
+    check_report(keyed_safety::run(target, duration(), rand::random()));
+}
+
+/// The same on keys of two permits each: never more than two owners of a key, each permit
+/// exclusive with rising tokens.
+fn check_semaphore(target: Target) {
+    check_report(keyed_safety::run_semaphore(
+        target,
+        duration(),
+        rand::random(),
+    ));
+}
+
+fn check_report(report: keyed_safety::Report) {
     eprintln!("{}", report.summary());
     assert!(
         report.violations.is_empty(),
@@ -94,4 +106,24 @@ fn etcd_keys_survive_random_faults() {
 #[test]
 fn zookeeper_keys_survive_random_faults() {
     check(Target::ZooKeeper);
+}
+
+#[test]
+fn redis_semaphore_keys_survive_random_faults() {
+    check_semaphore(Target::Redis);
+}
+
+#[test]
+fn postgres_semaphore_keys_survive_random_faults() {
+    check_semaphore(Target::Postgres);
+}
+
+#[test]
+fn etcd_semaphore_keys_survive_random_faults() {
+    check_semaphore(Target::Etcd);
+}
+
+#[test]
+fn zookeeper_semaphore_keys_survive_random_faults() {
+    check_semaphore(Target::ZooKeeper);
 }

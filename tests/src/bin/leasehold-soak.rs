@@ -4,7 +4,8 @@
 //! Redis) for DURATION each, prints one line of figures per scenario, and exits 1 if any run
 //! found a violation. A scenario is a target (`etcd`), or a target and a workload
 //! (`etcd+waiters`: on-demand sidecars with blocking waiters, try-locks and clients that hang
-//! up; `etcd+keyed`: a keyed family's owners, re-entering and hanging up).
+//! up; `etcd+keyed`: a keyed family's owners, re-entering and hanging up; `etcd+semaphore`: the
+//! same on keys of two permits).
 //! `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
 
 use leasehold_e2e::keyed_safety;
@@ -51,6 +52,9 @@ fn main() {
     for scenario in scenarios {
         let (summary, violations) = if scenario.workload == Workload::Keyed {
             let report = keyed_safety::run(scenario.target, duration, seed);
+            (report.summary(), report.violations)
+        } else if scenario.workload == Workload::Semaphore {
+            let report = keyed_safety::run_semaphore(scenario.target, duration, seed);
             (report.summary(), report.violations)
         } else {
             let report = safety::run(scenario, duration, CONTENDERS, seed);
