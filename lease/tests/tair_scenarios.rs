@@ -307,3 +307,69 @@ async fn a_new_epoch_grants_nothing_until_its_standbys_have_the_record() {
     assert!(held.token > first.token);
     drop(promoted);
 }
+
+/// Drivers that find a lock's counter below the epoch's floor raise it to the floor one at a
+/// time, each while its claim is held. Raises made at once added up and put the counter as far
+/// above the floor as it was below: ahead of the clock, from which the next epoch's floor comes,
+/// so that tokens went back after the next failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drivers_raising_a_counter_to_the_floor_at_once_do_not_add_up() {
+    const FLOOR: i64 = 1_000_000_000_000;
+    const DRIVERS: usize = 8;
+    let server = RedisServer::start_tair();
+    // The record of another incarnation of this durable, never promoted server: the drivers
+    // keep its floor, far above the counters.
+    let floor = FLOOR.to_string();
+    server_command(
+        &server,
+        &[
+            "HSET",
+            "leasehold:epoch:tair",
+            "replid",
+            "elsewhere",
+            "since",
+            "0",
+            "floor",
+            &floor,
+        ],
+    );
+    let url = BackendUrl::parse(&server.url()).unwrap();
+    let mut drivers = Vec::new();
+    for _ in 0..DRIVERS {
+        drivers.push(std::sync::Arc::new(connect(&url).await.unwrap()));
+    }
+    for round in 0..20 {
+        let lock = format!("raised-{round}");
+        let takers: Vec<_> = drivers
+            .iter()
+            .enumerate()
+            .map(|(i, driver)| {
+                let (driver, lock) = (driver.clone(), lock.clone());
+                tokio::spawn(async move {
+                    // Each takes the lock once, and gives it back at once.
+                    loop {
+                        match driver
+                            .try_acquire(&lock, &format!("d{i}"), Duration::from_secs(30))
+                            .await
+                            .unwrap()
+                        {
+                            leasehold_lease::Acquire::Acquired(lease) => {
+                                assert!(driver.release(&lease).await.unwrap());
+                                return lease.token;
+                            }
+                            _ => tokio::time::sleep(Duration::from_millis(1)).await,
+                        }
+                    }
+                })
+            })
+            .collect();
+        for taker in takers {
+            let token = taker.await.unwrap();
+            let above = token as i64 - FLOOR;
+            assert!(
+                (1..=1_000).contains(&above),
+                "{lock}: token {token} is {above} above the floor: raises added up"
+            );
+        }
+    }
+}

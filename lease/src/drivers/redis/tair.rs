@@ -92,6 +92,11 @@ pub struct TairDriver {
     durability: Durability,
     releases: Arc<ChangeFeeds>,
     subscriber: tokio::task::JoinHandle<()>,
+    /// To open [`TairDriver::raiser`].
+    client: redis::Client,
+    /// A connection of the counters' raises alone: `WATCH` holds for a whole connection, so no
+    /// other call may share it. Opened at the first raise, and again after one failed.
+    raiser: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
 }
 
 impl Drop for TairDriver {
@@ -314,7 +319,11 @@ impl TairDriver {
         let conn = connection(&client)?;
         let keys = KeyLayout::new(prefix);
         let releases = Arc::new(ChangeFeeds::default());
-        let subscriber = tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
+        let subscriber = tokio::spawn(listen_for_releases(
+            client.clone(),
+            keys.clone(),
+            releases.clone(),
+        ));
         Ok(Self {
             conn,
             keys,
@@ -324,7 +333,67 @@ impl TairDriver {
             durability: Durability::default(),
             releases,
             subscriber,
+            client,
+            raiser: tokio::sync::Mutex::default(),
         })
+    }
+
+    /// Raise `lock`'s counter to `floor` unless it is there already, and say where it stands
+    /// (`None`: not known, the counter gone or moving; the next claim draws again). Compared
+    /// and set (`WATCH`, `MULTI`), not added to: two drivers adding what each found missing, or
+    /// one that adds late (paused past its claim while another raised), would put the counter
+    /// as far above the floor as it was below, ahead of the clock from which the next epoch's
+    /// floor comes, and tokens would go back after the next failover. A family key's counter
+    /// keeps expiring (`keep`), as its claims keep it.
+    async fn raise_counter(
+        &self,
+        lock: &str,
+        floor: i64,
+        keep: Option<&CounterKept>,
+    ) -> Result<Option<i64>> {
+        let mut raiser = self.raiser.lock().await;
+        let conn = match &mut *raiser {
+            Some(conn) => conn,
+            None => {
+                let config = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(crate::drivers::redis::CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(crate::drivers::redis::RESPONSE_TIMEOUT));
+                raiser.insert(
+                    self.client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                        .map_err(tair_err)?,
+                )
+            }
+        };
+        let key = self.keys.token(lock);
+        let raised: redis::RedisResult<Option<i64>> = async {
+            for _ in 0..CLAIM_ATTEMPTS {
+                let (): () = redis::cmd("WATCH").arg(&key).query_async(conn).await?;
+                let counter: Option<i64> = redis::cmd("GET").arg(&key).query_async(conn).await?;
+                if counter.is_none_or(|counter| counter >= floor) {
+                    let (): () = redis::cmd("UNWATCH").query_async(conn).await?;
+                    return Ok(counter);
+                }
+                let mut raise = redis::pipe();
+                raise.atomic().cmd("SET").arg(&key).arg(floor).ignore();
+                if let Some(keep) = keep {
+                    raise.cmd("PEXPIRE").arg(&key).arg(keep.for_ms).ignore();
+                }
+                let done: Value = raise.query_async(conn).await?;
+                if done != Value::Nil {
+                    return Ok(Some(floor));
+                }
+                // Drawn from or raised meanwhile: look again.
+            }
+            // Others keep drawing: the next claim draws again, above the floor or not.
+            Ok(None)
+        }
+        .await;
+        if raised.is_err() {
+            *raiser = None;
+        }
+        raised.map_err(tair_err)
     }
 
     fn versions(&self) -> std::sync::MutexGuard<'_, Versions> {
@@ -737,17 +806,19 @@ impl Driver for TairDriver {
             // A claim under a token that is not ours (the guess was wrong: an earlier holder
             // may have drawn it), or one below the epoch's floor (the counter may have gone
             // back with the server's data): undone, never held.
-            self.delete_and_announce(&mut conn, lock, version).await?;
             let mut next = ours;
             if ours <= floor {
-                // Raised, not set: a draw since only lifts it further.
-                next = redis::cmd("INCRBY")
-                    .arg(self.keys.token(lock))
-                    .arg(floor - ours)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(tair_err)?;
-                self.saw_counter(lock, next);
+                // Raised while the claim is held, so that other drivers seldom find the
+                // counter below the floor meanwhile.
+                let raised = self.raise_counter(lock, floor, kept.as_ref()).await;
+                // Undone whatever the raise's fate: the claim is never held.
+                self.delete_and_announce(&mut conn, lock, version).await?;
+                if let Some(counter) = raised? {
+                    next = counter;
+                    self.saw_counter(lock, next);
+                }
+            } else {
+                self.delete_and_announce(&mut conn, lock, version).await?;
             }
             token = next + 1;
         }
