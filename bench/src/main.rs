@@ -28,6 +28,7 @@ mod operator;
 mod queue;
 mod redis_family;
 mod safety;
+mod semaphore;
 mod sql;
 
 use drivers::*;
@@ -38,6 +39,7 @@ use operator::*;
 use queue::*;
 use redis_family::*;
 use safety::*;
+use semaphore::*;
 use sql::*;
 
 /// Concurrent keep-alive connections of the HTTP load generator.
@@ -104,6 +106,7 @@ const SECTIONS: &[&str] = &[
     "zookeeper",
     "keyed",
     "keyed-many",
+    "semaphore",
     "safety",
     "operator",
     "tls",
@@ -141,6 +144,9 @@ async fn run(sections: &[&str]) {
     }
     if wanted("keyed-many") {
         many_keys_section().await;
+    }
+    if wanted("semaphore") {
+        semaphore_section().await;
     }
     if wanted("safety") {
         safety_section().await;

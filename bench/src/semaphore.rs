@@ -1,0 +1,92 @@
+//! `semaphore`: a key of four permits under sixteen owners, beside the same owners on one key
+//! without permits (a mutual exclusion lock, contended) and on a key each (uncontended), on
+//! Redis, PostgreSQL, etcd and ZooKeeper.
+
+use super::*;
+
+/// The semaphore's permits; the owners are [`KEYED_OWNERS`].
+const PERMITS: u32 = 4;
+/// How long an owner waits for a permit or the key before the run counts it as stuck.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Acquire+release cycles per second of `KEYED_OWNERS` owners of `family`, all on one key when
+/// `shared`, else each on a key of its own, for `KEYED_DURATION`.
+async fn cycles_on(family: &leasehold_lease::keyed::KeyedFamily, shared: bool) -> f64 {
+    owners_cycling(|i, start| {
+        let family = family.clone();
+        async move {
+            let key = if shared {
+                "pool".to_owned()
+            } else {
+                format!("pool-{i}")
+            };
+            let owner = format!("worker-{i}");
+            let mut cycles = 0u64;
+            while start.elapsed() < KEYED_DURATION {
+                let answer = family
+                    .acquire(&key, &owner, WAIT, LEASE)
+                    .await
+                    .expect("acquire");
+                assert!(
+                    matches!(answer, leasehold_lease::keyed::KeyAnswer::Held { .. }),
+                    "{key}: {answer:?}"
+                );
+                family.release(&key, &owner).await.expect("release");
+                cycles += 1;
+            }
+            cycles
+        }
+    })
+    .await
+}
+
+pub(crate) async fn semaphore_section() {
+    use leasehold_lease::keyed::{FamilyConfig, KeyedFamily};
+    println!(
+        "## semaphores: {KEYED_OWNERS} owners of one sidecar cycling acquire+release ({KEYED_DURATION:?}, best of {ROUNDS}, alternating): one key of {PERMITS} permits, beside one key without permits and a key per owner"
+    );
+    let redis = redis_without_persistence();
+    let postgres = PostgresServer::start();
+    let etcd = leasehold_testkit::EtcdServer::start();
+    let zookeeper = leasehold_testkit::ZooKeeperServer::start();
+    for (name, url) in [
+        ("redis", redis.url()),
+        ("postgres", postgres.url()),
+        ("etcd", etcd.url()),
+        ("zookeeper", zookeeper.url()),
+    ] {
+        let driver =
+            leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
+                .await
+                .expect(name);
+        let family = |family: &str, permits: u32| {
+            KeyedFamily::new(
+                driver.clone(),
+                FamilyConfig {
+                    permits,
+                    ..FamilyConfig::new(family, "bench", LEASE)
+                },
+                Arc::new(()),
+            )
+            .expect("family")
+        };
+        let (mutex, semaphore) = (family("mutex", 1), family("semaphore", PERMITS));
+        // Best of each: a key per owner, one key, one key of PERMITS permits.
+        let mut best = [0.0f64; 3];
+        for _ in 0..ROUNDS {
+            best[0] = best[0].max(cycles_on(&mutex, false).await);
+            best[1] = best[1].max(cycles_on(&mutex, true).await);
+            best[2] = best[2].max(cycles_on(&semaphore, true).await);
+        }
+        println!(
+            "  {name:<9} a key per owner {:>7.0} cycles/s   one key {:>7.0} cycles/s   one key of {PERMITS} permits {:>7.0} cycles/s ({:.0} % of one key, {:.0} % of a key per owner; target 70 %)",
+            best[0],
+            best[1],
+            best[2],
+            100.0 * best[2] / best[1],
+            100.0 * best[2] / best[0],
+        );
+        mutex.shutdown().await;
+        semaphore.shutdown().await;
+    }
+}
