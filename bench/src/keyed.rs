@@ -14,14 +14,24 @@ pub(crate) const MANY_KEYS_MEASURE: Duration = Duration::from_secs(15);
 /// Acquire+release cycles per second of `KEYED_OWNERS` owners of one sidecar's family, each on
 /// a key of its own, for `KEYED_DURATION`.
 pub(crate) async fn keyed_cycles(family: &leasehold_lease::keyed::KeyedFamily) -> f64 {
+    owners_taking_keys(family, |i| format!("order-{i}"), Duration::ZERO).await
+}
+
+/// Acquire+release cycles per second of `KEYED_OWNERS` owners of `family`, owner `i` on
+/// `key(i)`, each acquisition waiting up to `wait`, for `KEYED_DURATION`.
+pub(crate) async fn owners_taking_keys(
+    family: &leasehold_lease::keyed::KeyedFamily,
+    key: fn(usize) -> String,
+    wait: Duration,
+) -> f64 {
     owners_cycling(|i, start| {
         let family = family.clone();
         async move {
-            let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
+            let (key, owner) = (key(i), format!("worker-{i}"));
             let mut cycles = 0u64;
             while start.elapsed() < KEYED_DURATION {
                 let answer = family
-                    .acquire(&key, &owner, Duration::ZERO, LEASE)
+                    .acquire(&key, &owner, wait, LEASE)
                     .await
                     .expect("acquire");
                 assert!(

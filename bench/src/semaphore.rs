@@ -12,32 +12,12 @@ const WAIT: Duration = Duration::from_secs(30);
 /// Acquire+release cycles per second of `KEYED_OWNERS` owners of `family`, all on one key when
 /// `shared`, else each on a key of its own, for `KEYED_DURATION`.
 async fn cycles_on(family: &leasehold_lease::keyed::KeyedFamily, shared: bool) -> f64 {
-    owners_cycling(|i, start| {
-        let family = family.clone();
-        async move {
-            let key = if shared {
-                "pool".to_owned()
-            } else {
-                format!("pool-{i}")
-            };
-            let owner = format!("worker-{i}");
-            let mut cycles = 0u64;
-            while start.elapsed() < KEYED_DURATION {
-                let answer = family
-                    .acquire(&key, &owner, WAIT, LEASE)
-                    .await
-                    .expect("acquire");
-                assert!(
-                    matches!(answer, leasehold_lease::keyed::KeyAnswer::Held { .. }),
-                    "{key}: {answer:?}"
-                );
-                family.release(&key, &owner).await.expect("release");
-                cycles += 1;
-            }
-            cycles
-        }
-    })
-    .await
+    let key: fn(usize) -> String = if shared {
+        |_| "pool".to_owned()
+    } else {
+        |i| format!("pool-{i}")
+    };
+    owners_taking_keys(family, key, WAIT).await
 }
 
 pub(crate) async fn semaphore_section() {
