@@ -479,19 +479,10 @@ impl KeyedFamily {
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         // The permit the owner holds: re-entrant (or refused, once) where it is.
-        if let Some(current) = self.owned_permit(key, owner) {
-            if !reentrant {
-                return Ok(KeyAnswer::HeldByAnother {
-                    holder: Some(self.qualified(owner)),
-                });
-            }
-            match current.lock.acquire(Duration::ZERO, hold).await {
-                Ok(answer) => return Ok(self.answer_for(&current, answer)),
-                // Its engine ended a moment ago (the hold lapsed, the lease was lost) and is
-                // about to be forgotten: an acquisition like any other.
-                Err(Error::Shutdown) => self.forget(&current.permit_key, current.serial),
-                Err(e) => return Err(e.into()),
-            }
+        if let Some(current) = self.owned_permit(key, owner)
+            && let Some(answer) = self.reenter(&current, hold, reentrant).await?
+        {
+            return Ok(answer);
         }
         let wait = deadline.saturating_duration_since(Instant::now());
         let _waiting = Waiting::new(&self.inner.waiting);
@@ -531,9 +522,7 @@ impl KeyedFamily {
             let permits = self.read_config(|c| c.permits);
             let driver = self.driver();
             let mut notices: Vec<_> = (0..permits)
-                .filter_map(|permit| {
-                    driver.changes(&backend_name(&self.inner.name, &permit_key(key, permit)))
-                })
+                .filter_map(|permit| driver.changes(&self.permit_name(key, permit)))
                 .collect();
             let mut refused = None;
             for offset in 0..permits {
@@ -577,6 +566,30 @@ impl KeyedFamily {
         }
     }
 
+    /// An acquisition by the owner of `current`: re-entrant, or refused when it may not be
+    /// (`reentrant` false: Dapr's try-lock). `None`: its engine ended a moment ago (the hold
+    /// lapsed, the lease was lost) and it is forgotten, so the owner takes the key afresh.
+    async fn reenter(
+        &self,
+        current: &KeyHolding,
+        hold: Duration,
+        reentrant: bool,
+    ) -> Result<Option<KeyAnswer>, KeyError> {
+        if !reentrant {
+            return Ok(Some(KeyAnswer::HeldByAnother {
+                holder: Some(self.qualified(&current.owner)),
+            }));
+        }
+        match current.lock.acquire(Duration::ZERO, hold).await {
+            Ok(answer) => Ok(Some(self.answer_for(current, answer))),
+            Err(Error::Shutdown) => {
+                self.forget(&current.permit_key, current.serial);
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Take permit `permit` of `key` for `owner` (permit 0 of a mutual exclusion lock).
     async fn take_permit(
         &self,
@@ -589,21 +602,12 @@ impl KeyedFamily {
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         let base_key = key;
-        let key = &permit_key(key, permit);
+        let key = &*permit_key(key, permit);
         let state = StateInUse::new(&self.inner, key);
-        if let Some(current) = current_of(&state).filter(|c| c.owner == owner) {
-            if !reentrant {
-                return Ok(KeyAnswer::HeldByAnother {
-                    holder: Some(self.qualified(owner)),
-                });
-            }
-            match current.lock.acquire(Duration::ZERO, hold).await {
-                Ok(answer) => return Ok(self.answer_for(&current, answer)),
-                // Its engine ended a moment ago (the hold lapsed, the lease was lost) and is
-                // about to be forgotten: take the key afresh.
-                Err(Error::Shutdown) => self.forget(key, current.serial),
-                Err(e) => return Err(e.into()),
-            }
+        if let Some(current) = current_of(&state).filter(|c| c.owner == owner)
+            && let Some(answer) = self.reenter(&current, hold, reentrant).await?
+        {
+            return Ok(answer);
         }
         // Permits above the family's count, lowered since, are kept by their holders but
         // given to nobody new.
@@ -667,7 +671,7 @@ impl KeyedFamily {
             } else {
                 // The slot goes with the attempt; so does the state, unless used by then.
                 let family = Arc::downgrade(&self.inner);
-                let key = key.clone();
+                let key = key.to_owned();
                 tokio::spawn(async move {
                     lock.settled().await;
                     drop(slot);
@@ -689,7 +693,7 @@ impl KeyedFamily {
             owner: owner.to_owned(),
             key: base_key.to_owned(),
             permit,
-            permit_key: key.clone(),
+            permit_key: key.to_owned(),
             lock,
             serial,
             slot: Mutex::new(Some(slot)),
@@ -719,6 +723,11 @@ impl KeyedFamily {
             .map(|current| current.lock.clone())
     }
 
+    /// The backend lock name of `key`'s permit `permit`.
+    fn permit_name(&self, key: &str, permit: u32) -> String {
+        backend_name(&self.inner.name, &permit_key(key, permit))
+    }
+
     /// `owner`'s holding of `key`, on whichever permit it is.
     fn owned_permit(&self, key: &str, owner: &str) -> Option<Arc<KeyHolding>> {
         self.find_holding(key, |holding| holding.owner == owner)
@@ -734,11 +743,7 @@ impl KeyedFamily {
         let permits = self.inner.permits_ever.load(Ordering::SeqCst);
         let keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
         (0..permits).find_map(|permit| {
-            let state = match permit {
-                0 => keys.get(key),
-                _ => keys.get(&permit_key(key, permit)),
-            };
-            state
+            keys.get(&*permit_key(key, permit))
                 .and_then(|s| current_of(s))
                 .filter(|holding| wanted(holding))
         })
@@ -795,7 +800,7 @@ impl KeyedFamily {
         let permits = self.inner.permits_ever.load(Ordering::SeqCst);
         let driver = self.driver();
         let reads = (0..permits).map(|permit| {
-            let name = backend_name(&self.inner.name, &permit_key(key, permit));
+            let name = self.permit_name(key, permit);
             let driver = driver.clone();
             async move { driver.observe(&name).await }
         });
@@ -992,11 +997,11 @@ async fn changed(notices: &mut tokio::sync::watch::Receiver<u64>) {
 /// The name of the local state, and the key of the backend name, of `key`'s permit `permit`:
 /// the key itself for permit 0, else `KEY#PERMIT`, which no key can be (`#` is refused in keys),
 /// and whose backend name is therefore always hashed.
-fn permit_key(key: &str, permit: u32) -> String {
+fn permit_key(key: &str, permit: u32) -> std::borrow::Cow<'_, str> {
     if permit == 0 {
-        key.to_owned()
+        key.into()
     } else {
-        format!("{key}#{permit}")
+        format!("{key}#{permit}").into()
     }
 }
 

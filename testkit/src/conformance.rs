@@ -999,28 +999,36 @@ pub async fn waiters_further_back_poll_quietly<D: CountsWakeups>(
     assert!(back.release(&third).await.unwrap());
 }
 
+/// Pod `identity`'s family `family` on `driver`, with the suite's lease and `permits` per key.
+fn keyed_pod(
+    driver: Arc<dyn Backend>,
+    family: &str,
+    identity: &str,
+    permits: u32,
+) -> leasehold_lease::keyed::KeyedFamily {
+    leasehold_lease::keyed::KeyedFamily::new(
+        driver,
+        leasehold_lease::keyed::FamilyConfig {
+            renew_interval: RENEW,
+            permits,
+            ..leasehold_lease::keyed::FamilyConfig::new(family, identity, LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family")
+}
+
 /// Keyed locks on this backend: owners exclude each other whether they share a pod or not, a
 /// key is re-entrant for its owner only, only its owner releases it, a key passes to the next
 /// owner (of the same pod, then of another) with a higher token, a hold that lapses frees the
 /// key (for every pod, its own included), keys are independent, and a bad key changes nothing.
 pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
-    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyError, KeyRelease, KeyedFamily};
+    use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease};
     const HOLD: Duration = Duration::from_secs(60);
     let family = unique_lock("keyed");
-    let pod = |driver: Arc<dyn Backend>, identity: &str| {
-        KeyedFamily::new(
-            driver,
-            FamilyConfig {
-                renew_interval: RENEW,
-                ..FamilyConfig::new(&family, identity, LEASE)
-            },
-            Arc::new(()),
-        )
-        .expect("family")
-    };
     let (a, b) = (
-        pod(h.driver().await, "pod-a"),
-        pod(h.driver().await, "pod-b"),
+        keyed_pod(h.driver().await, &family, "pod-a", 1),
+        keyed_pod(h.driver().await, &family, "pod-b", 1),
     );
     let token = |answer: KeyAnswer| match answer {
         KeyAnswer::Held { token, .. } => token,
@@ -1319,25 +1327,13 @@ pub async fn held_keys_are_counted(h: &mut dyn Harness) {
 /// try-once); a permit given up goes to a waiting owner with a token above the permit's last;
 /// a crashed pod's permit is free within the lease; lowering the permits revokes no holding.
 pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
-    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease, KeyedFamily};
+    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease};
     const HOLD: Duration = Duration::from_secs(60);
     const NOW: Duration = Duration::ZERO;
     let family = unique_lock("permits");
-    let pod = |driver: Arc<dyn Backend>, identity: &str| {
-        KeyedFamily::new(
-            driver,
-            FamilyConfig {
-                renew_interval: RENEW,
-                permits: 3,
-                ..FamilyConfig::new(&family, identity, LEASE)
-            },
-            Arc::new(()),
-        )
-        .expect("family")
-    };
     let (a, b) = (
-        pod(h.driver().await, "pod-a"),
-        pod(h.driver().await, "pod-b"),
+        keyed_pod(h.driver().await, &family, "pod-a", 3),
+        keyed_pod(h.driver().await, &family, "pod-b", 3),
     );
     let held = |answer: KeyAnswer| match answer {
         KeyAnswer::Held { permit, token, .. } => (permit, token),
