@@ -63,13 +63,14 @@ fn failure(code: u16, reason: &str) -> Value {
            "reason": reason, "code": code, "message": format!("{reason} from the test")})
 }
 
-/// A Lease held by `holder` with `transitions`, renewed `ago` before now for 15 s.
+/// A Lease of Leasehold's held by `holder` with `transitions`, renewed `ago` before now for 15 s.
 fn lease(name: &str, holder: &str, transitions: i32, ago: Duration, rv: &str) -> Value {
     let renewed = k8s_openapi::jiff::Timestamp::now()
         - k8s_openapi::jiff::SignedDuration::try_from(ago).unwrap();
     json!({
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-        "metadata": {"name": name, "namespace": "ns", "resourceVersion": rv},
+        "metadata": {"name": name, "namespace": "ns", "resourceVersion": rv,
+                     "labels": {"app.kubernetes.io/managed-by": "leasehold"}},
         "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
                  "leaseTransitions": transitions, "renewTime": renewed.to_string()}
     })
@@ -651,4 +652,73 @@ async fn a_preferred_holder_moves_the_lock_at_the_end_of_the_holders_term() {
         "pod-c took the lock {:?} after the last renewal, within the head start",
         gone.elapsed()
     );
+}
+
+/// A Lease another program made (a controller's leader election, without Leasehold's
+/// managed-by label) is never taken over, even once its holder's term has run out, never freed
+/// by a lock's clean-up, and refused at provisioning with the reason; labelled, it is
+/// Leasehold's to use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_leasehold_did_not_make_is_neither_taken_nor_freed() {
+    use leasehold_testkit::in_memory_api_server::LEASES;
+    let harness = KubernetesHarness::new();
+    let driver = harness.client_driver();
+    let lock = unique_lock("foreign");
+    let renewed =
+        k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(120);
+    harness.api.put(
+        LEASES,
+        json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": lock, "namespace": KubernetesHarness::NAMESPACE},
+            "spec": {"holderIdentity": "controller-0_4f1c", "leaseDurationSeconds": 15,
+                     "leaseTransitions": 3, "renewTime": renewed.to_string()}
+        }),
+    );
+    let holder = || spec_field(&harness, &lock, "holderIdentity");
+    let refused = driver
+        .try_acquire(&lock, "pod-a", Duration::from_secs(10))
+        .await
+        .expect_err("another program's Lease, its term run out, was taken over");
+    assert!(
+        matches!(&refused, Error::InvalidConfig { .. })
+            && refused
+                .to_string()
+                .contains("app.kubernetes.io/managed-by=leasehold"),
+        "{refused}"
+    );
+    let refused = driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect_err("provisioning accepted another program's Lease");
+    assert!(
+        refused.to_string().contains("not made by Leasehold"),
+        "{refused}"
+    );
+    driver
+        .deprovision(std::slice::from_ref(&lock))
+        .await
+        .expect("a lock's clean-up goes on without the Lease");
+    assert_eq!(
+        holder(),
+        "controller-0_4f1c",
+        "another program's holder was freed"
+    );
+
+    let mut lease = harness
+        .api
+        .lease(KubernetesHarness::NAMESPACE, &lock)
+        .expect("the Lease");
+    lease["metadata"]["labels"] = json!({"app.kubernetes.io/managed-by": "leasehold"});
+    harness.api.put(LEASES, lease);
+    driver.provision(std::slice::from_ref(&lock)).await.unwrap();
+    let Acquire::Acquired(taken) = driver
+        .try_acquire(&lock, "pod-a", Duration::from_secs(10))
+        .await
+        .unwrap()
+    else {
+        panic!("a labelled Lease whose term ran out was not taken");
+    };
+    assert_eq!(taken.token, 4, "the Lease's own count goes on");
+    assert_eq!(holder(), "pod-a");
 }

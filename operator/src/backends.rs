@@ -532,6 +532,18 @@ impl Backends {
             else {
                 return Ok(());
             };
+            // Another program's Lease is not Leasehold's to write (the driver refuses it too).
+            let (label, value) = leasehold_lease::kubernetes::MANAGED_BY_LABEL;
+            if lease
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(label))
+                .map(String::as_str)
+                != Some(value)
+            {
+                return Ok(());
+            }
             let uid = lock.metadata.uid.as_deref();
             let owners = lease.metadata.owner_references.take().unwrap_or_default();
             let kept: Vec<_> = owners

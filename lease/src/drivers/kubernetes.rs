@@ -119,6 +119,10 @@ const CONFLICT_RETRIES: usize = 3;
 /// maps the Lease's holder changes to its lock by it (the Lease has no owner to map by). An
 /// annotation, not a label: a lock's name may be longer than a label value may be.
 pub const LOCK_ANNOTATION: &str = "leasehold.dev/lock";
+/// The label on every Lease Leasehold makes. A Lease without it is another program's (a
+/// controller's election Lease, `kube-node-lease`'s heartbeats): Leasehold neither takes it
+/// over nor frees it, whatever a lock is named.
+pub const MANAGED_BY_LABEL: (&str, &str) = ("app.kubernetes.io/managed-by", "leasehold");
 
 /// Which Lease holds a lock. The Lease is owned by no object: the garbage collector would
 /// delete an owned Lease with its owner, holder and token history with it, even while holders
@@ -287,11 +291,7 @@ impl KubernetesLeaseDriver {
                 name: Some(self.lease_name(lock).to_owned()),
                 namespace: Some(self.namespace.clone()),
                 labels: Some(
-                    [(
-                        "app.kubernetes.io/managed-by".to_owned(),
-                        "leasehold".to_owned(),
-                    )]
-                    .into(),
+                    [(MANAGED_BY_LABEL.0.to_owned(), MANAGED_BY_LABEL.1.to_owned())].into(),
                 ),
                 annotations: self
                     .targets
@@ -304,6 +304,30 @@ impl KubernetesLeaseDriver {
                 ..LeaseSpec::default()
             }),
         }
+    }
+
+    /// Refuse a Lease that Leasehold did not make ([`MANAGED_BY_LABEL`]): taking it over would
+    /// put a second leader beside another program's, and freeing it would end that one's term.
+    fn check_managed(&self, object: &LeaseObject) -> Result<()> {
+        let labels = object.metadata.labels.as_ref();
+        if labels
+            .and_then(|l| l.get(MANAGED_BY_LABEL.0))
+            .map(String::as_str)
+            == Some(MANAGED_BY_LABEL.1)
+        {
+            return Ok(());
+        }
+        let name = object.metadata.name.as_deref().unwrap_or_default();
+        Err(Error::InvalidConfig {
+            field: "lease",
+            reason: format!(
+                "the Lease {}/{name} was not made by Leasehold (it lacks the label {}={}): it \
+                 belongs to another program, whose leader it would displace; name another Lease \
+                 (spec.backend.kubernetes.leaseName, or the lock's name), or add the label to \
+                 hand this one to Leasehold",
+                self.namespace, MANAGED_BY_LABEL.0, MANAGED_BY_LABEL.1
+            ),
+        })
     }
 
     /// Write `next` over `read` (whose `resourceVersion` it carries). `Ok(None)`: somebody wrote
@@ -376,7 +400,12 @@ impl KubernetesLeaseDriver {
         FamilyLeases {
             driver: self,
             family,
-            params: Some(kube::api::ListParams::default().limit(FamilyLeases::PAGE)),
+            // Only Leasehold's own: another program's Leases are never read, counted or swept.
+            params: Some(
+                kube::api::ListParams::default()
+                    .labels(&format!("{}={}", MANAGED_BY_LABEL.0, MANAGED_BY_LABEL.1))
+                    .limit(FamilyLeases::PAGE),
+            ),
         }
     }
 
@@ -703,7 +732,10 @@ impl Driver for KubernetesLeaseDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let (mut object, created) = match self.read(lock).await? {
-            Some(object) => (object, false),
+            Some(object) => {
+                self.check_managed(&object)?;
+                (object, false)
+            }
             None => (self.blank(lock), true),
         };
         let record = Record::of(&object).unwrap_or(Record {
@@ -812,6 +844,12 @@ impl Upkeep for KubernetesLeaseDriver {
                     freed = true;
                     break;
                 };
+                if let Err(foreign) = self.check_managed(&object) {
+                    // Nothing of it is Leasehold's to free; the lock goes without it.
+                    tracing::warn!(error = %foreign, "left the Lease as it is");
+                    freed = true;
+                    break;
+                }
                 object.metadata.owner_references = None;
                 if let Some(spec) = object.spec.as_mut() {
                     spec.holder_identity = None;
@@ -905,9 +943,10 @@ impl Upkeep for KubernetesLeaseDriver {
     async fn provision(&self, locks: &[String]) -> Result<()> {
         for lock in locks {
             crate::names::validate_lease_name(self.lease_name(lock))?;
-            if self.read(lock).await?.is_none() {
+            match self.read(lock).await? {
+                Some(object) => self.check_managed(&object)?,
                 // 409 AlreadyExists: another provisioner won; that is fine.
-                self.replace(lock, &self.blank(lock)).await?;
+                None => _ = self.replace(lock, &self.blank(lock)).await?,
             }
         }
         Ok(())
