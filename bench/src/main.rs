@@ -29,6 +29,7 @@ mod queue;
 mod redis_family;
 mod safety;
 mod semaphore;
+mod several;
 mod sql;
 
 use drivers::*;
@@ -40,6 +41,7 @@ use queue::*;
 use redis_family::*;
 use safety::*;
 use semaphore::*;
+use several::*;
 use sql::*;
 
 /// Concurrent keep-alive connections of the HTTP load generator.
@@ -107,6 +109,7 @@ const SECTIONS: &[&str] = &[
     "keyed",
     "keyed-many",
     "semaphore",
+    "several",
     "safety",
     "operator",
     "tls",
@@ -147,6 +150,9 @@ async fn run(sections: &[&str]) {
     }
     if wanted("semaphore") {
         semaphore_section().await;
+    }
+    if wanted("several") {
+        several_section().await;
     }
     if wanted("safety") {
         safety_section().await;

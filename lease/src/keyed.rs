@@ -26,6 +26,10 @@
 //! Lease), else `FAMILY.keyh.` and the first 40 hex digits of the key's SHA-256. A plain lock whose
 //! name starts with a family's `FAMILY.keys.` or `FAMILY.keyh.` is refused where the two meet.
 
+mod several;
+
+pub use several::{KeysAnswer, MAX_KEYS_AT_ONCE};
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,13 +94,16 @@ impl FamilyConfig {
     }
 }
 
-/// What a keyed call refuses or cannot do. The first three are the caller's to fix (4xx).
+/// What a keyed call refuses or cannot do. The first four are the caller's to fix (4xx).
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     #[error("invalid key {key:?}: {rule}")]
     BadKey { key: String, rule: String },
     #[error("invalid owner: {0}")]
     BadOwner(String),
+    /// An acquisition of several keys named none, too many, or one twice.
+    #[error("invalid keys: {0}")]
+    BadKeys(String),
     #[error("this sidecar already holds {0} keys of the family, its limit")]
     TooManyKeys(usize),
     /// The family's `DistributedLock` is being deleted: its keys were released and no more are
@@ -758,6 +765,17 @@ impl KeyedFamily {
 
     /// Give up one acquisition of `key` by `owner`.
     pub async fn release(&self, key: &str, owner: &str) -> Result<KeyRelease, KeyError> {
+        self.release_held(key, owner, None).await
+    }
+
+    /// [`KeyedFamily::release`], only while the owner's holding has `token` when one is given:
+    /// a holding taken again since (its lease lost meanwhile) is not given up.
+    async fn release_held(
+        &self,
+        key: &str,
+        owner: &str,
+        token: Option<u64>,
+    ) -> Result<KeyRelease, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
         let Some(current) = self.holding_for(key, owner) else {
@@ -768,7 +786,11 @@ impl KeyedFamily {
                 holder: self.qualified(&current.owner),
             });
         }
-        match current.lock.release().await {
+        let released = match token {
+            Some(token) => current.lock.release_if(token).await,
+            None => current.lock.release().await,
+        };
+        match released {
             Ok(true) => {}
             // Nothing held, or its engine ended a moment ago (the hold lapsed).
             Ok(false) | Err(Error::Shutdown) => return Ok(KeyRelease::NotHeld),
@@ -827,6 +849,17 @@ impl KeyedFamily {
         owner: &str,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
+        self.extend_held(key, owner, hold, None).await
+    }
+
+    /// [`KeyedFamily::extend`], only while the owner's holding has `token` when one is given.
+    async fn extend_held(
+        &self,
+        key: &str,
+        owner: &str,
+        hold: Duration,
+        token: Option<u64>,
+    ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
         let Some(current) = self.holding_for(key, owner) else {
@@ -837,7 +870,11 @@ impl KeyedFamily {
                 holder: Some(self.qualified(&current.owner)),
             });
         }
-        match current.lock.extend(hold).await {
+        let extended = match token {
+            Some(token) => current.lock.extend_if(token, hold).await,
+            None => current.lock.extend(hold).await,
+        };
+        match extended {
             Ok(answer) => Ok(self.answer_for(&current, answer)),
             Err(Error::Shutdown) => Ok(KeyAnswer::NotHeld),
             Err(e) => Err(e.into()),

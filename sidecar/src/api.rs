@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query, RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::{Stream, StreamExt, stream};
-use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeyedFamily};
+use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, KeysAnswer};
 use leasehold_lease::{Answer, DEFAULT_HOLD, Event, Lock, Mode, Snapshot};
 use serde::Serialize;
 use tokio_stream::wrappers::BroadcastStream;
@@ -212,6 +212,12 @@ impl AppState {
         })
     }
 
+    /// The family a `/locks/{name}/...` route names, when it names one rather than a lock.
+    fn family_named(&self, name: Option<&Path<String>>) -> Option<KeyedFamily> {
+        let Path(name) = name?;
+        self.families().into_iter().find(|f| f.name() == name)
+    }
+
     fn family(&self, name: &str) -> Result<KeyedFamily, ApiError> {
         let families = self.families();
         if let Some(family) = families.iter().find(|f| f.name() == name) {
@@ -320,6 +326,7 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/locks/{name}/acquire", post(acquire))
         .route("/locks/{name}/release", post(release))
         .route("/locks/{name}/hold", post(hold))
+        .route("/locks/{family}/extend", post(keys_extend))
         .route("/locks/{family}/keys/{key}", get(key_status))
         .route("/locks/{family}/keys/{key}/acquire", post(key_acquire))
         .route("/locks/{family}/keys/{key}/release", post(key_release))
@@ -531,8 +538,13 @@ fn on_demand_only(lock: &Lock, instead: &str) -> Result<(), ApiError> {
 async fn acquire(
     State(state): State<AppState>,
     name: Option<Path<String>>,
+    RawQuery(raw): RawQuery,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
+    if let Some(family) = state.family_named(name.as_ref()) {
+        once_each(raw.as_deref())?;
+        return keys_acquire(family, query).await;
+    }
     let lock = state.lock(name)?;
     on_demand_only(&lock, "use GET /lock?wait=... to wait for it")?;
     let params = durations(&query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)])?;
@@ -617,8 +629,13 @@ async fn hold(
 async fn release(
     State(state): State<AppState>,
     name: Option<Path<String>>,
+    RawQuery(raw): RawQuery,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
+    if let Some(family) = state.family_named(name.as_ref()) {
+        once_each(raw.as_deref())?;
+        return keys_release(family, query).await;
+    }
     let lock = state.lock(name)?;
     durations(&query, &[])?;
     let released = lock
@@ -688,6 +705,19 @@ fn key_response_with(
     not_held: StatusCode,
     permits_held: Option<u32>,
 ) -> Response {
+    let (status, body) = key_body(family, key, owner, answer, not_held, permits_held);
+    json(status, &body)
+}
+
+/// One key's answer and the status it is sent with.
+fn key_body<'a>(
+    family: &'a KeyedFamily,
+    key: &'a str,
+    owner: Option<&'a str>,
+    answer: &KeyAnswer,
+    not_held: StatusCode,
+    permits_held: Option<u32>,
+) -> (StatusCode, KeyStatus<'a>) {
     let permits = family.permits();
     let semaphore = family.has_had_permits();
     let mut body = KeyStatus {
@@ -733,12 +763,193 @@ fn key_response_with(
         KeyAnswer::NotHeld => not_held,
         KeyAnswer::Unknown => StatusCode::SERVICE_UNAVAILABLE,
     };
-    json(status, &body)
+    (status, body)
+}
+
+/// The answer of a call on several keys: each key's, and for an acquisition refused, the key
+/// that could not be taken.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct KeysStatus<'a> {
+    family: &'a str,
+    owner: &'a str,
+    /// Whether the owner holds every key named.
+    holder: bool,
+    /// The least validity among the keys: how long the owner may act on all of them.
+    valid_for_ms: u64,
+    keys: Vec<KeyStatus<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    blocked_by: Option<KeyStatus<'a>>,
+    backend: &'static str,
+}
+
+impl<'a> KeysStatus<'a> {
+    fn new(family: &'a KeyedFamily, owner: &'a str) -> Self {
+        Self {
+            family: family.name(),
+            owner,
+            holder: false,
+            valid_for_ms: 0,
+            keys: Vec::new(),
+            blocked_by: None,
+            backend: family.backend(),
+        }
+    }
+
+    /// Every key held: 200 with each key's token, else `refused`'s status.
+    fn held(
+        mut self,
+        family: &'a KeyedFamily,
+        answers: &'a [(String, KeyAnswer)],
+        not_held: StatusCode,
+    ) -> Response {
+        let mut status = StatusCode::OK;
+        for (key, answer) in answers {
+            let (key_status, body) =
+                key_body(family, key, Some(self.owner), answer, not_held, None);
+            if key_status != StatusCode::OK && status == StatusCode::OK {
+                status = key_status;
+            }
+            self.keys.push(body);
+        }
+        self.holder = status == StatusCode::OK;
+        if self.holder {
+            self.valid_for_ms = self.keys.iter().map(|k| k.valid_for_ms).min().unwrap_or(0);
+        }
+        json(status, &self)
+    }
+}
+
+/// A 400 for a parameter named twice, which the query's map would keep only the last of
+/// (`keys=a&keys=b` would take `b` alone, and answer 200 to a client that believes it has both).
+fn once_each(raw: Option<&str>) -> Result<(), ApiError> {
+    let mut seen = std::collections::HashSet::new();
+    for pair in raw.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
+        let name = pair.split('=').next().unwrap_or_default();
+        if !seen.insert(name) {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("{name} is given twice; name several keys in one: keys=a,b,c"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `keys=a,b,c`: the keys of a call on several keys of a family.
+fn keys_param(query: &mut HashMap<String, String>) -> Result<Vec<String>, ApiError> {
+    let keys = query.remove("keys").ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "keys is required on a family's route: the keys to take together, comma-separated \
+             (e.g. ?keys=order-1,order-2), or use /locks/FAMILY/keys/KEY/... for one key",
+        )
+    })?;
+    Ok(keys.split(',').map(str::to_owned).collect())
+}
+
+/// `/locks/{family}/acquire?keys=...`: every key or none.
+async fn keys_acquire(
+    family: KeyedFamily,
+    mut query: HashMap<String, String>,
+) -> Result<Response, ApiError> {
+    let keys = keys_param(&mut query)?;
+    let (owner, params) = key_query(query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)], false)?;
+    let owner = owner.unwrap_or_default();
+    let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
+    let hold = hold_param(&params)?;
+    let answer = family
+        .acquire_all(&keys, &owner, wait, hold)
+        .await
+        .map_err(key_error)?;
+    Ok(match answer {
+        KeysAnswer::Held(answers) => {
+            KeysStatus::new(&family, &owner).held(&family, &answers, StatusCode::CONFLICT)
+        }
+        KeysAnswer::NotTaken { key, answer } => {
+            let (status, blocked) = key_body(
+                &family,
+                &key,
+                Some(&owner),
+                &answer,
+                StatusCode::CONFLICT,
+                None,
+            );
+            let body = KeysStatus {
+                blocked_by: Some(blocked),
+                ..KeysStatus::new(&family, &owner)
+            };
+            json(status, &body)
+        }
+    })
+}
+
+/// `/locks/{family}/release?keys=...`: one release of each key; 200 when each was released.
+async fn keys_release(
+    family: KeyedFamily,
+    mut query: HashMap<String, String>,
+) -> Result<Response, ApiError> {
+    let keys = keys_param(&mut query)?;
+    let (owner, _) = key_query(query, &[], false)?;
+    let owner = owner.unwrap_or_default();
+    let released = family.release_all(&keys, &owner).await.map_err(key_error)?;
+    let mut body = KeysStatus::new(&family, &owner);
+    let mut status = StatusCode::OK;
+    for (key, release) in &released {
+        let answer = match release {
+            KeyRelease::Released { .. } => family.status(key, Some(&owner)).map_err(key_error)?,
+            KeyRelease::HeldByAnother { holder } => {
+                status = StatusCode::CONFLICT;
+                KeyAnswer::HeldByAnother {
+                    holder: Some(holder.clone()),
+                }
+            }
+            KeyRelease::NotHeld => {
+                status = StatusCode::CONFLICT;
+                KeyAnswer::NotHeld
+            }
+        };
+        let (_, mut key_status) = key_body(
+            &family,
+            key,
+            Some(&owner),
+            &answer,
+            StatusCode::NOT_FOUND,
+            None,
+        );
+        key_status.released = Some(matches!(release, KeyRelease::Released { .. }));
+        body.keys.push(key_status);
+    }
+    body.holder = body.keys.iter().all(|k| k.holder);
+    Ok(json(status, &body))
+}
+
+/// `/locks/{family}/extend?keys=...`: each key's hold at least `hold` from now; 200 when the
+/// owner holds every one.
+async fn keys_extend(
+    State(state): State<AppState>,
+    Path(family): Path<String>,
+    RawQuery(raw): RawQuery,
+    Query(mut query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let family = state.family(&family)?;
+    once_each(raw.as_deref())?;
+    let keys = keys_param(&mut query)?;
+    let (owner, params) = key_query(query, &[("hold", MAX_HOLD)], false)?;
+    let owner = owner.unwrap_or_default();
+    let hold = hold_param(&params)?;
+    let answers = family
+        .extend_all(&keys, &owner, hold)
+        .await
+        .map_err(key_error)?;
+    Ok(KeysStatus::new(&family, &owner).held(&family, &answers, StatusCode::NOT_FOUND))
 }
 
 fn key_error(error: KeyError) -> ApiError {
     let status = match error {
-        KeyError::BadKey { .. } | KeyError::BadOwner(_) => StatusCode::BAD_REQUEST,
+        KeyError::BadKey { .. } | KeyError::BadOwner(_) | KeyError::BadKeys(_) => {
+            StatusCode::BAD_REQUEST
+        }
         KeyError::TooManyKeys(_) => StatusCode::TOO_MANY_REQUESTS,
         KeyError::Lock(_) | KeyError::Stopped(_) => StatusCode::SERVICE_UNAVAILABLE,
     };

@@ -1450,6 +1450,191 @@ pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
     assert_eq!(b.tracked_keys(), 1);
 }
 
+/// Several keys at once, all or nothing: an owner takes every key it names (each with its own
+/// token, in the order asked) or none; a refused acquisition leaves no key held (a key the owner
+/// already held stays held once, as it was); two owners asking for overlapping keys in opposite
+/// orders both get them in turn (no deadlock); an acquisition dropped midway (its client hung
+/// up) gives back what it took; a crashed pod's keys are free within the lease; bad key lists
+/// are refused and change nothing.
+pub async fn keyed_several_keys_all_or_nothing(h: &mut dyn Harness) {
+    use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeysAnswer};
+    const HOLD: Duration = Duration::from_secs(60);
+    const NOW: Duration = Duration::ZERO;
+    let family = unique_lock("several");
+    let (a, b) = (
+        keyed_pod(h.driver().await, &family, "pod-a", 1),
+        keyed_pod(h.driver().await, &family, "pod-b", 1),
+    );
+    let keys = |names: &[&str]| -> Vec<String> { names.iter().map(|k| k.to_string()).collect() };
+    let tokens = |answer: KeysAnswer| -> Vec<(String, u64, u32)> {
+        match answer {
+            KeysAnswer::Held(held) => held
+                .into_iter()
+                .map(|(key, answer)| match answer {
+                    KeyAnswer::Held { token, holds, .. } => (key, token, holds),
+                    other => panic!("{key} reported held as {other:?}"),
+                })
+                .collect(),
+            other => panic!("not taken: {other:?}"),
+        }
+    };
+    let held_by = |pod: &leasehold_lease::keyed::KeyedFamily, key: &str, owner: &str| {
+        matches!(
+            pod.status(key, Some(owner)).unwrap(),
+            KeyAnswer::Held { .. }
+        )
+    };
+
+    let first = tokens(
+        a.acquire_all(&keys(&["c", "a", "b"]), "w1", NOW, HOLD)
+            .await
+            .unwrap(),
+    );
+    let names: Vec<&str> = first.iter().map(|(k, _, _)| k.as_str()).collect();
+    assert_eq!(names, ["c", "a", "b"], "answered in the order asked");
+
+    // Pod b asks for b (held) and d (free): refused on b, and d is left free.
+    let refused = b
+        .acquire_all(&keys(&["d", "b"]), "w2", NOW, HOLD)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&refused, KeysAnswer::NotTaken { key, answer: KeyAnswer::HeldByAnother { .. } } if key == "b"),
+        "{refused:?}"
+    );
+    assert!(!held_by(&b, "d", "w2"), "a refused acquisition kept a key");
+    tokens(a.acquire_all(&keys(&["d"]), "w9", NOW, HOLD).await.unwrap());
+    assert_eq!(
+        a.release("d", "w9").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+
+    // The holder asks again with a key another owner holds: refused, its own keys held once.
+    assert!(matches!(
+        b.acquire("z", "w3", NOW, HOLD).await.unwrap(),
+        KeyAnswer::Held { .. }
+    ));
+    let refused = a
+        .acquire_all(&keys(&["a", "z"]), "w1", NOW, HOLD)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&refused, KeysAnswer::NotTaken { key, .. } if key == "z"),
+        "{refused:?}"
+    );
+    assert!(
+        matches!(
+            a.status("a", Some("w1")).unwrap(),
+            KeyAnswer::Held { holds: 1, .. }
+        ),
+        "the re-entrant acquisition refused was not undone once"
+    );
+    let again = tokens(
+        a.acquire_all(&keys(&["a", "e"]), "w1", NOW, HOLD)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        (again[0].1, again[0].2),
+        (first[1].1, 2),
+        "a key held already is re-entered"
+    );
+    let released = a.release_all(&keys(&["a", "e"]), "w1").await.unwrap();
+    assert_eq!(
+        released,
+        vec![
+            ("a".to_owned(), KeyRelease::Released { holds: 1 }),
+            ("e".to_owned(), KeyRelease::Released { holds: 0 }),
+        ]
+    );
+
+    // Overlapping keys asked for in opposite orders, at once, by two pods: both get them.
+    let (p, q) = (keys(&["p", "q", "r"]), keys(&["r", "q", "p"]));
+    let contend =
+        |pod: leasehold_lease::keyed::KeyedFamily, asked: Vec<String>, owner: &'static str| {
+            tokio::spawn(async move {
+                let answer = pod
+                    .acquire_all(&asked, owner, LEASE * 4, HOLD)
+                    .await
+                    .unwrap();
+                let taken = matches!(answer, KeysAnswer::Held(_));
+                if taken {
+                    sleep(Duration::from_millis(50)).await;
+                    pod.release_all(&asked, owner).await.unwrap();
+                }
+                (answer, taken)
+            })
+        };
+    let (one, two) = (contend(a.clone(), p, "x1"), contend(b.clone(), q, "x2"));
+    let (one, two) = (one.await.unwrap(), two.await.unwrap());
+    assert!(
+        one.1 && two.1,
+        "overlapping acquisitions: {:?} and {:?}",
+        one.0,
+        two.0
+    );
+
+    // An acquisition dropped while it waits for its second key gives back its first.
+    assert!(matches!(
+        b.acquire("m2", "w4", NOW, HOLD).await.unwrap(),
+        KeyAnswer::Held { .. }
+    ));
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(300),
+        a.acquire_all(&keys(&["m1", "m2"]), "w5", LEASE * 10, HOLD),
+    )
+    .await;
+    assert!(
+        dropped.is_err(),
+        "the acquisition was not waiting: {dropped:?}"
+    );
+    let freed = b.acquire("m1", "w6", SLACK, HOLD).await.unwrap();
+    assert!(
+        matches!(freed, KeyAnswer::Held { .. }),
+        "m1 was kept by a dropped acquisition: {freed:?}"
+    );
+
+    // Bad key lists: refused, nothing taken.
+    for bad in [keys(&[]), keys(&["f", "g", "f"]), keys(&["f", "no spaces"])] {
+        let refused = a.acquire_all(&bad, "w7", NOW, HOLD).await;
+        assert!(
+            matches!(refused, Err(KeyError::BadKeys(_) | KeyError::BadKey { .. })),
+            "{bad:?}: {refused:?}"
+        );
+    }
+    assert!(!held_by(&a, "f", "w7") && !held_by(&a, "g", "w7"));
+
+    // Pod a dies without a word: its keys are free for pod b within the lease, tokens higher.
+    drop(a);
+    let crashed = Instant::now();
+    let taken = loop {
+        match b
+            .acquire_all(&keys(&["a", "b", "c"]), "w8", LEASE + RENEW + SLACK, HOLD)
+            .await
+            .unwrap()
+        {
+            KeysAnswer::Held(held) => break held,
+            KeysAnswer::NotTaken {
+                answer: KeyAnswer::Unknown,
+                ..
+            } if crashed.elapsed() < LEASE + RENEW + SLACK => {}
+            other => panic!("after pod a crashed: {other:?}"),
+        }
+    };
+    assert!(
+        crashed.elapsed() <= LEASE + RENEW + SLACK,
+        "took {:?}",
+        crashed.elapsed()
+    );
+    for (key, answer) in taken {
+        let KeyAnswer::Held { token, .. } = answer else {
+            panic!("{key}: {answer:?}")
+        };
+        let before = first.iter().find(|(k, _, _)| *k == key).unwrap().1;
+        assert!(token > before, "{key}: token {token} after {before}");
+    }
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -1468,7 +1653,8 @@ macro_rules! conformance_suite {
             keyed_owners_exclude_each_other,
             idle_keys_are_forgotten_and_their_tokens_still_rise,
             held_keys_are_counted,
-            keyed_permits_admit_that_many_owners
+            keyed_permits_admit_that_many_owners,
+            keyed_several_keys_all_or_nothing
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

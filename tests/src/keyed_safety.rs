@@ -18,6 +18,10 @@
 //! than it has permits certainly hold one key at once; a refusal is a liveness failure when any
 //! permit stayed free through the wait.
 //!
+//! Owners that take two or three keys at once ([`run_several`], all or nothing on twenty keys)
+//! are checked key by key the same way, and the check also fails when an acquisition that was
+//! refused left its owner holding any of the keys it named.
+//!
 //! "Certainly" is as in [`crate::safety`]: a 200 answer means the sidecar claimed for that owner
 //! at some instant between the request and the answer, so an owner's claim surely covers
 //! [first 200 received, last 200 sent], and two of those that intersect are two holders. A 200
@@ -48,17 +52,28 @@ pub const KEYS: usize = 50;
 struct Shape {
     permits: u32,
     keys: usize,
+    /// How many keys an acquisition names (from two up to this when above one).
+    at_once: usize,
 }
 
 /// A key, one owner at a time: fifty keys, seldom contended.
 const MUTEX: Shape = Shape {
     permits: 1,
     keys: KEYS,
+    at_once: 1,
 };
 /// Two permits per key on twelve keys, so that the 24 workers fill them and wait.
 const SEMAPHORE: Shape = Shape {
     permits: 2,
     keys: 12,
+    at_once: 1,
+};
+/// Two or three keys at a time out of twenty, so that acquisitions overlap on some of their
+/// keys and wait for each other.
+const SEVERAL: Shape = Shape {
+    permits: 1,
+    keys: 20,
+    at_once: 3,
 };
 /// How long a worker waits for a key, and how long it may keep one without extending it.
 const WAIT: Duration = Duration::from_secs(3);
@@ -126,6 +141,10 @@ struct Log {
     endings: Vec<Ending>,
     hang_ups: Vec<HangUp>,
     reentries: usize,
+    /// Acquisitions of several keys answered 200.
+    several: usize,
+    /// Refused acquisitions of several keys that left their owner holding some key.
+    partials: Vec<String>,
     /// When each fault began and ended.
     faults: Vec<(Instant, Instant)>,
 }
@@ -142,6 +161,8 @@ pub struct Report {
     pub refusals: usize,
     pub reentries: usize,
     pub hang_ups: usize,
+    /// Acquisitions of several keys at once that were granted.
+    pub several: usize,
     pub faults: BTreeMap<&'static str, usize>,
     pub violations: Vec<String>,
 }
@@ -158,6 +179,8 @@ impl Report {
             self.target,
             if self.permits > 1 {
                 format!("keyed, {} permits", self.permits)
+            } else if self.several > 0 {
+                format!("keyed, {} taken several at once", self.several)
             } else {
                 "keyed".to_owned()
             },
@@ -282,7 +305,7 @@ fn wait_and_hang_up(
 fn worker(
     slot: usize,
     index: usize,
-    (family, keys): (String, usize),
+    (family, shape): (String, Shape),
     addrs: Vec<Arc<Mutex<(SocketAddr, u32)>>>,
     log: Arc<Mutex<Log>>,
     stop: Arc<AtomicBool>,
@@ -291,10 +314,14 @@ fn worker(
     let mut rng = StdRng::seed_from_u64(seed);
     let mut n = 0u64;
     while !stop.load(Ordering::SeqCst) {
-        let key = rng.random_range(0..keys);
+        let key = rng.random_range(0..shape.keys);
         let (target, generation) = *addrs[slot].lock().unwrap();
         n += 1;
         let owner = format!("s{slot}g{generation}w{index}n{n}");
+        if shape.at_once > 1 {
+            several_at_once(target, &family, shape, owner, &mut rng, &log);
+            continue;
+        }
         let path = format!("/locks/{family}/keys/k{key}");
         let sent = Instant::now();
         let answer = http(
@@ -380,6 +407,114 @@ fn worker(
     }
 }
 
+/// One acquisition of two to `shape.at_once` random keys at once, all or nothing: on a 200,
+/// each key is logged as held (the answer's token and validity for it) and asked about while
+/// the owner works, then all are released together; on any other answer, the owner must hold
+/// none of them.
+fn several_at_once(
+    target: SocketAddr,
+    family: &str,
+    shape: Shape,
+    owner: String,
+    rng: &mut StdRng,
+    log: &Mutex<Log>,
+) {
+    let count = rng.random_range(2..=shape.at_once);
+    let mut keys: Vec<usize> = Vec::with_capacity(count);
+    while keys.len() < count {
+        let key = rng.random_range(0..shape.keys);
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    let names: Vec<String> = keys.iter().map(|k| format!("k{k}")).collect();
+    let names = names.join(",");
+    let sent = Instant::now();
+    let answer = http(
+        target,
+        "POST",
+        &format!(
+            "/locks/{family}/acquire?keys={names}&owner={owner}&wait={}ms&hold={}ms",
+            WAIT.as_millis(),
+            HOLD.as_millis()
+        ),
+    );
+    let received = Instant::now();
+    let key_path = |key: usize| format!("/locks/{family}/keys/k{key}");
+    let reply = match answer {
+        Ok(reply) => reply,
+        // The sidecar was killed under us: nothing to check.
+        Err(_) => {
+            std::thread::sleep(Duration::from_millis(20));
+            return;
+        }
+    };
+    if reply.status != 200 {
+        // Refused, or cannot tell: whatever was taken on the way was given back before the
+        // answer, so the owner holds none of the keys.
+        for &key in &keys {
+            if let Ok(asked) = http(target, "GET", &format!("{}?owner={owner}", key_path(key)))
+                && asked.status == 200
+            {
+                log.lock().unwrap().partials.push(format!(
+                    "{owner} was answered {} for keys {names}, but holds k{key}: {}",
+                    reply.status, asked.body
+                ));
+            }
+        }
+        if reply.status != 409 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        return;
+    }
+    let Ok(body) = serde_json::from_str::<serde_json::Value>(&reply.body) else {
+        return;
+    };
+    let answered = body["keys"].as_array().cloned().unwrap_or_default();
+    {
+        let mut log = log.lock().unwrap();
+        log.several += 1;
+        for (&key, answer) in keys.iter().zip(&answered) {
+            let claim = claim_of(&answer.to_string());
+            log.samples
+                .push(Sample::of(key, &owner, sent, received, claim));
+        }
+    }
+    for _ in 0..rng.random_range(1..=WORK_POLLS) {
+        std::thread::sleep(Duration::from_millis(rng.random_range(WORK_PAUSE_MS)));
+        let key = keys[rng.random_range(0..keys.len())];
+        let sent = Instant::now();
+        let Ok(reply) = http(target, "GET", &format!("{}?owner={owner}", key_path(key))) else {
+            break;
+        };
+        let received = Instant::now();
+        let claim = (reply.status == 200)
+            .then(|| claim_of(&reply.body))
+            .flatten();
+        log.lock()
+            .unwrap()
+            .samples
+            .push(Sample::of(key, &owner, sent, received, claim));
+        if reply.status == 409 {
+            break;
+        }
+    }
+    let release_sent = Instant::now();
+    let released = http(
+        target,
+        "POST",
+        &format!("/locks/{family}/release?keys={names}&owner={owner}"),
+    )
+    .ok()
+    .filter(|r| r.status == 200)
+    .map(|_| Instant::now());
+    log.lock().unwrap().endings.push(Ending {
+        owner,
+        release_sent,
+        released,
+    });
+}
+
 /// Run the keyed check against `target` for `duration`.
 pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
     run_shaped(target, duration, seed, MUTEX)
@@ -388,6 +523,11 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
 /// Run the check against `target` for `duration` on a family whose keys have two permits.
 pub fn run_semaphore(target: Target, duration: Duration, seed: u64) -> Report {
     run_shaped(target, duration, seed, SEMAPHORE)
+}
+
+/// Run the check against `target` for `duration` with owners taking several keys at once.
+pub fn run_several(target: Target, duration: Duration, seed: u64) -> Report {
+    run_shaped(target, duration, seed, SEVERAL)
 }
 
 fn run_shaped(target: Target, duration: Duration, seed: u64, shape: Shape) -> Report {
@@ -417,7 +557,7 @@ fn run_shaped(target: Target, duration: Duration, seed: u64, shape: Shape) -> Re
             let (family, log, stop) = (family.clone(), log.clone(), stop.clone());
             let addrs = slots.iter().map(|slot| slot.addr.clone()).collect();
             let seed = rng.random();
-            std::thread::spawn(move || worker(s, w, (family, shape.keys), addrs, log, stop, seed))
+            std::thread::spawn(move || worker(s, w, (family, shape), addrs, log, stop, seed))
         })
         .collect();
 
@@ -508,6 +648,8 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
     report.refusals = log.refusals.len();
     report.reentries = log.reentries;
     report.hang_ups = log.hang_ups.len();
+    report.several = log.several;
+    report.violations.extend(log.partials.iter().cloned());
     let released: BTreeMap<&str, Instant> = log
         .endings
         .iter()

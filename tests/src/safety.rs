@@ -148,15 +148,19 @@ pub enum Workload {
     /// The keyed check on a family whose keys have two permits each
     /// ([`crate::keyed_safety::run_semaphore`]).
     Semaphore,
+    /// The keyed check with owners taking two or three keys at once, all or nothing
+    /// ([`crate::keyed_safety::run_several`]).
+    Several,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 5] = [
+    pub const ALL: [Workload; 6] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
         Workload::Keyed,
         Workload::Semaphore,
+        Workload::Several,
     ];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
@@ -167,6 +171,7 @@ impl Workload {
             Workload::Resource => "+resource",
             Workload::Keyed => "+keyed",
             Workload::Semaphore => "+semaphore",
+            Workload::Several => "+several",
         }
     }
 }
@@ -789,16 +794,21 @@ fn waiter(
 /// Run the check of `scenario` for `duration`, with `contenders` sidecars.
 pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64) -> Report {
     assert!(
-        !matches!(scenario.workload, Workload::Keyed | Workload::Semaphore),
+        !matches!(
+            scenario.workload,
+            Workload::Keyed | Workload::Semaphore | Workload::Several
+        ),
         "keyed scenarios run in keyed_safety::run"
     );
     let mut rng = StdRng::seed_from_u64(seed);
     let mut backend = Backend::start(scenario.target);
     let lock = unique_lock("safety");
     let args: Vec<&str> = match scenario.workload {
-        Workload::Campaign | Workload::Resource | Workload::Keyed | Workload::Semaphore => {
-            TIMING.to_vec()
-        }
+        Workload::Campaign
+        | Workload::Resource
+        | Workload::Keyed
+        | Workload::Semaphore
+        | Workload::Several => TIMING.to_vec(),
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
     // A resource scenario's sidecars read their lock from the cluster; its backend can also be

@@ -262,3 +262,74 @@ fn a_semaphore_family_admits_as_many_owners_as_it_has_permits() {
         "token {third_token} after {first_token}"
     );
 }
+
+/// Several keys at once over HTTP: `POST /locks/FAMILY/acquire?keys=...` answers every key's
+/// token or, refused, the key that blocked it with nothing taken; `extend` and `release` take
+/// the same list; bad lists are 400s that change nothing.
+#[test]
+fn several_keys_are_taken_and_given_back_together_over_http() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let keyed = ["--keyed", &family, "--mode", "on-demand"];
+    let a = Sidecar::start("pod-a", &redis.url(), &unique_lock("plain"), &keyed);
+    let b = Sidecar::start("pod-b", &redis.url(), &unique_lock("plain"), &keyed);
+    let route = |verb: &str, query: &str| format!("/locks/{family}/{verb}?{query}");
+
+    let taken = a.post(&route("acquire", "keys=sku-2,sku-1&owner=w1&hold=30s"));
+    assert_eq!(taken.status, 200, "{}", taken.body);
+    let body = taken.json();
+    assert_eq!(body["holder"], true);
+    assert_eq!(body["owner"], "w1");
+    let keys = body["keys"].as_array().unwrap();
+    let named: Vec<&str> = keys.iter().map(|k| k["key"].as_str().unwrap()).collect();
+    assert_eq!(named, ["sku-2", "sku-1"]);
+    assert!(keys.iter().all(|k| k["fencingToken"].as_u64().is_some()));
+    let least = keys.iter().map(|k| k["validForMs"].as_u64().unwrap()).min();
+    assert_eq!(body["validForMs"].as_u64(), least);
+
+    // Pod b: refused on sku-1, told by whom; sku-3 is not left held.
+    let refused = b.post(&route("acquire", "keys=sku-3,sku-1&owner=w2&wait=200ms"));
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    let body = refused.json();
+    assert_eq!(body["holder"], false);
+    assert_eq!(body["blockedBy"]["key"], "sku-1");
+    assert_eq!(body["blockedBy"]["currentHolder"], "pod-a/w1");
+    let free = b.post(&format!("/locks/{family}/keys/sku-3/acquire?owner=w3"));
+    assert_eq!(free.status, 200, "sku-3 was kept: {}", free.body);
+
+    let extended = a.post(&route("extend", "keys=sku-1,sku-2&owner=w1&hold=1m"));
+    assert_eq!(extended.status, 200, "{}", extended.body);
+    assert!(extended.json()["validForMs"].as_u64().unwrap() > 0);
+    // sku-3 is pod b's: pod a's owner holds it not (404, as for one key), the answer says so.
+    let not_all = a.post(&route("extend", "keys=sku-1,sku-3&owner=w1&hold=1m"));
+    assert_eq!(not_all.status, 404, "{}", not_all.body);
+    assert_eq!(not_all.json()["holder"], false);
+    assert_eq!(not_all.json()["keys"][0]["holder"], true);
+
+    for bad in [
+        "keys=sku-1,sku-1&owner=w1",
+        "keys=&owner=w1",
+        "keys=sku%201&owner=w1",
+        "owner=w1",
+        "keys=sku-1",
+        "keys=sku-9&owner=w1&color=red",
+        "keys=sku-9&keys=sku-8&owner=w1",
+    ] {
+        let answer = a.post(&route("acquire", bad));
+        assert_eq!(answer.status, 400, "{bad}: {}", answer.body);
+    }
+
+    let released = a.post(&route("release", "keys=sku-1,sku-2&owner=w1"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    assert!(
+        released.json()["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|k| k["released"] == true && k["holder"] == false)
+    );
+    let again = a.post(&route("release", "keys=sku-1&owner=w1"));
+    assert_eq!(again.status, 409, "{}", again.body);
+    let now_free = b.post(&route("acquire", "keys=sku-1,sku-2&owner=w2"));
+    assert_eq!(now_free.status, 200, "{}", now_free.body);
+}

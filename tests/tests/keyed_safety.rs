@@ -2,7 +2,8 @@
 //! random keys out of fifty, while sidecars are killed, paused and cut off and the backend
 //! restarts, while some owners re-enter with shorter holds and some waiters hang up; no key is
 //! ever held by two owners at once or by another owner within an answer's `validForMs`, every
-//! key's tokens rise, and no worker is refused a key that stayed free while it waited.
+//! key's tokens rise, and no worker is refused a key that stayed free while it waited. The same
+//! with semaphores (two permits a key) and with owners taking several keys at once.
 
 use std::time::Duration;
 
@@ -32,7 +33,31 @@ fn check_semaphore(target: Target) {
     ));
 }
 
+/// Owners taking two or three keys at once: no key of a refused acquisition left held, and
+/// every key checked as above.
+fn check_several(target: Target) {
+    let report = keyed_safety::run_several(target, duration(), rand::random());
+    assert!(
+        report.several >= 50,
+        "only {} acquisitions of several keys: {}",
+        report.several,
+        report.summary()
+    );
+    check_common(report);
+}
+
 fn check_report(report: keyed_safety::Report) {
+    assert!(
+        report.reentries >= 10 && report.hang_ups >= 5,
+        "too few re-entrant acquisitions ({}) or clients hung up ({}) to mean anything: {}",
+        report.reentries,
+        report.hang_ups,
+        report.summary()
+    );
+    check_common(report);
+}
+
+fn check_common(report: keyed_safety::Report) {
     eprintln!("{}", report.summary());
     assert!(
         report.violations.is_empty(),
@@ -49,12 +74,6 @@ fn check_report(report: keyed_safety::Report) {
         report.acquisitions >= 100,
         "only {} acquisitions",
         report.acquisitions
-    );
-    assert!(
-        report.reentries >= 10 && report.hang_ups >= 5,
-        "too few re-entrant acquisitions ({}) or clients hung up ({}) to mean anything",
-        report.reentries,
-        report.hang_ups
     );
 }
 
@@ -126,4 +145,24 @@ fn etcd_semaphore_keys_survive_random_faults() {
 #[test]
 fn zookeeper_semaphore_keys_survive_random_faults() {
     check_semaphore(Target::ZooKeeper);
+}
+
+#[test]
+fn redis_keys_taken_several_at_once_survive_random_faults() {
+    check_several(Target::Redis);
+}
+
+#[test]
+fn postgres_keys_taken_several_at_once_survive_random_faults() {
+    check_several(Target::Postgres);
+}
+
+#[test]
+fn etcd_keys_taken_several_at_once_survive_random_faults() {
+    check_several(Target::Etcd);
+}
+
+#[test]
+fn zookeeper_keys_taken_several_at_once_survive_random_faults() {
+    check_several(Target::ZooKeeper);
 }

@@ -1,0 +1,308 @@
+//! All-or-nothing acquisitions of several keys of a family (docs/multi-key.md): an owner takes
+//! every key it names or none of them, within one wait.
+//!
+//! The keys are taken one by one in one canonical order (byte order of the keys), whoever asks:
+//! two acquisitions whose keys overlap meet first on the lowest key they share, so neither can
+//! hold a key the other waits for while waiting for one the other holds, and nobody deadlocks.
+//! While later keys are awaited, the keys already taken are extended, so that a short `hold`
+//! does not lapse on the first keys before the last is taken; once every key is taken, each is
+//! extended to `hold` from then and read back self-fenced, still with the token it was taken
+//! with, so the answer reports only keys held at that moment. An acquisition refused, failed or
+//! dropped (its client hung up) gives back what it took, on a task of its own that a hang-up
+//! cannot cut short: one release per key, of the holding with the token taken, which leaves a
+//! key the owner already held (a re-entrant acquisition) with its earlier acquisitions.
+//!
+//! A key the owner holds before the call is outside the order: an owner holding `y` that asks
+//! for `x,y` can wait on `x` for another owner that waits on `y`, until one of the waits ends.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, check_owner};
+
+/// The most keys one acquisition of several keys may name.
+pub const MAX_KEYS_AT_ONCE: usize = 64;
+/// The least time between two extensions of the keys taken while a later key is awaited.
+const MIN_EXTEND_GAP: Duration = Duration::from_millis(50);
+/// How long a key's acquisition runs before the keys after it are looked at
+/// ([`KeyedFamily::take_keeping`]): longer than an uncontended acquisition takes.
+const LOOK_AHEAD_AFTER: Duration = Duration::from_millis(20);
+/// The most backend reads one look ahead makes.
+const MAX_LOOKS: usize = 64;
+
+/// What an acquisition of several keys did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeysAnswer {
+    /// The owner holds every key: each key, in the order asked, with its answer (`Held`).
+    Held(Vec<(String, KeyAnswer)>),
+    /// The owner holds none of the keys through this acquisition: `key` could not be taken (or
+    /// was lost before the others were taken), for the reason `answer` gives.
+    NotTaken { key: String, answer: KeyAnswer },
+}
+
+/// The keys taken so far by one acquisition of several, each with the token it was taken
+/// with, given back unless the acquisition succeeds: by [`Taken::give_back`], or, when the
+/// acquisition is dropped midway (its client hung up), by a task of its own.
+struct Taken {
+    family: KeyedFamily,
+    owner: String,
+    keys: Vec<(String, u64)>,
+}
+
+impl Taken {
+    /// Keep the keys: the acquisition succeeded.
+    fn keep(mut self) {
+        self.keys.clear();
+    }
+
+    /// Give the keys back before answering. The releases run on a task of their own, so that
+    /// a client hanging up meanwhile cannot cut them short.
+    async fn give_back(mut self) {
+        let keys = std::mem::take(&mut self.keys);
+        let (family, owner) = (self.family.clone(), std::mem::take(&mut self.owner));
+        let _ = tokio::spawn(async move { give_back(&family, &owner, keys).await }).await;
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if self.keys.is_empty() {
+            return;
+        }
+        let (family, owner, keys) = (
+            self.family.clone(),
+            std::mem::take(&mut self.owner),
+            std::mem::take(&mut self.keys),
+        );
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { give_back(&family, &owner, keys).await });
+        }
+    }
+}
+
+/// One release per key, last taken first, each only of the holding taken with its token (one
+/// taken again since, its lease lost meanwhile, is another acquisition's).
+async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, u64)>) {
+    for (key, token) in keys.iter().rev() {
+        if let Err(e) = family.release_held(key, owner, Some(*token)).await {
+            tracing::warn!(family = family.name(), key, error = %e, "a key taken in vain was not given back; its hold or lease ends it");
+        }
+    }
+}
+
+impl KeyedFamily {
+    /// Take every key of `keys` for `owner`, or none, waiting up to `wait` in all, and keep each
+    /// at most `hold` from the answer unless extended or released (the rules of
+    /// [`KeyedFamily::acquire`] for each). A key the owner holds already is acquired again.
+    pub async fn acquire_all(
+        &self,
+        keys: &[String],
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<KeysAnswer, KeyError> {
+        let order = self.check_keys(keys)?;
+        check_owner(owner)?;
+        self.check_running()?;
+        let deadline = Instant::now() + wait;
+        let mut taken = Taken {
+            family: self.clone(),
+            owner: owner.to_owned(),
+            keys: Vec::with_capacity(order.len()),
+        };
+        for (i, key) in order.iter().copied().enumerate() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let later = &order[i + 1..];
+            let answer = match self
+                .take_keeping(key, later, &taken.keys, owner, left, hold)
+                .await
+            {
+                Ok(answer) => answer,
+                Err(e) => {
+                    taken.give_back().await;
+                    return Err(e);
+                }
+            };
+            let KeyAnswer::Held { token, .. } = answer else {
+                taken.give_back().await;
+                return Ok(KeysAnswer::NotTaken {
+                    key: key.to_owned(),
+                    answer,
+                });
+            };
+            taken.keys.push((key.to_owned(), token));
+        }
+        // Every hold runs from now; then every key is read back, still held with the token it
+        // was taken with (not lost, nor taken again since), its validity as of this moment.
+        for (key, token) in &taken.keys {
+            if let Err(e) = self.extend_held(key, owner, hold, Some(*token)).await {
+                taken.give_back().await;
+                return Err(e);
+            }
+        }
+        let mut answers = Vec::with_capacity(keys.len());
+        for key in keys {
+            let taken_with = taken.keys.iter().find(|(k, _)| k == key).map(|(_, t)| *t);
+            let answer = match self.status(key, Some(owner)) {
+                Ok(answer) => answer,
+                Err(e) => {
+                    taken.give_back().await;
+                    return Err(e);
+                }
+            };
+            match answer {
+                KeyAnswer::Held { token, .. } if Some(token) == taken_with => {
+                    answers.push((key.clone(), answer));
+                }
+                // Lost since it was taken (its lease, or a hold shorter than the extensions
+                // could keep): the acquisition fails as a whole.
+                KeyAnswer::Held { .. } => {
+                    taken.give_back().await;
+                    return Ok(KeysAnswer::NotTaken {
+                        key: key.clone(),
+                        answer: KeyAnswer::NotHeld,
+                    });
+                }
+                answer => {
+                    taken.give_back().await;
+                    return Ok(KeysAnswer::NotTaken {
+                        key: key.clone(),
+                        answer,
+                    });
+                }
+            }
+        }
+        taken.keep();
+        Ok(KeysAnswer::Held(answers))
+    }
+
+    /// Take `key`, and meanwhile keep the keys already `taken` from lapsing. Should `key` not
+    /// be granted at once, the `later` keys are read once: a backend that judges a dead
+    /// holder's expiry by how long it has seen the record unchanged (Kubernetes Leases) starts
+    /// counting for each of them now, not when its turn comes, so that a dead pod's keys are
+    /// all free within about one lease rather than one lease per key.
+    async fn take_keeping(
+        &self,
+        key: &str,
+        later: &[&str],
+        taken: &[(String, u64)],
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<KeyAnswer, KeyError> {
+        let take = self.take(key, owner, wait, hold, true);
+        // Beside the take, never in its stead: the take runs the key's engine, and a read
+        // ahead may wait for a connection that the engine is to give back.
+        let keep_alive = async {
+            if taken.is_empty() {
+                return std::future::pending::<()>().await;
+            }
+            let gap = (hold / 2).max(MIN_EXTEND_GAP);
+            loop {
+                tokio::time::sleep(gap).await;
+                for (key, token) in taken {
+                    // A key lost meanwhile is found when every key is read back.
+                    let _ = self.extend_held(key, owner, hold, Some(*token)).await;
+                }
+            }
+        };
+        let look_ahead = async {
+            if !later.is_empty() {
+                tokio::time::sleep(LOOK_AHEAD_AFTER).await;
+                self.look_at(later).await;
+            }
+        };
+        tokio::select! {
+            answer = take => answer,
+            _ = async { tokio::join!(keep_alive, look_ahead) } => {
+                unreachable!("the keys taken are kept alive until the take ends")
+            }
+        }
+    }
+
+    /// Read the holders of `keys` (of each permit, up to [`MAX_LOOKS`] reads), for the driver
+    /// to see their records; what is read is not used here.
+    async fn look_at(&self, keys: &[&str]) {
+        let permits = self.read_config(|c| c.permits);
+        let driver = self.driver();
+        let reads = keys
+            .iter()
+            .flat_map(|key| (0..permits).map(move |permit| self.permit_name(key, permit)))
+            .take(MAX_LOOKS)
+            .map(|name| {
+                let driver = driver.clone();
+                async move { driver.observe(&name).await }
+            });
+        futures_util::future::join_all(reads).await;
+    }
+
+    /// Give up one acquisition of each of `keys` by `owner`: what [`KeyedFamily::release`]
+    /// answers for each, in the order asked. Every key is tried, whatever the others answer.
+    pub async fn release_all(
+        &self,
+        keys: &[String],
+        owner: &str,
+    ) -> Result<Vec<(String, KeyRelease)>, KeyError> {
+        let order = self.check_keys(keys)?;
+        check_owner(owner)?;
+        let mut released = Vec::with_capacity(order.len());
+        let mut failed = None;
+        for key in order.iter().rev() {
+            match self.release(key, owner).await {
+                Ok(answer) => released.push((key.to_string(), answer)),
+                Err(e) => failed = Some(e),
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        Ok(in_asked_order(keys, released))
+    }
+
+    /// Keep `owner`'s hold on each of `keys` at least `hold` from now: what
+    /// [`KeyedFamily::extend`] answers for each, in the order asked.
+    pub async fn extend_all(
+        &self,
+        keys: &[String],
+        owner: &str,
+        hold: Duration,
+    ) -> Result<Vec<(String, KeyAnswer)>, KeyError> {
+        self.check_keys(keys)?;
+        check_owner(owner)?;
+        let mut answers = Vec::with_capacity(keys.len());
+        for key in keys {
+            answers.push((key.clone(), self.extend(key, owner, hold).await?));
+        }
+        Ok(answers)
+    }
+
+    /// `keys` checked (each valid, none twice, at least one, at most [`MAX_KEYS_AT_ONCE`] and
+    /// the family's limit of keys held), in the canonical order they are taken in.
+    fn check_keys<'k>(&self, keys: &'k [String]) -> Result<Vec<&'k str>, KeyError> {
+        let limit = MAX_KEYS_AT_ONCE.min(self.read_config(|c| c.max_keys));
+        if keys.is_empty() || keys.len() > limit {
+            return Err(KeyError::BadKeys(format!(
+                "name 1 to {limit} keys at once (there were {})",
+                keys.len()
+            )));
+        }
+        for key in keys {
+            self.check_key(key)?;
+        }
+        let mut order: Vec<&str> = keys.iter().map(String::as_str).collect();
+        order.sort_unstable();
+        if let Some(twice) = order.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(KeyError::BadKeys(format!(
+                "the key {:?} is named twice",
+                twice[0]
+            )));
+        }
+        Ok(order)
+    }
+}
+
+fn in_asked_order<T>(keys: &[String], mut answers: Vec<(String, T)>) -> Vec<(String, T)> {
+    answers.sort_by_key(|(key, _)| keys.iter().position(|k| k == key));
+    answers
+}
