@@ -123,6 +123,15 @@ pub trait Upkeep: Send + Sync + 'static {
         Ok(())
     }
 
+    /// [`Upkeep::provision`] of one lock, with what provisioning saw of its holder: a caller
+    /// that wants the holder too asks [`Driver::observe`] only when provisioning read nothing
+    /// (a thousand Kubernetes-backed locks are then one read each, not two).
+    async fn provision_one(&self, lock: &str) -> Result<Provisioned> {
+        self.provision(std::slice::from_ref(&lock.to_owned()))
+            .await?;
+        Ok(Provisioned::Unread)
+    }
+
     /// Remove what the use of `locks` left in the backend (their holders, keys, znodes, seeded
     /// rows), for a lock deleted with `cleanupPolicy: Delete`, but never the token's high-water
     /// mark: a lock created again under the same name must continue above every token it gave
@@ -162,6 +171,16 @@ pub trait Upkeep: Send + Sync + 'static {
 
 /// A connected backend: both contracts, as [`crate::connect`] opens it. Hand it to the engine as
 /// an `Arc<dyn Driver>`.
+/// What [`Upkeep::provision_one`] saw of the lock's holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Provisioned {
+    /// Provisioning did not read the lock's record.
+    Unread,
+    /// The record as provisioning read or wrote it: its holder, as [`Driver::observe`] would
+    /// have answered then.
+    Read(Option<Holding>),
+}
+
 pub trait Backend: Driver + Upkeep {}
 
 impl<T: Driver + Upkeep> Backend for T {}

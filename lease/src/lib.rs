@@ -41,7 +41,8 @@ pub use backend_url::{
 };
 pub use boot_clock::BootInstant;
 pub use driver::{
-    Acquire, Backend, ChangeFeeds, Driver, Holding, Lease, RESTART_GUARD, Upkeep, Withheld,
+    Acquire, Backend, ChangeFeeds, Driver, Holding, Lease, Provisioned, RESTART_GUARD, Upkeep,
+    Withheld,
 };
 pub use error::{Error, Result};
 pub use holder::{

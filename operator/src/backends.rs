@@ -403,20 +403,24 @@ impl Backends {
             // A family's keys come and go at run time: provisioning makes what they share (the
             // table, the parent node), and nothing is seeded or created under the family's name.
             let family = resolved.keys.is_some();
-            let names = if family {
-                &[][..]
-            } else {
-                std::slice::from_ref(&resolved.name)
-            };
+            // The holder as provisioning read it, where it did (one read of a Lease, not two).
+            let mut seen = leasehold_lease::Provisioned::Unread;
             if !self.provisioned(lock) {
-                bounded(driver.provision(names)).await?;
-                self.disown_lease(client, lock).await?;
+                if family {
+                    bounded(driver.provision(&[])).await?;
+                } else {
+                    seen = bounded(driver.provision_one(&resolved.name)).await?;
+                }
                 self.mark_provisioned(lock, true);
             }
             // For a family this read is the health check only: no key is named after it.
-            let holder = bounded(driver.observe(&resolved.name))
-                .await
-                .map(|holder| holder.filter(|_| !family));
+            let holder = match seen {
+                leasehold_lease::Provisioned::Read(holder) => Ok(holder),
+                leasehold_lease::Provisioned::Unread => {
+                    bounded(driver.observe(&resolved.name)).await
+                }
+            }
+            .map(|holder| holder.filter(|_| !family));
             // A backend that fails is provisioned again at the next look: what failed may be
             // what provisioning makes.
             if holder.is_err() {
@@ -507,8 +511,9 @@ impl Backends {
     /// version made its owner: the garbage collector would delete an owned Lease, holder and
     /// token history with it, while holders still claim the lock (a foreground deletion takes
     /// dependents before the finalizer has run) or once the lock goes without a clean-up. No
-    /// Lease is given an owner now; this is done at provisioning and before a lock is let go.
-    /// The Lease is annotated with its lock's name ([`LOCK_ANNOTATION`]) at the same time.
+    /// Lease is given an owner now; this is done before a lock is let go (provisioning does the
+    /// same in the driver, with the read that tells the holder). The Lease is annotated with its
+    /// lock's name ([`LOCK_ANNOTATION`]) at the same time.
     pub async fn disown_lease(
         &self,
         client: &kube::Client,

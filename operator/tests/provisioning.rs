@@ -426,6 +426,60 @@ async fn the_kubernetes_backend_gets_a_lease_no_object_owns() {
     assert_eq!(lease["spec"]["leaseTransitions"], 2, "{lease}");
 }
 
+/// A lock whose Lease exists and is held (what a new operator leader finds for every lock)
+/// costs one read of the Lease: provisioning's read also tells the holder, and cutting the
+/// Lease loose from an owner, where one is left, is the same write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisioning_an_existing_lease_reads_it_once_and_reports_its_holder() {
+    let api = InMemoryApiServer::new();
+    let lock = lock(
+        "leader",
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    );
+    let mut lease = owned_lease("leader", "pod-a");
+    lease["metadata"]["ownerReferences"] = serde_json::Value::Null;
+    lease["metadata"]["annotations"] = json!({"leasehold.dev/lock": "leader"});
+    api.put(LEASES, lease);
+    let gets = || {
+        api.requests_by_kind()
+            .get("GET leases")
+            .copied()
+            .unwrap_or(0)
+    };
+    let before = gets();
+    let (_, observation) = Backends::default()
+        .observe(&operator_client(&api), &lock)
+        .await;
+    assert_eq!(gets() - before, 1, "{:?}", api.requests_by_kind());
+    match observation {
+        Observation::Ready {
+            holder: Some(holder),
+            ..
+        } => assert_eq!((holder.identity.as_str(), holder.token), ("pod-a", 7)),
+        other => panic!("the holder was not reported: {other:?}"),
+    }
+    // Owned by its lock, as an earlier version left it: still one read, and one write.
+    api.put(LEASES, owned_lease("leader", "pod-a"));
+    let before = gets();
+    let (_, observation) = Backends::default()
+        .observe(&operator_client(&api), &lock)
+        .await;
+    assert_eq!(gets() - before, 1, "{:?}", api.requests_by_kind());
+    assert!(matches!(
+        observation,
+        Observation::Ready {
+            holder: Some(_),
+            ..
+        }
+    ));
+    let lease = api.object(LEASES, NS, "leader").expect("the Lease");
+    assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
+    assert_eq!(lease["spec"]["holderIdentity"], "pod-a", "{lease}");
+}
+
 /// Under `cleanupPolicy: Retain` the Lease is not owned by the lock: the garbage collector
 /// deletes what a lock owns whatever its policy, and a lock created again under the same name
 /// would then start its tokens afresh.

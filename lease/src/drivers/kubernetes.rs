@@ -39,7 +39,7 @@ use tokio::sync::watch;
 
 use crate::backend_url::invalid_url;
 use crate::boot_clock::BootInstant;
-use crate::driver::{Acquire, Driver, Holding, Lease, Pruned, Upkeep};
+use crate::driver::{Acquire, Driver, Holding, Lease, Provisioned, Pruned, Upkeep};
 use crate::error::{Error, Result};
 
 /// `kubernetes://[NAMESPACE][?preferred-holder=yield]`: a `coordination.k8s.io/v1` Lease per
@@ -939,17 +939,76 @@ impl Upkeep for KubernetesLeaseDriver {
         Ok(forgotten)
     }
 
-    /// A Lease per lock, unheld, owned by its `DistributedLock` when the target names one.
+    /// A Lease per lock: made unheld where missing; one that exists is checked to be
+    /// Leasehold's and made what this version makes ([`KubernetesLeaseDriver::disown`]).
     async fn provision(&self, locks: &[String]) -> Result<()> {
         for lock in locks {
-            crate::names::validate_lease_name(self.lease_name(lock))?;
-            match self.read(lock).await? {
-                Some(object) => self.check_managed(&object)?,
-                // 409 AlreadyExists: another provisioner won; that is fine.
-                None => _ = self.replace(lock, &self.blank(lock)).await?,
-            }
+            self.provision_lease(lock).await?;
         }
         Ok(())
+    }
+
+    /// One read of the Lease (and a write only where it is missing or must change), which also
+    /// answers who holds it.
+    async fn provision_one(&self, lock: &str) -> Result<Provisioned> {
+        let object = self.provision_lease(lock).await?;
+        Ok(Provisioned::Read(
+            Record::of(&object).and_then(|record| self.held_by(lock, &object, &record)),
+        ))
+    }
+}
+
+impl KubernetesLeaseDriver {
+    /// `lock`'s Lease, made if missing and disowned if owned, as last read or written.
+    async fn provision_lease(&self, lock: &str) -> Result<LeaseObject> {
+        crate::names::validate_lease_name(self.lease_name(lock))?;
+        for _ in 0..CONFLICT_RETRIES {
+            let written = match self.read(lock).await? {
+                // 409 AlreadyExists: another provisioner won; read what it made.
+                None => self.replace(lock, &self.blank(lock)).await?,
+                Some(mut object) => {
+                    self.check_managed(&object)?;
+                    if !self.disown(lock, &mut object) {
+                        return Ok(object);
+                    }
+                    // Renewed meanwhile: read it again.
+                    self.replace(lock, &object).await?
+                }
+            };
+            if let Some(written) = written {
+                return Ok(written);
+            }
+        }
+        Err(Error::Backend(format!(
+            "the Lease {} kept changing during {CONFLICT_RETRIES} attempts to provision it",
+            self.lease_name(lock)
+        )))
+    }
+
+    /// Make `object` owned by no `DistributedLock` of `lock`'s name (an earlier version made it
+    /// its lock's dependent, which the garbage collector would delete with the lock) and, for a
+    /// declared lock, annotated with the lock's name; whether anything changed.
+    fn disown(&self, lock: &str, object: &mut LeaseObject) -> bool {
+        let mut changed = false;
+        if let Some(owners) = object.metadata.owner_references.as_mut() {
+            let before = owners.len();
+            owners.retain(|o| !(o.kind == "DistributedLock" && o.name == lock));
+            changed |= owners.len() != before;
+            if owners.is_empty() {
+                object.metadata.owner_references = None;
+            }
+        }
+        if self.targets.contains_key(lock) {
+            let annotations = object
+                .metadata
+                .annotations
+                .get_or_insert_with(Default::default);
+            if annotations.get(LOCK_ANNOTATION).map(String::as_str) != Some(lock) {
+                annotations.insert(LOCK_ANNOTATION.to_owned(), lock.to_owned());
+                changed = true;
+            }
+        }
+        changed
     }
 }
 
