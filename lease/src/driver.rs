@@ -169,8 +169,6 @@ pub trait Upkeep: Send + Sync + 'static {
     }
 }
 
-/// A connected backend: both contracts, as [`crate::connect`] opens it. Hand it to the engine as
-/// an `Arc<dyn Driver>`.
 /// What [`Upkeep::provision_one`] saw of the lock's holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Provisioned {
@@ -181,6 +179,8 @@ pub enum Provisioned {
     Read(Option<Holding>),
 }
 
+/// A connected backend: both contracts, as [`crate::connect`] opens it. Hand it to the engine as
+/// an `Arc<dyn Driver>`.
 pub trait Backend: Driver + Upkeep {}
 
 impl<T: Driver + Upkeep> Backend for T {}
