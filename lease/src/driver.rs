@@ -95,6 +95,13 @@ pub trait Driver: Send + Sync + 'static {
         renew_interval
     }
 
+    /// Whether a dead holder's record counts as expired only once this process has seen it
+    /// unchanged for its duration (Kubernetes Leases, whose writers' clocks are not trusted):
+    /// reading a lock ahead of acquiring it ([`Driver::observe`]) then starts the count.
+    fn expiry_is_observed(&self) -> bool {
+        false
+    }
+
     /// A cheap round trip, for readiness.
     async fn ping(&self) -> Result<()>;
 

@@ -768,19 +768,23 @@ impl KeyedFamily {
         self.release_held(key, owner, None).await
     }
 
-    /// [`KeyedFamily::release`], only while the owner's holding has `token` when one is given:
-    /// a holding taken again since (its lease lost meanwhile) is not given up.
+    /// [`KeyedFamily::release`], only of the owner's holding on `(permit, token)` when one is
+    /// given: a holding taken again since (its lease lost meanwhile) is not given up.
     async fn release_held(
         &self,
         key: &str,
         owner: &str,
-        token: Option<u64>,
+        held: Option<(u32, u64)>,
     ) -> Result<KeyRelease, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
         let Some(current) = self.holding_for(key, owner) else {
             return Ok(KeyRelease::NotHeld);
         };
+        if held.is_some_and(|(permit, _)| current.owner == owner && current.permit != permit) {
+            return Ok(KeyRelease::NotHeld);
+        }
+        let token = held.map(|(_, token)| token);
         if current.owner != owner {
             return Ok(KeyRelease::HeldByAnother {
                 holder: self.qualified(&current.owner),
@@ -852,13 +856,14 @@ impl KeyedFamily {
         self.extend_held(key, owner, hold, None).await
     }
 
-    /// [`KeyedFamily::extend`], only while the owner's holding has `token` when one is given.
+    /// [`KeyedFamily::extend`], only of the owner's holding on `(permit, token)` when one is
+    /// given.
     async fn extend_held(
         &self,
         key: &str,
         owner: &str,
         hold: Duration,
-        token: Option<u64>,
+        held: Option<(u32, u64)>,
     ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
@@ -870,8 +875,9 @@ impl KeyedFamily {
                 holder: Some(self.qualified(&current.owner)),
             });
         }
-        let extended = match token {
-            Some(token) => current.lock.extend_if(token, hold).await,
+        let extended = match held {
+            Some((permit, _)) if current.permit != permit => return Ok(KeyAnswer::NotHeld),
+            Some((_, token)) => current.lock.extend_if(token, hold).await,
             None => current.lock.extend(hold).await,
         };
         match extended {

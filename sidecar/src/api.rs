@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
-use axum::extract::{Path, Query, RawQuery, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -538,11 +538,10 @@ fn on_demand_only(lock: &Lock, instead: &str) -> Result<(), ApiError> {
 async fn acquire(
     State(state): State<AppState>,
     name: Option<Path<String>>,
-    RawQuery(raw): RawQuery,
-    Query(query): Query<HashMap<String, String>>,
+    Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
+    let query = once_each(pairs)?;
     if let Some(family) = state.family_named(name.as_ref()) {
-        once_each(raw.as_deref())?;
         return keys_acquire(family, query).await;
     }
     let lock = state.lock(name)?;
@@ -629,11 +628,10 @@ async fn hold(
 async fn release(
     State(state): State<AppState>,
     name: Option<Path<String>>,
-    RawQuery(raw): RawQuery,
-    Query(query): Query<HashMap<String, String>>,
+    Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
+    let query = once_each(pairs)?;
     if let Some(family) = state.family_named(name.as_ref()) {
-        once_each(raw.as_deref())?;
         return keys_release(family, query).await;
     }
     let lock = state.lock(name)?;
@@ -820,20 +818,21 @@ impl<'a> KeysStatus<'a> {
     }
 }
 
-/// A 400 for a parameter named twice, which the query's map would keep only the last of
-/// (`keys=a&keys=b` would take `b` alone, and answer 200 to a client that believes it has both).
-fn once_each(raw: Option<&str>) -> Result<(), ApiError> {
-    let mut seen = std::collections::HashSet::new();
-    for pair in raw.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
-        let name = pair.split('=').next().unwrap_or_default();
-        if !seen.insert(name) {
+/// The query as a map, or a 400 for a parameter named twice (decoded names compared), which a
+/// map would keep only the last of (`keys=a&keys=b` would take `b` alone, and answer 200 to a
+/// client that believes it has both).
+fn once_each(pairs: Vec<(String, String)>) -> Result<HashMap<String, String>, ApiError> {
+    let mut query = HashMap::with_capacity(pairs.len());
+    for (name, value) in pairs {
+        if query.contains_key(&name) {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
                 format!("{name} is given twice; name several keys in one: keys=a,b,c"),
             ));
         }
+        query.insert(name, value);
     }
-    Ok(())
+    Ok(query)
 }
 
 /// `keys=a,b,c`: the keys of a call on several keys of a family.
@@ -929,11 +928,10 @@ async fn keys_release(
 async fn keys_extend(
     State(state): State<AppState>,
     Path(family): Path<String>,
-    RawQuery(raw): RawQuery,
-    Query(mut query): Query<HashMap<String, String>>,
+    Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
     let family = state.family(&family)?;
-    once_each(raw.as_deref())?;
+    let mut query = once_each(pairs)?;
     let keys = keys_param(&mut query)?;
     let (owner, params) = key_query(query, &[("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();

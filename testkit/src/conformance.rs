@@ -1594,6 +1594,30 @@ pub async fn keyed_several_keys_all_or_nothing(h: &mut dyn Harness) {
         "m1 was kept by a dropped acquisition: {freed:?}"
     );
 
+    // A hold shorter than the wait for a later key: the first key is kept alive meanwhile.
+    const SHORT: Duration = Duration::from_millis(300);
+    assert!(matches!(
+        b.acquire("s2", "w10", NOW, HOLD).await.unwrap(),
+        KeyAnswer::Held { .. }
+    ));
+    let releaser = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            sleep(SHORT * 3).await;
+            b.release("s2", "w10").await.unwrap()
+        })
+    };
+    let kept = a
+        .acquire_all(&keys(&["s1", "s2"]), "w11", SHORT * 10, SHORT)
+        .await
+        .unwrap();
+    assert!(
+        matches!(kept, KeysAnswer::Held(_)),
+        "the first key lapsed while the second was awaited: {kept:?}"
+    );
+    assert_eq!(releaser.await.unwrap(), KeyRelease::Released { holds: 0 });
+    a.release_all(&keys(&["s1", "s2"]), "w11").await.unwrap();
+
     // Bad key lists: refused, nothing taken.
     for bad in [keys(&[]), keys(&["f", "g", "f"]), keys(&["f", "no spaces"])] {
         let refused = a.acquire_all(&bad, "w7", NOW, HOLD).await;

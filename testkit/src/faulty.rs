@@ -172,6 +172,10 @@ impl Driver for FaultyDriver {
         self.inner.poll_interval(renew_interval)
     }
 
+    fn expiry_is_observed(&self) -> bool {
+        self.inner.expiry_is_observed()
+    }
+
     async fn ping(&self) -> Result<()> {
         self.unless_cut_off().await;
         self.inner.ping().await

@@ -314,6 +314,7 @@ fn several_keys_are_taken_and_given_back_together_over_http() {
         "keys=sku-1",
         "keys=sku-9&owner=w1&color=red",
         "keys=sku-9&keys=sku-8&owner=w1",
+        "keys=sku-9&%6Beys=sku-8&owner=w1",
     ] {
         let answer = a.post(&route("acquire", bad));
         assert_eq!(answer.status, 400, "{bad}: {}", answer.body);

@@ -822,6 +822,10 @@ impl Driver for KubernetesLeaseDriver {
         Some(self.feed(lock))
     }
 
+    fn expiry_is_observed(&self) -> bool {
+        true
+    }
+
     async fn ping(&self) -> Result<()> {
         self.client
             .apiserver_version()

@@ -15,6 +15,7 @@
 //! A key the owner holds before the call is outside the order: an owner holding `y` that asks
 //! for `x,y` can wait on `x` for another owner that waits on `y`, until one of the waits ends.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -24,7 +25,7 @@ use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, check_owner};
 /// The most keys one acquisition of several keys may name.
 pub const MAX_KEYS_AT_ONCE: usize = 64;
 /// The least time between two extensions of the keys taken while a later key is awaited.
-const MIN_EXTEND_GAP: Duration = Duration::from_millis(50);
+const MIN_EXTEND_GAP: Duration = Duration::from_millis(10);
 /// How long a key's acquisition runs before the keys after it are looked at
 /// ([`KeyedFamily::take_keeping`]): longer than an uncontended acquisition takes.
 const LOOK_AHEAD_AFTER: Duration = Duration::from_millis(20);
@@ -41,13 +42,27 @@ pub enum KeysAnswer {
     NotTaken { key: String, answer: KeyAnswer },
 }
 
-/// The keys taken so far by one acquisition of several, each with the token it was taken
-/// with, given back unless the acquisition succeeds: by [`Taken::give_back`], or, when the
+/// The keys after the one awaited, and whether the call has looked ahead already.
+struct Ahead<'a> {
+    later: &'a [&'a str],
+    looked: &'a AtomicBool,
+}
+
+/// The keys taken so far by one acquisition of several, each with the permit and token it was
+/// taken with, given back unless the acquisition succeeds: by [`Taken::give_back`], or, when the
 /// acquisition is dropped midway (its client hung up), by a task of its own.
 struct Taken {
     family: KeyedFamily,
     owner: String,
-    keys: Vec<(String, u64)>,
+    keys: Vec<(String, Taking)>,
+}
+
+/// Which holding of a key an acquisition took: its permit and token. Tokens of two permits of
+/// one key may be equal (each permit counts on its own on some backends), so both are compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Taking {
+    permit: u32,
+    token: u64,
 }
 
 impl Taken {
@@ -81,11 +96,14 @@ impl Drop for Taken {
     }
 }
 
-/// One release per key, last taken first, each only of the holding taken with its token (one
-/// taken again since, its lease lost meanwhile, is another acquisition's).
-async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, u64)>) {
-    for (key, token) in keys.iter().rev() {
-        if let Err(e) = family.release_held(key, owner, Some(*token)).await {
+/// One release per key, last taken first, each only of the holding taken (one taken again
+/// since, its lease lost meanwhile, is another acquisition's).
+async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, Taking)>) {
+    for (key, taking) in keys.iter().rev() {
+        if let Err(e) = family
+            .release_held(key, owner, Some((taking.permit, taking.token)))
+            .await
+        {
             tracing::warn!(family = family.name(), key, error = %e, "a key taken in vain was not given back; its hold or lease ends it");
         }
     }
@@ -111,11 +129,18 @@ impl KeyedFamily {
             owner: owner.to_owned(),
             keys: Vec::with_capacity(order.len()),
         };
+        // When the keys taken were last kept alive, and whether the keys after the one awaited
+        // have been looked at (once a call).
+        let kept = std::sync::Mutex::new(Instant::now());
+        let looked = AtomicBool::new(!self.driver().expiry_is_observed());
         for (i, key) in order.iter().copied().enumerate() {
             let left = deadline.saturating_duration_since(Instant::now());
-            let later = &order[i + 1..];
+            let ahead = Ahead {
+                later: &order[i + 1..],
+                looked: &looked,
+            };
             let answer = match self
-                .take_keeping(key, later, &taken.keys, owner, left, hold)
+                .take_keeping(key, &taken.keys, &kept, ahead, owner, left, hold)
                 .await
             {
                 Ok(answer) => answer,
@@ -124,26 +149,27 @@ impl KeyedFamily {
                     return Err(e);
                 }
             };
-            let KeyAnswer::Held { token, .. } = answer else {
+            let KeyAnswer::Held { token, permit, .. } = answer else {
                 taken.give_back().await;
                 return Ok(KeysAnswer::NotTaken {
                     key: key.to_owned(),
                     answer,
                 });
             };
-            taken.keys.push((key.to_owned(), token));
+            taken.keys.push((key.to_owned(), Taking { permit, token }));
         }
-        // Every hold runs from now; then every key is read back, still held with the token it
-        // was taken with (not lost, nor taken again since), its validity as of this moment.
-        for (key, token) in &taken.keys {
-            if let Err(e) = self.extend_held(key, owner, hold, Some(*token)).await {
+        // Every hold runs from now; then every key is read back, still held as it was taken
+        // (not lost, nor taken again since), its validity as of this moment.
+        for (key, taking) in &taken.keys {
+            let held = Some((taking.permit, taking.token));
+            if let Err(e) = self.extend_held(key, owner, hold, held).await {
                 taken.give_back().await;
                 return Err(e);
             }
         }
         let mut answers = Vec::with_capacity(keys.len());
         for key in keys {
-            let taken_with = taken.keys.iter().find(|(k, _)| k == key).map(|(_, t)| *t);
+            let taken_as = taken.keys.iter().find(|(k, _)| k == key).map(|(_, t)| *t);
             let answer = match self.status(key, Some(owner)) {
                 Ok(answer) => answer,
                 Err(e) => {
@@ -152,7 +178,9 @@ impl KeyedFamily {
                 }
             };
             match answer {
-                KeyAnswer::Held { token, .. } if Some(token) == taken_with => {
+                KeyAnswer::Held { token, permit, .. }
+                    if taken_as == Some(Taking { permit, token }) =>
+                {
                     answers.push((key.clone(), answer));
                 }
                 // Lost since it was taken (its lease, or a hold shorter than the extensions
@@ -177,40 +205,46 @@ impl KeyedFamily {
         Ok(KeysAnswer::Held(answers))
     }
 
-    /// Take `key`, and meanwhile keep the keys already `taken` from lapsing. Should `key` not
-    /// be granted at once, the `later` keys are read once: a backend that judges a dead
-    /// holder's expiry by how long it has seen the record unchanged (Kubernetes Leases) starts
-    /// counting for each of them now, not when its turn comes, so that a dead pod's keys are
-    /// all free within about one lease rather than one lease per key.
+    /// Take `key`, and meanwhile keep the keys already `taken` from lapsing: each is extended
+    /// once a third of `hold` has passed since the last time (`kept`, across the call's keys).
+    /// On a backend whose expiry is observed ([`crate::Driver::expiry_is_observed`]), should
+    /// `key` not be granted at once, the keys after it are read once: a dead holder's records
+    /// are then counted from now, not from their turn, so that a dead pod's keys are all free
+    /// within about one lease rather than one lease per key.
+    #[allow(clippy::too_many_arguments)]
     async fn take_keeping(
         &self,
         key: &str,
-        later: &[&str],
-        taken: &[(String, u64)],
+        taken: &[(String, Taking)],
+        kept: &std::sync::Mutex<Instant>,
+        ahead: Ahead<'_>,
         owner: &str,
         wait: Duration,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
         let take = self.take(key, owner, wait, hold, true);
-        // Beside the take, never in its stead: the take runs the key's engine, and a read
-        // ahead may wait for a connection that the engine is to give back.
+        // Beside the take, never in its stead: the take runs the key's engine.
         let keep_alive = async {
             if taken.is_empty() {
                 return std::future::pending::<()>().await;
             }
-            let gap = (hold / 2).max(MIN_EXTEND_GAP);
+            let gap = (hold / 3).max(MIN_EXTEND_GAP);
             loop {
-                tokio::time::sleep(gap).await;
-                for (key, token) in taken {
+                let last = *kept.lock().unwrap_or_else(|e| e.into_inner());
+                tokio::time::sleep_until(last + gap).await;
+                for (key, taking) in taken {
                     // A key lost meanwhile is found when every key is read back.
-                    let _ = self.extend_held(key, owner, hold, Some(*token)).await;
+                    let held = Some((taking.permit, taking.token));
+                    let _ = self.extend_held(key, owner, hold, held).await;
                 }
+                *kept.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
             }
         };
         let look_ahead = async {
-            if !later.is_empty() {
+            if !ahead.later.is_empty() && !ahead.looked.load(Ordering::Relaxed) {
                 tokio::time::sleep(LOOK_AHEAD_AFTER).await;
-                self.look_at(later).await;
+                ahead.looked.store(true, Ordering::Relaxed);
+                self.look_at(ahead.later).await;
             }
         };
         tokio::select! {
