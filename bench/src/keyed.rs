@@ -11,6 +11,41 @@ pub(crate) const KEYED_DURATION: Duration = Duration::from_secs(3);
 pub(crate) const MANY_KEYS: usize = 10_000;
 pub(crate) const MANY_KEYS_MEASURE: Duration = Duration::from_secs(15);
 
+/// Redis, PostgreSQL, etcd and ZooKeeper, started for a section that compares keyed
+/// primitives on each; kept running while the section uses their drivers.
+pub(crate) struct KeyedBackends {
+    redis: RedisServer,
+    postgres: PostgresServer,
+    etcd: leasehold_testkit::EtcdServer,
+    zookeeper: leasehold_testkit::ZooKeeperServer,
+}
+
+impl KeyedBackends {
+    pub(crate) fn start() -> Self {
+        Self {
+            redis: redis_without_persistence(),
+            postgres: PostgresServer::start(),
+            etcd: leasehold_testkit::EtcdServer::start(),
+            zookeeper: leasehold_testkit::ZooKeeperServer::start(),
+        }
+    }
+
+    /// Each backend's name and a driver connected to it.
+    pub(crate) async fn drivers(&self) -> Vec<(&'static str, Arc<dyn Backend>)> {
+        let mut drivers = Vec::new();
+        for (name, url) in [
+            ("redis", self.redis.url()),
+            ("postgres", self.postgres.url()),
+            ("etcd", self.etcd.url()),
+            ("zookeeper", self.zookeeper.url()),
+        ] {
+            let url = leasehold_lease::BackendUrl::parse(&url).expect("url");
+            drivers.push((name, leasehold_lease::connect(&url).await.expect(name)));
+        }
+        drivers
+    }
+}
+
 /// Acquire+release cycles per second of `KEYED_OWNERS` owners of one sidecar's family, each on
 /// a key of its own, for `KEYED_DURATION`.
 pub(crate) async fn keyed_cycles(family: &leasehold_lease::keyed::KeyedFamily) -> f64 {

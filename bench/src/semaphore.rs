@@ -25,20 +25,8 @@ pub(crate) async fn semaphore_section() {
     println!(
         "## semaphores: {KEYED_OWNERS} owners of one sidecar cycling acquire+release ({KEYED_DURATION:?}, best of {ROUNDS}, alternating): one key of {PERMITS} permits, beside one key without permits and a key per owner"
     );
-    let redis = redis_without_persistence();
-    let postgres = PostgresServer::start();
-    let etcd = leasehold_testkit::EtcdServer::start();
-    let zookeeper = leasehold_testkit::ZooKeeperServer::start();
-    for (name, url) in [
-        ("redis", redis.url()),
-        ("postgres", postgres.url()),
-        ("etcd", etcd.url()),
-        ("zookeeper", zookeeper.url()),
-    ] {
-        let driver =
-            leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
-                .await
-                .expect(name);
+    let backends = KeyedBackends::start();
+    for (name, driver) in backends.drivers().await {
         let family = |family: &str, permits: u32| {
             KeyedFamily::new(
                 driver.clone(),

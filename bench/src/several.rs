@@ -49,20 +49,8 @@ pub(crate) async fn several_section() {
     println!(
         "## several keys at once: {KEYED_OWNERS} owners of one sidecar, each taking its own {KEYS} keys and giving them back ({KEYED_DURATION:?}, best of {ROUNDS}, alternating): all or nothing in one call, beside {KEYS} acquisitions and {KEYS} releases"
     );
-    let redis = redis_without_persistence();
-    let postgres = PostgresServer::start();
-    let etcd = leasehold_testkit::EtcdServer::start();
-    let zookeeper = leasehold_testkit::ZooKeeperServer::start();
-    for (name, url) in [
-        ("redis", redis.url()),
-        ("postgres", postgres.url()),
-        ("etcd", etcd.url()),
-        ("zookeeper", zookeeper.url()),
-    ] {
-        let driver =
-            leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).expect("url"))
-                .await
-                .expect(name);
+    let backends = KeyedBackends::start();
+    for (name, driver) in backends.drivers().await {
         let family = KeyedFamily::new(
             driver,
             FamilyConfig::new("several", "bench", LEASE),

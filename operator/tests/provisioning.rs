@@ -79,6 +79,17 @@ async fn provision(
     (observation, driver)
 }
 
+/// A lock on a Kubernetes Lease named after it.
+fn lease_lock(name: &str) -> DistributedLock {
+    lock(
+        name,
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    )
+}
+
 async fn takes(driver: &dyn leasehold_lease::Backend, lock: &str) {
     match driver
         .try_acquire(lock, "pod-a", Duration::from_secs(30))
@@ -432,13 +443,7 @@ async fn the_kubernetes_backend_gets_a_lease_no_object_owns() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn provisioning_an_existing_lease_reads_it_once_and_reports_its_holder() {
     let api = InMemoryApiServer::new();
-    let lock = lock(
-        "leader",
-        Backend {
-            kubernetes: Some(KubernetesBackend::default()),
-            ..Default::default()
-        },
-    );
+    let lock = lease_lock("leader");
     let mut lease = owned_lease("leader", "pod-a");
     lease["metadata"]["ownerReferences"] = serde_json::Value::Null;
     lease["metadata"]["annotations"] = json!({"leasehold.dev/lock": "leader"});
@@ -486,13 +491,7 @@ async fn provisioning_an_existing_lease_reads_it_once_and_reports_its_holder() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retained_lease_is_not_owned_by_its_lock() {
     let api = InMemoryApiServer::new();
-    let mut lock = lock(
-        "retained",
-        Backend {
-            kubernetes: Some(KubernetesBackend::default()),
-            ..Default::default()
-        },
-    );
+    let mut lock = lease_lock("retained");
     lock.spec.cleanup_policy = CleanupPolicy::Retain;
     let (observation, driver) = provision(&api, &lock).await;
     ready(&observation);
@@ -586,13 +585,7 @@ async fn a_secret_goes_only_to_servers_its_owner_allowed() {
 async fn a_namespace_being_deleted_refuses_the_lease_and_says_so() {
     let api = InMemoryApiServer::new();
     api.terminate_namespace(NS);
-    let lock = lock(
-        "leader",
-        Backend {
-            kubernetes: Some(KubernetesBackend::default()),
-            ..Default::default()
-        },
-    );
+    let lock = lease_lock("leader");
     let (_, observation) = Backends::default()
         .observe(&operator_client(&api), &lock)
         .await;
@@ -614,13 +607,7 @@ async fn a_namespace_being_deleted_refuses_the_lease_and_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_owned_by_its_lock_is_cut_loose_at_provisioning() {
     let api = InMemoryApiServer::new();
-    let lock = lock(
-        "leader",
-        Backend {
-            kubernetes: Some(KubernetesBackend::default()),
-            ..Default::default()
-        },
-    );
+    let lock = lease_lock("leader");
     api.put(
         leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
         serde_json::to_value(&lock).unwrap(),
@@ -690,13 +677,7 @@ fn owned_lease(lock: &str, holder: &str) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreground_deletion_of_a_held_lock_leaves_its_lease() {
     let api = InMemoryApiServer::new();
-    let mut lock = lock(
-        "leader",
-        Backend {
-            kubernetes: Some(KubernetesBackend::default()),
-            ..Default::default()
-        },
-    );
+    let mut lock = lease_lock("leader");
     lock.metadata.finalizers = Some(vec!["leasehold.dev/cleanup".into()]);
     api.put(
         leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS,
@@ -909,13 +890,7 @@ async fn a_family_gets_what_its_keys_share_and_no_record_of_its_own() {
         "{observation:?}"
     );
 
-    let mut leases = lock(
-        "jobs",
-        Backend {
-            kubernetes: Some(KubernetesBackend::default()),
-            ..Default::default()
-        },
-    );
+    let mut leases = lease_lock("jobs");
     leases.spec.cleanup_policy = CleanupPolicy::Retain;
     leases.spec.keys = Some(leasehold_crds::KeysSpec::default());
     let (observation, _) = provision(&api, &leases).await;
@@ -932,13 +907,7 @@ async fn a_family_gets_what_its_keys_share_and_no_record_of_its_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_family_loses_its_keys_leases_on_delete_and_keeps_its_floor() {
     let api = InMemoryApiServer::new();
-    let mut family = lock(
-        "orders",
-        Backend {
-            kubernetes: Some(KubernetesBackend::default()),
-            ..Default::default()
-        },
-    );
+    let mut family = lease_lock("orders");
     family.spec.keys = Some(leasehold_crds::KeysSpec::default());
     let (observation, driver) = provision(&api, &family).await;
     ready(&observation);

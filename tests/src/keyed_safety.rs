@@ -238,10 +238,16 @@ fn claim_of(body: &str) -> Option<Claim> {
 
 /// Release `owner`'s hold on `path` `holds` times (once per acquisition) and log how it ended.
 fn release(target: SocketAddr, path: &str, owner: String, holds: usize, log: &Mutex<Log>) {
+    release_with(target, &format!("{path}/release?"), owner, holds, log);
+}
+
+/// Send `release` (a route and its query up to the owner) with `owner` `holds` times, and log
+/// how the holding ended.
+fn release_with(target: SocketAddr, release: &str, owner: String, holds: usize, log: &Mutex<Log>) {
     let release_sent = Instant::now();
     let mut released = None;
     for _ in 0..holds {
-        released = http(target, "POST", &format!("{path}/release?owner={owner}"))
+        released = http(target, "POST", &format!("{release}owner={owner}"))
             .ok()
             .filter(|r| r.status == 200)
             .map(|_| Instant::now());
@@ -499,20 +505,8 @@ fn several_at_once(
             break;
         }
     }
-    let release_sent = Instant::now();
-    let released = http(
-        target,
-        "POST",
-        &format!("/locks/{family}/release?keys={names}&owner={owner}"),
-    )
-    .ok()
-    .filter(|r| r.status == 200)
-    .map(|_| Instant::now());
-    log.lock().unwrap().endings.push(Ending {
-        owner,
-        release_sent,
-        released,
-    });
+    let release = format!("/locks/{family}/release?keys={names}&");
+    release_with(target, &release, owner, 1, log);
 }
 
 /// Run the keyed check against `target` for `duration`.
