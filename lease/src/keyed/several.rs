@@ -6,10 +6,10 @@
 //! hold a key the other waits for while waiting for one the other holds, and nobody deadlocks.
 //! While later keys are awaited, the keys already taken are extended, so that a short `hold`
 //! does not lapse on the first keys before the last is taken; once every key is taken, each is
-//! extended to `hold` from then and read back self-fenced, still with the token it was taken
-//! with, so the answer reports only keys held at that moment. An acquisition refused, failed or
-//! dropped (its client hung up) gives back what it took, on a task of its own that a hang-up
-//! cannot cut short: one release per key, of the holding with the token taken, which leaves a
+//! extended to `hold` from then and read back self-fenced, still on the permit and with the
+//! token it was taken with, so the answer reports only keys held at that moment. An acquisition
+//! refused, failed or dropped (its client hung up) gives back what it took, on a task of its own
+//! that a hang-up cannot cut short: one release per key, of the holding taken, which leaves a
 //! key the owner already held (a re-entrant acquisition) with its earlier acquisitions.
 //!
 //! A key the owner holds before the call is outside the order: an owner holding `y` that asks
