@@ -2,7 +2,8 @@
 //! DistributedLock, resolves to a backend (with stand-in Secret values), and together they cover
 //! every backend; the complete Helm example of `docs/kubernetes.md` validates against the
 //! Kubernetes schemas, its Deployment gets the sidecar from the webhook, and its Role grants what
-//! that sidecar does. Every relative link in the README and under `docs/` resolves.
+//! that sidecar does. Every relative link in the README and under `docs/` resolves, and
+//! `docs/metrics.md` names exactly the operator's metrics.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -222,4 +223,39 @@ fn every_relative_link_in_the_readme_and_docs_resolves() {
         }
     }
     assert!(broken.is_empty(), "links to nothing: {broken:#?}");
+}
+
+/// `docs/metrics.md` names exactly the metrics the operator registers, under the names a query
+/// uses (a counter's with `_total`).
+#[test]
+fn the_metrics_reference_names_exactly_the_operators_metrics() {
+    let page = page("docs/metrics.md");
+    let section = page
+        .split("## The operator")
+        .nth(1)
+        .expect("docs/metrics.md has a section on the operator");
+    let documented: BTreeSet<String> = section
+        .lines()
+        .filter_map(|row| row.strip_prefix("| `leasehold_"))
+        .filter_map(|rest| rest.split('`').next())
+        .map(|name| format!("leasehold_{name}"))
+        .collect();
+    // Every family with a sample: an admission and a failed reconciliation counted.
+    let metrics = leasehold_operator::metrics::Metrics::new();
+    metrics.admitted("injected");
+    metrics.reconciled(std::time::Duration::from_millis(1), Some("kube"));
+    let registered: BTreeSet<String> = metrics
+        .render()
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.strip_prefix("# TYPE ")?.split_whitespace();
+            let (name, kind) = (words.next()?, words.next()?);
+            Some(match kind {
+                "counter" => format!("{name}_total"),
+                _ => name.to_owned(),
+            })
+        })
+        .collect();
+    assert!(!registered.is_empty(), "the operator described no metric");
+    assert_eq!(documented, registered);
 }

@@ -1,0 +1,96 @@
+//! `docs/metrics.md` names exactly the metrics the sidecar registers: every one `/metrics`
+//! describes, under the name a query uses (a counter's with `_total`).
+
+use std::collections::BTreeSet;
+
+use leasehold_sidecar::metrics::Metrics;
+
+/// The names a query uses for each metric described in `exposition` (`# TYPE NAME KIND`).
+fn described(exposition: &str) -> BTreeSet<String> {
+    exposition
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.strip_prefix("# TYPE ")?.split_whitespace();
+            let (name, kind) = (words.next()?, words.next()?);
+            Some(match kind {
+                "counter" => format!("{name}_total"),
+                _ => name.to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// The metric names in the first column of the tables of `section`.
+fn documented(section: &str) -> BTreeSet<String> {
+    section
+        .lines()
+        .filter_map(|row| row.strip_prefix("| `leasehold_"))
+        .filter_map(|rest| rest.split('`').next())
+        .map(|name| format!("leasehold_{name}"))
+        .collect()
+}
+
+/// Every metric with a sample: a lock and a family served, and every hook called once.
+async fn every_metric_sampled() -> String {
+    use leasehold_lease::keyed::{FamilyConfig, KeyedFamily};
+    use leasehold_lease::{Error, Event, EventKind, Lock, LockConfig, Telemetry};
+    use std::time::{Duration, SystemTime};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let driver = leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
+        .await
+        .expect("sqlite");
+    let metrics = std::sync::Arc::new(Metrics::new());
+    let lock = Lock::start(
+        driver.clone(),
+        LockConfig::new("jobs", "pod-a", Duration::from_secs(15)),
+        metrics.clone(),
+    )
+    .expect("lock");
+    let family = KeyedFamily::new(
+        driver,
+        FamilyConfig::new("orders", "pod-a", Duration::from_secs(15)),
+        metrics.clone(),
+    )
+    .expect("family");
+    for kind in [EventKind::Acquired, EventKind::Lost, EventKind::Released] {
+        let event = Event {
+            kind,
+            lock: "jobs".into(),
+            token: 1,
+            at: SystemTime::now(),
+            reason: "test",
+        };
+        metrics.event(&event);
+        metrics.key_event("orders", &event);
+    }
+    let error = Error::Timeout(Duration::from_secs(1));
+    metrics.renewed("jobs", Duration::from_millis(1));
+    metrics.backend_error("jobs", &error);
+    metrics.key_renewed("orders", Duration::from_millis(1));
+    metrics.key_backend_error("orders", &error);
+    metrics.key_contended("orders");
+    metrics.app_probed(false);
+    let rendered = metrics.render(std::slice::from_ref(&lock), std::slice::from_ref(&family));
+    lock.shutdown().await;
+    family.shutdown().await;
+    rendered
+}
+
+#[tokio::test]
+async fn the_metrics_reference_names_exactly_the_sidecars_metrics() {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"))
+        .expect("docs/metrics.md");
+    let section = page
+        .split("## The sidecar")
+        .nth(1)
+        .and_then(|rest| rest.split("## The operator").next())
+        .expect("docs/metrics.md has a section on the sidecar");
+    let registered = described(&every_metric_sampled().await);
+    assert_eq!(
+        documented(section),
+        registered,
+        "docs/metrics.md's sidecar tables against what the sidecar registers"
+    );
+}
