@@ -13,6 +13,7 @@ mod support;
 
 use leasehold_crds::DistributedLock;
 use leasehold_resource::{self as resource, SecretValues};
+use leasehold_testkit::metrics_reference::{described, documented};
 
 /// A page of the documentation, by its path from the repository's root.
 fn page(path: &str) -> String {
@@ -234,28 +235,11 @@ fn the_metrics_reference_names_exactly_the_operators_metrics() {
         .split("## The operator")
         .nth(1)
         .expect("docs/metrics.md has a section on the operator");
-    let documented: BTreeSet<String> = section
-        .lines()
-        .filter_map(|row| row.strip_prefix("| `leasehold_"))
-        .filter_map(|rest| rest.split('`').next())
-        .map(|name| format!("leasehold_{name}"))
-        .collect();
     // Every family with a sample: an admission and a failed reconciliation counted.
     let metrics = leasehold_operator::metrics::Metrics::new();
     metrics.admitted("injected");
     metrics.reconciled(std::time::Duration::from_millis(1), Some("kube"));
-    let registered: BTreeSet<String> = metrics
-        .render()
-        .lines()
-        .filter_map(|line| {
-            let mut words = line.strip_prefix("# TYPE ")?.split_whitespace();
-            let (name, kind) = (words.next()?, words.next()?);
-            Some(match kind {
-                "counter" => format!("{name}_total"),
-                _ => name.to_owned(),
-            })
-        })
-        .collect();
+    let registered = described(&metrics.render());
     assert!(!registered.is_empty(), "the operator described no metric");
-    assert_eq!(documented, registered);
+    assert_eq!(documented(section), registered);
 }

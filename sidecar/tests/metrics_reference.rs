@@ -1,34 +1,8 @@
 //! `docs/metrics.md` names exactly the metrics the sidecar registers: every one `/metrics`
 //! describes, under the name a query uses (a counter's with `_total`).
 
-use std::collections::BTreeSet;
-
 use leasehold_sidecar::metrics::Metrics;
-
-/// The names a query uses for each metric described in `exposition` (`# TYPE NAME KIND`).
-fn described(exposition: &str) -> BTreeSet<String> {
-    exposition
-        .lines()
-        .filter_map(|line| {
-            let mut words = line.strip_prefix("# TYPE ")?.split_whitespace();
-            let (name, kind) = (words.next()?, words.next()?);
-            Some(match kind {
-                "counter" => format!("{name}_total"),
-                _ => name.to_owned(),
-            })
-        })
-        .collect()
-}
-
-/// The metric names in the first column of the tables of `section`.
-fn documented(section: &str) -> BTreeSet<String> {
-    section
-        .lines()
-        .filter_map(|row| row.strip_prefix("| `leasehold_"))
-        .filter_map(|rest| rest.split('`').next())
-        .map(|name| format!("leasehold_{name}"))
-        .collect()
-}
+use leasehold_testkit::metrics_reference::{described, documented};
 
 /// Every metric with a sample: a lock and a family served, and every hook called once.
 async fn every_metric_sampled() -> String {

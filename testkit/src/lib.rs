@@ -9,6 +9,7 @@ pub mod fault_proxy;
 pub mod faulty;
 pub mod in_memory_api_server;
 pub mod mariadb_server;
+pub mod metrics_reference;
 pub mod postgres_server;
 pub mod redis_cluster;
 pub mod redis_sentinel;
