@@ -1412,3 +1412,24 @@ async fn sqlite_a_deleted_floor_comes_back_above_the_familys_tokens() {
     let url = format!("sqlite://{}", h.path().display());
     a_deleted_floor_comes_back_above_the_familys_tokens(&mut h, &url).await;
 }
+
+/// Processes that start together on one new file (two sidecars of the quick start, `exec`s run
+/// at once) all open it: SQLite refuses one of two connections switching a new file to WAL at
+/// the same moment without waiting, and the driver opens again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_drivers_opening_one_new_file_at_once_all_open() {
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..20 {
+        let url = format!("sqlite://{}/round-{round}.db", dir.path().display());
+        let url = leasehold_lease::BackendUrl::parse(&url).unwrap();
+        let opens = (0..8).map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { leasehold_lease::connect(&url).await.map(|_| ()) })
+        });
+        for opened in futures_util::future::join_all(opens).await {
+            if let Err(e) = opened.unwrap() {
+                panic!("round {round}: a driver did not open the new file: {e}");
+            }
+        }
+    }
+}

@@ -37,6 +37,9 @@ pub struct SqliteConfig {
 /// How long a statement waits for another process's write lock before giving up.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long opening a file busy with other openers is tried again.
+const OPEN_DEADLINE: Duration = Duration::from_secs(10);
+
 /// Milliseconds since the Unix epoch by SQLite's clock. `julianday('now')` is stable within one
 /// statement, so every comparison in a statement sees the same instant.
 const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
@@ -178,25 +181,33 @@ impl Statements {
 
 impl SqliteDriver {
     /// Open (creating if needed) the file and the lock table.
+    ///
+    /// Processes that open one new file at once race to switch it to WAL and create the
+    /// table; SQLite answers the loser `SQLITE_BUSY` at once, without its busy handler, where
+    /// waiting would deadlock. The open is tried again until [`OPEN_DEADLINE`].
     pub async fn open(path: &Path, table: &str) -> Result<Self> {
         validate_sql_identifier("table name", table)?;
-        let options = SqliteConnectOptions::from_str("sqlite://")
-            .map_err(map_err)?
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            // Tokens must never repeat, even after a power cut: fsync every commit.
-            .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(BUSY_TIMEOUT);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(BUSY_TIMEOUT * 2)
-            // An in-process file has no connection to lose: no ping before each use.
-            .test_before_acquire(false)
-            .connect_with(options)
-            .await
-            .map_err(|e| Error::Unreachable(format!("cannot open {}: {e}", path.display())))?;
-        provision(&pool, table).await?;
+        let deadline = tokio::time::Instant::now() + OPEN_DEADLINE;
+        let mut pause = Duration::from_millis(5);
+        let pool = loop {
+            let failure = match open_pool(path, table).await {
+                Ok(pool) => break pool,
+                Err(failure) => failure,
+            };
+            let (OpenFailure::Connect(e) | OpenFailure::Provision(e)) = &failure;
+            if is_busy(e) && tokio::time::Instant::now() + pause < deadline {
+                tracing::debug!(path = %path.display(), error = %e, "the file is busy; opening again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+                continue;
+            }
+            return Err(match failure {
+                OpenFailure::Connect(e) => {
+                    Error::Unreachable(format!("cannot open {}: {e}", path.display()))
+                }
+                OpenFailure::Provision(e) => map_err(e),
+            });
+        };
         let renewals = {
             let (pool, table) = (pool.clone(), Arc::<str>::from(table));
             Batches::new(MAX_RENEW_BATCH, move |batch| {
@@ -213,8 +224,30 @@ impl SqliteDriver {
     }
 }
 
-/// Create the lock table if it is absent. Idempotent.
-async fn provision(pool: &SqlitePool, table: &str) -> Result<()> {
+/// Where opening a file failed: connecting to it, or creating the lock table.
+enum OpenFailure {
+    Connect(sqlx::Error),
+    Provision(sqlx::Error),
+}
+
+/// A pool on the file, in WAL mode, with the lock table created if it is absent.
+async fn open_pool(path: &Path, table: &str) -> Result<SqlitePool, OpenFailure> {
+    let options = SqliteConnectOptions::from_str("sqlite://")
+        .map_err(OpenFailure::Connect)?
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        // Tokens must never repeat, even after a power cut: fsync every commit.
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(BUSY_TIMEOUT);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(BUSY_TIMEOUT * 2)
+        // An in-process file has no connection to lose: no ping before each use.
+        .test_before_acquire(false)
+        .connect_with(options)
+        .await
+        .map_err(OpenFailure::Connect)?;
     let t = quote_sql_identifier(table);
     sqlx::query(&format!(
         "CREATE TABLE IF NOT EXISTS {t} (\
@@ -223,10 +256,22 @@ async fn provision(pool: &SqlitePool, table: &str) -> Result<()> {
            token INTEGER NOT NULL, \
            expires_at_ms INTEGER NOT NULL)"
     ))
-    .execute(pool)
+    .execute(&pool)
     .await
-    .map_err(map_err)?;
-    Ok(())
+    .map_err(OpenFailure::Provision)?;
+    Ok(pool)
+}
+
+/// `SQLITE_BUSY` or `SQLITE_LOCKED`, extended codes included: another connection keeps the
+/// file locked.
+fn is_busy(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|code| code.parse::<u32>().ok())
+            .is_some_and(|code| matches!(code & 0xff, 5 | 6)),
+        _ => false,
+    }
 }
 
 fn ms(d: Duration) -> i64 {
@@ -238,10 +283,7 @@ fn map_err(e: sqlx::Error) -> Error {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
             Error::Unreachable(e.to_string())
         }
-        // SQLITE_BUSY / SQLITE_LOCKED: another process keeps the file locked.
-        sqlx::Error::Database(ref db) if matches!(db.code().as_deref(), Some("5" | "6")) => {
-            Error::Unreachable(e.to_string())
-        }
+        ref busy if is_busy(busy) => Error::Unreachable(e.to_string()),
         other => Error::Backend(other.to_string()),
     }
 }
