@@ -51,19 +51,40 @@ fn build() -> PathBuf {
     module
 }
 
-/// The target directory of the running executable (a test, or the benchmark): the nearest
-/// ancestor that cargo marked as one.
+/// The target directory of the running executable (a test, or the benchmark).
 fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("the running executable's path");
+    target_dir_of(&exe).unwrap_or_else(|| {
+        panic!(
+            "{} is not inside a cargo target directory: build the TairString test double \
+             with `cargo build -p {FAKE_CRATE}` and set LEASEHOLD_TAIRSTRING_MODULE to its \
+             {FAKE_LIBRARY}",
+            exe.display()
+        )
+    })
+}
+
+/// The nearest ancestor of `exe` that cargo marked as a target directory: by `CACHEDIR.TAG`,
+/// which cargo writes only into a directory it creates (not into one made beforehand, as CI
+/// makes its shared cache), or by `.rustc_info.json`, which it writes into every one.
+fn target_dir_of(exe: &Path) -> Option<PathBuf> {
     exe.ancestors()
-        .find(|dir| dir.join("CACHEDIR.TAG").is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "{} is not inside a cargo target directory: build the TairString test double \
-                 with `cargo build -p {FAKE_CRATE}` and set LEASEHOLD_TAIRSTRING_MODULE to its \
-                 {FAKE_LIBRARY}",
-                exe.display()
-            )
-        })
-        .to_path_buf()
+        .find(|dir| dir.join("CACHEDIR.TAG").is_file() || dir.join(".rustc_info.json").is_file())
+        .map(Path::to_path_buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_target_directory_made_before_cargo_ran_is_found() {
+        let root = tempfile::tempdir().unwrap();
+        let deps = root.path().join("debug/deps");
+        std::fs::create_dir_all(&deps).unwrap();
+        let exe = deps.join("tair_scenarios-0123abcd");
+        assert_eq!(target_dir_of(&exe), None);
+        std::fs::write(root.path().join(".rustc_info.json"), "{}").unwrap();
+        assert_eq!(target_dir_of(&exe).as_deref(), Some(root.path()));
+    }
 }
