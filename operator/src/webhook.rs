@@ -229,6 +229,29 @@ fn no_token(pod: &Pod) -> Option<String> {
     })
 }
 
+/// Where the API server's ServiceAccount admission mounts a pod's service account token (and
+/// the cluster's CA and the namespace).
+pub const SERVICE_ACCOUNT_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// Why the sidecar could never read its lock in `pod` when the pod's ServiceAccount turns the
+/// token off: the API server's ServiceAccount admission, which runs before admission webhooks,
+/// mounts the token into every container of a pod that gets one (and into the sidecar when it
+/// runs again after the webhook's change), so a pod none of whose containers has it gets none.
+fn no_mounted_token(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    let mounted = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .flat_map(|c| c.volume_mounts.iter().flatten())
+        .any(|m| m.mount_path.trim_end_matches('/') == SERVICE_ACCOUNT_MOUNT_PATH);
+    (!mounted).then(|| {
+        format!(
+            "annotation {ANNOTATION}: no container of the pod has a service account token mounted at {SERVICE_ACCOUNT_MOUNT_PATH}, which the injected sidecar reads its DistributedLock with; the pod's ServiceAccount most likely sets automountServiceAccountToken: false: set automountServiceAccountToken: true in the pod's spec"
+        )
+    })
+}
+
 fn already_injected(pod: &Pod) -> bool {
     let Some(spec) = &pod.spec else { return false };
     spec.containers
@@ -338,6 +361,9 @@ pub fn decide(
     // Deployments) or not looked up (the API server did not answer) is injected all the same:
     // the sidecar answers 503 with the reason until the lock exists, and takes it then.
     if let Some(reason) = no_token(pod) {
+        return Decision::Deny(reason);
+    }
+    if let Some(reason) = no_mounted_token(pod) {
         return Decision::Deny(reason);
     }
     let (gated, dapr) = match (

@@ -101,8 +101,9 @@ fn the_complete_helm_example_is_valid_and_gets_its_sidecar() {
 
     // The Deployment's pod, as the webhook sees it.
     let template = &kind(&docs, "Deployment")["spec"]["template"];
-    let mut pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+    let pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": template["metadata"].clone(), "spec": template["spec"].clone()});
+    let mut pod = leasehold_testkit::with_service_account_token(pod);
     pod["metadata"]["name"] = "report-runner-7c9d-x2".into();
     let typed: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod.clone()).unwrap();
     let injection = Injection::new("leasehold/leasehold:0.1.0", true);

@@ -189,10 +189,10 @@ async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
             "uid": "e2e-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
             "resource": {"group": "", "version": "v1", "resource": "pods"},
             "namespace": "team", "operation": "CREATE", "userInfo": {},
-            "object": {"apiVersion": "v1", "kind": "Pod",
+            "object": leasehold_testkit::with_service_account_token(json!({"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": "app-1", "namespace": "team",
                              "annotations": {"leasehold.dev/lock": "nightly-report"}},
-                "spec": {"containers": [{"name": "app", "image": "example/app:1"}]}}
+                "spec": {"containers": [{"name": "app", "image": "example/app:1"}]}}))
         }
     })
     .to_string();

@@ -42,7 +42,7 @@ fn pod(
     if let Some(init) = init_containers {
         pod["spec"]["initContainers"] = init;
     }
-    pod
+    leasehold_testkit::with_service_account_token(pod)
 }
 
 fn admission_review(pod: &Value) -> AdmissionReview<k8s_openapi::api::core::v1::Pod> {
@@ -315,6 +315,33 @@ async fn a_pod_without_a_service_account_token_is_refused_with_the_reason() {
 
     tokenless["spec"]["automountServiceAccountToken"] = json!(true);
     let (allowed, message, _) = admit(&api, &tokenless, true).await;
+    assert!(allowed, "{message}");
+}
+
+/// A pod whose ServiceAccount turns the token off (and that does not turn it on itself) has no
+/// token mounted when the webhook sees it: refused with the reason, since its sidecar could
+/// never read its lock.
+#[tokio::test]
+async fn a_pod_whose_service_account_gives_no_token_is_refused_with_the_reason() {
+    let api = api_with_locks(&["jobs"]);
+    let mut unmounted = pod(Some("jobs"), None, None);
+    unmounted["spec"]["containers"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("volumeMounts");
+    unmounted["spec"].as_object_mut().unwrap().remove("volumes");
+    let (allowed, message, _) = admit(&api, &unmounted, true).await;
+    assert!(!allowed);
+    assert!(
+        message.contains("ServiceAccount most likely sets automountServiceAccountToken: false"),
+        "{message}"
+    );
+    // The token mounted in any container (an init container's counts) is enough.
+    let init = json!([{"name": "setup", "image": "example/setup:1", "volumeMounts": [
+        {"name": "kube-api-access-x7k2p", "readOnly": true,
+         "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}]}]);
+    unmounted["spec"]["initContainers"] = init;
+    let (allowed, message, _) = admit(&api, &unmounted, true).await;
     assert!(allowed, "{message}");
 }
 

@@ -186,12 +186,12 @@ fn review_of_annotated_pod() -> String {
             "uid": "3f1c", "kind": {"group": "", "version": "v1", "kind": "Pod"},
             "resource": {"group": "", "version": "v1", "resource": "pods"},
             "namespace": "team", "operation": "CREATE", "userInfo": {},
-            "object": {
+            "object": leasehold_testkit::with_service_account_token(json!({
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": "app-1", "namespace": "team",
                              "annotations": {"leasehold.dev/lock": "nightly-report"}},
                 "spec": {"containers": [{"name": "app", "image": "example/app:1"}]}
-            }
+            }))
         }
     })
     .to_string()

@@ -97,12 +97,47 @@ pub fn distributed_lock(
     lock
 }
 
+/// `pod` (JSON) as admission webhooks see it on a real cluster: the API server's ServiceAccount
+/// admission, which runs before them, has mounted the service account token (a projected
+/// volume) into every container the pod has, unless the pod turns automounting off.
+pub fn with_service_account_token(mut pod: serde_json::Value) -> serde_json::Value {
+    const VOLUME: &str = "kube-api-access-x7k2p";
+    if pod["spec"]["automountServiceAccountToken"] == false {
+        return pod;
+    }
+    for list in ["containers", "initContainers"] {
+        if let Some(containers) = pod["spec"]
+            .get_mut(list)
+            .and_then(serde_json::Value::as_array_mut)
+        {
+            for container in containers {
+                let mount = serde_json::json!({"name": VOLUME, "readOnly": true,
+                    "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"});
+                match container["volumeMounts"].as_array_mut() {
+                    Some(mounts) => mounts.push(mount),
+                    None => container["volumeMounts"] = serde_json::json!([mount]),
+                }
+            }
+        }
+    }
+    let volume = serde_json::json!({"name": VOLUME, "projected": {"defaultMode": 420, "sources": [
+        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace",
+            "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}]}});
+    match pod["spec"]["volumes"].as_array_mut() {
+        Some(volumes) => volumes.push(volume),
+        None => pod["spec"]["volumes"] = serde_json::json!([volume]),
+    }
+    pod
+}
+
 /// A TCP port that was free on loopback a moment ago, and that nothing else will be given.
 ///
 /// The ports come from below the kernel's ephemeral range, and none is handed out twice in one
 /// process. A port the kernel picks for `bind(0)` comes from the same range as every outgoing
 /// connection's local port, so a server killed and restarted on it can find it taken: a Redis
-/// Cluster node's bus port was, by a peer redialling it during the outage (CI, stop 26).
+/// Cluster node's bus port was, by a peer redialling it during the outage.
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(usize::MAX);
