@@ -33,9 +33,13 @@ fn start_operator(
         Arc::new(leasehold_operator::metrics::Metrics::new()),
     ));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(leasehold_operator::reconcile::run(ctx, None, async {
-        let _ = stopped.await;
-    }));
+    let controller = tokio::spawn(leasehold_operator::reconcile::run(
+        ctx,
+        leasehold_operator::config::Watched::AllNamespaces,
+        async {
+            let _ = stopped.await;
+        },
+    ));
     (stop, controller)
 }
 

@@ -594,14 +594,22 @@ impl Backends {
             .remove(&key(lock));
     }
 
-    /// Forget the backends of locks that are gone: a lock without a finalizer
+    /// Forget the backends of locks that are gone from `namespace` (`None`: from every
+    /// namespace), `locks` being all that are left there: a lock without a finalizer
     /// (`cleanupPolicy: Retain`) is deleted without a last reconcile that would forget it.
-    pub fn forget_all_but(&self, locks: &[std::sync::Arc<DistributedLock>]) {
+    pub fn forget_all_but(
+        &self,
+        namespace: Option<&str>,
+        locks: &[std::sync::Arc<DistributedLock>],
+    ) {
         let alive: std::collections::HashSet<String> = locks.iter().map(|lock| key(lock)).collect();
+        let within = |lock: &str| {
+            namespace.is_none_or(|ns| lock.split_once('/').is_some_and(|(of, _)| of == ns))
+        };
         self.open
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|lock, _| alive.contains(lock));
+            .retain(|lock, _| !within(lock) || alive.contains(lock));
     }
 }
 

@@ -30,9 +30,15 @@ pub struct Config {
     #[arg(long, env = "LEASEHOLD_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
     pub metrics_listen: SocketAddr,
 
-    /// Reconcile only the locks of this namespace [default: all namespaces].
-    #[arg(long, env = "LEASEHOLD_WATCH_NAMESPACE")]
-    pub watch_namespace: Option<String>,
+    /// Reconcile only the locks of these namespaces, comma-separated or repeated [default: all
+    /// namespaces].
+    #[arg(
+        long = "watch-namespace",
+        env = "LEASEHOLD_WATCH_NAMESPACE",
+        value_delimiter = ',',
+        value_parser = namespace_name
+    )]
+    pub watch_namespaces: Vec<String>,
 
     /// Where the replicas elect their leader [default: the pod's namespace].
     #[arg(long, env = "POD_NAMESPACE")]
@@ -116,8 +122,8 @@ pub struct Config {
     )]
     pub sidecar_architectures: Vec<String>,
 
-    /// Remove the operator's finalizer from every DistributedLock (of --watch-namespace, or
-    /// all), keeping their records, and exit: the chart's pre-delete hook, so that nothing stays
+    /// Remove the operator's finalizer from every DistributedLock (of the --watch-namespace
+    /// namespaces, or all), keeping their records, and exit: the chart's pre-delete hook, so that nothing stays
     /// Terminating once the operator is gone.
     #[arg(long)]
     pub release_finalizers: bool,
@@ -149,6 +155,63 @@ pub struct Config {
     pub log_format: String,
 }
 
+/// A namespace's name (a DNS-1123 label), or empty for none.
+fn namespace_name(value: &str) -> Result<String, String> {
+    let valid = value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if valid {
+        Ok(value.to_owned())
+    } else {
+        Err(format!(
+            "{value:?} is not a namespace name (lower-case letters, digits and '-', at most 63)"
+        ))
+    }
+}
+
+/// Whose locks the operator reconciles.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Watched {
+    AllNamespaces,
+    /// These namespaces', each once, in order.
+    Namespaces(Vec<String>),
+}
+
+impl Watched {
+    /// The namespaces named, empty names left out; none named is every namespace.
+    pub fn from_names<S: AsRef<str>>(names: &[S]) -> Self {
+        let mut names: Vec<String> = names
+            .iter()
+            .map(|n| n.as_ref().to_owned())
+            .filter(|n| !n.is_empty())
+            .collect();
+        names.sort();
+        names.dedup();
+        if names.is_empty() {
+            Self::AllNamespaces
+        } else {
+            Self::Namespaces(names)
+        }
+    }
+
+    /// One API handle per watched namespace, or one over all of them.
+    pub fn apis<K>(&self, client: &kube::Client) -> Vec<kube::Api<K>>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        match self {
+            Self::AllNamespaces => vec![kube::Api::all(client.clone())],
+            Self::Namespaces(names) => names
+                .iter()
+                .map(|ns| kube::Api::namespaced(client.clone(), ns))
+                .collect(),
+        }
+    }
+}
+
 /// A `kubernetes.io/arch` value (a label value), or empty for none.
 fn architecture(value: &str) -> Result<String, String> {
     let valid = value.len() <= 63
@@ -178,6 +241,11 @@ fn quantity(value: &str) -> Result<String, String> {
 }
 
 impl Config {
+    /// Whose locks to reconcile (`--watch-namespace`).
+    pub fn watched(&self) -> Watched {
+        Watched::from_names(&self.watch_namespaces)
+    }
+
     /// How the webhook injects the sidecar.
     pub fn injection(&self) -> Injection {
         let set = |v: &String| (!v.is_empty()).then(|| v.clone());
@@ -253,5 +321,29 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("not a kubernetes.io/arch value"), "{error}");
+    }
+
+    #[test]
+    fn the_watched_namespaces_come_from_flags() {
+        let parse = |args: &[&str]| {
+            Config::try_parse_from([&["leasehold-operator"], args].concat()).map(|c| c.watched())
+        };
+        assert_eq!(parse(&[]).unwrap(), Watched::AllNamespaces);
+        assert_eq!(
+            parse(&[
+                "--watch-namespace=team-b,team-a",
+                "--watch-namespace=team-a"
+            ])
+            .unwrap(),
+            Watched::Namespaces(vec!["team-a".into(), "team-b".into()])
+        );
+        assert_eq!(
+            parse(&["--watch-namespace="]).unwrap(),
+            Watched::AllNamespaces
+        );
+        let error = parse(&["--watch-namespace=team-a,Team_B"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("not a namespace name"), "{error}");
     }
 }

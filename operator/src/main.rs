@@ -61,8 +61,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         if let Some(deployment) = &deployment {
             uninstall::stop_operator(&client, deployment, STOP_PATIENCE).await?;
         }
-        let released =
-            uninstall::release_finalizers(&client, config.watch_namespace.as_deref()).await?;
+        let released = uninstall::release_finalizers(&client, &config.watched()).await?;
         // Something (a GitOps tool's drift correction, a person) may have scaled the operator
         // back meanwhile; it would have added the finalizers back.
         if let Some(deployment) = &deployment {
@@ -130,13 +129,9 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         metrics.set_leader(true);
         tracing::info!(%identity, "elected: reconciling");
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let controller = tokio::spawn(reconcile::run(
-            ctx.clone(),
-            config.watch_namespace.clone(),
-            async {
-                let _ = stop_rx.await;
-            },
-        ));
+        let controller = tokio::spawn(reconcile::run(ctx.clone(), config.watched(), async {
+            let _ = stop_rx.await;
+        }));
         let outcome = tokio::select! {
             signal = &mut signal => Some(signal),
             () = election::deposed(&leadership) => None,

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use k8s_openapi::api::coordination::v1::Lease as LeaseObject;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::jiff::Timestamp;
@@ -22,6 +22,7 @@ use leasehold_lease::kubernetes::LOCK_ANNOTATION;
 use serde_json::json;
 
 use crate::backends::{Backends, StillHeld};
+use crate::config::Watched;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::status::{self, Notice, Observation};
@@ -81,52 +82,72 @@ impl Context {
     }
 }
 
-/// Reconcile every `DistributedLock` (in `namespace`, or all) until `shutdown` resolves.
+/// Reconcile every watched `DistributedLock` until `shutdown` resolves: one controller per
+/// watched namespace (each with its own watches, so that the operator needs no cluster-wide
+/// right there), sharing [`CONCURRENCY`] between them.
 pub async fn run(
     ctx: Arc<Context>,
-    namespace: Option<String>,
+    watched: Watched,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let (locks, leases) = match &namespace {
-        Some(ns) => (
-            Api::<DistributedLock>::namespaced(ctx.client.clone(), ns),
-            Api::<LeaseObject>::namespaced(ctx.client.clone(), ns),
-        ),
-        None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
+    let shutdown = shutdown.shared();
+    let namespaces: Vec<Option<String>> = match &watched {
+        Watched::AllNamespaces => vec![None],
+        Watched::Namespaces(names) => names.iter().cloned().map(Some).collect(),
     };
-    // Only Leases the operator made for a lock (they carry the managed-by label), and only when
-    // their holder changes: a renewal every few seconds per lock must not cost a reconcile.
-    let owned_leases = watcher::Config::default().labels("app.kubernetes.io/managed-by=leasehold");
-    let holder_changes = watcher(leases, owned_leases)
-        .default_backoff()
-        .touched_objects()
-        .predicate_filter(lease_holder, Default::default());
-    let controller = Controller::new(locks, watcher::Config::default().any_semantic())
-        .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
-        .watches_stream(holder_changes, lock_of_lease)
-        .graceful_shutdown_on(shutdown);
-    let store = controller.store();
-    let forget_deleted = {
-        let ctx = ctx.clone();
-        async move {
+    let lock_apis = watched.apis::<DistributedLock>(&ctx.client);
+    let lease_apis = watched.apis::<LeaseObject>(&ctx.client);
+    let concurrency = (usize::from(CONCURRENCY) / lock_apis.len().max(1)).max(1);
+    let mut forgetters = Vec::new();
+    let mut controllers = Vec::new();
+    for ((locks, leases), namespace) in lock_apis.into_iter().zip(lease_apis).zip(namespaces) {
+        // Only Leases the operator made for a lock (they carry the managed-by label), and only
+        // when their holder changes: a renewal every few seconds per lock must not cost a
+        // reconcile.
+        let owned_leases =
+            watcher::Config::default().labels("app.kubernetes.io/managed-by=leasehold");
+        let holder_changes = watcher(leases, owned_leases)
+            .default_backoff()
+            .touched_objects()
+            .predicate_filter(lease_holder, Default::default());
+        let controller = Controller::new(locks, watcher::Config::default().any_semantic())
+            .with_config(
+                kube::runtime::controller::Config::default()
+                    .concurrency(u16::try_from(concurrency).unwrap_or(CONCURRENCY)),
+            )
+            .watches_stream(holder_changes, lock_of_lease)
+            .graceful_shutdown_on(shutdown.clone());
+        // Each namespace on its own, so that one whose locks cannot be listed holds no other
+        // namespace's clean-up back.
+        let store = controller.store();
+        let ctx_of_store = ctx.clone();
+        forgetters.push(async move {
             if store.wait_until_ready().await.is_err() {
-                return std::future::pending().await;
+                return;
             }
             loop {
                 tokio::time::sleep(RESYNC).await;
-                ctx.backends.forget_all_but(&store.state());
-            }
-        }
-    };
-    let controlled = controller
-        .run(reconcile, error_policy, ctx)
-        .for_each(|outcome| async move {
-            if let Err(e) = outcome {
-                tracing::debug!(error = %e, "reconcile did not complete");
+                ctx_of_store
+                    .backends
+                    .forget_all_but(namespace.as_deref(), &store.state());
             }
         });
+        controllers.push(
+            controller
+                .run(reconcile, error_policy, ctx.clone())
+                .for_each(|outcome| async move {
+                    if let Err(e) = outcome {
+                        tracing::debug!(error = %e, "reconcile did not complete");
+                    }
+                }),
+        );
+    }
+    let forget_deleted = async move {
+        futures_util::future::join_all(forgetters).await;
+        std::future::pending::<()>().await
+    };
     tokio::select! {
-        () = controlled => {}
+        _ = futures_util::future::join_all(controllers) => {}
         () = forget_deleted => {}
     }
 }

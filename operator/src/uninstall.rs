@@ -18,6 +18,7 @@ use leasehold_crds::DistributedLock;
 use serde_json::json;
 
 use crate::backends::Backends;
+use crate::config::Watched;
 use crate::reconcile::FINALIZER;
 
 /// The operator's Deployment, and the labels of its pods.
@@ -105,19 +106,19 @@ pub async fn running_pods(
         .collect())
 }
 
-/// Release every lock's finalizer (in `namespace`, or all); the names of the locks released.
+/// Release the finalizer of every watched lock; the names of the locks released.
 pub async fn release_finalizers(
     client: &kube::Client,
-    namespace: Option<&str>,
+    watched: &Watched,
 ) -> Result<Vec<String>, String> {
-    let api: Api<DistributedLock> = match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let locks = api
-        .list(&ListParams::default())
-        .await
-        .map_err(|e| format!("cannot list DistributedLocks: {e}"))?;
+    let mut locks = Vec::new();
+    for api in watched.apis::<DistributedLock>(client) {
+        let listed = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| format!("cannot list DistributedLocks: {e}"))?;
+        locks.extend(listed);
+    }
     let backends = Backends::default();
     let mut released = Vec::new();
     for lock in locks {

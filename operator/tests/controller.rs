@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_crds::{Backend, CleanupPolicy, KubernetesBackend};
 use leasehold_lease::{Acquire, Driver};
+use leasehold_operator::config::Watched;
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context, FINALIZER};
 use leasehold_testkit::InMemoryApiServer;
@@ -23,8 +24,12 @@ fn put_lock(api: &InMemoryApiServer, name: &str) {
 }
 
 fn put_lock_with(api: &InMemoryApiServer, name: &str, policy: CleanupPolicy) {
+    put_lock_in(api, NS, name, policy);
+}
+
+fn put_lock_in(api: &InMemoryApiServer, namespace: &str, name: &str, policy: CleanupPolicy) {
     let mut lock = leasehold_testkit::distributed_lock(
-        NS,
+        namespace,
         name,
         Backend {
             kubernetes: Some(KubernetesBackend::default()),
@@ -66,7 +71,7 @@ fn operator_task(
         Arc::new(Metrics::new()),
     ));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(reconcile::run(ctx, None, async {
+    let task = tokio::spawn(reconcile::run(ctx, Watched::AllNamespaces, async {
         let _ = stopped.await;
     }));
     (stop, task)
@@ -404,7 +409,9 @@ async fn the_uninstall_hook_stops_the_operator_then_releases_every_finalizer() {
         .await
         .unwrap();
     kubelet.await.unwrap();
-    let released = release_finalizers(&hook, None).await.unwrap();
+    let released = release_finalizers(&hook, &Watched::AllNamespaces)
+        .await
+        .unwrap();
     assert_eq!(released, ["team/jobs", "team/reports"]);
     // Nothing adds a finalizer back.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -469,13 +476,18 @@ async fn a_retained_lock_carries_no_finalizer() {
     }
 }
 
-/// With `operator.watchNamespace`, the chart grants the operator the watched namespace's locks,
-/// Secrets, Leases and events there alone (not kube-system's election Leases, nor any other
-/// namespace's Secrets): with those grants it provisions, reports and cleans up a lock there,
-/// and is refused nothing.
+/// With `operator.watchNamespaces`, the chart grants the operator the watched namespaces'
+/// locks, Secrets, Leases and events there alone (not kube-system's election Leases, nor any
+/// other namespace's Secrets): with those grants it provisions, reports and cleans up a lock in
+/// each watched namespace, leaves a lock elsewhere alone, and is refused nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_a_watched_namespace_the_operator_is_granted_that_namespace_alone() {
-    let text = support::rendered_chart_with(&["--set", &format!("operator.watchNamespace={NS}")]);
+async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone() {
+    const OTHER_WATCHED: &str = "team-b";
+    const UNWATCHED: &str = "elsewhere";
+    let text = support::rendered_chart_with(&[
+        "--set",
+        &format!("operator.watchNamespaces={{{NS},{OTHER_WATCHED}}}"),
+    ]);
     let grants = support::grants_of(&text, "leasehold-system", "leasehold-operator");
     for grant in grants.iter().filter(|g| g.namespace.is_none()) {
         let resources = grant.rule["resources"].as_array().unwrap();
@@ -487,6 +499,19 @@ async fn with_a_watched_namespace_the_operator_is_granted_that_namespace_alone()
             );
         }
     }
+    for ns in [NS, OTHER_WATCHED] {
+        assert!(
+            grants.iter().any(|g| g.namespace.as_deref() == Some(ns)
+                && g.rule["resources"].to_string().contains("secrets")),
+            "no Role in {ns}: {grants:?}"
+        );
+    }
+    assert!(
+        grants
+            .iter()
+            .all(|g| g.namespace.as_deref() != Some(UNWATCHED)),
+        "{grants:?}"
+    );
     let hook = support::grants_of(&text, "leasehold-system", "leasehold-operator-uninstall");
     assert!(
         hook.iter()
@@ -497,18 +522,35 @@ async fn with_a_watched_namespace_the_operator_is_granted_that_namespace_alone()
 
     let api = InMemoryApiServer::new();
     api.grant(support::OPERATOR_USER, grants);
-    put_lock(&api, "jobs");
+    for ns in [NS, OTHER_WATCHED, UNWATCHED] {
+        put_lock_in(&api, ns, "jobs", CleanupPolicy::Delete);
+    }
     let ctx = Arc::new(Context::new(
         api.client_as(support::OPERATOR_USER),
         "operator-0",
         Arc::new(Metrics::new()),
     ));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(reconcile::run(ctx, Some(NS.to_owned()), async {
+    let watched = Watched::from_names(&[NS, OTHER_WATCHED]);
+    let task = tokio::spawn(reconcile::run(ctx, watched, async {
         let _ = stopped.await;
     }));
     finalized_and_ready(&api, "jobs").await;
-    assert!(api.object(LEASES, NS, "jobs").is_some(), "the Lease");
+    eventually(
+        Duration::from_secs(10),
+        "the other watched lock ready",
+        || {
+            let lock = api.object(DISTRIBUTED_LOCKS, OTHER_WATCHED, "jobs")?;
+            (lock["status"]["conditions"][0]["status"] == "True").then_some(())
+        },
+    )
+    .await;
+    for ns in [NS, OTHER_WATCHED] {
+        assert!(
+            api.object(LEASES, ns, "jobs").is_some(),
+            "the Lease in {ns}"
+        );
+    }
     delete_lock(&api, "jobs").await;
     eventually(Duration::from_secs(10), "the lock is gone", || {
         lock_object(&api, "jobs").is_none().then_some(())
@@ -516,9 +558,15 @@ async fn with_a_watched_namespace_the_operator_is_granted_that_namespace_alone()
     .await;
     let _ = stop.send(());
     task.await.unwrap();
+    let unwatched = api.object(DISTRIBUTED_LOCKS, UNWATCHED, "jobs").unwrap();
+    assert!(
+        unwatched["status"].is_null() && unwatched["metadata"]["finalizers"].is_null(),
+        "a lock outside the watched namespaces was reconciled: {unwatched}"
+    );
+    assert!(api.object(LEASES, UNWATCHED, "jobs").is_none());
     assert_eq!(
         api.denied(),
         Vec::new(),
-        "requests the chart's Role does not allow"
+        "requests the chart's Roles do not allow"
     );
 }

@@ -40,7 +40,7 @@ app.kubernetes.io/name=leasehold-operator,app.kubernetes.io/instance={{ .Release
 
 {{/*
 What the operator does to the locks of the namespaces it reconciles: cluster-wide by default,
-in operator.watchNamespace alone when it is set.
+in each of operator.watchNamespaces when they are set.
 */}}
 {{- define "leasehold.namespacedRules" -}}
 - apiGroups: ["leasehold.dev"]
@@ -58,4 +58,21 @@ in operator.watchNamespace alone when it is set.
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end }}
+
+{{/* The uninstall hook's rules and hook annotations (templates/uninstall-hook.yaml). */}}
+{{- define "leasehold.uninstallRules" }}
+rules:
+  - apiGroups: ["leasehold.dev"]
+    resources: ["distributedlocks"]
+    verbs: ["list", "patch"]
+  - apiGroups: ["coordination.k8s.io"]
+    resources: ["leases"]
+    verbs: ["get", "update"]
+{{- end }}
+{{- define "leasehold.uninstallHookAnnotations" }}
+  annotations:
+    helm.sh/hook: pre-delete
+    helm.sh/hook-weight: "-5"
+    helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end }}
