@@ -509,7 +509,7 @@ fn hold_param(params: &HashMap<String, Duration>) -> Result<Duration, ApiError> 
 async fn status(
     State(state): State<AppState>,
     name: Option<Path<String>>,
-    Query(query): Query<HashMap<String, String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
     let params = durations(&query, &[("wait", MAX_WAIT)])?;
@@ -538,9 +538,8 @@ fn on_demand_only(lock: &Lock, instead: &str) -> Result<(), ApiError> {
 async fn acquire(
     State(state): State<AppState>,
     name: Option<Path<String>>,
-    Query(pairs): Query<Vec<(String, String)>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
-    let query = once_each(pairs)?;
     if let Some(family) = state.family_named(name.as_ref()) {
         return keys_acquire(family, query).await;
     }
@@ -562,7 +561,7 @@ async fn acquire(
 async fn hold(
     State(state): State<AppState>,
     name: Option<Path<String>>,
-    Query(mut query): Query<HashMap<String, String>>,
+    QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
     on_demand_only(&lock, "follow it with GET /lock/events")?;
@@ -628,9 +627,8 @@ async fn hold(
 async fn release(
     State(state): State<AppState>,
     name: Option<Path<String>>,
-    Query(pairs): Query<Vec<(String, String)>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
-    let query = once_each(pairs)?;
     if let Some(family) = state.family_named(name.as_ref()) {
         return keys_release(family, query).await;
     }
@@ -819,20 +817,44 @@ impl<'a> KeysStatus<'a> {
 }
 
 /// The query as a map, or a 400 for a parameter named twice (decoded names compared), which a
-/// map would keep only the last of (`keys=a&keys=b` would take `b` alone, and answer 200 to a
-/// client that believes it has both).
+/// map would keep only the last of (`owner=a&owner=b` would act for `b` alone; `keys=a&keys=b`
+/// would take `b` alone, and answer 200 to a client that believes it has both).
 fn once_each(pairs: Vec<(String, String)>) -> Result<HashMap<String, String>, ApiError> {
     let mut query = HashMap::with_capacity(pairs.len());
     for (name, value) in pairs {
         if query.contains_key(&name) {
+            let hint = if name == "keys" {
+                "; name several keys in one: keys=a,b,c"
+            } else {
+                ""
+            };
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
-                format!("{name} is given twice; name several keys in one: keys=a,b,c"),
+                format!("{name} is given twice{hint}"),
             ));
         }
         query.insert(name, value);
     }
     Ok(query)
+}
+
+/// The query string as a map, each parameter named at most once ([`once_each`]).
+struct QueryOnce(HashMap<String, String>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for QueryOnce {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let Query(pairs) = Query::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        once_each(pairs)
+            .map(Self)
+            .map_err(IntoResponse::into_response)
+    }
 }
 
 /// `keys=a,b,c`: the keys of a call on several keys of a family.
@@ -928,10 +950,9 @@ async fn keys_release(
 async fn keys_extend(
     State(state): State<AppState>,
     Path(family): Path<String>,
-    Query(pairs): Query<Vec<(String, String)>>,
+    QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = state.family(&family)?;
-    let mut query = once_each(pairs)?;
     let keys = keys_param(&mut query)?;
     let (owner, params) = key_query(query, &[("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();
@@ -973,7 +994,7 @@ fn key_query(
 async fn key_status(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = &state.family(&family)?;
     let (owner, _) = key_query(query, &[], true)?;
@@ -1004,7 +1025,7 @@ async fn key_status(
 async fn key_acquire(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = &state.family(&family)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)], false)?;
@@ -1027,7 +1048,7 @@ async fn key_acquire(
 async fn key_release(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = &state.family(&family)?;
     let (owner, _) = key_query(query, &[], false)?;
@@ -1061,7 +1082,7 @@ async fn key_release(
 async fn key_extend(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = &state.family(&family)?;
     let (owner, params) = key_query(query, &[("hold", MAX_HOLD)], false)?;
@@ -1083,7 +1104,7 @@ async fn key_extend(
 async fn key_hold(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = state.family(&family)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
@@ -1126,7 +1147,7 @@ async fn key_hold(
 async fn key_events(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = state.family(&family)?;
     durations(&query, &[])?;

@@ -319,6 +319,23 @@ fn several_keys_are_taken_and_given_back_together_over_http() {
         let answer = a.post(&route("acquire", bad));
         assert_eq!(answer.status, 400, "{bad}: {}", answer.body);
     }
+    // One key's routes refuse a parameter named twice too: which owner to act for would be a
+    // guess.
+    let twice = a.post(&format!(
+        "/locks/{family}/keys/sku-5/acquire?owner=w1&owner=w2"
+    ));
+    assert_eq!(twice.status, 400, "{}", twice.body);
+    assert!(
+        twice.body.contains("owner is given twice"),
+        "{}",
+        twice.body
+    );
+    let taken = b.post(&format!("/locks/{family}/keys/sku-5/acquire?owner=w3"));
+    assert_eq!(
+        taken.status, 200,
+        "a refused request took sku-5: {}",
+        taken.body
+    );
 
     let released = a.post(&route("release", "keys=sku-1,sku-2&owner=w1"));
     assert_eq!(released.status, 200, "{}", released.body);
