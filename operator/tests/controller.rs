@@ -491,7 +491,13 @@ async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone(
     let grants = support::grants_of(&text, "leasehold-system", "leasehold-operator");
     for grant in grants.iter().filter(|g| g.namespace.is_none()) {
         let resources = grant.rule["resources"].as_array().unwrap();
-        for kept_to_the_namespace in ["secrets", "leases", "events", "distributedlocks/status"] {
+        for kept_to_the_namespace in [
+            "secrets",
+            "leases",
+            "events",
+            "distributedlocks",
+            "distributedlocks/status",
+        ] {
             assert!(
                 !resources.iter().any(|r| r == kept_to_the_namespace),
                 "{kept_to_the_namespace} granted cluster-wide: {}",
@@ -511,6 +517,18 @@ async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone(
             .iter()
             .all(|g| g.namespace.as_deref() != Some(UNWATCHED)),
         "{grants:?}"
+    );
+    // The webhook admits pods of the watched namespaces only: it may read no other's locks.
+    let webhook_configuration = support::objects(&text)
+        .into_iter()
+        .find(|o| o["kind"] == "MutatingWebhookConfiguration")
+        .expect("the webhook configuration");
+    let expressions =
+        &webhook_configuration["webhooks"][0]["namespaceSelector"]["matchExpressions"];
+    assert!(
+        expressions.as_array().unwrap().iter().any(|e| e["operator"] == "In"
+            && e["values"] == serde_json::json!([NS, OTHER_WATCHED])),
+        "{expressions}"
     );
     let hook = support::grants_of(&text, "leasehold-system", "leasehold-operator-uninstall");
     assert!(
