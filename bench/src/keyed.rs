@@ -30,15 +30,20 @@ impl KeyedBackends {
         }
     }
 
-    /// Each backend's name and a driver connected to it.
-    pub(crate) async fn drivers(&self) -> Vec<(&'static str, Arc<dyn Backend>)> {
-        let mut drivers = Vec::new();
-        for (name, url) in [
+    /// Each backend's name and URL.
+    pub(crate) fn urls(&self) -> [(&'static str, String); 4] {
+        [
             ("redis", self.redis.url()),
             ("postgres", self.postgres.url()),
             ("etcd", self.etcd.url()),
             ("zookeeper", self.zookeeper.url()),
-        ] {
+        ]
+    }
+
+    /// Each backend's name and a driver connected to it.
+    pub(crate) async fn drivers(&self) -> Vec<(&'static str, Arc<dyn Backend>)> {
+        let mut drivers = Vec::new();
+        for (name, url) in self.urls() {
             let url = leasehold_lease::BackendUrl::parse(&url).expect("url");
             drivers.push((name, leasehold_lease::connect(&url).await.expect(name)));
         }

@@ -20,6 +20,7 @@ use leasehold_testkit::{
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
+mod api;
 mod drivers;
 mod http;
 mod keyed;
@@ -32,6 +33,7 @@ mod semaphore;
 mod several;
 mod sql;
 
+use api::*;
 use drivers::*;
 use http::*;
 use keyed::*;
@@ -102,6 +104,7 @@ fn worker_threads() -> usize {
 /// The benchmark's sections, all of them when none is named on the command line.
 const SECTIONS: &[&str] = &[
     "http",
+    "api",
     "drivers",
     "sql",
     "etcd",
@@ -126,6 +129,9 @@ async fn run(sections: &[&str]) {
     );
     if wanted("http") {
         http_section().await;
+    }
+    if wanted("api") {
+        api_section().await;
     }
     if wanted("drivers") {
         driver_section().await;

@@ -80,11 +80,20 @@ impl Drop for Process {
 }
 
 pub(crate) fn rss_kib(pid: u32) -> u64 {
+    proc_status_kib(pid, "VmRSS:")
+}
+
+/// The most memory the process has had resident.
+pub(crate) fn peak_rss_kib(pid: u32) -> u64 {
+    proc_status_kib(pid, "VmHWM:")
+}
+
+fn proc_status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)
@@ -121,10 +130,29 @@ pub(crate) async fn request(
     method: &str,
     path: &str,
 ) -> std::io::Result<u16> {
+    Ok(request_with_body(conn, method, path, "").await?.0)
+}
+
+/// One keep-alive request with a JSON `body` (none when empty); the status and the answer's
+/// body.
+pub(crate) async fn request_with_body(
+    conn: &mut BufReader<&mut TcpStream>,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<(u16, String)> {
+    let content_type = if body.is_empty() {
+        ""
+    } else {
+        "Content-Type: application/json\r\n"
+    };
     conn.get_mut()
         .write_all(
-            format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n")
-                .as_bytes(),
+            format!(
+                "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{content_type}Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
         )
         .await?;
     let mut line = String::new();
@@ -147,9 +175,9 @@ pub(crate) async fn request(
             length = value.trim().parse().unwrap_or(0);
         }
     }
-    let mut body = vec![0; length];
-    conn.read_exact(&mut body).await?;
-    Ok(status)
+    let mut answer = vec![0; length];
+    conn.read_exact(&mut answer).await?;
+    Ok((status, String::from_utf8_lossy(&answer).into_owned()))
 }
 
 pub(crate) async fn requests_per_second(addr: SocketAddr, path: &'static str, expect: u16) -> f64 {
@@ -341,8 +369,17 @@ where
 /// The CPU time this process (the load and the family or driver it drives) has used, user
 /// and system, all threads (`/proc/self/stat`, in clock ticks of 10 ms).
 pub(crate) fn process_cpu_seconds() -> f64 {
+    cpu_seconds("/proc/self/stat")
+}
+
+/// The CPU time process `pid` has used, user and system, all threads.
+pub(crate) fn cpu_seconds_of(pid: u32) -> f64 {
+    cpu_seconds(&format!("/proc/{pid}/stat"))
+}
+
+fn cpu_seconds(stat_file: &str) -> f64 {
     const TICKS_PER_SECOND: f64 = 100.0;
-    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    let stat = std::fs::read_to_string(stat_file).expect(stat_file);
     // The fields after the command name, which is in parentheses and may hold spaces.
     let fields: Vec<&str> = stat
         .rsplit_once(')')

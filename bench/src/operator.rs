@@ -9,6 +9,9 @@ use super::*;
 pub(crate) const OPERATOR_LOCKS: [usize; 2] = [1_000, 10_000];
 pub(crate) const OPERATOR_RENEW: Duration = Duration::from_secs(5);
 pub(crate) const OPERATOR_MEASURE: Duration = Duration::from_secs(30);
+/// How long the operator binary runs before its memory is read: its election, then a first
+/// reconcile of every lock.
+pub(crate) const OPERATOR_MEMORY_WINDOW: Duration = Duration::from_secs(60);
 
 /// API requests per second that one operator makes for each count of locks whose holders
 /// renew every `OPERATOR_RENEW`, on the in-memory API server (it counts the requests it serves;
@@ -178,9 +181,63 @@ async fn operator_load(locks: usize) {
         "  resyncs, one every {period:?} per lock on average: {:.1} API requests/s (derived)",
         per_lock * locks as f64 / period.as_secs_f64()
     );
-    renewals.abort();
     let _ = stop.send(());
     let _ = controller.await;
+    operator_memory(&api, locks).await;
+    renewals.abort();
+}
+
+/// The operator binary, in a process of its own (the figures above share one with the API
+/// server), leading and reconciling every lock of `api` over HTTP while their holders renew:
+/// its resident memory after [`OPERATOR_MEMORY_WINDOW`], and its peak.
+async fn operator_memory(api: &leasehold_testkit::InMemoryApiServer, locks: usize) {
+    let addr = api.listen().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: bench\n\
+             clusters: [{{name: bench, cluster: {{server: \"http://{addr}\"}}}}]\n\
+             users: [{{name: bench, user: {{}}}}]\n\
+             contexts: [{{name: bench, context: {{cluster: bench, user: bench}}}}]\n"
+        ),
+    )
+    .expect("kubeconfig");
+    // A mounted certificate (as with cert-manager), so that the webhook issues none.
+    leasehold_testkit::write_test_certificates(dir.path());
+    for (from, to) in [("server.crt", "tls.crt"), ("server.key", "tls.key")] {
+        std::fs::copy(dir.path().join(from), dir.path().join(to)).expect("certificate");
+    }
+    let qps = 1_000;
+    let before = api.requests();
+    let operator = Process(
+        Command::new(sibling_binary("leasehold-operator"))
+            .env("KUBECONFIG", &kubeconfig)
+            .env("POD_NAMESPACE", "leasehold-system")
+            .env("POD_NAME", "operator-3")
+            .env("RUST_LOG", "warn")
+            .args([
+                format!("--metrics-listen=127.0.0.1:{}", free_port()),
+                format!("--webhook-listen=127.0.0.1:{}", free_port()),
+                format!("--api-qps={qps}"),
+                format!("--api-burst={qps}"),
+            ])
+            .arg("--webhook-cert-dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the operator binary"),
+    );
+    tokio::time::sleep(OPERATOR_MEMORY_WINDOW).await;
+    let pid = operator.0.id();
+    println!(
+        "  the operator binary, {locks} locks (its own process, --api-qps {qps}): {} API requests in {OPERATOR_MEMORY_WINDOW:?}; resident {:.0} MiB, peak {:.0} MiB (target: under 256 MiB)",
+        api.requests() - before,
+        rss_kib(pid) as f64 / 1024.0,
+        peak_rss_kib(pid) as f64 / 1024.0
+    );
 }
 
 /// Now, as a Lease's `MicroTime`.
