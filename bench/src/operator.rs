@@ -191,19 +191,9 @@ async fn operator_load(locks: usize) {
 /// server), leading and reconciling every lock of `api` over HTTP while their holders renew:
 /// its resident memory after [`OPERATOR_MEMORY_WINDOW`], and its peak.
 async fn operator_memory(api: &leasehold_testkit::InMemoryApiServer, locks: usize) {
-    let addr = api.listen().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: bench\n\
-             clusters: [{{name: bench, cluster: {{server: \"http://{addr}\"}}}}]\n\
-             users: [{{name: bench, user: {{}}}}]\n\
-             contexts: [{{name: bench, context: {{cluster: bench, user: bench}}}}]\n"
-        ),
-    )
-    .expect("kubeconfig");
+    api.listen_with_kubeconfig(&kubeconfig, "default").await;
     // A mounted certificate (as with cert-manager), so that the webhook issues none.
     leasehold_testkit::write_test_certificates(dir.path());
     for (from, to) in [("server.crt", "tls.crt"), ("server.key", "tls.key")] {

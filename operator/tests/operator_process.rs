@@ -62,19 +62,9 @@ async fn eventually<T>(
 /// The operator binary with `args`, reaching `api` over HTTP through a kubeconfig (kept in the
 /// returned directory while it runs).
 async fn start_operator(api: &InMemoryApiServer, args: &[&str]) -> (Operator, tempfile::TempDir) {
-    let addr = api.listen().await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: test\n\
-             clusters: [{{name: test, cluster: {{server: \"http://{addr}\"}}}}]\n\
-             users: [{{name: test, user: {{}}}}]\n\
-             contexts: [{{name: test, context: {{cluster: test, user: test, namespace: {NS}}}}}]\n"
-        ),
-    )
-    .unwrap();
+    api.listen_with_kubeconfig(&kubeconfig, NS).await;
     let child = Command::new(env!("CARGO_BIN_EXE_leasehold-operator"))
         .env("KUBECONFIG", &kubeconfig)
         .env("POD_NAMESPACE", NS)

@@ -237,6 +237,28 @@ impl InMemoryApiServer {
         kube::Client::new(self.clone().service(), "default")
     }
 
+    /// Serve this API as [`Self::listen`] does, and write a kubeconfig naming it (as an
+    /// anonymous user, `namespace` the default) to `path`, for a process given
+    /// `KUBECONFIG=path`. The address served.
+    pub async fn listen_with_kubeconfig(
+        &self,
+        path: &std::path::Path,
+        namespace: &str,
+    ) -> std::net::SocketAddr {
+        let addr = self.listen().await;
+        std::fs::write(
+            path,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: test\n\
+                 clusters: [{{name: test, cluster: {{server: \"http://{addr}\"}}}}]\n\
+                 users: [{{name: test, user: {{}}}}]\n\
+                 contexts: [{{name: test, context: {{cluster: test, user: test, namespace: {namespace}}}}}]\n"
+            ),
+        )
+        .expect("a kubeconfig");
+        addr
+    }
+
     /// Serve this API over plain HTTP on a free loopback port, for another process (the operator
     /// binary, with a kubeconfig naming `http://ADDR`). Serves until the runtime ends.
     pub async fn listen(&self) -> std::net::SocketAddr {

@@ -8,7 +8,6 @@
 //! backend, wait out its lease, then campaign on the new one) is what the safety check then
 //! exercises.
 
-use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -52,18 +51,8 @@ impl Cluster {
             .build()
             .expect("runtime");
         let api = InMemoryApiServer::new();
-        let addr: SocketAddr = runtime.block_on(api.listen());
         let dir = tempfile::tempdir().expect("temp dir");
-        std::fs::write(
-            dir.path().join("kubeconfig"),
-            format!(
-                "apiVersion: v1\nkind: Config\ncurrent-context: test\n\
-                 clusters: [{{name: test, cluster: {{server: \"http://{addr}\"}}}}]\n\
-                 users: [{{name: test, user: {{}}}}]\n\
-                 contexts: [{{name: test, context: {{cluster: test, user: test, namespace: {NAMESPACE}}}}}]\n"
-            ),
-        )
-        .expect("kubeconfig");
+        runtime.block_on(api.listen_with_kubeconfig(&dir.path().join("kubeconfig"), NAMESPACE));
         let log = std::fs::File::create(dir.path().join("operator.log")).expect("operator log");
         let operator = Command::new(operator_binary())
             .env("KUBECONFIG", dir.path().join("kubeconfig"))
