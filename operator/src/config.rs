@@ -197,18 +197,34 @@ impl Watched {
         }
     }
 
+    /// Each namespace watched, or `None` once for all of them.
+    pub fn scopes(&self) -> Vec<Option<&str>> {
+        match self {
+            Self::AllNamespaces => vec![None],
+            Self::Namespaces(names) => names.iter().map(|ns| Some(ns.as_str())).collect(),
+        }
+    }
+
     /// One API handle per watched namespace, or one over all of them.
     pub fn apis<K>(&self, client: &kube::Client) -> Vec<kube::Api<K>>
     where
         K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
     {
-        match self {
-            Self::AllNamespaces => vec![kube::Api::all(client.clone())],
-            Self::Namespaces(names) => names
-                .iter()
-                .map(|ns| kube::Api::namespaced(client.clone(), ns))
-                .collect(),
-        }
+        self.scopes()
+            .into_iter()
+            .map(|scope| api_in(client, scope))
+            .collect()
+    }
+}
+
+/// An API handle on `K` in namespace `scope`, or over all namespaces.
+pub fn api_in<K>(client: &kube::Client, scope: Option<&str>) -> kube::Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match scope {
+        Some(ns) => kube::Api::namespaced(client.clone(), ns),
+        None => kube::Api::all(client.clone()),
     }
 }
 

@@ -22,7 +22,7 @@ use leasehold_lease::kubernetes::LOCK_ANNOTATION;
 use serde_json::json;
 
 use crate::backends::{Backends, StillHeld};
-use crate::config::Watched;
+use crate::config::{Watched, api_in};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::status::{self, Notice, Observation};
@@ -91,16 +91,15 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let shutdown = shutdown.shared();
-    let namespaces: Vec<Option<String>> = match &watched {
-        Watched::AllNamespaces => vec![None],
-        Watched::Namespaces(names) => names.iter().cloned().map(Some).collect(),
-    };
-    let lock_apis = watched.apis::<DistributedLock>(&ctx.client);
-    let lease_apis = watched.apis::<LeaseObject>(&ctx.client);
-    let concurrency = (usize::from(CONCURRENCY) / lock_apis.len().max(1)).max(1);
+    let scopes = watched.scopes();
+    let namespaces = u16::try_from(scopes.len()).unwrap_or(u16::MAX).max(1);
+    let concurrency = (CONCURRENCY / namespaces).max(1);
     let mut forgetters = Vec::new();
     let mut controllers = Vec::new();
-    for ((locks, leases), namespace) in lock_apis.into_iter().zip(lease_apis).zip(namespaces) {
+    for scope in scopes {
+        let locks = api_in::<DistributedLock>(&ctx.client, scope);
+        let leases = api_in::<LeaseObject>(&ctx.client, scope);
+        let namespace = scope.map(str::to_owned);
         // Only Leases the operator made for a lock (they carry the managed-by label), and only
         // when their holder changes: a renewal every few seconds per lock must not cost a
         // reconcile.
@@ -111,10 +110,7 @@ pub async fn run(
             .touched_objects()
             .predicate_filter(lease_holder, Default::default());
         let controller = Controller::new(locks, watcher::Config::default().any_semantic())
-            .with_config(
-                kube::runtime::controller::Config::default()
-                    .concurrency(u16::try_from(concurrency).unwrap_or(CONCURRENCY)),
-            )
+            .with_config(kube::runtime::controller::Config::default().concurrency(concurrency))
             .watches_stream(holder_changes, lock_of_lease)
             .graceful_shutdown_on(shutdown.clone());
         // Each namespace on its own, so that one whose locks cannot be listed holds no other
