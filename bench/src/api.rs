@@ -76,17 +76,11 @@ pub(crate) async fn api_section() {
         "## api: keyed acquire+release cycles through a sidecar's routes ({API_DURATION:?} per run, one keep-alive connection per owner), beside the library and raw, in one run"
     );
     let backends = KeyedBackends::start();
-    let urls = backends.urls();
-    for (backend, driver) in backends.drivers().await {
+    for (backend, url) in backends.urls() {
         if !API_BACKENDS.contains(&backend) {
             continue;
         }
-        let url = urls
-            .iter()
-            .find(|(name, _)| *name == backend)
-            .expect("url")
-            .1
-            .clone();
+        let driver = connect_driver(backend, &url).await;
         let sidecar = ApiSidecar::start(&url);
         let family = leasehold_lease::keyed::KeyedFamily::new(
             driver,
@@ -172,40 +166,50 @@ impl ApiSidecar {
     }
 }
 
-/// `owners` owners of `family`, each cycling on a key of its own for [`API_DURATION`].
-async fn library_run(family: &leasehold_lease::keyed::KeyedFamily, owners: usize) -> Run {
+/// `owners` owners at once, owner `i` a task running `owner(start, key, owner)` on key
+/// `order-i` as `worker-i` until [`API_DURATION`] after `start`: its cycles and latencies.
+async fn owners_run<F, Fut>(owners: usize, owner: F) -> Run
+where
+    F: Fn(Instant, String, String) -> Fut,
+    Fut: std::future::Future<Output = (u64, Vec<Duration>)> + Send + 'static,
+{
     let start = Instant::now();
     let tasks: Vec<_> = (0..owners)
-        .map(|i| {
-            let family = family.clone();
-            tokio::spawn(async move {
-                let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
-                let (mut cycles, mut latencies) = (0u64, Vec::new());
-                while start.elapsed() < API_DURATION {
-                    let sent = Instant::now();
-                    let answer = family
-                        .acquire(&key, &owner, Duration::ZERO, LEASE)
-                        .await
-                        .expect("acquire");
-                    latencies.push(sent.elapsed());
-                    assert!(
-                        matches!(answer, leasehold_lease::keyed::KeyAnswer::Held { .. }),
-                        "{key}: {answer:?}"
-                    );
-                    let sent = Instant::now();
-                    family.release(&key, &owner).await.expect("release");
-                    latencies.push(sent.elapsed());
-                    cycles += 1;
-                }
-                (cycles, latencies)
-            })
-        })
+        .map(|i| tokio::spawn(owner(start, format!("order-{i}"), format!("worker-{i}"))))
         .collect();
     let mut results = Vec::new();
     for task in tasks {
         results.push(task.await.expect("owner"));
     }
     Run::from_owners(results, start.elapsed())
+}
+
+/// `owners` owners of `family`, each cycling on a key of its own for [`API_DURATION`].
+async fn library_run(family: &leasehold_lease::keyed::KeyedFamily, owners: usize) -> Run {
+    owners_run(owners, |start, key, owner| {
+        let family = family.clone();
+        async move {
+            let (mut cycles, mut latencies) = (0u64, Vec::new());
+            while start.elapsed() < API_DURATION {
+                let sent = Instant::now();
+                let answer = family
+                    .acquire(&key, &owner, Duration::ZERO, LEASE)
+                    .await
+                    .expect("acquire");
+                latencies.push(sent.elapsed());
+                assert!(
+                    matches!(answer, leasehold_lease::keyed::KeyAnswer::Held { .. }),
+                    "{key}: {answer:?}"
+                );
+                let sent = Instant::now();
+                family.release(&key, &owner).await.expect("release");
+                latencies.push(sent.elapsed());
+                cycles += 1;
+            }
+            (cycles, latencies)
+        }
+    })
+    .await
 }
 
 /// `owners` owners cycling through `route` of `sidecar`, each on a connection and a key of its
@@ -217,44 +221,33 @@ async fn route_run(sidecar: &ApiSidecar, route: Route, owners: usize) -> Run {
         409,
     )
     .await;
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..owners)
-        .map(|i| {
-            let (lock_api, dapr_http, dapr_grpc) =
-                (sidecar.lock_api, sidecar.dapr_http, sidecar.dapr_grpc);
-            tokio::spawn(async move {
-                let (key, owner) = (format!("order-{i}"), format!("worker-{i}"));
-                match route {
-                    Route::KeyedHttp => {
-                        let acquire = format!("/locks/{FAMILY}/keys/{key}/acquire?owner={owner}");
-                        let release = format!("/locks/{FAMILY}/keys/{key}/release?owner={owner}");
-                        http_cycles(lock_api, start, [("", acquire), ("", release)]).await
-                    }
-                    Route::DaprHttp => {
-                        let lock = format!(
-                            r#"{{"resourceId":"{key}","lockOwner":"{owner}","expiryInSeconds":10}}"#
-                        );
-                        let unlock = format!(r#"{{"resourceId":"{key}","lockOwner":"{owner}"}}"#);
-                        http_cycles(
-                            dapr_http,
-                            start,
-                            [
-                                (&*lock, format!("/v1.0-alpha1/lock/{FAMILY}")),
-                                (&*unlock, format!("/v1.0-alpha1/unlock/{FAMILY}")),
-                            ],
-                        )
-                        .await
-                    }
-                    Route::DaprGrpc => grpc_cycles(dapr_grpc, start, &key, &owner).await,
-                }
-            })
-        })
-        .collect();
-    let mut results = Vec::new();
-    for task in tasks {
-        results.push(task.await.expect("owner"));
-    }
-    Run::from_owners(results, start.elapsed())
+    let (lock_api, dapr_http, dapr_grpc) = (sidecar.lock_api, sidecar.dapr_http, sidecar.dapr_grpc);
+    owners_run(owners, |start, key, owner| async move {
+        match route {
+            Route::KeyedHttp => {
+                let acquire = format!("/locks/{FAMILY}/keys/{key}/acquire?owner={owner}");
+                let release = format!("/locks/{FAMILY}/keys/{key}/release?owner={owner}");
+                http_cycles(lock_api, start, [("", acquire), ("", release)]).await
+            }
+            Route::DaprHttp => {
+                let lock = format!(
+                    r#"{{"resourceId":"{key}","lockOwner":"{owner}","expiryInSeconds":10}}"#
+                );
+                let unlock = format!(r#"{{"resourceId":"{key}","lockOwner":"{owner}"}}"#);
+                http_cycles(
+                    dapr_http,
+                    start,
+                    [
+                        (&*lock, format!("/v1.0-alpha1/lock/{FAMILY}")),
+                        (&*unlock, format!("/v1.0-alpha1/unlock/{FAMILY}")),
+                    ],
+                )
+                .await
+            }
+            Route::DaprGrpc => grpc_cycles(dapr_grpc, start, &key, &owner).await,
+        }
+    })
+    .await
 }
 
 /// Acquire and release requests (each a body, empty for none, and a path) on one keep-alive
@@ -305,41 +298,54 @@ async fn grpc_cycles(
     let (mut cycles, mut latencies) = (0u64, Vec::new());
     while start.elapsed() < API_DURATION {
         let sent = Instant::now();
-        grpc.ready().await.expect("ready");
-        let locked: TryLockResponse = grpc
-            .unary(
-                tonic::Request::new(TryLockRequest {
-                    store_name: FAMILY.to_owned(),
-                    resource_id: key.to_owned(),
-                    lock_owner: owner.to_owned(),
-                    expiry_in_seconds: 10,
-                }),
-                PathAndQuery::from_static("/dapr.proto.runtime.v1.Dapr/TryLockAlpha1"),
-                tonic_prost::ProstCodec::default(),
-            )
-            .await
-            .expect("TryLockAlpha1")
-            .into_inner();
+        let locked: TryLockResponse = unary(
+            &mut grpc,
+            "/dapr.proto.runtime.v1.Dapr/TryLockAlpha1",
+            TryLockRequest {
+                store_name: FAMILY.to_owned(),
+                resource_id: key.to_owned(),
+                lock_owner: owner.to_owned(),
+                expiry_in_seconds: 10,
+            },
+        )
+        .await;
         latencies.push(sent.elapsed());
         assert!(locked.success, "{key}: not taken");
         let sent = Instant::now();
-        grpc.ready().await.expect("ready");
-        let unlocked: UnlockResponse = grpc
-            .unary(
-                tonic::Request::new(UnlockRequest {
-                    store_name: FAMILY.to_owned(),
-                    resource_id: key.to_owned(),
-                    lock_owner: owner.to_owned(),
-                }),
-                PathAndQuery::from_static("/dapr.proto.runtime.v1.Dapr/UnlockAlpha1"),
-                tonic_prost::ProstCodec::default(),
-            )
-            .await
-            .expect("UnlockAlpha1")
-            .into_inner();
+        let unlocked: UnlockResponse = unary(
+            &mut grpc,
+            "/dapr.proto.runtime.v1.Dapr/UnlockAlpha1",
+            UnlockRequest {
+                store_name: FAMILY.to_owned(),
+                resource_id: key.to_owned(),
+                lock_owner: owner.to_owned(),
+            },
+        )
+        .await;
         latencies.push(sent.elapsed());
         assert_eq!(unlocked.status, 0, "{key}: not unlocked");
         cycles += 1;
     }
     (cycles, latencies)
+}
+
+/// One unary call of `path` on `grpc`, with prost's codec.
+async fn unary<Req, Resp>(
+    grpc: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    path: &'static str,
+    request: Req,
+) -> Resp
+where
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    grpc.ready().await.expect("ready");
+    grpc.unary(
+        tonic::Request::new(request),
+        PathAndQuery::from_static(path),
+        tonic_prost::ProstCodec::default(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{path}: {e}"))
+    .into_inner()
 }

@@ -44,11 +44,16 @@ impl KeyedBackends {
     pub(crate) async fn drivers(&self) -> Vec<(&'static str, Arc<dyn Backend>)> {
         let mut drivers = Vec::new();
         for (name, url) in self.urls() {
-            let url = leasehold_lease::BackendUrl::parse(&url).expect("url");
-            drivers.push((name, leasehold_lease::connect(&url).await.expect(name)));
+            drivers.push((name, connect_driver(name, &url).await));
         }
         drivers
     }
+}
+
+/// A driver connected to backend `name` at `url`.
+pub(crate) async fn connect_driver(name: &str, url: &str) -> Arc<dyn Backend> {
+    let url = leasehold_lease::BackendUrl::parse(url).expect("url");
+    leasehold_lease::connect(&url).await.expect(name)
 }
 
 /// Acquire+release cycles per second of `KEYED_OWNERS` owners of one sidecar's family, each on
