@@ -336,7 +336,55 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/resign", post(resign))
         .merge(probe_api())
         .fallback(not_found)
+        .layer(axum::middleware::map_response(json_refusal))
         .with_state(state)
+}
+
+/// A refusal made before any handler ran (axum's own: a path that is not UTF-8, a method the
+/// route does not take) is plain text or empty; it is sent as every other refusal is, a JSON
+/// `{"error": ...}`, with its status and headers (`Allow` among them) kept.
+async fn json_refusal(response: Response) -> Response {
+    refusal_as_json(response, |message| serde_json::json!({ "error": message })).await
+}
+
+/// `response` as it is, unless it is a 4xx or 5xx that is not JSON: then `body(message)`, the
+/// message being the refusal's text, or for a method not allowed the methods that are.
+pub async fn refusal_as_json(
+    response: Response,
+    body: impl FnOnce(String) -> serde_json::Value,
+) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (mut parts, refusal) = response.into_parts();
+    // axum's refusals are a line; a longer body is not one of them and is cut.
+    let text = axum::body::to_bytes(refusal, 4096)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_owned())
+        .unwrap_or_default();
+    let message = match parts.headers.get(header::ALLOW) {
+        Some(allow) if status == StatusCode::METHOD_NOT_ALLOWED => format!(
+            "method not allowed; this route takes: {}",
+            String::from_utf8_lossy(allow.as_bytes())
+        ),
+        _ if text.is_empty() => status
+            .canonical_reason()
+            .unwrap_or("refused")
+            .to_lowercase(),
+        _ => text,
+    };
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    let bytes = serde_json::to_vec(&body(message)).unwrap_or_default();
+    Response::from_parts(parts, axum::body::Body::from(bytes))
 }
 
 /// Health, readiness and metrics: what kubelet and Prometheus ask for on the pod IP. Nothing
@@ -349,7 +397,10 @@ pub fn probe_api() -> Router<AppState> {
 }
 
 pub fn probe_router(state: AppState) -> Router {
-    probe_api().fallback(not_found).with_state(state)
+    probe_api()
+        .fallback(not_found)
+        .layer(axum::middleware::map_response(json_refusal))
+        .with_state(state)
 }
 
 #[derive(Serialize)]

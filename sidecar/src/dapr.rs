@@ -276,7 +276,18 @@ pub fn http_api(state: AppState) -> Router {
         .route("/v1.0/metadata", get(metadata))
         .route("/v1.0-alpha1/lock/{store}", post(http_lock))
         .route("/v1.0-alpha1/unlock/{store}", post(http_unlock))
+        .layer(axum::middleware::map_response(dapr_refusal))
         .with_state(state)
+}
+
+/// A refusal made before any handler ran (a store name that is not UTF-8, a method the route
+/// does not take, a route not served), in Dapr's error shape as every other refusal here.
+async fn dapr_refusal(response: Response) -> Response {
+    crate::api::refusal_as_json(
+        response,
+        |message| json!({ "errorCode": "ERR_MALFORMED_REQUEST", "message": message }),
+    )
+    .await
 }
 
 /// `dapr.proto.runtime.v1.TryLockRequest`.

@@ -108,11 +108,18 @@ fn malformed_http_gets_4xx_and_the_sidecar_keeps_answering() {
         ("GET", "/locks/nosuch", 404),
         ("GET", "/nowhere", 404),
         ("DELETE", "/lock", 405),
+        ("PUT", "/locks/x/keys/y/acquire", 405),
         ("POST", "/lock/acquire", 400), // campaign mode
+        ("GET", "/locks/%ff", 400),
+        ("GET", "/locks/x/keys/%c3%28", 400),
     ];
     for (method, path, status) in cases {
         let reply = http(s.addr, method, path).unwrap();
         assert_eq!(reply.status, status, "{method} {path}: {}", reply.body);
+        // Every refusal is JSON with a message, whichever layer refused.
+        let body: serde_json::Value = serde_json::from_str(&reply.body)
+            .unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {:?}", reply.body));
+        assert!(body["error"].is_string(), "{method} {path}: {body}");
     }
     let long = format!("/lock?{}", "x".repeat(100_000));
     let reply = http(s.addr, "GET", &long).unwrap();

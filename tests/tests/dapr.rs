@@ -112,6 +112,22 @@ fn dapr_sdk_drives_the_lock_api(backend: &str) {
         assert_eq!(reply.status, 400, "{bad}: {}", reply.body);
         assert_eq!(reply.json()["errorCode"], "ERR_MALFORMED_REQUEST", "{bad}");
     }
+    // Refused before any handler runs (a store name that is not UTF-8, a method the route does
+    // not take), still in Dapr's shape.
+    let wrong_method = format!("/v1.0-alpha1/lock/{family}");
+    for (method, path, status) in [
+        ("POST", "/v1.0-alpha1/lock/%ff", 400),
+        ("GET", wrong_method.as_str(), 405),
+    ] {
+        let reply = leasehold_e2e::http(([127, 0, 0, 1], http_port).into(), method, path)
+            .expect("an answer");
+        assert_eq!(reply.status, status, "{method} {path}: {}", reply.body);
+        assert_eq!(
+            reply.json()["errorCode"],
+            "ERR_MALFORMED_REQUEST",
+            "{method} {path}"
+        );
+    }
     let unlock = leasehold_e2e::http_with_body(
         ([127, 0, 0, 1], http_port).into(),
         "POST",
