@@ -525,7 +525,7 @@ fn durations(
                 ),
             ));
         };
-        let d = humantime::parse_duration(value).map_err(|e| {
+        let d = parse_duration(value).map_err(|e| {
             ApiError::new(
                 StatusCode::BAD_REQUEST,
                 format!("{key}={value:?} is not a duration ({e}); use e.g. 10s or 500ms"),
@@ -543,6 +543,43 @@ fn durations(
         out.insert(key.clone(), d);
     }
     Ok(out)
+}
+
+/// A duration in the form the API documents (docs/openapi.yaml, `Duration`): `0`, or numbers
+/// each followed by a unit, with no space (`500ms`, `1m30s`, `1.5h`). humantime alone also takes
+/// spaces inside and around (`1 0s` is ten seconds), which a client cannot mean.
+fn parse_duration(value: &str) -> Result<Duration, String> {
+    fn well_formed(value: &str) -> bool {
+        if value == "0" {
+            return true;
+        }
+        let mut rest = value;
+        let take = |rest: &mut &str, f: fn(char) -> bool| {
+            let end = rest.find(|c| !f(c)).unwrap_or(rest.len());
+            let (taken, left) = rest.split_at(end);
+            *rest = left;
+            !taken.is_empty()
+        };
+        while !rest.is_empty() {
+            if !take(&mut rest, |c| c.is_ascii_digit()) {
+                return false;
+            }
+            if let Some(fraction) = rest.strip_prefix('.') {
+                rest = fraction;
+                if !take(&mut rest, |c| c.is_ascii_digit()) {
+                    return false;
+                }
+            }
+            if !take(&mut rest, |c| c.is_ascii_alphabetic() || c == 'µ') {
+                return false;
+            }
+        }
+        !value.is_empty()
+    }
+    if !well_formed(value) {
+        return Err("numbers each followed by a unit, with no space".into());
+    }
+    humantime::parse_duration(value).map_err(|e| e.to_string())
 }
 
 /// `hold` (default [`DEFAULT_HOLD`]), which must be above zero.
@@ -1350,4 +1387,42 @@ async fn not_found() -> ApiError {
         StatusCode::NOT_FOUND,
         "no such route; try GET /lock, GET /locks/{name}, GET /healthz, GET /readyz, GET /metrics",
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_taken_in_the_documented_form_only() {
+        for (value, expected) in [
+            ("0", Duration::ZERO),
+            ("500ms", Duration::from_millis(500)),
+            ("1m30s", Duration::from_secs(90)),
+            ("1.5s", Duration::from_millis(1500)),
+            ("2min", Duration::from_secs(120)),
+            ("3µs", Duration::from_micros(3)),
+        ] {
+            assert_eq!(parse_duration(value), Ok(expected), "{value}");
+        }
+        for value in [
+            "",
+            " ",
+            "1 s",
+            " 1s",
+            "1s ",
+            "1 0s",
+            "1.s",
+            ".5s",
+            "1",
+            "s",
+            "1s-",
+            "1s 2m",
+            "+1s",
+            "1sx",
+            "10parsecs",
+        ] {
+            assert!(parse_duration(value).is_err(), "{value:?} was taken");
+        }
+    }
 }
