@@ -127,6 +127,85 @@ async fn resource_names_subresources_and_cluster_scope_are_authorized_as_kuberne
     assert!(message.ends_with("at the cluster scope"), "{message}");
 }
 
+/// A SubjectAccessReview answers whether its subject (the user, or any of its groups) may do
+/// what it names, from the same grants that authorize requests; asking needs `create` on
+/// `subjectaccessreviews` at the cluster scope, and nothing is stored.
+#[tokio::test]
+async fn a_subject_access_review_answers_from_the_grants() {
+    use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+    let api = InMemoryApiServer::new();
+    let sidecar = "system:serviceaccount:apps:jobs-runner";
+    api.grant(
+        USER,
+        vec![Grant {
+            namespace: None,
+            rule: json!({"apiGroups": ["authorization.k8s.io"],
+                         "resources": ["subjectaccessreviews"], "verbs": ["create"]}),
+        }],
+    );
+    api.grant(
+        sidecar,
+        vec![Grant {
+            namespace: Some("apps".into()),
+            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
+                         "resourceNames": ["jobs"], "verbs": ["get"]}),
+        }],
+    );
+    api.grant(
+        "system:serviceaccounts:shared",
+        vec![Grant {
+            namespace: Some("shared".into()),
+            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
+                         "verbs": ["get"]}),
+        }],
+    );
+    let ask = async |client: kube::Client, user: &str, groups: &[&str], ns: &str, name: &str| {
+        let review: SubjectAccessReview = serde_json::from_value(json!({
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+            "spec": {"user": user, "groups": groups,
+                     "resourceAttributes": {"namespace": ns, "verb": "get",
+                                            "group": "leasehold.dev",
+                                            "resource": "distributedlocks", "name": name}}
+        }))
+        .unwrap();
+        Api::<SubjectAccessReview>::all(client)
+            .create(&PostParams::default(), &review)
+            .await
+            .map(|answer| answer.status.expect("a status").allowed)
+    };
+    let client = api.client_as(USER);
+    assert!(
+        ask(client.clone(), sidecar, &[], "apps", "jobs")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !ask(client.clone(), sidecar, &[], "apps", "other")
+            .await
+            .unwrap()
+    );
+    assert!(
+        !ask(client.clone(), sidecar, &[], "shared", "jobs")
+            .await
+            .unwrap()
+    );
+    // Granted to its group, a ServiceAccount of that namespace may.
+    let groups = ["system:serviceaccounts", "system:serviceaccounts:shared"];
+    let shared = "system:serviceaccount:shared:app";
+    assert!(
+        ask(client.clone(), shared, &groups, "shared", "any")
+            .await
+            .unwrap()
+    );
+    assert!(!ask(client, shared, &[], "shared", "any").await.unwrap());
+    // Asking is itself authorized.
+    forbidden(ask(api.client_as(sidecar), sidecar, &[], "apps", "jobs").await);
+    assert!(
+        api.objects(leasehold_testkit::in_memory_api_server::SUBJECT_ACCESS_REVIEWS)
+            .is_empty()
+    );
+}
+
 /// Lists and watches honour equality-based and existence label selectors; empty metadata
 /// lists are stored as absent (`omitempty`), so a JSON patch testing for `null` finds it.
 #[tokio::test]

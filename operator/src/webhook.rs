@@ -716,6 +716,12 @@ async fn decide_review(
         Decision::Unchanged => response.into_review(),
         Decision::Deny(message) => response.deny(message).into_review(),
         Decision::Patch(ops) => {
+            let locks = requested_locks(pod)
+                .and_then(Result::ok)
+                .unwrap_or_default();
+            if let Some(message) = unreadable_lock(client, pod, &namespace, &locks).await {
+                return response.deny(message).into_review();
+            }
             let patch: json_patch::Patch =
                 serde_json::from_value(Value::Array(ops)).expect("our operations are a JSON patch");
             match response.with_patch(patch) {
@@ -725,4 +731,83 @@ async fn decide_review(
             }
         }
     }
+}
+
+/// Why the pod's ServiceAccount may not `get` one of `locks`, asked of the API server (a
+/// SubjectAccessReview, which weighs every binding: the account's, its groups', cluster-wide
+/// ones): its sidecar could not read the lock and would only answer 503, so the pod is refused
+/// with what to grant. `None` when it may, or when the API server cannot say (the pod is then
+/// admitted, and its sidecar says why it cannot read the lock while it cannot).
+async fn unreadable_lock(
+    client: &kube::Client,
+    pod: &Pod,
+    namespace: &str,
+    locks: &[String],
+) -> Option<String> {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    use kube::Resource;
+    let account = pod
+        .spec
+        .as_ref()
+        .and_then(|spec| {
+            spec.service_account_name
+                .clone()
+                .or_else(|| spec.service_account.clone())
+        })
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "default".to_owned());
+    let reviews: kube::Api<SubjectAccessReview> = kube::Api::all(client.clone());
+    for lock in locks {
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(format!("system:serviceaccount:{namespace}:{account}")),
+                // The groups every ServiceAccount token carries, which bindings may name.
+                groups: Some(vec![
+                    "system:serviceaccounts".to_owned(),
+                    format!("system:serviceaccounts:{namespace}"),
+                    "system:authenticated".to_owned(),
+                ]),
+                resource_attributes: Some(ResourceAttributes {
+                    namespace: Some(namespace.to_owned()),
+                    verb: Some("get".to_owned()),
+                    group: Some(leasehold_crds::DistributedLock::group(&()).into_owned()),
+                    resource: Some(leasehold_crds::DistributedLock::plural(&()).into_owned()),
+                    name: Some(lock.clone()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        match reviews
+            .create(&kube::api::PostParams::default(), &review)
+            .await
+        {
+            Ok(answer) => {
+                let Some(status) = answer.status.filter(|status| !status.allowed) else {
+                    continue;
+                };
+                let why = status
+                    .reason
+                    .filter(|reason| !reason.is_empty())
+                    .map(|reason| format!(" ({reason})"))
+                    .unwrap_or_default();
+                return Some(format!(
+                    "ServiceAccount {namespace}/{account} may not get DistributedLock \
+                     {namespace}/{lock}{why}: its sidecar could not read the lock and would only \
+                     answer 503. Grant it get, list and watch on the lock (a Role and a \
+                     RoleBinding, as operator/config/sidecar-rbac/ shows); the pod's controller \
+                     creates it again"
+                ));
+            }
+            Err(e) => {
+                tracing::warn!(namespace, lock = %lock, error = %e,
+                    "cannot ask whether the pod may read its DistributedLock; injecting the sidecar without checking");
+                return None;
+            }
+        }
+    }
+    None
 }

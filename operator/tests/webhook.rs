@@ -6,13 +6,25 @@ mod support;
 use kube::core::admission::AdmissionReview;
 use leasehold_operator::webhook::{self, Injection, SIDECAR_NAME};
 use leasehold_testkit::InMemoryApiServer;
-use leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
+use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, Grant};
 use serde_json::{Value, json};
 
 const NS: &str = "team";
 
+/// The pods' ServiceAccount (`default`, as the API server sets it when a pod names none).
+const POD_USER: &str = "system:serviceaccount:team:default";
+
+/// An API server with `names` as locks in `NS`, which the pods' ServiceAccount may read.
 fn api_with_locks(names: &[&str]) -> InMemoryApiServer {
     let api = InMemoryApiServer::new();
+    api.grant(
+        POD_USER,
+        vec![Grant {
+            namespace: Some(NS.into()),
+            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
+                         "verbs": ["get", "list", "watch"]}),
+        }],
+    );
     for name in names {
         api.put(
             DISTRIBUTED_LOCKS,
@@ -297,6 +309,51 @@ async fn a_lock_the_webhook_cannot_look_up_is_injected_unchecked() {
     );
     assert_eq!(answer["response"]["allowed"], true, "{answer}");
     assert!(answer["response"]["patch"].is_string(), "{answer}");
+}
+
+/// A pod whose ServiceAccount may not read its lock would get a sidecar that can only answer
+/// 503: refused with what to grant, asked of the API server (a SubjectAccessReview) so that
+/// every binding counts, a group's among them.
+#[tokio::test]
+async fn a_pod_whose_service_account_may_not_read_its_lock_is_refused_with_the_reason() {
+    let api = api_with_locks(&["jobs", "nightly"]);
+    let mut other = pod(Some("jobs"), None, None);
+    other["spec"]["serviceAccountName"] = json!("reporter");
+    let (allowed, message, _) = admit(&api, &other, true).await;
+    assert!(!allowed, "admitted a pod that may not read its lock");
+    assert!(
+        message.contains("ServiceAccount team/reporter may not get DistributedLock team/jobs")
+            && message.contains("sidecar-rbac"),
+        "{message}"
+    );
+
+    // May read one lock of two: refused, naming the other.
+    api.grant(
+        "system:serviceaccount:team:reporter",
+        vec![Grant {
+            namespace: Some(NS.into()),
+            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
+                         "resourceNames": ["jobs"], "verbs": ["get", "list", "watch"]}),
+        }],
+    );
+    let (allowed, _, _) = admit(&api, &other, true).await;
+    assert!(allowed, "the granted lock is readable");
+    other["metadata"]["annotations"]["leasehold.dev/lock"] = json!("jobs,nightly");
+    let (allowed, message, _) = admit(&api, &other, true).await;
+    assert!(!allowed && message.contains("team/nightly"), "{message}");
+
+    // Granted to every ServiceAccount of the namespace, by group.
+    api.grant(
+        "system:serviceaccounts:team",
+        vec![Grant {
+            namespace: Some(NS.into()),
+            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
+                         "verbs": ["get"]}),
+        }],
+    );
+    let (allowed, message, patched) = admit(&api, &other, true).await;
+    assert!(allowed, "{message}");
+    assert_eq!(sidecars(&patched, "initContainers").len(), 1);
 }
 
 /// A pod that turns its service account token off could never read its lock: refused at once

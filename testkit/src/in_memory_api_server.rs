@@ -232,6 +232,71 @@ impl InMemoryApiServer {
         Some(status(StatusCode::FORBIDDEN, "Forbidden", &message))
     }
 
+    /// A SubjectAccessReview: whether `spec.user` (or one of `spec.groups`) may do what
+    /// `spec.resourceAttributes` names, by the grants given. Nothing is stored, as on a real API
+    /// server. Until any grant is given the server authorizes everything (as it does requests
+    /// that carry no user), so every review is allowed then.
+    fn review_access(&self, body: &[u8]) -> Response<Body> {
+        let Ok(mut review) = serde_json::from_slice::<Value>(body) else {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "the body is not JSON",
+            );
+        };
+        let spec = &review["spec"];
+        let attributes = &spec["resourceAttributes"];
+        let (Some(user), Some(verb), Some(resource)) = (
+            spec["user"].as_str(),
+            attributes["verb"].as_str(),
+            attributes["resource"].as_str(),
+        ) else {
+            return status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "spec.user, spec.resourceAttributes.verb and .resource are required",
+            );
+        };
+        let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+        let resource = match attributes["subresource"].as_str() {
+            Some(sub) if !sub.is_empty() => format!("{resource}/{sub}"),
+            _ => resource.to_owned(),
+        };
+        let request = Attributes {
+            user: user.to_owned(),
+            verb: verb.to_owned(),
+            group: text(&attributes["group"]),
+            resource,
+            namespace: text(&attributes["namespace"]),
+            name: attributes["name"]
+                .as_str()
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned),
+        };
+        let subjects: Vec<String> = std::iter::once(user.to_owned())
+            .chain(
+                spec["groups"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|g| g.as_str().map(str::to_owned)),
+            )
+            .collect();
+        let rbac = self.rbac.lock().unwrap();
+        let allowed = rbac.grants.is_empty()
+            || subjects.iter().any(|subject| {
+                rbac.grants
+                    .get(subject)
+                    .is_some_and(|grants| grants.iter().any(|grant| grant.allows(&request)))
+            });
+        review["status"] = if allowed {
+            json!({"allowed": true, "reason": "allowed by the grants given"})
+        } else {
+            json!({"allowed": false, "reason": ""})
+        };
+        json_response(StatusCode::CREATED, &review)
+    }
+
     /// A client of this server, as a separate process would have (its own connection pool).
     pub fn client(&self) -> kube::Client {
         kube::Client::new(self.clone().service(), "default")
@@ -491,6 +556,7 @@ impl InMemoryApiServer {
             }
         }
         let response = match (&parts.method, route.name.as_deref()) {
+            (&Method::POST, None) if c == SUBJECT_ACCESS_REVIEWS => self.review_access(&body),
             (&Method::GET, None) if watch => self.watch(c, ns, name_selector(&query), &query),
             (&Method::GET, None) => self.list(
                 c,
@@ -940,6 +1006,8 @@ pub const DISTRIBUTED_LOCKS: &str = "/apis/leasehold.dev/v1alpha1/distributedloc
 pub const SECRETS: &str = "/api/v1/secrets";
 /// The collection of Events (`events.k8s.io`, as kube-runtime's recorder writes them).
 pub const EVENTS: &str = "/apis/events.k8s.io/v1/events";
+/// SubjectAccessReviews (cluster-scoped, create only): answered from the grants, never stored.
+pub const SUBJECT_ACCESS_REVIEWS: &str = "/apis/authorization.k8s.io/v1/subjectaccessreviews";
 /// The collection of Namespaces (cluster-scoped).
 pub const NAMESPACES: &str = "/api/v1/namespaces";
 /// The collection of MutatingWebhookConfigurations (cluster-scoped: namespace "").
