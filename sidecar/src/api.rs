@@ -1244,7 +1244,11 @@ async fn key_events(
 
 /// Step down from every lock for good: release each and stop campaigning, while the process
 /// keeps answering (409) until it is stopped. The pod's preStop hook (`--resign`).
-async fn resign(State(state): State<AppState>) -> Response {
+async fn resign(
+    State(state): State<AppState>,
+    QueryOnce(query): QueryOnce,
+) -> Result<Response, ApiError> {
+    durations(&query, &[])?;
     // First, so that no lock still starting (or restarting with a changed spec) begins to
     // campaign after the locks below have stepped down.
     state
@@ -1254,7 +1258,10 @@ async fn resign(State(state): State<AppState>) -> Response {
     let locks = state.locks();
     futures_util::future::join_all(locks.iter().map(Lock::shutdown)).await;
     let names: Vec<&str> = locks.iter().map(Lock::name).collect();
-    json(StatusCode::OK, &serde_json::json!({ "resigned": names }))
+    Ok(json(
+        StatusCode::OK,
+        &serde_json::json!({ "resigned": names }),
+    ))
 }
 
 #[derive(Serialize)]
@@ -1283,8 +1290,10 @@ fn sse_event(event: &Event) -> SseEvent {
 async fn events(
     State(state): State<AppState>,
     name: Option<Path<String>>,
+    QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
+    durations(&query, &[])?;
     // Subscribe before reading the state, so no change falls between the two.
     let changes = BroadcastStream::new(lock.events());
     let snapshot = lock.snapshot();

@@ -92,13 +92,31 @@ impl Reply {
     }
 }
 
-/// Send raw bytes, read until the server closes; parse the status line and the body.
+/// Send raw bytes, read until the server closes; parse the status line and the body. An
+/// answer still open after 30 s (an event stream's keep-alives) is a `TimedOut` error.
 pub fn raw_http(addr: SocketAddr, request: &[u8]) -> std::io::Result<Reply> {
+    let deadline = Instant::now() + Duration::from_secs(30);
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     stream.write_all(request)?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
+    let mut chunk = [0u8; 8192];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no end to the answer within 30 s: {}",
+                    String::from_utf8_lossy(&raw)
+                ),
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut chunk)? {
+            0 => break,
+            n => raw.extend_from_slice(&chunk[..n]),
+        }
+    }
     parse_reply(&raw)
 }
 

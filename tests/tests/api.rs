@@ -112,6 +112,9 @@ fn malformed_http_gets_4xx_and_the_sidecar_keeps_answering() {
         ("POST", "/lock/acquire", 400), // campaign mode
         ("GET", "/locks/%ff", 400),
         ("GET", "/locks/x/keys/%c3%28", 400),
+        ("GET", "/lock/events?since=1", 400),
+        // Last: were the parameter ignored, the sidecar would step down for good.
+        ("POST", "/resign?after=1s", 400),
     ];
     for (method, path, status) in cases {
         let reply = http(s.addr, method, path).unwrap();
