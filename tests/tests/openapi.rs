@@ -46,7 +46,7 @@ fn documented_routes() -> BTreeSet<(String, String)> {
     let doc: serde_json::Value = serde_yaml::from_str(&text).expect("docs/openapi.yaml is YAML");
     let mut routes = BTreeSet::new();
     for (path, item) in doc["paths"].as_object().expect("paths") {
-        for method in ["get", "post", "put", "delete", "patch"] {
+        for method in METHODS {
             if item.get(method).is_some() {
                 routes.insert((method.to_owned(), path.clone()));
             }
@@ -55,25 +55,56 @@ fn documented_routes() -> BTreeSet<(String, String)> {
     routes
 }
 
-/// `(method, path)` of every `.route("PATH", METHOD(...))` in the sidecar's routers.
+const METHODS: [&str; 5] = ["get", "post", "put", "delete", "patch"];
+
+/// `(method, path)` of every `.route("PATH", METHOD(...)[.METHOD(...)])` in the sidecar's
+/// sources.
 fn served_routes() -> BTreeSet<(String, String)> {
     let mut routes = BTreeSet::new();
-    for file in ["sidecar/src/api.rs", "sidecar/src/dapr.rs"] {
-        let source = std::fs::read_to_string(repository().join(file)).expect(file);
+    let sources = repository().join("sidecar/src");
+    for entry in std::fs::read_dir(&sources).expect("sidecar/src") {
+        let file = entry.expect("a directory entry").path();
+        if file.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let source = std::fs::read_to_string(&file).expect("a source file");
         for call in source.split(".route(").skip(1) {
-            let call = call.trim_start();
-            let Some(rest) = call.strip_prefix('"') else {
+            let Some(rest) = call.trim_start().strip_prefix('"') else {
                 continue;
             };
             let (path, rest) = rest.split_once('"').expect("a route's closing quote");
-            // The methods are the first calls after the path: `get(handler)`, `post(...)`.
-            let methods = rest.trim_start_matches([',', ' ', '\n']);
-            let method = methods.split('(').next().expect("a method router").trim();
+            // The method router: the call's second argument, up to its closing parenthesis.
+            let mut depth = 1;
+            let end = rest
+                .char_indices()
+                .find(|&(_, c)| {
+                    depth += match c {
+                        '(' => 1,
+                        ')' => -1,
+                        _ => 0,
+                    };
+                    depth == 0
+                })
+                .map_or(rest.len(), |(at, _)| at);
+            let router = &rest[..end];
+            let mut found = false;
+            for method in METHODS {
+                let called = router.match_indices(&format!("{method}(")).any(|(at, _)| {
+                    router[..at]
+                        .chars()
+                        .next_back()
+                        .is_none_or(|c| !c.is_alphanumeric() && c != '_')
+                });
+                if called {
+                    routes.insert((method.to_owned(), path.to_owned()));
+                    found = true;
+                }
+            }
             assert!(
-                ["get", "post", "put", "delete", "patch"].contains(&method),
-                "{file}: route {path} has method router {method:?}, which this test does not read"
+                found,
+                "{}: route {path} has a method router this test does not read: {router}",
+                file.display()
             );
-            routes.insert((method.to_owned(), path.to_owned()));
         }
     }
     routes
@@ -117,9 +148,15 @@ fn seed() -> u64 {
         .into()
 }
 
-/// Run schemathesis on the operations `filter` selects, against `url`; panics with its report
-/// unless every check passed. Returns its summary line.
-fn schemathesis(url: &str, filter: &[&str], seed: u64, sidecar: &Sidecar) -> String {
+/// Run schemathesis on the `operations` operations `filter` selects, against `url`; panics with
+/// its report unless it tested each of them and every check passed. Returns its summary line.
+fn schemathesis(
+    url: &str,
+    filter: &[&str],
+    operations: usize,
+    seed: u64,
+    sidecar: &Sidecar,
+) -> String {
     let openapi = repository().join("tests/openapi");
     let workdir = tempfile::tempdir().expect("a working directory");
     let output = Command::new(venv_program("schemathesis"))
@@ -149,6 +186,17 @@ fn schemathesis(url: &str, filter: &[&str], seed: u64, sidecar: &Sidecar) -> Str
          {report}{}\nsidecar log:\n{}",
         String::from_utf8_lossy(&output.stderr),
         sidecar.log()
+    );
+    let count = |label: &str| {
+        report
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(label))
+            .and_then(|rest| rest.trim().split('/').next()?.trim().parse::<usize>().ok())
+    };
+    assert_eq!(
+        (count("Selected:"), count("Tested:")),
+        (Some(operations), Some(operations)),
+        "schemathesis did not test each of the {operations} operations: {report}"
     );
     let summary = report
         .lines()
@@ -200,6 +248,7 @@ fn schemathesis_fuzzes_every_route(backend: &str) {
             schemathesis(
                 &lock_api,
                 &["--exclude-path-regex", "^/(v1|resign)"],
+                20,
                 seed,
                 &sidecar,
             ),
@@ -209,6 +258,7 @@ fn schemathesis_fuzzes_every_route(backend: &str) {
             schemathesis(
                 &format!("http://127.0.0.1:{probe_port}"),
                 &["--include-path-regex", "^/(healthz|readyz|metrics)$"],
+                3,
                 seed,
                 &sidecar,
             ),
@@ -218,6 +268,7 @@ fn schemathesis_fuzzes_every_route(backend: &str) {
             schemathesis(
                 &format!("http://127.0.0.1:{dapr_port}"),
                 &["--include-path-regex", "^/v1"],
+                5,
                 seed,
                 &sidecar,
             ),
@@ -233,7 +284,7 @@ fn schemathesis_fuzzes_every_route(backend: &str) {
     // Last, as it steps down from the locks for good.
     summaries.push((
         "resign",
-        schemathesis(&lock_api, &["--include-path", "/resign"], seed, &sidecar),
+        schemathesis(&lock_api, &["--include-path", "/resign"], 1, seed, &sidecar),
     ));
     eventually(
         Duration::from_secs(5),
