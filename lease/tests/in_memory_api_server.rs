@@ -204,6 +204,39 @@ async fn a_subject_access_review_answers_from_the_grants() {
         api.objects(leasehold_testkit::in_memory_api_server::SUBJECT_ACCESS_REVIEWS)
             .is_empty()
     );
+
+    // A LocalSubjectAccessReview asks about the namespace it is made in, with `create` there.
+    use k8s_openapi::api::authorization::v1::LocalSubjectAccessReview;
+    let local = async |client: kube::Client, made_in: &str, about: &str| {
+        let review: LocalSubjectAccessReview = serde_json::from_value(json!({
+            "apiVersion": "authorization.k8s.io/v1", "kind": "LocalSubjectAccessReview",
+            "metadata": {"namespace": made_in},
+            "spec": {"user": sidecar,
+                     "resourceAttributes": {"namespace": about, "verb": "get",
+                                            "group": "leasehold.dev",
+                                            "resource": "distributedlocks", "name": "jobs"}}
+        }))
+        .unwrap();
+        Api::<LocalSubjectAccessReview>::namespaced(client, made_in)
+            .create(&PostParams::default(), &review)
+            .await
+            .map(|answer| answer.status.expect("a status").allowed)
+    };
+    let asker = "system:serviceaccount:ops:asker";
+    api.grant(
+        asker,
+        vec![Grant {
+            namespace: Some("apps".into()),
+            rule: json!({"apiGroups": ["authorization.k8s.io"],
+                         "resources": ["localsubjectaccessreviews"], "verbs": ["create"]}),
+        }],
+    );
+    assert!(local(api.client_as(asker), "apps", "apps").await.unwrap());
+    forbidden(local(api.client_as(asker), "shared", "shared").await);
+    match local(api.client_as(asker), "apps", "shared").await {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 422, "{status:?}"),
+        other => panic!("a review about another namespace was answered: {other:?}"),
+    }
 }
 
 /// Lists and watches honour equality-based and existence label selectors; empty metadata
@@ -325,4 +358,87 @@ async fn a_watcher_that_falls_behind_still_sees_every_change() {
         seen.len(),
         BURST + 1
     );
+}
+
+/// Lists come in pages (`limit`, `continue`, `remainingItemCount`) as the API server serves
+/// them; after a compaction, a continue token or a watch from an earlier revision is 410 Gone;
+/// a kube-runtime watcher that meets it lists again and misses no object.
+#[tokio::test]
+async fn lists_come_in_pages_and_compacted_revisions_are_gone() {
+    use futures_util::{StreamExt, TryStreamExt};
+    use kube::api::{WatchEvent, WatchParams};
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+    let api = InMemoryApiServer::new();
+    for i in 0..7 {
+        api.put(LEASES, lease("apps", &format!("l{i}")));
+    }
+    let leases = Api::<Lease>::namespaced(api.client(), "apps");
+    let mut names = Vec::new();
+    let mut params = ListParams::default().limit(3);
+    let mut pages = 0;
+    loop {
+        let page = leases.list(&params).await.unwrap();
+        pages += 1;
+        names.extend(page.items.iter().map(|l| l.metadata.name.clone().unwrap()));
+        match page.metadata.continue_.filter(|token| !token.is_empty()) {
+            Some(token) => {
+                assert_eq!(
+                    page.metadata.remaining_item_count,
+                    Some(7 - names.len() as i64)
+                );
+                params = params.continue_token(&token);
+            }
+            None => break,
+        }
+    }
+    assert_eq!(pages, 3);
+    assert_eq!(names, (0..7).map(|i| format!("l{i}")).collect::<Vec<_>>());
+
+    let first = leases.list(&ListParams::default().limit(3)).await.unwrap();
+    let before = first.metadata.resource_version.clone().unwrap();
+    let token = first.metadata.continue_.clone().unwrap();
+    api.put(LEASES, lease("apps", "l7"));
+    api.compact();
+    match leases
+        .list(&ListParams::default().limit(3).continue_token(&token))
+        .await
+    {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 410, "{status:?}"),
+        other => panic!("a continue token from before the compaction was served: {other:?}"),
+    }
+    let mut events = leases
+        .watch(&WatchParams::default(), &before)
+        .await
+        .unwrap()
+        .boxed();
+    match events.try_next().await {
+        Ok(Some(WatchEvent::Error(status))) => assert_eq!(status.code, 410, "{status:?}"),
+        other => panic!("a watch from before the compaction was served: {other:?}"),
+    }
+
+    // A watcher in pages of two, resuming from a compacted revision, still sees all eight.
+    let (reader, writer) = reflector::store();
+    let watch = reflector::reflector(
+        writer,
+        watcher(leases.clone(), watcher::Config::default().page_size(2)).default_backoff(),
+    );
+    let driven = tokio::spawn(watch.for_each(|_| async {}));
+    reader.wait_until_ready().await.unwrap();
+    assert_eq!(reader.state().len(), 8);
+    // Its watch ends (the server goes down a moment) and, meanwhile, history is compacted: it
+    // watches again from a revision that is gone, gets 410, and lists again.
+    api.put(LEASES, lease("apps", "l0"));
+    api.set_down(true);
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    api.compact();
+    api.set_down(false);
+    api.put(LEASES, lease("apps", "l8"));
+    for _ in 0..500 {
+        if reader.state().len() == 9 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(reader.state().len(), 9, "the watcher missed a lease");
+    driven.abort();
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use leasehold_operator::api_rate_limit::ApiRateLimitLayer;
 use leasehold_operator::config::Config;
+use leasehold_operator::lock_cache::LockCache;
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context};
 use leasehold_operator::webhook_tls::{self, SelfManaged, ServingCert};
@@ -41,6 +42,12 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     let api = kube::Config::infer()
         .await
         .map_err(|e| format!("no Kubernetes API configuration: {e}"))?;
+    // The webhook's own client, not paced with the reconciler's: an admission's few requests
+    // must not queue behind a resync of thousands of locks while the API server's timeout for
+    // the webhook runs (5 s), or pods would be refused for it.
+    let webhook_client = kube::client::ClientBuilder::try_from(api.clone())
+        .map_err(|e| format!("cannot build the Kubernetes API client: {e}"))?
+        .build();
     let client = kube::client::ClientBuilder::try_from(api)
         .map_err(|e| format!("cannot build the Kubernetes API client: {e}"))?
         .with_layer(&ApiRateLimitLayer::new(config.api_qps, config.api_burst))
@@ -106,7 +113,14 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         .await
     });
 
-    let serving = start_webhook(&config, &client, &election_namespace, metrics.clone()).await?;
+    let serving = start_webhook(
+        &config,
+        &client,
+        &webhook_client,
+        &election_namespace,
+        metrics.clone(),
+    )
+    .await?;
     let leadership = election::campaign(client.clone(), &election_namespace, &identity)
         .map_err(|e| format!("cannot start the leader election: {e}"))?;
     // Ready once the webhook presents a certificate: the Service must not send admission
@@ -164,6 +178,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
 async fn start_webhook(
     config: &Config,
     client: &kube::Client,
+    webhook_client: &kube::Client,
     namespace: &str,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<ServingCert>, String> {
@@ -190,7 +205,8 @@ async fn start_webhook(
         }
     }
     let injection = config.injection();
-    let router = webhook_server::router(client.clone(), injection, metrics);
+    let locks = LockCache::start(webhook_client, &config.watched());
+    let router = webhook_server::router(webhook_client.clone(), locks, injection, metrics);
     tokio::spawn(webhook_server::serve(
         listener,
         serving.clone(),

@@ -8,6 +8,7 @@
 //! container.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
@@ -17,6 +18,8 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde_json::{Value, json};
+
+use crate::lock_cache::LockCache;
 
 /// The annotation that asks for the sidecar: one lock name, or several comma-separated.
 pub const ANNOTATION: &str = "leasehold.dev/lock";
@@ -641,10 +644,11 @@ pub fn sidecar(
 /// be looked up is injected unchecked (the sidecar waits for it).
 pub async fn review(
     client: &kube::Client,
+    locks: &LockCache,
     injection: &Injection,
     review: kube::core::admission::AdmissionReview<Pod>,
 ) -> Value {
-    let mut answer = decide_review(client, injection, review).await;
+    let mut answer = decide_review(client, locks, injection, review).await;
     // kube-core serializes the patch as an array of numbers (kube-rs issue #1781); the API
     // server reads `[]byte` as base64, so the wire form is written here.
     let patch = answer.response.as_mut().and_then(|r| r.patch.take());
@@ -658,6 +662,7 @@ pub async fn review(
 
 async fn decide_review(
     client: &kube::Client,
+    cache: &LockCache,
     injection: &Injection,
     review: kube::core::admission::AdmissionReview<Pod>,
 ) -> kube::core::admission::AdmissionReview<kube::core::DynamicObject> {
@@ -683,8 +688,14 @@ async fn decide_review(
         let api: kube::Api<leasehold_crds::DistributedLock> =
             kube::Api::namespaced(client.clone(), &namespace);
         for lock in locks {
-            match api.get_opt(&lock).await {
-                // A lock the CRD's rule would refuse today (created before it, or without it).
+            // The watch's copy when it has the lock; else the API server (a lock created a
+            // moment ago, or the watch still starting).
+            let found = match cache.get(&namespace, &lock) {
+                Some(cached) => Ok(Some(cached)),
+                None => api.get_opt(&lock).await.map(|found| found.map(Arc::new)),
+            };
+            match found {
+                // A lock the CRD's rule refuses (one created without the rule in place).
                 Ok(Some(found)) if found.spec.backend.sqlite.is_some() => {
                     return response
                         .deny(format!(
@@ -733,11 +744,18 @@ async fn decide_review(
     }
 }
 
-/// Why the pod's ServiceAccount may not `get` one of `locks`, asked of the API server (a
-/// SubjectAccessReview, which weighs every binding: the account's, its groups', cluster-wide
-/// ones): its sidecar could not read the lock and would only answer 503, so the pod is refused
-/// with what to grant. `None` when it may, or when the API server cannot say (the pod is then
-/// admitted, and its sidecar says why it cannot read the lock while it cannot).
+/// How long the webhook waits for the API server's answers on the pod's rights: well inside the
+/// API server's 5 s for the whole admission (`timeoutSeconds`), after which the pod is admitted
+/// unchecked rather than refused for the webhook's own slowness.
+const ACCESS_REVIEW_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Why the pod's ServiceAccount may not read one of `locks` as its sidecar does (`list` and
+/// `watch`, by name: it follows its lock with a watch restricted to the name), asked of the API
+/// server (a LocalSubjectAccessReview per lock and verb, all at once, which weighs every binding:
+/// the account's, its groups', cluster-wide ones). Its sidecar could not read the lock and would
+/// only answer 503, so the pod is refused with what to grant. `None` when it may, or when the
+/// API server does not say within [`ACCESS_REVIEW_BUDGET`] (the pod is then admitted, and its
+/// sidecar says why it cannot read the lock while it cannot).
 async fn unreadable_lock(
     client: &kube::Client,
     pod: &Pod,
@@ -745,7 +763,7 @@ async fn unreadable_lock(
     locks: &[String],
 ) -> Option<String> {
     use k8s_openapi::api::authorization::v1::{
-        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+        LocalSubjectAccessReview, ResourceAttributes, SubjectAccessReviewSpec,
     };
     use kube::Resource;
     let account = pod
@@ -758,9 +776,14 @@ async fn unreadable_lock(
         })
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "default".to_owned());
-    let reviews: kube::Api<SubjectAccessReview> = kube::Api::all(client.clone());
-    for lock in locks {
-        let review = SubjectAccessReview {
+    let reviews: kube::Api<LocalSubjectAccessReview> =
+        kube::Api::namespaced(client.clone(), namespace);
+    let ask = |lock: &String, verb: &'static str| {
+        let review = LocalSubjectAccessReview {
+            metadata: kube::api::ObjectMeta {
+                namespace: Some(namespace.to_owned()),
+                ..Default::default()
+            },
             spec: SubjectAccessReviewSpec {
                 user: Some(format!("system:serviceaccount:{namespace}:{account}")),
                 // The groups every ServiceAccount token carries, which bindings may name.
@@ -771,7 +794,7 @@ async fn unreadable_lock(
                 ]),
                 resource_attributes: Some(ResourceAttributes {
                     namespace: Some(namespace.to_owned()),
-                    verb: Some("get".to_owned()),
+                    verb: Some(verb.to_owned()),
                     group: Some(leasehold_crds::DistributedLock::group(&()).into_owned()),
                     resource: Some(leasehold_crds::DistributedLock::plural(&()).into_owned()),
                     name: Some(lock.clone()),
@@ -779,28 +802,35 @@ async fn unreadable_lock(
                 }),
                 ..Default::default()
             },
-            ..Default::default()
+            status: None,
         };
-        match reviews
-            .create(&kube::api::PostParams::default(), &review)
-            .await
-        {
+        let reviews = reviews.clone();
+        let lock = lock.clone();
+        async move {
+            let answer = reviews
+                .create(&kube::api::PostParams::default(), &review)
+                .await;
+            (lock, verb, answer)
+        }
+    };
+    let asked = futures_util::future::join_all(
+        locks
+            .iter()
+            .flat_map(|lock| [ask(lock, "list"), ask(lock, "watch")]),
+    );
+    let Ok(answers) = tokio::time::timeout(ACCESS_REVIEW_BUDGET, asked).await else {
+        tracing::warn!(namespace, budget = ?ACCESS_REVIEW_BUDGET,
+            "the API server did not say in time whether the pod may read its locks; injecting the sidecar without checking");
+        return None;
+    };
+    let mut refused = Vec::new();
+    for (lock, verb, answer) in answers {
+        match answer {
             Ok(answer) => {
-                let Some(status) = answer.status.filter(|status| !status.allowed) else {
-                    continue;
-                };
-                let why = status
-                    .reason
-                    .filter(|reason| !reason.is_empty())
-                    .map(|reason| format!(" ({reason})"))
-                    .unwrap_or_default();
-                return Some(format!(
-                    "ServiceAccount {namespace}/{account} may not get DistributedLock \
-                     {namespace}/{lock}{why}: its sidecar could not read the lock and would only \
-                     answer 503. Grant it get, list and watch on the lock (a Role and a \
-                     RoleBinding, as operator/config/sidecar-rbac/ shows); the pod's controller \
-                     creates it again"
-                ));
+                if let Some(status) = answer.status.filter(|status| !status.allowed) {
+                    let why = status.reason.filter(|reason| !reason.is_empty());
+                    refused.push((lock, verb, why));
+                }
             }
             Err(e) => {
                 tracing::warn!(namespace, lock = %lock, error = %e,
@@ -809,5 +839,21 @@ async fn unreadable_lock(
             }
         }
     }
-    None
+    let (lock, _, why) = refused.first()?;
+    let verbs: Vec<&str> = refused
+        .iter()
+        .filter(|(other, _, _)| other == lock)
+        .map(|(_, verb, _)| *verb)
+        .collect();
+    let why = why
+        .as_ref()
+        .map(|reason| format!(" ({reason})"))
+        .unwrap_or_default();
+    Some(format!(
+        "ServiceAccount {namespace}/{account} may not {} DistributedLock {namespace}/{lock}{why}: \
+         its sidecar follows the lock with a watch and could only answer 503. Grant it get, \
+         list and watch on the lock (a Role and a RoleBinding, as operator/config/sidecar-rbac/ \
+         shows); the pod's controller creates the pod again, after its backoff",
+        verbs.join(" and ")
+    ))
 }

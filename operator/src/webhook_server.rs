@@ -18,6 +18,7 @@ use kube::core::admission::AdmissionReview;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
+use crate::lock_cache::LockCache;
 use crate::metrics::Metrics;
 use crate::webhook::{self, Injection};
 use crate::webhook_tls::ServingCert;
@@ -36,16 +37,24 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 #[derive(Clone)]
 struct Webhook {
     client: kube::Client,
+    locks: LockCache,
     injection: Arc<Injection>,
     metrics: Arc<Metrics>,
 }
 
-/// The webhook's routes (plain HTTP; [`serve`] puts TLS in front).
-pub fn router(client: kube::Client, injection: Injection, metrics: Arc<Metrics>) -> Router {
+/// The webhook's routes (plain HTTP; [`serve`] puts TLS in front), finding pods' locks in
+/// `locks` first.
+pub fn router(
+    client: kube::Client,
+    locks: LockCache,
+    injection: Injection,
+    metrics: Arc<Metrics>,
+) -> Router {
     Router::new()
         .route(MUTATE_PATH, post(mutate))
         .with_state(Webhook {
             client,
+            locks,
             injection: Arc::new(injection),
             metrics,
         })
@@ -66,7 +75,7 @@ async fn mutate(State(hook): State<Webhook>, body: axum::body::Bytes) -> Respons
                 .into_response();
         }
     };
-    let answer = webhook::review(&hook.client, &hook.injection, review).await;
+    let answer = webhook::review(&hook.client, &hook.locks, &hook.injection, review).await;
     hook.metrics.admitted(result_of(&answer));
     axum::Json(answer).into_response()
 }

@@ -4,6 +4,8 @@
 mod support;
 
 use kube::core::admission::AdmissionReview;
+use leasehold_operator::config::Watched;
+use leasehold_operator::lock_cache::LockCache;
 use leasehold_operator::webhook::{self, Injection, SIDECAR_NAME};
 use leasehold_testkit::InMemoryApiServer;
 use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, Grant};
@@ -11,20 +13,11 @@ use serde_json::{Value, json};
 
 const NS: &str = "team";
 
-/// The pods' ServiceAccount (`default`, as the API server sets it when a pod names none).
-const POD_USER: &str = "system:serviceaccount:team:default";
-
-/// An API server with `names` as locks in `NS`, which the pods' ServiceAccount may read.
+/// An API server with `names` as locks in `NS`, which the pods' ServiceAccount (`default`, as
+/// the API server sets it when a pod names none) may read.
 fn api_with_locks(names: &[&str]) -> InMemoryApiServer {
     let api = InMemoryApiServer::new();
-    api.grant(
-        POD_USER,
-        vec![Grant {
-            namespace: Some(NS.into()),
-            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
-                         "verbs": ["get", "list", "watch"]}),
-        }],
-    );
+    support::grant_default_account_locks(&api, NS);
     for name in names {
         api.put(
             DISTRIBUTED_LOCKS,
@@ -80,8 +73,19 @@ fn injection(native: bool) -> Injection {
 
 /// The webhook's answer: allowed, the message, and the pod after its patch.
 async fn admit(api: &InMemoryApiServer, pod: &Value, native: bool) -> (bool, String, Value) {
+    admit_with(api, &LockCache::none(), pod, native).await
+}
+
+/// [`admit`], finding the pod's locks in `locks` first.
+async fn admit_with(
+    api: &InMemoryApiServer,
+    locks: &LockCache,
+    pod: &Value,
+    native: bool,
+) -> (bool, String, Value) {
     let answer = webhook::review(
         &support::operator_client(api),
+        locks,
         &injection(native),
         admission_review(pod),
     )
@@ -299,6 +303,7 @@ async fn a_lock_the_webhook_cannot_look_up_is_injected_unchecked() {
     let api = api_with_locks(&["jobs"]);
     let answer = webhook::review(
         &api.client_as("system:serviceaccount:leasehold-system:nobody"),
+        &LockCache::none(),
         &injection(true),
         admission_review(&pod(Some("jobs"), None, None)),
     )
@@ -309,6 +314,57 @@ async fn a_lock_the_webhook_cannot_look_up_is_injected_unchecked() {
     );
     assert_eq!(answer["response"]["allowed"], true, "{answer}");
     assert!(answer["response"]["patch"].is_string(), "{answer}");
+}
+
+/// A pod's locks come from the webhook's watch-fed copy: once it has them, admitting pods reads
+/// no lock from the API server, and a lock created later reaches the copy through the watch.
+#[tokio::test]
+async fn the_webhook_finds_locks_in_its_watch_fed_copy() {
+    let api = api_with_locks(&["jobs"]);
+    let locks = LockCache::start(&support::operator_client(&api), &Watched::AllNamespaces);
+    let seen = async |name: &str| {
+        for _ in 0..500 {
+            if locks.get(NS, name).is_some() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the watch never brought {name}");
+    };
+    seen("jobs").await;
+    let reads = || {
+        api.requests_by_kind()
+            .get("GET distributedlocks")
+            .copied()
+            .unwrap_or(0)
+    };
+    let before = reads();
+    for _ in 0..5 {
+        let (allowed, message, patched) =
+            admit_with(&api, &locks, &pod(Some("jobs"), None, None), true).await;
+        assert!(allowed, "{message}");
+        assert_eq!(sidecars(&patched, "initContainers").len(), 1);
+    }
+    assert_eq!(reads(), before, "an admission read a lock the copy had");
+
+    // Created after the watch started: in the copy, and refused from it (SQLite).
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+               "metadata": {"name": "local", "namespace": NS},
+               "spec": {"backend": {"sqlite": {"path": "/data/l.db"}}}}),
+    );
+    seen("local").await;
+    let before = reads();
+    let (allowed, message, _) =
+        admit_with(&api, &locks, &pod(Some("local"), None, None), true).await;
+    assert!(!allowed && message.contains("SQLite"), "{message}");
+    assert_eq!(reads(), before);
+
+    // Not in the copy: read from the API server.
+    let (allowed, _, _) = admit_with(&api, &locks, &pod(Some("later"), None, None), true).await;
+    assert!(allowed);
+    assert_eq!(reads(), before + 1, "a lock the copy lacks is read");
 }
 
 /// A pod whose ServiceAccount may not read its lock would get a sidecar that can only answer
@@ -322,8 +378,9 @@ async fn a_pod_whose_service_account_may_not_read_its_lock_is_refused_with_the_r
     let (allowed, message, _) = admit(&api, &other, true).await;
     assert!(!allowed, "admitted a pod that may not read its lock");
     assert!(
-        message.contains("ServiceAccount team/reporter may not get DistributedLock team/jobs")
-            && message.contains("sidecar-rbac"),
+        message.contains(
+            "ServiceAccount team/reporter may not list and watch DistributedLock team/jobs"
+        ) && message.contains("sidecar-rbac"),
         "{message}"
     );
 
@@ -342,13 +399,28 @@ async fn a_pod_whose_service_account_may_not_read_its_lock_is_refused_with_the_r
     let (allowed, message, _) = admit(&api, &other, true).await;
     assert!(!allowed && message.contains("team/nightly"), "{message}");
 
-    // Granted to every ServiceAccount of the namespace, by group.
+    // `get` alone is not what the sidecar does (it lists and watches by name): refused.
     api.grant(
         "system:serviceaccounts:team",
         vec![Grant {
             namespace: Some(NS.into()),
             rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
                          "verbs": ["get"]}),
+        }],
+    );
+    let (allowed, message, _) = admit(&api, &other, true).await;
+    assert!(
+        !allowed && message.contains("may not list and watch DistributedLock team/nightly"),
+        "{message}"
+    );
+
+    // Granted to every ServiceAccount of the namespace, by group.
+    api.grant(
+        "system:serviceaccounts:team",
+        vec![Grant {
+            namespace: Some(NS.into()),
+            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
+                         "verbs": ["list", "watch"]}),
         }],
     );
     let (allowed, message, patched) = admit(&api, &other, true).await;
@@ -670,7 +742,13 @@ async fn resources_pull_secrets_and_pull_policy_are_the_operators_settings() {
         let injection = injection.clone();
         let pod = pod.clone();
         async move {
-            let answer = webhook::review(&support::operator_client(&api), &injection, review).await;
+            let answer = webhook::review(
+                &support::operator_client(&api),
+                &LockCache::none(),
+                &injection,
+                review,
+            )
+            .await;
             let bytes = base64_decode(answer["response"]["patch"].as_str().unwrap());
             let patch: json_patch::Patch = serde_json::from_slice(&bytes).unwrap();
             let mut patched = pod;
@@ -851,6 +929,7 @@ async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
     any.architectures.clear();
     let answer = webhook::review(
         &support::operator_client(&api),
+        &LockCache::none(),
         &any,
         admission_review(&arm),
     )

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use leasehold_operator::lock_cache::LockCache;
 use leasehold_operator::webhook::Injection;
 use leasehold_operator::webhook_certs::{CA_VALIDITY, Renewal, SERVING_VALIDITY};
 use leasehold_operator::webhook_server;
@@ -31,9 +32,11 @@ fn settings() -> SelfManaged {
     }
 }
 
-/// The chart's configuration, with an unrelated webhook beside ours that must stay untouched.
+/// The chart's configuration, with an unrelated webhook beside ours that must stay untouched;
+/// the annotated pods' ServiceAccount may read their locks.
 fn api_with_configuration() -> InMemoryApiServer {
     let api = InMemoryApiServer::new();
+    support::grant_default_account_locks(&api, "team");
     api.put(
         MUTATING_WEBHOOK_CONFIGURATIONS,
         chart_webhook_configuration(&[json!(
@@ -217,6 +220,7 @@ async fn the_listener_serves_admission_reviews_and_picks_up_a_rotated_certificat
     let metrics = Arc::new(leasehold_operator::metrics::Metrics::new());
     let router = webhook_server::router(
         client.clone(),
+        LockCache::none(),
         Injection::new("leasehold/leasehold:0.1.0", true),
         metrics.clone(),
     );
@@ -372,6 +376,7 @@ async fn an_idle_kept_alive_connection_still_answers() {
     let addr = listener.local_addr().unwrap();
     let router = webhook_server::router(
         client,
+        LockCache::none(),
         Injection::new("leasehold/leasehold:0.1.0", true),
         Arc::new(leasehold_operator::metrics::Metrics::new()),
     );

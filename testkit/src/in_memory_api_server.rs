@@ -142,8 +142,15 @@ struct Rbac {
 struct Store {
     revision: u64,
     objects: BTreeMap<(Collection, String, String), Value>,
+    /// The changes after `compacted`, oldest first.
     history: Vec<Change>,
+    /// The revision up to which history is gone, as etcd compacts it: a watch from before it,
+    /// or a list continued from a page of before it, is answered 410 Gone.
+    compacted: u64,
 }
+
+/// How many changes the history keeps before its older half is compacted away.
+const HISTORY_LIMIT: usize = 200_000;
 
 /// Cheap to clone; all clones share one store.
 #[derive(Clone)]
@@ -232,11 +239,13 @@ impl InMemoryApiServer {
         Some(status(StatusCode::FORBIDDEN, "Forbidden", &message))
     }
 
-    /// A SubjectAccessReview: whether `spec.user` (or one of `spec.groups`) may do what
+    /// A SubjectAccessReview, or with `local` a LocalSubjectAccessReview made in that namespace
+    /// (about that namespace only): whether `spec.user` (or one of `spec.groups`) may do what
     /// `spec.resourceAttributes` names, by the grants given. Nothing is stored, as on a real API
     /// server. Until any grant is given the server authorizes everything (as it does requests
-    /// that carry no user), so every review is allowed then.
-    fn review_access(&self, body: &[u8]) -> Response<Body> {
+    /// that carry no user), so every review is allowed then. (Requests themselves are
+    /// authorized by their user alone: a client here carries no groups.)
+    fn review_access(&self, body: &[u8], local: Option<&str>) -> Response<Body> {
         let Ok(mut review) = serde_json::from_slice::<Value>(body) else {
             return status(
                 StatusCode::BAD_REQUEST,
@@ -246,17 +255,35 @@ impl InMemoryApiServer {
         };
         let spec = &review["spec"];
         let attributes = &spec["resourceAttributes"];
-        let (Some(user), Some(verb), Some(resource)) = (
-            spec["user"].as_str(),
-            attributes["verb"].as_str(),
-            attributes["resource"].as_str(),
-        ) else {
+        let user = spec["user"].as_str().unwrap_or_default();
+        let groups = spec["groups"].as_array().cloned().unwrap_or_default();
+        let (Some(verb), Some(resource)) =
+            (attributes["verb"].as_str(), attributes["resource"].as_str())
+        else {
             return status(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "Invalid",
-                "spec.user, spec.resourceAttributes.verb and .resource are required",
+                "spec.resourceAttributes.verb and .resource are required",
             );
         };
+        if user.is_empty() && groups.is_empty() {
+            return status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "at least one of user or group must be specified",
+            );
+        }
+        let asked_in = attributes["namespace"].as_str().unwrap_or_default();
+        if let Some(local) = local
+            && !asked_in.is_empty()
+            && asked_in != local
+        {
+            return status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "spec.resourceAttributes.namespace must match metadata.namespace",
+            );
+        }
         let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
         let resource = match attributes["subresource"].as_str() {
             Some(sub) if !sub.is_empty() => format!("{resource}/{sub}"),
@@ -267,20 +294,15 @@ impl InMemoryApiServer {
             verb: verb.to_owned(),
             group: text(&attributes["group"]),
             resource,
-            namespace: text(&attributes["namespace"]),
+            namespace: local.map_or_else(|| asked_in.to_owned(), str::to_owned),
             name: attributes["name"]
                 .as_str()
                 .filter(|n| !n.is_empty())
                 .map(str::to_owned),
         };
         let subjects: Vec<String> = std::iter::once(user.to_owned())
-            .chain(
-                spec["groups"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|g| g.as_str().map(str::to_owned)),
-            )
+            .filter(|user| !user.is_empty())
+            .chain(groups.iter().filter_map(|g| g.as_str().map(str::to_owned)))
             .collect();
         let rbac = self.rbac.lock().unwrap();
         let allowed = rbac.grants.is_empty()
@@ -556,13 +578,17 @@ impl InMemoryApiServer {
             }
         }
         let response = match (&parts.method, route.name.as_deref()) {
-            (&Method::POST, None) if c == SUBJECT_ACCESS_REVIEWS => self.review_access(&body),
+            (&Method::POST, None) if c == SUBJECT_ACCESS_REVIEWS => self.review_access(&body, None),
+            (&Method::POST, None) if c == LOCAL_SUBJECT_ACCESS_REVIEWS => {
+                self.review_access(&body, Some(ns))
+            }
             (&Method::GET, None) if watch => self.watch(c, ns, name_selector(&query), &query),
             (&Method::GET, None) => self.list(
                 c,
                 ns,
                 name_selector(&query).as_deref(),
                 &LabelSelector::of(&query),
+                &query,
             ),
             (&Method::POST, None) => self.create(c, ns, &body),
             (&Method::GET, Some(name)) => match self.object(c, ns, name) {
@@ -654,8 +680,21 @@ impl InMemoryApiServer {
             object: object.clone(),
         };
         store.history.push(change.clone());
+        if store.history.len() > HISTORY_LIMIT {
+            let gone: Vec<Change> = store.history.drain(..HISTORY_LIMIT / 2).collect();
+            store.compacted = gone.last().map_or(store.compacted, |c| c.revision);
+        }
         let _ = self.changes.send(change);
         object
+    }
+
+    /// Compact the history up to now, as etcd does every few minutes: a watch from an earlier
+    /// revision, or a list continued from an earlier page, is answered 410 Gone (the client
+    /// lists again).
+    pub fn compact(&self) {
+        let mut store = self.store.lock().unwrap();
+        store.compacted = store.revision;
+        store.history.clear();
     }
 
     fn create(&self, collection: &str, ns: &str, body: &[u8]) -> Response<Body> {
@@ -907,15 +946,45 @@ impl InMemoryApiServer {
         }
     }
 
+    /// A list, in pages when `limit` is given: each page ends with a `continue` token (and
+    /// `remainingItemCount`) while more remain. A continued page comes from the objects as they
+    /// are now, after the last one sent (a real server serves every page from the first page's
+    /// revision); a token from before a compaction is answered 410 Gone, as a real server does.
     fn list(
         &self,
         collection: &str,
         ns: &str,
         name: Option<&str>,
         labels: &LabelSelector,
+        query: &BTreeMap<String, String>,
     ) -> Response<Body> {
         let store = self.store.lock().unwrap();
-        let items: Vec<Value> = store
+        let limit = query
+            .get("limit")
+            .and_then(|l| l.parse::<usize>().ok())
+            .filter(|l| *l > 0);
+        let (revision, after) = match query.get("continue").filter(|c| !c.is_empty()) {
+            None => (store.revision, None),
+            Some(token) => match Continue::decode(token) {
+                None => {
+                    return status(
+                        StatusCode::BAD_REQUEST,
+                        "BadRequest",
+                        "continue key is not valid",
+                    );
+                }
+                Some(token) if token.revision < store.compacted => {
+                    return status(
+                        StatusCode::GONE,
+                        "Expired",
+                        "The provided continue parameter is too old to display a consistent \
+                         list result. You can start a new list without the continue parameter.",
+                    );
+                }
+                Some(token) => (token.revision, Some((token.namespace, token.name))),
+            },
+        };
+        let mut matching = store
             .objects
             .iter()
             // No namespace in the path: every namespace (and the cluster-scoped objects).
@@ -925,14 +994,41 @@ impl InMemoryApiServer {
                     && name.is_none_or(|name| name == object_name)
                     && labels.matches(object)
             })
+            .filter(|((_, n, object_name), _)| {
+                after
+                    .as_ref()
+                    .is_none_or(|(a_ns, a_name)| (n, object_name) > (a_ns, a_name))
+            });
+        let items: Vec<Value> = matching
+            .by_ref()
+            .take(limit.unwrap_or(usize::MAX))
             .map(|(_, object)| object.clone())
             .collect();
+        let remaining = matching.count();
+        let mut metadata = json!({"resourceVersion": revision.to_string()});
+        if remaining > 0
+            && let Some(last) = items.last()
+        {
+            let token = Continue {
+                revision,
+                namespace: last["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                name: last["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            };
+            metadata["continue"] = json!(token.encode());
+            metadata["remainingItemCount"] = json!(remaining);
+        }
         json_response(
             StatusCode::OK,
             &json!({
                 "apiVersion": "v1",
                 "kind": "List",
-                "metadata": {"resourceVersion": store.revision.to_string()},
+                "metadata": metadata,
                 "items": items,
             }),
         )
@@ -951,12 +1047,51 @@ impl InMemoryApiServer {
             .unwrap_or(0);
         let (replay, live) = {
             let store = self.store.lock().unwrap();
-            let replay: Vec<Change> = store
-                .history
-                .iter()
-                .filter(|c| c.revision > since)
-                .cloned()
-                .collect();
+            if since != 0 && since < store.compacted {
+                // As the API server says it: an ERROR event in the stream, then its end.
+                let gone = json!({"type": "ERROR", "object": {
+                    "apiVersion": "v1", "kind": "Status", "status": "Failure",
+                    "reason": "Expired", "code": 410,
+                    "message": format!("too old resource version: {since} ({})", store.compacted),
+                }});
+                let mut line = serde_json::to_vec(&gone).unwrap();
+                line.push(b'\n');
+                let frames = futures_util::stream::iter([Ok::<_, Infallible>(
+                    http_body::Frame::data(Bytes::from(line)),
+                )]);
+                return Response::builder()
+                    .status(StatusCode::OK)
+                    .header("content-type", "application/json")
+                    .body(StreamBody::new(frames).boxed_unsync())
+                    .unwrap();
+            }
+            let replay: Vec<Change> = if since == 0 {
+                // No revision: every object as it is now, as ADDED, then the changes.
+                let mut now: Vec<Change> = store
+                    .objects
+                    .iter()
+                    .map(|((collection, namespace, name), object)| Change {
+                        revision: object["metadata"]["resourceVersion"]
+                            .as_str()
+                            .and_then(|rv| rv.parse().ok())
+                            .unwrap_or(0),
+                        collection: collection.clone(),
+                        namespace: namespace.clone(),
+                        name: name.clone(),
+                        kind: "ADDED",
+                        object: object.clone(),
+                    })
+                    .collect();
+                now.sort_by_key(|c| c.revision);
+                now
+            } else {
+                store
+                    .history
+                    .iter()
+                    .filter(|c| c.revision > since)
+                    .cloned()
+                    .collect()
+            };
             (replay, self.changes.subscribe())
         };
         let (collection, ns) = (collection.to_owned(), ns.to_owned());
@@ -998,6 +1133,37 @@ impl InMemoryApiServer {
     }
 }
 
+/// A list's `continue` token: the first page's revision and the last object sent, as text.
+struct Continue {
+    revision: u64,
+    namespace: String,
+    name: String,
+}
+
+impl Continue {
+    /// Hex of `REVISION/NAMESPACE/NAME` (names hold no `/`): opaque to clients, as the API's is.
+    fn encode(&self) -> String {
+        format!("{}/{}/{}", self.revision, self.namespace, self.name)
+            .bytes()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    fn decode(token: &str) -> Option<Self> {
+        let bytes: Option<Vec<u8>> = (0..token.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok())
+            .collect();
+        let text = String::from_utf8(bytes?).ok()?;
+        let mut parts = text.splitn(3, '/');
+        Some(Self {
+            revision: parts.next()?.parse().ok()?,
+            namespace: parts.next()?.to_owned(),
+            name: parts.next()?.to_owned(),
+        })
+    }
+}
+
 /// The collection of Leases.
 pub const LEASES: &str = "/apis/coordination.k8s.io/v1/leases";
 /// The collection of DistributedLocks.
@@ -1008,6 +1174,10 @@ pub const SECRETS: &str = "/api/v1/secrets";
 pub const EVENTS: &str = "/apis/events.k8s.io/v1/events";
 /// SubjectAccessReviews (cluster-scoped, create only): answered from the grants, never stored.
 pub const SUBJECT_ACCESS_REVIEWS: &str = "/apis/authorization.k8s.io/v1/subjectaccessreviews";
+/// LocalSubjectAccessReviews (namespaced, create only), as [`SUBJECT_ACCESS_REVIEWS`] about one
+/// namespace.
+pub const LOCAL_SUBJECT_ACCESS_REVIEWS: &str =
+    "/apis/authorization.k8s.io/v1/localsubjectaccessreviews";
 /// The collection of Namespaces (cluster-scoped).
 pub const NAMESPACES: &str = "/api/v1/namespaces";
 /// The collection of MutatingWebhookConfigurations (cluster-scoped: namespace "").

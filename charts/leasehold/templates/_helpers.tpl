@@ -58,6 +58,9 @@ in each of operator.watchNamespaces when they are set.
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+- apiGroups: ["authorization.k8s.io"]
+  resources: ["localsubjectaccessreviews"]
+  verbs: ["create"]
 {{- end }}
 
 {{/* The uninstall hook's rules and hook annotations (templates/uninstall-hook.yaml). */}}

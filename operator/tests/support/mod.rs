@@ -286,6 +286,20 @@ fn grants_in(
 
 /// A client of `api` that may do what the chart lets the operator's ServiceAccount do, and no
 /// more: a request outside its RBAC rules gets the real API server's 403.
+/// Let the ServiceAccount `default` of `namespace` read the locks there, as an app's Role does
+/// (`operator/config/sidecar-rbac/role.yaml`): what the webhook checks before injecting.
+pub fn grant_default_account_locks(api: &leasehold_testkit::InMemoryApiServer, namespace: &str) {
+    api.grant(
+        &format!("system:serviceaccount:{namespace}:default"),
+        vec![leasehold_testkit::in_memory_api_server::Grant {
+            namespace: Some(namespace.into()),
+            rule: serde_json::json!({"apiGroups": ["leasehold.dev"],
+                                     "resources": ["distributedlocks"],
+                                     "verbs": ["get", "list", "watch"]}),
+        }],
+    );
+}
+
 pub fn operator_client(api: &leasehold_testkit::InMemoryApiServer) -> kube::Client {
     api.grant(
         OPERATOR_USER,
