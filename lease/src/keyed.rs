@@ -724,6 +724,30 @@ impl KeyedFamily {
         Ok(self.answer_for(&holding, answer))
     }
 
+    /// A person's force-release of `key` (`leasehold.dev/force-release: KEY:TOKEN` on the
+    /// family): the holding of `key` by an owner of this pod with `token`, on whichever permit,
+    /// steps down as a lock's does ([`Lock::force_release`]): it answers "not held" at once and
+    /// is released once its last answer has run out; its owner's calls then meet "not held",
+    /// and a hold bound to a connection ends with `released`. `Ok(false)`: no owner of this pod
+    /// holds `key` with `token`.
+    pub async fn force_release(&self, key: &str, token: u64) -> Result<bool, KeyError> {
+        self.check_key(key)?;
+        let Some(holding) = self.find_holding(key, |holding| {
+            holding
+                .lock
+                .snapshot()
+                .held
+                .is_some_and(|held| held.token == token)
+        }) else {
+            return Ok(false);
+        };
+        holding
+            .lock
+            .force_release(token)
+            .await
+            .map_err(KeyError::Lock)
+    }
+
     /// The engine of `key` while `owner` holds it: what a hold bound to a connection follows.
     pub fn holding(&self, key: &str, owner: &str) -> Option<Lock> {
         self.owned_permit(key, owner)
@@ -1108,6 +1132,30 @@ fn check_owner(owner: &str) -> Result<(), KeyError> {
         ));
     }
     Ok(())
+}
+
+/// The backend lock names of `key`'s permits in `family` (permit 0 first), for those who read a
+/// key's holders without a family of their own (the operator, for a force-release). `Err` when
+/// `key` is not a key of at most `max_key_length` characters.
+pub fn key_lock_names(
+    family: &str,
+    key: &str,
+    permits: u32,
+    max_key_length: usize,
+) -> Result<Vec<String>, String> {
+    let valid = !key.is_empty()
+        && key.len() <= max_key_length
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:/@".contains(&b));
+    if !valid {
+        return Err(format!(
+            "{key:?} is not a key: 1 to {max_key_length} letters, digits and . _ - : / @"
+        ));
+    }
+    Ok((0..permits.max(1))
+        .map(|permit| backend_name(family, &permit_key(key, permit)))
+        .collect())
 }
 
 /// `FAMILY.keys.KEY` for a plain lowercase key that keeps the name valid everywhere, else

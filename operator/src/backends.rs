@@ -459,6 +459,25 @@ impl Backends {
         (kind, outcome.unwrap_or_else(|e| failed(&e)))
     }
 
+    /// Who holds the family `lock`'s backend locks `names` now (a key's permits): the holdings
+    /// found. What a force-release of a key looks at.
+    pub async fn observe_key(
+        &self,
+        client: &kube::Client,
+        lock: &DistributedLock,
+        names: &[String],
+    ) -> leasehold_lease::Result<Vec<leasehold_lease::Holding>> {
+        let resolved = self.resolve(client, lock).await?;
+        let (driver, _) = self.driver(client, lock, &resolved).await?;
+        let mut holdings = Vec::new();
+        for name in names {
+            if let Some(holding) = bounded(driver.observe(name)).await? {
+                holdings.push(holding);
+            }
+        }
+        Ok(holdings)
+    }
+
     /// Remove the lock's artifacts from its backend while holding the lock (see
     /// [`leasehold_lease::delete_records`]), and forget its driver: `Ok(Some(kept))`, with
     /// nothing removed, while another holds it.

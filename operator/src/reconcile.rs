@@ -246,8 +246,43 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&ObjectRef::from(lock));
-            if let Some(asked) = resource::force_release_token(lock)
-                && let Some(again) = force_release(ctx, lock, asked, holder.as_ref()).await?
+            let asked = if lock.spec.keys.is_some() {
+                match resource::force_release_key(lock) {
+                    None => None,
+                    Some(Err(raw)) => {
+                        Some((Asked::Invalid(format!("{raw:?} is not KEY:TOKEN")), None))
+                    }
+                    Some(Ok((key, token))) => match key_lock_names(lock, &key) {
+                        Err(why) => Some((Asked::Invalid(why), None)),
+                        Ok(names) => {
+                            match ctx.backends.observe_key(&ctx.client, lock, &names).await {
+                                Ok(holdings) => {
+                                    // The holding with that token, else who holds the key.
+                                    let holding = holdings
+                                        .iter()
+                                        .find(|h| h.token == token)
+                                        .or(holdings.first())
+                                        .cloned();
+                                    Some((Asked::Key { key, token }, holding))
+                                }
+                                // The backend cannot tell now: the request waits for the next
+                                // look, as a lock's does while its backend fails.
+                                Err(e) => {
+                                    tracing::debug!(error = %e, key, "a force-released key could not be read");
+                                    return Ok(Action::requeue(FORCE_RELEASE_RECHECK));
+                                }
+                            }
+                        }
+                    },
+                }
+            } else {
+                resource::force_release_token(lock).map(|asked| {
+                    let asked = asked.map_or_else(Asked::Invalid, Asked::Lock);
+                    (asked, holder)
+                })
+            };
+            if let Some((asked, holding)) = asked
+                && let Some(again) = force_release(ctx, lock, asked, holding.as_ref()).await?
             {
                 return Ok(Action::requeue(again));
             }
@@ -267,38 +302,75 @@ pub const FORCE_RELEASE_RECHECK: Duration = Duration::from_secs(2);
 /// is also three of the lock's leases when that is longer.
 pub const FORCE_RELEASE_PATIENCE: Duration = Duration::from_secs(120);
 
-/// A person's `leasehold.dev/force-release=TOKEN`: while `holder` still holds with that token,
-/// its sidecar (which follows the lock) is stepping down, and the lock is looked at again in
-/// [`FORCE_RELEASE_RECHECK`]; once it does not, the annotation is removed and an Event says
-/// what became of it (also when the token was not current, or is no token).
+/// What a force-release annotation asks for.
+enum Asked {
+    /// The lock's holding with this token.
+    Lock(u64),
+    /// A family key's holding with this token (`KEY:TOKEN`).
+    Key { key: String, token: u64 },
+    /// Not a request that can be carried out: why.
+    Invalid(String),
+}
+
+/// The backend lock names of the family `lock`'s `key` (one per permit); `Err` when the key is
+/// not one.
+fn key_lock_names(lock: &DistributedLock, key: &str) -> std::result::Result<Vec<String>, String> {
+    let max_key_length = lock
+        .spec
+        .keys
+        .as_ref()
+        .and_then(|keys| keys.max_key_length)
+        .map_or(leasehold_lease::keyed::DEFAULT_MAX_KEY_LENGTH, |n| {
+            n as usize
+        });
+    leasehold_lease::keyed::key_lock_names(
+        &lock.name_any(),
+        key,
+        lock.spec.permits.unwrap_or(1),
+        max_key_length,
+    )
+}
+
+/// A person's `leasehold.dev/force-release=TOKEN` (a family's: `KEY:TOKEN`): while `holder`
+/// still holds with that token, its sidecar (which follows the lock) is stepping down, and the
+/// lock is looked at again in [`FORCE_RELEASE_RECHECK`]; once it does not, the annotation is
+/// removed and an Event says what became of it (also when the token was not current, or the
+/// request is not one).
 async fn force_release(
     ctx: &Context,
     lock: &DistributedLock,
-    asked: std::result::Result<u64, String>,
+    asked: Asked,
     holder: Option<&leasehold_lease::Holding>,
 ) -> Result<Option<Duration>> {
     let by = annotation_author(lock, resource::FORCE_RELEASE_ANNOTATION);
     let uid = lock.metadata.uid.clone().unwrap_or_default();
+    let subject = match &asked {
+        Asked::Key { key, .. } => format!("key {key}"),
+        _ => "the lock".to_owned(),
+    };
     let now = match holder {
-        Some(h) => format!("{} holds the lock with token {}", h.identity, h.token),
-        None => "nobody holds the lock".to_owned(),
+        Some(h) => format!("{} holds {subject} with token {}", h.identity, h.token),
+        None => format!("nobody holds {subject}"),
+    };
+    let asked = match asked {
+        Asked::Lock(token) | Asked::Key { token, .. } => Ok(token),
+        Asked::Invalid(why) => Err(why),
     };
     let notice = match asked {
-        Err(raw) => Notice {
+        Err(why) => Notice {
             warning: true,
             reason: "ForceReleaseInvalid",
-            note: format!(
-                "{}={raw:?}, set by {by}, is not a fencing token; nothing was released ({now})",
-                resource::FORCE_RELEASE_ANNOTATION
-            ),
-        },
-        Ok(_) if lock.spec.keys.is_some() => Notice {
-            warning: true,
-            reason: "ForceReleaseInvalid",
-            note: format!(
-                "{}, set by {by}, applies to a lock, not to a family of keyed locks, whose keys their owners release; nothing was released",
-                resource::FORCE_RELEASE_ANNOTATION
-            ),
+            note: if lock.spec.keys.is_some() {
+                format!(
+                    "{} on a family, set by {by}, names a key's holding as KEY:TOKEN, but {why}; nothing was released",
+                    resource::FORCE_RELEASE_ANNOTATION
+                )
+            } else {
+                format!(
+                    "{}={why:?}, set by {by}, is not a fencing token; nothing was released ({now})",
+                    resource::FORCE_RELEASE_ANNOTATION
+                )
+            },
         },
         Ok(token) if holder.is_some_and(|h| h.token == token) => {
             let (first_seen, new) = {
@@ -322,7 +394,7 @@ async fn force_release(
                             warning: false,
                             reason: "ForceReleaseRequested",
                             note: format!(
-                                "{by} asked to end the holding with token {token} ({now}); its sidecar steps down"
+                                "{by} asked to end the holding of {subject} with token {token} ({now}); its sidecar steps down"
                             ),
                         },
                     )
@@ -334,7 +406,7 @@ async fn force_release(
                 warning: true,
                 reason: "ForceReleaseStalled",
                 note: format!(
-                    "the holding with token {token} did not end within {}s of {by}'s request ({now}); its sidecar steps down only if it follows the lock (--resource, as the webhook injects it)",
+                    "the holding of {subject} with token {token} did not end within {}s of {by}'s request ({now}); its sidecar steps down only if it follows the lock (--resource, as the webhook injects it)",
                     patience.as_secs()
                 ),
             }
@@ -350,7 +422,7 @@ async fn force_release(
                     warning: false,
                     reason: "ForceReleased",
                     note: format!(
-                        "the holding with token {token} ended at the request of {by}; {now}"
+                        "the holding of {subject} with token {token} ended at the request of {by}; {now}"
                     ),
                 }
             } else {
@@ -358,7 +430,7 @@ async fn force_release(
                     warning: true,
                     reason: "ForceReleaseIgnored",
                     note: format!(
-                        "token {token}, set by {by}, is not the current holding; nothing was released ({now})"
+                        "token {token}, set by {by}, is not the current holding of {subject}; nothing was released ({now})"
                     ),
                 }
             }

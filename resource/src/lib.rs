@@ -132,10 +132,10 @@ pub fn secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
 pub const ALLOWED_HOSTS_ANNOTATION: &str = "leasehold.dev/allowed-hosts";
 
 /// The annotation by which a person ends a holding: `kubectl annotate dlock NAME
-/// leasehold.dev/force-release=TOKEN`. The holder's sidecar (following the lock with
-/// `--resource`) steps down if it holds the lock with that token; the operator removes the
-/// annotation once that holding is over, or at once if it was not current, and says so in an
-/// Event.
+/// leasehold.dev/force-release=TOKEN`, or on a family of keyed locks `KEY:TOKEN`. The holder's
+/// sidecar (following the lock with `--resource`) steps down if it holds the lock (or the key)
+/// with that token; the operator removes the annotation once that holding is over, or at once
+/// if it was not current, and says so in an Event.
 pub const FORCE_RELEASE_ANNOTATION: &str = "leasehold.dev/force-release";
 
 /// The token a lock's [`FORCE_RELEASE_ANNOTATION`] names, if it carries one; `Err` with the
@@ -143,6 +143,20 @@ pub const FORCE_RELEASE_ANNOTATION: &str = "leasehold.dev/force-release";
 pub fn force_release_token(lock: &DistributedLock) -> Option<Result<u64, String>> {
     let raw = lock.annotations().get(FORCE_RELEASE_ANNOTATION)?;
     Some(raw.trim().parse::<u64>().map_err(|_| raw.clone()))
+}
+
+/// The key and token a family's [`FORCE_RELEASE_ANNOTATION`] names (`KEY:TOKEN`; a key may hold
+/// `:` itself, the token is what follows the last one), if it carries one; `Err` with the value
+/// when it is not of that form.
+pub fn force_release_key(lock: &DistributedLock) -> Option<Result<(String, u64), String>> {
+    let raw = lock.annotations().get(FORCE_RELEASE_ANNOTATION)?;
+    Some(
+        raw.trim()
+            .rsplit_once(':')
+            .filter(|(key, _)| !key.is_empty())
+            .and_then(|(key, token)| Some((key.to_owned(), token.parse::<u64>().ok()?)))
+            .ok_or_else(|| raw.clone()),
+    )
 }
 
 /// `host:port` of every server the lock's backend is reached at: where its Secrets' values go.
@@ -864,6 +878,30 @@ mod tests {
             name: name.into(),
             key: key.into(),
         }
+    }
+
+    #[test]
+    fn a_familys_force_release_names_a_key_and_a_token() {
+        let mut family = lock(Backend::default());
+        let asked = |family: &mut DistributedLock, value: &str| {
+            family.metadata.annotations =
+                Some([(FORCE_RELEASE_ANNOTATION.to_owned(), value.to_owned())].into());
+            force_release_key(family)
+        };
+        assert_eq!(
+            asked(&mut family, "order-1234:7"),
+            Some(Ok(("order-1234".into(), 7)))
+        );
+        // A key may hold `:`; the token follows the last one.
+        assert_eq!(
+            asked(&mut family, " tenant:a:12 "),
+            Some(Ok(("tenant:a".into(), 12)))
+        );
+        for bad in ["7", ":7", "k:", "k:x", "k:-1"] {
+            assert_eq!(asked(&mut family, bad), Some(Err(bad.to_owned())), "{bad}");
+        }
+        family.metadata.annotations = None;
+        assert_eq!(force_release_key(&family), None);
     }
 
     #[test]

@@ -385,6 +385,16 @@ pub async fn follow(
             {
                 tracing::warn!(resource = %r, token, "force-released by the lock's annotation: stepping down");
             }
+            if let Some(Ok((key, token))) = resource::force_release_key(&lock)
+                && running.keys.is_some()
+                && let Some(family) = state
+                    .families()
+                    .into_iter()
+                    .find(|f| f.name() == running.name)
+                && family.force_release(&key, token).await.unwrap_or(false)
+            {
+                tracing::warn!(resource = %r, key, token, "force-released by the family's annotation: the key's holding steps down");
+            }
             if lock.metadata.deletion_timestamp.is_some() {
                 // The operator deletes a `cleanupPolicy: Delete` lock's records only once nobody
                 // holds it: release now rather than at the next failed renewal.

@@ -56,3 +56,69 @@ fn a_force_released_holder_steps_down_and_another_pod_takes_the_lock() {
                 .contains(&"ForceReleased".to_owned())
     });
 }
+
+/// On a family, `KEY:TOKEN` ends one key's holding: its owner holds it no more at once, another
+/// pod's owner takes the key with a higher token once the holding's last answer has run out,
+/// the operator removes the annotation with an Event, and the owner's other key is untouched.
+#[test]
+fn a_force_released_key_is_given_up_and_another_owner_takes_it() {
+    let redis = RedisServer::start();
+    let family = unique_lock("forced-keys");
+    let cluster = Cluster::start(
+        &family,
+        json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+            "leaseDuration": "3s", "renewInterval": "1s", "cleanupPolicy": "Delete", "keys": {},
+        }),
+    );
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let a = Sidecar::start_from_resource("pod-a", &cluster.resource(), &env);
+    let b = Sidecar::start_from_resource("pod-b", &cluster.resource(), &env);
+    let route = |key: &str, action: &str, query: &str| {
+        format!("/locks/{family}/keys/{key}/{action}?{query}")
+    };
+    let status = |key: &str| format!("/locks/{family}/keys/{key}?owner=w1");
+    eventually(Duration::from_secs(15), "pod a's owner takes k1", || {
+        a.post(&route("k1", "acquire", "owner=w1&hold=1h")).status == 200
+    });
+    let token = a.get(&status("k1")).token();
+    let other = a.post(&route("k2", "acquire", "owner=w1&hold=1h")).token();
+
+    // A token that is not the key's holding: nothing changes.
+    cluster.annotate(ANNOTATION, &format!("k1:{}", token + 100));
+    eventually(
+        Duration::from_secs(15),
+        "the stale request is removed and reported",
+        || {
+            cluster.annotation(ANNOTATION).is_none()
+                && cluster
+                    .event_reasons()
+                    .contains(&"ForceReleaseIgnored".to_owned())
+        },
+    );
+    assert_eq!(
+        a.get(&status("k1")).token(),
+        token,
+        "pod a's owner still holds k1"
+    );
+
+    cluster.annotate(ANNOTATION, &format!("k1:{token}"));
+    eventually(
+        Duration::from_secs(15),
+        "pod a's owner no longer holds k1",
+        || a.get(&status("k1")).status != 200,
+    );
+    eventually(Duration::from_secs(15), "pod b's owner takes k1", || {
+        b.post(&route("k1", "acquire", "owner=w2&wait=1s")).status == 200
+    });
+    let taken = b.get(&format!("/locks/{family}/keys/k1?owner=w2")).token();
+    assert!(taken > token, "token {taken} after {token}");
+    eventually(Duration::from_secs(15), "the operator reports it", || {
+        cluster.annotation(ANNOTATION).is_none()
+            && cluster
+                .event_reasons()
+                .contains(&"ForceReleased".to_owned())
+    });
+    assert_eq!(a.get(&status("k2")).token(), other, "k2 was touched");
+}
