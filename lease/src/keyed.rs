@@ -729,15 +729,27 @@ impl KeyedFamily {
     /// steps down as a lock's does ([`Lock::force_release`]): it answers "not held" at once and
     /// is released once its last answer has run out; its owner's calls then meet "not held",
     /// and a hold bound to a connection ends with `released`. `Ok(false)`: no owner of this pod
-    /// holds `key` with `token`.
-    pub async fn force_release(&self, key: &str, token: u64) -> Result<bool, KeyError> {
+    /// holds `key` with `token`. A semaphore's request names the permit: on some backends two
+    /// permits of a key may hold the same token.
+    pub async fn force_release(
+        &self,
+        key: &str,
+        permit: Option<u32>,
+        token: u64,
+    ) -> Result<bool, KeyError> {
         self.check_key(key)?;
+        if permit.is_none() && self.has_had_permits() {
+            return Err(KeyError::BadKeys(format!(
+                "{key}: a semaphore's holding is named with its permit, KEY#PERMIT:TOKEN"
+            )));
+        }
         let Some(holding) = self.find_holding(key, |holding| {
-            holding
-                .lock
-                .snapshot()
-                .held
-                .is_some_and(|held| held.token == token)
+            permit.is_none_or(|permit| holding.permit == permit)
+                && holding
+                    .lock
+                    .snapshot()
+                    .held
+                    .is_some_and(|held| held.token == token)
         }) else {
             return Ok(false);
         };
@@ -1134,13 +1146,13 @@ fn check_owner(owner: &str) -> Result<(), KeyError> {
     Ok(())
 }
 
-/// The backend lock names of `key`'s permits in `family` (permit 0 first), for those who read a
-/// key's holders without a family of their own (the operator, for a force-release). `Err` when
-/// `key` is not a key of at most `max_key_length` characters.
+/// The backend lock names of `key`'s `permits` in `family`, in order, for those who read a key's
+/// holders without a family of their own (the operator, for a force-release). `Err` when `key`
+/// is not a key of at most `max_key_length` characters.
 pub fn key_lock_names(
     family: &str,
     key: &str,
-    permits: u32,
+    permits: std::ops::Range<u32>,
     max_key_length: usize,
 ) -> Result<Vec<String>, String> {
     let valid = !key.is_empty()
@@ -1153,7 +1165,7 @@ pub fn key_lock_names(
             "{key:?} is not a key: 1 to {max_key_length} letters, digits and . _ - : / @"
         ));
     }
-    Ok((0..permits.max(1))
+    Ok(permits
         .map(|permit| backend_name(family, &permit_key(key, permit)))
         .collect())
 }

@@ -469,13 +469,13 @@ impl Backends {
     ) -> leasehold_lease::Result<Vec<leasehold_lease::Holding>> {
         let resolved = self.resolve(client, lock).await?;
         let (driver, _) = self.driver(client, lock, &resolved).await?;
-        let mut holdings = Vec::new();
-        for name in names {
-            if let Some(holding) = bounded(driver.observe(name)).await? {
-                holdings.push(holding);
-            }
-        }
-        Ok(holdings)
+        // All at once: a semaphore's permits, each within the backend's time.
+        let read = futures_util::future::join_all(names.iter().map(|name| {
+            let driver = driver.clone();
+            async move { bounded(driver.observe(name)).await }
+        }))
+        .await;
+        read.into_iter().filter_map(Result::transpose).collect()
     }
 
     /// Remove the lock's artifacts from its backend while holding the lock (see

@@ -60,9 +60,10 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Consecutive failures per lock, for the backoff.
     pub failures: Mutex<HashMap<ObjectRef<DistributedLock>, u32>>,
-    /// Force-releases asked for (by lock uid and token) whose holding still runs, with when
-    /// the operator first saw each.
-    pub force_releases: Mutex<HashMap<(String, u64), Instant>>,
+    /// Force-releases asked for (by lock uid, what is released: empty for the lock, else the
+    /// key and permit, and token) whose holding still runs, with when the operator first saw
+    /// each.
+    pub force_releases: Mutex<HashMap<(String, String, u64), Instant>>,
 }
 
 impl Context {
@@ -249,10 +250,11 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
             let asked = if lock.spec.keys.is_some() {
                 match resource::force_release_key(lock) {
                     None => None,
-                    Some(Err(raw)) => {
-                        Some((Asked::Invalid(format!("{raw:?} is not KEY:TOKEN")), None))
-                    }
-                    Some(Ok((key, token))) => match key_lock_names(lock, &key) {
+                    Some(Err(raw)) => Some((
+                        Asked::Invalid(format!("{raw:?} is not KEY:TOKEN (KEY#PERMIT:TOKEN)")),
+                        None,
+                    )),
+                    Some(Ok(asked)) => match key_lock_names(lock, &asked) {
                         Err(why) => Some((Asked::Invalid(why), None)),
                         Ok(names) => {
                             match ctx.backends.observe_key(&ctx.client, lock, &names).await {
@@ -260,15 +262,15 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
                                     // The holding with that token, else who holds the key.
                                     let holding = holdings
                                         .iter()
-                                        .find(|h| h.token == token)
+                                        .find(|h| h.token == asked.token)
                                         .or(holdings.first())
                                         .cloned();
-                                    Some((Asked::Key { key, token }, holding))
+                                    Some((Asked::Key(asked), holding))
                                 }
                                 // The backend cannot tell now: the request waits for the next
                                 // look, as a lock's does while its backend fails.
                                 Err(e) => {
-                                    tracing::debug!(error = %e, key, "a force-released key could not be read");
+                                    tracing::warn!(error = %e, key = asked.key, "a force-released key could not be read on the backend; looking again");
                                     return Ok(Action::requeue(FORCE_RELEASE_RECHECK));
                                 }
                             }
@@ -306,15 +308,30 @@ pub const FORCE_RELEASE_PATIENCE: Duration = Duration::from_secs(120);
 enum Asked {
     /// The lock's holding with this token.
     Lock(u64),
-    /// A family key's holding with this token (`KEY:TOKEN`).
-    Key { key: String, token: u64 },
+    /// A family key's holding with this token (`KEY:TOKEN`, `KEY#PERMIT:TOKEN`).
+    Key(resource::KeyForceRelease),
     /// Not a request that can be carried out: why.
     Invalid(String),
 }
 
-/// The backend lock names of the family `lock`'s `key` (one per permit); `Err` when the key is
-/// not one.
-fn key_lock_names(lock: &DistributedLock, key: &str) -> std::result::Result<Vec<String>, String> {
+/// The backend lock names of the family `lock`'s key that `asked` names (its permit's, or on a
+/// plain family the key's own); `Err` when the key is not one, or a semaphore's request does not
+/// name the permit (two permits of a key may hold one token on some backends).
+fn key_lock_names(
+    lock: &DistributedLock,
+    asked: &resource::KeyForceRelease,
+) -> std::result::Result<Vec<String>, String> {
+    let permits = match asked.permit {
+        Some(permit) if permit < leasehold_lease::keyed::MAX_PERMITS => permit..permit + 1,
+        Some(permit) => return Err(format!("permit {permit} is not one a key can have")),
+        None if lock.spec.permits.unwrap_or(1) > 1 => {
+            return Err(format!(
+                "{} is a semaphore's key: name the permit, KEY#PERMIT:TOKEN",
+                asked.key
+            ));
+        }
+        None => 0..1,
+    };
     let max_key_length = lock
         .spec
         .keys
@@ -323,12 +340,7 @@ fn key_lock_names(lock: &DistributedLock, key: &str) -> std::result::Result<Vec<
         .map_or(leasehold_lease::keyed::DEFAULT_MAX_KEY_LENGTH, |n| {
             n as usize
         });
-    leasehold_lease::keyed::key_lock_names(
-        &lock.name_any(),
-        key,
-        lock.spec.permits.unwrap_or(1),
-        max_key_length,
-    )
+    leasehold_lease::keyed::key_lock_names(&lock.name_any(), &asked.key, permits, max_key_length)
 }
 
 /// A person's `leasehold.dev/force-release=TOKEN` (a family's: `KEY:TOKEN`): while `holder`
@@ -344,16 +356,24 @@ async fn force_release(
 ) -> Result<Option<Duration>> {
     let by = annotation_author(lock, resource::FORCE_RELEASE_ANNOTATION);
     let uid = lock.metadata.uid.clone().unwrap_or_default();
-    let subject = match &asked {
-        Asked::Key { key, .. } => format!("key {key}"),
-        _ => "the lock".to_owned(),
+    // What is released, as the requests still running are remembered by.
+    let (subject, released) = match &asked {
+        Asked::Key(asked) => match asked.permit {
+            Some(permit) => (
+                format!("key {} (permit {permit})", asked.key),
+                format!("{}#{permit}", asked.key),
+            ),
+            None => (format!("key {}", asked.key), asked.key.clone()),
+        },
+        _ => ("the lock".to_owned(), String::new()),
     };
     let now = match holder {
         Some(h) => format!("{} holds {subject} with token {}", h.identity, h.token),
         None => format!("nobody holds {subject}"),
     };
     let asked = match asked {
-        Asked::Lock(token) | Asked::Key { token, .. } => Ok(token),
+        Asked::Lock(token) => Ok(token),
+        Asked::Key(asked) => Ok(asked.token),
         Asked::Invalid(why) => Err(why),
     };
     let notice = match asked {
@@ -375,10 +395,10 @@ async fn force_release(
         Ok(token) if holder.is_some_and(|h| h.token == token) => {
             let (first_seen, new) = {
                 let mut asked = ctx.force_releases.lock().unwrap_or_else(|e| e.into_inner());
-                match asked.get(&(uid.clone(), token)) {
+                match asked.get(&(uid.clone(), released.clone(), token)) {
                     Some(at) => (*at, false),
                     None => {
-                        asked.insert((uid.clone(), token), Instant::now());
+                        asked.insert((uid.clone(), released.clone(), token), Instant::now());
                         (Instant::now(), true)
                     }
                 }
@@ -416,7 +436,7 @@ async fn force_release(
                 .force_releases
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .contains_key(&(uid.clone(), token));
+                .contains_key(&(uid.clone(), released.clone(), token));
             if asked_while_current {
                 Notice {
                     warning: false,
@@ -442,7 +462,7 @@ async fn force_release(
     ctx.force_releases
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .retain(|(asked_of, _), _| asked_of != &uid);
+        .retain(|(asked_of, _, _), _| asked_of != &uid);
     publish(ctx, lock, &notice).await;
     Ok(None)
 }
@@ -567,7 +587,7 @@ fn forget_force_releases(ctx: &Context, lock: &DistributedLock) {
     ctx.force_releases
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .retain(|(asked_of, _), _| asked_of != &uid);
+        .retain(|(asked_of, _, _), _| asked_of != &uid);
 }
 
 /// The clean-up proper: an error when it must be tried again.

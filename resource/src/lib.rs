@@ -145,18 +145,34 @@ pub fn force_release_token(lock: &DistributedLock) -> Option<Result<u64, String>
     Some(raw.trim().parse::<u64>().map_err(|_| raw.clone()))
 }
 
-/// The key and token a family's [`FORCE_RELEASE_ANNOTATION`] names (`KEY:TOKEN`; a key may hold
-/// `:` itself, the token is what follows the last one), if it carries one; `Err` with the value
-/// when it is not of that form.
-pub fn force_release_key(lock: &DistributedLock) -> Option<Result<(String, u64), String>> {
+/// A family key's holding that a force-release names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyForceRelease {
+    pub key: String,
+    /// A semaphore's permit (`KEY#PERMIT:TOKEN`): on some backends two permits of a key may
+    /// hold the same token, so a semaphore's request names the permit.
+    pub permit: Option<u32>,
+    pub token: u64,
+}
+
+/// The key holding a family's [`FORCE_RELEASE_ANNOTATION`] names (`KEY:TOKEN`, or
+/// `KEY#PERMIT:TOKEN`; a key may hold `:` itself, the token is what follows the last one, and
+/// no key holds `#`), if it carries one; `Err` with the value when it is not of that form.
+pub fn force_release_key(lock: &DistributedLock) -> Option<Result<KeyForceRelease, String>> {
     let raw = lock.annotations().get(FORCE_RELEASE_ANNOTATION)?;
-    Some(
-        raw.trim()
-            .rsplit_once(':')
-            .filter(|(key, _)| !key.is_empty())
-            .and_then(|(key, token)| Some((key.to_owned(), token.parse::<u64>().ok()?)))
-            .ok_or_else(|| raw.clone()),
-    )
+    let parsed = raw.trim().rsplit_once(':').and_then(|(key, token)| {
+        let token = token.parse::<u64>().ok()?;
+        let (key, permit) = match key.split_once('#') {
+            Some((key, permit)) => (key, Some(permit.parse::<u32>().ok()?)),
+            None => (key, None),
+        };
+        (!key.is_empty()).then(|| KeyForceRelease {
+            key: key.to_owned(),
+            permit,
+            token,
+        })
+    });
+    Some(parsed.ok_or_else(|| raw.clone()))
 }
 
 /// `host:port` of every server the lock's backend is reached at: where its Secrets' values go.
@@ -888,16 +904,25 @@ mod tests {
                 Some([(FORCE_RELEASE_ANNOTATION.to_owned(), value.to_owned())].into());
             force_release_key(family)
         };
+        let named = |key: &str, permit: Option<u32>, token: u64| {
+            Some(Ok(KeyForceRelease {
+                key: key.into(),
+                permit,
+                token,
+            }))
+        };
         assert_eq!(
             asked(&mut family, "order-1234:7"),
-            Some(Ok(("order-1234".into(), 7)))
+            named("order-1234", None, 7)
         );
         // A key may hold `:`; the token follows the last one.
         assert_eq!(
             asked(&mut family, " tenant:a:12 "),
-            Some(Ok(("tenant:a".into(), 12)))
+            named("tenant:a", None, 12)
         );
-        for bad in ["7", ":7", "k:", "k:x", "k:-1"] {
+        // A semaphore's permit.
+        assert_eq!(asked(&mut family, "k1#2:9"), named("k1", Some(2), 9));
+        for bad in ["7", ":7", "k:", "k:x", "k:-1", "#1:7", "k#:7", "k#x:7"] {
             assert_eq!(asked(&mut family, bad), Some(Err(bad.to_owned())), "{bad}");
         }
         family.metadata.annotations = None;

@@ -385,15 +385,23 @@ pub async fn follow(
             {
                 tracing::warn!(resource = %r, token, "force-released by the lock's annotation: stepping down");
             }
-            if let Some(Ok((key, token))) = resource::force_release_key(&lock)
+            if let Some(Ok(asked)) = resource::force_release_key(&lock)
                 && running.keys.is_some()
                 && let Some(family) = state
                     .families()
                     .into_iter()
                     .find(|f| f.name() == running.name)
-                && family.force_release(&key, token).await.unwrap_or(false)
             {
-                tracing::warn!(resource = %r, key, token, "force-released by the family's annotation: the key's holding steps down");
+                let (key, token) = (&asked.key, asked.token);
+                match family.force_release(key, asked.permit, token).await {
+                    Ok(true) => {
+                        tracing::warn!(resource = %r, key, token, "force-released by the family's annotation: the key's holding steps down")
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(resource = %r, key, token, error = %e, "the family's force-release annotation cannot be carried out")
+                    }
+                }
             }
             if lock.metadata.deletion_timestamp.is_some() {
                 // The operator deletes a `cleanupPolicy: Delete` lock's records only once nobody

@@ -79,7 +79,7 @@ fn a_force_released_key_is_given_up_and_another_owner_takes_it() {
         format!("/locks/{family}/keys/{key}/{action}?{query}")
     };
     let status = |key: &str| format!("/locks/{family}/keys/{key}?owner=w1");
-    eventually(Duration::from_secs(15), "pod a's owner takes k1", || {
+    eventually(Duration::from_secs(30), "pod a's owner takes k1", || {
         a.post(&route("k1", "acquire", "owner=w1&hold=1h")).status == 200
     });
     let token = a.get(&status("k1")).token();
@@ -88,7 +88,7 @@ fn a_force_released_key_is_given_up_and_another_owner_takes_it() {
     // A token that is not the key's holding: nothing changes.
     cluster.annotate(ANNOTATION, &format!("k1:{}", token + 100));
     eventually(
-        Duration::from_secs(15),
+        Duration::from_secs(30),
         "the stale request is removed and reported",
         || {
             cluster.annotation(ANNOTATION).is_none()
@@ -105,20 +105,79 @@ fn a_force_released_key_is_given_up_and_another_owner_takes_it() {
 
     cluster.annotate(ANNOTATION, &format!("k1:{token}"));
     eventually(
-        Duration::from_secs(15),
+        Duration::from_secs(30),
         "pod a's owner no longer holds k1",
         || a.get(&status("k1")).status != 200,
     );
-    eventually(Duration::from_secs(15), "pod b's owner takes k1", || {
+    eventually(Duration::from_secs(30), "pod b's owner takes k1", || {
         b.post(&route("k1", "acquire", "owner=w2&wait=1s")).status == 200
     });
     let taken = b.get(&format!("/locks/{family}/keys/k1?owner=w2")).token();
     assert!(taken > token, "token {taken} after {token}");
-    eventually(Duration::from_secs(15), "the operator reports it", || {
+    eventually(Duration::from_secs(30), "the operator reports it", || {
         cluster.annotation(ANNOTATION).is_none()
             && cluster
                 .event_reasons()
                 .contains(&"ForceReleased".to_owned())
     });
     assert_eq!(a.get(&status("k2")).token(), other, "k2 was touched");
+}
+
+/// On a semaphore the request names the permit (`KEY#PERMIT:TOKEN`): two permits of a key may
+/// hold one token on some backends, so a request without it is refused and releases nothing.
+#[test]
+fn a_semaphores_force_release_names_the_permit() {
+    let redis = RedisServer::start();
+    let family = unique_lock("forced-permits");
+    let cluster = Cluster::start(
+        &family,
+        json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+            "leaseDuration": "3s", "renewInterval": "1s", "cleanupPolicy": "Delete",
+            "keys": {}, "permits": 2,
+        }),
+    );
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let a = Sidecar::start_from_resource("pod-a", &cluster.resource(), &env);
+    let acquire = format!("/locks/{family}/keys/k1/acquire?owner=w1&hold=1h");
+    eventually(
+        Duration::from_secs(30),
+        "pod a's owner takes a permit",
+        || a.post(&acquire).status == 200,
+    );
+    let held = a.get(&format!("/locks/{family}/keys/k1?owner=w1")).json();
+    let (token, permit) = (
+        held["fencingToken"].as_u64().unwrap(),
+        held["permit"].as_u64().unwrap(),
+    );
+
+    cluster.annotate(ANNOTATION, &format!("k1:{token}"));
+    eventually(
+        Duration::from_secs(30),
+        "the request without a permit is refused",
+        || {
+            cluster.annotation(ANNOTATION).is_none()
+                && cluster
+                    .event_reasons()
+                    .contains(&"ForceReleaseInvalid".to_owned())
+        },
+    );
+    let still = format!("/locks/{family}/keys/k1?owner=w1");
+    assert_eq!(
+        a.get(&still).token(),
+        token,
+        "released without a permit named"
+    );
+
+    cluster.annotate(ANNOTATION, &format!("k1#{permit}:{token}"));
+    eventually(Duration::from_secs(30), "the permit's holding ends", || {
+        a.get(&still).status == 409
+    });
+    eventually(Duration::from_secs(30), "the operator reports it", || {
+        cluster.annotation(ANNOTATION).is_none()
+            && cluster
+                .event_reasons()
+                .contains(&"ForceReleased".to_owned())
+    });
 }
