@@ -2,7 +2,8 @@
 //! real operator binary and sidecars that follow the lock (`--resource`) on the in-memory API,
 //! a real Redis. The holder with that token steps down (409 at once), another pod takes the
 //! lock with a higher token, not before the holder's last answer has run out, and the operator
-//! removes the annotation with an Event; a token that is not current changes nothing.
+//! removes the annotation with an Event; a token that is not current changes nothing. The same
+//! for a family's key (`KEY:TOKEN`) and a semaphore's permit (`KEY#PERMIT:TOKEN`).
 
 use std::time::Duration;
 
@@ -12,49 +13,56 @@ use serde_json::json;
 
 const ANNOTATION: &str = "leasehold.dev/force-release";
 
-#[test]
-fn a_force_released_holder_steps_down_and_another_pod_takes_the_lock() {
+/// A Redis server, and a cluster serving `name` on it (a 3 s lease renewed every second,
+/// cleaned up on deletion, so that the operator puts its finalizer on) with `extra` in its spec.
+fn on_redis(name: &str, extra: serde_json::Value) -> (RedisServer, Cluster) {
     let redis = RedisServer::start();
-    let lock = unique_lock("forced");
-    let cluster = Cluster::start(
-        &lock,
-        json!({
-            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
-            "leaseDuration": "3s", "renewInterval": "1s", "cleanupPolicy": "Delete",
-        }),
-    );
+    let mut spec = json!({
+        "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+        "leaseDuration": "3s", "renewInterval": "1s", "cleanupPolicy": "Delete",
+    });
+    for (field, value) in extra.as_object().expect("fields of a spec") {
+        spec[field] = value.clone();
+    }
+    let cluster = Cluster::start(name, spec);
+    (redis, cluster)
+}
+
+/// The sidecar of pod `identity`, following the cluster's resource.
+fn pod(cluster: &Cluster, identity: &str) -> Sidecar {
     let env = cluster.env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let a = Sidecar::start_from_resource("pod-a", &cluster.resource(), &env);
+    Sidecar::start_from_resource(identity, &cluster.resource(), &env)
+}
+
+/// Wait until the operator has removed the annotation and said `reason` in an Event (published
+/// after the annotation is removed, so waited for with it).
+fn reported(cluster: &Cluster, reason: &str) {
+    eventually(Duration::from_secs(30), reason, || {
+        cluster.annotation(ANNOTATION).is_none()
+            && cluster.event_reasons().contains(&reason.to_owned())
+    });
+}
+
+#[test]
+fn a_force_released_holder_steps_down_and_another_pod_takes_the_lock() {
+    let (_redis, cluster) = on_redis(&unique_lock("forced"), json!({}));
+    let a = pod(&cluster, "pod-a");
     eventually(Duration::from_secs(15), "pod a holds", || a.is_holder());
-    let b = Sidecar::start_from_resource("pod-b", &cluster.resource(), &env);
+    let b = pod(&cluster, "pod-b");
     let token = a.get("/lock").token();
 
     // A token that is not the holding's: nothing changes, the annotation goes, and an Event
-    // says so (published after the annotation is removed, so waited for with it).
+    // says so.
     cluster.annotate(ANNOTATION, &(token + 100).to_string());
-    eventually(
-        Duration::from_secs(15),
-        "the stale request is removed and reported",
-        || {
-            cluster.annotation(ANNOTATION).is_none()
-                && cluster
-                    .event_reasons()
-                    .contains(&"ForceReleaseIgnored".to_owned())
-        },
-    );
+    reported(&cluster, "ForceReleaseIgnored");
     assert_eq!(a.get("/lock").token(), token, "pod a still holds");
 
     cluster.annotate(ANNOTATION, &token.to_string());
     // Pod a answers 409 at once; pod b takes the lock once pod a's last answer has run out.
     hands_over(&a, &b, Duration::from_secs(15), |reply| reply.status == 409);
     assert!(b.get("/lock").token() > token);
-    eventually(Duration::from_secs(15), "the operator reports it", || {
-        cluster.annotation(ANNOTATION).is_none()
-            && cluster
-                .event_reasons()
-                .contains(&"ForceReleased".to_owned())
-    });
+    reported(&cluster, "ForceReleased");
 }
 
 /// On a family, `KEY:TOKEN` ends one key's holding: its owner holds it no more at once, another
@@ -62,19 +70,10 @@ fn a_force_released_holder_steps_down_and_another_pod_takes_the_lock() {
 /// the operator removes the annotation with an Event, and the owner's other key is untouched.
 #[test]
 fn a_force_released_key_is_given_up_and_another_owner_takes_it() {
-    let redis = RedisServer::start();
     let family = unique_lock("forced-keys");
-    let cluster = Cluster::start(
-        &family,
-        json!({
-            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
-            "leaseDuration": "3s", "renewInterval": "1s", "cleanupPolicy": "Delete", "keys": {},
-        }),
-    );
-    let env = cluster.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let a = Sidecar::start_from_resource("pod-a", &cluster.resource(), &env);
-    let b = Sidecar::start_from_resource("pod-b", &cluster.resource(), &env);
+    let (_redis, cluster) = on_redis(&family, json!({"keys": {}}));
+    let a = pod(&cluster, "pod-a");
+    let b = pod(&cluster, "pod-b");
     let route = |key: &str, action: &str, query: &str| {
         format!("/locks/{family}/keys/{key}/{action}?{query}")
     };
@@ -87,39 +86,22 @@ fn a_force_released_key_is_given_up_and_another_owner_takes_it() {
 
     // A token that is not the key's holding: nothing changes.
     cluster.annotate(ANNOTATION, &format!("k1:{}", token + 100));
-    eventually(
-        Duration::from_secs(30),
-        "the stale request is removed and reported",
-        || {
-            cluster.annotation(ANNOTATION).is_none()
-                && cluster
-                    .event_reasons()
-                    .contains(&"ForceReleaseIgnored".to_owned())
-        },
-    );
-    assert_eq!(
-        a.get(&status("k1")).token(),
-        token,
-        "pod a's owner still holds k1"
-    );
+    reported(&cluster, "ForceReleaseIgnored");
+    let still = a.get(&status("k1")).token();
+    assert_eq!(still, token, "pod a's owner still holds k1");
 
     cluster.annotate(ANNOTATION, &format!("k1:{token}"));
     eventually(
         Duration::from_secs(30),
         "pod a's owner no longer holds k1",
-        || a.get(&status("k1")).status != 200,
+        || a.get(&status("k1")).status == 409,
     );
     eventually(Duration::from_secs(30), "pod b's owner takes k1", || {
         b.post(&route("k1", "acquire", "owner=w2&wait=1s")).status == 200
     });
     let taken = b.get(&format!("/locks/{family}/keys/k1?owner=w2")).token();
     assert!(taken > token, "token {taken} after {token}");
-    eventually(Duration::from_secs(30), "the operator reports it", || {
-        cluster.annotation(ANNOTATION).is_none()
-            && cluster
-                .event_reasons()
-                .contains(&"ForceReleased".to_owned())
-    });
+    reported(&cluster, "ForceReleased");
     assert_eq!(a.get(&status("k2")).token(), other, "k2 was touched");
 }
 
@@ -127,43 +109,24 @@ fn a_force_released_key_is_given_up_and_another_owner_takes_it() {
 /// hold one token on some backends, so a request without it is refused and releases nothing.
 #[test]
 fn a_semaphores_force_release_names_the_permit() {
-    let redis = RedisServer::start();
     let family = unique_lock("forced-permits");
-    let cluster = Cluster::start(
-        &family,
-        json!({
-            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
-            "leaseDuration": "3s", "renewInterval": "1s", "cleanupPolicy": "Delete",
-            "keys": {}, "permits": 2,
-        }),
-    );
-    let env = cluster.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let a = Sidecar::start_from_resource("pod-a", &cluster.resource(), &env);
+    let (_redis, cluster) = on_redis(&family, json!({"keys": {}, "permits": 2}));
+    let a = pod(&cluster, "pod-a");
     let acquire = format!("/locks/{family}/keys/k1/acquire?owner=w1&hold=1h");
     eventually(
         Duration::from_secs(30),
         "pod a's owner takes a permit",
         || a.post(&acquire).status == 200,
     );
-    let held = a.get(&format!("/locks/{family}/keys/k1?owner=w1")).json();
+    let still = format!("/locks/{family}/keys/k1?owner=w1");
+    let held = a.get(&still).json();
     let (token, permit) = (
         held["fencingToken"].as_u64().unwrap(),
         held["permit"].as_u64().unwrap(),
     );
 
     cluster.annotate(ANNOTATION, &format!("k1:{token}"));
-    eventually(
-        Duration::from_secs(30),
-        "the request without a permit is refused",
-        || {
-            cluster.annotation(ANNOTATION).is_none()
-                && cluster
-                    .event_reasons()
-                    .contains(&"ForceReleaseInvalid".to_owned())
-        },
-    );
-    let still = format!("/locks/{family}/keys/k1?owner=w1");
+    reported(&cluster, "ForceReleaseInvalid");
     assert_eq!(
         a.get(&still).token(),
         token,
@@ -174,10 +137,5 @@ fn a_semaphores_force_release_names_the_permit() {
     eventually(Duration::from_secs(30), "the permit's holding ends", || {
         a.get(&still).status == 409
     });
-    eventually(Duration::from_secs(30), "the operator reports it", || {
-        cluster.annotation(ANNOTATION).is_none()
-            && cluster
-                .event_reasons()
-                .contains(&"ForceReleased".to_owned())
-    });
+    reported(&cluster, "ForceReleased");
 }
