@@ -408,12 +408,7 @@ impl KeyedFamily {
 
     fn check_key(&self, key: &str) -> Result<(), KeyError> {
         let max = self.read_config(|c| c.max_key_length);
-        let ok = !key.is_empty()
-            && key.len() <= max
-            && key
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"._-:/@".contains(&b));
-        if ok {
+        if is_key(key, max) {
             return Ok(());
         }
         // Every keyed call checks its key: the message is only built for a refusal.
@@ -1146,6 +1141,15 @@ fn check_owner(owner: &str) -> Result<(), KeyError> {
     Ok(())
 }
 
+/// Whether `key` is a key: 1 to `max_key_length` letters, digits and `. _ - : / @`.
+fn is_key(key: &str, max_key_length: usize) -> bool {
+    !key.is_empty()
+        && key.len() <= max_key_length
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:/@".contains(&b))
+}
+
 /// The backend lock names of `key`'s `permits` in `family`, in order, for those who read a key's
 /// holders without a family of their own (the operator, for a force-release). `Err` when `key`
 /// is not a key of at most `max_key_length` characters.
@@ -1155,12 +1159,7 @@ pub fn key_lock_names(
     permits: std::ops::Range<u32>,
     max_key_length: usize,
 ) -> Result<Vec<String>, String> {
-    let valid = !key.is_empty()
-        && key.len() <= max_key_length
-        && key
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-:/@".contains(&b));
-    if !valid {
+    if !is_key(key, max_key_length) {
         return Err(format!(
             "{key:?} is not a key: 1 to {max_key_length} letters, digits and . _ - : / @"
         ));

@@ -8,7 +8,7 @@ use leasehold_operator::config::Watched;
 use leasehold_operator::lock_cache::LockCache;
 use leasehold_operator::webhook::{self, Injection, SIDECAR_NAME};
 use leasehold_testkit::InMemoryApiServer;
-use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, Grant};
+use leasehold_testkit::in_memory_api_server::DISTRIBUTED_LOCKS;
 use serde_json::{Value, json};
 
 const NS: &str = "team";
@@ -385,13 +385,12 @@ async fn a_pod_whose_service_account_may_not_read_its_lock_is_refused_with_the_r
     );
 
     // May read one lock of two: refused, naming the other.
-    api.grant(
+    support::grant_on_locks(
+        &api,
         "system:serviceaccount:team:reporter",
-        vec![Grant {
-            namespace: Some(NS.into()),
-            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
-                         "resourceNames": ["jobs"], "verbs": ["get", "list", "watch"]}),
-        }],
+        NS,
+        &["jobs"],
+        &["get", "list", "watch"],
     );
     let (allowed, _, _) = admit(&api, &other, true).await;
     assert!(allowed, "the granted lock is readable");
@@ -400,14 +399,7 @@ async fn a_pod_whose_service_account_may_not_read_its_lock_is_refused_with_the_r
     assert!(!allowed && message.contains("team/nightly"), "{message}");
 
     // `get` alone is not what the sidecar does (it lists and watches by name): refused.
-    api.grant(
-        "system:serviceaccounts:team",
-        vec![Grant {
-            namespace: Some(NS.into()),
-            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
-                         "verbs": ["get"]}),
-        }],
-    );
+    support::grant_on_locks(&api, "system:serviceaccounts:team", NS, &[], &["get"]);
     let (allowed, message, _) = admit(&api, &other, true).await;
     assert!(
         !allowed && message.contains("may not list and watch DistributedLock team/nightly"),
@@ -415,13 +407,12 @@ async fn a_pod_whose_service_account_may_not_read_its_lock_is_refused_with_the_r
     );
 
     // Granted to every ServiceAccount of the namespace, by group.
-    api.grant(
+    support::grant_on_locks(
+        &api,
         "system:serviceaccounts:team",
-        vec![Grant {
-            namespace: Some(NS.into()),
-            rule: json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
-                         "verbs": ["list", "watch"]}),
-        }],
+        NS,
+        &[],
+        &["list", "watch"],
     );
     let (allowed, message, patched) = admit(&api, &other, true).await;
     assert!(allowed, "{message}");

@@ -286,17 +286,38 @@ fn grants_in(
 
 /// A client of `api` that may do what the chart lets the operator's ServiceAccount do, and no
 /// more: a request outside its RBAC rules gets the real API server's 403.
+/// Give `subject` (a user or a group) exactly `verbs` on the locks of `namespace`, or on those
+/// of them named `names` when there are some.
+pub fn grant_on_locks(
+    api: &leasehold_testkit::InMemoryApiServer,
+    subject: &str,
+    namespace: &str,
+    names: &[&str],
+    verbs: &[&str],
+) {
+    let mut rule = serde_json::json!({"apiGroups": ["leasehold.dev"],
+                                      "resources": ["distributedlocks"], "verbs": verbs});
+    if !names.is_empty() {
+        rule["resourceNames"] = serde_json::json!(names);
+    }
+    api.grant(
+        subject,
+        vec![leasehold_testkit::in_memory_api_server::Grant {
+            namespace: Some(namespace.into()),
+            rule,
+        }],
+    );
+}
+
 /// Let the ServiceAccount `default` of `namespace` read the locks there, as an app's Role does
 /// (`operator/config/sidecar-rbac/role.yaml`): what the webhook checks before injecting.
 pub fn grant_default_account_locks(api: &leasehold_testkit::InMemoryApiServer, namespace: &str) {
-    api.grant(
+    grant_on_locks(
+        api,
         &format!("system:serviceaccount:{namespace}:default"),
-        vec![leasehold_testkit::in_memory_api_server::Grant {
-            namespace: Some(namespace.into()),
-            rule: serde_json::json!({"apiGroups": ["leasehold.dev"],
-                                     "resources": ["distributedlocks"],
-                                     "verbs": ["get", "list", "watch"]}),
-        }],
+        namespace,
+        &[],
+        &["get", "list", "watch"],
     );
 }
 
