@@ -248,34 +248,14 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&ObjectRef::from(lock));
             let asked = if lock.spec.keys.is_some() {
-                match resource::force_release_key(lock) {
-                    None => None,
-                    Some(Err(raw)) => Some((
-                        Asked::Invalid(format!("{raw:?} is not KEY:TOKEN (KEY#PERMIT:TOKEN)")),
-                        None,
-                    )),
-                    Some(Ok(asked)) => match key_lock_names(lock, &asked) {
-                        Err(why) => Some((Asked::Invalid(why), None)),
-                        Ok(names) => {
-                            match ctx.backends.observe_key(&ctx.client, lock, &names).await {
-                                Ok(holdings) => {
-                                    // The holding with that token, else who holds the key.
-                                    let holding = holdings
-                                        .iter()
-                                        .find(|h| h.token == asked.token)
-                                        .or(holdings.first())
-                                        .cloned();
-                                    Some((Asked::Key(asked), holding))
-                                }
-                                // The backend cannot tell now: the request waits for the next
-                                // look, as a lock's does while its backend fails.
-                                Err(e) => {
-                                    tracing::warn!(error = %e, key = asked.key, "a force-released key could not be read on the backend; looking again");
-                                    return Ok(Action::requeue(FORCE_RELEASE_RECHECK));
-                                }
-                            }
-                        }
-                    },
+                match key_force_release(ctx, lock).await {
+                    Ok(asked) => asked,
+                    // The backend cannot tell now: the request waits for the next look, as a
+                    // lock's does while its backend fails.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a force-released key could not be read on the backend; looking again");
+                        return Ok(Action::requeue(FORCE_RELEASE_RECHECK));
+                    }
                 }
             } else {
                 resource::force_release_token(lock).map(|asked| {
@@ -312,6 +292,34 @@ enum Asked {
     Key(resource::KeyForceRelease),
     /// Not a request that can be carried out: why.
     Invalid(String),
+}
+
+/// A family's force-release request, if it carries one, with the key's holding it names (else
+/// who holds the key); `Err` when the backend cannot be read now.
+async fn key_force_release(
+    ctx: &Context,
+    lock: &DistributedLock,
+) -> std::result::Result<Option<(Asked, Option<leasehold_lease::Holding>)>, leasehold_lease::Error>
+{
+    let asked = match resource::force_release_key(lock) {
+        None => return Ok(None),
+        Some(Err(raw)) => {
+            let why = format!("{raw:?} is not KEY:TOKEN (KEY#PERMIT:TOKEN)");
+            return Ok(Some((Asked::Invalid(why), None)));
+        }
+        Some(Ok(asked)) => asked,
+    };
+    let names = match key_lock_names(lock, &asked) {
+        Ok(names) => names,
+        Err(why) => return Ok(Some((Asked::Invalid(why), None))),
+    };
+    let holdings = ctx.backends.observe_key(&ctx.client, lock, &names).await?;
+    let holding = holdings
+        .iter()
+        .find(|h| h.token == asked.token)
+        .or(holdings.first())
+        .cloned();
+    Ok(Some((Asked::Key(asked), holding)))
 }
 
 /// The backend lock names of the family `lock`'s key that `asked` names (its permit's, or on a
