@@ -1,6 +1,7 @@
 //! Test fixtures, in one place: real backend servers on free loopback ports with throwaway data
-//! directories, a fault-injecting driver wrapper, a TCP proxy that partitions links, and the
-//! conformance suite every driver passes.
+//! directories, a fault-injecting driver wrapper, a TCP proxy that partitions links, test hosts
+//! in network namespaces for partitions a proxy cannot place, and the conformance suite every
+//! driver passes.
 //! A missing server binary fails loudly with the package to install; nothing is skipped.
 
 pub mod conformance;
@@ -13,10 +14,12 @@ pub mod metrics_reference;
 pub mod postgres_server;
 pub mod redis_cluster;
 pub mod redis_sentinel;
+pub mod redis_sentinel_hosts;
 pub mod redis_server;
 mod server_process;
 pub mod tair_pair;
 pub mod tairstring;
+pub mod test_network;
 pub mod zookeeper_ensemble;
 pub mod zookeeper_server;
 
@@ -36,8 +39,10 @@ pub use mariadb_server::MariaDbServer;
 pub use postgres_server::PostgresServer;
 pub use redis_cluster::{RedisCluster, TlsRedisCluster};
 pub use redis_sentinel::{RedisSentinelSet, TlsRedisSentinelSet};
+pub use redis_sentinel_hosts::RedisSentinelHosts;
 pub use redis_server::{RedisServer, command_calls};
 pub use tair_pair::TairPair;
+pub use test_network::{Forward, TestNetwork};
 pub use zookeeper_ensemble::ZooKeeperEnsemble;
 pub use zookeeper_server::ZooKeeperServer;
 

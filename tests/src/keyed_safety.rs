@@ -41,7 +41,7 @@ use crate::safety::{
     Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target, inject,
     longest_gap, surely_ordered,
 };
-use crate::{Sidecar, http, post_or_hang_up, unique_lock};
+use crate::{Placement, Sidecar, http, post_or_hang_up, unique_lock};
 
 pub const SIDECARS: usize = 3;
 pub const WORKERS_PER_SIDECAR: usize = 8;
@@ -536,7 +536,9 @@ fn run_shaped(target: Target, duration: Duration, seed: u64, shape: Shape) -> Re
         .chain(["--keyed", &family, "--mode", "on-demand"])
         .chain(["--permits", &permits])
         .collect();
-    let start_sidecar = |identity: &str, url: &str| Sidecar::start(identity, url, &plain, &args);
+    let start_sidecar = |placement: &Placement, identity: &str, url: &str| {
+        Sidecar::start_on(placement, identity, url, &plain, &args)
+    };
     let mut slots: Vec<Slot> = (0..SIDECARS)
         .map(|i| Slot::start(i, format!("pod-{i}"), &backend, &start_sidecar))
         .collect();

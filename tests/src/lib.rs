@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use leasehold_testkit::free_port;
+use leasehold_testkit::{Forward, TestNetwork, free_port};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -300,11 +300,20 @@ pub fn http_with_body(
     )
 }
 
+/// Where a sidecar runs: on this machine, or on a test host of a [`TestNetwork`] (its lock API
+/// then reached through a forwarding port here, as it listens on the host's loopback).
+#[derive(Clone)]
+pub enum Placement {
+    Here,
+    On(std::sync::Arc<TestNetwork>, String),
+}
+
 pub struct Sidecar {
     child: Option<Child>,
     pub addr: SocketAddr,
     pub identity: String,
     log: tempfile::NamedTempFile,
+    _forward: Option<Forward>,
 }
 
 impl Sidecar {
@@ -321,19 +330,37 @@ impl Sidecar {
         env: &[(&str, &str)],
     ) -> Self {
         let args = [["--lock", lock, "--backend", backend].as_slice(), extra].concat();
-        Self::spawn(identity, &args, env)
+        Self::spawn(&Placement::Here, identity, &args, env)
+    }
+
+    /// [`Sidecar::start`], placed.
+    pub fn start_on(
+        placement: &Placement,
+        identity: &str,
+        backend: &str,
+        lock: &str,
+        extra: &[&str],
+    ) -> Self {
+        let args = [["--lock", lock, "--backend", backend].as_slice(), extra].concat();
+        Self::spawn(placement, identity, &args, &[])
     }
 
     /// A sidecar whose lock comes from a `DistributedLock` (`--resource NAMESPACE/NAME`) on the
     /// API server that `KUBECONFIG` in `env` names.
     pub fn start_from_resource(identity: &str, resource: &str, env: &[(&str, &str)]) -> Self {
-        Self::spawn(identity, &["--resource", resource], env)
+        Self::spawn(&Placement::Here, identity, &["--resource", resource], env)
     }
 
-    fn spawn(identity: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
+    fn spawn(placement: &Placement, identity: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
-        let mut command = Command::new(sidecar_binary());
+        let (mut command, forward) = match placement {
+            Placement::Here => (Command::new(sidecar_binary()), None),
+            Placement::On(network, host) => (
+                network.command(host, sidecar_binary()),
+                Some(network.forward(host, port)),
+            ),
+        };
         // A process group of its own, so that kill9 also reaches anything the sidecar started:
         // an orphan would keep running, and loading the machine, through every later test.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
@@ -354,9 +381,12 @@ impl Sidecar {
             .expect("start leasehold-sidecar");
         let sidecar = Self {
             child: Some(child),
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            addr: forward
+                .as_ref()
+                .map_or(SocketAddr::from(([127, 0, 0, 1], port)), |f| f.addr),
             identity: identity.to_owned(),
             log,
+            _forward: forward,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         while http(sidecar.addr, "GET", "/healthz").is_err() {

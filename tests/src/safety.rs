@@ -7,7 +7,8 @@
 //! the holder from the backend (a [`FaultProxy`] per sidecar and endpoint), and on a
 //! three-server ZooKeeper ensemble a follower cut off from its quorum while it goes on serving;
 //! on Tair's failover target, a standby promoted behind the primary's address while the
-//! primary still serves.
+//! primary still serves; on Redis Sentinel spread over test hosts, the master split off with a
+//! replica and one sentinel while the other sentinels fail over.
 //!
 //! Two workloads: every sidecar campaigns ([`Workload::Campaign`]), or the sidecars run
 //! on-demand and workers beside each take and release the lock ([`Workload::Waiters`]), some
@@ -33,8 +34,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold_testkit::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisCluster, RedisSentinelSet, RedisServer,
-    TairPair, ZooKeeperEnsemble, ZooKeeperServer,
+    EtcdServer, MariaDbServer, PostgresServer, RedisCluster, RedisSentinelHosts, RedisSentinelSet,
+    RedisServer, TairPair, ZooKeeperEnsemble, ZooKeeperServer,
 };
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
@@ -42,7 +43,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::cluster::Cluster;
 use crate::fault_proxy::FaultProxy;
-use crate::{Sidecar, http, post_or_hang_up, unique_lock};
+use crate::{Placement, Sidecar, http, post_or_hang_up, unique_lock};
 
 pub const LEASE: Duration = Duration::from_secs(1);
 pub const RENEW: Duration = Duration::from_millis(250);
@@ -57,6 +58,12 @@ const FAULT_LENGTH: Duration = Duration::from_millis(1500);
 const FOLLOWER_CUT: Duration = Duration::from_millis(3000);
 /// How long an isolated follower may take to follow again once healed.
 const FOLLOWER_REJOIN: Duration = Duration::from_secs(20);
+/// How long a split of a Sentinel set lasts, in turn: past the sentinels' failover (down after
+/// 2.5 s, then an election and a promotion), so that both sides have a master; and short of it,
+/// so that the master's side alone has one.
+const SPLIT_LENGTHS: [Duration; 2] = [Duration::from_secs(6), Duration::from_secs(2)];
+/// Test hosts for sidecars on a network of test hosts: `sidecar-0` and on.
+const SIDECAR_HOSTS: usize = 6;
 pub(crate) const CALM_MIN_MS: u64 = 300;
 pub(crate) const CALM_MAX_MS: u64 = 1200;
 const POLL_PAUSE: Duration = Duration::from_millis(3);
@@ -80,6 +87,9 @@ pub enum Target {
     /// Tair as a primary and a standby behind one address, failing over and back.
     TairFailover,
     RedisSentinel,
+    /// Redis Sentinel with four servers and three sentinels, each on a test host of its own
+    /// (as are the sidecars), split by partitions.
+    RedisSentinelSplit,
     /// Three ZooKeeper servers, each sidecar connected to one of them.
     ZooKeeperEnsemble,
     /// A Redis Cluster of three masters and their replicas: lock slots move between the masters,
@@ -88,7 +98,7 @@ pub enum Target {
 }
 
 impl Target {
-    pub const ALL: [Target; 14] = [
+    pub const ALL: [Target; 15] = [
         Target::Sqlite,
         Target::Redis,
         Target::Redlock,
@@ -101,6 +111,7 @@ impl Target {
         Target::Tair,
         Target::TairFailover,
         Target::RedisSentinel,
+        Target::RedisSentinelSplit,
         Target::ZooKeeperEnsemble,
         Target::RedisCluster,
     ];
@@ -119,6 +130,7 @@ impl Target {
             Target::Tair => "tair",
             Target::TairFailover => "tair-failover",
             Target::RedisSentinel => "redis-sentinel",
+            Target::RedisSentinelSplit => "redis-sentinel-split",
             Target::ZooKeeperEnsemble => "zookeeper-ensemble",
             Target::RedisCluster => "redis-cluster",
         }
@@ -266,6 +278,9 @@ pub enum Fault {
     /// renew interval longer (what it takes then is lost), the old primary following it; the
     /// next one is the failback.
     PromoteStandby,
+    /// A Sentinel set split: the master, a replica and one sentinel (with the holder, every
+    /// other time) cut off from the rest, whose sentinels fail over if it lasts long enough.
+    SplitSentinels,
 }
 
 /// The faults of a resource scenario: no partition, since every sidecar reads one address.
@@ -292,6 +307,7 @@ impl Fault {
             Fault::MigrateSlot => "migrate-slot",
             Fault::FailOverShard => "failover",
             Fault::PromoteStandby => "promote-standby",
+            Fault::SplitSentinels => "split",
         }
     }
 }
@@ -311,6 +327,8 @@ pub(crate) enum Backend {
     ZooKeeper(ZooKeeperServer),
     /// A master, a replica and a sentinel; a restart is a failover.
     RedisSentinel(RedisSentinelSet),
+    /// Four servers and three sentinels on test hosts, and how many splits it has been through.
+    RedisSentinelSplit(RedisSentinelHosts, usize),
     /// Three servers; sidecar `i` is connected to server `i % 3` only, so that cutting a
     /// follower off cuts off the sidecars it serves, and nothing else.
     ZooKeeperEnsemble(ZooKeeperEnsemble),
@@ -334,6 +352,11 @@ impl Backend {
             Target::Tair => Backend::Tair(RedisServer::start_tair()),
             Target::TairFailover => Backend::TairFailover(TairPair::start()),
             Target::RedisSentinel => Backend::RedisSentinel(RedisSentinelSet::start()),
+            Target::RedisSentinelSplit => {
+                let sidecars: Vec<String> =
+                    (0..SIDECAR_HOSTS).map(|i| format!("sidecar-{i}")).collect();
+                Backend::RedisSentinelSplit(RedisSentinelHosts::start(&sidecars), 0)
+            }
             Target::ZooKeeperEnsemble => Backend::ZooKeeperEnsemble(ZooKeeperEnsemble::start()),
             Target::RedisCluster => Backend::RedisCluster(RedisCluster::start_with_replicas()),
         }
@@ -343,7 +366,11 @@ impl Backend {
         match self {
             // The sentinels name the master's own address, past any proxy of ours; so do the
             // nodes of a cluster, for every slot.
-            Backend::Sqlite(_) | Backend::RedisSentinel(_) | Backend::RedisCluster(_) => Vec::new(),
+            // A split's sidecars are on test hosts, cut off by the network itself.
+            Backend::Sqlite(_)
+            | Backend::RedisSentinel(_)
+            | Backend::RedisSentinelSplit(..)
+            | Backend::RedisCluster(_) => Vec::new(),
             Backend::Redis(s) | Backend::Tair(s) => vec![s.port()],
             Backend::TairFailover(pair) => vec![pair.port()],
             Backend::Redlock(masters) => masters.iter().map(RedisServer::port).collect(),
@@ -373,6 +400,7 @@ impl Backend {
             Backend::Etcd(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::ZooKeeper(s) => swap(s.url(), s.port(), proxies[0]),
             Backend::RedisSentinel(set) => set.url(),
+            Backend::RedisSentinelSplit(set, _) => set.url(),
             Backend::RedisCluster(cluster) => cluster.url(),
             Backend::ZooKeeperEnsemble(e) => {
                 let member = index % 3;
@@ -397,6 +425,13 @@ impl Backend {
                 Fault::RestartBackend,
                 Fault::MigrateSlot,
                 Fault::FailOverShard,
+            ],
+            // A restart is the plain Sentinel target's; here the network fails instead.
+            Backend::RedisSentinelSplit(..) => &[
+                Fault::KillHolder,
+                Fault::PauseHolder,
+                Fault::PartitionHolder,
+                Fault::SplitSentinels,
             ],
             Backend::TairFailover(_) => &[
                 Fault::KillHolder,
@@ -437,8 +472,49 @@ impl Backend {
                 set.fail_over_and_rejoin();
             }
             Backend::RedisCluster(cluster) => cluster.restart(),
-            Backend::ZooKeeperEnsemble(_) => unreachable!("an ensemble's faults name no restart"),
+            Backend::ZooKeeperEnsemble(_) | Backend::RedisSentinelSplit(..) => {
+                unreachable!("this target's faults name no restart")
+            }
         }
+    }
+
+    /// Where sidecar `index` runs: on its test host when the backend is on a network.
+    pub(crate) fn placement(&self, index: usize) -> Placement {
+        match self {
+            Backend::RedisSentinelSplit(set, _) => {
+                assert!(index < SIDECAR_HOSTS, "no test host for sidecar {index}");
+                Placement::On(set.network().clone(), format!("sidecar-{index}"))
+            }
+            _ => Placement::Here,
+        }
+    }
+
+    /// Cut sidecar `index` off from the backend for [`FAULT_LENGTH`]: through its proxies, or
+    /// on the network.
+    fn partition(&self, slot: &Slot) {
+        match self {
+            Backend::RedisSentinelSplit(set, _) => {
+                set.isolate(&format!("sidecar-{}", slot.index), FAULT_LENGTH);
+            }
+            _ => {
+                slot.proxies.iter().for_each(FaultProxy::cut);
+                std::thread::sleep(FAULT_LENGTH);
+                slot.proxies.iter().for_each(FaultProxy::restore);
+            }
+        }
+    }
+
+    /// Split the Sentinel set, in turn with sidecar `near` (the holder) on the master's side
+    /// and away from it, for each of [`SPLIT_LENGTHS`]; settled again before it returns.
+    fn split_sentinels(&mut self, near: usize) {
+        let Backend::RedisSentinelSplit(set, splits) = self else {
+            unreachable!("only a Sentinel set on test hosts can be split")
+        };
+        let holder = format!("sidecar-{near}");
+        let with_master: &[&str] = if *splits % 2 == 0 { &[&holder] } else { &[] };
+        let length = SPLIT_LENGTHS[(*splits / 2) % SPLIT_LENGTHS.len()];
+        *splits += 1;
+        set.split(with_master, length);
     }
 
     /// Fail a Tair pair over (or back), the old primary serving one renew interval longer.
@@ -523,6 +599,7 @@ pub(crate) struct Slot {
     pub(crate) generation: u32,
     pub(crate) sidecar: Sidecar,
     pub(crate) proxies: Vec<FaultProxy>,
+    pub(crate) placement: Placement,
     /// Where the checker asks; swapped when the process is replaced.
     pub(crate) addr: Arc<Mutex<(SocketAddr, u32)>>,
 }
@@ -542,7 +619,8 @@ impl Slot {
     ) -> Self {
         let proxies: Vec<FaultProxy> = backend.ports().into_iter().map(FaultProxy::start).collect();
         let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
-        let sidecar = start_sidecar(&identity, &backend.url_via(index, &ports));
+        let placement = backend.placement(index);
+        let sidecar = start_sidecar(&placement, &identity, &backend.url_via(index, &ports));
         let addr = Arc::new(Mutex::new((sidecar.addr, 0)));
         Slot {
             index,
@@ -550,13 +628,14 @@ impl Slot {
             generation: 0,
             sidecar,
             proxies,
+            placement,
             addr,
         }
     }
 }
 
-/// Starts a sidecar process: (identity, `--backend` URL).
-pub(crate) type StartSidecar<'a> = dyn Fn(&str, &str) -> Sidecar + 'a;
+/// Starts a sidecar process: (where, identity, `--backend` URL).
+pub(crate) type StartSidecar<'a> = dyn Fn(&Placement, &str, &str) -> Sidecar + 'a;
 
 /// One answer from one sidecar.
 #[derive(Debug, Clone, Copy)]
@@ -832,11 +911,11 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
     }
     .to_vec();
     let from_resource = cluster.is_some();
-    let start_sidecar = |identity: &str, url: &str| {
+    let start_sidecar = |placement: &Placement, identity: &str, url: &str| {
         if from_resource {
             Sidecar::start_from_resource(identity, &resource, &env)
         } else {
-            Sidecar::start(identity, url, &lock, &args)
+            Sidecar::start_on(placement, identity, url, &lock, &args)
         }
     };
     let mut slots: Vec<Slot> = (0..contenders)
@@ -955,7 +1034,7 @@ pub(crate) fn inject(
             slot.sidecar.kill9();
             std::thread::sleep(LEASE / 2);
             slot.generation += 1;
-            slot.sidecar = start_sidecar(&slot.identity, &slot.url(backend));
+            slot.sidecar = start_sidecar(&slot.placement, &slot.identity, &slot.url(backend));
             *slot.addr.lock().unwrap() = (slot.sidecar.addr, slot.generation);
         }
         Fault::PauseHolder => {
@@ -972,11 +1051,8 @@ pub(crate) fn inject(
                 restarting.elapsed()
             );
         }
-        Fault::PartitionHolder => {
-            slot.proxies.iter().for_each(FaultProxy::cut);
-            std::thread::sleep(FAULT_LENGTH);
-            slot.proxies.iter().for_each(FaultProxy::restore);
-        }
+        Fault::PartitionHolder => backend.partition(slot),
+        Fault::SplitSentinels => backend.split_sentinels(slot.index),
         Fault::IsolateFollower => backend.isolate_follower(slot.index),
         Fault::MigrateSlot => backend.migrate_a_lock_slot(),
         Fault::FailOverShard => backend.fail_over_a_lock_shard(),
