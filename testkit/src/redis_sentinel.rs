@@ -294,7 +294,7 @@ fn command(port: u16, args: &[&str]) -> redis::RedisResult<String> {
     command_at(&format!("redis://127.0.0.1:{port}"), args)
 }
 
-fn command_at(url: &str, args: &[&str]) -> redis::RedisResult<String> {
+pub(crate) fn command_at(url: &str, args: &[&str]) -> redis::RedisResult<String> {
     let client = redis::Client::open(url)?;
     let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
     let mut cmd = redis::cmd(args[0]);

@@ -9,7 +9,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::redis_sentinel::MASTER_NAME;
+use super::redis_sentinel::{MASTER_NAME, command_at as query};
+use super::redis_server::{field, info_at};
 use super::require_binary;
 use super::server_process::ServerProcess;
 use super::test_network::TestNetwork;
@@ -219,9 +220,9 @@ impl RedisSentinelHosts {
             assert!(
                 Instant::now() < deadline,
                 "the Sentinel set did not settle within {SETTLE_TIMEOUT:?}: sentinels name {:?}; \
-                 the first sentinel's log:\n{}",
+                 the logs:\n{}",
                 self.namings(),
-                self.sentinels[0].log()
+                self.logs()
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -280,16 +281,7 @@ impl RedisSentinelHosts {
     }
 
     fn info(&self, i: usize, section: &str) -> String {
-        let Ok(client) = redis::Client::open(self.server_url(i)) else {
-            return String::new();
-        };
-        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
-            return String::new();
-        };
-        redis::cmd("INFO")
-            .arg(section)
-            .query::<String>(&mut conn)
-            .unwrap_or_default()
+        info_at(&self.server_url(i), section)
     }
 
     /// One command to server `i`, its reply in Rust's debug form.
@@ -314,20 +306,4 @@ impl RedisSentinelHosts {
             .map(|(host, s)| format!("--- {host}\n{}", s.log()))
             .collect()
     }
-}
-
-fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
-    super::redis_server::field(info, name)
-}
-
-fn query(url: &str, args: &[&str]) -> redis::RedisResult<String> {
-    let client = redis::Client::open(url)?;
-    let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
-    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut cmd = redis::cmd(args[0]);
-    for arg in &args[1..] {
-        cmd.arg(*arg);
-    }
-    let reply: redis::Value = cmd.query(&mut conn)?;
-    Ok(format!("{reply:?}"))
 }

@@ -377,7 +377,12 @@ impl RedisServer {
 
 /// `INFO section` of the server on `port`, or nothing when it does not answer.
 pub fn info(port: u16, section: &str) -> String {
-    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
+    info_at(&format!("redis://127.0.0.1:{port}"), section)
+}
+
+/// `INFO section` of the server at `url`, or nothing when it does not answer.
+pub fn info_at(url: &str, section: &str) -> String {
+    let Ok(client) = redis::Client::open(url) else {
         return String::new();
     };
     let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
