@@ -1,12 +1,16 @@
 //! The in-memory API server's RBAC, against what Kubernetes documents for its RBAC authorizer:
 //! a user may do what a bound rule lists (verb, API group, resource or `resource/subresource`,
 //! `resourceNames`), a RoleBinding's rules hold inside its namespace only, and anything else is
-//! a 403 `Forbidden` naming the user, verb, resource and scope.
+//! a 403 `Forbidden` naming the user, verb, resource and scope. Its lists, pages, watches and
+//! compaction, and its server-side apply (field managers, conflicts, list maps), against what
+//! the API server does.
 
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
 use leasehold_testkit::InMemoryApiServer;
-use leasehold_testkit::in_memory_api_server::{Attributes, Grant, LEASES};
+use leasehold_testkit::in_memory_api_server::{Attributes, DISTRIBUTED_LOCKS, Grant, LEASES};
 use serde_json::json;
 
 const USER: &str = "system:serviceaccount:apps:worker";
@@ -441,4 +445,221 @@ async fn lists_come_in_pages_and_compacted_revisions_are_gone() {
     }
     assert_eq!(reader.state().len(), 9, "the watcher missed a lease");
     driven.abort();
+}
+
+fn distributed_locks(api: &InMemoryApiServer, namespace: &str) -> Api<DynamicObject> {
+    let resource = ApiResource {
+        group: "leasehold.dev".into(),
+        version: "v1alpha1".into(),
+        api_version: "leasehold.dev/v1alpha1".into(),
+        kind: "DistributedLock".into(),
+        plural: "distributedlocks".into(),
+    };
+    Api::namespaced_with(api.client(), namespace, &resource)
+}
+
+fn status_apply(status: serde_json::Value) -> serde_json::Value {
+    json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock", "status": status})
+}
+
+/// Each manager's entry in `managedFields`: (manager, operation, subresource).
+fn managers(object: &DynamicObject) -> Vec<(String, String, Option<String>)> {
+    object
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .map(|e| {
+            (
+                e.manager.clone().unwrap_or_default(),
+                e.operation.clone().unwrap_or_default(),
+                e.subresource.clone(),
+            )
+        })
+        .collect()
+}
+
+fn condition_types(object: &DynamicObject) -> Vec<String> {
+    object.data["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| c["type"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// Server-side apply as Kubernetes documents it: a manager owns what it applied, a field it no
+/// longer applies is removed, and a list map (`status.conditions`, by `type`) merges item by
+/// item, so another manager's condition survives the operator's apply of the whole status.
+#[tokio::test]
+async fn an_apply_removes_what_its_manager_dropped_and_merges_conditions_by_type() {
+    let api = InMemoryApiServer::new();
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+               "metadata": {"name": "orders", "namespace": "apps"},
+               "spec": {"backend": {"redis": {"endpoints": ["redis:6379"]}}}}),
+    );
+    let locks = distributed_locks(&api, "apps");
+    let operator = PatchParams::apply("leasehold-operator").force();
+    let ready = |status: &str| json!({"type": "Ready", "status": status, "reason": "Reconciled"});
+    let first =
+        status_apply(json!({"holder": "pod-a", "fencingToken": 7, "conditions": [ready("True")]}));
+    locks
+        .patch_status("orders", &operator, &Patch::Apply(&first))
+        .await
+        .expect("the operator's apply");
+    let audit = status_apply(json!({"conditions": [{"type": "Audited", "status": "True"}]}));
+    let other = locks
+        .patch_status(
+            "orders",
+            &PatchParams::apply("auditor"),
+            &Patch::Apply(&audit),
+        )
+        .await
+        .expect("another manager's apply of another condition does not conflict");
+    assert_eq!(condition_types(&other), ["Ready", "Audited"]);
+    assert_eq!(
+        managers(&other),
+        [
+            (
+                "leasehold-operator".into(),
+                "Apply".into(),
+                Some("status".into())
+            ),
+            ("auditor".into(), "Apply".into(), Some("status".into())),
+        ]
+    );
+
+    // The holder is gone: the operator's next apply leaves it out, and the field goes.
+    let second = status_apply(json!({"fencingToken": 7, "conditions": [ready("False")]}));
+    let after = locks
+        .patch_status("orders", &operator, &Patch::Apply(&second))
+        .await
+        .expect("the operator's second apply");
+    assert!(
+        after.data["status"].get("holder").is_none(),
+        "{:?}",
+        after.data
+    );
+    assert_eq!(after.data["status"]["fencingToken"], 7);
+    assert_eq!(condition_types(&after), ["Ready", "Audited"]);
+    assert_eq!(after.data["status"]["conditions"][0]["status"], "False");
+
+    // A condition the operator no longer applies goes; the auditor's stays.
+    let third = status_apply(json!({"fencingToken": 8}));
+    let after = locks
+        .patch_status("orders", &operator, &Patch::Apply(&third))
+        .await
+        .expect("the operator's third apply");
+    assert_eq!(condition_types(&after), ["Audited"]);
+    // The spec was never the status applies' to change.
+    assert_eq!(
+        after.data["spec"]["backend"]["redis"]["endpoints"][0],
+        "redis:6379"
+    );
+}
+
+/// An apply that would change a field another manager set (by an update or an apply) is a 409
+/// `Conflict` naming the manager and the field, and changes nothing; the same value is owned by
+/// both; `force` takes the field over.
+#[tokio::test]
+async fn an_apply_conflicts_with_another_managers_field_unless_forced() {
+    let api = InMemoryApiServer::new();
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+               "metadata": {"name": "orders", "namespace": "apps"}, "spec": {}}),
+    );
+    let locks = distributed_locks(&api, "apps");
+    let editor = PatchParams {
+        field_manager: Some("kubectl-edit".into()),
+        ..PatchParams::default()
+    };
+    locks
+        .patch_status(
+            "orders",
+            &editor,
+            &Patch::Merge(json!({"status": {"holder": "by-hand"}})),
+        )
+        .await
+        .expect("a merge patch by hand");
+    let apply = |holder: &str| status_apply(json!({"holder": holder}));
+    let operator = PatchParams::apply("leasehold-operator");
+    let refused = locks
+        .patch_status("orders", &operator, &Patch::Apply(&apply("pod-a")))
+        .await;
+    match refused {
+        Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "Conflict" => {
+            assert_eq!(
+                status.message,
+                "Apply failed with 1 conflict: conflict with \"kubectl-edit\": .status.holder"
+            );
+        }
+        other => panic!("not a 409 Conflict: {other:?}"),
+    }
+    let unchanged = locks.get("orders").await.expect("get");
+    assert_eq!(unchanged.data["status"]["holder"], "by-hand");
+
+    let shared = locks
+        .patch_status("orders", &operator, &Patch::Apply(&apply("by-hand")))
+        .await
+        .expect("the same value conflicts with nobody");
+    assert_eq!(managers(&shared).len(), 2, "both own the field");
+
+    let forced = locks
+        .patch_status(
+            "orders",
+            &operator.clone().force(),
+            &Patch::Apply(&apply("pod-a")),
+        )
+        .await
+        .expect("a forced apply");
+    assert_eq!(forced.data["status"]["holder"], "pod-a");
+    assert_eq!(
+        managers(&forced),
+        [(
+            "leasehold-operator".into(),
+            "Apply".into(),
+            Some("status".into())
+        )],
+        "the editor's only field moved to the operator"
+    );
+}
+
+/// An apply names its field manager (422 otherwise), and one of an object that does not exist
+/// creates it, its fields the applier's.
+#[tokio::test]
+async fn an_apply_needs_a_field_manager_and_creates_what_is_missing() {
+    let api = InMemoryApiServer::new();
+    let client = api.client();
+    let body = serde_json::to_vec(&lease("apps", "made-by-apply")).unwrap();
+    let request = |query: &str| {
+        http::Request::patch(format!(
+            "/apis/coordination.k8s.io/v1/namespaces/apps/leases/made-by-apply{query}"
+        ))
+        .header("content-type", "application/apply-patch+yaml")
+        .body(body.clone())
+        .unwrap()
+    };
+    match client.request::<serde_json::Value>(request("")).await {
+        Err(kube::Error::Api(status)) if status.code == 422 => {
+            assert!(
+                status.message.contains("fieldManager: Required value"),
+                "{}",
+                status.message
+            );
+        }
+        other => panic!("not a 422: {other:?}"),
+    }
+    assert!(api.lease("apps", "made-by-apply").is_none());
+    let created: Lease = client
+        .request(request("?fieldManager=installer"))
+        .await
+        .expect("an apply creates");
+    assert_eq!(created.metadata.namespace.as_deref(), Some("apps"));
+    let entries = created.metadata.managed_fields.unwrap_or_default();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].manager.as_deref(), Some("installer"));
+    assert_eq!(entries[0].operation.as_deref(), Some("Apply"));
 }

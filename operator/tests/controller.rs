@@ -156,7 +156,8 @@ async fn a_held_lock_in_a_namespace_being_deleted_lets_go() {
 }
 
 /// A Lease's new holder shows in the status at once (not at the next resync), while its
-/// renewals, every few seconds per lock, cost the operator no request at all.
+/// renewals, every few seconds per lock, cost the operator no request at all; a release takes
+/// the holder out of the status (the operator's apply no longer names the field).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
     let api = InMemoryApiServer::new();
@@ -168,7 +169,7 @@ async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
     })
     .await;
     let driver = leasehold_lease::kubernetes::KubernetesLeaseDriver::new(api.client(), NS);
-    let Acquire::Acquired(_) = driver
+    let Acquire::Acquired(lease) = driver
         .try_acquire("jobs", "pod-a", Duration::from_secs(60))
         .await
         .unwrap()
@@ -202,6 +203,16 @@ async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
         0,
         "renewals made the operator call the API server"
     );
+    assert!(driver.release(&lease).await.unwrap(), "released");
+    eventually(
+        reconcile::RESYNC / 3,
+        "no holder in the status before the resync",
+        || {
+            let status = &lock_object(&api, "jobs")?["status"];
+            (status.get("holder").is_none() && status["transitions"] == 1).then_some(())
+        },
+    )
+    .await;
 }
 
 /// The reasons of the Events about lock `name`, oldest first.

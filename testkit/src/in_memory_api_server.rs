@@ -14,8 +14,10 @@
 //!   stored as absent, as the real server's `omitempty` serialization does;
 //! - a `DistributedLock`'s `metadata.generation` moves with its spec (and its deletion), not
 //!   with its status;
-//! - PATCH (JSON patch, merge patch, server-side apply as a merge) on objects and on their
-//!   `status` subresource, each writing only its part; a delete of an object with finalizers
+//! - PATCH (JSON patch, merge patch, server-side apply) on objects and on their `status`
+//!   subresource, each writing only its part; every write's field manager owns the fields it
+//!   set, in `metadata.managedFields`, and an apply conflicts, removes and merges list maps
+//!   as the real server's does ([`crate::server_side_apply`]); an apply may create; a delete of an object with finalizers
 //!   only marks it, and it goes when the last finalizer is removed; the garbage collector then
 //!   deletes what it owned (by `ownerReferences` uid); a foreground deletion
 //!   (`propagationPolicy: Foreground`, `kubectl delete --cascade=foreground`, Argo CD's prune)
@@ -46,7 +48,20 @@ use http_body_util::{BodyExt, Full, StreamBody, combinators::UnsyncBoxBody};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, watch};
 
+use crate::server_side_apply as ssa;
+
 type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// What a PATCH writes through, and as whom.
+#[derive(Clone, Copy)]
+struct Write<'a> {
+    subresource: Option<&'a str>,
+    /// The field manager (named by the request, or taken from its user agent).
+    manager: &'a str,
+    /// Whether the request named its manager, as an apply must.
+    manager_given: bool,
+    force: bool,
+}
 
 /// A collection's address without its namespace: `/apis/coordination.k8s.io/v1/leases`,
 /// `/api/v1/secrets`.
@@ -520,6 +535,18 @@ impl InMemoryApiServer {
             ));
         };
         let (c, ns) = (route.collection.as_str(), route.namespace.as_str());
+        // The field manager: named by the request, or the client's user agent as the API
+        // server takes it (up to the first `/`).
+        let manager = query.get("fieldManager").cloned().unwrap_or_else(|| {
+            parts
+                .headers
+                .get(http::header::USER_AGENT)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.split('/').next())
+                .filter(|v| !v.is_empty())
+                .unwrap_or("unknown")
+                .to_owned()
+        });
         let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
         {
             let plural = c.rsplit('/').next().unwrap_or_default();
@@ -590,26 +617,27 @@ impl InMemoryApiServer {
                 &LabelSelector::of(&query),
                 &query,
             ),
-            (&Method::POST, None) => self.create(c, ns, &body),
+            (&Method::POST, None) => self.create(c, ns, &body, &manager),
             (&Method::GET, Some(name)) => match self.object(c, ns, name) {
                 Some(object) => json_response(StatusCode::OK, &object),
                 None => not_found(name),
             },
-            (&Method::PUT, Some(name)) => self.replace(c, ns, name, &body),
+            (&Method::PUT, Some(name)) => {
+                self.replace(c, ns, name, route.subresource.as_deref(), &body, &manager)
+            }
             (&Method::PATCH, Some(name)) => {
                 let content_type = parts
                     .headers
                     .get(http::header::CONTENT_TYPE)
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or_default();
-                self.patch(
-                    c,
-                    ns,
-                    name,
-                    route.subresource.as_deref(),
-                    content_type,
-                    &body,
-                )
+                let write = Write {
+                    subresource: route.subresource.as_deref(),
+                    manager: &manager,
+                    force: query.get("force").is_some_and(|f| f == "true"),
+                    manager_given: query.contains_key("fieldManager"),
+                };
+                self.patch(c, ns, name, write, content_type, &body)
             }
             (&Method::DELETE, Some(name)) => self.delete(c, ns, name, &body),
             _ => status(
@@ -697,7 +725,7 @@ impl InMemoryApiServer {
         store.history.clear();
     }
 
-    fn create(&self, collection: &str, ns: &str, body: &[u8]) -> Response<Body> {
+    fn create(&self, collection: &str, ns: &str, body: &[u8], manager: &str) -> Response<Body> {
         let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
             return status(
                 StatusCode::BAD_REQUEST,
@@ -735,11 +763,23 @@ impl InMemoryApiServer {
         }
         object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}-{}", store.revision + 1));
         object["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+        if let Some(metadata) = object["metadata"].as_object_mut() {
+            metadata.remove("managedFields");
+        }
+        ssa::record_update(&Value::Null, &mut object, manager, ssa::Scope::Object);
         let object = self.commit(&mut store, collection, ns, &name, "ADDED", object);
         json_response(StatusCode::CREATED, &object)
     }
 
-    fn replace(&self, collection: &str, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
+    fn replace(
+        &self,
+        collection: &str,
+        ns: &str,
+        name: &str,
+        subresource: Option<&str>,
+        body: &[u8],
+        manager: &str,
+    ) -> Response<Body> {
         let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
             return status(
                 StatusCode::BAD_REQUEST,
@@ -768,26 +808,32 @@ impl InMemoryApiServer {
                 ),
             );
         }
-        for field in ["uid", "creationTimestamp", "namespace"] {
+        for field in ["uid", "creationTimestamp", "namespace", "managedFields"] {
             object["metadata"][field] = current["metadata"][field].clone();
         }
+        let current = current.clone();
+        ssa::record_update(&current, &mut object, manager, ssa::Scope::of(subresource));
         let object = self.commit(&mut store, collection, ns, name, "MODIFIED", object);
         json_response(StatusCode::OK, &object)
     }
 
-    /// A JSON patch, a merge patch, or a server-side apply (taken as a merge of the fields
-    /// sent: one field manager at a time is all the operator uses). On the `status`
-    /// subresource only the status changes, and on the object itself everything but the
-    /// status, as with a real API server; the resourceVersion moves either way.
+    /// A JSON patch, a merge patch, or a server-side apply ([`crate::server_side_apply`]). On
+    /// the `status` subresource only the status changes, and on the object itself everything
+    /// but the status, as with a real API server; the resourceVersion moves either way.
     fn patch(
         &self,
         collection: &str,
         ns: &str,
         name: &str,
-        subresource: Option<&str>,
+        write: Write<'_>,
         content_type: &str,
         body: &[u8],
     ) -> Response<Body> {
+        let subresource = write.subresource;
+        let content_type = content_type.split(';').next().unwrap_or_default();
+        if content_type == "application/apply-patch+yaml" {
+            return self.apply(collection, ns, name, write, body);
+        }
         let mut store = self.store.lock().unwrap();
         let Some(current) = store
             .objects
@@ -797,7 +843,7 @@ impl InMemoryApiServer {
             return not_found(name);
         };
         let mut patched = current.clone();
-        let applied = match content_type.split(';').next().unwrap_or_default() {
+        let applied = match content_type {
             "application/json-patch+json" => serde_json::from_slice::<Vec<Value>>(body)
                 .map(|ops| {
                     // The API server's JSON patch takes a missing field for a `null` one, as
@@ -815,11 +861,9 @@ impl InMemoryApiServer {
                 .and_then(|ops| serde_json::from_value::<json_patch::Patch>(Value::Array(ops)))
                 .map_err(|e| e.to_string())
                 .and_then(|p| json_patch::patch(&mut patched, &p).map_err(|e| e.to_string())),
-            "application/merge-patch+json" | "application/apply-patch+yaml" => {
-                serde_json::from_slice::<Value>(body)
-                    .map(|p| json_patch::merge(&mut patched, &p))
-                    .map_err(|e| e.to_string())
-            }
+            "application/merge-patch+json" => serde_json::from_slice::<Value>(body)
+                .map(|p| json_patch::merge(&mut patched, &p))
+                .map_err(|e| e.to_string()),
             other => Err(format!("unsupported patch type {other:?}")),
         };
         if let Err(e) = applied {
@@ -841,18 +885,148 @@ impl InMemoryApiServer {
                 object["status"] = kept;
             }
         }
-        for field in ["uid", "creationTimestamp", "namespace", "name"] {
+        for field in [
+            "uid",
+            "creationTimestamp",
+            "namespace",
+            "name",
+            "managedFields",
+        ] {
             object["metadata"][field] = current["metadata"][field].clone();
         }
+        ssa::record_update(
+            &current,
+            &mut object,
+            write.manager,
+            ssa::Scope::of(subresource),
+        );
+        self.commit_patched(&mut store, collection, ns, name, object)
+    }
+
+    /// A server-side apply: conflicts refused (409) unless forced, an object created when
+    /// there is none (not through a subresource).
+    fn apply(
+        &self,
+        collection: &str,
+        ns: &str,
+        name: &str,
+        write: Write<'_>,
+        body: &[u8],
+    ) -> Response<Body> {
+        if !write.manager_given {
+            return status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch",
+            );
+        }
+        let Ok(config) = serde_json::from_slice::<Value>(body) else {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "the apply configuration is not JSON",
+            );
+        };
+        let scope = ssa::Scope::of(write.subresource);
+        if !matches!(write.subresource, None | Some("status")) {
+            return status(StatusCode::NOT_FOUND, "NotFound", "no such subresource");
+        }
+        let mut store = self.store.lock().unwrap();
+        let key = (collection.to_owned(), ns.to_owned(), name.to_owned());
+        let Some(current) = store.objects.get(&key).cloned() else {
+            if scope == ssa::Scope::Status {
+                return not_found(name);
+            }
+            let mut object = json!({"metadata": {"name": name}});
+            for field in ["apiVersion", "kind"] {
+                object[field] = config[field].clone();
+            }
+            return match ssa::apply(&object, &config, write.manager, scope, true) {
+                Ok(created) => self.create_applied(&mut store, collection, ns, name, created),
+                Err(_) => unreachable!("a forced apply has no conflicts"),
+            };
+        };
+        match ssa::apply(&current, &config, write.manager, scope, write.force) {
+            Ok(mut object) => {
+                for field in ["uid", "creationTimestamp", "namespace", "name"] {
+                    object["metadata"][field] = current["metadata"][field].clone();
+                }
+                self.commit_patched(&mut store, collection, ns, name, object)
+            }
+            Err(conflicts) => {
+                let causes: Vec<Value> = conflicts
+                    .iter()
+                    .map(|c| {
+                        json!({
+                            "reason": "FieldManagerConflict",
+                            "message": format!("conflict with {:?}", c.manager),
+                            "field": ssa::show(&c.path),
+                        })
+                    })
+                    .collect();
+                let listed: Vec<String> = conflicts
+                    .iter()
+                    .map(|c| format!("conflict with {:?}: {}", c.manager, ssa::show(&c.path)))
+                    .collect();
+                let message = format!(
+                    "Apply failed with {} conflict{}: {}",
+                    conflicts.len(),
+                    if conflicts.len() == 1 { "" } else { "s" },
+                    listed.join("\n")
+                );
+                let body = json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {},
+                    "status": "Failure", "message": message, "reason": "Conflict",
+                    "details": {"causes": causes}, "code": 409,
+                });
+                json_response(StatusCode::CONFLICT, &body)
+            }
+        }
+    }
+
+    /// The first apply of an object that does not exist: created, its fields the applier's.
+    fn create_applied(
+        &self,
+        store: &mut Store,
+        collection: &str,
+        ns: &str,
+        name: &str,
+        mut object: Value,
+    ) -> Response<Body> {
+        if store
+            .objects
+            .get(&(NAMESPACES.to_owned(), String::new(), ns.to_owned()))
+            .is_some_and(|n| !n["metadata"]["deletionTimestamp"].is_null())
+        {
+            return namespace_terminating(collection, ns);
+        }
+        if !ns.is_empty() {
+            object["metadata"]["namespace"] = json!(ns);
+        }
+        object["metadata"]["uid"] = json!(format!("uid-{ns}-{name}-{}", store.revision + 1));
+        object["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+        let object = self.commit(store, collection, ns, name, "ADDED", object);
+        json_response(StatusCode::CREATED, &object)
+    }
+
+    /// Store a patched object; one being deleted goes once its last finalizer has.
+    fn commit_patched(
+        &self,
+        store: &mut Store,
+        collection: &str,
+        ns: &str,
+        name: &str,
+        object: Value,
+    ) -> Response<Body> {
         // The API server deletes an object being deleted once its last finalizer goes.
         let finalized = !object["metadata"]["deletionTimestamp"].is_null()
             && object["metadata"]["finalizers"]
                 .as_array()
                 .is_none_or(|f| f.is_empty());
         let kind = if finalized { "DELETED" } else { "MODIFIED" };
-        let object = self.commit(&mut store, collection, ns, name, kind, object);
+        let object = self.commit(store, collection, ns, name, kind, object);
         if finalized {
-            self.collect_garbage(&mut store);
+            self.collect_garbage(store);
         }
         json_response(StatusCode::OK, &object)
     }

@@ -17,6 +17,7 @@ pub mod redis_sentinel;
 pub mod redis_sentinel_hosts;
 pub mod redis_server;
 mod server_process;
+mod server_side_apply;
 pub mod tair_pair;
 pub mod tairstring;
 pub mod test_network;
