@@ -1,9 +1,9 @@
-//! The documentation's examples are real: each example lock in `docs/crd.md` parses as a
+//! The documentation's examples are real: each example lock in `docs/reference/crd.md` parses as a
 //! DistributedLock, resolves to a backend (with stand-in Secret values), and together they cover
-//! every backend; the complete Helm example of `docs/kubernetes.md` validates against the
+//! every backend; the complete Helm example of `docs/operations/install.md` validates against the
 //! Kubernetes schemas, its Deployment gets the sidecar from the webhook, and its Role grants what
 //! that sidecar does. Every relative link in the README and under `docs/` resolves, and
-//! `docs/metrics.md` names exactly the operator's metrics.
+//! `docs/reference/metrics.md` names exactly the operator's metrics.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -21,11 +21,11 @@ fn page(path: &str) -> String {
 }
 
 fn examples() -> Vec<DistributedLock> {
-    let crd = page("docs/crd.md");
+    let crd = page("docs/reference/crd.md");
     let section = crd
         .split("## One example per backend")
         .nth(1)
-        .expect("docs/crd.md has its examples section");
+        .expect("docs/reference/crd.md has its examples section");
     let yaml = section
         .split("```yaml")
         .nth(1)
@@ -63,13 +63,13 @@ fn every_documented_example_resolves_and_every_cluster_backend_has_one() {
     assert_eq!(kinds, expected);
 }
 
-/// The complete example of `docs/kubernetes.md`: its YAML documents.
+/// The complete example of `docs/operations/install.md`: its YAML documents.
 fn helm_example() -> (String, Vec<serde_json::Value>) {
-    let yaml = page("docs/kubernetes.md")
+    let yaml = page("docs/operations/install.md")
         .split("```yaml")
         .nth(1)
         .and_then(|s| s.split("```").next())
-        .expect("docs/kubernetes.md's complete example")
+        .expect("docs/operations/install.md's complete example")
         .to_owned();
     let docs = serde_yaml::Deserializer::from_str(&yaml)
         .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
@@ -158,17 +158,17 @@ fn the_complete_helm_example_is_valid_and_gets_its_sidecar() {
     );
 }
 
-/// The Secret of `docs/operator.md` is opened to the server of the example lock that uses it,
-/// and to nothing else.
+/// The Secret of `docs/operations/secrets.md` is opened to the server of the example lock that
+/// uses it, and to nothing else.
 #[test]
 fn the_documented_secret_is_opened_to_its_example_lock() {
-    let operator = page("docs/operator.md");
-    let yaml = operator
-        .split("## Secrets: their owner decides where they go")
+    let secrets = page("docs/operations/secrets.md");
+    let yaml = secrets
+        .split("## Their owner decides where they go")
         .nth(1)
         .and_then(|s| s.split("```yaml").nth(1))
         .and_then(|s| s.split("```").next())
-        .expect("docs/operator.md shows an opened Secret");
+        .expect("docs/operations/secrets.md shows an opened Secret");
     let secret: k8s_openapi::api::core::v1::Secret = serde_yaml::from_str(yaml).unwrap();
     let name = secret.metadata.name.as_deref().unwrap();
     let allowed = secret
@@ -227,15 +227,15 @@ fn every_relative_link_in_the_readme_and_docs_resolves() {
     assert!(broken.is_empty(), "links to nothing: {broken:#?}");
 }
 
-/// `docs/metrics.md` names exactly the metrics the operator registers, under the names a query
+/// `docs/reference/metrics.md` names exactly the metrics the operator registers, under the names a query
 /// uses (a counter's with `_total`).
 #[test]
 fn the_metrics_reference_names_exactly_the_operators_metrics() {
-    let page = page("docs/metrics.md");
+    let page = page("docs/reference/metrics.md");
     let section = page
         .split("## The operator")
         .nth(1)
-        .expect("docs/metrics.md has a section on the operator");
+        .expect("docs/reference/metrics.md has a section on the operator");
     // Every family with a sample: an admission and a failed reconciliation counted.
     let metrics = leasehold_operator::metrics::Metrics::new();
     metrics.admitted("injected");

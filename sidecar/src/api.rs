@@ -545,7 +545,7 @@ fn durations(
     Ok(out)
 }
 
-/// A duration in the form the API documents (docs/openapi.yaml, `Duration`): `0`, or numbers
+/// A duration in the form the API documents (docs/reference/openapi.yaml, `Duration`): `0`, or numbers
 /// each followed by a unit, with no space (`500ms`, `1m30s`, `1.5h`). humantime alone also takes
 /// spaces inside and around (`1 0s` is ten seconds), which a client cannot mean.
 fn parse_duration(value: &str) -> Result<Duration, String> {

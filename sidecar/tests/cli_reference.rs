@@ -1,4 +1,4 @@
-//! `docs/cli.md` lists exactly the flags the binary takes: the sidecar's table names every flag
+//! `docs/reference/cli.md` lists exactly the flags the binary takes: the sidecar's table names every flag
 //! `leasehold-sidecar --help` prints and no other, and the same for `exec`'s table and
 //! `leasehold-sidecar exec --help`.
 
@@ -61,11 +61,14 @@ fn flags_in_table(section: &str) -> BTreeSet<String> {
 
 #[test]
 fn the_cli_reference_lists_exactly_the_flags_the_binary_takes() {
-    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/cli.md"))
-        .expect("docs/cli.md");
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/reference/cli.md"
+    ))
+    .expect("docs/reference/cli.md");
     let (sidecar, exec) = page
         .split_once("## `leasehold-sidecar exec`")
-        .expect("docs/cli.md has its exec section");
+        .expect("docs/reference/cli.md has its exec section");
     for (documented, args, what) in [
         (flags_in_table(sidecar), &[][..], "leasehold-sidecar"),
         (
@@ -80,8 +83,8 @@ fn the_cli_reference_lists_exactly_the_flags_the_binary_takes() {
         let unknown: Vec<_> = documented.difference(&printed).collect();
         assert!(
             undocumented.is_empty() && unknown.is_empty(),
-            "{what}: flags --help prints that docs/cli.md does not list: {undocumented:?}; \
-             flags docs/cli.md lists that --help does not print: {unknown:?}"
+            "{what}: flags --help prints that docs/reference/cli.md does not list: {undocumented:?}; \
+             flags docs/reference/cli.md lists that --help does not print: {unknown:?}"
         );
     }
 }

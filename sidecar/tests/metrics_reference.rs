@@ -1,4 +1,4 @@
-//! `docs/metrics.md` names exactly the metrics the sidecar registers: every one `/metrics`
+//! `docs/reference/metrics.md` names exactly the metrics the sidecar registers: every one `/metrics`
 //! describes, under the name a query uses (a counter's with `_total`).
 
 use leasehold_sidecar::metrics::Metrics;
@@ -54,17 +54,20 @@ async fn every_metric_sampled() -> String {
 
 #[tokio::test]
 async fn the_metrics_reference_names_exactly_the_sidecars_metrics() {
-    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"))
-        .expect("docs/metrics.md");
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/reference/metrics.md"
+    ))
+    .expect("docs/reference/metrics.md");
     let section = page
         .split("## The sidecar")
         .nth(1)
         .and_then(|rest| rest.split("## The operator").next())
-        .expect("docs/metrics.md has a section on the sidecar");
+        .expect("docs/reference/metrics.md has a section on the sidecar");
     let registered = described(&every_metric_sampled().await);
     assert_eq!(
         documented(section),
         registered,
-        "docs/metrics.md's sidecar tables against what the sidecar registers"
+        "docs/reference/metrics.md's sidecar tables against what the sidecar registers"
     );
 }

@@ -1,4 +1,4 @@
-//! `docs/metrics.md` against a binary's metrics: the names a query uses for what a text
+//! `docs/reference/metrics.md` against a binary's metrics: the names a query uses for what a text
 //! exposition describes, and the names a section of the page's tables lists.
 
 use std::collections::BTreeSet;

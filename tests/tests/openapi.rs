@@ -1,4 +1,4 @@
-//! docs/openapi.yaml against the sidecar: the document is valid OpenAPI 3.1, it lists exactly
+//! docs/reference/openapi.yaml against the sidecar: the document is valid OpenAPI 3.1, it lists exactly
 //! the routes the sidecar serves, and schemathesis (from PyPI, a client nobody on this project
 //! wrote) fuzzes every route it lists against a running sidecar on SQLite and on Redis: no 5xx,
 //! every answer's status, content type and body as documented, and afterwards the sidecar
@@ -19,7 +19,7 @@ fn repository() -> &'static Path {
 }
 
 fn document() -> PathBuf {
-    repository().join("docs/openapi.yaml")
+    repository().join("docs/reference/openapi.yaml")
 }
 
 /// A program of the tests' venv, which scripts/install-test-deps gives
@@ -42,8 +42,9 @@ fn venv_program(name: &str) -> PathBuf {
 
 /// `(method, path)` of every operation the document lists.
 fn documented_routes() -> BTreeSet<(String, String)> {
-    let text = std::fs::read_to_string(document()).expect("docs/openapi.yaml");
-    let doc: serde_json::Value = serde_yaml::from_str(&text).expect("docs/openapi.yaml is YAML");
+    let text = std::fs::read_to_string(document()).expect("docs/reference/openapi.yaml");
+    let doc: serde_json::Value =
+        serde_yaml::from_str(&text).expect("docs/reference/openapi.yaml is YAML");
     let mut routes = BTreeSet::new();
     for (path, item) in doc["paths"].as_object().expect("paths") {
         for method in METHODS {
@@ -119,7 +120,7 @@ fn the_openapi_document_lists_exactly_the_routes_the_sidecar_serves() {
     let not_served: Vec<_> = documented.difference(&served).collect();
     assert!(
         undocumented.is_empty() && not_served.is_empty(),
-        "served but not in docs/openapi.yaml: {undocumented:?}; in docs/openapi.yaml but not \
+        "served but not in docs/reference/openapi.yaml: {undocumented:?}; in docs/reference/openapi.yaml but not \
          served: {not_served:?}"
     );
 }
@@ -132,7 +133,7 @@ fn the_openapi_document_is_valid_openapi() {
         .expect("run openapi-spec-validator");
     assert!(
         output.status.success(),
-        "docs/openapi.yaml is not valid OpenAPI: {}{}",
+        "docs/reference/openapi.yaml is not valid OpenAPI: {}{}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
