@@ -48,6 +48,7 @@ use crate::drivers::queue::etcd_rpc::{
     Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
     RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
+use crate::drivers::queue::places::{Place, Places};
 use crate::drivers::queue::slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
 
@@ -102,6 +103,21 @@ struct Entry {
     session: SessionUse,
     revision: i64,
     slot: QueueSlot,
+}
+
+impl Place for Entry {
+    fn lock(&self) -> &str {
+        &self.lock
+    }
+    fn identity(&self) -> &str {
+        &self.identity
+    }
+    fn slot(&self) -> &QueueSlot {
+        &self.slot
+    }
+    fn token(&self) -> i64 {
+        self.revision
+    }
 }
 
 /// This process's etcd lease for its keys of one TTL (see the module's notes).
@@ -188,7 +204,7 @@ struct Orphan {
 struct Shared {
     config: EtcdConfig,
     client: OnceCell<EtcdClient>,
-    entries: Mutex<HashMap<String, Arc<Entry>>>,
+    entries: Places<Entry>,
     /// This process's etcd leases, by their TTL in seconds; granted on first use.
     sessions: tokio::sync::Mutex<HashMap<i64, Arc<Session>>>,
     orphans: Mutex<Vec<Orphan>>,
@@ -288,14 +304,7 @@ async fn check_keys(batch: Batch<KeyCheck, Result<Checked>>) {
 
 impl Drop for EtcdDriver {
     fn drop(&mut self) {
-        let entries = self
-            .shared
-            .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        for entry in entries.values() {
-            entry.slot.abort_tasks();
-        }
+        self.shared.entries.abort_all();
     }
 }
 
@@ -454,16 +463,7 @@ impl Shared {
     }
 
     fn forget(&self, entry: &Entry) {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if entries
-            .get(&entry.lock)
-            .is_some_and(|e| e.revision == entry.revision)
-        {
-            entries.remove(&entry.lock);
-        }
-        drop(entries);
-        entry.slot.mark_left();
-        entry.slot.stop_watching();
+        self.entries.forget(entry);
     }
 
     /// Queue a new key for `lock` under a new etcd lease, and learn where it stands from the
@@ -550,10 +550,7 @@ impl Shared {
         });
         let task = tokio::spawn(tend(self.clone(), entry.clone()));
         entry.slot.set_tender(task);
-        self.entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(lock.to_owned(), entry.clone());
+        self.entries.put(entry.clone());
         Ok((entry, position))
     }
 
@@ -785,7 +782,7 @@ impl EtcdDriver {
             shared: Arc::new(Shared {
                 config,
                 client: OnceCell::new(),
-                entries: Mutex::new(HashMap::new()),
+                entries: Places::new(),
                 sessions: tokio::sync::Mutex::new(HashMap::new()),
                 orphans: Mutex::new(Vec::new()),
                 keys_put: AtomicU64::new(0),
@@ -803,20 +800,11 @@ impl EtcdDriver {
     }
 
     fn entry(&self, lock: &str) -> Option<Arc<Entry>> {
-        let entries = self
-            .shared
-            .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        entries.get(lock).cloned()
+        self.shared.entries.get(lock)
     }
 
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
-        self.entry(&lease.lock).filter(|e| {
-            e.slot.holding()
-                && e.identity == lease.identity
-                && u64::try_from(e.revision).ok() == Some(lease.token)
-        })
+        self.shared.entries.holding(lease)
     }
 }
 
@@ -964,10 +952,7 @@ impl Driver for EtcdDriver {
     async fn abandon(&self, lock: &str, identity: &str) {
         // Without the lock's attempt turn, which the engine's own late attempt may hold while
         // it calls this: the place's own state decides whether the attempt claimed first.
-        if let Some(entry) = self
-            .entry(lock)
-            .filter(|e| e.identity == identity && e.slot.leave_if_waiting())
-        {
+        if let Some(entry) = self.shared.entries.abandoned(lock, identity) {
             self.shared.leave(&entry).await;
             entry.slot.abort_tasks();
             // The one behind may be first now.

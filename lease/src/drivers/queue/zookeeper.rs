@@ -37,6 +37,7 @@ use zookeeper_client as zk;
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batches, Pending};
+use crate::drivers::queue::places::{Place, Places};
 use crate::drivers::queue::slot::{Attempts, Expiry, QueueSlot};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
@@ -93,6 +94,21 @@ struct Entry {
     /// From when the leader surely counts the session that keeps this node, as of the last
     /// acquisition or renewal (see [`Session::counted_from`]).
     counted_from: Mutex<Option<BootInstant>>,
+}
+
+impl Place for Entry {
+    fn lock(&self) -> &str {
+        &self.lock
+    }
+    fn identity(&self) -> &str {
+        &self.identity
+    }
+    fn slot(&self) -> &QueueSlot {
+        &self.slot
+    }
+    fn token(&self) -> i64 {
+        self.czxid
+    }
 }
 
 impl Entry {
@@ -176,7 +192,7 @@ struct Shared {
     /// The TLS settings of `config`, their PEM documents read at start.
     tls: Option<zk::TlsOptions>,
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
-    entries: Mutex<HashMap<String, Arc<Entry>>>,
+    entries: Places<Entry>,
     /// One acquisition of a lock at a time ([`Attempts`]).
     attempts: Attempts,
     releases: ChangeFeeds,
@@ -300,14 +316,7 @@ async fn read_nodes(
 
 impl Drop for ZooKeeperDriver {
     fn drop(&mut self) {
-        let entries = self
-            .shared
-            .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        for entry in entries.values() {
-            entry.slot.abort_tasks();
-        }
+        self.shared.entries.abort_all();
     }
 }
 
@@ -354,11 +363,7 @@ impl Shared {
         let mut session = self.session.lock().await;
         if let Some(current) = session.as_ref() {
             if !current.client.state().is_terminated() {
-                let has_nodes = !self
-                    .entries
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .is_empty();
+                let has_nodes = !self.entries.is_empty();
                 if current.requested == lease || (has_nodes && lease <= current.timeout) {
                     return Ok(current.clone());
                 }
@@ -373,7 +378,7 @@ impl Shared {
                 }
             } else {
                 // Expired or closed: its nodes are gone with it; so are this driver's places.
-                self.drop_entries();
+                self.entries.drop_all();
             }
         }
         let opened = BootInstant::now();
@@ -455,29 +460,14 @@ impl Shared {
         }
     }
 
-    fn drop_entries(&self) {
-        let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
-        for entry in entries.values() {
-            entry.slot.abort_tasks();
-        }
-    }
-
     fn forget(&self, entry: &Entry) {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if entries
-            .get(&entry.lock)
-            .is_some_and(|e| e.path == entry.path)
-        {
-            entries.remove(&entry.lock);
+        if self.entries.forget(entry) {
             // Nobody here waits for the lock any more: its holder needs no remembering.
             self.holders
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&entry.lock);
         }
-        drop(entries);
-        entry.slot.mark_left();
-        entry.slot.stop_watching();
     }
 
     /// Give the node up: `Ok(true)` deleted now, `Ok(false)` already gone. If the delete fails
@@ -632,17 +622,9 @@ impl Shared {
         // client, and they all land once it reconnects: this process keeps its earliest place
         // (or the one it holds) and leaves the others, which it would otherwise no longer know
         // of while they stood ahead of the place it watches.
-        let placed = {
-            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-            let earlier = entries
-                .get(lock)
-                .filter(|kept| kept.slot.holding() || kept.sequence < entry.sequence)
-                .cloned();
-            match earlier {
-                Some(kept) => Err(kept),
-                None => Ok(entries.insert(lock.to_owned(), entry.clone())),
-            }
-        };
+        let placed = self.entries.put_unless(entry.clone(), |present| {
+            present.slot.holding() || present.sequence < entry.sequence
+        });
         let (kept, surplus) = match placed {
             Err(kept) => (kept, Some(entry)),
             Ok(later) => (entry, later),
@@ -760,8 +742,6 @@ impl Shared {
         let path = format!("{}/{name}", self.parent(lock));
         let known = self
             .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .get(lock)
             .is_some_and(|entry| entry.path == path);
         if known {
@@ -895,7 +875,7 @@ impl ZooKeeperDriver {
                 config,
                 tls,
                 session: tokio::sync::Mutex::new(None),
-                entries: Mutex::new(HashMap::new()),
+                entries: Places::new(),
                 attempts: Attempts::default(),
                 releases: ChangeFeeds::default(),
                 wakeups: AtomicU64::new(0),
@@ -933,12 +913,7 @@ impl ZooKeeperDriver {
     }
 
     fn entry(&self, lock: &str) -> Option<Arc<Entry>> {
-        let entries = self
-            .shared
-            .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        entries.get(lock).cloned()
+        self.shared.entries.get(lock)
     }
 
     /// A waiter further back answered without a request (see `queue::slot`), while `session` is
@@ -965,11 +940,7 @@ impl ZooKeeperDriver {
     }
 
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
-        self.entry(&lease.lock).filter(|e| {
-            e.slot.holding()
-                && e.identity == lease.identity
-                && u64::try_from(e.czxid).ok() == Some(lease.token)
-        })
+        self.shared.entries.holding(lease)
     }
 }
 
@@ -1147,11 +1118,9 @@ impl Driver for ZooKeeperDriver {
     }
 
     async fn abandon(&self, lock: &str, identity: &str) {
-        // Without the lock's attempt turn (see the etcd driver's `abandon`).
-        if let Some(entry) = self
-            .entry(lock)
-            .filter(|e| e.identity == identity && e.slot.leave_if_waiting())
-        {
+        // Without the lock's attempt turn, which the engine's own late attempt may hold while
+        // it calls this: the place's own state decides whether the attempt claimed first.
+        if let Some(entry) = self.shared.entries.abandoned(lock, identity) {
             let _ = self.shared.leave(&entry).await;
             entry.slot.abort_tasks();
             self.shared.releases.bump(lock);
