@@ -297,6 +297,7 @@ fn command(port: u16, args: &[&str]) -> redis::RedisResult<String> {
 pub(crate) fn command_at(url: &str, args: &[&str]) -> redis::RedisResult<String> {
     let client = redis::Client::open(url)?;
     let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
     let mut cmd = redis::cmd(args[0]);
     for arg in &args[1..] {
         cmd.arg(*arg);

@@ -195,11 +195,12 @@ impl RedisSentinelHosts {
     /// Wait until every sentinel names one master and every other server replicates from it
     /// and confirms writes. A server left behind (a master of the minority, a replica still
     /// following it) is made to follow the named master, as the sentinels would a few seconds
-    /// later; only once they agree, so that no failover in progress is overruled.
+    /// later; only once they agree and none is failing over, so that no failover in progress
+    /// is overruled.
     pub fn settle(&self) {
         let deadline = Instant::now() + SETTLE_TIMEOUT;
         loop {
-            if let Some(master) = self.master() {
+            if let Some(master) = self.master().filter(|_| !self.failing_over()) {
                 let master_ip = self.server_ip(master);
                 let mut in_sync = 0;
                 for s in (0..SERVERS).filter(|&s| s != master) {
@@ -226,6 +227,24 @@ impl RedisSentinelHosts {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// Whether any sentinel is in the middle of a failover (or cannot say).
+    fn failing_over(&self) -> bool {
+        (0..SENTINELS).any(|i| {
+            let ip = self.network.ip(&sentinel_host(i));
+            let flags = || -> redis::RedisResult<String> {
+                let client = redis::Client::open(format!("redis://{ip}:{SENTINEL_PORT}"))?;
+                let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
+                conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+                let master: std::collections::HashMap<String, String> = redis::cmd("SENTINEL")
+                    .arg("master")
+                    .arg(MASTER_NAME)
+                    .query(&mut conn)?;
+                Ok(master.get("flags").cloned().unwrap_or_default())
+            };
+            flags().map_or(true, |f| f.contains("failover"))
+        })
     }
 
     /// Whether every sentinel sees every replica healthy and knows the other sentinels: what

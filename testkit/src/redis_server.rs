@@ -388,6 +388,9 @@ pub fn info_at(url: &str, section: &str) -> String {
     let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
         return String::new();
     };
+    if conn.set_read_timeout(Some(Duration::from_secs(2))).is_err() {
+        return String::new();
+    }
     redis::cmd("INFO")
         .arg(section)
         .query::<String>(&mut conn)

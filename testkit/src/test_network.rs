@@ -3,10 +3,14 @@
 //! sentinels do, past any proxy), and a partition can be placed between any two groups of
 //! hosts while the harness, on the bridge, still reaches every one of them.
 //!
-//! A cut is a blackhole route on both sides: packets vanish, connections stall and time out as
-//! over a real partition, and resume when healed. Needs root and `ip` (iproute2).
+//! A cut drops, on each side, every packet that comes from the other (iptables' `INPUT` chain of
+//! each host): connections stall and time out as over a real partition, new ones find no
+//! answer, and both resume when healed. Needs root, `ip` (iproute2) and iptables.
+//!
+//! A network left by a test process that died (killed, so that no `Drop` ran) is taken down by
+//! the next one that starts: its bridge names its owner's pid.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -38,10 +42,14 @@ impl TestNetwork {
         );
         assert!(names.len() < usize::from(BRIDGE_HOST), "too many hosts");
         require_binary("ip", "iproute2");
+        require_binary("iptables", "iptables");
+        clear_abandoned_networks();
         let index = SUBNETS
             .into_iter()
             .find(|n| ip_ok(&["link", "add", &format!("lhbr{n}"), "type", "bridge"]))
             .expect("a free test network (bridges lhbr0 to lhbr249 all exist)");
+        let owner = format!("leasehold-test pid={}", std::process::id());
+        ip(&["link", "set", &format!("lhbr{index}"), "alias", &owner]);
         let network = Self {
             index,
             hosts: names
@@ -63,8 +71,10 @@ impl TestNetwork {
         for i in 0..network.hosts.len() {
             let netns = network.netns(i);
             let (outer, inner) = (format!("lh{index}v{i}"), format!("lh{index}p{i}"));
-            // A namespace of this name left by a run that was killed goes first.
+            // A namespace or link of these names not yet gone with an earlier network goes first
+            // (a namespace's links outlive it until the kernel has destroyed it).
             let _ = ip_ok(&["netns", "del", &netns]);
+            let _ = ip_ok(&["link", "del", &outer]);
             ip(&["netns", "add", &netns]);
             ip(&[
                 "link", "add", &outer, "type", "veth", "peer", "name", &inner,
@@ -127,33 +137,67 @@ impl TestNetwork {
         command
     }
 
-    /// Cut every host of `one` off from every host of `other`, both ways.
+    /// Cut every host of `one` off from every host of `other`, both ways: one batch of rules
+    /// per host, so that the whole cut lands within a few milliseconds.
     pub fn cut(&self, one: &[&str], other: &[&str]) {
         let mut cut = self.cut.lock().unwrap();
+        let mut drops: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for a in one.iter().map(|h| self.position(h)) {
             for b in other.iter().map(|h| self.position(h)) {
                 let pair = (a.min(b), a.max(b));
                 if a != b && cut.insert(pair) {
-                    self.route(pair.0, pair.1, "add");
-                    self.route(pair.1, pair.0, "add");
+                    drops.entry(a).or_default().push(b);
+                    drops.entry(b).or_default().push(a);
                 }
             }
+        }
+        for (host, from) in drops {
+            let mut rules = String::from("*filter\n");
+            for peer in from {
+                rules.push_str(&format!("-A INPUT -s {}/32 -j DROP\n", self.hosts[peer].1));
+            }
+            rules.push_str("COMMIT\n");
+            self.in_host(host, &["iptables-restore", "--noflush"], &rules);
         }
     }
 
     /// Join every cut pair again.
     pub fn heal(&self) {
         let mut cut = self.cut.lock().unwrap();
-        for (a, b) in std::mem::take(&mut *cut) {
-            self.route(a, b, "del");
-            self.route(b, a, "del");
+        let hosts: BTreeSet<usize> = std::mem::take(&mut *cut)
+            .into_iter()
+            .flat_map(|(a, b)| [a, b])
+            .collect();
+        for host in hosts {
+            self.in_host(host, &["iptables", "-F", "INPUT"], "");
         }
     }
 
-    /// A blackhole route on `from` for `to`'s address.
-    fn route(&self, from: usize, to: usize, verb: &str) {
-        let target = format!("{}/32", self.hosts[to].1);
-        ip(&["-n", &self.netns(from), "route", verb, "blackhole", &target]);
+    /// Run `command` on `host`, with `input` on its standard input.
+    fn in_host(&self, host: usize, command: &[&str], input: &str) {
+        use std::process::Stdio;
+        let mut child = Command::new(require_binary("ip", "iproute2"))
+            .args(["netns", "exec", &self.netns(host)])
+            .args(command)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run a command on a test host");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write its input");
+        let out = child.wait_with_output().expect("wait for it");
+        assert!(
+            out.status.success(),
+            "{} on {}: {}",
+            command.join(" "),
+            self.hosts[host].0,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// A loopback address here that forwards each connection to `127.0.0.1:port` on `host`:
@@ -234,9 +278,66 @@ impl Drop for TestNetwork {
     /// declared before the network in their owners); the bridge goes now.
     fn drop(&mut self) {
         for i in 0..self.hosts.len() {
+            let _ = ip_ok(&["link", "del", &format!("lh{}v{i}", self.index)]);
             let _ = ip_ok(&["netns", "del", &self.netns(i)]);
         }
         let _ = ip_ok(&["link", "del", &self.bridge()]);
+    }
+}
+
+/// Take down the test networks whose owner is gone: the processes on their hosts, the
+/// namespaces, the bridge.
+fn clear_abandoned_networks() {
+    let Ok(out) = Command::new(require_binary("ip", "iproute2"))
+        .args(["-d", "-o", "link", "show", "type", "bridge"])
+        .output()
+    else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Some(index) = line
+            .split_once(": lhbr")
+            .and_then(|(_, rest)| rest.split(':').next())
+            .and_then(|n| n.parse::<u8>().ok())
+        else {
+            continue;
+        };
+        let Some(pid) = line
+            .split_once("alias leasehold-test pid=")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok();
+        if alive {
+            continue;
+        }
+        for netns in std::fs::read_dir("/run/netns")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = netns.file_name().to_string_lossy().into_owned();
+            if !name.starts_with(&format!("lh{index}h")) {
+                continue;
+            }
+            if let Ok(pids) = Command::new(require_binary("ip", "iproute2"))
+                .args(["netns", "pids", &name])
+                .output()
+            {
+                for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+                    if let Ok(pid) = pid.parse::<i32>() {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                }
+            }
+            let _ = ip_ok(&["netns", "del", &name]);
+        }
+        let _ = ip_ok(&["link", "del", &format!("lhbr{index}")]);
     }
 }
 

@@ -58,10 +58,10 @@ const FAULT_LENGTH: Duration = Duration::from_millis(1500);
 const FOLLOWER_CUT: Duration = Duration::from_millis(3000);
 /// How long an isolated follower may take to follow again once healed.
 const FOLLOWER_REJOIN: Duration = Duration::from_secs(20);
-/// How long a split of a Sentinel set lasts, in turn: past the sentinels' failover (down after
-/// 2.5 s, then an election and a promotion), so that both sides have a master; and short of it,
-/// so that the master's side alone has one.
-const SPLIT_LENGTHS: [Duration; 2] = [Duration::from_secs(6), Duration::from_secs(2)];
+/// How long a split of a Sentinel set lasts, in turn: well past the sentinels' failover (down
+/// after 2.5 s, then an election and a promotion), so that both sides have a master for
+/// seconds; and short of it, so that the master's side alone has one.
+const SPLIT_LENGTHS: [Duration; 2] = [Duration::from_secs(10), Duration::from_secs(1)];
 /// Test hosts for sidecars on a network of test hosts: `sidecar-0` and on.
 const SIDECAR_HOSTS: usize = 6;
 pub(crate) const CALM_MIN_MS: u64 = 300;
@@ -504,14 +504,21 @@ impl Backend {
         }
     }
 
-    /// Split the Sentinel set, in turn with sidecar `near` (the holder) on the master's side
-    /// and away from it, for each of [`SPLIT_LENGTHS`]; settled again before it returns.
+    /// Split the Sentinel set, with sidecar `near` (the holder) on the master's side, then
+    /// another sidecar there and the holder on the far side, for each of [`SPLIT_LENGTHS`];
+    /// settled again before it returns. Either way a sidecar sits beside the old master while
+    /// the far side's sentinels may promote another.
     fn split_sentinels(&mut self, near: usize) {
         let Backend::RedisSentinelSplit(set, splits) = self else {
             unreachable!("only a Sentinel set on test hosts can be split")
         };
-        let holder = format!("sidecar-{near}");
-        let with_master: &[&str] = if *splits % 2 == 0 { &[&holder] } else { &[] };
+        let beside = if *splits % 2 == 0 {
+            near
+        } else {
+            (near + 1) % 3
+        };
+        let beside = format!("sidecar-{beside}");
+        let with_master: &[&str] = &[&beside];
         let length = SPLIT_LENGTHS[(*splits / 2) % SPLIT_LENGTHS.len()];
         *splits += 1;
         set.split(with_master, length);
