@@ -593,7 +593,7 @@ async fn an_apply_conflicts_with_another_managers_field_unless_forced() {
         Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "Conflict" => {
             assert_eq!(
                 status.message,
-                "Apply failed with 1 conflict: conflict with \"kubectl-edit\": .status.holder"
+                "Apply failed with 1 conflict: conflict with \"kubectl-edit\" using leasehold.dev/v1alpha1: .status.holder"
             );
         }
         other => panic!("not a 409 Conflict: {other:?}"),
@@ -662,4 +662,103 @@ async fn an_apply_needs_a_field_manager_and_creates_what_is_missing() {
     assert_eq!(entries.len(), 1);
     assert_eq!(entries[0].manager.as_deref(), Some("installer"));
     assert_eq!(entries[0].operation.as_deref(), Some("Apply"));
+}
+
+/// What the API server also does around an apply: an apply that changes nothing stores
+/// nothing (no new resourceVersion); an item of a list map that another manager still owns a
+/// field of keeps its key; an apply's resourceVersion is a precondition and its name must be
+/// the URL's; and a resource with a status subresource takes its status through it alone.
+#[tokio::test]
+async fn no_op_applies_kept_items_preconditions_and_the_status_subresource() {
+    let api = InMemoryApiServer::new();
+    let locks = distributed_locks(&api, "apps");
+    let created: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+        "metadata": {"name": "orders"}, "spec": {"leaseDuration": "15s"},
+        "status": {"holder": "made-up"}}))
+    .unwrap();
+    let created = locks
+        .create(&PostParams::default(), &created)
+        .await
+        .expect("create");
+    assert!(
+        created.data.get("status").is_none(),
+        "a create wrote the status: {:?}",
+        created.data
+    );
+
+    let operator = PatchParams::apply("leasehold-operator").force();
+    let ready = json!({"type": "Ready", "status": "True", "reason": "Reconciled", "message": "ok"});
+    let config = status_apply(json!({"conditions": [ready]}));
+    let first = locks
+        .patch_status("orders", &operator, &Patch::Apply(&config))
+        .await
+        .expect("apply");
+    let again = locks
+        .patch_status("orders", &operator, &Patch::Apply(&config))
+        .await
+        .expect("the same apply");
+    assert_eq!(
+        first.metadata.resource_version, again.metadata.resource_version,
+        "an apply that changed nothing was stored"
+    );
+
+    // Another manager takes the Ready condition's message; the operator then stops applying
+    // Ready: the item stays for the other manager's field, and keeps its key.
+    let editor = PatchParams::apply("editor").force();
+    let message = status_apply(json!({"conditions": [{"type": "Ready", "message": "by hand"}]}));
+    locks
+        .patch_status("orders", &editor, &Patch::Apply(&message))
+        .await
+        .expect("the editor's apply");
+    let after = locks
+        .patch_status(
+            "orders",
+            &operator,
+            &Patch::Apply(&status_apply(json!({"holder": "pod-a"}))),
+        )
+        .await
+        .expect("the operator's apply without Ready");
+    let conditions = after.data["status"]["conditions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(conditions.len(), 1, "{conditions:?}");
+    assert_eq!(
+        conditions[0]["type"], "Ready",
+        "the item lost its key: {conditions:?}"
+    );
+    assert_eq!(conditions[0]["message"], "by hand");
+    assert!(conditions[0].get("reason").is_none(), "{conditions:?}");
+
+    let stale = json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+                       "metadata": {"name": "orders", "resourceVersion": "1"},
+                       "status": {"holder": "pod-b"}});
+    match locks
+        .patch_status("orders", &operator, &Patch::Apply(&stale))
+        .await
+    {
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        other => panic!("a stale resourceVersion was applied: {other:?}"),
+    }
+    let renamed = json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+                         "metadata": {"name": "other"}, "status": {"holder": "pod-b"}});
+    match locks
+        .patch_status("orders", &operator, &Patch::Apply(&renamed))
+        .await
+    {
+        Err(kube::Error::Api(status)) if status.code == 400 => {}
+        other => panic!("an apply named another object: {other:?}"),
+    }
+
+    // A replace of the object leaves the status as it was.
+    let mut replaced = locks.get("orders").await.expect("get");
+    replaced.data["spec"]["leaseDuration"] = json!("30s");
+    replaced.data["status"]["holder"] = json!("made-up");
+    let replaced = locks
+        .replace("orders", &PostParams::default(), &replaced)
+        .await
+        .expect("replace");
+    assert_eq!(replaced.data["spec"]["leaseDuration"], "30s");
+    assert_eq!(replaced.data["status"]["holder"], "pod-a");
 }

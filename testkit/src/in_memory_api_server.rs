@@ -766,6 +766,13 @@ impl InMemoryApiServer {
         if let Some(metadata) = object["metadata"].as_object_mut() {
             metadata.remove("managedFields");
         }
+        // A resource with a status subresource is created without one: the status is written
+        // through the subresource alone.
+        if collection == DISTRIBUTED_LOCKS
+            && let Some(fields) = object.as_object_mut()
+        {
+            fields.remove("status");
+        }
         ssa::record_update(&Value::Null, &mut object, manager, ssa::Scope::Object);
         let object = self.commit(&mut store, collection, ns, &name, "ADDED", object);
         json_response(StatusCode::CREATED, &object)
@@ -810,6 +817,22 @@ impl InMemoryApiServer {
         }
         for field in ["uid", "creationTimestamp", "namespace", "managedFields"] {
             object["metadata"][field] = current["metadata"][field].clone();
+        }
+        // With a status subresource, a replace of the object keeps the status, and one of the
+        // status keeps everything else.
+        if collection == DISTRIBUTED_LOCKS {
+            if subresource == Some("status") {
+                let status = object["status"].take();
+                object = current.clone();
+                object["status"] = status;
+            } else {
+                object["status"] = current["status"].clone();
+            }
+            if object["status"].is_null()
+                && let Some(fields) = object.as_object_mut()
+            {
+                fields.remove("status");
+            }
         }
         let current = current.clone();
         ssa::record_update(&current, &mut object, manager, ssa::Scope::of(subresource));
@@ -931,6 +954,23 @@ impl InMemoryApiServer {
         if !matches!(write.subresource, None | Some("status")) {
             return status(StatusCode::NOT_FOUND, "NotFound", "no such subresource");
         }
+        if !config["apiVersion"].is_string() || !config["kind"].is_string() {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "an apply configuration names its apiVersion and kind",
+            );
+        }
+        if config["metadata"]["name"]
+            .as_str()
+            .is_some_and(|sent| sent != name)
+        {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "the name in the apply configuration does not match the name in the URL",
+            );
+        }
         let mut store = self.store.lock().unwrap();
         let key = (collection.to_owned(), ns.to_owned(), name.to_owned());
         let Some(current) = store.objects.get(&key).cloned() else {
@@ -946,6 +986,17 @@ impl InMemoryApiServer {
                 Err(_) => unreachable!("a forced apply has no conflicts"),
             };
         };
+        let sent = &config["metadata"]["resourceVersion"];
+        if sent.is_string() && *sent != current["metadata"]["resourceVersion"] {
+            return status(
+                StatusCode::CONFLICT,
+                "Conflict",
+                &format!(
+                    "Operation cannot be fulfilled on \"{name}\": \
+                     the object has been modified; please apply your changes to the latest version and try again"
+                ),
+            );
+        }
         match ssa::apply(&current, &config, write.manager, scope, write.force) {
             Ok(mut object) => {
                 for field in ["uid", "creationTimestamp", "namespace", "name"] {
@@ -959,14 +1010,21 @@ impl InMemoryApiServer {
                     .map(|c| {
                         json!({
                             "reason": "FieldManagerConflict",
-                            "message": format!("conflict with {:?}", c.manager),
+                            "message": format!("conflict with {:?} using {}", c.manager, c.api_version),
                             "field": ssa::show(&c.path),
                         })
                     })
                     .collect();
                 let listed: Vec<String> = conflicts
                     .iter()
-                    .map(|c| format!("conflict with {:?}: {}", c.manager, ssa::show(&c.path)))
+                    .map(|c| {
+                        format!(
+                            "conflict with {:?} using {}: {}",
+                            c.manager,
+                            c.api_version,
+                            ssa::show(&c.path)
+                        )
+                    })
                     .collect();
                 let message = format!(
                     "Apply failed with {} conflict{}: {}",
@@ -1018,6 +1076,19 @@ impl InMemoryApiServer {
         name: &str,
         object: Value,
     ) -> Response<Body> {
+        // A write that changes nothing is not stored: no new resourceVersion, no event.
+        if let Some(current) =
+            store
+                .objects
+                .get(&(collection.to_owned(), ns.to_owned(), name.to_owned()))
+        {
+            let mut unchanged = object.clone();
+            unchanged["metadata"]["resourceVersion"] =
+                current["metadata"]["resourceVersion"].clone();
+            if unchanged == *current {
+                return json_response(StatusCode::OK, current);
+            }
+        }
         // The API server deletes an object being deleted once its last finalizer goes.
         let finalized = !object["metadata"]["deletionTimestamp"].is_null()
             && object["metadata"]["finalizers"]

@@ -12,7 +12,8 @@
 //!   owns it too;
 //! - lists are atomic, except the list maps the schemas declare ([`LIST_MAPS`]: a lock's
 //!   `status.conditions` by `type`, `metadata.ownerReferences` by `uid`), which merge item by
-//!   item, each item owned apart;
+//!   item, each item owned apart (`metadata.finalizers`, a set on a real server, is atomic
+//!   here: nothing here applies finalizers);
 //! - apply on the `status` subresource touches only the status, and on the object everything
 //!   but the status.
 //!
@@ -94,6 +95,8 @@ struct Entry {
 /// A field another manager owns with another value than an apply sets.
 pub(crate) struct Conflict {
     pub manager: String,
+    /// The API version the manager wrote with.
+    pub api_version: String,
     pub path: Path,
 }
 
@@ -433,6 +436,7 @@ pub(crate) fn apply(
             {
                 conflicts.push(Conflict {
                     manager: entry.manager.clone(),
+                    api_version: entry.api_version.as_str().unwrap_or_default().to_owned(),
                     path: path.clone(),
                 });
             }
@@ -467,9 +471,19 @@ pub(crate) fn apply(
             .filter(|e| !mine(e))
             .any(|e| e.fields.iter().any(|f| f.starts_with(within)))
     };
+    // The key fields of an item that stays stay with it: only a removed item takes them.
+    let key_of_kept_item = |path: &Path| match path.as_slice() {
+        [list @ .., Step::Item(key), Step::Field(field)] => {
+            let itself: Path = [list, &[Step::Item(key.clone()), Step::Itself]].concat();
+            let removed =
+                before.contains(&itself) && !applied.contains(&itself) && !owned_elsewhere(&itself);
+            list_map_keys(list).is_some_and(|keys| keys.contains(&field.as_str())) && !removed
+        }
+        _ => false,
+    };
     let mut dropped: Vec<&Path> = before
         .difference(&applied)
-        .filter(|p| !owned_elsewhere(p))
+        .filter(|p| !owned_elsewhere(p) && !key_of_kept_item(p))
         .collect();
     dropped.sort_by_key(|p| p.last() != Some(&Step::Itself));
     for path in dropped {
