@@ -806,14 +806,7 @@ impl InMemoryApiServer {
             .as_str()
             .map(str::to_owned);
         if sent.is_some() && sent.as_deref() != current["metadata"]["resourceVersion"].as_str() {
-            return status(
-                StatusCode::CONFLICT,
-                "Conflict",
-                &format!(
-                    "Operation cannot be fulfilled on \"{name}\": \
-                     the object has been modified; please apply your changes to the latest version and try again"
-                ),
-            );
+            return modified_since(name);
         }
         for field in ["uid", "creationTimestamp", "namespace", "managedFields"] {
             object["metadata"][field] = current["metadata"][field].clone();
@@ -988,14 +981,7 @@ impl InMemoryApiServer {
         };
         let sent = &config["metadata"]["resourceVersion"];
         if sent.is_string() && *sent != current["metadata"]["resourceVersion"] {
-            return status(
-                StatusCode::CONFLICT,
-                "Conflict",
-                &format!(
-                    "Operation cannot be fulfilled on \"{name}\": \
-                     the object has been modified; please apply your changes to the latest version and try again"
-                ),
-            );
+            return modified_since(name);
         }
         match ssa::apply(&current, &config, write.manager, scope, write.force) {
             Ok(mut object) => {
@@ -1595,6 +1581,18 @@ fn namespace_terminating(collection: &str, ns: &str) -> Response<Body> {
                 "field": "metadata.namespace",
             }]},
         }),
+    )
+}
+
+/// A write whose resourceVersion is not the object's any more.
+fn modified_since(name: &str) -> Response<Body> {
+    status(
+        StatusCode::CONFLICT,
+        "Conflict",
+        &format!(
+            "Operation cannot be fulfilled on \"{name}\": \
+             the object has been modified; please apply your changes to the latest version and try again"
+        ),
     )
 }
 
