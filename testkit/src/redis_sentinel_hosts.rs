@@ -229,14 +229,20 @@ impl RedisSentinelHosts {
         }
     }
 
+    /// A connection to sentinel `i`, with the fixtures' timeouts.
+    fn sentinel(&self, i: usize) -> redis::RedisResult<redis::Connection> {
+        let ip = self.network.ip(&sentinel_host(i));
+        let client = redis::Client::open(format!("redis://{ip}:{SENTINEL_PORT}"))?;
+        let conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
+        conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+        Ok(conn)
+    }
+
     /// Whether any sentinel is in the middle of a failover (or cannot say).
     fn failing_over(&self) -> bool {
         (0..SENTINELS).any(|i| {
-            let ip = self.network.ip(&sentinel_host(i));
             let flags = || -> redis::RedisResult<String> {
-                let client = redis::Client::open(format!("redis://{ip}:{SENTINEL_PORT}"))?;
-                let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
-                conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+                let mut conn = self.sentinel(i)?;
                 let master: std::collections::HashMap<String, String> = redis::cmd("SENTINEL")
                     .arg("master")
                     .arg(MASTER_NAME)
@@ -251,11 +257,8 @@ impl RedisSentinelHosts {
     /// it takes to fail over at the next split.
     fn sentinels_see_all(&self) -> bool {
         (0..SENTINELS).all(|i| {
-            let ip = self.network.ip(&sentinel_host(i));
             let view = || -> redis::RedisResult<bool> {
-                let client = redis::Client::open(format!("redis://{ip}:{SENTINEL_PORT}"))?;
-                let mut conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
-                conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+                let mut conn = self.sentinel(i)?;
                 type Entries = Vec<std::collections::HashMap<String, String>>;
                 let replicas: Entries = redis::cmd("SENTINEL")
                     .arg("replicas")
