@@ -11,11 +11,12 @@ pub use crate::drivers::queue::etcd::EtcdConfig;
 pub use crate::drivers::queue::zookeeper::ZooKeeperConfig;
 pub use crate::drivers::redis::RedisClusterConfig;
 pub use crate::drivers::redis::RedisConfig;
+pub use crate::drivers::redis::RedisOptions;
 pub use crate::drivers::redis::redlock::RedlockConfig;
 pub use crate::drivers::redis::sentinel::SentinelConfig;
 pub use crate::drivers::redis::tair::TairConfig;
-pub use crate::drivers::sql::SqlConfig;
 pub use crate::drivers::sql::sqlite::SqliteConfig;
+pub use crate::drivers::sql::{SqlConfig, SqlServer};
 
 /// The embedded default: a SQLite file in the working directory.
 pub const DEFAULT_BACKEND: &str = "sqlite://./leasehold.db";
@@ -151,6 +152,92 @@ impl std::str::FromStr for BackendUrl {
     fn from_str(s: &str) -> Result<Self> {
         Self::parse(s)
     }
+}
+
+/// A user and a password as a resource gives them (from its Secrets); either may be absent.
+#[derive(Clone, Copy, Default)]
+pub struct Login<'a> {
+    pub user: Option<&'a str>,
+    pub password: Option<&'a str>,
+}
+
+impl Login<'_> {
+    /// Both parts, an absent one empty; `None` when neither is given.
+    pub(crate) fn pair(self) -> Option<(String, String)> {
+        match self {
+            Login {
+                user: None,
+                password: None,
+            } => None,
+            Login { user, password } => Some((
+                user.unwrap_or_default().to_owned(),
+                password.unwrap_or_default().to_owned(),
+            )),
+        }
+    }
+}
+
+/// One server's URL (`scheme://host[:port]PATH`) with `login` as its user information, the URL
+/// percent-encoding it: the configs a resource names are built from its fields this way, not
+/// through the `--backend` grammar. `field` names the resource's field in errors.
+pub(crate) fn server_url(
+    scheme: &str,
+    endpoint: &str,
+    login: Login<'_>,
+    path: &str,
+    field: &'static str,
+) -> Result<url::Url> {
+    let bad = || Error::InvalidConfig {
+        field,
+        reason: format!("bad endpoint {endpoint:?} (host:port)"),
+    };
+    let mut url = url::Url::parse(&format!("{scheme}://{endpoint}")).map_err(|_| bad())?;
+    let only_host = url.host_str().is_some_and(|h| !h.is_empty())
+        && url.path().is_empty()
+        && url.query().is_none()
+        && url.fragment().is_none()
+        && url.username().is_empty()
+        && url.password().is_none();
+    if !only_host {
+        return Err(bad());
+    }
+    if let Some((user, password)) = login.pair() {
+        // Every byte but letters and digits encoded, `%` included: the URL would keep a `%41`
+        // as written, and the driver would read it as `A`.
+        let encoded = |s: &str| {
+            percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+        };
+        url.set_username(&encoded(&user)).map_err(|()| bad())?;
+        url.set_password(Some(&encoded(&password)))
+            .map_err(|()| bad())?;
+    }
+    url.set_path(path);
+    Ok(url)
+}
+
+/// `host[:port]` of each endpoint, with `default_port` where none is given; `field` names the
+/// resource's field in errors.
+pub(crate) fn endpoints(
+    endpoints: &[String],
+    default_port: u16,
+    field: &'static str,
+) -> Result<Vec<String>> {
+    if endpoints.is_empty() {
+        return Err(Error::InvalidConfig {
+            field,
+            reason: "no endpoint is given".into(),
+        });
+    }
+    endpoints
+        .iter()
+        .map(|endpoint| match host_list(endpoint, default_port) {
+            Ok(mut one) if one.len() == 1 => Ok(one.remove(0)),
+            _ => Err(Error::InvalidConfig {
+                field,
+                reason: format!("bad endpoint {endpoint:?} (host:port)"),
+            }),
+        })
+        .collect()
 }
 
 /// The key prefix of a Redis or etcd URL: a name that cannot reach into other keys.

@@ -35,9 +35,9 @@ pub use drivers::sql::{self, sqlite};
 use std::sync::Arc;
 
 pub use backend_url::{
-    BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE, EtcdConfig, KubernetesConfig, RedisClusterConfig,
-    RedisConfig, RedlockConfig, SentinelConfig, SqlConfig, SqliteConfig, TairConfig,
-    ZooKeeperConfig,
+    BackendUrl, DEFAULT_BACKEND, DEFAULT_TABLE, EtcdConfig, KubernetesConfig, Login,
+    RedisClusterConfig, RedisConfig, RedisOptions, RedlockConfig, SentinelConfig, SqlConfig,
+    SqlServer, SqliteConfig, TairConfig, ZooKeeperConfig,
 };
 pub use boot_clock::BootInstant;
 pub use driver::{

@@ -13,12 +13,13 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, ResourceExt};
 use leasehold_crds::{Backend, DistributedLock, SecretKeyRef, SqlLockMode};
-use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 
 use leasehold_lease::kubernetes::LeaseTarget;
+use leasehold_lease::sql::{Dialect, SqlMode};
 use leasehold_lease::{
-    BackendUrl, Error, EtcdConfig, KubernetesConfig, LockConfig, Mode, RedisClusterConfig,
-    RedisConfig, RedlockConfig, Result, TairConfig, ZooKeeperConfig,
+    BackendUrl, Error, EtcdConfig, KubernetesConfig, LockConfig, Login, Mode, RedisClusterConfig,
+    RedisConfig, RedisOptions, RedlockConfig, Result, SentinelConfig, SqlConfig, SqlServer,
+    TairConfig, ZooKeeperConfig,
 };
 
 /// Secret values by (Secret name, key).
@@ -404,7 +405,7 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
         Some(raw) => duration("renewInterval", raw)?,
         None => lease_duration / 3,
     };
-    let (backend, lease) = backend_url(lock, &namespace, secrets)?;
+    let (backend, lease) = backend_config(lock, &namespace, secrets)?;
     let resolved = ResolvedLock {
         name,
         backend,
@@ -484,20 +485,19 @@ fn secret<'a>(secrets: &'a SecretValues, r: &Option<SecretKeyRef>) -> Result<Opt
     }
 }
 
-/// `user:password@` with both parts percent-encoded, or nothing.
-fn userinfo(user: Option<&str>, password: Option<&str>) -> String {
-    let enc = |s: &str| utf8_percent_encode(s, NON_ALPHANUMERIC).to_string();
-    match (user, password) {
-        (None, None) => String::new(),
-        (user, password) => format!(
-            "{}:{}@",
-            enc(user.unwrap_or("")),
-            enc(password.unwrap_or(""))
-        ),
-    }
+fn login<'a>(
+    secrets: &'a SecretValues,
+    user: &Option<SecretKeyRef>,
+    password: &Option<SecretKeyRef>,
+) -> Result<Login<'a>> {
+    Ok(Login {
+        user: secret(secrets, user)?,
+        password: secret(secrets, password)?,
+    })
 }
 
-fn backend_url(
+/// The backend's typed config, built from the resource's fields and the Secrets' values.
+fn backend_config(
     lock: &DistributedLock,
     namespace: &str,
     secrets: &SecretValues,
@@ -518,125 +518,61 @@ fn backend_url(
             reason: "set exactly one backend".into(),
         });
     }
-    let query = |pairs: &[(&str, Option<&str>)]| {
-        let mut q = url::form_urlencoded::Serializer::new(String::new());
-        for (k, v) in pairs {
-            if let Some(v) = v {
-                q.append_pair(k, v);
-            }
-        }
-        match q.finish() {
-            s if s.is_empty() => s,
-            s => format!("?{s}"),
-        }
-    };
-    let raw = if let Some(r) = redis {
-        let tls = r.tls == Some(true) || r.tls_secret_name.is_some();
-        let auth = userinfo(
-            secret(secrets, &r.username_secret_ref)?,
-            secret(secrets, &r.password_secret_ref)?,
-        );
-        let db = r.database.map_or_else(String::new, |d| d.to_string());
+    let config = if let Some(r) = redis {
+        let options = RedisOptions {
+            login: login(secrets, &r.username_secret_ref, &r.password_secret_ref)?,
+            database: r.database,
+            prefix: r.key_prefix.as_deref(),
+            tls: tls_secret(r.tls, r.tls_secret_name.as_deref(), secrets)?,
+        };
         if let Some(sentinel) = &r.sentinel {
-            let min_replicas = sentinel.min_replicas.map(|n| n.to_string());
-            let sentinel_username = secret(secrets, &sentinel.username_secret_ref)?;
-            let sentinel_password = secret(secrets, &sentinel.password_secret_ref)?;
-            let q = query(&[
-                ("prefix", r.key_prefix.as_deref()),
-                ("min-replicas", min_replicas.as_deref()),
-                ("sentinel-username", sentinel_username),
-                ("sentinel-password", sentinel_password),
-            ]);
-            let scheme = if tls {
-                "rediss+sentinel"
-            } else {
-                "redis+sentinel"
-            };
-            let url = BackendUrl::parse(&format!(
-                "{scheme}://{auth}{}/{}/{db}{q}",
-                r.endpoints.join(","),
-                sentinel.master_name
-            ))?;
-            return Ok((
-                with_tls_secret(url, r.tls_secret_name.as_deref(), secrets)?,
-                None,
-            ));
-        }
-        let q = query(&[("prefix", r.key_prefix.as_deref())]);
-        if r.cluster == Some(true) {
-            // The CRD's rule refuses it too; a lock written before the rule must not slip by.
-            if r.database.is_some_and(|d| d != 0) {
-                return Err(Error::InvalidConfig {
-                    field: "backend.redis.database",
-                    reason: "a Redis Cluster has only database 0".into(),
-                });
-            }
-            let scheme = if tls {
-                "rediss+cluster"
-            } else {
-                "redis+cluster"
-            };
-            let url = BackendUrl::parse(&format!("{scheme}://{auth}{}{q}", r.endpoints.join(",")))?;
-            return Ok((
-                with_tls_secret(url, r.tls_secret_name.as_deref(), secrets)?,
-                None,
-            ));
-        }
-        let scheme = match (r.endpoints.len() >= 3, tls) {
-            (true, false) => "redlock",
-            (true, true) => "redlocks",
-            (false, false) => "redis",
-            (false, true) => "rediss",
-        };
-        let url = BackendUrl::parse(&format!(
-            "{scheme}://{auth}{}/{db}{q}",
-            r.endpoints.join(",")
-        ))?;
-        return Ok((
-            with_tls_secret(url, r.tls_secret_name.as_deref(), secrets)?,
-            None,
-        ));
-    } else if let Some((scheme, sql)) = postgres
-        .as_ref()
-        .map(|s| ("postgres", s))
-        .or(mysql.as_ref().map(|s| ("mysql", s)))
-    {
-        let auth = userinfo(
-            secret(secrets, &sql.user_secret_ref)?,
-            secret(secrets, &sql.password_secret_ref)?,
-        );
-        let port = sql.port.map_or_else(String::new, |p| format!(":{p}"));
-        let mode = match sql.lock_mode {
-            SqlLockMode::Lease => None,
-            SqlLockMode::RowLock => Some("row-lock"),
-        };
-        let tls = sql_tls(scheme, sql, secrets)?;
-        let mut pairs = vec![
-            ("table", sql.table.as_deref()),
-            ("schema", sql.schema.as_deref()),
-            ("mode", mode),
-        ];
-        pairs.extend(tls.iter().map(|(k, v)| (*k, Some(v.as_str()))));
-        let q = query(&pairs);
-        let database = utf8_percent_encode(&sql.database, NON_ALPHANUMERIC);
-        format!("{scheme}://{auth}{}{port}/{database}{q}", sql.host)
-    } else if let Some(t) = tair {
-        let auth = userinfo(
-            secret(secrets, &t.username_secret_ref)?,
-            secret(secrets, &t.password_secret_ref)?,
-        );
-        let db = t.database.map_or_else(String::new, |d| d.to_string());
-        let q = query(&[("prefix", t.key_prefix.as_deref())]);
-        let scheme = if t.tls == Some(true) || t.tls_secret_name.is_some() {
-            "tairs"
+            BackendUrl::RedisSentinel(SentinelConfig::from_parts(
+                &r.endpoints,
+                &sentinel.master_name,
+                sentinel.min_replicas,
+                login(
+                    secrets,
+                    &sentinel.username_secret_ref,
+                    &sentinel.password_secret_ref,
+                )?,
+                options,
+            )?)
+        } else if r.cluster == Some(true) {
+            BackendUrl::RedisCluster(RedisClusterConfig::from_parts(&r.endpoints, options)?)
+        } else if let [endpoint] = r.endpoints.as_slice() {
+            BackendUrl::Redis(RedisConfig::from_parts(endpoint, options)?)
         } else {
-            "tair"
-        };
-        let url = BackendUrl::parse(&format!("{scheme}://{auth}{}/{db}{q}", t.endpoint))?;
-        return Ok((
-            with_tls_secret(url, t.tls_secret_name.as_deref(), secrets)?,
-            None,
-        ));
+            BackendUrl::Redlock(RedlockConfig::from_parts(&r.endpoints, options)?)
+        }
+    } else if let Some((dialect, sql)) = postgres
+        .as_ref()
+        .map(|s| (Dialect::Postgres, s))
+        .or(mysql.as_ref().map(|s| (Dialect::MySql, s)))
+    {
+        BackendUrl::Sql(SqlConfig::from_parts(SqlServer {
+            dialect,
+            host: &sql.host,
+            port: sql.port,
+            database: &sql.database,
+            login: login(secrets, &sql.user_secret_ref, &sql.password_secret_ref)?,
+            table: sql.table.as_deref(),
+            schema: sql.schema.as_deref(),
+            mode: match sql.lock_mode {
+                SqlLockMode::Lease => SqlMode::Lease,
+                SqlLockMode::RowLock => SqlMode::RowLock,
+            },
+            driver_options: sql_tls(dialect, sql, secrets)?,
+        })?)
+    } else if let Some(t) = tair {
+        BackendUrl::Tair(TairConfig::from_parts(
+            &t.endpoint,
+            RedisOptions {
+                login: login(secrets, &t.username_secret_ref, &t.password_secret_ref)?,
+                database: t.database,
+                prefix: t.key_prefix.as_deref(),
+                tls: tls_secret(t.tls, t.tls_secret_name.as_deref(), secrets)?,
+            },
+        )?)
     } else if sqlite.is_some() {
         return Err(Error::InvalidConfig {
             field: "backend.sqlite",
@@ -653,26 +589,22 @@ fn backend_url(
                         .into(),
             });
         }
-        let auth = match secret(secrets, &z.auth_secret_ref)? {
-            None => String::new(),
+        let digest = match secret(secrets, &z.auth_secret_ref)? {
+            None => Login::default(),
             Some(digest) => {
                 let (user, password) =
                     digest.split_once(':').ok_or_else(|| Error::InvalidConfig {
                         field: "authSecretRef",
                         reason: "the ZooKeeper digest credentials must be user:password".into(),
                     })?;
-                userinfo(Some(user), Some(password))
+                Login {
+                    user: Some(user),
+                    password: Some(password),
+                }
             }
         };
-        let url = BackendUrl::parse(&format!(
-            "zk://{auth}{}{}{}",
-            z.servers.join(","),
-            z.path,
-            query(&[("tick-time", z.tick_time.as_deref())])
-        ))?;
-        let url = with_tls_secret(url, z.tls_secret_name.as_deref(), secrets)?;
-        if let (BackendUrl::ZooKeeper(ZooKeeperConfig { tls: Some(tls), .. }), Some(name)) =
-            (&url, &z.tls_secret_name)
+        let tls = tls_secret(None, z.tls_secret_name.as_deref(), secrets)?;
+        if let (Some(tls), Some(name)) = (&tls, &z.tls_secret_name)
             && tls.ca.is_none()
         {
             return Err(Error::InvalidConfig {
@@ -682,18 +614,20 @@ fn backend_url(
                 ),
             });
         }
-        return Ok((url, None));
+        BackendUrl::ZooKeeper(ZooKeeperConfig::from_parts(
+            &z.servers,
+            &z.path,
+            digest,
+            z.tick_time.as_deref(),
+            tls,
+        )?)
     } else if let Some(e) = etcd {
-        let auth = userinfo(
-            secret(secrets, &e.username_secret_ref)?,
-            secret(secrets, &e.password_secret_ref)?,
-        );
-        let q = query(&[("prefix", e.prefix.as_deref())]);
-        let url = BackendUrl::parse(&format!("etcd://{auth}{}{q}", e.endpoints.join(",")))?;
-        return Ok((
-            with_etcd_tls(url, e.tls_secret_name.as_deref(), secrets)?,
-            None,
-        ));
+        BackendUrl::Etcd(EtcdConfig::from_parts(
+            &e.endpoints,
+            e.prefix.as_deref(),
+            login(secrets, &e.username_secret_ref, &e.password_secret_ref)?,
+            etcd_tls(e.tls_secret_name.as_deref(), secrets)?,
+        )?)
     } else if let Some(k) = kubernetes {
         let lease_name = k.lease_name.clone().unwrap_or_else(|| lock.name_any());
         leasehold_lease::names::validate_lease_name(&lease_name)?;
@@ -710,17 +644,16 @@ fn backend_url(
     } else {
         unreachable!("kind() checked that one backend is set")
     };
-    Ok((BackendUrl::parse(&raw)?, None))
+    Ok((config, None))
 }
 
-/// TLS from the `tlsSecretName` Secret's PEM text: the CA and the client pair.
-fn with_etcd_tls(
-    mut url: BackendUrl,
+/// etcd's TLS from the `tlsSecretName` Secret's PEM text: the CA and the client pair.
+fn etcd_tls(
     tls_secret: Option<&str>,
     secrets: &SecretValues,
-) -> Result<BackendUrl> {
-    let (BackendUrl::Etcd(EtcdConfig { tls, .. }), Some(name)) = (&mut url, tls_secret) else {
-        return Ok(url);
+) -> Result<Option<leasehold_lease::etcd::EtcdTls>> {
+    let Some(name) = tls_secret else {
+        return Ok(None);
     };
     let pem = |key: &str| -> Result<leasehold_lease::tls::Pem> {
         secrets
@@ -732,32 +665,31 @@ fn with_etcd_tls(
             })
     };
     let [ca, cert, key] = TLS_SECRET_KEYS;
-    *tls = Some(leasehold_lease::etcd::EtcdTls {
+    Ok(Some(leasehold_lease::etcd::EtcdTls {
         ca: pem(ca)?,
         client: Some((pem(cert)?, pem(key)?)),
-    });
-    Ok(url)
+    }))
 }
 
 /// The database driver's own TLS options for `sql`: the server verified, certificate and host
 /// name, against the Secret's CA (PEM text, which the driver takes inline) or the system's
 /// roots, with the Secret's client pair when it has one.
 fn sql_tls(
-    scheme: &str,
+    dialect: Dialect,
     sql: &leasehold_crds::SqlBackend,
     secrets: &SecretValues,
 ) -> Result<Vec<(&'static str, String)>> {
     if sql.tls != Some(true) && sql.tls_secret_name.is_none() {
         return Ok(Vec::new());
     }
-    let (mode, ca, cert, key) = match scheme {
-        "postgres" => (
+    let (mode, ca, cert, key) = match dialect {
+        Dialect::Postgres => (
             ("sslmode", "verify-full"),
             "sslrootcert",
             "sslcert",
             "sslkey",
         ),
-        _ => (
+        Dialect::MySql => (
             ("ssl-mode", "VERIFY_IDENTITY"),
             "ssl-ca",
             "ssl-cert",
@@ -808,28 +740,22 @@ fn tls_from_secret(name: &str, secrets: &SecretValues) -> Result<leasehold_lease
     Ok(leasehold_lease::tls::Tls { ca, client })
 }
 
-/// TLS from a Redis, Tair or ZooKeeper `tlsSecretName` Secret's PEM text: its CA if it has one
-/// (else the system's roots; ZooKeeper's caller requires one), its client pair if it has one.
-fn with_tls_secret(
-    mut url: BackendUrl,
+/// TLS from a Redis, Tair or ZooKeeper resource: with a `tlsSecretName`, the Secret's PEM text
+/// (its CA if it has one, else the system's roots; its client pair if it has one); with `tls`
+/// alone, the system's roots; neither, none.
+fn tls_secret(
+    tls: Option<bool>,
     tls_secret: Option<&str>,
     secrets: &SecretValues,
-) -> Result<BackendUrl> {
-    let (
-        BackendUrl::Redis(RedisConfig { tls, .. })
-        | BackendUrl::Redlock(RedlockConfig { tls, .. })
-        | BackendUrl::RedisCluster(RedisClusterConfig { tls, .. })
-        | BackendUrl::Tair(TairConfig { tls, .. })
-        | BackendUrl::ZooKeeper(ZooKeeperConfig { tls, .. })
-        | BackendUrl::RedisSentinel(leasehold_lease::SentinelConfig { tls, .. }),
-        Some(name),
-    ) = (&mut url, tls_secret)
-    else {
-        return Ok(url);
-    };
-    let found = tls_from_secret(name, secrets)?;
-    *tls = Some(found);
-    Ok(url)
+) -> Result<Option<leasehold_lease::tls::Tls>> {
+    match tls_secret {
+        Some(name) => tls_from_secret(name, secrets).map(Some),
+        None if tls == Some(true) => Ok(Some(leasehold_lease::tls::Tls {
+            ca: None,
+            client: None,
+        })),
+        None => Ok(None),
+    }
 }
 
 /// A Go duration as the CRD's pattern admits it (`1m30s`, `500ms`, `1.5s`).
@@ -965,6 +891,100 @@ mod tests {
         for bad in ["", "15", "s", "1d", "1.2.3s"] {
             assert_eq!(parse_go_duration(bad), None, "{bad}");
         }
+    }
+
+    /// A resource's fields go into the config as values: a database name, a password or a
+    /// prefix cannot add a path, a query option or another host, and a bad one is refused by
+    /// its field's name.
+    #[test]
+    fn fields_are_values_never_url_text() {
+        let secrets: SecretValues = [
+            (
+                ("db".into(), "password".into()),
+                "%41?sslmode=disable#".into(),
+            ),
+            (("db".into(), "user".into()), "u@evil:1".into()),
+        ]
+        .into();
+        let sql = lock(Backend {
+            postgres: Some(SqlBackend {
+                host: "pg.db".into(),
+                database: "app/x?sslmode=disable".into(),
+                user_secret_ref: Some(key("db", "user")),
+                password_secret_ref: Some(key("db", "password")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let backend = resolve(&sql, &secrets).unwrap().backend;
+        let BackendUrl::Sql(SqlConfig { url, .. }) = &backend else {
+            panic!("{backend}")
+        };
+        assert_eq!(url.host_str(), Some("pg.db"));
+        assert_eq!(url.query(), None, "{url}");
+        assert_eq!(url.path_segments().unwrap().count(), 1, "{url}");
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .unwrap()
+                .into_owned()
+        };
+        assert_eq!(decode(url.path()), "/app/x?sslmode=disable");
+        assert_eq!(decode(url.username()), "u@evil:1");
+        assert_eq!(decode(url.password().unwrap()), "%41?sslmode=disable#");
+
+        let redis = |change: fn(&mut RedisBackend)| {
+            let mut redis = RedisBackend {
+                endpoints: vec!["r:6379".into()],
+                password_secret_ref: Some(key("db", "password")),
+                ..Default::default()
+            };
+            change(&mut redis);
+            resolve(
+                &lock(Backend {
+                    redis: Some(redis),
+                    ..Default::default()
+                }),
+                &secrets,
+            )
+        };
+        let BackendUrl::Redis(RedisConfig { url, .. }) = redis(|_| {}).unwrap().backend else {
+            panic!("a single Redis")
+        };
+        assert_eq!(
+            (url.host_str(), url.path(), url.query()),
+            (Some("r"), "/", None)
+        );
+        for (change, field) in [
+            (
+                (|r| r.endpoints = vec!["r:6379/5".into()]) as fn(&mut RedisBackend),
+                "endpoints",
+            ),
+            (|r| r.endpoints = vec!["u:p@r:6379".into()], "endpoints"),
+            (|r| r.key_prefix = Some("a:b".into()), "keyPrefix"),
+            (
+                |r| r.endpoints = vec!["a:1".into(), "b:1".into(), "a:1".into()],
+                "endpoints",
+            ),
+        ] {
+            match redis(change) {
+                Err(Error::InvalidConfig { field: f, reason }) => {
+                    assert_eq!(f, field, "{reason}");
+                    assert!(!reason.contains("%41"), "{reason}");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        let error = redis(|r| {
+            r.sentinel = Some(leasehold_crds::RedisSentinel {
+                master_name: "m".into(),
+                username_secret_ref: Some(key("db", "user")),
+                ..Default::default()
+            })
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("needs the sentinels' password"), "{error}");
     }
 
     #[test]

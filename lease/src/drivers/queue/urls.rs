@@ -5,18 +5,53 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::backend_url::{
-    DEFAULT_REDIS_PREFIX, check_prefix, host_list, invalid_url, query_pairs, split_credentials,
+    DEFAULT_REDIS_PREFIX, Login, check_prefix, endpoints, host_list, invalid_url, query_pairs,
+    split_credentials,
 };
-use crate::drivers::queue::etcd::EtcdConfig;
+use crate::drivers::queue::etcd::{EtcdConfig, EtcdTls};
 use crate::drivers::queue::zookeeper::ZooKeeperConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::tls::Tls;
 
 /// ZooKeeper's own default `tickTime` (its sample configuration and the common Helm charts).
 pub(crate) const DEFAULT_ZOOKEEPER_TICK_TIME: Duration = Duration::from_secs(2);
 pub(crate) const MIN_ZOOKEEPER_TICK_TIME: Duration = Duration::from_millis(1);
 pub(crate) const MAX_ZOOKEEPER_TICK_TIME: Duration = Duration::from_secs(60);
 
+/// A ZooKeeper `tickTime` as written (`2s`, `500ms`), within the bounds an ensemble accepts.
+fn parse_tick_time(raw: &str) -> std::result::Result<Duration, String> {
+    humantime::parse_duration(raw)
+        .ok()
+        .filter(|t| (MIN_ZOOKEEPER_TICK_TIME..=MAX_ZOOKEEPER_TICK_TIME).contains(t))
+        .ok_or_else(|| {
+            format!(
+                "tick-time must be a duration from {MIN_ZOOKEEPER_TICK_TIME:?} to {MAX_ZOOKEEPER_TICK_TIME:?} (the ensemble's tickTime), got {raw:?}"
+            )
+        })
+}
+
 impl EtcdConfig {
+    /// An etcd cluster at `endpoints` (port 2379 when omitted), its keys under `prefix`
+    /// (`leasehold` when absent).
+    pub fn from_parts(
+        members: &[String],
+        prefix: Option<&str>,
+        login: Login<'_>,
+        tls: Option<EtcdTls>,
+    ) -> Result<Self> {
+        let prefix = prefix.unwrap_or(DEFAULT_REDIS_PREFIX);
+        check_prefix(prefix).map_err(|reason| Error::InvalidConfig {
+            field: "prefix",
+            reason,
+        })?;
+        Ok(EtcdConfig {
+            endpoints: endpoints(members, 2379, "endpoints")?,
+            prefix: prefix.to_owned(),
+            user: login.pair(),
+            tls,
+        })
+    }
+
     /// `etcd://` or `etcds://` (which needs a CA).
     pub(crate) fn from_url(raw: &str, scheme: &str, rest: &str) -> Result<Self> {
         let invalid = invalid_url(raw);
@@ -92,6 +127,38 @@ impl fmt::Display for EtcdConfig {
 }
 
 impl ZooKeeperConfig {
+    /// An ensemble at `servers` (port 2181 when omitted), its locks under `path`, with the
+    /// ensemble's `tick_time` (2 s when absent). TLS needs the CA that signed the servers'
+    /// certificates.
+    pub fn from_parts(
+        servers: &[String],
+        path: &str,
+        digest: Login<'_>,
+        tick_time: Option<&str>,
+        tls: Option<Tls>,
+    ) -> Result<Self> {
+        let invalid = |field, reason| Error::InvalidConfig { field, reason };
+        crate::names::validate_zookeeper_path(path)?;
+        let tick_time = tick_time
+            .map(parse_tick_time)
+            .transpose()
+            .map_err(|r| invalid("tickTime", r))?
+            .unwrap_or(DEFAULT_ZOOKEEPER_TICK_TIME);
+        if tls.as_ref().is_some_and(|t| t.ca.is_none()) {
+            return Err(invalid(
+                "tlsSecretName",
+                "TLS to ZooKeeper needs the CA that signed the servers' certificates".into(),
+            ));
+        }
+        Ok(ZooKeeperConfig {
+            servers: endpoints(servers, 2181, "servers")?.join(","),
+            root: path.to_owned(),
+            digest: digest.pair(),
+            tick_time,
+            tls,
+        })
+    }
+
     /// `zk://` or `zks://` (which needs a CA): servers, the lock path and the ensemble's tick.
     pub(crate) fn from_url(raw: &str, scheme: &str, rest: &str) -> Result<Self> {
         let invalid = invalid_url(raw);
@@ -101,16 +168,7 @@ impl ZooKeeperConfig {
         for (key, value) in query_pairs(query) {
             match key.as_str() {
                 other if tls.take(other, &value) => {}
-                "tick-time" => {
-                    tick_time = humantime::parse_duration(&value)
-                                .ok()
-                                .filter(|t| (MIN_ZOOKEEPER_TICK_TIME..=MAX_ZOOKEEPER_TICK_TIME).contains(t))
-                                .ok_or_else(|| {
-                                    invalid(format!(
-                                        "tick-time must be a duration from {MIN_ZOOKEEPER_TICK_TIME:?} to {MAX_ZOOKEEPER_TICK_TIME:?} (the ensemble's tickTime), got {value:?}"
-                                    ))
-                                })?;
-                }
+                "tick-time" => tick_time = parse_tick_time(&value).map_err(invalid)?,
                 other => {
                     return Err(invalid(format!(
                         "unknown option {other:?} (zk:// takes tick-time, zks:// also ca, cert and key)"

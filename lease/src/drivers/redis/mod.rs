@@ -17,6 +17,7 @@ pub mod sentinel;
 pub mod single;
 pub mod tair;
 mod urls;
+pub use urls::RedisOptions;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,15 +5,206 @@
 use std::fmt;
 
 use crate::backend_url::{
-    DEFAULT_REDIS_PREFIX, check_prefix, host_list, invalid_url, query_pairs, userinfo_and_hosts,
-    write_tls_files,
+    DEFAULT_REDIS_PREFIX, Login, check_prefix, endpoints, host_list, invalid_url, query_pairs,
+    server_url, userinfo_and_hosts, write_tls_files,
 };
 use crate::drivers::redis::redlock::RedlockConfig;
-use crate::drivers::redis::sentinel::SentinelConfig;
+use crate::drivers::redis::sentinel::{DEFAULT_MIN_REPLICAS, SentinelAuth, SentinelConfig};
 use crate::drivers::redis::tair::TairConfig;
 use crate::drivers::redis::{RedisClusterConfig, RedisConfig};
 use crate::error::{Error, Result};
 use crate::redact::redact;
+use crate::tls::Tls;
+
+/// What a Redis-family backend takes from a resource besides its servers' addresses.
+#[derive(Default)]
+pub struct RedisOptions<'a> {
+    /// The servers' user and password (for Sentinel, the master's).
+    pub login: Login<'a>,
+    pub database: Option<u16>,
+    /// The prefix of every key and channel; `leasehold` when absent.
+    pub prefix: Option<&'a str>,
+    /// TLS to every server (`Some` with no CA: the system's roots); `None` for plain TCP.
+    pub tls: Option<Tls>,
+}
+
+impl RedisOptions<'_> {
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        }
+    }
+
+    fn database_path(&self) -> String {
+        self.database
+            .map_or_else(|| "/".to_owned(), |d| format!("/{d}"))
+    }
+
+    fn prefix(&self) -> Result<String> {
+        let prefix = self.prefix.unwrap_or(DEFAULT_REDIS_PREFIX);
+        check_prefix(prefix).map_err(|reason| Error::InvalidConfig {
+            field: "keyPrefix",
+            reason,
+        })?;
+        Ok(prefix.to_owned())
+    }
+
+    /// Each endpoint as a server's URL, none twice.
+    fn servers(&self, endpoints: &[String], path: &str) -> Result<Vec<url::Url>> {
+        let mut servers: Vec<url::Url> = Vec::new();
+        for endpoint in endpoints {
+            let server = server_url(self.scheme(), endpoint, self.login, path, "endpoints")?;
+            if servers.contains(&server) {
+                return Err(Error::InvalidConfig {
+                    field: "endpoints",
+                    reason: format!("{endpoint:?} is listed twice"),
+                });
+            }
+            servers.push(server);
+        }
+        Ok(servers)
+    }
+}
+
+impl RedisConfig {
+    /// One Redis master at `endpoint` (`host[:port]`).
+    pub fn from_parts(endpoint: &str, options: RedisOptions<'_>) -> Result<Self> {
+        let url = server_url(
+            options.scheme(),
+            endpoint,
+            options.login,
+            &options.database_path(),
+            "endpoints",
+        )?;
+        Ok(RedisConfig {
+            url,
+            prefix: options.prefix()?,
+            tls: options.tls,
+        })
+    }
+}
+
+impl RedlockConfig {
+    /// Three or more independent masters, one per endpoint.
+    pub fn from_parts(endpoints: &[String], options: RedisOptions<'_>) -> Result<Self> {
+        if endpoints.len() < 3 {
+            return Err(Error::InvalidConfig {
+                field: "endpoints",
+                reason: format!(
+                    "Redlock needs at least 3 independent masters, got {}",
+                    endpoints.len()
+                ),
+            });
+        }
+        Ok(RedlockConfig {
+            masters: options.servers(endpoints, &options.database_path())?,
+            prefix: options.prefix()?,
+            tls: options.tls,
+        })
+    }
+}
+
+impl RedisClusterConfig {
+    /// A Redis Cluster reached first through any of `endpoints` (port 6379 when omitted).
+    pub fn from_parts(nodes: &[String], options: RedisOptions<'_>) -> Result<Self> {
+        if options.database.is_some_and(|d| d != 0) {
+            return Err(Error::InvalidConfig {
+                field: "database",
+                reason: "a Redis Cluster has only database 0".into(),
+            });
+        }
+        let nodes = endpoints(nodes, 6379, "endpoints")?;
+        Ok(RedisClusterConfig {
+            nodes: options.servers(&nodes, "")?,
+            prefix: options.prefix()?,
+            tls: options.tls,
+        })
+    }
+}
+
+impl SentinelAuth {
+    /// The sentinels' own login: a password, with or without a user.
+    pub(crate) fn from_login(login: Login<'_>) -> std::result::Result<Option<Self>, String> {
+        match (login.user, login.password) {
+            (user, Some(password)) => Ok(Some(SentinelAuth {
+                username: user.unwrap_or_default().to_owned(),
+                password: password.to_owned(),
+            })),
+            (None, None) => Ok(None),
+            (Some(_), None) => Err("the sentinels' user needs the sentinels' password".into()),
+        }
+    }
+}
+
+impl SentinelConfig {
+    /// The master the sentinels at `sentinels` (port 26379 when omitted) monitor as
+    /// `master_name`, with replicas that confirm each write (`min_replicas`, default 1).
+    pub fn from_parts(
+        sentinels: &[String],
+        master_name: &str,
+        min_replicas: Option<u32>,
+        sentinel_login: Login<'_>,
+        options: RedisOptions<'_>,
+    ) -> Result<Self> {
+        let invalid = |field, reason| Error::InvalidConfig { field, reason };
+        crate::names::validate_lock_name(master_name).map_err(|_| {
+            invalid(
+                "masterName",
+                format!("{master_name:?} must be letters, digits, '.', '_' or '-'"),
+            )
+        })?;
+        let min_replicas = min_replicas.unwrap_or(DEFAULT_MIN_REPLICAS);
+        if min_replicas > 16 {
+            return Err(invalid(
+                "minReplicas",
+                format!("{min_replicas} is above 16"),
+            ));
+        }
+        let sentinel_auth =
+            SentinelAuth::from_login(sentinel_login).map_err(|r| invalid("sentinel", r))?;
+        // Where the master is comes from the sentinels; the address here is replaced.
+        let master = server_url(
+            options.scheme(),
+            "127.0.0.1",
+            options.login,
+            &options.database_path(),
+            "endpoints",
+        )?;
+        Ok(SentinelConfig {
+            sentinels: endpoints(
+                sentinels,
+                crate::drivers::redis::sentinel::DEFAULT_SENTINEL_PORT,
+                "endpoints",
+            )?,
+            master_name: master_name.to_owned(),
+            master,
+            prefix: options.prefix()?,
+            min_replicas,
+            tls: options.tls,
+            sentinel_auth,
+        })
+    }
+}
+
+impl TairConfig {
+    /// One Tair instance at `endpoint` (`host[:port]`).
+    pub fn from_parts(endpoint: &str, options: RedisOptions<'_>) -> Result<Self> {
+        let RedisConfig { url, prefix, tls } =
+            RedisConfig::from_parts(endpoint, options).map_err(|e| match e {
+                Error::InvalidConfig {
+                    field: "endpoints",
+                    reason,
+                } => Error::InvalidConfig {
+                    field: "endpoint",
+                    reason,
+                },
+                other => other,
+            })?;
+        Ok(TairConfig { url, prefix, tls })
+    }
+}
 
 impl RedisConfig {
     /// `redis://` or `rediss://` (`raw`, whose scheme is `scheme`).
@@ -85,7 +276,7 @@ impl SentinelConfig {
         )
         .map_err(invalid)?;
         let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
-        let mut min_replicas = crate::drivers::redis::sentinel::DEFAULT_MIN_REPLICAS;
+        let mut min_replicas = DEFAULT_MIN_REPLICAS;
         let mut tls = crate::tls::TlsOptions::default();
         let (mut sentinel_username, mut sentinel_password) = (None, None);
         for (key, value) in query_pairs(query) {
@@ -110,16 +301,11 @@ impl SentinelConfig {
         }
         check_prefix(&prefix).map_err(invalid)?;
         let tls = tls.finish(secure, "rediss+sentinel://").map_err(invalid)?;
-        let sentinel_auth = match (sentinel_username, sentinel_password) {
-            (username, Some(password)) => Some(crate::drivers::redis::sentinel::SentinelAuth {
-                username: username.unwrap_or_default(),
-                password,
-            }),
-            (None, None) => None,
-            (Some(_), None) => {
-                return Err(invalid("sentinel-username needs sentinel-password".into()));
-            }
-        };
+        let sentinel_auth = SentinelAuth::from_login(Login {
+            user: sentinel_username.as_deref(),
+            password: sentinel_password.as_deref(),
+        })
+        .map_err(|_| invalid("sentinel-username needs sentinel-password".into()))?;
         // Where the master is comes from the sentinels; the address here is replaced.
         let master_scheme = if secure { "rediss" } else { "redis" };
         let master = url::Url::parse(&format!("{master_scheme}://{userinfo}127.0.0.1/{db}"))

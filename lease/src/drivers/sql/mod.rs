@@ -9,6 +9,7 @@ pub mod server;
 pub mod sqlite;
 pub(crate) mod sqlite_wake;
 mod urls;
+pub use urls::SqlServer;
 pub mod wake;
 
 pub use server::SqlDriver;

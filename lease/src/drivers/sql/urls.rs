@@ -6,10 +6,10 @@ use std::fmt;
 
 use std::path::PathBuf;
 
-use crate::backend_url::{DEFAULT_TABLE, invalid_url, query_pairs};
-use crate::drivers::sql::SqlConfig;
+use crate::backend_url::{DEFAULT_TABLE, Login, invalid_url, query_pairs, server_url};
 use crate::drivers::sql::sqlite::SqliteConfig;
-use crate::error::Result;
+use crate::drivers::sql::{Dialect, SqlConfig, SqlMode};
+use crate::error::{Error, Result};
 use crate::names::validate_sql_identifier;
 use crate::redact::redact;
 
@@ -44,7 +44,91 @@ impl fmt::Display for SqliteConfig {
     }
 }
 
+/// A PostgreSQL or MySQL/MariaDB database as a resource names it.
+pub struct SqlServer<'a> {
+    pub dialect: Dialect,
+    pub host: &'a str,
+    /// The dialect's own port when absent.
+    pub port: Option<u16>,
+    pub database: &'a str,
+    pub login: Login<'a>,
+    /// `leasehold_locks` when absent.
+    pub table: Option<&'a str>,
+    /// PostgreSQL only: the schema of the table.
+    pub schema: Option<&'a str>,
+    pub mode: SqlMode,
+    /// Options for the database driver (TLS: `sslmode`, `sslrootcert`, ...), in its own names.
+    pub driver_options: Vec<(&'static str, String)>,
+}
+
 impl SqlConfig {
+    /// The lock table of `server`.
+    pub fn from_parts(server: SqlServer<'_>) -> Result<Self> {
+        let SqlServer {
+            dialect,
+            host,
+            port,
+            database,
+            login,
+            table,
+            schema,
+            mode,
+            driver_options,
+        } = server;
+        let scheme = match dialect {
+            Dialect::Postgres => "postgres",
+            Dialect::MySql => "mysql",
+        };
+        let endpoint = match port {
+            Some(port) => format!("{host}:{port}"),
+            None => host.to_owned(),
+        };
+        let mut url = server_url(scheme, &endpoint, login, "", "host")?;
+        if database.is_empty() {
+            return Err(Error::InvalidConfig {
+                field: "database",
+                reason: "the database name is empty".into(),
+            });
+        }
+        url.path_segments_mut()
+            .map_err(|()| Error::InvalidConfig {
+                field: "host",
+                reason: format!("bad host {host:?}"),
+            })?
+            .push(database);
+        if !driver_options.is_empty() {
+            url.query_pairs_mut().extend_pairs(driver_options);
+        }
+        if schema.is_some() && dialect == Dialect::MySql {
+            return Err(Error::InvalidConfig {
+                field: "schema",
+                reason: "MySQL has no schemas inside a database; name the database instead".into(),
+            });
+        }
+        Self::checked(SqlConfig {
+            dialect,
+            url,
+            table: table.unwrap_or(DEFAULT_TABLE).to_owned(),
+            schema: schema.map(str::to_owned),
+            mode,
+        })
+    }
+
+    /// `config` once its table, row table and schema are names SQL can quote.
+    fn checked(config: SqlConfig) -> Result<Self> {
+        validate_sql_identifier("table name", &config.table)?;
+        if config.mode == SqlMode::RowLock {
+            validate_sql_identifier(
+                "row-lock table name (table + \"_rows\")",
+                &crate::drivers::sql::row_table(&config.table),
+            )?;
+        }
+        if let Some(schema) = &config.schema {
+            validate_sql_identifier("schema name", schema)?;
+        }
+        Ok(config)
+    }
+
     /// `postgres://`, `mysql://` or `mariadb://`; options Leasehold does not read go to the database driver.
     pub(crate) fn from_url(raw: &str, scheme: &str, rest: &str) -> Result<Self> {
         let invalid = invalid_url(raw);
@@ -87,22 +171,12 @@ impl SqlConfig {
                 _ => passed_on.push((key.into_owned(), value.into_owned())),
             }
         }
-        validate_sql_identifier("table name", &table)?;
-        if mode == crate::drivers::sql::SqlMode::RowLock {
-            validate_sql_identifier(
-                "row-lock table name (table + \"_rows\")",
-                &crate::drivers::sql::row_table(&table),
-            )?;
-        }
-        if let Some(schema) = &schema {
-            validate_sql_identifier("schema name", schema)?;
-        }
         if passed_on.is_empty() {
             url.set_query(None);
         } else {
             url.query_pairs_mut().clear().extend_pairs(passed_on);
         }
-        Ok(SqlConfig {
+        Self::checked(SqlConfig {
             dialect,
             url,
             table,
