@@ -202,17 +202,25 @@ pub(crate) fn server_url(
         return Err(bad());
     }
     if let Some((user, password)) = login.pair() {
-        // Every byte but letters and digits encoded, `%` included: the URL would keep a `%41`
-        // as written, and the driver would read it as `A`.
-        let encoded = |s: &str| {
-            percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
-        };
-        url.set_username(&encoded(&user)).map_err(|()| bad())?;
-        url.set_password(Some(&encoded(&password)))
-            .map_err(|()| bad())?;
+        set_login(&mut url, &user, &password).map_err(|()| bad())?;
     }
     url.set_path(path);
     Ok(url)
+}
+
+/// `user` and `password` as `url`'s user information, every byte but letters and digits
+/// percent-encoded, `%` included: the URL would keep a `%41` as written, and the client, which
+/// decodes it, would send `A`.
+pub(crate) fn set_login(
+    url: &mut url::Url,
+    user: &str,
+    password: &str,
+) -> std::result::Result<(), ()> {
+    let encoded = |s: &str| {
+        percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+    };
+    url.set_username(&encoded(user))?;
+    url.set_password(Some(&encoded(password)))
 }
 
 /// `host[:port]` of each endpoint, with `default_port` where none is given; `field` names the

@@ -108,8 +108,7 @@ impl SentinelConfig {
         };
         let mut url = url::Url::parse(&format!("{scheme}://{sentinel}"))?;
         if let Some(auth) = &self.sentinel_auth {
-            let _ = url.set_username(&auth.username);
-            let _ = url.set_password(Some(&auth.password));
+            let _ = crate::backend_url::set_login(&mut url, &auth.username, &auth.password);
         }
         Ok(url)
     }
@@ -724,5 +723,32 @@ async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(RESUBSCRIBE_MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::IntoConnectionInfo;
+
+    /// The sentinels' user and password reach the client byte for byte, whatever they contain:
+    /// the client percent-decodes the URL's user information.
+    #[test]
+    fn sentinel_credentials_reach_the_client_as_written() {
+        let config = SentinelConfig::from_parts(
+            &["s-0".to_owned()],
+            "locks",
+            None,
+            crate::Login {
+                user: Some("ops%41@x"),
+                password: Some("p%41ss:/?#"),
+            },
+            crate::RedisOptions::default(),
+        )
+        .unwrap();
+        let url = config.sentinel_url("s-0:26379").unwrap();
+        let info = url.into_connection_info().unwrap();
+        assert_eq!(info.redis_settings().username(), Some("ops%41@x"));
+        assert_eq!(info.redis_settings().password(), Some("p%41ss:/?#"));
     }
 }
