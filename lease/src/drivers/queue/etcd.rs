@@ -327,6 +327,22 @@ fn ttl_seconds(ttl: Duration) -> i64 {
     i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
 }
 
+impl super::Transport for Shared {
+    type Place = Entry;
+
+    fn places(&self) -> &Places<Entry> {
+        &self.entries
+    }
+
+    fn releases(&self) -> &ChangeFeeds {
+        &self.releases
+    }
+
+    async fn leave_line(&self, entry: &Entry) {
+        self.leave(entry).await;
+    }
+}
+
 impl Shared {
     fn queue_prefix(&self, lock: &str) -> String {
         format!("{}/{lock}/", self.config.prefix)
@@ -950,25 +966,17 @@ impl Driver for EtcdDriver {
     }
 
     async fn abandon(&self, lock: &str, identity: &str) {
-        // Without the lock's attempt turn, which the engine's own late attempt may hold while
-        // it calls this: the place's own state decides whether the attempt claimed first.
-        if let Some(entry) = self.shared.entries.abandoned(lock, identity) {
-            self.shared.leave(&entry).await;
-            entry.slot.abort_tasks();
-            // The one behind may be first now.
-            self.shared.releases.bump(lock);
-        }
+        super::abandon(&*self.shared, lock, identity).await;
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.shared.releases.subscribe(lock))
+        super::changes(&*self.shared, lock)
     }
 
-    /// Watches wake waiters; polling is only the fallback for a watch that was missed. With a
-    /// keep-alive every half TTL, an idle waiter costs etcd about one message per renew
+    /// With a keep-alive every half TTL, an idle waiter costs etcd about one message per renew
     /// interval at the default lease (three renew intervals).
     fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        renew_interval * 3
+        super::poll_interval(renew_interval)
     }
 
     async fn ping(&self) -> Result<()> {

@@ -342,6 +342,23 @@ fn sequence_of(name: &str) -> Option<i64> {
     name.rsplit_once(LOCK_NAME)?.1.parse().ok()
 }
 
+impl super::Transport for Shared {
+    type Place = Entry;
+
+    fn places(&self) -> &Places<Entry> {
+        &self.entries
+    }
+
+    fn releases(&self) -> &ChangeFeeds {
+        &self.releases
+    }
+
+    /// A node that could not be deleted is left to the orphans' clean-up.
+    async fn leave_line(&self, entry: &Entry) {
+        let _ = self.leave(entry).await;
+    }
+}
+
 impl Shared {
     fn parent(&self, lock: &str) -> String {
         format!("{}/{lock}", self.config.root)
@@ -1118,23 +1135,16 @@ impl Driver for ZooKeeperDriver {
     }
 
     async fn abandon(&self, lock: &str, identity: &str) {
-        // Without the lock's attempt turn, which the engine's own late attempt may hold while
-        // it calls this: the place's own state decides whether the attempt claimed first.
-        if let Some(entry) = self.shared.entries.abandoned(lock, identity) {
-            let _ = self.shared.leave(&entry).await;
-            entry.slot.abort_tasks();
-            self.shared.releases.bump(lock);
-        }
+        super::abandon(&*self.shared, lock, identity).await;
     }
 
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        Some(self.shared.releases.subscribe(lock))
+        super::changes(&*self.shared, lock)
     }
 
-    /// Watches wake waiters; polling is only the fallback. Sessions are kept alive by the
-    /// client's own pings.
+    /// Sessions are kept alive by the client's own pings.
     fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        renew_interval * 3
+        super::poll_interval(renew_interval)
     }
 
     async fn ping(&self) -> Result<()> {
