@@ -3,10 +3,12 @@
 //! HTTP/1.1 client that can also send malformed requests, and signals; a fault-injecting TCP
 //! proxy ([`fault_proxy`]), a cluster of the in-memory API and the operator for sidecars that
 //! follow a `DistributedLock` ([`cluster`]), and the multi-process safety checks, of a lock
-//! ([`safety`]) and of a family of keyed locks ([`keyed_safety`]).
+//! ([`safety`]), of a family of keyed locks ([`keyed_safety`]) and of the commands
+//! `leasehold-sidecar exec` runs ([`exec_safety`]).
 
 pub use leasehold_testkit::fault_proxy;
 pub mod cluster;
+pub mod exec_safety;
 pub mod keyed_safety;
 pub mod safety;
 
@@ -54,7 +56,7 @@ pub fn operator_binary() -> PathBuf {
     workspace_binary("leasehold-operator", "LEASEHOLD_OPERATOR_BIN")
 }
 
-fn workspace_binary(name: &str, variable: &str) -> PathBuf {
+pub(crate) fn workspace_binary(name: &str, variable: &str) -> PathBuf {
     if let Some(path) = std::env::var_os(variable) {
         return path.into();
     }

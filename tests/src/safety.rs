@@ -51,7 +51,7 @@ pub(crate) const TIMING: &[&str] = &["--lease-duration", "1s", "--renew-interval
 /// On top of lease + renew interval, for a 2-core machine running servers, sidecars and checker.
 pub const RECOVERY_SLACK: Duration = Duration::from_millis(1500);
 /// How long a fault lasts: longer than the lease, so that it always forces a hand-over.
-const FAULT_LENGTH: Duration = Duration::from_millis(1500);
+pub(crate) const FAULT_LENGTH: Duration = Duration::from_millis(1500);
 /// How long a ZooKeeper follower stays cut off from its quorum: long enough for its clients'
 /// sessions to expire on the leader, well within the ensemble's sync limit (5 s), so it serves
 /// stale reads throughout.
@@ -163,16 +163,20 @@ pub enum Workload {
     /// The keyed check with owners taking two or three keys at once, all or nothing
     /// ([`crate::keyed_safety::run_several`]).
     Several,
+    /// `leasehold-sidecar exec` run over and over by each contender, its commands checked
+    /// rather than the lock ([`crate::exec_safety`]).
+    Exec,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 6] = [
+    pub const ALL: [Workload; 7] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
         Workload::Keyed,
         Workload::Semaphore,
         Workload::Several,
+        Workload::Exec,
     ];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
@@ -184,6 +188,7 @@ impl Workload {
             Workload::Keyed => "+keyed",
             Workload::Semaphore => "+semaphore",
             Workload::Several => "+several",
+            Workload::Exec => "+exec",
         }
     }
 }
@@ -233,13 +238,14 @@ impl Scenario {
     }
 
     /// Every scenario the check can run: a resource needs a backend a `DistributedLock` here
-    /// can name.
+    /// can name, and exec runs on this machine, not on test hosts.
     pub fn all() -> impl Iterator<Item = Self> {
         Target::ALL.into_iter().flat_map(|target| {
             Workload::ALL
                 .into_iter()
                 .map(move |workload| Self { target, workload })
                 .filter(|s| s.workload != Workload::Resource || s.target == Target::Redis)
+                .filter(|s| s.workload != Workload::Exec || s.target != Target::RedisSentinelSplit)
         })
     }
 
@@ -491,15 +497,43 @@ impl Backend {
 
     /// Cut sidecar `index` off from the backend for [`FAULT_LENGTH`]: through its proxies, or
     /// on the network.
-    fn partition(&self, slot: &Slot) {
+    fn partition(&self, index: usize, proxies: &[FaultProxy]) {
         match self {
             Backend::RedisSentinelSplit(set, _) => {
-                set.isolate(&format!("sidecar-{}", slot.index), FAULT_LENGTH);
+                set.isolate(&format!("sidecar-{index}"), FAULT_LENGTH);
             }
             _ => {
-                slot.proxies.iter().for_each(FaultProxy::cut);
+                proxies.iter().for_each(FaultProxy::cut);
                 std::thread::sleep(FAULT_LENGTH);
-                slot.proxies.iter().for_each(FaultProxy::restore);
+                proxies.iter().for_each(FaultProxy::restore);
+            }
+        }
+    }
+
+    /// Inject `fault`, one that acts on the backend or on contender `index`'s links to it
+    /// (`proxies`), and end it.
+    pub(crate) fn inject(&mut self, fault: Fault, index: usize, proxies: &[FaultProxy]) {
+        match fault {
+            Fault::RestartBackend => {
+                let restarting = Instant::now();
+                self.restart();
+                assert!(
+                    restarting.elapsed() < BACKEND_READY,
+                    "the backend took {:?} to restart",
+                    restarting.elapsed()
+                );
+            }
+            Fault::PartitionHolder => self.partition(index, proxies),
+            Fault::SplitSentinels => self.split_sentinels(index),
+            Fault::IsolateFollower => self.isolate_follower(index),
+            Fault::MigrateSlot => self.migrate_a_lock_slot(),
+            Fault::FailOverShard => self.fail_over_a_lock_shard(),
+            Fault::PromoteStandby => self.promote_standby(),
+            Fault::KillHolder | Fault::PauseHolder => {
+                unreachable!("{} acts on a contender's process", fault.name())
+            }
+            Fault::DeleteLock | Fault::EditSettings | Fault::EditBackend => {
+                unreachable!("{} acts on the resource (edit_resource)", fault.name())
             }
         }
     }
@@ -882,9 +916,9 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
     assert!(
         !matches!(
             scenario.workload,
-            Workload::Keyed | Workload::Semaphore | Workload::Several
+            Workload::Keyed | Workload::Semaphore | Workload::Several | Workload::Exec
         ),
-        "keyed scenarios run in keyed_safety::run"
+        "keyed scenarios run in keyed_safety::run, exec ones in exec_safety::run"
     );
     let mut rng = StdRng::seed_from_u64(seed);
     let mut backend = Backend::start(scenario.target);
@@ -894,7 +928,8 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         | Workload::Resource
         | Workload::Keyed
         | Workload::Semaphore
-        | Workload::Several => TIMING.to_vec(),
+        | Workload::Several
+        | Workload::Exec => TIMING.to_vec(),
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
     // A resource scenario's sidecars read their lock from the cluster; its backend can also be
@@ -1049,24 +1084,7 @@ pub(crate) fn inject(
             std::thread::sleep(FAULT_LENGTH);
             slot.sidecar.signal(Signal::SIGCONT);
         }
-        Fault::RestartBackend => {
-            let restarting = Instant::now();
-            backend.restart();
-            assert!(
-                restarting.elapsed() < BACKEND_READY,
-                "the backend took {:?} to restart",
-                restarting.elapsed()
-            );
-        }
-        Fault::PartitionHolder => backend.partition(slot),
-        Fault::SplitSentinels => backend.split_sentinels(slot.index),
-        Fault::IsolateFollower => backend.isolate_follower(slot.index),
-        Fault::MigrateSlot => backend.migrate_a_lock_slot(),
-        Fault::FailOverShard => backend.fail_over_a_lock_shard(),
-        Fault::PromoteStandby => backend.promote_standby(),
-        Fault::DeleteLock | Fault::EditSettings | Fault::EditBackend => {
-            unreachable!("{} acts on the resource (edit_resource)", fault.name())
-        }
+        other => backend.inject(other, slot.index, &slot.proxies),
     }
 }
 

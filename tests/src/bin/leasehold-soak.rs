@@ -5,11 +5,12 @@
 //! found a violation. A scenario is a target (`etcd`), or a target and a workload
 //! (`etcd+waiters`: on-demand sidecars with blocking waiters, try-locks and clients that hang
 //! up; `etcd+keyed`: a keyed family's owners, re-entering and hanging up; `etcd+semaphore`: the
-//! same on keys of two permits; `etcd+several`: owners taking two or three keys at once).
+//! same on keys of two permits; `etcd+several`: owners taking two or three keys at once;
+//! `etcd+exec`: `leasehold-sidecar exec` run over and over, its commands never two at once).
 //! `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
 
-use leasehold_e2e::keyed_safety;
 use leasehold_e2e::safety::{self, Scenario, Target, Workload};
+use leasehold_e2e::{exec_safety, keyed_safety};
 
 const CONTENDERS: usize = 3;
 
@@ -58,6 +59,9 @@ fn main() {
             (report.summary(), report.violations)
         } else if scenario.workload == Workload::Several {
             let report = keyed_safety::run_several(scenario.target, duration, seed);
+            (report.summary(), report.violations)
+        } else if scenario.workload == Workload::Exec {
+            let report = exec_safety::run(scenario.target, duration, seed);
             (report.summary(), report.violations)
         } else {
             let report = safety::run(scenario, duration, CONTENDERS, seed);

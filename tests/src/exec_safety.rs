@@ -1,0 +1,363 @@
+//! The exec safety check: contenders run `leasehold-sidecar exec` over and over on one lock,
+//! each wrapping [`witness`](../bin/leasehold-exec-witness.rs), while the exec holding the lock
+//! is killed, cut off from the backend, and the backend restarts or fails over. What is checked
+//! is the commands, not the lock: two commands never run at once, each command's fencing token
+//! is above the last one's, and a command runs within a lease (and a renew interval, and a
+//! slack for a loaded machine) after each fault ends.
+//!
+//! Two commands at once are seen exactly, not sampled: each witness holds an exclusive `flock`
+//! on one file for as long as it lives, so a witness that starts while another still lives
+//! finds it taken. A pause is not among the faults: a frozen exec cannot stop its command (the
+//! documented reason to run both in one container, which a pause freezes together), and a
+//! command frozen with it runs, once thawed, until exec's next check; the sidecar check covers
+//! paused holders.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::fault_proxy::FaultProxy;
+use crate::safety::{
+    Backend, CALM_MAX_MS, CALM_MIN_MS, Fault, LEASE, RECOVERY_SLACK, RENEW, TIMING, Target,
+};
+use crate::{sidecar_binary, unique_lock, workspace_binary};
+
+/// Contenders, each one `exec` at a time.
+const CONTENDERS: usize = 3;
+/// Between `SIGTERM` and `SIGKILL` when a lock is being lost: within what a 1 s lease leaves.
+const KILL_GRACE: &str = "200ms";
+/// How long a command runs, in milliseconds, drawn afresh for each: most are shorter than the
+/// lease, one in three lasts a few leases, so that faults meet commands that must be stopped.
+const SHORT_MS: std::ops::Range<u64> = 50..600;
+const LONG_MS: std::ops::Range<u64> = 1000..3000;
+/// On top of the lease: an exec the harness starts again, or one that had to open its backend
+/// again, before its command runs.
+const EXEC_START: Duration = Duration::from_millis(1000);
+/// The witness's exit status when it found another command running.
+const OVERLAP: i32 = 99;
+
+/// The witness command, found beside the test binaries as the sidecar is.
+pub fn witness_binary() -> PathBuf {
+    workspace_binary("leasehold-exec-witness", "LEASEHOLD_EXEC_WITNESS_BIN")
+}
+
+/// The figures of one run.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub target: String,
+    pub seed: u64,
+    pub duration: Duration,
+    /// Commands that ran.
+    pub runs: usize,
+    /// Execs that stopped their command because the lock was being lost (exit 75).
+    pub lost: usize,
+    /// Execs that could not open the backend (exit 1), as under a partition or a restart.
+    pub unopened: usize,
+    pub faults: BTreeMap<&'static str, usize>,
+    pub slowest_recovery: Duration,
+    pub violations: Vec<String>,
+}
+
+impl Report {
+    pub fn summary(&self) -> String {
+        let faults: Vec<String> = self
+            .faults
+            .iter()
+            .map(|(name, n)| format!("{name} {n}"))
+            .collect();
+        format!(
+            "{:<20} {:>4}s  commands {:>5}  lost {:>3}  unopened {:>3}  faults {} ({})  violations {}  slowest recovery {:>5} ms",
+            self.target,
+            self.duration.as_secs(),
+            self.runs,
+            self.lost,
+            self.unopened,
+            self.faults.values().sum::<usize>(),
+            faults.join(", "),
+            self.violations.len(),
+            self.slowest_recovery.as_millis(),
+        )
+    }
+}
+
+/// What the contenders' loops tell the check.
+#[derive(Default)]
+struct Outcomes {
+    lost: usize,
+    unopened: usize,
+    violations: Vec<String>,
+}
+
+/// One contender: its links to the backend, and the exec it runs now.
+struct Contender {
+    proxies: Vec<FaultProxy>,
+    running: Arc<Mutex<Option<Pid>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Contender {
+    fn kill(&self) {
+        if let Some(pid) = *self.running.lock().unwrap() {
+            let _ = kill(pid, Signal::SIGKILL);
+        }
+    }
+}
+
+/// Stops the loop and its exec (whose command the kernel stops with it), also when a check
+/// panics.
+impl Drop for Contender {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            while !thread.is_finished() {
+                self.kill();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Run the check against `target` for `duration`.
+pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
+    assert!(
+        target != Target::RedisSentinelSplit,
+        "exec runs on this machine, not on test hosts"
+    );
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut backend = Backend::start(target);
+    let lock = unique_lock("exec");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let state = dir.path().join("state");
+    std::fs::File::create(&state).expect("the witnesses' file");
+    let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&state).expect("stat"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let outcomes = Arc::new(Mutex::new(Outcomes::default()));
+    let contenders: Vec<Contender> = (0..CONTENDERS)
+        .map(|index| {
+            let proxies: Vec<FaultProxy> =
+                backend.ports().into_iter().map(FaultProxy::start).collect();
+            let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+            let exec = Exec {
+                identity: format!("contender-{index}"),
+                lock: lock.clone(),
+                backend: backend.url_via(index, &ports),
+                state: state.clone(),
+                log: dir.path().join(format!("contender-{index}.log")),
+            };
+            let running = Arc::new(Mutex::new(None));
+            let (outcomes, seed) = (outcomes.clone(), rng.random());
+            let thread = {
+                let (running, stop) = (running.clone(), stop.clone());
+                std::thread::spawn(move || exec.repeat(&running, &stop, &outcomes, seed))
+            };
+            Contender {
+                proxies,
+                running,
+                stop: stop.clone(),
+                thread: Some(thread),
+            }
+        })
+        .collect();
+    let faults: Vec<Fault> = backend
+        .faults()
+        .iter()
+        .copied()
+        .filter(|f| !matches!(f, Fault::PauseHolder | Fault::SplitSentinels))
+        .collect();
+
+    let mut report = Report {
+        target: format!("{}+exec", target.name()),
+        seed,
+        ..Report::default()
+    };
+    let bound = LEASE + RENEW + RECOVERY_SLACK + EXEC_START;
+    let began = Instant::now();
+    if !wait_for(bound, || command_runs(inode)) {
+        report
+            .violations
+            .push("no command ran at the start".to_owned());
+    }
+    while began.elapsed() < duration {
+        std::thread::sleep(Duration::from_millis(
+            rng.random_range(CALM_MIN_MS..CALM_MAX_MS),
+        ));
+        let fault = faults[rng.random_range(0..faults.len())];
+        let index = holder(&state).unwrap_or_else(|| rng.random_range(0..CONTENDERS));
+        let contender = &contenders[index];
+        match fault {
+            Fault::KillHolder => contender.kill(),
+            other => backend.inject(other, index, &contender.proxies),
+        }
+        *report.faults.entry(fault.name()).or_default() += 1;
+        let healed = Instant::now();
+        let recovered = wait_for(bound, || command_runs(inode));
+        report.slowest_recovery = report.slowest_recovery.max(healed.elapsed());
+        if !recovered {
+            report.violations.push(format!(
+                "no command ran within {bound:?} after {} ended (at {:.1?})",
+                fault.name(),
+                healed - began
+            ));
+        }
+    }
+    report.duration = began.elapsed();
+    drop(contenders);
+    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
+    report.lost = outcomes.lost;
+    report.unopened = outcomes.unopened;
+    report.violations.extend(outcomes.violations);
+    report.violations.extend(
+        std::fs::read_to_string(state.with_extension("violations"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned),
+    );
+    // LEASEHOLD_TEST_LOGS=DIR keeps each contender's exec log there, as the sidecars' are kept.
+    if let Some(kept) = std::env::var_os("LEASEHOLD_TEST_LOGS") {
+        let _ = std::fs::create_dir_all(&kept);
+        for index in 0..CONTENDERS {
+            let name = format!("contender-{index}.log");
+            let _ = std::fs::copy(
+                dir.path().join(&name),
+                Path::new(&kept).join(format!("{}-{name}", report.target)),
+            );
+        }
+    }
+    let tokens = runs(&state);
+    report.runs = tokens.len();
+    if let Some(pair) = tokens.windows(2).find(|pair| pair[1] <= pair[0]) {
+        report.violations.push(format!(
+            "the commands' tokens did not rise: {} then {}",
+            pair[0], pair[1]
+        ));
+    }
+    report
+}
+
+/// How one contender runs `exec`.
+struct Exec {
+    identity: String,
+    lock: String,
+    backend: String,
+    state: PathBuf,
+    log: PathBuf,
+}
+
+impl Exec {
+    /// Run `exec` again each time it ends, until `stop`, noting how each ended.
+    fn repeat(
+        &self,
+        running: &Mutex<Option<Pid>>,
+        stop: &AtomicBool,
+        outcomes: &Mutex<Outcomes>,
+        seed: u64,
+    ) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        while !stop.load(Ordering::SeqCst) {
+            let hold = match rng.random_ratio(1, 3) {
+                true => rng.random_range(LONG_MS),
+                false => rng.random_range(SHORT_MS),
+            }
+            .to_string();
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log)
+                .expect("exec log");
+            let mut command = Command::new(sidecar_binary());
+            command
+                .arg("exec")
+                .args(["--lock", &self.lock, "--backend", &self.backend])
+                .args(["--identity", &self.identity, "--kill-grace", KILL_GRACE])
+                .args(TIMING)
+                .arg("--")
+                .arg(witness_binary())
+                .arg(&self.state)
+                .arg(&hold)
+                .env("RUST_LOG", "info")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log);
+            let mut child = {
+                // Taken before the spawn, so that a kill aimed at this contender waits for the
+                // pid rather than missing it.
+                let mut running = running.lock().unwrap();
+                let child = command.spawn().expect("start leasehold-sidecar exec");
+                *running = Some(Pid::from_raw(child.id() as i32));
+                child
+            };
+            let status = child.wait().expect("wait for exec");
+            *running.lock().unwrap() = None;
+            let mut outcomes = outcomes.lock().unwrap();
+            match status.code() {
+                // The command ran and ended, or was killed with its exec by the check.
+                Some(0) | None => {}
+                Some(75) => outcomes.lost += 1,
+                Some(1) => outcomes.unopened += 1,
+                // The witness wrote why.
+                Some(OVERLAP) => {}
+                Some(other) => outcomes.violations.push(format!(
+                    "{}'s exec exited {other}; its log:\n{}",
+                    self.identity,
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                )),
+            }
+        }
+    }
+}
+
+/// The tokens of the commands that ran, in the order they ran.
+fn runs(state: &Path) -> Vec<u64> {
+    std::fs::read_to_string(state.with_extension("runs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| line.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// Whether a command runs now: a witness holds its flock on the file whose inode is `inode`.
+/// Read from the kernel's table of locks, so that looking never takes the flock itself.
+fn command_runs(inode: u64) -> bool {
+    let locks = std::fs::read_to_string("/proc/locks").expect("/proc/locks");
+    locks.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // `1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF`; a waiter's line starts `1: ->`.
+        fields.get(1) == Some(&"FLOCK")
+            && fields
+                .get(5)
+                .and_then(|device_inode| device_inode.rsplit(':').next())
+                == Some(inode.to_string().as_str())
+    })
+}
+
+/// The contender whose command runs now, as the witness last wrote it.
+fn holder(state: &Path) -> Option<usize> {
+    let current = std::fs::read_to_string(state).ok()?;
+    current
+        .split_whitespace()
+        .nth(1)?
+        .strip_prefix("contender-")?
+        .parse()
+        .ok()
+}
+
+fn wait_for(within: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}

@@ -1,0 +1,71 @@
+//! The exec safety check on a lock of each kind of backend: three contenders run
+//! `leasehold-sidecar exec` over and over while the exec holding the lock is killed or cut off
+//! from the backend and the backend restarts; no two of their commands ever run at once, each
+//! command's fencing token is above the last one's, and a command runs again within a lease
+//! after each fault ([`leasehold_e2e::exec_safety`]).
+
+use std::time::Duration;
+
+use leasehold_e2e::exec_safety;
+use leasehold_e2e::safety::Target;
+
+/// Twenty seconds per backend; `LEASEHOLD_EXEC_SAFETY_SECS` changes it.
+fn duration() -> Duration {
+    let secs = std::env::var("LEASEHOLD_EXEC_SAFETY_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    Duration::from_secs(secs)
+}
+
+fn check(target: Target) {
+    let report = exec_safety::run(target, duration(), rand::random());
+    eprintln!("{}", report.summary());
+    assert!(
+        report.violations.is_empty(),
+        "{} (seed {}):\n{}",
+        report.summary(),
+        report.seed,
+        report.violations.join("\n")
+    );
+    assert!(
+        report.faults.values().sum::<usize>() >= 5,
+        "too few faults to mean anything: {}",
+        report.summary()
+    );
+    assert!(
+        report.runs >= 5,
+        "too few commands ran to mean anything: {}",
+        report.summary()
+    );
+}
+
+#[test]
+fn sqlite_exec_commands_never_run_two_at_once() {
+    check(Target::Sqlite);
+}
+
+#[test]
+fn redis_exec_commands_never_run_two_at_once() {
+    check(Target::Redis);
+}
+
+#[test]
+fn postgres_exec_commands_never_run_two_at_once() {
+    check(Target::Postgres);
+}
+
+#[test]
+fn mariadb_row_lock_exec_commands_never_run_two_at_once() {
+    check(Target::MariaDbRowLock);
+}
+
+#[test]
+fn etcd_exec_commands_never_run_two_at_once() {
+    check(Target::Etcd);
+}
+
+#[test]
+fn zookeeper_exec_commands_never_run_two_at_once() {
+    check(Target::ZooKeeper);
+}
