@@ -730,13 +730,16 @@ fn the_holder_label_policy_lets_a_pods_service_account_change_that_label_alone()
     // names (`.` as `__dot__`, `/` as `__slash__`), map keys included, which the API server
     // leaves as they are: the policy's label and annotation keys are written the same way here.
     let escaped = |expression: &str| {
-        ["leasehold.dev/lock", "leasehold.dev/holder"].iter().fold(
-            expression.to_owned(),
-            |e, key| {
-                let escaped = key.replace('.', "__dot__").replace('/', "__slash__");
-                e.replace(&format!("'{key}'"), &format!("'{escaped}'"))
-            },
-        )
+        [
+            "leasehold.dev/lock",
+            "leasehold.dev/holder",
+            "holder.leasehold.dev/",
+        ]
+        .iter()
+        .fold(expression.to_owned(), |e, key| {
+            let escaped = key.replace('.', "__dot__").replace('/', "__slash__");
+            e.replace(&format!("'{key}'"), &format!("'{escaped}'"))
+        })
     };
     let expressions = |list: &Value| -> Vec<VapExpression> {
         list.as_sequence()
@@ -789,6 +792,21 @@ fn the_holder_label_policy_lets_a_pods_service_account_change_that_label_alone()
             .remove("leasehold.dev/holder");
     });
     assert_eq!(judge(own, &old, &cleared), (true, true), "remove the label");
+    // A pod that takes several locks: a label per lock.
+    let per_lock = with(&|p| {
+        p["metadata"]["labels"]["holder.leasehold.dev/nightly"] = "true".into();
+        p["metadata"]["labels"]["holder.leasehold.dev/weekly"] = "false".into();
+    });
+    assert_eq!(
+        judge(own, &old, &per_lock),
+        (true, true),
+        "a lock's own label"
+    );
+    assert_eq!(
+        judge(own, &per_lock, &old),
+        (true, true),
+        "remove a lock's own label"
+    );
     for (what, change) in [
         (
             "a container's image",

@@ -215,7 +215,7 @@ pub async fn follow(
     state: AppState,
     metrics: Arc<Metrics>,
     secret_recheck: Duration,
-    holder_label: Option<tokio::sync::watch::Sender<bool>>,
+    holder_label: Result<tokio::sync::watch::Sender<bool>, String>,
 ) {
     let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
     let config = watcher::Config::default().fields(&format!("metadata.name={}", r.name));
@@ -257,12 +257,12 @@ pub async fn follow(
                 && l.metadata.deletion_timestamp.is_none()
         });
         match &holder_label {
-            Some(label) => {
+            Ok(label) => {
                 label.send_if_modified(|on| std::mem::replace(on, asked) != asked);
             }
-            None => {
+            Err(reason) => {
                 if asked && !label_refused {
-                    tracing::error!(resource = %r, "spec.holderLabel labels a pod that takes one lock; this pod takes several, so none is labelled");
+                    tracing::error!(resource = %r, %reason, "spec.holderLabel asks for a label this pod cannot carry");
                 }
                 label_refused = asked;
             }

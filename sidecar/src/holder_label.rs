@@ -1,6 +1,6 @@
 //! `spec.holderLabel`: the pod that holds a lock carries `leasehold.dev/holder: "true"`, every
 //! other pod of the lock `"false"`, so that a Service selecting the label routes to the holder
-//! only. Readiness is left alone: gating it on the lock would keep a rolling update from ever
+//! only; a pod that takes several locks carries `holder.leasehold.dev/LOCK` for each. Readiness is left alone: gating it on the lock would keep a rolling update from ever
 //! finding a ready new pod.
 //!
 //! Each sidecar writes its own pod's label: it knows at once when it starts or stops holding
@@ -21,8 +21,12 @@ use tokio::sync::watch;
 
 use crate::api::AppState;
 
-/// The label a Service selects to reach the holder.
+/// The label a Service selects to reach the holder, on a pod that takes one lock.
 pub const HOLDER_LABEL: &str = "leasehold.dev/holder";
+/// The prefix of each lock's label on a pod that takes several: `holder.leasehold.dev/LOCK`.
+pub const HOLDER_LABEL_PREFIX: &str = "holder.leasehold.dev/";
+/// The longest name part of a label key.
+const LABEL_NAME_MAX: usize = 63;
 /// The webhook's annotation, naming the locks a pod takes.
 const LOCK_ANNOTATION: &str = "leasehold.dev/lock";
 /// How often the lock is looked for while it is not running yet.
@@ -30,14 +34,33 @@ const NOT_RUNNING_CHECK: Duration = Duration::from_secs(1);
 /// The longest one label write may take when the sidecar stops.
 const LAST_WRITE: Duration = Duration::from_secs(2);
 
-/// Keep pod `pod`'s label (in `namespace`) in step with whether this sidecar holds `lock`,
-/// while `enabled` says the lock asks for it. Ends when `enabled`'s sender is dropped (the
-/// sidecar stops), taking the pod's label off first if it was on.
+/// The label that says whether a pod holds `lock`: [`HOLDER_LABEL`] on a pod that takes one
+/// lock, `holder.leasehold.dev/LOCK` on a pod that takes `locks_in_pod` of them (one label per
+/// lock, as one label cannot name several holdings). `Err` says why a lock has none: its name is
+/// longer than a label's name part may be.
+pub fn label_for(lock: &str, locks_in_pod: usize) -> Result<String, String> {
+    if locks_in_pod <= 1 {
+        return Ok(HOLDER_LABEL.to_owned());
+    }
+    // A lock's name is a DNS subdomain: lowercase letters, digits, '-' and '.', as a label's
+    // name part may be, and up to 253 characters, where a label's stops at 63.
+    if lock.len() > LABEL_NAME_MAX {
+        return Err(format!(
+            "this pod takes several locks, so each holder label is {HOLDER_LABEL_PREFIX}LOCK, and {lock:?} is longer than the {LABEL_NAME_MAX} characters a label's name may have; none is written"
+        ));
+    }
+    Ok(format!("{HOLDER_LABEL_PREFIX}{lock}"))
+}
+
+/// Keep pod `pod`'s label `label` (in `namespace`) in step with whether this sidecar holds
+/// `lock`, while `enabled` says the lock asks for it. Ends when `enabled`'s sender is dropped
+/// (the sidecar stops), taking the pod's label off first if it was on.
 pub async fn follow(
     client: kube::Client,
     namespace: String,
     pod: String,
     lock: String,
+    label: String,
     state: AppState,
     mut enabled: watch::Receiver<bool>,
 ) {
@@ -59,7 +82,7 @@ pub async fn follow(
         let holding = running.filter(|l| on && l.answer().is_holder());
         let mut failed = false;
         if let Some(holding) = &holding {
-            match take_over(&pods, &pod, &lock, holding).await {
+            match take_over(&pods, &pod, &lock, &label, holding).await {
                 Ok(true) => labeled = Some(true),
                 Ok(false) => {}
                 Err(e) => {
@@ -68,7 +91,7 @@ pub async fn follow(
                 }
             }
         } else if labeled != Some(false) && (on || labeled == Some(true)) {
-            match set_label(&pods, &pod, false).await {
+            match set_label(&pods, &pod, &label, false).await {
                 Ok(()) => labeled = Some(false),
                 Err(e) => {
                     failed = true;
@@ -84,7 +107,8 @@ pub async fn follow(
             changed = enabled.changed() => if changed.is_err() {
                 // The sidecar stops: its pod no longer serves as the holder.
                 if labeled == Some(true) {
-                    let _ = tokio::time::timeout(LAST_WRITE, set_label(&pods, &pod, false)).await;
+                    let _ =
+                        tokio::time::timeout(LAST_WRITE, set_label(&pods, &pod, &label, false)).await;
                 }
                 return;
             },
@@ -106,9 +130,15 @@ pub async fn follow(
 /// While this sidecar holds `holding`: take the label off every other pod of the lock that
 /// carries it, then make sure this pod carries it. Each write is made only while the lock is
 /// still held, so a holder that lost it meanwhile labels nobody. Whether this pod carries it.
-async fn take_over(pods: &Api<Pod>, own: &str, lock: &str, holding: &Lock) -> kube::Result<bool> {
+async fn take_over(
+    pods: &Api<Pod>,
+    own: &str,
+    lock: &str,
+    label: &str,
+    holding: &Lock,
+) -> kube::Result<bool> {
     let labeled = pods
-        .list(&ListParams::default().labels(&format!("{HOLDER_LABEL}=true")))
+        .list(&ListParams::default().labels(&format!("{label}=true")))
         .await?;
     let mut own_labeled = false;
     let mut failed = None;
@@ -121,13 +151,13 @@ async fn take_over(pods: &Api<Pod>, own: &str, lock: &str, holding: &Lock) -> ku
         } else if takes(&other, lock) && holding.answer().is_holder() {
             tracing::info!(%lock, pod = name, "taking the holder label off a pod that no longer holds the lock");
             // One pod that cannot be written must not keep the holder's own label off.
-            if let Err(e) = set_label(pods, name, false).await {
+            if let Err(e) = set_label(pods, name, label, false).await {
                 failed = Some(e);
             }
         }
     }
     if !own_labeled && holding.answer().is_holder() {
-        set_label(pods, own, true).await?;
+        set_label(pods, own, label, true).await?;
         own_labeled = true;
         tracing::info!(%lock, pod = own, "labelled the pod as the lock's holder");
     }
@@ -146,8 +176,8 @@ fn takes(pod: &Pod, lock: &str) -> bool {
         .is_some_and(|names| names.split(',').any(|n| n.trim() == lock))
 }
 
-async fn set_label(pods: &Api<Pod>, pod: &str, holder: bool) -> kube::Result<()> {
-    let patch = json!({"metadata": {"labels": {HOLDER_LABEL: holder.to_string()}}});
+async fn set_label(pods: &Api<Pod>, pod: &str, label: &str, holder: bool) -> kube::Result<()> {
+    let patch = json!({"metadata": {"labels": {label: holder.to_string()}}});
     pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map(|_| ())
@@ -164,6 +194,23 @@ mod tests {
                 Some([(LOCK_ANNOTATION.to_owned(), value.to_owned())].into());
         }
         pod
+    }
+
+    #[test]
+    fn a_pod_of_several_locks_has_a_label_per_lock() {
+        assert_eq!(label_for("report", 1).unwrap(), HOLDER_LABEL);
+        assert_eq!(
+            label_for("report", 2).unwrap(),
+            "holder.leasehold.dev/report"
+        );
+        let longest = "a".repeat(LABEL_NAME_MAX);
+        assert_eq!(
+            label_for(&longest, 2).unwrap(),
+            format!("holder.leasehold.dev/{longest}")
+        );
+        let error = label_for(&format!("{longest}b"), 2).unwrap_err();
+        assert!(error.contains("63 characters"), "{error}");
+        assert_eq!(label_for(&format!("{longest}b"), 1).unwrap(), HOLDER_LABEL);
     }
 
     #[test]

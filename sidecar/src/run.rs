@@ -252,19 +252,20 @@ async fn start_from_resources(
         .resources
         .iter()
         .map(|r| {
-            // The holder label names a pod, so it serves a pod that takes one lock.
-            let holder_label = (config.resources.len() == 1).then(|| {
-                let (asked, enabled) = tokio::sync::watch::channel(false);
-                tokio::spawn(crate::holder_label::follow(
-                    client.clone(),
-                    r.namespace.clone(),
-                    config.identity.clone(),
-                    r.name.clone(),
-                    state.clone(),
-                    enabled,
-                ));
-                asked
-            });
+            let holder_label =
+                crate::holder_label::label_for(&r.name, config.resources.len()).map(|label| {
+                    let (asked, enabled) = tokio::sync::watch::channel(false);
+                    tokio::spawn(crate::holder_label::follow(
+                        client.clone(),
+                        r.namespace.clone(),
+                        config.identity.clone(),
+                        r.name.clone(),
+                        label,
+                        state.clone(),
+                        enabled,
+                    ));
+                    asked
+                });
             tokio::spawn(from_resource::follow(
                 client.clone(),
                 r.clone(),

@@ -80,7 +80,7 @@ fn follow_resource(
         state.clone(),
         metrics,
         recheck,
-        None,
+        Err("the holder label is not followed here".into()),
     ));
     (state, follower)
 }

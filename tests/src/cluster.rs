@@ -103,25 +103,38 @@ impl Cluster {
     /// finalizer, so that deleting it goes through the operator's clean-up.
     fn create(&mut self, spec: Value) {
         self.incarnation += 1;
+        self.put_lock(&self.name, self.incarnation, spec);
+    }
+
+    /// Create another lock, `name`, in [`NAMESPACE`] beside the first; ready once the operator
+    /// has put its finalizer on it. `--resource` takes both as `NAMESPACE/FIRST,NAMESPACE/NAME`.
+    pub fn add_lock(&self, name: &str, spec: Value) {
+        self.put_lock(name, 1, spec);
+    }
+
+    fn put_lock(&self, name: &str, incarnation: u32, spec: Value) {
         self.api.put(
             DISTRIBUTED_LOCKS,
             json!({
                 "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
-                "metadata": {"name": self.name, "namespace": NAMESPACE,
-                             "uid": format!("{}-{}", self.name, self.incarnation)},
+                "metadata": {"name": name, "namespace": NAMESPACE,
+                             "uid": format!("{name}-{incarnation}")},
                 "spec": spec,
             }),
         );
         let deadline = Instant::now() + FINALIZED_WITHIN;
-        while !self.lock().is_some_and(|l| {
-            l["metadata"]["finalizers"]
-                .as_array()
-                .is_some_and(|f| !f.is_empty())
-        }) {
+        while !self
+            .api
+            .object(DISTRIBUTED_LOCKS, NAMESPACE, name)
+            .is_some_and(|l| {
+                l["metadata"]["finalizers"]
+                    .as_array()
+                    .is_some_and(|f| !f.is_empty())
+            })
+        {
             assert!(
                 Instant::now() < deadline,
-                "the operator put no finalizer on {} within {FINALIZED_WITHIN:?}; its log:\n{}",
-                self.resource(),
+                "the operator put no finalizer on {NAMESPACE}/{name} within {FINALIZED_WITHIN:?}; its log:\n{}",
                 self.operator_log()
             );
             std::thread::sleep(Duration::from_millis(20));

@@ -4,7 +4,7 @@
 //! label follows each new holder after its holder is killed (`kill -9`, which cannot take its
 //! own label off: the next holder does) or stopped (SIGTERM), and never names two pods at once;
 //! the holder reads the pods at its renewals, not in a loop. A pod of another lock keeps its
-//! label.
+//! label. A pod that takes two locks carries a label per lock (`holder.leasehold.dev/LOCK`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -166,4 +166,94 @@ fn the_holder_label_follows_the_holder_and_never_names_two_pods() {
         labelled(&cluster.api).contains(&"other-holder".to_owned()),
         "another lock's holder lost its label"
     );
+}
+
+/// The pods whose label `key` says "true", by name.
+fn labelled_by(api: &InMemoryApiServer, key: &str) -> Vec<String> {
+    let mut names: Vec<String> = api
+        .objects(PODS)
+        .into_iter()
+        .filter(|p| p["metadata"]["labels"][key] == "true")
+        .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_owned))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Pods that take two locks: each lock's holder carries `holder.leasehold.dev/LOCK`, the label
+/// moves with that lock's holder alone, and no pod carries the one-lock label.
+#[test]
+fn a_pod_of_two_locks_carries_a_holder_label_per_lock() {
+    let redis = RedisServer::start();
+    let first = unique_lock("first");
+    let second = unique_lock("second");
+    let spec = json!({
+        "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+        "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
+        "cleanupPolicy": "Delete",
+    });
+    let cluster = Cluster::start(&first, spec.clone());
+    cluster.add_lock(&second, spec);
+    let names: Vec<String> = (0..3).map(|i| format!("pod-{i}")).collect();
+    for name in &names {
+        cluster
+            .api
+            .put(PODS, pod(name, &format!("{first},{second}")));
+    }
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let resources = format!("{NAMESPACE}/{first},{NAMESPACE}/{second}");
+    let start = |name: &str| Sidecar::start_from_resource(name, &resources, &env);
+    let mut sidecars: Vec<Sidecar> = names.iter().map(|n| start(n)).collect();
+    let holder_of = |sidecars: &[Sidecar], lock: &str| -> Option<usize> {
+        let holding: Vec<usize> = (0..sidecars.len())
+            .filter(|&i| sidecars[i].get(&format!("/locks/{lock}")).status == 200)
+            .collect();
+        match holding.as_slice() {
+            [one] => Some(*one),
+            _ => None,
+        }
+    };
+    for round in 0..2 {
+        for lock in [&first, &second] {
+            let key = format!("holder.leasehold.dev/{lock}");
+            let mut held = None;
+            eventually(Duration::from_secs(15), "one holder of the lock", || {
+                held = holder_of(&sidecars, lock);
+                held.is_some()
+            });
+            let held = held.expect("a holder");
+            let took = eventually(
+                Duration::from_secs(15),
+                "the lock's label names its holder",
+                || labelled_by(&cluster.api, &key) == [names[held].clone()],
+            );
+            assert!(
+                took <= RENEW + SLACK,
+                "{key} named the holder {took:?} after it held; its log:\n{}",
+                sidecars[held].log()
+            );
+        }
+        assert!(
+            labelled(&cluster.api).is_empty(),
+            "a pod of two locks carries {HOLDER_LABEL}"
+        );
+        // The first lock's holder killed: its label moves to the lock's next holder.
+        let held = holder_of(&sidecars, &first).expect("a holder of the first lock");
+        sidecars[held].kill9();
+        let key = format!("holder.leasehold.dev/{first}");
+        eventually(
+            Duration::from_secs(15),
+            "the first lock's label moves to another pod",
+            || {
+                let now = labelled_by(&cluster.api, &key);
+                now.len() == 1 && now[0] != names[held]
+            },
+        );
+        sidecars[held] = start(&names[held]);
+        eprintln!(
+            "round {round}: the first lock's label moved from {}",
+            names[held]
+        );
+    }
 }
