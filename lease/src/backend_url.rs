@@ -193,7 +193,7 @@ pub(crate) fn server_url(
     };
     let mut url = url::Url::parse(&format!("{scheme}://{endpoint}")).map_err(|_| bad())?;
     let only_host = url.host_str().is_some_and(|h| !h.is_empty())
-        && url.path().is_empty()
+        && matches!(url.path(), "" | "/")
         && url.query().is_none()
         && url.fragment().is_none()
         && url.username().is_empty()
@@ -223,29 +223,34 @@ pub(crate) fn set_login(
     url.set_password(Some(&encoded(password)))
 }
 
-/// `host[:port]` of each endpoint, with `default_port` where none is given; `field` names the
-/// resource's field in errors.
+/// `host[:port]` of each endpoint, with `default_port` where none is given; an entry may list
+/// several, comma-separated, as a connect string does. `field` names the resource's field in
+/// errors; credentials, paths and options have no place in an endpoint.
 pub(crate) fn endpoints(
     endpoints: &[String],
     default_port: u16,
     field: &'static str,
 ) -> Result<Vec<String>> {
-    if endpoints.is_empty() {
+    let bad = |endpoint: &str| Error::InvalidConfig {
+        field,
+        reason: format!(
+            "bad endpoint {endpoint:?}: host:port (credentials go in a Secret, options in their own fields)"
+        ),
+    };
+    let mut all = Vec::new();
+    for endpoint in endpoints {
+        if endpoint.contains(['@', '/', '?', '#']) {
+            return Err(bad(endpoint));
+        }
+        all.extend(host_list(endpoint, default_port).map_err(|_| bad(endpoint))?);
+    }
+    if all.is_empty() {
         return Err(Error::InvalidConfig {
             field,
             reason: "no endpoint is given".into(),
         });
     }
-    endpoints
-        .iter()
-        .map(|endpoint| match host_list(endpoint, default_port) {
-            Ok(mut one) if one.len() == 1 => Ok(one.remove(0)),
-            _ => Err(Error::InvalidConfig {
-                field,
-                reason: format!("bad endpoint {endpoint:?} (host:port)"),
-            }),
-        })
-        .collect()
+    Ok(all)
 }
 
 /// The key prefix of a Redis or etcd URL: a name that cannot reach into other keys.

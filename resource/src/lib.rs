@@ -985,6 +985,46 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(error.contains("needs the sentinels' password"), "{error}");
+        assert!(redis(|r| r.endpoints = vec!["r:6379/".into()]).is_ok());
+
+        // A connect string in one entry is several servers; credentials in one are refused.
+        let zookeeper = |servers: &[&str]| {
+            resolve(
+                &lock(Backend {
+                    zookeeper: Some(ZooKeeperBackend {
+                        servers: servers.iter().map(|s| s.to_string()).collect(),
+                        path: "/locks".into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                &secrets,
+            )
+        };
+        let BackendUrl::ZooKeeper(ZooKeeperConfig { servers, .. }) =
+            zookeeper(&["z1:2181,z2", "z3"]).unwrap().backend
+        else {
+            panic!("ZooKeeper")
+        };
+        assert_eq!(servers, "z1:2181,z2:2181,z3:2181");
+        let etcd = resolve(
+            &lock(Backend {
+                etcd: Some(EtcdBackend {
+                    endpoints: vec!["u:p@e1:2379".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            &secrets,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(etcd.contains("credentials go in a Secret"), "{etcd}");
+        for database in ["", ".", ".."] {
+            let mut named = sql.clone();
+            named.spec.backend.postgres.as_mut().unwrap().database = database.into();
+            assert!(resolve(&named, &secrets).is_err(), "{database:?}");
+        }
     }
 
     #[test]

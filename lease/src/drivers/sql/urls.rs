@@ -84,10 +84,10 @@ impl SqlConfig {
             None => host.to_owned(),
         };
         let mut url = server_url(scheme, &endpoint, login, "", "host")?;
-        if database.is_empty() {
+        if matches!(database, "" | "." | "..") {
             return Err(Error::InvalidConfig {
                 field: "database",
-                reason: "the database name is empty".into(),
+                reason: format!("{database:?} is not a database name"),
             });
         }
         url.path_segments_mut()
