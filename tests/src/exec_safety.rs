@@ -3,7 +3,8 @@
 //! is killed, cut off from the backend, and the backend restarts or fails over. What is checked
 //! is the commands, not the lock: two commands never run at once, each command's fencing token
 //! is above the last one's, and a command runs within a lease (and a renew interval, and a
-//! slack for a loaded machine) after each fault ends.
+//! slack for a loaded machine) after each fault ends; after a kill or a partition of the
+//! holder, a command with a newer token.
 //!
 //! Two commands at once are seen exactly, not sampled: each witness holds an exclusive `flock`
 //! on one file for as long as it lives, so a witness that starts while another still lives
@@ -105,9 +106,11 @@ struct Contender {
 }
 
 impl Contender {
-    fn kill(&self) {
-        if let Some(pid) = *self.running.lock().unwrap() {
-            let _ = kill(pid, Signal::SIGKILL);
+    /// Kill the exec that runs now; whether one did.
+    fn kill(&self) -> bool {
+        match *self.running.lock().unwrap() {
+            Some(pid) => kill(pid, Signal::SIGKILL).is_ok(),
+            None => false,
         }
     }
 }
@@ -139,7 +142,7 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
     let dir = tempfile::tempdir().expect("temp dir");
     let state = dir.path().join("state");
     std::fs::File::create(&state).expect("the witnesses' file");
-    let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&state).expect("stat"));
+    let file_id = lock_table_id(&state);
     let stop = Arc::new(AtomicBool::new(false));
     let outcomes = Arc::new(Mutex::new(Outcomes::default()));
     let contenders: Vec<Contender> = (0..CONTENDERS)
@@ -182,7 +185,7 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
     };
     let bound = LEASE + RENEW + RECOVERY_SLACK + EXEC_START;
     let began = Instant::now();
-    if !wait_for(bound, || command_runs(inode)) {
+    if !wait_for(bound, || command_runs(&file_id)) {
         report
             .violations
             .push("no command ran at the start".to_owned());
@@ -192,15 +195,30 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
             rng.random_range(CALM_MIN_MS..CALM_MAX_MS),
         ));
         let fault = faults[rng.random_range(0..faults.len())];
-        let index = holder(&state).unwrap_or_else(|| rng.random_range(0..CONTENDERS));
+        // A kill or a partition for longer than the lease is aimed at the command's exec, and
+        // its holding must then end: the next command has a newer token. With no command
+        // running there is nothing to aim at, and no fault is counted.
+        let replaces = matches!(fault, Fault::KillHolder | Fault::PartitionHolder);
+        let (index, aimed) = match holder(&state) {
+            Some((index, token)) => (index, Some(token)),
+            None if replaces => continue,
+            None => (rng.random_range(0..CONTENDERS), None),
+        };
         let contender = &contenders[index];
         match fault {
-            Fault::KillHolder => contender.kill(),
+            Fault::KillHolder => {
+                if !contender.kill() {
+                    continue;
+                }
+            }
             other => backend.inject(other, index, &contender.proxies),
         }
         *report.faults.entry(fault.name()).or_default() += 1;
         let healed = Instant::now();
-        let recovered = wait_for(bound, || command_runs(inode));
+        let recovered = wait_for(bound, || match aimed.filter(|_| replaces) {
+            Some(token) => runs(&state).last().is_some_and(|&last| last > token),
+            None => command_runs(&file_id),
+        });
         report.slowest_recovery = report.slowest_recovery.max(healed.elapsed());
         if !recovered {
             report.violations.push(format!(
@@ -325,30 +343,38 @@ fn runs(state: &Path) -> Vec<u64> {
         .collect()
 }
 
-/// Whether a command runs now: a witness holds its flock on the file whose inode is `inode`.
-/// Read from the kernel's table of locks, so that looking never takes the flock itself.
-fn command_runs(inode: u64) -> bool {
+/// How the kernel's table of locks (`/proc/locks`) names `file`: `MAJOR:MINOR:INODE`, the
+/// device's numbers in hex.
+fn lock_table_id(file: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(file).expect("stat");
+    let device = meta.dev();
+    format!(
+        "{:02x}:{:02x}:{}",
+        nix::sys::stat::major(device),
+        nix::sys::stat::minor(device),
+        meta.ino()
+    )
+}
+
+/// Whether a command runs now: a witness holds its flock on the file `file_id` names. Read from
+/// the kernel's table of locks, so that looking never takes the flock itself.
+fn command_runs(file_id: &str) -> bool {
     let locks = std::fs::read_to_string("/proc/locks").expect("/proc/locks");
     locks.lines().any(|line| {
         let fields: Vec<&str> = line.split_whitespace().collect();
         // `1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF`; a waiter's line starts `1: ->`.
-        fields.get(1) == Some(&"FLOCK")
-            && fields
-                .get(5)
-                .and_then(|device_inode| device_inode.rsplit(':').next())
-                == Some(inode.to_string().as_str())
+        fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&file_id)
     })
 }
 
-/// The contender whose command runs now, as the witness last wrote it.
-fn holder(state: &Path) -> Option<usize> {
+/// The contender whose command runs now and its token, as the witness last wrote them.
+fn holder(state: &Path) -> Option<(usize, u64)> {
     let current = std::fs::read_to_string(state).ok()?;
-    current
-        .split_whitespace()
-        .nth(1)?
-        .strip_prefix("contender-")?
-        .parse()
-        .ok()
+    let mut fields = current.split_whitespace();
+    let token = fields.next()?.parse().ok()?;
+    let index = fields.next()?.strip_prefix("contender-")?.parse().ok()?;
+    Some((index, token))
 }
 
 fn wait_for(within: Duration, mut done: impl FnMut() -> bool) -> bool {
