@@ -37,9 +37,9 @@ use kube::api::PostParams;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::backend_url::invalid_url;
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, Driver, Holding, Lease, Provisioned, Pruned, Upkeep};
+use crate::drivers::url_parts::invalid_url;
 use crate::error::{Error, Result};
 
 /// `kubernetes://[NAMESPACE][?preferred-holder=yield]`: a `coordination.k8s.io/v1` Lease per

@@ -4,12 +4,12 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::backend_url::{
+use crate::drivers::queue::etcd::{EtcdConfig, EtcdTls};
+use crate::drivers::queue::zookeeper::ZooKeeperConfig;
+use crate::drivers::url_parts::{
     DEFAULT_REDIS_PREFIX, Login, check_prefix, endpoints, host_list, invalid_url, query_pairs,
     split_credentials,
 };
-use crate::drivers::queue::etcd::{EtcdConfig, EtcdTls};
-use crate::drivers::queue::zookeeper::ZooKeeperConfig;
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 

@@ -108,7 +108,7 @@ impl SentinelConfig {
         };
         let mut url = url::Url::parse(&format!("{scheme}://{sentinel}"))?;
         if let Some(auth) = &self.sentinel_auth {
-            let _ = crate::backend_url::set_login(&mut url, &auth.username, &auth.password);
+            let _ = crate::drivers::url_parts::set_login(&mut url, &auth.username, &auth.password);
         }
         Ok(url)
     }

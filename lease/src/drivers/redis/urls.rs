@@ -4,14 +4,14 @@
 
 use std::fmt;
 
-use crate::backend_url::{
-    DEFAULT_REDIS_PREFIX, Login, check_prefix, endpoints, host_list, invalid_url, query_pairs,
-    server_url, userinfo_and_hosts, write_tls_files,
-};
 use crate::drivers::redis::redlock::RedlockConfig;
 use crate::drivers::redis::sentinel::{DEFAULT_MIN_REPLICAS, SentinelAuth, SentinelConfig};
 use crate::drivers::redis::tair::TairConfig;
 use crate::drivers::redis::{RedisClusterConfig, RedisConfig};
+use crate::drivers::url_parts::{
+    DEFAULT_REDIS_PREFIX, Login, check_prefix, endpoints, host_list, invalid_url, query_pairs,
+    server_url, userinfo_and_hosts, write_tls_files,
+};
 use crate::error::{Error, Result};
 use crate::redact::redact;
 use crate::tls::Tls;

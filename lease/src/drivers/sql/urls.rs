@@ -6,9 +6,9 @@ use std::fmt;
 
 use std::path::PathBuf;
 
-use crate::backend_url::{DEFAULT_TABLE, Login, invalid_url, query_pairs, server_url};
 use crate::drivers::sql::sqlite::SqliteConfig;
 use crate::drivers::sql::{Dialect, SqlConfig, SqlMode};
+use crate::drivers::url_parts::{DEFAULT_TABLE, Login, invalid_url, query_pairs, server_url};
 use crate::error::{Error, Result};
 use crate::names::validate_sql_identifier;
 use crate::redact::redact;
