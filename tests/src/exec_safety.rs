@@ -6,12 +6,15 @@
 //! slack for a loaded machine) after each fault ends; after a kill or a partition of the
 //! holder, a command with a newer token.
 //!
+//! [`run_via`] holds through each contender's sidecar instead (`exec --via`, a hold bound to a
+//! connection), and kills, pauses and cuts off the sidecar as well as the exec.
+//!
 //! Two commands at once are seen exactly, not sampled: each witness holds an exclusive `flock`
 //! on one file for as long as it lives, so a witness that starts while another still lives
-//! finds it taken. A pause is not among the faults: a frozen exec cannot stop its command (the
-//! documented reason to run both in one container, which a pause freezes together), and a
-//! command frozen with it runs, once thawed, until exec's next check; the sidecar check covers
-//! paused holders.
+//! finds it taken. An exec holding on its own is not paused: a frozen exec cannot stop its
+//! command (the documented reason to run both in one container, which a pause freezes
+//! together), and a command frozen with it runs, once thawed, until exec's next check; the
+//! sidecar check covers paused holders, and through a sidecar the sidecar is paused.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,9 +30,10 @@ use rand::{Rng, SeedableRng};
 
 use crate::fault_proxy::FaultProxy;
 use crate::safety::{
-    Backend, CALM_MAX_MS, CALM_MIN_MS, Fault, LEASE, RECOVERY_SLACK, RENEW, TIMING, Target,
+    Backend, CALM_MAX_MS, CALM_MIN_MS, FAULT_LENGTH, Fault, LEASE, RECOVERY_SLACK, RENEW, TIMING,
+    Target,
 };
-use crate::{sidecar_binary, unique_lock, workspace_binary};
+use crate::{Sidecar, sidecar_binary, unique_lock, workspace_binary};
 
 /// Contenders, each one `exec` at a time.
 const CONTENDERS: usize = 3;
@@ -97,9 +101,21 @@ struct Outcomes {
     violations: Vec<String>,
 }
 
-/// One contender: its links to the backend, and the exec it runs now.
+/// How each `exec` holds the lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// On the backend itself (`--backend`).
+    Own,
+    /// Through its contender's sidecar (`--via`): a hold bound to a connection, on an
+    /// on-demand lock.
+    Via,
+}
+
+/// One contender: its links to the backend, its sidecar (through `--via`), and the exec it
+/// runs now.
 struct Contender {
     proxies: Vec<FaultProxy>,
+    sidecar: Option<Sidecar>,
     running: Arc<Mutex<Option<Pid>>>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -130,8 +146,18 @@ impl Drop for Contender {
     }
 }
 
-/// Run the check against `target` for `duration`.
+/// Run the check against `target` for `duration`, each `exec` on the backend itself.
 pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
+    run_routed(target, duration, seed, Route::Own)
+}
+
+/// Run the check with each `exec` holding through its contender's sidecar (`--via`), whose
+/// sidecar is killed, paused and cut off from the backend among the faults.
+pub fn run_via(target: Target, duration: Duration, seed: u64) -> Report {
+    run_routed(target, duration, seed, Route::Via)
+}
+
+fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Report {
     assert!(
         target != Target::RedisSentinelSplit,
         "exec runs on this machine, not on test hosts"
@@ -145,15 +171,25 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
     let file_id = lock_table_id(&state);
     let stop = Arc::new(AtomicBool::new(false));
     let outcomes = Arc::new(Mutex::new(Outcomes::default()));
-    let contenders: Vec<Contender> = (0..CONTENDERS)
+    let mut contenders: Vec<Contender> = (0..CONTENDERS)
         .map(|index| {
             let proxies: Vec<FaultProxy> =
                 backend.ports().into_iter().map(FaultProxy::start).collect();
             let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+            let identity = format!("contender-{index}");
+            let url = backend.url_via(index, &ports);
+            let sidecar = (route == Route::Via).then(|| start_sidecar(&identity, &url, &lock));
+            let via = sidecar
+                .as_ref()
+                .map(|s| format!("http://{}", s.addr))
+                .unwrap_or_default();
             let exec = Exec {
-                identity: format!("contender-{index}"),
+                identity,
                 lock: lock.clone(),
-                backend: backend.url_via(index, &ports),
+                backend: match route {
+                    Route::Own => Holds::Backend(url),
+                    Route::Via => Holds::Via(via),
+                },
                 state: state.clone(),
                 log: dir.path().join(format!("contender-{index}.log")),
             };
@@ -165,21 +201,32 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
             };
             Contender {
                 proxies,
+                sidecar,
                 running,
                 stop: stop.clone(),
                 thread: Some(thread),
             }
         })
         .collect();
+    // Through a sidecar, the sidecar is paused (exec must stop its command on its own); an exec
+    // holding on its own is not (see the module's comment).
     let faults: Vec<Fault> = backend
         .faults()
         .iter()
         .copied()
-        .filter(|f| !matches!(f, Fault::PauseHolder | Fault::SplitSentinels))
+        .filter(|f| *f != Fault::SplitSentinels)
+        .filter(|f| *f != Fault::PauseHolder || route == Route::Via)
         .collect();
 
     let mut report = Report {
-        target: format!("{}+exec", target.name()),
+        target: format!(
+            "{}+{}",
+            target.name(),
+            match route {
+                Route::Own => "exec",
+                Route::Via => "exec-via",
+            }
+        ),
         seed,
         ..Report::default()
     };
@@ -198,20 +245,36 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
         // A kill or a partition for longer than the lease is aimed at the command's exec, and
         // its holding must then end: the next command has a newer token. With no command
         // running there is nothing to aim at, and no fault is counted.
-        let replaces = matches!(fault, Fault::KillHolder | Fault::PartitionHolder);
+        let replaces = matches!(
+            fault,
+            Fault::KillHolder | Fault::PartitionHolder | Fault::PauseHolder
+        );
         let (index, aimed) = match holder(&state) {
             Some((index, token)) => (index, Some(token)),
             None if replaces => continue,
             None => (rng.random_range(0..CONTENDERS), None),
         };
-        let contender = &contenders[index];
-        match fault {
-            Fault::KillHolder => {
+        let contender = &mut contenders[index];
+        match (fault, &mut contender.sidecar) {
+            // Through a sidecar, its sidecar or the exec, in turn.
+            (Fault::KillHolder, Some(sidecar)) if rng.random_bool(0.5) => {
+                // Started again on its port, as a restarted container's sidecar is: the execs
+                // waiting on it find it there.
+                sidecar.kill9();
+                let url = sidecar_url(&backend, index, &contender.proxies);
+                *sidecar = start_sidecar_at(sidecar.addr.port(), &sidecar.identity, &url, &lock);
+            }
+            (Fault::KillHolder, _) => {
                 if !contender.kill() {
                     continue;
                 }
             }
-            other => backend.inject(other, index, &contender.proxies),
+            (Fault::PauseHolder, Some(sidecar)) => {
+                sidecar.signal(Signal::SIGSTOP);
+                std::thread::sleep(FAULT_LENGTH);
+                sidecar.signal(Signal::SIGCONT);
+            }
+            (other, _) => backend.inject(other, index, &contender.proxies),
         }
         *report.faults.entry(fault.name()).or_default() += 1;
         let healed = Instant::now();
@@ -262,13 +325,38 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
     report
 }
 
+/// Where an `exec` holds the lock.
+enum Holds {
+    /// `--backend URL`, with the check's lease.
+    Backend(String),
+    /// `--via` the lock API at this URL.
+    Via(String),
+}
+
 /// How one contender runs `exec`.
 struct Exec {
     identity: String,
     lock: String,
-    backend: String,
+    backend: Holds,
     state: PathBuf,
     log: PathBuf,
+}
+
+/// Contender `identity`'s sidecar: the lock on demand, for the holds `exec --via` asks of it.
+fn start_sidecar(identity: &str, url: &str, lock: &str) -> Sidecar {
+    let args = [TIMING, &["--mode", "on-demand"]].concat();
+    Sidecar::start(identity, url, lock, &args)
+}
+
+/// [`start_sidecar`] on `port`, where the one it replaces listened.
+fn start_sidecar_at(port: u16, identity: &str, url: &str, lock: &str) -> Sidecar {
+    let args = [TIMING, &["--mode", "on-demand"]].concat();
+    Sidecar::start_at(port, identity, url, lock, &args)
+}
+
+fn sidecar_url(backend: &Backend, index: usize, proxies: &[FaultProxy]) -> String {
+    let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+    backend.url_via(index, &ports)
 }
 
 impl Exec {
@@ -295,9 +383,18 @@ impl Exec {
             let mut command = Command::new(sidecar_binary());
             command
                 .arg("exec")
-                .args(["--lock", &self.lock, "--backend", &self.backend])
-                .args(["--identity", &self.identity, "--kill-grace", KILL_GRACE])
-                .args(TIMING)
+                .args(["--lock", &self.lock, "--kill-grace", KILL_GRACE]);
+            match &self.backend {
+                Holds::Backend(url) => {
+                    command
+                        .args(["--backend", url, "--identity", &self.identity])
+                        .args(TIMING);
+                }
+                Holds::Via(via) => {
+                    command.args(["--via", via]);
+                }
+            }
+            command
                 .arg("--")
                 .arg(witness_binary())
                 .arg(&self.state)

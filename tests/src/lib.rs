@@ -347,6 +347,13 @@ impl Sidecar {
         Self::spawn(placement, identity, &args, &[])
     }
 
+    /// [`Sidecar::start`] listening on `port`: a sidecar started again where the one before it
+    /// listened, as a restarted container's does.
+    pub fn start_at(port: u16, identity: &str, backend: &str, lock: &str, extra: &[&str]) -> Self {
+        let args = [["--lock", lock, "--backend", backend].as_slice(), extra].concat();
+        Self::spawn_at(&Placement::Here, identity, &args, &[], port)
+    }
+
     /// A sidecar whose lock comes from a `DistributedLock` (`--resource NAMESPACE/NAME`) on the
     /// API server that `KUBECONFIG` in `env` names.
     pub fn start_from_resource(identity: &str, resource: &str, env: &[(&str, &str)]) -> Self {
@@ -354,7 +361,16 @@ impl Sidecar {
     }
 
     fn spawn(placement: &Placement, identity: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
-        let port = free_port();
+        Self::spawn_at(placement, identity, args, env, free_port())
+    }
+
+    fn spawn_at(
+        placement: &Placement,
+        identity: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        port: u16,
+    ) -> Self {
         let log = tempfile::NamedTempFile::new().expect("log file");
         let (mut command, forward) = match placement {
             Placement::Here => (Command::new(sidecar_binary()), None),

@@ -166,10 +166,13 @@ pub enum Workload {
     /// `leasehold-sidecar exec` run over and over by each contender, its commands checked
     /// rather than the lock ([`crate::exec_safety`]).
     Exec,
+    /// The same with each `exec` holding through its contender's sidecar (`--via`), which is
+    /// killed, paused and cut off too ([`crate::exec_safety::run_via`]).
+    ExecVia,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 7] = [
+    pub const ALL: [Workload; 8] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
@@ -177,6 +180,7 @@ impl Workload {
         Workload::Semaphore,
         Workload::Several,
         Workload::Exec,
+        Workload::ExecVia,
     ];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
@@ -189,6 +193,7 @@ impl Workload {
             Workload::Semaphore => "+semaphore",
             Workload::Several => "+several",
             Workload::Exec => "+exec",
+            Workload::ExecVia => "+exec-via",
         }
     }
 }
@@ -245,7 +250,10 @@ impl Scenario {
                 .into_iter()
                 .map(move |workload| Self { target, workload })
                 .filter(|s| s.workload != Workload::Resource || s.target == Target::Redis)
-                .filter(|s| s.workload != Workload::Exec || s.target != Target::RedisSentinelSplit)
+                .filter(|s| {
+                    !matches!(s.workload, Workload::Exec | Workload::ExecVia)
+                        || s.target != Target::RedisSentinelSplit
+                })
         })
     }
 
@@ -916,7 +924,11 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
     assert!(
         !matches!(
             scenario.workload,
-            Workload::Keyed | Workload::Semaphore | Workload::Several | Workload::Exec
+            Workload::Keyed
+                | Workload::Semaphore
+                | Workload::Several
+                | Workload::Exec
+                | Workload::ExecVia
         ),
         "keyed scenarios run in keyed_safety::run, exec ones in exec_safety::run"
     );
@@ -929,7 +941,8 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         | Workload::Keyed
         | Workload::Semaphore
         | Workload::Several
-        | Workload::Exec => TIMING.to_vec(),
+        | Workload::Exec
+        | Workload::ExecVia => TIMING.to_vec(),
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
     // A resource scenario's sidecars read their lock from the cluster; its backend can also be

@@ -2,7 +2,8 @@
 //! `leasehold-sidecar exec` over and over while the exec holding the lock is killed or cut off
 //! from the backend and the backend restarts; no two of their commands ever run at once, each
 //! command's fencing token is above the last one's, and a command runs again within a lease
-//! after each fault ([`leasehold_e2e::exec_safety`]).
+//! after each fault ([`leasehold_e2e::exec_safety`]). The same through each contender's sidecar
+//! (`exec --via`), which is killed, paused and cut off too.
 
 use std::time::Duration;
 
@@ -19,7 +20,16 @@ fn duration() -> Duration {
 }
 
 fn check(target: Target) {
-    let report = exec_safety::run(target, duration(), rand::random());
+    check_report(exec_safety::run(target, duration(), rand::random()));
+}
+
+/// Each `exec` through its contender's sidecar (`--via`), whose sidecar is killed, paused and
+/// cut off too.
+fn check_via(target: Target) {
+    check_report(exec_safety::run_via(target, duration(), rand::random()));
+}
+
+fn check_report(report: exec_safety::Report) {
     eprintln!("{}", report.summary());
     assert!(
         report.violations.is_empty(),
@@ -68,4 +78,19 @@ fn etcd_exec_commands_never_run_two_at_once() {
 #[test]
 fn zookeeper_exec_commands_never_run_two_at_once() {
     check(Target::ZooKeeper);
+}
+
+#[test]
+fn redis_exec_via_a_sidecar_commands_never_run_two_at_once() {
+    check_via(Target::Redis);
+}
+
+#[test]
+fn postgres_exec_via_a_sidecar_commands_never_run_two_at_once() {
+    check_via(Target::Postgres);
+}
+
+#[test]
+fn etcd_exec_via_a_sidecar_commands_never_run_two_at_once() {
+    check_via(Target::Etcd);
 }

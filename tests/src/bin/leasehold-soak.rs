@@ -6,7 +6,8 @@
 //! (`etcd+waiters`: on-demand sidecars with blocking waiters, try-locks and clients that hang
 //! up; `etcd+keyed`: a keyed family's owners, re-entering and hanging up; `etcd+semaphore`: the
 //! same on keys of two permits; `etcd+several`: owners taking two or three keys at once;
-//! `etcd+exec`: `leasehold-sidecar exec` run over and over, its commands never two at once).
+//! `etcd+exec`: `leasehold-sidecar exec` run over and over, its commands never two at once;
+//! `etcd+exec-via`: the same through each contender's sidecar).
 //! `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
 
 use leasehold_e2e::safety::{self, Scenario, Target, Workload};
@@ -62,6 +63,9 @@ fn main() {
             (report.summary(), report.violations)
         } else if scenario.workload == Workload::Exec {
             let report = exec_safety::run(scenario.target, duration, seed);
+            (report.summary(), report.violations)
+        } else if scenario.workload == Workload::ExecVia {
+            let report = exec_safety::run_via(scenario.target, duration, seed);
             (report.summary(), report.violations)
         } else {
             let report = safety::run(scenario, duration, CONTENDERS, seed);
