@@ -7,7 +7,8 @@
 //! holder, a command with a newer token.
 //!
 //! [`run_via`] holds through each contender's sidecar instead (`exec --via`, a hold bound to a
-//! connection), and kills, pauses and cuts off the sidecar as well as the exec.
+//! connection), and kills, pauses and cuts off the sidecar as well as the exec;
+//! [`run_via_keyed`] does so on a key of a family (`exec --via --keyed`).
 //!
 //! Two commands at once are seen exactly, not sampled: each witness holds an exclusive `flock`
 //! on one file for as long as it lives, so a witness that starts while another still lives
@@ -109,7 +110,14 @@ pub enum Route {
     /// Through its contender's sidecar (`--via`): a hold bound to a connection, on an
     /// on-demand lock.
     Via,
+    /// Through its contender's sidecar, on one key of a family the sidecars serve (`--via
+    /// --keyed FAMILY/KEY`), each exec owning it as its contender.
+    ViaKeyed,
 }
+
+/// The family of [`Route::ViaKeyed`], and its key.
+const FAMILY: &str = "jobs";
+const KEY: &str = "nightly";
 
 /// One contender: its links to the backend, its sidecar (through `--via`), and the exec it
 /// runs now.
@@ -157,6 +165,11 @@ pub fn run_via(target: Target, duration: Duration, seed: u64) -> Report {
     run_routed(target, duration, seed, Route::Via)
 }
 
+/// [`run_via`] on a key of a family (`--via --keyed FAMILY/KEY`) rather than a lock.
+pub fn run_via_keyed(target: Target, duration: Duration, seed: u64) -> Report {
+    run_routed(target, duration, seed, Route::ViaKeyed)
+}
+
 fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Report {
     assert!(
         target != Target::RedisSentinelSplit,
@@ -178,7 +191,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
             let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
             let identity = format!("contender-{index}");
             let url = backend.url_via(index, &ports);
-            let sidecar = (route == Route::Via).then(|| start_sidecar(&identity, &url, &lock));
+            let sidecar = (route != Route::Own).then(|| start_sidecar(&identity, &url, &lock));
             let via = sidecar
                 .as_ref()
                 .map(|s| format!("http://{}", s.addr))
@@ -189,6 +202,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
                 backend: match route {
                     Route::Own => Holds::Backend(url),
                     Route::Via => Holds::Via(via),
+                    Route::ViaKeyed => Holds::ViaKeyed(via),
                 },
                 state: state.clone(),
                 log: dir.path().join(format!("contender-{index}.log")),
@@ -215,7 +229,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
         .iter()
         .copied()
         .filter(|f| *f != Fault::SplitSentinels)
-        .filter(|f| *f != Fault::PauseHolder || route == Route::Via)
+        .filter(|f| *f != Fault::PauseHolder || route != Route::Own)
         .collect();
 
     let mut report = Report {
@@ -225,6 +239,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
             match route {
                 Route::Own => "exec",
                 Route::Via => "exec-via",
+                Route::ViaKeyed => "exec-via-keyed",
             }
         ),
         seed,
@@ -331,6 +346,8 @@ enum Holds {
     Backend(String),
     /// `--via` the lock API at this URL.
     Via(String),
+    /// `--via` the lock API at this URL, for the family's key.
+    ViaKeyed(String),
 }
 
 /// How one contender runs `exec`.
@@ -342,16 +359,20 @@ struct Exec {
     log: PathBuf,
 }
 
-/// Contender `identity`'s sidecar: the lock on demand, for the holds `exec --via` asks of it.
+/// The arguments of each contender's sidecar: the lock on demand, and the family of
+/// [`Route::ViaKeyed`], for the holds `exec --via` asks of it.
+fn sidecar_args() -> Vec<&'static str> {
+    [TIMING, &["--mode", "on-demand", "--keyed", FAMILY]].concat()
+}
+
+/// Contender `identity`'s sidecar.
 fn start_sidecar(identity: &str, url: &str, lock: &str) -> Sidecar {
-    let args = [TIMING, &["--mode", "on-demand"]].concat();
-    Sidecar::start(identity, url, lock, &args)
+    Sidecar::start(identity, url, lock, &sidecar_args())
 }
 
 /// [`start_sidecar`] on `port`, where the one it replaces listened.
 fn start_sidecar_at(port: u16, identity: &str, url: &str, lock: &str) -> Sidecar {
-    let args = [TIMING, &["--mode", "on-demand"]].concat();
-    Sidecar::start_at(port, identity, url, lock, &args)
+    Sidecar::start_at(port, identity, url, lock, &sidecar_args())
 }
 
 fn sidecar_url(backend: &Backend, index: usize, proxies: &[FaultProxy]) -> String {
@@ -381,17 +402,21 @@ impl Exec {
                 .open(&self.log)
                 .expect("exec log");
             let mut command = Command::new(sidecar_binary());
-            command
-                .arg("exec")
-                .args(["--lock", &self.lock, "--kill-grace", KILL_GRACE]);
+            command.args(["exec", "--kill-grace", KILL_GRACE]);
             match &self.backend {
                 Holds::Backend(url) => {
                     command
+                        .args(["--lock", &self.lock])
                         .args(["--backend", url, "--identity", &self.identity])
                         .args(TIMING);
                 }
                 Holds::Via(via) => {
-                    command.args(["--via", via]);
+                    command.args(["--lock", &self.lock, "--via", via]);
+                }
+                Holds::ViaKeyed(via) => {
+                    command
+                        .args(["--keyed", &format!("{FAMILY}/{KEY}"), "--via", via])
+                        .args(["--identity", &self.identity]);
                 }
             }
             command
@@ -470,7 +495,10 @@ fn holder(state: &Path) -> Option<(usize, u64)> {
     let current = std::fs::read_to_string(state).ok()?;
     let mut fields = current.split_whitespace();
     let token = fields.next()?.parse().ok()?;
-    let index = fields.next()?.strip_prefix("contender-")?.parse().ok()?;
+    // A key's holder is `POD/OWNER`: the contender's sidecar and the contender.
+    let identity = fields.next()?;
+    let owner = identity.rsplit('/').next()?;
+    let index = owner.strip_prefix("contender-")?.parse().ok()?;
     Some((index, token))
 }
 

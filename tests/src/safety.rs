@@ -169,10 +169,13 @@ pub enum Workload {
     /// The same with each `exec` holding through its contender's sidecar (`--via`), which is
     /// killed, paused and cut off too ([`crate::exec_safety::run_via`]).
     ExecVia,
+    /// The same on a key of a family (`exec --via --keyed`,
+    /// [`crate::exec_safety::run_via_keyed`]).
+    ExecViaKeyed,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 8] = [
+    pub const ALL: [Workload; 9] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
@@ -181,6 +184,7 @@ impl Workload {
         Workload::Several,
         Workload::Exec,
         Workload::ExecVia,
+        Workload::ExecViaKeyed,
     ];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
@@ -194,6 +198,7 @@ impl Workload {
             Workload::Several => "+several",
             Workload::Exec => "+exec",
             Workload::ExecVia => "+exec-via",
+            Workload::ExecViaKeyed => "+exec-via-keyed",
         }
     }
 }
@@ -251,8 +256,10 @@ impl Scenario {
                 .map(move |workload| Self { target, workload })
                 .filter(|s| s.workload != Workload::Resource || s.target == Target::Redis)
                 .filter(|s| {
-                    !matches!(s.workload, Workload::Exec | Workload::ExecVia)
-                        || s.target != Target::RedisSentinelSplit
+                    !matches!(
+                        s.workload,
+                        Workload::Exec | Workload::ExecVia | Workload::ExecViaKeyed
+                    ) || s.target != Target::RedisSentinelSplit
                 })
         })
     }
@@ -929,6 +936,7 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
                 | Workload::Several
                 | Workload::Exec
                 | Workload::ExecVia
+                | Workload::ExecViaKeyed
         ),
         "keyed scenarios run in keyed_safety::run, exec ones in exec_safety::run"
     );
@@ -942,7 +950,8 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         | Workload::Semaphore
         | Workload::Several
         | Workload::Exec
-        | Workload::ExecVia => TIMING.to_vec(),
+        | Workload::ExecVia
+        | Workload::ExecViaKeyed => TIMING.to_vec(),
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
     // A resource scenario's sidecars read their lock from the cluster; its backend can also be

@@ -29,6 +29,15 @@ fn check_via(target: Target) {
     check_report(exec_safety::run_via(target, duration(), rand::random()));
 }
 
+/// Each `exec` on a key of a family through its contender's sidecar (`--via --keyed`).
+fn check_via_keyed(target: Target) {
+    check_report(exec_safety::run_via_keyed(
+        target,
+        duration(),
+        rand::random(),
+    ));
+}
+
 fn check_report(report: exec_safety::Report) {
     eprintln!("{}", report.summary());
     assert!(
@@ -93,4 +102,14 @@ fn postgres_exec_via_a_sidecar_commands_never_run_two_at_once() {
 #[test]
 fn etcd_exec_via_a_sidecar_commands_never_run_two_at_once() {
     check_via(Target::Etcd);
+}
+
+#[test]
+fn zookeeper_exec_on_a_key_via_a_sidecar_commands_never_run_two_at_once() {
+    check_via_keyed(Target::ZooKeeper);
+}
+
+#[test]
+fn mariadb_exec_on_a_key_via_a_sidecar_commands_never_run_two_at_once() {
+    check_via_keyed(Target::MariaDb);
 }

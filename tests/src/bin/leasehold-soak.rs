@@ -7,7 +7,7 @@
 //! up; `etcd+keyed`: a keyed family's owners, re-entering and hanging up; `etcd+semaphore`: the
 //! same on keys of two permits; `etcd+several`: owners taking two or three keys at once;
 //! `etcd+exec`: `leasehold-sidecar exec` run over and over, its commands never two at once;
-//! `etcd+exec-via`: the same through each contender's sidecar).
+//! `etcd+exec-via`: the same through each contender's sidecar; `etcd+exec-via-keyed`: on a key).
 //! `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
 
 use leasehold_e2e::safety::{self, Scenario, Target, Workload};
@@ -66,6 +66,9 @@ fn main() {
             (report.summary(), report.violations)
         } else if scenario.workload == Workload::ExecVia {
             let report = exec_safety::run_via(scenario.target, duration, seed);
+            (report.summary(), report.violations)
+        } else if scenario.workload == Workload::ExecViaKeyed {
+            let report = exec_safety::run_via_keyed(scenario.target, duration, seed);
             (report.summary(), report.violations)
         } else {
             let report = safety::run(scenario, duration, CONTENDERS, seed);
