@@ -74,11 +74,6 @@ pub struct Report {
 
 impl Report {
     pub fn summary(&self) -> String {
-        let faults: Vec<String> = self
-            .faults
-            .iter()
-            .map(|(name, n)| format!("{name} {n}"))
-            .collect();
         format!(
             "{:<20} {:>4}s  commands {:>5}  lost {:>3}  unopened {:>3}  faults {} ({})  violations {}  slowest recovery {:>5} ms",
             self.target,
@@ -87,7 +82,7 @@ impl Report {
             self.lost,
             self.unopened,
             self.faults.values().sum::<usize>(),
-            faults.join(", "),
+            crate::safety::fault_counts(&self.faults),
             self.violations.len(),
             self.slowest_recovery.as_millis(),
         )

@@ -169,11 +169,6 @@ pub struct Report {
 
 impl Report {
     pub fn summary(&self) -> String {
-        let faults: Vec<String> = self
-            .faults
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect();
         format!(
             "{:<18} {} {:>5.0}s  acquisitions {:>5}  re-entered {:>4}  hung up {:>3}  refused after waiting {:>4}  faults {:>3} ({})  violations {}  seed {}",
             self.target,
@@ -190,7 +185,7 @@ impl Report {
             self.hang_ups,
             self.refusals,
             self.faults.values().sum::<usize>(),
-            faults.join(", "),
+            crate::safety::fault_counts(&self.faults),
             self.violations.len(),
             self.seed,
         )

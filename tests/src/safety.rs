@@ -693,6 +693,12 @@ impl Slot {
 /// Starts a sidecar process: (where, identity, `--backend` URL).
 pub(crate) type StartSidecar<'a> = dyn Fn(&Placement, &str, &str) -> Sidecar + 'a;
 
+/// `kill 3, pause 2`: how many faults of each kind a run injected, for its summary.
+pub(crate) fn fault_counts(faults: &BTreeMap<&'static str, usize>) -> String {
+    let counts: Vec<String> = faults.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    counts.join(", ")
+}
+
 /// One answer from one sidecar.
 #[derive(Debug, Clone, Copy)]
 struct Sample {
@@ -734,11 +740,6 @@ impl Report {
     }
 
     pub fn summary(&self) -> String {
-        let faults: Vec<String> = self
-            .faults
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect();
         format!(
             "{:<18} {:>5.0}s  hand-overs {:>4}  faults {:>3} ({})  overlaps {}  violations {}  \
              longest without holder {:>5} ms  slowest recovery {:>5} ms  poll every {:.1?} (request ≤ {:.0?})  seed {}",
@@ -746,7 +747,7 @@ impl Report {
             self.duration.as_secs_f64(),
             self.handovers,
             self.faults.values().sum::<usize>(),
-            faults.join(", "),
+            fault_counts(&self.faults),
             self.overlaps(),
             self.violations.len(),
             self.longest_without_holder.as_millis(),

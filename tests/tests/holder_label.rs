@@ -28,16 +28,9 @@ fn pod(name: &str, lock: &str) -> Value {
                         "annotations": {"leasehold.dev/lock": lock}}})
 }
 
-/// The pods whose holder label says "true", by name.
+/// The pods whose one-lock holder label says "true", by name.
 fn labelled(api: &InMemoryApiServer) -> Vec<String> {
-    let mut names: Vec<String> = api
-        .objects(PODS)
-        .into_iter()
-        .filter(|p| p["metadata"]["labels"][HOLDER_LABEL] == "true")
-        .filter_map(|p| p["metadata"]["name"].as_str().map(str::to_owned))
-        .collect();
-    names.sort();
-    names
+    labelled_by(api, HOLDER_LABEL)
 }
 
 /// Reads of pods (lists and gets) the API server has served.

@@ -15,6 +15,23 @@ use leasehold_e2e::{exec_safety, keyed_safety};
 
 const CONTENDERS: usize = 3;
 
+/// A run's one-line summary and its violations, whichever check ran.
+trait Outcome {
+    fn outcome(self) -> (String, Vec<String>);
+}
+
+impl Outcome for keyed_safety::Report {
+    fn outcome(self) -> (String, Vec<String>) {
+        (self.summary(), self.violations)
+    }
+}
+
+impl Outcome for exec_safety::Report {
+    fn outcome(self) -> (String, Vec<String>) {
+        (self.summary(), self.violations)
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = || {
@@ -52,27 +69,18 @@ fn main() {
     );
     let mut failed = false;
     for scenario in scenarios {
-        let (summary, violations) = if scenario.workload == Workload::Keyed {
-            let report = keyed_safety::run(scenario.target, duration, seed);
-            (report.summary(), report.violations)
-        } else if scenario.workload == Workload::Semaphore {
-            let report = keyed_safety::run_semaphore(scenario.target, duration, seed);
-            (report.summary(), report.violations)
-        } else if scenario.workload == Workload::Several {
-            let report = keyed_safety::run_several(scenario.target, duration, seed);
-            (report.summary(), report.violations)
-        } else if scenario.workload == Workload::Exec {
-            let report = exec_safety::run(scenario.target, duration, seed);
-            (report.summary(), report.violations)
-        } else if scenario.workload == Workload::ExecVia {
-            let report = exec_safety::run_via(scenario.target, duration, seed);
-            (report.summary(), report.violations)
-        } else if scenario.workload == Workload::ExecViaKeyed {
-            let report = exec_safety::run_via_keyed(scenario.target, duration, seed);
-            (report.summary(), report.violations)
-        } else {
-            let report = safety::run(scenario, duration, CONTENDERS, seed);
-            (report.summary(), report.violations)
+        let target = scenario.target;
+        let (summary, violations) = match scenario.workload {
+            Workload::Keyed => keyed_safety::run(target, duration, seed).outcome(),
+            Workload::Semaphore => keyed_safety::run_semaphore(target, duration, seed).outcome(),
+            Workload::Several => keyed_safety::run_several(target, duration, seed).outcome(),
+            Workload::Exec => exec_safety::run(target, duration, seed).outcome(),
+            Workload::ExecVia => exec_safety::run_via(target, duration, seed).outcome(),
+            Workload::ExecViaKeyed => exec_safety::run_via_keyed(target, duration, seed).outcome(),
+            Workload::Campaign | Workload::Waiters | Workload::Resource => {
+                let report = safety::run(scenario, duration, CONTENDERS, seed);
+                (report.summary(), report.violations)
+            }
         };
         println!("{summary}");
         for violation in &violations {
