@@ -494,6 +494,16 @@ impl Drop for Sidecar {
     }
 }
 
+/// How long a bounded safety check runs: `variable`'s whole seconds when it is set, else
+/// `default_secs`.
+pub fn check_duration(variable: &str, default_secs: u64) -> Duration {
+    let secs = std::env::var(variable)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default_secs);
+    Duration::from_secs(secs)
+}
+
 /// Poll until `check` holds; panics after `within`. Returns the time it took.
 /// A holder handing over: `old`'s `/lock` is asked until `stepped_down` says of an answer that
 /// it has let go, then `new`'s until it holds, each within `within`. Panics if `new` held before

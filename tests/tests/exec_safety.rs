@@ -12,11 +12,7 @@ use leasehold_e2e::safety::Target;
 
 /// Twenty seconds per backend; `LEASEHOLD_EXEC_SAFETY_SECS` changes it.
 fn duration() -> Duration {
-    let secs = std::env::var("LEASEHOLD_EXEC_SAFETY_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
-    Duration::from_secs(secs)
+    leasehold_e2e::check_duration("LEASEHOLD_EXEC_SAFETY_SECS", 20)
 }
 
 fn check(target: Target) {

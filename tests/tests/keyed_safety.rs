@@ -12,11 +12,7 @@ use leasehold_e2e::safety::Target;
 
 /// Half a minute per driver; `LEASEHOLD_KEYED_SAFETY_SECS` changes it.
 fn duration() -> Duration {
-    let secs = std::env::var("LEASEHOLD_KEYED_SAFETY_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(30);
-    Duration::from_secs(secs)
+    leasehold_e2e::check_duration("LEASEHOLD_KEYED_SAFETY_SECS", 30)
 }
 
 fn check(target: Target) {

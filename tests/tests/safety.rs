@@ -12,11 +12,7 @@ use leasehold_e2e::safety::{self, Scenario, Target, Workload};
 /// About a minute per driver; `LEASEHOLD_SAFETY_SECS` changes it, and `LEASEHOLD_SOAK_SEED`
 /// replays a run's fault schedule.
 fn duration() -> Duration {
-    let secs = std::env::var("LEASEHOLD_SAFETY_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(50);
-    Duration::from_secs(secs)
+    leasehold_e2e::check_duration("LEASEHOLD_SAFETY_SECS", 50)
 }
 
 fn check(target: Target) {
