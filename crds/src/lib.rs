@@ -188,8 +188,9 @@ pub struct DistributedLockSpec {
 
     /// The pod that holds the lock carries the label `leasehold.dev/holder: "true"`, and every
     /// other pod of the lock `"false"`, so that a Service selecting the label sends traffic to
-    /// the holder only (readiness stays as it is, so rolling updates proceed); a pod that
-    /// takes several locks carries `holder.leasehold.dev/LOCK` for each lock instead. Its sidecar
+    /// the holder only (readiness stays as it is, so rolling updates proceed); the same goes in
+    /// the lock's own label `holder.leasehold.dev/LOCK`, which is all a pod that takes several
+    /// locks carries. Its sidecar
     /// writes the label on its own pod, and takes it off a pod that held the lock before (one
     /// that died keeps it): the pods' ServiceAccount needs `list` and `patch` on pods in the
     /// namespace. A lock only, not a family of keyed locks.

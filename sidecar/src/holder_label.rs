@@ -1,6 +1,8 @@
 //! `spec.holderLabel`: the pod that holds a lock carries `leasehold.dev/holder: "true"`, every
 //! other pod of the lock `"false"`, so that a Service selecting the label routes to the holder
-//! only; a pod that takes several locks carries `holder.leasehold.dev/LOCK` for each. Readiness is left alone: gating it on the lock would keep a rolling update from ever
+//! only. Each lock also has a label of its own, `holder.leasehold.dev/LOCK`, which a pod that
+//! takes several locks carries instead; a holder takes both off the lock's other pods, so pods
+//! of one lock and of several can share a lock. Readiness is left alone: gating it on the lock would keep a rolling update from ever
 //! finding a ready new pod.
 //!
 //! Each sidecar writes its own pod's label: it knows at once when it starts or stops holding
@@ -34,33 +36,47 @@ const NOT_RUNNING_CHECK: Duration = Duration::from_secs(1);
 /// The longest one label write may take when the sidecar stops.
 const LAST_WRITE: Duration = Duration::from_secs(2);
 
-/// The label that says whether a pod holds `lock`: [`HOLDER_LABEL`] on a pod that takes one
-/// lock, `holder.leasehold.dev/LOCK` on a pod that takes `locks_in_pod` of them (one label per
-/// lock, as one label cannot name several holdings). `Err` says why a lock has none: its name is
-/// longer than a label's name part may be.
-pub fn label_for(lock: &str, locks_in_pod: usize) -> Result<String, String> {
-    if locks_in_pod <= 1 {
-        return Ok(HOLDER_LABEL.to_owned());
-    }
+/// The labels that say whether a pod holds `lock`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HolderLabels {
+    /// What this pod carries: `holder.leasehold.dev/LOCK` (one label per lock, as one label
+    /// cannot name several holdings), and [`HOLDER_LABEL`] too on a pod whose sidecar follows
+    /// this one resource alone.
+    pub own: Vec<String>,
+    /// What a holder takes off the lock's other pods: both, whatever those pods take, so that
+    /// pods of one lock and pods of several can share it.
+    pub cleared: Vec<String>,
+}
+
+/// The holder labels of `lock` on a pod whose sidecar follows `resources_in_pod` resources.
+/// `Err` says why the pod carries none: it takes several, and the lock's name is longer than a
+/// label's name part may be.
+pub fn labels_for(lock: &str, resources_in_pod: usize) -> Result<HolderLabels, String> {
     // A lock's name is a DNS subdomain: lowercase letters, digits, '-' and '.', as a label's
     // name part may be, and up to 253 characters, where a label's stops at 63.
-    if lock.len() > LABEL_NAME_MAX {
+    let per_lock = (lock.len() <= LABEL_NAME_MAX).then(|| format!("{HOLDER_LABEL_PREFIX}{lock}"));
+    let alone = (resources_in_pod <= 1).then(|| HOLDER_LABEL.to_owned());
+    let own: Vec<String> = alone.iter().chain(&per_lock).cloned().collect();
+    if own.is_empty() {
         return Err(format!(
             "this pod takes several locks, so each holder label is {HOLDER_LABEL_PREFIX}LOCK, and {lock:?} is longer than the {LABEL_NAME_MAX} characters a label's name may have; none is written"
         ));
     }
-    Ok(format!("{HOLDER_LABEL_PREFIX}{lock}"))
+    let cleared = std::iter::once(HOLDER_LABEL.to_owned())
+        .chain(per_lock)
+        .collect();
+    Ok(HolderLabels { own, cleared })
 }
 
-/// Keep pod `pod`'s label `label` (in `namespace`) in step with whether this sidecar holds
+/// Keep pod `pod`'s labels `labels` (in `namespace`) in step with whether this sidecar holds
 /// `lock`, while `enabled` says the lock asks for it. Ends when `enabled`'s sender is dropped
-/// (the sidecar stops), taking the pod's label off first if it was on.
+/// (the sidecar stops), taking the pod's labels off first if they were on.
 pub async fn follow(
     client: kube::Client,
     namespace: String,
     pod: String,
     lock: String,
-    label: String,
+    labels: HolderLabels,
     state: AppState,
     mut enabled: watch::Receiver<bool>,
 ) {
@@ -82,7 +98,7 @@ pub async fn follow(
         let holding = running.filter(|l| on && l.answer().is_holder());
         let mut failed = false;
         if let Some(holding) = &holding {
-            match take_over(&pods, &pod, &lock, &label, holding).await {
+            match take_over(&pods, &pod, &lock, &labels, holding).await {
                 Ok(true) => labeled = Some(true),
                 Ok(false) => {}
                 Err(e) => {
@@ -91,7 +107,7 @@ pub async fn follow(
                 }
             }
         } else if labeled != Some(false) && (on || labeled == Some(true)) {
-            match set_label(&pods, &pod, &label, false).await {
+            match set_labels(&pods, &pod, &labels.own, false).await {
                 Ok(()) => labeled = Some(false),
                 Err(e) => {
                     failed = true;
@@ -108,7 +124,7 @@ pub async fn follow(
                 // The sidecar stops: its pod no longer serves as the holder.
                 if labeled == Some(true) {
                     let _ =
-                        tokio::time::timeout(LAST_WRITE, set_label(&pods, &pod, &label, false)).await;
+                        tokio::time::timeout(LAST_WRITE, set_labels(&pods, &pod, &labels.own, false)).await;
                 }
                 return;
             },
@@ -127,43 +143,46 @@ pub async fn follow(
     }
 }
 
-/// While this sidecar holds `holding`: take the label off every other pod of the lock that
-/// carries it, then make sure this pod carries it. Each write is made only while the lock is
-/// still held, so a holder that lost it meanwhile labels nobody. Whether this pod carries it.
+/// While this sidecar holds `holding`: take the labels off every other pod of the lock that
+/// carries one, then make sure this pod carries its own. Each write is made only while the
+/// lock is still held, so a holder that lost it meanwhile labels nobody. Whether this pod
+/// carries its labels.
 async fn take_over(
     pods: &Api<Pod>,
     own: &str,
     lock: &str,
-    label: &str,
+    labels: &HolderLabels,
     holding: &Lock,
 ) -> kube::Result<bool> {
-    let labeled = pods
-        .list(&ListParams::default().labels(&format!("{label}=true")))
-        .await?;
-    let mut own_labeled = false;
+    let mut own_labeled: Vec<&str> = Vec::new();
     let mut failed = None;
-    for other in labeled {
-        let Some(name) = other.metadata.name.as_deref() else {
-            continue;
-        };
-        if name == own {
-            own_labeled = true;
-        } else if takes(&other, lock) && holding.answer().is_holder() {
-            tracing::info!(%lock, pod = name, "taking the holder label off a pod that no longer holds the lock");
-            // One pod that cannot be written must not keep the holder's own label off.
-            if let Err(e) = set_label(pods, name, label, false).await {
-                failed = Some(e);
+    for label in &labels.cleared {
+        let labeled = pods
+            .list(&ListParams::default().labels(&format!("{label}=true")))
+            .await?;
+        for other in labeled {
+            let Some(name) = other.metadata.name.as_deref() else {
+                continue;
+            };
+            if name == own {
+                own_labeled.push(label);
+            } else if takes(&other, lock) && holding.answer().is_holder() {
+                tracing::info!(%lock, pod = name, %label, "taking the holder label off a pod that no longer holds the lock");
+                // One pod that cannot be written must not keep the holder's own label off.
+                if let Err(e) = set_labels(pods, name, std::slice::from_ref(label), false).await {
+                    failed = Some(e);
+                }
             }
         }
     }
-    if !own_labeled && holding.answer().is_holder() {
-        set_label(pods, own, label, true).await?;
-        own_labeled = true;
+    let carried = labels.own.iter().all(|l| own_labeled.contains(&l.as_str()));
+    if !carried && holding.answer().is_holder() {
+        set_labels(pods, own, &labels.own, true).await?;
         tracing::info!(%lock, pod = own, "labelled the pod as the lock's holder");
     }
     match failed {
         Some(e) => Err(e),
-        None => Ok(own_labeled),
+        None => Ok(carried || holding.answer().is_holder()),
     }
 }
 
@@ -176,8 +195,17 @@ fn takes(pod: &Pod, lock: &str) -> bool {
         .is_some_and(|names| names.split(',').any(|n| n.trim() == lock))
 }
 
-async fn set_label(pods: &Api<Pod>, pod: &str, label: &str, holder: bool) -> kube::Result<()> {
-    let patch = json!({"metadata": {"labels": {label: holder.to_string()}}});
+async fn set_labels(
+    pods: &Api<Pod>,
+    pod: &str,
+    labels: &[String],
+    holder: bool,
+) -> kube::Result<()> {
+    let labels: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|label| (label.clone(), holder.to_string().into()))
+        .collect();
+    let patch = json!({"metadata": {"labels": labels}});
     pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map(|_| ())
@@ -197,20 +225,30 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_of_several_locks_has_a_label_per_lock() {
-        assert_eq!(label_for("report", 1).unwrap(), HOLDER_LABEL);
+    fn a_lock_has_its_own_label_and_a_pod_of_one_lock_the_plain_one_too() {
+        let per_lock = "holder.leasehold.dev/report";
+        let alone = labels_for("report", 1).unwrap();
+        assert_eq!(alone.own, [HOLDER_LABEL, per_lock]);
+        assert_eq!(alone.cleared, [HOLDER_LABEL, per_lock]);
+        let several = labels_for("report", 2).unwrap();
+        assert_eq!(several.own, [per_lock]);
         assert_eq!(
-            label_for("report", 2).unwrap(),
-            "holder.leasehold.dev/report"
+            several.cleared,
+            [HOLDER_LABEL, per_lock],
+            "pods of one lock too"
         );
         let longest = "a".repeat(LABEL_NAME_MAX);
         assert_eq!(
-            label_for(&longest, 2).unwrap(),
-            format!("holder.leasehold.dev/{longest}")
+            labels_for(&longest, 2).unwrap().own,
+            [format!("holder.leasehold.dev/{longest}")]
         );
-        let error = label_for(&format!("{longest}b"), 2).unwrap_err();
+        let error = labels_for(&format!("{longest}b"), 2).unwrap_err();
         assert!(error.contains("63 characters"), "{error}");
-        assert_eq!(label_for(&format!("{longest}b"), 1).unwrap(), HOLDER_LABEL);
+        let too_long = labels_for(&format!("{longest}b"), 1).unwrap();
+        assert_eq!(
+            (too_long.own, too_long.cleared),
+            (vec![HOLDER_LABEL.to_owned()], vec![HOLDER_LABEL.to_owned()])
+        );
     }
 
     #[test]

@@ -252,15 +252,15 @@ async fn start_from_resources(
         .resources
         .iter()
         .map(|r| {
-            let holder_label =
-                crate::holder_label::label_for(&r.name, config.resources.len()).map(|label| {
+            let holder_label = crate::holder_label::labels_for(&r.name, config.resources.len())
+                .map(|labels| {
                     let (asked, enabled) = tokio::sync::watch::channel(false);
                     tokio::spawn(crate::holder_label::follow(
                         client.clone(),
                         r.namespace.clone(),
                         config.identity.clone(),
                         r.name.clone(),
-                        label,
+                        labels,
                         state.clone(),
                         enabled,
                     ));
