@@ -437,6 +437,56 @@ fn through_a_sidecar_the_lock_is_held_while_the_command_runs_and_free_when_it_ex
     eprintln!("released {:?} after exec exited", exited.elapsed());
 }
 
+/// An exec killed outright (`SIGKILL`): the kernel stops the command it started, but not a
+/// process the command started in turn, which runs on; it holds the connection open, so the
+/// sidecar keeps the lock until it too is gone.
+#[test]
+fn through_a_sidecar_a_killed_execs_command_keeps_the_lock_while_any_of_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
+    let out = dir.path().join("started");
+    let ended = dir.path().join("ended");
+    // `sh` waits for a subshell of its own, which outlives sh's death and says when it ends.
+    let script = format!(
+        "echo $$ > {}; (sleep 3; echo done > {}); true",
+        out.display(),
+        ended.display()
+    );
+    let mut child = shell(&mut exec_via(&sidecar, &["--lock", "jobs"]), &script)
+        .spawn()
+        .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        !read(&out).is_empty()
+    });
+    assert_eq!(sidecar.status("/lock"), 200, "held while the command runs");
+    let _ = child.kill();
+    let _ = child.wait();
+    let shell_pid: i32 = read(&out).trim().parse().unwrap();
+    wait_for(
+        "the command's shell to die with exec",
+        Duration::from_secs(5),
+        || dead(shell_pid),
+    );
+    // The shell is gone, its `sleep` runs on: the lock stays held.
+    let mut held = 0;
+    while read(&ended).is_empty() {
+        assert_eq!(
+            sidecar.status("/lock"),
+            200,
+            "released while a process of the command still ran"
+        );
+        held += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        held >= 5,
+        "the command's process outlived exec by too little to tell"
+    );
+    wait_for("the lock to be released", Duration::from_secs(3), || {
+        sidecar.status("/lock") == 409
+    });
+}
+
 #[test]
 fn execs_through_two_sidecars_take_turns_on_a_key() {
     let dir = tempfile::tempdir().unwrap();

@@ -529,7 +529,16 @@ fn spawn(args: &ExecArgs, holder: &Holder, token: u64) -> std::io::Result<tokio:
         .env("LEASEHOLD_FENCING_TOKEN", token.to_string())
         .process_group(0)
         .kill_on_drop(false);
-    command.spawn()
+    // Through a sidecar, the command inherits a copy of the held connection (the only
+    // descriptor left open across exec), which stays open while it or any process it started
+    // lives: the sidecar releases only once they are all gone, even if exec is killed outright.
+    let inherited = match holder {
+        Holder::Via { hold, .. } => hold.inheritable(),
+        Holder::Direct(_) => None,
+    };
+    let child = command.spawn();
+    drop(inherited);
+    child
 }
 
 /// Until the command exits or the lock is being lost: the group is stopped from the moment the

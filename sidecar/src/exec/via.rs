@@ -1,8 +1,12 @@
 //! `exec --via http://127.0.0.1:4040`: a running sidecar holds the lock (or a key) for this
 //! process, through a hold bound to a connection (`POST .../hold`, an event stream). The claim
 //! is what the stream says: held from `acquired`, until `validForMs` after the last event read,
-//! or until `lost` or `released`. Closing the connection releases the lock at once.
+//! or until `lost` or `released`. Closing the connection releases the lock at once; the command
+//! holds a copy of it, so that it closes only once exec and every process the command started
+//! are gone (an exec killed outright would otherwise release while its command still runs).
 
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold_lease::BootInstant;
@@ -101,9 +105,12 @@ pub struct Claim {
     pub failed: Option<(u8, String)>,
 }
 
-/// A hold through a sidecar, asked for until taken; closed (and so released) when dropped.
+/// A hold through a sidecar, asked for until taken; closed (and so released) when dropped and
+/// the command's copy of the connection is closed too.
 pub struct Hold {
     task: tokio::task::JoinHandle<()>,
+    /// A copy of the connection's socket that is not closed on exec, for the command to inherit.
+    inheritable: Arc<Mutex<Option<OwnedFd>>>,
 }
 
 impl Drop for Hold {
@@ -121,14 +128,25 @@ impl Hold {
         wait: Option<Duration>,
     ) -> (Self, watch::Receiver<Claim>) {
         let (claims, claim) = watch::channel(Claim::default());
+        let inheritable = Arc::new(Mutex::new(None));
+        let copy = inheritable.clone();
         let task = tokio::spawn(async move {
-            let failed = hold(&via, &target, wait, &claims).await;
+            let failed = hold(&via, &target, wait, &claims, &copy).await;
             claims.send_modify(|c| {
                 c.held = None;
                 c.failed = Some(failed);
             });
         });
-        (Self { task }, claim)
+        (Self { task, inheritable }, claim)
+    }
+
+    /// The copy of the held connection the command is to inherit: kept open across the
+    /// command's spawn, then dropped here.
+    pub fn inheritable(&self) -> Option<OwnedFd> {
+        self.inheritable
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 }
 
@@ -138,6 +156,7 @@ async fn hold(
     target: &Target,
     wait: Option<Duration>,
     claims: &watch::Sender<Claim>,
+    inheritable: &Mutex<Option<OwnedFd>>,
 ) -> (u8, String) {
     let started = Instant::now();
     let mut told_unreachable = false;
@@ -147,7 +166,22 @@ async fn hold(
         });
         let asked = ask(via, target, left.min(MAX_WAIT_PER_REQUEST)).await;
         match asked {
-            Ok(Answer::Stream(lines)) => return follow(lines, claims).await,
+            Ok(Answer::Stream(mut lines)) => {
+                // `dup` leaves close-on-exec off: the command, spawned while the copy is open,
+                // keeps the connection open as long as it or a process it started lives.
+                match nix::unistd::dup(lines.get_mut().get_ref()) {
+                    Ok(copy) => {
+                        *inheritable.lock().unwrap_or_else(|e| e.into_inner()) = Some(copy);
+                    }
+                    Err(e) => {
+                        return (
+                            1,
+                            format!("cannot copy the connection for the command: {e}"),
+                        );
+                    }
+                }
+                return follow(lines, claims).await;
+            }
             // Held by another, the backend unreachable, or the pod's key limit reached: all pass.
             Ok(Answer::Refused { status, body }) if matches!(status, 409 | 429 | 503) => {
                 tracing::debug!(status, body, "not held yet");
