@@ -208,13 +208,17 @@ async fn follow(
             Standing::Held { claim, answer } => (claim, answer),
             Standing::Ended { released, reason } => {
                 let kind = if released { "released" } else { "lost" };
-                let _ = events
-                    .send(event(
+                // Within a renew interval: a client that no longer reads (its `exec` gone, a
+                // command holding the connection) must not keep this task, and its turn.
+                let _ = tokio::time::timeout(
+                    renew_interval,
+                    events.send(event(
                         kind,
                         &about,
                         json!({"fencingToken": token, "reason": reason}),
-                    ))
-                    .await;
+                    )),
+                )
+                .await;
                 return;
             }
         };
@@ -226,16 +230,26 @@ async fn follow(
                 "validForMs": valid_for.as_millis() as u64,
                 "holds": engine.snapshot().holds,
             });
-            let kind = if told.is_none() {
+            let delivered = if told.is_none() {
                 fields["identity"] = engine.config().identity.clone().into();
                 // What a client needs to tell a late renewal from a normal one.
                 fields["leaseDurationMs"] = (lease.as_millis() as u64).into();
                 fields["renewIntervalMs"] = (renew_interval.as_millis() as u64).into();
-                "acquired"
+                events
+                    .send(event("acquired", &about, fields))
+                    .await
+                    .map_err(|_| ())
             } else {
-                "renewed"
+                // Never waited for: the hold is extended below whether or not the client
+                // reads, and one that stopped reading (its `exec` gone, a command it started
+                // holding the connection open) keeps the lock held. A renewal it misses only
+                // shortens the claim it counts on.
+                match events.try_send(event("renewed", &about, fields)) {
+                    Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
+                    Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => Ok(()),
+                }
             };
-            if events.send(event(kind, &about, fields)).await.is_err() {
+            if delivered.is_err() {
                 bound.release(token).await;
                 return;
             }

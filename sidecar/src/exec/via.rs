@@ -115,7 +115,8 @@ pub struct Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        // The task owns the connection: ending it closes the connection.
+        // The task owns the connection: ending it closes exec's side of it, and the connection
+        // closes once the command's copy is closed too.
         self.task.abort();
     }
 }
