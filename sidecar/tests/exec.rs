@@ -397,6 +397,19 @@ fn exec_via(sidecar: &RunningSidecar, what: &[&str]) -> Command {
     command
 }
 
+/// `exec --via` running `script` on the lock `jobs`, once the script has written `started` and
+/// the sidecar says the lock is held.
+fn holding_jobs(sidecar: &RunningSidecar, script: &str, started: &Path) -> Child {
+    let child = shell(&mut exec_via(sidecar, &["--lock", "jobs"]), script)
+        .spawn()
+        .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        !read(started).is_empty()
+    });
+    assert_eq!(sidecar.status("/lock"), 200, "held while the command runs");
+    child
+}
+
 #[test]
 fn through_a_sidecar_the_lock_is_held_while_the_command_runs_and_free_when_it_exits() {
     let dir = tempfile::tempdir().unwrap();
@@ -406,13 +419,7 @@ fn through_a_sidecar_the_lock_is_held_while_the_command_runs_and_free_when_it_ex
         "echo $LEASEHOLD_EXEC_LOCK $LEASEHOLD_FENCING_TOKEN > {}; sleep 1; exit 7",
         out.display()
     );
-    let mut child = shell(&mut exec_via(&sidecar, &["--lock", "jobs"]), &script)
-        .spawn()
-        .unwrap();
-    wait_for("the command to start", Duration::from_secs(10), || {
-        !read(&out).is_empty()
-    });
-    assert_eq!(sidecar.status("/lock"), 200, "held while the command runs");
+    let mut child = holding_jobs(&sidecar, &script, &out);
     let (lock, token) = read(&out)
         .trim()
         .split_once(' ')
@@ -452,13 +459,7 @@ fn through_a_sidecar_a_killed_execs_command_keeps_the_lock_while_any_of_it_runs(
         out.display(),
         ended.display()
     );
-    let mut child = shell(&mut exec_via(&sidecar, &["--lock", "jobs"]), &script)
-        .spawn()
-        .unwrap();
-    wait_for("the command to start", Duration::from_secs(10), || {
-        !read(&out).is_empty()
-    });
-    assert_eq!(sidecar.status("/lock"), 200, "held while the command runs");
+    let mut child = holding_jobs(&sidecar, &script, &out);
     let _ = child.kill();
     let _ = child.wait();
     let shell_pid: i32 = read(&out).trim().parse().unwrap();
