@@ -68,8 +68,10 @@ pub(crate) const CALM_MIN_MS: u64 = 300;
 pub(crate) const CALM_MAX_MS: u64 = 1200;
 const POLL_PAUSE: Duration = Duration::from_millis(3);
 const POLL_TIMEOUT: Duration = Duration::from_millis(300);
-/// A restarted MariaDB replays its redo log first; every other restart is quicker.
-const BACKEND_READY: Duration = Duration::from_secs(30);
+/// The longest a restart may take before the check calls it hung. A restarted MariaDB replays
+/// its redo log first; a Sentinel set's restart is a failover whose rejoined replica the
+/// sentinels see healthy only at their next look (every 10 s), and a loaded machine took 37 s.
+const BACKEND_READY: Duration = Duration::from_secs(90);
 
 /// The backends (and SQL modes) the check runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
