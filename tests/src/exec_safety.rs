@@ -385,6 +385,7 @@ impl Exec {
         seed: u64,
     ) {
         let mut rng = StdRng::seed_from_u64(seed);
+        let mut runs = 0u64;
         while !stop.load(Ordering::SeqCst) {
             let hold = match rng.random_ratio(1, 3) {
                 true => rng.random_range(LONG_MS),
@@ -409,9 +410,13 @@ impl Exec {
                     command.args(["--lock", &self.lock, "--via", via]);
                 }
                 Holds::ViaKeyed(via) => {
+                    // An owner of its own, as `exec`'s default is: two execs given one owner
+                    // are one owner, and the second re-enters the first's holding.
+                    runs += 1;
+                    let owner = format!("{}-{runs}", self.identity);
                     command
                         .args(["--keyed", &format!("{FAMILY}/{KEY}"), "--via", via])
-                        .args(["--identity", &self.identity]);
+                        .args(["--identity", &owner]);
                 }
             }
             command
@@ -490,10 +495,16 @@ fn holder(state: &Path) -> Option<(usize, u64)> {
     let current = std::fs::read_to_string(state).ok()?;
     let mut fields = current.split_whitespace();
     let token = fields.next()?.parse().ok()?;
-    // A key's holder is `POD/OWNER`: the contender's sidecar and the contender.
+    // A key's holder is `POD/OWNER`: the contender's sidecar, and the contender's owner for
+    // this exec (`contender-I-N`).
     let identity = fields.next()?;
     let owner = identity.rsplit('/').next()?;
-    let index = owner.strip_prefix("contender-")?.parse().ok()?;
+    let index = owner
+        .strip_prefix("contender-")?
+        .split('-')
+        .next()?
+        .parse()
+        .ok()?;
     Some((index, token))
 }
 
