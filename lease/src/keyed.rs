@@ -26,6 +26,7 @@
 //! Lease), else `FAMILY.keyh.` and the first 40 hex digits of the key's SHA-256. A plain lock whose
 //! name starts with a family's `FAMILY.keys.` or `FAMILY.keyh.` is refused where the two meet.
 
+mod read_write;
 mod several;
 
 pub use several::{KeysAnswer, MAX_KEYS_AT_ONCE};
@@ -104,6 +105,9 @@ pub enum KeyError {
     /// An acquisition of several keys named none, too many, or one twice.
     #[error("invalid keys: {0}")]
     BadKeys(String),
+    /// A read-write lock's mode that is not `read` or `write`, or an upgrade from read to write.
+    #[error("invalid mode: {0}")]
+    BadMode(String),
     #[error("this sidecar already holds {0} keys of the family, its limit")]
     TooManyKeys(usize),
     /// The family's `DistributedLock` is being deleted: its keys were released and no more are
@@ -124,6 +128,9 @@ pub enum KeyAnswer {
         valid_for: Duration,
         holds: u32,
         permit: u32,
+        /// A writer's holding of a read-write lock: every permit of the key, its token the
+        /// highest of theirs (read_write.rs).
+        writer: bool,
     },
     /// Another owner holds it (in this pod, or in the backend as far as it was seen).
     HeldByAnother { holder: Option<String> },
@@ -213,6 +220,9 @@ struct FamilyInner {
     next_first: AtomicU32,
     /// Owners inside an acquisition that does not hold the key yet.
     waiting: AtomicUsize,
+    /// The writers of this pod that hold a key's write lock, by key (one at most: the write
+    /// gate's local slot queues the others).
+    writers: Mutex<HashMap<String, Arc<read_write::Writer>>>,
     /// The last holding's serial: an engine's hook names the holding it ends by it, since it
     /// cannot keep the holding (which keeps the engine's lock).
     serials: std::sync::atomic::AtomicU64,
@@ -298,6 +308,7 @@ impl KeyedFamily {
                 permits_ever: AtomicU32::new(permits),
                 next_first: AtomicU32::new(0),
                 waiting: AtomicUsize::new(0),
+                writers: Mutex::default(),
                 serials: std::sync::atomic::AtomicU64::new(0),
             }),
         };
@@ -464,6 +475,9 @@ impl KeyedFamily {
         self.check_key(key)?;
         check_owner(owner)?;
         self.check_running()?;
+        if let Some(answer) = self.reenter_write(key, owner, hold, reentrant).await? {
+            return Ok(answer);
+        }
         let answer = self.take_checked(key, owner, wait, hold, reentrant).await;
         if let Ok(KeyAnswer::HeldByAnother { .. }) = answer {
             self.inner.telemetry.inner.key_contended(&self.inner.name);
@@ -602,6 +616,29 @@ impl KeyedFamily {
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
+        // Permits above the family's count, lowered since, are kept by their holders but
+        // given to nobody new (a writer takes them: read_write.rs).
+        if permit > 0
+            && permit >= self.read_config(|c| c.permits)
+            && self.holding_on(key, permit, owner).is_none()
+        {
+            return Ok(KeyAnswer::NotHeld);
+        }
+        self.take_part(key, permit, owner, wait, hold, reentrant)
+            .await
+    }
+
+    /// Take permit `permit` of `key` (or its write gate) for `owner`, whatever the family's
+    /// count of permits: re-entrant where the owner holds it.
+    async fn take_part(
+        &self,
+        key: &str,
+        permit: u32,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+        reentrant: bool,
+    ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         let base_key = key;
         let key = &*permit_key(key, permit);
@@ -610,11 +647,6 @@ impl KeyedFamily {
             && let Some(answer) = self.reenter(&current, hold, reentrant).await?
         {
             return Ok(answer);
-        }
-        // Permits above the family's count, lowered since, are kept by their holders but
-        // given to nobody new.
-        if permit > 0 && permit >= self.read_config(|c| c.permits) {
-            return Ok(KeyAnswer::NotHeld);
         }
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
             Ok(slot) => slot,
@@ -757,6 +789,9 @@ impl KeyedFamily {
 
     /// The engine of `key` while `owner` holds it: what a hold bound to a connection follows.
     pub fn holding(&self, key: &str, owner: &str) -> Option<Lock> {
+        if self.writer_of(key, Some(owner)).is_some() {
+            return None;
+        }
         self.owned_permit(key, owner)
             .map(|current| current.lock.clone())
     }
@@ -787,6 +822,13 @@ impl KeyedFamily {
         })
     }
 
+    /// `owner`'s holding of permit `permit` of `key` (or of its write gate).
+    fn holding_on(&self, key: &str, permit: u32, owner: &str) -> Option<Arc<KeyHolding>> {
+        self.existing(&permit_key(key, permit))
+            .and_then(|s| current_of(&s))
+            .filter(|holding| holding.owner == owner)
+    }
+
     /// What a call by `owner` on `key` is about: the owner's holding, else another owner's
     /// (of permit 0, the one a mutual exclusion lock has), to say who holds it.
     fn holding_for(&self, key: &str, owner: &str) -> Option<Arc<KeyHolding>> {
@@ -796,6 +838,9 @@ impl KeyedFamily {
 
     /// Give up one acquisition of `key` by `owner`.
     pub async fn release(&self, key: &str, owner: &str) -> Result<KeyRelease, KeyError> {
+        if let Some(writer) = self.writer_of(key, Some(owner)) {
+            return self.release_write(key, &writer).await;
+        }
         self.release_held(key, owner, None).await
     }
 
@@ -809,12 +854,13 @@ impl KeyedFamily {
     ) -> Result<KeyRelease, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
-        let Some(current) = self.holding_for(key, owner) else {
+        let current = match held {
+            Some((permit, _)) => self.holding_on(key, permit, owner),
+            None => self.holding_for(key, owner),
+        };
+        let Some(current) = current else {
             return Ok(KeyRelease::NotHeld);
         };
-        if held.is_some_and(|(permit, _)| current.owner == owner && current.permit != permit) {
-            return Ok(KeyRelease::NotHeld);
-        }
         let token = held.map(|(_, token)| token);
         if current.owner != owner {
             return Ok(KeyRelease::HeldByAnother {
@@ -884,6 +930,9 @@ impl KeyedFamily {
         owner: &str,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
+        if let Some(writer) = self.writer_of(key, Some(owner)) {
+            return self.extend_write(key, &writer, hold).await;
+        }
         self.extend_held(key, owner, hold, None).await
     }
 
@@ -898,7 +947,11 @@ impl KeyedFamily {
     ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
         check_owner(owner)?;
-        let Some(current) = self.holding_for(key, owner) else {
+        let current = match held {
+            Some((permit, _)) => self.holding_on(key, permit, owner),
+            None => self.holding_for(key, owner),
+        };
+        let Some(current) = current else {
             return Ok(KeyAnswer::NotHeld);
         };
         if current.owner != owner {
@@ -907,7 +960,6 @@ impl KeyedFamily {
             });
         }
         let extended = match held {
-            Some((permit, _)) if current.permit != permit => return Ok(KeyAnswer::NotHeld),
             Some((_, token)) => current.lock.extend_if(token, hold).await,
             None => current.lock.extend(hold).await,
         };
@@ -923,6 +975,9 @@ impl KeyedFamily {
         self.check_key(key)?;
         if let Some(owner) = owner {
             check_owner(owner)?;
+        }
+        if let Some(writer) = self.writer_of(key, owner) {
+            return Ok(self.write_answer(key, &writer));
         }
         let current = match owner {
             Some(owner) => self.holding_for(key, owner),
@@ -962,6 +1017,7 @@ impl KeyedFamily {
                 valid_for,
                 holds: holding.lock.snapshot().holds,
                 permit: holding.permit,
+                writer: false,
             },
             Answer::NotHolder => KeyAnswer::NotHeld,
             Answer::Unknown => KeyAnswer::Unknown,
@@ -1072,10 +1128,10 @@ async fn changed(notices: &mut tokio::sync::watch::Receiver<u64>) {
 /// the key itself for permit 0, else `KEY#PERMIT`, which no key can be (`#` is refused in keys),
 /// and whose backend name is therefore always hashed.
 fn permit_key(key: &str, permit: u32) -> std::borrow::Cow<'_, str> {
-    if permit == 0 {
-        key.into()
-    } else {
-        format!("{key}#{permit}").into()
+    match permit {
+        0 => key.into(),
+        read_write::GATE => format!("{key}#w").into(),
+        permit => format!("{key}#{permit}").into(),
     }
 }
 

@@ -759,6 +759,9 @@ struct KeyStatus<'a> {
     permit: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     permits_held: Option<u32>,
+    /// `write` for a writer's holding of a read-write lock.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<&'static str>,
     backend: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     released: Option<bool>,
@@ -816,6 +819,7 @@ fn key_body<'a>(
         permits: semaphore.then_some(permits),
         permit: None,
         permits_held,
+        mode: None,
         backend: family.backend(),
         released: None,
         reason: None,
@@ -827,8 +831,10 @@ fn key_body<'a>(
             valid_for,
             holds,
             permit,
+            writer,
         } => {
             body.holder = true;
+            body.mode = writer.then_some("write");
             body.fencing_token = Some(*token);
             body.valid_for_ms = valid_for.as_millis() as u64;
             body.holds = *holds;
@@ -1054,9 +1060,10 @@ async fn keys_extend(
 
 fn key_error(error: KeyError) -> ApiError {
     let status = match error {
-        KeyError::BadKey { .. } | KeyError::BadOwner(_) | KeyError::BadKeys(_) => {
-            StatusCode::BAD_REQUEST
-        }
+        KeyError::BadKey { .. }
+        | KeyError::BadOwner(_)
+        | KeyError::BadKeys(_)
+        | KeyError::BadMode(_) => StatusCode::BAD_REQUEST,
         KeyError::TooManyKeys(_) => StatusCode::TOO_MANY_REQUESTS,
         KeyError::Lock(_) | KeyError::Stopped(_) => StatusCode::SERVICE_UNAVAILABLE,
     };
@@ -1110,20 +1117,45 @@ async fn key_status(
     ))
 }
 
+/// How a read-write lock's key is taken (`mode=`).
+enum Access {
+    Read,
+    Write,
+}
+
+/// `mode=read|write`, taken out of `query`; `None` without one.
+fn mode_param(query: &mut HashMap<String, String>) -> Result<Option<Access>, ApiError> {
+    match query.remove("mode").as_deref() {
+        None => Ok(None),
+        Some("read") => Ok(Some(Access::Read)),
+        Some("write") => Ok(Some(Access::Write)),
+        Some(other) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "mode={:?} is not a mode: read (share the key with other readers) or write (hold it alone); there is no upgrade",
+                other.chars().take(64).collect::<String>()
+            ),
+        )),
+    }
+}
+
 async fn key_acquire(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    QueryOnce(query): QueryOnce,
+    QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = &state.family(&family)?;
+    let mode = mode_param(&mut query)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     let hold = hold_param(&params)?;
-    let answer = family
-        .acquire(&key, &owner, wait, hold)
-        .await
-        .map_err(key_error)?;
+    let answer = match mode {
+        None => family.acquire(&key, &owner, wait, hold).await,
+        Some(Access::Read) => family.acquire_read(&key, &owner, wait, hold).await,
+        Some(Access::Write) => family.acquire_write(&key, &owner, wait, hold).await,
+    }
+    .map_err(key_error)?;
     Ok(key_response(
         family,
         &key,
@@ -1192,21 +1224,26 @@ async fn key_extend(
 async fn key_hold(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
-    QueryOnce(query): QueryOnce,
+    QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
     let family = state.family(&family)?;
+    let mode = mode_param(&mut query)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
-    let answer = family
-        .acquire(
-            &key,
-            &owner,
-            wait,
-            hold_stream::bound_hold(family.config().lease_duration),
-        )
-        .await
-        .map_err(key_error)?;
+    // A write lock is several holdings, which one connection's events do not follow.
+    if matches!(mode, Some(Access::Write)) || family.writes(&key, &owner) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "a write lock is not held through a connection: acquire it with mode=write, then extend and release it",
+        ));
+    }
+    let hold = hold_stream::bound_hold(family.config().lease_duration);
+    let answer = match mode {
+        Some(Access::Read) => family.acquire_read(&key, &owner, wait, hold).await,
+        _ => family.acquire(&key, &owner, wait, hold).await,
+    }
+    .map_err(key_error)?;
     let KeyAnswer::Held { token, permit, .. } = answer else {
         return Ok(key_response(
             &family,

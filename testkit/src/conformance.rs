@@ -1666,6 +1666,161 @@ pub async fn keyed_several_keys_all_or_nothing(h: &mut dyn Harness) {
     }
 }
 
+/// Read-write locks on a family of 3 permits: readers of two pods share a key; a writer waits
+/// for them, and while it waits new readers wait too; a writer refused within its wait leaves
+/// nothing held; the writer holds the key alone, with a token above every earlier reader's and
+/// writer's, re-entrant for itself and for nobody else; a reader cannot upgrade; a crashed
+/// pod's write lock is free within the lease; nothing is kept once everything is released.
+pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
+    use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease};
+    const HOLD: Duration = Duration::from_secs(60);
+    const NOW: Duration = Duration::ZERO;
+    let family = unique_lock("rw");
+    let (a, b) = (
+        keyed_pod(h.driver().await, &family, "pod-a", 3),
+        keyed_pod(h.driver().await, &family, "pod-b", 3),
+    );
+    let read = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held {
+            token,
+            writer: false,
+            ..
+        } => token,
+        other => panic!("not read: {other:?}"),
+    };
+    let written = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held {
+            token,
+            writer: true,
+            holds,
+            ..
+        } => (token, holds),
+        other => panic!("not written: {other:?}"),
+    };
+    let refused = |answer: &KeyAnswer| matches!(answer, KeyAnswer::HeldByAnother { .. });
+    let key = "doc";
+    let r1 = read(a.acquire_read(key, "r1", NOW, HOLD).await.unwrap());
+    let r2 = read(b.acquire_read(key, "r2", NOW, HOLD).await.unwrap());
+
+    // A writer refused within its wait gives back what it took: readers still get in at once.
+    let answer = b.acquire_write(key, "w0", NOW, HOLD).await.unwrap();
+    assert!(refused(&answer), "a writer beside two readers: {answer:?}");
+    let r3 = read(a.acquire_read(key, "r3", NOW, HOLD).await.unwrap());
+
+    // w1 waits for the three readers; meanwhile a new reader of either pod waits for it.
+    let writing = {
+        let b = b.clone();
+        tokio::spawn(async move { b.acquire_write(key, "w1", LEASE + SLACK, HOLD).await })
+    };
+    sleep(Duration::from_millis(200)).await;
+    for pod in [&a, &b] {
+        let answer = pod.acquire_read(key, "r4", NOW, HOLD).await.unwrap();
+        assert!(
+            refused(&answer),
+            "a reader of {} passed a waiting writer: {answer:?}",
+            pod.identity()
+        );
+    }
+    assert!(
+        !writing.is_finished(),
+        "the writer did not wait for the readers"
+    );
+    for (pod, owner) in [(&a, "r1"), (&b, "r2"), (&a, "r3")] {
+        assert_eq!(
+            pod.release(key, owner).await.unwrap(),
+            KeyRelease::Released { holds: 0 }
+        );
+    }
+    let (w1, _) = written(writing.await.expect("writer").unwrap());
+    for earlier in [r1, r2, r3] {
+        assert!(
+            w1 > earlier,
+            "writer's token {w1} after a reader's {earlier}"
+        );
+    }
+    let (_, holds) = written(b.status(key, Some("w1")).unwrap());
+    assert_eq!(holds, 1);
+
+    // Alone: no reader, no other writer, of either pod; the writer itself acquires again.
+    for pod in [&a, &b] {
+        for answer in [
+            pod.acquire_read(key, "r5", NOW, HOLD).await.unwrap(),
+            pod.acquire(key, "r5", NOW, HOLD).await.unwrap(),
+            pod.acquire_write(key, "w2", NOW, HOLD).await.unwrap(),
+        ] {
+            assert!(refused(&answer), "beside a writer: {answer:?}");
+        }
+    }
+    assert!(refused(&b.try_acquire_once(key, "w1", HOLD).await.unwrap()));
+    assert!(matches!(
+        a.status(key, Some("w1")).unwrap(),
+        KeyAnswer::NotHeld
+    ));
+    let (again, holds) = written(b.acquire_write(key, "w1", NOW, HOLD).await.unwrap());
+    assert_eq!((again, holds), (w1, 2), "the writer acquiring again");
+    let (_, holds) = written(b.extend(key, "w1", HOLD).await.unwrap());
+    assert_eq!(holds, 2);
+    assert_eq!(
+        b.release(key, "w1").await.unwrap(),
+        KeyRelease::Released { holds: 1 }
+    );
+    written(b.status(key, Some("w1")).unwrap());
+    assert_eq!(
+        b.release(key, "w1").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+
+    // No upgrade: a reader asking to write is refused and keeps its read.
+    read(a.acquire_read(key, "r6", NOW, HOLD).await.unwrap());
+    assert!(matches!(
+        a.acquire_write(key, "r6", NOW, HOLD).await,
+        Err(KeyError::BadMode(_))
+    ));
+    read(a.status(key, Some("r6")).unwrap());
+    assert_eq!(
+        a.release(key, "r6").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+
+    // A writer after a writer: a higher token.
+    let (w2, _) = written(a.acquire_write(key, "w2", NOW, HOLD).await.unwrap());
+    assert!(w2 > w1, "writer's token {w2} after {w1}");
+
+    // Pod a dies without a word: its write lock is free within the lease, for a reader and
+    // then a writer of pod b.
+    drop(a);
+    let crashed = Instant::now();
+    let within = LEASE + RENEW + SLACK;
+    loop {
+        match b.acquire_read(key, "r7", within, HOLD).await.unwrap() {
+            KeyAnswer::Held { .. } => break,
+            KeyAnswer::Unknown if crashed.elapsed() < within => {}
+            other => panic!("r7 after pod a crashed: {other:?}"),
+        }
+    }
+    assert!(crashed.elapsed() <= within, "took {:?}", crashed.elapsed());
+    assert_eq!(
+        b.release(key, "r7").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    // Each of the crashed writer's permits is free within the lease, not all at one moment.
+    let left = within.saturating_sub(crashed.elapsed());
+    let (w3, _) = written(b.acquire_write(key, "w3", left, HOLD).await.unwrap());
+    assert!(crashed.elapsed() <= within, "took {:?}", crashed.elapsed());
+    assert!(
+        w3 > w2,
+        "writer's token {w3} after the crashed writer's {w2}"
+    );
+    assert_eq!(
+        b.release(key, "w3").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    eventually(SLACK, "pod b keeps no state once all is released", || {
+        b.tracked_keys() == 0 && b.held_keys() == 0
+    })
+    .await;
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -1685,7 +1840,8 @@ macro_rules! conformance_suite {
             idle_keys_are_forgotten_and_their_tokens_still_rise,
             held_keys_are_counted,
             keyed_permits_admit_that_many_owners,
-            keyed_several_keys_all_or_nothing
+            keyed_several_keys_all_or_nothing,
+            keyed_read_write_locks
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

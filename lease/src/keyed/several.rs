@@ -43,37 +43,45 @@ pub enum KeysAnswer {
 }
 
 /// The keys after the one awaited, and whether the call has looked ahead already.
-struct Ahead<'a> {
-    later: &'a [&'a str],
-    looked: &'a AtomicBool,
+pub(super) struct Ahead<'a> {
+    pub(super) later: &'a [&'a str],
+    pub(super) looked: &'a AtomicBool,
 }
 
 /// The keys taken so far by one acquisition of several, each with the permit and token it was
 /// taken with, given back unless the acquisition succeeds: by [`Taken::give_back`], or, when the
 /// acquisition is dropped midway (its client hung up), by a task of its own.
-struct Taken {
+pub(super) struct Taken {
     family: KeyedFamily,
     owner: String,
-    keys: Vec<(String, Taking)>,
+    pub(super) keys: Vec<(String, Taking)>,
 }
 
 /// Which holding of a key an acquisition took: its permit and token. Tokens of two permits of
 /// one key may be equal (each permit counts on its own on some backends), so both are compared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Taking {
-    permit: u32,
-    token: u64,
+pub(super) struct Taking {
+    pub(super) permit: u32,
+    pub(super) token: u64,
 }
 
 impl Taken {
+    pub(super) fn new(family: &KeyedFamily, owner: &str) -> Self {
+        Self {
+            family: family.clone(),
+            owner: owner.to_owned(),
+            keys: Vec::new(),
+        }
+    }
+
     /// Keep the keys: the acquisition succeeded.
-    fn keep(mut self) {
+    pub(super) fn keep(mut self) {
         self.keys.clear();
     }
 
     /// Give the keys back before answering. The releases run on a task of their own, so that
     /// a client hanging up meanwhile cannot cut them short.
-    async fn give_back(mut self) {
+    pub(super) async fn give_back(mut self) {
         let keys = std::mem::take(&mut self.keys);
         let (family, owner) = (self.family.clone(), std::mem::take(&mut self.owner));
         let _ = tokio::spawn(async move { give_back(&family, &owner, keys).await }).await;
@@ -98,7 +106,7 @@ impl Drop for Taken {
 
 /// One release per key, last taken first, each only of the holding taken (one taken again
 /// since, its lease lost meanwhile, is another acquisition's).
-async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, Taking)>) {
+pub(super) async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, Taking)>) {
     for (key, taking) in keys.iter().rev() {
         if let Err(e) = family
             .release_held(key, owner, Some((taking.permit, taking.token)))
@@ -124,11 +132,7 @@ impl KeyedFamily {
         check_owner(owner)?;
         self.check_running()?;
         let deadline = Instant::now() + wait;
-        let mut taken = Taken {
-            family: self.clone(),
-            owner: owner.to_owned(),
-            keys: Vec::with_capacity(order.len()),
-        };
+        let mut taken = Taken::new(self, owner);
         // When the keys taken were last kept alive, and whether the keys after the one awaited
         // have been looked at (once a call).
         let kept = std::sync::Mutex::new(Instant::now());
@@ -139,8 +143,9 @@ impl KeyedFamily {
                 later: &order[i + 1..],
                 looked: &looked,
             };
+            let take = self.take(key, owner, left, hold, true);
             let answer = match self
-                .take_keeping(key, &taken.keys, &kept, ahead, owner, left, hold)
+                .take_keeping(take, &taken.keys, &kept, ahead, owner, hold)
                 .await
             {
                 Ok(answer) => answer,
@@ -205,24 +210,22 @@ impl KeyedFamily {
         Ok(KeysAnswer::Held(answers))
     }
 
-    /// Take `key`, and meanwhile keep the keys already `taken` from lapsing: each is extended
+    /// Run `take` (of a key, or of a permit), and meanwhile keep the keys already `taken` from
+    /// lapsing: each is extended
     /// once a third of `hold` has passed since the last time (`kept`, across the call's keys).
     /// On a backend whose expiry is observed ([`crate::Driver::expiry_is_observed`]), should
     /// `key` not be granted at once, the keys after it are read once: a dead holder's records
     /// are then counted from now, not from their turn, so that a dead pod's keys are all free
     /// within about one lease rather than one lease per key.
-    #[allow(clippy::too_many_arguments)]
-    async fn take_keeping(
+    pub(super) async fn take_keeping(
         &self,
-        key: &str,
+        take: impl std::future::Future<Output = Result<KeyAnswer, KeyError>>,
         taken: &[(String, Taking)],
         kept: &std::sync::Mutex<Instant>,
         ahead: Ahead<'_>,
         owner: &str,
-        wait: Duration,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
-        let take = self.take(key, owner, wait, hold, true);
         // Beside the take, never in its stead: the take runs the key's engine.
         let keep_alive = async {
             if taken.is_empty() {
