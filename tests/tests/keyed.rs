@@ -263,6 +263,58 @@ fn a_semaphore_family_admits_as_many_owners_as_it_has_permits() {
     );
 }
 
+/// Read-write locks over HTTP (`mode=read|write` on a family of 2 permits): two readers of two
+/// pods share a key; a writer is refused beside them, then holds the key alone (`"mode":
+/// "write"`, a token above the readers'); a reader cannot upgrade; a bad mode, or a write lock
+/// through a held connection, is a 400 that takes nothing.
+#[test]
+fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
+    let redis = RedisServer::start();
+    let family = unique_lock("docs");
+    let keyed = ["--keyed", &family, "--mode", "on-demand", "--permits", "2"];
+    let a = Sidecar::start("pod-a", &redis.url(), &unique_lock("plain"), &keyed);
+    let b = Sidecar::start("pod-b", &redis.url(), &unique_lock("plain"), &keyed);
+    let key = format!("/locks/{family}/keys/report-9");
+
+    let r1 = a.post(&format!("{key}/acquire?owner=r1&mode=read&hold=30s"));
+    let r2 = b.post(&format!("{key}/acquire?owner=r2&mode=read&hold=30s"));
+    let readers = [token(&r1), token(&r2)];
+    assert!(r1.json().get("mode").is_none(), "{}", r1.body);
+
+    for bad in ["mode=upgrade", "mode=", "mode=READ", "mode=read&mode=write"] {
+        let answer = b.post(&format!("{key}/acquire?owner=w9&{bad}"));
+        assert_eq!(answer.status, 400, "{bad}: {}", answer.body);
+    }
+    let upgrade = a.post(&format!("{key}/acquire?owner=r1&mode=write"));
+    assert_eq!(upgrade.status, 400, "{}", upgrade.body);
+    assert!(upgrade.body.contains("cannot also write"), "{}", upgrade.body);
+    let held = a.get(&format!("{key}?owner=r1"));
+    assert_eq!(held.status, 200, "the reader kept its read: {}", held.body);
+    let through_a_connection = b.post(&format!("{key}/hold?owner=w1&mode=write"));
+    assert_eq!(through_a_connection.status, 400, "{}", through_a_connection.body);
+
+    let refused = b.post(&format!("{key}/acquire?owner=w1&mode=write&wait=200ms"));
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    for (sidecar, owner) in [(&a, "r1"), (&b, "r2")] {
+        let released = sidecar.post(&format!("{key}/release?owner={owner}"));
+        assert_eq!(released.status, 200, "{}", released.body);
+    }
+    let writer = b.post(&format!("{key}/acquire?owner=w1&mode=write&wait=5s&hold=30s"));
+    let written = token(&writer);
+    assert_eq!(writer.json()["mode"], "write", "{}", writer.body);
+    assert!(readers.iter().all(|r| written > *r), "{written} after {readers:?}");
+    let status = b.get(&format!("{key}?owner=w1"));
+    assert_eq!(status.json()["mode"], "write", "{}", status.body);
+    let reader = a.post(&format!("{key}/acquire?owner=r3&mode=read&wait=200ms"));
+    assert_eq!(reader.status, 409, "{}", reader.body);
+    assert_eq!(reader.json()["currentHolder"], "pod-b/w1", "{}", reader.body);
+
+    let released = b.post(&format!("{key}/release?owner=w1"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    let reader = a.post(&format!("{key}/acquire?owner=r3&mode=read&wait=5s&hold=30s"));
+    token(&reader);
+}
+
 /// Several keys at once over HTTP: `POST /locks/FAMILY/acquire?keys=...` answers every key's
 /// token or, refused, the key that blocked it with nothing taken; `extend` and `release` take
 /// the same list; bad lists are 400s that change nothing.
