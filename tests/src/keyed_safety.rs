@@ -18,6 +18,13 @@
 //! than it has permits certainly hold one key at once; a refusal is a liveness failure when any
 //! permit stayed free through the wait.
 //!
+//! Readers and writers of a read-write family ([`run_read_write`], `mode=read|write` on keys of
+//! two permits) are checked the same way, readers permit by permit and writers among
+//! themselves, and the check also fails when a writer and any other owner certainly hold one
+//! key at once (or an answer's promise reaches into the other's hold), or when a writer's token
+//! is not above every earlier reader's and writer's. A refusal is not checked for liveness
+//! there: a reader waits for writers that are still waiting, which the log does not see.
+//!
 //! Owners that take two or three keys at once ([`run_several`], all or nothing on twenty keys)
 //! are checked key by key the same way, and the check also fails when an acquisition that was
 //! refused left its owner holding any of the keys it named.
@@ -54,6 +61,9 @@ struct Shape {
     keys: usize,
     /// How many keys an acquisition names (from two up to this when above one).
     at_once: usize,
+    /// Percent of acquisitions that ask to write (`mode=write`, the others `mode=read`); 0:
+    /// no mode is asked.
+    writes: u32,
 }
 
 /// A key, one owner at a time: fifty keys, seldom contended.
@@ -61,12 +71,21 @@ const MUTEX: Shape = Shape {
     permits: 1,
     keys: KEYS,
     at_once: 1,
+    writes: 0,
 };
 /// Two permits per key on twelve keys, so that the 24 workers fill them and wait.
 const SEMAPHORE: Shape = Shape {
     permits: 2,
     keys: 12,
     at_once: 1,
+    writes: 0,
+};
+/// Readers and writers on twelve keys of two permits, a third of the acquisitions writes.
+const READ_WRITE: Shape = Shape {
+    permits: 2,
+    keys: 12,
+    at_once: 1,
+    writes: 33,
 };
 /// Two or three keys at a time out of twenty, so that acquisitions overlap on some of their
 /// keys and wait for each other.
@@ -74,6 +93,7 @@ const SEVERAL: Shape = Shape {
     permits: 1,
     keys: 20,
     at_once: 3,
+    writes: 0,
 };
 /// How long a worker waits for a key, and how long it may keep one without extending it.
 const WAIT: Duration = Duration::from_secs(3);
@@ -106,6 +126,8 @@ struct Sample {
     valid_for: Duration,
     /// The permit held (0 without permits).
     permit: u32,
+    /// A writer's holding (`"mode":"write"`), of every permit.
+    writer: bool,
 }
 
 /// A worker's acquisition that was refused (409) after its full wait.
@@ -147,6 +169,8 @@ struct Log {
     partials: Vec<String>,
     /// When each fault began and ended.
     faults: Vec<(Instant, Instant)>,
+    /// Readers and writers were asked for: refusals say nothing of liveness.
+    read_write: bool,
 }
 
 /// The figures of one run.
@@ -163,6 +187,8 @@ pub struct Report {
     pub hang_ups: usize,
     /// Acquisitions of several keys at once that were granted.
     pub several: usize,
+    /// Writers' holdings granted (of a read-write family).
+    pub writes: usize,
     pub faults: BTreeMap<&'static str, usize>,
     pub violations: Vec<String>,
 }
@@ -172,7 +198,9 @@ impl Report {
         format!(
             "{:<18} {} {:>5.0}s  acquisitions {:>5}  re-entered {:>4}  hung up {:>3}  refused after waiting {:>4}  faults {:>3} ({})  violations {}  seed {}",
             self.target,
-            if self.permits > 1 {
+            if self.writes > 0 {
+                format!("keyed, {} permits, {} writes", self.permits, self.writes)
+            } else if self.permits > 1 {
                 format!("keyed, {} permits", self.permits)
             } else if self.several > 0 {
                 format!("keyed, {} taken several at once", self.several)
@@ -203,6 +231,7 @@ impl Sample {
             token: claim.map(|c| c.token),
             valid_for: claim.map(|c| c.valid_for).unwrap_or_default(),
             permit: claim.map(|c| c.permit).unwrap_or_default(),
+            writer: claim.is_some_and(|c| c.writer),
         }
     }
 }
@@ -213,6 +242,7 @@ struct Claim {
     token: u64,
     valid_for: Duration,
     permit: u32,
+    writer: bool,
 }
 
 /// The fencing token, `validForMs` and permit (0 when the family has none) of a 200 answer.
@@ -228,6 +258,7 @@ fn claim_of(body: &str) -> Option<Claim> {
         token,
         valid_for: Duration::from_millis(valid_for),
         permit: u32::try_from(permit).ok()?,
+        writer: answer.get("mode").and_then(serde_json::Value::as_str) == Some("write"),
     })
 }
 
@@ -259,15 +290,14 @@ fn release_with(target: SocketAddr, release: &str, owner: String, holds: usize, 
 /// meanwhile), the holding is logged and released like any other.
 fn wait_and_hang_up(
     other: SocketAddr,
-    key: usize,
-    path: &str,
+    (key, path, mode): (usize, &str, &str),
     owner: String,
     patience: Duration,
     log: &Mutex<Log>,
 ) {
     let sent = Instant::now();
     let acquire = format!(
-        "{path}/acquire?owner={owner}&wait={}ms&hold={}ms",
+        "{path}/acquire?owner={owner}&wait={}ms&hold={}ms{mode}",
         WAIT.as_millis(),
         HOLD.as_millis()
     );
@@ -324,12 +354,17 @@ fn worker(
             continue;
         }
         let path = format!("/locks/{family}/keys/k{key}");
+        let mode = match shape.writes {
+            0 => "",
+            writes if rng.random_range(0..100) < writes => "&mode=write",
+            _ => "&mode=read",
+        };
         let sent = Instant::now();
         let answer = http(
             target,
             "POST",
             &format!(
-                "{path}/acquire?owner={owner}&wait={}ms&hold={}ms",
+                "{path}/acquire?owner={owner}&wait={}ms&hold={}ms{mode}",
                 WAIT.as_millis(),
                 HOLD.as_millis()
             ),
@@ -367,7 +402,10 @@ fn worker(
             let again = http(
                 target,
                 "POST",
-                &format!("{path}/acquire?owner={owner}&hold={}ms", short.as_millis()),
+                &format!(
+                    "{path}/acquire?owner={owner}&hold={}ms{mode}",
+                    short.as_millis()
+                ),
             );
             let received = Instant::now();
             let claim = again
@@ -386,7 +424,10 @@ fn worker(
         } else if roll < REENTRIES + HANG_UPS {
             let (other, _) = *addrs[(slot + 1) % addrs.len()].lock().unwrap();
             let patience = Duration::from_millis(rng.random_range(PATIENCE_MS));
-            wait_and_hang_up(other, key, &path, format!("{owner}x"), patience, &log);
+            // A reader's hang-up asks to write: a writer abandoned midway gives back its parts.
+            let mode = if mode.is_empty() { "" } else { "&mode=write" };
+            let waited = (key, path.as_str(), mode);
+            wait_and_hang_up(other, waited, format!("{owner}x"), patience, &log);
         }
         for _ in 0..rng.random_range(1..=WORK_POLLS) {
             std::thread::sleep(Duration::from_millis(rng.random_range(WORK_PAUSE_MS)));
@@ -514,6 +555,12 @@ pub fn run_semaphore(target: Target, duration: Duration, seed: u64) -> Report {
     run_shaped(target, duration, seed, SEMAPHORE)
 }
 
+/// Run the check against `target` for `duration` with readers and writers of keys of two
+/// permits.
+pub fn run_read_write(target: Target, duration: Duration, seed: u64) -> Report {
+    run_shaped(target, duration, seed, READ_WRITE)
+}
+
 /// Run the check against `target` for `duration` with owners taking several keys at once.
 pub fn run_several(target: Target, duration: Duration, seed: u64) -> Report {
     run_shaped(target, duration, seed, SEVERAL)
@@ -538,7 +585,10 @@ fn run_shaped(target: Target, duration: Duration, seed: u64, shape: Shape) -> Re
         .map(|i| Slot::start(i, format!("pod-{i}"), &backend, &start_sidecar))
         .collect();
 
-    let log = Arc::new(Mutex::new(Log::default()));
+    let log = Arc::new(Mutex::new(Log {
+        read_write: shape.writes > 0,
+        ..Log::default()
+    }));
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = slots
         .iter()
@@ -607,10 +657,13 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
     // By owner and token: an owner whose holding ended (its sidecar paused past the lease) and
     // that acquires again (a re-entrant acquisition finds nothing to re-enter) holds anew.
     // Each permit of a key is a lock of its own: checked apart, by (key, permit).
+    // A writer holds every permit with the highest of their tokens: writers are checked among
+    // themselves (under [`WRITERS`]) and then against every other holding of their key.
     let mut by_key: ByPermit = BTreeMap::new();
     for s in &log.samples {
         let Some(token) = s.token else { continue };
-        let holdings = by_key.entry((s.key, s.permit)).or_default();
+        let permit = if s.writer { WRITERS } else { s.permit };
+        let holdings = by_key.entry((s.key, permit)).or_default();
         match holdings.get_mut(&(s.owner.as_str(), token)) {
             Some(h) => {
                 h.certain_from = h.certain_from.min(s.received);
@@ -656,7 +709,9 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
     }
 
     for (&(key, permit), holdings) in &by_key {
-        let name = if permits > 1 {
+        let name = if permit == WRITERS {
+            format!("k{key} writers")
+        } else if permits > 1 {
             format!("k{key} permit {permit}")
         } else {
             format!("k{key}")
@@ -718,6 +773,15 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
     if permits > 1 {
         over_admissions(&by_key, permits, &at, report);
     }
+    report.writes = by_key
+        .iter()
+        .filter(|((_, permit), _)| *permit == WRITERS)
+        .map(|(_, holdings)| holdings.len())
+        .sum();
+    writers_alone(&by_key, &at, report);
+    if log.read_write {
+        return;
+    }
 
     // A refusal after the whole wait is a liveness failure when, with no fault near, the key
     // (one of its permits) was free (no holding could have been alive) for longer than a
@@ -771,6 +835,61 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
                 longest,
                 at(refusal.sent)
             ));
+        }
+    }
+}
+
+/// The pseudo-permit writers' holdings are checked under: a writer holds every permit.
+const WRITERS: u32 = u32::MAX;
+
+/// A writer and any other owner certainly holding one key at once, or a promise of either
+/// reaching into the other's certain hold; a writer whose token is not above an earlier
+/// reader's (earlier writers are checked among the writers).
+fn writers_alone(by_key: &ByPermit, at: &dyn Fn(Instant) -> Duration, report: &mut Report) {
+    for (&(key, permit), writers) in by_key {
+        if permit != WRITERS {
+            continue;
+        }
+        let readers = by_key
+            .range((key, 0)..(key, WRITERS))
+            .flat_map(|(_, holdings)| holdings.values());
+        for reader in readers {
+            for writer in writers.values() {
+                let from = reader.certain_from.max(writer.certain_from);
+                let to = reader.certain_to.min(writer.certain_to);
+                if from < to {
+                    report.violations.push(format!(
+                        "overlap on key k{key}: writer {} (token {}) and reader {} (token {}) both held for {:?} at {:.3?}",
+                        writer.owner, writer.token, reader.owner, reader.token, to - from, at(from)
+                    ));
+                    continue;
+                }
+                for (promiser, other) in [(reader, writer), (writer, reader)] {
+                    let from = promiser.certain_from.max(other.certain_from);
+                    let to = promiser.promised_to.min(other.certain_to);
+                    if from < to {
+                        report.violations.push(format!(
+                            "broken promise on key k{key}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
+                            promiser.owner,
+                            promiser.token,
+                            at(promiser.promised_to),
+                            other.owner,
+                            other.token,
+                            at(from)
+                        ));
+                    }
+                }
+                if let Some((first, second)) =
+                    surely_ordered(reader, writer, |h| (h.acquire_sent, h.acquire_received))
+                    && std::ptr::eq(first, reader)
+                    && second.token <= first.token
+                {
+                    report.violations.push(format!(
+                        "key k{key}: writer {} got token {} after reader {} had {}",
+                        second.owner, second.token, first.owner, first.token
+                    ));
+                }
+            }
         }
     }
 }
@@ -841,6 +960,7 @@ mod tests {
                     token,
                     valid_for: Duration::ZERO,
                     permit: 0,
+                    writer: false,
                 })
                 .collect(),
             ..Log::default()
@@ -875,6 +995,79 @@ mod tests {
         for sample in log.samples.iter_mut().filter(|s| s.owner == owner) {
             sample.permit = permit;
         }
+    }
+
+    /// `log`'s answers about `owner` were a writer's.
+    fn writes(log: &mut Log, owner: &str) {
+        for sample in log.samples.iter_mut().filter(|s| s.owner == owner) {
+            sample.writer = true;
+        }
+    }
+
+    #[test]
+    fn a_writer_beside_a_reader_or_below_an_earlier_readers_token_is_caught() {
+        let origin = Instant::now();
+        // Readers r1 and r2 (permits 0 and 1), then writer w with a token above both.
+        let answers = [
+            (1, "r1", Some(5), 0, 2),
+            (1, "r2", Some(9), 1, 3),
+            (1, "r1", Some(5), 4, 5),
+            (1, "r2", Some(9), 4, 5),
+            (1, "w", Some(10), 6, 8),
+            (1, "w", Some(10), 9, 10),
+        ];
+        let mut apart = log(origin, &answers);
+        on_permit(&mut apart, "r2", 1);
+        writes(&mut apart, "w");
+        assert_eq!(
+            violations_with_permits(&apart, origin, 2),
+            Vec::<String>::new()
+        );
+        // The writer's token below the reader's of permit 1.
+        let mut low = log(origin, &answers);
+        on_permit(&mut low, "r2", 1);
+        writes(&mut low, "w");
+        for sample in low.samples.iter_mut().filter(|s| s.owner == "w") {
+            sample.token = Some(8);
+        }
+        let found = violations_with_permits(&low, origin, 2);
+        assert!(
+            found.len() == 1 && found[0].contains("writer w got token 8 after reader r2 had 9"),
+            "{found:?}"
+        );
+        // A reader still surely holding while the writer surely holds: one permit is enough.
+        let mut beside = log(
+            origin,
+            &[answers.as_slice(), &[(1, "r1", Some(5), 9, 10)]].concat(),
+        );
+        on_permit(&mut beside, "r2", 1);
+        writes(&mut beside, "w");
+        let found = violations_with_permits(&beside, origin, 2);
+        assert!(
+            found
+                .iter()
+                .any(|v| v.contains("overlap on key k1: writer w")),
+            "{found:?}"
+        );
+        // A writer's promise reaching into a later reader's hold.
+        let mut promised = log(
+            origin,
+            &[
+                answers.as_slice(),
+                &[(1, "r3", Some(11), 20, 21), (1, "r3", Some(11), 22, 23)],
+            ]
+            .concat(),
+        );
+        on_permit(&mut promised, "r2", 1);
+        writes(&mut promised, "w");
+        promise(&mut promised, 5, 20);
+        let found = violations_with_permits(&promised, origin, 2);
+        assert!(
+            found
+                .iter()
+                .any(|v| v.contains("broken promise on key k1: w")),
+            "{found:?}"
+        );
     }
 
     #[test]

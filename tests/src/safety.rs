@@ -162,6 +162,9 @@ pub enum Workload {
     /// The keyed check on a family whose keys have two permits each
     /// ([`crate::keyed_safety::run_semaphore`]).
     Semaphore,
+    /// The keyed check with readers and writers (`mode=read|write`) on keys of two permits
+    /// ([`crate::keyed_safety::run_read_write`]).
+    ReadWrite,
     /// The keyed check with owners taking two or three keys at once, all or nothing
     /// ([`crate::keyed_safety::run_several`]).
     Several,
@@ -177,12 +180,13 @@ pub enum Workload {
 }
 
 impl Workload {
-    pub const ALL: [Workload; 9] = [
+    pub const ALL: [Workload; 10] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
         Workload::Keyed,
         Workload::Semaphore,
+        Workload::ReadWrite,
         Workload::Several,
         Workload::Exec,
         Workload::ExecVia,
@@ -197,6 +201,7 @@ impl Workload {
             Workload::Resource => "+resource",
             Workload::Keyed => "+keyed",
             Workload::Semaphore => "+semaphore",
+            Workload::ReadWrite => "+read-write",
             Workload::Several => "+several",
             Workload::Exec => "+exec",
             Workload::ExecVia => "+exec-via",
@@ -936,6 +941,7 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
             scenario.workload,
             Workload::Keyed
                 | Workload::Semaphore
+                | Workload::ReadWrite
                 | Workload::Several
                 | Workload::Exec
                 | Workload::ExecVia
@@ -951,6 +957,7 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         | Workload::Resource
         | Workload::Keyed
         | Workload::Semaphore
+        | Workload::ReadWrite
         | Workload::Several
         | Workload::Exec
         | Workload::ExecVia

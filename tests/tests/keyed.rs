@@ -287,11 +287,19 @@ fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
     }
     let upgrade = a.post(&format!("{key}/acquire?owner=r1&mode=write"));
     assert_eq!(upgrade.status, 400, "{}", upgrade.body);
-    assert!(upgrade.body.contains("cannot also write"), "{}", upgrade.body);
+    assert!(
+        upgrade.body.contains("cannot also write"),
+        "{}",
+        upgrade.body
+    );
     let held = a.get(&format!("{key}?owner=r1"));
     assert_eq!(held.status, 200, "the reader kept its read: {}", held.body);
     let through_a_connection = b.post(&format!("{key}/hold?owner=w1&mode=write"));
-    assert_eq!(through_a_connection.status, 400, "{}", through_a_connection.body);
+    assert_eq!(
+        through_a_connection.status, 400,
+        "{}",
+        through_a_connection.body
+    );
 
     let refused = b.post(&format!("{key}/acquire?owner=w1&mode=write&wait=200ms"));
     assert_eq!(refused.status, 409, "{}", refused.body);
@@ -299,19 +307,31 @@ fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
         let released = sidecar.post(&format!("{key}/release?owner={owner}"));
         assert_eq!(released.status, 200, "{}", released.body);
     }
-    let writer = b.post(&format!("{key}/acquire?owner=w1&mode=write&wait=5s&hold=30s"));
+    let writer = b.post(&format!(
+        "{key}/acquire?owner=w1&mode=write&wait=5s&hold=30s"
+    ));
     let written = token(&writer);
     assert_eq!(writer.json()["mode"], "write", "{}", writer.body);
-    assert!(readers.iter().all(|r| written > *r), "{written} after {readers:?}");
+    assert!(
+        readers.iter().all(|r| written > *r),
+        "{written} after {readers:?}"
+    );
     let status = b.get(&format!("{key}?owner=w1"));
     assert_eq!(status.json()["mode"], "write", "{}", status.body);
     let reader = a.post(&format!("{key}/acquire?owner=r3&mode=read&wait=200ms"));
     assert_eq!(reader.status, 409, "{}", reader.body);
-    assert_eq!(reader.json()["currentHolder"], "pod-b/w1", "{}", reader.body);
+    assert_eq!(
+        reader.json()["currentHolder"],
+        "pod-b/w1",
+        "{}",
+        reader.body
+    );
 
     let released = b.post(&format!("{key}/release?owner=w1"));
     assert_eq!(released.status, 200, "{}", released.body);
-    let reader = a.post(&format!("{key}/acquire?owner=r3&mode=read&wait=5s&hold=30s"));
+    let reader = a.post(&format!(
+        "{key}/acquire?owner=r3&mode=read&wait=5s&hold=30s"
+    ));
     token(&reader);
 }
 

@@ -3,7 +3,8 @@
 //! restarts, while some owners re-enter with shorter holds and some waiters hang up; no key is
 //! ever held by two owners at once or by another owner within an answer's `validForMs`, every
 //! key's tokens rise, and no worker is refused a key that stayed free while it waited. The same
-//! with semaphores (two permits a key) and with owners taking several keys at once.
+//! with semaphores (two permits a key), with readers and writers, and with owners taking several
+//! keys at once.
 
 use std::time::Duration;
 
@@ -27,6 +28,19 @@ fn check_semaphore(target: Target) {
         duration(),
         rand::random(),
     ));
+}
+
+/// Readers and writers on keys of two permits: never a writer beside another owner, writers'
+/// tokens above every earlier holder's, readers as on a semaphore.
+fn check_read_write(target: Target) {
+    let report = keyed_safety::run_read_write(target, duration(), rand::random());
+    assert!(
+        report.writes >= 20,
+        "only {} writers' holdings: {}",
+        report.writes,
+        report.summary()
+    );
+    check_common(report);
 }
 
 /// Owners taking two or three keys at once: no key of a refused acquisition left held, and
@@ -161,4 +175,24 @@ fn etcd_keys_taken_several_at_once_survive_random_faults() {
 #[test]
 fn zookeeper_keys_taken_several_at_once_survive_random_faults() {
     check_several(Target::ZooKeeper);
+}
+
+#[test]
+fn redis_read_write_keys_survive_random_faults() {
+    check_read_write(Target::Redis);
+}
+
+#[test]
+fn postgres_read_write_keys_survive_random_faults() {
+    check_read_write(Target::Postgres);
+}
+
+#[test]
+fn etcd_read_write_keys_survive_random_faults() {
+    check_read_write(Target::Etcd);
+}
+
+#[test]
+fn zookeeper_read_write_keys_survive_random_faults() {
+    check_read_write(Target::ZooKeeper);
 }

@@ -5,7 +5,8 @@
 //! found a violation. A scenario is a target (`etcd`), or a target and a workload
 //! (`etcd+waiters`: on-demand sidecars with blocking waiters, try-locks and clients that hang
 //! up; `etcd+keyed`: a keyed family's owners, re-entering and hanging up; `etcd+semaphore`: the
-//! same on keys of two permits; `etcd+several`: owners taking two or three keys at once;
+//! same on keys of two permits; `etcd+read-write`: readers and writers on keys of two permits;
+//! `etcd+several`: owners taking two or three keys at once;
 //! `etcd+exec`: `leasehold-sidecar exec` run over and over, its commands never two at once;
 //! `etcd+exec-via`: the same through each contender's sidecar; `etcd+exec-via-keyed`: on a key).
 //! `LEASEHOLD_SOAK_SEED` fixes the fault schedule to replay a run.
@@ -73,6 +74,7 @@ fn main() {
         let (summary, violations) = match scenario.workload {
             Workload::Keyed => keyed_safety::run(target, duration, seed).outcome(),
             Workload::Semaphore => keyed_safety::run_semaphore(target, duration, seed).outcome(),
+            Workload::ReadWrite => keyed_safety::run_read_write(target, duration, seed).outcome(),
             Workload::Several => keyed_safety::run_several(target, duration, seed).outcome(),
             Workload::Exec => exec_safety::run(target, duration, seed).outcome(),
             Workload::ExecVia => exec_safety::run_via(target, duration, seed).outcome(),
