@@ -29,6 +29,7 @@
 mod read_write;
 mod several;
 
+pub use read_write::MAX_READ_WRITE_PERMITS;
 pub use several::{KeysAnswer, MAX_KEYS_AT_ONCE};
 
 use std::collections::HashMap;
@@ -79,6 +80,9 @@ pub struct FamilyConfig {
     pub max_keys: usize,
     /// How many owners may hold one key at once (a semaphore); 1 is a mutual exclusion lock.
     pub permits: u32,
+    /// Whether keys have readers and writers (docs/read-write.md): every acquisition reads,
+    /// and a writer takes every permit.
+    pub read_write: bool,
 }
 
 impl FamilyConfig {
@@ -91,6 +95,7 @@ impl FamilyConfig {
             max_key_length: DEFAULT_MAX_KEY_LENGTH,
             max_keys: DEFAULT_MAX_KEYS,
             permits: 1,
+            read_write: false,
         }
     }
 }
@@ -453,6 +458,20 @@ impl KeyedFamily {
         self.take(key, owner, wait, hold, true).await
     }
 
+    /// Take `key` to read for `owner` (a family declared read-write): what
+    /// [`KeyedFamily::acquire`] does on such a family, where every acquisition reads.
+    pub async fn acquire_read(
+        &self,
+        key: &str,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<KeyAnswer, KeyError> {
+        self.check_key(key)?;
+        self.check_read_write()?;
+        self.take(key, owner, wait, hold, true).await
+    }
+
     /// Take `key` for `owner` if nobody holds it, the owner included: Dapr's `TryLock`, which
     /// is not re-entrant (a second try by the holder fails, and one unlock frees the key).
     pub async fn try_acquire_once(
@@ -478,7 +497,11 @@ impl KeyedFamily {
         if let Some(answer) = self.reenter_write(key, owner, hold, reentrant).await? {
             return Ok(answer);
         }
-        let answer = self.take_checked(key, owner, wait, hold, reentrant).await;
+        let answer = if self.read_config(|c| c.read_write) {
+            self.take_reading(key, owner, wait, hold, reentrant).await
+        } else {
+            self.take_checked(key, owner, wait, hold, reentrant).await
+        };
         if let Ok(KeyAnswer::HeldByAnother { .. }) = answer {
             self.inner.telemetry.inner.key_contended(&self.inner.name);
         }
@@ -1165,6 +1188,15 @@ fn check_settings(config: &FamilyConfig) -> Result<(), Error> {
             field: "permits",
             reason: format!(
                 "a key has 1 to {MAX_PERMITS} permits (it was {})",
+                config.permits
+            ),
+        });
+    }
+    if config.read_write && config.permits > MAX_READ_WRITE_PERMITS {
+        return Err(Error::InvalidConfig {
+            field: "permits",
+            reason: format!(
+                "a read-write family's key has 1 to {MAX_READ_WRITE_PERMITS} permits (it was {}): a writer reads each permit it does not take",
                 config.permits
             ),
         });

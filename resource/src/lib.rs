@@ -47,6 +47,8 @@ pub struct KeyLimits {
     pub max_keys: usize,
     /// How many owners may hold one key at once (`spec.permits`).
     pub permits: u32,
+    /// Keys have readers and writers (`spec.keys.readWrite`).
+    pub read_write: bool,
 }
 
 impl ResolvedLock {
@@ -66,6 +68,7 @@ impl ResolvedLock {
                 max_key_length: limits.max_key_length,
                 max_keys: limits.max_keys,
                 permits: limits.permits,
+                read_write: limits.read_write,
                 ..leasehold_lease::keyed::FamilyConfig::new(
                     &self.name,
                     identity,
@@ -426,6 +429,7 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
                 .max_held_per_pod
                 .map_or(leasehold_lease::keyed::DEFAULT_MAX_KEYS, |n| n as usize),
             permits: spec.permits.unwrap_or(1),
+            read_write: keys.read_write.unwrap_or(false),
         }),
     };
     resolved.lock_config("validation").validate()?;
@@ -444,6 +448,19 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
                 reason,
             });
         }
+    }
+    if let Some(keys) = resolved.keys
+        && keys.read_write
+        && keys.permits > leasehold_lease::keyed::MAX_READ_WRITE_PERMITS
+    {
+        return Err(Error::InvalidConfig {
+            field: "permits",
+            reason: format!(
+                "a read-write family's key has 1 to {} permits (it was {}): a writer reads each permit it does not take",
+                leasehold_lease::keyed::MAX_READ_WRITE_PERMITS,
+                keys.permits
+            ),
+        });
     }
     if resolved.keys.is_some() {
         leasehold_lease::keyed::validate_family_name(&resolved.name)?;
@@ -880,6 +897,28 @@ mod tests {
         let mut one = lock(kubernetes());
         one.spec.permits = Some(1);
         resolve(&one, &SecretValues::default()).unwrap();
+    }
+
+    #[test]
+    fn a_read_write_family_has_readers_and_at_most_64_permits() {
+        let mut family = lock(Backend {
+            kubernetes: Some(Default::default()),
+            ..Default::default()
+        });
+        family.spec.keys = Some(leasehold_crds::KeysSpec {
+            read_write: Some(true),
+            ..Default::default()
+        });
+        family.spec.permits = Some(64);
+        let resolved = resolve(&family, &SecretValues::default()).unwrap();
+        let config = resolved.family_config("pod").unwrap();
+        assert!(config.read_write && config.permits == 64);
+        family.spec.permits = Some(65);
+        let error = resolve(&family, &SecretValues::default()).unwrap_err();
+        assert!(error.to_string().contains("1 to 64 permits"), "{error}");
+        family.spec.keys = Some(Default::default());
+        let resolved = resolve(&family, &SecretValues::default()).unwrap();
+        assert!(!resolved.family_config("pod").unwrap().read_write);
     }
 
     #[test]

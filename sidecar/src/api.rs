@@ -1244,6 +1244,15 @@ async fn key_hold(
         _ => family.acquire(&key, &owner, wait, hold).await,
     }
     .map_err(key_error)?;
+    // The owner became the key's writer meanwhile, and acquired its write lock again: that
+    // acquisition is given back.
+    if let KeyAnswer::Held { writer: true, .. } = answer {
+        family.release(&key, &owner).await.map_err(key_error)?;
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "a write lock is not held through a connection: acquire it with mode=write, then extend and release it",
+        ));
+    }
     let KeyAnswer::Held { token, permit, .. } = answer else {
         return Ok(key_response(
             &family,

@@ -53,6 +53,11 @@ struct Args {
           value_parser = clap::value_parser!(u32))]
     permits: u32,
 
+    /// Keys of the families have readers and writers: every acquisition reads (up to
+    /// --permits readers at once) and `mode=write` holds a key alone; at most 64 permits.
+    #[arg(long, env = "LEASEHOLD_READ_WRITE")]
+    read_write: bool,
+
     /// sqlite://PATH, redis://[user:pass@]host:port[/db], redlock://h:p,h:p,h:p,
     /// postgres://.. or mysql://..[?mode=lease|row-lock], etcd://h:p[,h:p] (etcds://...?ca=&cert=&key= for TLS), zk://h:p[,h:p]/PATH.
     /// Parsed after clap, so that an error shows the URL with its password redacted.
@@ -321,6 +326,13 @@ impl Config {
             locks.push(lock);
         }
         let mut families: Vec<FamilyConfig> = Vec::new();
+        if args.read_write && args.families.is_empty() {
+            return Err(bad(
+                "read-write",
+                "true",
+                &"readers and writers are for keyed families (--keyed)",
+            ));
+        }
         if args.permits != 1 && args.families.is_empty() {
             return Err(bad(
                 "permits",
@@ -358,10 +370,21 @@ impl Config {
                     ),
                 ));
             }
+            if args.read_write && args.permits > leasehold_lease::keyed::MAX_READ_WRITE_PERMITS {
+                return Err(bad(
+                    "permits",
+                    &args.permits.to_string(),
+                    &format!(
+                        "a read-write family's key has 1 to {} permits",
+                        leasehold_lease::keyed::MAX_READ_WRITE_PERMITS
+                    ),
+                ));
+            }
             families.push(FamilyConfig {
                 renew_interval,
                 max_keys: args.max_keys,
                 permits: args.permits,
+                read_write: args.read_write,
                 ..FamilyConfig::new(name, &identity, args.lease_duration)
             });
         }
@@ -538,6 +561,11 @@ mod tests {
             (&["--keyed", "orders", "--permits", "0"], "--permits"),
             (&["--keyed", "orders", "--permits", "257"], "--permits"),
             (&["--lock", "jobs", "--permits", "3"], "--permits"),
+            (&["--lock", "jobs", "--read-write"], "--read-write"),
+            (
+                &["--keyed", "docs", "--read-write", "--permits", "65"],
+                "--permits",
+            ),
             (&["--lock", "a,a"], "'a'"),
             (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
             (&["--resource", "ns"], "NAMESPACE/NAME"),

@@ -1666,20 +1666,43 @@ pub async fn keyed_several_keys_all_or_nothing(h: &mut dyn Harness) {
     }
 }
 
+/// Pod `identity`'s read-write family `family` on `driver`, with `permits` per key.
+fn read_write_pod(
+    driver: Arc<dyn Backend>,
+    family: &str,
+    identity: &str,
+    permits: u32,
+) -> leasehold_lease::keyed::KeyedFamily {
+    let pod = keyed_pod(driver, family, identity, permits);
+    pod.reconfigure(leasehold_lease::keyed::FamilyConfig {
+        read_write: true,
+        ..pod.config()
+    })
+    .expect("read-write");
+    pod
+}
+
 /// Read-write locks on a family of 3 permits: readers of two pods share a key; a writer waits
 /// for them, and while it waits new readers wait too; a writer refused within its wait leaves
 /// nothing held; the writer holds the key alone, with a token above every earlier reader's and
 /// writer's, re-entrant for itself and for nobody else; a reader cannot upgrade; a crashed
-/// pod's write lock is free within the lease; nothing is kept once everything is released.
+/// pod's write lock is free within the lease; a writer of a pod with fewer permits waits for
+/// readers on the permits it does not take; nothing is kept once everything is released.
 pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
     use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease};
     const HOLD: Duration = Duration::from_secs(60);
     const NOW: Duration = Duration::ZERO;
     let family = unique_lock("rw");
     let (a, b) = (
-        keyed_pod(h.driver().await, &family, "pod-a", 3),
-        keyed_pod(h.driver().await, &family, "pod-b", 3),
+        read_write_pod(h.driver().await, &family, "pod-a", 3),
+        read_write_pod(h.driver().await, &family, "pod-b", 3),
     );
+    // A family not declared read-write has no writers.
+    let plain = keyed_pod(h.driver().await, &unique_lock("plain"), "pod-a", 3);
+    assert!(matches!(
+        plain.acquire_write("doc", "w", NOW, HOLD).await,
+        Err(KeyError::BadMode(_))
+    ));
     let read = |answer: KeyAnswer| match answer {
         KeyAnswer::Held {
             token,
@@ -1786,6 +1809,29 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
     let (w2, _) = written(a.acquire_write(key, "w2", NOW, HOLD).await.unwrap());
     assert!(w2 > w1, "writer's token {w2} after {w1}");
 
+    // A write lock lost in part is not held, and what remains of it is given back.
+    let KeyAnswer::Held { token, permit, .. } =
+        a.acquire_write("other", "w9", NOW, HOLD).await.unwrap()
+    else {
+        panic!("w9 could not write");
+    };
+    written(a.acquire_write("other", "w9", NOW, HOLD).await.unwrap());
+    // The answer names the permit whose token it gives: a force-release of that holding.
+    assert!(a.force_release("other", Some(permit), token).await.unwrap());
+    eventually(SLACK, "the write lock is lost", || {
+        matches!(a.status("other", Some("w9")), Ok(KeyAnswer::NotHeld))
+    })
+    .await;
+    read(
+        b.acquire_read("other", "r8", LEASE + SLACK, HOLD)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        b.release("other", "r8").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+
     // Pod a dies without a word: its write lock is free within the lease, for a reader and
     // then a writer of pod b.
     drop(a);
@@ -1813,6 +1859,45 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
     );
     assert_eq!(
         b.release(key, "w3").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+
+    // Pods that disagree on the permits (a change rolling out): a writer of pod c, which has
+    // 2, waits for pod b's readers on permits 2 and 3 too.
+    b.reconfigure(leasehold_lease::keyed::FamilyConfig {
+        permits: 4,
+        ..b.config()
+    })
+    .unwrap();
+    let c = read_write_pod(h.driver().await, &family, "pod-c", 2);
+    let mut readers = Vec::new();
+    for owner in ["r10", "r11", "r12", "r13"] {
+        let KeyAnswer::Held { permit, .. } = b.acquire(key, owner, NOW, HOLD).await.unwrap() else {
+            panic!("{owner} of pod b");
+        };
+        readers.push((permit, owner));
+    }
+    readers.sort_unstable();
+    let writing = {
+        let c = c.clone();
+        tokio::spawn(async move { c.acquire_write(key, "w4", LEASE + SLACK, HOLD).await })
+    };
+    // The readers of permits 0 and 1 leave; those of 2 and 3 still keep the writer out.
+    for (_, owner) in &readers[..2] {
+        b.release(key, owner).await.unwrap();
+    }
+    sleep(Duration::from_millis(300)).await;
+    assert!(
+        !writing.is_finished(),
+        "a writer beside readers of higher permits"
+    );
+    for (_, owner) in &readers[2..] {
+        b.release(key, owner).await.unwrap();
+    }
+    written(writing.await.expect("writer").unwrap());
+    assert!(refused(&b.acquire(key, "r14", NOW, HOLD).await.unwrap()));
+    assert_eq!(
+        c.release(key, "w4").await.unwrap(),
         KeyRelease::Released { holds: 0 }
     );
     eventually(SLACK, "pod b keeps no state once all is released", || {

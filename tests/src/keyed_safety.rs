@@ -577,6 +577,7 @@ fn run_shaped(target: Target, duration: Duration, seed: u64, shape: Shape) -> Re
         .copied()
         .chain(["--keyed", &family, "--mode", "on-demand"])
         .chain(["--permits", &permits])
+        .chain((shape.writes > 0).then_some("--read-write"))
         .collect();
     let start_sidecar = |placement: &Placement, identity: &str, url: &str| {
         Sidecar::start_on(placement, identity, url, &plain, &args)

@@ -263,15 +263,24 @@ fn a_semaphore_family_admits_as_many_owners_as_it_has_permits() {
     );
 }
 
-/// Read-write locks over HTTP (`mode=read|write` on a family of 2 permits): two readers of two
-/// pods share a key; a writer is refused beside them, then holds the key alone (`"mode":
-/// "write"`, a token above the readers'); a reader cannot upgrade; a bad mode, or a write lock
-/// through a held connection, is a 400 that takes nothing.
+/// Read-write locks over HTTP (`mode=read|write` on a `--read-write` family of 2 permits): two
+/// readers of two pods share a key; a writer is refused beside them, then holds the key alone
+/// (`"mode": "write"`, a token above the readers'); a reader cannot upgrade; a bad mode, a
+/// write lock through a held connection, or a mode on a family that is not read-write, is a
+/// 400 that takes nothing.
 #[test]
 fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
     let redis = RedisServer::start();
     let family = unique_lock("docs");
-    let keyed = ["--keyed", &family, "--mode", "on-demand", "--permits", "2"];
+    let keyed = [
+        "--keyed",
+        &family,
+        "--mode",
+        "on-demand",
+        "--permits",
+        "2",
+        "--read-write",
+    ];
     let a = Sidecar::start("pod-a", &redis.url(), &unique_lock("plain"), &keyed);
     let b = Sidecar::start("pod-b", &redis.url(), &unique_lock("plain"), &keyed);
     let key = format!("/locks/{family}/keys/report-9");
@@ -333,6 +342,27 @@ fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
         "{key}/acquire?owner=r3&mode=read&wait=5s&hold=30s"
     ));
     token(&reader);
+
+    let other = unique_lock("plain-family");
+    let c = Sidecar::start(
+        "pod-c",
+        &redis.url(),
+        &unique_lock("plain"),
+        &["--keyed", &other, "--mode", "on-demand"],
+    );
+    for mode in ["read", "write"] {
+        let answer = c.post(&format!(
+            "/locks/{other}/keys/report-9/acquire?owner=x&mode={mode}"
+        ));
+        assert_eq!(answer.status, 400, "{}", answer.body);
+        assert!(
+            answer.body.contains("not declared read-write"),
+            "{}",
+            answer.body
+        );
+    }
+    let free = c.post(&format!("/locks/{other}/keys/report-9/acquire?owner=y"));
+    token(&free);
 }
 
 /// Several keys at once over HTTP: `POST /locks/FAMILY/acquire?keys=...` answers every key's

@@ -1,21 +1,26 @@
-//! Read-write locks on a family's keys (docs/read-write.md): readers share a key, a writer holds
-//! it alone.
+//! Read-write locks on a family's keys (docs/read-write.md): on a family declared read-write,
+//! readers share a key and a writer holds it alone.
 //!
-//! A reader takes one permit of the key, as a semaphore's owner does; a writer takes every
-//! permit, so a key of N permits has up to N readers at once, or one writer. Each permit is an
-//! ordinary lock of the backend, so exclusion rests on the permits' own guarantees: a writer
-//! believes it writes only while it holds every permit, self-fenced, and a reader only while it
-//! holds its permit.
+//! Every acquisition of a read-write family is a reader: it takes one permit of the key, as a
+//! semaphore's owner does. A writer takes every permit, so a key of N permits has up to N
+//! readers at once, or one writer. Each permit is an ordinary lock of the backend, so
+//! exclusion rests on the permits' own guarantees: a writer believes it writes only while it
+//! holds every permit it took, self-fenced, and a reader only while it holds its permit.
 //!
 //! Before the permits a writer takes the key's *write gate*, a lock of its own (`KEY#w`, a name
-//! no key can have). Writers therefore take the permits one at a time, in permit order, and
-//! two writers never hold some permits each. A reader asking with `mode=read` waits while any
-//! writer holds the gate, so a writer waiting for readers to leave is not overtaken by new
-//! ones. A reader past the gate when a writer arrives still takes its permit first.
+//! no key can have), and holds it to the end. Writers therefore take the permits one at a time,
+//! in permit order, and two writers never hold some permits each. Readers wait while a writer
+//! holds the gate, so a writer waiting for readers to leave is not overtaken by new ones.
 //!
-//! A writer's token is the highest of its permits' tokens. Each permit's tokens rise with its
-//! holders, so it is above the token of every earlier holder of any permit: every earlier
-//! reader's and writer's.
+//! Pods may disagree on the count of permits for a while (a change rolling out), so a writer
+//! cannot take "every permit" by its own count alone. It takes the permits of its count, then
+//! reads every higher one up to [`MAX_READ_WRITE_PERMITS`] and waits until none is held; a
+//! reader that took a permit above 0 then reads the gate, and gives the permit back and waits
+//! should a writer hold it. Either the reader's permit was held when the writer read it (the
+//! writer waits), or the gate was held when the reader read it (the reader steps back).
+//!
+//! A writer's token is the highest of the tokens of the permits it took. Each permit's tokens
+//! rise with its holders, so it is above the token of every earlier holder of those permits.
 //!
 //! There is no upgrade from read to write: two readers upgrading at once would each wait for
 //! the other's permit. An owner that reads and asks to write is refused.
@@ -26,37 +31,34 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::several::{Ahead, Taken, Taking, give_back};
-use super::{
-    KeyAnswer, KeyError, KeyRelease, KeyedFamily, StateInUse, Waiting, changed, check_owner,
-};
+use super::several::{Ahead, Taken, Taking};
+use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, StateInUse, Waiting, changed};
+use crate::error::Error;
 use crate::holder::Answer;
 
 /// The part of a key a writer takes first: its write gate (the key's local state `KEY#w`).
 pub(super) const GATE: u32 = u32::MAX;
+/// The most permits a key of a read-write family may have: a writer reads every permit up to
+/// this one that it does not take.
+pub const MAX_READ_WRITE_PERMITS: u32 = 64;
+/// How many backend reads a writer makes at once while it looks at the permits it does not take.
+const READS_AT_ONCE: usize = 16;
 
-/// A writer of this pod holding a key's write lock: the gate and every permit, each with the
-/// token it was taken with.
+/// A writer of this pod holding a key's write lock: the gate and every permit it took, each
+/// with the token it was taken with. `ended` once it no longer holds the key as a whole: its
+/// owner's calls answer "not held" until what remains is given back and it is forgotten.
 #[derive(Debug)]
 pub(super) struct Writer {
     owner: String,
     parts: Vec<Taking>,
-}
-
-impl Writer {
-    /// The parts as an acquisition of several keys keeps them, to give back.
-    fn parts_of(&self, key: &str) -> Vec<(String, Taking)> {
-        self.parts
-            .iter()
-            .map(|taking| (key.to_owned(), *taking))
-            .collect()
-    }
+    ended: AtomicBool,
 }
 
 impl KeyedFamily {
-    /// Take `key` to write for `owner`: once no other owner, reader or writer, holds any of its
-    /// permits, waiting up to `wait`, and keep it at most `hold` unless extended or released.
-    /// Re-entrant for the same writer; refused to an owner that reads the key (no upgrade).
+    /// Take `key` to write for `owner` (a family declared read-write): once no other owner,
+    /// reader or writer, holds any of its permits, waiting up to `wait`, and keep it at most
+    /// `hold` unless extended or released. Re-entrant for the same writer; refused to an owner
+    /// that reads the key (no upgrade).
     pub async fn acquire_write(
         &self,
         key: &str,
@@ -65,8 +67,9 @@ impl KeyedFamily {
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
-        check_owner(owner)?;
+        super::check_owner(owner)?;
         self.check_running()?;
+        self.check_read_write()?;
         if let Some(answer) = self.reenter_write(key, owner, hold, true).await? {
             return Ok(answer);
         }
@@ -77,23 +80,23 @@ impl KeyedFamily {
         }
         let deadline = Instant::now() + wait;
         let _waiting = Waiting::new(&self.inner.waiting);
-        // Every permit the family has had in this pod: readers kept on permits above a
-        // lowered count are waited for too.
+        // Every permit the family has had in this pod, readers kept on permits above a lowered
+        // count included; the higher ones are read, not taken.
         let permits = self
             .read_config(|c| c.permits)
             .max(self.inner.permits_ever.load(Ordering::SeqCst));
         let mut taken = Taken::new(self, owner);
         let kept = std::sync::Mutex::new(Instant::now());
         let looked = AtomicBool::new(true);
+        let no_look = || Ahead {
+            later: &[],
+            looked: &looked,
+        };
         for permit in std::iter::once(GATE).chain(0..permits) {
             let left = deadline.saturating_duration_since(Instant::now());
             let take = self.take_part(key, permit, owner, left, hold, true);
-            let ahead = Ahead {
-                later: &[],
-                looked: &looked,
-            };
             let answer = match self
-                .take_keeping(take, &taken.keys, &kept, ahead, owner, hold)
+                .take_keeping(take, &taken.keys, &kept, no_look(), owner, hold)
                 .await
             {
                 Ok(answer) => answer,
@@ -108,6 +111,21 @@ impl KeyedFamily {
             };
             taken.keys.push((key.to_owned(), Taking { permit, token }));
         }
+        let free = self.await_free_permits(key, permits, deadline);
+        match self
+            .take_keeping(free, &taken.keys, &kept, no_look(), owner, hold)
+            .await
+        {
+            Ok(None) => {}
+            Ok(Some(refused)) => {
+                taken.give_back().await;
+                return Ok(refused);
+            }
+            Err(e) => {
+                taken.give_back().await;
+                return Err(e);
+            }
+        }
         // Every hold runs from now; then the whole is read back, each part held as taken.
         for (key, taking) in &taken.keys {
             let held = Some((taking.permit, taking.token));
@@ -119,6 +137,7 @@ impl KeyedFamily {
         let writer = Arc::new(Writer {
             owner: owner.to_owned(),
             parts: taken.keys.iter().map(|(_, taking)| *taking).collect(),
+            ended: AtomicBool::new(false),
         });
         let answer = self.parts_answer(key, &writer);
         if !matches!(answer, KeyAnswer::Held { .. }) {
@@ -134,58 +153,139 @@ impl KeyedFamily {
         Ok(answer)
     }
 
-    /// Take `key` to read for `owner` (one permit), waiting up to `wait`: first until no writer
-    /// holds the key's write gate (a writer waiting for readers holds it), then for a permit.
-    /// An owner holding the key already (reading, or writing) acquires it again.
-    pub async fn acquire_read(
+    /// Wait until nobody holds a permit of `key` from `from` up to [`MAX_READ_WRITE_PERMITS`]
+    /// (permits this writer did not take, which readers of pods with more permits may hold),
+    /// or `deadline`: `None` once none is held, else the refusal to answer. Held ones are read
+    /// again every half renew interval.
+    async fn await_free_permits(
+        &self,
+        key: &str,
+        from: u32,
+        deadline: Instant,
+    ) -> Result<Option<KeyAnswer>, KeyError> {
+        let driver = self.driver();
+        let renew_interval = self.read_config(|c| c.renew_interval);
+        let mut pending: Vec<u32> = (from..MAX_READ_WRITE_PERMITS).collect();
+        loop {
+            let mut held = Vec::new();
+            for chunk in pending.chunks(READS_AT_ONCE) {
+                let reads = chunk.iter().map(|&permit| {
+                    let name = self.permit_name(key, permit);
+                    let driver = driver.clone();
+                    async move { (permit, driver.observe(&name).await) }
+                });
+                for (permit, read) in futures_util::future::join_all(reads).await {
+                    match read {
+                        Ok(None) => {}
+                        Ok(Some(holder)) => held.push((permit, holder.identity)),
+                        Err(e) => {
+                            tracing::debug!(family = self.name(), key, error = %e, "could not read a permit");
+                            return Ok(Some(KeyAnswer::Unknown));
+                        }
+                    }
+                }
+            }
+            let Some((_, holder)) = held.first() else {
+                return Ok(None);
+            };
+            if Instant::now() >= deadline {
+                return Ok(Some(KeyAnswer::HeldByAnother {
+                    holder: Some(holder.clone()),
+                }));
+            }
+            pending = held.iter().map(|(permit, _)| *permit).collect();
+            let nap = (renew_interval / 2).min(driver.poll_interval(renew_interval));
+            tokio::time::sleep_until(deadline.min(Instant::now() + nap)).await;
+        }
+    }
+
+    /// An acquisition of a read-write family's `key` by `owner`, which does not write it: a
+    /// reader's. It waits while a writer holds the key's gate, takes a permit, and should the
+    /// permit be above 0 (one a writer of fewer permits reads rather than takes), reads the gate
+    /// again: held by a writer, the permit is given back and the reader waits again.
+    pub(super) async fn take_reading(
         &self,
         key: &str,
         owner: &str,
         wait: Duration,
         hold: Duration,
+        reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
-        self.check_key(key)?;
-        check_owner(owner)?;
-        self.check_running()?;
-        if self.writer_of(key, Some(owner)).is_some() || self.owned_permit(key, owner).is_some() {
-            return self.take(key, owner, wait, hold, true).await;
+        if self.owned_permit(key, owner).is_some() {
+            return self.take_checked(key, owner, wait, hold, reentrant).await;
         }
         let deadline = Instant::now() + wait;
-        if let Some(refused) = self.wait_for_no_writer(key, deadline).await {
-            return Ok(refused);
+        loop {
+            if let Some(refused) = self.wait_for_no_writer(key, owner, deadline).await {
+                return Ok(refused);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let answer = self.take_checked(key, owner, left, hold, reentrant).await?;
+            let KeyAnswer::Held { permit, token, .. } = answer else {
+                return Ok(answer);
+            };
+            if permit == 0 {
+                return Ok(answer);
+            }
+            let writer = match self.gate_holder(key, owner).await {
+                Ok(None) => return Ok(answer),
+                Ok(Some(writer)) => KeyAnswer::HeldByAnother {
+                    holder: Some(writer),
+                },
+                Err(e) => {
+                    tracing::debug!(family = self.name(), key, error = %e, "could not read the write gate");
+                    KeyAnswer::Unknown
+                }
+            };
+            self.give_back_whole(key, owner, &[Taking { permit, token }])
+                .await;
+            if matches!(writer, KeyAnswer::Unknown) || Instant::now() >= deadline {
+                return Ok(writer);
+            }
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        self.take(key, owner, left, hold, true).await
+    }
+
+    /// Who holds `key`'s write gate, other than `owner`: this pod's holder, else the backend's.
+    async fn gate_holder(&self, key: &str, owner: &str) -> Result<Option<String>, Error> {
+        let local = self
+            .existing(&super::permit_key(key, GATE))
+            .and_then(|s| super::current_of(&s));
+        if let Some(holding) = local {
+            return Ok((holding.owner != owner).then(|| self.qualified(&holding.owner)));
+        }
+        let me = self.qualified(owner);
+        Ok(self
+            .driver()
+            .observe(&self.permit_name(key, GATE))
+            .await?
+            .map(|holder| holder.identity)
+            .filter(|holder| *holder != me))
     }
 
     /// Wait until no writer holds `key`'s write gate, or `deadline`: `None` once none does,
-    /// else the refusal to answer. The gate is read from the backend at each round; a round
-    /// follows a release notice of the gate (the backend's, or this pod's), or half a renew
-    /// interval, since a writer that dies sends no notice.
-    async fn wait_for_no_writer(&self, key: &str, deadline: Instant) -> Option<KeyAnswer> {
+    /// else the refusal to answer. The gate is read at each round; a round follows a release
+    /// notice of the gate (the backend's, or this pod's), or half a renew interval, since a
+    /// writer that dies sends no notice.
+    async fn wait_for_no_writer(
+        &self,
+        key: &str,
+        owner: &str,
+        deadline: Instant,
+    ) -> Option<KeyAnswer> {
         let gate = self.permit_name(key, GATE);
         let renew_interval = self.read_config(|c| c.renew_interval);
         let own_key = StateInUse::new(&self.inner, key);
         let mut given_up = own_key.given_up.subscribe();
-        let _waiting = Waiting::new(&self.inner.waiting);
         loop {
             let driver = self.driver();
             let mut notice = driver.changes(&gate);
-            let local = self
-                .existing(&super::permit_key(key, GATE))
-                .and_then(|s| super::current_of(&s))
-                .map(|holding| self.qualified(&holding.owner));
-            let writer = match local {
-                Some(writer) => Some(writer),
-                None => match driver.observe(&gate).await {
-                    Ok(holder) => holder.map(|h| h.identity),
-                    Err(e) => {
-                        tracing::debug!(family = self.name(), key, error = %e, "could not read the write gate");
-                        return Some(KeyAnswer::Unknown);
-                    }
-                },
+            let writer = match self.gate_holder(key, owner).await {
+                Ok(writer) => writer?,
+                Err(e) => {
+                    tracing::debug!(family = self.name(), key, error = %e, "could not read the write gate");
+                    return Some(KeyAnswer::Unknown);
+                }
             };
-            let writer = writer?;
             if Instant::now() >= deadline {
                 return Some(KeyAnswer::HeldByAnother {
                     holder: Some(writer),
@@ -219,15 +319,31 @@ impl KeyedFamily {
             .cloned()
     }
 
-    /// Whether `owner` holds `key`'s write lock.
+    /// Whether `owner` holds `key`'s write lock (or did, and what remains of it is being given
+    /// back).
     pub fn writes(&self, key: &str, owner: &str) -> bool {
         self.writer_of(key, Some(owner)).is_some()
     }
 
+    /// Whether the family is declared read-write.
+    pub fn is_read_write(&self) -> bool {
+        self.read_config(|c| c.read_write)
+    }
+
+    pub(super) fn check_read_write(&self) -> Result<(), KeyError> {
+        if self.is_read_write() {
+            return Ok(());
+        }
+        Err(KeyError::BadMode(format!(
+            "the family {:?} is not declared read-write (spec.keys.readWrite, --read-write): its keys have no readers and writers",
+            self.name()
+        )))
+    }
+
     /// An acquisition by `owner` of a key it writes: the write lock again (every part
     /// re-entered), or refused when it may not be (`reentrant` false: Dapr's try-lock). `None`:
-    /// the owner does not write the key, or its write lock was lost and is given back, so the
-    /// owner takes the key afresh.
+    /// the owner does not write the key, or its write lock ended and what remained of it is
+    /// given back, so the owner takes the key afresh.
     pub(super) async fn reenter_write(
         &self,
         key: &str,
@@ -239,10 +355,7 @@ impl KeyedFamily {
             return Ok(None);
         };
         if !matches!(self.parts_answer(key, &writer), KeyAnswer::Held { .. }) {
-            // Lost: what remains is given back before the owner takes the key afresh.
-            if self.forget_writer(key, &writer) {
-                give_back(self, owner, writer.parts_of(key)).await;
-            }
+            self.end_write(key, &writer).await;
             return Ok(None);
         }
         if !reentrant {
@@ -250,30 +363,41 @@ impl KeyedFamily {
                 holder: Some(self.qualified(owner)),
             }));
         }
-        for part in &writer.parts {
-            let Some(holding) = self.holding_on(key, part.permit, owner) else {
-                break;
-            };
-            // A part that ended meanwhile is found by the answer below.
-            let _ = holding.lock.acquire(Duration::ZERO, hold).await;
-        }
+        // On a task of its own, so that a client hanging up cannot leave some parts acquired
+        // once more than others.
+        let (family, key_owned, held) = (self.clone(), key.to_owned(), writer.clone());
+        let _ = tokio::spawn(async move {
+            for part in &held.parts {
+                if let Some(holding) = family.holding_on(&key_owned, part.permit, &held.owner) {
+                    // A part that ended meanwhile is found by the answer below.
+                    let _ = holding.lock.acquire(Duration::ZERO, hold).await;
+                }
+            }
+        })
+        .await;
         Ok(Some(self.write_answer(key, &writer)))
     }
 
     /// The write lock's answer: held while every part is held with the token it was taken
-    /// with, until the earliest part's claim ends, with the highest permit's token. A write
-    /// lock found lost is given back whole (what remains of it), so that readers are not kept
-    /// out by a writer that no longer writes.
+    /// with, until the earliest part's claim ends, with the highest permit's token (and that
+    /// permit). A write lock found ended is given back whole, on a task of its own.
     pub(super) fn write_answer(&self, key: &str, writer: &Arc<Writer>) -> KeyAnswer {
         let answer = self.parts_answer(key, writer);
-        if matches!(answer, KeyAnswer::NotHeld) {
-            self.end_write(key, writer);
+        if matches!(answer, KeyAnswer::NotHeld)
+            && !writer.ended.load(Ordering::SeqCst)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let (family, key, writer) = (self.clone(), key.to_owned(), writer.clone());
+            runtime.spawn(async move { family.end_write(&key, &writer).await });
         }
         answer
     }
 
     fn parts_answer(&self, key: &str, writer: &Writer) -> KeyAnswer {
-        let mut token = 0;
+        if writer.ended.load(Ordering::SeqCst) {
+            return KeyAnswer::NotHeld;
+        }
+        let (mut token, mut permit) = (0, 0);
         let mut valid_for = Duration::MAX;
         let mut holds = 0;
         for part in &writer.parts {
@@ -288,8 +412,8 @@ impl KeyedFamily {
                     valid_for = valid_for.min(left);
                     if part.permit == GATE {
                         holds = holding.lock.snapshot().holds;
-                    } else {
-                        token = token.max(held);
+                    } else if held >= token {
+                        (token, permit) = (held, part.permit);
                     }
                 }
                 Answer::Unknown => return KeyAnswer::Unknown,
@@ -300,31 +424,50 @@ impl KeyedFamily {
             token,
             valid_for,
             holds,
-            permit: 0,
+            permit,
             writer: true,
         }
     }
 
-    /// Forget `writer` and give back what it still holds, on a task of its own.
-    fn end_write(&self, key: &str, writer: &Arc<Writer>) {
-        if !self.forget_writer(key, writer) {
-            return;
-        }
-        let parts = writer.parts_of(key);
-        let (family, owner) = (self.clone(), writer.owner.clone());
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { give_back(&family, &owner, parts).await });
-        }
+    /// The write lock no longer holds the key as a whole: its owner's calls answer "not held"
+    /// from now, every part still held is released whatever its count of acquisitions, and
+    /// then the writer is forgotten.
+    async fn end_write(&self, key: &str, writer: &Arc<Writer>) {
+        writer.ended.store(true, Ordering::SeqCst);
+        self.give_back_whole(key, &writer.owner, &writer.parts)
+            .await;
+        self.forget_writer(key, writer);
     }
 
-    /// Forget `writer`, if it is still `key`'s: whether it was.
-    fn forget_writer(&self, key: &str, writer: &Arc<Writer>) -> bool {
+    /// Forget `writer`, if it is still `key`'s.
+    fn forget_writer(&self, key: &str, writer: &Arc<Writer>) {
         let mut writers = self.inner.writers.lock().unwrap_or_else(|e| e.into_inner());
         if writers.get(key).is_some_and(|w| Arc::ptr_eq(w, writer)) {
             writers.remove(key);
-            return true;
         }
-        false
+    }
+
+    /// Release each of `parts` of `key` that `owner` still holds with its token, however many
+    /// times it was acquired, last part first; on a task of its own, so that a client hanging
+    /// up cannot cut it short.
+    async fn give_back_whole(&self, key: &str, owner: &str, parts: &[Taking]) {
+        let holdings: Vec<_> = parts
+            .iter()
+            .rev()
+            .filter_map(|part| {
+                let holding = self.holding_on(key, part.permit, owner)?;
+                let current = holding.lock.snapshot().held.map(|held| held.token);
+                current
+                    .is_none_or(|token| token == part.token)
+                    .then_some(holding)
+            })
+            .collect();
+        let _ = tokio::spawn(async move {
+            for holding in holdings {
+                holding.lock.shutdown().await;
+            }
+        })
+        .await;
     }
 
     /// Keep the write lock at least `hold` from now: every part extended.
@@ -334,38 +477,57 @@ impl KeyedFamily {
         writer: &Arc<Writer>,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
-        for part in &writer.parts {
-            let held = Some((part.permit, part.token));
-            self.extend_held(key, &writer.owner, hold, held).await?;
+        if !writer.ended.load(Ordering::SeqCst) {
+            for part in &writer.parts {
+                let held = Some((part.permit, part.token));
+                self.extend_held(key, &writer.owner, hold, held).await?;
+            }
         }
         Ok(self.write_answer(key, writer))
     }
 
     /// Give up one acquisition of the write lock: one release of each part, the permits from
-    /// the last, the gate after them. The holds left are the gate's.
+    /// the last, the gate after them, on a task of its own (a client hanging up cannot leave
+    /// some parts acquired more often than others). The holds left are the gate's. A part
+    /// found ended, or a release that failed, ends the write lock whole.
     pub(super) async fn release_write(
         &self,
         key: &str,
         writer: &Arc<Writer>,
     ) -> Result<KeyRelease, KeyError> {
-        let mut gate = KeyRelease::NotHeld;
-        let mut failed = None;
-        for part in writer.parts.iter().rev() {
-            let held = Some((part.permit, part.token));
-            match self.release_held(key, &writer.owner, held).await {
-                Ok(released) if part.permit == GATE => gate = released,
-                Ok(_) => {}
-                Err(e) => failed = Some(e),
-            }
+        if writer.ended.load(Ordering::SeqCst) {
+            return Ok(KeyRelease::NotHeld);
         }
-        match (&gate, &failed) {
-            (KeyRelease::Released { holds }, None) if *holds > 0 => {}
-            (_, None) => {
-                self.forget_writer(key, writer);
+        let (family, key_owned, held) = (self.clone(), key.to_owned(), writer.clone());
+        let released = tokio::spawn(async move {
+            let mut answers = Vec::with_capacity(held.parts.len());
+            for part in held.parts.iter().rev() {
+                let taken = Some((part.permit, part.token));
+                answers.push((
+                    part.permit,
+                    family.release_held(&key_owned, &held.owner, taken).await,
+                ));
             }
-            // What a failed release left is given back whole.
-            (_, Some(_)) => self.end_write(key, writer),
+            answers
+        })
+        .await
+        .map_err(|e| KeyError::Lock(Error::Backend(format!("a release stopped: {e}"))))?;
+        let gate = released
+            .iter()
+            .find(|(permit, _)| *permit == GATE)
+            .and_then(|(_, answer)| answer.as_ref().ok().cloned())
+            .unwrap_or(KeyRelease::NotHeld);
+        // Every part released once, each left with the gate's count: the write lock stands
+        // (or, at 0, is gone). Anything else ends it whole.
+        let even = released
+            .iter()
+            .all(|(_, answer)| matches!(answer, Ok(released) if *released == gate));
+        match gate {
+            KeyRelease::Released { holds: 0 } if even => self.forget_writer(key, writer),
+            KeyRelease::Released { .. } if even => {}
+            _ => self.end_write(key, writer).await,
         }
+        let failed = released.into_iter().find_map(|(_, answer)| answer.err());
         match failed {
             Some(e) => Err(e),
             None => Ok(gate),

@@ -131,6 +131,11 @@ impl KeyedFamily {
         let order = self.check_keys(keys)?;
         check_owner(owner)?;
         self.check_running()?;
+        if let Some(key) = keys.iter().find(|key| self.writes(key, owner)) {
+            return Err(KeyError::BadMode(format!(
+                "{owner} writes {key:?}: a write lock is not taken again among several keys"
+            )));
+        }
         let deadline = Instant::now() + wait;
         let mut taken = Taken::new(self, owner);
         // When the keys taken were last kept alive, and whether the keys after the one awaited
@@ -217,15 +222,15 @@ impl KeyedFamily {
     /// `key` not be granted at once, the keys after it are read once: a dead holder's records
     /// are then counted from now, not from their turn, so that a dead pod's keys are all free
     /// within about one lease rather than one lease per key.
-    pub(super) async fn take_keeping(
+    pub(super) async fn take_keeping<T>(
         &self,
-        take: impl std::future::Future<Output = Result<KeyAnswer, KeyError>>,
+        take: impl std::future::Future<Output = Result<T, KeyError>>,
         taken: &[(String, Taking)],
         kept: &std::sync::Mutex<Instant>,
         ahead: Ahead<'_>,
         owner: &str,
         hold: Duration,
-    ) -> Result<KeyAnswer, KeyError> {
+    ) -> Result<T, KeyError> {
         // Beside the take, never in its stead: the take runs the key's engine.
         let keep_alive = async {
             if taken.is_empty() {
