@@ -27,6 +27,7 @@ mod keyed;
 mod measure;
 mod operator;
 mod queue;
+mod read_write;
 mod redis_family;
 mod safety;
 mod semaphore;
@@ -40,6 +41,7 @@ use keyed::*;
 use measure::*;
 use operator::*;
 use queue::*;
+use read_write::*;
 use redis_family::*;
 use safety::*;
 use semaphore::*;
@@ -112,6 +114,7 @@ const SECTIONS: &[&str] = &[
     "keyed",
     "keyed-many",
     "semaphore",
+    "read-write",
     "several",
     "safety",
     "operator",
@@ -156,6 +159,9 @@ async fn run(sections: &[&str]) {
     }
     if wanted("semaphore") {
         semaphore_section().await;
+    }
+    if wanted("read-write") {
+        read_write_section().await;
     }
     if wanted("several") {
         several_section().await;

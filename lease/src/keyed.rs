@@ -1020,6 +1020,11 @@ impl KeyedFamily {
 
     /// Release every key and stop.
     pub async fn shutdown(&self) {
+        self.inner
+            .writers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         let holdings: Vec<Arc<KeyHolding>> = {
             let keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
             keys.values().filter_map(|s| current_of(s)).collect()

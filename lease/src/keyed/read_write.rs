@@ -14,10 +14,13 @@
 //!
 //! Pods may disagree on the count of permits for a while (a change rolling out), so a writer
 //! cannot take "every permit" by its own count alone. It takes the permits of its count, then
-//! reads every higher one up to [`MAX_READ_WRITE_PERMITS`] and waits until none is held; a
-//! reader that took a permit above 0 then reads the gate, and gives the permit back and waits
-//! should a writer hold it. Either the reader's permit was held when the writer read it (the
-//! writer waits), or the gate was held when the reader read it (the reader steps back).
+//! probes every higher one up to [`MAX_READ_WRITE_PERMITS`] and waits until each is free; a
+//! reader that took a permit above 0 then probes the gate, and gives the permit back and waits
+//! should it not be free. Either the reader's permit was held when the writer probed it (the
+//! writer waits), or the gate was held when the reader probed it (the reader steps back). A
+//! probe is an acquisition given back at once, not a read: it is as current as an acquisition,
+//! and meets the backend's guards (a restarted server withholding grants for a lease), which a
+//! plain read of a record would not see.
 //!
 //! A writer's token is the highest of the tokens of the permits it took. Each permit's tokens
 //! rise with its holders, so it is above the token of every earlier holder of those permits.
@@ -41,8 +44,8 @@ pub(super) const GATE: u32 = u32::MAX;
 /// The most permits a key of a read-write family may have: a writer reads every permit up to
 /// this one that it does not take.
 pub const MAX_READ_WRITE_PERMITS: u32 = 64;
-/// How many backend reads a writer makes at once while it looks at the permits it does not take.
-const READS_AT_ONCE: usize = 16;
+/// How many permits a writer probes at once among those it does not take.
+const PROBES_AT_ONCE: usize = 16;
 
 /// A writer of this pod holding a key's write lock: the gate and every permit it took, each
 /// with the token it was taken with. `ended` once it no longer holds the key as a whole: its
@@ -111,7 +114,7 @@ impl KeyedFamily {
             };
             taken.keys.push((key.to_owned(), Taking { permit, token }));
         }
-        let free = self.await_free_permits(key, permits, deadline);
+        let free = self.await_free_permits(key, owner, permits, deadline);
         match self
             .take_keeping(free, &taken.keys, &kept, no_look(), owner, hold)
             .await
@@ -153,13 +156,14 @@ impl KeyedFamily {
         Ok(answer)
     }
 
-    /// Wait until nobody holds a permit of `key` from `from` up to [`MAX_READ_WRITE_PERMITS`]
-    /// (permits this writer did not take, which readers of pods with more permits may hold),
-    /// or `deadline`: `None` once none is held, else the refusal to answer. Held ones are read
-    /// again every half renew interval.
+    /// Wait until each permit of `key` from `from` up to [`MAX_READ_WRITE_PERMITS`] (permits
+    /// this writer did not take, which readers of pods with more permits may hold) is free when
+    /// probed, or `deadline`: `None` once all were, else the refusal to answer. Those not free
+    /// are probed again every half renew interval.
     async fn await_free_permits(
         &self,
         key: &str,
+        owner: &str,
         from: u32,
         deadline: Instant,
     ) -> Result<Option<KeyAnswer>, KeyError> {
@@ -168,18 +172,17 @@ impl KeyedFamily {
         let mut pending: Vec<u32> = (from..MAX_READ_WRITE_PERMITS).collect();
         loop {
             let mut held = Vec::new();
-            for chunk in pending.chunks(READS_AT_ONCE) {
-                let reads = chunk.iter().map(|&permit| {
+            for chunk in pending.chunks(PROBES_AT_ONCE) {
+                let probes = chunk.iter().map(|&permit| {
                     let name = self.permit_name(key, permit);
-                    let driver = driver.clone();
-                    async move { (permit, driver.observe(&name).await) }
+                    async move { (permit, self.probe(&name, owner).await) }
                 });
-                for (permit, read) in futures_util::future::join_all(reads).await {
-                    match read {
+                for (permit, probe) in futures_util::future::join_all(probes).await {
+                    match probe {
                         Ok(None) => {}
-                        Ok(Some(holder)) => held.push((permit, holder.identity)),
+                        Ok(Some(holder)) => held.push((permit, holder)),
                         Err(e) => {
-                            tracing::debug!(family = self.name(), key, error = %e, "could not read a permit");
+                            tracing::debug!(family = self.name(), key, error = %e, "could not probe a permit");
                             return Ok(Some(KeyAnswer::Unknown));
                         }
                     }
@@ -201,8 +204,8 @@ impl KeyedFamily {
 
     /// An acquisition of a read-write family's `key` by `owner`, which does not write it: a
     /// reader's. It waits while a writer holds the key's gate, takes a permit, and should the
-    /// permit be above 0 (one a writer of fewer permits reads rather than takes), reads the gate
-    /// again: held by a writer, the permit is given back and the reader waits again.
+    /// permit be above 0 (one a writer of fewer permits probes rather than takes), probes the
+    /// gate: not free, the permit is given back and the reader waits again.
     pub(super) async fn take_reading(
         &self,
         key: &str,
@@ -211,8 +214,16 @@ impl KeyedFamily {
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
-        if self.owned_permit(key, owner).is_some() {
-            return self.take_checked(key, owner, wait, hold, reentrant).await;
+        // The owner's holding is acquired again where it is: it passed the gate when taken.
+        if let Some(current) = self.owned_permit(key, owner)
+            && let Some(answer) = self.reenter(&current, hold, reentrant).await?
+        {
+            return Ok(answer);
+        }
+        if self.holding_on(key, GATE, owner).is_some() {
+            return Err(KeyError::BadMode(format!(
+                "{owner} is taking {key:?} to write and cannot read it meanwhile"
+            )));
         }
         let deadline = Instant::now() + wait;
         loop {
@@ -227,25 +238,65 @@ impl KeyedFamily {
             if permit == 0 {
                 return Ok(answer);
             }
-            let writer = match self.gate_holder(key, owner).await {
-                Ok(None) => return Ok(answer),
-                Ok(Some(writer)) => KeyAnswer::HeldByAnother {
-                    holder: Some(writer),
-                },
-                Err(e) => {
-                    tracing::debug!(family = self.name(), key, error = %e, "could not read the write gate");
-                    KeyAnswer::Unknown
-                }
+            // On a task of its own, so that a client hanging up cannot leave the permit held
+            // when the probe finds a writer.
+            let (family, key_owned, owner_owned) = (self.clone(), key.to_owned(), owner.to_owned());
+            let stepped_back = tokio::spawn(async move {
+                let gate = family.permit_name(&key_owned, GATE);
+                let writer = match family.probe(&gate, &owner_owned).await {
+                    Ok(None) => return None,
+                    Ok(Some(writer)) => KeyAnswer::HeldByAnother {
+                        holder: Some(writer),
+                    },
+                    Err(e) => {
+                        tracing::debug!(family = family.name(), key = key_owned, error = %e, "could not probe the write gate");
+                        KeyAnswer::Unknown
+                    }
+                };
+                // One release: an acquisition of the owner's made meanwhile keeps the permit.
+                let taken = Some((permit, token));
+                let _ = family.release_held(&key_owned, &owner_owned, taken).await;
+                Some(writer)
+            })
+            .await
+            .unwrap_or(Some(KeyAnswer::Unknown));
+            let Some(writer) = stepped_back else {
+                return Ok(answer);
             };
-            self.give_back_whole(key, owner, &[Taking { permit, token }])
-                .await;
             if matches!(writer, KeyAnswer::Unknown) || Instant::now() >= deadline {
                 return Ok(writer);
             }
         }
     }
 
-    /// Who holds `key`'s write gate, other than `owner`: this pod's holder, else the backend's.
+    /// Whether `lock` is free now, as an acquisition finds it: one attempt for `owner`, given
+    /// back at once when granted (`None`); else who holds it, or why it is not granted.
+    async fn probe(&self, lock: &str, owner: &str) -> Result<Option<String>, Error> {
+        let driver = self.driver();
+        let lease_duration = self.read_config(|c| c.lease_duration);
+        match driver
+            .try_acquire(lock, &self.qualified(owner), lease_duration)
+            .await?
+        {
+            crate::driver::Acquire::Acquired(lease) => {
+                // Not given back (the backend out of reach): the record ends with its lease,
+                // and keeps the lock meanwhile, which is the safe side.
+                if let Err(e) = driver.release(&lease).await {
+                    tracing::debug!(family = self.name(), lock, error = %e, "a probe's acquisition was not given back");
+                }
+                Ok(None)
+            }
+            crate::driver::Acquire::Busy(holder) => Ok(Some(
+                holder.map_or_else(|| "another owner".to_owned(), |h| h.identity),
+            )),
+            crate::driver::Acquire::Withheld(withheld) => {
+                Ok(Some(format!("nobody yet: {}", withheld.reason)))
+            }
+        }
+    }
+
+    /// Who holds `key`'s write gate, other than `owner`: this pod's holder, else the backend's
+    /// record as read (a hint for waiting, not a proof: see [`KeyedFamily::probe`]).
     async fn gate_holder(&self, key: &str, owner: &str) -> Result<Option<String>, Error> {
         let local = self
             .existing(&super::permit_key(key, GATE))
@@ -319,10 +370,10 @@ impl KeyedFamily {
             .cloned()
     }
 
-    /// Whether `owner` holds `key`'s write lock (or did, and what remains of it is being given
-    /// back).
+    /// Whether `owner` holds `key`'s write lock now.
     pub fn writes(&self, key: &str, owner: &str) -> bool {
-        self.writer_of(key, Some(owner)).is_some()
+        self.writer_of(key, Some(owner))
+            .is_some_and(|writer| matches!(self.parts_answer(key, &writer), KeyAnswer::Held { .. }))
     }
 
     /// Whether the family is declared read-write.
@@ -430,12 +481,28 @@ impl KeyedFamily {
     }
 
     /// The write lock no longer holds the key as a whole: its owner's calls answer "not held"
-    /// from now, every part still held is released whatever its count of acquisitions, and
-    /// then the writer is forgotten.
+    /// from now, every part still held steps down whatever its count of acquisitions, and then
+    /// the writer is forgotten. A part steps down as on a force-release: released once the
+    /// last answer it gave has run out, since the writer's last answer may still be relied on.
     async fn end_write(&self, key: &str, writer: &Arc<Writer>) {
         writer.ended.store(true, Ordering::SeqCst);
-        self.give_back_whole(key, &writer.owner, &writer.parts)
-            .await;
+        let holdings: Vec<_> = writer
+            .parts
+            .iter()
+            .rev()
+            .filter_map(|part| {
+                let holding = self.holding_on(key, part.permit, &writer.owner)?;
+                Some((holding, part.token))
+            })
+            .collect();
+        // On a task of its own, so that a client hanging up cannot cut it short.
+        let _ = tokio::spawn(async move {
+            for (holding, token) in holdings {
+                // Not held with the token: a later holding, or one that ended already.
+                let _ = holding.lock.force_release(token).await;
+            }
+        })
+        .await;
         self.forget_writer(key, writer);
     }
 
@@ -445,29 +512,6 @@ impl KeyedFamily {
         if writers.get(key).is_some_and(|w| Arc::ptr_eq(w, writer)) {
             writers.remove(key);
         }
-    }
-
-    /// Release each of `parts` of `key` that `owner` still holds with its token, however many
-    /// times it was acquired, last part first; on a task of its own, so that a client hanging
-    /// up cannot cut it short.
-    async fn give_back_whole(&self, key: &str, owner: &str, parts: &[Taking]) {
-        let holdings: Vec<_> = parts
-            .iter()
-            .rev()
-            .filter_map(|part| {
-                let holding = self.holding_on(key, part.permit, owner)?;
-                let current = holding.lock.snapshot().held.map(|held| held.token);
-                current
-                    .is_none_or(|token| token == part.token)
-                    .then_some(holding)
-            })
-            .collect();
-        let _ = tokio::spawn(async move {
-            for holding in holdings {
-                holding.lock.shutdown().await;
-            }
-        })
-        .await;
     }
 
     /// Keep the write lock at least `hold` from now: every part extended.
