@@ -19,7 +19,7 @@ async fn cycles(family: &leasehold_lease::keyed::KeyedFamily, write_every: u64) 
             let mut cycles = 0u64;
             while start.elapsed() < KEYED_DURATION {
                 // Owners write at different turns, so that writes spread over the run.
-                let writes = write_every > 0 && (cycles + i as u64) % write_every == 0;
+                let writes = write_every > 0 && (cycles + i as u64).is_multiple_of(write_every);
                 let answer = if writes {
                     family.acquire_write("doc", &owner, WAIT, LEASE).await
                 } else {
