@@ -62,9 +62,9 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
     "permits above 1 make each key of a family of keyed locks a semaphore (spec.keys): a lock held by one sidecar has one holder"
 ))]
 #[x_kube(validation = Rule::new(
-    "!has(self.keys) || !has(self.keys.readWrite) || !self.keys.readWrite || !has(self.permits) || self.permits <= 64"
+    "!has(self.keys) || !has(self.keys.readWrite) || !self.keys.readWrite || !has(self.permits) || self.permits <= 16"
 ).message(
-    "a read-write family's key has at most 64 permits: a writer reads each permit it does not take"
+    "a read-write family's key has at most 16 permits: a writer probes each permit it does not take"
 ))]
 #[x_kube(validation = Rule::new("has(self.keys) == has(oldSelf.keys)").message(
     "keys cannot be added or removed: a lock and a family of keyed locks keep different records; create a new DistributedLock instead"
@@ -233,7 +233,7 @@ pub struct KeysSpec {
     #[schemars(range(min = 1, max = 1000000))]
     pub max_held_per_pod: Option<u32>,
     /// Keys have readers and writers (docs/read-write.md): every acquisition reads, sharing
-    /// the key with up to `spec.permits` readers, and `mode=write` holds it alone. At most 64
+    /// the key with up to `spec.permits` readers, and `mode=write` holds it alone. At most 16
     /// permits then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_write: Option<bool>,

@@ -89,7 +89,7 @@ fn good_locks_pass() {
         json!({ "backend": redis(), "leaseDuration": "1s", "renewInterval": "500ms" }),
         json!({ "backend": redis(), "keys": {} }),
         json!({ "backend": redis(), "keys": {}, "permits": 8 }),
-        json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 64 }),
+        json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 16 }),
         json!({ "backend": redis(), "keys": { "readWrite": false }, "permits": 256 }),
         json!({ "backend": redis(), "permits": 1 }),
         json!({ "backend": redis(), "keys": { "maxKeyLength": 64, "maxHeldPerPod": 10000 },
@@ -136,8 +136,8 @@ fn bad_locks_are_rejected_with_a_reason() {
             "permits above 1 make each key of a family of keyed locks a semaphore",
         ),
         (
-            json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 65 }),
-            "a read-write family's key has at most 64 permits",
+            json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 17 }),
+            "a read-write family's key has at most 16 permits",
         ),
         (
             json!({ "backend": redis(), "leaseDuration": "10s", "renewInterval": "10s" }),

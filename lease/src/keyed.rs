@@ -196,6 +196,10 @@ struct KeyHolding {
     /// The key's local slot, given back the moment the holding is forgotten: a task may still
     /// hold the holding itself a moment longer, and the next owner must not wait for it.
     slot: Mutex<Option<OwnedMutexGuard<()>>>,
+    /// Whether the owner may be told it holds the key. A reader's permit above 0 of a
+    /// read-write family is not until its acquisition has probed the write gate
+    /// (read_write.rs); the owner's other calls meanwhile answer "not held".
+    checked: std::sync::atomic::AtomicBool,
 }
 
 /// A family of keyed locks on one backend. Cheap to clone.
@@ -754,6 +758,9 @@ impl KeyedFamily {
             lock,
             serial,
             slot: Mutex::new(Some(slot)),
+            checked: std::sync::atomic::AtomicBool::new(
+                !(self.read_config(|c| c.read_write) && permit > 0 && permit != read_write::GATE),
+            ),
         });
         // Counted before it is put in place: the engine's hook may forget it (and count it
         // out) from then on.
@@ -816,6 +823,7 @@ impl KeyedFamily {
             return None;
         }
         self.owned_permit(key, owner)
+            .filter(|current| current.checked.load(Ordering::SeqCst))
             .map(|current| current.lock.clone())
     }
 
@@ -972,7 +980,9 @@ impl KeyedFamily {
         check_owner(owner)?;
         let current = match held {
             Some((permit, _)) => self.holding_on(key, permit, owner),
-            None => self.holding_for(key, owner),
+            None => self
+                .holding_for(key, owner)
+                .filter(|c| c.owner != owner || c.checked.load(Ordering::SeqCst)),
         };
         let Some(current) = current else {
             return Ok(KeyAnswer::NotHeld);
@@ -1006,7 +1016,7 @@ impl KeyedFamily {
             Some(owner) => self.holding_for(key, owner),
             None => self.find_holding(key, |_| true),
         };
-        let Some(current) = current else {
+        let Some(current) = current.filter(|c| c.checked.load(Ordering::SeqCst)) else {
             return Ok(KeyAnswer::NotHeld);
         };
         if owner.is_some_and(|o| o != current.owner) {
@@ -1201,7 +1211,7 @@ fn check_settings(config: &FamilyConfig) -> Result<(), Error> {
         return Err(Error::InvalidConfig {
             field: "permits",
             reason: format!(
-                "a read-write family's key has 1 to {MAX_READ_WRITE_PERMITS} permits (it was {}): a writer reads each permit it does not take",
+                "a read-write family's key has 1 to {MAX_READ_WRITE_PERMITS} permits (it was {}): a writer probes each permit it does not take",
                 config.permits
             ),
         });

@@ -456,7 +456,7 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
         return Err(Error::InvalidConfig {
             field: "permits",
             reason: format!(
-                "a read-write family's key has 1 to {} permits (it was {}): a writer reads each permit it does not take",
+                "a read-write family's key has 1 to {} permits (it was {}): a writer probes each permit it does not take",
                 leasehold_lease::keyed::MAX_READ_WRITE_PERMITS,
                 keys.permits
             ),
@@ -900,7 +900,7 @@ mod tests {
     }
 
     #[test]
-    fn a_read_write_family_has_readers_and_at_most_64_permits() {
+    fn a_read_write_family_has_readers_and_at_most_16_permits() {
         let mut family = lock(Backend {
             kubernetes: Some(Default::default()),
             ..Default::default()
@@ -909,13 +909,13 @@ mod tests {
             read_write: Some(true),
             ..Default::default()
         });
-        family.spec.permits = Some(64);
+        family.spec.permits = Some(16);
         let resolved = resolve(&family, &SecretValues::default()).unwrap();
         let config = resolved.family_config("pod").unwrap();
-        assert!(config.read_write && config.permits == 64);
-        family.spec.permits = Some(65);
+        assert!(config.read_write && config.permits == 16);
+        family.spec.permits = Some(17);
         let error = resolve(&family, &SecretValues::default()).unwrap_err();
-        assert!(error.to_string().contains("1 to 64 permits"), "{error}");
+        assert!(error.to_string().contains("1 to 16 permits"), "{error}");
         family.spec.keys = Some(Default::default());
         let resolved = resolve(&family, &SecretValues::default()).unwrap();
         assert!(!resolved.family_config("pod").unwrap().read_write);

@@ -54,7 +54,7 @@ struct Args {
     permits: u32,
 
     /// Keys of the families have readers and writers: every acquisition reads (up to
-    /// --permits readers at once) and `mode=write` holds a key alone; at most 64 permits.
+    /// --permits readers at once) and `mode=write` holds a key alone; at most 16 permits.
     #[arg(long, env = "LEASEHOLD_READ_WRITE")]
     read_write: bool,
 
@@ -563,7 +563,7 @@ mod tests {
             (&["--lock", "jobs", "--permits", "3"], "--permits"),
             (&["--lock", "jobs", "--read-write"], "--read-write"),
             (
-                &["--keyed", "docs", "--read-write", "--permits", "65"],
+                &["--keyed", "docs", "--read-write", "--permits", "17"],
                 "--permits",
             ),
             (&["--lock", "a,a"], "'a'"),

@@ -36,6 +36,7 @@ use tokio::time::Instant;
 
 use super::several::{Ahead, Taken, Taking};
 use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, StateInUse, Waiting, changed};
+use crate::driver::Acquire;
 use crate::error::Error;
 use crate::holder::Answer;
 
@@ -43,7 +44,7 @@ use crate::holder::Answer;
 pub(super) const GATE: u32 = u32::MAX;
 /// The most permits a key of a read-write family may have: a writer reads every permit up to
 /// this one that it does not take.
-pub const MAX_READ_WRITE_PERMITS: u32 = 64;
+pub const MAX_READ_WRITE_PERMITS: u32 = 16;
 /// How many permits a writer probes at once among those it does not take.
 const PROBES_AT_ONCE: usize = 16;
 
@@ -180,7 +181,7 @@ impl KeyedFamily {
                 for (permit, probe) in futures_util::future::join_all(probes).await {
                     match probe {
                         Ok(None) => {}
-                        Ok(Some(holder)) => held.push((permit, holder)),
+                        Ok(Some(refusal)) => held.push((permit, refusal)),
                         Err(e) => {
                             tracing::debug!(family = self.name(), key, error = %e, "could not probe a permit");
                             return Ok(Some(KeyAnswer::Unknown));
@@ -188,13 +189,11 @@ impl KeyedFamily {
                     }
                 }
             }
-            let Some((_, holder)) = held.first() else {
+            let Some((_, refusal)) = held.first() else {
                 return Ok(None);
             };
             if Instant::now() >= deadline {
-                return Ok(Some(KeyAnswer::HeldByAnother {
-                    holder: Some(holder.clone()),
-                }));
+                return Ok(Some(refusal.clone()));
             }
             pending = held.iter().map(|(permit, _)| *permit).collect();
             let nap = (renew_interval / 2).min(driver.poll_interval(renew_interval));
@@ -214,11 +213,17 @@ impl KeyedFamily {
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
-        // The owner's holding is acquired again where it is: it passed the gate when taken.
-        if let Some(current) = self.owned_permit(key, owner)
-            && let Some(answer) = self.reenter(&current, hold, reentrant).await?
-        {
-            return Ok(answer);
+        // The owner's holding is acquired again where it is, once it has passed the gate (an
+        // acquisition of the owner's may be probing it still).
+        if let Some(current) = self.owned_permit(key, owner) {
+            if !current.checked.load(Ordering::SeqCst) {
+                return Ok(KeyAnswer::HeldByAnother {
+                    holder: Some(self.qualified(owner)),
+                });
+            }
+            if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
+                return Ok(answer);
+            }
         }
         if self.holding_on(key, GATE, owner).is_some() {
             return Err(KeyError::BadMode(format!(
@@ -241,58 +246,76 @@ impl KeyedFamily {
             // On a task of its own, so that a client hanging up cannot leave the permit held
             // when the probe finds a writer.
             let (family, key_owned, owner_owned) = (self.clone(), key.to_owned(), owner.to_owned());
-            let stepped_back = tokio::spawn(async move {
+            let checked = tokio::spawn(async move {
                 let gate = family.permit_name(&key_owned, GATE);
-                let writer = match family.probe(&gate, &owner_owned).await {
-                    Ok(None) => return None,
-                    Ok(Some(writer)) => KeyAnswer::HeldByAnother {
-                        holder: Some(writer),
-                    },
+                let refusal = match family.probe(&gate, &owner_owned).await {
+                    Ok(None) => None,
+                    Ok(Some(refusal)) => Some(refusal),
                     Err(e) => {
                         tracing::debug!(family = family.name(), key = key_owned, error = %e, "could not probe the write gate");
-                        KeyAnswer::Unknown
+                        Some(KeyAnswer::Unknown)
                     }
                 };
-                // One release: an acquisition of the owner's made meanwhile keeps the permit.
-                let taken = Some((permit, token));
-                let _ = family.release_held(&key_owned, &owner_owned, taken).await;
-                Some(writer)
+                let holding = family
+                    .holding_on(&key_owned, permit, &owner_owned)
+                    .filter(|h| h.lock.snapshot().held.is_some_and(|held| held.token == token));
+                match (refusal, holding) {
+                    // Free: the holding may be told of, with its validity as of now.
+                    (None, Some(holding)) => {
+                        holding.checked.store(true, Ordering::SeqCst);
+                        Ok(family.answer_for(&holding, holding.lock.answer()))
+                    }
+                    (None, None) => Ok(KeyAnswer::NotHeld),
+                    (Some(refusal), _) => {
+                        let taken = Some((permit, token));
+                        let _ = family.release_held(&key_owned, &owner_owned, taken).await;
+                        Err(refusal)
+                    }
+                }
             })
             .await
-            .unwrap_or(Some(KeyAnswer::Unknown));
-            let Some(writer) = stepped_back else {
-                return Ok(answer);
+            .unwrap_or(Err(KeyAnswer::Unknown));
+            let refusal = match checked {
+                Ok(answer) => return Ok(answer),
+                Err(refusal) => refusal,
             };
-            if matches!(writer, KeyAnswer::Unknown) || Instant::now() >= deadline {
-                return Ok(writer);
+            if matches!(refusal, KeyAnswer::Unknown) || Instant::now() >= deadline {
+                return Ok(refusal);
             }
+            // The gate read free and probed busy (a guard, a place in a queue): not at once
+            // again.
+            let renew_interval = self.read_config(|c| c.renew_interval);
+            let nap = (renew_interval / 2).min(self.driver().poll_interval(renew_interval));
+            tokio::time::sleep_until(deadline.min(Instant::now() + nap)).await;
         }
     }
 
     /// Whether `lock` is free now, as an acquisition finds it: one attempt for `owner`, given
-    /// back at once when granted (`None`); else who holds it, or why it is not granted.
-    async fn probe(&self, lock: &str, owner: &str) -> Result<Option<String>, Error> {
+    /// back at once when granted (`None`); else the refusal (who holds it, or why a guard of
+    /// the backend's withholds it). A refused attempt leaves the backend's queue at once.
+    async fn probe(&self, lock: &str, owner: &str) -> Result<Option<KeyAnswer>, Error> {
         let driver = self.driver();
+        let identity = self.qualified(owner);
         let lease_duration = self.read_config(|c| c.lease_duration);
-        match driver
-            .try_acquire(lock, &self.qualified(owner), lease_duration)
-            .await?
-        {
-            crate::driver::Acquire::Acquired(lease) => {
+        let refusal = match driver.try_acquire(lock, &identity, lease_duration).await? {
+            Acquire::Acquired(lease) => {
                 // Not given back (the backend out of reach): the record ends with its lease,
                 // and keeps the lock meanwhile, which is the safe side.
                 if let Err(e) = driver.release(&lease).await {
                     tracing::debug!(family = self.name(), lock, error = %e, "a probe's acquisition was not given back");
                 }
-                Ok(None)
+                return Ok(None);
             }
-            crate::driver::Acquire::Busy(holder) => Ok(Some(
-                holder.map_or_else(|| "another owner".to_owned(), |h| h.identity),
-            )),
-            crate::driver::Acquire::Withheld(withheld) => {
-                Ok(Some(format!("nobody yet: {}", withheld.reason)))
-            }
-        }
+            Acquire::Busy(holder) => KeyAnswer::HeldByAnother {
+                holder: holder.map(|h| h.identity),
+            },
+            Acquire::Withheld(withheld) => KeyAnswer::Withheld {
+                reason: withheld.reason,
+                resume_in: withheld.resume_in,
+            },
+        };
+        driver.abandon(lock, &identity).await;
+        Ok(Some(refusal))
     }
 
     /// Who holds `key`'s write gate, other than `owner`: this pod's holder, else the backend's
