@@ -47,6 +47,12 @@ pub(super) const GATE: u32 = u32::MAX;
 pub const MAX_READ_WRITE_PERMITS: u32 = 16;
 /// How many permits a writer probes at once among those it does not take.
 const PROBES_AT_ONCE: usize = 16;
+/// What ends a probe's identity (`POD/OWNER#probe`): a holder so named is a probe of a reader's
+/// or a writer's, given back at once, not a writer.
+const PROBE: &str = "#probe";
+/// How many times a probe that meets another probe tries, and how long it waits between.
+const PROBE_ATTEMPTS: u32 = 8;
+const PROBE_RETRY: Duration = Duration::from_millis(2);
 
 /// A writer of this pod holding a key's write lock: the gate and every permit it took, each
 /// with the token it was taken with. `ended` once it no longer holds the key as a whole: its
@@ -293,29 +299,39 @@ impl KeyedFamily {
     /// Whether `lock` is free now, as an acquisition finds it: one attempt for `owner`, given
     /// back at once when granted (`None`); else the refusal (who holds it, or why a guard of
     /// the backend's withholds it). A refused attempt leaves the backend's queue at once.
+    /// Probes carry an identity of their own ([`PROBE`]), so that readers probing one gate at
+    /// once, who find each other's probes rather than a writer, try again shortly.
     async fn probe(&self, lock: &str, owner: &str) -> Result<Option<KeyAnswer>, Error> {
         let driver = self.driver();
-        let identity = self.qualified(owner);
+        let identity = format!("{}{PROBE}", self.qualified(owner));
         let lease_duration = self.read_config(|c| c.lease_duration);
-        let refusal = match driver.try_acquire(lock, &identity, lease_duration).await? {
-            Acquire::Acquired(lease) => {
-                // Not given back (the backend out of reach): the record ends with its lease,
-                // and keeps the lock meanwhile, which is the safe side.
-                if let Err(e) = driver.release(&lease).await {
-                    tracing::debug!(family = self.name(), lock, error = %e, "a probe's acquisition was not given back");
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let refusal = match driver.try_acquire(lock, &identity, lease_duration).await? {
+                Acquire::Acquired(lease) => {
+                    // Not given back (the backend out of reach): the record ends with its
+                    // lease, and keeps the lock meanwhile, which is the safe side.
+                    if let Err(e) = driver.release(&lease).await {
+                        tracing::debug!(family = self.name(), lock, error = %e, "a probe's acquisition was not given back");
+                    }
+                    return Ok(None);
                 }
-                return Ok(None);
+                Acquire::Busy(holder) => KeyAnswer::HeldByAnother {
+                    holder: holder.map(|h| h.identity),
+                },
+                Acquire::Withheld(withheld) => KeyAnswer::Withheld {
+                    reason: withheld.reason,
+                    resume_in: withheld.resume_in,
+                },
+            };
+            driver.abandon(lock, &identity).await;
+            let another_probe = matches!(&refusal, KeyAnswer::HeldByAnother { holder: Some(h) } if h.ends_with(PROBE));
+            if !another_probe || attempts >= PROBE_ATTEMPTS {
+                return Ok(Some(refusal));
             }
-            Acquire::Busy(holder) => KeyAnswer::HeldByAnother {
-                holder: holder.map(|h| h.identity),
-            },
-            Acquire::Withheld(withheld) => KeyAnswer::Withheld {
-                reason: withheld.reason,
-                resume_in: withheld.resume_in,
-            },
-        };
-        driver.abandon(lock, &identity).await;
-        Ok(Some(refusal))
+            tokio::time::sleep(PROBE_RETRY).await;
+        }
     }
 
     /// Who holds `key`'s write gate, other than `owner`: this pod's holder, else the backend's
@@ -333,7 +349,7 @@ impl KeyedFamily {
             .observe(&self.permit_name(key, GATE))
             .await?
             .map(|holder| holder.identity)
-            .filter(|holder| *holder != me))
+            .filter(|holder| *holder != me && !holder.ends_with(PROBE)))
     }
 
     /// Wait until no writer holds `key`'s write gate, or `deadline`: `None` once none does,
