@@ -249,7 +249,7 @@ impl<S: BackendServer> Default for ServerHarness<S> {
 impl<S: BackendServer> Harness for ServerHarness<S> {
     async fn driver(&self) -> Arc<dyn Backend> {
         let url = leasehold_lease::BackendUrl::parse(&self.url()).expect("backend url");
-        leasehold_lease::connect(&url).await.expect("driver")
+        connected(leasehold_lease::connect(&url).await.expect("driver")).await
     }
     async fn outage_begin(&mut self) {
         self.server.kill();
@@ -257,6 +257,18 @@ impl<S: BackendServer> Harness for ServerHarness<S> {
     async fn outage_end(&mut self) {
         self.server.restart();
     }
+}
+
+/// `driver` once it has answered a ping (tried for up to [`SLACK`] while it does not): a
+/// driver connects on first use, and on a loaded machine a first TLS handshake can outlast a
+/// scenario's first attempt at a lock, which then answers "unknown" instead of what the
+/// scenario checks. A backend that is down stays down; the scenario finds that out itself.
+async fn connected(driver: Arc<dyn Backend>) -> Arc<dyn Backend> {
+    let deadline = Instant::now() + SLACK;
+    while driver.ping().await.is_err() && Instant::now() < deadline {
+        sleep(Duration::from_millis(50)).await;
+    }
+    driver
 }
 
 /// Redis: `kill -9`, then a restart on the same append-only file.
@@ -317,7 +329,7 @@ impl Default for RedlockHarness {
 impl Harness for RedlockHarness {
     async fn driver(&self) -> Arc<dyn Backend> {
         let url = leasehold_lease::BackendUrl::parse(&self.url()).expect("backend url");
-        leasehold_lease::connect(&url).await.expect("driver")
+        connected(leasehold_lease::connect(&url).await.expect("driver")).await
     }
     async fn outage_begin(&mut self) {
         let mut masters = self.masters.lock().unwrap();
