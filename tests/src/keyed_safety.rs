@@ -720,31 +720,7 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
         let holdings: Vec<&Holding> = holdings.values().collect();
         for (i, a) in holdings.iter().enumerate() {
             for b in &holdings[i + 1..] {
-                let from = a.certain_from.max(b.certain_from);
-                let to = a.certain_to.min(b.certain_to);
-                if from < to {
-                    report.violations.push(format!(
-                        "overlap on key {name}: {} (token {}) and {} (token {}) both held for {:?} at {:.3?}",
-                        a.owner, a.token, b.owner, b.token, to - from, at(from)
-                    ));
-                } else {
-                    // One's answer promised the claim past the moment the other surely held.
-                    for (promiser, other) in [(a, b), (b, a)] {
-                        let from = promiser.certain_from.max(other.certain_from);
-                        let to = promiser.promised_to.min(other.certain_to);
-                        if from < to {
-                            report.violations.push(format!(
-                                "broken promise on key {name}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
-                                promiser.owner,
-                                promiser.token,
-                                at(promiser.promised_to),
-                                other.owner,
-                                other.token,
-                                at(from)
-                            ));
-                        }
-                    }
-                }
+                overlap_or_broken_promise(&name, ("", a), ("", b), &at, report);
                 if a.token == b.token {
                     report.violations.push(format!(
                         "key {name}: token {} given to {} and to {}",
@@ -840,6 +816,44 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
     }
 }
 
+/// Two holdings of one key (`name`) that certainly overlap, or, if not, one whose answer
+/// promised its claim past the moment the other certainly held: a violation each. Each
+/// holding comes with what it is called in the message (`"writer "`, or nothing). Whether they
+/// overlap.
+fn overlap_or_broken_promise(
+    name: &str,
+    (a_is, a): (&str, &Holding),
+    (b_is, b): (&str, &Holding),
+    at: &dyn Fn(Instant) -> Duration,
+    report: &mut Report,
+) -> bool {
+    let from = a.certain_from.max(b.certain_from);
+    let to = a.certain_to.min(b.certain_to);
+    if from < to {
+        report.violations.push(format!(
+            "overlap on key {name}: {a_is}{} (token {}) and {b_is}{} (token {}) both held for {:?} at {:.3?}",
+            a.owner, a.token, b.owner, b.token, to - from, at(from)
+        ));
+        return true;
+    }
+    for (promiser, other) in [(a, b), (b, a)] {
+        let from = promiser.certain_from.max(other.certain_from);
+        let to = promiser.promised_to.min(other.certain_to);
+        if from < to {
+            report.violations.push(format!(
+                "broken promise on key {name}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
+                promiser.owner,
+                promiser.token,
+                at(promiser.promised_to),
+                other.owner,
+                other.token,
+                at(from)
+            ));
+        }
+    }
+    false
+}
+
 /// The pseudo-permit writers' holdings are checked under: a writer holds every permit.
 const WRITERS: u32 = u32::MAX;
 
@@ -856,29 +870,10 @@ fn writers_alone(by_key: &ByPermit, at: &dyn Fn(Instant) -> Duration, report: &m
             .flat_map(|(_, holdings)| holdings.values());
         for reader in readers {
             for writer in writers.values() {
-                let from = reader.certain_from.max(writer.certain_from);
-                let to = reader.certain_to.min(writer.certain_to);
-                if from < to {
-                    report.violations.push(format!(
-                        "overlap on key k{key}: writer {} (token {}) and reader {} (token {}) both held for {:?} at {:.3?}",
-                        writer.owner, writer.token, reader.owner, reader.token, to - from, at(from)
-                    ));
+                let name = format!("k{key}");
+                let writer_is = ("writer ", writer);
+                if overlap_or_broken_promise(&name, writer_is, ("reader ", reader), at, report) {
                     continue;
-                }
-                for (promiser, other) in [(reader, writer), (writer, reader)] {
-                    let from = promiser.certain_from.max(other.certain_from);
-                    let to = promiser.promised_to.min(other.certain_to);
-                    if from < to {
-                        report.violations.push(format!(
-                            "broken promise on key k{key}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
-                            promiser.owner,
-                            promiser.token,
-                            at(promiser.promised_to),
-                            other.owner,
-                            other.token,
-                            at(from)
-                        ));
-                    }
                 }
                 if let Some((first, second)) =
                     surely_ordered(reader, writer, |h| (h.acquire_sent, h.acquire_received))

@@ -106,7 +106,7 @@ impl Drop for Taken {
 
 /// One release per key, last taken first, each only of the holding taken (one taken again
 /// since, its lease lost meanwhile, is another acquisition's).
-pub(super) async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, Taking)>) {
+async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, Taking)>) {
     for (key, taking) in keys.iter().rev() {
         if let Err(e) = family
             .release_held(key, owner, Some((taking.permit, taking.token)))
