@@ -82,13 +82,13 @@ async fn start(
     identity: &str,
     metrics: &Arc<Metrics>,
 ) -> Result<Running, String> {
+    let driver = open(client, resolved).await?;
+    crate::run::open_connection_early(&driver);
     match resolved.family_config(identity) {
-        Some(family) => KeyedFamily::new(open(client, resolved).await?, family, metrics.clone())
+        Some(family) => KeyedFamily::new(driver, family, metrics.clone())
             .map(Running::Family)
             .map_err(|e| e.to_string()),
-        None => start_lock(client, resolved, identity, metrics)
-            .await
-            .map(Running::Lock),
+        None => start_lock_on(driver, resolved, identity, metrics).map(Running::Lock),
     }
 }
 
@@ -98,7 +98,9 @@ async fn start_lock(
     identity: &str,
     metrics: &Arc<Metrics>,
 ) -> Result<Lock, String> {
-    start_lock_on(open(client, resolved).await?, resolved, identity, metrics)
+    let driver = open(client, resolved).await?;
+    crate::run::open_connection_early(&driver);
+    start_lock_on(driver, resolved, identity, metrics)
 }
 
 fn start_lock_on(

@@ -169,6 +169,18 @@ pub async fn run(config: Config) -> Result<(), String> {
     Ok(())
 }
 
+/// A network driver connects on its first call: a ping as the lock or family starts opens the
+/// connection, so that the first acquisition (often asked with no wait) does not pay for a
+/// handshake or a new session.
+pub(crate) fn open_connection_early(driver: &Arc<dyn leasehold_lease::Backend>) {
+    let driver = driver.clone();
+    tokio::spawn(async move {
+        if let Err(e) = driver.ping().await {
+            tracing::debug!(error = %e, "the backend did not answer a first ping");
+        }
+    });
+}
+
 /// A listener on `addr`, when one is asked for.
 async fn bind(
     addr: Option<std::net::SocketAddr>,
@@ -202,6 +214,7 @@ async fn start_from_flags(
         println!("provisioned {}", config.backend);
         return Ok(None);
     }
+    open_connection_early(&driver);
     for lock in &config.locks {
         metrics.register_lock(&lock.name);
     }

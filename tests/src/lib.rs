@@ -354,6 +354,16 @@ impl Sidecar {
         Self::spawn_at(&Placement::Here, identity, &args, &[], port)
     }
 
+    /// A sidecar of one keyed family and no lock.
+    pub fn start_keyed(identity: &str, backend: &str, family: &str) -> Self {
+        Self::spawn(
+            &Placement::Here,
+            identity,
+            &["--keyed", family, "--backend", backend],
+            &[],
+        )
+    }
+
     /// A sidecar whose lock comes from a `DistributedLock` (`--resource NAMESPACE/NAME`) on the
     /// API server that `KUBECONFIG` in `env` names.
     pub fn start_from_resource(identity: &str, resource: &str, env: &[(&str, &str)]) -> Self {

@@ -343,6 +343,45 @@ fn an_unreachable_backend_is_reported_not_fatal() {
     assert_eq!(gated.get("/readyz").status, 503);
 }
 
+/// Established loopback TCP connections to `port`, from `/proc/net/tcp`.
+fn connections_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let remote = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.get(2) == Some(&remote.as_str()) && fields.get(3) == Some(&"01")
+        })
+        .count()
+}
+
+/// A sidecar opens its backend connection as it starts, so that the first acquisition, often
+/// asked with no wait, does not pay for connecting (a TLS handshake, a new session).
+#[test]
+fn the_backend_connection_is_opened_before_the_first_request() {
+    let redis = leasehold_e2e::RedisServer::start();
+    let postgres = leasehold_testkit::PostgresServer::start();
+    let etcd = leasehold_testkit::EtcdServer::start();
+    let zookeeper = leasehold_testkit::ZooKeeperServer::start();
+    for (backend, port) in [
+        (redis.url(), redis.port()),
+        (postgres.url(), postgres.port()),
+        (etcd.url(), etcd.port()),
+        (zookeeper.url(), zookeeper.port()),
+    ] {
+        // etcd holds a connection to itself (its gRPC gateway).
+        let before = connections_to(port);
+        let _sidecar = Sidecar::start_keyed("pod-a", &backend, &unique_lock("orders"));
+        eventually(
+            Duration::from_secs(5),
+            &format!("the sidecar to connect to {backend}"),
+            || connections_to(port) > before,
+        );
+    }
+}
+
 #[test]
 fn json_logs_on_request() {
     let dir = tempfile::tempdir().unwrap();
