@@ -70,12 +70,44 @@ struct Inner {
     pending: std::sync::RwLock<BTreeMap<String, String>>,
     /// `POST /resign` was called: no lock is started or put in place any more.
     resigned: std::sync::atomic::AtomicBool,
-    /// By lock: taken by an exclusive hold (`?exclusive=true`) for as long as it lasts, so that
-    /// two such holds in one pod take turns rather than share the pod's acquisition.
-    exclusive_holds: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// By lock, or by key and owner: taken by an exclusive hold (`?exclusive=true`) for as long
+    /// as it lasts, so that two such holds take turns rather than share one acquisition.
+    exclusive_holds: std::sync::Mutex<HashMap<HoldOf, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// What an exclusive hold takes turns on: a lock of the pod's, or one owner's hold of a key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum HoldOf {
+    Lock(String),
+    Key {
+        family: String,
+        key: String,
+        owner: String,
+    },
 }
 
 impl AppState {
+    /// Wait up to `wait` for the exclusive holds of `of` before this one to end; `None` when
+    /// they have not. The turn is this hold's until the guard is dropped.
+    async fn exclusive_turn(
+        &self,
+        of: HoldOf,
+        wait: Duration,
+    ) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        let slot = {
+            let mut holds = self
+                .inner
+                .exclusive_holds
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            // A slot only the map refers to has nobody holding or awaiting it: keys and owners
+            // come and go, and their slots with them.
+            holds.retain(|_, slot| Arc::strong_count(slot) > 1);
+            holds.entry(of).or_default().clone()
+        };
+        tokio::time::timeout(wait, slot.lock_owned()).await.ok()
+    }
+
     pub fn new(locks: Vec<Lock>, metrics: Arc<Metrics>) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -653,32 +685,18 @@ async fn hold(
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
     on_demand_only(&lock, "follow it with GET /lock/events")?;
-    let exclusive = match query.remove("exclusive").as_deref() {
-        None | Some("false") => false,
-        Some("true") => true,
-        Some(other) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!("exclusive={other:?}: use true or false"),
-            ));
-        }
-    };
+    let exclusive = exclusive_param(&mut query)?;
     let params = durations(&query, &[("wait", MAX_WAIT)])?;
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     let deadline = tokio::time::Instant::now() + wait;
     let turn = if exclusive {
-        let slot = state
-            .inner
-            .exclusive_holds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(lock.name().to_owned())
-            .or_default()
-            .clone();
-        match tokio::time::timeout(wait, slot.lock_owned()).await {
-            Ok(turn) => Some(turn),
+        match state
+            .exclusive_turn(HoldOf::Lock(lock.name().to_owned()), wait)
+            .await
+        {
+            Some(turn) => Some(turn),
             // Another exclusive hold of this pod has it: not this caller's.
-            Err(_) => {
+            None => {
                 return Ok(lock_response(
                     &lock,
                     &lock.snapshot(),
@@ -1123,6 +1141,21 @@ enum Access {
     Write,
 }
 
+/// `exclusive=true|false`, taken out of `query`.
+fn exclusive_param(query: &mut HashMap<String, String>) -> Result<bool, ApiError> {
+    match query.remove("exclusive").as_deref() {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(other) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "exclusive={:?}: use true or false",
+                other.chars().take(64).collect::<String>()
+            ),
+        )),
+    }
+}
+
 /// `mode=read|write`, taken out of `query`; `None` without one.
 fn mode_param(query: &mut HashMap<String, String>) -> Result<Option<Access>, ApiError> {
     match query.remove("mode").as_deref() {
@@ -1220,7 +1253,9 @@ async fn key_extend(
 
 /// Take `key` for `owner`, waiting up to `wait`, and hold it for as long as the connection
 /// stays open (an event stream, [`crate::hold_stream`]); a key not taken is answered as
-/// `acquire` answers it.
+/// `acquire` answers it. With `exclusive=true` the hold first waits (within `wait`) for the
+/// owner's other exclusive holds of the key to end, rather than re-enter its holding
+/// (`leasehold exec --via --keyed`).
 async fn key_hold(
     State(state): State<AppState>,
     Path((family, key)): Path<(String, String)>,
@@ -1228,6 +1263,7 @@ async fn key_hold(
 ) -> Result<Response, ApiError> {
     let family = state.family(&family)?;
     let mode = mode_param(&mut query)?;
+    let exclusive = exclusive_param(&mut query)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
@@ -1238,6 +1274,31 @@ async fn key_hold(
             "a write lock is not held through a connection: acquire it with mode=write, then extend and release it",
         ));
     }
+    // Checked before waiting for a turn, so that a bad key is a 400 at once.
+    family.backend_name(&key).map_err(key_error)?;
+    let not_taken = |answer: &KeyAnswer| {
+        key_response(&family, &key, Some(&owner), answer, StatusCode::CONFLICT)
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    let turn = if exclusive {
+        let of = HoldOf::Key {
+            family: family.name().to_owned(),
+            key: key.clone(),
+            owner: owner.clone(),
+        };
+        match state.exclusive_turn(of, wait).await {
+            Some(turn) => Some(turn),
+            // Another exclusive hold of this owner has it.
+            None => {
+                return Ok(not_taken(&KeyAnswer::HeldByAnother {
+                    holder: Some(format!("{}/{owner}", family.identity())),
+                }));
+            }
+        }
+    } else {
+        None
+    };
+    let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     let hold = hold_stream::bound_hold(family.config().lease_duration);
     let answer = match mode {
         Some(Access::Read) => family.acquire_read(&key, &owner, wait, hold).await,
@@ -1254,13 +1315,7 @@ async fn key_hold(
         ));
     }
     let KeyAnswer::Held { token, permit, .. } = answer else {
-        return Ok(key_response(
-            &family,
-            &key,
-            Some(&owner),
-            &answer,
-            StatusCode::CONFLICT,
-        ));
+        return Ok(not_taken(&answer));
     };
     let mut about = serde_json::Map::new();
     about.insert("family".into(), family.name().into());
@@ -1273,7 +1328,7 @@ async fn key_hold(
         hold_stream::Bound::Key { family, key, owner },
         token,
         about,
-        None,
+        turn,
     ))
 }
 

@@ -281,6 +281,11 @@ fn a_hold_request_that_cannot_be_served_gets_a_clear_answer_and_changes_nothing(
     );
     refused("/lock/hold?wait=forever", 400, "not a duration");
     refused("/lock/hold?exclusive=yes", 400, "true or false");
+    refused(
+        &format!("/locks/{family}/keys/k/hold?owner=w1&exclusive=1"),
+        400,
+        "true or false",
+    );
 
     // A key held by another owner: the stream is refused as `acquire` refuses.
     let holding = open(&a, &format!("/locks/{family}/keys/k/hold?owner=w1"));
@@ -301,6 +306,77 @@ fn a_hold_request_that_cannot_be_served_gets_a_clear_answer_and_changes_nothing(
         .expect("refused");
     assert_eq!(reply.status, 400, "{}", reply.body);
     assert!(reply.body.contains("campaign mode"), "{}", reply.body);
+}
+
+/// Exclusive holds of one owner take turns on a key, where plain holds of that owner share its
+/// holding (re-entered): the second waits for the first connection to close, and then holds
+/// under a newer token.
+#[test]
+fn exclusive_holds_of_one_owner_take_turns_on_a_key() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let a = on_demand("pod-a", &redis, &unique_lock("plain"), &family);
+    let key = format!("/locks/{family}/keys/k");
+
+    let first = open(&a, &format!("{key}/hold?owner=job&exclusive=true"));
+    let first_token = first.next(Duration::from_secs(5)).body["fencingToken"]
+        .as_u64()
+        .expect("fencingToken");
+    // Not its turn: refused as a key held by another, naming the holder.
+    let reply = EventStream::post(
+        a.addr,
+        &format!("{key}/hold?owner=job&exclusive=true&wait=200ms"),
+    )
+    .err()
+    .expect("refused while the first holds");
+    assert_eq!(reply.status, 409, "{}", reply.body);
+    assert!(reply.body.contains("pod-a/job"), "{}", reply.body);
+    // A plain hold of the owner re-enters the holding, as acquire does.
+    let shared = open(&a, &format!("{key}/hold?owner=job"));
+    let shared_event = shared.next(Duration::from_secs(5));
+    assert_eq!(shared_event.kind, "acquired", "{shared_event:?}");
+    assert_eq!(shared_event.body["fencingToken"], first_token);
+    assert_eq!(shared_event.body["holds"], 2, "{shared_event:?}");
+    shared.close();
+    // Given back once its connection's release has run: the first hold's alone again.
+    let holds = || a.get(&format!("{key}?owner=job")).json()["holds"].as_u64();
+    let start = Instant::now();
+    while holds() != Some(1) {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the shared hold was not given back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    let waiting = {
+        let (addr, path) = (
+            a.addr,
+            format!("{key}/hold?owner=job&exclusive=true&wait=10s"),
+        );
+        std::thread::spawn(move || {
+            let stream = EventStream::post(addr, &path).expect("a stream");
+            (stream.next(Duration::from_secs(10)), Instant::now(), stream)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !waiting.is_finished(),
+        "the second exclusive hold did not wait"
+    );
+    let closed = Instant::now();
+    first.close();
+    let (second, taken, _stream) = waiting.join().unwrap();
+    assert_eq!(second.kind, "acquired", "{second:?}");
+    assert!(
+        second.body["fencingToken"].as_u64().unwrap() > first_token,
+        "{second:?}"
+    );
+    assert!(
+        taken - closed < RELEASED_WITHIN,
+        "the second hold began {:?} after the first closed",
+        taken - closed
+    );
 }
 
 /// An observer follows one key's holders in every pod: free, then each holder with its token.

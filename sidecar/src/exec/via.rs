@@ -66,10 +66,10 @@ impl Target {
         let wait = format!("wait={}ms", wait.as_millis());
         match self {
             // Exclusive: another `exec` through the same sidecar waits its turn rather than share
-            // the pod's acquisition.
+            // the pod's acquisition, or re-enter its owner's holding of the key.
             Target::Lock(name) => format!("/locks/{}/hold?exclusive=true&{wait}", encode(name)),
             Target::Key { family, key, owner } => format!(
-                "/locks/{}/keys/{}/hold?owner={}&{wait}",
+                "/locks/{}/keys/{}/hold?owner={}&exclusive=true&{wait}",
                 encode(family),
                 encode(key),
                 encode(owner)
@@ -360,7 +360,7 @@ mod tests {
         };
         assert_eq!(
             target.path(Duration::from_secs(2)),
-            "/locks/orders/keys/a%2Fb%3Ac/hold?owner=me%26you%3D1&wait=2000ms"
+            "/locks/orders/keys/a%2Fb%3Ac/hold?owner=me%26you%3D1&exclusive=true&wait=2000ms"
         );
         assert_eq!(
             Target::Lock("jobs".into()).path(Duration::ZERO),
