@@ -1,6 +1,6 @@
-//! `leasehold-sidecar exec`: the command runs only while the lock is held, in a group of its
-//! own that is gone before the claim ends when the lock is lost, with the signals it is sent
-//! and the status it exits with.
+//! `leasehold-sidecar exec`: the command runs only while the lock is held; its processes (its
+//! group and what left it) are gone before the claim ends when the lock is lost, and when
+//! `exec` is killed outright; with the signals it is sent and the status it exits with.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -115,33 +115,53 @@ fn two_execs_of_one_lock_take_turns() {
 
 /// `exec` on `backend` with a 3 s lease and a 300 ms grace, running a stubborn group
 /// ([`stubborn_group_of`]).
-fn stubborn_group(backend: &str) -> (Child, i32, tempfile::TempDir) {
+fn stubborn_group(backend: &str) -> (Child, StubbornPids, tempfile::TempDir) {
     let mut command = exec("jobs", backend);
     command.args(["--lease-duration", "3s", "--kill-grace", "300ms"]);
     stubborn_group_of(command)
 }
 
 /// `command` (an `exec` without its command yet) running a command with a background
-/// grandchild in its group, which a signal to the command alone would leave running; both
-/// ignore SIGTERM, so only a SIGKILL stops them. The exec (its stderr piped), the grandchild's
-/// pid, and the directory it wrote that in.
-fn stubborn_group_of(mut command: Command) -> (Child, i32, tempfile::TempDir) {
+/// grandchild in its group, which a signal to the command alone would leave running, and one
+/// that left the group (`setsid`), which a signal to the group would leave running; all ignore
+/// SIGTERM, so only a SIGKILL stops them. The exec (its stderr piped), the two background
+/// processes' pids, and the directory they were written in.
+fn stubborn_group_of(mut command: Command) -> (Child, StubbornPids, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let grandchild = dir.path().join("grandchild");
+    let pids = dir.path().join("pids");
     let script = format!(
-        "trap '' TERM; sleep 300 & echo $! > {}; wait",
-        grandchild.display()
+        "trap '' TERM; sleep 300 & echo $! >> {0}; setsid sh -c 'echo $$ >> {0}; exec sleep 300' & wait",
+        pids.display()
     );
     let child = shell(&mut command, &script)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     wait_for("the command to start", Duration::from_secs(10), || {
-        !read(&grandchild).trim().is_empty()
+        read(&pids).lines().count() == 2
     });
-    let pid: i32 = read(&grandchild).trim().parse().unwrap();
-    assert!(!dead(pid));
-    (child, pid, dir)
+    let pids = StubbornPids(
+        read(&pids)
+            .lines()
+            .map(|l| l.trim().parse().unwrap())
+            .collect(),
+    );
+    assert!(!pids.dead());
+    assert_ne!(
+        group_of(pids.0[0]),
+        group_of(pids.0[1]),
+        "one left the group"
+    );
+    (child, pids, dir)
+}
+
+/// A stubborn group's background processes: one in its group, one out of it.
+struct StubbornPids(Vec<i32>);
+
+impl StubbornPids {
+    fn dead(&self) -> bool {
+        self.0.iter().all(|&pid| dead(pid))
+    }
 }
 
 #[test]
@@ -149,12 +169,14 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
     let redis = RedisServer::start_with(true);
     let proxy = FaultProxy::start(redis.port());
     let lease = Duration::from_secs(3);
-    let (child, pid, _dir) = stubborn_group(&format!("redis://127.0.0.1:{}", proxy.port));
+    let (child, pids, _dir) = stubborn_group(&format!("redis://127.0.0.1:{}", proxy.port));
 
     // The last renewal was sent before the cut, so the claim ends within a lease of it.
     let cut = Instant::now();
     proxy.cut();
-    wait_for("the grandchild to be stopped", lease, || dead(pid));
+    wait_for("the background processes to be stopped", lease, || {
+        pids.dead()
+    });
     let stopped_after = cut.elapsed();
     let output = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
@@ -186,14 +208,14 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
 #[test]
 fn a_lease_the_backend_no_longer_has_stops_the_group_at_once() {
     let redis = RedisServer::start_with(true);
-    let (child, pid, _dir) = stubborn_group(&redis.url());
+    let (child, pids, _dir) = stubborn_group(&redis.url());
     // The lease deleted behind the holder's back: its next renewal (within a renew interval,
     // 1 s) finds it gone, and the group, which ignores SIGTERM, is killed without its grace.
     assert_eq!(redis_del(redis.port(), "leasehold:{jobs}:lease"), ":1");
     wait_for(
-        "the grandchild to be killed",
+        "the background processes to be killed",
         Duration::from_secs(3),
-        || dead(pid),
+        || pids.dead(),
     );
     let output = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -208,13 +230,106 @@ fn a_lease_the_backend_no_longer_has_stops_the_group_at_once() {
 fn what_the_command_leaves_running_is_stopped_before_the_lock_is_released() {
     let dir = tempfile::tempdir().unwrap();
     let background = dir.path().join("background");
-    let script = format!("sleep 300 & echo $! > {}; exit 0", background.display());
+    // One in the command's group, and one that left it (`setsid`).
+    let script = format!(
+        "sleep 300 & echo $! >> {0}; setsid sh -c 'echo $$ >> {0}; exec sleep 300' & \
+         for i in $(seq 500); do [ $(wc -l < {0}) -ge 2 ] && break; sleep 0.02; done; exit 0",
+        background.display()
+    );
     let status = shell(&mut exec("jobs", &sqlite(dir.path())), &script)
         .status()
         .unwrap();
     assert_eq!(status.code(), Some(0));
-    let pid: i32 = read(&background).trim().parse().unwrap();
-    assert!(dead(pid), "a background process outlived its lock");
+    let pids: Vec<i32> = read(&background)
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2, "both started");
+    for pid in pids {
+        assert!(dead(pid), "a background process outlived its lock");
+    }
+}
+
+/// The children of `pid`, from `/proc`.
+fn children_of(pid: u32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let child: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = read(&entry.path().join("stat"));
+            let (_, fields) = stat.rsplit_once(") ")?;
+            let parent: u32 = fields.split(' ').nth(1)?.parse().ok()?;
+            (parent == pid).then_some(child)
+        })
+        .collect()
+}
+
+/// A command that is not a shell (a shell clears the signal mask it starts with) starts with no
+/// signal blocked, and the signals `exec` passes on stop it.
+#[test]
+fn a_command_starts_with_no_signal_blocked_and_is_stopped_by_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = exec("jobs", &sqlite(dir.path()))
+        .args(["--", "sleep", "100"])
+        .spawn()
+        .unwrap();
+    // exec, its keeper, the command, once it runs `sleep` (while it is being started, every
+    // signal is blocked).
+    let mut command = None;
+    wait_for("the command to start", Duration::from_secs(10), || {
+        command = children_of(child.id())
+            .into_iter()
+            .flat_map(|keeper| children_of(keeper as u32))
+            .find(|&pid| read(Path::new(&format!("/proc/{pid}/comm"))).trim() == "sleep");
+        command.is_some()
+    });
+    let status = read(Path::new(&format!("/proc/{}/status", command.unwrap())));
+    let blocked = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigBlk:"))
+        .expect("SigBlk")
+        .trim();
+    assert!(
+        blocked.chars().all(|c| c == '0'),
+        "the command starts with signals blocked: SigBlk {blocked}"
+    );
+    let exec = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(exec, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = wait_exit(&mut child, Duration::from_secs(5));
+    assert_eq!(status.code(), Some(143), "killed by SIGTERM: 128 + 15");
+}
+
+/// A process `exec` had as a child before it became `exec` (started by the shell that ran it)
+/// is not the command's: it is not stopped when the command ends.
+#[test]
+fn what_exec_had_before_the_command_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let before = dir.path().join("before");
+    let exec = env!("CARGO_BIN_EXE_leasehold-sidecar");
+    let script = format!(
+        "sleep 300 & echo $! > {0}; exec {exec} exec --lock jobs --backend {1} -- sh -c 'sleep 0.2'",
+        before.display(),
+        sqlite(dir.path())
+    );
+    let status = Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let pid: i32 = read(&before).trim().parse().unwrap();
+    let alive = !dead(pid);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    assert!(
+        alive,
+        "a process exec had before the command was stopped with it"
+    );
 }
 
 #[test]
@@ -444,31 +559,163 @@ fn through_a_sidecar_the_lock_is_held_while_the_command_runs_and_free_when_it_ex
     eprintln!("released {:?} after exec exited", exited.elapsed());
 }
 
-/// An exec killed outright (`SIGKILL`): the kernel stops the command it started, but not a
-/// process the command started in turn, which runs on; it holds the connection open, so the
-/// sidecar keeps the lock until it too is gone.
+/// The group of a living process, from `/proc`.
+fn group_of(pid: i32) -> i32 {
+    let stat = read(Path::new(&format!("/proc/{pid}/stat")));
+    let (_, fields) = stat.rsplit_once(") ").expect("a process's stat");
+    fields.split(' ').nth(2).unwrap().parse().unwrap()
+}
+
+/// An exec killed outright (`SIGKILL`, as the out-of-memory killer does), on a backend of its
+/// own and through a sidecar: its keeper stops the command at once, with what the command left
+/// in the background, in its group or out of it (`setsid`); through a sidecar, the lock is then
+/// released.
 #[test]
-fn through_a_sidecar_a_killed_execs_command_keeps_the_lock_while_any_of_it_runs() {
+fn a_killed_execs_command_and_all_it_started_are_stopped_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
+    for via in [false, true] {
+        let pids = dir.path().join(format!("pids-{via}"));
+        let script = format!(
+            "sleep 30 & echo $! >> {0}; setsid sh -c 'echo $$ >> {0}; exec sleep 30' & echo $$ >> {0}; wait",
+            pids.display()
+        );
+        let mut command = if via {
+            exec_via(&sidecar, &["--lock", "jobs"])
+        } else {
+            exec("own", &sqlite(dir.path()))
+        };
+        let mut child = shell(&mut command, &script).spawn().unwrap();
+        wait_for("the command and its two", Duration::from_secs(10), || {
+            read(&pids).lines().count() == 3
+        });
+        let pids: Vec<i32> = read(&pids)
+            .lines()
+            .map(|l| l.trim().parse().unwrap())
+            .collect();
+        let shell_group = group_of(*pids.last().unwrap());
+        assert!(
+            pids.iter().any(|&pid| group_of(pid) != shell_group),
+            "one process left the command's group"
+        );
+        if via {
+            assert_eq!(sidecar.status("/lock"), 200);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let killed = Instant::now();
+        wait_for(
+            "every process of the command to be stopped",
+            Duration::from_secs(2),
+            || pids.iter().all(|&pid| dead(pid)),
+        );
+        eprintln!("stopped {:?} after exec was killed", killed.elapsed());
+        if via {
+            wait_for("the lock to be released", Duration::from_secs(2), || {
+                sidecar.status("/lock") == 409
+            });
+        }
+    }
+}
+
+/// `command` (an `exec` without its command yet) running a command that exits with `status`,
+/// leaving behind a process that ignores SIGTERM. The exec (its stderr piped), once the command
+/// has ended, the pid of what it left, and the directory it wrote that in.
+fn ended_leaving_one(mut command: Command, status: u8) -> (Child, i32, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let left = dir.path().join("left");
+    let ended = dir.path().join("ended");
+    let script = format!(
+        "trap '' TERM; sleep 300 & echo $! > {0}; echo done > {1}; exit {status}",
+        left.display(),
+        ended.display()
+    );
+    let child = shell(&mut command, &script)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the command to end", Duration::from_secs(10), || {
+        !read(&ended).is_empty()
+    });
+    let pid = read(&left).trim().parse().unwrap();
+    (child, pid, dir)
+}
+
+/// An exec killed while it gives what the command left running its grace: the keeper, which
+/// stops them before it passes the command's status on, stops them at once.
+#[test]
+fn an_exec_killed_after_its_command_ended_leaves_nothing_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = exec("jobs", &sqlite(dir.path()));
+    command.args(["--kill-grace", "5s"]);
+    let (mut child, pid, _left) = ended_leaving_one(command, 0);
+    // Within the grace: the process left behind ignores SIGTERM.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!dead(pid), "stopped before the grace ran out");
+    let _ = child.kill();
+    let _ = child.wait();
+    wait_for(
+        "the process left behind to be stopped",
+        Duration::from_secs(2),
+        || dead(pid),
+    );
+}
+
+/// A lock lost while what the command left is given its grace: the command ended under the
+/// lock, so its status stands, and what it left is stopped at once.
+#[test]
+fn a_lock_lost_after_the_command_ended_keeps_the_commands_status() {
+    let redis = RedisServer::start_with(true);
+    let mut command = exec("jobs", &redis.url());
+    command.args(["--lease-duration", "6s", "--kill-grace", "3s"]);
+    let (child, pid, _left) = ended_leaving_one(command, 7);
+    // Once the keeper has told exec that the command ended (by its name).
+    wait_for("the keeper to say so", Duration::from_secs(5), || {
+        children_of(child.id())
+            .into_iter()
+            .any(|keeper| read(Path::new(&format!("/proc/{keeper}/comm"))).starts_with("ended:"))
+    });
+    // The lease gone behind the holder's back: its next renewal (within 2 s) finds out, within
+    // the grace.
+    assert_eq!(redis_del(redis.port(), "leasehold:{jobs}:lease"), ":1");
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(dead(pid), "what the command left was stopped");
+    assert_eq!(
+        output.status.code(),
+        Some(7),
+        "the command's status: {stderr}"
+    );
+    assert!(!stderr.contains("is being lost"), "{stderr}");
+}
+
+/// An exec and its keeper both killed outright, through a sidecar: nothing is left to stop the
+/// command, which runs on; it holds the connection open, so the sidecar keeps the lock until
+/// the command is gone.
+#[test]
+fn through_a_sidecar_a_command_that_outlives_exec_and_its_keeper_keeps_the_lock() {
     let dir = tempfile::tempdir().unwrap();
     let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
     let out = dir.path().join("started");
     let ended = dir.path().join("ended");
-    // `sh` waits for a subshell of its own, which outlives sh's death and says when it ends.
+    // The keeper is the shell's parent.
     let script = format!(
-        "echo $$ > {}; (sleep 3; echo done > {}); true",
+        "echo $PPID > {}; sleep 3; echo done > {}",
         out.display(),
         ended.display()
     );
     let mut child = holding_jobs(&sidecar, &script, &out);
+    let keeper: i32 = read(&out).trim().parse().unwrap();
+    // Stopped first, so that exec does not see its keeper die and stop the command itself.
+    let exec = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(exec, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(keeper),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     let _ = child.kill();
     let _ = child.wait();
-    let shell_pid: i32 = read(&out).trim().parse().unwrap();
-    wait_for(
-        "the command's shell to die with exec",
-        Duration::from_secs(5),
-        || dead(shell_pid),
-    );
-    // The shell is gone, its `sleep` runs on: the lock stays held.
     let mut held = 0;
     while read(&ended).is_empty() {
         assert_eq!(
@@ -479,10 +726,7 @@ fn through_a_sidecar_a_killed_execs_command_keeps_the_lock_while_any_of_it_runs(
         held += 1;
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(
-        held >= 5,
-        "the command's process outlived exec by too little to tell"
-    );
+    assert!(held >= 5, "the command outlived exec by too little to tell");
     wait_for("the lock to be released", Duration::from_secs(3), || {
         sidecar.status("/lock") == 409
     });
@@ -525,11 +769,13 @@ fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
         "jobs",
         &format!("redis://127.0.0.1:{}", proxy.port),
     );
-    let (child, pid, _dir) = stubborn_group_of(exec_via(&sidecar, &["--lock", "jobs"]));
+    let (child, pids, _dir) = stubborn_group_of(exec_via(&sidecar, &["--lock", "jobs"]));
     let lease = Duration::from_secs(3);
     let cut = Instant::now();
     proxy.cut();
-    wait_for("the grandchild to be stopped", lease, || dead(pid));
+    wait_for("the background processes to be stopped", lease, || {
+        pids.dead()
+    });
     let stopped_after = cut.elapsed();
     let output = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
@@ -603,17 +849,25 @@ fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
     });
 }
 
-/// Several `exec`s through one sidecar take turns, on a lock (whose acquisitions are the pod's,
-/// so each waits for the others' exclusive holds) and on a key (each `exec` its own owner when
-/// no `--identity` is given, though host name and process id may repeat across containers).
+/// Several `exec`s through one sidecar take turns: on a lock (whose acquisitions are the pod's,
+/// so each waits for the others' exclusive holds), on a key (each `exec` its own owner when no
+/// `--identity` is given, though host name and process id may repeat across containers), and
+/// on a key with one `--identity` for all (one owner, whose exclusive holds take turns rather
+/// than re-enter one holding).
 #[test]
 fn execs_through_one_sidecar_take_turns() {
     let dir = tempfile::tempdir().unwrap();
     let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
-    for what in [&["--lock", "jobs"][..], &["--keyed", "jobs-keys/k"][..]] {
-        let log = dir
-            .path()
-            .join(format!("log-{}", what[0].trim_start_matches('-')));
+    for what in [
+        &["--lock", "jobs"][..],
+        &["--keyed", "jobs-keys/k"][..],
+        &["--keyed", "jobs-keys/k", "--identity", "nightly"][..],
+    ] {
+        let log = dir.path().join(format!(
+            "log-{}-{}",
+            what[0].trim_start_matches('-'),
+            what.len()
+        ));
         let script = format!(
             "echo start $LEASEHOLD_EXEC_IDENTITY >> {0}; sleep 0.4; echo end >> {0}",
             log.display()
@@ -633,6 +887,11 @@ fn execs_through_one_sidecar_take_turns() {
             .collect();
         if what[0] == "--lock" {
             assert!(identities.iter().all(|i| *i == "pod-a"), "{identities:?}");
+        } else if what.len() == 4 {
+            assert!(
+                identities.iter().all(|i| *i == "pod-a/nightly"),
+                "{identities:?}"
+            );
         } else {
             assert!(
                 identities.iter().all(|i| i.starts_with("pod-a/")),

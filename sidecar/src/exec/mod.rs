@@ -2,32 +2,34 @@
 //!
 //! It waits for the lock, then starts the command in a process group of its own, with the
 //! fencing token in its environment, and forwards the signals it receives to that group. When
-//! the command exits, what it left running in its group is stopped, the lock is released, and
-//! the command's status is this process's. When the lock is being lost (renewals fail, so the
-//! claim's self-fenced end draws near, or the backend says the lease is gone), the whole group
-//! gets SIGTERM, then SIGKILL after `--kill-grace`, or sooner, so that the SIGKILL goes out
+//! the command exits, what it left running is stopped, the lock is released, and the command's
+//! status is this process's. When the lock is being lost (renewals fail, so the claim's
+//! self-fenced end draws near, or the backend says the lease is gone), the command's processes
+//! get SIGTERM, then SIGKILL after `--kill-grace`, or sooner, so that the SIGKILL goes out
 //! [`KILL_MARGIN`] before the claim ends (at once when the claim is gone): no other holder's
-//! command can start while one of this one's processes still runs.
+//! command can start while one of this one's processes still runs. The command's processes
+//! are its group and every process descending from this one, which is their subreaper, as
+//! `/proc` shows them ([`processes`]).
 //!
 //! The lock is held by this process itself, on `--backend`, or by a running sidecar through a
 //! hold bound to a connection (`--via`, [`via`]), which can also hold a keyed lock's key
 //! (`--keyed FAMILY/KEY`).
 //!
-//! The command runs behind a small trampoline, this binary again (`exec-child`), which asks
-//! the kernel to kill it if this process dies (`PR_SET_PDEATHSIG`) and then becomes the
-//! command: a `leasehold exec` killed with SIGKILL does not leave its command running without
-//! the lock. Processes the command started in the background are not covered by that signal;
-//! they are by the group kill, which needs this process alive.
+//! The command runs under a small keeper, this binary again (`exec-child`), which the kernel
+//! tells when this process dies (`PR_SET_PDEATHSIG`), and which is the subreaper of every
+//! process the command starts: a `leasehold exec` killed with SIGKILL does not leave its command,
+//! or anything the command left in the background, running without the lock.
 
 use std::ffi::OsString;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Pid, getppid};
 use tokio::signal::unix::{SignalKind, signal};
 
 use leasehold_lease::{
@@ -36,7 +38,10 @@ use leasehold_lease::{
 
 use crate::config::EXIT_BAD_CONFIG;
 
+mod processes;
 mod via;
+
+use processes::Table;
 
 /// The exit status when the lock was lost and the command stopped for it (EX_TEMPFAIL: try
 /// again).
@@ -45,19 +50,29 @@ pub const EXIT_LOCK_LOST: u8 = 75;
 pub const EXIT_NOT_ACQUIRED: u8 = 69;
 /// The status a shell gives a command it cannot run.
 const EXIT_CANNOT_RUN: u8 = 127;
-/// How long before the claim ends the command's whole group must be gone: SIGKILL takes
-/// effect at once, but the kernel must still be given time to reap every process.
+/// How long before the claim ends the command's processes must be gone: SIGKILL takes effect
+/// at once, but the kernel must still be given time to reap every process. Also how long after
+/// the SIGKILL a process may take to die before it counts as a survivor.
 pub const KILL_MARGIN: Duration = Duration::from_millis(250);
 /// The lease without --lease-duration, as the sidecar's.
 const DEFAULT_LEASE: Duration = Duration::from_secs(15);
-/// How often the group is checked for survivors while it is being stopped.
+/// How often the command's processes are looked for while they are being stopped.
 const GROUP_POLL: Duration = Duration::from_millis(10);
+/// How often processes that outlived SIGKILL are looked for, while a sidecar keeps the lock
+/// for them.
+const SURVIVOR_POLL: Duration = Duration::from_millis(100);
+/// How often the keeper looks for its parent, `exec`, besides when the kernel says it died.
+const PARENT_POLL: Duration = Duration::from_millis(250);
 /// The longest sleep between checks of the claim, so that a suspended machine (whose boot
 /// clock jumps) is noticed soon after it resumes.
 const CLAIM_POLL: Duration = Duration::from_millis(200);
-/// The trampoline's first argument, and the variable naming the process it must die with.
+/// The keeper's first argument, and the variable naming the `exec` it must stop the command with.
 const CHILD_ARG: &str = "exec-child";
 const PARENT_VAR: &str = "LEASEHOLD_EXEC_PARENT";
+/// The keeper's name once the command has ended, before its status (`/proc/PID/comm`).
+const ENDED_NAME: &str = "ended:";
+/// The variable telling the keeper `--kill-grace`, in milliseconds.
+const GRACE_VAR: &str = "LEASEHOLD_EXEC_KILL_GRACE_MS";
 
 /// The signals passed on to the command's process group.
 const FORWARDED: [Signal; 6] = [
@@ -114,7 +129,8 @@ struct ExecArgs {
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     wait: Option<Duration>,
 
-    /// When the lock is being lost: how long the command has between SIGTERM and SIGKILL.
+    /// How long between SIGTERM and SIGKILL: for what the command left running when it ended,
+    /// and for all its processes when the lock is being lost.
     #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = humantime::parse_duration)]
     kill_grace: Duration,
 
@@ -123,11 +139,11 @@ struct ExecArgs {
     command: Vec<OsString>,
 }
 
-/// `leasehold-sidecar exec ...` (`args` starts with `exec`) and the trampoline
+/// `leasehold-sidecar exec ...` (`args` starts with `exec`) and the keeper
 /// (`leasehold-sidecar exec-child -- COMMAND...`).
 pub fn main(args: Vec<OsString>) -> ExitCode {
     if args.first().is_some_and(|a| a == CHILD_ARG) {
-        return become_command(&args[1..]);
+        return keep_command(&args[1..]);
     }
     let args = match ExecArgs::try_parse_from(&args) {
         Ok(args) => args,
@@ -143,7 +159,7 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
     };
     leasehold_process::init_logging(false);
     leasehold_lease::tls::use_ring_provider();
-    // One thread: the kernel's parent-death signal follows the thread that started the command,
+    // One thread: the kernel's parent-death signal follows the thread that started the keeper,
     // and this one lives as long as the process.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -161,6 +177,8 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
 /// What stopped the wait for the lock, or the command.
 enum Outcome {
     Exited(std::process::ExitStatus),
+    /// The command ended with this status, and its keeper was stopping what it left.
+    Ended(u8),
     Lost,
 }
 
@@ -220,14 +238,16 @@ async fn run(args: ExecArgs) -> u8 {
     };
     let (status, group) = supervise(&args, &mut holder, &mut signals).await;
     if let Group::Survived { .. } = group {
-        // A process of the command's group outlived SIGKILL (an uninterruptible wait): the
-        // lock is not released while it lives.
+        // A process of the command outlived SIGKILL (an uninterruptible wait) or may not be
+        // signalled: the lock is not released while it lives.
         let kept = match holder {
             Holder::Direct(_) => "left to run out, not released",
-            Holder::Via { .. } => "kept until the group is gone (or the claim ends), then released",
+            Holder::Via { .. } => {
+                "kept until the command's processes are gone (or the claim ends), then released"
+            }
         };
         eprintln!(
-            "leasehold exec: a process of the command's group outlived SIGKILL; the lock {:?} is {kept}",
+            "leasehold exec: a process of the command outlived SIGKILL or may not be signalled; the lock {:?} is {kept}",
             holder.name()
         );
     }
@@ -339,18 +359,18 @@ impl Holder {
         }
     }
 
-    /// Done with the lock: released when the group is gone; left to run out when a process
-    /// survived (through a sidecar, the connection stays open until the group is gone or the
-    /// claim ends, since closing it would release the lock at once).
+    /// Done with the lock: released when the command's processes are gone; left to run out
+    /// when one survived (through a sidecar, the connection stays open until they are gone or
+    /// the claim ends, since closing it would release the lock at once).
     async fn let_go(self, group: Group) {
         match (self, group) {
             (Holder::Direct(lock), Group::Gone) => lock.shutdown().await,
             (Holder::Direct(lock), Group::Survived { .. }) => lock.retire().await,
             (Holder::Via { hold, .. }, Group::Gone) => drop(hold),
-            (Holder::Via { hold, claims, .. }, Group::Survived { pgid }) => {
+            (Holder::Via { hold, claims, .. }, Group::Survived { command }) => {
                 let mut claims = Claims::Via(claims);
-                while group_running(pgid) && claims.current().is_some() {
-                    tokio::time::sleep(GROUP_POLL).await;
+                while command.running() && claims.current().is_some() {
+                    tokio::time::sleep(SURVIVOR_POLL).await;
                 }
                 drop(hold);
             }
@@ -403,10 +423,10 @@ impl Claims {
     }
 }
 
-/// Whether the command's process group is gone once `exec` is done with it.
+/// Whether the command's processes are gone once `exec` is done with them.
 enum Group {
     Gone,
-    Survived { pgid: Pid },
+    Survived { command: CommandProcesses },
 }
 
 async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) -> (u8, Group) {
@@ -415,16 +435,14 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
         Ok(token) => token,
         Err(status) => return (status, Group::Gone),
     };
-    let mut child = match spawn(args, holder, token) {
-        Ok(child) => child,
+    let (mut child, command) = match spawn(args, holder, token) {
+        Ok(spawned) => spawned,
         Err(e) => {
             eprintln!("error: cannot start {:?}: {e}", args.command[0]);
             return (EXIT_CANNOT_RUN, Group::Gone);
         }
     };
-    let Some(pgid) = child.id().map(|id| Pid::from_raw(id as i32)) else {
-        return (EXIT_CANNOT_RUN, Group::Gone);
-    };
+    let pgid = command.pgid;
     tracing::info!(lock = %holder.name(), token, pid = pgid.as_raw(), "holding the lock; the command runs");
     let mut claims = holder.claims();
     let outcome = follow(
@@ -442,9 +460,21 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
         .current()
         .filter(|(held, _)| *held == token)
         .map(|(_, end)| end);
-    let group = stop_group(&mut child, pgid, args.kill_grace, claim_end).await;
+    // A command that ended before the lock was being lost ended under it: its status stands.
+    let outcome = match outcome {
+        Outcome::Lost => ended_status(pgid).map_or(Outcome::Lost, Outcome::Ended),
+        outcome => outcome,
+    };
+    // The keeper gave what the command left its grace before it exited (with `/proc` to find
+    // it): what is left now gets SIGKILL at once.
+    let grace = match outcome {
+        Outcome::Exited(_) if std::fs::metadata("/proc/self/stat").is_ok() => Duration::ZERO,
+        _ => args.kill_grace,
+    };
+    let group = stop_group(&mut child, command, grace, claim_end).await;
     let status = match outcome {
         Outcome::Exited(status) => exit_status(status),
+        Outcome::Ended(status) => status,
         Outcome::Lost => {
             match claim_end.map(|end| end.saturating_duration_since(BootInstant::now())) {
                 Some(spare) => eprintln!(
@@ -513,13 +543,26 @@ async fn wait_for_lock(
     }
 }
 
-fn spawn(args: &ExecArgs, holder: &Holder, token: u64) -> std::io::Result<tokio::process::Child> {
+/// The command's keeper, started, and what is the command's to stop when it ends.
+fn spawn(
+    args: &ExecArgs,
+    holder: &Holder,
+    token: u64,
+) -> std::io::Result<(tokio::process::Child, CommandProcesses)> {
+    // What the command leaves running out of its group comes here once its keeper has ended,
+    // to be stopped with the group.
+    nix::sys::prctl::set_child_subreaper(true)?;
+    let own = nix::unistd::getpid();
+    // Children this process had before it became `exec` (a shell's, that ran `exec
+    // leasehold-sidecar exec ...`) are not the command's.
+    let before = Table::read().map_or_else(Vec::new, |table| table.children(own));
     let mut command = tokio::process::Command::new(std::env::current_exe()?);
     command
         .arg(CHILD_ARG)
         .arg("--")
         .args(&args.command)
         .env(PARENT_VAR, std::process::id().to_string())
+        .env(GRACE_VAR, args.kill_grace.as_millis().to_string())
         // It may carry the backend's password, which the command has no use for.
         .env_remove("LEASEHOLD_BACKEND")
         // Not the sidecar's own LEASEHOLD_LOCK and LEASEHOLD_IDENTITY, which a sidecar the
@@ -538,12 +581,16 @@ fn spawn(args: &ExecArgs, holder: &Holder, token: u64) -> std::io::Result<tokio:
     };
     let child = command.spawn();
     drop(inherited);
-    child
+    let child = child?;
+    let Some(pgid) = child.id().map(|id| Pid::from_raw(id as i32)) else {
+        return Err(std::io::Error::other("the keeper ended at once"));
+    };
+    Ok((child, CommandProcesses { own, pgid, before }))
 }
 
-/// Until the command exits or the lock is being lost: the group is stopped from the moment the
-/// claim's end is nearer than the grace and the margin, or at once when the lock is gone or
-/// changed hands.
+/// Until the command exits or the lock is being lost: the command's processes are stopped from
+/// the moment the claim's end is nearer than the grace and the margin, or at once when the lock
+/// is gone or changed hands.
 async fn follow(
     claims: &mut Claims,
     token: u64,
@@ -584,66 +631,182 @@ async fn follow(
     }
 }
 
-/// Stops what runs of group `pgid`: SIGTERM, then SIGKILL after `grace`, or sooner so that it
+/// What is the command's: its group (`pgid`, its keeper's), and the processes descending
+/// from this one (`own`, their subreaper) but through the children it had before (`before`).
+struct CommandProcesses {
+    own: Pid,
+    pgid: Pid,
+    before: Vec<Pid>,
+}
+
+impl CommandProcesses {
+    /// Reap the processes handed to this one that have ended, and find the command's living
+    /// processes, on one read of `/proc`; `None` when it cannot be read. `keeper`: the keeper,
+    /// until its [`tokio::process::Child`] has reaped it.
+    fn reap_and_find(&self, keeper: Option<Pid>) -> Option<Vec<Pid>> {
+        let Some(table) = Table::read() else {
+            // Without `/proc`, any child once nothing is left to take the keeper's status.
+            if keeper.is_none() {
+                reap_any();
+            }
+            return None;
+        };
+        reap_ended(&table, self.own, keeper);
+        Some(table.command(self.own, self.pgid, &self.before))
+    }
+
+    /// Whether a process of the command lives (two reads of `/proc` agree that none does);
+    /// without `/proc`, whether its group has a member. Reaps as [`Self::reap_and_find`].
+    fn running(&self) -> bool {
+        (0..2).any(|_| match self.reap_and_find(None) {
+            None => killpg(self.pgid, None).is_ok(),
+            Some(living) => !living.is_empty(),
+        })
+    }
+}
+
+/// Reap the ended children of `own` (this process, a subreaper) but `spawned`, the child it
+/// started itself, whose status its [`tokio::process::Child`] takes.
+fn reap_ended(table: &Table, own: Pid, spawned: Option<Pid>) {
+    for pid in table.ended_children(own, spawned) {
+        let _ = waitpid(pid, Some(WaitPidFlag::WNOHANG));
+    }
+}
+
+/// The command's status, once its keeper (`keeper`) says it has ended.
+fn ended_status(keeper: Pid) -> Option<u8> {
+    let name = std::fs::read_to_string(format!("/proc/{keeper}/comm")).ok()?;
+    name.trim().strip_prefix(ENDED_NAME)?.parse().ok()
+}
+
+/// Reap every ended child of this process.
+fn reap_any() {
+    // A status that cannot be decoded (a realtime signal) is an error after its child was
+    // reaped: a bound, not the error, ends the loop.
+    for _ in 0..1024 {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD) => return,
+            Ok(_) | Err(_) => {}
+        }
+    }
+}
+
+/// Stops what runs of the command: SIGTERM, then SIGKILL after `grace`, or sooner so that it
 /// goes out [`KILL_MARGIN`] before `claim_end` (at once when the claim is gone: another may
-/// hold the lock already). [`Group::Survived`] when a process still runs [`KILL_MARGIN`] after
-/// the SIGKILL (an uninterruptible wait, which it dies leaving).
+/// hold the lock already).
 async fn stop_group(
     child: &mut tokio::process::Child,
-    pgid: Pid,
+    command: CommandProcesses,
     grace: Duration,
     claim_end: Option<BootInstant>,
 ) -> Group {
-    // Reap the command itself; the group's other processes are reaped by whoever inherits
-    // them.
-    let _ = child.try_wait();
-    if !group_running(pgid) {
-        return Group::Gone;
-    }
     let left = claim_end.map_or(Duration::ZERO, |end| {
         end.saturating_duration_since(BootInstant::now())
             .saturating_sub(KILL_MARGIN)
     });
-    let kill_after = grace.min(left);
-    let _ = killpg(pgid, Signal::SIGTERM);
-    let term_sent = Instant::now();
-    let mut killed_at: Option<Instant> = None;
-    loop {
-        let _ = child.try_wait();
-        if !group_running(pgid) {
-            return Group::Gone;
-        }
-        match killed_at {
-            None if term_sent.elapsed() >= kill_after => {
-                let _ = killpg(pgid, Signal::SIGKILL);
-                killed_at = Some(Instant::now());
-            }
-            Some(at) if at.elapsed() >= KILL_MARGIN => return Group::Survived { pgid },
-            _ => {}
-        }
-        tokio::time::sleep(GROUP_POLL).await;
+    let find = || {
+        // Reap the keeper (the group's leader) through its Child, the rest here.
+        let keeper = match child.try_wait() {
+            Ok(None) => Some(command.pgid),
+            _ => None,
+        };
+        command.reap_and_find(keeper)
+    };
+    match stop_processes(find, Some(command.pgid), grace.min(left)).await {
+        Stopped::Gone => Group::Gone,
+        Stopped::Survived => Group::Survived { command },
     }
 }
 
-/// Whether a process of group `pgid` still runs. A zombie does not: it is dead, and waits only
-/// for whoever inherited it to reap it (a container's first process may never do so).
-fn group_running(pgid: Pid) -> bool {
-    let Ok(processes) = std::fs::read_dir("/proc") else {
-        return killpg(pgid, None).is_ok();
-    };
-    processes.flatten().any(|process| {
-        let Ok(stat) = std::fs::read_to_string(process.path().join("stat")) else {
-            return false;
+/// How stopping processes ended.
+enum Stopped {
+    Gone,
+    /// [`KILL_MARGIN`] after the SIGKILL, processes remain that will never run their own code
+    /// again (in an uninterruptible wait, which they die leaving) or that may not be signalled.
+    Survived,
+}
+
+/// SIGTERM to every process `find` finds, then, from `kill_after` on, SIGKILL to each once,
+/// looking again every [`GROUP_POLL`]: a process handed down as its parent dies gets the same.
+/// `find` is `None` without `/proc`: then `group`, when given, stands for all of them.
+async fn stop_processes(
+    mut find: impl FnMut() -> Option<Vec<Pid>>,
+    group: Option<Pid>,
+    kill_after: Duration,
+) -> Stopped {
+    let started = Instant::now();
+    let mut termed: std::collections::HashSet<Pid> = std::collections::HashSet::new();
+    let mut killed: std::collections::HashSet<Pid> = std::collections::HashSet::new();
+    let mut killing_since: Option<Instant> = None;
+    let (mut empty_reads, mut settled_reads) = (0, 0);
+    loop {
+        let kill = started.elapsed() >= kill_after;
+        if kill {
+            killing_since.get_or_insert_with(Instant::now);
+        }
+        let Some(living) = find() else {
+            let Some(group) = group.filter(|&group| killpg(group, None).is_ok()) else {
+                return Stopped::Gone;
+            };
+            match killing_since {
+                None if termed.insert(group) => {
+                    let _ = killpg(group, Signal::SIGTERM);
+                }
+                Some(since) if since.elapsed() >= KILL_MARGIN => return Stopped::Survived,
+                Some(_) => {
+                    let _ = killpg(group, Signal::SIGKILL);
+                }
+                None => {}
+            }
+            tokio::time::sleep(GROUP_POLL).await;
+            continue;
         };
-        // `PID (COMMAND) STATE PPID PGRP ...`; the command may itself hold spaces and parentheses.
-        let Some((_, fields)) = stat.rsplit_once(") ") else {
-            return false;
+        // A read of `/proc` is not atomic: it takes two in a row to agree.
+        empty_reads = if living.is_empty() {
+            empty_reads + 1
+        } else {
+            0
         };
-        let mut fields = fields.split(' ');
-        let state = fields.next().unwrap_or("Z");
-        let group = fields.nth(1).and_then(|g| g.parse::<i32>().ok());
-        group == Some(pgid.as_raw()) && !matches!(state, "Z" | "X" | "x")
-    })
+        if empty_reads >= 2 {
+            return Stopped::Gone;
+        }
+        if kill {
+            // Each process once: the kernel drops a SIGKILL to a process already exiting, so
+            // one that got it and still runs is on its way out.
+            let mut sent = false;
+            for &pid in &living {
+                if !killed.contains(&pid) && !processes::dying(pid) {
+                    match nix::sys::signal::kill(pid, Signal::SIGKILL) {
+                        Ok(()) => {
+                            sent = true;
+                            killed.insert(pid);
+                        }
+                        Err(nix::errno::Errno::EPERM) => {
+                            killed.insert(pid);
+                        }
+                        // Gone meanwhile: its pid may come back as another's.
+                        Err(_) => {}
+                    }
+                }
+            }
+            settled_reads = if sent || living.is_empty() {
+                0
+            } else {
+                settled_reads + 1
+            };
+            let since = killing_since.unwrap_or_else(Instant::now);
+            if settled_reads >= 2 && since.elapsed() >= KILL_MARGIN {
+                return Stopped::Survived;
+            }
+        } else {
+            for &pid in &living {
+                if termed.insert(pid) {
+                    let _ = nix::sys::signal::kill(pid, Signal::SIGTERM);
+                }
+            }
+        }
+        tokio::time::sleep(GROUP_POLL).await;
+    }
 }
 
 fn exit_status(status: std::process::ExitStatus) -> u8 {
@@ -678,8 +841,13 @@ impl Signals {
     }
 }
 
-/// The trampoline: die with the `leasehold exec` that started it, then become the command.
-fn become_command(args: &[OsString]) -> ExitCode {
+/// The keeper: runs the command as its child, in the keeper's own process group (which `exec`
+/// signals), and outlives it to give what it left its grace, stop that, and pass its status on.
+/// When `exec` dies first (killed outright, so that nobody renews the
+/// lock any more), the keeper stops every process of the command at once: those of the group,
+/// and those that left it (`setsid`, a daemon's double fork), which come to the keeper as
+/// their parents die because it is their subreaper.
+fn keep_command(args: &[OsString]) -> ExitCode {
     let command = match args.first() {
         Some(dashes) if dashes == "--" => &args[1..],
         _ => args,
@@ -688,20 +856,130 @@ fn become_command(args: &[OsString]) -> ExitCode {
         eprintln!("error: exec-child needs a command");
         return ExitCode::from(EXIT_BAD_CONFIG);
     };
-    if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
-        eprintln!("error: cannot arrange to die with leasehold exec: {e}");
-        return ExitCode::from(EXIT_CANNOT_RUN);
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the keeper's runtime: {e}");
+            return ExitCode::from(EXIT_CANNOT_RUN);
+        }
+    };
+    ExitCode::from(runtime.block_on(keep(program, rest)))
+}
+
+async fn keep(program: &OsString, rest: &[OsString]) -> u8 {
+    // The signals `exec` passes on to the group are the command's: the keeper catches them and
+    // does nothing. Caught, not blocked: a handler is reset in the command as it starts, where
+    // a blocked mask would be inherited.
+    let caught: std::io::Result<Vec<_>> = FORWARDED
+        .iter()
+        .map(|&s| signal(SignalKind::from_raw(s as i32)))
+        .collect();
+    // `exec`'s death is told as a SIGCHLD, the signal a child's end is told by.
+    let told = caught.and_then(|caught| Ok((caught, signal(SignalKind::child())?)));
+    let arranged = told.and_then(|told| {
+        nix::sys::prctl::set_child_subreaper(true)?;
+        nix::sys::prctl::set_pdeathsig(Signal::SIGCHLD)?;
+        Ok(told)
+    });
+    let (_caught, mut children_or_parent) = match arranged {
+        Ok(told) => told,
+        Err(e) => {
+            eprintln!("error: cannot arrange to stop the command with leasehold exec: {e}");
+            return EXIT_CANNOT_RUN;
+        }
+    };
+    // Checked after the death signal is set: `exec` may have died in between, and this process
+    // would then be another's child already.
+    let parent = getppid();
+    if std::env::var(PARENT_VAR).ok().as_deref() != Some(&parent.as_raw().to_string()) {
+        return EXIT_LOCK_LOST;
     }
-    // Set after the fork: the parent may have died in between, and this process would then be
-    // another's child already.
-    let parent = std::env::var(PARENT_VAR).ok();
-    if parent.as_deref() != Some(&nix::unistd::getppid().as_raw().to_string()) {
-        return ExitCode::from(EXIT_LOCK_LOST);
-    }
-    let error = std::process::Command::new(program)
+    let mut child = match tokio::process::Command::new(program)
         .args(rest)
         .env_remove(PARENT_VAR)
-        .exec();
-    eprintln!("error: cannot run {program:?}: {error}");
-    ExitCode::from(EXIT_CANNOT_RUN)
+        .env_remove(GRACE_VAR)
+        .kill_on_drop(false)
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) => {
+            eprintln!("error: cannot run {program:?}: {e}");
+            return EXIT_CANNOT_RUN;
+        }
+    };
+    let command = child.id().map(|id| Pid::from_raw(id as i32));
+    let own = nix::unistd::getpid();
+    loop {
+        let child_ended = tokio::select! {
+            status = child.wait() => {
+                let status = match status {
+                    Ok(status) => exit_status(status),
+                    Err(_) => EXIT_LOCK_LOST,
+                };
+                // Told to `exec` by the keeper's name, so that a lock lost from now on does not
+                // change the command's status.
+                if let Ok(name) = std::ffi::CString::new(format!("{ENDED_NAME}{status}")) {
+                    let _ = nix::sys::prctl::set_name(&name);
+                }
+                // What the command left is stopped before its status is passed on, so that
+                // it is stopped even if `exec` dies meanwhile: at once if it has died.
+                let grace = std::env::var(GRACE_VAR)
+                    .ok()
+                    .and_then(|ms| ms.parse().ok())
+                    .map_or(Duration::ZERO, Duration::from_millis);
+                let find = || {
+                    if getppid() != parent {
+                        stop_everything(None);
+                    }
+                    reap_any();
+                    Table::read().map(|table| table.command(own, own, &[]))
+                };
+                stop_processes(find, None, grace).await;
+                return status;
+            }
+            _ = children_or_parent.recv() => true,
+            // A backstop for a signal that never came.
+            () = tokio::time::sleep(PARENT_POLL) => false,
+        };
+        if getppid() != parent {
+            stop_everything(command);
+            return EXIT_LOCK_LOST;
+        }
+        // Orphans handed to the keeper are reaped as they end (the command by its Child).
+        if child_ended && let Some(table) = Table::read() {
+            reap_ended(&table, own, command);
+        }
+    }
+}
+
+/// SIGKILL to the command (`command`, while it runs), every process of the keeper's group and
+/// every process descending from the keeper (the command's, whichever group they moved to),
+/// until two reads of `/proc` in a row find none that lacks a SIGKILL and may be signalled;
+/// then to the group, the keeper with it, for whatever `/proc` did not show.
+fn stop_everything(command: Option<Pid>) {
+    if let Some(command) = command {
+        let _ = nix::sys::signal::kill(command, Signal::SIGKILL);
+    }
+    let own = nix::unistd::getpid();
+    let mut quiet_reads = 0;
+    while let Some(table) = Table::read() {
+        let mut sent = false;
+        for pid in table.command(own, own, &[]) {
+            // A process that may not be signalled (one that changed its user) is not waited for.
+            if !processes::dying(pid) {
+                sent |= nix::sys::signal::kill(pid, Signal::SIGKILL).is_ok();
+            }
+        }
+        // The command's status is of no use here: every ended child is reaped.
+        reap_any();
+        quiet_reads = if sent { 0 } else { quiet_reads + 1 };
+        if quiet_reads >= 2 {
+            break;
+        }
+        std::thread::sleep(GROUP_POLL);
+    }
+    let _ = killpg(own, Signal::SIGKILL);
 }
