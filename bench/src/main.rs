@@ -2,7 +2,8 @@
 //! The benchmark command (`scripts/bench [SECTION]...`). Every figure is printed beside a
 //! baseline measured in the same run on the same machine. One module per section (`http`,
 //! `drivers`, `sql`, `queue` for etcd and ZooKeeper, `keyed`, `safety`, `operator`,
-//! `redis_family` for the cluster, Sentinel, Tair and TLS), and `measure` with what they share.
+//! `redis_family` for the cluster, Sentinel, Tair and TLS), `measure` with what they share, and
+//! `record` for `--record`, which writes each section's output into `docs/benchmarks.md`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,6 +29,7 @@ mod measure;
 mod operator;
 mod queue;
 mod read_write;
+mod record;
 mod redis_family;
 mod safety;
 mod semaphore;
@@ -69,20 +71,39 @@ fn main() {
         bare_axum(port.parse().expect("port"));
         return;
     }
+    let words: Vec<&str> = args[1..].iter().map(String::as_str).collect();
+    if let Some(recording) = record::parse(&words) {
+        let outcome = recording.and_then(|recording| {
+            check_sections(&recording.sections)?;
+            record::record(&recording, SECTIONS)
+        });
+        if let Err(e) = outcome {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+        return;
+    }
+    if let Err(e) = check_sections(&words) {
+        eprintln!("{e}");
+        std::process::exit(2);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(worker_threads())
         .enable_all()
         .build()
         .expect("runtime");
-    let sections: Vec<&str> = args[1..].iter().map(String::as_str).collect();
-    if let Some(unknown) = sections.iter().find(|s| !SECTIONS.contains(s)) {
-        eprintln!(
-            "unknown section {unknown:?}; usage: leasehold-bench [{}]...",
+    runtime.block_on(run(&words));
+}
+
+/// An error naming the first section that is not one of [`SECTIONS`], with the usage.
+fn check_sections(sections: &[&str]) -> Result<(), String> {
+    match sections.iter().find(|s| !SECTIONS.contains(s)) {
+        None => Ok(()),
+        Some(unknown) => Err(format!(
+            "unknown section {unknown:?}; usage: leasehold-bench [--record [--repeat N]] [{}]...",
             SECTIONS.join("|")
-        );
-        std::process::exit(2);
+        )),
     }
-    runtime.block_on(run(&sections));
 }
 
 /// The load generator's runtime threads: the sidecar's (2) unless [`WORKER_THREADS_VAR`] says
