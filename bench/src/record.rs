@@ -129,8 +129,9 @@ fn provenance() -> String {
     let commit = match run("git", &["rev-parse", "--short", "HEAD"]) {
         None => "an unknown commit".to_string(),
         Some(commit) => match run("git", &["status", "--porcelain", "--untracked-files=no"]) {
-            // The page itself changes as sections are recorded.
-            Some(changes) if changes.lines().any(|l| !l.ends_with(PAGE)) => {
+            // Documentation does not change a figure (and the page itself changes as sections
+            // are recorded).
+            Some(changes) if changes.lines().any(|l| !l.ends_with(".md")) => {
                 format!("commit {commit} with uncommitted changes")
             }
             _ => format!("commit {commit}"),
