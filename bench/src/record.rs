@@ -81,7 +81,12 @@ pub(crate) fn record(recording: &Recording, all_sections: &[&str]) -> Result<(),
         );
         let text = std::fs::read_to_string(page).map_err(|e| format!("{PAGE}: {e}"))?;
         let updated = replace_block(&text, section, &body)?;
-        std::fs::write(page, updated).map_err(|e| format!("{PAGE}: {e}"))?;
+        // Written beside it and renamed over it, so that an interrupted write cannot leave
+        // the page cut short.
+        let written = page.with_extension("md.recording");
+        std::fs::write(&written, updated)
+            .and_then(|()| std::fs::rename(&written, page))
+            .map_err(|e| format!("{PAGE}: {e}"))?;
         println!("# {section}: recorded in {PAGE}");
     }
     Ok(())
@@ -207,18 +212,27 @@ pub(crate) fn merge_runs(runs: &[Vec<String>]) -> Vec<String> {
         .collect()
 }
 
-/// A line split into its words (between figures) and its figures.
+/// A line split into its words (between figures) and its figures. A figure is a decimal number
+/// not glued to a name before it (`k1` is a word), with its sign when one stands before it
+/// (`+0.05`, `-0.01`); a unit after it (`3s`, `0.78x`) is a word of its own.
 fn split_figures(line: &str) -> (Vec<&str>, Vec<&str>) {
     let bytes = line.as_bytes();
     let (mut words, mut figures) = (Vec::new(), Vec::new());
     let (mut i, mut word_start) = (0, 0);
     while i < bytes.len() {
         let starts_figure = bytes[i].is_ascii_digit()
-            && (i == 0 || !(bytes[i - 1].is_ascii_alphabetic() || bytes[i - 1] == b'_'));
+            && (i == 0
+                || !(bytes[i - 1].is_ascii_alphanumeric()
+                    || bytes[i - 1] == b'_'
+                    || bytes[i - 1] == b'.'));
         if !starts_figure {
             i += 1;
             continue;
         }
+        let signed = i > 0
+            && matches!(bytes[i - 1], b'+' | b'-')
+            && (i == 1 || matches!(bytes[i - 2], b' ' | b'(' | b'\t'));
+        let start = if signed { i - 1 } else { i };
         let mut end = i;
         while end < bytes.len() && bytes[end].is_ascii_digit() {
             end += 1;
@@ -229,13 +243,8 @@ fn split_figures(line: &str) -> (Vec<&str>, Vec<&str>) {
                 end += 1;
             }
         }
-        // A figure glued to letters after it (`4s`, `16x`) is a word.
-        if end < bytes.len() && (bytes[end].is_ascii_alphabetic() || bytes[end] == b'_') {
-            i = end;
-            continue;
-        }
-        words.push(&line[word_start..i]);
-        figures.push(&line[i..end]);
+        words.push(&line[word_start..start]);
+        figures.push(&line[start..end]);
         word_start = end;
         i = end;
     }
@@ -336,11 +345,13 @@ mod tests {
             vec![
                 "## api (3s per run)".to_string(),
                 "  redis 16 owner(s): 17302 cycles/s p50 0.440 ms 47% ratio".to_string(),
+                "  over the call +0.086 ms, k1 -0.010 ms; achieved 0.78x".to_string(),
                 "  seed 1 faults (kill 3)".to_string(),
             ],
             vec![
                 "## api (3s per run)".to_string(),
                 "  redis 16 owner(s): 16001 cycles/s p50 0.512 ms 47% ratio".to_string(),
+                "  over the call -0.020 ms, k1 -0.005 ms; achieved 0.81x".to_string(),
                 "  seed 2 faults (kill 3, pause 1)".to_string(),
             ],
         ];
@@ -349,6 +360,7 @@ mod tests {
             vec![
                 "## api (3s per run)",
                 "  redis 16 owner(s): 16001–17302 cycles/s p50 0.440–0.512 ms 47% ratio",
+                "  over the call -0.020–+0.086 ms, k1 -0.010–-0.005 ms; achieved 0.78–0.81x",
                 "  seed 2 faults (kill 3, pause 1)",
             ]
         );
@@ -370,11 +382,17 @@ mod tests {
         for section in crate::SECTIONS {
             replace_block(&page, section, "").unwrap_or_else(|e| panic!("{e}"));
         }
-        for line in page.lines().filter(|l| l.starts_with("<!-- bench:")) {
-            let name = &line["<!-- bench:".len()..line.len() - " -->".len()];
+        for line in page.lines() {
+            let Some(name) = line
+                .strip_prefix("<!-- bench:")
+                .or_else(|| line.strip_prefix("<!-- /bench:"))
+            else {
+                continue;
+            };
+            let name = name.trim_end_matches(" -->");
             assert!(
                 crate::SECTIONS.contains(&name),
-                "{PAGE} has a block for no section: {name}"
+                "{PAGE} has a marker of no section: {line}"
             );
         }
     }

@@ -270,7 +270,7 @@ pub(crate) async fn mysql_idle_waiters(url: &str) {
         let poll = questions().await - before - 1;
         holder.release(&lease).await.expect("release");
         println!(
-            "  mysql    {mode_name}: one poll of a waiter: {poll} statements (five polls per renew interval before named-lock wake-ups: {} per waiter)",
+            "  mysql    {mode_name}: one poll of a waiter: {poll} statements (polling five times per renew interval, as a waiter without named-lock wake-ups would: {} per waiter)",
             5 * poll
         );
     }
