@@ -76,14 +76,23 @@ async fn open(
         .map_err(|e| format!("cannot open backend {}: {e}", resolved.backend))
 }
 
+/// [`open`], with its connection opened at once rather than on the first request.
+async fn open_early(
+    client: &kube::Client,
+    resolved: &ResolvedLock,
+) -> Result<Arc<dyn leasehold_lease::Backend>, String> {
+    let driver = open(client, resolved).await?;
+    crate::run::open_connection_early(&driver);
+    Ok(driver)
+}
+
 async fn start(
     client: &kube::Client,
     resolved: &ResolvedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
 ) -> Result<Running, String> {
-    let driver = open(client, resolved).await?;
-    crate::run::open_connection_early(&driver);
+    let driver = open_early(client, resolved).await?;
     match resolved.family_config(identity) {
         Some(family) => KeyedFamily::new(driver, family, metrics.clone())
             .map(Running::Family)
@@ -98,9 +107,12 @@ async fn start_lock(
     identity: &str,
     metrics: &Arc<Metrics>,
 ) -> Result<Lock, String> {
-    let driver = open(client, resolved).await?;
-    crate::run::open_connection_early(&driver);
-    start_lock_on(driver, resolved, identity, metrics)
+    start_lock_on(
+        open_early(client, resolved).await?,
+        resolved,
+        identity,
+        metrics,
+    )
 }
 
 fn start_lock_on(
