@@ -29,7 +29,7 @@
 mod read_write;
 mod several;
 
-pub use read_write::MAX_READ_WRITE_PERMITS;
+pub use read_write::{MAX_READ_WRITE_PERMITS, WriteHolding};
 pub use several::{KeysAnswer, MAX_KEYS_AT_ONCE};
 
 use std::collections::HashMap;

@@ -1267,13 +1267,6 @@ async fn key_hold(
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
-    // A write lock is several holdings, which one connection's events do not follow.
-    if matches!(mode, Some(Access::Write)) || family.writes(&key, &owner) {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "a write lock is not held through a connection: acquire it with mode=write, then extend and release it",
-        ));
-    }
     // Checked before waiting for a turn, so that a bad key is a 400 at once.
     family.backend_name(&key).map_err(key_error)?;
     let not_taken = |answer: &KeyAnswer| {
@@ -1302,20 +1295,32 @@ async fn key_hold(
     let hold = hold_stream::bound_hold(family.config().lease_duration);
     let answer = match mode {
         Some(Access::Read) => family.acquire_read(&key, &owner, wait, hold).await,
-        _ => family.acquire(&key, &owner, wait, hold).await,
+        Some(Access::Write) => family.acquire_write(&key, &owner, wait, hold).await,
+        None => family.acquire(&key, &owner, wait, hold).await,
     }
     .map_err(key_error)?;
-    // The owner became the key's writer meanwhile, and acquired its write lock again: that
-    // acquisition is given back.
-    if let KeyAnswer::Held { writer: true, .. } = answer {
-        family.release(&key, &owner).await.map_err(key_error)?;
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "a write lock is not held through a connection: acquire it with mode=write, then extend and release it",
-        ));
-    }
-    let KeyAnswer::Held { token, permit, .. } = answer else {
+    let KeyAnswer::Held {
+        token,
+        permit,
+        writer,
+        ..
+    } = answer
+    else {
         return Ok(not_taken(&answer));
+    };
+    // A write lock (asked for, or the owner's, re-entered) is followed part by part.
+    let bound = match writer.then(|| family.write_holding(&key, &owner)) {
+        Some(Some(holding)) => hold_stream::Bound::Write {
+            family: family.clone(),
+            holding,
+        },
+        // Ended between the answer and now: not taken.
+        Some(None) => return Ok(not_taken(&KeyAnswer::NotHeld)),
+        None => hold_stream::Bound::Key {
+            family: family.clone(),
+            key: key.clone(),
+            owner: owner.clone(),
+        },
     };
     let mut about = serde_json::Map::new();
     about.insert("family".into(), family.name().into());
@@ -1324,12 +1329,10 @@ async fn key_hold(
     if family.has_had_permits() {
         about.insert("permit".into(), permit.into());
     }
-    Ok(hold_stream::respond(
-        hold_stream::Bound::Key { family, key, owner },
-        token,
-        about,
-        turn,
-    ))
+    if writer {
+        about.insert("mode".into(), "write".into());
+    }
+    Ok(hold_stream::respond(bound, token, about, turn))
 }
 
 /// Follow `key`'s holders, in any pod ([`crate::key_events`]).

@@ -16,10 +16,10 @@ use std::time::Duration;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use leasehold_lease::boot_clock::BootInstant;
-use leasehold_lease::keyed::KeyedFamily;
+use leasehold_lease::keyed::{KeyedFamily, WriteHolding};
 use leasehold_lease::{EventKind, Lock};
 use serde_json::{Map, Value, json};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 /// The hold a connection's acquisition is taken with, in leases, moved on every renew interval
@@ -30,13 +30,18 @@ pub const BOUND_HOLD_LEASES: u32 = 2;
 /// away without closing its connection.
 const KEEP_ALIVE: Duration = Duration::from_secs(5);
 
-/// What a connection holds: one acquisition of a lock, or of a key for one owner.
+/// What a connection holds: one acquisition of a lock, of a key for one owner, or of a key's
+/// write lock (several parts, each a lock of the backend, followed together).
 pub enum Bound {
     Lock(Lock),
     Key {
         family: KeyedFamily,
         key: String,
         owner: String,
+    },
+    Write {
+        family: KeyedFamily,
+        holding: WriteHolding,
     },
 }
 
@@ -48,37 +53,70 @@ pub fn bound_hold(lease: Duration) -> Duration {
 impl Bound {
     /// The lease and the renew interval it was taken with.
     fn timing(&self) -> (Duration, Duration) {
-        match self {
-            Bound::Lock(lock) => (lock.config().lease_duration, lock.config().renew_interval),
-            Bound::Key { family, .. } => {
-                let config = family.config();
-                (config.lease_duration, config.renew_interval)
+        let config = match self {
+            Bound::Lock(lock) => {
+                return (lock.config().lease_duration, lock.config().renew_interval);
             }
-        }
+            Bound::Key { family, .. } | Bound::Write { family, .. } => family.config(),
+        };
+        (config.lease_duration, config.renew_interval)
     }
-    /// The engine that holds it now, with the token it holds it with.
-    fn engine(&self) -> Option<Lock> {
+
+    /// The engines that hold it now, each with the token it holds with (`token`, the
+    /// acquisition's, for a lock or a key; each part's own for a write lock), or `None` once
+    /// it is no longer held.
+    fn parts(&self, token: u64) -> Option<Vec<(Lock, u64)>> {
         match self {
-            Bound::Lock(lock) => Some(lock.clone()),
-            Bound::Key { family, key, owner } => family.holding(key, owner),
+            Bound::Write { holding, .. } => holding.parts(),
+            _ => self.engine().map(|engine| vec![(engine, token)]),
         }
     }
 
     /// Keep the acquisition at least `hold` from now, while the holding is `token`'s.
     async fn extend(&self, token: u64, hold: Duration) {
-        let Some(engine) = self.engine() else { return };
-        if let Err(e) = engine.extend_if(token, hold).await {
+        let extended = match (self, self.engine()) {
+            (Bound::Write { holding, .. }, _) => holding.extend(hold).await.map(drop),
+            (_, Some(engine)) => engine
+                .extend_if(token, hold)
+                .await
+                .map(drop)
+                .map_err(Into::into),
+            (_, None) => return,
+        };
+        if let Err(e) = extended {
             tracing::debug!(error = %e, token, "a connection's hold was not extended");
         }
     }
 
     /// Give up the connection's acquisition, if the engine still holds it with `token`: a
     /// later holding (the lease lost, then taken again by another call) is not the
-    /// connection's to release.
+    /// connection's to release. A write lock's parts are released together, or the write lock
+    /// ends whole.
     async fn release(&self, token: u64) {
-        let Some(engine) = self.engine() else { return };
-        if let Err(e) = engine.release_if(token).await {
+        let released = match (self, self.engine()) {
+            (Bound::Write { holding, .. }, _) => holding.release().await.map(drop),
+            (_, Some(engine)) => engine.release_if(token).await.map(drop).map_err(Into::into),
+            (_, None) => return,
+        };
+        if let Err(e) = released {
             tracing::warn!(error = %e, token, "releasing a closed connection's hold failed; it lapses with its hold");
+        }
+    }
+
+    /// The engine that holds a lock or a key now (not a write lock's: it has several).
+    fn engine(&self) -> Option<Lock> {
+        match self {
+            Bound::Lock(lock) => Some(lock.clone()),
+            Bound::Key { family, key, owner } => family.holding(key, owner),
+            Bound::Write { .. } => None,
+        }
+    }
+
+    /// After a part was found lost: a write lock steps down whole (its other parts given back
+    /// once their last answer has run out).
+    fn ended(&self) {
+        if let Bound::Write { holding, .. } = self {
+            holding.answer();
         }
     }
 }
@@ -167,6 +205,48 @@ fn standing(
     }
 }
 
+/// How an acquisition of several parts stands: held while every part is, until the earliest
+/// part's claim and answer; ended once any part has, lost where any part was lost.
+fn standing_of(
+    parts: &[(Lock, u64)],
+    events: &mut [broadcast::Receiver<leasehold_lease::Event>],
+) -> Standing {
+    let mut held: Option<(BootInstant, BootInstant)> = None;
+    let mut ended: Option<(bool, String)> = None;
+    for ((engine, token), events) in parts.iter().zip(events) {
+        match standing(engine, *token, events) {
+            Standing::Held { claim, answer } => {
+                held = Some(held.map_or((claim, answer), |(c, a)| (c.min(claim), a.min(answer))));
+            }
+            Standing::Ended { released, reason } => {
+                if ended
+                    .as_ref()
+                    .is_none_or(|(was_released, _)| *was_released && !released)
+                {
+                    ended = Some((released, reason));
+                }
+            }
+        }
+    }
+    match (ended, held) {
+        (None, Some((claim, answer))) => Standing::Held { claim, answer },
+        (Some((released, reason)), _) => Standing::Ended { released, reason },
+        (None, None) => Standing::Ended {
+            released: false,
+            reason: "the lease is no longer held".into(),
+        },
+    }
+}
+
+/// Until any of `states` changes; an error once one of their engines has ended.
+async fn any_changed(
+    states: &mut [watch::Receiver<leasehold_lease::Snapshot>],
+) -> Result<(), watch::error::RecvError> {
+    futures_util::future::select_all(states.iter_mut().map(|state| Box::pin(state.changed())))
+        .await
+        .0
+}
+
 /// The stream's task: extend while the connection lives, tell every renewal, and end with
 /// `lost` or `released`; release when the connection closes.
 async fn follow(
@@ -175,7 +255,7 @@ async fn follow(
     about: Map<String, Value>,
     events: mpsc::Sender<SseEvent>,
 ) {
-    let Some(engine) = bound.engine() else {
+    let Some(parts) = bound.parts(token) else {
         let _ = events
             .send(event(
                 "lost",
@@ -185,8 +265,11 @@ async fn follow(
             .await;
         return;
     };
-    let mut engine_events = engine.events();
-    let mut state = engine.watch();
+    // The first part says what the holding is: its holder's identity and its count of
+    // acquisitions (a write lock's gate).
+    let engine = parts[0].0.clone();
+    let mut engine_events: Vec<_> = parts.iter().map(|(engine, _)| engine.events()).collect();
+    let mut states: Vec<_> = parts.iter().map(|(engine, _)| engine.watch()).collect();
     let (lease, renew_interval) = bound.timing();
     let hold = bound_hold(lease);
     let mut extend = tokio::time::interval(renew_interval);
@@ -195,8 +278,10 @@ async fn follow(
     let mut told: Option<BootInstant> = None;
     let mut engine_ended = false;
     loop {
-        state.borrow_and_update();
-        let standing = match standing(&engine, token, &mut engine_events) {
+        for state in &mut states {
+            state.borrow_and_update();
+        }
+        let standing = match standing_of(&parts, &mut engine_events) {
             // An engine that ended says so before it ends; this is a backstop.
             Standing::Held { .. } if engine_ended => Standing::Ended {
                 released: true,
@@ -207,6 +292,7 @@ async fn follow(
         let (claim, answer) = match standing {
             Standing::Held { claim, answer } => (claim, answer),
             Standing::Ended { released, reason } => {
+                bound.ended();
                 let kind = if released { "released" } else { "lost" };
                 // Within a renew interval: a client that no longer reads (its `exec` gone, a
                 // command holding the connection) must not keep this task, and its turn.
@@ -266,7 +352,7 @@ async fn follow(
                 return;
             }
             _ = extend.tick() => bound.extend(token, hold).await,
-            changed = state.changed(), if !engine_ended => engine_ended = changed.is_err(),
+            changed = any_changed(&mut states), if !engine_ended => engine_ended = changed.is_err(),
             // The hold's end (the engine steps down then, and says so), or, once that has
             // passed with the engine busy in a call, the claim's.
             _ = tokio::time::sleep_until(wake.to_tokio()) => {}

@@ -450,10 +450,16 @@ struct RunningSidecar {
 
 impl RunningSidecar {
     fn start(identity: &str, lock: &str, backend: &str) -> Self {
+        Self::start_with(identity, lock, backend, &[])
+    }
+
+    /// With `family_args` for the family `jobs-keys` (`--permits 2 --read-write`).
+    fn start_with(identity: &str, lock: &str, backend: &str, family_args: &[&str]) -> Self {
         let port = leasehold_testkit::free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"))
             .args(["--lock", lock, "--backend", backend, "--identity", identity])
             .args(["--mode", "on-demand", "--keyed", "jobs-keys"])
+            .args(family_args)
             .args(["--lease-duration", "3s", "--renew-interval", "1s"])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .stdin(Stdio::null())
@@ -760,6 +766,66 @@ fn execs_through_two_sidecars_take_turns_on_a_key() {
     assert!(tokens.windows(2).all(|w| w[1] > w[0]), "{tokens:?}");
 }
 
+/// On a read-write family, `exec --mode read` commands run side by side and an `exec --mode
+/// write` command runs alone: after the readers that came first, before a reader that came
+/// while it ran, with a token above the readers'.
+#[test]
+fn readers_exec_side_by_side_and_a_writer_execs_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = RunningSidecar::start_with(
+        "pod-a",
+        "jobs",
+        &sqlite(dir.path()),
+        &["--permits", "2", "--read-write"],
+    );
+    let log = dir.path().join("log");
+    let run = |mode: &str, owner: &str| {
+        let script = format!(
+            "echo {mode}-start $LEASEHOLD_FENCING_TOKEN >> {0}; sleep 1; echo {mode}-end >> {0}",
+            log.display()
+        );
+        let mut command = exec_via(&sidecar, &["--keyed", "jobs-keys/report"]);
+        command.args(["--mode", mode, "--identity", owner]);
+        shell(&mut command, &script).spawn().unwrap()
+    };
+    let started = |what: &str| read(&log).lines().filter(|l| l.starts_with(what)).count();
+    let mut children = vec![run("read", "r1"), run("read", "r2")];
+    wait_for("both readers to run", Duration::from_secs(10), || {
+        started("read-start") == 2
+    });
+    children.push(run("write", "w1"));
+    wait_for("the writer to run", Duration::from_secs(10), || {
+        started("write-start") == 1
+    });
+    children.push(run("read", "r3"));
+    for child in &mut children {
+        assert!(wait_exit(child, Duration::from_secs(30)).success());
+    }
+    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
+    let shape: Vec<&str> = lines.iter().map(|l| l.split(' ').next().unwrap()).collect();
+    assert_eq!(
+        shape,
+        [
+            "read-start",
+            "read-start",
+            "read-end",
+            "read-end",
+            "write-start",
+            "write-end",
+            "read-start",
+            "read-end"
+        ],
+        "{lines:?}"
+    );
+    let tokens: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| l.split(' ').nth(1)?.parse().ok())
+        .collect();
+    // A reader's token rises with its permit's holders only (on SQLite each permit counts on
+    // its own), so the writer's is compared with the readers' before it.
+    assert!(tokens[2] > tokens[0].max(tokens[1]), "{lines:?}");
+}
+
 #[test]
 fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
     let redis = RedisServer::start_with(true);
@@ -819,6 +885,14 @@ fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
             "jobs-keys/k",
         ]),
         "--via",
+    );
+    refused(
+        exec_via(&sidecar, &["--lock", "jobs"]).args(["--mode", "write"]),
+        "--keyed",
+    );
+    refused(
+        exec_via(&sidecar, &["--keyed", "jobs-keys/k"]).args(["--mode", "upgrade"]),
+        "upgrade",
     );
     refused(
         Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar")).args([

@@ -16,6 +16,8 @@ const LONG_TIMING: [&str; 4] = ["--lease-duration", "6s", "--renew-interval", "2
 /// short of the lease and of the connection's own hold (two leases), which a release that
 /// never happened would wait out.
 const RELEASED_WITHIN: Duration = Duration::from_secs(2);
+/// A read-write family of two permits: up to two readers, or one writer.
+const READ_WRITE: [&str; 3] = ["--permits", "2", "--read-write"];
 
 fn on_demand(identity: &str, redis: &RedisServer, lock: &str, family: &str) -> Sidecar {
     on_demand_with(identity, &redis.url(), lock, family, &TIMING)
@@ -207,22 +209,35 @@ fn a_paused_sidecar_says_lost_the_moment_it_runs_again() {
 /// out before the backend lets another pod hold the key, and the stream then says `lost`.
 #[test]
 fn a_sidecar_cut_off_from_its_backend_says_lost_and_its_last_validity_ends_first() {
+    cut_off_from_the_backend(&[], "owner=w1", "owner=w2");
+}
+
+/// As a key's hold, a write lock's (the write gate and every permit, followed together): the
+/// stream says `lost` once its claim is gone, and a reader of another pod is let in only after
+/// the writer's last validity ran out.
+#[test]
+fn a_write_lock_cut_off_from_its_backend_says_lost_and_its_last_validity_ends_first() {
+    cut_off_from_the_backend(&READ_WRITE, "owner=w1&mode=write", "owner=r1&mode=read");
+}
+
+fn cut_off_from_the_backend(family_args: &[&str], hold: &str, take: &str) {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(redis.port());
     let family = unique_lock("orders");
     let plain = unique_lock("plain");
     let through_proxy = format!("redis://127.0.0.1:{}", proxy.port);
-    let a = on_demand_with("pod-a", &through_proxy, &plain, &family, &LONG_TIMING);
-    let b = on_demand_with("pod-b", &redis.url(), &plain, &family, &LONG_TIMING);
+    let timing = [&LONG_TIMING[..], family_args].concat();
+    let a = on_demand_with("pod-a", &through_proxy, &plain, &family, &timing);
+    let b = on_demand_with("pod-b", &redis.url(), &plain, &family, &timing);
     let key = format!("/locks/{family}/keys/order-3");
 
-    let stream = open(&a, &format!("{key}/hold?owner=w1"));
+    let stream = open(&a, &format!("{key}/hold?{hold}"));
     let acquired = stream.next(Duration::from_secs(5));
     assert_eq!(acquired.kind, "acquired", "{acquired:?}");
     let token = acquired.body["fencingToken"].as_u64().unwrap();
     proxy.cut();
     let taking = {
-        let (addr, path) = (b.addr, format!("{key}/acquire?owner=w2&wait=15s"));
+        let (addr, path) = (b.addr, format!("{key}/acquire?{take}&wait=15s"));
         std::thread::spawn(move || {
             let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
             (reply, Instant::now())
@@ -247,6 +262,92 @@ fn a_sidecar_cut_off_from_its_backend_says_lost_and_its_last_validity_ends_first
         "pod b held the key {:?} before pod a's last validity ran out",
         last_valid_until - taken_at
     );
+}
+
+/// A write lock held through a connection (`mode=write` on a read-write family): the stream
+/// opens once the readers are gone, with a token above theirs; while it is open the write lock
+/// is held past the lease and the connection's own hold, renewals told, and readers and
+/// writers of every pod are refused; the moment it closes a waiting reader gets in.
+#[test]
+fn a_write_lock_held_by_a_connection_excludes_everyone_else_until_it_closes() {
+    let redis = RedisServer::start();
+    let family = unique_lock("docs");
+    let plain = unique_lock("plain");
+    let timing = [&TIMING[..], &READ_WRITE].concat();
+    let a = on_demand_with("pod-a", &redis.url(), &plain, &family, &timing);
+    let b = on_demand_with("pod-b", &redis.url(), &plain, &family, &timing);
+    let key = format!("/locks/{family}/keys/report-1");
+
+    let reader = b.post(&format!("{key}/acquire?owner=r1&mode=read&hold=30s"));
+    assert_eq!(reader.status, 200, "{}", reader.body);
+    let read_token = reader.token();
+    let waiting = {
+        let (addr, path) = (a.addr, format!("{key}/hold?owner=w1&mode=write&wait=10s"));
+        std::thread::spawn(move || {
+            let stream = EventStream::post(addr, &path).expect("a stream");
+            (stream.next(Duration::from_secs(10)), stream)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !waiting.is_finished(),
+        "the writer did not wait for the reader"
+    );
+    assert_eq!(b.post(&format!("{key}/release?owner=r1")).status, 200);
+    let (acquired, stream) = waiting.join().unwrap();
+    assert_eq!(acquired.kind, "acquired", "{acquired:?}");
+    assert_eq!(acquired.body["mode"], "write", "{acquired:?}");
+    let token = acquired.body["fencingToken"]
+        .as_u64()
+        .expect("fencingToken");
+    assert!(token > read_token, "{token} after {read_token}");
+
+    let mut renewals = 0;
+    let held_until = Instant::now() + Duration::from_secs(7);
+    while Instant::now() < held_until {
+        if let Some(StreamEvent { kind, body, .. }) = stream.try_next() {
+            assert_eq!(kind, "renewed", "{body}");
+            assert_eq!(body["fencingToken"], token);
+            assert!(body["validForMs"].as_u64().unwrap() > 0, "{body}");
+            renewals += 1;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        renewals >= 4,
+        "{renewals} renewals told in 7 s of a 1 s renew interval"
+    );
+    let status = a.get(&format!("{key}?owner=w1"));
+    assert_eq!(status.status, 200, "{}", status.body);
+    assert_eq!(status.json()["mode"], "write", "{}", status.body);
+    for (sidecar, query) in [
+        (&b, "owner=r2&mode=read"),
+        (&a, "owner=r3&mode=read"),
+        (&b, "owner=w2&mode=write"),
+    ] {
+        let refused = sidecar.post(&format!("{key}/acquire?{query}"));
+        assert_eq!(refused.status, 409, "{query}: {}", refused.body);
+    }
+
+    let waiting = {
+        let (addr, path) = (b.addr, format!("{key}/acquire?owner=r2&mode=read&wait=10s"));
+        std::thread::spawn(move || {
+            let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
+            (reply, Instant::now())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let closed = Instant::now();
+    stream.close();
+    let (reply, taken) = waiting.join().unwrap();
+    // On Redis a family's keys draw their tokens from one counter: a later reader's is higher.
+    assert!(reply.token() > token, "{}", reply.body);
+    assert!(
+        taken - closed < RELEASED_WITHIN,
+        "the key was read {:?} after the writer's connection closed",
+        taken - closed
+    );
+    assert_eq!(a.get(&format!("{key}?owner=w1")).status, 409);
 }
 
 #[test]

@@ -265,9 +265,8 @@ fn a_semaphore_family_admits_as_many_owners_as_it_has_permits() {
 
 /// Read-write locks over HTTP (`mode=read|write` on a `--read-write` family of 2 permits): two
 /// readers of two pods share a key; a writer is refused beside them, then holds the key alone
-/// (`"mode": "write"`, a token above the readers'); a reader cannot upgrade; a bad mode, a
-/// write lock through a held connection, or a mode on a family that is not read-write, is a
-/// 400 that takes nothing.
+/// (`"mode": "write"`, a token above the readers'); a reader cannot upgrade; a bad mode or a
+/// mode on a family that is not read-write is a 400 that takes nothing.
 #[test]
 fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
     let redis = RedisServer::start();
@@ -303,9 +302,10 @@ fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
     );
     let held = a.get(&format!("{key}?owner=r1"));
     assert_eq!(held.status, 200, "the reader kept its read: {}", held.body);
+    // Through a connection, a write lock is refused as an acquisition is.
     let through_a_connection = b.post(&format!("{key}/hold?owner=w1&mode=write"));
     assert_eq!(
-        through_a_connection.status, 400,
+        through_a_connection.status, 409,
         "{}",
         through_a_connection.body
     );

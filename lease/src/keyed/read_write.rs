@@ -64,6 +64,54 @@ pub(super) struct Writer {
     ended: AtomicBool,
 }
 
+/// One write lock of a key, as a hold bound to a connection follows it: the engines of its
+/// parts, and an extension or a release of this write lock alone. Once it has ended, its calls
+/// find nothing held, even should its owner write the key again since.
+#[derive(Clone)]
+pub struct WriteHolding {
+    family: KeyedFamily,
+    key: String,
+    writer: Arc<Writer>,
+}
+
+impl WriteHolding {
+    /// Each part's engine with the token the part was taken with (the write gate first), or
+    /// `None` once a part is no longer this write lock's.
+    pub fn parts(&self) -> Option<Vec<(crate::Lock, u64)>> {
+        if self.writer.ended.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.writer
+            .parts
+            .iter()
+            .map(|part| {
+                let holding = self
+                    .family
+                    .holding_on(&self.key, part.permit, &self.writer.owner)?;
+                Some((holding.lock.clone(), part.token))
+            })
+            .collect()
+    }
+
+    /// The write lock's answer ([`KeyedFamily::status`] for its writer). A write lock found
+    /// ended is given back whole.
+    pub fn answer(&self) -> KeyAnswer {
+        self.family.write_answer(&self.key, &self.writer)
+    }
+
+    /// Keep this write lock at least `hold` from now.
+    pub async fn extend(&self, hold: Duration) -> Result<KeyAnswer, KeyError> {
+        self.family
+            .extend_write(&self.key, &self.writer, hold)
+            .await
+    }
+
+    /// Give up one acquisition of this write lock.
+    pub async fn release(&self) -> Result<KeyRelease, KeyError> {
+        self.family.release_write(&self.key, &self.writer).await
+    }
+}
+
 impl KeyedFamily {
     /// Take `key` to write for `owner` (a family declared read-write): once no other owner,
     /// reader or writer, holds any of its permits, waiting up to `wait`, and keep it at most
@@ -407,6 +455,17 @@ impl KeyedFamily {
             .get(key)
             .filter(|writer| owner.is_none_or(|owner| writer.owner == owner))
             .cloned()
+    }
+
+    /// `owner`'s write lock on `key`, while it holds it: what a hold bound to a connection
+    /// follows.
+    pub fn write_holding(&self, key: &str, owner: &str) -> Option<WriteHolding> {
+        let writer = self.writer_of(key, Some(owner))?;
+        matches!(self.parts_answer(key, &writer), KeyAnswer::Held { .. }).then(|| WriteHolding {
+            family: self.clone(),
+            key: key.to_owned(),
+            writer,
+        })
     }
 
     /// Whether `owner` holds `key`'s write lock now.

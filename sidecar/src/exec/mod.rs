@@ -87,7 +87,7 @@ const FORWARDED: [Signal; 6] = [
 #[derive(Debug, Parser)]
 #[command(
     name = "leasehold-sidecar exec",
-    about = "Runs a command only while a lock is held: leasehold-sidecar exec (--lock NAME | --keyed FAMILY/KEY) [--backend URL | --via http://127.0.0.1:4040] -- COMMAND [ARGS]...",
+    about = "Runs a command only while a lock is held: leasehold-sidecar exec (--lock NAME | --keyed FAMILY/KEY [--mode read|write]) [--backend URL | --via http://127.0.0.1:4040] -- COMMAND [ARGS]...",
     after_help = "Exit status: the command's (128+N when killed by signal N); 75 when the lock was lost and the command stopped; 69 when the lock was not taken within --wait; 128+N when exec got signal N while waiting for the lock; 2 for bad arguments; 127 when the command cannot be started; 1 when the backend cannot be opened."
 )]
 #[command(group(clap::ArgGroup::new("what").required(true).args(["lock", "keyed"])))]
@@ -100,6 +100,12 @@ struct ExecArgs {
     /// family (needs --via); the owner is --identity.
     #[arg(long, value_name = "FAMILY/KEY", requires = "via")]
     keyed: Option<String>,
+
+    /// With --keyed on a read-write family: hold the key to read (shared with other readers)
+    /// or to write (alone) [default: the family's plain acquisition, a read on a read-write
+    /// family].
+    #[arg(long, value_name = "MODE")]
+    mode: Option<via::KeyMode>,
 
     /// Hold the lock through the sidecar whose lock API is here, for as long as exec runs,
     /// instead of on a backend of exec's own; the lease settings are the sidecar's.
@@ -187,6 +193,12 @@ async fn run(args: ExecArgs) -> u8 {
         eprintln!("error: invalid value for '--{flag}': {reason}");
         EXIT_BAD_CONFIG
     };
+    if args.mode.is_some() && args.keyed.is_none() {
+        return bad(
+            "mode",
+            &"a mode is for a key of a read-write family (--keyed)",
+        );
+    }
     let identity = args.identity.clone().unwrap_or_else(|| {
         format!(
             "{}-{}",
@@ -208,6 +220,7 @@ async fn run(args: ExecArgs) -> u8 {
                             family: family.to_owned(),
                             key: key.to_owned(),
                             owner: args.identity.clone().unwrap_or_else(unique_owner),
+                            mode: args.mode,
                         }
                     }
                     _ => return bad("keyed", &format!("{keyed:?} is not FAMILY/KEY")),

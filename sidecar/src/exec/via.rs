@@ -58,7 +58,16 @@ pub enum Target {
         family: String,
         key: String,
         owner: String,
+        /// `read` or `write` on a read-write family; `None`, the family's plain acquisition.
+        mode: Option<KeyMode>,
     },
+}
+
+/// How a key of a read-write family is held: shared with other readers, or alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KeyMode {
+    Read,
+    Write,
 }
 
 impl Target {
@@ -68,12 +77,24 @@ impl Target {
             // Exclusive: another `exec` through the same sidecar waits its turn rather than share
             // the pod's acquisition, or re-enter its owner's holding of the key.
             Target::Lock(name) => format!("/locks/{}/hold?exclusive=true&{wait}", encode(name)),
-            Target::Key { family, key, owner } => format!(
-                "/locks/{}/keys/{}/hold?owner={}&exclusive=true&{wait}",
-                encode(family),
-                encode(key),
-                encode(owner)
-            ),
+            Target::Key {
+                family,
+                key,
+                owner,
+                mode,
+            } => {
+                let mode = match mode {
+                    Some(KeyMode::Read) => "&mode=read",
+                    Some(KeyMode::Write) => "&mode=write",
+                    None => "",
+                };
+                format!(
+                    "/locks/{}/keys/{}/hold?owner={}&exclusive=true{mode}&{wait}",
+                    encode(family),
+                    encode(key),
+                    encode(owner)
+                )
+            }
         }
     }
 }
@@ -357,10 +378,21 @@ mod tests {
             family: "orders".into(),
             key: "a/b:c".into(),
             owner: "me&you=1".into(),
+            mode: None,
         };
         assert_eq!(
             target.path(Duration::from_secs(2)),
             "/locks/orders/keys/a%2Fb%3Ac/hold?owner=me%26you%3D1&exclusive=true&wait=2000ms"
+        );
+        let writer = Target::Key {
+            family: "orders".into(),
+            key: "k".into(),
+            owner: "job".into(),
+            mode: Some(KeyMode::Write),
+        };
+        assert_eq!(
+            writer.path(Duration::ZERO),
+            "/locks/orders/keys/k/hold?owner=job&exclusive=true&mode=write&wait=0ms"
         );
         assert_eq!(
             Target::Lock("jobs".into()).path(Duration::ZERO),
