@@ -8,7 +8,10 @@
 //!
 //! [`run_via`] holds through each contender's sidecar instead (`exec --via`, a hold bound to a
 //! connection), and kills, pauses and cuts off the sidecar as well as the exec;
-//! [`run_via_keyed`] does so on a key of a family (`exec --via --keyed`).
+//! [`run_via_keyed`] does so on a key of a family (`exec --via --keyed`), and
+//! [`run_via_read_write`] on a key of a read-write family, each exec a reader or the writer
+//! (`--mode read|write`): readers may run side by side, a writer only alone, with a token above
+//! every earlier command's.
 //!
 //! Two commands at once are seen exactly, not sampled: each witness holds an exclusive `flock`
 //! on one file for as long as it lives, so a witness that starts while another still lives
@@ -108,6 +111,9 @@ pub enum Route {
     /// Through its contender's sidecar, on one key of a family the sidecars serve (`--via
     /// --keyed FAMILY/KEY`), each exec owning it as its contender.
     ViaKeyed,
+    /// As [`Route::ViaKeyed`], on a read-write family of two permits: each exec reads or
+    /// writes the key (`--mode read|write`), at random.
+    ViaReadWrite,
 }
 
 /// The family of [`Route::ViaKeyed`], and its key.
@@ -165,6 +171,11 @@ pub fn run_via_keyed(target: Target, duration: Duration, seed: u64) -> Report {
     run_routed(target, duration, seed, Route::ViaKeyed)
 }
 
+/// [`run_via_keyed`] on a read-write family: each exec reads or writes the key.
+pub fn run_via_read_write(target: Target, duration: Duration, seed: u64) -> Report {
+    run_routed(target, duration, seed, Route::ViaReadWrite)
+}
+
 fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Report {
     assert!(
         target != Target::RedisSentinelSplit,
@@ -186,7 +197,8 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
             let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
             let identity = format!("contender-{index}");
             let url = backend.url_via(index, &ports);
-            let sidecar = (route != Route::Own).then(|| start_sidecar(&identity, &url, &lock));
+            let sidecar =
+                (route != Route::Own).then(|| start_sidecar(route, &identity, &url, &lock));
             let via = sidecar
                 .as_ref()
                 .map(|s| format!("http://{}", s.addr))
@@ -197,7 +209,8 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
                 backend: match route {
                     Route::Own => Holds::Backend(url),
                     Route::Via => Holds::Via(via),
-                    Route::ViaKeyed => Holds::ViaKeyed(via),
+                    Route::ViaKeyed => Holds::ViaKeyed(via, None),
+                    Route::ViaReadWrite => Holds::ViaKeyed(via, Some(READ_WRITE_MODES)),
                 },
                 state: state.clone(),
                 log: dir.path().join(format!("contender-{index}.log")),
@@ -235,6 +248,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
                 Route::Own => "exec",
                 Route::Via => "exec-via",
                 Route::ViaKeyed => "exec-via-keyed",
+                Route::ViaReadWrite => "exec-via-read-write",
             }
         ),
         seed,
@@ -272,7 +286,8 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
                 // waiting on it find it there.
                 sidecar.kill9();
                 let url = sidecar_url(&backend, index, &contender.proxies);
-                *sidecar = start_sidecar_at(sidecar.addr.port(), &sidecar.identity, &url, &lock);
+                *sidecar =
+                    start_sidecar_at(route, sidecar.addr.port(), &sidecar.identity, &url, &lock);
             }
             (Fault::KillHolder, _) => {
                 if !contender.kill() {
@@ -288,7 +303,10 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
         }
         *report.faults.entry(fault.name()).or_default() += 1;
         let healed = Instant::now();
+        let ran_before = runs(&state).len();
         let recovered = wait_for(bound, || match aimed.filter(|_| replaces) {
+            // A reader's token may be below the writer's it follows: any command after it.
+            Some(_) if route == Route::ViaReadWrite => runs(&state).len() > ran_before,
             Some(token) => runs(&state).last().is_some_and(|&last| last > token),
             None => command_runs(&file_id),
         });
@@ -326,7 +344,12 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
     }
     let tokens = runs(&state);
     report.runs = tokens.len();
-    if let Some(pair) = tokens.windows(2).find(|pair| pair[1] <= pair[0]) {
+    // Readers' tokens rise with their permits only: each writer's the witness checked.
+    let checked = match route {
+        Route::ViaReadWrite => &[][..],
+        _ => &tokens[..],
+    };
+    if let Some(pair) = checked.windows(2).find(|pair| pair[1] <= pair[0]) {
         report.violations.push(format!(
             "the commands' tokens did not rise: {} then {}",
             pair[0], pair[1]
@@ -341,9 +364,13 @@ enum Holds {
     Backend(String),
     /// `--via` the lock API at this URL.
     Via(String),
-    /// `--via` the lock API at this URL, for the family's key.
-    ViaKeyed(String),
+    /// `--via` the lock API at this URL, for the family's key; on a read-write family, in a
+    /// mode drawn from these at each exec.
+    ViaKeyed(String, Option<[&'static str; 2]>),
 }
+
+/// The modes an exec of [`Route::ViaReadWrite`] draws from.
+const READ_WRITE_MODES: [&str; 2] = ["read", "write"];
 
 /// How one contender runs `exec`.
 struct Exec {
@@ -355,19 +382,24 @@ struct Exec {
 }
 
 /// The arguments of each contender's sidecar: the lock on demand, and the family of
-/// [`Route::ViaKeyed`], for the holds `exec --via` asks of it.
-fn sidecar_args() -> Vec<&'static str> {
-    [TIMING, &["--mode", "on-demand", "--keyed", FAMILY]].concat()
+/// [`Route::ViaKeyed`] (read-write, of two permits, for [`Route::ViaReadWrite`]), for the
+/// holds `exec --via` asks of it.
+fn sidecar_args(route: Route) -> Vec<&'static str> {
+    let family: &[&str] = match route {
+        Route::ViaReadWrite => &["--permits", "2", "--read-write"],
+        _ => &[],
+    };
+    [TIMING, &["--mode", "on-demand", "--keyed", FAMILY], family].concat()
 }
 
 /// Contender `identity`'s sidecar.
-fn start_sidecar(identity: &str, url: &str, lock: &str) -> Sidecar {
-    Sidecar::start(identity, url, lock, &sidecar_args())
+fn start_sidecar(route: Route, identity: &str, url: &str, lock: &str) -> Sidecar {
+    Sidecar::start(identity, url, lock, &sidecar_args(route))
 }
 
 /// [`start_sidecar`] on `port`, where the one it replaces listened.
-fn start_sidecar_at(port: u16, identity: &str, url: &str, lock: &str) -> Sidecar {
-    Sidecar::start_at(port, identity, url, lock, &sidecar_args())
+fn start_sidecar_at(route: Route, port: u16, identity: &str, url: &str, lock: &str) -> Sidecar {
+    Sidecar::start_at(port, identity, url, lock, &sidecar_args(route))
 }
 
 fn sidecar_url(backend: &Backend, index: usize, proxies: &[FaultProxy]) -> String {
@@ -399,6 +431,7 @@ impl Exec {
                 .expect("exec log");
             let mut command = Command::new(sidecar_binary());
             command.args(["exec", "--kill-grace", KILL_GRACE]);
+            let mut mode = None;
             match &self.backend {
                 Holds::Backend(url) => {
                     command
@@ -409,7 +442,7 @@ impl Exec {
                 Holds::Via(via) => {
                     command.args(["--lock", &self.lock, "--via", via]);
                 }
-                Holds::ViaKeyed(via) => {
+                Holds::ViaKeyed(via, modes) => {
                     // An owner of its own, as `exec`'s default is: two execs given one owner
                     // are one owner, and the second re-enters the first's holding.
                     runs += 1;
@@ -417,6 +450,10 @@ impl Exec {
                     command
                         .args(["--keyed", &format!("{FAMILY}/{KEY}"), "--via", via])
                         .args(["--identity", &owner]);
+                    mode = modes.map(|modes| modes[rng.random_range(0..modes.len())]);
+                    if let Some(mode) = mode {
+                        command.args(["--mode", mode]);
+                    }
                 }
             }
             command
@@ -424,6 +461,7 @@ impl Exec {
                 .arg(witness_binary())
                 .arg(&self.state)
                 .arg(&hold)
+                .args(mode)
                 .env("RUST_LOG", "info")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())

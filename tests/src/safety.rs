@@ -177,10 +177,13 @@ pub enum Workload {
     /// The same on a key of a family (`exec --via --keyed`,
     /// [`crate::exec_safety::run_via_keyed`]).
     ExecViaKeyed,
+    /// The same on a key of a read-write family, each exec a reader or the writer
+    /// ([`crate::exec_safety::run_via_read_write`]).
+    ExecViaReadWrite,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 10] = [
+    pub const ALL: [Workload; 11] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
@@ -191,6 +194,7 @@ impl Workload {
         Workload::Exec,
         Workload::ExecVia,
         Workload::ExecViaKeyed,
+        Workload::ExecViaReadWrite,
     ];
 
     /// The suffix of a scenario's name: `etcd`, `etcd+waiters`.
@@ -206,6 +210,7 @@ impl Workload {
             Workload::Exec => "+exec",
             Workload::ExecVia => "+exec-via",
             Workload::ExecViaKeyed => "+exec-via-keyed",
+            Workload::ExecViaReadWrite => "+exec-via-read-write",
         }
     }
 }
@@ -265,7 +270,10 @@ impl Scenario {
                 .filter(|s| {
                     !matches!(
                         s.workload,
-                        Workload::Exec | Workload::ExecVia | Workload::ExecViaKeyed
+                        Workload::Exec
+                            | Workload::ExecVia
+                            | Workload::ExecViaKeyed
+                            | Workload::ExecViaReadWrite
                     ) || s.target != Target::RedisSentinelSplit
                 })
         })
@@ -946,6 +954,7 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
                 | Workload::Exec
                 | Workload::ExecVia
                 | Workload::ExecViaKeyed
+                | Workload::ExecViaReadWrite
         ),
         "keyed scenarios run in keyed_safety::run, exec ones in exec_safety::run"
     );
@@ -961,7 +970,8 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         | Workload::Several
         | Workload::Exec
         | Workload::ExecVia
-        | Workload::ExecViaKeyed => TIMING.to_vec(),
+        | Workload::ExecViaKeyed
+        | Workload::ExecViaReadWrite => TIMING.to_vec(),
         Workload::Waiters => [TIMING, &["--mode", "on-demand"]].concat(),
     };
     // A resource scenario's sidecars read their lock from the cluster; its backend can also be

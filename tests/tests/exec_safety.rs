@@ -3,7 +3,8 @@
 //! from the backend and the backend restarts; no two of their commands ever run at once, each
 //! command's fencing token is above the last one's, and a command runs again within a lease
 //! after each fault ([`leasehold_e2e::exec_safety`]). The same through each contender's sidecar
-//! (`exec --via`), which is killed, paused and cut off too.
+//! (`exec --via`), which is killed, paused and cut off too, on a lock, on a key, and on a key
+//! of a read-write family (readers side by side, a writer alone).
 
 use std::time::Duration;
 
@@ -28,6 +29,16 @@ fn check_via(target: Target) {
 /// Each `exec` on a key of a family through its contender's sidecar (`--via --keyed`).
 fn check_via_keyed(target: Target) {
     check_report(exec_safety::run_via_keyed(
+        target,
+        duration(),
+        rand::random(),
+    ));
+}
+
+/// Each `exec` reading or writing a key of a read-write family through its contender's
+/// sidecar (`--via --keyed --mode read|write`): readers side by side, writers alone.
+fn check_via_read_write(target: Target) {
+    check_report(exec_safety::run_via_read_write(
         target,
         duration(),
         rand::random(),
@@ -108,4 +119,14 @@ fn zookeeper_exec_on_a_key_via_a_sidecar_commands_never_run_two_at_once() {
 #[test]
 fn mariadb_exec_on_a_key_via_a_sidecar_commands_never_run_two_at_once() {
     check_via_keyed(Target::MariaDb);
+}
+
+#[test]
+fn redis_exec_readers_and_writers_via_a_sidecar_never_run_a_writer_beside_another() {
+    check_via_read_write(Target::Redis);
+}
+
+#[test]
+fn postgres_exec_readers_and_writers_via_a_sidecar_never_run_a_writer_beside_another() {
+    check_via_read_write(Target::Postgres);
 }

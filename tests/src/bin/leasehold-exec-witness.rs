@@ -1,15 +1,20 @@
 #![forbid(unsafe_code)]
 //! The command the exec safety check runs under `leasehold-sidecar exec`:
-//! `leasehold-exec-witness STATE HOLD_MS`. While it runs it holds an exclusive `flock` on
-//! STATE, a file every contender's commands share, so a command that starts while another
-//! still runs finds it taken: two commands at once, written to `STATE.violations` (exit 99).
-//! Under the flock it also checks that its fencing token is above the last command's, appends
-//! `token identity` to `STATE.runs`, and leaves its identity in STATE while it runs (`-` once
-//! it is done), for the check to aim its faults at the holder. It is one process and forks
-//! nothing, so the flock lives exactly as long as the command.
+//! `leasehold-exec-witness STATE HOLD_MS [read|write]`. While it runs it holds an exclusive
+//! `flock` on STATE, a file every contender's commands share, so a command that starts while
+//! another still runs finds it taken: two commands at once, written to `STATE.violations`
+//! (exit 99). Under the flock it also checks that its fencing token is above every earlier
+//! command's, appends `token identity` to `STATE.runs`, and leaves its identity in STATE while
+//! it runs (`-` once it is done), for the check to aim its faults at the holder. It is one
+//! process and forks nothing, so the flock lives exactly as long as the command.
+//!
+//! On a read-write lock, `read` commands hold a shared flock (readers run side by side; one
+//! that finds a writer's flock is the violation), do not check their token (a reader's rises
+//! with its permit's holders only) and leave STATE alone; `write` commands are checked as
+//! above: alone, with a token above every earlier reader's and writer's.
 
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::time::Duration;
 
 use nix::errno::Errno;
@@ -31,9 +36,15 @@ fn append(path: &str, line: &str) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [state, hold_ms] = args.as_slice() else {
-        eprintln!("usage: leasehold-exec-witness STATE HOLD_MS");
-        std::process::exit(2);
+    let (state, hold_ms, reader) = match args.as_slice() {
+        [state, hold_ms] => (state, hold_ms, false),
+        [state, hold_ms, mode] if mode == "read" || mode == "write" => {
+            (state, hold_ms, mode == "read")
+        }
+        _ => {
+            eprintln!("usage: leasehold-exec-witness STATE HOLD_MS [read|write]");
+            std::process::exit(2);
+        }
     };
     let hold = Duration::from_millis(hold_ms.parse().expect("HOLD_MS"));
     let token: u64 = std::env::var("LEASEHOLD_FENCING_TOKEN")
@@ -49,7 +60,11 @@ fn main() {
         .truncate(false)
         .open(state)
         .unwrap_or_else(|e| panic!("{state}: {e}"));
-    let mut file: Flock<File> = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+    let how = match reader {
+        true => FlockArg::LockSharedNonblock,
+        false => FlockArg::LockExclusiveNonblock,
+    };
+    let mut file: Flock<File> = match Flock::lock(file, how) {
         Ok(locked) => locked,
         Err((_, Errno::EWOULDBLOCK)) => {
             append(
@@ -62,13 +77,24 @@ fn main() {
         }
         Err((_, e)) => panic!("flock {state}: {e}"),
     };
-    let mut last = String::new();
-    file.read_to_string(&mut last).expect("read STATE");
-    let last_token: Option<u64> = last.split_whitespace().next().and_then(|t| t.parse().ok());
-    if last_token.is_some_and(|last| last >= token) {
+    let runs = format!("{state}.runs");
+    if reader {
+        append(&runs, &format!("{token} {identity} read"));
+        std::thread::sleep(hold);
+        return;
+    }
+    // Every earlier command has ended (this one holds the flock alone), and wrote its line.
+    let highest = std::fs::read_to_string(&runs)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| line.split_whitespace().next()?.parse::<u64>().ok())
+        .max();
+    if highest.is_some_and(|highest| highest >= token) {
         append(
             &violations,
-            &format!("token {token} of {identity} is not above the last command's: {last:?}"),
+            &format!(
+                "token {token} of {identity} is not above every earlier command's: {highest:?}"
+            ),
         );
     }
     let mut set = |line: &str| {
@@ -77,7 +103,7 @@ fn main() {
         file.write_all(line.as_bytes()).expect("write STATE");
     };
     set(&format!("{token} {identity}"));
-    append(&format!("{state}.runs"), &format!("{token} {identity}"));
+    append(&runs, &format!("{token} {identity}"));
     std::thread::sleep(hold);
     set(&format!("{token} -"));
 }

@@ -79,6 +79,9 @@ fn main() {
             Workload::Exec => exec_safety::run(target, duration, seed).outcome(),
             Workload::ExecVia => exec_safety::run_via(target, duration, seed).outcome(),
             Workload::ExecViaKeyed => exec_safety::run_via_keyed(target, duration, seed).outcome(),
+            Workload::ExecViaReadWrite => {
+                exec_safety::run_via_read_write(target, duration, seed).outcome()
+            }
             Workload::Campaign | Workload::Waiters | Workload::Resource => {
                 let report = safety::run(scenario, duration, CONTENDERS, seed);
                 (report.summary(), report.violations)
