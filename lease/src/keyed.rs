@@ -498,7 +498,7 @@ impl KeyedFamily {
         self.check_key(key)?;
         check_owner(owner)?;
         self.check_running()?;
-        if let Some(answer) = self.reenter_write(key, owner, hold, reentrant).await? {
+        if let Some((answer, _)) = self.reenter_write(key, owner, hold, reentrant).await? {
             return Ok(answer);
         }
         let answer = if self.read_config(|c| c.read_write) {

@@ -1269,6 +1269,9 @@ async fn key_hold(
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     // Checked before waiting for a turn, so that a bad key is a 400 at once.
     family.backend_name(&key).map_err(key_error)?;
+    if !matches!(mode, Some(Access::Write)) && family.writes(&key, &owner) {
+        return Err(owner_writes());
+    }
     let not_taken = |answer: &KeyAnswer| {
         key_response(&family, &key, Some(&owner), answer, StatusCode::CONFLICT)
     };
@@ -1293,10 +1296,16 @@ async fn key_hold(
     };
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     let hold = hold_stream::bound_hold(family.config().lease_duration);
-    let answer = match mode {
-        Some(Access::Read) => family.acquire_read(&key, &owner, wait, hold).await,
-        Some(Access::Write) => family.acquire_write(&key, &owner, wait, hold).await,
-        None => family.acquire(&key, &owner, wait, hold).await,
+    let (answer, write_holding) = match mode {
+        Some(Access::Write) => family.acquire_write_holding(&key, &owner, wait, hold).await,
+        Some(Access::Read) => family
+            .acquire_read(&key, &owner, wait, hold)
+            .await
+            .map(|answer| (answer, None)),
+        None => family
+            .acquire(&key, &owner, wait, hold)
+            .await
+            .map(|answer| (answer, None)),
     }
     .map_err(key_error)?;
     let KeyAnswer::Held {
@@ -1308,14 +1317,18 @@ async fn key_hold(
     else {
         return Ok(not_taken(&answer));
     };
-    // A write lock (asked for, or the owner's, re-entered) is followed part by part.
-    let bound = match writer.then(|| family.write_holding(&key, &owner)) {
-        Some(Some(holding)) => hold_stream::Bound::Write {
+    let bound = match write_holding {
+        // The write lock this acquisition is of, followed part by part.
+        Some(holding) => hold_stream::Bound::Write {
             family: family.clone(),
             holding,
         },
-        // Ended between the answer and now: not taken.
-        Some(None) => return Ok(not_taken(&KeyAnswer::NotHeld)),
+        // The owner writes the key (it became the writer meanwhile): a read's stream cannot
+        // follow a write lock, and the acquisition is given back.
+        None if writer => {
+            family.release(&key, &owner).await.map_err(key_error)?;
+            return Err(owner_writes());
+        }
         None => hold_stream::Bound::Key {
             family: family.clone(),
             key: key.clone(),
@@ -1333,6 +1346,14 @@ async fn key_hold(
         about.insert("mode".into(), "write".into());
     }
     Ok(hold_stream::respond(bound, token, about, turn))
+}
+
+/// A hold, not to write, by an owner that writes the key: its stream would follow a read.
+fn owner_writes() -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "the owner writes this key: hold it with mode=write",
+    )
 }
 
 /// Follow `key`'s holders, in any pod ([`crate::key_events`]).

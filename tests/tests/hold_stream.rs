@@ -320,6 +320,14 @@ fn a_write_lock_held_by_a_connection_excludes_everyone_else_until_it_closes() {
     let status = a.get(&format!("{key}?owner=w1"));
     assert_eq!(status.status, 200, "{}", status.body);
     assert_eq!(status.json()["mode"], "write", "{}", status.body);
+    // The writer's hold that is not to write would follow a read: refused, nothing taken.
+    let not_to_write = a.post(&format!("{key}/hold?owner=w1"));
+    assert_eq!(not_to_write.status, 400, "{}", not_to_write.body);
+    assert!(
+        not_to_write.body.contains("mode=write"),
+        "{}",
+        not_to_write.body
+    );
     for (sidecar, query) in [
         (&b, "owner=r2&mode=read"),
         (&a, "owner=r3&mode=read"),

@@ -124,12 +124,33 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
+        let (answer, _) = self.acquire_write_holding(key, owner, wait, hold).await?;
+        Ok(answer)
+    }
+
+    /// [`KeyedFamily::acquire_write`], with the write lock the answer is of while it is held:
+    /// what a hold bound to a connection follows, and gives back when the connection closes.
+    pub async fn acquire_write_holding(
+        &self,
+        key: &str,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<(KeyAnswer, Option<WriteHolding>), KeyError> {
         self.check_key(key)?;
         super::check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
-        if let Some(answer) = self.reenter_write(key, owner, hold, true).await? {
-            return Ok(answer);
+        let holding = |answer: KeyAnswer, writer: Arc<Writer>| {
+            let holding = matches!(answer, KeyAnswer::Held { .. }).then(|| WriteHolding {
+                family: self.clone(),
+                key: key.to_owned(),
+                writer,
+            });
+            (answer, holding)
+        };
+        if let Some((answer, writer)) = self.reenter_write(key, owner, hold, true).await? {
+            return Ok(holding(answer, writer));
         }
         if self.owned_permit(key, owner).is_some() {
             return Err(KeyError::BadMode(format!(
@@ -165,7 +186,7 @@ impl KeyedFamily {
             };
             let KeyAnswer::Held { token, .. } = answer else {
                 taken.give_back().await;
-                return Ok(answer);
+                return Ok((answer, None));
             };
             taken.keys.push((key.to_owned(), Taking { permit, token }));
         }
@@ -177,7 +198,7 @@ impl KeyedFamily {
             Ok(None) => {}
             Ok(Some(refused)) => {
                 taken.give_back().await;
-                return Ok(refused);
+                return Ok((refused, None));
             }
             Err(e) => {
                 taken.give_back().await;
@@ -200,15 +221,15 @@ impl KeyedFamily {
         let answer = self.parts_answer(key, &writer);
         if !matches!(answer, KeyAnswer::Held { .. }) {
             taken.give_back().await;
-            return Ok(answer);
+            return Ok((answer, None));
         }
         self.inner
             .writers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key.to_owned(), writer);
+            .insert(key.to_owned(), writer.clone());
         taken.keep();
-        Ok(answer)
+        Ok(holding(answer, writer))
     }
 
     /// Wait until each permit of `key` from `from` up to [`MAX_READ_WRITE_PERMITS`] (permits
@@ -490,16 +511,21 @@ impl KeyedFamily {
     }
 
     /// An acquisition by `owner` of a key it writes: the write lock again (every part
-    /// re-entered), or refused when it may not be (`reentrant` false: Dapr's try-lock). `None`:
-    /// the owner does not write the key, or its write lock ended and what remained of it is
-    /// given back, so the owner takes the key afresh.
+    /// re-entered), or refused when it may not be (`reentrant` false: Dapr's try-lock), with
+    /// the write lock it is of. `None`: the owner does not write the key, or its write lock
+    /// ended and what remained of it is given back, so the owner takes the key afresh.
+    ///
+    /// Every part is acquired once more, or none: a part that cannot be (its engine cannot
+    /// tell, a moment) gives back the parts acquired, and the answer is `Unknown`. Uneven
+    /// counts would let one release free the gate while the permits are still held for
+    /// another acquisition of the owner.
     pub(super) async fn reenter_write(
         &self,
         key: &str,
         owner: &str,
         hold: Duration,
         reentrant: bool,
-    ) -> Result<Option<KeyAnswer>, KeyError> {
+    ) -> Result<Option<(KeyAnswer, Arc<Writer>)>, KeyError> {
         let Some(writer) = self.writer_of(key, Some(owner)) else {
             return Ok(None);
         };
@@ -508,23 +534,48 @@ impl KeyedFamily {
             return Ok(None);
         }
         if !reentrant {
-            return Ok(Some(KeyAnswer::HeldByAnother {
+            let refused = KeyAnswer::HeldByAnother {
                 holder: Some(self.qualified(owner)),
-            }));
+            };
+            return Ok(Some((refused, writer)));
         }
         // On a task of its own, so that a client hanging up cannot leave some parts acquired
         // once more than others.
         let (family, key_owned, held) = (self.clone(), key.to_owned(), writer.clone());
-        let _ = tokio::spawn(async move {
+        let even = tokio::spawn(async move {
+            let mut counted = Vec::with_capacity(held.parts.len());
             for part in &held.parts {
-                if let Some(holding) = family.holding_on(&key_owned, part.permit, &held.owner) {
-                    // A part that ended meanwhile is found by the answer below.
-                    let _ = holding.lock.acquire(Duration::ZERO, hold).await;
+                let Some(holding) = family.holding_on(&key_owned, part.permit, &held.owner) else {
+                    break;
+                };
+                match holding.lock.acquire(Duration::ZERO, hold).await {
+                    Ok(Answer::Holder { token, .. }) if token == part.token => {
+                        counted.push((holding, part.token));
+                    }
+                    _ => break,
                 }
             }
+            if counted.len() == held.parts.len() {
+                return true;
+            }
+            for (holding, token) in counted {
+                if let Err(e) = holding.lock.release_if(token).await {
+                    tracing::debug!(family = family.name(), key = key_owned, error = %e, "a part acquired again was not given back; the write lock ends whole");
+                    family.end_write(&key_owned, &held).await;
+                    break;
+                }
+            }
+            false
         })
-        .await;
-        Ok(Some(self.write_answer(key, &writer)))
+        .await
+        .unwrap_or(false);
+        let answer = match (even, self.write_answer(key, &writer)) {
+            (true, answer) => answer,
+            // Not acquired again: not held, or held as before this call, which cannot say so.
+            (false, KeyAnswer::NotHeld) => KeyAnswer::NotHeld,
+            (false, _) => KeyAnswer::Unknown,
+        };
+        Ok(Some((answer, writer)))
     }
 
     /// The write lock's answer: held while every part is held with the token it was taken
@@ -620,10 +671,13 @@ impl KeyedFamily {
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
         if !writer.ended.load(Ordering::SeqCst) {
-            for part in &writer.parts {
+            // All at once: an engine busy renewing holds its call for a while, and the parts'
+            // waits should not add up.
+            let extensions = writer.parts.iter().map(|part| {
                 let held = Some((part.permit, part.token));
-                self.extend_held(key, &writer.owner, hold, held).await?;
-            }
+                self.extend_held(key, &writer.owner, hold, held)
+            });
+            futures_util::future::try_join_all(extensions).await?;
         }
         Ok(self.write_answer(key, writer))
     }
