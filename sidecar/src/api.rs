@@ -683,6 +683,9 @@ async fn hold(
     name: Option<Path<String>>,
     QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
+    if let Some(family) = state.family_named(name.as_ref()) {
+        return keys_hold(family, query).await;
+    }
     let lock = state.lock(name)?;
     on_demand_only(&lock, "follow it with GET /lock/events")?;
     let exclusive = exclusive_param(&mut query)?;
@@ -723,8 +726,7 @@ async fn hold(
     let mut about = serde_json::Map::new();
     about.insert("lock".into(), lock.name().into());
     Ok(hold_stream::respond(
-        hold_stream::Bound::Lock(lock),
-        token,
+        hold_stream::Bound::Lock { lock, token },
         about,
         turn,
     ))
@@ -999,22 +1001,67 @@ async fn keys_acquire(
         KeysAnswer::Held(answers) => {
             KeysStatus::new(&family, &owner).held(&family, &answers, StatusCode::CONFLICT)
         }
-        KeysAnswer::NotTaken { key, answer } => {
-            let (status, blocked) = key_body(
-                &family,
-                &key,
-                Some(&owner),
-                &answer,
-                StatusCode::CONFLICT,
-                None,
-            );
-            let body = KeysStatus {
-                blocked_by: Some(blocked),
-                ..KeysStatus::new(&family, &owner)
-            };
-            json(status, &body)
-        }
+        KeysAnswer::NotTaken { key, answer } => keys_not_taken(&family, &owner, &key, &answer),
     })
+}
+
+/// Several keys not taken: the key that blocked them, and why.
+fn keys_not_taken(family: &KeyedFamily, owner: &str, key: &str, answer: &KeyAnswer) -> Response {
+    let (status, blocked) = key_body(family, key, Some(owner), answer, StatusCode::CONFLICT, None);
+    let body = KeysStatus {
+        blocked_by: Some(blocked),
+        ..KeysStatus::new(family, owner)
+    };
+    json(status, &body)
+}
+
+/// `/locks/{family}/hold?keys=...`: every key or none, held for as long as the connection
+/// stays open (an event stream, [`crate::hold_stream`]); keys not taken are answered as
+/// `acquire` answers them.
+async fn keys_hold(
+    family: KeyedFamily,
+    mut query: HashMap<String, String>,
+) -> Result<Response, ApiError> {
+    let keys = keys_param(&mut query)?;
+    let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
+    let owner = owner.unwrap_or_default();
+    let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
+    let hold = hold_stream::bound_hold(family.config().lease_duration);
+    let answers = match family
+        .acquire_all(&keys, &owner, wait, hold)
+        .await
+        .map_err(key_error)?
+    {
+        KeysAnswer::Held(answers) => answers,
+        KeysAnswer::NotTaken { key, answer } => {
+            return Ok(keys_not_taken(&family, &owner, &key, &answer));
+        }
+    };
+    let mut held = Vec::with_capacity(answers.len());
+    let mut named = Vec::with_capacity(answers.len());
+    for (key, answer) in answers {
+        let KeyAnswer::Held { token, permit, .. } = answer else {
+            continue;
+        };
+        let mut entry = serde_json::Map::new();
+        entry.insert("key".into(), key.as_str().into());
+        entry.insert("fencingToken".into(), token.into());
+        if family.has_had_permits() {
+            entry.insert("permit".into(), permit.into());
+        }
+        named.push(serde_json::Value::Object(entry));
+        held.push((key, token));
+    }
+    let mut about = serde_json::Map::new();
+    about.insert("family".into(), family.name().into());
+    about.insert("owner".into(), owner.as_str().into());
+    about.insert("keys".into(), named.into());
+    let bound = hold_stream::Bound::Keys {
+        family,
+        owner,
+        keys: held,
+    };
+    Ok(hold_stream::respond(bound, about, None))
 }
 
 /// `/locks/{family}/release?keys=...`: one release of each key; 200 when each was released.
@@ -1322,6 +1369,7 @@ async fn key_hold(
         Some(holding) => hold_stream::Bound::Write {
             family: family.clone(),
             holding,
+            token,
         },
         // The owner writes the key (it became the writer meanwhile): a read's stream cannot
         // follow a write lock, and the acquisition is given back.
@@ -1333,6 +1381,7 @@ async fn key_hold(
             family: family.clone(),
             key: key.clone(),
             owner: owner.clone(),
+            token,
         },
     };
     let mut about = serde_json::Map::new();
@@ -1345,7 +1394,7 @@ async fn key_hold(
     if writer {
         about.insert("mode".into(), "write".into());
     }
-    Ok(hold_stream::respond(bound, token, about, turn))
+    Ok(hold_stream::respond(bound, about, turn))
 }
 
 /// A hold, not to write, by an owner that writes the key: its stream would follow a read.

@@ -30,18 +30,30 @@ pub const BOUND_HOLD_LEASES: u32 = 2;
 /// away without closing its connection.
 const KEEP_ALIVE: Duration = Duration::from_secs(5);
 
-/// What a connection holds: one acquisition of a lock, of a key for one owner, or of a key's
-/// write lock (several parts, each a lock of the backend, followed together).
+/// What a connection holds, with the token each part was taken with: one acquisition of a
+/// lock, of a key for one owner, of a key's write lock (several parts, each a lock of the
+/// backend, followed together), or of several keys for one owner (all or nothing).
 pub enum Bound {
-    Lock(Lock),
+    Lock {
+        lock: Lock,
+        token: u64,
+    },
     Key {
         family: KeyedFamily,
         key: String,
         owner: String,
+        token: u64,
     },
     Write {
         family: KeyedFamily,
         holding: WriteHolding,
+        token: u64,
+    },
+    Keys {
+        family: KeyedFamily,
+        owner: String,
+        /// Each key with its token.
+        keys: Vec<(String, u64)>,
     },
 }
 
@@ -54,85 +66,137 @@ impl Bound {
     /// The lease and the renew interval it was taken with.
     fn timing(&self) -> (Duration, Duration) {
         let config = match self {
-            Bound::Lock(lock) => {
+            Bound::Lock { lock, .. } => {
                 return (lock.config().lease_duration, lock.config().renew_interval);
             }
-            Bound::Key { family, .. } | Bound::Write { family, .. } => family.config(),
+            Bound::Key { family, .. }
+            | Bound::Write { family, .. }
+            | Bound::Keys { family, .. } => family.config(),
         };
         (config.lease_duration, config.renew_interval)
     }
 
-    /// The engines that hold it now, each with the token it holds with (`token`, the
-    /// acquisition's, for a lock or a key; each part's own for a write lock), or `None` once
-    /// it is no longer held.
-    fn parts(&self, token: u64) -> Option<Vec<(Lock, u64)>> {
-        match self {
-            Bound::Write { holding, .. } => holding.parts(),
-            _ => self.engine().map(|engine| vec![(engine, token)]),
-        }
+    /// What every event says of the holding's token: the one token of a lock, a key or a write
+    /// lock; nothing for several keys, whose tokens the stream names once, each with its key.
+    fn token_field(&self) -> Map<String, Value> {
+        let token = match self {
+            Bound::Lock { token, .. } | Bound::Key { token, .. } | Bound::Write { token, .. } => {
+                *token
+            }
+            Bound::Keys { .. } => return Map::new(),
+        };
+        let mut field = Map::new();
+        field.insert("fencingToken".into(), token.into());
+        field
     }
 
-    /// Keep the acquisition at least `hold` from now, while the holding is `token`'s.
-    async fn extend(&self, token: u64, hold: Duration) {
-        let extended = match (self, self.engine()) {
-            (Bound::Write { holding, .. }, _) => holding.extend(hold).await.map(drop),
-            (_, Some(engine)) => engine
-                .extend_if(token, hold)
-                .await
-                .map(drop)
-                .map_err(Into::into),
-            (_, None) => return,
+    /// The engines that hold it now, each with the token its part was taken with, or `None`
+    /// once a part is no longer held.
+    fn parts(&self) -> Option<Vec<(Lock, u64)>> {
+        let (engines, parts) = match self {
+            Bound::Write { holding, .. } => return holding.parts(),
+            Bound::Keys { keys, .. } => (self.engines(), keys.len()),
+            Bound::Lock { .. } | Bound::Key { .. } => (self.engines(), 1),
+        };
+        (engines.len() == parts).then_some(engines)
+    }
+
+    /// Keep the acquisition at least `hold` from now: each part the engine holding it now
+    /// still holds with its token (a later holding is another acquisition's).
+    async fn extend(&self, hold: Duration) {
+        let extended = match self {
+            Bound::Write { holding, .. } => holding.extend(hold).await.map(drop),
+            _ => {
+                let extensions = self
+                    .engines()
+                    .into_iter()
+                    .map(|(engine, token)| async move { engine.extend_if(token, hold).await });
+                futures_util::future::try_join_all(extensions)
+                    .await
+                    .map(drop)
+                    .map_err(Into::into)
+            }
         };
         if let Err(e) = extended {
-            tracing::debug!(error = %e, token, "a connection's hold was not extended");
+            tracing::debug!(error = %e, "a connection's hold was not extended");
         }
     }
 
-    /// Give up the connection's acquisition, if the engine still holds it with `token`: a
-    /// later holding (the lease lost, then taken again by another call) is not the
-    /// connection's to release. A write lock's parts are released together, or the write lock
+    /// Give up the connection's acquisition: of each part, if the engine holding it now still
+    /// holds it with its token (the lease lost, then taken again by another call, is not the
+    /// connection's to release). A write lock's parts are released together, or the write lock
     /// ends whole.
-    async fn release(&self, token: u64) {
-        let released = match (self, self.engine()) {
-            (Bound::Write { holding, .. }, _) => holding.release().await.map(drop),
-            (_, Some(engine)) => engine.release_if(token).await.map(drop).map_err(Into::into),
-            (_, None) => return,
+    async fn release(&self) {
+        let released = match self {
+            Bound::Write { holding, .. } => holding.release().await.map(drop),
+            _ => {
+                let releases = self
+                    .engines()
+                    .into_iter()
+                    .map(|(engine, token)| async move { engine.release_if(token).await });
+                futures_util::future::join_all(releases)
+                    .await
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(drop)
+                    .map_err(Into::into)
+            }
         };
         if let Err(e) = released {
-            tracing::warn!(error = %e, token, "releasing a closed connection's hold failed; it lapses with its hold");
+            tracing::warn!(error = %e, "releasing a closed connection's hold failed; it lapses with its hold");
         }
     }
 
-    /// The engine that holds a lock or a key now (not a write lock's: it has several).
-    fn engine(&self) -> Option<Lock> {
+    /// The engines holding a lock's or keys' parts now, each with its token; those no longer
+    /// held are left out (not a write lock's: its parts are released through it).
+    fn engines(&self) -> Vec<(Lock, u64)> {
         match self {
-            Bound::Lock(lock) => Some(lock.clone()),
-            Bound::Key { family, key, owner } => family.holding(key, owner),
-            Bound::Write { .. } => None,
+            Bound::Lock { lock, token } => vec![(lock.clone(), *token)],
+            Bound::Key {
+                family,
+                key,
+                owner,
+                token,
+            } => family
+                .holding(key, owner)
+                .map(|lock| vec![(lock, *token)])
+                .unwrap_or_default(),
+            Bound::Keys {
+                family,
+                owner,
+                keys,
+            } => keys
+                .iter()
+                .filter_map(|(key, token)| family.holding(key, owner).map(|lock| (lock, *token)))
+                .collect(),
+            Bound::Write { .. } => Vec::new(),
         }
     }
 
-    /// After a part was found lost: a write lock steps down whole (its other parts given back
-    /// once their last answer has run out).
-    fn ended(&self) {
-        if let Bound::Write { holding, .. } = self {
-            holding.answer();
+    /// After a part was found ended: a write lock steps down whole (its other parts given back
+    /// once their last answer has run out), and several keys are all given back.
+    async fn ended(&self) {
+        match self {
+            Bound::Write { holding, .. } => {
+                holding.answer();
+            }
+            Bound::Keys { .. } => self.release().await,
+            Bound::Lock { .. } | Bound::Key { .. } => {}
         }
     }
 }
 
-/// The stream for an acquisition `bound` holds with `token`; `about` names it in every event
-/// (lock, or family, key and owner). `turn`, an exclusive hold's place, is kept until the
-/// acquisition is given up.
+/// The stream for an acquisition `bound` holds; `about` names it in every event (lock, or
+/// family, key and owner, or family, owner and each key with its token). `turn`, an exclusive
+/// hold's place, is kept until the acquisition is given up.
 pub fn respond(
     bound: Bound,
-    token: u64,
     about: Map<String, Value>,
     turn: Option<tokio::sync::OwnedMutexGuard<()>>,
 ) -> Response {
     let (events, receiver) = mpsc::channel(4);
     tokio::spawn(async move {
-        follow(bound, token, about, events).await;
+        follow(bound, about, events).await;
         drop(turn);
     });
     let stream = ReceiverStream::new(receiver);
@@ -249,20 +313,17 @@ async fn any_changed(
 
 /// The stream's task: extend while the connection lives, tell every renewal, and end with
 /// `lost` or `released`; release when the connection closes.
-async fn follow(
-    bound: Bound,
-    token: u64,
-    about: Map<String, Value>,
-    events: mpsc::Sender<SseEvent>,
-) {
-    let Some(parts) = bound.parts(token) else {
+async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sender<SseEvent>) {
+    about.extend(bound.token_field());
+    let Some(parts) = bound.parts() else {
         let _ = events
             .send(event(
                 "lost",
                 &about,
-                json!({"fencingToken": token, "reason": "the lease is no longer held"}),
+                json!({"reason": "the lease is no longer held"}),
             ))
             .await;
+        bound.ended().await;
         return;
     };
     // The first part says what the holding is: its holder's identity and its count of
@@ -292,17 +353,13 @@ async fn follow(
         let (claim, answer) = match standing {
             Standing::Held { claim, answer } => (claim, answer),
             Standing::Ended { released, reason } => {
-                bound.ended();
+                bound.ended().await;
                 let kind = if released { "released" } else { "lost" };
                 // Within a renew interval: a client that no longer reads (its `exec` gone, a
                 // command holding the connection) must not keep this task, and its turn.
                 let _ = tokio::time::timeout(
                     renew_interval,
-                    events.send(event(
-                        kind,
-                        &about,
-                        json!({"fencingToken": token, "reason": reason}),
-                    )),
+                    events.send(event(kind, &about, json!({"reason": reason}))),
                 )
                 .await;
                 return;
@@ -311,11 +368,11 @@ async fn follow(
         // Told when the claim moves on (a renewal); the hold moves on with every extension.
         if told != Some(claim) {
             let valid_for = answer.saturating_duration_since(BootInstant::now());
-            let mut fields = json!({
-                "fencingToken": token,
-                "validForMs": valid_for.as_millis() as u64,
-                "holds": engine.snapshot().holds,
-            });
+            let mut fields = json!({"validForMs": valid_for.as_millis() as u64});
+            // Several keys' acquisitions are counted key by key: no one count to tell.
+            if !matches!(bound, Bound::Keys { .. }) {
+                fields["holds"] = engine.snapshot().holds.into();
+            }
             let delivered = if told.is_none() {
                 fields["identity"] = engine.config().identity.clone().into();
                 // What a client needs to tell a late renewal from a normal one.
@@ -336,7 +393,7 @@ async fn follow(
                 }
             };
             if delivered.is_err() {
-                bound.release(token).await;
+                bound.release().await;
                 return;
             }
             told = Some(claim);
@@ -348,10 +405,10 @@ async fn follow(
         };
         tokio::select! {
             _ = events.closed() => {
-                bound.release(token).await;
+                bound.release().await;
                 return;
             }
-            _ = extend.tick() => bound.extend(token, hold).await,
+            _ = extend.tick() => bound.extend(hold).await,
             changed = any_changed(&mut states), if !engine_ended => engine_ended = changed.is_err(),
             // The hold's end (the engine steps down then, and says so), or, once that has
             // passed with the engine busy in a call, the claim's.

@@ -389,6 +389,16 @@ fn a_hold_request_that_cannot_be_served_gets_a_clear_answer_and_changes_nothing(
         "key",
     );
     refused("/lock/hold?wait=forever", 400, "not a duration");
+    refused(
+        &format!("/locks/{family}/hold?keys=a,a&owner=w1"),
+        400,
+        "keys",
+    );
+    refused(
+        &format!("/locks/{family}/hold?keys=a,b&owner=w1&exclusive=true"),
+        400,
+        "unknown parameter",
+    );
     refused("/lock/hold?exclusive=yes", 400, "true or false");
     refused(
         &format!("/locks/{family}/keys/k/hold?owner=w1&exclusive=1"),
@@ -486,6 +496,84 @@ fn exclusive_holds_of_one_owner_take_turns_on_a_key() {
         "the second hold began {:?} after the first closed",
         taken - closed
     );
+}
+
+/// Several keys held by one connection (`POST /locks/FAMILY/hold?keys=...`): every key or
+/// none; each key's token named in the events; while it is open another pod takes none of
+/// them, and the moment it closes another pod's wait for all of them ends. A key of the set
+/// released by another call ends the stream (`released`) and gives the others back at once.
+#[test]
+fn several_keys_held_by_a_connection_are_held_together_and_given_back_together() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let a = on_demand("pod-a", &redis, &unique_lock("plain"), &family);
+    let b = on_demand("pod-b", &redis, &unique_lock("plain"), &family);
+    let route = |query: &str| format!("/locks/{family}/{query}");
+
+    let stream = open(&a, &route("hold?keys=sku-2,sku-1&owner=w1&wait=2s"));
+    let acquired = stream.next(Duration::from_secs(5));
+    assert_eq!(acquired.kind, "acquired", "{acquired:?}");
+    let body = &acquired.body;
+    assert_eq!(body["owner"], "w1");
+    assert!(body.get("fencingToken").is_none(), "{body}");
+    let keys = body["keys"].as_array().expect("keys");
+    let named: Vec<&str> = keys.iter().map(|k| k["key"].as_str().unwrap()).collect();
+    assert_eq!(named, ["sku-2", "sku-1"], "{body}");
+    let tokens: Vec<u64> = keys
+        .iter()
+        .map(|k| k["fencingToken"].as_u64().expect("fencingToken"))
+        .collect();
+    assert!(body["validForMs"].as_u64().unwrap() > 0, "{body}");
+    for key in ["sku-1", "sku-2"] {
+        let refused = b.post(&route(&format!("keys/{key}/acquire?owner=w2")));
+        assert_eq!(refused.status, 409, "{key}: {}", refused.body);
+    }
+    let refused = b.post(&route("acquire?keys=sku-1,sku-3&owner=w2"));
+    assert_eq!(refused.status, 409, "{}", refused.body);
+
+    let waiting = {
+        let (addr, path) = (
+            b.addr,
+            route("acquire?keys=sku-1,sku-2&owner=w2&wait=10s&hold=30s"),
+        );
+        std::thread::spawn(move || {
+            let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
+            (reply, Instant::now())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let closed = Instant::now();
+    stream.close();
+    let (reply, taken) = waiting.join().unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let after: Vec<u64> = reply.json()["keys"]
+        .as_array()
+        .expect("keys")
+        .iter()
+        .map(|k| k["fencingToken"].as_u64().unwrap())
+        .collect();
+    assert!(
+        after.iter().all(|t| tokens.iter().all(|before| t > before)),
+        "{after:?} after {tokens:?}"
+    );
+    assert!(
+        taken - closed < RELEASED_WITHIN,
+        "the keys were taken {:?} after the connection closed",
+        taken - closed
+    );
+    assert_eq!(
+        b.post(&route("release?keys=sku-1,sku-2&owner=w2")).status,
+        200
+    );
+
+    // One key of the set released by another call: the stream ends, the other key is free.
+    let stream = open(&a, &route("hold?keys=sku-5,sku-6&owner=w3&wait=2s"));
+    assert_eq!(stream.next(Duration::from_secs(5)).kind, "acquired");
+    assert_eq!(a.post(&route("keys/sku-5/release?owner=w3")).status, 200);
+    let ended = stream.next(Duration::from_secs(5));
+    assert_eq!(ended.kind, "released", "{ended:?}");
+    let free = b.post(&route("keys/sku-6/acquire?owner=w4&wait=2s"));
+    assert_eq!(free.status, 200, "{}", free.body);
 }
 
 /// An observer follows one key's holders in every pod: free, then each holder with its token.
