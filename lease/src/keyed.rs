@@ -817,12 +817,14 @@ impl KeyedFamily {
             .map_err(KeyError::Lock)
     }
 
-    /// The engine of `key` while `owner` holds it: what a hold bound to a connection follows.
-    pub fn holding(&self, key: &str, owner: &str) -> Option<Lock> {
+    /// The engine of `key`'s permit `permit` while `owner` holds it, told of (not a reader's
+    /// still probing the write gate): what a hold bound to a connection follows, on the
+    /// permit it was taken on.
+    pub fn holding_on_permit(&self, key: &str, permit: u32, owner: &str) -> Option<Lock> {
         if self.writer_of(key, Some(owner)).is_some() {
             return None;
         }
-        self.owned_permit(key, owner)
+        self.holding_on(key, permit, owner)
             .filter(|current| current.checked.load(Ordering::SeqCst))
             .map(|current| current.lock.clone())
     }

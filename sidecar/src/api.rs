@@ -684,7 +684,7 @@ async fn hold(
     QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
     if let Some(family) = state.family_named(name.as_ref()) {
-        return keys_hold(family, query).await;
+        return keys_hold(&state, family, query).await;
     }
     let lock = state.lock(name)?;
     on_demand_only(&lock, "follow it with GET /lock/events")?;
@@ -728,7 +728,7 @@ async fn hold(
     Ok(hold_stream::respond(
         hold_stream::Bound::Lock { lock, token },
         about,
-        turn,
+        turn.into_iter().collect(),
     ))
 }
 
@@ -1017,16 +1017,50 @@ fn keys_not_taken(family: &KeyedFamily, owner: &str, key: &str, answer: &KeyAnsw
 
 /// `/locks/{family}/hold?keys=...`: every key or none, held for as long as the connection
 /// stays open (an event stream, [`crate::hold_stream`]); keys not taken are answered as
-/// `acquire` answers them.
+/// `acquire` answers them. With `exclusive=true` the hold first waits (within `wait`) for the
+/// owner's other exclusive holds of each key to end, taking each key's turn in the keys' byte
+/// order, as the keys themselves are taken, so that two such holds never wait on each other
+/// (`leasehold exec --via` with several `--keyed`).
 async fn keys_hold(
+    state: &AppState,
     family: KeyedFamily,
     mut query: HashMap<String, String>,
 ) -> Result<Response, ApiError> {
+    let exclusive = exclusive_param(&mut query)?;
     let keys = keys_param(&mut query)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     let hold = hold_stream::bound_hold(family.config().lease_duration);
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut turns = Vec::new();
+    if exclusive {
+        // Checked before waiting for a turn, so that a bad key is a 400 at once.
+        for key in &keys {
+            family.backend_name(key).map_err(key_error)?;
+        }
+        let mut order: Vec<&String> = keys.iter().collect();
+        order.sort();
+        order.dedup();
+        for key in order {
+            let of = HoldOf::Key {
+                family: family.name().to_owned(),
+                key: key.clone(),
+                owner: owner.clone(),
+            };
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match state.exclusive_turn(of, left).await {
+                Some(turn) => turns.push(turn),
+                // Another exclusive hold of this owner has the key.
+                None => {
+                    let holder = Some(format!("{}/{owner}", family.identity()));
+                    let answer = KeyAnswer::HeldByAnother { holder };
+                    return Ok(keys_not_taken(&family, &owner, key, &answer));
+                }
+            }
+        }
+    }
+    let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     let answers = match family
         .acquire_all(&keys, &owner, wait, hold)
         .await
@@ -1037,6 +1071,15 @@ async fn keys_hold(
             return Ok(keys_not_taken(&family, &owner, &key, &answer));
         }
     };
+    // A key the owner writes (it became the key's writer meanwhile, and acquired its write
+    // lock again): a stream of reads cannot follow it, and every key is given back.
+    if answers
+        .iter()
+        .any(|(_, answer)| matches!(answer, KeyAnswer::Held { writer: true, .. }))
+    {
+        family.release_all(&keys, &owner).await.map_err(key_error)?;
+        return Err(owner_writes());
+    }
     let mut held = Vec::with_capacity(answers.len());
     let mut named = Vec::with_capacity(answers.len());
     for (key, answer) in answers {
@@ -1050,7 +1093,7 @@ async fn keys_hold(
             entry.insert("permit".into(), permit.into());
         }
         named.push(serde_json::Value::Object(entry));
-        held.push((key, token));
+        held.push((key, permit, token));
     }
     let mut about = serde_json::Map::new();
     about.insert("family".into(), family.name().into());
@@ -1061,7 +1104,7 @@ async fn keys_hold(
         owner,
         keys: held,
     };
-    Ok(hold_stream::respond(bound, about, None))
+    Ok(hold_stream::respond(bound, about, turns))
 }
 
 /// `/locks/{family}/release?keys=...`: one release of each key; 200 when each was released.
@@ -1381,6 +1424,7 @@ async fn key_hold(
             family: family.clone(),
             key: key.clone(),
             owner: owner.clone(),
+            permit,
             token,
         },
     };
@@ -1394,7 +1438,11 @@ async fn key_hold(
     if writer {
         about.insert("mode".into(), "write".into());
     }
-    Ok(hold_stream::respond(bound, about, turn))
+    Ok(hold_stream::respond(
+        bound,
+        about,
+        turn.into_iter().collect(),
+    ))
 }
 
 /// A hold, not to write, by an owner that writes the key: its stream would follow a read.

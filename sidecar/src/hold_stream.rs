@@ -42,6 +42,7 @@ pub enum Bound {
         family: KeyedFamily,
         key: String,
         owner: String,
+        permit: u32,
         token: u64,
     },
     Write {
@@ -52,8 +53,8 @@ pub enum Bound {
     Keys {
         family: KeyedFamily,
         owner: String,
-        /// Each key with its token.
-        keys: Vec<(String, u64)>,
+        /// Each key with the permit and the token it was taken with.
+        keys: Vec<(String, u32, u64)>,
     },
 }
 
@@ -156,9 +157,10 @@ impl Bound {
                 family,
                 key,
                 owner,
+                permit,
                 token,
             } => family
-                .holding(key, owner)
+                .holding_on_permit(key, *permit, owner)
                 .map(|lock| vec![(lock, *token)])
                 .unwrap_or_default(),
             Bound::Keys {
@@ -167,37 +169,48 @@ impl Bound {
                 keys,
             } => keys
                 .iter()
-                .filter_map(|(key, token)| family.holding(key, owner).map(|lock| (lock, *token)))
+                .filter_map(|(key, permit, token)| {
+                    family
+                        .holding_on_permit(key, *permit, owner)
+                        .map(|lock| (lock, *token))
+                })
                 .collect(),
             Bound::Write { .. } => Vec::new(),
         }
     }
 
     /// After a part was found ended: a write lock steps down whole (its other parts given back
-    /// once their last answer has run out), and several keys are all given back.
-    async fn ended(&self) {
+    /// once their last answer has run out); several keys are all given back once `told_until`,
+    /// the end of the validity the client was last told, has passed: until then the client may
+    /// still act on every key, its `lost` unread.
+    async fn ended(&self, told_until: Option<BootInstant>) {
         match self {
             Bound::Write { holding, .. } => {
                 holding.answer();
             }
-            Bound::Keys { .. } => self.release().await,
+            Bound::Keys { .. } => {
+                if let Some(until) = told_until {
+                    tokio::time::sleep_until(until.to_tokio()).await;
+                }
+                self.release().await;
+            }
             Bound::Lock { .. } | Bound::Key { .. } => {}
         }
     }
 }
 
 /// The stream for an acquisition `bound` holds; `about` names it in every event (lock, or
-/// family, key and owner, or family, owner and each key with its token). `turn`, an exclusive
-/// hold's place, is kept until the acquisition is given up.
+/// family, key and owner, or family, owner and each key with its token). `turns`, an
+/// exclusive hold's places, are kept until the acquisition is given up.
 pub fn respond(
     bound: Bound,
     about: Map<String, Value>,
-    turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+    turns: Vec<tokio::sync::OwnedMutexGuard<()>>,
 ) -> Response {
     let (events, receiver) = mpsc::channel(4);
     tokio::spawn(async move {
         follow(bound, about, events).await;
-        drop(turn);
+        drop(turns);
     });
     let stream = ReceiverStream::new(receiver);
     Sse::new(futures_util::StreamExt::map(stream, Ok::<_, Infallible>))
@@ -323,7 +336,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
                 json!({"reason": "the lease is no longer held"}),
             ))
             .await;
-        bound.ended().await;
+        bound.ended(None).await;
         return;
     };
     // The first part says what the holding is: its holder's identity and its count of
@@ -337,6 +350,8 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
     extend.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     extend.tick().await;
     let mut told: Option<BootInstant> = None;
+    // The end of the validity the client was last told: what it may act on until.
+    let mut told_until: Option<BootInstant> = None;
     let mut engine_ended = false;
     loop {
         for state in &mut states {
@@ -353,7 +368,6 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         let (claim, answer) = match standing {
             Standing::Held { claim, answer } => (claim, answer),
             Standing::Ended { released, reason } => {
-                bound.ended().await;
                 let kind = if released { "released" } else { "lost" };
                 // Within a renew interval: a client that no longer reads (its `exec` gone, a
                 // command holding the connection) must not keep this task, and its turn.
@@ -362,6 +376,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
                     events.send(event(kind, &about, json!({"reason": reason}))),
                 )
                 .await;
+                bound.ended(told_until).await;
                 return;
             }
         };
@@ -397,6 +412,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
                 return;
             }
             told = Some(claim);
+            told_until = Some(answer);
         }
         let wake = if answer > BootInstant::now() {
             answer

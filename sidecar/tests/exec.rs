@@ -826,6 +826,64 @@ fn readers_exec_side_by_side_and_a_writer_execs_alone() {
     assert!(tokens[2] > tokens[0].max(tokens[1]), "{lines:?}");
 }
 
+/// `exec --keyed F/a --keyed F/b`: both keys held while the command runs, each key's token in
+/// `LEASEHOLD_FENCING_TOKENS` and the highest in `LEASEHOLD_FENCING_TOKEN`; an `exec` on one
+/// of the keys runs only once the first command has ended.
+#[test]
+fn an_exec_on_several_keys_holds_them_all_while_its_command_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
+    let log = dir.path().join("log");
+    let both = format!(
+        "echo start $LEASEHOLD_FENCING_TOKENS $LEASEHOLD_FENCING_TOKEN >> {0}; sleep 1.5; echo end >> {0}",
+        log.display()
+    );
+    let mut first = shell(
+        &mut exec_via(
+            &sidecar,
+            &["--keyed", "jobs-keys/a", "--keyed", "jobs-keys/b"],
+        ),
+        &both,
+    )
+    .spawn()
+    .unwrap();
+    wait_for("the command to start", Duration::from_secs(10), || {
+        !read(&log).is_empty()
+    });
+    for key in ["a", "b"] {
+        assert_eq!(
+            sidecar.status(&format!("/locks/jobs-keys/keys/{key}")),
+            200,
+            "{key} held while the command runs"
+        );
+    }
+    let one = format!("echo start-b >> {0}", log.display());
+    let mut second = shell(&mut exec_via(&sidecar, &["--keyed", "jobs-keys/b"]), &one)
+        .spawn()
+        .unwrap();
+    for child in [&mut first, &mut second] {
+        assert!(wait_exit(child, Duration::from_secs(30)).success());
+    }
+    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    let fields: Vec<&str> = lines[0].split(' ').collect();
+    let tokens: Vec<(&str, u64)> = fields[1]
+        .split(',')
+        .map(|pair| {
+            let (key, token) = pair.split_once('=').expect("KEY=TOKEN");
+            (key, token.parse().expect("token"))
+        })
+        .collect();
+    assert_eq!(
+        tokens.iter().map(|(key, _)| *key).collect::<Vec<_>>(),
+        ["a", "b"],
+        "{lines:?}"
+    );
+    let highest = tokens.iter().map(|(_, token)| *token).max().unwrap();
+    assert_eq!(fields[2], highest.to_string(), "{lines:?}");
+    assert_eq!(&lines[1..], ["end", "start-b"], "{lines:?}");
+}
+
 #[test]
 fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
     let redis = RedisServer::start_with(true);
@@ -893,6 +951,18 @@ fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
     refused(
         exec_via(&sidecar, &["--keyed", "jobs-keys/k"]).args(["--mode", "upgrade"]),
         "upgrade",
+    );
+    refused(
+        &mut exec_via(&sidecar, &["--keyed", "jobs-keys/a", "--keyed", "other/b"]),
+        "one family",
+    );
+    refused(
+        exec_via(
+            &sidecar,
+            &["--keyed", "jobs-keys/a", "--keyed", "jobs-keys/b"],
+        )
+        .args(["--mode", "read"]),
+        "a write lock is of one key",
     );
     refused(
         Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar")).args([

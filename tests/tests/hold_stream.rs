@@ -395,9 +395,9 @@ fn a_hold_request_that_cannot_be_served_gets_a_clear_answer_and_changes_nothing(
         "keys",
     );
     refused(
-        &format!("/locks/{family}/hold?keys=a,b&owner=w1&exclusive=true"),
+        &format!("/locks/{family}/hold?keys=a,b&owner=w1&exclusive=yes"),
         400,
-        "unknown parameter",
+        "true or false",
     );
     refused("/lock/hold?exclusive=yes", 400, "true or false");
     refused(
@@ -501,7 +501,8 @@ fn exclusive_holds_of_one_owner_take_turns_on_a_key() {
 /// Several keys held by one connection (`POST /locks/FAMILY/hold?keys=...`): every key or
 /// none; each key's token named in the events; while it is open another pod takes none of
 /// them, and the moment it closes another pod's wait for all of them ends. A key of the set
-/// released by another call ends the stream (`released`) and gives the others back at once.
+/// released by another call ends the stream (`released`), and the others are given back once
+/// the validity last told has run out.
 #[test]
 fn several_keys_held_by_a_connection_are_held_together_and_given_back_together() {
     let redis = RedisServer::start();
@@ -566,14 +567,30 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
         200
     );
 
-    // One key of the set released by another call: the stream ends, the other key is free.
+    // One key of the set released by another call: the stream ends, and the other key is
+    // given back once the validity the app was last told has run out (the app may not have
+    // read the end yet), not before.
     let stream = open(&a, &route("hold?keys=sku-5,sku-6&owner=w3&wait=2s"));
-    assert_eq!(stream.next(Duration::from_secs(5)).kind, "acquired");
+    let mut last = stream.next(Duration::from_secs(5));
+    assert_eq!(last.kind, "acquired", "{last:?}");
     assert_eq!(a.post(&route("keys/sku-5/release?owner=w3")).status, 200);
-    let ended = stream.next(Duration::from_secs(5));
+    let ended = loop {
+        let event = stream.next(Duration::from_secs(5));
+        if event.kind != "renewed" {
+            break event;
+        }
+        last = event;
+    };
     assert_eq!(ended.kind, "released", "{ended:?}");
-    let free = b.post(&route("keys/sku-6/acquire?owner=w4&wait=2s"));
+    let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
+    let free = b.post(&route("keys/sku-6/acquire?owner=w4&wait=10s"));
+    let taken_at = Instant::now();
     assert_eq!(free.status, 200, "{}", free.body);
+    assert!(
+        told_until <= taken_at,
+        "sku-6 was taken {:?} before the validity the app was told ran out",
+        told_until - taken_at
+    );
 }
 
 /// An observer follows one key's holders in every pod: free, then each holder with its token.

@@ -87,7 +87,7 @@ const FORWARDED: [Signal; 6] = [
 #[derive(Debug, Parser)]
 #[command(
     name = "leasehold-sidecar exec",
-    about = "Runs a command only while a lock is held: leasehold-sidecar exec (--lock NAME | --keyed FAMILY/KEY [--mode read|write]) [--backend URL | --via http://127.0.0.1:4040] -- COMMAND [ARGS]...",
+    about = "Runs a command only while a lock is held: leasehold-sidecar exec (--lock NAME | --keyed FAMILY/KEY [--mode read|write] | --keyed FAMILY/KEY --keyed FAMILY/KEY...) [--backend URL | --via http://127.0.0.1:4040] -- COMMAND [ARGS]...",
     after_help = "Exit status: the command's (128+N when killed by signal N); 75 when the lock was lost and the command stopped; 69 when the lock was not taken within --wait; 128+N when exec got signal N while waiting for the lock; 2 for bad arguments; 127 when the command cannot be started; 1 when the backend cannot be opened."
 )]
 #[command(group(clap::ArgGroup::new("what").required(true).args(["lock", "keyed"])))]
@@ -97,9 +97,10 @@ struct ExecArgs {
     lock: Option<String>,
 
     /// A key of a keyed family to hold while the command runs, through the sidecar serving the
-    /// family (needs --via); the owner is --identity.
+    /// family (needs --via); the owner is --identity. Given several times (keys of one
+    /// family), every key is held, or none.
     #[arg(long, value_name = "FAMILY/KEY", requires = "via")]
-    keyed: Option<String>,
+    keyed: Vec<String>,
 
     /// With --keyed on a read-write family: hold the key to read (shared with other readers)
     /// or to write (alone) [default: the family's plain acquisition, a read on a read-write
@@ -193,7 +194,7 @@ async fn run(args: ExecArgs) -> u8 {
         eprintln!("error: invalid value for '--{flag}': {reason}");
         EXIT_BAD_CONFIG
     };
-    if args.mode.is_some() && args.keyed.is_none() {
+    if args.mode.is_some() && args.keyed.is_empty() {
         return bad(
             "mode",
             &"a mode is for a key of a read-write family (--keyed)",
@@ -212,22 +213,20 @@ async fn run(args: ExecArgs) -> u8 {
                 Ok(via) => via,
                 Err(e) => return bad("via", &e),
             };
-            let target = match (&args.lock, &args.keyed) {
-                (Some(lock), _) => via::Target::Lock(lock.clone()),
-                (None, Some(keyed)) => match keyed.split_once('/') {
-                    Some((family, key)) if !family.is_empty() && !key.is_empty() => {
-                        via::Target::Key {
-                            family: family.to_owned(),
-                            key: key.to_owned(),
-                            owner: args.identity.clone().unwrap_or_else(unique_owner),
-                            mode: args.mode,
-                        }
-                    }
-                    _ => return bad("keyed", &format!("{keyed:?} is not FAMILY/KEY")),
+            let target = match &args.lock {
+                Some(lock) => via::Target::Lock(lock.clone()),
+                None => match keyed_target(&args) {
+                    Ok(target) => target,
+                    Err((flag, why)) => return bad(flag, &why),
                 },
-                (None, None) => return bad("lock", &"--lock or --keyed is required"),
             };
-            let name = args.lock.clone().or(args.keyed.clone()).unwrap_or_default();
+            let name = match (&args.lock, &target) {
+                (Some(lock), _) => lock.clone(),
+                (None, via::Target::Keys { family, keys, .. }) => {
+                    format!("{family}/{}", keys.join(","))
+                }
+                (None, _) => args.keyed.concat(),
+            };
             let (hold, claims) = via::Hold::start(via, target, args.wait);
             Holder::Via {
                 name,
@@ -329,6 +328,50 @@ fn check_grace(grace: Duration, lease: Duration, renew_interval: Duration) -> Re
     Ok(())
 }
 
+/// What `--keyed` names: one key (with its `--mode`), or several keys of one family.
+fn keyed_target(args: &ExecArgs) -> Result<via::Target, (&'static str, String)> {
+    let mut family = None;
+    let mut keys = Vec::with_capacity(args.keyed.len());
+    for keyed in &args.keyed {
+        match keyed.split_once('/') {
+            Some((of, key)) if !of.is_empty() && !key.is_empty() => {
+                if family.is_some_and(|family| family != of) {
+                    return Err((
+                        "keyed",
+                        format!("{keyed:?}: keys held together are of one family"),
+                    ));
+                }
+                family = Some(of);
+                keys.push(key.to_owned());
+            }
+            _ => return Err(("keyed", format!("{keyed:?} is not FAMILY/KEY"))),
+        }
+    }
+    let Some(family) = family else {
+        return Err(("lock", "--lock or --keyed is required".into()));
+    };
+    let owner = args.identity.clone().unwrap_or_else(unique_owner);
+    if let [key] = keys.as_slice() {
+        return Ok(via::Target::Key {
+            family: family.to_owned(),
+            key: key.clone(),
+            owner,
+            mode: args.mode,
+        });
+    }
+    if args.mode.is_some() {
+        return Err((
+            "mode",
+            "several keys are held to read (a write lock is of one key)".into(),
+        ));
+    }
+    Ok(via::Target::Keys {
+        family: family.to_owned(),
+        keys,
+        owner,
+    })
+}
+
 /// Who holds the lock for the command.
 enum Holder {
     /// This process, on its own backend connection.
@@ -361,6 +404,14 @@ impl Holder {
                 .identity
                 .clone()
                 .unwrap_or_else(|| identity.clone()),
+        }
+    }
+
+    /// Several keys' tokens, `KEY=TOKEN` each, comma-separated.
+    fn tokens(&self) -> Option<String> {
+        match self {
+            Holder::Direct(_) => None,
+            Holder::Via { claims, .. } => claims.borrow().tokens.clone(),
         }
     }
 
@@ -583,6 +634,10 @@ fn spawn(
         .env("LEASEHOLD_EXEC_LOCK", holder.name())
         .env("LEASEHOLD_EXEC_IDENTITY", holder.identity())
         .env("LEASEHOLD_FENCING_TOKEN", token.to_string())
+        .env(
+            "LEASEHOLD_FENCING_TOKENS",
+            holder.tokens().unwrap_or_default(),
+        )
         .process_group(0)
         .kill_on_drop(false);
     // Through a sidecar, the command inherits a copy of the held connection (the only

@@ -61,6 +61,12 @@ pub enum Target {
         /// `read` or `write` on a read-write family; `None`, the family's plain acquisition.
         mode: Option<KeyMode>,
     },
+    /// Several keys of one family, all or nothing.
+    Keys {
+        family: String,
+        keys: Vec<String>,
+        owner: String,
+    },
 }
 
 /// How a key of a read-write family is held: shared with other readers, or alone.
@@ -95,6 +101,19 @@ impl Target {
                     encode(owner)
                 )
             }
+            Target::Keys {
+                family,
+                keys,
+                owner,
+            } => {
+                let keys: Vec<String> = keys.iter().map(|key| encode(key)).collect();
+                format!(
+                    "/locks/{}/hold?keys={}&owner={}&exclusive=true&{wait}",
+                    encode(family),
+                    keys.join(","),
+                    encode(owner)
+                )
+            }
         }
     }
 }
@@ -122,6 +141,8 @@ pub struct Claim {
     pub timing: Option<(Duration, Duration)>,
     /// Who holds it in the backend (the sidecar's identity, or `POD/OWNER` for a key).
     pub identity: Option<String>,
+    /// Several keys' tokens, `KEY=TOKEN` each, comma-separated (`held` has the highest).
+    pub tokens: Option<String>,
     /// The hold cannot go on: the status to exit with and why.
     pub failed: Option<(u8, String)>,
 }
@@ -315,7 +336,24 @@ async fn follow(
         let Ok(body) = serde_json::from_str::<serde_json::Value>(data) else {
             continue;
         };
-        let token = body["fencingToken"].as_u64();
+        // Several keys: each key's token, and the highest of them as the claim's.
+        let keys: Vec<(&str, u64)> = body["keys"]
+            .as_array()
+            .map(|keys| {
+                keys.iter()
+                    .filter_map(|k| Some((k["key"].as_str()?, k["fencingToken"].as_u64()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let token = body["fencingToken"]
+            .as_u64()
+            .or_else(|| keys.iter().map(|(_, token)| *token).max());
+        let tokens = (!keys.is_empty()).then(|| {
+            keys.iter()
+                .map(|(key, token)| format!("{key}={token}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        });
         match kind.as_str() {
             "acquired" | "renewed" => {
                 let (Some(token), Some(valid_for)) = (token, body["validForMs"].as_u64()) else {
@@ -333,6 +371,7 @@ async fn follow(
                     c.held = Some((token, end));
                     c.timing = timing.or(c.timing);
                     c.identity = identity.or(c.identity.take());
+                    c.tokens = tokens.or(c.tokens.take());
                 });
             }
             "lost" | "released" => {
@@ -393,6 +432,15 @@ mod tests {
         assert_eq!(
             writer.path(Duration::ZERO),
             "/locks/orders/keys/k/hold?owner=job&exclusive=true&mode=write&wait=0ms"
+        );
+        let several = Target::Keys {
+            family: "orders".into(),
+            keys: vec!["a/1".into(), "b".into()],
+            owner: "job".into(),
+        };
+        assert_eq!(
+            several.path(Duration::ZERO),
+            "/locks/orders/hold?keys=a%2F1,b&owner=job&exclusive=true&wait=0ms"
         );
         assert_eq!(
             Target::Lock("jobs".into()).path(Duration::ZERO),
