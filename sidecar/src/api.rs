@@ -1077,7 +1077,21 @@ async fn keys_hold(
         .iter()
         .any(|(_, answer)| matches!(answer, KeyAnswer::Held { writer: true, .. }))
     {
-        family.release_all(&keys, &owner).await.map_err(key_error)?;
+        // Each acquisition just made, exactly, on a task of its own that a hang-up cannot
+        // cut short: the write lock's count and the other keys' go back to what they were.
+        let (family, owner) = (family.clone(), owner.clone());
+        let _ = tokio::spawn(async move {
+            for (key, answer) in answers {
+                if let KeyAnswer::Held { writer: true, .. } = answer {
+                    let _ = family.release(&key, &owner).await;
+                } else if let KeyAnswer::Held { permit, token, .. } = answer
+                    && let Some(lock) = family.holding_on_permit(&key, permit, &owner)
+                {
+                    let _ = lock.release_if(token).await;
+                }
+            }
+        })
+        .await;
         return Err(owner_writes());
     }
     let mut held = Vec::with_capacity(answers.len());

@@ -181,16 +181,17 @@ impl Bound {
 
     /// After a part was found ended: a write lock steps down whole (its other parts given back
     /// once their last answer has run out); several keys are all given back once `told_until`,
-    /// the end of the validity the client was last told, has passed: until then the client may
-    /// still act on every key, its `lost` unread.
+    /// the end of the validity the client was last told, and the engine's safety margin have
+    /// passed: until then the client may still act on every key, its `lost` unread.
     async fn ended(&self, told_until: Option<BootInstant>) {
         match self {
             Bound::Write { holding, .. } => {
                 holding.answer();
             }
-            Bound::Keys { .. } => {
+            Bound::Keys { family, .. } => {
                 if let Some(until) = told_until {
-                    tokio::time::sleep_until(until.to_tokio()).await;
+                    let margin = leasehold_lease::safety_margin(family.config().lease_duration);
+                    tokio::time::sleep_until((until + margin).to_tokio()).await;
                 }
                 self.release().await;
             }
@@ -376,6 +377,8 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
                     events.send(event(kind, &about, json!({"reason": reason}))),
                 )
                 .await;
+                // The stream ends here; what is left to give back is given back after.
+                drop(events);
                 bound.ended(told_until).await;
                 return;
             }

@@ -827,15 +827,15 @@ fn readers_exec_side_by_side_and_a_writer_execs_alone() {
 }
 
 /// `exec --keyed F/a --keyed F/b`: both keys held while the command runs, each key's token in
-/// `LEASEHOLD_FENCING_TOKENS` and the highest in `LEASEHOLD_FENCING_TOKEN`; an `exec` on one
-/// of the keys runs only once the first command has ended.
+/// `LEASEHOLD_FENCING_TOKENS` (and no `LEASEHOLD_FENCING_TOKEN`: no one token fences both
+/// keys); an `exec` on one of the keys runs only once the first command has ended.
 #[test]
 fn an_exec_on_several_keys_holds_them_all_while_its_command_runs() {
     let dir = tempfile::tempdir().unwrap();
     let sidecar = RunningSidecar::start("pod-a", "jobs", &sqlite(dir.path()));
     let log = dir.path().join("log");
     let both = format!(
-        "echo start $LEASEHOLD_FENCING_TOKENS $LEASEHOLD_FENCING_TOKEN >> {0}; sleep 1.5; echo end >> {0}",
+        "echo start $LEASEHOLD_FENCING_TOKENS ${{LEASEHOLD_FENCING_TOKEN-unset}} >> {0}; sleep 1.5; echo end >> {0}",
         log.display()
     );
     let mut first = shell(
@@ -879,8 +879,8 @@ fn an_exec_on_several_keys_holds_them_all_while_its_command_runs() {
         ["a", "b"],
         "{lines:?}"
     );
-    let highest = tokens.iter().map(|(_, token)| *token).max().unwrap();
-    assert_eq!(fields[2], highest.to_string(), "{lines:?}");
+    assert!(tokens.iter().all(|(_, token)| *token > 0), "{lines:?}");
+    assert_eq!(fields[2], "unset", "{lines:?}");
     assert_eq!(&lines[1..], ["end", "start-b"], "{lines:?}");
 }
 
@@ -955,6 +955,20 @@ fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
     refused(
         &mut exec_via(&sidecar, &["--keyed", "jobs-keys/a", "--keyed", "other/b"]),
         "one family",
+    );
+    refused(
+        &mut exec_via(
+            &sidecar,
+            &["--keyed", "jobs-keys/a", "--keyed", "jobs-keys/a"],
+        ),
+        "named twice",
+    );
+    refused(
+        &mut exec_via(
+            &sidecar,
+            &["--keyed", "jobs-keys/a,b", "--keyed", "jobs-keys/c"],
+        ),
+        "no commas",
     );
     refused(
         exec_via(

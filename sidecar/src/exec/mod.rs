@@ -331,9 +331,26 @@ fn check_grace(grace: Duration, lease: Duration, renew_interval: Duration) -> Re
 /// What `--keyed` names: one key (with its `--mode`), or several keys of one family.
 fn keyed_target(args: &ExecArgs) -> Result<via::Target, (&'static str, String)> {
     let mut family = None;
-    let mut keys = Vec::with_capacity(args.keyed.len());
+    let mut keys: Vec<String> = Vec::with_capacity(args.keyed.len());
+    if args.keyed.len() > leasehold_lease::keyed::MAX_KEYS_AT_ONCE {
+        return Err((
+            "keyed",
+            format!(
+                "{} keys: at most {} are held together",
+                args.keyed.len(),
+                leasehold_lease::keyed::MAX_KEYS_AT_ONCE
+            ),
+        ));
+    }
     for keyed in &args.keyed {
         match keyed.split_once('/') {
+            // A comma would split the key in the request's list of keys.
+            Some((_, key)) if key.contains(',') => {
+                return Err(("keyed", format!("{keyed:?}: a key has no commas")));
+            }
+            Some((_, key)) if keys.iter().any(|k| k == key) => {
+                return Err(("keyed", format!("{keyed:?} is named twice")));
+            }
             Some((of, key)) if !of.is_empty() && !key.is_empty() => {
                 if family.is_some_and(|family| family != of) {
                     return Err((
@@ -633,13 +650,13 @@ fn spawn(
         // command starts would take for its flags.
         .env("LEASEHOLD_EXEC_LOCK", holder.name())
         .env("LEASEHOLD_EXEC_IDENTITY", holder.identity())
-        .env("LEASEHOLD_FENCING_TOKEN", token.to_string())
-        .env(
-            "LEASEHOLD_FENCING_TOKENS",
-            holder.tokens().unwrap_or_default(),
-        )
         .process_group(0)
         .kill_on_drop(false);
+    // Several keys have a token each, counted apart: no one of them fences the others' keys.
+    match holder.tokens() {
+        Some(tokens) => command.env("LEASEHOLD_FENCING_TOKENS", tokens),
+        None => command.env("LEASEHOLD_FENCING_TOKEN", token.to_string()),
+    };
     // Through a sidecar, the command inherits a copy of the held connection (the only
     // descriptor left open across exec), which stays open while it or any process it started
     // lives: the sidecar releases only once they are all gone, even if exec is killed outright.

@@ -141,7 +141,8 @@ pub struct Claim {
     pub timing: Option<(Duration, Duration)>,
     /// Who holds it in the backend (the sidecar's identity, or `POD/OWNER` for a key).
     pub identity: Option<String>,
-    /// Several keys' tokens, `KEY=TOKEN` each, comma-separated (`held` has the highest).
+    /// Several keys' tokens, `KEY=TOKEN` each, comma-separated (`held` has the highest, for
+    /// exec's own bookkeeping: no one token fences every key).
     pub tokens: Option<String>,
     /// The hold cannot go on: the status to exit with and why.
     pub failed: Option<(u8, String)>,
