@@ -20,8 +20,8 @@ pub struct LockCache {
 }
 
 /// Admission reads a lock's name and spec alone: its managed fields, annotations (a `kubectl
-/// apply`'s copy of the whole object among them) and status are not kept, which more than
-/// halves what each lock costs every replica.
+/// apply`'s copy of the whole object among them) and status, most of what a lock weighs, are
+/// not kept on every replica.
 fn keep_what_admission_reads(lock: &mut DistributedLock) {
     lock.metadata.managed_fields = None;
     lock.metadata.annotations = None;
