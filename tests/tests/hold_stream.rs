@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use leasehold_e2e::fault_proxy::FaultProxy;
-use leasehold_e2e::{EventStream, RedisServer, Sidecar, StreamEvent, unique_lock};
+use leasehold_e2e::{EventStream, RedisServer, Reply, Sidecar, StreamEvent, unique_lock};
 use nix::sys::signal::Signal;
 
 const TIMING: [&str; 4] = ["--lease-duration", "3s", "--renew-interval", "1s"];
@@ -39,6 +39,40 @@ fn open(sidecar: &Sidecar, path: &str) -> EventStream {
         .unwrap_or_else(|reply| panic!("POST {path}: {} {}", reply.status, reply.body))
 }
 
+/// Follow `stream` for `during`: every event a renewal of `token` with a validity; how many.
+fn renewals_told(stream: &EventStream, token: u64, during: Duration) -> usize {
+    let mut renewals = 0;
+    let until = Instant::now() + during;
+    while Instant::now() < until {
+        if let Some(StreamEvent { kind, body, .. }) = stream.try_next() {
+            assert_eq!(kind, "renewed", "{body}");
+            assert_eq!(body["fencingToken"], token);
+            assert!(body["validForMs"].as_u64().unwrap() > 0, "{body}");
+            renewals += 1;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    renewals
+}
+
+/// `POST path` on `addr` (an acquisition that waits) begun, then `stream` closed: the answer,
+/// and how long after the close it came.
+fn taken_once_closed(
+    stream: EventStream,
+    addr: std::net::SocketAddr,
+    path: String,
+) -> (Reply, Duration) {
+    let waiting = std::thread::spawn(move || {
+        let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
+        (reply, Instant::now())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let closed = Instant::now();
+    stream.close();
+    let (reply, taken) = waiting.join().unwrap();
+    (reply, taken - closed)
+}
+
 #[test]
 fn a_key_held_by_a_connection_is_held_while_it_is_open_and_free_the_moment_it_closes() {
     let redis = RedisServer::start();
@@ -59,17 +93,7 @@ fn a_key_held_by_a_connection_is_held_while_it_is_open_and_free_the_moment_it_cl
 
     // Held for longer than the lease and the connection's own hold (two leases), renewed and
     // told so.
-    let mut renewals = 0;
-    let held_until = Instant::now() + Duration::from_secs(8);
-    while Instant::now() < held_until {
-        if let Some(StreamEvent { kind, body, .. }) = stream.try_next() {
-            assert_eq!(kind, "renewed", "{body}");
-            assert_eq!(body["fencingToken"], token);
-            assert!(body["validForMs"].as_u64().unwrap() > 0, "{body}");
-            renewals += 1;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let renewals = renewals_told(&stream, token, Duration::from_secs(8));
     assert!(
         renewals >= 5,
         "{renewals} renewals told in 8 s of a 1 s renew interval"
@@ -79,22 +103,12 @@ fn a_key_held_by_a_connection_is_held_while_it_is_open_and_free_the_moment_it_cl
     assert_eq!(b.post(&format!("{key}/acquire?owner=w3")).status, 409);
 
     // The app goes away: the key is released at once, not when a hold or the lease runs out.
-    let waiting = {
-        let (addr, path) = (b.addr, format!("{key}/acquire?owner=w3&wait=10s"));
-        std::thread::spawn(move || {
-            let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
-            (reply, Instant::now())
-        })
-    };
-    std::thread::sleep(Duration::from_millis(300));
-    let closed = Instant::now();
-    stream.close();
-    let (reply, taken) = waiting.join().unwrap();
+    let path = format!("{key}/acquire?owner=w3&wait=10s");
+    let (reply, after) = taken_once_closed(stream, b.addr, path);
     assert!(reply.token() > token, "{}", reply.body);
     assert!(
-        taken - closed < RELEASED_WITHIN,
-        "the key was taken {:?} after the connection closed",
-        taken - closed
+        after < RELEASED_WITHIN,
+        "the key was taken {after:?} after the connection closed"
     );
 }
 
@@ -302,17 +316,7 @@ fn a_write_lock_held_by_a_connection_excludes_everyone_else_until_it_closes() {
         .expect("fencingToken");
     assert!(token > read_token, "{token} after {read_token}");
 
-    let mut renewals = 0;
-    let held_until = Instant::now() + Duration::from_secs(7);
-    while Instant::now() < held_until {
-        if let Some(StreamEvent { kind, body, .. }) = stream.try_next() {
-            assert_eq!(kind, "renewed", "{body}");
-            assert_eq!(body["fencingToken"], token);
-            assert!(body["validForMs"].as_u64().unwrap() > 0, "{body}");
-            renewals += 1;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let renewals = renewals_told(&stream, token, Duration::from_secs(7));
     assert!(
         renewals >= 4,
         "{renewals} renewals told in 7 s of a 1 s renew interval"
@@ -337,23 +341,13 @@ fn a_write_lock_held_by_a_connection_excludes_everyone_else_until_it_closes() {
         assert_eq!(refused.status, 409, "{query}: {}", refused.body);
     }
 
-    let waiting = {
-        let (addr, path) = (b.addr, format!("{key}/acquire?owner=r2&mode=read&wait=10s"));
-        std::thread::spawn(move || {
-            let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
-            (reply, Instant::now())
-        })
-    };
-    std::thread::sleep(Duration::from_millis(300));
-    let closed = Instant::now();
-    stream.close();
-    let (reply, taken) = waiting.join().unwrap();
+    let path = format!("{key}/acquire?owner=r2&mode=read&wait=10s");
+    let (reply, after) = taken_once_closed(stream, b.addr, path);
     // On Redis a family's keys draw their tokens from one counter: a later reader's is higher.
     assert!(reply.token() > token, "{}", reply.body);
     assert!(
-        taken - closed < RELEASED_WITHIN,
-        "the key was read {:?} after the writer's connection closed",
-        taken - closed
+        after < RELEASED_WITHIN,
+        "the key was read {after:?} after the writer's connection closed"
     );
     assert_eq!(a.get(&format!("{key}?owner=w1")).status, 409);
 }
@@ -532,20 +526,8 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
     let refused = b.post(&route("acquire?keys=sku-1,sku-3&owner=w2"));
     assert_eq!(refused.status, 409, "{}", refused.body);
 
-    let waiting = {
-        let (addr, path) = (
-            b.addr,
-            route("acquire?keys=sku-1,sku-2&owner=w2&wait=10s&hold=30s"),
-        );
-        std::thread::spawn(move || {
-            let reply = leasehold_e2e::http(addr, "POST", &path).expect("acquire");
-            (reply, Instant::now())
-        })
-    };
-    std::thread::sleep(Duration::from_millis(300));
-    let closed = Instant::now();
-    stream.close();
-    let (reply, taken) = waiting.join().unwrap();
+    let path = route("acquire?keys=sku-1,sku-2&owner=w2&wait=10s&hold=30s");
+    let (reply, taken_after) = taken_once_closed(stream, b.addr, path);
     assert_eq!(reply.status, 200, "{}", reply.body);
     let after: Vec<u64> = reply.json()["keys"]
         .as_array()
@@ -558,9 +540,8 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
         "{after:?} after {tokens:?}"
     );
     assert!(
-        taken - closed < RELEASED_WITHIN,
-        "the keys were taken {:?} after the connection closed",
-        taken - closed
+        taken_after < RELEASED_WITHIN,
+        "the keys were taken {taken_after:?} after the connection closed"
     );
     assert_eq!(
         b.post(&route("release?keys=sku-1,sku-2&owner=w2")).status,
