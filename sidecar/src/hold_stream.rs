@@ -1,5 +1,6 @@
-//! Holds bound to a connection: `POST /lock/hold`, `/locks/{name}/hold` and
-//! `/locks/{family}/keys/{key}/hold` take the lock as `acquire` does, then answer an event
+//! Holds bound to a connection: `POST /lock/hold`, `/locks/{name}/hold`,
+//! `/locks/{family}/keys/{key}/hold` and `/locks/{family}/hold?keys=...` take the lock (or the
+//! keys) as `acquire` does, then answer an event
 //! stream (server-sent events) for as long as the app keeps the connection open. The lock is held
 //! while the connection lives, with no `hold` to guess, and released the moment it closes.
 //!

@@ -275,9 +275,15 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
         );
         let (index, aimed) = match holder(&state) {
             Some((index, token)) => (index, Some(token)),
+            // Readers leave no trace to aim at (only writers write STATE): a contender's,
+            // while readers run.
+            None if route == Route::ViaReadWrite && command_runs(&file_id) => {
+                (rng.random_range(0..CONTENDERS), None)
+            }
             None if replaces => continue,
             None => (rng.random_range(0..CONTENDERS), None),
         };
+        let ran_before = runs(&state).len();
         let contender = &mut contenders[index];
         match (fault, &mut contender.sidecar) {
             // Through a sidecar, its sidecar or the exec, in turn.
@@ -303,7 +309,6 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
         }
         *report.faults.entry(fault.name()).or_default() += 1;
         let healed = Instant::now();
-        let ran_before = runs(&state).len();
         let recovered = wait_for(bound, || match aimed.filter(|_| replaces) {
             // A reader's token may be below the writer's it follows: any command after it.
             Some(_) if route == Route::ViaReadWrite => runs(&state).len() > ran_before,
