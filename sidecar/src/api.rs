@@ -676,8 +676,9 @@ async fn acquire(
 
 /// On-demand: acquire, waiting up to `wait`, and hold for as long as the connection stays open
 /// (an event stream, [`crate::hold_stream`]); a lock not acquired is answered as `acquire`
-/// answers it. A family's name holds the keys of `keys=...` together ([`keys_hold`]). With `exclusive=true` the hold also waits for the other exclusive holds of this
-/// pod to end, rather than sharing the pod's acquisition with them (`leasehold exec --via`).
+/// answers it. A family's name holds the keys of `keys=...` together ([`keys_hold`]). With
+/// `exclusive=true` the hold also waits for the other exclusive holds of this pod to end, rather
+/// than sharing the pod's acquisition with them (`leasehold exec --via`).
 async fn hold(
     State(state): State<AppState>,
     name: Option<Path<String>>,
