@@ -49,7 +49,7 @@ use crate::drivers::queue::etcd_rpc::{
     RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
 use crate::drivers::queue::places::{Place, Places};
-use crate::drivers::queue::slot::{Attempts, Expiry, QueueSlot};
+use crate::drivers::queue::slot::{Attempts, QueueSlot};
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -95,29 +95,13 @@ impl EtcdTls {
     }
 }
 
-/// This process's key in one lock's queue.
-struct Entry {
-    lock: String,
-    identity: String,
+/// This process's key in one lock's queue; its token is the key's create revision.
+type Entry = Place<Key>;
+
+/// What an etcd place is: its key, and the session whose lease keeps it.
+struct Key {
     key: String,
     session: SessionUse,
-    revision: i64,
-    slot: QueueSlot,
-}
-
-impl Place for Entry {
-    fn lock(&self) -> &str {
-        &self.lock
-    }
-    fn identity(&self) -> &str {
-        &self.identity
-    }
-    fn slot(&self) -> &QueueSlot {
-        &self.slot
-    }
-    fn token(&self) -> i64 {
-        self.revision
-    }
 }
 
 /// This process's etcd lease for its keys of one TTL (see the module's notes).
@@ -204,7 +188,7 @@ struct Orphan {
 struct Shared {
     config: EtcdConfig,
     client: OnceCell<EtcdClient>,
-    entries: Places<Entry>,
+    entries: Places<Key>,
     /// This process's etcd leases, by their TTL in seconds; granted on first use.
     sessions: tokio::sync::Mutex<HashMap<i64, Arc<Session>>>,
     orphans: Mutex<Vec<Orphan>>,
@@ -328,9 +312,9 @@ fn ttl_seconds(ttl: Duration) -> i64 {
 }
 
 impl super::Transport for Shared {
-    type Place = Entry;
+    type Own = Key;
 
-    fn places(&self) -> &Places<Entry> {
+    fn places(&self) -> &Places<Key> {
         &self.entries
     }
 
@@ -340,6 +324,11 @@ impl super::Transport for Shared {
 
     async fn leave_line(&self, entry: &Entry) {
         self.leave(entry).await;
+    }
+
+    /// The session's lease is gone, and the key with it.
+    fn line_gone(&self, entry: &Entry) -> bool {
+        entry.session.ended()
     }
 }
 
@@ -436,9 +425,9 @@ impl Shared {
     /// queue for nobody while the session lives.
     async fn leave(&self, entry: &Entry) {
         self.forget(entry);
-        self.orphaned(&entry.key, Some(entry.revision), &entry.session.0);
-        match self.delete_key(&entry.key, Some(entry.revision)).await {
-            Ok(()) => self.adopted(&entry.key, entry.revision),
+        self.orphaned(&entry.key, Some(entry.token), &entry.session.0);
+        match self.delete_key(&entry.key, Some(entry.token)).await {
+            Ok(()) => self.adopted(&entry.key, entry.token),
             Err(e) => {
                 tracing::debug!(error = %e, key = %entry.key, "etcd delete failed; tried again")
             }
@@ -559,12 +548,15 @@ impl Shared {
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
-            key,
-            session,
-            revision,
+            token: revision,
             slot,
+            own: Key { key, session },
         });
-        let task = tokio::spawn(tend(self.clone(), entry.clone()));
+        let task = tokio::spawn(super::tend(
+            self.clone(),
+            entry.clone(),
+            entry.session.granted * ABANDONED_AFTER_TTLS,
+        ));
         entry.slot.set_tender(task);
         self.entries.put(entry.clone());
         Ok((entry, position))
@@ -576,7 +568,7 @@ impl Shared {
         let client = self.client().await?;
         let queue = self.queue_prefix(&entry.lock);
         let below = RangeRequest {
-            max_create_revision: entry.revision - 1,
+            max_create_revision: entry.token - 1,
             ..RangeRequest::prefix(&queue)
         };
         let txn = TxnRequest {
@@ -597,7 +589,7 @@ impl Shared {
         let queued = own
             .kvs
             .first()
-            .is_some_and(|kv| kv.create_revision == entry.revision);
+            .is_some_and(|kv| kv.create_revision == entry.token);
         Ok(Position {
             queued,
             predecessor: below.kvs.into_iter().next().map(|kv| kv.key),
@@ -691,53 +683,6 @@ struct Position {
 /// The lowest key of a queue.
 fn lowest(queue: &str) -> RangeRequest {
     RangeRequest::prefix(queue).first_by_create(SORT_ASCEND)
-}
-
-/// Keep a waiting key alive while its engine keeps asking; end a held one when its local lease
-/// runs out.
-///
-/// Every held or waiting key keeps one of these tasks, so its size counts per key: the calls to
-/// etcd are boxed, since a gRPC call's future would otherwise make each task several KB.
-async fn tend(shared: Arc<Shared>, entry: Arc<Entry>) {
-    let abandoned_after = entry.session.granted * ABANDONED_AFTER_TTLS;
-    loop {
-        if entry.slot.left() {
-            return;
-        }
-        if entry.session.ended() {
-            // The lease is gone, and the key with it.
-            shared.forget(&entry);
-            return;
-        }
-        match entry.slot.asked() {
-            Some(asked) if asked.elapsed() > abandoned_after => {
-                // Nobody asks any more (an on-demand wait that timed out): leave the queue
-                // rather than hold everyone behind a key no one will use. Unless an
-                // acquisition claimed the place meanwhile: then guard it.
-                if entry.slot.leave_if_waiting() {
-                    Box::pin(shared.leave(&entry)).await;
-                    shared.releases.bump(&entry.lock);
-                    return;
-                }
-            }
-            Some(asked) => {
-                // The session's keeper keeps the place; an acquisition sets the expiry: stop
-                // waiting and start guarding it at once.
-                tokio::select! {
-                    () = tokio::time::sleep_until(asked + abandoned_after) => {}
-                    () = entry.slot.expiry_moved() => {}
-                }
-            }
-            None => match entry.slot.wait_expiry().await {
-                Expiry::Passed => {
-                    Box::pin(shared.leave(&entry)).await;
-                    shared.releases.bump(&entry.lock);
-                    return;
-                }
-                Expiry::Moved => {}
-            },
-        }
-    }
 }
 
 /// Keep a session's lease alive while the session is used, try failed deletes again, and end
@@ -901,11 +846,7 @@ impl Driver for EtcdDriver {
             // Abandoned while this attempt ran (the engine gave up on it): its key is gone.
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         }
-        Ok(Acquire::Acquired(Lease {
-            lock: lock.to_owned(),
-            identity: identity.to_owned(),
-            token: u64::try_from(entry.revision).unwrap_or(0),
-        }))
+        Ok(Acquire::Acquired(entry.lease()))
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
@@ -920,7 +861,7 @@ impl Driver for EtcdDriver {
         let check = KeyCheck {
             client: self.shared.client().await?,
             key: entry.key.clone(),
-            revision: entry.revision,
+            revision: entry.token,
             session: entry.session.0.clone(),
         };
         let checked = self.checks.call(check).await??;
@@ -941,14 +882,10 @@ impl Driver for EtcdDriver {
         };
         self.shared.forget(&entry);
         entry.slot.abort_tasks();
-        if let Err(e) = self
-            .shared
-            .delete_key(&entry.key, Some(entry.revision))
-            .await
-        {
+        if let Err(e) = self.shared.delete_key(&entry.key, Some(entry.token)).await {
             // Not answered: the key goes at the keeper's next round, or with the session.
             self.shared
-                .orphaned(&entry.key, Some(entry.revision), &entry.session.0);
+                .orphaned(&entry.key, Some(entry.token), &entry.session.0);
             return Err(e);
         }
         self.shared.releases.bump(&lease.lock);

@@ -11,22 +11,82 @@ pub(crate) mod slot;
 mod urls;
 pub mod zookeeper;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::driver::ChangeFeeds;
 use places::{Place, Places};
+use slot::Expiry;
 
 /// What a transport gives the driver calls that are the same on both.
 pub(crate) trait Transport: Send + Sync {
-    type Place: Place;
-    fn places(&self) -> &Places<Self::Place>;
+    /// The transport's own part of a place.
+    type Own: Send + Sync + 'static;
+    fn places(&self) -> &Places<Self::Own>;
     /// Bumped when a lock's line moves (a place left or released), waking its waiters.
     fn releases(&self) -> &ChangeFeeds;
     /// Takes `place` out of its line (forgotten here, deleted on the server, or left to be
     /// deleted once the server answers again).
-    fn leave_line(&self, place: &Self::Place) -> impl Future<Output = ()> + Send;
+    fn leave_line(&self, place: &Place<Self::Own>) -> impl Future<Output = ()> + Send;
+    /// Whether the server already took `place` out of its line with whatever kept it (an etcd
+    /// lease that ran out): it is then only forgotten here.
+    fn line_gone(&self, _place: &Place<Self::Own>) -> bool {
+        false
+    }
+}
+
+/// The task every place keeps: a waiting place nobody has asked about for `abandoned_after` is
+/// given up rather than hold everyone behind it; a held one leaves the line once its local lease
+/// runs out.
+///
+/// Every held or waiting key keeps one of these tasks, so its size counts per key: the leaving is
+/// boxed, because its future (which may open a session or make a gRPC call) would make each task
+/// several KB where it is otherwise a few hundred bytes.
+pub(crate) async fn tend<T: Transport>(
+    transport: Arc<T>,
+    place: Arc<Place<T::Own>>,
+    abandoned_after: Duration,
+) {
+    let slot = &place.slot;
+    loop {
+        if slot.left() {
+            return;
+        }
+        if transport.line_gone(&place) {
+            transport.places().forget(&place);
+            return;
+        }
+        match slot.asked() {
+            Some(asked) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(asked + abandoned_after) => {
+                        let still_waiting = slot
+                            .asked()
+                            .is_some_and(|asked| asked + abandoned_after <= Instant::now());
+                        // Unless an acquisition claimed the place meanwhile: then guard it.
+                        if still_waiting && slot.leave_if_waiting() {
+                            Box::pin(transport.leave_line(&place)).await;
+                            transport.releases().bump(&place.lock);
+                            return;
+                        }
+                    }
+                    // An acquisition sets the expiry: stop waiting and guard it at once.
+                    () = slot.expiry_moved() => {}
+                }
+            }
+            None => match slot.wait_expiry().await {
+                Expiry::Passed => {
+                    Box::pin(transport.leave_line(&place)).await;
+                    transport.releases().bump(&place.lock);
+                    return;
+                }
+                Expiry::Moved => {}
+            },
+        }
+    }
 }
 
 /// `Driver::abandon`: `identity`'s waiting place in `lock`'s line is given up, unless it already
@@ -36,7 +96,7 @@ pub(crate) async fn abandon<T: Transport>(transport: &T, lock: &str, identity: &
     // calls this: the place's own state decides whether the attempt claimed first.
     if let Some(place) = transport.places().abandoned(lock, identity) {
         transport.leave_line(&place).await;
-        place.slot().abort_tasks();
+        place.slot.abort_tasks();
         // The one behind may be first now.
         transport.releases().bump(lock);
     }

@@ -38,7 +38,7 @@ use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batches, Pending};
 use crate::drivers::queue::places::{Place, Places};
-use crate::drivers::queue::slot::{Attempts, Expiry, QueueSlot};
+use crate::drivers::queue::slot::{Attempts, QueueSlot};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
@@ -84,34 +84,19 @@ pub struct ZooKeeperConfig {
     pub tls: Option<Tls>,
 }
 
-struct Entry {
-    lock: String,
-    identity: String,
+/// This process's node in one lock's queue; its token is the node's czxid.
+type Entry = Place<Node>;
+
+/// What a ZooKeeper place is: its sequential node.
+struct Node {
     path: String,
     sequence: i64,
-    czxid: i64,
-    slot: QueueSlot,
     /// From when the leader surely counts the session that keeps this node, as of the last
     /// acquisition or renewal (see [`Session::counted_from`]).
     counted_from: Mutex<Option<BootInstant>>,
 }
 
-impl Place for Entry {
-    fn lock(&self) -> &str {
-        &self.lock
-    }
-    fn identity(&self) -> &str {
-        &self.identity
-    }
-    fn slot(&self) -> &QueueSlot {
-        &self.slot
-    }
-    fn token(&self) -> i64 {
-        self.czxid
-    }
-}
-
-impl Entry {
+impl Node {
     fn count_from(&self, from: BootInstant) {
         *self.counted_from.lock().unwrap_or_else(|e| e.into_inner()) = Some(from);
     }
@@ -192,7 +177,7 @@ struct Shared {
     /// The TLS settings of `config`, their PEM documents read at start.
     tls: Option<zk::TlsOptions>,
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
-    entries: Places<Entry>,
+    entries: Places<Node>,
     /// One acquisition of a lock at a time ([`Attempts`]).
     attempts: Attempts,
     releases: ChangeFeeds,
@@ -343,9 +328,9 @@ fn sequence_of(name: &str) -> Option<i64> {
 }
 
 impl super::Transport for Shared {
-    type Place = Entry;
+    type Own = Node;
 
-    fn places(&self) -> &Places<Entry> {
+    fn places(&self) -> &Places<Node> {
         &self.entries
     }
 
@@ -627,13 +612,19 @@ impl Shared {
         let entry = Arc::new(Entry {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
-            path: format!("{prefix}{sequence}"),
-            sequence: sequence.into_i64(),
-            czxid: stat.czxid,
+            token: stat.czxid,
             slot,
-            counted_from: Mutex::new(None),
+            own: Node {
+                path: format!("{prefix}{sequence}"),
+                sequence: sequence.into_i64(),
+                counted_from: Mutex::new(None),
+            },
         });
-        let task = tokio::spawn(tend(self.clone(), entry.clone(), ttl));
+        let task = tokio::spawn(super::tend(
+            self.clone(),
+            entry.clone(),
+            ttl * ABANDONED_AFTER_LEASES,
+        ));
         entry.slot.set_tender(task);
         // Attempts given up while the connection was down each left a create queued in the
         // client, and they all land once it reconnects: this process keeps its earliest place
@@ -840,48 +831,6 @@ impl Drop for OrphanGuard<'_> {
     }
 }
 
-/// Give up a waiting node nobody asks for any more; delete a held one whose local lease ran out.
-///
-/// Every held or waiting place keeps one of these tasks, so its size counts per key: the deletes
-/// are boxed, because their future (which may open a session) would make each task about 5 KB
-/// where it is otherwise a few hundred bytes (10,000 held keys paid 51 MB).
-async fn tend(shared: Arc<Shared>, entry: Arc<Entry>, lease: Duration) {
-    loop {
-        if entry.slot.left() {
-            return;
-        }
-        match entry.slot.asked() {
-            Some(asked) => {
-                let abandon_at = asked + lease * ABANDONED_AFTER_LEASES;
-                tokio::select! {
-                    () = tokio::time::sleep_until(abandon_at) => {
-                        let still_waiting = entry
-                            .slot
-                            .asked()
-                            .is_some_and(|asked| asked + lease * ABANDONED_AFTER_LEASES <= Instant::now());
-                        // Unless an acquisition claimed the place meanwhile: then guard it.
-                        if still_waiting && entry.slot.leave_if_waiting() {
-                            // A failed delete is kept as an orphan.
-                            let _ = Box::pin(shared.leave(&entry)).await;
-                            shared.releases.bump(&entry.lock);
-                            return;
-                        }
-                    }
-                    () = entry.slot.expiry_moved() => {}
-                }
-            }
-            None => match entry.slot.wait_expiry().await {
-                Expiry::Passed => {
-                    let _ = Box::pin(shared.leave(&entry)).await;
-                    shared.releases.bump(&entry.lock);
-                    return;
-                }
-                Expiry::Moved => {}
-            },
-        }
-    }
-}
-
 impl ZooKeeperDriver {
     /// Opens the session on first use, with the first lease as its timeout.
     pub fn connect(config: ZooKeeperConfig) -> Result<Self> {
@@ -1060,11 +1009,7 @@ impl Driver for ZooKeeperDriver {
             return Ok(Acquire::Busy(None));
         }
         entry.count_from(counted_from);
-        Ok(Acquire::Acquired(Lease {
-            lock: lock.to_owned(),
-            identity: identity.to_owned(),
-            token: u64::try_from(entry.czxid).unwrap_or(0),
-        }))
+        Ok(Acquire::Acquired(entry.lease()))
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
