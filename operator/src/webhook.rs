@@ -34,7 +34,8 @@ pub const READINESS_ANNOTATION: &str = "leasehold.dev/readiness-requires-backend
 /// named family of keyed locks is a Dapr lock store.
 pub const DAPR_ANNOTATION: &str = "leasehold.dev/dapr-api";
 /// The annotation that makes a pod's campaign-mode locks sit out while its app is unhealthy:
-/// `PORT/PATH` (or `PORT`) of the app's health endpoint on the pod's loopback, which the
+/// `PORT/PATH` (or `PORT`) of the app's HTTP health endpoint on the pod's loopback, or the same
+/// after `https:`, `tcp:PORT` or `grpc:PORT[/SERVICE]` (the kubelet's kinds of probe), which the
 /// sidecar asks every 5 s (`--app-health`), stepping down after three failures in a row.
 pub const APP_HEALTH_ANNOTATION: &str = "leasehold.dev/app-health";
 
@@ -289,18 +290,44 @@ fn app_health_annotation(pod: &Pod) -> Result<Option<String>, String> {
     else {
         return Ok(None);
     };
-    let (port, path) = match value.find('/') {
-        Some(at) => (&value[..at], &value[at..]),
-        None => (value.as_str(), "/"),
+    let refused = || {
+        format!(
+            "annotation {APP_HEALTH_ANNOTATION}={value:?}: expected PORT/PATH of the app's health endpoint, e.g. \"8080/healthz\" (or \"https:8443/healthz\", \"tcp:5432\", \"grpc:9090\")"
+        )
+    };
+    let (scheme, endpoint) = match value.split_once(':') {
+        Some((scheme @ ("https" | "tcp" | "grpc"), endpoint)) => (scheme, endpoint),
+        Some(_) => return Err(refused()),
+        None => ("http", value.as_str()),
+    };
+    let (port, path) = match endpoint.find('/') {
+        Some(at) => (&endpoint[..at], &endpoint[at..]),
+        None => (endpoint, ""),
     };
     let port_ok = port.parse::<u16>().is_ok_and(|p| p > 0);
     let path_ok = path.bytes().all(|b| b.is_ascii_graphic() && b != b'#');
     if !port_ok || !path_ok {
-        return Err(format!(
-            "annotation {APP_HEALTH_ANNOTATION}={value:?}: expected PORT/PATH of the app's health endpoint, e.g. \"8080/healthz\""
-        ));
+        return Err(refused());
     }
-    Ok(Some(format!("http://127.0.0.1:{port}{path}")))
+    let path = match (scheme, path) {
+        ("http" | "https", "") => "/",
+        _ => path,
+    };
+    // The sidecar checks the rest (a TCP probe has no path, a gRPC service is a name) at start;
+    // refused here, so that a pod is not admitted with a sidecar that would not start.
+    let url = format!("{scheme}://127.0.0.1:{port}{path}");
+    match scheme {
+        "tcp" if !path.is_empty() => Err(refused()),
+        "grpc"
+            if !path
+                .bytes()
+                .skip(1)
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')) =>
+        {
+            Err(refused())
+        }
+        _ => Ok(Some(url)),
+    }
 }
 
 /// The sidecar's ports in `pod`: the defaults, or what [`PORT_ANNOTATION`] and

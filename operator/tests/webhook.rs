@@ -508,7 +508,8 @@ async fn backend_gated_readiness_is_opted_into_by_annotation() {
 }
 
 /// A pod names its app's health endpoint by annotation; its sidecar steps down while the app
-/// fails it. Anything but PORT/PATH is refused with the reason.
+/// fails it: `PORT/PATH` of an HTTP endpoint, or an HTTPS, TCP or gRPC one by its kind. Anything
+/// else is refused with the reason.
 #[tokio::test]
 async fn the_apps_health_endpoint_is_named_by_annotation() {
     let api = api_with_locks(&["jobs"]);
@@ -518,6 +519,14 @@ async fn the_apps_health_endpoint_is_named_by_annotation() {
     for (value, url) in [
         ("8080/healthz", "http://127.0.0.1:8080/healthz"),
         ("9000", "http://127.0.0.1:9000/"),
+        ("https:8443/healthz", "https://127.0.0.1:8443/healthz"),
+        ("https:8443", "https://127.0.0.1:8443/"),
+        ("tcp:5432", "tcp://127.0.0.1:5432"),
+        ("grpc:9090", "grpc://127.0.0.1:9090"),
+        (
+            "grpc:9090/shop.v1.Orders",
+            "grpc://127.0.0.1:9090/shop.v1.Orders",
+        ),
     ] {
         probed["metadata"]["annotations"][webhook::APP_HEALTH_ANNOTATION] = json!(value);
         let (allowed, message, patched) = admit(&api, &probed, true).await;
@@ -534,6 +543,10 @@ async fn the_apps_health_endpoint_is_named_by_annotation() {
         "http://127.0.0.1:8080/healthz",
         "70000/x",
         "8080/a b",
+        "ftp:8080",
+        "tcp:5432/healthz",
+        "grpc:9090/a/b",
+        "https:",
     ] {
         probed["metadata"]["annotations"][webhook::APP_HEALTH_ANNOTATION] = json!(bad);
         let (allowed, message, _) = admit(&api, &probed, true).await;

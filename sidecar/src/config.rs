@@ -143,9 +143,11 @@ struct Args {
           conflicts_with_all = ["resign", "provision"])]
     exit_with_pod: Option<String>,
 
-    /// The app's health endpoint, http://127.0.0.1:PORT/PATH: while it fails
-    /// --app-health-failures probes in a row, campaign-mode locks sit out (step down, and
-    /// campaign again once it answers 200-399).
+    /// The app's health endpoint on loopback: http://127.0.0.1:PORT/PATH (healthy when it
+    /// answers 200-399), https://127.0.0.1:PORT/PATH (the same over TLS, the certificate not
+    /// verified), tcp://127.0.0.1:PORT (a connection opens) or grpc://127.0.0.1:PORT[/SERVICE]
+    /// (the gRPC health check answers SERVING). While it fails --app-health-failures probes in
+    /// a row, campaign-mode locks sit out (step down, and campaign again once it is healthy).
     #[arg(long, env = "LEASEHOLD_APP_HEALTH", value_name = "URL")]
     app_health: Option<String>,
 
