@@ -984,20 +984,23 @@ fn keys_param(query: &mut HashMap<String, String>) -> Result<Vec<String>, ApiErr
     Ok(keys.split(',').map(str::to_owned).collect())
 }
 
-/// `/locks/{family}/acquire?keys=...`: every key or none.
+/// `/locks/{family}/acquire?keys=...[&mode=read|write]`: every key or none.
 async fn keys_acquire(
     family: KeyedFamily,
     mut query: HashMap<String, String>,
 ) -> Result<Response, ApiError> {
     let keys = keys_param(&mut query)?;
+    let mode = mode_param(&mut query)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     let hold = hold_param(&params)?;
-    let answer = family
-        .acquire_all(&keys, &owner, wait, hold)
-        .await
-        .map_err(key_error)?;
+    let answer = match mode {
+        None => family.acquire_all(&keys, &owner, wait, hold).await,
+        Some(Access::Read) => family.acquire_all_read(&keys, &owner, wait, hold).await,
+        Some(Access::Write) => family.acquire_all_write(&keys, &owner, wait, hold).await,
+    }
+    .map_err(key_error)?;
     Ok(match answer {
         KeysAnswer::Held(answers) => {
             KeysStatus::new(&family, &owner).held(&family, &answers, StatusCode::CONFLICT)

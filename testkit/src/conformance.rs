@@ -1922,6 +1922,164 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
     .await;
 }
 
+/// Several keys written at once, on a read-write family of 2 permits: every key's write lock
+/// or none; while held, no reader and no other writer of any of the keys, of either pod; a
+/// call refused on one key leaves none of the others held; a call waiting for a reader of one
+/// key holds the keys before it (readers of those wait) and gets every key once the reader
+/// leaves, with a token above the reader's; an owner already reading or writing one of the
+/// keys is refused; a crashed pod's write locks are free within the lease.
+pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
+    use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeysAnswer};
+    const HOLD: Duration = Duration::from_secs(60);
+    const NOW: Duration = Duration::ZERO;
+    let family = unique_lock("several-rw");
+    let (a, b) = (
+        read_write_pod(h.driver().await, &family, "pod-a", 2),
+        read_write_pod(h.driver().await, &family, "pod-b", 2),
+    );
+    let keys = |names: &[&str]| -> Vec<String> { names.iter().map(|k| k.to_string()).collect() };
+    let written = |answer: KeysAnswer| -> Vec<(String, u64)> {
+        match answer {
+            KeysAnswer::Held(held) => held
+                .into_iter()
+                .map(|(key, answer)| match answer {
+                    KeyAnswer::Held {
+                        token,
+                        writer: true,
+                        ..
+                    } => (key, token),
+                    other => panic!("{key} reported written as {other:?}"),
+                })
+                .collect(),
+            other => panic!("not taken: {other:?}"),
+        }
+    };
+    let refused = |answer: &KeyAnswer| matches!(answer, KeyAnswer::HeldByAnother { .. });
+    let token = |of: &[(String, u64)], key: &str| of.iter().find(|(k, _)| k == key).unwrap().1;
+
+    // Named in any order, answered in that order.
+    let w1 = written(
+        a.acquire_all_write(&keys(&["y", "x"]), "w1", NOW, HOLD)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        w1.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+        ["y", "x"]
+    );
+    for key in ["x", "y"] {
+        for pod in [&a, &b] {
+            for answer in [
+                pod.acquire_read(key, "r1", NOW, HOLD).await.unwrap(),
+                pod.acquire_write(key, "w2", NOW, HOLD).await.unwrap(),
+            ] {
+                assert!(refused(&answer), "{key} beside a writer: {answer:?}");
+            }
+        }
+    }
+    // Refused on y: z, taken first, is given back before the answer.
+    let answer = b
+        .acquire_all_write(&keys(&["z", "y"]), "w3", NOW, HOLD)
+        .await
+        .unwrap();
+    let KeysAnswer::NotTaken { key, answer } = answer else {
+        panic!("w3 wrote a key that w1 writes: {answer:?}");
+    };
+    assert_eq!(key, "y");
+    assert!(refused(&answer), "{answer:?}");
+    let KeyAnswer::Held { token: r2, .. } = a.acquire_read("z", "r2", NOW, HOLD).await.unwrap()
+    else {
+        panic!("z was kept by a refused call");
+    };
+
+    // w4 takes q, then waits for r2's read of z; meanwhile q is w4's alone.
+    let waiting = {
+        let b = b.clone();
+        let keys = keys(&["z", "q"]);
+        tokio::spawn(async move { b.acquire_all_write(&keys, "w4", LEASE + SLACK, HOLD).await })
+    };
+    eventually(SLACK, "w4 holds q while it waits for z", || {
+        matches!(b.status("q", Some("w4")), Ok(KeyAnswer::Held { .. }))
+    })
+    .await;
+    let answer = a.acquire_read("q", "r3", NOW, HOLD).await.unwrap();
+    assert!(refused(&answer), "a reader of q beside w4: {answer:?}");
+    assert!(!waiting.is_finished(), "w4 did not wait for z's reader");
+    assert_eq!(
+        a.release("z", "r2").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let w4 = written(waiting.await.expect("w4").unwrap());
+    let z = token(&w4, "z");
+    assert!(z > r2, "w4's token {z} on z after the reader's {r2}");
+    for (key, released) in b.release_all(&keys(&["q", "z"]), "w4").await.unwrap() {
+        assert_eq!(released, KeyRelease::Released { holds: 0 }, "{key}");
+    }
+
+    // An owner reading or writing one of the keys is refused, and keeps what it had.
+    a.acquire_read("q", "r5", NOW, HOLD).await.unwrap();
+    a.acquire_write("z", "w5", NOW, HOLD).await.unwrap();
+    for (owner, key) in [("r5", "q"), ("w5", "z")] {
+        assert!(
+            matches!(
+                a.acquire_all_write(&keys(&[key, "m"]), owner, NOW, HOLD)
+                    .await,
+                Err(KeyError::BadMode(_))
+            ),
+            "{owner} asked to write {key} among several"
+        );
+        assert!(matches!(
+            a.status(key, Some(owner)).unwrap(),
+            KeyAnswer::Held { .. }
+        ));
+    }
+    assert!(matches!(a.status("m", None).unwrap(), KeyAnswer::NotHeld));
+    a.release("q", "r5").await.unwrap();
+    a.release("z", "w5").await.unwrap();
+
+    // Pod a dies writing x and y: both are free within the lease, for pod b's readers (taken
+    // together, so that on a backend whose expiry is observed both are looked at from the
+    // start), then for a writer, whose tokens are above the crashed writer's.
+    drop(a);
+    let crashed = Instant::now();
+    let within = LEASE + RENEW + SLACK;
+    loop {
+        let left = within.saturating_sub(crashed.elapsed());
+        match b
+            .acquire_all_read(&keys(&["x", "y"]), "r6", left, HOLD)
+            .await
+            .unwrap()
+        {
+            KeysAnswer::Held(_) => break,
+            KeysAnswer::NotTaken {
+                answer: KeyAnswer::Unknown,
+                ..
+            } if crashed.elapsed() < within => {}
+            other => panic!("r6 after pod a crashed: {other:?}"),
+        }
+    }
+    assert!(crashed.elapsed() <= within, "took {:?}", crashed.elapsed());
+    assert!(matches!(
+        b.acquire_all_write(&keys(&["x"]), "w6", NOW, HOLD)
+            .await
+            .unwrap(),
+        KeysAnswer::NotTaken { .. }
+    ));
+    b.release_all(&keys(&["x", "y"]), "r6").await.unwrap();
+    let w6 = written(
+        b.acquire_all_write(&keys(&["x", "y"]), "w6", NOW, HOLD)
+            .await
+            .unwrap(),
+    );
+    for key in ["x", "y"] {
+        let (before, after) = (token(&w1, key), token(&w6, key));
+        assert!(
+            after > before,
+            "{key}: writer's token {after} after {before}"
+        );
+    }
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -1942,7 +2100,8 @@ macro_rules! conformance_suite {
             held_keys_are_counted,
             keyed_permits_admit_that_many_owners,
             keyed_several_keys_all_or_nothing,
-            keyed_read_write_locks
+            keyed_read_write_locks,
+            keyed_several_keys_written
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

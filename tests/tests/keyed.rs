@@ -343,6 +343,41 @@ fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
     ));
     token(&reader);
 
+    // Several keys written at once: refused on the key r3 reads, with nothing kept; then,
+    // once r3 is gone, every key's write lock.
+    let several = format!("/locks/{family}/acquire?keys=report-10,report-9");
+    let refused = b.post(&format!("{several}&owner=w2&mode=write&wait=200ms"));
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert_eq!(
+        refused.json()["blockedBy"]["key"],
+        "report-9",
+        "{}",
+        refused.body
+    );
+    let free = a.post(&format!("/locks/{family}/keys/report-10/acquire?owner=r4"));
+    token(&free);
+    for owner in ["r3", "r4"] {
+        let released = a.post(&format!("{several}&owner={owner}").replace("acquire", "release"));
+        assert!(
+            released.body.contains("\"released\":true"),
+            "{}",
+            released.body
+        );
+    }
+    let written = b.post(&format!("{several}&owner=w2&mode=write&wait=5s&hold=30s"));
+    assert_eq!(written.status, 200, "{}", written.body);
+    for key in written.json()["keys"].as_array().expect("keys") {
+        assert_eq!(key["mode"], "write", "{}", written.body);
+    }
+    let reader = a.post(&format!(
+        "/locks/{family}/keys/report-10/acquire?owner=r5&wait=200ms"
+    ));
+    assert_eq!(reader.status, 409, "{}", reader.body);
+    let released = b.post(&format!("{several}&owner=w2").replace("acquire", "release"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    let read = a.post(&format!("{several}&owner=r5&mode=read&wait=5s"));
+    assert_eq!(read.status, 200, "{}", read.body);
+
     let other = unique_lock("plain-family");
     let c = Sidecar::start(
         "pod-c",
@@ -361,6 +396,15 @@ fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
             answer.body
         );
     }
+    let several = c.post(&format!(
+        "/locks/{other}/acquire?keys=report-9,report-10&owner=x&mode=write"
+    ));
+    assert_eq!(several.status, 400, "{}", several.body);
+    assert!(
+        several.body.contains("not declared read-write"),
+        "{}",
+        several.body
+    );
     let free = c.post(&format!("/locks/{other}/keys/report-9/acquire?owner=y"));
     token(&free);
 }

@@ -159,40 +159,10 @@ impl KeyedFamily {
         }
         let deadline = Instant::now() + wait;
         let _waiting = Waiting::new(&self.inner.waiting);
-        // Every permit the family has had in this pod, readers kept on permits above a lowered
-        // count included; the higher ones are read, not taken.
-        let permits = self
-            .read_config(|c| c.permits)
-            .max(self.inner.permits_ever.load(Ordering::SeqCst));
         let mut taken = Taken::new(self, owner);
         let kept = std::sync::Mutex::new(Instant::now());
-        let looked = AtomicBool::new(true);
-        let no_look = || Ahead {
-            later: &[],
-            looked: &looked,
-        };
-        for permit in std::iter::once(GATE).chain(0..permits) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let take = self.take_part(key, permit, owner, left, hold, true);
-            let answer = match self
-                .take_keeping(take, &taken.keys, &kept, no_look(), owner, hold)
-                .await
-            {
-                Ok(answer) => answer,
-                Err(e) => {
-                    taken.give_back().await;
-                    return Err(e);
-                }
-            };
-            let KeyAnswer::Held { token, .. } = answer else {
-                taken.give_back().await;
-                return Ok((answer, None));
-            };
-            taken.keys.push((key.to_owned(), Taking { permit, token }));
-        }
-        let free = self.await_free_permits(key, owner, permits, deadline);
         match self
-            .take_keeping(free, &taken.keys, &kept, no_look(), owner, hold)
+            .take_write_parts(key, owner, deadline, hold, &mut taken, &kept)
             .await
         {
             Ok(None) => {}
@@ -213,23 +183,77 @@ impl KeyedFamily {
                 return Err(e);
             }
         }
-        let writer = Arc::new(Writer {
-            owner: owner.to_owned(),
-            parts: taken.keys.iter().map(|(_, taking)| *taking).collect(),
-            ended: AtomicBool::new(false),
-        });
+        let writer = Self::writer_from(&taken, key, owner);
         let answer = self.parts_answer(key, &writer);
         if !matches!(answer, KeyAnswer::Held { .. }) {
             taken.give_back().await;
             return Ok((answer, None));
         }
+        self.register_writer(key, &writer);
+        taken.keep();
+        Ok(holding(answer, writer))
+    }
+
+    /// Take `key`'s write gate and every permit of it for `owner`, one after another, and wait
+    /// until the permits it does not take are free, by `deadline`; each part taken is added to
+    /// `taken`, whose earlier parts (of other keys too) are kept alive meanwhile. `None` once
+    /// every part is taken, else the refusal to answer; the caller gives `taken` back then.
+    pub(super) async fn take_write_parts(
+        &self,
+        key: &str,
+        owner: &str,
+        deadline: Instant,
+        hold: Duration,
+        taken: &mut Taken,
+        kept: &std::sync::Mutex<Instant>,
+    ) -> Result<Option<KeyAnswer>, KeyError> {
+        // Every permit the family has had in this pod, readers kept on permits above a lowered
+        // count included; the higher ones are read, not taken.
+        let permits = self
+            .read_config(|c| c.permits)
+            .max(self.inner.permits_ever.load(Ordering::SeqCst));
+        let looked = AtomicBool::new(true);
+        let no_look = || Ahead {
+            later: &[],
+            looked: &looked,
+        };
+        for permit in std::iter::once(GATE).chain(0..permits) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let take = self.take_part(key, permit, owner, left, hold, true);
+            let answer = self
+                .take_keeping(take, &taken.keys, kept, no_look(), owner, hold)
+                .await?;
+            let KeyAnswer::Held { token, .. } = answer else {
+                return Ok(Some(answer));
+            };
+            taken.keys.push((key.to_owned(), Taking { permit, token }));
+        }
+        let free = self.await_free_permits(key, owner, permits, deadline);
+        self.take_keeping(free, &taken.keys, kept, no_look(), owner, hold)
+            .await
+    }
+
+    /// The write lock of `key` that `taken` holds for `owner`: its parts of that key.
+    pub(super) fn writer_from(taken: &Taken, key: &str, owner: &str) -> Arc<Writer> {
+        Arc::new(Writer {
+            owner: owner.to_owned(),
+            parts: taken
+                .keys
+                .iter()
+                .filter(|(k, _)| k == key)
+                .map(|(_, taking)| *taking)
+                .collect(),
+            ended: AtomicBool::new(false),
+        })
+    }
+
+    /// Make `writer` the key's writer in this pod: its owner's calls on the key act on it.
+    pub(super) fn register_writer(&self, key: &str, writer: &Arc<Writer>) {
         self.inner
             .writers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key.to_owned(), writer.clone());
-        taken.keep();
-        Ok(holding(answer, writer))
     }
 
     /// Wait until each permit of `key` from `from` up to [`MAX_READ_WRITE_PERMITS`] (permits
@@ -593,7 +617,7 @@ impl KeyedFamily {
         answer
     }
 
-    fn parts_answer(&self, key: &str, writer: &Writer) -> KeyAnswer {
+    pub(super) fn parts_answer(&self, key: &str, writer: &Writer) -> KeyAnswer {
         if writer.ended.load(Ordering::SeqCst) {
             return KeyAnswer::NotHeld;
         }

@@ -215,6 +215,103 @@ impl KeyedFamily {
         Ok(KeysAnswer::Held(answers))
     }
 
+    /// [`KeyedFamily::acquire_all`] on a family declared read-write, where it reads each key.
+    pub async fn acquire_all_read(
+        &self,
+        keys: &[String],
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<KeysAnswer, KeyError> {
+        self.check_read_write()?;
+        self.acquire_all(keys, owner, wait, hold).await
+    }
+
+    /// Take every key of `keys` to write for `owner` (a family declared read-write), or none,
+    /// waiting up to `wait` in all: each key's write lock as [`KeyedFamily::acquire_write`]
+    /// takes it, the keys in their canonical order and each key's parts in theirs, so that two
+    /// such acquisitions, or one and a writer of one key, cannot deadlock. A key the owner
+    /// reads or writes already is refused: no upgrade, and no write lock acquired again among
+    /// several keys (its give-back would have to undo a count on every part).
+    pub async fn acquire_all_write(
+        &self,
+        keys: &[String],
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<KeysAnswer, KeyError> {
+        let order = self.check_keys(keys)?;
+        check_owner(owner)?;
+        self.check_running()?;
+        self.check_read_write()?;
+        for key in &order {
+            if self.writes(key, owner) {
+                return Err(KeyError::BadMode(format!(
+                    "{owner} writes {key:?}: a write lock is not taken again among several keys"
+                )));
+            }
+            if self.owned_permit(key, owner).is_some() {
+                return Err(KeyError::BadMode(format!(
+                    "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
+                )));
+            }
+        }
+        let deadline = Instant::now() + wait;
+        let _waiting = super::Waiting::new(&self.inner.waiting);
+        let mut taken = Taken::new(self, owner);
+        let kept = std::sync::Mutex::new(Instant::now());
+        for key in order.iter().copied() {
+            match self
+                .take_write_parts(key, owner, deadline, hold, &mut taken, &kept)
+                .await
+            {
+                Ok(None) => {}
+                Ok(Some(answer)) => {
+                    taken.give_back().await;
+                    return Ok(KeysAnswer::NotTaken {
+                        key: key.to_owned(),
+                        answer,
+                    });
+                }
+                Err(e) => {
+                    taken.give_back().await;
+                    return Err(e);
+                }
+            }
+        }
+        // Every hold runs from now; then each key's write lock is read back, every part held
+        // as it was taken.
+        for (key, taking) in &taken.keys {
+            let held = Some((taking.permit, taking.token));
+            if let Err(e) = self.extend_held(key, owner, hold, held).await {
+                taken.give_back().await;
+                return Err(e);
+            }
+        }
+        let mut writers = Vec::with_capacity(order.len());
+        for key in order.iter().copied() {
+            let writer = Self::writer_from(&taken, key, owner);
+            let answer = self.parts_answer(key, &writer);
+            if !matches!(answer, KeyAnswer::Held { .. }) {
+                taken.give_back().await;
+                return Ok(KeysAnswer::NotTaken {
+                    key: key.to_owned(),
+                    answer,
+                });
+            }
+            writers.push((key, writer, answer));
+        }
+        for (key, writer, _) in &writers {
+            self.register_writer(key, writer);
+        }
+        taken.keep();
+        let answers = writers
+            .into_iter()
+            .map(|(key, _, answer)| (key.to_owned(), answer))
+            .collect();
+        Ok(KeysAnswer::Held(in_asked_order(keys, answers)))
+    }
+
     /// Run `take` (of a key, or of a permit), and meanwhile keep the keys already `taken` from
     /// lapsing: each is extended
     /// once a third of `hold` has passed since the last time (`kept`, across the call's keys).
