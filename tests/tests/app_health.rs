@@ -99,6 +99,23 @@ fn answer(mut conn: impl Read + Write, status: &str) {
 
 const TIMING: [&str; 4] = ["--lease-duration", "3s", "--renew-interval", "1s"];
 
+/// A sidecar's flags: [`TIMING`], and `url` probed every 200 ms, two failures in a row making
+/// its campaign locks sit out.
+fn probing(url: &str) -> Vec<&str> {
+    [
+        &TIMING[..],
+        &[
+            "--app-health",
+            url,
+            "--app-health-period",
+            "200ms",
+            "--app-health-failures",
+            "2",
+        ],
+    ]
+    .concat()
+}
+
 #[test]
 fn a_holder_whose_app_is_unhealthy_sits_out_and_its_peer_takes_over() {
     let dir = tempfile::tempdir().unwrap();
@@ -106,19 +123,7 @@ fn a_holder_whose_app_is_unhealthy_sits_out_and_its_peer_takes_over() {
     let lock = unique_lock("app-health");
     let app = App::start();
     let app_url = app.url();
-    let probing = [
-        &TIMING[..],
-        &[
-            "--app-health",
-            &app_url,
-            "--app-health-period",
-            "200ms",
-            "--app-health-failures",
-            "2",
-        ],
-    ]
-    .concat();
-    let a = Sidecar::start("pod-a", &backend, &lock, &probing);
+    let a = Sidecar::start("pod-a", &backend, &lock, &probing(&app_url));
     eventually(Duration::from_secs(5), "pod a holds", || a.is_holder());
     let first = a.get("/lock").token();
     let b = Sidecar::start("pod-b", &backend, &lock, &TIMING);
@@ -165,19 +170,7 @@ fn sits_out_while_unhealthy(url: &str, set_healthy: impl Fn(bool), comes_back: b
     let dir = tempfile::tempdir().unwrap();
     let backend = format!("sqlite://{}", dir.path().join("locks.db").display());
     let lock = unique_lock("app-health-kinds");
-    let probing = [
-        &TIMING[..],
-        &[
-            "--app-health",
-            url,
-            "--app-health-period",
-            "200ms",
-            "--app-health-failures",
-            "2",
-        ],
-    ]
-    .concat();
-    let a = Sidecar::start("pod-a", &backend, &lock, &probing);
+    let a = Sidecar::start("pod-a", &backend, &lock, &probing(url));
     eventually(Duration::from_secs(5), "pod a holds", || a.is_holder());
     assert!(a.get("/metrics").body.contains("leasehold_app_healthy 1"));
     set_healthy(false);

@@ -176,12 +176,9 @@ impl KeyedFamily {
             }
         }
         // Every hold runs from now; then the whole is read back, each part held as taken.
-        for (key, taking) in &taken.keys {
-            let held = Some((taking.permit, taking.token));
-            if let Err(e) = self.extend_held(key, owner, hold, held).await {
-                taken.give_back().await;
-                return Err(e);
-            }
+        if let Err(e) = taken.extend(hold).await {
+            taken.give_back().await;
+            return Err(e);
         }
         let writer = Self::writer_from(&taken, key, owner);
         let answer = self.parts_answer(key, &writer);

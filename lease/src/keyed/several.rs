@@ -74,6 +74,17 @@ impl Taken {
         }
     }
 
+    /// Keep every key taken at least `hold` from now, each only on the holding taken.
+    pub(super) async fn extend(&self, hold: Duration) -> Result<(), KeyError> {
+        for (key, taking) in &self.keys {
+            let held = Some((taking.permit, taking.token));
+            self.family
+                .extend_held(key, &self.owner, hold, held)
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Keep the keys: the acquisition succeeded.
     pub(super) fn keep(mut self) {
         self.keys.clear();
@@ -131,11 +142,7 @@ impl KeyedFamily {
         let order = self.check_keys(keys)?;
         check_owner(owner)?;
         self.check_running()?;
-        if let Some(key) = keys.iter().find(|key| self.writes(key, owner)) {
-            return Err(KeyError::BadMode(format!(
-                "{owner} writes {key:?}: a write lock is not taken again among several keys"
-            )));
-        }
+        self.refuse_written(keys, owner)?;
         let deadline = Instant::now() + wait;
         let mut taken = Taken::new(self, owner);
         // When the keys taken were last kept alive, and whether the keys after the one awaited
@@ -170,12 +177,9 @@ impl KeyedFamily {
         }
         // Every hold runs from now; then every key is read back, still held as it was taken
         // (not lost, nor taken again since), its validity as of this moment.
-        for (key, taking) in &taken.keys {
-            let held = Some((taking.permit, taking.token));
-            if let Err(e) = self.extend_held(key, owner, hold, held).await {
-                taken.give_back().await;
-                return Err(e);
-            }
+        if let Err(e) = taken.extend(hold).await {
+            taken.give_back().await;
+            return Err(e);
         }
         let mut answers = Vec::with_capacity(keys.len());
         for key in keys {
@@ -244,12 +248,8 @@ impl KeyedFamily {
         check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
+        self.refuse_written(keys, owner)?;
         for key in &order {
-            if self.writes(key, owner) {
-                return Err(KeyError::BadMode(format!(
-                    "{owner} writes {key:?}: a write lock is not taken again among several keys"
-                )));
-            }
             if self.owned_permit(key, owner).is_some() {
                 return Err(KeyError::BadMode(format!(
                     "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
@@ -281,12 +281,9 @@ impl KeyedFamily {
         }
         // Every hold runs from now; then each key's write lock is read back, every part held
         // as it was taken.
-        for (key, taking) in &taken.keys {
-            let held = Some((taking.permit, taking.token));
-            if let Err(e) = self.extend_held(key, owner, hold, held).await {
-                taken.give_back().await;
-                return Err(e);
-            }
+        if let Err(e) = taken.extend(hold).await {
+            taken.give_back().await;
+            return Err(e);
         }
         let mut writers = Vec::with_capacity(order.len());
         for key in order.iter().copied() {
@@ -310,6 +307,17 @@ impl KeyedFamily {
             .map(|(key, _, answer)| (key.to_owned(), answer))
             .collect();
         Ok(KeysAnswer::Held(in_asked_order(keys, answers)))
+    }
+
+    /// A 400 when `owner` writes one of `keys`: a write lock is not acquired again among
+    /// several keys, since giving it back would have to undo a count on every part.
+    fn refuse_written(&self, keys: &[String], owner: &str) -> Result<(), KeyError> {
+        match keys.iter().find(|key| self.writes(key, owner)) {
+            Some(key) => Err(KeyError::BadMode(format!(
+                "{owner} writes {key:?}: a write lock is not taken again among several keys"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Run `take` (of a key, or of a permit), and meanwhile keep the keys already `taken` from
