@@ -2037,6 +2037,33 @@ pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
     a.release("q", "r5").await.unwrap();
     a.release("z", "w5").await.unwrap();
 
+    // A write lock lost in part (a force-release of one part) is given back whole, and its
+    // owner then writes the key among several afresh.
+    let KeyAnswer::Held {
+        token: lost,
+        permit,
+        ..
+    } = a.acquire_write("s", "w7", NOW, HOLD).await.unwrap()
+    else {
+        panic!("w7 could not write s");
+    };
+    assert!(a.force_release("s", Some(permit), lost).await.unwrap());
+    eventually(SLACK, "w7's write lock is lost", || {
+        matches!(a.status("s", Some("w7")), Ok(KeyAnswer::NotHeld))
+    })
+    .await;
+    let w7 = written(
+        a.acquire_all_write(&keys(&["s", "t"]), "w7", LEASE + SLACK, HOLD)
+            .await
+            .unwrap(),
+    );
+    assert!(token(&w7, "s") > lost, "w7 wrote s afresh");
+    assert_eq!(
+        a.release("s", "w7").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    a.release("t", "w7").await.unwrap();
+
     // Pod a dies writing x and y: both are free within the lease, for pod b's readers (taken
     // together, so that on a backend whose expiry is observed both are looked at from the
     // start), then for a writer, whose tokens are above the crashed writer's.

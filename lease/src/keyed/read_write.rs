@@ -161,8 +161,13 @@ impl KeyedFamily {
         let _waiting = Waiting::new(&self.inner.waiting);
         let mut taken = Taken::new(self, owner);
         let kept = std::sync::Mutex::new(Instant::now());
+        let looked = AtomicBool::new(!self.driver().expiry_is_observed());
+        let ahead = Ahead {
+            later: &[key],
+            looked: &looked,
+        };
         match self
-            .take_write_parts(key, owner, deadline, hold, &mut taken, &kept)
+            .take_write_parts(key, deadline, hold, &mut taken, &kept, ahead)
             .await
         {
             Ok(None) => {}
@@ -191,34 +196,37 @@ impl KeyedFamily {
         Ok(holding(answer, writer))
     }
 
-    /// Take `key`'s write gate and every permit of it for `owner`, one after another, and wait
+    /// Take `key`'s write gate and every permit of it for `taken`'s owner, one after another, and wait
     /// until the permits it does not take are free, by `deadline`; each part taken is added to
-    /// `taken`, whose earlier parts (of other keys too) are kept alive meanwhile. `None` once
-    /// every part is taken, else the refusal to answer; the caller gives `taken` back then.
+    /// `taken`, whose earlier parts (of other keys too) are kept alive meanwhile. Should a part
+    /// not be granted at once, the parts of the keys `ahead` (this one among them) are read
+    /// once ([`KeyedFamily::take_keeping`]), so that on a backend whose expiry is observed a
+    /// dead writer's parts are all counted from then, not each from its turn. `None` once every
+    /// part is taken, else the refusal to answer; the caller gives `taken` back then.
     pub(super) async fn take_write_parts(
         &self,
         key: &str,
-        owner: &str,
         deadline: Instant,
         hold: Duration,
         taken: &mut Taken,
         kept: &std::sync::Mutex<Instant>,
+        ahead: Ahead<'_>,
     ) -> Result<Option<KeyAnswer>, KeyError> {
+        let owner = &taken.owner().to_owned();
         // Every permit the family has had in this pod, readers kept on permits above a lowered
         // count included; the higher ones are read, not taken.
         let permits = self
             .read_config(|c| c.permits)
             .max(self.inner.permits_ever.load(Ordering::SeqCst));
-        let looked = AtomicBool::new(true);
-        let no_look = || Ahead {
-            later: &[],
-            looked: &looked,
+        let look = || Ahead {
+            later: ahead.later,
+            looked: ahead.looked,
         };
         for permit in std::iter::once(GATE).chain(0..permits) {
             let left = deadline.saturating_duration_since(Instant::now());
             let take = self.take_part(key, permit, owner, left, hold, true);
             let answer = self
-                .take_keeping(take, &taken.keys, kept, no_look(), owner, hold)
+                .take_keeping(take, &taken.keys, kept, look(), owner, hold)
                 .await?;
             let KeyAnswer::Held { token, .. } = answer else {
                 return Ok(Some(answer));
@@ -226,7 +234,7 @@ impl KeyedFamily {
             taken.keys.push((key.to_owned(), Taking { permit, token }));
         }
         let free = self.await_free_permits(key, owner, permits, deadline);
-        self.take_keeping(free, &taken.keys, kept, no_look(), owner, hold)
+        self.take_keeping(free, &taken.keys, kept, look(), owner, hold)
             .await
     }
 
@@ -654,7 +662,7 @@ impl KeyedFamily {
     /// from now, every part still held steps down whatever its count of acquisitions, and then
     /// the writer is forgotten. A part steps down as on a force-release: released once the
     /// last answer it gave has run out, since the writer's last answer may still be relied on.
-    async fn end_write(&self, key: &str, writer: &Arc<Writer>) {
+    pub(super) async fn end_write(&self, key: &str, writer: &Arc<Writer>) {
         writer.ended.store(true, Ordering::SeqCst);
         let holdings: Vec<_> = writer
             .parts

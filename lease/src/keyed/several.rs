@@ -74,6 +74,11 @@ impl Taken {
         }
     }
 
+    /// The owner the keys are taken for.
+    pub(super) fn owner(&self) -> &str {
+        &self.owner
+    }
+
     /// Keep every key taken at least `hold` from now, each only on the holding taken.
     pub(super) async fn extend(&self, hold: Duration) -> Result<(), KeyError> {
         for (key, taking) in &self.keys {
@@ -250,9 +255,24 @@ impl KeyedFamily {
         self.check_read_write()?;
         self.refuse_written(keys, owner)?;
         for key in &order {
+            // A write lock of the owner's that has ended whole is given back first, as a write
+            // of one key does: what remains of it is not this call's to count on.
+            if let Some(writer) = self.writer_of(key, Some(owner)) {
+                self.end_write(key, &writer).await;
+            }
             if self.owned_permit(key, owner).is_some() {
                 return Err(KeyError::BadMode(format!(
                     "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
+                )));
+            }
+            // Its gate is still held: another acquisition of the owner's is writing the key, or
+            // an ended write lock's gate is not given back yet.
+            if self
+                .holding_on(key, super::read_write::GATE, owner)
+                .is_some()
+            {
+                return Err(KeyError::BadMode(format!(
+                    "{owner} is taking {key:?} to write already"
                 )));
             }
         }
@@ -260,9 +280,14 @@ impl KeyedFamily {
         let _waiting = super::Waiting::new(&self.inner.waiting);
         let mut taken = Taken::new(self, owner);
         let kept = std::sync::Mutex::new(Instant::now());
-        for key in order.iter().copied() {
+        let looked = AtomicBool::new(!self.driver().expiry_is_observed());
+        for (i, key) in order.iter().copied().enumerate() {
+            let ahead = Ahead {
+                later: &order[i..],
+                looked: &looked,
+            };
             match self
-                .take_write_parts(key, owner, deadline, hold, &mut taken, &kept)
+                .take_write_parts(key, deadline, hold, &mut taken, &kept, ahead)
                 .await
             {
                 Ok(None) => {}
@@ -368,14 +393,20 @@ impl KeyedFamily {
         }
     }
 
-    /// Read the holders of `keys` (of each permit, up to [`MAX_LOOKS`] reads), for the driver
-    /// to see their records; what is read is not used here.
+    /// Read the holders of `keys` (of each permit and write gate, up to [`MAX_LOOKS`] reads), for
+    /// the driver to see their records; what is read is not used here.
     async fn look_at(&self, keys: &[&str]) {
         let permits = self.read_config(|c| c.permits);
+        // A read-write family's keys have a write gate too.
+        let gate = self.is_read_write().then_some(super::read_write::GATE);
         let driver = self.driver();
         let reads = keys
             .iter()
-            .flat_map(|key| (0..permits).map(move |permit| self.permit_name(key, permit)))
+            .flat_map(|key| {
+                gate.into_iter()
+                    .chain(0..permits)
+                    .map(move |permit| self.permit_name(key, permit))
+            })
             .take(MAX_LOOKS)
             .map(|name| {
                 let driver = driver.clone();
