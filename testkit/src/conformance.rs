@@ -1920,6 +1920,26 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         b.tracked_keys() == 0 && b.held_keys() == 0
     })
     .await;
+    // A write lock released while its owner's answers are read meanwhile: its parts, given
+    // back one at a time, are the release's to settle, not a loss that ends the write lock, and
+    // the release says it released.
+    written(c.acquire_write("doc-9", "w9", NOW, HOLD).await.unwrap());
+    let reading = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            loop {
+                let _ = c.status("doc-9", Some("w9"));
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let released = c.release("doc-9", "w9").await.unwrap();
+    reading.abort();
+    assert_eq!(
+        released,
+        KeyRelease::Released { holds: 0 },
+        "a write lock released while its answers are read"
+    );
 }
 
 /// Several keys written at once, on a read-write family of 2 permits: every key's write lock

@@ -29,7 +29,7 @@
 //! the other's permit. An owner that reads and asks to write is refused.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -57,11 +57,14 @@ const PROBE_RETRY: Duration = Duration::from_millis(2);
 /// A writer of this pod holding a key's write lock: the gate and every permit it took, each
 /// with the token it was taken with. `ended` once it no longer holds the key as a whole: its
 /// owner's calls answer "not held" until what remains is given back and it is forgotten.
+/// `releasing` counts the releases under way, which give its parts back one at a time: a part
+/// found gone meanwhile is theirs to settle, not a loss that ends the write lock.
 #[derive(Debug)]
 pub(super) struct Writer {
     owner: String,
     parts: Vec<Taking>,
     ended: AtomicBool,
+    releasing: AtomicUsize,
 }
 
 /// One write lock of a key, as a hold bound to a connection follows it: the engines of its
@@ -249,6 +252,7 @@ impl KeyedFamily {
                 .map(|(_, taking)| *taking)
                 .collect(),
             ended: AtomicBool::new(false),
+            releasing: AtomicUsize::new(0),
         })
     }
 
@@ -614,6 +618,7 @@ impl KeyedFamily {
         let answer = self.parts_answer(key, writer);
         if matches!(answer, KeyAnswer::NotHeld)
             && !writer.ended.load(Ordering::SeqCst)
+            && writer.releasing.load(Ordering::SeqCst) == 0
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             let (family, key, writer) = (self.clone(), key.to_owned(), writer.clone());
@@ -713,8 +718,8 @@ impl KeyedFamily {
 
     /// Give up one acquisition of the write lock: one release of each part, the permits from
     /// the last, the gate after them, on a task of its own (a client hanging up cannot leave
-    /// some parts acquired more often than others). The holds left are the gate's. A part
-    /// found ended, or a release that failed, ends the write lock whole.
+    /// some parts acquired more often than others, or the write lock unsettled). The holds left
+    /// are the gate's. A part found ended, or a release that failed, ends the write lock whole.
     pub(super) async fn release_write(
         &self,
         key: &str,
@@ -723,20 +728,26 @@ impl KeyedFamily {
         if writer.ended.load(Ordering::SeqCst) {
             return Ok(KeyRelease::NotHeld);
         }
-        let (family, key_owned, held) = (self.clone(), key.to_owned(), writer.clone());
-        let released = tokio::spawn(async move {
-            let mut answers = Vec::with_capacity(held.parts.len());
-            for part in held.parts.iter().rev() {
-                let taken = Some((part.permit, part.token));
-                answers.push((
-                    part.permit,
-                    family.release_held(&key_owned, &held.owner, taken).await,
-                ));
-            }
-            answers
-        })
-        .await
-        .map_err(|e| KeyError::Lock(Error::Backend(format!("a release stopped: {e}"))))?;
+        let (family, key, writer) = (self.clone(), key.to_owned(), writer.clone());
+        tokio::spawn(async move { family.release_write_parts(&key, &writer).await })
+            .await
+            .map_err(|e| KeyError::Lock(Error::Backend(format!("a release stopped: {e}"))))?
+    }
+
+    async fn release_write_parts(
+        &self,
+        key: &str,
+        writer: &Arc<Writer>,
+    ) -> Result<KeyRelease, KeyError> {
+        writer.releasing.fetch_add(1, Ordering::SeqCst);
+        let mut released = Vec::with_capacity(writer.parts.len());
+        for part in writer.parts.iter().rev() {
+            let taken = Some((part.permit, part.token));
+            released.push((
+                part.permit,
+                self.release_held(key, &writer.owner, taken).await,
+            ));
+        }
         let gate = released
             .iter()
             .find(|(permit, _)| *permit == GATE)
@@ -752,6 +763,7 @@ impl KeyedFamily {
             KeyRelease::Released { .. } if even => {}
             _ => self.end_write(key, writer).await,
         }
+        writer.releasing.fetch_sub(1, Ordering::SeqCst);
         let failed = released.into_iter().find_map(|(_, answer)| answer.err());
         match failed {
             Some(e) => Err(e),
