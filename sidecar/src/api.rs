@@ -1019,9 +1019,9 @@ fn keys_not_taken(family: &KeyedFamily, owner: &str, key: &str, answer: &KeyAnsw
     json(status, &body)
 }
 
-/// `/locks/{family}/hold?keys=...`: every key or none, held for as long as the connection
-/// stays open (an event stream, [`crate::hold_stream`]); keys not taken are answered as
-/// `acquire` answers them. With `exclusive=true` the hold first waits (within `wait`) for the
+/// `/locks/{family}/hold?keys=...[&mode=read|write]`: every key or none, held for as long as
+/// the connection stays open (an event stream, [`crate::hold_stream`]); keys not taken are
+/// answered as `acquire` answers them. With `exclusive=true` the hold first waits (within `wait`) for the
 /// owner's other exclusive holds of each key to end, taking each key's turn in the keys' byte
 /// order, as the keys themselves are taken, so that two such holds never wait on each other
 /// (`leasehold exec --via` with several `--keyed`).
@@ -1032,6 +1032,7 @@ async fn keys_hold(
 ) -> Result<Response, ApiError> {
     let exclusive = exclusive_param(&mut query)?;
     let keys = keys_param(&mut query)?;
+    let mode = mode_param(&mut query)?;
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
@@ -1065,11 +1066,22 @@ async fn keys_hold(
         }
     }
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
-    let answers = match family
-        .acquire_all(&keys, &owner, wait, hold)
-        .await
-        .map_err(key_error)?
-    {
+    let (answer, holdings) = match mode {
+        Some(Access::Write) => family
+            .acquire_all_write_holdings(&keys, &owner, wait, hold)
+            .await
+            .map(|(answer, holdings)| (answer, Some(holdings))),
+        Some(Access::Read) => family
+            .acquire_all_read(&keys, &owner, wait, hold)
+            .await
+            .map(|answer| (answer, None)),
+        None => family
+            .acquire_all(&keys, &owner, wait, hold)
+            .await
+            .map(|answer| (answer, None)),
+    }
+    .map_err(key_error)?;
+    let answers = match answer {
         KeysAnswer::Held(answers) => answers,
         KeysAnswer::NotTaken { key, answer } => {
             return Ok(keys_not_taken(&family, &owner, &key, &answer));
@@ -1077,9 +1089,10 @@ async fn keys_hold(
     };
     // A key the owner writes (it became the key's writer meanwhile, and acquired its write
     // lock again): a stream of reads cannot follow it, and every key is given back.
-    if answers
-        .iter()
-        .any(|(_, answer)| matches!(answer, KeyAnswer::Held { writer: true, .. }))
+    if holdings.is_none()
+        && answers
+            .iter()
+            .any(|(_, answer)| matches!(answer, KeyAnswer::Held { writer: true, .. }))
     {
         // Each acquisition just made, exactly, on a task of its own that a hang-up cannot
         // cut short: the write lock's count and the other keys' go back to what they were.
@@ -1117,10 +1130,16 @@ async fn keys_hold(
     about.insert("family".into(), family.name().into());
     about.insert("owner".into(), owner.as_str().into());
     about.insert("keys".into(), named.into());
-    let bound = hold_stream::Bound::Keys {
-        family,
-        owner,
-        keys: held,
+    let bound = match holdings {
+        Some(holdings) => {
+            about.insert("mode".into(), "write".into());
+            hold_stream::Bound::Writes { family, holdings }
+        }
+        None => hold_stream::Bound::Keys {
+            family,
+            owner,
+            keys: held,
+        },
     };
     Ok(hold_stream::respond(bound, about, turns))
 }

@@ -33,7 +33,8 @@ const KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 /// What a connection holds, with the token each part was taken with: one acquisition of a
 /// lock, of a key for one owner, of a key's write lock (several parts, each a lock of the
-/// backend, followed together), or of several keys for one owner (all or nothing).
+/// backend, followed together), of several keys for one owner (all or nothing), or of several
+/// keys' write locks for one owner (all or nothing).
 pub enum Bound {
     Lock {
         lock: Lock,
@@ -57,6 +58,11 @@ pub enum Bound {
         /// Each key with the permit and the token it was taken with.
         keys: Vec<(String, u32, u64)>,
     },
+    Writes {
+        family: KeyedFamily,
+        /// Each key's write lock.
+        holdings: Vec<WriteHolding>,
+    },
 }
 
 /// A connection's hold for a lock of `lease`.
@@ -73,7 +79,8 @@ impl Bound {
             }
             Bound::Key { family, .. }
             | Bound::Write { family, .. }
-            | Bound::Keys { family, .. } => family.config(),
+            | Bound::Keys { family, .. }
+            | Bound::Writes { family, .. } => family.config(),
         };
         (config.lease_duration, config.renew_interval)
     }
@@ -85,7 +92,7 @@ impl Bound {
             Bound::Lock { token, .. } | Bound::Key { token, .. } | Bound::Write { token, .. } => {
                 *token
             }
-            Bound::Keys { .. } => return Map::new(),
+            Bound::Keys { .. } | Bound::Writes { .. } => return Map::new(),
         };
         let mut field = Map::new();
         field.insert("fencingToken".into(), token.into());
@@ -97,6 +104,13 @@ impl Bound {
     fn parts(&self) -> Option<Vec<(Lock, u64)>> {
         let (engines, parts) = match self {
             Bound::Write { holding, .. } => return holding.parts(),
+            Bound::Writes { holdings, .. } => {
+                let mut parts = Vec::new();
+                for holding in holdings {
+                    parts.extend(holding.parts()?);
+                }
+                return Some(parts);
+            }
             Bound::Keys { keys, .. } => (self.engines(), keys.len()),
             Bound::Lock { .. } | Bound::Key { .. } => (self.engines(), 1),
         };
@@ -108,6 +122,12 @@ impl Bound {
     async fn extend(&self, hold: Duration) {
         let extended = match self {
             Bound::Write { holding, .. } => holding.extend(hold).await.map(drop),
+            Bound::Writes { holdings, .. } => {
+                let extensions = holdings.iter().map(|holding| holding.extend(hold));
+                futures_util::future::try_join_all(extensions)
+                    .await
+                    .map(drop)
+            }
             _ => {
                 let extensions = self
                     .engines()
@@ -131,6 +151,14 @@ impl Bound {
     async fn release(&self) {
         let released = match self {
             Bound::Write { holding, .. } => holding.release().await.map(drop),
+            Bound::Writes { holdings, .. } => {
+                let releases = holdings.iter().map(|holding| holding.release());
+                futures_util::future::join_all(releases)
+                    .await
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(drop)
+            }
             _ => {
                 let releases = self
                     .engines()
@@ -176,20 +204,27 @@ impl Bound {
                         .map(|lock| (lock, *token))
                 })
                 .collect(),
-            Bound::Write { .. } => Vec::new(),
+            Bound::Write { .. } | Bound::Writes { .. } => Vec::new(),
         }
     }
 
     /// After a part was found ended: a write lock steps down whole (its other parts given back
     /// once their last answer has run out); several keys are all given back once `told_until`,
     /// the end of the validity the client was last told, and the engine's safety margin have
-    /// passed: until then the client may still act on every key, its `lost` unread.
+    /// passed: until then the client may still act on every key, its `lost` unread. Of several
+    /// write locks, the one found ended steps down whole at once, as one key's does, and the
+    /// others are given back as several keys are.
     async fn ended(&self, told_until: Option<BootInstant>) {
         match self {
             Bound::Write { holding, .. } => {
                 holding.answer();
             }
-            Bound::Keys { family, .. } => {
+            Bound::Keys { family, .. } | Bound::Writes { family, .. } => {
+                if let Bound::Writes { holdings, .. } = self {
+                    for holding in holdings {
+                        holding.answer();
+                    }
+                }
                 if let Some(until) = told_until {
                     let margin = leasehold_lease::safety_margin(family.config().lease_duration);
                     tokio::time::sleep_until((until + margin).to_tokio()).await;
@@ -389,7 +424,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
             let valid_for = answer.saturating_duration_since(BootInstant::now());
             let mut fields = json!({"validForMs": valid_for.as_millis() as u64});
             // Several keys' acquisitions are counted key by key: no one count to tell.
-            if !matches!(bound, Bound::Keys { .. }) {
+            if !matches!(bound, Bound::Keys { .. } | Bound::Writes { .. }) {
                 fields["holds"] = engine.snapshot().holds.into();
             }
             let delivered = if told.is_none() {

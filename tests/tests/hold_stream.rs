@@ -574,6 +574,99 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
     );
 }
 
+/// Several keys written through one connection (`hold?keys=...&mode=write` on a read-write
+/// family): the stream opens once every key's readers are gone, each key's token above its
+/// readers'; while it is open no pod reads or writes any of them; the moment it closes a
+/// reader waiting for them all gets in. One key's write lock released by another call ends
+/// the stream, and the other key is given back once the validity last told has run out.
+#[test]
+fn several_keys_written_through_a_connection_are_held_alone_and_given_back_together() {
+    let redis = RedisServer::start();
+    let family = unique_lock("docs");
+    let plain = unique_lock("plain");
+    let timing = [&TIMING[..], &READ_WRITE].concat();
+    let a = on_demand_with("pod-a", &redis.url(), &plain, &family, &timing);
+    let b = on_demand_with("pod-b", &redis.url(), &plain, &family, &timing);
+    let route = |query: &str| format!("/locks/{family}/{query}");
+
+    let reader = b.post(&route("keys/doc-2/acquire?owner=r1&mode=read&hold=30s"));
+    assert_eq!(reader.status, 200, "{}", reader.body);
+    let read_token = reader.token();
+    let waiting = {
+        let (addr, path) = (
+            a.addr,
+            route("hold?keys=doc-1,doc-2&owner=w1&mode=write&wait=10s"),
+        );
+        std::thread::spawn(move || {
+            let stream = EventStream::post(addr, &path).expect("a stream");
+            (stream.next(Duration::from_secs(10)), stream)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !waiting.is_finished(),
+        "the writer did not wait for the reader"
+    );
+    assert_eq!(b.post(&route("keys/doc-2/release?owner=r1")).status, 200);
+    let (acquired, stream) = waiting.join().unwrap();
+    assert_eq!(acquired.kind, "acquired", "{acquired:?}");
+    let body = &acquired.body;
+    assert_eq!(body["mode"], "write", "{body}");
+    assert!(body.get("fencingToken").is_none(), "{body}");
+    let keys = body["keys"].as_array().expect("keys");
+    let named: Vec<&str> = keys.iter().map(|k| k["key"].as_str().unwrap()).collect();
+    assert_eq!(named, ["doc-1", "doc-2"], "{body}");
+    let tokens: Vec<u64> = keys
+        .iter()
+        .map(|k| k["fencingToken"].as_u64().expect("fencingToken"))
+        .collect();
+    assert!(tokens[1] > read_token, "{tokens:?} after {read_token}");
+    for key in ["doc-1", "doc-2"] {
+        assert_eq!(a.get(&route(&format!("keys/{key}?owner=w1"))).status, 200);
+        for (sidecar, query) in [(&b, "owner=r2&mode=read"), (&b, "owner=w2&mode=write")] {
+            let refused = sidecar.post(&route(&format!("keys/{key}/acquire?{query}")));
+            assert_eq!(refused.status, 409, "{key} {query}: {}", refused.body);
+        }
+    }
+    let path = route("acquire?keys=doc-1,doc-2&owner=r2&mode=read&wait=10s&hold=30s");
+    let (reply, taken_after) = taken_once_closed(stream, b.addr, path);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(
+        taken_after < RELEASED_WITHIN,
+        "the keys were read {taken_after:?} after the connection closed"
+    );
+    assert_eq!(
+        b.post(&route("release?keys=doc-1,doc-2&owner=r2")).status,
+        200
+    );
+
+    let stream = open(
+        &a,
+        &route("hold?keys=doc-5,doc-6&owner=w3&mode=write&wait=2s"),
+    );
+    let mut last = stream.next(Duration::from_secs(5));
+    assert_eq!(last.kind, "acquired", "{last:?}");
+    let released = a.post(&route("keys/doc-5/release?owner=w3"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    let ended = loop {
+        let event = stream.next(Duration::from_secs(5));
+        if event.kind != "renewed" {
+            break event;
+        }
+        last = event;
+    };
+    assert_eq!(ended.kind, "released", "{ended:?}");
+    let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
+    let free = b.post(&route("keys/doc-6/acquire?owner=r4&mode=read&wait=10s"));
+    let taken_at = Instant::now();
+    assert_eq!(free.status, 200, "{}", free.body);
+    assert!(
+        told_until <= taken_at,
+        "doc-6 was read {:?} before the validity the app was told ran out",
+        told_until - taken_at
+    );
+}
+
 /// An observer follows one key's holders in every pod: free, then each holder with its token.
 #[test]
 fn an_observer_follows_a_keys_holders_in_every_pod() {

@@ -78,6 +78,19 @@ pub struct WriteHolding {
 }
 
 impl WriteHolding {
+    pub(super) fn new(family: &KeyedFamily, key: &str, writer: Arc<Writer>) -> WriteHolding {
+        WriteHolding {
+            family: family.clone(),
+            key: key.to_owned(),
+            writer,
+        }
+    }
+
+    /// The key it writes.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
     /// Each part's engine with the token the part was taken with (the write gate first), or
     /// `None` once a part is no longer this write lock's.
     pub fn parts(&self) -> Option<Vec<(crate::Lock, u64)>> {
@@ -145,11 +158,8 @@ impl KeyedFamily {
         self.check_running()?;
         self.check_read_write()?;
         let holding = |answer: KeyAnswer, writer: Arc<Writer>| {
-            let holding = matches!(answer, KeyAnswer::Held { .. }).then(|| WriteHolding {
-                family: self.clone(),
-                key: key.to_owned(),
-                writer,
-            });
+            let holding = matches!(answer, KeyAnswer::Held { .. })
+                .then(|| WriteHolding::new(self, key, writer));
             (answer, holding)
         };
         if let Some((answer, writer)) = self.reenter_write(key, owner, hold, true).await? {
@@ -515,11 +525,8 @@ impl KeyedFamily {
     /// follows.
     pub fn write_holding(&self, key: &str, owner: &str) -> Option<WriteHolding> {
         let writer = self.writer_of(key, Some(owner))?;
-        matches!(self.parts_answer(key, &writer), KeyAnswer::Held { .. }).then(|| WriteHolding {
-            family: self.clone(),
-            key: key.to_owned(),
-            writer,
-        })
+        matches!(self.parts_answer(key, &writer), KeyAnswer::Held { .. })
+            .then(|| WriteHolding::new(self, key, writer))
     }
 
     /// Whether `owner` holds `key`'s write lock now.

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::read_write::WriteHolding;
 use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, check_owner};
 
 /// The most keys one acquisition of several keys may name.
@@ -249,6 +250,22 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
     ) -> Result<KeysAnswer, KeyError> {
+        let (answer, _) = self
+            .acquire_all_write_holdings(keys, owner, wait, hold)
+            .await?;
+        Ok(answer)
+    }
+
+    /// [`KeyedFamily::acquire_all_write`], with each key's write lock while the keys are held
+    /// (in the keys' canonical order): what a hold bound to a connection follows, and gives
+    /// back when the connection closes.
+    pub async fn acquire_all_write_holdings(
+        &self,
+        keys: &[String],
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<(KeysAnswer, Vec<WriteHolding>), KeyError> {
         let order = self.check_keys(keys)?;
         check_owner(owner)?;
         self.check_running()?;
@@ -293,10 +310,11 @@ impl KeyedFamily {
                 Ok(None) => {}
                 Ok(Some(answer)) => {
                     taken.give_back().await;
-                    return Ok(KeysAnswer::NotTaken {
+                    let not_taken = KeysAnswer::NotTaken {
                         key: key.to_owned(),
                         answer,
-                    });
+                    };
+                    return Ok((not_taken, Vec::new()));
                 }
                 Err(e) => {
                     taken.give_back().await;
@@ -316,10 +334,11 @@ impl KeyedFamily {
             let answer = self.parts_answer(key, &writer);
             if !matches!(answer, KeyAnswer::Held { .. }) {
                 taken.give_back().await;
-                return Ok(KeysAnswer::NotTaken {
+                let not_taken = KeysAnswer::NotTaken {
                     key: key.to_owned(),
                     answer,
-                });
+                };
+                return Ok((not_taken, Vec::new()));
             }
             writers.push((key, writer, answer));
         }
@@ -327,11 +346,13 @@ impl KeyedFamily {
             self.register_writer(key, writer);
         }
         taken.keep();
-        let answers = writers
-            .into_iter()
-            .map(|(key, _, answer)| (key.to_owned(), answer))
-            .collect();
-        Ok(KeysAnswer::Held(in_asked_order(keys, answers)))
+        let mut holdings = Vec::with_capacity(writers.len());
+        let mut answers = Vec::with_capacity(writers.len());
+        for (key, writer, answer) in writers {
+            holdings.push(WriteHolding::new(self, key, writer));
+            answers.push((key.to_owned(), answer));
+        }
+        Ok((KeysAnswer::Held(in_asked_order(keys, answers)), holdings))
     }
 
     /// A 400 when `owner` writes one of `keys`: a write lock is not acquired again among

@@ -376,16 +376,11 @@ fn keyed_target(args: &ExecArgs) -> Result<via::Target, (&'static str, String)> 
             mode: args.mode,
         });
     }
-    if args.mode.is_some() {
-        return Err((
-            "mode",
-            "several keys are held to read (a write lock is of one key)".into(),
-        ));
-    }
     Ok(via::Target::Keys {
         family: family.to_owned(),
         keys,
         owner,
+        mode: args.mode,
     })
 }
 

@@ -66,6 +66,8 @@ pub enum Target {
         family: String,
         keys: Vec<String>,
         owner: String,
+        /// `read` or `write` on a read-write family, for every key.
+        mode: Option<KeyMode>,
     },
 }
 
@@ -89,11 +91,7 @@ impl Target {
                 owner,
                 mode,
             } => {
-                let mode = match mode {
-                    Some(KeyMode::Read) => "&mode=read",
-                    Some(KeyMode::Write) => "&mode=write",
-                    None => "",
-                };
+                let mode = mode_param(*mode);
                 format!(
                     "/locks/{}/keys/{}/hold?owner={}&exclusive=true{mode}&{wait}",
                     encode(family),
@@ -105,16 +103,27 @@ impl Target {
                 family,
                 keys,
                 owner,
+                mode,
             } => {
                 let keys: Vec<String> = keys.iter().map(|key| encode(key)).collect();
+                let mode = mode_param(*mode);
                 format!(
-                    "/locks/{}/hold?keys={}&owner={}&exclusive=true&{wait}",
+                    "/locks/{}/hold?keys={}&owner={}&exclusive=true{mode}&{wait}",
                     encode(family),
                     keys.join(","),
                     encode(owner)
                 )
             }
         }
+    }
+}
+
+/// The hold's `mode` parameter, with its `&`; empty for the family's plain acquisition.
+fn mode_param(mode: Option<KeyMode>) -> &'static str {
+    match mode {
+        Some(KeyMode::Read) => "&mode=read",
+        Some(KeyMode::Write) => "&mode=write",
+        None => "",
     }
 }
 
@@ -438,10 +447,21 @@ mod tests {
             family: "orders".into(),
             keys: vec!["a/1".into(), "b".into()],
             owner: "job".into(),
+            mode: None,
         };
         assert_eq!(
             several.path(Duration::ZERO),
             "/locks/orders/hold?keys=a%2F1,b&owner=job&exclusive=true&wait=0ms"
+        );
+        let written = Target::Keys {
+            family: "orders".into(),
+            keys: vec!["a".into(), "b".into()],
+            owner: "job".into(),
+            mode: Some(KeyMode::Write),
+        };
+        assert_eq!(
+            written.path(Duration::ZERO),
+            "/locks/orders/hold?keys=a,b&owner=job&exclusive=true&mode=write&wait=0ms"
         );
         assert_eq!(
             Target::Lock("jobs".into()).path(Duration::ZERO),
