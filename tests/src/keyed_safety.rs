@@ -27,7 +27,8 @@
 //!
 //! Owners that take two or three keys at once ([`run_several`], all or nothing on twenty keys)
 //! are checked key by key the same way, and the check also fails when an acquisition that was
-//! refused left its owner holding any of the keys it named.
+//! refused left its owner holding any of the keys it named. Among a read-write family's
+//! writers, some write two keys at once, checked so too.
 //!
 //! "Certainly" is as in [`crate::safety`]: a 200 answer means the sidecar claimed for that owner
 //! at some instant between the request and the answer, so an owner's claim surely covers
@@ -95,6 +96,8 @@ const SEVERAL: Shape = Shape {
     at_once: 3,
     writes: 0,
 };
+/// Percent of a read-write family's writes that write two keys at once.
+const SEVERAL_WRITES: u32 = 30;
 /// How long a worker waits for a key, and how long it may keep one without extending it.
 const WAIT: Duration = Duration::from_secs(3);
 const HOLD: Duration = Duration::from_secs(3);
@@ -199,7 +202,10 @@ impl Report {
             "{:<18} {} {:>5.0}s  acquisitions {:>5}  re-entered {:>4}  hung up {:>3}  refused after waiting {:>4}  faults {:>3} ({})  violations {}  seed {}",
             self.target,
             if self.writes > 0 {
-                format!("keyed, {} permits, {} writes", self.permits, self.writes)
+                format!(
+                    "keyed, {} permits, {} writes ({} of two keys)",
+                    self.permits, self.writes, self.several
+                )
             } else if self.permits > 1 {
                 format!("keyed, {} permits", self.permits)
             } else if self.several > 0 {
@@ -350,7 +356,7 @@ fn worker(
         n += 1;
         let owner = format!("s{slot}g{generation}w{index}n{n}");
         if shape.at_once > 1 {
-            several_at_once(target, &family, shape, owner, &mut rng, &log);
+            several_at_once(target, &family, shape, "", owner, &mut rng, &log);
             continue;
         }
         let path = format!("/locks/{family}/keys/k{key}");
@@ -359,6 +365,16 @@ fn worker(
             writes if rng.random_range(0..100) < writes => "&mode=write",
             _ => "&mode=read",
         };
+        // A share of the writes writes two keys at once, all or nothing.
+        if !mode.is_empty() && mode.ends_with("write") && rng.random_range(0..100) < SEVERAL_WRITES
+        {
+            let two = Shape {
+                at_once: 2,
+                ..shape
+            };
+            several_at_once(target, &family, two, mode, owner, &mut rng, &log);
+            continue;
+        }
         let sent = Instant::now();
         let answer = http(
             target,
@@ -449,14 +465,15 @@ fn worker(
     }
 }
 
-/// One acquisition of two to `shape.at_once` random keys at once, all or nothing: on a 200,
-/// each key is logged as held (the answer's token and validity for it) and asked about while
-/// the owner works, then all are released together; on any other answer, the owner must hold
-/// none of them.
+/// One acquisition of two to `shape.at_once` random keys at once, all or nothing (`mode`, as
+/// the acquisition's query ends, `&mode=write` to write them): on a 200, each key is logged as
+/// held (the answer's token and validity for it) and asked about while the owner works, then
+/// all are released together; on any other answer, the owner must hold none of them.
 fn several_at_once(
     target: SocketAddr,
     family: &str,
     shape: Shape,
+    mode: &str,
     owner: String,
     rng: &mut StdRng,
     log: &Mutex<Log>,
@@ -476,7 +493,7 @@ fn several_at_once(
         target,
         "POST",
         &format!(
-            "/locks/{family}/acquire?keys={names}&owner={owner}&wait={}ms&hold={}ms",
+            "/locks/{family}/acquire?keys={names}&owner={owner}&wait={}ms&hold={}ms{mode}",
             WAIT.as_millis(),
             HOLD.as_millis()
         ),

@@ -40,6 +40,12 @@ fn check_read_write(target: Target) {
         report.writes,
         report.summary()
     );
+    assert!(
+        report.several >= 5,
+        "only {} writes of two keys: {}",
+        report.several,
+        report.summary()
+    );
     check_common(report);
 }
 
