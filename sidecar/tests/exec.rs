@@ -766,18 +766,23 @@ fn execs_through_two_sidecars_take_turns_on_a_key() {
     assert!(tokens.windows(2).all(|w| w[1] > w[0]), "{tokens:?}");
 }
 
+/// A sidecar whose family `jobs-keys` is read-write, of two permits, on SQLite in `dir`.
+fn read_write_sidecar(dir: &Path) -> RunningSidecar {
+    RunningSidecar::start_with(
+        "pod-a",
+        "jobs",
+        &sqlite(dir),
+        &["--permits", "2", "--read-write"],
+    )
+}
+
 /// On a read-write family, `exec --mode read` commands run side by side and an `exec --mode
 /// write` command runs alone: after the readers that came first, before a reader that came
 /// while it ran, with a token above the readers'.
 #[test]
 fn readers_exec_side_by_side_and_a_writer_execs_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let sidecar = RunningSidecar::start_with(
-        "pod-a",
-        "jobs",
-        &sqlite(dir.path()),
-        &["--permits", "2", "--read-write"],
-    );
+    let sidecar = read_write_sidecar(dir.path());
     let log = dir.path().join("log");
     let run = |mode: &str, owner: &str| {
         let script = format!(
@@ -890,12 +895,7 @@ fn an_exec_on_several_keys_holds_them_all_while_its_command_runs() {
 #[test]
 fn an_exec_writing_several_keys_runs_alone_on_each() {
     let dir = tempfile::tempdir().unwrap();
-    let sidecar = RunningSidecar::start_with(
-        "pod-a",
-        "jobs",
-        &sqlite(dir.path()),
-        &["--permits", "2", "--read-write"],
-    );
+    let sidecar = read_write_sidecar(dir.path());
     let log = dir.path().join("log");
     let run = |keys: &[&str], mode: &str, owner: &str, tag: &str| {
         let script = format!(

@@ -551,10 +551,37 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
     // One key of the set released by another call: the stream ends, and the other key is
     // given back once the validity the app was last told has run out (the app may not have
     // read the end yet), not before.
-    let stream = open(&a, &route("hold?keys=sku-5,sku-6&owner=w3&wait=2s"));
+    released_one_gives_back_the_other(
+        (&a, &b),
+        &family,
+        "keys=sku-5,sku-6&owner=w3",
+        ("sku-5", "sku-6"),
+        "owner=w4",
+    );
+}
+
+/// A hold of two keys (`hold`: its query, naming `first` and `second` and the owner) through
+/// `a`, then `first` released by another call of the owner: the stream says `released`, and
+/// `second` is taken through `b` (`take`: an acquisition's query) only once the validity the
+/// app was last told has run out.
+fn released_one_gives_back_the_other(
+    (a, b): (&Sidecar, &Sidecar),
+    family: &str,
+    hold: &str,
+    (first, second): (&str, &str),
+    take: &str,
+) {
+    let stream = open(a, &format!("/locks/{family}/hold?{hold}&wait=2s"));
+    let owner = hold
+        .split('&')
+        .find_map(|p| p.strip_prefix("owner="))
+        .expect("an owner");
     let mut last = stream.next(Duration::from_secs(5));
     assert_eq!(last.kind, "acquired", "{last:?}");
-    assert_eq!(a.post(&route("keys/sku-5/release?owner=w3")).status, 200);
+    let released = a.post(&format!(
+        "/locks/{family}/keys/{first}/release?owner={owner}"
+    ));
+    assert_eq!(released.status, 200, "{}", released.body);
     let ended = loop {
         let event = stream.next(Duration::from_secs(5));
         if event.kind != "renewed" {
@@ -564,12 +591,14 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
     };
     assert_eq!(ended.kind, "released", "{ended:?}");
     let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
-    let free = b.post(&route("keys/sku-6/acquire?owner=w4&wait=10s"));
+    let free = b.post(&format!(
+        "/locks/{family}/keys/{second}/acquire?{take}&wait=10s"
+    ));
     let taken_at = Instant::now();
     assert_eq!(free.status, 200, "{}", free.body);
     assert!(
         told_until <= taken_at,
-        "sku-6 was taken {:?} before the validity the app was told ran out",
+        "{second} was taken {:?} before the validity the app was told ran out",
         told_until - taken_at
     );
 }
@@ -640,30 +669,12 @@ fn several_keys_written_through_a_connection_are_held_alone_and_given_back_toget
         200
     );
 
-    let stream = open(
-        &a,
-        &route("hold?keys=doc-5,doc-6&owner=w3&mode=write&wait=2s"),
-    );
-    let mut last = stream.next(Duration::from_secs(5));
-    assert_eq!(last.kind, "acquired", "{last:?}");
-    let released = a.post(&route("keys/doc-5/release?owner=w3"));
-    assert_eq!(released.status, 200, "{}", released.body);
-    let ended = loop {
-        let event = stream.next(Duration::from_secs(5));
-        if event.kind != "renewed" {
-            break event;
-        }
-        last = event;
-    };
-    assert_eq!(ended.kind, "released", "{ended:?}");
-    let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
-    let free = b.post(&route("keys/doc-6/acquire?owner=r4&mode=read&wait=10s"));
-    let taken_at = Instant::now();
-    assert_eq!(free.status, 200, "{}", free.body);
-    assert!(
-        told_until <= taken_at,
-        "doc-6 was read {:?} before the validity the app was told ran out",
-        told_until - taken_at
+    released_one_gives_back_the_other(
+        (&a, &b),
+        &family,
+        "keys=doc-5,doc-6&owner=w3&mode=write",
+        ("doc-5", "doc-6"),
+        "owner=r4&mode=read",
     );
 }
 

@@ -128,6 +128,14 @@ impl WriteHolding {
     }
 }
 
+/// What [`KeyedFamily::take_writes`] came to.
+pub(super) enum Writes {
+    /// Every part of every key, kept `hold` from now.
+    Taken(Taken),
+    /// `key` was refused, with this answer; nothing is taken.
+    Refused { key: String, answer: KeyAnswer },
+}
+
 impl KeyedFamily {
     /// Take `key` to write for `owner` (a family declared read-write): once no other owner,
     /// reader or writer, holds any of its permits, waiting up to `wait`, and keep it at most
@@ -172,32 +180,14 @@ impl KeyedFamily {
         }
         let deadline = Instant::now() + wait;
         let _waiting = Waiting::new(&self.inner.waiting);
-        let mut taken = Taken::new(self, owner);
-        let kept = std::sync::Mutex::new(Instant::now());
-        let looked = AtomicBool::new(!self.driver().expiry_is_observed());
-        let ahead = Ahead {
-            later: &[key],
-            looked: &looked,
-        };
-        match self
-            .take_write_parts(key, deadline, hold, &mut taken, &kept, ahead)
-            .await
+        let taken = match self
+            .take_writes(&[key], deadline, hold, Taken::new(self, owner))
+            .await?
         {
-            Ok(None) => {}
-            Ok(Some(refused)) => {
-                taken.give_back().await;
-                return Ok((refused, None));
-            }
-            Err(e) => {
-                taken.give_back().await;
-                return Err(e);
-            }
-        }
-        // Every hold runs from now; then the whole is read back, each part held as taken.
-        if let Err(e) = taken.extend(hold).await {
-            taken.give_back().await;
-            return Err(e);
-        }
+            Writes::Taken(taken) => taken,
+            Writes::Refused { answer, .. } => return Ok((answer, None)),
+        };
+        // The whole is read back, each part held as taken.
         let writer = Self::writer_from(&taken, key, owner);
         let answer = self.parts_answer(key, &writer);
         if !matches!(answer, KeyAnswer::Held { .. }) {
@@ -207,6 +197,45 @@ impl KeyedFamily {
         self.register_writer(key, &writer);
         taken.keep();
         Ok(holding(answer, writer))
+    }
+
+    /// Take the write lock of each of `keys`, in the order given (the canonical one), for
+    /// `taken`'s owner by `deadline`, then keep every part at least `hold` from now. Should a key
+    /// be refused, or a call fail, every part taken is given back first.
+    pub(super) async fn take_writes(
+        &self,
+        keys: &[&str],
+        deadline: Instant,
+        hold: Duration,
+        mut taken: Taken,
+    ) -> Result<Writes, KeyError> {
+        let kept = std::sync::Mutex::new(Instant::now());
+        let looked = AtomicBool::new(!self.driver().expiry_is_observed());
+        for (i, key) in keys.iter().copied().enumerate() {
+            let ahead = Ahead {
+                later: &keys[i..],
+                looked: &looked,
+            };
+            let refused = match self
+                .take_write_parts(key, deadline, hold, &mut taken, &kept, ahead)
+                .await
+            {
+                Ok(None) => continue,
+                Ok(Some(answer)) => Ok(Writes::Refused {
+                    key: key.to_owned(),
+                    answer,
+                }),
+                Err(e) => Err(e),
+            };
+            taken.give_back().await;
+            return refused;
+        }
+        // Every hold runs from now.
+        if let Err(e) = taken.extend(hold).await {
+            taken.give_back().await;
+            return Err(e);
+        }
+        Ok(Writes::Taken(taken))
     }
 
     /// Take `key`'s write gate and every permit of it for `taken`'s owner, one after another, and wait

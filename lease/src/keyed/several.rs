@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::read_write::WriteHolding;
+use super::read_write::{WriteHolding, Writes};
 use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, check_owner};
 
 /// The most keys one acquisition of several keys may name.
@@ -295,39 +295,16 @@ impl KeyedFamily {
         }
         let deadline = Instant::now() + wait;
         let _waiting = super::Waiting::new(&self.inner.waiting);
-        let mut taken = Taken::new(self, owner);
-        let kept = std::sync::Mutex::new(Instant::now());
-        let looked = AtomicBool::new(!self.driver().expiry_is_observed());
-        for (i, key) in order.iter().copied().enumerate() {
-            let ahead = Ahead {
-                later: &order[i..],
-                looked: &looked,
-            };
-            match self
-                .take_write_parts(key, deadline, hold, &mut taken, &kept, ahead)
-                .await
-            {
-                Ok(None) => {}
-                Ok(Some(answer)) => {
-                    taken.give_back().await;
-                    let not_taken = KeysAnswer::NotTaken {
-                        key: key.to_owned(),
-                        answer,
-                    };
-                    return Ok((not_taken, Vec::new()));
-                }
-                Err(e) => {
-                    taken.give_back().await;
-                    return Err(e);
-                }
+        let taken = match self
+            .take_writes(&order, deadline, hold, Taken::new(self, owner))
+            .await?
+        {
+            Writes::Taken(taken) => taken,
+            Writes::Refused { key, answer } => {
+                return Ok((KeysAnswer::NotTaken { key, answer }, Vec::new()));
             }
-        }
-        // Every hold runs from now; then each key's write lock is read back, every part held
-        // as it was taken.
-        if let Err(e) = taken.extend(hold).await {
-            taken.give_back().await;
-            return Err(e);
-        }
+        };
+        // Each key's write lock is read back, every part held as it was taken.
         let mut writers = Vec::with_capacity(order.len());
         for key in order.iter().copied() {
             let writer = Self::writer_from(&taken, key, owner);
