@@ -1940,6 +1940,31 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         KeyRelease::Released { holds: 0 },
         "a write lock released while its answers are read"
     );
+
+    // A write lock acquired twice that has lost a part: one release ends it whole, and says
+    // that nothing of it is held any more.
+    let KeyAnswer::Held {
+        token: lost,
+        permit,
+        ..
+    } = c.acquire_write("doc-10", "w10", NOW, HOLD).await.unwrap()
+    else {
+        panic!("w10 could not write doc-10");
+    };
+    assert_eq!(
+        written(c.acquire_write("doc-10", "w10", NOW, HOLD).await.unwrap()).1,
+        2
+    );
+    assert!(c.force_release("doc-10", Some(permit), lost).await.unwrap());
+    assert_eq!(
+        c.release("doc-10", "w10").await.unwrap(),
+        KeyRelease::Released { holds: 0 },
+        "a write lock that lost a part, released once of two acquisitions"
+    );
+    assert!(matches!(
+        c.status("doc-10", Some("w10")),
+        Ok(KeyAnswer::NotHeld)
+    ));
 }
 
 /// Several keys written at once, on a read-write family of 2 permits: every key's write lock

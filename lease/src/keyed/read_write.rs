@@ -598,9 +598,14 @@ impl KeyedFamily {
         let Some(writer) = self.writer_of(key, Some(owner)) else {
             return Ok(None);
         };
-        if !matches!(self.parts_answer(key, &writer), KeyAnswer::Held { .. }) {
-            self.end_write(key, &writer).await;
-            return Ok(None);
+        match self.parts_answer(key, &writer) {
+            KeyAnswer::Held { .. } => {}
+            KeyAnswer::NotHeld if writer.releasing.load(Ordering::SeqCst) == 0 => {
+                self.end_write(key, &writer).await;
+                return Ok(None);
+            }
+            // Cannot tell now: the backend cannot say, or a release is giving the parts back.
+            _ => return Ok(Some((KeyAnswer::Unknown, writer))),
         }
         if !reentrant {
             let refused = KeyAnswer::HeldByAnother {
@@ -703,7 +708,7 @@ impl KeyedFamily {
     /// from now, every part still held steps down whatever its count of acquisitions, and then
     /// the writer is forgotten. A part steps down as on a force-release: released once the
     /// last answer it gave has run out, since the writer's last answer may still be relied on.
-    pub(super) async fn end_write(&self, key: &str, writer: &Arc<Writer>) {
+    async fn end_write(&self, key: &str, writer: &Arc<Writer>) {
         writer.ended.store(true, Ordering::SeqCst);
         let holdings: Vec<_> = writer
             .parts
@@ -775,7 +780,7 @@ impl KeyedFamily {
         key: &str,
         writer: &Arc<Writer>,
     ) -> Result<KeyRelease, KeyError> {
-        writer.releasing.fetch_add(1, Ordering::SeqCst);
+        let releasing = Releasing::new(writer);
         let mut released = Vec::with_capacity(writer.parts.len());
         for part in writer.parts.iter().rev() {
             let taken = Some((part.permit, part.token));
@@ -794,16 +799,49 @@ impl KeyedFamily {
         let even = released
             .iter()
             .all(|(_, answer)| matches!(answer, Ok(released) if *released == gate));
-        match gate {
-            KeyRelease::Released { holds: 0 } if even => self.forget_writer(key, writer),
-            KeyRelease::Released { .. } if even => {}
-            _ => self.end_write(key, writer).await,
-        }
-        writer.releasing.fetch_sub(1, Ordering::SeqCst);
+        let answer = match gate {
+            KeyRelease::Released { holds: 0 } if even => {
+                self.forget_writer(key, writer);
+                gate
+            }
+            KeyRelease::Released { .. } if even => {
+                drop(releasing);
+                // A part lost once this release had passed it: the write lock ends now, not
+                // when an answer is next asked for.
+                self.write_answer(key, writer);
+                gate
+            }
+            // Ended whole: nothing of it is held any more.
+            KeyRelease::Released { .. } => {
+                self.end_write(key, writer).await;
+                KeyRelease::Released { holds: 0 }
+            }
+            _ => {
+                self.end_write(key, writer).await;
+                gate
+            }
+        };
         let failed = released.into_iter().find_map(|(_, answer)| answer.err());
         match failed {
             Some(e) => Err(e),
-            None => Ok(gate),
+            None => Ok(answer),
         }
+    }
+}
+
+/// A release under way of a writer's parts ([`Writer::releasing`]), counted for as long as it
+/// lives, however it ends.
+struct Releasing<'a>(&'a Writer);
+
+impl<'a> Releasing<'a> {
+    fn new(writer: &'a Writer) -> Self {
+        writer.releasing.fetch_add(1, Ordering::SeqCst);
+        Releasing(writer)
+    }
+}
+
+impl Drop for Releasing<'_> {
+    fn drop(&mut self) {
+        self.0.releasing.fetch_sub(1, Ordering::SeqCst);
     }
 }

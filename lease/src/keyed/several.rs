@@ -273,9 +273,14 @@ impl KeyedFamily {
         self.refuse_written(keys, owner)?;
         for key in &order {
             // A write lock of the owner's that has ended whole is given back first, as a write
-            // of one key does: what remains of it is not this call's to count on.
-            if let Some(writer) = self.writer_of(key, Some(owner)) {
-                self.end_write(key, &writer).await;
+            // of one key does: what remains of it is not this call's to count on. One that
+            // cannot tell now (or that a release is giving back) is not taken again either.
+            if let Some((answer, _)) = self.reenter_write(key, owner, hold, false).await? {
+                let not_taken = KeysAnswer::NotTaken {
+                    key: (*key).to_owned(),
+                    answer,
+                };
+                return Ok((not_taken, Vec::new()));
             }
             if self.owned_permit(key, owner).is_some() {
                 return Err(KeyError::BadMode(format!(
