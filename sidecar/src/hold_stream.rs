@@ -275,7 +275,13 @@ enum Standing {
     },
     /// Ended: by a release (`true`) or a loss.
     Ended { released: bool, reason: String },
+    /// No longer held, and the event that says why not read yet: the engine publishes its
+    /// state a moment before it tells the event.
+    Untold,
 }
+
+/// How long an ending whose event has not come is waited for before it is told as a loss.
+const UNTOLD_PATIENCE: Duration = Duration::from_millis(20);
 
 /// Read the engine's state and its events since the last look.
 fn standing(
@@ -298,57 +304,71 @@ fn standing(
         _ => {
             // The engine tells its events in the step that publishes its state.
             let mut ending = None;
-            loop {
+            let closed = loop {
                 match events.try_recv() {
                     Ok(e) if e.token == token && e.kind != EventKind::Acquired => ending = Some(e),
                     Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {}
-                    Err(_) => break,
+                    Err(broadcast::error::TryRecvError::Empty) => break false,
+                    Err(broadcast::error::TryRecvError::Closed) => break true,
                 }
-            }
+            };
             match ending {
                 Some(e) => Standing::Ended {
                     released: e.kind == EventKind::Released,
                     reason: e.reason.to_owned(),
                 },
-                None => Standing::Ended {
-                    released: false,
-                    reason: "the lease is no longer held".into(),
-                },
+                None if !closed => Standing::Untold,
+                None => no_longer_held(),
             }
         }
     }
 }
 
+/// An ending no event explains.
+fn no_longer_held() -> Standing {
+    Standing::Ended {
+        released: false,
+        reason: "the lease is no longer held".into(),
+    }
+}
+
 /// How an acquisition of several parts stands: held while every part is, until the earliest
-/// part's claim and answer; ended once any part has, lost where any part was lost.
+/// part's claim and answer; ended once any part has, lost where any part was lost (a part's
+/// ending still untold is waited for, unless another part was lost). `endings` keeps each
+/// part's ending once found, as its event is read only once.
 fn standing_of(
     parts: &[(Lock, u64)],
     events: &mut [broadcast::Receiver<leasehold_lease::Event>],
+    endings: &mut [Option<(bool, String)>],
 ) -> Standing {
     let mut held: Option<(BootInstant, BootInstant)> = None;
-    let mut ended: Option<(bool, String)> = None;
-    for ((engine, token), events) in parts.iter().zip(events) {
+    let mut untold = false;
+    for (((engine, token), events), ending) in parts.iter().zip(events).zip(endings.iter_mut()) {
+        if ending.is_some() {
+            continue;
+        }
         match standing(engine, *token, events) {
             Standing::Held { claim, answer } => {
                 held = Some(held.map_or((claim, answer), |(c, a)| (c.min(claim), a.min(answer))));
             }
-            Standing::Ended { released, reason } => {
-                if ended
-                    .as_ref()
-                    .is_none_or(|(was_released, _)| *was_released && !released)
-                {
-                    ended = Some((released, reason));
-                }
-            }
+            Standing::Ended { released, reason } => *ending = Some((released, reason)),
+            Standing::Untold => untold = true,
         }
     }
-    match (ended, held) {
-        (None, Some((claim, answer))) => Standing::Held { claim, answer },
-        (Some((released, reason)), _) => Standing::Ended { released, reason },
-        (None, None) => Standing::Ended {
+    let lost = endings.iter().flatten().find(|(released, _)| !released);
+    let released = endings.iter().flatten().next();
+    match (lost, untold, released, held) {
+        (Some((_, reason)), _, _, _) => Standing::Ended {
             released: false,
-            reason: "the lease is no longer held".into(),
+            reason: reason.clone(),
         },
+        (None, true, _, _) => Standing::Untold,
+        (None, false, Some((_, reason)), _) => Standing::Ended {
+            released: true,
+            reason: reason.clone(),
+        },
+        (None, false, None, Some((claim, answer))) => Standing::Held { claim, answer },
+        (None, false, None, None) => no_longer_held(),
     }
 }
 
@@ -381,6 +401,8 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
     let engine = parts[0].0.clone();
     let mut engine_events: Vec<_> = parts.iter().map(|(engine, _)| engine.events()).collect();
     let mut states: Vec<_> = parts.iter().map(|(engine, _)| engine.watch()).collect();
+    let mut endings = vec![None; parts.len()];
+    let mut untold_since = None;
     let (lease, renew_interval) = bound.timing();
     let hold = bound_hold(lease);
     let mut extend = tokio::time::interval(renew_interval);
@@ -394,17 +416,29 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         for state in &mut states {
             state.borrow_and_update();
         }
-        let standing = match standing_of(&parts, &mut engine_events) {
+        let standing = match standing_of(&parts, &mut engine_events, &mut endings) {
             // An engine that ended says so before it ends; this is a backstop.
             Standing::Held { .. } if engine_ended => Standing::Ended {
                 released: true,
                 reason: "the lock stopped".into(),
             },
+            Standing::Untold => {
+                let since = *untold_since.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() < UNTOLD_PATIENCE {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                }
+                Standing::Untold
+            }
             standing => standing,
         };
         let (claim, answer) = match standing {
             Standing::Held { claim, answer } => (claim, answer),
-            Standing::Ended { released, reason } => {
+            ended => {
+                let (released, reason) = match ended {
+                    Standing::Ended { released, reason } => (released, reason),
+                    _ => (false, "the lease is no longer held".to_owned()),
+                };
                 let kind = if released { "released" } else { "lost" };
                 // Within a renew interval: a client that no longer reads (its `exec` gone, a
                 // command holding the connection) must not keep this task, and its turn.
