@@ -108,6 +108,35 @@ impl AppState {
         tokio::time::timeout(wait, slot.lock_owned()).await.ok()
     }
 
+    /// The owner's turn on each of `keys` of `family` (in byte order, as several keys are taken,
+    /// so that two such waits never wait on each other), by `deadline`; else the key whose turn
+    /// did not come.
+    async fn key_turns(
+        &self,
+        family: &KeyedFamily,
+        keys: &[String],
+        owner: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<tokio::sync::OwnedMutexGuard<()>>, String> {
+        let mut order: Vec<&String> = keys.iter().collect();
+        order.sort();
+        order.dedup();
+        let mut turns = Vec::with_capacity(order.len());
+        for key in order {
+            let of = HoldOf::Key {
+                family: family.name().to_owned(),
+                key: key.clone(),
+                owner: owner.to_owned(),
+            };
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.exclusive_turn(of, left).await {
+                Some(turn) => turns.push(turn),
+                None => return Err(key.clone()),
+            }
+        }
+        Ok(turns)
+    }
+
     pub fn new(locks: Vec<Lock>, metrics: Arc<Metrics>) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -1044,24 +1073,13 @@ async fn keys_hold(
         for key in &keys {
             family.backend_name(key).map_err(key_error)?;
         }
-        let mut order: Vec<&String> = keys.iter().collect();
-        order.sort();
-        order.dedup();
-        for key in order {
-            let of = HoldOf::Key {
-                family: family.name().to_owned(),
-                key: key.clone(),
-                owner: owner.clone(),
-            };
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match state.exclusive_turn(of, left).await {
-                Some(turn) => turns.push(turn),
-                // Another exclusive hold of this owner has the key.
-                None => {
-                    let holder = Some(format!("{}/{owner}", family.identity()));
-                    let answer = KeyAnswer::HeldByAnother { holder };
-                    return Ok(keys_not_taken(&family, &owner, key, &answer));
-                }
+        match state.key_turns(&family, &keys, &owner, deadline).await {
+            Ok(taken) => turns = taken,
+            // Another exclusive hold of this owner has the key.
+            Err(key) => {
+                let holder = Some(format!("{}/{owner}", family.identity()));
+                let answer = KeyAnswer::HeldByAnother { holder };
+                return Ok(keys_not_taken(&family, &owner, &key, &answer));
             }
         }
     }
@@ -1403,23 +1421,21 @@ async fn key_hold(
         key_response(&family, &key, Some(&owner), answer, StatusCode::CONFLICT)
     };
     let deadline = tokio::time::Instant::now() + wait;
-    let turn = if exclusive {
-        let of = HoldOf::Key {
-            family: family.name().to_owned(),
-            key: key.clone(),
-            owner: owner.clone(),
-        };
-        match state.exclusive_turn(of, wait).await {
-            Some(turn) => Some(turn),
+    let turns = if exclusive {
+        match state
+            .key_turns(&family, std::slice::from_ref(&key), &owner, deadline)
+            .await
+        {
+            Ok(turns) => turns,
             // Another exclusive hold of this owner has it.
-            None => {
+            Err(_) => {
                 return Ok(not_taken(&KeyAnswer::HeldByAnother {
                     holder: Some(format!("{}/{owner}", family.identity())),
                 }));
             }
         }
     } else {
-        None
+        Vec::new()
     };
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
     let hold = hold_stream::bound_hold(family.config().lease_duration);
@@ -1475,11 +1491,7 @@ async fn key_hold(
     if writer {
         about.insert("mode".into(), "write".into());
     }
-    Ok(hold_stream::respond(
-        bound,
-        about,
-        turn.into_iter().collect(),
-    ))
+    Ok(hold_stream::respond(bound, about, turns))
 }
 
 /// A hold, not to write, by an owner that writes the key: its stream would follow a read.
