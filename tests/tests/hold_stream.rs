@@ -526,9 +526,7 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
     let refused = b.post(&route("acquire?keys=sku-1,sku-3&owner=w2"));
     assert_eq!(refused.status, 409, "{}", refused.body);
 
-    let path = route("acquire?keys=sku-1,sku-2&owner=w2&wait=10s&hold=30s");
-    let (reply, taken_after) = taken_once_closed(stream, b.addr, path);
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    let reply = taken_together_once_closed(stream, &b, &family, "sku-1,sku-2", "owner=w2");
     let after: Vec<u64> = reply.json()["keys"]
         .as_array()
         .expect("keys")
@@ -538,14 +536,6 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
     assert!(
         after.iter().all(|t| tokens.iter().all(|before| t > before)),
         "{after:?} after {tokens:?}"
-    );
-    assert!(
-        taken_after < RELEASED_WITHIN,
-        "the keys were taken {taken_after:?} after the connection closed"
-    );
-    assert_eq!(
-        b.post(&route("release?keys=sku-1,sku-2&owner=w2")).status,
-        200
     );
 
     // One key of the set released by another call: the stream ends, and the other key is
@@ -558,6 +548,28 @@ fn several_keys_held_by_a_connection_are_held_together_and_given_back_together()
         ("sku-5", "sku-6"),
         "owner=w4",
     );
+}
+
+/// `stream`, a hold of `keys` (comma-separated), closed while `b` waits for them all (`take`: the
+/// rest of its query, owner first): taken at once, then released; the answer that took them.
+fn taken_together_once_closed(
+    stream: EventStream,
+    b: &Sidecar,
+    family: &str,
+    keys: &str,
+    take: &str,
+) -> Reply {
+    let path = format!("/locks/{family}/acquire?keys={keys}&{take}&wait=10s&hold=30s");
+    let (reply, taken_after) = taken_once_closed(stream, b.addr, path);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(
+        taken_after < RELEASED_WITHIN,
+        "{keys} were taken {taken_after:?} after the connection closed"
+    );
+    let owner = take.split('&').next().expect("an owner");
+    let released = b.post(&format!("/locks/{family}/release?keys={keys}&{owner}"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    reply
 }
 
 /// A hold of two keys (`hold`: its query, naming `first` and `second` and the owner) through
@@ -657,17 +669,7 @@ fn several_keys_written_through_a_connection_are_held_alone_and_given_back_toget
             assert_eq!(refused.status, 409, "{key} {query}: {}", refused.body);
         }
     }
-    let path = route("acquire?keys=doc-1,doc-2&owner=r2&mode=read&wait=10s&hold=30s");
-    let (reply, taken_after) = taken_once_closed(stream, b.addr, path);
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert!(
-        taken_after < RELEASED_WITHIN,
-        "the keys were read {taken_after:?} after the connection closed"
-    );
-    assert_eq!(
-        b.post(&route("release?keys=doc-1,doc-2&owner=r2")).status,
-        200
-    );
+    taken_together_once_closed(stream, &b, &family, "doc-1,doc-2", "owner=r2&mode=read");
 
     released_one_gives_back_the_other(
         (&a, &b),
