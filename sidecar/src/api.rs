@@ -387,6 +387,7 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/locks/{name}/acquire", post(acquire))
         .route("/locks/{name}/release", post(release))
         .route("/locks/{name}/hold", post(hold))
+        .route("/locks/{name}/force-release", post(force_release))
         .route("/locks/{family}/extend", post(keys_extend))
         .route("/locks/{family}/keys/{key}", get(key_status))
         .route("/locks/{family}/keys/{key}/acquire", post(key_acquire))
@@ -394,6 +395,10 @@ pub fn lock_api(state: AppState) -> Router {
         .route("/locks/{family}/keys/{key}/extend", post(key_extend))
         .route("/locks/{family}/keys/{key}/hold", post(key_hold))
         .route("/locks/{family}/keys/{key}/events", get(key_events))
+        .route(
+            "/locks/{family}/keys/{key}/force-release",
+            post(key_force_release),
+        )
         .route("/resign", post(resign))
         .merge(probe_api())
         .fallback(not_found)
@@ -784,6 +789,113 @@ async fn release(
         StatusCode::CONFLICT
     };
     Ok(response)
+}
+
+/// `token=T` (a fencing token, required), taken out of `query`.
+fn token_param(query: &mut HashMap<String, String>) -> Result<u64, ApiError> {
+    let token = query.remove("token").ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "token is required: the fencing token of the holding to end (as /lock or the key's GET answers it)",
+        )
+    })?;
+    token.parse().map_err(|_| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("token={token:?} is not a fencing token (a whole number)"),
+        )
+    })
+}
+
+/// `/locks/{name}/force-release?token=T`: a person ends this pod's holding of the lock, if it
+/// is the one with that token, as the `leasehold.dev/force-release` annotation does for a
+/// sidecar that follows its lock: the sidecar stops claiming at once (409 from then on), and
+/// releases once the last answer it gave has run out, so that nobody else holds meanwhile. A
+/// campaign-mode holder then sits out its cool-down. 200 when the holding ended, 409 when the
+/// token is not this pod's current holding (nothing changes).
+async fn force_release(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    QueryOnce(mut query): QueryOnce,
+) -> Result<Response, ApiError> {
+    if state.family_named(Some(&Path(name.clone()))).is_some() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{name:?} is a family: a key's holding is force-released at /locks/{name}/keys/KEY/force-release?token=T"
+            ),
+        ));
+    }
+    let lock = state.lock(Some(Path(name)))?;
+    let token = token_param(&mut query)?;
+    durations(&query, &[])?;
+    let released = lock
+        .force_release(token)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    if released {
+        tracing::warn!(
+            lock = lock.name(),
+            token,
+            "force-released through the lock API"
+        );
+    }
+    let mut response = current(&lock, Some(released));
+    *response.status_mut() = if released {
+        StatusCode::OK
+    } else {
+        StatusCode::CONFLICT
+    };
+    Ok(response)
+}
+
+/// `/locks/{family}/keys/{key}/force-release?token=T[&permit=P]`: a person ends the holding of
+/// the key with that token in this pod, whoever its owner (on a semaphore, of permit `P`), as
+/// [`force_release`] does for a lock: 200 when it ended, 409 when no holding of the key in
+/// this pod has that token.
+async fn key_force_release(
+    State(state): State<AppState>,
+    Path((family, key)): Path<(String, String)>,
+    QueryOnce(mut query): QueryOnce,
+) -> Result<Response, ApiError> {
+    let family = &state.family(&family)?;
+    let token = token_param(&mut query)?;
+    let permit = match query.remove("permit") {
+        None => None,
+        Some(permit) => Some(permit.parse::<u32>().map_err(|_| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("permit={permit:?} is not a permit (a whole number)"),
+            )
+        })?),
+    };
+    durations(&query, &[])?;
+    let released = family
+        .force_release(&key, permit, token)
+        .await
+        .map_err(key_error)?;
+    if released {
+        tracing::warn!(
+            family = family.name(),
+            key,
+            token,
+            "force-released through the lock API"
+        );
+    }
+    let answer = family.status(&key, None).map_err(key_error)?;
+    let (_, mut body) = key_body(family, &key, None, &answer, StatusCode::OK, None);
+    body.released = Some(released);
+    if !released {
+        body.reason = Some(format!(
+            "no holding of {key:?} in this pod has token {token}; nothing was released"
+        ));
+    }
+    let status = if released {
+        StatusCode::OK
+    } else {
+        StatusCode::CONFLICT
+    };
+    Ok(json(status, &body))
 }
 
 /// The answer for one key, as the keyed routes send it.

@@ -497,3 +497,93 @@ fn several_keys_are_taken_and_given_back_together_over_http() {
     let now_free = b.post(&route("acquire", "keys=sku-1,sku-2&owner=w2"));
     assert_eq!(now_free.status, 200, "{}", now_free.body);
 }
+
+/// A person ends a holding through the holder's own sidecar (`force-release?token=T`), as the
+/// force-release annotation does for a sidecar that follows its lock: a token that is not the
+/// current holding changes nothing; the right one makes the holder answer 409 at once, and the
+/// next holder, in another pod, has a higher token. The same for a key, whoever its owner.
+#[test]
+fn a_person_force_releases_a_holding_through_the_holders_sidecar() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let lock = unique_lock("nightly");
+    // The holder releases once its last answer, at most a lease, has run out.
+    let args = [
+        "--keyed",
+        &family,
+        "--mode",
+        "on-demand",
+        "--lease-duration",
+        "3s",
+        "--renew-interval",
+        "1s",
+    ];
+    let a = Sidecar::start("pod-a", &redis.url(), &lock, &args);
+    let b = Sidecar::start("pod-b", &redis.url(), &lock, &args);
+    let route = format!("/locks/{lock}");
+
+    let held = token(&a.post(&format!("{route}/acquire?hold=30s")));
+    for (sidecar, asked) in [(&a, held + 1), (&b, held)] {
+        let refused = sidecar.post(&format!("{route}/force-release?token={asked}"));
+        assert_eq!(refused.status, 409, "{}", refused.body);
+        assert_eq!(refused.json()["released"], false, "{}", refused.body);
+    }
+    assert_eq!(a.get(&route).status, 200, "a wrong token changed nothing");
+    let released = a.post(&format!("{route}/force-release?token={held}"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    assert_eq!(released.json()["released"], true, "{}", released.body);
+    assert_eq!(a.get(&route).status, 409, "the holder stops at once");
+    let next = token(&b.post(&format!("{route}/acquire?wait=10s&hold=30s")));
+    assert!(next > held, "{next} after {held}");
+
+    let key = format!("/locks/{family}/keys/order-7");
+    let held = token(&a.post(&format!("{key}/acquire?owner=w1&hold=30s")));
+    let refused = a.post(&format!("{key}/force-release?token={}", held + 1));
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert!(refused.json()["reason"].is_string(), "{}", refused.body);
+    assert_eq!(a.get(&format!("{key}?owner=w1")).status, 200);
+    let released = a.post(&format!("{key}/force-release?token={held}"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    assert_eq!(a.get(&format!("{key}?owner=w1")).status, 409);
+    let next = token(&b.post(&format!("{key}/acquire?owner=w2&wait=10s&hold=30s")));
+    assert!(next > held, "{next} after {held}");
+
+    for (path, status, says) in [
+        (format!("{route}/force-release"), 400, "token is required"),
+        (
+            format!("{route}/force-release?token=abc"),
+            400,
+            "not a fencing token",
+        ),
+        (
+            format!("{route}/force-release?token=1&owner=w1"),
+            400,
+            "unknown parameter",
+        ),
+        (
+            format!("/locks/{family}/force-release?token=1"),
+            400,
+            "is a family",
+        ),
+        (
+            "/locks/no-such-lock/force-release?token=1".to_owned(),
+            404,
+            "no-such-lock",
+        ),
+        (
+            format!("{key}/force-release?token=1&permit=x"),
+            400,
+            "not a permit",
+        ),
+        (format!("{key}/force-release"), 400, "token is required"),
+    ] {
+        let answer = a.post(&path);
+        assert_eq!(answer.status, status, "{path}: {}", answer.body);
+        assert!(answer.body.contains(says), "{path}: {}", answer.body);
+    }
+    assert_eq!(
+        b.get(&format!("{key}?owner=w2")).status,
+        200,
+        "bad input changed nothing"
+    );
+}

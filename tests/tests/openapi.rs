@@ -247,7 +247,7 @@ fn schemathesis_fuzzes_every_route(backend: &str) {
             "lock API",
             schemathesis(
                 &lock_api,
-                &["--exclude-path-regex", "^/(v1|resign)"],
+                &["--exclude-path-regex", "^/(v1|resign)|/force-release$"],
                 20,
                 seed,
                 &sidecar,
@@ -281,6 +281,18 @@ fn schemathesis_fuzzes_every_route(backend: &str) {
         "the guard key changed hands during the fuzzing (seed {seed}): {}",
         after.body
     );
+    // After the guard is checked: a force-release ends a holding whoever its owner, and the
+    // fuzzing may name the guard's token.
+    summaries.push((
+        "force-release",
+        schemathesis(
+            &lock_api,
+            &["--include-path-regex", "/force-release$"],
+            2,
+            seed,
+            &sidecar,
+        ),
+    ));
     // Last, as it steps down from the locks for good.
     summaries.push((
         "resign",
