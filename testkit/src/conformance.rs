@@ -2138,8 +2138,10 @@ pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
         KeysAnswer::NotTaken { .. }
     ));
     b.release_all(&keys(&["x", "y"]), "r6").await.unwrap();
+    // The crashed writer's parts were renewed one by one, so each runs out at its own moment:
+    // a reader needs one permit, a writer every part, each free within the lease.
     let w6 = written(
-        b.acquire_all_write(&keys(&["x", "y"]), "w6", NOW, HOLD)
+        b.acquire_all_write(&keys(&["x", "y"]), "w6", within, HOLD)
             .await
             .unwrap(),
     );
