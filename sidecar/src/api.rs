@@ -862,14 +862,43 @@ async fn key_force_release(
     let token = token_param(&mut query)?;
     let permit = match query.remove("permit") {
         None => None,
-        Some(permit) => Some(permit.parse::<u32>().map_err(|_| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!("permit={permit:?} is not a permit (a whole number)"),
-            )
-        })?),
+        Some(permit) => Some(
+            permit
+                .parse::<u32>()
+                .ok()
+                .filter(|p| *p < leasehold_lease::keyed::MAX_PERMITS)
+                .ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        format!(
+                            "permit={permit:?} is not a permit a key can have (0 to {})",
+                            leasehold_lease::keyed::MAX_PERMITS - 1
+                        ),
+                    )
+                })?,
+        ),
     };
     durations(&query, &[])?;
+    // Two permits of a key may hold one token on some backends: a semaphore's holding is named
+    // with its permit, and a family without permits has none to name.
+    match (permit, family.has_had_permits()) {
+        (None, true) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{:?} has permits: name the holding's permit too, &permit=P (the key's answer says it)",
+                    family.name()
+                ),
+            ));
+        }
+        (Some(_), false) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("{:?} has no permits: leave permit out", family.name()),
+            ));
+        }
+        _ => {}
+    }
     let released = family
         .force_release(&key, permit, token)
         .await

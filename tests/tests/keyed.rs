@@ -1,7 +1,7 @@
 //! Keyed locks over HTTP, against real sidecar processes on a real Redis: two pods, several
 //! owners per pod, one family (`--keyed orders`) beside a plain lock.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use leasehold_e2e::{RedisServer, Reply, Sidecar, eventually, unique_lock};
 
@@ -522,7 +522,11 @@ fn a_person_force_releases_a_holding_through_the_holders_sidecar() {
     let b = Sidecar::start("pod-b", &redis.url(), &lock, &args);
     let route = format!("/locks/{lock}");
 
-    let held = token(&a.post(&format!("{route}/acquire?hold=30s")));
+    let sent = Instant::now();
+    let taken = a.post(&format!("{route}/acquire?hold=30s"));
+    let held = token(&taken);
+    // What pod a told its app: nobody else may hold the lock before this has run out.
+    let told_until = sent + Duration::from_millis(taken.json()["validForMs"].as_u64().unwrap());
     for (sidecar, asked) in [(&a, held + 1), (&b, held)] {
         let refused = sidecar.post(&format!("{route}/force-release?token={asked}"));
         assert_eq!(refused.status, 409, "{}", refused.body);
@@ -534,6 +538,10 @@ fn a_person_force_releases_a_holding_through_the_holders_sidecar() {
     assert_eq!(released.json()["released"], true, "{}", released.body);
     assert_eq!(a.get(&route).status, 409, "the holder stops at once");
     let next = token(&b.post(&format!("{route}/acquire?wait=10s&hold=30s")));
+    assert!(
+        Instant::now() >= told_until,
+        "pod b held the lock before pod a's answer ran out"
+    );
     assert!(next > held, "{next} after {held}");
 
     let key = format!("/locks/{family}/keys/order-7");
@@ -574,6 +582,11 @@ fn a_person_force_releases_a_holding_through_the_holders_sidecar() {
             format!("{key}/force-release?token=1&permit=x"),
             400,
             "not a permit",
+        ),
+        (
+            format!("{key}/force-release?token=1&permit=0"),
+            400,
+            "has no permits",
         ),
         (format!("{key}/force-release"), 400, "token is required"),
     ] {
