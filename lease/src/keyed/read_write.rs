@@ -173,11 +173,7 @@ impl KeyedFamily {
         if let Some((answer, writer)) = self.reenter_write(key, owner, hold, true).await? {
             return Ok(holding(answer, writer));
         }
-        if self.owned_permit(key, owner).is_some() {
-            return Err(KeyError::BadMode(format!(
-                "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
-            )));
-        }
+        self.refuse_upgrade(key, owner)?;
         let deadline = Instant::now() + wait;
         let _waiting = Waiting::new(&self.inner.waiting);
         let taken = match self
@@ -197,6 +193,16 @@ impl KeyedFamily {
         self.register_writer(key, &writer);
         taken.keep();
         Ok(holding(answer, writer))
+    }
+
+    /// A 400 when `owner` reads `key`: there is no upgrade from read to write.
+    pub(super) fn refuse_upgrade(&self, key: &str, owner: &str) -> Result<(), KeyError> {
+        match self.owned_permit(key, owner) {
+            Some(_) => Err(KeyError::BadMode(format!(
+                "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Take the write lock of each of `keys`, in the order given (the canonical one), for
@@ -811,14 +817,13 @@ impl KeyedFamily {
                 self.write_answer(key, writer);
                 gate
             }
-            // Ended whole: nothing of it is held any more.
-            KeyRelease::Released { .. } => {
-                self.end_write(key, writer).await;
-                KeyRelease::Released { holds: 0 }
-            }
             _ => {
                 self.end_write(key, writer).await;
-                gate
+                match gate {
+                    // Ended whole: nothing of it is held any more.
+                    KeyRelease::Released { .. } => KeyRelease::Released { holds: 0 },
+                    other => other,
+                }
             }
         };
         let failed = released.into_iter().find_map(|(_, answer)| answer.err());

@@ -282,11 +282,7 @@ impl KeyedFamily {
                 };
                 return Ok((not_taken, Vec::new()));
             }
-            if self.owned_permit(key, owner).is_some() {
-                return Err(KeyError::BadMode(format!(
-                    "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
-                )));
-            }
+            self.refuse_upgrade(key, owner)?;
             // Its gate is still held: another acquisition of the owner's is writing the key, or
             // an ended write lock's gate is not given back yet.
             if self
