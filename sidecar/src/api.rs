@@ -110,14 +110,14 @@ impl AppState {
 
     /// The owner's turn on each of `keys` of `family` (in byte order, as several keys are taken,
     /// so that two such waits never wait on each other), by `deadline`; else the key whose turn
-    /// did not come.
+    /// did not come, with the answer that says so (another exclusive hold of the owner has it).
     async fn key_turns(
         &self,
         family: &KeyedFamily,
         keys: &[String],
         owner: &str,
         deadline: tokio::time::Instant,
-    ) -> Result<Vec<tokio::sync::OwnedMutexGuard<()>>, String> {
+    ) -> Result<Vec<tokio::sync::OwnedMutexGuard<()>>, (String, KeyAnswer)> {
         let mut order: Vec<&String> = keys.iter().collect();
         order.sort();
         order.dedup();
@@ -131,7 +131,10 @@ impl AppState {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             match self.exclusive_turn(of, left).await {
                 Some(turn) => turns.push(turn),
-                None => return Err(key.clone()),
+                None => {
+                    let holder = Some(format!("{}/{owner}", family.identity()));
+                    return Err((key.clone(), KeyAnswer::HeldByAnother { holder }));
+                }
             }
         }
         Ok(turns)
@@ -783,12 +786,17 @@ async fn release(
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     // 200 when something was released, 409 when this pod held nothing; the body shows the state.
     let mut response = current(&lock, Some(released));
-    *response.status_mut() = if released {
+    *response.status_mut() = released_status(released);
+    Ok(response)
+}
+
+/// 200 when a release or force-release ended a holding, 409 when there was none to end.
+fn released_status(released: bool) -> StatusCode {
+    if released {
         StatusCode::OK
     } else {
         StatusCode::CONFLICT
-    };
-    Ok(response)
+    }
 }
 
 /// `token=T` (a fencing token, required), taken out of `query`.
@@ -841,11 +849,7 @@ async fn force_release(
         );
     }
     let mut response = current(&lock, Some(released));
-    *response.status_mut() = if released {
-        StatusCode::OK
-    } else {
-        StatusCode::CONFLICT
-    };
+    *response.status_mut() = released_status(released);
     Ok(response)
 }
 
@@ -919,12 +923,7 @@ async fn key_force_release(
             "no holding of {key:?} in this pod has token {token}; nothing was released"
         ));
     }
-    let status = if released {
-        StatusCode::OK
-    } else {
-        StatusCode::CONFLICT
-    };
-    Ok(json(status, &body))
+    Ok(json(released_status(released), &body))
 }
 
 /// The answer for one key, as the keyed routes send it.
@@ -1216,12 +1215,7 @@ async fn keys_hold(
         }
         match state.key_turns(&family, &keys, &owner, deadline).await {
             Ok(taken) => turns = taken,
-            // Another exclusive hold of this owner has the key.
-            Err(key) => {
-                let holder = Some(format!("{}/{owner}", family.identity()));
-                let answer = KeyAnswer::HeldByAnother { holder };
-                return Ok(keys_not_taken(&family, &owner, &key, &answer));
-            }
+            Err((key, answer)) => return Ok(keys_not_taken(&family, &owner, &key, &answer)),
         }
     }
     let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -1568,12 +1562,7 @@ async fn key_hold(
             .await
         {
             Ok(turns) => turns,
-            // Another exclusive hold of this owner has it.
-            Err(_) => {
-                return Ok(not_taken(&KeyAnswer::HeldByAnother {
-                    holder: Some(format!("{}/{owner}", family.identity())),
-                }));
-            }
+            Err((_, answer)) => return Ok(not_taken(&answer)),
         }
     } else {
         Vec::new()

@@ -208,6 +208,16 @@ impl Bound {
         }
     }
 
+    /// Give the acquisition up once `told_until` (the end of the validity the client was last
+    /// told) and the engine's safety margin have passed.
+    async fn release_after(&self, family: &KeyedFamily, told_until: Option<BootInstant>) {
+        if let Some(until) = told_until {
+            let margin = leasehold_lease::safety_margin(family.config().lease_duration);
+            tokio::time::sleep_until((until + margin).to_tokio()).await;
+        }
+        self.release().await;
+    }
+
     /// After a part was found ended: a write lock steps down whole (its other parts given back
     /// once their last answer has run out); several keys are all given back once `told_until`,
     /// the end of the validity the client was last told, and the engine's safety margin have
@@ -219,18 +229,13 @@ impl Bound {
             Bound::Write { holding, .. } => {
                 holding.answer();
             }
-            Bound::Keys { family, .. } | Bound::Writes { family, .. } => {
-                if let Bound::Writes { holdings, .. } = self {
-                    for holding in holdings {
-                        holding.answer();
-                    }
+            Bound::Writes { family, holdings } => {
+                for holding in holdings {
+                    holding.answer();
                 }
-                if let Some(until) = told_until {
-                    let margin = leasehold_lease::safety_margin(family.config().lease_duration);
-                    tokio::time::sleep_until((until + margin).to_tokio()).await;
-                }
-                self.release().await;
+                self.release_after(family, told_until).await;
             }
+            Bound::Keys { family, .. } => self.release_after(family, told_until).await,
             Bound::Lock { .. } | Bound::Key { .. } => {}
         }
     }
@@ -280,6 +285,8 @@ enum Standing {
     Untold,
 }
 
+/// Why a hold ended, when no event of the engine says.
+const NO_LONGER_HELD: &str = "the lease is no longer held";
 /// How long an ending whose event has not come is waited for before it is told as a loss.
 const UNTOLD_PATIENCE: Duration = Duration::from_millis(20);
 
@@ -328,7 +335,7 @@ fn standing(
 fn no_longer_held() -> Standing {
     Standing::Ended {
         released: false,
-        reason: "the lease is no longer held".into(),
+        reason: NO_LONGER_HELD.into(),
     }
 }
 
@@ -387,11 +394,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
     about.extend(bound.token_field());
     let Some(parts) = bound.parts() else {
         let _ = events
-            .send(event(
-                "lost",
-                &about,
-                json!({"reason": "the lease is no longer held"}),
-            ))
+            .send(event("lost", &about, json!({"reason": NO_LONGER_HELD})))
             .await;
         bound.ended(None).await;
         return;
@@ -437,7 +440,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
             ended => {
                 let (released, reason) = match ended {
                     Standing::Ended { released, reason } => (released, reason),
-                    _ => (false, "the lease is no longer held".to_owned()),
+                    _ => (false, NO_LONGER_HELD.to_owned()),
                 };
                 let kind = if released { "released" } else { "lost" };
                 // Within a renew interval: a client that no longer reads (its `exec` gone, a
