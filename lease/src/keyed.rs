@@ -1274,6 +1274,17 @@ pub fn key_lock_names(
         .collect())
 }
 
+/// The backend lock name of permit `permit` of a plain lock `lock` (a semaphore lock): the
+/// lock's own name for permit 0, else the hashed name a family called `lock` would give the key
+/// `#PERMIT`. No key has it: keys never hold `#`, and a key's permits hash `KEY#PERMIT` with a
+/// key that is never empty.
+pub fn lock_permit_name(lock: &str, permit: u32) -> String {
+    match permit {
+        0 => lock.to_owned(),
+        permit => hashed_name(lock, &format!("#{permit}")),
+    }
+}
+
 /// `FAMILY.keys.KEY` for a plain lowercase key that keeps the name valid everywhere, else
 /// `FAMILY.keyh.` and the key's hash.
 fn backend_name(family: &str, key: &str) -> String {

@@ -1466,6 +1466,147 @@ pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
     assert_eq!(b.tracked_keys(), 1);
 }
 
+/// A lock of several permits (a semaphore lock): as many campaigners hold it as it has permits,
+/// each on a permit of its own and nobody beside them; a holder that crashes is replaced on its
+/// permit within the lease, with a higher token; on demand, a pod acquiring again keeps its
+/// permit, and contenders that come and go never outnumber the permits, each permit's holders
+/// following one another with rising tokens.
+pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
+    const PERMITS: u32 = 2;
+    let start_with_permits = |driver, lock: &str, identity: &str, mode| {
+        let config = LockConfig {
+            permits: PERMITS,
+            ..config(lock, identity, mode)
+        };
+        Lock::start(driver, config, Arc::new(())).expect("start lock")
+    };
+    // (index, permit, token) of each campaigner that claims to hold now.
+    let holding = |locks: &[Option<Lock>]| -> Vec<(usize, u32, u64)> {
+        locks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, lock)| {
+                let snapshot = lock.as_ref()?.snapshot();
+                let token = snapshot.answer().token()?;
+                Some((i, snapshot.held?.permit, token))
+            })
+            .collect()
+    };
+    let lock = unique_lock("semaphore");
+    let mut campaigners = Vec::new();
+    for identity in ["a", "b", "c"] {
+        let driver = h.driver().await;
+        campaigners.push(Some(start_with_permits(
+            driver,
+            &lock,
+            identity,
+            Mode::Campaign,
+        )));
+    }
+    eventually(SLACK, "two of three campaigners hold", || {
+        holding(&campaigners).len() == PERMITS as usize
+    })
+    .await;
+    let watched_until = Instant::now() + 2 * RENEW;
+    while Instant::now() < watched_until {
+        let now = holding(&campaigners);
+        assert!(now.len() <= PERMITS as usize, "more holders than permits: {now:?}");
+        sleep(Duration::from_millis(5)).await;
+    }
+    let held = holding(&campaigners);
+    let mut permits: Vec<u32> = held.iter().map(|(_, permit, _)| *permit).collect();
+    permits.sort_unstable();
+    assert_eq!(permits, [0, 1], "each holder on a permit of its own: {held:?}");
+    let (crashed, permit, token) = held[0];
+    let waiting = (0..3)
+        .find(|i| held.iter().all(|(holder, _, _)| holder != i))
+        .expect("a campaigner waits");
+    drop(campaigners[crashed].take()); // aborted: no release, like kill -9
+    let took = eventually(
+        LEASE + RENEW + SLACK,
+        "the waiting campaigner takes the crashed holder's permit",
+        || holding(&campaigners).iter().any(|(i, _, _)| *i == waiting),
+    )
+    .await;
+    let now = holding(&campaigners);
+    let (_, taken, newer) = now.iter().find(|(i, _, _)| *i == waiting).copied().unwrap();
+    assert_eq!(taken, permit, "the crashed holder's permit: {now:?}");
+    assert!(newer > token, "permit {permit}: token {newer} after {token}");
+    assert!(took <= LEASE + RENEW + SLACK, "takeover took {took:?}");
+    for lock in campaigners.into_iter().flatten() {
+        lock.shutdown().await;
+    }
+
+    // On demand: two pods hold at once, a third is refused; acquiring again keeps the permit.
+    let lock = unique_lock("semaphore-on-demand");
+    let mut pods = Vec::new();
+    for i in 0..5 {
+        let driver = h.driver().await;
+        pods.push(start_with_permits(driver, &lock, &format!("p{i}"), Mode::OnDemand));
+    }
+    let hold = Duration::from_secs(30);
+    let first = pods[0].acquire(SLACK, hold).await.expect("acquire");
+    let second = pods[1].acquire(SLACK, hold).await.expect("acquire");
+    assert!(first.is_holder() && second.is_holder(), "{first:?} {second:?}");
+    let third = pods[2].acquire(Duration::ZERO, hold).await.expect("acquire");
+    assert!(!third.is_holder(), "a third holder of two permits: {third:?}");
+    let permit_of = |pod: &Lock| pod.snapshot().held.map(|held| held.permit);
+    let before = permit_of(&pods[0]);
+    let again = pods[0].acquire(SLACK, hold).await.expect("acquire");
+    assert_eq!(again.token(), first.token(), "acquiring again keeps the holding");
+    assert_eq!(permit_of(&pods[0]), before);
+    assert_eq!(pods[0].snapshot().holds, 2);
+    for _ in 0..2 {
+        assert!(pods[0].release().await.unwrap());
+    }
+    assert!(pods[1].release().await.unwrap());
+
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (i, pod) in pods.into_iter().enumerate() {
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..3 {
+                let answer = pod
+                    .acquire(Duration::from_secs(30), Duration::from_secs(30))
+                    .await
+                    .expect("acquire");
+                let (Some(token), Some(permit)) = (answer.token(), permit_of(&pod)) else {
+                    panic!("p{i} did not acquire: {answer:?}")
+                };
+                let start = Instant::now();
+                sleep(Duration::from_millis(10)).await;
+                assert!(pod.answer().is_holder(), "p{i} lost its permit mid-work");
+                let end = Instant::now();
+                assert!(pod.release().await.expect("release"));
+                log.lock().unwrap().push((start, end, permit, token));
+            }
+            pod.shutdown().await;
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(120), task)
+            .await
+            .expect("contenders finished")
+            .expect("contender panicked");
+    }
+    let mut log = log.lock().unwrap().clone();
+    assert_eq!(log.len(), 15);
+    log.sort_by_key(|(start, ..)| *start);
+    for (i, (start, ..)) in log.iter().enumerate() {
+        let beside = log[..i].iter().filter(|(_, end, ..)| end > start).count();
+        assert!(beside < PERMITS as usize, "more holders than permits: {log:?}");
+    }
+    for permit in 0..PERMITS {
+        let on_permit: Vec<_> = log.iter().filter(|(.., p, _)| *p == permit).collect();
+        for pair in on_permit.windows(2) {
+            let ((_, end, _, t1), (start, _, _, t2)) = (pair[0], pair[1]);
+            assert!(end <= start, "two holders of permit {permit} (tokens {t1} and {t2})");
+            assert!(t2 > t1, "permit {permit}: token went from {t1} to {t2}");
+        }
+    }
+}
+
 /// Several keys at once, all or nothing: an owner takes every key it names (each with its own
 /// token, in the order asked) or none; a refused acquisition leaves no key held (a key the owner
 /// already held stays held once, as it was); two owners asking for overlapping keys in opposite
@@ -2175,7 +2316,8 @@ macro_rules! conformance_suite {
             keyed_permits_admit_that_many_owners,
             keyed_several_keys_all_or_nothing,
             keyed_read_write_locks,
-            keyed_several_keys_written
+            keyed_several_keys_written,
+            lock_permits_admit_that_many_holders
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

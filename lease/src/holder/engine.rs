@@ -44,6 +44,8 @@ pub(super) struct Unheld {
 /// The lease this process holds, and what the app holds of it.
 pub(super) struct HeldLease {
     pub(super) lease: Lease,
+    /// Of a lock with several permits, the one held (`lease.lock` is its backend name).
+    pub(super) permit: u32,
     pub(super) valid_until: BootInstant,
     /// The next renewal is due a renew interval after this: the newest renewal's call, or for
     /// a lease not yet renewed, its acquisition's (or earlier, see [`Engine::on_acquired`]).
@@ -121,6 +123,28 @@ pub(super) struct Engine {
     pub(super) on_unheld: Option<OnUnheld>,
     /// Retired ([`Lock::retire`]): the lease is left to run out, not released; told here.
     pub(super) retired: Option<oneshot::Sender<()>>,
+    /// A semaphore's rounds of attempts so far: each starts at another permit.
+    pub(super) rounds: u32,
+}
+
+/// One acquisition's outcome, and the permit and moment it was sent for.
+pub(super) struct Attempted {
+    pub(super) outcome: Call<Acquire>,
+    pub(super) permit: u32,
+    pub(super) sent: Instant,
+    pub(super) sent_boot: BootInstant,
+}
+
+impl Attempted {
+    /// Of a refused attempt, how soon the permit may be free: its holder's lease runs out, or
+    /// a backend's guard lets grants resume.
+    fn free_in(&self) -> Option<Duration> {
+        match &self.outcome {
+            Call::Done(Acquire::Busy(holding)) => holding.as_ref().and_then(|h| h.expires_in),
+            Call::Done(Acquire::Withheld(withheld)) => withheld.resume_in,
+            _ => None,
+        }
+    }
 }
 
 /// An engine dropped while it waited for the lock (a keyed acquisition runs on its caller's
@@ -150,6 +174,22 @@ impl Drop for Engine {
 pub(super) enum Flow {
     Continue,
     Stop,
+}
+
+/// Once any of `changes` moves (or its sender is gone).
+async fn any_changed(changes: &mut [watch::Receiver<u64>]) {
+    let each = changes.iter_mut().map(|c| Box::pin(c.changed()));
+    let _ = futures_util::future::select_all(each).await;
+}
+
+/// Where a semaphore's round `round` starts among the permits: contenders with other
+/// identities start at other permits, and each round at the next.
+fn spread(identity: &str, round: u32) -> u32 {
+    // FNV-1a: any stable spread of the identity does.
+    let hash = identity.bytes().fold(0x811c_9dc5_u32, |hash, byte| {
+        (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
+    });
+    hash.wrapping_add(round)
 }
 
 /// `d` spread by +-20 %. The spread needs no secrecy, so it is drawn from the clock (splitmix64)
@@ -281,10 +321,12 @@ impl Engine {
         }
     }
 
-    /// Send an acquisition of the lock; it is waited for through [`InFlight`].
-    pub(super) fn send_acquisition(&self) -> InFlight {
+    /// Send an acquisition of the lock's permit `permit` (0, of a lock without several); it is
+    /// waited for through [`InFlight`].
+    pub(super) fn send_acquisition(&self, permit: u32) -> InFlight {
         let driver = self.driver.clone();
-        let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
+        let name = self.config.permit_name(permit);
+        let (lock, identity) = (name.clone(), self.config.identity.clone());
         let ttl = self.config.lease_duration;
         InFlight {
             attempt: Some(Box::pin(async move {
@@ -292,6 +334,8 @@ impl Engine {
             })),
             sent: Instant::now(),
             sent_boot: BootInstant::now(),
+            permit,
+            lock,
             driver: self.driver.clone(),
             config: self.config.clone(),
             patience: self.config.lease_duration,
@@ -388,6 +432,7 @@ impl Engine {
     pub(super) fn publish_lease_and(&mut self, also: impl FnOnce(&mut Snapshot)) {
         let held = self.held().map(|h| Held {
             token: h.lease.token,
+            permit: h.permit,
             valid_until: h.valid_until,
             acquired_at: h.acquired_at,
             hold_until: h.hold_until,
@@ -421,11 +466,12 @@ impl Engine {
         self.state.send_if_modified(|s| change(s) && !unwatched);
     }
 
-    pub(super) fn emit(&self, kind: EventKind, token: u64, reason: &'static str) {
+    pub(super) fn emit(&self, kind: EventKind, token: u64, permit: u32, reason: &'static str) {
         let event = Event {
             kind,
             lock: self.config.name.clone(),
             token,
+            permit,
             at: SystemTime::now(),
             reason,
         };
@@ -454,7 +500,7 @@ impl Engine {
             return None;
         };
         self.publish_lease_and(|s| s.current_holder = None);
-        self.emit(kind, held.lease.token, reason);
+        self.emit(kind, held.lease.token, held.permit, reason);
         if let Some(mut hook) = self.on_unheld.take() {
             hook.fire();
         }
@@ -534,7 +580,13 @@ impl Engine {
             - safety_margin(self.config.lease_duration)
     }
 
-    pub(super) fn on_acquired(&mut self, lease: Lease, sent: Instant, sent_boot: BootInstant) {
+    pub(super) fn on_acquired(
+        &mut self,
+        lease: Lease,
+        permit: u32,
+        sent: Instant,
+        sent_boot: BootInstant,
+    ) {
         let valid_until = self.claim_until(&lease, sent_boot);
         // The first renewal is due a renew interval after the call, as ever, or earlier, while
         // as much of the claim is left as a claim counted from the call would leave it (a renew
@@ -552,6 +604,7 @@ impl Engine {
         let token = lease.token;
         self.phase = Phase::Held(HeldLease {
             lease,
+            permit,
             valid_until,
             last_sent: schedule_from,
             acquired_at: SystemTime::now(),
@@ -575,7 +628,7 @@ impl Engine {
             held.count_holds(now, waiters.len() as u32, longest);
         }
         self.publish_lease();
-        self.emit(EventKind::Acquired, token, "acquired");
+        self.emit(EventKind::Acquired, token, permit, "acquired");
         let answer = self.state.borrow().answer();
         let (mut told, mut longest_told) = (0, None);
         for waiter in waiters {
@@ -884,6 +937,7 @@ impl Engine {
             Mode::Campaign => true,
             Mode::OnDemand => self.waiters.iter().any(|w| w.deadline > now),
         };
+        let permits = self.config.permits;
         let mut changes = if may_wait {
             self.driver.changes(&self.config.name)
         } else {
@@ -892,25 +946,27 @@ impl Engine {
         if let Some(changes) = &mut changes {
             changes.borrow_and_update();
         }
-        let budget = self.config.renew_interval;
-        let mut in_flight = match self.unheld_mut().and_then(|u| u.in_flight.take()) {
-            Some(in_flight) => in_flight,
-            None => self.send_acquisition(),
+        // A semaphore's other permits: a release of any of them wakes the campaign too.
+        let mut other_changes: Vec<_> = if may_wait && permits > 1 {
+            (1..permits)
+                .filter_map(|permit| self.driver.changes(&self.config.permit_name(permit)))
+                .collect()
+        } else {
+            Vec::new()
         };
-        let outcome = match in_flight.attempt.as_mut() {
-            Some(attempt) => self.call(budget, attempt.as_mut()).await,
-            None => Call::Failed,
-        };
-        let (sent, sent_boot) = (in_flight.sent, in_flight.sent_boot);
-        match outcome {
-            // Unfinished: the backend may still carry it out.
-            Call::TimedOut | Call::ShuttingDown => {
-                if let Some(unheld) = self.unheld_mut() {
-                    unheld.in_flight = Some(in_flight);
-                }
-            }
-            Call::Done(_) | Call::Failed => in_flight.attempt = None,
+        for changes in &mut other_changes {
+            changes.borrow_and_update();
         }
+        let Attempted {
+            outcome,
+            permit,
+            sent,
+            sent_boot,
+        } = match self.unheld_mut().and_then(|u| u.in_flight.take()) {
+            Some(in_flight) => self.follow(in_flight).await,
+            None if permits == 1 => self.follow(self.send_acquisition(0)).await,
+            None => self.try_permits().await,
+        };
         self.check_enforced_lease();
         let pause = match outcome {
             Call::Done(Acquire::Acquired(lease)) => {
@@ -920,12 +976,12 @@ impl Engine {
                     let _ = timeout(budget, self.driver.release(&lease)).await;
                     return Flow::Continue;
                 }
-                self.on_acquired(lease, sent, sent_boot);
+                self.on_acquired(lease, permit, sent, sent_boot);
                 self.release_unwanted().await;
                 return Flow::Continue;
             }
             Call::Done(Acquire::Busy(holding)) => {
-                let poll = jitter(self.driver.poll_interval(self.config.renew_interval));
+                let poll = self.poll_pause();
                 // Try again right after the holder's lease runs out, if that comes first.
                 let pause = holding
                     .as_ref()
@@ -940,7 +996,7 @@ impl Engine {
                 pause
             }
             Call::Done(Acquire::Withheld(withheld)) => {
-                let poll = jitter(self.driver.poll_interval(self.config.renew_interval));
+                let poll = self.poll_pause();
                 // Try again as soon as grants resume, if that comes first.
                 let pause = withheld
                     .resume_in
@@ -989,10 +1045,88 @@ impl Engine {
                     None => std::future::pending::<()>().await,
                 }
             } => {}
+            _ = any_changed(&mut other_changes), if !other_changes.is_empty() => {}
             _ = sleep_until(waiter_deadline.unwrap_or(wake)), if waiter_deadline.is_some() => {}
             _ = sleep_until(wake) => {}
         }
         Flow::Continue
+    }
+
+    /// Wait for an acquisition's answer within a renew interval; one unanswered by then is kept
+    /// to be waited for again by the next step ([`Unheld::in_flight`]).
+    async fn follow(&mut self, mut in_flight: InFlight) -> Attempted {
+        let budget = self.config.renew_interval;
+        let outcome = match in_flight.attempt.as_mut() {
+            Some(attempt) => self.call(budget, attempt.as_mut()).await,
+            None => Call::Failed,
+        };
+        let (permit, sent, sent_boot) = (in_flight.permit, in_flight.sent, in_flight.sent_boot);
+        match outcome {
+            // Unfinished: the backend may still carry it out.
+            Call::TimedOut | Call::ShuttingDown => {
+                if let Some(unheld) = self.unheld_mut() {
+                    unheld.in_flight = Some(in_flight);
+                }
+            }
+            Call::Done(_) | Call::Failed => in_flight.attempt = None,
+        }
+        Attempted {
+            outcome,
+            permit,
+            sent,
+            sent_boot,
+        }
+    }
+
+    /// A semaphore's round: each permit once, one attempt at a time (so that at most one can
+    /// take a permit), from another permit each round so that contenders spread over them. A
+    /// permit found held or withheld is let go of at once: no queue place is kept for it (etcd,
+    /// ZooKeeper), where it would stand first in line for nobody once another permit is taken.
+    /// The round ends at the first permit taken, or at a failure; refused everywhere, the
+    /// answer is the refusal whose permit may be free soonest.
+    async fn try_permits(&mut self) -> Attempted {
+        let permits = self.config.permits;
+        self.rounds = self.rounds.wrapping_add(1);
+        let first = spread(&self.config.identity, self.rounds) % permits;
+        let mut refused: Option<Attempted> = None;
+        for offset in 0..permits {
+            let permit = (first + offset) % permits;
+            let attempt = self.follow(self.send_acquisition(permit)).await;
+            if !matches!(
+                attempt.outcome,
+                Call::Done(Acquire::Busy(_) | Acquire::Withheld(_))
+            ) {
+                return attempt;
+            }
+            let (name, identity) = (self.config.permit_name(permit), &self.config.identity);
+            let budget = self.config.renew_interval;
+            let _ = timeout(budget, self.driver.abandon(&name, identity)).await;
+            let sooner = |earlier: &Attempted| match (earlier.free_in(), attempt.free_in()) {
+                (Some(earlier), Some(later)) => earlier <= later,
+                (earlier, _) => earlier.is_some(),
+            };
+            refused = Some(match refused {
+                Some(earlier) if sooner(&earlier) => earlier,
+                _ => attempt,
+            });
+        }
+        refused.unwrap_or(Attempted {
+            outcome: Call::Failed,
+            permit: 0,
+            sent: Instant::now(),
+            sent_boot: BootInstant::now(),
+        })
+    }
+
+    /// How long a refused campaign waits before it tries again, unless woken: a semaphore's
+    /// within half a renew interval, since a release notice reaches only those queued for a
+    /// permit on some backends, and a semaphore's contenders do not queue.
+    fn poll_pause(&self) -> Duration {
+        let poll = self.driver.poll_interval(self.config.renew_interval);
+        jitter(match self.config.permits {
+            1 => poll,
+            _ => poll.min(self.config.renew_interval / 2),
+        })
     }
 
     /// Warn when the backend enforces a longer lease than configured: takeover after a crash

@@ -27,8 +27,11 @@ pub(super) struct InFlight {
     pub(super) attempt: Option<Attempt>,
     pub(super) sent: Instant,
     pub(super) sent_boot: BootInstant,
+    /// The permit the attempt is for, and its backend lock name ([`LockConfig::permit_name`]).
+    pub(super) permit: u32,
+    pub(super) lock: String,
     pub(super) driver: Arc<dyn Driver>,
-    /// The lock and identity the attempt is for, to leave the queue if it took a place.
+    /// The identity the attempt is for, to leave the queue if it took a place.
     pub(super) config: Arc<LockConfig>,
     /// How long the follow-up waits for the attempt before giving up on it.
     pub(super) patience: Duration,
@@ -43,9 +46,10 @@ impl Drop for InFlight {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (driver, config, patience, settled) = (
+        let (driver, config, lock, patience, settled) = (
             self.driver.clone(),
             self.config.clone(),
+            std::mem::take(&mut self.lock),
             self.patience,
             self.settled.clone(),
         );
@@ -61,7 +65,7 @@ impl Drop for InFlight {
                 // the wait ended, and so after the engine left the queue, is left too, rather
                 // than standing first in line for three leases.
                 _ => {
-                    let _ = timeout(patience, driver.abandon(&config.name, &config.identity)).await;
+                    let _ = timeout(patience, driver.abandon(&lock, &config.identity)).await;
                 }
             }
         });

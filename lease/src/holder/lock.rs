@@ -226,6 +226,7 @@ impl Lock {
             settled: Arc::new(settled.clone().drop_guard()),
             on_unheld,
             retired: None,
+            rounds: 0,
         };
         let lock = Self {
             inner: Arc::new(LockInner {

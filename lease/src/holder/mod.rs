@@ -95,6 +95,10 @@ pub struct LockConfig {
     /// awaited, rather than keep watching an idle lock. Its events are logged at debug level: a
     /// family may take thousands of keys a second.
     pub single_use: bool,
+    /// How many holders the lock has at once (a semaphore, docs/semaphores.md): each holds one
+    /// permit, a lock of its own in the backend ([`LockConfig::permit_name`]). 1 is a mutual
+    /// exclusion lock.
+    pub permits: u32,
 }
 
 impl LockConfig {
@@ -109,12 +113,39 @@ impl LockConfig {
             mode: Mode::Campaign,
             cooldown: lease_duration,
             single_use: false,
+            permits: 1,
         }
+    }
+
+    /// The backend lock name of permit `permit`: the lock's own name for permit 0, so that a
+    /// lock given permits keeps its holder, else the name a family called after the lock would
+    /// give the key `#PERMIT`, which no key can be (`#` is refused in keys).
+    pub fn permit_name(&self, permit: u32) -> String {
+        crate::keyed::lock_permit_name(&self.name, permit)
     }
 
     pub fn validate(&self) -> Result<()> {
         validate_lock_name(&self.name)?;
         let bad = |field, reason: String| Error::InvalidConfig { field, reason };
+        if !(1..=crate::keyed::MAX_PERMITS).contains(&self.permits) {
+            return Err(bad(
+                "permits",
+                format!(
+                    "a lock has 1 to {} permits (it was {})",
+                    crate::keyed::MAX_PERMITS,
+                    self.permits
+                ),
+            ));
+        }
+        if self.permits > 1
+            && let Err(Error::InvalidConfig { reason, .. }) =
+                crate::keyed::validate_family_name(&self.name)
+        {
+            return Err(bad(
+                "lock",
+                format!("a lock of several permits names them as a family names its keys: {reason}"),
+            ));
+        }
         if self.identity.is_empty() || self.identity.len() > 253 {
             return Err(bad("identity", "it must be 1-253 characters".into()));
         }
@@ -176,6 +207,8 @@ impl Answer {
 #[derive(Debug, Clone)]
 pub struct Held {
     pub token: u64,
+    /// The permit held, of a lock with several ([`LockConfig::permits`]); 0 otherwise.
+    pub permit: u32,
     /// The self-fence deadline: not holder from this instant on, unless renewed. On the boot
     /// clock, which counts time suspended.
     pub valid_until: BootInstant,
@@ -284,6 +317,8 @@ pub struct Event {
     pub kind: EventKind,
     pub lock: String,
     pub token: u64,
+    /// The permit, of a lock with several; 0 otherwise.
+    pub permit: u32,
     pub at: SystemTime,
     pub reason: &'static str,
 }
