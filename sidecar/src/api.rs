@@ -481,6 +481,12 @@ struct LockStatus<'a> {
     current_holder: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     fencing_token: Option<u64>,
+    /// Of a lock of several permits: the permit held (fence with it and the token), and how
+    /// many the lock has.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permit: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permits: Option<u32>,
     valid_for_ms: u64,
     backend: &'static str,
     mode: &'static str,
@@ -534,12 +540,18 @@ fn lock_response(
         Answer::NotHolder => snapshot.withheld.as_ref(),
         _ => None,
     };
+    let permits = Some(lock.config().permits).filter(|permits| *permits > 1);
     let body = LockStatus {
         lock: lock.name(),
         holder: answer.is_holder(),
         identity: &lock.config().identity,
         current_holder,
         fencing_token: token,
+        permit: permits
+            .and(token)
+            .and(snapshot.held.as_ref())
+            .map(|held| held.permit),
+        permits,
         valid_for_ms: valid_for.as_millis() as u64,
         backend: lock.backend(),
         mode: lock.config().mode.as_str(),
@@ -1671,15 +1683,20 @@ struct EventBody<'a> {
     lock: &'a str,
     kind: &'static str,
     fencing_token: u64,
+    /// Of a lock of several permits, the permit the token is of.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permit: Option<u32>,
     at: String,
     reason: &'static str,
 }
 
-fn sse_event(event: &Event) -> SseEvent {
+/// `event` as sent on a lock's stream; `permits`: whether the lock has several.
+fn sse_event(event: &Event, permits: bool) -> SseEvent {
     let body = EventBody {
         lock: &event.lock,
         kind: event.kind.as_str(),
         fencing_token: event.token,
+        permit: permits.then_some(event.permit),
         at: rfc3339(event.at),
         reason: event.reason,
     };
@@ -1699,19 +1716,27 @@ async fn events(
     let changes = BroadcastStream::new(lock.events());
     let snapshot = lock.snapshot();
     let answer = snapshot.answer();
-    let first = SseEvent::default().event("state").data(
-        serde_json::json!({
-            "lock": lock.name(),
-            "holder": answer.is_holder(),
-            "fencingToken": answer.token(),
-            "since": rfc3339(snapshot.since),
-        })
-        .to_string(),
-    );
+    let permits = lock.config().permits > 1;
+    let mut state_body = serde_json::json!({
+        "lock": lock.name(),
+        "holder": answer.is_holder(),
+        "fencingToken": answer.token(),
+        "since": rfc3339(snapshot.since),
+    });
+    if let Some(held) = snapshot
+        .held
+        .as_ref()
+        .filter(|_| permits && answer.is_holder())
+    {
+        state_body["permit"] = held.permit.into();
+    }
+    let first = SseEvent::default()
+        .event("state")
+        .data(state_body.to_string());
     let stream: std::pin::Pin<Box<dyn Stream<Item = Result<SseEvent, Infallible>> + Send>> =
         Box::pin(stream::once(async move { Ok(first) }).chain(
             // A reader that falls behind skips what it missed; the next event carries the state.
-            changes.filter_map(|e| async move { e.ok().map(|e| Ok(sse_event(&e))) }),
+            changes.filter_map(move |e| async move { e.ok().map(|e| Ok(sse_event(&e, permits))) }),
         ));
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())

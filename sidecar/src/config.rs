@@ -47,8 +47,9 @@ struct Args {
           value_parser = clap::value_parser!(usize))]
     max_keys: usize,
 
-    /// How many owners may hold one key of a family at once: a semaphore of N permits, each
-    /// with its own fencing token (1: one owner at a time).
+    /// How many holders a lock, or one key of a family, has at once: a semaphore of N permits,
+    /// each with its own fencing token (1: one holder at a time). For the --lock or the --keyed
+    /// families given, not both.
     #[arg(long, env = "LEASEHOLD_PERMITS", value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32))]
     permits: u32,
@@ -301,10 +302,28 @@ impl Config {
             let value = match field {
                 "identity" => identity.clone(),
                 "lease-duration" => humantime::format_duration(args.lease_duration).to_string(),
+                "permits" => args.permits.to_string(),
                 _ => humantime::format_duration(renew_interval).to_string(),
             };
             bad(field, &value, &reason)
         };
+        if args.permits != 1 && !args.locks.is_empty() && !args.families.is_empty() {
+            return Err(bad(
+                "permits",
+                &args.permits.to_string(),
+                &"--permits applies to the --lock or to the --keyed families of a sidecar, not to both: run one sidecar for each, or declare them by --resource",
+            ));
+        }
+        if !(1..=leasehold_lease::keyed::MAX_PERMITS).contains(&args.permits) {
+            return Err(bad(
+                "permits",
+                &args.permits.to_string(),
+                &format!(
+                    "a lock or a key has 1 to {} permits",
+                    leasehold_lease::keyed::MAX_PERMITS
+                ),
+            ));
+        }
         let mut locks: Vec<LockConfig> = Vec::new();
         for name in &args.locks {
             if locks.iter().any(|l| &l.name == name) {
@@ -313,6 +332,7 @@ impl Config {
             let lock = LockConfig {
                 renew_interval,
                 mode: args.mode,
+                permits: args.permits,
                 ..LockConfig::new(name, &identity, args.lease_duration)
             };
             if let Err(e) = leasehold_lease::names::validate_lock_name(name) {
@@ -320,6 +340,10 @@ impl Config {
             }
             match lock.validate() {
                 Ok(()) => {}
+                Err(leasehold_lease::Error::InvalidConfig {
+                    field: "lock",
+                    reason,
+                }) => return Err(bad("lock", name, &reason)),
                 Err(leasehold_lease::Error::InvalidConfig { field, reason }) => {
                     return Err(invalid_setting(field, &reason));
                 }
@@ -333,13 +357,6 @@ impl Config {
                 "read-write",
                 "true",
                 &"readers and writers are for keyed families (--keyed)",
-            ));
-        }
-        if args.permits != 1 && args.families.is_empty() {
-            return Err(bad(
-                "permits",
-                &args.permits.to_string(),
-                &"permits are for keyed families (--keyed): a --lock has one holder",
             ));
         }
         for name in &args.families {
@@ -361,16 +378,6 @@ impl Config {
             }
             if args.max_keys == 0 {
                 return Err(bad("max-keys", "0", &"must be at least 1"));
-            }
-            if !(1..=leasehold_lease::keyed::MAX_PERMITS).contains(&args.permits) {
-                return Err(bad(
-                    "permits",
-                    &args.permits.to_string(),
-                    &format!(
-                        "a key has 1 to {} permits",
-                        leasehold_lease::keyed::MAX_PERMITS
-                    ),
-                ));
             }
             if args.read_write && args.permits > leasehold_lease::keyed::MAX_READ_WRITE_PERMITS {
                 return Err(bad(
@@ -562,7 +569,15 @@ mod tests {
             (&["--lock", "jobs", "--nosuch"], "--nosuch"),
             (&["--keyed", "orders", "--permits", "0"], "--permits"),
             (&["--keyed", "orders", "--permits", "257"], "--permits"),
-            (&["--lock", "jobs", "--permits", "3"], "--permits"),
+            (&["--lock", "jobs", "--permits", "0"], "--permits"),
+            (
+                &["--lock", "jobs", "--keyed", "pool", "--permits", "3"],
+                "not to both",
+            ),
+            (
+                &["--lock", &"j".repeat(220), "--permits", "3"],
+                "names them as a family",
+            ),
             (&["--lock", "jobs", "--read-write"], "--read-write"),
             (
                 &["--keyed", "docs", "--read-write", "--permits", "17"],
@@ -588,6 +603,16 @@ mod tests {
             let line = bad(args);
             assert!(line.contains(needle), "{args:?}: {line}");
         }
+    }
+
+    #[test]
+    fn permits_apply_to_the_locks_or_to_the_families() {
+        let c = parse(&["--lock", "workers", "--permits", "3"]).unwrap();
+        assert_eq!(c.locks[0].permits, 3);
+        let c = parse(&["--keyed", "pool", "--permits", "3"]).unwrap();
+        assert_eq!(c.families[0].permits, 3);
+        let c = parse(&["--lock", "leader", "--keyed", "pool"]).unwrap();
+        assert_eq!((c.locks[0].permits, c.families[0].permits), (1, 1));
     }
 
     #[test]

@@ -113,6 +113,49 @@ fn two_execs_of_one_lock_take_turns() {
     took_turns(&mut children, &log);
 }
 
+#[test]
+fn execs_of_a_lock_of_two_permits_run_two_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let script = format!(
+        "echo start $LEASEHOLD_PERMIT $LEASEHOLD_FENCING_TOKEN >> {0}; sleep 2; echo end $LEASEHOLD_PERMIT >> {0}",
+        log.display()
+    );
+    let backend = sqlite(dir.path());
+    let mut children: Vec<Child> = (0..4)
+        .map(|_| {
+            let mut command = exec("workers", &backend);
+            command.args(["--permits", "2"]);
+            shell(&mut command, &script).spawn().unwrap()
+        })
+        .collect();
+    for child in &mut children {
+        assert!(wait_exit(child, Duration::from_secs(60)).success());
+    }
+    let lines: Vec<String> = read(&log).lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 8, "{lines:?}");
+    // Replayed in order: never more than two running, each on a permit nobody else runs on.
+    let mut running: Vec<String> = Vec::new();
+    let mut most = 0;
+    for line in &lines {
+        let words: Vec<&str> = line.split(' ').collect();
+        match words[..] {
+            ["start", permit, _token] => {
+                assert!(["0", "1"].contains(&permit), "{lines:?}");
+                assert!(
+                    !running.iter().any(|p| p == permit),
+                    "permit {permit} twice: {lines:?}"
+                );
+                running.push(permit.to_owned());
+            }
+            ["end", permit] => running.retain(|p| p != permit),
+            _ => panic!("{line:?} in {lines:?}"),
+        }
+        most = most.max(running.len());
+    }
+    assert_eq!(most, 2, "two commands ran at once, no more: {lines:?}");
+}
+
 /// `exec` on `backend` with a 3 s lease and a 300 ms grace, running a stubborn group
 /// ([`stubborn_group_of`]).
 fn stubborn_group(backend: &str) -> (Child, StubbornPids, tempfile::TempDir) {

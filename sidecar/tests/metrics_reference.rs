@@ -33,6 +33,7 @@ async fn every_metric_sampled() -> String {
             kind,
             lock: "jobs".into(),
             token: 1,
+            permit: 0,
             at: SystemTime::now(),
             reason: "test",
         };

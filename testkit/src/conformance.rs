@@ -1510,13 +1510,20 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
     let watched_until = Instant::now() + 2 * RENEW;
     while Instant::now() < watched_until {
         let now = holding(&campaigners);
-        assert!(now.len() <= PERMITS as usize, "more holders than permits: {now:?}");
+        assert!(
+            now.len() <= PERMITS as usize,
+            "more holders than permits: {now:?}"
+        );
         sleep(Duration::from_millis(5)).await;
     }
     let held = holding(&campaigners);
     let mut permits: Vec<u32> = held.iter().map(|(_, permit, _)| *permit).collect();
     permits.sort_unstable();
-    assert_eq!(permits, [0, 1], "each holder on a permit of its own: {held:?}");
+    assert_eq!(
+        permits,
+        [0, 1],
+        "each holder on a permit of its own: {held:?}"
+    );
     let (crashed, permit, token) = held[0];
     let waiting = (0..3)
         .find(|i| held.iter().all(|(holder, _, _)| holder != i))
@@ -1531,7 +1538,10 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
     let now = holding(&campaigners);
     let (_, taken, newer) = now.iter().find(|(i, _, _)| *i == waiting).copied().unwrap();
     assert_eq!(taken, permit, "the crashed holder's permit: {now:?}");
-    assert!(newer > token, "permit {permit}: token {newer} after {token}");
+    assert!(
+        newer > token,
+        "permit {permit}: token {newer} after {token}"
+    );
     assert!(took <= LEASE + RENEW + SLACK, "takeover took {took:?}");
     for lock in campaigners.into_iter().flatten() {
         lock.shutdown().await;
@@ -1542,18 +1552,36 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
     let mut pods = Vec::new();
     for i in 0..5 {
         let driver = h.driver().await;
-        pods.push(start_with_permits(driver, &lock, &format!("p{i}"), Mode::OnDemand));
+        pods.push(start_with_permits(
+            driver,
+            &lock,
+            &format!("p{i}"),
+            Mode::OnDemand,
+        ));
     }
     let hold = Duration::from_secs(30);
     let first = pods[0].acquire(SLACK, hold).await.expect("acquire");
     let second = pods[1].acquire(SLACK, hold).await.expect("acquire");
-    assert!(first.is_holder() && second.is_holder(), "{first:?} {second:?}");
-    let third = pods[2].acquire(Duration::ZERO, hold).await.expect("acquire");
-    assert!(!third.is_holder(), "a third holder of two permits: {third:?}");
+    assert!(
+        first.is_holder() && second.is_holder(),
+        "{first:?} {second:?}"
+    );
+    let third = pods[2]
+        .acquire(Duration::ZERO, hold)
+        .await
+        .expect("acquire");
+    assert!(
+        !third.is_holder(),
+        "a third holder of two permits: {third:?}"
+    );
     let permit_of = |pod: &Lock| pod.snapshot().held.map(|held| held.permit);
     let before = permit_of(&pods[0]);
     let again = pods[0].acquire(SLACK, hold).await.expect("acquire");
-    assert_eq!(again.token(), first.token(), "acquiring again keeps the holding");
+    assert_eq!(
+        again.token(),
+        first.token(),
+        "acquiring again keeps the holding"
+    );
     assert_eq!(permit_of(&pods[0]), before);
     assert_eq!(pods[0].snapshot().holds, 2);
     for _ in 0..2 {
@@ -1595,13 +1623,19 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
     log.sort_by_key(|(start, ..)| *start);
     for (i, (start, ..)) in log.iter().enumerate() {
         let beside = log[..i].iter().filter(|(_, end, ..)| end > start).count();
-        assert!(beside < PERMITS as usize, "more holders than permits: {log:?}");
+        assert!(
+            beside < PERMITS as usize,
+            "more holders than permits: {log:?}"
+        );
     }
     for permit in 0..PERMITS {
         let on_permit: Vec<_> = log.iter().filter(|(.., p, _)| *p == permit).collect();
         for pair in on_permit.windows(2) {
             let ((_, end, _, t1), (start, _, _, t2)) = (pair[0], pair[1]);
-            assert!(end <= start, "two holders of permit {permit} (tokens {t1} and {t2})");
+            assert!(
+                end <= start,
+                "two holders of permit {permit} (tokens {t1} and {t2})"
+            );
             assert!(t2 > t1, "permit {permit}: token went from {t1} to {t2}");
         }
     }

@@ -109,6 +109,86 @@ fn redis_crash_takeover_within_the_lease() {
     crash_takeover(&redis.url());
 }
 
+/// Three sidecars campaigning on a lock of two permits: two answer 200, each with a permit of
+/// its own, and the third 409; once a holder is killed, the third holds its permit within the
+/// lease, with a higher token.
+fn permits_crash_takeover(backend: &str) {
+    let lock = unique_lock("permits");
+    let extra = [TIMING, &["--permits", "2"]].concat();
+    let mut sidecars: Vec<Sidecar> = ["a", "b", "c"]
+        .iter()
+        .map(|identity| Sidecar::start(identity, backend, &lock, &extra))
+        .collect();
+    let logs = |sidecars: &[Sidecar]| -> String {
+        sidecars
+            .iter()
+            .map(|s| format!("\n--- {} log:\n{}", s.identity, s.log()))
+            .collect()
+    };
+    let holding = |sidecars: &[Sidecar]| -> Vec<(usize, u64, u64)> {
+        sidecars
+            .iter()
+            .enumerate()
+            .filter_map(|(i, sidecar)| {
+                let answer = sidecar.get("/lock");
+                let body = answer.json();
+                assert_eq!(body["permits"], 2, "{}", answer.body);
+                (answer.status == 200)
+                    .then(|| (i, body["permit"].as_u64().unwrap(), answer.token()))
+            })
+            .collect()
+    };
+    eventually_or(
+        STARTUP,
+        "two of three sidecars hold",
+        || holding(&sidecars).len() == 2,
+        || logs(&sidecars),
+    );
+    let until = Instant::now() + RENEW * 2;
+    while Instant::now() < until {
+        let now = holding(&sidecars);
+        assert!(
+            now.len() <= 2,
+            "three holders of two permits: {now:?}{}",
+            logs(&sidecars)
+        );
+    }
+    let held = holding(&sidecars);
+    assert_eq!(held.len(), 2, "{held:?}{}", logs(&sidecars));
+    assert_ne!(held[0].1, held[1].1, "two holders of one permit: {held:?}");
+    let (dead, permit, before) = held[0];
+    let waiting = (0..3).find(|i| held.iter().all(|(h, ..)| h != i)).unwrap();
+    sidecars[dead].kill9();
+    let took = eventually(
+        LEASE + RENEW + SLACK,
+        "the third takes the dead one's permit",
+        || sidecars[waiting].is_holder(),
+    );
+    let answer = sidecars[waiting].get("/lock");
+    assert_eq!(answer.json()["permit"], permit, "{}", answer.body);
+    assert!(
+        answer.token() > before,
+        "token {} after {before}",
+        answer.token()
+    );
+    eprintln!(
+        "{backend}: a permit taken over after kill -9 in {took:?} (bound {:?})",
+        LEASE + RENEW
+    );
+}
+
+#[test]
+fn redis_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_within_the_lease() {
+    let redis = RedisServer::start();
+    permits_crash_takeover(&redis.url());
+}
+
+#[test]
+fn etcd_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_within_the_lease() {
+    let etcd = EtcdServer::start();
+    permits_crash_takeover(&etcd.url());
+}
+
 fn sigterm_handover(backend: &str) -> Duration {
     let lock = unique_lock("sigterm");
     let (mut a, mut b) = pair(backend, &lock);

@@ -479,6 +479,13 @@ impl Engine {
             EventKind::Acquired | EventKind::Released if self.config.single_use => {
                 tracing::debug!(lock = %event.lock, token, reason, kind = kind.as_str());
             }
+            // A token counts per permit: the log names the permit beside it.
+            EventKind::Lost if self.config.permits > 1 => {
+                tracing::warn!(lock = %event.lock, permit, token, reason, "lost")
+            }
+            _ if self.config.permits > 1 => {
+                tracing::info!(lock = %event.lock, permit, token, reason, "{}", kind.as_str())
+            }
             EventKind::Acquired => {
                 tracing::info!(lock = %event.lock, token, "acquired")
             }

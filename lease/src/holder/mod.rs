@@ -143,7 +143,9 @@ impl LockConfig {
         {
             return Err(bad(
                 "lock",
-                format!("a lock of several permits names them as a family names its keys: {reason}"),
+                format!(
+                    "a lock of several permits names them as a family names its keys: {reason}"
+                ),
             ));
         }
         if self.identity.is_empty() || self.identity.len() > 253 {

@@ -132,6 +132,12 @@ struct ExecArgs {
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     renew_interval: Option<Duration>,
 
+    /// Run while holding one of the lock's N permits: up to N commands run at once, each with
+    /// its permit in LEASEHOLD_PERMIT (as consul lock -n N). Every exec of the lock must give
+    /// the same N.
+    #[arg(long, value_name = "N", default_value_t = 1, conflicts_with_all = ["via", "keyed"])]
+    permits: u32,
+
     /// Give up when the lock is not taken within this long [default: wait for ever].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     wait: Option<Duration>,
@@ -301,10 +307,17 @@ async fn start_direct(args: &ExecArgs, identity: &str) -> Result<Lock, u8> {
     let lease_duration = args.lease_duration.unwrap_or(DEFAULT_LEASE);
     let mut config = LockConfig::new(name, identity, lease_duration);
     config.mode = Mode::Campaign;
+    config.permits = args.permits;
     if let Some(renew) = args.renew_interval {
         config.renew_interval = renew;
     }
-    config.validate().map_err(|e| bad("lock", &e))?;
+    config.validate().map_err(|e| match e {
+        leasehold_lease::Error::InvalidConfig {
+            field: "permits",
+            reason,
+        } => bad("permits", &reason),
+        e => bad("lock", &e),
+    })?;
     check_grace(args.kill_grace, lease_duration, config.renew_interval)
         .map_err(|e| bad("kill-grace", &e))?;
     let driver = leasehold_lease::connect(&url).await.map_err(|e| {
@@ -652,6 +665,13 @@ fn spawn(
         Some(tokens) => command.env("LEASEHOLD_FENCING_TOKENS", tokens),
         None => command.env("LEASEHOLD_FENCING_TOKEN", token.to_string()),
     };
+    // A token counts per permit: the command fences with both.
+    if let Holder::Direct(lock) = holder
+        && lock.config().permits > 1
+        && let Some(held) = lock.snapshot().held
+    {
+        command.env("LEASEHOLD_PERMIT", held.permit.to_string());
+    }
     // Through a sidecar, the command inherits a copy of the held connection (the only
     // descriptor left open across exec), which stays open while it or any process it started
     // lives: the sidecar releases only once they are all gone, even if exec is killed outright.
