@@ -6,6 +6,10 @@
 //! slack for a loaded machine) after each fault ends; after a kill or a partition of the
 //! holder, a command with a newer token.
 //!
+//! [`run_permits`] runs each `exec` on a lock of two permits (`--permits 2`): each permit is
+//! checked as a lock of its own (its commands one at a time, with rising tokens), and a kill
+//! or partition of a permit's holder is followed by a newer token on that permit.
+//!
 //! [`run_via`] holds through each contender's sidecar instead (`exec --via`, a hold bound to a
 //! connection), and kills, pauses and cuts off the sidecar as well as the exec;
 //! [`run_via_keyed`] does so on a key of a family (`exec --via --keyed`), and
@@ -105,6 +109,8 @@ struct Outcomes {
 pub enum Route {
     /// On the backend itself (`--backend`).
     Own,
+    /// On the backend itself, on a lock of [`PERMITS`] permits (`--permits`).
+    OwnPermits,
     /// Through its contender's sidecar (`--via`): a hold bound to a connection, on an
     /// on-demand lock.
     Via,
@@ -115,6 +121,9 @@ pub enum Route {
     /// writes the key (`--mode read|write`), at random.
     ViaReadWrite,
 }
+
+/// The permits of [`Route::OwnPermits`]' lock: fewer than the contenders, so that one waits.
+const PERMITS: u32 = 2;
 
 /// The family of [`Route::ViaKeyed`], and its key.
 const FAMILY: &str = "jobs";
@@ -160,6 +169,11 @@ pub fn run(target: Target, duration: Duration, seed: u64) -> Report {
     run_routed(target, duration, seed, Route::Own)
 }
 
+/// Run the check with each `exec` on a lock of two permits, on the backend itself.
+pub fn run_permits(target: Target, duration: Duration, seed: u64) -> Report {
+    run_routed(target, duration, seed, Route::OwnPermits)
+}
+
 /// Run the check with each `exec` holding through its contender's sidecar (`--via`), whose
 /// sidecar is killed, paused and cut off from the backend among the faults.
 pub fn run_via(target: Target, duration: Duration, seed: u64) -> Report {
@@ -186,8 +200,18 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
     let lock = unique_lock("exec");
     let dir = tempfile::tempdir().expect("temp dir");
     let state = dir.path().join("state");
-    std::fs::File::create(&state).expect("the witnesses' file");
-    let file_id = lock_table_id(&state);
+    // The files the witnesses flock: one per permit on a lock of several.
+    let states: Vec<PathBuf> = match route {
+        Route::OwnPermits => (0..PERMITS)
+            .map(|permit| dir.path().join(format!("state-{permit}")))
+            .collect(),
+        _ => vec![state.clone()],
+    };
+    for file in &states {
+        std::fs::File::create(file).expect("the witnesses' file");
+    }
+    let file_ids: Vec<String> = states.iter().map(|file| lock_table_id(file)).collect();
+    let any_runs = || file_ids.iter().any(|id| command_runs(id));
     let stop = Arc::new(AtomicBool::new(false));
     let outcomes = Arc::new(Mutex::new(Outcomes::default()));
     let mut contenders: Vec<Contender> = (0..CONTENDERS)
@@ -197,8 +221,8 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
             let ports: Vec<u16> = proxies.iter().map(|p| p.port).collect();
             let identity = format!("contender-{index}");
             let url = backend.url_via(index, &ports);
-            let sidecar =
-                (route != Route::Own).then(|| start_sidecar(route, &identity, &url, &lock));
+            let sidecar = (!matches!(route, Route::Own | Route::OwnPermits))
+                .then(|| start_sidecar(route, &identity, &url, &lock));
             let via = sidecar
                 .as_ref()
                 .map(|s| format!("http://{}", s.addr))
@@ -207,7 +231,8 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
                 identity,
                 lock: lock.clone(),
                 backend: match route {
-                    Route::Own => Holds::Backend(url),
+                    Route::Own => Holds::Backend(url, None),
+                    Route::OwnPermits => Holds::Backend(url, Some(PERMITS)),
                     Route::Via => Holds::Via(via),
                     Route::ViaKeyed => Holds::ViaKeyed(via, None),
                     Route::ViaReadWrite => Holds::ViaKeyed(via, Some(READ_WRITE_MODES)),
@@ -237,7 +262,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
         .iter()
         .copied()
         .filter(|f| *f != Fault::SplitSentinels)
-        .filter(|f| *f != Fault::PauseHolder || route != Route::Own)
+        .filter(|f| *f != Fault::PauseHolder || !matches!(route, Route::Own | Route::OwnPermits))
         .collect();
 
     let mut report = Report {
@@ -246,6 +271,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
             target.name(),
             match route {
                 Route::Own => "exec",
+                Route::OwnPermits => "exec-permits",
                 Route::Via => "exec-via",
                 Route::ViaKeyed => "exec-via-keyed",
                 Route::ViaReadWrite => "exec-via-read-write",
@@ -256,7 +282,7 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
     };
     let bound = LEASE + RENEW + RECOVERY_SLACK + EXEC_START;
     let began = Instant::now();
-    if !wait_for(bound, || command_runs(&file_id)) {
+    if !wait_for(bound, any_runs) {
         report
             .violations
             .push("no command ran at the start".to_owned());
@@ -273,15 +299,22 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
             fault,
             Fault::KillHolder | Fault::PartitionHolder | Fault::PauseHolder
         );
-        let (index, aimed) = match holder(&state) {
-            Some((index, token)) => (index, Some(token)),
+        // A holder to aim at: on a lock of several permits, one permit's, at random.
+        let held: Vec<(usize, (usize, u64))> = states
+            .iter()
+            .enumerate()
+            .filter_map(|(permit, file)| Some((permit, holder(file)?)))
+            .collect();
+        let aimed_at = (!held.is_empty()).then(|| held[rng.random_range(0..held.len())]);
+        let (permit, (index, aimed)) = match aimed_at {
+            Some((permit, (index, token))) => (permit, (index, Some(token))),
             // Readers leave no trace to aim at (only writers write STATE): a contender's,
             // while readers run.
-            None if route == Route::ViaReadWrite && command_runs(&file_id) => {
-                (rng.random_range(0..CONTENDERS), None)
+            None if route == Route::ViaReadWrite && any_runs() => {
+                (0, (rng.random_range(0..CONTENDERS), None))
             }
             None if replaces => continue,
-            None => (rng.random_range(0..CONTENDERS), None),
+            None => (0, (rng.random_range(0..CONTENDERS), None)),
         };
         let ran_before = runs(&state).len();
         let contender = &mut contenders[index];
@@ -312,8 +345,10 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
         let recovered = wait_for(bound, || match aimed.filter(|_| replaces) {
             // A reader's token may be below the writer's it follows: any command after it.
             Some(_) if route == Route::ViaReadWrite => runs(&state).len() > ran_before,
-            Some(token) => runs(&state).last().is_some_and(|&last| last > token),
-            None => command_runs(&file_id),
+            Some(token) => runs(&states[permit])
+                .last()
+                .is_some_and(|&last| last > token),
+            None => any_runs(),
         });
         report.slowest_recovery = report.slowest_recovery.max(healed.elapsed());
         if !recovered {
@@ -347,26 +382,32 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
             );
         }
     }
-    let tokens = runs(&state);
-    report.runs = tokens.len();
-    // Readers' tokens rise with their permits only: each writer's the witness checked.
-    let checked = match route {
-        Route::ViaReadWrite => &[][..],
-        _ => &tokens[..],
-    };
-    if let Some(pair) = checked.windows(2).find(|pair| pair[1] <= pair[0]) {
-        report.violations.push(format!(
-            "the commands' tokens did not rise: {} then {}",
-            pair[0], pair[1]
-        ));
+    for (permit, file) in states.iter().enumerate() {
+        let tokens = runs(file);
+        report.runs += tokens.len();
+        // Readers' tokens rise with their permits only: each writer's the witness checked.
+        let checked = match route {
+            Route::ViaReadWrite => &[][..],
+            _ => &tokens[..],
+        };
+        if let Some(pair) = checked.windows(2).find(|pair| pair[1] <= pair[0]) {
+            let whose = match route {
+                Route::OwnPermits => format!(" of permit {permit}"),
+                _ => String::new(),
+            };
+            report.violations.push(format!(
+                "the commands' tokens{whose} did not rise: {} then {}",
+                pair[0], pair[1]
+            ));
+        }
     }
     report
 }
 
 /// Where an `exec` holds the lock.
 enum Holds {
-    /// `--backend URL`, with the check's lease.
-    Backend(String),
+    /// `--backend URL`, with the check's lease, and the lock's permits when it has several.
+    Backend(String, Option<u32>),
     /// `--via` the lock API at this URL.
     Via(String),
     /// `--via` the lock API at this URL, for the family's key; on a read-write family, in a
@@ -438,11 +479,14 @@ impl Exec {
             command.args(["exec", "--kill-grace", KILL_GRACE]);
             let mut mode = None;
             match &self.backend {
-                Holds::Backend(url) => {
+                Holds::Backend(url, permits) => {
                     command
                         .args(["--lock", &self.lock])
                         .args(["--backend", url, "--identity", &self.identity])
                         .args(TIMING);
+                    if let Some(permits) = permits {
+                        command.args(["--permits", &permits.to_string()]);
+                    }
                 }
                 Holds::Via(via) => {
                     command.args(["--lock", &self.lock, "--via", via]);

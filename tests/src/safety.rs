@@ -171,6 +171,9 @@ pub enum Workload {
     /// `leasehold-sidecar exec` run over and over by each contender, its commands checked
     /// rather than the lock ([`crate::exec_safety`]).
     Exec,
+    /// The same on a lock of two permits (`exec --permits 2`), each permit checked as a lock
+    /// ([`crate::exec_safety::run_permits`]).
+    ExecPermits,
     /// The same with each `exec` holding through its contender's sidecar (`--via`), which is
     /// killed, paused and cut off too ([`crate::exec_safety::run_via`]).
     ExecVia,
@@ -183,7 +186,7 @@ pub enum Workload {
 }
 
 impl Workload {
-    pub const ALL: [Workload; 11] = [
+    pub const ALL: [Workload; 12] = [
         Workload::Campaign,
         Workload::Waiters,
         Workload::Resource,
@@ -192,6 +195,7 @@ impl Workload {
         Workload::ReadWrite,
         Workload::Several,
         Workload::Exec,
+        Workload::ExecPermits,
         Workload::ExecVia,
         Workload::ExecViaKeyed,
         Workload::ExecViaReadWrite,
@@ -208,6 +212,7 @@ impl Workload {
             Workload::ReadWrite => "+read-write",
             Workload::Several => "+several",
             Workload::Exec => "+exec",
+            Workload::ExecPermits => "+exec-permits",
             Workload::ExecVia => "+exec-via",
             Workload::ExecViaKeyed => "+exec-via-keyed",
             Workload::ExecViaReadWrite => "+exec-via-read-write",
@@ -271,6 +276,7 @@ impl Scenario {
                     !matches!(
                         s.workload,
                         Workload::Exec
+                            | Workload::ExecPermits
                             | Workload::ExecVia
                             | Workload::ExecViaKeyed
                             | Workload::ExecViaReadWrite
@@ -952,6 +958,7 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
                 | Workload::ReadWrite
                 | Workload::Several
                 | Workload::Exec
+                | Workload::ExecPermits
                 | Workload::ExecVia
                 | Workload::ExecViaKeyed
                 | Workload::ExecViaReadWrite
@@ -969,6 +976,7 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
         | Workload::ReadWrite
         | Workload::Several
         | Workload::Exec
+        | Workload::ExecPermits
         | Workload::ExecVia
         | Workload::ExecViaKeyed
         | Workload::ExecViaReadWrite => TIMING.to_vec(),

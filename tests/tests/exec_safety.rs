@@ -20,6 +20,11 @@ fn check(target: Target) {
     check_report(exec_safety::run(target, duration(), rand::random()));
 }
 
+/// Each `exec` on a lock of two permits (`--permits 2`): each permit's commands one at a time.
+fn check_permits(target: Target) {
+    check_report(exec_safety::run_permits(target, duration(), rand::random()));
+}
+
 /// Each `exec` through its contender's sidecar (`--via`), whose sidecar is killed, paused and
 /// cut off too.
 fn check_via(target: Target) {
@@ -94,6 +99,21 @@ fn etcd_exec_commands_never_run_two_at_once() {
 #[test]
 fn zookeeper_exec_commands_never_run_two_at_once() {
     check(Target::ZooKeeper);
+}
+
+#[test]
+fn redis_exec_on_a_lock_of_two_permits_never_runs_two_commands_on_one_permit() {
+    check_permits(Target::Redis);
+}
+
+#[test]
+fn etcd_exec_on_a_lock_of_two_permits_never_runs_two_commands_on_one_permit() {
+    check_permits(Target::Etcd);
+}
+
+#[test]
+fn postgres_exec_on_a_lock_of_two_permits_never_runs_two_commands_on_one_permit() {
+    check_permits(Target::Postgres);
 }
 
 #[test]

@@ -12,6 +12,9 @@
 //! that finds a writer's flock is the violation), do not check their token (a reader's rises
 //! with its permit's holders only) and leave STATE alone; `write` commands are checked as
 //! above: alone, with a token above every earlier reader's and writer's.
+//!
+//! On a lock of several permits (`LEASEHOLD_PERMIT` set), each permit is checked as a lock of
+//! its own: its commands flock `STATE-PERMIT`, and their tokens rise in `STATE-PERMIT.runs`.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
@@ -53,6 +56,10 @@ fn main() {
         .expect("LEASEHOLD_FENCING_TOKEN");
     let identity = std::env::var("LEASEHOLD_EXEC_IDENTITY").expect("LEASEHOLD_EXEC_IDENTITY");
     let violations = format!("{state}.violations");
+    let state = &match std::env::var("LEASEHOLD_PERMIT") {
+        Ok(permit) => format!("{state}-{permit}"),
+        Err(_) => state.clone(),
+    };
     let file = OpenOptions::new()
         .read(true)
         .write(true)

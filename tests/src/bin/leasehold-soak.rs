@@ -77,6 +77,7 @@ fn main() {
             Workload::ReadWrite => keyed_safety::run_read_write(target, duration, seed).outcome(),
             Workload::Several => keyed_safety::run_several(target, duration, seed).outcome(),
             Workload::Exec => exec_safety::run(target, duration, seed).outcome(),
+            Workload::ExecPermits => exec_safety::run_permits(target, duration, seed).outcome(),
             Workload::ExecVia => exec_safety::run_via(target, duration, seed).outcome(),
             Workload::ExecViaKeyed => exec_safety::run_via_keyed(target, duration, seed).outcome(),
             Workload::ExecViaReadWrite => {
