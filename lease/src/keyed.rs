@@ -812,7 +812,7 @@ impl KeyedFamily {
         };
         holding
             .lock
-            .force_release(token)
+            .force_release(None, token)
             .await
             .map_err(KeyError::Lock)
     }
@@ -901,7 +901,7 @@ impl KeyedFamily {
             });
         }
         let released = match token {
-            Some(token) => current.lock.release_if(token).await,
+            Some(token) => current.lock.release_if(own_permit(token)).await,
             None => current.lock.release().await,
         };
         match released {
@@ -995,7 +995,7 @@ impl KeyedFamily {
             });
         }
         let extended = match held {
-            Some((_, token)) => current.lock.extend_if(token, hold).await,
+            Some((_, token)) => current.lock.extend_if(own_permit(token), hold).await,
             None => current.lock.extend(hold).await,
         };
         match extended {
@@ -1052,7 +1052,9 @@ impl KeyedFamily {
 
     fn answer_for(&self, holding: &KeyHolding, answer: Answer) -> KeyAnswer {
         match answer {
-            Answer::Holder { token, valid_for } => KeyAnswer::Held {
+            Answer::Holder {
+                token, valid_for, ..
+            } => KeyAnswer::Held {
                 token,
                 valid_for,
                 holds: holding.lock.snapshot().holds,
@@ -1155,6 +1157,12 @@ impl Drop for StateInUse<'_> {
         self.state.take();
         self.inner.drop_state_if_idle(self.key);
     }
+}
+
+/// The holding of a key's (or a permit's) engine with `token`: each engine is a lock of one
+/// permit, its permit 0 (a semaphore's permits are engines apart).
+pub fn own_permit(token: u64) -> (u32, u64) {
+    (0, token)
 }
 
 /// Once `notices` moves; never, should its sender be gone.

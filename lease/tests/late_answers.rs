@@ -237,7 +237,10 @@ async fn a_retired_lock_keeps_its_lease_until_its_last_answer_ran_out() {
     // The next renewal does not answer: the engine is inside it when asked to retire.
     faulty.stall_renewals(true);
     sleep(Duration::from_millis(2100)).await;
-    let Answer::Holder { token, valid_for } = holder.answer() else {
+    let Answer::Holder {
+        token, valid_for, ..
+    } = holder.answer()
+    else {
         panic!("a lost the lock: {:?}", holder.answer());
     };
     let answered_until = Instant::now() + valid_for;

@@ -537,21 +537,21 @@ async fn redis_a_release_or_extension_for_an_earlier_holding_leaves_a_later_one_
     };
     assert!(second > first);
     let hold_until = a.snapshot().held.unwrap().hold_until;
-    a.extend_if(first, HOLD).await.unwrap();
+    a.extend_if((0, first), HOLD).await.unwrap();
     assert_eq!(
         a.snapshot().held.unwrap().hold_until,
         hold_until,
         "an extension for the first holding moved the second's hold"
     );
     assert!(
-        !a.release_if(first).await.unwrap(),
+        !a.release_if((0, first)).await.unwrap(),
         "a release for the first holding was carried out"
     );
     assert_eq!(a.answer().token(), Some(second));
     assert_eq!(a.snapshot().holds, 1);
-    a.extend_if(second, HOLD).await.unwrap();
+    a.extend_if((0, second), HOLD).await.unwrap();
     assert!(a.snapshot().held.unwrap().hold_until > hold_until);
-    assert!(a.release_if(second).await.unwrap());
+    assert!(a.release_if((0, second)).await.unwrap());
     assert!(!a.answer().is_holder());
 }
 
@@ -580,7 +580,7 @@ async fn redis_an_extension_applies_while_the_claim_stands_through_an_outage() {
     }
     let before = a.snapshot().held.expect("the claim stands");
     assert_eq!(a.answer(), Answer::Unknown);
-    a.extend_if(token, HOLD).await.unwrap();
+    a.extend_if((0, token), HOLD).await.unwrap();
     let extended = a.snapshot().held.expect("the claim stands");
     assert!(
         extended.hold_until.unwrap() > before.hold_until.unwrap() + Duration::from_secs(30),
@@ -603,9 +603,9 @@ async fn redis_a_force_released_holding_answers_the_next_acquisition_within_its_
     let Answer::Holder { token, .. } = a.acquire(Duration::ZERO, HOLD).await.unwrap() else {
         panic!("a takes the free lock");
     };
-    assert!(!a.force_release(token + 1).await.unwrap());
+    assert!(!a.force_release(None, token + 1).await.unwrap());
     assert_eq!(a.answer().token(), Some(token));
-    assert!(a.force_release(token).await.unwrap());
+    assert!(a.force_release(None, token).await.unwrap());
     assert!(!a.answer().is_holder());
     let tried = tokio::time::timeout(Duration::from_secs(2), a.acquire(Duration::ZERO, HOLD))
         .await

@@ -526,7 +526,9 @@ fn lock_response(
     released: Option<bool>,
 ) -> Response {
     let (token, valid_for) = match answer {
-        Answer::Holder { token, valid_for } => (Some(token), valid_for),
+        Answer::Holder {
+            token, valid_for, ..
+        } => (Some(token), valid_for),
         _ => (None, Duration::ZERO),
     };
     let current_holder = match answer {
@@ -547,10 +549,7 @@ fn lock_response(
         identity: &lock.config().identity,
         current_holder,
         fencing_token: token,
-        permit: permits
-            .and(token)
-            .and(snapshot.held.as_ref())
-            .map(|held| held.permit),
+        permit: permits.and(answer.holding()).map(|(permit, _)| permit),
         permits,
         valid_for_ms: valid_for.as_millis() as u64,
         backend: lock.backend(),
@@ -768,7 +767,7 @@ async fn hold(
         )
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
-    let Answer::Holder { token, .. } = answer else {
+    let Answer::Holder { token, permit, .. } = answer else {
         // The answer the acquisition got, not the state a moment later (another call may
         // have taken the lock since).
         return Ok(lock_response(&lock, &lock.snapshot(), answer, None));
@@ -776,7 +775,11 @@ async fn hold(
     let mut about = serde_json::Map::new();
     about.insert("lock".into(), lock.name().into());
     Ok(hold_stream::respond(
-        hold_stream::Bound::Lock { lock, token },
+        hold_stream::Bound::Lock {
+            lock,
+            permit,
+            token,
+        },
         about,
         turn.into_iter().collect(),
     ))
@@ -827,8 +830,49 @@ fn token_param(query: &mut HashMap<String, String>) -> Result<u64, ApiError> {
     })
 }
 
-/// `/locks/{name}/force-release?token=T`: a person ends this pod's holding of the lock, if it
-/// is the one with that token, as the `leasehold.dev/force-release` annotation does for a
+/// The `permit` of a force-release on `name`: two permits may hold one token on some backends,
+/// so a semaphore's holding is named with its permit (`has_permits`), and anything else has
+/// none to name.
+fn permit_param(
+    query: &mut HashMap<String, String>,
+    name: &str,
+    has_permits: bool,
+) -> Result<Option<u32>, ApiError> {
+    let permit = match query.remove("permit") {
+        None => None,
+        Some(permit) => Some(
+            permit
+                .parse::<u32>()
+                .ok()
+                .filter(|p| *p < leasehold_lease::keyed::MAX_PERMITS)
+                .ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        format!(
+                            "permit={permit:?} is not a permit a lock or a key can have (0 to {})",
+                            leasehold_lease::keyed::MAX_PERMITS - 1
+                        ),
+                    )
+                })?,
+        ),
+    };
+    match (permit, has_permits) {
+        (None, true) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{name:?} has permits: name the holding's permit too, &permit=P (its answer says it)"
+            ),
+        )),
+        (Some(_), false) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("{name:?} has no permits: leave permit out"),
+        )),
+        _ => Ok(permit),
+    }
+}
+
+/// `/locks/{name}/force-release?token=T[&permit=P]`: a person ends this pod's holding of the
+/// lock (on a lock of several permits, of permit `P`), if it is the one with that token, as the `leasehold.dev/force-release` annotation does for a
 /// sidecar that follows its lock: the sidecar stops claiming at once (409 from then on), and
 /// releases once the last answer it gave has run out, so that nobody else holds meanwhile. A
 /// campaign-mode holder then sits out its cool-down. 200 when the holding ended, 409 when the
@@ -848,9 +892,10 @@ async fn force_release(
     }
     let lock = state.lock(Some(Path(name)))?;
     let token = token_param(&mut query)?;
+    let permit = permit_param(&mut query, lock.name(), lock.config().permits > 1)?;
     durations(&query, &[])?;
     let released = lock
-        .force_release(token)
+        .force_release(permit, token)
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
     if released {
@@ -876,45 +921,8 @@ async fn key_force_release(
 ) -> Result<Response, ApiError> {
     let family = &state.family(&family)?;
     let token = token_param(&mut query)?;
-    let permit = match query.remove("permit") {
-        None => None,
-        Some(permit) => Some(
-            permit
-                .parse::<u32>()
-                .ok()
-                .filter(|p| *p < leasehold_lease::keyed::MAX_PERMITS)
-                .ok_or_else(|| {
-                    ApiError::new(
-                        StatusCode::BAD_REQUEST,
-                        format!(
-                            "permit={permit:?} is not a permit a key can have (0 to {})",
-                            leasehold_lease::keyed::MAX_PERMITS - 1
-                        ),
-                    )
-                })?,
-        ),
-    };
+    let permit = permit_param(&mut query, family.name(), family.has_had_permits())?;
     durations(&query, &[])?;
-    // Two permits of a key may hold one token on some backends: a semaphore's holding is named
-    // with its permit, and a family without permits has none to name.
-    match (permit, family.has_had_permits()) {
-        (None, true) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "{:?} has permits: name the holding's permit too, &permit=P (the key's answer says it)",
-                    family.name()
-                ),
-            ));
-        }
-        (Some(_), false) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!("{:?} has no permits: leave permit out", family.name()),
-            ));
-        }
-        _ => {}
-    }
     let released = family
         .force_release(&key, permit, token)
         .await
@@ -1269,7 +1277,9 @@ async fn keys_hold(
                 } else if let KeyAnswer::Held { permit, token, .. } = answer
                     && let Some(lock) = family.holding_on_permit(&key, permit, &owner)
                 {
-                    let _ = lock.release_if(token).await;
+                    let _ = lock
+                        .release_if(leasehold_lease::keyed::own_permit(token))
+                        .await;
                 }
             }
         })

@@ -47,9 +47,9 @@ struct Args {
           value_parser = clap::value_parser!(usize))]
     max_keys: usize,
 
-    /// How many holders a lock, or one key of a family, has at once: a semaphore of N permits,
-    /// each with its own fencing token (1: one holder at a time). For the --lock or the --keyed
-    /// families given, not both.
+    /// How many holders one key of a family has at once: a semaphore of N permits, each with
+    /// its own fencing token (1: one holder at a time). Without --keyed, how many each --lock
+    /// has.
     #[arg(long, env = "LEASEHOLD_PERMITS", value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32))]
     permits: u32,
@@ -118,7 +118,7 @@ struct Args {
     /// changes (repeatable, or comma-separated). Replaces --lock, --backend, --lease-duration,
     /// --renew-interval and --mode.
     #[arg(long = "resource", env = "LEASEHOLD_RESOURCE", value_name = "NS/NAME", value_delimiter = ',',
-          conflicts_with_all = ["locks", "families", "backend", "lease_duration", "renew_interval", "mode", "provision"])]
+          conflicts_with_all = ["locks", "families", "backend", "lease_duration", "renew_interval", "mode", "provision", "permits", "read_write"])]
     resources: Vec<String>,
 
     /// With --resource: how often the Secrets a DistributedLock references are read again, so
@@ -307,13 +307,6 @@ impl Config {
             };
             bad(field, &value, &reason)
         };
-        if args.permits != 1 && !args.locks.is_empty() && !args.families.is_empty() {
-            return Err(bad(
-                "permits",
-                &args.permits.to_string(),
-                &"--permits applies to the --lock or to the --keyed families of a sidecar, not to both: run one sidecar for each, or declare them by --resource",
-            ));
-        }
         if !(1..=leasehold_lease::keyed::MAX_PERMITS).contains(&args.permits) {
             return Err(bad(
                 "permits",
@@ -329,10 +322,15 @@ impl Config {
             if locks.iter().any(|l| &l.name == name) {
                 return Err(bad("lock", name, &"the lock is named twice"));
             }
+            // Beside families, --permits is theirs (as it was before locks had permits): a lock
+            // of several permits runs in a sidecar without families.
             let lock = LockConfig {
                 renew_interval,
                 mode: args.mode,
-                permits: args.permits,
+                permits: match args.families.is_empty() {
+                    true => args.permits,
+                    false => 1,
+                },
                 ..LockConfig::new(name, &identity, args.lease_duration)
             };
             if let Err(e) = leasehold_lease::names::validate_lock_name(name) {
@@ -571,10 +569,6 @@ mod tests {
             (&["--keyed", "orders", "--permits", "257"], "--permits"),
             (&["--lock", "jobs", "--permits", "0"], "--permits"),
             (
-                &["--lock", "jobs", "--keyed", "pool", "--permits", "3"],
-                "not to both",
-            ),
-            (
                 &["--lock", &"j".repeat(220), "--permits", "3"],
                 "names them as a family",
             ),
@@ -585,6 +579,7 @@ mod tests {
             ),
             (&["--lock", "a,a"], "'a'"),
             (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
+            (&["--resource", "ns/x", "--permits", "3"], "--permits"),
             (&["--resource", "ns"], "NAMESPACE/NAME"),
             (&["--resource", "Ns/x"], "Ns/x"),
             (&["--resource", "ns/x,ns/x"], "twice"),
@@ -606,13 +601,13 @@ mod tests {
     }
 
     #[test]
-    fn permits_apply_to_the_locks_or_to_the_families() {
+    fn permits_apply_to_the_families_or_without_them_to_the_locks() {
         let c = parse(&["--lock", "workers", "--permits", "3"]).unwrap();
         assert_eq!(c.locks[0].permits, 3);
         let c = parse(&["--keyed", "pool", "--permits", "3"]).unwrap();
         assert_eq!(c.families[0].permits, 3);
-        let c = parse(&["--lock", "leader", "--keyed", "pool"]).unwrap();
-        assert_eq!((c.locks[0].permits, c.families[0].permits), (1, 1));
+        let c = parse(&["--lock", "leader", "--keyed", "pool", "--permits", "3"]).unwrap();
+        assert_eq!((c.locks[0].permits, c.families[0].permits), (1, 3));
     }
 
     #[test]

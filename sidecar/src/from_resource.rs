@@ -395,7 +395,7 @@ pub async fn follow(
             if let Some(Ok(token)) = resource::force_release_token(&lock)
                 && running.keys.is_none()
                 && let Some(held) = state.locks().into_iter().find(|l| l.name() == running.name)
-                && held.force_release(token).await.unwrap_or(false)
+                && held.force_release(None, token).await.unwrap_or(false)
             {
                 tracing::warn!(resource = %r, token, "force-released by the lock's annotation: stepping down");
             }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use leasehold_lease::boot_clock::BootInstant;
-use leasehold_lease::keyed::{KeyedFamily, WriteHolding};
+use leasehold_lease::keyed::{KeyedFamily, WriteHolding, own_permit};
 use leasehold_lease::{EventKind, Lock};
 use serde_json::{Map, Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
@@ -38,6 +38,8 @@ const KEEP_ALIVE: Duration = Duration::from_secs(5);
 pub enum Bound {
     Lock {
         lock: Lock,
+        /// Of a lock of several permits, the one taken (its tokens count apart).
+        permit: u32,
         token: u64,
     },
     Key {
@@ -87,6 +89,7 @@ impl Bound {
 
     /// What every event says of the holding's token: the one token of a lock, a key or a write
     /// lock; nothing for several keys, whose tokens the stream names once, each with its key.
+    /// A lock of several permits names the permit beside it.
     fn token_field(&self) -> Map<String, Value> {
         let token = match self {
             Bound::Lock { token, .. } | Bound::Key { token, .. } | Bound::Write { token, .. } => {
@@ -96,18 +99,23 @@ impl Bound {
         };
         let mut field = Map::new();
         field.insert("fencingToken".into(), token.into());
+        if let Bound::Lock { lock, permit, .. } = self
+            && lock.config().permits > 1
+        {
+            field.insert("permit".into(), (*permit).into());
+        }
         field
     }
 
-    /// The engines that hold it now, each with the token its part was taken with, or `None`
-    /// once a part is no longer held.
-    fn parts(&self) -> Option<Vec<(Lock, u64)>> {
+    /// The engines that hold it now, each with the holding (permit, token) its part was taken
+    /// as, or `None` once a part is no longer held.
+    fn parts(&self) -> Option<Vec<(Lock, (u32, u64))>> {
         let (engines, parts) = match self {
-            Bound::Write { holding, .. } => return holding.parts(),
+            Bound::Write { holding, .. } => return Some(own_permits(holding.parts()?)),
             Bound::Writes { holdings, .. } => {
                 let mut parts = Vec::new();
                 for holding in holdings {
-                    parts.extend(holding.parts()?);
+                    parts.extend(own_permits(holding.parts()?));
                 }
                 return Some(parts);
             }
@@ -132,7 +140,7 @@ impl Bound {
                 let extensions = self
                     .engines()
                     .into_iter()
-                    .map(|(engine, token)| async move { engine.extend_if(token, hold).await });
+                    .map(|(engine, holding)| async move { engine.extend_if(holding, hold).await });
                 futures_util::future::try_join_all(extensions)
                     .await
                     .map(drop)
@@ -163,7 +171,7 @@ impl Bound {
                 let releases = self
                     .engines()
                     .into_iter()
-                    .map(|(engine, token)| async move { engine.release_if(token).await });
+                    .map(|(engine, holding)| async move { engine.release_if(holding).await });
                 futures_util::future::join_all(releases)
                     .await
                     .into_iter()
@@ -177,11 +185,16 @@ impl Bound {
         }
     }
 
-    /// The engines holding a lock's or keys' parts now, each with its token; those no longer
-    /// held are left out (not a write lock's: its parts are released through it).
-    fn engines(&self) -> Vec<(Lock, u64)> {
+    /// The engines holding a lock's or keys' parts now, each with its holding (permit, token);
+    /// those no longer held are left out (not a write lock's: its parts are released through
+    /// it).
+    fn engines(&self) -> Vec<(Lock, (u32, u64))> {
         match self {
-            Bound::Lock { lock, token } => vec![(lock.clone(), *token)],
+            Bound::Lock {
+                lock,
+                permit,
+                token,
+            } => vec![(lock.clone(), (*permit, *token))],
             Bound::Key {
                 family,
                 key,
@@ -190,7 +203,7 @@ impl Bound {
                 token,
             } => family
                 .holding_on_permit(key, *permit, owner)
-                .map(|lock| vec![(lock, *token)])
+                .map(|lock| vec![(lock, own_permit(*token))])
                 .unwrap_or_default(),
             Bound::Keys {
                 family,
@@ -201,7 +214,7 @@ impl Bound {
                 .filter_map(|(key, permit, token)| {
                     family
                         .holding_on_permit(key, *permit, owner)
-                        .map(|lock| (lock, *token))
+                        .map(|lock| (lock, own_permit(*token)))
                 })
                 .collect(),
             Bound::Write { .. } | Bound::Writes { .. } => Vec::new(),
@@ -290,21 +303,34 @@ const NO_LONGER_HELD: &str = "the lease is no longer held";
 /// How long an ending whose event has not come is waited for before it is told as a loss.
 const UNTOLD_PATIENCE: Duration = Duration::from_millis(20);
 
-/// Read the engine's state and its events since the last look.
+/// Each of a key's engine parts, with its holding: a key's engines hold permit 0 of their own
+/// lock.
+fn own_permits(parts: Vec<(Lock, u64)>) -> Vec<(Lock, (u32, u64))> {
+    parts
+        .into_iter()
+        .map(|(engine, token)| (engine, own_permit(token)))
+        .collect()
+}
+
+/// Read the engine's state and its events since the last look, for the holding
+/// (`permit`, `token`).
 fn standing(
     engine: &Lock,
-    token: u64,
+    (permit, token): (u32, u64),
     events: &mut broadcast::Receiver<leasehold_lease::Event>,
 ) -> Standing {
-    let held = engine.snapshot().held;
+    let held = engine
+        .snapshot()
+        .held
+        .filter(|h| (h.permit, h.token) == (permit, token));
     match held {
-        Some(h) if h.token == token && BootInstant::now() < h.valid_until => Standing::Held {
+        Some(h) if BootInstant::now() < h.valid_until => Standing::Held {
             claim: h.valid_until,
             answer: h
                 .hold_until
                 .map_or(h.valid_until, |hold| hold.min(h.valid_until)),
         },
-        Some(h) if h.token == token => Standing::Ended {
+        Some(_) => Standing::Ended {
             released: false,
             reason: "the claim ran out before it was renewed".into(),
         },
@@ -313,7 +339,12 @@ fn standing(
             let mut ending = None;
             let closed = loop {
                 match events.try_recv() {
-                    Ok(e) if e.token == token && e.kind != EventKind::Acquired => ending = Some(e),
+                    Ok(e)
+                        if (e.permit, e.token) == (permit, token)
+                            && e.kind != EventKind::Acquired =>
+                    {
+                        ending = Some(e)
+                    }
                     Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {}
                     Err(broadcast::error::TryRecvError::Empty) => break false,
                     Err(broadcast::error::TryRecvError::Closed) => break true,
@@ -344,7 +375,7 @@ fn no_longer_held() -> Standing {
 /// ending still untold is waited for, unless another part was lost). `endings` keeps each
 /// part's ending once found, as its event is read only once.
 fn standing_of(
-    parts: &[(Lock, u64)],
+    parts: &[(Lock, (u32, u64))],
     events: &mut [broadcast::Receiver<leasehold_lease::Event>],
     endings: &mut [Option<(bool, String)>],
 ) -> Standing {

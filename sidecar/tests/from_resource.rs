@@ -634,9 +634,9 @@ async fn a_restarted_lock_lets_its_lease_run_out_before_anyone_else_holds() {
     let mut changed = distributed_lock(&redis, "leasehold", "3s");
     changed["spec"]["renewInterval"] = json!("900ms");
     let (promised, token) = match state.locks()[0].answer() {
-        leasehold_lease::Answer::Holder { valid_for, token } => {
-            (tokio::time::Instant::now() + valid_for, token)
-        }
+        leasehold_lease::Answer::Holder {
+            valid_for, token, ..
+        } => (tokio::time::Instant::now() + valid_for, token),
         other => panic!("pod-a does not hold: {other:?}"),
     };
     let observer = redis_driver(&redis, "leasehold").await;

@@ -1583,7 +1583,21 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
         "acquiring again keeps the holding"
     );
     assert_eq!(permit_of(&pods[0]), before);
+    assert_eq!(again.holding().map(|(permit, _)| permit), before);
     assert_eq!(pods[0].snapshot().holds, 2);
+    // A holding is named by its permit and its token together: tokens count per permit, so
+    // the same token on the other permit is another holding, which none of these touch.
+    let (permit, token) = again.holding().unwrap();
+    let other = (permit + 1) % PERMITS;
+    assert!(!pods[0].release_if((other, token)).await.unwrap());
+    assert!(!pods[0].force_release(Some(other), token).await.unwrap());
+    let hold_until = pods[0].snapshot().held.unwrap().hold_until;
+    pods[0].extend_if((other, token), 10 * hold).await.unwrap();
+    assert_eq!(pods[0].snapshot().held.unwrap().hold_until, hold_until);
+    assert_eq!(pods[0].snapshot().holds, 2);
+    assert!(pods[0].release_if((permit, token)).await.unwrap());
+    assert_eq!(pods[0].snapshot().holds, 1);
+    assert!(pods[0].acquire(SLACK, hold).await.unwrap().is_holder());
     for _ in 0..2 {
         assert!(pods[0].release().await.unwrap());
     }

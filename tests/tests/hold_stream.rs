@@ -159,6 +159,52 @@ fn a_lock_held_by_a_connection_is_free_the_moment_it_closes() {
 /// A sidecar paused past its claim tells nothing while paused; its last word's `validForMs`
 /// had run out before another pod held the key, and once it runs again the stream says `lost`
 /// at once and ends.
+/// On a lock of two permits the stream names the permit beside the token, and a force-release
+/// of the holding must name it too (tokens count per permit): without it a 400, with the other
+/// permit a 409 that ends nothing, with its own the holding ends and the stream says so.
+#[test]
+fn a_hold_on_a_lock_of_permits_names_its_permit_and_so_must_its_force_release() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("permits");
+    let args = [&TIMING[..], &["--mode", "on-demand", "--permits", "2"]].concat();
+    let sidecar = Sidecar::start("a", &redis.url(), &lock, &args);
+    let stream = open(&sidecar, "/lock/hold?wait=5s");
+    let StreamEvent { kind, body, .. } = stream.next(Duration::from_secs(5));
+    assert_eq!(kind, "acquired", "{body}");
+    let token = body["fencingToken"].as_u64().expect("a token");
+    let permit = body["permit"].as_u64().expect("the permit");
+    assert!(permit < 2, "{body}");
+    let answer = sidecar.get("/lock");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["permit"], permit, "{}", answer.body);
+    assert_eq!(answer.json()["permits"], 2, "{}", answer.body);
+
+    let path = |query: &str| format!("/locks/{lock}/force-release?token={token}{query}");
+    let unnamed = sidecar.post(&path(""));
+    assert_eq!(unnamed.status, 400, "{}", unnamed.body);
+    assert!(unnamed.body.contains("permit"), "{}", unnamed.body);
+    let other = sidecar.post(&path(&format!("&permit={}", 1 - permit)));
+    assert_eq!(other.status, 409, "{}", other.body);
+    assert_eq!(
+        sidecar.get("/lock").status,
+        200,
+        "the other permit's request ended nothing"
+    );
+    let named = sidecar.post(&path(&format!("&permit={permit}")));
+    assert_eq!(named.status, 200, "{}", named.body);
+    let ended = loop {
+        let StreamEvent { kind, body, .. } = stream.next(Duration::from_secs(5));
+        if kind != "renewed" {
+            break (kind, body);
+        }
+    };
+    assert!(
+        ["lost", "released"].contains(&ended.0.as_str()),
+        "{ended:?}"
+    );
+    assert_eq!(sidecar.get("/lock").status, 409);
+}
+
 #[test]
 fn a_paused_sidecar_says_lost_the_moment_it_runs_again() {
     let redis = RedisServer::start();

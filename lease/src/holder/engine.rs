@@ -730,14 +730,18 @@ impl Engine {
                     });
                 }
             }
-            Command::Extend { hold, token, reply } => {
+            Command::Extend {
+                hold,
+                holding,
+                reply,
+            } => {
                 // While the claim stands, even through a backend error (an answer of
                 // "unknown"): the hold is the app's, and the claim still ends on its own.
                 let now = BootInstant::now();
                 let on_demand = self.config.mode == Mode::OnDemand;
                 if let Some(held) = self.held_mut()
                     && now < held.valid_until
-                    && token.is_none_or(|t| t == held.lease.token)
+                    && holding.is_none_or(|h| h == (held.permit, held.lease.token))
                     && on_demand
                 {
                     held.keep_for(now, hold);
@@ -774,8 +778,14 @@ impl Engine {
                 }
                 let _ = reply.send(());
             }
-            Command::ForceRelease { token, reply } => {
-                let ours = self.held().is_some_and(|h| h.lease.token == token);
+            Command::ForceRelease {
+                permit,
+                token,
+                reply,
+            } => {
+                let ours = self.held().is_some_and(|h| {
+                    h.lease.token == token && permit.is_none_or(|permit| permit == h.permit)
+                });
                 if ours {
                     tracing::warn!(lock = %self.config.name, token, "force-released by a person");
                     // As a sit-out: "not holder" at once, the lease released once the last
@@ -808,10 +818,10 @@ impl Engine {
                 self.retired = Some(done);
                 return Flow::Stop;
             }
-            Command::Release { token, reply } => {
-                let ours = self
-                    .held()
-                    .is_some_and(|held| token.is_none_or(|t| t == held.lease.token));
+            Command::Release { holding, reply } => {
+                let ours = self.held().is_some_and(|held| {
+                    holding.is_none_or(|h| h == (held.permit, held.lease.token))
+                });
                 if !ours {
                     let _ = reply.send(false);
                     return Flow::Continue;
@@ -1077,6 +1087,19 @@ impl Engine {
             }
             Call::Done(_) | Call::Failed => in_flight.attempt = None,
         }
+        // A semaphore's attempt that did not take its permit keeps no queue place on it (etcd,
+        // ZooKeeper; a failed attempt may have made one): the next round may take another
+        // permit, and a place left here would stand first in line for nobody once the permit's
+        // holder goes.
+        let refused = matches!(
+            outcome,
+            Call::Done(Acquire::Busy(_) | Acquire::Withheld(_)) | Call::Failed
+        );
+        if self.config.permits > 1 && refused {
+            let (name, identity) = (self.config.permit_name(permit), &self.config.identity);
+            let budget = self.config.renew_interval;
+            let _ = timeout(budget, self.driver.abandon(&name, identity)).await;
+        }
         Attempted {
             outcome,
             permit,
@@ -1086,10 +1109,8 @@ impl Engine {
     }
 
     /// A semaphore's round: each permit once, one attempt at a time (so that at most one can
-    /// take a permit), from another permit each round so that contenders spread over them. A
-    /// permit found held or withheld is let go of at once: no queue place is kept for it (etcd,
-    /// ZooKeeper), where it would stand first in line for nobody once another permit is taken.
-    /// The round ends at the first permit taken, or at a failure; refused everywhere, the
+    /// take a permit), from another permit each round so that contenders spread over them; a
+    /// permit not taken keeps no queue place ([`Engine::follow`]). The round ends at the first permit taken, or at a failure; refused everywhere, the
     /// answer is the refusal whose permit may be free soonest.
     async fn try_permits(&mut self) -> Attempted {
         let permits = self.config.permits;
@@ -1105,9 +1126,6 @@ impl Engine {
             ) {
                 return attempt;
             }
-            let (name, identity) = (self.config.permit_name(permit), &self.config.identity);
-            let budget = self.config.renew_interval;
-            let _ = timeout(budget, self.driver.abandon(&name, identity)).await;
             let sooner = |earlier: &Attempted| match (earlier.free_in(), attempt.free_in()) {
                 (Some(earlier), Some(later)) => earlier <= later,
                 (earlier, _) => earlier.is_some(),

@@ -24,14 +24,15 @@ pub(super) enum Command {
         hold: Duration,
         reply: oneshot::Sender<Answer>,
     },
-    /// `token`: only the holding with this token (a later one is another acquisition's).
+    /// `holding`: only the holding of this (permit, token) (a later one is another
+    /// acquisition's).
     Release {
-        token: Option<u64>,
+        holding: Option<(u32, u64)>,
         reply: oneshot::Sender<bool>,
     },
     Extend {
         hold: Duration,
-        token: Option<u64>,
+        holding: Option<(u32, u64)>,
         reply: oneshot::Sender<Answer>,
     },
     /// Campaign mode: step aside and stop campaigning ([`Lock::sit_out`]).
@@ -41,8 +42,10 @@ pub(super) enum Command {
     },
     /// Campaign again ([`Lock::come_back`]).
     ComeBack { reply: oneshot::Sender<()> },
-    /// End the holding with this token ([`Lock::force_release`]).
+    /// End the holding with this token, on this permit when one is named
+    /// ([`Lock::force_release`]).
     ForceRelease {
+        permit: Option<u32>,
         token: u64,
         reply: oneshot::Sender<bool>,
     },
@@ -313,17 +316,19 @@ impl Lock {
         self.release_command(None).await
     }
 
-    /// [`Lock::release`], only while the lock is held with `token`: an acquisition made under
-    /// one holding gives nothing of a later one up (the lease lost and taken again meanwhile).
-    pub async fn release_if(&self, token: u64) -> Result<bool> {
-        self.release_command(Some(token)).await
+    /// [`Lock::release`], only while the lock is held as `holding` says (its permit and token,
+    /// [`Answer::holding`]): an acquisition made under one holding gives nothing of a later one
+    /// up (the lease lost and taken again meanwhile; on a lock of several permits, perhaps
+    /// another permit with the same token).
+    pub async fn release_if(&self, holding: (u32, u64)) -> Result<bool> {
+        self.release_command(Some(holding)).await
     }
 
-    async fn release_command(&self, token: Option<u64>) -> Result<bool> {
+    async fn release_command(&self, holding: Option<(u32, u64)>) -> Result<bool> {
         let (reply, released) = oneshot::channel();
         self.inner
             .commands
-            .send(Box::new(Command::Release { token, reply }))
+            .send(Box::new(Command::Release { holding, reply }))
             .map_err(|_| Error::Shutdown)?;
         released.await.map_err(|_| Error::Shutdown)
     }
@@ -335,16 +340,20 @@ impl Lock {
         self.extend_command(hold, None).await
     }
 
-    /// [`Lock::extend`], only while the lock is held with `token`.
-    pub async fn extend_if(&self, token: u64, hold: Duration) -> Result<Answer> {
-        self.extend_command(hold, Some(token)).await
+    /// [`Lock::extend`], only while the lock is held as `holding` (permit, token) says.
+    pub async fn extend_if(&self, holding: (u32, u64), hold: Duration) -> Result<Answer> {
+        self.extend_command(hold, Some(holding)).await
     }
 
-    async fn extend_command(&self, hold: Duration, token: Option<u64>) -> Result<Answer> {
+    async fn extend_command(&self, hold: Duration, holding: Option<(u32, u64)>) -> Result<Answer> {
         let (reply, answer) = oneshot::channel();
         self.inner
             .commands
-            .send(Box::new(Command::Extend { hold, token, reply }))
+            .send(Box::new(Command::Extend {
+                hold,
+                holding,
+                reply,
+            }))
             .map_err(|_| Error::Shutdown)?;
         answer.await.map_err(|_| Error::Shutdown)
     }
@@ -381,12 +390,17 @@ impl Lock {
     /// once the last answer's validity has run out. Campaign mode campaigns again only a
     /// cool-down after that release, so that another contender takes the lock; on demand, an
     /// acquisition meets "busy" until the release (no backend gives the lock again to an
-    /// identity whose lease stands). `Ok(false)`: not this process's holding.
-    pub async fn force_release(&self, token: u64) -> Result<bool> {
+    /// identity whose lease stands). `Ok(false)`: not this process's holding. On a lock of
+    /// several permits, whose tokens count per permit, name the `permit` too.
+    pub async fn force_release(&self, permit: Option<u32>, token: u64) -> Result<bool> {
         let (reply, done) = oneshot::channel();
         self.inner
             .commands
-            .send(Box::new(Command::ForceRelease { token, reply }))
+            .send(Box::new(Command::ForceRelease {
+                permit,
+                token,
+                reply,
+            }))
             .map_err(|_| Error::Shutdown)?;
         done.await.map_err(|_| Error::Shutdown)
     }

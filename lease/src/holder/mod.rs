@@ -184,6 +184,9 @@ pub enum Answer {
     Holder {
         token: u64,
         valid_for: Duration,
+        /// The permit held, of a lock with several ([`LockConfig::permits`]); 0 otherwise.
+        /// With the token, what names the holding: tokens count per permit.
+        permit: u32,
     },
     NotHolder,
     /// The backend cannot be reached (or has not been yet): this process does not claim the lock
@@ -200,6 +203,14 @@ impl Answer {
     pub fn token(&self) -> Option<u64> {
         match self {
             Answer::Holder { token, .. } => Some(*token),
+            _ => None,
+        }
+    }
+
+    /// The permit and the token, while this process holds: what names its holding.
+    pub fn holding(&self) -> Option<(u32, u64)> {
+        match self {
+            Answer::Holder { token, permit, .. } => Some((*permit, *token)),
             _ => None,
         }
     }
@@ -278,6 +289,7 @@ impl Snapshot {
         match &self.held {
             Some(held) if now < held.valid_until => Answer::Holder {
                 token: held.token,
+                permit: held.permit,
                 valid_for: held
                     .hold_until
                     .map_or(held.valid_until, |hold| hold.min(held.valid_until))

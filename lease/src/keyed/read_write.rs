@@ -639,7 +639,7 @@ impl KeyedFamily {
                 return true;
             }
             for (holding, token) in counted {
-                if let Err(e) = holding.lock.release_if(token).await {
+                if let Err(e) = holding.lock.release_if(super::own_permit(token)).await {
                     tracing::debug!(family = family.name(), key = key_owned, error = %e, "a part acquired again was not given back; the write lock ends whole");
                     family.end_write(&key_owned, &held).await;
                     break;
@@ -689,6 +689,7 @@ impl KeyedFamily {
                 Answer::Holder {
                     token: held,
                     valid_for: left,
+                    ..
                 } if held == part.token => {
                     valid_for = valid_for.min(left);
                     if part.permit == GATE {
@@ -729,7 +730,7 @@ impl KeyedFamily {
         let _ = tokio::spawn(async move {
             for (holding, token) in holdings {
                 // Not held with the token: a later holding, or one that ended already.
-                let _ = holding.lock.force_release(token).await;
+                let _ = holding.lock.force_release(None, token).await;
             }
         })
         .await;

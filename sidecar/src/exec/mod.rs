@@ -432,6 +432,14 @@ impl Holder {
         }
     }
 
+    /// Whether the lock has several permits: a holding is named with its permit then.
+    fn has_permits(&self) -> bool {
+        match self {
+            Holder::Direct(lock) => lock.config().permits > 1,
+            Holder::Via { claims, .. } => claims.borrow().permit.is_some(),
+        }
+    }
+
     /// Several keys' tokens, `KEY=TOKEN` each, comma-separated.
     fn tokens(&self) -> Option<String> {
         match self {
@@ -474,15 +482,21 @@ enum Claims {
 }
 
 impl Claims {
-    /// The claim now (marking it seen), if held and not yet ended.
-    fn current(&mut self) -> Option<(u64, BootInstant)> {
+    /// The claim now (marking it seen), if held and not yet ended: the holding (its permit,
+    /// 0 but on a lock of several, and its token) and the claim's end.
+    fn current(&mut self) -> Option<((u32, u64), BootInstant)> {
         let held = match self {
             Claims::Direct(state) => state
                 .borrow_and_update()
                 .held
                 .as_ref()
-                .map(|held| (held.token, held.valid_until)),
-            Claims::Via(claims) => claims.borrow_and_update().held,
+                .map(|held| ((held.permit, held.token), held.valid_until)),
+            Claims::Via(claims) => {
+                let claim = claims.borrow_and_update();
+                claim
+                    .held
+                    .map(|(token, end)| ((claim.permit.unwrap_or(0), token), end))
+            }
         };
         held.filter(|(_, end)| BootInstant::now() < *end)
     }
@@ -519,12 +533,13 @@ enum Group {
 }
 
 async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) -> (u8, Group) {
-    let token = match wait_for_lock(holder, args.wait, args.kill_grace + KILL_MARGIN, signals).await
-    {
-        Ok(token) => token,
-        Err(status) => return (status, Group::Gone),
-    };
-    let (mut child, command) = match spawn(args, holder, token) {
+    let holding =
+        match wait_for_lock(holder, args.wait, args.kill_grace + KILL_MARGIN, signals).await {
+            Ok(holding) => holding,
+            Err(status) => return (status, Group::Gone),
+        };
+    let token = holding.1;
+    let (mut child, command) = match spawn(args, holder, holding) {
         Ok(spawned) => spawned,
         Err(e) => {
             eprintln!("error: cannot start {:?}: {e}", args.command[0]);
@@ -536,7 +551,7 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
     let mut claims = holder.claims();
     let outcome = follow(
         &mut claims,
-        token,
+        holding,
         args.kill_grace,
         &mut child,
         pgid,
@@ -547,7 +562,7 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
     // background processes are stopped too, within what is left of the claim.
     let claim_end = claims
         .current()
-        .filter(|(held, _)| *held == token)
+        .filter(|(held, _)| *held == holding)
         .map(|(_, end)| end);
     // A command that ended before the lock was being lost ended under it: its status stands.
     let outcome = match outcome {
@@ -582,21 +597,22 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
     (status, group)
 }
 
-/// The token once the lock is held with more than `needed` of its claim left; `Err(status)`
-/// when `exec` gives up (the wait ran out, a signal asked it to stop, or the sidecar refused).
+/// The holding (permit, token) once the lock is held with more than `needed` of its claim
+/// left; `Err(status)` when `exec` gives up (the wait ran out, a signal asked it to stop, or the
+/// sidecar refused).
 async fn wait_for_lock(
     holder: &Holder,
     wait: Option<Duration>,
     needed: Duration,
     signals: &mut Signals,
-) -> Result<u64, u8> {
+) -> Result<(u32, u64), u8> {
     let mut claims = holder.claims();
     let started = Instant::now();
     loop {
         // The claim must outlast stopping the command, or it would start only to be stopped
         // (a lease a backend dates from before the call may arrive half spent): otherwise the
         // next renewal is awaited.
-        if let Some((token, end)) = claims.current() {
+        if let Some((holding, end)) = claims.current() {
             // Through a sidecar the lease is the sidecar's, known once held.
             if let Some((lease, renew)) = claims.timing()
                 && let Err(e) = check_grace(needed - KILL_MARGIN, lease, renew)
@@ -605,7 +621,7 @@ async fn wait_for_lock(
                 return Err(EXIT_BAD_CONFIG);
             }
             if end.saturating_duration_since(BootInstant::now()) > needed {
-                return Ok(token);
+                return Ok(holding);
             }
         }
         if let Some((status, why)) = claims.failed() {
@@ -636,7 +652,7 @@ async fn wait_for_lock(
 fn spawn(
     args: &ExecArgs,
     holder: &Holder,
-    token: u64,
+    (permit, token): (u32, u64),
 ) -> std::io::Result<(tokio::process::Child, CommandProcesses)> {
     // What the command leaves running out of its group comes here once its keeper has ended,
     // to be stopped with the group.
@@ -666,11 +682,8 @@ fn spawn(
         None => command.env("LEASEHOLD_FENCING_TOKEN", token.to_string()),
     };
     // A token counts per permit: the command fences with both.
-    if let Holder::Direct(lock) = holder
-        && lock.config().permits > 1
-        && let Some(held) = lock.snapshot().held
-    {
-        command.env("LEASEHOLD_PERMIT", held.permit.to_string());
+    if holder.has_permits() {
+        command.env("LEASEHOLD_PERMIT", permit.to_string());
     }
     // Through a sidecar, the command inherits a copy of the held connection (the only
     // descriptor left open across exec), which stays open while it or any process it started
@@ -693,7 +706,7 @@ fn spawn(
 /// is gone or changed hands.
 async fn follow(
     claims: &mut Claims,
-    token: u64,
+    holding: (u32, u64),
     kill_grace: Duration,
     child: &mut tokio::process::Child,
     pgid: Pid,
@@ -701,7 +714,7 @@ async fn follow(
 ) -> Outcome {
     loop {
         let stop_at = match claims.current() {
-            Some((held, end)) if held == token => end - (kill_grace + KILL_MARGIN),
+            Some((held, end)) if held == holding => end - (kill_grace + KILL_MARGIN),
             _ => return Outcome::Lost,
         };
         let left = stop_at.saturating_duration_since(BootInstant::now());

@@ -146,6 +146,8 @@ fn encode(raw: &str) -> String {
 pub struct Claim {
     /// The token and the end of the claim, while held.
     pub held: Option<(u64, BootInstant)>,
+    /// Of a lock of several permits, the permit held (the stream names it).
+    pub permit: Option<u32>,
     /// The lease and the renew interval the sidecar holds it with.
     pub timing: Option<(Duration, Duration)>,
     /// Who holds it in the backend (the sidecar's identity, or `POD/OWNER` for a key).
@@ -377,8 +379,10 @@ async fn follow(
                         (Duration::from_millis(lease), Duration::from_millis(renew))
                     });
                 let identity = body["identity"].as_str().map(str::to_owned);
+                let permit = body["permit"].as_u64().and_then(|p| u32::try_from(p).ok());
                 claims.send_modify(|c| {
                     c.held = Some((token, end));
+                    c.permit = permit.or(c.permit);
                     c.timing = timing.or(c.timing);
                     c.identity = identity.or(c.identity.take());
                     c.tokens = tokens.or(c.tokens.take());
