@@ -42,6 +42,11 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
     printcolumn(name = "Token", type_ = "integer", json_path = ".status.fencingToken"),
     printcolumn(name = "Held keys", type_ = "integer", json_path = ".status.heldKeys"),
     printcolumn(
+        name = "Held permits",
+        type_ = "integer",
+        json_path = ".status.heldPermits"
+    ),
+    printcolumn(
         name = "Ready",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"BackendReady\")].status"
@@ -58,8 +63,10 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 #[x_kube(validation = Rule::new("!has(self.holderLabel) || !self.holderLabel || !has(self.keys)").message(
     "holderLabel marks the pod that holds a lock; a family of keyed locks has a holder per key"
 ))]
-#[x_kube(validation = Rule::new("!has(self.permits) || self.permits == 1 || has(self.keys)").message(
-    "permits above 1 make each key of a family of keyed locks a semaphore (spec.keys): a lock held by one sidecar has one holder"
+#[x_kube(validation = Rule::new(
+    "!has(self.permits) || self.permits == 1 || has(self.keys) || !has(self.backend.kubernetes) || !has(self.backend.kubernetes.yieldToPreferredHolder) || !self.backend.kubernetes.yieldToPreferredHolder"
+).message(
+    "a lock of several permits has several holders, and Kubernetes' coordinated leader election (yieldToPreferredHolder) names one"
 ))]
 #[x_kube(validation = Rule::new(
     "!has(self.keys) || !has(self.keys.readWrite) || !self.keys.readWrite || !has(self.permits) || self.permits <= 16"
@@ -211,8 +218,10 @@ pub struct DistributedLockSpec {
 
     /// How many owners may hold one key at once (default 1): each key of the family is a
     /// semaphore of this many permits, each permit with its own fencing token; the keyed
-    /// answers then give the permit held and, on `GET`, how many are held. A change applies to
-    /// the acquisitions after it and revokes no holding. Families of keyed locks only.
+    /// answers then give the permit held and, on `GET`, how many are held. On a lock (without
+    /// `keys`), how many pods hold it at once, each on a permit of its own: `/lock` answers 200
+    /// to each, with its `permit`; its name is then at most 199 characters. A change applies to
+    /// the acquisitions after it and revokes no holding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 256))]
     pub permits: Option<u32>,
@@ -600,6 +609,11 @@ pub struct DistributedLockStatus {
     /// Absent until the first count, or when the backend cannot be counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_keys: Option<i64>,
+    /// For a lock of several permits (`spec.permits` without `spec.keys`): how many of its
+    /// permits are held now, as the operator last counted them (once a minute); `holder` and
+    /// `fencingToken` are permit 0's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_permits: Option<i64>,
 }
 
 /// The CRD as YAML, exactly as `crdgen` writes it and `crds/distributedlock.yaml` holds it.

@@ -92,6 +92,9 @@ fn good_locks_pass() {
         json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 16 }),
         json!({ "backend": redis(), "keys": { "readWrite": false }, "permits": 256 }),
         json!({ "backend": redis(), "permits": 1 }),
+        json!({ "backend": redis(), "permits": 3, "holderLabel": true }),
+        json!({ "backend": { "kubernetes": { "leaseName": "workers" } }, "permits": 3 }),
+        json!({ "backend": { "kubernetes": { "yieldToPreferredHolder": true } }, "permits": 1 }),
         json!({ "backend": redis(), "keys": { "maxKeyLength": 64, "maxHeldPerPod": 10000 },
             "cleanupPolicy": "Retain" }),
     ];
@@ -132,8 +135,8 @@ fn bad_locks_are_rejected_with_a_reason() {
             "a family of keyed locks has a holder per key",
         ),
         (
-            json!({ "backend": redis(), "permits": 2 }),
-            "permits above 1 make each key of a family of keyed locks a semaphore",
+            json!({ "backend": { "kubernetes": { "yieldToPreferredHolder": true } }, "permits": 2 }),
+            "Kubernetes' coordinated leader election (yieldToPreferredHolder) names one",
         ),
         (
             json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 17 }),
@@ -321,7 +324,14 @@ fn printer_columns_for_kubectl_get() {
         .iter()
         .map(|c| c["name"].as_str().unwrap())
         .collect();
-    for column in ["Backend", "Holder", "Token", "Held keys", "Age"] {
+    for column in [
+        "Backend",
+        "Holder",
+        "Token",
+        "Held keys",
+        "Held permits",
+        "Age",
+    ] {
         assert!(names.contains(&column), "{column} missing from {names:?}");
     }
     assert_eq!(crd["spec"]["names"]["shortNames"][0], "dlock");

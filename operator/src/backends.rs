@@ -52,6 +52,8 @@ pub enum StillHeld {
     Lock(Option<leasehold_lease::Holding>),
     /// How many keys of a family are held.
     Keys(u64),
+    /// How many of a lock's permits above permit 0 are held.
+    Permits(u64),
 }
 
 #[derive(Default)]
@@ -429,8 +431,11 @@ impl Backends {
             let holder = holder?;
             let mut warnings = bounded(driver.warnings()).await.unwrap_or_default();
             // Counting reads more than a lock's health needs (Redis's SCAN, which a user may
-            // not be allowed): a failure is a warning, not an unusable backend.
-            let held_keys = if !family {
+            // not be allowed): a failure is a warning, not an unusable backend. A lock's
+            // permits above 0 are named as a family named after it names its keys, and counted
+            // the same way.
+            let several_permits = !family && resolved.permits > 1;
+            let counted = if !family && !several_permits {
                 None
             } else if let Some(counted) = self.held_keys_counted(lock) {
                 counted
@@ -441,14 +446,23 @@ impl Backends {
                         counted
                     }
                     Err(e) => {
-                        warnings.push(format!("the family's held keys could not be counted: {e}"));
+                        let what = match family {
+                            true => "the family's held keys",
+                            false => "the lock's held permits",
+                        };
+                        warnings.push(format!("{what} could not be counted: {e}"));
                         None
                     }
                 }
             };
+            let (held_keys, held_permits) = match several_permits {
+                false => (counted, None),
+                true => (None, counted.map(|n| n + u64::from(holder.is_some()))),
+            };
             Ok::<_, Error>(Observation::Ready {
                 holder,
                 held_keys,
+                held_permits,
                 warnings,
             })
         }
@@ -512,6 +526,24 @@ impl Backends {
                 }
             }
         } else {
+            // A lock of several permits: its permits above 0 are kept while any is held, and
+            // go as a family's idle keys do once permit 0's records have gone.
+            let several_permits = resolved.permits > 1;
+            if several_permits {
+                match bounded(driver.count_held_keys(&resolved.name)).await? {
+                    Some(0) => {}
+                    Some(held) => return Ok(Some(StillHeld::Permits(held))),
+                    None => {
+                        return Err(Error::InvalidConfig {
+                            field: "cleanupPolicy",
+                            reason: format!(
+                                "the {} backend cannot count a lock's held permits, so their records are kept",
+                                resolved.backend.kind()
+                            ),
+                        });
+                    }
+                }
+            }
             let held = bounded(leasehold_lease::delete_records(
                 &*driver,
                 &resolved.name,
@@ -520,6 +552,9 @@ impl Backends {
             .await?;
             if let Some(holder) = held {
                 return Ok(Some(StillHeld::Lock(holder)));
+            }
+            if several_permits {
+                bounded(driver.forget_idle_keys(&resolved.name, Duration::ZERO)).await?;
             }
         }
         self.forget(lock);

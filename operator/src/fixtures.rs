@@ -41,6 +41,9 @@ pub enum Scenario {
     FamilyProvisioned(DistributedLock, i64),
     /// Only the family's count of held keys moves; no event.
     HeldKeysChanged(DistributedLock, i64),
+    /// A lock of several permits provisioned with permit 0 held by this holder: the status
+    /// names it and counts the permits held, with `Provisioned` and `HolderChanged` events.
+    PermitsProvisioned(DistributedLock, &'static str, i64),
     /// Nothing at all: the status is already right.
     Nothing,
     /// The lock is being deleted with Retain: the finalizer goes, nothing else.
@@ -126,6 +129,12 @@ pub fn family(mut lock: DistributedLock) -> DistributedLock {
     lock
 }
 
+/// A lock of `permits` permits.
+pub fn with_permits(mut lock: DistributedLock, permits: u32) -> DistributedLock {
+    lock.spec.permits = Some(permits);
+    lock
+}
+
 pub fn with_finalizer(mut lock: DistributedLock) -> DistributedLock {
     lock.meta_mut().finalizers = Some(vec![FINALIZER.into()]);
     lock
@@ -195,6 +204,15 @@ impl ApiServerVerifier {
                     assert_eq!(status["heldKeys"], json!(held), "{status}");
                     assert!(status.get("holder").is_none(), "{status}");
                     api.event(&lock, "Provisioned").await;
+                }
+                Scenario::PermitsProvisioned(lock, holder, held) => {
+                    let status = api.status_patched(&lock).await;
+                    assert_eq!(status["conditions"][0]["status"], "True", "{status}");
+                    assert_eq!(status["heldPermits"], json!(held), "{status}");
+                    assert_eq!(status["holder"], holder, "{status}");
+                    assert!(status.get("heldKeys").is_none(), "{status}");
+                    api.event(&lock, "Provisioned").await;
+                    api.event(&lock, "HolderChanged").await;
                 }
                 Scenario::HeldKeysChanged(lock, held) => {
                     let status = api.status_patched(&lock).await;

@@ -258,10 +258,13 @@ async fn apply(lock: &DistributedLock, ctx: &Context) -> Result<Action> {
                     }
                 }
             } else {
-                resource::force_release_token(lock).map(|asked| {
-                    let asked = asked.map_or_else(Asked::Invalid, Asked::Lock);
-                    (asked, holder)
-                })
+                match lock_force_release(ctx, lock, holder).await {
+                    Ok(asked) => asked,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a force-released permit could not be read on the backend; looking again");
+                        return Ok(Action::requeue(FORCE_RELEASE_RECHECK));
+                    }
+                }
             };
             if let Some((asked, holding)) = asked
                 && let Some(again) = force_release(ctx, lock, asked, holding.as_ref()).await?
@@ -286,12 +289,54 @@ pub const FORCE_RELEASE_PATIENCE: Duration = Duration::from_secs(120);
 
 /// What a force-release annotation asks for.
 enum Asked {
-    /// The lock's holding with this token.
-    Lock(u64),
+    /// The lock's holding with this token (on a lock of several permits, of this permit).
+    Lock(resource::LockForceRelease),
     /// A family key's holding with this token (`KEY:TOKEN`, `KEY#PERMIT:TOKEN`).
     Key(resource::KeyForceRelease),
     /// Not a request that can be carried out: why.
     Invalid(String),
+}
+
+/// A lock's force-release request, if it carries one, with the holder of the permit it names
+/// (`holder`, permit 0's, unless it names another); `Err` when the backend cannot be read now.
+/// On a lock of several permits the request must name the permit: tokens count per permit.
+async fn lock_force_release(
+    ctx: &Context,
+    lock: &DistributedLock,
+    holder: Option<leasehold_lease::Holding>,
+) -> std::result::Result<Option<(Asked, Option<leasehold_lease::Holding>)>, leasehold_lease::Error>
+{
+    let asked = match resource::force_release_token(lock) {
+        None => return Ok(None),
+        Some(Err(raw)) => {
+            let why = format!(
+                "{raw:?} is not a fencing token (#PERMIT:TOKEN on a lock of several permits)"
+            );
+            return Ok(Some((Asked::Invalid(why), holder)));
+        }
+        Some(Ok(asked)) => asked,
+    };
+    let several = lock.spec.permits.unwrap_or(1) > 1;
+    let invalid = |why: String| Ok(Some((Asked::Invalid(why), holder.clone())));
+    match asked.permit {
+        None if several => invalid(format!(
+            "the lock has several permits, whose tokens count apart: name the holding as #PERMIT:TOKEN (#0:{})",
+            asked.token
+        )),
+        Some(_) if !several => invalid(format!(
+            "the lock has one permit: name the holding by its token alone ({})",
+            asked.token
+        )),
+        Some(permit) if permit >= leasehold_lease::keyed::MAX_PERMITS => {
+            invalid(format!("permit {permit} is not one a lock can have"))
+        }
+        None | Some(0) => Ok(Some((Asked::Lock(asked), holder))),
+        Some(permit) => {
+            let name = leasehold_lease::keyed::lock_permit_name(&lock.name_any(), permit);
+            let holdings = ctx.backends.observe_key(&ctx.client, lock, &[name]).await?;
+            Ok(Some((Asked::Lock(asked), holdings.into_iter().next())))
+        }
+    }
 }
 
 /// A family's force-release request, if it carries one, with the key's holding it names (else
@@ -373,6 +418,10 @@ async fn force_release(
             ),
             None => (format!("key {}", asked.key), asked.key.clone()),
         },
+        Asked::Lock(resource::LockForceRelease {
+            permit: Some(permit),
+            ..
+        }) => (format!("the lock's permit {permit}"), format!("#{permit}")),
         _ => ("the lock".to_owned(), String::new()),
     };
     let now = match holder {
@@ -380,7 +429,7 @@ async fn force_release(
         None => format!("nobody holds {subject}"),
     };
     let asked = match asked {
-        Asked::Lock(token) => Ok(token),
+        Asked::Lock(asked) => Ok(asked.token),
         Asked::Key(asked) => Ok(asked.token),
         Asked::Invalid(why) => Err(why),
     };
@@ -395,7 +444,7 @@ async fn force_release(
                 )
             } else {
                 format!(
-                    "{}={why:?}, set by {by}, is not a fencing token; nothing was released ({now})",
+                    "{}, set by {by}, names the lock's holding by its fencing token, but {why}; nothing was released ({now})",
                     resource::FORCE_RELEASE_ANNOTATION
                 )
             },
@@ -617,6 +666,8 @@ async fn clean_up_backend(lock: &DistributedLock, ctx: &Context) -> Result<()> {
                 }
                 StillHeld::Keys(1) => "1 key of the family is still held".to_owned(),
                 StillHeld::Keys(n) => format!("{n} keys of the family are still held"),
+                StillHeld::Permits(1) => "a permit of the lock is still held".to_owned(),
+                StillHeld::Permits(n) => format!("{n} permits of the lock are still held"),
             };
             let note = format!(
                 "{who}, so the records are kept until nothing holds them (a release, or a lease \
@@ -919,6 +970,7 @@ mod tests {
         let provisioned = Observation::Ready {
             holder: None,
             held_keys: None,
+            held_permits: None,
             warnings: vec![],
         };
         lock.status = Some(status::desired(
@@ -1127,6 +1179,7 @@ mod tests {
             &Observation::Ready {
                 holder: None,
                 held_keys: Some(2),
+                held_permits: None,
                 warnings: vec![],
             },
             Timestamp::now(),
@@ -1170,6 +1223,57 @@ mod tests {
         let (ctx, api) = Context::test();
         let scenario = api.run(Scenario::CleanedUp(lock.clone()));
         reconcile(Arc::new(lock), ctx).await.expect("reconcile");
+        timeout_after_1s(scenario).await;
+    }
+
+    /// A lock of several permits: the status names permit 0's holder and counts the permits
+    /// held in every pod; `cleanupPolicy: Delete` waits while any permit is held, and goes
+    /// through once none is.
+    #[tokio::test]
+    async fn a_lock_of_several_permits_is_counted_and_cleaned_up_once_none_is_held() {
+        let (server, driver) = redis().await;
+        let permit = |i| leasehold_lease::keyed::lock_permit_name("workers", i);
+        let mut leases = Vec::new();
+        for (i, pod) in [(0, "pod-a"), (2, "pod-b")] {
+            let leasehold_lease::Acquire::Acquired(lease) = driver
+                .try_acquire(&permit(i), pod, Duration::from_secs(30))
+                .await
+                .unwrap()
+            else {
+                panic!("permit {i} is not free")
+            };
+            leases.push(lease);
+        }
+        let lock = fixtures::with_permits(fixtures::redis_lock("workers", server.port()), 3);
+        let (ctx, api) = Context::test();
+        let provisioned = fixtures::with_finalizer(lock.clone());
+        let scenario = api.run(Scenario::PermitsProvisioned(
+            provisioned.clone(),
+            "pod-a",
+            2,
+        ));
+        reconcile(Arc::new(provisioned), ctx)
+            .await
+            .expect("reconcile");
+        timeout_after_1s(scenario).await;
+
+        let deleted = fixtures::being_deleted(lock, CleanupPolicy::Delete);
+        for (still, says) in [
+            (&leases[1], "a permit of the lock is still held"),
+            (&leases[0], "pod-a (token 1) still holds the lock"),
+        ] {
+            let (ctx, api) = Context::test();
+            let scenario = api.run(Scenario::CleanupWaits(deleted.clone()));
+            let error = reconcile(Arc::new(deleted.clone()), ctx)
+                .await
+                .expect_err("the clean-up went ahead with a permit held");
+            assert!(error.to_string().contains(says), "{error}");
+            timeout_after_1s(scenario).await;
+            assert!(driver.release(still).await.unwrap());
+        }
+        let (ctx, api) = Context::test();
+        let scenario = api.run(Scenario::CleanedUp(deleted.clone()));
+        reconcile(Arc::new(deleted), ctx).await.expect("reconcile");
         timeout_after_1s(scenario).await;
     }
 

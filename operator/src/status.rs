@@ -15,6 +15,9 @@ pub enum Observation {
         /// For a family of keyed locks: how many of its keys are held now, in every pod, where
         /// the backend can count them.
         held_keys: Option<u64>,
+        /// For a lock of several permits: how many of them are held now (`holder` is permit
+        /// 0's), where the backend can count them.
+        held_permits: Option<u64>,
         warnings: Vec<String>,
     },
     /// The backend could not be used; `reason` is a CamelCase condition reason.
@@ -48,10 +51,12 @@ pub fn desired(
             .iter()
             .find(|c| c.type_ == CONDITION_BACKEND_READY)
     });
-    let (ready, reason, message, holder, held_keys) = match observation {
+    let count = |n: &Option<u64>| n.map(|n| i64::try_from(n).unwrap_or(i64::MAX));
+    let (ready, reason, message, holder, held_keys, held_permits) = match observation {
         Observation::Ready {
             holder,
             held_keys,
+            held_permits,
             warnings,
         } => (
             "True",
@@ -62,10 +67,13 @@ pub fn desired(
                 warnings.join("; ")
             },
             holder.clone(),
-            held_keys.map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+            count(held_keys),
+            count(held_permits),
         ),
         // Unknown while the backend cannot be read: the last count is not kept as if current.
-        Observation::Failed { reason, message } => ("False", *reason, message.clone(), None, None),
+        Observation::Failed { reason, message } => {
+            ("False", *reason, message.clone(), None, None, None)
+        }
     };
     let last_transition_time = match previous {
         Some(p) if p.status == ready => p.last_transition_time.clone(),
@@ -95,6 +103,7 @@ pub fn desired(
         fencing_token: new_token,
         transitions: Some(transitions),
         held_keys,
+        held_permits,
     }
 }
 
@@ -229,6 +238,7 @@ mod tests {
         Observation::Ready {
             holder,
             held_keys: None,
+            held_permits: None,
             warnings: vec![],
         }
     }
@@ -310,6 +320,7 @@ mod tests {
         let warned = Observation::Ready {
             holder: None,
             held_keys: None,
+            held_permits: None,
             warnings: vec!["maxmemory-policy is allkeys-lru".into()],
         };
         let first = desired(None, Some(1), "redis", &warned, at(100));

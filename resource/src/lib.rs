@@ -38,6 +38,9 @@ pub struct ResolvedLock {
     pub lease: Option<LeaseTarget>,
     /// Set when the resource declares a family of keyed locks (`spec.keys`) rather than a lock.
     pub keys: Option<KeyLimits>,
+    /// `spec.permits`: of a lock, how many pods hold it at once (of a family, how many owners
+    /// hold each key, as [`KeyLimits::permits`] says).
+    pub permits: u32,
 }
 
 /// A family's bounds on keys, from `spec.keys`, with the command line's defaults.
@@ -56,8 +59,21 @@ impl ResolvedLock {
         LockConfig {
             renew_interval: self.renew_interval,
             mode: self.mode,
+            permits: match self.keys {
+                None => self.permits,
+                Some(_) => 1,
+            },
             ..LockConfig::new(&self.name, identity, self.lease_duration)
         }
+    }
+
+    /// The backend lock names of a lock's permits, permit 0 (the lock's own) first; a
+    /// family's name alone.
+    pub fn permit_names(&self) -> Vec<String> {
+        let config = self.lock_config("names");
+        (0..config.permits)
+            .map(|permit| config.permit_name(permit))
+            .collect()
     }
 
     /// The family this resource declares, for the pod `identity`; `None` for a plain lock.
@@ -136,17 +152,40 @@ pub fn secret_refs(lock: &DistributedLock) -> Vec<SecretKeyRef> {
 pub const ALLOWED_HOSTS_ANNOTATION: &str = "leasehold.dev/allowed-hosts";
 
 /// The annotation by which a person ends a holding: `kubectl annotate dlock NAME
-/// leasehold.dev/force-release=TOKEN`, or on a family of keyed locks `KEY:TOKEN`. The holder's
+/// leasehold.dev/force-release=TOKEN` (on a lock of several permits `#PERMIT:TOKEN`), or on a
+/// family of keyed locks `KEY:TOKEN` (`KEY#PERMIT:TOKEN` on a semaphore's). The holder's
 /// sidecar (following the lock with `--resource`) steps down if it holds the lock (or the key)
 /// with that token; the operator removes the annotation once that holding is over, or at once
 /// if it was not current, and says so in an Event.
 pub const FORCE_RELEASE_ANNOTATION: &str = "leasehold.dev/force-release";
 
-/// The token a lock's [`FORCE_RELEASE_ANNOTATION`] names, if it carries one; `Err` with the
-/// value when it is not a token.
-pub fn force_release_token(lock: &DistributedLock) -> Option<Result<u64, String>> {
+/// The holding a lock's [`FORCE_RELEASE_ANNOTATION`] names, if it carries one: `TOKEN`, or on a
+/// lock of several permits `#PERMIT:TOKEN` (tokens count per permit there); `Err` with the value
+/// when it is neither.
+pub fn force_release_token(lock: &DistributedLock) -> Option<Result<LockForceRelease, String>> {
     let raw = lock.annotations().get(FORCE_RELEASE_ANNOTATION)?;
-    Some(raw.trim().parse::<u64>().map_err(|_| raw.clone()))
+    let raw_trimmed = raw.trim();
+    let parsed = match raw_trimmed.strip_prefix('#') {
+        Some(named) => named.split_once(':').and_then(|(permit, token)| {
+            Some(LockForceRelease {
+                permit: Some(permit.parse().ok()?),
+                token: token.parse().ok()?,
+            })
+        }),
+        None => raw_trimmed.parse().ok().map(|token| LockForceRelease {
+            permit: None,
+            token,
+        }),
+    };
+    Some(parsed.ok_or_else(|| raw.clone()))
+}
+
+/// A lock's holding that a force-release names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LockForceRelease {
+    /// On a lock of several permits, the permit (`#PERMIT:TOKEN`).
+    pub permit: Option<u32>,
+    pub token: u64,
 }
 
 /// A family key's holding that a force-release names.
@@ -431,14 +470,24 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
             permits: spec.permits.unwrap_or(1),
             read_write: keys.read_write.unwrap_or(false),
         }),
+        permits: spec.permits.unwrap_or(1),
     };
     resolved.lock_config("validation").validate()?;
     if let Some(permits) = spec.permits {
         let max = leasehold_lease::keyed::MAX_PERMITS;
+        let yields = matches!(
+            &resolved.backend,
+            BackendUrl::Kubernetes(KubernetesConfig {
+                yield_to_preferred_holder: true,
+                ..
+            })
+        );
         let reason = if !(1..=max).contains(&permits) {
-            Some(format!("a key has 1 to {max} permits (it was {permits})"))
-        } else if permits > 1 && resolved.keys.is_none() {
-            Some("permits above 1 are for a family of keyed locks (spec.keys): a lock held by one sidecar has one holder".to_owned())
+            Some(format!(
+                "a lock or a key has 1 to {max} permits (it was {permits})"
+            ))
+        } else if permits > 1 && resolved.keys.is_none() && yields {
+            Some("a lock of several permits has several holders, and Kubernetes' coordinated leader election (yieldToPreferredHolder) names one".to_owned())
         } else {
             None
         };
@@ -840,6 +889,22 @@ mod tests {
     }
 
     #[test]
+    fn a_locks_force_release_names_a_token_and_on_several_permits_the_permit() {
+        let mut lock = lock(Backend::default());
+        let mut asked = |value: &str| {
+            lock.metadata.annotations =
+                Some([(FORCE_RELEASE_ANNOTATION.to_owned(), value.to_owned())].into());
+            force_release_token(&lock)
+        };
+        let named = |permit, token| Some(Ok(LockForceRelease { permit, token }));
+        assert_eq!(asked(" 42 "), named(None, 42));
+        assert_eq!(asked("#2:9"), named(Some(2), 9));
+        for bad in ["x", "-1", "#2", "#:9", "#x:9", "2:9", "k#2:9", "#2:"] {
+            assert_eq!(asked(bad), Some(Err(bad.to_owned())), "{bad}");
+        }
+    }
+
+    #[test]
     fn a_familys_force_release_names_a_key_and_a_token() {
         let mut family = lock(Backend::default());
         let asked = |family: &mut DistributedLock, value: &str| {
@@ -873,7 +938,7 @@ mod tests {
     }
 
     #[test]
-    fn permits_make_a_family_a_semaphore_and_a_lock_refuses_them() {
+    fn permits_make_a_family_a_semaphore_and_a_lock_held_by_that_many() {
         let kubernetes = || Backend {
             kubernetes: Some(Default::default()),
             ..Default::default()
@@ -883,8 +948,14 @@ mod tests {
         family.spec.permits = Some(4);
         let resolved = resolve(&family, &SecretValues::default()).unwrap();
         assert_eq!(resolved.family_config("pod").unwrap().permits, 4);
+        let mut workers = lock(kubernetes());
+        workers.spec.permits = Some(3);
+        let resolved = resolve(&workers, &SecretValues::default()).unwrap();
+        assert_eq!(resolved.lock_config("pod").permits, 3);
+        assert_eq!(resolved.permit_names().len(), 3);
+        assert_eq!(resolved.permit_names()[0], workers.name_any());
         for (keys, permits, says) in [
-            (false, 2, "spec.keys"),
+            (false, 0, "1 to 256"),
             (true, 0, "1 to 256"),
             (true, 257, "1 to 256"),
         ] {
@@ -897,6 +968,24 @@ mod tests {
         let mut one = lock(kubernetes());
         one.spec.permits = Some(1);
         resolve(&one, &SecretValues::default()).unwrap();
+        let mut yielding = lock(Backend {
+            kubernetes: Some(leasehold_crds::KubernetesBackend {
+                yield_to_preferred_holder: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        yielding.spec.permits = Some(2);
+        let error = resolve(&yielding, &SecretValues::default()).unwrap_err();
+        assert!(
+            error.to_string().contains("yieldToPreferredHolder"),
+            "{error}"
+        );
+        let mut long = lock(kubernetes());
+        long.metadata.name = Some("w".repeat(220));
+        long.spec.permits = Some(2);
+        let error = resolve(&long, &SecretValues::default()).unwrap_err();
+        assert!(error.to_string().contains("several permits"), "{error}");
     }
 
     #[test]

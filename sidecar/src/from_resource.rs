@@ -391,13 +391,20 @@ pub async fn follow(
             continue;
         };
         if !secrets_only {
-            // A person's force-release: only the holding with that token steps down.
-            if let Some(Ok(token)) = resource::force_release_token(&lock)
+            // A person's force-release: only the holding with that token steps down (on a lock
+            // of several permits, whose tokens count per permit, the one named with its
+            // permit; a request without one is the operator's to refuse).
+            if let Some(Ok(asked)) = resource::force_release_token(&lock)
                 && running.keys.is_none()
                 && let Some(held) = state.locks().into_iter().find(|l| l.name() == running.name)
-                && held.force_release(None, token).await.unwrap_or(false)
+                && (held.config().permits > 1) == asked.permit.is_some()
+                && held
+                    .force_release(asked.permit, asked.token)
+                    .await
+                    .unwrap_or(false)
             {
-                tracing::warn!(resource = %r, token, "force-released by the lock's annotation: stepping down");
+                let token = asked.token;
+                tracing::warn!(resource = %r, token, permit = asked.permit, "force-released by the lock's annotation: stepping down");
             }
             if let Some(Ok(asked)) = resource::force_release_key(&lock)
                 && running.keys.is_some()

@@ -3,7 +3,8 @@
 //! a real Redis. The holder with that token steps down (409 at once), another pod takes the
 //! lock with a higher token, not before the holder's last answer has run out, and the operator
 //! removes the annotation with an Event; a token that is not current changes nothing. The same
-//! for a family's key (`KEY:TOKEN`) and a semaphore's permit (`KEY#PERMIT:TOKEN`).
+//! for a family's key (`KEY:TOKEN`), a semaphore's permit (`KEY#PERMIT:TOKEN`) and a lock of
+//! several permits (`#PERMIT:TOKEN`).
 
 use std::time::Duration;
 
@@ -137,5 +138,62 @@ fn a_semaphores_force_release_names_the_permit() {
     eventually(Duration::from_secs(30), "the permit's holding ends", || {
         a.get(&still).status == 409
     });
+    reported(&cluster, "ForceReleased");
+}
+
+/// A lock of two permits declared by a `DistributedLock`: two of three pods hold it, each on a
+/// permit of its own. A force-release names the permit (`#PERMIT:TOKEN`; a token alone is
+/// refused and releases nothing); that holder steps down at once, and the waiting pod takes its
+/// permit with a higher token.
+#[test]
+fn a_lock_of_two_permits_is_held_by_two_pods_and_its_force_release_names_the_permit() {
+    let (_redis, cluster) = on_redis(&unique_lock("forced-lock-permits"), json!({"permits": 2}));
+    let pods = [
+        pod(&cluster, "pod-a"),
+        pod(&cluster, "pod-b"),
+        pod(&cluster, "pod-c"),
+    ];
+    let holding = || -> Vec<(usize, u64, u64)> {
+        pods.iter()
+            .enumerate()
+            .filter_map(|(i, pod)| {
+                let answer = pod.get("/lock");
+                (answer.status == 200)
+                    .then(|| (i, answer.json()["permit"].as_u64().unwrap(), answer.token()))
+            })
+            .collect()
+    };
+    eventually(Duration::from_secs(30), "two pods hold", || {
+        holding().len() == 2
+    });
+    let held = holding();
+    assert_ne!(held[0].1, held[1].1, "two holders of one permit: {held:?}");
+    let (forced, permit, token) = held[0];
+    let waiting = (0..3).find(|i| held.iter().all(|(h, ..)| h != i)).unwrap();
+
+    cluster.annotate(ANNOTATION, &token.to_string());
+    reported(&cluster, "ForceReleaseInvalid");
+    assert_eq!(
+        pods[forced].get("/lock").token(),
+        token,
+        "released without a permit named"
+    );
+
+    cluster.annotate(ANNOTATION, &format!("#{permit}:{token}"));
+    eventually(Duration::from_secs(30), "the holding ends", || {
+        pods[forced].get("/lock").status == 409
+    });
+    eventually(
+        Duration::from_secs(30),
+        "the waiting pod takes the permit",
+        || pods[waiting].is_holder(),
+    );
+    let taken = pods[waiting].get("/lock");
+    assert_eq!(taken.json()["permit"], permit, "{}", taken.body);
+    assert!(
+        taken.token() > token,
+        "token {} after {token}",
+        taken.token()
+    );
     reported(&cluster, "ForceReleased");
 }
