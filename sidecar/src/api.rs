@@ -542,7 +542,7 @@ fn lock_response(
         Answer::NotHolder => snapshot.withheld.as_ref(),
         _ => None,
     };
-    let permits = Some(lock.config().permits).filter(|permits| *permits > 1);
+    let permits = lock.has_had_permits().then(|| lock.permits());
     let body = LockStatus {
         lock: lock.name(),
         holder: answer.is_holder(),
@@ -892,7 +892,7 @@ async fn force_release(
     }
     let lock = state.lock(Some(Path(name)))?;
     let token = token_param(&mut query)?;
-    let permit = permit_param(&mut query, lock.name(), lock.config().permits > 1)?;
+    let permit = permit_param(&mut query, lock.name(), lock.has_had_permits())?;
     durations(&query, &[])?;
     let released = lock
         .force_release(permit, token)
@@ -1726,7 +1726,7 @@ async fn events(
     let changes = BroadcastStream::new(lock.events());
     let snapshot = lock.snapshot();
     let answer = snapshot.answer();
-    let permits = lock.config().permits > 1;
+    let permits = lock.has_had_permits();
     let mut state_body = serde_json::json!({
         "lock": lock.name(),
         "holder": answer.is_holder(),

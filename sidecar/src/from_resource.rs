@@ -397,7 +397,7 @@ pub async fn follow(
             if let Some(Ok(asked)) = resource::force_release_token(&lock)
                 && running.keys.is_none()
                 && let Some(held) = state.locks().into_iter().find(|l| l.name() == running.name)
-                && (held.config().permits > 1) == asked.permit.is_some()
+                && held.has_had_permits() == asked.permit.is_some()
                 && held
                     .force_release(asked.permit, asked.token)
                     .await
@@ -499,6 +499,27 @@ pub async fn follow(
                     tracing::info!(resource = %r, "DistributedLock changed: the family's new settings apply from the next acquisition");
                     current = Some(next);
                     stepped_down = false;
+                }
+                Err(e) => {
+                    tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be applied; keeping the running configuration");
+                }
+            }
+            continue;
+        }
+        // Only the count of permits changed: the running lock takes it for its next attempts
+        // and keeps its holding (a change of permits revokes none), rather than restart.
+        let permits_only = resource::ResolvedLock {
+            permits: running.permits,
+            ..next.clone()
+        } == running;
+        if permits_only
+            && !stepped_down
+            && let Some(held) = state.locks().into_iter().find(|l| l.name() == running.name)
+        {
+            match held.set_permits(next.permits) {
+                Ok(()) => {
+                    tracing::info!(resource = %r, permits = next.permits, "the DistributedLock's permits changed: the next acquisitions use them, no holding is revoked");
+                    current = Some(next);
                 }
                 Err(e) => {
                     tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be applied; keeping the running configuration");

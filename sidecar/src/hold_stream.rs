@@ -100,7 +100,7 @@ impl Bound {
         let mut field = Map::new();
         field.insert("fencingToken".into(), token.into());
         if let Bound::Lock { lock, permit, .. } = self
-            && lock.config().permits > 1
+            && lock.has_had_permits()
         {
             field.insert("permit".into(), (*permit).into());
         }

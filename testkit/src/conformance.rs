@@ -1547,6 +1547,54 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
         lock.shutdown().await;
     }
 
+    // The count changed while the lock runs: raised, a waiting campaigner takes the new permit
+    // while the holder keeps its own; lowered, nobody's holding is revoked.
+    let lock = unique_lock("semaphore-changed");
+    let mut changing = Vec::new();
+    for identity in ["a", "b"] {
+        let driver = h.driver().await;
+        let config = config(&lock, identity, Mode::Campaign);
+        changing.push(Some(
+            Lock::start(driver, config, Arc::new(())).expect("start lock"),
+        ));
+    }
+    eventually(SLACK, "one of two campaigners holds", || {
+        holding(&changing).len() == 1
+    })
+    .await;
+    let before = holding(&changing);
+    sleep(RENEW).await;
+    assert_eq!(holding(&changing), before, "one permit, one holder");
+    for lock in changing.iter().flatten() {
+        lock.set_permits(2).unwrap();
+    }
+    eventually(
+        SLACK,
+        "both campaigners hold once there are two permits",
+        || holding(&changing).len() == 2,
+    )
+    .await;
+    assert!(
+        holding(&changing).contains(&before[0]),
+        "the holder kept its holding: {:?} then {:?}",
+        before,
+        holding(&changing)
+    );
+    let both = holding(&changing);
+    for lock in changing.iter().flatten() {
+        lock.set_permits(1).unwrap();
+        assert!(lock.has_had_permits());
+    }
+    sleep(2 * RENEW).await;
+    assert_eq!(
+        holding(&changing),
+        both,
+        "lowering the count revoked a holding"
+    );
+    for lock in changing.into_iter().flatten() {
+        lock.shutdown().await;
+    }
+
     // On demand: two pods hold at once, a third is refused; acquiring again keeps the permit.
     let lock = unique_lock("semaphore-on-demand");
     let mut pods = Vec::new();

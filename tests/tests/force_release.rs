@@ -144,7 +144,8 @@ fn a_semaphores_force_release_names_the_permit() {
 /// A lock of two permits declared by a `DistributedLock`: two of three pods hold it, each on a
 /// permit of its own. A force-release names the permit (`#PERMIT:TOKEN`; a token alone is
 /// refused and releases nothing); that holder steps down at once, and the waiting pod takes its
-/// permit with a higher token.
+/// permit with a higher token. A third permit added to the spec is taken, and nobody's holding
+/// is revoked.
 #[test]
 fn a_lock_of_two_permits_is_held_by_two_pods_and_its_force_release_names_the_permit() {
     let (_redis, cluster) = on_redis(&unique_lock("forced-lock-permits"), json!({"permits": 2}));
@@ -196,4 +197,19 @@ fn a_lock_of_two_permits_is_held_by_two_pods_and_its_force_release_names_the_per
         taken.token()
     );
     reported(&cluster, "ForceReleased");
+
+    // A third permit: the pod that stepped down takes it, and the two holders keep theirs (a
+    // change of permits restarts no lock and revokes no holding).
+    let kept = holding();
+    cluster.edit(|spec| spec["permits"] = json!(3));
+    eventually(Duration::from_secs(30), "three pods hold", || {
+        holding().len() == 3
+    });
+    let now = holding();
+    for held in &kept {
+        assert!(
+            now.contains(held),
+            "{held:?} was not kept: {kept:?} then {now:?}"
+        );
+    }
 }

@@ -125,6 +125,9 @@ pub(super) struct Engine {
     pub(super) retired: Option<oneshot::Sender<()>>,
     /// A semaphore's rounds of attempts so far: each starts at another permit.
     pub(super) rounds: u32,
+    /// How many permits the lock has now, shared with its handle; `None` for a single-use
+    /// engine (a key's), whose count never changes: [`LockConfig::permits`].
+    pub(super) permits: Option<Arc<super::Permits>>,
 }
 
 /// One acquisition's outcome, and the permit and moment it was sent for.
@@ -208,6 +211,20 @@ pub(crate) fn jitter(d: Duration) -> Duration {
 }
 
 impl Engine {
+    /// How many permits the lock has now.
+    pub(super) fn permits_now(&self) -> u32 {
+        self.permits
+            .as_ref()
+            .map_or(self.config.permits, |permits| permits.now())
+    }
+
+    /// The most permits the lock has had: while above 1, holdings are named with their permit.
+    pub(super) fn permits_ever(&self) -> u32 {
+        self.permits
+            .as_ref()
+            .map_or(self.config.permits, |permits| permits.ever())
+    }
+
     pub(super) fn held(&self) -> Option<&HeldLease> {
         match &self.phase {
             Phase::Held(held) => Some(held),
@@ -480,10 +497,10 @@ impl Engine {
                 tracing::debug!(lock = %event.lock, token, reason, kind = kind.as_str());
             }
             // A token counts per permit: the log names the permit beside it.
-            EventKind::Lost if self.config.permits > 1 => {
+            EventKind::Lost if self.permits_ever() > 1 => {
                 tracing::warn!(lock = %event.lock, permit, token, reason, "lost")
             }
-            _ if self.config.permits > 1 => {
+            _ if self.permits_ever() > 1 => {
                 tracing::info!(lock = %event.lock, permit, token, reason, "{}", kind.as_str())
             }
             EventKind::Acquired => {
@@ -814,6 +831,10 @@ impl Engine {
                 }
                 let _ = reply.send(());
             }
+            Command::PermitsChanged => {
+                tracing::info!(lock = %self.config.name, permits = self.permits_now(),
+                    "the lock's count of permits changed: the next attempts use it");
+            }
             Command::Retire { done } => {
                 self.retired = Some(done);
                 return Flow::Stop;
@@ -954,7 +975,7 @@ impl Engine {
             Mode::Campaign => true,
             Mode::OnDemand => self.waiters.iter().any(|w| w.deadline > now),
         };
-        let permits = self.config.permits;
+        let permits = self.permits_now();
         let mut changes = if may_wait {
             self.driver.changes(&self.config.name)
         } else {
@@ -1095,7 +1116,7 @@ impl Engine {
             outcome,
             Call::Done(Acquire::Busy(_) | Acquire::Withheld(_)) | Call::Failed
         );
-        if self.config.permits > 1 && refused {
+        if self.permits_ever() > 1 && refused {
             let (name, identity) = (self.config.permit_name(permit), &self.config.identity);
             let budget = self.config.renew_interval;
             let _ = timeout(budget, self.driver.abandon(&name, identity)).await;
@@ -1113,7 +1134,7 @@ impl Engine {
     /// permit not taken keeps no queue place ([`Engine::follow`]). The round ends at the first permit taken, or at a failure; refused everywhere, the
     /// answer is the refusal whose permit may be free soonest.
     async fn try_permits(&mut self) -> Attempted {
-        let permits = self.config.permits;
+        let permits = self.permits_now();
         self.rounds = self.rounds.wrapping_add(1);
         let first = spread(&self.config.identity, self.rounds) % permits;
         let mut refused: Option<Attempted> = None;
@@ -1148,7 +1169,7 @@ impl Engine {
     /// permit on some backends, and a semaphore's contenders do not queue.
     fn poll_pause(&self) -> Duration {
         let poll = self.driver.poll_interval(self.config.renew_interval);
-        jitter(match self.config.permits {
+        jitter(match self.permits_now() {
             1 => poll,
             _ => poll.min(self.config.renew_interval / 2),
         })

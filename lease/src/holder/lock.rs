@@ -3,7 +3,8 @@
 
 use super::engine::{Engine, Flow, Phase, Served, Unheld};
 use super::{
-    Answer, EVENT_CAPACITY, Event, LockConfig, Mode, SHUTDOWN_RELEASE_TIMEOUT, Snapshot, Telemetry,
+    Answer, EVENT_CAPACITY, Event, LockConfig, Mode, Permits, SHUTDOWN_RELEASE_TIMEOUT, Snapshot,
+    Telemetry,
 };
 
 use std::future::Future;
@@ -51,6 +52,9 @@ pub(super) enum Command {
     },
     /// Stop without releasing ([`Lock::retire`]); `done` fires once the engine has let go.
     Retire { done: oneshot::Sender<()> },
+    /// The count of permits changed ([`Lock::set_permits`]): a waiting campaign tries again
+    /// with it now rather than at its next poll.
+    PermitsChanged,
 }
 
 /// Called once when a lock stops being held by this process: its lease released or lost, or its
@@ -107,6 +111,9 @@ impl Events {
 pub(super) struct LockInner {
     /// Shared with the engine: one copy per lock, of which a keyed family has thousands.
     pub(super) config: Arc<LockConfig>,
+    /// The count of permits as it changes ([`Lock::set_permits`]), shared with the engine;
+    /// `None` for a single-use lock (a key's), whose count is its config's.
+    pub(super) permits: Option<Arc<Permits>>,
     pub(super) backend: &'static str,
     pub(super) state: watch::Receiver<Snapshot>,
     pub(super) events: Events,
@@ -214,6 +221,8 @@ impl Lock {
         let (command_tx, command_rx) = commands::channel();
         let shutdown = CancellationToken::new();
         let settled = CancellationToken::new();
+        // A key's engine keeps its count for good: no room is spent on changing it.
+        let permits = (!config.single_use).then(|| Arc::new(Permits::new(config.permits)));
         let engine = Engine {
             backend: driver.kind(),
             driver,
@@ -230,10 +239,12 @@ impl Lock {
             on_unheld,
             retired: None,
             rounds: 0,
+            permits: permits.clone(),
         };
         let lock = Self {
             inner: Arc::new(LockInner {
                 config,
+                permits,
                 backend: engine.backend,
                 state: state_rx,
                 events,
@@ -251,8 +262,49 @@ impl Lock {
         *self.inner.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
     }
 
+    /// The settings the lock was started with; its permits now are [`Lock::permits`].
     pub fn config(&self) -> &LockConfig {
         &self.inner.config
+    }
+
+    /// How many permits the lock has now.
+    pub fn permits(&self) -> u32 {
+        self.inner
+            .permits
+            .as_ref()
+            .map_or(self.inner.config.permits, |permits| permits.now())
+    }
+
+    /// Whether the lock has had several permits: holdings are named with their permit, since
+    /// tokens count per permit (a holding may be on a permit above a lowered count).
+    pub fn has_had_permits(&self) -> bool {
+        self.inner
+            .permits
+            .as_ref()
+            .map_or(self.inner.config.permits, |permits| permits.ever())
+            > 1
+    }
+
+    /// Hold the lock with `permits` permits from now on: the next attempts try that many, and
+    /// no holding is revoked (one on a permit above a lowered count is kept until it ends).
+    /// Every process of the lock must come to the same count: each admits up to its own.
+    pub fn set_permits(&self, permits: u32) -> Result<()> {
+        LockConfig {
+            permits,
+            ..(*self.inner.config).clone()
+        }
+        .validate()?;
+        match &self.inner.permits {
+            Some(now) => {
+                now.set(permits);
+                let _ = self.inner.commands.send(Box::new(Command::PermitsChanged));
+                Ok(())
+            }
+            None => Err(Error::InvalidConfig {
+                field: "permits",
+                reason: "a key's lock keeps its count of permits".into(),
+            }),
+        }
     }
 
     pub fn name(&self) -> &str {

@@ -178,6 +178,39 @@ impl LockConfig {
     }
 }
 
+/// A lock's count of permits as it changes while the lock runs ([`Lock::set_permits`]): the
+/// engine's next rounds read it, a holding is never revoked by it.
+#[derive(Debug)]
+pub(crate) struct Permits {
+    now: std::sync::atomic::AtomicU32,
+    /// The most it has been: while above 1, answers name the permit (a holding may be on a
+    /// permit above a lowered count).
+    ever: std::sync::atomic::AtomicU32,
+}
+
+impl Permits {
+    fn new(permits: u32) -> Self {
+        Self {
+            now: permits.into(),
+            ever: permits.into(),
+        }
+    }
+
+    pub(crate) fn now(&self) -> u32 {
+        self.now.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub(crate) fn ever(&self) -> u32 {
+        self.ever.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn set(&self, permits: u32) {
+        self.ever
+            .fetch_max(permits, std::sync::atomic::Ordering::SeqCst);
+        self.now.store(permits, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// The answer to "am I the holder?".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Answer {

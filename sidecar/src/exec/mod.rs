@@ -435,7 +435,7 @@ impl Holder {
     /// Whether the lock has several permits: a holding is named with its permit then.
     fn has_permits(&self) -> bool {
         match self {
-            Holder::Direct(lock) => lock.config().permits > 1,
+            Holder::Direct(lock) => lock.has_had_permits(),
             Holder::Via { claims, .. } => claims.borrow().permit.is_some(),
         }
     }
