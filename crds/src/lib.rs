@@ -220,7 +220,7 @@ pub struct DistributedLockSpec {
     /// semaphore of this many permits, each permit with its own fencing token; the keyed
     /// answers then give the permit held and, on `GET`, how many are held. On a lock (without
     /// `keys`), how many pods hold it at once, each on a permit of its own: `/lock` answers 200
-    /// to each, with its `permit`; its name is then at most 199 characters. A change applies to
+    /// to each, with its `permit`; its name is then at most 207 characters. A change applies to
     /// the acquisitions after it and revokes no holding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 256))]

@@ -434,7 +434,7 @@ impl Backends {
             // not be allowed): a failure is a warning, not an unusable backend. A lock's
             // permits above 0 are named as a family named after it names its keys, and counted
             // the same way.
-            let several_permits = !family && resolved.permits > 1;
+            let several_permits = resource::has_had_permits(lock);
             let counted = if !family && !several_permits {
                 None
             } else if let Some(counted) = self.held_keys_counted(lock) {
@@ -455,8 +455,10 @@ impl Backends {
                     }
                 }
             };
+            // Once lowered to one permit, the higher ones are counted until none is held.
             let (held_keys, held_permits) = match several_permits {
                 false => (counted, None),
+                true if resolved.permits == 1 && counted == Some(0) => (None, None),
                 true => (None, counted.map(|n| n + u64::from(holder.is_some()))),
             };
             Ok::<_, Error>(Observation::Ready {
@@ -528,7 +530,7 @@ impl Backends {
         } else {
             // A lock of several permits: its permits above 0 are kept while any is held, and
             // go as a family's idle keys do once permit 0's records have gone.
-            let several_permits = resolved.permits > 1;
+            let several_permits = resource::has_had_permits(lock);
             if several_permits {
                 match bounded(driver.count_held_keys(&resolved.name)).await? {
                     Some(0) => {}

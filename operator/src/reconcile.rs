@@ -316,14 +316,14 @@ async fn lock_force_release(
         }
         Some(Ok(asked)) => asked,
     };
-    let several = lock.spec.permits.unwrap_or(1) > 1;
+    let several = resource::has_had_permits(lock);
     let invalid = |why: String| Ok(Some((Asked::Invalid(why), holder.clone())));
     match asked.permit {
         None if several => invalid(format!(
             "the lock has several permits, whose tokens count apart: name the holding as #PERMIT:TOKEN (#0:{})",
             asked.token
         )),
-        Some(_) if !several => invalid(format!(
+        Some(permit) if !several && permit > 0 => invalid(format!(
             "the lock has one permit: name the holding by its token alone ({})",
             asked.token
         )),
@@ -831,13 +831,15 @@ pub fn resync_after(lock: &DistributedLock) -> Duration {
     use std::hash::{Hash, Hasher};
     // Only a lock's own Lease, made by the operator, is watched: not a family's key Leases, nor
     // a Lease the lock names (`leaseName`) that the operator may not have made.
+    // Nor a lock's permits above 0, whose Leases are counted at each look.
     let watched = lock
         .spec
         .backend
         .kubernetes
         .as_ref()
         .is_some_and(|k| k.lease_name.is_none())
-        && lock.spec.keys.is_none();
+        && lock.spec.keys.is_none()
+        && !resource::has_had_permits(lock);
     let base = if watched { RESYNC_WATCHED } else { RESYNC };
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     (lock.namespace(), lock.name_any()).hash(&mut hasher);
@@ -1227,8 +1229,8 @@ mod tests {
     }
 
     /// A lock of several permits: the status names permit 0's holder and counts the permits
-    /// held in every pod; `cleanupPolicy: Delete` waits while any permit is held, and goes
-    /// through once none is.
+    /// held in every pod; `cleanupPolicy: Delete` waits while any permit is held (also once
+    /// the count was lowered to one), and goes through once none is.
     #[tokio::test]
     async fn a_lock_of_several_permits_is_counted_and_cleaned_up_once_none_is_held() {
         let (server, driver) = redis().await;
@@ -1257,7 +1259,14 @@ mod tests {
             .expect("reconcile");
         timeout_after_1s(scenario).await;
 
-        let deleted = fixtures::being_deleted(lock, CleanupPolicy::Delete);
+        // Lowered to one permit meanwhile: the status still counts permits held, so the
+        // clean-up still waits for the one above.
+        let mut deleted = fixtures::being_deleted(lock, CleanupPolicy::Delete);
+        deleted.spec.permits = Some(1);
+        deleted.status = Some(leasehold_crds::DistributedLockStatus {
+            held_permits: Some(2),
+            ..Default::default()
+        });
         for (still, says) in [
             (&leases[1], "a permit of the lock is still held"),
             (&leases[0], "pod-a (token 1) still holds the lock"),

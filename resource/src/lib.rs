@@ -180,6 +180,19 @@ pub fn force_release_token(lock: &DistributedLock) -> Option<Result<LockForceRel
     Some(parsed.ok_or_else(|| raw.clone()))
 }
 
+/// Whether the lock `lock` declares (not a family) has several permits, or had them while some
+/// may still be held: its spec says more than one, or the operator still counts them
+/// (`status.heldPermits`, kept while a permit above a lowered count is held). Holdings are
+/// named with their permit then, and the permits above 0 are counted and cleaned up.
+pub fn has_had_permits(lock: &DistributedLock) -> bool {
+    lock.spec.keys.is_none()
+        && (lock.spec.permits.unwrap_or(1) > 1
+            || lock
+                .status
+                .as_ref()
+                .is_some_and(|status| status.held_permits.is_some()))
+}
+
 /// A lock's holding that a force-release names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LockForceRelease {

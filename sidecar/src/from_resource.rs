@@ -397,7 +397,10 @@ pub async fn follow(
             if let Some(Ok(asked)) = resource::force_release_token(&lock)
                 && running.keys.is_none()
                 && let Some(held) = state.locks().into_iter().find(|l| l.name() == running.name)
-                && held.has_had_permits() == asked.permit.is_some()
+                && match asked.permit {
+                    None => !held.has_had_permits(),
+                    Some(permit) => held.has_had_permits() || permit == 0,
+                }
                 && held
                     .force_release(asked.permit, asked.token)
                     .await

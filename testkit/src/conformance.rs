@@ -742,10 +742,31 @@ pub async fn many_contenders(h: &mut dyn Harness) {
 /// `n` on-demand contenders, `rounds` acquisitions each, all on one lock.
 pub async fn contenders(h: &mut dyn Harness, n: usize, rounds: usize) {
     let lock = unique_lock("contenders");
+    let mut locks = Vec::new();
+    for i in 0..n {
+        locks.push(start(
+            h.driver().await,
+            &lock,
+            &format!("c{i}"),
+            Mode::OnDemand,
+        ));
+    }
+    let mut log = take_turns(locks, rounds).await;
+    assert_eq!(log.len(), n * rounds);
+    log.sort_by_key(|(start, ..)| *start);
+    for pair in log.windows(2) {
+        let ((_, end, _, t1), (start, _, _, t2)) = (pair[0], pair[1]);
+        assert!(end <= start, "two holders at once (tokens {t1} and {t2})");
+        assert!(t2 > t1, "token went from {t1} to {t2}");
+    }
+}
+
+/// Each of `locks` (on-demand contenders) acquires `rounds` times, holds 10 ms and releases:
+/// when each holding began and ended as its holder saw it, with its permit and token.
+async fn take_turns(locks: Vec<Lock>, rounds: usize) -> Vec<(Instant, Instant, u32, u64)> {
     let log = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    for i in 0..n {
-        let lock = start(h.driver().await, &lock, &format!("c{i}"), Mode::OnDemand);
+    for (i, lock) in locks.into_iter().enumerate() {
         let log = log.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..rounds {
@@ -753,15 +774,18 @@ pub async fn contenders(h: &mut dyn Harness, n: usize, rounds: usize) {
                     .acquire(Duration::from_secs(30), Duration::from_secs(30))
                     .await
                     .expect("acquire");
-                let Answer::Holder { token, .. } = answer else {
-                    panic!("c{i} did not acquire: {answer:?}")
+                let Some((permit, token)) = answer.holding() else {
+                    panic!("contender {i} did not acquire: {answer:?}")
                 };
                 let start = Instant::now();
                 sleep(Duration::from_millis(10)).await;
-                assert!(lock.answer().is_holder(), "c{i} lost the lock mid-work");
+                assert!(
+                    lock.answer().is_holder(),
+                    "contender {i} lost the lock mid-work"
+                );
                 let end = Instant::now();
                 assert!(lock.release().await.expect("release"));
-                log.lock().unwrap().push((start, end, token));
+                log.lock().unwrap().push((start, end, permit, token));
             }
             lock.shutdown().await;
         }));
@@ -772,14 +796,7 @@ pub async fn contenders(h: &mut dyn Harness, n: usize, rounds: usize) {
             .expect("contenders finished")
             .expect("contender panicked");
     }
-    let mut log = log.lock().unwrap().clone();
-    assert_eq!(log.len(), n * rounds);
-    log.sort_by_key(|(start, _, _)| *start);
-    for pair in log.windows(2) {
-        let ((_, end, t1), (start, _, t2)) = (pair[0], pair[1]);
-        assert!(end <= start, "two holders at once (tokens {t1} and {t2})");
-        assert!(t2 > t1, "token went from {t1} to {t2}");
-    }
+    std::mem::take(&mut *log.lock().unwrap())
 }
 
 /// A release wakes a waiter promptly (notification, or fast polling), not at lease expiry.
@@ -1547,18 +1564,18 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
         lock.shutdown().await;
     }
 
-    // The count changed while the lock runs: raised, a waiting campaigner takes the new permit
-    // while the holder keeps its own; lowered, nobody's holding is revoked.
+    // The count changed while the lock runs: raised, the waiting campaigners take the new
+    // permits while the holder keeps its own; lowered, nobody's holding is revoked.
     let lock = unique_lock("semaphore-changed");
     let mut changing = Vec::new();
-    for identity in ["a", "b"] {
+    for identity in ["a", "b", "c", "d"] {
         let driver = h.driver().await;
         let config = config(&lock, identity, Mode::Campaign);
         changing.push(Some(
             Lock::start(driver, config, Arc::new(())).expect("start lock"),
         ));
     }
-    eventually(SLACK, "one of two campaigners holds", || {
+    eventually(SLACK, "one of four campaigners holds", || {
         holding(&changing).len() == 1
     })
     .await;
@@ -1566,13 +1583,11 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
     sleep(RENEW).await;
     assert_eq!(holding(&changing), before, "one permit, one holder");
     for lock in changing.iter().flatten() {
-        lock.set_permits(2).unwrap();
+        lock.set_permits(4).unwrap();
     }
-    eventually(
-        SLACK,
-        "both campaigners hold once there are two permits",
-        || holding(&changing).len() == 2,
-    )
+    eventually(SLACK, "all four hold once there are four permits", || {
+        holding(&changing).len() == 4
+    })
     .await;
     assert!(
         holding(&changing).contains(&before[0]),
@@ -1580,7 +1595,22 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
         before,
         holding(&changing)
     );
-    let both = holding(&changing);
+    // The campaigners that waited on permit 0 left its queue (etcd, ZooKeeper) when they took
+    // others: once permit 0's holder goes, a newcomer takes it at once.
+    let (first, ..) = before[0];
+    let replaced = changing[first].take().unwrap();
+    let driver = h.driver().await;
+    let config = LockConfig {
+        permits: 4,
+        ..config(&lock, "e", Mode::Campaign)
+    };
+    changing[first] = Some(Lock::start(driver, config, Arc::new(())).expect("start lock"));
+    replaced.shutdown().await;
+    eventually(SLACK, "a newcomer takes the permit given back", || {
+        holding(&changing).len() == 4
+    })
+    .await;
+    let all = holding(&changing);
     for lock in changing.iter().flatten() {
         lock.set_permits(1).unwrap();
         assert!(lock.has_had_permits());
@@ -1588,7 +1618,7 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
     sleep(2 * RENEW).await;
     assert_eq!(
         holding(&changing),
-        both,
+        all,
         "lowering the count revoked a holding"
     );
     for lock in changing.into_iter().flatten() {
@@ -1651,36 +1681,7 @@ pub async fn lock_permits_admit_that_many_holders(h: &mut dyn Harness) {
     }
     assert!(pods[1].release().await.unwrap());
 
-    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    for (i, pod) in pods.into_iter().enumerate() {
-        let log = log.clone();
-        tasks.push(tokio::spawn(async move {
-            for _ in 0..3 {
-                let answer = pod
-                    .acquire(Duration::from_secs(30), Duration::from_secs(30))
-                    .await
-                    .expect("acquire");
-                let (Some(token), Some(permit)) = (answer.token(), permit_of(&pod)) else {
-                    panic!("p{i} did not acquire: {answer:?}")
-                };
-                let start = Instant::now();
-                sleep(Duration::from_millis(10)).await;
-                assert!(pod.answer().is_holder(), "p{i} lost its permit mid-work");
-                let end = Instant::now();
-                assert!(pod.release().await.expect("release"));
-                log.lock().unwrap().push((start, end, permit, token));
-            }
-            pod.shutdown().await;
-        }));
-    }
-    for task in tasks {
-        tokio::time::timeout(Duration::from_secs(120), task)
-            .await
-            .expect("contenders finished")
-            .expect("contender panicked");
-    }
-    let mut log = log.lock().unwrap().clone();
+    let mut log = take_turns(pods, 3).await;
     assert_eq!(log.len(), 15);
     log.sort_by_key(|(start, ..)| *start);
     for (i, (start, ..)) in log.iter().enumerate() {

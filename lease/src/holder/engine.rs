@@ -834,6 +834,15 @@ impl Engine {
             Command::PermitsChanged => {
                 tracing::info!(lock = %self.config.name, permits = self.permits_now(),
                     "the lock's count of permits changed: the next attempts use it");
+                // A campaign of one permit waits in permit 0's queue (etcd, ZooKeeper); rounds
+                // over several keep no place, so it is left now, or it would stand first in
+                // line for nobody once this process holds another permit.
+                if self.held().is_none() && self.unheld_mut().is_some_and(|u| u.in_flight.is_none())
+                {
+                    let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
+                    let budget = self.config.renew_interval;
+                    let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
+                }
             }
             Command::Retire { done } => {
                 self.retired = Some(done);
@@ -1008,8 +1017,11 @@ impl Engine {
         self.check_enforced_lease();
         let pause = match outcome {
             Call::Done(Acquire::Acquired(lease)) => {
-                if BootInstant::now() >= self.claim_until(&lease, sent_boot) {
-                    // An attempt that was waited for again, and whose claim ran out meanwhile.
+                // An attempt that was waited for again, and whose claim ran out meanwhile; or
+                // one sent for a permit the lock no longer has (its count was lowered).
+                if BootInstant::now() >= self.claim_until(&lease, sent_boot)
+                    || permit >= self.permits_now()
+                {
                     let budget = self.config.renew_interval;
                     let _ = timeout(budget, self.driver.release(&lease)).await;
                     return Flow::Continue;
