@@ -1,15 +1,17 @@
 //! `spec.holderLabel`: the pod that holds a lock carries `leasehold.dev/holder: "true"`, every
 //! other pod of the lock `"false"`, so that a Service selecting the label routes to the holder
-//! only. Each lock also has a label of its own, `holder.leasehold.dev/LOCK`, which a pod that
-//! takes several locks carries instead; a holder takes both off the lock's other pods, so pods
-//! of one lock and of several can share a lock. Readiness is left alone: gating it on the lock would keep a rolling update from ever
+//! only (on a lock of several permits, to each of its holders). Each lock also has a label of
+//! its own, `holder.leasehold.dev/LOCK`, which a pod that takes several locks carries instead;
+//! a holder takes both off the lock's other pods, so pods of one lock and of several can share
+//! a lock. Readiness is left alone: gating it on the lock would keep a rolling update from ever
 //! finding a ready new pod.
 //!
 //! Each sidecar writes its own pod's label: it knows at once when it starts or stops holding
 //! (the operator learns of a new holder only at its next read of the backend). A holder first
 //! takes the label off every other pod of the lock that still carries it (one that was killed,
-//! or lost the API server, cannot take its own off), then puts it on its own pod, and looks
-//! again at each renewal; every write is made only while the lock is still held. A sidecar
+//! or lost the API server, cannot take its own off; on a lock of several permits, every other
+//! pod the backend names on no permit), then puts it on its own pod, and looks again at each
+//! renewal; every write is made only while the lock is still held. A sidecar
 //! that stops holding, or stops, takes its own label off first.
 
 use std::time::Duration;
@@ -156,6 +158,19 @@ async fn take_over(
 ) -> kube::Result<bool> {
     let mut own_labeled: Vec<&str> = Vec::new();
     let mut failed = None;
+    // A lock of several permits has a holder per permit: a labelled pod that holds another one
+    // keeps its label, and a pod is taken off only when the backend names it on no permit (a
+    // read that fails takes nobody's off, rather than a holder's).
+    let others_holding: Option<Vec<String>> = match holding.has_had_permits() {
+        false => Some(Vec::new()),
+        true => match holding.holders().await {
+            Ok(holders) => Some(holders.into_iter().map(|h| h.identity).collect()),
+            Err(e) => {
+                tracing::debug!(%lock, error = %e, "the permits' holders cannot be read; no label is taken off");
+                None
+            }
+        },
+    };
     for label in &labels.cleared {
         let labeled = pods
             .list(&ListParams::default().labels(&format!("{label}=true")))
@@ -166,7 +181,12 @@ async fn take_over(
             };
             if name == own {
                 own_labeled.push(label);
-            } else if takes(&other, lock) && holding.answer().is_holder() {
+            } else if takes(&other, lock)
+                && others_holding
+                    .as_ref()
+                    .is_some_and(|holders| !holders.iter().any(|h| h == name))
+                && holding.answer().is_holder()
+            {
                 tracing::info!(%lock, pod = name, %label, "taking the holder label off a pod that no longer holds the lock");
                 // One pod that cannot be written must not keep the holder's own label off.
                 if let Err(e) = set_labels(pods, name, std::slice::from_ref(label), false).await {

@@ -274,3 +274,72 @@ fn a_pod_of_two_locks_carries_a_holder_label_per_lock() {
         );
     }
 }
+
+/// On a lock of two permits both holders carry the label, together and for good (neither takes
+/// the other's off), and no third pod does; a killed holder's label goes, and the pod that
+/// takes its permit carries one.
+#[test]
+fn on_a_lock_of_two_permits_both_holders_carry_the_label() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("labelled-permits");
+    let cluster = Cluster::start(
+        &lock,
+        json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+            "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
+            "permits": 2, "cleanupPolicy": "Delete",
+        }),
+    );
+    let names: Vec<String> = (0..3).map(|i| format!("pod-{i}")).collect();
+    for name in &names {
+        cluster.api.put(PODS, pod(name, &lock));
+    }
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut sidecars: Vec<Sidecar> = names
+        .iter()
+        .map(|name| Sidecar::start_from_resource(name, &cluster.resource(), &env))
+        .collect();
+    // The holders among the sidecars still running (`dead` is not asked).
+    let holders_but = |sidecars: &[Sidecar], dead: Option<usize>| -> Vec<String> {
+        let mut held: Vec<String> = sidecars
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| Some(*i) != dead && s.is_holder())
+            .map(|(_, s)| s.identity.clone())
+            .collect();
+        held.sort();
+        held
+    };
+    let holders = |sidecars: &[Sidecar]| holders_but(sidecars, None);
+    eventually(
+        Duration::from_secs(15),
+        "two pods hold, both labelled",
+        || {
+            let held = holders(&sidecars);
+            held.len() == 2 && labelled(&cluster.api) == held
+        },
+    );
+    // Several renewals: each holder lists the labelled pods at each, and takes off none that
+    // the backend names as a holder.
+    let held = holders(&sidecars);
+    let until = std::time::Instant::now() + 8 * RENEW;
+    while std::time::Instant::now() < until {
+        assert_eq!(
+            labelled(&cluster.api),
+            held,
+            "the labels moved without a fault"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let dead = names.iter().position(|n| *n == held[0]).unwrap();
+    sidecars[dead].kill9();
+    eventually(
+        Duration::from_secs(15),
+        "the dead holder's label goes and the new holder's comes",
+        || {
+            let now = holders_but(&sidecars, Some(dead));
+            now.len() == 2 && labelled(&cluster.api) == now
+        },
+    );
+}

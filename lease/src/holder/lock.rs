@@ -222,7 +222,8 @@ impl Lock {
         let shutdown = CancellationToken::new();
         let settled = CancellationToken::new();
         // A key's engine keeps its count for good: no room is spent on changing it.
-        let permits = (!config.single_use).then(|| Arc::new(Permits::new(config.permits)));
+        let permits =
+            (!config.single_use).then(|| Arc::new(Permits::new(config.permits, driver.clone())));
         let engine = Engine {
             backend: driver.kind(),
             driver,
@@ -283,6 +284,21 @@ impl Lock {
             .as_ref()
             .map_or(self.inner.config.permits, |permits| permits.ever())
             > 1
+    }
+
+    /// Who holds the lock in the backend now, any process: each permit's holder, one read per
+    /// permit the lock has had (a key's lock: its one holder).
+    pub async fn holders(&self) -> Result<Vec<crate::driver::Holding>> {
+        let Some(permits) = &self.inner.permits else {
+            return Ok(Vec::new());
+        };
+        let config = &self.inner.config;
+        let reads = (0..permits.ever()).map(|permit| {
+            let (driver, name) = (permits.driver.clone(), config.permit_name(permit));
+            async move { driver.observe(&name).await }
+        });
+        let read = futures_util::future::try_join_all(reads).await?;
+        Ok(read.into_iter().flatten().collect())
     }
 
     /// Hold the lock with `permits` permits from now on: the next attempts try that many, and

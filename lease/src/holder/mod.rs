@@ -180,19 +180,21 @@ impl LockConfig {
 
 /// A lock's count of permits as it changes while the lock runs ([`Lock::set_permits`]): the
 /// engine's next rounds read it, a holding is never revoked by it.
-#[derive(Debug)]
 pub(crate) struct Permits {
     now: std::sync::atomic::AtomicU32,
     /// The most it has been: while above 1, answers name the permit (a holding may be on a
     /// permit above a lowered count).
     ever: std::sync::atomic::AtomicU32,
+    /// The lock's driver, for reading who holds its permits ([`Lock::holders`]).
+    driver: std::sync::Arc<dyn crate::driver::Driver>,
 }
 
 impl Permits {
-    fn new(permits: u32) -> Self {
+    fn new(permits: u32, driver: std::sync::Arc<dyn crate::driver::Driver>) -> Self {
         Self {
             now: permits.into(),
             ever: permits.into(),
+            driver,
         }
     }
 
