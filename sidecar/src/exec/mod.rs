@@ -237,6 +237,7 @@ async fn run(args: ExecArgs) -> u8 {
             Holder::Via {
                 name,
                 identity,
+                lock: args.lock.is_some(),
                 hold,
                 claims,
             }
@@ -405,6 +406,8 @@ enum Holder {
     Via {
         name: String,
         identity: String,
+        /// A lock (`--lock`), not keys.
+        lock: bool,
         hold: via::Hold,
         claims: tokio::sync::watch::Receiver<via::Claim>,
     },
@@ -432,11 +435,15 @@ impl Holder {
         }
     }
 
-    /// Whether the lock has several permits: a holding is named with its permit then.
-    fn has_permits(&self) -> bool {
+    /// The permit of `holding` to tell the command, on a lock of several permits (its tokens
+    /// count per permit); through a sidecar, the permit its stream names.
+    fn permit_told(&self, (permit, _): (u32, u64)) -> Option<u32> {
         match self {
-            Holder::Direct(lock) => lock.has_had_permits(),
-            Holder::Via { claims, .. } => claims.borrow().permit.is_some(),
+            Holder::Direct(lock) => lock.has_had_permits().then_some(permit),
+            Holder::Via {
+                lock: true, claims, ..
+            } => claims.borrow().permit,
+            Holder::Via { lock: false, .. } => None,
         }
     }
 
@@ -483,7 +490,7 @@ enum Claims {
 
 impl Claims {
     /// The claim now (marking it seen), if held and not yet ended: the holding (its permit,
-    /// 0 but on a lock of several, and its token) and the claim's end.
+    /// 0 but on a lock of several held by exec itself, and its token) and the claim's end.
     fn current(&mut self) -> Option<((u32, u64), BootInstant)> {
         let held = match self {
             Claims::Direct(state) => state
@@ -491,12 +498,11 @@ impl Claims {
                 .held
                 .as_ref()
                 .map(|held| ((held.permit, held.token), held.valid_until)),
-            Claims::Via(claims) => {
-                let claim = claims.borrow_and_update();
-                claim
-                    .held
-                    .map(|(token, end)| ((claim.permit.unwrap_or(0), token), end))
-            }
+            // A stream is one holding, whose token it names at every event.
+            Claims::Via(claims) => claims
+                .borrow_and_update()
+                .held
+                .map(|(token, end)| ((0, token), end)),
         };
         held.filter(|(_, end)| BootInstant::now() < *end)
     }
@@ -682,7 +688,7 @@ fn spawn(
         None => command.env("LEASEHOLD_FENCING_TOKEN", token.to_string()),
     };
     // A token counts per permit: the command fences with both.
-    if holder.has_permits() {
+    if let Some(permit) = holder.permit_told((permit, token)) {
         command.env("LEASEHOLD_PERMIT", permit.to_string());
     }
     // Through a sidecar, the command inherits a copy of the held connection (the only
