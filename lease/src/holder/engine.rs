@@ -163,12 +163,10 @@ impl Drop for Engine {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (driver, config) = (self.driver.clone(), self.config.clone());
-        let settled = self.settled.clone();
+        let (leave, settled) = (self.leave_queue(&self.config.name), self.settled.clone());
         runtime.spawn(async move {
             let _settled = settled;
-            let budget = config.renew_interval;
-            let _ = timeout(budget, driver.abandon(&config.name, &config.identity)).await;
+            leave.await;
         });
     }
 }
@@ -697,9 +695,19 @@ impl Engine {
             let _ = waiter.reply.send(answer);
         }
         if had_waiters && !self.wants_lock() && self.held().is_none() {
-            let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
-            let budget = self.config.renew_interval;
-            let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
+            self.leave_queue(&self.config.name).await;
+        }
+    }
+
+    /// Leave `lock`'s queue (etcd, ZooKeeper), if this process has a place in it, within a
+    /// renew interval: a place nobody waits for would stand first in line for nobody. The
+    /// future owns what it needs: the engine is not `Sync`, so none of it may be held across
+    /// the wait.
+    fn leave_queue(&self, lock: &str) -> impl Future<Output = ()> + Send + 'static {
+        let (driver, budget) = (self.driver.clone(), self.config.renew_interval);
+        let (lock, identity) = (lock.to_owned(), self.config.identity.clone());
+        async move {
+            let _ = timeout(budget, driver.abandon(&lock, &identity)).await;
         }
     }
 
@@ -780,10 +788,7 @@ impl Engine {
                         if let Some(unheld) = self.unheld_mut() {
                             unheld.in_flight = None;
                         }
-                        let (name, identity) =
-                            (self.config.name.clone(), self.config.identity.clone());
-                        let budget = self.config.renew_interval;
-                        let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
+                        self.leave_queue(&self.config.name).await;
                     }
                     if let Some(unheld) = self.unheld_mut() {
                         unheld.sitting_out = Some(reason.clone());
@@ -837,11 +842,8 @@ impl Engine {
                 // A campaign of one permit waits in permit 0's queue (etcd, ZooKeeper); rounds
                 // over several keep no place, so it is left now, or it would stand first in
                 // line for nobody once this process holds another permit.
-                if self.held().is_none() && self.unheld_mut().is_some_and(|u| u.in_flight.is_none())
-                {
-                    let (name, identity) = (self.config.name.clone(), self.config.identity.clone());
-                    let budget = self.config.renew_interval;
-                    let _ = timeout(budget, self.driver.abandon(&name, &identity)).await;
+                if matches!(&self.phase, Phase::Unheld(u) if u.in_flight.is_none()) {
+                    self.leave_queue(&self.config.name).await;
                 }
             }
             Command::Retire { done } => {
@@ -1129,9 +1131,7 @@ impl Engine {
             Call::Done(Acquire::Busy(_) | Acquire::Withheld(_)) | Call::Failed
         );
         if self.permits_ever() > 1 && refused {
-            let (name, identity) = (self.config.permit_name(permit), &self.config.identity);
-            let budget = self.config.renew_interval;
-            let _ = timeout(budget, self.driver.abandon(&name, identity)).await;
+            self.leave_queue(&self.config.permit_name(permit)).await;
         }
         Attempted {
             outcome,
@@ -1143,8 +1143,9 @@ impl Engine {
 
     /// A semaphore's round: each permit once, one attempt at a time (so that at most one can
     /// take a permit), from another permit each round so that contenders spread over them; a
-    /// permit not taken keeps no queue place ([`Engine::follow`]). The round ends at the first permit taken, or at a failure; refused everywhere, the
-    /// answer is the refusal whose permit may be free soonest.
+    /// permit not taken keeps no queue place ([`Engine::follow`]). The round ends at the first
+    /// permit taken, or at a failure; refused everywhere, the answer is the refusal whose permit
+    /// may be free soonest.
     async fn try_permits(&mut self) -> Attempted {
         let permits = self.permits_now();
         self.rounds = self.rounds.wrapping_add(1);
