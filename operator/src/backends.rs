@@ -208,6 +208,26 @@ async fn bounded<T>(
         .unwrap_or(Err(Error::Timeout(BACKEND_TIMEOUT)))
 }
 
+/// How many records named under `resolved`'s name as a family names its keys are held (a
+/// family's keys, a lock's permits above 0), for a clean-up to wait for. Every driver counts
+/// today; a backend that could not is an error (`what` says what it could not count), as
+/// deleting those records would take them from under their holders.
+async fn held_under(
+    driver: &dyn Backend,
+    resolved: &ResolvedLock,
+    what: &str,
+) -> leasehold_lease::Result<u64> {
+    bounded(driver.count_held_keys(&resolved.name))
+        .await?
+        .ok_or_else(|| Error::InvalidConfig {
+            field: "cleanupPolicy",
+            reason: format!(
+                "the {} backend cannot count {what}, so their records are kept",
+                resolved.backend.kind()
+            ),
+        })
+}
+
 /// A condition reason for a lease-engine error.
 pub fn reason(error: &Error) -> &'static str {
     match error {
@@ -510,40 +530,18 @@ impl Backends {
         let resolved = self.resolve(client, lock).await?;
         let (driver, _) = self.driver(client, lock, &resolved).await?;
         if resolved.keys.is_some() {
-            match bounded(driver.count_held_keys(&resolved.name)).await? {
-                Some(0) => {
-                    bounded(driver.forget_idle_keys(&resolved.name, Duration::ZERO)).await?;
-                }
-                Some(held) => return Ok(Some(StillHeld::Keys(held))),
-                // Every driver counts today; a backend that could not would lose its keys'
-                // records under their holders.
-                None => {
-                    return Err(Error::InvalidConfig {
-                        field: "cleanupPolicy",
-                        reason: format!(
-                            "the {} backend cannot count a family's held keys, so their records are kept",
-                            resolved.backend.kind()
-                        ),
-                    });
-                }
-            }
+            match held_under(&*driver, &resolved, "a family's held keys").await? {
+                0 => bounded(driver.forget_idle_keys(&resolved.name, Duration::ZERO)).await?,
+                held => return Ok(Some(StillHeld::Keys(held))),
+            };
         } else {
             // A lock of several permits: its permits above 0 are kept while any is held, and
             // go as a family's idle keys do once permit 0's records have gone.
             let several_permits = resource::has_had_permits(lock);
             if several_permits {
-                match bounded(driver.count_held_keys(&resolved.name)).await? {
-                    Some(0) => {}
-                    Some(held) => return Ok(Some(StillHeld::Permits(held))),
-                    None => {
-                        return Err(Error::InvalidConfig {
-                            field: "cleanupPolicy",
-                            reason: format!(
-                                "the {} backend cannot count a lock's held permits, so their records are kept",
-                                resolved.backend.kind()
-                            ),
-                        });
-                    }
+                match held_under(&*driver, &resolved, "a lock's held permits").await? {
+                    0 => {}
+                    held => return Ok(Some(StillHeld::Permits(held))),
                 }
             }
             let held = bounded(leasehold_lease::delete_records(
