@@ -117,6 +117,13 @@ pub trait Driver: Send + Sync + 'static {
     /// abandoned place stands first in line when the holder releases. No effect on a lease this
     /// process holds. Best effort: a place that cannot be left now expires on its own.
     async fn abandon(&self, _lock: &str, _identity: &str) {}
+
+    /// Whether contenders keep a place in a first-come first-served line (etcd, ZooKeeper): an
+    /// attempt refused leaves a place that a later attempt of the same identity comes back to,
+    /// until [`Driver::abandon`]. A semaphore's waiters then line up in order (keyed.rs).
+    fn keeps_queue(&self) -> bool {
+        false
+    }
 }
 
 /// What provisioning and clean-up need of a backend: the operator prepares and clears it, and

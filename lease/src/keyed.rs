@@ -26,6 +26,7 @@
 //! Lease), else `FAMILY.keyh.` and the first 40 hex digits of the key's SHA-256. A plain lock whose
 //! name starts with a family's `FAMILY.keys.` or `FAMILY.keyh.` is refused where the two meet.
 
+mod line;
 mod read_write;
 mod several;
 
@@ -426,6 +427,12 @@ impl KeyedFamily {
         Ok(backend_name(&self.inner.name, key))
     }
 
+    /// The backend name of `key`'s permit `permit` (of a semaphore; permit 0 is the key's own).
+    pub fn permit_backend_name(&self, key: &str, permit: u32) -> Result<String, KeyError> {
+        self.check_key(key)?;
+        Ok(self.permit_name(key, permit))
+    }
+
     fn check_key(&self, key: &str) -> Result<(), KeyError> {
         let max = self.read_config(|c| c.max_key_length);
         if is_key(key, max) {
@@ -530,7 +537,7 @@ impl KeyedFamily {
         let wait = deadline.saturating_duration_since(Instant::now());
         let _waiting = Waiting::new(&self.inner.waiting);
         if self.read_config(|c| c.permits) == 1 {
-            return self.take_permit(key, 0, owner, wait, hold, reentrant).await;
+            return self.take_part(key, 0, owner, wait, hold, reentrant).await;
         }
         self.take_any_permit(key, owner, wait, hold, reentrant)
             .await
@@ -539,13 +546,8 @@ impl KeyedFamily {
     /// Take a permit of `key` for `owner`: each in turn (from a different one for each
     /// acquisition, to spread the owners), and while every one is held, again after a release
     /// notice or a nap, until `wait` runs out. The count of permits is read at each round, so
-    /// that a change applies to the next one.
-    ///
-    /// Notices only shorten the nap: a queue backend's notices also move when this pod's own
-    /// attempts leave the queue, so they are taken as seen after each round (a release during
-    /// the round is found at the next) and a round follows a notice no sooner than
-    /// [`MIN_ROUND_GAP`] after the last. The nap is at most half a renew interval, since a
-    /// holder that dies sends no notice, and queue backends send none to whom is not queued.
+    /// that a change applies to the next one. On a backend that keeps a queue, an owner that
+    /// waits lines up instead ([`line`]).
     async fn take_any_permit(
         &self,
         key: &str,
@@ -556,57 +558,110 @@ impl KeyedFamily {
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         let first = self.inner.next_first.fetch_add(1, Ordering::Relaxed);
-        let renew_interval = self.read_config(|c| c.renew_interval);
+        if self.driver().keeps_queue() && !wait.is_zero() {
+            return self
+                .take_in_line(key, owner, deadline, hold, reentrant, first)
+                .await;
+        }
         // This pod's releases of any permit of the key; the state is kept while watched.
         let own_key = StateInUse::new(&self.inner, key);
         let mut given_up = own_key.given_up.subscribe();
         loop {
             let round = Instant::now();
-            let permits = self.read_config(|c| c.permits);
             let driver = self.driver();
-            let mut notices: Vec<_> = (0..permits)
-                .filter_map(|permit| driver.changes(&self.permit_name(key, permit)))
-                .collect();
-            let mut refused = None;
-            for offset in 0..permits {
-                let permit = first.wrapping_add(offset) % permits;
-                let answer = self
-                    .take_permit(key, permit, owner, Duration::ZERO, hold, reentrant)
-                    .await?;
-                if matches!(answer, KeyAnswer::Held { .. }) {
-                    return Ok(answer);
-                }
-                refused = Some(more_telling(refused, answer));
-            }
-            let refused = refused.unwrap_or(KeyAnswer::HeldByAnother { holder: None });
+            let mut notices = self.permit_notices(key, &*driver);
+            let refused = match self
+                .permit_round(key, owner, first, hold, reentrant, InLine::Leave)
+                .await?
+            {
+                Ok(held) => return Ok(held),
+                Err(refused) => refused,
+            };
             if Instant::now() >= deadline {
                 return Ok(refused);
             }
-            for notice in &mut notices {
-                notice.borrow_and_update();
-            }
-            let nap_until = deadline.min(
-                Instant::now() + (renew_interval / 2).min(driver.poll_interval(renew_interval)),
-            );
-            let notice = async {
-                let backend = async {
-                    if notices.is_empty() {
-                        std::future::pending::<()>().await;
-                    }
-                    futures_util::future::select_all(
-                        notices.iter_mut().map(|n| Box::pin(changed(n))),
-                    )
-                    .await;
-                };
-                tokio::select! {
-                    _ = backend => {}
-                    _ = changed(&mut given_up) => {}
-                }
-                tokio::time::sleep_until(round + MIN_ROUND_GAP).await;
-            };
-            let _ = tokio::time::timeout_at(nap_until, notice).await;
-            drop(notices);
+            self.nap_for_permits(&mut notices, &mut given_up, round, deadline)
+                .await;
         }
+    }
+
+    /// Release notices of each permit of `key`, from the backend, taken before a round.
+    fn permit_notices(
+        &self,
+        key: &str,
+        driver: &dyn Backend,
+    ) -> Vec<tokio::sync::watch::Receiver<u64>> {
+        let permits = self.read_config(|c| c.permits);
+        (0..permits)
+            .filter_map(|permit| driver.changes(&self.permit_name(key, permit)))
+            .collect()
+    }
+
+    /// One attempt at each permit of `key` for `owner`, from `first` on: the answer of the
+    /// permit taken, else the most telling refusal.
+    async fn permit_round(
+        &self,
+        key: &str,
+        owner: &str,
+        first: u32,
+        hold: Duration,
+        reentrant: bool,
+        in_line: InLine,
+    ) -> Result<Result<KeyAnswer, KeyAnswer>, KeyError> {
+        let permits = self.read_config(|c| c.permits);
+        let mut refused = None;
+        for offset in 0..permits {
+            let permit = first.wrapping_add(offset) % permits;
+            let answer = self
+                .take_permit(key, permit, owner, hold, reentrant, in_line)
+                .await?;
+            if matches!(answer, KeyAnswer::Held { .. }) {
+                return Ok(Ok(answer));
+            }
+            refused = Some(more_telling(refused, answer));
+        }
+        Ok(Err(
+            refused.unwrap_or(KeyAnswer::HeldByAnother { holder: None })
+        ))
+    }
+
+    /// Until a release notice of a permit of the key (`notices`, taken before the round that
+    /// began at `round`) or a release by this pod (`given_up`), or `deadline`.
+    ///
+    /// Notices only shorten the nap: a queue backend's notices also move when this pod's own
+    /// attempts leave the queue, so they are taken as seen here (a release during the round is
+    /// found at the next) and a round follows a notice no sooner than [`MIN_ROUND_GAP`] after
+    /// the last. The nap is at most half a renew interval, since a holder that dies sends no
+    /// notice, and queue backends send none to whom is not queued.
+    async fn nap_for_permits(
+        &self,
+        notices: &mut [tokio::sync::watch::Receiver<u64>],
+        given_up: &mut tokio::sync::watch::Receiver<u64>,
+        round: Instant,
+        deadline: Instant,
+    ) {
+        let renew_interval = self.read_config(|c| c.renew_interval);
+        let driver = self.driver();
+        for notice in notices.iter_mut() {
+            notice.borrow_and_update();
+        }
+        let nap_until = deadline
+            .min(Instant::now() + (renew_interval / 2).min(driver.poll_interval(renew_interval)));
+        let notice = async {
+            let backend = async {
+                if notices.is_empty() {
+                    std::future::pending::<()>().await;
+                }
+                futures_util::future::select_all(notices.iter_mut().map(|n| Box::pin(changed(n))))
+                    .await;
+            };
+            tokio::select! {
+                _ = backend => {}
+                _ = changed(given_up) => {}
+            }
+            tokio::time::sleep_until(round + MIN_ROUND_GAP).await;
+        };
+        let _ = tokio::time::timeout_at(nap_until, notice).await;
     }
 
     /// An acquisition by the owner of `current`: re-entrant, or refused when it may not be
@@ -633,15 +688,15 @@ impl KeyedFamily {
         }
     }
 
-    /// Take permit `permit` of `key` for `owner` (permit 0 of a mutual exclusion lock).
+    /// One attempt at permit `permit` of `key` for `owner`, of a semaphore.
     async fn take_permit(
         &self,
         key: &str,
         permit: u32,
         owner: &str,
-        wait: Duration,
         hold: Duration,
         reentrant: bool,
+        in_line: InLine,
     ) -> Result<KeyAnswer, KeyError> {
         // Permits above the family's count, lowered since, are kept by their holders but
         // given to nobody new (a writer takes them: read_write.rs).
@@ -651,12 +706,12 @@ impl KeyedFamily {
         {
             return Ok(KeyAnswer::NotHeld);
         }
-        self.take_part(key, permit, owner, wait, hold, reentrant)
+        self.take_part_in_line(key, permit, owner, Duration::ZERO, hold, reentrant, in_line)
             .await
     }
 
-    /// Take permit `permit` of `key` (or its write gate) for `owner`, whatever the family's
-    /// count of permits: re-entrant where the owner holds it.
+    /// Take permit `permit` of `key` (or its write gate, or its line) for `owner`, whatever
+    /// the family's count of permits: re-entrant where the owner holds it.
     async fn take_part(
         &self,
         key: &str,
@@ -665,6 +720,23 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
         reentrant: bool,
+    ) -> Result<KeyAnswer, KeyError> {
+        self.take_part_in_line(key, permit, owner, wait, hold, reentrant, InLine::Leave)
+            .await
+    }
+
+    /// [`KeyedFamily::take_part`], keeping the place of an attempt refused in the backend's
+    /// line when told to ([`InLine::Keep`]).
+    #[allow(clippy::too_many_arguments)]
+    async fn take_part_in_line(
+        &self,
+        key: &str,
+        permit: u32,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+        reentrant: bool,
+        in_line: InLine,
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         let base_key = key;
@@ -685,7 +757,9 @@ impl KeyedFamily {
         };
         let (lease_duration, renew_interval, max_keys) =
             self.read_config(|c| (c.lease_duration, c.renew_interval, c.max_keys));
-        if self.inner.held.load(Ordering::SeqCst) >= max_keys {
+        // A place in a semaphore's line is not a key held.
+        let counted = permit != line::LINE;
+        if counted && self.inner.held.load(Ordering::SeqCst) >= max_keys {
             return Err(KeyError::TooManyKeys(max_keys));
         }
         self.check_running()?;
@@ -704,6 +778,7 @@ impl KeyedFamily {
             LockConfig {
                 mode: Mode::OnDemand,
                 single_use: true,
+                keeps_queue_place: in_line == InLine::Keep,
                 renew_interval,
                 ..LockConfig::new(
                     &backend_name(&self.inner.name, key),
@@ -764,7 +839,9 @@ impl KeyedFamily {
         });
         // Counted before it is put in place: the engine's hook may forget it (and count it
         // out) from then on.
-        self.inner.held.fetch_add(1, Ordering::SeqCst);
+        if counted {
+            self.inner.held.fetch_add(1, Ordering::SeqCst);
+        }
         *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
         // `stop` raises its flag before it looks for holdings: either it saw this one, or this
         // sees the flag.
@@ -1082,7 +1159,9 @@ impl KeyedFamily {
                     .unwrap_or_else(|e| e.into_inner())
                     .take(),
             );
-            self.inner.held.fetch_sub(1, Ordering::SeqCst);
+            if holding.permit != line::LINE {
+                self.inner.held.fetch_sub(1, Ordering::SeqCst);
+            }
             if let Some(key) = self.existing(&holding.key) {
                 key.given_up.send_modify(|n| *n = n.wrapping_add(1));
             }
@@ -1179,8 +1258,17 @@ fn permit_key(key: &str, permit: u32) -> std::borrow::Cow<'_, str> {
     match permit {
         0 => key.into(),
         read_write::GATE => format!("{key}#w").into(),
+        line::LINE => format!("{key}#q").into(),
         permit => format!("{key}#{permit}").into(),
     }
+}
+
+/// What an attempt refused does with its place in the backend's line (etcd, ZooKeeper): leave
+/// it, or keep it for the owner's next attempt ([`line`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InLine {
+    Leave,
+    Keep,
 }
 
 /// Of two refusals, the one that tells the caller more: a holder over a guard's wait, a guard's

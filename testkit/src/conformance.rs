@@ -1483,6 +1483,138 @@ pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
     assert_eq!(b.tracked_keys(), 1);
 }
 
+/// A semaphore's waiters each get a permit as permits are given up. Where the backend keeps a
+/// queue (etcd, ZooKeeper) they are served first come first served: the first in line takes the
+/// next permit given up, before a newcomer that asks right after the release and before the
+/// waiters behind it, of its own pod or another.
+pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
+    use leasehold_lease::keyed::{KeyAnswer, KeyRelease, KeyedFamily};
+    const HOLD: Duration = Duration::from_secs(60);
+    const WAIT: Duration = Duration::from_secs(60);
+    let family = unique_lock("line");
+    let key = "pool";
+    let pod = |driver: Arc<dyn Backend>, name: &str| keyed_pod(driver, &family, name, 2);
+    let (fb, fc) = (
+        FaultyDriver::wrap(h.driver().await),
+        FaultyDriver::wrap(h.driver().await),
+    );
+    let (a, b, c, d) = (
+        pod(h.driver().await, "pod-a"),
+        pod(fb.clone(), "pod-b"),
+        pod(fc.clone(), "pod-c"),
+        pod(h.driver().await, "pod-d"),
+    );
+    let in_order = fb.keeps_queue();
+    let held = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held { permit, token, .. } => (permit, token),
+        other => panic!("not held: {other:?}"),
+    };
+    let (p1, _) = held(a.acquire(key, "h1", Duration::ZERO, HOLD).await.unwrap());
+    let (p2, _) = held(a.acquire(key, "h2", Duration::ZERO, HOLD).await.unwrap());
+    let waiter = |pod: &KeyedFamily, owner: &'static str| {
+        let pod = pod.clone();
+        tokio::spawn(async move { pod.acquire(key, owner, WAIT, HOLD).await })
+    };
+    // The attempts at each of `permits` by `owner` that the backend has answered, at least
+    // `rounds` each: a waiter's place stands in a permit's line once its attempt there is
+    // answered. (A permit held in the owner's own pod is refused without asking the backend.)
+    let tried = |faulty: &FaultyDriver, pod: &KeyedFamily, owner: &str, permits: &[u32], rounds| {
+        let identity = format!("{}/{owner}", pod.identity());
+        permits.iter().all(|&permit| {
+            let lock = pod.permit_backend_name(key, permit).unwrap();
+            faulty.answered(&lock, &identity) >= rounds
+        })
+    };
+    // The first in line, on a queue backend, has tried each permit twice: once on its own, once
+    // first in line, keeping its places.
+    let first_rounds = if in_order { 2 } else { 1 };
+
+    let w1 = waiter(&b, "w1");
+    eventually(WAIT, "w1 waits, having tried every permit", || {
+        tried(&fb, &b, "w1", &[0, 1], first_rounds)
+    })
+    .await;
+    assert_eq!(
+        a.release(key, "h1").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let newcomer = d.acquire(key, "n", Duration::ZERO, HOLD).await.unwrap();
+    if in_order {
+        assert!(
+            matches!(newcomer, KeyAnswer::HeldByAnother { .. }),
+            "a newcomer took the permit w1 waits for: {newcomer:?}"
+        );
+    } else if matches!(newcomer, KeyAnswer::Held { .. }) {
+        d.release(key, "n").await.unwrap();
+    }
+    let (w1_permit, _) = held(w1.await.expect("w1").unwrap());
+    if in_order {
+        assert_eq!(w1_permit, p1, "w1 takes the permit given up");
+    }
+
+    // w2 (pod c) waits first in line; then w3 (pod b, which holds w1's permit) lines up.
+    let w2 = waiter(&c, "w2");
+    eventually(WAIT, "w2 waits, having tried every permit", || {
+        tried(&fc, &c, "w2", &[0, 1], first_rounds)
+    })
+    .await;
+    let w3 = waiter(&b, "w3");
+    eventually(
+        WAIT,
+        "w3 waits, having tried the permit w1 does not hold",
+        || tried(&fb, &b, "w3", &[1 - w1_permit], 1),
+    )
+    .await;
+    assert_eq!(
+        a.release(key, "h2").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let mut w2 = Some(w2);
+    let mut w2_permit = None;
+    if in_order {
+        let taken = w2.take().expect("w2");
+        let (permit, _) = held(taken.await.expect("w2").unwrap());
+        assert_eq!(permit, p2, "w2 takes the permit given up");
+        assert!(
+            !w3.is_finished(),
+            "w3 was served before w2, who waited longer"
+        );
+        w2_permit = Some(permit);
+    }
+    // w1 gives its permit up: the last waiter takes it.
+    assert_eq!(
+        b.release(key, "w1").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    if let Some(w2) = w2 {
+        w2_permit = Some(held(w2.await.expect("w2").unwrap()).0);
+    }
+    let (w3_permit, _) = held(w3.await.expect("w3").unwrap());
+    assert_ne!(Some(w3_permit), w2_permit, "w2 and w3 on one permit");
+    if in_order {
+        assert_eq!(w3_permit, w1_permit, "w3 takes w1's permit");
+    }
+    let mut holders: Vec<String> = a
+        .observe_permits(key)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| h.identity)
+        .collect();
+    holders.sort();
+    assert_eq!(holders, ["pod-b/w3", "pod-c/w2"]);
+    for (pod, owner) in [(&c, "w2"), (&b, "w3")] {
+        pod.release(key, owner).await.unwrap();
+    }
+    // Nothing is kept of the line once nobody waits.
+    for pod in [&a, &b, &c, &d] {
+        eventually(SLACK, "no state kept for the key", || {
+            pod.tracked_keys() == 0
+        })
+        .await;
+    }
+}
+
 /// A lock of several permits (a semaphore lock): as many campaigners hold it as it has permits,
 /// each on a permit of its own and nobody beside them; a holder that crashes is replaced on its
 /// permit within the lease, with a higher token; on demand, a pod acquiring again keeps its
@@ -2411,6 +2543,7 @@ macro_rules! conformance_suite {
             idle_keys_are_forgotten_and_their_tokens_still_rise,
             held_keys_are_counted,
             keyed_permits_admit_that_many_owners,
+            keyed_semaphore_waiters_are_served_in_order,
             keyed_several_keys_all_or_nothing,
             keyed_read_write_locks,
             keyed_several_keys_written,

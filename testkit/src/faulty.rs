@@ -3,7 +3,7 @@
 //! altogether, calls or answers that arrive late, and leases the backend counts from before
 //! their acquisition was sent.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,6 +25,8 @@ pub struct FaultyDriver {
     subscriptions: AtomicU64,
     /// The leases counted early (lock, token) and not renewed since.
     counted_early: Mutex<HashSet<(String, u64)>>,
+    /// How many acquisitions the backend answered, by lock and identity.
+    answered: Mutex<HashMap<(String, String), u64>>,
 }
 
 impl FaultyDriver {
@@ -38,7 +40,18 @@ impl FaultyDriver {
             counted_earlier_ms: AtomicU64::new(0),
             subscriptions: AtomicU64::new(0),
             counted_early: Mutex::new(HashSet::new()),
+            answered: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// How many acquisitions of `lock` by `identity` the backend has answered (taken, refused
+    /// or failed): a fair queue's place stands once one has been.
+    pub fn answered(&self, lock: &str, identity: &str) -> u64 {
+        let answered = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        answered
+            .get(&(lock.to_owned(), identity.to_owned()))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// How many times an engine has subscribed to the lock's release notices.
@@ -109,6 +122,12 @@ impl Driver for FaultyDriver {
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         self.unless_cut_off().await;
         let outcome = self.inner.try_acquire(lock, identity, ttl).await;
+        *self
+            .answered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((lock.to_owned(), identity.to_owned()))
+            .or_default() += 1;
         if let Ok(Acquire::Acquired(lease)) = &outcome
             && self.counted_earlier_ms.load(Ordering::SeqCst) > 0
         {
@@ -156,6 +175,10 @@ impl Driver for FaultyDriver {
 
     async fn abandon(&self, lock: &str, identity: &str) {
         self.inner.abandon(lock, identity).await
+    }
+
+    fn keeps_queue(&self) -> bool {
+        self.inner.keeps_queue()
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {

@@ -157,7 +157,7 @@ impl Attempted {
 impl Drop for Engine {
     fn drop(&mut self) {
         let waiting_unanswered = matches!(&self.phase, Phase::Unheld(u) if u.in_flight.is_none());
-        if self.waiters.is_empty() || !waiting_unanswered {
+        if self.waiters.is_empty() || !waiting_unanswered || self.config.keeps_queue_place {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -694,7 +694,11 @@ impl Engine {
         for waiter in expired {
             let _ = waiter.reply.send(answer);
         }
-        if had_waiters && !self.wants_lock() && self.held().is_none() {
+        if had_waiters
+            && !self.wants_lock()
+            && self.held().is_none()
+            && !self.config.keeps_queue_place
+        {
             self.leave_queue(&self.config.name).await;
         }
     }

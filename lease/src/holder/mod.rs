@@ -95,6 +95,11 @@ pub struct LockConfig {
     /// awaited, rather than keep watching an idle lock. Its events are logged at debug level: a
     /// family may take thousands of keys a second.
     pub single_use: bool,
+    /// Single use, on a backend that keeps a queue ([`crate::Driver::keeps_queue`]): an attempt
+    /// refused keeps its place in line, for the caller to come back to or leave
+    /// ([`crate::Driver::abandon`]). A semaphore's first waiter keeps a place on every permit
+    /// this way, so that nobody behind it takes a permit first (keyed.rs).
+    pub keeps_queue_place: bool,
     /// How many holders the lock has at once (a semaphore, docs/semaphores.md): each holds one
     /// permit, a lock of its own in the backend ([`LockConfig::permit_name`]). 1 is a mutual
     /// exclusion lock.
@@ -113,6 +118,7 @@ impl LockConfig {
             mode: Mode::Campaign,
             cooldown: lease_duration,
             single_use: false,
+            keeps_queue_place: false,
             permits: 1,
         }
     }
@@ -146,6 +152,12 @@ impl LockConfig {
                 format!(
                     "a lock of several permits names them as a family names its keys: {reason}"
                 ),
+            ));
+        }
+        if self.keeps_queue_place && !self.single_use {
+            return Err(bad(
+                "keeps_queue_place",
+                "only a single-use lock keeps a place in line for its caller".into(),
             ));
         }
         if self.identity.is_empty() || self.identity.len() > 253 {

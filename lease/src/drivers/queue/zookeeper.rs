@@ -1083,6 +1083,10 @@ impl Driver for ZooKeeperDriver {
         super::abandon(&*self.shared, lock, identity).await;
     }
 
+    fn keeps_queue(&self) -> bool {
+        true
+    }
+
     fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
         super::changes(&*self.shared, lock)
     }
