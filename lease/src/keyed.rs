@@ -558,7 +558,10 @@ impl KeyedFamily {
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         let first = self.inner.next_first.fetch_add(1, Ordering::Relaxed);
-        if self.driver().keeps_queue() && !wait.is_zero() {
+        // Not a read-write family's readers: a writer of this pod waiting for a permit keeps
+        // its slot, and the first in line a place before it in the backend, each refused by
+        // the other.
+        if self.driver().keeps_queue() && !wait.is_zero() && !self.read_config(|c| c.read_write) {
             return self
                 .take_in_line(key, owner, deadline, hold, reentrant, first)
                 .await;
@@ -580,7 +583,7 @@ impl KeyedFamily {
             if Instant::now() >= deadline {
                 return Ok(refused);
             }
-            self.nap_for_permits(&mut notices, &mut given_up, round, deadline)
+            self.nap_for_permits(&mut notices, &mut given_up, round, deadline, InLine::Leave)
                 .await;
         }
     }
@@ -629,21 +632,25 @@ impl KeyedFamily {
     /// began at `round`) or a release by this pod (`given_up`), or `deadline`.
     ///
     /// Notices only shorten the nap: a queue backend's notices also move when this pod's own
-    /// attempts leave the queue, so they are taken as seen here (a release during the round is
-    /// found at the next) and a round follows a notice no sooner than [`MIN_ROUND_GAP`] after
-    /// the last. The nap is at most half a renew interval, since a holder that dies sends no
-    /// notice, and queue backends send none to whom is not queued.
+    /// attempts leave the queue, so those of a round whose attempts left it
+    /// ([`InLine::Leave`]) are taken as seen here (a release during the round is found at the
+    /// next), and a round follows a notice no sooner than [`MIN_ROUND_GAP`] after the last.
+    /// The nap is at most half a renew interval, since a holder that dies sends no notice, and
+    /// queue backends send none to whom is not queued.
     async fn nap_for_permits(
         &self,
         notices: &mut [tokio::sync::watch::Receiver<u64>],
         given_up: &mut tokio::sync::watch::Receiver<u64>,
         round: Instant,
         deadline: Instant,
+        in_line: InLine,
     ) {
         let renew_interval = self.read_config(|c| c.renew_interval);
         let driver = self.driver();
-        for notice in notices.iter_mut() {
-            notice.borrow_and_update();
+        if in_line == InLine::Leave {
+            for notice in notices.iter_mut() {
+                notice.borrow_and_update();
+            }
         }
         let nap_until = deadline
             .min(Instant::now() + (renew_interval / 2).min(driver.poll_interval(renew_interval)));

@@ -1534,11 +1534,15 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
         tried(&fb, &b, "w1", &[0, 1], first_rounds)
     })
     .await;
+    // Pod b cut off from the backend while h1 gives its permit up and a newcomer asks: only
+    // the place w1 keeps in the backend can refuse the newcomer.
+    fb.cut_off(true);
     assert_eq!(
         a.release(key, "h1").await.unwrap(),
         KeyRelease::Released { holds: 0 }
     );
     let newcomer = d.acquire(key, "n", Duration::ZERO, HOLD).await.unwrap();
+    fb.cut_off(false);
     if in_order {
         assert!(
             matches!(newcomer, KeyAnswer::HeldByAnother { .. }),
@@ -1556,6 +1560,11 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
     let w2 = waiter(&c, "w2");
     eventually(WAIT, "w2 waits, having tried every permit", || {
         tried(&fc, &c, "w2", &[0, 1], first_rounds)
+    })
+    .await;
+    // w1's line given up in pod b: w3 tries the permits before it lines up.
+    eventually(SLACK, "pod b keeps only w1's permit", || {
+        b.tracked_keys() == 1
     })
     .await;
     let w3 = waiter(&b, "w3");
@@ -1606,12 +1615,31 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
     for (pod, owner) in [(&c, "w2"), (&b, "w3")] {
         pod.release(key, owner).await.unwrap();
     }
-    // Nothing is kept of the line once nobody waits.
+    // Nothing is kept of the line once nobody waits: in the pods, nor in the backend, where a
+    // place left standing would refuse a fresh pod's owners.
     for pod in [&a, &b, &c, &d] {
         eventually(SLACK, "no state kept for the key", || {
             pod.tracked_keys() == 0
         })
         .await;
+    }
+    let fresh = pod(h.driver().await, "pod-e");
+    let freed = Instant::now();
+    for owner in ["e1", "e2"] {
+        loop {
+            match fresh
+                .acquire(key, owner, Duration::ZERO, HOLD)
+                .await
+                .unwrap()
+            {
+                KeyAnswer::Held { .. } => break,
+                other => assert!(
+                    freed.elapsed() < SLACK,
+                    "{owner} of a fresh pod, every permit free: {other:?}"
+                ),
+            }
+            sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 

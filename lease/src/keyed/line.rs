@@ -4,8 +4,8 @@
 //! Each permit is a fair-queue lock of its own. A waiter kept in one permit's line would miss
 //! the others, and every waiter kept in every line would hold places on all of them. Instead,
 //! waiters line up for the key's *line*, a lock of its own (`KEY#q`, a name no key can have): in
-//! the backend's order across pods, and in the order they asked within a pod. Only the first in
-//! line waits for a permit. It keeps a place in the line of every permit it tries
+//! the order they asked within a pod (the line's local slot), each pod's first in the backend's
+//! order (a pod keeps one place per line). Only the first in line waits for a permit. It keeps a place in the line of every permit it tries
 //! ([`InLine::Keep`]), so a permit given up goes to it next, and a newcomer's attempt, placed
 //! behind it, is refused. Once it holds a permit, it leaves the other permits' lines and gives
 //! the line up to the next waiter.
@@ -46,57 +46,92 @@ impl KeyedFamily {
                 Err(answer) => refused = Some(answer),
             }
         }
-        let left = deadline.saturating_duration_since(Instant::now());
         let not_taken = |refused: Option<KeyAnswer>| {
             refused.unwrap_or(KeyAnswer::HeldByAnother { holder: None })
         };
-        if left.is_zero() {
-            return Ok(not_taken(refused));
-        }
-        // Held until the wait ends at the latest: the line is given up before the answer.
-        let line = self.take_part(key, LINE, owner, left, left, true).await?;
-        let token = match line {
-            KeyAnswer::Held { token, .. } => token,
-            // Its holder is a waiter, not a permit's holder: the permits' refusal tells more.
-            KeyAnswer::HeldByAnother { .. } | KeyAnswer::NotHeld => return Ok(not_taken(refused)),
-            other => return Ok(other),
-        };
-        let mut line_held = Taken::new(self, owner);
-        line_held.keys.push((
-            key.to_owned(),
-            Taking {
-                permit: LINE,
-                token,
-            },
-        ));
-        let renew_interval = self.read_config(|c| c.renew_interval);
-        let mut places = Places::new(self.driver(), self.qualified(owner), renew_interval);
         // This pod's releases of any permit of the key; the state is kept while watched.
         let own_key = StateInUse::new(&self.inner, key);
         let mut given_up = own_key.given_up.subscribe();
-        let answer = loop {
-            let round = Instant::now();
-            let driver = self.driver();
-            let mut notices = self.permit_notices(key, &*driver);
-            let permits = self.read_config(|c| c.permits);
-            places.add((0..permits).map(|permit| self.permit_name(key, permit)));
-            match self
-                .permit_round(key, owner, first, hold, reentrant, InLine::Keep)
-                .await?
-            {
-                Ok(held) => break held,
-                Err(answer) => refused = Some(answer),
+        let renew_interval = self.read_config(|c| c.renew_interval);
+        // Lining up, and again should the line be lost while this owner stands first in it.
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(not_taken(refused));
             }
-            if Instant::now() >= deadline {
-                break not_taken(refused);
+            // Held until the wait ends at the latest. Not re-entrant: two calls of one owner at
+            // once would both stand first.
+            let line = self.take_part(key, LINE, owner, left, left, false).await?;
+            let token = match line {
+                KeyAnswer::Held { token, .. } => token,
+                // Its holder is a waiter, not a permit's holder: the permits' refusal tells more.
+                KeyAnswer::HeldByAnother { .. } | KeyAnswer::NotHeld => {
+                    return Ok(not_taken(refused));
+                }
+                other => return Ok(other),
+            };
+            let mut line_held = Taken::new(self, owner);
+            line_held.keys.push((
+                key.to_owned(),
+                Taking {
+                    permit: LINE,
+                    token,
+                },
+            ));
+            let mut places = Places::new(self.qualified(owner), renew_interval);
+            let taken = loop {
+                if !self.holds_line(key, owner, token) {
+                    break None;
+                }
+                let round = Instant::now();
+                let driver = self.driver();
+                let mut notices = self.permit_notices(key, &*driver);
+                let permits = self.read_config(|c| c.permits);
+                places
+                    .keep_only(&driver, (0..permits).map(|p| self.permit_name(key, p)))
+                    .await;
+                match self
+                    .permit_round(key, owner, first, hold, reentrant, InLine::Keep)
+                    .await?
+                {
+                    Ok(held) => break Some(held),
+                    Err(answer) => refused = Some(answer),
+                }
+                if Instant::now() >= deadline {
+                    break Some(not_taken(refused.take()));
+                }
+                self.nap_for_permits(&mut notices, &mut given_up, round, deadline, InLine::Keep)
+                    .await;
+            };
+            // The places first, so that the next in line does not stand behind them; on a task
+            // of its own, so that the answer goes out at once and a client hanging up cannot
+            // cut the leaving short.
+            let leaving = async move {
+                places.leave().await;
+                line_held.give_back().await;
+            };
+            match taken {
+                Some(answer) => {
+                    tokio::spawn(leaving);
+                    return Ok(answer);
+                }
+                None => {
+                    let _ = tokio::spawn(leaving).await;
+                }
             }
-            self.nap_for_permits(&mut notices, &mut given_up, round, deadline)
-                .await;
-        };
-        // The places first, so that the next in line does not stand behind them.
-        places.leave().await;
-        line_held.give_back().await;
-        Ok(answer)
+        }
+    }
+
+    /// Whether `owner` still holds `key`'s line with `token`: a line whose lease was lost has
+    /// another first waiter by now.
+    fn holds_line(&self, key: &str, owner: &str, token: u64) -> bool {
+        self.holding_on(key, LINE, owner).is_some_and(|holding| {
+            holding
+                .lock
+                .snapshot()
+                .held
+                .is_some_and(|held| held.token == token)
+        })
     }
 }
 
@@ -104,7 +139,9 @@ impl KeyedFamily {
 /// its own, so that a client hanging up meanwhile cannot leave a place standing first in line
 /// for nobody. A place where the owner holds the permit is not touched ([`crate::Driver::abandon`]).
 struct Places {
-    driver: Arc<dyn Backend>,
+    /// The driver the places were taken with: one replaced meanwhile (new credentials) has
+    /// places of its own.
+    driver: Option<Arc<dyn Backend>>,
     identity: String,
     locks: Vec<String>,
     /// How long leaving one place may take: one left standing goes by itself once nobody
@@ -113,41 +150,46 @@ struct Places {
 }
 
 impl Places {
-    fn new(driver: Arc<dyn Backend>, identity: String, budget: Duration) -> Self {
+    fn new(identity: String, budget: Duration) -> Self {
         Self {
-            driver,
+            driver: None,
             identity,
             locks: Vec::new(),
             budget,
         }
     }
 
-    /// Permits' backend names where a place may be kept from now on.
-    fn add(&mut self, locks: impl Iterator<Item = String>) {
-        for lock in locks {
-            if !self.locks.contains(&lock) {
-                self.locks.push(lock);
+    /// Places may be kept from now on with `driver` on `locks` (each permit's backend name),
+    /// and on nothing else: those kept with a driver replaced since, or on a permit above a
+    /// lowered count, are left now, since nobody comes back to them.
+    async fn keep_only(&mut self, driver: &Arc<dyn Backend>, locks: impl Iterator<Item = String>) {
+        let locks: Vec<String> = locks.collect();
+        let same_driver = self.driver.as_ref().is_some_and(|d| Arc::ptr_eq(d, driver));
+        let stale: Vec<String> = std::mem::take(&mut self.locks)
+            .into_iter()
+            .filter(|lock| !same_driver || !locks.contains(lock))
+            .collect();
+        if !stale.is_empty()
+            && let Some(old) = self.driver.clone()
+        {
+            let _ = tokio::spawn(leave(old, self.identity.clone(), stale, self.budget)).await;
+        }
+        self.driver = Some(driver.clone());
+        self.locks = locks;
+    }
+
+    fn leaving(&mut self) -> impl Future<Output = ()> + Send + 'static {
+        let locks = std::mem::take(&mut self.locks);
+        let (driver, identity, budget) = (self.driver.take(), self.identity.clone(), self.budget);
+        async move {
+            if let Some(driver) = driver {
+                leave(driver, identity, locks, budget).await;
             }
         }
     }
 
-    fn leaving(&mut self) -> impl Future<Output = ()> + Send + 'static {
-        let (driver, identity, locks, budget) = (
-            self.driver.clone(),
-            std::mem::take(&mut self.identity),
-            std::mem::take(&mut self.locks),
-            self.budget,
-        );
-        async move {
-            let leaving = locks
-                .iter()
-                .map(|lock| tokio::time::timeout(budget, driver.abandon(lock, &identity)));
-            futures_util::future::join_all(leaving).await;
-        }
-    }
-
     async fn leave(mut self) {
-        let _ = tokio::spawn(self.leaving()).await;
+        self.leaving().await;
     }
 }
 
@@ -160,4 +202,12 @@ impl Drop for Places {
             runtime.spawn(self.leaving());
         }
     }
+}
+
+/// Leave `identity`'s places in `locks`' lines, each within `budget`.
+async fn leave(driver: Arc<dyn Backend>, identity: String, locks: Vec<String>, budget: Duration) {
+    let leaving = locks
+        .iter()
+        .map(|lock| tokio::time::timeout(budget, driver.abandon(lock, &identity)));
+    futures_util::future::join_all(leaving).await;
 }
