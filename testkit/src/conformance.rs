@@ -1555,6 +1555,17 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
     if in_order {
         assert_eq!(w1_permit, p1, "w1 takes the permit given up");
     }
+    // Served in line, w1 gives its permit up and takes it again at once: nothing of its turn in
+    // line stands in its way.
+    assert_eq!(
+        b.release(key, "w1").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let again = b.acquire(key, "w1", WAIT, HOLD).await.unwrap();
+    assert!(
+        matches!(again, KeyAnswer::Held { permit, .. } if permit == w1_permit),
+        "w1 again, its permit free: {again:?}"
+    );
 
     // w2 (pod c) waits first in line; then w3 (pod b, which holds w1's permit) lines up.
     let w2 = waiter(&c, "w2");

@@ -104,21 +104,46 @@ impl KeyedFamily {
                     .await;
             };
             // The places first, so that the next in line does not stand behind them; on a task
-            // of its own, so that the answer goes out at once and a client hanging up cannot
-            // cut the leaving short.
+            // of its own, so that a client hanging up cannot cut the leaving short. The answer
+            // waits for it: the owner's next acquisition must not find this line still held.
             let leaving = async move {
                 places.leave().await;
                 line_held.give_back().await;
             };
-            match taken {
-                Some(answer) => {
-                    tokio::spawn(leaving);
-                    return Ok(answer);
-                }
-                None => {
-                    let _ = tokio::spawn(leaving).await;
-                }
+            // A permit taken for a client that hangs up meanwhile is given back.
+            let mut permit_held = Taken::new(self, owner);
+            if let Some(KeyAnswer::Held { permit, token, .. }) = &taken {
+                permit_held.keys.push((
+                    key.to_owned(),
+                    Taking {
+                        permit: *permit,
+                        token: *token,
+                    },
+                ));
             }
+            let _ = tokio::spawn(leaving).await;
+            if let Some(answer) = taken {
+                permit_held.keep();
+                return Ok(self.answered_now(key, owner, answer));
+            }
+        }
+    }
+
+    /// `answer`, a permit taken a while ago, as it stands now: its validity is measured as the
+    /// answer goes out, not as the permit was taken.
+    fn answered_now(&self, key: &str, owner: &str, answer: KeyAnswer) -> KeyAnswer {
+        let KeyAnswer::Held { permit, token, .. } = answer else {
+            return answer;
+        };
+        match self.holding_on(key, permit, owner).filter(|holding| {
+            holding
+                .lock
+                .snapshot()
+                .held
+                .is_some_and(|held| held.token == token)
+        }) {
+            Some(holding) => self.answer_for(&holding, holding.lock.answer()),
+            None => KeyAnswer::NotHeld,
         }
     }
 
