@@ -55,6 +55,12 @@ impl KeyedFamily {
         let renew_interval = self.read_config(|c| c.renew_interval);
         // Lining up, and again should the line be lost while this owner stands first in it.
         loop {
+            // The owner's earlier turn in line (of a call of its that hung up, or of one running
+            // beside this one) is given back first: its release wakes this pod's waiters.
+            while self.holding_on(key, LINE, owner).is_some() && Instant::now() < deadline {
+                let nap_until = deadline.min(Instant::now() + renew_interval / 2);
+                let _ = tokio::time::timeout_at(nap_until, super::changed(&mut given_up)).await;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Ok(not_taken(refused));
@@ -90,10 +96,16 @@ impl KeyedFamily {
                 places
                     .keep_only(&driver, (0..permits).map(|p| self.permit_name(key, p)))
                     .await;
-                match self
+                let round_taken = self
                     .permit_round(key, owner, first, hold, reentrant, InLine::Keep)
-                    .await?
-                {
+                    .await;
+                // The driver or the count may have changed during the round.
+                let permits = self.read_config(|c| c.permits);
+                places.add(
+                    &self.driver(),
+                    (0..permits).map(|p| self.permit_name(key, p)),
+                );
+                match round_taken? {
                     Ok(held) => break Some(held),
                     Err(answer) => refused = Some(answer),
                 }
@@ -123,8 +135,15 @@ impl KeyedFamily {
             }
             let _ = tokio::spawn(leaving).await;
             if let Some(answer) = taken {
-                permit_held.keep();
-                return Ok(self.answered_now(key, owner, answer));
+                let answer = self.answered_now(key, owner, answer);
+                // Not told as held (the backend could not confirm it meanwhile): given back,
+                // rather than kept for an owner who does not know it holds.
+                if matches!(answer, KeyAnswer::Held { .. }) {
+                    permit_held.keep();
+                } else {
+                    permit_held.give_back().await;
+                }
+                return Ok(answer);
             }
         }
     }
@@ -164,11 +183,10 @@ impl KeyedFamily {
 /// its own, so that a client hanging up meanwhile cannot leave a place standing first in line
 /// for nobody. A place where the owner holds the permit is not touched ([`crate::Driver::abandon`]).
 struct Places {
-    /// The driver the places were taken with: one replaced meanwhile (new credentials) has
-    /// places of its own.
-    driver: Option<Arc<dyn Backend>>,
     identity: String,
-    locks: Vec<String>,
+    /// Each place, with the driver it was taken through: one replaced meanwhile (new
+    /// credentials) has places of its own.
+    entries: Vec<(Arc<dyn Backend>, String)>,
     /// How long leaving one place may take: one left standing goes by itself once nobody
     /// comes back to it (the driver's own abandonment).
     budget: Duration,
@@ -177,40 +195,48 @@ struct Places {
 impl Places {
     fn new(identity: String, budget: Duration) -> Self {
         Self {
-            driver: None,
             identity,
-            locks: Vec::new(),
+            entries: Vec::new(),
             budget,
         }
     }
 
-    /// Places may be kept from now on with `driver` on `locks` (each permit's backend name),
-    /// and on nothing else: those kept with a driver replaced since, or on a permit above a
-    /// lowered count, are left now, since nobody comes back to them.
+    /// Places may be taken through `driver` on `locks` (each permit's backend name).
+    fn add(&mut self, driver: &Arc<dyn Backend>, locks: impl Iterator<Item = String>) {
+        for lock in locks {
+            if !self
+                .entries
+                .iter()
+                .any(|(d, l)| Arc::ptr_eq(d, driver) && *l == lock)
+            {
+                self.entries.push((driver.clone(), lock));
+            }
+        }
+    }
+
+    /// Places may be kept from now on through `driver` on `locks`, and on nothing else: those
+    /// taken through a driver replaced since, or on a permit above a lowered count, are left
+    /// now, since nobody comes back to them. They stay listed until left, so that a caller
+    /// dropped meanwhile leaves them all.
     async fn keep_only(&mut self, driver: &Arc<dyn Backend>, locks: impl Iterator<Item = String>) {
         let locks: Vec<String> = locks.collect();
-        let same_driver = self.driver.as_ref().is_some_and(|d| Arc::ptr_eq(d, driver));
-        let stale: Vec<String> = std::mem::take(&mut self.locks)
-            .into_iter()
-            .filter(|lock| !same_driver || !locks.contains(lock))
-            .collect();
-        if !stale.is_empty()
-            && let Some(old) = self.driver.clone()
-        {
-            let _ = tokio::spawn(leave(old, self.identity.clone(), stale, self.budget)).await;
+        let kept =
+            |(d, l): &(Arc<dyn Backend>, String)| Arc::ptr_eq(d, driver) && locks.contains(l);
+        let stale: Vec<(Arc<dyn Backend>, String)> =
+            self.entries.iter().filter(|e| !kept(e)).cloned().collect();
+        if !stale.is_empty() {
+            let _ = tokio::spawn(leave(stale, self.identity.clone(), self.budget)).await;
         }
-        self.driver = Some(driver.clone());
-        self.locks = locks;
+        self.entries.retain(kept);
+        self.add(driver, locks.into_iter());
     }
 
     fn leaving(&mut self) -> impl Future<Output = ()> + Send + 'static {
-        let locks = std::mem::take(&mut self.locks);
-        let (driver, identity, budget) = (self.driver.take(), self.identity.clone(), self.budget);
-        async move {
-            if let Some(driver) = driver {
-                leave(driver, identity, locks, budget).await;
-            }
-        }
+        leave(
+            std::mem::take(&mut self.entries),
+            self.identity.clone(),
+            self.budget,
+        )
     }
 
     async fn leave(mut self) {
@@ -220,7 +246,7 @@ impl Places {
 
 impl Drop for Places {
     fn drop(&mut self) {
-        if self.locks.is_empty() {
+        if self.entries.is_empty() {
             return;
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -229,10 +255,10 @@ impl Drop for Places {
     }
 }
 
-/// Leave `identity`'s places in `locks`' lines, each within `budget`.
-async fn leave(driver: Arc<dyn Backend>, identity: String, locks: Vec<String>, budget: Duration) {
-    let leaving = locks
+/// Leave `identity`'s places, each within `budget`.
+async fn leave(entries: Vec<(Arc<dyn Backend>, String)>, identity: String, budget: Duration) {
+    let leaving = entries
         .iter()
-        .map(|lock| tokio::time::timeout(budget, driver.abandon(lock, &identity)));
+        .map(|(driver, lock)| tokio::time::timeout(budget, driver.abandon(lock, &identity)));
     futures_util::future::join_all(leaving).await;
 }
