@@ -1051,6 +1051,19 @@ fn keyed_pod(
     .expect("family")
 }
 
+/// Who holds `key`'s permits, as the backend reports them, sorted.
+async fn permit_holders(family: &leasehold_lease::keyed::KeyedFamily, key: &str) -> Vec<String> {
+    let mut holders: Vec<String> = family
+        .observe_permits(key)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| h.identity)
+        .collect();
+    holders.sort();
+    holders
+}
+
 /// Keyed locks on this backend: owners exclude each other whether they share a pod or not, a
 /// key is re-entrant for its owner only, only its owner releases it, a key passes to the next
 /// owner (of the same pod, then of another) with a higher token, a hold that lapses frees the
@@ -1396,15 +1409,10 @@ pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
         matches!(refused, KeyAnswer::HeldByAnother { .. }),
         "{refused:?}"
     );
-    let mut holders: Vec<String> = b
-        .observe_permits(key)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|h| h.identity)
-        .collect();
-    holders.sort();
-    assert_eq!(holders, ["pod-a/w1", "pod-a/w2", "pod-b/w3"]);
+    assert_eq!(
+        permit_holders(&b, key).await,
+        ["pod-a/w1", "pod-a/w2", "pod-b/w3"]
+    );
     let again = a.acquire(key, "w1", NOW, HOLD).await.unwrap();
     assert!(
         matches!(again, KeyAnswer::Held { holds: 2, permit, token, .. } if permit == p1 && token == t1),
@@ -1614,15 +1622,7 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
     if in_order {
         assert_eq!(w3_permit, w1_permit, "w3 takes w1's permit");
     }
-    let mut holders: Vec<String> = a
-        .observe_permits(key)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|h| h.identity)
-        .collect();
-    holders.sort();
-    assert_eq!(holders, ["pod-b/w3", "pod-c/w2"]);
+    assert_eq!(permit_holders(&a, key).await, ["pod-b/w3", "pod-c/w2"]);
     for (pod, owner) in [(&c, "w2"), (&b, "w3")] {
         pod.release(key, owner).await.unwrap();
     }
