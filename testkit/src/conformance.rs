@@ -1593,6 +1593,14 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
         || tried(&fb, &b, "w3", &[1 - w1_permit], 1),
     )
     .await;
+    // On a queue backend, w4 lines up in pod b behind w3, of the same pod.
+    let w4 = in_order.then(|| waiter(&b, "w4"));
+    if in_order {
+        eventually(WAIT, "w4 waits", || b.waiting_owners() == 2).await;
+        // From its count as waiting to its place in the pod's line is a few steps without a
+        // wait: far within this.
+        sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(
         a.release(key, "h2").await.unwrap(),
         KeyRelease::Released { holds: 0 }
@@ -1623,9 +1631,19 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
         assert_eq!(w3_permit, w1_permit, "w3 takes w1's permit");
     }
     assert_eq!(permit_holders(&a, key).await, ["pod-b/w3", "pod-c/w2"]);
-    for (pod, owner) in [(&c, "w2"), (&b, "w3")] {
-        pod.release(key, owner).await.unwrap();
+    if let Some(w4) = w4 {
+        assert!(
+            !w4.is_finished(),
+            "w4 was served before w3, who asked first"
+        );
+        c.release(key, "w2").await.unwrap();
+        let (w4_permit, _) = held(w4.await.expect("w4").unwrap());
+        assert_eq!(Some(w4_permit), w2_permit, "w4 takes w2's permit");
+        b.release(key, "w4").await.unwrap();
+    } else {
+        c.release(key, "w2").await.unwrap();
     }
+    b.release(key, "w3").await.unwrap();
     // Nothing is kept of the line once nobody waits: in the pods, nor in the backend, where a
     // place left standing would refuse a fresh pod's owners.
     for pod in [&a, &b, &c, &d] {
