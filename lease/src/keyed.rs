@@ -764,8 +764,7 @@ impl KeyedFamily {
         };
         let (lease_duration, renew_interval, max_keys) =
             self.read_config(|c| (c.lease_duration, c.renew_interval, c.max_keys));
-        // A place in a semaphore's line is not a key held.
-        let counted = permit != line::LINE;
+        let counted = counts_as_held(permit);
         if counted && self.inner.held.load(Ordering::SeqCst) >= max_keys {
             return Err(KeyError::TooManyKeys(max_keys));
         }
@@ -944,6 +943,25 @@ impl KeyedFamily {
         self.existing(&permit_key(key, permit))
             .and_then(|s| current_of(&s))
             .filter(|holding| holding.owner == owner)
+    }
+
+    /// `owner`'s holding of permit `permit` of `key` (or of its write gate or line) while it is
+    /// still the one taken with `token`: one taken again since (its lease lost meanwhile) is
+    /// another acquisition's.
+    fn holding_taken(
+        &self,
+        key: &str,
+        permit: u32,
+        owner: &str,
+        token: u64,
+    ) -> Option<Arc<KeyHolding>> {
+        self.holding_on(key, permit, owner).filter(|holding| {
+            holding
+                .lock
+                .snapshot()
+                .held
+                .is_some_and(|held| held.token == token)
+        })
     }
 
     /// What a call by `owner` on `key` is about: the owner's holding, else another owner's
@@ -1166,7 +1184,7 @@ impl KeyedFamily {
                     .unwrap_or_else(|e| e.into_inner())
                     .take(),
             );
-            if holding.permit != line::LINE {
+            if counts_as_held(holding.permit) {
                 self.inner.held.fetch_sub(1, Ordering::SeqCst);
             }
             if let Some(key) = self.existing(&holding.key) {
@@ -1268,6 +1286,12 @@ fn permit_key(key: &str, permit: u32) -> std::borrow::Cow<'_, str> {
         line::LINE => format!("{key}#q").into(),
         permit => format!("{key}#{permit}").into(),
     }
+}
+
+/// Whether a holding of `permit` counts toward the pod's held keys (`maxHeldPerPod`): every
+/// part does but a semaphore's line, where a waiter stands, not a holder.
+fn counts_as_held(permit: u32) -> bool {
+    permit != line::LINE
 }
 
 /// What an attempt refused does with its place in the backend's line (etcd, ZooKeeper): leave

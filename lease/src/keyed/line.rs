@@ -5,9 +5,9 @@
 //! the others, and every waiter kept in every line would hold places on all of them. Instead,
 //! waiters line up for the key's *line*, a lock of its own (`KEY#q`, a name no key can have): in
 //! the order they asked within a pod (the line's local slot), each pod's first in the backend's
-//! order (a pod keeps one place per line). Only the first in line waits for a permit. It keeps a place in the line of every permit it tries
-//! ([`InLine::Keep`]), so a permit given up goes to it next, and a newcomer's attempt, placed
-//! behind it, is refused. Once it holds a permit, it leaves the other permits' lines and gives
+//! order (a pod keeps one place per line). Only the first in line waits for a permit. It keeps a
+//! place in the line of every permit it tries ([`InLine::Keep`]), so a permit given up goes to
+//! it next, and a newcomer's attempt, placed behind it, is refused. Once it holds a permit, it leaves the other permits' lines and gives
 //! the line up to the next waiter.
 //!
 //! An owner first tries each permit once, as without a line, unless owners of this pod are in
@@ -154,13 +154,7 @@ impl KeyedFamily {
         let KeyAnswer::Held { permit, token, .. } = answer else {
             return answer;
         };
-        match self.holding_on(key, permit, owner).filter(|holding| {
-            holding
-                .lock
-                .snapshot()
-                .held
-                .is_some_and(|held| held.token == token)
-        }) {
+        match self.holding_taken(key, permit, owner, token) {
             Some(holding) => self.answer_for(&holding, holding.lock.answer()),
             None => KeyAnswer::NotHeld,
         }
@@ -169,13 +163,7 @@ impl KeyedFamily {
     /// Whether `owner` still holds `key`'s line with `token`: a line whose lease was lost has
     /// another first waiter by now.
     fn holds_line(&self, key: &str, owner: &str, token: u64) -> bool {
-        self.holding_on(key, LINE, owner).is_some_and(|holding| {
-            holding
-                .lock
-                .snapshot()
-                .held
-                .is_some_and(|held| held.token == token)
-        })
+        self.holding_taken(key, LINE, owner, token).is_some()
     }
 }
 

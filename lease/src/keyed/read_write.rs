@@ -409,9 +409,7 @@ impl KeyedFamily {
                         Some(KeyAnswer::Unknown)
                     }
                 };
-                let holding = family
-                    .holding_on(&key_owned, permit, &owner_owned)
-                    .filter(|h| h.lock.snapshot().held.is_some_and(|held| held.token == token));
+                let holding = family.holding_taken(&key_owned, permit, &owner_owned, token);
                 match (refusal, holding) {
                     // Free: the holding may be told of, with its validity as of now.
                     (None, Some(holding)) => {
