@@ -433,6 +433,13 @@ impl KeyedFamily {
         Ok(self.permit_name(key, permit))
     }
 
+    /// The backend name of the line where `key`'s waiters stand, on a backend that keeps a
+    /// queue (etcd, ZooKeeper): a pod's first waiter has a place in it.
+    pub fn line_backend_name(&self, key: &str) -> Result<String, KeyError> {
+        self.check_key(key)?;
+        Ok(self.permit_name(key, line::LINE))
+    }
+
     fn check_key(&self, key: &str) -> Result<(), KeyError> {
         let max = self.read_config(|c| c.max_key_length);
         if is_key(key, max) {

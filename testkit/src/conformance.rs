@@ -1593,6 +1593,15 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
         || tried(&fb, &b, "w3", &[1 - w1_permit], 1),
     )
     .await;
+    // On a queue backend, w3 then stands in the line, behind w2: its place in the backend's
+    // line is answered once it holds pod b's place (the line's local slot).
+    if in_order {
+        let line = b.line_backend_name(key).unwrap();
+        eventually(WAIT, "w3 stands in line", || {
+            fb.answered(&line, "pod-b/w3") >= 1
+        })
+        .await;
+    }
     // On a queue backend, w4 lines up in pod b behind w3, of the same pod.
     let w4 = in_order.then(|| waiter(&b, "w4"));
     if in_order {
