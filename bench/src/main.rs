@@ -23,6 +23,7 @@ use tokio::net::TcpStream;
 
 mod api;
 mod drivers;
+mod handover;
 mod http;
 mod keyed;
 mod measure;
@@ -38,6 +39,7 @@ mod sql;
 
 use api::*;
 use drivers::*;
+use handover::*;
 use http::*;
 use keyed::*;
 use measure::*;
@@ -132,6 +134,7 @@ const SECTIONS: &[&str] = &[
     "sql",
     "etcd",
     "zookeeper",
+    "handover",
     "keyed",
     "keyed-many",
     "semaphore",
@@ -171,6 +174,9 @@ async fn run(sections: &[&str]) {
     }
     if wanted("zookeeper") {
         zookeeper_section().await;
+    }
+    if wanted("handover") {
+        handover_section().await;
     }
     if wanted("keyed") {
         keyed_section().await;
