@@ -496,9 +496,9 @@ async fn await_advisory(
 /// PostgreSQL in lease mode: a waiter blocks inside the server on the holder's advisory lock,
 /// in the statement that takes the row. The holder's release lets the advisory lock go; the
 /// waiter's statement takes the row with a higher token and keeps the advisory lock as the new
-/// holder's, and extends the row on that session; its driver hands the lease to the engine
-/// without another statement. The claim counts from the extension's send (after the release
-/// began), not from when the blocked statement was sent.
+/// holder's, and, having waited more than a tenth of the lease, extends the row on that session;
+/// its driver hands the lease to the engine without another statement. The claim counts from the
+/// extension's send (after the release began), not from when the blocked statement was sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
     use leasehold_lease::Acquire;
@@ -587,6 +587,87 @@ async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
         |s| s.is_empty(),
     )
     .await;
+}
+
+/// PostgreSQL in lease mode: a waiter whose blocking statement waited a small share of the lease
+/// (here 60 s, so up to 6 s) claims the row it took from that statement's send, which came
+/// before the row's write, and sends no extension: the hand-over is a round trip shorter. The
+/// claim ends before the row's lease does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiter_blocked_briefly_claims_from_its_blocking_statement() {
+    use leasehold_lease::Acquire;
+    use leasehold_lease::boot_clock::BootInstant;
+    use sqlx::Row;
+    let ttl = Duration::from_secs(60);
+    let h = PostgresHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("woken-briefly");
+    let (holder, waiter) = (h.driver().await, h.driver().await);
+    let Acquire::Acquired(first) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
+    await_advisory(
+        &mut admin,
+        &lock,
+        "the holder never took its advisory lock",
+        |s| s.len() == 1 && s[0].1,
+    )
+    .await;
+    let mut changes = waiter.changes(&lock).expect("a change feed");
+    let asked = BootInstant::now();
+    let refused = waiter.try_acquire(&lock, "b", ttl).await.unwrap();
+    assert!(matches!(refused, Acquire::Busy(Some(_))), "{refused:?}");
+    let blocked = await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
+        s.iter().any(|(_, granted)| !granted)
+    })
+    .await;
+    let waiting_pid = blocked.iter().find(|(_, granted)| !granted).unwrap().0;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    changes.borrow_and_update();
+    let releasing = BootInstant::now();
+    assert!(holder.release(&first).await.unwrap());
+    tokio::time::timeout(SLACK, changes.changed())
+        .await
+        .expect("the waiter's engine was never woken")
+        .expect("feed");
+    let Acquire::Acquired(lease) = waiter.try_acquire(&lock, "b", ttl).await.unwrap() else {
+        panic!("the woken waiter did not hold");
+    };
+    drop(changes);
+    assert!(lease.token > first.token, "{lease:?} after {first:?}");
+    let counted = waiter.counted_from(&lease, BootInstant::now());
+    assert!(
+        counted >= asked && counted < releasing,
+        "the claim counts from {counted:?}: not the blocking statement's send (asked at {asked:?}, released at {releasing:?})"
+    );
+    let last = sqlx::query("SELECT query FROM pg_stat_activity WHERE pid = $1")
+        .bind(waiting_pid)
+        .fetch_one(&mut admin)
+        .await
+        .expect("pg_stat_activity")
+        .get::<String, _>("query");
+    assert!(
+        last.starts_with("WITH cleared"),
+        "the waiting session's last statement, the blocking one (no extension): {last}"
+    );
+    let row = sqlx::query(
+        "SELECT CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000 AS BIGINT) \
+         AS left_ms FROM leasehold_locks WHERE name = $1",
+    )
+    .bind(&lock)
+    .fetch_one(&mut admin)
+    .await
+    .expect("the row");
+    let row_ends =
+        BootInstant::now() + Duration::from_millis(row.get::<i64, _>("left_ms").max(0) as u64);
+    assert!(
+        counted + ttl <= row_ends,
+        "the claim ends at {:?}, after the row does at {row_ends:?}",
+        counted + ttl
+    );
+    assert!(waiter.release(&lease).await.unwrap());
 }
 
 /// A waiter's claim never outlasts the row its blocking statement took, whatever the server's

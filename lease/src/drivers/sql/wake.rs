@@ -11,14 +11,15 @@
 //!
 //! - **MySQL**: the granted waiter's engine is woken to try the lease row, one statement more.
 //! - **PostgreSQL**: the waiter's blocking statement is its acquisition. It takes the advisory
-//!   lock, then the row, in one statement, and one statement more extends the row: the
-//!   hand-over costs a blocking `SELECT ... FOR UPDATE` and a round trip. The holder lets go in
-//!   its release statement, on its advisory lock's session, so the waiter is woken inside the
-//!   server while that statement runs (its insertion then waits for the release's commit). A
-//!   row taken so is kept for the waiter's engine ([`ServerLocks::take_woken`]), which claims it
-//!   from the extension's send ([`ServerLocks::counted_from`]). The blocking statement's send
-//!   came up to a wait step before the row's write, and the server's wall clock, which may
-//!   step, cannot say when the write was; the extension's send came after it. A row nobody
+//!   lock, then the row, in one statement. The holder lets go in its release statement, on its
+//!   advisory lock's session, so the waiter is woken inside the server while that statement runs
+//!   (its insertion then waits for the release's commit). A row taken so is kept for the
+//!   waiter's engine ([`ServerLocks::take_woken`]), which claims it from the blocking
+//!   statement's send ([`ServerLocks::counted_from`]): the row was written after it, so the
+//!   claim ends no later than the row. The server's wall clock, which may step, cannot say when
+//!   the write was. A statement that blocked for more than [`UNEXTENDED_SHARE`]'s share of the
+//!   lease (a wait step is two seconds) would shorten the claim by as much, so its row is
+//!   extended first, one round trip more, and claimed from the extension's send. A row nobody
 //!   claims within [`WOKEN_KEPT`] is released. A family's keys keep to `NOTIFY` instead (see
 //!   `SqlDriver::server_lock`).
 //!
@@ -74,6 +75,11 @@ const RELEASE_PATIENCE: Duration = Duration::from_millis(500);
 const SPARE_SESSIONS: usize = 4;
 /// The most server-lock sessions one process keeps open, spares included.
 pub const NAMED_LOCK_SESSIONS: usize = 16;
+/// A row a blocking statement took after waiting at most this share of the lease (1/N) is
+/// claimed from the statement's send, which came before the row's write: the claim is that much
+/// shorter, and the hand-over spares the extension's round trip. One that waited longer is
+/// extended first ([`ServerLocks::extend_woken`]).
+const UNEXTENDED_SHARE: u32 = 10;
 /// PostgreSQL's error for a lock wait past `lock_timeout`: a waiter's step that ended.
 const PG_LOCK_NOT_AVAILABLE: &str = "55P03";
 
@@ -698,14 +704,22 @@ impl ServerLocks {
             identity: waiter.identity.clone(),
             token,
         };
-        let counted_from = match self.extend_woken(conn, sql, &lease, waiter.ttl).await {
-            Ok(Some(extended)) => extended,
-            // Taken from under it since (only a clock that jumped lets that happen): the
-            // server lock is this session's, and the row is to be tried as the next in line.
-            Ok(None) => return Ok(Step::Granted),
-            Err(e) => {
-                tracing::warn!(lock, error = %e, "extending a row taken by a blocking statement failed; its claim counts from that statement's send");
-                sent
+        // Blocked briefly, the statement's own send dates the claim closely enough (the row
+        // was written after it), and the hand-over is a round trip shorter.
+        let blocked = BootInstant::now().saturating_duration_since(sent);
+        let counted_from = if blocked <= waiter.ttl / UNEXTENDED_SHARE {
+            sent
+        } else {
+            match self.extend_woken(conn, sql, &lease, waiter.ttl).await {
+                Ok(Some(extended)) => extended,
+                // Taken from under it since (only a clock that jumped lets that happen): the
+                // server lock is this session's, and the row is to be tried as the next in
+                // line.
+                Ok(None) => return Ok(Step::Granted),
+                Err(e) => {
+                    tracing::warn!(lock, error = %e, "extending a row taken by a blocking statement failed; its claim counts from that statement's send");
+                    sent
+                }
             }
         };
         Ok(Step::Took(Woken {
