@@ -652,6 +652,8 @@ async fn postgres_a_waiter_blocked_briefly_claims_from_its_blocking_statement() 
         last.starts_with("WITH cleared"),
         "the waiting session's last statement, the blocking one (no extension): {last}"
     );
+    // Dated before the read is sent: the row ends no earlier than this says.
+    let read = BootInstant::now();
     let row = sqlx::query(
         "SELECT CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000 AS BIGINT) \
          AS left_ms FROM leasehold_locks WHERE name = $1",
@@ -660,8 +662,7 @@ async fn postgres_a_waiter_blocked_briefly_claims_from_its_blocking_statement() 
     .fetch_one(&mut admin)
     .await
     .expect("the row");
-    let row_ends =
-        BootInstant::now() + Duration::from_millis(row.get::<i64, _>("left_ms").max(0) as u64);
+    let row_ends = read + Duration::from_millis(row.get::<i64, _>("left_ms").max(0) as u64);
     assert!(
         counted + ttl <= row_ends,
         "the claim ends at {:?}, after the row does at {row_ends:?}",
@@ -677,19 +678,29 @@ async fn postgres_a_waiter_blocked_briefly_claims_from_its_blocking_statement() 
 /// the waiter blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_woken_claim_never_outlasts_its_row_when_the_server_clock_steps() {
-    for (step, commit_delay) in [
-        ("1 hour", Duration::from_millis(300)),
-        ("400 milliseconds", Duration::from_millis(600)),
+    // A lease of 5 s: the row is extended once taken (the wait was over a tenth of the lease);
+    // of 60 s: the claim counts from the blocking statement's send.
+    for (step, commit_delay, ttl) in [
+        ("1 hour", Duration::from_millis(300), Duration::from_secs(5)),
+        (
+            "400 milliseconds",
+            Duration::from_millis(600),
+            Duration::from_secs(5),
+        ),
+        (
+            "1 hour",
+            Duration::from_millis(300),
+            Duration::from_secs(60),
+        ),
     ] {
-        a_woken_claim_ends_with_its_row(step, commit_delay).await;
+        a_woken_claim_ends_with_its_row(step, commit_delay, ttl).await;
     }
 }
 
-async fn a_woken_claim_ends_with_its_row(step: &str, commit_delay: Duration) {
+async fn a_woken_claim_ends_with_its_row(step: &str, commit_delay: Duration, ttl: Duration) {
     use leasehold_lease::Acquire;
     use leasehold_lease::boot_clock::BootInstant;
     use sqlx::Row;
-    let ttl = Duration::from_secs(5);
     let h = PostgresHarness::new();
     let url = h.server.url();
     let lock = unique_lock("clock-step");
