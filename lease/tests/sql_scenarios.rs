@@ -392,6 +392,92 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
     waits_out_the_lease(waiter, waiting, sent, ttl, woken).await;
 }
 
+/// MySQL in lease mode: a release frees the row on the holder's named-lock session, in the
+/// statement that lets the named lock go, so the waiter is woken a round trip sooner. The named
+/// lock is free as the release answers; a release whose row is no longer the lease's still lets
+/// the named lock go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_release_lets_the_named_lock_go_in_its_statement() {
+    use leasehold_lease::Acquire;
+    use leasehold_lease::drivers::sql::wake::named_lock;
+    use sqlx::Row;
+    let h = MariaDbHarness::new();
+    let url = h.server.url();
+    let holder = h.driver().await;
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url)
+        .await
+        .expect("admin connection");
+    // Which session frees a row: recorded by a trigger.
+    let first = unique_lock("provision");
+    let Acquire::Acquired(provisioned) = holder.try_acquire(&first, "a", LEASE).await.unwrap()
+    else {
+        panic!("the lock is not free");
+    };
+    assert!(holder.release(&provisioned).await.unwrap());
+    for statement in [
+        "CREATE TABLE released_by (name VARCHAR(253) NOT NULL, session BIGINT NOT NULL)",
+        "CREATE TRIGGER record_release AFTER UPDATE ON leasehold_locks FOR EACH ROW \
+         INSERT INTO released_by SELECT NEW.name, CONNECTION_ID() FROM DUAL \
+         WHERE NEW.holder IS NULL AND OLD.holder IS NOT NULL",
+    ] {
+        sqlx::query(statement)
+            .execute(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    // Released on the session that keeps the named lock, which is free as the release answers.
+    let lock = unique_lock("released-there");
+    let name = named_lock("leasehold_locks", &lock);
+    let taken = tokio::time::Instant::now();
+    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "a", LEASE).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    let session = holders_named_lock_session(&mut admin, &name, taken).await;
+    assert!(holder.release(&lease).await.unwrap());
+    assert_eq!(
+        named_lock_session(&mut admin, &name).await,
+        None,
+        "the named lock outlived the release's answer"
+    );
+    let released_by: Vec<i64> = sqlx::query("SELECT session FROM released_by WHERE name = ?")
+        .bind(&lock)
+        .fetch_all(&mut admin)
+        .await
+        .expect("released_by")
+        .iter()
+        .map(|row| row.get::<i64, _>("session"))
+        .collect();
+    assert_eq!(
+        released_by,
+        [session],
+        "the row was not freed on the named lock's session"
+    );
+    // A release whose row is no longer the lease's (another token) frees nothing, and lets the
+    // named lock go all the same.
+    let other = unique_lock("released-stale");
+    let name = named_lock("leasehold_locks", &other);
+    let taken = tokio::time::Instant::now();
+    let Acquire::Acquired(lease) = holder.try_acquire(&other, "a", LEASE).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    holders_named_lock_session(&mut admin, &name, taken).await;
+    let stale = leasehold_lease::Lease {
+        token: lease.token + 1,
+        ..lease.clone()
+    };
+    assert!(!holder.release(&stale).await.unwrap());
+    let deadline = tokio::time::Instant::now() + SLACK;
+    while named_lock_session(&mut admin, &name).await.is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a stale release kept the named lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(holder.release(&lease).await.unwrap());
+}
+
 /// A holder that stops claiming without a word to its driver (here: its driver is never asked
 /// to renew, as when a paused engine's lease ran out) keeps its named lock only until the
 /// holding check finds the row taken over: then it lets the named lock go, so that the wake-ups

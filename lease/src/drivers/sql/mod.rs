@@ -111,6 +111,10 @@ pub struct Statements {
     pub forget_seeded: ForgetSeeded,
     /// PostgreSQL: the statements on an advisory lock's session ([`crate::drivers::sql::wake`]).
     pub(crate) advisory: Option<AdvisoryStatements>,
+    /// MySQL/MariaDB in lease mode: the release on the named lock's session, which lets the
+    /// named lock `?` (bound first) go as it frees the row, before the commit; then as
+    /// [`Statements::release`].
+    pub(crate) named_release: Option<String>,
 }
 
 /// Row-lock mode's seeded rows of a family's keys that have no lease row left (the sweep that
@@ -487,6 +491,7 @@ impl Dialect {
                                  set_config('synchronous_commit', 'off', true)) AS notified"
                         ),
                     }),
+                    named_release: None,
                 }
             }
             Dialect::MySql => Statements {
@@ -585,6 +590,12 @@ impl Dialect {
                     table: r.clone(),
                 },
                 advisory: None,
+                // `RELEASE_LOCK` runs for the matched row, which the statement has locked: the
+                // waiter it wakes claims the row with an `UPDATE` that waits for this commit.
+                named_release: Some(format!(
+                    "UPDATE {t} SET holder = IF(RELEASE_LOCK(?) IS NULL, NULL, NULL), \
+                     expires_at = NOW(6) WHERE name = ? AND holder = ? AND token = ?"
+                )),
             },
         }
     }

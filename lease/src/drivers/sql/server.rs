@@ -161,7 +161,9 @@ impl SqlDriver {
         let releases = Arc::new(ChangeFeeds::default());
         let sql = dialect.statements(schema, table);
         let server_lock = match (dialect, mode) {
-            (Dialect::MySql, _) => Some(ServerLock::Named),
+            // Row-lock mode's release ends the row's transaction too: on the pool's session.
+            (Dialect::MySql, SqlMode::Lease) => Some(ServerLock::Named(sql.named_release.clone())),
+            (Dialect::MySql, SqlMode::RowLock) => Some(ServerLock::Named(None)),
             (Dialect::Postgres, SqlMode::Lease) => sql.advisory.clone().map(ServerLock::Advisory),
             // Row-lock mode's holder keeps its row locked on a session of its own already;
             // its waiters hear `NOTIFY`.
@@ -567,7 +569,8 @@ impl Driver for SqlDriver {
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
         let server_lock = self.server_lock(&lease.lock);
-        // PostgreSQL: on the advisory lock's session, which lets it go in the same statement.
+        // On the server lock's session, which lets it go in the same statement (PostgreSQL,
+        // and MySQL in lease mode).
         let released_there = match server_lock {
             Some(server) => server.release(lease).await,
             None => None,

@@ -99,8 +99,9 @@ pub(crate) struct AdvisoryStatements {
 
 /// The kind of lock the server keeps for each lease lock.
 pub(crate) enum ServerLock {
-    /// MySQL/MariaDB: `GET_LOCK` on a name of 64 characters at most.
-    Named,
+    /// MySQL/MariaDB: `GET_LOCK` on a name of 64 characters at most; in lease mode, with the
+    /// release that lets it go as it frees the row ([`super::Statements::named_release`]).
+    Named(Option<String>),
     /// PostgreSQL: a session advisory lock on a 64-bit key.
     Advisory(AdvisoryStatements),
 }
@@ -290,14 +291,19 @@ impl ServerLocks {
     }
 
     /// Release `lease` on its server lock's session, letting the server lock go in the same
-    /// statement (PostgreSQL): the next waiter is woken inside the server. `None`: this process
-    /// keeps no server lock for it, and the pool is to release it.
+    /// statement (PostgreSQL, MySQL in lease mode): the next waiter is woken inside the server
+    /// a round trip sooner. `None`: this process keeps no server lock for it, or releases
+    /// elsewhere, and the pool is to release it.
     pub(crate) async fn release(
         self: &Arc<Self>,
         lease: &Lease,
     ) -> Option<Result<bool, sqlx::Error>> {
         self.forget_counted(&lease.lock);
-        if !matches!(self.kind, ServerLock::Advisory(_)) || !self.running(&lease.lock) {
+        let here = matches!(
+            self.kind,
+            ServerLock::Advisory(_) | ServerLock::Named(Some(_))
+        );
+        if !here || !self.running(&lease.lock) {
             return None;
         }
         let (tx, rx) = oneshot::channel();
@@ -640,7 +646,7 @@ impl ServerLocks {
     /// Take `lock`'s server lock if free, without waiting.
     async fn take_now(&self, conn: &mut AnyConnection, lock: &str) -> Result<bool, sqlx::Error> {
         match &self.kind {
-            ServerLock::Named => get(conn, &self.name(lock), 0).await,
+            ServerLock::Named(_) => get(conn, &self.name(lock), 0).await,
             ServerLock::Advisory(_) => {
                 // Nothing else held first: a waiter's step that timed out in its insertion (a
                 // row locked past `lock_timeout`) leaves its advisory lock with the session.
@@ -755,7 +761,7 @@ impl ServerLocks {
     /// Let `lock`'s server lock go.
     async fn let_go_of(&self, conn: &mut AnyConnection, lock: &str) -> Result<(), sqlx::Error> {
         match &self.kind {
-            ServerLock::Named => {
+            ServerLock::Named(_) => {
                 sqlx::query("SELECT RELEASE_LOCK(?) AS released")
                     .bind(self.name(lock))
                     .fetch_one(conn)
@@ -771,20 +777,39 @@ impl ServerLocks {
         Ok(())
     }
 
-    /// Release `lease`'s row and its server lock in one statement (PostgreSQL).
+    /// Release `lease`'s row and its server lock in one statement (PostgreSQL; MySQL in lease
+    /// mode, where a row no longer the lease's leaves the named lock to one statement more).
     async fn release_here(
         &self,
         conn: &mut AnyConnection,
         lease: &Lease,
     ) -> Result<bool, sqlx::Error> {
-        let ServerLock::Advisory(sql) = &self.kind else {
-            self.let_go_of(conn, &lease.lock).await?;
-            return Ok(false);
+        let token = i64::try_from(lease.token).unwrap_or(i64::MAX);
+        let sql = match &self.kind {
+            ServerLock::Advisory(sql) => sql,
+            ServerLock::Named(Some(release)) => {
+                let done = sqlx::query(release)
+                    .bind(self.name(&lease.lock))
+                    .bind(&lease.lock)
+                    .bind(&lease.identity)
+                    .bind(token)
+                    .execute(&mut *conn)
+                    .await?;
+                let released = done.rows_affected() == 1;
+                if !released {
+                    self.let_go_of(conn, &lease.lock).await?;
+                }
+                return Ok(released);
+            }
+            ServerLock::Named(None) => {
+                self.let_go_of(conn, &lease.lock).await?;
+                return Ok(false);
+            }
         };
         let row = sqlx::query(&sql.release)
             .bind(&lease.lock)
             .bind(&lease.identity)
-            .bind(i64::try_from(lease.token).unwrap_or(i64::MAX))
+            .bind(token)
             .bind(advisory_key(&self.table, &lease.lock))
             .fetch_one(conn)
             .await?;
