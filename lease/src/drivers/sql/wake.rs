@@ -10,6 +10,9 @@
 //! waiting. So a release wakes one waiter per process, with no herd.
 //!
 //! - **MySQL**: the granted waiter's engine is woken to try the lease row, one statement more.
+//!   In lease mode the holder frees the row on its named lock's session, in the statement that
+//!   lets the named lock go before its commit, so the waiter's `UPDATE` waits inside the server
+//!   for that commit rather than for one more round trip.
 //! - **PostgreSQL**: the waiter's blocking statement is its acquisition. It takes the advisory
 //!   lock, then the row, in one statement. The holder lets go in its release statement, on its
 //!   advisory lock's session, so the waiter is woken inside the server while that statement runs
