@@ -408,7 +408,8 @@ async fn mariadb_a_release_lets_the_named_lock_go_in_its_statement() {
     let mut admin = sqlx::AnyConnection::connect(&url)
         .await
         .expect("admin connection");
-    // Which session frees a row: recorded by a trigger.
+    // Which session frees a row, and whether the row's named lock was still taken then: recorded
+    // by a trigger, which runs after the statement's assignments.
     let first = unique_lock("provision");
     let Acquire::Acquired(provisioned) = holder.try_acquire(&first, "a", LEASE).await.unwrap()
     else {
@@ -416,9 +417,12 @@ async fn mariadb_a_release_lets_the_named_lock_go_in_its_statement() {
     };
     assert!(holder.release(&provisioned).await.unwrap());
     for statement in [
-        "CREATE TABLE released_by (name VARCHAR(253) NOT NULL, session BIGINT NOT NULL)",
+        "CREATE TABLE named (name VARCHAR(253) NOT NULL, named_lock VARCHAR(64) NOT NULL)",
+        "CREATE TABLE released_by (name VARCHAR(253) NOT NULL, session BIGINT NOT NULL, \
+         named_lock_by BIGINT NULL)",
         "CREATE TRIGGER record_release AFTER UPDATE ON leasehold_locks FOR EACH ROW \
-         INSERT INTO released_by SELECT NEW.name, CONNECTION_ID() FROM DUAL \
+         INSERT INTO released_by SELECT NEW.name, CONNECTION_ID(), \
+         IS_USED_LOCK((SELECT named_lock FROM named WHERE named.name = NEW.name)) FROM DUAL \
          WHERE NEW.holder IS NULL AND OLD.holder IS NOT NULL",
     ] {
         sqlx::query(statement)
@@ -427,31 +431,48 @@ async fn mariadb_a_release_lets_the_named_lock_go_in_its_statement() {
             .unwrap_or_else(|e| panic!("{statement}: {e}"));
     }
     // Released on the session that keeps the named lock, which is free as the release answers.
-    let lock = unique_lock("released-there");
-    let name = named_lock("leasehold_locks", &lock);
-    let taken = tokio::time::Instant::now();
-    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "a", LEASE).await.unwrap() else {
-        panic!("the lock is not free");
-    };
-    let session = holders_named_lock_session(&mut admin, &name, taken).await;
-    assert!(holder.release(&lease).await.unwrap());
-    assert_eq!(
-        named_lock_session(&mut admin, &name).await,
-        None,
-        "the named lock outlived the release's answer"
-    );
-    let released_by: Vec<i64> = sqlx::query("SELECT session FROM released_by WHERE name = ?")
-        .bind(&lock)
-        .fetch_all(&mut admin)
-        .await
-        .expect("released_by")
-        .iter()
-        .map(|row| row.get::<i64, _>("session"))
-        .collect();
-    assert_eq!(
-        released_by,
-        [session],
-        "the row was not freed on the named lock's session"
+    // Released through the named lock's task once it is ready for it, a moment after the named
+    // lock is taken (before that the pool releases, and the task lets go after it): a few
+    // locks, one of which at least is released there.
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        let lock = unique_lock("released-there");
+        let name = named_lock("leasehold_locks", &lock);
+        sqlx::query("INSERT INTO named VALUES (?, ?)")
+            .bind(&lock)
+            .bind(&name)
+            .execute(&mut admin)
+            .await
+            .expect("named");
+        let taken = tokio::time::Instant::now();
+        let Acquire::Acquired(lease) = holder.try_acquire(&lock, "a", LEASE).await.unwrap() else {
+            panic!("the lock is not free");
+        };
+        let session = holders_named_lock_session(&mut admin, &name, taken).await;
+        assert!(holder.release(&lease).await.unwrap());
+        let free_at_answer = named_lock_session(&mut admin, &name).await.is_none();
+        let released_by: Vec<(i64, Option<i64>)> =
+            sqlx::query("SELECT session, named_lock_by FROM released_by WHERE name = ?")
+                .bind(&lock)
+                .fetch_all(&mut admin)
+                .await
+                .expect("released_by")
+                .iter()
+                .map(|row| (row.get("session"), row.get("named_lock_by")))
+                .collect();
+        // Freed on the named lock's session, in the statement that let the named lock go
+        // (nobody had it as the row was freed), and free as the release answered.
+        if released_by == [(session, None)] && free_at_answer {
+            seen.clear();
+            break;
+        }
+        seen.push((session, released_by, free_at_answer));
+    }
+    assert!(
+        seen.is_empty(),
+        "never released on the named lock's session in the statement that let it go: \
+         (named lock's session, [(session that freed the row, who had the named lock then)], \
+         named lock free at the answer) = {seen:?}"
     );
     // A release whose row is no longer the lease's (another token) frees nothing, and lets the
     // named lock go all the same.

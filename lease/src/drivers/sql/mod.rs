@@ -592,8 +592,10 @@ impl Dialect {
                 advisory: None,
                 // `RELEASE_LOCK` runs for the matched row, which the statement has locked: the
                 // waiter it wakes claims the row with an `UPDATE` that waits for this commit.
+                // Its argument reads the row (`LEFT(name, 0)` is empty), so that no server
+                // evaluates it once, before any row is locked.
                 named_release: Some(format!(
-                    "UPDATE {t} SET holder = IF(RELEASE_LOCK(?) IS NULL, NULL, NULL), \
+                    "UPDATE {t} SET holder = IF(RELEASE_LOCK(CONCAT(?, LEFT(name, 0))) IS NULL, NULL, NULL), \
                      expires_at = NOW(6) WHERE name = ? AND holder = ? AND token = ?"
                 )),
             },

@@ -130,8 +130,9 @@ enum Message {
     LetGo,
     /// This holder waits for the lock here, for a lease this long.
     Waiting(Waiter),
-    /// Release this lease on the server lock's session (PostgreSQL); `None` back when the task
-    /// does not hold the lock's server lock for it, and the pool is to release it.
+    /// Release this lease on the server lock's session (PostgreSQL, MySQL in lease mode); `None`
+    /// back when the task does not hold the lock's server lock for it, and the pool is to
+    /// release it.
     Release(Lease, oneshot::Sender<Option<Result<bool, sqlx::Error>>>),
 }
 
@@ -198,6 +199,9 @@ pub(crate) struct ServerLocks {
     /// PostgreSQL: locks whose waiter here is blocked in the server, and whether a `NOTIFY` of
     /// a release came meanwhile (which the blocked statement may not have been woken by).
     blocked: Mutex<HashMap<String, bool>>,
+    /// Locks whose task keeps the server lock for this process's holder and waits for the
+    /// driver's word: a release sent to it is carried out at once ([`ServerLocks::release`]).
+    ready: Mutex<std::collections::HashSet<String>>,
 }
 
 impl ServerLocks {
@@ -220,6 +224,7 @@ impl ServerLocks {
             woken: Mutex::new(HashMap::new()),
             counted: Mutex::new(HashMap::new()),
             blocked: Mutex::new(HashMap::new()),
+            ready: Mutex::new(std::collections::HashSet::new()),
         })
     }
 
@@ -261,6 +266,24 @@ impl ServerLocks {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains_key(lock)
+    }
+
+    /// Whether `lock`'s task keeps the server lock for the holder here and waits for the
+    /// driver's word, so that a release sent to it does not wait behind a connection or a retry.
+    fn ready_to_release(&self, lock: &str) -> bool {
+        self.ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(lock)
+    }
+
+    fn set_ready(&self, lock: &str, ready: bool) {
+        let mut all = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        if ready {
+            all.insert(lock.to_owned());
+        } else {
+            all.remove(lock);
+        }
     }
 
     /// This process holds `lock` now: keep its server lock until it lets go. Not when all the
@@ -306,7 +329,7 @@ impl ServerLocks {
             self.kind,
             ServerLock::Advisory(_) | ServerLock::Named(Some(_))
         );
-        if !here || !self.running(&lease.lock) {
+        if !here || !self.ready_to_release(&lease.lock) {
             return None;
         }
         let (tx, rx) = oneshot::channel();
@@ -411,10 +434,26 @@ impl ServerLocks {
         let mut spare = session.is_some();
         let mut locked = false;
         let mut view = View::default();
+        let _ready = Ready {
+            locks: self.clone(),
+            lock: lock.clone(),
+        };
         loop {
-            // Everything the driver said so far.
-            while let Ok(message) = messages.try_recv() {
-                view.apply(message);
+            self.set_ready(&lock, false);
+            // Everything the driver said so far, up to a release this task can carry out, which
+            // is carried out before anything said after it.
+            let mut release = None;
+            while release.is_none()
+                && let Ok(message) = messages.try_recv()
+            {
+                match message {
+                    Message::Release(lease, reply)
+                        if locked && view.holding && session.is_some() =>
+                    {
+                        release = Some((lease, reply));
+                    }
+                    message => view.apply(message),
+                }
             }
             let wanted = view.holding || self.waited(&lock);
             if !wanted {
@@ -472,9 +511,14 @@ impl ServerLocks {
                 }
             }
             let conn = &mut session.as_mut().expect("a session").conn;
-            let outcome = if locked && view.holding {
+            let outcome = if let Some((lease, reply)) = release {
+                view.holding = false;
+                locked = false;
+                self.release_for(conn, &lease, reply).await
+            } else if locked && view.holding {
                 // Ours, and held: nothing to do until the driver speaks, but look now and then
                 // whether the row still says so.
+                self.set_ready(&lock, true);
                 tokio::select! {
                     message = messages.recv() => match message {
                         Some(Message::LetGo) => {
@@ -487,17 +531,7 @@ impl ServerLocks {
                         Some(Message::Release(lease, reply)) => {
                             view.holding = false;
                             locked = false;
-                            match self.release_here(conn, &lease).await {
-                                Ok(released) => {
-                                    let _ = reply.send(Some(Ok(released)));
-                                    Ok(())
-                                }
-                                Err(e) => {
-                                    // Not known let go: the session goes, and the pool tries.
-                                    let _ = reply.send(None);
-                                    Err(e)
-                                }
-                            }
+                            self.release_for(conn, &lease, reply).await
                         }
                         Some(message) => {
                             view.apply(message);
@@ -780,6 +814,26 @@ impl ServerLocks {
         Ok(())
     }
 
+    /// Carry out the driver's release of `lease` here and answer it; not known let go, the
+    /// session goes (an error), and the pool tries.
+    async fn release_for(
+        &self,
+        conn: &mut AnyConnection,
+        lease: &Lease,
+        reply: oneshot::Sender<Option<Result<bool, sqlx::Error>>>,
+    ) -> Result<(), sqlx::Error> {
+        match self.release_here(conn, lease).await {
+            Ok(released) => {
+                let _ = reply.send(Some(Ok(released)));
+                Ok(())
+            }
+            Err(e) => {
+                let _ = reply.send(None);
+                Err(e)
+            }
+        }
+    }
+
     /// Release `lease`'s row and its server lock in one statement (PostgreSQL; MySQL in lease
     /// mode, where a row no longer the lease's leaves the named lock to one statement more).
     async fn release_here(
@@ -851,6 +905,19 @@ fn lock_not_available(e: &sqlx::Error) -> bool {
 
 fn digest(table: &str, lock: &str) -> [u8; 32] {
     Sha256::digest(format!("{table}\0{lock}").as_bytes()).into()
+}
+
+/// A lock's task's mark as ready to release ([`ServerLocks::ready_to_release`]), taken off
+/// however the task ends.
+struct Ready {
+    locks: Arc<ServerLocks>,
+    lock: String,
+}
+
+impl Drop for Ready {
+    fn drop(&mut self) {
+        self.locks.set_ready(&self.lock, false);
+    }
 }
 
 /// The server-wide name of `lock`'s named lock: 64 characters at most, whatever the lock's name,
