@@ -600,22 +600,39 @@ async fn await_advisory(
     }
 }
 
-/// PostgreSQL in lease mode: a waiter blocks inside the server on the holder's advisory lock,
-/// in the statement that takes the row. The holder's release lets the advisory lock go; the
-/// waiter's statement takes the row with a higher token and keeps the advisory lock as the new
-/// holder's, and, having waited more than a tenth of the lease, extends the row on that session;
-/// its driver hands the lease to the engine without another statement. The claim counts from the
-/// extension's send (after the release began), not from when the blocked statement was sent.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
+/// A PostgreSQL lock handed over in lease mode from `a` (one process's driver) to `b` (another
+/// process's), whose statement that takes the row was blocked inside the server on `a`'s
+/// advisory lock for about `blocked_for`: what the tests of a woken waiter look at.
+struct HandedOver {
+    _harness: PostgresHarness,
+    admin: sqlx::AnyConnection,
+    lock: String,
+    waiter: Arc<dyn leasehold_lease::Backend>,
+    lease: leasehold_lease::Lease,
+    /// The advisory lock's sessions while `a` held.
+    held: Vec<(i32, bool)>,
+    waiting_pid: i32,
+    /// When `b` was refused (its blocking statement was sent after), when the release began,
+    /// and when `b`'s engine was woken.
+    asked: leasehold_lease::boot_clock::BootInstant,
+    releasing: leasehold_lease::boot_clock::BootInstant,
+    woken: leasehold_lease::boot_clock::BootInstant,
+    /// The pool's acquisitions before and after the woken waiter's acquisition.
+    pool_acquisitions: (i64, i64),
+}
+
+async fn hand_over_to_a_blocked_waiter(
+    name: &str,
+    ttl: Duration,
+    blocked_for: Duration,
+) -> HandedOver {
     use leasehold_lease::Acquire;
     use leasehold_lease::boot_clock::BootInstant;
-    use sqlx::Row;
     let h = PostgresHarness::new();
     let url = h.server.url();
-    let lock = unique_lock("woken");
+    let lock = unique_lock(name);
     let (holder, waiter) = (h.driver().await, h.driver().await);
-    let Acquire::Acquired(first) = holder.try_acquire(&lock, "a", LEASE).await.unwrap() else {
+    let Acquire::Acquired(first) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
         panic!("the lock is not free");
     };
     sqlx::any::install_default_drivers();
@@ -633,15 +650,15 @@ async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
     .await;
     // The waiter: subscribed, as its engine is, then refused.
     let mut changes = waiter.changes(&lock).expect("a change feed");
-    let refused = waiter.try_acquire(&lock, "b", LEASE).await.unwrap();
+    let asked = BootInstant::now();
+    let refused = waiter.try_acquire(&lock, "b", ttl).await.unwrap();
     assert!(matches!(refused, Acquire::Busy(Some(_))), "{refused:?}");
     let blocked = await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
         s.iter().any(|(_, granted)| !granted)
     })
     .await;
     let waiting_pid = blocked.iter().find(|(_, granted)| !granted).unwrap().0;
-    // Long enough blocked that a claim dated from its statement's sending would show.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(blocked_for).await;
     changes.borrow_and_update();
     let releasing = BootInstant::now();
     assert!(holder.release(&first).await.unwrap());
@@ -650,46 +667,85 @@ async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
         .expect("the waiter's engine was never woken")
         .expect("feed");
     let woken = BootInstant::now();
-    let acquisitions = postgres_pool_acquisitions(&mut admin).await;
-    let Acquire::Acquired(lease) = waiter.try_acquire(&lock, "b", LEASE).await.unwrap() else {
+    let before = postgres_pool_acquisitions(&mut admin).await;
+    let Acquire::Acquired(lease) = waiter.try_acquire(&lock, "b", ttl).await.unwrap() else {
         panic!("the woken waiter did not hold");
     };
+    let after = postgres_pool_acquisitions(&mut admin).await;
+    assert!(lease.token > first.token, "{lease:?} after {first:?}");
+    HandedOver {
+        _harness: h,
+        admin,
+        lock,
+        waiter,
+        lease,
+        held,
+        waiting_pid,
+        asked,
+        releasing,
+        woken,
+        pool_acquisitions: (before, after),
+    }
+}
+
+/// The last statement of the session with process id `pid`.
+async fn last_statement(admin: &mut sqlx::AnyConnection, pid: i32) -> String {
+    use sqlx::Row;
+    sqlx::query("SELECT query FROM pg_stat_activity WHERE pid = $1")
+        .bind(pid)
+        .fetch_one(admin)
+        .await
+        .expect("pg_stat_activity")
+        .get::<String, _>("query")
+}
+
+/// PostgreSQL in lease mode: a waiter blocks inside the server on the holder's advisory lock,
+/// in the statement that takes the row. The holder's release lets the advisory lock go; the
+/// waiter's statement takes the row with a higher token and keeps the advisory lock as the new
+/// holder's, and, having waited more than a tenth of the lease, extends the row on that session;
+/// its driver hands the lease to the engine without another statement. The claim counts from the
+/// extension's send (after the release began), not from when the blocked statement was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
+    use leasehold_lease::boot_clock::BootInstant;
+    // Long enough blocked that a claim dated from its statement's sending would show.
+    let mut over = hand_over_to_a_blocked_waiter("woken", LEASE, Duration::from_millis(500)).await;
+    let (before, after) = over.pool_acquisitions;
     assert_eq!(
-        postgres_pool_acquisitions(&mut admin).await,
-        acquisitions,
+        after, before,
         "the woken waiter sent an acquisition of its own"
     );
-    // A holding engine waits no more.
-    drop(changes);
-    assert!(lease.token > first.token, "{lease:?} after {first:?}");
-    let counted = waiter.counted_from(&lease, BootInstant::now());
+    let (lease, waiter) = (&over.lease, &over.waiter);
+    let counted = waiter.counted_from(lease, BootInstant::now());
     // Counted from the extension's send, after the release began and before the wake-up; far
     // later than the blocking statement's send, at least 500 ms before the release.
     assert!(
-        counted >= releasing && counted <= woken,
-        "the claim counts from {counted:?}; the release began at {releasing:?}, the engine was woken at {woken:?}"
+        counted >= over.releasing && counted <= over.woken,
+        "the claim counts from {counted:?}; the release began at {:?}, the engine was woken at {:?}",
+        over.releasing,
+        over.woken
     );
     // The waiting session took the row, and keeps the advisory lock now.
-    let now = advisory_sessions(&mut admin, &lock).await;
-    assert_eq!(now, vec![(waiting_pid, true)], "held before: {held:?}");
-    let last = sqlx::query("SELECT query FROM pg_stat_activity WHERE pid = $1")
-        .bind(waiting_pid)
-        .fetch_one(&mut admin)
-        .await
-        .expect("pg_stat_activity")
-        .get::<String, _>("query");
+    let now = advisory_sessions(&mut over.admin, &over.lock).await;
+    assert_eq!(
+        now,
+        vec![(over.waiting_pid, true)],
+        "held before: {:?}",
+        over.held
+    );
+    let last = last_statement(&mut over.admin, over.waiting_pid).await;
     assert!(
         last.starts_with("UPDATE") && last.contains("clock_timestamp()"),
         "the waiting session's last statement, the extension: {last}"
     );
     // Renewed, the claim counts from the renewal again.
-    assert!(waiter.renew(&lease, LEASE).await.unwrap());
+    assert!(waiter.renew(lease, LEASE).await.unwrap());
     let renewed = BootInstant::now();
-    assert_eq!(waiter.counted_from(&lease, renewed), renewed);
-    assert!(waiter.release(&lease).await.unwrap());
+    assert_eq!(waiter.counted_from(lease, renewed), renewed);
+    assert!(waiter.release(lease).await.unwrap());
     await_advisory(
-        &mut admin,
-        &lock,
+        &mut over.admin,
+        &over.lock,
         "the advisory lock stayed after the release",
         |s| s.is_empty(),
     )
@@ -702,59 +758,19 @@ async fn postgres_a_waiter_takes_the_lock_inside_its_blocking_statement() {
 /// claim ends before the row's lease does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_waiter_blocked_briefly_claims_from_its_blocking_statement() {
-    use leasehold_lease::Acquire;
     use leasehold_lease::boot_clock::BootInstant;
     use sqlx::Row;
     let ttl = Duration::from_secs(60);
-    let h = PostgresHarness::new();
-    let url = h.server.url();
-    let lock = unique_lock("woken-briefly");
-    let (holder, waiter) = (h.driver().await, h.driver().await);
-    let Acquire::Acquired(first) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
-        panic!("the lock is not free");
-    };
-    sqlx::any::install_default_drivers();
-    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
-    await_advisory(
-        &mut admin,
-        &lock,
-        "the holder never took its advisory lock",
-        |s| s.len() == 1 && s[0].1,
-    )
-    .await;
-    let mut changes = waiter.changes(&lock).expect("a change feed");
-    let asked = BootInstant::now();
-    let refused = waiter.try_acquire(&lock, "b", ttl).await.unwrap();
-    assert!(matches!(refused, Acquire::Busy(Some(_))), "{refused:?}");
-    let blocked = await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
-        s.iter().any(|(_, granted)| !granted)
-    })
-    .await;
-    let waiting_pid = blocked.iter().find(|(_, granted)| !granted).unwrap().0;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    changes.borrow_and_update();
-    let releasing = BootInstant::now();
-    assert!(holder.release(&first).await.unwrap());
-    tokio::time::timeout(SLACK, changes.changed())
-        .await
-        .expect("the waiter's engine was never woken")
-        .expect("feed");
-    let Acquire::Acquired(lease) = waiter.try_acquire(&lock, "b", ttl).await.unwrap() else {
-        panic!("the woken waiter did not hold");
-    };
-    drop(changes);
-    assert!(lease.token > first.token, "{lease:?} after {first:?}");
-    let counted = waiter.counted_from(&lease, BootInstant::now());
+    let mut over =
+        hand_over_to_a_blocked_waiter("woken-briefly", ttl, Duration::from_millis(200)).await;
+    let counted = over.waiter.counted_from(&over.lease, BootInstant::now());
     assert!(
-        counted >= asked && counted < releasing,
-        "the claim counts from {counted:?}: not the blocking statement's send (asked at {asked:?}, released at {releasing:?})"
+        counted >= over.asked && counted < over.releasing,
+        "the claim counts from {counted:?}: not the blocking statement's send (asked at {:?}, released at {:?})",
+        over.asked,
+        over.releasing
     );
-    let last = sqlx::query("SELECT query FROM pg_stat_activity WHERE pid = $1")
-        .bind(waiting_pid)
-        .fetch_one(&mut admin)
-        .await
-        .expect("pg_stat_activity")
-        .get::<String, _>("query");
+    let last = last_statement(&mut over.admin, over.waiting_pid).await;
     assert!(
         last.starts_with("WITH cleared"),
         "the waiting session's last statement, the blocking one (no extension): {last}"
@@ -765,8 +781,8 @@ async fn postgres_a_waiter_blocked_briefly_claims_from_its_blocking_statement() 
         "SELECT CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000 AS BIGINT) \
          AS left_ms FROM leasehold_locks WHERE name = $1",
     )
-    .bind(&lock)
-    .fetch_one(&mut admin)
+    .bind(&over.lock)
+    .fetch_one(&mut over.admin)
     .await
     .expect("the row");
     let row_ends = read + Duration::from_millis(row.get::<i64, _>("left_ms").max(0) as u64);
@@ -775,7 +791,7 @@ async fn postgres_a_waiter_blocked_briefly_claims_from_its_blocking_statement() 
         "the claim ends at {:?}, after the row does at {row_ends:?}",
         counted + ttl
     );
-    assert!(waiter.release(&lease).await.unwrap());
+    assert!(over.waiter.release(&over.lease).await.unwrap());
 }
 
 /// A waiter's claim never outlasts the row its blocking statement took, whatever the server's
