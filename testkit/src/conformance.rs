@@ -2407,8 +2407,9 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
 /// or none; while held, no reader and no other writer of any of the keys, of either pod; a
 /// call refused on one key leaves none of the others held; a call waiting for a reader of one
 /// key holds the keys before it (readers of those wait) and gets every key once the reader
-/// leaves, with a token above the reader's; an owner already reading or writing one of the
-/// keys is refused; a crashed pod's write locks are free within the lease.
+/// leaves, with a token above the reader's; an owner already reading one of the keys is
+/// refused, one writing it acquires its write lock again (given back alone when another key is
+/// refused); a crashed pod's write locks are free within the lease.
 pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
     use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeysAnswer};
     const HOLD: Duration = Duration::from_secs(60);
@@ -2497,26 +2498,82 @@ pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
         assert_eq!(released, KeyRelease::Released { holds: 0 }, "{key}");
     }
 
-    // An owner reading or writing one of the keys is refused, and keeps what it had.
+    // An owner reading one of the keys is refused, and keeps what it had.
     a.acquire_read("q", "r5", NOW, HOLD).await.unwrap();
-    a.acquire_write("z", "w5", NOW, HOLD).await.unwrap();
-    for (owner, key) in [("r5", "q"), ("w5", "z")] {
-        assert!(
-            matches!(
-                a.acquire_all_write(&keys(&[key, "m"]), owner, NOW, HOLD)
-                    .await,
-                Err(KeyError::BadMode(_))
-            ),
-            "{owner} asked to write {key} among several"
-        );
-        assert!(matches!(
-            a.status(key, Some(owner)).unwrap(),
-            KeyAnswer::Held { .. }
-        ));
-    }
+    assert!(
+        matches!(
+            a.acquire_all_write(&keys(&["q", "m"]), "r5", NOW, HOLD)
+                .await,
+            Err(KeyError::BadMode(_))
+        ),
+        "r5 asked to write q, which it reads, among several"
+    );
+    assert!(matches!(
+        a.status("q", Some("r5")).unwrap(),
+        KeyAnswer::Held { .. }
+    ));
     assert!(matches!(a.status("m", None).unwrap(), KeyAnswer::NotHeld));
     a.release("q", "r5").await.unwrap();
-    a.release("z", "w5").await.unwrap();
+
+    // An owner writing one of the keys acquires its write lock again among several: refused
+    // on another key, the call gives back only what it added; taken, one release of each key
+    // gives back this call's acquisitions and leaves the earlier one.
+    let holds = |pod: &leasehold_lease::keyed::KeyedFamily, key: &str, owner: &str| match pod
+        .status(key, Some(owner))
+    {
+        Ok(KeyAnswer::Held {
+            holds,
+            token,
+            writer: true,
+            ..
+        }) => (holds, token),
+        other => panic!("{owner} does not write {key}: {other:?}"),
+    };
+    let KeyAnswer::Held { token: z5, .. } = a.acquire_write("z", "w5", NOW, HOLD).await.unwrap()
+    else {
+        panic!("w5 could not write z");
+    };
+    b.acquire_read("m", "r8", NOW, HOLD).await.unwrap();
+    let answer = a
+        .acquire_all_write(&keys(&["z", "m"]), "w5", NOW, HOLD)
+        .await
+        .unwrap();
+    let KeysAnswer::NotTaken { key, answer } = answer else {
+        panic!("w5 wrote m beside its reader: {answer:?}");
+    };
+    assert_eq!(key, "m");
+    assert!(refused(&answer), "{answer:?}");
+    assert_eq!(holds(&a, "z", "w5"), (1, z5), "z after the refused call");
+    b.release("m", "r8").await.unwrap();
+    let w5 = written(
+        a.acquire_all_write(&keys(&["m", "z"]), "w5", NOW, HOLD)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(token(&w5, "z"), z5, "z's write lock, acquired again");
+    assert_eq!(holds(&a, "z", "w5"), (2, z5));
+    for pod in [&a, &b] {
+        let answer = pod.acquire_read("m", "r9", NOW, HOLD).await.unwrap();
+        assert!(refused(&answer), "a reader of m beside w5: {answer:?}");
+    }
+    let released = a.release_all(&keys(&["z", "m"]), "w5").await.unwrap();
+    assert_eq!(
+        released,
+        [
+            ("z".to_string(), KeyRelease::Released { holds: 1 }),
+            ("m".to_string(), KeyRelease::Released { holds: 0 }),
+        ]
+    );
+    assert_eq!(holds(&a, "z", "w5"), (1, z5), "z after one release");
+    assert!(matches!(
+        b.acquire_read("m", "r9", NOW, HOLD).await.unwrap(),
+        KeyAnswer::Held { .. }
+    ));
+    b.release("m", "r9").await.unwrap();
+    assert_eq!(
+        a.release("z", "w5").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
 
     // A write lock lost in part (a force-release of one part) is given back whole, and its
     // owner then writes the key among several afresh.

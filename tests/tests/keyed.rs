@@ -373,6 +373,22 @@ fn readers_share_a_key_and_a_writer_holds_it_alone_over_http() {
         "/locks/{family}/keys/report-10/acquire?owner=r5&wait=200ms"
     ));
     assert_eq!(reader.status, 409, "{}", reader.body);
+    // Written again among several: each write lock counts one acquisition more, and one
+    // release of the keys leaves the first.
+    let again = b.post(&format!("{several}&owner=w2&mode=write&hold=30s"));
+    assert_eq!(again.status, 200, "{}", again.body);
+    for key in again.json()["keys"].as_array().expect("keys") {
+        assert_eq!(key["holds"], 2, "{}", again.body);
+    }
+    let released = b.post(&format!("{several}&owner=w2").replace("acquire", "release"));
+    assert_eq!(released.status, 200, "{}", released.body);
+    for key in released.json()["keys"].as_array().expect("keys") {
+        assert_eq!(key["holds"], 1, "{}", released.body);
+    }
+    let reader = a.post(&format!(
+        "/locks/{family}/keys/report-10/acquire?owner=r5&wait=200ms"
+    ));
+    assert_eq!(reader.status, 409, "{}", reader.body);
     let released = b.post(&format!("{several}&owner=w2").replace("acquire", "release"));
     assert_eq!(released.status, 200, "{}", released.body);
     let read = a.post(&format!("{several}&owner=r5&mode=read&wait=5s"));

@@ -62,7 +62,7 @@ const PROBE_RETRY: Duration = Duration::from_millis(2);
 #[derive(Debug)]
 pub(super) struct Writer {
     owner: String,
-    parts: Vec<Taking>,
+    pub(super) parts: Vec<Taking>,
     ended: AtomicBool,
     releasing: AtomicUsize,
 }
@@ -274,7 +274,7 @@ impl KeyedFamily {
             let left = deadline.saturating_duration_since(Instant::now());
             let take = self.take_part(key, permit, owner, left, hold, true);
             let answer = self
-                .take_keeping(take, &taken.keys, kept, look(), owner, hold)
+                .take_keeping(take, taken, kept, look(), owner, hold)
                 .await?;
             let KeyAnswer::Held { token, .. } = answer else {
                 return Ok(Some(answer));
@@ -282,7 +282,7 @@ impl KeyedFamily {
             taken.keys.push((key.to_owned(), Taking { permit, token }));
         }
         let free = self.await_free_permits(key, owner, permits, deadline);
-        self.take_keeping(free, &taken.keys, kept, look(), owner, hold)
+        self.take_keeping(free, taken, kept, look(), owner, hold)
             .await
     }
 

@@ -20,7 +20,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::read_write::{WriteHolding, Writes};
+use std::sync::Arc;
+
+use super::read_write::{WriteHolding, Writer, Writes};
 use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, check_owner};
 
 /// The most keys one acquisition of several keys may name.
@@ -50,12 +52,16 @@ pub(super) struct Ahead<'a> {
 }
 
 /// The keys taken so far by one acquisition of several, each with the permit and token it was
-/// taken with, given back unless the acquisition succeeds: by [`Taken::give_back`], or, when the
-/// acquisition is dropped midway (its client hung up), by a task of its own.
+/// taken with, and the owner's write locks it acquired again, given back unless the
+/// acquisition succeeds: by [`Taken::give_back`], or, when the acquisition is dropped midway
+/// (its client hung up), by a task of its own.
 pub(super) struct Taken {
     family: KeyedFamily,
     owner: String,
     pub(super) keys: Vec<(String, Taking)>,
+    /// Write locks the owner held before the call, each acquired once more by it: given back
+    /// by one release of the write lock, which leaves the earlier acquisitions.
+    rewritten: Vec<(String, Arc<Writer>)>,
 }
 
 /// Which holding of a key an acquisition took: its permit and token. Tokens of two permits of
@@ -72,7 +78,22 @@ impl Taken {
             family: family.clone(),
             owner: owner.to_owned(),
             keys: Vec::new(),
+            rewritten: Vec::new(),
         }
+    }
+
+    /// Every holding the acquisition keeps alive while it waits: the keys it took, and each
+    /// part of the write locks it acquired again.
+    pub(super) fn kept_alive(&self) -> impl Iterator<Item = (&str, Taking)> {
+        let taken = self
+            .keys
+            .iter()
+            .map(|(key, taking)| (key.as_str(), *taking));
+        let rewritten = self
+            .rewritten
+            .iter()
+            .flat_map(|(key, writer)| writer.parts.iter().map(move |part| (key.as_str(), *part)));
+        taken.chain(rewritten)
     }
 
     /// The owner the keys are taken for.
@@ -82,7 +103,7 @@ impl Taken {
 
     /// Keep every key taken at least `hold` from now, each only on the holding taken.
     pub(super) async fn extend(&self, hold: Duration) -> Result<(), KeyError> {
-        for (key, taking) in &self.keys {
+        for (key, taking) in self.kept_alive() {
             let held = Some((taking.permit, taking.token));
             self.family
                 .extend_held(key, &self.owner, hold, held)
@@ -94,42 +115,58 @@ impl Taken {
     /// Keep the keys: the acquisition succeeded.
     pub(super) fn keep(mut self) {
         self.keys.clear();
+        self.rewritten.clear();
     }
 
     /// Give the keys back before answering. The releases run on a task of their own, so that
     /// a client hanging up meanwhile cannot cut them short.
     pub(super) async fn give_back(mut self) {
-        let keys = std::mem::take(&mut self.keys);
         let (family, owner) = (self.family.clone(), std::mem::take(&mut self.owner));
-        let _ = tokio::spawn(async move { give_back(&family, &owner, keys).await }).await;
+        let (keys, rewritten) = (
+            std::mem::take(&mut self.keys),
+            std::mem::take(&mut self.rewritten),
+        );
+        let _ =
+            tokio::spawn(async move { give_back(&family, &owner, keys, rewritten).await }).await;
     }
 }
 
 impl Drop for Taken {
     fn drop(&mut self) {
-        if self.keys.is_empty() {
+        if self.keys.is_empty() && self.rewritten.is_empty() {
             return;
         }
-        let (family, owner, keys) = (
-            self.family.clone(),
-            std::mem::take(&mut self.owner),
+        let (family, owner) = (self.family.clone(), std::mem::take(&mut self.owner));
+        let (keys, rewritten) = (
             std::mem::take(&mut self.keys),
+            std::mem::take(&mut self.rewritten),
         );
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { give_back(&family, &owner, keys).await });
+            runtime.spawn(async move { give_back(&family, &owner, keys, rewritten).await });
         }
     }
 }
 
 /// One release per key, last taken first, each only of the holding taken (one taken again
-/// since, its lease lost meanwhile, is another acquisition's).
-async fn give_back(family: &KeyedFamily, owner: &str, keys: Vec<(String, Taking)>) {
+/// since, its lease lost meanwhile, is another acquisition's); then one release of each write
+/// lock acquired again.
+async fn give_back(
+    family: &KeyedFamily,
+    owner: &str,
+    keys: Vec<(String, Taking)>,
+    rewritten: Vec<(String, Arc<Writer>)>,
+) {
     for (key, taking) in keys.iter().rev() {
         if let Err(e) = family
             .release_held(key, owner, Some((taking.permit, taking.token)))
             .await
         {
             tracing::warn!(family = family.name(), key, error = %e, "a key taken in vain was not given back; its hold or lease ends it");
+        }
+    }
+    for (key, writer) in rewritten.iter().rev() {
+        if let Err(e) = family.release_write(key, writer).await {
+            tracing::warn!(family = family.name(), key, error = %e, "a write lock acquired again in vain was not given back; its hold or lease ends it");
         }
     }
 }
@@ -163,7 +200,7 @@ impl KeyedFamily {
             };
             let take = self.take(key, owner, left, hold, true);
             let answer = match self
-                .take_keeping(take, &taken.keys, &kept, ahead, owner, hold)
+                .take_keeping(take, &taken, &kept, ahead, owner, hold)
                 .await
             {
                 Ok(answer) => answer,
@@ -241,8 +278,9 @@ impl KeyedFamily {
     /// waiting up to `wait` in all: each key's write lock as [`KeyedFamily::acquire_write`]
     /// takes it, the keys in their canonical order and each key's parts in theirs, so that two
     /// such acquisitions, or one and a writer of one key, cannot deadlock. A key the owner
-    /// reads or writes already is refused: no upgrade, and no write lock acquired again among
-    /// several keys (its give-back would have to undo a count on every part).
+    /// writes already is acquired again (every part of its write lock once more, before any
+    /// other key is taken, and given back by one release of the write lock should the call
+    /// fail); a key the owner reads is refused (no upgrade).
     pub async fn acquire_all_write(
         &self,
         keys: &[String],
@@ -270,17 +308,10 @@ impl KeyedFamily {
         check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
-        self.refuse_written(keys, owner)?;
+        // Bad input first, so that a 400 changes nothing.
         for key in &order {
-            // A write lock of the owner's that has ended whole is given back first, as a write
-            // of one key does: what remains of it is not this call's to count on. One that
-            // cannot tell now (or that a release is giving back) is not taken again either.
-            if let Some((answer, _)) = self.reenter_write(key, owner, hold, false).await? {
-                let not_taken = KeysAnswer::NotTaken {
-                    key: (*key).to_owned(),
-                    answer,
-                };
-                return Ok((not_taken, Vec::new()));
+            if self.writer_of(key, Some(owner)).is_some() {
+                continue;
             }
             self.refuse_upgrade(key, owner)?;
             // Its gate is still held: another acquisition of the owner's is writing the key, or
@@ -295,11 +326,31 @@ impl KeyedFamily {
             }
         }
         let deadline = Instant::now() + wait;
+        let mut taken = Taken::new(self, owner);
+        // The owner's write locks are acquired again first: that never waits, and should a
+        // later key be refused, one release of each gives back what this call added. A write
+        // lock of the owner's that has ended whole is given back by `reenter_write`, and its key
+        // taken afresh in its turn, as a write of one key does.
+        let mut fresh = Vec::with_capacity(order.len());
+        for key in order.iter().copied() {
+            match self.reenter_write(key, owner, hold, true).await? {
+                None => fresh.push(key),
+                Some((KeyAnswer::Held { .. }, writer)) => {
+                    taken.rewritten.push((key.to_owned(), writer));
+                }
+                // Cannot tell now, or a release is giving it back: not this call's to count on.
+                Some((answer, _)) => {
+                    taken.give_back().await;
+                    let not_taken = KeysAnswer::NotTaken {
+                        key: key.to_owned(),
+                        answer,
+                    };
+                    return Ok((not_taken, Vec::new()));
+                }
+            }
+        }
         let _waiting = super::Waiting::new(&self.inner.waiting);
-        let taken = match self
-            .take_writes(&order, deadline, hold, Taken::new(self, owner))
-            .await?
-        {
+        let taken = match self.take_writes(&fresh, deadline, hold, taken).await? {
             Writes::Taken(taken) => taken,
             Writes::Refused { key, answer } => {
                 return Ok((KeysAnswer::NotTaken { key, answer }, Vec::new()));
@@ -308,7 +359,11 @@ impl KeyedFamily {
         // Each key's write lock is read back, every part held as it was taken.
         let mut writers = Vec::with_capacity(order.len());
         for key in order.iter().copied() {
-            let writer = Self::writer_from(&taken, key, owner);
+            let rewritten = taken.rewritten.iter().find(|(k, _)| k == key);
+            let writer = match rewritten {
+                Some((_, writer)) => writer.clone(),
+                None => Self::writer_from(&taken, key, owner),
+            };
             let answer = self.parts_answer(key, &writer);
             if !matches!(answer, KeyAnswer::Held { .. }) {
                 taken.give_back().await;
@@ -318,27 +373,29 @@ impl KeyedFamily {
                 };
                 return Ok((not_taken, Vec::new()));
             }
-            writers.push((key, writer, answer));
+            writers.push((key, writer, answer, rewritten.is_some()));
         }
-        for (key, writer, _) in &writers {
-            self.register_writer(key, writer);
+        for (key, writer, _, rewritten) in &writers {
+            if !rewritten {
+                self.register_writer(key, writer);
+            }
         }
         taken.keep();
         let mut holdings = Vec::with_capacity(writers.len());
         let mut answers = Vec::with_capacity(writers.len());
-        for (key, writer, answer) in writers {
+        for (key, writer, answer, _) in writers {
             holdings.push(WriteHolding::new(self, key, writer));
             answers.push((key.to_owned(), answer));
         }
         Ok((KeysAnswer::Held(in_asked_order(keys, answers)), holdings))
     }
 
-    /// A 400 when `owner` writes one of `keys`: a write lock is not acquired again among
-    /// several keys, since giving it back would have to undo a count on every part.
+    /// A 400 when `owner` writes one of `keys` it asks to read: a read among several keys
+    /// does not stand for a write lock taken again (`mode=write` acquires it again).
     fn refuse_written(&self, keys: &[String], owner: &str) -> Result<(), KeyError> {
         match keys.iter().find(|key| self.writes(key, owner)) {
             Some(key) => Err(KeyError::BadMode(format!(
-                "{owner} writes {key:?}: a write lock is not taken again among several keys"
+                "{owner} writes {key:?}: acquire it again among several keys with mode=write"
             ))),
             None => Ok(()),
         }
@@ -354,7 +411,7 @@ impl KeyedFamily {
     pub(super) async fn take_keeping<T>(
         &self,
         take: impl std::future::Future<Output = Result<T, KeyError>>,
-        taken: &[(String, Taking)],
+        taken: &Taken,
         kept: &std::sync::Mutex<Instant>,
         ahead: Ahead<'_>,
         owner: &str,
@@ -362,14 +419,14 @@ impl KeyedFamily {
     ) -> Result<T, KeyError> {
         // Beside the take, never in its stead: the take runs the key's engine.
         let keep_alive = async {
-            if taken.is_empty() {
+            if taken.kept_alive().next().is_none() {
                 return std::future::pending::<()>().await;
             }
             let gap = (hold / 3).max(MIN_EXTEND_GAP);
             loop {
                 let last = *kept.lock().unwrap_or_else(|e| e.into_inner());
                 tokio::time::sleep_until(last + gap).await;
-                for (key, taking) in taken {
+                for (key, taking) in taken.kept_alive() {
                     // A key lost meanwhile is found when every key is read back.
                     let held = Some((taking.permit, taking.token));
                     let _ = self.extend_held(key, owner, hold, held).await;
