@@ -168,6 +168,8 @@ struct Log {
     reentries: usize,
     /// Acquisitions of several keys answered 200.
     several: usize,
+    /// Write locks acquired again among two keys, answered 200.
+    written_again: usize,
     /// Refused acquisitions of several keys that left their owner holding some key.
     partials: Vec<String>,
     /// When each fault began and ended.
@@ -190,6 +192,8 @@ pub struct Report {
     pub hang_ups: usize,
     /// Acquisitions of several keys at once that were granted.
     pub several: usize,
+    /// Write locks acquired again among two keys at once, granted.
+    pub written_again: usize,
     /// Writers' holdings granted (of a read-write family).
     pub writes: usize,
     pub faults: BTreeMap<&'static str, usize>,
@@ -203,8 +207,8 @@ impl Report {
             self.target,
             if self.writes > 0 {
                 format!(
-                    "keyed, {} permits, {} writes ({} of two keys)",
-                    self.permits, self.writes, self.several
+                    "keyed, {} permits, {} writes ({} of two keys, {} again among two)",
+                    self.permits, self.writes, self.several, self.written_again
                 )
             } else if self.permits > 1 {
                 format!("keyed, {} permits", self.permits)
@@ -412,7 +416,11 @@ fn worker(
         log.lock().unwrap().samples.push(sample);
         let mut holds = 1;
         let roll = rng.random_range(0..100);
-        if roll < REENTRIES {
+        if roll < REENTRIES && mode.ends_with("write") && rng.random_bool(0.5) {
+            let short = Duration::from_millis(rng.random_range(SHORT_HOLD_MS));
+            let first = (key, owner.as_str());
+            written_again_among_two(target, &family, shape, first, short, &mut rng, &log);
+        } else if roll < REENTRIES {
             let short = Duration::from_millis(rng.random_range(SHORT_HOLD_MS));
             let sent = Instant::now();
             let again = http(
@@ -463,6 +471,66 @@ fn worker(
         }
         release(target, &path, owner, holds, &log);
     }
+}
+
+/// A writer of `key` writes it again among two keys at once (`acquire?keys=...&mode=write`,
+/// with a hold of `short`): on a 200, both keys are logged as held and released together once,
+/// which leaves the first acquisition of `key`, asked about afterwards as before; on any other
+/// answer, the owner must not hold the other key.
+fn written_again_among_two(
+    target: SocketAddr,
+    family: &str,
+    shape: Shape,
+    (key, owner): (usize, &str),
+    short: Duration,
+    rng: &mut StdRng,
+    log: &Mutex<Log>,
+) {
+    let other = (key + rng.random_range(1..shape.keys)) % shape.keys;
+    let names = format!("k{key},k{other}");
+    let sent = Instant::now();
+    let answer = http(
+        target,
+        "POST",
+        &format!(
+            "/locks/{family}/acquire?keys={names}&owner={owner}&wait={}ms&hold={}ms&mode=write",
+            WAIT.as_millis(),
+            short.as_millis()
+        ),
+    );
+    let received = Instant::now();
+    let Ok(reply) = answer else {
+        return;
+    };
+    if reply.status != 200 {
+        let path = format!("/locks/{family}/keys/k{other}?owner={owner}");
+        if let Ok(asked) = http(target, "GET", &path)
+            && asked.status == 200
+        {
+            log.lock().unwrap().partials.push(format!(
+                "{owner} was answered {} writing {names} again, but holds k{other}: {}",
+                reply.status, asked.body
+            ));
+        }
+        return;
+    }
+    let Ok(body) = serde_json::from_str::<serde_json::Value>(&reply.body) else {
+        return;
+    };
+    let answered = body["keys"].as_array().cloned().unwrap_or_default();
+    {
+        let mut log = log.lock().unwrap();
+        log.reentries += 1;
+        log.written_again += 1;
+        for (key, answer) in [key, other].into_iter().zip(&answered) {
+            let claim = claim_of(&answer.to_string());
+            log.samples
+                .push(Sample::of(key, owner, sent, received, claim));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(rng.random_range(WORK_PAUSE_MS)));
+    let release = format!("/locks/{family}/release?keys={names}&");
+    release_with(target, &release, owner.to_owned(), 1, log);
 }
 
 /// One acquisition of two to `shape.at_once` random keys at once, all or nothing (`mode`, as
@@ -711,6 +779,7 @@ fn analyse(log: &Log, began: Instant, permits: u32, report: &mut Report) {
     report.reentries = log.reentries;
     report.hang_ups = log.hang_ups.len();
     report.several = log.several;
+    report.written_again = log.written_again;
     report.violations.extend(log.partials.iter().cloned());
     let released: BTreeMap<&str, Instant> = log
         .endings

@@ -46,6 +46,12 @@ fn check_read_write(target: Target) {
         report.several,
         report.summary()
     );
+    assert!(
+        report.written_again >= 3,
+        "only {} write locks acquired again among two keys: {}",
+        report.written_again,
+        report.summary()
+    );
     check_common(report);
 }
 
