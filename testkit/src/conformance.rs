@@ -2575,6 +2575,50 @@ pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
         KeyRelease::Released { holds: 0 }
     );
 
+    // While the call waits for another key, the write lock it acquired again is kept past
+    // both holds; a call dropped midway (its client hung up) gives back what it added.
+    let short = Duration::from_secs(2);
+    let KeyAnswer::Held { token: z10, .. } = a.acquire_write("z", "w10", NOW, short).await.unwrap()
+    else {
+        panic!("w10 could not write z");
+    };
+    b.acquire_read("m", "r10", NOW, HOLD).await.unwrap();
+    let waiting = {
+        let (a, keys) = (a.clone(), keys(&["z", "m"]));
+        tokio::spawn(async move { a.acquire_all_write(&keys, "w10", 5 * short, short).await })
+    };
+    sleep(short + Duration::from_secs(1)).await;
+    if waiting.is_finished() {
+        panic!("w10 did not wait for m's reader: {:?}", waiting.await);
+    }
+    assert_eq!(holds(&a, "z", "w10"), (2, z10), "z while w10 waits for m");
+    b.release("m", "r10").await.unwrap();
+    let w10 = written(waiting.await.expect("w10").unwrap());
+    assert_eq!(token(&w10, "z"), z10);
+    a.release_all(&keys(&["z", "m"]), "w10").await.unwrap();
+    a.release("z", "w10").await.unwrap();
+
+    let KeyAnswer::Held { token: z11, .. } = a.acquire_write("z", "w11", NOW, HOLD).await.unwrap()
+    else {
+        panic!("w11 could not write z");
+    };
+    b.acquire_read("m", "r11", NOW, HOLD).await.unwrap();
+    let waiting = {
+        let (a, keys) = (a.clone(), keys(&["z", "m"]));
+        tokio::spawn(async move { a.acquire_all_write(&keys, "w11", LEASE + SLACK, HOLD).await })
+    };
+    let family = &a;
+    let counted = move |holds: u32| move || matches!(family.status("z", Some("w11")), Ok(KeyAnswer::Held { holds: h, .. }) if h == holds);
+    eventually(SLACK, "w11 acquires z again", counted(2)).await;
+    waiting.abort();
+    eventually(SLACK, "the dropped call gives z back", counted(1)).await;
+    assert_eq!(holds(&a, "z", "w11"), (1, z11));
+    b.release("m", "r11").await.unwrap();
+    assert_eq!(
+        a.release("z", "w11").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+
     // A write lock lost in part (a force-release of one part) is given back whole, and its
     // owner then writes the key among several afresh.
     let KeyAnswer::Held {

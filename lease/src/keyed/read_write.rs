@@ -591,7 +591,8 @@ impl KeyedFamily {
     /// Every part is acquired once more, or none: a part that cannot be (its engine cannot
     /// tell, a moment) gives back the parts acquired, and the answer is `Unknown`. Uneven
     /// counts would let one release free the gate while the permits are still held for
-    /// another acquisition of the owner.
+    /// another acquisition of the owner. A write lock acquired again whose answer then cannot
+    /// tell is given back once too: its owner, answered `Unknown`, will not release it.
     pub(super) async fn reenter_write(
         &self,
         key: &str,
@@ -620,7 +621,7 @@ impl KeyedFamily {
         // On a task of its own, so that a client hanging up cannot leave some parts acquired
         // once more than others.
         let (family, key_owned, held) = (self.clone(), key.to_owned(), writer.clone());
-        let even = tokio::spawn(async move {
+        let answer = tokio::spawn(async move {
             let mut counted = Vec::with_capacity(held.parts.len());
             for part in &held.parts {
                 let Some(holding) = family.holding_on(&key_owned, part.permit, &held.owner) else {
@@ -634,7 +635,16 @@ impl KeyedFamily {
                 }
             }
             if counted.len() == held.parts.len() {
-                return true;
+                let answer = family.write_answer(&key_owned, &held);
+                // Acquired again but not to be answered held (a part cannot tell, or was lost):
+                // given back, since its owner, not told it holds, will not release it.
+                if matches!(answer, KeyAnswer::Unknown)
+                    && let Err(e) = family.release_write(&key_owned, &held).await
+                {
+                    tracing::debug!(family = family.name(), key = key_owned, error = %e, "a write lock acquired again was not given back; it ends whole");
+                    family.end_write(&key_owned, &held).await;
+                }
+                return answer;
             }
             for (holding, token) in counted {
                 if let Err(e) = holding.lock.release_if(super::own_permit(token)).await {
@@ -643,16 +653,14 @@ impl KeyedFamily {
                     break;
                 }
             }
-            false
+            // Not acquired again: not held, or held as before this call, which cannot say so.
+            match family.write_answer(&key_owned, &held) {
+                KeyAnswer::NotHeld => KeyAnswer::NotHeld,
+                _ => KeyAnswer::Unknown,
+            }
         })
         .await
-        .unwrap_or(false);
-        let answer = match (even, self.write_answer(key, &writer)) {
-            (true, answer) => answer,
-            // Not acquired again: not held, or held as before this call, which cannot say so.
-            (false, KeyAnswer::NotHeld) => KeyAnswer::NotHeld,
-            (false, _) => KeyAnswer::Unknown,
-        };
+        .unwrap_or(KeyAnswer::Unknown);
         Ok(Some((answer, writer)))
     }
 

@@ -15,12 +15,11 @@
 //! A key the owner holds before the call is outside the order: an owner holding `y` that asks
 //! for `x,y` can wait on `x` for another owner that waits on `y`, until one of the waits ends.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
-
-use std::sync::Arc;
 
 use super::read_write::{WriteHolding, Writer, Writes};
 use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, check_owner};
@@ -310,45 +309,28 @@ impl KeyedFamily {
         self.check_read_write()?;
         // Bad input first, so that a 400 changes nothing.
         for key in &order {
-            if self.writer_of(key, Some(owner)).is_some() {
-                continue;
-            }
-            self.refuse_upgrade(key, owner)?;
-            // Its gate is still held: another acquisition of the owner's is writing the key, or
-            // an ended write lock's gate is not given back yet.
-            if self
-                .holding_on(key, super::read_write::GATE, owner)
-                .is_some()
-            {
-                return Err(KeyError::BadMode(format!(
-                    "{owner} is taking {key:?} to write already"
-                )));
+            if self.writer_of(key, Some(owner)).is_none() {
+                self.check_fresh_write(key, owner)?;
             }
         }
         let deadline = Instant::now() + wait;
-        let mut taken = Taken::new(self, owner);
         // The owner's write locks are acquired again first: that never waits, and should a
-        // later key be refused, one release of each gives back what this call added. A write
-        // lock of the owner's that has ended whole is given back by `reenter_write`, and its key
-        // taken afresh in its turn, as a write of one key does.
-        let mut fresh = Vec::with_capacity(order.len());
-        for key in order.iter().copied() {
-            match self.reenter_write(key, owner, hold, true).await? {
-                None => fresh.push(key),
-                Some((KeyAnswer::Held { .. }, writer)) => {
-                    taken.rewritten.push((key.to_owned(), writer));
-                }
-                // Cannot tell now, or a release is giving it back: not this call's to count on.
-                Some((answer, _)) => {
-                    taken.give_back().await;
-                    let not_taken = KeysAnswer::NotTaken {
-                        key: key.to_owned(),
-                        answer,
-                    };
-                    return Ok((not_taken, Vec::new()));
-                }
-            }
-        }
+        // later key be refused, one release of each gives back what this call added. On a task
+        // of its own, whose `Taken` gives them back should the client hang up meanwhile.
+        let reentering = {
+            let (family, owner) = (self.clone(), owner.to_owned());
+            let order: Vec<String> = order.iter().map(|key| (*key).to_owned()).collect();
+            tokio::spawn(async move { family.reenter_writes(&order, &owner, hold).await })
+        };
+        let (taken, fresh) = match reentering.await.map_err(|e| {
+            KeyError::Lock(crate::Error::Backend(format!(
+                "an acquisition stopped: {e}"
+            )))
+        })?? {
+            Ok(reentered) => reentered,
+            Err(not_taken) => return Ok((not_taken, Vec::new())),
+        };
+        let fresh: Vec<&str> = fresh.iter().map(String::as_str).collect();
         let _waiting = super::Waiting::new(&self.inner.waiting);
         let taken = match self.take_writes(&fresh, deadline, hold, taken).await? {
             Writes::Taken(taken) => taken,
@@ -388,6 +370,58 @@ impl KeyedFamily {
             answers.push((key.to_owned(), answer));
         }
         Ok((KeysAnswer::Held(in_asked_order(keys, answers)), holdings))
+    }
+
+    /// Acquire again each write lock `owner` holds among `keys` (in their canonical order),
+    /// every part once more, for an acquisition of several keys to write: the acquisition's
+    /// `Taken` with them, and the keys to take afresh. A write lock of the owner's that has
+    /// ended whole is given back by [`KeyedFamily::reenter_write`], and its key taken afresh, as
+    /// a write of one key does; one that cannot tell now, or that a release is giving back,
+    /// refuses the acquisition (what was acquired again is given back first).
+    async fn reenter_writes(
+        &self,
+        order: &[String],
+        owner: &str,
+        hold: Duration,
+    ) -> Result<Result<(Taken, Vec<String>), KeysAnswer>, KeyError> {
+        let mut taken = Taken::new(self, owner);
+        let mut fresh = Vec::with_capacity(order.len());
+        for key in order {
+            match self.reenter_write(key, owner, hold, true).await? {
+                None => {
+                    // Checked again: the write lock may have ended since the call's checks.
+                    self.check_fresh_write(key, owner)?;
+                    fresh.push(key.clone());
+                }
+                Some((KeyAnswer::Held { .. }, writer)) => {
+                    taken.rewritten.push((key.clone(), writer));
+                }
+                Some((answer, _)) => {
+                    taken.give_back().await;
+                    return Ok(Err(KeysAnswer::NotTaken {
+                        key: key.clone(),
+                        answer,
+                    }));
+                }
+            }
+        }
+        Ok(Ok((taken, fresh)))
+    }
+
+    /// A 400 when `owner` may not take `key`'s write lock afresh: it reads the key (no
+    /// upgrade), or the key's gate is still its own (another acquisition of the owner's is
+    /// writing the key, or an ended write lock's gate is not given back yet).
+    fn check_fresh_write(&self, key: &str, owner: &str) -> Result<(), KeyError> {
+        self.refuse_upgrade(key, owner)?;
+        if self
+            .holding_on(key, super::read_write::GATE, owner)
+            .is_some()
+        {
+            return Err(KeyError::BadMode(format!(
+                "{owner} is taking {key:?} to write already"
+            )));
+        }
+        Ok(())
     }
 
     /// A 400 when `owner` writes one of `keys` it asks to read: a read among several keys
