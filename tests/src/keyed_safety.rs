@@ -473,6 +473,27 @@ fn worker(
     }
 }
 
+/// Log each key of a 200 answer for several keys (`keys`, in the order asked) as held by
+/// `owner`, with the answer's token and validity for it; asked at `sent`, answered at
+/// `received`.
+fn keys_held(
+    log: &mut Log,
+    body: &str,
+    keys: &[usize],
+    owner: &str,
+    (sent, received): (Instant, Instant),
+) {
+    let Ok(body) = serde_json::from_str::<serde_json::Value>(body) else {
+        return;
+    };
+    let answered = body["keys"].as_array().into_iter().flatten();
+    for (&key, answer) in keys.iter().zip(answered) {
+        let claim = claim_of(&answer.to_string());
+        log.samples
+            .push(Sample::of(key, owner, sent, received, claim));
+    }
+}
+
 /// A writer of `key` writes it again among two keys at once (`acquire?keys=...&mode=write`,
 /// with a hold of `short`): on a 200, both keys are logged as held and released together once,
 /// which leaves the first acquisition of `key`, asked about afterwards as before; on any other
@@ -514,19 +535,17 @@ fn written_again_among_two(
         }
         return;
     }
-    let Ok(body) = serde_json::from_str::<serde_json::Value>(&reply.body) else {
-        return;
-    };
-    let answered = body["keys"].as_array().cloned().unwrap_or_default();
     {
         let mut log = log.lock().unwrap();
         log.reentries += 1;
         log.written_again += 1;
-        for (key, answer) in [key, other].into_iter().zip(&answered) {
-            let claim = claim_of(&answer.to_string());
-            log.samples
-                .push(Sample::of(key, owner, sent, received, claim));
-        }
+        keys_held(
+            &mut log,
+            &reply.body,
+            &[key, other],
+            owner,
+            (sent, received),
+        );
     }
     std::thread::sleep(Duration::from_millis(rng.random_range(WORK_PAUSE_MS)));
     let release = format!("/locks/{family}/release?keys={names}&");
@@ -594,18 +613,10 @@ fn several_at_once(
         }
         return;
     }
-    let Ok(body) = serde_json::from_str::<serde_json::Value>(&reply.body) else {
-        return;
-    };
-    let answered = body["keys"].as_array().cloned().unwrap_or_default();
     {
         let mut log = log.lock().unwrap();
         log.several += 1;
-        for (&key, answer) in keys.iter().zip(&answered) {
-            let claim = claim_of(&answer.to_string());
-            log.samples
-                .push(Sample::of(key, &owner, sent, received, claim));
-        }
+        keys_held(&mut log, &reply.body, &keys, &owner, (sent, received));
     }
     for _ in 0..rng.random_range(1..=WORK_POLLS) {
         std::thread::sleep(Duration::from_millis(rng.random_range(WORK_PAUSE_MS)));
