@@ -61,7 +61,7 @@ const PROBE_RETRY: Duration = Duration::from_millis(2);
 /// found gone meanwhile is theirs to settle, not a loss that ends the write lock.
 #[derive(Debug)]
 pub(super) struct Writer {
-    owner: String,
+    pub(super) owner: String,
     pub(super) parts: Vec<Taking>,
     ended: AtomicBool,
     releasing: AtomicUsize,
@@ -619,9 +619,10 @@ impl KeyedFamily {
             return Ok(Some((refused, writer)));
         }
         // On a task of its own, so that a client hanging up cannot leave some parts acquired
-        // once more than others.
+        // once more than others; a write lock acquired again comes back in a `Taken`, which
+        // gives it back should the client have hung up by then.
         let (family, key_owned, held) = (self.clone(), key.to_owned(), writer.clone());
-        let answer = tokio::spawn(async move {
+        let reentered = tokio::spawn(async move {
             let mut counted = Vec::with_capacity(held.parts.len());
             for part in &held.parts {
                 let Some(holding) = family.holding_on(&key_owned, part.permit, &held.owner) else {
@@ -644,7 +645,9 @@ impl KeyedFamily {
                     tracing::debug!(family = family.name(), key = key_owned, error = %e, "a write lock acquired again was not given back; it ends whole");
                     family.end_write(&key_owned, &held).await;
                 }
-                return answer;
+                let given = matches!(answer, KeyAnswer::Held { .. })
+                    .then(|| Taken::rewritten(&family, &key_owned, held.clone()));
+                return (answer, given);
             }
             for (holding, token) in counted {
                 if let Err(e) = holding.lock.release_if(super::own_permit(token)).await {
@@ -655,12 +658,20 @@ impl KeyedFamily {
             }
             // Not acquired again: not held, or held as before this call, which cannot say so.
             match family.write_answer(&key_owned, &held) {
-                KeyAnswer::NotHeld => KeyAnswer::NotHeld,
-                _ => KeyAnswer::Unknown,
+                KeyAnswer::NotHeld => (KeyAnswer::NotHeld, None),
+                _ => (KeyAnswer::Unknown, None),
             }
         })
-        .await
-        .unwrap_or(KeyAnswer::Unknown);
+        .await;
+        let answer = match reentered {
+            Ok((answer, given)) => {
+                if let Some(given) = given {
+                    given.keep();
+                }
+                answer
+            }
+            Err(_) => KeyAnswer::Unknown,
+        };
         Ok(Some((answer, writer)))
     }
 

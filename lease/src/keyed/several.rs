@@ -81,6 +81,14 @@ impl Taken {
         }
     }
 
+    /// `writer`'s write lock of `key`, acquired once more for its owner: given back by one
+    /// release unless kept.
+    pub(super) fn rewritten(family: &KeyedFamily, key: &str, writer: Arc<Writer>) -> Self {
+        let mut taken = Self::new(family, &writer.owner);
+        taken.rewritten.push((key.to_owned(), writer));
+        taken
+    }
+
     /// Every holding the acquisition keeps alive while it waits: the keys it took, and each
     /// part of the write locks it acquired again.
     pub(super) fn kept_alive(&self) -> impl Iterator<Item = (&str, Taking)> {
@@ -387,12 +395,21 @@ impl KeyedFamily {
         let mut taken = Taken::new(self, owner);
         let mut fresh = Vec::with_capacity(order.len());
         for key in order {
-            match self.reenter_write(key, owner, hold, true).await? {
-                None => {
-                    // Checked again: the write lock may have ended since the call's checks.
-                    self.check_fresh_write(key, owner)?;
-                    fresh.push(key.clone());
+            // Checked again: the write lock may have ended since the call's checks. Refused, the
+            // call gives back what it acquired again before it answers.
+            let reentered = match self.reenter_write(key, owner, hold, true).await {
+                Ok(None) => self.check_fresh_write(key, owner).map(|()| None),
+                other => other,
+            };
+            let reentered = match reentered {
+                Ok(reentered) => reentered,
+                Err(e) => {
+                    taken.give_back().await;
+                    return Err(e);
                 }
+            };
+            match reentered {
+                None => fresh.push(key.clone()),
                 Some((KeyAnswer::Held { .. }, writer)) => {
                     taken.rewritten.push((key.clone(), writer));
                 }
