@@ -323,22 +323,11 @@ impl KeyedFamily {
         }
         let deadline = Instant::now() + wait;
         // The owner's write locks are acquired again first: that never waits, and should a
-        // later key be refused, one release of each gives back what this call added. On a task
-        // of its own, whose `Taken` gives them back should the client hang up meanwhile.
-        let reentering = {
-            let (family, owner) = (self.clone(), owner.to_owned());
-            let order: Vec<String> = order.iter().map(|key| (*key).to_owned()).collect();
-            tokio::spawn(async move { family.reenter_writes(&order, &owner, hold).await })
-        };
-        let (taken, fresh) = match reentering.await.map_err(|e| {
-            KeyError::Lock(crate::Error::Backend(format!(
-                "an acquisition stopped: {e}"
-            )))
-        })?? {
+        // later key be refused, one release of each gives back what this call added.
+        let (taken, fresh) = match self.reenter_writes(&order, owner, hold).await? {
             Ok(reentered) => reentered,
             Err(not_taken) => return Ok((not_taken, Vec::new())),
         };
-        let fresh: Vec<&str> = fresh.iter().map(String::as_str).collect();
         let _waiting = super::Waiting::new(&self.inner.waiting);
         let taken = match self.take_writes(&fresh, deadline, hold, taken).await? {
             Writes::Taken(taken) => taken,
@@ -385,16 +374,18 @@ impl KeyedFamily {
     /// `Taken` with them, and the keys to take afresh. A write lock of the owner's that has
     /// ended whole is given back by [`KeyedFamily::reenter_write`], and its key taken afresh, as
     /// a write of one key does; one that cannot tell now, or that a release is giving back,
-    /// refuses the acquisition (what was acquired again is given back first).
-    async fn reenter_writes(
+    /// refuses the acquisition (what was acquired again is given back first). A client hanging
+    /// up meanwhile drops the `Taken`, which gives back what it holds; a re-entry still under
+    /// way comes back from its task in a `Taken` of its own, given back unclaimed.
+    async fn reenter_writes<'k>(
         &self,
-        order: &[String],
+        order: &[&'k str],
         owner: &str,
         hold: Duration,
-    ) -> Result<Result<(Taken, Vec<String>), KeysAnswer>, KeyError> {
+    ) -> Result<Result<(Taken, Vec<&'k str>), KeysAnswer>, KeyError> {
         let mut taken = Taken::new(self, owner);
         let mut fresh = Vec::with_capacity(order.len());
-        for key in order {
+        for &key in order {
             // Checked again: the write lock may have ended since the call's checks. Refused, the
             // call gives back what it acquired again before it answers.
             let reentered = match self.reenter_write(key, owner, hold, true).await {
@@ -409,14 +400,14 @@ impl KeyedFamily {
                 }
             };
             match reentered {
-                None => fresh.push(key.clone()),
+                None => fresh.push(key),
                 Some((KeyAnswer::Held { .. }, writer)) => {
-                    taken.rewritten.push((key.clone(), writer));
+                    taken.rewritten.push((key.to_owned(), writer));
                 }
                 Some((answer, _)) => {
                     taken.give_back().await;
                     return Ok(Err(KeysAnswer::NotTaken {
-                        key: key.clone(),
+                        key: key.to_owned(),
                         answer,
                     }));
                 }
