@@ -473,6 +473,29 @@ fn worker(
     }
 }
 
+/// After an answer `status` other than 200 to `owner`'s acquisition of the keys `names`, log
+/// each of `keys` that the owner holds nonetheless, as the sidecar answers about it.
+fn none_held(
+    target: SocketAddr,
+    family: &str,
+    owner: &str,
+    (keys, names): (&[usize], &str),
+    status: u16,
+    log: &Mutex<Log>,
+) {
+    for &key in keys {
+        let path = format!("/locks/{family}/keys/k{key}?owner={owner}");
+        if let Ok(asked) = http(target, "GET", &path)
+            && asked.status == 200
+        {
+            log.lock().unwrap().partials.push(format!(
+                "{owner} was answered {status} for keys {names}, but holds k{key}: {}",
+                asked.body
+            ));
+        }
+    }
+}
+
 /// Log each key of a 200 answer for several keys (`keys`, in the order asked) as held by
 /// `owner`, with the answer's token and validity for it; asked at `sent`, answered at
 /// `received`.
@@ -524,15 +547,8 @@ fn written_again_among_two(
         return;
     };
     if reply.status != 200 {
-        let path = format!("/locks/{family}/keys/k{other}?owner={owner}");
-        if let Ok(asked) = http(target, "GET", &path)
-            && asked.status == 200
-        {
-            log.lock().unwrap().partials.push(format!(
-                "{owner} was answered {} writing {names} again, but holds k{other}: {}",
-                reply.status, asked.body
-            ));
-        }
+        // Its first acquisition of `key` is its own to keep.
+        none_held(target, family, owner, (&[other], &names), reply.status, log);
         return;
     }
     {
@@ -598,16 +614,7 @@ fn several_at_once(
     if reply.status != 200 {
         // Refused, or cannot tell: whatever was taken on the way was given back before the
         // answer, so the owner holds none of the keys.
-        for &key in &keys {
-            if let Ok(asked) = http(target, "GET", &format!("{}?owner={owner}", key_path(key)))
-                && asked.status == 200
-            {
-                log.lock().unwrap().partials.push(format!(
-                    "{owner} was answered {} for keys {names}, but holds k{key}: {}",
-                    reply.status, asked.body
-                ));
-            }
-        }
+        none_held(target, family, &owner, (&keys, &names), reply.status, log);
         if reply.status != 409 {
             std::thread::sleep(Duration::from_millis(20));
         }
