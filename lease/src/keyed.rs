@@ -1419,6 +1419,13 @@ pub fn lock_permit_name(lock: &str, permit: u32) -> String {
     }
 }
 
+/// The backend lock name of the line that the processes waiting for a plain lock `lock` of
+/// several permits stand in on a backend that keeps a queue: the hashed name a family called
+/// `lock` would give the key `#q`, which no key, and no permit, has.
+pub fn lock_line_name(lock: &str) -> String {
+    hashed_name(lock, "#q")
+}
+
 /// `FAMILY.keys.KEY` for a plain lowercase key that keeps the name valid everywhere, else
 /// `FAMILY.keyh.` and the key's hash.
 fn backend_name(family: &str, key: &str) -> String {

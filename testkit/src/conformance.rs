@@ -2691,6 +2691,146 @@ pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
     }
 }
 
+/// The processes waiting for a lock of several permits each get a permit as permits are given
+/// up. Where the backend keeps a queue (etcd, ZooKeeper) they are served first come first
+/// served: the first in line takes the next permit given up, before a newcomer that asks right
+/// after the release and before the processes waiting behind it; once nobody waits, nothing of
+/// the line stands in the backend.
+pub async fn lock_permits_waiters_are_served_in_order(h: &mut dyn Harness) {
+    const PERMITS: u32 = 2;
+    const HOLD: Duration = Duration::from_secs(60);
+    const WAIT: Duration = Duration::from_secs(60);
+    let lock = unique_lock("semaphore-line");
+    let pod = |driver: Arc<dyn Backend>, identity: &str| {
+        let config = LockConfig {
+            permits: PERMITS,
+            ..config(&lock, identity, Mode::OnDemand)
+        };
+        Lock::start(driver, config, Arc::new(())).expect("start lock")
+    };
+    let permit_name = |permit| leasehold_lease::keyed::lock_permit_name(&lock, permit);
+    let line = leasehold_lease::keyed::lock_line_name(&lock);
+    let held = |who: &str, answer: Answer| {
+        answer
+            .holding()
+            .unwrap_or_else(|| panic!("{who} does not hold: {answer:?}"))
+    };
+    let waiter = |pod: &Lock| {
+        let pod = pod.clone();
+        tokio::spawn(async move { pod.acquire(WAIT, HOLD).await })
+    };
+    // The attempts at every permit by `identity` that the backend has answered, at least
+    // `rounds` each: a waiter's place stands in a permit's queue once its attempt there is.
+    let tried = |faulty: &FaultyDriver, identity: &str, rounds| {
+        (0..PERMITS).all(|permit| faulty.answered(&permit_name(permit), identity) >= rounds)
+    };
+    let (f1, f2, f3) = (
+        FaultyDriver::wrap(h.driver().await),
+        FaultyDriver::wrap(h.driver().await),
+        FaultyDriver::wrap(h.driver().await),
+    );
+    let in_order = f1.keeps_queue();
+    // On a queue backend, the first in line has tried each permit twice: once on its own, once
+    // first in line, keeping its places.
+    let first_rounds = if in_order { 2 } else { 1 };
+    let (a, b) = (
+        pod(h.driver().await, "pod-a"),
+        pod(h.driver().await, "pod-b"),
+    );
+    let (pa, _) = held("pod-a", a.acquire(Duration::ZERO, HOLD).await.unwrap());
+    let (pb, _) = held("pod-b", b.acquire(Duration::ZERO, HOLD).await.unwrap());
+    assert_ne!(pa, pb, "two holders on one permit");
+
+    let w1_pod = pod(f1.clone(), "pod-w1");
+    let w1 = waiter(&w1_pod);
+    eventually(WAIT, "w1 waits, having tried every permit", || {
+        tried(&f1, "pod-w1", first_rounds)
+    })
+    .await;
+    if in_order {
+        assert!(f1.answered(&line, "pod-w1") >= 1, "w1 stands in line");
+    }
+    // w1's calls held back while pod-a gives its permit up and a newcomer asks: only the place
+    // w1 keeps in the backend can refuse the newcomer.
+    f1.delay_requests(Duration::from_millis(500));
+    assert!(a.release().await.unwrap());
+    let newcomer_pod = pod(h.driver().await, "pod-n");
+    let newcomer = newcomer_pod.acquire(Duration::ZERO, HOLD).await.unwrap();
+    f1.delay_requests(Duration::ZERO);
+    if in_order {
+        assert!(
+            !newcomer.is_holder(),
+            "a newcomer took the permit w1 waits for: {newcomer:?}"
+        );
+    } else if newcomer.is_holder() {
+        assert!(newcomer_pod.release().await.unwrap());
+    }
+    let (w1_permit, _) = held("w1", w1.await.expect("w1").unwrap());
+    if in_order {
+        assert_eq!(w1_permit, pa, "w1 takes the permit given up");
+    }
+
+    // w2 waits first in line, then w3 lines up behind it.
+    let w2_pod = pod(f2.clone(), "pod-w2");
+    let w2 = waiter(&w2_pod);
+    eventually(WAIT, "w2 waits, having tried every permit", || {
+        tried(&f2, "pod-w2", first_rounds)
+    })
+    .await;
+    let w3_pod = pod(f3.clone(), "pod-w3");
+    let w3 = waiter(&w3_pod);
+    eventually(WAIT, "w3 waits, having tried every permit", || {
+        tried(&f3, "pod-w3", 1)
+    })
+    .await;
+    if in_order {
+        eventually(WAIT, "w3 stands in line", || {
+            f3.answered(&line, "pod-w3") >= 1
+        })
+        .await;
+        // Behind w2, w3 tries no permit.
+        let tries = |p| f3.answered(&permit_name(p), "pod-w3");
+        let before = (tries(0), tries(1));
+        sleep(2 * RENEW).await;
+        assert_eq!((tries(0), tries(1)), before, "w3 tried a permit behind w2");
+    }
+    assert!(b.release().await.unwrap());
+    let (w2_permit, w3_permit) = if in_order {
+        let (w2_permit, _) = held("w2", w2.await.expect("w2").unwrap());
+        assert_eq!(w2_permit, pb, "w2 takes the permit given up");
+        assert!(!w3.is_finished(), "w3 was served beside w2");
+        assert!(w1_pod.release().await.unwrap());
+        let (w3_permit, _) = held("w3", w3.await.expect("w3").unwrap());
+        assert_eq!(w3_permit, w1_permit, "w3 takes w1's permit");
+        (w2_permit, w3_permit)
+    } else {
+        assert!(w1_pod.release().await.unwrap());
+        let (w2_permit, _) = held("w2", w2.await.expect("w2").unwrap());
+        let (w3_permit, _) = held("w3", w3.await.expect("w3").unwrap());
+        (w2_permit, w3_permit)
+    };
+    assert_ne!(w2_permit, w3_permit, "w2 and w3 on one permit");
+    assert!(w2_pod.release().await.unwrap());
+    assert!(w3_pod.release().await.unwrap());
+    // Nobody waits now: no place of the line's stands in a permit's queue, where it would
+    // refuse fresh pods.
+    let freed = Instant::now();
+    for identity in ["pod-e1", "pod-e2"] {
+        let fresh = pod(h.driver().await, identity);
+        loop {
+            let answer = fresh.acquire(Duration::ZERO, HOLD).await.unwrap();
+            if answer.is_holder() {
+                break;
+            }
+            assert!(
+                freed.elapsed() < SLACK,
+                "{identity}, every permit free: {answer:?}"
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -2714,7 +2854,8 @@ macro_rules! conformance_suite {
             keyed_several_keys_all_or_nothing,
             keyed_read_write_locks,
             keyed_several_keys_written,
-            lock_permits_admit_that_many_holders
+            lock_permits_admit_that_many_holders,
+            lock_permits_waiters_are_served_in_order
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

@@ -1,6 +1,7 @@
 //! The engine: the task that campaigns, renews, releases and fences one lock.
 
 use super::in_flight::InFlight;
+use super::line::LineTurn;
 use super::lock::{Command, Events, OnUnheld};
 use super::{
     Answer, Event, EventKind, Held, LockConfig, MAX_RETRY_PAUSE, Mode, SHUTDOWN_RELEASE_TIMEOUT,
@@ -39,6 +40,9 @@ pub(super) struct Unheld {
     /// Campaign mode: neither held nor campaigned for until [`super::Lock::come_back`], and why
     /// ([`super::Lock::sit_out`]).
     pub(super) sitting_out: Option<String>,
+    /// Of a lock of several permits on a backend that keeps a queue, this process's turn in the
+    /// lock's line while it waits ([`LineTurn`]); left when dropped, so never past the phase.
+    pub(super) line: Option<LineTurn>,
 }
 
 /// The lease this process holds, and what the app holds of it.
@@ -177,6 +181,16 @@ pub(super) enum Flow {
     Stop,
 }
 
+/// Once the turn in line of an engine in `phase` may have moved; never without one.
+async fn line_moved(phase: &mut Phase) {
+    match phase {
+        Phase::Unheld(Unheld {
+            line: Some(line), ..
+        }) => line.moved().await,
+        _ => std::future::pending().await,
+    }
+}
+
 /// Once any of `changes` moves (or its sender is gone).
 async fn any_changed(changes: &mut [watch::Receiver<u64>]) {
     let each = changes.iter_mut().map(|c| Box::pin(c.changed()));
@@ -253,7 +267,7 @@ impl Engine {
     }
 
     pub(super) fn started(&self) {
-        if self.config.single_use {
+        if self.config.single_use || self.config.quiet {
             tracing::debug!(lock = %self.config.name, identity = %self.config.identity,
                 backend = self.backend, "single-use lock started");
         } else {
@@ -307,7 +321,7 @@ impl Engine {
         for waiter in self.waiters.drain(..) {
             let _ = waiter.reply.send(Answer::NotHolder);
         }
-        if self.config.single_use {
+        if self.config.single_use || self.config.quiet {
             tracing::debug!(lock = %self.config.name, "single-use lock stopped");
         } else {
             tracing::info!(lock = %self.config.name, "lock stopped");
@@ -491,7 +505,9 @@ impl Engine {
             reason,
         };
         match kind {
-            EventKind::Acquired | EventKind::Released if self.config.single_use => {
+            EventKind::Acquired | EventKind::Released
+                if self.config.single_use || self.config.quiet =>
+            {
                 tracing::debug!(lock = %event.lock, token, reason, kind = kind.as_str());
             }
             // A token counts per permit: the log names the permit beside it.
@@ -991,6 +1007,13 @@ impl Engine {
             Mode::OnDemand => self.waiters.iter().any(|w| w.deadline > now),
         };
         let permits = self.permits_now();
+        let lines_up = self.lines_up(permits);
+        if !lines_up && let Some(unheld) = self.unheld_mut() {
+            unheld.line = None;
+        }
+        if self.waits_in_line() {
+            return self.wait_in_line().await;
+        }
         let mut changes = if may_wait {
             self.driver.changes(&self.config.name)
         } else {
@@ -1021,6 +1044,7 @@ impl Engine {
             None => self.try_permits().await,
         };
         self.check_enforced_lease();
+        let refused = matches!(outcome, Call::Done(Acquire::Busy(_) | Acquire::Withheld(_)));
         let pause = match outcome {
             Call::Done(Acquire::Acquired(lease)) => {
                 // An attempt that was waited for again, and whose claim ran out meanwhile; or
@@ -1084,10 +1108,20 @@ impl Engine {
         self.expire_waiters().await;
         if !self.wants_lock() {
             // Nobody waits for an unanswered attempt now: it is followed up in the background.
+            // Nor for a turn in line.
             if let Some(unheld) = self.unheld_mut() {
                 unheld.in_flight = None;
+                unheld.line = None;
             }
             return Flow::Continue;
+        }
+        // Refused on every permit: line up, unless in line already.
+        if lines_up && refused && self.unheld_mut().is_some_and(|u| u.line.is_none()) {
+            let names = (0..permits).map(|p| self.config.permit_name(p)).collect();
+            let line = LineTurn::join(&self.driver, &self.config, names, &self.settled);
+            if let Some(unheld) = self.unheld_mut() {
+                unheld.line = line;
+            }
         }
         let wake = Instant::now() + pause;
         let waiter_deadline = self.next_waiter_deadline();
@@ -1102,10 +1136,54 @@ impl Engine {
                 }
             } => {}
             _ = any_changed(&mut other_changes), if !other_changes.is_empty() => {}
+            _ = line_moved(&mut self.phase) => {}
             _ = sleep_until(waiter_deadline.unwrap_or(wake)), if waiter_deadline.is_some() => {}
             _ = sleep_until(wake) => {}
         }
         Flow::Continue
+    }
+
+    /// Whether the processes waiting for the lock line up for its permits ([`LineTurn`]): a
+    /// lock's of several permits, on a backend that keeps a queue. A key's waiters line up in
+    /// its family instead (keyed/line.rs).
+    fn lines_up(&self, permits: u32) -> bool {
+        permits > 1 && !self.config.single_use && self.driver.keeps_queue()
+    }
+
+    /// In line for the permits, behind another process: no attempt until first.
+    fn waits_in_line(&self) -> bool {
+        matches!(&self.phase, Phase::Unheld(Unheld { line: Some(line), in_flight: None, .. })
+            if !line.first())
+    }
+
+    /// Behind another process in the line: wait until first (or for a command, the end of a
+    /// wait, or a poll's time, after which the next step looks again).
+    async fn wait_in_line(&mut self) -> Flow {
+        let leaving = self
+            .unheld_mut()
+            .and_then(|u| u.line.as_mut())
+            .and_then(LineTurn::leave_places);
+        if let Some(leaving) = leaving {
+            leaving.await;
+        }
+        self.expire_waiters().await;
+        if !self.wants_lock() {
+            if let Some(unheld) = self.unheld_mut() {
+                unheld.line = None;
+            }
+            return Flow::Continue;
+        }
+        let wake = self
+            .next_waiter_deadline()
+            .unwrap_or_else(|| Instant::now() + self.poll_pause())
+            .min(Instant::now() + self.poll_pause());
+        tokio::select! {
+            biased;
+            _ = self.shutdown.cancelled() => Flow::Stop,
+            command = self.commands.recv() => self.command(command).await,
+            _ = line_moved(&mut self.phase) => Flow::Continue,
+            _ = sleep_until(wake) => Flow::Continue,
+        }
     }
 
     /// Wait for an acquisition's answer within a renew interval; one unanswered by then is kept
@@ -1134,8 +1212,14 @@ impl Engine {
             outcome,
             Call::Done(Acquire::Busy(_) | Acquire::Withheld(_)) | Call::Failed
         );
+        let lock = self.config.permit_name(permit);
         if self.permits_ever() > 1 && refused {
-            self.leave_queue(&self.config.permit_name(permit)).await;
+            match &mut self.phase {
+                Phase::Unheld(Unheld {
+                    line: Some(line), ..
+                }) if line.first() && line.covers(&lock) => line.kept_a_place(),
+                _ => self.leave_queue(&lock).await,
+            }
         }
         Attempted {
             outcome,
@@ -1223,6 +1307,9 @@ impl Engine {
 
     /// On-demand and not wanted: keep an eye on the holder and on the backend's health.
     pub(super) async fn idle_step(&mut self) -> Flow {
+        if let Some(unheld) = self.unheld_mut() {
+            unheld.line = None;
+        }
         let driver = self.driver.clone();
         let budget = self.config.renew_interval;
         let name = self.config.name.clone();

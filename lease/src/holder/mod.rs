@@ -16,10 +16,12 @@
 //! Its files, by layer: this one holds the public types (the settings, the snapshot and its
 //! answers, the events); `lock` the handle the app holds and the commands it sends; `engine`
 //! the task that campaigns, renews and fences; `in_flight` an acquisition the engine stopped
-//! waiting for, followed to its end.
+//! waiting for, followed to its end; `line` the turn a process waiting for a lock of several
+//! permits takes in the lock's line (etcd, ZooKeeper).
 
 mod engine;
 mod in_flight;
+mod line;
 mod lock;
 
 pub(crate) use engine::jitter;
@@ -100,6 +102,9 @@ pub struct LockConfig {
     /// ([`crate::Driver::abandon`]). A semaphore's first waiter keeps a place on every permit
     /// this way, so that nobody behind it takes a permit first (keyed.rs).
     pub keeps_queue_place: bool,
+    /// Its events and its start and stop are logged at debug level, as a single-use lock's:
+    /// the line a lock of several permits keeps its waiters in (`line`), which no app holds.
+    pub quiet: bool,
     /// How many holders the lock has at once (a semaphore, docs/semaphores.md): each holds one
     /// permit, a lock of its own in the backend ([`LockConfig::permit_name`]). 1 is a mutual
     /// exclusion lock.
@@ -119,6 +124,7 @@ impl LockConfig {
             cooldown: lease_duration,
             single_use: false,
             keeps_queue_place: false,
+            quiet: false,
             permits: 1,
         }
     }
