@@ -92,6 +92,8 @@ pub struct Statements {
     /// Row-lock mode: one seeded row per lock, held `FOR UPDATE` by the holder's transaction.
     pub create_row_table: String,
     pub seed_row: String,
+    /// Row-lock mode: whether a lock's row exists, read without taking or waiting for a lock.
+    pub row_exists: String,
     pub lock_row: String,
     /// Postgres: the whole acquisition. MySQL: the take-over of an existing row.
     pub acquire: String,
@@ -380,6 +382,7 @@ impl Dialect {
                     seed_row: format!(
                         "INSERT INTO {r} (name) VALUES ($1) ON CONFLICT (name) DO NOTHING"
                     ),
+                    row_exists: format!("SELECT 1 FROM {r} WHERE name = $1"),
                     lock_row: format!("SELECT name FROM {r} WHERE name = $1 FOR UPDATE NOWAIT"),
                     acquire: format!(
                         "INSERT INTO {t} AS l (name, holder, token, expires_at) VALUES ($1, $2, 1, {until}) \
@@ -509,6 +512,8 @@ impl Dialect {
                      ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
                 ),
                 seed_row: format!("INSERT IGNORE INTO {r} (name) VALUES (?)"),
+                // A plain SELECT is a consistent read in InnoDB: no lock taken or waited for.
+                row_exists: format!("SELECT 1 FROM {r} WHERE name = ?"),
                 // The row exists (seeded first) and the match is on the primary key, so InnoDB
                 // takes a record lock only: no gap locks, none of their deadlocks.
                 lock_row: format!("SELECT name FROM {r} WHERE name = ? FOR UPDATE NOWAIT"),
@@ -599,6 +604,23 @@ impl Dialect {
                      expires_at = NOW(6) WHERE name = ? AND holder = ? AND token = ?"
                 )),
             },
+        }
+    }
+
+    /// Row-lock mode: the statements that make a contender's seeding of a lock's row wait for
+    /// no lock, and that end that: on MySQL an `INSERT IGNORE` of a row that exists takes a
+    /// shared lock on it for the duplicate check, and so waits while a holder's transaction
+    /// holds the row (`innodb_lock_wait_timeout`, 50 s by default), stalling the contender
+    /// instead of answering that the lock is taken. MariaDB then waits for no lock; MySQL, whose
+    /// least wait is a second, waits that long at most. PostgreSQL's `ON CONFLICT DO NOTHING`
+    /// waits for no lock of a row that exists.
+    pub fn seed_without_waiting(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Dialect::Postgres => None,
+            Dialect::MySql => Some((
+                "SET SESSION innodb_lock_wait_timeout = 0",
+                "SET SESSION innodb_lock_wait_timeout = DEFAULT",
+            )),
         }
     }
 

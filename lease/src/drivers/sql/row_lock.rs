@@ -41,8 +41,6 @@ pub(crate) trait Fence: Sync {
     fn statements(&self) -> &Statements;
     /// The fence's holder, if any.
     fn holder(&self, lock: &str) -> impl Future<Output = Result<Option<Holding>>> + Send;
-    /// Insert the lock's row if absent.
-    fn seed_row(&self, lock: &str) -> impl Future<Output = Result<()>> + Send;
     /// The fence's compare-and-set: the new token, or `None` while someone holds it.
     fn acquire_row(
         &self,
@@ -123,6 +121,28 @@ async fn reap(row: Weak<HeldRow>, mut expires: watch::Receiver<Instant>) {
     }
 }
 
+/// Insert `lock`'s row if absent, on `conn` outside any transaction, waiting for no lock of a
+/// holder's on a row seeded meanwhile ([`Dialect::seed_without_waiting`]): the error then is a
+/// lock that is taken.
+async fn seed_row_on(
+    conn: &mut AnyConnection,
+    driver: &impl Fence,
+    lock: &str,
+) -> std::result::Result<(), sqlx::Error> {
+    let bounded = driver.dialect().seed_without_waiting();
+    if let Some((no_wait, _)) = bounded {
+        conn.execute(no_wait).await?;
+    }
+    let seeded = sqlx::query(&driver.statements().seed_row)
+        .bind(lock)
+        .execute(&mut *conn)
+        .await;
+    if let Some((_, default_wait)) = bounded {
+        conn.execute(default_wait).await?;
+    }
+    seeded.map(|_| ())
+}
+
 enum Locked {
     Held(AnyConnection),
     Taken(AnyConnection),
@@ -199,7 +219,11 @@ impl RowLocks {
                 // locking: seeded again, a few times.
                 Ok(_) if seeded < SEEDINGS => {
                     conn.execute("ROLLBACK").await.map_err(map_err)?;
-                    driver.seed_row(lock).await?;
+                    match seed_row_on(&mut conn, driver, lock).await {
+                        // Seeded meanwhile by a contender that holds it now.
+                        Err(e) if lock_unavailable(&e) => return Ok(Locked::Taken(conn)),
+                        seeding => seeding.map_err(map_err)?,
+                    }
                     seeded += 1;
                 }
                 Ok(_) => {

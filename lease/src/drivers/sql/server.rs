@@ -276,8 +276,18 @@ impl SqlDriver {
         Ok(())
     }
 
-    /// Row-lock mode: insert the lock's row if absent.
+    /// Row-lock mode: insert the lock's row if absent. A row that exists is not inserted again:
+    /// on MySQL the insertion would wait for the lock of a holder's transaction on the row
+    /// ([`Dialect::seed_without_waiting`]), for as long as it holds.
     pub(crate) async fn seed_row(&self, lock: &str) -> Result<()> {
+        let exists = sqlx::query(&self.sql.row_exists)
+            .bind(lock)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(map_err)?;
+        if exists.is_some() {
+            return Ok(());
+        }
         sqlx::query(&self.sql.seed_row)
             .bind(lock)
             .execute(&self.pool)
@@ -762,10 +772,6 @@ impl Fence for SqlDriver {
 
     async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
         Driver::observe(self, lock).await
-    }
-
-    fn seed_row(&self, lock: &str) -> impl Future<Output = Result<()>> + Send {
-        SqlDriver::seed_row(self, lock)
     }
 
     fn acquire_row(
