@@ -132,6 +132,9 @@ pub(super) struct Engine {
     /// How many permits the lock has now, shared with its handle; `None` for a single-use
     /// engine (a key's), whose count never changes: [`LockConfig::permits`].
     pub(super) permits: Option<Arc<super::Permits>>,
+    /// The leaving of the last turn in the lock's line ([`LineTurn::leave`]), which the next
+    /// attempt waits for.
+    pub(super) line_left: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// One acquisition's outcome, and the permit and moment it was sent for.
@@ -640,6 +643,7 @@ impl Engine {
             .checked_sub(renew_interval)
             .map_or(sent, |from| from.min(sent));
         let token = lease.token;
+        self.leave_line();
         self.phase = Phase::Held(HeldLease {
             lease,
             permit,
@@ -865,6 +869,8 @@ impl Engine {
                 if matches!(&self.phase, Phase::Unheld(u) if u.in_flight.is_none()) {
                     self.leave_queue(&self.config.name).await;
                 }
+                // A turn in the line keeps places on the permits of the count it was taken for.
+                self.leave_line();
             }
             Command::Retire { done } => {
                 self.retired = Some(done);
@@ -1007,9 +1013,19 @@ impl Engine {
             Mode::OnDemand => self.waiters.iter().any(|w| w.deadline > now),
         };
         let permits = self.permits_now();
+        // A turn taken for another count of permits keeps places on permits that the count no
+        // longer has, or none on those it gained: left, the next refusal lines up again.
         let lines_up = self.lines_up(permits);
-        if !lines_up && let Some(unheld) = self.unheld_mut() {
-            unheld.line = None;
+        let turn_counts = |u: &Unheld| u.line.as_ref().map(LineTurn::permits);
+        if self
+            .unheld_mut()
+            .and_then(|u| turn_counts(u))
+            .is_some_and(|count| !lines_up || count != permits as usize)
+        {
+            self.leave_line();
+        }
+        if let Some(left) = self.line_left.take() {
+            let _ = left.await;
         }
         if self.waits_in_line() {
             return self.wait_in_line().await;
@@ -1111,8 +1127,8 @@ impl Engine {
             // Nor for a turn in line.
             if let Some(unheld) = self.unheld_mut() {
                 unheld.in_flight = None;
-                unheld.line = None;
             }
+            self.leave_line();
             return Flow::Continue;
         }
         // Refused on every permit: line up, unless in line already.
@@ -1150,6 +1166,15 @@ impl Engine {
         permits > 1 && !self.config.single_use && self.driver.keeps_queue()
     }
 
+    /// Leave the lock's line, if in it ([`LineTurn::leave`]).
+    fn leave_line(&mut self) {
+        let turn = self.unheld_mut().and_then(|u| u.line.take());
+        if let Some(left) = turn.and_then(LineTurn::leave) {
+            // An earlier leaving still running goes on by itself.
+            self.line_left = Some(left);
+        }
+    }
+
     /// In line for the permits, behind another process: no attempt until first.
     fn waits_in_line(&self) -> bool {
         matches!(&self.phase, Phase::Unheld(Unheld { line: Some(line), in_flight: None, .. })
@@ -1168,9 +1193,7 @@ impl Engine {
         }
         self.expire_waiters().await;
         if !self.wants_lock() {
-            if let Some(unheld) = self.unheld_mut() {
-                unheld.line = None;
-            }
+            self.leave_line();
             return Flow::Continue;
         }
         let wake = self
@@ -1307,9 +1330,7 @@ impl Engine {
 
     /// On-demand and not wanted: keep an eye on the holder and on the backend's health.
     pub(super) async fn idle_step(&mut self) -> Flow {
-        if let Some(unheld) = self.unheld_mut() {
-            unheld.line = None;
-        }
+        self.leave_line();
         let driver = self.driver.clone();
         let budget = self.config.renew_interval;
         let name = self.config.name.clone();

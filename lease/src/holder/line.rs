@@ -19,10 +19,11 @@ use tokio_util::sync::DropGuard;
 use super::{Lock, LockConfig, Mode, Snapshot};
 use crate::driver::Driver;
 
-/// This process's turn in a lock's line, from lining up until it is left (dropped).
+/// This process's turn in a lock's line, from lining up until it is left ([`LineTurn::leave`],
+/// or dropped).
 pub(super) struct LineTurn {
-    /// The line's own engine, campaigning for it.
-    line: Lock,
+    /// The line's own engine, campaigning for it; taken when the turn is left.
+    line: Option<Lock>,
     state: watch::Receiver<Snapshot>,
     driver: Arc<dyn Driver>,
     identity: String,
@@ -65,7 +66,7 @@ impl LineTurn {
         };
         Some(Self {
             state: line.watch(),
-            line,
+            line: Some(line),
             driver: driver.clone(),
             identity: config.identity.clone(),
             permits,
@@ -75,9 +76,16 @@ impl LineTurn {
         })
     }
 
-    /// Whether this process stands first in line now: only then does it try the permits.
+    /// Whether this process stands first in line now: only then does it try the permits. The
+    /// line's lease held, not its answer: a renewal that failed once leaves the answer unknown
+    /// while the lease is still the line's, and the places kept must not be left for that.
     pub(super) fn first(&self) -> bool {
-        self.state.borrow().answer().is_holder()
+        self.state.borrow().held.is_some()
+    }
+
+    /// How many permits the turn keeps places in: a turn taken for another count is left.
+    pub(super) fn permits(&self) -> usize {
+        self.permits.len()
     }
 
     /// Resolves when the turn may have moved (the line's state changed).
@@ -121,24 +129,48 @@ async fn leave(driver: Arc<dyn Driver>, identity: String, permits: Vec<String>, 
     futures_util::future::join_all(leaving).await;
 }
 
-/// Leaving: the places in the permits' queues first, so that the next in line does not stand
-/// behind them, then the line; on a task of its own, since the engine goes on at once (it took
-/// a permit, or nobody waits any more). A place where this process holds the permit is not
-/// touched ([`crate::Driver::abandon`]).
-impl Drop for LineTurn {
-    fn drop(&mut self) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.line.stop();
-            return;
-        };
+impl LineTurn {
+    /// Leave: the places in the permits' queues first, so that the next in line does not stand
+    /// behind them, then the line. On a task of its own, since the engine goes on at once (it
+    /// took a permit, or nobody waits any more); the engine's next attempt waits for it, so
+    /// that the leaving cannot take the places of a turn that follows. A place where this
+    /// process holds the permit is not touched ([`crate::Driver::abandon`]).
+    pub(super) fn leave(mut self) -> Option<tokio::task::JoinHandle<()>> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        Some(runtime.spawn(self.leaving()?))
+    }
+
+    fn leaving(&mut self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let line = self.line.take()?;
         let (driver, identity) = (self.driver.clone(), std::mem::take(&mut self.identity));
         let permits = std::mem::take(&mut self.permits);
-        let (line, settled, budget) = (self.line.clone(), self.settled.clone(), self.budget);
-        runtime.spawn(async move {
-            let _settled = settled;
+        let (settled, budget) = (self.settled.clone(), self.budget);
+        Some(async move {
             leave(driver, identity, permits, budget).await;
             line.shutdown().await;
-            line.settled().await;
-        });
+            // The lock settles once the line's engine has, attempts it left in flight included.
+            tokio::spawn(async move {
+                let _settled = settled;
+                line.settled().await;
+            });
+        })
+    }
+}
+
+/// A turn dropped without [`LineTurn::leave`] (its engine dropped) is left all the same.
+impl Drop for LineTurn {
+    fn drop(&mut self) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                if let Some(leaving) = self.leaving() {
+                    runtime.spawn(leaving);
+                }
+            }
+            Err(_) => {
+                if let Some(line) = self.line.take() {
+                    line.stop();
+                }
+            }
+        }
     }
 }

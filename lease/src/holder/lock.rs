@@ -241,6 +241,7 @@ impl Lock {
             retired: None,
             rounds: 0,
             permits: permits.clone(),
+            line_left: None,
         };
         let lock = Self {
             inner: Arc::new(LockInner {
