@@ -1014,18 +1014,24 @@ impl Engine {
         };
         let permits = self.permits_now();
         // A turn taken for another count of permits keeps places on permits that the count no
-        // longer has, or none on those it gained: left, the next refusal lines up again.
+        // longer has, or none on those it gained; one whose line's engine ended never moves:
+        // left, the next refusal lines up again.
         let lines_up = self.lines_up(permits);
-        let turn_counts = |u: &Unheld| u.line.as_ref().map(LineTurn::permits);
+        let stale =
+            |turn: &LineTurn| !lines_up || turn.permits() != permits as usize || turn.ended();
         if self
             .unheld_mut()
-            .and_then(|u| turn_counts(u))
-            .is_some_and(|count| !lines_up || count != permits as usize)
+            .and_then(|u| u.line.as_ref())
+            .is_some_and(stale)
         {
             self.leave_line();
         }
         if let Some(left) = self.line_left.take() {
-            let _ = left.await;
+            tokio::select! {
+                biased;
+                _ = self.shutdown.cancelled() => return Flow::Stop,
+                _ = left => {}
+            }
         }
         if self.waits_in_line() {
             return self.wait_in_line().await;

@@ -88,6 +88,12 @@ impl LineTurn {
         self.permits.len()
     }
 
+    /// Whether the line's engine has ended (only a panic ends it while the turn lasts): such a
+    /// turn never moves again, and is left.
+    pub(super) fn ended(&self) -> bool {
+        self.state.has_changed().is_err()
+    }
+
     /// Resolves when the turn may have moved (the line's state changed).
     pub(super) async fn moved(&mut self) {
         if self.state.changed().await.is_err() {
