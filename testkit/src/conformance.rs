@@ -2743,15 +2743,20 @@ pub async fn lock_permits_waiters_are_served_in_order(h: &mut dyn Harness) {
     let (pb, _) = held("pod-b", b.acquire(SLACK, HOLD).await.unwrap());
     assert_ne!(pa, pb, "two holders on one permit");
 
-    let w1_pod = pod(f1.clone(), "pod-w1");
-    let w1 = waiter(&w1_pod);
-    eventually(WAIT, "w1 waits, having tried every permit", || {
-        tried(&f1, "pod-w1", first_rounds)
-    })
-    .await;
-    if in_order {
-        assert!(f1.answered(&line, "pod-w1") >= 1, "w1 stands in line");
-    }
+    // A pod waiting first in line, through `faulty`: it has tried every permit on its own and,
+    // on a queue backend, again first in line, keeping its places.
+    let first_waiter = async |faulty: &Arc<FaultyDriver>, identity: &str| {
+        let waiting_pod = pod(faulty.clone(), identity);
+        let waiting = waiter(&waiting_pod);
+        let what = format!("{identity} waits, having tried every permit");
+        eventually(WAIT, &what, || tried(faulty, identity, first_rounds)).await;
+        if in_order {
+            let in_line = faulty.answered(&line, identity);
+            assert!(in_line >= 1, "{identity} stands in line");
+        }
+        (waiting_pod, waiting)
+    };
+    let (w1_pod, w1) = first_waiter(&f1, "pod-w1").await;
     // w1's calls held back while pod-a gives its permit up and a newcomer, connected already,
     // asks: only the place w1 keeps in the backend can refuse the newcomer (or w1 holds by
     // then). Held back for less than a renew interval, so that w1's turn in line lasts.
@@ -2774,12 +2779,7 @@ pub async fn lock_permits_waiters_are_served_in_order(h: &mut dyn Harness) {
     }
 
     // w2 waits first in line, then w3 lines up behind it.
-    let w2_pod = pod(f2.clone(), "pod-w2");
-    let w2 = waiter(&w2_pod);
-    eventually(WAIT, "w2 waits, having tried every permit", || {
-        tried(&f2, "pod-w2", first_rounds)
-    })
-    .await;
+    let (w2_pod, w2) = first_waiter(&f2, "pod-w2").await;
     let w3_pod = pod(f3.clone(), "pod-w3");
     let w3 = waiter(&w3_pod);
     if in_order {
