@@ -1202,10 +1202,10 @@ impl Engine {
             self.leave_line();
             return Flow::Continue;
         }
+        let poll = Instant::now() + self.poll_pause();
         let wake = self
             .next_waiter_deadline()
-            .unwrap_or_else(|| Instant::now() + self.poll_pause())
-            .min(Instant::now() + self.poll_pause());
+            .map_or(poll, |end| end.min(poll));
         tokio::select! {
             biased;
             _ = self.shutdown.cancelled() => Flow::Stop,
@@ -1241,8 +1241,8 @@ impl Engine {
             outcome,
             Call::Done(Acquire::Busy(_) | Acquire::Withheld(_)) | Call::Failed
         );
-        let lock = self.config.permit_name(permit);
         if self.permits_ever() > 1 && refused {
+            let lock = self.config.permit_name(permit);
             match &mut self.phase {
                 Phase::Unheld(Unheld {
                     line: Some(line), ..
