@@ -266,3 +266,53 @@ async fn a_retired_lock_keeps_its_lease_until_its_last_answer_ran_out() {
         sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A renewal answered in time but read only after the claim it renews ran out (the engine's
+/// task stalled in between) does not resume that claim: the holder has answered "not held"
+/// since, and on a fair-queue backend the next in line may hold by then. The lease is lost, and
+/// the lock is only held again through a new acquisition, with a higher token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
+    let (_harness, faulty) = late_sqlite().await;
+    let name = unique_lock("stalled");
+    let holder = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            mode: Mode::Campaign,
+            ..LockConfig::new(&name, "a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .unwrap();
+    let mut events = holder.events();
+    let started = Instant::now();
+    let first = loop {
+        if let Answer::Holder { token, .. } = holder.answer() {
+            break token;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "a never held");
+        sleep(Duration::from_millis(10)).await;
+    };
+    // The next renewal (due 2 s after the acquisition) is read 4.9 s after its answer: past
+    // the claim it renews (6 s from the acquisition, less the margin), within the claim it
+    // would give (6 s from the renewal).
+    faulty.stall_next_renewal_answer(Duration::from_millis(4900));
+    let (mut lapsed, until) = (false, Instant::now() + LEASE + Duration::from_secs(2));
+    while Instant::now() < until {
+        match holder.answer() {
+            Answer::Holder { token, .. } => assert!(
+                !lapsed || token > first,
+                "the claim of token {first} resumed after it had run out"
+            ),
+            _ => lapsed = true,
+        }
+        sleep(Duration::from_millis(5)).await;
+    }
+    assert!(lapsed, "the stalled renewal never let the claim run out");
+    let mut lost = false;
+    while let Ok(event) = events.try_recv() {
+        lost |= event.kind == EventKind::Lost && event.token == first;
+    }
+    assert!(lost, "no loss of token {first} was told");
+    holder.shutdown().await;
+}

@@ -17,6 +17,7 @@ use leasehold_lease::{Acquire, Backend, Driver, Holding, Lease, Upkeep};
 pub struct FaultyDriver {
     inner: Arc<dyn Backend>,
     stall_renewals: AtomicBool,
+    renewal_answer_stall_ms: AtomicU64,
     cut_off: AtomicBool,
     request_delay_ms: AtomicU64,
     response_delay_ms: AtomicU64,
@@ -34,6 +35,7 @@ impl FaultyDriver {
         Arc::new(Self {
             inner,
             stall_renewals: AtomicBool::new(false),
+            renewal_answer_stall_ms: AtomicU64::new(0),
             cut_off: AtomicBool::new(false),
             request_delay_ms: AtomicU64::new(0),
             response_delay_ms: AtomicU64::new(0),
@@ -62,6 +64,14 @@ impl FaultyDriver {
     /// From now on, renewals hang (the request may or may not have reached the backend).
     pub fn stall_renewals(&self, stall: bool) {
         self.stall_renewals.store(stall, Ordering::SeqCst);
+    }
+
+    /// The next renewal, once the backend has answered it, stops the thread that runs it for
+    /// `stall` before its caller reads the answer: a paused process or a throttled container,
+    /// whose engine reads an answer that had arrived in time only after its claim ran out.
+    pub fn stall_next_renewal_answer(&self, stall: Duration) {
+        self.renewal_answer_stall_ms
+            .store(stall.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// From now on, every call hangs before it reaches the backend, as behind a partition: the
@@ -144,6 +154,11 @@ impl Driver for FaultyDriver {
         }
         self.unless_cut_off().await;
         let outcome = self.inner.renew(lease, ttl).await;
+        let stall = self.renewal_answer_stall_ms.swap(0, Ordering::SeqCst);
+        if stall > 0 {
+            // Blocking on purpose: the whole task stops, timers and all, as in a paused process.
+            std::thread::sleep(Duration::from_millis(stall));
+        }
         self.counted_early()
             .remove(&(lease.lock.clone(), lease.token));
         self.delay().await;

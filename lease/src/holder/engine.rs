@@ -949,11 +949,10 @@ impl Engine {
         let Some(held) = self.held() else {
             return Flow::Continue;
         };
-        let lease = held.lease.clone();
+        let (lease, claimed_until) = (held.lease.clone(), held.valid_until);
         let (sent, sent_boot) = (Instant::now(), BootInstant::now());
         // Waiting past the self-fence deadline is pointless: the lease is gone by then.
-        let budget = held
-            .valid_until
+        let budget = claimed_until
             .saturating_duration_since(sent_boot)
             .min(self.config.renew_interval);
         if budget.is_zero() {
@@ -963,6 +962,13 @@ impl Engine {
         let driver = self.driver.clone();
         let ttl = self.config.lease_duration;
         match self.call(budget, driver.renew(&lease, ttl)).await {
+            // Read only once the claim it renews had run out (a stalled task; the call's time
+            // limit bounds the wait, not when its answer is read). The app has been answered
+            // "not held" since, and a fair-queue driver's place may have been given up to the
+            // next in line: the lease is lost, as the fence would have found it on time.
+            Call::Done(true) if BootInstant::now() >= claimed_until => {
+                self.lose("the renewal was answered after the lease ran out");
+            }
             Call::Done(true) => {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());
                 let valid_until = self.claim_until(&lease, sent_boot);

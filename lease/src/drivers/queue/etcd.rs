@@ -872,8 +872,8 @@ impl Driver for EtcdDriver {
             entry.slot.abort_tasks();
             return Ok(false);
         }
-        entry.slot.extend(sent + ttl);
-        Ok(true)
+        // Read after the local lease ran out (a stalled task): the place is given up, not kept.
+        Ok(entry.slot.extend(sent + ttl))
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {

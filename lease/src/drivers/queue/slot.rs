@@ -170,9 +170,21 @@ impl QueueSlot {
         true
     }
 
-    /// Renewed.
-    pub(crate) fn extend(&self, until: Instant) {
-        self.set_expiry(until);
+    /// Renewed, until `until`: `false`, and nothing moved, if the local lease has run out
+    /// meanwhile or the place left. The tending task gives a place up once its local lease has
+    /// run out, so a renewal whose answer is read only after that (a stalled task) must not
+    /// count: the next in line may hold by then. Decided under the expiry's mutex, which the
+    /// tending task reads the expiry under too, so one of the two comes first.
+    #[must_use]
+    pub(crate) fn extend(&self, until: Instant) -> bool {
+        let mut expires = self.expires();
+        if *expires <= Instant::now() || self.left() {
+            return false;
+        }
+        *expires = until;
+        drop(expires);
+        self.expiry_moved.notify_one();
+        true
     }
 
     /// Whether the local lease has run out by `at`.
@@ -344,15 +356,34 @@ mod tests {
             async move { slot.wait_expiry().await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
-        slot.extend(until + Duration::from_secs(60));
+        assert!(slot.extend(until + Duration::from_secs(60)));
         let moved = tokio::time::timeout(Duration::from_secs(5), tending).await;
         assert!(matches!(moved.expect("woken").unwrap(), Expiry::Moved));
         // Not renewed again: the wait ends when the local lease passes.
-        slot.extend(Instant::now() + Duration::from_millis(50));
+        assert!(slot.extend(Instant::now() + Duration::from_millis(50)));
         let _ = tokio::time::timeout(Duration::from_millis(10), slot.expiry_moved()).await;
         let passed = tokio::time::timeout(Duration::from_secs(5), slot.wait_expiry()).await;
         assert!(matches!(passed.expect("ends"), Expiry::Passed));
         assert!(slot.expired_by(Instant::now()));
+    }
+
+    #[tokio::test]
+    async fn a_renewal_read_after_the_local_lease_ran_out_does_not_count() {
+        let slot = QueueSlot::new();
+        assert!(slot.hold_until(Instant::now() + Duration::from_millis(20)));
+        // The wake-up the hold left for a tending task that was not waiting yet.
+        slot.expiry_moved().await;
+        // The tending task finds the local lease run out and gives the place up ...
+        let passed = tokio::time::timeout(Duration::from_secs(5), slot.wait_expiry()).await;
+        assert!(matches!(passed.expect("ends"), Expiry::Passed));
+        // ... and a renewal whose answer is read only now finds the lease gone, moving nothing.
+        assert!(!slot.extend(Instant::now() + Duration::from_secs(5)));
+        assert!(slot.expired_by(Instant::now()));
+        // A place that left is not renewed either, however long its expiry runs.
+        let left = QueueSlot::new();
+        assert!(left.hold_until(Instant::now() + Duration::from_secs(5)));
+        left.mark_left();
+        assert!(!left.extend(Instant::now() + Duration::from_secs(10)));
     }
 
     #[tokio::test]

@@ -1033,7 +1033,11 @@ impl Driver for ZooKeeperDriver {
             .await?;
         match found {
             Ok((synced, true)) => {
-                entry.slot.extend(sent + ttl);
+                // Read after the local lease ran out (a stalled task): the node is given up,
+                // not kept.
+                if !entry.slot.extend(sent + ttl) {
+                    return Ok(false);
+                }
                 entry.count_from(session.counted_from(synced, self.shared.config.tick_time, ttl));
                 Ok(true)
             }
