@@ -42,6 +42,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::OwnedMutexGuard;
 use tokio::time::{Instant, timeout};
 
+use crate::boot_clock::BootInstant;
 use crate::driver::{Backend, Holding};
 use crate::error::Error;
 use crate::holder::{Answer, Event, Lock, LockConfig, Mode, OnUnheld, Telemetry};
@@ -379,11 +380,12 @@ impl KeyedFamily {
         self.inner.driver()
     }
 
-    /// Release every key and take no more until [`KeyedFamily::resume`]: the family's resource is
-    /// being deleted.
-    pub async fn stop(&self) {
+    /// Let go of every key ([`KeyedFamily::retire`]: each released once the last answer about it
+    /// has run out) and take no more until [`KeyedFamily::resume`]: the family's resource is
+    /// being deleted. When the last release is made, if any key was held.
+    pub async fn stop(&self) -> Option<BootInstant> {
         self.inner.stopped.store(true, Ordering::SeqCst);
-        self.shutdown().await;
+        self.retire().await
     }
 
     pub fn resume(&self) {
@@ -1141,18 +1143,35 @@ impl KeyedFamily {
 
     /// Release every key and stop.
     pub async fn shutdown(&self) {
+        for holding in self.let_go_of_writers() {
+            holding.lock.shutdown().await;
+        }
+    }
+
+    /// Let go of every key this pod's owners hold, as [`KeyedFamily::shutdown`] does, but
+    /// release each only once the last answer about it has run out (its hold, or its claim if
+    /// that ends first): each stops being claimed at once, and no other owner takes it while
+    /// one of this pod's may still act on an answer (a Dapr client holds until its expiry,
+    /// whatever happens to the sidecar). When the last release is made, if any key was held;
+    /// a process that exits before then leaves the rest to run out.
+    pub async fn retire(&self) -> Option<BootInstant> {
+        let holdings = self.let_go_of_writers();
+        let released = futures_util::future::join_all(
+            holdings.iter().map(|h| h.lock.retire_for("shutting down")),
+        )
+        .await;
+        released.into_iter().flatten().max()
+    }
+
+    /// Forget the writers (their parts end with their holdings), and every holding now.
+    fn let_go_of_writers(&self) -> Vec<Arc<KeyHolding>> {
         self.inner
             .writers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
-        let holdings: Vec<Arc<KeyHolding>> = {
-            let keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
-            keys.values().filter_map(|s| current_of(s)).collect()
-        };
-        for holding in holdings {
-            holding.lock.shutdown().await;
-        }
+        let keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
+        keys.values().filter_map(|s| current_of(s)).collect()
     }
 
     fn qualified(&self, owner: &str) -> String {

@@ -443,12 +443,18 @@ pub fn decide(
             );
         }
     }
-    if !injection.native_sidecar
-        && let Some(args) = &mut container.args
-    {
-        // A plain container keeps a Job's pod running until it exits: it exits once the
-        // pod's other containers have finished (a native sidecar is stopped by the kubelet).
-        args.extend(["--exit-with-pod".to_owned(), SIDECAR_NAME.to_owned()]);
+    if let Some(args) = &mut container.args {
+        if injection.native_sidecar {
+            // The kubelet stops a native sidecar (its preStop hook, then SIGTERM) only once
+            // the app's containers have exited: no app is left to act on an answer, and the
+            // leases are released at once.
+            args.push("--apps-stop-first".to_owned());
+        } else {
+            // A plain container keeps a Job's pod running until it exits: it exits once the
+            // pod's other containers have finished (a native sidecar is stopped by the
+            // kubelet).
+            args.extend(["--exit-with-pod".to_owned(), SIDECAR_NAME.to_owned()]);
+        }
     }
     let mut value = serde_json::to_value(&container).expect("a container serializes");
     let spec = pod.spec.as_ref();
@@ -632,9 +638,10 @@ pub fn sidecar(
             period_seconds: Some(10),
             ..Probe::default()
         }),
-        // The preStop steps down from every lock for good (`POST /resign` on the loopback API)
-        // as soon as the pod starts terminating, while the app may still be draining; SIGTERM
-        // would release too, but a native sidecar gets it only after the app has exited.
+        // The preStop steps down from every lock for good (`POST /resign` on the loopback API):
+        // a plain container's as soon as the pod starts terminating, while the app may still
+        // be draining (each lease is then released once the last answer given has run out); a
+        // native sidecar's once the app has exited (released at once).
         lifecycle: Some(Lifecycle {
             pre_stop: Some(LifecycleHandler {
                 exec: Some(ExecAction {

@@ -156,7 +156,8 @@ async fn an_annotated_pod_gets_a_native_sidecar() {
             "--probe-listen",
             "[::]:4041",
             "--log-format",
-            "json"
+            "json",
+            "--apps-stop-first"
         ])
     );
     assert_eq!(c["env"][0]["name"], "LEASEHOLD_IDENTITY");
@@ -221,10 +222,18 @@ async fn without_native_sidecars_a_plain_container_is_added() {
         .position(|a| a == "--exit-with-pod")
         .expect("--exit-with-pod");
     assert_eq!(args[at + 1], SIDECAR_NAME);
-    // A native sidecar is stopped by the kubelet and needs none of it.
+    // Started beside the app, it is stopped while the app may still act on an answer: it
+    // releases each lease only once the last answer given has run out.
+    assert!(!args.iter().any(|a| a == "--apps-stop-first"), "{args:?}");
+    // A native sidecar is stopped by the kubelet once the app has exited: it needs none of
+    // that, and releases at once.
     let (_, _, native) = admit(&api, &pod(Some("jobs"), None, None), true).await;
     let native_args = sidecars(&native, "initContainers")[0]["args"].to_string();
     assert!(!native_args.contains("--exit-with-pod"), "{native_args}");
+    assert!(
+        native_args.contains("\"--apps-stop-first\""),
+        "{native_args}"
+    );
 }
 
 #[tokio::test]

@@ -70,9 +70,39 @@ struct Inner {
     pending: std::sync::RwLock<BTreeMap<String, String>>,
     /// `POST /resign` was called: no lock is started or put in place any more.
     resigned: std::sync::atomic::AtomicBool,
+    /// `--apps-stop-first`: this pod's apps have stopped by the time this process is told to
+    /// let go (resign, SIGTERM), so its leases are released at once.
+    apps_stop_first: std::sync::atomic::AtomicBool,
+    /// When the last release is made of the leases let go once their answers ran out: the
+    /// process waits for it before it exits.
+    releases_due: std::sync::Mutex<Option<leasehold_lease::BootInstant>>,
     /// By lock, or by key and owner: taken by an exclusive hold (`?exclusive=true`) for as long
     /// as it lasts, so that two such holds take turns rather than share one acquisition.
     exclusive_holds: std::sync::Mutex<HashMap<HoldOf, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Why locks or families are let go of for good ([`AppState::let_go`]): whether an app of this
+/// pod may still act on an answer about them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LetGo {
+    /// Their `DistributedLock` was deleted: the pod's apps run on.
+    ResourceDeleted,
+    /// The pod is stopping (`POST /resign`, SIGTERM): its apps have stopped by now only with
+    /// `--apps-stop-first` (a native sidecar, which the kubelet stops after them).
+    PodStopping,
+    /// The pod's other containers have finished (`--exit-with-pod`).
+    AppsFinished,
+}
+
+impl LetGo {
+    /// The reason the `released` event gives.
+    fn reason(self) -> &'static str {
+        match self {
+            LetGo::ResourceDeleted => "the DistributedLock was deleted",
+            LetGo::PodStopping => "shutting down",
+            LetGo::AppsFinished => "the pod's apps have finished",
+        }
+    }
 }
 
 /// What an exclusive hold takes turns on: a lock of the pod's, or one owner's hold of a key.
@@ -150,6 +180,8 @@ impl AppState {
                 expected: Vec::new(),
                 pending: std::sync::RwLock::new(BTreeMap::new()),
                 resigned: std::sync::atomic::AtomicBool::new(false),
+                apps_stop_first: std::sync::atomic::AtomicBool::new(false),
+                releases_due: std::sync::Mutex::new(None),
                 exclusive_holds: std::sync::Mutex::new(HashMap::new()),
             }),
         }
@@ -310,6 +342,66 @@ impl AppState {
         self.inner
             .readiness_requires_backend
             .store(requires, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `--apps-stop-first`: see [`AppState::let_go`].
+    pub fn set_apps_stop_first(&self, first: bool) {
+        self.inner
+            .apps_stop_first
+            .store(first, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Let go of `locks` and `families` for good. When no app of this pod can act on an answer
+    /// any more ([`LetGo`]), each lease is released at once. Otherwise each lock and key stops
+    /// being claimed at once, and its lease is released only once the last answer about it
+    /// has run out, so that nobody else holds it meanwhile; the process waits for those
+    /// releases before it exits ([`AppState::releases_due`]).
+    pub async fn let_go(&self, locks: &[Lock], families: &[KeyedFamily], why: LetGo) {
+        let apps_stopped = match why {
+            LetGo::ResourceDeleted => false,
+            LetGo::PodStopping => self
+                .inner
+                .apps_stop_first
+                .load(std::sync::atomic::Ordering::Relaxed),
+            LetGo::AppsFinished => true,
+        };
+        if apps_stopped {
+            futures_util::future::join_all(locks.iter().map(Lock::shutdown)).await;
+            futures_util::future::join_all(families.iter().map(KeyedFamily::shutdown)).await;
+            return;
+        }
+        let locks_released =
+            futures_util::future::join_all(locks.iter().map(|l| l.retire_for(why.reason()))).await;
+        // Stopped, not only retired: no key is taken while the last answers run out.
+        let keys_released =
+            futures_util::future::join_all(families.iter().map(KeyedFamily::stop)).await;
+        self.note_releases_due(
+            locks_released
+                .into_iter()
+                .chain(keys_released)
+                .flatten()
+                .max(),
+        );
+    }
+
+    /// A lease let go of is released at `at`, once the last answer about it has run out.
+    pub fn note_releases_due(&self, at: Option<leasehold_lease::BootInstant>) {
+        let mut due = self
+            .inner
+            .releases_due
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *due = (*due).max(at);
+    }
+
+    /// When the last lease let go by [`AppState::let_go`] is released, if one still waits for
+    /// its answers to run out.
+    pub fn releases_due(&self) -> Option<leasehold_lease::BootInstant> {
+        *self
+            .inner
+            .releases_due
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn locks(&self) -> Vec<Lock> {
@@ -1679,7 +1771,7 @@ async fn resign(
         .resigned
         .store(true, std::sync::atomic::Ordering::SeqCst);
     let locks = state.locks();
-    futures_util::future::join_all(locks.iter().map(Lock::shutdown)).await;
+    state.let_go(&locks, &[], LetGo::PodStopping).await;
     let names: Vec<&str> = locks.iter().map(Lock::name).collect();
     Ok(json(
         StatusCode::OK,

@@ -137,6 +137,15 @@ struct Args {
     #[arg(long, env = "LEASEHOLD_RESIGN", conflicts_with_all = ["locks", "resources", "provision"])]
     resign: bool,
 
+    /// This pod's apps have stopped by the time this process is told to stop (SIGTERM, or
+    /// --resign in the preStop hook): a native sidecar, which the kubelet stops after the pod's
+    /// other containers. Its leases are then released at once. Without it, each lock and key
+    /// stops being claimed at once and is released only once the last answer given about it
+    /// (its validForMs) has run out, and the process exits after that: nobody else holds a
+    /// lock while an app may still act on an answer.
+    #[arg(long, env = "LEASEHOLD_APPS_STOP_FIRST", conflicts_with_all = ["resign", "provision"])]
+    apps_stop_first: bool,
+
     /// Run as the plain container CONTAINER of a pod (clusters without native sidecars): step
     /// down and exit once the pod's other containers have finished for good, so that a Job's
     /// pod completes. Reads this pod (named by --identity) through the Kubernetes API.
@@ -187,6 +196,8 @@ pub struct Config {
     pub provision_only: bool,
     /// `--exit-with-pod`: this sidecar's container name in the pod named `identity`.
     pub exit_with_pod: Option<String>,
+    /// `--apps-stop-first`: leases are released at once on SIGTERM and resign.
+    pub apps_stop_first: bool,
     pub locks: Vec<LockConfig>,
     /// `--keyed`: families of keyed locks on the same backend.
     pub families: Vec<FamilyConfig>,
@@ -462,6 +473,7 @@ impl Config {
             identity,
             provision_only: args.provision,
             exit_with_pod: args.exit_with_pod,
+            apps_stop_first: args.apps_stop_first,
             locks,
             families,
             backend,

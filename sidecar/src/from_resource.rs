@@ -22,7 +22,7 @@ use leasehold_lease::keyed::KeyedFamily;
 use leasehold_resource::{self as resource, ResolvedLock};
 use tokio::time::sleep_until;
 
-use crate::api::AppState;
+use crate::api::{AppState, LetGo};
 use crate::metrics::Metrics;
 
 /// A `DistributedLock` named on the command line.
@@ -175,15 +175,19 @@ async fn open_checked(
 
 /// Stop claiming: the lock's lease, or every key of the family, is released.
 async fn step_down(state: &AppState, current: &ResolvedLock) {
-    if let Some(old) = state.locks().into_iter().find(|l| l.name() == current.name) {
-        old.shutdown().await;
-    }
+    // The pod's apps run on: what they were told holds until it runs out.
+    let locks: Vec<Lock> = state
+        .locks()
+        .into_iter()
+        .filter(|l| l.name() == current.name)
+        .collect();
+    state.let_go(&locks, &[], LetGo::ResourceDeleted).await;
     if let Some(family) = state
         .families()
         .into_iter()
         .find(|f| f.name() == current.name)
     {
-        family.stop().await;
+        state.note_releases_due(family.stop().await);
     }
 }
 
@@ -480,7 +484,7 @@ pub async fn follow(
                 // the family stays stopped rather than start afresh beside holders elsewhere.
                 tracing::error!(resource = %r, from = %running.backend, to = %next.backend,
                     "the DistributedLock's backend changed, which its CRD forbids: the family's keys are released and no more are taken until this pod restarts");
-                family.stop().await;
+                state.note_releases_due(family.stop().await);
                 stepped_down = true;
                 continue;
             }
@@ -555,7 +559,7 @@ pub async fn follow(
                 // an answer it gave until its `validForMs` ends, and nobody else may hold the
                 // lock meanwhile. The new lock (the same identity) takes it after that.
                 match state.replace(fresh) {
-                    Ok(Some(old)) => old.retire().await,
+                    Ok(Some(old)) => state.note_releases_due(old.retire().await),
                     Ok(None) => {}
                     Err(fresh) => {
                         // The pod resigned meanwhile: the new lock takes nothing.

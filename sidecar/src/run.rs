@@ -6,13 +6,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold_lease::keyed::KeyedFamily;
-use leasehold_lease::{Lock, connect};
+use leasehold_lease::{Lock, SHUTDOWN_RELEASE_TIMEOUT, connect};
 use tokio::net::TcpListener;
 
-use crate::api::{AppState, lock_api, probe_router};
+use crate::api::{AppState, LetGo, lock_api, probe_router};
 use crate::config::Config;
 use crate::from_resource;
 use crate::metrics::Metrics;
+
+/// Why the process stops when the pod's other containers have finished (`--exit-with-pod`):
+/// no app is left to act on an answer, so the leases are released at once.
+const POD_FINISHED: &str = "the pod's other containers have finished";
 
 /// After the leases are released, how long open connections (long polls, event streams) get
 /// before the process exits anyway.
@@ -43,6 +47,7 @@ pub async fn run(config: Config) -> Result<(), String> {
         return Err("--dapr-http-listen/--dapr-grpc-listen: Dapr's lock API serves families of keyed locks (each is a lock store), and none of the --resource locks declares spec.keys".into());
     }
     state.set_readiness_requires_backend(config.readiness_requires_backend);
+    state.set_apps_stop_first(config.apps_stop_first);
     let locks = state.locks();
     let listener = TcpListener::bind(config.listen)
         .await
@@ -134,7 +139,7 @@ pub async fn run(config: Config) -> Result<(), String> {
     };
     let signal = tokio::select! {
         signal = leasehold_process::shutdown_signal() => signal,
-        () = pod_finished => "the pod's other containers have finished",
+        () = pod_finished => POD_FINISHED,
     };
     tracing::info!(signal, "shutting down: releasing leases");
     // Stop following resources (no lock may be swapped in now), then release first: waiters
@@ -152,8 +157,26 @@ pub async fn run(config: Config) -> Result<(), String> {
         app_health.abort();
         let _ = app_health.await;
     }
-    futures_util::future::join_all(state.locks().iter().map(Lock::shutdown)).await;
-    futures_util::future::join_all(state.families().iter().map(KeyedFamily::shutdown)).await;
+    let why = if signal == POD_FINISHED {
+        LetGo::AppsFinished
+    } else {
+        LetGo::PodStopping
+    };
+    state.let_go(&state.locks(), &state.families(), why).await;
+    // The lock API keeps answering (not held) while the last answers run out.
+    if let Some(due) = state.releases_due() {
+        let released = due.to_tokio() + SHUTDOWN_RELEASE_TIMEOUT + Duration::from_millis(50);
+        tracing::info!(
+            in_ms = due.remaining().as_millis() as u64,
+            "the leases are released once the last answers given about them have run out"
+        );
+        tokio::select! {
+            () = tokio::time::sleep_until(released) => {}
+            signal = leasehold_process::shutdown_signal() => {
+                tracing::warn!(signal, "stopping now: the leases not released yet run out on their own");
+            }
+        }
+    }
     stop_tx.send_replace(true);
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, api).await;
     if let Some(probes) = probes {

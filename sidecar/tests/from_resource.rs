@@ -306,43 +306,66 @@ async fn a_moved_backend_is_never_held_on_both() {
 }
 
 /// A DistributedLock being deleted (its finalizer still on, as the operator keeps it while a
-/// `cleanupPolicy: Delete` lock has a holder): the sidecar releases at once, so the operator can
-/// delete the records without a newcomer ever overlapping it. Recreated, the lock is campaigned
-/// for again.
+/// `cleanupPolicy: Delete` lock has a holder): the sidecar stops claiming the lock at once, and
+/// releases it once the last answer it gave has run out (the pod's app runs on, and may act on
+/// it until then), so that the operator can delete the records without a newcomer ever
+/// overlapping the holder. Recreated, the lock is campaigned for again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resource_being_deleted_is_released_and_campaigned_again_when_it_returns() {
     let redis = RedisServer::start();
-    let (api, state, follower) = jobs_held_by_pod_a(&redis, "30s").await;
+    let (api, state, follower) = jobs_held_by_pod_a(&redis, "3s").await;
 
-    let mut deleting = distributed_lock(&redis, "leasehold", "30s");
+    let mut deleting = distributed_lock(&redis, "leasehold", "3s");
     deleting["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:00:00Z");
     deleting["metadata"]["finalizers"] = json!(["leasehold.dev/cleanup"]);
+    let answered_until = answered_until(&state.locks()[0]);
     api.put(DISTRIBUTED_LOCKS, deleting);
-    // Well within the 30 s lease: released, not merely expired.
-    eventually("pod-a released the lock being deleted", || {
+    eventually("pod-a stops claiming the lock being deleted", || {
         !state.locks()[0].answer().is_holder()
     })
     .await;
-    // The answer turns as the lock steps down; the backend's release follows a moment later.
-    let driver = redis_driver(&redis, "leasehold").await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while let Some(holder) = driver.observe("jobs").await.unwrap() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the backend still has a holder: {holder:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    kept_until_the_answer_ran_out(&redis, answered_until).await;
 
     api.put(
         DISTRIBUTED_LOCKS,
-        distributed_lock(&redis, "leasehold", "30s"),
+        distributed_lock(&redis, "leasehold", "3s"),
     );
     eventually("pod-a holds the recreated lock", || {
         state.locks()[0].answer().is_holder()
     })
     .await;
     follower.abort();
+}
+
+/// When the last answer `lock` gave (asked now) runs out.
+fn answered_until(lock: &leasehold_lease::Lock) -> tokio::time::Instant {
+    let asked = tokio::time::Instant::now();
+    match lock.answer() {
+        leasehold_lease::Answer::Holder { valid_for, .. } => asked + valid_for,
+        other => panic!("pod-a does not hold: {other:?}"),
+    }
+}
+
+/// The backend keeps pod-a's lease until `answered_until`, and it is released soon after.
+async fn kept_until_the_answer_ran_out(redis: &RedisServer, answered_until: tokio::time::Instant) {
+    let driver = redis_driver(redis, "leasehold").await;
+    while tokio::time::Instant::now() < answered_until {
+        let holder = driver.observe("jobs").await.unwrap();
+        // The observation may have been answered just after the answer ran out.
+        if tokio::time::Instant::now() < answered_until {
+            assert_eq!(
+                holder.as_ref().map(|h| h.identity.as_str()),
+                Some("pod-a"),
+                "released while pod-a's last answer still ran"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eventually_async("the lease is released from Redis", || {
+        let driver = driver.clone();
+        async move { driver.observe("jobs").await.unwrap().is_none() }
+    })
+    .await;
 }
 
 /// The operator writes a lock's status at every holder change: that must not make every pod's
@@ -467,11 +490,27 @@ async fn a_family_from_its_resource_follows_spec_changes_and_deletion() {
     deleting["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:00:00Z");
     deleting["metadata"]["finalizers"] = json!(["leasehold.dev/cleanup"]);
     api.put(DISTRIBUTED_LOCKS, deleting);
-    eventually("every key is released", || family.held_keys() == 0).await;
+    eventually("every key is let go of", || family.held_keys() == 0).await;
+    // Kept in the backend while the last answer about each may still be acted on (its claim,
+    // at least 4.6 s of the 7 s lease at the last renewal), then released.
     let driver = redis_driver(&redis, "leasehold").await;
-    for key in ["sku-1", "sku-2", "sku-3"] {
-        let name = family.backend_name(key).unwrap();
-        assert_eq!(driver.observe(&name).await.unwrap(), None, "{name}");
+    let names: Vec<String> = ["sku-1", "sku-2", "sku-3"]
+        .into_iter()
+        .map(|key| family.backend_name(key).unwrap())
+        .collect();
+    for name in &names {
+        let holder = driver.observe(name).await.unwrap();
+        assert!(
+            holder.is_some(),
+            "{name} released while its answer still ran"
+        );
+    }
+    for name in &names {
+        eventually_async("the key is released", || {
+            let (driver, name) = (driver.clone(), name.clone());
+            async move { driver.observe(&name).await.unwrap().is_none() }
+        })
+        .await;
     }
     assert!(matches!(take("sku-4").await, Err(KeyError::Stopped(_))));
 
@@ -669,25 +708,22 @@ async fn a_restarted_lock_lets_its_lease_run_out_before_anyone_else_holds() {
 }
 
 /// A resource without the operator's finalizer (`cleanupPolicy: Retain`) is gone the moment it is
-/// deleted: the sidecar releases its lock at once, and campaigns again when it comes back.
+/// deleted: the sidecar stops claiming its lock at once, releases it once the last answer it
+/// gave has run out, and campaigns again when it comes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resource_deleted_without_a_finalizer_is_released() {
     let redis = RedisServer::start();
-    let (api, state, follower) = jobs_held_by_pod_a(&redis, "5s").await;
+    let (api, state, follower) = jobs_held_by_pod_a(&redis, "3s").await;
+    let answered_until = answered_until(&state.locks()[0]);
     assert!(api.remove(DISTRIBUTED_LOCKS, "team", "jobs"));
-    eventually("pod-a released the lock", || {
+    eventually("pod-a stops claiming the lock", || {
         !state.locks()[0].answer().is_holder()
     })
     .await;
-    let driver = redis_driver(&redis, "leasehold").await;
-    eventually_async("the lease is gone from Redis", || {
-        let driver = driver.clone();
-        async move { driver.observe("jobs").await.unwrap().is_none() }
-    })
-    .await;
+    kept_until_the_answer_ran_out(&redis, answered_until).await;
     api.put(
         DISTRIBUTED_LOCKS,
-        distributed_lock(&redis, "leasehold", "5s"),
+        distributed_lock(&redis, "leasehold", "3s"),
     );
     eventually("pod-a holds the lock again", || {
         state.locks()[0].answer().is_holder()

@@ -1,5 +1,6 @@
 //! Two or more real sidecars on one lock: exactly one holder, takeover after a crash within
-//! leaseDuration + renewInterval, fast hand-over on SIGTERM, and fencing tokens that climb.
+//! leaseDuration + renewInterval, fast hand-over on SIGTERM once the app has stopped (and none
+//! before the last answer ran out while it may still run), and fencing tokens that climb.
 
 use std::time::{Duration, Instant};
 
@@ -18,8 +19,14 @@ const STARTUP: Duration = Duration::from_secs(15);
 const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
 
 fn pair(backend: &str, lock: &str) -> (Sidecar, Sidecar) {
-    let a = Sidecar::start("a", backend, lock, TIMING);
-    let b = Sidecar::start("b", backend, lock, TIMING);
+    pair_with(backend, lock, &[])
+}
+
+/// Two sidecars with `extra` flags beside [`TIMING`].
+fn pair_with(backend: &str, lock: &str, extra: &[&str]) -> (Sidecar, Sidecar) {
+    let flags: Vec<&str> = TIMING.iter().chain(extra).copied().collect();
+    let a = Sidecar::start("a", backend, lock, &flags);
+    let b = Sidecar::start("b", backend, lock, &flags);
     (a, b)
 }
 
@@ -189,9 +196,11 @@ fn etcd_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_wi
     permits_crash_takeover(&etcd.url());
 }
 
+/// A native sidecar's SIGTERM (`--apps-stop-first`: the kubelet has stopped the app by then):
+/// the lease is released at once.
 fn sigterm_handover(backend: &str) -> Duration {
     let lock = unique_lock("sigterm");
-    let (mut a, mut b) = pair(backend, &lock);
+    let (mut a, mut b) = pair_with(backend, &lock, &["--apps-stop-first"]);
     let holder = settle(&[&a, &b]);
     let (leaving, staying) = if holder == 0 {
         (&mut a, &mut b)
@@ -214,6 +223,47 @@ fn sigterm_handover(backend: &str) -> Duration {
         sent.elapsed()
     );
     took
+}
+
+/// Without `--apps-stop-first` (a plain container, or a sidecar outside Kubernetes) the app may
+/// still act on an answer when the sidecar is told to stop: the sidecar answers "not holder" at
+/// once, and releases only once the last answer it gave has run out, then exits. Nobody else
+/// holds the lock before that.
+#[test]
+fn redis_sigterm_keeps_the_lock_from_others_until_the_last_answer_ran_out() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("sigterm-answered");
+    let (mut a, mut b) = pair(&redis.url(), &lock);
+    let holder = settle(&[&a, &b]);
+    let (leaving, staying) = if holder == 0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    let asked = Instant::now();
+    let answer = leaving.get("/lock");
+    let before = answer.token();
+    let valid_for = Duration::from_millis(answer.json()["validForMs"].as_u64().unwrap());
+    leaving.signal(Signal::SIGTERM);
+    eventually(SLACK, "the stopping sidecar answers not holder", || {
+        !leaving.is_holder()
+    });
+    while asked.elapsed() < valid_for {
+        assert!(
+            !staying.is_holder(),
+            "the other took the lock {:?} into an answer valid for {valid_for:?}",
+            asked.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    eventually(LEASE + SLACK, "the other takes over", || {
+        staying.is_holder()
+    });
+    assert!(staying.get("/lock").token() > before);
+    let status = leaving
+        .wait_exit(Duration::from_secs(5))
+        .expect("the sidecar did not exit once its lease was released");
+    assert!(status.success(), "exit status {status}");
 }
 
 #[test]

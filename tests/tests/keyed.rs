@@ -616,3 +616,51 @@ fn a_person_force_releases_a_holding_through_the_holders_sidecar() {
         "bad input changed nothing"
     );
 }
+
+/// A sidecar told to stop (SIGTERM, without `--apps-stop-first`: the app may still run) while an
+/// owner holds a key keeps the key from every other owner until the hold it answered has run
+/// out, then releases it, long before the lease would have: a Dapr client, which cannot learn
+/// of a loss, holds until its expiry whatever happens to the sidecar.
+#[test]
+fn a_stopping_sidecar_keeps_a_key_until_the_answered_hold_ran_out() {
+    let redis = RedisServer::start();
+    let family = unique_lock("orders");
+    let keyed = ["--keyed", &family, "--mode", "on-demand"];
+    let mut a = Sidecar::start("pod-a", &redis.url(), &unique_lock("plain"), &keyed);
+    let b = Sidecar::start("pod-b", &redis.url(), &unique_lock("plain"), &keyed);
+    let key = format!("/locks/{family}/keys/order-1");
+
+    let asked = Instant::now();
+    let taken = a.post(&format!("{key}/acquire?owner=w1&hold=2s"));
+    let first = token(&taken);
+    let valid_for = Duration::from_millis(taken.json()["validForMs"].as_u64().unwrap());
+    assert!(valid_for <= Duration::from_secs(2), "{}", taken.body);
+    a.signal(nix::sys::signal::Signal::SIGTERM);
+    let taken_by_b = loop {
+        let tried = b.post(&format!("{key}/acquire?owner=w2"));
+        if tried.status == 200 {
+            break tried;
+        }
+        assert_eq!(tried.status, 409, "{}", tried.body);
+        assert!(
+            asked.elapsed() < Duration::from_secs(10),
+            "pod-b never took the key"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = asked.elapsed();
+    assert!(
+        took >= valid_for,
+        "pod-b took the key {took:?} after pod-a answered it held for {valid_for:?}"
+    );
+    // Released, not expired: the family's lease is 15 s.
+    assert!(
+        took < Duration::from_secs(8),
+        "pod-b took the key after {took:?}"
+    );
+    assert!(token(&taken_by_b) > first);
+    let status = a
+        .wait_exit(Duration::from_secs(5))
+        .expect("pod-a did not exit once its key was released");
+    assert!(status.success(), "exit status {status}");
+}

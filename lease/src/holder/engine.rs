@@ -125,8 +125,9 @@ pub(super) struct Engine {
     pub(super) settled: Arc<DropGuard>,
     /// Fired by [`Engine::forget`], or when the engine is dropped.
     pub(super) on_unheld: Option<OnUnheld>,
-    /// Retired ([`Lock::retire`]): the lease is left to run out, not released; told here.
-    pub(super) retired: Option<oneshot::Sender<()>>,
+    /// Retired ([`Lock::retire`]): the lease is released only once the last answer ran out;
+    /// why, and when it is released, told here.
+    pub(super) retired: Option<(&'static str, oneshot::Sender<Option<BootInstant>>)>,
     /// A semaphore's rounds of attempts so far: each starts at another permit.
     pub(super) rounds: u32,
     /// How many permits the lock has now, shared with its handle; `None` for a single-use
@@ -305,19 +306,20 @@ impl Engine {
             }
         }
         // A retirement still queued (the engine was in a call when it came, and the caller then
-        // shut it down) is honoured all the same: a retired lock never releases.
+        // shut it down) is honoured all the same: a retired lock never releases before its
+        // last answer has run out.
         if self.retired.is_none()
             && let Some(command) = self
                 .commands
                 .take_queued(|c| matches!(**c, Command::Retire { .. }))
-            && let Command::Retire { done } = *command
+            && let Command::Retire { reason, done } = *command
         {
-            self.retired = Some(done);
+            self.retired = Some((reason, done));
         }
         match self.retired.take() {
-            Some(done) => {
-                self.lapse();
-                let _ = done.send(());
+            Some((reason, done)) => {
+                let released_at = self.lapse_for(reason);
+                let _ = done.send(released_at);
             }
             None => self.step_down("shutdown").await,
         }
@@ -552,16 +554,12 @@ impl Engine {
         self.forget(EventKind::Lost, reason);
     }
 
-    /// Let go without releasing at once: whoever acted on this process's answers may do so until
-    /// the last `validForMs` ran out (the claim, or the hold if it ends first), and nobody else
-    /// may hold the lock before. Then, with a safety margin for an answer read late, the lease is
-    /// released (compared by token, so only if still this one) and the driver dropped: a session
-    /// backend (ZooKeeper, etcd) keeps the lock as long as its session lives.
-    pub(super) fn lapse(&mut self) {
-        self.lapse_for("handed over");
-    }
-
-    /// [`Engine::lapse`], saying why; when the lease will be released, if one was held.
+    /// Let go without releasing at once, saying why: whoever acted on this process's answers
+    /// may do so until the last `validForMs` ran out (the claim, or the hold if it ends first),
+    /// and nobody else may hold the lock before. Then, with a safety margin for an answer read
+    /// late, the lease is released (compared by token, so only if still this one) and the
+    /// driver dropped: a session backend (ZooKeeper, etcd) keeps the lock as long as its
+    /// session lives. When the lease will be released, if one was held.
     pub(super) fn lapse_for(&mut self, reason: &'static str) -> Option<BootInstant> {
         let held = self.forget(EventKind::Released, reason)?;
         let answered_until = held
@@ -872,8 +870,8 @@ impl Engine {
                 // A turn in the line keeps places on the permits of the count it was taken for.
                 self.leave_line();
             }
-            Command::Retire { done } => {
-                self.retired = Some(done);
+            Command::Retire { reason, done } => {
+                self.retired = Some((reason, done));
                 return Flow::Stop;
             }
             Command::Release { holding, reply } => {

@@ -15,6 +15,7 @@ use tokio::sync::{broadcast, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 
+use crate::boot_clock::BootInstant;
 use crate::commands;
 use crate::driver::Driver;
 use crate::error::{Error, Result};
@@ -50,8 +51,12 @@ pub(super) enum Command {
         token: u64,
         reply: oneshot::Sender<bool>,
     },
-    /// Stop without releasing ([`Lock::retire`]); `done` fires once the engine has let go.
-    Retire { done: oneshot::Sender<()> },
+    /// Stop, releasing only once the last answer has run out ([`Lock::retire`]); `done` fires
+    /// once the engine has let go, with when the release is made (if a lease was held).
+    Retire {
+        reason: &'static str,
+        done: oneshot::Sender<Option<BootInstant>>,
+    },
     /// The count of permits changed ([`Lock::set_permits`]): a waiting campaign tries again
     /// with it now rather than at its next poll.
     PermitsChanged,
@@ -496,22 +501,35 @@ impl Lock {
         }
     }
 
-    /// Stop for good without releasing: the lease runs out on its own (within the lease), so
-    /// that no other process takes the lock while an app may still act on an answer this one
-    /// gave. For a lock replaced by another with the same identity (new settings, new
-    /// credentials), which takes the lock once the lease has run out. Falls back to
-    /// [`Lock::shutdown`] when the task does not take the request in time.
-    pub async fn retire(&self) {
+    /// Stop for good, releasing only once the last answer given has run out: no other process
+    /// takes the lock while an app may still act on an answer this one gave. For a lock
+    /// replaced by another with the same identity (new settings, new credentials), which takes
+    /// the lock after that. Falls back to [`Lock::shutdown`] when the task does not take the
+    /// request in time (the engine honours the retirement all the same).
+    pub async fn retire(&self) -> Option<BootInstant> {
+        self.retire_for("handed over").await
+    }
+
+    /// [`Lock::retire`], saying why in the `released` event; when the lease is released, if one
+    /// was held. The release is made by a task of its own: a process that exits before then
+    /// leaves the lease to run out instead.
+    pub async fn retire_for(&self, reason: &'static str) -> Option<BootInstant> {
         let (done, retired) = oneshot::channel();
+        let mut released_at = None;
         if self
             .inner
             .commands
-            .send(Box::new(Command::Retire { done }))
+            .send(Box::new(Command::Retire { reason, done }))
             .is_ok()
         {
-            let _ = timeout(SHUTDOWN_RELEASE_TIMEOUT, retired).await;
+            released_at = timeout(SHUTDOWN_RELEASE_TIMEOUT, retired)
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .flatten();
         }
         self.shutdown().await;
+        released_at
     }
 
     /// Ask the task to stop, without waiting for it: it releases what it holds on its way out

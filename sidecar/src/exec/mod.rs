@@ -469,7 +469,9 @@ impl Holder {
     async fn let_go(self, group: Group) {
         match (self, group) {
             (Holder::Direct(lock), Group::Gone) => lock.shutdown().await,
-            (Holder::Direct(lock), Group::Survived { .. }) => lock.retire().await,
+            (Holder::Direct(lock), Group::Survived { .. }) => {
+                lock.retire().await;
+            }
             (Holder::Via { hold, .. }, Group::Gone) => drop(hold),
             (Holder::Via { hold, claims, .. }, Group::Survived { command }) => {
                 let mut claims = Claims::Via(claims);
