@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyedFamily};
-use leasehold_lease::{Answer, Backend, BackendUrl, EventKind, Lock, LockConfig, Mode};
+use leasehold_lease::{Answer, Backend, BackendUrl, Driver, EventKind, Lock, LockConfig, Mode};
 use leasehold_testkit::faulty::FaultyDriver;
 use leasehold_testkit::{SqliteHarness, unique_lock};
 use tokio::time::{Instant, sleep};
@@ -315,4 +315,57 @@ async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
     }
     assert!(lost, "no loss of token {first} was told");
     holder.shutdown().await;
+}
+
+/// A reader whose client hangs up while its permit above 0 is being checked against the key's
+/// write gate gives the permit back, rather than keep it for nobody until its hold ends (a
+/// writer would wait that long). The reader's calls reach the backend 400 ms late here, so the
+/// hang-up falls between its permit's grant and the gate's probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_hangs_up_while_its_permit_is_checked_gives_it_back() {
+    let (_harness, faulty) = late_sqlite().await;
+    let family = KeyedFamily::new(
+        faulty.clone(),
+        FamilyConfig {
+            permits: 2,
+            read_write: true,
+            ..FamilyConfig::new(&unique_lock("readers"), "pod-a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family");
+    let first = family
+        .acquire_read("doc", "r1", Duration::ZERO, HOLD)
+        .await
+        .expect("r1 reads");
+    assert!(
+        matches!(first, KeyAnswer::Held { permit: 0, .. }),
+        "{first:?}"
+    );
+    let permit = family.permit_backend_name("doc", 1).expect("name");
+    faulty.delay_requests(Duration::from_millis(400));
+    let reading = tokio::spawn({
+        let family = family.clone();
+        async move { family.acquire_read("doc", "r2", Duration::ZERO, HOLD).await }
+    });
+    let started = Instant::now();
+    while faulty.answered(&permit, "pod-a/r2") == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "r2 never took permit 1"
+        );
+        sleep(Duration::from_millis(2)).await;
+    }
+    reading.abort();
+    faulty.delay_requests(Duration::ZERO);
+    let given_back = Instant::now();
+    while faulty.observe(&permit).await.expect("observe").is_some() {
+        assert!(
+            given_back.elapsed() < LEASE / 2,
+            "permit 1 is still held {:?} after its reader hung up",
+            given_back.elapsed()
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    family.shutdown().await;
 }

@@ -397,9 +397,11 @@ impl KeyedFamily {
                 return Ok(answer);
             }
             // On a task of its own, so that a client hanging up cannot leave the permit held
-            // when the probe finds a writer.
+            // when the probe finds a writer; nor when it finds the gate free, since the answer
+            // then goes to nobody.
             let (family, key_owned, owner_owned) = (self.clone(), key.to_owned(), owner.to_owned());
-            let checked = tokio::spawn(async move {
+            let (answered, answer) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
                 let gate = family.permit_name(&key_owned, GATE);
                 let refusal = match family.probe(&gate, &owner_owned).await {
                     Ok(None) => None,
@@ -410,7 +412,8 @@ impl KeyedFamily {
                     }
                 };
                 let holding = family.holding_taken(&key_owned, permit, &owner_owned, token);
-                match (refusal, holding) {
+                let taken = Some((permit, token));
+                let checked = match (refusal, holding) {
                     // Free: the holding may be told of, with its validity as of now.
                     (None, Some(holding)) => {
                         holding.checked.store(true, Ordering::SeqCst);
@@ -418,14 +421,17 @@ impl KeyedFamily {
                     }
                     (None, None) => Ok(KeyAnswer::NotHeld),
                     (Some(refusal), _) => {
-                        let taken = Some((permit, token));
                         let _ = family.release_held(&key_owned, &owner_owned, taken).await;
                         Err(refusal)
                     }
+                };
+                // The caller has gone (its client hung up): a permit it would have been told
+                // it holds is given back, not kept for nobody until its hold ends.
+                if let Err(Ok(KeyAnswer::Held { .. })) = answered.send(checked) {
+                    let _ = family.release_held(&key_owned, &owner_owned, taken).await;
                 }
-            })
-            .await
-            .unwrap_or(Err(KeyAnswer::Unknown));
+            });
+            let checked = answer.await.unwrap_or(Err(KeyAnswer::Unknown));
             let refusal = match checked {
                 Ok(answer) => return Ok(answer),
                 Err(refusal) => refusal,
