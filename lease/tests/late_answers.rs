@@ -37,6 +37,27 @@ async fn late_sqlite() -> (SqliteHarness, Arc<FaultyDriver>) {
     (harness, faulty)
 }
 
+/// A lock `a` campaigns for through `faulty`, once it holds, and its token.
+async fn campaigning_holder(faulty: &Arc<FaultyDriver>, name: &str) -> (Lock, u64) {
+    let holder = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            mode: Mode::Campaign,
+            ..LockConfig::new(name, "a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .unwrap();
+    let started = Instant::now();
+    loop {
+        if let Answer::Holder { token, .. } = holder.answer() {
+            return (holder, token);
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "a never held");
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn on_demand(driver: Arc<dyn Backend>, name: &str, identity: &str) -> Lock {
     let mut config = LockConfig::new(name, identity, LEASE);
     config.mode = Mode::OnDemand;
@@ -220,20 +241,7 @@ async fn a_lease_counted_from_before_its_acquisition_is_renewed_in_time() {
 async fn a_retired_lock_keeps_its_lease_until_its_last_answer_ran_out() {
     let (harness, faulty) = late_sqlite().await;
     let lock = unique_lock("retired");
-    let holder = Lock::start(
-        faulty.clone(),
-        LockConfig {
-            mode: Mode::Campaign,
-            ..LockConfig::new(&lock, "a", LEASE)
-        },
-        Arc::new(()),
-    )
-    .unwrap();
-    let started = Instant::now();
-    while !holder.answer().is_holder() {
-        assert!(started.elapsed() < Duration::from_secs(5), "a never held");
-        sleep(Duration::from_millis(10)).await;
-    }
+    let (holder, _) = campaigning_holder(&faulty, &lock).await;
     // The next renewal does not answer: the engine is inside it when asked to retire.
     faulty.stall_renewals(true);
     sleep(Duration::from_millis(2100)).await;
@@ -275,24 +283,8 @@ async fn a_retired_lock_keeps_its_lease_until_its_last_answer_ran_out() {
 async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
     let (_harness, faulty) = late_sqlite().await;
     let name = unique_lock("stalled");
-    let holder = Lock::start(
-        faulty.clone(),
-        LockConfig {
-            mode: Mode::Campaign,
-            ..LockConfig::new(&name, "a", LEASE)
-        },
-        Arc::new(()),
-    )
-    .unwrap();
+    let (holder, first) = campaigning_holder(&faulty, &name).await;
     let mut events = holder.events();
-    let started = Instant::now();
-    let first = loop {
-        if let Answer::Holder { token, .. } = holder.answer() {
-            break token;
-        }
-        assert!(started.elapsed() < Duration::from_secs(5), "a never held");
-        sleep(Duration::from_millis(10)).await;
-    };
     // The next renewal (due 2 s after the acquisition) is read 4.9 s after its answer: past
     // the claim it renews (6 s from the acquisition, less the margin), within the claim it
     // would give (6 s from the renewal).
