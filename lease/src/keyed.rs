@@ -117,9 +117,12 @@ pub enum KeyError {
     BadMode(String),
     #[error("this sidecar already holds {0} keys of the family, its limit")]
     TooManyKeys(usize),
-    /// The family's `DistributedLock` is being deleted: its keys were released and no more are
-    /// taken until it is created again.
-    #[error("the family {0:?} is stopped: its DistributedLock is being deleted")]
+    /// The family was let go of (its `DistributedLock` deleted, or the sidecar stopping): its
+    /// keys are released once their last answers run out, and no more are taken until it is
+    /// started again.
+    #[error(
+        "the family {0:?} is stopped: its DistributedLock was deleted, or the sidecar is stopping"
+    )]
     Stopped(String),
     #[error(transparent)]
     Lock(#[from] Error),

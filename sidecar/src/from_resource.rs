@@ -555,8 +555,8 @@ pub async fn follow(
                 } else {
                     tracing::info!(resource = %r, backend = %next.backend, "DistributedLock changed: lock restarted with the new settings");
                 }
-                // The old lock's lease runs out rather than being released: an app may act on
-                // an answer it gave until its `validForMs` ends, and nobody else may hold the
+                // The old lock is released only once its last answer has run out: an app may act
+                // on an answer it gave until its `validForMs` ends, and nobody else may hold the
                 // lock meanwhile. The new lock (the same identity) takes it after that.
                 match state.replace(fresh) {
                     Ok(Some(old)) => state.note_releases_due(old.retire().await),

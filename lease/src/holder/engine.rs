@@ -963,9 +963,19 @@ impl Engine {
             // Read only once the claim it renews had run out (a stalled task; the call's time
             // limit bounds the wait, not when its answer is read). The app has been answered
             // "not held" since, and a fair-queue driver's place may have been given up to the
-            // next in line: the lease is lost, as the fence would have found it on time.
+            // next in line: the lease is lost, as the fence would have found it on time. Every
+            // answer it backed has run out, so what the renewal kept is released at once.
             Call::Done(true) if BootInstant::now() >= claimed_until => {
-                self.lose("the renewal was answered after the lease ran out");
+                if let Some(held) = self.forget(
+                    EventKind::Lost,
+                    "the renewal was answered after the lease ran out",
+                ) {
+                    let driver = self.driver.clone();
+                    tokio::spawn(async move {
+                        let _ =
+                            timeout(SHUTDOWN_RELEASE_TIMEOUT, driver.release(&held.lease)).await;
+                    });
+                }
             }
             Call::Done(true) => {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());

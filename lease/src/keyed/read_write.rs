@@ -411,22 +411,29 @@ impl KeyedFamily {
                         Some(KeyAnswer::Unknown)
                     }
                 };
+                // A caller gone meanwhile (its client hung up) is told nothing: the holding is
+                // not marked checked, so that no other call of the owner's is told it holds,
+                // and is given back rather than kept for nobody until its hold ends.
+                let gone = answered.is_closed();
                 let holding = family.holding_taken(&key_owned, permit, &owner_owned, token);
                 let taken = Some((permit, token));
                 let checked = match (refusal, holding) {
                     // Free: the holding may be told of, with its validity as of now.
-                    (None, Some(holding)) => {
+                    (None, Some(holding)) if !gone => {
                         holding.checked.store(true, Ordering::SeqCst);
                         Ok(family.answer_for(&holding, holding.lock.answer()))
                     }
-                    (None, None) => Ok(KeyAnswer::NotHeld),
+                    (None, _) if gone => {
+                        let _ = family.release_held(&key_owned, &owner_owned, taken).await;
+                        Ok(KeyAnswer::NotHeld)
+                    }
+                    (None, _) => Ok(KeyAnswer::NotHeld),
                     (Some(refusal), _) => {
                         let _ = family.release_held(&key_owned, &owner_owned, taken).await;
                         Err(refusal)
                     }
                 };
-                // The caller has gone (its client hung up): a permit it would have been told
-                // it holds is given back, not kept for nobody until its hold ends.
+                // The caller went as the answer was sent: the permit is given back all the same.
                 if let Err(Ok(KeyAnswer::Held { .. })) = answered.send(checked) {
                     let _ = family.release_held(&key_owned, &owner_owned, taken).await;
                 }
