@@ -181,14 +181,14 @@ async fn step_down(state: &AppState, current: &ResolvedLock) {
         .into_iter()
         .filter(|l| l.name() == current.name)
         .collect();
-    state.let_go(&locks, &[], LetGo::ResourceDeleted).await;
-    if let Some(family) = state
+    let families: Vec<KeyedFamily> = state
         .families()
         .into_iter()
-        .find(|f| f.name() == current.name)
-    {
-        state.note_releases_due(family.stop().await);
-    }
+        .filter(|f| f.name() == current.name)
+        .collect();
+    state
+        .let_go(&locks, &families, LetGo::ResourceDeleted)
+        .await;
 }
 
 /// Read `lock`'s Secrets and start what it declares. The error is the reason to answer with

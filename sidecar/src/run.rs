@@ -14,10 +14,6 @@ use crate::config::Config;
 use crate::from_resource;
 use crate::metrics::Metrics;
 
-/// Why the process stops when the pod's other containers have finished (`--exit-with-pod`):
-/// no app is left to act on an answer, so the leases are released at once.
-const POD_FINISHED: &str = "the pod's other containers have finished";
-
 /// After the leases are released, how long open connections (long polls, event streams) get
 /// before the process exits anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_millis(150);
@@ -137,9 +133,9 @@ pub async fn run(config: Config) -> Result<(), String> {
             None => std::future::pending().await,
         }
     };
-    let signal = tokio::select! {
-        signal = leasehold_process::shutdown_signal() => signal,
-        () = pod_finished => POD_FINISHED,
+    let (signal, why) = tokio::select! {
+        signal = leasehold_process::shutdown_signal() => (signal, LetGo::PodStopping),
+        () = pod_finished => ("the pod's other containers have finished", LetGo::AppsFinished),
     };
     tracing::info!(signal, "shutting down: releasing leases");
     // Stop following resources (no lock may be swapped in now), then release first: waiters
@@ -157,11 +153,6 @@ pub async fn run(config: Config) -> Result<(), String> {
         app_health.abort();
         let _ = app_health.await;
     }
-    let why = if signal == POD_FINISHED {
-        LetGo::AppsFinished
-    } else {
-        LetGo::PodStopping
-    };
     state.let_go(&state.locks(), &state.families(), why).await;
     // The lock API keeps answering (not held) while the last answers run out.
     if let Some(due) = state.releases_due() {

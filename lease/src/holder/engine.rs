@@ -561,7 +561,17 @@ impl Engine {
     /// driver dropped: a session backend (ZooKeeper, etcd) keeps the lock as long as its
     /// session lives. When the lease will be released, if one was held.
     pub(super) fn lapse_for(&mut self, reason: &'static str) -> Option<BootInstant> {
-        let held = self.forget(EventKind::Released, reason)?;
+        self.lapse_as(EventKind::Released, reason)
+    }
+
+    /// [`Engine::lapse_for`], telling listeners of it as `kind`: a lease found lost is let go
+    /// of the same way.
+    pub(super) fn lapse_as(
+        &mut self,
+        kind: EventKind,
+        reason: &'static str,
+    ) -> Option<BootInstant> {
+        let held = self.forget(kind, reason)?;
         let answered_until = held
             .hold_until
             .map_or(held.valid_until, |h| h.min(held.valid_until));
@@ -963,19 +973,14 @@ impl Engine {
             // Read only once the claim it renews had run out (a stalled task; the call's time
             // limit bounds the wait, not when its answer is read). The app has been answered
             // "not held" since, and a fair-queue driver's place may have been given up to the
-            // next in line: the lease is lost, as the fence would have found it on time. Every
-            // answer it backed has run out, so what the renewal kept is released at once.
+            // next in line: the lease is lost, as the fence would have found it on time. What
+            // the renewal kept is released once the answers it backed have run out (they have,
+            // but for the margin for an answer read late).
             Call::Done(true) if BootInstant::now() >= claimed_until => {
-                if let Some(held) = self.forget(
+                self.lapse_as(
                     EventKind::Lost,
                     "the renewal was answered after the lease ran out",
-                ) {
-                    let driver = self.driver.clone();
-                    tokio::spawn(async move {
-                        let _ =
-                            timeout(SHUTDOWN_RELEASE_TIMEOUT, driver.release(&held.lease)).await;
-                    });
-                }
+                );
             }
             Call::Done(true) => {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());
