@@ -808,10 +808,14 @@ async fn acquire(
     let params = durations(&query, &[("wait", MAX_WAIT), ("hold", MAX_HOLD)])?;
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
     let hold = hold_param(&params)?;
-    lock.acquire(wait, hold)
+    let answer = lock
+        .acquire(wait, hold)
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
-    Ok(current(&lock, None))
+    // The answer this acquisition got, not the state a moment later: another call of this pod
+    // may have taken the lock since, and a refused call holds nothing (its app would act while
+    // the other call's release frees the lock).
+    Ok(lock_response(&lock, &lock.snapshot(), answer, None))
 }
 
 /// On-demand: acquire, waiting up to `wait`, and hold for as long as the connection stays open
@@ -1929,6 +1933,79 @@ async fn not_found() -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use leasehold_lease::{BackendUrl, LockConfig};
+    use leasehold_testkit::faulty::FaultyDriver;
+    use tower::ServiceExt;
+
+    async fn post(router: &Router, uri: &str) -> (StatusCode, serde_json::Value) {
+        answer_of(router.clone().oneshot(request(uri)).await.unwrap()).await
+    }
+
+    fn request(uri: &str) -> axum::http::Request<axum::body::Body> {
+        axum::http::Request::post(uri)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    }
+
+    async fn answer_of(response: Response) -> (StatusCode, serde_json::Value) {
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    /// An acquisition refused while the lock was busy is answered as refused, even when another
+    /// call of the same pod takes the lock before the refused call's handler reads the lock.
+    #[tokio::test]
+    async fn an_acquisition_is_answered_with_its_own_outcome_not_the_state_a_moment_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap();
+        let faulty = FaultyDriver::wrap(backend.clone());
+        let lease = Duration::from_secs(10);
+        let mut config = LockConfig::new("jobs", "pod-a", lease);
+        config.mode = Mode::OnDemand;
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let lock = Lock::start(faulty.clone(), config, metrics.clone()).unwrap();
+        let router = lock_api(AppState::new(vec![lock], metrics));
+
+        // Another process holds the lock when the first call asks without waiting.
+        let Ok(leasehold_lease::Acquire::Acquired(other)) =
+            backend.try_acquire("jobs", "pod-b", lease).await
+        else {
+            panic!("pod-b did not take the free lock");
+        };
+        let mut refused = Box::pin(router.clone().oneshot(request("/lock/acquire?wait=0")));
+        // Polled once: the call is with the engine, whose answer its handler reads only later.
+        assert!(
+            tokio::time::timeout(Duration::ZERO, &mut refused)
+                .await
+                .is_err()
+        );
+        while faulty.answered("jobs", "pod-a") == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The backend refused it; pod-b lets go, and a second call of this pod takes the lock.
+        assert!(backend.release(&other).await.unwrap());
+        let (status, taken) = post(&router, "/lock/acquire?wait=10s&hold=10s").await;
+        assert_eq!(status, StatusCode::OK, "{taken}");
+        assert_eq!(taken["holder"], true, "{taken}");
+
+        let (status, answer) = answer_of(refused.await.unwrap()).await;
+        assert_eq!(
+            (status, &answer["holder"]),
+            (StatusCode::CONFLICT, &serde_json::json!(false)),
+            "a call the backend refused was answered {status} {answer}: its app would act as \
+             the holder while it holds no acquisition (the other call's release frees the lock)"
+        );
+        // The lock is this pod's for the call that took it, once.
+        let (status, released) = post(&router, "/lock/release").await;
+        assert_eq!(status, StatusCode::OK, "{released}");
+        assert_eq!(released["holder"], false, "{released}");
+    }
 
     #[test]
     fn durations_are_taken_in_the_documented_form_only() {
