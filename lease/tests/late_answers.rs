@@ -361,3 +361,47 @@ async fn a_reader_that_hangs_up_while_its_permit_is_checked_gives_it_back() {
     }
     family.shutdown().await;
 }
+
+/// An app counts its answer's `validForMs` from when it reads it, a moment after the engine
+/// computed it: a hold that runs out is released only after that moment's margin, as every
+/// other let-go is, so that nobody else holds while the app's reading of its answer stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_that_ran_out_is_released_after_the_margin_for_an_answer_read_late() {
+    let harness = SqliteHarness::new();
+    let backend = sqlite(&harness).await;
+    let name = unique_lock("hold-lapse");
+    // A long lease for a wide margin (610 ms): a read delay of half of it is covered.
+    let lease = Duration::from_secs(30);
+    let margin = leasehold_lease::safety_margin(lease);
+    let mut config = LockConfig::new(&name, "a", lease);
+    config.mode = Mode::OnDemand;
+    let a = Lock::start(backend.clone(), config, Arc::new(())).expect("lock");
+    let answer = a
+        .acquire(Duration::ZERO, Duration::from_millis(300))
+        .await
+        .expect("acquire");
+    let read = Instant::now();
+    let Answer::Holder { valid_for, .. } = answer else {
+        panic!("a did not take the free lock: {answer:?}");
+    };
+    // The app, reading its answer up to half the margin late, acts until then.
+    let app_acts_until = read + valid_for + margin / 2;
+    let taken = loop {
+        if let Ok(leasehold_lease::Acquire::Acquired(_)) =
+            backend.try_acquire(&name, "b", lease).await
+        {
+            break Instant::now();
+        }
+        assert!(
+            read.elapsed() < Duration::from_secs(10),
+            "b never took the lock"
+        );
+        sleep(Duration::from_millis(2)).await;
+    };
+    assert!(
+        taken >= app_acts_until,
+        "b took the lock {:?} before the end of a's answer read {:?} late",
+        app_acts_until - taken,
+        margin / 2
+    );
+}

@@ -944,7 +944,10 @@ impl Engine {
         if hold_deadline.is_some_and(|deadline| now >= deadline) {
             tracing::warn!(lock = %self.config.name,
                 "the app did not acquire again within its hold; releasing");
-            Box::pin(self.step_down("the app's hold elapsed")).await;
+            // Released once the margin for an answer read late has passed too: the app counts
+            // its `validForMs` from when it read the answer. No new acquisition of this
+            // process meets its own lease meanwhile.
+            self.lapse_and_wait("the app's hold elapsed", Duration::ZERO);
             return Flow::Continue;
         }
         if now >= renew_at {
