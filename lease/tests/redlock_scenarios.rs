@@ -121,3 +121,59 @@ async fn minority_crashes_never_give_two_holders() {
          tokens {first} to {highest}"
     );
 }
+
+/// Masters without durable data that restart one after another while a lock is held come back
+/// empty, a majority of them: the lease and the token counter are gone from those. Each sits
+/// out one lease after its start, so nobody takes the lock while its holder's claim stands, and
+/// the next token is above the holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_majority_restarted_empty_grants_no_held_lock_and_no_lower_token() {
+    use leasehold_lease::Acquire;
+    let h = RedlockHarness::not_durable();
+    let driver = h.driver().await;
+    let lock = unique_lock("empty");
+    let lease = Duration::from_secs(3);
+    // Masters just started sit out one lease too (they cannot tell a start from a restart).
+    let started = tokio::time::Instant::now();
+    let (a, sent) = loop {
+        let sent = tokio::time::Instant::now();
+        if let Acquire::Acquired(a) = driver.try_acquire(&lock, "a", lease).await.unwrap() {
+            break (a, sent);
+        }
+        assert!(
+            started.elapsed() < lease + SLACK,
+            "a never took the free lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let a_claims_until = sent + lease - leasehold_lease::safety_margin(lease);
+    for i in 0..REDLOCK_MASTERS / 2 + 1 {
+        h.masters.lock().unwrap()[i].restart();
+    }
+    let restarted = tokio::time::Instant::now();
+    let b = loop {
+        let asked = tokio::time::Instant::now();
+        // A restarted master's first answers may be errors (its old connection): not taken.
+        if let Ok(Acquire::Acquired(b)) = driver.try_acquire(&lock, "b", lease).await {
+            assert!(
+                asked >= a_claims_until,
+                "b took the lock {:?} before a's claim (token {}) ended, with token {}",
+                a_claims_until - asked,
+                a.token,
+                b.token
+            );
+            break b;
+        }
+        assert!(
+            restarted.elapsed() < lease * 3 + SLACK,
+            "b never took the lock once a's lease had run out"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        b.token > a.token,
+        "b's token {} is not above a's {} after the restarts",
+        b.token,
+        a.token
+    );
+}

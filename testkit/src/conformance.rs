@@ -296,10 +296,20 @@ pub struct RedlockHarness {
 pub const REDLOCK_MASTERS: usize = 5;
 
 impl RedlockHarness {
+    /// Durable masters (`appendfsync always`).
     pub fn new() -> Self {
+        Self::with_masters(RedisServer::start)
+    }
+
+    /// Masters without an append-only file: a restart after `kill -9` comes back empty.
+    pub fn not_durable() -> Self {
+        Self::with_masters(|| RedisServer::start_with(false))
+    }
+
+    fn with_masters(start: impl Fn() -> RedisServer) -> Self {
         Self {
             masters: Arc::new(std::sync::Mutex::new(
-                (0..REDLOCK_MASTERS).map(|_| RedisServer::start()).collect(),
+                (0..REDLOCK_MASTERS).map(|_| start()).collect(),
             )),
         }
     }

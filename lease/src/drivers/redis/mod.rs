@@ -110,7 +110,13 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// step covers the tokens an epoch draws while the clock stands behind the record.
 pub(crate) const FLOOR_STEP: i64 = 1_000_000;
 
-pub(crate) const ACQUIRE: &str = r"
+/// The epoch check of [`ACQUIRE`] and of Redlock's first phase ([`crate::drivers::redis::redlock`]),
+/// as Lua that defines `clock()`, `check_epoch()` and the state they set (`guarded`, `since`,
+/// `now`, `floor`): KEYS[1] is the epoch record, ARGV[1] "1" when the server is durable. A
+/// macro, so that both scripts are one literal each (`concat!`).
+macro_rules! epoch_check {
+    () => {
+        r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
 local function clock()
   if now == 0 then
@@ -148,6 +154,14 @@ local function check_epoch()
   end
   checked = true
 end
+"
+    };
+}
+pub(crate) use epoch_check;
+
+pub(crate) const ACQUIRE: &str = concat!(
+    epoch_check!(),
+    r"
 local function keep_records(counter, ahead)
   local keep = string.format('%d', tonumber(ARGV[2]) + math.max(0, math.ceil((ahead - clock()) / 1000)))
   redis.call('PEXPIRE', counter, keep)
@@ -232,7 +246,8 @@ for i = 1, (#KEYS - 1) / 4 do
   end
 end
 return results
-";
+"
+);
 
 /// One acquisition of an [`ACQUIRE`] call.
 pub(crate) struct Acquisition<'a> {

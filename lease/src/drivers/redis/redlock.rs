@@ -12,9 +12,12 @@
 //! - **Why tokens strictly increase with a minority down**: the previous holder's token was
 //!   written to the counters of a majority (phase 2) before it claimed, and every majority shares a
 //!   master with every other. That master's counter was raised before its lease key was freed, and
-//!   this acquisition read it after the key was free, so TOKEN exceeds the previous one. This
-//!   needs the counter to survive a master's restart: run every master with `appendonly yes` and
-//!   `appendfsync always`, as for single Redis (or keep a crashed master down for one lease).
+//!   this acquisition read it after the key was free, so TOKEN exceeds the previous one.
+//! - **A master that restarted** without its data, or that is not durable (`appendonly yes`
+//!   with `appendfsync always`), may have lost a holder's lease and counter: phase 1 checks its
+//!   epoch as single Redis does, so it grants nothing for one lease after its start and answers
+//!   a counter raised above every token it gave before (the epoch's floor, its clock in
+//!   microseconds). A durable master keeps both and grants at once.
 //! - **Renew** extends the key on every master and needs a majority; **release** goes to all.
 //! - Clocks: each master expires keys by its own clock; the drift allowance (1 % + 2 ms) is
 //!   below the holder's own safety margin, so the holder stops claiming before the first master
@@ -31,6 +34,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
+use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, lease_value, listen_for_releases, map_err,
@@ -57,18 +61,33 @@ const MAX_DELAY: Duration = Duration::from_secs(1);
 const DRIFT_FACTOR: u32 = 100;
 const DRIFT_FLOOR: Duration = Duration::from_millis(2);
 
-/// KEYS: lease, token counter, the lock's own counter (the same unless the lock is a family's
-/// key: see [`crate::drivers::redis::ACQUIRE`]). ARGV: pending value, ttl ms.
-/// Returns the larger counter when the key was set, or {current value, remaining ms} when held.
-const PHASE_1: &str = r"
-local current = redis.call('GET', KEYS[1])
+/// KEYS: the master's epoch record, lease, token counter, the lock's own counter (the same
+/// unless the lock is a family's key: see [`crate::drivers::redis::ACQUIRE`]). ARGV: durable
+/// ("1" when the master loses no acknowledged write in a crash), pending value, ttl ms.
+/// Returns the largest counter (at least the epoch's floor) when the key was set, {current
+/// value, remaining ms} when held, or {false, remaining ms} while the master waits out a lease
+/// it may have lost: a master restarted without its data (or with it, but not durable) grants
+/// nothing for one lease, and raises its floor above every token it gave before, as single
+/// Redis does ([`crate::drivers::redis::ACQUIRE`]'s epoch check, the same Lua). Without that, a
+/// majority that restarted empty one after another while a lock was held would grant it again,
+/// with a token counted from nothing.
+const PHASE_1: &str = concat!(
+    crate::drivers::redis::epoch_check!(),
+    r"
+local current = redis.call('GET', KEYS[2])
 if current then
-  return {current, redis.call('PTTL', KEYS[1])}
+  return {current, redis.call('PTTL', KEYS[2])}
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return math.max(tonumber(redis.call('GET', KEYS[2]) or '0'),
-  tonumber(redis.call('GET', KEYS[3]) or '0'))
-";
+check_epoch()
+local left = guarded and since + tonumber(ARGV[3]) * 1000 - now or 0
+if left > 0 then
+  return {false, math.ceil(left / 1000)}
+end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return math.max(floor, tonumber(redis.call('GET', KEYS[3]) or '0'),
+  tonumber(redis.call('GET', KEYS[4]) or '0'))
+"
+);
 
 /// KEYS: lease, token counter, the lock's own counter. ARGV: pending value, final value, token,
 /// how long a family key's own counter is kept (ms). Returns 1 when done.
@@ -88,6 +107,10 @@ return 1
 
 struct Master {
     conn: ConnectionManager,
+    /// `host:port`, naming it to its durability check.
+    name: String,
+    /// Whether it loses no acknowledged write (its epoch check's argument).
+    durability: Durability,
     subscriber: tokio::task::JoinHandle<()>,
     /// Renewals on this master go out together ([`crate::drivers::redis::renewals`]).
     renewals: RenewalBatches,
@@ -149,6 +172,12 @@ impl RedlockDriver {
                 let renewals = RenewalBatches::new(conn.clone(), 0);
                 Ok(Master {
                     conn,
+                    name: format!(
+                        "{}:{}",
+                        url.host_str().unwrap_or_default(),
+                        url.port().unwrap_or(6379)
+                    ),
+                    durability: Durability::default(),
                     subscriber,
                     renewals,
                 })
@@ -248,14 +277,37 @@ impl Driver for RedlockDriver {
         let timeout = master_timeout(ttl);
         // Not a valid `TOKEN:IDENTITY`, so observers see a pending acquisition as no holder.
         let pending = format!("pending-{:016x}:{identity}", rand::random::<u64>());
-        let mut phase_1 = self.phase_1.prepare_invoke();
-        phase_1
-            .key(self.keys.lease(lock))
-            .key(self.keys.counter(lock))
-            .key(self.keys.token(lock))
-            .arg(&pending)
-            .arg(ms(ttl));
-        let replies = self.on_masters(&self.all(), timeout, &phase_1).await;
+        let replies: Vec<Reply> = join_all(self.masters.iter().map(|master| {
+            let mut conn = master.conn.clone();
+            let pending = &pending;
+            let phase_1 = async move {
+                let durable = master
+                    .durability
+                    .of(&mut conn, &master.name)
+                    .await
+                    .map_err(map_err)?;
+                let mut phase_1 = self.phase_1.prepare_invoke();
+                phase_1
+                    .key(self.keys.epoch_of(lock))
+                    .key(self.keys.lease(lock))
+                    .key(self.keys.counter(lock))
+                    .key(self.keys.token(lock))
+                    .arg(if durable { "1" } else { "0" })
+                    .arg(pending)
+                    .arg(ms(ttl));
+                phase_1
+                    .invoke_async::<Value>(&mut conn)
+                    .await
+                    .map_err(map_err)
+            };
+            async move {
+                match tokio::time::timeout(timeout, phase_1).await {
+                    Ok(reply) => reply,
+                    Err(_) => Err(Error::Timeout(timeout)),
+                }
+            }
+        }))
+        .await;
         let mut granted = Vec::new();
         let mut counter_max = 0u64;
         for (i, reply) in replies.iter().enumerate() {
