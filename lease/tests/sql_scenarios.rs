@@ -1139,7 +1139,9 @@ async fn release_committed_during_a_sweep_keeps_tokens_rising(
             format!("UPDATE {table} SET holder = NULL, expires_at = now() WHERE name = '{key}'")
         }
         Dialect::MySql => {
-            format!("UPDATE {table} SET holder = NULL, expires_at = NOW(6) WHERE name = '{key}'")
+            format!(
+                "UPDATE {table} SET holder = NULL, expires_at = UTC_TIMESTAMP(6) WHERE name = '{key}'"
+            )
         }
     };
     sqlx::query("BEGIN")
@@ -1672,4 +1674,121 @@ async fn sqlite_drivers_opening_one_new_file_at_once_all_open() {
             }
         }
     }
+}
+
+/// Expiry is the server's UTC clock, whatever time zone a client's session runs in: a client
+/// whose URL sets another zone (`timezone=+02:00`, or `SYSTEM` on a server with summer time)
+/// reads the same expiry as every other, and a live lease is not free to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_session_in_another_time_zone_reads_the_same_expiry() {
+    use leasehold_lease::Acquire;
+    let h = MariaDbHarness::new();
+    let lock = unique_lock("zone");
+    let ttl = Duration::from_secs(10);
+    let ahead =
+        leasehold_testkit::driver_for(&format!("{}?timezone=%2B02:00", h.server.url())).await;
+    let behind =
+        leasehold_testkit::driver_for(&format!("{}?timezone=-03:00", h.server.url())).await;
+    let utc = h.driver().await;
+    let Acquire::Acquired(lease) = utc.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    for (zone, other) in [("+02:00", &ahead), ("-03:00", &behind)] {
+        let taken = other.try_acquire(&lock, "b", ttl).await.unwrap();
+        assert!(
+            matches!(taken, Acquire::Busy(_)),
+            "a session at {zone} took a's live lease: {taken:?}"
+        );
+    }
+    // Its own renewals and release count the same way from any zone.
+    assert!(utc.renew(&lease, ttl).await.unwrap());
+    assert!(utc.release(&lease).await.unwrap());
+    let Acquire::Acquired(b) = behind.try_acquire(&lock, "b", ttl).await.unwrap() else {
+        panic!("the released lock is not free at -03:00");
+    };
+    // A lease taken at -03:00 is live for a client at +02:00.
+    let taken = ahead.try_acquire(&lock, "c", ttl).await.unwrap();
+    assert!(matches!(taken, Acquire::Busy(_)), "{taken:?}");
+    assert!(behind.release(&b).await.unwrap());
+}
+
+/// The operator deletes a row-lock lock's records (`delete_records`) while a contender that does
+/// not follow the resource keeps asking for the lock. The release that lets the deleter go and
+/// the deletion are one transaction: a contender that takes the lock after it holds it alone,
+/// its fence renewing and seen by everyone, and the deletion never waits for its row.
+async fn row_lock_records_deleted_while_a_contender_asks(h: &impl Harness) {
+    use leasehold_lease::{Acquire, delete_records};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const TTL: Duration = Duration::from_secs(10);
+    let (mut deleted, mut taken_after) = (0, 0);
+    for _ in 0..20 {
+        let lock = unique_lock("deleted");
+        let (deleter, contender, observer) = (h.driver().await, h.driver().await, h.driver().await);
+        // Seed the row and the fence.
+        let Acquire::Acquired(first) = observer.try_acquire(&lock, "seed", TTL).await.unwrap()
+        else {
+            panic!("the new lock is not free");
+        };
+        assert!(observer.release(&first).await.unwrap());
+        let asking = Arc::new(AtomicBool::new(true));
+        let asker = tokio::spawn({
+            let (lock, asking, contender) = (lock.clone(), asking.clone(), contender.clone());
+            async move {
+                while asking.load(Ordering::SeqCst) {
+                    if let Ok(Acquire::Acquired(lease)) =
+                        contender.try_acquire(&lock, "b", TTL).await
+                    {
+                        return Some(lease);
+                    }
+                }
+                None
+            }
+        });
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(8),
+            delete_records(&*deleter, &lock, TTL),
+        )
+        .await
+        .expect("the deletion waited for a contender's row: it freed the fence under it")
+        .unwrap();
+        if outcome.is_none() {
+            deleted += 1;
+        }
+        asking.store(false, Ordering::SeqCst);
+        let Some(lease) = asker.await.unwrap() else {
+            continue;
+        };
+        let holder = observer.observe(&lock).await.unwrap();
+        assert_eq!(
+            holder.as_ref().map(|h| (h.identity.as_str(), h.token)),
+            Some(("b", lease.token)),
+            "b took the lock (token {}) around its records' deletion, and its fence is not its own",
+            lease.token
+        );
+        assert!(
+            contender.renew(&lease, TTL).await.unwrap(),
+            "b holds the row but cannot renew its fence"
+        );
+        if outcome.is_none() {
+            taken_after += 1;
+        }
+        assert!(contender.release(&lease).await.unwrap());
+    }
+    println!(
+        "records deleted {deleted} times of 20, the lock taken right after {taken_after} times"
+    );
+    assert!(
+        deleted > 0,
+        "the deleter never got the lock to delete its records"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_records_deleted_while_a_contender_asks() {
+    row_lock_records_deleted_while_a_contender_asks(&PostgresHarness::row_lock()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_records_deleted_while_a_contender_asks() {
+    row_lock_records_deleted_while_a_contender_asks(&MariaDbHarness::row_lock()).await;
 }

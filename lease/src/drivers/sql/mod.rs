@@ -190,8 +190,8 @@ impl RenewMany {
             Dialect::MySql => format!(
                 "UPDATE {t} AS l JOIN {v} \
                    ON l.name = v.name AND l.holder = v.holder AND l.token = v.token \
-                 SET l.expires_at = NOW(6) + INTERVAL v.ttl MICROSECOND \
-                 WHERE l.expires_at > NOW(6)"
+                 SET l.expires_at = UTC_TIMESTAMP(6) + INTERVAL v.ttl MICROSECOND \
+                 WHERE l.expires_at > UTC_TIMESTAMP(6)"
             ),
         }
     }
@@ -203,7 +203,7 @@ impl RenewMany {
             format!(
                 "SELECT l.name, l.holder, l.token FROM {t} AS l JOIN {v} \
                    ON l.name = v.name AND l.holder = v.holder AND l.token = v.token \
-                 WHERE l.expires_at > NOW(6)"
+                 WHERE l.expires_at > UTC_TIMESTAMP(6)"
             )
         })
     }
@@ -520,28 +520,28 @@ impl Dialect {
                 // LAST_INSERT_ID(expr) hands the new token to this connection atomically.
                 acquire: format!(
                     "UPDATE {t} SET holder = ?, token = LAST_INSERT_ID(token + 1), \
-                       expires_at = NOW(6) + INTERVAL ? MICROSECOND \
-                     WHERE name = ? AND (holder IS NULL OR expires_at <= NOW(6))"
+                       expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
+                     WHERE name = ? AND (holder IS NULL OR expires_at <= UTC_TIMESTAMP(6))"
                 ),
                 insert: Some(format!(
                     "INSERT IGNORE INTO {t} (name, holder, token, expires_at) \
-                     VALUES (?, ?, 1, NOW(6) + INTERVAL ? MICROSECOND)"
+                     VALUES (?, ?, 1, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"
                 )),
                 renew_many: RenewMany {
                     dialect: self,
                     table: t.clone(),
                 },
                 release: format!(
-                    "UPDATE {t} SET holder = NULL, expires_at = NOW(6) \
+                    "UPDATE {t} SET holder = NULL, expires_at = UTC_TIMESTAMP(6) \
                      WHERE name = ? AND holder = ? AND token = ?"
                 ),
                 observe: format!(
                     "SELECT holder, token, \
-                       CAST(TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) DIV 1000 AS SIGNED) AS remaining_ms \
-                     FROM {t} WHERE name = ? AND holder IS NOT NULL AND expires_at > NOW(6)"
+                       CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED) AS remaining_ms \
+                     FROM {t} WHERE name = ? AND holder IS NOT NULL AND expires_at > UTC_TIMESTAMP(6)"
                 ),
                 delete_lock: format!(
-                    "UPDATE {t} SET holder = NULL, expires_at = NOW(6) WHERE name = ?"
+                    "UPDATE {t} SET holder = NULL, expires_at = UTC_TIMESTAMP(6) WHERE name = ?"
                 ),
                 delete_row: format!("DELETE FROM {r} WHERE name = ?"),
                 key_floor: KeyFloor {
@@ -549,11 +549,11 @@ impl Dialect {
                     // whose row another session inserted first.
                     acquire: format!(
                         "INSERT IGNORE INTO {t} (name, holder, token, expires_at) \
-                         SELECT ?, ?, LAST_INSERT_ID(f.token + 1), NOW(6) + INTERVAL ? MICROSECOND \
+                         SELECT ?, ?, LAST_INSERT_ID(f.token + 1), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
                          FROM {t} AS f WHERE f.name = ? LOCK IN SHARE MODE"
                     ),
                     ensure: format!(
-                        "INSERT IGNORE INTO {t} (name, holder, token, expires_at) VALUES (?, NULL, ?, NOW(6))"
+                        "INSERT IGNORE INTO {t} (name, holder, token, expires_at) VALUES (?, NULL, ?, UTC_TIMESTAMP(6))"
                     ),
                     read: format!("SELECT token FROM {t} WHERE name = ?"),
                     highest: format!(
@@ -562,7 +562,8 @@ impl Dialect {
                     ),
                     lock: format!("SELECT token FROM {t} WHERE name = ? FOR UPDATE"),
                     forget: ForgetIdle::MySql {
-                        cutoff: "SET @leasehold_cutoff = NOW(6) - INTERVAL ? MICROSECOND".into(),
+                        cutoff: "SET @leasehold_cutoff = UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
+                            .into(),
                         highest: format!(
                             "SELECT COALESCE(MAX(token), 0) AS highest FROM {t} \
                              WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') AND expires_at <= @leasehold_cutoff"
@@ -582,7 +583,7 @@ impl Dialect {
                     count_held: format!(
                         "SELECT CAST(COUNT(*) AS SIGNED) AS held FROM {t} \
                          WHERE (name LIKE ? ESCAPE '|' OR name LIKE ? ESCAPE '|') \
-                         AND holder IS NOT NULL AND expires_at > NOW(6)"
+                         AND holder IS NOT NULL AND expires_at > UTC_TIMESTAMP(6)"
                     ),
                 },
                 forget_seeded: ForgetSeeded::MySql {
@@ -601,7 +602,7 @@ impl Dialect {
                 // evaluates it once, before any row is locked.
                 named_release: Some(format!(
                     "UPDATE {t} SET holder = IF(RELEASE_LOCK(CONCAT(?, LEFT(name, 0))) IS NULL, NULL, NULL), \
-                     expires_at = NOW(6) WHERE name = ? AND holder = ? AND token = ?"
+                     expires_at = UTC_TIMESTAMP(6) WHERE name = ? AND holder = ? AND token = ?"
                 )),
             },
         }

@@ -338,6 +338,41 @@ impl RowLocks {
         Ok(true)
     }
 
+    /// [`RowLocks::release`], deleting the lock's seeded row in the same transaction before it
+    /// commits: the row is this transaction's until then, so the DELETE waits for nobody, and
+    /// no contender takes the row or the fence between the release and the deletion.
+    pub(crate) async fn release_deleting_row(
+        &self,
+        driver: &impl Fence,
+        lease: &Lease,
+    ) -> Result<()> {
+        let not_held = || {
+            Error::Backend(format!(
+                "lock {:?} is not held by this process's transaction",
+                lease.lock
+            ))
+        };
+        let row = self
+            .held(&lease.lock)
+            .filter(|row| row.lease == *lease)
+            .ok_or_else(not_held)?;
+        self.forget(&lease.lock, &row);
+        let mut tx = row.conn.lock().await.take().ok_or_else(not_held)?;
+        // On an error the transaction is dropped (rolled back): nothing is deleted, and the
+        // caller frees the fence.
+        if !driver.release_row_in(&mut tx, lease).await? {
+            return Err(not_held());
+        }
+        sqlx::query(&driver.statements().delete_row)
+            .bind(&lease.lock)
+            .execute(&mut tx)
+            .await
+            .map_err(map_err)?;
+        tx.execute("COMMIT").await.map_err(map_err)?;
+        self.spare(tx);
+        Ok(())
+    }
+
     pub(crate) async fn release(&self, driver: &impl Fence, lease: &Lease) -> Result<bool> {
         if let Some(row) = self.held(&lease.lock).filter(|row| row.lease == *lease) {
             self.forget(&lease.lock, &row);

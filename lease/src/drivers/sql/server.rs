@@ -2,7 +2,7 @@
 //! differences kept in [`Dialect`]. This is lease mode; row-lock mode ([`crate::drivers::sql::row_lock`])
 //! adds a `FOR UPDATE` row lock in front of the very same row, which stays its fence.
 //!
-//! - Expiry is computed by the database's own clock (`now()`, `NOW(6)`), so a client whose clock
+//! - Expiry is computed by the database's own clock (`now()`, `UTC_TIMESTAMP(6)`), so a client whose clock
 //!   is wrong by minutes can neither steal a live lease nor keep an expired one.
 //! - Acquire inserts the row, or takes it over with a compare-and-set when it is free or
 //!   expired; the token goes up by one on every acquisition and is never reset (a release keeps
@@ -726,12 +726,13 @@ impl Upkeep for SqlDriver {
 
     /// Create the lock table (and in row-lock mode the row table, seeded with `locks`) if
     /// absent; needs CREATE the first time only.
-    /// In row-lock mode the row is held `FOR UPDATE` by this process's own transaction, which its
-    /// DELETE (on another connection) would wait for: it is released first. A contender that
-    /// takes the row meanwhile holds it alone, and the DELETE waits for its transaction in turn.
+    /// In row-lock mode the row is held `FOR UPDATE` by this process's own transaction: the
+    /// fence is freed and the row deleted in that transaction, which then commits. Released
+    /// first and deleted after, a contender woken by the release could take the row and the
+    /// fence in between, and the deletion would free the fence under it.
     async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
-        if self.mode == SqlMode::RowLock {
-            self.release(lease).await?;
+        if let Some(row_locks) = &self.row_locks {
+            return row_locks.release_deleting_row(self, lease).await;
         }
         self.deprovision(std::slice::from_ref(&lease.lock)).await
     }
