@@ -722,3 +722,59 @@ async fn a_lease_leasehold_did_not_make_is_neither_taken_nor_freed() {
     assert_eq!(taken.token, 4, "the Lease's own count goes on");
     assert_eq!(holder(), "pod-a");
 }
+
+/// The operator deletes a family's key Leases once none is held: a key whose holder's clock
+/// runs behind this node's (its `renewTime` looks run out here, by less than the allowed skew)
+/// counts as held and keeps its Lease, since its holder still claims it; a waiter would take a
+/// deleted Lease at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_whose_holders_clock_runs_behind_is_neither_counted_free_nor_deleted() {
+    const TTL: Duration = Duration::from_secs(10);
+    let harness = KubernetesHarness::new();
+    let driver = harness.client_driver();
+    let family = unique_lock("skewed");
+    let key = format!("{family}.keys.k");
+    let Acquire::Acquired(_) = driver.try_acquire(&key, "pod-a", TTL).await.unwrap() else {
+        panic!("the key is not free");
+    };
+    let renewed_ago = |ago: Duration| {
+        let mut lease = harness
+            .api
+            .lease(KubernetesHarness::NAMESPACE, &key)
+            .expect("the key's Lease");
+        let renewed = k8s_openapi::jiff::Timestamp::now()
+            - k8s_openapi::jiff::SignedDuration::try_from(ago).unwrap();
+        lease["spec"]["renewTime"] = json!(renewed.to_string());
+        harness
+            .api
+            .put(leasehold_testkit::in_memory_api_server::LEASES, lease);
+    };
+    // pod-a's clock runs 12 s behind: its renewal a moment ago reads 12 s old here, its
+    // 10 s lease 2 s run out.
+    renewed_ago(Duration::from_secs(12));
+    assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(1));
+    assert_eq!(
+        driver
+            .forget_idle_keys(&family, Duration::ZERO)
+            .await
+            .unwrap(),
+        0
+    );
+    assert!(
+        harness
+            .api
+            .lease(KubernetesHarness::NAMESPACE, &key)
+            .is_some(),
+        "the Lease of a key its holder still claims was deleted"
+    );
+    // Run out by more than any allowed skew: free, and deleted.
+    renewed_ago(TTL + leasehold_lease::kubernetes::MAX_CLOCK_SKEW + Duration::from_secs(1));
+    assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(0));
+    assert_eq!(
+        driver
+            .forget_idle_keys(&family, Duration::ZERO)
+            .await
+            .unwrap(),
+        1
+    );
+}

@@ -634,6 +634,21 @@ impl Record {
         self.identity.is_none() || self.expires_at().is_none_or(|end| end <= now)
     }
 
+    /// Held, or run out less than [`MAX_CLOCK_SKEW`] ago by this clock: the holder's clock may
+    /// run that far behind this one, and it still claims the key until its own clock says the
+    /// lease ran out. What clean-up counts and deletes goes by this.
+    fn maybe_held_at(&self, now: Timestamp) -> bool {
+        self.identity.is_some()
+            && self
+                .expires_at()
+                .and_then(|end| {
+                    end.checked_add(SignedDuration::try_from(MAX_CLOCK_SKEW).ok()?)
+                        .ok()
+                })
+                .is_some_and(|end| end > now)
+    }
+
+    #[cfg(test)]
     fn holding(&self, now: Timestamp) -> Option<Holding> {
         if self.expired_at(now) {
             return None;
@@ -875,7 +890,9 @@ impl Upkeep for KubernetesLeaseDriver {
         Ok(())
     }
 
-    /// The namespace's Leases, read page by page; a key's Lease is named after its lock.
+    /// The namespace's Leases, read page by page; a key's Lease is named after its lock. A key
+    /// whose holder's lease ran out less than [`MAX_CLOCK_SKEW`] ago counts as held: its holder
+    /// may still claim it by a clock behind this one.
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
         let now = Timestamp::now();
         let mut held = 0;
@@ -884,7 +901,7 @@ impl Upkeep for KubernetesLeaseDriver {
             held += page
                 .iter()
                 .filter_map(Record::of)
-                .filter(|record| record.holding(now).is_some())
+                .filter(|record| record.maybe_held_at(now))
                 .count() as u64;
         }
         Ok(Some(held))
@@ -917,7 +934,9 @@ impl Upkeep for KubernetesLeaseDriver {
                     Some(_) => record.expires_at(),
                 }
                 .or(created);
-                let idle = record.expired_at(now)
+                // Not while its holder, by a clock behind this one, may still claim it.
+                let idle = !record.maybe_held_at(now)
+                    && record.expired_at(now)
                     && idle_since
                         .and_then(|since| since.checked_add(idle_for).ok())
                         .is_none_or(|until| until <= now);
