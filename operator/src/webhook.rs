@@ -633,11 +633,11 @@ pub fn sidecar(
             period_seconds: Some(5),
             ..Probe::default()
         }),
-        liveness_probe: Some(Probe {
-            http_get: Some(http("/healthz")),
-            period_seconds: Some(10),
-            ..Probe::default()
-        }),
+        // No liveness probe: the kubelet kills a container whose probe fails while the app
+        // runs, through the preStop hook below, and a native sidecar (`--apps-stop-first`)
+        // would release at once. The sidecar's watchdog ends a stuck process instead,
+        // releasing nothing (each lease runs out on its backend).
+        liveness_probe: None,
         // The preStop steps down from every lock for good (`POST /resign` on the loopback API):
         // a plain container's as soon as the pod starts terminating, while the app may still
         // be draining (each lease is then released once the last answer given has run out); a

@@ -1,8 +1,11 @@
 #![forbid(unsafe_code)]
 //! What every Leasehold process does the same way: log to stderr (text or JSON, filtered by
 //! `RUST_LOG`), wait for SIGTERM or SIGINT, know its host's name, and listen on every address
-//! family the host has, serving each connection without Nagle's delay. The sidecar and the
-//! operator both use it, so that neither links the other.
+//! family the host has, serving each connection without Nagle's delay, and end at once when its
+//! runtime is stuck ([`watchdog`]). The sidecar and the operator both use it, so that neither
+//! links the other.
+
+pub mod watchdog;
 
 /// Logs on stderr; `RUST_LOG` filters (default `info`).
 pub fn init_logging(json: bool) {

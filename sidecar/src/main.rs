@@ -44,6 +44,15 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // The injected sidecar has no liveness probe (the kubelet's kill would run the preStop
+    // hook, handing locks over while the app runs): a stuck runtime ends the process instead.
+    if let Err(e) = leasehold_process::watchdog::Watchdog::SIDECAR.watch(
+        runtime.handle().clone(),
+        leasehold_process::watchdog::exit_stuck,
+    ) {
+        eprintln!("error: cannot start the watchdog thread: {e}");
+        return ExitCode::FAILURE;
+    }
     match runtime.block_on(leasehold_sidecar::run::run(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
