@@ -70,7 +70,7 @@ pub(crate) fn workspace_binary(name: &str, variable: &str) -> PathBuf {
         .find(|p| p.is_file())
         .unwrap_or_else(|| {
             panic!(
-                "{name} is missing beside {}: build it first with `cargo build -p {name}` (scripts/test does)",
+                "{name} is missing beside {}: build it with `cargo test --workspace --no-run` (scripts/test does), or `cargo build --bins`",
                 exe.display()
             )
         })
