@@ -815,7 +815,43 @@ async fn acquire(
     // The answer this acquisition got, not the state a moment later: another call of this pod
     // may have taken the lock since, and a refused call holds nothing (its app would act while
     // the other call's release frees the lock).
-    Ok(lock_response(&lock, &lock.snapshot(), answer, None))
+    let snapshot = lock.snapshot();
+    let answer = answered_now(&snapshot, answer);
+    Ok(lock_response(&lock, &snapshot, answer, None))
+}
+
+/// An acquisition's `answer` as it stands now, its handler having run a moment after the
+/// engine answered: a holding's validity counted down to now (never longer than answered),
+/// and not held once the holding it got has ended (lost, its hold lapsed, or another token).
+/// A backend error since does not turn it into "unknown": the acquisition was counted, and an
+/// app answered otherwise would leave its count held for nobody.
+fn answered_now(snapshot: &Snapshot, answer: Answer) -> Answer {
+    let Answer::Holder {
+        token,
+        permit,
+        valid_for,
+    } = answer
+    else {
+        return answer;
+    };
+    let left = snapshot
+        .held
+        .as_ref()
+        .filter(|held| (held.token, held.permit) == (token, permit))
+        .map(|held| {
+            held.hold_until
+                .map_or(held.valid_until, |hold| hold.min(held.valid_until))
+                .remaining()
+        })
+        .unwrap_or_default();
+    if left.is_zero() {
+        return Answer::NotHolder;
+    }
+    Answer::Holder {
+        token,
+        permit,
+        valid_for: valid_for.min(left),
+    }
 }
 
 /// On-demand: acquire, waiting up to `wait`, and hold for as long as the connection stays open
@@ -1955,6 +1991,63 @@ mod tests {
         (status, serde_json::from_slice(&body).unwrap())
     }
 
+    /// An acquisition's answer as its handler sends it: counted down to then, never lengthened
+    /// by a later, longer hold, and not held once the lock holds another token.
+    #[test]
+    fn an_answer_sent_a_moment_later_is_counted_down_to_then() {
+        use leasehold_lease::{BootInstant, Held};
+        let now = BootInstant::now();
+        let snapshot = |token, left: Duration| Snapshot {
+            held: Some(Held {
+                token,
+                permit: 0,
+                valid_until: now + left,
+                acquired_at: std::time::SystemTime::now(),
+                hold_until: None,
+            }),
+            current_holder: None,
+            backend_error: None,
+            contacted: true,
+            since: std::time::SystemTime::now(),
+            holds: 1,
+            warning: None,
+            withheld: None,
+            sitting_out: None,
+        };
+        let answered = |valid_for| Answer::Holder {
+            token: 7,
+            permit: 0,
+            valid_for,
+        };
+        let valid_for = |answer: Answer| match answer {
+            Answer::Holder { valid_for, .. } => valid_for,
+            other => panic!("not held: {other:?}"),
+        };
+        let secs = Duration::from_secs;
+        assert!(valid_for(answered_now(&snapshot(7, secs(4)), answered(secs(10)))) <= secs(4));
+        assert!(valid_for(answered_now(&snapshot(7, secs(20)), answered(secs(3)))) <= secs(3));
+        assert!(matches!(
+            answered_now(&snapshot(8, secs(10)), answered(secs(10))),
+            Answer::NotHolder
+        ));
+        assert!(matches!(
+            answered_now(
+                &Snapshot {
+                    held: None,
+                    ..snapshot(7, secs(1))
+                },
+                answered(secs(1))
+            ),
+            Answer::NotHolder
+        ));
+        // A backend error since: still the holding it was counted for.
+        let failing = Snapshot {
+            backend_error: Some("timed out".into()),
+            ..snapshot(7, secs(4))
+        };
+        assert!(valid_for(answered_now(&failing, answered(secs(10)))) <= secs(4));
+    }
+
     /// An acquisition refused while the lock was busy is answered as refused, even when another
     /// call of the same pod takes the lock before the refused call's handler reads the lock.
     #[tokio::test]
@@ -1979,12 +2072,13 @@ mod tests {
             panic!("pod-b did not take the free lock");
         };
         let mut refused = Box::pin(router.clone().oneshot(request("/lock/acquire?wait=0")));
-        // Polled once: the call is with the engine, whose answer its handler reads only later.
-        assert!(
-            tokio::time::timeout(Duration::ZERO, &mut refused)
-                .await
-                .is_err()
-        );
+        // Polled once (exactly: a zero timeout may poll it again once other tasks ran): the
+        // call is with the engine, whose answer its handler reads only later.
+        let first = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(refused.as_mut().poll(cx).is_pending())
+        })
+        .await;
+        assert!(first, "answered before the engine had the call");
         while faulty.answered("jobs", "pod-a") == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
