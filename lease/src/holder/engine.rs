@@ -945,9 +945,9 @@ impl Engine {
             tracing::warn!(lock = %self.config.name,
                 "the app did not acquire again within its hold; releasing");
             // Released once the margin for an answer read late has passed too: the app counts
-            // its `validForMs` from when it read the answer. No new acquisition of this
-            // process meets its own lease meanwhile.
-            self.lapse_and_wait("the app's hold elapsed", Duration::ZERO);
+            // its `validForMs` from when it read the answer. An acquisition meanwhile meets the
+            // lease as busy (not re-entrant on any backend) and is woken by its release.
+            self.lapse_for("the app's hold elapsed");
             return Flow::Continue;
         }
         if now >= renew_at {
