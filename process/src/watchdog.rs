@@ -74,12 +74,16 @@ impl Watchdog {
     }
 }
 
-/// What the sidecar does with a stuck runtime: says so on stderr (the logger may be one of
-/// the blocked threads' locks) and exits with status 70, releasing nothing.
+/// What the sidecar does with a stuck runtime: says so on stderr and exits with status 70,
+/// releasing nothing. The message goes from a thread of its own and is given 100 ms: a blocked
+/// worker may hold stderr's lock (a log pipe nobody reads), and the exit must not wait for it.
 pub fn exit_stuck(stuck_for: Duration) {
-    eprintln!(
-        "error: the runtime ran no task for {stuck_for:.1?}: exiting without releasing anything (each lease runs out on its backend)"
-    );
+    let _ = std::thread::Builder::new().spawn(move || {
+        eprintln!(
+            "error: the runtime ran no task for {stuck_for:.1?}: exiting without releasing anything (each lease runs out on its backend)"
+        );
+    });
+    std::thread::sleep(Duration::from_millis(100));
     std::process::exit(EXIT_STUCK);
 }
 
