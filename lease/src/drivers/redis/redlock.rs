@@ -491,10 +491,11 @@ impl Upkeep for RedlockDriver {
     async fn warnings(&self) -> Result<Vec<String>> {
         let mut warnings = Vec::new();
         for (i, master) in self.masters.iter().enumerate() {
-            if let Ok(Some(w)) =
-                crate::drivers::redis::eviction_warning(&mut master.conn.clone()).await
+            // Each master's restart guard needs INFO, as single Redis's does.
+            if let Ok(found) =
+                crate::drivers::redis::lock_key_warnings(&mut master.conn.clone()).await
             {
-                warnings.push(format!("master {}: {w}", i + 1));
+                warnings.extend(found.into_iter().map(|w| format!("master {}: {w}", i + 1)));
             }
         }
         Ok(warnings)
