@@ -384,10 +384,7 @@ async fn a_deleted_floor_lease_comes_back_above_the_familys_tokens() {
     assert_eq!(last.unwrap().token, 5);
     let held = take(&busy).await;
     assert_eq!(
-        driver
-            .forget_idle_keys(&family, Duration::ZERO)
-            .await
-            .unwrap(),
+        forget_idle_now(&driver, &family).await,
         1,
         "only the released key is idle"
     );
@@ -452,13 +449,7 @@ async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
         "released a moment ago, not idle an hour"
     );
 
-    assert_eq!(
-        driver
-            .forget_idle_keys(&family, Duration::ZERO)
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(forget_idle_now(&driver, &family).await, 1);
     assert!(
         stored(&idle).is_none(),
         "the idle key's Lease is still there"
@@ -472,13 +463,7 @@ async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
         "the floor is held"
     );
     // The floor is no key: another sweep leaves it.
-    assert_eq!(
-        driver
-            .forget_idle_keys(&family, Duration::ZERO)
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(forget_idle_now(&driver, &family).await, 0);
     assert!(stored(&floor_lease(&family)).is_some());
 
     let again = take(&idle).await;
@@ -525,6 +510,14 @@ async fn watches_nobody_listens_to_are_stopped() {
         .expect("the kept watch saw the write")
         .expect("feed open");
     assert!(other.release(&lease).await.unwrap());
+}
+
+/// Deletes the family's key Leases nobody holds now, as the operator's clean-up does: how many.
+async fn forget_idle_now(driver: &KubernetesLeaseDriver, family: &str) -> u64 {
+    driver
+        .forget_idle_keys(family, Duration::ZERO)
+        .await
+        .expect("forget idle keys")
 }
 
 /// Set `preferredHolder` and `strategy` on `lock`'s Lease, as coordinated leader election's
@@ -753,13 +746,7 @@ async fn a_key_whose_holders_clock_runs_behind_is_neither_counted_free_nor_delet
     // 10 s lease 2 s run out.
     renewed_ago(Duration::from_secs(12));
     assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(1));
-    assert_eq!(
-        driver
-            .forget_idle_keys(&family, Duration::ZERO)
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(forget_idle_now(&driver, &family).await, 0);
     assert!(
         harness
             .api
@@ -770,11 +757,5 @@ async fn a_key_whose_holders_clock_runs_behind_is_neither_counted_free_nor_delet
     // Run out by more than any allowed skew: free, and deleted.
     renewed_ago(TTL + leasehold_lease::kubernetes::MAX_CLOCK_SKEW + Duration::from_secs(1));
     assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(0));
-    assert_eq!(
-        driver
-            .forget_idle_keys(&family, Duration::ZERO)
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(forget_idle_now(&driver, &family).await, 1);
 }

@@ -636,7 +636,7 @@ impl Record {
 
     /// Held, or run out less than [`MAX_CLOCK_SKEW`] ago by this clock: the holder's clock may
     /// run that far behind this one, and it still claims the key until its own clock says the
-    /// lease ran out. What clean-up counts and deletes goes by this.
+    /// lease ran out. What clean-up deletes, and the held keys the status counts, go by this.
     fn maybe_held_at(&self, now: Timestamp) -> bool {
         self.identity.is_some()
             && self
