@@ -838,11 +838,7 @@ fn answered_now(snapshot: &Snapshot, answer: Answer) -> Answer {
         .held
         .as_ref()
         .filter(|held| (held.token, held.permit) == (token, permit))
-        .map(|held| {
-            held.hold_until
-                .map_or(held.valid_until, |hold| hold.min(held.valid_until))
-                .remaining()
-        })
+        .map(|held| held.answered_until().remaining())
         .unwrap_or_default();
     if left.is_zero() {
         return Answer::NotHolder;

@@ -936,7 +936,6 @@ impl Upkeep for KubernetesLeaseDriver {
                 .or(created);
                 // Not while its holder, by a clock behind this one, may still claim it.
                 let idle = !record.maybe_held_at(now)
-                    && record.expired_at(now)
                     && idle_since
                         .and_then(|since| since.checked_add(idle_for).ok())
                         .is_none_or(|until| until <= now);

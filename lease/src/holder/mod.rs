@@ -284,6 +284,14 @@ pub struct Held {
     pub hold_until: Option<BootInstant>,
 }
 
+impl Held {
+    /// Until when an answer about this holding is valid: its claim, cut at the hold's end.
+    pub fn answered_until(&self) -> BootInstant {
+        self.hold_until
+            .map_or(self.valid_until, |hold| hold.min(self.valid_until))
+    }
+}
+
 /// Everything the API shows, published by the holder task on every change.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
@@ -343,10 +351,7 @@ impl Snapshot {
             Some(held) if now < held.valid_until => Answer::Holder {
                 token: held.token,
                 permit: held.permit,
-                valid_for: held
-                    .hold_until
-                    .map_or(held.valid_until, |hold| hold.min(held.valid_until))
-                    .saturating_duration_since(now),
+                valid_for: held.answered_until().saturating_duration_since(now),
             },
             _ => Answer::NotHolder,
         }

@@ -134,6 +134,13 @@ impl Drop for RedlockDriver {
     }
 }
 
+/// `call` on one master, failed as a timeout once `timeout` has passed.
+async fn within<T>(timeout: Duration, call: impl Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or(Err(Error::Timeout(timeout)))
+}
+
 fn master_timeout(ttl: Duration) -> Duration {
     (ttl / 10).clamp(MIN_MASTER_TIMEOUT, MAX_MASTER_TIMEOUT)
 }
@@ -208,12 +215,13 @@ impl RedlockDriver {
         join_all(which.iter().map(|&i| {
             let mut conn = self.masters[i].conn.clone();
             async move {
-                match tokio::time::timeout(timeout, invocation.invoke_async::<Value>(&mut conn))
-                    .await
-                {
-                    Ok(reply) => reply.map_err(map_err),
-                    Err(_) => Err(Error::Timeout(timeout)),
-                }
+                within(timeout, async {
+                    invocation
+                        .invoke_async::<Value>(&mut conn)
+                        .await
+                        .map_err(map_err)
+                })
+                .await
             }
         }))
         .await
@@ -280,7 +288,7 @@ impl Driver for RedlockDriver {
         let replies: Vec<Reply> = join_all(self.masters.iter().map(|master| {
             let mut conn = master.conn.clone();
             let pending = &pending;
-            let phase_1 = async move {
+            within(timeout, async move {
                 let durable = master
                     .durability
                     .of(&mut conn, &master.name)
@@ -299,13 +307,7 @@ impl Driver for RedlockDriver {
                     .invoke_async::<Value>(&mut conn)
                     .await
                     .map_err(map_err)
-            };
-            async move {
-                match tokio::time::timeout(timeout, phase_1).await {
-                    Ok(reply) => reply,
-                    Err(_) => Err(Error::Timeout(timeout)),
-                }
-            }
+            })
         }))
         .await;
         let mut granted = Vec::new();
@@ -367,13 +369,10 @@ impl Driver for RedlockDriver {
         let timeout = master_timeout(ttl);
         let replies: Vec<Result<bool>> = join_all(self.masters.iter().map(|master| {
             let (key, value) = (key.clone(), value.clone());
-            async move {
+            within(timeout, async move {
                 let renewal = master.renewals.renew(key, value, ms(ttl), Duration::ZERO);
-                match tokio::time::timeout(timeout, renewal).await {
-                    Ok(answer) => answer?.map(|r| r.extended).map_err(map_err),
-                    Err(_) => Err(Error::Timeout(timeout)),
-                }
-            }
+                renewal.await?.map(|r| r.extended).map_err(map_err)
+            })
         }))
         .await;
         let renewed = replies.iter().filter(|r| matches!(r, Ok(true))).count();
