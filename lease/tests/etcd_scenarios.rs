@@ -403,6 +403,73 @@ async fn a_release_etcd_missed_is_done_once_it_answers() {
     assert!(holder.renew(&kept, ttl).await.unwrap(), "the kept lock");
 }
 
+/// A release whose caller stops waiting (the engine bounds its let-go to a fraction of a second)
+/// while etcd does not answer still deletes the key once etcd answers again; the process's
+/// other keys keep its etcd lease alive, so a key left behind would be first in the queue, held
+/// for nobody, until the process ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_given_up_while_etcd_is_silent_is_done_once_it_answers() {
+    use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
+    use leasehold_lease::{Acquire, Driver};
+    use leasehold_testkit::FaultProxy;
+    use std::time::Duration;
+
+    let server = EtcdServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let holder = EtcdDriver::connect(EtcdConfig {
+        endpoints: vec![format!("127.0.0.1:{}", proxy.port)],
+        prefix: "leasehold".into(),
+        user: None,
+        tls: None,
+    })
+    .expect("driver");
+    let ttl = Duration::from_secs(10);
+    let take = async |lock: &str| match holder.try_acquire(lock, "a", ttl).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        busy => panic!("{lock}: {busy:?}"),
+    };
+    let (kept, let_go) = (take("kept").await, take("let-go").await);
+    proxy.cut();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(600), holder.release(&let_go))
+            .await
+            .is_err(),
+        "a release through a cut link answered"
+    );
+    proxy.restore();
+    let raw = raw_client(&server).await;
+    let started = tokio::time::Instant::now();
+    loop {
+        let keys: Vec<String> = raw
+            .range(RangeRequest::prefix("leasehold/"))
+            .await
+            .map(|r| {
+                r.kvs
+                    .iter()
+                    .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if keys.iter().all(|k| !k.starts_with("leasehold/let-go/")) {
+            break;
+        }
+        // Kept alive by the kept lock's renewals meanwhile: without them it would go with
+        // its etcd lease.
+        let _ = holder.renew(&kept, ttl).await;
+        assert!(
+            started.elapsed() < ttl * 2,
+            "the released key is still queued, held for nobody: {keys:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let other = driver(&server);
+    assert!(matches!(
+        other.try_acquire("let-go", "b", ttl).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert!(holder.renew(&kept, ttl).await.unwrap(), "the kept lock");
+}
+
 /// etcd counts leases in whole seconds: a 1.5 s lease is a 2 s etcd lease, which a crashed
 /// holder keeps; the lock says so rather than promise a takeover within 1.5 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -882,12 +882,15 @@ impl Driver for EtcdDriver {
         };
         self.shared.forget(&entry);
         entry.slot.abort_tasks();
-        if let Err(e) = self.shared.delete_key(&entry.key, Some(entry.token)).await {
-            // Not answered: the key goes at the keeper's next round, or with the session.
-            self.shared
-                .orphaned(&entry.key, Some(entry.token), &entry.session.0);
-            return Err(e);
-        }
+        // Recorded before the delete, as `leave` does: should etcd not answer, or the caller
+        // stop waiting (a time limit drops this future), the key goes at the keeper's next
+        // round rather than stand first in the queue for as long as the session lives.
+        self.shared
+            .orphaned(&entry.key, Some(entry.token), &entry.session.0);
+        self.shared
+            .delete_key(&entry.key, Some(entry.token))
+            .await?;
+        self.shared.adopted(&entry.key, entry.token);
         self.shared.releases.bump(&lease.lock);
         Ok(true)
     }
