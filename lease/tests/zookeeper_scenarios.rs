@@ -275,6 +275,51 @@ async fn an_idle_keys_parent_is_deleted_and_its_tokens_still_rise() {
     assert!(second > first, "token {second} after {first}");
 }
 
+/// A waiter's node is told apart by its name, not its sequence number: once the lock's records
+/// are deleted (its parent with them), the parent made again numbers its children from 0, and
+/// another client's node first in line may carry the waiter's old number. The waiter's next
+/// attempt finds its place gone; it does not hold beside that node's owner with an older token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_place_was_deleted_does_not_hold_beside_a_node_of_its_number() {
+    use leasehold_lease::{Acquire, Driver, Upkeep};
+    let server = ZooKeeperServer::start();
+    let (holder, waiter, x, y) = (
+        driver(&server),
+        driver(&server),
+        driver(&server),
+        driver(&server),
+    );
+    let lease = Duration::from_secs(5);
+    let lock = "numbered";
+    // The holder's node is 0, the waiter's 1.
+    let Acquire::Acquired(_) = holder.try_acquire(lock, "holder", lease).await.unwrap() else {
+        panic!("the holder");
+    };
+    let Acquire::Busy(_) = waiter.try_acquire(lock, "waiter", lease).await.unwrap() else {
+        panic!("the waiter waits");
+    };
+    holder.deprovision(&[lock.to_owned()]).await.unwrap();
+    // The parent made again: x's node is 0, y's 1; x leaves and y's node is first.
+    let Acquire::Acquired(x_lease) = x.try_acquire(lock, "x", lease).await.unwrap() else {
+        panic!("x takes the lock made again");
+    };
+    let Acquire::Busy(_) = y.try_acquire(lock, "y", lease).await.unwrap() else {
+        panic!("y waits behind x");
+    };
+    assert!(x.release(&x_lease).await.unwrap());
+    let Acquire::Acquired(y_lease) = y.try_acquire(lock, "y", lease).await.unwrap() else {
+        panic!("y is first");
+    };
+    match waiter.try_acquire(lock, "waiter", lease).await.unwrap() {
+        Acquire::Acquired(w) => panic!(
+            "the waiter holds (token {}) beside y (token {}) on a deleted place's number",
+            w.token, y_lease.token
+        ),
+        Acquire::Busy(_) | Acquire::Withheld(_) => {}
+    }
+    assert!(y.renew(&y_lease, lease).await.unwrap(), "y still holds");
+}
+
 /// Over TLS, each way of getting it wrong is refused with its cause named (the client library
 /// only retries until its timeout): a server certificate another CA signed, no client
 /// certificate for a server that asks for one, a plain-text port behind `zks://`. The right

@@ -97,6 +97,15 @@ struct Node {
 }
 
 impl Node {
+    /// The node's name in its queue. It, not the sequence number, tells the node apart: a
+    /// queue's parent deleted and made again numbers its children from 0 again, so another
+    /// client's node may carry this one's number.
+    fn name(&self) -> &str {
+        self.path
+            .rsplit_once('/')
+            .map_or(&self.path, |(_, name)| name)
+    }
+
     fn count_from(&self, from: BootInstant) {
         *self.counted_from.lock().unwrap_or_else(|e| e.into_inner()) = Some(from);
     }
@@ -976,7 +985,7 @@ impl Driver for ZooKeeperDriver {
         let queue = self.shared.queue(&session.client, lock).await?;
         let counted_from = session.counted_from(synced, self.shared.config.tick_time, ttl);
         session.answered(synced, BootInstant::now());
-        let Some(position) = queue.iter().position(|(seq, _)| *seq == entry.sequence) else {
+        let Some(position) = queue.iter().position(|(_, name)| name == entry.name()) else {
             // The node is gone (session expired and renewed): back to the end of the queue.
             tracing::debug!(lock, node = %entry.path, "queue place gone; joining again");
             self.shared.forget(&entry);
