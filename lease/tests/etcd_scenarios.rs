@@ -470,6 +470,59 @@ async fn a_release_given_up_while_etcd_is_silent_is_done_once_it_answers() {
     assert!(holder.renew(&kept, ttl).await.unwrap(), "the kept lock");
 }
 
+/// An acquisition dropped while its key is being put (the engine's time budget, a client that
+/// hung up), its wait then abandoned: the key leaves the queue as soon as it is put, rather than
+/// stand first in line, asked by nobody, for three leases. And an acquisition by the same
+/// identity meanwhile waits for that put rather than put a second key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquisition_dropped_while_its_key_is_put_leaves_no_key_behind() {
+    use futures_util::FutureExt;
+    use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
+    use leasehold_lease::{Acquire, Driver};
+    use std::time::Duration;
+
+    let server = EtcdServer::start();
+    let ttl = Duration::from_secs(10);
+    let raw = raw_client(&server).await;
+    let keys = async |lock: &str| {
+        raw.range(RangeRequest::prefix(&format!("leasehold/{lock}/")))
+            .await
+            .unwrap()
+            .kvs
+            .len()
+    };
+
+    let dropped = driver(&server);
+    assert!(
+        dropped
+            .try_acquire("dropped", "a", ttl)
+            .now_or_never()
+            .is_none(),
+        "a first acquisition answers without a round trip"
+    );
+    dropped.abandon("dropped", "a").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let other = driver(&server);
+    match other.try_acquire("dropped", "b", ttl).await.unwrap() {
+        Acquire::Acquired(_) => {}
+        refused => panic!("the abandoned key still stands in line: {refused:?}"),
+    }
+
+    let retried = driver(&server);
+    assert!(
+        retried
+            .try_acquire("retried", "a", ttl)
+            .now_or_never()
+            .is_none()
+    );
+    match retried.try_acquire("retried", "a", ttl).await.unwrap() {
+        Acquire::Acquired(_) => {}
+        refused => panic!("the retry is refused: {refused:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(keys("retried").await, 1, "one identity put two keys");
+}
+
 /// etcd counts leases in whole seconds: a 1.5 s lease is a 2 s etcd lease, which a crashed
 /// holder keeps; the lock says so rather than promise a takeover within 1.5 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -320,6 +320,37 @@ async fn a_waiter_whose_place_was_deleted_does_not_hold_beside_a_node_of_its_num
     assert!(y.renew(&y_lease, lease).await.unwrap(), "y still holds");
 }
 
+/// An acquisition dropped while its node is being created (the engine's time budget, a client
+/// that hung up), its wait then abandoned: the node leaves the queue as soon as it is created,
+/// rather than stand first in line, asked by nobody, for three leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquisition_dropped_while_its_node_is_created_leaves_no_node_behind() {
+    use futures_util::FutureExt;
+    use leasehold_lease::{Acquire, Driver};
+    let server = ZooKeeperServer::start();
+    let lease = Duration::from_secs(10);
+    let dropped = driver(&server);
+    // The session opened first, so that the attempt below stops in the node's creation.
+    let Acquire::Acquired(warm) = dropped.try_acquire("warm", "a", lease).await.unwrap() else {
+        panic!("the warm-up lock");
+    };
+    assert!(dropped.release(&warm).await.unwrap());
+    assert!(
+        dropped
+            .try_acquire("dropped", "a", lease)
+            .now_or_never()
+            .is_none(),
+        "an acquisition answers without a round trip"
+    );
+    dropped.abandon("dropped", "a").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let other = driver(&server);
+    match other.try_acquire("dropped", "b", lease).await.unwrap() {
+        Acquire::Acquired(_) => {}
+        refused => panic!("the abandoned node still stands in line: {refused:?}"),
+    }
+}
+
 /// Over TLS, each way of getting it wrong is refused with its cause named (the client library
 /// only retries until its timeout): a server certificate another CA signed, no client
 /// certificate for a server that asks for one, a plain-text port behind `zks://`. The right

@@ -48,8 +48,8 @@ use crate::drivers::queue::etcd_rpc::{
     Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
     RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
-use crate::drivers::queue::places::{Place, Places};
-use crate::drivers::queue::slot::{Attempts, QueueSlot};
+use crate::drivers::queue::places::{Joined, Place, Places};
+use crate::drivers::queue::slot::{AttemptTurn, Attempts, QueueSlot};
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -558,8 +558,21 @@ impl Shared {
             entry.session.granted * ABANDONED_AFTER_TTLS,
         ));
         entry.slot.set_tender(task);
-        self.entries.put(entry.clone());
-        Ok((entry, position))
+        match self.entries.joined(entry.clone(), |_| false) {
+            Joined::Put { place, .. } => Ok((place, position)),
+            // The wait was given up while the key was put: it leaves the queue at once rather
+            // than stand in it, unasked, for three leases.
+            Joined::Abandoned(surplus) | Joined::Kept { surplus, .. } => {
+                surplus.slot.abort_tasks();
+                self.leave(&surplus).await;
+                self.releases.bump(lock);
+                let position = Position {
+                    queued: false,
+                    ..position
+                };
+                Ok((surplus, position))
+            }
+        }
     }
 
     /// Where `entry` stands: whether its key still exists, the key just below it, the lowest
@@ -769,6 +782,24 @@ impl EtcdDriver {
     }
 }
 
+impl EtcdDriver {
+    /// A key put in `lock`'s queue for `identity`, its position read with the put, on a task
+    /// of its own (see [`super::join_line`]): if this call is dropped midway, the key it may
+    /// already have put is still recorded and tended.
+    async fn join_line(
+        &self,
+        turn: AttemptTurn,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<((Arc<Entry>, Position), AttemptTurn)> {
+        let (shared, owned_lock, owned_identity) =
+            (self.shared.clone(), lock.to_owned(), identity.to_owned());
+        let put = async move { shared.enqueue(&owned_lock, &owned_identity, ttl).await };
+        super::join_line(&self.shared, turn, lock, identity, put).await
+    }
+}
+
 #[async_trait]
 impl Driver for EtcdDriver {
     fn kind(&self) -> &'static str {
@@ -776,7 +807,7 @@ impl Driver for EtcdDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let _turn = self.shared.attempts.turn(lock).await;
+        let mut turn = self.shared.attempts.turn(lock).await;
         let sent = Instant::now();
         // A key queued by this call has its position read with the put.
         let (entry, position) = match self.entry(lock) {
@@ -795,18 +826,17 @@ impl Driver for EtcdDriver {
             }
             Some(entry) => {
                 self.shared.leave(&entry).await;
-                self.shared.enqueue(lock, identity, ttl).await?
+                let joined = self.join_line(turn, lock, identity, ttl).await?;
+                turn = joined.1;
+                joined.0
             }
             None => {
-                // A task of its own: if this call is abandoned midway (the engine's time budget),
-                // the key it may already have put is still recorded and tended.
-                let (shared, lock, identity) =
-                    (self.shared.clone(), lock.to_owned(), identity.to_owned());
-                tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
-                    .await
-                    .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??
+                let joined = self.join_line(turn, lock, identity, ttl).await?;
+                turn = joined.1;
+                joined.0
             }
         };
+        let _turn = turn;
         if !position.queued {
             // The key expired (keep-alives failed): back to the end of the queue next time.
             self.shared.forget(&entry);

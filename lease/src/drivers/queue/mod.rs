@@ -18,8 +18,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::ChangeFeeds;
+use crate::error::{Error, Result};
 use places::{Place, Places};
-use slot::Expiry;
+use slot::{AttemptTurn, Expiry};
 
 /// What a transport gives the driver calls that are the same on both.
 pub(crate) trait Transport: Send + Sync {
@@ -89,11 +90,43 @@ pub(crate) async fn tend<T: Transport>(
     }
 }
 
+/// Put `identity`'s place in `lock`'s line (`put`, a transport's enqueue) on a task of its own,
+/// which keeps the lock's attempt `turn` until the place is recorded: an acquisition dropped
+/// midway (the engine's time budget, a client that hung up) cannot leave a place nobody knows
+/// of, nor let another acquisition put a second place meanwhile. A wait abandoned meanwhile
+/// marks the place, which leaves as soon as it is put ([`Places::joined`]). The turn comes
+/// back with the place.
+pub(crate) async fn join_line<T, R>(
+    transport: &Arc<T>,
+    turn: AttemptTurn,
+    lock: &str,
+    identity: &str,
+    put: impl Future<Output = Result<R>> + Send + 'static,
+) -> Result<(R, AttemptTurn)>
+where
+    T: Transport + 'static,
+    R: Send + 'static,
+{
+    transport.places().joining(lock, identity);
+    let (transport, lock) = (transport.clone(), lock.to_owned());
+    let (put, turn) = tokio::spawn(async move {
+        let put = put.await;
+        if put.is_err() {
+            transport.places().not_joined(&lock);
+        }
+        (put, turn)
+    })
+    .await
+    .map_err(|e| Error::Backend(format!("putting a place in line failed: {e}")))?;
+    Ok((put?, turn))
+}
+
 /// `Driver::abandon`: `identity`'s waiting place in `lock`'s line is given up, unless it already
 /// holds.
 pub(crate) async fn abandon<T: Transport>(transport: &T, lock: &str, identity: &str) {
     // Without the lock's attempt turn, which the engine's own late attempt may hold while it
-    // calls this: the place's own state decides whether the attempt claimed first.
+    // calls this: the place's own state decides whether the attempt claimed first. A place
+    // still being put is marked and leaves once put.
     if let Some(place) = transport.places().abandoned(lock, identity) {
         transport.leave_line(&place).await;
         place.slot.abort_tasks();

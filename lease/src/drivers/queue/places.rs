@@ -39,15 +39,95 @@ impl<X> std::ops::Deref for Place<X> {
     }
 }
 
-pub(crate) struct Places<X>(Mutex<HashMap<String, Arc<Place<X>>>>);
+pub(crate) struct Places<X>(Mutex<Table<X>>);
+
+/// The places, and the places being put in line: one table, so that an abandoned wait either
+/// finds its place or marks the one being put as abandoned, never neither.
+struct Table<X> {
+    places: HashMap<String, Arc<Place<X>>>,
+    /// Per lock, the identity whose place is being put in line (by a task of its own, which
+    /// holds the lock's attempt turn), and whether its wait was abandoned meanwhile.
+    joining: HashMap<String, Joining>,
+}
+
+struct Joining {
+    identity: String,
+    abandoned: bool,
+}
+
+impl<X> std::ops::Deref for Table<X> {
+    type Target = HashMap<String, Arc<Place<X>>>;
+    fn deref(&self) -> &Self::Target {
+        &self.places
+    }
+}
+
+impl<X> std::ops::DerefMut for Table<X> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.places
+    }
+}
 
 impl<X> Places<X> {
     pub(crate) fn new() -> Self {
-        Self(Mutex::new(HashMap::new()))
+        Self(Mutex::new(Table {
+            places: HashMap::new(),
+            joining: HashMap::new(),
+        }))
     }
 
-    fn map(&self) -> MutexGuard<'_, HashMap<String, Arc<Place<X>>>> {
+    fn map(&self) -> MutexGuard<'_, Table<X>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `identity`'s place in `lock`'s line is about to be put: an abandoned wait meanwhile
+    /// marks it, and [`Places::joined`] then tells the place to leave as soon as it is put.
+    /// Every call is followed by one of [`Places::joined`] (the place put) or
+    /// [`Places::not_joined`] (the put failed).
+    pub(crate) fn joining(&self, lock: &str, identity: &str) {
+        self.map().joining.insert(
+            lock.to_owned(),
+            Joining {
+                identity: identity.to_owned(),
+                abandoned: false,
+            },
+        );
+    }
+
+    /// The place being put in `lock`'s line was not put.
+    pub(crate) fn not_joined(&self, lock: &str) {
+        self.map().joining.remove(lock);
+    }
+
+    /// `place` was put in line: made its lock's place (unless the present one is to be
+    /// `kept`: then `place` is surplus), or, should its wait have been abandoned while it was
+    /// put, marked left and handed back (`Joined::Abandoned`) for its caller to take out of
+    /// the line.
+    pub(crate) fn joined(
+        &self,
+        place: Arc<Place<X>>,
+        kept: impl Fn(&Place<X>) -> bool,
+    ) -> Joined<X> {
+        let mut map = self.map();
+        let abandoned = map
+            .joining
+            .remove(&place.lock)
+            .is_some_and(|j| j.abandoned && j.identity == place.identity);
+        if abandoned {
+            drop(map);
+            place.slot.mark_left();
+            return Joined::Abandoned(place);
+        }
+        match map.get(&place.lock).filter(|present| kept(present)) {
+            Some(present) => Joined::Kept {
+                kept: present.clone(),
+                surplus: place,
+            },
+            None => {
+                let replaced = map.insert(place.lock.clone(), place.clone());
+                Joined::Put { place, replaced }
+            }
+        }
     }
 
     /// `lock`'s place, if this process stands in its queue.
@@ -70,28 +150,16 @@ impl<X> Places<X> {
 
     /// `identity`'s place in `lock`'s queue while it only waits, now marked left so that an
     /// attempt still in flight can no longer hold it; a place that holds is not given.
+    /// A place still being put in line for `identity` is marked, to leave once it is put.
     pub(crate) fn abandoned(&self, lock: &str, identity: &str) -> Option<Arc<Place<X>>> {
-        self.get(lock)
-            .filter(|p| p.identity == identity && p.slot.leave_if_waiting())
-    }
-
-    /// Make `place` its lock's place.
-    pub(crate) fn put(&self, place: Arc<Place<X>>) {
-        self.map().insert(place.lock.to_owned(), place);
-    }
-
-    /// Make `place` its lock's place, unless the present one is to be `kept`: then `Err` with
-    /// it. `Ok` with the place it replaced, if any.
-    pub(crate) fn put_unless(
-        &self,
-        place: Arc<Place<X>>,
-        kept: impl Fn(&Place<X>) -> bool,
-    ) -> Result<Option<Arc<Place<X>>>, Arc<Place<X>>> {
         let mut map = self.map();
-        match map.get(&place.lock).filter(|present| kept(present)) {
-            Some(present) => Err(present.clone()),
-            None => Ok(map.insert(place.lock.clone(), place)),
+        if let Some(place) = map.get(lock).filter(|p| p.identity == identity) {
+            return place.slot.leave_if_waiting().then(|| place.clone());
         }
+        if let Some(joining) = map.joining.get_mut(lock).filter(|j| j.identity == identity) {
+            joining.abandoned = true;
+        }
+        None
     }
 
     /// Forget `place` if it is still its lock's (a later one stays); either way it serves no
@@ -117,9 +185,25 @@ impl<X> Places<X> {
 
     /// Empty the table, stopping every place's tasks (the session that kept them is gone).
     pub(crate) fn drop_all(&self) {
-        let places = std::mem::take(&mut *self.map());
+        let places = std::mem::take(&mut self.map().places);
         for place in places.values() {
             place.slot.abort_tasks();
         }
     }
+}
+
+/// What became of a place put in line ([`Places::joined`]).
+pub(crate) enum Joined<X> {
+    /// Made its lock's place, replacing `replaced`, if any.
+    Put {
+        place: Arc<Place<X>>,
+        replaced: Option<Arc<Place<X>>>,
+    },
+    /// The present place is kept; the new one is surplus, to be taken out of the line.
+    Kept {
+        kept: Arc<Place<X>>,
+        surplus: Arc<Place<X>>,
+    },
+    /// Its wait was abandoned while it was put: marked left, to be taken out of the line.
+    Abandoned(Arc<Place<X>>),
 }

@@ -287,22 +287,24 @@ impl QueueSlot {
 /// its place first in line and both be granted the lock; whoever then released one of them (an
 /// engine giving back an answer that came too late) would delete the place under the other,
 /// which claims the lock until its next renewal while the next in line takes it.
-#[derive(Default)]
-pub(crate) struct Attempts(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+#[derive(Default, Clone)]
+pub(crate) struct Attempts(Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>);
 
-/// The right to make the one acquisition of a lock now.
-pub(crate) struct AttemptTurn<'a> {
-    attempts: &'a Attempts,
+/// The right to make the one acquisition of a lock now. It may move to a task of its own, so
+/// that an acquisition's step its caller may not wait for (putting a place in line) keeps the
+/// turn until it is done.
+pub(crate) struct AttemptTurn {
+    attempts: Attempts,
     lock: String,
     turn: Option<OwnedMutexGuard<()>>,
 }
 
 impl Attempts {
     /// Wait until no other acquisition of `lock` is under way.
-    pub(crate) async fn turn(&self, lock: &str) -> AttemptTurn<'_> {
+    pub(crate) async fn turn(&self, lock: &str) -> AttemptTurn {
         let mutex = self.map().entry(lock.to_owned()).or_default().clone();
         AttemptTurn {
-            attempts: self,
+            attempts: self.clone(),
             lock: lock.to_owned(),
             turn: Some(mutex.lock_owned().await),
         }
@@ -313,7 +315,7 @@ impl Attempts {
     }
 }
 
-impl Drop for AttemptTurn<'_> {
+impl Drop for AttemptTurn {
     fn drop(&mut self) {
         let mut map = self.attempts.map();
         drop(self.turn.take());

@@ -37,7 +37,7 @@ use zookeeper_client as zk;
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batches, Pending};
-use crate::drivers::queue::places::{Place, Places};
+use crate::drivers::queue::places::{Joined, Place, Places};
 use crate::drivers::queue::slot::{Attempts, QueueSlot};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
@@ -639,12 +639,20 @@ impl Shared {
         // client, and they all land once it reconnects: this process keeps its earliest place
         // (or the one it holds) and leaves the others, which it would otherwise no longer know
         // of while they stood ahead of the place it watches.
-        let placed = self.entries.put_unless(entry.clone(), |present| {
+        let placed = self.entries.joined(entry.clone(), |present| {
             present.slot.holding() || present.sequence < entry.sequence
         });
         let (kept, surplus) = match placed {
-            Err(kept) => (kept, Some(entry)),
-            Ok(later) => (entry, later),
+            Joined::Kept { kept, surplus } => (kept, Some(surplus)),
+            Joined::Put { place, replaced } => (place, replaced),
+            // The wait was given up while the node was created: it leaves the queue at once
+            // rather than stand in it, unasked, for three leases. The attempt finds it gone.
+            Joined::Abandoned(place) => {
+                place.slot.abort_tasks();
+                let _ = self.leave(&place).await;
+                self.releases.bump(lock);
+                return Ok(place);
+            }
         };
         if let Some(surplus) = surplus {
             tracing::debug!(lock, node = %surplus.path, kept = %kept.path,
@@ -947,7 +955,7 @@ impl Driver for ZooKeeperDriver {
                 ),
             });
         }
-        let _turn = self.shared.attempts.turn(lock).await;
+        let mut turn = self.shared.attempts.turn(lock).await;
         // Opening a session first, when needed, must not eat into the lease measured below.
         let current = self.shared.session(ttl).await?;
         let sent = Instant::now();
@@ -963,15 +971,18 @@ impl Driver for ZooKeeperDriver {
                 entry
             }
             None => {
-                // A task of its own: if this call is abandoned midway (the engine's time budget),
+                // A task of its own (see `super::join_line`): if this call is dropped midway,
                 // the node it may already have created is still recorded, never left behind.
-                let (shared, lock, identity) =
+                let (shared, owned_lock, owned_identity) =
                     (self.shared.clone(), lock.to_owned(), identity.to_owned());
-                tokio::spawn(async move { shared.enqueue(&lock, &identity, ttl).await })
-                    .await
-                    .map_err(|e| Error::Backend(format!("enqueue task failed: {e}")))??
+                let put = async move { shared.enqueue(&owned_lock, &owned_identity, ttl).await };
+                let (entry, returned) =
+                    super::join_line(&self.shared, turn, lock, identity, put).await?;
+                turn = returned;
+                entry
             }
         };
+        let _turn = turn;
         let session = self.shared.session(ttl).await?;
         self.shared.delete_orphans(&session.client).await;
         // Through the leader first: a follower cut off from it lists a queue the leader may
