@@ -131,6 +131,63 @@ async fn a_wrong_token_guess_is_undone_and_tried_again() {
     assert!(a.release(&again).await.unwrap());
 }
 
+/// A renewal whose answer was lost (a timeout, a reset connection) was carried out all the
+/// same and raised the key's version: the holder's next renewal finds its own value at another
+/// version, renews at that one (its expiry counted from the new call) and keeps the lock,
+/// rather than give up a live lease that nobody could take or release until it ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_after_one_whose_answer_was_lost_keeps_the_lock() {
+    let server = RedisServer::start_tair();
+    let url = BackendUrl::parse(&server.url()).unwrap();
+    let driver = connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let lease = acquired(&*driver, "renewed", "a", ttl).await;
+    let mut raw = redis::Client::open(server.plain_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*{renewed}:lease")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let [key] = keys.as_slice() else {
+        panic!("the lease's key: {keys:?}");
+    };
+    // The lost renewal, as the server carried it out.
+    let (value, version): (String, i64) = redis::cmd("EXGET")
+        .arg(key)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let _: redis::Value = redis::cmd("EXCAS")
+        .arg(key)
+        .arg(&value)
+        .arg(version)
+        .arg("PX")
+        .arg(30_000)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(
+        driver.renew(&lease, ttl).await.unwrap(),
+        "a live lease given up after a renewal whose answer was lost"
+    );
+    let (_, renewed): (String, i64) = redis::cmd("EXGET")
+        .arg(key)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(
+        renewed > version + 1,
+        "the renewal was not sent again: version {renewed}"
+    );
+    assert!(driver.renew(&lease, ttl).await.unwrap());
+    assert!(driver.release(&lease).await.unwrap(), "released");
+    assert!(driver.observe("renewed").await.unwrap().is_none());
+}
+
 /// The lease of the failover scenarios.
 const FAILOVER_LEASE: Duration = Duration::from_secs(3);
 

@@ -827,30 +827,46 @@ impl Driver for TairDriver {
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
         let key = (lease.lock.clone(), lease.token);
-        let Some(version) = self.versions().get(&key) else {
+        let Some(mut version) = self.versions().get(&key) else {
             return Ok(false);
         };
-        let reply: Value = redis::cmd("EXCAS")
-            .arg(self.keys.lease(&lease.lock))
-            .arg(lease_value(lease))
-            .arg(version)
-            .arg("PX")
-            .arg(ms(ttl))
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| self.call_failed(e))?;
-        match reply {
-            Value::Array(items) if items.first() == Some(&Value::Okay) => {
-                let Some(Value::Int(next)) = items.get(2) else {
-                    return Err(Error::Backend(format!("EXCAS answered {items:?}")));
-                };
-                self.versions().wrote(key, *next, ttl);
-                Ok(true)
-            }
-            // -1: the key is gone; otherwise another version, another holder.
-            _ => {
+        let value = lease_value(lease);
+        let mut resent = false;
+        loop {
+            let reply: Value = redis::cmd("EXCAS")
+                .arg(self.keys.lease(&lease.lock))
+                .arg(&value)
+                .arg(version)
+                .arg("PX")
+                .arg(ms(ttl))
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| self.call_failed(e))?;
+            let Value::Array(items) = reply else {
+                // -1: the key is gone.
                 self.versions().remove(&key);
-                Ok(false)
+                return Ok(false);
+            };
+            match (items.first(), items.get(1), items.get(2)) {
+                (Some(Value::Okay), _, Some(Value::Int(next))) => {
+                    self.versions().wrote(key, *next, ttl);
+                    return Ok(true);
+                }
+                // Another version of this lease's own value: a renewal whose answer was lost
+                // (a timeout, a reset connection) was carried out and raised the version. Sent
+                // again at that version, so that the key's expiry counts from this call, as
+                // its claim does. Values name the token, which no other holding has.
+                (_, Some(Value::BulkString(held)), Some(Value::Int(current)))
+                    if !resent && held.as_slice() == value.as_bytes() =>
+                {
+                    version = *current;
+                    resent = true;
+                }
+                // Another holder's value.
+                _ => {
+                    self.versions().remove(&key);
+                    return Ok(false);
+                }
             }
         }
     }
