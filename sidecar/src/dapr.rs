@@ -194,7 +194,16 @@ async fn unlock(
     let family = family(state, store, "ERR_UNLOCK")?;
     Ok(match family.release(resource_id, owner).await {
         Ok(KeyRelease::Released { .. }) => UnlockStatus::Success,
-        Ok(KeyRelease::NotHeld) => UnlockStatus::LockDoesNotExist,
+        // Not held in this pod: held in another (its owner's sidecar alone may release it),
+        // or by nobody, as the backend says.
+        Ok(KeyRelease::NotHeld) => match family.observe_permits(resource_id).await {
+            Ok(holders) if holders.is_empty() => UnlockStatus::LockDoesNotExist,
+            Ok(_) => UnlockStatus::LockBelongsToOthers,
+            Err(e) => {
+                tracing::warn!(store, error = %e, "Dapr unlock could not read the lock's holder");
+                UnlockStatus::InternalError
+            }
+        },
         Ok(KeyRelease::HeldByAnother { .. }) => UnlockStatus::LockBelongsToOthers,
         Err(KeyError::Lock(e)) => {
             tracing::warn!(store, error = %e, "Dapr unlock failed");

@@ -98,6 +98,36 @@ fn dapr_sdk_drives_the_lock_api(backend: &str) {
     );
     let refused = lock(r#"{"resourceId":"order-9","lockOwner":"w2","expiryInSeconds":10}"#);
     assert_eq!(refused.json()["success"], false);
+    // Held through another sidecar of the family: an unlock here, by any owner, belongs to
+    // others (only the holder's sidecar releases it); a resource nobody holds does not exist.
+    let elsewhere_port = free_port();
+    let elsewhere = Sidecar::start(
+        "pod-b",
+        backend,
+        &unique_lock("plain"),
+        &[
+            "--keyed",
+            &family,
+            "--dapr-http-listen",
+            &format!("127.0.0.1:{elsewhere_port}"),
+        ],
+    );
+    for (resource, status) in [("order-9", 2), ("order-11", 1)] {
+        let reply = leasehold_e2e::http_with_body(
+            ([127, 0, 0, 1], elsewhere_port).into(),
+            "POST",
+            &format!("/v1.0-alpha1/unlock/{family}"),
+            &format!(r#"{{"resourceId":"{resource}","lockOwner":"w1"}}"#),
+        )
+        .expect("unlock through the other sidecar");
+        assert_eq!(
+            (reply.status, reply.json()["status"].as_i64()),
+            (200, Some(status)),
+            "{resource}: {}\n{}",
+            reply.body,
+            elsewhere.log()
+        );
+    }
     // An expiry the store's lease does not cover is refused, and says why.
     let long = lock(r#"{"resourceId":"order-10","lockOwner":"w2","expiryInSeconds":3600}"#);
     assert_eq!(long.status, 400, "{}", long.body);
