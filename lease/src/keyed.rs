@@ -935,13 +935,17 @@ impl KeyedFamily {
     }
 
     /// A holding of `key` by an owner of this pod that `wanted` accepts, on any permit the
-    /// family has had.
+    /// family has had (on a read-write family, any permit a writer may take: one above the
+    /// family's count whose token was above its own, see [`read_write`]).
     fn find_holding(
         &self,
         key: &str,
         wanted: impl Fn(&KeyHolding) -> bool,
     ) -> Option<Arc<KeyHolding>> {
-        let permits = self.inner.permits_ever.load(Ordering::SeqCst);
+        let mut permits = self.inner.permits_ever.load(Ordering::SeqCst);
+        if self.is_read_write() {
+            permits = permits.max(read_write::MAX_READ_WRITE_PERMITS);
+        }
         let keys = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
         (0..permits).find_map(|permit| {
             keys.get(&*permit_key(key, permit))

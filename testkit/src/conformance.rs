@@ -2411,6 +2411,48 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         c.status("doc-10", Some("w10")),
         Ok(KeyAnswer::NotHeld)
     ));
+
+    // A writer's token is above every earlier writer's, that of a pod with more permits among
+    // them: pod b's (4 permits) writer follows readers' turnover on its permit 3 alone, which
+    // on a backend counting each permit on its own puts permit 3's tokens above the others';
+    // pod c's (2 permits) writer, next, has a token above it, named with a permit it holds.
+    let key = "doc-11";
+    for owner in ["r20", "r21", "r22"] {
+        let answer = b.acquire(key, owner, NOW, HOLD).await.unwrap();
+        assert!(
+            matches!(answer, KeyAnswer::Held { .. }),
+            "{owner}: {answer:?}"
+        );
+    }
+    for _ in 0..5 {
+        let answer = b.acquire(key, "r23", NOW, HOLD).await.unwrap();
+        assert!(matches!(answer, KeyAnswer::Held { .. }), "r23: {answer:?}");
+        b.release(key, "r23").await.unwrap();
+    }
+    for owner in ["r20", "r21", "r22"] {
+        b.release(key, owner).await.unwrap();
+    }
+    let (w11, _) = written(b.acquire_write(key, "w11", NOW, HOLD).await.unwrap());
+    b.release(key, "w11").await.unwrap();
+    let KeyAnswer::Held {
+        token: w12,
+        permit,
+        writer: true,
+        ..
+    } = c.acquire_write(key, "w12", NOW, HOLD).await.unwrap()
+    else {
+        panic!("w12 could not write {key}");
+    };
+    assert!(
+        w12 > w11,
+        "the writer of fewer permits has token {w12}, below the earlier writer's {w11}"
+    );
+    assert!(
+        c.force_release(key, Some(permit), w12).await.unwrap(),
+        "the write lock's answer names permit {permit}, which it does not hold"
+    );
+    assert!(matches!(c.status(key, Some("w12")), Ok(KeyAnswer::NotHeld)));
+    c.release(key, "w12").await.unwrap();
 }
 
 /// Several keys written at once, on a read-write family of 2 permits: every key's write lock

@@ -13,8 +13,9 @@
 //! holds the gate, so a writer waiting for readers to leave is not overtaken by new ones.
 //!
 //! Pods may disagree on the count of permits for a while (a change rolling out), so a writer
-//! cannot take "every permit" by its own count alone. It takes the permits of its count, then
-//! probes every higher one up to [`MAX_READ_WRITE_PERMITS`] and waits until each is free; a
+//! cannot take "every permit" by its own count alone. Once it holds the gate it probes every
+//! permit above its count up to [`MAX_READ_WRITE_PERMITS`] and waits until each is free, then
+//! takes the permits of its count; a
 //! reader that took a permit above 0 then probes the gate, and gives the permit back and waits
 //! should it not be free. Either the reader's permit was held when the writer probed it (the
 //! writer waits), or the gate was held when the reader probed it (the reader steps back). A
@@ -24,6 +25,10 @@
 //!
 //! A writer's token is the highest of the tokens of the permits it took. Each permit's tokens
 //! rise with its holders, so it is above the token of every earlier holder of those permits.
+//! A probe granted is granted a token too: should one be above those of the permits it then
+//! took (each permit counting on its own, an earlier writer of more permits raised that one's),
+//! the writer takes that permit as well, so its token is above every earlier holder's of every
+//! permit.
 //!
 //! There is no upgrade from read to write: two readers upgrading at once would each wait for
 //! the other's permit. An owner that reads and asks to write is refused.
@@ -270,20 +275,48 @@ impl KeyedFamily {
             later: ahead.later,
             looked: ahead.looked,
         };
-        for permit in std::iter::once(GATE).chain(0..permits) {
+        let take = async |permit: u32, taken: &mut Taken| {
             let left = deadline.saturating_duration_since(Instant::now());
             let take = self.take_part(key, permit, owner, left, hold, true);
             let answer = self
                 .take_keeping(take, taken, kept, look(), owner, hold)
                 .await?;
             let KeyAnswer::Held { token, .. } = answer else {
-                return Ok(Some(answer));
+                return Ok(Err(answer));
             };
             taken.keys.push((key.to_owned(), Taking { permit, token }));
+            Ok::<_, KeyError>(Ok(token))
+        };
+        if let Err(refusal) = take(GATE, taken).await? {
+            return Ok(Some(refusal));
         }
+        // The permits this writer does not count first, then its own: on a backend whose
+        // tokens count across a key's permits, its own are then above every probe's.
         let free = self.await_free_permits(key, owner, permits, deadline);
-        self.take_keeping(free, taken, kept, look(), owner, hold)
-            .await
+        let probed = match self
+            .take_keeping(free, taken, kept, look(), owner, hold)
+            .await?
+        {
+            Ok(probed) => probed,
+            Err(refusal) => return Ok(Some(refusal)),
+        };
+        let mut highest = 0;
+        for permit in 0..permits {
+            match take(permit, taken).await? {
+                Ok(token) => highest = highest.max(token),
+                Err(refusal) => return Ok(Some(refusal)),
+            }
+        }
+        // A permit this writer only probed was granted with a token above its own (each
+        // permit counts on its own, and an earlier writer of more permits took that one
+        // above): it takes that permit too, so that its token is above every earlier
+        // holder's of it, that writer's among them.
+        if let Some(probed) = probed.filter(|p| p.token > highest)
+            && let Err(refusal) = take(probed.permit, taken).await?
+        {
+            return Ok(Some(refusal));
+        }
+        Ok(None)
     }
 
     /// The write lock of `key` that `taken` holds for `owner`: its parts of that key.
@@ -311,19 +344,21 @@ impl KeyedFamily {
     }
 
     /// Wait until each permit of `key` from `from` up to [`MAX_READ_WRITE_PERMITS`] (permits
-    /// this writer did not take, which readers of pods with more permits may hold) is free when
-    /// probed, or `deadline`: `None` once all were, else the refusal to answer. Those not free
-    /// are probed again every half renew interval.
+    /// this writer does not take, which readers of pods with more permits may hold) is free when
+    /// probed, or `deadline`: once all were, the permit whose probe was granted the highest
+    /// token, if any; else the refusal to answer. Those not free are probed again every half
+    /// renew interval.
     async fn await_free_permits(
         &self,
         key: &str,
         owner: &str,
         from: u32,
         deadline: Instant,
-    ) -> Result<Option<KeyAnswer>, KeyError> {
+    ) -> Result<Result<Option<Taking>, KeyAnswer>, KeyError> {
         let driver = self.driver();
         let renew_interval = self.read_config(|c| c.renew_interval);
         let mut pending: Vec<u32> = (from..MAX_READ_WRITE_PERMITS).collect();
+        let mut highest: Option<Taking> = None;
         loop {
             let mut held = Vec::new();
             for chunk in pending.chunks(PROBES_AT_ONCE) {
@@ -333,20 +368,24 @@ impl KeyedFamily {
                 });
                 for (permit, probe) in futures_util::future::join_all(probes).await {
                     match probe {
-                        Ok(None) => {}
-                        Ok(Some(refusal)) => held.push((permit, refusal)),
+                        Ok(Ok(token)) => {
+                            if highest.is_none_or(|h| token > h.token) {
+                                highest = Some(Taking { permit, token });
+                            }
+                        }
+                        Ok(Err(refusal)) => held.push((permit, refusal)),
                         Err(e) => {
                             tracing::debug!(family = self.name(), key, error = %e, "could not probe a permit");
-                            return Ok(Some(KeyAnswer::Unknown));
+                            return Ok(Err(KeyAnswer::Unknown));
                         }
                     }
                 }
             }
             let Some((_, refusal)) = held.first() else {
-                return Ok(None);
+                return Ok(Ok(highest));
             };
             if Instant::now() >= deadline {
-                return Ok(Some(refusal.clone()));
+                return Ok(Err(refusal.clone()));
             }
             pending = held.iter().map(|(permit, _)| *permit).collect();
             let nap = (renew_interval / 2).min(driver.poll_interval(renew_interval));
@@ -404,8 +443,8 @@ impl KeyedFamily {
             tokio::spawn(async move {
                 let gate = family.permit_name(&key_owned, GATE);
                 let refusal = match family.probe(&gate, &owner_owned).await {
-                    Ok(None) => None,
-                    Ok(Some(refusal)) => Some(refusal),
+                    Ok(Ok(_)) => None,
+                    Ok(Err(refusal)) => Some(refusal),
                     Err(e) => {
                         tracing::debug!(family = family.name(), key = key_owned, error = %e, "could not probe the write gate");
                         Some(KeyAnswer::Unknown)
@@ -455,11 +494,11 @@ impl KeyedFamily {
     }
 
     /// Whether `lock` is free now, as an acquisition finds it: one attempt for `owner`, given
-    /// back at once when granted (`None`); else the refusal (who holds it, or why a guard of
-    /// the backend's withholds it). A refused attempt leaves the backend's queue at once.
+    /// back at once when granted (`Ok` with the token it was granted); else the refusal (who
+    /// holds it, or why a guard of the backend's withholds it). A refused attempt leaves the backend's queue at once.
     /// Probes carry an identity of their own ([`PROBE`]), so that readers probing one gate at
     /// once, who find each other's probes rather than a writer, try again shortly.
-    async fn probe(&self, lock: &str, owner: &str) -> Result<Option<KeyAnswer>, Error> {
+    async fn probe(&self, lock: &str, owner: &str) -> Result<Result<u64, KeyAnswer>, Error> {
         let driver = self.driver();
         let identity = format!("{}{PROBE}", self.qualified(owner));
         let lease_duration = self.read_config(|c| c.lease_duration);
@@ -473,7 +512,7 @@ impl KeyedFamily {
                     if let Err(e) = driver.release(&lease).await {
                         tracing::debug!(family = self.name(), lock, error = %e, "a probe's acquisition was not given back");
                     }
-                    return Ok(None);
+                    return Ok(Ok(lease.token));
                 }
                 Acquire::Busy(holder) => KeyAnswer::HeldByAnother {
                     holder: holder.map(|h| h.identity),
@@ -486,7 +525,7 @@ impl KeyedFamily {
             driver.abandon(lock, &identity).await;
             let another_probe = matches!(&refusal, KeyAnswer::HeldByAnother { holder: Some(h) } if h.ends_with(PROBE));
             if !another_probe || attempts >= PROBE_ATTEMPTS {
-                return Ok(Some(refusal));
+                return Ok(Err(refusal));
             }
             tokio::time::sleep(PROBE_RETRY).await;
         }
