@@ -31,6 +31,54 @@ async fn raw_client(server: &EtcdServer) -> leasehold_lease::drivers::queue::etc
     .expect("raw client")
 }
 
+/// A release not done at once (etcd down, or the call given up while etcd was silent) is done
+/// once etcd answers again: within `bound`, `let-go`'s key leaves the queue while `kept`'s
+/// stays (renewed meanwhile: it keeps the process's etcd lease alive, with which a key left
+/// behind would stand), and another driver then takes `let-go` at once.
+async fn the_released_key_goes(
+    server: &EtcdServer,
+    holder: &EtcdDriver,
+    kept: &leasehold_lease::Lease,
+    ttl: std::time::Duration,
+    bound: std::time::Duration,
+) {
+    use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
+    use leasehold_lease::{Acquire, Driver};
+    let raw = raw_client(server).await;
+    let started = tokio::time::Instant::now();
+    loop {
+        let keys: Vec<String> = raw
+            .range(RangeRequest::prefix("leasehold/"))
+            .await
+            .map(|r| {
+                r.kvs
+                    .iter()
+                    .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if keys.iter().all(|k| !k.starts_with("leasehold/let-go/")) {
+            assert!(
+                keys.iter().any(|k| k.starts_with("leasehold/kept/")),
+                "the kept lock's key went too: {keys:?}"
+            );
+            break;
+        }
+        let _ = holder.renew(kept, ttl).await;
+        assert!(
+            started.elapsed() < bound,
+            "the released key is still queued, held for nobody: {keys:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let other = driver(server);
+    assert!(matches!(
+        other.try_acquire("let-go", "b", ttl).await.unwrap(),
+        Acquire::Acquired(_)
+    ));
+    assert!(holder.renew(kept, ttl).await.unwrap(), "the kept lock");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_release_wakes_exactly_one_of_fifty_waiters() {
     let server = EtcdServer::start();
@@ -348,7 +396,6 @@ async fn a_processs_keys_share_one_etcd_lease() {
 /// alive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_etcd_missed_is_done_once_it_answers() {
-    use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use std::time::Duration;
 
@@ -368,39 +415,8 @@ async fn a_release_etcd_missed_is_done_once_it_answers() {
         "a release etcd never saw reported done"
     );
     tokio::task::block_in_place(|| server.restart());
-    let raw = raw_client(&server).await;
-    let started = tokio::time::Instant::now();
-    loop {
-        let keys: Vec<String> = raw
-            .range(RangeRequest::prefix("leasehold/"))
-            .await
-            .map(|r| {
-                r.kvs
-                    .iter()
-                    .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        if keys.iter().all(|k| !k.starts_with("leasehold/let-go/")) {
-            assert!(
-                keys.iter().any(|k| k.starts_with("leasehold/kept/")),
-                "the kept lock's key went too: {keys:?}"
-            );
-            break;
-        }
-        assert!(
-            started.elapsed() < ttl,
-            "the released key is still queued: {keys:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     // Freed for others before the lease would have run out.
-    let other = driver(&server);
-    assert!(matches!(
-        other.try_acquire("let-go", "b", ttl).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
-    assert!(holder.renew(&kept, ttl).await.unwrap(), "the kept lock");
+    the_released_key_goes(&server, &holder, &kept, ttl, ttl).await;
 }
 
 /// A release whose caller stops waiting (the engine bounds its let-go to a fraction of a second)
@@ -409,7 +425,6 @@ async fn a_release_etcd_missed_is_done_once_it_answers() {
 /// for nobody, until the process ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_given_up_while_etcd_is_silent_is_done_once_it_answers() {
-    use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
     use leasehold_lease::{Acquire, Driver};
     use leasehold_testkit::FaultProxy;
     use std::time::Duration;
@@ -437,37 +452,7 @@ async fn a_release_given_up_while_etcd_is_silent_is_done_once_it_answers() {
         "a release through a cut link answered"
     );
     proxy.restore();
-    let raw = raw_client(&server).await;
-    let started = tokio::time::Instant::now();
-    loop {
-        let keys: Vec<String> = raw
-            .range(RangeRequest::prefix("leasehold/"))
-            .await
-            .map(|r| {
-                r.kvs
-                    .iter()
-                    .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        if keys.iter().all(|k| !k.starts_with("leasehold/let-go/")) {
-            break;
-        }
-        // Kept alive by the kept lock's renewals meanwhile: without them it would go with
-        // its etcd lease.
-        let _ = holder.renew(&kept, ttl).await;
-        assert!(
-            started.elapsed() < ttl * 2,
-            "the released key is still queued, held for nobody: {keys:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let other = driver(&server);
-    assert!(matches!(
-        other.try_acquire("let-go", "b", ttl).await.unwrap(),
-        Acquire::Acquired(_)
-    ));
-    assert!(holder.renew(&kept, ttl).await.unwrap(), "the kept lock");
+    the_released_key_goes(&server, &holder, &kept, ttl, ttl * 2).await;
 }
 
 /// An acquisition dropped while its key is being put (the engine's time budget, a client that
