@@ -176,6 +176,49 @@ async fn redis_departed_reentrant_acquisition_is_not_counted() {
     assert!(!a.answer().is_holder(), "a holds the lock for nobody");
 }
 
+/// A re-entrant acquisition whose answer was sent but never read (its client hung up in the
+/// moment between) gives its count back: the pod does not keep the lock for that hold, for
+/// nobody, once the real holder releases. On one thread, the caller's task is woken after the
+/// engine's publication of the count and is cancelled before it runs.
+#[tokio::test(flavor = "current_thread")]
+async fn an_answer_its_caller_never_read_gives_its_count_back() {
+    let harness = leasehold_testkit::SqliteHarness::new();
+    let url = format!("sqlite://{}", harness.path().display());
+    let a = lock(&url, &unique_lock("unread"), "a").await;
+    assert!(holds(&a, Duration::ZERO).await, "a takes the free lock");
+    let gone = {
+        let a = a.clone();
+        tokio::spawn(async move { a.acquire(Duration::ZERO, HOLD).await })
+    };
+    // The engine counts the hold, publishes it and sends the answer with no pause between:
+    // woken by the publication first, a task that waits for it runs before the caller reads
+    // its answer (tasks woken run in turn; the test's own body would run only after them).
+    let hang_up = gone.abort_handle();
+    let mut counts = a.watch();
+    tokio::spawn(async move {
+        while counts.borrow_and_update().holds < 2 {
+            counts.changed().await.expect("the engine runs");
+        }
+        hang_up.abort();
+    })
+    .await
+    .unwrap();
+    assert!(
+        gone.await.unwrap_err().is_cancelled(),
+        "the caller read its answer first"
+    );
+    assert!(a.release().await.expect("release"));
+    let deadline = Instant::now() + LEASE;
+    while a.answer().is_holder() || a.snapshot().holds > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "a holds the lock for nobody ({} holds)",
+            a.snapshot().holds
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Two attempts by one identity at once, on a lock whose queue already holds that identity's
 /// place, are granted once: the other is told the lock is busy. Both used to find the place
 /// first in line and both answer "acquired"; an engine that released what one of them took (an

@@ -2,7 +2,7 @@
 
 use super::in_flight::InFlight;
 use super::line::LineTurn;
-use super::lock::{Command, Events, OnUnheld};
+use super::lock::{Command, Events, Granted, LockInner, OnUnheld};
 use super::{
     Answer, Event, EventKind, Held, LockConfig, MAX_RETRY_PAUSE, Mode, SHUTDOWN_RELEASE_TIMEOUT,
     Snapshot, Telemetry, WithheldUntil, safety_margin,
@@ -96,7 +96,7 @@ pub(super) enum Served {
 pub(super) struct Waiter {
     pub(super) deadline: Instant,
     pub(super) hold: Duration,
-    pub(super) reply: oneshot::Sender<Answer>,
+    pub(super) reply: oneshot::Sender<Granted>,
 }
 
 /// The result of one backend call made by the task.
@@ -109,6 +109,8 @@ pub(super) enum Call<T> {
 }
 
 pub(super) struct Engine {
+    /// The lock's handle, for an answer dropped unread to give its count back ([`Granted`]).
+    pub(super) handle: std::sync::Weak<LockInner>,
     pub(super) driver: Arc<dyn Driver>,
     pub(super) backend: &'static str,
     pub(super) config: Arc<LockConfig>,
@@ -324,7 +326,7 @@ impl Engine {
             None => self.step_down("shutdown").await,
         }
         for waiter in self.waiters.drain(..) {
-            let _ = waiter.reply.send(Answer::NotHolder);
+            let _ = waiter.reply.send(Granted::uncounted(Answer::NotHolder));
         }
         if self.config.single_use || self.config.quiet {
             tracing::debug!(lock = %self.config.name, "single-use lock stopped");
@@ -682,9 +684,12 @@ impl Engine {
         let answer = self.state.borrow().answer();
         let (mut told, mut longest_told) = (0, None);
         for waiter in waiters {
-            if waiter.reply.send(answer).is_ok() {
-                told += 1;
-                longest_told = longest_told.max(Some(waiter.hold));
+            match waiter.reply.send(Granted::counted(answer, &self.handle)) {
+                Ok(()) => {
+                    told += 1;
+                    longest_told = longest_told.max(Some(waiter.hold));
+                }
+                Err(unsent) => unsent.unsent(),
             }
         }
         let counted = self.held().map_or(0, |h| h.holds);
@@ -720,7 +725,7 @@ impl Engine {
             .partition(|w| w.deadline <= now || w.reply.is_closed());
         self.waiters = waiting;
         for waiter in expired {
-            let _ = waiter.reply.send(answer);
+            let _ = waiter.reply.send(Granted::uncounted(answer));
         }
         if had_waiters
             && !self.wants_lock()
@@ -769,15 +774,16 @@ impl Engine {
                         self.publish_lease();
                         // The answer's validity as the new hold leaves it.
                         let answer = self.state.borrow().answer();
-                        if reply.send(answer).is_err()
-                            && let Some(held) = self.held_mut()
-                        {
-                            held.holds -= 1;
-                            held.hold_until = before;
-                            self.publish_lease();
+                        if let Err(unsent) = reply.send(Granted::counted(answer, &self.handle)) {
+                            unsent.unsent();
+                            if let Some(held) = self.held_mut() {
+                                held.holds -= 1;
+                                held.hold_until = before;
+                                self.publish_lease();
+                            }
                         }
                     } else {
-                        let _ = reply.send(answer);
+                        let _ = reply.send(Granted::uncounted(answer));
                     }
                 } else {
                     self.waiters.push(Waiter {

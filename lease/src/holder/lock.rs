@@ -24,7 +24,7 @@ pub(super) enum Command {
     Acquire {
         wait: Duration,
         hold: Duration,
-        reply: oneshot::Sender<Answer>,
+        reply: oneshot::Sender<Granted>,
     },
     /// `holding`: only the holding of this (permit, token) (a later one is another
     /// acquisition's).
@@ -133,6 +133,68 @@ pub(super) struct LockInner {
     pub(super) settled: CancellationToken,
 }
 
+/// An acquisition's answer on its way to its caller, with the hold it counted. Should it be
+/// dropped unread (its caller gone after the engine sent it and before reading it, a client that
+/// hung up in that moment), the engine is told to give the count back, as it does itself for a
+/// caller already gone when it sends: otherwise the lock stays held for nobody until the hold
+/// ends.
+pub(super) struct Granted {
+    answer: Answer,
+    give_back: Option<GiveBack>,
+}
+
+struct GiveBack {
+    lock: std::sync::Weak<LockInner>,
+    holding: (u32, u64),
+}
+
+impl Granted {
+    /// An answer that counted nothing.
+    pub(super) fn uncounted(answer: Answer) -> Self {
+        Self {
+            answer,
+            give_back: None,
+        }
+    }
+
+    /// An answer that counted a hold of `lock`'s (when it is a holder's).
+    pub(super) fn counted(answer: Answer, lock: &std::sync::Weak<LockInner>) -> Self {
+        Self {
+            answer,
+            give_back: answer.holding().map(|holding| GiveBack {
+                lock: lock.clone(),
+                holding,
+            }),
+        }
+    }
+
+    /// Read by its caller: the count is the caller's.
+    pub(super) fn read(mut self) -> Answer {
+        self.give_back = None;
+        self.answer
+    }
+
+    /// Come back unsent (its caller was already gone): the engine takes the count back itself.
+    pub(super) fn unsent(mut self) {
+        self.give_back = None;
+    }
+}
+
+impl Drop for Granted {
+    fn drop(&mut self) {
+        let Some(give_back) = self.give_back.take() else {
+            return;
+        };
+        if let Some(inner) = give_back.lock.upgrade() {
+            let (reply, _) = oneshot::channel();
+            let _ = inner.commands.send(Box::new(Command::Release {
+                holding: Some(give_back.holding),
+                reply,
+            }));
+        }
+    }
+}
+
 impl Drop for LockInner {
     fn drop(&mut self) {
         // Asked to stop before ([`Lock::stop`]; a shutdown has taken the task already): the
@@ -209,7 +271,7 @@ impl Lock {
             engine.steps().await;
         }
         let answer = answer.try_recv().map_err(|_| Error::Shutdown)?;
-        Ok((lock, answer))
+        Ok((lock, answer.read()))
     }
 
     /// The handle and its engine, not yet running.
@@ -229,7 +291,8 @@ impl Lock {
         // A key's engine keeps its count for good: no room is spent on changing it.
         let permits =
             (!config.single_use).then(|| Arc::new(Permits::new(config.permits, driver.clone())));
-        let engine = Engine {
+        let mut engine = Engine {
+            handle: std::sync::Weak::new(),
             backend: driver.kind(),
             driver,
             config: config.clone(),
@@ -261,6 +324,7 @@ impl Lock {
                 settled,
             }),
         };
+        engine.handle = Arc::downgrade(&lock.inner);
         Ok((lock, engine))
     }
 
@@ -381,7 +445,7 @@ impl Lock {
             .commands
             .send(Box::new(Command::Acquire { wait, hold, reply }))
             .map_err(|_| Error::Shutdown)?;
-        answer.await.map_err(|_| Error::Shutdown)
+        answer.await.map(Granted::read).map_err(|_| Error::Shutdown)
     }
 
     /// Step down (campaign mode: then sit out the cool-down) or drop one on-demand acquisition.
