@@ -219,6 +219,59 @@ async fn an_answer_its_caller_never_read_gives_its_count_back() {
     }
 }
 
+/// An acquisition whose every waiter went while it ran (the client hung up) is given back at
+/// once, and no reader of the lock is told in between that the pod holds it: a `GET /lock` of
+/// the pod told so would count on a whole claim that the release ends at once. Every event
+/// the lock emits is followed by a read of its answer, as a reader woken by it would make.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquisition_for_nobody_is_never_shown_as_held() {
+    use leasehold_lease::{Event, Snapshot, Telemetry};
+    use std::sync::{Mutex, OnceLock};
+    #[derive(Default)]
+    struct Reader {
+        state: OnceLock<tokio::sync::watch::Receiver<Snapshot>>,
+        seen: Mutex<Vec<(String, Answer)>>,
+    }
+    impl Telemetry for Reader {
+        fn event(&self, event: &Event) {
+            if let Some(state) = self.state.get() {
+                let answer = state.borrow().answer();
+                let seen = format!("{:?}", event.kind);
+                self.seen.lock().unwrap().push((seen, answer));
+            }
+        }
+    }
+    let harness = leasehold_testkit::SqliteHarness::new();
+    let url = format!("sqlite://{}", harness.path().display());
+    let faulty = FaultyDriver::wrap(driver(&url).await);
+    let name = unique_lock("for-nobody");
+    let mut config = LockConfig::new(&name, "a", LEASE);
+    config.mode = Mode::OnDemand;
+    let reader = Arc::new(Reader::default());
+    let a = Lock::start(faulty.clone(), config, reader.clone()).expect("lock");
+    reader.state.set(a.watch()).unwrap();
+    faulty.delay_responses(Duration::from_millis(400));
+    let gone = {
+        let a = a.clone();
+        tokio::spawn(async move { a.acquire(Duration::from_secs(5), HOLD).await })
+    };
+    sleep(Duration::from_millis(100)).await;
+    gone.abort(); // hung up while the attempt was on its way
+    let _ = gone.await;
+    sleep(Duration::from_millis(800)).await;
+    faulty.delay_responses(Duration::ZERO);
+    let b = lock(&url, &name, "b").await;
+    assert!(
+        holds(&b, Duration::from_secs(2)).await,
+        "b takes the lock given back"
+    );
+    let seen = reader.seen.lock().unwrap().clone();
+    assert!(
+        seen.iter().all(|(_, answer)| !answer.is_holder()),
+        "a reader was told a holds the lock it gave back at once: {seen:?}"
+    );
+}
+
 /// Two attempts by one identity at once, on a lock whose queue already holds that identity's
 /// place, are granted once: the other is told the lock is busy. Both used to find the place
 /// first in line and both answer "acquired"; an engine that released what one of them took (an

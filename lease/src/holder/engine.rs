@@ -674,6 +674,13 @@ impl Engine {
             .into_iter()
             .filter(|w| !w.reply.is_closed())
             .collect();
+        if waiters.is_empty() && self.config.mode == Mode::OnDemand {
+            // Nobody to give it to (every waiter's client went while the attempt ran): given
+            // back at once by `release_unwanted`, and never published, since a reader of the
+            // lock (a `GET /lock` of the pod) told it holds would be told so for a whole claim
+            // that the release then ends at once.
+            return;
+        }
         let now = BootInstant::now();
         let longest = waiters.iter().map(|w| w.hold).max();
         if let Some(held) = self.held_mut() {
