@@ -922,12 +922,31 @@ async fn release(
         return keys_release(family, query).await;
     }
     let lock = state.lock(name)?;
+    let mut query = query;
+    // `token=T[&permit=P]`: only while the lock is held as its answer said, so that a release
+    // sent late (the lease lost and taken again since) gives nothing of a later holding up.
+    let holding = match query.contains_key("token") {
+        true => {
+            let token = token_param(&mut query)?;
+            let permit = permit_param(&mut query, lock.name(), lock.has_had_permits())?;
+            Some((permit.unwrap_or(0), token))
+        }
+        false if query.contains_key("permit") => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "permit names a holding with its token: &token=T&permit=P",
+            ));
+        }
+        false => None,
+    };
     durations(&query, &[])?;
-    let released = lock
-        .release()
-        .await
-        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
-    // 200 when something was released, 409 when this pod held nothing; the body shows the state.
+    let released = match holding {
+        Some(holding) => lock.release_if(holding).await,
+        None => lock.release().await,
+    }
+    .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+    // 200 when something was released, 409 when this pod held nothing (or not that holding);
+    // the body shows the state.
     let mut response = current(&lock, Some(released));
     *response.status_mut() = released_status(released);
     Ok(response)
@@ -2093,6 +2112,48 @@ mod tests {
         );
         // The lock is this pod's for the call that took it, once.
         let (status, released) = post(&router, "/lock/release").await;
+        assert_eq!(status, StatusCode::OK, "{released}");
+        assert_eq!(released["holder"], false, "{released}");
+    }
+
+    /// A release that names its holding's token gives nothing of a later holding up: sent late,
+    /// once the lease was lost and taken again, it is a 409 and the later holding stays.
+    #[tokio::test]
+    async fn a_release_naming_an_earlier_token_leaves_a_later_holding() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap();
+        let mut config = LockConfig::new("jobs", "pod-a", Duration::from_secs(10));
+        config.mode = Mode::OnDemand;
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let lock = Lock::start(backend, config, metrics.clone()).unwrap();
+        let router = lock_api(AppState::new(vec![lock.clone()], metrics));
+        let token = |answer: &serde_json::Value| answer["fencingToken"].as_u64().unwrap();
+
+        let (status, first) = post(&router, "/lock/acquire?wait=0&hold=1s").await;
+        assert_eq!(status, StatusCode::OK, "{first}");
+        // The holding ends (as a lost lease does: released once its answer has run out) and
+        // the pod takes the lock again.
+        assert!(lock.force_release(None, token(&first)).await.unwrap());
+        let (status, second) = post(&router, "/lock/acquire?wait=5s&hold=10s").await;
+        assert_eq!(status, StatusCode::OK, "{second}");
+        assert!(token(&second) > token(&first));
+
+        let late = format!("/lock/release?token={}", token(&first));
+        let (status, kept) = post(&router, &late).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{kept}");
+        assert_eq!(
+            kept["holder"], true,
+            "the later holding was given up: {kept}"
+        );
+        for bad in ["/lock/release?permit=0", "/lock/release?token=x"] {
+            let (status, refused) = post(&router, bad).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {refused}");
+        }
+        let own = format!("/lock/release?token={}", token(&second));
+        let (status, released) = post(&router, &own).await;
         assert_eq!(status, StatusCode::OK, "{released}");
         assert_eq!(released["holder"], false, "{released}");
     }
