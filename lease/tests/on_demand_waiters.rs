@@ -272,6 +272,69 @@ async fn an_acquisition_for_nobody_is_never_shown_as_held() {
     );
 }
 
+/// Waiters answered together are told one validity, which counts every waiter's hold: one
+/// that goes between the count and its answer must not cut the hold short under the others,
+/// who may act for as long as they were told. Here the waiter with the long hold goes as the
+/// lock is taken (its acquisition dropped by the lock's own event hook, on the engine's task),
+/// and the one with a 1 s hold was told the longer validity: no other pod takes the lock
+/// before that validity has run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_gone_as_the_lock_is_taken_does_not_cut_the_others_answer_short() {
+    use leasehold_lease::{Event, EventKind, Telemetry};
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::Mutex;
+    type Acquisition = Pin<Box<dyn Future<Output = leasehold_lease::Result<Answer>> + Send>>;
+    #[derive(Default)]
+    struct Drops(Mutex<Option<Acquisition>>);
+    impl Telemetry for Drops {
+        fn event(&self, event: &Event) {
+            if event.kind == EventKind::Acquired {
+                drop(self.0.lock().unwrap().take());
+            }
+        }
+    }
+    let harness = leasehold_testkit::SqliteHarness::new();
+    let url = format!("sqlite://{}", harness.path().display());
+    let name = unique_lock("gone-as-taken");
+    let b = lock(&url, &name, "b").await;
+    assert!(holds(&b, Duration::ZERO).await, "b holds first");
+    let drops = Arc::new(Drops::default());
+    let mut config = LockConfig::new(&name, "a", LEASE);
+    config.mode = Mode::OnDemand;
+    let a = Lock::start(driver(&url).await, config, drops.clone()).expect("lock");
+    // The long hold's waiter: its command queued, its acquisition kept by the hook.
+    let mut long: Acquisition = {
+        let a = a.clone();
+        Box::pin(async move { a.acquire(Duration::from_secs(10), HOLD).await })
+    };
+    assert!(futures_util::poll!(long.as_mut()).is_pending());
+    *drops.0.lock().unwrap() = Some(long);
+    let short = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            let answer = a
+                .acquire(Duration::from_secs(10), Duration::from_secs(1))
+                .await;
+            (Instant::now(), answer)
+        })
+    };
+    sleep(Duration::from_millis(200)).await;
+    assert!(b.release().await.expect("b lets go"));
+    let (told_at, told) = short.await.unwrap();
+    let told = told.expect("answered");
+    let Answer::Holder { valid_for, .. } = told else {
+        panic!("the short waiter was not given the lock: {told:?}");
+    };
+    let c = lock(&url, &name, "c").await;
+    let taken = holds(&c, valid_for + Duration::from_secs(2)).await;
+    assert!(
+        !taken || Instant::now() >= told_at + valid_for,
+        "c took the lock {:?} before the end of the answer a's waiter was given ({valid_for:?})",
+        (told_at + valid_for).saturating_duration_since(Instant::now())
+    );
+}
+
 /// Two attempts by one identity at once, on a lock whose queue already holds that identity's
 /// place, are granted once: the other is told the lock is busy. Both used to find the place
 /// first in line and both answer "acquired"; an engine that released what one of them took (an

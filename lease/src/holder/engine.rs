@@ -689,23 +689,25 @@ impl Engine {
         self.publish_lease();
         self.emit(EventKind::Acquired, token, permit, "acquired");
         let answer = self.state.borrow().answer();
-        let (mut told, mut longest_told) = (0, None);
+        let mut told = 0;
         for waiter in waiters {
             match waiter.reply.send(Granted::counted(answer, &self.handle)) {
-                Ok(()) => {
-                    told += 1;
-                    longest_told = longest_told.max(Some(waiter.hold));
-                }
+                Ok(()) => told += 1,
                 Err(unsent) => unsent.unsent(),
             }
         }
         let counted = self.held().map_or(0, |h| h.holds);
         if !(answer.is_holder() && told == counted) {
             if let Some(held) = self.held_mut() {
-                held.holds = 0;
-                held.hold_until = None;
                 if answer.is_holder() {
-                    held.count_holds(now, told, longest_told);
+                    // The count is of those told; the hold stays as answered, which a reader of
+                    // the lock may have been told too: a waiter gone between the count and the
+                    // answer leaves the lock kept for its hold rather than cut short what the
+                    // others were told.
+                    held.holds = told;
+                } else {
+                    held.holds = 0;
+                    held.hold_until = None;
                 }
             }
             self.publish_lease();
@@ -775,8 +777,9 @@ impl Engine {
                         && let Some(held) = self.held_mut()
                     {
                         // Counted before the answer goes out, so that the caller reads the
-                        // new count; taken back if nobody was there to get it.
-                        let before = held.hold_until;
+                        // new count; taken back if nobody was there to get it. The hold it
+                        // lengthened stays, since the publication may have been read (a
+                        // `GET /lock` of the pod): what was answered is never cut short.
                         held.count_holds(BootInstant::now(), 1, Some(hold));
                         self.publish_lease();
                         // The answer's validity as the new hold leaves it.
@@ -785,7 +788,6 @@ impl Engine {
                             unsent.unsent();
                             if let Some(held) = self.held_mut() {
                                 held.holds -= 1;
-                                held.hold_until = before;
                                 self.publish_lease();
                             }
                         }
