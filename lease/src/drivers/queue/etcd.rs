@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::{OnceCell, watch};
+use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
@@ -939,19 +939,9 @@ impl Driver for EtcdDriver {
         super::abandon(&*self.shared, lock, identity).await;
     }
 
-    fn keeps_queue(&self) -> bool {
-        true
-    }
-
-    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        super::changes(&*self.shared, lock)
-    }
-
-    /// With a keep-alive every half TTL, an idle waiter costs etcd about one message per renew
-    /// interval at the default lease (three renew intervals).
-    fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        super::poll_interval(renew_interval)
-    }
+    // With a keep-alive every half TTL, an idle waiter costs etcd about one message per renew
+    // interval at the default lease (its poll: three renew intervals).
+    super::fair_queue_hints!();
 
     async fn ping(&self) -> Result<()> {
         let client = self.shared.client().await?;

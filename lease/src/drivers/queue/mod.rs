@@ -14,7 +14,6 @@ pub mod zookeeper;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::ChangeFeeds;
@@ -135,13 +134,24 @@ pub(crate) async fn abandon<T: Transport>(transport: &T, lock: &str, identity: &
     }
 }
 
-/// `Driver::changes`: the lock's line moving.
-pub(crate) fn changes<T: Transport>(transport: &T, lock: &str) -> Option<watch::Receiver<u64>> {
-    Some(transport.releases().subscribe(lock))
-}
-
-/// `Driver::poll_interval`: watches wake waiters, and polling is only the fallback for a watch
+/// The `Driver` hints that are the same on both transports (each driver's `shared` is its
+/// [`Transport`]): a fair queue keeps its waiters' places; its line moving (a place left or
+/// released) wakes them; and since watches wake them, polling is only the fallback for a watch
 /// that was missed.
-pub(crate) fn poll_interval(renew_interval: Duration) -> Duration {
-    renew_interval * 3
+macro_rules! fair_queue_hints {
+    () => {
+        fn keeps_queue(&self) -> bool {
+            true
+        }
+
+        fn changes(&self, lock: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
+            use super::Transport;
+            Some(self.shared.releases().subscribe(lock))
+        }
+
+        fn poll_interval(&self, renew_interval: std::time::Duration) -> std::time::Duration {
+            renew_interval * 3
+        }
+    };
 }
+pub(crate) use fair_queue_hints;

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::{OnceCell, watch};
+use tokio::sync::OnceCell;
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
@@ -1107,18 +1107,8 @@ impl Driver for ZooKeeperDriver {
         super::abandon(&*self.shared, lock, identity).await;
     }
 
-    fn keeps_queue(&self) -> bool {
-        true
-    }
-
-    fn changes(&self, lock: &str) -> Option<watch::Receiver<u64>> {
-        super::changes(&*self.shared, lock)
-    }
-
-    /// Sessions are kept alive by the client's own pings.
-    fn poll_interval(&self, renew_interval: Duration) -> Duration {
-        super::poll_interval(renew_interval)
-    }
+    // Sessions are kept alive by the client's own pings, whatever the waiters' poll.
+    super::fair_queue_hints!();
 
     async fn ping(&self) -> Result<()> {
         let session = self.shared.any_session().await?;
