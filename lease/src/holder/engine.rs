@@ -777,9 +777,10 @@ impl Engine {
                         && let Some(held) = self.held_mut()
                     {
                         // Counted before the answer goes out, so that the caller reads the
-                        // new count; taken back if nobody was there to get it. The hold it
-                        // lengthened stays, since the publication may have been read (a
-                        // `GET /lock` of the pod): what was answered is never cut short.
+                        // new count; taken back if nobody was there to get it, hold and all
+                        // (the pod's state, which `GET /lock` shows, is the pod's apps' to end
+                        // at any time, as a release does).
+                        let before = held.hold_until;
                         held.count_holds(BootInstant::now(), 1, Some(hold));
                         self.publish_lease();
                         // The answer's validity as the new hold leaves it.
@@ -788,6 +789,7 @@ impl Engine {
                             unsent.unsent();
                             if let Some(held) = self.held_mut() {
                                 held.holds -= 1;
+                                held.hold_until = before;
                                 self.publish_lease();
                             }
                         }
