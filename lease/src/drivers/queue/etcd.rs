@@ -783,19 +783,25 @@ impl EtcdDriver {
 }
 
 impl EtcdDriver {
-    /// A key put in `lock`'s queue for `identity`, its position read with the put, on a task
-    /// of its own (see [`super::join_line`]): if this call is dropped midway, the key it may
-    /// already have put is still recorded and tended.
+    /// A key put in `lock`'s queue for `identity` (after `leaving`, its old one, is left), its
+    /// position read with the put, on a task of its own (see [`super::join_line`]): if this
+    /// call is dropped midway, the key it may already have put is still recorded and tended.
     async fn join_line(
         &self,
         turn: AttemptTurn,
         lock: &str,
         identity: &str,
         ttl: Duration,
+        leaving: Option<Arc<Entry>>,
     ) -> Result<((Arc<Entry>, Position), AttemptTurn)> {
         let (shared, owned_lock, owned_identity) =
             (self.shared.clone(), lock.to_owned(), identity.to_owned());
-        let put = async move { shared.enqueue(&owned_lock, &owned_identity, ttl).await };
+        let put = async move {
+            if let Some(old) = leaving {
+                shared.leave(&old).await;
+            }
+            shared.enqueue(&owned_lock, &owned_identity, ttl).await
+        };
         super::join_line(&self.shared, turn, lock, identity, put).await
     }
 }
@@ -825,13 +831,16 @@ impl Driver for EtcdDriver {
                 (entry, position)
             }
             Some(entry) => {
-                self.shared.leave(&entry).await;
-                let joined = self.join_line(turn, lock, identity, ttl).await?;
+                // The old key is left on the task that puts the new one, so that a wait
+                // abandoned in between marks the new one.
+                let joined = self
+                    .join_line(turn, lock, identity, ttl, Some(entry))
+                    .await?;
                 turn = joined.1;
                 joined.0
             }
             None => {
-                let joined = self.join_line(turn, lock, identity, ttl).await?;
+                let joined = self.join_line(turn, lock, identity, ttl, None).await?;
                 turn = joined.1;
                 joined.0
             }

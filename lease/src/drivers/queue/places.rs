@@ -153,13 +153,12 @@ impl<X> Places<X> {
     /// A place still being put in line for `identity` is marked, to leave once it is put.
     pub(crate) fn abandoned(&self, lock: &str, identity: &str) -> Option<Arc<Place<X>>> {
         let mut map = self.map();
-        if let Some(place) = map.get(lock).filter(|p| p.identity == identity) {
-            return place.slot.leave_if_waiting().then(|| place.clone());
-        }
+        // A place being put anew (its old one perhaps still here, about to be left) too.
         if let Some(joining) = map.joining.get_mut(lock).filter(|j| j.identity == identity) {
             joining.abandoned = true;
         }
-        None
+        let place = map.get(lock).filter(|p| p.identity == identity)?;
+        place.slot.leave_if_waiting().then(|| place.clone())
     }
 
     /// Forget `place` if it is still its lock's (a later one stays); either way it serves no
