@@ -270,6 +270,8 @@ async fn an_acquisition_for_nobody_is_never_shown_as_held() {
         seen.iter().all(|(_, answer)| !answer.is_holder()),
         "a reader was told a holds the lock it gave back at once: {seen:?}"
     );
+    // Nor is its end told of: listeners see every `released` after its `acquired`.
+    assert!(seen.is_empty(), "events of a lease never told of: {seen:?}");
 }
 
 /// Waiters answered together are told one validity, which counts every waiter's hold: one

@@ -544,8 +544,16 @@ impl Engine {
         else {
             return None;
         };
+        // A lease never published (taken for waiters who had all gone) was never told of: its
+        // end is not either, so that listeners see every `released` after its `acquired`.
+        let announced =
+            self.state.borrow().held.as_ref().is_some_and(|shown| {
+                (shown.permit, shown.token) == (held.permit, held.lease.token)
+            });
         self.publish_lease_and(|s| s.current_holder = None);
-        self.emit(kind, held.lease.token, held.permit, reason);
+        if announced {
+            self.emit(kind, held.lease.token, held.permit, reason);
+        }
         if let Some(mut hook) = self.on_unheld.take() {
             hook.fire();
         }
