@@ -780,9 +780,7 @@ impl EtcdDriver {
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
         self.shared.entries.holding(lease)
     }
-}
 
-impl EtcdDriver {
     /// A key put in `lock`'s queue for `identity` (after `leaving`, its old one, is left), its
     /// position read with the put, on a task of its own (see [`super::join_line`]): if this
     /// call is dropped midway, the key it may already have put is still recorded and tended.
@@ -830,19 +828,12 @@ impl Driver for EtcdDriver {
                 let position = self.shared.position(&entry).await?;
                 (entry, position)
             }
-            Some(entry) => {
-                // The old key is left on the task that puts the new one, so that a wait
-                // abandoned in between marks the new one.
-                let joined = self
-                    .join_line(turn, lock, identity, ttl, Some(entry))
-                    .await?;
-                turn = joined.1;
-                joined.0
-            }
-            None => {
-                let joined = self.join_line(turn, lock, identity, ttl, None).await?;
-                turn = joined.1;
-                joined.0
+            // None, or a key of an ended session or a shorter grant: that one is left on the
+            // task that puts the new one, so that a wait abandoned in between marks the new one.
+            stale => {
+                let (joined, returned) = self.join_line(turn, lock, identity, ttl, stale).await?;
+                turn = returned;
+                joined
             }
         };
         let _turn = turn;
