@@ -464,6 +464,7 @@ async fn an_acquisition_dropped_while_its_key_is_put_leaves_no_key_behind() {
     use futures_util::FutureExt;
     use leasehold_lease::drivers::queue::etcd_rpc::RangeRequest;
     use leasehold_lease::{Acquire, Driver};
+    use leasehold_testkit::conformance::a_place_put_for_a_dropped_acquisition_leaves_the_line;
     use std::time::Duration;
 
     let server = EtcdServer::start();
@@ -477,28 +478,14 @@ async fn an_acquisition_dropped_while_its_key_is_put_leaves_no_key_behind() {
             .len()
     };
 
-    let dropped = driver(&server);
-    assert!(
-        dropped
-            .try_acquire("dropped", "a", ttl)
-            .now_or_never()
-            .is_none(),
-        "a first acquisition answers without a round trip"
-    );
-    dropped.abandon("dropped", "a").await;
-    // Within a lease, where a key left unasked would stand for three.
-    let other = driver(&server);
-    let deadline = tokio::time::Instant::now() + ttl;
-    loop {
-        match other.try_acquire("dropped", "b", ttl).await.unwrap() {
-            Acquire::Acquired(_) => break,
-            refused => assert!(
-                tokio::time::Instant::now() < deadline,
-                "the abandoned key still stands in line: {refused:?}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // A first acquisition opens the session (an etcd lease) and puts the key: round trips.
+    a_place_put_for_a_dropped_acquisition_leaves_the_line(
+        &driver(&server),
+        &driver(&server),
+        "dropped",
+        ttl,
+    )
+    .await;
 
     let retried = driver(&server);
     assert!(

@@ -325,8 +325,8 @@ async fn a_waiter_whose_place_was_deleted_does_not_hold_beside_a_node_of_its_num
 /// rather than stand first in line, asked by nobody, for three leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquisition_dropped_while_its_node_is_created_leaves_no_node_behind() {
-    use futures_util::FutureExt;
     use leasehold_lease::{Acquire, Driver};
+    use leasehold_testkit::conformance::a_place_put_for_a_dropped_acquisition_leaves_the_line;
     let server = ZooKeeperServer::start();
     let lease = Duration::from_secs(10);
     let dropped = driver(&server);
@@ -335,27 +335,13 @@ async fn an_acquisition_dropped_while_its_node_is_created_leaves_no_node_behind(
         panic!("the warm-up lock");
     };
     assert!(dropped.release(&warm).await.unwrap());
-    assert!(
-        dropped
-            .try_acquire("dropped", "a", lease)
-            .now_or_never()
-            .is_none(),
-        "an acquisition answers without a round trip"
-    );
-    dropped.abandon("dropped", "a").await;
-    // Within a lease, where a node left unasked would stand for three.
-    let other = driver(&server);
-    let deadline = tokio::time::Instant::now() + lease;
-    loop {
-        match other.try_acquire("dropped", "b", lease).await.unwrap() {
-            Acquire::Acquired(_) => break,
-            refused => assert!(
-                tokio::time::Instant::now() < deadline,
-                "the abandoned node still stands in line: {refused:?}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    a_place_put_for_a_dropped_acquisition_leaves_the_line(
+        &dropped,
+        &driver(&server),
+        "dropped",
+        lease,
+    )
+    .await;
 }
 
 /// Over TLS, each way of getting it wrong is refused with its cause named (the client library

@@ -908,6 +908,38 @@ impl CountsWakeups for leasehold_lease::zookeeper::ZooKeeperDriver {
     }
 }
 
+/// A fair queue's acquisition dropped while its place is being put (the engine's time budget, a
+/// client that hung up), its wait then abandoned: the place leaves the line as soon as it is
+/// put, and `other` takes the lock within `lease`, where a place left unasked would stand for
+/// three. `dropped`'s attempt on `lock` must need a round trip (its session already open).
+pub async fn a_place_put_for_a_dropped_acquisition_leaves_the_line(
+    dropped: &dyn Driver,
+    other: &dyn Driver,
+    lock: &str,
+    lease: Duration,
+) {
+    use futures_util::FutureExt;
+    assert!(
+        dropped
+            .try_acquire(lock, "a", lease)
+            .now_or_never()
+            .is_none(),
+        "an acquisition answers without a round trip"
+    );
+    dropped.abandon(lock, "a").await;
+    let deadline = Instant::now() + lease;
+    loop {
+        match other.try_acquire(lock, "b", lease).await.unwrap() {
+            Acquire::Acquired(_) => break,
+            refused => assert!(
+                Instant::now() < deadline,
+                "the abandoned place still stands in line: {refused:?}"
+            ),
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Fifty waiters queue behind a holder (each its own client, as separate processes would be);
 /// its release wakes the first of them and nobody else, and that one holds with the next token.
 pub async fn one_release_wakes_exactly_one_waiter<D: CountsWakeups>(client: impl Fn() -> D) {
