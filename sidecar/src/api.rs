@@ -2063,15 +2063,20 @@ mod tests {
         assert!(valid_for(answered_now(&failing, answered(secs(10)))) <= secs(4));
     }
 
+    /// A SQLite file's driver, in `dir`.
+    async fn sqlite_backend(dir: &tempfile::TempDir) -> Arc<dyn leasehold_lease::Backend> {
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap()
+    }
+
     /// An acquisition refused while the lock was busy is answered as refused, even when another
     /// call of the same pod takes the lock before the refused call's handler reads the lock.
     #[tokio::test]
     async fn an_acquisition_is_answered_with_its_own_outcome_not_the_state_a_moment_later() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
-            .await
-            .unwrap();
+        let backend = sqlite_backend(&dir).await;
         let faulty = FaultyDriver::wrap(backend.clone());
         let lease = Duration::from_secs(10);
         let mut config = LockConfig::new("jobs", "pod-a", lease);
@@ -2121,10 +2126,7 @@ mod tests {
     #[tokio::test]
     async fn a_release_naming_an_earlier_token_leaves_a_later_holding() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
-            .await
-            .unwrap();
+        let backend = sqlite_backend(&dir).await;
         let mut config = LockConfig::new("jobs", "pod-a", Duration::from_secs(10));
         config.mode = Mode::OnDemand;
         let metrics = Arc::new(crate::metrics::Metrics::new());
