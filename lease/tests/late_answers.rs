@@ -362,6 +362,61 @@ async fn a_reader_that_hangs_up_while_its_permit_is_checked_gives_it_back() {
     family.shutdown().await;
 }
 
+/// A reader whose answer was sent the moment its client hung up, and never read, gives its
+/// permit back rather than keep it for nobody until its hold ends (a writer would wait that
+/// long). On one thread, a task woken by the gate probe's release (the last call before the
+/// answer is sent) runs before the reader's caller, and cancels it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_reader_whose_answer_was_never_read_gives_its_permit_back() {
+    let harness = SqliteHarness::new();
+    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let family = KeyedFamily::new(
+        faulty.clone(),
+        FamilyConfig {
+            permits: 2,
+            read_write: true,
+            ..FamilyConfig::new(&unique_lock("unread"), "pod-a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family");
+    let first = family
+        .acquire_read("doc", "r1", Duration::ZERO, HOLD)
+        .await
+        .expect("r1 reads");
+    assert!(
+        matches!(first, KeyAnswer::Held { permit: 0, .. }),
+        "{first:?}"
+    );
+    let permit = family.permit_backend_name("doc", 1).expect("name");
+    let mut releases = faulty.releases();
+    let reading = tokio::spawn({
+        let family = family.clone();
+        async move { family.acquire_read("doc", "r2", Duration::ZERO, HOLD).await }
+    });
+    let hang_up = reading.abort_handle();
+    tokio::spawn(async move {
+        releases.changed().await.expect("the driver is kept");
+        hang_up.abort();
+    })
+    .await
+    .unwrap();
+    assert!(
+        reading.await.unwrap_err().is_cancelled(),
+        "r2 read its answer first"
+    );
+    let given_back = Instant::now();
+    while faulty.observe(&permit).await.expect("observe").is_some() {
+        assert!(
+            given_back.elapsed() < LEASE / 2,
+            "permit 1 is still held {:?} after its reader hung up",
+            given_back.elapsed()
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    family.shutdown().await;
+}
+
 /// An app counts its answer's `validForMs` from when it reads it, a moment after the engine
 /// computed it: a hold that runs out is released only after that moment's margin, as every
 /// other let-go is, so that nobody else holds while the app's reading of its answer stands.

@@ -28,6 +28,8 @@ pub struct FaultyDriver {
     counted_early: Mutex<HashSet<(String, u64)>>,
     /// How many acquisitions the backend answered, by lock and identity.
     answered: Mutex<HashMap<(String, String), u64>>,
+    /// How many releases the backend answered.
+    releases: watch::Sender<u64>,
 }
 
 impl FaultyDriver {
@@ -43,6 +45,7 @@ impl FaultyDriver {
             subscriptions: AtomicU64::new(0),
             counted_early: Mutex::new(HashSet::new()),
             answered: Mutex::new(HashMap::new()),
+            releases: watch::Sender::new(0),
         })
     }
 
@@ -54,6 +57,12 @@ impl FaultyDriver {
             .get(&(lock.to_owned(), identity.to_owned()))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// How many releases the backend has answered, told as each answer comes back, before the
+    /// release's caller reads it: a task waiting here runs before the caller goes on.
+    pub fn releases(&self) -> watch::Receiver<u64> {
+        self.releases.subscribe()
     }
 
     /// How many times an engine has subscribed to the lock's release notices.
@@ -181,7 +190,9 @@ impl Driver for FaultyDriver {
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
         self.unless_cut_off().await;
-        self.inner.release(lease).await
+        let released = self.inner.release(lease).await;
+        self.releases.send_modify(|count| *count += 1);
+        released
     }
 
     fn enforced_lease(&self, lock: &str) -> Option<Duration> {

@@ -141,6 +141,37 @@ pub(super) enum Writes {
     Refused { key: String, answer: KeyAnswer },
 }
 
+/// A reader's answer on its way to its caller, once its permit above 0 was checked against the
+/// write gate. Dropped unread (its caller gone as it was sent, or after and before reading it:
+/// a client that hung up in that moment), the permit it names is given back rather than kept
+/// for nobody until its hold ends.
+struct CheckedRead {
+    answer: Option<Result<KeyAnswer, KeyAnswer>>,
+    /// The holding to give back unless the answer is read: set while the answer says held.
+    unread: Option<(KeyedFamily, String, String, (u32, u64))>,
+}
+
+impl CheckedRead {
+    fn read(mut self) -> Result<KeyAnswer, KeyAnswer> {
+        self.unread = None;
+        self.answer.take().unwrap_or(Err(KeyAnswer::Unknown))
+    }
+}
+
+impl Drop for CheckedRead {
+    fn drop(&mut self) {
+        let Some((family, key, owner, taken)) = self.unread.take() else {
+            return;
+        };
+        // Without a runtime (the process shutting down) the permit ends with its hold.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = family.release_held(&key, &owner, Some(taken)).await;
+            });
+        }
+    }
+}
+
 impl KeyedFamily {
     /// Take `key` to write for `owner` (a family declared read-write): once no other owner,
     /// reader or writer, holds any of its permits, waiting up to `wait`, and keep it at most
@@ -472,12 +503,17 @@ impl KeyedFamily {
                         Err(refusal)
                     }
                 };
-                // The caller went as the answer was sent: the permit is given back all the same.
-                if let Err(Ok(KeyAnswer::Held { .. })) = answered.send(checked) {
-                    let _ = family.release_held(&key_owned, &owner_owned, taken).await;
-                }
+                // The caller gone as the answer is sent, or before it reads it: the permit is
+                // given back all the same.
+                let unread = taken.filter(|_| matches!(checked, Ok(KeyAnswer::Held { .. })));
+                let _ = answered.send(CheckedRead {
+                    answer: Some(checked),
+                    unread: unread.map(|taken| (family, key_owned, owner_owned, taken)),
+                });
             });
-            let checked = answer.await.unwrap_or(Err(KeyAnswer::Unknown));
+            let checked = answer
+                .await
+                .map_or(Err(KeyAnswer::Unknown), CheckedRead::read);
             let refusal = match checked {
                 Ok(answer) => return Ok(answer),
                 Err(refusal) => refusal,
