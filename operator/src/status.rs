@@ -64,6 +64,10 @@ pub fn desired(
             if warnings.is_empty() {
                 "the backend is reachable and the lock is provisioned".to_owned()
             } else {
+                // Sorted: a backend of several servers gives them in no fixed order.
+                let mut warnings = warnings.clone();
+                warnings.sort();
+                warnings.dedup();
                 warnings.join("; ")
             },
             holder.clone(),
@@ -331,6 +335,35 @@ mod tests {
             (1, "BackendWarning", true)
         );
         let again = desired(Some(&first), Some(1), "redis", &warned, at(200));
+        assert!(notices(Some(&first), &again).is_empty());
+    }
+
+    /// A backend of several servers (Redis Cluster's masters) gives its warnings in no fixed
+    /// order: the same warnings in another order are the same status, written and announced
+    /// once, not a status write (and a reconcile it starts) at every look.
+    #[test]
+    fn the_same_warnings_in_another_order_change_nothing() {
+        let warned = |warnings: &[&str]| Observation::Ready {
+            holder: None,
+            held_keys: None,
+            held_permits: None,
+            warnings: warnings.iter().map(|w| w.to_string()).collect(),
+        };
+        let first = desired(
+            None,
+            Some(1),
+            "redis",
+            &warned(&["m1: lru", "m2: lru"]),
+            at(100),
+        );
+        let again = desired(
+            Some(&first),
+            Some(1),
+            "redis",
+            &warned(&["m2: lru", "m1: lru", "m2: lru"]),
+            at(200),
+        );
+        assert_eq!(first, again);
         assert!(notices(Some(&first), &again).is_empty());
     }
 
