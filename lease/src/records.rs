@@ -6,12 +6,15 @@
 //! contender takes it at once, while the first still claims until its next renewal. (The safety
 //! soak caught exactly that: two holders for 220 ms after a `DistributedLock` was deleted.) So
 //! the deletion takes the lock first, through the backend's own exclusion, and deletes only
-//! while holding it: whoever takes the lock afterwards takes it alone.
+//! while holding it: whoever takes the lock afterwards takes it alone. The deletion is made only
+//! within the claim that acquisition gave, as a holder writes only within its claim.
 
 use std::time::Duration;
 
+use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, Backend, Holding};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::holder::safety_margin;
 
 /// Who takes a lock to delete its records, as holders and events name it.
 pub const RECORDS_DELETER: &str = "leasehold-operator (deleting the lock's records)";
@@ -24,9 +27,21 @@ pub async fn delete_records(
     lock: &str,
     lease: Duration,
 ) -> Result<Option<Option<Holding>>> {
+    let sent = BootInstant::now();
     match driver.try_acquire(lock, RECORDS_DELETER, lease).await {
         Ok(Acquire::Acquired(held)) => {
-            if let Err(e) = driver.deprovision_held(&held).await {
+            // Only within the claim the acquisition gave, less the margin every holder keeps
+            // (a stalled deleter is a paused holder): past it another may hold the lock, and
+            // the deletion would free that holding while it still claims.
+            let claim_ends = driver.counted_from(&held, sent) + lease - safety_margin(lease);
+            let over = || Error::Timeout(claim_ends.saturating_duration_since(sent));
+            let deleted = match claim_ends.remaining() {
+                Duration::ZERO => Err(over()),
+                left => tokio::time::timeout(left, driver.deprovision_held(&held))
+                    .await
+                    .unwrap_or_else(|_| Err(over())),
+            };
+            if let Err(e) = deleted {
                 // Not deleted: let go, so that the lock is not blocked for its lease.
                 let _ = driver.release(&held).await;
                 return Err(e);

@@ -630,6 +630,45 @@ pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
     assert!(b.release(&lb).await.unwrap());
 }
 
+/// A deletion of a lock's records (`cleanupPolicy: Delete`) that stalls past the claim its
+/// deleter took the lock with deletes nothing: by then another may hold the lock, and deleting
+/// would free its holding while it still claims, for the next contender to take beside it.
+pub async fn records_deleted_late_leave_the_next_holder(h: &mut dyn Harness) {
+    let b = h.driver().await;
+    let operator = FaultyDriver::wrap(h.driver().await);
+    let lock = unique_lock("late-delete");
+    operator.delay_deprovisions(LEASE + SLACK);
+    let deleting = tokio::spawn({
+        let (operator, lock) = (operator.clone(), lock.clone());
+        async move { leasehold_lease::delete_records(&*operator, &lock, LEASE).await }
+    });
+    let operator_holds = Instant::now();
+    while operator.observe(&lock).await.expect("observe").is_none() {
+        assert!(
+            operator_holds.elapsed() < SLACK,
+            "the deleter never took the lock"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+    let lb = acquired_within(&*b, &lock, "b", "the deleter's lease never ran out").await;
+    let deleted = deleting.await.expect("the deletion runs");
+    assert!(
+        deleted.is_err(),
+        "a deletion made after its claim ran out was reported done: {deleted:?}"
+    );
+    let holder = b.observe(&lock).await.expect("observe");
+    assert_eq!(
+        holder.map(|h| (h.identity, h.token)),
+        Some(("b".to_owned(), lb.token)),
+        "the late deletion freed b's holding"
+    );
+    assert!(
+        b.renew(&lb, LEASE).await.expect("renew"),
+        "the late deletion ended b's claim"
+    );
+    assert!(b.release(&lb).await.unwrap());
+}
+
 /// Every acquisition's token is greater than all before it: releases, expiries, many clients.
 pub async fn tokens_strictly_increase(h: &mut dyn Harness) {
     let drivers = [h.driver().await, h.driver().await, h.driver().await];
@@ -2922,6 +2961,7 @@ macro_rules! conformance_suite {
             only_holder_renews_or_releases,
             deprovision_ends_the_holders_claim,
             records_are_deleted_only_while_held,
+            records_deleted_late_leave_the_next_holder,
             tokens_strictly_increase,
             crash_takeover_within_lease,
             paused_holder_fences_itself_first,

@@ -30,6 +30,7 @@ pub struct FaultyDriver {
     answered: Mutex<HashMap<(String, String), u64>>,
     /// How many releases the backend answered.
     releases: watch::Sender<u64>,
+    deprovision_delay_ms: AtomicU64,
 }
 
 impl FaultyDriver {
@@ -46,6 +47,7 @@ impl FaultyDriver {
             counted_early: Mutex::new(HashSet::new()),
             answered: Mutex::new(HashMap::new()),
             releases: watch::Sender::new(0),
+            deprovision_delay_ms: AtomicU64::new(0),
         })
     }
 
@@ -101,6 +103,20 @@ impl FaultyDriver {
             std::future::pending::<()>().await;
         }
         let ms = self.request_delay_ms.load(Ordering::SeqCst);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
+
+    /// From now on, a deletion of a lock's records reaches the backend this much later than it
+    /// was made (a stalled clean-up); one dropped meanwhile is never made.
+    pub fn delay_deprovisions(&self, delay: Duration) {
+        self.deprovision_delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    async fn deprovision_delay(&self) {
+        let ms = self.deprovision_delay_ms.load(Ordering::SeqCst);
         if ms > 0 {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
@@ -234,7 +250,13 @@ impl Driver for FaultyDriver {
 #[async_trait]
 impl Upkeep for FaultyDriver {
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        self.deprovision_delay().await;
         self.inner.deprovision(locks).await
+    }
+
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        self.deprovision_delay().await;
+        self.inner.deprovision_held(lease).await
     }
 
     async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
