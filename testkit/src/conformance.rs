@@ -1336,7 +1336,41 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
     b.shutdown().await;
 }
 
-/// Generates one `#[tokio::test]` per conformance scenario for a harness expression.
+/// Lock names are told apart by case (`orders` and `Orders` are two families): a sweep of one
+/// family's idle keys forgets none of the other's, whose tokens would then start again below
+/// those its holders carried.
+pub async fn families_apart_by_case_are_swept_apart(h: &mut dyn Harness) {
+    let driver = h.driver().await;
+    let family = unique_lock("case");
+    let other = family.to_uppercase();
+    assert_ne!(family, other);
+    // Each family's floor is made by a first sweep, as an idle sweep does.
+    for name in [&family, &other] {
+        driver
+            .forget_idle_keys(name, Duration::ZERO)
+            .await
+            .expect("sweep");
+    }
+    let lock = format!("{family}.keys.k");
+    let mut last = 0;
+    for _ in 0..3 {
+        let lease = acquired(&*driver, &lock, "a", LEASE).await;
+        last = lease.token;
+        assert!(driver.release(&lease).await.expect("release"));
+    }
+    driver
+        .forget_idle_keys(&other, Duration::ZERO)
+        .await
+        .expect("sweep");
+    let again = acquired(&*driver, &lock, "a", LEASE).await;
+    assert!(
+        again.token > last,
+        "{lock} drew token {} after {last}, once the family {other} was swept",
+        again.token
+    );
+    assert!(driver.release(&again).await.expect("release"));
+}
+
 /// A family's keys taken and released over and over while idle keys are forgotten as fast as
 /// the backend allows ([`Driver::forget_idle_keys`] with no idle time at all, from another
 /// client): every key's tokens still rise, and each key is free again after its release. On
@@ -2970,6 +3004,7 @@ macro_rules! conformance_suite {
             backend_outage_and_recovery,
             keyed_owners_exclude_each_other,
             idle_keys_are_forgotten_and_their_tokens_still_rise,
+            families_apart_by_case_are_swept_apart,
             held_keys_are_counted,
             keyed_permits_admit_that_many_owners,
             keyed_semaphore_waiters_are_served_in_order,

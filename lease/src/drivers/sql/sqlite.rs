@@ -239,6 +239,9 @@ async fn open_pool(path: &Path, table: &str) -> Result<SqlitePool, OpenFailure> 
         .journal_mode(SqliteJournalMode::Wal)
         // Tokens must never repeat, even after a power cut: fsync every commit.
         .synchronous(SqliteSynchronous::Full)
+        // Lock names differ by case (`orders` and `Orders` are two families): a family's key
+        // patterns must not match another's rows, which SQLite's `LIKE` does by default.
+        .pragma("case_sensitive_like", "ON")
         .busy_timeout(BUSY_TIMEOUT);
     let pool = SqlitePoolOptions::new()
         .max_connections(2)
