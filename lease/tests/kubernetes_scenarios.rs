@@ -512,6 +512,36 @@ async fn watches_nobody_listens_to_are_stopped() {
     assert!(other.release(&lease).await.unwrap());
 }
 
+/// A contender that has watched a dead holder's Lease run out takes it on its next try, also
+/// when other locks' sightings were pruned meanwhile: a sighting just run out is kept, not
+/// forgotten and counted again from the next look, a whole lease more each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_seen_running_out_is_free_after_other_sightings_are_pruned() {
+    const TTL: Duration = Duration::from_millis(300);
+    let harness = KubernetesHarness::new();
+    let (dead, contender) = (harness.client_driver(), harness.client_driver());
+    let name = unique_lock("pruned");
+    // As many sightings as make the contender's map prune itself at the next one.
+    let locks: Vec<String> = (0..64).map(|i| format!("{name}-{i}")).collect();
+    for lock in &locks {
+        let taken = dead.try_acquire(lock, "dead", TTL).await.unwrap();
+        assert!(matches!(taken, Acquire::Acquired(_)), "{lock}: {taken:?}");
+    }
+    for lock in &locks[..63] {
+        let seen = contender.try_acquire(lock, "b", TTL).await.unwrap();
+        assert!(matches!(seen, Acquire::Busy(Some(_))), "{lock}: {seen:?}");
+    }
+    tokio::time::sleep(TTL + Duration::from_millis(50)).await;
+    // The 64th sighting prunes the map, every earlier sighting having run out.
+    let pruning = contender.try_acquire(&locks[63], "b", TTL).await.unwrap();
+    assert!(matches!(pruning, Acquire::Busy(Some(_))), "{pruning:?}");
+    let again = contender.try_acquire(&locks[0], "b", TTL).await.unwrap();
+    assert!(
+        matches!(again, Acquire::Acquired(_)),
+        "a Lease watched until it ran out is held again: {again:?}"
+    );
+}
+
 /// Deletes the family's key Leases nobody holds now, as the operator's clean-up does: how many.
 async fn forget_idle_now(driver: &KubernetesLeaseDriver, family: &str) -> u64 {
     driver

@@ -230,9 +230,10 @@ impl KubernetesLeaseDriver {
                 duration: record.duration,
             });
         let left = sighting.left(now);
-        // Pruned only now: a sighting that has just run out is this call's answer, not a record
-        // to count again from now.
-        sightings.prune(|s| !s.left(now).is_zero());
+        // A sighting is kept a while after it ran out (as long again as it lasted): the
+        // contenders that watched it run out come back for it then, and one forgotten would be
+        // counted again from their next look, a whole lease more.
+        sightings.prune(|s| now.saturating_duration_since(s.since) < s.duration * 2);
         let long_over = record
             .expires_at()
             .and_then(|end| {
