@@ -417,6 +417,71 @@ async fn a_reader_whose_answer_was_never_read_gives_its_permit_back() {
     family.shutdown().await;
 }
 
+/// A writer of another pod whose owner looks like the name of a probe of the write gate
+/// (`w#probe`) is a writer all the same: waiting for a reader to leave, it keeps new readers
+/// out, who take no permit meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_named_like_a_probe_keeps_readers_out() {
+    let harness = SqliteHarness::new();
+    let faulty = FaultyDriver::wrap(sqlite(&harness).await);
+    let name = unique_lock("probe-named");
+    let pod = |driver: Arc<dyn Backend>, identity: &str| {
+        KeyedFamily::new(
+            driver,
+            FamilyConfig {
+                permits: 2,
+                read_write: true,
+                ..FamilyConfig::new(&name, identity, LEASE)
+            },
+            Arc::new(()),
+        )
+        .expect("family")
+    };
+    let family = pod(faulty.clone(), "pod-a");
+    let writer = pod(sqlite(&harness).await, "pod-b");
+    let first = family
+        .acquire_read("doc", "r1", Duration::ZERO, HOLD)
+        .await
+        .expect("r1 reads");
+    assert!(matches!(first, KeyAnswer::Held { .. }), "{first:?}");
+    let writing = tokio::spawn({
+        let writer = writer.clone();
+        async move {
+            writer
+                .acquire_write("doc", "w#probe", Duration::from_secs(10), HOLD)
+                .await
+        }
+    });
+    let gate = family.permit_backend_name("doc", u32::MAX).expect("name");
+    let started = Instant::now();
+    while faulty.observe(&gate).await.expect("observe").is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the writer never took the gate"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    let refused = family
+        .acquire_read("doc", "r2", Duration::ZERO, HOLD)
+        .await
+        .expect("r2 asks");
+    assert!(!matches!(refused, KeyAnswer::Held { .. }), "{refused:?}");
+    let permit = family.permit_backend_name("doc", 1).expect("name");
+    assert_eq!(
+        faulty.answered(&permit, "pod-a/r2"),
+        0,
+        "r2 took a permit while a writer waited at the gate"
+    );
+    assert!(matches!(
+        family.release("doc", "r1").await.expect("release"),
+        leasehold_lease::keyed::KeyRelease::Released { .. }
+    ));
+    let written = writing.await.unwrap().expect("w writes");
+    assert!(matches!(written, KeyAnswer::Held { .. }), "{written:?}");
+    writer.shutdown().await;
+    family.shutdown().await;
+}
+
 /// An app counts its answer's `validForMs` from when it reads it, a moment after the engine
 /// computed it: a hold that runs out is released only after that moment's margin, as every
 /// other let-go is, so that nobody else holds while the app's reading of its answer stands.

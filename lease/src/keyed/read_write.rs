@@ -52,9 +52,10 @@ pub(super) const GATE: u32 = u32::MAX;
 pub const MAX_READ_WRITE_PERMITS: u32 = 16;
 /// How many permits a writer probes at once among those it does not take.
 const PROBES_AT_ONCE: usize = 16;
-/// What ends a probe's identity (`POD/OWNER#probe`): a holder so named is a probe of a reader's
-/// or a writer's, given back at once, not a writer.
-const PROBE: &str = "#probe";
+/// What ends a probe's identity (`POD/OWNER probe`): a holder so named is a probe of a reader's
+/// or a writer's, given back at once, not a writer. Owners have no spaces, so no owner's
+/// identity ends so.
+const PROBE: &str = " probe";
 /// How many times a probe that meets another probe tries, and how long it waits between.
 const PROBE_ATTEMPTS: u32 = 8;
 const PROBE_RETRY: Duration = Duration::from_millis(2);
