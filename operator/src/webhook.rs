@@ -190,8 +190,19 @@ pub enum Decision {
     Deny(String),
 }
 
-/// The lock names of an annotation value: comma-separated Kubernetes object names, each once.
+/// The most locks one pod's annotation may name: each is a lookup and two access reviews per
+/// admission, and a lock engine in the sidecar.
+pub const MAX_LOCKS_PER_POD: usize = 32;
+
+/// The lock names of an annotation value: comma-separated Kubernetes object names, each once,
+/// at most [`MAX_LOCKS_PER_POD`].
 pub fn parse_annotation(value: &str) -> Result<Vec<String>, String> {
+    let named = value.split(',').count();
+    if named > MAX_LOCKS_PER_POD {
+        return Err(format!(
+            "annotation {ANNOTATION}: {named} locks named; a pod takes at most {MAX_LOCKS_PER_POD}"
+        ));
+    }
     let mut names = Vec::new();
     for raw in value.split(',') {
         let name = raw.trim();
@@ -229,6 +240,17 @@ fn no_token(pod: &Pod) -> Option<String> {
     (spec.automount_service_account_token == Some(false)).then(|| {
         format!(
             "annotation {ANNOTATION}: the pod sets automountServiceAccountToken: false, and the injected sidecar reads its DistributedLock with the pod's service account token; remove the setting (or set it to true) for this pod"
+        )
+    })
+}
+
+/// Why the sidecar may not serve `pod`: on the node's network, its lock API's loopback is the
+/// node's, open to every pod on the host network and every process of the node.
+fn on_host_network(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    (spec.host_network == Some(true)).then(|| {
+        format!(
+            "annotation {ANNOTATION}: the pod sets hostNetwork: true, and the injected sidecar's lock API listens on the pod's loopback, which on the host network is the node's, open to every pod on the host network and every process of the node; run the pod on its own network"
         )
     })
 }
@@ -391,6 +413,9 @@ pub fn decide(
     // Deployments) or not looked up (the API server did not answer) is injected all the same:
     // the sidecar answers 503 with the reason until the lock exists, and takes it then.
     if let Some(reason) = no_token(pod) {
+        return Decision::Deny(reason);
+    }
+    if let Some(reason) = on_host_network(pod) {
         return Decision::Deny(reason);
     }
     if let Some(reason) = no_mounted_token(pod) {

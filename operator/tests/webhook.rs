@@ -448,6 +448,44 @@ async fn a_pod_without_a_service_account_token_is_refused_with_the_reason() {
     assert!(allowed, "{message}");
 }
 
+/// A pod on the node's network would serve its lock API on the node's loopback, to every other
+/// pod on the host network and every process of the node: refused with the reason.
+#[tokio::test]
+async fn a_pod_on_the_host_network_is_refused_with_the_reason() {
+    let api = api_with_locks(&["jobs"]);
+    let mut hosted = pod(Some("jobs"), None, None);
+    hosted["spec"]["hostNetwork"] = json!(true);
+    let (allowed, message, _) = admit(&api, &hosted, true).await;
+    assert!(!allowed);
+    assert!(message.contains("hostNetwork"), "{message}");
+
+    hosted["spec"]["hostNetwork"] = json!(false);
+    let (allowed, message, _) = admit(&api, &hosted, true).await;
+    assert!(allowed, "{message}");
+}
+
+/// An annotation may name a pod's locks, not thousands: one naming more than a pod takes is
+/// refused before any lock is looked up, so that a review cannot make the webhook send the API
+/// server a request per name.
+#[tokio::test]
+async fn an_annotation_naming_more_locks_than_a_pod_takes_is_refused_unread() {
+    let api = api_with_locks(&["jobs"]);
+    let names: Vec<String> = (0..=webhook::MAX_LOCKS_PER_POD)
+        .map(|i| format!("lock-{i}"))
+        .collect();
+    let before = api.requests();
+    let (allowed, message, _) = admit(&api, &pod(Some(&names.join(",")), None, None), true).await;
+    assert!(!allowed);
+    assert!(
+        message.contains(&format!("at most {}", webhook::MAX_LOCKS_PER_POD)),
+        "{message}"
+    );
+    assert_eq!(api.requests(), before, "locks were looked up");
+    let (allowed, message, _) =
+        admit(&api, &pod(Some(&names[1..].join(",")), None, None), true).await;
+    assert!(allowed, "{message}");
+}
+
 /// A pod whose ServiceAccount turns the token off (and that does not turn it on itself) has no
 /// token mounted when the webhook sees it: refused with the reason, since its sidecar could
 /// never read its lock.
