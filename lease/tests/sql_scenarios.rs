@@ -1077,6 +1077,81 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str, row_lock: bo
     );
 }
 
+/// A sweep of a family's idle keys cut off from the server in its transaction (a partition, a
+/// frozen node) holds the family's floor row, which every acquisition of the family's keys
+/// reads, only for a few seconds: the server ends the sweep's session rather than keep it until
+/// TCP gives up, hours later. The sweep waits in its deletion behind another session's lock on
+/// an idle key's row, having taken the floor; it is cut off, then let through.
+async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u16) {
+    use leasehold_lease::Acquire;
+    let connect = async |url: &str| {
+        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(url).expect("url"))
+            .await
+            .expect("driver")
+    };
+    let direct = connect(url).await;
+    let family = unique_lock("cut_sweep");
+    let idle = format!("{family}.keys.idle");
+    let Acquire::Acquired(lease) = direct.try_acquire(&idle, "a", LEASE).await.unwrap() else {
+        panic!("{idle} is free");
+    };
+    assert!(direct.release(&lease).await.unwrap());
+    sqlx::any::install_default_drivers();
+    let mut blocker = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let table = leasehold_lease::DEFAULT_TABLE;
+    sqlx::raw_sql("BEGIN")
+        .execute(&mut blocker)
+        .await
+        .expect("begin");
+    sqlx::raw_sql(&format!(
+        "SELECT token FROM {table} WHERE name = '{idle}' FOR UPDATE"
+    ))
+    .execute(&mut blocker)
+    .await
+    .expect("lock the idle key's row");
+    let proxy = leasehold_testkit::FaultProxy::start(port);
+    let sweeper = connect(&url.replace(&format!(":{port}/"), &format!(":{}/", proxy.port))).await;
+    let sweep = tokio::spawn({
+        let family = family.clone();
+        async move { sweeper.forget_idle_keys(&family, Duration::ZERO).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!sweep.is_finished(), "the sweep did not wait for the row");
+    proxy.cut();
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut blocker)
+        .await
+        .expect("commit");
+    let fresh = format!("{family}.keys.fresh");
+    let started = tokio::time::Instant::now();
+    let taken = tokio::time::timeout(
+        Duration::from_secs(30),
+        direct.try_acquire(&fresh, "b", LEASE),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{fresh} waited 30 s behind the cut-off sweep"))
+    .expect("acquire");
+    assert!(matches!(taken, Acquire::Acquired(_)), "{taken:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{fresh} waited {:?} behind the cut-off sweep",
+        started.elapsed()
+    );
+    sweep.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_sweep_cut_off_midway_holds_its_family_only_a_while() {
+    let h = PostgresHarness::new();
+    a_sweep_cut_off_midway_holds_its_family_only_a_while(&h.server.url(), h.server.port()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_sweep_cut_off_midway_holds_its_family_only_a_while() {
+    let h = MariaDbHarness::new();
+    a_sweep_cut_off_midway_holds_its_family_only_a_while(&h.server.url(), h.server.port()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_idle_keys_rows_are_deleted() {
     let mut h = PostgresHarness::new();

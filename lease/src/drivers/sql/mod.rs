@@ -625,6 +625,26 @@ impl Dialect {
         }
     }
 
+    /// A sweep of a family's idle keys locks the family's floor row, which every acquisition of
+    /// the family's keys reads: the server ends the sweep's session should it stall between its
+    /// statements (its client cut off or frozen), and a statement waits for a lock only so
+    /// long, rather than keep the floor locked until TCP gives up, hours later. On PostgreSQL
+    /// in the sweep's transaction; on MySQL, whose bounds are the session's, on a connection of
+    /// the sweep's own.
+    pub fn sweep_bounds(self) -> String {
+        let bound = SWEEP_STALL_BOUND;
+        match self {
+            Dialect::Postgres => format!(
+                "SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL lock_timeout = {ms}",
+                ms = bound.as_millis()
+            ),
+            Dialect::MySql => format!(
+                "SET SESSION wait_timeout = {s}; SET SESSION innodb_lock_wait_timeout = {s}",
+                s = bound.as_secs()
+            ),
+        }
+    }
+
     /// Row-lock mode: open the holder's transaction with its session bounded by the server
     /// (several statements, sent as one unprepared batch).
     pub fn row_lock_begin(self, ttl: Duration) -> String {
@@ -650,6 +670,10 @@ impl Dialect {
         }
     }
 }
+
+/// How long a sweep of idle keys may stall in its transaction, or wait for a lock, before the
+/// server ends it ([`Dialect::sweep_bounds`]): far longer than its statements take.
+const SWEEP_STALL_BOUND: Duration = Duration::from_secs(5);
 
 pub(crate) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

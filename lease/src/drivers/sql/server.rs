@@ -296,6 +296,91 @@ impl SqlDriver {
         Ok(())
     }
 
+    /// [`Upkeep::forget_idle_keys`] on `conn`, in one transaction bounded by the server
+    /// ([`Dialect::sweep_bounds`]).
+    async fn forget_idle_keys_on(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        family: &str,
+        idle_for: Duration,
+    ) -> Result<u64> {
+        let floor = &self.sql.key_floor;
+        let row = crate::names::key_floor_row(family);
+        let [plain, hashed] = crate::names::key_name_patterns(family);
+        let bounds = &*self.dialect.sweep_bounds();
+        if self.dialect == Dialect::MySql {
+            sqlx::Executor::execute(&mut *conn, bounds)
+                .await
+                .map_err(map_err)?;
+        }
+        let mut tx = sqlx::Connection::begin(conn).await.map_err(map_err)?;
+        if self.dialect == Dialect::Postgres {
+            sqlx::Executor::execute(&mut *tx, bounds)
+                .await
+                .map_err(map_err)?;
+        }
+        make_floor(&mut tx, floor, family).await?;
+        sqlx::query(&floor.lock)
+            .bind(&row)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(map_err)?;
+        let forgotten = match &floor.forget {
+            ForgetIdle::Postgres(forget) => {
+                let forgotten: i64 = sqlx::query(forget)
+                    .bind(&row)
+                    .bind(&plain)
+                    .bind(&hashed)
+                    .bind(ms(idle_for))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(map_err)?
+                    .try_get("forgotten")
+                    .map_err(map_err)?;
+                u64::try_from(forgotten).unwrap_or(0)
+            }
+            ForgetIdle::MySql {
+                cutoff,
+                highest,
+                raise,
+                delete,
+            } => {
+                sqlx::query(cutoff)
+                    .bind(micros(idle_for))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                let highest: i64 = sqlx::query(highest)
+                    .bind(&plain)
+                    .bind(&hashed)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(map_err)?
+                    .try_get("highest")
+                    .map_err(map_err)?;
+                sqlx::query(raise)
+                    .bind(highest)
+                    .bind(&row)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?;
+                sqlx::query(delete)
+                    .bind(&plain)
+                    .bind(&hashed)
+                    .bind(highest)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(map_err)?
+                    .rows_affected()
+            }
+        };
+        if self.row_locks.is_some() {
+            forget_seeded(&mut tx, &self.sql.forget_seeded, &plain, &hashed).await?;
+        }
+        tx.commit().await.map_err(map_err)?;
+        Ok(forgotten)
+    }
+
     /// Make sure `family`'s floor row exists: once per process, or again when `again`.
     async fn ensure_floor(&self, floor: &KeyFloor, family: &str, again: bool) -> Result<()> {
         let known = || {
@@ -657,71 +742,22 @@ impl Upkeep for SqlDriver {
     }
 
     async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
-        let floor = &self.sql.key_floor;
         self.ensure_tables().await?;
-        let row = crate::names::key_floor_row(family);
-        let [plain, hashed] = crate::names::key_name_patterns(family);
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        make_floor(&mut tx, floor, family).await?;
-        sqlx::query(&floor.lock)
-            .bind(&row)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        let forgotten = match &floor.forget {
-            ForgetIdle::Postgres(forget) => {
-                let forgotten: i64 = sqlx::query(forget)
-                    .bind(&row)
-                    .bind(&plain)
-                    .bind(&hashed)
-                    .bind(ms(idle_for))
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(map_err)?
-                    .try_get("forgotten")
-                    .map_err(map_err)?;
-                u64::try_from(forgotten).unwrap_or(0)
+        let mut pooled = self.pool.acquire().await.map_err(map_err)?;
+        match self.dialect {
+            // MySQL's bounds stay with the session: the sweep runs on a connection of its
+            // own, closed once it is done.
+            Dialect::MySql => {
+                let mut own = pooled.detach();
+                let forgotten = self.forget_idle_keys_on(&mut own, family, idle_for).await;
+                let _ = own.close().await;
+                forgotten
             }
-            ForgetIdle::MySql {
-                cutoff,
-                highest,
-                raise,
-                delete,
-            } => {
-                sqlx::query(cutoff)
-                    .bind(micros(idle_for))
-                    .execute(&mut *tx)
+            Dialect::Postgres => {
+                self.forget_idle_keys_on(&mut pooled, family, idle_for)
                     .await
-                    .map_err(map_err)?;
-                let highest: i64 = sqlx::query(highest)
-                    .bind(&plain)
-                    .bind(&hashed)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(map_err)?
-                    .try_get("highest")
-                    .map_err(map_err)?;
-                sqlx::query(raise)
-                    .bind(highest)
-                    .bind(&row)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?;
-                sqlx::query(delete)
-                    .bind(&plain)
-                    .bind(&hashed)
-                    .bind(highest)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(map_err)?
-                    .rows_affected()
             }
-        };
-        if self.row_locks.is_some() {
-            forget_seeded(&mut tx, &self.sql.forget_seeded, &plain, &hashed).await?;
         }
-        tx.commit().await.map_err(map_err)?;
-        Ok(forgotten)
     }
 
     /// Create the lock table (and in row-lock mode the row table, seeded with `locks`) if
