@@ -249,6 +249,25 @@ impl Backends {
         lock: &DistributedLock,
     ) -> leasehold_lease::Result<ResolvedLock> {
         self.secrets.forget_old();
+        // A short name would reach another server from here than from the lock's pods (and
+        // the lock's Secrets with it): refused before anything is read or sent.
+        let own = client.default_namespace();
+        if let Some(namespace) = lock.metadata.namespace.as_deref().filter(|ns| *ns != own) {
+            let short = resource::short_endpoints(lock);
+            if let Some(endpoint) = short.first() {
+                // A short name has no IPv6 address's colons: a port follows the first one.
+                let qualified = match endpoint.split_once(':') {
+                    Some((host, port)) => format!("{host}.{namespace}:{port}"),
+                    None => format!("{endpoint}.{namespace}"),
+                };
+                return Err(leasehold_lease::Error::InvalidConfig {
+                    field: "backend",
+                    reason: format!(
+                        "{endpoint:?} names its server by a short name, which the lock's pods resolve in namespace {namespace} and the operator in its own ({own}); write the name with its namespace ({qualified:?} for a Service) or in full"
+                    ),
+                });
+            }
+        }
         let source = self.secrets.with_client(client);
         let secrets = bounded(resource::read_secrets(source, lock)).await?;
         resource::resolve(lock, &secrets)

@@ -532,6 +532,49 @@ async fn a_missing_secret_is_an_invalid_spec_that_names_it() {
     assert!(message.contains("\"absent\""), "{message}");
 }
 
+/// A server named by a short name (`redis:6379`) is found through the search path of whoever
+/// connects: the lock's pods find their namespace's Service, the operator its own namespace's.
+/// A lock of another namespace than the operator's that names one is refused with the way to
+/// write it, and nothing is read or sent; in the operator's own namespace the name is the same
+/// for both.
+#[tokio::test]
+async fn a_short_server_name_in_another_namespace_is_refused_with_the_full_form() {
+    let api = InMemoryApiServer::new();
+    let backend = Backend {
+        redis: Some(RedisBackend {
+            endpoints: vec!["redis:6379".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let elsewhere = lock("jobs", backend.clone());
+    let (_, observation) = Backends::default()
+        .observe(&operator_client(&api), &elsewhere)
+        .await;
+    let Observation::Failed { reason, message } = observation else {
+        panic!("{observation:?}")
+    };
+    assert_eq!(reason, "InvalidSpec");
+    assert!(message.contains(&format!("redis.{NS}")), "{message}");
+
+    let own_namespace = operator_client(&api).default_namespace().to_owned();
+    let mut at_home = lock("jobs", backend);
+    at_home.metadata.namespace = Some(own_namespace);
+    let (_, observation) = Backends::default()
+        .observe(&operator_client(&api), &at_home)
+        .await;
+    assert!(
+        !matches!(
+            observation,
+            Observation::Failed {
+                reason: "InvalidSpec",
+                ..
+            }
+        ),
+        "{observation:?}"
+    );
+}
+
 /// Whoever may create a lock must not be able to make the operator log in to a server of theirs
 /// with a Secret of the namespace: the Secret's owner names the servers it may go to, and until
 /// then the operator does not even connect.

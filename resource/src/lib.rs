@@ -255,6 +255,19 @@ pub fn backend_endpoints(lock: &DistributedLock) -> Vec<String> {
     endpoints
 }
 
+/// The endpoints of `lock` whose host is one DNS label (`redis:6379`): a name resolved through
+/// the search path of whoever connects, so a pod of the lock's namespace finds that namespace's
+/// Service, and a process of another namespace (the operator) its own namespace's.
+pub fn short_endpoints(lock: &DistributedLock) -> Vec<String> {
+    backend_endpoints(lock)
+        .into_iter()
+        .filter(|endpoint| {
+            let (host, _) = split_port(endpoint);
+            !host.contains('.') && !host.contains(':') && host != "localhost"
+        })
+        .collect()
+}
+
 /// `host` (lower-cased, IPv6 without brackets) and `port` of `host[:port]` or `[v6][:port]`.
 fn split_port(endpoint: &str) -> (String, Option<&str>) {
     let (host, port) = match endpoint.rsplit_once(':') {
