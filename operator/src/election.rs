@@ -43,3 +43,37 @@ pub async fn deposed(lock: &Lock) {
         tokio::time::sleep(POLL).await;
     }
 }
+
+/// How a term of leading ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TermEnd<S> {
+    /// The process was told to stop (its signal's name), while still leading.
+    Signalled(S),
+    /// The replica lost the leadership.
+    Deposed,
+}
+
+/// Reconcile while leading: `reconcile` starts the controller, which runs until its stop is
+/// sent. On `signal` it stops gracefully, its reconciles finishing (the replica still leads);
+/// on `deposed` at once, its reconciles cut where they are, since the new leader's run by then
+/// and two reconcilers would write status and events over each other.
+pub async fn reconcile_while_leading<S>(
+    reconcile: impl FnOnce(tokio::sync::oneshot::Receiver<()>) -> tokio::task::JoinHandle<()>,
+    deposed: impl Future<Output = ()>,
+    signal: impl Future<Output = S>,
+) -> TermEnd<S> {
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let controller = reconcile(stopped);
+    let end = tokio::select! {
+        signal = signal => TermEnd::Signalled(signal),
+        () = deposed => TermEnd::Deposed,
+    };
+    match end {
+        TermEnd::Signalled(_) => {
+            let _ = stop.send(());
+        }
+        TermEnd::Deposed => controller.abort(),
+    }
+    let _ = controller.await;
+    end
+}

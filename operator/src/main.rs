@@ -142,23 +142,21 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         }
         metrics.set_leader(true);
         tracing::info!(%identity, "elected: reconciling");
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let controller = tokio::spawn(reconcile::run(ctx.clone(), config.watched(), async {
-            let _ = stop_rx.await;
-        }));
-        let outcome = tokio::select! {
-            signal = &mut signal => Some(signal),
-            () = election::deposed(&leadership) => None,
-        };
-        // Stopped before anything else: a deposed leader's controller must not run beside the
-        // new leader's.
-        let _ = stop_tx.send(());
-        let _ = controller.await;
+        let end = election::reconcile_while_leading(
+            |stop| {
+                tokio::spawn(reconcile::run(ctx.clone(), config.watched(), async {
+                    let _ = stop.await;
+                }))
+            },
+            election::deposed(&leadership),
+            &mut signal,
+        )
+        .await;
         metrics.set_leader(false);
-        match outcome {
-            Some(signal) => break signal,
+        match end {
+            election::TermEnd::Signalled(signal) => break signal,
             // The webhook (served by every replica) keeps answering: only reconciling stops.
-            None => tracing::warn!(
+            election::TermEnd::Deposed => tracing::warn!(
                 "lost the leader election: reconciling stopped; standing by, the webhook serves on"
             ),
         }

@@ -44,3 +44,62 @@ async fn one_replica_leads_and_a_standby_takes_over_when_it_steps_down() {
         .await
         .expect("the old leader knows it is not leading");
 }
+
+/// Set when the future that owns it is dropped, finished or cut short.
+struct Dropped(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Dropped {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A deposed leader stops reconciling at once: a reconcile still running (a backend slow to
+/// answer) is cut where it is, not finished beside the new leader's.
+#[tokio::test]
+async fn a_deposed_leaders_reconciles_are_cut_short() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dropped = std::sync::Arc::new(AtomicBool::new(false));
+    let running = Dropped(dropped.clone());
+    let end = tokio::time::timeout(
+        Duration::from_secs(5),
+        election::reconcile_while_leading(
+            |stop| {
+                tokio::spawn(async move {
+                    let _running = running;
+                    let _ = stop.await;
+                    // A reconcile that goes on after the stop, as one waiting for a backend.
+                    std::future::pending::<()>().await;
+                })
+            },
+            tokio::time::sleep(Duration::from_millis(20)),
+            std::future::pending::<&str>(),
+        ),
+    )
+    .await
+    .expect("the deposed leader waited for its reconciles");
+    assert_eq!(end, election::TermEnd::Deposed);
+    assert!(dropped.load(Ordering::SeqCst), "a reconcile runs on");
+}
+
+/// A leader told to stop still leads: its reconciles finish before it hands over.
+#[tokio::test]
+async fn a_stopping_leaders_reconciles_finish() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let finished = std::sync::Arc::new(AtomicBool::new(false));
+    let end = election::reconcile_while_leading(
+        |stop| {
+            let finished = finished.clone();
+            tokio::spawn(async move {
+                let _ = stop.await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                finished.store(true, Ordering::SeqCst);
+            })
+        },
+        std::future::pending::<()>(),
+        async { "SIGTERM" },
+    )
+    .await;
+    assert_eq!(end, election::TermEnd::Signalled("SIGTERM"));
+    assert!(finished.load(Ordering::SeqCst), "a reconcile was cut short");
+}
