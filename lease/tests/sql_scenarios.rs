@@ -293,6 +293,24 @@ async fn named_lock_session(admin: &mut sqlx::AnyConnection, name: &str) -> Opti
 
 /// The session that took the named lock `name` for its holder, which must have it within
 /// [`SLACK`] of `since`.
+/// Where the test server's lock table's named locks live.
+fn mariadb_place() -> String {
+    leasehold_lease::drivers::sql::wake::wake_place(
+        mariadb_server::DATABASE,
+        None,
+        leasehold_lease::DEFAULT_TABLE,
+    )
+}
+
+/// Where the test server's lock table's advisory locks live (its database is `postgres`).
+fn postgres_place() -> String {
+    leasehold_lease::drivers::sql::wake::wake_place(
+        "postgres",
+        None,
+        leasehold_lease::DEFAULT_TABLE,
+    )
+}
+
 async fn holders_named_lock_session(
     admin: &mut sqlx::AnyConnection,
     name: &str,
@@ -377,7 +395,7 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
     let Acquire::Acquired(_lease) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
         panic!("the lock is not free");
     };
-    let name = leasehold_lease::drivers::sql::wake::named_lock("leasehold_locks", &lock);
+    let name = leasehold_lease::drivers::sql::wake::named_lock(&mariadb_place(), &lock);
     sqlx::any::install_default_drivers();
     let mut admin = sqlx::AnyConnection::connect(&url)
         .await
@@ -399,6 +417,76 @@ async fn mariadb_a_waiter_woken_early_waits_out_the_lease() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     waits_out_the_lease(waiter, waiting, sent, ttl, woken).await;
+}
+
+/// Two apps' lock tables on one MySQL server, in two databases, each with a lock of one name:
+/// named locks are the server's, so each database's are named apart, and a hand-over in one is
+/// as prompt while the other app holds its lock of that name (a waiter woken by its own
+/// holder's named lock, not by a poll a renew interval later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_locks_of_one_name_in_two_databases_wake_their_own_waiters() {
+    use leasehold_lease::Acquire;
+    let h = MariaDbHarness::new();
+    let url = h.server.url();
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url)
+        .await
+        .expect("admin connection");
+    sqlx::query("CREATE DATABASE IF NOT EXISTS other_app")
+        .execute(&mut admin)
+        .await
+        .expect("a second database");
+    let other_url = url.replacen(&format!("/{}", mariadb_server::DATABASE), "/other_app", 1);
+    let connect = async |url: &str| {
+        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(url).expect("url"))
+            .await
+            .expect("driver")
+    };
+    let lock = unique_lock("leader");
+    let lease = Duration::from_secs(12);
+    let first_app = connect(&url).await;
+    let Acquire::Acquired(_held) = first_app.try_acquire(&lock, "a", lease).await.unwrap() else {
+        panic!("the first app's lock is not free");
+    };
+    let on_demand = |driver, identity| {
+        Lock::start(
+            driver,
+            LockConfig {
+                mode: Mode::OnDemand,
+                ..LockConfig::new(&lock, identity, lease)
+            },
+            Arc::new(()),
+        )
+        .expect("lock")
+    };
+    let holder = on_demand(connect(&other_url).await, "b1");
+    let answer = holder
+        .acquire(Duration::from_secs(5), Duration::from_secs(60))
+        .await
+        .expect("acquire");
+    assert!(
+        answer.is_holder(),
+        "the second app's lock is its own: {answer:?}"
+    );
+    let waiter = on_demand(connect(&other_url).await, "b2");
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move {
+            waiter
+                .acquire(Duration::from_secs(20), Duration::from_secs(60))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let released = tokio::time::Instant::now();
+    assert!(holder.release().await.expect("release"));
+    let answer = waiting.await.unwrap().expect("acquire");
+    assert!(answer.is_holder(), "{answer:?}");
+    assert!(
+        released.elapsed() < Duration::from_millis(800),
+        "the waiter took the lock {:?} after its release",
+        released.elapsed()
+    );
 }
 
 /// MySQL in lease mode: a release frees the row on the holder's named-lock session, in the
@@ -446,7 +534,7 @@ async fn mariadb_a_release_lets_the_named_lock_go_in_its_statement() {
     let mut seen = Vec::new();
     for _ in 0..5 {
         let lock = unique_lock("released-there");
-        let name = named_lock("leasehold_locks", &lock);
+        let name = named_lock(&mariadb_place(), &lock);
         sqlx::query("INSERT INTO named VALUES (?, ?)")
             .bind(&lock)
             .bind(&name)
@@ -486,7 +574,7 @@ async fn mariadb_a_release_lets_the_named_lock_go_in_its_statement() {
     // A release whose row is no longer the lease's (another token) frees nothing, and lets the
     // named lock go all the same.
     let other = unique_lock("released-stale");
-    let name = named_lock("leasehold_locks", &other);
+    let name = named_lock(&mariadb_place(), &other);
     let taken = tokio::time::Instant::now();
     let Acquire::Acquired(lease) = holder.try_acquire(&other, "a", LEASE).await.unwrap() else {
         panic!("the lock is not free");
@@ -524,7 +612,7 @@ async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
     let Acquire::Acquired(_lease) = lapsed.try_acquire(&lock, "a", ttl).await.unwrap() else {
         panic!("the lock is not free");
     };
-    let name = named_lock("leasehold_locks", &lock);
+    let name = named_lock(&mariadb_place(), &lock);
     sqlx::any::install_default_drivers();
     let mut admin = sqlx::AnyConnection::connect(&url)
         .await
@@ -575,7 +663,7 @@ async fn postgres_pool_acquisitions(admin: &mut sqlx::AnyConnection) -> i64 {
 /// The PostgreSQL sessions waiting for (`false`) or holding (`true`) `lock`'s advisory lock.
 async fn advisory_sessions(admin: &mut sqlx::AnyConnection, lock: &str) -> Vec<(i32, bool)> {
     use sqlx::Row;
-    let key = leasehold_lease::drivers::sql::wake::advisory_key("leasehold_locks", lock);
+    let key = leasehold_lease::drivers::sql::wake::advisory_key(&postgres_place(), lock);
     // An advisory lock on a bigint key shows as its high and low halves.
     let rows = sqlx::query(
         "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \

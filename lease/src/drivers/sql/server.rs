@@ -169,8 +169,12 @@ impl SqlDriver {
             // its waiters hear `NOTIFY`.
             (Dialect::Postgres, SqlMode::RowLock) => None,
         };
+        let database = url::Url::parse(url)
+            .map(|url| url.path().trim_start_matches('/').to_owned())
+            .unwrap_or_default();
+        let place = super::wake::wake_place(&database, schema, table);
         let server_locks = server_lock
-            .map(|kind| ServerLocks::new(kind, url, table, &sql.observe, releases.clone()));
+            .map(|kind| ServerLocks::new(kind, url, &place, &sql.observe, releases.clone()));
         let listener = (dialect == Dialect::Postgres).then(|| {
             tokio::spawn(listen_for_releases(
                 url.to_owned(),

@@ -184,7 +184,8 @@ impl View {
 pub(crate) struct ServerLocks {
     kind: ServerLock,
     url: String,
-    table: String,
+    /// The lock table's database, schema and name ([`wake_place`]).
+    place: String,
     /// The dialect's read of a lock's live holder and token (the lock's name bound first).
     observe: String,
     feeds: Arc<ChangeFeeds>,
@@ -208,14 +209,14 @@ impl ServerLocks {
     pub(crate) fn new(
         kind: ServerLock,
         url: &str,
-        table: &str,
+        place: &str,
         observe: &str,
         feeds: Arc<ChangeFeeds>,
     ) -> Arc<Self> {
         Arc::new(Self {
             kind,
             url: url.to_owned(),
-            table: table.to_owned(),
+            place: place.to_owned(),
             observe: observe.to_owned(),
             feeds,
             tasks: Mutex::new(HashMap::new()),
@@ -677,7 +678,7 @@ impl ServerLocks {
 impl ServerLocks {
     /// The server-wide name of `lock`'s named lock (MySQL).
     fn name(&self, lock: &str) -> String {
-        named_lock(&self.table, lock)
+        named_lock(&self.place, lock)
     }
 
     /// Take `lock`'s server lock if free, without waiting.
@@ -691,7 +692,7 @@ impl ServerLocks {
                     "WITH cleared AS MATERIALIZED (SELECT pg_advisory_unlock_all()) \
                      SELECT pg_try_advisory_lock($1) AS got FROM cleared",
                 )
-                .bind(advisory_key(&self.table, lock))
+                .bind(advisory_key(&self.place, lock))
                 .fetch_one(conn)
                 .await?;
                 row.try_get::<bool, _>("got")
@@ -713,7 +714,7 @@ impl ServerLocks {
                 .await
                 .map(granted);
         };
-        let key = advisory_key(&self.table, lock);
+        let key = advisory_key(&self.place, lock);
         let Some(waiter) = waiter else {
             return match sqlx::query("SELECT pg_advisory_lock($1)")
                 .bind(key)
@@ -806,7 +807,7 @@ impl ServerLocks {
             }
             ServerLock::Advisory(_) => {
                 sqlx::query("SELECT pg_advisory_unlock($1) AS released")
-                    .bind(advisory_key(&self.table, lock))
+                    .bind(advisory_key(&self.place, lock))
                     .fetch_one(conn)
                     .await?;
             }
@@ -867,7 +868,7 @@ impl ServerLocks {
             .bind(&lease.lock)
             .bind(&lease.identity)
             .bind(token)
-            .bind(advisory_key(&self.table, &lease.lock))
+            .bind(advisory_key(&self.place, &lease.lock))
             .fetch_one(conn)
             .await?;
         Ok(row.try_get::<i64, _>("released")? == 1)
@@ -903,8 +904,16 @@ fn lock_not_available(e: &sqlx::Error) -> bool {
         .is_some_and(|code| code == PG_LOCK_NOT_AVAILABLE)
 }
 
-fn digest(table: &str, lock: &str) -> [u8; 32] {
-    Sha256::digest(format!("{table}\0{lock}").as_bytes()).into()
+fn digest(place: &str, lock: &str) -> [u8; 32] {
+    Sha256::digest(format!("{place}\0{lock}").as_bytes()).into()
+}
+
+/// Where a lock table's locks live, for their server locks' names ([`named_lock`],
+/// [`advisory_key`]): MySQL's named locks are one space per server and PostgreSQL's advisory
+/// keys one per database, so the database and the schema are named beside the table; two apps'
+/// locks of one name on one server then wake only their own waiters.
+pub fn wake_place(database: &str, schema: Option<&str>, table: &str) -> String {
+    format!("{database}/{}/{table}", schema.unwrap_or(""))
 }
 
 /// A lock's task's mark as ready to release ([`ServerLocks::ready_to_release`]), taken off
@@ -921,21 +930,21 @@ impl Drop for Ready {
 }
 
 /// The server-wide name of `lock`'s named lock: 64 characters at most, whatever the lock's name,
-/// and apart from other tables' locks of the same name.
-pub fn named_lock(table: &str, lock: &str) -> String {
-    let hex: String = digest(table, lock)[..20]
+/// and apart from other tables' and databases' locks of the same name (`place`, [`wake_place`]).
+pub fn named_lock(place: &str, lock: &str) -> String {
+    let hex: String = digest(place, lock)[..20]
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
     format!("leasehold:{hex}")
 }
 
-/// The key of `lock`'s PostgreSQL advisory lock, apart from other tables' locks of the same
-/// name. Advisory keys are one space per database: an application's own advisory locks could
-/// meet one of these only by a 64-bit collision, and would then delay wake-ups, never decide
-/// who holds.
-pub fn advisory_key(table: &str, lock: &str) -> i64 {
-    let digest = digest(table, lock);
+/// The key of `lock`'s PostgreSQL advisory lock, apart from other tables' and schemas' locks of
+/// the same name (`place`, [`wake_place`]). Advisory keys are one space per database: an
+/// application's own advisory locks could meet one of these only by a 64-bit collision, and
+/// would then delay wake-ups, never decide who holds.
+pub fn advisory_key(place: &str, lock: &str) -> i64 {
+    let digest = digest(place, lock);
     i64::from_be_bytes(digest[..8].try_into().expect("eight bytes"))
 }
 
