@@ -1247,6 +1247,36 @@ async fn postgres_idle_keys_rows_are_deleted() {
     idle_keys_rows_are_deleted(&mut h, &url, false).await;
 }
 
+/// A SQLite holder keeps its slot's wake file locked while it holds, and lets it go when it no
+/// longer does, also after a lease that ran out without a release (its renewals failed): a
+/// later holding's release frees the file, so that waiters in other processes are woken by it
+/// rather than by their polls of the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_lease_run_out_unreleased_leaves_no_wake_file_locked() {
+    use leasehold_lease::Acquire;
+    let h = leasehold_testkit::SqliteHarness::new();
+    let driver = h.driver().await;
+    let lock = unique_lock("wake");
+    let ttl = Duration::from_millis(300);
+    let wake_file = leasehold_lease::sql::wake_file(&h.path(), &lock);
+    let free = || {
+        let file = std::fs::File::open(&wake_file).expect("the wake file");
+        let free = file.try_lock().is_ok();
+        let _ = file.unlock();
+        free
+    };
+    let Acquire::Acquired(_lapsed) = driver.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    assert!(!free(), "a holder keeps its wake file locked");
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let Acquire::Acquired(again) = driver.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lapsed lease is not free");
+    };
+    assert!(driver.release(&again).await.unwrap());
+    assert!(free(), "the wake file stays locked with nothing held");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_idle_keys_rows_are_deleted() {
     let mut h = leasehold_testkit::SqliteHarness::new();

@@ -8,6 +8,7 @@ pub(crate) mod row_lock;
 pub mod server;
 pub mod sqlite;
 pub(crate) mod sqlite_wake;
+pub use sqlite_wake::wake_file;
 mod urls;
 pub use urls::SqlServer;
 pub mod wake;

@@ -18,6 +18,7 @@ use sqlx::sqlite::{
 };
 use tokio::sync::watch;
 
+use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::Batches;
 use crate::drivers::sql::sqlite_wake::WakeFiles;
@@ -301,6 +302,7 @@ impl Driver for SqliteDriver {
         // fetch_all, not fetch_optional: the statement must run to completion so that its
         // write transaction commits now. A half-stepped INSERT ... RETURNING keeps the file's
         // write lock, and a holder paused at that moment would lock everyone out.
+        let sent = BootInstant::now();
         let rows = match crate::names::family_of(lock) {
             Some(family) => {
                 let [plain, hashed] = crate::names::key_name_patterns(family);
@@ -324,7 +326,7 @@ impl Driver for SqliteDriver {
             Some(row) => {
                 let token: i64 = row.try_get("token").map_err(map_err)?;
                 if let Some(wake) = &self.wake {
-                    wake.held(lock);
+                    wake.held(lock, token as u64, sent + ttl);
                 }
                 Ok(Acquire::Acquired(Lease {
                     lock: lock.to_owned(),
@@ -337,9 +339,13 @@ impl Driver for SqliteDriver {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
+        let sent = BootInstant::now();
         let renewed = self.renewals.call((lease.clone(), ttl)).await??;
-        if !renewed && let Some(wake) = &self.wake {
-            wake.let_go(&lease.lock);
+        if let Some(wake) = &self.wake {
+            match renewed {
+                true => wake.held(&lease.lock, lease.token, sent + ttl),
+                false => wake.let_go(&lease.lock, lease.token),
+            }
         }
         Ok(renewed)
     }
@@ -355,7 +361,7 @@ impl Driver for SqliteDriver {
         let released = done.rows_affected() == 1;
         // Not held either way now: a waiter elsewhere may go.
         if let Some(wake) = &self.wake {
-            wake.let_go(&lease.lock);
+            wake.let_go(&lease.lock, lease.token);
         }
         if released {
             self.local_releases.bump(&lease.lock);

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::boot_clock::BootInstant;
 use crate::driver::ChangeFeeds;
 
 /// Wake files per database; locks share them by hash.
@@ -29,13 +30,21 @@ pub(crate) const WAKE_POLL: Duration = Duration::from_millis(2);
 /// One slot's file, and what this process does with its `flock`.
 struct Slot {
     file: File,
-    /// Locks of this slot that this process holds now.
-    holding: usize,
+    /// The leases of this slot's locks that this process holds (lock, token), each until its
+    /// claim ends: a lease given up without a release (its renewals failed) counts no longer.
+    held: HashMap<(String, u64), BootInstant>,
     /// The `flock` is this process's (held, or taken as the next in line).
     locked: bool,
 }
 
 impl Slot {
+    /// Whether this process holds a lock of the slot now; leases whose claim has ended go.
+    fn holding(&mut self) -> bool {
+        let now = BootInstant::now();
+        self.held.retain(|_, until| *until > now);
+        !self.held.is_empty()
+    }
+
     fn try_lock(&mut self) -> bool {
         if !self.locked {
             self.locked = self.file.try_lock().is_ok();
@@ -70,6 +79,14 @@ fn slot_of(lock: &str) -> u32 {
         (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
     });
     hash % SLOTS
+}
+
+/// The wake file of `lock`'s slot beside the database at `db`, where the process that holds
+/// `lock` keeps a `flock`.
+pub fn wake_file(db: &Path, lock: &str) -> PathBuf {
+    let mut dir = db.as_os_str().to_owned();
+    dir.push("-wake");
+    PathBuf::from(dir).join(format!("{:03}", slot_of(lock)))
 }
 
 impl WakeFiles {
@@ -108,27 +125,28 @@ impl WakeFiles {
                 .ok()?;
             entry.insert(Slot {
                 file,
-                holding: 0,
+                held: HashMap::new(),
                 locked: false,
             });
         }
         slots.by_index.get_mut(&index).map(f)
     }
 
-    /// This process holds `lock` now: keep its slot's `flock` until it lets go.
-    pub(crate) fn held(&self, lock: &str) {
+    /// This process holds `lock` with `token` until `until` (taken or renewed): keep its slot's
+    /// `flock` until it lets go, or the claim ends.
+    pub(crate) fn held(&self, lock: &str, token: u64, until: BootInstant) {
         self.with_slot(lock, |slot| {
-            slot.holding += 1;
+            slot.held.insert((lock.to_owned(), token), until);
             slot.try_lock();
         });
     }
 
-    /// This process no longer holds `lock`: free the slot for a waiter elsewhere, unless it
-    /// holds another lock of the slot.
-    pub(crate) fn let_go(&self, lock: &str) {
+    /// This process no longer holds `lock` with `token`: free the slot for a waiter elsewhere,
+    /// unless it holds another lock of the slot.
+    pub(crate) fn let_go(&self, lock: &str, token: u64) {
         self.with_slot(lock, |slot| {
-            slot.holding = slot.holding.saturating_sub(1);
-            if slot.holding == 0 {
+            slot.held.remove(&(lock.to_owned(), token));
+            if !slot.holding() {
                 slot.unlock();
             }
         });
@@ -164,7 +182,7 @@ impl WakeFiles {
                     match waited.remove(index) {
                         // Nobody here waits for this slot: a `flock` taken as the next in line
                         // goes back.
-                        None if slot.holding == 0 => slot.unlock(),
+                        None if !slot.holding() => slot.unlock(),
                         None => {}
                         // Ours already: the engines here hold, or try at the lease's end.
                         Some(_) if slot.locked => {}
