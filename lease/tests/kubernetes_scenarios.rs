@@ -476,6 +476,45 @@ async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
     assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(0));
 }
 
+/// A lock whose Lease is named like a family's key (`leaseName: orders.keys.x`) has that Lease
+/// swept with the family's idle keys, the family's floor raised above its token first: taken
+/// again, it draws above the floor, not from 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_whose_lease_is_named_like_a_key_keeps_its_tokens_rising_after_a_sweep() {
+    let harness = KubernetesHarness::new();
+    let family = unique_lock("orders");
+    let lock = unique_lock("plain");
+    let driver = harness.client_driver().with_target(
+        &lock,
+        LeaseTarget {
+            name: Some(format!("{family}.keys.x")),
+        },
+    );
+    let ttl = Duration::from_secs(10);
+    let mut last = 0;
+    for _ in 0..3 {
+        let Acquire::Acquired(lease) = driver.try_acquire(&lock, "pod-a", ttl).await.unwrap()
+        else {
+            panic!("{lock} is not free");
+        };
+        last = lease.token;
+        assert!(driver.release(&lease).await.unwrap());
+    }
+    assert_eq!(
+        forget_idle_now(&driver, &family).await,
+        1,
+        "the Lease was not swept"
+    );
+    let Acquire::Acquired(again) = driver.try_acquire(&lock, "pod-a", ttl).await.unwrap() else {
+        panic!("{lock} is not free");
+    };
+    assert!(
+        again.token > last,
+        "token {} after {last}, once the Lease was swept",
+        again.token
+    );
+}
+
 /// A keyed family's waiters watch Leases named at run time: the watches nobody listens to any
 /// more are stopped (each is a request the API server keeps open), and one still listened to
 /// stays and still wakes its waiter.

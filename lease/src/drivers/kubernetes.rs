@@ -783,8 +783,9 @@ impl Driver for KubernetesLeaseDriver {
             }
         }
         // A family's key whose Lease was forgotten as idle starts again above the family's
-        // floor, which the sweep raised before it deleted the Lease.
-        let family = crate::names::family_of(lock).filter(|_| created);
+        // floor, which the sweep raised before it deleted the Lease. The sweep goes by the
+        // Lease's name: so does the floor, also for a lock whose Lease is named like a key.
+        let family = crate::names::family_of(self.lease_name(lock)).filter(|_| created);
         let floor = match family {
             Some(family) => self.floor(family).await?,
             None => 0,
