@@ -247,6 +247,15 @@ pub fn not_after(pem: &str) -> Result<OffsetDateTime, CertError> {
         .map_err(|e| CertError::Parse(e.to_string()))
 }
 
+/// When the first certificate of a PEM chain was issued here (its start, which is backdated).
+pub fn issued_at(pem: &str) -> Result<OffsetDateTime, CertError> {
+    let der = der(pem)?;
+    let (_, cert) = X509Certificate::from_der(&der).map_err(|e| CertError::Parse(e.to_string()))?;
+    OffsetDateTime::from_unix_timestamp(cert.validity().not_before.timestamp())
+        .map(|start| start + BACKDATE)
+        .map_err(|e| CertError::Parse(e.to_string()))
+}
+
 fn der(pem: &str) -> Result<Vec<u8>, CertError> {
     use rustls_pki_types::CertificateDer;
     use rustls_pki_types::pem::PemObject;

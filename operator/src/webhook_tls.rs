@@ -4,8 +4,9 @@
 //! - **self-managed** (the default): every replica runs [`maintain`]. The bundle lives in one
 //!   Secret in the operator's namespace; whoever finds it missing or due for rotation writes a
 //!   new one with the `resourceVersion` it read, so concurrent replicas agree on a single CA (the
-//!   loser of a conflict reads the winner's). Each replica then loads the Secret's certificate
-//!   and makes the webhook configuration's `caBundle` match the Secret's `ca.crt`.
+//!   loser of a conflict reads the winner's). Each replica then makes the webhook
+//!   configuration's `caBundle` match the Secret's `ca.crt` and loads the Secret's certificate:
+//!   one of a CA that joined the bundle moments ago only once the API server can have read it.
 //! - **from files** (cert-manager, or any mounted `kubernetes.io/tls` Secret): [`follow_files`]
 //!   reloads `tls.crt`/`tls.key` when they change; cert-manager's CA injector sets `caBundle`.
 
@@ -27,6 +28,9 @@ use crate::webhook_certs::{self, Bundle, CA_CRT, CA_KEY, Renewal, TLS_CRT, TLS_K
 /// before expiry, so this only bounds how long a `helm upgrade` that blanked `caBundle` goes
 /// unrepaired.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a new CA has been in the bundle before a certificate of it is served (while the
+/// one served is good): the API server reads a new `caBundle` a moment after it is written.
+pub const NEW_CA_SETTLING: time::Duration = time::Duration::seconds(60);
 /// After a failure (API down, a lost write race), look again sooner.
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(3);
 /// How often mounted certificate files are compared with what is loaded.
@@ -232,8 +236,24 @@ pub async fn pass(
             bundle
         }
     };
-    done.reloaded = serving.load(&bundle.cert, &bundle.key)?;
-    match publish_ca_bundle(client, settings, &bundle.ca_bundle).await? {
+    let published = publish_ca_bundle(client, settings, &bundle.ca_bundle).await;
+    // The API server trusts a new CA only once it has read the caBundle naming it, a moment
+    // after it is written: until then (and while the bundle cannot be written) the listener
+    // keeps its certificate of the old CA, while that one is good.
+    let settled = match &published {
+        Ok(Some(_)) => webhook_certs::issued_at(&bundle.ca_bundle)
+            .is_ok_and(|issued| now - issued >= NEW_CA_SETTLING),
+        Ok(None) => true,
+        Err(_) => false,
+    };
+    let current_good = serving
+        .presented()
+        .and_then(|pem| webhook_certs::not_after(&pem).ok())
+        .is_some_and(|end| end - now > NEW_CA_SETTLING);
+    if settled || !current_good {
+        done.reloaded = serving.load(&bundle.cert, &bundle.key)?;
+    }
+    match published? {
         Some(patched) => done.ca_bundles_patched = patched,
         None => done.configuration_missing = true,
     }

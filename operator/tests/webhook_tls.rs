@@ -304,6 +304,52 @@ async fn the_listener_serves_admission_reviews_and_picks_up_a_rotated_certificat
     server.await.unwrap();
 }
 
+/// A new CA is trusted by the API server only once it has read the `caBundle` that names it, a
+/// moment after it is written (and never, should the write keep failing): the listener keeps
+/// presenting its certificate of the old CA, while that one is good, until the new CA has been
+/// in the published bundle for a while.
+#[tokio::test]
+async fn a_certificate_of_a_new_ca_is_served_once_the_api_server_can_trust_it() {
+    use leasehold_operator::webhook_certs::CA_RENEW_BEFORE;
+    let api = api_with_configuration();
+    let client = support::operator_client(&api);
+    let serving = ServingCert::new();
+    let t = now();
+    webhook_tls::pass(&client, &settings(), &serving, t)
+        .await
+        .unwrap();
+    // A fresh certificate of the first CA, a little before the CA is due.
+    let before = t + CA_VALIDITY - CA_RENEW_BEFORE - Duration::days(5);
+    let pass = webhook_tls::pass(&client, &settings(), &serving, before)
+        .await
+        .unwrap();
+    assert_eq!(pass.renewed, Some(Renewal::CertRotated));
+    let old_cert = secret_text(&api, "tls.crt");
+    assert_eq!(serving.presented().as_deref(), Some(old_cert.as_str()));
+
+    let due = t + CA_VALIDITY - CA_RENEW_BEFORE + Duration::days(1);
+    let pass = webhook_tls::pass(&client, &settings(), &serving, due)
+        .await
+        .unwrap();
+    assert_eq!(pass.renewed, Some(Renewal::CaRotated));
+    assert_eq!(pass.ca_bundles_patched, 1);
+    assert!(
+        !pass.reloaded,
+        "a certificate of a CA published just now was served"
+    );
+    assert_eq!(serving.presented().as_deref(), Some(old_cert.as_str()));
+
+    let later = due + webhook_tls::NEW_CA_SETTLING + Duration::seconds(1);
+    let pass = webhook_tls::pass(&client, &settings(), &serving, later)
+        .await
+        .unwrap();
+    assert!(pass.reloaded);
+    assert_eq!(
+        serving.presented().as_deref(),
+        Some(secret_text(&api, "tls.crt").as_str())
+    );
+}
+
 /// A CA nobody in these tests trusts.
 fn webhook_certs_of_another_ca() -> String {
     let (bundle, _) = leasehold_operator::webhook_certs::renew(None, &["x".into()], now())
