@@ -470,9 +470,10 @@ pub fn decide(
     }
     if let Some(args) = &mut container.args {
         if injection.native_sidecar {
-            // The kubelet stops a native sidecar (its preStop hook, then SIGTERM) only once
-            // the app's containers have exited: no app is left to act on an answer, and the
-            // leases are released at once.
+            // The kubelet signals a native sidecar (SIGTERM) only once the app's containers
+            // have exited: no app is left to act on an answer, and the leases are released at
+            // once. Its preStop hook runs earlier, beside the app's shutdown (`/resign` then
+            // releases each lease only once its last answer has run out).
             args.push("--apps-stop-first".to_owned());
         } else {
             // A plain container keeps a Job's pod running until it exits: it exits once the
@@ -663,10 +664,9 @@ pub fn sidecar(
         // would release at once. The sidecar's watchdog ends a stuck process instead,
         // releasing nothing (each lease runs out on its backend).
         liveness_probe: None,
-        // The preStop steps down from every lock for good (`POST /resign` on the loopback API):
-        // a plain container's as soon as the pod starts terminating, while the app may still
-        // be draining (each lease is then released once the last answer given has run out); a
-        // native sidecar's once the app has exited (released at once).
+        // The preStop steps down from every lock for good (`POST /resign` on the loopback API)
+        // as soon as the pod starts terminating, a native sidecar's too, while the app may still
+        // be draining: each lease is then released once the last answer given has run out.
         lifecycle: Some(Lifecycle {
             pre_stop: Some(LifecycleHandler {
                 exec: Some(ExecAction {

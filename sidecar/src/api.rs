@@ -70,8 +70,8 @@ struct Inner {
     pending: std::sync::RwLock<BTreeMap<String, String>>,
     /// `POST /resign` was called: no lock is started or put in place any more.
     resigned: std::sync::atomic::AtomicBool,
-    /// `--apps-stop-first`: this pod's apps have stopped by the time this process is told to
-    /// let go (resign, SIGTERM), so its leases are released at once.
+    /// `--apps-stop-first`: this pod's apps have stopped by the time this process gets
+    /// SIGTERM, so its leases are released at once then.
     apps_stop_first: std::sync::atomic::AtomicBool,
     /// When the last release is made of the leases let go once their answers ran out: the
     /// process waits for it before it exits.
@@ -87,8 +87,11 @@ struct Inner {
 pub enum LetGo {
     /// Their `DistributedLock` was deleted: the pod's apps run on.
     ResourceDeleted,
-    /// The pod is stopping (`POST /resign`, SIGTERM): its apps have stopped by now only with
-    /// `--apps-stop-first` (a native sidecar, which the kubelet stops after them).
+    /// The pod's preStop hook (`POST /resign`): it runs as the pod starts stopping, beside its
+    /// apps' shutdown (a native sidecar's too), so they may still act on an answer.
+    Resigned,
+    /// The pod is stopping (SIGTERM): its apps have stopped by now only with
+    /// `--apps-stop-first` (a native sidecar, which the kubelet signals after them).
     PodStopping,
     /// The pod's other containers have finished (`--exit-with-pod`).
     AppsFinished,
@@ -99,6 +102,7 @@ impl LetGo {
     fn reason(self) -> &'static str {
         match self {
             LetGo::ResourceDeleted => "the DistributedLock was deleted",
+            LetGo::Resigned => "resigned: the pod is stopping",
             LetGo::PodStopping => "shutting down",
             LetGo::AppsFinished => "the pod's apps have finished",
         }
@@ -358,7 +362,7 @@ impl AppState {
     /// releases before it exits ([`AppState::releases_due`]).
     pub async fn let_go(&self, locks: &[Lock], families: &[KeyedFamily], why: LetGo) {
         let apps_stopped = match why {
-            LetGo::ResourceDeleted => false,
+            LetGo::ResourceDeleted | LetGo::Resigned => false,
             LetGo::PodStopping => self
                 .inner
                 .apps_stop_first
@@ -1826,7 +1830,7 @@ async fn resign(
         .resigned
         .store(true, std::sync::atomic::Ordering::SeqCst);
     let locks = state.locks();
-    state.let_go(&locks, &[], LetGo::PodStopping).await;
+    state.let_go(&locks, &[], LetGo::Resigned).await;
     let names: Vec<&str> = locks.iter().map(Lock::name).collect();
     Ok(json(
         StatusCode::OK,

@@ -137,12 +137,12 @@ struct Args {
     #[arg(long, env = "LEASEHOLD_RESIGN", conflicts_with_all = ["locks", "resources", "provision"])]
     resign: bool,
 
-    /// This pod's apps have stopped by the time this process is told to stop (SIGTERM, or
-    /// --resign in the preStop hook): a native sidecar, which the kubelet stops after the pod's
-    /// other containers. Its leases are then released at once. Without it, each lock and key
-    /// stops being claimed at once and is released only once the last answer given about it
-    /// (its validForMs) has run out, and the process exits after that: nobody else holds a
-    /// lock while an app may still act on an answer.
+    /// This pod's apps have stopped by the time this process gets SIGTERM: a native sidecar,
+    /// which the kubelet signals after the pod's other containers. Its leases are then released
+    /// at once. Without it, each lock and key stops being claimed at once and is released only
+    /// once the last answer given about it (its validForMs) has run out, and the process exits
+    /// after that: nobody else holds a lock while an app may still act on an answer. --resign
+    /// (the preStop hook, which runs beside the apps' shutdown) always waits so.
     #[arg(long, env = "LEASEHOLD_APPS_STOP_FIRST", conflicts_with_all = ["resign", "provision"])]
     apps_stop_first: bool,
 
@@ -196,7 +196,7 @@ pub struct Config {
     pub provision_only: bool,
     /// `--exit-with-pod`: this sidecar's container name in the pod named `identity`.
     pub exit_with_pod: Option<String>,
-    /// `--apps-stop-first`: leases are released at once on SIGTERM and resign.
+    /// `--apps-stop-first`: leases are released at once on SIGTERM.
     pub apps_stop_first: bool,
     pub locks: Vec<LockConfig>,
     /// `--keyed`: families of keyed locks on the same backend.

@@ -439,7 +439,7 @@ fn secrets_stay_out_of_logs_and_answers() {
 
 /// The preStop hook the webhook injects: `leasehold-sidecar --resign` steps the running sidecar
 /// down from its lock for good: it answers "not holder" at once, and a waiter takes over once the
-/// last answer given has run out (at once with `--apps-stop-first`).
+/// last answer given has run out.
 #[test]
 fn resign_steps_down_for_good_and_hands_over() {
     let dir = tempfile::tempdir().unwrap();

@@ -266,6 +266,46 @@ fn redis_sigterm_keeps_the_lock_from_others_until_the_last_answer_ran_out() {
     assert!(status.success(), "exit status {status}");
 }
 
+/// A native sidecar's preStop hook (`--resign`) runs as the pod starts stopping, beside its
+/// app's shutdown, not after it: with `--apps-stop-first` too, the app may still act on an
+/// answer, so the sidecar answers "not holder" at once and releases only once the last answer
+/// it gave has run out. Nobody else holds the lock before that. The SIGTERM that follows, once
+/// the app has stopped, ends the process at once.
+#[test]
+fn redis_a_native_sidecars_resign_keeps_the_lock_from_others_until_the_last_answer_ran_out() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("resign-native");
+    let (mut a, mut b) = pair_with(&redis.url(), &lock, &["--apps-stop-first"]);
+    let holder = settle(&[&a, &b]);
+    let (leaving, staying) = if holder == 0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    let asked = Instant::now();
+    let answer = leaving.get("/lock");
+    let valid_for = Duration::from_millis(answer.json()["validForMs"].as_u64().unwrap());
+    let resigned = leaving.post("/resign");
+    assert_eq!(resigned.status, 200, "{}", resigned.body);
+    assert!(!leaving.is_holder(), "a resigned sidecar answers holder");
+    while asked.elapsed() < valid_for {
+        assert!(
+            !staying.is_holder(),
+            "the other took the lock {:?} into an answer valid for {valid_for:?}",
+            asked.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    eventually(LEASE + SLACK, "the other takes over", || {
+        staying.is_holder()
+    });
+    leaving.signal(Signal::SIGTERM);
+    let status = leaving
+        .wait_exit(Duration::from_secs(5))
+        .expect("the sidecar did not exit after SIGTERM");
+    assert!(status.success(), "exit status {status}");
+}
+
 #[test]
 fn redis_sigterm_hands_over_at_once() {
     let redis = RedisServer::start();
