@@ -22,6 +22,18 @@ pub struct Lease {
     pub token: u64,
 }
 
+/// The answer of a [`Upkeep::deprovision_held`] made as a release of `lease`: `released` false
+/// is the holding gone, another's perhaps, and nothing deleted.
+pub(crate) fn deleted_as_released(lease: &Lease, released: bool) -> Result<()> {
+    match released {
+        true => Ok(()),
+        false => Err(crate::error::Error::Backend(format!(
+            "lock {:?}: the deleter's holding had ended (another may hold the lock now); nothing was deleted",
+            lease.lock
+        ))),
+    }
+}
+
 /// Who holds a lock, as the backend reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holding {
@@ -154,12 +166,12 @@ pub trait Upkeep: Send + Sync + 'static {
     /// ZooKeeper root) stay.
     async fn deprovision(&self, locks: &[String]) -> Result<()>;
 
-    /// [`Upkeep::deprovision`] of `lease`'s lock, while this process holds it (see
-    /// [`crate::delete_records`]): no other holder can exist meanwhile. Backends whose deletion
-    /// would wait for the holder's own lock (a row held `FOR UPDATE`) override it.
-    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
-        self.deprovision(std::slice::from_ref(&lease.lock)).await
-    }
+    /// [`Upkeep::deprovision`] of `lease`'s lock while this process holds it (see
+    /// [`crate::delete_records`]), and only while it does: a deletion that reaches the backend
+    /// after the holding ended (a stalled clean-up, a request held up on the wire) must not
+    /// free another's. So each backend matches the holding as a release does, in the deletion
+    /// itself, and answers an error when it is not there (nothing is deleted then).
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()>;
 
     /// Delete the records of `family`'s keys that nobody has held for `idle_for` (keys are
     /// chosen at run time without bound), raising first what keeps their tokens rising (see

@@ -630,13 +630,15 @@ pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
     assert!(b.release(&lb).await.unwrap());
 }
 
-/// A deletion of a lock's records (`cleanupPolicy: Delete`) that stalls past the claim its
-/// deleter took the lock with deletes nothing: by then another may hold the lock, and deleting
-/// would free its holding while it still claims, for the next contender to take beside it.
+/// A deletion of a lock's records (`cleanupPolicy: Delete`) that reaches the backend after the
+/// claim its deleter took the lock with (a stalled clean-up, a request held up on the wire)
+/// deletes nothing: by then another may hold the lock, and deleting would free its holding
+/// while it still claims, for the next contender to take beside it.
 pub async fn records_deleted_late_leave_the_next_holder(h: &mut dyn Harness) {
     let b = h.driver().await;
     let operator = FaultyDriver::wrap(h.driver().await);
     let lock = unique_lock("late-delete");
+    let mut made = operator.deprovisions_made();
     operator.delay_deprovisions(LEASE + SLACK);
     let deleting = tokio::spawn({
         let (operator, lock) = (operator.clone(), lock.clone());
@@ -651,20 +653,40 @@ pub async fn records_deleted_late_leave_the_next_holder(h: &mut dyn Harness) {
         sleep(Duration::from_millis(10)).await;
     }
     let lb = acquired_within(&*b, &lock, "b", "the deleter's lease never ran out").await;
+    // b renews as a holder does, for as long as the deletion takes to land and a while after.
+    let renewing = tokio::spawn({
+        let (b, lb) = (b.clone(), lb.clone());
+        async move {
+            loop {
+                sleep(RENEW).await;
+                // A renewal the backend refuses is the claim lost; one that failed is retried.
+                if let Ok(false) = b.renew(&lb, LEASE).await {
+                    return;
+                }
+            }
+        }
+    });
     let deleted = deleting.await.expect("the deletion runs");
     assert!(
         deleted.is_err(),
         "a deletion made after its claim ran out was reported done: {deleted:?}"
     );
+    // The deletion on the wire reaches the backend all the same.
+    tokio::time::timeout(LEASE + SLACK * 2, made.wait_for(|made| *made > 0))
+        .await
+        .expect("the late deletion never reached the backend")
+        .expect("the driver is kept");
+    sleep(RENEW * 2).await;
+    assert!(
+        !renewing.is_finished(),
+        "the late deletion ended b's claim: its renewal failed"
+    );
+    renewing.abort();
     let holder = b.observe(&lock).await.expect("observe");
     assert_eq!(
         holder.map(|h| (h.identity, h.token)),
         Some(("b".to_owned(), lb.token)),
         "the late deletion freed b's holding"
-    );
-    assert!(
-        b.renew(&lb, LEASE).await.expect("renew"),
-        "the late deletion ended b's claim"
     );
     assert!(b.release(&lb).await.unwrap());
 }

@@ -31,6 +31,8 @@ pub struct FaultyDriver {
     /// How many releases the backend answered.
     releases: watch::Sender<u64>,
     deprovision_delay_ms: AtomicU64,
+    /// How many deletions of a holding's records the backend has carried out.
+    deprovisions_made: Arc<watch::Sender<u64>>,
 }
 
 impl FaultyDriver {
@@ -48,6 +50,7 @@ impl FaultyDriver {
             answered: Mutex::new(HashMap::new()),
             releases: watch::Sender::new(0),
             deprovision_delay_ms: AtomicU64::new(0),
+            deprovisions_made: Arc::new(watch::Sender::new(0)),
         })
     }
 
@@ -109,10 +112,19 @@ impl FaultyDriver {
     }
 
     /// From now on, a deletion of a lock's records reaches the backend this much later than it
-    /// was made (a stalled clean-up); one dropped meanwhile is never made.
+    /// was made: one of a lock's holding (`deprovision_held`) is on the wire by then, and is
+    /// carried out late whether or not its caller still waits (a stalled clean-up, a request
+    /// held up in the network); a deletion of locks (`deprovision`) dropped meanwhile is never
+    /// made.
     pub fn delay_deprovisions(&self, delay: Duration) {
         self.deprovision_delay_ms
             .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// How many deletions of a holding's records (`deprovision_held`) the backend has carried
+    /// out, late ones included.
+    pub fn deprovisions_made(&self) -> watch::Receiver<u64> {
+        self.deprovisions_made.subscribe()
     }
 
     async fn deprovision_delay(&self) {
@@ -255,8 +267,21 @@ impl Upkeep for FaultyDriver {
     }
 
     async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
-        self.deprovision_delay().await;
-        self.inner.deprovision_held(lease).await
+        let ms = self.deprovision_delay_ms.load(Ordering::SeqCst);
+        let (inner, lease, made) = (
+            self.inner.clone(),
+            lease.clone(),
+            self.deprovisions_made.clone(),
+        );
+        let on_the_wire = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let deleted = inner.deprovision_held(&lease).await;
+            made.send_modify(|count| *count += 1);
+            deleted
+        });
+        on_the_wire
+            .await
+            .unwrap_or_else(|e| Err(leasehold_lease::Error::Backend(e.to_string())))
     }
 
     async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {

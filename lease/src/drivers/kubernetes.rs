@@ -854,6 +854,22 @@ impl Driver for KubernetesLeaseDriver {
 
 #[async_trait]
 impl Upkeep for KubernetesLeaseDriver {
+    /// Freed as [`Upkeep::deprovision`] frees it, only while it names this holding (the
+    /// `resourceVersion` it was read at is the write's precondition).
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        let freed = self
+            .rewrite_own(lease, false, false, |object| {
+                object.metadata.owner_references = None;
+                if let Some(spec) = object.spec.as_mut() {
+                    spec.holder_identity = None;
+                    spec.acquire_time = None;
+                    spec.renew_time = None;
+                }
+            })
+            .await?;
+        crate::driver::deleted_as_released(lease, freed)
+    }
+
     /// The Lease is freed, not deleted: it keeps `leaseTransitions`, the token, so that a lock
     /// created again under the name continues above it. It is also cut loose from any owner an
     /// earlier version gave it, whose deletion the garbage collector would otherwise follow.

@@ -955,6 +955,39 @@ impl Upkeep for EtcdDriver {
     /// The lock's whole queue: every contender's key goes. Their etcd leases stay, since each is
     /// a whole process's (its other locks' keys are bound to it): a holder learns at its next
     /// renewal, which reads its key back.
+    /// As [`Upkeep::deprovision`], in one transaction on this holding's key: should it be gone
+    /// (its session's lease ran out, another first in the queue now), nothing is deleted.
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        let Some(entry) = self.held(lease) else {
+            return crate::driver::deleted_as_released(lease, false);
+        };
+        self.shared.forget(&entry);
+        entry.slot.abort_tasks();
+        // Recorded first, as a release does: should the deletion not land, the key goes at the
+        // keeper's next round rather than stand first in the queue for nobody.
+        self.shared
+            .orphaned(&entry.key, Some(entry.token), &entry.session.0);
+        let client = self.shared.client().await?;
+        let range = RangeRequest::prefix(&self.shared.queue_prefix(&lease.lock));
+        let deletion = TxnRequest {
+            compare: vec![Compare::created_at(&entry.key, entry.token)],
+            success: vec![
+                DeleteRangeRequest {
+                    key: range.key,
+                    range_end: range.range_end,
+                    prev_kv: false,
+                }
+                .into(),
+            ],
+            failure: Vec::new(),
+        };
+        let done = client.txn(deletion).await.map_err(map_err)?;
+        if done.succeeded {
+            self.shared.adopted(&entry.key, entry.token);
+        }
+        crate::driver::deleted_as_released(lease, done.succeeded)
+    }
+
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         let client = self.shared.client().await?;
         for lock in locks {

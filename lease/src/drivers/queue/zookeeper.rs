@@ -1155,6 +1155,47 @@ impl Upkeep for ZooKeeperDriver {
         Ok(Some(held))
     }
 
+    /// As [`Upkeep::deprovision`], in one multi-operation whose first step deletes this
+    /// holding's node: should it be gone (the session ended, another first in line now),
+    /// nothing is deleted.
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        let Some(entry) = self.held(lease) else {
+            return crate::driver::deleted_as_released(lease, false);
+        };
+        entry.slot.abort_tasks();
+        let session = self.shared.any_session().await?;
+        let client = &session.client;
+        let parent = self.shared.parent(&lease.lock);
+        let children = match client.list_children(&parent).await {
+            Ok(children) => children,
+            Err(zk::Error::NoNode) => Vec::new(),
+            Err(e) => return Err(map_err(e)),
+        };
+        let mut deletion = client.new_multi_writer();
+        deletion.add_delete(&entry.path, None).map_err(map_err)?;
+        for child in children {
+            let path = format!("{parent}/{child}");
+            if path != entry.path {
+                deletion.add_delete(&path, None).map_err(map_err)?;
+            }
+        }
+        deletion.add_delete(&parent, None).map_err(map_err)?;
+        match deletion.commit().await {
+            Ok(_) => {
+                self.shared.forget(&entry);
+                Ok(())
+            }
+            Err(zk::MultiWriteError::OperationFailed {
+                index: 0,
+                source: zk::Error::NoNode,
+            }) => {
+                self.shared.forget(&entry);
+                crate::driver::deleted_as_released(lease, false)
+            }
+            Err(e) => Err(map_err(e.into())),
+        }
+    }
+
     /// The lock's parent node and the contenders' nodes under it (whose sessions then find
     /// their node gone and stop claiming).
     async fn deprovision(&self, locks: &[String]) -> Result<()> {

@@ -458,6 +458,13 @@ impl Upkeep for RedlockDriver {
         Ok(())
     }
 
+    /// Released on every master, each matched as a release is: a master where another holder
+    /// took the lock meanwhile keeps that holder's lease, so no majority is taken from under
+    /// it while the deletion goes from master to master.
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        crate::driver::deleted_as_released(lease, self.release(lease).await?)
+    }
+
     /// A key is held where a majority of the masters has its lease; masters that do not
     /// answer count as not having it, and without a majority answering nothing is counted.
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {

@@ -651,6 +651,12 @@ impl Upkeep for RedisSentinelDriver {
         }
     }
 
+    /// The holding's lease is released, matched as a release is: the deletion itself (the
+    /// token counter stays; waiters' marks run out on their own).
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        crate::driver::deleted_as_released(lease, self.release(lease).await?)
+    }
+
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
         let master = self.master.master().await?;
         let held = single::held_key_leases(&mut master.conn.clone(), &self.keys, family).await;

@@ -286,6 +286,12 @@ impl Upkeep for RedisDriver {
         delete_keys(&mut self.connection().await?, &self.keys, locks).await
     }
 
+    /// The holding's lease is released, matched as a release is: the deletion itself (the
+    /// token counter stays; waiters' marks run out on their own).
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        crate::driver::deleted_as_released(lease, self.release(lease).await?)
+    }
+
     async fn warnings(&self) -> Result<Vec<String>> {
         match self.connection().await? {
             Connection::Cluster(mut cluster) => {

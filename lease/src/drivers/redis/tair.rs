@@ -918,6 +918,12 @@ impl Upkeep for TairDriver {
         delete_keys(&mut self.conn.clone(), &self.keys, locks).await
     }
 
+    /// The holding's lease is released, matched as a release is: the deletion itself (the
+    /// token counter stays; waiters' marks run out on their own).
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        crate::driver::deleted_as_released(lease, self.release(lease).await?)
+    }
+
     async fn warnings(&self) -> Result<Vec<String>> {
         lock_key_warnings(&mut self.conn.clone()).await
     }

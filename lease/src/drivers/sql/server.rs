@@ -774,7 +774,9 @@ impl Upkeep for SqlDriver {
         if let Some(row_locks) = &self.row_locks {
             return row_locks.release_deleting_row(self, lease).await;
         }
-        self.deprovision(std::slice::from_ref(&lease.lock)).await
+        // In lease mode the row freed, matched as a release is, is the deletion (the row keeps
+        // the token).
+        crate::driver::deleted_as_released(lease, self.release(lease).await?)
     }
 
     async fn deprovision(&self, locks: &[String]) -> Result<()> {

@@ -404,6 +404,12 @@ impl Driver for SqliteDriver {
 
 #[async_trait]
 impl Upkeep for SqliteDriver {
+    /// The row is freed, matched as a release is: the deletion itself (the row keeps the
+    /// token).
+    async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
+        crate::driver::deleted_as_released(lease, self.release(lease).await?)
+    }
+
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         for lock in locks {
             sqlx::query(&self.sql.delete)
