@@ -241,10 +241,11 @@ pub async fn pass(
     // after it is written: until then (and while the bundle cannot be written) the listener
     // keeps its certificate of the old CA, while that one is good.
     let settled = match &published {
-        Ok(Some(_)) => webhook_certs::issued_at(&bundle.ca_bundle)
+        // Published before this pass, and the CA not new: the API server has read it.
+        Ok(Some(0)) => webhook_certs::issued_at(&bundle.ca_bundle)
             .is_ok_and(|issued| now - issued >= NEW_CA_SETTLING),
+        Ok(Some(_)) | Err(_) => false,
         Ok(None) => true,
-        Err(_) => false,
     };
     let current_good = serving
         .presented()
