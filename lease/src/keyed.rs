@@ -725,7 +725,8 @@ impl KeyedFamily {
         {
             return Ok(KeyAnswer::NotHeld);
         }
-        self.take_part_in_line(key, permit, owner, Duration::ZERO, hold, reentrant, in_line)
+        let part = Part::Own(in_line);
+        self.take_part_in_line(key, permit, owner, Duration::ZERO, hold, reentrant, part)
             .await
     }
 
@@ -740,12 +741,28 @@ impl KeyedFamily {
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
-        self.take_part_in_line(key, permit, owner, wait, hold, reentrant, InLine::Leave)
+        let part = Part::Own(InLine::Leave);
+        self.take_part_in_line(key, permit, owner, wait, hold, reentrant, part)
+            .await
+    }
+
+    /// [`KeyedFamily::take_part`] for a writer: a part of its write lock, never told of as a
+    /// holding of its own (a writer is answered from all its parts, once it has them all).
+    async fn take_write_part(
+        &self,
+        key: &str,
+        permit: u32,
+        owner: &str,
+        wait: Duration,
+        hold: Duration,
+    ) -> Result<KeyAnswer, KeyError> {
+        self.take_part_in_line(key, permit, owner, wait, hold, true, Part::OfWrite)
             .await
     }
 
     /// [`KeyedFamily::take_part`], keeping the place of an attempt refused in the backend's
-    /// line when told to ([`InLine::Keep`]).
+    /// line when told to ([`InLine::Keep`]), for a holding of the owner's own or a part of a
+    /// write lock ([`Part`]).
     #[allow(clippy::too_many_arguments)]
     async fn take_part_in_line(
         &self,
@@ -755,7 +772,7 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
         reentrant: bool,
-        in_line: InLine,
+        part: Part,
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
         let base_key = key;
@@ -796,7 +813,7 @@ impl KeyedFamily {
             LockConfig {
                 mode: Mode::OnDemand,
                 single_use: true,
-                keeps_queue_place: in_line == InLine::Keep,
+                keeps_queue_place: part == Part::Own(InLine::Keep),
                 renew_interval,
                 ..LockConfig::new(
                     &backend_name(&self.inner.name, key),
@@ -851,9 +868,16 @@ impl KeyedFamily {
             lock,
             serial,
             slot: Mutex::new(Some(slot)),
-            checked: std::sync::atomic::AtomicBool::new(
-                !(self.read_config(|c| c.read_write) && permit > 0 && permit != read_write::GATE),
-            ),
+            // A reader's permit above 0 is told of once it has passed the write gate; a part
+            // of a write lock never is.
+            checked: std::sync::atomic::AtomicBool::new(match part {
+                Part::OfWrite => false,
+                Part::Own(_) => {
+                    !(self.read_config(|c| c.read_write)
+                        && permit > 0
+                        && permit != read_write::GATE)
+                }
+            }),
         });
         // Counted before it is put in place: the engine's hook may forget it (and count it
         // out) from then on.
@@ -1333,6 +1357,15 @@ fn counts_as_held(permit: u32) -> bool {
 enum InLine {
     Leave,
     Keep,
+}
+
+/// What a permit (or gate) taken is to its owner: a holding of its own (an owner's key, a
+/// semaphore's or a reader's permit), or a part of its write lock, which it is told of only
+/// as the whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Own(InLine),
+    OfWrite,
 }
 
 /// Of two refusals, the one that tells the caller more: a holder over a guard's wait, a guard's

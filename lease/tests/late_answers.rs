@@ -482,6 +482,77 @@ async fn a_writer_named_like_a_probe_keeps_readers_out() {
     family.shutdown().await;
 }
 
+/// A writer's parts taken while its acquisition still waits (for a reader to leave) are not a
+/// holding its owner is told of: asked meanwhile, the owner does not hold the key. Should the
+/// acquisition be given up (its client hung up), the parts go back, and an answer given from
+/// one of them would outlive it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writers_parts_taken_while_it_waits_are_not_told_as_held() {
+    let harness = SqliteHarness::new();
+    let family = KeyedFamily::new(
+        sqlite(&harness).await,
+        FamilyConfig {
+            permits: 2,
+            read_write: true,
+            ..FamilyConfig::new(&unique_lock("parts"), "pod-a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family");
+    for reader in ["r1", "r2"] {
+        let read = family
+            .acquire_read("doc", reader, Duration::ZERO, HOLD)
+            .await
+            .expect("read");
+        assert!(matches!(read, KeyAnswer::Held { .. }), "{reader}: {read:?}");
+    }
+    let writing = tokio::spawn({
+        let family = family.clone();
+        async move {
+            family
+                .acquire_write("doc", "w", Duration::from_secs(10), HOLD)
+                .await
+        }
+    });
+    let gate = family.permit_backend_name("doc", u32::MAX).expect("name");
+    let backend = sqlite(&harness).await;
+    let started = Instant::now();
+    while backend.observe(&gate).await.expect("observe").is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the writer never took the gate"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    // r1 leaves: the writer takes permit 0 and waits for r2's permit 1.
+    family.release("doc", "r1").await.expect("release");
+    let permit0 = family.permit_backend_name("doc", 0).expect("name");
+    while backend
+        .observe(&permit0)
+        .await
+        .expect("observe")
+        .is_none_or(|h| !h.identity.ends_with("/w"))
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the writer never took permit 0"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    let told = family.status("doc", Some("w")).expect("status");
+    assert!(
+        !matches!(told, KeyAnswer::Held { .. }),
+        "a writer still waiting is told it holds: {told:?}"
+    );
+    assert!(!writing.is_finished(), "the writer did not wait for r2");
+    family.release("doc", "r2").await.expect("release");
+    let written = writing.await.unwrap().expect("w writes");
+    assert!(matches!(written, KeyAnswer::Held { .. }), "{written:?}");
+    let told = family.status("doc", Some("w")).expect("status");
+    assert!(matches!(told, KeyAnswer::Held { .. }), "{told:?}");
+    family.shutdown().await;
+}
+
 /// An app counts its answer's `validForMs` from when it reads it, a moment after the engine
 /// computed it: a hold that runs out is released only after that moment's margin, as every
 /// other let-go is, so that nobody else holds while the app's reading of its answer stands.

@@ -2653,16 +2653,30 @@ pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
         panic!("z was kept by a refused call");
     };
 
-    // w4 takes q, then waits for r2's read of z; meanwhile q is w4's alone.
+    // w4 takes q, then waits for r2's read of z; meanwhile q is w4's alone (in the backend:
+    // w4 itself is told it holds only once it has every key).
     let waiting = {
         let b = b.clone();
         let keys = keys(&["z", "q"]);
         tokio::spawn(async move { b.acquire_all_write(&keys, "w4", LEASE + SLACK, HOLD).await })
     };
-    eventually(SLACK, "w4 holds q while it waits for z", || {
-        matches!(b.status("q", Some("w4")), Ok(KeyAnswer::Held { .. }))
-    })
-    .await;
+    let asked = Instant::now();
+    while !b
+        .observe("q")
+        .await
+        .unwrap()
+        .is_some_and(|holder| holder.identity.ends_with("/w4"))
+    {
+        assert!(
+            asked.elapsed() < SLACK,
+            "w4 never took q while it waits for z"
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        !matches!(b.status("q", Some("w4")), Ok(KeyAnswer::Held { .. })),
+        "w4 is told it holds q before it has z"
+    );
     let answer = a.acquire_read("q", "r3", NOW, HOLD).await.unwrap();
     assert!(refused(&answer), "a reader of q beside w4: {answer:?}");
     assert!(!waiting.is_finished(), "w4 did not wait for z's reader");

@@ -309,7 +309,7 @@ impl KeyedFamily {
         };
         let take = async |permit: u32, taken: &mut Taken| {
             let left = deadline.saturating_duration_since(Instant::now());
-            let take = self.take_part(key, permit, owner, left, hold, true);
+            let take = self.take_write_part(key, permit, owner, left, hold);
             let answer = self
                 .take_keeping(take, taken, kept, look(), owner, hold)
                 .await?;
