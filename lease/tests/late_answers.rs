@@ -37,6 +37,20 @@ async fn late_sqlite() -> (SqliteHarness, Arc<FaultyDriver>) {
     (harness, faulty)
 }
 
+/// A pod's read-write family `name` of two permits on `driver`.
+fn read_write_family(driver: Arc<dyn Backend>, name: &str, identity: &str) -> KeyedFamily {
+    KeyedFamily::new(
+        driver,
+        FamilyConfig {
+            permits: 2,
+            read_write: true,
+            ..FamilyConfig::new(name, identity, LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family")
+}
+
 /// A lock `a` campaigns for through `faulty`, once it holds, and its token.
 async fn campaigning_holder(faulty: &Arc<FaultyDriver>, name: &str) -> (Lock, u64) {
     let holder = Lock::start(
@@ -316,16 +330,7 @@ async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_hangs_up_while_its_permit_is_checked_gives_it_back() {
     let (_harness, faulty) = late_sqlite().await;
-    let family = KeyedFamily::new(
-        faulty.clone(),
-        FamilyConfig {
-            permits: 2,
-            read_write: true,
-            ..FamilyConfig::new(&unique_lock("readers"), "pod-a", LEASE)
-        },
-        Arc::new(()),
-    )
-    .expect("family");
+    let family = read_write_family(faulty.clone(), &unique_lock("readers"), "pod-a");
     let first = family
         .acquire_read("doc", "r1", Duration::ZERO, HOLD)
         .await
@@ -370,16 +375,7 @@ async fn a_reader_that_hangs_up_while_its_permit_is_checked_gives_it_back() {
 async fn a_reader_whose_answer_was_never_read_gives_its_permit_back() {
     let harness = SqliteHarness::new();
     let faulty = FaultyDriver::wrap(sqlite(&harness).await);
-    let family = KeyedFamily::new(
-        faulty.clone(),
-        FamilyConfig {
-            permits: 2,
-            read_write: true,
-            ..FamilyConfig::new(&unique_lock("unread"), "pod-a", LEASE)
-        },
-        Arc::new(()),
-    )
-    .expect("family");
+    let family = read_write_family(faulty.clone(), &unique_lock("unread"), "pod-a");
     let first = family
         .acquire_read("doc", "r1", Duration::ZERO, HOLD)
         .await
@@ -425,20 +421,8 @@ async fn a_writer_named_like_a_probe_keeps_readers_out() {
     let harness = SqliteHarness::new();
     let faulty = FaultyDriver::wrap(sqlite(&harness).await);
     let name = unique_lock("probe-named");
-    let pod = |driver: Arc<dyn Backend>, identity: &str| {
-        KeyedFamily::new(
-            driver,
-            FamilyConfig {
-                permits: 2,
-                read_write: true,
-                ..FamilyConfig::new(&name, identity, LEASE)
-            },
-            Arc::new(()),
-        )
-        .expect("family")
-    };
-    let family = pod(faulty.clone(), "pod-a");
-    let writer = pod(sqlite(&harness).await, "pod-b");
+    let family = read_write_family(faulty.clone(), &name, "pod-a");
+    let writer = read_write_family(sqlite(&harness).await, &name, "pod-b");
     let first = family
         .acquire_read("doc", "r1", Duration::ZERO, HOLD)
         .await
@@ -489,16 +473,7 @@ async fn a_writer_named_like_a_probe_keeps_readers_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_writers_parts_taken_while_it_waits_are_not_told_as_held() {
     let harness = SqliteHarness::new();
-    let family = KeyedFamily::new(
-        sqlite(&harness).await,
-        FamilyConfig {
-            permits: 2,
-            read_write: true,
-            ..FamilyConfig::new(&unique_lock("parts"), "pod-a", LEASE)
-        },
-        Arc::new(()),
-    )
-    .expect("family");
+    let family = read_write_family(sqlite(&harness).await, &unique_lock("parts"), "pod-a");
     for reader in ["r1", "r2"] {
         let read = family
             .acquire_read("doc", reader, Duration::ZERO, HOLD)

@@ -293,6 +293,13 @@ async fn named_lock_session(admin: &mut sqlx::AnyConnection, name: &str) -> Opti
 
 /// The session that took the named lock `name` for its holder, which must have it within
 /// [`SLACK`] of `since`.
+/// A driver of a process of its own on the backend at `url`.
+async fn driver_at(url: &str) -> Arc<dyn leasehold_lease::Backend> {
+    leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(url).expect("url"))
+        .await
+        .expect("driver")
+}
+
 /// Where the test server's lock table's named locks live.
 fn mariadb_place() -> String {
     leasehold_lease::drivers::sql::wake::wake_place(
@@ -437,14 +444,9 @@ async fn mariadb_locks_of_one_name_in_two_databases_wake_their_own_waiters() {
         .await
         .expect("a second database");
     let other_url = url.replacen(&format!("/{}", mariadb_server::DATABASE), "/other_app", 1);
-    let connect = async |url: &str| {
-        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(url).expect("url"))
-            .await
-            .expect("driver")
-    };
     let lock = unique_lock("leader");
     let lease = Duration::from_secs(12);
-    let first_app = connect(&url).await;
+    let first_app = driver_at(&url).await;
     let Acquire::Acquired(_held) = first_app.try_acquire(&lock, "a", lease).await.unwrap() else {
         panic!("the first app's lock is not free");
     };
@@ -459,7 +461,7 @@ async fn mariadb_locks_of_one_name_in_two_databases_wake_their_own_waiters() {
         )
         .expect("lock")
     };
-    let holder = on_demand(connect(&other_url).await, "b1");
+    let holder = on_demand(driver_at(&other_url).await, "b1");
     let answer = holder
         .acquire(Duration::from_secs(5), Duration::from_secs(60))
         .await
@@ -468,7 +470,7 @@ async fn mariadb_locks_of_one_name_in_two_databases_wake_their_own_waiters() {
         answer.is_holder(),
         "the second app's lock is its own: {answer:?}"
     );
-    let waiter = on_demand(connect(&other_url).await, "b2");
+    let waiter = on_demand(driver_at(&other_url).await, "b2");
     let waiting = tokio::spawn({
         let waiter = waiter.clone();
         async move {
@@ -1172,12 +1174,7 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str, row_lock: bo
 /// an idle key's row, having taken the floor; it is cut off, then let through.
 async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u16) {
     use leasehold_lease::Acquire;
-    let connect = async |url: &str| {
-        leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(url).expect("url"))
-            .await
-            .expect("driver")
-    };
-    let direct = connect(url).await;
+    let direct = driver_at(url).await;
     let family = unique_lock("cut_sweep");
     let idle = format!("{family}.keys.idle");
     let Acquire::Acquired(lease) = direct.try_acquire(&idle, "a", LEASE).await.unwrap() else {
@@ -1198,7 +1195,7 @@ async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u
     .await
     .expect("lock the idle key's row");
     let proxy = leasehold_testkit::FaultProxy::start(port);
-    let sweeper = connect(&url.replace(&format!(":{port}/"), &format!(":{}/", proxy.port))).await;
+    let sweeper = driver_at(&url.replace(&format!(":{port}/"), &format!(":{}/", proxy.port))).await;
     let sweep = tokio::spawn({
         let family = family.clone();
         async move { sweeper.forget_idle_keys(&family, Duration::ZERO).await }
