@@ -540,11 +540,18 @@ impl KeyedFamily {
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
-        // The permit the owner holds: re-entrant (or refused, once) where it is.
-        if let Some(current) = self.owned_permit(key, owner)
-            && let Some(answer) = self.reenter(&current, hold, reentrant).await?
-        {
-            return Ok(answer);
+        // The permit the owner holds: re-entrant (or refused, once) where it is. One not told
+        // of (a reader's still probing the write gate, a part of the owner's write lock being
+        // taken) is not the owner's to re-enter: refused as held.
+        if let Some(current) = self.owned_permit(key, owner) {
+            if !current.checked.load(Ordering::SeqCst) {
+                return Ok(KeyAnswer::HeldByAnother {
+                    holder: Some(self.qualified(owner)),
+                });
+            }
+            if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
+                return Ok(answer);
+            }
         }
         let wait = deadline.saturating_duration_since(Instant::now());
         let _waiting = Waiting::new(&self.inner.waiting);
@@ -1158,7 +1165,8 @@ impl KeyedFamily {
         }
         let current = match owner {
             Some(owner) => self.holding_for(key, owner),
-            None => self.find_holding(key, |_| true),
+            // Any holding told of: a reader's beside a write lock's parts being taken.
+            None => self.find_holding(key, |c| c.checked.load(Ordering::SeqCst)),
         };
         let Some(current) = current.filter(|c| c.checked.load(Ordering::SeqCst)) else {
             return Ok(KeyAnswer::NotHeld);

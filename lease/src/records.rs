@@ -6,8 +6,10 @@
 //! contender takes it at once, while the first still claims until its next renewal. (The safety
 //! soak caught exactly that: two holders for 220 ms after a `DistributedLock` was deleted.) So
 //! the deletion takes the lock first, through the backend's own exclusion, and deletes only
-//! while holding it: whoever takes the lock afterwards takes it alone. The deletion is made only
-//! within the claim that acquisition gave, as a holder writes only within its claim.
+//! while holding it: whoever takes the lock afterwards takes it alone. Each backend's deletion
+//! matches that holding, as a release does ([`crate::driver::Upkeep::deprovision_held`]), so
+//! one that lands late frees nobody else's; and it is not sent once the claim that acquisition
+//! gave has run out, as a holder writes only within its claim.
 
 use std::time::Duration;
 

@@ -459,6 +459,12 @@ impl KeyedFamily {
             if let Some(refused) = self.wait_for_no_writer(key, owner, deadline).await {
                 return Ok(refused);
             }
+            // The owner may have begun writing the key meanwhile (its gate is no other's).
+            if self.holding_on(key, GATE, owner).is_some() {
+                return Err(KeyError::BadMode(format!(
+                    "{owner} is taking {key:?} to write and cannot read it meanwhile"
+                )));
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             let answer = self.take_checked(key, owner, left, hold, reentrant).await?;
             let KeyAnswer::Held { permit, token, .. } = answer else {

@@ -287,7 +287,7 @@ impl Upkeep for RedisDriver {
     }
 
     /// The holding's lease is released, matched as a release is: the deletion itself (the
-    /// token counter stays; waiters' marks run out on their own).
+    /// token counter stays, the waiters' mark goes with the lease).
     async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
         crate::driver::deleted_as_released(lease, self.release(lease).await?)
     }

@@ -919,7 +919,7 @@ impl Upkeep for TairDriver {
     }
 
     /// The holding's lease is released, matched as a release is: the deletion itself (the
-    /// token counter stays; waiters' marks run out on their own).
+    /// token counter stays).
     async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
         crate::driver::deleted_as_released(lease, self.release(lease).await?)
     }
