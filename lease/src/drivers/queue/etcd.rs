@@ -952,9 +952,6 @@ impl Driver for EtcdDriver {
 
 #[async_trait]
 impl Upkeep for EtcdDriver {
-    /// The lock's whole queue: every contender's key goes. Their etcd leases stay, since each is
-    /// a whole process's (its other locks' keys are bound to it): a holder learns at its next
-    /// renewal, which reads its key back.
     /// As [`Upkeep::deprovision`], in one transaction on this holding's key: should it be gone
     /// (its session's lease ran out, another first in the queue now), nothing is deleted.
     async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
@@ -988,6 +985,9 @@ impl Upkeep for EtcdDriver {
         crate::driver::deleted_as_released(lease, done.succeeded)
     }
 
+    /// The lock's whole queue: every contender's key goes. Their etcd leases stay, since each is
+    /// a whole process's (its other locks' keys are bound to it): a holder learns at its next
+    /// renewal, which reads its key back.
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
         let client = self.shared.client().await?;
         for lock in locks {
