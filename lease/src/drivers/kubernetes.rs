@@ -852,21 +852,23 @@ impl Driver for KubernetesLeaseDriver {
     }
 }
 
+/// A Lease freed by a deletion of its lock's records: nobody named, and cut loose from any
+/// owner an earlier version gave it; `leaseTransitions`, the token, stays.
+fn free(object: &mut LeaseObject) {
+    object.metadata.owner_references = None;
+    if let Some(spec) = object.spec.as_mut() {
+        spec.holder_identity = None;
+        spec.acquire_time = None;
+        spec.renew_time = None;
+    }
+}
+
 #[async_trait]
 impl Upkeep for KubernetesLeaseDriver {
     /// Freed as [`Upkeep::deprovision`] frees it, only while it names this holding (the
     /// `resourceVersion` it was read at is the write's precondition).
     async fn deprovision_held(&self, lease: &Lease) -> Result<()> {
-        let freed = self
-            .rewrite_own(lease, false, false, |object| {
-                object.metadata.owner_references = None;
-                if let Some(spec) = object.spec.as_mut() {
-                    spec.holder_identity = None;
-                    spec.acquire_time = None;
-                    spec.renew_time = None;
-                }
-            })
-            .await?;
+        let freed = self.rewrite_own(lease, false, false, free).await?;
         crate::driver::deleted_as_released(lease, freed)
     }
 
@@ -887,12 +889,7 @@ impl Upkeep for KubernetesLeaseDriver {
                     freed = true;
                     break;
                 }
-                object.metadata.owner_references = None;
-                if let Some(spec) = object.spec.as_mut() {
-                    spec.holder_identity = None;
-                    spec.acquire_time = None;
-                    spec.renew_time = None;
-                }
+                free(&mut object);
                 if self.replace(lock, &object).await?.is_some() {
                     freed = true;
                     break;
