@@ -81,21 +81,29 @@ fn slot_of(lock: &str) -> u32 {
     hash % SLOTS
 }
 
+/// The directory of the wake files of the database at `db` (`PATH-wake/`).
+fn wake_dir(db: &Path) -> PathBuf {
+    let mut dir = db.as_os_str().to_owned();
+    dir.push("-wake");
+    PathBuf::from(dir)
+}
+
+/// Slot `index`'s file in `dir`.
+fn slot_file(dir: &Path, index: u32) -> PathBuf {
+    dir.join(format!("{index:03}"))
+}
+
 /// The wake file of `lock`'s slot beside the database at `db`, where the process that holds
 /// `lock` keeps a `flock`.
 pub fn wake_file(db: &Path, lock: &str) -> PathBuf {
-    let mut dir = db.as_os_str().to_owned();
-    dir.push("-wake");
-    PathBuf::from(dir).join(format!("{:03}", slot_of(lock)))
+    slot_file(&wake_dir(db), slot_of(lock))
 }
 
 impl WakeFiles {
     /// The wake files of the database at `db`; `None` (waiters poll) when the directory cannot be
     /// made.
     pub(crate) fn beside(db: &Path) -> Option<Arc<Self>> {
-        let mut dir = db.as_os_str().to_owned();
-        dir.push("-wake");
-        let dir = PathBuf::from(dir);
+        let dir = wake_dir(db);
         if let Err(e) = std::fs::create_dir_all(&dir) {
             tracing::warn!(dir = %dir.display(), error = %e,
                 "no wake files for SQLite waiters in other processes: they will poll");
@@ -112,7 +120,7 @@ impl WakeFiles {
         let index = slot_of(lock);
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         if let std::collections::hash_map::Entry::Vacant(entry) = slots.by_index.entry(index) {
-            let path = self.dir.join(format!("{index:03}"));
+            let path = slot_file(&self.dir, index);
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
