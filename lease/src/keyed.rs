@@ -531,6 +531,27 @@ impl KeyedFamily {
         answer
     }
 
+    /// The permit `owner` holds of `key`: re-entrant (or refused, once) where it is, the
+    /// answer then `Some`. One not told of (a reader's still probing the write gate, a part of
+    /// the owner's write lock being taken) is not the owner's to re-enter: refused as held.
+    async fn reenter_owned(
+        &self,
+        key: &str,
+        owner: &str,
+        hold: Duration,
+        reentrant: bool,
+    ) -> Result<Option<KeyAnswer>, KeyError> {
+        let Some(current) = self.owned_permit(key, owner) else {
+            return Ok(None);
+        };
+        if !current.checked.load(Ordering::SeqCst) {
+            return Ok(Some(KeyAnswer::HeldByAnother {
+                holder: Some(self.qualified(owner)),
+            }));
+        }
+        self.reenter(&current, hold, reentrant).await
+    }
+
     async fn take_checked(
         &self,
         key: &str,
@@ -540,18 +561,8 @@ impl KeyedFamily {
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
         let deadline = Instant::now() + wait;
-        // The permit the owner holds: re-entrant (or refused, once) where it is. One not told
-        // of (a reader's still probing the write gate, a part of the owner's write lock being
-        // taken) is not the owner's to re-enter: refused as held.
-        if let Some(current) = self.owned_permit(key, owner) {
-            if !current.checked.load(Ordering::SeqCst) {
-                return Ok(KeyAnswer::HeldByAnother {
-                    holder: Some(self.qualified(owner)),
-                });
-            }
-            if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
-                return Ok(answer);
-            }
+        if let Some(answer) = self.reenter_owned(key, owner, hold, reentrant).await? {
+            return Ok(answer);
         }
         let wait = deadline.saturating_duration_since(Instant::now());
         let _waiting = Waiting::new(&self.inner.waiting);

@@ -438,16 +438,9 @@ impl KeyedFamily {
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
         // The owner's holding is acquired again where it is, once it has passed the gate (an
-        // acquisition of the owner's may be probing it still).
-        if let Some(current) = self.owned_permit(key, owner) {
-            if !current.checked.load(Ordering::SeqCst) {
-                return Ok(KeyAnswer::HeldByAnother {
-                    holder: Some(self.qualified(owner)),
-                });
-            }
-            if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
-                return Ok(answer);
-            }
+        // acquisition of the owner's may be probing it still), before any wait for a writer.
+        if let Some(answer) = self.reenter_owned(key, owner, hold, reentrant).await? {
+            return Ok(answer);
         }
         if self.holding_on(key, GATE, owner).is_some() {
             return Err(KeyError::BadMode(format!(
