@@ -84,3 +84,112 @@ async fn a_release_publishes_only_after_an_attempt_found_the_lock_held() {
     assert!(waiter.release(&lease).await.expect("release"));
     assert_eq!(publishes(&mut admin).await - before, 0);
 }
+
+/// A Redis user may be refused the release channels (Redis 7 gives a new user none unless
+/// `acl-pubsub-default` says otherwise): its releases still release, each of a batch sent
+/// together, and waiters learn of them at their next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_refused_the_release_channels_still_releases() {
+    refused_the_release_channels(RedisServer::start(), "redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tair_user_refused_the_release_channels_still_releases() {
+    refused_the_release_channels(RedisServer::start_tair(), "tair").await;
+}
+
+async fn refused_the_release_channels(server: RedisServer, scheme: &str) {
+    let mut admin = server.admin().await;
+    let _: () = redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER",
+                "locker",
+                "on",
+                ">secret",
+                "~*",
+                "resetchannels",
+                "+@all",
+            ][..],
+        )
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let url = format!("{scheme}://locker:secret@127.0.0.1:{}", server.port());
+    let (holder, waiter) = (driver_for(&url).await, driver_for(&url).await);
+    let locks: Vec<String> = (0..4)
+        .map(|i| unique_lock(&format!("refused-{i}")))
+        .collect();
+    let mut leases = Vec::new();
+    for lock in &locks {
+        leases.push(take(&*holder, lock, "a").await);
+        // A waiter found it held, so the release has a notice to publish.
+        assert!(matches!(
+            waiter.try_acquire(lock, "b", TTL).await.expect("attempt"),
+            Acquire::Busy(Some(_))
+        ));
+    }
+    let released =
+        futures_util::future::join_all(leases.iter().map(|lease| holder.release(lease))).await;
+    for (lock, released) in locks.iter().zip(released) {
+        assert!(
+            released.unwrap_or_else(|e| panic!("the release of {lock} failed: {e}")),
+            "{lock} was not released"
+        );
+        take(&*waiter, lock, "b").await;
+    }
+}
+
+/// The least-privileged user `docs/backends/redis.md` shows takes, releases and is woken by
+/// release notices, with no warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_least_privileged_user_takes_locks_and_hears_releases() {
+    let server = RedisServer::start();
+    let mut admin = server.admin().await;
+    let documented = include_str!("../../docs/backends/redis.md")
+        .lines()
+        .find(|line| line.starts_with("ACL SETUSER leasehold "))
+        .expect("redis.md shows an ACL SETUSER line")
+        .replace("PASSWORD", "secret");
+    let mut setuser = redis::cmd("ACL");
+    for word in documented.split_whitespace().skip(1) {
+        setuser.arg(word);
+    }
+    let _: () = setuser.query_async(&mut admin).await.expect("ACL SETUSER");
+    let url = format!("redis://leasehold:secret@127.0.0.1:{}", server.port());
+    let (holder, waiter) = (driver_for(&url).await, driver_for(&url).await);
+    let lock = unique_lock("least");
+    let mut changes = waiter.changes(&lock).expect("release notices");
+    if timeout(Duration::from_secs(3), changes.changed())
+        .await
+        .is_err()
+    {
+        let log: redis::Value = redis::cmd("ACL")
+            .arg("LOG")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        panic!("the subscription was not established: {log:?}");
+    }
+    changes.borrow_and_update();
+    let lease = take(&*holder, &lock, "a").await;
+    assert!(matches!(
+        waiter.try_acquire(&lock, "b", TTL).await.expect("attempt"),
+        Acquire::Busy(Some(_))
+    ));
+    assert!(holder.release(&lease).await.expect("release"));
+    timeout(Duration::from_secs(2), changes.changed())
+        .await
+        .expect("the waiter was not told of the release")
+        .expect("feed open");
+    let lease = take(&*waiter, &lock, "b").await;
+    assert!(waiter.release(&lease).await.expect("release"));
+    assert_eq!(
+        waiter.warnings().await.expect("warnings"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        waiter.count_held_keys(&lock).await.expect("counting"),
+        Some(0)
+    );
+}

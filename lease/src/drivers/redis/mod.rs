@@ -383,6 +383,10 @@ return 0
 /// set none): every sidecar listens to every lock's notices, so a notice that nobody waits for
 /// costs each of them a message. Several leases in one call are released exactly as by one call
 /// each ([`crate::drivers::redis::releases`] sends a master's concurrent releases together).
+///
+/// A notice the server refuses (an ACL without the release channels) does not fail the
+/// release: the deletion has been made, and a script that stopped there would leave the rest
+/// of its leases held while reporting all of them failed. Waiters then learn at their next poll.
 pub(crate) const RELEASE: &str = r"
 local marked = #KEYS == #ARGV
 local stride = marked and 2 or 1
@@ -393,9 +397,9 @@ for i = 1, #ARGV / 2 do
     -- The lease is there, so a mark was too when two keys go.
     if not marked then
       redis.call('DEL', lease)
-      redis.call('PUBLISH', ARGV[2 * i], value)
+      redis.pcall('PUBLISH', ARGV[2 * i], value)
     elseif redis.call('DEL', lease, KEYS[stride * i]) == 2 then
-      redis.call('PUBLISH', ARGV[2 * i], value)
+      redis.pcall('PUBLISH', ARGV[2 * i], value)
     end
     released[i] = 1
   else
@@ -640,6 +644,7 @@ pub(crate) async fn listen_for_releases_on(
     feeds: Arc<ChangeFeeds>,
 ) {
     let mut pause = RESUBSCRIBE_MIN;
+    let mut refusal_told = false;
     for client in clients.iter().cycle() {
         let subscribed = tokio::time::timeout(CONNECT_TIMEOUT, async {
             let mut pubsub = client.get_async_pubsub().await?;
@@ -659,11 +664,28 @@ pub(crate) async fn listen_for_releases_on(
                 }
                 tracing::debug!("redis release subscription closed; re-subscribing");
             }
-            Ok(Err(e)) => tracing::debug!(error = %e, "redis release subscription failed"),
+            Ok(Err(e)) => subscription_failed(&e, &keys, &mut refusal_told),
             Err(_) => tracing::debug!("redis release subscription timed out"),
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(RESUBSCRIBE_MAX);
+    }
+}
+
+/// Tells of a subscription to the release notices that failed: a refusal by the server (an ACL
+/// without the release channels) once, as a warning saying what to grant, since every waiter
+/// then learns of a release only at its next poll; a connection lost at debug level.
+pub(crate) fn subscription_failed(e: &redis::RedisError, keys: &KeyLayout, told: &mut bool) {
+    if matches!(e.kind(), redis::ErrorKind::Server(_)) && !std::mem::replace(told, true) {
+        let pattern = keys.released_pattern();
+        tracing::warn!(
+            error = %e,
+            "the Redis user may not subscribe to {pattern}: waiters learn of releases at their \
+             next poll (a renew interval) instead of at once; grant the user the channels \
+             `&{pattern}`"
+        );
+    } else {
+        tracing::debug!(error = %e, "redis release subscription failed");
     }
 }
 

@@ -676,6 +676,7 @@ impl Upkeep for RedisSentinelDriver {
 /// sentinels name another one (waking every waiter, since a release may have been missed).
 async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<ChangeFeeds>) {
     let mut pause = RESUBSCRIBE_MIN;
+    let mut refusal_told = false;
     loop {
         let subscribed = tokio::time::timeout(CONNECT_TIMEOUT, async {
             let current = master.master().await.map_err(|e| e.to_string())?;
@@ -684,10 +685,10 @@ async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<
                 .get_async_pubsub()
                 .await
                 .map_err(|e| e.to_string())?;
-            pubsub
-                .psubscribe(keys.released_pattern())
-                .await
-                .map_err(|e| e.to_string())?;
+            if let Err(e) = pubsub.psubscribe(keys.released_pattern()).await {
+                crate::drivers::redis::subscription_failed(&e, &keys, &mut refusal_told);
+                return Err(e.to_string());
+            }
             Ok::<_, String>((current.address, pubsub))
         })
         .await;

@@ -420,24 +420,27 @@ impl TairDriver {
     }
 
     /// `EXCAD` of `version` with the release notice in one round trip; should the delete fail,
-    /// waiters woken for nothing find the lock held and wait again. True when deleted.
+    /// waiters woken for nothing find the lock held and wait again. True when deleted. A notice
+    /// the server refuses (an ACL without the release channels) leaves waiters to their next
+    /// poll, and the deletion stands.
     async fn delete_and_announce(
         &self,
         conn: &mut ConnectionManager,
         lock: &str,
         version: i64,
     ) -> Result<bool> {
-        let (deleted, _): (i64, i64) = redis::pipe()
+        let (deleted, _): (redis::RedisResult<i64>, redis::RedisResult<i64>) = redis::pipe()
             .cmd("EXCAD")
             .arg(self.keys.lease(lock))
             .arg(version)
             .cmd("PUBLISH")
             .arg(self.keys.released_channel(lock))
             .arg(1)
+            .ignore_errors()
             .query_async(conn)
             .await
             .map_err(|e| self.call_failed(e))?;
-        Ok(deleted == 1)
+        Ok(deleted.map_err(|e| self.call_failed(e))? == 1)
     }
 
     fn guard(&self) -> std::sync::MutexGuard<'_, Guard> {
