@@ -225,7 +225,7 @@ pub(crate) async fn warnings(conn: &mut ClusterConnection) -> Result<Vec<String>
         if let Some(policy) = policy.filter(|p| evicts_lock_keys(p)) {
             warnings.push(format!(
                 "master {node}: maxmemory-policy is {policy}: Redis may evict lock keys under memory \
-                 pressure; use noeviction (or volatile-* with a dedicated instance)"
+                 pressure; use noeviction (a volatile-* policy evicts leases, which expire)"
             ));
         }
     }

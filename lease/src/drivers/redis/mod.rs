@@ -805,7 +805,7 @@ pub(crate) async fn eviction_warning(
     Ok(evicts_lock_keys(&policy).then(|| {
         format!(
             "maxmemory-policy is {policy}: Redis may evict lock keys under memory pressure; \
-             use noeviction (or volatile-* with a dedicated instance)"
+             use noeviction (a volatile-* policy evicts leases, which expire)"
         )
     }))
 }
