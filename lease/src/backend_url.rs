@@ -100,6 +100,103 @@ impl BackendUrl {
 }
 
 /// Shown in logs and errors: never includes the password.
+impl BackendUrl {
+    /// Where the backend is, without who logs in or with what: the same for two configurations
+    /// of one backend that differ in credentials alone (a password, a user name rotated with
+    /// it, a TLS CA or client pair, a Sentinel's own login), and another for another server,
+    /// database, table, prefix or path, or TLS turned on or off. On PostgreSQL without an
+    /// explicit `schema`, who logs in decides where the table is (the user's `search_path`), so
+    /// there the user stays part of the location.
+    pub fn location(&self) -> String {
+        use crate::tls::Tls;
+        fn anonymous(url: &url::Url) -> url::Url {
+            let mut url = url.clone();
+            // Fails on URLs that cannot have a user (none here); the URL is then kept as is.
+            let _ = url.set_username("");
+            let _ = url.set_password(None);
+            url
+        }
+        fn bare(tls: &Option<Tls>) -> Option<Tls> {
+            tls.as_ref().map(|_| Tls {
+                ca: None,
+                client: None,
+            })
+        }
+        let place = match self.clone() {
+            BackendUrl::Sqlite(config) => BackendUrl::Sqlite(config),
+            BackendUrl::Redis(config) => BackendUrl::Redis(RedisConfig {
+                url: anonymous(&config.url),
+                tls: bare(&config.tls),
+                ..config
+            }),
+            BackendUrl::RedisSentinel(config) => BackendUrl::RedisSentinel(SentinelConfig {
+                master: anonymous(&config.master),
+                sentinel_auth: None,
+                tls: bare(&config.tls),
+                ..config
+            }),
+            BackendUrl::RedisCluster(config) => BackendUrl::RedisCluster(RedisClusterConfig {
+                nodes: config.nodes.iter().map(anonymous).collect(),
+                tls: bare(&config.tls),
+                ..config
+            }),
+            BackendUrl::Tair(config) => BackendUrl::Tair(TairConfig {
+                url: anonymous(&config.url),
+                tls: bare(&config.tls),
+                ..config
+            }),
+            BackendUrl::Redlock(config) => BackendUrl::Redlock(RedlockConfig {
+                masters: config.masters.iter().map(anonymous).collect(),
+                tls: bare(&config.tls),
+                ..config
+            }),
+            BackendUrl::Etcd(config) => BackendUrl::Etcd(EtcdConfig {
+                user: None,
+                tls: config
+                    .tls
+                    .as_ref()
+                    .map(|_| crate::drivers::queue::etcd::EtcdTls {
+                        ca: crate::tls::Pem::Text(String::new()),
+                        client: None,
+                    }),
+                ..config
+            }),
+            BackendUrl::ZooKeeper(config) => BackendUrl::ZooKeeper(ZooKeeperConfig {
+                digest: None,
+                tls: bare(&config.tls),
+                ..config
+            }),
+            // Whether holders yield to a preferred one changes how, not where, it is held.
+            BackendUrl::Kubernetes(config) => BackendUrl::Kubernetes(KubernetesConfig {
+                yield_to_preferred_holder: false,
+                ..config
+            }),
+            BackendUrl::Sql(config) => {
+                let mut url =
+                    if config.schema.is_none() && config.url.scheme().starts_with("postgres") {
+                        config.url.clone()
+                    } else {
+                        anonymous(&config.url)
+                    };
+                let kept: Vec<(String, String)> = url
+                    .query_pairs()
+                    .filter(|(name, _)| {
+                        !crate::drivers::sql::server::PEM_OPTIONS.contains(&name.as_ref())
+                    })
+                    .map(|(name, value)| (name.into_owned(), value.into_owned()))
+                    .collect();
+                if kept.is_empty() {
+                    url.set_query(None);
+                } else {
+                    url.query_pairs_mut().clear().extend_pairs(kept);
+                }
+                BackendUrl::Sql(SqlConfig { url, ..config })
+            }
+        };
+        place.to_string()
+    }
+}
+
 impl fmt::Display for BackendUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -133,6 +230,90 @@ impl std::str::FromStr for BackendUrl {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn at(url: &str) -> String {
+        BackendUrl::parse(url).expect("a backend URL").location()
+    }
+
+    /// A user name rotated with its password is the same backend; another host, database or
+    /// file is another, even when an `@` stands in its path or options.
+    #[test]
+    fn the_location_leaves_out_who_logs_in_and_nothing_else() {
+        assert_eq!(
+            at("kubernetes://team"),
+            at("kubernetes://team?preferred-holder=yield")
+        );
+        assert_ne!(at("kubernetes://team"), at("kubernetes://other"));
+        assert_eq!(
+            at("redis://app-1:pw1@redis.team:6379/0"),
+            at("redis://app-2:pw2@redis.team:6379/0")
+        );
+        assert_ne!(
+            at("redis://app:pw@redis.team:6379/0"),
+            at("redis://app:pw@redis.other:6379/0")
+        );
+        assert_eq!(
+            at("postgres://v-app-1:pw@db:5432/locks?schema=locks"),
+            at("postgres://v-app-2:pw@db:5432/locks?schema=locks")
+        );
+        // Without a schema, the user's search_path finds the table: another user, another place.
+        assert_ne!(
+            at("postgres://alice:pw@db:5432/locks"),
+            at("postgres://bob:pw@db:5432/locks")
+        );
+        assert_ne!(at("sqlite:///data/a@b.db"), at("sqlite:///data/c@b.db"));
+        assert_ne!(
+            at("redis://redis.team:6379/0?prefix=a"),
+            at("redis://redis.team:6379/0?prefix=b")
+        );
+    }
+
+    /// Credentials that are not in the URL's user part: a Sentinel's own login, a TLS CA and
+    /// client pair (on SQL, the database driver's options naming them).
+    #[test]
+    fn the_location_leaves_out_every_credential() {
+        assert_eq!(
+            at("redis+sentinel://s1:26379,s2:26379/locks"),
+            at(
+                "redis+sentinel://m:pw@s1:26379,s2:26379/locks?sentinel-username=watcher&sentinel-password=x"
+            )
+        );
+        assert_ne!(
+            at("redis+sentinel://s1:26379/locks"),
+            at("redis+sentinel://s1:26379/other")
+        );
+        assert_eq!(
+            at("rediss://h:6380/0?ca=/tls/a.crt"),
+            at("rediss://h:6380/0?ca=/tls/b.crt&cert=/tls/c.crt&key=/tls/c.key")
+        );
+        assert_ne!(at("rediss://h:6380/0"), at("redis://h:6380/0"));
+        assert_eq!(
+            at("redlocks://a:1,b:2,c:3?ca=/ca"),
+            at("redlocks://u:p@a:1,b:2,c:3?cert=/c&key=/k")
+        );
+        assert_eq!(
+            at("etcds://e1:2379?prefix=l&ca=/ca"),
+            at("etcds://root:pw@e1:2379?prefix=l&ca=/other&cert=/c&key=/k")
+        );
+        assert_eq!(
+            at("zks://z1:2281/locks?ca=/ca"),
+            at("zks://u:p@z1:2281/locks?ca=/ca&cert=/c&key=/k")
+        );
+        assert_eq!(
+            at("postgres://u:pw@db/locks?schema=s&sslmode=verify-full&sslrootcert=/ca"),
+            at(
+                "postgres://u:pw@db/locks?schema=s&sslmode=verify-full&sslrootcert=/ca2&sslcert=/c&sslkey=/k"
+            )
+        );
+        assert_eq!(
+            at("mysql://u:pw@db/locks?ssl-mode=VERIFY_IDENTITY"),
+            at("mysql://v:pw@db/locks?ssl-mode=VERIFY_IDENTITY&ssl-cert=/c&ssl-key=/k")
+        );
+        assert_ne!(
+            at("postgres://u:pw@db/locks?schema=s"),
+            at("postgres://u:pw@db/locks?schema=t")
+        );
+    }
 
     #[test]
     fn errors_never_show_passwords() {

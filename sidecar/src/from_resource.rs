@@ -125,40 +125,6 @@ fn start_lock_on(
     Lock::start(driver, resolved.lock_config(identity), metrics.clone()).map_err(|e| e.to_string())
 }
 
-/// Where a backend is, without who logs in: the URL's text without its user part (a rotated
-/// credential may come with a new user name, as Vault's database users do). On PostgreSQL
-/// without an explicit `schema`, who logs in decides where the table is (the user's
-/// `search_path`), so there the user stays part of the location.
-fn location(backend: &leasehold_lease::BackendUrl) -> String {
-    if let leasehold_lease::BackendUrl::Kubernetes(config) = backend {
-        // Whether holders yield to a preferred one changes how, not where, the lock is held.
-        let place = leasehold_lease::KubernetesConfig {
-            yield_to_preferred_holder: false,
-            ..config.clone()
-        };
-        return place.to_string();
-    }
-    let text = backend.to_string();
-    if let leasehold_lease::BackendUrl::Sql(leasehold_lease::SqlConfig {
-        url, schema: None, ..
-    }) = backend
-        && url.scheme().starts_with("postgres")
-    {
-        return text;
-    }
-    let Some((scheme, rest)) = text.split_once("://") else {
-        return text;
-    };
-    // The user part is in the authority only: before the first path, query, space or comma.
-    let authority = rest
-        .find(['/', '?', ' ', '(', ','])
-        .map_or(rest, |end| &rest[..end]);
-    match authority.rfind('@') {
-        Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
-        None => text,
-    }
-}
-
 /// A driver with `resolved`'s credentials that the backend accepted: new credentials replace
 /// running ones only once they work.
 async fn open_checked(
@@ -468,7 +434,7 @@ pub async fn follow(
             continue;
         }
         // Who logs in aside, a different URL is another backend.
-        let moved = location(&next.backend) != location(&running.backend);
+        let moved = next.backend.location() != running.backend.location();
         // The same backend, reached otherwise: new credentials.
         let credentials_changed = !moved && next.backend != running.backend;
         if let Some(config) = next.family_config(&identity) {
@@ -574,48 +540,5 @@ pub async fn follow(
                 tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be started; keeping the running configuration");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::location;
-    use leasehold_lease::BackendUrl;
-
-    fn at(url: &str) -> String {
-        location(&BackendUrl::parse(url).expect("a backend URL"))
-    }
-
-    /// A user name rotated with its password is the same backend; another host, database or
-    /// file is another, even when an `@` stands in its path or options.
-    #[test]
-    fn the_location_leaves_out_who_logs_in_and_nothing_else() {
-        assert_eq!(
-            at("kubernetes://team"),
-            at("kubernetes://team?preferred-holder=yield")
-        );
-        assert_ne!(at("kubernetes://team"), at("kubernetes://other"));
-        assert_eq!(
-            at("redis://app-1:pw1@redis.team:6379/0"),
-            at("redis://app-2:pw2@redis.team:6379/0")
-        );
-        assert_ne!(
-            at("redis://app:pw@redis.team:6379/0"),
-            at("redis://app:pw@redis.other:6379/0")
-        );
-        assert_eq!(
-            at("postgres://v-app-1:pw@db:5432/locks?schema=locks"),
-            at("postgres://v-app-2:pw@db:5432/locks?schema=locks")
-        );
-        // Without a schema, the user's search_path finds the table: another user, another place.
-        assert_ne!(
-            at("postgres://alice:pw@db:5432/locks"),
-            at("postgres://bob:pw@db:5432/locks")
-        );
-        assert_ne!(at("sqlite:///data/a@b.db"), at("sqlite:///data/c@b.db"));
-        assert_ne!(
-            at("redis://redis.team:6379/0?prefix=a"),
-            at("redis://redis.team:6379/0?prefix=b")
-        );
     }
 }

@@ -66,7 +66,7 @@ pub struct SqlDriver {
 }
 
 /// The database drivers' TLS options that name a PEM file.
-const PEM_OPTIONS: [&str; 8] = [
+pub(crate) const PEM_OPTIONS: [&str; 8] = [
     "sslrootcert",
     "ssl-root-cert",
     "sslca",
