@@ -79,6 +79,9 @@ struct Inner {
     /// By lock, or by key and owner: taken by an exclusive hold (`?exclusive=true`) for as long
     /// as it lasts, so that two such holds take turns rather than share one acquisition.
     exclusive_holds: std::sync::Mutex<HashMap<HoldOf, Arc<tokio::sync::Mutex<()>>>>,
+    /// `--app-health`: why the app is taken for unhealthy, while campaign-mode locks sit out;
+    /// a lock put in place meanwhile starts sitting out.
+    app_unhealthy: std::sync::Mutex<Option<String>>,
 }
 
 /// Why locks or families are let go of for good ([`AppState::let_go`]): whether an app of this
@@ -187,6 +190,7 @@ impl AppState {
                 apps_stop_first: std::sync::atomic::AtomicBool::new(false),
                 releases_due: std::sync::Mutex::new(None),
                 exclusive_holds: std::sync::Mutex::new(HashMap::new()),
+                app_unhealthy: std::sync::Mutex::new(None),
             }),
         }
     }
@@ -406,6 +410,25 @@ impl AppState {
             .releases_due
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Why campaign-mode locks sit out (`--app-health` found the app unhealthy), if they do.
+    pub fn app_unhealthy(&self) -> Option<String> {
+        self.inner
+            .app_unhealthy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The app is unhealthy for `reason`, or healthy (`None`): set before the locks sit out or
+    /// come back, so that a lock put in place meanwhile is told too.
+    pub fn set_app_unhealthy(&self, reason: Option<String>) {
+        *self
+            .inner
+            .app_unhealthy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = reason;
     }
 
     pub fn locks(&self) -> Vec<Lock> {

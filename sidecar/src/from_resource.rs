@@ -91,13 +91,14 @@ async fn start(
     resolved: &ResolvedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
+    state: &AppState,
 ) -> Result<Running, String> {
     let driver = open_early(client, resolved).await?;
     match resolved.family_config(identity) {
         Some(family) => KeyedFamily::new(driver, family, metrics.clone())
             .map(Running::Family)
             .map_err(|e| e.to_string()),
-        None => start_lock_on(driver, resolved, identity, metrics).map(Running::Lock),
+        None => start_lock_on(driver, resolved, identity, metrics, state).map(Running::Lock),
     }
 }
 
@@ -106,23 +107,46 @@ async fn start_lock(
     resolved: &ResolvedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
+    state: &AppState,
 ) -> Result<Lock, String> {
     start_lock_on(
         open_early(client, resolved).await?,
         resolved,
         identity,
         metrics,
+        state,
     )
 }
 
+/// A lock put in place follows the app's health as it is now: the health check may have
+/// found the app unhealthy, or healthy again, after the lock was started (sitting out or not)
+/// and before it was put where the check finds the locks.
+async fn follow_app_health(state: &AppState, lock: &Lock) {
+    match state.app_unhealthy() {
+        Some(reason) => {
+            let _ = lock.sit_out(&reason).await;
+        }
+        None if lock.snapshot().sitting_out.is_some() => {
+            let _ = lock.come_back().await;
+        }
+        None => {}
+    }
+}
+
+/// A lock put in place while the app is unhealthy starts sitting out, as the others do.
 fn start_lock_on(
     driver: Arc<dyn leasehold_lease::Backend>,
     resolved: &ResolvedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
+    state: &AppState,
 ) -> Result<Lock, String> {
     metrics.register_lock(&resolved.name);
-    Lock::start(driver, resolved.lock_config(identity), metrics.clone()).map_err(|e| e.to_string())
+    let config = leasehold_lease::LockConfig {
+        sitting_out: state.app_unhealthy(),
+        ..resolved.lock_config(identity)
+    };
+    Lock::start(driver, config, metrics.clone()).map_err(|e| e.to_string())
 }
 
 /// A driver with `resolved`'s credentials that the backend accepted: new credentials replace
@@ -164,9 +188,10 @@ async fn start_resource(
     lock: &DistributedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
+    state: &AppState,
 ) -> Result<(ResolvedLock, Running), String> {
     let resolved = read(client, lock).await?;
-    let running = start(client, &resolved, identity, metrics).await?;
+    let running = start(client, &resolved, identity, metrics, state).await?;
     Ok((resolved, running))
 }
 
@@ -328,8 +353,12 @@ pub async fn follow(
             {
                 continue;
             }
-            match start_resource(&client, &lock, &identity, &metrics).await {
+            match start_resource(&client, &lock, &identity, &metrics, &state).await {
                 Ok((resolved, started)) => {
+                    let placed = match &started {
+                        Running::Lock(lock) => Some(lock.clone()),
+                        Running::Family(_) => None,
+                    };
                     let installed = match started {
                         Running::Lock(lock) => state.install_lock(lock).map_err(Running::Lock),
                         Running::Family(family) => {
@@ -343,6 +372,9 @@ pub async fn follow(
                             Running::Family(family) => family.shutdown().await,
                         }
                         return;
+                    }
+                    if let Some(lock) = placed {
+                        follow_app_health(&state, &lock).await;
                     }
                     tracing::info!(resource = %r, backend = %resolved.backend, "lock configured from its resource");
                     read_generation = generation;
@@ -508,11 +540,11 @@ pub async fn follow(
         }
         let started = if credentials_changed {
             match open_checked(&client, &next).await {
-                Ok(driver) => start_lock_on(driver, &next, &identity, &metrics),
+                Ok(driver) => start_lock_on(driver, &next, &identity, &metrics, &state),
                 Err(e) => Err(e),
             }
         } else {
-            start_lock(&client, &next, &identity, &metrics).await
+            start_lock(&client, &next, &identity, &metrics, &state).await
         };
         match started {
             Ok(fresh) => {
@@ -524,9 +556,13 @@ pub async fn follow(
                 // The old lock is released only once its last answer has run out: an app may act
                 // on an answer it gave until its `validForMs` ends, and nobody else may hold the
                 // lock meanwhile. The new lock (the same identity) takes it after that.
+                let placed = fresh.clone();
                 match state.replace(fresh) {
-                    Ok(Some(old)) => state.note_releases_due(old.retire().await),
-                    Ok(None) => {}
+                    Ok(Some(old)) => {
+                        follow_app_health(&state, &placed).await;
+                        state.note_releases_due(old.retire().await);
+                    }
+                    Ok(None) => follow_app_health(&state, &placed).await,
                     Err(fresh) => {
                         // The pod resigned meanwhile: the new lock takes nothing.
                         fresh.shutdown().await;

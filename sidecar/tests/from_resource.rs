@@ -188,6 +188,70 @@ async fn a_lock_from_its_resource_follows_spec_changes() {
     follower.abort();
 }
 
+/// While the app fails its health probe, a lock put in place by a spec change sits out from
+/// its start, as the lock it replaces did: it takes nothing until the app is healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_replaced_while_the_app_is_unhealthy_sits_out_from_its_start() {
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "5s"),
+    );
+    let (state, _, follower) = follow_jobs(&api).await;
+    eventually("pod-a holds the lock", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    // Nothing listens on the app's port: the first probe fails, and the next is an hour away.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("tcp://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let health =
+        leasehold_sidecar::app_health::AppHealth::parse(&url, Duration::from_secs(3600), 1)
+            .expect("a probe");
+    let prober = tokio::spawn(leasehold_sidecar::app_health::watch(
+        health,
+        state.clone(),
+        Arc::new(Metrics::new()),
+    ));
+    eventually("the lock sits out", || {
+        state.locks()[0].snapshot().sitting_out.is_some()
+    })
+    .await;
+    let driver = redis_driver(&redis, "leasehold").await;
+    eventually_async(
+        "the lease is let go once its last answer ran out",
+        || async { driver.observe("jobs").await.unwrap().is_none() },
+    )
+    .await;
+
+    api.put(
+        DISTRIBUTED_LOCKS,
+        distributed_lock(&redis, "leasehold", "7s"),
+    );
+    eventually("the new settings are in force", || {
+        state.locks()[0].config().lease_duration == Duration::from_secs(7)
+    })
+    .await;
+    let lock = state.locks()[0].clone();
+    assert!(
+        lock.snapshot().sitting_out.is_some(),
+        "the new lock campaigns while the app is unhealthy"
+    );
+    // A campaign's first attempts would take the free lock at once.
+    let until = tokio::time::Instant::now() + Duration::from_secs(2);
+    while tokio::time::Instant::now() < until {
+        assert!(
+            !lock.answer().is_holder() && lock.snapshot().held.is_none(),
+            "the new lock took the lock while the app is unhealthy"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    prober.abort();
+    follower.abort();
+}
+
 /// Helm and Argo CD create custom resources after Deployments: a pod whose lock does not exist
 /// yet answers 503 with the reason (its app starts and can say why), then holds the lock once it
 /// is created. A Secret it references that is missing is waited for the same way.

@@ -283,7 +283,14 @@ impl Lock {
     ) -> Result<(Self, Engine)> {
         config.validate()?;
         let config = Arc::new(config);
-        let (state_tx, state_rx) = watch::channel(Snapshot::initial());
+        let sitting_out = config
+            .sitting_out
+            .clone()
+            .filter(|_| config.mode == Mode::Campaign);
+        let (state_tx, state_rx) = watch::channel(Snapshot {
+            sitting_out: sitting_out.clone(),
+            ..Snapshot::initial()
+        });
         let events = Events::default();
         let (command_tx, command_rx) = commands::channel();
         let shutdown = CancellationToken::new();
@@ -301,7 +308,10 @@ impl Lock {
             commands: command_rx,
             shutdown: shutdown.clone(),
             telemetry,
-            phase: Phase::Unheld(Unheld::default()),
+            phase: Phase::Unheld(Unheld {
+                sitting_out,
+                ..Unheld::default()
+            }),
             waiters: Vec::new(),
             served: Served::No,
             settled: Arc::new(settled.clone().drop_guard()),

@@ -109,6 +109,9 @@ pub struct LockConfig {
     /// permit, a lock of its own in the backend ([`LockConfig::permit_name`]). 1 is a mutual
     /// exclusion lock.
     pub permits: u32,
+    /// Campaign mode: start sitting out, for this reason, until [`Lock::come_back`]: a lock put
+    /// in place while the app is unhealthy ([`Lock::sit_out`]).
+    pub sitting_out: Option<String>,
 }
 
 impl LockConfig {
@@ -126,6 +129,7 @@ impl LockConfig {
             keeps_queue_place: false,
             quiet: false,
             permits: 1,
+            sitting_out: None,
         }
     }
 
