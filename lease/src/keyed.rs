@@ -230,6 +230,9 @@ struct FamilyInner {
     /// The most permits the family has had: where an owner's holding may be, permits having
     /// been lowered since it was taken.
     permits_ever: AtomicU32,
+    /// The longest keys the family has taken: a key held may be longer than the bound now in
+    /// force, which was lowered since, and is still extended, released and told of.
+    longest_key_ever: AtomicUsize,
     /// Where each semaphore acquisition starts among the permits, so that owners spread.
     next_first: AtomicU32,
     /// Owners inside an acquisition that does not hold the key yet.
@@ -306,6 +309,7 @@ impl KeyedFamily {
         validate_family_name(&config.name)?;
         check_settings(&config)?;
         let permits = config.permits;
+        let longest_key = config.max_key_length;
         let family = Self {
             inner: Arc::new(FamilyInner {
                 telemetry: Arc::new(FamilyTelemetry {
@@ -320,6 +324,7 @@ impl KeyedFamily {
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
                 permits_ever: AtomicU32::new(permits),
+                longest_key_ever: AtomicUsize::new(longest_key),
                 next_first: AtomicU32::new(0),
                 waiting: AtomicUsize::new(0),
                 writers: Mutex::default(),
@@ -367,6 +372,9 @@ impl KeyedFamily {
         self.inner
             .permits_ever
             .fetch_max(config.permits, Ordering::SeqCst);
+        self.inner
+            .longest_key_ever
+            .fetch_max(config.max_key_length, Ordering::SeqCst);
         *self.inner.config.write().unwrap_or_else(|e| e.into_inner()) = config;
         Ok(())
     }
@@ -445,19 +453,15 @@ impl KeyedFamily {
         Ok(self.permit_name(key, line::LINE))
     }
 
+    /// `key` is a key of the family as it may be held: a bound lowered since it was taken
+    /// leaves it to be extended, released and told of.
     fn check_key(&self, key: &str) -> Result<(), KeyError> {
-        let max = self.read_config(|c| c.max_key_length);
-        if is_key(key, max) {
-            return Ok(());
-        }
-        // Every keyed call checks its key: the message is only built for a refusal.
-        Err(KeyError::BadKey {
-            key: key.chars().take(max + 16).collect(),
-            rule: format!(
-                "a key is 1 to {max} characters among letters, digits and . _ - : / @ (it was {} long)",
-                key.len()
-            ),
-        })
+        key_within(key, self.inner.longest_key_ever.load(Ordering::SeqCst))
+    }
+
+    /// `key` may be taken now: within the bound in force.
+    fn check_new_key(&self, key: &str) -> Result<(), KeyError> {
+        key_within(key, self.read_config(|c| c.max_key_length))
     }
 
     fn existing(&self, key: &str) -> Option<Arc<KeyState>> {
@@ -490,7 +494,7 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
     ) -> Result<KeyAnswer, KeyError> {
-        self.check_key(key)?;
+        self.check_new_key(key)?;
         self.check_read_write()?;
         self.take(key, owner, wait, hold, true).await
     }
@@ -514,7 +518,7 @@ impl KeyedFamily {
         hold: Duration,
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
-        self.check_key(key)?;
+        self.check_new_key(key)?;
         check_owner(owner)?;
         self.check_running()?;
         if let Some((answer, _)) = self.reenter_write(key, owner, hold, reentrant).await? {
@@ -1443,6 +1447,21 @@ fn check_settings(config: &FamilyConfig) -> Result<(), Error> {
     .validate()
 }
 
+/// `Ok` when `key` is a key of at most `max` characters.
+fn key_within(key: &str, max: usize) -> Result<(), KeyError> {
+    if is_key(key, max) {
+        return Ok(());
+    }
+    // Every keyed call checks its key: the message is only built for a refusal.
+    Err(KeyError::BadKey {
+        key: key.chars().take(max + 16).collect(),
+        rule: format!(
+            "a key is 1 to {max} characters among letters, digits and . _ - : / @ (it was {} long)",
+            key.len()
+        ),
+    })
+}
+
 fn check_owner(owner: &str) -> Result<(), KeyError> {
     if owner.is_empty() || owner.len() > MAX_OWNER_LENGTH {
         return Err(KeyError::BadOwner(format!(
@@ -1565,6 +1584,71 @@ pub fn collides_with_family(lock: &str, family: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bounds lowered while keys are held apply from the next acquisition: a key longer than the
+    /// new bound, and keys held together beyond the new count, are still told of, extended and
+    /// released; a new acquisition meets the new bounds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_held_before_the_bounds_were_lowered_are_still_released() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let driver = crate::connect(&crate::BackendUrl::parse(&url).expect("url"))
+            .await
+            .expect("driver");
+        let lease = Duration::from_secs(30);
+        let config = |max_key_length, max_keys| FamilyConfig {
+            max_key_length,
+            max_keys,
+            ..FamilyConfig::new("orders", "pod-a", lease)
+        };
+        let family = KeyedFamily::new(driver, config(64, 4), Arc::new(())).expect("family");
+        let long = "k".repeat(60);
+        let three: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        let hold = Duration::from_secs(60);
+        assert!(matches!(
+            family.acquire(&long, "o", Duration::ZERO, hold).await,
+            Ok(KeyAnswer::Held { .. })
+        ));
+        family
+            .acquire_all(&three, "o", Duration::ZERO, hold)
+            .await
+            .expect("three keys");
+
+        family.reconfigure(config(32, 2)).expect("lowered bounds");
+        assert!(matches!(
+            family
+                .acquire(&"n".repeat(60), "o", Duration::ZERO, hold)
+                .await,
+            Err(KeyError::BadKey { .. })
+        ));
+        assert!(matches!(
+            family.status(&long, Some("o")),
+            Ok(KeyAnswer::Held { .. })
+        ));
+        assert!(matches!(
+            family.extend(&long, "o", hold).await,
+            Ok(KeyAnswer::Held { .. })
+        ));
+        assert!(matches!(
+            family.release(&long, "o").await,
+            Ok(KeyRelease::Released { holds: 0 })
+        ));
+        family
+            .extend_all(&three, "o", hold)
+            .await
+            .expect("extended together");
+        let released = family
+            .release_all(&three, "o")
+            .await
+            .expect("released together");
+        assert!(
+            released
+                .iter()
+                .all(|(_, r)| matches!(r, KeyRelease::Released { holds: 0 })),
+            "{released:?}"
+        );
+        family.shutdown().await;
+    }
 
     #[test]
     fn plain_keys_keep_their_name_and_others_are_hashed() {

@@ -198,7 +198,7 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
     ) -> Result<(KeyAnswer, Option<WriteHolding>), KeyError> {
-        self.check_key(key)?;
+        self.check_new_key(key)?;
         super::check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;

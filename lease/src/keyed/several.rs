@@ -189,7 +189,7 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
     ) -> Result<KeysAnswer, KeyError> {
-        let order = self.check_keys(keys)?;
+        let order = self.check_new_keys(keys)?;
         check_owner(owner)?;
         self.check_running()?;
         self.refuse_written(keys, owner)?;
@@ -311,7 +311,7 @@ impl KeyedFamily {
         wait: Duration,
         hold: Duration,
     ) -> Result<(KeysAnswer, Vec<WriteHolding>), KeyError> {
-        let order = self.check_keys(keys)?;
+        let order = self.check_new_keys(keys)?;
         check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
@@ -553,29 +553,47 @@ impl KeyedFamily {
         Ok(answers)
     }
 
-    /// `keys` checked (each valid, none twice, at least one, at most [`MAX_KEYS_AT_ONCE`] and
-    /// the family's limit of keys held), in the canonical order they are taken in.
-    fn check_keys<'k>(&self, keys: &'k [String]) -> Result<Vec<&'k str>, KeyError> {
+    /// `keys` to be taken, checked (each valid now, none twice, at least one, at most
+    /// [`MAX_KEYS_AT_ONCE`] and the family's limit of keys held), in the canonical order they
+    /// are taken in.
+    fn check_new_keys<'k>(&self, keys: &'k [String]) -> Result<Vec<&'k str>, KeyError> {
         let limit = MAX_KEYS_AT_ONCE.min(self.read_config(|c| c.max_keys));
-        if keys.is_empty() || keys.len() > limit {
-            return Err(KeyError::BadKeys(format!(
-                "name 1 to {limit} keys at once (there were {})",
-                keys.len()
-            )));
-        }
-        for key in keys {
-            self.check_key(key)?;
-        }
-        let mut order: Vec<&str> = keys.iter().map(String::as_str).collect();
-        order.sort_unstable();
-        if let Some(twice) = order.windows(2).find(|pair| pair[0] == pair[1]) {
-            return Err(KeyError::BadKeys(format!(
-                "the key {:?} is named twice",
-                twice[0]
-            )));
-        }
-        Ok(order)
+        ordered(keys, limit, |key| self.check_new_key(key))
     }
+
+    /// `keys` that may be held, checked as [`Self::check_new_keys`] does but against the
+    /// bounds of what may have been taken: a limit lowered since leaves them to be extended
+    /// and released together.
+    fn check_keys<'k>(&self, keys: &'k [String]) -> Result<Vec<&'k str>, KeyError> {
+        ordered(keys, MAX_KEYS_AT_ONCE, |key| self.check_key(key))
+    }
+}
+
+/// `keys` (at least one, at most `limit`, each passing `check`, none twice) in the canonical
+/// order.
+fn ordered(
+    keys: &[String],
+    limit: usize,
+    check: impl Fn(&str) -> Result<(), KeyError>,
+) -> Result<Vec<&str>, KeyError> {
+    if keys.is_empty() || keys.len() > limit {
+        return Err(KeyError::BadKeys(format!(
+            "name 1 to {limit} keys at once (there were {})",
+            keys.len()
+        )));
+    }
+    for key in keys {
+        check(key)?;
+    }
+    let mut order: Vec<&str> = keys.iter().map(String::as_str).collect();
+    order.sort_unstable();
+    if let Some(twice) = order.windows(2).find(|pair| pair[0] == pair[1]) {
+        return Err(KeyError::BadKeys(format!(
+            "the key {:?} is named twice",
+            twice[0]
+        )));
+    }
+    Ok(order)
 }
 
 fn in_asked_order<T>(keys: &[String], mut answers: Vec<(String, T)>) -> Vec<(String, T)> {
