@@ -504,3 +504,61 @@ async fn renewals_at_once_take_one_sync_and_one_read_and_answer_each_for_its_nod
         "{requests} requests for {LOCKS} renewals at once"
     );
 }
+
+/// A place is created on the session chosen for it, and that session must outlive it: another
+/// acquisition with another lease, made while the place was being created and nothing else was
+/// held, opened a session of its own in its place; the first acquisition then dated its claim
+/// on the new session, and the old one, closed once nothing used it, took the place with it
+/// while its owner still claimed the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_being_created_keeps_its_session() {
+    use leasehold_lease::{Acquire, Driver};
+    let server = ZooKeeperServer::start();
+    let (a, b) = (driver(&server), driver(&server));
+    let (first, second) = (
+        leasehold_testkit::unique_lock("created-on"),
+        leasehold_testkit::unique_lock("longer"),
+    );
+    let (lease, longer) = (Duration::from_secs(4), Duration::from_secs(6));
+    let gate = a.hold_creates();
+    let taking = {
+        let (a, first) = (std::sync::Arc::new(a), first.clone());
+        let taker = a.clone();
+        (
+            a,
+            tokio::spawn(async move { taker.try_acquire(&first, "a", lease).await }),
+        )
+    };
+    let (a, taking) = taking;
+    // The first create has chosen its session; the second acquisition, with another lease,
+    // chooses one while the first is still being created.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second_taking = {
+        let (a, second) = (a.clone(), second.clone());
+        tokio::spawn(async move { a.try_acquire(&second, "a", longer).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gate.add_permits(2);
+    let Acquire::Acquired(held) = taking.await.unwrap().expect("the first acquisition") else {
+        panic!("a could not take the free lock");
+    };
+    let _ = second_taking.await.unwrap();
+    // a claims the lock for its lease: nobody else takes it meanwhile.
+    let until = tokio::time::Instant::now() + lease / 2;
+    while tokio::time::Instant::now() < until {
+        match b
+            .try_acquire(&first, "b", lease)
+            .await
+            .expect("b's attempt")
+        {
+            Acquire::Acquired(_) => {
+                panic!("b took the lock while a held it (token {})", held.token)
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    assert!(
+        a.renew(&held, lease).await.expect("a's renewal"),
+        "a lost its place"
+    );
+}

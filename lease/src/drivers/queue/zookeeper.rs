@@ -124,6 +124,15 @@ struct Session {
     answered: Mutex<VecDeque<(BootInstant, BootInstant)>>,
 }
 
+/// A place being created ([`Shared::creating`]), until dropped.
+struct Creating<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Creating<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// How many answered requests a session remembers; only the newest one old enough to count is
 /// ever used.
 const ANSWERS_KEPT: usize = 16;
@@ -187,6 +196,9 @@ struct Shared {
     tls: Option<zk::TlsOptions>,
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
     entries: Places<Node>,
+    /// Places being created: each on the session current when it was asked for, which is
+    /// not replaced meanwhile (a place's node lives and dies with its session).
+    creating: std::sync::atomic::AtomicUsize,
     /// One acquisition of a lock at a time ([`Attempts`]).
     attempts: Attempts,
     releases: ChangeFeeds,
@@ -198,6 +210,9 @@ struct Shared {
     orphans: Mutex<Vec<String>>,
     /// Per lock: the lowest node last read, who it is, and the session that owns it.
     holders: Mutex<HashMap<String, (String, Holding, i64)>>,
+    /// For tests: creates wait for a permit here before they are sent.
+    #[cfg(feature = "test-hooks")]
+    creates_held: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
 }
 
 pub struct ZooKeeperDriver {
@@ -370,11 +385,30 @@ impl Shared {
     /// still has nodes and a timeout no shorter), else a new one with `lease` as its timeout, so
     /// that a dead holder's node goes one lease after its last sign of life.
     async fn session(&self, lease: Duration) -> Result<Arc<Session>> {
-        let lease = lease.max(MIN_SESSION_TIMEOUT);
         let mut session = self.session.lock().await;
+        self.fit_session(&mut session, lease).await
+    }
+
+    /// [`Shared::session`] for a place about to be created on it: the session is not replaced
+    /// until the place is known ([`Shared::entries`]) or its creation has ended.
+    async fn session_to_create_on(&self, lease: Duration) -> Result<(Arc<Session>, Creating<'_>)> {
+        let mut session = self.session.lock().await;
+        let fit = self.fit_session(&mut session, lease).await?;
+        // Counted before the choice is let go of, so that no other call replaces it meanwhile.
+        self.creating.fetch_add(1, Ordering::SeqCst);
+        Ok((fit, Creating(&self.creating)))
+    }
+
+    async fn fit_session(
+        &self,
+        session: &mut Option<Arc<Session>>,
+        lease: Duration,
+    ) -> Result<Arc<Session>> {
+        let lease = lease.max(MIN_SESSION_TIMEOUT);
         if let Some(current) = session.as_ref() {
             if !current.client.state().is_terminated() {
-                let has_nodes = !self.entries.is_empty();
+                let has_nodes =
+                    !self.entries.is_empty() || self.creating.load(Ordering::SeqCst) > 0;
                 if current.requested == lease || (has_nodes && lease <= current.timeout) {
                     return Ok(current.clone());
                 }
@@ -596,7 +630,22 @@ impl Shared {
         identity: &str,
         ttl: Duration,
     ) -> Result<Arc<Entry>> {
-        let session = self.session(ttl).await?;
+        // Held until the place is known (or its creation failed): see `Shared::creating`.
+        let (session, _creating) = self.session_to_create_on(ttl).await?;
+        #[cfg(feature = "test-hooks")]
+        {
+            let held = self
+                .creates_held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let Some(gate) = held {
+                let _ = gate
+                    .acquire()
+                    .await
+                    .map(tokio::sync::SemaphorePermit::forget);
+            }
+        }
         let client = &session.client;
         let prefix = self.place_prefix(lock);
         let acls = self.acls();
@@ -859,12 +908,15 @@ impl ZooKeeperDriver {
                 tls,
                 session: tokio::sync::Mutex::new(None),
                 entries: Places::new(),
+                creating: std::sync::atomic::AtomicUsize::new(0),
                 attempts: Attempts::default(),
                 releases: ChangeFeeds::default(),
                 wakeups: AtomicU64::new(0),
                 provisioned: OnceCell::new(),
                 orphans: Mutex::new(Vec::new()),
                 holders: Mutex::new(HashMap::new()),
+                #[cfg(feature = "test-hooks")]
+                creates_held: Mutex::new(None),
             }),
             renewals: Batches::new(MAX_RENEW_BATCH, check_nodes),
         })
@@ -873,6 +925,19 @@ impl ZooKeeperDriver {
     /// How many times a watched predecessor went away (or its watch failed) and woke a waiter.
     pub fn wakeups(&self) -> u64 {
         self.shared.wakeups.load(Ordering::Relaxed)
+    }
+
+    /// For tests: from now on, each place is created once its session is chosen and a permit
+    /// added to the semaphore returned lets it go on.
+    #[cfg(feature = "test-hooks")]
+    pub fn hold_creates(&self) -> Arc<tokio::sync::Semaphore> {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        *self
+            .shared
+            .creates_held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(gate.clone());
+        gate
     }
 
     /// For tests: a place in `lock`'s queue on this driver's own session that the driver does not
