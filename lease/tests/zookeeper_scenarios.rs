@@ -562,3 +562,42 @@ async fn a_place_being_created_keeps_its_session() {
         "a lost its place"
     );
 }
+
+/// A node given up while ZooKeeper could not be reached (a release whose delete failed, the
+/// session kept across the reconnect) is deleted even when its process makes no call that
+/// would: one that only renews other locks, or none. Otherwise it stands first in line and
+/// every other pod waits for as long as the process lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_given_up_unreached_is_deleted_without_another_call() {
+    use leasehold_lease::{Acquire, Driver};
+    let server = ZooKeeperServer::start();
+    let (a, b) = (driver(&server), driver(&server));
+    let lock = leasehold_testkit::unique_lock("given-up");
+    let lease = Duration::from_secs(3);
+    let Acquire::Acquired(held) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
+        panic!("b could not take the free lock");
+    };
+    let left = a
+        .place_unknown_to_the_driver(&lock, "a", lease)
+        .await
+        .expect("a place");
+    a.gave_up_unreached(&left);
+    assert!(b.release(&held).await.expect("b's release"));
+    assert!(matches!(
+        b.try_acquire(&lock, "b", lease).await.expect("b"),
+        Acquire::Busy(_)
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match b.try_acquire(&lock, "b", lease).await.expect("b") {
+            Acquire::Acquired(_) => break,
+            _ => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "a's node, given up, still stands first in line"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}

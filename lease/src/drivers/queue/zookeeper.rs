@@ -26,7 +26,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -122,6 +122,34 @@ struct Session {
     /// The latest requests the server answered, (sent, answered), oldest first. On the boot
     /// clock, as the claims they date.
     answered: Mutex<VecDeque<(BootInstant, BootInstant)>>,
+}
+
+/// How often the nodes this process gave up while ZooKeeper could not be reached are deleted
+/// when no call of its own reached the server first: one left first in a queue keeps every
+/// other pod waiting, and a process that only renews makes no call that deletes them.
+const ORPHAN_SWEEP: Duration = Duration::from_secs(1);
+
+/// Delete the orphans every [`ORPHAN_SWEEP`] on the session in use, for as long as the driver
+/// lives. A session ended took its nodes with it; none is opened for this.
+async fn sweep_orphans(shared: Weak<Shared>) {
+    loop {
+        tokio::time::sleep(ORPHAN_SWEEP).await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if shared
+            .orphans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+        {
+            continue;
+        }
+        let current = shared.session.lock().await.clone();
+        if let Some(session) = current.filter(|s| !s.client.state().is_terminated()) {
+            shared.delete_orphans(&session.client).await;
+        }
+    }
 }
 
 /// A place being created ([`Shared::creating`]), until dropped.
@@ -902,7 +930,7 @@ impl ZooKeeperDriver {
     pub fn connect(config: ZooKeeperConfig) -> Result<Self> {
         crate::names::validate_zookeeper_path(&config.root)?;
         let tls = config.tls.as_ref().map(tls_options).transpose()?;
-        Ok(Self {
+        let driver = Self {
             shared: Arc::new(Shared {
                 config,
                 tls,
@@ -919,7 +947,11 @@ impl ZooKeeperDriver {
                 creates_held: Mutex::new(None),
             }),
             renewals: Batches::new(MAX_RENEW_BATCH, check_nodes),
-        })
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(sweep_orphans(Arc::downgrade(&driver.shared)));
+        }
+        Ok(driver)
     }
 
     /// How many times a watched predecessor went away (or its watch failed) and woke a waiter.
@@ -938,6 +970,13 @@ impl ZooKeeperDriver {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(gate.clone());
         gate
+    }
+
+    /// For tests: `path` is a node this driver gave up without reaching ZooKeeper (a delete
+    /// that failed), to be deleted later.
+    #[cfg(feature = "test-hooks")]
+    pub fn gave_up_unreached(&self, path: &str) {
+        self.shared.orphan(path.to_owned());
     }
 
     /// For tests: a place in `lock`'s queue on this driver's own session that the driver does not
