@@ -3022,6 +3022,84 @@ pub async fn lock_permits_waiters_are_served_in_order(h: &mut dyn Harness) {
     }
 }
 
+/// A process that stops waiting for a lock of several permits leaves the lock's line with its
+/// wait: once the waiter ahead of it is served, the one behind it takes the next permit given
+/// up at once, rather than wait, trying no permit, behind a place first in line for nobody
+/// until the backend drops it.
+pub async fn lock_permits_a_waiter_that_gave_up_leaves_the_line(h: &mut dyn Harness) {
+    const PERMITS: u32 = 2;
+    const HOLD: Duration = Duration::from_secs(60);
+    const WAIT: Duration = Duration::from_secs(30);
+    let lock = unique_lock("semaphore-gave-up");
+    let line = leasehold_lease::keyed::lock_line_name(&lock);
+    let pod = |driver: Arc<dyn Backend>, identity: &str| {
+        let config = LockConfig {
+            permits: PERMITS,
+            ..config(&lock, identity, Mode::OnDemand)
+        };
+        Lock::start(driver, config, Arc::new(())).expect("start lock")
+    };
+    let waiting = |pod: &Lock, wait: Duration| {
+        let pod = pod.clone();
+        tokio::spawn(async move { pod.acquire(wait, HOLD).await })
+    };
+    let (a, b) = (
+        pod(h.driver().await, "pod-a"),
+        pod(h.driver().await, "pod-b"),
+    );
+    assert!(a.acquire(SLACK, HOLD).await.unwrap().is_holder());
+    assert!(b.acquire(SLACK, HOLD).await.unwrap().is_holder());
+    // w1 waits first in line, w2 behind it for a while, w3 behind w2.
+    let (f1, f2, f3) = (
+        FaultyDriver::wrap(h.driver().await),
+        FaultyDriver::wrap(h.driver().await),
+        FaultyDriver::wrap(h.driver().await),
+    );
+    let in_line = |faulty: &FaultyDriver, identity: &str| {
+        !faulty.keeps_queue() || faulty.answered(&line, identity) >= 1
+    };
+    let w1 = pod(f1.clone(), "pod-w1");
+    let w1_waits = waiting(&w1, WAIT);
+    eventually(SLACK, "w1 stands in line", || in_line(&f1, "pod-w1")).await;
+    let w2 = pod(f2.clone(), "pod-w2");
+    let w2_waits = waiting(&w2, 8 * RENEW);
+    eventually(SLACK, "w2 stands in line", || in_line(&f2, "pod-w2")).await;
+    let w3 = pod(f3.clone(), "pod-w3");
+    let w3_waits = waiting(&w3, WAIT);
+    eventually(SLACK, "w3 stands in line", || in_line(&f3, "pod-w3")).await;
+    let gave_up = w2_waits.await.expect("w2").unwrap();
+    assert!(!gave_up.is_holder(), "w2 took a held permit: {gave_up:?}");
+    // Each permit given up goes to one of w1 and w3 within the slack: on a queue backend to w1
+    // first, which then leaves the line, and the next to w3.
+    let mut waiters = vec![("w1", w1, w1_waits), ("w3", w3, w3_waits)];
+    let mut served_holders = Vec::new();
+    for (releaser, who) in [(&a, "a"), (&b, "b")] {
+        assert!(releaser.release().await.unwrap(), "{who}'s release");
+        let released = Instant::now();
+        let served = loop {
+            if let Some(i) = waiters.iter().position(|(_, _, w)| w.is_finished()) {
+                break waiters.remove(i);
+            }
+            assert!(
+                released.elapsed() < SLACK,
+                "no waiter was given {who}'s permit within {SLACK:?} of its release"
+            );
+            sleep(Duration::from_millis(10)).await;
+        };
+        let (name, holder, waited) = served;
+        if f1.keeps_queue() && who == "a" {
+            assert_eq!(name, "w1", "w3 was served before w1, first in line");
+        }
+        let answer = waited.await.expect(name).unwrap();
+        assert!(answer.is_holder(), "{name}: {answer:?}");
+        // It keeps its permit until the other waiter is served.
+        served_holders.push(holder);
+    }
+    for holder in served_holders {
+        assert!(holder.release().await.unwrap());
+    }
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($harness:expr) => {
@@ -3048,7 +3126,8 @@ macro_rules! conformance_suite {
             keyed_read_write_locks,
             keyed_several_keys_written,
             lock_permits_admit_that_many_holders,
-            lock_permits_waiters_are_served_in_order
+            lock_permits_waiters_are_served_in_order,
+            lock_permits_a_waiter_that_gave_up_leaves_the_line
         );
     };
     (@tests $harness:expr; $($scenario:ident),+) => {

@@ -152,8 +152,13 @@ impl LineTurn {
         let permits = std::mem::take(&mut self.permits);
         let (settled, budget) = (self.settled.clone(), self.budget);
         Some(async move {
-            leave(driver, identity, permits, budget).await;
+            leave(driver.clone(), identity.clone(), permits, budget).await;
             line.shutdown().await;
+            // A line's engine campaigns, and one that stops while it waits behind another
+            // leaves its place in the line's queue standing (until the driver abandons it,
+            // leases later): once first, a place kept for nobody keeps the waiters behind it
+            // from trying any permit.
+            let _ = timeout(budget, driver.abandon(line.name(), &identity)).await;
             // The lock settles once the line's engine has, attempts it left in flight included.
             tokio::spawn(async move {
                 let _settled = settled;
