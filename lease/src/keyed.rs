@@ -459,6 +459,25 @@ impl KeyedFamily {
         key_within(key, self.inner.longest_key_ever.load(Ordering::SeqCst))
     }
 
+    /// `owner` is an owner, and its holdings' backend identity (`POD/OWNER`, and a reader's or
+    /// writer's probe `POD/OWNER probe`) is within the 253 characters every backend keeps of a
+    /// holder: a pod named at length leaves less room for its owners.
+    fn check_owner(&self, owner: &str) -> Result<(), KeyError> {
+        owner_well_formed(owner)?;
+        let room = crate::names::MAX_LOCK_NAME
+            .saturating_sub(self.inner.identity.len() + 1 + read_write::PROBE.len());
+        if owner.len() > room {
+            return Err(KeyError::BadOwner(format!(
+                "an owner is 1 to {room} characters in this pod (the backend keeps 253 of \
+                 {:?}, a slash, the owner and {:?}); it was {}",
+                self.inner.identity,
+                read_write::PROBE,
+                owner.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// `key` may be taken now: within the bound in force.
     fn check_new_key(&self, key: &str) -> Result<(), KeyError> {
         key_within(key, self.read_config(|c| c.max_key_length))
@@ -519,7 +538,7 @@ impl KeyedFamily {
         reentrant: bool,
     ) -> Result<KeyAnswer, KeyError> {
         self.check_new_key(key)?;
-        check_owner(owner)?;
+        self.check_owner(owner)?;
         self.check_running()?;
         if let Some((answer, _)) = self.reenter_write(key, owner, hold, reentrant).await? {
             return Ok(answer);
@@ -1050,7 +1069,7 @@ impl KeyedFamily {
         held: Option<(u32, u64)>,
     ) -> Result<KeyRelease, KeyError> {
         self.check_key(key)?;
-        check_owner(owner)?;
+        self.check_owner(owner)?;
         let current = match held {
             Some((permit, _)) => self.holding_on(key, permit, owner),
             None => self.holding_for(key, owner),
@@ -1143,7 +1162,7 @@ impl KeyedFamily {
         held: Option<(u32, u64)>,
     ) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
-        check_owner(owner)?;
+        self.check_owner(owner)?;
         let current = match held {
             Some((permit, _)) => self.holding_on(key, permit, owner),
             None => self
@@ -1173,7 +1192,7 @@ impl KeyedFamily {
     pub fn status(&self, key: &str, owner: Option<&str>) -> Result<KeyAnswer, KeyError> {
         self.check_key(key)?;
         if let Some(owner) = owner {
-            check_owner(owner)?;
+            self.check_owner(owner)?;
         }
         if let Some(writer) = self.writer_of(key, owner) {
             return Ok(self.write_answer(key, &writer));
@@ -1462,7 +1481,7 @@ fn key_within(key: &str, max: usize) -> Result<(), KeyError> {
     })
 }
 
-fn check_owner(owner: &str) -> Result<(), KeyError> {
+fn owner_well_formed(owner: &str) -> Result<(), KeyError> {
     if owner.is_empty() || owner.len() > MAX_OWNER_LENGTH {
         return Err(KeyError::BadOwner(format!(
             "an owner is 1 to {MAX_OWNER_LENGTH} characters (it was {})",
@@ -1584,6 +1603,39 @@ pub fn collides_with_family(lock: &str, family: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An owner too long for the backend identity beside a long pod name is refused as a bad
+    /// owner (a 400), before anything is asked of the backend; one that fits is taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_owner_too_long_beside_the_pods_identity_is_refused_as_such() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let driver = crate::connect(&crate::BackendUrl::parse(&url).expect("url"))
+            .await
+            .expect("driver");
+        let identity = "p".repeat(200);
+        let family = KeyedFamily::new(
+            driver,
+            FamilyConfig::new("orders", &identity, Duration::from_secs(30)),
+            Arc::new(()),
+        )
+        .expect("family");
+        let hold = Duration::from_secs(60);
+        let refused = family
+            .acquire("k", &"o".repeat(60), Duration::ZERO, hold)
+            .await;
+        assert!(
+            matches!(&refused, Err(KeyError::BadOwner(why)) if why.contains("1 to 46 characters")),
+            "{refused:?}"
+        );
+        assert!(matches!(
+            family
+                .acquire("k", &"o".repeat(46), Duration::ZERO, hold)
+                .await,
+            Ok(KeyAnswer::Held { .. })
+        ));
+        family.shutdown().await;
+    }
 
     /// Bounds lowered while keys are held apply from the next acquisition: a key longer than the
     /// new bound, and keys held together beyond the new count, are still told of, extended and

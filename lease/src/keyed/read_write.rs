@@ -55,7 +55,7 @@ const PROBES_AT_ONCE: usize = 16;
 /// What ends a probe's identity (`POD/OWNER probe`): a holder so named is a probe of a reader's
 /// or a writer's, given back at once, not a writer. Owners have no spaces, so no owner's
 /// identity ends so.
-const PROBE: &str = " probe";
+pub(super) const PROBE: &str = " probe";
 /// How many times a probe that meets another probe tries, and how long it waits between.
 const PROBE_ATTEMPTS: u32 = 8;
 const PROBE_RETRY: Duration = Duration::from_millis(2);
@@ -199,7 +199,7 @@ impl KeyedFamily {
         hold: Duration,
     ) -> Result<(KeyAnswer, Option<WriteHolding>), KeyError> {
         self.check_new_key(key)?;
-        super::check_owner(owner)?;
+        self.check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
         let holding = |answer: KeyAnswer, writer: Arc<Writer>| {

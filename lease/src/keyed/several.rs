@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::read_write::{WriteHolding, Writer, Writes};
-use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, check_owner};
+use super::{KeyAnswer, KeyError, KeyRelease, KeyedFamily};
 
 /// The most keys one acquisition of several keys may name.
 pub const MAX_KEYS_AT_ONCE: usize = 64;
@@ -190,7 +190,7 @@ impl KeyedFamily {
         hold: Duration,
     ) -> Result<KeysAnswer, KeyError> {
         let order = self.check_new_keys(keys)?;
-        check_owner(owner)?;
+        self.check_owner(owner)?;
         self.check_running()?;
         self.refuse_written(keys, owner)?;
         let deadline = Instant::now() + wait;
@@ -312,7 +312,7 @@ impl KeyedFamily {
         hold: Duration,
     ) -> Result<(KeysAnswer, Vec<WriteHolding>), KeyError> {
         let order = self.check_new_keys(keys)?;
-        check_owner(owner)?;
+        self.check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
         // Bad input first, so that a 400 changes nothing.
@@ -521,7 +521,7 @@ impl KeyedFamily {
         owner: &str,
     ) -> Result<Vec<(String, KeyRelease)>, KeyError> {
         let order = self.check_keys(keys)?;
-        check_owner(owner)?;
+        self.check_owner(owner)?;
         let mut released = Vec::with_capacity(order.len());
         let mut failed = None;
         for key in order.iter().rev() {
@@ -545,7 +545,7 @@ impl KeyedFamily {
         hold: Duration,
     ) -> Result<Vec<(String, KeyAnswer)>, KeyError> {
         self.check_keys(keys)?;
-        check_owner(owner)?;
+        self.check_owner(owner)?;
         let mut answers = Vec::with_capacity(keys.len());
         for key in keys {
             answers.push((key.clone(), self.extend(key, owner, hold).await?));
