@@ -655,15 +655,57 @@ impl Shared {
     }
 
     async fn holder(&self, lock: &str) -> Result<Option<Holding>> {
+        self.first_in_line(lock, false).await
+    }
+
+    /// Who holds `lock` now. With `clear`, a key of this process's sessions that the driver
+    /// does not know, first in line, is deleted ([`Shared::deleted_if_unknown_own`]); only
+    /// under the lock's [`Attempts`] turn, so that no acquisition of this driver's is putting
+    /// a place it will count as its own meanwhile.
+    async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
         let client = self.client().await?;
         let reply = client
             .range(lowest(&self.queue_prefix(lock)))
             .await
             .map_err(map_err)?;
         match reply.kvs.first() {
+            Some(kv) if clear && self.deleted_if_unknown_own(lock, kv).await? => Ok(None),
             Some(kv) => Ok(Some(self.holding(kv, true).await?)),
             None => Ok(None),
         }
+    }
+
+    /// Delete `first`, the lowest key of `lock`'s queue, when it is bound to one of this
+    /// process's sessions but is no place this process knows (under the lock's attempt turn,
+    /// every place being put is known by then): a put answered too late to be
+    /// waited for (a stalled link), landing after the delete that gave it up. Its session
+    /// lives on for the process's other keys, so it would hold the lock for nobody, and every
+    /// other pod would wait, for as long as the process runs. True when it was.
+    async fn deleted_if_unknown_own(&self, lock: &str, first: &KeyValue) -> Result<bool> {
+        let own = self
+            .sessions
+            .lock()
+            .await
+            .values()
+            .any(|session| session.id == first.lease);
+        if !own {
+            return Ok(false);
+        }
+        let known = self
+            .entries
+            .get(lock)
+            .is_some_and(|entry| entry.key.as_bytes() == first.key.as_slice());
+        if known {
+            return Ok(false);
+        }
+        let key = String::from_utf8_lossy(&first.key).into_owned();
+        tracing::debug!(
+            lock,
+            key,
+            "a key of this process's session that the driver does not know, first in line; deleting it"
+        );
+        self.delete_key(&key, Some(first.create_revision)).await?;
+        Ok(true)
     }
 
     /// Who holds, from the lowest key. `with_expiry` costs one more round trip, for the lease's
@@ -744,6 +786,34 @@ async fn keep(shared: std::sync::Weak<Shared>, session: std::sync::Weak<Session>
 }
 
 impl EtcdDriver {
+    /// For tests: a key in `lock`'s queue under this driver's own session that the driver does
+    /// not know of, as a put answered too late to be waited for leaves one. Returns its name.
+    #[cfg(feature = "test-hooks")]
+    pub async fn place_unknown_to_the_driver(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<String> {
+        let client = self.shared.client().await?;
+        let session = self.shared.session(ttl).await?;
+        let number = self.shared.keys_put.fetch_add(1, Ordering::Relaxed);
+        let key = format!(
+            "{}{:016x}-{number:x}",
+            self.shared.queue_prefix(lock),
+            session.id
+        );
+        client
+            .put(PutRequest {
+                key: key.clone().into_bytes(),
+                value: identity.as_bytes().to_vec(),
+                lease: session.id,
+            })
+            .await
+            .map_err(map_err)?;
+        Ok(key)
+    }
+
     /// Connects on first use, so an unreachable etcd shows in readiness, not as a crash.
     pub fn connect(config: EtcdConfig) -> Result<Self> {
         if config.endpoints.is_empty() {
@@ -844,6 +914,11 @@ impl Driver for EtcdDriver {
             return Ok(Acquire::Busy(self.shared.holder(lock).await?));
         }
         if let Some(predecessor) = position.predecessor {
+            if let Some(first) = &position.holder
+                && self.shared.deleted_if_unknown_own(lock, first).await?
+            {
+                return Ok(Acquire::Busy(None));
+            }
             // Only the next in line may act on the holder's expiry; the others wait for their
             // watch, and cost one read per poll.
             let next_in_line = position
@@ -926,7 +1001,8 @@ impl Driver for EtcdDriver {
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        self.shared.holder(lock).await
+        let _turn = self.shared.attempts.turn(lock).await;
+        self.shared.first_in_line(lock, true).await
     }
 
     /// The TTL etcd granted (whole seconds, at least its minimum): a dead holder's key lives
