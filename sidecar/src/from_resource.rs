@@ -466,7 +466,9 @@ pub async fn follow(
             continue;
         }
         // Who logs in aside, a different URL is another backend.
-        let moved = next.backend.location() != running.backend.location();
+        // Another Lease (`leaseName`) is another place as well.
+        let moved =
+            next.backend.location() != running.backend.location() || next.lease != running.lease;
         // The same backend, reached otherwise: new credentials.
         let credentials_changed = !moved && next.backend != running.backend;
         if let Some(config) = next.family_config(&identity) {

@@ -369,6 +369,45 @@ async fn a_moved_backend_is_never_held_on_both() {
     follower.abort();
 }
 
+/// On the Kubernetes backend, another Lease (`leaseName`) is another place too: the sidecar
+/// steps down on the old Lease and claims the new one only once the old lease and a renew
+/// interval have passed, so that a pod that still holds the old Lease is never beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_lease_name_is_never_held_beside_the_old_one() {
+    let api = InMemoryApiServer::new();
+    let on_lease = |lease_name: &str| {
+        json!({
+            "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+            "metadata": {"name": "jobs", "namespace": "team"},
+            "spec": {"backend": {"kubernetes": {"leaseName": lease_name}},
+                     "leaseDuration": "3s", "renewInterval": "1s"}
+        })
+    };
+    api.put(DISTRIBUTED_LOCKS, on_lease("jobs-old"));
+    let (state, old_lock, follower) = follow_jobs(&api).await;
+    eventually("pod-a holds the lock", || old_lock.answer().is_holder()).await;
+
+    api.put(DISTRIBUTED_LOCKS, on_lease("jobs-new"));
+    let moved = tokio::time::Instant::now();
+    eventually("pod-a steps down on the old Lease", || {
+        !old_lock.answer().is_holder()
+    })
+    .await;
+    while moved.elapsed() < Duration::from_millis(3500) {
+        assert!(
+            !state.locks()[0].answer().is_holder(),
+            "held on the new Lease {:?} after the change",
+            moved.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eventually("pod-a holds the lock on the new Lease", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    follower.abort();
+}
+
 /// A DistributedLock being deleted (its finalizer still on, as the operator keeps it while a
 /// `cleanupPolicy: Delete` lock has a holder): the sidecar stops claiming the lock at once, and
 /// releases it once the last answer it gave has run out (the pod's app runs on, and may act on
