@@ -82,6 +82,9 @@ struct Inner {
     /// `--app-health`: why the app is taken for unhealthy, while campaign-mode locks sit out;
     /// a lock put in place meanwhile starts sitting out.
     app_unhealthy: std::sync::Mutex<Option<String>>,
+    /// Held while the app's health is changed and the locks told, and while a lock put in
+    /// place is told the health it reads: one never overtakes the other.
+    app_health_turn: tokio::sync::Mutex<()>,
 }
 
 /// Why locks or families are let go of for good ([`AppState::let_go`]): whether an app of this
@@ -191,6 +194,7 @@ impl AppState {
                 releases_due: std::sync::Mutex::new(None),
                 exclusive_holds: std::sync::Mutex::new(HashMap::new()),
                 app_unhealthy: std::sync::Mutex::new(None),
+                app_health_turn: tokio::sync::Mutex::new(()),
             }),
         }
     }
@@ -421,8 +425,15 @@ impl AppState {
             .clone()
     }
 
+    /// The turn to change the app's health and tell the locks, or to tell a lock just put in
+    /// place the health as it is ([`AppState::set_app_unhealthy`]).
+    pub async fn app_health_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.inner.app_health_turn.lock().await
+    }
+
     /// The app is unhealthy for `reason`, or healthy (`None`): set before the locks sit out or
-    /// come back, so that a lock put in place meanwhile is told too.
+    /// come back, in the [`AppState::app_health_turn`], so that a lock put in place meanwhile
+    /// is told too, in the order the changes were made.
     pub fn set_app_unhealthy(&self, reason: Option<String>) {
         *self
             .inner

@@ -326,6 +326,7 @@ pub async fn watch(health: AppHealth, state: AppState, metrics: Arc<Metrics>) {
                 failed_in_a_row = 0;
                 if sitting_out {
                     tracing::info!("the app is healthy again: campaigning");
+                    let _turn = state.app_health_turn().await;
                     state.set_app_unhealthy(None);
                     futures_util::future::join_all(
                         campaigning().iter().map(|lock| lock.come_back()),
@@ -346,6 +347,7 @@ pub async fn watch(health: AppHealth, state: AppState, metrics: Arc<Metrics>) {
                     // A lock put in place from now on (a spec change) starts sitting out; and
                     // every time, since one may have started just before. All at once: an engine
                     // answers between backend calls, which may each take a renew interval.
+                    let _turn = state.app_health_turn().await;
                     state.set_app_unhealthy(Some(reason.clone()));
                     futures_util::future::join_all(
                         campaigning().iter().map(|lock| lock.sit_out(&reason)),

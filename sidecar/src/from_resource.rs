@@ -122,6 +122,7 @@ async fn start_lock(
 /// found the app unhealthy, or healthy again, after the lock was started (sitting out or not)
 /// and before it was put where the check finds the locks.
 async fn follow_app_health(state: &AppState, lock: &Lock) {
+    let _turn = state.app_health_turn().await;
     match state.app_unhealthy() {
         Some(reason) => {
             let _ = lock.sit_out(&reason).await;
@@ -561,8 +562,8 @@ pub async fn follow(
                 let placed = fresh.clone();
                 match state.replace(fresh) {
                     Ok(Some(old)) => {
-                        follow_app_health(&state, &placed).await;
                         state.note_releases_due(old.retire().await);
+                        follow_app_health(&state, &placed).await;
                     }
                     Ok(None) => follow_app_health(&state, &placed).await,
                     Err(fresh) => {
