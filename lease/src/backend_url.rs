@@ -99,7 +99,6 @@ impl BackendUrl {
     }
 }
 
-/// Shown in logs and errors: never includes the password.
 impl BackendUrl {
     /// Where the backend is, without who logs in or with what: the same for two configurations
     /// of one backend that differ in credentials alone (a password, a user name rotated with
@@ -197,6 +196,7 @@ impl BackendUrl {
     }
 }
 
+/// Shown in logs and errors: never includes the password.
 impl fmt::Display for BackendUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

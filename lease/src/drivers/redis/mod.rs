@@ -676,7 +676,11 @@ pub(crate) async fn listen_for_releases_on(
 /// without the release channels) once, as a warning saying what to grant, since every waiter
 /// then learns of a release only at its next poll; a connection lost at debug level.
 pub(crate) fn subscription_failed(e: &redis::RedisError, keys: &KeyLayout, told: &mut bool) {
-    if matches!(e.kind(), redis::ErrorKind::Server(_)) && !std::mem::replace(told, true) {
+    let refused = matches!(
+        e.kind(),
+        redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
+    );
+    if refused && !std::mem::replace(told, true) {
         let pattern = keys.released_pattern();
         tracing::warn!(
             error = %e,
