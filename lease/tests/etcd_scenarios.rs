@@ -2,7 +2,8 @@
 
 use leasehold_lease::etcd::{EtcdConfig, EtcdDriver};
 use leasehold_testkit::conformance::{
-    contenders, one_release_wakes_exactly_one_waiter, waiters_further_back_poll_quietly,
+    an_unknown_place_of_its_own_is_cleared, contenders, one_release_wakes_exactly_one_waiter,
+    waiters_further_back_poll_quietly,
 };
 use leasehold_testkit::{EtcdHarness, EtcdServer};
 
@@ -516,74 +517,23 @@ async fn a_ttl_longer_than_the_lease_is_reported() {
 }
 
 /// A key under the driver's own session that the driver does not know of (a put answered too
-/// late to be waited for, landing after the delete that gave it up) is deleted once it stands
-/// first in line, by the driver's next attempt or, when its engine is idle, its next look at
-/// the holder: the session lives on for the process's other keys, and the key would hold the
-/// lock for nobody for as long as the process runs.
+/// late to be waited for, landing after the delete that gave it up) is cleared once first in
+/// line ([`an_unknown_place_of_its_own_is_cleared`]).
 async fn an_unknown_key_is_cleared(owner_waits: bool) {
-    use leasehold_lease::{Acquire, Driver};
-    use std::time::Duration;
     let server = EtcdServer::start();
-    let (a, b, c) = (driver(&server), driver(&server), driver(&server));
-    let lock = leasehold_testkit::unique_lock("unknown-key");
-    let lease = Duration::from_secs(3);
-    let Acquire::Acquired(held) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
-        panic!("b could not take the free lock");
-    };
-    // a holds another lock, and renews it, so that its session lives on whatever the unknown
-    // key's fate.
-    let other = leasehold_testkit::unique_lock("other");
-    let Acquire::Acquired(kept) = a.try_acquire(&other, "a", lease).await.expect("a") else {
-        panic!("a could not take a free lock");
-    };
-    let a = std::sync::Arc::new(a);
-    let renewing = {
-        let a = a.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                assert!(
-                    a.renew(&kept, lease).await.expect("renewal"),
-                    "a lost its other lock"
-                );
-            }
-        })
-    };
-    let unknown = a
-        .place_unknown_to_the_driver(&lock, "a", lease)
-        .await
-        .expect("an unknown key");
-    let (waiter, name): (&EtcdDriver, &str) = if owner_waits { (&*a, "a") } else { (&c, "c") };
-    assert!(matches!(
-        waiter
-            .try_acquire(&lock, name, lease)
+    let a = std::sync::Arc::new(driver(&server));
+    let lease = std::time::Duration::from_secs(3);
+    let drivers: [std::sync::Arc<dyn leasehold_lease::Driver>; 3] = [
+        a.clone(),
+        std::sync::Arc::new(driver(&server)),
+        std::sync::Arc::new(driver(&server)),
+    ];
+    an_unknown_place_of_its_own_is_cleared(drivers, lease, owner_waits, async |lock: &str| {
+        a.place_unknown_to_the_driver(lock, "a", lease)
             .await
-            .expect("queues"),
-        Acquire::Busy(_)
-    ));
-    assert!(b.release(&held).await.expect("release"));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        if !owner_waits {
-            // The owner's engine is idle: it only looks at the holder now and then.
-            a.observe(&lock).await.expect("observe");
-        }
-        match waiter
-            .try_acquire(&lock, name, lease)
-            .await
-            .expect("attempt")
-        {
-            Acquire::Acquired(_) => break,
-            Acquire::Busy(holder) => assert!(
-                tokio::time::Instant::now() < deadline,
-                "{unknown}, unknown to a's driver, still blocks the lock (holder {holder:?})"
-            ),
-            Acquire::Withheld(w) => panic!("withheld: {w:?}"),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(!renewing.is_finished(), "a's renewals stopped");
-    renewing.abort();
+            .expect("an unknown key")
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

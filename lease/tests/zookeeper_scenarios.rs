@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use leasehold_lease::zookeeper::{ZooKeeperConfig, ZooKeeperDriver};
 use leasehold_testkit::conformance::{
-    contenders, one_release_wakes_exactly_one_waiter, waiters_further_back_poll_quietly,
+    an_unknown_place_of_its_own_is_cleared, contenders, one_release_wakes_exactly_one_waiter,
+    waiters_further_back_poll_quietly,
 };
 use leasehold_testkit::{ZooKeeperHarness, ZooKeeperServer};
 
@@ -399,52 +400,24 @@ async fn tls_mistakes_are_refused_with_their_cause() {
 }
 
 /// A place on the driver's own session that the driver does not know of (a create whose answer
-/// never came back) is deleted once it stands first in line, by the driver's next attempt or,
-/// when its engine is idle, its next look at the holder; the waiter behind it gets the lock.
+/// never came back) is cleared once first in line ([`an_unknown_place_of_its_own_is_cleared`]).
 /// The `zookeeper+waiters` soak found one after a server restart: no waiter, its owner included,
 /// got the lock for 23 s, until the owner's process was killed and its session ended.
 async fn an_unknown_place_is_cleared(owner_waits: bool) {
-    use leasehold_lease::{Acquire, Driver};
     let server = ZooKeeperServer::start();
-    let (a, b, c) = (driver(&server), driver(&server), driver(&server));
-    let lock = leasehold_testkit::unique_lock("unknown-place");
+    let a = std::sync::Arc::new(driver(&server));
     let lease = Duration::from_secs(3);
-    let Acquire::Acquired(held) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
-        panic!("b could not take the free lock");
-    };
-    let unknown = a
-        .place_unknown_to_the_driver(&lock, "a", lease)
-        .await
-        .expect("an unknown place");
-    let (waiter, name): (&ZooKeeperDriver, &str) = if owner_waits { (&a, "a") } else { (&c, "c") };
-    assert!(matches!(
-        waiter
-            .try_acquire(&lock, name, lease)
+    let drivers: [std::sync::Arc<dyn leasehold_lease::Driver>; 3] = [
+        a.clone(),
+        std::sync::Arc::new(driver(&server)),
+        std::sync::Arc::new(driver(&server)),
+    ];
+    an_unknown_place_of_its_own_is_cleared(drivers, lease, owner_waits, async |lock: &str| {
+        a.place_unknown_to_the_driver(lock, "a", lease)
             .await
-            .expect("queues"),
-        Acquire::Busy(_)
-    ));
-    assert!(b.release(&held).await.expect("release"));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        if !owner_waits {
-            // The owner's engine is idle: it only looks at the holder now and then.
-            a.observe(&lock).await.expect("observe");
-        }
-        match waiter
-            .try_acquire(&lock, name, lease)
-            .await
-            .expect("attempt")
-        {
-            Acquire::Acquired(_) => break,
-            Acquire::Busy(holder) => assert!(
-                tokio::time::Instant::now() < deadline,
-                "{unknown}, unknown to a's driver, still blocks the lock (holder {holder:?})"
-            ),
-            Acquire::Withheld(w) => panic!("withheld: {w:?}"),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+            .expect("an unknown place")
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -342,36 +342,16 @@ async fn a_pod_that_resigned_before_its_lock_existed_never_takes_it() {
 async fn a_moved_backend_is_never_held_on_both() {
     let redis = RedisServer::start();
     let api = InMemoryApiServer::new();
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&redis, "old", "3s"));
-    let (state, old_lock, follower) = follow_jobs(&api).await;
-    eventually("pod-a holds the lock", || old_lock.answer().is_holder()).await;
-
-    api.put(DISTRIBUTED_LOCKS, distributed_lock(&redis, "new", "3s"));
-    let moved = tokio::time::Instant::now();
-    eventually("pod-a steps down on the old backend", || {
-        !old_lock.answer().is_holder()
-    })
+    never_held_on_both(
+        &api,
+        distributed_lock(&redis, "old", "3s"),
+        distributed_lock(&redis, "new", "3s"),
+    )
     .await;
-    // Old lease (3 s) + renew interval (1 s) before any claim on the new backend.
-    while moved.elapsed() < Duration::from_millis(3500) {
-        assert!(
-            !state.locks()[0].answer().is_holder(),
-            "held on the new backend {:?} after the move",
-            moved.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    eventually("pod-a holds the lock on the new backend", || {
-        state.locks()[0].answer().is_holder()
-    })
-    .await;
-    assert!(!old_lock.answer().is_holder());
-    follower.abort();
 }
 
-/// On the Kubernetes backend, another Lease (`leaseName`) is another place too: the sidecar
-/// steps down on the old Lease and claims the new one only once the old lease and a renew
-/// interval have passed, so that a pod that still holds the old Lease is never beside it.
+/// On the Kubernetes backend, another Lease (`leaseName`) is another place too, so that a pod
+/// that still holds the old Lease is never beside one holding the new.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_lease_name_is_never_held_beside_the_old_one() {
     let api = InMemoryApiServer::new();
@@ -383,28 +363,37 @@ async fn another_lease_name_is_never_held_beside_the_old_one() {
                      "leaseDuration": "3s", "renewInterval": "1s"}
         })
     };
-    api.put(DISTRIBUTED_LOCKS, on_lease("jobs-old"));
-    let (state, old_lock, follower) = follow_jobs(&api).await;
+    never_held_on_both(&api, on_lease("jobs-old"), on_lease("jobs-new")).await;
+}
+
+/// pod-a holds `team/jobs` as `before` declares it (a 3 s lease, renewed every second); once
+/// it is edited to `after`, another place, pod-a steps down on the old place and claims the new
+/// one only once the old lease and a renew interval have passed.
+async fn never_held_on_both(api: &InMemoryApiServer, before: Value, after: Value) {
+    api.put(DISTRIBUTED_LOCKS, before);
+    let (state, old_lock, follower) = follow_jobs(api).await;
     eventually("pod-a holds the lock", || old_lock.answer().is_holder()).await;
 
-    api.put(DISTRIBUTED_LOCKS, on_lease("jobs-new"));
+    api.put(DISTRIBUTED_LOCKS, after);
     let moved = tokio::time::Instant::now();
-    eventually("pod-a steps down on the old Lease", || {
+    eventually("pod-a steps down on the old place", || {
         !old_lock.answer().is_holder()
     })
     .await;
+    // Old lease (3 s) + renew interval (1 s) before any claim on the new place.
     while moved.elapsed() < Duration::from_millis(3500) {
         assert!(
             !state.locks()[0].answer().is_holder(),
-            "held on the new Lease {:?} after the change",
+            "held on the new place {:?} after the move",
             moved.elapsed()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    eventually("pod-a holds the lock on the new Lease", || {
+    eventually("pod-a holds the lock on the new place", || {
         state.locks()[0].answer().is_holder()
     })
     .await;
+    assert!(!old_lock.answer().is_holder());
     follower.abort();
 }
 

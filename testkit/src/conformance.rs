@@ -1001,6 +1001,75 @@ pub async fn a_place_put_for_a_dropped_acquisition_leaves_the_line(
     }
 }
 
+/// A place in `lock`'s line on `a`'s own session that `a`'s driver does not know of (`put`,
+/// a transport's test hook: a create or put whose answer never came back, landing after the
+/// process gave it up) is deleted once it stands first in line, by `a`'s next attempt
+/// (`owner_waits`) or, when `a`'s engine is idle and `c` waits, `a`'s next look at the holder.
+/// `a` meanwhile holds and renews another lock, so that its session lives on: the place would
+/// hold the lock for nobody for as long as the process runs.
+pub async fn an_unknown_place_of_its_own_is_cleared(
+    [a, b, c]: [Arc<dyn Driver>; 3],
+    lease: Duration,
+    owner_waits: bool,
+    put: impl AsyncFnOnce(&str) -> String,
+) {
+    let lock = unique_lock("unknown-place");
+    let Acquire::Acquired(held) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
+        panic!("b could not take the free lock");
+    };
+    let Acquire::Acquired(kept) = a
+        .try_acquire(&unique_lock("other"), "a", lease)
+        .await
+        .expect("a")
+    else {
+        panic!("a could not take a free lock");
+    };
+    let renewing = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            loop {
+                sleep(lease / 6).await;
+                assert!(
+                    a.renew(&kept, lease).await.expect("renewal"),
+                    "a lost its other lock"
+                );
+            }
+        })
+    };
+    let unknown = put(&lock).await;
+    let (waiter, name) = if owner_waits { (&a, "a") } else { (&c, "c") };
+    assert!(matches!(
+        waiter
+            .try_acquire(&lock, name, lease)
+            .await
+            .expect("queues"),
+        Acquire::Busy(_)
+    ));
+    assert!(b.release(&held).await.expect("release"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if !owner_waits {
+            // The owner's engine is idle: it only looks at the holder now and then.
+            a.observe(&lock).await.expect("observe");
+        }
+        match waiter
+            .try_acquire(&lock, name, lease)
+            .await
+            .expect("attempt")
+        {
+            Acquire::Acquired(_) => break,
+            Acquire::Busy(holder) => assert!(
+                Instant::now() < deadline,
+                "{unknown}, unknown to a's driver, still blocks the lock (holder {holder:?})"
+            ),
+            Acquire::Withheld(w) => panic!("withheld: {w:?}"),
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!renewing.is_finished(), "a's renewals stopped");
+    renewing.abort();
+}
+
 /// Fifty waiters queue behind a holder (each its own client, as separate processes would be);
 /// its release wakes the first of them and nobody else, and that one holds with the next token.
 pub async fn one_release_wakes_exactly_one_waiter<D: CountsWakeups>(client: impl Fn() -> D) {
