@@ -115,10 +115,11 @@ struct Args {
     mode: Mode,
 
     /// Read the lock from a DistributedLock and the Secrets it references, and follow its
-    /// changes (repeatable, or comma-separated). Replaces --lock, --backend, --lease-duration,
-    /// --renew-interval and --mode.
+    /// changes (repeatable, or comma-separated). Replaces --lock, --keyed, --backend,
+    /// --lease-duration, --renew-interval, --mode, --permits, --read-write and --max-keys
+    /// (the resource's `spec.keys.maxHeldPerPod`).
     #[arg(long = "resource", env = "LEASEHOLD_RESOURCE", value_name = "NS/NAME", value_delimiter = ',',
-          conflicts_with_all = ["locks", "families", "backend", "lease_duration", "renew_interval", "mode", "provision", "permits", "read_write"])]
+          conflicts_with_all = ["locks", "families", "backend", "lease_duration", "renew_interval", "mode", "provision", "permits", "read_write", "max_keys"])]
     resources: Vec<String>,
 
     /// With --resource: how often the Secrets a DistributedLock references are read again, so
@@ -592,6 +593,7 @@ mod tests {
             (&["--lock", "a,a"], "'a'"),
             (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
             (&["--resource", "ns/x", "--permits", "3"], "--permits"),
+            (&["--resource", "ns/x", "--max-keys", "5"], "--max-keys"),
             (&["--resource", "ns"], "NAMESPACE/NAME"),
             (&["--resource", "Ns/x"], "Ns/x"),
             (&["--resource", "ns/x,ns/x"], "twice"),
