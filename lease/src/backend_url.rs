@@ -97,9 +97,7 @@ impl BackendUrl {
             BackendUrl::Sql(SqlConfig { dialect, .. }) => dialect.as_str(),
         }
     }
-}
 
-impl BackendUrl {
     /// Where the backend is, without who logs in or with what: the same for two configurations
     /// of one backend that differ in credentials alone (a password, a user name rotated with
     /// it, a TLS CA or client pair, a Sentinel's own login), and another for another server,

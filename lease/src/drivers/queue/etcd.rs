@@ -471,6 +471,13 @@ impl Shared {
         self.entries.forget(entry);
     }
 
+    /// A key name for a new place in `lock`'s queue under the session `session`, never put
+    /// before: the session's id (so a key tells whose session it is bound to) and a number.
+    fn new_place_key(&self, lock: &str, session: i64) -> String {
+        let number = self.keys_put.fetch_add(1, Ordering::Relaxed);
+        format!("{}{session:016x}-{number:x}", self.queue_prefix(lock))
+    }
+
     /// Queue a new key for `lock` under a new etcd lease, and learn where it stands from the
     /// same transaction that puts it: the put and the reads are one round trip.
     async fn enqueue(
@@ -482,8 +489,7 @@ impl Shared {
         let client = self.client().await?;
         let session = self.session(ttl).await?;
         let queue = self.queue_prefix(lock);
-        let number = self.keys_put.fetch_add(1, Ordering::Relaxed);
-        let key = format!("{queue}{:016x}-{number:x}", session.id);
+        let key = self.new_place_key(lock, session.id);
         // Reads after a put in one transaction see the put: the newest two keys by create
         // revision are this one and the one just below it, since nothing can be created
         // after this put within its revision.
@@ -797,12 +803,7 @@ impl EtcdDriver {
     ) -> Result<String> {
         let client = self.shared.client().await?;
         let session = self.shared.session(ttl).await?;
-        let number = self.shared.keys_put.fetch_add(1, Ordering::Relaxed);
-        let key = format!(
-            "{}{:016x}-{number:x}",
-            self.shared.queue_prefix(lock),
-            session.id
-        );
+        let key = self.shared.new_place_key(lock, session.id);
         client
             .put(PutRequest {
                 key: key.clone().into_bytes(),

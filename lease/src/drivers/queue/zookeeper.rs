@@ -25,7 +25,7 @@
 //!   and a frozen process loses its session to the server's timeout.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -153,7 +153,7 @@ async fn sweep_orphans(shared: Weak<Shared>) {
 }
 
 /// A place being created ([`Shared::creating`]), until dropped.
-struct Creating<'a>(&'a std::sync::atomic::AtomicUsize);
+struct Creating<'a>(&'a AtomicUsize);
 
 impl Drop for Creating<'_> {
     fn drop(&mut self) {
@@ -226,7 +226,7 @@ struct Shared {
     entries: Places<Node>,
     /// Places being created: each on the session current when it was asked for, which is
     /// not replaced meanwhile (a place's node lives and dies with its session).
-    creating: std::sync::atomic::AtomicUsize,
+    creating: AtomicUsize,
     /// One acquisition of a lock at a time ([`Attempts`]).
     attempts: Attempts,
     releases: ChangeFeeds,
@@ -936,7 +936,7 @@ impl ZooKeeperDriver {
                 tls,
                 session: tokio::sync::Mutex::new(None),
                 entries: Places::new(),
-                creating: std::sync::atomic::AtomicUsize::new(0),
+                creating: AtomicUsize::new(0),
                 attempts: Attempts::default(),
                 releases: ChangeFeeds::default(),
                 wakeups: AtomicU64::new(0),
