@@ -1604,15 +1604,20 @@ pub fn collides_with_family(lock: &str, family: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// A driver on a SQLite file in `dir`.
+    async fn sqlite_in(dir: &tempfile::TempDir) -> Arc<dyn Backend> {
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        crate::connect(&crate::BackendUrl::parse(&url).expect("url"))
+            .await
+            .expect("driver")
+    }
+
     /// An owner too long for the backend identity beside a long pod name is refused as a bad
     /// owner (a 400), before anything is asked of the backend; one that fits is taken.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_owner_too_long_beside_the_pods_identity_is_refused_as_such() {
         let dir = tempfile::tempdir().expect("a directory");
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let driver = crate::connect(&crate::BackendUrl::parse(&url).expect("url"))
-            .await
-            .expect("driver");
+        let driver = sqlite_in(&dir).await;
         let identity = "p".repeat(200);
         let family = KeyedFamily::new(
             driver,
@@ -1643,10 +1648,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_held_before_the_bounds_were_lowered_are_still_released() {
         let dir = tempfile::tempdir().expect("a directory");
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let driver = crate::connect(&crate::BackendUrl::parse(&url).expect("url"))
-            .await
-            .expect("driver");
+        let driver = sqlite_in(&dir).await;
         let lease = Duration::from_secs(30);
         let config = |max_key_length, max_keys| FamilyConfig {
             max_key_length,

@@ -521,19 +521,7 @@ async fn a_ttl_longer_than_the_lease_is_reported() {
 /// line ([`an_unknown_place_of_its_own_is_cleared`]).
 async fn an_unknown_key_is_cleared(owner_waits: bool) {
     let server = EtcdServer::start();
-    let a = std::sync::Arc::new(driver(&server));
-    let lease = std::time::Duration::from_secs(3);
-    let drivers: [std::sync::Arc<dyn leasehold_lease::Driver>; 3] = [
-        a.clone(),
-        std::sync::Arc::new(driver(&server)),
-        std::sync::Arc::new(driver(&server)),
-    ];
-    an_unknown_place_of_its_own_is_cleared(drivers, lease, owner_waits, async |lock: &str| {
-        a.place_unknown_to_the_driver(lock, "a", lease)
-            .await
-            .expect("an unknown key")
-    })
-    .await;
+    an_unknown_place_of_its_own_is_cleared(|| driver(&server), owner_waits).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

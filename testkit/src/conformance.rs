@@ -1001,18 +1001,62 @@ pub async fn a_place_put_for_a_dropped_acquisition_leaves_the_line(
     }
 }
 
-/// A place in `lock`'s line on `a`'s own session that `a`'s driver does not know of (`put`,
-/// a transport's test hook: a create or put whose answer never came back, landing after the
-/// process gave it up) is deleted once it stands first in line, by `a`'s next attempt
-/// (`owner_waits`) or, when `a`'s engine is idle and `c` waits, `a`'s next look at the holder.
-/// `a` meanwhile holds and renews another lock, so that its session lives on: the place would
-/// hold the lock for nobody for as long as the process runs.
-pub async fn an_unknown_place_of_its_own_is_cleared(
-    [a, b, c]: [Arc<dyn Driver>; 3],
-    lease: Duration,
+/// A driver of a transport that keeps a line (etcd, ZooKeeper) that can put a place unknown to
+/// itself, as a create or put whose answer never came back leaves one.
+#[async_trait]
+pub trait PutsUnknownPlaces: Driver {
+    /// A place in `lock`'s line on this driver's own session that it does not know of: its name.
+    async fn place_unknown_to_the_driver(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> String;
+}
+
+#[async_trait]
+impl PutsUnknownPlaces for leasehold_lease::etcd::EtcdDriver {
+    async fn place_unknown_to_the_driver(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> String {
+        leasehold_lease::etcd::EtcdDriver::place_unknown_to_the_driver(self, lock, identity, ttl)
+            .await
+            .expect("an unknown place")
+    }
+}
+
+#[async_trait]
+impl PutsUnknownPlaces for leasehold_lease::zookeeper::ZooKeeperDriver {
+    async fn place_unknown_to_the_driver(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> String {
+        leasehold_lease::zookeeper::ZooKeeperDriver::place_unknown_to_the_driver(
+            self, lock, identity, ttl,
+        )
+        .await
+        .expect("an unknown place")
+    }
+}
+
+/// A place in a lock's line on `a`'s own session that `a`'s driver does not know of (a create
+/// or put whose answer never came back, landing after the process gave it up) is deleted once
+/// it stands first in line, by `a`'s next attempt (`owner_waits`) or, when `a`'s engine is idle
+/// and `c` waits, `a`'s next look at the holder. `a` meanwhile holds and renews another lock,
+/// so that its session lives on: the place would hold the lock for nobody for as long as the
+/// process runs. `client` makes a driver, one per process.
+pub async fn an_unknown_place_of_its_own_is_cleared<D: PutsUnknownPlaces + 'static>(
+    client: impl Fn() -> D,
     owner_waits: bool,
-    put: impl AsyncFnOnce(&str) -> String,
 ) {
+    let lease = Duration::from_secs(3);
+    let owner = Arc::new(client());
+    let [a, b, c]: [Arc<dyn Driver>; 3] = [owner.clone(), Arc::new(client()), Arc::new(client())];
     let lock = unique_lock("unknown-place");
     let Acquire::Acquired(held) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
         panic!("b could not take the free lock");
@@ -1036,7 +1080,7 @@ pub async fn an_unknown_place_of_its_own_is_cleared(
             }
         })
     };
-    let unknown = put(&lock).await;
+    let unknown = owner.place_unknown_to_the_driver(&lock, "a", lease).await;
     let (waiter, name) = if owner_waits { (&a, "a") } else { (&c, "c") };
     assert!(matches!(
         waiter
