@@ -94,6 +94,68 @@ async fn a_held_lock_keeps_its_holder_while_its_slot_moves() {
     b.shutdown().await;
 }
 
+/// A shard's replica takes over (`CLUSTER FAILOVER`) and restarts on its own data before any
+/// lock call reached it: durable and no longer promoted, it looks like a master restarted that
+/// lost nothing. It is not one: its data came from the old master, and an unplanned failover
+/// can hand over data without the old master's last acquisition. The lock's epoch record names
+/// the old master as its keeper (node ID and configuration epoch), so the restarted node waits
+/// out a lease before it grants the free lock, as a promoted replica does, and its token is
+/// greater.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_replica_restarted_before_it_served_a_lock_waits_out_a_lease() {
+    let mut cluster = tokio::task::block_in_place(RedisCluster::start_with_replicas);
+    let lock = unique_lock("promoted");
+    let lease = Duration::from_secs(3);
+    let driver = driver_for(&cluster.url()).await;
+    let Acquire::Acquired(first) = driver.try_acquire(&lock, "a", lease).await.unwrap() else {
+        panic!("a fresh lock on a fresh durable cluster is free");
+    };
+    assert!(driver.release(&first).await.unwrap());
+    drop(driver);
+
+    let slot = cluster.slot_of(&lease_key(&lock));
+    tokio::task::block_in_place(|| {
+        cluster.fail_over_shard(slot);
+        let promoted = cluster.owner_of(slot);
+        cluster.restart_node(promoted);
+    });
+    let driver = driver_for(&cluster.url()).await;
+    let began = Instant::now();
+    let withheld = loop {
+        match driver.try_acquire(&lock, "b", lease).await {
+            Ok(Acquire::Withheld(withheld)) => break withheld,
+            Ok(other) => panic!(
+                "the promoted replica, restarted, granted the lock without waiting out a lease: \
+                 {other:?}"
+            ),
+            // The cluster settling after the restart (a moved slot, a connection refused).
+            Err(e) => {
+                assert!(began.elapsed() < Duration::from_secs(20), "no answer: {e}");
+                sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert_eq!(withheld.reason, leasehold_lease::RESTART_GUARD);
+    let second = loop {
+        match driver.try_acquire(&lock, "b", lease).await {
+            Ok(Acquire::Acquired(lease)) => break lease,
+            Ok(_) | Err(_) => {
+                assert!(
+                    began.elapsed() < lease * 3 + Duration::from_secs(20),
+                    "b never took the free lock"
+                );
+                sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert!(
+        second.token > first.token,
+        "tokens rise across the failover: {} then {}",
+        first.token,
+        second.token
+    );
+}
+
 /// Three locks, one on each master: a driver listens for release notices on one node, and a
 /// release on any master wakes it through the cluster bus.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

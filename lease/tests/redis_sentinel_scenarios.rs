@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use leasehold_lease::Acquire;
 use leasehold_testkit::{
     FaultyDriver, RedisSentinelSet, campaign, claims, driver_for, unique_lock,
 };
@@ -18,13 +19,59 @@ use tokio::time::{Instant, sleep};
 /// same token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_old_claim() {
+    a_lease_lost_in_a_failover_is_waited_out(Before::Nothing, After::Nothing).await;
+}
+
+/// The same, with the promoted replica made durable and restarted on its own data before any
+/// lock call reached it: it then looks like a durable master restarted, which lost nothing and
+/// grants at once. It is not one: its data came from the old master, without the holder's
+/// lease. The epoch record it has (written by the old master, and replicated) names another
+/// keeper (the sentinels' configuration epoch, raised by the failover), so it waits out a lease
+/// as a promoted replica does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_replica_restarted_before_it_served_the_lock_waits_out_the_old_claim() {
+    a_lease_lost_in_a_failover_is_waited_out(Before::RecordReplicated, After::RestartedDurable)
+        .await;
+}
+
+/// The same without an epoch record on the replica (the old master's first acquisition never
+/// reached it): a master with no record that the sentinels named after a failover counts its
+/// wait from its own start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_replica_restarted_without_a_record_waits_out_the_old_claim() {
+    a_lease_lost_in_a_failover_is_waited_out(Before::Nothing, After::RestartedDurable).await;
+}
+
+/// What the replica has before its link is cut.
+enum Before {
+    Nothing,
+    /// The epoch record, from an acquisition of another lock.
+    RecordReplicated,
+}
+
+/// What happens to the promoted replica before the contender's first call.
+enum After {
+    Nothing,
+    RestartedDurable,
+}
+
+async fn a_lease_lost_in_a_failover_is_waited_out(before: Before, after: After) {
     let mut set = RedisSentinelSet::start();
     let url = format!("{}?min-replicas=0", set.url());
     let lock = unique_lock("failover");
-    // Longer than detection plus promotion, so that the old holder still claims when the new
-    // master first serves.
-    let lease = Duration::from_secs(8);
+    // Longer than detection plus promotion (and a restart), so that the old holder still claims
+    // when the new master first serves.
+    let lease = Duration::from_secs(10);
 
+    if let Before::RecordReplicated = before {
+        let driver = driver_for(&set.url()).await;
+        let earlier = unique_lock("earlier");
+        let Acquire::Acquired(held) = driver.try_acquire(&earlier, "w", lease).await.unwrap()
+        else {
+            panic!("a fresh lock on a fresh durable master is free");
+        };
+        assert!(driver.release(&held).await.unwrap());
+    }
     set.replication_link.cut();
     let a_driver = FaultyDriver::wrap(driver_for(&url).await);
     let a = campaign(a_driver.clone(), &lock, "a", lease);
@@ -41,8 +88,13 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
 
     a_driver.cut_off(true);
     let killed = Instant::now();
-    tokio::task::block_in_place(|| set.fail_over());
-    let promoted = killed.elapsed();
+    tokio::task::block_in_place(|| {
+        set.fail_over();
+        if let After::RestartedDurable = after {
+            set.restart_promoted_as_durable();
+        }
+    });
+    let serving = killed.elapsed();
     let b = campaign(driver_for(&url).await, &lock, "b", lease);
 
     let mut a_last_claimed = None;
@@ -60,8 +112,8 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
             break token;
         }
         assert!(
-            killed.elapsed() < promoted + lease * 3,
-            "b never took over after the failover ({promoted:?} to promote): {b_answer:?}, {:?}; \
+            killed.elapsed() < serving + lease * 3,
+            "b never took over after the failover ({serving:?} to serve): {b_answer:?}, {:?}; \
              on the new master, epoch {:?}, lease {:?}",
             b.snapshot(),
             set.on_master(&["HGETALL", "leasehold:epoch"]),
@@ -71,9 +123,9 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
     };
     let b_held = killed.elapsed();
     assert!(
-        a_last_claimed.is_some_and(|t| t > promoted),
-        "the old holder still claimed when the replica was promoted (the case under test): \
-         last claimed at {a_last_claimed:?}, promoted at {promoted:?}"
+        a_last_claimed.is_some_and(|t| t > serving),
+        "the old holder still claimed when the new master first served (the case under test): \
+         last claimed at {a_last_claimed:?}, serving at {serving:?}"
     );
     assert!(
         b_token > a_token,
@@ -81,7 +133,7 @@ async fn a_promoted_replica_without_the_lease_hands_the_lock_on_only_after_the_o
     );
     assert!(!claims(&a));
     println!(
-        "promoted after {promoted:?}; a claimed until {a_last_claimed:?}; b held at {b_held:?} with token {b_token} (a had {a_token})"
+        "serving after {serving:?}; a claimed until {a_last_claimed:?}; b held at {b_held:?} with token {b_token} (a had {a_token})"
     );
     a.shutdown().await;
     b.shutdown().await;
@@ -246,7 +298,6 @@ async fn a_holder_that_hears_only_a_minority_of_the_sentinels_stops_within_the_l
 /// before the other master can grant the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_counts_from_the_sentinels_answer_not_from_the_call() {
-    use leasehold_lease::Acquire;
     use leasehold_lease::boot_clock::BootInstant;
     let set = RedisSentinelSet::start();
     let driver = driver_for(&set.url()).await;

@@ -248,6 +248,13 @@ impl RedisCluster {
         self.wait_until_ok();
     }
 
+    /// `kill -9` one node and start it again on its data and its `nodes.conf`; returns once
+    /// the cluster serves.
+    pub fn restart_node(&mut self, node: usize) {
+        self.nodes[node].restart();
+        self.wait_until_ok();
+    }
+
     fn wait_until_ok(&self) {
         let ok = |port: u16| {
             command(port, &["CLUSTER", "INFO"]).is_ok_and(|info| {

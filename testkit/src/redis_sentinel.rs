@@ -202,6 +202,21 @@ impl RedisSentinelSet {
         new
     }
 
+    /// Restart the master the sentinel named after a failover, as a durable master (its
+    /// append-only file written first), on its own data; returns once it serves again. The
+    /// sentinel does not notice: it is back well within `down-after-milliseconds`.
+    pub fn restart_promoted_as_durable(&mut self) {
+        let master = self.master().expect("the sentinel names a master");
+        let server = &mut self.servers[master];
+        server.replicate_from(None);
+        server.make_durable();
+        server.restart();
+        self.wait_for("the restarted master to serve as master", |s| {
+            s.master() == Some(master)
+                && info(s.servers[master].port(), "replication").contains("role:master")
+        });
+    }
+
     /// A whole failover, as production goes through it: [`Self::fail_over`], then the old
     /// master back on its data and made a replica of the new one (as the sentinel would do a
     /// few seconds later), in sync. Returns the new master's index.

@@ -354,6 +354,41 @@ impl RedisServer {
         self.replica_of = master;
     }
 
+    /// Made durable while it runs (`appendonly yes`, `appendfsync always`), as an operator
+    /// turns persistence on, and started so from then on; returns once the append-only file
+    /// holds the whole dataset.
+    pub fn make_durable(&mut self) {
+        let mut conn = redis::Client::open(self.plain_url())
+            .expect("client")
+            .get_connection_with_timeout(Duration::from_secs(5))
+            .expect("connect");
+        for (name, value) in [("appendfsync", "always"), ("appendonly", "yes")] {
+            let _: redis::Value = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(name)
+                .arg(value)
+                .query(&mut conn)
+                .expect("CONFIG SET");
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let persistence = info(self.port, "persistence");
+            if field(&persistence, "aof_enabled") == Some("1")
+                && field(&persistence, "aof_rewrite_in_progress") == Some("0")
+                && field(&persistence, "aof_rewrite_scheduled") == Some("0")
+                && field(&persistence, "aof_last_bgrewrite_status") == Some("ok")
+            {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the append-only file was not written within 30 s: {persistence}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.durable = true;
+    }
+
     /// `kill -9`: no shutdown save, only what the append-only file already has.
     pub fn kill(&mut self) {
         self.process.stop(None);

@@ -11,7 +11,7 @@ use redis::aio::ConnectionManager;
 use redis::{Script, Value};
 
 use crate::drivers::batches::{Batches, Gather, Pending, one_each};
-use crate::drivers::redis::{ACQUIRE, Acquisition, KeyLayout, acquisitions};
+use crate::drivers::redis::{ACQUIRE, Acquisition, Keeping, KeyLayout, acquisitions};
 use crate::error::Result;
 
 /// The most acquisitions one script call carries.
@@ -25,7 +25,7 @@ struct Request {
     lock: String,
     identity: String,
     ttl: Duration,
-    durable: bool,
+    keeping: Keeping,
 }
 
 /// The queue the acquisitions of one master go through.
@@ -43,21 +43,21 @@ impl AcquisitionBatches {
         }
     }
 
-    /// The script's result for `lock`: a token, or who holds it. `durable`: the master loses
-    /// no acknowledged write (a batch counts as durable only if every request says so).
+    /// The script's result for `lock`: a token, or who holds it. `keeping`: how the master keeps
+    /// its data (a batch whose requests do not all agree counts as [`Keeping::Lossy`]).
     pub(crate) async fn acquire(
         &self,
         lock: &str,
         identity: &str,
         ttl: Duration,
-        durable: bool,
+        keeping: Keeping,
     ) -> Result<Answer> {
         self.batches
             .call(Request {
                 lock: lock.to_owned(),
                 identity: identity.to_owned(),
                 ttl,
-                durable,
+                keeping,
             })
             .await?
     }
@@ -74,7 +74,12 @@ async fn send(
     if batch.is_empty() {
         return;
     }
-    let durable = batch.iter().all(|p| p.request.durable);
+    let first = &batch[0].request.keeping;
+    let keeping = if batch.iter().all(|p| p.request.keeping == *first) {
+        first.clone()
+    } else {
+        Keeping::Lossy
+    };
     let locks: Vec<Acquisition<'_>> = batch
         .iter()
         .map(|p| Acquisition {
@@ -83,7 +88,7 @@ async fn send(
             ttl: p.request.ttl,
         })
         .collect();
-    let reply = acquisitions(&script, &keys, &locks, durable)
+    let reply = acquisitions(&script, &keys, &locks, &keeping)
         .invoke_async::<Vec<Value>>(&mut conn)
         .await;
     drop(locks);

@@ -7,12 +7,13 @@
 //! What a move means for the lock:
 //! - A slot migration carries the keys with their TTLs (`MIGRATE`), so a holder keeps its lease
 //!   and its renewals go on against the new master.
-//! - The epoch record moves with the lock. The new master has another replication ID, so on
-//!   the next free acquisition it counts as a new epoch: unless every master is durable it
-//!   waits out one lease and raises the lock's counter above every earlier token, exactly as
-//!   after a restart. A migration that lost nothing costs a free lock one lease at most.
+//! - The epoch record moves with the lock. The new master has another replication ID and is
+//!   another keeper ([`crate::drivers::redis::Keeping::DurableClusterNode`]), so on the next
+//!   free acquisition it counts as a new epoch: it waits out one lease and raises the lock's
+//!   counter above every earlier token, exactly as after a restart. A migration that lost
+//!   nothing costs a free lock one lease at most.
 //! - A failover of the lock's shard is a promoted replica: as behind Sentinel, it waits out one
-//!   lease and raises the tokens.
+//!   lease and raises the tokens, restarted before it served the lock or not.
 //!
 //! Release notices: a `PUBLISH` reaches every node of a cluster over the cluster bus, so one
 //! pattern subscription on any reachable node hears every lock's releases.

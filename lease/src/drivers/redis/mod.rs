@@ -51,8 +51,7 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 
 /// KEYS: the epoch record, then for each lock in turn its lease, token counter, own counter (the
 /// same as the token counter unless the lock is a family's key) and waiters mark
-/// ([`KeyLayout::waiters`]). ARGV: durable ("1" when the server loses no acknowledged write in a
-/// crash: `appendonly yes`, `appendfsync always`), how long a key's own counter outlives its
+/// ([`KeyLayout::waiters`]). ARGV: how the server keeps its data ([`Keeping::argument`]), how long a key's own counter outlives its
 /// last acquisition (ms), then for each lock in turn the identity, the ttl in ms, and "1" when
 /// its records expire ([`KeyLayout::records_expire`]).
 /// Returns, for each lock: the new token, {current value, remaining ms} when the lock is held,
@@ -71,7 +70,10 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// overstate the uptime: [`crate::drivers::redis::tair::started_at_most_ago_s`]), and the token
 /// counters are raised above every token of earlier epochs (the floor: the server's clock in
 /// microseconds, and at least [`FLOOR_STEP`] above the last floor). A durable server that was never
-/// promoted lost nothing: its new epoch begins at once, tokens untouched.
+/// promoted, restarted on data it wrote itself, lost nothing: its new epoch begins at once,
+/// tokens untouched. What it wrote itself the record tells by its keeper ([`Keeping`]): a replica
+/// promoted and restarted before it served the record has another keeper than the master that
+/// wrote it, and may lack that master's last writes, so it waits as a promoted replica does.
 ///
 /// A family's keys draw their tokens from the family's counter ([`KeyLayout::counter`]), above
 /// the key's own counter where one is left, and leave the token in the key's own counter for
@@ -110,20 +112,65 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// step covers the tokens an epoch draws while the clock stands behind the record.
 pub(crate) const FLOOR_STEP: i64 = 1_000_000;
 
+/// How a master keeps its data, as the epoch check of [`ACQUIRE`] is told: whether its own
+/// restarts lose nothing, and what tells a restart on data it wrote itself from one on data a
+/// failover handed it (a replica promoted, then restarted before it served the lock: it
+/// passes for a durable server restarted, yet may lack the old master's last acquisition).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Keeping {
+    /// A crash may lose acknowledged writes, or nothing says otherwise: every new epoch waits.
+    Lossy,
+    /// `appendonly yes`, `appendfsync always`, and no failover in sight: one server, Redlock's
+    /// masters, or a Sentinel set that has never failed over.
+    Durable,
+    /// Durable behind Sentinel: the sentinels' configuration epoch for the master, which every
+    /// failover raises (and a restart keeps).
+    DurableBehindSentinel(u64),
+    /// Durable Redis Cluster nodes: the node's ID and configuration epoch, which the script
+    /// reads (`CLUSTER MYID`, `CLUSTER INFO`), kept in `nodes.conf` across restarts and raised
+    /// when a replica takes a shard over.
+    DurableClusterNode,
+}
+
+impl Keeping {
+    /// ARGV[1] of the epoch check: "0", or "1" followed by the keeper ("cluster" for the script
+    /// to read the node's own).
+    pub(crate) fn argument(&self) -> String {
+        match self {
+            Keeping::Lossy => "0".to_owned(),
+            Keeping::Durable | Keeping::DurableBehindSentinel(0) => "1".to_owned(),
+            Keeping::DurableBehindSentinel(epoch) => format!("1 sentinel epoch {epoch}"),
+            Keeping::DurableClusterNode => "1 cluster".to_owned(),
+        }
+    }
+}
+
 /// The epoch check of [`ACQUIRE`] and of Redlock's first phase ([`crate::drivers::redis::redlock`]),
 /// as Lua that defines `clock()`, `check_epoch()` and the state they set (`guarded`, `since`,
-/// `now`, `floor`): KEYS[1] is the epoch record, ARGV[1] "1" when the server is durable. A
-/// macro, so that both scripts are one literal each (`concat!`).
+/// `now`, `floor`): KEYS[1] is the epoch record, ARGV[1] [`Keeping::argument`]. A macro, so
+/// that both scripts are one literal each (`concat!`).
 macro_rules! epoch_check {
     () => {
         r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
+local durable, kept_by = string.sub(ARGV[1], 1, 1) == '1', string.sub(ARGV[1], 3)
 local function clock()
   if now == 0 then
     local t = redis.call('TIME')
     now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   end
   return now
+end
+local function keeper()
+  if kept_by ~= 'cluster' then
+    return kept_by
+  end
+  local node, cluster = redis.pcall('CLUSTER', 'MYID'), redis.pcall('CLUSTER', 'INFO')
+  local epoch = type(cluster) == 'string' and string.match(cluster, 'cluster_my_epoch:(%d+)')
+  if type(node) ~= 'string' or not epoch then
+    return false
+  end
+  return 'cluster node ' .. node .. ' epoch ' .. epoch
 end
 local function check_epoch()
   checked = 'pending'
@@ -136,11 +183,14 @@ local function check_epoch()
   guarded = true
   local promoted = string.match(replication, 'second_repl_offset:(-?%d+)') ~= '-1'
   clock()
-  local epoch = redis.call('HMGET', KEYS[1], 'replid', 'since', 'floor')
+  local epoch = redis.call('HMGET', KEYS[1], 'replid', 'since', 'floor', 'keeper')
   since = tonumber(epoch[2]) or 0
   floor = tonumber(epoch[3]) or 0
   if epoch[1] ~= replid then
-    if promoted or ARGV[1] ~= '1' then
+    local keeps = keeper()
+    local own_data = keeps == '' or (keeps and (epoch[1] and epoch[4] == epoch[1] .. ' ' .. keeps
+      or not epoch[1] and kept_by == 'cluster'))
+    if promoted or not durable or not own_data then
       if epoch[1] or promoted then
         since = now
       else
@@ -150,7 +200,7 @@ local function check_epoch()
       floor = math.max(now, floor + 1000000)
     end
     redis.call('HSET', KEYS[1], 'replid', replid, 'since', string.format('%d', since),
-      'floor', string.format('%d', floor))
+      'floor', string.format('%d', floor), 'keeper', replid .. ' ' .. (keeps or ''))
   end
   checked = true
 end
@@ -262,14 +312,14 @@ pub(crate) fn acquisitions<'a>(
     acquire: &'a Script,
     keys: &KeyLayout,
     locks: &[Acquisition<'_>],
-    durable: bool,
+    keeping: &Keeping,
 ) -> redis::ScriptInvocation<'a> {
     let mut invocation = acquire.prepare_invoke();
     if let Some(first) = locks.first() {
         invocation.key(keys.epoch_of(first.lock));
     }
     invocation
-        .arg(if durable { "1" } else { "0" })
+        .arg(keeping.argument())
         .arg(ms(KEY_COUNTER_RETENTION));
     for acquisition in locks {
         let lock = acquisition.lock;
@@ -292,14 +342,14 @@ pub(crate) fn acquisition<'a>(
     lock: &str,
     identity: &str,
     ttl: Duration,
-    durable: bool,
+    keeping: &Keeping,
 ) -> redis::ScriptInvocation<'a> {
     let one = Acquisition {
         lock,
         identity,
         ttl,
     };
-    acquisitions(acquire, keys, &[one], durable)
+    acquisitions(acquire, keys, &[one], keeping)
 }
 
 /// What one acquisition of an [`ACQUIRE`] call came to; an error for a lock whose keys the

@@ -15,7 +15,9 @@
 //!   tokens**: the single master's epoch record ([`crate::drivers::redis::ACQUIRE`]), in which a promoted
 //!   server is never durable. A lease the old master granted and the new one never received has
 //!   ended by then, because its holder counts it from before the promotion; a lease that did
-//!   reach the new master is renewed there as before.
+//!   reach the new master is renewed there as before. A promoted replica restarted before it
+//!   served the lock is no longer promoted, yet waits the same: the record names the sentinels'
+//!   configuration epoch it was written in, which the failover raised.
 //!
 //! - **The master is the one a majority of the configured sentinels names, lately.** Every
 //!   sentinel is asked, and a server counts as master only while more than half of those listed
@@ -120,9 +122,21 @@ pub struct SentinelMaster {
     current: tokio::sync::Mutex<Option<Master>>,
     /// One connection per sentinel, kept while it works.
     sentinels: Mutex<Vec<Option<MultiplexedConnection>>>,
-    /// The address a majority of the sentinels named last, and when they were asked (on the
+    /// The master a majority of the sentinels named last, and when they were asked (on the
     /// boot clock, which counts a suspend).
-    confirmed: Mutex<Option<(String, BootInstant)>>,
+    confirmed: Mutex<Option<(Named, BootInstant)>>,
+}
+
+/// A master as the sentinels name it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Named {
+    /// `host:port`.
+    pub address: String,
+    /// The sentinels' configuration epoch for the master (`config-epoch`): every failover
+    /// raises it, so a master restarted on data a failover handed it is told from one
+    /// restarted on its own ([`crate::drivers::redis::Keeping::DurableBehindSentinel`]). The
+    /// highest any sentinel of the majority gave.
+    pub failovers: u64,
 }
 
 #[derive(Clone)]
@@ -130,6 +144,8 @@ struct Master {
     /// When a majority was last asked and named this master, as the call that took this clone
     /// found it: the claim a call on it gives counts from then at the latest.
     confirmed_asked: BootInstant,
+    /// The sentinels' configuration epoch as that question gave it.
+    failovers: u64,
     address: String,
     client: redis::Client,
     conn: MultiplexedConnection,
@@ -155,10 +171,10 @@ impl SentinelMaster {
         }
     }
 
-    /// `host:port` of the master, as more than half of the configured sentinels name it now:
-    /// all are asked at once, each for at most [`SENTINEL_ANSWER`], and the answer comes as
-    /// soon as a majority agrees (a silent sentinel costs nothing then).
-    pub async fn named_master(&self) -> Result<(String, BootInstant)> {
+    /// The master, as more than half of the configured sentinels name it now: all are asked
+    /// at once, each for at most [`SENTINEL_ANSWER`], and the answer comes as soon as a
+    /// majority agrees on its address (a silent sentinel costs nothing then).
+    pub async fn named_master(&self) -> Result<(Named, BootInstant)> {
         use futures_util::stream::FuturesUnordered;
         let asked = BootInstant::now();
         let majority = self.config.sentinels.len() / 2 + 1;
@@ -173,14 +189,19 @@ impl SentinelMaster {
                 (i, sentinel, answer)
             })
             .collect();
-        let mut votes: Vec<(String, usize)> = Vec::new();
+        let mut votes: Vec<(Named, usize)> = Vec::new();
         let mut failures = Vec::new();
         while let Some((i, sentinel, answer)) = answers.next().await {
             match answer {
-                Ok(Ok(Some(address))) => match votes.iter_mut().find(|(a, _)| *a == address) {
-                    Some((_, count)) => *count += 1,
-                    None => votes.push((address, 1)),
-                },
+                Ok(Ok(Some(named))) => {
+                    match votes.iter_mut().find(|(n, _)| n.address == named.address) {
+                        Some((n, count)) => {
+                            *count += 1;
+                            n.failovers = n.failovers.max(named.failovers);
+                        }
+                        None => votes.push((named, 1)),
+                    }
+                }
                 Ok(Ok(None)) => failures.push(format!(
                     "{sentinel} does not monitor a master named {:?}",
                     self.config.master_name
@@ -202,11 +223,11 @@ impl SentinelMaster {
         // question's.
         let mut confirmed = self.confirmed.lock().expect("confirmed");
         let later = confirmed.as_ref().is_none_or(|(_, last)| asked >= *last);
-        if let Some((address, _)) = votes.iter().find(|(_, count)| *count >= majority) {
+        if let Some((named, _)) = votes.iter().find(|(_, count)| *count >= majority) {
             if later {
-                *confirmed = Some((address.clone(), asked));
+                *confirmed = Some((named.clone(), asked));
             }
-            return Ok((address.clone(), asked));
+            return Ok((named.clone(), asked));
         }
         if later {
             *confirmed = None;
@@ -214,7 +235,7 @@ impl SentinelMaster {
         drop(confirmed);
         let named: Vec<String> = votes
             .iter()
-            .map(|(address, count)| format!("{count} named {address}"))
+            .map(|(named, count)| format!("{count} named {}", named.address))
             .collect();
         Err(Error::Unreachable(format!(
             "no majority ({majority} of {}) of the sentinels names the master {:?}{}{}",
@@ -233,19 +254,21 @@ impl SentinelMaster {
         )))
     }
 
-    /// When a majority that named `address` master was asked, if within `fresh`.
-    fn confirmed(&self, address: &str, fresh: Duration) -> Option<BootInstant> {
+    /// When a majority that named `address` master was asked, if within `fresh`, and the
+    /// configuration epoch it gave.
+    fn confirmed(&self, address: &str, fresh: Duration) -> Option<(BootInstant, u64)> {
         self.confirmed
             .lock()
             .expect("confirmed")
             .as_ref()
             .filter(|(named, asked)| {
-                named == address && BootInstant::now().saturating_duration_since(*asked) < fresh
+                named.address == address
+                    && BootInstant::now().saturating_duration_since(*asked) < fresh
             })
-            .map(|(_, asked)| *asked)
+            .map(|(named, asked)| (*asked, named.failovers))
     }
 
-    async fn ask_sentinel(&self, i: usize, sentinel: &str) -> redis::RedisResult<Option<String>> {
+    async fn ask_sentinel(&self, i: usize, sentinel: &str) -> redis::RedisResult<Option<Named>> {
         let cached = self.sentinels.lock().expect("sentinels")[i].clone();
         let mut conn = match cached {
             Some(conn) => conn,
@@ -271,14 +294,31 @@ impl SentinelMaster {
                 conn
             }
         };
-        let reply: Option<(String, u16)> = redis::cmd("SENTINEL")
+        // One round trip, answered in one turn of the sentinel: the address (which names the
+        // promoted replica as soon as it is promoted) and the epoch it was named in.
+        let (address, master): (Option<(String, u16)>, Value) = redis::pipe()
+            .cmd("SENTINEL")
             .arg("get-master-addr-by-name")
+            .arg(&self.config.master_name)
+            .cmd("SENTINEL")
+            .arg("master")
             .arg(&self.config.master_name)
             .query_async(&mut conn)
             .await?;
-        Ok(reply.map(|(host, port)| match host.contains(':') {
-            true => format!("[{host}]:{port}"),
-            false => format!("{host}:{port}"),
+        let Some((host, port)) = address else {
+            return Ok(None);
+        };
+        Ok(Some(Named {
+            address: match host.contains(':') {
+                true => format!("[{host}]:{port}"),
+                false => format!("{host}:{port}"),
+            },
+            failovers: config_epoch(&master).ok_or_else(|| {
+                redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "SENTINEL MASTER gave no config-epoch",
+                ))
+            })?,
         }))
     }
 
@@ -294,14 +334,15 @@ impl SentinelMaster {
     async fn master_within(&self, fresh: Duration) -> Result<Master> {
         let mut current = self.current.lock().await;
         if let Some(master) = &*current
-            && let Some(asked) = self.confirmed(&master.address, fresh)
+            && let Some((asked, failovers)) = self.confirmed(&master.address, fresh)
         {
             return Ok(Master {
                 confirmed_asked: asked,
+                failovers,
                 ..master.clone()
             });
         }
-        let (address, confirmed_asked) = match self.named_master().await {
+        let (Named { address, failovers }, confirmed_asked) = match self.named_master().await {
             Ok(named) => named,
             Err(e) => {
                 if let Some(master) = current.take() {
@@ -314,6 +355,7 @@ impl SentinelMaster {
             if master.address == address {
                 return Ok(Master {
                     confirmed_asked,
+                    failovers,
                     ..master.clone()
                 });
             }
@@ -350,6 +392,7 @@ impl SentinelMaster {
         let renewals = Arc::new(RenewalBatches::new(conn.clone(), self.config.min_replicas));
         let master = Master {
             confirmed_asked,
+            failovers,
             address,
             client,
             conn,
@@ -371,6 +414,28 @@ impl SentinelMaster {
             *current = None;
         }
     }
+}
+
+/// `config-epoch` of a `SENTINEL MASTER` answer (field names and values in turn, or a map).
+fn config_epoch(master: &Value) -> Option<u64> {
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => std::str::from_utf8(b).ok().map(str::to_owned),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    };
+    let value = match master {
+        Value::Array(items) => items
+            .chunks(2)
+            .find(|pair| pair.len() == 2 && text(&pair[0]).as_deref() == Some("config-epoch"))
+            .map(|pair| &pair[1]),
+        Value::Map(pairs) => pairs
+            .iter()
+            .find(|(k, _)| text(k).as_deref() == Some("config-epoch"))
+            .map(|(_, v)| v),
+        _ => None,
+    }?;
+    text(value)?.parse().ok()
 }
 
 /// Whether `e` means that this server is no longer (or not yet) the master to talk to.
@@ -513,16 +578,17 @@ impl Driver for RedisSentinelDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let master = self.master.master_within(confirmation_window(ttl)).await?;
-        let durable = match self
+        let keeping = match self
             .durability
             .of(&mut master.conn.clone(), &master.address)
             .await
         {
-            Ok(durable) => durable,
+            Ok(true) => single::Keeping::DurableBehindSentinel(master.failovers),
+            Ok(false) => single::Keeping::Lossy,
             Err(e) => return Err(self.failed(&master, e).await),
         };
         let reply: Value =
-            match single::acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
+            match single::acquisition(&self.acquire, &self.keys, lock, identity, ttl, &keeping)
                 .invoke_async(&mut master.conn.clone())
                 .await
             {
@@ -709,8 +775,8 @@ async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<
                             None => break,
                         },
                         _ = check.tick() => match master.named_master().await {
-                            Ok((named, _)) if named != address => {
-                                tracing::info!(from = %address, to = %named, "the sentinels name a new Redis master");
+                            Ok((named, _)) if named.address != address => {
+                                tracing::info!(from = %address, to = %named.address, "the sentinels name a new Redis master");
                                 master.forget(&address).await;
                                 break;
                             }

@@ -28,9 +28,9 @@ use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::releases::ReleaseBatches;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
-    ACQUIRE, KeyLayout, OBSERVE, RELEASE, RENEW, acquired, acquisition, client, connection,
-    delete_keys, explain, held_key_leases, lease_value, listen_for_releases_on, lock_key_warnings,
-    ms, only_result, parse_value_and_pttl, released_one, releases_of,
+    ACQUIRE, Keeping, KeyLayout, OBSERVE, RELEASE, RENEW, acquired, acquisition, client,
+    connection, delete_keys, explain, held_key_leases, lease_value, listen_for_releases_on,
+    lock_key_warnings, ms, only_result, parse_value_and_pttl, released_one, releases_of,
 };
 use crate::error::{Error, Result};
 use crate::tls::Tls;
@@ -184,15 +184,21 @@ impl RedisDriver {
         }
     }
 
-    async fn durable(&self, conn: &mut Connection) -> Result<bool> {
-        match conn {
-            Connection::Single(_) => self
-                .durability
-                .of(conn, "")
-                .await
-                .map_err(|e| self.error(e)),
-            Connection::Cluster(cluster) => Ok(self.durability.of_cluster(cluster).await),
-        }
+    async fn keeping(&self, conn: &mut Connection) -> Result<Keeping> {
+        let (durable, keeping) = match conn {
+            Connection::Single(_) => (
+                self.durability
+                    .of(conn, "")
+                    .await
+                    .map_err(|e| self.error(e))?,
+                Keeping::Durable,
+            ),
+            Connection::Cluster(cluster) => (
+                self.durability.of_cluster(cluster).await,
+                Keeping::DurableClusterNode,
+            ),
+        };
+        Ok(if durable { keeping } else { Keeping::Lossy })
     }
 }
 
@@ -204,15 +210,15 @@ impl Driver for RedisDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.connection().await?;
-        let durable = self.durable(&mut conn).await?;
+        let keeping = self.keeping(&mut conn).await?;
         let result = match &self.acquisitions {
             Some(batches) => batches
-                .acquire(lock, identity, ttl, durable)
+                .acquire(lock, identity, ttl, keeping)
                 .await?
                 .map_err(|e| self.error(e))?,
             None => {
                 let reply: Value =
-                    acquisition(&self.acquire, &self.keys, lock, identity, ttl, durable)
+                    acquisition(&self.acquire, &self.keys, lock, identity, ttl, &keeping)
                         .invoke_async(&mut conn)
                         .await
                         .map_err(|e| self.error(e))?;
