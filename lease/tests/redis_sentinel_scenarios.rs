@@ -135,6 +135,29 @@ async fn a_lease_lost_in_a_failover_is_waited_out(before: Before, after: After) 
     println!(
         "serving after {serving:?}; a claimed until {a_last_claimed:?}; b held at {b_held:?} with token {b_token} (a had {a_token})"
     );
+    if let After::RestartedDurable = after {
+        // The record is now the new master's own: restarted again on it, with no failover, it
+        // lost nothing and grants a free lock at once.
+        tokio::task::block_in_place(|| set.restart_promoted_as_durable());
+        let driver = driver_for(&url).await;
+        let fresh = unique_lock("fresh");
+        let began = Instant::now();
+        loop {
+            match driver.try_acquire(&fresh, "c", lease).await {
+                Ok(Acquire::Acquired(_)) => break,
+                Ok(other) => panic!(
+                    "a durable master restarted on its own record, with no failover, withholds \
+                     a free lock: {other:?}; epoch {:?}",
+                    set.on_master(&["HGETALL", "leasehold:epoch"])
+                ),
+                // The connection to the restarted master, made again.
+                Err(e) => {
+                    assert!(began.elapsed() < Duration::from_secs(10), "{e}");
+                    sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
     a.shutdown().await;
     b.shutdown().await;
 }

@@ -120,26 +120,35 @@ pub(crate) const FLOOR_STEP: i64 = 1_000_000;
 pub(crate) enum Keeping {
     /// A crash may lose acknowledged writes, or nothing says otherwise: every new epoch waits.
     Lossy,
-    /// `appendonly yes`, `appendfsync always`, and no failover in sight: one server, Redlock's
-    /// masters, or a Sentinel set that has never failed over.
+    /// `appendonly yes`, `appendfsync always`, and nothing to tell who kept the data: one
+    /// server, Redlock's masters.
     Durable,
-    /// Durable behind Sentinel: the sentinels' configuration epoch for the master, which every
-    /// failover raises (and a restart keeps).
-    DurableBehindSentinel(u64),
+    /// Durable behind Sentinel: the master's address and the sentinels' configuration epoch
+    /// for it, which every failover raises (and a restart keeps). The epoch alone repeats when
+    /// the sentinels are set up afresh; the address changes with every failover. A record
+    /// missing is trusted only at epoch 0 (these sentinels never failed over): else the wait
+    /// counts from the server's start.
+    DurableBehindSentinel { address: String, failovers: u64 },
     /// Durable Redis Cluster nodes: the node's ID and configuration epoch, which the script
     /// reads (`CLUSTER MYID`, `CLUSTER INFO`), kept in `nodes.conf` across restarts and raised
-    /// when a replica takes a shard over.
+    /// when a replica takes a shard over. A lock's record missing is trusted (idle records
+    /// expire after a day, and a node just started would otherwise hold every such lock for a
+    /// lease).
     DurableClusterNode,
 }
 
 impl Keeping {
-    /// ARGV[1] of the epoch check: "0", or "1" followed by the keeper ("cluster" for the script
-    /// to read the node's own).
+    /// ARGV[1] of the epoch check: "0" (lossy), else "1" where a missing record is trusted and
+    /// "2" where it is not, followed by the keeper ("cluster" for the script to read the node's
+    /// own).
     pub(crate) fn argument(&self) -> String {
         match self {
             Keeping::Lossy => "0".to_owned(),
-            Keeping::Durable | Keeping::DurableBehindSentinel(0) => "1".to_owned(),
-            Keeping::DurableBehindSentinel(epoch) => format!("1 sentinel epoch {epoch}"),
+            Keeping::Durable => "1".to_owned(),
+            Keeping::DurableBehindSentinel { address, failovers } => format!(
+                "{} sentinel {address} epoch {failovers}",
+                if *failovers == 0 { 1 } else { 2 }
+            ),
             Keeping::DurableClusterNode => "1 cluster".to_owned(),
         }
     }
@@ -153,7 +162,8 @@ macro_rules! epoch_check {
     () => {
         r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
-local durable, kept_by = string.sub(ARGV[1], 1, 1) == '1', string.sub(ARGV[1], 3)
+local keeping, kept_by = string.sub(ARGV[1], 1, 1), string.sub(ARGV[1], 3)
+local durable = keeping ~= '0'
 local function clock()
   if now == 0 then
     local t = redis.call('TIME')
@@ -189,7 +199,7 @@ local function check_epoch()
   if epoch[1] ~= replid then
     local keeps = keeper()
     local own_data = keeps == '' or (keeps and (epoch[1] and epoch[4] == epoch[1] .. ' ' .. keeps
-      or not epoch[1] and kept_by == 'cluster'))
+      or not epoch[1] and keeping == '1'))
     if promoted or not durable or not own_data then
       if epoch[1] or promoted then
         since = now

@@ -125,6 +125,8 @@ pub struct SentinelMaster {
     /// The master a majority of the sentinels named last, and when they were asked (on the
     /// boot clock, which counts a suspend).
     confirmed: Mutex<Option<(Named, BootInstant)>>,
+    /// Whether a sentinel's refusal to tell the master's configuration epoch was logged.
+    epoch_refusal_told: std::sync::atomic::AtomicBool,
 }
 
 /// A master as the sentinels name it.
@@ -135,8 +137,10 @@ pub struct Named {
     /// The sentinels' configuration epoch for the master (`config-epoch`): every failover
     /// raises it, so a master restarted on data a failover handed it is told from one
     /// restarted on its own ([`crate::drivers::redis::Keeping::DurableBehindSentinel`]). The
-    /// highest any sentinel of the majority gave.
-    pub failovers: u64,
+    /// highest any sentinel of the majority gave; `None` where none would tell (`SENTINEL
+    /// MASTER` refused to the sentinels' user), and the master then counts as one that may
+    /// lose data.
+    pub failovers: Option<u64>,
 }
 
 #[derive(Clone)]
@@ -145,7 +149,7 @@ struct Master {
     /// found it: the claim a call on it gives counts from then at the latest.
     confirmed_asked: BootInstant,
     /// The sentinels' configuration epoch as that question gave it.
-    failovers: u64,
+    failovers: Option<u64>,
     address: String,
     client: redis::Client,
     conn: MultiplexedConnection,
@@ -168,6 +172,7 @@ impl SentinelMaster {
             current: tokio::sync::Mutex::new(None),
             sentinels,
             confirmed: Mutex::new(None),
+            epoch_refusal_told: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -256,7 +261,7 @@ impl SentinelMaster {
 
     /// When a majority that named `address` master was asked, if within `fresh`, and the
     /// configuration epoch it gave.
-    fn confirmed(&self, address: &str, fresh: Duration) -> Option<(BootInstant, u64)> {
+    fn confirmed(&self, address: &str, fresh: Duration) -> Option<(BootInstant, Option<u64>)> {
         self.confirmed
             .lock()
             .expect("confirmed")
@@ -295,8 +300,14 @@ impl SentinelMaster {
             }
         };
         // One round trip, answered in one turn of the sentinel: the address (which names the
-        // promoted replica as soon as it is promoted) and the epoch it was named in.
-        let (address, master): (Option<(String, u16)>, Value) = redis::pipe()
+        // promoted replica as soon as it is promoted), then the epoch it was named in, which
+        // can only be as new. A sentinel user refused `SENTINEL MASTER` still names the master.
+        type Replies = (
+            redis::RedisResult<Option<(String, u16)>>,
+            redis::RedisResult<Value>,
+        );
+        let (address, master): Replies = redis::pipe()
+            .ignore_errors()
             .cmd("SENTINEL")
             .arg("get-master-addr-by-name")
             .arg(&self.config.master_name)
@@ -305,20 +316,26 @@ impl SentinelMaster {
             .arg(&self.config.master_name)
             .query_async(&mut conn)
             .await?;
-        let Some((host, port)) = address else {
+        let Some((host, port)) = address? else {
             return Ok(None);
         };
+        let failovers = master.ok().as_ref().and_then(config_epoch);
+        if failovers.is_none()
+            && !self
+                .epoch_refusal_told
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                sentinel,
+                "the sentinel does not tell the master's config-epoch (SENTINEL MASTER): the master counts as one that may lose data, and a free lock waits out a lease after each of its restarts"
+            );
+        }
         Ok(Some(Named {
             address: match host.contains(':') {
                 true => format!("[{host}]:{port}"),
                 false => format!("{host}:{port}"),
             },
-            failovers: config_epoch(&master).ok_or_else(|| {
-                redis::RedisError::from((
-                    redis::ErrorKind::UnexpectedReturnType,
-                    "SENTINEL MASTER gave no config-epoch",
-                ))
-            })?,
+            failovers,
         }))
     }
 
@@ -583,7 +600,13 @@ impl Driver for RedisSentinelDriver {
             .of(&mut master.conn.clone(), &master.address)
             .await
         {
-            Ok(true) => single::Keeping::DurableBehindSentinel(master.failovers),
+            Ok(true) => match master.failovers {
+                Some(failovers) => single::Keeping::DurableBehindSentinel {
+                    address: master.address.clone(),
+                    failovers,
+                },
+                None => single::Keeping::Lossy,
+            },
             Ok(false) => single::Keeping::Lossy,
             Err(e) => return Err(self.failed(&master, e).await),
         };
@@ -803,6 +826,32 @@ async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<
 mod tests {
     use super::*;
     use redis::IntoConnectionInfo;
+
+    /// `SENTINEL MASTER` answers as RESP2 gives them (field names and values in turn) and as
+    /// RESP3 does (a map); an answer without the field tells nothing.
+    #[test]
+    fn the_config_epoch_is_read_from_either_protocol() {
+        let text = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        let flat = Value::Array(vec![
+            text("name"),
+            text("leasehold"),
+            text("config-epoch"),
+            text("7"),
+            text("flags"),
+            text("master"),
+        ]);
+        assert_eq!(config_epoch(&flat), Some(7));
+        let map = Value::Map(vec![
+            (text("name"), text("leasehold")),
+            (text("config-epoch"), Value::Int(12)),
+        ]);
+        assert_eq!(config_epoch(&map), Some(12));
+        assert_eq!(
+            config_epoch(&Value::Array(vec![text("name"), text("x")])),
+            None
+        );
+        assert_eq!(config_epoch(&Value::Nil), None);
+    }
 
     /// The sentinels' user and password reach the client byte for byte, whatever they contain:
     /// the client percent-decodes the URL's user information.
