@@ -1559,6 +1559,20 @@ fn backend_name(family: &str, key: &str) -> String {
     }
 }
 
+/// The name of `lock`'s Kubernetes Lease where the lock's own is one the API server refuses: a
+/// family's plain key with a dot-separated part that starts or ends with '-' (`orders.keys.a-.b`)
+/// is held in the Lease its hash names, as the family names keys it cannot name plainly. On
+/// every other backend the key keeps its plain name; on Kubernetes the plain name was never
+/// accepted, so no Lease of that name is held by anyone.
+pub fn kubernetes_lease_name(lock: &str) -> Option<String> {
+    if crate::names::validate_lease_name(lock).is_ok() {
+        return None;
+    }
+    let family = family_of(lock)?;
+    let key = lock[family.len()..].strip_prefix(PLAIN_KEY_INFIX)?;
+    Some(hashed_name(family, key))
+}
+
 fn hashed_name(family: &str, key: &str) -> String {
     let digest = Sha256::digest(key.as_bytes());
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();

@@ -476,6 +476,39 @@ async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
     assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(0));
 }
 
+/// A family's key whose plain name is no Kubernetes object name (a dot-separated part that
+/// starts or ends with '-', as in `a-.b`: the API server refuses such a name) is held in a Lease
+/// named by the key's hash, in the family's names: taken, refused to another pod, released, and
+/// swept with the family's idle keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_whose_plain_name_is_no_kubernetes_name_is_held_under_a_name_the_family_gives_it() {
+    let harness = KubernetesHarness::new();
+    let driver = harness.client_driver();
+    let family = unique_lock("odd");
+    const TTL: Duration = Duration::from_secs(10);
+    let stored = |name: &str| harness.api.lease(KubernetesHarness::NAMESPACE, name);
+    for key in ["a-.b", "x.-y", "p.q-.r"] {
+        let lock = format!("{family}.keys.{key}");
+        let name = driver.lease_name(&lock).into_owned();
+        assert!(
+            name.starts_with(&format!("{family}.keyh.")),
+            "{lock} is held in the Lease {name}"
+        );
+        let lease = match driver.try_acquire(&lock, "pod-a", TTL).await {
+            Ok(Acquire::Acquired(lease)) => lease,
+            other => panic!("{lock}: {other:?}"),
+        };
+        assert!(matches!(
+            driver.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+            Acquire::Busy(_)
+        ));
+        assert!(stored(&name).is_some(), "no Lease {name} for {lock}");
+        assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(1));
+        assert!(driver.release(&lease).await.unwrap());
+    }
+    assert_eq!(forget_idle_now(&driver, &family).await, 3);
+}
+
 /// A lock whose Lease is named like a family's key (`leaseName: orders.keys.x`) has that Lease
 /// swept with the family's idle keys, the family's floor raised above its token first: taken
 /// again, it draws above the floor, not from 1.

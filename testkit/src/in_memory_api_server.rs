@@ -740,6 +740,9 @@ impl InMemoryApiServer {
                 "metadata.name is required",
             );
         };
+        if let Some(refused) = invalid_name(&name) {
+            return refused;
+        }
         let mut store = self.store.lock().unwrap();
         if store
             .objects
@@ -1037,6 +1040,9 @@ impl InMemoryApiServer {
         name: &str,
         mut object: Value,
     ) -> Response<Body> {
+        if let Some(refused) = invalid_name(name) {
+            return refused;
+        }
         if store
             .objects
             .get(&(NAMESPACES.to_owned(), String::new(), ns.to_owned()))
@@ -1602,4 +1608,29 @@ fn not_found(name: &str) -> Response<Body> {
         "NotFound",
         &format!("\"{name}\" not found"),
     )
+}
+
+/// The real server's 422 for a name that is no lowercase RFC 1123 subdomain (what it asks of
+/// Leases, Secrets, events and custom resources alike): `[a-z0-9-]` parts separated by '.',
+/// each starting and ending alphanumeric, 253 characters at most. `None` for a valid name.
+fn invalid_name(name: &str) -> Option<Response<Body>> {
+    let part_ok = |part: &str| {
+        let bytes = part.as_bytes();
+        !bytes.is_empty()
+            && bytes
+                .iter()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+            && bytes[0] != b'-'
+            && bytes[bytes.len() - 1] != b'-'
+    };
+    if name.len() <= 253 && name.split('.').all(part_ok) {
+        return None;
+    }
+    Some(status(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Invalid",
+        &format!(
+            "metadata.name: Invalid value: {name:?}: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+        ),
+    ))
 }

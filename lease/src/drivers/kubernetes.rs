@@ -22,6 +22,7 @@
 //!   the exact duration is kept in the annotation [`DURATION_ANNOTATION`].
 //! - **Wake-ups**: one watch per lock (on the Lease's name), started by the first waiter.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Mutex;
@@ -266,12 +267,16 @@ impl KubernetesLeaseDriver {
         self
     }
 
-    /// The Lease that holds `lock`.
-    pub fn lease_name<'a>(&'a self, lock: &'a str) -> &'a str {
-        self.targets
-            .get(lock)
-            .and_then(|t| t.name.as_deref())
-            .unwrap_or(lock)
+    /// The Lease that holds `lock`: a declared lock's `leaseName`, else the lock's own name, or
+    /// for a family's key whose plain name the API server refuses, the one its hash gives
+    /// ([`crate::keyed::kubernetes_lease_name`]).
+    pub fn lease_name<'a>(&'a self, lock: &'a str) -> Cow<'a, str> {
+        match self.targets.get(lock).and_then(|t| t.name.as_deref()) {
+            Some(name) => Cow::Borrowed(name),
+            None => {
+                crate::keyed::kubernetes_lease_name(lock).map_or(Cow::Borrowed(lock), Cow::Owned)
+            }
+        }
     }
 
     fn api(&self) -> Api<LeaseObject> {
@@ -280,7 +285,7 @@ impl KubernetesLeaseDriver {
 
     async fn read(&self, lock: &str) -> Result<Option<LeaseObject>> {
         self.api()
-            .get_opt(self.lease_name(lock))
+            .get_opt(&self.lease_name(lock))
             .await
             .map_err(classify)
     }
@@ -289,7 +294,7 @@ impl KubernetesLeaseDriver {
     fn blank(&self, lock: &str) -> LeaseObject {
         LeaseObject {
             metadata: ObjectMeta {
-                name: Some(self.lease_name(lock).to_owned()),
+                name: Some(self.lease_name(lock).into_owned()),
                 namespace: Some(self.namespace.clone()),
                 labels: Some(
                     [(MANAGED_BY_LABEL.0.to_owned(), MANAGED_BY_LABEL.1.to_owned())].into(),
@@ -336,7 +341,7 @@ impl KubernetesLeaseDriver {
     async fn replace(&self, lock: &str, next: &LeaseObject) -> Result<Option<LeaseObject>> {
         let result = if next.metadata.resource_version.is_some() {
             self.api()
-                .replace(self.lease_name(lock), &PostParams::default(), next)
+                .replace(&self.lease_name(lock), &PostParams::default(), next)
                 .await
         } else {
             self.api().create(&PostParams::default(), next).await
@@ -785,7 +790,8 @@ impl Driver for KubernetesLeaseDriver {
         // A family's key whose Lease was forgotten as idle starts again above the family's
         // floor, which the sweep raised before it deleted the Lease. The sweep goes by the
         // Lease's name: so does the floor, also for a lock whose Lease is named like a key.
-        let family = crate::names::family_of(self.lease_name(lock)).filter(|_| created);
+        let lease_name = self.lease_name(lock);
+        let family = crate::names::family_of(&lease_name).filter(|_| created);
         let floor = match family {
             Some(family) => self.floor(family).await?,
             None => 0,
@@ -998,7 +1004,7 @@ impl Upkeep for KubernetesLeaseDriver {
 impl KubernetesLeaseDriver {
     /// `lock`'s Lease, made if missing and disowned if owned, as last read or written.
     async fn provision_lease(&self, lock: &str) -> Result<LeaseObject> {
-        crate::names::validate_lease_name(self.lease_name(lock))?;
+        crate::names::validate_lease_name(&self.lease_name(lock))?;
         for _ in 0..CONFLICT_RETRIES {
             let written = match self.read(lock).await? {
                 // 409 AlreadyExists: another provisioner won; read what it made.
