@@ -227,6 +227,9 @@ pub struct DistributedLockSpec {
     pub permits: Option<u32>,
 }
 
+/// The largest `maxKeyLength` a family may be given (its schema's maximum).
+pub const MAX_KEY_LENGTH: u32 = 1024;
+
 /// The bounds of a family's keys.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -234,7 +237,7 @@ pub struct KeysSpec {
     /// The longest key accepted, in bytes (default 128). A key is letters, digits and
     /// `. _ - : / @`; a longer or ill-formed key is refused with 400.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 1024))]
+    #[schemars(range(min = 1, max = MAX_KEY_LENGTH))]
     pub max_key_length: Option<u32>,
     /// How many keys of the family one pod may hold at once (default 1024); one more is
     /// refused with 429.

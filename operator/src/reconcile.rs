@@ -385,15 +385,15 @@ fn key_lock_names(
         }
         None => 0..1,
     };
-    let max_key_length = lock
-        .spec
-        .keys
-        .as_ref()
-        .and_then(|keys| keys.max_key_length)
-        .map_or(leasehold_lease::keyed::DEFAULT_MAX_KEY_LENGTH, |n| {
-            n as usize
-        });
-    leasehold_lease::keyed::key_lock_names(&lock.name_any(), &asked.key, permits, max_key_length)
+    // A key longer than the family's bound may still be held, taken before the bound was
+    // lowered; a force-release names a holding, so any key the resource may ever have allowed
+    // is looked for (one nobody holds is then reported as such).
+    leasehold_lease::keyed::key_lock_names(
+        &lock.name_any(),
+        &asked.key,
+        permits,
+        leasehold_crds::MAX_KEY_LENGTH as usize,
+    )
 }
 
 /// A person's `leasehold.dev/force-release=TOKEN` (a family's: `KEY:TOKEN`): while `holder`
@@ -875,6 +875,30 @@ mod tests {
             .await
             .unwrap()
             .map(|h| (h.identity, h.token))
+    }
+
+    /// A key longer than the family's bound, held since before the bound was lowered, can
+    /// still be force-released; what is no key at all is refused.
+    #[test]
+    fn a_force_release_names_keys_longer_than_the_familys_bound_now() {
+        let mut lock = fixtures::family(fixtures::redis_lock("orders", 6379));
+        lock.spec.keys.as_mut().unwrap().max_key_length = Some(8);
+        let asked = |key: &str| resource::KeyForceRelease {
+            key: key.to_owned(),
+            permit: None,
+            token: 3,
+        };
+        let long = "order-123456789";
+        assert_eq!(
+            key_lock_names(&lock, &asked(long)),
+            Ok(vec![
+                leasehold_lease::keyed::key_lock_names("orders", long, 0..1, long.len())
+                    .unwrap()
+                    .remove(0)
+            ])
+        );
+        assert!(key_lock_names(&lock, &asked("no spaces")).is_err());
+        assert!(key_lock_names(&lock, &asked(&"k".repeat(1025))).is_err());
     }
 
     fn held(identity: &str, token: u64) -> Option<(String, u64)> {
