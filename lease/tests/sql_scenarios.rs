@@ -1839,6 +1839,20 @@ async fn mariadb_a_deleted_floor_comes_back_above_the_familys_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_a_deleted_floor_comes_back_above_the_familys_tokens() {
+    let mut h = PostgresHarness::row_lock();
+    let url = h.server.url();
+    a_deleted_floor_comes_back_above_the_familys_tokens(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_a_deleted_floor_comes_back_above_the_familys_tokens() {
+    let mut h = MariaDbHarness::row_lock();
+    let url = h.server.url();
+    a_deleted_floor_comes_back_above_the_familys_tokens(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_deleted_floor_comes_back_above_the_familys_tokens() {
     let mut h = leasehold_testkit::SqliteHarness::new();
     let url = format!("sqlite://{}", h.path().display());

@@ -41,13 +41,13 @@ pub(crate) trait Fence: Sync {
     fn statements(&self) -> &Statements;
     /// The fence's holder, if any.
     fn holder(&self, lock: &str) -> impl Future<Output = Result<Option<Holding>>> + Send;
-    /// The fence's compare-and-set: the new token, or `None` while someone holds it.
+    /// The fence's compare-and-set: the new token, or who holds it.
     fn acquire_row(
         &self,
         lock: &str,
         identity: &str,
         ttl: Duration,
-    ) -> impl Future<Output = Result<Option<u64>>> + Send;
+    ) -> impl Future<Output = Result<std::result::Result<u64, Option<Holding>>>> + Send;
     fn renew_row(&self, lease: &Lease, ttl: Duration) -> impl Future<Output = Result<bool>> + Send;
     /// Free the fence if `lease` still holds it, on the pool.
     fn release_row(&self, lease: &Lease) -> impl Future<Output = Result<bool>> + Send;
@@ -266,12 +266,12 @@ impl RowLocks {
             }
         };
         // Holding the row, bump the token on the fence; this commits on its own, so it outlives
-        // this connection. `None`: a holder whose connection died may still believe it holds.
+        // this connection. Not taken: a holder whose connection died may still believe it holds.
         let token = match driver.acquire_row(lock, identity, ttl).await {
-            Ok(Some(token)) => token,
-            Ok(None) => {
+            Ok(Ok(token)) => token,
+            Ok(Err(holder)) => {
                 self.rollback_and_spare(conn).await;
-                return Ok(Acquire::Busy(driver.holder(lock).await?));
+                return Ok(Acquire::Busy(holder));
             }
             Err(e) => return Err(e), // dropping the connection frees the row
         };

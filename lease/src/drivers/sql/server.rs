@@ -412,16 +412,26 @@ impl SqlDriver {
         Ok(())
     }
 
-    /// A lock found free, yet not taken. For a family's key its floor row may be gone (deleted
-    /// by hand; the acquisition reads it): put it back and try once more.
-    async fn again_with_floor(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let Some(family) = crate::names::family_of(lock) else {
-            return Ok(Acquire::Busy(None));
+    /// [`Self::acquire_row`], or who holds the lock. A lock found free, yet not taken, is for a
+    /// family's key one whose floor row may be gone (deleted by hand; the acquisition reads it):
+    /// put back, and tried once more.
+    async fn acquire_row_or_holder(
+        &self,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<std::result::Result<u64, Option<Holding>>> {
+        if let Some(token) = self.acquire_row(lock, identity, ttl).await? {
+            return Ok(Ok(token));
+        }
+        let holder = self.observe(lock).await?;
+        let Some(family) = crate::names::family_of(lock).filter(|_| holder.is_none()) else {
+            return Ok(Err(holder));
         };
         self.ensure_floor(&self.sql.key_floor, family, true).await?;
         Ok(match self.acquire_row(lock, identity, ttl).await? {
-            Some(token) => taken(lock, identity, token),
-            None => Acquire::Busy(self.observe(lock).await?),
+            Some(token) => Ok(token),
+            None => Err(self.observe(lock).await?),
         })
     }
 
@@ -625,12 +635,9 @@ impl Driver for SqlDriver {
         let acquired = match (polled, &self.row_locks) {
             (Some(polled), _) => polled,
             (None, Some(row_locks)) => row_locks.try_acquire(self, lock, identity, ttl).await?,
-            (None, None) => match self.acquire_row(lock, identity, ttl).await? {
-                Some(token) => taken(lock, identity, token),
-                None => match self.observe(lock).await? {
-                    None => self.again_with_floor(lock, identity, ttl).await?,
-                    holder => Acquire::Busy(holder),
-                },
+            (None, None) => match self.acquire_row_or_holder(lock, identity, ttl).await? {
+                Ok(token) => taken(lock, identity, token),
+                Err(holder) => Acquire::Busy(holder),
             },
         };
         if mysql_lease {
@@ -822,8 +829,8 @@ impl Fence for SqlDriver {
         lock: &str,
         identity: &str,
         ttl: Duration,
-    ) -> impl Future<Output = Result<Option<u64>>> + Send {
-        SqlDriver::acquire_row(self, lock, identity, ttl)
+    ) -> impl Future<Output = Result<std::result::Result<u64, Option<Holding>>>> + Send {
+        SqlDriver::acquire_row_or_holder(self, lock, identity, ttl)
     }
 
     fn renew_row(&self, lease: &Lease, ttl: Duration) -> impl Future<Output = Result<bool>> + Send {
