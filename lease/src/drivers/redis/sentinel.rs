@@ -137,7 +137,7 @@ pub struct Named {
     /// The sentinels' configuration epoch for the master (`config-epoch`): every failover
     /// raises it, so a master restarted on data a failover handed it is told from one
     /// restarted on its own ([`crate::drivers::redis::Keeping::DurableBehindSentinel`]). The
-    /// highest any sentinel of the majority gave; `None` where none would tell (`SENTINEL
+    /// highest the sentinels of the majority gave; `None` where one would not tell (`SENTINEL
     /// MASTER` refused to the sentinels' user), and the master then counts as one that may
     /// lose data.
     pub failovers: Option<u64>,
@@ -202,7 +202,7 @@ impl SentinelMaster {
                     match votes.iter_mut().find(|(n, _)| n.address == named.address) {
                         Some((n, count)) => {
                             *count += 1;
-                            n.failovers = n.failovers.max(named.failovers);
+                            n.failovers = merged_failovers(n.failovers, named.failovers);
                         }
                         None => votes.push((named, 1)),
                     }
@@ -431,6 +431,13 @@ impl SentinelMaster {
             *current = None;
         }
     }
+}
+
+/// The configuration epoch of two sentinels that name one master: the higher (a sentinel that
+/// has not heard of the last failover gives a lower one), and nothing where either would not
+/// tell, so that one lagging sentinel beside refusing ones never speaks for the majority.
+fn merged_failovers(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    a.zip(b).map(|(a, b)| a.max(b))
 }
 
 /// `config-epoch` of a `SENTINEL MASTER` answer (field names and values in turn, or a map).
@@ -851,6 +858,15 @@ mod tests {
             None
         );
         assert_eq!(config_epoch(&Value::Nil), None);
+    }
+
+    /// Of a majority, the highest epoch any gave, unless one would not tell.
+    #[test]
+    fn a_sentinel_that_does_not_tell_the_epoch_leaves_it_untold() {
+        assert_eq!(merged_failovers(Some(3), Some(5)), Some(5));
+        assert_eq!(merged_failovers(Some(5), Some(3)), Some(5));
+        assert_eq!(merged_failovers(Some(5), None), None);
+        assert_eq!(merged_failovers(None, Some(5)), None);
     }
 
     /// The sentinels' user and password reach the client byte for byte, whatever they contain:
