@@ -319,7 +319,7 @@ impl SentinelMaster {
         let Some((host, port)) = address? else {
             return Ok(None);
         };
-        let failovers = master.ok().as_ref().and_then(config_epoch);
+        let failovers = master.ok().and_then(config_epoch);
         if failovers.is_none()
             && !self
                 .epoch_refusal_told
@@ -441,25 +441,12 @@ fn merged_failovers(a: Option<u64>, b: Option<u64>) -> Option<u64> {
 }
 
 /// `config-epoch` of a `SENTINEL MASTER` answer (field names and values in turn, or a map).
-fn config_epoch(master: &Value) -> Option<u64> {
-    let text = |v: &Value| match v {
-        Value::BulkString(b) => std::str::from_utf8(b).ok().map(str::to_owned),
-        Value::SimpleString(s) => Some(s.clone()),
-        Value::Int(n) => Some(n.to_string()),
-        _ => None,
-    };
-    let value = match master {
-        Value::Array(items) => items
-            .chunks(2)
-            .find(|pair| pair.len() == 2 && text(&pair[0]).as_deref() == Some("config-epoch"))
-            .map(|pair| &pair[1]),
-        Value::Map(pairs) => pairs
-            .iter()
-            .find(|(k, _)| text(k).as_deref() == Some("config-epoch"))
-            .map(|(_, v)| v),
-        _ => None,
-    }?;
-    text(value)?.parse().ok()
+fn config_epoch(master: Value) -> Option<u64> {
+    redis::from_redis_value::<std::collections::HashMap<String, String>>(master)
+        .ok()?
+        .get("config-epoch")?
+        .parse()
+        .ok()
 }
 
 /// Whether `e` means that this server is no longer (or not yet) the master to talk to.
@@ -847,17 +834,17 @@ mod tests {
             text("flags"),
             text("master"),
         ]);
-        assert_eq!(config_epoch(&flat), Some(7));
+        assert_eq!(config_epoch(flat), Some(7));
         let map = Value::Map(vec![
             (text("name"), text("leasehold")),
             (text("config-epoch"), Value::Int(12)),
         ]);
-        assert_eq!(config_epoch(&map), Some(12));
+        assert_eq!(config_epoch(map), Some(12));
         assert_eq!(
-            config_epoch(&Value::Array(vec![text("name"), text("x")])),
+            config_epoch(Value::Array(vec![text("name"), text("x")])),
             None
         );
-        assert_eq!(config_epoch(&Value::Nil), None);
+        assert_eq!(config_epoch(Value::Nil), None);
     }
 
     /// Of a majority, the highest epoch any gave, unless one would not tell.
