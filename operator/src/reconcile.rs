@@ -1,6 +1,7 @@
 //! The controller for `DistributedLock`: a finalizer first, then provisioning and status on
-//! every change and every [`RESYNC`]; clean-up on deletion when the spec asks for it. Decisions
-//! are in [`crate::status`]; this module only talks to the API server.
+//! every change of the resource (not of its status) and every [`RESYNC`]; clean-up on deletion
+//! when the spec asks for it. Decisions are in [`crate::status`]; this module only talks to
+//! the API server.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -14,7 +15,7 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{self, ObjectRef, reflector};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
 use leasehold_crds::{CleanupPolicy, DistributedLock};
@@ -110,7 +111,17 @@ pub async fn run(
             .default_backoff()
             .touched_objects()
             .predicate_filter(lease_holder, Default::default());
-        let controller = Controller::new(locks, watcher::Config::default().any_semantic())
+        // The operator's own status writes are left out of what starts a reconcile: a lock
+        // whose holder changed again by the time its status was written would otherwise be
+        // reconciled again by that write, in a loop as fast as the API server answers.
+        let (reader, writer) = reflector::store();
+        let lock_changes = reflector(
+            writer,
+            watcher(locks, watcher::Config::default().any_semantic()),
+        )
+        .applied_objects()
+        .predicate_filter(what_asks_for_a_reconcile, Default::default());
+        let controller = Controller::for_stream(lock_changes, reader)
             .with_config(kube::runtime::controller::Config::default().concurrency(concurrency))
             .watches_stream(holder_changes, lock_of_lease)
             .graceful_shutdown_on(shutdown.clone());
@@ -164,6 +175,21 @@ fn lease_holder(lease: &LeaseObject) -> Option<u64> {
     spec.and_then(|s| s.holder_identity.as_deref())
         .hash(&mut hasher);
     spec.and_then(|s| s.lease_transitions).hash(&mut hasher);
+    Some(hasher.finish())
+}
+
+/// What of a lock asks for a reconcile: its spec (the generation), its annotations (a
+/// force-release), its finalizers, its deletion, and its identity (a lock deleted and made
+/// again). Not its status, which only the operator writes.
+fn what_asks_for_a_reconcile(lock: &DistributedLock) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let meta = lock.meta();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    meta.uid.hash(&mut hasher);
+    meta.generation.hash(&mut hasher);
+    meta.annotations.hash(&mut hasher);
+    meta.finalizers.hash(&mut hasher);
+    meta.deletion_timestamp.is_some().hash(&mut hasher);
     Some(hasher.finish())
 }
 

@@ -6,13 +6,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold_crds::{Backend, CleanupPolicy, KubernetesBackend};
+use leasehold_crds::{Backend, CleanupPolicy, KubernetesBackend, RedisBackend};
 use leasehold_lease::{Acquire, Driver};
 use leasehold_operator::config::Watched;
 use leasehold_operator::metrics::Metrics;
 use leasehold_operator::reconcile::{self, Context, FINALIZER};
-use leasehold_testkit::InMemoryApiServer;
 use leasehold_testkit::in_memory_api_server::{DISTRIBUTED_LOCKS, EVENTS, LEASES};
+use leasehold_testkit::{InMemoryApiServer, RedisServer};
 use serde_json::Value;
 
 mod support;
@@ -213,6 +213,95 @@ async fn a_holder_change_shows_at_once_and_renewals_cost_nothing() {
         },
     )
     .await;
+}
+
+/// A lock whose holder changes between any two looks (workers taking it on demand, many times a
+/// second) costs the operator what any lock does: the status the operator writes does not
+/// bring the lock back to be reconciled, so the holder is read again at the resync or at a
+/// change of the resource, not in a loop of the operator's own writes spending the API budget
+/// that every lock shares. Here each status write hands the lock to another owner before it
+/// is answered, so every look finds a holder the status does not name yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_whose_holder_keeps_changing_is_not_reconciled_again_by_its_own_status() {
+    let redis = RedisServer::start();
+    let api = InMemoryApiServer::new();
+    let mut lock = leasehold_testkit::distributed_lock(
+        NS,
+        "jobs",
+        Backend {
+            redis: Some(RedisBackend {
+                endpoints: vec![format!("127.0.0.1:{}", redis.port())],
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    lock.metadata.uid = None;
+    api.put(DISTRIBUTED_LOCKS, serde_json::to_value(&lock).unwrap());
+    let resolved = leasehold_resource::resolve(&lock, &Default::default()).unwrap();
+    let driver = leasehold_resource::open(&api.client(), &resolved)
+        .await
+        .unwrap();
+    let holding = Arc::new(tokio::sync::Mutex::new((0u32, None)));
+    let hand_over = move || {
+        let (driver, holding, name) = (driver.clone(), holding.clone(), resolved.name.clone());
+        async move {
+            let mut holding = holding.lock().await;
+            if let Some(lease) = holding.1.take() {
+                driver.release(&lease).await.unwrap();
+            }
+            holding.0 += 1;
+            let owner = format!("pod-{}", holding.0);
+            let Acquire::Acquired(lease) = driver
+                .try_acquire(&name, &owner, Duration::from_secs(60))
+                .await
+                .unwrap()
+            else {
+                panic!("{owner} did not take the free lock")
+            };
+            holding.1 = Some(lease);
+        }
+    };
+    hand_over().await;
+    let inner = support::operator_client(&api);
+    let client = kube::Client::new(
+        tower::service_fn(move |request: http::Request<kube::client::Body>| {
+            let (inner, hand_over) = (inner.clone(), hand_over.clone());
+            async move {
+                let status_write = request.method() == http::Method::PATCH
+                    && request.uri().path().ends_with("/status");
+                let response = inner.send(request).await?;
+                if status_write {
+                    hand_over().await;
+                }
+                Ok::<_, kube::Error>(response)
+            }
+        }),
+        "default",
+    );
+    let ctx = Arc::new(Context::new(client, "operator-0", Arc::new(Metrics::new())));
+    let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(reconcile::run(ctx, Watched::AllNamespaces, async {
+        let _ = stopped.await;
+    }));
+    eventually(Duration::from_secs(10), "a holder in the status", || {
+        lock_object(&api, "jobs")?["status"]["holder"]
+            .as_str()
+            .map(str::to_owned)
+    })
+    .await;
+    let status_writes = || {
+        api.requests_by_kind()
+            .get("PATCH distributedlocks/status")
+            .copied()
+            .unwrap_or(0)
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let written = status_writes();
+    assert!(
+        written <= 2,
+        "the operator wrote the status of a lock nobody edited {written} times in 2 s"
+    );
 }
 
 /// The reasons of the Events about lock `name`, oldest first.
