@@ -205,6 +205,9 @@ struct KeyHolding {
     /// read-write family is not until its acquisition has probed the write gate
     /// (read_write.rs); the owner's other calls meanwhile answer "not held".
     checked: std::sync::atomic::AtomicBool,
+    /// A part of a write lock, not a holding of the owner's own (a read, a semaphore's permit):
+    /// the one is never acquired again as the other.
+    of_write: bool,
 }
 
 /// A family of keyed locks on one backend. Cheap to clone.
@@ -819,10 +822,21 @@ impl KeyedFamily {
         let base_key = key;
         let key = &*permit_key(key, permit);
         let state = StateInUse::new(&self.inner, key);
-        if let Some(current) = current_of(&state).filter(|c| c.owner == owner)
-            && let Some(answer) = self.reenter(&current, hold, reentrant).await?
-        {
-            return Ok(answer);
+        if let Some(current) = current_of(&state).filter(|c| c.owner == owner) {
+            // The owner's calls check how it holds the key as they start, and two of them may
+            // start together: a read and a write of one owner meet here at the latest.
+            match (current.of_write, part) {
+                (false, Part::OfWrite) => {
+                    return Err(read_write::reads_so_cannot_write(owner, base_key));
+                }
+                (true, Part::Own(_)) => {
+                    return Err(read_write::writes_so_cannot_read(owner, base_key));
+                }
+                _ => {}
+            }
+            if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
+                return Ok(answer);
+            }
         }
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
             Ok(slot) => slot,
@@ -911,6 +925,7 @@ impl KeyedFamily {
             slot: Mutex::new(Some(slot)),
             // A reader's permit above 0 is told of once it has passed the write gate; a part
             // of a write lock never is.
+            of_write: part == Part::OfWrite,
             checked: std::sync::atomic::AtomicBool::new(match part {
                 Part::OfWrite => false,
                 Part::Own(_) => {

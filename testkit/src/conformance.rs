@@ -2507,6 +2507,28 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         KeyRelease::Released { holds: 0 }
     );
 
+    // One owner asking to read and to write at once is given one of them at most, never both:
+    // each permit taken checks how the owner holds it, not only each call as it starts.
+    for round in 0..5 {
+        let owner = format!("rw{round}");
+        let (read_answer, write_answer) = tokio::join!(
+            a.acquire_read(key, &owner, NOW, HOLD),
+            a.acquire_write(key, &owner, NOW, HOLD)
+        );
+        let held =
+            |answer: &Result<KeyAnswer, KeyError>| matches!(answer, Ok(KeyAnswer::Held { .. }));
+        assert!(
+            !(held(&read_answer) && held(&write_answer)),
+            "round {round}: {owner} was told it reads and writes {key} at once: {read_answer:?} and {write_answer:?}"
+        );
+        if held(&read_answer) || held(&write_answer) {
+            assert_eq!(
+                a.release(key, &owner).await.unwrap(),
+                KeyRelease::Released { holds: 0 }
+            );
+        }
+    }
+
     // A writer after a writer: a higher token.
     let (w2, _) = written(a.acquire_write(key, "w2", NOW, HOLD).await.unwrap());
     assert!(w2 > w1, "writer's token {w2} after {w1}");

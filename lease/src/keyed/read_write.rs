@@ -173,6 +173,21 @@ impl Drop for CheckedRead {
     }
 }
 
+/// The refusal of a write to an owner that reads the key: there is no upgrade from read to
+/// write.
+pub(super) fn reads_so_cannot_write(owner: &str, key: &str) -> KeyError {
+    KeyError::BadMode(format!(
+        "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
+    ))
+}
+
+/// The refusal of a read to an owner that writes the key, or is taking it to write.
+pub(super) fn writes_so_cannot_read(owner: &str, key: &str) -> KeyError {
+    KeyError::BadMode(format!(
+        "{owner} is taking {key:?} to write and cannot read it meanwhile"
+    ))
+}
+
 impl KeyedFamily {
     /// Take `key` to write for `owner` (a family declared read-write): once no other owner,
     /// reader or writer, holds any of its permits, waiting up to `wait`, and keep it at most
@@ -235,9 +250,7 @@ impl KeyedFamily {
     /// A 400 when `owner` reads `key`: there is no upgrade from read to write.
     pub(super) fn refuse_upgrade(&self, key: &str, owner: &str) -> Result<(), KeyError> {
         match self.owned_permit(key, owner) {
-            Some(_) => Err(KeyError::BadMode(format!(
-                "{owner} reads {key:?} and cannot also write it: release the read first (two readers upgrading at once would each wait for the other)"
-            ))),
+            Some(_) => Err(reads_so_cannot_write(owner, key)),
             None => Ok(()),
         }
     }
@@ -443,9 +456,7 @@ impl KeyedFamily {
             return Ok(answer);
         }
         if self.holding_on(key, GATE, owner).is_some() {
-            return Err(KeyError::BadMode(format!(
-                "{owner} is taking {key:?} to write and cannot read it meanwhile"
-            )));
+            return Err(writes_so_cannot_read(owner, key));
         }
         let deadline = Instant::now() + wait;
         loop {
@@ -454,9 +465,7 @@ impl KeyedFamily {
             }
             // The owner may have begun writing the key meanwhile (its gate is no other's).
             if self.holding_on(key, GATE, owner).is_some() {
-                return Err(KeyError::BadMode(format!(
-                    "{owner} is taking {key:?} to write and cannot read it meanwhile"
-                )));
+                return Err(writes_so_cannot_read(owner, key));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             let answer = self.take_checked(key, owner, left, hold, reentrant).await?;
