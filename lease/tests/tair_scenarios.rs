@@ -274,6 +274,28 @@ async fn a_promoted_durable_standby_waits_out_the_lease() {
     the_new_primary_waits_out_the_lease(&*b, "failover", sent, taken.token).await;
 }
 
+/// Another server behind the address, one that keeps no data through a crash (a lossy
+/// standby promoted, its data then lost; a server put in the old one's place) is asked whether
+/// it is durable when its incarnation is learnt, not taken for durable because the server
+/// before it answered so a moment ago: with nothing recorded on it, only a durable server
+/// can be trusted to have held no lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_server_behind_the_address_is_asked_again_whether_it_is_durable() {
+    let durable = RedisServer::start_tair();
+    let lossy = RedisServer::start_tair_with(false);
+    let endpoint = leasehold_testkit::FaultProxy::start(durable.port());
+    let url = format!("tair://127.0.0.1:{}", endpoint.port);
+    let a = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    let b = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
+    // b has just learnt that the server behind the address is durable.
+    let first = acquired(&*b, "warm-up", "b", FAILOVER_LEASE).await;
+    assert!(b.release(&first).await.unwrap());
+    let sent = tokio::time::Instant::now();
+    let taken = acquired(&*a, "moved", "a", FAILOVER_LEASE).await;
+    endpoint.redirect(lossy.port());
+    the_new_primary_waits_out_the_lease(&*b, "moved", sent, taken.token).await;
+}
+
 /// A failover and a failback with nothing acquired on the other side in between: the old
 /// primary, promoted again, comes back with the other side's data (without the lease taken
 /// on it after the first failover) and the epoch record it wrote itself. It is a new

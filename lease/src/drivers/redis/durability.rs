@@ -32,6 +32,16 @@ impl Durability {
         if let Some(durable) = self.cached(master) {
             return Ok(durable);
         }
+        self.read(conn, master).await
+    }
+
+    /// [`Durability::of`] read now, whatever is cached: for a server met for the first time
+    /// (a new incarnation), which the answer cached for the one before says nothing of.
+    pub(crate) async fn read(
+        &self,
+        conn: &mut (impl redis::aio::ConnectionLike + Send),
+        master: &str,
+    ) -> redis::RedisResult<bool> {
         let mut setting = async |name: &str| {
             config_value(
                 redis::cmd("CONFIG")
