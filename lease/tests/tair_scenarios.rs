@@ -142,20 +142,45 @@ async fn a_renewal_after_one_whose_answer_was_lost_keeps_the_lock() {
     let driver = connect(&url).await.unwrap();
     let ttl = Duration::from_secs(30);
     let lease = acquired(&*driver, "renewed", "a", ttl).await;
+    let (mut raw, key, version) = renewed_behind_the_drivers_back(&server, "renewed").await;
+    assert!(
+        driver.renew(&lease, ttl).await.unwrap(),
+        "a live lease given up after a renewal whose answer was lost"
+    );
+    let (_, renewed): (String, i64) = redis::cmd("EXGET")
+        .arg(&key)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(
+        renewed > version + 1,
+        "the renewal was not sent again: version {renewed}"
+    );
+    assert!(driver.renew(&lease, ttl).await.unwrap());
+    assert!(driver.release(&lease).await.unwrap(), "released");
+    assert!(driver.observe("renewed").await.unwrap().is_none());
+}
+
+/// A renewal of `lock`'s lease carried out by the server whose answer never reached the
+/// driver, made with a client of its own: the raw connection, the lease's key, and the
+/// version the driver knows.
+async fn renewed_behind_the_drivers_back(
+    server: &RedisServer,
+    lock: &str,
+) -> (redis::aio::MultiplexedConnection, String, i64) {
     let mut raw = redis::Client::open(server.plain_url())
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("*{renewed}:lease")
+        .arg(format!("*{{{lock}}}:lease"))
         .query_async(&mut raw)
         .await
         .unwrap();
     let [key] = keys.as_slice() else {
         panic!("the lease's key: {keys:?}");
     };
-    // The lost renewal, as the server carried it out.
     let (value, version): (String, i64) = redis::cmd("EXGET")
         .arg(key)
         .query_async(&mut raw)
@@ -170,22 +195,24 @@ async fn a_renewal_after_one_whose_answer_was_lost_keeps_the_lock() {
         .query_async(&mut raw)
         .await
         .unwrap();
+    (raw, key.clone(), version)
+}
+
+/// A release after a renewal whose answer was lost (the renewal timed out, or the caller gave
+/// up waiting for it) frees the lock at once, rather than leave it to run out with nobody
+/// holding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_renewal_whose_answer_was_lost_frees_the_lock() {
+    let server = RedisServer::start_tair();
+    let url = BackendUrl::parse(&server.url()).unwrap();
+    let driver = connect(&url).await.unwrap();
+    let lease = acquired(&*driver, "released", "a", Duration::from_secs(30)).await;
+    renewed_behind_the_drivers_back(&server, "released").await;
     assert!(
-        driver.renew(&lease, ttl).await.unwrap(),
-        "a live lease given up after a renewal whose answer was lost"
+        driver.release(&lease).await.unwrap(),
+        "a live lease not released after a renewal whose answer was lost"
     );
-    let (_, renewed): (String, i64) = redis::cmd("EXGET")
-        .arg(key)
-        .query_async(&mut raw)
-        .await
-        .unwrap();
-    assert!(
-        renewed > version + 1,
-        "the renewal was not sent again: version {renewed}"
-    );
-    assert!(driver.renew(&lease, ttl).await.unwrap());
-    assert!(driver.release(&lease).await.unwrap(), "released");
-    assert!(driver.observe("renewed").await.unwrap().is_none());
+    assert!(driver.observe("released").await.unwrap().is_none());
 }
 
 /// The lease of the failover scenarios.

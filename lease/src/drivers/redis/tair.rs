@@ -881,8 +881,33 @@ impl Driver for TairDriver {
         let Some(version) = self.versions().remove(&key) else {
             return Ok(false);
         };
-        self.delete_and_announce(&mut self.conn.clone(), &lease.lock, version)
+        let mut conn = self.conn.clone();
+        if self
+            .delete_and_announce(&mut conn, &lease.lock, version)
+            .await?
+        {
+            return Ok(true);
+        }
+        // Another version: a renewal whose answer was lost (a timeout, a reset connection) may
+        // have been carried out and raised it. Where the key still holds this lease's own value
+        // (values name the token, which no other holding has), it goes at the version it has.
+        let got: Value = redis::cmd("EXGET")
+            .arg(self.keys.lease(&lease.lock))
+            .query_async(&mut conn)
             .await
+            .map_err(|e| self.call_failed(e))?;
+        match got {
+            Value::Array(items) => match (items.first(), items.get(1)) {
+                (Some(Value::BulkString(held)), Some(Value::Int(current)))
+                    if held.as_slice() == lease_value(lease).as_bytes() =>
+                {
+                    self.delete_and_announce(&mut conn, &lease.lock, *current)
+                        .await
+                }
+                _ => Ok(false),
+            },
+            _ => Ok(false),
+        }
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
