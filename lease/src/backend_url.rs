@@ -119,6 +119,7 @@ impl BackendUrl {
                 client: None,
             })
         }
+        let mut user = None;
         let place = match self.clone() {
             BackendUrl::Sqlite(config) => BackendUrl::Sqlite(config),
             BackendUrl::Redis(config) => BackendUrl::Redis(RedisConfig {
@@ -169,12 +170,13 @@ impl BackendUrl {
                 ..config
             }),
             BackendUrl::Sql(config) => {
-                let mut url =
-                    if config.schema.is_none() && config.url.scheme().starts_with("postgres") {
-                        config.url.clone()
-                    } else {
-                        anonymous(&config.url)
-                    };
+                // Without a schema, the user's search_path finds the table: the user is named
+                // beside the place, in words no redaction of the URL hides (a URL naming a user
+                // without a password shows it as `***`, as it would a password).
+                if config.schema.is_none() && config.url.scheme().starts_with("postgres") {
+                    user = Some(config.url.username().to_owned());
+                }
+                let mut url = anonymous(&config.url);
                 let kept: Vec<(String, String)> = url
                     .query_pairs()
                     .filter(|(name, _)| {
@@ -190,7 +192,10 @@ impl BackendUrl {
                 BackendUrl::Sql(SqlConfig { url, ..config })
             }
         };
-        place.to_string()
+        match user {
+            Some(user) => format!("{place} as user {user:?}"),
+            None => place.to_string(),
+        }
     }
 }
 
@@ -254,10 +259,20 @@ mod tests {
             at("postgres://v-app-1:pw@db:5432/locks?schema=locks"),
             at("postgres://v-app-2:pw@db:5432/locks?schema=locks")
         );
-        // Without a schema, the user's search_path finds the table: another user, another place.
+        // Without a schema, the user's search_path finds the table: another user, another
+        // place; the same user with a rotated password, the same place.
         assert_ne!(
             at("postgres://alice:pw@db:5432/locks"),
             at("postgres://bob:pw@db:5432/locks")
+        );
+        assert_eq!(
+            at("postgres://alice:pw1@db:5432/locks"),
+            at("postgres://alice:pw2@db:5432/locks")
+        );
+        // Users without a password (certificates, trust, IAM tokens) as well.
+        assert_ne!(
+            at("postgres://alice@db:5432/locks"),
+            at("postgres://bob@db:5432/locks")
         );
         assert_ne!(at("sqlite:///data/a@b.db"), at("sqlite:///data/c@b.db"));
         assert_ne!(
