@@ -350,6 +350,77 @@ async fn a_moved_backend_is_never_held_on_both() {
     .await;
 }
 
+/// On PostgreSQL without `schema`, the user's `search_path` finds the table, so a Secret naming
+/// another user may move the lock to another table. The other pods see the Secret only at
+/// their own re-read, up to a re-check interval later, and a holder among them claims the old
+/// table until it does: the pod that saw it first waits out that interval too, beside the old
+/// lease and a renew interval, before it campaigns on the new table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_seen_in_a_secret_waits_for_every_pod_to_have_read_it() {
+    use leasehold_testkit::in_memory_api_server::SECRETS;
+    let server = leasehold_testkit::PostgresServer::start();
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&server.url())
+        .await
+        .unwrap();
+    for user in ["alice", "bob"] {
+        for statement in [
+            format!("CREATE ROLE {user} LOGIN"),
+            format!("CREATE SCHEMA {user} AUTHORIZATION {user}"),
+        ] {
+            sqlx::query(&statement).execute(&mut admin).await.unwrap();
+        }
+        // Each user's own table, where the lock is provisioned as the operator would.
+        let url = format!("postgres://{user}@127.0.0.1:{}/postgres", server.port());
+        let driver = leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap();
+        driver.provision_one("jobs").await.unwrap();
+    }
+    let user_secret = |user: &str| {
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "pg-user", "namespace": "team",
+                            "annotations": {"leasehold.dev/allowed-hosts": "127.0.0.1"}},
+               "stringData": {"user": user}})
+    };
+    let api = InMemoryApiServer::new();
+    api.put(SECRETS, user_secret("alice"));
+    api.put(
+        DISTRIBUTED_LOCKS,
+        json!({
+            "apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+            "metadata": {"name": "jobs", "namespace": "team"},
+            "spec": {"backend": {"postgres": {"host": "127.0.0.1", "port": server.port(),
+                                              "database": "postgres",
+                                              "userSecretRef": {"name": "pg-user", "key": "user"}}},
+                     "leaseDuration": "3s", "renewInterval": "1s"}
+        }),
+    );
+    let recheck = Duration::from_secs(1);
+    let (state, old_lock, follower) = follow_jobs_rechecking(&api, recheck).await;
+    eventually("pod-a holds the lock", || old_lock.answer().is_holder()).await;
+
+    api.put(SECRETS, user_secret("bob"));
+    eventually("pod-a steps down on alice's table", || {
+        !old_lock.answer().is_holder()
+    })
+    .await;
+    let moved = tokio::time::Instant::now();
+    // Old lease (3 s) + renew interval (1 s) + the re-check (1 s) before any claim on bob's.
+    while moved.elapsed() < Duration::from_millis(4500) {
+        assert!(
+            !state.locks()[0].answer().is_holder(),
+            "held on bob's table {:?} after the move, before every pod may have read the Secret",
+            moved.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eventually("pod-a holds the lock on bob's table", || {
+        state.locks()[0].answer().is_holder()
+    })
+    .await;
+    follower.abort();
+}
+
 /// On the Kubernetes backend, another Lease (`leaseName`) is another place too, so that a pod
 /// that still holds the old Lease is never beside one holding the new.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
