@@ -321,6 +321,57 @@ async fn a_waiter_whose_place_was_deleted_does_not_hold_beside_a_node_of_its_num
     assert!(y.renew(&y_lease, lease).await.unwrap(), "y still holds");
 }
 
+/// A driver that gave up its session (its client found it expired) while the server still
+/// keeps it, and the session's node with it: that node counts for nothing to the driver. A
+/// waiter whose node comes first is not granted the lock through its new session, nor is a
+/// holder's claim extended through it: the server ends the old session on its own clock, and
+/// the next in line then takes the lock while such a claim would still run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_a_session_given_up_grants_and_extends_nothing() {
+    use leasehold_lease::{Acquire, Driver};
+    let server = ZooKeeperServer::start();
+    let (holder, waiter, other) = (driver(&server), driver(&server), driver(&server));
+    let lease = Duration::from_secs(5);
+    let lock = "given-up";
+    let Acquire::Acquired(first) = holder.try_acquire(lock, "holder", lease).await.unwrap() else {
+        panic!("the holder");
+    };
+    let Acquire::Busy(_) = waiter.try_acquire(lock, "waiter", lease).await.unwrap() else {
+        panic!("the waiter waits");
+    };
+    // The holder's session is given up; the holder renews through its next one.
+    let holders_old_session = holder.give_up_a_session_the_server_keeps().await;
+    let renewed = holder.renew(&first, lease).await;
+    assert!(
+        !matches!(renewed, Ok(true)),
+        "a claim was extended through a session that does not keep its node"
+    );
+    drop(holders_old_session);
+    // The waiter, now first in line, gives its session up before it asks again.
+    let waiters_old_session = waiter.give_up_a_session_the_server_keeps().await;
+    if let Ok(Acquire::Acquired(w)) = waiter.try_acquire(lock, "waiter", lease).await {
+        panic!(
+            "granted (token {}) on a node of a session the driver gave up, which the server ends on its own clock",
+            w.token
+        );
+    }
+    drop(waiters_old_session);
+    // Both sessions ended: the lock is free for the next.
+    let deadline = tokio::time::Instant::now() + lease * 2;
+    loop {
+        match other.try_acquire(lock, "other", lease).await.unwrap() {
+            Acquire::Acquired(_) => break,
+            refused => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the lock stayed taken: {refused:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
 /// An acquisition dropped while its node is being created (the engine's time budget, a client
 /// that hung up), its wait then abandoned: the node leaves the queue as soon as it is created,
 /// rather than stand first in line, asked by nobody, for three leases.

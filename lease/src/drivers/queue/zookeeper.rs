@@ -91,12 +91,21 @@ type Entry = Place<Node>;
 struct Node {
     path: String,
     sequence: i64,
+    /// The session that created the node and keeps it (its ephemeral owner): the node stays on
+    /// the server after this process gave that session up, until the server expires it.
+    session: i64,
     /// From when the leader surely counts the session that keeps this node, as of the last
     /// acquisition or renewal (see [`Session::counted_from`]).
     counted_from: Mutex<Option<BootInstant>>,
 }
 
 impl Node {
+    /// Whether `session` is the one that keeps this node: a node of an earlier session of
+    /// this process may outlive it on the server for a while, and be first in line meanwhile.
+    fn kept_by(&self, session: &Session) -> bool {
+        self.session == session.client.session_id().0
+    }
+
     /// The node's name in its queue. It, not the sequence number, tells the node apart: a
     /// queue's parent deleted and made again numbers its children from 0 again, so another
     /// client's node may carry this one's number.
@@ -703,6 +712,7 @@ impl Shared {
             own: Node {
                 path: format!("{prefix}{sequence}"),
                 sequence: sequence.into_i64(),
+                session: stat.ephemeral_owner,
                 counted_from: Mutex::new(None),
             },
         });
@@ -972,6 +982,15 @@ impl ZooKeeperDriver {
         gate
     }
 
+    /// For tests: the driver gives its session up as it does one its client found expired
+    /// and opens another at its next call, while the session goes on: the server may keep a
+    /// session the client gave up for a while, and its nodes with it. The session ends (and
+    /// its nodes go) when what is returned is dropped.
+    #[cfg(feature = "test-hooks")]
+    pub async fn give_up_a_session_the_server_keeps(&self) -> Box<dyn std::any::Any + Send> {
+        Box::new(self.shared.session.lock().await.take())
+    }
+
     /// For tests: `path` is a node this driver gave up without reaching ZooKeeper (a delete
     /// that failed), to be deleted later.
     #[cfg(feature = "test-hooks")]
@@ -1088,6 +1107,14 @@ impl Driver for ZooKeeperDriver {
         };
         let _turn = turn;
         let session = self.shared.session(ttl).await?;
+        if !entry.kept_by(&session) {
+            // Made on a session given up since (the client found it expired): the server may
+            // still keep the node, first in line, until it expires the session itself, and
+            // then gives the lock to the next in line; it counts for nothing here.
+            self.shared.forget(&entry);
+            entry.slot.abort_tasks();
+            return Ok(Acquire::Busy(None));
+        }
         self.shared.delete_orphans(&session.client).await;
         // Through the leader first: a follower cut off from it lists a queue the leader may
         // already have moved on from (see `Session::counted_from`).
@@ -1145,6 +1172,12 @@ impl Driver for ZooKeeperDriver {
             return Ok(false);
         }
         let session = self.shared.session(ttl).await?;
+        if !entry.kept_by(&session) {
+            // The session that keeps the node was given up: the claim is the server's to end.
+            self.shared.forget(&entry);
+            entry.slot.abort_tasks();
+            return Ok(false);
+        }
         // A read alone could be answered by a follower cut off from the leader, which may be
         // expiring this session meanwhile; the `sync` goes through the leader.
         let found = self
