@@ -746,13 +746,28 @@ async fn decide_review(
     if let Some(Ok(locks)) = requested_locks(pod) {
         let api: kube::Api<leasehold_crds::DistributedLock> =
             kube::Api::namespaced(client.clone(), &namespace);
-        for lock in locks {
-            // The watch's copy when it has the lock; else the API server (a lock created a
-            // moment ago, or the watch still starting).
-            let found = match cache.get(&namespace, &lock) {
-                Some(cached) => Ok(Some(cached)),
-                None => api.get_opt(&lock).await.map(|found| found.map(Arc::new)),
-            };
+        // The watch's copy when it has the lock; else the API server (a lock created a moment
+        // ago, or the watch still starting), every lock at once and within a budget, so that a
+        // slow API server does not make the webhook miss its own deadline.
+        let looked_up = futures_util::future::join_all(locks.into_iter().map(|lock| {
+            let (api, namespace) = (&api, &namespace);
+            async move {
+                let found = match cache.get(namespace, &lock) {
+                    Some(cached) => Ok(Some(cached)),
+                    None => match tokio::time::timeout(LOOK_UP_BUDGET, api.get_opt(&lock)).await {
+                        Ok(found) => found
+                            .map(|found| found.map(Arc::new))
+                            .map_err(|e| e.to_string()),
+                        Err(_) => Err(format!(
+                            "the API server did not answer within {LOOK_UP_BUDGET:?}"
+                        )),
+                    },
+                };
+                (lock, found)
+            }
+        }))
+        .await;
+        for (lock, found) in looked_up {
             match found {
                 // A lock the CRD's rule refuses (one created without the rule in place).
                 Ok(Some(found)) if found.spec.backend.sqlite.is_some() => {
@@ -807,6 +822,12 @@ async fn decide_review(
 /// API server's 5 s for the whole admission (`timeoutSeconds`), after which the pod is admitted
 /// unchecked rather than refused for the webhook's own slowness.
 const ACCESS_REVIEW_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long the look-ups of a pod's locks missing from the webhook's copy may take together: a
+/// lock not read by then is injected unchecked, as one the API server would not give. With
+/// [`ACCESS_REVIEW_BUDGET`], the webhook answers well within the API server's deadline for it
+/// (`timeoutSeconds: 5`).
+const LOOK_UP_BUDGET: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Why the pod's ServiceAccount may not read one of `locks` as its sidecar does (`list` and
 /// `watch`, by name: it follows its lock with a watch restricted to the name), asked of the API

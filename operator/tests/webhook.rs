@@ -326,6 +326,45 @@ async fn a_lock_the_webhook_cannot_look_up_is_injected_unchecked() {
     assert!(answer["response"]["patch"].is_string(), "{answer}");
 }
 
+/// An API server slow to answer the webhook's look-ups of the pod's locks (locks not created
+/// yet, or the webhook's copy still starting) does not make the webhook miss the API server's
+/// deadline for it (`timeoutSeconds: 5`), which would refuse the pod: the look-ups together
+/// take a bounded time, and locks not found in it are injected unchecked.
+#[tokio::test]
+async fn a_slow_look_up_of_the_pods_locks_still_answers_in_time() {
+    let api = api_with_locks(&[]);
+    let inner = support::operator_client(&api);
+    let slow = kube::Client::new(
+        tower::service_fn(move |request: http::Request<kube::client::Body>| {
+            let inner = inner.clone();
+            async move {
+                if request.method() == http::Method::GET
+                    && request.uri().path().contains("/distributedlocks/")
+                {
+                    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+                }
+                inner.send(request).await
+            }
+        }),
+        "default",
+    );
+    let started = std::time::Instant::now();
+    let answer = webhook::review(
+        &slow,
+        &LockCache::none(),
+        &injection(true),
+        admission_review(&pod(Some("jobs,nightly"), None, None)),
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(4),
+        "the webhook answered after {took:?}, past the API server's deadline for it"
+    );
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    assert!(answer["response"]["patch"].is_string(), "{answer}");
+}
+
 /// A pod's locks come from the webhook's watch-fed copy: once it has them, admitting pods reads
 /// no lock from the API server, and a lock created later reaches the copy through the watch.
 #[tokio::test]
