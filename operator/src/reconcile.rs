@@ -822,17 +822,28 @@ async fn publish(ctx: &Context, lock: &DistributedLock, notice: &Notice) {
         },
         reason: notice.reason.into(),
         note: Some(status::event_note(&notice.note)),
-        action: if notice.warning {
-            "Check".into()
-        } else {
-            "Reconcile".into()
-        },
+        // Events alike in all but their note (another holder, another error) are folded
+        // into the first one's (a count on it, its note kept) unless their actions differ:
+        // the note's hash in the action keeps each one's own words.
+        action: format!(
+            "{}-{:08x}",
+            if notice.warning { "Check" } else { "Reconcile" },
+            note_hash(&notice.note)
+        ),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&event, &lock.object_ref(&())).await {
         tracing::warn!(lock = %lock.name_any(), reason = notice.reason, error = %e,
             "cannot publish an event");
     }
+}
+
+/// A short, stable hash of an Event's note (FNV-1a, 32 bits): the same words give the same
+/// hash in every operator process and version.
+fn note_hash(note: &str) -> u32 {
+    note.bytes().fold(0x811c_9dc5_u32, |hash, byte| {
+        (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
+    })
 }
 
 /// Retry a failing lock after a delay that doubles per consecutive failure, so one broken

@@ -304,6 +304,57 @@ async fn a_lock_whose_holder_keeps_changing_is_not_reconciled_again_by_its_own_s
     );
 }
 
+/// Each holder change is told in an Event of its own words: a second change within minutes is
+/// not folded into the first one's Event, which would go on naming the first holder and token
+/// (with a count of 2) while the status names the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_holder_change_is_told_with_its_own_holder() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "jobs");
+    let _stop = operator(&api);
+    finalized_and_ready(&api, "jobs").await;
+    let driver = leasehold_lease::kubernetes::KubernetesLeaseDriver::new(api.client(), NS);
+    for pod in ["pod-a", "pod-b"] {
+        let Acquire::Acquired(lease) = driver
+            .try_acquire("jobs", pod, Duration::from_secs(60))
+            .await
+            .unwrap()
+        else {
+            panic!("{pod} did not take the free lock")
+        };
+        eventually(Duration::from_secs(10), "the holder in the status", || {
+            (lock_object(&api, "jobs")?["status"]["holder"] == pod).then_some(())
+        })
+        .await;
+        assert!(driver.release(&lease).await.unwrap());
+    }
+    let notes = || {
+        let mut events: Vec<Value> = api
+            .objects(EVENTS)
+            .into_iter()
+            .filter(|e| e["regarding"]["name"] == "jobs" && e["reason"] == "HolderChanged")
+            .collect();
+        events.sort_by_key(|e| {
+            e["metadata"]["resourceVersion"]
+                .as_str()
+                .and_then(|v| v.parse::<u64>().ok())
+        });
+        events
+            .iter()
+            .map(|e| e["note"].as_str().unwrap_or_default().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let started = Instant::now();
+    while !notes().last().is_some_and(|n| n.starts_with("pod-b holds")) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the latest HolderChanged Event does not name pod-b: {:?}",
+            notes()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The reasons of the Events about lock `name`, oldest first.
 fn event_reasons(api: &InMemoryApiServer, name: &str) -> Vec<String> {
     let mut events: Vec<Value> = api
