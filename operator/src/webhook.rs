@@ -278,6 +278,19 @@ fn no_mounted_token(pod: &Pod) -> Option<String> {
     })
 }
 
+/// Whether the pod has native sidecars of its own (init containers that keep running), which
+/// the kubelet stops after the sidecar injected behind them.
+fn has_native_sidecars(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|spec| spec.init_containers.as_ref())
+        .is_some_and(|inits| {
+            inits
+                .iter()
+                .any(|c| c.restart_policy.as_deref() == Some("Always"))
+        })
+}
+
 fn already_injected(pod: &Pod) -> bool {
     let Some(spec) = &pod.spec else { return false };
     spec.containers
@@ -473,8 +486,12 @@ pub fn decide(
             // The kubelet signals a native sidecar (SIGTERM) only once the app's containers
             // have exited: no app is left to act on an answer, and the leases are released at
             // once. Its preStop hook runs earlier, beside the app's shutdown (`/resign` then
-            // releases each lease only once its last answer has run out).
-            args.push("--apps-stop-first".to_owned());
+            // releases each lease only once its last answer has run out). Native sidecars
+            // declared before this one are stopped after it, and may act on answers still:
+            // with any, each lease waits out its last answer on SIGTERM as well.
+            if !has_native_sidecars(pod) {
+                args.push("--apps-stop-first".to_owned());
+            }
         } else {
             // A plain container keeps a Job's pod running until it exits: it exits once the
             // pod's other containers have finished (a native sidecar is stopped by the

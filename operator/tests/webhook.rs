@@ -207,6 +207,24 @@ async fn existing_init_containers_are_kept_and_the_sidecar_appended() {
     assert_eq!(names, ["migrate", SIDECAR_NAME]);
 }
 
+/// A pod's own native sidecars, declared before the injected one, are stopped after it and may
+/// still act on its answers when it is signalled: there it is not told that the apps have
+/// stopped first, and each lease waits out its last answer.
+#[tokio::test]
+async fn beside_native_sidecars_of_the_pod_leases_wait_out_their_answers_at_the_stop() {
+    let api = api_with_locks(&["jobs"]);
+    let init = json!([{"name": "worker", "image": "example/worker:1", "restartPolicy": "Always"}]);
+    let (allowed, message, patched) = admit(&api, &pod(Some("jobs"), Some(init), None), true).await;
+    assert!(allowed, "{message}");
+    let injected = sidecars(&patched, "initContainers");
+    assert_eq!(injected.len(), 1);
+    let args = args(&patched);
+    assert!(
+        !args.iter().any(|a| a == "--apps-stop-first"),
+        "released at once while the pod's own native sidecar may run on: {args:?}"
+    );
+}
+
 #[tokio::test]
 async fn without_native_sidecars_a_plain_container_is_added() {
     let api = api_with_locks(&["jobs"]);
