@@ -789,9 +789,11 @@ impl Driver for KubernetesLeaseDriver {
         }
         // A family's key whose Lease was forgotten as idle starts again above the family's
         // floor, which the sweep raised before it deleted the Lease. The sweep goes by the
-        // Lease's name: so does the floor, also for a lock whose Lease is named like a key.
+        // Lease's name: so does the floor, also for a lock whose Lease is named like a key,
+        // which provisioning may have made again, blank (never taken), before this call.
         let lease_name = self.lease_name(lock);
-        let family = crate::names::family_of(&lease_name).filter(|_| created);
+        let family =
+            crate::names::family_of(&lease_name).filter(|_| created || record.transitions == 0);
         let floor = match family {
             Some(family) => self.floor(family).await?,
             None => 0,
