@@ -1225,7 +1225,11 @@ impl KeyedFamily {
                 holder: Some(self.qualified(&current.owner)),
             });
         }
-        let answer = current.lock.answer();
+        let answer = match current.lock.answer() {
+            // A hold that ran out (its release waiting on a renewal's late answer) is over.
+            Answer::Holder { valid_for, .. } if valid_for.is_zero() => Answer::NotHolder,
+            answer => answer,
+        };
         Ok(self.answer_for(&current, answer))
     }
 

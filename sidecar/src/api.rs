@@ -703,7 +703,8 @@ fn lock_response(
 
 fn current(lock: &Lock, released: Option<bool>) -> Response {
     let snapshot = lock.snapshot();
-    let answer = snapshot.answer();
+    // A holding whose hold ran out (its release waiting on a renewal's late answer) is over.
+    let answer = answered_now(&snapshot, snapshot.answer());
     lock_response(lock, &snapshot, answer, released)
 }
 
@@ -2157,6 +2158,35 @@ mod tests {
         let (status, released) = post(&router, "/lock/release").await;
         assert_eq!(status, StatusCode::OK, "{released}");
         assert_eq!(released["holder"], false, "{released}");
+    }
+
+    /// A hold that runs out while a renewal's answer is late is over for `GET /lock` too: not a
+    /// 200 saying "holder" with no time left, which an app that goes by the status would take
+    /// for a holding while the lease is released behind it.
+    #[tokio::test]
+    async fn a_hold_that_ran_out_during_a_late_renewal_is_not_answered_as_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = sqlite_backend(&dir).await;
+        let faulty = FaultyDriver::wrap(backend);
+        let mut config = LockConfig::new("jobs", "pod-a", Duration::from_secs(3));
+        config.mode = Mode::OnDemand;
+        config.renew_interval = Duration::from_secs(1);
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let lock = Lock::start(faulty.clone(), config, metrics.clone()).unwrap();
+        let router = lock_api(AppState::new(vec![lock], metrics));
+        faulty.stall_next_renewal_answer(Duration::from_millis(700));
+        let (status, taken) = post(&router, "/lock/acquire?wait=0&hold=1100ms").await;
+        assert_eq!(status, StatusCode::OK, "{taken}");
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        let get = axum::http::Request::get("/lock")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let (status, answer) = answer_of(router.clone().oneshot(get).await.unwrap()).await;
+        assert_eq!(
+            (status, &answer["holder"]),
+            (StatusCode::CONFLICT, &serde_json::json!(false)),
+            "the hold ran out, yet GET /lock answered {status} {answer}"
+        );
     }
 
     /// A release that names its holding's token gives nothing of a later holding up: sent late,
