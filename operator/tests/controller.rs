@@ -329,18 +329,9 @@ async fn each_holder_change_is_told_with_its_own_holder() {
         assert!(driver.release(&lease).await.unwrap());
     }
     let notes = || {
-        let mut events: Vec<Value> = api
-            .objects(EVENTS)
-            .into_iter()
-            .filter(|e| e["regarding"]["name"] == "jobs" && e["reason"] == "HolderChanged")
-            .collect();
-        events.sort_by_key(|e| {
-            e["metadata"]["resourceVersion"]
-                .as_str()
-                .and_then(|v| v.parse::<u64>().ok())
-        });
-        events
+        events_of(&api, "jobs")
             .iter()
+            .filter(|e| e["reason"] == "HolderChanged")
             .map(|e| e["note"].as_str().unwrap_or_default().to_owned())
             .collect::<Vec<_>>()
     };
@@ -355,8 +346,8 @@ async fn each_holder_change_is_told_with_its_own_holder() {
     }
 }
 
-/// The reasons of the Events about lock `name`, oldest first.
-fn event_reasons(api: &InMemoryApiServer, name: &str) -> Vec<String> {
+/// The Events about lock `name`, oldest (last written) first.
+fn events_of(api: &InMemoryApiServer, name: &str) -> Vec<Value> {
     let mut events: Vec<Value> = api
         .objects(EVENTS)
         .into_iter()
@@ -368,6 +359,11 @@ fn event_reasons(api: &InMemoryApiServer, name: &str) -> Vec<String> {
             .and_then(|v| v.parse::<u64>().ok())
     });
     events
+}
+
+/// The reasons of the Events about lock `name`, oldest first.
+fn event_reasons(api: &InMemoryApiServer, name: &str) -> Vec<String> {
+    events_of(api, name)
         .iter()
         .filter_map(|e| e["reason"].as_str().map(str::to_owned))
         .collect()
