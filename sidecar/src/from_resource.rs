@@ -244,9 +244,8 @@ pub async fn follow(
     let mut recheck =
         tokio::time::interval_at(tokio::time::Instant::now() + secret_recheck, secret_recheck);
     recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // What runs, once started, and the resource's backend it was started from.
+    // What runs, once started.
     let mut current: Option<ResolvedLock> = None;
-    let mut running_backend: Option<leasehold_crds::Backend> = None;
     // Not started: when to try the resource last read again, and the delay after that.
     let mut retry_at: Option<tokio::time::Instant> = None;
     let mut retry_delay = START_RETRY_MIN;
@@ -381,7 +380,6 @@ pub async fn follow(
                     tracing::info!(resource = %r, backend = %resolved.backend, "lock configured from its resource");
                     read_generation = generation;
                     current = Some(resolved);
-                    running_backend = Some(lock.spec.backend.clone());
                     retry_at = None;
                     retry_delay = START_RETRY_MIN;
                     recheck.reset();
@@ -508,7 +506,6 @@ pub async fn follow(
                     family.resume();
                     tracing::info!(resource = %r, "DistributedLock changed: the family's new settings apply from the next acquisition");
                     current = Some(next);
-                    running_backend = Some(lock.spec.backend.clone());
                     stepped_down = false;
                 }
                 Err(e) => {
@@ -531,7 +528,6 @@ pub async fn follow(
                 Ok(()) => {
                     tracing::info!(resource = %r, permits = next.permits, "the DistributedLock's permits changed: the next acquisitions use them, no holding is revoked");
                     current = Some(next);
-                    running_backend = Some(lock.spec.backend.clone());
                 }
                 Err(e) => {
                     tracing::warn!(resource = %r, error = %e, "the changed DistributedLock cannot be applied; keeping the running configuration");
@@ -546,7 +542,7 @@ pub async fn follow(
             // A holder elsewhere claims the old place until it steps down too: at the watch
             // event that brought the change, or, where the Secrets moved it (the user that
             // finds a PostgreSQL table without `schema`), at its own re-read of them.
-            let seen_by_all = if running_backend.as_ref() == Some(&lock.spec.backend) {
+            let seen_by_all = if references_secrets(&lock) {
                 secret_recheck
             } else {
                 Duration::ZERO
@@ -585,7 +581,6 @@ pub async fn follow(
                     }
                 }
                 current = Some(next);
-                running_backend = Some(lock.spec.backend.clone());
                 stepped_down = false;
             }
             Err(e) => {
