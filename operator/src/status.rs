@@ -168,11 +168,9 @@ pub fn notices(
         notices.push(Notice {
             warning: false,
             reason: "HolderChanged",
-            note: format!(
-                "{} holds the lock with fencing token {}",
-                next.holder.as_deref().unwrap_or("?"),
-                next.fencing_token.unwrap_or_default()
-            ),
+            // Without the token (the status has it): Events alike are folded into one with a
+            // count, one per holder, rather than one Event object per hand-over.
+            note: format!("{} holds the lock", next.holder.as_deref().unwrap_or("?")),
         });
     }
     notices
