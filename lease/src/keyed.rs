@@ -1209,8 +1209,12 @@ impl KeyedFamily {
         if let Some(owner) = owner {
             self.check_owner(owner)?;
         }
+        // A hold that ran out (its release waiting on a renewal's late answer) is over.
         if let Some(writer) = self.writer_of(key, owner) {
-            return Ok(self.write_answer(key, &writer));
+            return Ok(match self.write_answer(key, &writer) {
+                KeyAnswer::Held { valid_for, .. } if valid_for.is_zero() => KeyAnswer::NotHeld,
+                answer => answer,
+            });
         }
         let current = match owner {
             Some(owner) => self.holding_for(key, owner),
@@ -1226,7 +1230,6 @@ impl KeyedFamily {
             });
         }
         let answer = match current.lock.answer() {
-            // A hold that ran out (its release waiting on a renewal's late answer) is over.
             Answer::Holder { valid_for, .. } if valid_for.is_zero() => Answer::NotHolder,
             answer => answer,
         };

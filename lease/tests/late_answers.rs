@@ -132,34 +132,43 @@ async fn a_late_acquisition_nobody_waits_for_is_given_back() {
     assert!(b.release().await.expect("release"));
 }
 
-/// A key's hold that runs out while a renewal's answer is late is over for the key's status:
-/// not "held" with no time left, while its release waits for that answer.
+/// A key's hold that runs out while a renewal's answer is late is over for the key's status,
+/// a reader's and a writer's: not "held" with no time left, while its release waits for that
+/// answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keys_hold_that_ran_out_during_a_late_renewal_is_not_held() {
-    let (_harness, faulty) = late_sqlite().await;
-    let family = KeyedFamily::new(
-        faulty.clone(),
-        FamilyConfig {
-            renew_interval: Duration::from_secs(1),
-            ..FamilyConfig::new(&unique_lock("lapsing"), "pod-a", Duration::from_secs(3))
-        },
-        Arc::new(()),
-    )
-    .expect("family");
-    faulty.stall_next_renewal_answer(Duration::from_millis(700));
-    let answer = family
-        .acquire("order-1", "w1", Duration::ZERO, Duration::from_millis(1100))
-        .await
+    for write in [false, true] {
+        let (_harness, faulty) = late_sqlite().await;
+        let family = KeyedFamily::new(
+            faulty.clone(),
+            FamilyConfig {
+                renew_interval: Duration::from_secs(1),
+                read_write: write,
+                ..FamilyConfig::new(&unique_lock("lapsing"), "pod-a", Duration::from_secs(3))
+            },
+            Arc::new(()),
+        )
+        .expect("family");
+        faulty.stall_next_renewal_answer(Duration::from_millis(700));
+        let hold = Duration::from_millis(1100);
+        let answer = if write {
+            family
+                .acquire_write("order-1", "w1", Duration::ZERO, hold)
+                .await
+        } else {
+            family.acquire("order-1", "w1", Duration::ZERO, hold).await
+        }
         .expect("acquire");
-    assert!(matches!(answer, KeyAnswer::Held { .. }), "{answer:?}");
-    sleep(Duration::from_millis(1300)).await;
-    let status = family.status("order-1", Some("w1")).expect("status");
-    assert_eq!(
-        status,
-        KeyAnswer::NotHeld,
-        "the hold ran out, yet the key's status says {status:?}"
-    );
-    family.shutdown().await;
+        assert!(matches!(answer, KeyAnswer::Held { .. }), "{answer:?}");
+        sleep(Duration::from_millis(1300)).await;
+        let status = family.status("order-1", Some("w1")).expect("status");
+        assert_eq!(
+            status,
+            KeyAnswer::NotHeld,
+            "the hold ran out, yet the key's status (write: {write}) says {status:?}"
+        );
+        family.shutdown().await;
+    }
 }
 
 /// A keyed owner told "cannot tell" asks again: it is never told that it holds the key itself,
