@@ -1209,12 +1209,17 @@ impl KeyedFamily {
         if let Some(owner) = owner {
             self.check_owner(owner)?;
         }
-        // A hold that ran out (its release waiting on a renewal's late answer) is over.
+        Ok(match self.holding_now(key, owner) {
+            // A hold that ran out (its release waiting on a renewal's late answer) is over.
+            KeyAnswer::Held { valid_for, .. } if valid_for.is_zero() => KeyAnswer::NotHeld,
+            answer => answer,
+        })
+    }
+
+    /// [`KeyedFamily::status`] as the key's holding (or write lock) answers it.
+    fn holding_now(&self, key: &str, owner: Option<&str>) -> KeyAnswer {
         if let Some(writer) = self.writer_of(key, owner) {
-            return Ok(match self.write_answer(key, &writer) {
-                KeyAnswer::Held { valid_for, .. } if valid_for.is_zero() => KeyAnswer::NotHeld,
-                answer => answer,
-            });
+            return self.write_answer(key, &writer);
         }
         let current = match owner {
             Some(owner) => self.holding_for(key, owner),
@@ -1222,18 +1227,14 @@ impl KeyedFamily {
             None => self.find_holding(key, |c| c.checked.load(Ordering::SeqCst)),
         };
         let Some(current) = current.filter(|c| c.checked.load(Ordering::SeqCst)) else {
-            return Ok(KeyAnswer::NotHeld);
+            return KeyAnswer::NotHeld;
         };
         if owner.is_some_and(|o| o != current.owner) {
-            return Ok(KeyAnswer::HeldByAnother {
+            return KeyAnswer::HeldByAnother {
                 holder: Some(self.qualified(&current.owner)),
-            });
+            };
         }
-        let answer = match current.lock.answer() {
-            Answer::Holder { valid_for, .. } if valid_for.is_zero() => Answer::NotHolder,
-            answer => answer,
-        };
-        Ok(self.answer_for(&current, answer))
+        self.answer_for(&current, current.lock.answer())
     }
 
     /// Release every key and stop.
