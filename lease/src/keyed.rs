@@ -230,6 +230,9 @@ struct FamilyInner {
     telemetry: Arc<FamilyTelemetry>,
     keys: Mutex<HashMap<String, Arc<KeyState>>>,
     held: AtomicUsize,
+    /// The keys held and those whose acquisition is under way: what `max_keys` bounds, so that
+    /// acquisitions started together cannot all pass the bound and hold beyond it.
+    admitted: AtomicUsize,
     /// The most permits the family has had: where an owner's holding may be, permits having
     /// been lowered since it was taken.
     permits_ever: AtomicU32,
@@ -326,6 +329,7 @@ impl KeyedFamily {
                 driver: std::sync::RwLock::new(driver),
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
+                admitted: AtomicUsize::new(0),
                 permits_ever: AtomicU32::new(permits),
                 longest_key_ever: AtomicUsize::new(longest_key),
                 next_first: AtomicU32::new(0),
@@ -849,9 +853,13 @@ impl KeyedFamily {
         let (lease_duration, renew_interval, max_keys) =
             self.read_config(|c| (c.lease_duration, c.renew_interval, c.max_keys));
         let counted = counts_as_held(permit);
-        if counted && self.inner.held.load(Ordering::SeqCst) >= max_keys {
-            return Err(KeyError::TooManyKeys(max_keys));
-        }
+        let admission = match counted {
+            true => Some(
+                Admission::take(&self.inner.admitted, max_keys)
+                    .ok_or(KeyError::TooManyKeys(max_keys))?,
+            ),
+            false => None,
+        };
         self.check_running()?;
         let serial = self.inner.serials.fetch_add(1, Ordering::Relaxed) + 1;
         // Once the engine no longer holds the key (released, its hold lapsed, its lease lost) or
@@ -937,7 +945,8 @@ impl KeyedFamily {
         });
         // Counted before it is put in place: the engine's hook may forget it (and count it
         // out) from then on.
-        if counted {
+        if let Some(admission) = admission {
+            admission.keep();
             self.inner.held.fetch_add(1, Ordering::SeqCst);
         }
         *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
@@ -1308,6 +1317,7 @@ impl KeyedFamily {
             );
             if counts_as_held(holding.permit) {
                 self.inner.held.fetch_sub(1, Ordering::SeqCst);
+                self.inner.admitted.fetch_sub(1, Ordering::SeqCst);
             }
             if let Some(key) = self.existing(&holding.key) {
                 key.given_up.send_modify(|n| *n = n.wrapping_add(1));
@@ -1412,6 +1422,33 @@ fn permit_key(key: &str, permit: u32) -> std::borrow::Cow<'_, str> {
 
 /// Whether a holding of `permit` counts toward the pod's held keys (`maxHeldPerPod`): every
 /// part does but a semaphore's line, where a waiter stands, not a holder.
+/// A place among a family's `max_keys`, taken as an acquisition starts: given back when the
+/// acquisition ends without holding, kept by the holding it made (and given back when that is
+/// forgotten).
+struct Admission<'a>(&'a AtomicUsize);
+
+impl<'a> Admission<'a> {
+    fn take(admitted: &'a AtomicUsize, max_keys: usize) -> Option<Self> {
+        admitted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max_keys).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Admission(admitted))
+    }
+
+    /// The acquisition holds: its place stays taken until its holding is forgotten.
+    fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 fn counts_as_held(permit: u32) -> bool {
     permit != line::LINE
 }

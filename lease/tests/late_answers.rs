@@ -610,3 +610,60 @@ async fn a_hold_that_ran_out_is_released_after_the_margin_for_an_answer_read_lat
         margin / 2
     );
 }
+
+/// Acquisitions of many keys answered slowly, all under way at once, are bounded by the
+/// family's `max_keys` together: the keys held never exceed it, and the places of those
+/// refused, or given back, serve the next acquisitions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquisitions_under_way_together_count_against_the_most_keys_held() {
+    let (_harness, faulty) = late_sqlite().await;
+    let family = KeyedFamily::new(
+        faulty.clone(),
+        FamilyConfig {
+            max_keys: 2,
+            ..FamilyConfig::new(&unique_lock("bounded"), "pod-a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family");
+    faulty.delay_requests(Duration::from_millis(300));
+    let answers = futures_util::future::join_all((0..6).map(|i| {
+        let family = family.clone();
+        async move {
+            family
+                .acquire(&format!("k{i}"), "o", Duration::from_secs(5), HOLD)
+                .await
+        }
+    }))
+    .await;
+    let held: Vec<usize> = (0..6)
+        .filter(|&i| matches!(answers[i], Ok(KeyAnswer::Held { .. })))
+        .collect();
+    assert_eq!(
+        held.len(),
+        2,
+        "{} of 6 keys held at once in a family of at most 2: {answers:?}",
+        held.len()
+    );
+    assert!(
+        answers.iter().all(|a| matches!(
+            a,
+            Ok(KeyAnswer::Held { .. }) | Err(leasehold_lease::keyed::KeyError::TooManyKeys(2))
+        )),
+        "{answers:?}"
+    );
+    assert_eq!(family.held_keys(), 2);
+    faulty.delay_requests(Duration::ZERO);
+    family
+        .release(&format!("k{}", held[0]), "o")
+        .await
+        .expect("released");
+    let next = family.acquire("next", "o", Duration::ZERO, HOLD).await;
+    assert!(matches!(next, Ok(KeyAnswer::Held { .. })), "{next:?}");
+    let over = family.acquire("over", "o", Duration::ZERO, HOLD).await;
+    assert!(
+        matches!(over, Err(leasehold_lease::keyed::KeyError::TooManyKeys(2))),
+        "{over:?}"
+    );
+    family.shutdown().await;
+}
