@@ -254,6 +254,13 @@ fn only_annotated_pods_outside_the_operator_and_kube_system_reach_the_webhook() 
         Some("true")
     );
     assert!(operator_args(&older).contains(&"--sidecar-mode=container".to_owned()));
+    // Without match conditions or a selector, every pod created in the cluster would wait on
+    // the webhook: refused with what to set.
+    let (ok, text) = chart(&["render", "--set", "webhook.matchConditions=false"]);
+    assert!(
+        !ok && text.contains("needs a webhook.objectSelector"),
+        "{text}"
+    );
     assert!(
         of_kind(&older, "PodDisruptionBudget").is_empty(),
         "no PDB for one replica: it would block every drain"
@@ -628,6 +635,16 @@ fn the_webhook_is_reachable_by_values_where_pod_ips_are_not() {
     assert_eq!(pod["hostNetwork"], true);
     assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
     assert_eq!(pod["priorityClassName"], "system-cluster-critical");
+    // On the node's ports a surge pod would find no node free: replicas are replaced one by one.
+    let rolling = &deployment["spec"]["strategy"]["rollingUpdate"];
+    assert_eq!(
+        (&rolling["maxSurge"], &rolling["maxUnavailable"]),
+        (&Value::from(0), &Value::from(1))
+    );
+    assert!(
+        kind(&default, "Deployment").unwrap()["spec"]["strategy"].is_null(),
+        "on the pod network a rollout surges"
+    );
     let args = serde_yaml::to_string(&pod["containers"][0]["args"]).unwrap();
     assert!(args.contains("--webhook-listen=[::]:9443"), "{args}");
     assert!(args.contains("--metrics-listen=[::]:18080"), "{args}");
