@@ -784,3 +784,83 @@ async fn redis_a_force_released_holding_answers_the_next_acquisition_within_its_
         .expect("taken again once released");
     assert!(again > token, "{again} after {token}");
 }
+
+/// A read-write family's pods count different permits (`permits` changing): pod b's readers
+/// hold permits 0 to 3, and pod a's writer (2 permits) probes permits 2 and up, finding 2 and 3
+/// held, when its client hangs up with the probes' answers on the way. Each probe runs to its
+/// end all the same and leaves the queues: once b's readers are gone, b's writer takes the key
+/// within a lease, not behind a probe's place standing first for nobody until the backend gives
+/// it up (three leases after it was put).
+async fn a_writers_probes_leave_no_place_when_its_client_hangs_up(url: &str) {
+    let name = unique_lock("probes");
+    let read_write = |driver, identity, permits| {
+        KeyedFamily::new(
+            driver,
+            FamilyConfig {
+                permits,
+                read_write: true,
+                ..FamilyConfig::new(&name, identity, LEASE)
+            },
+            Arc::new(()),
+        )
+        .expect("family")
+    };
+    let faulty = FaultyDriver::wrap(driver(url).await);
+    let a = read_write(faulty.clone(), "pod-a", 2);
+    let b = read_write(driver(url).await, "pod-b", 4);
+    for reader in ["r0", "r1", "r2", "r3"] {
+        assert!(
+            matches!(
+                b.acquire("doc", reader, Duration::ZERO, HOLD).await,
+                Ok(KeyAnswer::Held { .. })
+            ),
+            "{reader} reads the free key"
+        );
+    }
+    faulty.delay_answers_to(" probe", Duration::from_secs(1));
+    let mut probed = faulty.delayed_answers();
+    let gone = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            a.acquire_write("doc", "w", Duration::from_secs(60), HOLD)
+                .await
+        })
+    };
+    // Permits 2 to 15 probed: their places are put, and their answers on the way.
+    tokio::time::timeout(Duration::from_secs(10), probed.wait_for(|&n| n >= 14))
+        .await
+        .expect("the writer's probes reached the backend")
+        .expect("probes counted");
+    gone.abort(); // the HTTP client hung up: the acquisition and its probes' callers are dropped
+    let _ = gone.await;
+    for reader in ["r0", "r1", "r2", "r3"] {
+        assert_eq!(
+            b.release("doc", reader).await.expect("release"),
+            KeyRelease::Released { holds: 0 }
+        );
+    }
+    let released = Instant::now();
+    let write = b
+        .acquire_write("doc", "w", 2 * LEASE, HOLD)
+        .await
+        .expect("b's writer");
+    assert!(
+        matches!(write, KeyAnswer::Held { .. }),
+        "b's writer waited {:?} and was answered {write:?}: a probe's place stood first",
+        released.elapsed()
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_a_writers_probes_leave_no_place_when_its_client_hangs_up() {
+    let server = EtcdServer::start();
+    a_writers_probes_leave_no_place_when_its_client_hangs_up(&server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_a_writers_probes_leave_no_place_when_its_client_hangs_up() {
+    let server = ZooKeeperServer::start();
+    a_writers_probes_leave_no_place_when_its_client_hangs_up(&server.url()).await;
+}

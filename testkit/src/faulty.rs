@@ -33,6 +33,10 @@ pub struct FaultyDriver {
     deprovision_delay_ms: AtomicU64,
     /// How many deletions of a holding's records the backend has carried out.
     deprovisions_made: Arc<watch::Sender<u64>>,
+    /// The acquisitions by identities ending so whose answers come late, and how late.
+    answers_delayed_to: Mutex<Option<(String, Duration)>>,
+    /// How many answers to those acquisitions the backend has given (and holds back).
+    delayed_answers: watch::Sender<u64>,
 }
 
 impl FaultyDriver {
@@ -51,6 +55,8 @@ impl FaultyDriver {
             releases: watch::Sender::new(0),
             deprovision_delay_ms: AtomicU64::new(0),
             deprovisions_made: Arc::new(watch::Sender::new(0)),
+            answers_delayed_to: Mutex::new(None),
+            delayed_answers: watch::Sender::new(0),
         })
     }
 
@@ -134,6 +140,21 @@ impl FaultyDriver {
         }
     }
 
+    /// From now on, an acquisition by an identity ending with `suffix` (a read-write family's
+    /// probes end with " probe") is carried out at once, and its answer reaches the caller
+    /// `delay` later: a caller dropped meanwhile never reads it.
+    pub fn delay_answers_to(&self, suffix: &str, delay: Duration) {
+        *self
+            .answers_delayed_to
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((suffix.to_owned(), delay));
+    }
+
+    /// How many answers [`FaultyDriver::delay_answers_to`] has held back so far.
+    pub fn delayed_answers(&self) -> watch::Receiver<u64> {
+        self.delayed_answers.subscribe()
+    }
+
     /// Deliver every answer this much later than the backend gave it.
     pub fn delay_responses(&self, delay: Duration) {
         self.response_delay_ms
@@ -180,6 +201,17 @@ impl Driver for FaultyDriver {
         {
             self.counted_early()
                 .insert((lease.lock.clone(), lease.token));
+        }
+        let delayed = self
+            .answers_delayed_to
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .filter(|(suffix, _)| identity.ends_with(suffix.as_str()))
+            .map(|(_, delay)| *delay);
+        if let Some(delay) = delayed {
+            self.delayed_answers.send_modify(|n| *n += 1);
+            tokio::time::sleep(delay).await;
         }
         self.delay().await;
         outcome

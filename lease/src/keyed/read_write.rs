@@ -540,18 +540,34 @@ impl KeyedFamily {
 
     /// Whether `lock` is free now, as an acquisition finds it: one attempt for `owner`, given
     /// back at once when granted (`Ok` with the token it was granted); else the refusal (who
-    /// holds it, or why a guard of the backend's withholds it). A refused attempt leaves the backend's queue at once.
-    /// Probes carry an identity of their own ([`PROBE`]), so that readers probing one gate at
-    /// once, who find each other's probes rather than a writer, try again shortly.
+    /// holds it, or why a guard of the backend's withholds it). A refused attempt leaves the
+    /// backend's queue at once, and so does one that failed (a place may have been put before
+    /// the failure). Probes carry an identity of their own ([`PROBE`]), so that readers probing
+    /// one gate at once, who find each other's probes rather than a writer, try again shortly.
+    ///
+    /// On a task of its own: a caller dropped midway (a client that hung up) must not leave a
+    /// probe's place in a queue, first in line for nobody, nor its acquisition held.
     async fn probe(&self, lock: &str, owner: &str) -> Result<Result<u64, KeyAnswer>, Error> {
+        let (family, lock, owner) = (self.clone(), lock.to_owned(), owner.to_owned());
+        tokio::spawn(async move { family.probe_to_the_end(&lock, &owner).await })
+            .await
+            .map_err(|e| Error::Backend(format!("a probe of {} failed: {e}", self.name())))?
+    }
+
+    async fn probe_to_the_end(
+        &self,
+        lock: &str,
+        owner: &str,
+    ) -> Result<Result<u64, KeyAnswer>, Error> {
         let driver = self.driver();
         let identity = format!("{}{PROBE}", self.qualified(owner));
         let lease_duration = self.read_config(|c| c.lease_duration);
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let refusal = match driver.try_acquire(lock, &identity, lease_duration).await? {
-                Acquire::Acquired(lease) => {
+            let attempt = driver.try_acquire(lock, &identity, lease_duration).await;
+            let refusal = match attempt {
+                Ok(Acquire::Acquired(lease)) => {
                     // Not given back (the backend out of reach): the record ends with its
                     // lease, and keeps the lock meanwhile, which is the safe side.
                     if let Err(e) = driver.release(&lease).await {
@@ -559,13 +575,17 @@ impl KeyedFamily {
                     }
                     return Ok(Ok(lease.token));
                 }
-                Acquire::Busy(holder) => KeyAnswer::HeldByAnother {
+                Ok(Acquire::Busy(holder)) => KeyAnswer::HeldByAnother {
                     holder: holder.map(|h| h.identity),
                 },
-                Acquire::Withheld(withheld) => KeyAnswer::Withheld {
+                Ok(Acquire::Withheld(withheld)) => KeyAnswer::Withheld {
                     reason: withheld.reason,
                     resume_in: withheld.resume_in,
                 },
+                Err(e) => {
+                    driver.abandon(lock, &identity).await;
+                    return Err(e);
+                }
             };
             driver.abandon(lock, &identity).await;
             let another_probe = matches!(&refusal, KeyAnswer::HeldByAnother { holder: Some(h) } if h.ends_with(PROBE));
