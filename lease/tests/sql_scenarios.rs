@@ -1430,12 +1430,17 @@ async fn wal_unflushed(admin: &mut sqlx::AnyConnection, slack: i64) -> bool {
 /// up by a flush; acquisitions and renewals do wait. A release lost in a crash leaves the lease
 /// as it was, held until it runs out: the next holder waits longer, and never overlaps. With
 /// the WAL writer slowed to 10 s, the WAL flushed stops short of each release and reaches past
-/// each acquisition and renewal.
+/// each acquisition and renewal, also where the role's sessions start with
+/// `synchronous_commit = off` (a common tuning).
 async fn releases_commit_without_waiting_for_the_disk(h: &mut dyn Harness, url: &str) {
     use leasehold_lease::Acquire;
     use sqlx::Executor;
     sqlx::any::install_default_drivers();
     let mut admin = sqlx::AnyConnection::connect(url).await.expect("connect");
+    admin
+        .execute("ALTER ROLE postgres SET synchronous_commit = off")
+        .await
+        .expect("the role's setting");
     admin
         .execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
         .await
@@ -1475,6 +1480,73 @@ async fn releases_commit_without_waiting_for_the_disk(h: &mut dyn Harness, url: 
             "round {round}: the release waited for its commit to reach the disk"
         );
     }
+}
+
+/// A server whose sessions start outside autocommit (`autocommit = 0`, or an `init_connect`
+/// that sets it): the driver's writes commit as their statements end all the same, so another
+/// session sees the holder and, once released, the free lock. Left in an open transaction,
+/// they would roll back when their connection closes, under a holder counting on them, and
+/// the token would be drawn again.
+async fn writes_commit_where_sessions_start_outside_autocommit(h: &mut dyn Harness, url: &str) {
+    use leasehold_lease::Acquire;
+    use sqlx::Executor;
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(url).await.expect("connect");
+    admin
+        .execute("SET GLOBAL autocommit = 0")
+        .await
+        .expect("autocommit");
+    let driver = h.driver().await;
+    let lock = unique_lock("autocommit");
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    let holder = async |admin: &mut sqlx::AnyConnection| -> Option<String> {
+        let row = sqlx::query(&format!(
+            "SELECT holder FROM {} WHERE name = ?",
+            leasehold_lease::DEFAULT_TABLE
+        ))
+        .bind(&lock)
+        .fetch_optional(&mut *admin)
+        .await
+        .expect("the lock's row");
+        row.and_then(|row| sqlx::Row::try_get::<Option<String>, _>(&row, "holder").expect("holder"))
+    };
+    for round in 0..3 {
+        let Acquire::Acquired(lease) = driver
+            .try_acquire(&lock, "a", LEASE)
+            .await
+            .expect("acquire")
+        else {
+            panic!("round {round}: not acquired")
+        };
+        assert_eq!(
+            holder(&mut admin).await.as_deref(),
+            Some("a"),
+            "round {round}: the acquisition was not committed"
+        );
+        assert!(driver.release(&lease).await.expect("release"));
+        assert_eq!(
+            holder(&mut admin).await,
+            None,
+            "round {round}: the release was not committed"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_writes_commit_where_sessions_start_outside_autocommit() {
+    let mut h = MariaDbHarness::new();
+    let url = h.server.url();
+    writes_commit_where_sessions_start_outside_autocommit(&mut h, &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_writes_commit_where_sessions_start_outside_autocommit() {
+    let mut h = MariaDbHarness::row_lock();
+    let url = h.server.url();
+    writes_commit_where_sessions_start_outside_autocommit(&mut h, &url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -169,8 +169,13 @@ impl RowLocks {
         }
     }
 
-    async fn connect(&self) -> Result<AnyConnection> {
-        match tokio::time::timeout(CONNECT_TIMEOUT, AnyConnection::connect(&self.url)).await {
+    async fn connect(&self, dialect: Dialect) -> Result<AnyConnection> {
+        let connecting = async {
+            let mut conn = AnyConnection::connect(&self.url).await?;
+            conn.execute(dialect.session_setup()).await?;
+            Ok::<_, sqlx::Error>(conn)
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
             Ok(conn) => conn.map_err(map_err),
             Err(_) => Err(Error::Unreachable(format!(
                 "no connection within {CONNECT_TIMEOUT:?}"
@@ -197,7 +202,7 @@ impl RowLocks {
         let spare = self.spares.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let (mut conn, mut reused) = match spare {
             Some(conn) => (conn, true),
-            None => (self.connect().await?, false),
+            None => (self.connect(driver.dialect()).await?, false),
         };
         let mut seeded = 0;
         loop {
@@ -206,7 +211,7 @@ impl RowLocks {
                     return Err(map_err(e));
                 }
                 // The spare went stale (a server restart, an idle timeout): one fresh try.
-                (conn, reused) = (self.connect().await?, false);
+                (conn, reused) = (self.connect(driver.dialect()).await?, false);
                 continue;
             }
             let rows = sqlx::query(&driver.statements().lock_row)

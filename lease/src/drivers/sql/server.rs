@@ -153,6 +153,13 @@ impl SqlDriver {
             // for every statement, a hand-over's two included. A dead connection fails its
             // statement instead, which the engine counts as a backend error and tries again.
             .test_before_acquire(false)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::Executor::execute(conn, dialect.session_setup())
+                        .await
+                        .map(|_| ())
+                })
+            })
             .connect_lazy(url)
             .map_err(|e| Error::InvalidUrl {
                 url: crate::redact::redact(url),

@@ -406,6 +406,15 @@ impl ServerLocks {
     async fn connect(&self, permit: OwnedSemaphorePermit) -> Option<Session> {
         let connecting = async {
             let mut conn = AnyConnection::connect(&self.url).await?;
+            // A PostgreSQL waiter claims the row in its blocking statement, and a MySQL
+            // release frees the row on this session: their writes are the driver's own.
+            let dialect = match self.kind {
+                ServerLock::Advisory(_) => super::Dialect::Postgres,
+                ServerLock::Named(_) => super::Dialect::MySql,
+            };
+            sqlx::query(dialect.session_setup())
+                .execute(&mut conn)
+                .await?;
             if let ServerLock::Advisory(_) = self.kind {
                 // A waiter's statement blocks a step at a time.
                 sqlx::query(&format!("SET lock_timeout = {}", WAIT_STEP.as_millis()))
