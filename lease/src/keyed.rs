@@ -1092,6 +1092,18 @@ impl KeyedFamily {
         owner: &str,
         held: Option<(u32, u64)>,
     ) -> Result<KeyRelease, KeyError> {
+        self.release_held_as(key, owner, held, false).await
+    }
+
+    /// [`KeyedFamily::release_held`], `by_connection` when the connection holding the
+    /// acquisition gives it back ([`Lock::bind`]).
+    async fn release_held_as(
+        &self,
+        key: &str,
+        owner: &str,
+        held: Option<(u32, u64)>,
+        by_connection: bool,
+    ) -> Result<KeyRelease, KeyError> {
         self.check_key(key)?;
         self.check_owner(owner)?;
         let current = match held {
@@ -1108,6 +1120,7 @@ impl KeyedFamily {
             });
         }
         let released = match token {
+            Some(token) if by_connection => current.lock.release_bound(own_permit(token)).await,
             Some(token) => current.lock.release_if(own_permit(token)).await,
             None => current.lock.release().await,
         };

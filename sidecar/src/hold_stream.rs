@@ -158,9 +158,9 @@ impl Bound {
     /// ends whole.
     async fn release(&self) {
         let released = match self {
-            Bound::Write { holding, .. } => holding.release().await.map(drop),
+            Bound::Write { holding, .. } => holding.release_bound().await.map(drop),
             Bound::Writes { holdings, .. } => {
-                let releases = holdings.iter().map(|holding| holding.release());
+                let releases = holdings.iter().map(|holding| holding.release_bound());
                 futures_util::future::join_all(releases)
                     .await
                     .into_iter()
@@ -171,7 +171,7 @@ impl Bound {
                 let releases = self
                     .engines()
                     .into_iter()
-                    .map(|(engine, holding)| async move { engine.release_if(holding).await });
+                    .map(|(engine, holding)| async move { engine.release_bound(holding).await });
                 futures_util::future::join_all(releases)
                     .await
                     .into_iter()
@@ -182,6 +182,22 @@ impl Bound {
         };
         if let Err(e) = released {
             tracing::warn!(error = %e, "releasing a closed connection's hold failed; it lapses with its hold");
+        }
+    }
+
+    /// Tell the engines of a lock's or keys' acquisition that this connection holds it, before
+    /// its client is told anything: a release by another call then lets it lapse rather than
+    /// free it while the client may still act on its last event ([`Lock::bind`]); of a write
+    /// lock, every part.
+    async fn bind(&self) {
+        let parts = match self {
+            Bound::Write { .. } | Bound::Writes { .. } => self.parts().unwrap_or_default(),
+            _ => self.engines(),
+        };
+        for (engine, holding) in parts {
+            if let Err(e) = engine.bind(holding).await {
+                tracing::debug!(error = %e, "a connection's hold was not bound to its engine");
+            }
         }
     }
 
@@ -430,6 +446,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         bound.ended(None).await;
         return;
     };
+    bound.bind().await;
     // The first part says what the holding is: its holder's identity and its count of
     // acquisitions (a write lock's gate).
     let engine = parts[0].0.clone();

@@ -620,8 +620,8 @@ fn taken_together_once_closed(
 
 /// A hold of two keys (`hold`: its query, naming `first` and `second` and the owner) through
 /// `a`, then `first` released by another call of the owner: the stream says `released`, and
-/// `second` is taken through `b` (`take`: an acquisition's query) only once the validity the
-/// app was last told has run out.
+/// neither `first` nor `second` is taken through `b` (`take`: an acquisition's query) before
+/// the validity the app was last told has run out.
 fn released_one_gives_back_the_other(
     (a, b): (&Sidecar, &Sidecar),
     family: &str,
@@ -649,14 +649,50 @@ fn released_one_gives_back_the_other(
     };
     assert_eq!(ended.kind, "released", "{ended:?}");
     let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
-    let free = b.post(&format!(
-        "/locks/{family}/keys/{second}/acquire?{take}&wait=10s"
-    ));
+    for key in [first, second] {
+        let free = b.post(&format!(
+            "/locks/{family}/keys/{key}/acquire?{take}&wait=10s"
+        ));
+        let taken_at = Instant::now();
+        assert_eq!(free.status, 200, "{}", free.body);
+        assert!(
+            told_until <= taken_at,
+            "{key} was taken {:?} before the validity the app was told ran out",
+            told_until - taken_at
+        );
+    }
+}
+
+/// A lock held through a connection and released by another call of the pod (`POST
+/// /lock/release`, a retried release say): the stream says `released`, and no other pod holds
+/// the lock before the validity the connection's client was last told has run out.
+#[test]
+fn a_lock_released_by_another_call_is_not_taken_before_the_connections_last_validity() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("bound");
+    let family = unique_lock("unused");
+    let a = on_demand("pod-a", &redis, &lock, &family);
+    let b = on_demand("pod-b", &redis, &lock, &family);
+    let stream = open(&a, "/lock/hold?wait=2s");
+    let mut last = stream.next(Duration::from_secs(5));
+    assert_eq!(last.kind, "acquired", "{last:?}");
+    assert_eq!(a.post("/lock/release").status, 200);
+    let ended = loop {
+        let event = stream.next(Duration::from_secs(5));
+        if event.kind != "renewed" {
+            break event;
+        }
+        last = event;
+    };
+    assert_eq!(ended.kind, "released", "{ended:?}");
+    assert_eq!(a.get("/lock").status, 409, "released: not held any more");
+    let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
+    let taken = b.post("/lock/acquire?wait=10s");
     let taken_at = Instant::now();
-    assert_eq!(free.status, 200, "{}", free.body);
+    assert_eq!(taken.status, 200, "{}", taken.body);
     assert!(
         told_until <= taken_at,
-        "{second} was taken {:?} before the validity the app was told ran out",
+        "pod-b held the lock {:?} before the validity the connection was told ran out",
         told_until - taken_at
     );
 }

@@ -60,6 +60,8 @@ pub(super) struct HeldLease {
     /// On-demand: acquisitions the app holds, and when the hold lapses: the end of the longest
     /// hold among them, since each acquisition keeps the lock at least for its own hold.
     pub(super) holds: u32,
+    /// Of those, the acquisitions connections hold ([`super::Lock::bind`]).
+    pub(super) bound: u32,
     pub(super) hold_until: Option<BootInstant>,
 }
 
@@ -670,6 +672,7 @@ impl Engine {
             acquired_at: SystemTime::now(),
             retry_at: None,
             holds: 0,
+            bound: 0,
             hold_until: None,
         });
         // Only waiters still there get the lock and count: one whose client went away would
@@ -909,7 +912,21 @@ impl Engine {
                 self.retired = Some((reason, done));
                 return Flow::Stop;
             }
-            Command::Release { holding, reply } => {
+            Command::Bind { holding, reply } => {
+                let bound = match self.held_mut() {
+                    Some(held) if holding == (held.permit, held.lease.token) && held.holds > 0 => {
+                        held.bound += 1;
+                        true
+                    }
+                    _ => false,
+                };
+                let _ = reply.send(bound);
+            }
+            Command::Release {
+                holding,
+                by_connection,
+                reply,
+            } => {
                 let ours = self.held().is_some_and(|held| {
                     holding.is_none_or(|h| h == (held.permit, held.lease.token))
                 });
@@ -917,8 +934,21 @@ impl Engine {
                     let _ = reply.send(false);
                     return Flow::Continue;
                 }
-                let holds = self.held().map_or(0, |h| h.holds);
+                let (holds, bound) = match self.held_mut() {
+                    Some(held) if by_connection => {
+                        held.bound = held.bound.saturating_sub(1);
+                        (held.holds, held.bound)
+                    }
+                    Some(held) => (held.holds, held.bound),
+                    None => (0, 0),
+                };
                 match self.config.mode {
+                    // Only connections' acquisitions are left, and another call gives one
+                    // back: their clients may act on their last events until they read that
+                    // the holding ended, so the lease waits out the last answer.
+                    Mode::OnDemand if !by_connection && bound > 0 && holds <= bound => {
+                        self.lapse_for("released by a call while a connection holds it");
+                    }
                     Mode::OnDemand if holds > 1 => {
                         if let Some(held) = self.held_mut() {
                             held.holds -= 1;

@@ -30,6 +30,13 @@ pub(super) enum Command {
     /// acquisition's).
     Release {
         holding: Option<(u32, u64)>,
+        /// Given back by the connection that holds it ([`Lock::bind`]), not by another call.
+        by_connection: bool,
+        reply: oneshot::Sender<bool>,
+    },
+    /// A connection holds the acquisition made as `holding` ([`Lock::bind`]).
+    Bind {
+        holding: (u32, u64),
         reply: oneshot::Sender<bool>,
     },
     Extend {
@@ -189,6 +196,7 @@ impl Drop for Granted {
             let (reply, _) = oneshot::channel();
             let _ = inner.commands.send(Box::new(Command::Release {
                 holding: Some(give_back.holding),
+                by_connection: false,
                 reply,
             }));
         }
@@ -461,7 +469,7 @@ impl Lock {
     /// Step down (campaign mode: then sit out the cool-down) or drop one on-demand acquisition.
     /// `Ok(false)`: this process did not hold the lock.
     pub async fn release(&self) -> Result<bool> {
-        self.release_command(None).await
+        self.release_command(None, false).await
     }
 
     /// [`Lock::release`], only while the lock is held as `holding` says (its permit and token,
@@ -469,14 +477,42 @@ impl Lock {
     /// up (the lease lost and taken again meanwhile; on a lock of several permits, perhaps
     /// another permit with the same token).
     pub async fn release_if(&self, holding: (u32, u64)) -> Result<bool> {
-        self.release_command(Some(holding)).await
+        self.release_command(Some(holding), false).await
     }
 
-    async fn release_command(&self, holding: Option<(u32, u64)>) -> Result<bool> {
+    /// On-demand: a connection holds one acquisition made as `holding` (a hold stream's) and
+    /// tells its client, event by event, how long it may act on it. A release by any other
+    /// call never ends such an acquisition at once: once only connections' acquisitions remain,
+    /// it ends the holding as a force-release does (not held from now on, the lease released
+    /// once the last answer has run out), since each connection's client may act on its last
+    /// event until it reads that the holding ended. `Ok(false)`: not held as `holding`.
+    pub async fn bind(&self, holding: (u32, u64)) -> Result<bool> {
+        let (reply, bound) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Box::new(Command::Bind { holding, reply }))
+            .map_err(|_| Error::Shutdown)?;
+        bound.await.map_err(|_| Error::Shutdown)
+    }
+
+    /// [`Lock::release_if`] by the connection that holds the acquisition ([`Lock::bind`]).
+    pub async fn release_bound(&self, holding: (u32, u64)) -> Result<bool> {
+        self.release_command(Some(holding), true).await
+    }
+
+    async fn release_command(
+        &self,
+        holding: Option<(u32, u64)>,
+        by_connection: bool,
+    ) -> Result<bool> {
         let (reply, released) = oneshot::channel();
         self.inner
             .commands
-            .send(Box::new(Command::Release { holding, reply }))
+            .send(Box::new(Command::Release {
+                holding,
+                by_connection,
+                reply,
+            }))
             .map_err(|_| Error::Shutdown)?;
         released.await.map_err(|_| Error::Shutdown)
     }

@@ -132,6 +132,14 @@ impl WriteHolding {
     pub async fn release(&self) -> Result<KeyRelease, KeyError> {
         self.family.release_write(&self.key, &self.writer).await
     }
+
+    /// [`WriteHolding::release`] by the connection that holds it, whose parts it bound
+    /// ([`crate::Lock::bind`]).
+    pub async fn release_bound(&self) -> Result<KeyRelease, KeyError> {
+        self.family
+            .release_write_as(&self.key, &self.writer, true)
+            .await
+    }
 }
 
 /// What [`KeyedFamily::take_writes`] came to.
@@ -907,19 +915,35 @@ impl KeyedFamily {
         key: &str,
         writer: &Arc<Writer>,
     ) -> Result<KeyRelease, KeyError> {
+        self.release_write_as(key, writer, false).await
+    }
+
+    /// [`KeyedFamily::release_write`], `by_connection` when the connection holding it gives
+    /// it back ([`crate::Lock::bind`]).
+    async fn release_write_as(
+        &self,
+        key: &str,
+        writer: &Arc<Writer>,
+        by_connection: bool,
+    ) -> Result<KeyRelease, KeyError> {
         if writer.ended.load(Ordering::SeqCst) {
             return Ok(KeyRelease::NotHeld);
         }
         let (family, key, writer) = (self.clone(), key.to_owned(), writer.clone());
-        tokio::spawn(async move { family.release_write_parts(&key, &writer).await })
-            .await
-            .map_err(|e| KeyError::Lock(Error::Backend(format!("a release stopped: {e}"))))?
+        tokio::spawn(async move {
+            family
+                .release_write_parts(&key, &writer, by_connection)
+                .await
+        })
+        .await
+        .map_err(|e| KeyError::Lock(Error::Backend(format!("a release stopped: {e}"))))?
     }
 
     async fn release_write_parts(
         &self,
         key: &str,
         writer: &Arc<Writer>,
+        by_connection: bool,
     ) -> Result<KeyRelease, KeyError> {
         let releasing = Releasing::new(writer);
         let mut released = Vec::with_capacity(writer.parts.len());
@@ -927,7 +951,8 @@ impl KeyedFamily {
             let taken = Some((part.permit, part.token));
             released.push((
                 part.permit,
-                self.release_held(key, &writer.owner, taken).await,
+                self.release_held_as(key, &writer.owner, taken, by_connection)
+                    .await,
             ));
         }
         let gate = released
