@@ -42,10 +42,12 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     let api = kube::Config::infer()
         .await
         .map_err(|e| format!("no Kubernetes API configuration: {e}"))?;
-    // The webhook's own client, not paced with the reconciler's: an admission's few requests
-    // must not queue behind a resync of thousands of locks while the API server's timeout for
-    // the webhook runs (5 s), or pods would be refused for it.
-    let webhook_client = kube::client::ClientBuilder::try_from(api.clone())
+    // A client not paced with the reconciler's, for what must not queue behind a resync of
+    // thousands of locks: an admission's few requests (the API server's timeout for the
+    // webhook is 5 s, or pods are refused), the leader election's renewals (a renewal late by
+    // its lease deposes the leader, and the standby resyncs every lock into the same queue),
+    // and the webhook certificate's upkeep. Each makes a few requests a minute.
+    let unpaced_client = kube::client::ClientBuilder::try_from(api.clone())
         .map_err(|e| format!("cannot build the Kubernetes API client: {e}"))?
         .build();
     let client = kube::client::ClientBuilder::try_from(api)
@@ -115,13 +117,12 @@ async fn run(config: Config) -> Result<ExitCode, String> {
 
     let serving = start_webhook(
         &config,
-        &client,
-        &webhook_client,
+        &unpaced_client,
         &election_namespace,
         metrics.clone(),
     )
     .await?;
-    let leadership = election::campaign(client.clone(), &election_namespace, &identity)
+    let leadership = election::campaign(unpaced_client.clone(), &election_namespace, &identity)
         .map_err(|e| format!("cannot start the leader election: {e}"))?;
     // Ready once the webhook presents a certificate: the Service must not send admission
     // reviews to a replica that would fail every handshake.
@@ -175,8 +176,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
 /// or one this operator issues and keeps current.
 async fn start_webhook(
     config: &Config,
-    client: &kube::Client,
-    webhook_client: &kube::Client,
+    unpaced_client: &kube::Client,
     namespace: &str,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<ServingCert>, String> {
@@ -196,15 +196,15 @@ async fn start_webhook(
                 webhook_configuration: config.webhook_configuration.clone(),
             };
             tokio::spawn(webhook_tls::maintain(
-                client.clone(),
+                unpaced_client.clone(),
                 settings,
                 serving.clone(),
             ));
         }
     }
     let injection = config.injection();
-    let locks = LockCache::start(webhook_client, &config.watched());
-    let router = webhook_server::router(webhook_client.clone(), locks, injection, metrics);
+    let locks = LockCache::start(unpaced_client, &config.watched());
+    let router = webhook_server::router(unpaced_client.clone(), locks, injection, metrics);
     tokio::spawn(webhook_server::serve(
         listener,
         serving.clone(),

@@ -128,6 +128,72 @@ async fn the_operator_binary_paces_its_api_requests() {
     );
 }
 
+/// A leader whose reconciles wait on a small request budget (`--api-qps 2`, hundreds of locks)
+/// still renews its election Lease every renew interval: the election's requests do not queue
+/// behind the reconciles', or the leader would be deposed, and its successor resync every lock
+/// into the same queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_renews_its_lease_while_its_reconciles_wait_for_the_request_budget() {
+    let api = InMemoryApiServer::new();
+    api.put(
+        MUTATING_WEBHOOK_CONFIGURATIONS,
+        chart_webhook_configuration(&[]),
+    );
+    for i in 0..300 {
+        api.put(
+            DISTRIBUTED_LOCKS,
+            json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+                   "metadata": {"name": format!("lock-{i}"), "namespace": "team"},
+                   "spec": {"backend": {"kubernetes": {}}}}),
+        );
+    }
+    let (_operator, _kubeconfig) = start_operator(
+        &api,
+        &[
+            &format!("--metrics-listen=127.0.0.1:{}", free_port()),
+            &format!("--webhook-listen=127.0.0.1:{}", free_port()),
+            "--api-qps=2",
+            "--api-burst=2",
+        ],
+    )
+    .await;
+    let lease = || api.object(LEASES, NS, "leasehold-operator");
+    let renewed = |lease: &Value| {
+        (
+            lease["spec"]["holderIdentity"].clone(),
+            lease["spec"]["renewTime"].clone(),
+        )
+    };
+    let mut last = eventually(Duration::from_secs(30), "a leader", async || {
+        lease()
+            .filter(|l| l["spec"]["holderIdentity"] == "leasehold-operator-0")
+            .map(|l| renewed(&l))
+    })
+    .await;
+    let (watched, mut since) = (Instant::now(), Instant::now());
+    let mut longest = Duration::ZERO;
+    while watched.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = renewed(&lease().expect("the election Lease"));
+        assert_eq!(
+            now.0,
+            "leasehold-operator-0",
+            "the leader lost its Lease: {:?}",
+            api.requests_by_kind()
+        );
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+        longest = longest.max(since.elapsed());
+    }
+    // Renewed every 5 s; a renewal may be tried again within its interval.
+    assert!(
+        longest < Duration::from_secs(10),
+        "the leader's Lease went {longest:?} without a renewal: {:?}",
+        api.requests_by_kind()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_binary_issues_its_certificate_and_serves_the_webhook() {
     let api = InMemoryApiServer::new();
