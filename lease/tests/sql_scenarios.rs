@@ -1225,6 +1225,75 @@ async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u
     sweep.abort();
 }
 
+/// A sweep of a family's idle keys that waits on one idle key's row (another session locks
+/// it) leaves the rows of the keys it does not delete alone: a held key of the family is
+/// renewed meanwhile at once, not after the sweep gives up. (At MySQL's default REPEATABLE
+/// READ, the sweep's deletion would keep a lock on every row it scanned until it ends.)
+async fn a_waiting_sweep_leaves_held_keys_renewals_alone(url: &str) {
+    use leasehold_lease::Acquire;
+    let direct = driver_at(url).await;
+    let family = unique_lock("busy_sweep");
+    // Before the idle key in the rows' order, so that a sweep scanning them meets it first.
+    let held = format!("{family}.keys.a-held");
+    let idle = format!("{family}.keys.idle");
+    let Acquire::Acquired(gone) = direct.try_acquire(&idle, "a", LEASE).await.unwrap() else {
+        panic!("{idle} is free");
+    };
+    assert!(direct.release(&gone).await.unwrap());
+    let Acquire::Acquired(lease) = direct.try_acquire(&held, "a", LEASE).await.unwrap() else {
+        panic!("{held} is free");
+    };
+    sqlx::any::install_default_drivers();
+    let mut blocker = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let table = leasehold_lease::DEFAULT_TABLE;
+    sqlx::raw_sql("BEGIN")
+        .execute(&mut blocker)
+        .await
+        .expect("begin");
+    sqlx::raw_sql(&format!(
+        "SELECT token FROM {table} WHERE name = '{idle}' FOR UPDATE"
+    ))
+    .execute(&mut blocker)
+    .await
+    .expect("lock the idle key's row");
+    let sweeper = driver_at(url).await;
+    let sweep = tokio::spawn({
+        let family = family.clone();
+        async move { sweeper.forget_idle_keys(&family, Duration::ZERO).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!sweep.is_finished(), "the sweep did not wait for the row");
+    let started = tokio::time::Instant::now();
+    let renewed = tokio::time::timeout(Duration::from_secs(30), direct.renew(&lease, LEASE))
+        .await
+        .expect("the renewal waited 30 s");
+    assert!(renewed.expect("renew"), "{held} was not renewed");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{held}'s renewal waited {:?} behind the sweep",
+        started.elapsed()
+    );
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut blocker)
+        .await
+        .expect("commit");
+    let swept = sweep.await.expect("the sweep").expect("swept");
+    assert_eq!(swept, 1, "the idle key's row is deleted");
+    assert!(direct.release(&lease).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiting_sweep_leaves_held_keys_renewals_alone() {
+    let h = PostgresHarness::new();
+    a_waiting_sweep_leaves_held_keys_renewals_alone(&h.server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_waiting_sweep_leaves_held_keys_renewals_alone() {
+    let h = MariaDbHarness::new();
+    a_waiting_sweep_leaves_held_keys_renewals_alone(&h.server.url()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_sweep_cut_off_midway_holds_its_family_only_a_while() {
     let h = PostgresHarness::new();

@@ -639,8 +639,11 @@ impl Dialect {
                 "SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL lock_timeout = {ms}",
                 ms = bound.as_millis()
             ),
+            // READ COMMITTED: the deletion keeps locks on the rows it deletes only, not on every
+            // row it scans (held keys among them, whose renewals would wait for the sweep).
             Dialect::MySql => format!(
-                "SET SESSION wait_timeout = {s}; SET SESSION innodb_lock_wait_timeout = {s}",
+                "SET SESSION wait_timeout = {s}; SET SESSION innodb_lock_wait_timeout = {s}; \
+                 SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
                 s = bound.as_secs()
             ),
         }
