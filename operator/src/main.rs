@@ -70,7 +70,19 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         if let Some(deployment) = &deployment {
             uninstall::stop_operator(&client, deployment, STOP_PATIENCE).await?;
         }
-        let released = uninstall::release_finalizers(&client, &config.watched()).await?;
+        let released = match uninstall::release_finalizers(&client, &config.watched()).await {
+            Ok(released) => released,
+            Err(e) => {
+                // Those released get the finalizer back from the operator; the uninstall may
+                // be tried again.
+                if let Some(deployment) = &deployment
+                    && let Err(again) = uninstall::start_operator_again(&client, deployment).await
+                {
+                    return Err(format!("{e}; {again}"));
+                }
+                return Err(e);
+            }
+        };
         // Something (a GitOps tool's drift correction, a person) may have scaled the operator
         // back meanwhile; it would have added the finalizers back.
         if let Some(deployment) = &deployment {

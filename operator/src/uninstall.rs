@@ -33,16 +33,35 @@ pub struct OperatorDeployment {
 /// How often [`stop_operator`] looks for pods still running.
 const POD_POLL: Duration = Duration::from_millis(500);
 
+/// On the operator's Deployment while the hook has it scaled to zero: its replicas before, so
+/// that a hook that fails scales it back (a retry of the hook, which finds zero, reads them
+/// here).
+pub const REPLICAS_BEFORE: &str = "leasehold.dev/replicas-before-uninstall";
+
 /// Scale the operator's Deployment to zero and wait until none of its pods is left, at most
 /// `patience`: a pod that is gone reconciles no more. A Deployment already deleted only waits
-/// for its pods.
+/// for its pods. Should its pods not go within `patience`, the Deployment is scaled back
+/// ([`start_operator_again`]): left at zero, the webhook (which fails closed) would refuse the
+/// pods it injects, and no lock would be reconciled, until someone noticed.
 pub async fn stop_operator(
     client: &kube::Client,
     deployment: &OperatorDeployment,
     patience: Duration,
 ) -> Result<(), String> {
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
-    let scale = json!({"spec": {"replicas": 0}});
+    let before = match deployments.get_opt(&deployment.name).await {
+        Ok(found) => found.map(|d| replicas_before(&d)),
+        Err(e) => {
+            return Err(format!(
+                "cannot read the operator's Deployment {}/{}: {e}",
+                deployment.namespace, deployment.name
+            ));
+        }
+    };
+    let scale = json!({
+        "metadata": {"annotations": {REPLICAS_BEFORE: before.unwrap_or(1).to_string()}},
+        "spec": {"replicas": 0},
+    });
     match deployments
         .patch(
             &deployment.name,
@@ -68,18 +87,74 @@ pub async fn stop_operator(
             return Ok(());
         }
         if started.elapsed() >= patience {
-            return Err(format!(
+            let stuck = format!(
                 "the operator's pods are still running after {patience:?} ({}); a running \
-                 operator would add its finalizer back, so none was released. The operator is \
-                 scaled to zero: scale it back up (kubectl scale deployment/{} -n {} \
-                 --replicas=2) or find what keeps its pods",
+                 operator would add its finalizer back, so none was released",
                 running.join(", "),
-                deployment.name,
-                deployment.namespace
-            ));
+            );
+            return Err(match start_operator_again(client, deployment).await {
+                Ok(()) => format!("{stuck}. The operator is scaled back: find what keeps its pods"),
+                Err(e) => format!("{stuck}. {e}"),
+            });
         }
         tokio::time::sleep(POD_POLL).await;
     }
+}
+
+/// The replicas a Deployment had before the hook scaled it to zero: its own count, or at zero
+/// the count an earlier run of the hook noted ([`REPLICAS_BEFORE`]).
+fn replicas_before(deployment: &Deployment) -> i32 {
+    let replicas = deployment
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.replicas)
+        .unwrap_or(1);
+    let noted = deployment
+        .annotations()
+        .get(REPLICAS_BEFORE)
+        .and_then(|n| n.parse::<i32>().ok());
+    match (replicas, noted) {
+        (0, Some(noted)) => noted,
+        _ => replicas,
+    }
+}
+
+/// Scale the operator's Deployment back to the replicas it had before [`stop_operator`], after
+/// the hook failed: it serves the webhook and reconciles again, and the uninstall may be
+/// tried again. A Deployment the hook did not scale is left alone.
+pub async fn start_operator_again(
+    client: &kube::Client,
+    deployment: &OperatorDeployment,
+) -> Result<(), String> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &deployment.namespace);
+    let found = deployments.get_opt(&deployment.name).await;
+    let cannot = |e: &dyn std::fmt::Display| {
+        format!(
+            "cannot scale the operator back up ({e}): kubectl scale deployment/{} -n {} \
+             --replicas=2",
+            deployment.name, deployment.namespace
+        )
+    };
+    let Some(found) = found.map_err(|e| cannot(&e))? else {
+        return Ok(());
+    };
+    if !found.annotations().contains_key(REPLICAS_BEFORE) {
+        return Ok(());
+    }
+    let scale = json!({
+        "metadata": {"annotations": {REPLICAS_BEFORE: null}},
+        "spec": {"replicas": replicas_before(&found)},
+    });
+    deployments
+        .patch(
+            &deployment.name,
+            &PatchParams::default(),
+            &Patch::Merge(&scale),
+        )
+        .await
+        .map_err(|e| cannot(&e))?;
+    tracing::info!(deployment = %deployment.name, "the operator is scaled back up");
+    Ok(())
 }
 
 /// The operator's pods that may still run: all but those that ended (`Succeeded`, `Failed`:

@@ -580,6 +580,74 @@ async fn the_uninstall_hook_stops_the_operator_then_releases_every_finalizer() {
     assert!(lease["metadata"]["ownerReferences"].is_null(), "{lease}");
 }
 
+/// An uninstall hook whose operator does not stop in time (a pod on a node that no longer
+/// answers stays listed as running) releases no finalizer, and scales the operator back to
+/// the replicas it had: left at zero, its webhook would refuse the pods it injects and no lock
+/// would be reconciled. A hook that runs again meanwhile finds zero and the count noted before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uninstall_hook_whose_operator_does_not_stop_scales_it_back() {
+    use leasehold_operator::uninstall::{OperatorDeployment, REPLICAS_BEFORE, stop_operator};
+    const RELEASE_NS: &str = "leasehold-system";
+    const DEPLOYMENTS: &str = "/apis/apps/v1/deployments";
+    const PODS: &str = "/api/v1/pods";
+    let chart = support::objects(&support::rendered_chart());
+    let mut operator_deployment = chart
+        .iter()
+        .find(|o| o["kind"] == "Deployment" && o["metadata"]["name"] == "leasehold-operator")
+        .expect("the chart's Deployment")
+        .clone();
+    operator_deployment["metadata"]["namespace"] = RELEASE_NS.into();
+    operator_deployment["spec"]["replicas"] = 3.into();
+    let pod_labels = operator_deployment["spec"]["template"]["metadata"]["labels"].clone();
+    let api = InMemoryApiServer::new();
+    api.put(DEPLOYMENTS, operator_deployment);
+    api.put(
+        PODS,
+        serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "leasehold-operator-0", "namespace": RELEASE_NS,
+                         "labels": pod_labels},
+            "status": {"phase": "Running"}}),
+    );
+    let hook_user = "system:serviceaccount:leasehold-system:leasehold-operator-uninstall";
+    api.grant(
+        hook_user,
+        support::rendered_chart_grants(RELEASE_NS, "leasehold-operator-uninstall"),
+    );
+    let hook = api.client_as(hook_user);
+    let deployment = OperatorDeployment {
+        namespace: RELEASE_NS.into(),
+        name: "leasehold-operator".into(),
+        pods: "app.kubernetes.io/name=leasehold-operator".into(),
+    };
+    let replicas = |api: &InMemoryApiServer| {
+        let d = api
+            .object(DEPLOYMENTS, RELEASE_NS, "leasehold-operator")
+            .expect("the Deployment");
+        (
+            d["spec"]["replicas"].clone(),
+            d["metadata"]["annotations"][REPLICAS_BEFORE].clone(),
+        )
+    };
+    let failed = stop_operator(&hook, &deployment, Duration::from_millis(500))
+        .await
+        .expect_err("the operator's pod never went");
+    assert!(failed.contains("scaled back"), "{failed}");
+    assert_eq!(replicas(&api), (3.into(), Value::Null));
+
+    // A run of the hook before failed to scale it back: the next finds the count it noted.
+    let mut stopped = api
+        .object(DEPLOYMENTS, RELEASE_NS, "leasehold-operator")
+        .unwrap();
+    stopped["spec"]["replicas"] = 0.into();
+    stopped["metadata"]["annotations"][REPLICAS_BEFORE] = "3".into();
+    api.put(DEPLOYMENTS, stopped);
+    stop_operator(&hook, &deployment, Duration::from_millis(500))
+        .await
+        .expect_err("the operator's pod never went");
+    assert_eq!(replicas(&api), (3.into(), Value::Null));
+    assert_eq!(api.denied(), [], "requests outside the chart's RBAC");
+}
+
 /// A lock whose records are kept (`cleanupPolicy: Retain`) needs no clean-up and carries no
 /// finalizer: it is provisioned and reported all the same, and deleting it, operator or not,
 /// does not wait. A `Delete` lock switched to `Retain` has the finalizer taken off.
