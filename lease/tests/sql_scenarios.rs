@@ -156,6 +156,94 @@ async fn killed_row_lock_holder_is_replaced(h: &mut dyn Harness, url: &str, dial
     );
 }
 
+/// Row-lock mode, a holder whose fence renewals fail (another session locks the lock's row
+/// in the lock table, and the holder's role waits for a lock 200 ms at most), then whose host
+/// goes silent (no FIN reaches the server): the server ends the holder's session, and frees
+/// the row, as the fence runs out, so a waiter takes over within a lease of the last renewal.
+/// Were the held transaction touched at each failed renewal attempt, the server's bound on its
+/// idleness would start again each time, and the row stay locked up to a lease past the last
+/// attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_a_holder_whose_renewals_fail_frees_the_row_as_its_fence_runs_out() {
+    use leasehold_lease::Acquire;
+    use sqlx::Executor;
+    const LOST_LEASE: Duration = Duration::from_secs(6);
+    const LOST_RENEW: Duration = Duration::from_secs(2);
+    let h = PostgresHarness::row_lock();
+    let url = format!("{}?mode=row-lock", h.server.url());
+    let lock = unique_lock("silent");
+    let waiter = driver_at(&url).await;
+    waiter
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&h.server.url())
+        .await
+        .expect("admin");
+    admin
+        .execute(
+            "CREATE ROLE holder LOGIN; ALTER ROLE holder SET lock_timeout = '200ms'; \
+             GRANT CREATE ON SCHEMA public TO holder; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO holder",
+        )
+        .await
+        .expect("the holder's role");
+    let proxy = leasehold_testkit::FaultProxy::start(h.server.port());
+    let through_proxy = url.replace("postgres@", "holder@").replace(
+        &format!(":{}/", h.server.port()),
+        &format!(":{}/", proxy.port),
+    );
+    let holder = start_with(
+        driver_at(&through_proxy).await,
+        &lock,
+        "a",
+        LOST_LEASE,
+        LOST_RENEW,
+    );
+    holder_token(&holder).await;
+    let mut blocker = sqlx::AnyConnection::connect(&h.server.url())
+        .await
+        .expect("blocker");
+    blocker
+        .execute(&*format!(
+            "BEGIN; SELECT token FROM {} WHERE name = '{lock}' FOR UPDATE",
+            leasehold_lease::DEFAULT_TABLE
+        ))
+        .await
+        .expect("lock the fence's row");
+    // The last renewal that could extend the fence was sent before this.
+    let blocked = tokio::time::Instant::now();
+    // Silent before its claim ends (at least a lease less a renew interval after the block):
+    // until then it tries its renewals again.
+    tokio::time::sleep(LOST_LEASE - LOST_RENEW - Duration::from_millis(300)).await;
+    proxy.cut();
+    blocker.execute("ROLLBACK").await.expect("let the fence go");
+    let taken = loop {
+        match waiter
+            .try_acquire(&lock, "b", LOST_LEASE)
+            .await
+            .expect("acquire")
+        {
+            Acquire::Acquired(_) => break blocked.elapsed(),
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+        assert!(
+            blocked.elapsed() < LOST_LEASE * 3,
+            "nobody took over within three leases"
+        );
+    };
+    assert!(
+        !holder.answer().is_holder(),
+        "the silent holder still claims the lock"
+    );
+    assert!(
+        taken < LOST_LEASE + Duration::from_millis(1500),
+        "taken over {taken:?} after the last renewal that could extend the fence: the row \
+         stayed locked past the fence"
+    );
+}
+
 /// The row is really locked in the database while held, and free after release: another
 /// session's `FOR UPDATE NOWAIT` fails, then succeeds; provisioning the lock meanwhile does not
 /// wait for the holder.

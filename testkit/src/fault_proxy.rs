@@ -127,7 +127,9 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     }
 }
 
-/// Copy one direction; while the link is cut, read bytes are dropped on the floor.
+/// Copy one direction; while the link is cut, read bytes are dropped on the floor, and so is
+/// a close: the other side learns of it only once the link is restored (which resets the
+/// connection), as across a partition.
 fn pump(mut from: TcpStream, mut to: TcpStream, shared: &Shared) {
     let mut buf = [0u8; 16 * 1024];
     loop {
@@ -143,5 +145,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, shared: &Shared) {
         }
     }
     let _ = from.shutdown(Shutdown::Both);
-    let _ = to.shutdown(Shutdown::Both);
+    if !shared.cut.load(Ordering::SeqCst) {
+        let _ = to.shutdown(Shutdown::Both);
+    }
 }

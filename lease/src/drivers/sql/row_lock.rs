@@ -310,6 +310,22 @@ impl RowLocks {
         };
         let sent = Instant::now();
         let mut conn = row.conn.lock().await;
+        if conn.is_none() {
+            self.forget(&lease.lock, &row);
+            return Ok(false);
+        }
+        // The fence first: each statement on the held transaction restarts the server's bound
+        // on the session's idleness, so the row's transaction is touched only once the fence
+        // is extended. Should fence renewals fail while a holder's host goes silent, the server
+        // ends its session (and frees the row) as the fence runs out, not a lease after the
+        // last failed attempt.
+        if !driver.renew_row(lease, ttl).await? {
+            if let Some(tx) = conn.take() {
+                self.rollback_and_spare(tx).await;
+            }
+            self.forget(&lease.lock, &row);
+            return Ok(false);
+        }
         let Some(tx) = conn.as_mut() else {
             self.forget(&lease.lock, &row);
             return Ok(false);
@@ -319,25 +335,19 @@ impl RowLocks {
             .bind(&lease.lock)
             .fetch_all(&mut *tx)
             .await;
-        match still_held {
-            Ok(rows) if !rows.is_empty() => {}
-            Ok(_) => {
-                conn.take();
-                self.forget(&lease.lock, &row);
-                return Ok(false);
-            }
-            Err(e) => {
-                conn.take();
-                self.forget(&lease.lock, &row);
-                return Err(map_err(e));
-            }
-        }
-        if !driver.renew_row(lease, ttl).await? {
-            if let Some(tx) = conn.take() {
-                self.rollback_and_spare(tx).await;
-            }
+        let gone = match still_held {
+            Ok(rows) if !rows.is_empty() => None,
+            Ok(_) => Some(Ok(false)),
+            Err(e) => Some(Err(map_err(e))),
+        };
+        if let Some(answer) = gone {
+            conn.take();
             self.forget(&lease.lock, &row);
-            return Ok(false);
+            // The fence just extended would keep the lock for nobody until it runs out.
+            if let Err(e) = driver.release_row(lease).await {
+                tracing::debug!(lock = %lease.lock, error = %e, "the fence of a row whose transaction ended was not freed");
+            }
+            return answer;
         }
         row.expires.send_replace(sent + ttl);
         Ok(true)
