@@ -1317,7 +1317,7 @@ async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u
 /// it) leaves the rows of the keys it does not delete alone: a held key of the family is
 /// renewed meanwhile at once, not after the sweep gives up. (At MySQL's default REPEATABLE
 /// READ, the sweep's deletion would keep a lock on every row it scanned until it ends.)
-async fn a_waiting_sweep_leaves_held_keys_renewals_alone(url: &str) {
+async fn a_waiting_sweep_leaves_held_keys_renewals_alone(url: &str, dialect: Dialect) {
     use leasehold_lease::Acquire;
     let direct = driver_at(url).await;
     let family = unique_lock("busy_sweep");
@@ -1349,8 +1349,34 @@ async fn a_waiting_sweep_leaves_held_keys_renewals_alone(url: &str) {
         let family = family.clone();
         async move { sweeper.forget_idle_keys(&family, Duration::ZERO).await }
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!sweep.is_finished(), "the sweep did not wait for the row");
+    // Until the sweep waits for the idle key's row (a statement waiting for a lock).
+    let waiting = match dialect {
+        Dialect::Postgres => {
+            "SELECT count(*) AS waiting FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        }
+        // Its deletion under way: it cannot end while the idle key's row is locked.
+        Dialect::MySql => {
+            "SELECT count(*) AS waiting FROM information_schema.processlist \
+             WHERE info LIKE 'DELETE%'"
+        }
+    };
+    let mut watcher = sqlx::AnyConnection::connect(url).await.expect("connect");
+    let asked = tokio::time::Instant::now();
+    loop {
+        let row = sqlx::query(waiting)
+            .fetch_one(&mut watcher)
+            .await
+            .expect("waiting statements");
+        if sqlx::Row::try_get::<i64, _>(&row, "waiting").expect("waiting") > 0 {
+            break;
+        }
+        assert!(!sweep.is_finished(), "the sweep did not wait for the row");
+        assert!(
+            asked.elapsed() < Duration::from_secs(10),
+            "the sweep never waited for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let started = tokio::time::Instant::now();
     let renewed = tokio::time::timeout(Duration::from_secs(30), direct.renew(&lease, LEASE))
         .await
@@ -1373,13 +1399,13 @@ async fn a_waiting_sweep_leaves_held_keys_renewals_alone(url: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_waiting_sweep_leaves_held_keys_renewals_alone() {
     let h = PostgresHarness::new();
-    a_waiting_sweep_leaves_held_keys_renewals_alone(&h.server.url()).await;
+    a_waiting_sweep_leaves_held_keys_renewals_alone(&h.server.url(), Dialect::Postgres).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_a_waiting_sweep_leaves_held_keys_renewals_alone() {
     let h = MariaDbHarness::new();
-    a_waiting_sweep_leaves_held_keys_renewals_alone(&h.server.url()).await;
+    a_waiting_sweep_leaves_held_keys_renewals_alone(&h.server.url(), Dialect::MySql).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

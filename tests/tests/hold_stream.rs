@@ -18,6 +18,10 @@ const LONG_TIMING: [&str; 4] = ["--lease-duration", "6s", "--renew-interval", "2
 const RELEASED_WITHIN: Duration = Duration::from_secs(2);
 /// A read-write family of two permits: up to two readers, or one writer.
 const READ_WRITE: [&str; 3] = ["--permits", "2", "--read-write"];
+/// How much later than the sidecar sent an event this test may read it on a loaded machine:
+/// the end of the validity an event told, counted from its reading, is that much too late.
+/// A holding released in the backend at once is taken seconds before that end.
+const READ_LAG: Duration = Duration::from_millis(500);
 
 fn on_demand(identity: &str, redis: &RedisServer, lock: &str, family: &str) -> Sidecar {
     on_demand_with(identity, &redis.url(), lock, family, &TIMING)
@@ -656,7 +660,7 @@ fn released_one_gives_back_the_other(
         let taken_at = Instant::now();
         assert_eq!(free.status, 200, "{}", free.body);
         assert!(
-            told_until <= taken_at,
+            told_until <= taken_at + READ_LAG,
             "{key} was taken {:?} before the validity the app was told ran out",
             told_until - taken_at
         );
@@ -691,7 +695,7 @@ fn a_lock_released_by_another_call_is_not_taken_before_the_connections_last_vali
     let taken_at = Instant::now();
     assert_eq!(taken.status, 200, "{}", taken.body);
     assert!(
-        told_until <= taken_at,
+        told_until <= taken_at + READ_LAG,
         "pod-b held the lock {:?} before the validity the connection was told ran out",
         told_until - taken_at
     );
