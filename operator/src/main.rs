@@ -67,35 +67,24 @@ async fn run(config: Config) -> Result<ExitCode, String> {
             }),
             _ => None,
         };
-        if let Some(deployment) = &deployment {
-            uninstall::stop_operator(&client, deployment, STOP_PATIENCE).await?;
-        }
-        let released = match uninstall::release_finalizers(&client, &config.watched()).await {
-            Ok(released) => released,
-            Err(e) => {
-                // Those released get the finalizer back from the operator; the uninstall may
-                // be tried again.
-                if let Some(deployment) = &deployment
-                    && let Err(again) = uninstall::start_operator_again(&client, deployment).await
-                {
-                    return Err(format!("{e}; {again}"));
-                }
-                return Err(e);
+        let watched = config.watched();
+        let hook = uninstall::release_every_finalizer(
+            &client,
+            deployment.as_ref(),
+            &watched,
+            STOP_PATIENCE,
+        );
+        let released = tokio::select! {
+            released = hook => released?,
+            // The Job's deadline, or a person: the operator must not stay scaled to zero.
+            signal = shutdown_signal() => {
+                let stopped = format!("stopped by {signal} before the finalizers were released");
+                return Err(match &deployment {
+                    Some(deployment) => uninstall::scaled_back(&client, deployment, stopped).await,
+                    None => stopped,
+                });
             }
         };
-        // Something (a GitOps tool's drift correction, a person) may have scaled the operator
-        // back meanwhile; it would have added the finalizers back.
-        if let Some(deployment) = &deployment {
-            let running = uninstall::running_pods(&client, deployment).await?;
-            if !running.is_empty() {
-                return Err(format!(
-                    "the operator was started again while the finalizers were released ({}): \
-                     stop whatever scales deployment/{} up, then uninstall again",
-                    running.join(", "),
-                    deployment.name
-                ));
-            }
-        }
         println!(
             "released the finalizer of {} DistributedLock(s); their records are kept",
             released.len()

@@ -81,7 +81,10 @@ pub async fn stop_operator(
     }
     let started = Instant::now();
     loop {
-        let running = running_pods(client, deployment).await?;
+        let running = match running_pods(client, deployment).await {
+            Ok(running) => running,
+            Err(e) => return Err(scaled_back(client, deployment, e).await),
+        };
         if running.is_empty() {
             tracing::info!(deployment = %deployment.name, "the operator is stopped");
             return Ok(());
@@ -92,12 +95,58 @@ pub async fn stop_operator(
                  operator would add its finalizer back, so none was released",
                 running.join(", "),
             );
-            return Err(match start_operator_again(client, deployment).await {
-                Ok(()) => format!("{stuck}. The operator is scaled back: find what keeps its pods"),
-                Err(e) => format!("{stuck}. {e}"),
-            });
+            return Err(scaled_back(
+                client,
+                deployment,
+                format!("{stuck}; find what keeps its pods"),
+            )
+            .await);
         }
         tokio::time::sleep(POD_POLL).await;
+    }
+}
+
+/// The hook as the chart runs it: stop the operator (when its Deployment is named), release
+/// every watched lock's finalizer, and check that nothing started the operator again meanwhile
+/// (a GitOps tool's drift correction, a person: it would have added the finalizers back). The
+/// names of the locks released. Should any step fail after the operator was stopped, it is
+/// scaled back ([`start_operator_again`]) and the error says so: the uninstall may be tried
+/// again.
+pub async fn release_every_finalizer(
+    client: &kube::Client,
+    deployment: Option<&OperatorDeployment>,
+    watched: &Watched,
+    patience: Duration,
+) -> Result<Vec<String>, String> {
+    let Some(deployment) = deployment else {
+        return release_finalizers(client, watched).await;
+    };
+    stop_operator(client, deployment, patience).await?;
+    let released = match release_finalizers(client, watched).await {
+        Ok(released) => released,
+        Err(e) => return Err(scaled_back(client, deployment, e).await),
+    };
+    match running_pods(client, deployment).await {
+        Ok(running) if running.is_empty() => Ok(released),
+        Ok(running) => Err(format!(
+            "the operator was started again while the finalizers were released ({}): stop \
+             whatever scales deployment/{} up, then uninstall again",
+            running.join(", "),
+            deployment.name
+        )),
+        Err(e) => Err(scaled_back(client, deployment, e).await),
+    }
+}
+
+/// `failed`, after the operator is scaled back up (or why it could not be).
+pub async fn scaled_back(
+    client: &kube::Client,
+    deployment: &OperatorDeployment,
+    failed: String,
+) -> String {
+    match start_operator_again(client, deployment).await {
+        Ok(()) => format!("{failed}. The operator is scaled back up"),
+        Err(e) => format!("{failed}. {e}"),
     }
 }
 

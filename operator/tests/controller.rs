@@ -646,6 +646,27 @@ async fn an_uninstall_hook_whose_operator_does_not_stop_scales_it_back() {
         .expect_err("the operator's pod never went");
     assert_eq!(replicas(&api), (3.into(), Value::Null));
     assert_eq!(api.denied(), [], "requests outside the chart's RBAC");
+
+    // A step that fails once the operator is stopped (here its pods cannot be listed) scales
+    // it back too.
+    let blind = "system:serviceaccount:leasehold-system:blind";
+    api.grant(
+        blind,
+        support::rendered_chart_grants(RELEASE_NS, "leasehold-operator-uninstall")
+            .into_iter()
+            .filter(|grant| grant.rule["resources"][0] != "pods")
+            .collect(),
+    );
+    let failed = leasehold_operator::uninstall::release_every_finalizer(
+        &api.client_as(blind),
+        Some(&deployment),
+        &Watched::AllNamespaces,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect_err("the pods cannot be listed");
+    assert!(failed.contains("scaled back"), "{failed}");
+    assert_eq!(replicas(&api), (3.into(), Value::Null));
 }
 
 /// A lock whose records are kept (`cleanupPolicy: Retain`) needs no clean-up and carries no
