@@ -261,6 +261,14 @@ fn only_annotated_pods_outside_the_operator_and_kube_system_reach_the_webhook() 
         !ok && text.contains("needs a webhook.objectSelector"),
         "{text}"
     );
+    // Watched namespaces scope it as well.
+    let scoped = render_chart(&[
+        "--set",
+        "webhook.matchConditions=false",
+        "--set",
+        "operator.watchNamespaces={team}",
+    ]);
+    assert!(webhook_of(&scoped)["matchConditions"].is_null());
     assert!(
         of_kind(&older, "PodDisruptionBudget").is_empty(),
         "no PDB for one replica: it would block every drain"
@@ -644,6 +652,16 @@ fn the_webhook_is_reachable_by_values_where_pod_ips_are_not() {
     assert!(
         kind(&default, "Deployment").unwrap()["spec"]["strategy"].is_null(),
         "on the pod network a rollout surges"
+    );
+    let single = render_chart(&[
+        "-f",
+        &ci_values("reachability-values.yaml"),
+        "--set",
+        "operator.replicas=1",
+    ]);
+    assert!(
+        kind(&single, "Deployment").unwrap()["spec"]["strategy"].is_null(),
+        "a single replica surges, or every rollout would take the webhook down"
     );
     let args = serde_yaml::to_string(&pod["containers"][0]["args"]).unwrap();
     assert!(args.contains("--webhook-listen=[::]:9443"), "{args}");
