@@ -189,59 +189,6 @@ async fn durable_restart(mut server: RedisServer) {
     }
 }
 
-/// Behind one `redis://` address, a durable master is replaced by a server that keeps nothing
-/// through a crash (a pod rescheduled with another configuration, a Service pointed elsewhere),
-/// found there with no record, within a minute of a driver's learning that the address's server
-/// is durable: that driver asks the new server afresh, and grants nothing until a's lease,
-/// taken on the old server, has run out, and then a token above a's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_new_server_behind_the_address_is_asked_again_whether_it_is_durable() {
-    let durable = RedisServer::start_with(true);
-    let lossy = RedisServer::start_with(false);
-    let endpoint = leasehold_testkit::FaultProxy::start(durable.port());
-    let url = format!("redis://127.0.0.1:{}", endpoint.port);
-    let (a, b) = (driver_for(&url).await, driver_for(&url).await);
-    let lease = Duration::from_secs(3);
-    // b has just learnt that the server behind the address is durable.
-    let Acquire::Acquired(first) = b
-        .try_acquire(&unique_lock("warm"), "b", lease)
-        .await
-        .unwrap()
-    else {
-        panic!("a fresh durable server grants at once");
-    };
-    assert!(b.release(&first).await.unwrap());
-    let moved = unique_lock("moved");
-    let sent = Instant::now();
-    let Acquire::Acquired(taken) = a.try_acquire(&moved, "a", lease).await.unwrap() else {
-        panic!("{moved} is free");
-    };
-    endpoint.redirect(lossy.port());
-    let granted = loop {
-        match once_reconnected(async || b.try_acquire(&moved, "b", lease).await).await {
-            Ok(Acquire::Acquired(granted)) => break granted,
-            other => {
-                assert!(
-                    sent.elapsed() < lease * 4,
-                    "b never got the lock: {other:?}"
-                );
-                sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
-    assert!(
-        sent.elapsed() >= lease,
-        "the new server granted the lock {:?} after a's acquisition, within a's lease: two holders",
-        sent.elapsed()
-    );
-    assert!(
-        granted.token > taken.token,
-        "b's token {} is not above a's {}",
-        granted.token,
-        taken.token
-    );
-}
-
 /// A durable master that the driver first meets while it is down (a sidecar that starts with
 /// its Redis, or during a restart) is still known to be durable once it answers: a free lock is
 /// granted at once. When the failed `CONFIG GET` counted as "not durable", the first

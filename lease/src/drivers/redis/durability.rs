@@ -20,18 +20,7 @@ const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
 /// was only starting would then grant no free lock for a whole lease.
 #[derive(Default)]
 pub(crate) struct Durability {
-    checked: std::sync::Mutex<Option<Checked>>,
-}
-
-/// A master's durability as last read, and which server answered.
-struct Checked {
-    at: std::time::Instant,
-    master: String,
-    durable: bool,
-    /// The answering server's replication ID (`INFO replication`), where it could be read: a
-    /// server behind the same address with another one is another server, or the same one
-    /// restarted, and the answer says nothing of it ([`Durability::read_on`]).
-    replid: Option<String>,
+    checked: std::sync::Mutex<Option<(std::time::Instant, String, bool)>>,
 }
 
 impl Durability {
@@ -64,26 +53,7 @@ impl Durability {
         };
         let durable = setting("appendonly").await?.as_deref() == Some("yes")
             && setting("appendfsync").await?.as_deref() == Some("always");
-        let replication: redis::RedisResult<String> = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(conn)
-            .await;
-        let replid = replication.ok().and_then(|info| {
-            info.lines()
-                .find_map(|line| line.strip_prefix("master_replid:"))
-                .map(|id| id.trim().to_owned())
-        });
-        Ok(self.remember(master, durable, replid))
-    }
-
-    /// The replication ID of the server whose answer [`Durability::of`] gives for `master`,
-    /// where it was read: the epoch check asks again when it meets a server with another one
-    /// ([`crate::drivers::redis::Keeping::DurableAsRead`]).
-    pub(crate) fn read_on(&self, master: &str) -> Option<String> {
-        match &*self.checked.lock().expect("durability") {
-            Some(checked) if checked.master == master => checked.replid.clone(),
-            _ => None,
-        }
+        Ok(self.remember(master, durable))
     }
 
     /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any; see
@@ -97,27 +67,21 @@ impl Durability {
             return durable;
         }
         let durable = crate::drivers::redis::cluster::every_master_durable(conn).await;
-        self.remember(CLUSTER, durable, None)
+        self.remember(CLUSTER, durable)
     }
 
     fn cached(&self, master: &str) -> Option<bool> {
         match &*self.checked.lock().expect("durability") {
-            Some(checked)
-                if checked.master == master && checked.at.elapsed() < DURABILITY_RECHECK =>
-            {
-                Some(checked.durable)
+            Some((at, of, durable)) if of == master && at.elapsed() < DURABILITY_RECHECK => {
+                Some(*durable)
             }
             _ => None,
         }
     }
 
-    fn remember(&self, master: &str, durable: bool, replid: Option<String>) -> bool {
-        *self.checked.lock().expect("durability") = Some(Checked {
-            at: std::time::Instant::now(),
-            master: master.to_owned(),
-            durable,
-            replid,
-        });
+    fn remember(&self, master: &str, durable: bool) -> bool {
+        *self.checked.lock().expect("durability") =
+            Some((std::time::Instant::now(), master.to_owned(), durable));
         durable
     }
 }

@@ -123,12 +123,6 @@ pub(crate) enum Keeping {
     /// `appendonly yes`, `appendfsync always`, and nothing to tell who kept the data: one
     /// server, Redlock's masters.
     Durable,
-    /// [`Keeping::Durable`] as read from the server with this replication ID behind one
-    /// address: a server with another one (a restart, or another server put behind the address
-    /// since) that has no record of its own is not taken for durable on that answer. The
-    /// check then fails with [`ASK_AGAIN`], before anything is written, and the driver reads
-    /// the new server's durability and acquires again.
-    DurableAsRead { replid: String },
     /// Durable behind Sentinel: the master's address and the sentinels' configuration epoch
     /// for it, which every failover raises (and a restart keeps). The epoch alone repeats when
     /// the sentinels are set up afresh; the address changes with every failover. A record
@@ -151,7 +145,6 @@ impl Keeping {
         match self {
             Keeping::Lossy => "0".to_owned(),
             Keeping::Durable => "1".to_owned(),
-            Keeping::DurableAsRead { replid } => format!("1 @{replid}"),
             Keeping::DurableBehindSentinel { address, failovers } => format!(
                 "{} sentinel {address} epoch {failovers}",
                 if *failovers == 0 { 1 } else { 2 }
@@ -171,10 +164,6 @@ macro_rules! epoch_check {
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
 local keeping, kept_by = string.sub(ARGV[1], 1, 1), string.sub(ARGV[1], 3)
 local durable = keeping ~= '0'
-local read_on = false
-if string.sub(kept_by, 1, 1) == '@' then
-  read_on, kept_by = string.sub(kept_by, 2), ''
-end
 local function clock()
   if now == 0 then
     local t = redis.call('TIME')
@@ -208,9 +197,6 @@ local function check_epoch()
   since = tonumber(epoch[2]) or 0
   floor = tonumber(epoch[3]) or 0
   if epoch[1] ~= replid then
-    if durable and read_on and read_on ~= replid then
-      error({err = 'LEASEHOLD_ASK_AGAIN: the durability given was read on another server'})
-    end
     local keeps = keeper()
     local own_data = keeps == '' or (keeps and (epoch[1] and epoch[4] == epoch[1] .. ' ' .. keeps
       or not epoch[1] and keeping == '1'))
@@ -232,15 +218,6 @@ end
     };
 }
 pub(crate) use epoch_check;
-
-/// What the error of an epoch check that met another server than the one whose durability it
-/// was told says ([`Keeping::DurableAsRead`]); Redis puts where the script raised it before it.
-pub(crate) const ASK_AGAIN: &str = "LEASEHOLD_ASK_AGAIN";
-
-/// Whether `e` is the epoch check's [`ASK_AGAIN`].
-pub(crate) fn asks_again(e: &redis::RedisError) -> bool {
-    e.to_string().contains(ASK_AGAIN)
-}
 
 pub(crate) const ACQUIRE: &str = concat!(
     epoch_check!(),

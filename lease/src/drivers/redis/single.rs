@@ -184,21 +184,15 @@ impl RedisDriver {
         }
     }
 
-    /// How the master keeps its data; `fresh`: read now, whatever is cached (the epoch check
-    /// met another server than the one whose answer is cached).
-    async fn keeping(&self, conn: &mut Connection, fresh: bool) -> Result<Keeping> {
+    async fn keeping(&self, conn: &mut Connection) -> Result<Keeping> {
         let (durable, keeping) = match conn {
-            Connection::Single(_) => {
-                let durable = match fresh {
-                    true => self.durability.read(conn, "").await,
-                    false => self.durability.of(conn, "").await,
-                };
-                let keeping = match self.durability.read_on("") {
-                    Some(replid) => Keeping::DurableAsRead { replid },
-                    None => Keeping::Durable,
-                };
-                (durable.map_err(|e| self.error(e))?, keeping)
-            }
+            Connection::Single(_) => (
+                self.durability
+                    .of(conn, "")
+                    .await
+                    .map_err(|e| self.error(e))?,
+                Keeping::Durable,
+            ),
             Connection::Cluster(cluster) => (
                 self.durability.of_cluster(cluster).await,
                 Keeping::DurableClusterNode,
@@ -216,30 +210,22 @@ impl Driver for RedisDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.connection().await?;
-        let mut fresh = false;
-        loop {
-            let keeping = self.keeping(&mut conn, fresh).await?;
-            let reply = match &self.acquisitions {
-                Some(batches) => batches.acquire(lock, identity, ttl, keeping).await?,
-                None => {
+        let keeping = self.keeping(&mut conn).await?;
+        let result = match &self.acquisitions {
+            Some(batches) => batches
+                .acquire(lock, identity, ttl, keeping)
+                .await?
+                .map_err(|e| self.error(e))?,
+            None => {
+                let reply: Value =
                     acquisition(&self.acquire, &self.keys, lock, identity, ttl, &keeping)
-                        .invoke_async::<Value>(&mut conn)
+                        .invoke_async(&mut conn)
                         .await
-                }
-            };
-            let result = match reply {
-                // Another server than the one whose durability is cached: asked once more,
-                // afresh (nothing was written).
-                Err(e) if !fresh && super::asks_again(&e) => {
-                    fresh = true;
-                    continue;
-                }
-                Err(e) => return Err(self.error(e)),
-                Ok(reply) if self.acquisitions.is_some() => reply,
-                Ok(reply) => only_result(reply)?,
-            };
-            return acquired(lock, identity, &result);
-        }
+                        .map_err(|e| self.error(e))?;
+                only_result(reply)?
+            }
+        };
+        acquired(lock, identity, &result)
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
