@@ -1255,15 +1255,14 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str, row_lock: bo
     );
 }
 
-/// A sweep of a family's idle keys cut off from the server in its transaction (a partition, a
-/// frozen node) holds the family's floor row, which every acquisition of the family's keys
-/// reads, only for a few seconds: the server ends the sweep's session rather than keep it until
-/// TCP gives up, hours later. The sweep waits in its deletion behind another session's lock on
-/// an idle key's row, having taken the floor; it is cut off, then let through.
-async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u16) {
+/// `family`'s key `idle`, taken and given back through `direct` (so idle, its row kept), then
+/// its row locked by a transaction of another session: the session, whose commit lets it go.
+async fn idle_key_locked_elsewhere(
+    url: &str,
+    direct: &dyn leasehold_lease::Backend,
+    family: &str,
+) -> sqlx::AnyConnection {
     use leasehold_lease::Acquire;
-    let direct = driver_at(url).await;
-    let family = unique_lock("cut_sweep");
     let idle = format!("{family}.keys.idle");
     let Acquire::Acquired(lease) = direct.try_acquire(&idle, "a", LEASE).await.unwrap() else {
         panic!("{idle} is free");
@@ -1282,6 +1281,19 @@ async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u
     .execute(&mut blocker)
     .await
     .expect("lock the idle key's row");
+    blocker
+}
+
+/// A sweep of a family's idle keys cut off from the server in its transaction (a partition, a
+/// frozen node) holds the family's floor row, which every acquisition of the family's keys
+/// reads, only for a few seconds: the server ends the sweep's session rather than keep it until
+/// TCP gives up, hours later. The sweep waits in its deletion behind another session's lock on
+/// an idle key's row, having taken the floor; it is cut off, then let through.
+async fn a_sweep_cut_off_midway_holds_its_family_only_a_while(url: &str, port: u16) {
+    use leasehold_lease::Acquire;
+    let direct = driver_at(url).await;
+    let family = unique_lock("cut_sweep");
+    let mut blocker = idle_key_locked_elsewhere(url, &*direct, &family).await;
     let proxy = leasehold_testkit::FaultProxy::start(port);
     let sweeper = driver_at(&url.replace(&format!(":{port}/"), &format!(":{}/", proxy.port))).await;
     let sweep = tokio::spawn({
@@ -1323,27 +1335,10 @@ async fn a_waiting_sweep_leaves_held_keys_renewals_alone(url: &str, dialect: Dia
     let family = unique_lock("busy_sweep");
     // Before the idle key in the rows' order, so that a sweep scanning them meets it first.
     let held = format!("{family}.keys.a-held");
-    let idle = format!("{family}.keys.idle");
-    let Acquire::Acquired(gone) = direct.try_acquire(&idle, "a", LEASE).await.unwrap() else {
-        panic!("{idle} is free");
-    };
-    assert!(direct.release(&gone).await.unwrap());
+    let mut blocker = idle_key_locked_elsewhere(url, &*direct, &family).await;
     let Acquire::Acquired(lease) = direct.try_acquire(&held, "a", LEASE).await.unwrap() else {
         panic!("{held} is free");
     };
-    sqlx::any::install_default_drivers();
-    let mut blocker = sqlx::AnyConnection::connect(url).await.expect("connect");
-    let table = leasehold_lease::DEFAULT_TABLE;
-    sqlx::raw_sql("BEGIN")
-        .execute(&mut blocker)
-        .await
-        .expect("begin");
-    sqlx::raw_sql(&format!(
-        "SELECT token FROM {table} WHERE name = '{idle}' FOR UPDATE"
-    ))
-    .execute(&mut blocker)
-    .await
-    .expect("lock the idle key's row");
     let sweeper = driver_at(url).await;
     let sweep = tokio::spawn({
         let family = family.clone();

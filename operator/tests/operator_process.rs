@@ -77,10 +77,9 @@ async fn start_operator(api: &InMemoryApiServer, args: &[&str]) -> (Operator, te
     (Operator(child), dir)
 }
 
-/// Hundreds of locks to reconcile at once, as after a new leader: the binary sends its API
-/// requests at `--api-qps` once `--api-burst` have gone, not all at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_operator_binary_paces_its_api_requests() {
+/// An API server with the chart's webhook configuration and 300 Kubernetes-backed locks: as
+/// many reconciles as a new leader meets.
+fn with_hundreds_of_locks() -> InMemoryApiServer {
     let api = InMemoryApiServer::new();
     api.put(
         MUTATING_WEBHOOK_CONFIGURATIONS,
@@ -94,6 +93,14 @@ async fn the_operator_binary_paces_its_api_requests() {
                    "spec": {"backend": {"kubernetes": {}}}}),
         );
     }
+    api
+}
+
+/// Hundreds of locks to reconcile at once, as after a new leader: the binary sends its API
+/// requests at `--api-qps` once `--api-burst` have gone, not all at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_binary_paces_its_api_requests() {
+    let api = with_hundreds_of_locks();
     let (qps, burst) = (20, 10);
     let (_operator, _kubeconfig) = start_operator(
         &api,
@@ -134,19 +141,7 @@ async fn the_operator_binary_paces_its_api_requests() {
 /// into the same queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_renews_its_lease_while_its_reconciles_wait_for_the_request_budget() {
-    let api = InMemoryApiServer::new();
-    api.put(
-        MUTATING_WEBHOOK_CONFIGURATIONS,
-        chart_webhook_configuration(&[]),
-    );
-    for i in 0..300 {
-        api.put(
-            DISTRIBUTED_LOCKS,
-            json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
-                   "metadata": {"name": format!("lock-{i}"), "namespace": "team"},
-                   "spec": {"backend": {"kubernetes": {}}}}),
-        );
-    }
+    let api = with_hundreds_of_locks();
     let (_operator, _kubeconfig) = start_operator(
         &api,
         &[

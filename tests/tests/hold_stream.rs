@@ -638,11 +638,23 @@ fn released_one_gives_back_the_other(
         .split('&')
         .find_map(|p| p.strip_prefix("owner="))
         .expect("an owner");
+    let told_until = released_by_another_call(&stream, || {
+        a.post(&format!(
+            "/locks/{family}/keys/{first}/release?owner={owner}"
+        ))
+    });
+    for key in [first, second] {
+        let path = format!("/locks/{family}/keys/{key}/acquire?{take}&wait=10s");
+        taken_no_earlier_than(told_until, || b.post(&path), key);
+    }
+}
+
+/// `stream`'s holding ended by `release`, a call that is not the stream's: the stream says
+/// `released` after any renewals; the end of the validity it told last.
+fn released_by_another_call(stream: &EventStream, release: impl FnOnce() -> Reply) -> Instant {
     let mut last = stream.next(Duration::from_secs(5));
     assert_eq!(last.kind, "acquired", "{last:?}");
-    let released = a.post(&format!(
-        "/locks/{family}/keys/{first}/release?owner={owner}"
-    ));
+    let released = release();
     assert_eq!(released.status, 200, "{}", released.body);
     let ended = loop {
         let event = stream.next(Duration::from_secs(5));
@@ -652,19 +664,20 @@ fn released_one_gives_back_the_other(
         last = event;
     };
     assert_eq!(ended.kind, "released", "{ended:?}");
-    let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
-    for key in [first, second] {
-        let free = b.post(&format!(
-            "/locks/{family}/keys/{key}/acquire?{take}&wait=10s"
-        ));
-        let taken_at = Instant::now();
-        assert_eq!(free.status, 200, "{}", free.body);
-        assert!(
-            told_until <= taken_at + READ_LAG,
-            "{key} was taken {:?} before the validity the app was told ran out",
-            told_until - taken_at
-        );
-    }
+    last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap())
+}
+
+/// `take` (an acquisition that waits) succeeds, not before `told_until`, the end of the
+/// validity a stream's client was told of `what`.
+fn taken_no_earlier_than(told_until: Instant, take: impl FnOnce() -> Reply, what: &str) {
+    let taken = take();
+    let taken_at = Instant::now();
+    assert_eq!(taken.status, 200, "{}", taken.body);
+    assert!(
+        told_until <= taken_at + READ_LAG,
+        "{what} was taken {:?} before the validity the app was told ran out",
+        told_until - taken_at
+    );
 }
 
 /// A lock held through a connection and released by another call of the pod (`POST
@@ -678,27 +691,9 @@ fn a_lock_released_by_another_call_is_not_taken_before_the_connections_last_vali
     let a = on_demand("pod-a", &redis, &lock, &family);
     let b = on_demand("pod-b", &redis, &lock, &family);
     let stream = open(&a, "/lock/hold?wait=2s");
-    let mut last = stream.next(Duration::from_secs(5));
-    assert_eq!(last.kind, "acquired", "{last:?}");
-    assert_eq!(a.post("/lock/release").status, 200);
-    let ended = loop {
-        let event = stream.next(Duration::from_secs(5));
-        if event.kind != "renewed" {
-            break event;
-        }
-        last = event;
-    };
-    assert_eq!(ended.kind, "released", "{ended:?}");
+    let told_until = released_by_another_call(&stream, || a.post("/lock/release"));
     assert_eq!(a.get("/lock").status, 409, "released: not held any more");
-    let told_until = last.at + Duration::from_millis(last.body["validForMs"].as_u64().unwrap());
-    let taken = b.post("/lock/acquire?wait=10s");
-    let taken_at = Instant::now();
-    assert_eq!(taken.status, 200, "{}", taken.body);
-    assert!(
-        told_until <= taken_at + READ_LAG,
-        "pod-b held the lock {:?} before the validity the connection was told ran out",
-        told_until - taken_at
-    );
+    taken_no_earlier_than(told_until, || b.post("/lock/acquire?wait=10s"), &lock);
 }
 
 /// Several keys written through one connection (`hold?keys=...&mode=write` on a read-write

@@ -914,7 +914,11 @@ impl Engine {
             }
             Command::Bind { holding, reply } => {
                 let bound = match self.held_mut() {
-                    Some(held) if holding == (held.permit, held.lease.token) && held.holds > 0 => {
+                    // Each bound acquisition is one of those counted.
+                    Some(held)
+                        if holding == (held.permit, held.lease.token)
+                            && held.bound < held.holds =>
+                    {
                         held.bound += 1;
                         true
                     }
