@@ -124,6 +124,9 @@ async fn killed_row_lock_holder_is_replaced(h: &mut dyn Harness, url: &str, dial
     let mut admin = sqlx::AnyConnection::connect(url)
         .await
         .expect("admin connection");
+    // a's claim as it stands before the kill (a renewal may extend it a little further): no
+    // one else may hold before it ends.
+    let claimed_until = a.snapshot().held.expect("a holds").valid_until;
     let killed = tokio::time::Instant::now();
     assert!(kill_other_connections(&mut admin, dialect).await >= 1);
     let deadline = killed + LEASE + RENEW + SLACK;
@@ -137,6 +140,12 @@ async fn killed_row_lock_holder_is_replaced(h: &mut dyn Harness, url: &str, dial
             (Answer::Holder { token, .. }, _) | (_, Answer::Holder { token, .. })
                 if token != before =>
             {
+                let now = leasehold_lease::boot_clock::BootInstant::now();
+                assert!(
+                    now >= claimed_until,
+                    "token {token} held {:?} before the killed holder's claim ended",
+                    claimed_until.saturating_duration_since(now)
+                );
                 break token;
             }
             _ => {}

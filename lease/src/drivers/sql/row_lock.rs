@@ -11,8 +11,10 @@
 //! - acquire = take the row lock, then the lease-mode compare-and-set (free or expired), which
 //!   bumps the token; a newcomer behind a holder whose connection died therefore waits until the
 //!   last committed expiry, exactly as long as the old holder may still believe it holds;
-//! - renew = prove the transaction still holds the row (the same `FOR UPDATE`, instant when held),
-//!   then extend the fence;
+//! - renew = extend the fence, then prove the transaction still holds the row (the same
+//!   `FOR UPDATE`, instant when held): the transaction is touched only once the fence is
+//!   extended, since each statement restarts the server's bound on the session's idleness;
+//!   a transaction found gone leaves the fence to run out;
 //! - release = free the fence and `COMMIT` in the one transaction, so the two leave together and
 //!   a woken waiter finds both free.
 //!
@@ -343,10 +345,8 @@ impl RowLocks {
         if let Some(answer) = gone {
             conn.take();
             self.forget(&lease.lock, &row);
-            // The fence just extended would keep the lock for nobody until it runs out.
-            if let Err(e) = driver.release_row(lease).await {
-                tracing::debug!(lock = %lease.lock, error = %e, "the fence of a row whose transaction ended was not freed");
-            }
+            // The fence just extended is left to run out, not freed: after an error the engine
+            // may go on claiming until the validity it has told, which the fence outlives.
             return answer;
         }
         row.expires.send_replace(sent + ttl);
