@@ -72,11 +72,13 @@ pub async fn stop_operator(
     {
         Ok(_) => {}
         Err(kube::Error::Api(status)) if status.code == 404 => {}
+        // It may have been applied all the same (an answer lost).
         Err(e) => {
-            return Err(format!(
+            let failed = format!(
                 "cannot scale the operator's Deployment {}/{} to zero: {e}",
                 deployment.namespace, deployment.name
-            ));
+            );
+            return Err(scaled_back(client, deployment, failed).await);
         }
     }
     let started = Instant::now();
