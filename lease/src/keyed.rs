@@ -1433,8 +1433,6 @@ fn permit_key(key: &str, permit: u32) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// Whether a holding of `permit` counts toward the pod's held keys (`maxHeldPerPod`): every
-/// part does but a semaphore's line, where a waiter stands, not a holder.
 /// A place among a family's `max_keys`, taken as an acquisition starts: given back when the
 /// acquisition ends without holding, kept by the holding it made (and given back when that is
 /// forgotten).
@@ -1462,6 +1460,8 @@ impl Drop for Admission<'_> {
     }
 }
 
+/// Whether a holding of `permit` counts toward the pod's held keys (`maxHeldPerPod`): every
+/// part does but a semaphore's line, where a waiter stands, not a holder.
 fn counts_as_held(permit: u32) -> bool {
     permit != line::LINE
 }
