@@ -185,22 +185,6 @@ impl Bound {
         }
     }
 
-    /// Tell the engines of a lock's or keys' acquisition that this connection holds it, before
-    /// its client is told anything: a release by another call then lets it lapse rather than
-    /// free it while the client may still act on its last event ([`Lock::bind`]); of a write
-    /// lock, every part.
-    async fn bind(&self) {
-        let parts = match self {
-            Bound::Write { .. } | Bound::Writes { .. } => self.parts().unwrap_or_default(),
-            _ => self.engines(),
-        };
-        for (engine, holding) in parts {
-            if let Err(e) = engine.bind(holding).await {
-                tracing::debug!(error = %e, "a connection's hold was not bound to its engine");
-            }
-        }
-    }
-
     /// The engines holding a lock's or keys' parts now, each with its holding (permit, token);
     /// those no longer held are left out (not a write lock's: its parts are released through
     /// it).
@@ -266,6 +250,18 @@ impl Bound {
             }
             Bound::Keys { family, .. } => self.release_after(family, told_until).await,
             Bound::Lock { .. } | Bound::Key { .. } => {}
+        }
+    }
+}
+
+/// Tell the engines of every part of a connection's acquisition ([`Bound::parts`]) that the
+/// connection holds it, before its client is told anything: a release by another call then
+/// lets it lapse rather than free it while the client may still act on its last event
+/// ([`Lock::bind`]).
+async fn bind(parts: &[(Lock, (u32, u64))]) {
+    for (engine, holding) in parts {
+        if let Err(e) = engine.bind(*holding).await {
+            tracing::debug!(error = %e, "a connection's hold was not bound to its engine");
         }
     }
 }
@@ -446,7 +442,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         bound.ended(None).await;
         return;
     };
-    bound.bind().await;
+    bind(&parts).await;
     // The first part says what the holding is: its holder's identity and its count of
     // acquisitions (a write lock's gate).
     let engine = parts[0].0.clone();
