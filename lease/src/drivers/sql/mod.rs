@@ -18,8 +18,8 @@ pub use server::SqlDriver;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::AnyPool;
 use sqlx::Row;
+use sqlx::{AnyConnection, AnyPool, Connection};
 
 use crate::driver::{Acquire, Holding, Lease};
 use crate::drivers::batches::Pending;
@@ -796,6 +796,14 @@ pub(crate) fn answer_renewals(batch: RenewalBatch, extended: Result<Extended>) {
 /// PostgreSQL undefined_table (42P01); MySQL ER_NO_SUCH_TABLE (42S02).
 pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01") | Some("42S02")))
+}
+
+/// A session of the driver's own at `url`, set up as each one is ([`Dialect::session_setup`]):
+/// a row-lock holder's, a wake-up's.
+pub(crate) async fn open_session(url: &str, dialect: Dialect) -> sqlx::Result<AnyConnection> {
+    let mut conn = AnyConnection::connect(url).await?;
+    sqlx::Executor::execute(&mut conn, dialect.session_setup()).await?;
+    Ok(conn)
 }
 
 pub(crate) fn map_err(e: sqlx::Error) -> Error {

@@ -28,12 +28,12 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use sqlx::AnyConnection;
-use sqlx::{Connection, Executor};
+use sqlx::Executor;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, Holding, Lease};
-use crate::drivers::sql::{Dialect, Statements, map_err};
+use crate::drivers::sql::{Dialect, Statements, map_err, open_session};
 use crate::error::{Error, Result};
 
 /// What row-lock mode asks of the lease-mode driver whose row of the same lock stays its fence
@@ -172,12 +172,7 @@ impl RowLocks {
     }
 
     async fn connect(&self, dialect: Dialect) -> Result<AnyConnection> {
-        let connecting = async {
-            let mut conn = AnyConnection::connect(&self.url).await?;
-            conn.execute(dialect.session_setup()).await?;
-            Ok::<_, sqlx::Error>(conn)
-        };
-        match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+        match tokio::time::timeout(CONNECT_TIMEOUT, open_session(&self.url, dialect)).await {
             Ok(conn) => conn.map_err(map_err),
             Err(_) => Err(Error::Unreachable(format!(
                 "no connection within {CONNECT_TIMEOUT:?}"
@@ -328,10 +323,9 @@ impl RowLocks {
             self.forget(&lease.lock, &row);
             return Ok(false);
         }
-        let Some(tx) = conn.as_mut() else {
-            self.forget(&lease.lock, &row);
-            return Ok(false);
-        };
+        let tx = conn
+            .as_mut()
+            .expect("the transaction, seen above under the same guard");
         // Already ours, so this returns at once; an error means the transaction is gone.
         let still_held = sqlx::query(&driver.statements().lock_row)
             .bind(&lease.lock)

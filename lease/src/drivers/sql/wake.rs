@@ -49,7 +49,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use sqlx::{AnyConnection, Connection, Row};
+use sqlx::{AnyConnection, Row};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -405,16 +405,13 @@ impl ServerLocks {
 
     async fn connect(&self, permit: OwnedSemaphorePermit) -> Option<Session> {
         let connecting = async {
-            let mut conn = AnyConnection::connect(&self.url).await?;
             // A PostgreSQL waiter claims the row in its blocking statement, and a MySQL
             // release frees the row on this session: their writes are the driver's own.
             let dialect = match self.kind {
                 ServerLock::Advisory(_) => super::Dialect::Postgres,
                 ServerLock::Named(_) => super::Dialect::MySql,
             };
-            sqlx::query(dialect.session_setup())
-                .execute(&mut conn)
-                .await?;
+            let mut conn = super::open_session(&self.url, dialect).await?;
             if let ServerLock::Advisory(_) = self.kind {
                 // A waiter's statement blocks a step at a time.
                 sqlx::query(&format!("SET lock_timeout = {}", WAIT_STEP.as_millis()))
