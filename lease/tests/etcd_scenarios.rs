@@ -533,3 +533,99 @@ async fn an_unknown_key_of_the_drivers_own_session_is_cleared_by_its_next_attemp
 async fn an_unknown_key_of_an_idle_drivers_session_is_cleared_when_it_observes() {
     an_unknown_key_is_cleared(false).await;
 }
+
+/// A put whose answer never came may land after the delete that gave it up (etcd may apply a
+/// proposal it has answered with a timeout, once a leader commits it). Its key, under the
+/// session the process's other keys keep alive, would stand first in line for nobody until the
+/// process touched that lock again: the driver deletes the name again at its keeper's rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_that_lands_after_its_clean_up_is_deleted_again() {
+    use leasehold_lease::drivers::queue::etcd_rpc::{PutRequest, RangeRequest};
+    use leasehold_lease::{Acquire, Driver};
+    use leasehold_testkit::{FaultProxy, free_port};
+    use std::time::{Duration, Instant};
+
+    let server = EtcdServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let holder = EtcdDriver::connect(EtcdConfig {
+        endpoints: vec![format!("127.0.0.1:{}", proxy.port)],
+        prefix: "leasehold".into(),
+        user: None,
+        tls: None,
+    })
+    .expect("driver");
+    let ttl = Duration::from_secs(4);
+    let kept = match holder.try_acquire("kept", "a", ttl).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        busy => panic!("kept: {busy:?}"),
+    };
+    // The server behind the address goes away: the put and its clean-up delete both fail.
+    proxy.redirect(free_port());
+    assert!(
+        holder.try_acquire("late", "a", ttl).await.is_err(),
+        "an acquisition with no server behind the address answered"
+    );
+    proxy.redirect(server.port());
+    let renew_kept = async || {
+        let deadline = Instant::now() + ttl / 2;
+        while !matches!(holder.renew(&kept, ttl).await, Ok(true)) {
+            assert!(Instant::now() < deadline, "kept was not renewed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    // Two keeper rounds (half a TTL apart) pass, with their retries of the failed delete.
+    for _ in 0..5 {
+        renew_kept().await;
+        tokio::time::sleep(ttl / 4).await;
+    }
+
+    // The put lands now: the name the driver gave it (its session's id and the second number it
+    // drew, after `kept`'s) under that session.
+    let raw = raw_client(&server).await;
+    let kept_key = raw
+        .range(RangeRequest::prefix("leasehold/kept/"))
+        .await
+        .unwrap()
+        .kvs
+        .into_iter()
+        .next()
+        .expect("kept's key");
+    let kept_name = String::from_utf8(kept_key.key).unwrap();
+    let session = kept_name
+        .strip_prefix("leasehold/kept/")
+        .and_then(|rest| rest.strip_suffix("-0"))
+        .unwrap_or_else(|| panic!("kept's key is not SESSION-0: {kept_name}"));
+    let late_key = format!("leasehold/late/{session}-1");
+    raw.put(PutRequest {
+        key: late_key.clone().into_bytes(),
+        value: b"a".to_vec(),
+        lease: kept_key.lease,
+    })
+    .await
+    .unwrap();
+
+    // Gone by the keeper's next rounds, while `kept` is renewed meanwhile.
+    let landed = Instant::now();
+    loop {
+        let left = raw
+            .range(RangeRequest::prefix("leasehold/late/"))
+            .await
+            .unwrap()
+            .kvs
+            .len();
+        if left == 0 {
+            break;
+        }
+        assert!(
+            landed.elapsed() < ttl * 2,
+            "the late put's key {late_key} still stood first in line for nobody {:?} after it landed",
+            landed.elapsed()
+        );
+        renew_kept().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    match driver(&server).try_acquire("late", "b", ttl).await.unwrap() {
+        Acquire::Acquired(_) => {}
+        busy => panic!("late is not free: {busy:?}"),
+    }
+}

@@ -62,6 +62,10 @@ const ABANDONED_AFTER_TTLS: u32 = 3;
 const KEEP_ALIVES_PER_TTL: u32 = 2;
 /// How many of its keeper's rounds a session goes unused before it is ended (revoked).
 const IDLE_ROUNDS: u32 = KEEP_ALIVES_PER_TTL;
+/// How long a put whose answer never came may still land: etcd answers a proposal it has not
+/// applied after its request timeout (5 s and two election timeouts by default) but may apply it
+/// later still, once a leader commits it; a minute leaves room for a leader change.
+const LATE_PUT_WINDOW: Duration = Duration::from_secs(60);
 
 /// Where to find etcd and how to log in.
 #[derive(Clone, PartialEq, Eq)]
@@ -183,6 +187,9 @@ struct Orphan {
     /// The key's create revision, when known (a put whose answer was lost has none).
     revision: Option<i64>,
     session: std::sync::Weak<Session>,
+    /// For a put whose answer never came: until when it may still land, after any delete of its
+    /// name. Its name is deleted again at each keeper round until then.
+    may_land_until: Option<Instant>,
 }
 
 struct Shared {
@@ -425,7 +432,7 @@ impl Shared {
     /// queue for nobody while the session lives.
     async fn leave(&self, entry: &Entry) {
         self.forget(entry);
-        self.orphaned(&entry.key, Some(entry.token), &entry.session.0);
+        self.orphaned(&entry.key, Some(entry.token), &entry.session.0, None);
         match self.delete_key(&entry.key, Some(entry.token)).await {
             Ok(()) => self.adopted(&entry.key, entry.token),
             Err(e) => {
@@ -442,23 +449,33 @@ impl Shared {
             .retain(|o| !(o.key == key && o.revision == Some(revision)));
     }
 
-    fn orphaned(&self, key: &str, revision: Option<i64>, session: &Arc<Session>) {
+    fn orphaned(
+        &self,
+        key: &str,
+        revision: Option<i64>,
+        session: &Arc<Session>,
+        may_land_until: Option<Instant>,
+    ) {
         let mut orphans = self.orphans.lock().unwrap_or_else(|e| e.into_inner());
         orphans.push(Orphan {
             key: key.to_owned(),
             revision,
             session: Arc::downgrade(session),
+            may_land_until,
         });
     }
 
-    /// Try the failed deletes again; those of an ended session are gone with it.
+    /// Try the failed deletes again; those of an ended session are gone with it. A put whose
+    /// answer never came is deleted again until it can no longer land.
     async fn delete_orphans(&self) {
         let orphans = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|e| e.into_inner()));
         for orphan in orphans {
             if orphan.session.upgrade().is_none_or(|s| s.ended()) {
                 continue;
             }
-            if self.delete_key(&orphan.key, orphan.revision).await.is_err() {
+            let deleted = self.delete_key(&orphan.key, orphan.revision).await.is_ok();
+            let may_land = orphan.may_land_until.is_some_and(|t| t > Instant::now());
+            if !deleted || may_land {
                 self.orphans
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -541,12 +558,14 @@ impl Shared {
         let (revision, position) = match read.await {
             Ok(read) => read,
             Err(e) => {
-                // The put may have landed with its answer lost (or unread): a key nobody tends
-                // would stand in the queue for as long as the session lives. Its name is new, so
-                // whatever holds that name is this put.
-                if self.delete_key(&key, None).await.is_err() {
-                    self.orphaned(&key, None, &session.0);
-                }
+                // The put may have landed with its answer lost (or unread), or may land later
+                // still: a key nobody tends would stand in the queue, first in line for nobody,
+                // for as long as the session lives. Its name is new, so whatever holds that name
+                // is this put: it is deleted now and again at the keeper's rounds until the put
+                // can no longer land.
+                let _ = self.delete_key(&key, None).await;
+                let until = Instant::now() + LATE_PUT_WINDOW;
+                self.orphaned(&key, None, &session.0, Some(until));
                 return Err(e);
             }
         };
@@ -992,7 +1011,7 @@ impl Driver for EtcdDriver {
         // stop waiting (a time limit drops this future), the key goes at the keeper's next
         // round rather than stand first in the queue for as long as the session lives.
         self.shared
-            .orphaned(&entry.key, Some(entry.token), &entry.session.0);
+            .orphaned(&entry.key, Some(entry.token), &entry.session.0, None);
         self.shared
             .delete_key(&entry.key, Some(entry.token))
             .await?;
@@ -1040,7 +1059,7 @@ impl Upkeep for EtcdDriver {
         // Recorded first, as a release does: should the deletion not land, the key goes at the
         // keeper's next round rather than stand first in the queue for nobody.
         self.shared
-            .orphaned(&entry.key, Some(entry.token), &entry.session.0);
+            .orphaned(&entry.key, Some(entry.token), &entry.session.0, None);
         let client = self.shared.client().await?;
         let range = RangeRequest::prefix(&self.shared.queue_prefix(&lease.lock));
         let deletion = TxnRequest {
