@@ -27,7 +27,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeyedFamily};
+use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, own_permit};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -72,6 +72,7 @@ impl DaprError {
     fn grpc(self) -> tonic::Status {
         match self.status {
             StatusCode::BAD_REQUEST => tonic::Status::invalid_argument(self.message),
+            StatusCode::TOO_MANY_REQUESTS => tonic::Status::resource_exhausted(self.message),
             _ => tonic::Status::internal(self.message),
         }
     }
@@ -109,6 +110,13 @@ fn key_error(error: KeyError) -> DaprError {
     match error {
         e @ (KeyError::Lock(_) | KeyError::Stopped(_)) => DaprError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
+            code: "ERR_TRY_LOCK",
+            message: e.to_string(),
+        },
+        // The pod's budget of keys is spent, by any of its callers: a well-formed request that
+        // may succeed later, as the keyed routes' 429 says.
+        e @ KeyError::TooManyKeys(_) => DaprError {
+            status: StatusCode::TOO_MANY_REQUESTS,
             code: "ERR_TRY_LOCK",
             message: e.to_string(),
         },
@@ -162,14 +170,34 @@ async fn try_lock(
         // The claim must cover the whole expiry as the client counts it (from before its call):
         // a backend that counts the lease from an earlier moment than the call (a Sentinel
         // majority's answer, a ZooKeeper heartbeat) leaves less of it.
-        KeyAnswer::Held { valid_for, .. } if valid_for + started.elapsed() < hold => {
-            let _ = family.release(resource_id, owner).await;
+        KeyAnswer::Held {
+            valid_for,
+            permit,
+            token,
+            ..
+        } if valid_for + started.elapsed() < hold => {
+            // This acquisition's holding exactly (another call of the owner's may hold another
+            // permit of a semaphore), on a task of its own that a hang-up cannot cut short.
+            let (key, owner) = (resource_id.to_owned(), owner.to_owned());
+            let given_back = tokio::spawn(async move {
+                match family.holding_on_permit(&key, permit, &owner) {
+                    Some(lock) => lock.release_if(own_permit(token)).await.unwrap_or(false),
+                    None => true, // its hold lapsed meanwhile
+                }
+            })
+            .await
+            .unwrap_or(false);
+            let given_back = if given_back {
+                "given back".to_owned()
+            } else {
+                format!("could not be given back: it stays held for at most {expiry_in_seconds} s")
+            };
             Err(DaprError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,
                 code: "ERR_TRY_LOCK",
                 message: format!(
                     "the lock was taken with a claim of {valid_for:?}, shorter than the expiry \
-                     of {expiry_in_seconds} s, and given back: ask for a shorter expiry"
+                     of {expiry_in_seconds} s, and {given_back}: ask for a shorter expiry"
                 ),
             })
         }

@@ -110,6 +110,8 @@ fn dapr_sdk_drives_the_lock_api(backend: &str) {
             &family,
             "--dapr-http-listen",
             &format!("127.0.0.1:{elsewhere_port}"),
+            "--max-keys",
+            "1",
         ],
     );
     for (resource, status) in [("order-9", 2), ("order-11", 1)] {
@@ -128,6 +130,30 @@ fn dapr_sdk_drives_the_lock_api(backend: &str) {
             elsewhere.log()
         );
     }
+    // A pod whose budget of keys is spent answers as the keyed routes do (429: try again
+    // later), not as if the request were malformed, and its held key stays held.
+    let lock_elsewhere = |resource: &str| {
+        leasehold_e2e::http_with_body(
+            ([127, 0, 0, 1], elsewhere_port).into(),
+            "POST",
+            &format!("/v1.0-alpha1/lock/{family}"),
+            &format!(r#"{{"resourceId":"{resource}","lockOwner":"w3","expiryInSeconds":10}}"#),
+        )
+        .expect("lock through the other sidecar")
+    };
+    let first = lock_elsewhere("order-20");
+    assert_eq!(first.json()["success"], true, "{}", first.body);
+    let over = lock_elsewhere("order-21");
+    assert_eq!(
+        (over.status, over.json()["errorCode"].as_str()),
+        (429, Some("ERR_TRY_LOCK")),
+        "{}",
+        over.body
+    );
+    assert_eq!(
+        lock(r#"{"resourceId":"order-20","lockOwner":"w4","expiryInSeconds":10}"#).json()["success"],
+        false
+    );
     // An expiry the store's lease does not cover is refused, and says why.
     let long = lock(r#"{"resourceId":"order-10","lockOwner":"w2","expiryInSeconds":3600}"#);
     assert_eq!(long.status, 400, "{}", long.body);
