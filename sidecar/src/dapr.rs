@@ -33,6 +33,9 @@ use serde_json::json;
 
 use crate::api::{AppState, MAX_HOLD};
 
+/// The most characters of an unknown store's name an answer quotes.
+const MAX_QUOTED_STORE: usize = 253;
+
 /// Dapr's unlock statuses (`UnlockResponse.Status`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
@@ -84,6 +87,12 @@ fn family(state: &AppState, store: &str, code: &'static str) -> Result<KeyedFami
     if let Some(family) = state.families().into_iter().find(|f| f.name() == store) {
         return Ok(family);
     }
+    // A family's name is short (a Kubernetes name): a longer one is quoted in part, so that an
+    // answer stays small enough for a gRPC status header.
+    let store = match store.char_indices().nth(MAX_QUOTED_STORE) {
+        Some((end, _)) => &format!("{}... ({} bytes)", &store[..end], store.len()),
+        None => store,
+    };
     if let Some(reason) = state.pending_reason(store) {
         return Err(DaprError {
             status: StatusCode::INTERNAL_SERVER_ERROR,

@@ -168,6 +168,20 @@ fn dapr_sdk_drives_the_lock_api(backend: &str) {
         assert_eq!(reply.status, 400, "{bad}: {}", reply.body);
         assert_eq!(reply.json()["errorCode"], "ERR_MALFORMED_REQUEST", "{bad}");
     }
+    // An unknown store's name is quoted in part: a long one keeps the answer short.
+    let long_store = "s".repeat(10_000);
+    let unknown = leasehold_e2e::http_with_body(
+        ([127, 0, 0, 1], http_port).into(),
+        "POST",
+        &format!("/v1.0-alpha1/lock/{long_store}"),
+        r#"{"resourceId":"order-9","lockOwner":"w2","expiryInSeconds":5}"#,
+    )
+    .expect("an answer");
+    assert_eq!(
+        (unknown.status, unknown.json()["errorCode"].as_str()),
+        (400, Some("ERR_LOCK_STORE_NOT_FOUND"))
+    );
+    assert!(unknown.body.len() < 1024, "{} bytes", unknown.body.len());
     // Refused before any handler runs (a store name that is not UTF-8, a method the route does
     // not take), still in Dapr's shape.
     let wrong_method = format!("/v1.0-alpha1/lock/{family}");
