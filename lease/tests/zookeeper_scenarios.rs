@@ -613,3 +613,46 @@ async fn a_node_given_up_unreached_is_deleted_without_another_call() {
         }
     }
 }
+
+/// A create whose answer never came may land after the sweep of orphans first looked for it:
+/// forwarded by a server the client then lost, it commits once the leader has it, and a listing
+/// through a server that has not heard of it finds nothing. The driver looks for its protected
+/// prefix again until it can no longer land; otherwise the node, of a session that lives on,
+/// stands first in line while no call of its process touches the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_that_lands_after_the_sweep_looked_is_deleted() {
+    use leasehold_lease::{Acquire, Driver};
+    let server = ZooKeeperServer::start();
+    let (a, b) = (driver(&server), driver(&server));
+    let lock = leasehold_testkit::unique_lock("late-create");
+    let lease = Duration::from_secs(3);
+    let Acquire::Acquired(held) = b.try_acquire(&lock, "b", lease).await.expect("b") else {
+        panic!("b could not take the free lock");
+    };
+    // a's session is open (it holds another lock), as it is when a create of its is lost.
+    let other = leasehold_testkit::unique_lock("other");
+    let Acquire::Acquired(_kept) = a.try_acquire(&other, "a", lease).await.expect("a") else {
+        panic!("a could not take a free lock");
+    };
+    let prefix = a.create_answered_never(&lock);
+    // The sweep (every second) looks for it and finds nothing.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    a.create_landing_late(&prefix, "a", lease)
+        .await
+        .expect("the late create");
+    assert!(b.release(&held).await.expect("b's release"));
+    let landed = tokio::time::Instant::now();
+    loop {
+        match b.try_acquire(&lock, "b", lease).await.expect("b") {
+            Acquire::Acquired(_) => break,
+            _ => {
+                assert!(
+                    landed.elapsed() < Duration::from_secs(5),
+                    "a's late node still stands first in line after {:?}",
+                    landed.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}

@@ -138,6 +138,19 @@ struct Session {
 /// other pod waiting, and a process that only renews makes no call that deletes them.
 const ORPHAN_SWEEP: Duration = Duration::from_secs(1);
 
+/// How long a create whose answer never came may still land: forwarded by a server the client
+/// then lost, it commits once the leader has it, which a listing made through a lagging server
+/// may not show yet. Its protected prefix is looked for (after a `sync`) until then; a minute
+/// leaves room for a leader election.
+const LATE_CREATE_WINDOW: Duration = Duration::from_secs(60);
+
+/// A node to delete, or a protected name prefix (`.../_c_<uuid>-lock-`) whose sequence is
+/// unknown: a create whose answer never came, looked for until it can no longer land.
+struct Orphan {
+    path: String,
+    may_land_until: Option<Instant>,
+}
+
 /// Delete the orphans every [`ORPHAN_SWEEP`] on the session in use, for as long as the driver
 /// lives. A session ended took its nodes with it; none is opened for this.
 async fn sweep_orphans(shared: Weak<Shared>) {
@@ -244,7 +257,7 @@ struct Shared {
     /// Nodes this process gave up while ZooKeeper was unreachable. The library keeps the
     /// session alive across a reconnect, so they would stay first in line forever: they are
     /// deleted on the next call that reaches the server.
-    orphans: Mutex<Vec<String>>,
+    orphans: Mutex<Vec<Orphan>>,
     /// Per lock: the lowest node last read, who it is, and the session that owns it.
     holders: Mutex<HashMap<String, (String, Holding, i64)>>,
     /// For tests: creates wait for a permit here before they are sent.
@@ -576,20 +589,32 @@ impl Shared {
 
     /// A node (or a protected name prefix) to delete at the next call that reaches ZooKeeper.
     fn orphan(&self, path: String) {
+        let may_land_until = path
+            .ends_with(LOCK_NAME)
+            .then(|| Instant::now() + LATE_CREATE_WINDOW);
         self.orphans
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(path);
+            .push(Orphan {
+                path,
+                may_land_until,
+            });
     }
 
-    /// Delete the nodes this process gave up or may have created unawares. An orphan is a node
-    /// path, or a protected prefix (`.../_c_<uuid>-lock-`) whose sequence is unknown.
+    /// Delete the nodes this process gave up or may have created unawares. A protected prefix
+    /// is looked for after a `sync` (the create may have been forwarded by a server that the
+    /// one answering has not heard from yet), and again at each sweep until its create can no
+    /// longer land: its name is this process's alone, so whatever holds it is that create.
     async fn delete_orphans(&self, client: &zk::Client) {
         let orphans = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|e| e.into_inner()));
         for orphan in orphans {
-            let deleted = if orphan.ends_with(LOCK_NAME) {
-                let (parent, name) = orphan.rsplit_once('/').unwrap_or_default();
-                match client.list_children(parent).await {
+            let deleted = if orphan.path.ends_with(LOCK_NAME) {
+                let (parent, name) = orphan.path.rsplit_once('/').unwrap_or_default();
+                let listed = match client.sync(parent).await {
+                    Ok(()) => client.list_children(parent).await,
+                    Err(e) => Err(e),
+                };
+                match listed {
                     Ok(children) => {
                         let mut ok = true;
                         for child in children.iter().filter(|c| c.starts_with(name)) {
@@ -606,12 +631,18 @@ impl Shared {
                 }
             } else {
                 matches!(
-                    client.delete(&orphan, None).await,
+                    client.delete(&orphan.path, None).await,
                     Ok(()) | Err(zk::Error::NoNode)
                 )
             };
-            if !deleted {
-                self.orphan(orphan);
+            let may_land = orphan
+                .may_land_until
+                .is_some_and(|until| until > Instant::now());
+            if !deleted || may_land {
+                self.orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(orphan);
             }
         }
     }
@@ -1007,8 +1038,30 @@ impl ZooKeeperDriver {
         identity: &str,
         ttl: Duration,
     ) -> Result<String> {
-        let session = self.shared.session(ttl).await?;
+        self.create_landing_late(&self.shared.place_prefix(lock), identity, ttl)
+            .await
+    }
+
+    /// For tests: a create of `lock`'s place whose answer never came, as the driver records it
+    /// (its protected prefix, returned), to land later by [`Self::create_landing_late`].
+    #[cfg(feature = "test-hooks")]
+    pub fn create_answered_never(&self, lock: &str) -> String {
         let prefix = self.shared.place_prefix(lock);
+        self.shared.orphan(prefix.clone());
+        prefix
+    }
+
+    /// For tests: the node of a create with the protected `prefix` landing now, on the driver's
+    /// session. Returns its path.
+    #[cfg(feature = "test-hooks")]
+    pub async fn create_landing_late(
+        &self,
+        prefix: &str,
+        identity: &str,
+        ttl: Duration,
+    ) -> Result<String> {
+        let session = self.shared.session(ttl).await?;
+        let prefix = prefix.to_owned();
         let options = zk::CreateMode::EphemeralSequential.with_acls(self.shared.acls());
         let (_, sequence) = session
             .client
