@@ -155,12 +155,21 @@ impl Bound {
     /// Give up the connection's acquisition: of each part, if the engine holding it now still
     /// holds it with its token (the lease lost, then taken again by another call, is not the
     /// connection's to release). A write lock's parts are released together, or the write lock
-    /// ends whole.
-    async fn release(&self) {
+    /// ends whole. `Binding::Unbound`: the parts were never bound to the connection ([`bind`]),
+    /// so they are given back as any call's acquisitions are, leaving the count of other
+    /// connections' bindings of the same holding as it is.
+    async fn release(&self, binding: Binding) {
+        let bound = binding == Binding::Bound;
         let released = match self {
-            Bound::Write { holding, .. } => holding.release_bound().await.map(drop),
+            Bound::Write { holding, .. } if bound => holding.release_bound().await.map(drop),
+            Bound::Write { holding, .. } => holding.release().await.map(drop),
             Bound::Writes { holdings, .. } => {
-                let releases = holdings.iter().map(|holding| holding.release_bound());
+                let releases = holdings.iter().map(|holding| async move {
+                    match bound {
+                        true => holding.release_bound().await,
+                        false => holding.release().await,
+                    }
+                });
                 futures_util::future::join_all(releases)
                     .await
                     .into_iter()
@@ -171,7 +180,12 @@ impl Bound {
                 let releases = self
                     .engines()
                     .into_iter()
-                    .map(|(engine, holding)| async move { engine.release_bound(holding).await });
+                    .map(|(engine, holding)| async move {
+                        match bound {
+                            true => engine.release_bound(holding).await,
+                            false => engine.release_if(holding).await,
+                        }
+                    });
                 futures_util::future::join_all(releases)
                     .await
                     .into_iter()
@@ -223,12 +237,17 @@ impl Bound {
 
     /// Give the acquisition up once `told_until` (the end of the validity the client was last
     /// told) and the engine's safety margin have passed.
-    async fn release_after(&self, family: &KeyedFamily, told_until: Option<BootInstant>) {
+    async fn release_after(
+        &self,
+        family: &KeyedFamily,
+        told_until: Option<BootInstant>,
+        binding: Binding,
+    ) {
         if let Some(until) = told_until {
             let margin = leasehold_lease::safety_margin(family.config().lease_duration);
             tokio::time::sleep_until((until + margin).to_tokio()).await;
         }
-        self.release().await;
+        self.release(binding).await;
     }
 
     /// After a part was found ended: a write lock steps down whole (its other parts given back
@@ -237,7 +256,7 @@ impl Bound {
     /// passed: until then the client may still act on every key, its `lost` unread. Of several
     /// write locks, the one found ended steps down whole at once, as one key's does, and the
     /// others are given back as several keys are.
-    async fn ended(&self, told_until: Option<BootInstant>) {
+    async fn ended(&self, told_until: Option<BootInstant>, binding: Binding) {
         match self {
             Bound::Write { holding, .. } => {
                 holding.answer();
@@ -246,12 +265,20 @@ impl Bound {
                 for holding in holdings {
                     holding.answer();
                 }
-                self.release_after(family, told_until).await;
+                self.release_after(family, told_until, binding).await;
             }
-            Bound::Keys { family, .. } => self.release_after(family, told_until).await,
+            Bound::Keys { family, .. } => self.release_after(family, told_until, binding).await,
             Bound::Lock { .. } | Bound::Key { .. } => {}
         }
     }
+}
+
+/// Whether a connection's acquisition was bound to its engines ([`bind`]) when it is given up.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Binding {
+    Bound,
+    /// A part had ended before the stream began: nothing was bound.
+    Unbound,
 }
 
 /// Tell the engines of every part of a connection's acquisition ([`Bound::parts`]) that the
@@ -439,7 +466,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         let _ = events
             .send(event("lost", &about, json!({"reason": NO_LONGER_HELD})))
             .await;
-        bound.ended(None).await;
+        bound.ended(None, Binding::Unbound).await;
         return;
     };
     bind(&parts).await;
@@ -496,7 +523,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
                 .await;
                 // The stream ends here; what is left to give back is given back after.
                 drop(events);
-                bound.ended(told_until).await;
+                bound.ended(told_until, Binding::Bound).await;
                 return;
             }
         };
@@ -528,7 +555,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
                 }
             };
             if delivered.is_err() {
-                bound.release().await;
+                bound.release(Binding::Bound).await;
                 return;
             }
             told = Some(claim);
@@ -541,7 +568,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         };
         tokio::select! {
             _ = events.closed() => {
-                bound.release().await;
+                bound.release(Binding::Bound).await;
                 return;
             }
             _ = extend.tick() => bound.extend(hold).await,
@@ -550,5 +577,76 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
             // passed with the engine busy in a call, the claim's.
             _ = tokio::time::sleep_until(wake.to_tokio()) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use leasehold_lease::BackendUrl;
+    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease};
+    use std::sync::Arc;
+
+    /// A connection's several keys of which one had ended before its stream began: the others
+    /// are given back as any call's acquisitions are. Another connection of the owner's that
+    /// holds one of those keys stays bound: a later release by another call lets that key lapse
+    /// after the validity its client was told, not free it in the backend at once.
+    #[tokio::test]
+    async fn keys_given_back_before_their_stream_began_leave_another_connections_binding() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap();
+        let family = KeyedFamily::new(
+            backend.clone(),
+            FamilyConfig::new("docs", "pod-a", Duration::from_secs(10)),
+            Arc::new(()),
+        )
+        .unwrap();
+        let hold = Duration::from_secs(30);
+        let KeyAnswer::Held { permit, token, .. } = family
+            .acquire("y", "o", Duration::ZERO, hold)
+            .await
+            .unwrap()
+        else {
+            panic!("y is free");
+        };
+        // One connection holds y: its acquisition is bound to y's engine.
+        let engine = family.holding_on_permit("y", permit, "o").unwrap();
+        assert!(engine.bind(own_permit(token)).await.unwrap());
+        // Another connection's acquisition of x and y: y taken again, x ended before its
+        // stream began (it was never held).
+        family
+            .acquire("y", "o", Duration::ZERO, hold)
+            .await
+            .unwrap();
+        let about = Map::new();
+        let response = respond(
+            Bound::Keys {
+                family: family.clone(),
+                owner: "o".into(),
+                keys: vec![("x".into(), 0, 999), ("y".into(), permit, token)],
+            },
+            about,
+            Vec::new(),
+        );
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        assert!(String::from_utf8_lossy(&body).contains("event: lost"));
+        // Given back before the stream ended.
+        assert_eq!(engine.snapshot().holds, 1);
+        // The first connection's acquisition is all that is left; another call releases it.
+        assert!(matches!(
+            family.release("y", "o").await.unwrap(),
+            KeyRelease::Released { .. }
+        ));
+        let name = family.backend_name("y").unwrap();
+        assert!(
+            backend.observe(&name).await.unwrap().is_some(),
+            "y was freed in the backend at once, while the first connection's client may still \
+             act on the validity it was told"
+        );
     }
 }
