@@ -864,3 +864,54 @@ async fn zookeeper_a_writers_probes_leave_no_place_when_its_client_hangs_up() {
     let server = ZooKeeperServer::start();
     a_writers_probes_leave_no_place_when_its_client_hangs_up(&server.url()).await;
 }
+
+/// A read of several keys waiting while its owner comes to write one of them: when its turn
+/// comes that key is refused (no downgrade within one call), nothing is held, and the owner's
+/// write lock keeps every acquisition it had, so that one release leaves it writing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_several_keys_whose_owner_came_to_write_one_leaves_the_write_lock_whole() {
+    use leasehold_lease::keyed::KeysAnswer;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let family = KeyedFamily::new(
+        driver(&url).await,
+        FamilyConfig {
+            permits: 2,
+            read_write: true,
+            ..FamilyConfig::new(&unique_lock("docs"), "pod-a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family");
+    let held = |answer: KeyAnswer| matches!(answer, KeyAnswer::Held { .. });
+    let wait = Duration::from_secs(10);
+    assert!(held(
+        family.acquire_write("a", "p", wait, HOLD).await.unwrap()
+    ));
+    let reading = {
+        let family = family.clone();
+        let keys = vec!["a".to_owned(), "b".to_owned()];
+        tokio::spawn(async move { family.acquire_all_read(&keys, "o", wait, HOLD).await })
+    };
+    sleep(Duration::from_millis(300)).await;
+    for _ in 0..2 {
+        assert!(held(
+            family.acquire_write("b", "o", wait, HOLD).await.unwrap()
+        ));
+    }
+    family.release("a", "p").await.unwrap();
+    let read = reading.await.unwrap();
+    assert!(
+        !matches!(read, Ok(KeysAnswer::Held(_))),
+        "a read of several keys was answered holding a key its owner writes: {read:?}"
+    );
+    assert!(
+        !held(family.status("a", Some("o")).unwrap()),
+        "a is kept though the read was refused"
+    );
+    assert!(matches!(
+        family.release("b", "o").await.unwrap(),
+        KeyRelease::Released { holds: 1 }
+    ));
+    assert!(family.writes("b", "o"), "o's write lock of b ended early");
+}

@@ -216,6 +216,16 @@ impl KeyedFamily {
                     return Err(e);
                 }
             };
+            if let KeyAnswer::Held { writer: true, .. } = answer {
+                // The owner came to write the key while this call waited (the check above came
+                // first), and the take acquired that write lock again, which a read of several
+                // keys neither counts nor gives back as one: it is given back whole, at once.
+                if let Some(writer) = self.writer_of(key, Some(owner)) {
+                    taken.rewritten.push((key.to_owned(), writer));
+                }
+                taken.give_back().await;
+                return Err(written(key, owner));
+            }
             let KeyAnswer::Held { token, permit, .. } = answer else {
                 taken.give_back().await;
                 return Ok(KeysAnswer::NotTaken {
@@ -436,9 +446,7 @@ impl KeyedFamily {
     /// does not stand for a write lock taken again (`mode=write` acquires it again).
     fn refuse_written(&self, keys: &[String], owner: &str) -> Result<(), KeyError> {
         match keys.iter().find(|key| self.writes(key, owner)) {
-            Some(key) => Err(KeyError::BadMode(format!(
-                "{owner} writes {key:?}: acquire it again among several keys with mode=write"
-            ))),
+            Some(key) => Err(written(key, owner)),
             None => Ok(()),
         }
     }
@@ -599,4 +607,11 @@ fn ordered(
 fn in_asked_order<T>(keys: &[String], mut answers: Vec<(String, T)>) -> Vec<(String, T)> {
     answers.sort_by_key(|(key, _)| keys.iter().position(|k| k == key));
     answers
+}
+
+/// A read of several keys asked by an owner that writes `key` (no downgrade within one call).
+fn written(key: &str, owner: &str) -> KeyError {
+    KeyError::BadMode(format!(
+        "{owner} writes {key:?}: acquire it again among several keys with mode=write"
+    ))
 }
