@@ -278,6 +278,26 @@ async fn forbidden_says_to_check_rbac() {
     server.await.unwrap();
 }
 
+/// A namespace that does not exist (a mistyped `kubernetes://NAMESPACE`) is an error that says
+/// so, not a lock answered busy for ever.
+#[tokio::test]
+async fn a_lease_in_a_namespace_that_does_not_exist_is_an_error_that_names_it() {
+    let harness = KubernetesHarness::new();
+    harness.api.without_namespace(KubernetesHarness::NAMESPACE);
+    let error = harness
+        .client_driver()
+        .try_acquire("jobs", "a", Duration::from_secs(15))
+        .await
+        .expect_err("a Lease created in a namespace that does not exist");
+    assert!(matches!(error, Error::Backend(_)), "{error:?}");
+    let message = error.to_string();
+    assert!(
+        message.contains(r#"namespaces "leasehold-test" not found"#)
+            && message.contains("create the namespace"),
+        "{message}"
+    );
+}
+
 #[tokio::test]
 async fn provision_creates_an_unheld_lease_owned_by_nothing() {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();

@@ -162,6 +162,9 @@ struct Store {
     /// The revision up to which history is gone, as etcd compacts it: a watch from before it,
     /// or a list continued from a page of before it, is answered 410 Gone.
     compacted: u64,
+    /// Namespaces that do not exist ([`InMemoryApiServer::without_namespace`]): creates in them
+    /// are refused. Any other namespace is taken to exist.
+    missing_namespaces: std::collections::BTreeSet<String>,
 }
 
 /// How many changes the history keeps before its older half is compacted away.
@@ -464,6 +467,16 @@ impl InMemoryApiServer {
         );
     }
 
+    /// Namespace `ns` does not exist (deleted, or never made): from now on every create in it
+    /// is refused with 404, as a real API server refuses it.
+    pub fn without_namespace(&self, ns: &str) {
+        self.store
+            .lock()
+            .unwrap()
+            .missing_namespaces
+            .insert(ns.to_owned());
+    }
+
     /// Create or overwrite `object` (namespace and name from its metadata) in `collection`, as
     /// `kubectl apply` would, telling the watchers.
     pub fn put(&self, collection: &str, object: Value) {
@@ -750,6 +763,9 @@ impl InMemoryApiServer {
             .is_some_and(|n| !n["metadata"]["deletionTimestamp"].is_null())
         {
             return namespace_terminating(collection, ns);
+        }
+        if store.missing_namespaces.contains(ns) {
+            return namespace_not_found(ns);
         }
         if store
             .objects
@@ -1049,6 +1065,9 @@ impl InMemoryApiServer {
             .is_some_and(|n| !n["metadata"]["deletionTimestamp"].is_null())
         {
             return namespace_terminating(collection, ns);
+        }
+        if store.missing_namespaces.contains(ns) {
+            return namespace_not_found(ns);
         }
         if !ns.is_empty() {
             object["metadata"]["namespace"] = json!(ns);
@@ -1568,6 +1587,19 @@ fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
         &json!({
             "kind": "Status", "apiVersion": "v1", "metadata": {},
             "status": "Failure", "message": message, "reason": reason, "code": code.as_u16(),
+        }),
+    )
+}
+
+/// What a real API server answers to a create in a namespace that does not exist.
+fn namespace_not_found(ns: &str) -> Response<Body> {
+    json_response(
+        StatusCode::NOT_FOUND,
+        &json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": format!("namespaces \"{ns}\" not found"),
+            "reason": "NotFound", "code": 404,
+            "details": {"name": ns, "kind": "namespaces"},
         }),
     )
 }

@@ -339,17 +339,29 @@ impl KubernetesLeaseDriver {
     /// Write `next` over `read` (whose `resourceVersion` it carries). `Ok(None)`: somebody wrote
     /// in between.
     async fn replace(&self, lock: &str, next: &LeaseObject) -> Result<Option<LeaseObject>> {
-        let result = if next.metadata.resource_version.is_some() {
+        let creating = next.metadata.resource_version.is_none();
+        let result = if creating {
+            self.api().create(&PostParams::default(), next).await
+        } else {
             self.api()
                 .replace(&self.lease_name(lock), &PostParams::default(), next)
                 .await
-        } else {
-            self.api().create(&PostParams::default(), next).await
         };
         match result {
             Ok(written) => Ok(Some(written)),
             // 409: Conflict on resourceVersion, or AlreadyExists on create.
             Err(kube::Error::Api(status)) if status.code == 409 => Ok(None),
+            // A create has no object to miss: its namespace does not exist, which no waiting
+            // mends (answered as busy, the lock would wait for nobody without a word).
+            Err(kube::Error::Api(status)) if status.code == 404 && creating => {
+                Err(Error::Backend(format!(
+                    "the Lease {}/{} cannot be created: {}; create the namespace, or name one \
+                     that exists (kubernetes://NAMESPACE)",
+                    self.namespace,
+                    self.lease_name(lock),
+                    status.message
+                )))
+            }
             // The Lease was deleted between our read and our write.
             Err(kube::Error::Api(status)) if status.code == 404 => Ok(None),
             Err(e) => Err(classify(e)),
