@@ -104,6 +104,13 @@ async fn a_conflict_on_resource_version_means_busy_not_an_error() {
         assert_eq!(put["spec"]["leaseDurationSeconds"], 2);
         assert_eq!(put["metadata"]["annotations"][DURATION_ANNOTATION], "1500");
         reply(send, StatusCode::CONFLICT, &failure(409, "Conflict"));
+        // Read again: another contender's write, not this one's.
+        let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
+        reply(
+            send,
+            StatusCode::OK,
+            &lease("jobs", "c", 8, Duration::ZERO, "6"),
+        );
     });
     let outcome = driver
         .try_acquire("jobs", "b", Duration::from_millis(1500))
@@ -111,6 +118,41 @@ async fn a_conflict_on_resource_version_means_busy_not_an_error() {
         .unwrap();
     assert_eq!(outcome, Acquire::Busy(None));
     server.await.unwrap();
+}
+
+/// A create committed whose answer was lost, sent again by the client (which retries a 504 on
+/// its own) and refused as existing: the Lease names this process with this claim's own
+/// acquireTime, so the acquisition holds rather than wait a lease for nobody. A Lease naming
+/// the same identity with another acquireTime (an earlier attempt's) is not taken for it.
+#[tokio::test]
+async fn a_write_committed_with_its_answer_lost_is_the_acquisition() {
+    for own in [true, false] {
+        let (driver, mut api) = driver();
+        let server = tokio::spawn(async move {
+            let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
+            reply(send, StatusCode::NOT_FOUND, &failure(404, "NotFound"));
+            let (mut created, send) = api.expect(Method::POST, "/namespaces/ns/leases").await;
+            reply(send, StatusCode::CONFLICT, &failure(409, "AlreadyExists"));
+            let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
+            created["metadata"]["resourceVersion"] = json!("1");
+            if !own {
+                created["spec"]["acquireTime"] = json!("2026-01-01T00:00:00.000000Z");
+            }
+            reply(send, StatusCode::OK, &created);
+        });
+        let outcome = driver
+            .try_acquire("jobs", "a", Duration::from_secs(15))
+            .await
+            .unwrap();
+        match own {
+            true => assert!(
+                matches!(&outcome, Acquire::Acquired(lease) if lease.token == 1),
+                "{outcome:?}"
+            ),
+            false => assert_eq!(outcome, Acquire::Busy(None)),
+        }
+        server.await.unwrap();
+    }
 }
 
 #[tokio::test]

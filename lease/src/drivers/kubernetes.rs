@@ -723,6 +723,20 @@ fn claim(object: &mut LeaseObject, identity: &str, token: u64, ttl: Duration) ->
     Ok(())
 }
 
+/// Whether `found` holds the claim `sent` wrote: the same holder, token and acquireTime (to the
+/// microsecond the API server keeps).
+fn same_claim(found: &LeaseObject, sent: &LeaseObject) -> bool {
+    let (Some(found), Some(sent)) = (&found.spec, &sent.spec) else {
+        return false;
+    };
+    let micros = |time: &Option<MicroTime>| serde_json::to_value(time).ok();
+    sent.holder_identity.is_some()
+        && found.holder_identity == sent.holder_identity
+        && found.lease_transitions == sent.lease_transitions
+        && sent.acquire_time.is_some()
+        && micros(&found.acquire_time) == micros(&sent.acquire_time)
+}
+
 /// Date the lease from now for `ttl`: `renewTime`, the whole seconds, and the exact duration.
 fn extend(object: &mut LeaseObject, ttl: Duration) {
     object
@@ -817,7 +831,19 @@ impl Driver for KubernetesLeaseDriver {
             identity: identity.to_owned(),
             token,
         };
-        match self.replace(lock, &object).await? {
+        let written = match self.replace(lock, &object).await? {
+            Some(written) => Some(written),
+            // A conflict may be this very write: committed, its answer lost (a 504 or 503), and
+            // sent again by the client, which retries those on its own. The Lease then names
+            // this process with this claim's own acquireTime; taken as anything else, it would
+            // be held for nobody for a lease. It was written after this call began, from which
+            // the engine counts the claim.
+            None => self
+                .read(lock)
+                .await?
+                .filter(|found| same_claim(found, &object)),
+        };
+        match written {
             Some(_) => match family {
                 Some(family) => self.above_floor(lease, family, ttl).await,
                 None => Ok(Acquire::Acquired(lease)),
