@@ -656,3 +656,26 @@ async fn a_create_that_lands_after_the_sweep_looked_is_deleted() {
         }
     }
 }
+
+/// The engine dates a claim from what the driver counts it from. A place gone between its
+/// answer and that question (its session ended meanwhile) has no sign of life the leader saw
+/// to count from: the claim it dates is none, rather than one counted from the request's
+/// sending, which is later than the leader's count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_gone_since_its_answer_dates_no_claim() {
+    use leasehold_lease::{Acquire, BootInstant, Driver};
+    let server = ZooKeeperServer::start();
+    let holder = driver(&server);
+    let lease = Duration::from_secs(3);
+    let sent = BootInstant::now();
+    let lock = leasehold_testkit::unique_lock("gone");
+    let Acquire::Acquired(held) = holder.try_acquire(&lock, "a", lease).await.expect("a") else {
+        panic!("a could not take the free lock");
+    };
+    assert!(holder.counted_from(&held, sent) <= sent);
+    assert!(holder.release(&held).await.expect("released"));
+    assert!(
+        holder.counted_from(&held, sent) + lease <= sent,
+        "a place gone dates a claim"
+    );
+}

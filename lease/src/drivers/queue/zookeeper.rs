@@ -1262,10 +1262,17 @@ impl Driver for ZooKeeperDriver {
 
     /// ZooKeeper's leader counts a session from the last sign of life a follower relayed to it,
     /// which may be older than the request that renewed.
+    /// A place gone since its answer (its session ended meanwhile) has no sign of life to count
+    /// from: its claim is counted from before any lease could have begun, so it is none.
     fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
-        self.held(lease)
-            .and_then(|e| *e.counted_from.lock().unwrap_or_else(|e| e.into_inner()))
-            .map_or(sent, |from| from.min(sent))
+        match self.held(lease) {
+            Some(entry) => entry
+                .counted_from
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .map_or(sent, |from| from.min(sent)),
+            None => sent - crate::MAX_LEASE_DURATION,
+        }
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
