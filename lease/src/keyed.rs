@@ -1341,6 +1341,7 @@ impl KeyedFamily {
             holding.lock.stop();
             drop(state);
             self.inner.drop_state_if_idle(key);
+            self.part_let_go(&holding.key, &holding.owner);
         }
     }
 }

@@ -915,3 +915,50 @@ async fn a_read_of_several_keys_whose_owner_came_to_write_one_leaves_the_write_l
     ));
     assert!(family.writes("b", "o"), "o's write lock of b ended early");
 }
+
+/// A write lock whose hold ran out with nobody asking after it is forgotten with its parts: the
+/// pod's answer for the key, asked without an owner, is then a later reader's, not the old
+/// write lock's "not held".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_lock_whose_hold_ran_out_leaves_the_keys_answer_to_its_readers() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let family = KeyedFamily::new(
+        driver(&url).await,
+        FamilyConfig {
+            permits: 2,
+            read_write: true,
+            ..FamilyConfig::new(&unique_lock("docs"), "pod-a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("family");
+    let held = |answer: KeyAnswer| matches!(answer, KeyAnswer::Held { .. });
+    let hold = Duration::from_millis(300);
+    assert!(held(
+        family
+            .acquire_write("k", "w", Duration::ZERO, hold)
+            .await
+            .unwrap()
+    ));
+    let deadline = Instant::now() + LEASE;
+    while family.tracked_keys() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the write lock's parts were kept"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!family.writes("k", "w"));
+    assert!(held(
+        family
+            .acquire_read("k", "r", Duration::from_secs(5), HOLD)
+            .await
+            .unwrap()
+    ));
+    let answer = family.status("k", None).unwrap();
+    assert!(
+        held(answer.clone()),
+        "the key's answer is {answer:?} while r reads it"
+    );
+}

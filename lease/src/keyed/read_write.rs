@@ -806,9 +806,10 @@ impl KeyedFamily {
     pub(super) fn write_answer(&self, key: &str, writer: &Arc<Writer>) -> KeyAnswer {
         let answer = self.parts_answer(key, writer);
         if matches!(answer, KeyAnswer::NotHeld)
-            && !writer.ended.load(Ordering::SeqCst)
             && writer.releasing.load(Ordering::SeqCst) == 0
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            // Ended from now on, for every call, and once.
+            && !writer.ended.swap(true, Ordering::SeqCst)
         {
             let (family, key, writer) = (self.clone(), key.to_owned(), writer.clone());
             runtime.spawn(async move { family.end_write(&key, &writer).await });
@@ -868,15 +869,26 @@ impl KeyedFamily {
                 Some((holding, part.token))
             })
             .collect();
-        // On a task of its own, so that a client hanging up cannot cut it short.
+        // On a task of its own, so that a client hanging up cannot cut it short, nor leave the
+        // ended writer registered.
+        let (family, key, writer) = (self.clone(), key.to_owned(), writer.clone());
         let _ = tokio::spawn(async move {
             for (holding, token) in holdings {
                 // Not held with the token: a later holding, or one that ended already.
                 let _ = holding.lock.force_release(None, token).await;
             }
+            family.forget_writer(&key, &writer);
         })
         .await;
-        self.forget_writer(key, writer);
+    }
+
+    /// A part of `key` (a permit, or its gate) whose engine the family let go of: this pod's
+    /// writer of the key, if that part was its owner's, is asked how it stands, which ends it
+    /// once a part is gone (its hold ran out, with nobody asking).
+    pub(super) fn part_let_go(&self, key: &str, owner: &str) {
+        if let Some(writer) = self.writer_of(key, Some(owner)) {
+            self.write_answer(key, &writer);
+        }
     }
 
     /// Forget `writer`, if it is still `key`'s.
