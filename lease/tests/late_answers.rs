@@ -171,6 +171,38 @@ async fn a_keys_hold_that_ran_out_during_a_late_renewal_is_not_held() {
     }
 }
 
+/// The same for a lock: a hold that ran out while the engine waited for a renewal's late answer
+/// is not "held" with no time left (a holder label, a metric, a stream's first state) while the
+/// release waits for that answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locks_hold_that_ran_out_during_a_late_renewal_is_not_held() {
+    let (_harness, faulty) = late_sqlite().await;
+    let lock = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            renew_interval: Duration::from_secs(1),
+            mode: Mode::OnDemand,
+            ..LockConfig::new(&unique_lock("lapsing"), "pod-a", Duration::from_secs(3))
+        },
+        Arc::new(()),
+    )
+    .expect("lock");
+    faulty.stall_next_renewal_answer(Duration::from_millis(700));
+    let answer = lock
+        .acquire(Duration::ZERO, Duration::from_millis(1100))
+        .await
+        .expect("acquire");
+    assert!(answer.is_holder(), "{answer:?}");
+    sleep(Duration::from_millis(1300)).await;
+    let answer = lock.answer();
+    assert_eq!(
+        answer,
+        Answer::NotHolder,
+        "the hold ran out, yet the lock answers {answer:?}"
+    );
+    lock.shutdown().await;
+}
+
 /// A keyed owner told "cannot tell" asks again: it is never told that it holds the key itself,
 /// elsewhere, and gets the key as soon as its earlier attempt has been given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

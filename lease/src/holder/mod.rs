@@ -351,8 +351,10 @@ impl Snapshot {
         if !self.contacted || self.backend_error.is_some() {
             return Answer::Unknown;
         }
+        // Not held once the claim or the hold has run out, also while the engine has yet to
+        // lapse it (it may be waiting for a renewal's answer).
         match &self.held {
-            Some(held) if now < held.valid_until => Answer::Holder {
+            Some(held) if now < held.answered_until() => Answer::Holder {
                 token: held.token,
                 permit: held.permit,
                 valid_for: held.answered_until().saturating_duration_since(now),
