@@ -268,3 +268,36 @@ async fn a_tls_cluster_signed_by_another_ca_is_refused_by_name() {
         Acquire::Acquired(_)
     ));
 }
+
+/// Masters that refuse `CONFIG` to the lock's user (as managed clusters do) are still checked
+/// for a policy that evicts lock keys: `INFO memory` tells it, and each warning names its master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn masters_that_refuse_config_are_still_checked_for_eviction() {
+    use leasehold_testkit::redis_cluster::command;
+    let cluster = RedisCluster::start();
+    for node in &cluster.nodes {
+        let port = node.port();
+        command(port, &["CONFIG", "SET", "maxmemory-policy", "allkeys-lfu"]).unwrap();
+        command(
+            port,
+            &[
+                "ACL", "SETUSER", "locker", "on", ">secret", "~*", "&*", "+@all", "-config",
+            ],
+        )
+        .unwrap();
+    }
+    let url = cluster
+        .url()
+        .replacen("redis+cluster://", "redis+cluster://locker:secret@", 1);
+    let driver = leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
+        .await
+        .unwrap();
+    let warnings = driver.warnings().await.unwrap();
+    assert!(
+        warnings.len() == 3
+            && warnings
+                .iter()
+                .all(|w| w.starts_with("master ") && w.contains("allkeys-lfu")),
+        "{warnings:?}"
+    );
+}

@@ -189,6 +189,39 @@ async fn mariadb_gets_its_lock_table() {
     takes(&*driver, "reports").await;
 }
 
+/// Managed Redis refuses `CONFIG` and evicts by default: the policy is then read from
+/// `INFO memory`, which a lock's user may run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_that_refuses_config_is_still_checked_for_eviction() {
+    let server = RedisServer::start();
+    let mut conn = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    for command in [
+        vec!["CONFIG", "SET", "maxmemory-policy", "volatile-lru"],
+        vec![
+            "ACL", "SETUSER", "locker", "on", ">secret", "~*", "&*", "+@all", "-config",
+        ],
+    ] {
+        let _: () = redis::cmd(command[0])
+            .arg(&command[1..])
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let url = format!("redis://locker:secret@127.0.0.1:{}", server.port());
+    let driver = leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
+        .await
+        .unwrap();
+    let warnings = driver.warnings().await.unwrap();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("volatile-lru"),
+        "{warnings:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
     let server = RedisServer::start();

@@ -25,7 +25,7 @@ use redis::{RedisFuture, RedisResult, Value};
 use tokio::sync::OnceCell;
 
 use crate::drivers::redis::{
-    CONNECT_TIMEOUT, RESPONSE_TIMEOUT, certificates, evicts_lock_keys, map_err,
+    CONNECT_TIMEOUT, RESPONSE_TIMEOUT, certificates, evicts_lock_keys, info_field, map_err,
 };
 use crate::error::{Error, Result};
 use crate::tls::Tls;
@@ -219,9 +219,22 @@ pub(crate) async fn every_master_durable(conn: &mut ClusterConnection) -> bool {
 /// the ones they concern.
 pub(crate) async fn warnings(conn: &mut ClusterConnection) -> Result<Vec<String>> {
     let mut warnings = Vec::new();
-    let policies = setting_on_every_master(conn, "maxmemory-policy")
+    let mut policies = setting_on_every_master(conn, "maxmemory-policy")
         .await
         .map_err(map_err)?;
+    // A master that refuses CONFIG (managed Redis) tells its policy in `INFO memory`.
+    if policies.iter().any(|(_, policy)| policy.is_none()) {
+        let mut info = redis::cmd("INFO");
+        info.arg("memory");
+        let answers = from_every_master(conn, info).await.map_err(map_err)?;
+        for (node, policy) in policies.iter_mut().filter(|(_, p)| p.is_none()) {
+            *policy = answers
+                .iter()
+                .find(|(answered, _)| answered == node)
+                .and_then(|(_, answer)| redis::from_redis_value::<String>(answer.clone()).ok())
+                .and_then(|info| info_field(&info, "maxmemory_policy").map(str::to_owned));
+        }
+    }
     for (node, policy) in policies {
         if let Some(policy) = policy.filter(|p| evicts_lock_keys(p)) {
             warnings.push(format!(

@@ -855,14 +855,23 @@ pub(crate) async fn eviction_warning(
         .await;
     let policy = match reply {
         Ok(pair) => pair.get(1).cloned().unwrap_or_default(),
-        // CONFIG is often renamed or forbidden on managed Redis; then we cannot tell.
+        // CONFIG is often renamed or forbidden on managed Redis (whose default policies evict):
+        // `INFO memory` tells the policy too, to a user that may run INFO, as a lock's must.
         Err(e)
             if matches!(
                 e.kind(),
                 redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
             ) =>
         {
-            return Ok(None);
+            let info: redis::RedisResult<String> =
+                redis::cmd("INFO").arg("memory").query_async(conn).await;
+            match info {
+                Ok(info) => info_field(&info, "maxmemory_policy")
+                    .unwrap_or_default()
+                    .to_owned(),
+                Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => return Ok(None),
+                Err(e) => return Err(map_err(e)),
+            }
         }
         Err(e) => return Err(map_err(e)),
     };
