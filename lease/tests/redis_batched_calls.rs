@@ -308,3 +308,55 @@ async fn a_lock_with_foreign_keys_fails_alone_in_its_batch() {
         }
     }
 }
+
+/// A lease key that is no longer a string (changed by hand) fails its own lock's renewal and
+/// release alone: the other locks renewed or released in the same call are answered for
+/// themselves, rather than every lock of the batch failing (and lapsing) with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_key_of_another_type_fails_its_own_lock_alone_in_a_batch() {
+    let server = RedisServer::start();
+    let driver = driver_for(&server.url()).await;
+    let mut admin = server.admin().await;
+    let mut leases = Vec::new();
+    for i in 0..20 {
+        leases.push(acquired(&*driver, &unique_lock(&format!("batched-{i}")), "pod-a").await);
+    }
+    let broken = leases[7].lock.clone();
+    let key = format!("leasehold:{{{broken}}}:lease");
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("by")
+        .arg("hand")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+
+    let calls_before = command_calls(&mut admin, &["evalsha", "eval"]).await;
+    let renewed =
+        futures_util::future::join_all(leases.iter().map(|lease| driver.renew(lease, TTL))).await;
+    let calls = command_calls(&mut admin, &["evalsha", "eval"]).await - calls_before - 1;
+    assert!(calls < 10, "20 renewals at once took {calls} script calls");
+    for (lease, renewed) in leases.iter().zip(&renewed) {
+        let expected = lease.lock != broken;
+        assert!(
+            matches!(renewed, Ok(r) if *r == expected),
+            "{}: renewed {renewed:?}",
+            lease.lock
+        );
+    }
+    let released =
+        futures_util::future::join_all(leases.iter().map(|lease| driver.release(lease))).await;
+    for (lease, released) in leases.iter().zip(&released) {
+        let expected = lease.lock != broken;
+        assert!(
+            matches!(released, Ok(r) if *r == expected),
+            "{}: released {released:?}",
+            lease.lock
+        );
+    }
+}

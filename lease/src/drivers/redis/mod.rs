@@ -453,7 +453,8 @@ local stride = marked and 2 or 1
 local released = {}
 for i = 1, #ARGV / 2 do
   local lease, value = KEYS[stride * i - stride + 1], ARGV[2 * i - 1]
-  if redis.call('GET', lease) == value then
+  -- pcall: a key of another type (changed by hand) is not released, the call's others are.
+  if redis.pcall('GET', lease) == value then
     -- The lease is there, so a mark was too when two keys go.
     if not marked then
       redis.call('DEL', lease)

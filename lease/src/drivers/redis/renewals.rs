@@ -19,7 +19,8 @@ pub(crate) const MAX_BATCH: usize = 512;
 const RENEW_MANY: &str = r"
 local renewed = {}
 for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[2 * i - 1] then
+  -- pcall: a key of another type (changed by hand) is not renewed, the batch's others are.
+  if redis.pcall('GET', key) == ARGV[2 * i - 1] then
     renewed[i] = redis.call('PEXPIRE', key, ARGV[2 * i])
   else
     renewed[i] = 0
