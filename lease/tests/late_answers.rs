@@ -318,6 +318,46 @@ async fn a_lease_counted_from_before_its_acquisition_is_renewed_in_time() {
     a.shutdown().await;
 }
 
+/// A backend that counts every lease from before the call (a Sentinel majority's answer, a
+/// ZooKeeper session's last sign of life) under a renew interval that leaves less of the claim
+/// than that: each renewal is due while enough of its claim is left, not a renew interval after
+/// the last renewal's call, by which time the claim would have run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_of_a_lease_counted_from_before_each_call_come_in_time() {
+    let (_harness, faulty) = late_sqlite().await;
+    let name = unique_lock("counted");
+    let lease = Duration::from_secs(3);
+    // Each claim: 3 s less the margin, counted 1.3 s before its call: 1.6 s, under the 1.8 s
+    // renew interval.
+    faulty.count_every_call_earlier(Duration::from_millis(1300));
+    let a = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            mode: Mode::Campaign,
+            renew_interval: Duration::from_millis(1800),
+            ..LockConfig::new(&name, "a", lease)
+        },
+        Arc::new(()),
+    )
+    .expect("lock");
+    let mut events = a.events();
+    let started = Instant::now();
+    while !a.answer().is_holder() {
+        assert!(started.elapsed() < Duration::from_secs(5), "a never held");
+        sleep(Duration::from_millis(10)).await;
+    }
+    sleep(lease * 2).await;
+    assert!(
+        a.answer().is_holder(),
+        "a lost the lock: {:?}",
+        a.snapshot()
+    );
+    while let Ok(event) = events.try_recv() {
+        assert_ne!(event.kind, EventKind::Lost, "{event:?}");
+    }
+    a.shutdown().await;
+}
+
 /// A retired lock never releases: its lease stays in the backend until its last answer has run
 /// out, even when the engine was inside a renewal that did not answer when it was asked to
 /// retire (the retirement then waits, and the lock is shut down with it still queued). After

@@ -22,6 +22,8 @@ pub struct FaultyDriver {
     request_delay_ms: AtomicU64,
     response_delay_ms: AtomicU64,
     counted_earlier_ms: AtomicU64,
+    /// Every acquisition and renewal counted from this much before its call was sent.
+    all_counted_earlier_ms: AtomicU64,
     /// How many times a change feed was asked for (a waiter's subscription).
     subscriptions: AtomicU64,
     /// The leases counted early (lock, token) and not renewed since.
@@ -49,6 +51,7 @@ impl FaultyDriver {
             request_delay_ms: AtomicU64::new(0),
             response_delay_ms: AtomicU64::new(0),
             counted_earlier_ms: AtomicU64::new(0),
+            all_counted_earlier_ms: AtomicU64::new(0),
             subscriptions: AtomicU64::new(0),
             counted_early: Mutex::new(HashSet::new()),
             answered: Mutex::new(HashMap::new()),
@@ -169,6 +172,14 @@ impl FaultyDriver {
             .store(by.as_millis() as u64, Ordering::SeqCst);
     }
 
+    /// From now on, the backend counts every lease, acquired or renewed, from this much before
+    /// its call was sent: as a Sentinel majority's answer or a ZooKeeper session's last sign of
+    /// life dates it.
+    pub fn count_every_call_earlier(&self, by: Duration) {
+        self.all_counted_earlier_ms
+            .store(by.as_millis() as u64, Ordering::SeqCst);
+    }
+
     fn counted_early(&self) -> std::sync::MutexGuard<'_, HashSet<(String, u64)>> {
         self.counted_early.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -239,7 +250,8 @@ impl Driver for FaultyDriver {
         lease: &Lease,
         sent: leasehold_lease::boot_clock::BootInstant,
     ) -> leasehold_lease::boot_clock::BootInstant {
-        let counted_from = self.inner.counted_from(lease, sent);
+        let counted_from = self.inner.counted_from(lease, sent)
+            - Duration::from_millis(self.all_counted_earlier_ms.load(Ordering::SeqCst));
         let key = (lease.lock.clone(), lease.token);
         if self.counted_early().contains(&key) {
             let earlier = self.counted_earlier_ms.load(Ordering::SeqCst);

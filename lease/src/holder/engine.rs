@@ -52,7 +52,7 @@ pub(super) struct HeldLease {
     pub(super) permit: u32,
     pub(super) valid_until: BootInstant,
     /// The next renewal is due a renew interval after this: the newest renewal's call, or for
-    /// a lease not yet renewed, its acquisition's (or earlier, see [`Engine::on_acquired`]).
+    /// a lease not yet renewed, its acquisition's (or earlier, see [`Engine::schedule_from`]).
     pub(super) last_sent: Instant,
     pub(super) acquired_at: SystemTime,
     /// After a failed renewal: when to try again (before the regular schedule).
@@ -641,6 +641,23 @@ impl Engine {
             - safety_margin(self.config.lease_duration)
     }
 
+    /// What the next renewal of a claim valid until `valid_until`, made by a call sent at
+    /// `sent`, is scheduled from (it is due a renew interval after): the call, as ever, or
+    /// earlier, so that the renewal comes while as much of the claim is left as a claim counted
+    /// from the call would leave (a renew interval at most). A lease the backend counted from
+    /// well before the call (a PostgreSQL waiter's row, taken in its blocking statement while
+    /// the engine was busy; a Sentinel majority's answer; a ZooKeeper session's last sign of
+    /// life) would otherwise run out before a renewal due a renew interval after the call.
+    fn schedule_from(&self, valid_until: BootInstant, sent: Instant) -> Instant {
+        let (lease_duration, renew_interval) =
+            (self.config.lease_duration, self.config.renew_interval);
+        let left_at_renewal = renew_interval
+            .min(lease_duration.saturating_sub(safety_margin(lease_duration) + renew_interval));
+        let due = (valid_until - left_at_renewal).to_tokio();
+        due.checked_sub(renew_interval)
+            .map_or(sent, |from| from.min(sent))
+    }
+
     pub(super) fn on_acquired(
         &mut self,
         lease: Lease,
@@ -649,19 +666,7 @@ impl Engine {
         sent_boot: BootInstant,
     ) {
         let valid_until = self.claim_until(&lease, sent_boot);
-        // The first renewal is due a renew interval after the call, as ever, or earlier, while
-        // as much of the claim is left as a claim counted from the call would leave it (a renew
-        // interval at most): a lease the backend counted from well before this engine's call
-        // (a PostgreSQL waiter's row, taken in its blocking statement while the engine was busy)
-        // would otherwise run out before a renewal due a renew interval after the call.
-        let (lease_duration, renew_interval) =
-            (self.config.lease_duration, self.config.renew_interval);
-        let left_at_renewal = renew_interval
-            .min(lease_duration.saturating_sub(safety_margin(lease_duration) + renew_interval));
-        let due = (valid_until - left_at_renewal).to_tokio();
-        let schedule_from = due
-            .checked_sub(renew_interval)
-            .map_or(sent, |from| from.min(sent));
+        let schedule_from = self.schedule_from(valid_until, sent);
         let token = lease.token;
         self.leave_line();
         self.phase = Phase::Held(HeldLease {
@@ -1047,8 +1052,9 @@ impl Engine {
             Call::Done(true) => {
                 self.telemetry.renewed(&self.config.name, sent.elapsed());
                 let valid_until = self.claim_until(&lease, sent_boot);
+                let schedule_from = self.schedule_from(valid_until, sent);
                 if let Some(held) = self.held_mut() {
-                    held.last_sent = sent;
+                    held.last_sent = schedule_from;
                     held.valid_until = valid_until;
                     held.retry_at = None;
                 }
