@@ -8,8 +8,13 @@ use leasehold_testkit::conformance::{
 use leasehold_testkit::{EtcdHarness, EtcdServer};
 
 fn driver(server: &EtcdServer) -> EtcdDriver {
+    driver_at(server.port())
+}
+
+/// A driver of etcd at `port` (a server's, or a fault proxy's before it).
+fn driver_at(port: u16) -> EtcdDriver {
     EtcdDriver::connect(EtcdConfig {
-        endpoints: vec![format!("127.0.0.1:{}", server.port())],
+        endpoints: vec![format!("127.0.0.1:{port}")],
         prefix: "leasehold".into(),
         user: None,
         tls: None,
@@ -432,13 +437,7 @@ async fn a_release_given_up_while_etcd_is_silent_is_done_once_it_answers() {
 
     let server = EtcdServer::start();
     let proxy = FaultProxy::start(server.port());
-    let holder = EtcdDriver::connect(EtcdConfig {
-        endpoints: vec![format!("127.0.0.1:{}", proxy.port)],
-        prefix: "leasehold".into(),
-        user: None,
-        tls: None,
-    })
-    .expect("driver");
+    let holder = driver_at(proxy.port);
     let ttl = Duration::from_secs(10);
     let take = async |lock: &str| match holder.try_acquire(lock, "a", ttl).await.unwrap() {
         Acquire::Acquired(lease) => lease,
@@ -547,13 +546,7 @@ async fn a_put_that_lands_after_its_clean_up_is_deleted_again() {
 
     let server = EtcdServer::start();
     let proxy = FaultProxy::start(server.port());
-    let holder = EtcdDriver::connect(EtcdConfig {
-        endpoints: vec![format!("127.0.0.1:{}", proxy.port)],
-        prefix: "leasehold".into(),
-        user: None,
-        tls: None,
-    })
-    .expect("driver");
+    let holder = driver_at(proxy.port);
     let ttl = Duration::from_secs(4);
     let kept = match holder.try_acquire("kept", "a", ttl).await.unwrap() {
         Acquire::Acquired(lease) => lease,

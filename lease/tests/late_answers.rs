@@ -72,6 +72,25 @@ async fn campaigning_holder(faulty: &Arc<FaultyDriver>, name: &str) -> (Lock, u6
     }
 }
 
+/// `lock` still holds `after` from now, and lost nothing meanwhile (`events`, its events since
+/// before); then it is shut down.
+async fn still_held_after(
+    lock: &Lock,
+    events: &mut tokio::sync::broadcast::Receiver<leasehold_lease::Event>,
+    after: Duration,
+) {
+    sleep(after).await;
+    assert!(
+        lock.answer().is_holder(),
+        "the lock was lost: {:?}",
+        lock.snapshot()
+    );
+    while let Ok(event) = events.try_recv() {
+        assert_ne!(event.kind, EventKind::Lost, "{event:?}");
+    }
+    lock.shutdown().await;
+}
+
 fn on_demand(driver: Arc<dyn Backend>, name: &str, identity: &str) -> Lock {
     let mut config = LockConfig::new(name, identity, LEASE);
     config.mode = Mode::OnDemand;
@@ -306,16 +325,7 @@ async fn a_lease_counted_from_before_its_acquisition_is_renewed_in_time() {
         valid_for < LEASE / 4,
         "the claim was not counted early: {valid_for:?}"
     );
-    sleep(LEASE / 2).await;
-    assert!(
-        a.answer().is_holder(),
-        "a lost the lock: {:?}",
-        a.snapshot()
-    );
-    while let Ok(event) = events.try_recv() {
-        assert_ne!(event.kind, EventKind::Lost, "{event:?}");
-    }
-    a.shutdown().await;
+    still_held_after(&a, &mut events, LEASE / 2).await;
 }
 
 /// A backend that counts every lease from before the call (a Sentinel majority's answer, a
@@ -346,16 +356,7 @@ async fn renewals_of_a_lease_counted_from_before_each_call_come_in_time() {
         assert!(started.elapsed() < Duration::from_secs(5), "a never held");
         sleep(Duration::from_millis(10)).await;
     }
-    sleep(lease * 2).await;
-    assert!(
-        a.answer().is_holder(),
-        "a lost the lock: {:?}",
-        a.snapshot()
-    );
-    while let Ok(event) = events.try_recv() {
-        assert_ne!(event.kind, EventKind::Lost, "{event:?}");
-    }
-    a.shutdown().await;
+    still_held_after(&a, &mut events, lease * 2).await;
 }
 
 /// A retired lock never releases: its lease stays in the backend until its last answer has run

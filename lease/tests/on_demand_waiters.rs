@@ -865,12 +865,8 @@ async fn zookeeper_a_writers_probes_leave_no_place_when_its_client_hangs_up() {
     a_writers_probes_leave_no_place_when_its_client_hangs_up(&server.url()).await;
 }
 
-/// A read of several keys waiting while its owner comes to write one of them: when its turn
-/// comes that key is refused (no downgrade within one call), nothing is held, and the owner's
-/// write lock keeps every acquisition it had, so that one release leaves it writing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_of_several_keys_whose_owner_came_to_write_one_leaves_the_write_lock_whole() {
-    use leasehold_lease::keyed::KeysAnswer;
+/// A read-write family of two permits on a SQLite file of its own (kept while the directory is).
+async fn sqlite_read_write_family() -> (tempfile::TempDir, KeyedFamily) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("locks.db").display());
     let family = KeyedFamily::new(
@@ -883,6 +879,16 @@ async fn a_read_of_several_keys_whose_owner_came_to_write_one_leaves_the_write_l
         Arc::new(()),
     )
     .expect("family");
+    (dir, family)
+}
+
+/// A read of several keys waiting while its owner comes to write one of them: when its turn
+/// comes that key is refused (no downgrade within one call), nothing is held, and the owner's
+/// write lock keeps every acquisition it had, so that one release leaves it writing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_several_keys_whose_owner_came_to_write_one_leaves_the_write_lock_whole() {
+    use leasehold_lease::keyed::KeysAnswer;
+    let (_dir, family) = sqlite_read_write_family().await;
     let held = |answer: KeyAnswer| matches!(answer, KeyAnswer::Held { .. });
     let wait = Duration::from_secs(10);
     assert!(held(
@@ -921,18 +927,7 @@ async fn a_read_of_several_keys_whose_owner_came_to_write_one_leaves_the_write_l
 /// write lock's "not held".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_lock_whose_hold_ran_out_leaves_the_keys_answer_to_its_readers() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-    let family = KeyedFamily::new(
-        driver(&url).await,
-        FamilyConfig {
-            permits: 2,
-            read_write: true,
-            ..FamilyConfig::new(&unique_lock("docs"), "pod-a", LEASE)
-        },
-        Arc::new(()),
-    )
-    .expect("family");
+    let (_dir, family) = sqlite_read_write_family().await;
     let held = |answer: KeyAnswer| matches!(answer, KeyAnswer::Held { .. });
     let hold = Duration::from_millis(300);
     assert!(held(

@@ -194,11 +194,7 @@ async fn mariadb_gets_its_lock_table() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_that_refuses_config_is_still_checked_for_eviction() {
     let server = RedisServer::start();
-    let mut conn = redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut conn = server.admin().await;
     for command in [
         vec!["CONFIG", "SET", "maxmemory-policy", "volatile-lru"],
         vec![
@@ -225,11 +221,7 @@ async fn redis_that_refuses_config_is_still_checked_for_eviction() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_that_may_evict_lock_keys_is_ready_with_a_warning() {
     let server = RedisServer::start();
-    let mut conn = redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut conn = server.admin().await;
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("maxmemory-policy")
