@@ -219,6 +219,12 @@ async fn a_locks_hold_that_ran_out_during_a_late_renewal_is_not_held() {
         Answer::NotHolder,
         "the hold ran out, yet the lock answers {answer:?}"
     );
+    // Its claim stands until the lease is let go: an acquisition meanwhile takes it again.
+    let again = lock
+        .acquire(Duration::ZERO, Duration::from_secs(5))
+        .await
+        .expect("acquire again");
+    assert!(again.is_holder(), "taken again: {again:?}");
     lock.shutdown().await;
 }
 
@@ -336,15 +342,15 @@ async fn a_lease_counted_from_before_its_acquisition_is_renewed_in_time() {
 async fn renewals_of_a_lease_counted_from_before_each_call_come_in_time() {
     let (_harness, faulty) = late_sqlite().await;
     let name = unique_lock("counted");
-    let lease = Duration::from_secs(3);
-    // Each claim: 3 s less the margin, counted 1.3 s before its call: 1.6 s, under the 1.8 s
+    let lease = Duration::from_secs(6);
+    // Each claim: 6 s less the margin, counted 2.6 s before its call: 3.3 s, under the 3.6 s
     // renew interval.
-    faulty.count_every_call_earlier(Duration::from_millis(1300));
+    faulty.count_every_call_earlier(Duration::from_millis(2600));
     let a = Lock::start(
         faulty.clone(),
         LockConfig {
             mode: Mode::Campaign,
-            renew_interval: Duration::from_millis(1800),
+            renew_interval: Duration::from_millis(3600),
             ..LockConfig::new(&name, "a", lease)
         },
         Arc::new(()),
@@ -356,7 +362,34 @@ async fn renewals_of_a_lease_counted_from_before_each_call_come_in_time() {
         assert!(started.elapsed() < Duration::from_secs(5), "a never held");
         sleep(Duration::from_millis(10)).await;
     }
-    still_held_after(&a, &mut events, lease * 2).await;
+    still_held_after(&a, &mut events, lease).await;
+}
+
+/// A backend that dates every call back nearly a whole lease leaves each claim too short to
+/// renew in time: the lock is renewed at most every quarter of a renew interval, not asked
+/// again at once over and over, and loses its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_too_short_to_renew_are_not_renewed_over_and_over() {
+    let (_harness, faulty) = late_sqlite().await;
+    let lease = Duration::from_secs(6);
+    faulty.count_every_call_earlier(Duration::from_millis(5500));
+    let a = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            mode: Mode::Campaign,
+            renew_interval: Duration::from_secs(2),
+            ..LockConfig::new(&unique_lock("short"), "a", lease)
+        },
+        Arc::new(()),
+    )
+    .expect("lock");
+    sleep(Duration::from_secs(2)).await;
+    let renewals = faulty.renewals();
+    assert!(
+        renewals <= 6,
+        "{renewals} renewals in 2 s, at most one per half second"
+    );
+    a.shutdown().await;
 }
 
 /// A retired lock never releases: its lease stays in the backend until its last answer has run

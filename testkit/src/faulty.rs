@@ -24,6 +24,8 @@ pub struct FaultyDriver {
     counted_earlier_ms: AtomicU64,
     /// Every acquisition and renewal counted from this much before its call was sent.
     all_counted_earlier_ms: AtomicU64,
+    /// How many renewals the backend was asked for.
+    renewals: AtomicU64,
     /// How many times a change feed was asked for (a waiter's subscription).
     subscriptions: AtomicU64,
     /// The leases counted early (lock, token) and not renewed since.
@@ -52,6 +54,7 @@ impl FaultyDriver {
             response_delay_ms: AtomicU64::new(0),
             counted_earlier_ms: AtomicU64::new(0),
             all_counted_earlier_ms: AtomicU64::new(0),
+            renewals: AtomicU64::new(0),
             subscriptions: AtomicU64::new(0),
             counted_early: Mutex::new(HashSet::new()),
             answered: Mutex::new(HashMap::new()),
@@ -180,6 +183,11 @@ impl FaultyDriver {
             .store(by.as_millis() as u64, Ordering::SeqCst);
     }
 
+    /// How many renewals the backend has been asked for.
+    pub fn renewals(&self) -> u64 {
+        self.renewals.load(Ordering::SeqCst)
+    }
+
     fn counted_early(&self) -> std::sync::MutexGuard<'_, HashSet<(String, u64)>> {
         self.counted_early.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -233,6 +241,7 @@ impl Driver for FaultyDriver {
             std::future::pending::<()>().await;
         }
         self.unless_cut_off().await;
+        self.renewals.fetch_add(1, Ordering::SeqCst);
         let outcome = self.inner.renew(lease, ttl).await;
         let stall = self.renewal_answer_stall_ms.swap(0, Ordering::SeqCst);
         if stall > 0 {

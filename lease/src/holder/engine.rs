@@ -654,8 +654,14 @@ impl Engine {
         let left_at_renewal = renew_interval
             .min(lease_duration.saturating_sub(safety_margin(lease_duration) + renew_interval));
         let due = (valid_until - left_at_renewal).to_tokio();
-        due.checked_sub(renew_interval)
-            .map_or(sent, |from| from.min(sent))
+        let from = due
+            .checked_sub(renew_interval)
+            .map_or(sent, |from| from.min(sent));
+        // Never due sooner than a quarter of a renew interval after the call: a backend that
+        // dates every call far enough back would otherwise be asked again at once, over and
+        // over. Its claim then runs out before the renewal, and the lease is lost.
+        sent.checked_sub(renew_interval * 3 / 4)
+            .map_or(from, |earliest| from.max(earliest))
     }
 
     pub(super) fn on_acquired(
@@ -789,9 +795,8 @@ impl Engine {
                     // (one that hung up while this command waited for a busy engine would keep
                     // the lock for its hold, for nobody). While the backend cannot confirm the
                     // lease, answer "unknown" at once and count nothing.
-                    if answer.is_holder()
-                        && let Some(held) = self.held_mut()
-                    {
+                    let claim_stands = self.state.borrow().claim_stands_at(BootInstant::now());
+                    if claim_stands && let Some(held) = self.held_mut() {
                         // Counted before the answer goes out, so that the caller reads the
                         // new count; taken back if nobody was there to get it, hold and all
                         // (the pod's state, which `GET /lock` shows, is the pod's apps' to end

@@ -363,6 +363,18 @@ impl Snapshot {
         }
     }
 
+    /// Whether the claim stands at `now`, whatever the hold: the backend reached, and the lease
+    /// held within its claim. A hold that ran out a moment ago, its lease not let go yet, may be
+    /// taken again on it.
+    pub fn claim_stands_at(&self, now: BootInstant) -> bool {
+        self.contacted
+            && self.backend_error.is_none()
+            && self
+                .held
+                .as_ref()
+                .is_some_and(|held| now < held.valid_until)
+    }
+
     pub fn answer(&self) -> Answer {
         self.answer_at(BootInstant::now())
     }
