@@ -149,6 +149,9 @@ const LATE_CREATE_WINDOW: Duration = Duration::from_secs(60);
 struct Orphan {
     path: String,
     may_land_until: Option<Instant>,
+    /// Looked for and deleted at least once: what is left is the sweep's watch for a late
+    /// landing, which the calls that reach the server do not wait for.
+    looked: bool,
 }
 
 /// Delete the orphans every [`ORPHAN_SWEEP`] on the session in use, for as long as the driver
@@ -169,7 +172,7 @@ async fn sweep_orphans(shared: Weak<Shared>) {
         }
         let current = shared.session.lock().await.clone();
         if let Some(session) = current.filter(|s| !s.client.state().is_terminated()) {
-            shared.delete_orphans(&session.client).await;
+            shared.delete_orphans(&session.client, true).await;
         }
     }
 }
@@ -598,16 +601,34 @@ impl Shared {
             .push(Orphan {
                 path,
                 may_land_until,
+                looked: false,
             });
+    }
+
+    /// Whether an orphan waits for its first deletion (not only the sweep's watch for a late
+    /// landing).
+    fn orphans_pending(&self) -> bool {
+        self.orphans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|orphan| !orphan.looked)
     }
 
     /// Delete the nodes this process gave up or may have created unawares. A protected prefix
     /// is looked for after a `sync` (the create may have been forwarded by a server that the
     /// one answering has not heard from yet), and again at each sweep until its create can no
     /// longer land: its name is this process's alone, so whatever holds it is that create.
-    async fn delete_orphans(&self, client: &zk::Client) {
+    async fn delete_orphans(&self, client: &zk::Client, watch_late_landings: bool) {
         let orphans = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|e| e.into_inner()));
-        for orphan in orphans {
+        for mut orphan in orphans {
+            if orphan.looked && !watch_late_landings {
+                self.orphans
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(orphan);
+                continue;
+            }
             let deleted = if orphan.path.ends_with(LOCK_NAME) {
                 let (parent, name) = orphan.path.rsplit_once('/').unwrap_or_default();
                 let listed = match client.sync(parent).await {
@@ -638,6 +659,7 @@ impl Shared {
             let may_land = orphan
                 .may_land_until
                 .is_some_and(|until| until > Instant::now());
+            orphan.looked |= deleted;
             if !deleted || may_land {
                 self.orphans
                     .lock()
@@ -850,7 +872,7 @@ impl Shared {
     /// its own meanwhile.
     async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
         let session = self.any_session().await?;
-        self.delete_orphans(&session.client).await;
+        self.delete_orphans(&session.client, false).await;
         let queue = self.queue(&session.client, lock).await?;
         let Some((_, name)) = queue.first() else {
             return Ok(None);
@@ -1085,13 +1107,7 @@ impl ZooKeeperDriver {
         ttl: Duration,
     ) -> Option<Option<Holding>> {
         let connected = session.client.state() == zk::SessionState::SyncConnected;
-        let no_orphans = self
-            .shared
-            .orphans
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty();
-        if connected && no_orphans {
+        if connected && !self.shared.orphans_pending() {
             entry.slot.quiet_wait(now, ttl)
         } else {
             None
@@ -1168,7 +1184,7 @@ impl Driver for ZooKeeperDriver {
             entry.slot.abort_tasks();
             return Ok(Acquire::Busy(None));
         }
-        self.shared.delete_orphans(&session.client).await;
+        self.shared.delete_orphans(&session.client, false).await;
         // Through the leader first: a follower cut off from it lists a queue the leader may
         // already have moved on from (see `Session::counted_from`).
         let synced = BootInstant::now();
