@@ -541,7 +541,7 @@ async fn an_unknown_key_of_an_idle_drivers_session_is_cleared_when_it_observes()
 async fn a_put_that_lands_after_its_clean_up_is_deleted_again() {
     use leasehold_lease::drivers::queue::etcd_rpc::{PutRequest, RangeRequest};
     use leasehold_lease::{Acquire, Driver};
-    use leasehold_testkit::{FaultProxy, free_port};
+    use leasehold_testkit::FaultProxy;
     use std::time::{Duration, Instant};
 
     let server = EtcdServer::start();
@@ -552,8 +552,16 @@ async fn a_put_that_lands_after_its_clean_up_is_deleted_again() {
         Acquire::Acquired(lease) => lease,
         busy => panic!("kept: {busy:?}"),
     };
-    // The server behind the address goes away: the put and its clean-up delete both fail.
-    proxy.redirect(free_port());
+    // The server behind the address goes away (a listener that closes every connection it
+    // accepts takes its place): the put and its clean-up delete both fail.
+    let closing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closing_port = closing.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for connection in closing.incoming() {
+            drop(connection);
+        }
+    });
+    proxy.redirect(closing_port);
     assert!(
         holder.try_acquire("late", "a", ttl).await.is_err(),
         "an acquisition with no server behind the address answered"

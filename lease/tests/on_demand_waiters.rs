@@ -899,7 +899,9 @@ async fn a_read_of_several_keys_whose_owner_came_to_write_one_leaves_the_write_l
         let keys = vec!["a".to_owned(), "b".to_owned()];
         tokio::spawn(async move { family.acquire_all_read(&keys, "o", wait, HOLD).await })
     };
-    sleep(Duration::from_millis(300)).await;
+    // Waiting for a by now, past its check of the keys the owner writes.
+    sleep(Duration::from_secs(1)).await;
+    assert!(!reading.is_finished(), "the read did not wait for a");
     for _ in 0..2 {
         assert!(held(
             family.acquire_write("b", "o", wait, HOLD).await.unwrap()
