@@ -1277,11 +1277,10 @@ impl Driver for ZooKeeperDriver {
     }
 
     /// ZooKeeper's leader counts a session from the last sign of life a follower relayed to it,
-    /// which may be older than the request that renewed.
-    /// A place gone since its answer (its session ended meanwhile) has no sign of life to count
-    /// from: its claim is counted from a day before the call (from the boot, on a host up for
-    /// less), so it is none, or on a host up for less than a lease shorter than one counted
-    /// from the call.
+    /// which may be older than the request that renewed. A place gone since its answer (its
+    /// session ended meanwhile) has none to count from: its claim is counted from a day before
+    /// the call, so it is none (on a host up for less than a day, from the boot: a claim only on
+    /// a host up for less than a lease, and never longer than one counted from the call).
     fn counted_from(&self, lease: &Lease, sent: BootInstant) -> BootInstant {
         match self.held(lease) {
             Some(entry) => entry
