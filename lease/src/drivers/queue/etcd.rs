@@ -42,14 +42,15 @@ use async_trait::async_trait;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
+use crate::driver::{Acquire, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batch, Batches, Gather, answer_all};
+use crate::drivers::queue::Lines;
 use crate::drivers::queue::etcd_rpc::{
     Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
     RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
-use crate::drivers::queue::places::{Joined, Place, Places};
-use crate::drivers::queue::slot::{AttemptTurn, Attempts, QueueSlot};
+use crate::drivers::queue::places::{Joined, Place};
+use crate::drivers::queue::slot::{AttemptTurn, QueueSlot};
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -195,16 +196,12 @@ struct Orphan {
 struct Shared {
     config: EtcdConfig,
     client: OnceCell<EtcdClient>,
-    entries: Places<Key>,
+    lines: Lines<Key>,
     /// This process's etcd leases, by their TTL in seconds; granted on first use.
     sessions: tokio::sync::Mutex<HashMap<i64, Arc<Session>>>,
     orphans: Mutex<Vec<Orphan>>,
     /// Numbers this process's keys, so that a key is never put twice under one name.
     keys_put: AtomicU64,
-    /// One acquisition of a lock at a time ([`Attempts`]).
-    attempts: Attempts,
-    releases: ChangeFeeds,
-    wakeups: AtomicU64,
 }
 
 pub struct EtcdDriver {
@@ -295,7 +292,7 @@ async fn check_keys(batch: Batch<KeyCheck, Result<Checked>>) {
 
 impl Drop for EtcdDriver {
     fn drop(&mut self) {
-        self.shared.entries.abort_all();
+        self.shared.lines.places.abort_all();
     }
 }
 
@@ -321,12 +318,8 @@ fn ttl_seconds(ttl: Duration) -> i64 {
 impl super::Transport for Shared {
     type Own = Key;
 
-    fn places(&self) -> &Places<Key> {
-        &self.entries
-    }
-
-    fn releases(&self) -> &ChangeFeeds {
-        &self.releases
+    fn lines(&self) -> &Lines<Key> {
+        &self.lines
     }
 
     async fn leave_line(&self, entry: &Entry) {
@@ -485,7 +478,7 @@ impl Shared {
     }
 
     fn forget(&self, entry: &Entry) {
-        self.entries.forget(entry);
+        self.lines.places.forget(entry);
     }
 
     /// A key name for a new place in `lock`'s queue under the session `session`, never put
@@ -583,14 +576,14 @@ impl Shared {
             entry.session.granted * ABANDONED_AFTER_TTLS,
         ));
         entry.slot.set_tender(task);
-        match self.entries.joined(entry.clone(), |_| false) {
+        match self.lines.places.joined(entry.clone(), |_| false) {
             Joined::Put { place, .. } => Ok((place, position)),
             // The wait was given up while the key was put: it leaves the queue at once rather
             // than stand in it, unasked, for three leases.
             Joined::Abandoned(surplus) | Joined::Kept { surplus, .. } => {
                 surplus.slot.abort_tasks();
                 self.leave(&surplus).await;
-                self.releases.bump(lock);
+                self.lines.releases.bump(lock);
                 let position = Position {
                     queued: false,
                     ..position
@@ -672,8 +665,8 @@ impl Shared {
                     tracing::debug!(error = %e, "etcd watch ended");
                 }
                 fired.fire();
-                shared.wakeups.fetch_add(1, Ordering::Relaxed);
-                shared.releases.bump(&lock);
+                shared.lines.wakeups.fetch_add(1, Ordering::Relaxed);
+                shared.lines.releases.bump(&lock);
             })
         });
         Ok(())
@@ -717,7 +710,8 @@ impl Shared {
             return Ok(false);
         }
         let known = self
-            .entries
+            .lines
+            .places
             .get(lock)
             .is_some_and(|entry| entry.key.as_bytes() == first.key.as_slice());
         if known {
@@ -846,13 +840,10 @@ impl EtcdDriver {
             shared: Arc::new(Shared {
                 config,
                 client: OnceCell::new(),
-                entries: Places::new(),
+                lines: Lines::default(),
                 sessions: tokio::sync::Mutex::new(HashMap::new()),
                 orphans: Mutex::new(Vec::new()),
                 keys_put: AtomicU64::new(0),
-                attempts: Attempts::default(),
-                releases: ChangeFeeds::default(),
-                wakeups: AtomicU64::new(0),
             }),
             checks: Batches::new(MAX_CHECK_BATCH, check_keys),
         })
@@ -860,15 +851,15 @@ impl EtcdDriver {
 
     /// How many times a watched predecessor went away (or its watch broke) and woke a waiter.
     pub fn wakeups(&self) -> u64 {
-        self.shared.wakeups.load(Ordering::Relaxed)
+        self.shared.lines.wakeups.load(Ordering::Relaxed)
     }
 
     fn entry(&self, lock: &str) -> Option<Arc<Entry>> {
-        self.shared.entries.get(lock)
+        self.shared.lines.places.get(lock)
     }
 
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
-        self.shared.entries.holding(lease)
+        self.shared.lines.places.holding(lease)
     }
 
     /// A key put in `lock`'s queue for `identity` (after `leaving`, its old one, is left), its
@@ -901,7 +892,7 @@ impl Driver for EtcdDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        let mut turn = self.shared.attempts.turn(lock).await;
+        let mut turn = self.shared.lines.attempts.turn(lock).await;
         let sent = Instant::now();
         // A key queued by this call has its position read with the put.
         let (entry, position) = match self.entry(lock) {
@@ -1016,12 +1007,12 @@ impl Driver for EtcdDriver {
             .delete_key(&entry.key, Some(entry.token))
             .await?;
         self.shared.adopted(&entry.key, entry.token);
-        self.shared.releases.bump(&lease.lock);
+        self.shared.lines.releases.bump(&lease.lock);
         Ok(true)
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let _turn = self.shared.attempts.turn(lock).await;
+        let _turn = self.shared.lines.attempts.turn(lock).await;
         self.shared.first_in_line(lock, true).await
     }
 

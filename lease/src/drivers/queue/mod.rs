@@ -12,6 +12,7 @@ mod urls;
 pub mod zookeeper;
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -19,15 +20,37 @@ use tokio::time::Instant;
 use crate::driver::ChangeFeeds;
 use crate::error::{Error, Result};
 use places::{Place, Places};
-use slot::{AttemptTurn, Expiry};
+use slot::{AttemptTurn, Attempts, Expiry};
+
+/// What this process keeps of the lines it stands in, the same on both transports.
+pub(crate) struct Lines<Own> {
+    /// This process's places, by lock.
+    pub(crate) places: Places<Own>,
+    /// One acquisition of a lock at a time ([`Attempts`]).
+    pub(crate) attempts: Attempts,
+    /// Bumped when a lock's line moves (a place left or released), waking its waiters.
+    pub(crate) releases: ChangeFeeds,
+    /// How many times a watch on the place ahead fired (the conformance suite's evidence that
+    /// waiters are woken, not polling).
+    pub(crate) wakeups: AtomicU64,
+}
+
+impl<Own> Default for Lines<Own> {
+    fn default() -> Self {
+        Self {
+            places: Places::new(),
+            attempts: Attempts::default(),
+            releases: ChangeFeeds::default(),
+            wakeups: AtomicU64::new(0),
+        }
+    }
+}
 
 /// What a transport gives the driver calls that are the same on both.
 pub(crate) trait Transport: Send + Sync {
     /// The transport's own part of a place.
     type Own: Send + Sync + 'static;
-    fn places(&self) -> &Places<Self::Own>;
-    /// Bumped when a lock's line moves (a place left or released), waking its waiters.
-    fn releases(&self) -> &ChangeFeeds;
+    fn lines(&self) -> &Lines<Self::Own>;
     /// Takes `place` out of its line (forgotten here, deleted on the server, or left to be
     /// deleted once the server answers again).
     fn leave_line(&self, place: &Place<Self::Own>) -> impl Future<Output = ()> + Send;
@@ -56,7 +79,7 @@ pub(crate) async fn tend<T: Transport>(
             return;
         }
         if transport.line_gone(&place) {
-            transport.places().forget(&place);
+            transport.lines().places.forget(&place);
             return;
         }
         match slot.asked() {
@@ -69,7 +92,7 @@ pub(crate) async fn tend<T: Transport>(
                         // Unless an acquisition claimed the place meanwhile: then guard it.
                         if still_waiting && slot.leave_if_waiting() {
                             Box::pin(transport.leave_line(&place)).await;
-                            transport.releases().bump(&place.lock);
+                            transport.lines().releases.bump(&place.lock);
                             return;
                         }
                     }
@@ -80,7 +103,7 @@ pub(crate) async fn tend<T: Transport>(
             None => match slot.wait_expiry().await {
                 Expiry::Passed => {
                     Box::pin(transport.leave_line(&place)).await;
-                    transport.releases().bump(&place.lock);
+                    transport.lines().releases.bump(&place.lock);
                     return;
                 }
                 Expiry::Moved => {}
@@ -106,12 +129,12 @@ where
     T: Transport + 'static,
     R: Send + 'static,
 {
-    transport.places().joining(lock, identity);
+    transport.lines().places.joining(lock, identity);
     let (transport, lock) = (transport.clone(), lock.to_owned());
     let (put, turn) = tokio::spawn(async move {
         let put = put.await;
         if put.is_err() {
-            transport.places().not_joined(&lock);
+            transport.lines().places.not_joined(&lock);
         }
         (put, turn)
     })
@@ -126,11 +149,11 @@ pub(crate) async fn abandon<T: Transport>(transport: &T, lock: &str, identity: &
     // Without the lock's attempt turn, which the engine's own late attempt may hold while it
     // calls this: the place's own state decides whether the attempt claimed first. A place
     // still being put is marked and leaves once put.
-    if let Some(place) = transport.places().abandoned(lock, identity) {
+    if let Some(place) = transport.lines().places.abandoned(lock, identity) {
         transport.leave_line(&place).await;
         place.slot.abort_tasks();
         // The one behind may be first now.
-        transport.releases().bump(lock);
+        transport.lines().releases.bump(lock);
     }
 }
 
@@ -146,7 +169,7 @@ macro_rules! fair_queue_hints {
 
         fn changes(&self, lock: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
             use super::Transport;
-            Some(self.shared.releases().subscribe(lock))
+            Some(self.shared.lines().releases.subscribe(lock))
         }
 
         fn poll_interval(&self, renew_interval: std::time::Duration) -> std::time::Duration {

@@ -25,7 +25,7 @@
 //!   and a frozen process loses its session to the server's timeout.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -35,10 +35,11 @@ use tokio::time::Instant;
 use zookeeper_client as zk;
 
 use crate::boot_clock::BootInstant;
-use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
+use crate::driver::{Acquire, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batches, Pending};
-use crate::drivers::queue::places::{Joined, Place, Places};
-use crate::drivers::queue::slot::{Attempts, QueueSlot};
+use crate::drivers::queue::Lines;
+use crate::drivers::queue::places::{Joined, Place};
+use crate::drivers::queue::slot::QueueSlot;
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
@@ -248,14 +249,10 @@ struct Shared {
     /// The TLS settings of `config`, their PEM documents read at start.
     tls: Option<zk::TlsOptions>,
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
-    entries: Places<Node>,
+    lines: Lines<Node>,
     /// Places being created: each on the session current when it was asked for, which is
     /// not replaced meanwhile (a place's node lives and dies with its session).
     creating: AtomicUsize,
-    /// One acquisition of a lock at a time ([`Attempts`]).
-    attempts: Attempts,
-    releases: ChangeFeeds,
-    wakeups: AtomicU64,
     provisioned: OnceCell<()>,
     /// Nodes this process gave up while ZooKeeper was unreachable. The library keeps the
     /// session alive across a reconnect, so they would stay first in line forever: they are
@@ -378,7 +375,7 @@ async fn read_nodes(
 
 impl Drop for ZooKeeperDriver {
     fn drop(&mut self) {
-        self.shared.entries.abort_all();
+        self.shared.lines.places.abort_all();
     }
 }
 
@@ -407,12 +404,8 @@ fn sequence_of(name: &str) -> Option<i64> {
 impl super::Transport for Shared {
     type Own = Node;
 
-    fn places(&self) -> &Places<Node> {
-        &self.entries
-    }
-
-    fn releases(&self) -> &ChangeFeeds {
-        &self.releases
+    fn lines(&self) -> &Lines<Node> {
+        &self.lines
     }
 
     /// A node that could not be deleted is left to the orphans' clean-up.
@@ -461,7 +454,7 @@ impl Shared {
         if let Some(current) = session.as_ref() {
             if !current.client.state().is_terminated() {
                 let has_nodes =
-                    !self.entries.is_empty() || self.creating.load(Ordering::SeqCst) > 0;
+                    !self.lines.places.is_empty() || self.creating.load(Ordering::SeqCst) > 0;
                 if current.requested == lease || (has_nodes && lease <= current.timeout) {
                     return Ok(current.clone());
                 }
@@ -476,7 +469,7 @@ impl Shared {
                 }
             } else {
                 // Expired or closed: its nodes are gone with it; so are this driver's places.
-                self.entries.drop_all();
+                self.lines.places.drop_all();
             }
         }
         let opened = BootInstant::now();
@@ -559,7 +552,7 @@ impl Shared {
     }
 
     fn forget(&self, entry: &Entry) {
-        if self.entries.forget(entry) {
+        if self.lines.places.forget(entry) {
             // Nobody here waits for the lock any more: its holder needs no remembering.
             self.holders
                 .lock()
@@ -779,7 +772,7 @@ impl Shared {
         // client, and they all land once it reconnects: this process keeps its earliest place
         // (or the one it holds) and leaves the others, which it would otherwise no longer know
         // of while they stood ahead of the place it watches.
-        let placed = self.entries.joined(entry.clone(), |present| {
+        let placed = self.lines.places.joined(entry.clone(), |present| {
             present.slot.holding() || present.sequence < entry.sequence
         });
         let (kept, surplus) = match placed {
@@ -790,7 +783,7 @@ impl Shared {
             Joined::Abandoned(place) => {
                 place.slot.abort_tasks();
                 let _ = self.leave(&place).await;
-                self.releases.bump(lock);
+                self.lines.releases.bump(lock);
                 return Ok(place);
             }
         };
@@ -906,7 +899,8 @@ impl Shared {
         }
         let path = format!("{}/{name}", self.parent(lock));
         let known = self
-            .entries
+            .lines
+            .places
             .get(lock)
             .is_some_and(|entry| entry.path == path);
         if known {
@@ -949,8 +943,8 @@ impl Shared {
                     Err(e) => tracing::debug!(error = %e, "zookeeper watch failed"),
                 }
                 fired.fire();
-                shared.wakeups.fetch_add(1, Ordering::Relaxed);
-                shared.releases.bump(&lock);
+                shared.lines.wakeups.fetch_add(1, Ordering::Relaxed);
+                shared.lines.releases.bump(&lock);
             })
         });
     }
@@ -998,11 +992,8 @@ impl ZooKeeperDriver {
                 config,
                 tls,
                 session: tokio::sync::Mutex::new(None),
-                entries: Places::new(),
+                lines: Lines::default(),
                 creating: AtomicUsize::new(0),
-                attempts: Attempts::default(),
-                releases: ChangeFeeds::default(),
-                wakeups: AtomicU64::new(0),
                 provisioned: OnceCell::new(),
                 orphans: Mutex::new(Vec::new()),
                 holders: Mutex::new(HashMap::new()),
@@ -1019,7 +1010,7 @@ impl ZooKeeperDriver {
 
     /// How many times a watched predecessor went away (or its watch failed) and woke a waiter.
     pub fn wakeups(&self) -> u64 {
-        self.shared.wakeups.load(Ordering::Relaxed)
+        self.shared.lines.wakeups.load(Ordering::Relaxed)
     }
 
     /// For tests: from now on, each place is created once its session is chosen and a permit
@@ -1094,7 +1085,7 @@ impl ZooKeeperDriver {
     }
 
     fn entry(&self, lock: &str) -> Option<Arc<Entry>> {
-        self.shared.entries.get(lock)
+        self.shared.lines.places.get(lock)
     }
 
     /// A waiter further back answered without a request (see `queue::slot`), while `session` is
@@ -1115,7 +1106,7 @@ impl ZooKeeperDriver {
     }
 
     fn held(&self, lease: &Lease) -> Option<Arc<Entry>> {
-        self.shared.entries.holding(lease)
+        self.shared.lines.places.holding(lease)
     }
 }
 
@@ -1147,7 +1138,7 @@ impl Driver for ZooKeeperDriver {
                 ),
             });
         }
-        let mut turn = self.shared.attempts.turn(lock).await;
+        let mut turn = self.shared.lines.attempts.turn(lock).await;
         // Opening a session first, when needed, must not eat into the lease measured below.
         let current = self.shared.session(ttl).await?;
         let sent = Instant::now();
@@ -1299,7 +1290,7 @@ impl Driver for ZooKeeperDriver {
         entry.slot.abort_tasks();
         let released = self.shared.leave(&entry).await?;
         if released {
-            self.shared.releases.bump(&lease.lock);
+            self.shared.lines.releases.bump(&lease.lock);
         }
         Ok(released)
     }
@@ -1307,7 +1298,7 @@ impl Driver for ZooKeeperDriver {
     /// An idle engine observes every renew interval: its driver's unknown places are cleared
     /// here too, not only when it tries to acquire.
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let _turn = self.shared.attempts.turn(lock).await;
+        let _turn = self.shared.lines.attempts.turn(lock).await;
         self.shared.first_in_line(lock, true).await
     }
 
