@@ -94,9 +94,10 @@ pub async fn follow(
             changes.borrow_and_update();
             changes
         });
-        let period = running.as_ref().map_or(NOT_RUNNING_CHECK, |l| {
-            l.config().renew_interval.min(NOT_RUNNING_CHECK)
-        });
+        // A running lock's own changes wake the task; otherwise it looks again at each renewal.
+        let period = running
+            .as_ref()
+            .map_or(NOT_RUNNING_CHECK, |l| l.config().renew_interval);
         let holding = running.filter(|l| on && l.answer().is_holder());
         let mut failed = false;
         if let Some(holding) = &holding {

@@ -343,3 +343,40 @@ fn on_a_lock_of_two_permits_both_holders_carry_the_label() {
         },
     );
 }
+
+/// A holder renewing every few seconds reads the pods at its renewals too: two lists (the
+/// one-lock label's and the lock's own) at each, not every second. A namespace of many labelled
+/// locks would otherwise list its pods several times a second for each.
+#[test]
+fn a_holder_with_a_long_renew_interval_reads_the_pods_at_its_renewals() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("labelled-slow");
+    let renew = Duration::from_secs(4);
+    let cluster = Cluster::start(
+        &lock,
+        json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+            "leaseDuration": "12s", "renewInterval": "4s", "holderLabel": true,
+            "cleanupPolicy": "Delete",
+        }),
+    );
+    cluster.api.put(PODS, pod("pod-0", &lock));
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let sidecar = Sidecar::start_from_resource("pod-0", &cluster.resource(), &env);
+    eventually(Duration::from_secs(15), "the holder is labelled", || {
+        sidecar.is_holder() && labelled(&cluster.api) == ["pod-0"]
+    });
+    let reads_before = pod_reads(&cluster.api);
+    let watched = 3 * renew;
+    std::thread::sleep(watched);
+    let reads = pod_reads(&cluster.api) - reads_before;
+    // Three renew intervals: a pass at each of up to four renewals, and one more for a renewal
+    // that came early, of two lists each (a pass a second would make about 24).
+    assert!(
+        reads <= 10,
+        "{reads} reads of pods in {watched:?} at a renew interval of {renew:?}; the holder's log:\n{}",
+        sidecar.log()
+    );
+    assert_eq!(labelled(&cluster.api), ["pod-0"]);
+}
