@@ -269,6 +269,50 @@ fn a_lease_the_backend_no_longer_has_stops_the_group_at_once() {
     );
 }
 
+/// The grace after SIGTERM is the claim's to give: a lease the backend turns out no longer to
+/// have, learned while the group is being stopped (the backend reached again), ends the grace
+/// at once, since another may hold the lock already.
+#[test]
+fn a_lease_found_gone_during_the_grace_ends_the_grace() {
+    let redis = RedisServer::start_with(true);
+    let proxy = FaultProxy::start(redis.port());
+    let mut command = exec("jobs", &format!("redis://127.0.0.1:{}", proxy.port));
+    // A renewal a second: the claim ends 8 to 9 s after the cut, and the grace of 6 s begins
+    // 1.75 to 2.75 s after it.
+    command.args([
+        "--lease-duration",
+        "9s",
+        "--renew-interval",
+        "1s",
+        "--kill-grace",
+        "6s",
+    ]);
+    let (child, pids, _dir) = stubborn_group_of(command);
+    let cut = Instant::now();
+    proxy.cut();
+    // Gone from the backend (as after a force-release, or a server that lost its data), so
+    // another may take the lock at once.
+    assert_eq!(redis_del(redis.port(), "leasehold:{jobs}:lease"), ":1");
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(cut.elapsed()));
+    assert!(!pids.dead(), "the group ignores SIGTERM");
+    proxy.restore();
+    let restored = Instant::now();
+    // The next renewal finds the lease gone; waiting out the grace would take 4.75 s more.
+    wait_for(
+        "the background processes to be killed once the lease is found gone",
+        Duration::from_secs(15),
+        || pids.dead(),
+    );
+    let killed_after = restored.elapsed();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(75), "{stderr}");
+    assert!(
+        killed_after < Duration::from_secs(3),
+        "the group was killed {killed_after:?} after the backend answered again, at the end of its grace: {stderr}"
+    );
+}
+
 #[test]
 fn what_the_command_leaves_running_is_stopped_before_the_lock_is_released() {
     let dir = tempfile::tempdir().unwrap();

@@ -583,7 +583,7 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
         Outcome::Exited(_) if std::fs::metadata("/proc/self/stat").is_ok() => Duration::ZERO,
         _ => args.kill_grace,
     };
-    let group = stop_group(&mut child, command, grace, claim_end).await;
+    let group = stop_group(&mut child, command, grace, claim_end, &mut claims, holding).await;
     let status = match outcome {
         Outcome::Exited(status) => exit_status(status),
         Outcome::Ended(status) => status,
@@ -813,13 +813,16 @@ fn reap_any() {
 }
 
 /// Stops what runs of the command: SIGTERM, then SIGKILL after `grace`, or sooner so that it
-/// goes out [`KILL_MARGIN`] before `claim_end` (at once when the claim is gone: another may
-/// hold the lock already).
+/// goes out [`KILL_MARGIN`] before `claim_end`, and at once when the claim is gone (another may
+/// hold the lock already), also when `claims` learns so during the grace (the backend,
+/// reached again, no longer has the lease).
 async fn stop_group(
     child: &mut tokio::process::Child,
     command: CommandProcesses,
     grace: Duration,
     claim_end: Option<BootInstant>,
+    claims: &mut Claims,
+    holding: (u32, u64),
 ) -> Group {
     let left = claim_end.map_or(Duration::ZERO, |end| {
         end.saturating_duration_since(BootInstant::now())
@@ -833,7 +836,8 @@ async fn stop_group(
         };
         command.reap_and_find(keeper)
     };
-    match stop_processes(find, Some(command.pgid), grace.min(left)).await {
+    let claim_gone = || claims.current().is_none_or(|(held, _)| held != holding);
+    match stop_processes(find, Some(command.pgid), grace.min(left), claim_gone).await {
         Stopped::Gone => Group::Gone,
         Stopped::Survived => Group::Survived { command },
     }
@@ -847,13 +851,15 @@ enum Stopped {
     Survived,
 }
 
-/// SIGTERM to every process `find` finds, then, from `kill_after` on, SIGKILL to each once,
-/// looking again every [`GROUP_POLL`]: a process handed down as its parent dies gets the same.
-/// `find` is `None` without `/proc`: then `group`, when given, stands for all of them.
+/// SIGTERM to every process `find` finds, then, from `kill_after` on or from when `kill_now`
+/// says so, SIGKILL to each once, looking again every [`GROUP_POLL`]: a process handed down as
+/// its parent dies gets the same. `find` is `None` without `/proc`: then `group`, when given,
+/// stands for all of them.
 async fn stop_processes(
     mut find: impl FnMut() -> Option<Vec<Pid>>,
     group: Option<Pid>,
     kill_after: Duration,
+    mut kill_now: impl FnMut() -> bool,
 ) -> Stopped {
     let started = Instant::now();
     let mut termed: std::collections::HashSet<Pid> = std::collections::HashSet::new();
@@ -861,7 +867,7 @@ async fn stop_processes(
     let mut killing_since: Option<Instant> = None;
     let (mut empty_reads, mut settled_reads) = (0, 0);
     loop {
-        let kill = started.elapsed() >= kill_after;
+        let kill = killing_since.is_some() || started.elapsed() >= kill_after || kill_now();
         if kill {
             killing_since.get_or_insert_with(Instant::now);
         }
@@ -1058,7 +1064,7 @@ async fn keep(program: &OsString, rest: &[OsString]) -> u8 {
                     reap_any();
                     Table::read().map(|table| table.command(own, own, &[]))
                 };
-                stop_processes(find, None, grace).await;
+                stop_processes(find, None, grace, || false).await;
                 return status;
             }
             _ = children_or_parent.recv() => true,
