@@ -236,6 +236,9 @@ struct FamilyInner {
     /// The most permits the family has had: where an owner's holding may be, permits having
     /// been lowered since it was taken.
     permits_ever: AtomicU32,
+    /// The count of permits now, told to the acquisitions that wait on permit 0 alone while the
+    /// family has one, so that a count raised meanwhile is theirs too.
+    permits_now: tokio::sync::watch::Sender<u32>,
     /// The longest keys the family has taken: a key held may be longer than the bound now in
     /// force, which was lowered since, and is still extended, released and told of.
     longest_key_ever: AtomicUsize,
@@ -331,6 +334,7 @@ impl KeyedFamily {
                 held: AtomicUsize::new(0),
                 admitted: AtomicUsize::new(0),
                 permits_ever: AtomicU32::new(permits),
+                permits_now: tokio::sync::watch::Sender::new(permits),
                 longest_key_ever: AtomicUsize::new(longest_key),
                 next_first: AtomicU32::new(0),
                 waiting: AtomicUsize::new(0),
@@ -382,7 +386,9 @@ impl KeyedFamily {
         self.inner
             .longest_key_ever
             .fetch_max(config.max_key_length, Ordering::SeqCst);
+        let permits = config.permits;
         *self.inner.config.write().unwrap_or_else(|e| e.into_inner()) = config;
+        self.inner.permits_now.send_replace(permits);
         Ok(())
     }
 
@@ -597,8 +603,16 @@ impl KeyedFamily {
         let wait = deadline.saturating_duration_since(Instant::now());
         let _waiting = Waiting::new(&self.inner.waiting);
         if self.read_config(|c| c.permits) == 1 {
-            return self.take_part(key, 0, owner, wait, hold, reentrant).await;
+            let mut permits = self.inner.permits_now.subscribe();
+            tokio::select! {
+                biased;
+                answer = self.take_part(key, 0, owner, wait, hold, reentrant) => return answer,
+                // Raised while waiting for permit 0: the permits added are the waiter's to take
+                // as much as permit 0 (giving up its wait, and its place in a queue, for them).
+                _ = permits.wait_for(|&permits| permits > 1) => {}
+            }
         }
+        let wait = deadline.saturating_duration_since(Instant::now());
         self.take_any_permit(key, owner, wait, hold, reentrant)
             .await
     }

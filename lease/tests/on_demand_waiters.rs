@@ -959,3 +959,58 @@ async fn a_write_lock_whose_hold_ran_out_leaves_the_keys_answer_to_its_readers()
         "the key's answer is {answer:?} while r reads it"
     );
 }
+
+/// A family's permits raised while an owner waits for its one permit: the permit added is the
+/// waiter's as soon as it is there, not left to owners that come later while the waiter waits
+/// on for the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_from_before_the_permits_were_raised_takes_a_permit_added() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let family = KeyedFamily::new(
+        driver(&url).await,
+        FamilyConfig::new(&unique_lock("raised"), "pod-a", LEASE),
+        Arc::new(()),
+    )
+    .unwrap();
+    let first = family
+        .acquire("k", "h", Duration::ZERO, HOLD)
+        .await
+        .unwrap();
+    assert!(
+        matches!(first, KeyAnswer::Held { permit: 0, .. }),
+        "{first:?}"
+    );
+    let waiter = {
+        let family = family.clone();
+        tokio::spawn(async move {
+            family
+                .acquire("k", "w", Duration::from_secs(30), HOLD)
+                .await
+        })
+    };
+    sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "w waits while h holds the one permit"
+    );
+    family
+        .reconfigure(FamilyConfig {
+            permits: 2,
+            ..family.config()
+        })
+        .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("w still waits for permit 0 while permit 1 is free")
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(answer, KeyAnswer::Held { permit: 1, .. }),
+        "{answer:?}"
+    );
+    assert!(matches!(
+        family.status("k", Some("h")).unwrap(),
+        KeyAnswer::Held { permit: 0, .. }
+    ));
+}
