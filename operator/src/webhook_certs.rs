@@ -239,6 +239,20 @@ fn issue(
     })
 }
 
+/// `bundle`, made anew (its Secret gone or unusable), trusting also the CAs `published` until
+/// now while they are good: the replicas present certificates of those until they load the new
+/// one, once the API server has read the new CA, as after a rotation.
+pub fn trusting_published(mut bundle: Bundle, published: &str, now: OffsetDateTime) -> Bundle {
+    let mut cas = pem_blocks(&bundle.ca_bundle);
+    for ca in pem_blocks(published) {
+        if !cas.contains(&ca) && not_after(&ca).is_ok_and(|end| end > now) {
+            cas.push(ca);
+        }
+    }
+    bundle.ca_bundle = cas.concat();
+    bundle
+}
+
 /// When the first certificate of a PEM chain ends.
 pub fn not_after(pem: &str) -> Result<OffsetDateTime, CertError> {
     let der = der(pem)?;

@@ -230,6 +230,15 @@ pub async fn pass(
     let bundle = match webhook_certs::renew(current.as_ref(), &dns_names, now)? {
         None => current.expect("renew answers None only for a current bundle"),
         Some((bundle, why)) => {
+            // A Secret deleted (or spoiled) under running replicas: they present certificates of
+            // the CA published until now until they load the new one, so it stays trusted.
+            let bundle = match why {
+                Renewal::Created => match published_ca_bundle(client, settings).await? {
+                    Some(published) => webhook_certs::trusting_published(bundle, &published, now),
+                    None => bundle,
+                },
+                _ => bundle,
+            };
             // A lost race is an error: the next pass reads the winner's bundle.
             write_secret(&secrets, settings, existing, &bundle).await?;
             done.renewed = Some(why);
@@ -330,11 +339,7 @@ async fn write_secret(
 /// Set `caBundle` on every webhook of the configuration that calls our Service. `None` when the
 /// configuration does not exist. Read and replaced as raw JSON, so fields newer than this build's
 /// API types survive.
-async fn publish_ca_bundle(
-    client: &kube::Client,
-    settings: &SelfManaged,
-    ca_bundle: &str,
-) -> Result<Option<usize>, kube::Error> {
+fn webhook_configurations(client: &kube::Client) -> Api<DynamicObject> {
     let resource = ApiResource {
         group: "admissionregistration.k8s.io".into(),
         version: "v1".into(),
@@ -342,7 +347,44 @@ async fn publish_ca_bundle(
         kind: "MutatingWebhookConfiguration".into(),
         plural: "mutatingwebhookconfigurations".into(),
     };
-    let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+    Api::all_with(client.clone(), &resource)
+}
+
+/// The `caBundle` the webhook configuration gives for this Service now, if any.
+async fn published_ca_bundle(
+    client: &kube::Client,
+    settings: &SelfManaged,
+) -> Result<Option<String>, kube::Error> {
+    let api = webhook_configurations(client);
+    let Some(configuration) = api.get_opt(&settings.webhook_configuration).await? else {
+        return Ok(None);
+    };
+    let published = configuration
+        .data
+        .get("webhooks")
+        .and_then(|w| w.as_array())
+        .into_iter()
+        .flatten()
+        .filter(|webhook| {
+            let service = &webhook["clientConfig"]["service"];
+            service["name"] == settings.service.as_str()
+                && service["namespace"] == settings.namespace.as_str()
+        })
+        .filter_map(|webhook| {
+            serde_json::from_value::<ByteString>(webhook["clientConfig"]["caBundle"].clone()).ok()
+        })
+        .filter_map(|bytes| String::from_utf8(bytes.0).ok())
+        .collect::<Vec<String>>()
+        .concat();
+    Ok(Some(published))
+}
+
+async fn publish_ca_bundle(
+    client: &kube::Client,
+    settings: &SelfManaged,
+    ca_bundle: &str,
+) -> Result<Option<usize>, kube::Error> {
+    let api = webhook_configurations(client);
     let Some(mut configuration) = api.get_opt(&settings.webhook_configuration).await? else {
         return Ok(None);
     };

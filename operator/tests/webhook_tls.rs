@@ -350,6 +350,54 @@ async fn a_certificate_of_a_new_ca_is_served_once_the_api_server_can_trust_it() 
     );
 }
 
+/// The Secret deleted under running replicas (or spoiled): the new CA is published beside the
+/// one their certificates are of, so the API server goes on trusting them until they load a
+/// certificate of the new CA, once it has settled, as after a rotation.
+#[tokio::test]
+async fn a_secret_made_anew_keeps_the_published_ca_trusted_until_replicas_reload() {
+    let api = api_with_configuration();
+    let client = support::operator_client(&api);
+    let (a, b) = (ServingCert::new(), ServingCert::new());
+    let t = now();
+    for serving in [&a, &b] {
+        webhook_tls::pass(&client, &settings(), serving, t)
+            .await
+            .unwrap();
+    }
+    let old_ca = published_ca(&api);
+    let old_cert = secret_text(&api, "tls.crt");
+    assert!(api.remove(SECRETS, NS, "leasehold-webhook-tls"));
+
+    let soon = t + Duration::seconds(1);
+    let pass = webhook_tls::pass(&client, &settings(), &a, soon)
+        .await
+        .unwrap();
+    assert_eq!(pass.renewed, Some(Renewal::Created));
+    assert_eq!(pass.ca_bundles_patched, 1);
+    let published = published_ca(&api);
+    assert!(
+        published.contains(old_ca.trim()),
+        "the CA the replicas' certificates are of is no longer published: the API server refuses them until they reload"
+    );
+    assert_eq!(published, secret_text(&api, "ca.crt"));
+    assert_ne!(published.trim(), old_ca.trim(), "a new CA is published too");
+    for serving in [&a, &b] {
+        assert_eq!(serving.presented().as_deref(), Some(old_cert.as_str()));
+    }
+
+    let later = soon + webhook_tls::NEW_CA_SETTLING + Duration::seconds(1);
+    for serving in [&a, &b] {
+        let pass = webhook_tls::pass(&client, &settings(), serving, later)
+            .await
+            .unwrap();
+        assert!(pass.reloaded);
+        assert_eq!(
+            serving.presented().as_deref(),
+            Some(secret_text(&api, "tls.crt").as_str())
+        );
+    }
+}
+
 /// A CA nobody in these tests trusts.
 fn webhook_certs_of_another_ca() -> String {
     let (bundle, _) = leasehold_operator::webhook_certs::renew(None, &["x".into()], now())
