@@ -769,6 +769,7 @@ fn the_holder_label_policy_lets_a_pods_service_account_change_that_label_alone()
             "leasehold.dev/lock",
             "leasehold.dev/holder",
             "holder.leasehold.dev/",
+            "permit.holder.leasehold.dev/",
         ]
         .iter()
         .fold(expression.to_owned(), |e, key| {
@@ -841,6 +842,21 @@ fn the_holder_label_policy_lets_a_pods_service_account_change_that_label_alone()
         judge(own, &per_lock, &old),
         (true, true),
         "remove a lock's own label"
+    );
+    // The permit a holder holds, named beside its label.
+    let permit_named = with(&|p| {
+        p["metadata"]["labels"]["leasehold.dev/holder"] = "true".into();
+        p["metadata"]["annotations"]["permit.holder.leasehold.dev/nightly"] = "1".into();
+    });
+    assert_eq!(
+        judge(own, &old, &permit_named),
+        (true, true),
+        "name the permit held"
+    );
+    assert_eq!(
+        judge(own, &permit_named, &old),
+        (true, true),
+        "remove the permit's name"
     );
     for (what, change) in [
         (

@@ -29,6 +29,11 @@ use crate::api::AppState;
 pub const HOLDER_LABEL: &str = "leasehold.dev/holder";
 /// The prefix of each lock's label on a pod that takes several: `holder.leasehold.dev/LOCK`.
 pub const HOLDER_LABEL_PREFIX: &str = "holder.leasehold.dev/";
+/// The prefix of the annotation naming the permit a holder of a lock holds:
+/// `permit.holder.leasehold.dev/LOCK`. A holder reads that permit before it takes the label off
+/// a pod the permits it knows of do not name: a count lowered before this process started
+/// leaves holdings above it that only their own pods know of.
+pub const HOLDER_PERMIT_PREFIX: &str = "permit.holder.leasehold.dev/";
 /// The longest name part of a label key.
 const LABEL_NAME_MAX: usize = 63;
 /// The webhook's annotation, naming the locks a pod takes.
@@ -48,6 +53,9 @@ pub struct HolderLabels {
     /// What a holder takes off the lock's other pods: both, whatever those pods take, so that
     /// pods of one lock and pods of several can share it.
     pub cleared: Vec<String>,
+    /// The annotation naming the permit a labelled pod holds ([`HOLDER_PERMIT_PREFIX`]); none
+    /// for a lock whose name is longer than an annotation's name part may be.
+    pub permit: Option<String>,
 }
 
 /// The holder labels of `lock` on a pod whose sidecar follows `resources_in_pod` resources.
@@ -67,7 +75,12 @@ pub fn labels_for(lock: &str, resources_in_pod: usize) -> Result<HolderLabels, S
     let cleared = std::iter::once(HOLDER_LABEL.to_owned())
         .chain(per_lock)
         .collect();
-    Ok(HolderLabels { own, cleared })
+    let permit = (lock.len() <= LABEL_NAME_MAX).then(|| format!("{HOLDER_PERMIT_PREFIX}{lock}"));
+    Ok(HolderLabels {
+        own,
+        cleared,
+        permit,
+    })
 }
 
 /// Keep pod `pod`'s labels `labels` (in `namespace`) in step with whether this sidecar holds
@@ -110,7 +123,7 @@ pub async fn follow(
                 }
             }
         } else if labeled != Some(false) && (on || labeled == Some(true)) {
-            match set_labels(&pods, &pod, &labels.own, false).await {
+            match clear_labels(&pods, &pod, &labels.own).await {
                 Ok(()) => labeled = Some(false),
                 Err(e) => {
                     failed = true;
@@ -127,7 +140,7 @@ pub async fn follow(
                 // The sidecar stops: its pod no longer serves as the holder.
                 if labeled == Some(true) {
                     let _ =
-                        tokio::time::timeout(LAST_WRITE, set_labels(&pods, &pod, &labels.own, false)).await;
+                        tokio::time::timeout(LAST_WRITE, clear_labels(&pods, &pod, &labels.own)).await;
                 }
                 return;
             },
@@ -186,24 +199,54 @@ async fn take_over(
                 && others_holding
                     .as_ref()
                     .is_some_and(|holders| !holders.iter().any(|h| h == name))
+                && !holds_the_permit_it_names(&other, name, labels, holding, lock).await
                 && holding.answer().is_holder()
             {
                 tracing::info!(%lock, pod = name, %label, "taking the holder label off a pod that no longer holds the lock");
                 // One pod that cannot be written must not keep the holder's own label off.
-                if let Err(e) = set_labels(pods, name, std::slice::from_ref(label), false).await {
+                if let Err(e) = clear_labels(pods, name, std::slice::from_ref(label)).await {
                     failed = Some(e);
                 }
             }
         }
     }
     let carried = labels.own.iter().all(|l| own_labeled.contains(&l.as_str()));
-    if !carried && holding.answer().is_holder() {
-        set_labels(pods, own, &labels.own, true).await?;
+    if !carried && let Some((permit, _)) = holding.answer().holding() {
+        let annotation = labels.permit.as_ref().map(|key| (key, permit));
+        set_holder_labels(pods, own, &labels.own, annotation).await?;
         tracing::info!(%lock, pod = own, "labelled the pod as the lock's holder");
     }
     match failed {
         Some(e) => Err(e),
         None => Ok(carried || holding.answer().is_holder()),
+    }
+}
+
+/// Whether the backend names `pod` (called `name`) on the permit its annotation says it holds,
+/// above the permits this process reads: its label stays. A read that fails keeps it too,
+/// rather than take a holder's off.
+async fn holds_the_permit_it_names(
+    pod: &Pod,
+    name: &str,
+    labels: &HolderLabels,
+    holding: &Lock,
+    lock: &str,
+) -> bool {
+    let Some(permit) = labels
+        .permit
+        .as_ref()
+        .and_then(|key| pod.metadata.annotations.as_ref()?.get(key))
+        .and_then(|value| value.parse::<u32>().ok())
+        .filter(|&permit| permit > 0)
+    else {
+        return false;
+    };
+    match holding.permit_holder(permit).await {
+        Ok(holder) => holder.is_some_and(|h| h.identity == name),
+        Err(e) => {
+            tracing::debug!(%lock, pod = name, permit, error = %e, "the permit a labelled pod names cannot be read; its label stays");
+            true
+        }
     }
 }
 
@@ -216,15 +259,32 @@ fn takes(pod: &Pod, lock: &str) -> bool {
         .is_some_and(|names| names.split(',').any(|n| n.trim() == lock))
 }
 
-async fn set_labels(
+/// Label this process's pod `pod` as a holder, and name the permit it holds in `annotation`.
+async fn set_holder_labels(
     pods: &Api<Pod>,
     pod: &str,
     labels: &[String],
-    holder: bool,
+    annotation: Option<(&String, u32)>,
 ) -> kube::Result<()> {
     let labels: serde_json::Map<String, serde_json::Value> = labels
         .iter()
-        .map(|label| (label.clone(), holder.to_string().into()))
+        .map(|label| (label.clone(), "true".into()))
+        .collect();
+    let annotations: serde_json::Map<String, serde_json::Value> = annotation
+        .into_iter()
+        .map(|(key, permit)| (key.clone(), permit.to_string().into()))
+        .collect();
+    let patch = json!({"metadata": {"labels": labels, "annotations": annotations}});
+    pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(|_| ())
+}
+
+/// Say "false" in each of `labels` on pod `pod`.
+async fn clear_labels(pods: &Api<Pod>, pod: &str, labels: &[String]) -> kube::Result<()> {
+    let labels: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|label| (label.clone(), "false".into()))
         .collect();
     let patch = json!({"metadata": {"labels": labels}});
     pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))

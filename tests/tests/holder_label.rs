@@ -380,3 +380,61 @@ fn a_holder_with_a_long_renew_interval_reads_the_pods_at_its_renewals() {
     );
     assert_eq!(labelled(&cluster.api), ["pod-0"]);
 }
+
+/// A lock of two permits lowered to one keeps both holdings, and a sidecar started since (with
+/// one permit, so it reads permit 0 alone) takes the label off neither: the pod on permit 1
+/// names its permit in its annotation, and the newcomer reads that permit before it would take
+/// its label off.
+#[test]
+fn a_holder_above_a_lowered_count_keeps_its_label_beside_a_restarted_holder() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("labelled-lowered");
+    let cluster = Cluster::start(
+        &lock,
+        json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+            "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
+            "permits": 2, "cleanupPolicy": "Delete",
+        }),
+    );
+    let names: Vec<String> = (0..2).map(|i| format!("pod-{i}")).collect();
+    for name in &names {
+        cluster.api.put(PODS, pod(name, &lock));
+    }
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let start = |name: &str| Sidecar::start_from_resource(name, &cluster.resource(), &env);
+    let mut sidecars: Vec<Sidecar> = names.iter().map(|n| start(n)).collect();
+    eventually(Duration::from_secs(15), "both hold, both labelled", || {
+        sidecars.iter().all(Sidecar::is_holder) && labelled(&cluster.api) == names
+    });
+    let permit_of = |s: &Sidecar| s.get("/lock").json()["permit"].as_u64();
+    let on_zero = (0..2)
+        .find(|&i| permit_of(&sidecars[i]) == Some(0))
+        .expect("a holder of permit 0");
+    let above = 1 - on_zero;
+    cluster.edit(|spec| spec["permits"] = json!(1));
+    eventually(Duration::from_secs(15), "both see one permit", || {
+        sidecars
+            .iter()
+            .all(|s| s.get("/lock").json()["permits"] == json!(1))
+    });
+    // The holder of permit 0 starts again, with one permit: it takes permit 0 once its lease
+    // has run out.
+    sidecars[on_zero].kill9();
+    sidecars[on_zero] = start(&names[on_zero]);
+    eventually(Duration::from_secs(15), "the restarted pod holds", || {
+        sidecars[on_zero].is_holder() && labelled(&cluster.api) == names
+    });
+    let until = std::time::Instant::now() + 12 * RENEW;
+    while std::time::Instant::now() < until {
+        assert!(
+            labelled(&cluster.api).contains(&names[above]),
+            "the holder of permit 1 lost its label while it holds (holding: {}); the restarted holder's log:\n{}",
+            sidecars[above].is_holder(),
+            sidecars[on_zero].log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(sidecars[above].is_holder());
+}

@@ -389,6 +389,20 @@ impl Lock {
         Ok(read.into_iter().flatten().collect())
     }
 
+    /// Who holds permit `permit` in the backend now, any process: also a permit above every
+    /// count this process has had (one taken elsewhere before the count was lowered).
+    pub async fn permit_holder(&self, permit: u32) -> Result<Option<crate::driver::Holding>> {
+        match &self.inner.permits {
+            Some(permits) if permit < crate::keyed::MAX_PERMITS => {
+                permits
+                    .driver
+                    .observe(&self.inner.config.permit_name(permit))
+                    .await
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Hold the lock with `permits` permits from now on: the next attempts try that many, and
     /// no holding is revoked (one on a permit above a lowered count is kept until it ends).
     /// Every process of the lock must come to the same count: each admits up to its own.
