@@ -274,10 +274,22 @@ async fn set_holder_labels(
         .into_iter()
         .map(|(key, permit)| (key.clone(), permit.to_string().into()))
         .collect();
-    let patch = json!({"metadata": {"labels": labels, "annotations": annotations}});
-    pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+    let patch = json!({"metadata": {"labels": &labels, "annotations": annotations}});
+    match pods
+        .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
         .await
-        .map(|_| ())
+    {
+        Ok(_) => Ok(()),
+        // An admission policy of an older chart refuses the annotation: the labels alone.
+        Err(kube::Error::Api(refused)) if refused.code == 422 && annotation.is_some() => {
+            tracing::debug!(pod, error = %refused, "the permit's annotation was refused; labelling without it");
+            let patch = json!({"metadata": {"labels": labels}});
+            pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(|_| ())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Say "false" in each of `labels` on pod `pod`.
