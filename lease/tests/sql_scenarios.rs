@@ -1155,6 +1155,85 @@ async fn postgres_a_waiter_woken_early_waits_out_the_lease() {
     waits_out_the_lease(waiter, waiting, sent, ttl, woken).await;
 }
 
+/// A waiter's blocking statement that is granted the advisory lock and then times out waiting
+/// for the row (locked past `lock_timeout`: a commit stuck on a synchronous standby, another
+/// transaction on the row) leaves the advisory lock with its session, which outlives the
+/// statement: the session lets it go before it waits again or is kept as a spare, or every
+/// hand-over after it would wait out a step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_waiters_step_that_timed_out_on_the_row_keeps_no_advisory_lock() {
+    use leasehold_lease::Acquire;
+    use sqlx::Executor;
+    let h = PostgresHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("step-timed-out");
+    let holder = h.driver().await;
+    let Acquire::Acquired(_lease) = holder
+        .try_acquire(&lock, "a", Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("the lock is not free");
+    };
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
+    let held = await_advisory(
+        &mut admin,
+        &lock,
+        "the holder never took its advisory lock",
+        |s| s.len() == 1 && s[0].1,
+    )
+    .await;
+    // The waiter's process goes on (its driver kept), serving other locks.
+    let waiters_driver = h.driver().await;
+    let (waiter, waiting) = start_waiting(waiters_driver.clone(), &lock);
+    let blocked = await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
+        s.iter().any(|(_, granted)| !granted)
+    })
+    .await;
+    let waiter_pid = blocked.iter().find(|(_, granted)| !granted).unwrap().0;
+    let mut blocker = sqlx::AnyConnection::connect(&url).await.expect("blocker");
+    blocker
+        .execute(&*format!(
+            "BEGIN; SELECT token FROM {} WHERE name = '{lock}' FOR UPDATE",
+            leasehold_lease::DEFAULT_TABLE
+        ))
+        .await
+        .expect("lock the row");
+    // The holder's session ends: the waiter's statement is granted the advisory lock, then
+    // waits for the row, past its step.
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(held[0].0)
+        .execute(&mut admin)
+        .await
+        .expect("terminate the holder's advisory session");
+    await_advisory(&mut admin, &lock, "the waiter was never granted", |s| {
+        s.contains(&(waiter_pid, true))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The waiter gives up (its client hung up) while the row stays locked past another step;
+    // then the row is let go.
+    waiting.abort();
+    let _ = waiting.await;
+    waiter.shutdown().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    blocker.execute("ROLLBACK").await.expect("let the row go");
+    let since = tokio::time::Instant::now();
+    loop {
+        let sessions = advisory_sessions(&mut admin, &lock).await;
+        if !sessions.contains(&(waiter_pid, true)) {
+            break;
+        }
+        assert!(
+            since.elapsed() < SLACK,
+            "the waiter's session {waiter_pid} keeps the advisory lock after its wait ended: {sessions:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(waiters_driver);
+}
+
 /// A family's keys nobody has held for the idle time given are deleted, raising the family's
 /// floor above their tokens first; a key held, a key idle for less, and a plain lock stay; a
 /// key taken again draws above its forgotten tokens. In row-lock mode the forgotten keys'

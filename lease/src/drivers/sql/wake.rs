@@ -740,7 +740,15 @@ impl ServerLocks {
         let sent = BootInstant::now();
         let rows = match query.fetch_all(&mut *conn).await {
             Ok(rows) => rows,
-            Err(e) if lock_not_available(&e) => return Ok(Step::NotGranted),
+            Err(e) if lock_not_available(&e) => {
+                // The step may have timed out on the row, granted the advisory lock, which
+                // outlives the statement: let go of it, or it would stay with the session (a
+                // spare, once nobody waits) and every waiter elsewhere would wait out a step.
+                sqlx::query("SELECT pg_advisory_unlock_all()")
+                    .execute(&mut *conn)
+                    .await?;
+                return Ok(Step::NotGranted);
+            }
             Err(e) => return Err(e),
         };
         let Some(row) = rows.first() else {
