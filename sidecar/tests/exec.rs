@@ -1205,3 +1205,86 @@ fn execs_through_one_sidecar_take_turns() {
         }
     }
 }
+
+/// A stand-in for a sidecar's hold route on a free loopback port, answering each connection
+/// with the next of `streams` (events after a 200 head; the connection then stays open until
+/// the client closes it, unless the stream's last event ends the hold). Returns the address.
+fn scripted_hold_routes(streams: Vec<Vec<(&'static str, serde_json::Value)>>) -> String {
+    use std::io::{BufRead, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for events in streams {
+            let Ok((conn, _)) = listener.accept() else {
+                return;
+            };
+            let mut reader = std::io::BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line.trim_end() != "" {
+                line.clear();
+            }
+            let mut conn = conn;
+            write!(
+                conn,
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+            )
+            .unwrap();
+            let ends = events
+                .last()
+                .is_some_and(|(kind, _)| *kind == "lost" || *kind == "released");
+            for (kind, data) in events {
+                write!(conn, "event: {kind}\ndata: {data}\n\n").unwrap();
+            }
+            if !ends {
+                // Held until exec closes the connection.
+                let mut rest = Vec::new();
+                let _ = std::io::Read::read_to_end(&mut reader, &mut rest);
+            }
+        }
+    });
+    address
+}
+
+/// Through a sidecar, a hold whose stream ends before the command started (told too short a
+/// claim to start on, then lost) ran nothing: `exec` asks again and runs the command once held,
+/// rather than exit with the lock-lost status for a command that never ran.
+#[test]
+fn through_a_sidecar_a_hold_ended_before_the_command_started_is_asked_for_again() {
+    let held = |valid_for_ms: u64| {
+        serde_json::json!({"lock": "jobs", "holder": true, "fencingToken": 7,
+                           "validForMs": valid_for_ms, "leaseDurationMs": 15000,
+                           "renewIntervalMs": 5000, "identity": "pod-a"})
+    };
+    let via = scripted_hold_routes(vec![
+        vec![
+            ("acquired", held(100)),
+            (
+                "lost",
+                serde_json::json!({"lock": "jobs", "reason": "resigned"}),
+            ),
+        ],
+        vec![("acquired", held(15000))],
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let ran = dir.path().join("ran");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"))
+        .args([
+            "exec",
+            "--lock",
+            "jobs",
+            "--via",
+            &via,
+            "--kill-grace",
+            "300ms",
+        ])
+        .args(["--", "touch", ran.to_str().unwrap()])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut child, Duration::from_secs(20));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(ran.exists(), "the command never ran: {stderr}");
+}

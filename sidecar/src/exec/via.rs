@@ -6,6 +6,7 @@
 //! are gone (an exec killed outright would otherwise release while its command still runs).
 
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,9 @@ use crate::config::EXIT_BAD_CONFIG;
 const MAX_WAIT_PER_REQUEST: Duration = Duration::from_secs(300);
 /// After a refused connection or a 503, before asking again.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
+/// Before a hold whose stream ended before the command started is asked for again: a sidecar
+/// that ends every stream at once is not asked in a loop.
+const ASK_AGAIN_PAUSE: Duration = Duration::from_millis(100);
 
 /// What `--via` names: a sidecar's lock API.
 #[derive(Debug, Clone)]
@@ -165,6 +169,9 @@ pub struct Hold {
     task: tokio::task::JoinHandle<()>,
     /// A copy of the connection's socket that is not closed on exec, for the command to inherit.
     inheritable: Arc<Mutex<Option<OwnedFd>>>,
+    /// Set once the command is being started ([`Hold::inheritable`]): a stream that ends before
+    /// is asked for again, as the command has not run.
+    command_started: Arc<AtomicBool>,
 }
 
 impl Drop for Hold {
@@ -184,20 +191,27 @@ impl Hold {
     ) -> (Self, watch::Receiver<Claim>) {
         let (claims, claim) = watch::channel(Claim::default());
         let inheritable = Arc::new(Mutex::new(None));
-        let copy = inheritable.clone();
+        let command_started = Arc::new(AtomicBool::new(false));
+        let (copy, started) = (inheritable.clone(), command_started.clone());
         let task = tokio::spawn(async move {
-            let failed = hold(&via, &target, wait, &claims, &copy).await;
+            let failed = hold(&via, &target, wait, &claims, &copy, &started).await;
             claims.send_modify(|c| {
                 c.held = None;
                 c.failed = Some(failed);
             });
         });
-        (Self { task, inheritable }, claim)
+        let hold = Self {
+            task,
+            inheritable,
+            command_started,
+        };
+        (hold, claim)
     }
 
-    /// The copy of the held connection the command is to inherit: kept open across the
-    /// command's spawn, then dropped here.
+    /// The copy of the held connection the command is to inherit, as the command is started:
+    /// kept open across the command's spawn, then dropped here.
     pub fn inheritable(&self) -> Option<OwnedFd> {
+        self.command_started.store(true, Ordering::SeqCst);
         self.inheritable
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -205,13 +219,15 @@ impl Hold {
     }
 }
 
-/// Ask until held, then follow the stream; the failure that ends it.
+/// Ask until held, then follow the stream; the failure that ends it. A stream that ends
+/// before the command is started is asked for again: nothing ran, and the wait goes on.
 async fn hold(
     via: &Via,
     target: &Target,
     wait: Option<Duration>,
     claims: &watch::Sender<Claim>,
     inheritable: &Mutex<Option<OwnedFd>>,
+    command_started: &AtomicBool,
 ) -> (u8, String) {
     let started = Instant::now();
     let mut told_unreachable = false;
@@ -235,7 +251,16 @@ async fn hold(
                         );
                     }
                 }
-                return follow(lines, claims).await;
+                let ended = follow(lines, claims).await;
+                if command_started.load(Ordering::SeqCst) {
+                    return ended;
+                }
+                tracing::info!(why = %ended.1, "the hold ended before the command started; asking again");
+                claims.send_modify(|c| {
+                    c.held = None;
+                    c.tokens = None;
+                });
+                tokio::time::sleep(ASK_AGAIN_PAUSE).await;
             }
             // Held by another, the backend unreachable, or the pod's key limit reached: all pass.
             Ok(Answer::Refused { status, body }) if matches!(status, 409 | 429 | 503) => {
