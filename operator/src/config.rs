@@ -122,6 +122,17 @@ pub struct Config {
     )]
     pub sidecar_architectures: Vec<String>,
 
+    /// The user the injected sidecar runs as (`runAsUser`), the image's own by default. Empty:
+    /// none, where the platform assigns one from the namespace's range (OpenShift's restricted
+    /// SCC refuses a user outside it); the sidecar still runs as non-root.
+    #[arg(
+        long,
+        env = "LEASEHOLD_SIDECAR_RUN_AS_USER",
+        default_value = "65532",
+        value_parser = run_as_user
+    )]
+    pub sidecar_run_as_user: RunAsUser,
+
     /// Remove the operator's finalizer from every DistributedLock (of the --watch-namespace
     /// namespaces, or all), keeping their records, and exit: the chart's pre-delete hook, so that nothing stays
     /// Terminating once the operator is gone.
@@ -256,6 +267,23 @@ fn quantity(value: &str) -> Result<String, String> {
     }
 }
 
+/// `--sidecar-run-as-user`: a user, or none (empty).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunAsUser(pub Option<i64>);
+
+fn run_as_user(value: &str) -> Result<RunAsUser, String> {
+    if value.is_empty() {
+        return Ok(RunAsUser(None));
+    }
+    match value.parse::<i64>() {
+        Ok(uid) if (1..=i64::from(i32::MAX)).contains(&uid) => Ok(RunAsUser(Some(uid))),
+        _ => Err(format!(
+            "{value:?} is not a user id from 1 to {} (the sidecar never runs as root), nor empty",
+            i32::MAX
+        )),
+    }
+}
+
 impl Config {
     /// Whose locks to reconcile (`--watch-namespace`).
     pub fn watched(&self) -> Watched {
@@ -281,6 +309,7 @@ impl Config {
                 .cloned()
                 .collect(),
             image_pull_policy: self.sidecar_image_pull_policy.clone(),
+            run_as_user: self.sidecar_run_as_user.0,
             image_pull_secrets: self
                 .sidecar_image_pull_secret
                 .iter()
@@ -337,6 +366,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("not a kubernetes.io/arch value"), "{error}");
+    }
+
+    #[test]
+    fn the_sidecars_user_comes_from_a_flag_and_may_be_left_to_the_platform() {
+        let parse = |args: &[&str]| {
+            Config::try_parse_from([&["leasehold-operator"], args].concat())
+                .map(|c| c.injection().run_as_user)
+        };
+        assert_eq!(parse(&[]).unwrap(), Some(65532));
+        assert_eq!(
+            parse(&["--sidecar-run-as-user=1000680000"]).unwrap(),
+            Some(1000680000)
+        );
+        assert_eq!(parse(&["--sidecar-run-as-user="]).unwrap(), None);
+        for refused in ["0", "-1", "root", "4294967296"] {
+            let error = parse(&[&format!("--sidecar-run-as-user={refused}")])
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("never runs as root"), "{refused}: {error}");
+        }
     }
 
     #[test]

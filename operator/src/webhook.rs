@@ -83,6 +83,9 @@ impl Default for Ports {
     }
 }
 
+/// The user the image runs as (`USER` in the Dockerfile).
+pub const IMAGE_USER: i64 = 65532;
+
 /// How the sidecar is injected (the operator's flags; the chart's values).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Injection {
@@ -101,6 +104,9 @@ pub struct Injection {
     pub architectures: Vec<String>,
     /// The sidecar container's `imagePullPolicy`: `Always`, `IfNotPresent` or `Never`.
     pub image_pull_policy: String,
+    /// The sidecar container's `runAsUser`; `None` leaves it to the platform (OpenShift assigns
+    /// one from the namespace's range), `runAsNonRoot` keeping it off root.
+    pub run_as_user: Option<i64>,
 }
 
 impl Injection {
@@ -113,6 +119,7 @@ impl Injection {
             image_pull_secrets: Vec::new(),
             architectures: vec!["amd64".to_owned()],
             image_pull_policy: "IfNotPresent".to_owned(),
+            run_as_user: Some(IMAGE_USER),
         }
     }
 }
@@ -702,7 +709,7 @@ pub fn sidecar(
                 ..SeccompProfile::default()
             }),
             run_as_non_root: Some(true),
-            run_as_user: Some(65532),
+            run_as_user: injection.run_as_user,
             read_only_root_filesystem: Some(true),
             allow_privilege_escalation: Some(false),
             capabilities: Some(Capabilities {

@@ -749,6 +749,29 @@ fn a_digest_pins_both_images_and_the_sidecars_pull_policy_is_a_value() {
     assert!(!ok && text.contains("image/digest"), "{text}");
 }
 
+/// The sidecar's user is a value: the image's by default, any (a large OpenShift range's
+/// included, written whole), or none, left to the platform; root is refused by the schema.
+#[test]
+fn the_sidecars_user_is_a_value_that_may_be_left_to_the_platform() {
+    let user_arg = |set: &[&str]| {
+        operator_args(&render_chart(set))
+            .into_iter()
+            .filter(|a| a.starts_with("--sidecar-run-as-user="))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(user_arg(&[]), ["--sidecar-run-as-user=65532"]);
+    assert_eq!(
+        user_arg(&["--set", "sidecar.runAsUser=1000680000"]),
+        ["--sidecar-run-as-user=1000680000"]
+    );
+    assert_eq!(
+        user_arg(&["--set", "sidecar.runAsUser=null"]),
+        ["--sidecar-run-as-user="]
+    );
+    let (ok, text) = chart(&["schema", "--set", "sidecar.runAsUser=0"]);
+    assert!(!ok && text.contains("runAsUser"), "{text}");
+}
+
 /// The policy that narrows `patch` on pods, which `spec.holderLabel` asks of the pods'
 /// ServiceAccounts, evaluated offline as the API server runs it: on a pod that takes a lock, a
 /// ServiceAccount of its namespace may set or clear the holder label and change nothing else;

@@ -1045,3 +1045,28 @@ async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
     .await;
     assert_eq!(answer["response"]["allowed"], true, "{answer}");
 }
+
+/// The sidecar runs as the image's user, or, told none (OpenShift's restricted SCC refuses a
+/// user outside the namespace's range and assigns one), as the one the platform assigns, still
+/// never as root.
+#[test]
+fn the_sidecars_user_is_the_images_or_left_to_the_platform() {
+    let container = |injection: &Injection| {
+        serde_json::to_value(webhook::sidecar(
+            "team",
+            &["jobs".to_owned()],
+            injection,
+            webhook::Ports::default(),
+        ))
+        .unwrap()
+    };
+    let with_image_user = container(&injection(true));
+    assert_eq!(with_image_user["securityContext"]["runAsUser"], 65532);
+    let assigned = container(&Injection {
+        run_as_user: None,
+        ..injection(true)
+    });
+    let sc = &assigned["securityContext"];
+    assert!(sc.get("runAsUser").is_none(), "{sc}");
+    assert_eq!(sc["runAsNonRoot"], true);
+}
