@@ -549,6 +549,58 @@ fn etcd_sigterm_hands_over_at_once() {
     assert!(took < Duration::from_millis(200), "hand-over took {took:?}");
 }
 
+/// A waiter told to stop leaves its place in line (etcd, ZooKeeper) as it goes: otherwise the
+/// place would stand first once the holder releases, for nobody, and the waiter behind it would
+/// wait out the stopped waiter's session.
+fn a_stopped_waiters_place_is_left(backend: &str) -> Duration {
+    let lock = unique_lock("waiter-stopped");
+    let (mut a, mut b) = pair_with(backend, &lock, &["--apps-stop-first"]);
+    let holder = settle(&[&a, &b]);
+    let flags: Vec<&str> = TIMING
+        .iter()
+        .chain(&["--apps-stop-first"])
+        .copied()
+        .collect();
+    let mut c = Sidecar::start("c", backend, &lock, &flags);
+    // In line behind the waiter once it answers 409 (it has put its place in).
+    eventually(STARTUP, "the third sidecar waits", || {
+        c.get("/lock").status == 409
+    });
+    let (holding, waiting) = if holder == 0 {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    waiting.signal(Signal::SIGTERM);
+    assert!(
+        waiting.wait_exit(Duration::from_secs(5)).is_some(),
+        "the waiter did not exit on SIGTERM"
+    );
+    holding.signal(Signal::SIGTERM);
+    let took = eventually(LEASE + SLACK * 2, "the last waiter takes over", || {
+        c.is_holder()
+    });
+    assert!(holding.wait_exit(Duration::from_secs(5)).is_some());
+    c.signal(Signal::SIGTERM);
+    let _ = c.wait_exit(Duration::from_secs(5));
+    eprintln!("{backend}: hand-over past a stopped waiter took {took:?}");
+    took
+}
+
+#[test]
+fn etcd_a_stopped_waiters_place_is_left() {
+    let etcd = EtcdServer::start();
+    let took = a_stopped_waiters_place_is_left(&etcd.url());
+    assert!(took < Duration::from_millis(500), "hand-over took {took:?}");
+}
+
+#[test]
+fn zookeeper_a_stopped_waiters_place_is_left() {
+    let zookeeper = ZooKeeperServer::start();
+    let took = a_stopped_waiters_place_is_left(&zookeeper.url());
+    assert!(took < Duration::from_millis(500), "hand-over took {took:?}");
+}
+
 #[test]
 fn etcd_paused_sidecar_is_replaced() {
     let etcd = EtcdServer::start();

@@ -320,12 +320,29 @@ impl Engine {
         {
             self.retired = Some((reason, done));
         }
+        // Waiting in line (etcd, ZooKeeper), not holding: the place goes with the engine, or it
+        // would stand first in line for nobody, for as long as the backend keeps it (a campaign
+        // waits in line for good; a single-use engine's wait leaves it as it ends).
+        let waiting = matches!(&self.phase, Phase::Unheld(_))
+            && !self.config.keeps_queue_place
+            && !self.config.single_use;
         match self.retired.take() {
             Some((reason, done)) => {
                 let released_at = self.lapse_for(reason);
                 let _ = done.send(released_at);
             }
             None => self.step_down("shutdown").await,
+        }
+        if waiting {
+            if let Some(unheld) = self.unheld_mut() {
+                unheld.in_flight = None;
+            }
+            let (driver, lock) = (self.driver.clone(), &self.config.name);
+            let _ = timeout(
+                SHUTDOWN_RELEASE_TIMEOUT,
+                driver.abandon(lock, &self.config.identity),
+            )
+            .await;
         }
         for waiter in self.waiters.drain(..) {
             let _ = waiter.reply.send(Granted::uncounted(Answer::NotHolder));
