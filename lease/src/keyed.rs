@@ -1273,11 +1273,10 @@ impl KeyedFamily {
         self.answer_for(&current, current.lock.answer())
     }
 
-    /// Release every key and stop.
+    /// Release every key and stop: all at once, as a stopping sidecar has a second to exit in.
     pub async fn shutdown(&self) {
-        for holding in self.let_go_of_writers() {
-            holding.lock.shutdown().await;
-        }
+        let holdings = self.let_go_of_writers();
+        futures_util::future::join_all(holdings.iter().map(|h| h.lock.shutdown())).await;
     }
 
     /// Let go of every key this pod's owners hold, as [`KeyedFamily::shutdown`] does, but

@@ -1014,3 +1014,41 @@ async fn a_waiter_from_before_the_permits_were_raised_takes_a_permit_added() {
         KeyAnswer::Held { permit: 0, .. }
     ));
 }
+
+/// A family shut down (its sidecar stopping) releases its keys together: one at a time, the
+/// last of many would still be claimed, and renewed for apps already gone, long after the
+/// first, past the second the sidecar has to exit in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_family_shut_down_releases_its_keys_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    let faulty = FaultyDriver::wrap(driver(&url).await);
+    let family = KeyedFamily::new(
+        faulty.clone(),
+        FamilyConfig::new(&unique_lock("stopping"), "pod-a", LEASE),
+        Arc::new(()),
+    )
+    .unwrap();
+    for key in 0..20 {
+        let answer = family
+            .acquire(&format!("k{key}"), "o", Duration::ZERO, HOLD)
+            .await
+            .unwrap();
+        assert!(matches!(answer, KeyAnswer::Held { .. }), "{answer:?}");
+    }
+    // Every backend call takes a tenth of a second from now on.
+    faulty.delay_requests(Duration::from_millis(100));
+    let began = Instant::now();
+    family.shutdown().await;
+    let took = began.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "twenty keys released in {took:?}: one after another"
+    );
+    for key in 0..20 {
+        assert!(matches!(
+            family.status(&format!("k{key}"), Some("o")).unwrap(),
+            KeyAnswer::NotHeld
+        ));
+    }
+}
