@@ -457,7 +457,7 @@ async fn a_release_given_up_while_etcd_is_silent_is_done_once_it_answers() {
 
 /// An acquisition dropped while its key is being put (the engine's time budget, a client that
 /// hung up), its wait then abandoned: the key leaves the queue as soon as it is put, rather than
-/// stand first in line, asked by nobody, for three leases. And an acquisition by the same
+/// stand first in line, asked by nobody, for four leases. And an acquisition by the same
 /// identity meanwhile waits for that put rather than put a second key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquisition_dropped_while_its_key_is_put_leaves_no_key_behind() {

@@ -71,7 +71,7 @@ async fn a_waiter_whose_client_left_never_holds(url: &str) {
 
 /// A try-lock (`wait=0`) that finds the lock held leaves the queue at once: when the holder
 /// releases, the waiter behind it takes over within a lease, not after the try-lock's place
-/// expires (three leases).
+/// expires (four leases).
 async fn a_try_lock_leaves_no_place_in_the_queue(url: &str) {
     let name = unique_lock("try");
     let (a, b, c) = (
@@ -431,7 +431,7 @@ async fn holds_key(family: &KeyedFamily, owner: &str, wait: Duration) -> bool {
 
 /// p1 holds the key and `leave` makes p2's wait end without it; once p1 releases, p3's waiter
 /// takes the key within a lease, not behind a place p2 left standing in the queue (which the
-/// backend gives up three leases after p2's last ask).
+/// backend gives up four leases after p2's last ask).
 async fn after_a_keyed_wait_ends_the_next_waiter_takes_over(
     url: &str,
     p2_driver: Arc<dyn leasehold_lease::Backend>,
@@ -790,7 +790,7 @@ async fn redis_a_force_released_holding_answers_the_next_acquisition_within_its_
 /// held, when its client hangs up with the probes' answers on the way. Each probe runs to its
 /// end all the same and leaves the queues: once b's readers are gone, b's writer takes the key
 /// within a lease, not behind a probe's place standing first for nobody until the backend gives
-/// it up (three leases after it was put).
+/// it up (four leases after it was put).
 async fn a_writers_probes_leave_no_place_when_its_client_hangs_up(url: &str) {
     let name = unique_lock("probes");
     let read_write = |driver, identity, permits| {

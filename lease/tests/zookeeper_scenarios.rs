@@ -166,7 +166,7 @@ async fn a_lease_too_short_for_the_tick_is_refused() {
 /// Attempts that the engine gives up while the server is down each leave a `create` queued in
 /// the client, and each lands once the session reconnects. One place in the queue must stay
 /// this process's and the others be deleted; otherwise the extra ones, which the driver no
-/// longer knows of, stand ahead of its place until they are abandoned three leases later (found
+/// longer knows of, stand ahead of its place until they are abandoned four leases later (found
 /// by the waiters' safety check: after a ZooKeeper restart, seconds with nobody holding).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempts_given_up_while_the_server_is_down_leave_one_place() {
@@ -205,7 +205,7 @@ async fn attempts_given_up_while_the_server_is_down_leave_one_place() {
         );
         sleep(Duration::from_millis(100)).await;
     }
-    // a's place is now first: a holds within a poll or two, not three leases later.
+    // a's place is now first: a holds within a poll or two, not four leases later.
     let taken = Instant::now() + Duration::from_secs(3);
     loop {
         match a.try_acquire(&lock, "a", lease).await {
@@ -374,7 +374,7 @@ async fn a_node_of_a_session_given_up_grants_and_extends_nothing() {
 
 /// An acquisition dropped while its node is being created (the engine's time budget, a client
 /// that hung up), its wait then abandoned: the node leaves the queue as soon as it is created,
-/// rather than stand first in line, asked by nobody, for three leases.
+/// rather than stand first in line, asked by nobody, for four leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquisition_dropped_while_its_node_is_created_leaves_no_node_behind() {
     use leasehold_lease::{Acquire, Driver};

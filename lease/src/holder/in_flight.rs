@@ -63,7 +63,7 @@ impl Drop for InFlight {
                 }
                 // Nobody waits for it: a place it took in a fair queue (etcd, ZooKeeper) after
                 // the wait ended, and so after the engine left the queue, is left too, rather
-                // than standing first in line for three leases.
+                // than standing first in line for four leases.
                 _ => {
                     let _ = timeout(patience, driver.abandon(&lock, &config.identity)).await;
                 }

@@ -21,7 +21,7 @@
 //!   behind the driver's back lets the next contender in while the lease lives on;
 //! - between them a keeper task keeps the lease alive (every half TTL), so a waiter keeps
 //!   its place while its engine asks; a waiter that stops asking (its app gave up) leaves the
-//!   queue after three TTLs.
+//!   queue after four TTLs.
 //!
 //! A key leaves the queue by its own delete, guarded by its create revision (a release, a
 //! waiter giving up, a holder whose local lease ran out): the lease lives on for the process's
@@ -55,9 +55,6 @@ use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// A waiting key whose engine has not asked for this many TTLs is given up: its app stopped
-/// waiting. Engines ask at least once per poll interval (about one lease).
-const ABANDONED_AFTER_TTLS: u32 = 3;
 /// How many keep-alives a session's keeper sends per TTL: the lease then always has half its TTL
 /// left for a keep-alive to arrive, as a waiter's own keep-alives had before sessions.
 const KEEP_ALIVES_PER_TTL: u32 = 2;
@@ -573,13 +570,13 @@ impl Shared {
         let task = tokio::spawn(super::tend(
             self.clone(),
             entry.clone(),
-            entry.session.granted * ABANDONED_AFTER_TTLS,
+            entry.session.granted * super::ABANDONED_AFTER_LEASES,
         ));
         entry.slot.set_tender(task);
         match self.lines.places.joined(entry.clone(), |_| false) {
             Joined::Put { place, .. } => Ok((place, position)),
             // The wait was given up while the key was put: it leaves the queue at once rather
-            // than stand in it, unasked, for three leases.
+            // than stand in it, unasked, for four leases.
             Joined::Abandoned(surplus) | Joined::Kept { surplus, .. } => {
                 surplus.slot.abort_tasks();
                 self.leave(&surplus).await;

@@ -22,6 +22,16 @@ use crate::error::{Error, Result};
 use places::{Place, Places};
 use slot::{AttemptTurn, Attempts, Expiry};
 
+/// How many renew intervals an engine's waiter sleeps between its questions, with nothing to
+/// wake it: watches wake waiters, so polling is only the fallback for a watch that was missed.
+const POLL_RENEW_INTERVALS: u32 = 3;
+/// A waiting place whose engine has not asked for this many leases is given up: its app stopped
+/// waiting. An engine asks at least every [`POLL_RENEW_INTERVALS`] renew intervals, jittered
+/// by up to a fifth, and a renew interval is shorter than the lease: one that still waits has
+/// asked by then, whatever its renew interval.
+pub(crate) const ABANDONED_AFTER_LEASES: u32 = 4;
+const _: () = assert!(ABANDONED_AFTER_LEASES * 5 > POLL_RENEW_INTERVALS * 6);
+
 /// What this process keeps of the lines it stands in, the same on both transports.
 pub(crate) struct Lines<Own> {
     /// This process's places, by lock.
@@ -173,7 +183,7 @@ macro_rules! fair_queue_hints {
         }
 
         fn poll_interval(&self, renew_interval: std::time::Duration) -> std::time::Duration {
-            renew_interval * 3
+            renew_interval * super::POLL_RENEW_INTERVALS
         }
     };
 }

@@ -64,8 +64,6 @@ fn connection_timeout(session_timeout: Duration) -> Duration {
 /// Curator's protected-name marker and lock-node name.
 const NODE_MARKER: &str = "_c_";
 const LOCK_NAME: &str = "-lock-";
-/// A waiting node whose engine has not asked for this many leases is given up.
-const ABANDONED_AFTER_LEASES: u32 = 3;
 /// How many times a contender creates a missing parent before its node.
 const PARENT_ATTEMPTS: usize = 3;
 
@@ -765,7 +763,7 @@ impl Shared {
         let task = tokio::spawn(super::tend(
             self.clone(),
             entry.clone(),
-            ttl * ABANDONED_AFTER_LEASES,
+            ttl * super::ABANDONED_AFTER_LEASES,
         ));
         entry.slot.set_tender(task);
         // Attempts given up while the connection was down each left a create queued in the
@@ -779,7 +777,7 @@ impl Shared {
             Joined::Kept { kept, surplus } => (kept, Some(surplus)),
             Joined::Put { place, replaced } => (place, replaced),
             // The wait was given up while the node was created: it leaves the queue at once
-            // rather than stand in it, unasked, for three leases. The attempt finds it gone.
+            // rather than stand in it, unasked, for four leases. The attempt finds it gone.
             Joined::Abandoned(place) => {
                 place.slot.abort_tasks();
                 let _ = self.leave(&place).await;
