@@ -1103,30 +1103,42 @@ async fn a_woken_claim_ends_with_its_row(step: &str, commit_delay: Duration, ttl
     );
 }
 
+/// `lock` taken by "a" on `holder` for `ttl`, once its advisory lock is held: an admin
+/// connection to the server at `url`, and the advisory lock's sessions.
+async fn taken_with_its_advisory_lock(
+    holder: &dyn leasehold_lease::Backend,
+    url: &str,
+    lock: &str,
+    ttl: Duration,
+) -> (sqlx::AnyConnection, Vec<(i32, bool)>) {
+    let leasehold_lease::Acquire::Acquired(_) = holder.try_acquire(lock, "a", ttl).await.unwrap()
+    else {
+        panic!("the lock is not free");
+    };
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(url).await.expect("admin");
+    let held = await_advisory(
+        &mut admin,
+        lock,
+        "the holder never took its advisory lock",
+        |s| s.len() == 1 && s[0].1,
+    )
+    .await;
+    (admin, held)
+}
+
 /// The wake-up is only a hint on PostgreSQL too: a waiter whose blocking statement is granted
 /// the advisory lock because the holder's session ended (terminated here) while the holder's
 /// lease still runs finds the row leased, and takes the lock only once that lease has run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_waiter_woken_early_waits_out_the_lease() {
-    use leasehold_lease::Acquire;
     let h = PostgresHarness::new();
     let url = h.server.url();
     let lock = unique_lock("woken-early");
     let holder = h.driver().await;
     let ttl = Duration::from_secs(4);
     let sent = tokio::time::Instant::now();
-    let Acquire::Acquired(_lease) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
-        panic!("the lock is not free");
-    };
-    sqlx::any::install_default_drivers();
-    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
-    let held = await_advisory(
-        &mut admin,
-        &lock,
-        "the holder never took its advisory lock",
-        |s| s.len() == 1 && s[0].1,
-    )
-    .await;
+    let (mut admin, held) = taken_with_its_advisory_lock(&*holder, &url, &lock, ttl).await;
     let (waiter, waiting) = start_waiting(h.driver().await, &lock);
     await_advisory(&mut admin, &lock, "the waiter never blocked", |s| {
         s.iter().any(|(_, granted)| !granted)
@@ -1162,28 +1174,13 @@ async fn postgres_a_waiter_woken_early_waits_out_the_lease() {
 /// hand-over after it would wait out a step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_waiters_step_that_timed_out_on_the_row_keeps_no_advisory_lock() {
-    use leasehold_lease::Acquire;
     use sqlx::Executor;
     let h = PostgresHarness::new();
     let url = h.server.url();
     let lock = unique_lock("step-timed-out");
     let holder = h.driver().await;
-    let Acquire::Acquired(_lease) = holder
-        .try_acquire(&lock, "a", Duration::from_secs(30))
-        .await
-        .unwrap()
-    else {
-        panic!("the lock is not free");
-    };
-    sqlx::any::install_default_drivers();
-    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("admin");
-    let held = await_advisory(
-        &mut admin,
-        &lock,
-        "the holder never took its advisory lock",
-        |s| s.len() == 1 && s[0].1,
-    )
-    .await;
+    let (mut admin, held) =
+        taken_with_its_advisory_lock(&*holder, &url, &lock, Duration::from_secs(30)).await;
     // The waiter's process goes on (its driver kept), serving other locks.
     let waiters_driver = h.driver().await;
     let (waiter, waiting) = start_waiting(waiters_driver.clone(), &lock);

@@ -39,6 +39,33 @@ fn pod_reads(api: &InMemoryApiServer) -> u64 {
     api.requests_by_kind().get("GET pods").copied().unwrap_or(0)
 }
 
+/// A labelled lock of two permits on a Redis of its own, and `pods` pod objects annotated for it
+/// (`pod-0`, ...): the server, the cluster and the pods' names.
+fn labelled_lock_of_permits(name: &str, pods: usize) -> (RedisServer, Cluster, Vec<String>) {
+    let redis = RedisServer::start();
+    let lock = unique_lock(name);
+    let cluster = Cluster::start(
+        &lock,
+        json!({
+            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
+            "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
+            "permits": 2, "cleanupPolicy": "Delete",
+        }),
+    );
+    let names: Vec<String> = (0..pods).map(|i| format!("pod-{i}")).collect();
+    for pod_name in &names {
+        cluster.api.put(PODS, pod(pod_name, &lock));
+    }
+    (redis, cluster, names)
+}
+
+/// The sidecar of pod `name`, following the cluster's lock.
+fn start_pod(cluster: &Cluster, name: &str) -> Sidecar {
+    let env = cluster.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Sidecar::start_from_resource(name, &cluster.resource(), &env)
+}
+
 /// Which sidecar holds, when exactly one says so.
 fn holder(sidecars: &[Sidecar]) -> Option<usize> {
     let holding: Vec<usize> = (0..sidecars.len())
@@ -280,26 +307,8 @@ fn a_pod_of_two_locks_carries_a_holder_label_per_lock() {
 /// takes its permit carries one.
 #[test]
 fn on_a_lock_of_two_permits_both_holders_carry_the_label() {
-    let redis = RedisServer::start();
-    let lock = unique_lock("labelled-permits");
-    let cluster = Cluster::start(
-        &lock,
-        json!({
-            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
-            "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
-            "permits": 2, "cleanupPolicy": "Delete",
-        }),
-    );
-    let names: Vec<String> = (0..3).map(|i| format!("pod-{i}")).collect();
-    for name in &names {
-        cluster.api.put(PODS, pod(name, &lock));
-    }
-    let env = cluster.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut sidecars: Vec<Sidecar> = names
-        .iter()
-        .map(|name| Sidecar::start_from_resource(name, &cluster.resource(), &env))
-        .collect();
+    let (_redis, cluster, names) = labelled_lock_of_permits("labelled-permits", 3);
+    let mut sidecars: Vec<Sidecar> = names.iter().map(|n| start_pod(&cluster, n)).collect();
     // The holders among the sidecars still running (`dead` is not asked).
     let holders_but = |sidecars: &[Sidecar], dead: Option<usize>| -> Vec<String> {
         let mut held: Vec<String> = sidecars
@@ -387,23 +396,8 @@ fn a_holder_with_a_long_renew_interval_reads_the_pods_at_its_renewals() {
 /// its label off.
 #[test]
 fn a_holder_above_a_lowered_count_keeps_its_label_beside_a_restarted_holder() {
-    let redis = RedisServer::start();
-    let lock = unique_lock("labelled-lowered");
-    let cluster = Cluster::start(
-        &lock,
-        json!({
-            "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
-            "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
-            "permits": 2, "cleanupPolicy": "Delete",
-        }),
-    );
-    let names: Vec<String> = (0..2).map(|i| format!("pod-{i}")).collect();
-    for name in &names {
-        cluster.api.put(PODS, pod(name, &lock));
-    }
-    let env = cluster.env();
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let start = |name: &str| Sidecar::start_from_resource(name, &cluster.resource(), &env);
+    let (_redis, cluster, names) = labelled_lock_of_permits("labelled-lowered", 2);
+    let start = |name: &str| start_pod(&cluster, name);
     let mut sidecars: Vec<Sidecar> = names.iter().map(|n| start(n)).collect();
     eventually(Duration::from_secs(15), "both hold, both labelled", || {
         sidecars.iter().all(Sidecar::is_holder) && labelled(&cluster.api) == names
