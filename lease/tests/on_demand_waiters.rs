@@ -1041,8 +1041,10 @@ async fn a_family_shut_down_releases_its_keys_together() {
     let began = Instant::now();
     family.shutdown().await;
     let took = began.elapsed();
+    // One after another they take at least two seconds; together, a tenth and the releases'
+    // own writes (each a SQLite commit).
     assert!(
-        took < Duration::from_secs(1),
+        took < Duration::from_millis(1500),
         "twenty keys released in {took:?}: one after another"
     );
     for key in 0..20 {

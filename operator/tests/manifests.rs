@@ -897,6 +897,22 @@ fn the_holder_label_policy_lets_a_pods_service_account_change_that_label_alone()
         ("an annotation", &|p| {
             p["metadata"]["annotations"]["leasehold.dev/lock"] = "other".into()
         }),
+        ("the lock's annotation removed", &|p| {
+            p["metadata"]["annotations"]
+                .as_object_mut()
+                .unwrap()
+                .remove("leasehold.dev/lock");
+        }),
+        ("a new annotation", &|p| {
+            p["metadata"]["annotations"]["example.com/note"] = "x".into()
+        }),
+        ("a holder label's key as an annotation", &|p| {
+            p["metadata"]["annotations"]["holder.leasehold.dev/nightly"] = "true".into()
+        }),
+        ("a permit's annotation that names no permit", &|p| {
+            p["metadata"]["annotations"]["permit.holder.leasehold.dev/nightly"] =
+                "x".repeat(4).into()
+        }),
         ("a finalizer", &|p| {
             p["metadata"]["finalizers"] = serde_json::json!(["x/y"])
         }),

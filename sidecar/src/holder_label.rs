@@ -38,7 +38,8 @@ pub const HOLDER_PERMIT_PREFIX: &str = "permit.holder.leasehold.dev/";
 const LABEL_NAME_MAX: usize = 63;
 /// The webhook's annotation, naming the locks a pod takes.
 const LOCK_ANNOTATION: &str = "leasehold.dev/lock";
-/// How often the lock is looked for while it is not running yet.
+/// How often the lock is looked for while it is not running yet, and the most a failed label
+/// write waits to be tried again.
 const NOT_RUNNING_CHECK: Duration = Duration::from_secs(1);
 /// The longest one label write may take when the sidecar stops.
 const LAST_WRITE: Duration = Duration::from_secs(2);
@@ -131,10 +132,14 @@ pub async fn follow(
                 }
             }
         }
-        // A failed write is tried again after a pause, whatever wakes the task.
-        if failed {
-            changes = None;
-        }
+        // A failed write is tried again after a short pause, whatever wakes the task.
+        let period = match failed {
+            true => {
+                changes = None;
+                period.min(NOT_RUNNING_CHECK)
+            }
+            false => period,
+        };
         tokio::select! {
             changed = enabled.changed() => if changed.is_err() {
                 // The sidecar stops: its pod no longer serves as the holder.
