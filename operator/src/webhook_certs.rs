@@ -31,6 +31,13 @@ pub const TLS_KEY: &str = "tls.key";
 pub const CA_CRT: &str = "ca.crt";
 /// The current CA's key; it signs the next serving certificate.
 pub const CA_KEY: &str = "ca.key";
+/// When the CAs taken over from the published `caBundle` leave the bundle (Unix seconds).
+pub const CA_ADOPTED_UNTIL: &str = "ca-adopted-until";
+/// How long a bundle made anew keeps trusting the CAs published before it: long past every
+/// replica's reload (a new CA settles for a minute, and each replica looks every 30 s), and no
+/// longer, as nobody here holds their keys (a Secret deleted for a leaked key must not keep
+/// its CA trusted).
+pub const ADOPTED_KEPT: Duration = Duration::minutes(10);
 
 /// The certificates and keys, in PEM.
 #[derive(Clone, PartialEq, Eq)]
@@ -39,6 +46,9 @@ pub struct Bundle {
     pub ca_key: String,
     pub cert: String,
     pub key: String,
+    /// Until when the CAs after the first, taken over from the published `caBundle` as the
+    /// bundle was made anew ([`trusting_published`]), stay in it.
+    pub adopted_until: Option<OffsetDateTime>,
 }
 
 impl std::fmt::Debug for Bundle {
@@ -96,6 +106,14 @@ pub fn renew(
         )));
     };
     let cas = pem_blocks(&current.ca_bundle);
+    // The CAs taken over when the bundle was made anew have served their time: the bundle's
+    // own CA alone.
+    if current.adopted_until.is_some_and(|until| now >= until) {
+        let mut pruned = current.clone();
+        pruned.ca_bundle = cas[0].clone();
+        pruned.adopted_until = None;
+        return Ok(Some((pruned, Renewal::BundlePruned)));
+    }
     let trusted: Vec<String> = cas
         .iter()
         .filter(|pem| not_after(pem).is_ok_and(|end| end > now))
@@ -236,18 +254,23 @@ fn issue(
         ca_key: ca.key.clone(),
         cert: cert.pem(),
         key: key.serialize_pem(),
+        adopted_until: None,
     })
 }
 
 /// `bundle`, made anew (its Secret gone or unusable), trusting also the CAs `published` until
-/// now while they are good: the replicas present certificates of those until they load the new
-/// one, once the API server has read the new CA, as after a rotation.
+/// now, while they are good, for [`ADOPTED_KEPT`]: the replicas present certificates of those
+/// until they load the new one, once the API server has read the new CA, as after a rotation.
 pub fn trusting_published(mut bundle: Bundle, published: &str, now: OffsetDateTime) -> Bundle {
     let mut cas = pem_blocks(&bundle.ca_bundle);
+    let own = cas.len();
     for ca in pem_blocks(published) {
         if !cas.contains(&ca) && not_after(&ca).is_ok_and(|end| end > now) {
             cas.push(ca);
         }
+    }
+    if cas.len() > own {
+        bundle.adopted_until = Some(now + ADOPTED_KEPT);
     }
     bundle.ca_bundle = cas.concat();
     bundle
@@ -404,6 +427,7 @@ mod tests {
             ca_key: String::new(),
             cert: String::new(),
             key: String::new(),
+            adopted_until: None,
         };
         let (_, why) = renew(Some(&garbage), &names(), t0()).unwrap().unwrap();
         assert_eq!(why, Renewal::Created);

@@ -22,7 +22,9 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
 use tokio_rustls::rustls::sign::CertifiedKey;
 
-use crate::webhook_certs::{self, Bundle, CA_CRT, CA_KEY, Renewal, TLS_CRT, TLS_KEY};
+use crate::webhook_certs::{
+    self, Bundle, CA_ADOPTED_UNTIL, CA_CRT, CA_KEY, Renewal, TLS_CRT, TLS_KEY,
+};
 
 /// How often a replica looks at the Secret and the webhook configuration. Rotation happens weeks
 /// before expiry, so this only bounds how long a `helm upgrade` that blanked `caBundle` goes
@@ -233,9 +235,17 @@ pub async fn pass(
             // A Secret deleted (or spoiled) under running replicas: they present certificates of
             // the CA published until now until they load the new one, so it stays trusted.
             let bundle = match why {
-                Renewal::Created => match published_ca_bundle(client, settings).await? {
-                    Some(published) => webhook_certs::trusting_published(bundle, &published, now),
-                    None => bundle,
+                Renewal::Created => match published_ca_bundle(client, settings).await {
+                    Ok(Some(published)) => {
+                        webhook_certs::trusting_published(bundle, &published, now)
+                    }
+                    Ok(None) => bundle,
+                    // Not worth going without a certificate for: the replicas reload a moment
+                    // later than the API server trusts the new CA.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the published caBundle cannot be read; a new CA replaces it");
+                        bundle
+                    }
                 },
                 _ => bundle,
             };
@@ -281,6 +291,15 @@ fn bundle_of(secret: &Secret) -> Option<Bundle> {
         ca_key: text(CA_KEY)?,
         cert: text(TLS_CRT)?,
         key: text(TLS_KEY)?,
+        // Unreadable, the CAs taken over go at once rather than never.
+        adopted_until: text(CA_ADOPTED_UNTIL).map(|until| {
+            until
+                .trim()
+                .parse::<i64>()
+                .ok()
+                .and_then(|secs| time::OffsetDateTime::from_unix_timestamp(secs).ok())
+                .unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
+        }),
     })
 }
 
@@ -290,14 +309,18 @@ async fn write_secret(
     existing: Option<Secret>,
     bundle: &Bundle,
 ) -> Result<(), kube::Error> {
+    let adopted_until = bundle
+        .adopted_until
+        .map(|until| until.unix_timestamp().to_string());
     let data = [
-        (CA_CRT, &bundle.ca_bundle),
-        (CA_KEY, &bundle.ca_key),
-        (TLS_CRT, &bundle.cert),
-        (TLS_KEY, &bundle.key),
+        (CA_CRT, Some(&bundle.ca_bundle)),
+        (CA_KEY, Some(&bundle.ca_key)),
+        (TLS_CRT, Some(&bundle.cert)),
+        (TLS_KEY, Some(&bundle.key)),
+        (CA_ADOPTED_UNTIL, adopted_until.as_ref()),
     ]
     .into_iter()
-    .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec())))
+    .filter_map(|(k, v)| Some((k.to_owned(), ByteString(v?.as_bytes().to_vec()))))
     .collect();
     let params = PostParams {
         field_manager: Some(crate::reconcile::MANAGER.to_owned()),

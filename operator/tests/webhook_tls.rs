@@ -352,7 +352,7 @@ async fn a_certificate_of_a_new_ca_is_served_once_the_api_server_can_trust_it() 
 
 /// The Secret deleted under running replicas (or spoiled): the new CA is published beside the
 /// one their certificates are of, so the API server goes on trusting them until they load a
-/// certificate of the new CA, once it has settled, as after a rotation.
+/// certificate of the new CA, once it has settled, as after a rotation; then the old CA goes.
 #[tokio::test]
 async fn a_secret_made_anew_keeps_the_published_ca_trusted_until_replicas_reload() {
     let api = api_with_configuration();
@@ -396,6 +396,21 @@ async fn a_secret_made_anew_keeps_the_published_ca_trusted_until_replicas_reload
             Some(secret_text(&api, "tls.crt").as_str())
         );
     }
+    // Nobody holds the old CA's key any more (the Secret may have gone for a leaked one): it is
+    // trusted no longer than the replicas need it.
+    let done = soon + leasehold_operator::webhook_certs::ADOPTED_KEPT + Duration::seconds(1);
+    let pass = webhook_tls::pass(&client, &settings(), &a, done)
+        .await
+        .unwrap();
+    assert_eq!(pass.renewed, Some(Renewal::BundlePruned));
+    let published = published_ca(&api);
+    assert!(
+        !published.contains(old_ca.trim()),
+        "the old CA is still trusted"
+    );
+    assert_eq!(published, secret_text(&api, "ca.crt"));
+    let secret = api.object(SECRETS, NS, "leasehold-webhook-tls").unwrap();
+    assert!(secret["data"].get("ca-adopted-until").is_none(), "{secret}");
 }
 
 /// A CA nobody in these tests trusts.
