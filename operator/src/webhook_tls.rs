@@ -373,6 +373,14 @@ fn webhook_configurations(client: &kube::Client) -> Api<DynamicObject> {
     Api::all_with(client.clone(), &resource)
 }
 
+/// Whether `webhook`, of the webhook configuration, calls this operator's webhook Service
+/// (another product's webhooks in the same configuration are left alone).
+fn calls_this_service(webhook: &serde_json::Value, settings: &SelfManaged) -> bool {
+    let service = &webhook["clientConfig"]["service"];
+    service["name"] == settings.service.as_str()
+        && service["namespace"] == settings.namespace.as_str()
+}
+
 /// The `caBundle` the webhook configuration gives for this Service now, if any.
 async fn published_ca_bundle(
     client: &kube::Client,
@@ -388,11 +396,7 @@ async fn published_ca_bundle(
         .and_then(|w| w.as_array())
         .into_iter()
         .flatten()
-        .filter(|webhook| {
-            let service = &webhook["clientConfig"]["service"];
-            service["name"] == settings.service.as_str()
-                && service["namespace"] == settings.namespace.as_str()
-        })
+        .filter(|webhook| calls_this_service(webhook, settings))
         .filter_map(|webhook| {
             serde_json::from_value::<ByteString>(webhook["clientConfig"]["caBundle"].clone()).ok()
         })
@@ -420,9 +424,7 @@ async fn publish_ca_bundle(
         .and_then(|w| w.as_array_mut())
     {
         for webhook in webhooks {
-            let service = &webhook["clientConfig"]["service"];
-            if service["name"] == settings.service.as_str()
-                && service["namespace"] == settings.namespace.as_str()
+            if calls_this_service(webhook, settings)
                 && webhook["clientConfig"]["caBundle"] != wanted
             {
                 webhook["clientConfig"]["caBundle"] = wanted.clone();

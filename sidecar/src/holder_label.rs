@@ -280,21 +280,21 @@ async fn set_holder_labels(
         .map(|(key, permit)| (key.clone(), permit.to_string().into()))
         .collect();
     let patch = json!({"metadata": {"labels": &labels, "annotations": annotations}});
-    match pods
-        .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => Ok(()),
+    match merge(pods, pod, &patch).await {
         // An admission policy of an older chart refuses the annotation: the labels alone.
         Err(kube::Error::Api(refused)) if refused.code == 422 && annotation.is_some() => {
             tracing::debug!(pod, error = %refused, "the permit's annotation was refused; labelling without it");
-            let patch = json!({"metadata": {"labels": labels}});
-            pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map(|_| ())
+            merge(pods, pod, &json!({"metadata": {"labels": labels}})).await
         }
-        Err(e) => Err(e),
+        done => done,
     }
+}
+
+/// Merge `patch` into pod `pod`.
+async fn merge(pods: &Api<Pod>, pod: &str, patch: &serde_json::Value) -> kube::Result<()> {
+    pods.patch(pod, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .map(|_| ())
 }
 
 /// Say "false" in each of `labels` on pod `pod`.
@@ -303,10 +303,7 @@ async fn clear_labels(pods: &Api<Pod>, pod: &str, labels: &[String]) -> kube::Re
         .iter()
         .map(|label| (label.clone(), "false".into()))
         .collect();
-    let patch = json!({"metadata": {"labels": labels}});
-    pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map(|_| ())
+    merge(pods, pod, &json!({"metadata": {"labels": labels}})).await
 }
 
 #[cfg(test)]

@@ -337,12 +337,8 @@ impl Engine {
             if let Some(unheld) = self.unheld_mut() {
                 unheld.in_flight = None;
             }
-            let (driver, lock) = (self.driver.clone(), &self.config.name);
-            let _ = timeout(
-                SHUTDOWN_RELEASE_TIMEOUT,
-                driver.abandon(lock, &self.config.identity),
-            )
-            .await;
+            self.leave_queue_within(&self.config.name, SHUTDOWN_RELEASE_TIMEOUT)
+                .await;
         }
         for waiter in self.waiters.drain(..) {
             let _ = waiter.reply.send(Granted::uncounted(Answer::NotHolder));
@@ -789,7 +785,16 @@ impl Engine {
     /// future owns what it needs: the engine is not `Sync`, so none of it may be held across
     /// the wait.
     fn leave_queue(&self, lock: &str) -> impl Future<Output = ()> + Send + 'static {
-        let (driver, budget) = (self.driver.clone(), self.config.renew_interval);
+        self.leave_queue_within(lock, self.config.renew_interval)
+    }
+
+    /// [`Engine::leave_queue`], given up after `budget`.
+    fn leave_queue_within(
+        &self,
+        lock: &str,
+        budget: Duration,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let driver = self.driver.clone();
         let (lock, identity) = (lock.to_owned(), self.config.identity.clone());
         async move {
             let _ = timeout(budget, driver.abandon(&lock, &identity)).await;
