@@ -935,3 +935,38 @@ async fn a_key_whose_holders_clock_runs_behind_is_neither_counted_free_nor_delet
     assert_eq!(driver.count_held_keys(&family).await.unwrap(), Some(0));
     assert_eq!(forget_idle_now(&driver, &family).await, 1);
 }
+
+/// The holder's node clock steps back by minutes: its renewals carry a `renewTime` long past
+/// their end by this node's clock. A record seen written while this contender watched has a
+/// live writer, so it is timed by observation, not taken as dead long ago.
+#[tokio::test]
+async fn a_holder_whose_clock_steps_back_keeps_a_lease_seen_renewed() {
+    let (driver, mut api) = driver();
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(
+            send,
+            StatusCode::OK,
+            &lease("jobs", "a", 7, Duration::from_secs(1), "5"),
+        );
+        // Renewed, dated by a clock that stepped back two minutes.
+        let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
+        reply(
+            send,
+            StatusCode::OK,
+            &lease("jobs", "a", 7, Duration::from_secs(120), "6"),
+        );
+        // No write follows: the test's end drops the handle, so a PUT would find no answer.
+    });
+    for _ in 0..2 {
+        let outcome = driver
+            .try_acquire("jobs", "b", Duration::from_secs(15))
+            .await
+            .unwrap();
+        assert!(
+            matches!(&outcome, Acquire::Busy(Some(holding)) if holding.identity == "a"),
+            "a record seen renewed was taken as run out long ago: {outcome:?}"
+        );
+    }
+    server.await.unwrap();
+}

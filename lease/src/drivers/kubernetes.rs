@@ -17,7 +17,9 @@
 //!   compared across nodes. A contender that first sees a dead holder's record waits one lease
 //!   from then, unless the record's `renewTime` is more than [`MAX_CLOCK_SKEW`] past its end on
 //!   this node's wall clock (a key whose holder died long ago is taken at once): nodes' clocks
-//!   must then agree within that, not within the lease's safety margin.
+//!   must then agree within that, not within the lease's safety margin. A record this process
+//!   has seen written (renewed, taken) is timed by observation alone, so a holder whose clock
+//!   steps back keeps its lease.
 //!   `leaseDurationSeconds` is whole seconds (what client-go and `kubectl` read), rounded up;
 //!   the exact duration is kept in the annotation [`DURATION_ANNOTATION`].
 //! - **Wake-ups**: one watch per lock (on the Lease's name), started by the first waiter.
@@ -162,6 +164,9 @@ struct Sighting {
     version: Option<String>,
     since: BootInstant,
     duration: Duration,
+    /// This process saw the record written while it watched (a renewal, a takeover): its
+    /// writer is alive, whatever its `renewTime` says by this node's clock.
+    written_since_first_seen: bool,
 }
 
 impl Sighting {
@@ -222,6 +227,7 @@ impl KubernetesLeaseDriver {
                         version: version.clone(),
                         since: now,
                         duration: record.duration,
+                        written_since_first_seen: true,
                     };
                 }
             })
@@ -229,19 +235,24 @@ impl KubernetesLeaseDriver {
                 version: version.clone(),
                 since: now,
                 duration: record.duration,
+                written_since_first_seen: false,
             });
         let left = sighting.left(now);
+        let written_while_watched = sighting.written_since_first_seen;
         // A sighting is kept a while after it ran out (as long again as it lasted): the
         // contenders that watched it run out come back for it then, and one forgotten would be
         // counted again from their next look, a whole lease more.
         sightings.prune(|s| now.saturating_duration_since(s.since) < s.duration * 2);
-        let long_over = record
-            .expires_at()
-            .and_then(|end| {
-                end.checked_add(SignedDuration::try_from(MAX_CLOCK_SKEW).ok()?)
-                    .ok()
-            })
-            .is_some_and(|end| end <= Timestamp::now());
+        // Dated by the writer's wall clock, which may have stepped back: a record seen written
+        // while this process watched is timed by observation alone.
+        let long_over = !written_while_watched
+            && record
+                .expires_at()
+                .and_then(|end| {
+                    end.checked_add(SignedDuration::try_from(MAX_CLOCK_SKEW).ok()?)
+                        .ok()
+                })
+                .is_some_and(|end| end <= Timestamp::now());
         (!left.is_zero() && !long_over).then_some(Holding {
             identity,
             token: record.transitions,
