@@ -468,6 +468,62 @@ async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
     holder.shutdown().await;
 }
 
+/// The engine's task stalls after it read a renewal's answer in time and before it published
+/// the claim renewed (a throttled CPU): the claim it renews runs out meanwhile, and a reader
+/// has been answered "not held". The renewal must not bring that claim back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_published_after_its_claim_ran_out_does_not_resume_it() {
+    /// Stalls the engine's thread at its first renewal, after the answer was read.
+    struct StallsAtFirstRenewal(std::sync::atomic::AtomicBool);
+    impl leasehold_lease::Telemetry for StallsAtFirstRenewal {
+        fn renewed(&self, _lock: &str, _latency: Duration) {
+            if !self.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(4900));
+            }
+        }
+    }
+    let (_harness, faulty) = late_sqlite().await;
+    let name = unique_lock("stalled-publish");
+    let holder = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            mode: Mode::Campaign,
+            ..LockConfig::new(&name, "a", LEASE)
+        },
+        Arc::new(StallsAtFirstRenewal(Default::default())),
+    )
+    .unwrap();
+    let mut events = holder.events();
+    let started = Instant::now();
+    let first = loop {
+        if let Answer::Holder { token, .. } = holder.answer() {
+            break token;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "a never held");
+        sleep(Duration::from_millis(10)).await;
+    };
+    // The first renewal is due 2 s after the acquisition and read in time; its publication
+    // comes 4.9 s later, past the claim it renews (6 s from the acquisition, less the margin).
+    let (mut lapsed, until) = (false, Instant::now() + LEASE + Duration::from_secs(2));
+    while Instant::now() < until {
+        match holder.answer() {
+            Answer::Holder { token, .. } => assert!(
+                !lapsed || token > first,
+                "the claim of token {first} resumed after it had run out"
+            ),
+            _ => lapsed = true,
+        }
+        sleep(Duration::from_millis(5)).await;
+    }
+    assert!(lapsed, "the stalled renewal never let the claim run out");
+    let mut lost = false;
+    while let Ok(event) = events.try_recv() {
+        lost |= event.kind == EventKind::Lost && event.token == first;
+    }
+    assert!(lost, "no loss of token {first} was told");
+    holder.shutdown().await;
+}
+
 /// A reader whose client hangs up while its permit above 0 is being checked against the key's
 /// write gate gives the permit back, rather than keep it for nobody until its hold ends (a
 /// writer would wait that long). The reader's calls reach the backend 400 ms late here, so the

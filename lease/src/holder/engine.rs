@@ -481,6 +481,18 @@ impl Engine {
     /// [`Engine::publish_lease`], with `also` changed in the same step: each publication wakes
     /// every reader's notifier, at a price a keyed cycle paid several times.
     pub(super) fn publish_lease_and(&mut self, also: impl FnOnce(&mut Snapshot)) {
+        self.publish_lease_unless(|| false, also);
+    }
+
+    /// [`Engine::publish_lease_and`], unless `stale` says, as the change is made, that what it
+    /// publishes no longer stands; whether it was published. Readers compare the boot clock
+    /// themselves, so a claim they may have read as run out is checked in the same step as it
+    /// is replaced, not before.
+    pub(super) fn publish_lease_unless(
+        &mut self,
+        stale: impl FnOnce() -> bool,
+        also: impl FnOnce(&mut Snapshot),
+    ) -> bool {
         let held = self.held().map(|h| Held {
             token: h.lease.token,
             permit: h.permit,
@@ -494,7 +506,12 @@ impl Engine {
             expires_in: Some(h.valid_until.remaining()),
         });
         let holds = self.held().map_or(0, |h| h.holds);
+        let mut published = false;
         self.publish(|s| {
+            if stale() {
+                return false;
+            }
+            published = true;
             if s.held.is_some() != held.is_some() {
                 s.since = SystemTime::now();
             }
@@ -507,6 +524,7 @@ impl Engine {
             also(s);
             true
         });
+        published
     }
 
     /// Change the published state; `change` tells whether anything changed. Readers are woken
@@ -1085,7 +1103,16 @@ impl Engine {
                     held.valid_until = valid_until;
                     held.retry_at = None;
                 }
-                self.publish_lease();
+                // The task may stall between the check above and here (a throttled CPU).
+                if !self.publish_lease_unless(|| BootInstant::now() >= claimed_until, |_| {}) {
+                    if let Some(held) = self.held_mut() {
+                        held.valid_until = claimed_until;
+                    }
+                    self.lapse_as(
+                        EventKind::Lost,
+                        "the renewal was published after the lease ran out",
+                    );
+                }
             }
             Call::Done(false) => self.lose("the backend no longer has this lease"),
             Call::Failed | Call::TimedOut => {
