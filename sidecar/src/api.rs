@@ -1539,6 +1539,11 @@ async fn keys_release(
             None,
         );
         key_status.released = Some(matches!(release, KeyRelease::Released { .. }));
+        if let KeyRelease::Released { holds } = release
+            && !key_status.holder
+        {
+            key_status.holds = *holds;
+        }
         body.keys.push(key_status);
     }
     body.holder = body.keys.iter().all(|k| k.holder);
@@ -1695,29 +1700,36 @@ async fn key_release(
     let (owner, _) = key_query(query, &[], false)?;
     let owner = owner.unwrap_or_default();
     let released = family.release(&key, &owner).await.map_err(key_error)?;
-    let (answer, status) = match &released {
-        KeyRelease::Released { holds } => (
-            family.status(&key, Some(&owner)).map_err(key_error)?,
-            if *holds == 0 {
-                Some(StatusCode::OK)
-            } else {
-                None
-            },
-        ),
-        KeyRelease::HeldByAnother { holder } => (
-            KeyAnswer::HeldByAnother {
-                holder: Some(holder.clone()),
-            },
-            None,
-        ),
-        KeyRelease::NotHeld => (KeyAnswer::NotHeld, None),
+    let answer = match &released {
+        // 200 whatever the backend can tell of the acquisitions left: this one is given up, and
+        // a release sent again on a 503 would give up the next one too.
+        KeyRelease::Released { holds } => {
+            let answer = family.status(&key, Some(&owner)).map_err(key_error)?;
+            let (_, mut body) = key_body(
+                family,
+                &key,
+                Some(&owner),
+                &answer,
+                StatusCode::NOT_FOUND,
+                None,
+            );
+            if !body.holder {
+                body.holds = *holds;
+            }
+            return Ok(json(StatusCode::OK, &body));
+        }
+        KeyRelease::HeldByAnother { holder } => KeyAnswer::HeldByAnother {
+            holder: Some(holder.clone()),
+        },
+        KeyRelease::NotHeld => KeyAnswer::NotHeld,
     };
-    let mut response = key_response(family, &key, Some(&owner), &answer, StatusCode::NOT_FOUND);
-    // A release that freed the key: 200 with holder false.
-    if let Some(status) = status {
-        *response.status_mut() = status;
-    }
-    Ok(response)
+    Ok(key_response(
+        family,
+        &key,
+        Some(&owner),
+        &answer,
+        StatusCode::NOT_FOUND,
+    ))
 }
 
 async fn key_extend(
@@ -2226,6 +2238,45 @@ mod tests {
         let (status, released) = post(&router, &own).await;
         assert_eq!(status, StatusCode::OK, "{released}");
         assert_eq!(released["holder"], false, "{released}");
+    }
+
+    /// A key acquired twice, released once while the backend cannot be reached: the release
+    /// took effect (one acquisition less), so it is a 200 with the acquisitions left, not a
+    /// 503 that tells the app to send it again (which would give up the last acquisition).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_release_of_one_acquisition_is_told_while_the_backend_cannot_be_reached() {
+        let dir = tempfile::tempdir().unwrap();
+        let faulty = FaultyDriver::wrap(sqlite_backend(&dir).await);
+        let mut config =
+            leasehold_lease::keyed::FamilyConfig::new("orders", "pod-a", Duration::from_secs(3));
+        config.renew_interval = Duration::from_millis(500);
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let family = KeyedFamily::new(faulty.clone(), config, metrics.clone()).unwrap();
+        let router =
+            lock_api(AppState::new(Vec::new(), metrics).with_families(vec![family.clone()]));
+        for _ in 0..2 {
+            let (status, taken) = post(&router, "/locks/orders/keys/k/acquire?owner=o").await;
+            assert_eq!(status, StatusCode::OK, "{taken}");
+        }
+        faulty.cut_off(true);
+        let started = tokio::time::Instant::now();
+        while !matches!(
+            family.status("k", Some("o")),
+            Ok(leasehold_lease::keyed::KeyAnswer::Unknown)
+        ) {
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "a renewal never failed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (status, released) = post(&router, "/locks/orders/keys/k/release?owner=o").await;
+        assert_eq!(
+            (status, &released["holds"]),
+            (StatusCode::OK, &serde_json::json!(1)),
+            "{released}"
+        );
+        faulty.cut_off(false);
     }
 
     #[test]
