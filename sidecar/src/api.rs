@@ -793,13 +793,17 @@ fn parse_duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| e.to_string())
 }
 
-/// `hold` (default [`DEFAULT_HOLD`]), which must be above zero.
+/// The shortest `hold`: an answer is counted in whole milliseconds (`validForMs`), so a shorter
+/// hold would take the lock only to answer that it is not held and let it go.
+const MIN_HOLD: Duration = Duration::from_millis(1);
+
+/// `hold` (default [`DEFAULT_HOLD`]), which must be at least [`MIN_HOLD`].
 fn hold_param(params: &HashMap<String, Duration>) -> Result<Duration, ApiError> {
     let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
-    if hold.is_zero() {
+    if hold < MIN_HOLD {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
-            "hold must be above zero",
+            "hold must be at least 1ms",
         ));
     }
     Ok(hold)
@@ -2277,6 +2281,27 @@ mod tests {
             "{released}"
         );
         faulty.cut_off(false);
+    }
+
+    /// A hold shorter than a millisecond is refused before anything is taken: granted, it would
+    /// have run out by the answer, which would say "held by another" of a lock taken and given
+    /// back.
+    #[tokio::test]
+    async fn a_hold_below_a_millisecond_is_refused_and_takes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let faulty = FaultyDriver::wrap(sqlite_backend(&dir).await);
+        let mut config = LockConfig::new("jobs", "pod-a", Duration::from_secs(10));
+        config.mode = Mode::OnDemand;
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let lock = Lock::start(faulty.clone(), config, metrics.clone()).unwrap();
+        let router = lock_api(AppState::new(vec![lock], metrics));
+        for hold in ["1ns", "999us", "0s"] {
+            let (status, refused) = post(&router, &format!("/lock/acquire?hold={hold}")).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "hold={hold}: {refused}");
+        }
+        assert_eq!(faulty.answered("jobs", "pod-a"), 0, "the backend was asked");
+        let (status, taken) = post(&router, "/lock/acquire?hold=1ms").await;
+        assert_eq!(status, StatusCode::OK, "{taken}");
     }
 
     #[test]
