@@ -1419,10 +1419,10 @@ async fn keys_hold(
     let deadline = tokio::time::Instant::now() + wait;
     let mut turns = Vec::new();
     if exclusive {
-        // Checked before waiting for a turn, so that a bad key is a 400 at once.
-        for key in &keys {
-            family.backend_name(key).map_err(key_error)?;
-        }
+        // Checked before waiting for a turn, so that a bad request is a 400 at once.
+        family
+            .check_acquisition(&keys, &owner, mode.is_some())
+            .map_err(key_error)?;
         match state.key_turns(&family, &keys, &owner, deadline).await {
             Ok(taken) => turns = taken,
             Err((key, answer)) => return Ok(keys_not_taken(&family, &owner, &key, &answer)),
@@ -1771,8 +1771,10 @@ async fn key_hold(
     let (owner, params) = key_query(query, &[("wait", MAX_WAIT)], false)?;
     let owner = owner.unwrap_or_default();
     let wait = params.get("wait").copied().unwrap_or(Duration::ZERO);
-    // Checked before waiting for a turn, so that a bad key is a 400 at once.
-    family.backend_name(&key).map_err(key_error)?;
+    // Checked before waiting for a turn, so that a bad request is a 400 at once.
+    family
+        .check_acquisition(std::slice::from_ref(&key), &owner, mode.is_some())
+        .map_err(key_error)?;
     if !matches!(mode, Some(Access::Write)) && family.writes(&key, &owner) {
         return Err(owner_writes());
     }
@@ -2302,6 +2304,39 @@ mod tests {
         assert_eq!(faulty.answered("jobs", "pod-a"), 0, "the backend was asked");
         let (status, taken) = post(&router, "/lock/acquire?hold=1ms").await;
         assert_eq!(status, StatusCode::OK, "{taken}");
+    }
+
+    /// An exclusive hold waits for the owner's earlier exclusive hold of the key to end; a
+    /// request it would refuse anyway (a key named twice, a mode on a family that has none) is
+    /// a 400 at once, not a 409 after the wait.
+    #[tokio::test]
+    async fn a_bad_exclusive_hold_is_refused_before_its_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let config =
+            leasehold_lease::keyed::FamilyConfig::new("orders", "pod-a", Duration::from_secs(10));
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let family = KeyedFamily::new(sqlite_backend(&dir).await, config, metrics.clone()).unwrap();
+        let router = lock_api(AppState::new(Vec::new(), metrics).with_families(vec![family]));
+        let open = router
+            .clone()
+            .oneshot(request("/locks/orders/hold?keys=a&owner=o&exclusive=true"))
+            .await
+            .unwrap();
+        assert_eq!(open.status(), StatusCode::OK);
+        for bad in [
+            "/locks/orders/hold?keys=a,a&owner=o&exclusive=true&wait=3s",
+            "/locks/orders/keys/a/hold?owner=o&exclusive=true&mode=write&wait=3s",
+            "/locks/orders/hold?keys=a&owner=o&exclusive=true&mode=read&wait=3s",
+        ] {
+            let asked = tokio::time::Instant::now();
+            let (status, refused) = post(&router, bad).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {refused}");
+            assert!(
+                asked.elapsed() < Duration::from_secs(2),
+                "{bad} was refused only after its wait"
+            );
+        }
+        drop(open);
     }
 
     #[test]

@@ -561,6 +561,23 @@ impl KeyedFamily {
         Ok(answers)
     }
 
+    /// What an acquisition of `keys` by `owner` would refuse as bad input, checked without
+    /// taking anything: for a caller that waits for something else first (a turn among its own
+    /// holds), so that a bad request is refused at once. `read_write`: a mode was asked for.
+    pub fn check_acquisition(
+        &self,
+        keys: &[String],
+        owner: &str,
+        read_write: bool,
+    ) -> Result<(), KeyError> {
+        self.check_new_keys(keys)?;
+        self.check_owner(owner)?;
+        if read_write {
+            self.check_read_write()?;
+        }
+        Ok(())
+    }
+
     /// `keys` to be taken, checked (each valid now, none twice, at least one, at most
     /// [`MAX_KEYS_AT_ONCE`] and the family's limit of keys held), in the canonical order they
     /// are taken in.
