@@ -184,7 +184,7 @@ async fn try_lock(
             permit,
             token,
             ..
-        } if valid_for + started.elapsed() < hold => {
+        } if !covers_expiry(&family, resource_id, owner, (permit, token), started, hold) => {
             // This acquisition's holding exactly (another call of the owner's may hold another
             // permit of a semaphore), on a task of its own that a hang-up cannot cut short.
             let (key, owner) = (resource_id.to_owned(), owner.to_owned());
@@ -205,8 +205,10 @@ async fn try_lock(
                 status: StatusCode::INTERNAL_SERVER_ERROR,
                 code: "ERR_TRY_LOCK",
                 message: format!(
-                    "the lock was taken with a claim of {valid_for:?}, shorter than the expiry \
-                     of {expiry_in_seconds} s, and {given_back}: ask for a shorter expiry"
+                    "the lock was taken with a claim of {valid_for:?}, answered {:?} after the \
+                     call: it does not cover the expiry of {expiry_in_seconds} s from the call, \
+                     and {given_back}; ask for a shorter expiry, or again",
+                    started.elapsed()
                 ),
             })
         }
@@ -220,6 +222,33 @@ async fn try_lock(
             message: format!("the {} backend cannot be reached", family.backend()),
         }),
     }
+}
+
+/// Whether `owner`'s `holding` of `key` stands, read now, until `hold` after `started` (when the
+/// client's expiry began, as far as this sidecar knows), and that moment is still ahead: a lock
+/// whose expiry has passed by the answer is no lock to the client. The claim is read before
+/// the time elapsed, so that the sum errs short.
+fn covers_expiry(
+    family: &KeyedFamily,
+    key: &str,
+    owner: &str,
+    (permit, token): (u32, u64),
+    started: std::time::Instant,
+    hold: Duration,
+) -> bool {
+    let Some(lock) = family.holding_on_permit(key, permit, owner) else {
+        return false;
+    };
+    let valid_for = match lock.answer() {
+        leasehold_lease::Answer::Holder {
+            token: held,
+            valid_for,
+            ..
+        } if held == token => valid_for,
+        _ => return false,
+    };
+    let elapsed = started.elapsed();
+    elapsed < hold && valid_for + elapsed >= hold
 }
 
 async fn unlock(
@@ -479,6 +508,37 @@ pub fn grpc_incoming(listener: tokio::net::TcpListener) -> tonic::transport::ser
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use leasehold_testkit::faulty::FaultyDriver;
+
+    /// A try-lock whose backend call outlasts the client's expiry does not tell the client it
+    /// holds a lock whose expiry, counted from its call, has passed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_try_lock_answered_after_its_expiry_is_not_a_success() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let backend = leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap();
+        let faulty = FaultyDriver::wrap(backend);
+        let config =
+            leasehold_lease::keyed::FamilyConfig::new("store", "pod-a", Duration::from_secs(10));
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+        let family = KeyedFamily::new(faulty.clone(), config, metrics.clone()).unwrap();
+        let state = AppState::new(Vec::new(), metrics).with_families(vec![family]);
+        faulty.delay_requests(Duration::from_millis(1500));
+        let answer = try_lock(&state, "store", "r", "o", 1).await;
+        assert!(
+            !matches!(answer, Ok(true)),
+            "a try-lock answered 1.5 s into a 1 s expiry succeeded"
+        );
+        faulty.delay_requests(Duration::ZERO);
+        assert!(matches!(
+            try_lock(&state, "store", "r2", "o", 1).await,
+            Ok(true)
+        ));
+    }
+
     /// Every connection Dapr's gRPC server accepts has `TCP_NODELAY`.
     #[tokio::test]
     async fn accepted_grpc_connections_do_not_wait_for_acknowledgements() {
