@@ -469,6 +469,59 @@ async fn a_deleted_floor_lease_comes_back_above_the_familys_tokens() {
     assert_eq!(floor["spec"]["leaseTransitions"], 6);
 }
 
+/// A held Lease deleted by hand (`kubectl delete lease`, a tool's prune): its holder claims until
+/// its next renewal finds it gone. A contender that saw it held does not make it again before
+/// the record it saw has had its time, and draws a token above the one it saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_deleted_by_hand_is_not_taken_within_the_holders_claim() {
+    const TTL: Duration = Duration::from_secs(2);
+    let harness = KubernetesHarness::new();
+    let (a, b) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("deleted");
+    let mut held = None;
+    for _ in 0..3 {
+        if let Some(lease) = held.take() {
+            assert!(a.release(&lease).await.unwrap());
+        }
+        match a.try_acquire(&lock, "pod-a", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => held = Some(lease),
+            other => panic!("a: {other:?}"),
+        }
+    }
+    let held = held.unwrap();
+    let first_seen = tokio::time::Instant::now();
+    assert!(matches!(
+        b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+        Acquire::Busy(_)
+    ));
+    let deleted = tokio::time::Instant::now();
+    assert!(harness.api.remove(
+        leasehold_testkit::in_memory_api_server::LEASES,
+        KubernetesHarness::NAMESPACE,
+        &lock
+    ));
+    let taken = loop {
+        match b.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => break lease,
+            Acquire::Busy(_) => {}
+            other => panic!("b: {other:?}"),
+        }
+        assert!(deleted.elapsed() < TTL * 3, "b never took the lock");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        first_seen.elapsed() >= TTL,
+        "b took the lock {:?} after the Lease was deleted, within a's claim",
+        deleted.elapsed()
+    );
+    assert!(
+        taken.token > held.token,
+        "token {} after the deletion, {} before",
+        taken.token,
+        held.token
+    );
+}
+
 /// A family's key Leases that nobody has held for the idle time are deleted, and no other: not
 /// a held key's, not one released just now (with an hour's idle time), not the floor's, not a
 /// plain lock's, not another family's. A key taken again after its Lease went draws above every

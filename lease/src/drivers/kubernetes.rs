@@ -167,6 +167,11 @@ struct Sighting {
     /// This process saw the record written while it watched (a renewal, a takeover): its
     /// writer is alive, whatever its `renewTime` says by this node's clock.
     written_since_first_seen: bool,
+    /// Who the record names, and its token.
+    identity: String,
+    token: u64,
+    /// Counted free at once when last seen: dated long before this node's clock.
+    long_over: bool,
 }
 
 impl Sighting {
@@ -228,6 +233,9 @@ impl KubernetesLeaseDriver {
                         since: now,
                         duration: record.duration,
                         written_since_first_seen: true,
+                        identity: identity.clone(),
+                        token: record.transitions,
+                        long_over: false,
                     };
                 }
             })
@@ -236,16 +244,14 @@ impl KubernetesLeaseDriver {
                 since: now,
                 duration: record.duration,
                 written_since_first_seen: false,
+                identity: identity.clone(),
+                token: record.transitions,
+                long_over: false,
             });
         let left = sighting.left(now);
-        let written_while_watched = sighting.written_since_first_seen;
-        // A sighting is kept a while after it ran out (as long again as it lasted): the
-        // contenders that watched it run out come back for it then, and one forgotten would be
-        // counted again from their next look, a whole lease more.
-        sightings.prune(|s| now.saturating_duration_since(s.since) < s.duration * 2);
         // Dated by the writer's wall clock, which may have stepped back: a record seen written
         // while this process watched is timed by observation alone.
-        let long_over = !written_while_watched
+        let long_over = !sighting.written_since_first_seen
             && record
                 .expires_at()
                 .and_then(|end| {
@@ -253,11 +259,35 @@ impl KubernetesLeaseDriver {
                         .ok()
                 })
                 .is_some_and(|end| end <= Timestamp::now());
+        sighting.long_over = long_over;
+        // A sighting is kept a while after it ran out (as long again as it lasted): the
+        // contenders that watched it run out come back for it then, and one forgotten would be
+        // counted again from their next look, a whole lease more.
+        sightings.prune(|s| now.saturating_duration_since(s.since) < s.duration * 2);
         (!left.is_zero() && !long_over).then_some(Holding {
             identity,
             token: record.transitions,
             expires_in: Some(left),
         })
+    }
+
+    /// `lock`'s Lease is gone (deleted by hand, pruned by a tool): the holder this process last
+    /// saw holding it, while that record's time is not up (its claim may not have ended, and
+    /// it learns of the deletion only at its next renewal), and the highest token seen of it,
+    /// which the Lease made again draws above.
+    fn vanished(&self, lock: &str) -> (Option<Holding>, u64) {
+        let sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
+        let now = BootInstant::now();
+        let Some(seen) = sightings.get(lock) else {
+            return (None, 0);
+        };
+        let left = seen.left(now);
+        let holding = (!left.is_zero() && !seen.long_over).then(|| Holding {
+            identity: seen.identity.clone(),
+            token: seen.token,
+            expires_in: Some(left),
+        });
+        (holding, seen.token)
     }
 
     /// In-cluster (or `KUBECONFIG`) credentials; `namespace` defaults to the pod's own.
@@ -796,6 +826,13 @@ impl Driver for KubernetesLeaseDriver {
             }
             None => (self.blank(lock), true),
         };
+        let seen_token = match created {
+            true => match self.vanished(lock) {
+                (Some(holding), _) => return Ok(Acquire::Busy(Some(holding))),
+                (None, token) => token,
+            },
+            false => 0,
+        };
         let record = Record::of(&object).unwrap_or(Record {
             identity: None,
             transitions: 0,
@@ -835,7 +872,7 @@ impl Driver for KubernetesLeaseDriver {
             Some(family) => self.floor(family).await?,
             None => 0,
         };
-        let token = record.transitions.max(floor) + 1;
+        let token = record.transitions.max(floor).max(seen_token) + 1;
         claim(&mut object, identity, token, ttl)?;
         let lease = Lease {
             lock: lock.to_owned(),
