@@ -155,6 +155,44 @@ async fn a_write_committed_with_its_answer_lost_is_the_acquisition() {
     }
 }
 
+/// A write committed whose answer was a failure (a proxy's 500, a connection reset): the Lease
+/// read back names this claim, so the acquisition holds rather than meet its own claim as
+/// another's for a lease. A failure whose write did not commit is the failure.
+#[tokio::test]
+async fn a_write_committed_with_a_failed_answer_is_the_acquisition() {
+    for committed in [true, false] {
+        let (driver, mut api) = driver();
+        let server = tokio::spawn(async move {
+            let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
+            reply(send, StatusCode::NOT_FOUND, &failure(404, "NotFound"));
+            let (mut created, send) = api.expect(Method::POST, "/namespaces/ns/leases").await;
+            reply(
+                send,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &failure(500, "InternalError"),
+            );
+            let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
+            if committed {
+                created["metadata"]["resourceVersion"] = json!("1");
+                reply(send, StatusCode::OK, &created);
+            } else {
+                reply(send, StatusCode::NOT_FOUND, &failure(404, "NotFound"));
+            }
+        });
+        let outcome = driver
+            .try_acquire("jobs", "a", Duration::from_secs(15))
+            .await;
+        match committed {
+            true => assert!(
+                matches!(&outcome, Ok(Acquire::Acquired(lease)) if lease.token == 1),
+                "{outcome:?}"
+            ),
+            false => assert!(outcome.is_err(), "{outcome:?}"),
+        }
+        server.await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn a_held_lease_is_busy_without_a_write() {
     let (driver, mut api) = driver();

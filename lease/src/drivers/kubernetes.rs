@@ -879,14 +879,21 @@ impl Driver for KubernetesLeaseDriver {
             identity: identity.to_owned(),
             token,
         };
-        let written = match self.replace(lock, &object).await? {
-            Some(written) => Some(written),
+        let written = match self.replace(lock, &object).await {
+            Ok(Some(written)) => Some(written),
+            // The write may have committed with its answer lost (a 500 from a proxy, a reset
+            // connection, a timeout): read once, as the engine would wait a lease for its own
+            // claim, held for nobody, before taking the lock again.
+            Err(error) => match self.read(lock).await {
+                Ok(Some(found)) if same_claim(&found, &object) => Some(found),
+                _ => return Err(error),
+            },
             // A conflict may be this very write: committed, its answer lost (a 504 or 503), and
             // sent again by the client, which retries those on its own. The Lease then names
             // this process with this claim's own acquireTime; taken as anything else, it would
             // be held for nobody for a lease. It was written after this call began, from which
             // the engine counts the claim.
-            None => self
+            Ok(None) => self
                 .read(lock)
                 .await?
                 .filter(|found| same_claim(found, &object)),
