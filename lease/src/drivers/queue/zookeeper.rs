@@ -399,6 +399,38 @@ fn sequence_of(name: &str) -> Option<i64> {
     name.rsplit_once(LOCK_NAME)?.1.parse().ok()
 }
 
+/// Where a sequence number stands in ZooKeeper's counter, which is a signed 32-bit number that
+/// goes on from 2147483647 to -2147483648: read as unsigned, the counter only rises until it
+/// wraps from 4294967295 to 0.
+fn counted(sequence: i64) -> u32 {
+    sequence as i32 as u32
+}
+
+/// Whether the node of `sequence` was made before the node of `other`, of one parent: the two
+/// are far fewer than 2^31 creations apart, so the difference tells, across a wrap too.
+fn made_before(sequence: i64, other: i64) -> bool {
+    (counted(other).wrapping_sub(counted(sequence)) as i32) > 0
+}
+
+/// `queue` (sequence, node name) in the order its nodes were made. The nodes of a queue at once
+/// are far fewer than 2^31 creations apart: where they straddle the counter's wrap, those made
+/// after it (the lowest) come last. Sorted by the number alone, a node made after the wrap
+/// would stand first, ahead of the holder.
+fn in_creation_order(queue: &mut [(i64, String)]) {
+    const QUARTER: u32 = 1 << 30;
+    let wrapped = queue.iter().any(|(s, _)| counted(*s) >= 3 * QUARTER)
+        && queue.iter().any(|(s, _)| counted(*s) < QUARTER);
+    queue.sort_by_key(|(sequence, name)| {
+        let at = u64::from(counted(*sequence));
+        let at = if wrapped && at < u64::from(QUARTER) {
+            at + (1 << 32)
+        } else {
+            at
+        };
+        (at, name.clone())
+    });
+}
+
 impl super::Transport for Shared {
     type Own = Node;
 
@@ -771,7 +803,7 @@ impl Shared {
         // (or the one it holds) and leaves the others, which it would otherwise no longer know
         // of while they stood ahead of the place it watches.
         let placed = self.lines.places.joined(entry.clone(), |present| {
-            present.slot.holding() || present.sequence < entry.sequence
+            present.slot.holding() || made_before(present.sequence, entry.sequence)
         });
         let (kept, surplus) = match placed {
             Joined::Kept { kept, surplus } => (kept, Some(surplus)),
@@ -794,7 +826,7 @@ impl Shared {
         Ok(kept)
     }
 
-    /// The queue of `lock`, lowest sequence first: (sequence, node name).
+    /// The queue of `lock`, first made first: (sequence, node name).
     async fn queue(&self, client: &zk::Client, lock: &str) -> Result<Vec<(i64, String)>> {
         let children = match client.list_children(&self.parent(lock)).await {
             Ok(children) => children,
@@ -805,7 +837,7 @@ impl Shared {
             .into_iter()
             .filter_map(|name| Some((sequence_of(&name)?, name)))
             .collect();
-        queue.sort();
+        in_creation_order(&mut queue);
         Ok(queue)
     }
 
@@ -1471,4 +1503,32 @@ fn tls_options(tls: &Tls) -> Result<zk::TlsOptions> {
             .map_err(|e| invalid("cert", e))?;
     }
     Ok(options)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(sequences: &[i64]) -> Vec<i64> {
+        let mut queue: Vec<(i64, String)> = sequences
+            .iter()
+            .map(|s| (*s, format!("_c_0-lock-{s:010}")))
+            .collect();
+        in_creation_order(&mut queue);
+        queue.into_iter().map(|(s, _)| s).collect()
+    }
+
+    /// ZooKeeper's counter goes on from 2147483647 to -2147483648: a node made after that
+    /// stands behind the holder made before it, not first in line beside it.
+    #[test]
+    fn nodes_made_after_the_counter_wraps_stand_behind_those_made_before() {
+        let (max, min) = (i64::from(i32::MAX), i64::from(i32::MIN));
+        assert_eq!(order(&[min, max, max - 1]), [max - 1, max, min]);
+        assert_eq!(order(&[min + 1, min, max]), [max, min, min + 1]);
+        // And from -1 to 0.
+        assert_eq!(order(&[1, 0, -1, -2]), [-2, -1, 0, 1]);
+        assert_eq!(order(&[12, 3, 7]), [3, 7, 12]);
+        assert!(made_before(max, min) && !made_before(min, max));
+        assert!(made_before(-1, 0) && made_before(3, 7) && !made_before(7, 3));
+    }
 }
