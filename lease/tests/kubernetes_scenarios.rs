@@ -558,6 +558,65 @@ async fn a_held_lease_deleted_by_hand_is_not_taken_within_the_holders_claim() {
         taken.token,
         held.token
     );
+    // The holder, told at its next renewal that its Lease is gone, takes the lock again later
+    // above every token it held or saw.
+    assert!(!a.renew(&held, TTL).await.unwrap());
+    assert!(b.release(&taken).await.unwrap());
+    assert!(harness.api.remove(
+        leasehold_testkit::in_memory_api_server::LEASES,
+        KubernetesHarness::NAMESPACE,
+        &lock
+    ));
+    match a.try_acquire(&lock, "pod-a", TTL).await.unwrap() {
+        Acquire::Acquired(again) => assert!(
+            again.token > held.token,
+            "a drew {} after its Lease was deleted, {} before",
+            again.token,
+            held.token
+        ),
+        other => panic!("a: {other:?}"),
+    }
+}
+
+/// A contender's last look at a held Lease was a while before it was deleted: the holder may
+/// have renewed it since, unseen, and claims a whole duration from its last renewal. The
+/// contender times its wait from when it first finds the Lease gone, not from its last look.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_deleted_after_an_unseen_renewal_is_waited_for_from_the_deletion() {
+    const TTL: Duration = Duration::from_secs(2);
+    let harness = KubernetesHarness::new();
+    let (a, b) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("renewed-unseen");
+    let Acquire::Acquired(held) = a.try_acquire(&lock, "pod-a", TTL).await.unwrap() else {
+        panic!("a takes the free lock");
+    };
+    assert!(matches!(
+        b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+        Acquire::Busy(_)
+    ));
+    tokio::time::sleep(TTL * 3 / 4).await;
+    // Renewed where b does not look, then deleted.
+    assert!(a.renew(&held, TTL).await.unwrap());
+    assert!(harness.api.remove(
+        leasehold_testkit::in_memory_api_server::LEASES,
+        KubernetesHarness::NAMESPACE,
+        &lock
+    ));
+    let deleted = tokio::time::Instant::now();
+    loop {
+        match b.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+            Acquire::Acquired(_) => break,
+            Acquire::Busy(_) => {}
+            other => panic!("b: {other:?}"),
+        }
+        assert!(deleted.elapsed() < TTL * 3, "b never took the lock");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        deleted.elapsed() >= TTL,
+        "b took the lock {:?} after the deletion, within a's renewed claim",
+        deleted.elapsed()
+    );
 }
 
 /// A family's key Leases that nobody has held for the idle time are deleted, and no other: not

@@ -174,6 +174,16 @@ struct Sighting {
     long_over: bool,
 }
 
+/// A lock's highest token seen, and until when it is kept.
+struct TokenSeen {
+    token: u64,
+    until: BootInstant,
+}
+
+/// How long a token seen is kept after it was last seen: past any lease a Lease deleted by hand
+/// could be taken again within.
+const TOKEN_KEPT: Duration = Duration::from_secs(600);
+
 impl Sighting {
     /// How long the record seen stays held, from `now`: zero once it has run out.
     fn left(&self, now: BootInstant) -> Duration {
@@ -189,6 +199,9 @@ pub struct KubernetesLeaseDriver {
     feeds: Mutex<Watches>,
     /// Held records as this process first saw them, by lock: their expiry.
     sightings: Mutex<Pruned<String, Sighting>>,
+    /// The highest token this process has seen or drawn of each lock, a while after: a Lease
+    /// deleted by hand takes its count with it, and one made again draws above this.
+    tokens_seen: Mutex<Pruned<String, TokenSeen>>,
     /// The Lease's `preferredHolder` moves the lock ([`KubernetesConfig::yield_to_preferred_holder`]).
     yield_to_preferred_holder: bool,
 }
@@ -202,6 +215,7 @@ impl KubernetesLeaseDriver {
             targets: HashMap::new(),
             feeds: Mutex::default(),
             sightings: Mutex::default(),
+            tokens_seen: Mutex::default(),
             yield_to_preferred_holder: false,
         }
     }
@@ -223,6 +237,7 @@ impl KubernetesLeaseDriver {
             sightings.remove(lock);
             return None;
         };
+        self.saw_token(lock, record.transitions);
         let version = object.metadata.resource_version.clone();
         let sighting = sightings
             .entry(lock.to_owned())
@@ -271,23 +286,46 @@ impl KubernetesLeaseDriver {
         })
     }
 
-    /// `lock`'s Lease is gone (deleted by hand, pruned by a tool): the holder this process last
-    /// saw holding it, while that record's time is not up (its claim may not have ended, and
-    /// it learns of the deletion only at its next renewal), and the highest token seen of it,
-    /// which the Lease made again draws above.
-    fn vanished(&self, lock: &str) -> (Option<Holding>, u64) {
-        let sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
+    /// `lock`'s Lease is gone (deleted by hand, pruned by a tool) where this process last saw it
+    /// held: the holder may have renewed it since, unseen, and learns of the deletion only at
+    /// its next renewal, so its claim may run for a whole duration from the deletion. Timed
+    /// from when the deletion is first seen, as a record first seen is; `None` once that has
+    /// passed, or for a record taken as dead long ago.
+    fn vanished(&self, lock: &str) -> Option<Holding> {
+        let mut sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
         let now = BootInstant::now();
-        let Some(seen) = sightings.get(lock) else {
-            return (None, 0);
-        };
+        let seen = sightings.get_mut(lock)?;
+        if seen.long_over {
+            return None;
+        }
+        // A sighting without a version is of the deletion: any record made since has one.
+        if seen.version.take().is_some() {
+            seen.since = now;
+        }
         let left = seen.left(now);
-        let holding = (!left.is_zero() && !seen.long_over).then(|| Holding {
+        (!left.is_zero()).then(|| Holding {
             identity: seen.identity.clone(),
             token: seen.token,
             expires_in: Some(left),
-        });
-        (holding, seen.token)
+        })
+    }
+
+    /// `token` of `lock` was seen or drawn.
+    fn saw_token(&self, lock: &str, token: u64) {
+        let mut seen = self.tokens_seen.lock().unwrap_or_else(|e| e.into_inner());
+        let now = BootInstant::now();
+        let entry = seen
+            .entry(lock.to_owned())
+            .or_insert(TokenSeen { token, until: now });
+        entry.token = entry.token.max(token);
+        entry.until = now + TOKEN_KEPT;
+        seen.prune(|t| t.until > now);
+    }
+
+    /// The highest token of `lock` this process has seen or drawn lately (0: none).
+    fn token_seen(&self, lock: &str) -> u64 {
+        let seen = self.tokens_seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.get(lock).map_or(0, |t| t.token)
     }
 
     /// In-cluster (or `KUBECONFIG`) credentials; `namespace` defaults to the pod's own.
@@ -826,20 +864,16 @@ impl Driver for KubernetesLeaseDriver {
             }
             None => (self.blank(lock), true),
         };
-        let seen_token = match created {
-            true => match self.vanished(lock) {
-                (Some(holding), _) => return Ok(Acquire::Busy(Some(holding))),
-                (None, token) => token,
-            },
-            false => 0,
-        };
+        if created && let Some(holding) = self.vanished(lock) {
+            return Ok(Acquire::Busy(Some(holding)));
+        }
         let record = Record::of(&object).unwrap_or(Record {
             identity: None,
             transitions: 0,
             renewed: None,
             duration: Duration::ZERO,
         });
-        if let Some(holding) = self.held_by(lock, &object, &record) {
+        if !created && let Some(holding) = self.held_by(lock, &object, &record) {
             return Ok(Acquire::Busy(Some(holding)));
         }
         if self.yield_to_preferred_holder
@@ -872,7 +906,7 @@ impl Driver for KubernetesLeaseDriver {
             Some(family) => self.floor(family).await?,
             None => 0,
         };
-        let token = record.transitions.max(floor).max(seen_token) + 1;
+        let token = record.transitions.max(floor).max(self.token_seen(lock)) + 1;
         claim(&mut object, identity, token, ttl)?;
         let lease = Lease {
             lock: lock.to_owned(),
@@ -899,10 +933,16 @@ impl Driver for KubernetesLeaseDriver {
                 .filter(|found| same_claim(found, &object)),
         };
         match written {
-            Some(_) => match family {
-                Some(family) => self.above_floor(lease, family, ttl).await,
-                None => Ok(Acquire::Acquired(lease)),
-            },
+            Some(_) => {
+                let acquired = match family {
+                    Some(family) => self.above_floor(lease, family, ttl).await,
+                    None => Ok(Acquire::Acquired(lease)),
+                };
+                if let Ok(Acquire::Acquired(lease)) = &acquired {
+                    self.saw_token(lock, lease.token);
+                }
+                acquired
+            }
             // Another contender wrote first; whoever it is, the next read shows it.
             None => Ok(Acquire::Busy(None)),
         }
@@ -910,8 +950,13 @@ impl Driver for KubernetesLeaseDriver {
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
         let yields = self.yield_to_preferred_holder;
-        self.rewrite_own(lease, true, yields, |object| extend(object, ttl))
-            .await
+        let renewed = self
+            .rewrite_own(lease, true, yields, |object| extend(object, ttl))
+            .await;
+        if matches!(renewed, Ok(true)) {
+            self.saw_token(&lease.lock, lease.token);
+        }
+        renewed
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
