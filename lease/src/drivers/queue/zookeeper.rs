@@ -412,23 +412,17 @@ fn made_before(sequence: i64, other: i64) -> bool {
     (counted(other).wrapping_sub(counted(sequence)) as i32) > 0
 }
 
-/// `queue` (sequence, node name) in the order its nodes were made. The nodes of a queue at once
-/// are far fewer than 2^31 creations apart: where they straddle the counter's wrap, those made
-/// after it (the lowest) come last. Sorted by the number alone, a node made after the wrap
-/// would stand first, ahead of the holder.
+/// `queue` (sequence, node name) in the order its nodes were made. Sorted by the number alone,
+/// a node made after the counter's wrap would stand first, ahead of the holder. The nodes of a
+/// queue at once span far less than half the counter, so the first made is the one after the
+/// widest gap between numbers, going round.
 fn in_creation_order(queue: &mut [(i64, String)]) {
-    const QUARTER: u32 = 1 << 30;
-    let wrapped = queue.iter().any(|(s, _)| counted(*s) >= 3 * QUARTER)
-        && queue.iter().any(|(s, _)| counted(*s) < QUARTER);
-    queue.sort_by_key(|(sequence, name)| {
-        let at = u64::from(counted(*sequence));
-        let at = if wrapped && at < u64::from(QUARTER) {
-            at + (1 << 32)
-        } else {
-            at
-        };
-        (at, name.clone())
-    });
+    queue.sort_by_key(|(sequence, name)| (counted(*sequence), name.clone()));
+    let n = queue.len();
+    let oldest = (0..n)
+        .max_by_key(|&i| counted(queue[i].0).wrapping_sub(counted(queue[(i + n - 1) % n].0)))
+        .unwrap_or(0);
+    queue.rotate_left(oldest);
 }
 
 impl super::Transport for Shared {
@@ -1528,6 +1522,11 @@ mod tests {
         // And from -1 to 0.
         assert_eq!(order(&[1, 0, -1, -2]), [-2, -1, 0, 1]);
         assert_eq!(order(&[12, 3, 7]), [3, 7, 12]);
+        assert_eq!(order(&[]), Vec::<i64>::new());
+        assert_eq!(order(&[5]), [5]);
+        // A queue that spans more than a quarter of the counter, across the wrap.
+        let quarter = 1i64 << 30;
+        assert_eq!(order(&[quarter + 5, -1, 5]), [-1, 5, quarter + 5]);
         assert!(made_before(max, min) && !made_before(min, max));
         assert!(made_before(-1, 0) && made_before(3, 7) && !made_before(7, 3));
     }
