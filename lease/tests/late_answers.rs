@@ -434,20 +434,14 @@ async fn a_retired_lock_keeps_its_lease_until_its_last_answer_ran_out() {
     }
 }
 
-/// A renewal answered in time but read only after the claim it renews ran out (the engine's
-/// task stalled in between) does not resume that claim: the holder has answered "not held"
-/// since, and on a fair-queue backend the next in line may hold by then. The lease is lost, and
-/// the lock is only held again through a new acquisition, with a higher token.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
-    let (_harness, faulty) = late_sqlite().await;
-    let name = unique_lock("stalled");
-    let (holder, first) = campaigning_holder(&faulty, &name).await;
-    let mut events = holder.events();
-    // The next renewal (due 2 s after the acquisition) is read 4.9 s after its answer: past
-    // the claim it renews (6 s from the acquisition, less the margin), within the claim it
-    // would give (6 s from the renewal).
-    faulty.stall_next_renewal_answer(Duration::from_millis(4900));
+/// Over the next lease and two seconds, `holder`'s claim of token `first` runs out, is never
+/// answered as held again (a later holding has a higher token), and its loss is told in
+/// `events`; then the holder is shut down.
+async fn claim_runs_out_and_never_resumes(
+    holder: &Lock,
+    first: u64,
+    events: &mut tokio::sync::broadcast::Receiver<leasehold_lease::Event>,
+) {
     let (mut lapsed, until) = (false, Instant::now() + LEASE + Duration::from_secs(2));
     while Instant::now() < until {
         match holder.answer() {
@@ -466,6 +460,23 @@ async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
     }
     assert!(lost, "no loss of token {first} was told");
     holder.shutdown().await;
+}
+
+/// A renewal answered in time but read only after the claim it renews ran out (the engine's
+/// task stalled in between) does not resume that claim: the holder has answered "not held"
+/// since, and on a fair-queue backend the next in line may hold by then. The lease is lost, and
+/// the lock is only held again through a new acquisition, with a higher token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_read_after_its_claim_ran_out_does_not_resume_it() {
+    let (_harness, faulty) = late_sqlite().await;
+    let name = unique_lock("stalled");
+    let (holder, first) = campaigning_holder(&faulty, &name).await;
+    let mut events = holder.events();
+    // The next renewal (due 2 s after the acquisition) is read 4.9 s after its answer: past
+    // the claim it renews (6 s from the acquisition, less the margin), within the claim it
+    // would give (6 s from the renewal).
+    faulty.stall_next_renewal_answer(Duration::from_millis(4900));
+    claim_runs_out_and_never_resumes(&holder, first, &mut events).await;
 }
 
 /// The engine's task stalls after it read a renewal's answer in time and before it published
@@ -504,24 +515,7 @@ async fn a_renewal_published_after_its_claim_ran_out_does_not_resume_it() {
     };
     // The first renewal is due 2 s after the acquisition and read in time; its publication
     // comes 4.9 s later, past the claim it renews (6 s from the acquisition, less the margin).
-    let (mut lapsed, until) = (false, Instant::now() + LEASE + Duration::from_secs(2));
-    while Instant::now() < until {
-        match holder.answer() {
-            Answer::Holder { token, .. } => assert!(
-                !lapsed || token > first,
-                "the claim of token {first} resumed after it had run out"
-            ),
-            _ => lapsed = true,
-        }
-        sleep(Duration::from_millis(5)).await;
-    }
-    assert!(lapsed, "the stalled renewal never let the claim run out");
-    let mut lost = false;
-    while let Ok(event) = events.try_recv() {
-        lost |= event.kind == EventKind::Lost && event.token == first;
-    }
-    assert!(lost, "no loss of token {first} was told");
-    holder.shutdown().await;
+    claim_runs_out_and_never_resumes(&holder, first, &mut events).await;
 }
 
 /// A reader whose client hangs up while its permit above 0 is being checked against the key's
