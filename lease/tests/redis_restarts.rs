@@ -65,10 +65,22 @@ async fn a_tair_restart_from_an_old_snapshot_grants_the_lock_only_after_the_old_
     restart_that_lost_the_lease(server, Restart::FromAnOldSnapshot).await;
 }
 
+/// A server made durable by `CONFIG SET` alone comes back from a restart as it was started,
+/// without persistence: its durability, read before the restart, says nothing of it. With the
+/// reading trusted for a minute, the contender's driver took the empty server for a durable one
+/// restarted on its own data, and granted the lock at once with a token counted from nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_drops_durability_set_at_run_time_grants_the_lock_only_after_the_old_claim()
+{
+    let mut server = RedisServer::start_with(false);
+    server.make_durable_until_restart();
+    restart_that_lost_the_lease(server, Restart::Empty).await;
+}
+
 /// How the server of [`restart_that_lost_the_lease`] comes back.
 #[derive(Clone, Copy, PartialEq)]
 enum Restart {
-    /// With nothing: no persistence at all.
+    /// With nothing: no persistence at all (whatever `CONFIG SET` made of it while it ran).
     Empty,
     /// With a snapshot taken before the lease, loaded for about 1.5 s.
     FromAnOldSnapshot,
@@ -99,6 +111,12 @@ async fn restart_that_lost_the_lease(mut server: RedisServer, restart: Restart) 
     // everything: its first grant waits until it has been up for a lease.
     let a_token = held_token(&a, lease * 3).await;
     let b_driver = driver_for(&server.url()).await;
+    // The contender's driver meets the server before the restart, as a waiting sidecar's does.
+    let busy = b_driver
+        .try_acquire(&lock, "b", lease)
+        .await
+        .expect("b's attempt");
+    assert!(matches!(busy, Acquire::Busy(_)), "{busy:?}");
 
     a_driver.cut_off(true);
     let restarted = Instant::now();

@@ -358,6 +358,14 @@ impl RedisServer {
     /// turns persistence on, and started so from then on; returns once the append-only file
     /// holds the whole dataset.
     pub fn make_durable(&mut self) {
+        self.make_durable_until_restart();
+        self.durable = true;
+    }
+
+    /// Made durable while it runs by `CONFIG SET` alone, not in its configuration: a restart
+    /// brings it back as it was started. Returns once the append-only file holds the whole
+    /// dataset.
+    pub fn make_durable_until_restart(&mut self) {
         let mut conn = redis::Client::open(self.plain_url())
             .expect("client")
             .get_connection_with_timeout(Duration::from_secs(5))
@@ -386,7 +394,6 @@ impl RedisServer {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.durable = true;
     }
 
     /// `kill -9`: no shutdown save, only what the append-only file already has.

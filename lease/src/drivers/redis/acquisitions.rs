@@ -44,7 +44,7 @@ impl AcquisitionBatches {
     }
 
     /// The script's result for `lock`: a token, or who holds it. `keeping`: how the master keeps
-    /// its data (a batch whose requests do not all agree counts as [`Keeping::Lossy`]).
+    /// its data (a batch's requests' together: [`Keeping::for_batch`]).
     pub(crate) async fn acquire(
         &self,
         lock: &str,
@@ -74,12 +74,7 @@ async fn send(
     if batch.is_empty() {
         return;
     }
-    let first = &batch[0].request.keeping;
-    let keeping = if batch.iter().all(|p| p.request.keeping == *first) {
-        first.clone()
-    } else {
-        Keeping::Lossy
-    };
+    let keeping = Keeping::for_batch(batch.iter().map(|p| &p.request.keeping));
     let locks: Vec<Acquisition<'_>> = batch
         .iter()
         .map(|p| Acquisition {

@@ -24,6 +24,7 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRou
 use redis::{RedisFuture, RedisResult, Value};
 use tokio::sync::OnceCell;
 
+use crate::drivers::redis::durability::Reading;
 use crate::drivers::redis::{
     CONNECT_TIMEOUT, RESPONSE_TIMEOUT, certificates, evicts_lock_keys, info_field, map_err,
 };
@@ -199,20 +200,35 @@ async fn setting_on_every_master(
 }
 
 /// Whether every master loses no acknowledged write in a crash (see
-/// [`crate::drivers::redis::Durability`]): a lock's slot may move to any of them. Unlike a single
+/// [`crate::drivers::redis::Durability`]), with the incarnations of the masters read (before
+/// their settings): a lock's slot may move to any of them. Unlike a single
 /// server's, a master that cannot answer now counts as not durable, and that is remembered as an
 /// answer would be: an acquisition in a slot whose master is up must neither fail nor wait
 /// because another master is down. The cost is a wait of one lease at the next change of epoch.
-pub(crate) async fn every_master_durable(conn: &mut ClusterConnection) -> bool {
+pub(crate) async fn every_master_durable(conn: &mut ClusterConnection) -> Reading {
+    let mut info = redis::cmd("INFO");
+    info.arg("replication");
+    let on = from_every_master(conn, info)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(_, answer)| redis::from_redis_value::<String>(answer).ok())
+        // A node a stale slot map takes for a master may be a replica by now, which tells its
+        // master's ID: not one whose settings this reading is of.
+        .filter(|info| info_field(info, "role") == Some("master"))
+        .filter_map(|info| info_field(&info, "master_replid").map(str::to_owned))
+        .collect::<Vec<_>>()
+        .join(",");
     let (Ok(appendonly), Ok(fsync)) = (
         setting_on_every_master(conn, "appendonly").await,
         setting_on_every_master(conn, "appendfsync").await,
     ) else {
-        return false;
+        return Reading { durable: false, on };
     };
-    !appendonly.is_empty()
+    let durable = !appendonly.is_empty()
         && appendonly.iter().all(|(_, v)| v.as_deref() == Some("yes"))
-        && fsync.iter().all(|(_, v)| v.as_deref() == Some("always"))
+        && fsync.iter().all(|(_, v)| v.as_deref() == Some("always"));
+    Reading { durable, on }
 }
 
 /// The single driver's warnings (eviction, `INFO` refused), asked of every master and naming

@@ -5,22 +5,41 @@ use std::time::Duration;
 
 use redis::Value;
 
-use crate::drivers::redis::passing;
+use crate::drivers::redis::{info_field, passing};
+
+/// The name a cluster's reading is cached under.
+const CLUSTER: &str = "every master of the cluster";
 
 /// How long a master's durability (as CONFIG tells it) is trusted before it is read again.
 const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
 
 /// Whether a master loses no acknowledged write in a crash (`appendonly yes` with `appendfsync
-/// always`), read through CONFIG at most once a [`DURABILITY_RECHECK`] per master. Where CONFIG
-/// is renamed or forbidden (managed services), a master counts as not durable. Where it cannot
-/// be asked yet (the connection failed, the server is still loading its data), nothing is
-/// concluded or remembered: the caller's call fails and is retried (on one master, as the
-/// acquisition itself would; a cluster's masters are another matter: [`Durability::of_cluster`]). Counting such a master as
-/// not durable would make its first acquisition record a new epoch, and a durable server that
-/// was only starting would then grant no free lock for a whole lease.
+/// always`), read through CONFIG at most once a [`DURABILITY_RECHECK`] per master, together with
+/// the incarnations it was read on ([`Reading::on`]): a setting made by `CONFIG SET` alone is
+/// gone after a restart, so a reading says nothing of the server's next incarnation, and the
+/// epoch check refuses to count a new incarnation as durable on it
+/// ([`crate::drivers::redis::DURABILITY_UNREAD`]); the caller then reads again
+/// ([`Durability::read`]). Where CONFIG is renamed or forbidden (managed services), a master
+/// counts as not durable. Where it cannot be asked yet (the connection failed, the server is
+/// still loading its data), nothing is concluded or remembered: the caller's call fails and is
+/// retried (on one master, as the acquisition itself would; a cluster's masters are another
+/// matter: [`Durability::of_cluster`]). Counting such a master as not durable would make its
+/// first acquisition record a new epoch, and a durable server that was only starting would
+/// then grant no free lock for a whole lease.
 #[derive(Default)]
 pub(crate) struct Durability {
-    checked: std::sync::Mutex<Option<(std::time::Instant, String, bool)>>,
+    checked: std::sync::Mutex<Option<(std::time::Instant, String, Reading)>>,
+}
+
+/// A master's durability, and the incarnations it holds for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Reading {
+    pub(crate) durable: bool,
+    /// The replication IDs (`master_replid`, new at every start and promotion) of the servers
+    /// read, comma-separated, each read before their settings: a server restarted between the
+    /// two is named by its earlier incarnation, so its reading is not taken for the new one's.
+    /// Empty where `INFO` is refused (the epoch check then guards nothing either).
+    pub(crate) on: String,
 }
 
 impl Durability {
@@ -28,20 +47,49 @@ impl Durability {
         &self,
         conn: &mut (impl redis::aio::ConnectionLike + Send),
         master: &str,
-    ) -> redis::RedisResult<bool> {
-        if let Some(durable) = self.cached(master) {
-            return Ok(durable);
+    ) -> redis::RedisResult<Reading> {
+        if let Some(reading) = self.cached(master) {
+            return Ok(reading);
         }
         self.read(conn, master).await
     }
 
+    /// Drops the cached reading: the epoch check met an incarnation it does not hold for, twice.
+    pub(crate) fn forget(&self) {
+        *self.checked.lock().expect("durability") = None;
+    }
+
+    /// [`Durability::of_cluster`] read now, whatever is cached.
+    pub(crate) async fn read_cluster(
+        &self,
+        conn: &mut redis::cluster_async::ClusterConnection,
+    ) -> Reading {
+        let reading = crate::drivers::redis::cluster::every_master_durable(conn).await;
+        self.remember(CLUSTER, reading)
+    }
+
     /// [`Durability::of`] read now, whatever is cached: for a server met for the first time
-    /// (a new incarnation), which the answer cached for the one before says nothing of.
+    /// (a new incarnation), which the answer cached for the one before says nothing of. A read
+    /// now, not a cache forgotten: a reading under way since before the restart, remembered
+    /// after, would be taken again.
     pub(crate) async fn read(
         &self,
         conn: &mut (impl redis::aio::ConnectionLike + Send),
         master: &str,
-    ) -> redis::RedisResult<bool> {
+    ) -> redis::RedisResult<Reading> {
+        let replication = redis::cmd("INFO")
+            .arg("replication")
+            .query_async::<Value>(conn)
+            .await
+            .and_then(Value::extract_error);
+        let on = match replication {
+            Ok(info) => redis::from_redis_value::<String>(info)
+                .ok()
+                .and_then(|info| info_field(&info, "master_replid").map(str::to_owned))
+                .unwrap_or_default(),
+            Err(e) if passing(&e) => return Err(e),
+            Err(_) => String::new(),
+        };
         let mut setting = async |name: &str| {
             config_value(
                 redis::cmd("CONFIG")
@@ -53,7 +101,7 @@ impl Durability {
         };
         let durable = setting("appendonly").await?.as_deref() == Some("yes")
             && setting("appendfsync").await?.as_deref() == Some("always");
-        Ok(self.remember(master, durable))
+        Ok(self.remember(master, Reading { durable, on }))
     }
 
     /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any; see
@@ -61,28 +109,29 @@ impl Durability {
     pub(crate) async fn of_cluster(
         &self,
         conn: &mut redis::cluster_async::ClusterConnection,
-    ) -> bool {
-        const CLUSTER: &str = "every master of the cluster";
-        if let Some(durable) = self.cached(CLUSTER) {
-            return durable;
+    ) -> Reading {
+        match self.cached(CLUSTER) {
+            Some(reading) => reading,
+            None => self.read_cluster(conn).await,
         }
-        let durable = crate::drivers::redis::cluster::every_master_durable(conn).await;
-        self.remember(CLUSTER, durable)
     }
 
-    fn cached(&self, master: &str) -> Option<bool> {
+    fn cached(&self, master: &str) -> Option<Reading> {
         match &*self.checked.lock().expect("durability") {
-            Some((at, of, durable)) if of == master && at.elapsed() < DURABILITY_RECHECK => {
-                Some(*durable)
+            Some((at, of, reading)) if of == master && at.elapsed() < DURABILITY_RECHECK => {
+                Some(reading.clone())
             }
             _ => None,
         }
     }
 
-    fn remember(&self, master: &str, durable: bool) -> bool {
-        *self.checked.lock().expect("durability") =
-            Some((std::time::Instant::now(), master.to_owned(), durable));
-        durable
+    fn remember(&self, master: &str, reading: Reading) -> Reading {
+        *self.checked.lock().expect("durability") = Some((
+            std::time::Instant::now(),
+            master.to_owned(),
+            reading.clone(),
+        ));
+        reading
     }
 }
 

@@ -31,6 +31,7 @@ use redis::{Script, Value};
 use crate::driver::{Acquire, ChangeFeeds, Holding, Lease};
 /// How long a renewal waits for others to go out with it in one script call.
 pub use crate::drivers::batches::LINGER as RENEWAL_LINGER;
+use crate::drivers::redis::durability::Reading;
 use crate::error::{Error, Result};
 
 /// One Redis master: `redis://[user:password@]host[:port][/db][?prefix=NAME]`;
@@ -121,37 +122,145 @@ pub(crate) enum Keeping {
     /// A crash may lose acknowledged writes, or nothing says otherwise: every new epoch waits.
     Lossy,
     /// `appendonly yes`, `appendfsync always`, and nothing to tell who kept the data: one
-    /// server, Redlock's masters.
-    Durable,
+    /// server, Redlock's masters. `read_on`: [`Reading::on`].
+    Durable { read_on: String },
     /// Durable behind Sentinel: the master's address and the sentinels' configuration epoch
     /// for it, which every failover raises (and a restart keeps). The epoch alone repeats when
     /// the sentinels are set up afresh; the address changes with every failover. A record
     /// missing is trusted only at epoch 0 (these sentinels never failed over): else the wait
     /// counts from the server's start.
-    DurableBehindSentinel { address: String, failovers: u64 },
+    DurableBehindSentinel {
+        address: String,
+        failovers: u64,
+        read_on: String,
+    },
     /// Durable Redis Cluster nodes: the node's ID and configuration epoch, which the script
     /// reads (`CLUSTER MYID`, `CLUSTER INFO`), kept in `nodes.conf` across restarts and raised
     /// when a replica takes a shard over. A lock's record missing is trusted (idle records
     /// expire after a day, and a node just started would otherwise hold every such lock for a
     /// lease).
-    DurableClusterNode,
+    DurableClusterNode { read_on: String },
 }
 
 impl Keeping {
+    /// How a server keeps its data as a durability reading tells it: `durable` is the
+    /// variant to take where the reading says durable.
+    pub(crate) fn from_reading(reading: Reading, durable: impl FnOnce(String) -> Keeping) -> Self {
+        if reading.durable {
+            durable(reading.on)
+        } else {
+            Keeping::Lossy
+        }
+    }
+
+    /// One keeping for a batch of acquisitions sent in one call: theirs where they agree on how
+    /// the server keeps its data (each reading's incarnations count: each said durable on its
+    /// own), else [`Keeping::Lossy`].
+    pub(crate) fn for_batch<'a>(mut all: impl Iterator<Item = &'a Keeping>) -> Keeping {
+        let Some(first) = all.next() else {
+            return Keeping::Lossy;
+        };
+        let (kind, mut read_on) = first.split();
+        for other in all {
+            let (other_kind, other_read_on) = other.split();
+            if other_kind != kind {
+                return Keeping::Lossy;
+            }
+            for replid in other_read_on.split(',').filter(|r| !r.is_empty()) {
+                if !read_on.split(',').any(|r| r == replid) {
+                    if !read_on.is_empty() {
+                        read_on.push(',');
+                    }
+                    read_on.push_str(replid);
+                }
+            }
+        }
+        kind.read_on(read_on)
+    }
+
+    /// This keeping without its reading's incarnations, and them.
+    fn split(&self) -> (Keeping, String) {
+        match self {
+            Keeping::Lossy => (Keeping::Lossy, String::new()),
+            Keeping::Durable { read_on } => (
+                Keeping::Durable {
+                    read_on: String::new(),
+                },
+                read_on.clone(),
+            ),
+            Keeping::DurableBehindSentinel {
+                address,
+                failovers,
+                read_on,
+            } => (
+                Keeping::DurableBehindSentinel {
+                    address: address.clone(),
+                    failovers: *failovers,
+                    read_on: String::new(),
+                },
+                read_on.clone(),
+            ),
+            Keeping::DurableClusterNode { read_on } => (
+                Keeping::DurableClusterNode {
+                    read_on: String::new(),
+                },
+                read_on.clone(),
+            ),
+        }
+    }
+
+    /// This keeping as read on `incarnations`.
+    fn read_on(self, incarnations: String) -> Keeping {
+        match self {
+            Keeping::Lossy => Keeping::Lossy,
+            Keeping::Durable { .. } => Keeping::Durable {
+                read_on: incarnations,
+            },
+            Keeping::DurableBehindSentinel {
+                address, failovers, ..
+            } => Keeping::DurableBehindSentinel {
+                address,
+                failovers,
+                read_on: incarnations,
+            },
+            Keeping::DurableClusterNode { .. } => Keeping::DurableClusterNode {
+                read_on: incarnations,
+            },
+        }
+    }
+
     /// ARGV[1] of the epoch check: "0" (lossy), else "1" where a missing record is trusted and
     /// "2" where it is not, followed by the keeper ("cluster" for the script to read the node's
-    /// own).
+    /// own), then `|` and the incarnations the durability was read on ([`Reading::on`]).
     pub(crate) fn argument(&self) -> String {
         match self {
             Keeping::Lossy => "0".to_owned(),
-            Keeping::Durable => "1".to_owned(),
-            Keeping::DurableBehindSentinel { address, failovers } => format!(
-                "{} sentinel {address} epoch {failovers}",
+            Keeping::Durable { read_on } => format!("1|{read_on}"),
+            Keeping::DurableBehindSentinel {
+                address,
+                failovers,
+                read_on,
+            } => format!(
+                "{} sentinel {address} epoch {failovers}|{read_on}",
                 if *failovers == 0 { 1 } else { 2 }
             ),
-            Keeping::DurableClusterNode => "1 cluster".to_owned(),
+            Keeping::DurableClusterNode { read_on } => format!("1 cluster|{read_on}"),
         }
     }
+}
+
+/// The code of the error the epoch check raises when it meets a new incarnation of the server
+/// and is told the server is durable by a reading made on another ([`Reading::on`]): the
+/// reading may be of settings the restart dropped. No lease, token or epoch record is written
+/// (a batch's busy locks met before keep their waiters marks); the caller reads the durability
+/// again and tries once more. A string, not an error table: servers before Redis 7 cannot
+/// report a table's text.
+pub(crate) const DURABILITY_UNREAD: &str = "LEASEHOLD_DURABILITY_UNREAD";
+
+/// Whether `e` is the epoch check's [`DURABILITY_UNREAD`] (by its text: the server wraps a
+/// script's error in one of its own).
+pub(crate) fn durability_unread(e: &redis::RedisError) -> bool {
+    e.to_string().contains(DURABILITY_UNREAD)
 }
 
 /// The epoch check of [`ACQUIRE`] and of Redlock's first phase ([`crate::drivers::redis::redlock`]),
@@ -162,7 +271,8 @@ macro_rules! epoch_check {
     () => {
         r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
-local keeping, kept_by = string.sub(ARGV[1], 1, 1), string.sub(ARGV[1], 3)
+local kept, read_on = string.match(ARGV[1], '^([^|]*)|?(.*)$')
+local keeping, kept_by = string.sub(kept, 1, 1), string.sub(kept, 3)
 local durable = keeping ~= '0'
 local function clock()
   if now == 0 then
@@ -197,6 +307,9 @@ local function check_epoch()
   since = tonumber(epoch[2]) or 0
   floor = tonumber(epoch[3]) or 0
   if epoch[1] ~= replid then
+    if durable and not string.find(',' .. read_on .. ',', ',' .. replid .. ',', 1, true) then
+      error('LEASEHOLD_DURABILITY_UNREAD durability was not read on incarnation ' .. replid)
+    end
     local keeps = keeper()
     local own_data = keeps == '' or (keeps and (epoch[1] and epoch[4] == epoch[1] .. ' ' .. keeps
       or not epoch[1] and keeping == '1'))
@@ -901,6 +1014,32 @@ mod tests {
             ACQUIRE.contains(&format!("floor = math.max(now, floor + {FLOOR_STEP})")),
             "ACQUIRE's floor step is not FLOOR_STEP"
         );
+    }
+
+    /// A batch's acquisitions keep their durability readings' incarnations together, so that
+    /// requests read on either side of a re-read do not make a durable server's batch lossy;
+    /// acquisitions that disagree on how the server keeps its data are lossy.
+    #[test]
+    fn a_batch_keeps_every_readings_incarnations() {
+        let durable = |read_on: &str| Keeping::Durable {
+            read_on: read_on.to_owned(),
+        };
+        let batch = [durable("x"), durable(""), durable("y"), durable("x")];
+        assert_eq!(Keeping::for_batch(batch.iter()), durable("x,y"));
+        assert_eq!(Keeping::for_batch(batch.iter()).argument(), "1|x,y");
+        let mixed = [durable("x"), Keeping::Lossy];
+        assert_eq!(Keeping::for_batch(mixed.iter()), Keeping::Lossy);
+        let sentinel = |failovers| Keeping::DurableBehindSentinel {
+            address: "h:1".into(),
+            failovers,
+            read_on: "x".into(),
+        };
+        assert_eq!(
+            Keeping::for_batch([sentinel(1), sentinel(2)].iter()),
+            Keeping::Lossy
+        );
+        assert_eq!(sentinel(3).argument(), "2 sentinel h:1 epoch 3|x");
+        assert_eq!(Keeping::Lossy.argument(), "0");
     }
 
     #[test]

@@ -37,8 +37,8 @@ use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
-    KEY_COUNTER_RETENTION, KeyLayout, OBSERVE, RELEASE, lease_value, listen_for_releases, map_err,
-    ms, parse_value_and_pttl, released_one,
+    KEY_COUNTER_RETENTION, Keeping, KeyLayout, OBSERVE, RELEASE, durability_unread, lease_value,
+    listen_for_releases, map_err, ms, parse_value_and_pttl, released_one,
 };
 use crate::error::{Error, Result};
 
@@ -62,8 +62,8 @@ const DRIFT_FACTOR: u32 = 100;
 const DRIFT_FLOOR: Duration = Duration::from_millis(2);
 
 /// KEYS: the master's epoch record, lease, token counter, the lock's own counter (the same
-/// unless the lock is a family's key: see [`crate::drivers::redis::ACQUIRE`]). ARGV: durable
-/// ("1" when the master loses no acknowledged write in a crash), pending value, ttl ms.
+/// unless the lock is a family's key: see [`crate::drivers::redis::ACQUIRE`]). ARGV: how the
+/// master keeps its data ([`crate::drivers::redis::Keeping::argument`]), pending value, ttl ms.
 /// Returns the largest counter (at least the epoch's floor) when the key was set, {current
 /// value, remaining ms} when held, or {false, remaining ms} while the master waits out a lease
 /// it may have lost: a master restarted without its data (or with it, but not durable) grants
@@ -289,24 +289,37 @@ impl Driver for RedlockDriver {
             let mut conn = master.conn.clone();
             let pending = &pending;
             within(timeout, async move {
-                let durable = master
-                    .durability
-                    .of(&mut conn, &master.name)
-                    .await
+                let mut reread = false;
+                loop {
+                    let reading = match reread {
+                        true => master.durability.read(&mut conn, &master.name).await,
+                        false => master.durability.of(&mut conn, &master.name).await,
+                    }
                     .map_err(map_err)?;
-                let mut phase_1 = self.phase_1.prepare_invoke();
-                phase_1
-                    .key(self.keys.epoch_of(lock))
-                    .key(self.keys.lease(lock))
-                    .key(self.keys.counter(lock))
-                    .key(self.keys.token(lock))
-                    .arg(if durable { "1" } else { "0" })
-                    .arg(pending)
-                    .arg(ms(ttl));
-                phase_1
-                    .invoke_async::<Value>(&mut conn)
-                    .await
-                    .map_err(map_err)
+                    let keeping =
+                        Keeping::from_reading(reading, |read_on| Keeping::Durable { read_on });
+                    let mut phase_1 = self.phase_1.prepare_invoke();
+                    phase_1
+                        .key(self.keys.epoch_of(lock))
+                        .key(self.keys.lease(lock))
+                        .key(self.keys.counter(lock))
+                        .key(self.keys.token(lock))
+                        .arg(keeping.argument())
+                        .arg(pending)
+                        .arg(ms(ttl));
+                    match phase_1.invoke_async::<Value>(&mut conn).await {
+                        // The master is another incarnation than its durability was read on.
+                        Err(e) if durability_unread(&e) => {
+                            if reread {
+                                // Restarted again meanwhile: the next attempt reads once more.
+                                master.durability.forget();
+                                return Err(map_err(e));
+                            }
+                            reread = true;
+                        }
+                        answer => return answer.map_err(map_err),
+                    }
+                }
             })
         }))
         .await;

@@ -589,29 +589,44 @@ impl Driver for RedisSentinelDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let master = self.master.master_within(confirmation_window(ttl)).await?;
-        let keeping = match self
-            .durability
-            .of(&mut master.conn.clone(), &master.address)
-            .await
-        {
-            Ok(true) => match master.failovers {
-                Some(failovers) => single::Keeping::DurableBehindSentinel {
-                    address: master.address.clone(),
-                    failovers,
-                },
-                None => single::Keeping::Lossy,
-            },
-            Ok(false) => single::Keeping::Lossy,
-            Err(e) => return Err(self.failed(&master, e).await),
-        };
-        let reply: Value =
+        let mut reread = false;
+        let reply: Value = loop {
+            let mut conn = master.conn.clone();
+            let reading = match reread {
+                true => self.durability.read(&mut conn, &master.address).await,
+                false => self.durability.of(&mut conn, &master.address).await,
+            };
+            let reading = match reading {
+                Ok(reading) => reading,
+                Err(e) => return Err(self.failed(&master, e).await),
+            };
+            let keeping =
+                single::Keeping::from_reading(reading, |read_on| match master.failovers {
+                    Some(failovers) => single::Keeping::DurableBehindSentinel {
+                        address: master.address.clone(),
+                        failovers,
+                        read_on,
+                    },
+                    None => single::Keeping::Lossy,
+                });
             match single::acquisition(&self.acquire, &self.keys, lock, identity, ttl, &keeping)
                 .invoke_async(&mut master.conn.clone())
                 .await
             {
-                Ok(reply) => reply,
-                Err(e) => return Err(self.failed(&master, e).await),
-            };
+                Ok(reply) => break reply,
+                // The master is another incarnation than its durability was read on.
+                Err(e) if crate::drivers::redis::durability_unread(&e) && !reread => {
+                    reread = true;
+                }
+                Err(e) => {
+                    if crate::drivers::redis::durability_unread(&e) {
+                        // Restarted again meanwhile: the next attempt reads once more.
+                        self.durability.forget();
+                    }
+                    return Err(self.failed(&master, e).await);
+                }
+            }
+        };
         let lease = match single::acquired(lock, identity, &single::only_result(reply)?)? {
             Acquire::Acquired(lease) => lease,
             busy => return Ok(busy),

@@ -29,8 +29,9 @@ use crate::drivers::redis::releases::ReleaseBatches;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
     ACQUIRE, Keeping, KeyLayout, OBSERVE, RELEASE, RENEW, acquired, acquisition, client,
-    connection, delete_keys, explain, held_key_leases, lease_value, listen_for_releases_on,
-    lock_key_warnings, ms, only_result, parse_value_and_pttl, released_one, releases_of,
+    connection, delete_keys, durability_unread, explain, held_key_leases, lease_value,
+    listen_for_releases_on, lock_key_warnings, ms, only_result, parse_value_and_pttl, released_one,
+    releases_of,
 };
 use crate::error::{Error, Result};
 use crate::tls::Tls;
@@ -184,21 +185,48 @@ impl RedisDriver {
         }
     }
 
-    async fn keeping(&self, conn: &mut Connection) -> Result<Keeping> {
-        let (durable, keeping) = match conn {
-            Connection::Single(_) => (
-                self.durability
-                    .of(conn, "")
-                    .await
-                    .map_err(|e| self.error(e))?,
-                Keeping::Durable,
+    /// How the server keeps its data, as cached, or read now where `fresh`.
+    async fn keeping(&self, conn: &mut Connection, fresh: bool) -> Result<Keeping> {
+        Ok(match conn {
+            Connection::Single(_) => Keeping::from_reading(
+                match fresh {
+                    true => self.durability.read(conn, "").await,
+                    false => self.durability.of(conn, "").await,
+                }
+                .map_err(|e| self.error(e))?,
+                |read_on| Keeping::Durable { read_on },
             ),
-            Connection::Cluster(cluster) => (
-                self.durability.of_cluster(cluster).await,
-                Keeping::DurableClusterNode,
+            Connection::Cluster(cluster) => Keeping::from_reading(
+                match fresh {
+                    true => self.durability.read_cluster(cluster).await,
+                    false => self.durability.of_cluster(cluster).await,
+                },
+                |read_on| Keeping::DurableClusterNode { read_on },
             ),
-        };
-        Ok(if durable { keeping } else { Keeping::Lossy })
+        })
+    }
+
+    /// One acquisition attempt on `conn`, as [`Driver::try_acquire`] makes it, with the
+    /// server's durability read now where `fresh`.
+    async fn acquire_once(
+        &self,
+        conn: &mut Connection,
+        lock: &str,
+        identity: &str,
+        ttl: Duration,
+        fresh: bool,
+    ) -> Result<std::result::Result<Value, redis::RedisError>> {
+        let keeping = self.keeping(conn, fresh).await?;
+        Ok(match &self.acquisitions {
+            Some(batches) => batches.acquire(lock, identity, ttl, keeping).await?,
+            None => match acquisition(&self.acquire, &self.keys, lock, identity, ttl, &keeping)
+                .invoke_async::<Value>(conn)
+                .await
+            {
+                Ok(reply) => Ok(only_result(reply)?),
+                Err(e) => Err(e),
+            },
+        })
     }
 }
 
@@ -210,21 +238,20 @@ impl Driver for RedisDriver {
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         let mut conn = self.connection().await?;
-        let keeping = self.keeping(&mut conn).await?;
-        let result = match &self.acquisitions {
-            Some(batches) => batches
-                .acquire(lock, identity, ttl, keeping)
-                .await?
-                .map_err(|e| self.error(e))?,
-            None => {
-                let reply: Value =
-                    acquisition(&self.acquire, &self.keys, lock, identity, ttl, &keeping)
-                        .invoke_async(&mut conn)
-                        .await
-                        .map_err(|e| self.error(e))?;
-                only_result(reply)?
+        let mut answer = self
+            .acquire_once(&mut conn, lock, identity, ttl, false)
+            .await?;
+        if matches!(&answer, Err(e) if durability_unread(e)) {
+            // The server is another incarnation than the durability reading was made on.
+            answer = self
+                .acquire_once(&mut conn, lock, identity, ttl, true)
+                .await?;
+            if matches!(&answer, Err(e) if durability_unread(e)) {
+                // Restarted again meanwhile: the next attempt reads once more.
+                self.durability.forget();
             }
-        };
+        }
+        let result = answer.map_err(|e| self.error(e))?;
         acquired(lock, identity, &result)
     }
 

@@ -488,7 +488,12 @@ impl TairDriver {
             let expected = Replication::read(&info)?.replid;
             // Read, not cached: a new incarnation may be another server (a standby promoted
             // behind the address), of which the answer about the one before says nothing.
-            let durable = self.durability.read(conn, "").await.map_err(tair_err)?;
+            let durable = self
+                .durability
+                .read(conn, "")
+                .await
+                .map_err(tair_err)?
+                .durable;
             // The facts in one round trip: they are about one connection, so one incarnation,
             // even if the connection was replaced since the first INFO.
             let checked: redis::RedisResult<(String, String, Vec<String>, EpochRecord)> =
