@@ -1743,6 +1743,78 @@ mod tests {
         family.shutdown().await;
     }
 
+    /// A write that cannot fit the pod's limit of held keys (each key written holds its gate and
+    /// every permit) is refused as bad keys before anything is taken or waited for, not after
+    /// waiting for keys it could never hold together.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_over_the_limit_of_held_keys_is_refused_before_it_waits() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let driver = sqlite_in(&dir).await;
+        let family = KeyedFamily::new(
+            driver,
+            FamilyConfig {
+                permits: 4,
+                read_write: true,
+                max_keys: 10,
+                ..FamilyConfig::new("orders", "pod-a", Duration::from_secs(30))
+            },
+            Arc::new(()),
+        )
+        .expect("family");
+        let (hold, wait) = (Duration::from_secs(60), Duration::from_secs(5));
+        assert!(matches!(
+            family
+                .acquire_read("a", "reader", Duration::ZERO, hold)
+                .await,
+            Ok(KeyAnswer::Held { .. })
+        ));
+        let three: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        let asked = Instant::now();
+        let refused = family.acquire_all_write(&three, "writer", wait, hold).await;
+        assert!(
+            matches!(&refused, Err(KeyError::BadKeys(why)) if why.contains("holds 15 keys")),
+            "three keys of four permits, ten held keys at most: {refused:?} after {:?}",
+            asked.elapsed()
+        );
+        assert!(
+            asked.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            asked.elapsed()
+        );
+        // Two keys fit: taken once the reader is gone.
+        assert!(matches!(
+            family.release("a", "reader").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        let two: Vec<String> = ["a", "b"].map(String::from).to_vec();
+        assert!(matches!(
+            family.acquire_all_write(&two, "writer", wait, hold).await,
+            Ok(KeysAnswer::Held(_))
+        ));
+        family.release_all(&two, "writer").await.expect("released");
+
+        family
+            .reconfigure(FamilyConfig {
+                permits: 4,
+                read_write: true,
+                max_keys: 4,
+                ..FamilyConfig::new("orders", "pod-a", Duration::from_secs(30))
+            })
+            .expect("fewer held keys");
+        let refused = family.acquire_write("a", "writer", wait, hold).await;
+        assert!(
+            matches!(&refused, Err(KeyError::BadKeys(why)) if why.contains("holds 5 keys")),
+            "{refused:?}"
+        );
+        assert!(matches!(
+            family
+                .acquire_read("a", "reader", Duration::ZERO, hold)
+                .await,
+            Ok(KeyAnswer::Held { .. })
+        ));
+        family.shutdown().await;
+    }
+
     /// Bounds lowered while keys are held apply from the next acquisition: a key longer than the
     /// new bound, and keys held together beyond the new count, are still told of, extended and
     /// released; a new acquisition meets the new bounds.

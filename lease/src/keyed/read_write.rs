@@ -225,6 +225,7 @@ impl KeyedFamily {
         self.check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
+        self.check_writes_fit(1)?;
         let holding = |answer: KeyAnswer, writer: Arc<Writer>| {
             let holding = matches!(answer, KeyAnswer::Held { .. })
                 .then(|| WriteHolding::new(self, key, writer));
@@ -696,6 +697,21 @@ impl KeyedFamily {
     /// Whether the family is declared read-write.
     pub fn is_read_write(&self) -> bool {
         self.read_config(|c| c.read_write)
+    }
+
+    /// A 400 when writing `keys` keys at once can never fit the pod's limit of held keys: each
+    /// key written holds its gate and every permit, each counted as a held key. Checked before
+    /// anything is taken, so that the call neither waits nor holds keys for a refusal it was
+    /// bound to end in.
+    pub(super) fn check_writes_fit(&self, keys: usize) -> Result<(), KeyError> {
+        let (permits, max_keys) = self.read_config(|c| (c.permits as usize, c.max_keys));
+        let parts = keys.saturating_mul(permits + 1);
+        if parts <= max_keys {
+            return Ok(());
+        }
+        Err(KeyError::BadKeys(format!(
+            "writing {keys} key(s) of {permits} permit(s) holds {parts} keys (a gate and every permit each), over this sidecar's limit of {max_keys} held keys (spec.keys.maxHeldPerPod, --max-keys)"
+        )))
     }
 
     pub(super) fn check_read_write(&self) -> Result<(), KeyError> {

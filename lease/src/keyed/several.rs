@@ -325,6 +325,7 @@ impl KeyedFamily {
         self.check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
+        self.check_writes_fit(order.len())?;
         // Bad input first, so that a 400 changes nothing.
         for key in &order {
             if self.writer_of(key, Some(owner)).is_none() {
