@@ -797,6 +797,10 @@ fn parse_duration(value: &str) -> Result<Duration, String> {
 /// hold would take the lock only to answer that it is not held and let it go.
 const MIN_HOLD: Duration = Duration::from_millis(1);
 
+/// How long a key's status waits for the backend's count of permits held before it answers
+/// without it: the owner's own answer is the caller's, and is never held up by the backend.
+const PERMITS_READ_BOUND: Duration = Duration::from_millis(500);
+
 /// `hold` (default [`DEFAULT_HOLD`]), which must be at least [`MIN_HOLD`].
 fn hold_param(params: &HashMap<String, Duration>) -> Result<Duration, ApiError> {
     let hold = params.get("hold").copied().unwrap_or(DEFAULT_HOLD);
@@ -1608,20 +1612,30 @@ async fn key_status(
 ) -> Result<Response, ApiError> {
     let family = &state.family(&family)?;
     let (owner, _) = key_query(query, &[], true)?;
-    let answer = family.status(&key, owner.as_deref()).map_err(key_error)?;
+    // Bad input is refused before the backend is asked anything.
+    family.status(&key, owner.as_deref()).map_err(key_error)?;
     // A semaphore's holders in every pod: one backend read per permit, left out when the
-    // backend cannot answer (the owner's own answer needs no read).
+    // backend cannot answer in time (the owner's own answer needs no read).
     let permits_held = if family.has_had_permits() {
-        match family.observe_permits(&key).await {
-            Ok(holders) => Some(holders.len() as u32),
-            Err(e) => {
+        match tokio::time::timeout(PERMITS_READ_BOUND, family.observe_permits(&key)).await {
+            Ok(Ok(holders)) => Some(holders.len() as u32),
+            Ok(Err(e)) => {
                 tracing::debug!(family = family.name(), error = %e, "could not count the permits held");
+                None
+            }
+            Err(_) => {
+                tracing::debug!(
+                    family = family.name(),
+                    "the permits held were not read within {PERMITS_READ_BOUND:?}"
+                );
                 None
             }
         }
     } else {
         None
     };
+    // The owner's answer as it stands once the count is read: a hold may have ended meanwhile.
+    let answer = family.status(&key, owner.as_deref()).map_err(key_error)?;
     Ok(key_response_with(
         family,
         &key,
@@ -2283,6 +2297,41 @@ mod tests {
             "{released}"
         );
         faulty.cut_off(false);
+    }
+
+    /// A semaphore key's status waits a bounded time for the backend's count of permits held,
+    /// and answers as the owner's hold stands then: a hold that ended while the count was read
+    /// is not answered as held.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_status_is_not_held_up_by_the_count_of_permits_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let faulty = FaultyDriver::wrap(sqlite_backend(&dir).await);
+        let mut config =
+            leasehold_lease::keyed::FamilyConfig::new("orders", "pod-a", Duration::from_secs(30));
+        config.permits = 2;
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let family = KeyedFamily::new(faulty.clone(), config, metrics.clone()).unwrap();
+        let router = lock_api(AppState::new(Vec::new(), metrics).with_families(vec![family]));
+        let hold = Duration::from_millis(300);
+        let (status, taken) =
+            post(&router, "/locks/orders/keys/k/acquire?owner=o&hold=300ms").await;
+        assert_eq!(status, StatusCode::OK, "{taken}");
+        let taken_at = tokio::time::Instant::now();
+        faulty.delay_requests(Duration::from_secs(3));
+        let asked = axum::http::Request::get("/locks/orders/keys/k?owner=o")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let (_, answer) = answer_of(router.clone().oneshot(asked).await.unwrap()).await;
+        let answered = taken_at.elapsed();
+        faulty.delay_requests(Duration::ZERO);
+        assert!(
+            answered < Duration::from_secs(2),
+            "the status waited {answered:?} for the backend"
+        );
+        assert!(
+            answer["holder"] != true || answered < hold,
+            "answered held {answered:?} after a hold of {hold:?} was taken: {answer}"
+        );
     }
 
     /// A hold shorter than a millisecond is refused before anything is taken: granted, it would
