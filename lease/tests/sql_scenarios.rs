@@ -1507,6 +1507,33 @@ async fn postgres_idle_keys_rows_are_deleted() {
     idle_keys_rows_are_deleted(&mut h, &url, false).await;
 }
 
+/// In row-lock mode a holding's transaction stays open from the acquisition to the release: a
+/// released key is idle from its release, not from the transaction's start, so a key held a
+/// while and just released is not swept as idle. (`now()` is the transaction's start.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_a_key_released_is_idle_from_its_release() {
+    use leasehold_lease::Acquire;
+    let h = PostgresHarness::row_lock();
+    let driver = h.driver().await;
+    let family = unique_lock("idle_from_release");
+    let key = format!("{family}.keys.k");
+    // A lease longer than the hold: the transaction, bounded by it, stays open.
+    let ttl = Duration::from_secs(30);
+    let Acquire::Acquired(lease) = driver.try_acquire(&key, "a", ttl).await.unwrap() else {
+        panic!("{key} is not free");
+    };
+    let held = Duration::from_secs(2);
+    tokio::time::sleep(held).await;
+    assert!(driver.release(&lease).await.unwrap());
+    let forgotten = driver.forget_idle_keys(&family, held / 2).await.unwrap();
+    assert_eq!(
+        forgotten,
+        0,
+        "a key released just now, after {held:?} held, was swept as idle for {:?}",
+        held / 2
+    );
+}
+
 /// A SQLite holder keeps its slot's wake file locked while it holds, and lets it go when it no
 /// longer does, also after a lease that ran out without a release (its renewals failed): a
 /// later holding's release frees the file, so that waiters in other processes are woken by it

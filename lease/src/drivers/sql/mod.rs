@@ -402,9 +402,11 @@ impl Dialect {
                     // release lost in a crash leaves the lease held until it runs out: the next
                     // holder waits longer, and never overlaps. Acquisitions and renewals still
                     // wait: lost, they would repeat a token or shorten a lease its holder counts on.
+                    // Dated by the clock as the row is written: in row-lock mode the release
+                    // ends the holding's transaction, whose `now()` is the acquisition.
                     release: format!(
                         "WITH released AS (\
-                           UPDATE {t} SET holder = NULL, expires_at = now() \
+                           UPDATE {t} SET holder = NULL, expires_at = clock_timestamp() \
                            WHERE name = $1 AND holder = $2 AND token = $3 RETURNING name) \
                          SELECT count(*) AS released FROM released, \
                            LATERAL (SELECT pg_notify('{RELEASE_CHANNEL}', released.name), \
