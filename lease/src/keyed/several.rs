@@ -559,6 +559,13 @@ impl KeyedFamily {
         for key in keys {
             answers.push((key.clone(), self.extend(key, owner, hold).await?));
         }
+        // Each key extended is read back once all are: an answer's validity counts from its
+        // own extension, and the later keys' extensions took their time.
+        for (key, answer) in &mut answers {
+            if matches!(answer, KeyAnswer::Held { .. }) {
+                *answer = self.status(key, Some(owner))?;
+            }
+        }
         Ok(answers)
     }
 
