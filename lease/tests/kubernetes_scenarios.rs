@@ -237,12 +237,13 @@ async fn expiry_is_observed_so_a_holder_with_a_slow_clock_keeps_its_lease() {
         // First seen: busy, although renewTime + 400 ms passed 4.6 s ago here.
         let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
         reply(send, StatusCode::OK, &short_lease("a", skewed, "5"));
-        // Renewed (a new resourceVersion): timed again from now.
+        // Renewed (a new renewTime): timed again from now.
+        let renewed = short_lease("a", skewed, "6");
         let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
-        reply(send, StatusCode::OK, &short_lease("a", skewed, "6"));
+        reply(send, StatusCode::OK, &renewed);
         // Unchanged for its whole duration: taken.
         let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
-        reply(send, StatusCode::OK, &short_lease("a", skewed, "6"));
+        reply(send, StatusCode::OK, &renewed);
         let (put, send) = api.expect(Method::PUT, "/leases/jobs").await;
         assert_eq!(put["metadata"]["resourceVersion"], "6");
         assert_eq!(put["spec"]["holderIdentity"], "b");
@@ -866,6 +867,51 @@ fn spec_field(harness: &KubernetesHarness, lock: &str, field: &str) -> Value {
         .lease(KubernetesHarness::NAMESPACE, lock)
         .expect("the Lease")["spec"][field]
         .clone()
+}
+
+/// A dead holder's Lease that another writer keeps touching (labels re-applied by a GitOps
+/// tool, an annotation loop) is still free once the holder's claim has run out: only a write
+/// of the claim itself (holder, token, renewal, duration) says its holder is alive. Counting
+/// every new `resourceVersion` as a renewal, a contender's wait began again at each touch and
+/// the lock was never taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_holders_lease_touched_by_another_writer_is_taken_when_the_claim_runs_out() {
+    const TTL: Duration = Duration::from_secs(2);
+    let harness = KubernetesHarness::new();
+    let (dead, contender) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("touched");
+    let Acquire::Acquired(_never_renewed) = dead.try_acquire(&lock, "pod-a", TTL).await.unwrap()
+    else {
+        panic!("the lock is free");
+    };
+    let started = tokio::time::Instant::now();
+    let mut touches = 0u32;
+    let token = loop {
+        match contender.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => break lease.token,
+            busy => assert!(
+                started.elapsed() < TTL * 3,
+                "never taken after {touches} touches by another writer: {busy:?}"
+            ),
+        }
+        let mut lease = harness
+            .api
+            .lease(KubernetesHarness::NAMESPACE, &lock)
+            .expect("the Lease");
+        touches += 1;
+        lease["metadata"]["labels"]["touched"] = json!(touches.to_string());
+        harness
+            .api
+            .put(leasehold_testkit::in_memory_api_server::LEASES, lease);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        started.elapsed() >= TTL - Duration::from_millis(200),
+        "taken {:?} into a claim of {TTL:?}",
+        started.elapsed()
+    );
+    assert!(touches > 5, "touched {touches} times only");
+    assert_eq!(token, 2);
 }
 
 /// Without the option, `preferredHolder` and `strategy` change nothing and are kept through

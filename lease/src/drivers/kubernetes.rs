@@ -160,8 +160,12 @@ pub const MAX_CLOCK_SKEW: Duration = Duration::from_secs(60);
 
 /// When this process first saw a held Lease's current record.
 struct Sighting {
-    /// The record's `resourceVersion`: any write (a renewal) changes it.
+    /// The record's `resourceVersion`; `None` once the Lease was seen deleted.
     version: Option<String>,
+    /// What the holder's writes change: the record is seen written (a renewal, a takeover)
+    /// when this does, not at another writer's change of labels, annotations or
+    /// `preferredHolder`, which says nothing of whether the holder is alive.
+    claim: Claim,
     since: BootInstant,
     duration: Duration,
     /// This process saw the record written while it watched (a renewal, a takeover): its
@@ -172,6 +176,29 @@ struct Sighting {
     token: u64,
     /// Counted free at once when last seen: dated long before this node's clock.
     long_over: bool,
+}
+
+/// The fields of a Lease a holder's acquisition or renewal writes.
+#[derive(Clone, PartialEq)]
+struct Claim {
+    identity: Option<String>,
+    transitions: Option<i32>,
+    acquired: Option<Timestamp>,
+    renewed: Option<Timestamp>,
+    duration: Duration,
+}
+
+impl Claim {
+    fn of(object: &LeaseObject, record: &Record) -> Self {
+        let spec = object.spec.as_ref();
+        Self {
+            identity: spec.and_then(|s| s.holder_identity.clone()),
+            transitions: spec.and_then(|s| s.lease_transitions),
+            acquired: spec.and_then(|s| s.acquire_time.as_ref().map(|t| t.0)),
+            renewed: record.renewed,
+            duration: record.duration,
+        }
+    }
 }
 
 /// A lock's highest token seen, and until when it is kept.
@@ -239,12 +266,15 @@ impl KubernetesLeaseDriver {
         };
         self.saw_token(lock, record.transitions);
         let version = object.metadata.resource_version.clone();
+        let claim = Claim::of(object, record);
         let sighting = sightings
             .entry(lock.to_owned())
             .and_modify(|seen| {
-                if seen.version != version || seen.duration != record.duration {
+                // A Lease made again after a deletion seen is a new record, whatever it says.
+                if seen.version.is_none() || seen.claim != claim {
                     *seen = Sighting {
                         version: version.clone(),
+                        claim: claim.clone(),
                         since: now,
                         duration: record.duration,
                         written_since_first_seen: true,
@@ -252,10 +282,13 @@ impl KubernetesLeaseDriver {
                         token: record.transitions,
                         long_over: false,
                     };
+                } else {
+                    seen.version = version.clone();
                 }
             })
             .or_insert_with(|| Sighting {
                 version: version.clone(),
+                claim: claim.clone(),
                 since: now,
                 duration: record.duration,
                 written_since_first_seen: false,
