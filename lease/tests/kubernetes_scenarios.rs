@@ -914,6 +914,40 @@ async fn a_dead_holders_lease_touched_by_another_writer_is_taken_when_the_claim_
     assert_eq!(token, 2);
 }
 
+/// A token seen on a released Lease counts as one seen: the Lease deleted by hand and made again
+/// by a process that saw it draws above it, not from 1 again, which repeated a token an earlier
+/// holder may still write with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_seen_on_a_released_lease_is_not_drawn_again_after_a_deletion() {
+    const TTL: Duration = Duration::from_secs(10);
+    let harness = KubernetesHarness::new();
+    let (holder, observer) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("released");
+    let mut last = 0;
+    for _ in 0..3 {
+        let Acquire::Acquired(lease) = holder.try_acquire(&lock, "pod-a", TTL).await.unwrap()
+        else {
+            panic!("the lock is free");
+        };
+        assert!(holder.release(&lease).await.unwrap());
+        last = lease.token;
+    }
+    assert_eq!(observer.observe(&lock).await.unwrap(), None, "released");
+    assert!(harness.api.remove(
+        leasehold_testkit::in_memory_api_server::LEASES,
+        KubernetesHarness::NAMESPACE,
+        &lock
+    ));
+    let Acquire::Acquired(again) = observer.try_acquire(&lock, "pod-b", TTL).await.unwrap() else {
+        panic!("the Lease deleted is free");
+    };
+    assert!(
+        again.token > last,
+        "token {} drawn after {last} was seen on the released Lease",
+        again.token
+    );
+}
+
 /// Without the option, `preferredHolder` and `strategy` change nothing and are kept through
 /// acquisitions, renewals and releases: they are other tooling's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -260,11 +260,12 @@ impl KubernetesLeaseDriver {
     fn held_by(&self, lock: &str, object: &LeaseObject, record: &Record) -> Option<Holding> {
         let mut sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
         let now = BootInstant::now();
+        // Seen held or released alike: a Lease made again after a deletion draws above it.
+        self.saw_token(lock, record.transitions);
         let Some(identity) = record.identity.clone() else {
             sightings.remove(lock);
             return None;
         };
-        self.saw_token(lock, record.transitions);
         let version = object.metadata.resource_version.clone();
         let claim = Claim::of(object, record);
         let sighting = sightings
