@@ -44,13 +44,13 @@ use tokio::time::Instant;
 
 use crate::driver::{Acquire, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batch, Batches, Gather, answer_all};
-use crate::drivers::queue::Lines;
 use crate::drivers::queue::etcd_rpc::{
     Compare, Connect, DeleteRangeRequest, EVENT_DELETE, EtcdClient, KeyValue, PutRequest,
     RangeRequest, RpcError, SORT_ASCEND, SORT_DESCEND, TlsPem, TxnRequest,
 };
 use crate::drivers::queue::places::{Joined, Place};
 use crate::drivers::queue::slot::{AttemptTurn, QueueSlot};
+use crate::drivers::queue::{Lines, Transport};
 use crate::error::{Error, Result};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -312,11 +312,26 @@ fn ttl_seconds(ttl: Duration) -> i64 {
     i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
 }
 
-impl super::Transport for Shared {
+impl Transport for Shared {
     type Own = Key;
 
     fn lines(&self) -> &Lines<Key> {
         &self.lines
+    }
+
+    /// The unknown places cleared are keys of this process's sessions
+    /// ([`Shared::deleted_if_unknown_own`]).
+    async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
+        let client = self.client().await?;
+        let reply = client
+            .range(lowest(&self.queue_prefix(lock)))
+            .await
+            .map_err(map_err)?;
+        match reply.kvs.first() {
+            Some(kv) if clear && self.deleted_if_unknown_own(lock, kv).await? => Ok(None),
+            Some(kv) => Ok(Some(self.holding(kv, true).await?)),
+            None => Ok(None),
+        }
     }
 
     async fn leave_line(&self, entry: &Entry) {
@@ -673,23 +688,6 @@ impl Shared {
         self.first_in_line(lock, false).await
     }
 
-    /// Who holds `lock` now. With `clear`, a key of this process's sessions that the driver
-    /// does not know, first in line, is deleted ([`Shared::deleted_if_unknown_own`]); only
-    /// under the lock's [`Attempts`] turn, so that no acquisition of this driver's is putting
-    /// a place it will count as its own meanwhile.
-    async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
-        let client = self.client().await?;
-        let reply = client
-            .range(lowest(&self.queue_prefix(lock)))
-            .await
-            .map_err(map_err)?;
-        match reply.kvs.first() {
-            Some(kv) if clear && self.deleted_if_unknown_own(lock, kv).await? => Ok(None),
-            Some(kv) => Ok(Some(self.holding(kv, true).await?)),
-            None => Ok(None),
-        }
-    }
-
     /// Delete `first`, the lowest key of `lock`'s queue, when it is bound to one of this
     /// process's sessions but is no place this process knows (under the lock's attempt turn,
     /// every place being put is known by then): a put answered too late to be
@@ -1009,8 +1007,7 @@ impl Driver for EtcdDriver {
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let _turn = self.shared.lines.attempts.turn(lock).await;
-        self.shared.first_in_line(lock, true).await
+        super::observe(&*self.shared, lock).await
     }
 
     /// The TTL etcd granted (whole seconds, at least its minimum): a dead holder's key lives

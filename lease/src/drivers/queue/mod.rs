@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::driver::ChangeFeeds;
+use crate::driver::{ChangeFeeds, Holding};
 use crate::error::{Error, Result};
 use places::{Place, Places};
 use slot::{AttemptTurn, Attempts, Expiry};
@@ -61,6 +61,15 @@ pub(crate) trait Transport: Send + Sync {
     /// The transport's own part of a place.
     type Own: Send + Sync + 'static;
     fn lines(&self) -> &Lines<Self::Own>;
+    /// Who holds `lock` now: the holder first in its line. With `clear`, a place of this
+    /// process's that the driver does not know, first in line, is deleted; only under the
+    /// lock's [`Attempts`] turn, so that no acquisition of this driver's is putting a place it
+    /// will count as its own meanwhile.
+    fn first_in_line(
+        &self,
+        lock: &str,
+        clear: bool,
+    ) -> impl Future<Output = Result<Option<Holding>>> + Send;
     /// Takes `place` out of its line (forgotten here, deleted on the server, or left to be
     /// deleted once the server answers again).
     fn leave_line(&self, place: &Place<Self::Own>) -> impl Future<Output = ()> + Send;
@@ -69,6 +78,15 @@ pub(crate) trait Transport: Send + Sync {
     fn line_gone(&self, _place: &Place<Self::Own>) -> bool {
         false
     }
+}
+
+/// [`crate::driver::Driver::observe`] on either transport: the holder first in line, places of
+/// this process's the driver does not know cleared under the lock's attempts turn. An idle
+/// engine observes every renew interval, so they are cleared then too, not only when it tries
+/// to acquire.
+pub(crate) async fn observe<T: Transport>(transport: &T, lock: &str) -> Result<Option<Holding>> {
+    let _turn = transport.lines().attempts.turn(lock).await;
+    transport.first_in_line(lock, true).await
 }
 
 /// The task every place keeps: a waiting place nobody has asked about for `abandoned_after` is

@@ -37,9 +37,9 @@ use zookeeper_client as zk;
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::{Batches, Pending};
-use crate::drivers::queue::Lines;
 use crate::drivers::queue::places::{Joined, Place};
 use crate::drivers::queue::slot::QueueSlot;
+use crate::drivers::queue::{Lines, Transport};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
@@ -425,11 +425,31 @@ fn in_creation_order(queue: &mut [(i64, String)]) {
     queue.rotate_left(oldest);
 }
 
-impl super::Transport for Shared {
+impl Transport for Shared {
     type Own = Node;
 
     fn lines(&self) -> &Lines<Node> {
         &self.lines
+    }
+
+    /// The nodes this process gave up go first ([`Shared::delete_orphans`]); the unknown
+    /// places cleared are this session's nodes ([`Shared::deleted_if_unknown_own`]).
+    async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
+        let session = self.any_session().await?;
+        self.delete_orphans(&session.client, false).await;
+        let queue = self.queue(&session.client, lock).await?;
+        let Some((_, name)) = queue.first() else {
+            return Ok(None);
+        };
+        let first = self.holding_and_owner(&session.client, lock, name).await?;
+        if clear
+            && self
+                .deleted_if_unknown_own(&session, lock, name, first.as_ref())
+                .await?
+        {
+            return Ok(None);
+        }
+        Ok(first.map(|(holding, _)| holding))
     }
 
     /// A node that could not be deleted is left to the orphans' clean-up.
@@ -883,28 +903,6 @@ impl Shared {
         self.first_in_line(lock, false).await
     }
 
-    /// Who holds `lock` now. With `clear`, a place of this session's that the driver does not
-    /// know, first in line, is deleted ([`Shared::deleted_if_unknown_own`]); only under the
-    /// lock's [`Attempts`] turn, so that no acquisition of this driver's counts the place as
-    /// its own meanwhile.
-    async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
-        let session = self.any_session().await?;
-        self.delete_orphans(&session.client, false).await;
-        let queue = self.queue(&session.client, lock).await?;
-        let Some((_, name)) = queue.first() else {
-            return Ok(None);
-        };
-        let first = self.holding_and_owner(&session.client, lock, name).await?;
-        if clear
-            && self
-                .deleted_if_unknown_own(&session, lock, name, first.as_ref())
-                .await?
-        {
-            return Ok(None);
-        }
-        Ok(first.map(|(holding, _)| holding))
-    }
-
     /// Delete `name`, first in `lock`'s queue (`first`: who it is and its owner), when it is a
     /// place of this driver's own session that no entry of the driver knows (one place per lock
     /// and process): a create whose answer never came back, or a place given up and not yet
@@ -1319,11 +1317,8 @@ impl Driver for ZooKeeperDriver {
         Ok(released)
     }
 
-    /// An idle engine observes every renew interval: its driver's unknown places are cleared
-    /// here too, not only when it tries to acquire.
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
-        let _turn = self.shared.lines.attempts.turn(lock).await;
-        self.shared.first_in_line(lock, true).await
+        super::observe(&*self.shared, lock).await
     }
 
     /// The session's timeout: ZooKeeper deletes a dead holder's node only when it ends.
