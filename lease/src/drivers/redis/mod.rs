@@ -945,16 +945,27 @@ pub(crate) async fn lock_key_warnings(
         .arg("replication")
         .query_async(conn)
         .await;
-    match info {
-        Ok(_) => {}
-        Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => warnings.push(format!(
-            "INFO is refused ({e}): a restart or failover that loses a held lease goes \
-             unnoticed, and another pod may then take the lock while its holder still claims \
-             it; let the lock's Redis user run INFO"
-        )),
-        Err(e) => return Err(map_err(e)),
-    }
+    warnings.extend(replication_warning(info)?);
     Ok(warnings)
+}
+
+/// A warning when the answer to `INFO replication` leaves the restart guard without the
+/// server's replication ID: refused (an ACL), or answered without `master_replid` (a proxy
+/// that makes its own answer up).
+fn replication_warning(info: redis::RedisResult<String>) -> Result<Option<String>> {
+    const UNGUARDED: &str = "a restart or failover that loses a held lease goes unnoticed, and \
+        another pod may then take the lock while its holder still claims it";
+    match info {
+        Ok(info) if info_field(&info, "master_replid").is_some() => Ok(None),
+        Ok(_) => Ok(Some(format!(
+            "INFO replication names no master_replid (a proxy's answer?): {UNGUARDED}; point \
+             the lock at the server itself"
+        ))),
+        Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => Ok(Some(format!(
+            "INFO is refused ({e}): {UNGUARDED}; let the lock's Redis user run INFO"
+        ))),
+        Err(e) => Err(map_err(e)),
+    }
 }
 
 /// A warning when the master may evict lock keys under memory pressure: an evicted lease frees
@@ -1040,6 +1051,31 @@ mod tests {
         );
         assert_eq!(sentinel(3).argument(), "2 sentinel h:1 epoch 3|x");
         assert_eq!(Keeping::Lossy.argument(), "0");
+    }
+
+    /// The guard's warnings: none where `INFO` names the replication ID; one where it is
+    /// refused or names none.
+    #[test]
+    fn info_without_a_replication_id_is_warned_of() {
+        let answered = |info: &str| replication_warning(Ok(info.to_owned())).unwrap();
+        assert_eq!(
+            answered("# Replication\r\nrole:master\r\nmaster_replid:3f2a\r\n"),
+            None
+        );
+        let made_up = answered("# Replication\r\nrole:master\r\nconnected_slaves:0\r\n");
+        assert!(
+            made_up.is_some_and(|w| w.contains("names no master_replid")),
+            "an answer without the ID"
+        );
+        let refused = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm),
+            "NOPERM",
+        ));
+        assert!(
+            replication_warning(Err(refused))
+                .unwrap()
+                .is_some_and(|w| w.contains("INFO is refused"))
+        );
     }
 
     #[test]
