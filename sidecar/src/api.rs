@@ -2069,6 +2069,18 @@ mod tests {
             .unwrap()
     }
 
+    /// The lock API of one family on `driver`.
+    fn family_api(
+        driver: Arc<dyn leasehold_lease::Backend>,
+        config: leasehold_lease::keyed::FamilyConfig,
+    ) -> (KeyedFamily, Router) {
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let family = KeyedFamily::new(driver, config, metrics.clone()).unwrap();
+        let router =
+            lock_api(AppState::new(Vec::new(), metrics).with_families(vec![family.clone()]));
+        (family, router)
+    }
+
     async fn answer_of(response: Response) -> (StatusCode, serde_json::Value) {
         let status = response.status();
         let body = axum::body::to_bytes(response.into_body(), 1 << 16)
@@ -2270,10 +2282,7 @@ mod tests {
         let mut config =
             leasehold_lease::keyed::FamilyConfig::new("orders", "pod-a", Duration::from_secs(3));
         config.renew_interval = Duration::from_millis(500);
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let family = KeyedFamily::new(faulty.clone(), config, metrics.clone()).unwrap();
-        let router =
-            lock_api(AppState::new(Vec::new(), metrics).with_families(vec![family.clone()]));
+        let (family, router) = family_api(faulty.clone(), config);
         for _ in 0..2 {
             let (status, taken) = post(&router, "/locks/orders/keys/k/acquire?owner=o").await;
             assert_eq!(status, StatusCode::OK, "{taken}");
@@ -2309,9 +2318,7 @@ mod tests {
         let mut config =
             leasehold_lease::keyed::FamilyConfig::new("orders", "pod-a", Duration::from_secs(30));
         config.permits = 2;
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let family = KeyedFamily::new(faulty.clone(), config, metrics.clone()).unwrap();
-        let router = lock_api(AppState::new(Vec::new(), metrics).with_families(vec![family]));
+        let (_family, router) = family_api(faulty.clone(), config);
         let hold = Duration::from_millis(300);
         let (status, taken) =
             post(&router, "/locks/orders/keys/k/acquire?owner=o&hold=300ms").await;
