@@ -199,36 +199,48 @@ async fn setting_on_every_master(
         .collect())
 }
 
-/// Whether every master loses no acknowledged write in a crash (see
-/// [`crate::drivers::redis::Durability`]), with the incarnations of the masters read (before
-/// their settings): a lock's slot may move to any of them. Unlike a single
-/// server's, a master that cannot answer now counts as not durable, and that is remembered as an
-/// answer would be: an acquisition in a slot whose master is up must neither fail nor wait
-/// because another master is down. The cost is a wait of one lease at the next change of epoch.
-pub(crate) async fn every_master_durable(conn: &mut ClusterConnection) -> Reading {
+/// Which masters lose no acknowledged write in a crash (see
+/// [`crate::drivers::redis::Durability`]): the incarnations of those that are durable, each
+/// read before its settings. The epoch check takes the master serving a lock's slot for durable
+/// only when it is among them, so a master down or not durable when this is read holds up no
+/// other master's locks: it waits, at its next change of epoch, as a master that may have lost
+/// data does.
+pub(crate) async fn durable_masters(conn: &mut ClusterConnection) -> Reading {
     let mut info = redis::cmd("INFO");
     info.arg("replication");
-    let on = from_every_master(conn, info)
+    let incarnations: Vec<(String, String)> = from_every_master(conn, info)
         .await
         .unwrap_or_default()
         .into_iter()
-        .filter_map(|(_, answer)| redis::from_redis_value::<String>(answer).ok())
+        .filter_map(|(node, answer)| Some((node, redis::from_redis_value::<String>(answer).ok()?)))
         // A node a stale slot map takes for a master may be a replica by now, which tells its
         // master's ID: not one whose settings this reading is of.
-        .filter(|info| info_field(info, "role") == Some("master"))
-        .filter_map(|info| info_field(&info, "master_replid").map(str::to_owned))
-        .collect::<Vec<_>>()
-        .join(",");
+        .filter(|(_, info)| info_field(info, "role") == Some("master"))
+        .filter_map(|(node, info)| Some((node, info_field(&info, "master_replid")?.to_owned())))
+        .collect();
     let (Ok(appendonly), Ok(fsync)) = (
         setting_on_every_master(conn, "appendonly").await,
         setting_on_every_master(conn, "appendfsync").await,
     ) else {
-        return Reading { durable: false, on };
+        return Reading::default();
     };
-    let durable = !appendonly.is_empty()
-        && appendonly.iter().all(|(_, v)| v.as_deref() == Some("yes"))
-        && fsync.iter().all(|(_, v)| v.as_deref() == Some("always"));
-    Reading { durable, on }
+    let setting = |of: &[(String, Option<String>)], node: &str| {
+        of.iter()
+            .find(|(answered, _)| answered == node)
+            .and_then(|(_, value)| value.clone())
+    };
+    let durable: Vec<&str> = incarnations
+        .iter()
+        .filter(|(node, _)| {
+            setting(&appendonly, node).as_deref() == Some("yes")
+                && setting(&fsync, node).as_deref() == Some("always")
+        })
+        .map(|(_, replid)| replid.as_str())
+        .collect();
+    Reading {
+        durable: !durable.is_empty(),
+        on: durable.join(","),
+    }
 }
 
 /// The single driver's warnings (eviction, `INFO` refused), asked of every master and naming

@@ -38,8 +38,22 @@ pub(crate) struct Reading {
     /// The replication IDs (`master_replid`, new at every start and promotion) of the servers
     /// read, comma-separated, each read before their settings: a server restarted between the
     /// two is named by its earlier incarnation, so its reading is not taken for the new one's.
-    /// Empty where `INFO` is refused (the epoch check then guards nothing either).
+    /// Empty where `INFO` is refused (the epoch check then guards nothing either). A leading
+    /// `!` marks a reading made for a retry ([`Reading::settled`]).
     pub(crate) on: String,
+}
+
+impl Reading {
+    /// This reading, made just now because the epoch check met an incarnation the one before
+    /// did not list, as the last word: an incarnation it does not list either (restarted again
+    /// meanwhile, or down when read) counts as not durable, rather than asking for yet another
+    /// reading.
+    pub(crate) fn settled(self) -> Reading {
+        Reading {
+            on: format!("!{}", self.on.trim_start_matches('!')),
+            ..self
+        }
+    }
 }
 
 impl Durability {
@@ -54,17 +68,12 @@ impl Durability {
         self.read(conn, master).await
     }
 
-    /// Drops the cached reading: the epoch check met an incarnation it does not hold for, twice.
-    pub(crate) fn forget(&self) {
-        *self.checked.lock().expect("durability") = None;
-    }
-
     /// [`Durability::of_cluster`] read now, whatever is cached.
     pub(crate) async fn read_cluster(
         &self,
         conn: &mut redis::cluster_async::ClusterConnection,
     ) -> Reading {
-        let reading = crate::drivers::redis::cluster::every_master_durable(conn).await;
+        let reading = crate::drivers::redis::cluster::durable_masters(conn).await;
         self.remember(CLUSTER, reading)
     }
 
@@ -104,8 +113,8 @@ impl Durability {
         Ok(self.remember(master, Reading { durable, on }))
     }
 
-    /// Whether every master of a Redis Cluster is durable (a lock's slot may move to any; see
-    /// [`crate::drivers::redis::cluster::every_master_durable`] for a master that cannot answer).
+    /// Which masters of a Redis Cluster are durable (a lock's slot may move to any; see
+    /// [`crate::drivers::redis::cluster::durable_masters`]).
     pub(crate) async fn of_cluster(
         &self,
         conn: &mut redis::cluster_async::ClusterConnection,

@@ -160,22 +160,35 @@ impl Keeping {
         let Some(first) = all.next() else {
             return Keeping::Lossy;
         };
-        let (kind, mut read_on) = first.split();
+        let (kind, first_read_on) = first.split();
+        let mut readings = vec![first_read_on];
         for other in all {
             let (other_kind, other_read_on) = other.split();
             if other_kind != kind {
                 return Keeping::Lossy;
             }
-            for replid in other_read_on.split(',').filter(|r| !r.is_empty()) {
-                if !read_on.split(',').any(|r| r == replid) {
-                    if !read_on.is_empty() {
-                        read_on.push(',');
-                    }
-                    read_on.push_str(replid);
-                }
+            readings.push(other_read_on);
+        }
+        // A settled request's reading is the last word for it; for the others the joined
+        // reading is then too: an incarnation none lists counts as not durable (safe, at worst
+        // a wait).
+        let settled = readings.iter().any(|r| r.starts_with('!'));
+        let mut read_on: Vec<&str> = Vec::new();
+        for replid in readings
+            .iter()
+            .flat_map(|r| r.trim_start_matches('!').split(','))
+            .filter(|r| !r.is_empty())
+        {
+            if !read_on.contains(&replid) {
+                read_on.push(replid);
             }
         }
-        kind.read_on(read_on)
+        let read_on = read_on.join(",");
+        kind.read_on(if settled {
+            format!("!{read_on}")
+        } else {
+            read_on
+        })
     }
 
     /// This keeping without its reading's incarnations, and them.
@@ -231,7 +244,8 @@ impl Keeping {
 
     /// ARGV[1] of the epoch check: "0" (lossy), else "1" where a missing record is trusted and
     /// "2" where it is not, followed by the keeper ("cluster" for the script to read the node's
-    /// own), then `|` and the incarnations the durability was read on ([`Reading::on`]).
+    /// own), then `|` and the incarnations the durability was read on ([`Reading::on`], `!`
+    /// first where settled).
     pub(crate) fn argument(&self) -> String {
         match self {
             Keeping::Lossy => "0".to_owned(),
@@ -253,7 +267,8 @@ impl Keeping {
 /// and is told the server is durable by a reading made on another ([`Reading::on`]): the
 /// reading may be of settings the restart dropped. No lease, token or epoch record is written
 /// (a batch's busy locks met before keep their waiters marks); the caller reads the durability
-/// again and tries once more. A string, not an error table: servers before Redis 7 cannot
+/// again and tries once more with that reading settled ([`durability::Reading::settled`]),
+/// which the check does not refuse: an incarnation it does not list counts as not durable. A string, not an error table: servers before Redis 7 cannot
 /// report a table's text.
 pub(crate) const DURABILITY_UNREAD: &str = "LEASEHOLD_DURABILITY_UNREAD";
 
@@ -272,6 +287,10 @@ macro_rules! epoch_check {
         r"
 local checked, guarded, since, now, floor = false, false, 0, 0, 0
 local kept, read_on = string.match(ARGV[1], '^([^|]*)|?(.*)$')
+local settled = string.sub(read_on, 1, 1) == '!'
+if settled then
+  read_on = string.sub(read_on, 2)
+end
 local keeping, kept_by = string.sub(kept, 1, 1), string.sub(kept, 3)
 local durable = keeping ~= '0'
 local function clock()
@@ -308,7 +327,10 @@ local function check_epoch()
   floor = tonumber(epoch[3]) or 0
   if epoch[1] ~= replid then
     if durable and not string.find(',' .. read_on .. ',', ',' .. replid .. ',', 1, true) then
-      error('LEASEHOLD_DURABILITY_UNREAD durability was not read on incarnation ' .. replid)
+      if not settled then
+        error('LEASEHOLD_DURABILITY_UNREAD durability was not read on incarnation ' .. replid)
+      end
+      durable = false
     end
     local keeps = keeper()
     local own_data = keeps == '' or (keeps and (epoch[1] and epoch[4] == epoch[1] .. ' ' .. keeps
@@ -1038,6 +1060,8 @@ mod tests {
         let batch = [durable("x"), durable(""), durable("y"), durable("x")];
         assert_eq!(Keeping::for_batch(batch.iter()), durable("x,y"));
         assert_eq!(Keeping::for_batch(batch.iter()).argument(), "1|x,y");
+        let settled = [durable("x"), durable("!y")];
+        assert_eq!(Keeping::for_batch(settled.iter()), durable("!x,y"));
         let mixed = [durable("x"), Keeping::Lossy];
         assert_eq!(Keeping::for_batch(mixed.iter()), Keeping::Lossy);
         let sentinel = |failovers| Keeping::DurableBehindSentinel {

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
-use crate::drivers::redis::durability::Durability;
+use crate::drivers::redis::durability::{Durability, Reading};
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, Keeping, KeyLayout, OBSERVE, RELEASE, durability_unread, lease_value,
@@ -292,7 +292,11 @@ impl Driver for RedlockDriver {
                 let mut reread = false;
                 loop {
                     let reading = match reread {
-                        true => master.durability.read(&mut conn, &master.name).await,
+                        true => master
+                            .durability
+                            .read(&mut conn, &master.name)
+                            .await
+                            .map(Reading::settled),
                         false => master.durability.of(&mut conn, &master.name).await,
                     }
                     .map_err(map_err)?;
@@ -309,14 +313,7 @@ impl Driver for RedlockDriver {
                         .arg(ms(ttl));
                     match phase_1.invoke_async::<Value>(&mut conn).await {
                         // The master is another incarnation than its durability was read on.
-                        Err(e) if durability_unread(&e) => {
-                            if reread {
-                                // Restarted again meanwhile: the next attempt reads once more.
-                                master.durability.forget();
-                                return Err(map_err(e));
-                            }
-                            reread = true;
-                        }
+                        Err(e) if durability_unread(&e) && !reread => reread = true,
                         answer => return answer.map_err(map_err),
                     }
                 }

@@ -593,7 +593,11 @@ impl Driver for RedisSentinelDriver {
         let reply: Value = loop {
             let mut conn = master.conn.clone();
             let reading = match reread {
-                true => self.durability.read(&mut conn, &master.address).await,
+                true => self
+                    .durability
+                    .read(&mut conn, &master.address)
+                    .await
+                    .map(crate::drivers::redis::durability::Reading::settled),
                 false => self.durability.of(&mut conn, &master.address).await,
             };
             let reading = match reading {
@@ -618,13 +622,7 @@ impl Driver for RedisSentinelDriver {
                 Err(e) if crate::drivers::redis::durability_unread(&e) && !reread => {
                     reread = true;
                 }
-                Err(e) => {
-                    if crate::drivers::redis::durability_unread(&e) {
-                        // Restarted again meanwhile: the next attempt reads once more.
-                        self.durability.forget();
-                    }
-                    return Err(self.failed(&master, e).await);
-                }
+                Err(e) => return Err(self.failed(&master, e).await),
             }
         };
         let lease = match single::acquired(lock, identity, &single::only_result(reply)?)? {

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::redis::acquisitions::AcquisitionBatches;
-use crate::drivers::redis::durability::Durability;
+use crate::drivers::redis::durability::{Durability, Reading};
 use crate::drivers::redis::releases::ReleaseBatches;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
@@ -185,12 +185,13 @@ impl RedisDriver {
         }
     }
 
-    /// How the server keeps its data, as cached, or read now where `fresh`.
+    /// How the server keeps its data, as cached, or read now where `fresh` (and then settled:
+    /// [`Reading::settled`]).
     async fn keeping(&self, conn: &mut Connection, fresh: bool) -> Result<Keeping> {
         Ok(match conn {
             Connection::Single(_) => Keeping::from_reading(
                 match fresh {
-                    true => self.durability.read(conn, "").await,
+                    true => self.durability.read(conn, "").await.map(Reading::settled),
                     false => self.durability.of(conn, "").await,
                 }
                 .map_err(|e| self.error(e))?,
@@ -198,7 +199,7 @@ impl RedisDriver {
             ),
             Connection::Cluster(cluster) => Keeping::from_reading(
                 match fresh {
-                    true => self.durability.read_cluster(cluster).await,
+                    true => self.durability.read_cluster(cluster).await.settled(),
                     false => self.durability.of_cluster(cluster).await,
                 },
                 |read_on| Keeping::DurableClusterNode { read_on },
@@ -246,10 +247,6 @@ impl Driver for RedisDriver {
             answer = self
                 .acquire_once(&mut conn, lock, identity, ttl, true)
                 .await?;
-            if matches!(&answer, Err(e) if durability_unread(e)) {
-                // Restarted again meanwhile: the next attempt reads once more.
-                self.durability.forget();
-            }
         }
         let result = answer.map_err(|e| self.error(e))?;
         acquired(lock, identity, &result)
