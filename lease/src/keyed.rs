@@ -1791,8 +1791,13 @@ mod tests {
             family.acquire_all_write(&two, "writer", wait, hold).await,
             Ok(KeysAnswer::Held(_))
         ));
-        family.release_all(&two, "writer").await.expect("released");
+        assert!(matches!(
+            family.release("b", "writer").await,
+            Ok(KeyRelease::Released { .. })
+        ));
 
+        // Lowered below a write held: that write is acquired again (it takes nothing new), a
+        // new one is refused.
         family
             .reconfigure(FamilyConfig {
                 permits: 4,
@@ -1801,11 +1806,21 @@ mod tests {
                 ..FamilyConfig::new("orders", "pod-a", Duration::from_secs(30))
             })
             .expect("fewer held keys");
-        let refused = family.acquire_write("a", "writer", wait, hold).await;
+        assert!(matches!(
+            family.acquire_write("a", "writer", wait, hold).await,
+            Ok(KeyAnswer::Held { writer: true, .. })
+        ));
+        let refused = family.acquire_write("b", "writer", wait, hold).await;
         assert!(
             matches!(&refused, Err(KeyError::BadKeys(why)) if why.contains("holds 5 keys")),
             "{refused:?}"
         );
+        for _ in 0..2 {
+            assert!(matches!(
+                family.release("a", "writer").await,
+                Ok(KeyRelease::Released { .. })
+            ));
+        }
         assert!(matches!(
             family
                 .acquire_read("a", "reader", Duration::ZERO, hold)

@@ -225,7 +225,6 @@ impl KeyedFamily {
         self.check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
-        self.check_writes_fit(1)?;
         let holding = |answer: KeyAnswer, writer: Arc<Writer>| {
             let holding = matches!(answer, KeyAnswer::Held { .. })
                 .then(|| WriteHolding::new(self, key, writer));
@@ -235,6 +234,7 @@ impl KeyedFamily {
             return Ok(holding(answer, writer));
         }
         self.refuse_upgrade(key, owner)?;
+        self.check_writes_fit(1)?;
         let deadline = Instant::now() + wait;
         let _waiting = Waiting::new(&self.inner.waiting);
         let taken = match self
@@ -699,12 +699,17 @@ impl KeyedFamily {
         self.read_config(|c| c.read_write)
     }
 
-    /// A 400 when writing `keys` keys at once can never fit the pod's limit of held keys: each
-    /// key written holds its gate and every permit, each counted as a held key. Checked before
-    /// anything is taken, so that the call neither waits nor holds keys for a refusal it was
-    /// bound to end in.
+    /// A 400 when writing `keys` keys at once (those the owner does not write already) can
+    /// never fit the pod's limit of held keys: each key written holds its gate and every permit,
+    /// each counted as a held key. Checked before anything is taken, so that the call neither
+    /// waits nor holds keys for a refusal it was bound to end in.
     pub(super) fn check_writes_fit(&self, keys: usize) -> Result<(), KeyError> {
-        let (permits, max_keys) = self.read_config(|c| (c.permits as usize, c.max_keys));
+        if keys == 0 {
+            return Ok(());
+        }
+        // As many permits as a writer takes: every one the family has had in this pod.
+        let (permits, max_keys) = self.read_config(|c| (c.permits, c.max_keys));
+        let permits = permits.max(self.inner.permits_ever.load(Ordering::SeqCst)) as usize;
         let parts = keys.saturating_mul(permits + 1);
         if parts <= max_keys {
             return Ok(());

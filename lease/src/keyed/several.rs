@@ -325,13 +325,15 @@ impl KeyedFamily {
         self.check_owner(owner)?;
         self.check_running()?;
         self.check_read_write()?;
-        self.check_writes_fit(order.len())?;
         // Bad input first, so that a 400 changes nothing.
+        let mut fresh = 0;
         for key in &order {
             if self.writer_of(key, Some(owner)).is_none() {
                 self.check_fresh_write(key, owner)?;
+                fresh += 1;
             }
         }
+        self.check_writes_fit(fresh)?;
         let deadline = Instant::now() + wait;
         // The owner's write locks are acquired again first: that never waits, and should a
         // later key be refused, one release of each gives back what this call added.
