@@ -178,9 +178,11 @@ struct Sighting {
     long_over: bool,
 }
 
-/// The fields of a Lease a holder's acquisition or renewal writes.
+/// The fields of a Lease a holder's acquisition or renewal writes, and the object's `uid`: a
+/// Lease deleted and restored from a backup is another object, whatever its claim says.
 #[derive(Clone, PartialEq)]
 struct Claim {
+    uid: Option<String>,
     identity: Option<String>,
     transitions: Option<i32>,
     acquired: Option<Timestamp>,
@@ -192,6 +194,7 @@ impl Claim {
     fn of(object: &LeaseObject, record: &Record) -> Self {
         let spec = object.spec.as_ref();
         Self {
+            uid: object.metadata.uid.clone(),
             identity: spec.and_then(|s| s.holder_identity.clone()),
             transitions: spec.and_then(|s| s.lease_transitions),
             acquired: spec.and_then(|s| s.acquire_time.as_ref().map(|t| t.0)),
