@@ -238,7 +238,7 @@ async fn expiry_is_observed_so_a_holder_with_a_slow_clock_keeps_its_lease() {
         let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
         reply(send, StatusCode::OK, &short_lease("a", skewed, "5"));
         // Renewed (a new renewTime): timed again from now.
-        let renewed = short_lease("a", skewed, "6");
+        let renewed = short_lease("a", skewed - Duration::from_millis(100), "6");
         let (_, send) = api.expect(Method::GET, "/leases/jobs").await;
         reply(send, StatusCode::OK, &renewed);
         // Unchanged for its whole duration: taken.
@@ -910,7 +910,7 @@ async fn a_dead_holders_lease_touched_by_another_writer_is_taken_when_the_claim_
         "taken {:?} into a claim of {TTL:?}",
         started.elapsed()
     );
-    assert!(touches > 5, "touched {touches} times only");
+    assert!(touches > 3, "touched {touches} times only");
     assert_eq!(token, 2);
 }
 

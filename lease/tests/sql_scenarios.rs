@@ -1522,7 +1522,7 @@ async fn postgres_row_lock_a_key_released_is_idle_from_its_release() {
     let Acquire::Acquired(lease) = driver.try_acquire(&key, "a", ttl).await.unwrap() else {
         panic!("{key} is not free");
     };
-    let held = Duration::from_secs(2);
+    let held = Duration::from_secs(4);
     tokio::time::sleep(held).await;
     assert!(driver.release(&lease).await.unwrap());
     let forgotten = driver.forget_idle_keys(&family, held / 2).await.unwrap();
