@@ -68,6 +68,33 @@ impl Durability {
         self.read(conn, master).await
     }
 
+    /// [`Durability::of`], or where `fresh` a reading made now and settled
+    /// ([`Reading::settled`]): the retry after the epoch check met an incarnation the cached
+    /// reading does not list.
+    pub(crate) async fn of_or_fresh(
+        &self,
+        conn: &mut (impl redis::aio::ConnectionLike + Send),
+        master: &str,
+        fresh: bool,
+    ) -> redis::RedisResult<Reading> {
+        match fresh {
+            true => self.read(conn, master).await.map(Reading::settled),
+            false => self.of(conn, master).await,
+        }
+    }
+
+    /// [`Durability::of_cluster`], or where `fresh` a reading made now and settled.
+    pub(crate) async fn of_cluster_or_fresh(
+        &self,
+        conn: &mut redis::cluster_async::ClusterConnection,
+        fresh: bool,
+    ) -> Reading {
+        match fresh {
+            true => self.read_cluster(conn).await.settled(),
+            false => self.of_cluster(conn).await,
+        }
+    }
+
     /// [`Durability::of_cluster`] read now, whatever is cached.
     pub(crate) async fn read_cluster(
         &self,

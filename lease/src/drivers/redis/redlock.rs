@@ -34,7 +34,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
-use crate::drivers::redis::durability::{Durability, Reading};
+use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, Keeping, KeyLayout, OBSERVE, RELEASE, durability_unread, lease_value,
@@ -291,15 +291,11 @@ impl Driver for RedlockDriver {
             within(timeout, async move {
                 let mut reread = false;
                 loop {
-                    let reading = match reread {
-                        true => master
-                            .durability
-                            .read(&mut conn, &master.name)
-                            .await
-                            .map(Reading::settled),
-                        false => master.durability.of(&mut conn, &master.name).await,
-                    }
-                    .map_err(map_err)?;
+                    let reading = master
+                        .durability
+                        .of_or_fresh(&mut conn, &master.name, reread)
+                        .await
+                        .map_err(map_err)?;
                     let keeping =
                         Keeping::from_reading(reading, |read_on| Keeping::Durable { read_on });
                     let mut phase_1 = self.phase_1.prepare_invoke();

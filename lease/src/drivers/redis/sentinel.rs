@@ -592,14 +592,10 @@ impl Driver for RedisSentinelDriver {
         let mut reread = false;
         let reply: Value = loop {
             let mut conn = master.conn.clone();
-            let reading = match reread {
-                true => self
-                    .durability
-                    .read(&mut conn, &master.address)
-                    .await
-                    .map(crate::drivers::redis::durability::Reading::settled),
-                false => self.durability.of(&mut conn, &master.address).await,
-            };
+            let reading = self
+                .durability
+                .of_or_fresh(&mut conn, &master.address, reread)
+                .await;
             let reading = match reading {
                 Ok(reading) => reading,
                 Err(e) => return Err(self.failed(&master, e).await),

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::redis::acquisitions::AcquisitionBatches;
-use crate::drivers::redis::durability::{Durability, Reading};
+use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::releases::ReleaseBatches;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
@@ -185,23 +185,19 @@ impl RedisDriver {
         }
     }
 
-    /// How the server keeps its data, as cached, or read now where `fresh` (and then settled:
-    /// [`Reading::settled`]).
+    /// How the server keeps its data, as cached, or read now where `fresh`
+    /// ([`Durability::of_or_fresh`]).
     async fn keeping(&self, conn: &mut Connection, fresh: bool) -> Result<Keeping> {
         Ok(match conn {
             Connection::Single(_) => Keeping::from_reading(
-                match fresh {
-                    true => self.durability.read(conn, "").await.map(Reading::settled),
-                    false => self.durability.of(conn, "").await,
-                }
-                .map_err(|e| self.error(e))?,
+                self.durability
+                    .of_or_fresh(conn, "", fresh)
+                    .await
+                    .map_err(|e| self.error(e))?,
                 |read_on| Keeping::Durable { read_on },
             ),
             Connection::Cluster(cluster) => Keeping::from_reading(
-                match fresh {
-                    true => self.durability.read_cluster(cluster).await.settled(),
-                    false => self.durability.of_cluster(cluster).await,
-                },
+                self.durability.of_cluster_or_fresh(cluster, fresh).await,
                 |read_on| Keeping::DurableClusterNode { read_on },
             ),
         })
