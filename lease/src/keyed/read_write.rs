@@ -320,11 +320,7 @@ impl KeyedFamily {
         ahead: Ahead<'_>,
     ) -> Result<Option<KeyAnswer>, KeyError> {
         let owner = &taken.owner().to_owned();
-        // Every permit the family has had in this pod, readers kept on permits above a lowered
-        // count included; the higher ones are read, not taken.
-        let permits = self
-            .read_config(|c| c.permits)
-            .max(self.inner.permits_ever.load(Ordering::SeqCst));
+        let permits = self.permits_written();
         let look = || Ahead {
             later: ahead.later,
             looked: ahead.looked,
@@ -707,9 +703,8 @@ impl KeyedFamily {
         if keys == 0 {
             return Ok(());
         }
-        // As many permits as a writer takes: every one the family has had in this pod.
-        let (permits, max_keys) = self.read_config(|c| (c.permits, c.max_keys));
-        let permits = permits.max(self.inner.permits_ever.load(Ordering::SeqCst)) as usize;
+        let permits = self.permits_written() as usize;
+        let max_keys = self.read_config(|c| c.max_keys);
         let parts = keys.saturating_mul(permits + 1);
         if parts <= max_keys {
             return Ok(());
@@ -717,6 +712,14 @@ impl KeyedFamily {
         Err(KeyError::BadKeys(format!(
             "writing {keys} key(s) of {permits} permit(s) holds {parts} keys (a gate and every permit each), over this sidecar's limit of {max_keys} held keys (spec.keys.maxHeldPerPod, --max-keys)"
         )))
+    }
+
+    /// How many permits a writer takes: every permit the family has had in this pod, readers
+    /// kept on permits above a lowered count included (the higher ones up to
+    /// [`MAX_READ_WRITE_PERMITS`] are probed, not taken).
+    fn permits_written(&self) -> u32 {
+        self.read_config(|c| c.permits)
+            .max(self.inner.permits_ever.load(Ordering::SeqCst))
     }
 
     pub(super) fn check_read_write(&self) -> Result<(), KeyError> {
