@@ -284,13 +284,32 @@ enum Binding {
 /// Tell the engines of every part of a connection's acquisition ([`Bound::parts`]) that the
 /// connection holds it, before its client is told anything: a release by another call then
 /// lets it lapse rather than free it while the client may still act on its last event
-/// ([`Lock::bind`]).
-async fn bind(parts: &[(Lock, (u32, u64))]) {
+/// ([`Lock::bind`]). Whether every part was bound. A part that was not is no longer the
+/// connection's: another call gave its acquisition back (a retried release, beside holds that
+/// are all bound), or the holding ended. The stream then holds nothing: the parts bound are
+/// given back here, by the connection, and the others left as they are (giving one back would
+/// end another connection's acquisition).
+async fn bind(parts: &[(Lock, (u32, u64))]) -> bool {
+    let mut bound = Vec::new();
+    let mut every = true;
     for (engine, holding) in parts {
-        if let Err(e) = engine.bind(*holding).await {
-            tracing::debug!(error = %e, "a connection's hold was not bound to its engine");
+        match engine.bind(*holding).await {
+            Ok(true) => bound.push((engine, holding)),
+            Ok(false) => every = false,
+            Err(e) => {
+                tracing::debug!(error = %e, "a connection's hold was not bound to its engine");
+                every = false;
+            }
         }
     }
+    if !every {
+        for (engine, holding) in bound {
+            if let Err(e) = engine.release_bound(*holding).await {
+                tracing::warn!(error = %e, "giving back a connection's hold failed; it lapses with its hold");
+            }
+        }
+    }
+    every
 }
 
 /// The stream for an acquisition `bound` holds; `about` names it in every event (lock, or
@@ -469,7 +488,12 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         bound.ended(None, Binding::Unbound).await;
         return;
     };
-    bind(&parts).await;
+    if !bind(&parts).await {
+        let _ = events
+            .send(event("lost", &about, json!({"reason": NO_LONGER_HELD})))
+            .await;
+        return;
+    }
     // The first part says what the holding is: its holder's identity and its count of
     // acquisitions (a write lock's gate).
     let engine = parts[0].0.clone();
@@ -583,9 +607,70 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_util::StreamExt;
     use leasehold_lease::BackendUrl;
     use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease};
+    use leasehold_lease::{LockConfig, Mode};
     use std::sync::Arc;
+
+    /// The first event of a stream, as its client reads it.
+    async fn first_event(response: Response) -> String {
+        let mut body = response.into_body().into_data_stream();
+        let chunk = tokio::time::timeout(Duration::from_secs(10), body.next())
+            .await
+            .expect("the stream said nothing")
+            .expect("the stream ended without an event")
+            .unwrap();
+        String::from_utf8_lossy(&chunk).into_owned()
+    }
+
+    /// An acquisition that another call gave back before its stream began (a retried release
+    /// sent beside two holds) is not the stream's to hold: the stream says `lost` rather than
+    /// `acquired`, and leaves the other connection's binding alone, so that the backend keeps
+    /// the lock while that connection's client may act on what it was told.
+    #[tokio::test]
+    async fn a_hold_given_back_by_another_call_before_its_stream_began_is_told_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap();
+        let mut config = LockConfig::new("jobs", "pod-a", Duration::from_secs(10));
+        config.mode = Mode::OnDemand;
+        let lock = Lock::start(backend.clone(), config, Arc::new(())).unwrap();
+        let hold = Duration::from_secs(30);
+        // Two holds of the pod's: the first bound to its connection, the second not yet.
+        let first = lock.acquire(Duration::ZERO, hold).await.unwrap();
+        let holding = first.holding().expect("the lock is free");
+        assert!(lock.bind(holding).await.unwrap());
+        let second = lock.acquire(Duration::ZERO, hold).await.unwrap();
+        assert_eq!(second.holding(), Some(holding));
+        // A release by another call takes the unbound acquisition.
+        assert!(lock.release().await.unwrap());
+        let (permit, token) = holding;
+        let stream = respond(
+            Bound::Lock {
+                lock: lock.clone(),
+                permit,
+                token,
+            },
+            Map::new(),
+            Vec::new(),
+        );
+        let told = first_event(stream).await;
+        assert!(
+            told.starts_with("event: lost"),
+            "the second hold's client was told it holds an acquisition already given back: {told}"
+        );
+        // The first connection's acquisition is left as it was: counted, and bound.
+        assert_eq!(lock.snapshot().holds, 1);
+        assert!(lock.release().await.unwrap());
+        assert!(
+            backend.observe("jobs").await.unwrap().is_some(),
+            "a release by another call freed the lock in the backend at once, while the first \
+             connection's client may act on what it was told"
+        );
+    }
 
     /// A connection's several keys of which one had ended before its stream began: the others
     /// are given back as any call's acquisitions are. Another connection of the owner's that
