@@ -850,9 +850,25 @@ impl KeyedFamily {
                 (true, Part::Own(_)) => {
                     return Err(read_write::writes_so_cannot_read(owner, base_key));
                 }
-                _ => {}
+                // A write lock taken again acquires its parts through its writer; a part of
+                // the owner's met here is of another write of the owner's still being taken.
+                // Shared, the two would be two write locks on the same parts, each released
+                // as the whole.
+                (true, Part::OfWrite) => {
+                    if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
+                        if let KeyAnswer::Held { token, .. } = answer
+                            && let Err(e) = current.lock.release_if(own_permit(token)).await
+                        {
+                            tracing::debug!(family = self.name(), key, error = %e, "a part met twice was not given back; it lapses with its hold");
+                        }
+                        return Err(read_write::taking_to_write_already(owner, base_key));
+                    }
+                }
+                (false, Part::Own(_)) => {}
             }
-            if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
+            if !current.of_write
+                && let Some(answer) = self.reenter(&current, hold, reentrant).await?
+            {
                 return Ok(answer);
             }
         }
@@ -1927,5 +1943,72 @@ mod tests {
         assert!(validate_family_name("orders.keyh").is_err());
         validate_family_name("orders.key").unwrap();
         validate_family_name("orders.keyset").unwrap();
+    }
+
+    /// Two writes of one key by one owner, the second sent while the first holds the write gate
+    /// and waits for a reader: the second is refused (the owner is taking the key to write
+    /// already) rather than merged into the first's parts, two write locks of which only one
+    /// is the owner's to act on and release.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_write_of_an_owner_sent_while_its_first_is_waiting_is_refused() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let family = |pod: &str, permits: u32, driver: Arc<dyn Backend>| {
+            KeyedFamily::new(
+                driver,
+                FamilyConfig {
+                    permits,
+                    read_write: true,
+                    renew_interval: Duration::from_millis(200),
+                    ..FamilyConfig::new("docs", pod, Duration::from_secs(2))
+                },
+                Arc::new(()),
+            )
+            .expect("family")
+        };
+        // A pod of two permits has a reader on permit 1: this pod's writer, of one permit,
+        // holds the gate and waits until permit 1 is free.
+        let other = family("pod-b", 2, sqlite_in(&dir).await);
+        let this = family("pod-a", 1, sqlite_in(&dir).await);
+        let hold = Duration::from_secs(30);
+        for reader in ["r0", "r1"] {
+            let answer = other.acquire_read("k", reader, Duration::ZERO, hold).await;
+            assert!(matches!(answer, Ok(KeyAnswer::Held { .. })), "{answer:?}");
+        }
+        assert!(matches!(
+            other.release("k", "r0").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        let wait = Duration::from_secs(10);
+        let first = tokio::spawn({
+            let this = this.clone();
+            async move { this.acquire_write("k", "w", wait, hold).await }
+        });
+        while this.holding_on("k", read_write::GATE, "w").is_none() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = tokio::spawn({
+            let this = this.clone();
+            async move { this.acquire_write("k", "w", wait, hold).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(matches!(
+            other.release("k", "r1").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        let first = first.await.expect("the first write");
+        let second = second.await.expect("the second write");
+        assert!(
+            matches!(first, Ok(KeyAnswer::Held { .. })),
+            "the first write: {first:?}"
+        );
+        assert!(
+            matches!(&second, Err(KeyError::BadMode(why)) if why.contains("to write already")),
+            "the second write, sent while the first waited: {second:?}"
+        );
+        assert!(matches!(
+            this.release("k", "w").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        assert_eq!(this.held_keys(), 0, "a part of a write lock was left held");
     }
 }

@@ -438,9 +438,7 @@ impl KeyedFamily {
             .holding_on(key, super::read_write::GATE, owner)
             .is_some()
         {
-            return Err(KeyError::BadMode(format!(
-                "{owner} is taking {key:?} to write already"
-            )));
+            return Err(super::read_write::taking_to_write_already(owner, key));
         }
         Ok(())
     }
