@@ -3,21 +3,17 @@
 //! acquisitions that ask to wait.
 
 use std::collections::{BTreeMap, HashMap};
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures_util::{Stream, StreamExt, stream};
 use leasehold_lease::keyed::{KeyAnswer, KeyError, KeyRelease, KeyedFamily, KeysAnswer};
-use leasehold_lease::{Answer, DEFAULT_HOLD, Event, Lock, Mode, Snapshot};
+use leasehold_lease::{Answer, DEFAULT_HOLD, Lock, Mode, Snapshot};
 use serde::Serialize;
-use tokio_stream::wrappers::BroadcastStream;
 
 use crate::hold_stream;
 use crate::metrics::Metrics;
@@ -635,7 +631,7 @@ struct LockStatus<'a> {
     retry_after_ms: Option<u64>,
 }
 
-fn rfc3339(t: SystemTime) -> String {
+pub(crate) fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
@@ -1905,34 +1901,6 @@ async fn resign(
     ))
 }
 
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct EventBody<'a> {
-    lock: &'a str,
-    kind: &'static str,
-    fencing_token: u64,
-    /// Of a lock of several permits, the permit the token is of.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    permit: Option<u32>,
-    at: String,
-    reason: &'static str,
-}
-
-/// `event` as sent on a lock's stream; `permits`: whether the lock has several.
-fn sse_event(event: &Event, permits: bool) -> SseEvent {
-    let body = EventBody {
-        lock: &event.lock,
-        kind: event.kind.as_str(),
-        fencing_token: event.token,
-        permit: permits.then_some(event.permit),
-        at: rfc3339(event.at),
-        reason: event.reason,
-    };
-    SseEvent::default()
-        .event(event.kind.as_str())
-        .data(serde_json::to_string(&body).unwrap_or_default())
-}
-
 async fn events(
     State(state): State<AppState>,
     name: Option<Path<String>>,
@@ -1940,35 +1908,7 @@ async fn events(
 ) -> Result<Response, ApiError> {
     let lock = state.lock(name)?;
     durations(&query, &[])?;
-    // Subscribe before reading the state, so no change falls between the two.
-    let changes = BroadcastStream::new(lock.events());
-    let snapshot = lock.snapshot();
-    let answer = snapshot.answer();
-    let permits = lock.has_had_permits();
-    let mut state_body = serde_json::json!({
-        "lock": lock.name(),
-        "holder": answer.is_holder(),
-        "fencingToken": answer.token(),
-        "since": rfc3339(snapshot.since),
-    });
-    if let Some(held) = snapshot
-        .held
-        .as_ref()
-        .filter(|_| permits && answer.is_holder())
-    {
-        state_body["permit"] = held.permit.into();
-    }
-    let first = SseEvent::default()
-        .event("state")
-        .data(state_body.to_string());
-    let stream: std::pin::Pin<Box<dyn Stream<Item = Result<SseEvent, Infallible>> + Send>> =
-        Box::pin(stream::once(async move { Ok(first) }).chain(
-            // A reader that falls behind skips what it missed; the next event carries the state.
-            changes.filter_map(move |e| async move { e.ok().map(|e| Ok(sse_event(&e, permits))) }),
-        ));
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    Ok(crate::lock_events::respond(lock))
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

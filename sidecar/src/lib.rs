@@ -11,6 +11,7 @@ pub mod from_resource;
 pub mod hold_stream;
 pub mod holder_label;
 pub mod key_events;
+pub mod lock_events;
 pub mod metrics;
 pub mod pod_exit;
 pub mod run;

@@ -5,7 +5,9 @@
 use std::time::{Duration, Instant};
 
 use leasehold_e2e::fault_proxy::FaultProxy;
-use leasehold_e2e::{EventStream, RedisServer, Reply, Sidecar, StreamEvent, unique_lock};
+use leasehold_e2e::{
+    EventStream, RedisServer, Reply, Sidecar, StreamEvent, eventually, unique_lock,
+};
 use nix::sys::signal::Signal;
 
 const TIMING: [&str; 4] = ["--lease-duration", "3s", "--renew-interval", "1s"];
@@ -267,6 +269,72 @@ fn a_paused_sidecar_says_lost_the_moment_it_runs_again() {
         resumed.elapsed()
     );
     assert_eq!(a.get(&format!("{key}?owner=w1")).status, 409);
+}
+
+/// A campaign's follower (`GET /lock/events`) is told how long each word holds: `state` and
+/// `acquired` carry the holding's `validForMs`, and each renewal comes as `renewed` with its
+/// own. A leader's sidecar paused past its claim says nothing more, and the other pod leads
+/// only once the last validity told has run out; the stream says `lost` when it runs again.
+#[test]
+fn a_campaigns_events_tell_each_validity_and_a_paused_leader_is_replaced_after_the_last() {
+    let redis = RedisServer::start();
+    let lock = unique_lock("leader");
+    let a = Sidecar::start("pod-a", &redis.url(), &lock, &LONG_TIMING);
+    eventually(Duration::from_secs(10), "pod a leads", || {
+        a.get("/lock").status == 200
+    });
+    let b = Sidecar::start("pod-b", &redis.url(), &lock, &LONG_TIMING);
+    let stream = EventStream::get(a.addr, "/lock/events")
+        .unwrap_or_else(|reply| panic!("GET /lock/events: {} {}", reply.status, reply.body));
+    let state = stream.next(Duration::from_secs(5));
+    assert_eq!(state.kind, "state", "{state:?}");
+    assert_eq!(state.body["holder"], true, "{}", state.body);
+    let token = state.body["fencingToken"].as_u64().unwrap();
+    assert!(
+        state.body["validForMs"].as_u64().is_some_and(|v| v > 0),
+        "the leader's state says how long it holds: {}",
+        state.body
+    );
+    // The last word before the pause, and when it was read.
+    let mut last = (state.at, state.body);
+    let mut renewals = 0;
+    let settle = Instant::now() + Duration::from_millis(4500);
+    while Instant::now() < settle {
+        if let Some(StreamEvent { kind, body, at }) = stream.try_next() {
+            assert_eq!(kind, "renewed", "{body}");
+            assert_eq!(body["fencingToken"], token);
+            renewals += 1;
+            last = (at, body);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(renewals >= 1, "no renewal told in two renew intervals");
+    a.signal(Signal::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(200));
+    while let Some(StreamEvent { kind, body, at }) = stream.try_next() {
+        assert_eq!(kind, "renewed", "{body}");
+        last = (at, body);
+    }
+    let last_valid_until =
+        last.0 + Duration::from_millis(last.1["validForMs"].as_u64().expect("validForMs"));
+    eventually(Duration::from_secs(15), "pod b leads", || {
+        b.get("/lock").status == 200
+    });
+    let taken_at = Instant::now();
+    assert!(b.get("/lock").token() > token);
+    assert!(
+        last_valid_until <= taken_at,
+        "pod b led {:?} before pod a's last told validity ran out",
+        last_valid_until - taken_at
+    );
+    assert!(
+        stream.try_next().is_none(),
+        "a paused sidecar said something"
+    );
+    a.signal(Signal::SIGCONT);
+    let StreamEvent { kind, body, .. } = stream.next(Duration::from_secs(5));
+    assert_eq!(kind, "lost", "{body}");
+    assert_eq!(body["fencingToken"], token);
 }
 
 /// A sidecar cut off from its backend stops telling renewals; the last one's `validForMs` runs
