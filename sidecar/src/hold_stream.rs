@@ -358,6 +358,8 @@ enum Standing {
 
 /// Why a hold ended, when no event of the engine says.
 const NO_LONGER_HELD: &str = "the lease is no longer held";
+const GIVEN_UP_BY_ANOTHER_CALL: &str =
+    "another call released the acquisition before its stream began";
 /// How long an ending whose event has not come is waited for before it is told as a loss.
 const UNTOLD_PATIENCE: Duration = Duration::from_millis(20);
 
@@ -489,8 +491,19 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         return;
     };
     if !bind(&parts).await {
+        // Every part still held as taken: another call gave this acquisition up.
+        let given_up = parts.iter().all(|(engine, holding)| {
+            engine
+                .snapshot()
+                .held
+                .is_some_and(|held| (held.permit, held.token) == *holding)
+        });
+        let (kind, reason) = match given_up {
+            true => ("released", GIVEN_UP_BY_ANOTHER_CALL),
+            false => ("lost", NO_LONGER_HELD),
+        };
         let _ = events
-            .send(event("lost", &about, json!({"reason": NO_LONGER_HELD})))
+            .send(event(kind, &about, json!({"reason": reason})))
             .await;
         return;
     }
@@ -625,11 +638,11 @@ mod tests {
     }
 
     /// An acquisition that another call gave back before its stream began (a retried release
-    /// sent beside two holds) is not the stream's to hold: the stream says `lost` rather than
+    /// sent beside two holds) is not the stream's to hold: the stream says `released` rather than
     /// `acquired`, and leaves the other connection's binding alone, so that the backend keeps
     /// the lock while that connection's client may act on what it was told.
     #[tokio::test]
-    async fn a_hold_given_back_by_another_call_before_its_stream_began_is_told_lost() {
+    async fn a_hold_given_back_by_another_call_before_its_stream_began_is_told_released() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("locks.db").display());
         let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
@@ -659,7 +672,7 @@ mod tests {
         );
         let told = first_event(stream).await;
         assert!(
-            told.starts_with("event: lost"),
+            told.starts_with("event: released") && told.contains("another call released"),
             "the second hold's client was told it holds an acquisition already given back: {told}"
         );
         // The first connection's acquisition is left as it was: counted, and bound.
