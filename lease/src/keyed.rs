@@ -496,13 +496,10 @@ impl KeyedFamily {
         key_within(key, self.read_config(|c| c.max_key_length))
     }
 
-    fn existing(&self, key: &str) -> Option<Arc<KeyState>> {
-        self.inner
-            .keys
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(key)
-            .cloned()
+    /// `key`'s local state, if it has one: kept while the look lasts, and dropped after it if
+    /// idle by then (a release that found it in use meanwhile left it to this look).
+    fn existing<'k>(&'k self, key: &'k str) -> Option<StateInUse<'k>> {
+        StateInUse::existing(&self.inner, key)
     }
 
     /// Take `key` for `owner`, waiting up to `wait`, and keep it at most `hold` unless extended
@@ -1408,6 +1405,21 @@ struct StateInUse<'a> {
 }
 
 impl<'a> StateInUse<'a> {
+    /// The state of `key` if it has one; none is made.
+    fn existing(inner: &'a FamilyInner, key: &'a str) -> Option<Self> {
+        let state = inner
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()?;
+        Some(Self {
+            inner,
+            key,
+            state: Some(state),
+        })
+    }
+
     fn new(inner: &'a FamilyInner, key: &'a str) -> Self {
         let state = inner
             .keys
@@ -1943,6 +1955,36 @@ mod tests {
         assert!(validate_family_name("orders.keyh").is_err());
         validate_family_name("orders.key").unwrap();
         validate_family_name("orders.keyset").unwrap();
+    }
+
+    /// A key given back while another call looks at its state (a status, say) leaves no state
+    /// behind: the release, finding the state in use, leaves it to the look, which drops it
+    /// once done.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_given_back_while_its_state_is_looked_at_leaves_no_state_behind() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let family = KeyedFamily::new(
+            sqlite_in(&dir).await,
+            FamilyConfig::new("orders", "pod-a", Duration::from_secs(30)),
+            Arc::new(()),
+        )
+        .expect("family");
+        let hold = Duration::from_secs(30);
+        let answer = family.acquire("k", "o", Duration::ZERO, hold).await;
+        assert!(matches!(answer, Ok(KeyAnswer::Held { .. })), "{answer:?}");
+        let look = family.existing("k").expect("the key's state");
+        assert!(matches!(
+            family.release("k", "o").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        assert_eq!(family.tracked_keys(), 1, "in use by the look");
+        drop(look);
+        assert_eq!(family.held_keys(), 0);
+        assert_eq!(
+            family.tracked_keys(),
+            0,
+            "the state of a key given back outlived the look at it"
+        );
     }
 
     /// Two writes of one key by one owner, the second sent while the first holds the write gate
