@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use leasehold_lease::boot_clock::BootInstant;
 use leasehold_lease::kubernetes::KubernetesLeaseDriver;
 use leasehold_lease::{Lock, LockConfig, Mode};
 
@@ -32,16 +33,28 @@ pub fn campaign(
 
 /// Resolves once `lock` is held.
 pub async fn elected(lock: &Lock) {
-    while !lock.answer().is_holder() {
+    while !leads(lock) {
         tokio::time::sleep(POLL).await;
     }
 }
 
 /// Resolves once `lock` is no longer held (lost, or never renewed in time).
 pub async fn deposed(lock: &Lock) {
-    while lock.answer().is_holder() {
+    while leads(lock) {
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// Whether this replica leads: its claim on the Lease stands. A renewal that failed (the API
+/// server down a moment, overloaded, restarting) ends nothing while the claim runs: no other
+/// replica can take the Lease before the claim ends (each times it from its own sighting), and
+/// the next renewal may succeed. Stepping down at the first failure would cut the reconciles
+/// short and, elected again a moment later, resync every lock while the API server struggles.
+fn leads(lock: &Lock) -> bool {
+    let now = BootInstant::now();
+    lock.snapshot()
+        .held
+        .is_some_and(|held| now < held.valid_until)
 }
 
 /// How a term of leading ended.

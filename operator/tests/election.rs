@@ -45,6 +45,43 @@ async fn one_replica_leads_and_a_standby_takes_over_when_it_steps_down() {
         .expect("the old leader knows it is not leading");
 }
 
+/// A leader whose renewal fails (the API server down a moment, overloaded, restarting) leads
+/// on while its claim stands: a blip deposes nobody, where stepping down and being elected
+/// again would cut its reconciles short and resync every lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_leads_on_through_a_failed_renewal_while_its_claim_stands() {
+    let api = InMemoryApiServer::new();
+    let a = election::campaign(
+        support::operator_client(&api),
+        "leasehold-system",
+        "operator-a",
+    )
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), election::elected(&a))
+        .await
+        .expect("the replica is elected");
+    api.set_down(true);
+    // The renewal due a renew interval after the election fails; the claim runs 15 s.
+    let deposed = tokio::time::timeout(
+        election::ELECTION_RENEW_INTERVAL + Duration::from_secs(2),
+        election::deposed(&a),
+    )
+    .await;
+    api.set_down(false);
+    assert!(
+        deposed.is_err(),
+        "a failed renewal deposed a leader whose claim stood: {:?}",
+        a.snapshot()
+    );
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !a.answer().is_holder() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the leader renews once the API server answers");
+}
+
 /// Set when the future that owns it is dropped, finished or cut short.
 struct Dropped(std::sync::Arc<std::sync::atomic::AtomicBool>);
 
