@@ -74,7 +74,8 @@ pub fn desired(
             count(held_keys),
             count(held_permits),
         ),
-        // Unknown while the backend cannot be read: the last count is not kept as if current.
+        // Unknown while the backend cannot be read: the last count is not kept as if current
+        // (the last holder is, below).
         Observation::Failed { reason, message } => {
             ("False", *reason, message.clone(), None, None, None)
         }
@@ -92,9 +93,18 @@ pub fn desired(
         last_transition_time,
     };
     let old_token = current.and_then(|s| s.fencing_token);
-    let new_token = holder
-        .as_ref()
-        .map(|h| i64::try_from(h.token).unwrap_or(i64::MAX));
+    // While the backend cannot be read, the holder it last reported stays (beside the condition
+    // that says so): a look that failed is no change of holder, and the next one that finds
+    // the same holding must not count one.
+    let (holder, new_token) = match observation {
+        Observation::Ready { .. } => (
+            holder.as_ref().map(|h| h.identity.clone()),
+            holder
+                .as_ref()
+                .map(|h| i64::try_from(h.token).unwrap_or(i64::MAX)),
+        ),
+        Observation::Failed { .. } => (current.and_then(|s| s.holder.clone()), old_token),
+    };
     let mut transitions = current.and_then(|s| s.transitions).unwrap_or(0);
     if new_token.is_some() && new_token != old_token {
         transitions += 1;
@@ -103,7 +113,7 @@ pub fn desired(
         conditions: vec![condition],
         observed_generation: generation,
         backend: Some(backend.to_owned()),
-        holder: holder.as_ref().map(|h| h.identity.clone()),
+        holder,
         fencing_token: new_token,
         transitions: Some(transitions),
         held_keys,
@@ -282,7 +292,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failure_flips_the_condition_clears_the_holder_and_warns() {
+    fn a_failure_flips_the_condition_keeps_the_last_holder_and_warns() {
         let ok = desired(None, Some(1), "redis", &ready(holding("pod-a", 3)), at(100));
         let failed = Observation::Failed {
             reason: "Unreachable",
@@ -295,12 +305,34 @@ mod tests {
             ("False", "Unreachable")
         );
         assert_eq!(c.last_transition_time, Time(at(200)));
-        assert_eq!((bad.holder.as_deref(), bad.fencing_token), (None, None));
+        assert_eq!(
+            (bad.holder.as_deref(), bad.fencing_token),
+            (Some("pod-a"), Some(3)),
+            "the holder last reported"
+        );
         assert_eq!(bad.transitions, Some(1), "the count survives");
         let n = notices(Some(&ok), &bad);
         assert_eq!(n.len(), 1);
         assert!(n[0].warning && n[0].reason == "BackendUnavailable");
         assert!(n[0].note.contains("connection refused"));
+        // Back again, the same holding: recovered, and no change of holder counted or told.
+        let same = desired(
+            Some(&bad),
+            Some(1),
+            "redis",
+            &ready(holding("pod-a", 3)),
+            at(250),
+        );
+        assert_eq!(
+            same.transitions,
+            Some(1),
+            "a failed look counted as a hand-over"
+        );
+        let reasons: Vec<_> = notices(Some(&bad), &same)
+            .iter()
+            .map(|n| n.reason)
+            .collect();
+        assert_eq!(reasons, ["BackendRecovered"]);
         // Back again, with a new holder: recovered, and one more transition.
         let back = desired(
             Some(&bad),
