@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
-    Lifecycle, LifecycleHandler, ObjectFieldSelector, Pod, Probe, ResourceRequirements,
-    SeccompProfile, SecurityContext,
+    Lifecycle, LifecycleHandler, NodeSelectorTerm, ObjectFieldSelector, Pod, Probe,
+    ResourceRequirements, SeccompProfile, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -586,6 +586,20 @@ fn architecture_ops(pod: &Pod, architectures: &[String]) -> Result<Vec<Value>, S
         n.required_during_scheduling_ignored_during_execution
             .as_ref()
     });
+    // Each term gains the requirement: a pod whose every term then asks for an architecture
+    // and none of the image's would stay pending for ever.
+    if let Some(required) = required
+        && !required.node_selector_terms.is_empty()
+        && !required
+            .node_selector_terms
+            .iter()
+            .any(|term| architectures.iter().any(|arch| term_allows(term, arch)))
+    {
+        return Err(format!(
+            "annotation {ANNOTATION}: every term of the pod's required node affinity rules out {ARCH_LABEL} {}, the only architectures the sidecar's image is built for",
+            architectures.join(", ")
+        ));
+    }
     const REQUIRED: &str =
         "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution";
     Ok(match (affinity, node_affinity, required) {
@@ -615,6 +629,24 @@ fn architecture_ops(pod: &Pod, architectures: &[String]) -> Result<Vec<Value>, S
             })
             .collect(),
     })
+}
+
+/// Whether node selector `term` lets a node of architecture `arch` in, as far as its
+/// expressions on [`ARCH_LABEL`] say (every expression of a term must hold).
+fn term_allows(term: &NodeSelectorTerm, arch: &str) -> bool {
+    term.match_expressions
+        .iter()
+        .flatten()
+        .filter(|e| e.key == ARCH_LABEL)
+        .all(|e| {
+            let named = e.values.iter().flatten().any(|v| v == arch);
+            match e.operator.as_str() {
+                "In" => named,
+                "NotIn" => !named,
+                "DoesNotExist" => false,
+                _ => true,
+            }
+        })
 }
 
 /// The sidecar container for `locks` in `namespace`.

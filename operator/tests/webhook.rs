@@ -1033,6 +1033,30 @@ async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
         "{message}"
     );
 
+    // So could a pod whose every required term asks for another architecture; a term that
+    // allows one of the image's keeps the pod admitted.
+    let mut arm_affinity = pod(Some("jobs"), None, None);
+    arm_affinity["spec"]["affinity"] = json!({
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["arm64"]}]},
+            {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "NotIn", "values": ["amd64"]}]}
+        ]}}
+    });
+    let (allowed, message, _) = admit(&api, &arm_affinity, true).await;
+    assert!(
+        !allowed,
+        "a pod that no node of the image's architecture can run was admitted"
+    );
+    assert!(
+        message.contains("affinity") && message.contains("amd64"),
+        "{message}"
+    );
+    let mut either = arm_affinity.clone();
+    either["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] = json!(["arm64", "amd64"]);
+    let (allowed, message, _) = admit(&api, &either, true).await;
+    assert!(allowed, "{message}");
+
     // A multi-architecture image: no affinity.
     let mut any = injection(true);
     any.architectures.clear();
