@@ -15,6 +15,9 @@ pub const ELECTION_LEASE: &str = "leasehold-operator";
 pub const ELECTION_LEASE_DURATION: Duration = Duration::from_secs(15);
 pub const ELECTION_RENEW_INTERVAL: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(100);
+/// How long a stopping leader's reconciles may take to finish: with the webhook's drain after
+/// it, well within the pod's grace period (the chart's `terminationGracePeriodSeconds`, 30 s).
+pub const DRAIN_PATIENCE: Duration = Duration::from_secs(15);
 
 /// Start campaigning. The returned lock keeps campaigning until shut down.
 pub fn campaign(
@@ -70,20 +73,37 @@ pub enum TermEnd<S> {
 /// sent. On `signal` it stops gracefully, its reconciles finishing (the replica still leads);
 /// on `deposed` at once, its reconciles cut where they are, since the new leader's run by then
 /// and two reconcilers would write status and events over each other.
+///
+/// Stopping, the reconciles finish only while the replica still leads and within `patience`
+/// ([`DRAIN_PATIENCE`]): deposed meanwhile, a standby reconciles by then; past the patience, the
+/// pod's grace period would run out before the leadership is handed over, and the standby would
+/// wait out the whole lease.
 pub async fn reconcile_while_leading<S>(
     reconcile: impl FnOnce(tokio::sync::oneshot::Receiver<()>) -> tokio::task::JoinHandle<()>,
     deposed: impl Future<Output = ()>,
     signal: impl Future<Output = S>,
+    patience: Duration,
 ) -> TermEnd<S> {
     let (stop, stopped) = tokio::sync::oneshot::channel();
-    let controller = reconcile(stopped);
+    let mut controller = reconcile(stopped);
+    let mut deposed = std::pin::pin!(deposed);
     let end = tokio::select! {
         signal = signal => TermEnd::Signalled(signal),
-        () = deposed => TermEnd::Deposed,
+        () = &mut deposed => TermEnd::Deposed,
     };
     match end {
         TermEnd::Signalled(_) => {
             let _ = stop.send(());
+            tokio::select! {
+                _ = &mut controller => return end,
+                () = &mut deposed => {
+                    tracing::warn!("deposed while stopping: the reconciles still running are cut short");
+                }
+                () = tokio::time::sleep(patience) => {
+                    tracing::warn!(?patience, "the reconciles still running when stopping are cut short");
+                }
+            }
+            controller.abort();
         }
         TermEnd::Deposed => controller.abort(),
     }

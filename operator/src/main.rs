@@ -17,7 +17,8 @@ use leasehold_process::{hostname, init_logging, listen, shutdown_signal};
 
 /// How long the webhook keeps answering after SIGTERM (not ready meanwhile): Services and the
 /// API server's endpoints take a few seconds to drop a terminating pod. The chart's
-/// terminationGracePeriodSeconds leaves room for it.
+/// terminationGracePeriodSeconds (30 s) leaves room for it after the reconciles' drain
+/// ([`election::DRAIN_PATIENCE`]).
 const WEBHOOK_DRAIN: Duration = Duration::from_secs(5);
 /// How long the uninstall hook waits for the operator's pods to go (their grace period is 30 s
 /// by default; the hook's Job gives up at 300 s).
@@ -152,6 +153,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
             },
             election::deposed(&leadership),
             &mut signal,
+            election::DRAIN_PATIENCE,
         )
         .await;
         metrics.set_leader(false);

@@ -111,6 +111,7 @@ async fn a_deposed_leaders_reconciles_are_cut_short() {
             },
             tokio::time::sleep(Duration::from_millis(20)),
             std::future::pending::<&str>(),
+            Duration::from_secs(60),
         ),
     )
     .await
@@ -135,8 +136,43 @@ async fn a_stopping_leaders_reconciles_finish() {
         },
         std::future::pending::<()>(),
         async { "SIGTERM" },
+        Duration::from_secs(60),
     )
     .await;
     assert_eq!(end, election::TermEnd::Signalled("SIGTERM"));
     assert!(finished.load(Ordering::SeqCst), "a reconcile was cut short");
+}
+
+/// A stopping leader's reconciles finish only while it leads and within its patience: deposed
+/// meanwhile (its renewals failing while it drains), or past the patience (a clean-up waiting
+/// on a backend, the pod's grace period running out), they are cut short, so that no standby
+/// reconciles beside them and the leadership is handed over before the pod is killed.
+#[tokio::test]
+async fn a_stopping_leaders_reconciles_are_cut_short_when_deposed_or_past_its_patience() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    for (deposed_after, patience) in [(50, 60_000), (60_000, 50)] {
+        let dropped = std::sync::Arc::new(AtomicBool::new(false));
+        let running = Dropped(dropped.clone());
+        let end = tokio::time::timeout(
+            Duration::from_secs(5),
+            election::reconcile_while_leading(
+                |stop| {
+                    tokio::spawn(async move {
+                        let _running = running;
+                        let _ = stop.await;
+                        std::future::pending::<()>().await;
+                    })
+                },
+                tokio::time::sleep(Duration::from_millis(deposed_after)),
+                async { "SIGTERM" },
+                Duration::from_millis(patience),
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!("a stopping leader drained on (deposed after {deposed_after} ms, patience {patience} ms)")
+        });
+        assert_eq!(end, election::TermEnd::Signalled("SIGTERM"));
+        assert!(dropped.load(Ordering::SeqCst), "a reconcile runs on");
+    }
 }
