@@ -375,6 +375,58 @@ impl SecretSource for kube::Client {
     }
 }
 
+/// Secrets read again and again (a running lock's re-check of its credentials): from the API
+/// server's cache (`resourceVersion=0`, no quorum read from etcd), and read through to etcd
+/// only when the cached copy is not the one read last (changed, new, or gone). A cache that
+/// lags shows an older copy, which the read through then replaces with the current one, so a
+/// rotated credential is never taken back. One per follower: it remembers what it read.
+pub struct CachedSecrets {
+    client: kube::Client,
+    last: std::sync::Mutex<std::collections::HashMap<(String, String), Secret>>,
+}
+
+impl CachedSecrets {
+    pub fn new(client: kube::Client) -> Self {
+        Self {
+            client,
+            last: std::sync::Mutex::default(),
+        }
+    }
+}
+
+impl SecretSource for CachedSecrets {
+    async fn secret(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> std::result::Result<Option<Secret>, kube::Error> {
+        let api = Api::<Secret>::namespaced(self.client.clone(), namespace);
+        let key = (namespace.to_owned(), name.to_owned());
+        let cached = match api.get_with(name, &kube::api::GetParams::any()).await {
+            Ok(secret) => Some(secret),
+            Err(kube::Error::Api(status)) if status.is_not_found() => None,
+            Err(e) => return Err(e),
+        };
+        let version = |s: &Secret| (s.metadata.uid.clone(), s.metadata.resource_version.clone());
+        {
+            let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+            if let (Some(cached), Some(last)) = (&cached, last.get(&key))
+                && cached.metadata.resource_version.is_some()
+                && version(cached) == version(last)
+            {
+                return Ok(Some(last.clone()));
+            }
+        }
+        let current = api.get_opt(name).await?;
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        match &current {
+            Some(secret) => last.insert(key, secret.clone()),
+            None => last.remove(&key),
+        };
+        Ok(current)
+    }
+}
+
 /// Read the referenced Secret keys from the lock's namespace. A missing Secret or key, or a
 /// Secret whose owner has not allowed the lock's servers ([`ALLOWED_HOSTS_ANNOTATION`]), is an
 /// [`Error::InvalidConfig`] that names it (never its value).

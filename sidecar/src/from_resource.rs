@@ -53,8 +53,11 @@ impl std::str::FromStr for ResourceRef {
     }
 }
 
-async fn read(client: &kube::Client, lock: &DistributedLock) -> Result<ResolvedLock, String> {
-    let secrets = resource::read_secrets(client, lock)
+async fn read(
+    secrets: &resource::CachedSecrets,
+    lock: &DistributedLock,
+) -> Result<ResolvedLock, String> {
+    let secrets = resource::read_secrets(secrets, lock)
         .await
         .map_err(|e| e.to_string())?;
     resource::resolve(lock, &secrets).map_err(|e| e.to_string())
@@ -186,12 +189,13 @@ async fn step_down(state: &AppState, current: &ResolvedLock) {
 /// until it can be started.
 async fn start_resource(
     client: &kube::Client,
+    secrets: &resource::CachedSecrets,
     lock: &DistributedLock,
     identity: &str,
     metrics: &Arc<Metrics>,
     state: &AppState,
 ) -> Result<(ResolvedLock, Running), String> {
-    let resolved = read(client, lock).await?;
+    let resolved = read(secrets, lock).await?;
     let running = start(client, &resolved, identity, metrics, state).await?;
     Ok((resolved, running))
 }
@@ -228,6 +232,9 @@ pub async fn follow(
     holder_label: Result<tokio::sync::watch::Sender<bool>, String>,
 ) {
     let api: Api<DistributedLock> = Api::namespaced(client.clone(), &r.namespace);
+    // The re-check every `secret_recheck`, in every pod of the lock, reads the API server's
+    // cache, and etcd only when a Secret changed.
+    let secrets = resource::CachedSecrets::new(client.clone());
     let config = watcher::Config::default().fields(&format!("metadata.name={}", r.name));
     let mut changes = std::pin::pin!(watcher(api, config).default_backoff());
     // Whether the resource was listed since the watch last started again: one missing from
@@ -354,7 +361,7 @@ pub async fn follow(
             {
                 continue;
             }
-            match start_resource(&client, &lock, &identity, &metrics, &state).await {
+            match start_resource(&client, &secrets, &lock, &identity, &metrics, &state).await {
                 Ok((resolved, started)) => {
                     let placed = match &started {
                         Running::Lock(lock) => Some(lock.clone()),
@@ -450,7 +457,7 @@ pub async fn follow(
             }
             read_generation = generation;
         }
-        let next = match read(&client, &lock).await {
+        let next = match read(&secrets, &lock).await {
             Ok(next) if next == running && !stepped_down => continue,
             Ok(next) => next,
             Err(e) if secrets_only => {

@@ -751,6 +751,20 @@ async fn a_rotated_password_reaches_the_running_lock() {
     })
     .await;
     let before = state.locks()[0].answer().token().unwrap();
+    // The re-checks of a Secret that did not change read the API server's cache, not etcd.
+    let reads = |kind: &str| api.requests_by_kind().get(kind).copied().unwrap_or(0);
+    let (consistent, cached) = (reads("GET secrets"), reads("GET secrets from the cache"));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        reads("GET secrets from the cache") >= cached + 3,
+        "no re-check read the Secret: {:?}",
+        api.requests_by_kind()
+    );
+    assert_eq!(
+        reads("GET secrets"),
+        consistent,
+        "re-checks of an unchanged Secret read it from etcd"
+    );
 
     rotate_redis_password(&redis, &api, "second-password");
     cut_app_connections(&redis);
