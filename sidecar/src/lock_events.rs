@@ -50,26 +50,9 @@ async fn follow(
     events: mpsc::Sender<SseEvent>,
 ) {
     let mut states = lock.watch();
-    let snapshot = states.borrow_and_update().clone();
     let permits = lock.has_had_permits();
-    let answer = snapshot.answer();
-    let mut state = json!({
-        "lock": lock.name(),
-        "holder": answer.is_holder(),
-        "fencingToken": answer.token(),
-        "since": crate::api::rfc3339(snapshot.since),
-    });
-    let mut told: Told = None;
-    if let (Some(holding), Some((shown, until))) = (answer.holding(), held_in(&snapshot))
-        && holding == shown
-    {
-        state["validForMs"] = valid_for_ms(until).into();
-        if permits {
-            state["permit"] = holding.0.into();
-        }
-        told = Some((holding, until));
-    }
-    if events.send(sse("state", state)).await.is_err() {
+    let (state, mut told) = state_event(&lock, &states.borrow_and_update(), permits);
+    if events.send(state).await.is_err() {
         return;
     }
     let mut engine_running = true;
@@ -79,9 +62,15 @@ async fn follow(
             change = changes.recv() => {
                 let event = match change {
                     Ok(event) => event,
-                    // A reader that falls behind skips what it missed; the next event, or the
-                    // next renewal, carries the state.
-                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    // A reader that fell behind missed events: told the state anew.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        let (state, now_told) = state_event(&lock, &lock.snapshot(), permits);
+                        told = now_told;
+                        if events.send(state).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     Err(broadcast::error::RecvError::Closed) => return,
                 };
                 let mut body = event_body(&event, permits);
@@ -102,14 +91,15 @@ async fn follow(
                     engine_running = false;
                     continue;
                 }
-                let now_held = held_in(&states.borrow_and_update());
-                // Only a holding told of as acquired is told of as renewed: one not yet told
-                // of is, with its validity, by its `acquired`.
-                let Some(((holding, until), (told_holding, told_until))) = now_held.zip(told)
+                let snapshot = states.borrow_and_update().clone();
+                // Only a holding known to the stream (told of, or held when it began) is told
+                // of as renewed: one not yet known is, with its validity, by its `acquired`.
+                let Some(((holding, until), (told_holding, told_until))) =
+                    held_in(&snapshot).zip(told)
                 else {
                     continue;
                 };
-                if holding != told_holding || until == told_until {
+                if holding != told_holding || until == told_until || !snapshot.answer().is_holder() {
                     continue;
                 }
                 let mut body = json!({
@@ -122,12 +112,39 @@ async fn follow(
                     body["permit"] = holding.0.into();
                 }
                 told = Some((holding, until));
-                if events.send(sse("renewed", body)).await.is_err() {
+                // Never waited for: a client that reads slowly must not hold up the next,
+                // fresher word; one it misses only shortens the validity it counts on.
+                if let Err(mpsc::error::TrySendError::Closed(_)) =
+                    events.try_send(sse("renewed", body))
+                {
                     return;
                 }
             }
         }
     }
+}
+
+/// The `state` event for `snapshot`, and the holding the stream then knows of. A holding that
+/// stands is known even while the backend cannot be read (the answer then unknown, told without
+/// a validity): its next renewal is told, with its validity.
+fn state_event(lock: &Lock, snapshot: &Snapshot, permits: bool) -> (SseEvent, Told) {
+    let answer = snapshot.answer();
+    let mut state = json!({
+        "lock": lock.name(),
+        "holder": answer.is_holder(),
+        "fencingToken": answer.token(),
+        "since": crate::api::rfc3339(snapshot.since),
+    });
+    let known = held_in(snapshot).filter(|(_, until)| *until > BootInstant::now());
+    if let (Some(holding), Some((shown, until))) = (answer.holding(), known)
+        && holding == shown
+    {
+        state["validForMs"] = valid_for_ms(until).into();
+        if permits {
+            state["permit"] = holding.0.into();
+        }
+    }
+    (sse("state", state), known)
 }
 
 /// What an event of the engine's says.
@@ -147,4 +164,69 @@ fn event_body(event: &Event, permits: bool) -> Value {
 
 fn sse(kind: &str, body: Value) -> SseEvent {
     SseEvent::default().event(kind).data(body.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+    use leasehold_lease::{BackendUrl, LockConfig, Mode};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// The events of `body` as they come, each as its text.
+    async fn next_event(
+        body: &mut (impl futures_util::Stream<Item = Result<axum::body::Bytes, axum::Error>> + Unpin),
+    ) -> String {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), body.next())
+            .await
+            .expect("no event within 10 s")
+            .expect("the stream ended")
+            .unwrap();
+        String::from_utf8_lossy(&chunk).into_owned()
+    }
+
+    /// A follower that begins while the leader's renewals fail (the answer unknown, its state
+    /// without a validity) learns that the pod leads at the next renewal that succeeds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follower_that_began_during_a_failed_renewal_is_told_the_next_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
+            .await
+            .unwrap();
+        let faulty = leasehold_testkit::faulty::FaultyDriver::wrap(backend);
+        let mut config = LockConfig::new("leader", "pod-a", Duration::from_secs(3));
+        config.mode = Mode::Campaign;
+        config.renew_interval = Duration::from_millis(300);
+        let lock = Lock::start(faulty.clone(), config, Arc::new(())).unwrap();
+        let mut state = lock.watch();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            state.wait_for(|s| s.answer().is_holder()),
+        )
+        .await
+        .expect("the pod leads")
+        .unwrap();
+        faulty.stall_renewals(true);
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            state.wait_for(|s| s.backend_error.is_some() && s.held.is_some()),
+        )
+        .await
+        .expect("a renewal fails while the claim stands")
+        .unwrap();
+        let mut body = respond(lock.clone()).into_body().into_data_stream();
+        let first = next_event(&mut body).await;
+        assert!(
+            first.starts_with("event: state") && !first.contains("validForMs"),
+            "{first}"
+        );
+        faulty.stall_renewals(false);
+        let next = next_event(&mut body).await;
+        assert!(
+            next.starts_with("event: renewed") && next.contains("validForMs"),
+            "the follower was not told that the pod leads: {next}"
+        );
+    }
 }
