@@ -848,9 +848,10 @@ impl KeyedFamily {
                     return Err(read_write::writes_so_cannot_read(owner, base_key));
                 }
                 // A write lock taken again acquires its parts through its writer; a part of
-                // the owner's met here is of another write of the owner's still being taken.
-                // Shared, the two would be two write locks on the same parts, each released
-                // as the whole.
+                // the owner's met here is of another write of the owner's still being taken
+                // (or given back after its client hung up). Shared, the two would be two write
+                // locks on the same parts, each released as the whole: not the owner's turn,
+                // as a 409 naming it says (a retry once that write is answered re-enters it).
                 (true, Part::OfWrite) => {
                     if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
                         if let KeyAnswer::Held { token, .. } = answer
@@ -858,7 +859,9 @@ impl KeyedFamily {
                         {
                             tracing::debug!(family = self.name(), key, error = %e, "a part met twice was not given back; it lapses with its hold");
                         }
-                        return Err(read_write::taking_to_write_already(owner, base_key));
+                        return Ok(KeyAnswer::HeldByAnother {
+                            holder: Some(self.qualified(owner)),
+                        });
                     }
                 }
                 (false, Part::Own(_)) => {}
@@ -1988,9 +1991,9 @@ mod tests {
     }
 
     /// Two writes of one key by one owner, the second sent while the first holds the write gate
-    /// and waits for a reader: the second is refused (the owner is taking the key to write
-    /// already) rather than merged into the first's parts, two write locks of which only one
-    /// is the owner's to act on and release.
+    /// and waits for a reader: the second is refused (a 409 naming the owner: not its turn)
+    /// rather than merged into the first's parts, two write locks of which only one is the
+    /// owner's to act on and release.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_write_of_an_owner_sent_while_its_first_is_waiting_is_refused() {
         let dir = tempfile::tempdir().expect("a directory");
@@ -2044,7 +2047,7 @@ mod tests {
             "the first write: {first:?}"
         );
         assert!(
-            matches!(&second, Err(KeyError::BadMode(why)) if why.contains("to write already")),
+            matches!(&second, Ok(KeyAnswer::HeldByAnother { holder: Some(holder) }) if holder == "pod-a/w"),
             "the second write, sent while the first waited: {second:?}"
         );
         assert!(matches!(
