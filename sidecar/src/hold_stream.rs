@@ -284,12 +284,12 @@ enum Binding {
 /// Tell the engines of every part of a connection's acquisition ([`Bound::parts`]) that the
 /// connection holds it, before its client is told anything: a release by another call then
 /// lets it lapse rather than free it while the client may still act on its last event
-/// ([`Lock::bind`]). Whether every part was bound. A part that was not is no longer the
+/// ([`Lock::bind`]), and how that went. A part that was not bound is no longer the
 /// connection's: another call gave its acquisition back (a retried release, beside holds that
 /// are all bound), or the holding ended. The stream then holds nothing: the parts bound are
 /// given back here, by the connection, and the others left as they are (giving one back would
 /// end another connection's acquisition).
-async fn bind(parts: &[(Lock, (u32, u64))]) -> bool {
+async fn bind(parts: &[(Lock, (u32, u64))]) -> Bind {
     let mut bound = Vec::new();
     let mut every = true;
     for (engine, holding) in parts {
@@ -302,14 +302,34 @@ async fn bind(parts: &[(Lock, (u32, u64))]) -> bool {
             }
         }
     }
-    if !every {
-        for (engine, holding) in bound {
-            if let Err(e) = engine.release_bound(*holding).await {
-                tracing::warn!(error = %e, "giving back a connection's hold failed; it lapses with its hold");
-            }
+    if every {
+        return Bind::Bound;
+    }
+    // Read before the parts bound are given back, which may end their holdings.
+    let given_up = parts.iter().all(|(engine, holding)| {
+        engine
+            .snapshot()
+            .held
+            .is_some_and(|held| (held.permit, held.token) == *holding)
+    });
+    for (engine, holding) in bound {
+        if let Err(e) = engine.release_bound(*holding).await {
+            tracing::warn!(error = %e, "giving back a connection's hold failed; it lapses with its hold");
         }
     }
-    every
+    match given_up {
+        true => Bind::GivenUp,
+        false => Bind::Lost,
+    }
+}
+
+/// How binding a connection's acquisition went ([`bind`]).
+enum Bind {
+    Bound,
+    /// Every part still held as taken: another call gave this acquisition up.
+    GivenUp,
+    /// A part's holding ended.
+    Lost,
 }
 
 /// The stream for an acquisition `bound` holds; `about` names it in every event (lock, or
@@ -490,18 +510,12 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         bound.ended(None, Binding::Unbound).await;
         return;
     };
-    if !bind(&parts).await {
-        // Every part still held as taken: another call gave this acquisition up.
-        let given_up = parts.iter().all(|(engine, holding)| {
-            engine
-                .snapshot()
-                .held
-                .is_some_and(|held| (held.permit, held.token) == *holding)
-        });
-        let (kind, reason) = match given_up {
-            true => ("released", GIVEN_UP_BY_ANOTHER_CALL),
-            false => ("lost", NO_LONGER_HELD),
-        };
+    let unbound = match bind(&parts).await {
+        Bind::Bound => None,
+        Bind::GivenUp => Some(("released", GIVEN_UP_BY_ANOTHER_CALL)),
+        Bind::Lost => Some(("lost", NO_LONGER_HELD)),
+    };
+    if let Some((kind, reason)) = unbound {
         let _ = events
             .send(event(kind, &about, json!({"reason": reason})))
             .await;
