@@ -379,13 +379,19 @@ impl SecretSource for kube::Client {
 /// server's cache (`resourceVersion=0`, no quorum read from etcd), and read through to etcd
 /// only when the cached copy is not the one read last (changed, new, or gone). A cache that
 /// lags shows an older copy, which the read through then replaces with the current one, so a
-/// rotated credential is never taken back. One per follower: it remembers what it read.
+/// rotated credential is never taken back; and each Secret is read through at least every
+/// [`CachedSecrets::READ_THROUGH_EVERY`], should a cache stop following. One per follower: it
+/// remembers what it read.
 pub struct CachedSecrets {
     client: kube::Client,
-    last: std::sync::Mutex<std::collections::HashMap<(String, String), Secret>>,
+    last:
+        std::sync::Mutex<std::collections::HashMap<(String, String), (Secret, std::time::Instant)>>,
 }
 
 impl CachedSecrets {
+    /// How long a Secret is taken from the cache, unchanged there, before it is read through.
+    pub const READ_THROUGH_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
+
     pub fn new(client: kube::Client) -> Self {
         Self {
             client,
@@ -410,9 +416,10 @@ impl SecretSource for CachedSecrets {
         let version = |s: &Secret| (s.metadata.uid.clone(), s.metadata.resource_version.clone());
         {
             let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-            if let (Some(cached), Some(last)) = (&cached, last.get(&key))
+            if let (Some(cached), Some((last, read_at))) = (&cached, last.get(&key))
                 && cached.metadata.resource_version.is_some()
                 && version(cached) == version(last)
+                && read_at.elapsed() < Self::READ_THROUGH_EVERY
             {
                 return Ok(Some(last.clone()));
             }
@@ -420,7 +427,7 @@ impl SecretSource for CachedSecrets {
         let current = api.get_opt(name).await?;
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
         match &current {
-            Some(secret) => last.insert(key, secret.clone()),
+            Some(secret) => last.insert(key, (secret.clone(), std::time::Instant::now())),
             None => last.remove(&key),
         };
         Ok(current)
