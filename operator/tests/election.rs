@@ -9,24 +9,19 @@ use leasehold_operator::election::{self, ELECTION_LEASE};
 use leasehold_testkit::InMemoryApiServer;
 use leasehold_testkit::in_memory_api_server::LEASES;
 
+/// A replica called `identity` campaigning on `api`.
+fn campaign(api: &InMemoryApiServer, identity: &str) -> leasehold_lease::Lock {
+    election::campaign(support::operator_client(api), "leasehold-system", identity).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_leads_and_a_standby_takes_over_when_it_steps_down() {
     let api = InMemoryApiServer::new();
-    let a = election::campaign(
-        support::operator_client(&api),
-        "leasehold-system",
-        "operator-a",
-    )
-    .unwrap();
+    let a = campaign(&api, "operator-a");
     tokio::time::timeout(Duration::from_secs(5), election::elected(&a))
         .await
         .expect("the first replica is elected");
-    let b = election::campaign(
-        support::operator_client(&api),
-        "leasehold-system",
-        "operator-b",
-    )
-    .unwrap();
+    let b = campaign(&api, "operator-b");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!b.answer().is_holder(), "two leaders");
     let lease = api
@@ -51,12 +46,7 @@ async fn one_replica_leads_and_a_standby_takes_over_when_it_steps_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_leads_on_through_a_failed_renewal_while_its_claim_stands() {
     let api = InMemoryApiServer::new();
-    let a = election::campaign(
-        support::operator_client(&api),
-        "leasehold-system",
-        "operator-a",
-    )
-    .unwrap();
+    let a = campaign(&api, "operator-a");
     tokio::time::timeout(Duration::from_secs(5), election::elected(&a))
         .await
         .expect("the replica is elected");

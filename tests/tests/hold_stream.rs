@@ -211,6 +211,53 @@ fn a_hold_on_a_lock_of_permits_names_its_permit_and_so_must_its_force_release() 
     assert_eq!(sidecar.get("/lock").status, 409);
 }
 
+/// Follow `stream` of `a` for `settle` (every event a renewal of the holding told of by `last`,
+/// the last word read and when), then pause `a` (SIGSTOP) past its claim while `take` makes
+/// another pod the holder: that happens only once the last validity told has run out, and the
+/// paused sidecar says nothing meanwhile. How many renewals were told before the pause; `a`
+/// is left paused.
+fn paused_past_its_claim(
+    a: &Sidecar,
+    stream: &EventStream,
+    mut last: (Instant, serde_json::Value),
+    settle: Duration,
+    take: impl FnOnce(),
+) -> usize {
+    let token = last.1["fencingToken"].clone();
+    let mut renewals = 0;
+    let settled = Instant::now() + settle;
+    while Instant::now() < settled {
+        if let Some(StreamEvent { kind, body, at }) = stream.try_next() {
+            assert_eq!(kind, "renewed", "{body}");
+            assert_eq!(body["fencingToken"], token);
+            renewals += 1;
+            last = (at, body);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    a.signal(Signal::SIGSTOP);
+    // What was on its way when the sidecar stopped.
+    std::thread::sleep(Duration::from_millis(200));
+    while let Some(StreamEvent { kind, body, at }) = stream.try_next() {
+        assert_eq!(kind, "renewed", "{body}");
+        last = (at, body);
+    }
+    let last_valid_until =
+        last.0 + Duration::from_millis(last.1["validForMs"].as_u64().expect("validForMs"));
+    take();
+    let taken_at = Instant::now();
+    assert!(
+        last_valid_until <= taken_at,
+        "another pod held {:?} before the paused pod's last told validity ran out",
+        last_valid_until - taken_at
+    );
+    assert!(
+        stream.try_next().is_none(),
+        "a paused sidecar said something"
+    );
+    renewals
+}
+
 #[test]
 fn a_paused_sidecar_says_lost_the_moment_it_runs_again() {
     let redis = RedisServer::start();
@@ -225,37 +272,15 @@ fn a_paused_sidecar_says_lost_the_moment_it_runs_again() {
     assert_eq!(acquired.kind, "acquired", "{acquired:?}");
     let acquired = acquired.body;
     let token = acquired["fencingToken"].as_u64().unwrap();
-    // The last word before the pause, and when it was read.
-    let mut last = (Instant::now(), acquired);
-    let settle = Instant::now() + Duration::from_millis(2500);
-    while Instant::now() < settle {
-        if let Some(StreamEvent { kind, body, at }) = stream.try_next() {
-            assert_eq!(kind, "renewed", "{body}");
-            last = (at, body);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    a.signal(Signal::SIGSTOP);
-    // What was on its way when the sidecar stopped.
-    std::thread::sleep(Duration::from_millis(200));
-    while let Some(StreamEvent { kind, body, at }) = stream.try_next() {
-        assert_eq!(kind, "renewed", "{body}");
-        last = (at, body);
-    }
-    let last_valid_until =
-        last.0 + Duration::from_millis(last.1["validForMs"].as_u64().expect("validForMs"));
-
-    let taken = b.post(&format!("{key}/acquire?owner=w2&wait=15s"));
-    let taken_at = Instant::now();
-    assert!(taken.token() > token, "{}", taken.body);
-    assert!(
-        last_valid_until <= taken_at,
-        "pod b held the key {:?} before pod a's last validity ran out",
-        last_valid_until - taken_at
-    );
-    assert!(
-        stream.try_next().is_none(),
-        "a paused sidecar said something"
+    paused_past_its_claim(
+        &a,
+        &stream,
+        (Instant::now(), acquired),
+        Duration::from_millis(2500),
+        || {
+            let taken = b.post(&format!("{key}/acquire?owner=w2&wait=15s"));
+            assert!(taken.token() > token, "{}", taken.body);
+        },
     );
 
     a.signal(Signal::SIGCONT);
@@ -295,42 +320,19 @@ fn a_campaigns_events_tell_each_validity_and_a_paused_leader_is_replaced_after_t
         "the leader's state says how long it holds: {}",
         state.body
     );
-    // The last word before the pause, and when it was read.
-    let mut last = (state.at, state.body);
-    let mut renewals = 0;
-    let settle = Instant::now() + Duration::from_millis(4500);
-    while Instant::now() < settle {
-        if let Some(StreamEvent { kind, body, at }) = stream.try_next() {
-            assert_eq!(kind, "renewed", "{body}");
-            assert_eq!(body["fencingToken"], token);
-            renewals += 1;
-            last = (at, body);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let renewals = paused_past_its_claim(
+        &a,
+        &stream,
+        (state.at, state.body),
+        Duration::from_millis(4500),
+        || {
+            eventually(Duration::from_secs(15), "pod b leads", || {
+                b.get("/lock").status == 200
+            });
+            assert!(b.get("/lock").token() > token);
+        },
+    );
     assert!(renewals >= 1, "no renewal told in two renew intervals");
-    a.signal(Signal::SIGSTOP);
-    std::thread::sleep(Duration::from_millis(200));
-    while let Some(StreamEvent { kind, body, at }) = stream.try_next() {
-        assert_eq!(kind, "renewed", "{body}");
-        last = (at, body);
-    }
-    let last_valid_until =
-        last.0 + Duration::from_millis(last.1["validForMs"].as_u64().expect("validForMs"));
-    eventually(Duration::from_secs(15), "pod b leads", || {
-        b.get("/lock").status == 200
-    });
-    let taken_at = Instant::now();
-    assert!(b.get("/lock").token() > token);
-    assert!(
-        last_valid_until <= taken_at,
-        "pod b led {:?} before pod a's last told validity ran out",
-        last_valid_until - taken_at
-    );
-    assert!(
-        stream.try_next().is_none(),
-        "a paused sidecar said something"
-    );
     a.signal(Signal::SIGCONT);
     let StreamEvent { kind, body, .. } = stream.next(Duration::from_secs(5));
     assert_eq!(kind, "lost", "{body}");
