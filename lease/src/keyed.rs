@@ -2031,24 +2031,25 @@ mod tests {
         while this.holding_on("k", read_write::GATE, "w").is_none() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let second = tokio::spawn({
-            let this = this.clone();
-            async move { this.acquire_write("k", "w", wait, hold).await }
-        });
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Answered while the first still waits for the reader.
+        let second = tokio::time::timeout(
+            Duration::from_secs(5),
+            this.acquire_write("k", "w", wait, hold),
+        )
+        .await;
+        assert!(
+            matches!(&second, Ok(Ok(KeyAnswer::HeldByAnother { holder: Some(holder) })) if holder == "pod-a/w"),
+            "the second write, sent while the first waited: {second:?}"
+        );
+        assert!(!first.is_finished(), "the first write did not wait");
         assert!(matches!(
             other.release("k", "r1").await,
             Ok(KeyRelease::Released { .. })
         ));
         let first = first.await.expect("the first write");
-        let second = second.await.expect("the second write");
         assert!(
             matches!(first, Ok(KeyAnswer::Held { .. })),
             "the first write: {first:?}"
-        );
-        assert!(
-            matches!(&second, Ok(KeyAnswer::HeldByAnother { holder: Some(holder) }) if holder == "pod-a/w"),
-            "the second write, sent while the first waited: {second:?}"
         );
         assert!(matches!(
             this.release("k", "w").await,
