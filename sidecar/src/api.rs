@@ -1995,7 +1995,8 @@ async fn not_found() -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use leasehold_lease::{BackendUrl, LockConfig};
+    use crate::test_support::sqlite_backend;
+    use leasehold_lease::LockConfig;
     use leasehold_testkit::faulty::FaultyDriver;
     use tower::ServiceExt;
 
@@ -2087,13 +2088,6 @@ mod tests {
     }
 
     /// A SQLite file's driver, in `dir`.
-    async fn sqlite_backend(dir: &tempfile::TempDir) -> Arc<dyn leasehold_lease::Backend> {
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
-            .await
-            .unwrap()
-    }
-
     /// An acquisition refused while the lock was busy is answered as refused, even when another
     /// call of the same pod takes the lock before the refused call's handler reads the lock.
     #[tokio::test]

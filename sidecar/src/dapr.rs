@@ -516,11 +516,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_try_lock_answered_after_its_expiry_is_not_a_success() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let backend = leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(&url).unwrap())
-            .await
-            .unwrap();
-        let faulty = FaultyDriver::wrap(backend);
+        let faulty = FaultyDriver::wrap(crate::test_support::sqlite_backend(&dir).await);
         let config =
             leasehold_lease::keyed::FamilyConfig::new("store", "pod-a", Duration::from_secs(10));
         let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());

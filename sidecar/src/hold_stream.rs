@@ -634,22 +634,10 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
 #[cfg(test)]
 mod tests {
     use super::*;
-    use futures_util::StreamExt;
-    use leasehold_lease::BackendUrl;
+    use crate::test_support::{next_event, sqlite_backend};
     use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease};
     use leasehold_lease::{LockConfig, Mode};
     use std::sync::Arc;
-
-    /// The first event of a stream, as its client reads it.
-    async fn first_event(response: Response) -> String {
-        let mut body = response.into_body().into_data_stream();
-        let chunk = tokio::time::timeout(Duration::from_secs(10), body.next())
-            .await
-            .expect("the stream said nothing")
-            .expect("the stream ended without an event")
-            .unwrap();
-        String::from_utf8_lossy(&chunk).into_owned()
-    }
 
     /// An acquisition that another call gave back before its stream began (a retried release
     /// sent beside two holds) is not the stream's to hold: the stream says `released` rather than
@@ -658,10 +646,7 @@ mod tests {
     #[tokio::test]
     async fn a_hold_given_back_by_another_call_before_its_stream_began_is_told_released() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
-            .await
-            .unwrap();
+        let backend = sqlite_backend(&dir).await;
         let mut config = LockConfig::new("jobs", "pod-a", Duration::from_secs(10));
         config.mode = Mode::OnDemand;
         let lock = Lock::start(backend.clone(), config, Arc::new(())).unwrap();
@@ -684,7 +669,7 @@ mod tests {
             Map::new(),
             Vec::new(),
         );
-        let told = first_event(stream).await;
+        let told = next_event(&mut stream.into_body().into_data_stream()).await;
         assert!(
             told.starts_with("event: released") && told.contains("another call released"),
             "the second hold's client was told it holds an acquisition already given back: {told}"
@@ -706,10 +691,7 @@ mod tests {
     #[tokio::test]
     async fn keys_given_back_before_their_stream_began_leave_another_connections_binding() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
-            .await
-            .unwrap();
+        let backend = sqlite_backend(&dir).await;
         let family = KeyedFamily::new(
             backend.clone(),
             FamilyConfig::new("docs", "pod-a", Duration::from_secs(10)),

@@ -15,3 +15,5 @@ pub mod lock_events;
 pub mod metrics;
 pub mod pod_exit;
 pub mod run;
+#[cfg(test)]
+mod test_support;

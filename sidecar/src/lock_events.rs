@@ -169,33 +169,17 @@ fn sse(kind: &str, body: Value) -> SseEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use futures_util::StreamExt;
-    use leasehold_lease::{BackendUrl, LockConfig, Mode};
+    use crate::test_support::{next_event, sqlite_backend};
+    use leasehold_lease::{LockConfig, Mode};
     use std::sync::Arc;
     use std::time::Duration;
-
-    /// The events of `body` as they come, each as its text.
-    async fn next_event(
-        body: &mut (impl futures_util::Stream<Item = Result<axum::body::Bytes, axum::Error>> + Unpin),
-    ) -> String {
-        let chunk = tokio::time::timeout(Duration::from_secs(10), body.next())
-            .await
-            .expect("no event within 10 s")
-            .expect("the stream ended")
-            .unwrap();
-        String::from_utf8_lossy(&chunk).into_owned()
-    }
 
     /// A follower that begins while the leader's renewals fail (the answer unknown, its state
     /// without a validity) learns that the pod leads at the next renewal that succeeds.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_follower_that_began_during_a_failed_renewal_is_told_the_next_one() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("locks.db").display());
-        let backend = leasehold_lease::connect(&BackendUrl::parse(&url).unwrap())
-            .await
-            .unwrap();
-        let faulty = leasehold_testkit::faulty::FaultyDriver::wrap(backend);
+        let faulty = leasehold_testkit::faulty::FaultyDriver::wrap(sqlite_backend(&dir).await);
         let mut config = LockConfig::new("leader", "pod-a", Duration::from_secs(3));
         config.mode = Mode::Campaign;
         config.renew_interval = Duration::from_millis(300);
