@@ -864,12 +864,11 @@ impl KeyedFamily {
                         });
                     }
                 }
-                (false, Part::Own(_)) => {}
-            }
-            if !current.of_write
-                && let Some(answer) = self.reenter(&current, hold, reentrant).await?
-            {
-                return Ok(answer);
+                (false, Part::Own(_)) => {
+                    if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
+                        return Ok(answer);
+                    }
+                }
             }
         }
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {

@@ -189,12 +189,6 @@ pub(super) fn reads_so_cannot_write(owner: &str, key: &str) -> KeyError {
     ))
 }
 
-/// The refusal of a write to an owner whose other write of the key is still being taken: once
-/// that one is answered, a write is re-entrant on it.
-pub(super) fn taking_to_write_already(owner: &str, key: &str) -> KeyError {
-    KeyError::BadMode(format!("{owner} is taking {key:?} to write already"))
-}
-
 /// The refusal of a read to an owner that writes the key, or is taking it to write.
 pub(super) fn writes_so_cannot_read(owner: &str, key: &str) -> KeyError {
     KeyError::BadMode(format!(

@@ -438,7 +438,9 @@ impl KeyedFamily {
             .holding_on(key, super::read_write::GATE, owner)
             .is_some()
         {
-            return Err(super::read_write::taking_to_write_already(owner, key));
+            return Err(KeyError::BadMode(format!(
+                "{owner} is taking {key:?} to write already"
+            )));
         }
         Ok(())
     }
