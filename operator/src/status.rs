@@ -52,7 +52,8 @@ pub fn desired(
             .find(|c| c.type_ == CONDITION_BACKEND_READY)
     });
     let count = |n: &Option<u64>| n.map(|n| i64::try_from(n).unwrap_or(i64::MAX));
-    let (ready, reason, message, holder, held_keys, held_permits) = match observation {
+    let old_token = current.and_then(|s| s.fencing_token);
+    let (ready, reason, message, (holder, new_token), held_keys, held_permits) = match observation {
         Observation::Ready {
             holder,
             held_keys,
@@ -70,15 +71,27 @@ pub fn desired(
                 warnings.dedup();
                 warnings.join("; ")
             },
-            holder.clone(),
+            (
+                holder.as_ref().map(|h| h.identity.clone()),
+                holder
+                    .as_ref()
+                    .map(|h| i64::try_from(h.token).unwrap_or(i64::MAX)),
+            ),
             count(held_keys),
             count(held_permits),
         ),
-        // Unknown while the backend cannot be read: the last count is not kept as if current
-        // (the last holder is, below).
-        Observation::Failed { reason, message } => {
-            ("False", *reason, message.clone(), None, None, None)
-        }
+        // Unknown while the backend cannot be read: the last count is not kept as if current.
+        // The holder it last reported stays (beside the condition that says so): a look that
+        // failed is no change of holder, and the next one that finds the same holding must
+        // not count one.
+        Observation::Failed { reason, message } => (
+            "False",
+            *reason,
+            message.clone(),
+            (current.and_then(|s| s.holder.clone()), old_token),
+            None,
+            None,
+        ),
     };
     let last_transition_time = match previous {
         Some(p) if p.status == ready => p.last_transition_time.clone(),
@@ -91,19 +104,6 @@ pub fn desired(
         message,
         observed_generation: generation,
         last_transition_time,
-    };
-    let old_token = current.and_then(|s| s.fencing_token);
-    // While the backend cannot be read, the holder it last reported stays (beside the condition
-    // that says so): a look that failed is no change of holder, and the next one that finds
-    // the same holding must not count one.
-    let (holder, new_token) = match observation {
-        Observation::Ready { .. } => (
-            holder.as_ref().map(|h| h.identity.clone()),
-            holder
-                .as_ref()
-                .map(|h| i64::try_from(h.token).unwrap_or(i64::MAX)),
-        ),
-        Observation::Failed { .. } => (current.and_then(|s| s.holder.clone()), old_token),
     };
     let mut transitions = current.and_then(|s| s.transitions).unwrap_or(0);
     if new_token.is_some() && new_token != old_token {
