@@ -81,24 +81,31 @@ impl Drop for Dropped {
     }
 }
 
+/// A controller whose reconcile goes on after the stop, as one waiting for a backend: `dropped`
+/// is set once it is cut short.
+fn endless_reconcile(
+    dropped: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> impl FnOnce(tokio::sync::oneshot::Receiver<()>) -> tokio::task::JoinHandle<()> {
+    let running = Dropped(dropped.clone());
+    move |stop| {
+        tokio::spawn(async move {
+            let _running = running;
+            let _ = stop.await;
+            std::future::pending::<()>().await;
+        })
+    }
+}
+
 /// A deposed leader stops reconciling at once: a reconcile still running (a backend slow to
 /// answer) is cut where it is, not finished beside the new leader's.
 #[tokio::test]
 async fn a_deposed_leaders_reconciles_are_cut_short() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let dropped = std::sync::Arc::new(AtomicBool::new(false));
-    let running = Dropped(dropped.clone());
     let end = tokio::time::timeout(
         Duration::from_secs(5),
         election::reconcile_while_leading(
-            |stop| {
-                tokio::spawn(async move {
-                    let _running = running;
-                    let _ = stop.await;
-                    // A reconcile that goes on after the stop, as one waiting for a backend.
-                    std::future::pending::<()>().await;
-                })
-            },
+            endless_reconcile(&dropped),
             tokio::time::sleep(Duration::from_millis(20)),
             std::future::pending::<&str>(),
             Duration::from_secs(60),
@@ -142,17 +149,10 @@ async fn a_stopping_leaders_reconciles_are_cut_short_when_deposed_or_past_its_pa
     use std::sync::atomic::{AtomicBool, Ordering};
     for (deposed_after, patience) in [(50, 60_000), (60_000, 50)] {
         let dropped = std::sync::Arc::new(AtomicBool::new(false));
-        let running = Dropped(dropped.clone());
         let end = tokio::time::timeout(
             Duration::from_secs(5),
             election::reconcile_while_leading(
-                |stop| {
-                    tokio::spawn(async move {
-                        let _running = running;
-                        let _ = stop.await;
-                        std::future::pending::<()>().await;
-                    })
-                },
+                endless_reconcile(&dropped),
                 tokio::time::sleep(Duration::from_millis(deposed_after)),
                 async { "SIGTERM" },
                 Duration::from_millis(patience),
