@@ -102,15 +102,8 @@ async fn follow(
                 if holding != told_holding || until == told_until || !snapshot.answer().is_holder() {
                     continue;
                 }
-                let mut body = json!({
-                    "lock": lock.name(),
-                    "kind": "renewed",
-                    "fencingToken": holding.1,
-                    "validForMs": valid_for_ms(until),
-                });
-                if permits {
-                    body["permit"] = holding.0.into();
-                }
+                let mut body = holding_body(lock.name(), "renewed", holding, permits);
+                body["validForMs"] = valid_for_ms(until).into();
                 told = Some((holding, until));
                 // Never waited for: a client that reads slowly must not hold up the next,
                 // fresher word; one it misses only shortens the validity it counts on.
@@ -147,18 +140,22 @@ fn state_event(lock: &Lock, snapshot: &Snapshot, permits: bool) -> (SseEvent, To
     (sse("state", state), known)
 }
 
+/// What every event of a holding says: the lock, the kind, the token, and on a lock of several
+/// permits (`permits`) the permit the token is of.
+fn holding_body(lock: &str, kind: &str, (permit, token): (u32, u64), permits: bool) -> Value {
+    let mut body = json!({"lock": lock, "kind": kind, "fencingToken": token});
+    if permits {
+        body["permit"] = permit.into();
+    }
+    body
+}
+
 /// What an event of the engine's says.
 fn event_body(event: &Event, permits: bool) -> Value {
-    let mut body = json!({
-        "lock": event.lock,
-        "kind": event.kind.as_str(),
-        "fencingToken": event.token,
-        "at": crate::api::rfc3339(event.at),
-        "reason": event.reason,
-    });
-    if permits {
-        body["permit"] = event.permit.into();
-    }
+    let holding = (event.permit, event.token);
+    let mut body = holding_body(&event.lock, event.kind.as_str(), holding, permits);
+    body["at"] = crate::api::rfc3339(event.at).into();
+    body["reason"] = event.reason.into();
     body
 }
 
