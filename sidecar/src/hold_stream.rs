@@ -291,18 +291,16 @@ enum Binding {
 /// end another connection's acquisition).
 async fn bind(parts: &[(Lock, (u32, u64))]) -> Bind {
     let mut bound = Vec::new();
-    let mut every = true;
     for (engine, holding) in parts {
         match engine.bind(*holding).await {
             Ok(true) => bound.push((engine, holding)),
-            Ok(false) => every = false,
+            Ok(false) => {}
             Err(e) => {
                 tracing::debug!(error = %e, "a connection's hold was not bound to its engine");
-                every = false;
             }
         }
     }
-    if every {
+    if bound.len() == parts.len() {
         return Bind::Bound;
     }
     // Read before the parts bound are given back, which may end their holdings.
