@@ -297,6 +297,124 @@ async fn row_is_locked_in_the_database(h: &mut dyn Harness, url: &str, dialect: 
     assert_eq!(try_row(&mut other).await.expect("free after release"), 1);
 }
 
+/// Kill the sessions with a transaction open (the row-lock holders'), none of the pool's
+/// idle ones; returns their ids.
+async fn kill_open_transactions(admin: &mut sqlx::AnyConnection, dialect: Dialect) -> Vec<i64> {
+    use sqlx::Row;
+    let list = match dialect {
+        Dialect::Postgres => {
+            "SELECT CAST(pid AS BIGINT) AS id FROM pg_stat_activity \
+             WHERE pid <> pg_backend_pid() AND datname = current_database() \
+             AND state LIKE 'idle in transaction%'"
+        }
+        Dialect::MySql => {
+            "SELECT CAST(trx_mysql_thread_id AS SIGNED) AS id FROM information_schema.innodb_trx \
+             WHERE trx_mysql_thread_id <> CONNECTION_ID()"
+        }
+    };
+    let ids: Vec<i64> = sqlx::query(list)
+        .fetch_all(&mut *admin)
+        .await
+        .expect("list transactions")
+        .iter()
+        .map(|row| row.try_get("id").expect("id"))
+        .collect();
+    for id in &ids {
+        let kill = match dialect {
+            Dialect::Postgres => format!("SELECT pg_terminate_backend({id})::text AS done"),
+            Dialect::MySql => format!("KILL CONNECTION {id}"),
+        };
+        sqlx::query(&kill)
+            .execute(&mut *admin)
+            .await
+            .expect("kill the transaction's session");
+    }
+    ids
+}
+
+/// Whether the session `id` is still connected.
+async fn session_lives(admin: &mut sqlx::AnyConnection, dialect: Dialect, id: i64) -> bool {
+    let query = match dialect {
+        Dialect::Postgres => {
+            "SELECT CAST(pid AS BIGINT) AS id FROM pg_stat_activity WHERE pid = $1"
+        }
+        Dialect::MySql => {
+            "SELECT CAST(id AS SIGNED) AS id FROM information_schema.processlist WHERE id = ?"
+        }
+    };
+    !sqlx::query(query)
+        .bind(id)
+        .fetch_all(&mut *admin)
+        .await
+        .expect("list sessions")
+        .is_empty()
+}
+
+/// Row-lock mode: a renewal that finds the holder's transaction gone (its session killed, so
+/// the row is free to the applications' own `FOR UPDATE`) answers the lease lost, so that the
+/// engine stops claiming at once, rather than a failure it would go on claiming through.
+async fn a_renewal_finding_its_transaction_gone_is_a_loss(
+    h: &mut dyn Harness,
+    url: &str,
+    dialect: Dialect,
+) {
+    use leasehold_lease::Acquire;
+    let driver = h.driver().await;
+    let lock = unique_lock("gone");
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    let ttl = 20 * LEASE;
+    let Acquire::Acquired(lease) = driver.try_acquire(&lock, "a", ttl).await.expect("acquire")
+    else {
+        panic!("not acquired")
+    };
+    assert!(driver.renew(&lease, ttl).await.expect("renew while held"));
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(url).await.expect("admin");
+    let killed = kill_open_transactions(&mut admin, dialect).await;
+    assert_eq!(killed.len(), 1, "the holder's transaction: {killed:?}");
+    // The server ends a terminated session a moment after it is told to.
+    let deadline = tokio::time::Instant::now() + SLACK;
+    while session_lives(&mut admin, dialect, killed[0]).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the session lives on"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let renewed = driver.renew(&lease, ttl).await.map_err(|e| e.to_string());
+    assert_eq!(
+        renewed,
+        Ok(false),
+        "a renewal whose transaction is gone (the row free to others)"
+    );
+    // The fence stays until it runs out: no Leasehold contender takes the lock meanwhile.
+    let other = h.driver().await;
+    assert!(
+        matches!(
+            other.try_acquire(&lock, "b", ttl).await.expect("acquire"),
+            Acquire::Busy(_)
+        ),
+        "a contender took the lock before the lost holder's fence ran out"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_a_renewal_finding_its_transaction_gone_is_a_loss() {
+    let mut h = PostgresHarness::row_lock();
+    let url = h.server.url();
+    a_renewal_finding_its_transaction_gone_is_a_loss(&mut h, &url, Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_row_lock_a_renewal_finding_its_transaction_gone_is_a_loss() {
+    let mut h = MariaDbHarness::row_lock();
+    let url = h.server.url();
+    a_renewal_finding_its_transaction_gone_is_a_loss(&mut h, &url, Dialect::MySql).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_row_lock_killed_holder_is_replaced() {
     let mut h = PostgresHarness::row_lock();

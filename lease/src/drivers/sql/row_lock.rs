@@ -331,17 +331,18 @@ impl RowLocks {
             .bind(&lease.lock)
             .fetch_all(&mut *tx)
             .await;
-        let gone = match still_held {
-            Ok(rows) if !rows.is_empty() => None,
-            Ok(_) => Some(Ok(false)),
-            Err(e) => Some(Err(map_err(e))),
-        };
-        if let Some(answer) = gone {
+        if !matches!(&still_held, Ok(rows) if !rows.is_empty()) {
+            if let Err(e) = still_held {
+                tracing::debug!(lock = %lease.lock, error = %map_err(e), "the held transaction is gone");
+            }
             conn.take();
             self.forget(&lease.lock, &row);
-            // The fence just extended is left to run out, not freed: after an error the engine
-            // may go on claiming until the validity it has told, which the fence outlives.
-            return answer;
+            // The row is free, or is once this connection closes: the applications' own
+            // `FOR UPDATE` transactions may take it now, so the holding is lost, not in doubt
+            // (an error here would leave the engine claiming until its validity ran out). The
+            // fence just extended is left to run out, not freed: Leasehold's contenders wait
+            // for it as for any holder that lost its connection.
+            return Ok(false);
         }
         row.expires.send_replace(sent + ttl);
         Ok(true)
