@@ -415,6 +415,55 @@ async fn mariadb_row_lock_a_renewal_finding_its_transaction_gone_is_a_loss() {
     a_renewal_finding_its_transaction_gone_is_a_loss(&mut h, &url, Dialect::MySql).await;
 }
 
+/// Row-lock mode on a PostgreSQL whose role defaults to REPEATABLE READ: the holder's
+/// transaction still updates the fence at its release, and deleting a held lock's records
+/// (the operator's clean-up) works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_row_lock_serves_a_role_whose_default_isolation_is_repeatable_read() {
+    use leasehold_lease::Acquire;
+    use sqlx::Executor;
+    let h = PostgresHarness::row_lock();
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&h.server.url())
+        .await
+        .expect("admin");
+    admin
+        .execute(
+            "CREATE ROLE snapshots LOGIN; \
+             ALTER ROLE snapshots SET default_transaction_isolation = 'repeatable read'; \
+             GRANT CREATE ON SCHEMA public TO snapshots; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO snapshots",
+        )
+        .await
+        .expect("the role");
+    let url = format!("{}?mode=row-lock", h.server.url()).replace("postgres@", "snapshots@");
+    let driver = driver_at(&url).await;
+    for round in 0..2 {
+        let lock = unique_lock("snapshot");
+        driver
+            .provision(std::slice::from_ref(&lock))
+            .await
+            .expect("provision");
+        let Acquire::Acquired(lease) = driver
+            .try_acquire(&lock, "a", 20 * LEASE)
+            .await
+            .expect("acquire")
+        else {
+            panic!("not acquired")
+        };
+        assert!(driver.renew(&lease, 20 * LEASE).await.expect("renew"));
+        if round == 0 {
+            assert!(driver.release(&lease).await.expect("release"));
+        } else {
+            let deleted = driver
+                .deprovision_held(&lease)
+                .await
+                .map_err(|e| e.to_string());
+            assert_eq!(deleted, Ok(()), "deleting a held lock's records");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_row_lock_killed_holder_is_replaced() {
     let mut h = PostgresHarness::row_lock();

@@ -672,8 +672,12 @@ impl Dialect {
     pub fn row_lock_begin(self, ttl: Duration) -> String {
         match self {
             // SET LOCAL: the bound ends with the transaction; the idle connection is unbounded.
+            // READ COMMITTED whatever the role's or database's default: the fence is written
+            // on the pool while the transaction holds the row, and a snapshot taken at the row
+            // lock (REPEATABLE READ, SERIALIZABLE) could not update the fence at the release.
             Dialect::Postgres => format!(
-                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
+                "BEGIN ISOLATION LEVEL READ COMMITTED; \
+                 SET LOCAL idle_in_transaction_session_timeout = {}",
                 ttl.as_millis().max(1)
             ),
             // READ COMMITTED: a locking read takes record locks only, never gap locks.
