@@ -261,10 +261,19 @@ async fn unlock(
     Ok(match family.release(resource_id, owner).await {
         Ok(KeyRelease::Released { .. }) => UnlockStatus::Success,
         // Not held in this pod: held in another (its owner's sidecar alone may release it),
-        // or by nobody, as the backend says.
+        // or by nobody, as the backend says. A record of the caller's own is a holding this
+        // sidecar has let go of (stopping, force-released, its expiry just past) that the
+        // backend keeps until its lease runs out: the caller's lock no longer exists, and no
+        // other owner holds it.
         Ok(KeyRelease::NotHeld) => match family.observe_permits(resource_id).await {
-            Ok(holders) if holders.is_empty() => UnlockStatus::LockDoesNotExist,
-            Ok(_) => UnlockStatus::LockBelongsToOthers,
+            Ok(holders) => {
+                let own = format!("{}/{owner}", family.identity());
+                if holders.iter().all(|h| h.identity == own) {
+                    UnlockStatus::LockDoesNotExist
+                } else {
+                    UnlockStatus::LockBelongsToOthers
+                }
+            }
             Err(e) => {
                 tracing::warn!(store, error = %e, "Dapr unlock could not read the lock's holder");
                 UnlockStatus::InternalError
@@ -533,6 +542,39 @@ mod tests {
             try_lock(&state, "store", "r2", "o", 1).await,
             Ok(true)
         ));
+    }
+
+    /// An unlock by the owner whose holding this sidecar has let go of (stopping here), while
+    /// the backend keeps its record until the lease runs out, is told its lock does not exist:
+    /// nobody else holds it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unlock_of_a_holding_let_go_is_told_the_lock_does_not_exist() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = crate::test_support::sqlite_backend(&dir).await;
+        let config =
+            leasehold_lease::keyed::FamilyConfig::new("store", "pod-a", Duration::from_secs(10));
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+        let family = KeyedFamily::new(backend, config, metrics.clone()).unwrap();
+        let state = AppState::new(Vec::new(), metrics).with_families(vec![family.clone()]);
+        assert!(matches!(
+            try_lock(&state, "store", "r", "o", 5).await,
+            Ok(true)
+        ));
+        family.stop().await;
+        let holders = family.observe_permits("r").await.unwrap();
+        assert_eq!(holders.len(), 1, "the backend still keeps the record");
+        let status = unlock(&state, "store", "r", "o").await;
+        assert!(
+            matches!(status, Ok(UnlockStatus::LockDoesNotExist)),
+            "the owner's unlock after its holding was let go: {:?}",
+            status.map_err(|e| e.message)
+        );
+        let status = unlock(&state, "store", "r", "another").await;
+        assert!(
+            matches!(status, Ok(UnlockStatus::LockBelongsToOthers)),
+            "another owner's unlock of the record: {:?}",
+            status.map_err(|e| e.message)
+        );
     }
 
     /// Every connection Dapr's gRPC server accepts has `TCP_NODELAY`.
