@@ -207,6 +207,35 @@ async fn durable_restart(mut server: RedisServer) {
     }
 }
 
+/// A server that skips its sync while a rewrite or a snapshot runs (`no-appendfsync-on-rewrite
+/// yes`) may lose acknowledged writes in a crash, as `appendfsync everysec` may: it is not
+/// durable, so a fresh one grants no free lock before it has been up for a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_that_skips_its_sync_during_rewrites_is_not_durable() {
+    for server in [RedisServer::start(), RedisServer::start_tair()] {
+        let mut admin = server.admin().await;
+        let () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("no-appendfsync-on-rewrite")
+            .arg("yes")
+            .query_async(&mut admin)
+            .await
+            .expect("CONFIG SET");
+        let client = driver_for(&server.url()).await;
+        let lock = unique_lock("skips-sync");
+        let answer = client
+            .try_acquire(&lock, "a", Duration::from_secs(300))
+            .await
+            .expect("an answer");
+        assert!(
+            matches!(answer, Acquire::Withheld(_)),
+            "{}: a fresh server that may lose writes during rewrites granted a free lock at once: \
+             {answer:?}",
+            server.url()
+        );
+    }
+}
+
 /// A durable master that the driver first meets while it is down (a sidecar that starts with
 /// its Redis, or during a restart) is still known to be durable once it answers: a free lock is
 /// granted at once. When the failed `CONFIG GET` counted as "not durable", the first

@@ -218,9 +218,10 @@ pub(crate) async fn durable_masters(conn: &mut ClusterConnection) -> Reading {
         .filter(|(_, info)| info_field(info, "role") == Some("master"))
         .filter_map(|(node, info)| Some((node, info_field(&info, "master_replid")?.to_owned())))
         .collect();
-    let (Ok(appendonly), Ok(fsync)) = (
+    let (Ok(appendonly), Ok(fsync), Ok(during_rewrites)) = (
         setting_on_every_master(conn, "appendonly").await,
         setting_on_every_master(conn, "appendfsync").await,
+        setting_on_every_master(conn, "no-appendfsync-on-rewrite").await,
     ) else {
         return Reading::default();
     };
@@ -232,8 +233,11 @@ pub(crate) async fn durable_masters(conn: &mut ClusterConnection) -> Reading {
     let durable: Vec<&str> = incarnations
         .iter()
         .filter(|(node, _)| {
-            setting(&appendonly, node).as_deref() == Some("yes")
-                && setting(&fsync, node).as_deref() == Some("always")
+            crate::drivers::redis::durability::durable_settings(
+                setting(&appendonly, node).as_deref(),
+                setting(&fsync, node).as_deref(),
+                setting(&during_rewrites, node).as_deref(),
+            )
         })
         .map(|(_, replid)| replid.as_str())
         .collect();

@@ -14,7 +14,7 @@ const CLUSTER: &str = "every master of the cluster";
 const DURABILITY_RECHECK: Duration = Duration::from_secs(60);
 
 /// Whether a master loses no acknowledged write in a crash (`appendonly yes` with `appendfsync
-/// always`), read through CONFIG at most once a [`DURABILITY_RECHECK`] per master, together with
+/// always`, and `no-appendfsync-on-rewrite no`: [`durable_settings`]), read through CONFIG at most once a [`DURABILITY_RECHECK`] per master, together with
 /// the incarnations it was read on ([`Reading::on`]): a setting made by `CONFIG SET` alone is
 /// gone after a restart, so a reading says nothing of the server's next incarnation, and the
 /// epoch check refuses to count a new incarnation as durable on it
@@ -135,8 +135,11 @@ impl Durability {
                     .await,
             )
         };
-        let durable = setting("appendonly").await?.as_deref() == Some("yes")
-            && setting("appendfsync").await?.as_deref() == Some("always");
+        let durable = durable_settings(
+            setting("appendonly").await?.as_deref(),
+            setting("appendfsync").await?.as_deref(),
+            setting("no-appendfsync-on-rewrite").await?.as_deref(),
+        );
         Ok(self.remember(master, Reading { durable, on }))
     }
 
@@ -169,6 +172,20 @@ impl Durability {
         ));
         reading
     }
+}
+
+/// Whether settings read off one server lose no acknowledged write in a crash: every write
+/// appended to the AOF and synced before it is answered, also while a child rewrites the AOF or
+/// saves a snapshot (`no-appendfsync-on-rewrite yes` skips the sync meanwhile, as
+/// `appendfsync no` would). A setting not told counts against.
+pub(crate) fn durable_settings(
+    appendonly: Option<&str>,
+    appendfsync: Option<&str>,
+    no_appendfsync_on_rewrite: Option<&str>,
+) -> bool {
+    appendonly == Some("yes")
+        && appendfsync == Some("always")
+        && no_appendfsync_on_rewrite == Some("no")
 }
 
 /// A setting's value from one server's answer to `CONFIG GET`: `None` where the command is
