@@ -343,3 +343,47 @@ async fn masters_that_refuse_config_are_still_checked_for_eviction() {
         "{warnings:?}"
     );
 }
+
+/// A family's key on a cluster keeps its own epoch record and counter, which expire a day after
+/// the key was last used: renewals push them back, so that a key held longer than that still
+/// has them (a promoted replica restarted on its own data trusts a missing record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_keep_a_held_family_keys_records() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let driver = driver_for(&cluster.url()).await;
+    let lock = format!("{}.keys.order-1", unique_lock("records"));
+    let ttl = Duration::from_secs(5);
+    let Acquire::Acquired(lease) = driver.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("{lock} was free");
+    };
+    let node = cluster.nodes[cluster.owner_of(cluster.slot_of(&lease_key(&lock)))].port();
+    let records = [
+        format!("leasehold:{{{lock}}}:epoch"),
+        format!("leasehold:{{{lock}}}:token"),
+    ];
+    let pttl = |key: &str| -> i64 {
+        leasehold_testkit::redis_cluster::command(node, &["PTTL", key])
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let day = leasehold_lease::redis::KEY_COUNTER_RETENTION.as_millis() as i64;
+    for key in &records {
+        let kept = pttl(key);
+        assert!(
+            kept > day / 2,
+            "{key} kept for {kept} ms after the acquisition"
+        );
+        // As if the key had been held for most of a day.
+        leasehold_testkit::redis_cluster::command(node, &["PEXPIRE", key, "60000"]).unwrap();
+    }
+    assert!(driver.renew(&lease, ttl).await.unwrap());
+    for key in &records {
+        let kept = pttl(key);
+        assert!(
+            kept > day / 2,
+            "{key} left to expire in {kept} ms while its key is held and renewed"
+        );
+    }
+    assert!(driver.release(&lease).await.unwrap());
+}

@@ -560,10 +560,24 @@ pub(crate) fn passing(e: &redis::RedisError) -> bool {
         )
 }
 
-/// KEYS: lease. ARGV: expected value, ttl ms. Returns 1 when renewed.
+/// KEYS: lease, then the lock's records that expire ([`KeyLayout::records_expire`]: its epoch
+/// record and counter), if any. ARGV: expected value, ttl ms, and with records how long they
+/// are kept (ms). Returns 1 when renewed.
+///
+/// A renewal keeps such records at least [`KEY_COUNTER_RETENTION`] ahead, as an acquisition
+/// does: a key held longer than that would otherwise lose them while held, and a promoted
+/// replica restarted on its own data would find no record to doubt and grant the key at once
+/// beside its holder. A record gone already is not made up.
 pub(crate) const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  local renewed = redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  for i = 2, #KEYS do
+    local left = redis.call('PTTL', KEYS[i])
+    if left >= 0 and left < tonumber(ARGV[3]) then
+      redis.call('PEXPIRE', KEYS[i], ARGV[3])
+    end
+  end
+  return renewed
 end
 return 0
 ";

@@ -28,10 +28,10 @@ use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::releases::ReleaseBatches;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
-    ACQUIRE, Keeping, KeyLayout, OBSERVE, RELEASE, RENEW, acquired, acquisition, client,
-    connection, delete_keys, durability_unread, explain, held_key_leases, lease_value,
-    listen_for_releases_on, lock_key_warnings, ms, only_result, parse_value_and_pttl, released_one,
-    releases_of,
+    ACQUIRE, KEY_COUNTER_RETENTION, Keeping, KeyLayout, OBSERVE, RELEASE, RENEW, acquired,
+    acquisition, client, connection, delete_keys, durability_unread, explain, held_key_leases,
+    lease_value, listen_for_releases_on, lock_key_warnings, ms, only_result, parse_value_and_pttl,
+    released_one, releases_of,
 };
 use crate::error::{Error, Result};
 use crate::tls::Tls;
@@ -257,11 +257,18 @@ impl Driver for RedisDriver {
             return answer.map(|r| r.extended).map_err(|e| self.error(e));
         }
         let mut conn = self.connection().await?;
-        let renewed: i64 = self
-            .renew
+        let mut renewal = self.renew.prepare_invoke();
+        renewal
             .key(self.keys.lease(&lease.lock))
             .arg(lease_value(lease))
-            .arg(ms(ttl))
+            .arg(ms(ttl));
+        if self.keys.records_expire(&lease.lock) {
+            renewal
+                .key(self.keys.epoch_of(&lease.lock))
+                .key(self.keys.counter(&lease.lock))
+                .arg(ms(KEY_COUNTER_RETENTION));
+        }
+        let renewed: i64 = renewal
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.error(e))?;
