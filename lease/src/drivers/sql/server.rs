@@ -672,7 +672,7 @@ impl Driver for SqlDriver {
             None => self.renew_row(lease, ttl).await,
         };
         if let Some(server) = self.server_lock(&lease.lock) {
-            server.forget_counted(&lease.lock);
+            server.forget_counted(lease);
             if let Ok(false) = renewed {
                 server.let_go(&lease.lock);
             }

@@ -325,7 +325,7 @@ impl ServerLocks {
         self: &Arc<Self>,
         lease: &Lease,
     ) -> Option<Result<bool, sqlx::Error>> {
-        self.forget_counted(&lease.lock);
+        self.forget_counted(lease);
         let here = matches!(
             self.kind,
             ServerLock::Advisory(_) | ServerLock::Named(Some(_))
@@ -377,11 +377,17 @@ impl ServerLocks {
         }
     }
 
-    /// `lock`'s lease was renewed or released: its claims count from their own calls again.
-    pub(crate) fn forget_counted(&self, lock: &str) {
+    /// `lease` was renewed or released: its claims count from their own calls again. Only
+    /// `lease`'s own entry goes: a late call about an earlier lease of the lock (an attempt
+    /// given back after its answer came too late) leaves the woken row's claim counted from its
+    /// blocking statement, which the row's expiry is counted from.
+    pub(crate) fn forget_counted(&self, lease: &Lease) {
         let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
-        if !counted.is_empty() {
-            counted.remove(lock);
+        if counted
+            .get(&lease.lock)
+            .is_some_and(|(token, _)| *token == lease.token)
+        {
+            counted.remove(&lease.lock);
         }
     }
 
@@ -971,4 +977,43 @@ async fn get(conn: &mut AnyConnection, name: &str, wait_secs: u32) -> Result<boo
         .await?;
     // NULL on an error such as the session being killed: not ours.
     Ok(row.try_get::<Option<i64>, _>("got")?.unwrap_or(0) == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A release of an earlier lease of a lock, made after a waiter's blocking statement took
+    /// the row, leaves the woken lease's claim counted from that statement: counted from the
+    /// claim's own later call, it would end after the row's expiry.
+    #[tokio::test]
+    async fn a_late_call_about_an_earlier_lease_leaves_a_woken_claim_counted_from_its_statement() {
+        let locks = ServerLocks::new(
+            ServerLock::Named(None),
+            "mysql://nobody@127.0.0.1:1/none",
+            "place",
+            "SELECT 1",
+            Arc::new(ChangeFeeds::default()),
+        );
+        let lease = |token| Lease {
+            lock: "l".into(),
+            identity: "a".into(),
+            token,
+        };
+        let statement = BootInstant::now();
+        locks
+            .counted
+            .lock()
+            .unwrap()
+            .insert("l".into(), (7, statement));
+        let later = statement + Duration::from_secs(1);
+        assert!(locks.release(&lease(6)).await.is_none());
+        assert_eq!(
+            locks.counted_from(&lease(7), later),
+            statement,
+            "the woken claim counts from its own later call after a release of lease 6"
+        );
+        locks.forget_counted(&lease(7));
+        assert_eq!(locks.counted_from(&lease(7), later), later);
+    }
 }
