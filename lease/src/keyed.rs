@@ -427,6 +427,11 @@ impl KeyedFamily {
         self.driver().kind()
     }
 
+    /// A cheap round trip to the backend new keys are taken on, for readiness.
+    pub async fn ping(&self) -> Result<(), Error> {
+        self.driver().ping().await
+    }
+
     /// How many keys owners of this pod hold now.
     pub fn held_keys(&self) -> usize {
         self.inner.held.load(Ordering::SeqCst)

@@ -59,6 +59,10 @@ struct Inner {
     readiness_requires_backend: std::sync::atomic::AtomicBool,
     /// `--keyed`, or resources that declare `spec.keys`: families of keyed locks.
     families: std::sync::RwLock<Vec<KeyedFamily>>,
+    /// Why each family's backend did not answer its last ping, by family name (`None`: it
+    /// answered), kept by [`AppState::check_families`] while readiness requires the backend:
+    /// a family holds no lease of its own to tell.
+    family_errors: std::sync::RwLock<BTreeMap<String, Option<String>>>,
     /// `--resource`: the names of the locks and families in command-line order (`/lock` means
     /// the first that is a lock), known before any of them could be read.
     expected: Vec<String>,
@@ -183,6 +187,7 @@ impl AppState {
                 metrics,
                 readiness_requires_backend: std::sync::atomic::AtomicBool::new(false),
                 families: std::sync::RwLock::new(Vec::new()),
+                family_errors: std::sync::RwLock::new(BTreeMap::new()),
                 expected: Vec::new(),
                 pending: std::sync::RwLock::new(BTreeMap::new()),
                 resigned: std::sync::atomic::AtomicBool::new(false),
@@ -350,6 +355,50 @@ impl AppState {
         self.inner
             .readiness_requires_backend
             .store(requires, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Ping every family's backend each `every` (at most `patience` each), for `/readyz`,
+    /// for as long as the process runs. A family not answered yet counts as not reached.
+    pub async fn check_families(&self, every: Duration, patience: Duration) {
+        loop {
+            let families = self.families();
+            let answers = futures_util::future::join_all(families.iter().map(|family| async {
+                let error = match tokio::time::timeout(patience, family.ping()).await {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(e.to_string()),
+                    Err(_) => Some(format!("no answer to a ping within {patience:?}")),
+                };
+                (family.name().to_owned(), error)
+            }))
+            .await;
+            *self
+                .inner
+                .family_errors
+                .write()
+                .unwrap_or_else(|e| e.into_inner()) = answers.into_iter().collect();
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    /// The families whose backend did not answer the last ping (or was not pinged yet), with
+    /// why, once [`AppState::check_families`] runs; none otherwise.
+    fn unreachable_families(&self) -> Vec<(String, String)> {
+        let errors = self
+            .inner
+            .family_errors
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        self.families()
+            .iter()
+            .filter_map(|family| match errors.get(family.name()) {
+                Some(None) => None,
+                Some(Some(error)) => Some((family.name().to_owned(), error.clone())),
+                None => Some((
+                    family.name().to_owned(),
+                    "backend not reached yet".to_owned(),
+                )),
+            })
+            .collect()
     }
 
     /// `--apps-stop-first`: see [`AppState::let_go`].
@@ -1930,7 +1979,8 @@ async fn healthz() -> &'static str {
 }
 
 /// Ready once the lock API serves. A backend outage fails readiness only when asked for
-/// (`--readiness-requires-backend`): a native sidecar's readiness is the pod's, and a Redis blip
+/// (`--readiness-requires-backend`; a family's backend is then pinged every few seconds,
+/// [`AppState::check_families`]): a native sidecar's readiness is the pod's, and a Redis blip
 /// must not empty the app's Services; `/lock` already answers 503 while it lasts. Either way the
 /// body names the locks whose backend is unreachable, and the lease warnings.
 async fn readyz(State(state): State<AppState>) -> Response {
@@ -1964,6 +2014,9 @@ async fn readyz(State(state): State<AppState>) -> Response {
         .inner
         .readiness_requires_backend
         .load(std::sync::atomic::Ordering::Relaxed);
+    if gated {
+        unreachable.extend(state.unreachable_families());
+    }
     if gated && !unreachable.is_empty() {
         let locks: Vec<serde_json::Value> = unreachable
             .iter()

@@ -90,7 +90,8 @@ struct Args {
     #[arg(long, env = "LEASEHOLD_PROBE_LISTEN", value_name = "ADDR")]
     probe_listen: Option<SocketAddr>,
 
-    /// Let /readyz fail while a lock's backend is unreachable. Off by default: a native
+    /// Let /readyz fail while a lock's backend is unreachable (a family's backend is pinged
+    /// every 5 s). Off by default: a native
     /// sidecar's readiness is the pod's, so a backend outage would take the app out of its
     /// Services; the lock's own answer already says 503.
     #[arg(long, env = "LEASEHOLD_READINESS_REQUIRES_BACKEND")]

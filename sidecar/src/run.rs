@@ -18,6 +18,12 @@ use crate::metrics::Metrics;
 /// before the process exits anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_millis(150);
 
+/// With `--readiness-requires-backend`, how often each family's backend is pinged for
+/// `/readyz`, and how long a ping may take before it counts as unanswered: a few seconds, as a
+/// kubelet probes every ten by default.
+const FAMILY_CHECK_EVERY: Duration = Duration::from_secs(5);
+const FAMILY_CHECK_PATIENCE: Duration = Duration::from_secs(2);
+
 pub async fn run(config: Config) -> Result<(), String> {
     if config.resign_only {
         return resign(config.listen).await;
@@ -43,6 +49,14 @@ pub async fn run(config: Config) -> Result<(), String> {
         return Err("--dapr-http-listen/--dapr-grpc-listen: Dapr's lock API serves families of keyed locks (each is a lock store), and none of the --resource locks declares spec.keys".into());
     }
     state.set_readiness_requires_backend(config.readiness_requires_backend);
+    let family_checks = config.readiness_requires_backend.then(|| {
+        let state = state.clone();
+        tokio::spawn(async move {
+            state
+                .check_families(FAMILY_CHECK_EVERY, FAMILY_CHECK_PATIENCE)
+                .await
+        })
+    });
     state.set_apps_stop_first(config.apps_stop_first);
     let locks = state.locks();
     let listener = TcpListener::bind(config.listen)
@@ -147,6 +161,9 @@ pub async fn run(config: Config) -> Result<(), String> {
     // waiting for each to end makes the list below the last word.
     for follower in followers {
         let _ = follower.await;
+    }
+    if let Some(checks) = family_checks {
+        checks.abort();
     }
     // No lock comes back from sitting out while they are being released.
     if let Some(app_health) = app_health {

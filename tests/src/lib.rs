@@ -356,12 +356,13 @@ impl Sidecar {
 
     /// A sidecar of one keyed family and no lock.
     pub fn start_keyed(identity: &str, backend: &str, family: &str) -> Self {
-        Self::spawn(
-            &Placement::Here,
-            identity,
-            &["--keyed", family, "--backend", backend],
-            &[],
-        )
+        Self::start_keyed_with(identity, backend, family, &[])
+    }
+
+    /// [`Sidecar::start_keyed`] with `extra` flags.
+    pub fn start_keyed_with(identity: &str, backend: &str, family: &str, extra: &[&str]) -> Self {
+        let args = [["--keyed", family, "--backend", backend].as_slice(), extra].concat();
+        Self::spawn(&Placement::Here, identity, &args, &[])
     }
 
     /// A sidecar whose lock comes from a `DistributedLock` (`--resource NAMESPACE/NAME`) on the

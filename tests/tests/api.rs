@@ -343,6 +343,34 @@ fn an_unreachable_backend_is_reported_not_fatal() {
     assert_eq!(gated.get("/readyz").status, 503);
 }
 
+/// A sidecar serving families alone (Dapr's setup) has no lease of its own to tell of its
+/// backend: with backend-gated readiness it pings each family's backend, and `/readyz` fails
+/// while that goes unanswered, and passes again once it answers.
+#[test]
+fn backend_gated_readiness_follows_a_familys_backend() {
+    let mut redis = leasehold_e2e::RedisServer::start();
+    let s = Sidecar::start_keyed_with(
+        "a",
+        &redis.url(),
+        &unique_lock("gated-family"),
+        &["--readiness-requires-backend"],
+    );
+    let within = Duration::from_secs(20);
+    eventually(within, "ready with the backend up", || {
+        s.get("/readyz").status == 200
+    });
+    redis.kill();
+    eventually(within, "not ready with the backend down", || {
+        s.get("/readyz").status == 503
+    });
+    let down = s.get("/readyz");
+    assert!(down.body.contains("gated-family"), "{}", down.body);
+    redis.restart();
+    eventually(within, "ready again with the backend back", || {
+        s.get("/readyz").status == 200
+    });
+}
+
 /// Established loopback TCP connections to `port`, from `/proc/net/tcp`.
 fn connections_to(port: u16) -> usize {
     let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
