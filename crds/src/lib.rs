@@ -76,6 +76,11 @@ const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$";
 #[x_kube(validation = Rule::new("has(self.keys) == has(oldSelf.keys)").message(
     "keys cannot be added or removed: a lock and a family of keyed locks keep different records; create a new DistributedLock instead"
 ))]
+#[x_kube(validation = Rule::new(
+    "!has(oldSelf.keys) || !has(oldSelf.keys.readWrite) || !oldSelf.keys.readWrite || (has(self.keys) && has(self.keys.readWrite) && self.keys.readWrite)"
+).message(
+    "keys.readWrite cannot be turned off: a writer holds its key alone through a gate that owners of a family that is not read-write never look at, so they would take the key beside it; create a new DistributedLock instead"
+))]
 #[serde(rename_all = "camelCase")]
 pub struct DistributedLockSpec {
     /// Where the lock lives: exactly one backend. Its location cannot change (the kind, the

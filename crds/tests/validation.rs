@@ -510,7 +510,28 @@ fn a_family_of_keyed_locks_is_checked() {
         );
     }
     let wider = json!({ "backend": redis(), "keys": { "maxHeldPerPod": 50 } });
-    assert_eq!(update(family, wider), Vec::<String>::new());
+    assert_eq!(update(family.clone(), wider), Vec::<String>::new());
+    // Read-write may be turned on, never off: owners of a family that is not read-write never
+    // look at a writer's gate.
+    let read_write = json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 2 });
+    assert_eq!(
+        update(family.clone(), read_write.clone()),
+        Vec::<String>::new()
+    );
+    for off in [
+        json!({ "backend": redis(), "keys": { "readWrite": false }, "permits": 2 }),
+        json!({ "backend": redis(), "keys": {}, "permits": 4 }),
+    ] {
+        let errors = update(read_write.clone(), off);
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("keys.readWrite cannot be turned off")),
+            "{errors:?}"
+        );
+    }
+    let more_readers = json!({ "backend": redis(), "keys": { "readWrite": true }, "permits": 8 });
+    assert_eq!(update(read_write, more_readers), Vec::<String>::new());
     // The bounds' ranges are plain schema limits, which the API server checks before any rule.
     let keys = &schema()["properties"]["spec"]["properties"]["keys"]["properties"];
     for (field, min, max) in [("maxKeyLength", 1, 1024), ("maxHeldPerPod", 1, 1_000_000)] {
