@@ -19,7 +19,11 @@ use serde_json::{Value, json};
 
 const PODS: &str = "/api/v1/pods";
 const HOLDER_LABEL: &str = "leasehold.dev/holder";
-const RENEW: Duration = Duration::from_millis(250);
+/// The labelled locks' renew interval, of a 3 s lease: a lease a loaded machine's stall does not
+/// lose, which would move the label while a test waits for it on the holder it sampled.
+const RENEW: Duration = Duration::from_millis(500);
+/// A failed label write is tried again within this.
+const LABEL_RETRY: Duration = Duration::from_secs(1);
 /// For a loaded 2-core machine, on top of a renew interval.
 const SLACK: Duration = Duration::from_millis(1500);
 
@@ -90,7 +94,7 @@ fn the_holder_label_follows_the_holder_and_never_names_two_pods() {
         &lock,
         json!({
             "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
-            "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
+            "leaseDuration": "3s", "renewInterval": "500ms", "holderLabel": true,
             "cleanupPolicy": "Delete",
         }),
     );
@@ -146,7 +150,7 @@ fn the_holder_label_follows_the_holder_and_never_names_two_pods() {
             || labelled(&cluster.api) == expected,
         );
         assert!(
-            took <= RENEW + SLACK,
+            took <= RENEW + LABEL_RETRY + SLACK,
             "the label named the holder {took:?} after it held (labels: {:?}); the holder's log:\n{}",
             labelled(&cluster.api),
             sidecars[held].log()
@@ -177,9 +181,9 @@ fn the_holder_label_follows_the_holder_and_never_names_two_pods() {
     stop.store(true, Ordering::SeqCst);
     checker.join().unwrap();
     // The holder lists the labelled pods at each renewal, not in a loop: two lists (the
-    // one-lock label's and the lock's own) at each of four renewals a second, with room.
+    // one-lock label's and the lock's own) at each of two renewals a second, with room.
     let lists = pod_reads(&cluster.api) - lists_before;
-    let most_lists = 16 * elapsed.as_secs() + 50;
+    let most_lists = 8 * elapsed.as_secs() + 50;
     assert!(
         lists <= most_lists,
         "{lists} reads of pods in {elapsed:?}, more than {most_lists}"
@@ -218,7 +222,7 @@ fn a_pod_of_two_locks_carries_a_holder_label_per_lock() {
     let second = unique_lock("second");
     let spec = json!({
         "backend": {"redis": {"endpoints": [format!("127.0.0.1:{}", redis.port())]}},
-        "leaseDuration": "1s", "renewInterval": "250ms", "holderLabel": true,
+        "leaseDuration": "3s", "renewInterval": "500ms", "holderLabel": true,
         "cleanupPolicy": "Delete",
     });
     let cluster = Cluster::start(&first, spec.clone());
@@ -279,7 +283,7 @@ fn a_pod_of_two_locks_carries_a_holder_label_per_lock() {
                 || labelled_by(&cluster.api, &key) == [names[held].clone()],
             );
             assert!(
-                took <= RENEW + SLACK,
+                took <= RENEW + LABEL_RETRY + SLACK,
                 "{key} named the holder {took:?} after it held; its log:\n{}",
                 sidecars[held].log()
             );
@@ -312,7 +316,7 @@ fn a_pod_of_two_locks_carries_a_holder_label_per_lock() {
 /// takes its permit carries one.
 #[test]
 fn on_a_lock_of_two_permits_both_holders_carry_the_label() {
-    let (_redis, cluster, names) = labelled_lock_of_permits("labelled-permits", ("1s", "250ms"), 3);
+    let (_redis, cluster, names) = labelled_lock_of_permits("labelled-permits", ("3s", "500ms"), 3);
     let mut sidecars: Vec<Sidecar> = names.iter().map(|n| start_pod(&cluster, n)).collect();
     // The holders among the sidecars still running (`dead` is not asked).
     let holders_but = |sidecars: &[Sidecar], dead: Option<usize>| -> Vec<String> {
