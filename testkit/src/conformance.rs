@@ -1409,7 +1409,7 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
     );
     assert_eq!(b.release(key, "w1").await.unwrap(), KeyRelease::NotHeld);
     assert!(matches!(
-        a.status(key, Some("w1")).unwrap(),
+        status_told(&a, key, "w1").await.unwrap(),
         KeyAnswer::Held { .. }
     ));
     // Another key is another lock. Eight owners, each on a key of its own, take and give back
@@ -1502,7 +1502,10 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
     ));
     sleep(Duration::from_millis(400)).await;
     assert!(
-        matches!(b.status(key, Some("w4")).unwrap(), KeyAnswer::Held { .. }),
+        matches!(
+            status_told(&b, key, "w4").await.unwrap(),
+            KeyAnswer::Held { .. }
+        ),
         "a shorter extension cut w4's hold short"
     );
     // A hold that lapses without a release or an extension frees the key.
@@ -1537,7 +1540,7 @@ pub async fn keyed_owners_exclude_each_other(h: &mut dyn Harness) {
         Err(KeyError::BadOwner(_))
     ));
     assert!(matches!(
-        a.status(key, Some("w5")).unwrap(),
+        status_told(&a, key, "w5").await.unwrap(),
         KeyAnswer::Held { .. }
     ));
     // The lapsed holding is gone from its own pod too: the pod's next owner gets the key as
@@ -1802,7 +1805,7 @@ pub async fn keyed_permits_admit_that_many_owners(h: &mut dyn Harness) {
     .unwrap();
     for owner in ["w3", "w4", "w5"] {
         assert!(matches!(
-            b.status(key, Some(owner)).unwrap(),
+            status_told(&b, key, owner).await.unwrap(),
             KeyAnswer::Held { .. }
         ));
     }
@@ -2318,7 +2321,7 @@ pub async fn keyed_several_keys_all_or_nothing(h: &mut dyn Harness) {
     );
     assert!(
         matches!(
-            a.status("a", Some("w1")).unwrap(),
+            status_told(&a, "a", "w1").await.unwrap(),
             KeyAnswer::Held { holds: 1, .. }
         ),
         "the re-entrant acquisition refused was not undone once"
@@ -2548,7 +2551,7 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
             "writer's token {w1} after a reader's {earlier}"
         );
     }
-    let (_, holds) = written(b.status(key, Some("w1")).unwrap());
+    let (_, holds) = written(status_told(&b, key, "w1").await.unwrap());
     assert_eq!(holds, 1);
 
     // Alone: no reader, no other writer, of either pod; the writer itself acquires again.
@@ -2563,7 +2566,7 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
     }
     assert!(refused(&b.try_acquire_once(key, "w1", HOLD).await.unwrap()));
     assert!(matches!(
-        a.status(key, Some("w1")).unwrap(),
+        status_told(&a, key, "w1").await.unwrap(),
         KeyAnswer::NotHeld
     ));
     let (again, holds) = written(b.acquire_write(key, "w1", NOW, HOLD).await.unwrap());
@@ -2574,7 +2577,7 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         b.release(key, "w1").await.unwrap(),
         KeyRelease::Released { holds: 1 }
     );
-    written(b.status(key, Some("w1")).unwrap());
+    written(status_told(&b, key, "w1").await.unwrap());
     assert_eq!(
         b.release(key, "w1").await.unwrap(),
         KeyRelease::Released { holds: 0 }
@@ -2586,7 +2589,7 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         a.acquire_write(key, "r6", NOW, HOLD).await,
         Err(KeyError::BadMode(_))
     ));
-    read(a.status(key, Some("r6")).unwrap());
+    read(status_told(&a, key, "r6").await.unwrap());
     assert_eq!(
         a.release(key, "r6").await.unwrap(),
         KeyRelease::Released { holds: 0 }
@@ -2755,7 +2758,7 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         "a write lock that lost a part, released once of two acquisitions"
     );
     assert!(matches!(
-        c.status("doc-10", Some("w10")),
+        status_told(&c, "doc-10", "w10").await,
         Ok(KeyAnswer::NotHeld)
     ));
 
@@ -2798,7 +2801,10 @@ pub async fn keyed_read_write_locks(h: &mut dyn Harness) {
         c.force_release(key, Some(permit), w12).await.unwrap(),
         "the write lock's answer names permit {permit}, which it does not hold"
     );
-    assert!(matches!(c.status(key, Some("w12")), Ok(KeyAnswer::NotHeld)));
+    assert!(matches!(
+        status_told(&c, key, "w12").await,
+        Ok(KeyAnswer::NotHeld)
+    ));
     c.release(key, "w12").await.unwrap();
 }
 
@@ -2922,7 +2928,7 @@ pub async fn keyed_several_keys_written(h: &mut dyn Harness) {
         "r5 asked to write q, which it reads, among several"
     );
     assert!(matches!(
-        a.status("q", Some("r5")).unwrap(),
+        status_told(&a, "q", "r5").await.unwrap(),
         KeyAnswer::Held { .. }
     ));
     assert!(matches!(a.status("m", None).unwrap(), KeyAnswer::NotHeld));
