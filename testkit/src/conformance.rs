@@ -937,10 +937,24 @@ async fn take_turns(locks: Vec<Lock>, rounds: usize) -> Vec<(Instant, Instant, u
 
 /// A release wakes a waiter promptly (notification, or fast polling), not at lease expiry.
 pub async fn release_wakes_a_waiter(h: &mut dyn Harness) {
+    // A long lease and renew interval: a waiter that polled would take most of a renew
+    // interval (its first attempt was a moment before the release), and expiry the lease,
+    // both far from a wake-up however loaded the machine.
+    const WAKE_LEASE: Duration = Duration::from_secs(10);
+    const WAKE_RENEW: Duration = Duration::from_secs(3);
+    const WOKEN_WITHIN: Duration = Duration::from_millis(1500);
     let lock = unique_lock("handover");
-    let a = start(h.driver().await, &lock, "a", Mode::Campaign);
+    let start = |driver, identity| {
+        let config = LockConfig {
+            renew_interval: WAKE_RENEW,
+            mode: Mode::Campaign,
+            ..LockConfig::new(&lock, identity, WAKE_LEASE)
+        };
+        Lock::start(driver, config, Arc::new(())).expect("start lock")
+    };
+    let a = start(h.driver().await, "a");
     eventually(SLACK, "a becomes holder", || a.answer().is_holder()).await;
-    let b = start(h.driver().await, &lock, "b", Mode::Campaign);
+    let b = start(h.driver().await, "b");
     eventually(SLACK, "b sees a as holder", || {
         b.snapshot()
             .current_holder
@@ -950,12 +964,11 @@ pub async fn release_wakes_a_waiter(h: &mut dyn Harness) {
     sleep(RENEW).await;
     assert!(a.release().await.unwrap());
     assert!(!a.answer().is_holder(), "a claims after releasing");
-    let took = eventually(LEASE, "b takes the released lock", || {
+    let took = eventually(WAKE_LEASE, "b takes the released lock", || {
         b.answer().is_holder()
     })
     .await;
-    // Expiry would take a full lease; a hand-over must beat that clearly.
-    assert!(took < LEASE / 2, "hand-over took {took:?}");
+    assert!(took < WOKEN_WITHIN, "hand-over took {took:?}");
     sleep(RENEW).await;
     assert!(
         !a.answer().is_holder(),
