@@ -70,9 +70,15 @@ async fn a_held_lock_keeps_its_holder_while_its_slot_moves() {
         "b holds beside a: {:?}",
         b.answer()
     );
-    // The lease is on the new master, and renewed there.
+    // The lease is on the new master, and renewed there: the claim stands (read as the
+    // engine keeps it: an answer read at one instant is "unknown" while a renewal on a loaded
+    // machine runs past its budget).
     sleep(lease).await;
-    assert_eq!(a.answer().token(), Some(a_token), "a kept renewing");
+    assert!(
+        claims(&a) && a.snapshot().held.map(|h| h.token) == Some(a_token),
+        "a kept renewing: {:?}",
+        a.snapshot()
+    );
 
     a.shutdown().await;
     let released = Instant::now();

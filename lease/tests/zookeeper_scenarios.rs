@@ -94,7 +94,13 @@ async fn a_follower_cut_off_from_its_quorum_cannot_extend_a_claim() {
     }
     let quorum_side = lock(&ensemble.url(&quorum), &name, "quorum-side").await;
     sleep(LEASE).await;
-    assert!(stale_side.answer().is_holder(), "the holder lost its lock");
+    // Read as the engine keeps it: an answer read at one instant is "unknown" while a renewal
+    // on a loaded machine runs past its budget.
+    assert!(
+        leasehold_testkit::claims(&stale_side),
+        "the holder lost its lock: {:?}",
+        stale_side.snapshot()
+    );
     assert!(
         !quorum_side.answer().is_holder(),
         "two holders before the cut"

@@ -448,11 +448,20 @@ fn paused_holder(backend: &str) {
     );
     assert_eq!(resumed.json()["holder"], false);
     assert!(other.get("/lock").token() > before);
-    std::thread::sleep(RENEW * 2);
-    assert_eq!(
-        sole_holder(&[&a, &b]),
-        Some(if holder == 0 { 1 } else { 0 })
-    );
+    // The resumed sidecar does not take the lock back: the other stays its sole holder (a
+    // moment's 503 of a renewal past its budget on a loaded machine is waited out).
+    let taker = if holder == 0 { 1 } else { 0 };
+    let until = Instant::now() + RENEW * 2;
+    while Instant::now() < until {
+        assert!(
+            !frozen.is_holder(),
+            "the resumed sidecar took the lock back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eventually(LEASE, "the other answers as the sole holder", || {
+        sole_holder(&[&a, &b]) == Some(taker)
+    });
 }
 
 #[test]
