@@ -706,7 +706,10 @@ pub async fn records_deleted_late_leave_the_next_holder(h: &mut dyn Harness) {
         );
         sleep(Duration::from_millis(10)).await;
     }
-    let lb = acquired_within(&*b, &lock, "b", "the deleter's lease never ran out").await;
+    // A long lease for b: a stall of the loaded machine between two renewals must not end it,
+    // which the test would take for the late deletion's doing.
+    let b_lease = LEASE * 5;
+    let lb = acquired_once_free(&*b, &lock, "b", b_lease).await;
     // b renews as a holder does, for as long as the deletion takes to land and a while after.
     let renewing = tokio::spawn({
         let (b, lb) = (b.clone(), lb.clone());
@@ -714,7 +717,7 @@ pub async fn records_deleted_late_leave_the_next_holder(h: &mut dyn Harness) {
             loop {
                 sleep(RENEW).await;
                 // A renewal the backend refuses is the claim lost; one that failed is retried.
-                if let Ok(false) = b.renew(&lb, LEASE).await {
+                if let Ok(false) = b.renew(&lb, b_lease).await {
                     return;
                 }
             }
