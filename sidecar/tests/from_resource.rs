@@ -754,12 +754,11 @@ async fn a_rotated_password_reaches_the_running_lock() {
     // The re-checks of a Secret that did not change read the API server's cache, not etcd.
     let reads = |kind: &str| api.requests_by_kind().get(kind).copied().unwrap_or(0);
     let (consistent, cached) = (reads("GET secrets"), reads("GET secrets from the cache"));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(
-        reads("GET secrets from the cache") >= cached + 3,
-        "no re-check read the Secret: {:?}",
-        api.requests_by_kind()
-    );
+    // Three re-checks at 300 ms, however late a loaded machine runs them.
+    eventually("three re-checks read the Secret from the cache", || {
+        reads("GET secrets from the cache") >= cached + 3
+    })
+    .await;
     assert_eq!(
         reads("GET secrets"),
         consistent,
