@@ -152,13 +152,15 @@ async fn redis_departed_reentrant_acquisition_is_not_counted() {
     let renew = config.renew_interval;
     let a = Lock::start(faulty.clone(), config, Arc::new(())).expect("lock");
     assert!(holds(&a, Duration::ZERO).await, "a takes the free lock");
-    let acquired = Instant::now();
-    // The next renewal keeps the engine busy for 600 ms, from one renew interval on.
+    // The next renewal keeps the engine busy for 600 ms from when it is sent, which is waited
+    // for rather than guessed.
+    let renewals = faulty.renewals();
     faulty.delay_responses(Duration::from_millis(600));
-    sleep(
-        (acquired + renew + Duration::from_millis(100)).saturating_duration_since(Instant::now()),
-    )
-    .await;
+    let waiting = Instant::now();
+    while faulty.renewals() == renewals {
+        assert!(waiting.elapsed() < renew * 3, "no renewal was sent");
+        sleep(Duration::from_millis(5)).await;
+    }
     let gone = {
         let a = a.clone();
         tokio::spawn(async move { a.acquire(Duration::ZERO, HOLD).await })
