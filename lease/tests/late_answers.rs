@@ -737,6 +737,7 @@ async fn a_hold_that_ran_out_is_released_after_the_margin_for_an_answer_read_lat
     let mut config = LockConfig::new(&name, "a", lease);
     config.mode = Mode::OnDemand;
     let a = Lock::start(backend.clone(), config, Arc::new(())).expect("lock");
+    let sent = Instant::now();
     let answer = a
         .acquire(Duration::ZERO, Duration::from_millis(300))
         .await
@@ -745,8 +746,10 @@ async fn a_hold_that_ran_out_is_released_after_the_margin_for_an_answer_read_lat
     let Answer::Holder { valid_for, .. } = answer else {
         panic!("a did not take the free lock: {answer:?}");
     };
-    // The app, reading its answer up to half the margin late, acts until then.
-    let app_acts_until = read + valid_for + margin / 2;
+    // The app, reading its answer up to half the margin late, acts until then. Counted from
+    // before the call, which the answer's validity is not older than: this test's own task,
+    // slow to read the answer on a loaded machine, must not count as the app's delay.
+    let app_acts_until = sent + valid_for + margin / 2;
     let taken = loop {
         if let Ok(leasehold_lease::Acquire::Acquired(_)) =
             backend.try_acquire(&name, "b", lease).await
