@@ -380,6 +380,17 @@ impl KeyedFamily {
             });
         }
         check_settings(&config)?;
+        // Owners of a family that is not read-write never look at a writer's gate: a writer
+        // of this pod or another would hold its key beside them.
+        if self.read_config(|c| c.read_write) && !config.read_write {
+            return Err(Error::InvalidConfig {
+                field: "readWrite",
+                reason: "a read-write family cannot stop being one: owners of a family that is \
+                         not read-write never look at a writer's gate, and would take a key \
+                         beside its writer; create a new family instead"
+                    .into(),
+            });
+        }
         self.inner
             .permits_ever
             .fetch_max(config.permits, Ordering::SeqCst);
@@ -430,6 +441,12 @@ impl KeyedFamily {
     /// A cheap round trip to the backend new keys are taken on, for readiness.
     pub async fn ping(&self) -> Result<(), Error> {
         self.driver().ping().await
+    }
+
+    /// Whether the family takes no keys ([`KeyedFamily::stop`]): its resource deleted, or its
+    /// backend moved.
+    pub fn is_stopped(&self) -> bool {
+        self.inner.stopped.load(Ordering::SeqCst)
     }
 
     /// How many keys owners of this pod hold now.
@@ -1998,6 +2015,42 @@ mod tests {
     /// and waits for a reader: the second is refused (a 409 naming the owner: not its turn)
     /// rather than merged into the first's parts, two write locks of which only one is the
     /// owner's to act on and release.
+    /// A read-write family is never reconfigured into one that is not (its resource edited, a
+    /// CRD without the rule that refuses it): its owners would stop looking at the writers'
+    /// gate and take keys beside them. Turning it on is taken.
+    #[tokio::test]
+    async fn a_read_write_family_cannot_stop_being_one() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let config = FamilyConfig {
+            permits: 2,
+            ..FamilyConfig::new("docs", "pod-a", Duration::from_secs(2))
+        };
+        let family =
+            KeyedFamily::new(sqlite_in(&dir).await, config.clone(), Arc::new(())).expect("family");
+        let read_write = FamilyConfig {
+            read_write: true,
+            ..config.clone()
+        };
+        family.reconfigure(read_write.clone()).expect("turned on");
+        let off = family.reconfigure(FamilyConfig {
+            permits: 3,
+            ..config
+        });
+        assert!(
+            matches!(
+                &off,
+                Err(Error::InvalidConfig {
+                    field: "readWrite",
+                    ..
+                })
+            ),
+            "{off:?}"
+        );
+        assert!(family.is_read_write(), "the family stays read-write");
+        assert_eq!(family.permits(), 2, "nothing of the refused change applies");
+        family.reconfigure(read_write).expect("the same again");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_write_of_an_owner_sent_while_its_first_is_waiting_is_refused() {
         let dir = tempfile::tempdir().expect("a directory");
