@@ -361,7 +361,13 @@ impl AppState {
     /// for as long as the process runs. A family not answered yet counts as not reached.
     pub async fn check_families(&self, every: Duration, patience: Duration) {
         loop {
-            let families = self.families();
+            // A family let go of (its resource deleted, its backend moved) is no backend this
+            // pod needs.
+            let families: Vec<KeyedFamily> = self
+                .families()
+                .into_iter()
+                .filter(|f| !f.is_stopped())
+                .collect();
             let answers = futures_util::future::join_all(families.iter().map(|family| async {
                 let error = match tokio::time::timeout(patience, family.ping()).await {
                     Ok(Ok(())) => None,
@@ -390,6 +396,7 @@ impl AppState {
             .unwrap_or_else(|e| e.into_inner());
         self.families()
             .iter()
+            .filter(|family| !family.is_stopped())
             .filter_map(|family| match errors.get(family.name()) {
                 Some(None) => None,
                 Some(Some(error)) => Some((family.name().to_owned(), error.clone())),
