@@ -257,22 +257,35 @@ impl Driver for RedisDriver {
             return answer.map(|r| r.extended).map_err(|e| self.error(e));
         }
         let mut conn = self.connection().await?;
-        let mut renewal = self.renew.prepare_invoke();
-        renewal
-            .key(self.keys.lease(&lease.lock))
-            .arg(lease_value(lease))
-            .arg(ms(ttl));
-        if self.keys.records_expire(&lease.lock) {
+        let renewal = |records: bool| {
+            let mut renewal = self.renew.prepare_invoke();
             renewal
-                .key(self.keys.epoch_of(&lease.lock))
-                .key(self.keys.counter(&lease.lock))
-                .arg(ms(KEY_COUNTER_RETENTION));
-        }
-        let renewed: i64 = renewal
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| self.error(e))?;
-        Ok(renewed == 1)
+                .key(self.keys.lease(&lease.lock))
+                .arg(lease_value(lease))
+                .arg(ms(ttl));
+            if records {
+                renewal
+                    .key(self.keys.epoch_of(&lease.lock))
+                    .key(self.keys.counter(&lease.lock))
+                    .arg(ms(KEY_COUNTER_RETENTION));
+            }
+            renewal
+        };
+        let records = self.keys.records_expire(&lease.lock);
+        let renewed: redis::RedisResult<i64> = renewal(records).invoke_async(&mut conn).await;
+        let renewed = match renewed {
+            // A slot being migrated answers a call on several of its keys, some of them not
+            // there (records gone already), TRYAGAIN on both nodes: the lease alone follows
+            // the migration, and its records are kept at a later renewal.
+            Err(e)
+                if records
+                    && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain) =>
+            {
+                renewal(false).invoke_async(&mut conn).await
+            }
+            other => other,
+        };
+        Ok(renewed.map_err(|e| self.error(e))? == 1)
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
