@@ -333,7 +333,7 @@ impl RowLocks {
             .await;
         if !matches!(&still_held, Ok(rows) if !rows.is_empty()) {
             if let Err(e) = still_held {
-                tracing::debug!(lock = %lease.lock, error = %map_err(e), "the held transaction is gone");
+                tracing::warn!(lock = %lease.lock, error = %map_err(e), "the transaction holding the lock's row is gone: the lock is lost");
             }
             conn.take();
             self.forget(&lease.lock, &row);
