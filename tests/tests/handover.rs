@@ -200,7 +200,9 @@ fn etcd_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_wi
 /// the lease is released at once.
 /// The lease and renew interval of the SIGTERM hand-overs: long, so that a hand-over that
 /// waited for a poll (a renew interval, from 0.8 to 1.2 of it after the last) or for the lease
-/// is far from one woken by the release ([`WOKEN_WITHIN`]) on a machine however loaded.
+/// is far from one woken by the release ([`WOKEN_WITHIN`]) on a machine however loaded. SQLite
+/// polls at most once a second whatever the interval: its wake-ups are checked by
+/// [`release_wakes_a_waiter_in_another_process`].
 const SIGTERM_TIMING: &[&str] = &["--lease-duration", "20s", "--renew-interval", "8s"];
 
 /// How soon a waiter woken by the release holds after a SIGTERM: a fraction of
