@@ -393,3 +393,46 @@ async fn renewals_keep_a_held_family_keys_records() {
     }
     assert!(driver.release(&lease).await.unwrap());
 }
+
+/// A family's key whose records are gone (a day idle before it was taken again, say) is renewed
+/// while its slot is being migrated: a call on several of the slot's keys, some missing, is
+/// answered TRYAGAIN by both nodes until the migration ends, so the renewal renews the lease
+/// alone rather than fail for as long as the slot stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_family_key_is_renewed_while_its_slot_migrates_without_its_records() {
+    use leasehold_testkit::redis_cluster::command;
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let driver = driver_for(&cluster.url()).await;
+    let lock = format!("{}.keys.order-2", unique_lock("migrating"));
+    let ttl = Duration::from_secs(5);
+    let Acquire::Acquired(lease) = driver.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("{lock} was free");
+    };
+    let slot = cluster.slot_of(&lease_key(&lock));
+    let (from, to) = {
+        let from = cluster.owner_of(slot);
+        (
+            cluster.nodes[from].port(),
+            cluster.nodes[(from + 1) % cluster.nodes.len()].port(),
+        )
+    };
+    let id = |port| command(port, &["CLUSTER", "MYID"]).unwrap();
+    let slot_arg = slot.to_string();
+    command(
+        to,
+        &["CLUSTER", "SETSLOT", &slot_arg, "IMPORTING", &id(from)],
+    )
+    .unwrap();
+    command(
+        from,
+        &["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &id(to)],
+    )
+    .unwrap();
+    command(from, &["DEL", &format!("leasehold:{{{lock}}}:epoch")]).unwrap();
+    let renewed = driver.renew(&lease, ttl).await.map_err(|e| e.to_string());
+    for port in [from, to] {
+        command(port, &["CLUSTER", "SETSLOT", &slot_arg, "STABLE"]).unwrap();
+    }
+    assert_eq!(renewed, Ok(true), "the renewal while the slot migrates");
+    assert!(driver.release(&lease).await.unwrap());
+}
