@@ -81,7 +81,6 @@ async fn holder_survives_killed_connections(h: &mut dyn Harness, url: &str, dial
 
 /// Kill every client connection to the database but the admin's own; returns how many.
 async fn kill_other_connections(admin: &mut sqlx::AnyConnection, dialect: Dialect) -> usize {
-    use sqlx::Row;
     let list = match dialect {
         Dialect::Postgres => {
             "SELECT CAST(pid AS BIGINT) AS id FROM pg_stat_activity \
@@ -92,10 +91,18 @@ async fn kill_other_connections(admin: &mut sqlx::AnyConnection, dialect: Dialec
              WHERE id <> CONNECTION_ID() AND db = DATABASE()"
         }
     };
+    // A connection may be closing by itself meanwhile; that is fine.
+    kill_sessions(admin, dialect, list).await.len()
+}
+
+/// Kill the sessions `list` names (a query of their ids, as `id`); returns their ids. A kill
+/// that fails (a session closing by itself meanwhile) is not an error.
+async fn kill_sessions(admin: &mut sqlx::AnyConnection, dialect: Dialect, list: &str) -> Vec<i64> {
+    use sqlx::Row;
     let ids: Vec<i64> = sqlx::query(list)
         .fetch_all(&mut *admin)
         .await
-        .expect("list connections")
+        .expect("list sessions")
         .iter()
         .map(|row| row.try_get("id").expect("id"))
         .collect();
@@ -104,10 +111,9 @@ async fn kill_other_connections(admin: &mut sqlx::AnyConnection, dialect: Dialec
             Dialect::Postgres => format!("SELECT pg_terminate_backend({id})::text AS done"),
             Dialect::MySql => format!("KILL CONNECTION {id}"),
         };
-        // A connection may be closing by itself meanwhile; that is fine.
         let _ = sqlx::query(&kill).execute(&mut *admin).await;
     }
-    ids.len()
+    ids
 }
 
 /// Row-lock mode lives in the holder's transaction: when the server kills its connection the row
@@ -300,7 +306,6 @@ async fn row_is_locked_in_the_database(h: &mut dyn Harness, url: &str, dialect: 
 /// Kill the sessions with a transaction open (the row-lock holders'), none of the pool's
 /// idle ones; returns their ids.
 async fn kill_open_transactions(admin: &mut sqlx::AnyConnection, dialect: Dialect) -> Vec<i64> {
-    use sqlx::Row;
     let list = match dialect {
         Dialect::Postgres => {
             "SELECT CAST(pid AS BIGINT) AS id FROM pg_stat_activity \
@@ -312,24 +317,7 @@ async fn kill_open_transactions(admin: &mut sqlx::AnyConnection, dialect: Dialec
              WHERE trx_mysql_thread_id <> CONNECTION_ID()"
         }
     };
-    let ids: Vec<i64> = sqlx::query(list)
-        .fetch_all(&mut *admin)
-        .await
-        .expect("list transactions")
-        .iter()
-        .map(|row| row.try_get("id").expect("id"))
-        .collect();
-    for id in &ids {
-        let kill = match dialect {
-            Dialect::Postgres => format!("SELECT pg_terminate_backend({id})::text AS done"),
-            Dialect::MySql => format!("KILL CONNECTION {id}"),
-        };
-        sqlx::query(&kill)
-            .execute(&mut *admin)
-            .await
-            .expect("kill the transaction's session");
-    }
-    ids
+    kill_sessions(admin, dialect, list).await
 }
 
 /// Whether the session `id` is still connected.

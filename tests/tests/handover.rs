@@ -209,15 +209,20 @@ const SIGTERM_TIMING: &[&str] = &["--lease-duration", "20s", "--renew-interval",
 /// [`SIGTERM_TIMING`]'s poll, far above the few milliseconds it takes.
 const WOKEN_WITHIN: Duration = Duration::from_secs(2);
 
-fn sigterm_handover(backend: &str) -> Duration {
-    let lock = unique_lock("sigterm");
+/// A sidecar on `lock` at [`SIGTERM_TIMING`], whose apps stop first (a native sidecar's).
+fn stopping_first(identity: &str, backend: &str, lock: &str) -> Sidecar {
     let flags: Vec<&str> = SIGTERM_TIMING
         .iter()
         .chain(&["--apps-stop-first"])
         .copied()
         .collect();
-    let mut a = Sidecar::start("a", backend, &lock, &flags);
-    let mut b = Sidecar::start("b", backend, &lock, &flags);
+    Sidecar::start(identity, backend, lock, &flags)
+}
+
+fn sigterm_handover(backend: &str) -> Duration {
+    let lock = unique_lock("sigterm");
+    let mut a = stopping_first("a", backend, &lock);
+    let mut b = stopping_first("b", backend, &lock);
     let holder = settle(&[&a, &b]);
     let (leaving, staying) = if holder == 0 {
         (&mut a, &mut b)
@@ -583,15 +588,10 @@ fn a_stopped_waiters_place_is_left(backend: &str) -> Duration {
     let lock = unique_lock("waiter-stopped");
     // Long: a hand-over that waited out the stopped waiter's session (a lease) is far from one
     // woken by the release.
-    let flags: Vec<&str> = SIGTERM_TIMING
-        .iter()
-        .chain(&["--apps-stop-first"])
-        .copied()
-        .collect();
-    let mut a = Sidecar::start("a", backend, &lock, &flags);
-    let mut b = Sidecar::start("b", backend, &lock, &flags);
+    let mut a = stopping_first("a", backend, &lock);
+    let mut b = stopping_first("b", backend, &lock);
     let holder = settle(&[&a, &b]);
-    let mut c = Sidecar::start("c", backend, &lock, &flags);
+    let mut c = stopping_first("c", backend, &lock);
     // In line behind the waiter once it answers 409 (it has put its place in).
     eventually(STARTUP, "the third sidecar waits", || {
         c.get("/lock").status == 409
