@@ -263,21 +263,9 @@ async fn postgres_row_lock_a_holder_whose_renewals_fail_frees_the_row_as_its_fen
 /// session's `FOR UPDATE NOWAIT` fails, then succeeds; provisioning the lock meanwhile does not
 /// wait for the holder.
 async fn row_is_locked_in_the_database(h: &mut dyn Harness, url: &str, dialect: Dialect) {
-    use leasehold_lease::Acquire;
     let driver = h.driver().await;
-    let lock = unique_lock("row");
-    driver
-        .provision(std::slice::from_ref(&lock))
-        .await
-        .expect("provision");
     // Held for longer than the checks take: nothing renews it here.
-    let Acquire::Acquired(lease) = driver
-        .try_acquire(&lock, "a", 20 * LEASE)
-        .await
-        .expect("acquire")
-    else {
-        panic!("not acquired")
-    };
+    let (lock, lease) = taken_fresh(&*driver, "row", 20 * LEASE).await;
     sqlx::any::install_default_drivers();
     let mut other = sqlx::AnyConnection::connect(url).await.expect("connect");
     let probe = dialect
@@ -348,16 +336,8 @@ async fn a_renewal_finding_its_transaction_gone_is_a_loss(
 ) {
     use leasehold_lease::Acquire;
     let driver = h.driver().await;
-    let lock = unique_lock("gone");
-    driver
-        .provision(std::slice::from_ref(&lock))
-        .await
-        .expect("provision");
     let ttl = 20 * LEASE;
-    let Acquire::Acquired(lease) = driver.try_acquire(&lock, "a", ttl).await.expect("acquire")
-    else {
-        panic!("not acquired")
-    };
+    let (lock, lease) = taken_fresh(&*driver, "gone", ttl).await;
     assert!(driver.renew(&lease, ttl).await.expect("renew while held"));
     sqlx::any::install_default_drivers();
     let mut admin = sqlx::AnyConnection::connect(url).await.expect("admin");
@@ -408,7 +388,6 @@ async fn mariadb_row_lock_a_renewal_finding_its_transaction_gone_is_a_loss() {
 /// (the operator's clean-up) works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_row_lock_serves_a_role_whose_default_isolation_is_repeatable_read() {
-    use leasehold_lease::Acquire;
     use sqlx::Executor;
     let h = PostgresHarness::row_lock();
     sqlx::any::install_default_drivers();
@@ -427,18 +406,7 @@ async fn postgres_row_lock_serves_a_role_whose_default_isolation_is_repeatable_r
     let url = format!("{}?mode=row-lock", h.server.url()).replace("postgres@", "snapshots@");
     let driver = driver_at(&url).await;
     for round in 0..2 {
-        let lock = unique_lock("snapshot");
-        driver
-            .provision(std::slice::from_ref(&lock))
-            .await
-            .expect("provision");
-        let Acquire::Acquired(lease) = driver
-            .try_acquire(&lock, "a", 20 * LEASE)
-            .await
-            .expect("acquire")
-        else {
-            panic!("not acquired")
-        };
+        let (_, lease) = taken_fresh(&*driver, "snapshot", 20 * LEASE).await;
         assert!(driver.renew(&lease, 20 * LEASE).await.expect("renew"));
         if round == 0 {
             assert!(driver.release(&lease).await.expect("release"));
@@ -550,6 +518,23 @@ async fn driver_at(url: &str) -> Arc<dyn leasehold_lease::Backend> {
     leasehold_lease::connect(&leasehold_lease::BackendUrl::parse(url).expect("url"))
         .await
         .expect("driver")
+}
+
+/// A new lock named after `name`, provisioned, and taken by "a" for `ttl` (nothing renews it).
+async fn taken_fresh(
+    driver: &dyn leasehold_lease::Backend,
+    name: &str,
+    ttl: Duration,
+) -> (String, leasehold_lease::Lease) {
+    let lock = unique_lock(name);
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    match driver.try_acquire(&lock, "a", ttl).await.expect("acquire") {
+        leasehold_lease::Acquire::Acquired(lease) => (lock, lease),
+        other => panic!("{lock} not acquired: {other:?}"),
+    }
 }
 
 /// Where the test server's lock table's named locks live.
