@@ -1342,7 +1342,8 @@ impl KeyedFamily {
         keys.values().filter_map(|s| current_of(s)).collect()
     }
 
-    fn qualified(&self, owner: &str) -> String {
+    /// How the backend names `owner` of this pod as a key's holder (`IDENTITY/OWNER`).
+    pub fn qualified(&self, owner: &str) -> String {
         format!("{}/{owner}", self.inner.identity)
     }
 
@@ -2011,10 +2012,6 @@ mod tests {
         );
     }
 
-    /// Two writes of one key by one owner, the second sent while the first holds the write gate
-    /// and waits for a reader: the second is refused (a 409 naming the owner: not its turn)
-    /// rather than merged into the first's parts, two write locks of which only one is the
-    /// owner's to act on and release.
     /// A read-write family is never reconfigured into one that is not (its resource edited, a
     /// CRD without the rule that refuses it): its owners would stop looking at the writers'
     /// gate and take keys beside them. Turning it on is taken.
@@ -2051,6 +2048,10 @@ mod tests {
         family.reconfigure(read_write).expect("the same again");
     }
 
+    /// Two writes of one key by one owner, the second sent while the first holds the write gate
+    /// and waits for a reader: the second is refused (a 409 naming the owner: not its turn)
+    /// rather than merged into the first's parts, two write locks of which only one is the
+    /// owner's to act on and release.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_write_of_an_owner_sent_while_its_first_is_waiting_is_refused() {
         let dir = tempfile::tempdir().expect("a directory");

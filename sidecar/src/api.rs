@@ -172,7 +172,7 @@ impl AppState {
             match self.exclusive_turn(of, left).await {
                 Some(turn) => turns.push(turn),
                 None => {
-                    let holder = Some(format!("{}/{owner}", family.identity()));
+                    let holder = Some(family.qualified(owner));
                     return Err((key.clone(), KeyAnswer::HeldByAnother { holder }));
                 }
             }

@@ -267,7 +267,7 @@ async fn unlock(
         // other owner holds it.
         Ok(KeyRelease::NotHeld) => match family.observe_permits(resource_id).await {
             Ok(holders) => {
-                let own = format!("{}/{owner}", family.identity());
+                let own = family.qualified(owner);
                 if holders.iter().all(|h| h.identity == own) {
                     UnlockStatus::LockDoesNotExist
                 } else {
