@@ -350,18 +350,35 @@ async fn masters_that_refuse_config_are_still_checked_for_eviction() {
     );
 }
 
+/// The lease [`held_family_key`] takes its key for.
+const FAMILY_KEY_LEASE: Duration = Duration::from_secs(5);
+
+/// A driver on `cluster`, and a family's key (named after `name`) it holds for
+/// [`FAMILY_KEY_LEASE`]: the key's epoch record and counter are its own, in its slot.
+async fn held_family_key(
+    cluster: &RedisCluster,
+    name: &str,
+) -> (std::sync::Arc<dyn Backend>, String, leasehold_lease::Lease) {
+    let driver = driver_for(&cluster.url()).await;
+    let lock = format!("{}.keys.order-1", unique_lock(name));
+    match driver
+        .try_acquire(&lock, "a", FAMILY_KEY_LEASE)
+        .await
+        .unwrap()
+    {
+        Acquire::Acquired(lease) => (driver, lock, lease),
+        other => panic!("{lock} was free: {other:?}"),
+    }
+}
+
 /// A family's key on a cluster keeps its own epoch record and counter, which expire a day after
 /// the key was last used: renewals push them back, so that a key held longer than that still
 /// has them (a promoted replica restarted on its own data trusts a missing record).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_keep_a_held_family_keys_records() {
     let cluster = tokio::task::block_in_place(RedisCluster::start);
-    let driver = driver_for(&cluster.url()).await;
-    let lock = format!("{}.keys.order-1", unique_lock("records"));
-    let ttl = Duration::from_secs(5);
-    let Acquire::Acquired(lease) = driver.try_acquire(&lock, "a", ttl).await.unwrap() else {
-        panic!("{lock} was free");
-    };
+    let (driver, lock, lease) = held_family_key(&cluster, "records").await;
+    let ttl = FAMILY_KEY_LEASE;
     let node = cluster.nodes[cluster.owner_of(cluster.slot_of(&lease_key(&lock)))].port();
     let records = [
         format!("leasehold:{{{lock}}}:epoch"),
@@ -402,12 +419,8 @@ async fn renewals_keep_a_held_family_keys_records() {
 async fn a_family_key_is_renewed_while_its_slot_migrates_without_its_records() {
     use leasehold_testkit::redis_cluster::command;
     let cluster = tokio::task::block_in_place(RedisCluster::start);
-    let driver = driver_for(&cluster.url()).await;
-    let lock = format!("{}.keys.order-2", unique_lock("migrating"));
-    let ttl = Duration::from_secs(5);
-    let Acquire::Acquired(lease) = driver.try_acquire(&lock, "a", ttl).await.unwrap() else {
-        panic!("{lock} was free");
-    };
+    let (driver, lock, lease) = held_family_key(&cluster, "migrating").await;
+    let ttl = FAMILY_KEY_LEASE;
     let slot = cluster.slot_of(&lease_key(&lock));
     let (from, to) = {
         let from = cluster.owner_of(slot);
