@@ -431,7 +431,9 @@ async fn acquired(driver: &dyn Backend, lock: &str, identity: &str, ttl: Duratio
     }
 }
 
-/// `identity` takes `lock` for `ttl` once it is free, within a lease (and slack).
+/// `identity` takes `lock` for `ttl` once it is free, within a lease (and slack); unlike
+/// [`acquired_within`], a call the backend's connection failed under is tried again, as
+/// [`acquired`] does.
 async fn acquired_once_free(
     driver: &dyn Backend,
     lock: &str,
@@ -456,12 +458,19 @@ async fn acquired_once_free(
     }
 }
 
-/// `identity` takes `lock` once it is free, within a lease (and slack); `never` says what failed.
-async fn acquired_within(driver: &dyn Backend, lock: &str, identity: &str, never: &str) -> Lease {
+/// `identity` takes `lock` for `ttl` once it is free, within a lease (and slack); `never` says
+/// what failed. A failed call fails the test.
+async fn acquired_within(
+    driver: &dyn Backend,
+    lock: &str,
+    identity: &str,
+    ttl: Duration,
+    never: &str,
+) -> Lease {
     let start = Instant::now();
     loop {
         match driver
-            .try_acquire(lock, identity, LEASE)
+            .try_acquire(lock, identity, ttl)
             .await
             .expect("acquire")
         {
@@ -621,7 +630,7 @@ pub async fn deprovision_ends_the_holders_claim(h: &mut dyn Harness) {
         !a.renew(&la, LEASE).await.unwrap(),
         "the holder renewed a lock whose records were deleted"
     );
-    let lb = acquired_within(&*b, &lock, "b", "never free again").await;
+    let lb = acquired_within(&*b, &lock, "b", LEASE, "never free again").await;
     assert!(
         !a.renew(&la, LEASE).await.unwrap(),
         "two holders: a renewed"
@@ -674,7 +683,7 @@ pub async fn records_are_deleted_only_while_held(h: &mut dyn Harness) {
         );
         sleep(Duration::from_millis(20)).await;
     }
-    let lb = acquired_within(&*b, &lock, "b", "never free after the deletion").await;
+    let lb = acquired_within(&*b, &lock, "b", LEASE, "never free after the deletion").await;
     assert!(
         lb.token > la.token,
         "the token went back from {} to {} after the records were deleted",
@@ -709,7 +718,14 @@ pub async fn records_deleted_late_leave_the_next_holder(h: &mut dyn Harness) {
     // A long lease for b: a stall of the loaded machine between two renewals must not end it,
     // which the test would take for the late deletion's doing.
     let b_lease = LEASE * 5;
-    let lb = acquired_once_free(&*b, &lock, "b", b_lease).await;
+    let lb = acquired_within(
+        &*b,
+        &lock,
+        "b",
+        b_lease,
+        "the deleter's lease never ran out",
+    )
+    .await;
     // b renews as a holder does, for as long as the deletion takes to land and a while after.
     let renewing = tokio::spawn({
         let (b, lb) = (b.clone(), lb.clone());
