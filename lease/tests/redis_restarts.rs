@@ -128,9 +128,44 @@ async fn restart_that_lost_the_lease(mut server: RedisServer, restart: Restart) 
         server
     });
     let b = campaign(b_driver, &lock, "b", lease);
+    let TakenOver {
+        b_token,
+        b_met_loading,
+    } = taken_over_after_the_old_claim(&a, &b, restarted, lease).await;
+    let _server = restarting.await.expect("restarted");
+    if restart == Restart::FromAnOldSnapshot {
+        assert!(
+            b_met_loading,
+            "b never met the server loading (the case under test)"
+        );
+    }
+    assert!(
+        b_token > a_token,
+        "token {b_token} after the restart, {a_token} before"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// What [`taken_over_after_the_old_claim`] saw.
+struct TakenOver {
+    b_token: u64,
+    /// Whether b met the server loading its data.
+    b_met_loading: bool,
+}
+
+/// Watches `a` (cut off from a server restarted at `restarted`, still claiming) and `b` (a
+/// contender) until b holds: never both at once, and a still claimed a while after the restart
+/// (the case under test).
+async fn taken_over_after_the_old_claim(
+    a: &Lock,
+    b: &Lock,
+    restarted: Instant,
+    lease: Duration,
+) -> TakenOver {
     let (mut a_last_claimed, mut b_met_loading) = (None, false);
     let b_token = loop {
-        let (a_claims, b_answer) = (claims(&a), b.answer());
+        let (a_claims, b_answer) = (claims(a), b.answer());
         assert!(
             !(a_claims && b_answer.is_holder()),
             "two holders after the restart: a claims {:?}, b answers {b_answer:?}",
@@ -152,17 +187,54 @@ async fn restart_that_lost_the_lease(mut server: RedisServer, restart: Restart) 
         );
         sleep(Duration::from_millis(5)).await;
     };
-    let _server = restarting.await.expect("restarted");
     assert!(
         a_last_claimed.is_some_and(|t| t > Duration::from_millis(100)),
         "the old holder still claimed after the restart (the case under test): {a_last_claimed:?}"
     );
-    if restart == Restart::FromAnOldSnapshot {
-        assert!(
-            b_met_loading,
-            "b never met the server loading (the case under test)"
-        );
+    TakenOver {
+        b_token,
+        b_met_loading,
     }
+}
+
+/// A server whose append-only file is synced once a second (not durable: a crash may lose the
+/// last second's writes) crashes, losing the lease its holder still claims, and is started
+/// again with `appendfsync always`, as an operator makes it durable. The restarted server is
+/// durable; the one that crashed was not, and its epoch record says so: a contender that first
+/// meets the restarted server must not hold before the old claim has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_made_durable_by_its_restart_grants_the_lock_only_after_the_old_claim() {
+    made_durable_by_its_restart(RedisServer::start_with(false)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tair_server_made_durable_by_its_restart_grants_the_lock_only_after_the_old_claim() {
+    made_durable_by_its_restart(RedisServer::start_tair_with(false)).await;
+}
+
+async fn made_durable_by_its_restart(mut server: RedisServer) {
+    let lock = unique_lock("made-durable");
+    let lease = Duration::from_secs(3);
+    tokio::task::block_in_place(|| server.append_every_second_until_restart());
+    let a_driver = FaultyDriver::wrap(driver_for(&server.url()).await);
+    let a = campaign(a_driver.clone(), &lock, "a", lease);
+    let a_token = held_token(&a, lease * 3).await;
+    a_driver.cut_off(true);
+    // The crash loses the last second's writes, the lease among them; the epoch record, written
+    // by the first acquisition, is kept. (A kill alone loses nothing the server wrote: the
+    // system keeps it.)
+    let mut admin = server.admin().await;
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(format!("leasehold:{{{lock}}}:lease"))
+        .query_async(&mut admin)
+        .await
+        .expect("DEL");
+    assert_eq!(deleted, 1, "the lease is where the driver keeps it");
+    let restarted = Instant::now();
+    tokio::task::block_in_place(|| server.restart_durable());
+    // A contender whose driver first meets the restarted server: its durability is read there.
+    let b = campaign(driver_for(&server.url()).await, &lock, "b", lease);
+    let TakenOver { b_token, .. } = taken_over_after_the_old_claim(&a, &b, restarted, lease).await;
     assert!(
         b_token > a_token,
         "token {b_token} after the restart, {a_token} before"

@@ -437,6 +437,8 @@ async fn drivers_raising_a_counter_to_the_floor_at_once_do_not_add_up() {
             "0",
             "floor",
             &floor,
+            "durable",
+            "1",
         ],
     );
     let url = BackendUrl::parse(&server.url()).unwrap();

@@ -366,11 +366,31 @@ impl RedisServer {
     /// brings it back as it was started. Returns once the append-only file holds the whole
     /// dataset.
     pub fn make_durable_until_restart(&mut self) {
+        self.append_until_restart("always");
+    }
+
+    /// An append-only file synced once a second (`appendfsync everysec`) by `CONFIG SET` while
+    /// it runs: a crash may lose the last second's writes, so not durable. Returns once the
+    /// file holds the whole dataset.
+    pub fn append_every_second_until_restart(&mut self) {
+        self.append_until_restart("everysec");
+    }
+
+    /// `kill -9`, then start again on the same data directory with durable settings in its
+    /// configuration, as an operator restarts a server to turn persistence on: it loads the
+    /// append-only file it had, if any.
+    pub fn restart_durable(&mut self) {
+        self.kill();
+        self.durable = true;
+        self.spawn();
+    }
+
+    fn append_until_restart(&mut self, fsync: &str) {
         let mut conn = redis::Client::open(self.plain_url())
             .expect("client")
             .get_connection_with_timeout(Duration::from_secs(5))
             .expect("connect");
-        for (name, value) in [("appendfsync", "always"), ("appendonly", "yes")] {
+        for (name, value) in [("appendfsync", fsync), ("appendonly", "yes")] {
             let _: redis::Value = redis::cmd("CONFIG")
                 .arg("SET")
                 .arg(name)

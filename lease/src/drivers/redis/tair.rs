@@ -194,8 +194,9 @@ impl Epoch {
     }
 }
 
-/// The epoch record's fields: the incarnation, `since` and the floor.
-type EpochRecord = (Option<String>, Option<i64>, Option<i64>);
+/// The epoch record's fields: the incarnation, `since`, the floor, and whether that
+/// incarnation kept its data ("1": durable as it began, and found so by every check since).
+type EpochRecord = (Option<String>, Option<i64>, Option<i64>, Option<String>);
 
 /// What `INFO replication` tells of the server's incarnation.
 struct Replication {
@@ -255,15 +256,18 @@ fn micros(time: &[String]) -> Result<i64> {
 }
 
 /// The epoch after a check on a server whose incarnation is `replid`, up for `uptime_s`, at
-/// `now` (µs), given the record's (replid, since, floor): the same rule as Redis's acquire
-/// script. A durable server that was never promoted lost nothing; one that may have lost data
-/// (not durable, or `promoted` from a standby, which may lack the old primary's last writes
-/// however it persists its own) grants no free lock for a lease (from its start when it was
-/// never promoted and nothing was recorded before it, else from now: behind one endpoint a
+/// `now` (µs), given the record's (replid, since, floor, whether the recorded incarnation was
+/// durable): the same rule as Redis's acquire script. A durable server that was never promoted,
+/// restarted after an incarnation that was durable too, lost nothing; one that may have lost
+/// data (not durable, restarted after an incarnation that was not, which the restarted server's
+/// settings do not tell, or `promoted` from a standby, which may lack the old primary's last
+/// writes however it persists its own) grants no free lock for a lease (from its start when it
+/// was never promoted and nothing was recorded before it, else from now: behind one endpoint a
 /// standby may have taken over from a master that served until a moment ago), and its tokens
-/// start above every earlier one.
+/// start above every earlier one. The record is written again (the last of the three) when the
+/// incarnation changed, or was durable and is found not to be.
 fn next_epoch(
-    record: (Option<&str>, Option<i64>, Option<i64>),
+    record: (Option<&str>, Option<i64>, Option<i64>, bool),
     replid: &str,
     promoted: bool,
     uptime_s: i64,
@@ -271,10 +275,11 @@ fn next_epoch(
     durable: bool,
 ) -> (i64, i64, bool) {
     let (recorded, since, floor) = (record.0, record.1.unwrap_or(0), record.2.unwrap_or(0));
+    let was_durable = record.3;
     if recorded == Some(replid) {
-        return (since, floor, false);
+        return (since, floor, was_durable && !durable);
     }
-    if durable && !promoted {
+    if durable && !promoted && (recorded.is_none() || was_durable) {
         return (since, floor, true);
     }
     let since = if recorded.is_some() || promoted {
@@ -508,6 +513,7 @@ impl TairDriver {
                     .arg("replid")
                     .arg("since")
                     .arg("floor")
+                    .arg("durable")
                     .query_async(conn)
                     .await;
             let (replication, info, time, record) = match checked {
@@ -525,8 +531,15 @@ impl TairDriver {
             let uptime = info_field(&info, "uptime_in_seconds")
                 .and_then(|u| u.parse().ok())
                 .unwrap_or(0);
+            let was_durable = record.3.as_deref() == Some("1");
+            // What the record says of this incarnation: durable only while every check found
+            // it so (a new one as it is found now).
+            let kept = match record.0.as_deref() == Some(expected.as_str()) {
+                true => was_durable && durable,
+                false => durable,
+            };
             let (since, floor, changed) = next_epoch(
-                (record.0.as_deref(), record.1, record.2),
+                (record.0.as_deref(), record.1, record.2, was_durable),
                 &expected,
                 replication.promoted,
                 uptime,
@@ -544,11 +557,13 @@ impl TairDriver {
                     .arg(since)
                     .arg("floor")
                     .arg(floor)
+                    .arg("durable")
+                    .arg(u8::from(kept))
                     .query_async(conn)
                     .await
                     .map_err(tair_err)?;
             }
-            self.standbys_have_the_record(conn, standbys, (&expected, since, floor))
+            self.standbys_have_the_record(conn, standbys, (&expected, since, floor, kept))
                 .await?;
             return Ok(Some(Epoch {
                 replid: expected,
@@ -575,12 +590,12 @@ impl TairDriver {
         &self,
         conn: &mut ConnectionManager,
         healthy: usize,
-        record: (&str, i64, i64),
+        record: (&str, i64, i64, bool),
     ) -> Result<()> {
         if healthy == 0 {
             return Ok(());
         }
-        let (replid, since, floor) = record;
+        let (replid, since, floor, durable) = record;
         let waited: redis::RedisResult<(i64,)> = redis::pipe()
             .cmd("HSET")
             .arg(self.keys.tair_epoch())
@@ -590,6 +605,8 @@ impl TairDriver {
             .arg(since)
             .arg("floor")
             .arg(floor)
+            .arg("durable")
+            .arg(u8::from(durable))
             .ignore()
             .cmd("WAIT")
             .arg(healthy)
@@ -1082,7 +1099,7 @@ mod tests {
         let second = 1_000_000;
         let floor_at = |record: i64, now: i64| {
             next_epoch(
-                (Some("old"), Some(1), Some(record)),
+                (Some("old"), Some(1), Some(record), true),
                 "new",
                 true,
                 100,
@@ -1105,43 +1122,107 @@ mod tests {
     #[test]
     fn an_epoch_waits_and_rebases_only_where_data_may_be_lost() {
         let now = 1_800_000_000_000_000;
-        // The same incarnation: as recorded.
+        // The same incarnation: as recorded, the record written again only when a durable
+        // incarnation is found not to be.
         assert_eq!(
-            next_epoch((Some("a"), Some(5), Some(7)), "a", false, 100, now, false),
+            next_epoch(
+                (Some("a"), Some(5), Some(7), false),
+                "a",
+                false,
+                100,
+                now,
+                false
+            ),
             (5, 7, false)
+        );
+        assert_eq!(
+            next_epoch(
+                (Some("a"), Some(5), Some(7), true),
+                "a",
+                false,
+                100,
+                now,
+                true
+            ),
+            (5, 7, false)
+        );
+        assert_eq!(
+            next_epoch(
+                (Some("a"), Some(5), Some(7), true),
+                "a",
+                false,
+                100,
+                now,
+                false
+            ),
+            (5, 7, true)
         );
         // Durable and never promoted: nothing lost, nothing changes but the incarnation.
         assert_eq!(
-            next_epoch((Some("a"), Some(5), Some(7)), "b", false, 100, now, true),
+            next_epoch(
+                (Some("a"), Some(5), Some(7), true),
+                "b",
+                false,
+                100,
+                now,
+                true
+            ),
             (5, 7, true)
         );
         assert_eq!(
-            next_epoch((None, None, None), "b", false, 100, now, true),
+            next_epoch((None, None, None, false), "b", false, 100, now, true),
             (0, 0, true)
+        );
+        // Durable now, after an incarnation that was not (made durable for the restart): what
+        // the one before lost is gone, so from now, and a floor above the last.
+        assert_eq!(
+            next_epoch(
+                (Some("a"), Some(5), Some(now), false),
+                "b",
+                false,
+                100,
+                now,
+                true
+            ),
+            (now, now + FLOOR_STEP, true)
         );
         // Not durable, nothing recorded: from the server's start, which the whole seconds of
         // its uptime may overstate by almost one.
         assert_eq!(
-            next_epoch((None, None, None), "b", false, 100, now, false),
+            next_epoch((None, None, None, false), "b", false, 100, now, false),
             (now - 99_000_000, now, true)
         );
         assert_eq!(
-            next_epoch((None, None, None), "b", false, 1, now, false),
+            next_epoch((None, None, None, false), "b", false, 1, now, false),
             (now, now, true)
         );
         // Not durable, another incarnation recorded: from now, and a floor above the last.
         assert_eq!(
-            next_epoch((Some("a"), Some(5), Some(now)), "b", false, 100, now, false),
+            next_epoch(
+                (Some("a"), Some(5), Some(now), true),
+                "b",
+                false,
+                100,
+                now,
+                false
+            ),
             (now, now + FLOOR_STEP, true)
         );
         // A promoted standby, however durable: from now (it served as a replica until a moment
         // ago, whatever its uptime), and a floor above the last.
         assert_eq!(
-            next_epoch((Some("a"), Some(5), Some(now)), "b", true, 100, now, true),
+            next_epoch(
+                (Some("a"), Some(5), Some(now), true),
+                "b",
+                true,
+                100,
+                now,
+                true
+            ),
             (now, now + FLOOR_STEP, true)
         );
         assert_eq!(
-            next_epoch((None, None, None), "b", true, 100, now, true),
+            next_epoch((None, None, None, false), "b", true, 100, now, true),
             (now, now, true)
         );
     }
