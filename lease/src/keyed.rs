@@ -1814,7 +1814,9 @@ mod tests {
             Arc::new(()),
         )
         .expect("family");
-        let (hold, wait) = (Duration::from_secs(60), Duration::from_secs(5));
+        // A wait far longer than any stall of a loaded machine: a refusal after waiting would
+        // take all of it (the reader holds for longer).
+        let (hold, wait) = (Duration::from_secs(120), Duration::from_secs(60));
         assert!(matches!(
             family
                 .acquire_read("a", "reader", Duration::ZERO, hold)
@@ -1829,11 +1831,7 @@ mod tests {
             "three keys of four permits, ten held keys at most: {refused:?} after {:?}",
             asked.elapsed()
         );
-        assert!(
-            asked.elapsed() < Duration::from_secs(1),
-            "{:?}",
-            asked.elapsed()
-        );
+        assert!(asked.elapsed() < wait / 2, "{:?}", asked.elapsed());
         // Two keys fit: taken once the reader is gone.
         assert!(matches!(
             family.release("a", "reader").await,

@@ -198,6 +198,16 @@ fn stubborn_group_of(mut command: Command) -> (Child, StubbornPids, tempfile::Te
     (child, pids, dir)
 }
 
+/// How long before the claim's end exec says the command's processes were gone, on its own
+/// clock (0 when they were not).
+fn spare_ms(stderr: &str) -> u64 {
+    stderr
+        .split_once("were stopped ")
+        .and_then(|(_, rest)| rest.split_once(" ms before the claim ends"))
+        .and_then(|(ms, _)| ms.parse().ok())
+        .unwrap_or_else(|| panic!("no spare time reported: {stderr}"))
+}
+
 /// A stubborn group's background processes: one in its group, one out of it.
 struct StubbornPids(Vec<i32>);
 
@@ -214,10 +224,12 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
     let lease = Duration::from_secs(3);
     let (child, pids, _dir) = stubborn_group(&format!("redis://127.0.0.1:{}", proxy.port));
 
-    // The last renewal was sent before the cut, so the claim ends within a lease of it.
+    // The last renewal was sent before the cut, so the claim ends within a lease of it. This
+    // test's own clock only catches a hang: when the group died against the claim's end is
+    // exec's to say (below), as this thread may see it late on a loaded machine.
     let cut = Instant::now();
     proxy.cut();
-    wait_for("the background processes to be stopped", lease, || {
+    wait_for("the background processes to be stopped", 3 * lease, || {
         pids.dead()
     });
     let stopped_after = cut.elapsed();
@@ -228,23 +240,15 @@ fn a_lost_lock_stops_the_whole_group_before_the_claim_ends() {
         Some(75),
         "the lock-lost status: {stderr}"
     );
-    assert!(
-        stopped_after < lease,
-        "the group was stopped {stopped_after:?} after the cut, past the lease"
-    );
     // What exec says it had to spare, on its own clock: the SIGKILL goes out the kill margin
-    // before the claim ends, and the group is gone soon after.
-    let spare_ms: u64 = stderr
-        .split_once("were stopped ")
-        .and_then(|(_, rest)| rest.split_once(" ms before the claim ends"))
-        .and_then(|(ms, _)| ms.parse().ok())
-        .unwrap_or_else(|| panic!("no spare time reported: {stderr}"));
+    // before the claim ends, and the group is gone before it ends (0 when it was not).
+    let spare_ms = spare_ms(&stderr);
     eprintln!(
         "the group was stopped {spare_ms} ms before the claim ends, {stopped_after:?} after the cut"
     );
     assert!(
-        spare_ms >= 100,
-        "stopped only {spare_ms} ms before the claim ended"
+        spare_ms > 0,
+        "the group was not gone before the claim ended: {stderr}"
     );
 }
 
@@ -277,15 +281,15 @@ fn a_lease_found_gone_during_the_grace_ends_the_grace() {
     let redis = RedisServer::start_with(true);
     let proxy = FaultProxy::start(redis.port());
     let mut command = exec("jobs", &format!("redis://127.0.0.1:{}", proxy.port));
-    // A renewal a second: the claim ends 8 to 9 s after the cut, and the grace of 6 s begins
-    // 1.75 to 2.75 s after it.
+    // A renewal a second: the claim ends 18.6 to 19.6 s after the cut, and the grace of 17 s
+    // begins 1.35 to 2.35 s after it, to end long after the backend answers again (at 4 s).
     command.args([
         "--lease-duration",
-        "9s",
+        "20s",
         "--renew-interval",
         "1s",
         "--kill-grace",
-        "6s",
+        "17s",
     ]);
     let (child, pids, _dir) = stubborn_group_of(command);
     let cut = Instant::now();
@@ -293,11 +297,11 @@ fn a_lease_found_gone_during_the_grace_ends_the_grace() {
     // Gone from the backend (as after a force-release, or a server that lost its data), so
     // another may take the lock at once.
     assert_eq!(redis_del(redis.port(), "leasehold:{jobs}:lease"), ":1");
-    std::thread::sleep(Duration::from_secs(3).saturating_sub(cut.elapsed()));
+    std::thread::sleep(Duration::from_secs(4).saturating_sub(cut.elapsed()));
     assert!(!pids.dead(), "the group ignores SIGTERM");
     proxy.restore();
     let restored = Instant::now();
-    // The next renewal finds the lease gone; waiting out the grace would take 4.75 s more.
+    // The next renewal finds the lease gone; waiting out the grace would take 14.35 s more.
     wait_for(
         "the background processes to be killed once the lease is found gone",
         Duration::from_secs(15),
@@ -308,7 +312,7 @@ fn a_lease_found_gone_during_the_grace_ends_the_grace() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(75), "{stderr}");
     assert!(
-        killed_after < Duration::from_secs(3),
+        killed_after < Duration::from_secs(7),
         "the group was killed {killed_after:?} after the backend answered again, at the end of its grace: {stderr}"
     );
 }
@@ -464,10 +468,16 @@ fn signals_reach_the_command_and_its_group() {
 fn a_lock_not_taken_within_the_wait_runs_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let backend = sqlite(dir.path());
-    let ready = dir.path().join("ready");
+    let (ready, done) = (dir.path().join("ready"), dir.path().join("done"));
+    // The holder runs until told (or 30 s): however slowly the second exec starts, the lock
+    // stays taken.
     let mut holder = shell(
         &mut exec("jobs", &backend),
-        &format!("touch {}; sleep 3", ready.display()),
+        &format!(
+            "touch {}; for _ in $(seq 600); do [ -e {} ] && break; sleep 0.05; done",
+            ready.display(),
+            done.display()
+        ),
     )
     .spawn()
     .unwrap();
@@ -477,16 +487,17 @@ fn a_lock_not_taken_within_the_wait_runs_nothing() {
         || ready.exists(),
     );
     let ran = dir.path().join("ran");
-    let started = Instant::now();
-    let status = shell(
+    // An exec that ignored --wait would wait on until the holder ends, which it does not.
+    let mut waiting = shell(
         exec("jobs", &backend).args(["--wait", "300ms"]),
         &format!("touch {}", ran.display()),
     )
-    .status()
+    .spawn()
     .unwrap();
+    let status = wait_exit(&mut waiting, Duration::from_secs(20));
     assert_eq!(status.code(), Some(69));
-    assert!(started.elapsed() < Duration::from_secs(3));
     assert!(!ran.exists(), "the command ran without the lock");
+    std::fs::write(&done, "").unwrap();
     assert!(wait_exit(&mut holder, Duration::from_secs(10)).success());
 }
 
@@ -1052,16 +1063,18 @@ fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
     let lease = Duration::from_secs(3);
     let cut = Instant::now();
     proxy.cut();
-    wait_for("the background processes to be stopped", lease, || {
+    // A hang bound: when the group died against the claim's end is exec's to say.
+    wait_for("the background processes to be stopped", 3 * lease, || {
         pids.dead()
     });
     let stopped_after = cut.elapsed();
     let output = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(75), "{stderr}");
+    let spare_ms = spare_ms(&stderr);
     assert!(
-        stderr.contains("ms before the claim ends"),
-        "stopped ahead of the claim's end: {stderr}"
+        spare_ms > 0,
+        "the group was not gone before the claim ended: {stderr}"
     );
     eprintln!("stopped {stopped_after:?} after the cut: {stderr}");
 }

@@ -13,7 +13,7 @@ use nix::sys::signal::Signal;
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
 /// Headroom for a loaded CI machine; the bounds under test come on top of it.
-const SLACK: Duration = Duration::from_secs(1);
+const SLACK: Duration = Duration::from_secs(2);
 /// How long two fresh sidecars may take to elect a first holder.
 const STARTUP: Duration = Duration::from_secs(15);
 const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
@@ -207,7 +207,7 @@ const SIGTERM_TIMING: &[&str] = &["--lease-duration", "20s", "--renew-interval",
 
 /// How soon a waiter woken by the release holds after a SIGTERM: a fraction of
 /// [`SIGTERM_TIMING`]'s poll, far above the few milliseconds it takes.
-const WOKEN_WITHIN: Duration = Duration::from_secs(2);
+const WOKEN_WITHIN: Duration = Duration::from_secs(4);
 
 /// A sidecar on `lock` at [`SIGTERM_TIMING`], whose apps stop first (a native sidecar's).
 fn stopping_first(identity: &str, backend: &str, lock: &str) -> Sidecar {
@@ -238,8 +238,8 @@ fn sigterm_handover(backend: &str) -> Duration {
         || staying.is_holder(),
     );
     let status = leaving
-        .wait_exit(Duration::from_secs(1))
-        .expect("the sidecar did not exit within a second of SIGTERM");
+        .wait_exit(Duration::from_secs(5))
+        .expect("the sidecar did not exit within 5 s of SIGTERM (its lease is 20 s)");
     assert!(status.success(), "exit status {status}");
     assert!(staying.get("/lock").token() > before);
     eprintln!(
@@ -247,6 +247,22 @@ fn sigterm_handover(backend: &str) -> Duration {
         sent.elapsed()
     );
     took
+}
+
+/// `staying` is asked until `valid_for` after `asked` (when the answer relied on was asked for)
+/// and never says it holds in that time. A reply is judged by when it arrived: a holding it
+/// tells of began before then, and a reply that arrived within the answer relied on and says
+/// "holder" is two holders; one that arrived later, however late it was asked for, is not.
+fn never_holds_within(staying: &Sidecar, asked: Instant, valid_for: Duration) {
+    while asked.elapsed() < valid_for {
+        let holds = staying.is_holder();
+        let arrived = asked.elapsed();
+        assert!(
+            !(holds && arrived < valid_for),
+            "the other took the lock {arrived:?} into an answer valid for {valid_for:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Without `--apps-stop-first` (a plain container, or a sidecar outside Kubernetes) the app may
@@ -272,14 +288,7 @@ fn redis_sigterm_keeps_the_lock_from_others_until_the_last_answer_ran_out() {
     eventually(SLACK, "the stopping sidecar answers not holder", || {
         !leaving.is_holder()
     });
-    while asked.elapsed() < valid_for {
-        assert!(
-            !staying.is_holder(),
-            "the other took the lock {:?} into an answer valid for {valid_for:?}",
-            asked.elapsed()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    never_holds_within(staying, asked, valid_for);
     eventually(LEASE + SLACK, "the other takes over", || {
         staying.is_holder()
     });
@@ -312,14 +321,7 @@ fn redis_a_native_sidecars_resign_keeps_the_lock_from_others_until_the_last_answ
     let resigned = leaving.post("/resign");
     assert_eq!(resigned.status, 200, "{}", resigned.body);
     assert!(!leaving.is_holder(), "a resigned sidecar answers holder");
-    while asked.elapsed() < valid_for {
-        assert!(
-            !staying.is_holder(),
-            "the other took the lock {:?} into an answer valid for {valid_for:?}",
-            asked.elapsed()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    never_holds_within(staying, asked, valid_for);
     eventually(LEASE + SLACK, "the other takes over", || {
         staying.is_holder()
     });
