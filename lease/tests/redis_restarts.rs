@@ -243,6 +243,47 @@ async fn made_durable_by_its_restart(mut server: RedisServer) {
     b.shutdown().await;
 }
 
+/// A durable server made lossy while it runs (`CONFIG SET appendfsync everysec`): an
+/// acquisition whose reading finds it so marks its epoch record not durable, and the next
+/// restart, whatever settings it comes back with, grants no free lock before a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_made_lossy_while_it_runs_is_not_trusted_at_its_restart() {
+    made_lossy_while_it_runs(RedisServer::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tair_server_made_lossy_while_it_runs_is_not_trusted_at_its_restart() {
+    made_lossy_while_it_runs(RedisServer::start_tair()).await;
+}
+
+async fn made_lossy_while_it_runs(mut server: RedisServer) {
+    let lease = Duration::from_secs(30);
+    let durable = driver_for(&server.url()).await;
+    let first = durable
+        .try_acquire(&unique_lock("durable"), "a", lease)
+        .await;
+    assert!(
+        matches!(first, Ok(Acquire::Acquired(_))),
+        "a fresh durable server grants at once: {first:?}"
+    );
+    tokio::task::block_in_place(|| server.append_every_second_until_restart());
+    // A driver that reads the settings now, and acquires a free lock: the record says lossy.
+    let lossy = driver_for(&server.url()).await;
+    let second = lossy.try_acquire(&unique_lock("lossy"), "b", lease).await;
+    assert!(
+        matches!(second, Ok(Acquire::Acquired(_))),
+        "the same incarnation grants at once: {second:?}"
+    );
+    tokio::task::block_in_place(|| server.restart_durable());
+    let after = driver_for(&server.url()).await;
+    let lock = unique_lock("after");
+    let third = once_reconnected(async || after.try_acquire(&lock, "c", lease).await).await;
+    assert!(
+        matches!(third, Ok(Acquire::Withheld(_))),
+        "a restart after a lossy incarnation granted a free lock at once: {third:?}"
+    );
+}
+
 /// A durable master (`appendonly yes`, `appendfsync always`) that restarts lost nothing: the
 /// holder's lease is still there, a free lock is granted at once, and tokens are not rebased
 /// (the free lock's first token is 1, or 2 after a draw lost to the reconnection).

@@ -563,7 +563,10 @@ impl TairDriver {
                     .await
                     .map_err(tair_err)?;
             }
-            self.standbys_have_the_record(conn, standbys, (&expected, since, floor, kept))
+            // Whether the incarnation was durable is written only where it changed: a
+            // driver whose reading is older must not turn another's "0" back into "1".
+            let durable_field = changed.then_some(kept);
+            self.standbys_have_the_record(conn, standbys, (&expected, since, floor, durable_field))
                 .await?;
             return Ok(Some(Epoch {
                 replid: expected,
@@ -585,28 +588,32 @@ impl TairDriver {
     /// granted (the next acquisition checks again). Waited for: every standby in sync
     /// (`state=online`), a cut one too until the primary drops it (`repl-timeout`); one still
     /// in its first sync gets the record with the rest of the stream. A server that refuses
-    /// `WAIT` goes on without it, as before.
+    /// `WAIT` goes on without it, as before. Whether the incarnation was durable is written
+    /// only when given (`Some`: this driver found it changed).
     async fn standbys_have_the_record(
         &self,
         conn: &mut ConnectionManager,
         healthy: usize,
-        record: (&str, i64, i64, bool),
+        record: (&str, i64, i64, Option<bool>),
     ) -> Result<()> {
         if healthy == 0 {
             return Ok(());
         }
         let (replid, since, floor, durable) = record;
-        let waited: redis::RedisResult<(i64,)> = redis::pipe()
-            .cmd("HSET")
+        let mut write = redis::cmd("HSET");
+        write
             .arg(self.keys.tair_epoch())
             .arg("replid")
             .arg(replid)
             .arg("since")
             .arg(since)
             .arg("floor")
-            .arg(floor)
-            .arg("durable")
-            .arg(u8::from(durable))
+            .arg(floor);
+        if let Some(durable) = durable {
+            write.arg("durable").arg(u8::from(durable));
+        }
+        let waited: redis::RedisResult<(i64,)> = redis::pipe()
+            .add_command(write)
             .ignore()
             .cmd("WAIT")
             .arg(healthy)
