@@ -826,3 +826,49 @@ async fn acquisitions_under_way_together_count_against_the_most_keys_held() {
     );
     family.shutdown().await;
 }
+
+/// A hold that ended while a renewal was out is not revived by an extension read after it: the
+/// app has been answered "not held" since the hold's end, and an extension then finds nothing
+/// held (a 404 through the API), as for any owner that does not hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extension_after_the_hold_ended_during_a_renewal_does_not_revive_it() {
+    let (_harness, faulty) = late_sqlite().await;
+    let lock = Lock::start(
+        faulty.clone(),
+        LockConfig {
+            mode: Mode::OnDemand,
+            renew_interval: Duration::from_secs(2),
+            ..LockConfig::new(&unique_lock("revived"), "a", LEASE)
+        },
+        Arc::new(()),
+    )
+    .expect("lock");
+    let answer = lock
+        .acquire(Duration::from_secs(5), Duration::from_millis(2500))
+        .await
+        .expect("acquire");
+    assert!(answer.is_holder(), "{answer:?}");
+    // The renewal 2 s in does not answer (the engine waits 2 s for it); the hold ends 0.5 s
+    // into it.
+    faulty.stall_renewals(true);
+    sleep(Duration::from_secs(3)).await;
+    assert!(!lock.answer().is_holder(), "held past its hold");
+    let extended = lock.extend(HOLD).await.expect("extend");
+    assert!(
+        !extended.is_holder(),
+        "a hold that had ended was extended: {extended:?}"
+    );
+    // The backend answers again: the next renewal (or the lapse) says whether the holding
+    // went on.
+    faulty.stall_renewals(false);
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_secs(4) {
+        assert!(
+            !lock.answer().is_holder(),
+            "held again after its hold ended: {:?}",
+            lock.snapshot().held
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    lock.shutdown().await;
+}

@@ -871,11 +871,14 @@ impl Engine {
                 reply,
             } => {
                 // While the claim stands, even through a backend error (an answer of
-                // "unknown"): the hold is the app's, and the claim still ends on its own.
+                // "unknown"): the hold is the app's, and the claim still ends on its own. Not
+                // once the hold has ended (its lapse may wait behind a renewal): the app has
+                // been answered "not held" since, and an extension would hold again unasked.
                 let now = BootInstant::now();
                 let on_demand = self.config.mode == Mode::OnDemand;
                 if let Some(held) = self.held_mut()
                     && now < held.valid_until
+                    && held.hold_until.is_none_or(|until| now < until)
                     && holding.is_none_or(|h| h == (held.permit, held.lease.token))
                     && on_demand
                 {
