@@ -316,6 +316,7 @@ impl KeyedFamily {
         telemetry: Arc<dyn Telemetry>,
     ) -> Result<Self, Error> {
         validate_family_name(&config.name)?;
+        validate_family_identity(&config.identity)?;
         check_settings(&config)?;
         let permits = config.permits;
         let longest_key = config.max_key_length;
@@ -1749,6 +1750,22 @@ pub fn validate_family_name(family: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// A pod's identity as a family's owners are named by it: an owner holds as `IDENTITY/OWNER`
+/// ([`KeyedFamily::qualified`]), and owners may contain `/`, so an identity with one would
+/// name another pod's owner as this pod's (`a` with owner `b/c`, `a/b` with owner `c`): the
+/// other's holding taken for one's own in answers and a writer's gate.
+pub fn validate_family_identity(identity: &str) -> Result<(), Error> {
+    if identity.contains('/') {
+        return Err(Error::InvalidConfig {
+            field: "identity",
+            reason: format!(
+                "{identity:?}: a pod serving keyed families has an identity without `/`, which separates it from an owner in the holder's name (a pod's name has none)"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Whether a plain lock named `lock` would share the backend with a key of `family`.
 pub fn collides_with_family(lock: &str, family: &str) -> bool {
     family_of(lock) == Some(family)
@@ -1794,6 +1811,29 @@ mod tests {
             Ok(KeyAnswer::Held { .. })
         ));
         family.shutdown().await;
+    }
+
+    /// A pod whose identity has a `/` serves no family: its owners' holder names could be
+    /// another pod's owners' (`a` with `b/c`, `a/b` with `c`).
+    #[tokio::test]
+    async fn an_identity_with_a_slash_serves_no_family() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let refused = KeyedFamily::new(
+            sqlite_in(&dir).await,
+            FamilyConfig::new("orders", "a/b", Duration::from_secs(15)),
+            Arc::new(()),
+        );
+        assert!(
+            matches!(
+                &refused,
+                Err(Error::InvalidConfig {
+                    field: "identity",
+                    ..
+                })
+            ),
+            "{:?}",
+            refused.as_ref().err()
+        );
     }
 
     /// A write that cannot fit the pod's limit of held keys (each key written holds its gate and

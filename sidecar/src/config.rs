@@ -66,7 +66,7 @@ struct Args {
           hide_env_values = true)]
     backend: String,
 
-    /// Who this holder is [default: the hostname].
+    /// Who this holder is; without `/` where families are served [default: the hostname].
     #[arg(long, env = "LEASEHOLD_IDENTITY", value_name = "ID")]
     identity: Option<String>,
 
@@ -408,6 +408,12 @@ impl Config {
                 ..FamilyConfig::new(name, &identity, args.lease_duration)
             });
         }
+        if !families.is_empty()
+            && let Err(leasehold_lease::Error::InvalidConfig { field, reason }) =
+                leasehold_lease::keyed::validate_family_identity(&identity)
+        {
+            return Err(bad(field, &identity, &reason));
+        }
         if !families.is_empty() && args.locks.is_empty() {
             // The lease settings are checked once per lock above; with families alone, here.
             if let Err(leasehold_lease::Error::InvalidConfig { field, reason }) = (LockConfig {
@@ -594,6 +600,7 @@ mod tests {
             (&["--lock", "a,a"], "'a'"),
             (&["--lock", "jobs", "--resource", "ns/x"], "--resource"),
             (&["--resource", "ns/x", "--permits", "3"], "--permits"),
+            (&["--keyed", "orders", "--identity", "a/b"], "--identity"),
             (&["--resource", "ns/x", "--max-keys", "5"], "--max-keys"),
             (&["--resource", "ns"], "NAMESPACE/NAME"),
             (&["--resource", "Ns/x"], "Ns/x"),
