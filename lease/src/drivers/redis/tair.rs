@@ -1129,109 +1129,83 @@ mod tests {
     #[test]
     fn an_epoch_waits_and_rebases_only_where_data_may_be_lost() {
         let now = 1_800_000_000_000_000;
-        // The same incarnation: as recorded, the record written again only when a durable
-        // incarnation is found not to be.
-        assert_eq!(
-            next_epoch(
-                (Some("a"), Some(5), Some(7), false),
-                "a",
+        let a = (Some("a"), Some(5), Some(7));
+        let a_now = (Some("a"), Some(5), Some(now));
+        let none = (None, None, None);
+        // (record, whether its incarnation was durable, the incarnation now, promoted, uptime,
+        // durable now) and the epoch: (since, floor, the record written again).
+        #[allow(clippy::type_complexity)]
+        let cases: [(_, bool, &str, bool, i64, bool, (i64, i64, bool)); 11] = [
+            // The same incarnation: as recorded, written again only when a durable one is
+            // found not to be.
+            (a, false, "a", false, 100, false, (5, 7, false)),
+            (a, true, "a", false, 100, true, (5, 7, false)),
+            (a, true, "a", false, 100, false, (5, 7, true)),
+            // Durable and never promoted, after a durable incarnation (or none recorded):
+            // nothing lost, nothing changes but the incarnation.
+            (a, true, "b", false, 100, true, (5, 7, true)),
+            (none, false, "b", false, 100, true, (0, 0, true)),
+            // Durable now, after an incarnation that was not (made durable for the restart):
+            // what the one before lost is gone, so from now, and a floor above the last.
+            (
+                a_now,
                 false,
-                100,
-                now,
-                false
-            ),
-            (5, 7, false)
-        );
-        assert_eq!(
-            next_epoch(
-                (Some("a"), Some(5), Some(7), true),
-                "a",
-                false,
-                100,
-                now,
-                true
-            ),
-            (5, 7, false)
-        );
-        assert_eq!(
-            next_epoch(
-                (Some("a"), Some(5), Some(7), true),
-                "a",
-                false,
-                100,
-                now,
-                false
-            ),
-            (5, 7, true)
-        );
-        // Durable and never promoted: nothing lost, nothing changes but the incarnation.
-        assert_eq!(
-            next_epoch(
-                (Some("a"), Some(5), Some(7), true),
                 "b",
                 false,
                 100,
-                now,
-                true
+                true,
+                (now, now + FLOOR_STEP, true),
             ),
-            (5, 7, true)
-        );
-        assert_eq!(
-            next_epoch((None, None, None, false), "b", false, 100, now, true),
-            (0, 0, true)
-        );
-        // Durable now, after an incarnation that was not (made durable for the restart): what
-        // the one before lost is gone, so from now, and a floor above the last.
-        assert_eq!(
-            next_epoch(
-                (Some("a"), Some(5), Some(now), false),
+            // Not durable, nothing recorded: from the server's start, which the whole seconds
+            // of its uptime may overstate by almost one.
+            (
+                none,
+                false,
                 "b",
                 false,
                 100,
-                now,
-                true
+                false,
+                (now - 99_000_000, now, true),
             ),
-            (now, now + FLOOR_STEP, true)
-        );
-        // Not durable, nothing recorded: from the server's start, which the whole seconds of
-        // its uptime may overstate by almost one.
-        assert_eq!(
-            next_epoch((None, None, None, false), "b", false, 100, now, false),
-            (now - 99_000_000, now, true)
-        );
-        assert_eq!(
-            next_epoch((None, None, None, false), "b", false, 1, now, false),
-            (now, now, true)
-        );
-        // Not durable, another incarnation recorded: from now, and a floor above the last.
-        assert_eq!(
-            next_epoch(
-                (Some("a"), Some(5), Some(now), true),
+            (none, false, "b", false, 1, false, (now, now, true)),
+            // Not durable, another incarnation recorded: from now, and a floor above the last.
+            (
+                a_now,
+                true,
                 "b",
                 false,
                 100,
-                now,
-                false
+                false,
+                (now, now + FLOOR_STEP, true),
             ),
-            (now, now + FLOOR_STEP, true)
-        );
-        // A promoted standby, however durable: from now (it served as a replica until a moment
-        // ago, whatever its uptime), and a floor above the last.
-        assert_eq!(
-            next_epoch(
-                (Some("a"), Some(5), Some(now), true),
+            // A promoted standby, however durable: from now (it served as a replica until a
+            // moment ago, whatever its uptime), and a floor above the last.
+            (
+                a_now,
+                true,
                 "b",
                 true,
                 100,
-                now,
-                true
+                true,
+                (now, now + FLOOR_STEP, true),
             ),
-            (now, now + FLOOR_STEP, true)
-        );
-        assert_eq!(
-            next_epoch((None, None, None, false), "b", true, 100, now, true),
-            (now, now, true)
-        );
+            (none, false, "b", true, 100, true, (now, now, true)),
+        ];
+        for (record, was_durable, replid, promoted, uptime, durable, epoch) in cases {
+            let (recorded, since, floor) = record;
+            assert_eq!(
+                next_epoch(
+                    (recorded, since, floor, was_durable),
+                    replid,
+                    promoted,
+                    uptime,
+                    now,
+                    durable
+                ),
+                epoch,
+                "{record:?} (durable: {was_durable}), now {replid} promoted {promoted} up {uptime} s durable {durable}"
+            );
+        }
     }
 
     #[test]
