@@ -165,7 +165,10 @@ async fn taken_over_after_the_old_claim(
 ) -> TakenOver {
     let (mut a_last_claimed, mut b_met_loading) = (None, false);
     let b_token = loop {
-        let (a_claims, b_answer) = (claims(a), b.answer());
+        // b first: a holding of b's that began before a's claim was read would be two
+        // holders (read the other way round, a stall between the reads could pass for one).
+        let b_answer = b.answer();
+        let a_claims = claims(a);
         assert!(
             !(a_claims && b_answer.is_holder()),
             "two holders after the restart: a claims {:?}, b answers {b_answer:?}",
@@ -214,7 +217,9 @@ async fn a_tair_server_made_durable_by_its_restart_grants_the_lock_only_after_th
 
 async fn made_durable_by_its_restart(mut server: RedisServer) {
     let lock = unique_lock("made-durable");
-    let lease = Duration::from_secs(3);
+    // Long enough that the restart and b's first connection, before the watch begins, stay
+    // well within a's last claim on a loaded machine.
+    let lease = Duration::from_secs(6);
     tokio::task::block_in_place(|| server.append_every_second_until_restart());
     let a_driver = FaultyDriver::wrap(driver_for(&server.url()).await);
     let a = campaign(a_driver.clone(), &lock, "a", lease);
@@ -281,6 +286,37 @@ async fn made_lossy_while_it_runs(mut server: RedisServer) {
     assert!(
         matches!(third, Ok(Acquire::Withheld(_))),
         "a restart after a lossy incarnation granted a free lock at once: {third:?}"
+    );
+}
+
+/// A record whose `durable` field speaks of another incarnation than the one it names (a
+/// sidecar of an earlier version wrote the new epoch, without the field) says nothing of how
+/// that one kept its data: a durable server meeting it waits out the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_field_of_another_incarnation_is_not_trusted() {
+    let server = RedisServer::start();
+    let mut admin = server.admin().await;
+    let () = redis::cmd("HSET")
+        .arg("leasehold:epoch")
+        .arg("replid")
+        .arg("written-by-an-earlier-version")
+        .arg("since")
+        .arg("0")
+        .arg("floor")
+        .arg("0")
+        .arg("keeper")
+        .arg("written-by-an-earlier-version ")
+        .arg("durable")
+        .arg("the-incarnation-before 1")
+        .query_async(&mut admin)
+        .await
+        .expect("HSET");
+    let driver = driver_for(&server.url()).await;
+    let lease = Duration::from_secs(30);
+    let acquired = driver.try_acquire(&unique_lock("after"), "a", lease).await;
+    assert!(
+        matches!(acquired, Ok(Acquire::Withheld(_))),
+        "a record that says nothing of its incarnation was trusted: {acquired:?}"
     );
 }
 

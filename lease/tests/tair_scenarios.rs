@@ -438,7 +438,7 @@ async fn drivers_raising_a_counter_to_the_floor_at_once_do_not_add_up() {
             "floor",
             &floor,
             "durable",
-            "1",
+            "elsewhere 1",
         ],
     );
     let url = BackendUrl::parse(&server.url()).unwrap();

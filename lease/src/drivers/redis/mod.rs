@@ -75,11 +75,14 @@ const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
 /// tokens untouched. What it wrote itself the record tells by its keeper ([`Keeping`]): a replica
 /// promoted and restarted before it served the record has another keeper than the master that
 /// wrote it, and may lack that master's last writes, so it waits as a promoted replica does.
-/// Whether the server that crashed was durable the record tells too (`durable`: written as an
-/// epoch begins, turned to "0" by any acquisition that finds the server not durable, and
-/// missing in records of earlier versions): the restarted server's settings say nothing of the
-/// one before, which an operator may have made durable only for the restart (`appendfsync
-/// everysec` turned to `always`), so a record that does not say "1" waits.
+/// Whether the server that crashed was durable the record tells too (`durable`: its
+/// incarnation and "1" or "0", written as an epoch begins, turned to "0" by an acquisition of a
+/// free lock that finds the server not durable, and missing in records of earlier versions):
+/// the restarted server's settings say nothing of the one before, which an operator may have
+/// made durable only for the restart (`appendfsync everysec` turned to `always`), so a record
+/// that does not say "1" of the incarnation it names waits. Naming the incarnation keeps a
+/// sidecar of an earlier version, which writes a new epoch without the field, from passing the
+/// field of the epoch before off as its own.
 ///
 /// A family's keys draw their tokens from the family's counter ([`KeyLayout::counter`]), above
 /// the key's own counter where one is left, and leave the token in the key's own counter for
@@ -338,7 +341,7 @@ local function check_epoch()
       durable = false
     end
     local keeps = keeper()
-    local own_data = (not epoch[1] or epoch[5] == '1') and (keeps == '' or (keeps and
+    local own_data = (not epoch[1] or epoch[5] == epoch[1] .. ' 1') and (keeps == '' or (keeps and
       (epoch[1] and epoch[4] == epoch[1] .. ' ' .. keeps or not epoch[1] and keeping == '1')))
     if promoted or not durable or not own_data then
       if epoch[1] or promoted then
@@ -351,9 +354,9 @@ local function check_epoch()
     end
     redis.call('HSET', KEYS[1], 'replid', replid, 'since', string.format('%d', since),
       'floor', string.format('%d', floor), 'keeper', replid .. ' ' .. (keeps or ''),
-      'durable', durable and '1' or '0')
-  elseif not durable and epoch[5] == '1' then
-    redis.call('HSET', KEYS[1], 'durable', '0')
+      'durable', replid .. (durable and ' 1' or ' 0'))
+  elseif not durable and epoch[5] == replid .. ' 1' then
+    redis.call('HSET', KEYS[1], 'durable', replid .. ' 0')
   end
   checked = true
 end

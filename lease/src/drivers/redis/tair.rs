@@ -194,8 +194,10 @@ impl Epoch {
     }
 }
 
-/// The epoch record's fields: the incarnation, `since`, the floor, and whether that
-/// incarnation kept its data ("1": durable as it began, and found so by every check since).
+/// The epoch record's fields: the incarnation, `since`, the floor, and whether an incarnation
+/// kept its data ("INCARNATION 1": durable as it began, and found so by every check since; a
+/// field naming another incarnation was left by a driver of an earlier version, which writes
+/// no such field, and says nothing).
 type EpochRecord = (Option<String>, Option<i64>, Option<i64>, Option<String>);
 
 /// What `INFO replication` tells of the server's incarnation.
@@ -242,6 +244,12 @@ fn standbys_in_sync(replication: &str) -> usize {
                 .any(|part| part.trim() == "state=online")
         })
         .count()
+}
+
+/// The epoch record's `durable` field for `replid`: the incarnation it speaks of, and "1" or
+/// "0".
+fn durable_field(replid: &str, durable: bool) -> String {
+    format!("{replid} {}", u8::from(durable))
 }
 
 /// `TIME`'s answer in microseconds.
@@ -531,7 +539,11 @@ impl TairDriver {
             let uptime = info_field(&info, "uptime_in_seconds")
                 .and_then(|u| u.parse().ok())
                 .unwrap_or(0);
-            let was_durable = record.3.as_deref() == Some("1");
+            let was_durable = record
+                .0
+                .as_deref()
+                .zip(record.3.as_deref())
+                .is_some_and(|(recorded, durable)| durable == format!("{recorded} 1"));
             // What the record says of this incarnation: durable only while every check found
             // it so (a new one as it is found now).
             let kept = match record.0.as_deref() == Some(expected.as_str()) {
@@ -558,7 +570,7 @@ impl TairDriver {
                     .arg("floor")
                     .arg(floor)
                     .arg("durable")
-                    .arg(u8::from(kept))
+                    .arg(durable_field(&expected, kept))
                     .query_async(conn)
                     .await
                     .map_err(tair_err)?;
@@ -610,7 +622,7 @@ impl TairDriver {
             .arg("floor")
             .arg(floor);
         if let Some(durable) = durable {
-            write.arg("durable").arg(u8::from(durable));
+            write.arg("durable").arg(durable_field(replid, durable));
         }
         let waited: redis::RedisResult<(i64,)> = redis::pipe()
             .add_command(write)
