@@ -437,8 +437,16 @@ async fn a_release_wakes_the_waiter_through_the_watch() {
         std::sync::Arc::new(()),
     )
     .unwrap();
-    // Let b settle into waiting (its first attempt found a holding).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // b settles into waiting: its first attempt found a's holding.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while b
+        .snapshot()
+        .current_holder
+        .is_none_or(|holder| holder.identity != "a")
+    {
+        assert!(tokio::time::Instant::now() < deadline, "b never saw a hold");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(!b.answer().is_holder());
     assert!(a.release().await.unwrap());
     let released = tokio::time::Instant::now();

@@ -853,13 +853,9 @@ async fn an_extension_after_the_hold_ended_during_a_renewal_does_not_revive_it()
     faulty.stall_renewals(true);
     sleep(Duration::from_secs(3)).await;
     assert!(!lock.answer().is_holder(), "held past its hold");
-    let extended = lock.extend(HOLD).await.expect("extend");
-    assert!(
-        !extended.is_holder(),
-        "a hold that had ended was extended: {extended:?}"
-    );
-    // The backend answers again: the next renewal (or the lapse) says whether the holding
-    // went on.
+    // Answered "unknown" either way (the renewal just failed): the next renewal, once the
+    // backend answers again, or the lapse, says whether the holding went on.
+    lock.extend(HOLD).await.expect("extend");
     faulty.stall_renewals(false);
     let watched = Instant::now();
     while watched.elapsed() < Duration::from_secs(4) {

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use leasehold_lease::{Answer, Lock, LockConfig, Mode};
-use leasehold_testkit::conformance::{LEASE, RENEW, SLACK, contenders};
+use leasehold_testkit::conformance::{LEASE, RENEW, SLACK, contenders_under_faults};
 use leasehold_testkit::{Harness, REDLOCK_MASTERS, RedlockHarness, unique_lock};
 
 /// Crash two masters at a time (always a minority), restart them, move on to another pair, until
@@ -51,7 +51,7 @@ async fn contenders_while_a_minority_crashes() {
     let stop = Arc::new(AtomicBool::new(false));
     let _stop_on_panic = StopOnDrop(stop.clone());
     let chaos = crash_minorities(&h, stop.clone());
-    contenders(&mut h, 6, 8).await;
+    contenders_under_faults(&mut h, 6, 8).await;
     stop.store(true, Ordering::SeqCst);
     let crashes = chaos.await.expect("chaos");
     assert!(crashes >= 4, "only {crashes} master crashes happened");

@@ -488,6 +488,7 @@ fn a_lock_not_taken_within_the_wait_runs_nothing() {
     );
     let ran = dir.path().join("ran");
     // An exec that ignored --wait would wait on until the holder ends, which it does not.
+    let started = Instant::now();
     let mut waiting = shell(
         exec("jobs", &backend).args(["--wait", "300ms"]),
         &format!("touch {}", ran.display()),
@@ -496,6 +497,12 @@ fn a_lock_not_taken_within_the_wait_runs_nothing() {
     .unwrap();
     let status = wait_exit(&mut waiting, Duration::from_secs(20));
     assert_eq!(status.code(), Some(69));
+    // Far above 300 ms and a process's start on a loaded machine, far below a wait misread.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "gave up after {:?}",
+        started.elapsed()
+    );
     assert!(!ran.exists(), "the command ran without the lock");
     std::fs::write(&done, "").unwrap();
     assert!(wait_exit(&mut holder, Duration::from_secs(10)).success());

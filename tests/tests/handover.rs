@@ -13,7 +13,10 @@ use nix::sys::signal::Signal;
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
 /// Headroom for a loaded CI machine; the bounds under test come on top of it.
-const SLACK: Duration = Duration::from_secs(2);
+const SLACK: Duration = Duration::from_secs(1);
+/// How long a sidecar may take to answer what it already knows, on a loaded machine: a hang
+/// bound, not a guarantee under test.
+const ANSWERED_WITHIN: Duration = Duration::from_secs(10);
 /// How long two fresh sidecars may take to elect a first holder.
 const STARTUP: Duration = Duration::from_secs(15);
 const TIMING: &[&str] = &["--lease-duration", "2s", "--renew-interval", "500ms"];
@@ -86,11 +89,15 @@ fn crash_takeover(backend: &str) {
     let before = dead.get("/lock").token();
     // The survivor answers 409 naming the holder. On a loaded 2-core machine one of its
     // backend calls may miss its budget and answer 503 for a moment; that is "not holder" too.
-    eventually(SLACK, "the survivor names the holder with a 409", || {
-        let busy = alive.get("/lock");
-        assert_ne!(busy.status, 200, "two holders: {}", busy.body);
-        busy.status == 409 && busy.json()["currentHolder"] == dead.identity.as_str()
-    });
+    eventually(
+        ANSWERED_WITHIN,
+        "the survivor names the holder with a 409",
+        || {
+            let busy = alive.get("/lock");
+            assert_ne!(busy.status, 200, "two holders: {}", busy.body);
+            busy.status == 409 && busy.json()["currentHolder"] == dead.identity.as_str()
+        },
+    );
 
     dead.kill9();
     let took = eventually(LEASE + RENEW + SLACK, "the survivor takes over", || {
@@ -285,9 +292,11 @@ fn redis_sigterm_keeps_the_lock_from_others_until_the_last_answer_ran_out() {
     let before = answer.token();
     let valid_for = Duration::from_millis(answer.json()["validForMs"].as_u64().unwrap());
     leaving.signal(Signal::SIGTERM);
-    eventually(SLACK, "the stopping sidecar answers not holder", || {
-        !leaving.is_holder()
-    });
+    eventually(
+        ANSWERED_WITHIN,
+        "the stopping sidecar answers not holder",
+        || !leaving.is_holder(),
+    );
     never_holds_within(staying, asked, valid_for);
     eventually(LEASE + SLACK, "the other takes over", || {
         staying.is_holder()
