@@ -264,38 +264,42 @@ fn micros(time: &[String]) -> Result<i64> {
 }
 
 /// The epoch after a check on a server whose incarnation is `replid`, up for `uptime_s`, at
-/// `now` (µs), given the record's (replid, since, floor, whether the recorded incarnation was
-/// durable): the same rule as Redis's acquire script. A durable server that was never promoted,
+/// `now` (µs), given the record's (replid, since, floor, durable field): the same rule as
+/// Redis's acquire script. A durable server that was never promoted,
 /// restarted after an incarnation that was durable too, lost nothing; one that may have lost
 /// data (not durable, restarted after an incarnation that was not, which the restarted server's
 /// settings do not tell, or `promoted` from a standby, which may lack the old primary's last
 /// writes however it persists its own) grants no free lock for a lease (from its start when it
 /// was never promoted and nothing was recorded before it, else from now: behind one endpoint a
 /// standby may have taken over from a master that served until a moment ago), and its tokens
-/// start above every earlier one. The record is written again (the last of the three) when the
-/// incarnation changed, or was durable and is found not to be.
+/// start above every earlier one. The last of the three is whether to write the record again,
+/// and with which durability (`Some`): when the incarnation changed (as it is found now), or
+/// was durable and is found not to be.
 fn next_epoch(
-    record: (Option<&str>, Option<i64>, Option<i64>, bool),
+    record: (Option<&str>, Option<i64>, Option<i64>, Option<&str>),
     replid: &str,
     promoted: bool,
     uptime_s: i64,
     now: i64,
     durable: bool,
-) -> (i64, i64, bool) {
+) -> (i64, i64, Option<bool>) {
     let (recorded, since, floor) = (record.0, record.1.unwrap_or(0), record.2.unwrap_or(0));
-    let was_durable = record.3;
+    // A field of another incarnation than the record names says nothing ([`EpochRecord`]).
+    let was_durable = recorded
+        .zip(record.3)
+        .is_some_and(|(recorded, field)| field == durable_field(recorded, true));
     if recorded == Some(replid) {
-        return (since, floor, was_durable && !durable);
+        return (since, floor, (was_durable && !durable).then_some(false));
     }
     if durable && !promoted && (recorded.is_none() || was_durable) {
-        return (since, floor, true);
+        return (since, floor, Some(durable));
     }
     let since = if recorded.is_some() || promoted {
         now
     } else {
         now - started_at_most_ago_s(uptime_s) * 1_000_000
     };
-    (since, now.max(floor + FLOOR_STEP), true)
+    (since, now.max(floor + FLOOR_STEP), Some(durable))
 }
 
 /// How many whole seconds ago, at most, a server that reports `uptime_s` surely started.
@@ -539,19 +543,8 @@ impl TairDriver {
             let uptime = info_field(&info, "uptime_in_seconds")
                 .and_then(|u| u.parse().ok())
                 .unwrap_or(0);
-            let was_durable = record
-                .0
-                .as_deref()
-                .zip(record.3.as_deref())
-                .is_some_and(|(recorded, durable)| durable == format!("{recorded} 1"));
-            // What the record says of this incarnation: durable only while every check found
-            // it so (a new one as it is found now).
-            let kept = match record.0.as_deref() == Some(expected.as_str()) {
-                true => was_durable && durable,
-                false => durable,
-            };
-            let (since, floor, changed) = next_epoch(
-                (record.0.as_deref(), record.1, record.2, was_durable),
+            let (since, floor, written) = next_epoch(
+                (record.0.as_deref(), record.1, record.2, record.3.as_deref()),
                 &expected,
                 replication.promoted,
                 uptime,
@@ -560,7 +553,9 @@ impl TairDriver {
             );
             // With standbys in sync, the record is written where they are waited for.
             let standbys = standbys_in_sync(&replication_info);
-            if changed && standbys == 0 {
+            if let Some(kept) = written
+                && standbys == 0
+            {
                 let _: () = redis::cmd("HSET")
                     .arg(self.keys.tair_epoch())
                     .arg("replid")
@@ -577,8 +572,7 @@ impl TairDriver {
             }
             // Whether the incarnation was durable is written only where it changed: a
             // driver whose reading is older must not turn another's "0" back into "1".
-            let durable_field = changed.then_some(kept);
-            self.standbys_have_the_record(conn, standbys, (&expected, since, floor, durable_field))
+            self.standbys_have_the_record(conn, standbys, (&expected, since, floor, written))
                 .await?;
             return Ok(Some(Epoch {
                 replid: expected,
@@ -1118,7 +1112,7 @@ mod tests {
         let second = 1_000_000;
         let floor_at = |record: i64, now: i64| {
             next_epoch(
-                (Some("old"), Some(1), Some(record), true),
+                (Some("old"), Some(1), Some(record), Some("old 1")),
                 "new",
                 true,
                 100,
@@ -1145,18 +1139,19 @@ mod tests {
         let a_now = (Some("a"), Some(5), Some(now));
         let none = (None, None, None);
         // (record, whether its incarnation was durable, the incarnation now, promoted, uptime,
-        // durable now) and the epoch: (since, floor, the record written again).
+        // durable now) and the epoch: (since, floor, the durability written with the record
+        // where it is written again).
         #[allow(clippy::type_complexity)]
-        let cases: [(_, bool, &str, bool, i64, bool, (i64, i64, bool)); 11] = [
+        let cases: [(_, bool, &str, bool, i64, bool, (i64, i64, Option<bool>)); 11] = [
             // The same incarnation: as recorded, written again only when a durable one is
             // found not to be.
-            (a, false, "a", false, 100, false, (5, 7, false)),
-            (a, true, "a", false, 100, true, (5, 7, false)),
-            (a, true, "a", false, 100, false, (5, 7, true)),
+            (a, false, "a", false, 100, false, (5, 7, None)),
+            (a, true, "a", false, 100, true, (5, 7, None)),
+            (a, true, "a", false, 100, false, (5, 7, Some(false))),
             // Durable and never promoted, after a durable incarnation (or none recorded):
             // nothing lost, nothing changes but the incarnation.
-            (a, true, "b", false, 100, true, (5, 7, true)),
-            (none, false, "b", false, 100, true, (0, 0, true)),
+            (a, true, "b", false, 100, true, (5, 7, Some(true))),
+            (none, false, "b", false, 100, true, (0, 0, Some(true))),
             // Durable now, after an incarnation that was not (made durable for the restart):
             // what the one before lost is gone, so from now, and a floor above the last.
             (
@@ -1166,7 +1161,7 @@ mod tests {
                 false,
                 100,
                 true,
-                (now, now + FLOOR_STEP, true),
+                (now, now + FLOOR_STEP, Some(true)),
             ),
             // Not durable, nothing recorded: from the server's start, which the whole seconds
             // of its uptime may overstate by almost one.
@@ -1177,9 +1172,9 @@ mod tests {
                 false,
                 100,
                 false,
-                (now - 99_000_000, now, true),
+                (now - 99_000_000, now, Some(false)),
             ),
-            (none, false, "b", false, 1, false, (now, now, true)),
+            (none, false, "b", false, 1, false, (now, now, Some(false))),
             // Not durable, another incarnation recorded: from now, and a floor above the last.
             (
                 a_now,
@@ -1188,7 +1183,7 @@ mod tests {
                 false,
                 100,
                 false,
-                (now, now + FLOOR_STEP, true),
+                (now, now + FLOOR_STEP, Some(false)),
             ),
             // A promoted standby, however durable: from now (it served as a replica until a
             // moment ago, whatever its uptime), and a floor above the last.
@@ -1199,15 +1194,16 @@ mod tests {
                 true,
                 100,
                 true,
-                (now, now + FLOOR_STEP, true),
+                (now, now + FLOOR_STEP, Some(true)),
             ),
-            (none, false, "b", true, 100, true, (now, now, true)),
+            (none, false, "b", true, 100, true, (now, now, Some(true))),
         ];
         for (record, was_durable, replid, promoted, uptime, durable, epoch) in cases {
             let (recorded, since, floor) = record;
+            let field = recorded.map(|recorded| durable_field(recorded, was_durable));
             assert_eq!(
                 next_epoch(
-                    (recorded, since, floor, was_durable),
+                    (recorded, since, floor, field.as_deref()),
                     replid,
                     promoted,
                     uptime,
@@ -1218,6 +1214,18 @@ mod tests {
                 "{record:?} (durable: {was_durable}), now {replid} promoted {promoted} up {uptime} s durable {durable}"
             );
         }
+        // A field of another incarnation than the record's says nothing of it.
+        assert_eq!(
+            next_epoch(
+                (Some("a"), Some(5), Some(now), Some("before-a 1")),
+                "b",
+                false,
+                100,
+                now,
+                true
+            ),
+            (now, now + FLOOR_STEP, Some(true))
+        );
     }
 
     #[test]
