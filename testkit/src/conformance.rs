@@ -395,10 +395,15 @@ impl Harness for KubernetesHarness {
 }
 
 fn config(lock: &str, identity: &str, mode: Mode) -> LockConfig {
+    config_on(lock, identity, mode, LEASE)
+}
+
+/// [`config`] on `lease`.
+fn config_on(lock: &str, identity: &str, mode: Mode, lease: Duration) -> LockConfig {
     LockConfig {
         renew_interval: RENEW,
         mode,
-        ..LockConfig::new(lock, identity, LEASE)
+        ..LockConfig::new(lock, identity, lease)
     }
 }
 
@@ -413,11 +418,7 @@ const STEADY_LEASE: Duration = Duration::from_secs(10);
 
 /// [`config`] with [`STEADY_LEASE`].
 fn steady_config(lock: &str, identity: &str, mode: Mode) -> LockConfig {
-    LockConfig {
-        renew_interval: RENEW,
-        mode,
-        ..LockConfig::new(lock, identity, STEADY_LEASE)
-    }
+    config_on(lock, identity, mode, STEADY_LEASE)
 }
 
 /// `identity` takes the free `lock`. A call the backend's connection failed under is tried
@@ -940,11 +941,7 @@ async fn contenders_on(h: &mut dyn Harness, n: usize, rounds: usize, lease: Dura
     let lock = unique_lock("contenders");
     let mut locks = Vec::new();
     for i in 0..n {
-        let config = LockConfig {
-            renew_interval: RENEW,
-            mode: Mode::OnDemand,
-            ..LockConfig::new(&lock, &format!("c{i}"), lease)
-        };
+        let config = config_on(&lock, &format!("c{i}"), Mode::OnDemand, lease);
         locks.push(Lock::start(h.driver().await, config, Arc::new(())).expect("start lock"));
     }
     let mut log = take_turns(locks, rounds).await;
