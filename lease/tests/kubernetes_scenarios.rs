@@ -588,6 +588,63 @@ async fn a_held_lease_deleted_by_hand_is_not_taken_within_the_holders_claim() {
     }
 }
 
+/// A held Lease deleted by hand and made again, blank, by provisioning (the operator's, which
+/// makes a missing Lease) names nobody, yet the holder of the one deleted claims it until its
+/// next renewal finds it gone: a contender that saw it held waits out that claim, whether or
+/// not it looked while the Lease was missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_deleted_and_made_again_blank_is_not_taken_within_the_holders_claim() {
+    const TTL: Duration = Duration::from_secs(2);
+    let harness = KubernetesHarness::new();
+    for looked_while_missing in [true, false] {
+        let (a, b) = (harness.client_driver(), harness.client_driver());
+        let lock = unique_lock("remade");
+        let held = match a.try_acquire(&lock, "pod-a", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => lease,
+            other => panic!("a: {other:?}"),
+        };
+        let first_seen = tokio::time::Instant::now();
+        assert!(matches!(
+            b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+            Acquire::Busy(_)
+        ));
+        assert!(harness.api.remove(
+            leasehold_testkit::in_memory_api_server::LEASES,
+            KubernetesHarness::NAMESPACE,
+            &lock
+        ));
+        if looked_while_missing {
+            assert!(matches!(
+                b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+                Acquire::Busy(_)
+            ));
+        }
+        harness
+            .client_driver()
+            .provision(std::slice::from_ref(&lock))
+            .await
+            .expect("provision");
+        let taken = loop {
+            match b.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+                Acquire::Acquired(lease) => break lease,
+                Acquire::Busy(_) => {}
+                other => panic!("b: {other:?}"),
+            }
+            assert!(first_seen.elapsed() < TTL * 3, "b never took the lock");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            first_seen.elapsed() >= TTL,
+            "b took the Lease made again {:?} after it first saw a's claim, within that claim \
+             (looked while missing: {looked_while_missing})",
+            first_seen.elapsed()
+        );
+        assert!(taken.token > held.token, "{taken:?} after {held:?}");
+        assert!(!a.renew(&held, TTL).await.unwrap());
+        assert!(b.release(&taken).await.unwrap());
+    }
+}
+
 /// A contender's last look at a held Lease was a while before it was deleted: the holder may
 /// have renewed it since, unseen, and claims a whole duration from its last renewal. The
 /// contender times its wait from when it first finds the Lease gone, not from its last look.

@@ -222,6 +222,37 @@ impl Sighting {
     }
 }
 
+/// The holding of `lock` a process saw before its Lease was deleted, where `object`, naming
+/// nobody, is another object made since (its `uid` differs, or the deletion was seen): the
+/// deleted Lease's holder learns of the deletion only at its next renewal, so its claim may
+/// run a whole duration from the deletion, timed (as [`KubernetesLeaseDriver::vanished`] does)
+/// from when this process first finds the Lease gone or replaced. `None` once that has passed,
+/// for a record taken as dead long ago, or where `object` is the one seen (a release).
+fn replaced_unheld(
+    sightings: &mut Pruned<String, Sighting>,
+    lock: &str,
+    object: &LeaseObject,
+    now: BootInstant,
+) -> Option<Holding> {
+    let seen = sightings.get_mut(lock)?;
+    if seen.long_over {
+        return None;
+    }
+    if seen.version.is_some() {
+        if seen.claim.uid == object.metadata.uid {
+            return None;
+        }
+        seen.version = None;
+        seen.since = now;
+    }
+    let left = seen.left(now);
+    (!left.is_zero()).then(|| Holding {
+        identity: seen.identity.clone(),
+        token: seen.token,
+        expires_in: Some(left),
+    })
+}
+
 pub struct KubernetesLeaseDriver {
     client: kube::Client,
     namespace: String,
@@ -266,6 +297,12 @@ impl KubernetesLeaseDriver {
         // Seen held or released alike: a Lease made again after a deletion draws above it.
         self.saw_token(lock, record.transitions);
         let Some(identity) = record.identity.clone() else {
+            // Released by its holder (the Lease seen held, now naming nobody) the lock is free;
+            // but a Lease made again after a deletion (by provisioning, which makes a missing
+            // Lease blank) is another object, which says nothing of the deleted one's holder.
+            if let Some(holding) = replaced_unheld(&mut sightings, lock, object, now) {
+                return Some(holding);
+            }
             sightings.remove(lock);
             return None;
         };
