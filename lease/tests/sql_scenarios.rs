@@ -2517,3 +2517,62 @@ async fn postgres_row_lock_records_deleted_while_a_contender_asks() {
 async fn mariadb_row_lock_records_deleted_while_a_contender_asks() {
     row_lock_records_deleted_while_a_contender_asks(&MariaDbHarness::row_lock()).await;
 }
+
+/// A renewal never brings a row's expiry earlier than another renewal made it: one sent first
+/// but held up in the server (a table lock, a backup's global read lock) and run after a later
+/// one would otherwise end the row before the claim the later one's answer gave the holder.
+/// Here the later renewal's expiry is written by hand, a minute out.
+async fn a_renewal_never_brings_the_expiry_earlier(url: &str, dialect: Dialect) {
+    use sqlx::Row;
+    const TTL: Duration = Duration::from_secs(10);
+    let driver = driver_at(url).await;
+    let (lock, lease) = taken_fresh(driver.as_ref(), "later", TTL).await;
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(url).await.expect("admin");
+    let (later, left) = match dialect {
+        Dialect::Postgres => (
+            "UPDATE leasehold_locks SET expires_at = now() + interval '60 seconds' WHERE name = $1",
+            "SELECT CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) AS BIGINT) AS left_s \
+             FROM leasehold_locks WHERE name = $1",
+        ),
+        Dialect::MySql => (
+            "UPDATE leasehold_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL 60 SECOND \
+             WHERE name = ?",
+            "SELECT TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(6), expires_at) AS left_s \
+             FROM leasehold_locks WHERE name = ?",
+        ),
+    };
+    let written = sqlx::query(later)
+        .bind(&lock)
+        .execute(&mut admin)
+        .await
+        .expect("the later expiry");
+    assert_eq!(written.rows_affected(), 1);
+    assert!(
+        driver.renew(&lease, TTL).await.expect("renew"),
+        "a renewal of a row that expires later than it asks was refused"
+    );
+    let left: i64 = sqlx::query(left)
+        .bind(&lock)
+        .fetch_one(&mut admin)
+        .await
+        .expect("the row")
+        .get("left_s");
+    assert!(
+        left > 30,
+        "the row expires {left} s from now: the renewal brought the later expiry earlier"
+    );
+    assert!(driver.release(&lease).await.expect("release"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_renewal_never_brings_the_expiry_earlier() {
+    let h = PostgresHarness::new();
+    a_renewal_never_brings_the_expiry_earlier(&h.url(), Dialect::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_renewal_never_brings_the_expiry_earlier() {
+    let h = MariaDbHarness::new();
+    a_renewal_never_brings_the_expiry_earlier(&h.url(), Dialect::MySql).await;
+}

@@ -177,12 +177,16 @@ impl RenewMany {
         }
     }
 
-    /// The statement extending `rows` renewals' rows (PostgreSQL: returning them).
+    /// The statement extending `rows` renewals' rows (PostgreSQL: returning them). An expiry
+    /// is never brought earlier: a renewal sent before another, held up in the server (a table
+    /// lock, a backup's global read lock) and run after it, would otherwise end the row before
+    /// the claim the later one's answer gave the holder.
     pub fn statement(&self, rows: usize) -> String {
         let (t, v) = (&self.table, self.values(rows));
         match self.dialect {
             Dialect::Postgres => format!(
-                "UPDATE {t} AS l SET expires_at = now() + make_interval(secs => v.ttl / 1000.0) \
+                "UPDATE {t} AS l \
+                 SET expires_at = GREATEST(l.expires_at, now() + make_interval(secs => v.ttl / 1000.0)) \
                  FROM {v} \
                  WHERE l.name = v.name AND l.holder = v.holder AND l.token = v.token \
                  AND l.expires_at > now() \
@@ -191,20 +195,24 @@ impl RenewMany {
             Dialect::MySql => format!(
                 "UPDATE {t} AS l JOIN {v} \
                    ON l.name = v.name AND l.holder = v.holder AND l.token = v.token \
-                 SET l.expires_at = UTC_TIMESTAMP(6) + INTERVAL v.ttl MICROSECOND \
+                 SET l.expires_at = GREATEST(l.expires_at, {RENEWED_AT} + INTERVAL v.ttl MICROSECOND) \
                  WHERE l.expires_at > UTC_TIMESTAMP(6)"
             ),
         }
     }
 
-    /// MySQL: the read of the rows [`Self::statement`] extended, with the same parameters.
+    /// MySQL: the read of the rows [`Self::statement`] extended, with the same parameters, on
+    /// the same connection after [`SET_RENEWED_AT`]: a row counts as renewed only when it
+    /// expires no earlier than this renewal made it. A row merely live (extended by an older
+    /// renewal that committed between the two statements, from its earlier start) does not
+    /// cover the claim this answer gives.
     pub fn extended(&self, rows: usize) -> Option<String> {
         let (t, v) = (&self.table, self.values(rows));
         (self.dialect == Dialect::MySql).then(|| {
             format!(
                 "SELECT l.name, l.holder, l.token FROM {t} AS l JOIN {v} \
                    ON l.name = v.name AND l.holder = v.holder AND l.token = v.token \
-                 WHERE l.expires_at > UTC_TIMESTAMP(6)"
+                 WHERE l.expires_at >= {RENEWED_AT} + INTERVAL v.ttl MICROSECOND"
             )
         })
     }
@@ -713,6 +721,13 @@ pub(crate) fn token(lease: &Lease) -> i64 {
     i64::try_from(lease.token).unwrap_or(i64::MAX)
 }
 
+/// MySQL: the session variable a batch of renewals dates itself by ([`SET_RENEWED_AT`]), so
+/// that its read-back can tell its own extension from another's.
+const RENEWED_AT: &str = "CAST(@leasehold_renewed_at AS DATETIME(6))";
+
+/// MySQL: dates a batch of renewals, on the connection that then runs it and reads it back.
+const SET_RENEWED_AT: &str = "SET @leasehold_renewed_at = UTC_TIMESTAMP(6)";
+
 /// The most renewals one batch carries: four parameters each, far under PostgreSQL's and
 /// MySQL's 65,535.
 pub(crate) const MAX_RENEW_BATCH: usize = 512;
@@ -741,8 +756,12 @@ pub(crate) async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: Rene
         let rows = match &read_back {
             None => bound(&update).fetch_all(&pool).await?,
             Some(read_back) => {
-                bound(&update).execute(&pool).await?;
-                bound(read_back).fetch_all(&pool).await?
+                let mut connection = pool.acquire().await?;
+                sqlx::query(SET_RENEWED_AT)
+                    .execute(&mut *connection)
+                    .await?;
+                bound(&update).execute(&mut *connection).await?;
+                bound(read_back).fetch_all(&mut *connection).await?
             }
         };
         rows.iter()
