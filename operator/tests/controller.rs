@@ -713,9 +713,11 @@ async fn a_retained_lock_carries_no_finalizer() {
 }
 
 /// With `operator.watchNamespaces`, the chart grants the operator the watched namespaces'
-/// locks, Secrets, Leases and events there alone (not kube-system's election Leases, nor any
-/// other namespace's Secrets): with those grants it provisions, reports and cleans up a lock in
-/// each watched namespace, leaves a lock elsewhere alone, and is refused nothing.
+/// Secrets, Leases and events there alone (not kube-system's election Leases, nor any other
+/// namespace's Secrets), and the locks themselves cluster-wide: with those grants it
+/// provisions, reports and cleans up a lock in each watched namespace, leaves a lock elsewhere
+/// alone, and is refused nothing; and a watched namespace being deleted, whose RoleBinding
+/// went first, does not stay `Terminating` on its lock's finalizer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone() {
     const OTHER_WATCHED: &str = "team-b";
@@ -727,13 +729,7 @@ async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone(
     let grants = support::grants_of(&text, "leasehold-system", "leasehold-operator");
     for grant in grants.iter().filter(|g| g.namespace.is_none()) {
         let resources = grant.rule["resources"].as_array().unwrap();
-        for kept_to_the_namespace in [
-            "secrets",
-            "leases",
-            "events",
-            "distributedlocks",
-            "distributedlocks/status",
-        ] {
+        for kept_to_the_namespace in ["secrets", "leases", "events"] {
             assert!(
                 !resources.iter().any(|r| r == kept_to_the_namespace),
                 "{kept_to_the_namespace} granted cluster-wide: {}",
@@ -775,7 +771,7 @@ async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone(
     );
 
     let api = InMemoryApiServer::new();
-    api.grant(support::OPERATOR_USER, grants);
+    api.grant(support::OPERATOR_USER, grants.clone());
     for ns in [NS, OTHER_WATCHED, UNWATCHED] {
         put_lock_in(&api, ns, "jobs", CleanupPolicy::Delete);
     }
@@ -810,6 +806,36 @@ async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone(
         lock_object(&api, "jobs").is_none().then_some(())
     })
     .await;
+    assert_eq!(
+        api.denied(),
+        Vec::new(),
+        "requests the chart's Roles do not allow"
+    );
+    // The other watched namespace deleted: the namespace controller deletes its RoleBinding in
+    // the same sweep as its lock, here first.
+    api.terminate_namespace(OTHER_WATCHED);
+    api.grant(
+        support::OPERATOR_USER,
+        grants
+            .iter()
+            .filter(|g| g.namespace.as_deref() != Some(OTHER_WATCHED))
+            .cloned()
+            .collect(),
+    );
+    kube::Api::<leasehold_crds::DistributedLock>::namespaced(api.client(), OTHER_WATCHED)
+        .delete("jobs", &Default::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "the lock of the namespace being deleted is gone",
+        || {
+            api.object(DISTRIBUTED_LOCKS, OTHER_WATCHED, "jobs")
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
     let _ = stop.send(());
     task.await.unwrap();
     let unwatched = api.object(DISTRIBUTED_LOCKS, UNWATCHED, "jobs").unwrap();
@@ -818,9 +844,4 @@ async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone(
         "a lock outside the watched namespaces was reconciled: {unwatched}"
     );
     assert!(api.object(LEASES, UNWATCHED, "jobs").is_none());
-    assert_eq!(
-        api.denied(),
-        Vec::new(),
-        "requests the chart's Roles do not allow"
-    );
 }

@@ -39,16 +39,24 @@ app.kubernetes.io/name=leasehold-operator,app.kubernetes.io/instance={{ .Release
 {{- end -}}
 
 {{/*
-What the operator does to the locks of the namespaces it reconciles: cluster-wide by default,
-in each of operator.watchNamespaces when they are set.
+What the operator does to the locks themselves: cluster-wide always. A watched namespace being
+deleted loses its RoleBinding in the same sweep as its locks, and the operator must still
+remove its finalizer from each, or the namespace stays Terminating.
 */}}
-{{- define "leasehold.namespacedRules" -}}
+{{- define "leasehold.lockRules" -}}
 - apiGroups: ["leasehold.dev"]
   resources: ["distributedlocks"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["leasehold.dev"]
   resources: ["distributedlocks/status"]
   verbs: ["patch"]
+{{- end }}
+
+{{/*
+What the operator does beside the locks of the namespaces it reconciles: cluster-wide by
+default, in each of operator.watchNamespaces when they are set.
+*/}}
+{{- define "leasehold.namespacedRules" -}}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
