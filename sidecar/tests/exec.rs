@@ -554,18 +554,31 @@ struct RunningSidecar {
 }
 
 impl RunningSidecar {
+    /// On a 20 s lease: a release (within moments of a command's end) is then told apart from
+    /// a lease running out by a bound a loaded machine does not reach.
     fn start(identity: &str, lock: &str, backend: &str) -> Self {
         Self::start_with(identity, lock, backend, &[])
     }
 
     /// With `family_args` for the family `jobs-keys` (`--permits 2 --read-write`).
     fn start_with(identity: &str, lock: &str, backend: &str, family_args: &[&str]) -> Self {
+        Self::start_on_lease(identity, lock, backend, family_args, ["20s", "5s"])
+    }
+
+    /// On a lease and renew interval of its own (`["3s", "1s"]` for a claim that ends soon).
+    fn start_on_lease(
+        identity: &str,
+        lock: &str,
+        backend: &str,
+        family_args: &[&str],
+        [lease, renew]: [&str; 2],
+    ) -> Self {
         let port = leasehold_testkit::free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"))
             .args(["--lock", lock, "--backend", backend, "--identity", identity])
             .args(["--mode", "on-demand", "--keyed", "jobs-keys"])
             .args(family_args)
-            .args(["--lease-duration", "3s", "--renew-interval", "1s"])
+            .args(["--lease-duration", lease, "--renew-interval", renew])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -662,9 +675,9 @@ fn through_a_sidecar_the_lock_is_held_while_the_command_runs_and_free_when_it_ex
         Some(7)
     );
     // Released as the connection closed (the sidecar sees the close a moment after exec
-    // exits), not when the hold (two leases) or the lease (3 s) ran out.
+    // exits), not when the hold (two leases) or the lease (20 s) ran out.
     let exited = Instant::now();
-    wait_for("the lock to be released", Duration::from_secs(2), || {
+    wait_for("the lock to be released", Duration::from_secs(10), || {
         sidecar.status("/lock") == 409
     });
     eprintln!("released {:?} after exec exited", exited.elapsed());
@@ -715,14 +728,15 @@ fn a_killed_execs_command_and_all_it_started_are_stopped_at_once() {
         let _ = child.kill();
         let _ = child.wait();
         let killed = Instant::now();
+        // A hang bound: the command's processes sleep 30 s.
         wait_for(
             "every process of the command to be stopped",
-            Duration::from_secs(2),
+            Duration::from_secs(10),
             || pids.iter().all(|&pid| dead(pid)),
         );
         eprintln!("stopped {:?} after exec was killed", killed.elapsed());
         if via {
-            wait_for("the lock to be released", Duration::from_secs(2), || {
+            wait_for("the lock to be released", Duration::from_secs(10), || {
                 sidecar.status("/lock") == 409
             });
         }
@@ -758,16 +772,18 @@ fn ended_leaving_one(mut command: Command, status: u8) -> (Child, i32, tempfile:
 fn an_exec_killed_after_its_command_ended_leaves_nothing_running() {
     let dir = tempfile::tempdir().unwrap();
     let mut command = exec("jobs", &sqlite(dir.path()));
-    command.args(["--kill-grace", "5s"]);
+    command.args(["--lease-duration", "60s", "--renew-interval", "10s"]);
+    command.args(["--kill-grace", "30s"]);
     let (mut child, pid, _left) = ended_leaving_one(command, 0);
     // Within the grace: the process left behind ignores SIGTERM.
     std::thread::sleep(Duration::from_millis(500));
     assert!(!dead(pid), "stopped before the grace ran out");
     let _ = child.kill();
     let _ = child.wait();
+    // Well within the 30 s grace.
     wait_for(
         "the process left behind to be stopped",
-        Duration::from_secs(2),
+        Duration::from_secs(10),
         || dead(pid),
     );
 }
@@ -838,7 +854,7 @@ fn through_a_sidecar_a_command_that_outlives_exec_and_its_keeper_keeps_the_lock(
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(held >= 5, "the command outlived exec by too little to tell");
-    wait_for("the lock to be released", Duration::from_secs(3), || {
+    wait_for("the lock to be released", Duration::from_secs(10), || {
         sidecar.status("/lock") == 409
     });
 }
@@ -1061,10 +1077,12 @@ fn an_exec_writing_several_keys_runs_alone_on_each() {
 fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
     let redis = RedisServer::start_with(true);
     let proxy = FaultProxy::start(redis.port());
-    let sidecar = RunningSidecar::start(
+    let sidecar = RunningSidecar::start_on_lease(
         "pod-a",
         "jobs",
         &format!("redis://127.0.0.1:{}", proxy.port),
+        &[],
+        ["3s", "1s"],
     );
     let (child, pids, _dir) = stubborn_group_of(exec_via(&sidecar, &["--lock", "jobs"]));
     let lease = Duration::from_secs(3);
@@ -1155,7 +1173,7 @@ fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
         ]),
         "http://",
     );
-    // The sidecar's 3 s lease leaves 1.94 s before a renewal: a 2 s grace cannot fit.
+    // The sidecar's 20 s lease leaves under 15 s before a renewal: a 15 s grace cannot fit.
     let mut long_grace = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"));
     long_grace.args([
         "exec",
@@ -1164,12 +1182,12 @@ fn bad_input_through_a_sidecar_is_refused_and_runs_nothing() {
         "--via",
         &sidecar.via(),
         "--kill-grace",
-        "2s",
+        "15s",
     ]);
     refused(&mut long_grace, "the sidecar's lease");
     assert!(!ran.exists());
     // The refused grace was learnt once held: the hold is given up as exec exits.
-    wait_for("nothing to be left held", Duration::from_secs(2), || {
+    wait_for("nothing to be left held", Duration::from_secs(10), || {
         sidecar.status("/lock") == 409
     });
 }
