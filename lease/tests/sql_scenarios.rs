@@ -2576,3 +2576,26 @@ async fn mariadb_a_renewal_never_brings_the_expiry_earlier() {
     let h = MariaDbHarness::new();
     a_renewal_never_brings_the_expiry_earlier(&h.url(), Dialect::MySql).await;
 }
+
+/// MySQL/MariaDB acknowledging commits it may lose in a crash (a server-wide setting no session
+/// can raise) is warned of, for the lock's status and events; the server's default is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_that_may_lose_answered_commits_is_warned_of() {
+    let h = MariaDbHarness::new();
+    let driver = driver_at(&h.url()).await;
+    assert_eq!(
+        driver.warnings().await.expect("warnings"),
+        Vec::<String>::new()
+    );
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&h.url()).await.expect("admin");
+    sqlx::query("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
+        .execute(&mut admin)
+        .await
+        .expect("set");
+    let warnings = driver.warnings().await.expect("warnings");
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("innodb_flush_log_at_trx_commit is 2"),
+        "{warnings:?}"
+    );
+}

@@ -745,6 +745,27 @@ impl Driver for SqlDriver {
 
 #[async_trait]
 impl Upkeep for SqlDriver {
+    /// MySQL/MariaDB: the server-wide settings that let a commit be acknowledged and then lost
+    /// in a crash ([`durability_warnings`]); no session can raise them.
+    async fn warnings(&self) -> Result<Vec<String>> {
+        if self.dialect != Dialect::MySql {
+            return Ok(Vec::new());
+        }
+        let row = sqlx::query(
+            "SELECT CAST(@@innodb_flush_log_at_trx_commit AS SIGNED) AS flush, \
+             CAST(@@log_bin AS SIGNED) AS log_bin, CAST(@@sync_binlog AS SIGNED) AS sync_binlog",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(map_err)?;
+        let setting = |name| row.try_get::<i64, _>(name).map_err(map_err);
+        Ok(durability_warnings(
+            setting("flush")?,
+            setting("log_bin")? != 0,
+            setting("sync_binlog")?,
+        ))
+    }
+
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
         self.ensure_tables().await?;
         let [plain, hashed] = crate::names::key_name_patterns(family);
@@ -854,5 +875,47 @@ impl Fence for SqlDriver {
         lease: &Lease,
     ) -> impl Future<Output = Result<bool>> + Send {
         SqlDriver::release_row(self, tx, lease)
+    }
+}
+
+/// What MySQL/MariaDB's settings `innodb_flush_log_at_trx_commit`, `log_bin` and `sync_binlog`
+/// endanger. A commit not on disk when acknowledged can vanish in a crash: an acquisition lost
+/// so repeats its token beside the holder that still claims it, a renewal lost ends a holder's
+/// row early. With the binary log on, crash recovery also rolls back what InnoDB prepared but
+/// the binary log lacks, so `sync_binlog` must be 1 as well.
+pub(crate) fn durability_warnings(flush: i64, log_bin: bool, sync_binlog: i64) -> Vec<String> {
+    let mut warnings = Vec::new();
+    if flush != 1 {
+        warnings.push(format!(
+            "innodb_flush_log_at_trx_commit is {flush}: a crash may lose acquisitions and renewals already answered (a token handed out twice, two holders); set it to 1"
+        ));
+    }
+    if log_bin && sync_binlog != 1 {
+        warnings.push(format!(
+            "sync_binlog is {sync_binlog} with the binary log on: crash recovery may roll back acquisitions and renewals already answered (a token handed out twice, two holders); set it to 1"
+        ));
+    }
+    warnings
+}
+
+#[cfg(test)]
+mod tests {
+    use super::durability_warnings;
+
+    #[test]
+    fn only_settings_that_lose_answered_commits_are_warned_of() {
+        assert!(durability_warnings(1, false, 0).is_empty());
+        assert!(durability_warnings(1, true, 1).is_empty());
+        for (flush, log_bin, sync_binlog, says) in [
+            (2, false, 0, "innodb_flush_log_at_trx_commit is 2"),
+            (0, true, 1, "innodb_flush_log_at_trx_commit is 0"),
+            (1, true, 0, "sync_binlog is 0"),
+            (1, true, 100, "sync_binlog is 100"),
+        ] {
+            let warnings = durability_warnings(flush, log_bin, sync_binlog);
+            assert_eq!(warnings.len(), 1, "{warnings:?}");
+            assert!(warnings[0].contains(says), "{warnings:?}");
+        }
+        assert_eq!(durability_warnings(2, true, 0).len(), 2);
     }
 }
