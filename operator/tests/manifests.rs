@@ -148,6 +148,9 @@ fn bad_values_are_refused_by_the_schema_with_the_key_named() {
             "/webhook/excludeNamespaces/0",
         ),
         ("webhook.typo=1", "typo"),
+        // The webhook's own look-ups take up to 3 s; under 5 s the API server would give up on
+        // it first and refuse annotated pods.
+        ("webhook.timeoutSeconds=3", "/webhook/timeoutSeconds"),
     ] {
         let (ok, text) = chart(&["schema", "--set", set]);
         assert!(!ok, "{set} was accepted");
