@@ -860,7 +860,17 @@ async fn decide_review(
             let locks = requested_locks(pod)
                 .and_then(Result::ok)
                 .unwrap_or_default();
-            if let Some(message) = unreadable_lock(client, pod, &namespace, &locks).await {
+            // A plain container exits with a pod that finishes (a Job's) by watching the pod:
+            // without that right the sidecar never sees it finish, and the Job never completes.
+            let follows_pod = !injection.native_sidecar
+                && pod
+                    .spec
+                    .as_ref()
+                    .and_then(|spec| spec.restart_policy.as_deref())
+                    .is_some_and(|policy| policy == "Never" || policy == "OnFailure");
+            if let Some(message) =
+                unreadable_lock(client, pod, &namespace, &locks, follows_pod).await
+            {
                 return response.deny(message).into_review();
             }
             let patch: json_patch::Patch =
@@ -891,12 +901,15 @@ const LOOK_UP_BUDGET: std::time::Duration = std::time::Duration::from_secs(1);
 /// the account's, its groups', cluster-wide ones). Its sidecar could not read the lock and would
 /// only answer 503, so the pod is refused with what to grant. `None` when it may, or when the
 /// API server does not say within [`ACCESS_REVIEW_BUDGET`] (the pod is then admitted, and its
-/// sidecar says why it cannot read the lock while it cannot).
+/// sidecar says why it cannot read the lock while it cannot). With `follows_pod` (a plain
+/// container in a pod that finishes), also whether it may list and watch the namespace's pods,
+/// as the sidecar does to exit once the pod's other containers have finished.
 async fn unreadable_lock(
     client: &kube::Client,
     pod: &Pod,
     namespace: &str,
     locks: &[String],
+    follows_pod: bool,
 ) -> Option<String> {
     use k8s_openapi::api::authorization::v1::{
         LocalSubjectAccessReview, ResourceAttributes, SubjectAccessReviewSpec,
@@ -914,7 +927,15 @@ async fn unreadable_lock(
         .unwrap_or_else(|| "default".to_owned());
     let reviews: kube::Api<LocalSubjectAccessReview> =
         kube::Api::namespaced(client.clone(), namespace);
-    let ask = |lock: &String, verb: &'static str| {
+    // `lock` `None`: the namespace's pods (their names are generated, so not by name).
+    let ask = |lock: Option<&String>, verb: &'static str| {
+        let (group, resource) = match lock {
+            Some(_) => (
+                leasehold_crds::DistributedLock::group(&()).into_owned(),
+                leasehold_crds::DistributedLock::plural(&()).into_owned(),
+            ),
+            None => (String::new(), "pods".to_owned()),
+        };
         let review = LocalSubjectAccessReview {
             metadata: kube::api::ObjectMeta {
                 namespace: Some(namespace.to_owned()),
@@ -931,9 +952,9 @@ async fn unreadable_lock(
                 resource_attributes: Some(ResourceAttributes {
                     namespace: Some(namespace.to_owned()),
                     verb: Some(verb.to_owned()),
-                    group: Some(leasehold_crds::DistributedLock::group(&()).into_owned()),
-                    resource: Some(leasehold_crds::DistributedLock::plural(&()).into_owned()),
-                    name: Some(lock.clone()),
+                    group: Some(group),
+                    resource: Some(resource),
+                    name: lock.cloned(),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -941,7 +962,7 @@ async fn unreadable_lock(
             status: None,
         };
         let reviews = reviews.clone();
-        let lock = lock.clone();
+        let lock = lock.cloned();
         async move {
             let answer = reviews
                 .create(&kube::api::PostParams::default(), &review)
@@ -949,9 +970,12 @@ async fn unreadable_lock(
             (lock, verb, answer)
         }
     };
+    let pods = follows_pod.then_some(None);
     let asked = futures_util::future::join_all(
         locks
             .iter()
+            .map(Some)
+            .chain(pods)
             .flat_map(|lock| [ask(lock, "list"), ask(lock, "watch")]),
     );
     let Ok(answers) = tokio::time::timeout(ACCESS_REVIEW_BUDGET, asked).await else {
@@ -969,12 +993,14 @@ async fn unreadable_lock(
                 }
             }
             Err(e) => {
-                tracing::warn!(namespace, lock = %lock, error = %e,
+                tracing::warn!(namespace, lock = ?lock, error = %e,
                     "cannot ask whether the pod may read its DistributedLock; injecting the sidecar without checking");
                 return None;
             }
         }
     }
+    // The locks first: a sidecar that cannot read its lock can do nothing at all.
+    refused.sort_by_key(|(lock, _, _)| lock.is_none());
     let (lock, _, why) = refused.first()?;
     let verbs: Vec<&str> = refused
         .iter()
@@ -985,11 +1011,21 @@ async fn unreadable_lock(
         .as_ref()
         .map(|reason| format!(" ({reason})"))
         .unwrap_or_default();
-    Some(format!(
-        "ServiceAccount {namespace}/{account} may not {} DistributedLock {namespace}/{lock}{why}: \
-         its sidecar follows the lock with a watch and could only answer 503. Grant it get, \
-         list and watch on the lock (a Role and a RoleBinding, as operator/config/sidecar-rbac/ \
-         shows); the pod's controller creates the pod again, after its backoff",
-        verbs.join(" and ")
-    ))
+    let verbs = verbs.join(" and ");
+    Some(match lock {
+        Some(lock) => format!(
+            "ServiceAccount {namespace}/{account} may not {verbs} DistributedLock {namespace}/{lock}{why}: \
+             its sidecar follows the lock with a watch and could only answer 503. Grant it get, \
+             list and watch on the lock (a Role and a RoleBinding, as operator/config/sidecar-rbac/ \
+             shows); the pod's controller creates the pod again, after its backoff"
+        ),
+        None => format!(
+            "ServiceAccount {namespace}/{account} may not {verbs} pods in {namespace}{why}: the \
+             sidecar, a plain container here (sidecar mode container), exits once the pod's \
+             other containers have finished by watching its pod, and without it the pod would \
+             never complete. Grant it get, list and watch on pods (a Role and a RoleBinding, as \
+             operator/config/sidecar-rbac/ shows); the pod's controller creates the pod again, \
+             after its backoff"
+        ),
+    })
 }

@@ -486,6 +486,64 @@ async fn a_pod_whose_service_account_may_not_read_its_lock_is_refused_with_the_r
     assert_eq!(sidecars(&patched, "initContainers").len(), 1);
 }
 
+/// Injected as a plain container (clusters without native sidecars), the sidecar exits with a
+/// pod that finishes (a Job's) by watching the pod: a pod whose ServiceAccount may not list and
+/// watch pods would never complete, so it is refused with what to grant. A pod that never
+/// finishes, or one with a native sidecar, needs no such right.
+#[tokio::test]
+async fn a_finishing_pod_whose_plain_sidecar_may_not_watch_it_is_refused_with_the_reason() {
+    let api = api_with_locks(&["jobs"]);
+    let mut job = pod(Some("jobs"), None, None);
+    job["spec"]["restartPolicy"] = json!("Never");
+    let (allowed, message, _) = admit(&api, &job, false).await;
+    assert!(
+        !allowed
+            && message.contains("ServiceAccount team/default may not list and watch pods in team"),
+        "{message}"
+    );
+    job["spec"]["restartPolicy"] = json!("OnFailure");
+    let (allowed, _, _) = admit(&api, &job, false).await;
+    assert!(
+        !allowed,
+        "admitted a finishing pod its sidecar cannot watch"
+    );
+    let (allowed, message, _) = admit(&api, &job, true).await;
+    assert!(
+        allowed,
+        "a native sidecar is stopped by the kubelet: {message}"
+    );
+    let (allowed, message, _) = admit(&api, &pod(Some("jobs"), None, None), false).await;
+    assert!(allowed, "a pod that never finishes: {message}");
+
+    let lock_rule = json!({"apiGroups": ["leasehold.dev"], "resources": ["distributedlocks"],
+                           "verbs": ["get", "list", "watch"]});
+    let pods_rule = json!({"apiGroups": [""], "resources": ["pods"],
+                           "verbs": ["get", "list", "watch"]});
+    let grant = |rules: Vec<Value>| {
+        api.grant(
+            "system:serviceaccount:team:default",
+            rules
+                .into_iter()
+                .map(|rule| leasehold_testkit::in_memory_api_server::Grant {
+                    namespace: Some(NS.into()),
+                    rule,
+                })
+                .collect(),
+        )
+    };
+    grant(vec![lock_rule.clone(), pods_rule.clone()]);
+    let (allowed, message, patched) = admit(&api, &job, false).await;
+    assert!(allowed, "{message}");
+    assert_eq!(sidecars(&patched, "containers").len(), 1);
+    // Neither: the lock is named first.
+    grant(vec![]);
+    let (allowed, message, _) = admit(&api, &job, false).await;
+    assert!(
+        !allowed && message.contains("DistributedLock team/jobs"),
+        "{message}"
+    );
+}
+
 /// A pod that turns its service account token off could never read its lock: refused at once
 /// with the reason, rather than admitted with a sidecar that can only answer 503.
 #[tokio::test]
