@@ -267,6 +267,12 @@ pub enum LockMode {
     #[default]
     Campaign,
     OnDemand,
+    /// A value of a later version's CRD, read by this version: the lock is refused as invalid
+    /// rather than failing to decode, which would fail the whole list it came in and stop every
+    /// lock's reconciling. Not in the schema.
+    #[serde(other)]
+    #[schemars(skip)]
+    Unrecognized,
 }
 
 #[derive(
@@ -276,6 +282,11 @@ pub enum CleanupPolicy {
     #[default]
     Retain,
     Delete,
+    /// A value of a later version's CRD ([`LockMode::Unrecognized`]): nothing is deleted from
+    /// the backend, as under `Retain`.
+    #[serde(other)]
+    #[schemars(skip)]
+    Unrecognized,
 }
 
 /// Exactly one of the fields is set.
@@ -429,6 +440,11 @@ pub enum SqlLockMode {
     Lease,
     /// `SELECT ... FOR UPDATE` on a seeded row held in an open transaction.
     RowLock,
+    /// A value of a later version's CRD ([`LockMode::Unrecognized`]): the lock is refused as
+    /// invalid. Not in the schema.
+    #[serde(other)]
+    #[schemars(skip)]
+    Unrecognized,
 }
 
 /// One Tair instance (or Redis with the TairString module).

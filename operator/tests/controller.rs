@@ -845,3 +845,60 @@ async fn with_watched_namespaces_the_operator_is_granted_those_namespaces_alone(
     );
     assert!(api.object(LEASES, UNWATCHED, "jobs").is_none());
 }
+
+/// A lock written under a later version's CRD, with a value this version does not know (the
+/// CRD stays at the later version when the operator is rolled back: Helm neither upgrades nor
+/// rolls back CRDs), is refused on its own status as invalid; every other lock is reconciled as
+/// ever, rather than every list of locks failing to decode with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_with_a_value_of_a_later_crd_is_refused_alone() {
+    let api = InMemoryApiServer::new();
+    put_lock(&api, "jobs");
+    for (name, spec) in [
+        (
+            "later-mode",
+            serde_json::json!({"backend": {"kubernetes": {}}, "mode": "Elected"}),
+        ),
+        (
+            "later-sql-mode",
+            serde_json::json!({"backend": {"postgres": {"host": "db.team.svc", "database": "locks",
+                "lockMode": "Advisory"}}}),
+        ),
+    ] {
+        api.put(
+            DISTRIBUTED_LOCKS,
+            serde_json::json!({"apiVersion": "leasehold.dev/v1alpha1", "kind": "DistributedLock",
+                "metadata": {"name": name, "namespace": NS}, "spec": spec}),
+        );
+    }
+    // A clean-up policy of a later version deletes nothing here, as `Retain`.
+    let mut later_policy = serde_json::to_value(leasehold_testkit::distributed_lock(
+        NS,
+        "later-policy",
+        Backend {
+            kubernetes: Some(KubernetesBackend::default()),
+            ..Default::default()
+        },
+    ))
+    .unwrap();
+    later_policy["spec"]["cleanupPolicy"] = serde_json::json!("Archive");
+    later_policy["metadata"]["uid"] = Value::Null;
+    api.put(DISTRIBUTED_LOCKS, later_policy);
+    let _stop = operator(&api);
+    finalized_and_ready(&api, "jobs").await;
+    finalized_and_ready(&api, "later-policy").await;
+    for (name, field) in [("later-mode", "mode"), ("later-sql-mode", "lockMode")] {
+        let condition = eventually(Duration::from_secs(10), "the refusal", || {
+            let lock = lock_object(&api, name)?;
+            let condition = lock["status"]["conditions"][0].clone();
+            (condition["status"] == "False").then_some(condition)
+        })
+        .await;
+        assert_eq!(condition["reason"], "InvalidSpec", "{condition}");
+        let message = condition["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(field) && message.contains("does not know"),
+            "{name}: {message}"
+        );
+    }
+}

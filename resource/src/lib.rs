@@ -514,6 +514,14 @@ fn missing(r: &SecretKeyRef, reason: &str) -> Error {
     }
 }
 
+/// `field` holds a value of a later version's CRD, which this version cannot serve.
+fn unrecognized(field: &'static str) -> Error {
+    Error::InvalidConfig {
+        field,
+        reason: "a value this version of Leasehold does not know (a CRD newer than the operator or sidecar): upgrade them, or use a value this version's CRD lists".to_owned(),
+    }
+}
+
 /// The lock's configuration, with `secrets` from [`read_secrets`].
 pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<ResolvedLock> {
     let name = lock.name_any();
@@ -541,6 +549,7 @@ pub fn resolve(lock: &DistributedLock, secrets: &SecretValues) -> Result<Resolve
         mode: match spec.mode {
             leasehold_crds::LockMode::Campaign => Mode::Campaign,
             leasehold_crds::LockMode::OnDemand => Mode::OnDemand,
+            leasehold_crds::LockMode::Unrecognized => return Err(unrecognized("mode")),
         },
         lease,
         keys: spec.keys.as_ref().map(|keys| KeyLimits {
@@ -711,6 +720,7 @@ fn backend_config(
             mode: match sql.lock_mode {
                 SqlLockMode::Lease => SqlMode::Lease,
                 SqlLockMode::RowLock => SqlMode::RowLock,
+                SqlLockMode::Unrecognized => return Err(unrecognized("lockMode")),
             },
             driver_options: sql_tls(dialect, sql, secrets)?,
         })?)
