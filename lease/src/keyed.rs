@@ -2153,4 +2153,63 @@ mod tests {
         ));
         assert_eq!(this.held_keys(), 0, "a part of a write lock was left held");
     }
+
+    /// As above, with the first write holding a permit already (this pod counts two, its own
+    /// reader on permit 1): that part of the unanswered write is no read by the owner, so the
+    /// second write is a 409 naming the owner, not a 400 refusing an upgrade.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_write_of_an_owner_whose_first_holds_a_permit_is_refused_as_held() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let this = KeyedFamily::new(
+            sqlite_in(&dir).await,
+            FamilyConfig {
+                permits: 2,
+                read_write: true,
+                renew_interval: Duration::from_millis(200),
+                ..FamilyConfig::new("docs", "pod-a", Duration::from_secs(2))
+            },
+            Arc::new(()),
+        )
+        .expect("family");
+        let hold = Duration::from_secs(30);
+        for reader in ["r0", "r1"] {
+            let answer = this.acquire_read("k", reader, Duration::ZERO, hold).await;
+            assert!(matches!(answer, Ok(KeyAnswer::Held { .. })), "{answer:?}");
+        }
+        assert!(matches!(
+            this.release("k", "r0").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        let wait = Duration::from_secs(10);
+        let first = tokio::spawn({
+            let this = this.clone();
+            async move { this.acquire_write("k", "w", wait, hold).await }
+        });
+        while this.holding_on("k", 0, "w").is_none() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = tokio::time::timeout(
+            Duration::from_secs(5),
+            this.acquire_write("k", "w", wait, hold),
+        )
+        .await;
+        assert!(
+            matches!(&second, Ok(Ok(KeyAnswer::HeldByAnother { holder: Some(holder) })) if holder == "pod-a/w"),
+            "the second write, sent while the first held permit 0 and waited: {second:?}"
+        );
+        assert!(matches!(
+            this.release("k", "r1").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        let first = first.await.expect("the first write");
+        assert!(
+            matches!(first, Ok(KeyAnswer::Held { .. })),
+            "the first write: {first:?}"
+        );
+        assert!(matches!(
+            this.release("k", "w").await,
+            Ok(KeyRelease::Released { .. })
+        ));
+        assert_eq!(this.held_keys(), 0, "a part of a write lock was left held");
+    }
 }

@@ -256,9 +256,11 @@ impl KeyedFamily {
         Ok(holding(answer, writer))
     }
 
-    /// A 400 when `owner` reads `key`: there is no upgrade from read to write.
+    /// A 400 when `owner` reads `key`: there is no upgrade from read to write. A part of the
+    /// owner's own write lock not answered yet (its write waiting for readers, or being given
+    /// back) is no read: the write then meets its own gate, a 409 naming the owner.
     pub(super) fn refuse_upgrade(&self, key: &str, owner: &str) -> Result<(), KeyError> {
-        match self.owned_permit(key, owner) {
+        match self.find_holding(key, |holding| holding.owner == owner && !holding.of_write) {
             Some(_) => Err(reads_so_cannot_write(owner, key)),
             None => Ok(()),
         }
