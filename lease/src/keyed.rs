@@ -1010,9 +1010,11 @@ impl KeyedFamily {
             return Err(stopped);
         }
         // The engine's hook found nothing to forget if the holding ended before it was put in
-        // place; the engine publishes that before it calls the hook.
+        // place; the engine publishes that before it calls the hook. Ended, it is not answered
+        // held with the validity it had when granted.
         if holding.lock.snapshot().held.is_none() {
             self.forget(key, serial);
+            return Ok(KeyAnswer::NotHeld);
         }
         Ok(self.answer_for(&holding, answer))
     }
