@@ -176,6 +176,29 @@ struct Sighting {
     token: u64,
     /// Counted free at once when last seen: dated long before this node's clock.
     long_over: bool,
+    /// The claim of a deleted Lease's holder, as this process last saw it, where this record
+    /// is of an object made since: that holder learns of the deletion only at its next
+    /// renewal, so the lock stays busy until then, whoever takes and releases the new object.
+    deleted_claim: Option<DeletedClaim>,
+}
+
+/// [`Sighting::deleted_claim`]: who held the deleted Lease, and until when it may claim it.
+#[derive(Clone)]
+struct DeletedClaim {
+    identity: String,
+    token: u64,
+    until: BootInstant,
+}
+
+impl DeletedClaim {
+    fn holding(&self, now: BootInstant) -> Option<Holding> {
+        let left = self.until.saturating_duration_since(now);
+        (!left.is_zero()).then(|| Holding {
+            identity: self.identity.clone(),
+            token: self.token,
+            expires_in: Some(left),
+        })
+    }
 }
 
 /// The fields of a Lease a holder's acquisition or renewal writes, and the object's `uid`: a
@@ -219,6 +242,27 @@ impl Sighting {
     fn left(&self, now: BootInstant) -> Duration {
         self.duration
             .saturating_sub(now.saturating_duration_since(self.since))
+    }
+
+    /// What a record of `claim`, replacing this one at `now`, inherits of a deleted Lease's
+    /// holder: this record's own holder where `claim` is of another object (or the deletion
+    /// was seen), who may claim for a duration from the deletion (at or before `now`, or when
+    /// it was seen), and whatever this record inherited itself.
+    fn deleted_claim_beside(&self, claim: &Claim, now: BootInstant) -> Option<DeletedClaim> {
+        let another_object = self.version.is_none() || self.claim.uid != claim.uid;
+        let own = (another_object && !self.long_over).then(|| DeletedClaim {
+            identity: self.identity.clone(),
+            token: self.token,
+            until: match self.version {
+                None => self.since + self.duration,
+                Some(_) => now + self.duration,
+            },
+        });
+        [own, self.deleted_claim.clone()]
+            .into_iter()
+            .flatten()
+            .filter(|deleted| deleted.until > now)
+            .max_by_key(|deleted| deleted.until)
     }
 }
 
@@ -303,8 +347,13 @@ impl KubernetesLeaseDriver {
             if let Some(holding) = replaced_unheld(&mut sightings, lock, object, now) {
                 return Some(holding);
             }
-            sightings.remove(lock);
-            return None;
+            let deleted = sightings
+                .get(lock)
+                .and_then(|seen| seen.deleted_claim.as_ref()?.holding(now));
+            if deleted.is_none() {
+                sightings.remove(lock);
+            }
+            return deleted;
         };
         let version = object.metadata.resource_version.clone();
         let claim = Claim::of(object, record);
@@ -313,6 +362,7 @@ impl KubernetesLeaseDriver {
             .and_modify(|seen| {
                 // A Lease made again after a deletion seen is a new record, whatever it says.
                 if seen.version.is_none() || seen.claim != claim {
+                    let deleted_claim = seen.deleted_claim_beside(&claim, now);
                     *seen = Sighting {
                         version: version.clone(),
                         claim: claim.clone(),
@@ -322,6 +372,7 @@ impl KubernetesLeaseDriver {
                         identity: identity.clone(),
                         token: record.transitions,
                         long_over: false,
+                        deleted_claim,
                     };
                 } else {
                     seen.version = version.clone();
@@ -336,8 +387,16 @@ impl KubernetesLeaseDriver {
                 identity: identity.clone(),
                 token: record.transitions,
                 long_over: false,
+                deleted_claim: None,
             });
-        let left = sighting.left(now);
+        // Busy until the deleted Lease's holder, too, can no longer claim it.
+        let deleted_left = sighting
+            .deleted_claim
+            .as_ref()
+            .and_then(|deleted| deleted.holding(now))
+            .and_then(|holding| holding.expires_in)
+            .unwrap_or_default();
+        let left = sighting.left(now).max(deleted_left);
         // Dated by the writer's wall clock, which may have stepped back: a record seen written
         // while this process watched is timed by observation alone.
         let long_over = !sighting.written_since_first_seen
@@ -352,7 +411,10 @@ impl KubernetesLeaseDriver {
         // A sighting is kept a while after it ran out (as long again as it lasted): the
         // contenders that watched it run out come back for it then, and one forgotten would be
         // counted again from their next look, a whole lease more.
-        sightings.prune(|s| now.saturating_duration_since(s.since) < s.duration * 2);
+        sightings.prune(|s| {
+            now.saturating_duration_since(s.since) < s.duration * 2
+                || s.deleted_claim.as_ref().is_some_and(|d| d.until > now)
+        });
         (!left.is_zero() && !long_over).then_some(Holding {
             identity,
             token: record.transitions,
