@@ -197,7 +197,11 @@ pub async fn reconcile(lock: Arc<DistributedLock>, ctx: Arc<Context>) -> Result<
     let started = std::time::Instant::now();
     let namespace = lock.namespace().unwrap_or_default();
     let api: Api<DistributedLock> = Api::namespaced(ctx.client.clone(), &namespace);
-    let outcome = if lock.spec.cleanup_policy == CleanupPolicy::Retain {
+    // A policy of a later version's CRD deletes nothing, as `Retain`.
+    let outcome = if matches!(
+        lock.spec.cleanup_policy,
+        CleanupPolicy::Retain | CleanupPolicy::Unrecognized
+    ) {
         retained(&api, &lock, &ctx).await
     } else {
         finalizer(&api, FINALIZER, lock, |event| async {

@@ -871,7 +871,7 @@ async fn a_lock_with_a_value_of_a_later_crd_is_refused_alone() {
                 "metadata": {"name": name, "namespace": NS}, "spec": spec}),
         );
     }
-    // A clean-up policy of a later version deletes nothing here, as `Retain`.
+    // A clean-up policy of a later version deletes nothing here, as `Retain`: no finalizer.
     let mut later_policy = serde_json::to_value(leasehold_testkit::distributed_lock(
         NS,
         "later-policy",
@@ -886,7 +886,21 @@ async fn a_lock_with_a_value_of_a_later_crd_is_refused_alone() {
     api.put(DISTRIBUTED_LOCKS, later_policy);
     let _stop = operator(&api);
     finalized_and_ready(&api, "jobs").await;
-    finalized_and_ready(&api, "later-policy").await;
+    eventually(
+        Duration::from_secs(10),
+        "the later policy's lock ready, without a finalizer",
+        || {
+            let lock = lock_object(&api, "later-policy")?;
+            let ready = lock["status"]["conditions"][0]["status"] == "True";
+            (ready && lock["metadata"]["finalizers"].is_null()).then_some(())
+        },
+    )
+    .await;
+    delete_lock(&api, "later-policy").await;
+    assert!(
+        lock_object(&api, "later-policy").is_none(),
+        "deleting a lock of a later policy waits on the operator"
+    );
     for (name, field) in [("later-mode", "mode"), ("later-sql-mode", "lockMode")] {
         let condition = eventually(Duration::from_secs(10), "the refusal", || {
             let lock = lock_object(&api, name)?;
