@@ -196,7 +196,7 @@ impl RenewMany {
                 "UPDATE {t} AS l JOIN {v} \
                    ON l.name = v.name AND l.holder = v.holder AND l.token = v.token \
                  SET l.expires_at = GREATEST(l.expires_at, {RENEWED_AT} + INTERVAL v.ttl MICROSECOND) \
-                 WHERE l.expires_at > UTC_TIMESTAMP(6)"
+                 WHERE l.expires_at > UTC_TIMESTAMP(6) AND {RENEWED_AT} IS NOT NULL"
             ),
         }
     }

@@ -885,7 +885,8 @@ impl Fence for SqlDriver {
 /// the binary log lacks, so `sync_binlog` must be 1 as well.
 pub(crate) fn durability_warnings(flush: i64, log_bin: bool, sync_binlog: i64) -> Vec<String> {
     let mut warnings = Vec::new();
-    if flush != 1 {
+    // 1, and MariaDB's 3 (as 1, with group commit), write and sync the log at each commit.
+    if flush == 0 || flush == 2 {
         warnings.push(format!(
             "innodb_flush_log_at_trx_commit is {flush}: a crash may lose acquisitions and renewals already answered (a token handed out twice, two holders); set it to 1"
         ));
@@ -906,6 +907,7 @@ mod tests {
     fn only_settings_that_lose_answered_commits_are_warned_of() {
         assert!(durability_warnings(1, false, 0).is_empty());
         assert!(durability_warnings(1, true, 1).is_empty());
+        assert!(durability_warnings(3, false, 0).is_empty());
         for (flush, log_bin, sync_binlog, says) in [
             (2, false, 0, "innodb_flush_log_at_trx_commit is 2"),
             (0, true, 1, "innodb_flush_log_at_trx_commit is 0"),
