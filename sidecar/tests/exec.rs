@@ -1326,3 +1326,46 @@ fn through_a_sidecar_a_hold_ended_before_the_command_started_is_asked_for_again(
     assert_eq!(status.code(), Some(0), "{stderr}");
     assert!(ran.exists(), "the command never ran: {stderr}");
 }
+
+/// The command is told its own holding's fencing and nothing else: a key of a family of
+/// several permits (a read-write family's reader here) comes with its permit, and what an exec
+/// the command runs under (nested) set is not passed on, so several keys come without a
+/// `LEASEHOLD_FENCING_TOKEN` that fences none of them.
+#[test]
+fn the_command_is_told_its_own_holdings_permit_and_no_inherited_fencing() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = read_write_sidecar(dir.path());
+    let told = |what: &[&str]| {
+        let mut command = exec_via(&sidecar, what);
+        command
+            .env("LEASEHOLD_FENCING_TOKEN", "999")
+            .env("LEASEHOLD_FENCING_TOKENS", "outer=998")
+            .env("LEASEHOLD_PERMIT", "7")
+            .stderr(Stdio::piped())
+            .stdout(Stdio::piped());
+        let output = shell(
+            &mut command,
+            "echo ${LEASEHOLD_PERMIT-unset} ${LEASEHOLD_FENCING_TOKEN-unset} ${LEASEHOLD_FENCING_TOKENS-unset}",
+        )
+        .output()
+        .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    };
+    let one = told(&["--keyed", "jobs-keys/k", "--mode", "read"]);
+    let fields: Vec<&str> = one.split(' ').collect();
+    assert_eq!(fields[0], "0", "the reader's permit: {one}");
+    assert!(fields[1].parse::<u64>().is_ok_and(|t| t != 999), "{one}");
+    assert_eq!(fields[2], "unset", "{one}");
+    let several = told(&["--keyed", "jobs-keys/a", "--keyed", "jobs-keys/b"]);
+    let fields: Vec<&str> = several.split(' ').collect();
+    assert_eq!(&fields[..2], ["unset", "unset"], "{several}");
+    assert!(
+        fields[2].starts_with("a=") && fields[2].contains(",b="),
+        "{several}"
+    );
+}

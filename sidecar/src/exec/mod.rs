@@ -435,15 +435,13 @@ impl Holder {
         }
     }
 
-    /// The permit of `holding` to tell the command, on a lock of several permits (its tokens
-    /// count per permit); through a sidecar, the permit its stream names.
+    /// The permit of `holding` to tell the command, on a lock or a key of several permits (its
+    /// tokens count per permit); through a sidecar, the permit its stream names (a family's
+    /// key's stream names it where the family has permits).
     fn permit_told(&self, (permit, _): (u32, u64)) -> Option<u32> {
         match self {
             Holder::Direct(lock) => lock.has_had_permits().then_some(permit),
-            Holder::Via {
-                lock: true, claims, ..
-            } => claims.borrow().permit,
-            Holder::Via { lock: false, .. } => None,
+            Holder::Via { claims, .. } => claims.borrow().permit,
         }
     }
 
@@ -684,14 +682,26 @@ fn spawn(
         .env("LEASEHOLD_EXEC_IDENTITY", holder.identity())
         .process_group(0)
         .kill_on_drop(false);
+    // Nothing of an exec the command runs under (nested) is passed on: only this holding's.
+    for inherited in [
+        "LEASEHOLD_FENCING_TOKEN",
+        "LEASEHOLD_FENCING_TOKENS",
+        "LEASEHOLD_PERMIT",
+    ] {
+        command.env_remove(inherited);
+    }
     // Several keys have a token each, counted apart: no one of them fences the others' keys.
     match holder.tokens() {
-        Some(tokens) => command.env("LEASEHOLD_FENCING_TOKENS", tokens),
-        None => command.env("LEASEHOLD_FENCING_TOKEN", token.to_string()),
-    };
-    // A token counts per permit: the command fences with both.
-    if let Some(permit) = holder.permit_told((permit, token)) {
-        command.env("LEASEHOLD_PERMIT", permit.to_string());
+        Some(tokens) => {
+            command.env("LEASEHOLD_FENCING_TOKENS", tokens);
+        }
+        None => {
+            command.env("LEASEHOLD_FENCING_TOKEN", token.to_string());
+            // A token counts per permit: the command fences with both.
+            if let Some(permit) = holder.permit_told((permit, token)) {
+                command.env("LEASEHOLD_PERMIT", permit.to_string());
+            }
+        }
     }
     // Through a sidecar, the command inherits a copy of the held connection (the only
     // descriptor left open across exec), which stays open while it or any process it started
