@@ -878,8 +878,13 @@ async fn stop_processes(
     let (mut empty_reads, mut settled_reads) = (0, 0);
     loop {
         let kill = killing_since.is_some() || started.elapsed() >= kill_after || kill_now();
-        if kill {
-            killing_since.get_or_insert_with(Instant::now);
+        if kill && killing_since.is_none() {
+            // The command's own group at once: the look through `/proc` for what left it takes
+            // longer on a busy host, and the claim's end does not wait for it.
+            if let Some(group) = group {
+                let _ = killpg(group, Signal::SIGKILL);
+            }
+            killing_since = Some(Instant::now());
         }
         let Some(living) = find() else {
             let Some(group) = group.filter(|&group| killpg(group, None).is_ok()) else {
