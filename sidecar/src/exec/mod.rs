@@ -237,7 +237,6 @@ async fn run(args: ExecArgs) -> u8 {
             Holder::Via {
                 name,
                 identity,
-                lock: args.lock.is_some(),
                 hold,
                 claims,
             }
@@ -406,8 +405,6 @@ enum Holder {
     Via {
         name: String,
         identity: String,
-        /// A lock (`--lock`), not keys.
-        lock: bool,
         hold: via::Hold,
         claims: tokio::sync::watch::Receiver<via::Claim>,
     },
