@@ -13,8 +13,9 @@
 //! with its permit's holders only) and leave STATE alone; `write` commands are checked as
 //! above: alone, with a token above every earlier reader's and writer's.
 //!
-//! On a lock of several permits (`LEASEHOLD_PERMIT` set), each permit is checked as a lock of
-//! its own: its commands flock `STATE-PERMIT`, and their tokens rise in `STATE-PERMIT.runs`.
+//! On a lock of several permits (`LEASEHOLD_PERMIT` set, no mode), each permit is checked as a
+//! lock of its own: its commands flock `STATE-PERMIT`, and their tokens rise in
+//! `STATE-PERMIT.runs`. A read-write key's commands are told their permit too, and share STATE.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
@@ -39,10 +40,10 @@ fn append(path: &str, line: &str) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (state, hold_ms, reader) = match args.as_slice() {
-        [state, hold_ms] => (state, hold_ms, false),
+    let (state, hold_ms, read_write, reader) = match args.as_slice() {
+        [state, hold_ms] => (state, hold_ms, false, false),
         [state, hold_ms, mode] if mode == "read" || mode == "write" => {
-            (state, hold_ms, mode == "read")
+            (state, hold_ms, true, mode == "read")
         }
         _ => {
             eprintln!("usage: leasehold-exec-witness STATE HOLD_MS [read|write]");
@@ -56,9 +57,10 @@ fn main() {
         .expect("LEASEHOLD_FENCING_TOKEN");
     let identity = std::env::var("LEASEHOLD_EXEC_IDENTITY").expect("LEASEHOLD_EXEC_IDENTITY");
     let violations = format!("{state}.violations");
+    // A read-write key's readers and writer share one state whatever permit each holds.
     let state = &match std::env::var("LEASEHOLD_PERMIT") {
-        Ok(permit) => format!("{state}-{permit}"),
-        Err(_) => state.clone(),
+        Ok(permit) if !read_write => format!("{state}-{permit}"),
+        _ => state.clone(),
     };
     let file = OpenOptions::new()
         .read(true)
