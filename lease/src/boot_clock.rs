@@ -38,6 +38,16 @@ impl BootInstant {
         self.saturating_duration_since(Self::now())
     }
 
+    /// Nanoseconds since boot: the same instant in any process on this machine.
+    pub fn as_nanos(self) -> u64 {
+        u64::try_from(self.0.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The instant [`Self::as_nanos`] gave.
+    pub fn from_nanos(nanos: u64) -> Self {
+        Self(Duration::from_nanos(nanos))
+    }
+
     /// The tokio instant to wake at for `self`, as far as anyone can tell now.
     pub fn to_tokio(self) -> tokio::time::Instant {
         tokio::time::Instant::now() + self.remaining()

@@ -743,6 +743,93 @@ fn a_killed_execs_command_and_all_it_started_are_stopped_at_once() {
     }
 }
 
+#[test]
+fn a_stopped_execs_command_is_stopped_before_another_can_take_the_lock() {
+    // Ctrl-Z stops exec, the terminal's foreground job, but not the command, whose group is its
+    // own; SIGSTOP does the same here, where no terminal is. The stopped exec renews nothing,
+    // and another exec takes the lock once the lease has run out.
+    let redis = RedisServer::start_with(true);
+    let (first, pids, dir) = stubborn_group(&redis.url());
+    let first_pid = nix::unistd::Pid::from_raw(first.id() as i32);
+    let first = Stopped(Some(first));
+    // Past the first renewals (every second of the 3 s lease), which exec tells its keeper.
+    std::thread::sleep(Duration::from_millis(2500));
+    nix::sys::signal::kill(first_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let stopped = Instant::now();
+
+    // The next holder's command looks, as it starts, for the stopped exec's.
+    let checked = dir.path().join("checked");
+    let script = format!(
+        "for p in {} {}; do s=$(awk '{{print $3}}' /proc/$p/stat 2>/dev/null); case \"$s\" in ''|Z|X) ;; *) echo \"$p runs ($s)\";; esac; done > {2}; echo checked >> {2}",
+        pids.0[0],
+        pids.0[1],
+        checked.display()
+    );
+    let mut second = shell(&mut exec("jobs", &redis.url()), &script)
+        .spawn()
+        .unwrap();
+    // A hang bound: the lease is 3 s.
+    let status = wait_exit(&mut second, Duration::from_secs(30));
+    eprintln!(
+        "the next holder ran {:?} after exec was stopped",
+        stopped.elapsed()
+    );
+    assert!(status.success(), "the next holder's command: {status:?}");
+    assert_eq!(
+        read(&checked).trim(),
+        "checked",
+        "the stopped exec's command ran beside the next holder's"
+    );
+
+    // Resumed, exec finds its command stopped for the lock; the keeper says, on its own clock,
+    // how long before the claim's end the command's processes were gone.
+    let output = first.resume().wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(75),
+        "the lock-lost status: {stderr}"
+    );
+    assert!(stderr.contains("by its keeper"), "{stderr}");
+    eprintln!(
+        "the keeper stopped the group {} ms before the claim ends",
+        spare_ms(&stderr)
+    );
+    assert!(
+        spare_ms(&stderr) > 0,
+        "the group was not gone before the claim ended: {stderr}"
+    );
+    assert!(pids.dead());
+}
+
+/// An exec the test stopped, continued (and killed) however the test ends.
+struct Stopped(Option<Child>);
+
+impl Stopped {
+    fn resume(mut self) -> Child {
+        let child = self.0.take().expect("not resumed yet");
+        cont(&child);
+        child
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            cont(&child);
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn cont(child: &Child) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGCONT,
+    );
+}
+
 /// `command` (an `exec` without its command yet) running a command that exits with `status`,
 /// leaving behind a process that ignores SIGTERM. The exec (its stderr piped), once the command
 /// has ended, the pid of what it left, and the directory it wrote that in.

@@ -18,7 +18,9 @@
 //! The command runs under a small keeper, this binary again (`exec-child`), which the kernel
 //! tells when this process dies (`PR_SET_PDEATHSIG`), and which is the subreaper of every
 //! process the command starts: a `leasehold exec` killed with SIGKILL does not leave its command,
-//! or anything the command left in the background, running without the lock.
+//! or anything the command left in the background, running without the lock. `exec` tells the
+//! keeper each new end of the claim ([`claim_end`]): an `exec` that is stopped (Ctrl-Z, SIGSTOP)
+//! renews nothing, and the keeper stops the command before the last end it was told.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -38,6 +40,7 @@ use leasehold_lease::{
 
 use crate::config::EXIT_BAD_CONFIG;
 
+mod claim_end;
 mod processes;
 mod via;
 
@@ -73,6 +76,11 @@ const PARENT_VAR: &str = "LEASEHOLD_EXEC_PARENT";
 const ENDED_NAME: &str = "ended:";
 /// The variable telling the keeper `--kill-grace`, in milliseconds.
 const GRACE_VAR: &str = "LEASEHOLD_EXEC_KILL_GRACE_MS";
+
+/// The stops a terminal sends, which the keeper catches so that only SIGSTOP stops it.
+const JOB_CONTROL_STOPS: [Signal; 3] = [Signal::SIGTSTP, Signal::SIGTTIN, Signal::SIGTTOU];
+/// The most the keeper acts ahead of `exec`'s SIGKILL, to find the command's processes first.
+const MAX_KEEPER_LEAD: Duration = Duration::from_millis(250);
 
 /// The signals passed on to the command's process group.
 const FORWARDED: [Signal; 6] = [
@@ -536,13 +544,13 @@ enum Group {
 }
 
 async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) -> (u8, Group) {
-    let holding =
+    let (holding, end) =
         match wait_for_lock(holder, args.wait, args.kill_grace + KILL_MARGIN, signals).await {
-            Ok(holding) => holding,
+            Ok(held) => held,
             Err(status) => return (status, Group::Gone),
         };
     let token = holding.1;
-    let (mut child, command) = match spawn(args, holder, holding) {
+    let (mut child, command, mut teller) = match spawn(args, holder, holding, end) {
         Ok(spawned) => spawned,
         Err(e) => {
             eprintln!("error: cannot start {:?}: {e}", args.command[0]);
@@ -559,6 +567,7 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
         &mut child,
         pgid,
         signals,
+        &mut teller,
     )
     .await;
     // Whatever ended it, nothing of the group may run once the lock is let go: the command's
@@ -600,15 +609,15 @@ async fn supervise(args: &ExecArgs, holder: &mut Holder, signals: &mut Signals) 
     (status, group)
 }
 
-/// The holding (permit, token) once the lock is held with more than `needed` of its claim
-/// left; `Err(status)` when `exec` gives up (the wait ran out, a signal asked it to stop, or the
+/// The holding (permit, token) and its claim's end, once the lock is held with more than
+/// `needed` of its claim left; `Err(status)` when `exec` gives up (the wait ran out, a signal asked it to stop, or the
 /// sidecar refused).
 async fn wait_for_lock(
     holder: &Holder,
     wait: Option<Duration>,
     needed: Duration,
     signals: &mut Signals,
-) -> Result<(u32, u64), u8> {
+) -> Result<((u32, u64), BootInstant), u8> {
     let mut claims = holder.claims();
     let started = Instant::now();
     loop {
@@ -624,7 +633,7 @@ async fn wait_for_lock(
                 return Err(EXIT_BAD_CONFIG);
             }
             if end.saturating_duration_since(BootInstant::now()) > needed {
-                return Ok(holding);
+                return Ok((holding, end));
             }
         }
         if let Some((status, why)) = claims.failed() {
@@ -651,12 +660,14 @@ async fn wait_for_lock(
     }
 }
 
-/// The command's keeper, started, and what is the command's to stop when it ends.
+/// The command's keeper, started, what is the command's to stop when it ends, and the pipe
+/// that tells the keeper when the claim ends (from `end` on).
 fn spawn(
     args: &ExecArgs,
     holder: &Holder,
     (permit, token): (u32, u64),
-) -> std::io::Result<(tokio::process::Child, CommandProcesses)> {
+    end: BootInstant,
+) -> std::io::Result<(tokio::process::Child, CommandProcesses, claim_end::Teller)> {
     // What the command leaves running out of its group comes here once its keeper has ended,
     // to be stopped with the group.
     nix::sys::prctl::set_child_subreaper(true)?;
@@ -664,8 +675,10 @@ fn spawn(
     // Children this process had before it became `exec` (a shell's, that ran `exec
     // leasehold-sidecar exec ...`) are not the command's.
     let before = Table::read().map_or_else(Vec::new, |table| table.children(own));
+    let (teller, for_keeper) = claim_end::Teller::new(end)?;
     let mut command = tokio::process::Command::new(std::env::current_exe()?);
     command
+        .envs(for_keeper.vars.clone())
         .arg(CHILD_ARG)
         .arg("--")
         .args(&args.command)
@@ -709,16 +722,17 @@ fn spawn(
     };
     let child = command.spawn();
     drop(inherited);
+    for_keeper.close();
     let child = child?;
     let Some(pgid) = child.id().map(|id| Pid::from_raw(id as i32)) else {
         return Err(std::io::Error::other("the keeper ended at once"));
     };
-    Ok((child, CommandProcesses { own, pgid, before }))
+    Ok((child, CommandProcesses { own, pgid, before }, teller))
 }
 
 /// Until the command exits or the lock is being lost: the command's processes are stopped from
 /// the moment the claim's end is nearer than the grace and the margin, or at once when the lock
-/// is gone or changed hands.
+/// is gone or changed hands. Each new end is told to the keeper.
 async fn follow(
     claims: &mut Claims,
     holding: (u32, u64),
@@ -726,10 +740,14 @@ async fn follow(
     child: &mut tokio::process::Child,
     pgid: Pid,
     signals: &mut Signals,
+    teller: &mut claim_end::Teller,
 ) -> Outcome {
     loop {
         let stop_at = match claims.current() {
-            Some((held, end)) if held == holding => end - (kill_grace + KILL_MARGIN),
+            Some((held, end)) if held == holding => {
+                teller.tell(end);
+                end - (kill_grace + KILL_MARGIN)
+            }
             _ => return Outcome::Lost,
         };
         let left = stop_at.saturating_duration_since(BootInstant::now());
@@ -1012,8 +1030,11 @@ async fn keep(program: &OsString, rest: &[OsString]) -> u8 {
     // The signals `exec` passes on to the group are the command's: the keeper catches them and
     // does nothing. Caught, not blocked: a handler is reset in the command as it starts, where
     // a blocked mask would be inherited.
+    // The job-control stops too: the group is in the background of a terminal, and a command
+    // reading it would stop the keeper with it (SIGTTIN goes to the whole group).
     let caught: std::io::Result<Vec<_>> = FORWARDED
         .iter()
+        .chain(&JOB_CONTROL_STOPS)
         .map(|&s| signal(SignalKind::from_raw(s as i32)))
         .collect();
     // `exec`'s death is told as a SIGCHLD, the signal a child's end is told by.
@@ -1036,13 +1057,33 @@ async fn keep(program: &OsString, rest: &[OsString]) -> u8 {
     if std::env::var(PARENT_VAR).ok().as_deref() != Some(&parent.as_raw().to_string()) {
         return EXIT_LOCK_LOST;
     }
-    let mut child = match tokio::process::Command::new(program)
+    // Without it, a stopped `exec` would leave the command running past the claim's end.
+    let claim = match claim_end::Told::from_env() {
+        Ok(claim) => claim,
+        Err(e) => {
+            eprintln!("error: the keeper cannot follow the claim: {e}");
+            return EXIT_CANNOT_RUN;
+        }
+    };
+    // The keeper cannot signal its own group without dying with it, so what it stops is found
+    // through `/proc` first: it acts earlier by twice what a look takes here.
+    let looked = Instant::now();
+    let _ = Table::read();
+    let lead = (2 * looked.elapsed()).min(MAX_KEEPER_LEAD);
+    let kill_due = || BootInstant::now() >= claim.stop_at() - lead;
+    if kill_due() {
+        return EXIT_LOCK_LOST;
+    }
+    let mut spawning = tokio::process::Command::new(program);
+    spawning
         .args(rest)
         .env_remove(PARENT_VAR)
         .env_remove(GRACE_VAR)
-        .kill_on_drop(false)
-        .spawn()
-    {
+        .kill_on_drop(false);
+    for var in claim_end::Told::vars() {
+        spawning.env_remove(var);
+    }
+    let mut child = match spawning.spawn() {
         Ok(child) => child,
         Err(e) => {
             eprintln!("error: cannot run {program:?}: {e}");
@@ -1071,20 +1112,29 @@ async fn keep(program: &OsString, rest: &[OsString]) -> u8 {
                     .map_or(Duration::ZERO, Duration::from_millis);
                 let find = || {
                     if getppid() != parent {
-                        stop_everything(None);
+                        stop_everything(None, Keeper::Too);
                     }
                     reap_any();
                     Table::read().map(|table| table.command(own, own, &[]))
                 };
-                stop_processes(find, None, grace, || false).await;
+                stop_processes(find, None, grace, kill_due).await;
                 return status;
             }
             _ = children_or_parent.recv() => true,
-            // A backstop for a signal that never came.
-            () = tokio::time::sleep(PARENT_POLL) => false,
+            () = claim.changed() => false,
+            // A backstop for a signal that never came, and the claim's end.
+            () = tokio::time::sleep(PARENT_POLL.min((claim.stop_at() - lead).remaining())) => false,
         };
         if getppid() != parent {
-            stop_everything(command);
+            stop_everything(command, Keeper::Too);
+            return EXIT_LOCK_LOST;
+        }
+        if kill_due() {
+            stop_everything(command, Keeper::Stays);
+            eprintln!(
+                "leasehold exec: the claim ends and exec (stopped, or starved of CPU) has not stopped the command: its processes were stopped {} ms before the claim ends, by its keeper",
+                claim.end().remaining().as_millis()
+            );
             return EXIT_LOCK_LOST;
         }
         // Orphans handed to the keeper are reaped as they end (the command by its Child).
@@ -1094,17 +1144,29 @@ async fn keep(program: &OsString, rest: &[OsString]) -> u8 {
     }
 }
 
+/// Whether [`stop_everything`] ends with the keeper's whole group, the keeper with it.
+#[derive(PartialEq)]
+enum Keeper {
+    /// `exec` is gone: nobody waits for the keeper's status.
+    Too,
+    /// `exec` lives, and is told the lock-lost status; where `/proc` cannot be read, the
+    /// group is signalled anyway.
+    Stays,
+}
+
 /// SIGKILL to the command (`command`, while it runs), every process of the keeper's group and
 /// every process descending from the keeper (the command's, whichever group they moved to),
 /// until two reads of `/proc` in a row find none that lacks a SIGKILL and may be signalled;
 /// then to the group, the keeper with it, for whatever `/proc` did not show.
-fn stop_everything(command: Option<Pid>) {
+fn stop_everything(command: Option<Pid>, keeper: Keeper) {
     if let Some(command) = command {
         let _ = nix::sys::signal::kill(command, Signal::SIGKILL);
     }
     let own = nix::unistd::getpid();
     let mut quiet_reads = 0;
+    let mut read = false;
     while let Some(table) = Table::read() {
+        read = true;
         let mut sent = false;
         for pid in table.command(own, own, &[]) {
             // A process that may not be signalled (one that changed its user) is not waited for.
@@ -1120,5 +1182,7 @@ fn stop_everything(command: Option<Pid>) {
         }
         std::thread::sleep(GROUP_POLL);
     }
-    let _ = killpg(own, Signal::SIGKILL);
+    if keeper == Keeper::Too || !read {
+        let _ = killpg(own, Signal::SIGKILL);
+    }
 }
