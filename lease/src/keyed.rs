@@ -1162,7 +1162,11 @@ impl KeyedFamily {
         self.check_owner(owner)?;
         let current = match held {
             Some((permit, _)) => self.holding_on(key, permit, owner),
-            None => self.holding_for(key, owner),
+            // Not a part of a write under way, nor a read being checked: the owner has not
+            // been told of either, and the one would be answered held with a part going back.
+            None => self
+                .holding_for(key, owner)
+                .filter(|c| c.owner != owner || c.checked.load(Ordering::SeqCst)),
         };
         let Some(current) = current else {
             return Ok(KeyRelease::NotHeld);

@@ -608,6 +608,48 @@ async fn a_reader_whose_answer_was_never_read_gives_its_permit_back() {
     family.shutdown().await;
 }
 
+/// A reader whose permit's renewal fails while the permit is checked against the key's write
+/// gate is answered "cannot tell", and gives the permit back: an owner told its read was not
+/// taken (a multi-key read undoes the rest on that answer) must not keep it until its hold
+/// ends, with writers kept out all that time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_whose_permit_is_in_doubt_after_the_gate_check_gives_it_back() {
+    let (_harness, faulty) = late_sqlite().await;
+    let family = read_write_family(faulty.clone(), &unique_lock("doubted"), "pod-a");
+    let first = family
+        .acquire_read("doc", "r1", Duration::ZERO, HOLD)
+        .await
+        .expect("r1 reads");
+    assert!(
+        matches!(first, KeyAnswer::Held { permit: 0, .. }),
+        "{first:?}"
+    );
+    // r2 takes permit 1; the gate's probe answers 3.5 s later, past the permit's first
+    // renewal (2 s in), which fails.
+    faulty.delay_answers_to(" probe", Duration::from_millis(3500));
+    let mut probed = faulty.delayed_answers();
+    let reading = tokio::spawn({
+        let family = family.clone();
+        async move { family.acquire_read("doc", "r2", Duration::ZERO, HOLD).await }
+    });
+    tokio::time::timeout(Duration::from_secs(10), probed.changed())
+        .await
+        .expect("r2 probes the gate")
+        .expect("the driver is kept");
+    faulty.fail_renewals(true);
+    let answer = reading.await.expect("r2's read").expect("answered");
+    assert!(
+        family.holding_on_permit("doc", 1, "r2").is_none(),
+        "r2 keeps permit 1 after its read was answered {answer:?}"
+    );
+    assert!(
+        !matches!(answer, KeyAnswer::Held { .. }),
+        "r2 was told it holds while its permit's renewal failed: {answer:?}"
+    );
+    faulty.fail_renewals(false);
+    family.shutdown().await;
+}
+
 /// A writer of another pod whose owner looks like the name of a probe of the write gate
 /// (`w#probe`) is a writer all the same: waiting for a reader to leave, it keeps new readers
 /// out, who take no permit meanwhile.
@@ -713,6 +755,13 @@ async fn a_writers_parts_taken_while_it_waits_are_not_told_as_held() {
     assert!(
         !matches!(told, KeyAnswer::Held { .. }),
         "a writer still waiting is told it holds: {told:?}"
+    );
+    // Nor does the owner's release, sent before the write was answered, give up a part of it:
+    // the write would be answered held with one of its permits going back.
+    let released = family.release("doc", "w").await.expect("release");
+    assert!(
+        matches!(released, leasehold_lease::keyed::KeyRelease::NotHeld),
+        "a release of a writer still waiting gave up one of its parts: {released:?}"
     );
     assert!(!writing.is_finished(), "the writer did not wait for r2");
     family.release("doc", "r2").await.expect("release");

@@ -17,6 +17,7 @@ use leasehold_lease::{Acquire, Backend, Driver, Holding, Lease, Upkeep};
 pub struct FaultyDriver {
     inner: Arc<dyn Backend>,
     stall_renewals: AtomicBool,
+    fail_renewals: AtomicBool,
     renewal_answer_stall_ms: AtomicU64,
     cut_off: AtomicBool,
     request_delay_ms: AtomicU64,
@@ -48,6 +49,7 @@ impl FaultyDriver {
         Arc::new(Self {
             inner,
             stall_renewals: AtomicBool::new(false),
+            fail_renewals: AtomicBool::new(false),
             renewal_answer_stall_ms: AtomicU64::new(0),
             cut_off: AtomicBool::new(false),
             request_delay_ms: AtomicU64::new(0),
@@ -90,6 +92,12 @@ impl FaultyDriver {
     /// From now on, renewals hang (the request may or may not have reached the backend).
     pub fn stall_renewals(&self, stall: bool) {
         self.stall_renewals.store(stall, Ordering::SeqCst);
+    }
+
+    /// From now on, the backend refuses renewals with an error (a statement failing mid
+    /// failover), until told otherwise: the holder cannot tell whether it still holds.
+    pub fn fail_renewals(&self, fail: bool) {
+        self.fail_renewals.store(fail, Ordering::SeqCst);
     }
 
     /// The next renewal, once the backend has answered it, stops the thread that runs it for
@@ -242,6 +250,11 @@ impl Driver for FaultyDriver {
         }
         self.unless_cut_off().await;
         self.renewals.fetch_add(1, Ordering::SeqCst);
+        if self.fail_renewals.load(Ordering::SeqCst) {
+            return Err(leasehold_lease::Error::Backend(
+                "renewal refused (a fault of the test's)".into(),
+            ));
+        }
         let outcome = self.inner.renew(lease, ttl).await;
         let stall = self.renewal_answer_stall_ms.swap(0, Ordering::SeqCst);
         if stall > 0 {

@@ -504,10 +504,17 @@ impl KeyedFamily {
                 let holding = family.holding_taken(&key_owned, permit, &owner_owned, token);
                 let taken = Some((permit, token));
                 let checked = match (refusal, holding) {
-                    // Free: the holding may be told of, with its validity as of now.
+                    // Free: the holding may be told of, with its validity as of now; one the
+                    // holder cannot vouch for now (a renewal failed during the check, or the
+                    // claim ran out) is given back, since its owner is told it was not taken.
                     (None, Some(holding)) if !gone => {
-                        holding.checked.store(true, Ordering::SeqCst);
-                        Ok(family.answer_for(&holding, holding.lock.answer()))
+                        let answer = family.answer_for(&holding, holding.lock.answer());
+                        if matches!(answer, KeyAnswer::Held { .. }) {
+                            holding.checked.store(true, Ordering::SeqCst);
+                        } else {
+                            let _ = family.release_held(&key_owned, &owner_owned, taken).await;
+                        }
+                        Ok(answer)
                     }
                     (None, _) if gone => {
                         let _ = family.release_held(&key_owned, &owner_owned, taken).await;
