@@ -700,6 +700,68 @@ async fn a_held_lease_deleted_then_taken_and_released_by_another_is_not_taken_wi
     assert!(b.release(&taken).await.unwrap());
 }
 
+/// As above, with the newcomer's Lease deleted by hand in turn, its holder on a shorter lease
+/// than the first's: the contender finds the Lease gone again, and waits out the first holder's
+/// claim as well as the newcomer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_deleted_twice_is_not_taken_within_the_first_holders_claim() {
+    const TTL: Duration = Duration::from_secs(3);
+    const NEWCOMER_TTL: Duration = Duration::from_millis(300);
+    let harness = KubernetesHarness::new();
+    let (a, b, newcomer) = (
+        harness.client_driver(),
+        harness.client_driver(),
+        harness.client_driver(),
+    );
+    let lock = unique_lock("deleted-twice");
+    let held = match a.try_acquire(&lock, "pod-a", TTL).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        other => panic!("a: {other:?}"),
+    };
+    let first_seen = tokio::time::Instant::now();
+    assert!(matches!(
+        b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+        Acquire::Busy(_)
+    ));
+    let remove = || {
+        assert!(harness.api.remove(
+            leasehold_testkit::in_memory_api_server::LEASES,
+            KubernetesHarness::NAMESPACE,
+            &lock
+        ));
+    };
+    remove();
+    match newcomer
+        .try_acquire(&lock, "pod-n", NEWCOMER_TTL)
+        .await
+        .unwrap()
+    {
+        Acquire::Acquired(_) => {}
+        other => panic!("the newcomer: {other:?}"),
+    }
+    assert!(matches!(
+        b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+        Acquire::Busy(_)
+    ));
+    remove();
+    let taken = loop {
+        match b.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => break lease,
+            Acquire::Busy(_) => {}
+            other => panic!("b: {other:?}"),
+        }
+        assert!(first_seen.elapsed() < TTL * 3, "b never took the lock");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        first_seen.elapsed() >= TTL,
+        "b took the lock {:?} after it first saw a's claim, within that claim",
+        first_seen.elapsed()
+    );
+    assert!(!a.renew(&held, TTL).await.unwrap());
+    assert!(b.release(&taken).await.unwrap());
+}
+
 /// A contender's last look at a held Lease was a while before it was deleted: the holder may
 /// have renewed it since, unseen, and claims a whole duration from its last renewal. The
 /// contender times its wait from when it first finds the Lease gone, not from its last look.

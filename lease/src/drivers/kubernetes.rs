@@ -10,8 +10,8 @@
 //! - **Renew and release** present the identity and token they hold and write with the
 //!   `resourceVersion` they read; a conflict re-reads and re-checks.
 //! - **Expiry** is observed, as client-go's leader election does: a contender takes a held
-//!   Lease only once it has seen the same record (the same `resourceVersion`) unchanged for the
-//!   record's whole duration on its own boot clock. The holder started its claim before it
+//!   Lease only once it has seen the same record (the same holder's claim on the same object)
+//!   unchanged for the record's whole duration on its own boot clock. The holder started its claim before it
 //!   wrote the record, and the contender first saw the record after it was written, so the
 //!   holder's claim has ended by then whatever the nodes' wall clocks say: `renewTime` is never
 //!   compared across nodes. A contender that first sees a dead holder's record waits one lease
@@ -426,24 +426,33 @@ impl KubernetesLeaseDriver {
     /// held: the holder may have renewed it since, unseen, and learns of the deletion only at
     /// its next renewal, so its claim may run for a whole duration from the deletion. Timed
     /// from when the deletion is first seen, as a record first seen is; `None` once that has
-    /// passed, or for a record taken as dead long ago.
+    /// passed, or for a record taken as dead long ago. The claim of the holder of a Lease
+    /// deleted before the one seen stands too, however short the later holder's lease.
     fn vanished(&self, lock: &str) -> Option<Holding> {
         let mut sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
         let now = BootInstant::now();
         let seen = sightings.get_mut(lock)?;
+        let deleted_before = seen
+            .deleted_claim
+            .as_ref()
+            .and_then(|deleted| deleted.holding(now));
         if seen.long_over {
-            return None;
+            return deleted_before;
         }
         // A sighting without a version is of the deletion: any record made since has one.
         if seen.version.take().is_some() {
             seen.since = now;
         }
         let left = seen.left(now);
-        (!left.is_zero()).then(|| Holding {
+        let own = (!left.is_zero()).then(|| Holding {
             identity: seen.identity.clone(),
             token: seen.token,
             expires_in: Some(left),
-        })
+        });
+        [own, deleted_before]
+            .into_iter()
+            .flatten()
+            .max_by_key(|holding| holding.expires_in)
     }
 
     /// `token` of `lock` was seen or drawn.
@@ -461,7 +470,19 @@ impl KubernetesLeaseDriver {
     /// The highest token of `lock` this process has seen or drawn lately (0: none).
     fn token_seen(&self, lock: &str) -> u64 {
         let seen = self.tokens_seen.lock().unwrap_or_else(|e| e.into_inner());
-        seen.get(lock).map_or(0, |t| t.token)
+        let remembered = seen.get(lock).map_or(0, |t| t.token);
+        drop(seen);
+        // A sighting outlives the tokens kept where a lease is longer than they are kept: the
+        // holder it names, and that of a Lease deleted before, drew theirs.
+        let sightings = self.sightings.lock().unwrap_or_else(|e| e.into_inner());
+        let sighted = sightings.get(lock).map_or(0, |seen| {
+            seen.token.max(
+                seen.deleted_claim
+                    .as_ref()
+                    .map_or(0, |deleted| deleted.token),
+            )
+        });
+        remembered.max(sighted)
     }
 
     /// In-cluster (or `KUBECONFIG`) credentials; `namespace` defaults to the pod's own.
