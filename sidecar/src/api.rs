@@ -959,6 +959,8 @@ async fn hold(
     name: Option<Path<String>>,
     QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
+    // Before anything is awaited: the client sent the request before this.
+    let requested = leasehold_lease::BootInstant::now();
     if let Some(family) = state.family_named(name.as_ref()) {
         return keys_hold(&state, family, query).await;
     }
@@ -1009,6 +1011,7 @@ async fn hold(
         },
         about,
         turn.into_iter().collect(),
+        requested,
     ))
 }
 
@@ -1465,6 +1468,8 @@ async fn keys_hold(
     family: KeyedFamily,
     mut query: HashMap<String, String>,
 ) -> Result<Response, ApiError> {
+    // Before anything is awaited: the client sent the request before this.
+    let requested = leasehold_lease::BootInstant::now();
     let exclusive = exclusive_param(&mut query)?;
     let keys = keys_param(&mut query)?;
     let mode = mode_param(&mut query)?;
@@ -1562,7 +1567,7 @@ async fn keys_hold(
             keys: held,
         },
     };
-    Ok(hold_stream::respond(bound, about, turns))
+    Ok(hold_stream::respond(bound, about, turns, requested))
 }
 
 /// `/locks/{family}/release?keys=...`: one release of each key; 200 when each was released.
@@ -1831,6 +1836,8 @@ async fn key_hold(
     Path((family, key)): Path<(String, String)>,
     QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
+    // Before anything is awaited: the client sent the request before this.
+    let requested = leasehold_lease::BootInstant::now();
     let family = state.family(&family)?;
     let mode = mode_param(&mut query)?;
     let exclusive = exclusive_param(&mut query)?;
@@ -1913,7 +1920,7 @@ async fn key_hold(
     if writer {
         about.insert("mode".into(), "write".into());
     }
-    Ok(hold_stream::respond(bound, about, turns))
+    Ok(hold_stream::respond(bound, about, turns, requested))
 }
 
 /// A hold, not to write, by an owner that writes the key: its stream would follow a read.
@@ -1962,9 +1969,11 @@ async fn events(
     name: Option<Path<String>>,
     QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
+    // Before anything is awaited: the client sent the request before this.
+    let requested = leasehold_lease::BootInstant::now();
     let lock = state.lock(name)?;
     durations(&query, &[])?;
-    Ok(crate::lock_events::respond(lock))
+    Ok(crate::lock_events::respond(lock, requested))
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

@@ -1,7 +1,8 @@
 //! `exec --via http://127.0.0.1:4040`: a running sidecar holds the lock (or a key) for this
 //! process, through a hold bound to a connection (`POST .../hold`, an event stream). The claim
-//! is what the stream says: held from `acquired`, until `validForMs` after the last event read,
-//! or until `lost` or `released`. Closing the connection releases the lock at once; the command
+//! is what the stream says: held from `acquired`, until `validForMsSinceRequest` after the
+//! request was sent (an event read late, exec having been stopped, moves the claim no further
+//! than the sidecar's), or until `lost` or `released`. Closing the connection releases the lock at once; the command
 //! holds a copy of it, so that it closes only once exec and every process the command started
 //! are gone (an exec killed outright would otherwise release while its command still runs).
 
@@ -237,7 +238,7 @@ async fn hold(
         });
         let asked = ask(via, target, left.min(MAX_WAIT_PER_REQUEST)).await;
         match asked {
-            Ok(Answer::Stream(mut lines)) => {
+            Ok(Answer::Stream { mut lines, sent }) => {
                 // `dup` leaves close-on-exec off: the command, spawned while the copy is open,
                 // keeps the connection open as long as it or a process it started lives.
                 match nix::unistd::dup(lines.get_mut().get_ref()) {
@@ -251,7 +252,7 @@ async fn hold(
                         );
                     }
                 }
-                let ended = follow(lines, claims).await;
+                let ended = follow(lines, sent, claims).await;
                 if command_started.load(Ordering::SeqCst) {
                     return ended;
                 }
@@ -294,8 +295,15 @@ async fn hold(
 }
 
 enum Answer {
-    Stream(tokio::io::Lines<BufReader<TcpStream>>),
-    Refused { status: u16, body: String },
+    /// The hold's event stream, and when its request was sent: validities count from then.
+    Stream {
+        lines: tokio::io::Lines<BufReader<TcpStream>>,
+        sent: BootInstant,
+    },
+    Refused {
+        status: u16,
+        body: String,
+    },
 }
 
 async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answer> {
@@ -306,6 +314,7 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
         target.path(wait),
         via.authority
     );
+    let sent = BootInstant::now();
     connection.write_all(request.as_bytes()).await?;
     let mut reader = BufReader::new(connection);
     let mut status_line = String::new();
@@ -332,7 +341,10 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
         }
     }
     if status == 200 {
-        return Ok(Answer::Stream(reader.lines()));
+        return Ok(Answer::Stream {
+            lines: reader.lines(),
+            sent,
+        });
     }
     let mut body = vec![0; length.unwrap_or(0).min(64 * 1024)];
     reader.read_exact(&mut body).await?;
@@ -345,6 +357,7 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
 /// Follow the stream until it ends; the claim moves with each event.
 async fn follow(
     mut lines: tokio::io::Lines<BufReader<TcpStream>>,
+    sent: BootInstant,
     claims: &watch::Sender<Claim>,
 ) -> (u8, String) {
     let mut kind = String::new();
@@ -367,8 +380,8 @@ async fn follow(
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
         };
-        // Dated on arrival, the claim ends no earlier than the sidecar's by the way here:
-        // microseconds on loopback, and within `KILL_MARGIN` on a loaded machine.
+        // An event waits to be read as long as exec is stopped or starved, in buffers: dated
+        // on arrival alone, the claim would move past the sidecar's by that wait.
         let read = BootInstant::now();
         let Ok(body) = serde_json::from_str::<serde_json::Value>(data) else {
             continue;
@@ -396,7 +409,13 @@ async fn follow(
                 let (Some(token), Some(valid_for)) = (token, body["validForMs"].as_u64()) else {
                     continue;
                 };
-                let end = read + Duration::from_millis(valid_for);
+                // Counted from the request's sending, `validForMsSinceRequest` ends no later than
+                // the sidecar's claim however late the event is read. A sidecar of a version
+                // that does not say it leaves `validForMs` from the reading.
+                let end = match body["validForMsSinceRequest"].as_u64() {
+                    Some(since_request) => sent + Duration::from_millis(since_request),
+                    None => read + Duration::from_millis(valid_for),
+                };
                 let timing = body["leaseDurationMs"]
                     .as_u64()
                     .zip(body["renewIntervalMs"].as_u64())
