@@ -413,6 +413,146 @@ fn ports_annotation(pod: &Pod, dapr: bool) -> Result<Ports, String> {
     Ok(ports)
 }
 
+/// Why the sidecar cannot listen in `pod`: a container of the pod declares a port that the
+/// sidecar takes in the pod's network (its lock API, its probes, Dapr's ports when it serves
+/// them). Containers share the network, so one of the two would fail to listen: an app that
+/// starts second crash-loops, a sidecar that starts second never turns ready.
+fn port_taken(pod: &Pod, ports: Ports, dapr: bool) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    let mut ours = vec![
+        (ports.api, "lock API", Some(PORT_ANNOTATION)),
+        (ports.probe, "probes", Some(PROBE_PORT_ANNOTATION)),
+    ];
+    if dapr {
+        for listen in [DAPR_HTTP_LISTEN, DAPR_GRPC_LISTEN] {
+            if let Some(port) = listen.rsplit(':').next().and_then(|p| p.parse().ok()) {
+                ours.push((port, "Dapr API", None));
+            }
+        }
+    }
+    let containers = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten());
+    for container in containers {
+        for declared in container.ports.iter().flatten() {
+            if declared.protocol.as_deref().unwrap_or("TCP") != "TCP" {
+                continue;
+            }
+            let Some((port, what, annotation)) = ours
+                .iter()
+                .find(|(port, ..)| i32::from(*port) == declared.container_port)
+            else {
+                continue;
+            };
+            let fix = match annotation {
+                Some(annotation) => {
+                    format!("set annotation {annotation} to a port no container of the pod uses")
+                }
+                None => format!("move the container's port, or leave {DAPR_ANNOTATION} off"),
+            };
+            return Some(format!(
+                "annotation {ANNOTATION}: container {:?} declares port {port}, which the injected sidecar's {what} listens on in the pod's network, so one of the two could not listen; {fix}",
+                container.name
+            ));
+        }
+    }
+    None
+}
+
+/// The CPU the sidecar of a Guaranteed pod is given (as request and limit) when no CPU limit is
+/// configured: ten times its usual request, as a limit throttles a holder that renews late.
+pub const GUARANTEED_CPU: &str = "100m";
+
+/// Whether `pod` is of the Guaranteed QoS class: every container, init containers too, has CPU
+/// and memory limits, and requests equal to them (or none, which the API server sets to them).
+/// A sidecar with other requests than limits would turn it Burstable: no exclusive CPUs under
+/// the static CPU manager, and an earlier rank for eviction and the out-of-memory killer.
+fn guaranteed(pod: &Pod) -> bool {
+    let Some(spec) = pod.spec.as_ref() else {
+        return false;
+    };
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .all(|container| {
+            let Some(resources) = container.resources.as_ref() else {
+                return false;
+            };
+            ["cpu", "memory"].into_iter().all(|name| {
+                let limit = resources.limits.as_ref().and_then(|l| l.get(name));
+                let request = resources.requests.as_ref().and_then(|r| r.get(name));
+                match (limit, request) {
+                    (Some(_), None) => true,
+                    (Some(limit), Some(request)) => same_quantity(&limit.0, &request.0),
+                    (None, _) => false,
+                }
+            })
+        })
+}
+
+/// Whether two Kubernetes quantities are the same amount (`1` and `1000m`, `1Gi` and
+/// `1073741824`).
+fn same_quantity(a: &str, b: &str) -> bool {
+    match (quantity_value(a), quantity_value(b)) {
+        (Some(a), Some(b)) => (a - b).abs() <= a.abs().max(b.abs()) * 1e-12,
+        _ => a == b,
+    }
+}
+
+/// A quantity's amount, for comparing two.
+fn quantity_value(quantity: &str) -> Option<f64> {
+    let split = quantity
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '+' | '-')))
+        .unwrap_or(quantity.len());
+    let (number, suffix) = quantity.split_at(split);
+    let number: f64 = number.parse().ok()?;
+    let scale = match suffix {
+        "" => 1.0,
+        "m" => 1e-3,
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        "Ki" => 1024f64,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "Ei" => 1024f64.powi(6),
+        exponent => 10f64.powi(exponent.strip_prefix(['e', 'E'])?.parse().ok()?),
+    };
+    Some(number * scale)
+}
+
+/// The sidecar's resources in a Guaranteed pod: requests equal to limits, the configured CPU
+/// limit (else [`GUARANTEED_CPU`]) and memory limit (else its request, or the default limit
+/// when that is smaller).
+fn guaranteed_resources(configured: &ResourceRequirements) -> ResourceRequirements {
+    let get = |map: &Option<std::collections::BTreeMap<String, Quantity>>, name: &str| {
+        map.as_ref().and_then(|m| m.get(name)).cloned()
+    };
+    let cpu = get(&configured.limits, "cpu").unwrap_or_else(|| Quantity(GUARANTEED_CPU.into()));
+    let memory = get(&configured.limits, "memory")
+        .or_else(|| {
+            get(&configured.requests, "memory").filter(|request| {
+                quantity_value(&request.0)
+                    .zip(quantity_value(DEFAULT_MEMORY_LIMIT))
+                    .is_some_and(|(request, default)| request >= default)
+            })
+        })
+        .unwrap_or_else(|| Quantity(DEFAULT_MEMORY_LIMIT.into()));
+    let both: std::collections::BTreeMap<String, Quantity> =
+        [("cpu".to_owned(), cpu), ("memory".to_owned(), memory)].into();
+    ResourceRequirements {
+        requests: Some(both.clone()),
+        limits: Some(both),
+        ..configured.clone()
+    }
+}
+
 /// Decide for `pod` in `namespace`, given which DistributedLocks exist there and what each
 /// declares.
 pub fn decide(
@@ -452,7 +592,13 @@ pub fn decide(
         Ok(ports) => ports,
         Err(message) => return Decision::Deny(message),
     };
+    if let Some(reason) = port_taken(pod, ports, dapr) {
+        return Decision::Deny(reason);
+    }
     let mut container = sidecar(namespace, &locks, injection, ports);
+    if guaranteed(pod) {
+        container.resources = Some(guaranteed_resources(&injection.resources));
+    }
     // Only when every lock named is known to declare none: one not found may be a family.
     if dapr
         && locks.iter().all(|l| existing.contains_key(l))

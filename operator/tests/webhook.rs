@@ -1152,3 +1152,89 @@ fn the_sidecars_user_is_the_images_or_left_to_the_platform() {
     assert!(sc.get("runAsUser").is_none(), "{sc}");
     assert_eq!(sc["runAsNonRoot"], true);
 }
+
+/// Containers share the pod's network: an app that declares the port the sidecar's lock API or
+/// probes take would crash-loop beside it (or keep the sidecar from turning ready), so the pod
+/// is refused with the annotation that moves the sidecar's port.
+#[tokio::test]
+async fn a_port_an_app_declares_for_itself_is_refused_with_the_annotation_that_moves_it() {
+    let api = api_with_locks(&["jobs"]);
+    let declaring = |port: u16, protocol: &str| {
+        pod(
+            Some("jobs"),
+            None,
+            Some(json!({"name": "ui", "image": "example/ui:1",
+                        "ports": [{"containerPort": port, "protocol": protocol}]})),
+        )
+    };
+    for (port, annotation) in [
+        (webhook::API_PORT, webhook::PORT_ANNOTATION),
+        (webhook::PROBE_PORT, webhook::PROBE_PORT_ANNOTATION),
+    ] {
+        let (allowed, message, _) = admit(&api, &declaring(port, "TCP"), true).await;
+        assert!(!allowed, "port {port} taken twice");
+        assert!(
+            message.contains("\"ui\"") && message.contains(annotation),
+            "{message}"
+        );
+        let (allowed, message, _) = admit(&api, &declaring(port, "UDP"), true).await;
+        assert!(
+            allowed,
+            "a UDP port beside the sidecar's TCP one: {message}"
+        );
+    }
+    // Moved, the sidecar's lock API leaves the app its port.
+    let mut moved = declaring(webhook::API_PORT, "TCP");
+    moved["metadata"]["annotations"][webhook::PORT_ANNOTATION] = json!("4050");
+    let (allowed, message, patched) = admit(&api, &moved, true).await;
+    assert!(allowed, "{message}");
+    let env = sidecars(&patched, "initContainers")[0]["env"].to_string();
+    assert!(env.contains("\"127.0.0.1:4050\""), "{env}");
+}
+
+/// A pod whose every container has requests equal to its limits is of the Guaranteed QoS
+/// class; the sidecar, given requests equal to its limits there too, keeps it so. Any other
+/// pod gets the configured resources.
+#[tokio::test]
+async fn a_guaranteed_pod_stays_guaranteed_with_its_sidecar() {
+    let api = api_with_locks(&["jobs"]);
+    let mut guaranteed = pod(Some("jobs"), None, None);
+    guaranteed["spec"]["containers"][0]["resources"] = json!({
+        "requests": {"cpu": "1000m", "memory": "1Gi"},
+        "limits": {"cpu": "1", "memory": "1073741824"},
+    });
+    guaranteed["spec"]["initContainers"] = json!([{"name": "migrate", "image": "example/m:1",
+        "resources": {"limits": {"cpu": "500m", "memory": "256Mi"}}}]);
+    let (allowed, message, patched) = admit(&api, &guaranteed, true).await;
+    assert!(allowed, "{message}");
+    let sidecar = &sidecars(&patched, "initContainers")[0];
+    for name in ["cpu", "memory"] {
+        assert_eq!(
+            sidecar["resources"]["requests"][name], sidecar["resources"]["limits"][name],
+            "the sidecar's {name} request is not its limit: the pod is no longer Guaranteed"
+        );
+    }
+    assert_eq!(
+        sidecar["resources"]["limits"]["cpu"],
+        webhook::GUARANTEED_CPU
+    );
+    assert_eq!(
+        sidecar["resources"]["limits"]["memory"],
+        webhook::DEFAULT_MEMORY_LIMIT
+    );
+
+    // An app without a CPU limit makes the pod Burstable whatever the sidecar has.
+    let mut burstable = guaranteed.clone();
+    burstable["spec"]["containers"][0]["resources"]["limits"]
+        .as_object_mut()
+        .unwrap()
+        .remove("cpu");
+    let (allowed, message, patched) = admit(&api, &burstable, true).await;
+    assert!(allowed, "{message}");
+    let sidecar = &sidecars(&patched, "initContainers")[0];
+    assert_eq!(
+        sidecar["resources"]["requests"]["cpu"],
+        webhook::DEFAULT_CPU_REQUEST
+    );
+    assert!(sidecar["resources"]["limits"]["cpu"].is_null());
+}
