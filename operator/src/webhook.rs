@@ -13,7 +13,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
     Lifecycle, LifecycleHandler, NodeSelectorTerm, ObjectFieldSelector, Pod, Probe,
-    ResourceRequirements, SeccompProfile, SecurityContext,
+    ResourceRequirements, SeccompProfile, SecurityContext, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -239,16 +239,63 @@ pub fn requested_locks(pod: &Pod) -> Option<Result<Vec<String>, String>> {
     Some(parse_annotation(value))
 }
 
-/// Why the sidecar could never read its lock in `pod`: it reads the `DistributedLock` with the
-/// pod's service account token, which a pod that turns automounting off does not give it (a
-/// token the app mounts for itself is in the app's container only).
-fn no_token(pod: &Pod) -> Option<String> {
-    let spec = pod.spec.as_ref()?;
-    (spec.automount_service_account_token == Some(false)).then(|| {
-        format!(
-            "annotation {ANNOTATION}: the pod sets automountServiceAccountToken: false, and the injected sidecar reads its DistributedLock with the pod's service account token; remove the setting (or set it to true) for this pod"
-        )
+/// Where the API server's ServiceAccount admission mounts a pod's service account token (and
+/// the cluster's CA and the namespace).
+pub const SERVICE_ACCOUNT_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// The pod volume that gives the sidecar alone a token, in a pod that turns automounting off.
+pub const TOKEN_VOLUME: &str = "leasehold-service-account-token";
+/// How long the projected token is valid: the kubelet renews it at four fifths of this, and
+/// the sidecar's client reads the file again. As the API server's own mounts ask.
+const TOKEN_EXPIRATION_SECONDS: i64 = 3607;
+
+/// Whether the sidecar needs a token of its own in `pod`: the pod, or its ServiceAccount, turns
+/// automounting off, so no container has the token the sidecar reads its `DistributedLock`
+/// with. The API server's ServiceAccount admission, which runs before admission webhooks,
+/// mounts it into every container of a pod that gets one (and into the sidecar when it runs
+/// again after the webhook's change), so a pod none of whose containers has it gets none.
+fn needs_own_token(pod: &Pod) -> bool {
+    let Some(spec) = pod.spec.as_ref() else {
+        return false;
+    };
+    let mounted = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .flat_map(|c| c.volume_mounts.iter().flatten())
+        .any(|m| m.mount_path.trim_end_matches('/') == SERVICE_ACCOUNT_MOUNT_PATH);
+    spec.automount_service_account_token == Some(false) || !mounted
+}
+
+/// The projected volume of the sidecar's own token: what the API server mounts for a pod that
+/// gets one (a bound token, the cluster's CA, the namespace), mounted in the sidecar alone, so
+/// the app of a pod that turned its token off still has none.
+fn token_volume() -> Value {
+    json!({
+        "name": TOKEN_VOLUME,
+        "projected": {
+            "defaultMode": 0o644,
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_EXPIRATION_SECONDS}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace",
+                    "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+            ],
+        },
     })
+}
+
+/// Why `pod` cannot get the sidecar's own token: a volume of its own has the name.
+fn token_volume_taken(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    spec.volumes
+        .iter()
+        .flatten()
+        .any(|v| v.name == TOKEN_VOLUME)
+        .then(|| {
+            format!(
+                "annotation {ANNOTATION}: the pod turns its service account token off, and the injected sidecar mounts one of its own from the volume {TOKEN_VOLUME:?}, a name the pod already gives a volume of its own; rename that volume"
+            )
+        })
 }
 
 /// Why the sidecar may not serve `pod`: on the node's network, its lock API's loopback is the
@@ -258,29 +305,6 @@ fn on_host_network(pod: &Pod) -> Option<String> {
     (spec.host_network == Some(true)).then(|| {
         format!(
             "annotation {ANNOTATION}: the pod sets hostNetwork: true, and the injected sidecar's lock API listens on the pod's loopback, which on the host network is the node's, open to every pod on the host network and every process of the node; run the pod on its own network"
-        )
-    })
-}
-
-/// Where the API server's ServiceAccount admission mounts a pod's service account token (and
-/// the cluster's CA and the namespace).
-pub const SERVICE_ACCOUNT_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
-
-/// Why the sidecar could never read its lock in `pod` when the pod's ServiceAccount turns the
-/// token off: the API server's ServiceAccount admission, which runs before admission webhooks,
-/// mounts the token into every container of a pod that gets one (and into the sidecar when it
-/// runs again after the webhook's change), so a pod none of whose containers has it gets none.
-fn no_mounted_token(pod: &Pod) -> Option<String> {
-    let spec = pod.spec.as_ref()?;
-    let mounted = spec
-        .containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .flat_map(|c| c.volume_mounts.iter().flatten())
-        .any(|m| m.mount_path.trim_end_matches('/') == SERVICE_ACCOUNT_MOUNT_PATH);
-    (!mounted).then(|| {
-        format!(
-            "annotation {ANNOTATION}: no container of the pod has a service account token mounted at {SERVICE_ACCOUNT_MOUNT_PATH}, which the injected sidecar reads its DistributedLock with; the pod's ServiceAccount most likely sets automountServiceAccountToken: false: set automountServiceAccountToken: true in the pod's spec"
         )
     })
 }
@@ -572,13 +596,11 @@ pub fn decide(
     // A lock not found (not created yet: Helm and Argo CD create custom resources after
     // Deployments) or not looked up (the API server did not answer) is injected all the same:
     // the sidecar answers 503 with the reason until the lock exists, and takes it then.
-    if let Some(reason) = no_token(pod) {
-        return Decision::Deny(reason);
-    }
     if let Some(reason) = on_host_network(pod) {
         return Decision::Deny(reason);
     }
-    if let Some(reason) = no_mounted_token(pod) {
+    let own_token = needs_own_token(pod);
+    if own_token && let Some(reason) = token_volume_taken(pod) {
         return Decision::Deny(reason);
     }
     let (gated, dapr) = match (
@@ -598,6 +620,14 @@ pub fn decide(
     let mut container = sidecar(namespace, &locks, injection, ports);
     if guaranteed(pod) {
         container.resources = Some(guaranteed_resources(&injection.resources));
+    }
+    if own_token {
+        container.volume_mounts = Some(vec![VolumeMount {
+            name: TOKEN_VOLUME.to_owned(),
+            mount_path: SERVICE_ACCOUNT_MOUNT_PATH.to_owned(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        }]);
     }
     // Only when every lock named is known to declare none: one not found may be a family.
     if dapr
@@ -676,6 +706,13 @@ pub fn decide(
         json!({"op": "add", "path": "/metadata/labels", "value": {INJECTED_LABEL: "true"}})
     };
     let mut ops = vec![op, label];
+    if own_token {
+        ops.push(if spec.and_then(|s| s.volumes.as_ref()).is_some() {
+            json!({"op": "add", "path": "/spec/volumes/-", "value": token_volume()})
+        } else {
+            json!({"op": "add", "path": "/spec/volumes", "value": [token_volume()]})
+        });
+    }
     let present: Vec<&str> = spec
         .and_then(|s| s.image_pull_secrets.as_ref())
         .map(|l| l.iter().map(|r| r.name.as_str()).collect())

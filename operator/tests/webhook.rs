@@ -544,23 +544,68 @@ async fn a_finishing_pod_whose_plain_sidecar_may_not_watch_it_is_refused_with_th
     );
 }
 
-/// A pod that turns its service account token off could never read its lock: refused at once
-/// with the reason, rather than admitted with a sidecar that can only answer 503.
+/// A pod that turns its service account token off keeps it from its app: the sidecar, which
+/// reads its lock with the token, gets one of its own (a projected volume mounted in the sidecar
+/// alone), and the app still has none.
 #[tokio::test]
-async fn a_pod_without_a_service_account_token_is_refused_with_the_reason() {
+async fn a_pod_that_turns_its_token_off_gets_one_for_the_sidecar_alone() {
     let api = api_with_locks(&["jobs"]);
     let mut tokenless = pod(Some("jobs"), None, None);
     tokenless["spec"]["automountServiceAccountToken"] = json!(false);
+    let (allowed, message, patched) = admit(&api, &tokenless, true).await;
+    assert!(allowed, "{message}");
+    assert_own_token(&patched);
+
+    // The pod's own volume of that name is not replaced: refused with the reason.
+    tokenless["spec"]["volumes"] = json!([{"name": webhook::TOKEN_VOLUME, "emptyDir": {}}]);
     let (allowed, message, _) = admit(&api, &tokenless, true).await;
-    assert!(!allowed);
     assert!(
-        message.contains("automountServiceAccountToken"),
+        !allowed && message.contains("rename that volume"),
         "{message}"
     );
 
-    tokenless["spec"]["automountServiceAccountToken"] = json!(true);
-    let (allowed, message, _) = admit(&api, &tokenless, true).await;
+    // A pod that gets the API server's token mount leaves it to the sidecar.
+    let mounted = leasehold_testkit::with_service_account_token(pod(Some("jobs"), None, None));
+    let (allowed, message, patched) = admit(&api, &mounted, true).await;
     assert!(allowed, "{message}");
+    let sidecar = &sidecars(&patched, "initContainers")[0];
+    assert!(sidecar["volumeMounts"].is_null(), "{sidecar}");
+    assert!(
+        !patched["spec"]["volumes"]
+            .to_string()
+            .contains(webhook::TOKEN_VOLUME)
+    );
+}
+
+/// The sidecar of `patched` reads its own projected token, the app none.
+fn assert_own_token(patched: &Value) {
+    let sidecar = &sidecars(patched, "initContainers")[0];
+    assert_eq!(
+        sidecar["volumeMounts"],
+        json!([{"name": webhook::TOKEN_VOLUME, "readOnly": true,
+                "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}])
+    );
+    let volume = patched["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == webhook::TOKEN_VOLUME)
+        .expect("the token's volume");
+    let sources = volume["projected"]["sources"].to_string();
+    for part in [
+        "serviceAccountToken",
+        "kube-root-ca.crt",
+        "metadata.namespace",
+    ] {
+        assert!(sources.contains(part), "{part} missing: {sources}");
+    }
+    let app = &patched["spec"]["containers"][0];
+    assert!(
+        !app["volumeMounts"]
+            .to_string()
+            .contains(webhook::TOKEN_VOLUME),
+        "the app got the sidecar's token: {app}"
+    );
 }
 
 /// A pod on the node's network would serve its lock API on the node's loopback, to every other
@@ -602,10 +647,9 @@ async fn an_annotation_naming_more_locks_than_a_pod_takes_is_refused_unread() {
 }
 
 /// A pod whose ServiceAccount turns the token off (and that does not turn it on itself) has no
-/// token mounted when the webhook sees it: refused with the reason, since its sidecar could
-/// never read its lock.
+/// token mounted when the webhook sees it: the sidecar gets one of its own, the app none.
 #[tokio::test]
-async fn a_pod_whose_service_account_gives_no_token_is_refused_with_the_reason() {
+async fn a_pod_whose_service_account_gives_no_token_gets_one_for_the_sidecar_alone() {
     let api = api_with_locks(&["jobs"]);
     let mut unmounted = pod(Some("jobs"), None, None);
     unmounted["spec"]["containers"][0]
@@ -613,19 +657,18 @@ async fn a_pod_whose_service_account_gives_no_token_is_refused_with_the_reason()
         .unwrap()
         .remove("volumeMounts");
     unmounted["spec"].as_object_mut().unwrap().remove("volumes");
-    let (allowed, message, _) = admit(&api, &unmounted, true).await;
-    assert!(!allowed);
-    assert!(
-        message.contains("ServiceAccount most likely sets automountServiceAccountToken: false"),
-        "{message}"
-    );
-    // The token mounted in any container (an init container's counts) is enough.
+    let (allowed, message, patched) = admit(&api, &unmounted, true).await;
+    assert!(allowed, "{message}");
+    assert_own_token(&patched);
+    // The token mounted in any container (an init container's counts): the API server's
+    // ServiceAccount admission mounts it into the sidecar too.
     let init = json!([{"name": "setup", "image": "example/setup:1", "volumeMounts": [
         {"name": "kube-api-access-x7k2p", "readOnly": true,
          "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}]}]);
     unmounted["spec"]["initContainers"] = init;
-    let (allowed, message, _) = admit(&api, &unmounted, true).await;
+    let (allowed, message, patched) = admit(&api, &unmounted, true).await;
     assert!(allowed, "{message}");
+    assert!(sidecars(&patched, "initContainers")[0]["volumeMounts"].is_null());
 }
 
 /// Most pods carry labels already: the injected label joins them and changes none.
