@@ -959,8 +959,6 @@ async fn hold(
     name: Option<Path<String>>,
     QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
-    // Before anything is awaited: the client sent the request before this.
-    let requested = leasehold_lease::BootInstant::now();
     if let Some(family) = state.family_named(name.as_ref()) {
         return keys_hold(&state, family, query).await;
     }
@@ -1011,7 +1009,6 @@ async fn hold(
         },
         about,
         turn.into_iter().collect(),
-        requested,
     ))
 }
 
@@ -1468,8 +1465,6 @@ async fn keys_hold(
     family: KeyedFamily,
     mut query: HashMap<String, String>,
 ) -> Result<Response, ApiError> {
-    // Before anything is awaited: the client sent the request before this.
-    let requested = leasehold_lease::BootInstant::now();
     let exclusive = exclusive_param(&mut query)?;
     let keys = keys_param(&mut query)?;
     let mode = mode_param(&mut query)?;
@@ -1567,7 +1562,7 @@ async fn keys_hold(
             keys: held,
         },
     };
-    Ok(hold_stream::respond(bound, about, turns, requested))
+    Ok(hold_stream::respond(bound, about, turns))
 }
 
 /// `/locks/{family}/release?keys=...`: one release of each key; 200 when each was released.
@@ -1836,8 +1831,6 @@ async fn key_hold(
     Path((family, key)): Path<(String, String)>,
     QueryOnce(mut query): QueryOnce,
 ) -> Result<Response, ApiError> {
-    // Before anything is awaited: the client sent the request before this.
-    let requested = leasehold_lease::BootInstant::now();
     let family = state.family(&family)?;
     let mode = mode_param(&mut query)?;
     let exclusive = exclusive_param(&mut query)?;
@@ -1920,7 +1913,7 @@ async fn key_hold(
     if writer {
         about.insert("mode".into(), "write".into());
     }
-    Ok(hold_stream::respond(bound, about, turns, requested))
+    Ok(hold_stream::respond(bound, about, turns))
 }
 
 /// A hold, not to write, by an owner that writes the key: its stream would follow a read.
@@ -1969,11 +1962,9 @@ async fn events(
     name: Option<Path<String>>,
     QueryOnce(query): QueryOnce,
 ) -> Result<Response, ApiError> {
-    // Before anything is awaited: the client sent the request before this.
-    let requested = leasehold_lease::BootInstant::now();
     let lock = state.lock(name)?;
     durations(&query, &[])?;
-    Ok(crate::lock_events::respond(lock, requested))
+    Ok(crate::lock_events::respond(lock))
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

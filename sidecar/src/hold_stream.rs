@@ -9,9 +9,7 @@
 //! the moment the sidecar knows) or `released` (the sidecar stopped, or the acquisition was
 //! released by another call). An app holds until `validForMs` after the last event it read,
 //! or until `lost`, whichever comes first: a sidecar paused past its claim says nothing until it
-//! runs again, and then says `lost` at once. An app that may read an event late (stopped,
-//! starved, events left in a buffer) counts `validForMsSinceRequest` from before it sent its
-//! request instead: that is never past the claim, however late the event is read.
+//! runs again, and then says `lost` at once.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -335,35 +333,20 @@ enum Bind {
 /// The stream for an acquisition `bound` holds; `about` names it in every event (lock, or
 /// family, key and owner, or family, owner and each key with its token). `turns`, an
 /// exclusive hold's places, are kept until the acquisition is given up.
-/// `requested` is when the request's handler began, after its client sent it.
 pub fn respond(
     bound: Bound,
     about: Map<String, Value>,
     turns: Vec<tokio::sync::OwnedMutexGuard<()>>,
-    requested: BootInstant,
 ) -> Response {
     let (events, receiver) = mpsc::channel(4);
     tokio::spawn(async move {
-        follow(bound, about, events, requested).await;
+        follow(bound, about, events).await;
         drop(turns);
     });
     let stream = ReceiverStream::new(receiver);
     Sse::new(futures_util::StreamExt::map(stream, Ok::<_, Infallible>))
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
         .into_response()
-}
-
-/// How long a holding valid until `until` is valid: from now (`validForMs`), and from when the
-/// stream's request arrived, `requested` (`validForMsSinceRequest`). Counted by the client from
-/// before it sent the request, the second ends no later than the claim whenever the client
-/// reads the event; counted from its reading, the first ends later by the time the event
-/// waited to be read.
-pub fn validity(until: BootInstant, requested: BootInstant) -> Map<String, Value> {
-    let mut fields = Map::new();
-    let from = |instant: BootInstant| until.saturating_duration_since(instant).as_millis() as u64;
-    fields.insert("validForMs".into(), from(BootInstant::now()).into());
-    fields.insert("validForMsSinceRequest".into(), from(requested).into());
-    fields
 }
 
 fn event(kind: &str, about: &Map<String, Value>, fields: Value) -> SseEvent {
@@ -516,12 +499,7 @@ async fn any_changed(
 
 /// The stream's task: extend while the connection lives, tell every renewal, and end with
 /// `lost` or `released`; release when the connection closes.
-async fn follow(
-    bound: Bound,
-    mut about: Map<String, Value>,
-    events: mpsc::Sender<SseEvent>,
-    requested: BootInstant,
-) {
+async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sender<SseEvent>) {
     about.extend(bound.token_field());
     let Some(parts) = bound.parts() else {
         let _ = events
@@ -600,7 +578,8 @@ async fn follow(
         };
         // Told when the claim moves on (a renewal); the hold moves on with every extension.
         if told != Some(claim) {
-            let mut fields = Value::Object(validity(answer, requested));
+            let valid_for = answer.saturating_duration_since(BootInstant::now());
+            let mut fields = json!({"validForMs": valid_for.as_millis() as u64});
             // Several keys' acquisitions are counted key by key: no one count to tell.
             if !matches!(bound, Bound::Keys { .. } | Bound::Writes { .. }) {
                 fields["holds"] = engine.snapshot().holds.into();
@@ -687,7 +666,6 @@ mod tests {
             },
             Map::new(),
             Vec::new(),
-            BootInstant::now(),
         );
         let told = next_event(&mut stream.into_body().into_data_stream()).await;
         assert!(
@@ -744,7 +722,6 @@ mod tests {
             },
             about,
             Vec::new(),
-            BootInstant::now(),
         );
         let body = axum::body::to_bytes(response.into_body(), 1 << 16)
             .await

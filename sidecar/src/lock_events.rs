@@ -3,9 +3,7 @@
 //! pod leads, so each word that says it holds also says for how long (`validForMs`): the
 //! `state` of a holder, `acquired`, and a `renewed` each time the claim moves on. A sidecar
 //! paused or starved past its claim says nothing until it runs again; a follower that counts
-//! `validForMs` from each event it reads stops acting as the leader before anyone else can, and
-//! one that may read an event late counts `validForMsSinceRequest` from before it sent its
-//! request.
+//! `validForMs` from each event it reads stops acting as the leader before anyone else can.
 
 use std::convert::Infallible;
 
@@ -17,12 +15,12 @@ use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
-/// The stream of `lock`'s changes; `requested` is when the request's handler began.
-pub fn respond(lock: Lock, requested: BootInstant) -> Response {
+/// The stream of `lock`'s changes.
+pub fn respond(lock: Lock) -> Response {
     // Subscribed before the state is read, so that no change falls between the two.
     let changes = lock.events();
     let (events, receiver) = mpsc::channel(16);
-    tokio::spawn(follow(lock, changes, events, requested));
+    tokio::spawn(follow(lock, changes, events));
     let stream = ReceiverStream::new(receiver);
     Sse::new(futures_util::StreamExt::map(stream, Ok::<_, Infallible>))
         .keep_alive(KeepAlive::default())
@@ -40,23 +38,20 @@ fn held_in(snapshot: &Snapshot) -> Told {
         .map(|held| ((held.permit, held.token), held.answered_until()))
 }
 
-/// `body` with how long a holding valid until `until` is valid
-/// ([`validity`](crate::hold_stream::validity)).
-fn add_validity(body: &mut Value, until: BootInstant, requested: BootInstant) {
-    if let Value::Object(fields) = body {
-        fields.extend(crate::hold_stream::validity(until, requested));
-    }
+fn valid_for_ms(until: BootInstant) -> u64 {
+    until
+        .saturating_duration_since(BootInstant::now())
+        .as_millis() as u64
 }
 
 async fn follow(
     lock: Lock,
     mut changes: broadcast::Receiver<Event>,
     events: mpsc::Sender<SseEvent>,
-    requested: BootInstant,
 ) {
     let mut states = lock.watch();
     let permits = lock.has_had_permits();
-    let (state, mut told) = state_event(&lock, &states.borrow_and_update(), permits, requested);
+    let (state, mut told) = state_event(&lock, &states.borrow_and_update(), permits);
     if events.send(state).await.is_err() {
         return;
     }
@@ -69,8 +64,7 @@ async fn follow(
                     Ok(event) => event,
                     // A reader that fell behind missed events: told the state anew.
                     Err(broadcast::error::RecvError::Lagged(_)) => {
-                        let (state, now_told) =
-                            state_event(&lock, &lock.snapshot(), permits, requested);
+                        let (state, now_told) = state_event(&lock, &lock.snapshot(), permits);
                         told = now_told;
                         if events.send(state).await.is_err() {
                             return;
@@ -85,7 +79,7 @@ async fn follow(
                     && let Some((holding, until)) = held_in(&lock.snapshot())
                     && holding == (event.permit, event.token)
                 {
-                    add_validity(&mut body, until, requested);
+                    body["validForMs"] = valid_for_ms(until).into();
                     told = Some((holding, until));
                 }
                 if events.send(sse(event.kind.as_str(), body)).await.is_err() {
@@ -109,7 +103,7 @@ async fn follow(
                     continue;
                 }
                 let mut body = holding_body(lock.name(), "renewed", holding, permits);
-                add_validity(&mut body, until, requested);
+                body["validForMs"] = valid_for_ms(until).into();
                 told = Some((holding, until));
                 // Never waited for: a client that reads slowly must not hold up the next,
                 // fresher word; one it misses only shortens the validity it counts on.
@@ -126,12 +120,7 @@ async fn follow(
 /// The `state` event for `snapshot`, and the holding the stream then knows of. A holding that
 /// stands is known even while the backend cannot be read (the answer then unknown, told without
 /// a validity): its next renewal is told, with its validity.
-fn state_event(
-    lock: &Lock,
-    snapshot: &Snapshot,
-    permits: bool,
-    requested: BootInstant,
-) -> (SseEvent, Told) {
+fn state_event(lock: &Lock, snapshot: &Snapshot, permits: bool) -> (SseEvent, Told) {
     let answer = snapshot.answer();
     let mut state = json!({
         "lock": lock.name(),
@@ -143,7 +132,7 @@ fn state_event(
     if let (Some(holding), Some((shown, until))) = (answer.holding(), known)
         && holding == shown
     {
-        add_validity(&mut state, until, requested);
+        state["validForMs"] = valid_for_ms(until).into();
         if permits {
             state["permit"] = holding.0.into();
         }
@@ -208,9 +197,7 @@ mod tests {
         .await
         .expect("a renewal fails while the claim stands")
         .unwrap();
-        let mut body = respond(lock.clone(), BootInstant::now())
-            .into_body()
-            .into_data_stream();
+        let mut body = respond(lock.clone()).into_body().into_data_stream();
         let first = next_event(&mut body).await;
         assert!(
             first.starts_with("event: state") && !first.contains("validForMs"),
@@ -219,7 +206,7 @@ mod tests {
         faulty.stall_renewals(false);
         let next = next_event(&mut body).await;
         assert!(
-            next.starts_with("event: renewed") && next.contains("validForMsSinceRequest"),
+            next.starts_with("event: renewed") && next.contains("validForMs"),
             "the follower was not told that the pod leads: {next}"
         );
     }

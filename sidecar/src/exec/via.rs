@@ -1,8 +1,7 @@
 //! `exec --via http://127.0.0.1:4040`: a running sidecar holds the lock (or a key) for this
 //! process, through a hold bound to a connection (`POST .../hold`, an event stream). The claim
-//! is what the stream says: held from `acquired`, until `validForMsSinceRequest` after the
-//! request was sent (an event read late, exec having been stopped, moves the claim no further
-//! than the sidecar's), or until `lost` or `released`. Closing the connection releases the lock at once; the command
+//! is what the stream says: held from `acquired`, until `validForMs` after the last event read,
+//! or until `lost` or `released`. Closing the connection releases the lock at once; the command
 //! holds a copy of it, so that it closes only once exec and every process the command started
 //! are gone (an exec killed outright would otherwise release while its command still runs).
 
@@ -238,7 +237,7 @@ async fn hold(
         });
         let asked = ask(via, target, left.min(MAX_WAIT_PER_REQUEST)).await;
         match asked {
-            Ok(Answer::Stream { mut lines, sent }) => {
+            Ok(Answer::Stream(mut lines)) => {
                 // `dup` leaves close-on-exec off: the command, spawned while the copy is open,
                 // keeps the connection open as long as it or a process it started lives.
                 match nix::unistd::dup(lines.get_mut().get_ref()) {
@@ -252,7 +251,7 @@ async fn hold(
                         );
                     }
                 }
-                let ended = follow(lines, sent, claims).await;
+                let ended = follow(lines, claims).await;
                 if command_started.load(Ordering::SeqCst) {
                     return ended;
                 }
@@ -295,15 +294,8 @@ async fn hold(
 }
 
 enum Answer {
-    /// The hold's event stream, and when its request was sent: validities count from then.
-    Stream {
-        lines: tokio::io::Lines<BufReader<TcpStream>>,
-        sent: BootInstant,
-    },
-    Refused {
-        status: u16,
-        body: String,
-    },
+    Stream(tokio::io::Lines<BufReader<TcpStream>>),
+    Refused { status: u16, body: String },
 }
 
 async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answer> {
@@ -314,7 +306,6 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
         target.path(wait),
         via.authority
     );
-    let sent = BootInstant::now();
     connection.write_all(request.as_bytes()).await?;
     let mut reader = BufReader::new(connection);
     let mut status_line = String::new();
@@ -341,10 +332,7 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
         }
     }
     if status == 200 {
-        return Ok(Answer::Stream {
-            lines: reader.lines(),
-            sent,
-        });
+        return Ok(Answer::Stream(reader.lines()));
     }
     let mut body = vec![0; length.unwrap_or(0).min(64 * 1024)];
     reader.read_exact(&mut body).await?;
@@ -357,7 +345,6 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
 /// Follow the stream until it ends; the claim moves with each event.
 async fn follow(
     mut lines: tokio::io::Lines<BufReader<TcpStream>>,
-    sent: BootInstant,
     claims: &watch::Sender<Claim>,
 ) -> (u8, String) {
     let mut kind = String::new();
@@ -380,8 +367,8 @@ async fn follow(
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
         };
-        // An event waits to be read as long as exec is stopped or starved, in buffers: dated
-        // on arrival alone, the claim would move past the sidecar's by that wait.
+        // Dated on arrival, the claim ends no earlier than the sidecar's by the way here:
+        // microseconds on loopback, and within `KILL_MARGIN` on a loaded machine.
         let read = BootInstant::now();
         let Ok(body) = serde_json::from_str::<serde_json::Value>(data) else {
             continue;
@@ -409,13 +396,7 @@ async fn follow(
                 let (Some(token), Some(valid_for)) = (token, body["validForMs"].as_u64()) else {
                     continue;
                 };
-                // Counted from the request's sending, `validForMsSinceRequest` ends no later than
-                // the sidecar's claim however late the event is read. A sidecar of a version
-                // that does not say it leaves `validForMs` from the reading.
-                let end = match body["validForMsSinceRequest"].as_u64() {
-                    Some(since_request) => sent + Duration::from_millis(since_request),
-                    None => read + Duration::from_millis(valid_for),
-                };
+                let end = read + Duration::from_millis(valid_for);
                 let timing = body["leaseDurationMs"]
                     .as_u64()
                     .zip(body["renewIntervalMs"].as_u64())
