@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, HTTPGetAction,
-    Lifecycle, LifecycleHandler, NodeSelectorTerm, ObjectFieldSelector, Pod, Probe,
+    Lifecycle, LifecycleHandler, NodeSelectorTerm, ObjectFieldSelector, Pod, PodSpec, Probe,
     ResourceRequirements, SeccompProfile, SecurityContext, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -257,10 +257,7 @@ fn needs_own_token(pod: &Pod) -> bool {
     let Some(spec) = pod.spec.as_ref() else {
         return false;
     };
-    let mounted = spec
-        .containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
+    let mounted = all_containers(spec)
         .flat_map(|c| c.volume_mounts.iter().flatten())
         .any(|m| m.mount_path.trim_end_matches('/') == SERVICE_ACCOUNT_MOUNT_PATH);
     spec.automount_service_account_token == Some(false) || !mounted
@@ -324,10 +321,7 @@ fn has_native_sidecars(pod: &Pod) -> bool {
 
 fn already_injected(pod: &Pod) -> bool {
     let Some(spec) = &pod.spec else { return false };
-    spec.containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .any(|c| c.name == SIDECAR_NAME)
+    all_containers(spec).any(|c| c.name == SIDECAR_NAME)
 }
 
 /// A `"true"`/`"false"` annotation of `pod`, `false` when absent.
@@ -419,22 +413,31 @@ fn ports_annotation(pod: &Pod, dapr: bool) -> Result<Ports, String> {
             ports.api
         ));
     }
-    let dapr_ports = [DAPR_HTTP_LISTEN, DAPR_GRPC_LISTEN].map(|listen| {
-        listen
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse::<u16>().ok())
-    });
     if dapr
         && let Some(taken) = [ports.api, ports.probe]
             .into_iter()
-            .find(|p| dapr_ports.contains(&Some(*p)))
+            .find(|p| dapr_ports().contains(p))
     {
         return Err(format!(
             "annotations {PORT_ANNOTATION}/{PROBE_PORT_ANNOTATION}: port {taken} is Dapr's, which {DAPR_ANNOTATION}=\"true\" serves on"
         ));
     }
     Ok(ports)
+}
+
+/// The ports Dapr's APIs listen on when the sidecar serves them.
+fn dapr_ports() -> Vec<u16> {
+    [DAPR_HTTP_LISTEN, DAPR_GRPC_LISTEN]
+        .into_iter()
+        .filter_map(|listen| listen.rsplit(':').next()?.parse().ok())
+        .collect()
+}
+
+/// Every container of the pod, its init containers (native sidecars among them) too.
+fn all_containers(spec: &PodSpec) -> impl Iterator<Item = &Container> {
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
 }
 
 /// Why the sidecar cannot listen in `pod`: a container of the pod declares a port that the
@@ -448,17 +451,13 @@ fn port_taken(pod: &Pod, ports: Ports, dapr: bool) -> Option<String> {
         (ports.probe, "probes", Some(PROBE_PORT_ANNOTATION)),
     ];
     if dapr {
-        for listen in [DAPR_HTTP_LISTEN, DAPR_GRPC_LISTEN] {
-            if let Some(port) = listen.rsplit(':').next().and_then(|p| p.parse().ok()) {
-                ours.push((port, "Dapr API", None));
-            }
-        }
+        ours.extend(
+            dapr_ports()
+                .into_iter()
+                .map(|port| (port, "Dapr API", None)),
+        );
     }
-    let containers = spec
-        .containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten());
-    for container in containers {
+    for container in all_containers(spec) {
         for declared in container.ports.iter().flatten() {
             if declared.protocol.as_deref().unwrap_or("TCP") != "TCP" {
                 continue;
@@ -496,23 +495,20 @@ fn guaranteed(pod: &Pod) -> bool {
     let Some(spec) = pod.spec.as_ref() else {
         return false;
     };
-    spec.containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .all(|container| {
-            let Some(resources) = container.resources.as_ref() else {
-                return false;
-            };
-            ["cpu", "memory"].into_iter().all(|name| {
-                let limit = resources.limits.as_ref().and_then(|l| l.get(name));
-                let request = resources.requests.as_ref().and_then(|r| r.get(name));
-                match (limit, request) {
-                    (Some(_), None) => true,
-                    (Some(limit), Some(request)) => same_quantity(&limit.0, &request.0),
-                    (None, _) => false,
-                }
-            })
+    all_containers(spec).all(|container| {
+        let Some(resources) = container.resources.as_ref() else {
+            return false;
+        };
+        ["cpu", "memory"].into_iter().all(|name| {
+            let limit = resources.limits.as_ref().and_then(|l| l.get(name));
+            let request = resources.requests.as_ref().and_then(|r| r.get(name));
+            match (limit, request) {
+                (Some(_), None) => true,
+                (Some(limit), Some(request)) => same_quantity(&limit.0, &request.0),
+                (None, _) => false,
+            }
         })
+    })
 }
 
 /// Whether two Kubernetes quantities are the same amount (`1` and `1000m`, `1Gi` and
