@@ -564,8 +564,8 @@ async fn a_pod_that_turns_its_token_off_gets_one_for_the_sidecar_alone() {
         "{message}"
     );
 
-    // A pod that gets the API server's token mount leaves it to the sidecar.
-    let mounted = leasehold_testkit::with_service_account_token(pod(Some("jobs"), None, None));
+    // A pod that gets the API server's token mount (as `pod` has it) leaves it to the sidecar.
+    let mounted = pod(Some("jobs"), None, None);
     let (allowed, message, patched) = admit(&api, &mounted, true).await;
     assert!(allowed, "{message}");
     let sidecar = &sidecars(&patched, "initContainers")[0];
