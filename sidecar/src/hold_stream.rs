@@ -9,7 +9,10 @@
 //! the moment the sidecar knows) or `released` (the sidecar stopped, or the acquisition was
 //! released by another call). An app holds until `validForMs` after the last event it read,
 //! or until `lost`, whichever comes first: a sidecar paused past its claim says nothing until it
-//! runs again, and then says `lost` at once.
+//! runs again, and then says `lost` at once. An event read late (its reader stopped or starved,
+//! the event left in a buffer) says more than is left: a reader on the sidecar's machine also
+//! takes `validUntilBootTimeMs`, the claim's end on the machine's boot clock, whichever is
+//! earlier.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -349,6 +352,22 @@ pub fn respond(
         .into_response()
 }
 
+/// How long a holding valid until `until` is valid: from now (`validForMs`, which a client
+/// counts from its reading of the event, and so past the claim by as long as the event waited to
+/// be read), and as an instant on the machine's `CLOCK_BOOTTIME` in milliseconds
+/// (`validUntilBootTimeMs`), which every process on the machine reads alike however late it
+/// reads the event. Both rounded down: never past the claim.
+pub fn validity(until: BootInstant) -> Map<String, Value> {
+    let mut fields = Map::new();
+    let valid_for = until.saturating_duration_since(BootInstant::now());
+    fields.insert("validForMs".into(), (valid_for.as_millis() as u64).into());
+    fields.insert(
+        "validUntilBootTimeMs".into(),
+        (until.as_nanos() / 1_000_000).into(),
+    );
+    fields
+}
+
 fn event(kind: &str, about: &Map<String, Value>, fields: Value) -> SseEvent {
     let mut body = about.clone();
     if let Value::Object(fields) = fields {
@@ -578,8 +597,7 @@ async fn follow(bound: Bound, mut about: Map<String, Value>, events: mpsc::Sende
         };
         // Told when the claim moves on (a renewal); the hold moves on with every extension.
         if told != Some(claim) {
-            let valid_for = answer.saturating_duration_since(BootInstant::now());
-            let mut fields = json!({"validForMs": valid_for.as_millis() as u64});
+            let mut fields = Value::Object(validity(answer));
             // Several keys' acquisitions are counted key by key: no one count to tell.
             if !matches!(bound, Bound::Keys { .. } | Bound::Writes { .. }) {
                 fields["holds"] = engine.snapshot().holds.into();
@@ -636,6 +654,24 @@ mod tests {
     use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease};
     use leasehold_lease::{LockConfig, Mode};
     use std::sync::Arc;
+
+    /// Both validities end at the claim or before it: `validForMs` counted from when it was
+    /// made, and `validUntilBootTimeMs` as an instant every process on the machine reads alike.
+    #[test]
+    fn a_validity_never_ends_past_the_claim() {
+        let before = BootInstant::now();
+        let until = before + Duration::from_millis(4321) + Duration::from_nanos(999_999);
+        let fields = validity(until);
+        let after = BootInstant::now();
+        let valid_for = Duration::from_millis(fields["validForMs"].as_u64().unwrap());
+        assert!(
+            before + valid_for <= until && after + valid_for + Duration::from_millis(1) > until
+        );
+        let boot_until = fields["validUntilBootTimeMs"].as_u64().unwrap();
+        let boot_until = BootInstant::from_nanos(boot_until * 1_000_000);
+        assert!(boot_until <= until, "rounded up past the claim");
+        assert!(until.saturating_duration_since(boot_until) < Duration::from_millis(1));
+    }
 
     /// An acquisition that another call gave back before its stream began (a retried release
     /// sent beside two holds) is not the stream's to hold: the stream says `released` rather than

@@ -3,7 +3,9 @@
 //! pod leads, so each word that says it holds also says for how long (`validForMs`): the
 //! `state` of a holder, `acquired`, and a `renewed` each time the claim moves on. A sidecar
 //! paused or starved past its claim says nothing until it runs again; a follower that counts
-//! `validForMs` from each event it reads stops acting as the leader before anyone else can.
+//! `validForMs` from each event it reads stops acting as the leader before anyone else can. One
+//! that may read an event late also takes `validUntilBootTimeMs`, the same end on the machine's
+//! boot clock ([`validity`](crate::hold_stream::validity)).
 
 use std::convert::Infallible;
 
@@ -38,10 +40,11 @@ fn held_in(snapshot: &Snapshot) -> Told {
         .map(|held| ((held.permit, held.token), held.answered_until()))
 }
 
-fn valid_for_ms(until: BootInstant) -> u64 {
-    until
-        .saturating_duration_since(BootInstant::now())
-        .as_millis() as u64
+/// `body` with how long a holding valid until `until` is valid.
+fn add_validity(body: &mut Value, until: BootInstant) {
+    if let Value::Object(fields) = body {
+        fields.extend(crate::hold_stream::validity(until));
+    }
 }
 
 async fn follow(
@@ -79,7 +82,7 @@ async fn follow(
                     && let Some((holding, until)) = held_in(&lock.snapshot())
                     && holding == (event.permit, event.token)
                 {
-                    body["validForMs"] = valid_for_ms(until).into();
+                    add_validity(&mut body, until);
                     told = Some((holding, until));
                 }
                 if events.send(sse(event.kind.as_str(), body)).await.is_err() {
@@ -103,7 +106,7 @@ async fn follow(
                     continue;
                 }
                 let mut body = holding_body(lock.name(), "renewed", holding, permits);
-                body["validForMs"] = valid_for_ms(until).into();
+                add_validity(&mut body, until);
                 told = Some((holding, until));
                 // Never waited for: a client that reads slowly must not hold up the next,
                 // fresher word; one it misses only shortens the validity it counts on.
@@ -132,7 +135,7 @@ fn state_event(lock: &Lock, snapshot: &Snapshot, permits: bool) -> (SseEvent, To
     if let (Some(holding), Some((shown, until))) = (answer.holding(), known)
         && holding == shown
     {
-        state["validForMs"] = valid_for_ms(until).into();
+        add_validity(&mut state, until);
         if permits {
             state["permit"] = holding.0.into();
         }
@@ -206,7 +209,7 @@ mod tests {
         faulty.stall_renewals(false);
         let next = next_event(&mut body).await;
         assert!(
-            next.starts_with("event: renewed") && next.contains("validForMs"),
+            next.starts_with("event: renewed") && next.contains("validUntilBootTimeMs"),
             "the follower was not told that the pod leads: {next}"
         );
     }

@@ -757,32 +757,38 @@ fn a_stopped_execs_command_is_stopped_before_another_can_take_the_lock() {
     nix::sys::signal::kill(first_pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     let stopped = Instant::now();
 
-    // The next holder's command looks, as it starts, for the stopped exec's.
-    let checked = dir.path().join("checked");
+    next_holder_finds_none_of(&pids, dir.path(), &redis.url());
+    eprintln!(
+        "the next holder ran {:?} after exec was stopped",
+        stopped.elapsed()
+    );
+    keeper_stopped_the_group_in_time(first, &pids);
+}
+
+/// Once an exec on `backend`, stopped, has lost the lock `jobs`, the next holder's command
+/// looks, as it starts, for `pids`: none may run.
+fn next_holder_finds_none_of(pids: &StubbornPids, dir: &Path, backend: &str) {
+    let checked = dir.join("checked");
     let script = format!(
         "for p in {} {}; do s=$(awk '{{print $3}}' /proc/$p/stat 2>/dev/null); case \"$s\" in ''|Z|X) ;; *) echo \"$p runs ($s)\";; esac; done > {2}; echo checked >> {2}",
         pids.0[0],
         pids.0[1],
         checked.display()
     );
-    let mut second = shell(&mut exec("jobs", &redis.url()), &script)
-        .spawn()
-        .unwrap();
-    // A hang bound: the lease is 3 s.
+    let mut second = shell(&mut exec("jobs", backend), &script).spawn().unwrap();
+    // A hang bound: the leases here are seconds.
     let status = wait_exit(&mut second, Duration::from_secs(30));
-    eprintln!(
-        "the next holder ran {:?} after exec was stopped",
-        stopped.elapsed()
-    );
     assert!(status.success(), "the next holder's command: {status:?}");
     assert_eq!(
         read(&checked).trim(),
         "checked",
         "the stopped exec's command ran beside the next holder's"
     );
+}
 
-    // Resumed, exec finds its command stopped for the lock; the keeper says, on its own clock,
-    // how long before the claim's end the command's processes were gone.
+/// Resumed, a stopped exec finds its command stopped for the lock; the keeper says, on its own
+/// clock, how long before the claim's end the command's processes (`pids`) were gone.
+fn keeper_stopped_the_group_in_time(first: Stopped, pids: &StubbornPids) {
     let output = first.resume().wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(
@@ -800,6 +806,43 @@ fn a_stopped_execs_command_is_stopped_before_another_can_take_the_lock() {
         "the group was not gone before the claim ended: {stderr}"
     );
     assert!(pids.dead());
+}
+
+/// An exec stopped while its sidecar renews reads, once resumed, the renewals' events that
+/// waited in the connection's buffers. Dated from that reading, its claim would end past the
+/// sidecar's by the time they waited; the keeper, told that end, would let the command run
+/// beside the next holder's once the sidecar has lost the lock.
+#[test]
+fn an_exec_that_reads_its_sidecars_renewals_late_keeps_to_the_sidecars_claim() {
+    let redis = RedisServer::start_with(true);
+    let proxy = FaultProxy::start(redis.port());
+    let sidecar = RunningSidecar::start_on_lease(
+        "pod-a",
+        "jobs",
+        &format!("redis://127.0.0.1:{}", proxy.port),
+        &[],
+        ["6s", "1s"],
+    );
+    let (first, pids, dir) = stubborn_group_of(exec_via(&sidecar, &["--lock", "jobs"]));
+    let first_pid = nix::unistd::Pid::from_raw(first.id() as i32);
+    let first = Stopped(Some(first));
+    let signal = |signal| nix::sys::signal::kill(first_pid, signal).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    signal(nix::sys::signal::Signal::SIGSTOP);
+    // A renewal (every second) while exec is stopped, its event left unread; then the sidecar
+    // is cut off, its claim ending at most 6 s after that renewal, and no sooner than 5.8 s
+    // after the stop.
+    std::thread::sleep(Duration::from_millis(1200));
+    proxy.cut();
+    // Resumed well before that end (and before the end of the claim it last read, so that it
+    // goes on), exec reads the waiting events, and is stopped again: only the keeper, and the
+    // end exec told it, stop the command now.
+    std::thread::sleep(Duration::from_millis(2300));
+    signal(nix::sys::signal::Signal::SIGCONT);
+    std::thread::sleep(Duration::from_millis(200));
+    signal(nix::sys::signal::Signal::SIGSTOP);
+    next_holder_finds_none_of(&pids, dir.path(), &redis.url());
+    keeper_stopped_the_group_in_time(first, &pids);
 }
 
 /// An exec the test stopped, continued (and killed) however the test ends.

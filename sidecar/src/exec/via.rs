@@ -1,6 +1,7 @@
 //! `exec --via http://127.0.0.1:4040`: a running sidecar holds the lock (or a key) for this
 //! process, through a hold bound to a connection (`POST .../hold`, an event stream). The claim
-//! is what the stream says: held from `acquired`, until `validForMs` after the last event read,
+//! is what the stream says: held from `acquired`, until `validForMs` after the last event read
+//! or `validUntilBootTimeMs` (the claim's end on the machine's boot clock), whichever is earlier,
 //! or until `lost` or `released`. Closing the connection releases the lock at once; the command
 //! holds a copy of it, so that it closes only once exec and every process the command started
 //! are gone (an exec killed outright would otherwise release while its command still runs).
@@ -367,8 +368,8 @@ async fn follow(
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
         };
-        // Dated on arrival, the claim ends no earlier than the sidecar's by the way here:
-        // microseconds on loopback, and within `KILL_MARGIN` on a loaded machine.
+        // Dated on arrival alone, the claim would end past the sidecar's by as long as the
+        // event waited to be read: exec stopped (Ctrl-Z) or starved, the event in a buffer.
         let read = BootInstant::now();
         let Ok(body) = serde_json::from_str::<serde_json::Value>(data) else {
             continue;
@@ -396,7 +397,13 @@ async fn follow(
                 let (Some(token), Some(valid_for)) = (token, body["validForMs"].as_u64()) else {
                     continue;
                 };
-                let end = read + Duration::from_millis(valid_for);
+                // The claim's end on the boot clock is exact however late the event is read, on
+                // the sidecar's machine; a clock of another machine (or time namespace) ahead of
+                // this one moves the end no further than the reading's date does.
+                let mut end = read + Duration::from_millis(valid_for);
+                if let Some(until) = body["validUntilBootTimeMs"].as_u64() {
+                    end = end.min(BootInstant::from_nanos(until.saturating_mul(1_000_000)));
+                }
                 let timing = body["leaseDurationMs"]
                     .as_u64()
                     .zip(body["renewIntervalMs"].as_u64())
