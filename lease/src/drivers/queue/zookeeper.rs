@@ -127,9 +127,58 @@ struct Session {
     /// Sent before the session was asked for: the leader created it, and started counting its
     /// life, later than this.
     opened: BootInstant,
-    /// The latest requests the server answered, (sent, answered), oldest first. On the boot
-    /// clock, as the claims they date.
-    answered: Mutex<VecDeque<(BootInstant, BootInstant)>>,
+    /// The ensemble's `tickTime`: how long a follower may take to relay a request's touch.
+    tick: Duration,
+    answered: Mutex<Answers>,
+}
+
+/// Requests a session's server answered, (sent, answered), oldest first: every one answered
+/// within the last session timeout and a tick, and the newest one before those. On the boot
+/// clock, as the claims they date.
+#[derive(Default)]
+struct Answers(VecDeque<(BootInstant, BootInstant)>);
+
+impl Answers {
+    /// A request sent at `sent` was answered at `answered`; answers a `sync` sent `horizon`
+    /// before that no longer needs are let go.
+    fn note(
+        &mut self,
+        sent: BootInstant,
+        answered: BootInstant,
+        horizon: Duration,
+        tick: Duration,
+    ) {
+        let kept = &mut self.0;
+        kept.push_back((sent, answered));
+        // The newest answer a whole tick older than a `sync` dates it: an older one is needed
+        // only while a newer one is not yet a tick older than every `sync` still to date.
+        let dates_nothing_after = answered - horizon;
+        while kept.len() > 1 && kept[1].1 + tick <= dates_nothing_after {
+            kept.pop_front();
+        }
+        // A burst of calls: one answer of the middle is let go, which can only date a claim
+        // from an earlier one.
+        if kept.len() > ANSWERS_KEPT {
+            let middle = kept.len() / 2;
+            kept.remove(middle);
+        }
+    }
+
+    /// When the newest request answered a whole tick before `synced` was sent.
+    fn relayed_before(&self, synced: BootInstant, tick: Duration) -> Option<BootInstant> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(_, answered)| *answered + tick <= synced)
+            .map(|(sent, _)| *sent)
+    }
+}
+
+/// From when a claim of `lease` made through a session of `timeout` may count, given when the
+/// leader surely last heard from the session (`relayed`): it keeps the session a whole timeout
+/// from then (see [`Session::counted_from`]).
+fn claim_counted_from(relayed: BootInstant, timeout: Duration, lease: Duration) -> BootInstant {
+    relayed + timeout.saturating_sub(lease)
 }
 
 /// How often the nodes this process gave up while ZooKeeper could not be reached are deleted
@@ -185,17 +234,16 @@ impl Drop for Creating<'_> {
     }
 }
 
-/// How many answered requests a session remembers; only the newest one old enough to count is
-/// ever used.
-const ANSWERS_KEPT: usize = 16;
+/// The most answered requests a session remembers (see [`Session::answered`]).
+const ANSWERS_KEPT: usize = 256;
 
 impl Session {
     fn answered(&self, sent: BootInstant, answered: BootInstant) {
-        let mut kept = self.answered.lock().unwrap_or_else(|e| e.into_inner());
-        if kept.len() == ANSWERS_KEPT {
-            kept.pop_front();
-        }
-        kept.push_back((sent, answered));
+        // A `sync` sent a session timeout ago dates no claim that is still running.
+        self.answered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .note(sent, answered, self.timeout + self.tick, self.tick);
     }
 
     /// The latest instant from which the leader surely counts this session's life (it expires
@@ -210,21 +258,44 @@ impl Session {
     /// was sent, and at least one ping answer carried those requests' touches to the leader.
     /// The newest of them dates the leader's count; failing one, the session's opening does.
     ///
-    /// A waiter that sent nothing for a while (a quiet place in the queue) has no such request
-    /// of its own, but the client library pings a connected session at least every 3/10 of its
-    /// timeout, so the leader has heard from the session no longer than that, plus the tick,
-    /// before the `sync`: the leader keeps it until `synced + 7/10 timeout - tick` at least, and
-    /// a claim of `lease` may start `lease` before that.
-    fn counted_from(&self, synced: BootInstant, tick: Duration, lease: Duration) -> BootInstant {
-        let kept = self.answered.lock().unwrap_or_else(|e| e.into_inner());
-        let relayed = kept
-            .iter()
-            .rev()
-            .find(|(_, answered)| *answered + tick <= synced)
-            .map_or(self.opened, |(sent, _)| *sent)
-            .max(self.opened);
-        let kept_until = synced + self.timeout.mul_f64(1.0 - IDLE_PING_FRACTION);
-        relayed.max(kept_until - (tick + lease))
+    /// The leader keeps the session a whole timeout from then, so a claim of `lease` may start
+    /// `timeout - lease` after it (the caller never dates a claim after its own call).
+    ///
+    /// A waiter that sent nothing for a while (a quiet place in the queue) has such requests
+    /// all the same: [`keep_answered`] reads through the session every fifth of its timeout.
+    /// The client library's own pings count for nothing here, as nothing here sees them: a
+    /// process stopped or starved sends none, and the leader's count of the session stays where
+    /// the last relayed request left it.
+    fn counted_from(&self, synced: BootInstant, lease: Duration) -> BootInstant {
+        let answers = self.answered.lock().unwrap_or_else(|e| e.into_inner());
+        let relayed = answers
+            .relayed_before(synced, self.tick)
+            .map_or(self.opened, |sent| sent.max(self.opened));
+        claim_counted_from(relayed, self.timeout, lease)
+    }
+}
+
+/// How often [`keep_answered`] reads through a session, as a fraction of its timeout.
+const KEEP_ANSWERED_FRACTION: f64 = 0.2;
+
+/// Read through `session` every [`KEEP_ANSWERED_FRACTION`] of its timeout for as long as it
+/// lives, noting each answer: the requests [`Session::counted_from`] dates claims from, so that
+/// a place that waited quietly in its queue still has a claim when its turn comes. A read the
+/// server answers itself (the root's stat) is enough: the server notes the touch and relays it.
+async fn keep_answered(session: Weak<Session>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(session) = session.upgrade() else {
+            return;
+        };
+        if session.client.state().is_terminated() {
+            return;
+        }
+        let sent = BootInstant::now();
+        let read = tokio::time::timeout(session.timeout, session.client.check_stat("/")).await;
+        if let Ok(Ok(_)) = read {
+            session.answered(sent, BootInstant::now());
+        }
     }
 }
 
@@ -232,8 +303,8 @@ impl Session {
 /// outlast a third of the lease from 2.8 ticks on (see [`Session::counted_from`]).
 const MIN_LEASE_TICKS: u32 = 3;
 
-/// The longest a connected, idle session goes without a request, as a fraction of its timeout:
-/// zookeeper-client's pings (see [`connection_timeout`]).
+/// The longest a connected session goes without an answered request of its own, as a fraction
+/// of its timeout: [`keep_answered`]'s reads, and room for their round trips.
 const IDLE_PING_FRACTION: f64 = 0.3;
 
 /// The session timeout when a call needs a session before any lease asked for one.
@@ -553,8 +624,13 @@ impl Shared {
             requested: lease,
             timeout,
             opened,
-            answered: Mutex::new(VecDeque::new()),
+            tick: self.config.tick_time,
+            answered: Mutex::new(Answers::default()),
         });
+        tokio::spawn(keep_answered(
+            Arc::downgrade(&fresh),
+            timeout.mul_f64(KEEP_ANSWERED_FRACTION),
+        ));
         *session = Some(fresh.clone());
         Ok(fresh)
     }
@@ -1207,7 +1283,7 @@ impl Driver for ZooKeeperDriver {
             .await
             .map_err(map_err)?;
         let queue = self.shared.queue(&session.client, lock).await?;
-        let counted_from = session.counted_from(synced, self.shared.config.tick_time, ttl);
+        let counted_from = session.counted_from(synced, ttl);
         session.answered(synced, BootInstant::now());
         let Some(position) = queue.iter().position(|(_, name)| name == entry.name()) else {
             // The node is gone (session expired and renewed): back to the end of the queue.
@@ -1277,7 +1353,7 @@ impl Driver for ZooKeeperDriver {
                 if !entry.slot.extend(sent + ttl) {
                     return Ok(false);
                 }
-                entry.count_from(session.counted_from(synced, self.shared.config.tick_time, ttl));
+                entry.count_from(session.counted_from(synced, ttl));
                 Ok(true)
             }
             Ok((_, false)) | Err(zk::Error::SessionExpired) => {
@@ -1524,5 +1600,71 @@ mod tests {
         assert_eq!(order(&[quarter + 5, -1, 5]), [-1, 5, quarter + 5]);
         assert!(made_before(max, min) && !made_before(min, max));
         assert!(made_before(-1, 0) && made_before(3, 7) && !made_before(7, 3));
+    }
+
+    /// A process stopped or starved for most of its session sends nothing meanwhile, not even
+    /// the client library's pings: a renewal's `sync` that reaches the leader after that dates
+    /// the claim from the last request answered before the stall, so the claim ends before the
+    /// leader can expire the session and another can take the lock.
+    #[test]
+    fn a_claim_after_a_stall_ends_before_the_leader_can_expire_the_session() {
+        let (timeout, tick, lease) = (
+            Duration::from_secs(10),
+            Duration::from_millis(100),
+            Duration::from_secs(10),
+        );
+        let opened = BootInstant::now();
+        let last_sent = opened + Duration::from_secs(1);
+        let mut answers = Answers::default();
+        answers.note(
+            last_sent,
+            last_sent + Duration::from_millis(5),
+            timeout + tick,
+            tick,
+        );
+        // Stalled for 6 s, then a renewal: its `sync` reaches the leader, whose count of the
+        // session may still start at the last request, 7 s before.
+        let synced = last_sent + Duration::from_secs(7);
+        let relayed = answers.relayed_before(synced, tick).unwrap();
+        let claim_end = claim_counted_from(relayed, timeout, lease) + lease;
+        let expirable_from = last_sent + timeout;
+        assert!(
+            claim_end <= expirable_from,
+            "the claim ends {:?} after the leader may expire the session",
+            claim_end.saturating_duration_since(expirable_from)
+        );
+    }
+
+    /// A burst of calls within a tick does not push out the answer that dates the claims of
+    /// `sync`s sent during it: the burst's own answers are too recent to date them.
+    #[test]
+    fn a_burst_of_answers_keeps_the_one_that_dates_claims() {
+        let (timeout, tick) = (Duration::from_secs(1), Duration::from_millis(100));
+        let start = BootInstant::now();
+        let mut answers = Answers::default();
+        answers.note(
+            start,
+            start + Duration::from_millis(2),
+            timeout + tick,
+            tick,
+        );
+        let burst = start + Duration::from_millis(90);
+        for i in 0..1000 {
+            let sent = burst + Duration::from_micros(50 * i);
+            answers.note(sent, sent + Duration::from_millis(1), timeout + tick, tick);
+        }
+        let synced = start + Duration::from_millis(150);
+        assert_eq!(answers.relayed_before(synced, tick), Some(start));
+        // Once the burst is a tick old, its newest answer dates claims, and the first is let go.
+        let later = burst + Duration::from_millis(50) + tick + Duration::from_millis(5);
+        assert!(answers.relayed_before(later, tick).unwrap() > burst);
+        assert!(answers.0.len() <= ANSWERS_KEPT);
+        answers.note(
+            later + timeout + tick * 2,
+            later + timeout + tick * 2,
+            timeout + tick,
+            tick,
+        );
+        assert!(answers.0.front().unwrap().0 > start);
     }
 }
