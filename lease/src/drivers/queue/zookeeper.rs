@@ -25,7 +25,7 @@
 //!   and a frozen process loses its session to the server's timeout.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -130,6 +130,8 @@ struct Session {
     /// The ensemble's `tickTime`: how long a follower may take to relay a request's touch.
     tick: Duration,
     answered: Mutex<Answers>,
+    /// The longest lease claimed through the session, in nanoseconds (0 before any claim).
+    longest_claimed: AtomicU64,
 }
 
 /// Requests a session's server answered, (sent, answered), oldest first: every one answered
@@ -139,20 +141,21 @@ struct Session {
 struct Answers(VecDeque<(BootInstant, BootInstant)>);
 
 impl Answers {
-    /// A request sent at `sent` was answered at `answered`; answers a `sync` sent `horizon`
-    /// before that no longer needs are let go.
+    /// A request sent at `sent` was answered at `answered`, through a session of `timeout` on
+    /// an ensemble of `tick`; answers no `sync` still to come needs are let go.
     fn note(
         &mut self,
         sent: BootInstant,
         answered: BootInstant,
-        horizon: Duration,
+        timeout: Duration,
         tick: Duration,
     ) {
         let kept = &mut self.0;
         kept.push_back((sent, answered));
         // The newest answer a whole tick older than a `sync` dates it: an older one is needed
-        // only while a newer one is not yet a tick older than every `sync` still to date.
-        let dates_nothing_after = answered - horizon;
+        // only while a newer one is not yet a tick older than every `sync` still to date. A
+        // `sync` sent a session timeout ago dates no claim that is still running.
+        let dates_nothing_after = answered - (timeout + tick);
         while kept.len() > 1 && kept[1].1 + tick <= dates_nothing_after {
             kept.pop_front();
         }
@@ -174,11 +177,18 @@ impl Answers {
     }
 }
 
-/// From when a claim of `lease` made through a session of `timeout` may count, given when the
-/// leader surely last heard from the session (`relayed`): it keeps the session a whole timeout
-/// from then (see [`Session::counted_from`]).
-fn claim_counted_from(relayed: BootInstant, timeout: Duration, lease: Duration) -> BootInstant {
-    relayed + timeout.saturating_sub(lease)
+/// How long the leader surely keeps a session past its last sign of life: the `granted`
+/// timeout, at most the longest of the timeout `requested` and every lease claimed through it
+/// (see [`Session::kept_for`]).
+fn surely_kept_for(granted: Duration, requested: Duration, longest_claimed: Duration) -> Duration {
+    granted.min(longest_claimed.max(requested))
+}
+
+/// From when a claim of `lease` may count, given when the leader surely last heard from the
+/// session (`relayed`) and how long it surely keeps the session from then (`kept_for`, see
+/// [`Session::counted_from`]).
+fn claim_counted_from(relayed: BootInstant, kept_for: Duration, lease: Duration) -> BootInstant {
+    relayed + kept_for.saturating_sub(lease)
 }
 
 /// How often the nodes this process gave up while ZooKeeper could not be reached are deleted
@@ -239,11 +249,10 @@ const ANSWERS_KEPT: usize = 256;
 
 impl Session {
     fn answered(&self, sent: BootInstant, answered: BootInstant) {
-        // A `sync` sent a session timeout ago dates no claim that is still running.
         self.answered
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .note(sent, answered, self.timeout + self.tick, self.tick);
+            .note(sent, answered, self.timeout, self.tick);
     }
 
     /// The latest instant from which the leader surely counts this session's life (it expires
@@ -258,8 +267,9 @@ impl Session {
     /// was sent, and at least one ping answer carried those requests' touches to the leader.
     /// The newest of them dates the leader's count; failing one, the session's opening does.
     ///
-    /// The leader keeps the session a whole timeout from then, so a claim of `lease` may start
-    /// `timeout - lease` after it (the caller never dates a claim after its own call).
+    /// The leader keeps the session a whole timeout from then ([`Session::kept_for`]), so a
+    /// claim of `lease` may start that, less `lease`, after it (the caller never dates a claim
+    /// after its own call).
     ///
     /// A waiter that sent nothing for a while (a quiet place in the queue) has such requests
     /// all the same: [`keep_answered`] reads through the session every fifth of its timeout.
@@ -267,27 +277,43 @@ impl Session {
     /// process stopped or starved sends none, and the leader's count of the session stays where
     /// the last relayed request left it.
     fn counted_from(&self, synced: BootInstant, lease: Duration) -> BootInstant {
+        let nanos = u64::try_from(lease.as_nanos()).unwrap_or(u64::MAX);
+        self.longest_claimed.fetch_max(nanos, Ordering::SeqCst);
+        let kept_for = self.kept_for();
         let answers = self.answered.lock().unwrap_or_else(|e| e.into_inner());
         let relayed = answers
             .relayed_before(synced, self.tick)
             .map_or(self.opened, |sent| sent.max(self.opened));
-        claim_counted_from(relayed, self.timeout, lease)
+        claim_counted_from(relayed, kept_for, lease)
+    }
+
+    /// How long the leader surely keeps the session past its last sign of life. The timeout
+    /// the first server granted may be above every lease (raised to its `minSessionTimeout`),
+    /// and a server the client reconnects to lowers it to its `maxSessionTimeout` without a
+    /// word; every server allows the session asked for and each lease claimed through it, so
+    /// the timeout is counted as the longest of those at most.
+    fn kept_for(&self) -> Duration {
+        let longest = Duration::from_nanos(self.longest_claimed.load(Ordering::SeqCst));
+        surely_kept_for(self.timeout, self.requested, longest)
     }
 }
 
-/// How often [`keep_answered`] reads through a session, as a fraction of its timeout.
+/// How often [`keep_answered`] reads through a session, as a fraction of the timeout it is
+/// surely kept for ([`Session::kept_for`]).
 const KEEP_ANSWERED_FRACTION: f64 = 0.2;
 
-/// Read through `session` every [`KEEP_ANSWERED_FRACTION`] of its timeout for as long as it
-/// lives, noting each answer: the requests [`Session::counted_from`] dates claims from, so that
-/// a place that waited quietly in its queue still has a claim when its turn comes. A read the
+/// Read through `session` every [`KEEP_ANSWERED_FRACTION`] of the time the leader surely keeps
+/// it ([`Session::kept_for`]) for as long as it lives, noting each answer: the requests
+/// [`Session::counted_from`] dates claims from, so that a place that waited quietly in its queue still has a claim when its turn comes. A read the
 /// server answers itself (the root's stat) is enough: the server notes the touch and relays it.
-async fn keep_answered(session: Weak<Session>, every: Duration) {
+async fn keep_answered(session: Weak<Session>) {
+    let mut every = Duration::ZERO;
     loop {
         tokio::time::sleep(every).await;
         let Some(session) = session.upgrade() else {
             return;
         };
+        every = session.kept_for().mul_f64(KEEP_ANSWERED_FRACTION);
         if session.client.state().is_terminated() {
             return;
         }
@@ -626,11 +652,9 @@ impl Shared {
             opened,
             tick: self.config.tick_time,
             answered: Mutex::new(Answers::default()),
+            longest_claimed: AtomicU64::new(0),
         });
-        tokio::spawn(keep_answered(
-            Arc::downgrade(&fresh),
-            timeout.mul_f64(KEEP_ANSWERED_FRACTION),
-        ));
+        tokio::spawn(keep_answered(Arc::downgrade(&fresh)));
         *session = Some(fresh.clone());
         Ok(fresh)
     }
@@ -1215,7 +1239,7 @@ impl Driver for ZooKeeperDriver {
     }
 
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
-        // After a quiet wait a claim lasts 7/10 of the session minus a tick (see
+        // After a quiet wait a claim lasts at least 7/10 of the lease minus a tick (see
         // `Session::counted_from`); it must outlast the default renew interval, a third of the
         // lease, or the holder would lose every claim before renewing it.
         let tick = self.shared.config.tick_time;
@@ -1619,11 +1643,11 @@ mod tests {
         answers.note(
             last_sent,
             last_sent + Duration::from_millis(5),
-            timeout + tick,
+            timeout,
             tick,
         );
-        // Stalled for 6 s, then a renewal: its `sync` reaches the leader, whose count of the
-        // session may still start at the last request, 7 s before.
+        // Stalled 7 s, then a renewal: its `sync` reaches the leader, whose count of the session
+        // may still start at the last request, 7 s before.
         let synced = last_sent + Duration::from_secs(7);
         let relayed = answers.relayed_before(synced, tick).unwrap();
         let claim_end = claim_counted_from(relayed, timeout, lease) + lease;
@@ -1635,6 +1659,24 @@ mod tests {
         );
     }
 
+    /// A server whose `minSessionTimeout` is above the lease grants a longer session; a server
+    /// the client reconnects to may grant no more than the lease. Claims count on the lease.
+    #[test]
+    fn a_session_granted_above_its_leases_is_counted_as_kept_for_the_longest() {
+        let secs = Duration::from_secs;
+        assert_eq!(surely_kept_for(secs(20), secs(10), secs(10)), secs(10));
+        assert_eq!(
+            surely_kept_for(secs(20), secs(10), Duration::ZERO),
+            secs(10)
+        );
+        // Reused for a longer lease, up to what the server granted.
+        assert_eq!(surely_kept_for(secs(20), secs(10), secs(15)), secs(15));
+        assert_eq!(surely_kept_for(secs(20), secs(10), secs(30)), secs(20));
+        // A lease under the shortest session opened: the session asked for counts.
+        let short = Duration::from_millis(200);
+        assert_eq!(surely_kept_for(secs(1), secs(1), short), secs(1));
+    }
+
     /// A burst of calls within a tick does not push out the answer that dates the claims of
     /// `sync`s sent during it: the burst's own answers are too recent to date them.
     #[test]
@@ -1642,16 +1684,11 @@ mod tests {
         let (timeout, tick) = (Duration::from_secs(1), Duration::from_millis(100));
         let start = BootInstant::now();
         let mut answers = Answers::default();
-        answers.note(
-            start,
-            start + Duration::from_millis(2),
-            timeout + tick,
-            tick,
-        );
+        answers.note(start, start + Duration::from_millis(2), timeout, tick);
         let burst = start + Duration::from_millis(90);
         for i in 0..1000 {
             let sent = burst + Duration::from_micros(50 * i);
-            answers.note(sent, sent + Duration::from_millis(1), timeout + tick, tick);
+            answers.note(sent, sent + Duration::from_millis(1), timeout, tick);
         }
         let synced = start + Duration::from_millis(150);
         assert_eq!(answers.relayed_before(synced, tick), Some(start));
@@ -1659,12 +1696,8 @@ mod tests {
         let later = burst + Duration::from_millis(50) + tick + Duration::from_millis(5);
         assert!(answers.relayed_before(later, tick).unwrap() > burst);
         assert!(answers.0.len() <= ANSWERS_KEPT);
-        answers.note(
-            later + timeout + tick * 2,
-            later + timeout + tick * 2,
-            timeout + tick,
-            tick,
-        );
+        let much_later = later + timeout + tick * 2;
+        answers.note(much_later, much_later, timeout, tick);
         assert!(answers.0.front().unwrap().0 > start);
     }
 }
