@@ -625,6 +625,21 @@ impl Drop for RunningSidecar {
     }
 }
 
+/// An on-demand sidecar of the lock `jobs` on a Redis reached through a fault proxy, on
+/// `lease` renewed every second.
+fn sidecar_behind_a_proxy(lease: &str) -> (RedisServer, FaultProxy, RunningSidecar) {
+    let redis = RedisServer::start_with(true);
+    let proxy = FaultProxy::start(redis.port());
+    let sidecar = RunningSidecar::start_on_lease(
+        "pod-a",
+        "jobs",
+        &format!("redis://127.0.0.1:{}", proxy.port),
+        &[],
+        [lease, "1s"],
+    );
+    (redis, proxy, sidecar)
+}
+
 /// `exec --via` a running sidecar, holding `what` (`--lock NAME` or `--keyed FAMILY/KEY`).
 fn exec_via(sidecar: &RunningSidecar, what: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_leasehold-sidecar"));
@@ -814,15 +829,7 @@ fn keeper_stopped_the_group_in_time(first: Stopped, pids: &StubbornPids) {
 /// beside the next holder's once the sidecar has lost the lock.
 #[test]
 fn an_exec_that_reads_its_sidecars_renewals_late_keeps_to_the_sidecars_claim() {
-    let redis = RedisServer::start_with(true);
-    let proxy = FaultProxy::start(redis.port());
-    let sidecar = RunningSidecar::start_on_lease(
-        "pod-a",
-        "jobs",
-        &format!("redis://127.0.0.1:{}", proxy.port),
-        &[],
-        ["6s", "1s"],
-    );
+    let (redis, proxy, sidecar) = sidecar_behind_a_proxy("6s");
     let (first, pids, dir) = stubborn_group_of(exec_via(&sidecar, &["--lock", "jobs"]));
     let first_pid = nix::unistd::Pid::from_raw(first.id() as i32);
     let first = Stopped(Some(first));
@@ -1205,15 +1212,7 @@ fn an_exec_writing_several_keys_runs_alone_on_each() {
 
 #[test]
 fn a_lock_lost_by_the_sidecar_stops_the_group_before_the_claim_ends() {
-    let redis = RedisServer::start_with(true);
-    let proxy = FaultProxy::start(redis.port());
-    let sidecar = RunningSidecar::start_on_lease(
-        "pod-a",
-        "jobs",
-        &format!("redis://127.0.0.1:{}", proxy.port),
-        &[],
-        ["3s", "1s"],
-    );
+    let (_redis, proxy, sidecar) = sidecar_behind_a_proxy("3s");
     let (child, pids, _dir) = stubborn_group_of(exec_via(&sidecar, &["--lock", "jobs"]));
     let lease = Duration::from_secs(3);
     let cut = Instant::now();

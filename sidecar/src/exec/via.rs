@@ -238,7 +238,7 @@ async fn hold(
         });
         let asked = ask(via, target, left.min(MAX_WAIT_PER_REQUEST)).await;
         match asked {
-            Ok(Answer::Stream(mut lines)) => {
+            Ok(Answer::Stream { mut lines, sent }) => {
                 // `dup` leaves close-on-exec off: the command, spawned while the copy is open,
                 // keeps the connection open as long as it or a process it started lives.
                 match nix::unistd::dup(lines.get_mut().get_ref()) {
@@ -252,7 +252,7 @@ async fn hold(
                         );
                     }
                 }
-                let ended = follow(lines, claims).await;
+                let ended = follow(lines, sent, claims).await;
                 if command_started.load(Ordering::SeqCst) {
                     return ended;
                 }
@@ -295,9 +295,20 @@ async fn hold(
 }
 
 enum Answer {
-    Stream(tokio::io::Lines<BufReader<TcpStream>>),
-    Refused { status: u16, body: String },
+    /// The hold's event stream, and when its request was sent.
+    Stream {
+        lines: tokio::io::Lines<BufReader<TcpStream>>,
+        sent: BootInstant,
+    },
+    Refused {
+        status: u16,
+        body: String,
+    },
 }
+
+/// How far apart two readings of one boot clock may seem through the events' milliseconds,
+/// each rounded down.
+const BOOT_CLOCK_ROUNDING: Duration = Duration::from_millis(2);
 
 async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answer> {
     let mut connection = TcpStream::connect(&via.authority).await?;
@@ -307,6 +318,7 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
         target.path(wait),
         via.authority
     );
+    let sent = BootInstant::now();
     connection.write_all(request.as_bytes()).await?;
     let mut reader = BufReader::new(connection);
     let mut status_line = String::new();
@@ -333,7 +345,10 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
         }
     }
     if status == 200 {
-        return Ok(Answer::Stream(reader.lines()));
+        return Ok(Answer::Stream {
+            lines: reader.lines(),
+            sent,
+        });
     }
     let mut body = vec![0; length.unwrap_or(0).min(64 * 1024)];
     reader.read_exact(&mut body).await?;
@@ -343,12 +358,15 @@ async fn ask(via: &Via, target: &Target, wait: Duration) -> std::io::Result<Answ
     })
 }
 
-/// Follow the stream until it ends; the claim moves with each event.
+/// Follow the stream, asked for at `sent`, until it ends; the claim moves with each event.
 async fn follow(
     mut lines: tokio::io::Lines<BufReader<TcpStream>>,
+    sent: BootInstant,
     claims: &watch::Sender<Claim>,
 ) -> (u8, String) {
     let mut kind = String::new();
+    // Whether the sidecar's boot clock is this machine's, told by the first event that says.
+    let mut shared_boot_clock = None;
     loop {
         let line = match lines.next_line().await {
             Ok(Some(line)) => line,
@@ -397,12 +415,17 @@ async fn follow(
                 let (Some(token), Some(valid_for)) = (token, body["validForMs"].as_u64()) else {
                     continue;
                 };
-                // The claim's end on the boot clock is exact however late the event is read, on
-                // the sidecar's machine; a clock of another machine (or time namespace) ahead of
-                // this one moves the end no further than the reading's date does.
+                // The claim's end on the boot clock is exact however late the event is read,
+                // where the sidecar's boot clock is this machine's.
                 let mut end = read + Duration::from_millis(valid_for);
                 if let Some(until) = body["validUntilBootTimeMs"].as_u64() {
-                    end = end.min(BootInstant::from_nanos(until.saturating_mul(1_000_000)));
+                    let until = BootInstant::from_nanos(until.saturating_mul(1_000_000));
+                    let shared = *shared_boot_clock.get_or_insert_with(|| {
+                        shares_boot_clock(until - Duration::from_millis(valid_for), sent, read)
+                    });
+                    if shared {
+                        end = end.min(until);
+                    }
                 }
                 let timing = body["leaseDurationMs"]
                     .as_u64()
@@ -432,9 +455,50 @@ async fn follow(
     }
 }
 
+/// Whether an event the sidecar wrote at `written` on its boot clock was written on this
+/// machine's: between the sending of the request and the reading of the event. A sidecar on
+/// another machine (through a port forward) or in another time namespace is found out by the
+/// first event unless its clock is within that span of this one's; its events are then dated
+/// from their reading alone.
+fn shares_boot_clock(written: BootInstant, sent: BootInstant, read: BootInstant) -> bool {
+    let shared = written + BOOT_CLOCK_ROUNDING >= sent && written <= read + BOOT_CLOCK_ROUNDING;
+    if !shared {
+        eprintln!(
+            "leasehold exec: the sidecar's boot clock is not this machine's (it runs elsewhere); \
+             a renewal read late is dated from its reading"
+        );
+    }
+    shared
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An event written between the request's sending and its reading is of this machine's
+    /// boot clock; one written before the request was sent, or after it was read, is not.
+    #[test]
+    fn a_boot_clock_is_shared_only_if_events_fall_between_request_and_reading() {
+        let sent = BootInstant::now();
+        let read = sent + Duration::from_secs(30);
+        assert!(shares_boot_clock(sent, sent, read));
+        assert!(shares_boot_clock(sent + Duration::from_secs(5), sent, read));
+        assert!(shares_boot_clock(
+            read + Duration::from_millis(1),
+            sent,
+            read
+        ));
+        assert!(!shares_boot_clock(
+            sent - Duration::from_secs(3600),
+            sent,
+            read
+        ));
+        assert!(!shares_boot_clock(
+            read + Duration::from_secs(1),
+            sent,
+            read
+        ));
+    }
 
     #[test]
     fn via_is_an_http_authority() {
