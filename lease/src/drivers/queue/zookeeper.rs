@@ -130,7 +130,7 @@ struct Session {
     /// The ensemble's `tickTime`: how long a follower may take to relay a request's touch.
     tick: Duration,
     answered: Mutex<Answers>,
-    /// The longest lease claimed through the session, in nanoseconds (0 before any claim).
+    /// The longest lease asked for through the session, in nanoseconds (0 before any).
     longest_claimed: AtomicU64,
 }
 
@@ -178,10 +178,10 @@ impl Answers {
 }
 
 /// How long the leader surely keeps a session past its last sign of life: the `granted`
-/// timeout, at most the longest of the timeout `requested` and every lease claimed through it
-/// (see [`Session::kept_for`]).
-fn surely_kept_for(granted: Duration, requested: Duration, longest_claimed: Duration) -> Duration {
-    granted.min(longest_claimed.max(requested))
+/// timeout, at most the longest lease asked for through it, and at most the shortest session
+/// opened (see [`Session::kept_for`]).
+fn surely_kept_for(granted: Duration, longest_lease: Duration) -> Duration {
+    granted.min(longest_lease.max(MIN_SESSION_TIMEOUT))
 }
 
 /// From when a claim of `lease` may count, given when the leader surely last heard from the
@@ -288,13 +288,14 @@ impl Session {
     }
 
     /// How long the leader surely keeps the session past its last sign of life. The timeout
-    /// the first server granted may be above every lease (raised to its `minSessionTimeout`),
-    /// and a server the client reconnects to lowers it to its `maxSessionTimeout` without a
-    /// word; every server allows the session asked for and each lease claimed through it, so
-    /// the timeout is counted as the longest of those at most.
+    /// the first server granted may be above every lease (raised to its `minSessionTimeout`, or
+    /// asked for by a call that needed any session), and a server the client reconnects to
+    /// lowers it to its `maxSessionTimeout` without a word; every server allows each lease
+    /// asked for through the session (and the shortest session, 1 s), so the timeout is
+    /// counted as the longest of those at most.
     fn kept_for(&self) -> Duration {
         let longest = Duration::from_nanos(self.longest_claimed.load(Ordering::SeqCst));
-        surely_kept_for(self.timeout, self.requested, longest)
+        surely_kept_for(self.timeout, longest)
     }
 }
 
@@ -313,7 +314,12 @@ async fn keep_answered(session: Weak<Session>) {
         let Some(session) = session.upgrade() else {
             return;
         };
-        every = session.kept_for().mul_f64(KEEP_ANSWERED_FRACTION);
+        // Before any lease was asked for, no claim counts on these reads yet.
+        let kept_for = match session.longest_claimed.load(Ordering::SeqCst) {
+            0 => session.timeout,
+            _ => session.kept_for(),
+        };
+        every = kept_for.mul_f64(KEEP_ANSWERED_FRACTION);
         if session.client.state().is_terminated() {
             return;
         }
@@ -1664,17 +1670,16 @@ mod tests {
     #[test]
     fn a_session_granted_above_its_leases_is_counted_as_kept_for_the_longest() {
         let secs = Duration::from_secs;
-        assert_eq!(surely_kept_for(secs(20), secs(10), secs(10)), secs(10));
-        assert_eq!(
-            surely_kept_for(secs(20), secs(10), Duration::ZERO),
-            secs(10)
-        );
+        assert_eq!(surely_kept_for(secs(20), secs(10)), secs(10));
         // Reused for a longer lease, up to what the server granted.
-        assert_eq!(surely_kept_for(secs(20), secs(10), secs(15)), secs(15));
-        assert_eq!(surely_kept_for(secs(20), secs(10), secs(30)), secs(20));
-        // A lease under the shortest session opened: the session asked for counts.
+        assert_eq!(surely_kept_for(secs(20), secs(15)), secs(15));
+        assert_eq!(surely_kept_for(secs(20), secs(30)), secs(20));
+        // A session a call opened with the default timeout counts for the lease asked for.
+        assert_eq!(surely_kept_for(secs(15), secs(10)), secs(10));
+        // A lease under the shortest session opened: that session counts.
         let short = Duration::from_millis(200);
-        assert_eq!(surely_kept_for(secs(1), secs(1), short), secs(1));
+        assert_eq!(surely_kept_for(secs(4), short), secs(1));
+        assert_eq!(surely_kept_for(secs(4), Duration::ZERO), secs(1));
     }
 
     /// A burst of calls within a tick does not push out the answer that dates the claims of
