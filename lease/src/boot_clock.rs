@@ -6,6 +6,7 @@
 //! runs again. Timers still sleep on tokio's clock; whoever answers compares with this one.
 
 use std::ops::{Add, Sub};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -66,6 +67,21 @@ impl Sub<Duration> for BootInstant {
     fn sub(self, d: Duration) -> Self {
         Self(self.0.saturating_sub(d))
     }
+}
+
+/// This boot of this machine's kernel (`/proc/sys/kernel/random/boot_id`), which every process
+/// on the machine reads alike and another machine or boot never does: two processes read one
+/// `CLOCK_BOOTTIME` only if they read one boot id. `None` where it cannot be read.
+pub fn boot_id() -> Option<&'static str> {
+    static BOOT_ID: OnceLock<Option<String>> = OnceLock::new();
+    BOOT_ID
+        .get_or_init(|| {
+            std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .ok()
+                .map(|id| id.trim().to_owned())
+                .filter(|id| !id.is_empty())
+        })
+        .as_deref()
 }
 
 /// Make this process's boot clock jump `by` ahead while tokio's clock does not, as a suspend of

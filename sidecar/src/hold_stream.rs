@@ -355,8 +355,8 @@ pub fn respond(
 /// How long a holding valid until `until` is valid: from now (`validForMs`, which a client
 /// counts from its reading of the event, and so past the claim by as long as the event waited to
 /// be read), and as an instant on the machine's `CLOCK_BOOTTIME` in milliseconds
-/// (`validUntilBootTimeMs`), which every process on the machine reads alike however late it
-/// reads the event. Both rounded down: never past the claim.
+/// (`validUntilBootTimeMs`, with the machine's `bootId`), which every process on the machine
+/// reads alike however late it reads the event. Both rounded down: never past the claim.
 pub fn validity(until: BootInstant) -> Map<String, Value> {
     let mut fields = Map::new();
     let valid_for = until.saturating_duration_since(BootInstant::now());
@@ -365,6 +365,10 @@ pub fn validity(until: BootInstant) -> Map<String, Value> {
         "validUntilBootTimeMs".into(),
         (until.as_nanos() / 1_000_000).into(),
     );
+    // Which boot's clock that is: a reader elsewhere (through a port forward) tells it apart.
+    if let Some(boot_id) = leasehold_lease::boot_clock::boot_id() {
+        fields.insert("bootId".into(), boot_id.into());
+    }
     fields
 }
 

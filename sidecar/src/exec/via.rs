@@ -420,10 +420,17 @@ async fn follow(
                 let mut end = read + Duration::from_millis(valid_for);
                 if let Some(until) = body["validUntilBootTimeMs"].as_u64() {
                     let until = BootInstant::from_nanos(until.saturating_mul(1_000_000));
-                    let shared = *shared_boot_clock.get_or_insert_with(|| {
-                        shares_boot_clock(until - Duration::from_millis(valid_for), sent, read)
-                    });
-                    if shared {
+                    // An event with no time left says nothing of when it was written.
+                    if shared_boot_clock.is_none() && valid_for > 0 {
+                        let written = until - Duration::from_millis(valid_for);
+                        shared_boot_clock = Some(shares_boot_clock(
+                            body["bootId"].as_str(),
+                            written,
+                            sent,
+                            read,
+                        ));
+                    }
+                    if shared_boot_clock == Some(true) {
                         end = end.min(until);
                     }
                 }
@@ -455,13 +462,20 @@ async fn follow(
     }
 }
 
-/// Whether an event the sidecar wrote at `written` on its boot clock was written on this
-/// machine's: between the sending of the request and the reading of the event. A sidecar on
-/// another machine (through a port forward) or in another time namespace is found out by the
-/// first event unless its clock is within that span of this one's; its events are then dated
-/// from their reading alone.
-fn shares_boot_clock(written: BootInstant, sent: BootInstant, read: BootInstant) -> bool {
-    let shared = written + BOOT_CLOCK_ROUNDING >= sent && written <= read + BOOT_CLOCK_ROUNDING;
+/// Whether the sidecar's boot clock is this process's: the sidecar runs on this machine's
+/// kernel, this boot (`boot_id`), and an event it wrote at `written` on its clock was written
+/// between the sending of the request and the reading of the event (a time namespace may move
+/// the clock). A sidecar elsewhere (through a port forward) has its events dated from their
+/// reading alone.
+fn shares_boot_clock(
+    boot_id: Option<&str>,
+    written: BootInstant,
+    sent: BootInstant,
+    read: BootInstant,
+) -> bool {
+    let shared = boot_id.is_some_and(|id| Some(id) == leasehold_lease::boot_clock::boot_id())
+        && written + BOOT_CLOCK_ROUNDING >= sent
+        && written <= read + BOOT_CLOCK_ROUNDING;
     if !shared {
         eprintln!(
             "leasehold exec: the sidecar's boot clock is not this machine's (it runs elsewhere); \
@@ -475,29 +489,24 @@ fn shares_boot_clock(written: BootInstant, sent: BootInstant, read: BootInstant)
 mod tests {
     use super::*;
 
-    /// An event written between the request's sending and its reading is of this machine's
-    /// boot clock; one written before the request was sent, or after it was read, is not.
+    /// An event of this boot, written between the request's sending and its reading, is of
+    /// this machine's boot clock; one of another boot, or written before the request was sent
+    /// or after it was read, is not.
     #[test]
-    fn a_boot_clock_is_shared_only_if_events_fall_between_request_and_reading() {
+    fn a_boot_clock_is_shared_only_by_this_boot_between_request_and_reading() {
+        let here = leasehold_lease::boot_clock::boot_id();
+        assert!(here.is_some(), "no boot id on this machine");
         let sent = BootInstant::now();
         let read = sent + Duration::from_secs(30);
-        assert!(shares_boot_clock(sent, sent, read));
-        assert!(shares_boot_clock(sent + Duration::from_secs(5), sent, read));
-        assert!(shares_boot_clock(
-            read + Duration::from_millis(1),
-            sent,
-            read
-        ));
-        assert!(!shares_boot_clock(
-            sent - Duration::from_secs(3600),
-            sent,
-            read
-        ));
-        assert!(!shares_boot_clock(
-            read + Duration::from_secs(1),
-            sent,
-            read
-        ));
+        let shared = |id, written| shares_boot_clock(id, written, sent, read);
+        assert!(shared(here, sent));
+        assert!(shared(here, sent + Duration::from_secs(5)));
+        assert!(shared(here, read + Duration::from_millis(1)));
+        assert!(!shared(here, sent - Duration::from_secs(3600)));
+        assert!(!shared(here, read + Duration::from_secs(1)));
+        let elsewhere = Some("00000000-0000-0000-0000-000000000000");
+        assert!(!shared(elsewhere, sent + Duration::from_secs(5)));
+        assert!(!shared(None, sent + Duration::from_secs(5)));
     }
 
     #[test]
