@@ -478,8 +478,8 @@ fn shares_boot_clock(
         && written <= read + BOOT_CLOCK_ROUNDING;
     if !shared {
         eprintln!(
-            "leasehold exec: the sidecar's boot clock is not this machine's (it runs elsewhere); \
-             a renewal read late is dated from its reading"
+            "leasehold exec: the sidecar's boot clock is not this process's (another machine, or \
+             another time namespace); a renewal read late is dated from its reading"
         );
     }
     shared

@@ -314,9 +314,10 @@ async fn keep_answered(session: Weak<Session>) {
         let Some(session) = session.upgrade() else {
             return;
         };
-        // Before any lease was asked for, no claim counts on these reads yet.
+        // Before any lease was asked for through it, the session opened for one (or for a call
+        // that needed any): the first claim counts on these reads too.
         let kept_for = match session.longest_claimed.load(Ordering::SeqCst) {
-            0 => session.timeout,
+            0 => session.requested.min(session.timeout),
             _ => session.kept_for(),
         };
         every = kept_for.mul_f64(KEEP_ANSWERED_FRACTION);
