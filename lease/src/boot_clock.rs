@@ -49,6 +49,16 @@ impl BootInstant {
         Self(Duration::from_nanos(nanos))
     }
 
+    /// Milliseconds since boot, rounded down: never later than the instant.
+    pub fn as_millis(self) -> u64 {
+        u64::try_from(self.0.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The instant [`Self::as_millis`] gave.
+    pub fn from_millis(millis: u64) -> Self {
+        Self(Duration::from_millis(millis))
+    }
+
     /// The tokio instant to wake at for `self`, as far as anyone can tell now.
     pub fn to_tokio(self) -> tokio::time::Instant {
         tokio::time::Instant::now() + self.remaining()

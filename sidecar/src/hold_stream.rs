@@ -361,10 +361,7 @@ pub fn validity(until: BootInstant) -> Map<String, Value> {
     let mut fields = Map::new();
     let valid_for = until.saturating_duration_since(BootInstant::now());
     fields.insert("validForMs".into(), (valid_for.as_millis() as u64).into());
-    fields.insert(
-        "validUntilBootTimeMs".into(),
-        (until.as_nanos() / 1_000_000).into(),
-    );
+    fields.insert("validUntilBootTimeMs".into(), until.as_millis().into());
     // Which boot's clock that is: a reader elsewhere (through a port forward) tells it apart.
     if let Some(boot_id) = leasehold_lease::boot_clock::boot_id() {
         fields.insert("bootId".into(), boot_id.into());
@@ -672,7 +669,7 @@ mod tests {
             before + valid_for <= until && after + valid_for + Duration::from_millis(1) > until
         );
         let boot_until = fields["validUntilBootTimeMs"].as_u64().unwrap();
-        let boot_until = BootInstant::from_nanos(boot_until * 1_000_000);
+        let boot_until = BootInstant::from_millis(boot_until);
         assert!(boot_until <= until, "rounded up past the claim");
         assert!(until.saturating_duration_since(boot_until) < Duration::from_millis(1));
     }

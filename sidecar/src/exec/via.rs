@@ -419,7 +419,7 @@ async fn follow(
                 // where the sidecar's boot clock is this machine's.
                 let mut end = read + Duration::from_millis(valid_for);
                 if let Some(until) = body["validUntilBootTimeMs"].as_u64() {
-                    let until = BootInstant::from_nanos(until.saturating_mul(1_000_000));
+                    let until = BootInstant::from_millis(until);
                     // An event with no time left says nothing of when it was written.
                     if shared_boot_clock.is_none() && valid_for > 0 {
                         let written = until - Duration::from_millis(valid_for);

@@ -292,10 +292,14 @@ impl Session {
     /// asked for by a call that needed any session), and a server the client reconnects to
     /// lowers it to its `maxSessionTimeout` without a word; every server allows each lease
     /// asked for through the session (and the shortest session, 1 s), so the timeout is
-    /// counted as the longest of those at most.
+    /// counted as the longest of those at most. Before any lease was asked for through it, the
+    /// session counts as the one opened (for a lease, or for a call that needed any), which only
+    /// [`keep_answered`] reads: its reads date the first claim too.
     fn kept_for(&self) -> Duration {
-        let longest = Duration::from_nanos(self.longest_claimed.load(Ordering::SeqCst));
-        surely_kept_for(self.timeout, longest)
+        match self.longest_claimed.load(Ordering::SeqCst) {
+            0 => self.requested.min(self.timeout),
+            longest => surely_kept_for(self.timeout, Duration::from_nanos(longest)),
+        }
     }
 }
 
@@ -305,8 +309,9 @@ const KEEP_ANSWERED_FRACTION: f64 = 0.2;
 
 /// Read through `session` every [`KEEP_ANSWERED_FRACTION`] of the time the leader surely keeps
 /// it ([`Session::kept_for`]) for as long as it lives, noting each answer: the requests
-/// [`Session::counted_from`] dates claims from, so that a place that waited quietly in its queue still has a claim when its turn comes. A read the
-/// server answers itself (the root's stat) is enough: the server notes the touch and relays it.
+/// [`Session::counted_from`] dates claims from, so that a place that waited quietly in its
+/// queue still has a claim when its turn comes. A read the server answers itself (the root's
+/// stat) is enough: the server notes the touch and relays it.
 async fn keep_answered(session: Weak<Session>) {
     let mut every = Duration::ZERO;
     loop {
@@ -314,13 +319,7 @@ async fn keep_answered(session: Weak<Session>) {
         let Some(session) = session.upgrade() else {
             return;
         };
-        // Before any lease was asked for through it, the session opened for one (or for a call
-        // that needed any): the first claim counts on these reads too.
-        let kept_for = match session.longest_claimed.load(Ordering::SeqCst) {
-            0 => session.requested.min(session.timeout),
-            _ => session.kept_for(),
-        };
-        every = kept_for.mul_f64(KEEP_ANSWERED_FRACTION);
+        every = session.kept_for().mul_f64(KEEP_ANSWERED_FRACTION);
         if session.client.state().is_terminated() {
             return;
         }
