@@ -26,6 +26,14 @@
 //! one contiguous span. So a token's claim surely covers [first answer received, last request
 //! sent]; two of those spans that intersect are two holders at once. The polling resolution
 //! (how long a request takes, how often each sidecar is asked) is reported alongside.
+//!
+//! It also fails when an answer's promise is broken: a 200's `validForMs`, measured by the
+//! sidecar after the request was sent, tells the pod's apps they may act on the lock until the
+//! request's sending plus `validForMs`, unless one of them gives the holding up first (a
+//! release, a client hanging up once granted). Another sidecar that surely held within that
+//! promise (over its certain span, or at some instant of a request's window that lies wholly
+//! inside it) is two processes acting on the lock at once, whatever the first sidecar claimed
+//! by then.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};
@@ -729,6 +737,8 @@ struct Sample {
     received: Instant,
     /// The fencing token of a 200 answer.
     token: Option<u64>,
+    /// The `validForMs` of a 200 answer.
+    valid_for: Duration,
 }
 
 /// The figures of one run.
@@ -787,8 +797,16 @@ impl Report {
     }
 }
 
-/// One GET /lock with short timeouts: (200 with its token) or not.
-fn probe(addr: SocketAddr) -> Option<Option<u64>> {
+/// What a 200 answer claims: its fencing token and `validForMs`.
+#[derive(Debug, Clone, Copy)]
+struct Claim {
+    token: u64,
+    valid_for: Duration,
+}
+
+/// One GET /lock with short timeouts: (200 with its claim) or not. A 200 whose body names no
+/// token or validity is a claim that cannot be checked, and panics the checker's thread.
+fn probe(addr: SocketAddr) -> Option<Option<Claim>> {
     use std::io::{Read, Write};
     let mut stream = TcpStream::connect_timeout(&addr, POLL_TIMEOUT).ok()?;
     stream.set_read_timeout(Some(POLL_TIMEOUT)).ok()?;
@@ -803,7 +821,15 @@ fn probe(addr: SocketAddr) -> Option<Option<u64>> {
     }
     let body = text.split_once("\r\n\r\n")?.1;
     let json: serde_json::Value = serde_json::from_str(body).ok()?;
-    Some(json["fencingToken"].as_u64())
+    let (Some(token), Some(valid_for)) =
+        (json["fencingToken"].as_u64(), json["validForMs"].as_u64())
+    else {
+        panic!("a 200 answer without its fencing token and validity: {body}");
+    };
+    Some(Some(Claim {
+        token,
+        valid_for: Duration::from_millis(valid_for),
+    }))
 }
 
 /// Poll one slot until told to stop.
@@ -819,8 +845,8 @@ fn checker(
         let sent = Instant::now();
         let answer = probe(target);
         let received = Instant::now();
-        if let Some(token) = answer {
-            if token.is_some() {
+        if let Some(claim) = answer {
+            if claim.is_some() {
                 let mut last = last_holder.lock().unwrap();
                 *last = Some(last.map_or(received, |l| l.max(received)));
             }
@@ -829,7 +855,8 @@ fn checker(
                 generation,
                 sent,
                 received,
-                token,
+                token: claim.map(|c| c.token),
+                valid_for: claim.map(|c| c.valid_for).unwrap_or_default(),
             });
         }
         std::thread::sleep(POLL_PAUSE);
@@ -872,13 +899,23 @@ struct WaiterLog {
     faults: Vec<(Instant, Instant)>,
 }
 
-/// One acquisition answered 200: when it was asked and answered, and when its release was
-/// answered 200 (`None` when the release failed or was never answered).
+/// One acquisition answered 200: when it was asked and answered, for how long the answer said
+/// it was valid, when its release was asked, and when that was answered 200 (`None` when the
+/// release failed or was never answered).
 #[derive(Debug, Clone, Copy)]
 struct Take {
     sent: Instant,
     received: Instant,
+    valid_for: Duration,
+    release_sent: Instant,
     released: Option<Instant>,
+}
+
+impl Take {
+    /// Until when its worker acted on the lock: its release, or its answer's validity ending.
+    fn acted_until(&self) -> Instant {
+        self.release_sent.min(self.sent + self.valid_for)
+    }
 }
 
 /// One worker beside sidecar `slot`: take the lock (a blocking wait, a try-lock, or a wait it
@@ -917,8 +954,14 @@ fn waiter(
         let received = Instant::now();
         match answer {
             Ok(reply) if reply.status == 200 => {
-                let token = reply.json()["fencingToken"].as_u64().unwrap_or(0);
+                let json = reply.json();
+                let (Some(token), Some(valid_for)) =
+                    (json["fencingToken"].as_u64(), json["validForMs"].as_u64())
+                else {
+                    panic!("an acquisition answered 200 without its token and validity: {json}");
+                };
                 std::thread::sleep(Duration::from_millis(rng.random_range(WORK_MS)));
+                let release_sent = Instant::now();
                 let released = http(target, "POST", "/lock/release")
                     .is_ok_and(|r| r.status == 200)
                     .then(Instant::now);
@@ -927,6 +970,8 @@ fn waiter(
                 log.given.entry((slot, token)).or_default().push(Take {
                     sent,
                     received,
+                    valid_for: Duration::from_millis(valid_for),
+                    release_sent,
                     released,
                 });
                 drop(log);
@@ -1100,14 +1145,20 @@ pub fn run(scenario: Scenario, duration: Duration, contenders: usize, seed: u64)
     }
     report.duration = began.elapsed();
     stop.store(true, Ordering::SeqCst);
+    // A checker or worker that panicked saw something it could not record: a failed run.
     for thread in threads {
-        let _ = thread.join();
+        if thread.join().is_err() {
+            report
+                .violations
+                .push("a checker or worker thread panicked (its message is above)".to_owned());
+        }
     }
     let samples = std::mem::take(&mut *log.lock().unwrap());
-    let holdings = analyse(&samples, began, &mut report);
-    if scenario.workload == Workload::Waiters {
-        let waiters = std::mem::take(&mut *waiter_log.lock().unwrap());
-        analyse_waiters(&holdings, &waiters, began, &mut report);
+    let waiters = (scenario.workload == Workload::Waiters)
+        .then(|| std::mem::take(&mut *waiter_log.lock().unwrap()));
+    let holdings = analyse(&samples, waiters.as_ref(), began, &mut report);
+    if let Some(waiters) = &waiters {
+        analyse_waiters(&holdings, waiters, began, &mut report);
     }
     drop(slots);
     report
@@ -1192,7 +1243,8 @@ fn current_holder(samples: &[Sample]) -> Option<usize> {
 
 /// One token's claim by one process: surely held over [certain_from, certain_to] when that is
 /// not empty, and at some instant within [first_sent, first_received]; possibly held from
-/// `first_sent` to `last_received`.
+/// `first_sent` to `last_received`. Its answers told the pod's apps they may act on it until
+/// `promised_to`.
 #[derive(Debug, Clone, Copy)]
 struct Holding {
     slot: usize,
@@ -1203,11 +1255,18 @@ struct Holding {
     certain_from: Instant,
     certain_to: Instant,
     last_received: Instant,
+    promised_to: Instant,
 }
 
-/// The holdings the samples show, in the order they began; overlaps, falling or shared tokens
-/// and the polling figures go into `report`.
-fn analyse(samples: &[Sample], began: Instant, report: &mut Report) -> Vec<Holding> {
+/// The holdings the samples show, in the order they began; overlaps, broken promises, falling
+/// or shared tokens and the polling figures go into `report`. With the waiters' log, a
+/// holding's promise ends where one of its pod's workers gave it up.
+fn analyse(
+    samples: &[Sample],
+    waiters: Option<&WaiterLog>,
+    began: Instant,
+    report: &mut Report,
+) -> Vec<Holding> {
     report.samples = samples.len();
     let mut holdings: BTreeMap<(usize, u32, u64), Holding> = BTreeMap::new();
     for s in samples {
@@ -1222,6 +1281,7 @@ fn analyse(samples: &[Sample], began: Instant, report: &mut Report) -> Vec<Holdi
                     h.first_received = s.received;
                 }
                 h.last_received = h.last_received.max(s.received);
+                h.promised_to = h.promised_to.max(s.sent + s.valid_for);
             })
             .or_insert(Holding {
                 slot: s.slot,
@@ -1232,9 +1292,17 @@ fn analyse(samples: &[Sample], began: Instant, report: &mut Report) -> Vec<Holdi
                 certain_from: s.received,
                 certain_to: s.sent,
                 last_received: s.received,
+                promised_to: s.sent + s.valid_for,
             });
     }
     let mut holdings: Vec<Holding> = holdings.into_values().collect();
+    if let Some(log) = waiters {
+        for h in &mut holdings {
+            if let Some(given_up) = given_up(h, log) {
+                h.promised_to = h.promised_to.min(given_up.max(h.certain_to));
+            }
+        }
+    }
     holdings.sort_by_key(|h| h.first_sent);
     report.handovers = holdings.len().saturating_sub(1);
     let at = |t: Instant| t.saturating_duration_since(began);
@@ -1248,6 +1316,20 @@ fn analyse(samples: &[Sample], began: Instant, report: &mut Report) -> Vec<Holdi
                     "overlap: contender-{} (token {}) and contender-{} (token {}) both held for {:?} at {:.3?}",
                     a.slot, a.token, b.slot, b.token, to - from, at(from)
                 ));
+            } else {
+                for (promiser, other) in [(a, b), (b, a)] {
+                    if let Some(held) = held_within_promise(promiser, other) {
+                        report.violations.push(format!(
+                            "broken promise: contender-{} (token {}) was promised validity until {:.3?}, but contender-{} (token {}) held at {:.3?}",
+                            promiser.slot,
+                            promiser.token,
+                            at(promiser.promised_to),
+                            other.slot,
+                            other.token,
+                            at(held)
+                        ));
+                    }
+                }
             }
             if a.token == b.token && (a.slot, a.generation) != (b.slot, b.generation) {
                 report.violations.push(format!(
@@ -1309,6 +1391,38 @@ fn analyse(samples: &[Sample], began: Instant, report: &mut Report) -> Vec<Holdi
     holdings
 }
 
+/// When a worker of `h`'s pod first gave `h` up, voiding the answers about it in the pod: the
+/// release of a take of its token asked, or a client hanging up (once granted, which no log
+/// can tell apart from hanging up while it waited) as it began or after.
+fn given_up(h: &Holding, log: &WaiterLog) -> Option<Instant> {
+    let released = log
+        .given
+        .get(&(h.slot, h.token))
+        .into_iter()
+        .flatten()
+        .map(|take| take.release_sent);
+    let hung_up = log
+        .hang_ups
+        .iter()
+        .filter(|&&(slot, at)| slot == h.slot && at + HANG_UP_RACE >= h.first_sent)
+        .map(|&(_, at)| at);
+    released.chain(hung_up).min()
+}
+
+/// Whether `other` surely held while `promiser`'s answers promised it the lock, from the first
+/// answer received to `promised_to`: over its certain span, or at some instant of its first
+/// request's window lying wholly inside the promise. The instant it surely held then.
+fn held_within_promise(promiser: &Holding, other: &Holding) -> Option<Instant> {
+    let promise_ends = promiser.promised_to.max(promiser.certain_to);
+    let from = promiser.certain_from.max(other.certain_from);
+    let to = promise_ends.min(other.certain_to);
+    if from < to {
+        return Some(from);
+    }
+    (promiser.certain_from <= other.first_sent && other.first_received < promise_ends)
+        .then_some(other.first_received)
+}
+
 /// The waiters' own checks: no holding for nobody, and no blocking waiter refused while the
 /// lock stayed free.
 fn analyse_waiters(holdings: &[Holding], log: &WaiterLog, began: Instant, report: &mut Report) {
@@ -1321,6 +1435,39 @@ fn analyse_waiters(holdings: &[Holding], log: &WaiterLog, began: Instant, report
             .iter()
             .any(|&(s, at)| s == slot && at + HANG_UP_RACE >= from && at <= to)
     };
+    // Each worker acts on the lock from its answer until its release (or its answer's
+    // validity ending): two workers of different holdings at once, or one beside another
+    // pod's certain claim, are two processes acting on the lock.
+    let acting: Vec<(usize, u64, &Take)> = log
+        .given
+        .iter()
+        .flat_map(|(&(slot, token), takes)| takes.iter().map(move |t| (slot, token, t)))
+        .collect();
+    for (i, &(slot, token, take)) in acting.iter().enumerate() {
+        for &(other_slot, other_token, other) in &acting[i + 1..] {
+            let from = take.received.max(other.received);
+            if other_token != token && from < take.acted_until().min(other.acted_until()) {
+                report.violations.push(format!(
+                    "overlap: a worker of contender-{slot} (token {token}) and one of contender-{other_slot} (token {other_token}) both acted on the lock at {:.3?}",
+                    at(from)
+                ));
+            }
+        }
+        for h in holdings
+            .iter()
+            .filter(|h| (h.slot, h.token) != (slot, token))
+        {
+            let from = take.received.max(h.certain_from);
+            if from < take.acted_until().min(h.certain_to) {
+                report.violations.push(format!(
+                    "overlap: a worker of contender-{slot} (token {token}) acted on the lock while contender-{} (token {}) held it, at {:.3?}",
+                    h.slot,
+                    h.token,
+                    at(from)
+                ));
+            }
+        }
+    }
     for h in holdings {
         let Some(takes) = log.given.get(&(h.slot, h.token)) else {
             if !hung_up_within(h.slot, h.first_sent, h.first_received + HANG_UP_RACE) {
@@ -1426,15 +1573,29 @@ pub(crate) fn longest_gap(busy: &[(Instant, Instant)], from: Instant, to: Instan
 mod tests {
     use super::*;
 
-    /// Samples of one claim: (slot, token, sent ms, received ms) from a common origin.
+    /// Samples of one claim: (slot, token, sent ms, received ms) from a common origin, each 200
+    /// valid for as long as its request took.
     fn samples(origin: Instant, raw: &[(usize, Option<u64>, u64, u64)]) -> Vec<Sample> {
+        let promising: Vec<_> = raw
+            .iter()
+            .map(|&(slot, token, sent, received)| (slot, token, sent, received, received - sent))
+            .collect();
+        promising_samples(origin, &promising)
+    }
+
+    /// Samples as for [`samples`], each with its `validForMs`.
+    fn promising_samples(
+        origin: Instant,
+        raw: &[(usize, Option<u64>, u64, u64, u64)],
+    ) -> Vec<Sample> {
         raw.iter()
-            .map(|&(slot, token, sent, received)| Sample {
+            .map(|&(slot, token, sent, received, valid_for)| Sample {
                 slot,
                 generation: 0,
                 sent: origin + Duration::from_millis(sent),
                 received: origin + Duration::from_millis(received),
                 token,
+                valid_for: Duration::from_millis(valid_for),
             })
             .collect()
     }
@@ -1442,8 +1603,44 @@ mod tests {
     fn report(raw: &[(usize, Option<u64>, u64, u64)]) -> Report {
         let origin = Instant::now();
         let mut report = Report::default();
-        analyse(&samples(origin, raw), origin, &mut report);
+        analyse(&samples(origin, raw), None, origin, &mut report);
         report
+    }
+
+    fn promise_violations(raw: &[(usize, Option<u64>, u64, u64, u64)]) -> Vec<String> {
+        let origin = Instant::now();
+        let mut report = Report::default();
+        analyse(&promising_samples(origin, raw), None, origin, &mut report);
+        report.violations
+    }
+
+    #[test]
+    fn an_answer_whose_validity_reaches_into_the_next_holders_claim_is_a_broken_promise() {
+        // Contender 0's answer at 0-1 says valid for 500 ms; contender 1 surely holds from 301.
+        let next = [(1, Some(2), 300, 301, 900), (1, Some(2), 310, 311, 900)];
+        let found = promise_violations(&[&[(0, Some(1), 0, 1, 500)][..], &next].concat());
+        assert!(
+            found
+                .iter()
+                .any(|v| v.starts_with("broken promise: contender-0")),
+            "{found:?}"
+        );
+        // Seen once only: it held at some instant of 300-301, inside the promise.
+        let found = promise_violations(&[(0, Some(1), 0, 1, 500), (1, Some(2), 300, 301, 900)]);
+        assert!(
+            found.iter().any(|v| v.starts_with("broken promise")),
+            "{found:?}"
+        );
+        // A promise that ends before the next holder is seen holding breaks nothing.
+        assert_eq!(
+            promise_violations(&[&[(0, Some(1), 0, 1, 250)][..], &next].concat()),
+            Vec::<String>::new()
+        );
+        // Nor one that may have ended before: the next holder's only answer took from 200 to 301.
+        assert_eq!(
+            promise_violations(&[(0, Some(1), 0, 1, 250), (1, Some(2), 200, 301, 900)]),
+            Vec::<String>::new()
+        );
     }
 
     #[test]
@@ -1515,18 +1712,64 @@ mod tests {
         let origin = Instant::now();
         let ms = |t: u64| origin + Duration::from_millis(t);
         let mut report = Report::default();
-        let holdings = analyse(&samples(origin, raw), origin, &mut report);
         let mut log = WaiterLog::default();
         for &(slot, token, sent, received, released) in takes {
             log.given.entry((slot, token)).or_default().push(Take {
                 sent: ms(sent),
                 received: ms(received),
+                valid_for: Duration::from_secs(3),
+                release_sent: released.map_or(ms(received + 1), |r| ms(r - 1)),
                 released: released.map(ms),
             });
         }
         log.hang_ups = hang_ups.iter().map(|&(slot, at)| (slot, ms(at))).collect();
+        let holdings = analyse(&samples(origin, raw), Some(&log), origin, &mut report);
         analyse_waiters(&holdings, &log, origin, &mut report);
         report.violations
+    }
+
+    #[test]
+    fn a_promise_ends_where_a_worker_of_its_pod_gives_the_holding_up() {
+        let origin = Instant::now();
+        let ms = |t: u64| origin + Duration::from_millis(t);
+        // Contender 0 promised until 500, contender 1 holds from 301.
+        let raw = [
+            (0, Some(1), 0, 1, 500),
+            (1, Some(2), 300, 301, 900),
+            (1, Some(2), 310, 311, 900),
+        ];
+        let violations = |log: &WaiterLog| {
+            let mut report = Report::default();
+            analyse(
+                &promising_samples(origin, &raw),
+                Some(log),
+                origin,
+                &mut report,
+            );
+            report.violations
+        };
+        let take = |release_sent: u64| Take {
+            sent: ms(0),
+            received: ms(1),
+            valid_for: Duration::from_secs(3),
+            release_sent: ms(release_sent),
+            released: Some(ms(release_sent + 1)),
+        };
+        let mut log = WaiterLog::default();
+        log.given.insert((0, 1), vec![take(250)]);
+        assert_eq!(violations(&log), Vec::<String>::new());
+        // Released only once the other held.
+        log.given.insert((0, 1), vec![take(400)]);
+        let found = violations(&log);
+        assert!(
+            found.iter().any(|v| v.starts_with("broken promise")),
+            "{found:?}"
+        );
+        // A client of the pod that hung up meanwhile voids it too; one of another pod does not.
+        log.hang_ups = vec![(1, ms(100))];
+        assert!(!violations(&log).is_empty());
+        log.hang_ups = vec![(0, ms(100))];
+        assert_eq!(violations(&log), Vec::<String>::new());
     }
 
     #[test]
@@ -1578,6 +1821,34 @@ mod tests {
         );
         let failed = [(0, 7, 0, 2, None), (0, 7, 100, 102, Some(150))];
         assert_eq!(waiter_violations(&held, &failed, &[]), Vec::<String>::new());
+    }
+
+    #[test]
+    fn workers_acting_on_the_lock_beside_another_holding_are_an_overlap() {
+        // Contender 0 held token 1 from 0 to 100; contender 1 from 200.
+        let held = [
+            (0, Some(1), 0, 1),
+            (0, Some(1), 100, 101),
+            (1, Some(2), 200, 201),
+            (1, Some(2), 300, 301),
+        ];
+        // Token 1's worker released at 150, token 2's acquired at 190: fine.
+        let apart = [(0, 1, 0, 1, Some(151)), (1, 2, 180, 190, Some(400))];
+        assert_eq!(waiter_violations(&held, &apart, &[]), Vec::<String>::new());
+        // Token 1's worker released only at 250: it acted beside contender 1's claim, and
+        // beside contender 1's worker.
+        let late = [(0, 1, 0, 1, Some(251)), (1, 2, 180, 190, Some(400))];
+        let found = waiter_violations(&held, &late, &[]);
+        assert!(
+            found
+                .iter()
+                .any(|v| v.contains("acted on the lock while contender-1")),
+            "{found:?}"
+        );
+        assert!(
+            found.iter().any(|v| v.contains("both acted on the lock")),
+            "{found:?}"
+        );
     }
 
     #[test]
