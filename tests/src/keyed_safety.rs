@@ -496,9 +496,10 @@ fn none_held(
     }
 }
 
-/// Log each key of a 200 answer for several keys (`keys`, in the order asked) as held by
-/// `owner`, with the answer's token and validity for it; asked at `sent`, answered at
-/// `received`.
+/// Log each key of a 200 answer for several keys (`keys`) as held by `owner`, with the
+/// answer's token and validity for it, found by its name; asked at `sent`, answered at
+/// `received`. A 200 that does not name every key asked, with a claim, holds some keys
+/// without the others: a violation.
 fn keys_held(
     log: &mut Log,
     body: &str,
@@ -506,14 +507,22 @@ fn keys_held(
     owner: &str,
     (sent, received): (Instant, Instant),
 ) {
-    let Ok(body) = serde_json::from_str::<serde_json::Value>(body) else {
-        return;
-    };
-    let answered = body["keys"].as_array().into_iter().flatten();
-    for (&key, answer) in keys.iter().zip(answered) {
-        let claim = claim_of(&answer.to_string());
-        log.samples
-            .push(Sample::of(key, owner, sent, received, claim));
+    let parsed = serde_json::from_str::<serde_json::Value>(body).unwrap_or_default();
+    let answered = parsed["keys"].as_array().cloned().unwrap_or_default();
+    for &key in keys {
+        let name = format!("k{key}");
+        let claim = answered
+            .iter()
+            .find(|answer| answer["key"] == name.as_str())
+            .and_then(|answer| claim_of(&answer.to_string()));
+        match claim {
+            Some(claim) => log
+                .samples
+                .push(Sample::of(key, owner, sent, received, Some(claim))),
+            None => log.partials.push(format!(
+                "{owner} was answered 200 for several keys without a claim on {name}: {body}"
+            )),
+        }
     }
 }
 
@@ -727,8 +736,13 @@ fn run_shaped(target: Target, duration: Duration, seed: u64, shape: Shape) -> Re
     }
     report.duration = began.elapsed();
     stop.store(true, Ordering::SeqCst);
+    // A worker that panicked saw something it could not record: a failed run.
     for worker in workers {
-        let _ = worker.join();
+        if worker.join().is_err() {
+            report
+                .violations
+                .push("a worker thread panicked (its message is above)".to_owned());
+        }
     }
     let log = std::mem::take(&mut *log.lock().unwrap());
     analyse(&log, began, shape.permits, &mut report);
