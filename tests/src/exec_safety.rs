@@ -19,10 +19,9 @@
 //!
 //! Two commands at once are seen exactly, not sampled: each witness holds an exclusive `flock`
 //! on one file for as long as it lives, so a witness that starts while another still lives
-//! finds it taken. An exec holding on its own is not paused: a frozen exec cannot stop its
-//! command (the documented reason to run both in one container, which a pause freezes
-//! together), and a command frozen with it runs, once thawed, until exec's next check; the
-//! sidecar check covers paused holders, and through a sidecar the sidecar is paused.
+//! finds it taken. An exec holding on its own is paused alone (`SIGSTOP` to its process, not
+//! to its command's group): its keeper, told each end of the claim, must stop the command
+//! before the claim ends, while exec renews nothing. Through a sidecar, the sidecar is paused.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -147,6 +146,19 @@ impl Contender {
             None => false,
         }
     }
+
+    /// Stop the running exec's own process (not its command) for `length`, then let it go on.
+    fn pause(&self, length: Duration) -> bool {
+        let Some(pid) = *self.running.lock().unwrap() else {
+            return false;
+        };
+        if kill(pid, Signal::SIGSTOP).is_err() {
+            return false;
+        }
+        std::thread::sleep(length);
+        let _ = kill(pid, Signal::SIGCONT);
+        true
+    }
 }
 
 /// Stops the loop and its exec (whose command the kernel stops with it), also when a check
@@ -256,13 +268,12 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
         })
         .collect();
     // Through a sidecar, the sidecar is paused (exec must stop its command on its own); an exec
-    // holding on its own is not (see the module's comment).
+    // holding on its own is paused alone (its keeper must stop the command).
     let faults: Vec<Fault> = backend
         .faults()
         .iter()
         .copied()
         .filter(|f| *f != Fault::SplitSentinels)
-        .filter(|f| *f != Fault::PauseHolder || !matches!(route, Route::Own | Route::OwnPermits))
         .collect();
 
     let mut report = Report {
@@ -337,6 +348,11 @@ fn run_routed(target: Target, duration: Duration, seed: u64, route: Route) -> Re
                 sidecar.signal(Signal::SIGSTOP);
                 std::thread::sleep(FAULT_LENGTH);
                 sidecar.signal(Signal::SIGCONT);
+            }
+            (Fault::PauseHolder, None) => {
+                if !contender.pause(FAULT_LENGTH) {
+                    continue;
+                }
             }
             (other, _) => backend.inject(other, index, &contender.proxies),
         }

@@ -6,7 +6,10 @@
 //! (exit 99). Under the flock it also checks that its fencing token is above every earlier
 //! command's, appends `token identity` to `STATE.runs`, and leaves its identity in STATE while
 //! it runs (`-` once it is done), for the check to aim its faults at the holder. It is one
-//! process and forks nothing, so the flock lives exactly as long as the command.
+//! process and forks nothing, so the flock lives exactly as long as the command. A witness
+//! with an even token stays on through `SIGTERM`, as a command finishing its work first would,
+//! so that what ends it when the lock is being lost is exec's `SIGKILL` after the grace, which
+//! must come before the claim ends.
 //!
 //! On a read-write lock, `read` commands hold a shared flock (readers run side by side; one
 //! that finds a writer's flock is the violation), do not check their token (a reader's rises
@@ -56,6 +59,19 @@ fn main() {
         .and_then(|t| t.parse().ok())
         .expect("LEASEHOLD_FENCING_TOKEN");
     let identity = std::env::var("LEASEHOLD_EXEC_IDENTITY").expect("LEASEHOLD_EXEC_IDENTITY");
+    // A handler for SIGTERM, kept until the process ends, replaces its default of ending it.
+    let _stays_through_sigterm = token.is_multiple_of(2).then(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .expect("a runtime for the SIGTERM handler");
+        let handler = runtime
+            .block_on(async {
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            })
+            .expect("a SIGTERM handler");
+        (runtime, handler)
+    });
     let violations = format!("{state}.violations");
     // A read-write key's readers and writer share one state whatever permit each holds.
     let state = &match std::env::var("LEASEHOLD_PERMIT") {
