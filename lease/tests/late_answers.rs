@@ -134,20 +134,20 @@ async fn a_late_acquisition_nobody_waits_for_is_given_back() {
     let a = on_demand(faulty.clone(), &name, "a");
     let b = on_demand(sqlite(&harness).await, &name, "b");
     faulty.delay_responses(LATE);
+    let sent = Instant::now();
     let answer = a.acquire(Duration::ZERO, HOLD).await.expect("acquire");
     assert_eq!(answer, Answer::Unknown, "a's try-lock could not tell");
     faulty.delay_responses(Duration::ZERO);
     // a's attempt took the lock in the file when it was sent; its lease would last until about
-    // LEASE from then. Given back when its answer comes (LATE), b gets it well before.
-    let waited = Instant::now();
-    let answer = b.acquire(LEASE / 2, HOLD).await.expect("acquire");
+    // LEASE from then. Given back when its answer comes (LATE), b gets it before: b waits until
+    // a second before that lease would end.
+    let wait = (sent + LEASE - Duration::from_secs(1)).saturating_duration_since(Instant::now());
+    let answer = b.acquire(wait, HOLD).await.expect("acquire");
     assert!(
         answer.is_holder(),
-        "b did not get the lock within {:?} of a's try-lock: {answer:?} (a's late attempt kept it for nobody)",
-        LEASE / 2
+        "b did not get the lock within {wait:?}, a second before a's late attempt's lease would end: {answer:?} (that attempt kept it for nobody)"
     );
     assert!(!a.answer().is_holder(), "a claims a lock nobody asked for");
-    assert!(waited.elapsed() < LEASE / 2);
     assert!(b.release().await.expect("release"));
 }
 
@@ -240,13 +240,16 @@ async fn a_keyed_owner_never_meets_its_own_late_attempt() {
     )
     .expect("family");
     faulty.delay_responses(LATE);
+    let sent = Instant::now();
     let answer = family
         .acquire("order-1", "w1", Duration::ZERO, HOLD)
         .await
         .expect("acquire");
     assert_eq!(answer, KeyAnswer::Unknown);
     faulty.delay_responses(Duration::ZERO);
-    let asked = Instant::now();
+    // Free again once the late answer comes (LATE after sending), not once the late attempt's
+    // lease ends (LEASE after sending).
+    let free_by = sent + LEASE - Duration::from_secs(1);
     let token = loop {
         match family
             .acquire("order-1", "w1", Duration::ZERO, HOLD)
@@ -259,9 +262,8 @@ async fn a_keyed_owner_never_meets_its_own_late_attempt() {
             other => panic!("the owner's retry was told {other:?}"),
         }
         assert!(
-            asked.elapsed() < LEASE / 2,
-            "the key was not free again within {:?} of the late answer",
-            LEASE / 2
+            Instant::now() < free_by,
+            "the key was not free again a second before the late attempt's lease would end"
         );
         sleep(Duration::from_millis(20)).await;
     };

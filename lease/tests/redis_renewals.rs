@@ -15,15 +15,20 @@ async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
     command_calls(conn, &["evalsha", "eval"]).await
 }
 
-/// `count` locks named after `name`, each taken for 2 s.
+/// What each lock is taken for: long enough that none runs out while the others are taken one
+/// after another (each confirmed by a replica or a quorum, slow on a loaded machine), so that a
+/// renewal's answer says only whether its token matches.
+const TAKEN_FOR: Duration = Duration::from_secs(60);
+/// What a renewal asks for: above [`TAKEN_FOR`], so that a key's time left says whether it was
+/// extended.
+const RENEWED_FOR: Duration = Duration::from_secs(120);
+
+/// `count` locks named after `name`, each taken for [`TAKEN_FOR`].
 async fn acquired(driver: &dyn Backend, name: &str, count: usize) -> Vec<Lease> {
     let mut leases = Vec::new();
     for i in 0..count {
         let lock = unique_lock(&format!("{name}-{i}"));
-        match driver
-            .try_acquire(&lock, "pod-a", Duration::from_secs(2))
-            .await
-        {
+        match driver.try_acquire(&lock, "pod-a", TAKEN_FOR).await {
             Ok(Acquire::Acquired(lease)) => leases.push(lease),
             other => panic!("{lock}: {other:?}"),
         }
@@ -68,7 +73,7 @@ async fn renewals_at_once(driver: Arc<dyn Backend>, urls: &[String]) {
     let answers = futures_util::future::join_all(
         asked
             .iter()
-            .map(|(lease, _)| driver.renew(lease, Duration::from_secs(30))),
+            .map(|(lease, _)| driver.renew(lease, RENEWED_FOR)),
     )
     .await;
     for ((lease, owned), answer) in asked.iter().zip(answers) {
@@ -88,11 +93,16 @@ async fn renewals_at_once(driver: Arc<dyn Backend>, urls: &[String]) {
                 .query_async(admin)
                 .await
                 .expect("PTTL");
+            let taken_for = TAKEN_FOR.as_millis() as i64;
             if i % 2 == 0 {
-                assert!(pttl > 2_000, "{}: renewed, yet {pttl} ms left", lease.lock);
+                assert!(
+                    pttl > taken_for,
+                    "{}: renewed, yet {pttl} ms left",
+                    lease.lock
+                );
             } else {
                 assert!(
-                    (0..=2_000).contains(&pttl),
+                    (0..=taken_for).contains(&pttl),
                     "{}: a refused renewal left {pttl} ms",
                     lease.lock
                 );
@@ -132,12 +142,9 @@ async fn sentinel_renewals_at_once_go_in_one_call_with_one_wait() {
     let driver = driver_for(&set.url()).await;
     let leases = acquired(&*driver, "unconfirmed", 10).await;
     set.replication_link.cut();
-    let answers = futures_util::future::join_all(
-        leases
-            .iter()
-            .map(|lease| driver.renew(lease, Duration::from_secs(2))),
-    )
-    .await;
+    let answers =
+        futures_util::future::join_all(leases.iter().map(|lease| driver.renew(lease, RENEWED_FOR)))
+            .await;
     for (lease, answer) in leases.iter().zip(answers) {
         let error = answer.expect_err("a renewal no replica confirmed");
         assert!(
