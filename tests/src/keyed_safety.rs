@@ -955,9 +955,18 @@ fn overlap_or_broken_promise(
         return true;
     }
     for (promiser, other) in [(a, b), (b, a)] {
+        let promise_ends = promiser.promised_to.max(promiser.certain_to);
+        // Surely held within the promise: over its certain span, or at some instant of its
+        // acquisition's window when that lies wholly inside the promise (a holding seen once).
         let from = promiser.certain_from.max(other.certain_from);
-        let to = promiser.promised_to.min(other.certain_to);
-        if from < to {
+        let to = promise_ends.min(other.certain_to);
+        let from = match from < to {
+            true => Some(from),
+            false => (promiser.certain_from <= other.acquire_sent
+                && other.acquire_received < promise_ends)
+                .then_some(other.acquire_received),
+        };
+        if let Some(from) = from {
             report.violations.push(format!(
                 "broken promise on key {name}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
                 promiser.owner,
@@ -1309,6 +1318,26 @@ mod tests {
 
         // A promise that ended before "b" held is kept.
         assert_eq!(violations(&promised(450), origin), Vec::<String>::new());
+
+        // "b" seen once only: it held at some instant of its answer's window, which lies
+        // inside the promise; a window reaching past the promise may have held after it.
+        let seen_once = |window: (u64, u64)| {
+            let mut log = log(
+                origin,
+                &[
+                    (1, "a", Some(1), 0, 2),
+                    (1, "b", Some(2), window.0, window.1),
+                ],
+            );
+            promise(&mut log, 0, 450);
+            violations(&log, origin)
+        };
+        let found = seen_once((400, 401));
+        assert!(
+            found.iter().any(|v| v.starts_with("broken promise")),
+            "{found:?}"
+        );
+        assert_eq!(seen_once((400, 500)), Vec::<String>::new());
     }
 
     #[test]
