@@ -12,9 +12,11 @@
 //! must come before the claim ends.
 //!
 //! On a read-write lock, `read` commands hold a shared flock (readers run side by side; one
-//! that finds a writer's flock is the violation), do not check their token (a reader's rises
-//! with its permit's holders only) and leave STATE alone; `write` commands are checked as
-//! above: alone, with a token above every earlier reader's and writer's.
+//! that finds a writer's flock is the violation) and leave STATE alone; each also holds an
+//! exclusive flock on `STATE-rPERMIT` for its permit (two readers on one permit are the
+//! violation) and checks its token is above every earlier reader's of that permit (a reader's
+//! token rises with its permit's holders only). `write` commands are checked as above: alone,
+//! with a token above every earlier reader's and writer's.
 //!
 //! On a lock of several permits (`LEASEHOLD_PERMIT` set, no mode), each permit is checked as a
 //! lock of its own: its commands flock `STATE-PERMIT`, and their tokens rise in
@@ -39,6 +41,15 @@ fn append(path: &str, line: &str) {
     // One write per line: appends from several processes never interleave.
     file.write_all(format!("{line}\n").as_bytes())
         .unwrap_or_else(|e| panic!("{path}: {e}"));
+}
+
+/// The highest token among the lines of `runs` (`TOKEN IDENTITY [read]`).
+fn highest_token(runs: &str) -> Option<u64> {
+    std::fs::read_to_string(runs)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| line.split_whitespace().next()?.parse::<u64>().ok())
+        .max()
 }
 
 fn main() {
@@ -104,16 +115,43 @@ fn main() {
     };
     let runs = format!("{state}.runs");
     if reader {
+        let permit = std::env::var("LEASEHOLD_PERMIT").expect("LEASEHOLD_PERMIT of a reader");
+        let permit_state = format!("{state}-r{permit}");
+        let permit_file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&permit_state)
+            .unwrap_or_else(|e| panic!("{permit_state}: {e}"));
+        let _permit_held = match Flock::lock(permit_file, FlockArg::LockExclusiveNonblock) {
+            Ok(locked) => locked,
+            Err((_, Errno::EWOULDBLOCK)) => {
+                append(
+                    &violations,
+                    &format!(
+                        "two readers on permit {permit} at once: {identity} (token {token}) started while another read"
+                    ),
+                );
+                std::process::exit(OVERLAP);
+            }
+            Err((_, e)) => panic!("flock {permit_state}: {e}"),
+        };
+        let permit_runs = format!("{permit_state}.runs");
+        if let Some(highest) = highest_token(&permit_runs).filter(|&highest| highest >= token) {
+            append(
+                &violations,
+                &format!(
+                    "reader {identity}'s token {token} on permit {permit} is not above an earlier reader's: {highest}"
+                ),
+            );
+        }
+        append(&permit_runs, &format!("{token} {identity}"));
         append(&runs, &format!("{token} {identity} read"));
         std::thread::sleep(hold);
         return;
     }
     // Every earlier command has ended (this one holds the flock alone), and wrote its line.
-    let highest = std::fs::read_to_string(&runs)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|line| line.split_whitespace().next()?.parse::<u64>().ok())
-        .max();
+    let highest = highest_token(&runs);
     if highest.is_some_and(|highest| highest >= token) {
         append(
             &violations,
