@@ -961,8 +961,11 @@ fn waiter(
                     panic!("an acquisition answered 200 without its token and validity: {json}");
                 };
                 std::thread::sleep(Duration::from_millis(rng.random_range(WORK_MS)));
+                // With its token, as an app should: a plain release that reaches the sidecar
+                // late (paused meanwhile) would end whatever the pod holds by then, another
+                // worker's later holding included.
                 let release_sent = Instant::now();
-                let released = http(target, "POST", "/lock/release")
+                let released = http(target, "POST", &format!("/lock/release?token={token}"))
                     .is_ok_and(|r| r.status == 200)
                     .then(Instant::now);
                 let mut log = log.lock().unwrap();
