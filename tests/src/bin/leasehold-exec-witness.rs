@@ -43,6 +43,31 @@ fn append(path: &str, line: &str) {
         .unwrap_or_else(|e| panic!("{path}: {e}"));
 }
 
+/// `path` opened and flocked (`how`, without waiting), as long as the process lives. Found
+/// taken: `overlap` written to `violations`, and the process exits [`OVERLAP`].
+fn flock_or_overlap(
+    path: &str,
+    how: FlockArg,
+    violations: &str,
+    overlap: impl FnOnce() -> String,
+) -> Flock<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"));
+    match Flock::lock(file, how) {
+        Ok(locked) => locked,
+        Err((_, Errno::EWOULDBLOCK)) => {
+            append(violations, &overlap());
+            std::process::exit(OVERLAP);
+        }
+        Err((_, e)) => panic!("flock {path}: {e}"),
+    }
+}
+
 /// The highest token among the lines of `runs` (`TOKEN IDENTITY [read]`).
 fn highest_token(runs: &str) -> Option<u64> {
     std::fs::read_to_string(runs)
@@ -89,53 +114,27 @@ fn main() {
         Ok(permit) if !read_write => format!("{state}-{permit}"),
         _ => state.clone(),
     };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(state)
-        .unwrap_or_else(|e| panic!("{state}: {e}"));
     let how = match reader {
         true => FlockArg::LockSharedNonblock,
         false => FlockArg::LockExclusiveNonblock,
     };
-    let mut file: Flock<File> = match Flock::lock(file, how) {
-        Ok(locked) => locked,
-        Err((_, Errno::EWOULDBLOCK)) => {
-            append(
-                &violations,
-                &format!(
-                    "two commands at once: {identity} (token {token}) started while another ran"
-                ),
-            );
-            std::process::exit(OVERLAP);
-        }
-        Err((_, e)) => panic!("flock {state}: {e}"),
-    };
+    let mut file = flock_or_overlap(state, how, &violations, || {
+        format!("two commands at once: {identity} (token {token}) started while another ran")
+    });
     let runs = format!("{state}.runs");
     if reader {
         let permit = std::env::var("LEASEHOLD_PERMIT").expect("LEASEHOLD_PERMIT of a reader");
         let permit_state = format!("{state}-r{permit}");
-        let permit_file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&permit_state)
-            .unwrap_or_else(|e| panic!("{permit_state}: {e}"));
-        let _permit_held = match Flock::lock(permit_file, FlockArg::LockExclusiveNonblock) {
-            Ok(locked) => locked,
-            Err((_, Errno::EWOULDBLOCK)) => {
-                append(
-                    &violations,
-                    &format!(
-                        "two readers on permit {permit} at once: {identity} (token {token}) started while another read"
-                    ),
-                );
-                std::process::exit(OVERLAP);
-            }
-            Err((_, e)) => panic!("flock {permit_state}: {e}"),
-        };
+        let _permit_held = flock_or_overlap(
+            &permit_state,
+            FlockArg::LockExclusiveNonblock,
+            &violations,
+            || {
+                format!(
+                    "two readers on permit {permit} at once: {identity} (token {token}) started while another read"
+                )
+            },
+        );
         let permit_runs = format!("{permit_state}.runs");
         if let Some(highest) = highest_token(&permit_runs).filter(|&highest| highest >= token) {
             append(
