@@ -30,10 +30,10 @@
 //! It also fails when an answer's promise is broken: a 200's `validForMs`, measured by the
 //! sidecar after the request was sent, tells the pod's apps they may act on the lock until the
 //! request's sending plus `validForMs`, unless one of them gives the holding up first (a
-//! release, a client hanging up once granted). Another sidecar that surely held within that
-//! promise (over its certain span, or at some instant of a request's window that lies wholly
-//! inside it) is two processes acting on the lock at once, whatever the first sidecar claimed
-//! by then.
+//! release, a client hanging up once granted). Another holding (another sidecar's, or a later
+//! token of the same sidecar) that surely held within that promise (over its certain span, or
+//! at some instant of a request's window that lies wholly inside it) is two processes acting
+//! on the lock at once, whatever the first sidecar claimed by then.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};
