@@ -1,10 +1,10 @@
 //! The exec safety check: contenders run `leasehold-sidecar exec` over and over on one lock,
 //! each wrapping [`witness`](../bin/leasehold-exec-witness.rs), while the exec holding the lock
-//! is killed, paused alone, cut off from the backend, and the backend restarts or fails over. What is checked
-//! is the commands, not the lock: two commands never run at once, each command's fencing token
-//! is above the last one's, and a command runs within a lease (and a renew interval, and a
-//! slack for a loaded machine) after each fault ends; after a kill or a partition of the
-//! holder, a command with a newer token.
+//! is killed, paused alone, cut off from the backend, and the backend restarts or fails over.
+//! What is checked is the commands, not the lock: two commands never run at once, each
+//! command's fencing token is above the last one's, and a command runs within a lease (and a
+//! renew interval, and a slack for a loaded machine) after each fault ends; after a kill or a
+//! partition of the holder, a command with a newer token.
 //!
 //! [`run_permits`] runs each `exec` on a lock of two permits (`--permits 2`): each permit is
 //! checked as a lock of its own (its commands one at a time, with rising tokens), and a kill

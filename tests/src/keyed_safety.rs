@@ -46,8 +46,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::safety::{
-    Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target, inject,
-    longest_gap, surely_ordered,
+    Backend, CALM_MAX_MS, CALM_MIN_MS, LEASE, RECOVERY_SLACK, RENEW, Slot, TIMING, Target,
+    held_within, inject, longest_gap, surely_ordered,
 };
 use crate::{Placement, Sidecar, http, post_or_hang_up, unique_lock};
 
@@ -508,7 +508,10 @@ fn keys_held(
     (sent, received): (Instant, Instant),
 ) {
     let parsed = serde_json::from_str::<serde_json::Value>(body).unwrap_or_default();
-    let answered = parsed["keys"].as_array().cloned().unwrap_or_default();
+    let answered = parsed["keys"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
     for &key in keys {
         let name = format!("k{key}");
         let claim = answered
@@ -955,18 +958,15 @@ fn overlap_or_broken_promise(
         return true;
     }
     for (promiser, other) in [(a, b), (b, a)] {
-        let promise_ends = promiser.promised_to.max(promiser.certain_to);
-        // Surely held within the promise: over its certain span, or at some instant of its
-        // acquisition's window when that lies wholly inside the promise (a holding seen once).
-        let from = promiser.certain_from.max(other.certain_from);
-        let to = promise_ends.min(other.certain_to);
-        let from = match from < to {
-            true => Some(from),
-            false => (promiser.certain_from <= other.acquire_sent
-                && other.acquire_received < promise_ends)
-                .then_some(other.acquire_received),
-        };
-        if let Some(from) = from {
+        let held = held_within(
+            (
+                promiser.certain_from,
+                promiser.promised_to.max(promiser.certain_to),
+            ),
+            (other.certain_from, other.certain_to),
+            (other.acquire_sent, other.acquire_received),
+        );
+        if let Some(from) = held {
             report.violations.push(format!(
                 "broken promise on key {name}: {} (token {}) was promised validity until {:.3?}, but {} (token {}) held from {:.3?}",
                 promiser.owner,

@@ -804,8 +804,24 @@ struct Claim {
     valid_for: Duration,
 }
 
-/// One GET /lock with short timeouts: (200 with its claim) or not. A 200 whose body names no
-/// token or validity is a claim that cannot be checked, and panics the checker's thread.
+impl Claim {
+    /// The claim of a 200 answer's body. One that names no token or validity cannot be
+    /// checked, and panics the thread that read it (which fails the run).
+    fn of(answer: &serde_json::Value) -> Self {
+        let (Some(token), Some(valid_for)) = (
+            answer["fencingToken"].as_u64(),
+            answer["validForMs"].as_u64(),
+        ) else {
+            panic!("a 200 answer without its fencing token and validity: {answer}");
+        };
+        Self {
+            token,
+            valid_for: Duration::from_millis(valid_for),
+        }
+    }
+}
+
+/// One GET /lock with short timeouts: (200 with its claim) or not.
 fn probe(addr: SocketAddr) -> Option<Option<Claim>> {
     use std::io::{Read, Write};
     let mut stream = TcpStream::connect_timeout(&addr, POLL_TIMEOUT).ok()?;
@@ -821,15 +837,7 @@ fn probe(addr: SocketAddr) -> Option<Option<Claim>> {
     }
     let body = text.split_once("\r\n\r\n")?.1;
     let json: serde_json::Value = serde_json::from_str(body).ok()?;
-    let (Some(token), Some(valid_for)) =
-        (json["fencingToken"].as_u64(), json["validForMs"].as_u64())
-    else {
-        panic!("a 200 answer without its fencing token and validity: {body}");
-    };
-    Some(Some(Claim {
-        token,
-        valid_for: Duration::from_millis(valid_for),
-    }))
+    Some(Some(Claim::of(&json)))
 }
 
 /// Poll one slot until told to stop.
@@ -954,12 +962,7 @@ fn waiter(
         let received = Instant::now();
         match answer {
             Ok(reply) if reply.status == 200 => {
-                let json = reply.json();
-                let (Some(token), Some(valid_for)) =
-                    (json["fencingToken"].as_u64(), json["validForMs"].as_u64())
-                else {
-                    panic!("an acquisition answered 200 without its token and validity: {json}");
-                };
+                let Claim { token, valid_for } = Claim::of(&reply.json());
                 std::thread::sleep(Duration::from_millis(rng.random_range(WORK_MS)));
                 // With its token, as an app should: a plain release that reaches the sidecar
                 // late (paused meanwhile) would end whatever the pod holds by then, another
@@ -973,7 +976,7 @@ fn waiter(
                 log.given.entry((slot, token)).or_default().push(Take {
                     sent,
                     received,
-                    valid_for: Duration::from_millis(valid_for),
+                    valid_for,
                     release_sent,
                     released,
                 });
@@ -1413,17 +1416,32 @@ fn given_up(h: &Holding, log: &WaiterLog) -> Option<Instant> {
 }
 
 /// Whether `other` surely held while `promiser`'s answers promised it the lock, from the first
-/// answer received to `promised_to`: over its certain span, or at some instant of its first
-/// request's window lying wholly inside the promise. The instant it surely held then.
+/// answer received to `promised_to`: the instant it surely held then ([`held_within`]).
 fn held_within_promise(promiser: &Holding, other: &Holding) -> Option<Instant> {
-    let promise_ends = promiser.promised_to.max(promiser.certain_to);
-    let from = promiser.certain_from.max(other.certain_from);
-    let to = promise_ends.min(other.certain_to);
-    if from < to {
-        return Some(from);
+    held_within(
+        (
+            promiser.certain_from,
+            promiser.promised_to.max(promiser.certain_to),
+        ),
+        (other.certain_from, other.certain_to),
+        (other.first_sent, other.first_received),
+    )
+}
+
+/// An instant within `(from, to)` (a promise) at which a holding surely held: one of its
+/// `certain` span (received of its first answer, sent of its last), or, when that span misses
+/// the promise (it is empty for a holding seen once), the end of a request's `window` (sent,
+/// received) lying wholly inside the promise, since it held at some instant of that window.
+pub(crate) fn held_within(
+    (from, to): (Instant, Instant),
+    certain: (Instant, Instant),
+    window: (Instant, Instant),
+) -> Option<Instant> {
+    let overlap_from = from.max(certain.0);
+    if overlap_from < to.min(certain.1) {
+        return Some(overlap_from);
     }
-    (promiser.certain_from <= other.first_sent && other.first_received < promise_ends)
-        .then_some(other.first_received)
+    (from <= window.0 && window.1 < to).then_some(window.1)
 }
 
 /// The waiters' own checks: no holding for nobody, and no blocking waiter refused while the
