@@ -2603,6 +2603,88 @@ fn read_write_pod(
     pod
 }
 
+/// A semaphore of more than 16 permits made read-write as read-write.md says (its count
+/// lowered to 16, then `read_write`): writers of a pod that still counts the higher permits and
+/// writers of a pod that never had them take and probe the same permits, so each writer's token
+/// is above the earlier writer's, also where a permit above 16 has counted its tokens higher.
+pub async fn keyed_read_write_after_a_larger_semaphore(h: &mut dyn Harness) {
+    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease};
+    const HOLD: Duration = Duration::from_secs(60);
+    const NOW: Duration = Duration::ZERO;
+    const PERMITS: u32 = leasehold_lease::keyed::MAX_READ_WRITE_PERMITS + 1;
+    let family = unique_lock("rw-grown");
+    let key = "doc";
+    let a = keyed_pod(h.driver().await, &family, "pod-a", PERMITS);
+    let held = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held { permit, token, .. } => (permit, token),
+        other => panic!("not held: {other:?}"),
+    };
+    // Every permit held, then the highest taken again and again: on a backend whose permits
+    // count their tokens apart, its tokens rise above the others'.
+    let mut owners = Vec::new();
+    for n in 0..PERMITS {
+        let owner = format!("s{n}");
+        let (permit, _) = held(a.acquire(key, &owner, NOW, HOLD).await.unwrap());
+        owners.push((permit, owner));
+    }
+    let top = PERMITS - 1;
+    let (_, mut on_top) = owners
+        .iter()
+        .find(|(permit, _)| *permit == top)
+        .cloned()
+        .expect("every permit held");
+    for round in 0..3 {
+        a.release(key, &on_top).await.unwrap();
+        on_top = format!("again-{round}");
+        let (permit, _) = held(a.acquire(key, &on_top, NOW, HOLD).await.unwrap());
+        assert_eq!(permit, top, "the one permit free");
+    }
+    for (permit, owner) in &owners {
+        if *permit != top {
+            assert_eq!(
+                a.release(key, owner).await.unwrap(),
+                KeyRelease::Released { holds: 0 }
+            );
+        }
+    }
+    a.release(key, &on_top).await.unwrap();
+    // Lowered to 16, then read-write: pod a still counts the permit above 16 among those it
+    // has had; pod b, started since, never had it.
+    a.reconfigure(FamilyConfig {
+        permits: PERMITS - 1,
+        ..a.config()
+    })
+    .expect("lowered");
+    a.reconfigure(FamilyConfig {
+        read_write: true,
+        ..a.config()
+    })
+    .expect("read-write");
+    let b = read_write_pod(h.driver().await, &family, "pod-b", PERMITS - 1);
+    let written = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held {
+            token,
+            writer: true,
+            ..
+        } => token,
+        other => panic!("not written: {other:?}"),
+    };
+    let first = written(a.acquire_write(key, "w1", NOW, HOLD).await.unwrap());
+    assert_eq!(
+        a.release(key, "w1").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let second = written(b.acquire_write(key, "w2", NOW, HOLD).await.unwrap());
+    assert!(
+        second > first,
+        "pod b's writer's token {second} after pod a's writer's {first}"
+    );
+    assert_eq!(
+        b.release(key, "w2").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+}
+
 /// Read-write locks on a family of 3 permits: readers of two pods share a key; a writer waits
 /// for them, and while it waits new readers wait too; a writer refused within its wait leaves
 /// nothing held; the writer holds the key alone, with a token above every earlier reader's and
@@ -3489,6 +3571,7 @@ macro_rules! conformance_suite {
             keyed_semaphore_waiters_are_served_in_order,
             keyed_several_keys_all_or_nothing,
             keyed_read_write_locks,
+            keyed_read_write_after_a_larger_semaphore,
             keyed_several_keys_written,
             lock_permits_admit_that_many_holders,
             lock_permits_waiters_are_served_in_order,

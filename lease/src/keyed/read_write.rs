@@ -725,10 +725,14 @@ impl KeyedFamily {
 
     /// How many permits a writer takes: every permit the family has had in this pod, readers
     /// kept on permits above a lowered count included (the higher ones up to
-    /// [`MAX_READ_WRITE_PERMITS`] are probed, not taken).
+    /// [`MAX_READ_WRITE_PERMITS`] are probed, not taken). Never a permit above those: a pod
+    /// that had more as a semaphore would take one that writers of pods without that past
+    /// neither take nor probe, and its token, counted on that permit alone, could stand above
+    /// theirs.
     fn permits_written(&self) -> u32 {
         self.read_config(|c| c.permits)
             .max(self.inner.permits_ever.load(Ordering::SeqCst))
+            .min(MAX_READ_WRITE_PERMITS)
     }
 
     pub(super) fn check_read_write(&self) -> Result<(), KeyError> {
