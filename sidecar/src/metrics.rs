@@ -173,6 +173,7 @@ fn renew_histogram() -> Histogram {
 pub struct Metrics {
     registry: Registry,
     holder: Family<LockLabel, Gauge>,
+    permits: Family<LockLabel, Gauge>,
     fencing_token: Family<LockLabel, Gauge>,
     acquisitions: Family<LockLabel, Counter>,
     losses: Family<LockLabel, Counter>,
@@ -190,6 +191,7 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("leasehold");
         let holder = Family::<LockLabel, Gauge>::default();
+        let permits = Family::<LockLabel, Gauge>::default();
         let fencing_token = Family::<LockLabel, Gauge>::default();
         let acquisitions = Family::<LockLabel, Counter>::default();
         let losses = Family::<LockLabel, Counter>::default();
@@ -214,6 +216,11 @@ impl Metrics {
             "holder",
             "1 while this process holds the lock",
             holder.clone(),
+        );
+        registry.register(
+            "lock_permits",
+            "How many processes may hold the lock at once: its permits, or the count before a lowering while this sidecar runs (a holding is never revoked by it)",
+            permits.clone(),
         );
         registry.register(
             "fencing_token",
@@ -257,6 +264,7 @@ impl Metrics {
             app_healthy,
             app_probe_failures,
             holder,
+            permits,
             fencing_token,
             acquisitions,
             losses,
@@ -308,6 +316,9 @@ impl Metrics {
                 _ => (0, 0),
             };
             self.holder.get_or_create(&label).set(holder);
+            self.permits
+                .get_or_create(&label)
+                .set(i64::from(lock.most_permits()));
             self.fencing_token.get_or_create(&label).set(token);
             let config = lock.config();
             self.lease_seconds

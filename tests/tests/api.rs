@@ -179,6 +179,13 @@ fn lock_answer_body() {
             .body
             .contains(&format!("leasehold_holder{{lock=\"{lock}\"}} 1"))
     );
+    assert!(
+        metrics
+            .body
+            .contains(&format!("leasehold_lock_permits{{lock=\"{lock}\"}} 1")),
+        "a lock without permits admits one holder:\n{}",
+        metrics.body
+    );
 }
 
 #[test]

@@ -170,6 +170,15 @@ fn permits_crash_takeover(backend: &str) {
     let held = holding(&sidecars);
     assert_eq!(held.len(), 2, "{held:?}{}", logs(&sidecars));
     assert_ne!(held[0].1, held[1].1, "two holders of one permit: {held:?}");
+    // The alerts count holders against the permits each sidecar reports.
+    for sidecar in &sidecars {
+        let metrics = sidecar.get("/metrics").body;
+        assert!(
+            metrics.contains(&format!("leasehold_lock_permits{{lock=\"{lock}\"}} 2")),
+            "{}: {metrics}",
+            sidecar.identity
+        );
+    }
     let (dead, permit, before) = held[0];
     let waiting = (0..3).find(|i| held.iter().all(|(h, ..)| h != i)).unwrap();
     sidecars[dead].kill9();
