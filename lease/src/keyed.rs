@@ -579,7 +579,17 @@ impl KeyedFamily {
         let answer = if self.read_config(|c| c.read_write) {
             self.take_reading(key, owner, wait, hold, reentrant).await
         } else {
-            self.take_checked(key, owner, wait, hold, reentrant).await
+            let answer = self.take_checked(key, owner, wait, hold, reentrant).await;
+            // Asked for as a semaphore's permit, granted as one: also when the family became
+            // read-write meanwhile (the holding is then put in place as a reader's, told of
+            // once past the write gate), its owner's calls find what it is answered, as they
+            // would in a pod that has not seen the change yet.
+            if let Ok(KeyAnswer::Held { permit, token, .. }) = &answer
+                && let Some(holding) = self.holding_taken(key, *permit, owner, *token)
+            {
+                holding.checked.store(true, Ordering::SeqCst);
+            }
+            answer
         };
         if let Ok(KeyAnswer::HeldByAnother { .. }) = answer {
             self.inner.telemetry.inner.key_contended(&self.inner.name);
@@ -2090,6 +2100,60 @@ mod tests {
         assert!(family.is_read_write(), "the family stays read-write");
         assert_eq!(family.permits(), 2, "nothing of the refused change applies");
         family.reconfigure(read_write).expect("the same again");
+    }
+
+    /// A family made read-write while an owner waits for a permit: the permit it is then given
+    /// (above 0) is its own as answered, to extend, read and release, not a reader's that never
+    /// passed the write gate and that its owner's calls cannot find.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_permit_granted_after_the_family_became_read_write_is_its_owners() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let config = FamilyConfig {
+            permits: 2,
+            renew_interval: Duration::from_millis(200),
+            ..FamilyConfig::new("docs", "pod-a", Duration::from_secs(2))
+        };
+        let family =
+            KeyedFamily::new(sqlite_in(&dir).await, config.clone(), Arc::new(())).expect("family");
+        let hold = Duration::from_secs(30);
+        let mut on_top = None;
+        for owner in ["o1", "o2"] {
+            let answer = family.acquire("doc", owner, Duration::ZERO, hold).await;
+            if let Ok(KeyAnswer::Held { permit: 1, .. }) = answer {
+                on_top = Some(owner);
+            }
+        }
+        let on_top = on_top.expect("one of two owners on permit 1");
+        let waiting = {
+            let family = family.clone();
+            tokio::spawn(async move {
+                family
+                    .acquire("doc", "o3", Duration::from_secs(10), hold)
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        family
+            .reconfigure(FamilyConfig {
+                read_write: true,
+                ..config
+            })
+            .expect("turned on");
+        family.release("doc", on_top).await.expect("released");
+        let answer = waiting.await.expect("the waiter").expect("answered");
+        assert!(
+            matches!(answer, KeyAnswer::Held { permit: 1, .. }),
+            "{answer:?}"
+        );
+        let status = family.status("doc", Some("o3"));
+        assert!(
+            matches!(status, Ok(KeyAnswer::Held { permit: 1, .. })),
+            "{status:?}"
+        );
+        assert_eq!(
+            family.release("doc", "o3").await.expect("released"),
+            KeyRelease::Released { holds: 0 }
+        );
     }
 
     /// Two writes of one key by one owner, the second sent while the first holds the write gate
