@@ -115,6 +115,7 @@ fn the_chart_lints_and_validates_against_the_kubernetes_schemas() {
         "monitoring-values.yaml",
         "watch-namespace-values.yaml",
         "reachability-values.yaml",
+        "platform-values.yaml",
     ];
     let files: Vec<String> = variants.iter().map(|v| ci_values(v)).collect();
     let mut lint = vec!["lint"];
@@ -772,6 +773,59 @@ fn the_sidecars_user_is_a_value_that_may_be_left_to_the_platform() {
         ["--sidecar-run-as-user="]
     );
     let (ok, text) = chart(&["schema", "--set", "sidecar.runAsUser=0"]);
+    assert!(!ok && text.contains("runAsUser"), "{text}");
+}
+
+/// The operator's pods, the Deployment's and the uninstall Job's, run only on nodes of the
+/// image's architectures (a replica on another would crash-loop, and with the webhook failing
+/// closed refuse annotated pods) unless `operator.affinity` says where; their user is a value
+/// that may be left to the platform, as the sidecar's.
+#[test]
+fn the_operators_pods_run_on_the_images_architectures_as_a_user_that_may_be_left_to_the_platform() {
+    let pods = |set: &[&str]| -> Vec<Value> {
+        let docs = render_chart(set);
+        ["Deployment", "Job"]
+            .iter()
+            .map(|kind| of_kind(&docs, kind)[0]["spec"]["template"]["spec"].clone())
+            .collect()
+    };
+    for pod in pods(&[]) {
+        let terms = &pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"];
+        let expression = &terms[0]["matchExpressions"][0];
+        assert_eq!(
+            expression["key"].as_str(),
+            Some("kubernetes.io/arch"),
+            "{pod:?}"
+        );
+        assert_eq!(expression["operator"].as_str(), Some("In"));
+        assert_eq!(strings(&expression["values"]), ["amd64"]);
+        assert_eq!(pod["securityContext"]["runAsUser"].as_u64(), Some(65532));
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], Value::Bool(true));
+    }
+    for pod in pods(&["-f", &ci_values("platform-values.yaml")]) {
+        let node_affinity = &pod["affinity"]["nodeAffinity"];
+        assert!(
+            node_affinity["requiredDuringSchedulingIgnoredDuringExecution"].is_null()
+                && node_affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"]
+                    .as_u64()
+                    == Some(50),
+            "an affinity of the user's own is kept as it is: {pod:?}"
+        );
+        assert_eq!(pod["tolerations"][0]["value"].as_str(), Some("infra"));
+        assert!(pod["securityContext"]["runAsUser"].is_null(), "{pod:?}");
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], Value::Bool(true));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let any_architecture = dir.path().join("values.yaml");
+    std::fs::write(&any_architecture, "sidecar:\n  architectures: []\n").unwrap();
+    for pod in pods(&["-f", any_architecture.to_str().unwrap()]) {
+        assert!(
+            pod["affinity"].is_null(),
+            "a multi-architecture image runs anywhere: {pod:?}"
+        );
+    }
+    let (ok, text) = chart(&["schema", "--set", "operator.runAsUser=0"]);
     assert!(!ok && text.contains("runAsUser"), "{text}");
 }
 

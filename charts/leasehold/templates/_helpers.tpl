@@ -87,3 +87,38 @@ rules:
     helm.sh/hook-weight: "-5"
     helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end }}
+{{- /*
+The operator's pods (the Deployment's and the uninstall Job's): where they may run and as whom.
+The image runs on sidecar.architectures only, so they get a required node affinity for those
+unless operator.affinity brings a nodeAffinity of its own.
+*/ -}}
+{{- define "leasehold.operatorScheduling" }}
+{{- with .Values.operator.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.operator.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $affinity := deepCopy (.Values.operator.affinity | default dict) }}
+{{- if and .Values.sidecar.architectures (not $affinity.nodeAffinity) }}
+{{- $arch := dict "key" "kubernetes.io/arch" "operator" "In" "values" .Values.sidecar.architectures }}
+{{- $terms := list (dict "matchExpressions" (list $arch)) }}
+{{- $_ := set $affinity "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" $terms)) }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- define "leasehold.operatorSecurityContext" }}
+securityContext:
+  runAsNonRoot: true
+  {{- with .Values.operator.runAsUser }}
+  runAsUser: {{ int64 . }}
+  runAsGroup: {{ int64 . }}
+  {{- end }}
+  seccompProfile:
+    type: RuntimeDefault
+{{- end }}
