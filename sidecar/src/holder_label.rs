@@ -191,6 +191,8 @@ async fn take_over(
         },
     };
     for label in &labels.cleared {
+        // A quorum read (no resourceVersion), not the API server's cache: a cached list may
+        // miss a pod labelled a moment ago, which would then keep its label beside this one's.
         let labeled = pods
             .list(&ListParams::default().labels(&format!("{label}=true")))
             .await?;
