@@ -829,6 +829,159 @@ fn the_operators_pods_run_on_the_images_architectures_as_a_user_that_may_be_left
     assert!(!ok && text.contains("runAsUser"), "{text}");
 }
 
+/// The ValidatingAdmissionPolicy named `name`, checked to be bound to deny.
+fn admission_policy<'a>(docs: &'a [Value], name: &str) -> &'a Value {
+    let named = |kind: &str| {
+        *of_kind(docs, kind)
+            .iter()
+            .find(|d| d["metadata"]["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+    };
+    let binding = named("ValidatingAdmissionPolicyBinding");
+    assert_eq!(binding["spec"]["policyName"].as_str(), Some(name));
+    assert_eq!(strings(&binding["spec"]["validationActions"]), ["Deny"]);
+    named("ValidatingAdmissionPolicy")
+}
+
+/// The policy that narrows the operator's rights on Leases, evaluated offline as the API server
+/// runs it: the operator's ServiceAccount creates, changes and deletes the Leases Leasehold
+/// makes (labelled) and its election Lease, and no other program's (a node's heartbeat, an
+/// app's leader election); other users are not its business.
+#[test]
+fn the_lease_policy_keeps_the_operator_to_the_leases_leasehold_makes() {
+    use kube_cel::{AdmissionRequest, VapEvaluator, VapExpression};
+    let docs = render_chart(&[]);
+    let policy = admission_policy(&docs, "leasehold-leases");
+    // Map keys escaped as kube-cel escapes object keys (see the holder-label policy's test).
+    let label = "app.kubernetes.io/managed-by";
+    let escaped_label = label
+        .replace('.', "__dot__")
+        .replace('/', "__slash__")
+        .replace('-', "__dash__");
+    let expressions = |list: &Value| -> Vec<VapExpression> {
+        list.as_sequence()
+            .unwrap()
+            .iter()
+            .map(|e| VapExpression {
+                expression: e["expression"]
+                    .as_str()
+                    .unwrap()
+                    .replace(&format!("'{label}'"), &format!("'{escaped_label}'")),
+                message: e["message"].as_str().map(str::to_owned),
+                message_expression: None,
+            })
+            .collect()
+    };
+    let conditions = expressions(&policy["spec"]["matchConditions"]);
+    let validations = expressions(&policy["spec"]["validations"]);
+    let lease = |namespace: &str, name: &str, managed: bool| {
+        let mut lease = serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"app": "x"}},
+            "spec": {"holderIdentity": "pod-a"}
+        });
+        if managed {
+            lease["metadata"]["labels"][label] = "leasehold".into();
+        }
+        lease
+    };
+    // (whether the policy applies, whether every validation passes)
+    let judge = |user: &str,
+                 operation: &str,
+                 old: Option<&serde_json::Value>,
+                 new: Option<&serde_json::Value>| {
+        let of = |o: Option<&serde_json::Value>| o.cloned().unwrap_or(serde_json::Value::Null);
+        let target = new.or(old).unwrap();
+        let evaluator = VapEvaluator::builder()
+            .object(of(new))
+            .old_object(of(old))
+            .request(AdmissionRequest {
+                operation: operation.into(),
+                username: user.into(),
+                namespace: target["metadata"]["namespace"].as_str().unwrap().into(),
+                name: target["metadata"]["name"].as_str().unwrap().into(),
+                ..Default::default()
+            })
+            .build();
+        let matched = evaluator.evaluate(&conditions).iter().all(|r| r.passed);
+        let passed = evaluator.evaluate(&validations).iter().all(|r| r.passed);
+        (matched, passed)
+    };
+    let operator = "system:serviceaccount:leasehold-system:leasehold-operator";
+    let ours = lease("team", "orders", true);
+    let renewed = {
+        let mut renewed = ours.clone();
+        renewed["spec"]["holderIdentity"] = "pod-b".into();
+        renewed
+    };
+    assert_eq!(judge(operator, "CREATE", None, Some(&ours)), (true, true));
+    assert_eq!(
+        judge(operator, "UPDATE", Some(&ours), Some(&renewed)),
+        (true, true)
+    );
+    assert_eq!(judge(operator, "DELETE", Some(&ours), None), (true, true));
+    let heartbeat = lease("kube-node-lease", "node-1", false);
+    let election = lease("payments", "payments-leader", false);
+    for other in [&heartbeat, &election] {
+        let mut taken = other.clone();
+        taken["spec"]["holderIdentity"] = "leasehold".into();
+        assert_eq!(
+            judge(operator, "UPDATE", Some(other), Some(&taken)),
+            (true, false),
+            "{other}"
+        );
+        assert_eq!(
+            judge(operator, "DELETE", Some(other), None),
+            (true, false),
+            "{other}"
+        );
+        assert_eq!(
+            judge(operator, "CREATE", None, Some(other)),
+            (true, false),
+            "{other}"
+        );
+        // Labelling another program's Lease on the way is no way in.
+        let mut labelled = taken.clone();
+        labelled["metadata"]["labels"][label] = "leasehold".into();
+        assert_eq!(
+            judge(operator, "UPDATE", Some(other), Some(&labelled)),
+            (true, false),
+            "{other}"
+        );
+    }
+    // Nor is taking the label off one of Leasehold's.
+    let unlabelled = lease("team", "orders", false);
+    assert_eq!(
+        judge(operator, "UPDATE", Some(&ours), Some(&unlabelled)),
+        (true, false)
+    );
+    // The operator's election Lease, and everybody else, are not the policy's business.
+    let own = lease("leasehold-system", "leasehold-operator", false);
+    assert_eq!(judge(operator, "UPDATE", Some(&own), Some(&own)).0, false);
+    assert_eq!(
+        judge(
+            "system:serviceaccount:team:runner",
+            "UPDATE",
+            Some(&election),
+            Some(&election)
+        )
+        .0,
+        false
+    );
+    assert_eq!(
+        judge(
+            "system:node:node-1",
+            "UPDATE",
+            Some(&heartbeat),
+            Some(&heartbeat)
+        )
+        .0,
+        false
+    );
+    let (ok, text) = chart(&["render", "--set", "leasePolicy.enabled=false"]);
+    assert!(ok && !text.contains("leasehold-leases"), "{text}");
+}
+
 /// The policy that narrows `patch` on pods, which `spec.holderLabel` asks of the pods'
 /// ServiceAccounts, evaluated offline as the API server runs it: on a pod that takes a lock, a
 /// ServiceAccount of its namespace may set or clear the holder label and change nothing else;
@@ -837,10 +990,7 @@ fn the_operators_pods_run_on_the_images_architectures_as_a_user_that_may_be_left
 fn the_holder_label_policy_lets_a_pods_service_account_change_that_label_alone() {
     use kube_cel::{AdmissionRequest, VapEvaluator, VapExpression};
     let docs = render_chart(&[]);
-    let policy = of_kind(&docs, "ValidatingAdmissionPolicy")[0];
-    let binding = of_kind(&docs, "ValidatingAdmissionPolicyBinding")[0];
-    assert_eq!(binding["spec"]["policyName"], policy["metadata"]["name"]);
-    assert_eq!(strings(&binding["spec"]["validationActions"]), ["Deny"]);
+    let policy = admission_policy(&docs, "leasehold-holder-label");
     // kube-cel's evaluator escapes every object key as the API server escapes declared field
     // names (`.` as `__dot__`, `/` as `__slash__`), map keys included, which the API server
     // leaves as they are: the policy's label and annotation keys are written the same way here.
