@@ -957,27 +957,11 @@ fn the_lease_policy_keeps_the_operator_to_the_leases_leasehold_makes() {
     );
     // The operator's election Lease, and everybody else, are not the policy's business.
     let own = lease("leasehold-system", "leasehold-operator", false);
-    assert_eq!(judge(operator, "UPDATE", Some(&own), Some(&own)).0, false);
-    assert_eq!(
-        judge(
-            "system:serviceaccount:team:runner",
-            "UPDATE",
-            Some(&election),
-            Some(&election)
-        )
-        .0,
-        false
-    );
-    assert_eq!(
-        judge(
-            "system:node:node-1",
-            "UPDATE",
-            Some(&heartbeat),
-            Some(&heartbeat)
-        )
-        .0,
-        false
-    );
+    let applies =
+        |user: &str, lease: &serde_json::Value| judge(user, "UPDATE", Some(lease), Some(lease)).0;
+    assert!(!applies(operator, &own));
+    assert!(!applies("system:serviceaccount:team:runner", &election));
+    assert!(!applies("system:node:node-1", &heartbeat));
     let (ok, text) = chart(&["render", "--set", "leasePolicy.enabled=false"]);
     assert!(ok && !text.contains("leasehold-leases"), "{text}");
 }
