@@ -897,6 +897,13 @@ impl KeyedFamily {
                         });
                     }
                 }
+                // One not told of yet (a reader's, still probing the write gate) is not the
+                // owner's to re-enter, as in `reenter_owned`.
+                (false, Part::Own(_)) if !current.checked.load(Ordering::SeqCst) => {
+                    return Ok(KeyAnswer::HeldByAnother {
+                        holder: Some(self.qualified(owner)),
+                    });
+                }
                 (false, Part::Own(_)) => {
                     if let Some(answer) = self.reenter(&current, hold, reentrant).await? {
                         return Ok(answer);

@@ -813,17 +813,33 @@ fn the_operators_pods_run_on_the_images_architectures_as_a_user_that_may_be_left
             "an affinity of the user's own is kept as it is: {pod:?}"
         );
         assert_eq!(pod["tolerations"][0]["value"].as_str(), Some("infra"));
+        let anti_affinity = &pod["affinity"]["podAntiAffinity"];
+        let is_job = pod["restartPolicy"].as_str() == Some("Never");
+        assert_eq!(
+            anti_affinity.is_null(),
+            is_job,
+            "the Job, which stops the replicas, is not kept off their nodes: {pod:?}"
+        );
         assert!(pod["securityContext"]["runAsUser"].is_null(), "{pod:?}");
         assert_eq!(pod["securityContext"]["runAsNonRoot"], Value::Bool(true));
     }
     let dir = tempfile::tempdir().unwrap();
     let any_architecture = dir.path().join("values.yaml");
-    std::fs::write(&any_architecture, "sidecar:\n  architectures: []\n").unwrap();
+    std::fs::write(&any_architecture, "image:\n  architectures: []\n").unwrap();
     for pod in pods(&["-f", any_architecture.to_str().unwrap()]) {
         assert!(
             pod["affinity"].is_null(),
             "a multi-architecture image runs anywhere: {pod:?}"
         );
+    }
+    // An architecture named in the nodeSelector is the user's choice (an image of their own).
+    for pod in pods(&["--set", "operator.nodeSelector.kubernetes\\.io/arch=arm64"]) {
+        assert_eq!(
+            pod["nodeSelector"]["kubernetes.io/arch"].as_str(),
+            Some("arm64"),
+            "{pod:?}"
+        );
+        assert!(pod["affinity"].is_null(), "{pod:?}");
     }
     let (ok, text) = chart(&["schema", "--set", "operator.runAsUser=0"]);
     assert!(!ok && text.contains("runAsUser"), "{text}");
@@ -908,6 +924,7 @@ fn the_lease_policy_keeps_the_operator_to_the_leases_leasehold_makes() {
         (matched, passed)
     };
     let operator = "system:serviceaccount:leasehold-system:leasehold-operator";
+    let uninstall = "system:serviceaccount:leasehold-system:leasehold-operator-uninstall";
     let ours = lease("team", "orders", true);
     let renewed = {
         let mut renewed = ours.clone();
@@ -920,6 +937,10 @@ fn the_lease_policy_keeps_the_operator_to_the_leases_leasehold_makes() {
         (true, true)
     );
     assert_eq!(judge(operator, "DELETE", Some(&ours), None), (true, true));
+    assert_eq!(
+        judge(uninstall, "UPDATE", Some(&ours), Some(&renewed)),
+        (true, true)
+    );
     let heartbeat = lease("kube-node-lease", "node-1", false);
     let election = lease("payments", "payments-leader", false);
     for other in [&heartbeat, &election] {
@@ -937,6 +958,11 @@ fn the_lease_policy_keeps_the_operator_to_the_leases_leasehold_makes() {
         );
         assert_eq!(
             judge(operator, "CREATE", None, Some(other)),
+            (true, false),
+            "{other}"
+        );
+        assert_eq!(
+            judge(uninstall, "UPDATE", Some(other), Some(&taken)),
             (true, false),
             "{other}"
         );

@@ -219,7 +219,7 @@ impl Metrics {
         );
         registry.register(
             "lock_permits",
-            "How many processes may hold the lock at once: its permits, or the count before a lowering while this sidecar runs (a holding is never revoked by it)",
+            "How many processes may hold the lock at once: its permits, or more while this sidecar holds a permit above a lowered count (a holding is never revoked by a lowering)",
             permits.clone(),
         );
         registry.register(
@@ -311,14 +311,18 @@ impl Metrics {
             let label = LockLabel {
                 lock: lock.name().to_owned(),
             };
-            let (holder, token) = match lock.answer() {
-                leasehold_lease::Answer::Holder { token, .. } => (1, token as i64),
-                _ => (0, 0),
+            let (holder, token, above) = match lock.answer() {
+                leasehold_lease::Answer::Holder { token, permit, .. } => {
+                    (1, token as i64, permit.saturating_add(1))
+                }
+                _ => (0, 0, 0),
             };
             self.holder.get_or_create(&label).set(holder);
+            // A holding on a permit above a lowered count is kept until it ends: until then
+            // the lock admits as many holders as that permit's number says.
             self.permits
                 .get_or_create(&label)
-                .set(i64::from(lock.most_permits()));
+                .set(i64::from(lock.permits().max(above)));
             self.fencing_token.get_or_create(&label).set(token);
             let config = lock.config();
             self.lease_seconds

@@ -88,22 +88,30 @@ rules:
     helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end }}
 {{- /*
-The operator's pods (the Deployment's and the uninstall Job's): where they may run and as whom.
-The image runs on sidecar.architectures only, so they get a required node affinity for those
-unless operator.affinity brings a nodeAffinity of its own.
+Where the operator's pods run: the Deployment's (called with dict "root" .) and the uninstall Job's (with "job" true: of operator.affinity only its nodeAffinity, since a
+required anti-affinity against the operator's replicas would hold the Job Pending on a cluster
+whose every node runs one, and the Job is what stops them). The image runs on
+image.architectures only, so they get a required node affinity for those unless
+operator.affinity brings a nodeAffinity of its own or operator.nodeSelector names an
+architecture.
 */ -}}
 {{- define "leasehold.operatorScheduling" }}
-{{- with .Values.operator.nodeSelector }}
+{{- $v := .root.Values }}
+{{- with $v.operator.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.operator.tolerations }}
+{{- with $v.operator.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- $affinity := deepCopy (.Values.operator.affinity | default dict) }}
-{{- if and .Values.sidecar.architectures (not $affinity.nodeAffinity) }}
-{{- $arch := dict "key" "kubernetes.io/arch" "operator" "In" "values" .Values.sidecar.architectures }}
+{{- $affinity := deepCopy ($v.operator.affinity | default dict) }}
+{{- if .job }}
+{{- $affinity = pick $affinity "nodeAffinity" }}
+{{- end }}
+{{- $archSelected := hasKey ($v.operator.nodeSelector | default dict) "kubernetes.io/arch" }}
+{{- if and $v.image.architectures (not $affinity.nodeAffinity) (not $archSelected) }}
+{{- $arch := dict "key" "kubernetes.io/arch" "operator" "In" "values" $v.image.architectures }}
 {{- $terms := list (dict "matchExpressions" (list $arch)) }}
 {{- $_ := set $affinity "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" $terms)) }}
 {{- end }}

@@ -364,19 +364,14 @@ impl Lock {
             .map_or(self.inner.config.permits, |permits| permits.now())
     }
 
-    /// The most permits the lock has had in this process: how many may hold it at once, since a
-    /// holding on a permit above a lowered count is kept until it ends.
-    pub fn most_permits(&self) -> u32 {
+    /// Whether the lock has had several permits: holdings are named with their permit, since
+    /// tokens count per permit (a holding may be on a permit above a lowered count).
+    pub fn has_had_permits(&self) -> bool {
         self.inner
             .permits
             .as_ref()
             .map_or(self.inner.config.permits, |permits| permits.ever())
-    }
-
-    /// Whether the lock has had several permits: holdings are named with their permit, since
-    /// tokens count per permit (a holding may be on a permit above a lowered count).
-    pub fn has_had_permits(&self) -> bool {
-        self.most_permits() > 1
+            > 1
     }
 
     /// Who holds the lock in the backend now, any process: each permit's holder, one read per
