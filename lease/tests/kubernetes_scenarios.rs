@@ -193,6 +193,95 @@ async fn a_write_committed_with_a_failed_answer_is_the_acquisition() {
     }
 }
 
+/// A family's key Lease that an acquisition created from a floor read before a sweep raised
+/// the floor (here from 5 to 51: another key's tokens), and whose raise above the new floor
+/// failed, is given back unchecked: the next taker reads the floor and draws above it, never
+/// from the Lease's stale token, which may lie below tokens the key had before its Lease was
+/// swept.
+#[tokio::test]
+async fn a_created_key_lease_whose_raise_above_the_floor_failed_is_taken_again_above_the_floor() {
+    use leasehold_lease::kubernetes::{FLOOR_UNCHECKED_ANNOTATION, floor_lease};
+    const KEY: &str = "orders.keys.k";
+    let floor_name = floor_lease("orders");
+    let floor = move |transitions: i32| {
+        json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": floor_lease("orders"), "namespace": "ns", "resourceVersion": "9",
+                         "labels": {"app.kubernetes.io/managed-by": "leasehold"}},
+            "spec": {"leaseTransitions": transitions}
+        })
+    };
+    let unchecked =
+        |lease: &Value| !lease["metadata"]["annotations"][FLOOR_UNCHECKED_ANNOTATION].is_null();
+
+    let (creator, mut api) = driver();
+    let floor_path = format!("/leases/{floor_name}");
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, &format!("/leases/{KEY}")).await;
+        reply(send, StatusCode::NOT_FOUND, &failure(404, "NotFound"));
+        let (_, send) = api.expect(Method::GET, &floor_path).await;
+        reply(send, StatusCode::OK, &floor(5));
+        let (mut created, send) = api.expect(Method::POST, "/namespaces/ns/leases").await;
+        assert_eq!(created["spec"]["leaseTransitions"], 6);
+        assert!(
+            unchecked(&created),
+            "a created key Lease is not marked: {created}"
+        );
+        created["metadata"]["resourceVersion"] = json!("1");
+        reply(send, StatusCode::CREATED, &created);
+        // The floor rose meanwhile: the token is raised above it, which fails, and so does
+        // giving the Lease back.
+        let (_, send) = api.expect(Method::GET, &floor_path).await;
+        reply(send, StatusCode::OK, &floor(51));
+        for _ in 0..2 {
+            let (_, send) = api.expect(Method::GET, &format!("/leases/{KEY}")).await;
+            reply(send, StatusCode::OK, &created);
+            let (_, send) = api.expect(Method::PUT, &format!("/leases/{KEY}")).await;
+            reply(
+                send,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &failure(500, "InternalError"),
+            );
+        }
+        created
+    });
+    let outcome = creator.try_acquire(KEY, "a", Duration::from_secs(15)).await;
+    assert!(outcome.is_err(), "{outcome:?}");
+    let mut left = server.await.unwrap();
+
+    // The creator's claim ran out long ago; another pod takes the key.
+    let long_ago = (k8s_openapi::jiff::Timestamp::now()
+        - k8s_openapi::jiff::SignedDuration::from_secs(120))
+    .to_string();
+    left["spec"]["renewTime"] = json!(long_ago);
+    left["spec"]["acquireTime"] = json!(long_ago);
+    left["metadata"]["resourceVersion"] = json!("2");
+    let (taker, mut api) = driver();
+    let floor_path = format!("/leases/{floor_name}");
+    let server = tokio::spawn(async move {
+        let (_, send) = api.expect(Method::GET, &format!("/leases/{KEY}")).await;
+        reply(send, StatusCode::OK, &left);
+        let (_, send) = api.expect(Method::GET, &floor_path).await;
+        reply(send, StatusCode::OK, &floor(51));
+        let (mut put, send) = api.expect(Method::PUT, &format!("/leases/{KEY}")).await;
+        assert_eq!(put["spec"]["leaseTransitions"], 52);
+        assert!(!unchecked(&put), "the taker's token is checked: {put}");
+        put["metadata"]["resourceVersion"] = json!("3");
+        reply(send, StatusCode::OK, &put);
+        let (_, send) = api.expect(Method::GET, &floor_path).await;
+        reply(send, StatusCode::OK, &floor(51));
+    });
+    let outcome = taker
+        .try_acquire(KEY, "b", Duration::from_secs(15))
+        .await
+        .unwrap();
+    server.await.unwrap();
+    assert!(
+        matches!(&outcome, Acquire::Acquired(lease) if lease.token == 52),
+        "{outcome:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_held_lease_is_busy_without_a_write() {
     let (driver, mut api) = driver();
@@ -809,7 +898,7 @@ async fn a_lease_deleted_after_an_unseen_renewal_is_waited_for_from_the_deletion
 /// token it had (the family's floor Lease keeps them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
-    use leasehold_lease::kubernetes::floor_lease;
+    use leasehold_lease::kubernetes::{FLOOR_UNCHECKED_ANNOTATION, floor_lease};
     const TTL: Duration = Duration::from_secs(10);
     const HOUR: Duration = Duration::from_secs(3600);
     let harness = KubernetesHarness::new();
@@ -866,6 +955,17 @@ async fn idle_key_leases_are_deleted_and_tokens_rise_above_the_floor() {
     assert_eq!(
         again.token, 4,
         "a key taken again draws above its forgotten tokens"
+    );
+    // Created again, its token checked above the floor: the mark that makes a taker read the
+    // floor stays only until the holder's first renewal.
+    let marked = |name: &str| {
+        !stored(name).unwrap()["metadata"]["annotations"][FLOOR_UNCHECKED_ANNOTATION].is_null()
+    };
+    assert!(marked(&idle), "a created key Lease is not marked unchecked");
+    assert!(driver.renew(&again, TTL).await.unwrap());
+    assert!(
+        !marked(&idle),
+        "a renewed key Lease is still marked unchecked"
     );
     assert!(driver.release(&again).await.unwrap());
     assert!(driver.release(&held_lease).await.unwrap());

@@ -113,6 +113,15 @@ impl fmt::Display for KubernetesConfig {
 /// The exact lease duration in milliseconds, next to the whole seconds of the spec.
 pub const DURATION_ANNOTATION: &str = "leasehold.dev/lease-duration-ms";
 
+/// Marks a family key's Lease that an acquisition created and whose token is not yet known to be
+/// above the family's floor ([`floor_lease`]): the creation drew its token from a floor read
+/// before it, and a sweep may have raised the floor since. Whoever takes such a Lease reads the
+/// floor again; the holder's first renewal or release, which come only after its token was
+/// checked, clears the mark. Without it, a key whose check failed (the raise above the floor
+/// refused, or the creation's answer lost) would be taken again from its stale token, which may
+/// lie below tokens the key was given before its Lease was swept.
+pub const FLOOR_UNCHECKED_ANNOTATION: &str = "leasehold.dev/floor-unchecked";
+
 /// How often renew and release re-read after a `resourceVersion` conflict before giving up:
 /// conflicts come from writers that are not the holder (the operator, `kubectl annotate`), and
 /// a holder should not lose its lease to them.
@@ -752,6 +761,7 @@ impl KubernetesLeaseDriver {
             let written = self
                 .rewrite_own(&lease, true, false, |object| {
                     let _ = claim(object, &lease.identity, token, ttl);
+                    mark_floor_unchecked(object, false);
                 })
                 .await?;
             Ok::<_, Error>(written.then(|| Lease {
@@ -764,11 +774,31 @@ impl KubernetesLeaseDriver {
             // Taken from it already: the lease ran out meanwhile.
             Ok(None) => Ok(Acquire::Busy(None)),
             Err(e) => {
-                // The token below the floor is never handed out; the Lease goes back.
-                let _ = self.release(&lease).await;
+                // The token below the floor is never handed out; the Lease goes back, still
+                // marked unchecked, so that its next taker reads the floor.
+                let _ = self.give_back(&lease, false).await;
                 Err(e)
             }
         }
+    }
+
+    /// Release `lease`. Like client-go, the holder is cleared and the transitions count stays as
+    /// the next token's base. `renewTime` is kept as the moment of the release: how long a key
+    /// has been idle, for the sweep ([`Upkeep::forget_idle_keys`]). Nobody is named, so nobody
+    /// holds it. `checked`: the token is known to be above the family's floor, and the Lease's
+    /// [`FLOOR_UNCHECKED_ANNOTATION`] goes.
+    async fn give_back(&self, lease: &Lease, checked: bool) -> Result<bool> {
+        self.rewrite_own(lease, false, false, |object| {
+            let spec = object.spec.get_or_insert_with(LeaseSpec::default);
+            spec.holder_identity = None;
+            spec.renew_time = Some(now_micro());
+            spec.acquire_time = None;
+            spec.lease_duration_seconds = Some(1);
+            if checked {
+                mark_floor_unchecked(object, false);
+            }
+        })
+        .await
     }
 
     fn feed(&self, lock: &str) -> watch::Receiver<u64> {
@@ -973,6 +1003,30 @@ fn same_claim(found: &LeaseObject, sent: &LeaseObject) -> bool {
         && micros(&found.acquire_time) == micros(&sent.acquire_time)
 }
 
+/// Whether `object` carries [`FLOOR_UNCHECKED_ANNOTATION`].
+fn floor_unchecked(object: &LeaseObject) -> bool {
+    object
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(FLOOR_UNCHECKED_ANNOTATION))
+}
+
+/// Set or clear [`FLOOR_UNCHECKED_ANNOTATION`] on `object`.
+fn mark_floor_unchecked(object: &mut LeaseObject, unchecked: bool) {
+    let annotations = &mut object.metadata.annotations;
+    if unchecked {
+        annotations
+            .get_or_insert_with(Default::default)
+            .insert(FLOOR_UNCHECKED_ANNOTATION.to_owned(), "true".to_owned());
+    } else if let Some(map) = annotations.as_mut() {
+        map.remove(FLOOR_UNCHECKED_ANNOTATION);
+        if map.is_empty() {
+            *annotations = None;
+        }
+    }
+}
+
 /// Date the lease from now for `ttl`: `renewTime`, the whole seconds, and the exact duration.
 fn extend(object: &mut LeaseObject, ttl: Duration) {
     object
@@ -1057,14 +1111,18 @@ impl Driver for KubernetesLeaseDriver {
         // Lease's name: so does the floor, also for a lock whose Lease is named like a key,
         // which provisioning may have made again, blank (never taken), before this call.
         let lease_name = self.lease_name(lock);
-        let family =
-            crate::names::family_of(&lease_name).filter(|_| created || record.transitions == 0);
+        let family = crate::names::family_of(&lease_name)
+            .filter(|_| created || record.transitions == 0 || floor_unchecked(&object));
         let floor = match family {
             Some(family) => self.floor(family).await?,
             None => 0,
         };
         let token = record.transitions.max(floor).max(self.token_seen(lock)) + 1;
         claim(&mut object, identity, token, ttl)?;
+        // A Lease that existed keeps its name while this write is checked against the version
+        // read: a sweep deleting it between the floor's read and the write fails the write, so
+        // the token is above the floor. A created one is checked after its creation.
+        mark_floor_unchecked(&mut object, created && family.is_some());
         let lease = Lease {
             lock: lock.to_owned(),
             identity: identity.to_owned(),
@@ -1107,8 +1165,12 @@ impl Driver for KubernetesLeaseDriver {
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<bool> {
         let yields = self.yield_to_preferred_holder;
+        // A lease the engine renews was checked above the floor when it was acquired.
         let renewed = self
-            .rewrite_own(lease, true, yields, |object| extend(object, ttl))
+            .rewrite_own(lease, true, yields, |object| {
+                extend(object, ttl);
+                mark_floor_unchecked(object, false);
+            })
             .await;
         if matches!(renewed, Ok(true)) {
             self.saw_token(&lease.lock, lease.token);
@@ -1117,18 +1179,8 @@ impl Driver for KubernetesLeaseDriver {
     }
 
     async fn release(&self, lease: &Lease) -> Result<bool> {
-        // Like client-go: the holder is cleared, the transitions count stays as the next
-        // token's base.
-        // `renewTime` is kept as the moment of the release: how long a key has been idle, for
-        // the sweep ([`Driver::forget_idle_keys`]). Nobody is named, so nobody holds it.
-        self.rewrite_own(lease, false, false, |object| {
-            let spec = object.spec.get_or_insert_with(LeaseSpec::default);
-            spec.holder_identity = None;
-            spec.renew_time = Some(now_micro());
-            spec.acquire_time = None;
-            spec.lease_duration_seconds = Some(1);
-        })
-        .await
+        // A lease the engine releases was checked above the floor when it was acquired.
+        self.give_back(lease, true).await
     }
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
