@@ -195,9 +195,9 @@ async fn a_write_committed_with_a_failed_answer_is_the_acquisition() {
 
 /// A family's key Lease that an acquisition created from a floor read before a sweep raised
 /// the floor (here from 5 to 51: another key's tokens), and whose raise above the new floor
-/// failed, is given back unchecked: the next taker reads the floor and draws above it, never
-/// from the Lease's stale token, which may lie below tokens the key had before its Lease was
-/// swept.
+/// failed, is given back still marked unchecked: the next taker reads the floor and draws above
+/// it, never from the Lease's stale token, which may lie below tokens the key had before its
+/// Lease was swept.
 #[tokio::test]
 async fn a_created_key_lease_whose_raise_above_the_floor_failed_is_taken_again_above_the_floor() {
     use leasehold_lease::kubernetes::{FLOOR_UNCHECKED_ANNOTATION, floor_lease};
@@ -229,33 +229,39 @@ async fn a_created_key_lease_whose_raise_above_the_floor_failed_is_taken_again_a
         );
         created["metadata"]["resourceVersion"] = json!("1");
         reply(send, StatusCode::CREATED, &created);
-        // The floor rose meanwhile: the token is raised above it, which fails, and so does
-        // giving the Lease back.
+        // The floor rose meanwhile: the token is raised above it, which fails; the Lease is
+        // given back, still marked.
         let (_, send) = api.expect(Method::GET, &floor_path).await;
         reply(send, StatusCode::OK, &floor(51));
-        for _ in 0..2 {
-            let (_, send) = api.expect(Method::GET, &format!("/leases/{KEY}")).await;
-            reply(send, StatusCode::OK, &created);
-            let (_, send) = api.expect(Method::PUT, &format!("/leases/{KEY}")).await;
-            reply(
-                send,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                &failure(500, "InternalError"),
-            );
-        }
-        created
+        let (_, send) = api.expect(Method::GET, &format!("/leases/{KEY}")).await;
+        reply(send, StatusCode::OK, &created);
+        let (_, send) = api.expect(Method::PUT, &format!("/leases/{KEY}")).await;
+        reply(
+            send,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &failure(500, "InternalError"),
+        );
+        let (_, send) = api.expect(Method::GET, &format!("/leases/{KEY}")).await;
+        reply(send, StatusCode::OK, &created);
+        let (mut given_back, send) = api.expect(Method::PUT, &format!("/leases/{KEY}")).await;
+        assert!(
+            given_back["spec"]["holderIdentity"].is_null(),
+            "{given_back}"
+        );
+        assert_eq!(given_back["spec"]["leaseTransitions"], 6);
+        assert!(
+            unchecked(&given_back),
+            "a Lease given back with an unchecked token keeps its mark: {given_back}"
+        );
+        given_back["metadata"]["resourceVersion"] = json!("2");
+        reply(send, StatusCode::OK, &given_back);
+        given_back
     });
     let outcome = creator.try_acquire(KEY, "a", Duration::from_secs(15)).await;
     assert!(outcome.is_err(), "{outcome:?}");
-    let mut left = server.await.unwrap();
+    let left = server.await.unwrap();
 
-    // The creator's claim ran out long ago; another pod takes the key.
-    let long_ago = (k8s_openapi::jiff::Timestamp::now()
-        - k8s_openapi::jiff::SignedDuration::from_secs(120))
-    .to_string();
-    left["spec"]["renewTime"] = json!(long_ago);
-    left["spec"]["acquireTime"] = json!(long_ago);
-    left["metadata"]["resourceVersion"] = json!("2");
+    // Another pod takes the key, free since it was given back.
     let (taker, mut api) = driver();
     let floor_path = format!("/leases/{floor_name}");
     let server = tokio::spawn(async move {
