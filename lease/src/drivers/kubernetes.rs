@@ -116,8 +116,9 @@ pub const DURATION_ANNOTATION: &str = "leasehold.dev/lease-duration-ms";
 /// Marks a family key's Lease that an acquisition created and whose token is not yet known to be
 /// above the family's floor ([`floor_lease`]): the creation drew its token from a floor read
 /// before it, and a sweep may have raised the floor since. Whoever takes such a Lease reads the
-/// floor again; the holder's first renewal or release, which come only after its token was
-/// checked, clears the mark. Without it, a key whose check failed (the raise above the floor
+/// floor again. The mark goes with the first write made once the token is known to be above
+/// the floor: the raise above it, the holder's first renewal or release, or a takeover, whose
+/// write is checked against the version read after the floor. Without it, a key whose check failed (the raise above the floor
 /// refused, or the creation's answer lost) would be taken again from its stale token, which may
 /// lie below tokens the key was given before its Lease was swept.
 pub const FLOOR_UNCHECKED_ANNOTATION: &str = "leasehold.dev/floor-unchecked";
