@@ -1764,12 +1764,15 @@ pub async fn idle_keys_are_forgotten_and_their_tokens_still_rise(h: &mut dyn Har
 /// starts the same, not a plain lock. On a Redis Cluster the keys are spread over every
 /// master's slots, and each master is counted.
 pub async fn held_keys_are_counted(h: &mut dyn Harness) {
+    // Held for far longer than the test runs: a key that expired while a loaded machine
+    // stalled the test would be counted out, and a contender would take it.
+    const HELD: Duration = Duration::from_secs(60);
     let family = unique_lock("count");
     let (a, b) = (h.driver().await, h.driver().await);
     let count = async || a.count_held_keys(&family).await.expect("count");
     assert_eq!(count().await, Some(0), "a family never used");
     let take = async |driver: &Arc<dyn Backend>, lock: &str| match driver
-        .try_acquire(lock, "owner", LEASE)
+        .try_acquire(lock, "owner", HELD)
         .await
     {
         Ok(Acquire::Acquired(lease)) => lease,
@@ -1790,7 +1793,7 @@ pub async fn held_keys_are_counted(h: &mut dyn Harness) {
     }
     assert_eq!(count().await, Some(3), "three keys held in two processes");
     // A contender queued behind a holder (etcd, ZooKeeper) adds no key.
-    match b.try_acquire(&keys[0], "other", LEASE).await {
+    match b.try_acquire(&keys[0], "other", HELD).await {
         Ok(Acquire::Busy(_)) => {}
         other => panic!("{}: {other:?}", keys[0]),
     }
