@@ -2116,6 +2116,91 @@ pub async fn keyed_semaphore_waiters_are_served_in_order(h: &mut dyn Harness) {
     }
 }
 
+/// A semaphore's first waiter whose attempts are answered later than a renew interval keeps
+/// its places: on a queue backend (etcd, ZooKeeper) a newcomer that asks right after a permit
+/// is given up is refused, and the waiter takes the permit. Everywhere, the waiter is served.
+pub async fn keyed_semaphore_waiter_keeps_its_places_through_slow_answers(h: &mut dyn Harness) {
+    use leasehold_lease::keyed::{FamilyConfig, KeyAnswer, KeyRelease, KeyedFamily};
+    const HOLD: Duration = Duration::from_secs(60);
+    const WAIT: Duration = Duration::from_secs(60);
+    // A lease long enough that an acquisition answered two renew intervals late still holds
+    // for most of it (the key's line is taken that way).
+    const SLOW_LEASE: Duration = Duration::from_secs(3);
+    let family = unique_lock("slow-line");
+    let key = "pool";
+    let pod = |driver: Arc<dyn Backend>, name: &str| {
+        KeyedFamily::new(
+            driver,
+            FamilyConfig {
+                renew_interval: RENEW,
+                permits: 2,
+                ..FamilyConfig::new(&family, name, SLOW_LEASE)
+            },
+            Arc::new(()),
+        )
+        .expect("family")
+    };
+    let fb = FaultyDriver::wrap(h.driver().await);
+    let (a, b, d) = (
+        pod(h.driver().await, "pod-a"),
+        pod(fb.clone(), "pod-b"),
+        pod(h.driver().await, "pod-d"),
+    );
+    let in_order = fb.keeps_queue();
+    let held = |answer: KeyAnswer| match answer {
+        KeyAnswer::Held { permit, .. } => permit,
+        other => panic!("not held: {other:?}"),
+    };
+    let p1 = held(a.acquire(key, "h1", Duration::ZERO, HOLD).await.unwrap());
+    held(a.acquire(key, "h2", Duration::ZERO, HOLD).await.unwrap());
+    // Every answer to w1's attempts reaches it two renew intervals after the backend gave it:
+    // past the interval a renewal may take, within the lease.
+    fb.delay_answers_to("/w1", 2 * RENEW);
+    let w1 = {
+        let b: KeyedFamily = b.clone();
+        tokio::spawn(async move { b.acquire(key, "w1", WAIT, HOLD).await })
+    };
+    let identity = format!("{}/w1", b.identity());
+    let tried = |rounds| {
+        [0, 1].iter().all(|&permit| {
+            let lock = b.permit_backend_name(key, permit).unwrap();
+            fb.answered(&lock, &identity) >= rounds
+        })
+    };
+    // Each permit tried (on a queue backend twice: once more as the first in line, keeping its
+    // places).
+    let rounds = if in_order { 2 } else { 1 };
+    eventually(WAIT, "w1 tried every permit", || tried(rounds)).await;
+    // Pod b cut off: w1's attempts answered by then are read, late, and followed up; its next
+    // ones hang. Then h1 gives its permit up and a newcomer asks: only a place w1 kept in the
+    // backend can refuse the newcomer.
+    fb.cut_off(true);
+    sleep(4 * RENEW).await;
+    assert_eq!(
+        a.release(key, "h1").await.unwrap(),
+        KeyRelease::Released { holds: 0 }
+    );
+    let newcomer = d.acquire(key, "n", Duration::ZERO, HOLD).await.unwrap();
+    // Answered at once again: elsewhere than on a queue backend, an attempt answered late is
+    // given up on, and w1 could not take a permit while its answers come late.
+    fb.delay_answers_to("/w1", Duration::ZERO);
+    fb.cut_off(false);
+    if in_order {
+        assert!(
+            matches!(newcomer, KeyAnswer::HeldByAnother { .. }),
+            "a newcomer took the permit w1 waits for: {newcomer:?}"
+        );
+    } else if matches!(newcomer, KeyAnswer::Held { .. }) {
+        d.release(key, "n").await.unwrap();
+    }
+    let w1_permit = held(w1.await.expect("w1").unwrap());
+    if in_order {
+        assert_eq!(w1_permit, p1, "w1 takes the permit given up");
+    }
+    b.release(key, "w1").await.unwrap();
+    a.release(key, "h2").await.unwrap();
+}
+
 /// (index, permit, token) of each of `locks` that claims to hold, read once no answer is
 /// unknown: a renewal past its call's budget on a loaded machine leaves its lock's answer
 /// unknown until the next renewal lands, which would hide a holder from a reading. For up to
@@ -3572,6 +3657,7 @@ macro_rules! conformance_suite {
             held_keys_are_counted,
             keyed_permits_admit_that_many_owners,
             keyed_semaphore_waiters_are_served_in_order,
+            keyed_semaphore_waiter_keeps_its_places_through_slow_answers,
             keyed_several_keys_all_or_nothing,
             keyed_read_write_locks,
             keyed_read_write_after_a_larger_semaphore,

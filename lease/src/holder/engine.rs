@@ -1360,9 +1360,16 @@ impl Engine {
     }
 
     /// Wait for an acquisition's answer within a renew interval; one unanswered by then is kept
-    /// to be waited for again by the next step ([`Unheld::in_flight`]).
+    /// to be waited for again by the next step ([`Unheld::in_flight`]). An attempt that keeps
+    /// its place in line (a semaphore's first waiter, keyed/line.rs) is waited for up to a
+    /// lease: given up on, its follow-up would leave the place it made, and the next attempt
+    /// would line up again behind everyone who asked meanwhile.
     async fn follow(&mut self, mut in_flight: InFlight) -> Attempted {
-        let budget = self.config.renew_interval;
+        let budget = if self.config.keeps_queue_place {
+            self.config.lease_duration
+        } else {
+            self.config.renew_interval
+        };
         let outcome = match in_flight.attempt.as_mut() {
             Some(attempt) => self.call(budget, attempt.as_mut()).await,
             None => Call::Failed,
