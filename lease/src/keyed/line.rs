@@ -96,15 +96,24 @@ impl KeyedFamily {
                 places
                     .keep_only(&driver, (0..permits).map(|p| self.permit_name(key, p)))
                     .await;
-                let round_taken = self
-                    .permit_round(key, owner, first, hold, reentrant, InLine::Keep)
-                    .await;
+                // Each attempt is waited for up to a lease, so as not to leave the place it
+                // made (holder/engine.rs), but the round not past the wait (a round begun as the
+                // wait ends gets a renew interval): the places are left then anyway, and an
+                // answer still awaited is followed up in the background.
+                let round_taken = tokio::time::timeout_at(
+                    deadline.max(round + renew_interval),
+                    self.permit_round(key, owner, first, hold, reentrant, InLine::Keep),
+                )
+                .await;
                 // The driver or the count may have changed during the round.
                 let permits = self.read_config(|c| c.permits);
                 places.add(
                     &self.driver(),
                     (0..permits).map(|p| self.permit_name(key, p)),
                 );
+                let Ok(round_taken) = round_taken else {
+                    break Some(not_taken(refused.take()));
+                };
                 match round_taken? {
                     Ok(held) => break Some(held),
                     Err(answer) => refused = Some(answer),
