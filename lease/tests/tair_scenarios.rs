@@ -378,6 +378,20 @@ async fn a_new_epoch_grants_nothing_until_its_standbys_have_the_record() {
     let mut follower = old;
     follower.replicate_from(Some(link.port));
     follower.wait_until_synced();
+    // The primary counts the follower as a standby in sync (`state=online`) only once it has
+    // the follower's first acknowledgement, which may come after the follower's link is up: a
+    // cut before it would leave no standby attached in sync, and nothing to wait for.
+    let listed_online = std::time::Instant::now();
+    while !leasehold_testkit::redis_server::info(promoted.port(), "replication")
+        .lines()
+        .any(|line| line.starts_with("slave") && line.contains("state=online"))
+    {
+        assert!(
+            listed_online.elapsed() < Duration::from_secs(30),
+            "the new primary never listed its follower in sync"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     link.cut();
     let b = connect(&BackendUrl::parse(&url).unwrap()).await.unwrap();
     let deadline = tokio::time::Instant::now() + FAILOVER_LEASE * 3;
