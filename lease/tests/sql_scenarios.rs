@@ -2000,6 +2000,93 @@ async fn postgres_row_lock_releases_commit_without_waiting_for_the_disk() {
     releases_commit_without_waiting_for_the_disk(&mut h, &url).await;
 }
 
+/// An acquisition is answered only once the synchronous standby the server names has it, also
+/// where the role's sessions start with `synchronous_commit = local` (a commit on the primary's
+/// disk alone): a standby promoted without the acquisition would grant the lock again, with the
+/// same token, beside the holder. With a synchronous standby named that never connects, the
+/// acquisition waits; once the server names none, the server lets it through, and the lock is
+/// held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_acquisitions_wait_for_the_synchronous_standby_where_the_role_commits_locally() {
+    use leasehold_lease::Acquire;
+    use sqlx::Executor;
+    sqlx::any::install_default_drivers();
+    let h = PostgresHarness::new();
+    let url = h.server.url();
+    let mut admin = sqlx::AnyConnection::connect(&url).await.expect("connect");
+    admin
+        .execute("ALTER ROLE postgres SET synchronous_commit = local")
+        .await
+        .expect("the role's setting");
+    let driver = h.driver().await;
+    let lock = unique_lock("standby");
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    admin
+        .execute("CREATE TABLE standby_probe (n INT)")
+        .await
+        .expect("the probe's table");
+    admin
+        .execute("ALTER SYSTEM SET synchronous_standby_names = 'leasehold_absent_standby'")
+        .await
+        .expect("synchronous_standby_names");
+    admin
+        .execute("SELECT pg_reload_conf()")
+        .await
+        .expect("reload");
+    // The server waits for standbys once its checkpointer has read the setting: until then a
+    // commit that asks for the standby (a probe's, on a session of its own) is answered.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut probe = sqlx::AnyConnection::connect(&url).await.expect("connect");
+        probe
+            .execute("SET synchronous_commit = on")
+            .await
+            .expect("probe's setting");
+        let committed = tokio::time::timeout(
+            Duration::from_millis(300),
+            probe.execute("INSERT INTO standby_probe VALUES (1)"),
+        )
+        .await;
+        if committed.is_err() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the server never began to wait for its synchronous standby"
+        );
+    }
+    let acquiring = tokio::spawn({
+        let (driver, lock) = (driver.clone(), lock.clone());
+        async move { driver.try_acquire(&lock, "a", LEASE).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !acquiring.is_finished(),
+        "an acquisition was answered before the synchronous standby had it: {:?}",
+        acquiring.await
+    );
+    admin
+        .execute("ALTER SYSTEM RESET synchronous_standby_names")
+        .await
+        .expect("reset");
+    admin
+        .execute("SELECT pg_reload_conf()")
+        .await
+        .expect("reload");
+    let answered = tokio::time::timeout(Duration::from_secs(30), acquiring)
+        .await
+        .expect("the acquisition was let through once no standby is named")
+        .expect("task")
+        .expect("acquire");
+    assert!(
+        matches!(answered, Acquire::Acquired(_)),
+        "not acquired: {answered:?}"
+    );
+}
+
 /// How many lease renewals PostgreSQL has run, one statement or a batch each
 /// (`pg_stat_statements`, preloaded by the test server).
 async fn postgres_renew_statements(admin: &mut sqlx::AnyConnection) -> i64 {

@@ -660,16 +660,17 @@ impl Dialect {
     }
 
     /// What each of the driver's sessions runs as it opens, whatever the server's, database's
-    /// or role's defaults say: a write acknowledged is on disk (PostgreSQL's
-    /// `synchronous_commit = off` is raised to `on`; any other setting flushes locally and is
-    /// kept) and committed as its statement ends (MySQL's `autocommit`). An acquisition lost in
-    /// a crash would repeat its token, and one left uncommitted would roll back when its
-    /// connection closes, under a holder that counts on it.
+    /// or role's defaults say: a write acknowledged is on disk, and on the synchronous standbys
+    /// the server names (PostgreSQL's `synchronous_commit` `off` and `local` are raised to `on`;
+    /// `remote_write`, `on` and `remote_apply` are kept), and committed as its statement ends
+    /// (MySQL's `autocommit`). An acquisition lost in a crash or a failover would repeat its
+    /// token, and one left uncommitted would roll back when its connection closes, under a
+    /// holder that counts on it.
     pub fn session_setup(self) -> &'static str {
         match self {
             Dialect::Postgres => {
                 "SELECT set_config('synchronous_commit', 'on', false) \
-                 WHERE current_setting('synchronous_commit') = 'off'"
+                 WHERE current_setting('synchronous_commit') IN ('off', 'local')"
             }
             Dialect::MySql => "SET autocommit = 1",
         }
