@@ -499,6 +499,59 @@ async fn bad_table_names_are_refused() {
     }
 }
 
+/// A lock table whose name is as long as PostgreSQL keeps one (63 bytes), in lease mode, which
+/// has no row-lock table: deprovisioning a lock frees its row and keeps its token. The row-lock
+/// table's name (`_rows` added) would be cut back to the lock table's own, whose row, deleted,
+/// would start the lock's tokens again from one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_lock_table_named_at_the_length_limit_keeps_its_tokens_through_deprovisioning() {
+    use leasehold_lease::{Acquire, Driver, Upkeep};
+    let h = PostgresHarness::new();
+    let table = format!("t{}", "x".repeat(62));
+    assert_eq!(table.len(), 63);
+    let driver = SqlDriver::connect(
+        Dialect::Postgres,
+        &h.server.url(),
+        None,
+        &table,
+        SqlMode::Lease,
+    )
+    .expect("a table name of 63 bytes is accepted");
+    let lock = unique_lock("long-table");
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    let mut last = 0;
+    for _ in 0..2 {
+        let Acquire::Acquired(lease) = driver
+            .try_acquire(&lock, "a", LEASE)
+            .await
+            .expect("acquire")
+        else {
+            panic!("not acquired")
+        };
+        assert!(driver.release(&lease).await.expect("release"));
+        last = lease.token;
+    }
+    driver
+        .deprovision(std::slice::from_ref(&lock))
+        .await
+        .expect("deprovision");
+    let Acquire::Acquired(lease) = driver
+        .try_acquire(&lock, "b", LEASE)
+        .await
+        .expect("acquire")
+    else {
+        panic!("not acquired after deprovisioning")
+    };
+    assert!(
+        lease.token > last,
+        "token {} after deprovisioning, not above {last}",
+        lease.token
+    );
+}
+
 /// The session that has the named lock `name`, if any.
 async fn named_lock_session(admin: &mut sqlx::AnyConnection, name: &str) -> Option<i64> {
     use sqlx::Row;

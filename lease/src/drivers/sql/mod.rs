@@ -25,7 +25,7 @@ use crate::driver::{Acquire, Holding, Lease};
 use crate::drivers::batches::Pending;
 use crate::drivers::sql::wake::AdvisoryStatements;
 use crate::error::{Error, Result};
-use crate::names::quote_sql_identifier;
+use crate::names::{quote_sql_identifier, validate_sql_identifier};
 
 /// Where a PostgreSQL or MySQL/MariaDB lock table lives: `postgres://` or `mysql://`
 /// (`mariadb://`) with `?table=&schema=&mode=lease|row-lock`; every other query parameter goes
@@ -373,7 +373,13 @@ impl Dialect {
             None => self.quote(table),
         };
         let t = qualified(table);
-        let r = qualified(&row_table(table));
+        // The row-lock table's statements. Where its name is too long for the server to keep
+        // whole (a lease-mode table of 59 to 63 bytes; row-lock mode refuses such a table),
+        // they name no table and are never run: cut short, the name would be another table's.
+        let r = match validate_sql_identifier("row-lock table name", &row_table(table)) {
+            Ok(()) => qualified(&row_table(table)),
+            Err(_) => String::new(),
+        };
         match self {
             Dialect::Postgres => {
                 let until = "now() + make_interval(secs => $3::bigint / 1000.0)";

@@ -45,6 +45,9 @@ pub struct SqlDriver {
     pub(crate) pool: AnyPool,
     pub(crate) sql: Statements,
     mode: SqlMode,
+    /// Whether the row-lock table's name (the table's, `_rows` added) is one the server keeps
+    /// whole: a longer one would be cut short, and name another table, or the lock table itself.
+    row_table_fits: bool,
     /// Row-lock mode's open transactions.
     row_locks: Option<RowLocks>,
     /// The table is created on first use, so that a database that is down at start-up is
@@ -137,8 +140,10 @@ impl SqlDriver {
         // sqlx builds a `verify-ca` verifier from the process's provider.
         crate::tls::use_ring_provider();
         validate_sql_identifier("table name", table)?;
+        let row_table_fits =
+            validate_sql_identifier("row-lock table name (table + \"_rows\")", &row_table(table));
         if mode == SqlMode::RowLock {
-            validate_sql_identifier("row-lock table name (table + \"_rows\")", &row_table(table))?;
+            row_table_fits.clone()?;
         }
         if let Some(schema) = schema {
             validate_sql_identifier("schema name", schema)?;
@@ -200,6 +205,7 @@ impl SqlDriver {
             pool,
             sql,
             mode,
+            row_table_fits: row_table_fits.is_ok(),
             row_locks: (mode == SqlMode::RowLock).then(|| RowLocks::new(url)),
             provisioned: OnceCell::new(),
             server_locks,
@@ -815,8 +821,13 @@ impl Upkeep for SqlDriver {
     }
 
     async fn deprovision(&self, locks: &[String]) -> Result<()> {
+        // A lease-mode table whose name leaves no room for `_rows` never had a row table.
+        let statements = match self.row_table_fits {
+            true => &[&self.sql.delete_lock, &self.sql.delete_row][..],
+            false => &[&self.sql.delete_lock][..],
+        };
         for lock in locks {
-            for statement in [&self.sql.delete_lock, &self.sql.delete_row] {
+            for statement in statements {
                 match sqlx::query(statement).bind(lock).execute(&self.pool).await {
                     Ok(_) => {}
                     // The table was never created: nothing to remove.
