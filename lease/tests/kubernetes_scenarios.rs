@@ -1203,6 +1203,99 @@ async fn a_dead_holders_lease_touched_by_another_writer_is_taken_when_the_claim_
     assert_eq!(token, 2);
 }
 
+/// A held Lease whose holder another writer clears (`kubectl patch` removing
+/// `holderIdentity`, as done to force a client-go leader to fail over) is not taken while its
+/// holder may still claim it: the holder learns of the edit only at its next renewal, and what
+/// it last renewed for runs until then. A release by the holder rewrites `renewTime`; the
+/// edit leaves it as the holder wrote it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_cleared_by_another_writer_is_not_taken_within_the_holders_claim() {
+    const TTL: Duration = Duration::from_secs(2);
+    let harness = KubernetesHarness::new();
+    let (holder, contender) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("cleared");
+    let Acquire::Acquired(held) = holder.try_acquire(&lock, "pod-a", TTL).await.unwrap() else {
+        panic!("the lock is free");
+    };
+    let acquired = tokio::time::Instant::now();
+    assert!(
+        matches!(
+            contender.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+            Acquire::Busy(_)
+        ),
+        "taken beside its holder"
+    );
+    let mut lease = harness
+        .api
+        .lease(KubernetesHarness::NAMESPACE, &lock)
+        .expect("the Lease");
+    lease["spec"]["holderIdentity"] = Value::Null;
+    harness
+        .api
+        .put(leasehold_testkit::in_memory_api_server::LEASES, lease);
+    let token = loop {
+        match contender.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => break lease.token,
+            busy => assert!(
+                acquired.elapsed() < TTL * 3,
+                "never taken after the holder was cleared: {busy:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        acquired.elapsed() >= TTL,
+        "taken {:?} into the holder's claim of {TTL:?}",
+        acquired.elapsed()
+    );
+    assert_eq!(token, held.token + 1);
+}
+
+/// A held Lease whose duration another writer shortens is not taken within what its holder
+/// last renewed for: the holder, which claims by its own renewal, has not seen the edit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_duration_shortened_by_another_writer_is_not_taken_within_the_holders_claim() {
+    const TTL: Duration = Duration::from_secs(3);
+    let harness = KubernetesHarness::new();
+    let (holder, contender) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("shortened");
+    let Acquire::Acquired(held) = holder.try_acquire(&lock, "pod-a", TTL).await.unwrap() else {
+        panic!("the lock is free");
+    };
+    let acquired = tokio::time::Instant::now();
+    assert!(
+        matches!(
+            contender.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
+            Acquire::Busy(_)
+        ),
+        "taken beside its holder"
+    );
+    let mut lease = harness
+        .api
+        .lease(KubernetesHarness::NAMESPACE, &lock)
+        .expect("the Lease");
+    lease["spec"]["leaseDurationSeconds"] = json!(1);
+    harness
+        .api
+        .put(leasehold_testkit::in_memory_api_server::LEASES, lease);
+    let token = loop {
+        match contender.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
+            Acquire::Acquired(lease) => break lease.token,
+            busy => assert!(
+                acquired.elapsed() < TTL * 3,
+                "never taken after the duration was shortened: {busy:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        acquired.elapsed() >= TTL,
+        "taken {:?} into the holder's claim of {TTL:?}",
+        acquired.elapsed()
+    );
+    assert_eq!(token, held.token + 1);
+}
+
 /// A token seen on a released Lease counts as one seen: the Lease deleted by hand and made again
 /// by a process that saw it draws above it, not from 1 again, which repeated a token an earlier
 /// holder may still write with.

@@ -307,6 +307,32 @@ fn replaced_unheld(
     })
 }
 
+/// The holding of `lock` this process saw, where `object`, the same Lease, names nobody while
+/// its renewal time is the holding's: the holder did not write it (a release rewrites
+/// `renewTime`), another writer cleared the holder (`kubectl patch`, a tool forcing a
+/// failover as for client-go), and the holder, which learns of it only at its next renewal,
+/// may claim until what it last renewed for runs out. `None` once that has passed.
+fn cleared_by_another(
+    sightings: &Pruned<String, Sighting>,
+    lock: &str,
+    object: &LeaseObject,
+    record: &Record,
+    now: BootInstant,
+) -> Option<Holding> {
+    let seen = sightings.get(lock)?;
+    let cleared = seen.version.is_some()
+        && !seen.long_over
+        && seen.claim.uid == object.metadata.uid
+        && seen.claim.renewed.is_some()
+        && seen.claim.renewed == record.renewed;
+    let left = seen.left(now);
+    (cleared && !left.is_zero()).then(|| Holding {
+        identity: seen.identity.clone(),
+        token: seen.token,
+        expires_in: Some(left),
+    })
+}
+
 pub struct KubernetesLeaseDriver {
     client: kube::Client,
     namespace: String,
@@ -357,6 +383,9 @@ impl KubernetesLeaseDriver {
             if let Some(holding) = replaced_unheld(&mut sightings, lock, object, now) {
                 return Some(holding);
             }
+            if let Some(holding) = cleared_by_another(&sightings, lock, object, record, now) {
+                return Some(holding);
+            }
             let deleted = sightings
                 .get(lock)
                 .and_then(|seen| seen.deleted_claim.as_ref()?.holding(now));
@@ -373,11 +402,21 @@ impl KubernetesLeaseDriver {
                 // A Lease made again after a deletion seen is a new record, whatever it says.
                 if seen.version.is_none() || seen.claim != claim {
                     let deleted_claim = seen.deleted_claim_beside(&claim, now);
+                    // The same holding, its duration shortened by another writer (a hand
+                    // edit): its holder claims what it last renewed for all the same.
+                    let same_holding = seen.version.is_some()
+                        && seen.claim.uid == claim.uid
+                        && seen.identity == identity
+                        && seen.token == record.transitions;
+                    let duration = match same_holding {
+                        true => record.duration.max(seen.left(now)),
+                        false => record.duration,
+                    };
                     *seen = Sighting {
                         version: version.clone(),
                         claim: claim.clone(),
                         since: now,
-                        duration: record.duration,
+                        duration,
                         written_since_first_seen: true,
                         identity: identity.clone(),
                         token: record.transitions,
