@@ -1296,6 +1296,53 @@ async fn a_holders_duration_shortened_by_another_writer_is_not_taken_within_the_
     assert_eq!(token, held.token + 1);
 }
 
+/// A Lease deleted by hand and made again by provisioning (the operator makes a missing Lease)
+/// starts from the highest token its provisioner saw: a process that never saw the Lease draws
+/// above the last holders' tokens, not from 1 again, which a holder of the deleted Lease may
+/// still fence with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_made_again_by_provisioning_starts_from_the_token_its_provisioner_saw() {
+    const TTL: Duration = Duration::from_secs(30);
+    let harness = KubernetesHarness::new();
+    let (holder, provisioner) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("made-again");
+    provisioner
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    let mut last = 0;
+    for _ in 0..3 {
+        let Acquire::Acquired(lease) = holder.try_acquire(&lock, "pod-a", TTL).await.unwrap()
+        else {
+            panic!("the lock is free");
+        };
+        assert!(holder.release(&lease).await.unwrap());
+        last = lease.token;
+    }
+    provisioner
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision, reading the Lease");
+    assert!(harness.api.remove(
+        leasehold_testkit::in_memory_api_server::LEASES,
+        KubernetesHarness::NAMESPACE,
+        &lock
+    ));
+    provisioner
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision, making the Lease again");
+    let newcomer = harness.client_driver();
+    let Acquire::Acquired(lease) = newcomer.try_acquire(&lock, "pod-b", TTL).await.unwrap() else {
+        panic!("the lock made again is free");
+    };
+    assert!(
+        lease.token > last,
+        "token {} drawn after tokens up to {last}",
+        lease.token
+    );
+}
+
 /// A token seen on a released Lease counts as one seen: the Lease deleted by hand and made again
 /// by a process that saw it draws above it, not from 1 again, which repeated a token an earlier
 /// holder may still write with.

@@ -1396,10 +1396,23 @@ impl KubernetesLeaseDriver {
         crate::names::validate_lease_name(&self.lease_name(lock))?;
         for _ in 0..CONFLICT_RETRIES {
             let written = match self.read(lock).await? {
-                // 409 AlreadyExists: another provisioner won; read what it made.
-                None => self.replace(lock, &self.blank(lock)).await?,
+                // 409 AlreadyExists: another provisioner won; read what it made. Made again
+                // after a deletion, it starts from the highest token this process saw of it,
+                // so that a process that never saw it draws above its last holders.
+                None => {
+                    let mut object = self.blank(lock);
+                    object
+                        .spec
+                        .get_or_insert_with(LeaseSpec::default)
+                        .lease_transitions =
+                        Some(i32::try_from(self.token_seen(lock)).unwrap_or(i32::MAX));
+                    self.replace(lock, &object).await?
+                }
                 Some(mut object) => {
                     self.check_managed(&object)?;
+                    if let Some(record) = Record::of(&object) {
+                        self.saw_token(lock, record.transitions);
+                    }
                     if !self.disown(lock, &mut object) {
                         return Ok(object);
                     }
