@@ -1206,63 +1206,53 @@ async fn a_dead_holders_lease_touched_by_another_writer_is_taken_when_the_claim_
 /// A held Lease whose holder another writer clears (`kubectl patch` removing
 /// `holderIdentity`, as done to force a client-go leader to fail over) is not taken while its
 /// holder may still claim it: the holder learns of the edit only at its next renewal, and what
-/// it last renewed for runs until then. A release by the holder rewrites `renewTime`; the
-/// edit leaves it as the holder wrote it.
+/// it last renewed for runs until then. A release by the holder clears `acquireTime`; the edit
+/// leaves it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_cleared_by_another_writer_is_not_taken_within_the_holders_claim() {
-    const TTL: Duration = Duration::from_secs(2);
-    let harness = KubernetesHarness::new();
-    let (holder, contender) = (harness.client_driver(), harness.client_driver());
-    let lock = unique_lock("cleared");
-    let Acquire::Acquired(held) = holder.try_acquire(&lock, "pod-a", TTL).await.unwrap() else {
-        panic!("the lock is free");
-    };
-    let acquired = tokio::time::Instant::now();
-    assert!(
-        matches!(
-            contender.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
-            Acquire::Busy(_)
-        ),
-        "taken beside its holder"
-    );
-    let mut lease = harness
-        .api
-        .lease(KubernetesHarness::NAMESPACE, &lock)
-        .expect("the Lease");
-    lease["spec"]["holderIdentity"] = Value::Null;
-    harness
-        .api
-        .put(leasehold_testkit::in_memory_api_server::LEASES, lease);
-    let token = loop {
-        match contender.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
-            Acquire::Acquired(lease) => break lease.token,
-            busy => assert!(
-                acquired.elapsed() < TTL * 3,
-                "never taken after the holder was cleared: {busy:?}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(
-        acquired.elapsed() >= TTL,
-        "taken {:?} into the holder's claim of {TTL:?}",
-        acquired.elapsed()
-    );
-    assert_eq!(token, held.token + 1);
+    edited_by_another_writer(HandEdit::HolderCleared, false).await;
+}
+
+/// As above, where the holder renewed after the contender last looked: its claim runs from
+/// that renewal, which the contender never saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_cleared_by_another_writer_after_an_unseen_renewal_is_not_taken_within_its_claim()
+{
+    edited_by_another_writer(HandEdit::HolderCleared, true).await;
 }
 
 /// A held Lease whose duration another writer shortens is not taken within what its holder
 /// last renewed for: the holder, which claims by its own renewal, has not seen the edit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holders_duration_shortened_by_another_writer_is_not_taken_within_the_holders_claim() {
+    edited_by_another_writer(HandEdit::DurationShortened, false).await;
+}
+
+/// As above, where the holder renewed after the contender last looked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holders_duration_shortened_after_an_unseen_renewal_is_not_taken_within_its_claim() {
+    edited_by_another_writer(HandEdit::DurationShortened, true).await;
+}
+
+#[derive(Debug, Clone, Copy)]
+enum HandEdit {
+    HolderCleared,
+    DurationShortened,
+}
+
+/// A holder takes a lock, a contender sees it held, the holder renews once more (unseen by the
+/// contender, when `renew_unseen`), and another writer makes `edit` to the Lease: the
+/// contender takes the lock only once the holder's last renewal has run out, with the next
+/// token.
+async fn edited_by_another_writer(edit: HandEdit, renew_unseen: bool) {
     const TTL: Duration = Duration::from_secs(3);
     let harness = KubernetesHarness::new();
     let (holder, contender) = (harness.client_driver(), harness.client_driver());
-    let lock = unique_lock("shortened");
+    let lock = unique_lock("edited");
     let Acquire::Acquired(held) = holder.try_acquire(&lock, "pod-a", TTL).await.unwrap() else {
         panic!("the lock is free");
     };
-    let acquired = tokio::time::Instant::now();
+    let mut renewed = tokio::time::Instant::now();
     assert!(
         matches!(
             contender.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
@@ -1270,11 +1260,19 @@ async fn a_holders_duration_shortened_by_another_writer_is_not_taken_within_the_
         ),
         "taken beside its holder"
     );
+    if renew_unseen {
+        tokio::time::sleep(TTL / 2).await;
+        renewed = tokio::time::Instant::now();
+        assert!(holder.renew(&held, TTL).await.unwrap(), "the holder renews");
+    }
     let mut lease = harness
         .api
         .lease(KubernetesHarness::NAMESPACE, &lock)
         .expect("the Lease");
-    lease["spec"]["leaseDurationSeconds"] = json!(1);
+    match edit {
+        HandEdit::HolderCleared => lease["spec"]["holderIdentity"] = Value::Null,
+        HandEdit::DurationShortened => lease["spec"]["leaseDurationSeconds"] = json!(1),
+    }
     harness
         .api
         .put(leasehold_testkit::in_memory_api_server::LEASES, lease);
@@ -1282,18 +1280,62 @@ async fn a_holders_duration_shortened_by_another_writer_is_not_taken_within_the_
         match contender.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
             Acquire::Acquired(lease) => break lease.token,
             busy => assert!(
-                acquired.elapsed() < TTL * 3,
-                "never taken after the duration was shortened: {busy:?}"
+                renewed.elapsed() < TTL * 3,
+                "never taken after the edit ({edit:?}): {busy:?}"
             ),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert!(
-        acquired.elapsed() >= TTL,
-        "taken {:?} into the holder's claim of {TTL:?}",
-        acquired.elapsed()
+        renewed.elapsed() >= TTL,
+        "taken {:?} into the holder's claim of {TTL:?} ({edit:?})",
+        renewed.elapsed()
     );
     assert_eq!(token, held.token + 1);
+}
+
+/// A lock whose Lease is named like a family's key, swept as idle and made again by a
+/// provisioner that last read it at a lower token than its holders reached since: the Lease
+/// made again is marked for its floor to be read, and a process that never saw it draws above
+/// the family's floor, which the sweep raised to the last holders' tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_named_like_a_key_made_again_by_provisioning_draws_above_the_familys_floor() {
+    let harness = KubernetesHarness::new();
+    let family = unique_lock("orders");
+    let lock = unique_lock("plain");
+    let target = || LeaseTarget {
+        name: Some(format!("{family}.keys.x")),
+    };
+    let holder = harness.client_driver().with_target(&lock, target());
+    let provisioner = harness.client_driver().with_target(&lock, target());
+    let ttl = Duration::from_secs(10);
+    let mut last = 0;
+    for round in 0..6 {
+        let Acquire::Acquired(lease) = holder.try_acquire(&lock, "pod-a", ttl).await.unwrap()
+        else {
+            panic!("{lock} is not free");
+        };
+        assert!(holder.release(&lease).await.unwrap());
+        last = lease.token;
+        if round == 2 {
+            provisioner.provision_one(&lock).await.unwrap();
+        }
+    }
+    assert_eq!(
+        forget_idle_now(&holder, &family).await,
+        1,
+        "the Lease was not swept"
+    );
+    provisioner.provision_one(&lock).await.unwrap();
+    let newcomer = harness.client_driver().with_target(&lock, target());
+    let Acquire::Acquired(lease) = newcomer.try_acquire(&lock, "pod-b", ttl).await.unwrap() else {
+        panic!("{lock} is not free");
+    };
+    assert!(
+        lease.token > last,
+        "token {} drawn after tokens up to {last}",
+        lease.token
+    );
 }
 
 /// A Lease deleted by hand and made again by provisioning (the operator makes a missing Lease)

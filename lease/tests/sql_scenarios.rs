@@ -2090,37 +2090,48 @@ async fn postgres_acquisitions_wait_for_the_synchronous_standby_where_the_role_c
         .await
         .expect("reload");
     // The server waits for standbys once its checkpointer has read the setting: until then a
-    // commit that asks for the standby (a probe's, on a session of its own) is answered.
+    // commit that asks for the standby (a probe's, on a session of its own) is answered, and
+    // the next probe is sent.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
+    let probe = async |url: String| {
         let mut probe = sqlx::AnyConnection::connect(&url).await.expect("connect");
         probe
             .execute("SET synchronous_commit = on")
             .await
             .expect("probe's setting");
-        let committed = tokio::time::timeout(
-            Duration::from_millis(300),
-            probe.execute("INSERT INTO standby_probe VALUES (1)"),
-        )
-        .await;
-        if committed.is_err() {
-            break;
+        probe
+            .execute("INSERT INTO standby_probe VALUES (1)")
+            .await
+            .expect("probe's insert");
+    };
+    let mut probing = tokio::spawn(probe(url.clone()));
+    while waiting_for_the_standby(&mut admin).await < 1 {
+        if probing.is_finished() {
+            probing = tokio::spawn(probe(url.clone()));
         }
         assert!(
             tokio::time::Instant::now() < deadline,
             "the server never began to wait for its synchronous standby"
         );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let acquiring = tokio::spawn({
         let (driver, lock) = (driver.clone(), lock.clone());
         async move { driver.try_acquire(&lock, "a", LEASE).await }
     });
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(
-        !acquiring.is_finished(),
-        "an acquisition was answered before the synchronous standby had it: {:?}",
-        acquiring.await
-    );
+    // The acquisition's commit waits beside the probe's.
+    while waiting_for_the_standby(&mut admin).await < 2 {
+        assert!(
+            !acquiring.is_finished(),
+            "an acquisition was answered before the synchronous standby had it: {:?}",
+            acquiring.await
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline + Duration::from_secs(30),
+            "the acquisition never waited for the synchronous standby"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     admin
         .execute("ALTER SYSTEM RESET synchronous_standby_names")
         .await
@@ -2138,6 +2149,22 @@ async fn postgres_acquisitions_wait_for_the_synchronous_standby_where_the_role_c
         matches!(answered, Acquire::Acquired(_)),
         "not acquired: {answered:?}"
     );
+    tokio::time::timeout(Duration::from_secs(30), probing)
+        .await
+        .expect("the probe was let through once no standby is named")
+        .expect("probe");
+}
+
+/// How many of the server's sessions wait for a synchronous standby to confirm their commit.
+async fn waiting_for_the_standby(admin: &mut sqlx::AnyConnection) -> i64 {
+    let row = sqlx::query(
+        "SELECT CAST(count(*) AS BIGINT) AS waiting FROM pg_stat_activity \
+         WHERE wait_event = 'SyncRep'",
+    )
+    .fetch_one(admin)
+    .await
+    .expect("pg_stat_activity");
+    sqlx::Row::try_get::<i64, _>(&row, "waiting").expect("waiting")
 }
 
 /// How many lease renewals PostgreSQL has run, one statement or a batch each

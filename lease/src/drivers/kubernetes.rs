@@ -307,26 +307,40 @@ fn replaced_unheld(
     })
 }
 
-/// The holding of `lock` this process saw, where `object`, the same Lease, names nobody while
-/// its renewal time is the holding's: the holder did not write it (a release rewrites
-/// `renewTime`), another writer cleared the holder (`kubectl patch`, a tool forcing a
-/// failover as for client-go), and the holder, which learns of it only at its next renewal,
-/// may claim until what it last renewed for runs out. `None` once that has passed.
+/// The holding of `lock` this process saw, where `object`, the same Lease, names nobody but
+/// still has its `acquireTime`: the holder did not write it (a release clears `acquireTime`, as
+/// freeing it does), another writer cleared the holder (`kubectl patch`, a tool forcing a
+/// failover as for client-go), and the holder, which learns of it only at its next renewal, may
+/// claim until what it last renewed for runs out. That is the sighting's end where the edit
+/// left the renewal seen; where the holder renewed unseen before the edit, up to its duration
+/// from now, and the sighting is dated so. `None` once that has passed.
 fn cleared_by_another(
-    sightings: &Pruned<String, Sighting>,
+    sightings: &mut Pruned<String, Sighting>,
     lock: &str,
     object: &LeaseObject,
     record: &Record,
     now: BootInstant,
 ) -> Option<Holding> {
-    let seen = sightings.get(lock)?;
-    let cleared = seen.version.is_some()
-        && !seen.long_over
-        && seen.claim.uid == object.metadata.uid
-        && seen.claim.renewed.is_some()
-        && seen.claim.renewed == record.renewed;
+    let seen = sightings.get_mut(lock)?;
+    let acquired = object
+        .spec
+        .as_ref()
+        .is_some_and(|s| s.acquire_time.is_some());
+    if seen.version.is_none()
+        || seen.long_over
+        || seen.claim.uid != object.metadata.uid
+        || !acquired
+    {
+        return None;
+    }
+    let claim = Claim::of(object, record);
+    if seen.claim.renewed != claim.renewed {
+        seen.since = now;
+        seen.duration = record.duration.max(seen.claim.duration);
+    }
+    seen.claim = claim;
     let left = seen.left(now);
-    (cleared && !left.is_zero()).then(|| Holding {
+    (!left.is_zero()).then(|| Holding {
         identity: seen.identity.clone(),
         token: seen.token,
         expires_in: Some(left),
@@ -383,7 +397,7 @@ impl KubernetesLeaseDriver {
             if let Some(holding) = replaced_unheld(&mut sightings, lock, object, now) {
                 return Some(holding);
             }
-            if let Some(holding) = cleared_by_another(&sightings, lock, object, record, now) {
+            if let Some(holding) = cleared_by_another(&mut sightings, lock, object, record, now) {
                 return Some(holding);
             }
             let deleted = sightings
@@ -403,14 +417,18 @@ impl KubernetesLeaseDriver {
                 if seen.version.is_none() || seen.claim != claim {
                     let deleted_claim = seen.deleted_claim_beside(&claim, now);
                     // The same holding, its duration shortened by another writer (a hand
-                    // edit): its holder claims what it last renewed for all the same.
+                    // edit): its holder claims what it last renewed for all the same, the
+                    // sighting's end, or where it renewed unseen, its duration from now.
                     let same_holding = seen.version.is_some()
                         && seen.claim.uid == claim.uid
                         && seen.identity == identity
                         && seen.token == record.transitions;
                     let duration = match same_holding {
-                        true => record.duration.max(seen.left(now)),
                         false => record.duration,
+                        true if seen.claim.renewed == claim.renewed => {
+                            record.duration.max(seen.left(now))
+                        }
+                        true => record.duration.max(seen.claim.duration),
                     };
                     *seen = Sighting {
                         version: version.clone(),
@@ -1406,6 +1424,11 @@ impl KubernetesLeaseDriver {
                         .get_or_insert_with(LeaseSpec::default)
                         .lease_transitions =
                         Some(i32::try_from(self.token_seen(lock)).unwrap_or(i32::MAX));
+                    // Named like a family's key, its tokens may have risen unseen to the
+                    // family's floor, which the next acquisition reads.
+                    let named_like_a_key =
+                        crate::names::family_of(&self.lease_name(lock)).is_some();
+                    mark_floor_unchecked(&mut object, named_like_a_key);
                     self.replace(lock, &object).await?
                 }
                 Some(mut object) => {
