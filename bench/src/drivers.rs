@@ -236,6 +236,13 @@ pub(crate) async fn driver_section() {
     let masters: Vec<RedisServer> = (0..REDLOCK_MASTERS)
         .map(|_| RedisServer::start_with(false))
         .collect();
+    // Without persistence, each master grants no free lock until it has been up for a lease
+    // (it cannot tell its start from a restart that lost leases), as on single Redis.
+    tokio::task::block_in_place(|| {
+        for master in &masters {
+            master.wait_until_up_for(LEASE);
+        }
+    });
     let urls: Vec<url::Url> = masters
         .iter()
         .map(|m| url::Url::parse(&m.url()).expect("url"))
