@@ -254,6 +254,16 @@ impl Sighting {
             .saturating_sub(now.saturating_duration_since(self.since))
     }
 
+    /// The holding seen, for what is left of it at `now`; `None` once it has run out.
+    fn holding(&self, now: BootInstant) -> Option<Holding> {
+        let left = self.left(now);
+        (!left.is_zero()).then(|| Holding {
+            identity: self.identity.clone(),
+            token: self.token,
+            expires_in: Some(left),
+        })
+    }
+
     /// What a record of `claim`, replacing this one at `now`, inherits of a deleted Lease's
     /// holder: this record's own holder where `claim` is of another object (or the deletion
     /// was seen), who may claim for a duration from the deletion (at or before `now`, or when
@@ -299,12 +309,7 @@ fn replaced_unheld(
         seen.version = None;
         seen.since = now;
     }
-    let left = seen.left(now);
-    (!left.is_zero()).then(|| Holding {
-        identity: seen.identity.clone(),
-        token: seen.token,
-        expires_in: Some(left),
-    })
+    seen.holding(now)
 }
 
 /// The holding of `lock` this process saw, where `object`, the same Lease, names nobody but
@@ -339,12 +344,7 @@ fn cleared_by_another(
         seen.duration = record.duration.max(seen.claim.duration);
     }
     seen.claim = claim;
-    let left = seen.left(now);
-    (!left.is_zero()).then(|| Holding {
-        identity: seen.identity.clone(),
-        token: seen.token,
-        expires_in: Some(left),
-    })
+    seen.holding(now)
 }
 
 pub struct KubernetesLeaseDriver {
@@ -1411,7 +1411,10 @@ impl Upkeep for KubernetesLeaseDriver {
 impl KubernetesLeaseDriver {
     /// `lock`'s Lease, made if missing and disowned if owned, as last read or written.
     async fn provision_lease(&self, lock: &str) -> Result<LeaseObject> {
-        crate::names::validate_lease_name(&self.lease_name(lock))?;
+        let lease_name = self.lease_name(lock);
+        crate::names::validate_lease_name(&lease_name)?;
+        // Named like a family's key, its tokens may have risen unseen to the family's floor.
+        let named_like_a_key = crate::names::family_of(&lease_name).is_some();
         for _ in 0..CONFLICT_RETRIES {
             let written = match self.read(lock).await? {
                 // 409 AlreadyExists: another provisioner won; read what it made. Made again
@@ -1424,10 +1427,7 @@ impl KubernetesLeaseDriver {
                         .get_or_insert_with(LeaseSpec::default)
                         .lease_transitions =
                         Some(i32::try_from(self.token_seen(lock)).unwrap_or(i32::MAX));
-                    // Named like a family's key, its tokens may have risen unseen to the
-                    // family's floor, which the next acquisition reads.
-                    let named_like_a_key =
-                        crate::names::family_of(&self.lease_name(lock)).is_some();
+                    // The next acquisition reads the floor.
                     mark_floor_unchecked(&mut object, named_like_a_key);
                     self.replace(lock, &object).await?
                 }
