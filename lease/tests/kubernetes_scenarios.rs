@@ -1309,18 +1309,9 @@ async fn a_lease_named_like_a_key_made_again_by_provisioning_draws_above_the_fam
     let holder = harness.client_driver().with_target(&lock, target());
     let provisioner = harness.client_driver().with_target(&lock, target());
     let ttl = Duration::from_secs(10);
-    let mut last = 0;
-    for round in 0..6 {
-        let Acquire::Acquired(lease) = holder.try_acquire(&lock, "pod-a", ttl).await.unwrap()
-        else {
-            panic!("{lock} is not free");
-        };
-        assert!(holder.release(&lease).await.unwrap());
-        last = lease.token;
-        if round == 2 {
-            provisioner.provision_one(&lock).await.unwrap();
-        }
-    }
+    taken_and_released(&holder, &lock, ttl, 3).await;
+    provisioner.provision_one(&lock).await.unwrap();
+    let last = taken_and_released(&holder, &lock, ttl, 3).await;
     assert_eq!(
         forget_idle_now(&holder, &family).await,
         1,
@@ -1328,14 +1319,7 @@ async fn a_lease_named_like_a_key_made_again_by_provisioning_draws_above_the_fam
     );
     provisioner.provision_one(&lock).await.unwrap();
     let newcomer = harness.client_driver().with_target(&lock, target());
-    let Acquire::Acquired(lease) = newcomer.try_acquire(&lock, "pod-b", ttl).await.unwrap() else {
-        panic!("{lock} is not free");
-    };
-    assert!(
-        lease.token > last,
-        "token {} drawn after tokens up to {last}",
-        lease.token
-    );
+    draws_above(&newcomer, &lock, ttl, last).await;
 }
 
 /// A Lease deleted by hand and made again by provisioning (the operator makes a missing Lease)
@@ -1352,15 +1336,7 @@ async fn a_lease_made_again_by_provisioning_starts_from_the_token_its_provisione
         .provision(std::slice::from_ref(&lock))
         .await
         .expect("provision");
-    let mut last = 0;
-    for _ in 0..3 {
-        let Acquire::Acquired(lease) = holder.try_acquire(&lock, "pod-a", TTL).await.unwrap()
-        else {
-            panic!("the lock is free");
-        };
-        assert!(holder.release(&lease).await.unwrap());
-        last = lease.token;
-    }
+    let last = taken_and_released(&holder, &lock, TTL, 3).await;
     provisioner
         .provision(std::slice::from_ref(&lock))
         .await
@@ -1374,9 +1350,31 @@ async fn a_lease_made_again_by_provisioning_starts_from_the_token_its_provisione
         .provision(std::slice::from_ref(&lock))
         .await
         .expect("provision, making the Lease again");
-    let newcomer = harness.client_driver();
-    let Acquire::Acquired(lease) = newcomer.try_acquire(&lock, "pod-b", TTL).await.unwrap() else {
-        panic!("the lock made again is free");
+    draws_above(&harness.client_driver(), &lock, TTL, last).await;
+}
+
+/// `lock` taken and released `times` by "pod-a" through `driver`: the last token drawn.
+async fn taken_and_released(
+    driver: &KubernetesLeaseDriver,
+    lock: &str,
+    ttl: Duration,
+    times: u32,
+) -> u64 {
+    let mut last = 0;
+    for _ in 0..times {
+        let Acquire::Acquired(lease) = driver.try_acquire(lock, "pod-a", ttl).await.unwrap() else {
+            panic!("{lock} is not free");
+        };
+        assert!(driver.release(&lease).await.unwrap());
+        last = lease.token;
+    }
+    last
+}
+
+/// `newcomer`, a process that never saw `lock`, takes it with a token above `last`.
+async fn draws_above(newcomer: &KubernetesLeaseDriver, lock: &str, ttl: Duration, last: u64) {
+    let Acquire::Acquired(lease) = newcomer.try_acquire(lock, "pod-b", ttl).await.unwrap() else {
+        panic!("{lock} made again is not free");
     };
     assert!(
         lease.token > last,
