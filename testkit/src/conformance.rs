@@ -1083,10 +1083,23 @@ pub async fn backend_outage_and_recovery(h: &mut dyn Harness) {
     // Each lock's driver reconnects on its own schedule, so the one that did not take the lock
     // may answer later than the one that did: both are given the bound a holder has.
     let left = (LEASE + RENEW + SLACK * 2).saturating_sub(ended.elapsed());
-    eventually(left.max(RENEW + SLACK), "both ready again", || {
-        a.snapshot().ready() && b.snapshot().ready()
-    })
-    .await;
+    let within = left.max(RENEW + SLACK);
+    let waiting = Instant::now();
+    while !(a.snapshot().ready() && b.snapshot().ready()) {
+        // What each lock last heard, so that a driver slow to reconnect says why.
+        let said = |lock: &Lock| {
+            let s = lock.snapshot();
+            (s.contacted, s.backend_error, s.since.elapsed().ok())
+        };
+        assert!(
+            waiting.elapsed() < within,
+            "not ready again {:?} after the outage (contacted, error, for how long): a {:?}, b {:?}",
+            ended.elapsed(),
+            said(&a),
+            said(&b)
+        );
+        sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// A fair-queue driver (etcd, ZooKeeper) that counts how often a watch woke one of its waiters.
