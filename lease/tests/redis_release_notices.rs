@@ -1,12 +1,13 @@
 //! Release notices on Redis go out only when someone waits: every sidecar's listener hears every
 //! lock's notices, so a release that nobody waited for must not publish one. An acquisition
 //! that finds the lock held marks it, and the release that follows publishes, wakes the waiter
-//! and takes the mark down. Real servers.
+//! and takes the mark down. A subscription whose connection falls silent is made again. Real
+//! servers.
 
 use std::time::Duration;
 
 use leasehold_lease::{Acquire, Backend, Lease};
-use leasehold_testkit::{RedisServer, command_calls, driver_for, unique_lock};
+use leasehold_testkit::{FaultProxy, RedisServer, command_calls, driver_for, unique_lock};
 use tokio::time::timeout;
 
 const TTL: Duration = Duration::from_secs(5);
@@ -192,4 +193,52 @@ async fn the_documented_least_privileged_user_takes_locks_and_hears_releases() {
         waiter.count_held_keys(&lock).await.expect("counting"),
         Some(0)
     );
+}
+
+/// The subscription's connection falls silent without being closed (a NAT or conntrack entry
+/// gone): no notice comes over it any more, and nothing ends it. The listener's ping goes
+/// unanswered and it subscribes again on a new connection (every waiter is woken then, for a
+/// release it may have missed), so a release after that wakes the waiter at once again, where
+/// each waiter would otherwise have learnt of every release only at its next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_that_falls_silent_is_made_again() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let holder = driver_for(&server.url()).await;
+    let waiter = driver_for(&format!("redis://127.0.0.1:{}", proxy.port)).await;
+    let lock = unique_lock("silent-notice");
+    let mut changes = waiter.changes(&lock).expect("release notices");
+    // The listener's subscription moves every feed once it is established.
+    let _ = timeout(Duration::from_secs(3), changes.changed()).await;
+    changes.borrow_and_update();
+
+    proxy.strand();
+    // A ping every 5 s, answered within 5 s.
+    timeout(Duration::from_secs(15), changes.changed())
+        .await
+        .expect("subscribed again once the connection fell silent")
+        .unwrap();
+    changes.borrow_and_update();
+
+    let lease = take(&*holder, &lock, "a").await;
+    // The waiter's own connection fell silent too: its first attempt may time out on it.
+    let start = tokio::time::Instant::now();
+    loop {
+        match waiter.try_acquire(&lock, "b", TTL).await {
+            Ok(Acquire::Busy(Some(_))) => break,
+            other => {
+                assert!(
+                    start.elapsed() < Duration::from_secs(12),
+                    "the waiter never found the lock held: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    changes.borrow_and_update();
+    assert!(holder.release(&lease).await.expect("release"));
+    timeout(Duration::from_secs(2), changes.changed())
+        .await
+        .expect("the release woke the waiter")
+        .unwrap();
 }

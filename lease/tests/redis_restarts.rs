@@ -2,12 +2,15 @@
 //! write) it lost nothing, and locks go on at once; without it (no persistence, or the last
 //! second of `appendfsync everysec`), a lease its holder still claims is gone, and the server
 //! must not hand the lock to anyone else before that claim has ended. The same on Tair (Redis
-//! with the TairString module behind `tair://`), whose driver guards it without Lua.
+//! with the TairString module behind `tair://`), whose driver guards it without Lua. Beside
+//! those, a server that falls silent on the connections a driver has without closing them.
 
 use std::time::Duration;
 
 use leasehold_lease::{Acquire, Answer, Lock};
-use leasehold_testkit::{FaultyDriver, RedisServer, campaign, claims, driver_for, unique_lock};
+use leasehold_testkit::{
+    FaultProxy, FaultyDriver, RedisServer, campaign, claims, driver_for, unique_lock,
+};
 use tokio::time::{Instant, sleep};
 
 async fn held_token(lock: &Lock, within: Duration) -> u64 {
@@ -520,4 +523,54 @@ async fn user_without_info(server: RedisServer, scheme: &str) {
     );
     let full = driver_for(&server.url()).await;
     assert_eq!(full.warnings().await.unwrap(), Vec::<String>::new());
+}
+
+/// The network drops the connections a driver has without telling either end (a NAT or
+/// conntrack entry gone; the server's node gone while a Service sends new connections to a
+/// replacement): nothing comes back on them, and nothing closes them. A request left
+/// unanswered replaces its connection, so the holder renews on a new one within its lease and
+/// keeps the lock with its token; kept on the silent connection, every renewal timed out until
+/// the kernel gave the connection up, a quarter of an hour later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_connection_falls_silent_renews_on_a_new_one() {
+    connection_falls_silent(RedisServer::start(), "redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tair_holder_whose_connection_falls_silent_renews_on_a_new_one() {
+    connection_falls_silent(RedisServer::start_tair(), "tair").await;
+}
+
+async fn connection_falls_silent(server: RedisServer, scheme: &str) {
+    // Longer than a request's 5 s response timeout and a renew interval after it.
+    let lease = Duration::from_secs(10);
+    let proxy = FaultProxy::start(server.port());
+    let lock = unique_lock("silent");
+    let holder = campaign(
+        driver_for(&format!("{scheme}://127.0.0.1:{}", proxy.port)).await,
+        &lock,
+        "a",
+        lease,
+    );
+    let token = held_token(&holder, Duration::from_secs(5)).await;
+    proxy.strand();
+    let stranded = leasehold_lease::BootInstant::now();
+    let start = Instant::now();
+    loop {
+        let held = holder.snapshot().held;
+        if held.is_some_and(|held| held.valid_until > stranded + lease) {
+            break;
+        }
+        assert!(
+            start.elapsed() < lease,
+            "no renewal went through within the lease after the connection fell silent: {:?}",
+            holder.snapshot()
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    match holder.answer() {
+        Answer::Holder { token: now, .. } => assert_eq!(now, token, "the holding was kept"),
+        other => panic!("the holder lost the lock: {other:?}"),
+    }
+    assert!(claims(&holder));
 }

@@ -1,4 +1,5 @@
-//! Redlock with a minority of its masters crashing and coming back while clients work.
+//! Redlock with a minority of its masters crashing and coming back while clients work, and
+//! with a client's connections to its masters falling silent.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -176,4 +177,53 @@ async fn a_majority_restarted_empty_grants_no_held_lock_and_no_lower_token() {
         b.token,
         a.token
     );
+}
+
+/// The connections a contender has to every master fall silent without being closed (a NAT or
+/// conntrack entry gone): its calls on them are cut short at the master timeout, unanswered.
+/// The next call after a response timeout goes out on new connections, so the contender takes
+/// the lock once the holder releases it; kept on the silent connections, every attempt failed
+/// until the kernel gave them up, a quarter of an hour later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contender_whose_connections_fall_silent_takes_the_lock_on_new_ones() {
+    use leasehold_lease::Acquire;
+    use leasehold_testkit::{FaultProxy, RedisServer, driver_for};
+    let masters: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let proxies: Vec<FaultProxy> = masters
+        .iter()
+        .map(|m| FaultProxy::start(m.port()))
+        .collect();
+    let join = |ports: Vec<u16>| {
+        let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("redlock://{}", hosts.join(","))
+    };
+    let holder = driver_for(&join(masters.iter().map(RedisServer::port).collect())).await;
+    let contender = driver_for(&join(proxies.iter().map(|p| p.port).collect())).await;
+    let lock = unique_lock("silent");
+    let ttl = Duration::from_secs(5);
+    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("a free lock");
+    };
+    assert!(matches!(
+        contender.try_acquire(&lock, "b", ttl).await.unwrap(),
+        Acquire::Busy(_)
+    ));
+    for proxy in &proxies {
+        proxy.strand();
+    }
+    assert!(holder.release(&lease).await.unwrap());
+    let start = tokio::time::Instant::now();
+    loop {
+        match contender.try_acquire(&lock, "b", ttl).await {
+            Ok(Acquire::Acquired(taken)) => {
+                assert!(taken.token > lease.token, "{taken:?} after {lease:?}");
+                break;
+            }
+            other => assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the contender never took the released lock: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

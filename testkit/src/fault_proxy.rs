@@ -2,11 +2,13 @@
 //! network partition does: bytes stop flowing in both directions, but nothing is closed, so the
 //! sidecar learns of it only through its own timeouts. Restoring the link resets every connection
 //! that lived through the cut (their streams lost bytes), and the sidecar reconnects. It can
-//! also move to another server, as a virtual IP or a Service does in a failover.
+//! also move to another server, as a virtual IP or a Service does in a failover, and strand the
+//! connections open now, as a server whose node died silently does to them while a Service
+//! already sends new connections to its replacement.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -18,6 +20,9 @@ struct Shared {
     /// The loopback port forwarded to.
     upstream: AtomicU16,
     cut: AtomicBool,
+    /// How many times the open connections were stranded: a connection accepted before the
+    /// last time passes nothing any more.
+    strandings: AtomicU64,
     stop: AtomicBool,
     /// Both ends of every proxied connection, to reset them on restore.
     streams: Mutex<Vec<TcpStream>>,
@@ -38,6 +43,7 @@ impl FaultProxy {
         let shared = Arc::new(Shared {
             upstream: AtomicU16::new(upstream_port),
             cut: AtomicBool::new(false),
+            strandings: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             streams: Mutex::new(Vec::new()),
         });
@@ -61,6 +67,12 @@ impl FaultProxy {
     pub fn restore(&self) {
         self.shared.cut.store(false, Ordering::SeqCst);
         reset_all(&self.shared);
+    }
+
+    /// The connections open now fall silent for good, in both directions, and stay open; new
+    /// ones pass.
+    pub fn strand(&self) {
+        self.shared.strandings.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Fail over to the server on `upstream_port`: connections to the old one are reset, and
@@ -121,23 +133,27 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             continue;
         };
         shared.streams.lock().unwrap().extend([c3, u3]);
+        let born = shared.strandings.load(Ordering::SeqCst);
         let (s1, s2) = (shared.clone(), shared.clone());
-        std::thread::spawn(move || pump(client, upstream, &s1));
-        std::thread::spawn(move || pump(u2, c2, &s2));
+        std::thread::spawn(move || pump(client, upstream, &s1, born));
+        std::thread::spawn(move || pump(u2, c2, &s2, born));
     }
 }
 
-/// Copy one direction; while the link is cut, read bytes are dropped on the floor, and so is
-/// a close: the other side learns of it only once the link is restored (which resets the
-/// connection), as across a partition.
-fn pump(mut from: TcpStream, mut to: TcpStream, shared: &Shared) {
+/// Copy one direction of a connection accepted after `born` strandings; while the link is cut
+/// or the connection stranded, read bytes are dropped on the floor, and so is a close: the
+/// other side learns of it only once the link is restored (which resets the connection), as
+/// across a partition.
+fn pump(mut from: TcpStream, mut to: TcpStream, shared: &Shared, born: u64) {
+    let silent =
+        || shared.cut.load(Ordering::SeqCst) || shared.strandings.load(Ordering::SeqCst) != born;
     let mut buf = [0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if shared.cut.load(Ordering::SeqCst) {
+        if silent() {
             continue;
         }
         if to.write_all(&buf[..n]).is_err() {
@@ -145,7 +161,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, shared: &Shared) {
         }
     }
     let _ = from.shutdown(Shutdown::Both);
-    if !shared.cut.load(Ordering::SeqCst) {
+    if !silent() {
         let _ = to.shutdown(Shutdown::Both);
     }
 }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use crate::drivers::redis::connection::ServerConnection;
 use redis::{Script, Value};
 
 use crate::drivers::batches::{Batches, Gather, Pending, one_each};
@@ -34,7 +34,7 @@ pub(crate) struct AcquisitionBatches {
 }
 
 impl AcquisitionBatches {
-    pub(crate) fn new(conn: ConnectionManager, keys: KeyLayout) -> Self {
+    pub(crate) fn new(conn: ServerConnection, keys: KeyLayout) -> Self {
         let script = Script::new(ACQUIRE);
         Self {
             batches: Batches::gathered(Gather::WhileBusy, MAX_BATCH, move |batch| {
@@ -66,7 +66,7 @@ impl AcquisitionBatches {
 async fn send(
     batch: Vec<Pending<Request, Result<Answer>>>,
     script: Script,
-    mut conn: ConnectionManager,
+    mut conn: ServerConnection,
     keys: KeyLayout,
 ) {
     // An attempt nobody waits for any more is not made: it would take a lock for no one.

@@ -3,10 +3,12 @@
 //! module holds what they share: the key layout, the Lua scripts, the client and its errors,
 //! the release channel's listener, and the clean-up and warning helpers; calls that arrive
 //! together go out as one (`acquisitions`, `renewals`, `releases`); `durability` tells a
-//! master that loses no acknowledged write from one that can.
+//! master that loses no acknowledged write from one that can; `connection` replaces a
+//! connection the server has fallen silent on.
 
 pub(crate) mod acquisitions;
 pub(crate) mod cluster;
+pub(crate) mod connection;
 pub(crate) mod durability;
 pub use cluster::RedisClusterConfig;
 pub use single::RedisDriver;
@@ -23,7 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 
 use crate::tls::Tls;
 use redis::{Script, Value};
@@ -49,6 +51,8 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bounds of the pause between attempts to re-establish the release subscription.
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(100);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(2);
+/// How often the release subscription's connection is asked whether it still answers.
+const SUBSCRIPTION_PING: Duration = Duration::from_secs(5);
 
 /// KEYS: the epoch record, then for each lock in turn its lease, token counter, own counter (the
 /// same as the token counter unless the lock is a family's key) and waiters mark
@@ -838,13 +842,13 @@ pub(crate) fn ms(d: Duration) -> u64 {
 }
 
 /// The lazily connecting, reconnecting connection of a single-server driver (Redis, Tair).
-pub(crate) fn connection(client: &redis::Client) -> Result<ConnectionManager> {
+pub(crate) fn connection(client: &redis::Client) -> Result<connection::ServerConnection> {
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(CONNECT_TIMEOUT))
         .set_response_timeout(Some(RESPONSE_TIMEOUT))
         .set_number_of_retries(2)
         .set_max_delay(RESUBSCRIBE_MAX);
-    ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(map_err)
+    connection::ServerConnection::new(client.clone(), config)
 }
 
 /// One pattern subscription per process carries every lock's release notices. When it breaks it
@@ -874,16 +878,37 @@ pub(crate) async fn listen_for_releases_on(
         })
         .await;
         match subscribed {
-            Ok(Ok(mut pubsub)) => {
+            Ok(Ok(pubsub)) => {
                 pause = RESUBSCRIBE_MIN;
                 feeds.bump_all();
-                let mut messages = pubsub.on_message();
-                while let Some(msg) = messages.next().await {
-                    if let Some(lock) = keys.lock_of_channel(msg.get_channel_name()) {
-                        feeds.bump(lock);
+                let (mut sink, mut messages) = pubsub.split();
+                let notices = async {
+                    while let Some(msg) = messages.next().await {
+                        if let Some(lock) = keys.lock_of_channel(msg.get_channel_name()) {
+                            feeds.bump(lock);
+                        }
+                    }
+                };
+                // A subscription hears nothing when nobody releases, so only an unanswered ping
+                // tells a connection that has fallen silent from a quiet one.
+                let answers = async {
+                    loop {
+                        tokio::time::sleep(SUBSCRIPTION_PING).await;
+                        match tokio::time::timeout(RESPONSE_TIMEOUT, sink.ping::<Value>()).await {
+                            Ok(Ok(_)) => {}
+                            Ok(Err(e)) => return e.to_string(),
+                            Err(_) => return "no answer to a ping".to_string(),
+                        }
+                    }
+                };
+                tokio::select! {
+                    () = notices => {
+                        tracing::debug!("redis release subscription closed; re-subscribing");
+                    }
+                    failed = answers => {
+                        tracing::debug!(error = %failed, "redis release subscription fell silent; re-subscribing");
                     }
                 }
-                tracing::debug!("redis release subscription closed; re-subscribing");
             }
             Ok(Err(e)) => subscription_failed(&e, &keys, &mut refusal_told),
             Err(_) => tracing::debug!("redis release subscription timed out"),

@@ -28,12 +28,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::future::join_all;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 use redis::{Script, Value};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
+use crate::drivers::redis::connection::ServerConnection;
 use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{
@@ -106,7 +107,7 @@ return 1
 ";
 
 struct Master {
-    conn: ConnectionManager,
+    conn: ServerConnection,
     /// `host:port`, naming it to its durability check.
     name: String,
     /// Whether it loses no acknowledged write (its epoch check's argument).
@@ -172,8 +173,7 @@ impl RedlockDriver {
                     .set_response_timeout(Some(MAX_MASTER_TIMEOUT))
                     .set_number_of_retries(1)
                     .set_max_delay(MAX_DELAY);
-                let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
-                    .map_err(map_err)?;
+                let conn = ServerConnection::new(client.clone(), config)?;
                 let subscriber =
                     tokio::spawn(listen_for_releases(client, keys.clone(), releases.clone()));
                 let renewals = RenewalBatches::new(conn.clone(), 0);

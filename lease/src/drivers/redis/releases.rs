@@ -6,8 +6,8 @@
 //! A release is made even when its caller stops waiting for the answer: a lease left behind
 //! would keep its key from everyone until it runs out.
 
+use crate::drivers::redis::connection::ServerConnection;
 use redis::Script;
-use redis::aio::ConnectionManager;
 
 use crate::driver::Lease;
 use crate::drivers::batches::{Batches, Gather, Pending, one_each};
@@ -27,7 +27,7 @@ pub(crate) struct ReleaseBatches {
 }
 
 impl ReleaseBatches {
-    pub(crate) fn new(conn: ConnectionManager, keys: KeyLayout) -> Self {
+    pub(crate) fn new(conn: ServerConnection, keys: KeyLayout) -> Self {
         let script = Script::new(RELEASE);
         Self {
             batches: Batches::gathered(Gather::WhileBusy, MAX_BATCH, move |batch| {
@@ -44,7 +44,7 @@ impl ReleaseBatches {
 async fn send(
     batch: Vec<Pending<Lease, Result<Answer>>>,
     script: Script,
-    mut conn: ConnectionManager,
+    mut conn: ServerConnection,
     keys: KeyLayout,
 ) {
     let leases: Vec<&Lease> = batch.iter().map(|p| &p.request).collect();

@@ -16,10 +16,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::drivers::redis::connection::ServerConnection;
 use async_trait::async_trait;
 use redis::Script;
 use redis::Value;
-use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
@@ -60,14 +60,14 @@ pub struct RedisDriver {
 
 /// One master, or a Redis Cluster.
 enum Target {
-    Single(ConnectionManager),
+    Single(ServerConnection),
     Cluster(Box<crate::drivers::redis::cluster::Cluster>),
 }
 
 /// A connection to either: a cluster's routes each script to its keys' master.
 #[derive(Clone)]
 enum Connection {
-    Single(ConnectionManager),
+    Single(ServerConnection),
     Cluster(redis::cluster_async::ClusterConnection),
 }
 

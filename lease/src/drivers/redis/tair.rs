@@ -38,9 +38,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::drivers::redis::connection::ServerConnection;
 use async_trait::async_trait;
 use redis::Value;
-use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned, Upkeep};
@@ -80,7 +80,7 @@ const MAX_REMEMBERED_COUNTERS: usize = 10_000;
 pub const TAIR_COMMANDS: [&str; 4] = ["EXSET", "EXGET", "EXCAS", "EXCAD"];
 
 pub struct TairDriver {
-    conn: ConnectionManager,
+    conn: ServerConnection,
     keys: KeyLayout,
     /// The version of each holding's value, as this driver last wrote it: (lock, token).
     versions: Mutex<Versions>,
@@ -442,7 +442,7 @@ impl TairDriver {
     /// poll, and the deletion stands.
     async fn delete_and_announce(
         &self,
-        conn: &mut ConnectionManager,
+        conn: &mut ServerConnection,
         lock: &str,
         version: i64,
     ) -> Result<bool> {
@@ -475,7 +475,7 @@ impl TairDriver {
     }
 
     /// The incarnation the connection is checked on; `None` where the server refuses the check.
-    async fn epoch(&self, conn: &mut ConnectionManager) -> Result<Option<Arc<Epoch>>> {
+    async fn epoch(&self, conn: &mut ServerConnection) -> Result<Option<Arc<Epoch>>> {
         match &*self.guard() {
             Guard::Known(epoch) => return Ok(Some(Arc::clone(epoch))),
             Guard::Refused(at) if at.elapsed() < INFO_REFUSED_RECHECK => return Ok(None),
@@ -491,7 +491,7 @@ impl TairDriver {
 
     /// Check the server's incarnation on the current connection and bring the epoch record up
     /// to date.
-    async fn learn(&self, conn: &mut ConnectionManager) -> Result<Option<Epoch>> {
+    async fn learn(&self, conn: &mut ServerConnection) -> Result<Option<Epoch>> {
         for _ in 0..3 {
             let info: String = match redis::cmd("INFO")
                 .arg("replication")
@@ -598,7 +598,7 @@ impl TairDriver {
     /// only when given (`Some`: this driver found it changed).
     async fn standbys_have_the_record(
         &self,
-        conn: &mut ConnectionManager,
+        conn: &mut ServerConnection,
         healthy: usize,
         record: (&str, i64, i64, Option<bool>),
     ) -> Result<()> {
