@@ -1,8 +1,10 @@
-//! etcd's fair queue: a release wakes exactly one waiter, and hand-overs follow the queue.
+//! etcd's fair queue: a release wakes exactly one waiter, and hand-overs follow the queue; and
+//! a connection the members fall silent on is replaced.
 
 use leasehold_lease::etcd::{EtcdConfig, EtcdDriver};
 use leasehold_testkit::conformance::{
-    an_unknown_place_of_its_own_is_cleared, contenders, one_release_wakes_exactly_one_waiter,
+    an_unknown_place_of_its_own_is_cleared, contenders,
+    holder_renews_after_its_connections_fall_silent, one_release_wakes_exactly_one_waiter,
     waiters_further_back_poll_quietly,
 };
 use leasehold_testkit::{EtcdHarness, EtcdServer};
@@ -629,4 +631,15 @@ async fn a_put_that_lands_after_its_clean_up_is_deleted_again() {
         Acquire::Acquired(_) => {}
         busy => panic!("late is not free: {busy:?}"),
     }
+}
+
+/// A holder whose channel the member falls silent on renews on a new one within its lease
+/// ([`holder_renews_after_its_connections_fall_silent`]): tonic's channel reconnects when its
+/// connection is closed, not when it falls silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_channel_falls_silent_renews_on_a_new_one() {
+    let server = EtcdServer::start();
+    let proxy = leasehold_testkit::FaultProxy::start(server.port());
+    let driver = std::sync::Arc::new(driver_at(proxy.port));
+    holder_renews_after_its_connections_fall_silent(driver, &proxy).await;
 }

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use leasehold_lease::{Acquire, Answer, Lock};
+use leasehold_testkit::conformance::holder_renews_after_its_connections_fall_silent;
 use leasehold_testkit::{
     FaultProxy, FaultyDriver, RedisServer, campaign, claims, driver_for, unique_lock,
 };
@@ -525,12 +526,8 @@ async fn user_without_info(server: RedisServer, scheme: &str) {
     assert_eq!(full.warnings().await.unwrap(), Vec::<String>::new());
 }
 
-/// The network drops the connections a driver has without telling either end (a NAT or
-/// conntrack entry gone; the server's node gone while a Service sends new connections to a
-/// replacement): nothing comes back on them, and nothing closes them. A request left
-/// unanswered replaces its connection, so the holder renews on a new one within its lease and
-/// keeps the lock with its token; kept on the silent connection, every renewal timed out until
-/// the kernel gave the connection up, a quarter of an hour later.
+/// A holder whose connections fall silent renews on new ones
+/// ([`holder_renews_after_its_connections_fall_silent`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_whose_connection_falls_silent_renews_on_a_new_one() {
     connection_falls_silent(RedisServer::start(), "redis").await;
@@ -542,35 +539,7 @@ async fn a_tair_holder_whose_connection_falls_silent_renews_on_a_new_one() {
 }
 
 async fn connection_falls_silent(server: RedisServer, scheme: &str) {
-    // Longer than a request's 5 s response timeout and a renew interval after it.
-    let lease = Duration::from_secs(10);
     let proxy = FaultProxy::start(server.port());
-    let lock = unique_lock("silent");
-    let holder = campaign(
-        driver_for(&format!("{scheme}://127.0.0.1:{}", proxy.port)).await,
-        &lock,
-        "a",
-        lease,
-    );
-    let token = held_token(&holder, Duration::from_secs(5)).await;
-    proxy.strand();
-    let stranded = leasehold_lease::BootInstant::now();
-    let start = Instant::now();
-    loop {
-        let held = holder.snapshot().held;
-        if held.is_some_and(|held| held.valid_until > stranded + lease) {
-            break;
-        }
-        assert!(
-            start.elapsed() < lease,
-            "no renewal went through within the lease after the connection fell silent: {:?}",
-            holder.snapshot()
-        );
-        sleep(Duration::from_millis(20)).await;
-    }
-    match holder.answer() {
-        Answer::Holder { token: now, .. } => assert_eq!(now, token, "the holding was kept"),
-        other => panic!("the holder lost the lock: {other:?}"),
-    }
-    assert!(claims(&holder));
+    let driver = driver_for(&format!("{scheme}://127.0.0.1:{}", proxy.port)).await;
+    holder_renews_after_its_connections_fall_silent(driver, &proxy).await;
 }

@@ -3846,3 +3846,45 @@ pub async fn an_enforced_lease_longer_than_configured_is_reported(
     );
     lock.shutdown().await;
 }
+
+/// The network drops the connections `driver`'s holder has through `proxy` without telling
+/// either end (a NAT or conntrack entry gone; the server's node gone while a Service sends new
+/// connections to a replacement): nothing comes back on them, and nothing closes them. The
+/// holder must renew on a new connection within its lease and keep the lock with its token;
+/// kept on the silent connections, every renewal timed out until the kernel gave them up, a
+/// quarter of an hour later. The lease is longer than a request's 5 s response timeout and a
+/// renew interval after it.
+pub async fn holder_renews_after_its_connections_fall_silent(
+    driver: Arc<dyn Backend>,
+    proxy: &super::FaultProxy,
+) {
+    let lease = Duration::from_secs(10);
+    let holder = super::campaign(driver, &unique_lock("silent"), "a", lease);
+    eventually(Duration::from_secs(5), "a holds", || {
+        holder.answer().is_holder()
+    })
+    .await;
+    let Answer::Holder { token, .. } = holder.answer() else {
+        unreachable!()
+    };
+    proxy.strand();
+    let stranded = leasehold_lease::BootInstant::now();
+    let start = Instant::now();
+    loop {
+        let held = holder.snapshot().held;
+        if held.is_some_and(|held| held.valid_until > stranded + lease) {
+            break;
+        }
+        assert!(
+            start.elapsed() < lease,
+            "no renewal went through within the lease after the connections fell silent: {:?}",
+            holder.snapshot()
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+    match holder.answer() {
+        Answer::Holder { token: now, .. } => assert_eq!(now, token, "the holding was kept"),
+        other => panic!("the holder lost the lock: {other:?}"),
+    }
+    assert!(super::claims(&holder));
+}

@@ -11,11 +11,13 @@
 //!   transports, etcd and ZooKeeper.
 //! - [`kubernetes`]: a `coordination.k8s.io/v1` Lease.
 //! - `batches`: calls that arrive together go out as one (renewals, acquisitions, releases).
+//! - `replaceable`: a connection replaced once the server falls silent on it (Redis, etcd).
 //! - [`url_parts`]: host lists, credentials, prefixes and URL errors, for every backend's URLs.
 
 pub(crate) mod batches;
 pub mod kubernetes;
 pub mod queue;
 pub mod redis;
+pub(crate) mod replaceable;
 pub mod sql;
 pub(crate) mod url_parts;

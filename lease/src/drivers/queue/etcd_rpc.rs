@@ -10,6 +10,8 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use http::uri::PathAndQuery;
 use tonic::client::Grpc;
+
+use crate::drivers::replaceable::{Outgoing, Replaceable};
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Code, Request, Status};
@@ -441,10 +443,22 @@ pub fn with_causes(e: &dyn std::error::Error) -> String {
 
 pub type RpcResult<T> = std::result::Result<T, RpcError>;
 
-/// A connected etcd client: cheap to clone (one HTTP/2 channel underneath).
+/// Tell `call`'s channel how the call ended: the client's own timeout (a cancelled call) means
+/// the members left it unanswered.
+fn ended<T>(call: Outgoing<'_, Channel>, reply: &std::result::Result<T, Status>) {
+    match reply {
+        Err(status) if matches!(status.code(), Code::Cancelled | Code::DeadlineExceeded) => {
+            call.timed_out()
+        }
+        _ => call.answered(),
+    }
+}
+
+/// A connected etcd client: cheap to clone (one HTTP/2 channel underneath, replaced once the
+/// members fall silent on it: [`Replaceable`]).
 #[derive(Clone)]
 pub struct EtcdClient {
-    channel: Channel,
+    channels: Arc<Replaceable<Channel>>,
     user: Option<Arc<(String, String)>>,
     token: Arc<RwLock<Option<MetadataValue<tonic::metadata::Ascii>>>>,
 }
@@ -494,10 +508,22 @@ impl EtcdClient {
                 .connect()
                 .await
                 .map_err(|e| RpcError::Unreachable(with_causes(&e)))?,
-            _ => Channel::balance_list(endpoints.into_iter()),
+            _ => Channel::balance_list(endpoints.clone().into_iter()),
+        };
+        // A replacement connects on its first call, which says why if it cannot.
+        let another = move || {
+            Ok(match endpoints.as_slice() {
+                [one] => one.connect_lazy(),
+                _ => Channel::balance_list(endpoints.clone().into_iter()),
+            })
         };
         let client = Self {
-            channel,
+            channels: Arc::new(Replaceable::new(
+                channel,
+                options.request_timeout,
+                "etcd",
+                another,
+            )),
             user: options.user.map(Arc::new),
             token: Arc::new(RwLock::new(None)),
         };
@@ -548,18 +574,22 @@ impl EtcdClient {
         Req: prost::Message + Send + Sync + 'static,
         Resp: prost::Message + Default + Send + Sync + 'static,
     {
-        let mut grpc = Grpc::new(self.channel.clone());
-        grpc.ready()
-            .await
-            .map_err(|e| RpcError::Unreachable(with_causes(&e)))?;
+        let call = self.channels.outgoing();
+        let mut grpc = Grpc::new(call.connection.clone());
+        if let Err(e) = grpc.ready().await {
+            // Not a silence: the channel itself reconnects after a failed connection.
+            call.answered();
+            return Err(RpcError::Unreachable(with_causes(&e)));
+        }
         let reply = grpc
             .unary(
                 Self::request(message, token),
                 PathAndQuery::from_static(path),
                 ProstCodec::<Req, Resp>::default(),
             )
-            .await?;
-        Ok(reply.into_inner())
+            .await;
+        ended(call, &reply);
+        Ok(reply?.into_inner())
     }
 
     /// One call; an expired auth token (etcd's simple tokens last minutes) is renewed once.
@@ -592,24 +622,27 @@ impl EtcdClient {
         Resp: prost::Message + Default + Send + Sync + 'static,
     {
         let open = |token| {
-            let mut grpc = Grpc::new(self.channel.clone());
+            let call = self.channels.outgoing();
+            let mut grpc = Grpc::new(call.connection.clone());
             let (close, closed) = tokio::sync::oneshot::channel::<()>();
             // Ends (without a message) once `close` is dropped with the answer.
             let end = futures_util::stream::once(closed).filter_map(|_| async { None });
             let stream = futures_util::stream::iter([first.clone()]).chain(end);
             async move {
-                grpc.ready()
-                    .await
-                    .map_err(|e| RpcError::Unreachable(with_causes(&e)))?;
+                if let Err(e) = grpc.ready().await {
+                    call.answered();
+                    return Err(RpcError::Unreachable(with_causes(&e)));
+                }
                 let reply = grpc
                     .streaming(
                         Self::request(stream, token),
                         PathAndQuery::from_static(path),
                         ProstCodec::<Req, Resp>::default(),
                     )
-                    .await?;
+                    .await;
+                ended(call, &reply);
                 Ok::<_, RpcError>(OpenStream {
-                    replies: reply.into_inner(),
+                    replies: reply?.into_inner(),
                     _close: close,
                 })
             }
