@@ -881,40 +881,50 @@ pub(crate) async fn listen_for_releases_on(
             Ok(Ok(pubsub)) => {
                 pause = RESUBSCRIBE_MIN;
                 feeds.bump_all();
-                let (mut sink, mut messages) = pubsub.split();
-                let notices = async {
-                    while let Some(msg) = messages.next().await {
-                        if let Some(lock) = keys.lock_of_channel(msg.get_channel_name()) {
-                            feeds.bump(lock);
-                        }
-                    }
-                };
-                // A subscription hears nothing when nobody releases, so only an unanswered ping
-                // tells a connection that has fallen silent from a quiet one.
-                let answers = async {
-                    loop {
-                        tokio::time::sleep(SUBSCRIPTION_PING).await;
-                        match tokio::time::timeout(RESPONSE_TIMEOUT, sink.ping::<Value>()).await {
-                            Ok(Ok(_)) => {}
-                            Ok(Err(e)) => return e.to_string(),
-                            Err(_) => return "no answer to a ping".to_string(),
-                        }
-                    }
-                };
-                tokio::select! {
-                    () = notices => {
-                        tracing::debug!("redis release subscription closed; re-subscribing");
-                    }
-                    failed = answers => {
-                        tracing::debug!(error = %failed, "redis release subscription fell silent; re-subscribing");
-                    }
-                }
+                hear_releases(pubsub, &keys, &feeds, std::future::pending()).await;
             }
             Ok(Err(e)) => subscription_failed(&e, &keys, &mut refusal_told),
             Err(_) => tracing::debug!("redis release subscription timed out"),
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(RESUBSCRIBE_MAX);
+    }
+}
+
+/// Hear the release notices on `pubsub` (subscribed), until it closes, falls silent or `until`
+/// ends. A subscription hears nothing while nobody releases, so only an unanswered ping tells a
+/// connection that has fallen silent from a quiet one.
+pub(crate) async fn hear_releases(
+    pubsub: redis::aio::PubSub,
+    keys: &KeyLayout,
+    feeds: &ChangeFeeds,
+    until: impl std::future::Future<Output = ()>,
+) {
+    let (mut sink, mut messages) = pubsub.split();
+    let notices = async {
+        while let Some(msg) = messages.next().await {
+            if let Some(lock) = keys.lock_of_channel(msg.get_channel_name()) {
+                feeds.bump(lock);
+            }
+        }
+    };
+    let answers = async {
+        loop {
+            tokio::time::sleep(SUBSCRIPTION_PING).await;
+            match tokio::time::timeout(RESPONSE_TIMEOUT, sink.ping::<Value>()).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return e.to_string(),
+                Err(_) => return "no answer to a ping".to_string(),
+            }
+        }
+    };
+    tokio::select! {
+        () = notices => tracing::debug!("redis release subscription closed; re-subscribing"),
+        failed = answers => tracing::debug!(
+            error = %failed,
+            "redis release subscription fell silent; re-subscribing"
+        ),
+        () = until => {}
     }
 }
 

@@ -765,7 +765,8 @@ impl Upkeep for RedisSentinelDriver {
 }
 
 /// Listen for releases on the current master, and move to the next master as soon as the
-/// sentinels name another one (waking every waiter, since a release may have been missed).
+/// sentinels name another one, or subscribe again once the subscription falls silent (waking
+/// every waiter either way, since a release may have been missed).
 async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<ChangeFeeds>) {
     let mut pause = RESUBSCRIBE_MIN;
     let mut refusal_told = false;
@@ -785,37 +786,30 @@ async fn follow_master(master: Arc<SentinelMaster>, keys: KeyLayout, feeds: Arc<
         })
         .await;
         match subscribed {
-            Ok(Ok((address, mut pubsub))) => {
+            Ok(Ok((address, pubsub))) => {
                 pause = RESUBSCRIBE_MIN;
                 feeds.bump_all();
-                let mut messages = pubsub.on_message();
-                let mut check = tokio::time::interval(MASTER_CHECK);
-                loop {
-                    tokio::select! {
-                        message = messages.next() => match message {
-                            Some(message) => {
-                                if let Some(lock) = keys.lock_of_channel(message.get_channel_name()) {
-                                    feeds.bump(lock);
-                                }
-                            }
-                            None => break,
-                        },
-                        _ = check.tick() => match master.named_master().await {
+                let moved = async {
+                    let mut check = tokio::time::interval(MASTER_CHECK);
+                    loop {
+                        check.tick().await;
+                        match master.named_master().await {
                             Ok((named, _)) if named.address != address => {
                                 tracing::info!(from = %address, to = %named.address, "the sentinels name a new Redis master");
                                 master.forget(&address).await;
-                                break;
+                                return;
                             }
                             Ok(_) => {}
                             // No majority names it: calls stop going to it at once.
                             Err(e) => {
                                 tracing::warn!(master = %address, error = %e, "no majority of the sentinels names the Redis master: leaving it");
                                 master.forget(&address).await;
-                                break;
+                                return;
                             }
-                        },
+                        }
                     }
-                }
+                };
+                crate::drivers::redis::hear_releases(pubsub, &keys, &feeds, moved).await;
             }
             Ok(Err(e)) => tracing::debug!(error = %e, "redis release subscription failed"),
             Err(_) => tracing::debug!("redis release subscription timed out"),
