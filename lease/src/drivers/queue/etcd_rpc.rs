@@ -10,12 +10,12 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use http::uri::PathAndQuery;
 use tonic::client::Grpc;
-
-use crate::drivers::replaceable::{Outgoing, Replaceable};
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Code, Request, Status};
 use tonic_prost::ProstCodec;
+
+use crate::drivers::replaceable::{Outgoing, Replaceable};
 
 /// etcd's `ResponseHeader`: only the revision is used.
 #[derive(Clone, PartialEq, prost::Message)]

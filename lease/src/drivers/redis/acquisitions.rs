@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use crate::drivers::redis::connection::ServerConnection;
 use redis::{Script, Value};
 
 use crate::drivers::batches::{Batches, Gather, Pending, one_each};
+use crate::drivers::redis::connection::ServerConnection;
 use crate::drivers::redis::{ACQUIRE, Acquisition, Keeping, KeyLayout, acquisitions};
 use crate::error::Result;
 

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::drivers::redis::map_err;
-use crate::drivers::replaceable::Replaceable;
+use crate::drivers::replaceable::{Outgoing, Replaceable};
 use crate::error::Result;
 
 /// Cheap to clone: clones share the current connection and replace it together.
@@ -41,10 +41,7 @@ impl ConnectionLike for ServerConnection {
         Box::pin(async move {
             let mut request = self.connections.outgoing();
             let result = request.connection.req_packed_command(cmd).await;
-            match &result {
-                Err(e) if e.is_timeout() => request.timed_out(),
-                _ => request.answered(),
-            }
+            ended(request, &result);
             result
         })
     }
@@ -61,15 +58,21 @@ impl ConnectionLike for ServerConnection {
                 .connection
                 .req_packed_commands(pipeline, offset, count)
                 .await;
-            match &result {
-                Err(e) if e.is_timeout() => request.timed_out(),
-                _ => request.answered(),
-            }
+            ended(request, &result);
             result
         })
     }
 
     fn get_db(&self) -> i64 {
         self.connections.peek().get_db()
+    }
+}
+
+/// Tell `request`'s connection how it ended: the client's response timeout means the server left
+/// it unanswered; anything else, an error reply included, is an answer.
+fn ended<T>(request: Outgoing<'_, ConnectionManager>, result: &RedisResult<T>) {
+    match result {
+        Err(e) if e.is_timeout() => request.timed_out(),
+        _ => request.answered(),
     }
 }

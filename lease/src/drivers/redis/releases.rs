@@ -6,11 +6,11 @@
 //! A release is made even when its caller stops waiting for the answer: a lease left behind
 //! would keep its key from everyone until it runs out.
 
-use crate::drivers::redis::connection::ServerConnection;
 use redis::Script;
 
 use crate::driver::Lease;
 use crate::drivers::batches::{Batches, Gather, Pending, one_each};
+use crate::drivers::redis::connection::ServerConnection;
 use crate::drivers::redis::{KeyLayout, RELEASE, releases_of};
 use crate::error::Result;
 

@@ -16,7 +16,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::drivers::redis::connection::ServerConnection;
 use async_trait::async_trait;
 use redis::Script;
 use redis::Value;
@@ -24,6 +23,7 @@ use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::redis::acquisitions::AcquisitionBatches;
+use crate::drivers::redis::connection::ServerConnection;
 use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::releases::ReleaseBatches;
 use crate::drivers::redis::renewals::RenewalBatches;

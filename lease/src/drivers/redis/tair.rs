@@ -38,13 +38,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::drivers::redis::connection::ServerConnection;
 use async_trait::async_trait;
 use redis::Value;
 use tokio::sync::watch;
 
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Pruned, Upkeep};
 use crate::drivers::redis::FLOOR_STEP;
+use crate::drivers::redis::connection::ServerConnection;
 use crate::drivers::redis::durability::Durability;
 use crate::drivers::redis::{
     KEY_COUNTER_RETENTION, KeyLayout, client, connection, delete_keys, held_key_leases, info_field,
