@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use leasehold_lease::sql::{Dialect, SqlDriver, SqlMode};
 use leasehold_lease::{Answer, Lock, LockConfig, Mode};
-use leasehold_testkit::conformance::{LEASE, RENEW, SLACK, contenders};
+use leasehold_testkit::conformance::{
+    LEASE, RENEW, SLACK, contenders, holder_renews_after_its_connections_fall_silent,
+};
 use leasehold_testkit::{Harness, MariaDbHarness, PostgresHarness, mariadb_server, unique_lock};
 use sqlx::Connection;
 
@@ -2765,4 +2767,76 @@ async fn mariadb_that_may_lose_answered_commits_is_warned_of() {
         warnings.len() == 1 && warnings[0].contains("innodb_flush_log_at_trx_commit is 2"),
         "{warnings:?}"
     );
+}
+
+/// `url` with its server's port replaced by `proxy`'s.
+fn through(url: &str, port: u16, proxy: &leasehold_testkit::FaultProxy) -> String {
+    url.replace(&format!(":{port}/"), &format!(":{}/", proxy.port))
+}
+
+/// A holder whose pooled connections fall silent renews on new ones
+/// ([`holder_renews_after_its_connections_fall_silent`]). The pool is opened to its full size
+/// first, so that every connection of it falls silent: sqlx waits on a silent connection without
+/// end, and tests one returned to the pool with a ping that has no time limit, so each renewal
+/// cut short would keep a slot until none is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_holder_whose_connections_fall_silent_renews_on_new_ones() {
+    let h = PostgresHarness::new();
+    connections_fall_silent(&h.server.url(), h.server.port()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_holder_whose_connections_fall_silent_renews_on_new_ones() {
+    let h = MariaDbHarness::new();
+    connections_fall_silent(&h.server.url(), h.server.port()).await;
+}
+
+async fn connections_fall_silent(url: &str, port: u16) {
+    let proxy = leasehold_testkit::FaultProxy::start(port);
+    let driver = driver_at(&through(url, port, &proxy)).await;
+    let lock = unique_lock("full_pool");
+    driver
+        .provision(std::slice::from_ref(&lock))
+        .await
+        .expect("provision");
+    for _ in 0..3 {
+        let reads = (0..16).map(|_| driver.observe(&lock));
+        for read in futures_util::future::join_all(reads).await {
+            read.expect("observe");
+        }
+    }
+    holder_renews_after_its_connections_fall_silent(driver, &proxy).await;
+}
+
+/// A waiter whose `LISTEN` connection falls silent listens again on a new one, and hears the
+/// next release at once rather than at its next read of the row, a renew interval later. A
+/// family's keys are woken by `NOTIFY` alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_listener_whose_connection_falls_silent_listens_again() {
+    const LONG_LEASE: Duration = Duration::from_secs(60);
+    const LONG_RENEW: Duration = Duration::from_secs(20);
+    let h = PostgresHarness::new();
+    let url = h.server.url();
+    let proxy = leasehold_testkit::FaultProxy::start(h.server.port());
+    let key = format!("{}.keys.k", unique_lock("silent_listen"));
+    let holder = start_with(driver_at(&url).await, &key, "a", LONG_LEASE, LONG_RENEW);
+    holder_token(&holder).await;
+    let waiter_driver = driver_at(&through(&url, h.server.port(), &proxy)).await;
+    let waiter = start_with(waiter_driver, &key, "b", LONG_LEASE, LONG_RENEW);
+    // Its first attempt found the key held; it waits on the release notice.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!waiter.answer().is_holder());
+    proxy.strand();
+    // Past a quiet spell and an unanswered ping: the listener connects again.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let released = tokio::time::Instant::now();
+    holder.shutdown().await;
+    while !waiter.answer().is_holder() {
+        assert!(
+            released.elapsed() < Duration::from_secs(5),
+            "the waiter did not hear the release within 5 s of it (a renew interval is {LONG_RENEW:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    waiter.shutdown().await;
 }

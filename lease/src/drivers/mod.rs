@@ -11,7 +11,8 @@
 //!   transports, etcd and ZooKeeper.
 //! - [`kubernetes`]: a `coordination.k8s.io/v1` Lease.
 //! - `batches`: calls that arrive together go out as one (renewals, acquisitions, releases).
-//! - `replaceable`: a connection replaced once the server falls silent on it (Redis, etcd).
+//! - `replaceable`: a connection replaced once the server falls silent on it (Redis, etcd, the
+//!   PostgreSQL and MySQL pool).
 //! - [`url_parts`]: host lists, credentials, prefixes and URL errors, for every backend's URLs.
 
 pub(crate) mod batches;

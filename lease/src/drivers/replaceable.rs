@@ -65,6 +65,13 @@ impl<C: Clone> Replaceable<C> {
     /// with [`Outgoing::answered`] or [`Outgoing::timed_out`]; dropped without either, it counts
     /// as abandoned.
     pub(crate) fn outgoing(&self) -> Outgoing<'_, C> {
+        let (generation, connection) = self.current();
+        self.sent_on(generation, connection)
+    }
+
+    /// The current connection and its generation, replaced first as [`Self::outgoing`] does:
+    /// for a request that goes out later ([`Self::sent_on`]), once the connection is ready.
+    pub(crate) fn current(&self) -> (u64, C) {
         let mut current = self.lock();
         if current
             .abandoned_since
@@ -77,13 +84,25 @@ impl<C: Clone> Replaceable<C> {
                 "a request abandoned without an answer",
             );
         }
+        (current.generation, current.connection.clone())
+    }
+
+    /// A request going out now on `connection`, of generation `generation`.
+    pub(crate) fn sent_on(&self, generation: u64, connection: C) -> Outgoing<'_, C> {
         Outgoing {
             owner: self,
-            generation: current.generation,
+            generation,
             sent: Instant::now(),
-            connection: current.connection.clone(),
+            connection,
             ended: false,
         }
+    }
+
+    /// Replace connection `generation` if it is still the current one: a request on it got no
+    /// answer in time.
+    pub(crate) fn timed_out_on(&self, generation: u64) {
+        let mut current = self.lock();
+        self.replace(&mut current, generation, "a request timed out");
     }
 
     /// The current connection, for a use that is not a request (reading its settings).
@@ -132,12 +151,15 @@ impl<C: Clone> Outgoing<'_, C> {
         }
     }
 
+    /// The request never went out on the connection (none could be had): it says nothing of it.
+    pub(crate) fn unsent(mut self) {
+        self.ended = true;
+    }
+
     /// No answer within the response timeout: the connection is replaced.
     pub(crate) fn timed_out(mut self) {
         self.ended = true;
-        let mut current = self.owner.lock();
-        self.owner
-            .replace(&mut current, self.generation, "a request timed out");
+        self.owner.timed_out_on(self.generation);
     }
 }
 

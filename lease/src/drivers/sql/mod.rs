@@ -1,9 +1,10 @@
 //! The SQL family: PostgreSQL and MySQL/MariaDB ([`server`], lease mode, with `row_lock` for
 //! row-lock mode and [`wake`] for waiters woken through the server), and the SQLite file
-//! ([`sqlite`], with `sqlite_wake`), with their URLs (`urls`). This module holds what they
-//! share: the dialects and their statements, the modes, the key floors, batched renewals and
+//! ([`sqlite`], with `sqlite_wake`), with their URLs (`urls`); the servers' statements go out on
+//! `pool`, with a time limit on each answer. This module holds what they share: the dialects and their statements, the modes, the key floors, batched renewals and
 //! the row decoding.
 
+pub(crate) mod pool;
 pub(crate) mod row_lock;
 pub mod server;
 pub mod sqlite;
@@ -19,10 +20,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::{AnyConnection, AnyPool, Connection};
+use sqlx::{AnyConnection, Connection};
 
 use crate::driver::{Acquire, Holding, Lease};
 use crate::drivers::batches::Pending;
+use crate::drivers::sql::pool::StatementPool;
 use crate::drivers::sql::wake::AdvisoryStatements;
 use crate::error::{Error, Result};
 use crate::names::{quote_sql_identifier, validate_sql_identifier};
@@ -642,6 +644,22 @@ impl Dialect {
         }
     }
 
+    /// The bound on row-lock waits set on each of the pool's connections ([`POOL_LOCK_WAIT`]),
+    /// where the role's or the server's own bound is not lower already.
+    pub fn pool_lock_wait(self) -> String {
+        match self {
+            Dialect::Postgres => format!(
+                "SELECT set_config('lock_timeout', '{ms}', false) FROM pg_settings \
+                 WHERE name = 'lock_timeout' AND (setting::bigint = 0 OR setting::bigint > {ms})",
+                ms = POOL_LOCK_WAIT.as_millis()
+            ),
+            Dialect::MySql => format!(
+                "SET SESSION innodb_lock_wait_timeout = LEAST(@@SESSION.innodb_lock_wait_timeout, {})",
+                POOL_LOCK_WAIT.as_secs()
+            ),
+        }
+    }
+
     /// A sweep of a family's idle keys locks the family's floor row, which every acquisition of
     /// the family's keys reads: the server ends the sweep's session should it stall between its
     /// statements (its client cut off or frozen), and a statement waits for a lock only so
@@ -714,7 +732,14 @@ impl Dialect {
 
 /// How long a sweep of idle keys may stall in its transaction, or wait for a lock, before the
 /// server ends it ([`Dialect::sweep_bounds`]): far longer than its statements take.
-const SWEEP_STALL_BOUND: Duration = Duration::from_secs(5);
+/// Below the pool's bound on lock waits ([`POOL_LOCK_WAIT`]), so that a key's acquisition
+/// behind a stalled sweep is still answered.
+const SWEEP_STALL_BOUND: Duration = Duration::from_secs(2);
+
+/// How long a statement on the pool waits for another session's row lock before the server
+/// ends it: below the response timeout ([`pool::RESPONSE_TIMEOUT`]), so that a statement the
+/// client stopped waiting for does not go on to commit unknown to it.
+pub(crate) const POOL_LOCK_WAIT: Duration = Duration::from_secs(4);
 
 pub(crate) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
@@ -741,7 +766,7 @@ pub(crate) const MAX_RENEW_BATCH: usize = 512;
 
 /// A batch of renewals ([`RenewMany`]), [`padded`]: each renewal is answered with whether its
 /// row came back extended.
-pub(crate) async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: RenewalBatch) {
+pub(crate) async fn renew_batch(pool: StatementPool, many: Arc<RenewMany>, batch: RenewalBatch) {
     let rows = batch.len().next_power_of_two();
     let bound = |sql| {
         let mut query = sqlx::query(sql);
@@ -761,14 +786,18 @@ pub(crate) async fn renew_batch(pool: AnyPool, many: Arc<RenewMany>, batch: Rene
     let (update, read_back) = (many.statement(rows), many.extended(rows));
     let extended = async {
         let rows = match &read_back {
-            None => bound(&update).fetch_all(&pool).await?,
+            None => pool.fetch_all(bound(&update)).await?,
             Some(read_back) => {
-                let mut connection = pool.acquire().await?;
-                sqlx::query(SET_RENEWED_AT)
-                    .execute(&mut *connection)
-                    .await?;
-                bound(&update).execute(&mut *connection).await?;
-                bound(read_back).fetch_all(&mut *connection).await?
+                let mut session = pool.session().await?;
+                session
+                    .run(|connection| async {
+                        sqlx::query(SET_RENEWED_AT)
+                            .execute(&mut *connection)
+                            .await?;
+                        bound(&update).execute(&mut *connection).await?;
+                        bound(read_back).fetch_all(&mut *connection).await
+                    })
+                    .await?
             }
         };
         rows.iter()

@@ -33,6 +33,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::driver::{Acquire, Holding, Lease};
+use crate::drivers::sql::pool::{RESPONSE_TIMEOUT, answered};
 use crate::drivers::sql::{Dialect, Statements, map_err, open_session};
 use crate::error::{Error, Result};
 
@@ -189,7 +190,10 @@ impl RowLocks {
     }
 
     async fn rollback_and_spare(&self, mut conn: AnyConnection) {
-        if conn.execute("ROLLBACK").await.is_ok() {
+        if answered(RESPONSE_TIMEOUT, conn.execute("ROLLBACK"))
+            .await
+            .is_ok()
+        {
             self.spare(conn);
         }
     }
@@ -203,7 +207,8 @@ impl RowLocks {
         };
         let mut seeded = 0;
         loop {
-            if let Err(e) = conn.execute(&*driver.dialect().row_lock_begin(ttl)).await {
+            let begin = driver.dialect().row_lock_begin(ttl);
+            if let Err(e) = answered(RESPONSE_TIMEOUT, conn.execute(&*begin)).await {
                 if !reused {
                     return Err(map_err(e));
                 }
@@ -211,17 +216,22 @@ impl RowLocks {
                 (conn, reused) = (self.connect(driver.dialect()).await?, false);
                 continue;
             }
-            let rows = sqlx::query(&driver.statements().lock_row)
-                .bind(lock)
-                .fetch_all(&mut conn)
-                .await;
+            let rows = answered(
+                RESPONSE_TIMEOUT,
+                sqlx::query(&driver.statements().lock_row)
+                    .bind(lock)
+                    .fetch_all(&mut conn),
+            )
+            .await;
             match rows {
                 Ok(rows) if !rows.is_empty() => return Ok(Locked::Held(conn)),
                 // A family's idle-key sweep may delete a row between its seeding and its
                 // locking: seeded again, a few times.
                 Ok(_) if seeded < SEEDINGS => {
-                    conn.execute("ROLLBACK").await.map_err(map_err)?;
-                    match seed_row_on(&mut conn, driver, lock).await {
+                    answered(RESPONSE_TIMEOUT, conn.execute("ROLLBACK"))
+                        .await
+                        .map_err(map_err)?;
+                    match answered(RESPONSE_TIMEOUT, seed_row_on(&mut conn, driver, lock)).await {
                         // Seeded meanwhile by a contender that holds it now.
                         Err(e) if lock_unavailable(&e) => return Ok(Locked::Taken(conn)),
                         seeding => seeding.map_err(map_err)?,
@@ -327,10 +337,13 @@ impl RowLocks {
             .as_mut()
             .expect("the transaction, seen above under the same guard");
         // Already ours, so this returns at once; an error means the transaction is gone.
-        let still_held = sqlx::query(&driver.statements().lock_row)
-            .bind(&lease.lock)
-            .fetch_all(&mut *tx)
-            .await;
+        let still_held = answered(
+            RESPONSE_TIMEOUT,
+            sqlx::query(&driver.statements().lock_row)
+                .bind(&lease.lock)
+                .fetch_all(&mut *tx),
+        )
+        .await;
         if !matches!(&still_held, Ok(rows) if !rows.is_empty()) {
             if let Err(e) = still_held {
                 tracing::warn!(lock = %lease.lock, error = %map_err(e), "the transaction holding the lock's row is gone: the lock is lost");
@@ -370,15 +383,17 @@ impl RowLocks {
         let mut tx = row.conn.lock().await.take().ok_or_else(not_held)?;
         // On an error the transaction is dropped (rolled back): nothing is deleted, and the
         // caller frees the fence.
-        if !driver.release_row_in(&mut tx, lease).await? {
+        if !answered(RESPONSE_TIMEOUT, driver.release_row_in(&mut tx, lease)).await? {
             return Err(not_held());
         }
-        sqlx::query(&driver.statements().delete_row)
-            .bind(&lease.lock)
-            .execute(&mut tx)
-            .await
-            .map_err(map_err)?;
-        tx.execute("COMMIT").await.map_err(map_err)?;
+        let deleted = async {
+            sqlx::query(&driver.statements().delete_row)
+                .bind(&lease.lock)
+                .execute(&mut tx)
+                .await?;
+            tx.execute("COMMIT").await
+        };
+        answered(RESPONSE_TIMEOUT, deleted).await.map_err(map_err)?;
         self.spare(tx);
         Ok(())
     }
@@ -388,9 +403,12 @@ impl RowLocks {
             self.forget(&lease.lock, &row);
             let tx = row.conn.lock().await.take();
             if let Some(mut tx) = tx {
-                let released = driver.release_row_in(&mut tx, lease).await;
+                let released =
+                    answered(RESPONSE_TIMEOUT, driver.release_row_in(&mut tx, lease)).await;
                 if let Ok(released) = released
-                    && tx.execute("COMMIT").await.is_ok()
+                    && answered(RESPONSE_TIMEOUT, tx.execute("COMMIT"))
+                        .await
+                        .is_ok()
                 {
                     self.spare(tx);
                     return Ok(released);

@@ -21,7 +21,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 use sqlx::{Connection, Row};
 use tokio::sync::{OnceCell, watch};
@@ -29,6 +28,7 @@ use tokio::sync::{OnceCell, watch};
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
 use crate::drivers::batches::Batches;
+use crate::drivers::sql::pool::{RESPONSE_TIMEOUT, StatementPool, Unanswered};
 use crate::drivers::sql::row_lock::{Fence, RowLocks};
 use crate::drivers::sql::wake::{ServerLock, ServerLocks};
 use crate::drivers::sql::{
@@ -40,9 +40,16 @@ use crate::drivers::sql::{
 use crate::error::{Error, Result};
 use crate::names::validate_sql_identifier;
 
+/// How long creating the tables may take: the statement can wait behind another session's use
+/// of the table's definition.
+const DDL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a sweep of a family's idle keys may take, all its statements together (each stall
+/// inside it is bounded by the server, [`Dialect::sweep_bounds`]).
+const SWEEP_TIMEOUT: Duration = Duration::from_secs(60);
+
 pub struct SqlDriver {
     pub(crate) dialect: Dialect,
-    pub(crate) pool: AnyPool,
+    pub(crate) pool: StatementPool,
     pub(crate) sql: Statements,
     mode: SqlMode,
     /// Whether the row-lock table's name (the table's, `_rows` added) is one the server keeps
@@ -151,7 +158,7 @@ impl SqlDriver {
         let (url, pem_files) = pem_text_to_files(url)?;
         let url = url.as_str();
         sqlx::any::install_default_drivers();
-        let pool = AnyPoolOptions::new()
+        let options = AnyPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(CONNECT_TIMEOUT)
             // sqlx pings a pooled connection before each use by default: a second round trip
@@ -160,16 +167,16 @@ impl SqlDriver {
             .test_before_acquire(false)
             .after_connect(move |conn, _| {
                 Box::pin(async move {
-                    sqlx::Executor::execute(conn, dialect.session_setup())
+                    sqlx::Executor::execute(&mut *conn, dialect.session_setup()).await?;
+                    sqlx::Executor::execute(&mut *conn, &*dialect.pool_lock_wait())
                         .await
                         .map(|_| ())
                 })
-            })
-            .connect_lazy(url)
-            .map_err(|e| Error::InvalidUrl {
-                url: crate::redact::redact(url),
-                reason: e.to_string(),
-            })?;
+            });
+        let pool = StatementPool::connect_lazy(options, url).map_err(|e| Error::InvalidUrl {
+            url: crate::redact::redact(url),
+            reason: e.to_string(),
+        })?;
         let releases = Arc::new(ChangeFeeds::default());
         let sql = dialect.statements(schema, table);
         let server_lock = match (dialect, mode) {
@@ -248,6 +255,12 @@ impl SqlDriver {
         self.renewals.call((lease.clone(), ttl)).await?
     }
 
+    /// [`Self::release_row`] on a connection of the pool's.
+    async fn release_row_on_pool(&self, lease: &Lease) -> Result<bool> {
+        let mut session = self.pool.session().await.map_err(map_err)?;
+        session.run(|c| self.release_row(c, lease)).await
+    }
+
     /// Free the lock row if `lease` still holds it, on the pool or inside a transaction.
     pub(crate) async fn release_row<'c, E>(&self, executor: E, lease: &Lease) -> Result<bool>
     where
@@ -277,13 +290,18 @@ impl SqlDriver {
     pub(crate) async fn ensure_tables(&self) -> Result<()> {
         self.provisioned
             .get_or_try_init(|| async {
-                sqlx::query(&self.sql.create_table)
-                    .execute(&self.pool)
+                let mut session = self.pool.session().await.map_err(map_err)?;
+                session
+                    .run_within(DDL_TIMEOUT, |c| {
+                        sqlx::query(&self.sql.create_table).execute(c)
+                    })
                     .await
                     .map_err(map_err)?;
                 if self.mode == SqlMode::RowLock {
-                    sqlx::query(&self.sql.create_row_table)
-                        .execute(&self.pool)
+                    session
+                        .run_within(DDL_TIMEOUT, |c| {
+                            sqlx::query(&self.sql.create_row_table).execute(c)
+                        })
                         .await
                         .map_err(map_err)?;
                 }
@@ -297,17 +315,16 @@ impl SqlDriver {
     /// on MySQL the insertion would wait for the lock of a holder's transaction on the row
     /// ([`Dialect::seed_without_waiting`]), for as long as it holds.
     pub(crate) async fn seed_row(&self, lock: &str) -> Result<()> {
-        let exists = sqlx::query(&self.sql.row_exists)
-            .bind(lock)
-            .fetch_optional(&self.pool)
+        let exists = self
+            .pool
+            .fetch_optional(sqlx::query(&self.sql.row_exists).bind(lock))
             .await
             .map_err(map_err)?;
         if exists.is_some() {
             return Ok(());
         }
-        sqlx::query(&self.sql.seed_row)
-            .bind(lock)
-            .execute(&self.pool)
+        self.pool
+            .execute(sqlx::query(&self.sql.seed_row).bind(lock))
             .await
             .map_err(map_err)?;
         Ok(())
@@ -409,8 +426,8 @@ impl SqlDriver {
         if !again && known() {
             return Ok(());
         }
-        let mut conn = self.pool.acquire().await.map_err(map_err)?;
-        let created = make_floor(&mut conn, floor, family).await?;
+        let mut session = self.pool.session().await.map_err(map_err)?;
+        let created = session.run(|c| make_floor(c, floor, family)).await?;
         if again && created && known() {
             tracing::warn!(
                 family,
@@ -469,7 +486,7 @@ impl SqlDriver {
                 .bind(identity)
                 .bind(ms(ttl)),
         };
-        let rows = query.fetch_all(&self.pool).await.map_err(map_err)?;
+        let rows = self.pool.fetch_all(query).await.map_err(map_err)?;
         rows.first()
             .map(|row| row.try_get::<i64, _>("token").map(|t| t as u64))
             .transpose()
@@ -485,11 +502,14 @@ impl SqlDriver {
     ) -> Result<Option<u64>> {
         // LAST_INSERT_ID(token + 1) puts the new token in the statement's own OK packet: one
         // round trip, and no other session can see or change it in between.
-        let taken = sqlx::query(&self.sql.acquire)
-            .bind(identity)
-            .bind(micros(ttl))
-            .bind(lock)
-            .execute(&self.pool)
+        let taken = self
+            .pool
+            .execute(
+                sqlx::query(&self.sql.acquire)
+                    .bind(identity)
+                    .bind(micros(ttl))
+                    .bind(lock),
+            )
             .await
             .map_err(map_err)?;
         if taken.rows_affected() != 1 {
@@ -547,12 +567,15 @@ impl SqlDriver {
         if let Some(family) = crate::names::family_of(lock) {
             let floor = &self.sql.key_floor;
             self.ensure_floor(floor, family, false).await?;
-            let inserted = sqlx::query(&floor.acquire)
-                .bind(lock)
-                .bind(identity)
-                .bind(micros(ttl))
-                .bind(crate::names::key_floor_row(family))
-                .execute(&self.pool)
+            let inserted = self
+                .pool
+                .execute(
+                    sqlx::query(&floor.acquire)
+                        .bind(lock)
+                        .bind(identity)
+                        .bind(micros(ttl))
+                        .bind(crate::names::key_floor_row(family)),
+                )
                 .await
                 .map_err(map_err)?;
             if inserted.rows_affected() != 1 {
@@ -564,16 +587,22 @@ impl SqlDriver {
             return Ok(Some(token as u64));
         }
         let insert = self.sql.insert.as_deref().unwrap_or_default();
-        let inserted = sqlx::query(insert)
-            .bind(lock)
-            .bind(identity)
-            .bind(micros(ttl))
-            .execute(&self.pool)
+        let inserted = self
+            .pool
+            .execute(
+                sqlx::query(insert)
+                    .bind(lock)
+                    .bind(identity)
+                    .bind(micros(ttl)),
+            )
             .await
             .map_err(map_err)?;
         Ok((inserted.rows_affected() == 1).then_some(1))
     }
 }
+
+/// How long the LISTEN connection may hear nothing before it is pinged.
+const LISTEN_QUIET: Duration = Duration::from_secs(5);
 
 /// One LISTEN connection per process; a lost connection wakes every waiter, since a release may
 /// have gone unheard meanwhile.
@@ -595,7 +624,23 @@ async fn listen_for_releases(
                 pause = RELISTEN_MIN;
                 feeds.bump_all();
                 loop {
-                    match listener.try_recv().await {
+                    let heard = tokio::time::timeout(LISTEN_QUIET, listener.try_recv()).await;
+                    let Ok(heard) = heard else {
+                        // Quiet: a ping tells a quiet connection from one the server fell
+                        // silent on, which would leave every release unheard. (`try_recv` is
+                        // cancel-safe; a notice arriving during the ping is kept for it.)
+                        let ping = sqlx::Executor::execute(&mut listener, "SELECT 1");
+                        if !matches!(
+                            tokio::time::timeout(RESPONSE_TIMEOUT, ping).await,
+                            Ok(Ok(_))
+                        ) {
+                            tracing::debug!("postgres LISTEN connection fell silent");
+                            feeds.bump_all();
+                            break;
+                        }
+                        continue;
+                    };
+                    match heard {
                         Ok(Some(notice)) => {
                             let lock = notice.payload();
                             // A waiter blocked in the server is woken there, taking the row.
@@ -699,7 +744,7 @@ impl Driver for SqlDriver {
         let released = match (released_there, &self.row_locks) {
             (Some(released), _) => released.map_err(map_err)?,
             (None, Some(row_locks)) => row_locks.release(self, lease).await?,
-            (None, None) => self.release_row(&self.pool, lease).await?,
+            (None, None) => self.release_row_on_pool(lease).await?,
         };
         // Not held either way now: the next waiter goes.
         if let (true, Some(server)) = (let_go, server_lock) {
@@ -713,9 +758,9 @@ impl Driver for SqlDriver {
 
     async fn observe(&self, lock: &str) -> Result<Option<Holding>> {
         self.ensure_tables().await?;
-        let rows = sqlx::query(&self.sql.observe)
-            .bind(lock)
-            .fetch_all(&self.pool)
+        let rows = self
+            .pool
+            .fetch_all(sqlx::query(&self.sql.observe).bind(lock))
             .await
             .map_err(map_err)?;
         rows.first()
@@ -744,8 +789,8 @@ impl Driver for SqlDriver {
     }
 
     async fn ping(&self) -> Result<()> {
-        let mut conn = self.pool.acquire().await.map_err(map_err)?;
-        conn.ping().await.map_err(map_err)
+        let mut session = self.pool.session().await.map_err(map_err)?;
+        session.run(|c| c.ping()).await.map_err(map_err)
     }
 }
 
@@ -757,13 +802,14 @@ impl Upkeep for SqlDriver {
         if self.dialect != Dialect::MySql {
             return Ok(Vec::new());
         }
-        let row = sqlx::query(
-            "SELECT CAST(@@innodb_flush_log_at_trx_commit AS SIGNED) AS flush, \
-             CAST(@@log_bin AS SIGNED) AS log_bin, CAST(@@sync_binlog AS SIGNED) AS sync_binlog",
-        )
-        .fetch_one(&self.pool)
-        .await
-        .map_err(map_err)?;
+        let row = self
+            .pool
+            .fetch_one(sqlx::query(
+                "SELECT CAST(@@innodb_flush_log_at_trx_commit AS SIGNED) AS flush, \
+                 CAST(@@log_bin AS SIGNED) AS log_bin, CAST(@@sync_binlog AS SIGNED) AS sync_binlog",
+            ))
+            .await
+            .map_err(map_err)?;
         let setting = |name| row.try_get::<i64, _>(name).map_err(map_err);
         Ok(durability_warnings(
             setting("flush")?,
@@ -775,10 +821,13 @@ impl Upkeep for SqlDriver {
     async fn count_held_keys(&self, family: &str) -> Result<Option<u64>> {
         self.ensure_tables().await?;
         let [plain, hashed] = crate::names::key_name_patterns(family);
-        let held: i64 = sqlx::query(&self.sql.key_floor.count_held)
-            .bind(&plain)
-            .bind(&hashed)
-            .fetch_one(&self.pool)
+        let held: i64 = self
+            .pool
+            .fetch_one(
+                sqlx::query(&self.sql.key_floor.count_held)
+                    .bind(&plain)
+                    .bind(&hashed),
+            )
             .await
             .map_err(map_err)?
             .try_get("held")
@@ -788,18 +837,29 @@ impl Upkeep for SqlDriver {
 
     async fn forget_idle_keys(&self, family: &str, idle_for: Duration) -> Result<u64> {
         self.ensure_tables().await?;
-        let mut pooled = self.pool.acquire().await.map_err(map_err)?;
+        let mut session = self.pool.session().await.map_err(map_err)?;
         match self.dialect {
             // MySQL's bounds stay with the session: the sweep runs on a connection of its
             // own, closed once it is done.
             Dialect::MySql => {
-                let mut own = pooled.detach();
-                let forgotten = self.forget_idle_keys_on(&mut own, family, idle_for).await;
-                let _ = own.close().await;
+                let mut own = session.detach();
+                let forgotten = tokio::time::timeout(
+                    SWEEP_TIMEOUT,
+                    self.forget_idle_keys_on(&mut own, family, idle_for),
+                )
+                .await;
+                let Ok(forgotten) = forgotten else {
+                    // Unanswered: dropped, not closed, which would wait on it again.
+                    return Err(Unanswered::unanswered(SWEEP_TIMEOUT));
+                };
+                let _ = tokio::time::timeout(RESPONSE_TIMEOUT, own.close()).await;
                 forgotten
             }
             Dialect::Postgres => {
-                self.forget_idle_keys_on(&mut pooled, family, idle_for)
+                session
+                    .run_within(SWEEP_TIMEOUT, |c| {
+                        self.forget_idle_keys_on(c, family, idle_for)
+                    })
                     .await
             }
         }
@@ -828,7 +888,7 @@ impl Upkeep for SqlDriver {
         };
         for lock in locks {
             for statement in statements {
-                match sqlx::query(statement).bind(lock).execute(&self.pool).await {
+                match self.pool.execute(sqlx::query(statement).bind(lock)).await {
                     Ok(_) => {}
                     // The table was never created: nothing to remove.
                     Err(e) if is_missing_table(&e) => {}
@@ -877,7 +937,7 @@ impl Fence for SqlDriver {
     }
 
     fn release_row(&self, lease: &Lease) -> impl Future<Output = Result<bool>> + Send {
-        SqlDriver::release_row(self, &self.pool, lease)
+        SqlDriver::release_row_on_pool(self, lease)
     }
 
     fn release_row_in(

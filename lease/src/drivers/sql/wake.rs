@@ -55,6 +55,7 @@ use tokio::time::Instant;
 
 use crate::boot_clock::BootInstant;
 use crate::driver::{ChangeFeeds, Lease};
+use crate::drivers::sql::pool::{RESPONSE_TIMEOUT, answered};
 
 /// How long one blocking wait lasts before the waiter looks whether it is still wanted. With the
 /// row read once per renew interval besides, an idle waiter costs the server fewer requests than
@@ -472,7 +473,9 @@ impl ServerLocks {
             if !wanted {
                 let mut clean = !locked;
                 if locked && let Some(session) = &mut session {
-                    clean = self.let_go_here(&mut session.conn, &lock).await.is_ok();
+                    clean = answered(RESPONSE_TIMEOUT, self.let_go_here(&mut session.conn, &lock))
+                        .await
+                        .is_ok();
                 }
                 locked = false;
                 let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
@@ -527,7 +530,7 @@ impl ServerLocks {
             let outcome = if let Some((lease, reply)) = release {
                 view.holding = false;
                 locked = false;
-                self.release_for(conn, &lease, reply).await
+                answered(RESPONSE_TIMEOUT, self.release_for(conn, &lease, reply)).await
             } else if locked && view.holding {
                 // Ours, and held: nothing to do until the driver speaks, but look now and then
                 // whether the row still says so.
@@ -537,14 +540,14 @@ impl ServerLocks {
                         Some(Message::LetGo) => {
                             view.holding = false;
                             // The release's whole point: the next waiter goes now.
-                            let released = self.let_go_of(conn, &lock).await;
+                            let released = answered(RESPONSE_TIMEOUT, self.let_go_of(conn, &lock)).await;
                             locked = false;
                             released
                         }
                         Some(Message::Release(lease, reply)) => {
                             view.holding = false;
                             locked = false;
-                            self.release_for(conn, &lease, reply).await
+                            answered(RESPONSE_TIMEOUT, self.release_for(conn, &lease, reply)).await
                         }
                         Some(message) => {
                             view.apply(message);
@@ -553,7 +556,7 @@ impl ServerLocks {
                         None => return,
                     },
                     () = tokio::time::sleep(HOLDING_CHECK) => {
-                        match self.still_held(conn, &lock, view.lease.as_ref()).await {
+                        match answered(RESPONSE_TIMEOUT, self.still_held(conn, &lock, view.lease.as_ref())).await {
                             Ok(still) => {
                                 view.holding = still;
                                 Ok(())
@@ -579,7 +582,7 @@ impl ServerLocks {
                     () = tokio::time::sleep(kept.unwrap_or(WAIT_STEP)) => {
                         if kept.is_some() {
                             // Unclaimed: release it, and the server lock with it.
-                            let unclaimed = self.let_go_here(conn, &lock).await;
+                            let unclaimed = answered(RESPONSE_TIMEOUT, self.let_go_here(conn, &lock)).await;
                             locked = false;
                             unclaimed
                         } else {
@@ -590,7 +593,7 @@ impl ServerLocks {
                 }
             } else if view.holding {
                 // Held: take the server lock at once if free.
-                match self.take_now(conn, &lock).await {
+                match answered(RESPONSE_TIMEOUT, self.take_now(conn, &lock)).await {
                     Ok(true) => {
                         locked = true;
                         Ok(())
@@ -612,7 +615,11 @@ impl ServerLocks {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .insert(lock.clone(), false);
-                let step = self.wait_step(conn, &lock, view.waiter.as_ref()).await;
+                let step = answered(
+                    WAIT_STEP + 2 * RESPONSE_TIMEOUT,
+                    self.wait_step(conn, &lock, view.waiter.as_ref()),
+                )
+                .await;
                 let notified = self
                     .blocked
                     .lock()
