@@ -641,5 +641,5 @@ async fn a_holder_whose_channel_falls_silent_renews_on_a_new_one() {
     let server = EtcdServer::start();
     let proxy = leasehold_testkit::FaultProxy::start(server.port());
     let driver = std::sync::Arc::new(driver_at(proxy.port));
-    holder_renews_after_its_connections_fall_silent(driver, &proxy).await;
+    holder_renews_after_its_connections_fall_silent(driver, &[&proxy]).await;
 }

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use leasehold_lease::{Acquire, Backend};
-use leasehold_testkit::{RedisCluster, campaign, claims, driver_for, unique_lock};
+use leasehold_testkit::conformance::holder_renews_after_its_connections_fall_silent;
+use leasehold_testkit::{FaultProxy, RedisCluster, campaign, claims, driver_for, unique_lock};
 use tokio::time::{Instant, sleep, timeout};
 
 fn lease_key(lock: &str) -> String {
@@ -448,4 +449,53 @@ async fn a_family_key_is_renewed_while_its_slot_migrates_without_its_records() {
     }
     assert_eq!(renewed, Ok(true), "the renewal while the slot migrates");
     assert!(driver.release(&lease).await.unwrap());
+}
+
+/// A holder whose connections to the cluster fall silent renews on new ones
+/// ([`holder_renews_after_its_connections_fall_silent`]): redis-rs's cluster client retries a
+/// command that timed out on the same connection, and reconnects only to a node whose connection
+/// closed. Every node announces a proxy's port (`cluster-announce-port`), so that the client
+/// reaches each master through one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_connections_fall_silent_renews_on_new_ones() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let proxies: Vec<FaultProxy> = cluster
+        .nodes
+        .iter()
+        .map(|node| FaultProxy::start(node.port()))
+        .collect();
+    for (node, proxy) in cluster.nodes.iter().zip(&proxies) {
+        leasehold_testkit::redis_cluster::command(
+            node.port(),
+            &[
+                "CONFIG",
+                "SET",
+                "cluster-announce-port",
+                &proxy.port.to_string(),
+            ],
+        )
+        .expect("announce the proxy's port");
+    }
+    let announced = |port: u16| {
+        let nodes = leasehold_testkit::redis_cluster::command(port, &["CLUSTER", "NODES"])
+            .expect("cluster nodes");
+        proxies
+            .iter()
+            .all(|proxy| nodes.contains(&format!("127.0.0.1:{}@", proxy.port)))
+    };
+    let began = Instant::now();
+    while !cluster.nodes.iter().all(|node| announced(node.port())) {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the nodes did not learn each other's announced ports"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    let hosts: Vec<String> = proxies
+        .iter()
+        .map(|proxy| format!("127.0.0.1:{}", proxy.port))
+        .collect();
+    let driver = driver_for(&format!("redis+cluster://{}", hosts.join(","))).await;
+    let proxies: Vec<&FaultProxy> = proxies.iter().collect();
+    holder_renews_after_its_connections_fall_silent(driver, &proxies).await;
 }

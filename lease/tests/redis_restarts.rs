@@ -541,5 +541,5 @@ async fn a_tair_holder_whose_connection_falls_silent_renews_on_a_new_one() {
 async fn connection_falls_silent(server: RedisServer, scheme: &str) {
     let proxy = FaultProxy::start(server.port());
     let driver = driver_for(&format!("{scheme}://127.0.0.1:{}", proxy.port)).await;
-    holder_renews_after_its_connections_fall_silent(driver, &proxy).await;
+    holder_renews_after_its_connections_fall_silent(driver, &[&proxy]).await;
 }

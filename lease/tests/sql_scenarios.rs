@@ -2805,7 +2805,7 @@ async fn connections_fall_silent(url: &str, port: u16) {
             read.expect("observe");
         }
     }
-    holder_renews_after_its_connections_fall_silent(driver, &proxy).await;
+    holder_renews_after_its_connections_fall_silent(driver, &[&proxy]).await;
 }
 
 /// A waiter whose `LISTEN` connection falls silent listens again on a new one, and hears the

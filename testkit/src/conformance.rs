@@ -3847,7 +3847,7 @@ pub async fn an_enforced_lease_longer_than_configured_is_reported(
     lock.shutdown().await;
 }
 
-/// The network drops the connections `driver`'s holder has through `proxy` without telling
+/// The network drops the connections `driver`'s holder has through `proxies` without telling
 /// either end (a NAT or conntrack entry gone; the server's node gone while a Service sends new
 /// connections to a replacement): nothing comes back on them, and nothing closes them. The
 /// holder must renew on a new connection within its lease and keep the lock with its token;
@@ -3856,7 +3856,7 @@ pub async fn an_enforced_lease_longer_than_configured_is_reported(
 /// renew interval after it.
 pub async fn holder_renews_after_its_connections_fall_silent(
     driver: Arc<dyn Backend>,
-    proxy: &super::FaultProxy,
+    proxies: &[&super::FaultProxy],
 ) {
     let lease = Duration::from_secs(10);
     let holder = super::campaign(driver, &unique_lock("silent"), "a", lease);
@@ -3867,7 +3867,9 @@ pub async fn holder_renews_after_its_connections_fall_silent(
     let Answer::Holder { token, .. } = holder.answer() else {
         unreachable!()
     };
-    proxy.strand();
+    for proxy in proxies {
+        proxy.strand();
+    }
     let stranded = leasehold_lease::BootInstant::now();
     let start = Instant::now();
     loop {

@@ -105,6 +105,15 @@ impl<C: Clone> Replaceable<C> {
         self.replace(&mut current, generation, "a request timed out");
     }
 
+    /// Whether a request abandoned on the current connection has gone the response timeout
+    /// without an answer since: for a connection replaced elsewhere than here, as a Sentinel
+    /// master's is, by asking the sentinels again.
+    pub(crate) fn fell_silent(&self) -> bool {
+        self.lock()
+            .abandoned_since
+            .is_some_and(|since| since.elapsed() >= self.response_timeout)
+    }
+
     /// The current connection, for a use that is not a request (reading its settings).
     pub(crate) fn peek(&self) -> C {
         self.lock().connection.clone()
@@ -219,6 +228,18 @@ mod tests {
         drop(later);
         std::thread::sleep(timeout * 2);
         assert_eq!(connections.outgoing().connection, 1, "silent since");
+    }
+
+    #[test]
+    fn a_connection_falls_silent_once_an_abandoned_request_goes_unanswered_for_the_timeout() {
+        let timeout = Duration::from_millis(50);
+        let (connections, _) = numbered(timeout);
+        drop(connections.outgoing());
+        assert!(!connections.fell_silent(), "not before the timeout");
+        std::thread::sleep(timeout * 2);
+        assert!(connections.fell_silent());
+        connections.outgoing().answered();
+        assert!(!connections.fell_silent(), "answered since");
     }
 
     #[test]

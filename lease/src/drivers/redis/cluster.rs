@@ -17,6 +17,13 @@
 //!
 //! Release notices: a `PUBLISH` reaches every node of a cluster over the cluster bus, so one
 //! pattern subscription on any reachable node hears every lock's releases.
+//!
+//! A connection the cluster falls silent on (a dropped NAT or conntrack entry, a node gone while
+//! a Service sends new connections elsewhere) is made anew ([`Replaceable`]): redis-rs's cluster
+//! client reconnects to a node when its connection is closed, and retries a command that timed
+//! out on the very same connection.
+
+use std::sync::Arc;
 
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
@@ -24,10 +31,12 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRou
 use redis::{RedisFuture, RedisResult, Value};
 use tokio::sync::OnceCell;
 
+use crate::drivers::redis::connection::ended;
 use crate::drivers::redis::durability::Reading;
 use crate::drivers::redis::{
     CONNECT_TIMEOUT, RESPONSE_TIMEOUT, certificates, evicts_lock_keys, info_field, map_err,
 };
+use crate::drivers::replaceable::Replaceable;
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
@@ -46,11 +55,15 @@ pub struct RedisClusterConfig {
 /// connection before the error reaches the engine (which retries at its own pace).
 const RETRIES: u32 = 3;
 
+/// The cluster's connection, made on first use.
+type LazyConnection = Arc<OnceCell<ClusterConnection>>;
+
 /// The cluster client, and its connection once made: made on first use, so that an unreachable
-/// cluster at start-up shows in readiness and answers, not as a start-up failure.
+/// cluster at start-up shows in readiness and answers, not as a start-up failure; and made
+/// anew once the cluster falls silent on it.
 pub(crate) struct Cluster {
     client: ClusterClient,
-    connection: OnceCell<ClusterConnection>,
+    connections: Arc<Replaceable<LazyConnection>>,
 }
 
 impl Cluster {
@@ -72,16 +85,24 @@ impl Cluster {
                 .join(","),
             reason: e.to_string(),
         })?;
+        let connections = Replaceable::new(
+            LazyConnection::default(),
+            RESPONSE_TIMEOUT,
+            "Redis Cluster",
+            || Ok(LazyConnection::default()),
+        );
         Ok(Self {
             client,
-            connection: OnceCell::new(),
+            connections: Arc::new(connections),
         })
     }
 
-    /// The connection, made now if it was never made. Once made it reconnects by itself: it
-    /// asks the nodes it knows (and else the ones listed) for the slots again.
-    pub(crate) async fn connection(&self) -> Result<ClusterConnection> {
-        self.connection
+    /// The connection, made now if it was never made. Once made it reconnects by itself to a
+    /// node whose connection closed: it asks the nodes it knows (and else the ones listed) for
+    /// the slots again.
+    pub(crate) async fn connection(&self) -> Result<ClusterLink> {
+        let (generation, lazy) = self.connections.current();
+        let conn = lazy
             .get_or_try_init(|| async {
                 tokio::time::timeout(CONNECT_TIMEOUT, self.client.get_async_connection())
                     .await
@@ -92,8 +113,54 @@ impl Cluster {
                     })?
                     .map_err(map_err)
             })
-            .await
-            .cloned()
+            .await?
+            .clone();
+        Ok(ClusterLink {
+            connections: self.connections.clone(),
+            generation,
+            lazy,
+            conn,
+        })
+    }
+}
+
+/// The cluster's connection, whose requests tell [`Cluster`] how they ended: one unanswered
+/// replaces the connection.
+#[derive(Clone)]
+pub(crate) struct ClusterLink {
+    connections: Arc<Replaceable<LazyConnection>>,
+    generation: u64,
+    lazy: LazyConnection,
+    /// For what is not one lock's request (every master's settings, keyspace scans).
+    pub(crate) conn: ClusterConnection,
+}
+
+impl redis::aio::ConnectionLike for ClusterLink {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let request = self.connections.sent_on(self.generation, self.lazy.clone());
+            let result = self.conn.req_packed_command(cmd).await;
+            ended(request, &result);
+            result
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let request = self.connections.sent_on(self.generation, self.lazy.clone());
+            let result = self.conn.req_packed_commands(pipeline, offset, count).await;
+            ended(request, &result);
+            result
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        0
     }
 }
 

@@ -70,7 +70,7 @@ impl ConnectionLike for ServerConnection {
 
 /// Tell `request`'s connection how it ended: the client's response timeout means the server left
 /// it unanswered; anything else, an error reply included, is an answer.
-fn ended<T>(request: Outgoing<'_, ConnectionManager>, result: &RedisResult<T>) {
+pub(crate) fn ended<C: Clone, T>(request: Outgoing<'_, C>, result: &RedisResult<T>) {
     match result {
         Err(e) if e.is_timeout() => request.timed_out(),
         _ => request.answered(),

@@ -46,8 +46,10 @@ use tokio::sync::watch;
 
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
+use crate::drivers::redis::connection::ended;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{self as single, KeyLayout};
+use crate::drivers::replaceable::Replaceable;
 use crate::error::{Error, Result};
 
 /// Sentinel's own default port.
@@ -152,10 +154,60 @@ struct Master {
     failovers: Option<u64>,
     address: String,
     client: redis::Client,
-    conn: MultiplexedConnection,
+    conn: MasterConnection,
     /// Renewals on this master go out together, with one `WAIT` for each batch
     /// ([`crate::drivers::redis::renewals`]).
     renewals: Arc<RenewalBatches>,
+}
+
+/// The master's connection, whose requests tell how they ended: once a request cut short by its
+/// caller has had no answer on it for the response timeout, the master has fallen silent, and
+/// the next call asks the sentinels again ([`SentinelMaster::master`]), on a new connection. A
+/// timeout does so at once ([`means_another_master`]). Never replaced under a call: a `WAIT`
+/// counts the writes of its own connection, so a call's writes and its `WAIT` share one.
+#[derive(Clone)]
+struct MasterConnection {
+    conn: MultiplexedConnection,
+    requests: Arc<Replaceable<()>>,
+}
+
+impl MasterConnection {
+    fn new(conn: MultiplexedConnection) -> Self {
+        let requests = Replaceable::new((), RESPONSE_TIMEOUT, "Redis master", || Ok(()));
+        Self {
+            conn,
+            requests: Arc::new(requests),
+        }
+    }
+}
+
+impl redis::aio::ConnectionLike for MasterConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let request = self.requests.outgoing();
+            let result = self.conn.req_packed_command(cmd).await;
+            ended(request, &result);
+            result
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let request = self.requests.outgoing();
+            let result = self.conn.req_packed_commands(pipeline, offset, count).await;
+            ended(request, &result);
+            result
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.conn.get_db()
+    }
 }
 
 fn connection_config() -> redis::AsyncConnectionConfig {
@@ -350,6 +402,9 @@ impl SentinelMaster {
     /// the question ([`Driver::counted_from`]) asks for one recent against its lease.
     async fn master_within(&self, fresh: Duration) -> Result<Master> {
         let mut current = self.current.lock().await;
+        if let Some(master) = current.take_if(|master| master.conn.requests.fell_silent()) {
+            tracing::info!(master = %master.address, "the Redis master fell silent; asking the sentinels again");
+        }
         if let Some(master) = &*current
             && let Some((asked, failovers)) = self.confirmed(&master.address, fresh)
         {
@@ -406,6 +461,7 @@ impl SentinelMaster {
                 self.config.master_name
             )));
         }
+        let conn = MasterConnection::new(conn);
         let renewals = Arc::new(RenewalBatches::new(conn.clone(), self.config.min_replicas));
         let master = Master {
             confirmed_asked,

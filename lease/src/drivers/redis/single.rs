@@ -68,7 +68,7 @@ enum Target {
 #[derive(Clone)]
 enum Connection {
     Single(ServerConnection),
-    Cluster(redis::cluster_async::ClusterConnection),
+    Cluster(crate::drivers::redis::cluster::ClusterLink),
 }
 
 impl redis::aio::ConnectionLike for Connection {
@@ -197,7 +197,9 @@ impl RedisDriver {
                 |read_on| Keeping::Durable { read_on },
             ),
             Connection::Cluster(cluster) => Keeping::from_reading(
-                self.durability.of_cluster_or_fresh(cluster, fresh).await,
+                self.durability
+                    .of_cluster_or_fresh(&mut cluster.conn, fresh)
+                    .await,
                 |read_on| Keeping::DurableClusterNode { read_on },
             ),
         })
@@ -341,7 +343,7 @@ impl Upkeep for RedisDriver {
     async fn warnings(&self) -> Result<Vec<String>> {
         match self.connection().await? {
             Connection::Cluster(mut cluster) => {
-                crate::drivers::redis::cluster::warnings(&mut cluster).await
+                crate::drivers::redis::cluster::warnings(&mut cluster.conn).await
             }
             mut single => lock_key_warnings(&mut single).await,
         }
@@ -357,7 +359,7 @@ impl Upkeep for RedisDriver {
             Target::Cluster(cluster) => {
                 let conn = cluster.connection().await?;
                 let mut held = 0;
-                for mut master in crate::drivers::redis::cluster::every_master(&conn).await? {
+                for mut master in crate::drivers::redis::cluster::every_master(&conn.conn).await? {
                     held += held_key_leases(&mut master, &self.keys, family)
                         .await?
                         .len();

@@ -95,7 +95,8 @@ pub struct TairDriver {
     /// To open [`TairDriver::raiser`].
     client: redis::Client,
     /// A connection of the counters' raises alone: `WATCH` holds for a whole connection, so no
-    /// other call may share it. Opened at the first raise, and again after one failed.
+    /// other call may share it. Opened at the first raise, and again after one failed or was cut
+    /// short.
     raiser: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
 }
 
@@ -369,20 +370,21 @@ impl TairDriver {
         keep: Option<&CounterKept>,
     ) -> Result<Option<i64>> {
         let mut raiser = self.raiser.lock().await;
-        let conn = match &mut *raiser {
+        // Out of its place while in use, and put back only after a raise that ended: a raise
+        // cut short leaves a `WATCH` on it, or a server that fell silent, so it goes.
+        let mut conn = match raiser.take() {
             Some(conn) => conn,
             None => {
                 let config = redis::AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(crate::drivers::redis::CONNECT_TIMEOUT))
                     .set_response_timeout(Some(crate::drivers::redis::RESPONSE_TIMEOUT));
-                raiser.insert(
-                    self.client
-                        .get_multiplexed_async_connection_with_config(&config)
-                        .await
-                        .map_err(tair_err)?,
-                )
+                self.client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await
+                    .map_err(tair_err)?
             }
         };
+        let conn = &mut conn;
         let key = self.keys.token(lock);
         let raised: redis::RedisResult<Option<i64>> = async {
             for _ in 0..CLAIM_ATTEMPTS {
@@ -407,8 +409,8 @@ impl TairDriver {
             Ok(None)
         }
         .await;
-        if raised.is_err() {
-            *raiser = None;
+        if raised.is_ok() {
+            *raiser = Some(conn.clone());
         }
         raised.map_err(tair_err)
     }
