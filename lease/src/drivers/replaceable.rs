@@ -9,8 +9,21 @@
 //! answer on the connection since (callers cut calls short by their own budgets). Requests
 //! still waiting on the old connection end with their own timeouts.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// What part of the server a request goes to, where an answer from one part says nothing of
+/// another: a cluster's connection reaches several nodes, and a lock's requests go to its own.
+/// [`WHOLE`] for a connection to one server.
+pub(crate) type Part = u64;
+
+/// The part of a connection to one server: all of it.
+pub(crate) const WHOLE: Part = 0;
+
+/// The most parts with a request abandoned that are remembered; past this many, they are
+/// forgotten, and the next abandoned requests counted afresh.
+const ABANDONED_PARTS: usize = 4096;
 
 /// The current connection of type `C` (cheap to clone: a handle on a shared connection), and
 /// how to make another.
@@ -28,9 +41,9 @@ struct Current<C> {
     /// connection it went out on, not one another request's timeout already put in its place.
     generation: u64,
     connection: C,
-    /// When the oldest request whose caller stopped waiting went out, if the connection has
-    /// answered nothing since.
-    abandoned_since: Option<Instant>,
+    /// For each part, when the oldest request to it whose caller stopped waiting went out, if
+    /// that part has answered nothing since.
+    abandoned: HashMap<Part, Instant>,
 }
 
 impl<C: Clone> Replaceable<C> {
@@ -49,7 +62,7 @@ impl<C: Clone> Replaceable<C> {
             current: Mutex::new(Current {
                 generation: 0,
                 connection: first,
-                abandoned_since: None,
+                abandoned: HashMap::new(),
             }),
         }
     }
@@ -65,16 +78,18 @@ impl<C: Clone> Replaceable<C> {
     /// with [`Outgoing::answered`] or [`Outgoing::timed_out`]; dropped without either, it counts
     /// as abandoned.
     pub(crate) fn outgoing(&self) -> Outgoing<'_, C> {
-        let (generation, connection) = self.current();
-        self.sent_on(generation, connection)
+        let (generation, connection) = self.current(WHOLE);
+        self.sent_on(generation, connection, WHOLE)
     }
 
-    /// The current connection and its generation, replaced first as [`Self::outgoing`] does:
-    /// for a request that goes out later ([`Self::sent_on`]), once the connection is ready.
-    pub(crate) fn current(&self) -> (u64, C) {
+    /// The current connection and its generation for a request to `part`, replaced first as
+    /// [`Self::outgoing`] does where a request abandoned on that part has gone unanswered: for a
+    /// request that goes out later ([`Self::sent_on`]), once the connection is ready.
+    pub(crate) fn current(&self, part: Part) -> (u64, C) {
         let mut current = self.lock();
         if current
-            .abandoned_since
+            .abandoned
+            .get(&part)
             .is_some_and(|since| since.elapsed() >= self.response_timeout)
         {
             let generation = current.generation;
@@ -87,11 +102,12 @@ impl<C: Clone> Replaceable<C> {
         (current.generation, current.connection.clone())
     }
 
-    /// A request going out now on `connection`, of generation `generation`.
-    pub(crate) fn sent_on(&self, generation: u64, connection: C) -> Outgoing<'_, C> {
+    /// A request to `part` going out now on `connection`, of generation `generation`.
+    pub(crate) fn sent_on(&self, generation: u64, connection: C, part: Part) -> Outgoing<'_, C> {
         Outgoing {
             owner: self,
             generation,
+            part,
             sent: Instant::now(),
             connection,
             ended: false,
@@ -105,13 +121,11 @@ impl<C: Clone> Replaceable<C> {
         self.replace(&mut current, generation, "a request timed out");
     }
 
-    /// Whether a request abandoned on the current connection has gone the response timeout
-    /// without an answer since: for a connection replaced elsewhere than here, as a Sentinel
-    /// master's is, by asking the sentinels again.
-    pub(crate) fn fell_silent(&self) -> bool {
-        self.lock()
-            .abandoned_since
-            .is_some_and(|since| since.elapsed() >= self.response_timeout)
+    /// How many times the connection was replaced, after the check [`Self::outgoing`] makes: for
+    /// a connection replaced elsewhere than here, as a Sentinel master's is, by asking the
+    /// sentinels again.
+    pub(crate) fn generation(&self) -> u64 {
+        self.current(WHOLE).0
     }
 
     /// The current connection, for a use that is not a request (reading its settings).
@@ -130,7 +144,7 @@ impl<C: Clone> Replaceable<C> {
                 *current = Current {
                     generation: generation + 1,
                     connection,
-                    abandoned_since: None,
+                    abandoned: HashMap::new(),
                 };
             }
             Err(e) => {
@@ -144,19 +158,20 @@ impl<C: Clone> Replaceable<C> {
 pub(crate) struct Outgoing<'a, C: Clone> {
     owner: &'a Replaceable<C>,
     generation: u64,
+    part: Part,
     sent: Instant,
     pub(crate) connection: C,
     ended: bool,
 }
 
 impl<C: Clone> Outgoing<'_, C> {
-    /// The server answered (an error reply is an answer too): the connection is alive, and so
-    /// is the answer to any request abandoned on it.
+    /// The server answered (an error reply is an answer too): its part of the connection is
+    /// alive, and so is the answer to any request abandoned on that part.
     pub(crate) fn answered(mut self) {
         self.ended = true;
         let mut current = self.owner.lock();
         if current.generation == self.generation {
-            current.abandoned_since = None;
+            current.abandoned.remove(&self.part);
         }
     }
 
@@ -178,9 +193,14 @@ impl<C: Clone> Drop for Outgoing<'_, C> {
             return;
         }
         let mut current = self.owner.lock();
-        if current.generation == self.generation && current.abandoned_since.is_none() {
-            current.abandoned_since = Some(self.sent);
+        if current.generation != self.generation {
+            return;
         }
+        if current.abandoned.len() >= ABANDONED_PARTS && !current.abandoned.contains_key(&self.part)
+        {
+            current.abandoned.clear();
+        }
+        current.abandoned.entry(self.part).or_insert(self.sent);
     }
 }
 
@@ -231,15 +251,22 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_falls_silent_once_an_abandoned_request_goes_unanswered_for_the_timeout() {
+    fn an_answer_from_another_part_leaves_an_abandoned_request_unanswered() {
         let timeout = Duration::from_millis(50);
         let (connections, _) = numbered(timeout);
-        drop(connections.outgoing());
-        assert!(!connections.fell_silent(), "not before the timeout");
+        let (generation, connection) = connections.current(1);
+        drop(connections.sent_on(generation, connection, 1));
+        let (generation, connection) = connections.current(2);
+        connections.sent_on(generation, connection, 2).answered();
         std::thread::sleep(timeout * 2);
-        assert!(connections.fell_silent());
-        connections.outgoing().answered();
-        assert!(!connections.fell_silent(), "answered since");
+        assert_eq!(
+            connections.current(2).1,
+            0,
+            "part 2 answered: nothing to replace"
+        );
+        assert_eq!(connections.generation(), 0);
+        assert_eq!(connections.current(1).1, 1, "part 1 stayed silent");
+        assert_eq!(connections.generation(), 1);
     }
 
     #[test]

@@ -36,7 +36,7 @@ use crate::drivers::redis::durability::Reading;
 use crate::drivers::redis::{
     CONNECT_TIMEOUT, RESPONSE_TIMEOUT, certificates, evicts_lock_keys, info_field, map_err,
 };
-use crate::drivers::replaceable::Replaceable;
+use crate::drivers::replaceable::{Outgoing, Part, Replaceable, WHOLE};
 use crate::error::{Error, Result};
 use crate::tls::Tls;
 
@@ -60,9 +60,9 @@ type LazyConnection = Arc<OnceCell<ClusterConnection>>;
 
 /// The cluster client, and its connection once made: made on first use, so that an unreachable
 /// cluster at start-up shows in readiness and answers, not as a start-up failure; and made
-/// anew once the cluster falls silent on it.
+/// anew once a node falls silent on it.
 pub(crate) struct Cluster {
-    client: ClusterClient,
+    client: Arc<ClusterClient>,
     connections: Arc<Replaceable<LazyConnection>>,
 }
 
@@ -92,7 +92,7 @@ impl Cluster {
             || Ok(LazyConnection::default()),
         );
         Ok(Self {
-            client,
+            client: Arc::new(client),
             connections: Arc::new(connections),
         })
     }
@@ -101,21 +101,10 @@ impl Cluster {
     /// node whose connection closed: it asks the nodes it knows (and else the ones listed) for
     /// the slots again.
     pub(crate) async fn connection(&self) -> Result<ClusterLink> {
-        let (generation, lazy) = self.connections.current();
-        let conn = lazy
-            .get_or_try_init(|| async {
-                tokio::time::timeout(CONNECT_TIMEOUT, self.client.get_async_connection())
-                    .await
-                    .map_err(|_| {
-                        Error::Unreachable(format!(
-                            "no Redis Cluster node answered within {CONNECT_TIMEOUT:?}"
-                        ))
-                    })?
-                    .map_err(map_err)
-            })
-            .await?
-            .clone();
+        let (generation, lazy) = self.connections.current(WHOLE);
+        let conn = made(&self.client, &lazy).await?;
         Ok(ClusterLink {
+            client: self.client.clone(),
             connections: self.connections.clone(),
             generation,
             lazy,
@@ -124,10 +113,28 @@ impl Cluster {
     }
 }
 
+/// `lazy`'s connection, made now if it was never made.
+async fn made(client: &ClusterClient, lazy: &LazyConnection) -> Result<ClusterConnection> {
+    lazy.get_or_try_init(|| async {
+        tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_connection())
+            .await
+            .map_err(|_| {
+                Error::Unreachable(format!(
+                    "no Redis Cluster node answered within {CONNECT_TIMEOUT:?}"
+                ))
+            })?
+            .map_err(map_err)
+    })
+    .await
+    .cloned()
+}
+
 /// The cluster's connection, whose requests tell [`Cluster`] how they ended: one unanswered
-/// replaces the connection.
+/// replaces the connection. Each lock's requests are a part of their own ([`Part`]): the lock's
+/// master falling silent while the others answer shows in its own requests only.
 #[derive(Clone)]
 pub(crate) struct ClusterLink {
+    client: Arc<ClusterClient>,
     connections: Arc<Replaceable<LazyConnection>>,
     generation: u64,
     lazy: LazyConnection,
@@ -135,11 +142,81 @@ pub(crate) struct ClusterLink {
     pub(crate) conn: ClusterConnection,
 }
 
+impl ClusterLink {
+    /// Ready for a request to `part`: on a new connection where a request abandoned on that
+    /// part went unanswered for the response timeout.
+    async fn refresh(&mut self, part: Part) -> RedisResult<()> {
+        let (generation, lazy) = self.connections.current(part);
+        if generation != self.generation {
+            self.conn = made(&self.client, &lazy).await.map_err(|e| {
+                redis::RedisError::from((
+                    redis::ErrorKind::Io,
+                    "no new connection to the Redis Cluster",
+                    e.to_string(),
+                ))
+            })?;
+            (self.generation, self.lazy) = (generation, lazy);
+        }
+        Ok(())
+    }
+
+    /// A request to `part` going out on the current connection.
+    fn sent(&self, part: Part) -> Outgoing<'_, LazyConnection> {
+        self.connections
+            .sent_on(self.generation, self.lazy.clone(), part)
+    }
+}
+
+/// The part of the cluster a request goes to: its first key's hash tag, which for a lock's
+/// requests is the lock (`leasehold:{lock}:lease`). A script names its keys after their count
+/// (`EVALSHA sha numkeys key...`), other commands first; one that names none is [`WHOLE`].
+fn part_of(cmd: &redis::Cmd) -> Part {
+    use std::hash::{Hash, Hasher};
+    let args: Vec<&[u8]> = cmd
+        .args_iter()
+        .map(|arg| match arg {
+            redis::Arg::Simple(arg) => arg,
+            _ => &[][..],
+        })
+        .collect();
+    let key = match args.first().map(|name| name.to_ascii_uppercase()) {
+        Some(name) if name == b"EVALSHA" || name == b"EVAL" || name == b"FCALL" => {
+            let keys = args
+                .get(2)
+                .and_then(|n| std::str::from_utf8(n).ok()?.parse::<u32>().ok());
+            args.get(3).filter(|_| keys.unwrap_or(0) > 0)
+        }
+        Some(_) => args.get(1),
+        None => None,
+    };
+    let Some(key) = key else { return WHOLE };
+    let tag = hash_tag(key);
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    tag.hash(&mut hasher);
+    // Never WHOLE itself: a lock's part is its own.
+    hasher.finish().max(1)
+}
+
+/// The part of `key` Redis Cluster hashes for its slot: between the first `{` and the next `}`
+/// when that is not empty, else the whole key.
+fn hash_tag(key: &[u8]) -> &[u8] {
+    let Some(open) = key.iter().position(|&b| b == b'{') else {
+        return key;
+    };
+    match key[open + 1..].iter().position(|&b| b == b'}') {
+        Some(len) if len > 0 => &key[open + 1..open + 1 + len],
+        _ => key,
+    }
+}
+
 impl redis::aio::ConnectionLike for ClusterLink {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let request = self.connections.sent_on(self.generation, self.lazy.clone());
-            let result = self.conn.req_packed_command(cmd).await;
+            let part = part_of(cmd);
+            self.refresh(part).await?;
+            let mut conn = self.conn.clone();
+            let request = self.sent(part);
+            let result = conn.req_packed_command(cmd).await;
             ended(request, &result);
             result
         })
@@ -152,8 +229,11 @@ impl redis::aio::ConnectionLike for ClusterLink {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let request = self.connections.sent_on(self.generation, self.lazy.clone());
-            let result = self.conn.req_packed_commands(pipeline, offset, count).await;
+            let part = pipeline.cmd_iter().next().map_or(WHOLE, part_of);
+            self.refresh(part).await?;
+            let mut conn = self.conn.clone();
+            let request = self.sent(part);
+            let result = conn.req_packed_commands(pipeline, offset, count).await;
             ended(request, &result);
             result
         })
@@ -356,4 +436,44 @@ pub(crate) async fn warnings(conn: &mut ClusterConnection) -> Result<Vec<String>
         }
     }
     Ok(warnings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hash_tag_is_what_redis_hashes() {
+        assert_eq!(hash_tag(b"leasehold:{jobs}:lease"), b"jobs");
+        assert_eq!(
+            hash_tag(b"{}:lease"),
+            b"{}:lease",
+            "an empty tag hashes the whole key"
+        );
+        assert_eq!(hash_tag(b"plain"), b"plain");
+        assert_eq!(hash_tag(b"a{b"), b"a{b");
+    }
+
+    #[test]
+    fn a_locks_requests_are_one_part_and_another_locks_another() {
+        let script = |key: &str| {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg("0123abcd")
+                .arg(2)
+                .arg(key)
+                .arg(format!("{key}:token"))
+                .arg("holder");
+            cmd
+        };
+        let lease = part_of(&script("leasehold:{jobs}:lease"));
+        let mut get = redis::cmd("GET");
+        get.arg("leasehold:{jobs}:token");
+        assert_eq!(part_of(&get), lease, "the lock's keys share its part");
+        assert_ne!(part_of(&script("leasehold:{other}:lease")), lease);
+        assert_ne!(lease, WHOLE);
+        let mut none = redis::cmd("EVALSHA");
+        none.arg("0123abcd").arg(0).arg("holder");
+        assert_eq!(part_of(&none), WHOLE, "a script with no keys");
+        assert_eq!(part_of(&redis::cmd("PING")), WHOLE);
+    }
 }

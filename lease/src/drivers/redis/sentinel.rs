@@ -402,7 +402,9 @@ impl SentinelMaster {
     /// the question ([`Driver::counted_from`]) asks for one recent against its lease.
     async fn master_within(&self, fresh: Duration) -> Result<Master> {
         let mut current = self.current.lock().await;
-        if let Some(master) = current.take_if(|master| master.conn.requests.fell_silent()) {
+        // Replaced in the requests' books (a timeout, or a request cut short and unanswered
+        // since for the response timeout): the master fell silent on its connection.
+        if let Some(master) = current.take_if(|master| master.conn.requests.generation() != 0) {
             tracing::info!(master = %master.address, "the Redis master fell silent; asking the sentinels again");
         }
         if let Some(master) = &*current

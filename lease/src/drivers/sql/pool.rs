@@ -19,7 +19,7 @@ use sqlx::any::{AnyArguments, AnyPoolOptions, AnyQueryResult, AnyRow};
 use sqlx::pool::PoolConnection;
 use sqlx::{Any, AnyConnection, AnyPool};
 
-use crate::drivers::replaceable::{Outgoing, Replaceable};
+use crate::drivers::replaceable::{Outgoing, Replaceable, WHOLE};
 use crate::error::Error;
 
 /// How long a statement waits for the server's answer. A lock statement answers in milliseconds;
@@ -55,10 +55,10 @@ impl StatementPool {
 
     /// A connection of the pool's for one statement or several (a transaction).
     pub(crate) async fn session(&self) -> Result<PooledSession<'_>, sqlx::Error> {
-        let (generation, pool) = self.pools.current();
+        let (generation, pool) = self.pools.current(WHOLE);
         match pool.acquire().await {
             Ok(connection) => Ok(PooledSession {
-                request: Some(self.pools.sent_on(generation, pool)),
+                request: Some(self.pools.sent_on(generation, pool, WHOLE)),
                 connection: Some(connection),
                 answer_pending: false,
             }),
