@@ -5,7 +5,10 @@
 use std::time::Duration;
 
 use leasehold_lease::{Acquire, Backend};
-use leasehold_testkit::{FaultProxy, RedisCluster, campaign, claims, driver_for, unique_lock};
+use leasehold_testkit::{
+    FaultProxy, RedisCluster, RedisServer, campaign, claims, driver_for, unique_lock,
+    until_pattern_subscribers,
+};
 use tokio::time::{Instant, sleep, timeout};
 
 fn lease_key(lock: &str) -> String {
@@ -222,9 +225,12 @@ async fn a_release_on_any_master_wakes_a_waiter() {
     let ttl = Duration::from_secs(5);
     for (node, lock) in locks.iter().flatten().enumerate() {
         let mut changes = waiter.changes(lock).expect("release notices");
-        // The waiter's subscription wakes every feed once it is (re)established.
         if node == 0 {
-            let _ = timeout(Duration::from_secs(3), changes.changed()).await;
+            let nodes: Vec<&RedisServer> = cluster.nodes.iter().collect();
+            assert!(
+                until_pattern_subscribers(&nodes, 2, Duration::from_secs(10)).await,
+                "the release listeners did not subscribe"
+            );
         }
         changes.borrow_and_update();
         let Acquire::Acquired(lease) = holder.try_acquire(lock, "a", ttl).await.unwrap() else {

@@ -7,7 +7,9 @@
 use std::time::Duration;
 
 use leasehold_lease::{Acquire, Backend, Lease};
-use leasehold_testkit::{FaultProxy, RedisServer, command_calls, driver_for, unique_lock};
+use leasehold_testkit::{
+    FaultProxy, RedisServer, command_calls, driver_for, unique_lock, until_pattern_subscribers,
+};
 use tokio::time::timeout;
 
 const TTL: Duration = Duration::from_secs(5);
@@ -39,8 +41,10 @@ async fn a_release_publishes_only_after_an_attempt_found_the_lock_held() {
     let lock = unique_lock("notice");
     let mark = format!("leasehold:{{{lock}}}:waiters");
     let mut changes = waiter.changes(&lock).expect("release notices");
-    // The listener's subscription moves every feed once it is established.
-    let _ = timeout(Duration::from_secs(3), changes.changed()).await;
+    assert!(
+        until_pattern_subscribers(&[&server], 2, Duration::from_secs(10)).await,
+        "the release listeners did not subscribe"
+    );
     changes.borrow_and_update();
 
     // Nobody waited: no notice.
@@ -161,10 +165,7 @@ async fn the_documented_least_privileged_user_takes_locks_and_hears_releases() {
     let (holder, waiter) = (driver_for(&url).await, driver_for(&url).await);
     let lock = unique_lock("least");
     let mut changes = waiter.changes(&lock).expect("release notices");
-    if timeout(Duration::from_secs(3), changes.changed())
-        .await
-        .is_err()
-    {
+    if !until_pattern_subscribers(&[&server], 2, Duration::from_secs(10)).await {
         let log: redis::Value = redis::cmd("ACL")
             .arg("LOG")
             .query_async(&mut admin)
@@ -208,8 +209,10 @@ async fn a_subscription_that_falls_silent_is_made_again() {
     let waiter = driver_for(&format!("redis://127.0.0.1:{}", proxy.port)).await;
     let lock = unique_lock("silent-notice");
     let mut changes = waiter.changes(&lock).expect("release notices");
-    // The listener's subscription moves every feed once it is established.
-    let _ = timeout(Duration::from_secs(3), changes.changed()).await;
+    assert!(
+        until_pattern_subscribers(&[&server], 2, Duration::from_secs(10)).await,
+        "the release listeners did not subscribe"
+    );
     changes.borrow_and_update();
 
     proxy.strand();

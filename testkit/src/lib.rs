@@ -41,7 +41,7 @@ pub use postgres_server::PostgresServer;
 pub use redis_cluster::{RedisCluster, TlsRedisCluster};
 pub use redis_sentinel::{RedisSentinelSet, TlsRedisSentinelSet};
 pub use redis_sentinel_hosts::RedisSentinelHosts;
-pub use redis_server::{RedisServer, command_calls};
+pub use redis_server::{RedisServer, command_calls, until_pattern_subscribers};
 pub use tair_pair::TairPair;
 pub use test_network::{Forward, TestNetwork};
 pub use zookeeper_ensemble::ZooKeeperEnsemble;

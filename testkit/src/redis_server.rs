@@ -274,6 +274,24 @@ impl RedisServer {
             .expect("connect")
     }
 
+    /// How many of the server's clients hold a pattern subscription (`CLIENT LIST`'s `psub`):
+    /// a driver's release listener counts once its `PSUBSCRIBE` is made.
+    pub async fn pattern_subscribers(&self) -> usize {
+        let clients: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(&mut self.admin().await)
+            .await
+            .expect("CLIENT LIST");
+        clients
+            .lines()
+            .filter(|client| {
+                client
+                    .split_whitespace()
+                    .any(|field| field.starts_with("psub=") && field != "psub=0")
+            })
+            .count()
+    }
+
     fn spawn(&mut self) {
         let mut command = Command::new(require_binary("redis-server", "redis-server"));
         command
@@ -500,4 +518,28 @@ pub(super) fn ping(port: u16) -> bool {
         && s.read(&mut buf)
             .map(|n| buf[..n].starts_with(b"+PONG"))
             .unwrap_or(false)
+}
+
+/// Whether at least `n` clients of `servers` hold a pattern subscription within `bound`. A test
+/// waits on the server for the release listeners, not on a waiter's feed: the listener wakes
+/// only the feeds that exist when it subscribes, which may be before the test's.
+pub async fn until_pattern_subscribers(
+    servers: &[&RedisServer],
+    n: usize,
+    bound: Duration,
+) -> bool {
+    let start = tokio::time::Instant::now();
+    loop {
+        let mut subscribers = 0;
+        for server in servers {
+            subscribers += server.pattern_subscribers().await;
+        }
+        if subscribers >= n {
+            return true;
+        }
+        if start.elapsed() > bound {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
