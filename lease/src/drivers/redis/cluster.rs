@@ -31,7 +31,7 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRou
 use redis::{RedisFuture, RedisResult, Value};
 use tokio::sync::OnceCell;
 
-use crate::drivers::redis::connection::ended;
+use crate::drivers::redis::connection::counted;
 use crate::drivers::redis::durability::Reading;
 use crate::drivers::redis::{
     CONNECT_TIMEOUT, RESPONSE_TIMEOUT, certificates, evicts_lock_keys, info_field, map_err,
@@ -172,21 +172,20 @@ impl ClusterLink {
 /// (`EVALSHA sha numkeys key...`), other commands first; one that names none is [`WHOLE`].
 fn part_of(cmd: &redis::Cmd) -> Part {
     use std::hash::{Hash, Hasher};
-    let args: Vec<&[u8]> = cmd
-        .args_iter()
-        .map(|arg| match arg {
-            redis::Arg::Simple(arg) => arg,
-            _ => &[][..],
-        })
-        .collect();
-    let key = match args.first().map(|name| name.to_ascii_uppercase()) {
-        Some(name) if name == b"EVALSHA" || name == b"EVAL" || name == b"FCALL" => {
-            let keys = args
-                .get(2)
-                .and_then(|n| std::str::from_utf8(n).ok()?.parse::<u32>().ok());
-            args.get(3).filter(|_| keys.unwrap_or(0) > 0)
+    let arg = |i: usize| match cmd.args_iter().nth(i) {
+        Some(redis::Arg::Simple(arg)) => Some(arg),
+        _ => None,
+    };
+    let key = match arg(0) {
+        Some(name)
+            if [&b"EVALSHA"[..], b"EVAL", b"FCALL"]
+                .iter()
+                .any(|script| name.eq_ignore_ascii_case(script)) =>
+        {
+            let keys = arg(2).and_then(|n| std::str::from_utf8(n).ok()?.parse::<u32>().ok());
+            arg(3).filter(|_| keys.unwrap_or(0) > 0)
         }
-        Some(_) => args.get(1),
+        Some(_) => arg(1),
         None => None,
     };
     let Some(key) = key else { return WHOLE };
@@ -215,10 +214,7 @@ impl redis::aio::ConnectionLike for ClusterLink {
             let part = part_of(cmd);
             self.refresh(part).await?;
             let mut conn = self.conn.clone();
-            let request = self.sent(part);
-            let result = conn.req_packed_command(cmd).await;
-            ended(request, &result);
-            result
+            counted(self.sent(part), conn.req_packed_command(cmd)).await
         })
     }
 
@@ -232,10 +228,11 @@ impl redis::aio::ConnectionLike for ClusterLink {
             let part = pipeline.cmd_iter().next().map_or(WHOLE, part_of);
             self.refresh(part).await?;
             let mut conn = self.conn.clone();
-            let request = self.sent(part);
-            let result = conn.req_packed_commands(pipeline, offset, count).await;
-            ended(request, &result);
-            result
+            counted(
+                self.sent(part),
+                conn.req_packed_commands(pipeline, offset, count),
+            )
+            .await
         })
     }
 

@@ -39,10 +39,9 @@ impl ServerConnection {
 impl ConnectionLike for ServerConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
-            let mut request = self.connections.outgoing();
-            let result = request.connection.req_packed_command(cmd).await;
-            ended(request, &result);
-            result
+            let request = self.connections.outgoing();
+            let mut conn = request.connection.clone();
+            counted(request, conn.req_packed_command(cmd)).await
         })
     }
 
@@ -53,13 +52,9 @@ impl ConnectionLike for ServerConnection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let mut request = self.connections.outgoing();
-            let result = request
-                .connection
-                .req_packed_commands(pipeline, offset, count)
-                .await;
-            ended(request, &result);
-            result
+            let request = self.connections.outgoing();
+            let mut conn = request.connection.clone();
+            counted(request, conn.req_packed_commands(pipeline, offset, count)).await
         })
     }
 
@@ -68,11 +63,16 @@ impl ConnectionLike for ServerConnection {
     }
 }
 
-/// Tell `request`'s connection how it ended: the client's response timeout means the server left
-/// it unanswered; anything else, an error reply included, is an answer.
-pub(crate) fn ended<C: Clone, T>(request: Outgoing<'_, C>, result: &RedisResult<T>) {
-    match result {
+/// `answer` to `request`, told to its connection as it ends: the client's response timeout
+/// means the server left it unanswered; anything else, an error reply included, is an answer.
+pub(crate) async fn counted<C: Clone, T>(
+    request: Outgoing<'_, C>,
+    answer: impl Future<Output = RedisResult<T>>,
+) -> RedisResult<T> {
+    let result = answer.await;
+    match &result {
         Err(e) if e.is_timeout() => request.timed_out(),
         _ => request.answered(),
     }
+    result
 }

@@ -46,7 +46,7 @@ use tokio::sync::watch;
 
 use crate::boot_clock::BootInstant;
 use crate::driver::{Acquire, ChangeFeeds, Driver, Holding, Lease, Upkeep};
-use crate::drivers::redis::connection::ended;
+use crate::drivers::redis::connection::counted;
 use crate::drivers::redis::renewals::RenewalBatches;
 use crate::drivers::redis::{self as single, KeyLayout};
 use crate::drivers::replaceable::Replaceable;
@@ -184,10 +184,7 @@ impl MasterConnection {
 impl redis::aio::ConnectionLike for MasterConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
         Box::pin(async move {
-            let request = self.requests.outgoing();
-            let result = self.conn.req_packed_command(cmd).await;
-            ended(request, &result);
-            result
+            counted(self.requests.outgoing(), self.conn.req_packed_command(cmd)).await
         })
     }
 
@@ -198,10 +195,11 @@ impl redis::aio::ConnectionLike for MasterConnection {
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let request = self.requests.outgoing();
-            let result = self.conn.req_packed_commands(pipeline, offset, count).await;
-            ended(request, &result);
-            result
+            counted(
+                self.requests.outgoing(),
+                self.conn.req_packed_commands(pipeline, offset, count),
+            )
+            .await
         })
     }
 
