@@ -292,10 +292,12 @@ async fn a_holder_that_hears_only_a_minority_of_the_sentinels_stops_within_the_l
 
     proxies[2].cut();
     sleep(lease + Duration::from_secs(1)).await;
-    assert_eq!(
-        a.answer().token(),
-        Some(token),
-        "two of three sentinels are a majority: {:?}",
+    // Still claiming, with the same token: its renewals went through. (Its answer may be
+    // "unknown" at this instant, while a renewal runs past its budget on a slow machine.)
+    let held = a.snapshot().held;
+    assert!(
+        leasehold_testkit::claims(&a) && held.as_ref().map(|h| h.token) == Some(token),
+        "two of three sentinels are a majority: {held:?}, {:?}",
         a.answer()
     );
 

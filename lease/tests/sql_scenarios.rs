@@ -993,6 +993,33 @@ async fn await_advisory(
     }
 }
 
+/// Waits until `driver`'s LISTEN connection hears a notice on a lock of its own. Its listener
+/// wakes every feed once it listens, which a test's feed taken earlier sees whenever that is:
+/// after this returns, a wake-up on the feed comes from a notice.
+async fn until_listening(driver: &dyn leasehold_lease::Backend, admin: &mut sqlx::AnyConnection) {
+    let probe = unique_lock("probe");
+    let mut heard = driver.changes(&probe).expect("a change feed");
+    let since = tokio::time::Instant::now();
+    loop {
+        sqlx::query("SELECT CAST(pg_notify($1, $2) AS TEXT)")
+            .bind(leasehold_lease::sql::RELEASE_CHANNEL)
+            .bind(&probe)
+            .execute(&mut *admin)
+            .await
+            .expect("pg_notify");
+        if tokio::time::timeout(Duration::from_millis(100), heard.changed())
+            .await
+            .is_ok()
+        {
+            return;
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(10),
+            "the driver never listened for release notices"
+        );
+    }
+}
+
 /// A PostgreSQL lock handed over in lease mode from `a` (one process's driver) to `b` (another
 /// process's), whose statement that takes the row was blocked inside the server on `a`'s
 /// advisory lock for about `blocked_for`: what the tests of a woken waiter look at.
@@ -1051,6 +1078,7 @@ async fn hand_over_to_a_blocked_waiter(
     })
     .await;
     let waiting_pid = blocked.iter().find(|(_, granted)| !granted).unwrap().0;
+    until_listening(&*waiter, &mut admin).await;
     tokio::time::sleep(blocked_for).await;
     changes.borrow_and_update();
     let releasing = BootInstant::now();
@@ -1269,6 +1297,7 @@ async fn a_woken_claim_ends_with_its_row(step: &str, commit_delay: Duration, ttl
     .execute(&mut admin)
     .await
     .expect("step the clock");
+    until_listening(&*waiter, &mut admin).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     changes.borrow_and_update();
     assert!(holder.release(&first).await.unwrap());
@@ -1444,7 +1473,9 @@ async fn idle_keys_rows_are_deleted(h: &mut dyn Harness, url: &str, row_lock: bo
         unique_lock("plain"),
         format!("{decoy}.keys.idle"),
     );
-    let take = async |lock: &str| match driver.try_acquire(lock, "a", LEASE).await {
+    // Nothing renews the held key: its lease outlasts the sweeps on a slow machine.
+    let take = async |lock: &str| match driver.try_acquire(lock, "a", Duration::from_secs(60)).await
+    {
         Ok(Acquire::Acquired(lease)) => lease,
         other => panic!("{lock}: {other:?}"),
     };
@@ -2205,8 +2236,9 @@ async fn renewals_at_once_go_together(
     let mut asked: Vec<(Lease, bool)> = Vec::new();
     for i in 0..LOCKS {
         let lock = unique_lock(&format!("renew-{i}"));
+        // Long enough to outlast a slow machine's setup: an expired lease is not renewed.
         let Acquire::Acquired(mut lease) = driver
-            .try_acquire(&lock, "pod-a", Duration::from_secs(2))
+            .try_acquire(&lock, "pod-a", Duration::from_secs(60))
             .await
             .expect("acquire")
         else {
@@ -2233,7 +2265,7 @@ async fn renewals_at_once_go_together(
     let answers = futures_util::future::join_all(
         asked
             .iter()
-            .map(|(lease, _)| driver.renew(lease, Duration::from_secs(30))),
+            .map(|(lease, _)| driver.renew(lease, Duration::from_secs(120))),
     )
     .await;
     let count = statements(admin).await - before;
@@ -2244,7 +2276,7 @@ async fn renewals_at_once_go_together(
             .await
             .expect("observe")
             .expect("held");
-        let extended = holding.expires_in.expect("expiry") > Duration::from_secs(10);
+        let extended = holding.expires_in.expect("expiry") > Duration::from_secs(60);
         assert_eq!(extended, *owned, "{}: {holding:?}", lease.lock);
     }
     // Batches of one send 40 or more. The bound leaves room for a loaded machine, where the
@@ -2298,7 +2330,9 @@ async fn mariadb_a_waiters_poll_is_two_statements() {
         .expect("admin connection");
     let (holder, waiter) = (h.driver().await, h.driver().await);
     let lock = unique_lock("polled");
-    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "a", LEASE).await.unwrap() else {
+    // Nothing renews it: its lease outlasts the quiet wait and the polls on a slow machine.
+    let held_for = Duration::from_secs(60);
+    let Acquire::Acquired(lease) = holder.try_acquire(&lock, "a", held_for).await.unwrap() else {
         panic!("{lock} is free");
     };
     let busy = waiter.try_acquire(&lock, "b", LEASE).await.unwrap();

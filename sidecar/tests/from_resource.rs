@@ -561,8 +561,7 @@ async fn status_writes_cost_the_sidecar_no_secret_reads() {
         state.locks()[0].answer().is_holder()
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let before = api.requests();
+    let before = api.settled_requests().await;
     for transitions in 1..=10 {
         lock["status"] =
             json!({"holder": "pod-a", "fencingToken": transitions, "transitions": transitions});
@@ -781,12 +780,12 @@ async fn a_rotated_password_reaches_the_running_lock() {
     let token = state.locks()[0].answer().token().unwrap();
     cut_app_connections(&redis);
     tokio::time::sleep(Duration::from_secs(4)).await;
-    assert_eq!(
-        state.locks()[0].answer().token(),
-        Some(token),
-        "{:?}",
-        state.locks()[0].answer()
-    );
+    // Its answer is "unknown" for a moment where a renewal runs past its budget on a slow
+    // machine; a lost lock would come back with a greater token, or none.
+    eventually("pod-a still holds, with the same token", || {
+        state.locks()[0].answer().token() == Some(token)
+    })
+    .await;
     follower.abort();
 }
 

@@ -1268,8 +1268,10 @@ pub async fn an_unknown_place_of_its_own_is_cleared<D: PutsUnknownPlaces + 'stat
 /// its release wakes the first of them and nobody else, and that one holds with the next token.
 pub async fn one_release_wakes_exactly_one_waiter<D: CountsWakeups>(client: impl Fn() -> D) {
     const WAITERS: usize = 50;
-    // Long enough that no waiter's place needs its engine to come back during the test.
-    const TTL: Duration = Duration::from_secs(10);
+    // Nothing renews the holder or the waiters' places: long enough to outlast fifty sessions
+    // opened one after another on a slow machine, within ZooKeeper's default
+    // `maxSessionTimeout` (40 s).
+    const TTL: Duration = Duration::from_secs(30);
     let lock = unique_lock("herd");
     let holder = client();
     let Acquire::Acquired(lease) = holder.try_acquire(&lock, "holder", TTL).await.unwrap() else {

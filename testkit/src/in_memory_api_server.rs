@@ -404,6 +404,26 @@ impl InMemoryApiServer {
         self.requests.load(Ordering::Relaxed)
     }
 
+    /// [`requests`](Self::requests) once none has come for half a second: the calls a change
+    /// set off (a status write, its Event, the reconcile they bring) are over by then, on a
+    /// machine however loaded.
+    pub async fn settled_requests(&self) -> u64 {
+        let since = std::time::Instant::now();
+        let mut before = self.requests();
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            let now = self.requests();
+            if now == before {
+                return now;
+            }
+            assert!(
+                since.elapsed() < std::time::Duration::from_secs(30),
+                "the API server's clients never went quiet"
+            );
+            before = now;
+        }
+    }
+
     /// How many requests were served, by method and resource (`GET leases`, `WATCH leases`,
     /// `PATCH distributedlocks/status`).
     pub fn requests_by_kind(&self) -> BTreeMap<String, u64> {

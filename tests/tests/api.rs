@@ -293,6 +293,9 @@ fn events_stream_reports_changes() {
     let lock = unique_lock("events");
     let s = Sidecar::start("a", &sqlite_backend(&dir), &lock, &["--mode", "on-demand"]);
     let addr = s.addr;
+    // The stream is subscribed before its first event (`state`) goes out: changes made after
+    // that event reaches the reader are on the stream.
+    let (subscribed, on_stream) = std::sync::mpsc::channel();
     let reader = std::thread::spawn(move || {
         use std::io::{BufRead, BufReader, Write};
         let mut stream = std::net::TcpStream::connect(addr).unwrap();
@@ -307,6 +310,7 @@ fn events_stream_reports_changes() {
             let Ok(line) = line else { break };
             if let Some(kind) = line.strip_prefix("event: ") {
                 kinds.push(kind.to_owned());
+                let _ = subscribed.send(());
                 if kinds.len() == 3 {
                     break;
                 }
@@ -314,7 +318,9 @@ fn events_stream_reports_changes() {
         }
         kinds
     });
-    std::thread::sleep(Duration::from_millis(300));
+    on_stream
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the event stream's first event");
     assert_eq!(s.post("/lock/acquire?wait=5s").status, 200);
     assert_eq!(s.post("/lock/release").status, 200);
     assert_eq!(reader.join().unwrap(), ["state", "acquired", "released"]);

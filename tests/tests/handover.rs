@@ -12,8 +12,9 @@ use nix::sys::signal::Signal;
 
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
-/// Headroom for a loaded CI machine; the bounds under test come on top of it.
-const SLACK: Duration = Duration::from_secs(1);
+/// Headroom for a loaded CI machine, on top of the bounds under test: the safety of a take-over
+/// is checked by the tokens and the answers, so these bounds only catch a take-over that hangs.
+const SLACK: Duration = Duration::from_secs(3);
 /// How long a sidecar may take to answer what it already knows, on a loaded machine: a hang
 /// bound, not a guarantee under test.
 const ANSWERED_WITHIN: Duration = Duration::from_secs(10);
@@ -392,14 +393,14 @@ fn sqlite_sigterm_hands_over_before_expiry() {
     assert!(took < WOKEN_WITHIN, "hand-over took {took:?}");
 }
 
-/// Two sidecar processes on one lock at the default lease, where a waiter that polled would read
-/// the row only once a second (SQLite, MySQL before they had wake-ups): a release must wake the
-/// waiter in the other process at once. The median of five hand-overs.
+/// Two sidecar processes on one lock, where a waiter that polled would read the row again only
+/// after a second (SQLite) or a renew interval of 8 s (MySQL): a release must wake the waiter in
+/// the other process at once. The median of five hand-overs.
 fn release_wakes_a_waiter_in_another_process(backend: &str) -> Duration {
     let lock = unique_lock("wake");
-    let on_demand = ["--mode", "on-demand"];
-    let a = Sidecar::start("a", backend, &lock, &on_demand);
-    let b = Sidecar::start("b", backend, &lock, &on_demand);
+    let args = [["--mode", "on-demand"].as_slice(), SIGTERM_TIMING].concat();
+    let a = Sidecar::start("a", backend, &lock, &args);
+    let b = Sidecar::start("b", backend, &lock, &args);
     let mut took = Vec::new();
     for round in 0..5 {
         let (holder, waiter) = if round % 2 == 0 { (&a, &b) } else { (&b, &a) };
@@ -410,8 +411,10 @@ fn release_wakes_a_waiter_in_another_process(backend: &str) -> Duration {
             let reply = http(addr, "POST", "/lock/acquire?wait=20s&hold=1m").expect("acquire");
             (reply, Instant::now())
         });
-        // Well into the wait: the waiter has read the row and found it held.
-        std::thread::sleep(Duration::from_millis(700));
+        // The waiter has read the row and found it held (a first attempt takes milliseconds), and
+        // its next poll (0.8 to 1.2 of the poll interval after the first) is 650 ms away at the
+        // soonest.
+        std::thread::sleep(Duration::from_millis(150));
         let released = Instant::now();
         assert_eq!(holder.post("/lock/release").status, 200);
         let (reply, at) = waiting.join().unwrap();
@@ -431,8 +434,8 @@ fn sqlite_release_wakes_a_waiter_in_another_process_at_once() {
         "sqlite://{}/locks.db",
         dir.path().display()
     ));
-    // Polling the file once a second would put the median near half a second.
-    assert!(median < Duration::from_millis(200), "median {median:?}");
+    // Polling the file once a second would put every hand-over above 650 ms.
+    assert!(median < Duration::from_millis(500), "median {median:?}");
 }
 
 #[test]
@@ -440,15 +443,16 @@ fn mariadb_row_lock_release_wakes_a_waiter_in_another_process_at_once() {
     let mariadb = MariaDbServer::start();
     let median =
         release_wakes_a_waiter_in_another_process(&format!("{}?mode=row-lock", mariadb.url()));
-    assert!(median < Duration::from_millis(200), "median {median:?}");
+    // Polling once a renew interval would put every hand-over above 6 s.
+    assert!(median < Duration::from_secs(2), "median {median:?}");
 }
 
 #[test]
 fn mariadb_release_wakes_a_waiter_in_another_process_at_once() {
     let mariadb = MariaDbServer::start();
     let median = release_wakes_a_waiter_in_another_process(&mariadb.url());
-    // Polling the row five times per renew interval would put the median near half a second.
-    assert!(median < Duration::from_millis(200), "median {median:?}");
+    // Polling once a renew interval would put every hand-over above 6 s.
+    assert!(median < Duration::from_secs(2), "median {median:?}");
 }
 
 /// A holder frozen longer than its lease is replaced, and answers "not holder" the moment it

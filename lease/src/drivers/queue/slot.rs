@@ -347,7 +347,8 @@ mod tests {
     async fn an_expiry_set_before_the_tending_task_waits_still_wakes_it() {
         let slot = Arc::new(QueueSlot::new());
         // Acquired before the task first waits, as a fast acquisition may be.
-        let until = Instant::now() + Duration::from_millis(300);
+        // Far enough that it has not passed by the renewal below on a slow machine.
+        let until = Instant::now() + Duration::from_secs(5);
         assert!(slot.hold_until(until));
         tokio::time::timeout(Duration::from_secs(5), slot.expiry_moved())
             .await
