@@ -169,22 +169,42 @@ impl ClusterLink {
 
 /// The part of the cluster a request goes to: its first key's hash tag, which for a lock's
 /// requests is the lock (`leasehold:{lock}:lease`). A script names its keys after their count
-/// (`EVALSHA sha numkeys key...`), other commands first; one that names none is [`WHOLE`].
+/// (`EVALSHA sha numkeys key...`), other commands first; one that names none, such as the
+/// `SCRIPT LOAD` redis-rs sends to every node after a `NOSCRIPT`, is [`WHOLE`].
 fn part_of(cmd: &redis::Cmd) -> Part {
     use std::hash::{Hash, Hasher};
+    /// Commands whose first argument is a subcommand or a value, never a key.
+    const KEYLESS: [&[u8]; 10] = [
+        b"SCRIPT",
+        b"CONFIG",
+        b"CLIENT",
+        b"CLUSTER",
+        b"INFO",
+        b"PING",
+        b"FUNCTION",
+        b"COMMAND",
+        b"WAIT",
+        b"ECHO",
+    ];
+    const SCRIPTS: [&[u8]; 6] = [
+        b"EVALSHA",
+        b"EVAL",
+        b"FCALL",
+        b"EVALSHA_RO",
+        b"EVAL_RO",
+        b"FCALL_RO",
+    ];
     let arg = |i: usize| match cmd.args_iter().nth(i) {
         Some(redis::Arg::Simple(arg)) => Some(arg),
         _ => None,
     };
+    let is = |name: &[u8], names: &[&[u8]]| names.iter().any(|n| name.eq_ignore_ascii_case(n));
     let key = match arg(0) {
-        Some(name)
-            if [&b"EVALSHA"[..], b"EVAL", b"FCALL"]
-                .iter()
-                .any(|script| name.eq_ignore_ascii_case(script)) =>
-        {
+        Some(name) if is(name, &SCRIPTS) => {
             let keys = arg(2).and_then(|n| std::str::from_utf8(n).ok()?.parse::<u32>().ok());
             arg(3).filter(|_| keys.unwrap_or(0) > 0)
         }
+        Some(name) if is(name, &KEYLESS) => None,
         Some(_) => arg(1),
         None => None,
     };
@@ -472,5 +492,14 @@ mod tests {
         none.arg("0123abcd").arg(0).arg("holder");
         assert_eq!(part_of(&none), WHOLE, "a script with no keys");
         assert_eq!(part_of(&redis::cmd("PING")), WHOLE);
+        let mut load = redis::cmd("script");
+        load.arg("LOAD").arg("return 1");
+        assert_eq!(part_of(&load), WHOLE, "a subcommand is not a key");
+        let mut read_only = redis::cmd("EVALSHA_RO");
+        read_only
+            .arg("0123abcd")
+            .arg(1)
+            .arg("leasehold:{jobs}:lease");
+        assert_eq!(part_of(&read_only), lease);
     }
 }
