@@ -67,6 +67,9 @@ pub enum TermEnd<S> {
     Signalled(S),
     /// The replica lost the leadership.
     Deposed,
+    /// The controller ended on its own while the replica led (a panic, say): the replica
+    /// would keep renewing the Lease and reconcile nothing, so it must hand the leadership over.
+    ControllerEnded,
 }
 
 /// Reconcile while leading: `reconcile` starts the controller, which runs until its stop is
@@ -90,6 +93,12 @@ pub async fn reconcile_while_leading<S>(
     let end = tokio::select! {
         signal = signal => TermEnd::Signalled(signal),
         () = &mut deposed => TermEnd::Deposed,
+        ended = &mut controller => {
+            if let Err(e) = ended {
+                tracing::error!(error = %e, "the reconciler failed");
+            }
+            return TermEnd::ControllerEnded;
+        }
     };
     match end {
         TermEnd::Signalled(_) => {
@@ -106,6 +115,8 @@ pub async fn reconcile_while_leading<S>(
             controller.abort();
         }
         TermEnd::Deposed => controller.abort(),
+        // Returned as it ended, above: nothing is left to stop.
+        TermEnd::ControllerEnded => return end,
     }
     let _ = controller.await;
     end

@@ -163,6 +163,18 @@ async fn run(config: Config) -> Result<ExitCode, String> {
             election::TermEnd::Deposed => tracing::warn!(
                 "lost the leader election: reconciling stopped; standing by, the webhook serves on"
             ),
+            // Restarted by the kubelet, the replica stands for election again; meanwhile a
+            // standby leads at once rather than after the Lease runs out.
+            election::TermEnd::ControllerEnded => {
+                tracing::error!(
+                    "the reconciler stopped while leading: handing the leadership over and exiting"
+                );
+                leadership.shutdown().await;
+                turn_ready.abort();
+                ready.store(false, Ordering::SeqCst);
+                tokio::time::sleep(WEBHOOK_DRAIN).await;
+                return Ok(ExitCode::FAILURE);
+            }
         }
     };
     tracing::info!(signal, "shutting down");

@@ -114,10 +114,13 @@ pub async fn run(
         // The operator's own status writes are left out of what starts a reconcile: a lock
         // whose holder changed again by the time its status was written would otherwise be
         // reconciled again by that write, in a loop as fast as the API server answers.
+        // A watch the API server refuses (an upgrade of the control plane, the CRD not
+        // installed yet, a token expired) is retried after a growing pause of its own: the
+        // controller's shared one is reset by every change of a Lease.
         let (reader, writer) = reflector::store();
         let lock_changes = reflector(
             writer,
-            watcher(locks, watcher::Config::default().any_semantic()),
+            watcher(locks, watcher::Config::default().any_semantic()).default_backoff(),
         )
         .applied_objects()
         .predicate_filter(what_asks_for_a_reconcile, Default::default());
@@ -144,8 +147,21 @@ pub async fn run(
             controller
                 .run(reconcile, error_policy, ctx.clone())
                 .for_each(|outcome| async move {
-                    if let Err(e) = outcome {
-                        tracing::debug!(error = %e, "reconcile did not complete");
+                    use kube::runtime::controller::Error as Failed;
+                    match outcome {
+                        // A resumed watch whose revision was compacted lists again: routine.
+                        Err(Failed::QueueError(watcher::Error::WatchError(status)))
+                            if status.code == 410 =>
+                        {
+                            tracing::debug!(error = %status, "a watch restarts from a list");
+                        }
+                        // The watches failing: nothing is reconciled until they are back.
+                        Err(e @ Failed::QueueError(_)) => {
+                            tracing::warn!(error = %e, "watching the locks or their Leases failed; retrying");
+                        }
+                        // A reconcile's own error is logged and counted by `error_policy`.
+                        Err(e) => tracing::debug!(error = %e, "reconcile did not complete"),
+                        Ok(_) => {}
                     }
                 }),
         );

@@ -39,6 +39,11 @@ pub const DAPR_ANNOTATION: &str = "leasehold.dev/dapr-api";
 /// sidecar asks every 5 s (`--app-health`), stepping down after three failures in a row.
 pub const APP_HEALTH_ANNOTATION: &str = "leasehold.dev/app-health";
 
+/// The annotation that starts the native sidecar before one of the pod's init containers
+/// (its name), so that init container can take a lock (a migration run with `leasehold-sidecar
+/// exec --via`); by default the sidecar comes after every init container the pod declares.
+pub const START_BEFORE_ANNOTATION: &str = "leasehold.dev/start-before";
+
 /// Dapr's default ports, which Dapr's SDKs use unless `DAPR_HTTP_PORT` / `DAPR_GRPC_PORT` say
 /// otherwise.
 pub const DAPR_HTTP_LISTEN: &str = "127.0.0.1:3500";
@@ -337,6 +342,43 @@ fn flag_annotation(pod: &Pod, annotation: &str) -> Result<bool, String> {
         Some(other) => Err(format!(
             "annotation {annotation}={other:?}: expected \"true\" or \"false\""
         )),
+    }
+}
+
+/// Where the native sidecar goes among the pod's init containers: before the one
+/// [`START_BEFORE_ANNOTATION`] names (its index), or after them all (`None`). Refused when no
+/// init container has that name, or when the sidecar is a plain container, which starts only
+/// after every init container has finished.
+fn start_before(pod: &Pod, native_sidecar: bool) -> Result<Option<usize>, String> {
+    let Some(name) = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(START_BEFORE_ANNOTATION))
+    else {
+        return Ok(None);
+    };
+    if !native_sidecar {
+        return Err(format!(
+            "annotation {START_BEFORE_ANNOTATION}={name:?}: the sidecar is injected as a plain container here (the chart's sidecar.mode=container), which starts after every init container; init containers can take a lock only from a native sidecar (Kubernetes 1.29 and later)"
+        ));
+    }
+    let init = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_deref())
+        .unwrap_or_default();
+    match init.iter().position(|c| c.name == *name) {
+        Some(index) => Ok(Some(index)),
+        None if init.is_empty() => Err(format!(
+            "annotation {START_BEFORE_ANNOTATION}={name:?}: the pod has no init containers; name the init container the sidecar must start before, or leave the annotation out"
+        )),
+        None => {
+            let names: Vec<&str> = init.iter().map(|c| c.name.as_str()).collect();
+            Err(format!(
+                "annotation {START_BEFORE_ANNOTATION}={name:?}: the pod has no init container of that name (it has {names:?}); name the init container the sidecar must start before"
+            ))
+        }
     }
 }
 
@@ -641,6 +683,10 @@ pub fn decide(
         Ok(app_health) => app_health,
         Err(message) => return Decision::Deny(message),
     };
+    let before = match start_before(pod, injection.native_sidecar) {
+        Ok(before) => before,
+        Err(message) => return Decision::Deny(message),
+    };
     if let Some(args) = &mut container.args {
         if gated {
             args.push("--readiness-requires-backend".to_owned());
@@ -667,8 +713,10 @@ pub fn decide(
             // once. Its preStop hook runs earlier, beside the app's shutdown (`/resign` then
             // releases each lease only once its last answer has run out). Native sidecars
             // declared before this one are stopped after it, and may act on answers still:
-            // with any, each lease waits out its last answer on SIGTERM as well.
-            if !has_native_sidecars(pod) {
+            // with any, each lease waits out its last answer on SIGTERM as well. So does a
+            // sidecar started before an init container: the kubelet signals it while that init
+            // container may still run, and acts on its lock.
+            if !has_native_sidecars(pod) && before.is_none() {
                 args.push("--apps-stop-first".to_owned());
             }
         } else {
@@ -689,7 +737,9 @@ pub fn decide(
     } else {
         ("containers", true)
     };
-    let op = if present {
+    let op = if let Some(index) = before {
+        json!({"op": "add", "path": format!("/spec/{list}/{index}"), "value": value})
+    } else if present {
         json!({"op": "add", "path": format!("/spec/{list}/-"), "value": value})
     } else {
         json!({"op": "add", "path": format!("/spec/{list}"), "value": [value]})

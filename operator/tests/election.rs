@@ -117,6 +117,24 @@ async fn a_deposed_leaders_reconciles_are_cut_short() {
     assert!(dropped.load(Ordering::SeqCst), "a reconcile runs on");
 }
 
+/// A leader whose reconciler ends on its own (a panic) stops leading: it would otherwise renew
+/// the Lease and reconcile nothing, and no standby would take over.
+#[tokio::test]
+async fn a_leader_whose_reconciler_ends_stops_leading() {
+    let end = tokio::time::timeout(
+        Duration::from_secs(5),
+        election::reconcile_while_leading(
+            |_stop| tokio::spawn(async { panic!("a reconciler that fails") }),
+            std::future::pending::<()>(),
+            std::future::pending::<&str>(),
+            Duration::from_secs(60),
+        ),
+    )
+    .await
+    .expect("the leader went on leading without its reconciler");
+    assert_eq!(end, election::TermEnd::ControllerEnded);
+}
+
 /// A leader told to stop still leads: its reconciles finish before it hands over.
 #[tokio::test]
 async fn a_stopping_leaders_reconciles_finish() {

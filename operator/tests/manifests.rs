@@ -301,7 +301,23 @@ fn webhook_replicas_are_spread_over_nodes() {
         spread["labelSelector"]["matchLabels"],
         deployment["spec"]["selector"]["matchLabels"]
     );
-    assert_eq!(of_kind(&docs, "PodDisruptionBudget").len(), 1);
+    let zones = &spec["topologySpreadConstraints"][1];
+    assert_eq!(
+        zones["topologyKey"].as_str(),
+        Some("topology.kubernetes.io/zone")
+    );
+    assert_eq!(
+        zones["whenUnsatisfiable"].as_str(),
+        Some("ScheduleAnyway"),
+        "a cluster in one zone, or with unlabelled nodes, still schedules both replicas"
+    );
+    let budget = of_kind(&docs, "PodDisruptionBudget");
+    assert_eq!(budget.len(), 1);
+    assert_eq!(
+        budget[0]["spec"]["unhealthyPodEvictionPolicy"].as_str(),
+        Some("AlwaysAllow"),
+        "replicas that crash-loop must not hold every node drain"
+    );
 }
 
 #[test]
@@ -800,6 +816,11 @@ fn the_operators_pods_run_on_the_images_architectures_as_a_user_that_may_be_left
         );
         assert_eq!(expression["operator"].as_str(), Some("In"));
         assert_eq!(strings(&expression["values"]), ["amd64"]);
+        assert_eq!(
+            pod["nodeSelector"]["kubernetes.io/os"].as_str(),
+            Some("linux"),
+            "Windows nodes of a mixed cluster are not always tainted: {pod:?}"
+        );
         assert_eq!(pod["securityContext"]["runAsUser"].as_u64(), Some(65532));
         assert_eq!(pod["securityContext"]["runAsNonRoot"], Value::Bool(true));
     }

@@ -207,6 +207,60 @@ async fn existing_init_containers_are_kept_and_the_sidecar_appended() {
     assert_eq!(names, ["migrate", SIDECAR_NAME]);
 }
 
+/// An init container that takes a lock (a migration run under it) names itself in
+/// `leasehold.dev/start-before`: the sidecar starts before it, and its lock API answers by the
+/// time that init container runs. A name that is no init container of the pod, or a sidecar
+/// injected as a plain container (which starts after every init container), is refused with
+/// the reason.
+#[tokio::test]
+async fn the_sidecar_starts_before_the_init_container_the_pod_names() {
+    let api = api_with_locks(&["jobs"]);
+    let init = json!([
+        {"name": "fetch", "image": "example/fetch:1"},
+        {"name": "migrate", "image": "example/migrate:1"}
+    ]);
+    let named = |value: &str| {
+        let mut pod = pod(Some("jobs"), Some(init.clone()), None);
+        pod["metadata"]["annotations"][webhook::START_BEFORE_ANNOTATION] = json!(value);
+        pod
+    };
+    let (allowed, message, patched) = admit(&api, &named("migrate"), true).await;
+    assert!(allowed, "{message}");
+    let names: Vec<&str> = patched["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["fetch", SIDECAR_NAME, "migrate"]);
+    assert_eq!(
+        sidecars(&patched, "initContainers")[0]["restartPolicy"],
+        "Always"
+    );
+    // The kubelet signals the sidecar while `migrate` may still run and act on its lock: the
+    // leases wait out their last answers rather than go at once.
+    let args = args(&patched);
+    assert!(
+        !args.iter().any(|a| a == "--apps-stop-first"),
+        "released at once while an init container may still hold the lock: {args:?}"
+    );
+
+    let (allowed, message, _) = admit(&api, &named("migrat"), true).await;
+    assert!(!allowed, "a name that is no init container was admitted");
+    assert!(
+        message.contains(webhook::START_BEFORE_ANNOTATION)
+            && message.contains("\"migrat\"")
+            && message.contains("\"migrate\""),
+        "{message}"
+    );
+    let (allowed, message, _) = admit(&api, &named("migrate"), false).await;
+    assert!(
+        !allowed,
+        "a plain container cannot start before an init container"
+    );
+    assert!(message.contains("plain container"), "{message}");
+}
+
 /// A pod's own native sidecars, declared before the injected one, are stopped after it and may
 /// still act on its answers when it is signalled: there it is not told that the apps have
 /// stopped first, and each lease waits out its last answer.

@@ -175,7 +175,8 @@ impl<C: Clone> Outgoing<'_, C> {
         }
     }
 
-    /// The request never went out on the connection (none could be had): it says nothing of it.
+    /// The request never went out on the connection (none could be had), or ended on an error
+    /// the client met on its own: it says nothing of the server.
     pub(crate) fn unsent(mut self) {
         self.ended = true;
     }

@@ -64,7 +64,9 @@ impl ConnectionLike for ServerConnection {
 }
 
 /// `answer` to `request`, told to its connection as it ends: the client's response timeout
-/// means the server left it unanswered; anything else, an error reply included, is an answer.
+/// means the server left it unanswered; a reply, an error reply included, is an answer. An
+/// error of the client's own (the connection closed or refused, no connection to the node)
+/// says nothing of the server: a request abandoned earlier stays unanswered.
 pub(crate) async fn counted<C: Clone, T>(
     request: Outgoing<'_, C>,
     answer: impl Future<Output = RedisResult<T>>,
@@ -72,7 +74,52 @@ pub(crate) async fn counted<C: Clone, T>(
     let result = answer.await;
     match &result {
         Err(e) if e.is_timeout() => request.timed_out(),
+        Err(e) if !replied(e) => request.unsent(),
         _ => request.answered(),
     }
     result
+}
+
+/// Whether `e` carries the server's reply, rather than an error the client met on its own.
+fn replied(e: &redis::RedisError) -> bool {
+    use redis::ErrorKind;
+    !matches!(
+        e.kind(),
+        ErrorKind::Io
+            | ErrorKind::Client
+            | ErrorKind::ClusterConnectionNotFound
+            | ErrorKind::InvalidClientConfig
+            | ErrorKind::MasterNameNotFoundBySentinel
+            | ErrorKind::NoValidReplicasFoundBySentinel
+            | ErrorKind::EmptySentinelList
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A request abandoned on a connection, then one that ends with `error`: is the connection
+    /// replaced once the response timeout has passed?
+    async fn replaced_after(error: redis::RedisError) -> bool {
+        let timeout = Duration::from_millis(50);
+        let connections = Replaceable::new(0u32, timeout, "test", || Ok(1));
+        drop(connections.outgoing());
+        let _ = counted(connections.outgoing(), async { Err::<(), _>(error) }).await;
+        tokio::time::sleep(timeout * 2).await;
+        connections.outgoing().connection == 1
+    }
+
+    #[tokio::test]
+    async fn only_a_reply_from_the_server_answers_a_request_abandoned_before() {
+        let closed = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(
+            replaced_after(closed.into()).await,
+            "a connection closed is no sign of life from the server"
+        );
+        let reply = redis::RedisError::from((redis::ErrorKind::Extension, "ERR", "a reply".into()));
+        assert!(!replaced_after(reply).await, "an error reply is an answer");
+    }
 }
