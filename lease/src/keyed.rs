@@ -911,6 +911,15 @@ impl KeyedFamily {
                 }
             }
         }
+        // Permits above the family's count, lowered since, go to nobody new: an owner whose
+        // holding of one ended as it asked again (its hold ran out meanwhile) does not take it
+        // afresh, beside the count's holders of the lower permits.
+        if matches!(part, Part::Own(_))
+            && (1..MAX_PERMITS).contains(&permit)
+            && permit >= self.read_config(|c| c.permits)
+        {
+            return Ok(KeyAnswer::NotHeld);
+        }
         let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
             Ok(slot) => slot,
             Err(_) => {
@@ -1020,9 +1029,10 @@ impl KeyedFamily {
         }
         *state.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(holding.clone());
         // `stop` raises its flag before it looks for holdings: either it saw this one, or this
-        // sees the flag.
+        // sees the flag. In place, the holding may have been read as held by another call of
+        // its owner's meanwhile: it is let go as `stop` lets go, once that answer has run out.
         if let Err(stopped) = self.check_running() {
-            holding.lock.shutdown().await;
+            holding.lock.retire_for("stopping").await;
             self.forget(key, serial);
             return Err(stopped);
         }

@@ -919,3 +919,41 @@ async fn an_extension_after_the_hold_ended_during_a_renewal_does_not_revive_it()
     }
     lock.shutdown().await;
 }
+
+/// A key granted while its family stops (its resource deleted, its backend moved) is in place
+/// before the acquisition sees the stop, and another call of its owner's may read it as held
+/// meanwhile: it is let go as the stop lets go of every key, once the answer it was granted
+/// with has run out, not at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_granted_as_its_family_stops_is_kept_until_its_answer_ran_out() {
+    let (harness, faulty) = late_sqlite().await;
+    let name = unique_lock("stopping");
+    let family = KeyedFamily::new(
+        faulty.clone(),
+        FamilyConfig::new(&name, "pod-a", LEASE),
+        Arc::new(()),
+    )
+    .expect("family");
+    let key = family.backend_name("order-1").expect("a key");
+    // The backend grants the key at once; its answer comes back late.
+    faulty.delay_answers_to("/w1", Duration::from_millis(300));
+    let mut delayed = faulty.delayed_answers();
+    let acquiring = tokio::spawn({
+        let family = family.clone();
+        async move { family.acquire("order-1", "w1", Duration::ZERO, HOLD).await }
+    });
+    delayed.wait_for(|n| *n > 0).await.expect("the answers");
+    family.stop().await;
+    let refused = acquiring.await.expect("the acquisition");
+    assert!(
+        matches!(refused, Err(leasehold_lease::keyed::KeyError::Stopped(_))),
+        "{refused:?}"
+    );
+    let observer = sqlite(&harness).await;
+    let seen = observer.observe(&key).await.expect("observe");
+    assert_eq!(
+        seen.map(|h| h.identity),
+        Some("pod-a/w1".to_owned()),
+        "the key was released at once, while an answer about it may stand"
+    );
+}
