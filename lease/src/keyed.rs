@@ -809,14 +809,8 @@ impl KeyedFamily {
         reentrant: bool,
         in_line: InLine,
     ) -> Result<KeyAnswer, KeyError> {
-        // Permits above the family's count, lowered since, are kept by their holders but
-        // given to nobody new (a writer takes them: read_write.rs).
-        if permit > 0
-            && permit >= self.read_config(|c| c.permits)
-            && self.holding_on(key, permit, owner).is_none()
-        {
-            return Ok(KeyAnswer::NotHeld);
-        }
+        // A permit above the family's count, lowered since, is re-entered by its holder and
+        // given to nobody new: take_part_in_line decides both.
         let part = Part::Own(in_line);
         self.take_part_in_line(key, permit, owner, Duration::ZERO, hold, reentrant, part)
             .await
@@ -911,9 +905,10 @@ impl KeyedFamily {
                 }
             }
         }
-        // Permits above the family's count, lowered since, go to nobody new: an owner whose
-        // holding of one ended as it asked again (its hold ran out meanwhile) does not take it
-        // afresh, beside the count's holders of the lower permits.
+        // Permits above the family's count, lowered since, are kept by their holders (re-entered
+        // above) but go to nobody new, not even an owner whose holding of one ended as it asked
+        // again: it would hold beside the count's holders of the lower permits. A writer takes
+        // them as parts of its write lock (read_write.rs).
         if matches!(part, Part::Own(_))
             && (1..MAX_PERMITS).contains(&permit)
             && permit >= self.read_config(|c| c.permits)

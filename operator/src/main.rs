@@ -117,7 +117,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         .await
     });
 
-    let serving = start_webhook(
+    let (serving, webhook_ended) = start_webhook(
         &config,
         &unpaced_client,
         &election_namespace,
@@ -136,12 +136,17 @@ async fn run(config: Config) -> Result<ExitCode, String> {
         }
     });
     let ctx = Arc::new(Context::new(client, &identity, metrics.clone()));
-    let mut signal = std::pin::pin!(shutdown_signal());
-    let signal = loop {
+    let mut stop = std::pin::pin!(async move {
+        tokio::select! {
+            signal = shutdown_signal() => Stop::Signal(signal),
+            task = webhook_ended => Stop::TaskEnded(task),
+        }
+    });
+    let exit = loop {
         tracing::info!(%identity, namespace = %election_namespace, "waiting to lead");
         tokio::select! {
             () = election::elected(&leadership) => {}
-            signal = &mut signal => break signal,
+            stop = &mut stop => break stop.announce(),
         }
         metrics.set_leader(true);
         tracing::info!(%identity, "elected: reconciling");
@@ -152,13 +157,13 @@ async fn run(config: Config) -> Result<ExitCode, String> {
                 }))
             },
             election::deposed(&leadership),
-            &mut signal,
+            &mut stop,
             election::DRAIN_PATIENCE,
         )
         .await;
         metrics.set_leader(false);
         match end {
-            election::TermEnd::Signalled(signal) => break signal,
+            election::TermEnd::Signalled(stop) => break stop.announce(),
             // The webhook (served by every replica) keeps answering: only reconciling stops.
             election::TermEnd::Deposed => tracing::warn!(
                 "lost the leader election: reconciling stopped; standing by, the webhook serves on"
@@ -169,40 +174,63 @@ async fn run(config: Config) -> Result<ExitCode, String> {
                 tracing::error!(
                     "the reconciler stopped while leading: handing the leadership over and exiting"
                 );
-                leadership.shutdown().await;
-                turn_ready.abort();
-                ready.store(false, Ordering::SeqCst);
-                tokio::time::sleep(WEBHOOK_DRAIN).await;
-                return Ok(ExitCode::FAILURE);
+                break ExitCode::FAILURE;
             }
         }
     };
-    tracing::info!(signal, "shutting down");
     // Hand the leadership over at once, then keep answering admission reviews while the
     // endpoints drop this replica: the API server sends them here until then.
     leadership.shutdown().await;
     turn_ready.abort();
     ready.store(false, Ordering::SeqCst);
     tokio::time::sleep(WEBHOOK_DRAIN).await;
-    Ok(ExitCode::SUCCESS)
+    Ok(exit)
+}
+
+/// Why a replica stops, other than its reconciler ending while it leads.
+enum Stop {
+    /// Told to: the signal's name.
+    Signal(&'static str),
+    /// A task every replica runs ended on its own (a panic, say): which. The replica would stay
+    /// live and ready while refusing admission reviews or serving an expiring certificate, so
+    /// it exits and the kubelet restarts it.
+    TaskEnded(&'static str),
+}
+
+impl Stop {
+    /// Log why the replica stops; the process's exit code.
+    fn announce(self) -> ExitCode {
+        match self {
+            Stop::Signal(signal) => {
+                tracing::info!(signal, "shutting down");
+                ExitCode::SUCCESS
+            }
+            Stop::TaskEnded(task) => {
+                tracing::error!(
+                    task,
+                    "ended on its own: handing the leadership over and exiting"
+                );
+                ExitCode::FAILURE
+            }
+        }
+    }
 }
 
 /// Listen for admission reviews on every replica, with a certificate from files (cert-manager)
-/// or one this operator issues and keeps current.
+/// or one this operator issues and keeps current. With the certificate, a future that ends if
+/// the webhook's server or the certificate's upkeep ends, naming it.
 async fn start_webhook(
     config: &Config,
     unpaced_client: &kube::Client,
     namespace: &str,
     metrics: Arc<Metrics>,
-) -> Result<Arc<ServingCert>, String> {
+) -> Result<(Arc<ServingCert>, impl Future<Output = &'static str>), String> {
     let listener = listen(config.webhook_listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.webhook_listen))?;
     let serving = ServingCert::with_expiry_gauge(metrics.certificate_expiry());
-    match &config.webhook_cert_dir {
-        Some(dir) => {
-            tokio::spawn(webhook_tls::follow_files(dir.clone(), serving.clone()));
-        }
+    let upkeep = match &config.webhook_cert_dir {
+        Some(dir) => tokio::spawn(webhook_tls::follow_files(dir.clone(), serving.clone())),
         None => {
             let settings = SelfManaged {
                 namespace: namespace.to_owned(),
@@ -214,17 +242,23 @@ async fn start_webhook(
                 unpaced_client.clone(),
                 settings,
                 serving.clone(),
-            ));
+            ))
         }
-    }
+    };
     let injection = config.injection();
     let locks = LockCache::start(unpaced_client, &config.watched());
     let router = webhook_server::router(unpaced_client.clone(), locks, injection, metrics);
-    tokio::spawn(webhook_server::serve(
+    let server = tokio::spawn(webhook_server::serve(
         listener,
         serving.clone(),
         router,
         std::future::pending(),
     ));
-    Ok(serving)
+    let ended = async move {
+        tokio::select! {
+            _ = server => "the webhook's server",
+            _ = upkeep => "the webhook certificate's upkeep",
+        }
+    };
+    Ok((serving, ended))
 }

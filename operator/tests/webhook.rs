@@ -192,18 +192,23 @@ async fn an_annotated_pod_gets_a_native_sidecar() {
     );
 }
 
+/// The names of a patched pod's init containers, in the order the kubelet starts them.
+fn init_container_names(pod: &Value) -> Vec<&str> {
+    pod["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect()
+}
+
 #[tokio::test]
 async fn existing_init_containers_are_kept_and_the_sidecar_appended() {
     let api = api_with_locks(&["jobs"]);
     let init = json!([{"name": "migrate", "image": "example/migrate:1"}]);
     let (allowed, _, patched) = admit(&api, &pod(Some("jobs"), Some(init), None), true).await;
     assert!(allowed);
-    let names: Vec<&str> = patched["spec"]["initContainers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
+    let names = init_container_names(&patched);
     assert_eq!(names, ["migrate", SIDECAR_NAME]);
 }
 
@@ -226,12 +231,7 @@ async fn the_sidecar_starts_before_the_init_container_the_pod_names() {
     };
     let (allowed, message, patched) = admit(&api, &named("migrate"), true).await;
     assert!(allowed, "{message}");
-    let names: Vec<&str> = patched["spec"]["initContainers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
+    let names = init_container_names(&patched);
     assert_eq!(names, ["fetch", SIDECAR_NAME, "migrate"]);
     assert_eq!(
         sidecars(&patched, "initContainers")[0]["restartPolicy"],
