@@ -738,7 +738,9 @@ const SWEEP_STALL_BOUND: Duration = Duration::from_secs(2);
 
 /// How long a statement on the pool waits for another session's row lock before the server
 /// ends it: below the response timeout ([`pool::RESPONSE_TIMEOUT`]), so that a statement the
-/// client stopped waiting for does not go on to commit unknown to it.
+/// client stopped waiting for while it waited for a row does not go on to commit unknown to
+/// it. An answer lost after its commit is like any lost answer: the holder it names is not
+/// told, finds the row held by itself at its next attempt, and waits out that lease.
 pub(crate) const POOL_LOCK_WAIT: Duration = Duration::from_secs(4);
 
 pub(crate) fn ms(d: Duration) -> i64 {

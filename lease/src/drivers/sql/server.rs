@@ -725,7 +725,7 @@ impl Driver for SqlDriver {
         if let Some(server) = self.server_lock(&lease.lock) {
             server.forget_counted(lease);
             if let Ok(false) = renewed {
-                server.let_go(&lease.lock);
+                server.let_go(&lease.lock, &lease.identity, lease.token);
             }
         }
         renewed
@@ -748,7 +748,7 @@ impl Driver for SqlDriver {
         };
         // Not held either way now: the next waiter goes.
         if let (true, Some(server)) = (let_go, server_lock) {
-            server.let_go(&lease.lock);
+            server.let_go(&lease.lock, &lease.identity, lease.token);
         }
         if released {
             self.releases.bump(&lease.lock);

@@ -127,13 +127,14 @@ struct Waiter {
 enum Message {
     /// This process holds the lock now, as this holder with this token.
     Held(String, u64),
-    /// It no longer does.
-    LetGo,
+    /// It no longer holds it as this holder with this token. About an earlier holding (a late
+    /// call of an engine whose claim ran out), it leaves the later one and its server lock be.
+    LetGo(String, u64),
     /// This holder waits for the lock here, for a lease this long.
     Waiting(Waiter),
     /// Release this lease on the server lock's session (PostgreSQL, MySQL in lease mode); `None`
-    /// back when the task does not hold the lock's server lock for it, and the pool is to
-    /// release it.
+    /// back when the task does not hold the lock's server lock for it (nor for a lease it
+    /// holds now, which keeps its server lock), and the pool is to release it.
     Release(Lease, oneshot::Sender<Option<Result<bool, sqlx::Error>>>),
 }
 
@@ -164,6 +165,13 @@ struct View {
 }
 
 impl View {
+    /// Whether the lease last held here is `identity`'s with `token`.
+    fn is(&self, identity: &str, token: u64) -> bool {
+        self.lease
+            .as_ref()
+            .is_some_and(|(i, t)| i == identity && *t == token)
+    }
+
     /// Apply the driver's message; a release the task cannot carry out here is answered so.
     fn apply(&mut self, message: Message) {
         match message {
@@ -173,7 +181,11 @@ impl View {
                 // Its engine no longer waits; the next waiter here says so when it does.
                 self.waiter = None;
             }
-            Message::LetGo => self.holding = false,
+            Message::LetGo(identity, token) => {
+                if self.is(&identity, token) {
+                    self.holding = false;
+                }
+            }
             Message::Waiting(waiter) => self.waiter = Some(waiter),
             Message::Release(_, reply) => {
                 let _ = reply.send(None);
@@ -303,9 +315,10 @@ impl ServerLocks {
         }
     }
 
-    pub(crate) fn let_go(self: &Arc<Self>, lock: &str) {
+    /// This process no longer holds `lock` as `identity` with `token`.
+    pub(crate) fn let_go(self: &Arc<Self>, lock: &str, identity: &str, token: u64) {
         if self.running(lock) {
-            self.tell(lock, Some(Message::LetGo));
+            self.tell(lock, Some(Message::LetGo(identity.to_owned(), token)));
         }
     }
 
@@ -462,7 +475,10 @@ impl ServerLocks {
             {
                 match message {
                     Message::Release(lease, reply)
-                        if locked && view.holding && session.is_some() =>
+                        if locked
+                            && view.holding
+                            && view.is(&lease.identity, lease.token)
+                            && session.is_some() =>
                     {
                         release = Some((lease, reply));
                     }
@@ -537,14 +553,16 @@ impl ServerLocks {
                 self.set_ready(&lock, true);
                 tokio::select! {
                     message = messages.recv() => match message {
-                        Some(Message::LetGo) => {
+                        Some(Message::LetGo(identity, token)) if view.is(&identity, token) => {
                             view.holding = false;
                             // The release's whole point: the next waiter goes now.
                             let released = answered(RESPONSE_TIMEOUT, self.let_go_of(conn, &lock)).await;
                             locked = false;
                             released
                         }
-                        Some(Message::Release(lease, reply)) => {
+                        Some(Message::Release(lease, reply))
+                            if view.is(&lease.identity, lease.token) =>
+                        {
                             view.holding = false;
                             locked = false;
                             answered(RESPONSE_TIMEOUT, self.release_for(conn, &lease, reply)).await
