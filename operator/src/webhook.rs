@@ -778,55 +778,82 @@ pub fn decide(
             ops.push(json!({"op": "add", "path": "/spec/imagePullSecrets", "value": list}));
         }
     }
-    match architecture_ops(pod, &injection.architectures) {
+    match node_ops(pod, &injection.architectures) {
         Ok(more) => ops.extend(more),
         Err(reason) => return Decision::Deny(reason),
     }
     Decision::Patch(ops)
 }
 
+/// The label nodes carry their operating system in.
+const OS_LABEL: &str = "kubernetes.io/os";
+/// The operating system the sidecar's image runs on.
+const IMAGE_OS: &str = "linux";
 /// The label nodes carry their CPU architecture in.
 const ARCH_LABEL: &str = "kubernetes.io/arch";
 
-/// The operations that keep `pod` on nodes of one of `architectures` (the sidecar's image runs
-/// nowhere else): a required node affinity term, added to each of the pod's own terms (terms
-/// are alternatives, so each must carry it) or as the only one. A pod whose node selector names
-/// another architecture could never run the sidecar, and is refused with the reason.
-fn architecture_ops(pod: &Pod, architectures: &[String]) -> Result<Vec<Value>, String> {
-    if architectures.is_empty() {
-        return Ok(Vec::new());
-    }
+/// The operations that keep `pod` on nodes the sidecar's image runs on: Linux nodes of one of
+/// `architectures` (any architecture if empty). A required node affinity term, added to each
+/// of the pod's own terms (terms are alternatives, so each must carry it) or as the only one.
+/// Windows nodes are not always tainted (AKS), and a pod scheduled there could never start the
+/// sidecar. A pod that could run nowhere else (a Windows pod, a node selector naming another
+/// system or architecture, every required term ruling the image's nodes out) is refused with
+/// the reason, rather than left pending or failing to start.
+fn node_ops(pod: &Pod, architectures: &[String]) -> Result<Vec<Value>, String> {
     let spec = pod.spec.as_ref();
-    if let Some(wanted) = spec
-        .and_then(|s| s.node_selector.as_ref())
-        .and_then(|n| n.get(ARCH_LABEL))
-        && !architectures.contains(wanted)
+    if let Some(os) = spec.and_then(|s| s.os.as_ref())
+        && os.name != IMAGE_OS
     {
         return Err(format!(
-            "annotation {ANNOTATION}: the pod's nodeSelector asks for {ARCH_LABEL}={wanted}, and the sidecar's image is built for {} only",
-            architectures.join(", ")
+            "annotation {ANNOTATION}: the pod runs on {} (spec.os.name), and the sidecar's image runs on {IMAGE_OS} only",
+            os.name
         ));
     }
-    let expression = json!({"key": ARCH_LABEL, "operator": "In", "values": architectures});
-    let term = json!({"matchExpressions": [expression.clone()]});
+    let os = [IMAGE_OS.to_owned()];
+    let mut needed: Vec<(&str, &[String])> = vec![(OS_LABEL, &os)];
+    if !architectures.is_empty() {
+        needed.push((ARCH_LABEL, architectures));
+    }
+    let image_nodes = needed
+        .iter()
+        .map(|(label, values)| format!("{label} {}", values.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ");
+    for (label, values) in &needed {
+        if let Some(wanted) = spec
+            .and_then(|s| s.node_selector.as_ref())
+            .and_then(|n| n.get(*label))
+            && !values.contains(wanted)
+        {
+            return Err(format!(
+                "annotation {ANNOTATION}: the pod's nodeSelector asks for {label}={wanted}, and the sidecar's image runs on {label} {} only",
+                values.join(", ")
+            ));
+        }
+    }
+    let expressions: Vec<Value> = needed
+        .iter()
+        .map(|(label, values)| json!({"key": label, "operator": "In", "values": values}))
+        .collect();
+    let term = json!({ "matchExpressions": expressions });
     let affinity = spec.and_then(|s| s.affinity.as_ref());
     let node_affinity = affinity.and_then(|a| a.node_affinity.as_ref());
     let required = node_affinity.and_then(|n| {
         n.required_during_scheduling_ignored_during_execution
             .as_ref()
     });
-    // Each term gains the requirement: a pod whose every term then asks for an architecture
-    // and none of the image's would stay pending for ever.
+    // Each term gains the requirement: a pod whose every term then rules out the image's nodes
+    // would stay pending for ever.
     if let Some(required) = required
         && !required.node_selector_terms.is_empty()
-        && !required
-            .node_selector_terms
-            .iter()
-            .any(|term| architectures.iter().any(|arch| term_allows(term, arch)))
+        && !required.node_selector_terms.iter().any(|term| {
+            needed
+                .iter()
+                .all(|(label, values)| values.iter().any(|v| term_allows(term, label, v)))
+        })
     {
         return Err(format!(
-            "annotation {ANNOTATION}: every term of the pod's required node affinity rules out {ARCH_LABEL} {}, the only architectures the sidecar's image is built for",
-            architectures.join(", ")
+            "annotation {ANNOTATION}: every term of the pod's required node affinity rules out the nodes the sidecar's image runs on ({image_nodes})"
         ));
     }
     const REQUIRED: &str =
@@ -848,27 +875,30 @@ fn architecture_ops(pod: &Pod, architectures: &[String]) -> Result<Vec<Value>, S
             .node_selector_terms
             .iter()
             .enumerate()
-            .map(|(i, t)| {
+            .flat_map(|(i, t)| {
                 let path = format!("{REQUIRED}/nodeSelectorTerms/{i}/matchExpressions");
                 if t.match_expressions.is_some() {
-                    json!({"op": "add", "path": format!("{path}/-"), "value": expression})
+                    expressions
+                        .iter()
+                        .map(|e| json!({"op": "add", "path": format!("{path}/-"), "value": e}))
+                        .collect()
                 } else {
-                    json!({"op": "add", "path": path, "value": [expression]})
+                    vec![json!({"op": "add", "path": path, "value": expressions})]
                 }
             })
             .collect(),
     })
 }
 
-/// Whether node selector `term` lets a node of architecture `arch` in, as far as its
-/// expressions on [`ARCH_LABEL`] say (every expression of a term must hold).
-fn term_allows(term: &NodeSelectorTerm, arch: &str) -> bool {
+/// Whether node selector `term` lets a node whose `label` is `value` in, as far as its
+/// expressions on `label` say (every expression of a term must hold).
+fn term_allows(term: &NodeSelectorTerm, label: &str, value: &str) -> bool {
     term.match_expressions
         .iter()
         .flatten()
-        .filter(|e| e.key == ARCH_LABEL)
+        .filter(|e| e.key == label)
         .all(|e| {
-            let named = e.values.iter().flatten().any(|v| v == arch);
+            let named = e.values.iter().flatten().any(|v| v == value);
             match e.operator.as_str() {
                 "In" => named,
                 "NotIn" => !named,

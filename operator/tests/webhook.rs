@@ -1121,12 +1121,14 @@ async fn dapr_api_is_opted_into_for_a_family() {
     assert!(!args.contains("dapr"), "{args}");
 }
 
-/// The sidecar's image runs on the architectures it is built for only: an injected pod is kept
-/// on such nodes by a required node affinity, added to each of its own terms (terms are
-/// alternatives), and a pod whose node selector names another architecture is refused.
+/// The sidecar's image runs on Linux nodes of the architectures it is built for only: an
+/// injected pod is kept on such nodes by a required node affinity, added to each of its own
+/// terms (terms are alternatives), and a pod that could run nowhere else (a Windows pod, a node
+/// selector naming another system or architecture) is refused.
 #[tokio::test]
-async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
+async fn an_injected_pod_is_kept_on_linux_nodes_of_the_images_architecture() {
     let api = api_with_locks(&["jobs"]);
+    let linux = json!({"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]});
     let arch = json!({"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]});
     let terms = |pod: &Value| {
         pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -1138,7 +1140,7 @@ async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
     assert!(allowed, "{message}");
     assert_eq!(
         terms(&patched),
-        json!([{"matchExpressions": [arch.clone()]}])
+        json!([{"matchExpressions": [linux.clone(), arch.clone()]}])
     );
 
     // The pod's own terms each gain the requirement; its other affinities stay.
@@ -1155,9 +1157,11 @@ async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
     assert_eq!(
         terms(&patched),
         json!([
-            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}, arch.clone()]},
+            {"matchExpressions": [
+                {"key": "zone", "operator": "In", "values": ["a"]}, linux.clone(), arch.clone()
+            ]},
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-7"]}],
-             "matchExpressions": [arch.clone()]}
+             "matchExpressions": [linux.clone(), arch.clone()]}
         ])
     );
     assert!(patched["spec"]["affinity"]["podAntiAffinity"].is_object());
@@ -1173,7 +1177,7 @@ async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
         assert!(allowed, "{message}");
         assert_eq!(
             terms(&patched),
-            json!([{"matchExpressions": [arch.clone()]}]),
+            json!([{"matchExpressions": [linux.clone(), arch.clone()]}]),
             "{affinity}"
         );
     }
@@ -1212,17 +1216,54 @@ async fn an_injected_pod_is_kept_on_nodes_of_the_images_architecture() {
     let (allowed, message, _) = admit(&api, &either, true).await;
     assert!(allowed, "{message}");
 
-    // A multi-architecture image: no affinity.
+    // A Windows pod, or one bound to Windows nodes, could not run the sidecar either.
+    let windows_only = json!({
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["windows"]}]}
+        ]}}
+    });
+    let on_windows = [
+        ("os", json!({"name": "windows"}), ["windows", "linux"]),
+        (
+            "nodeSelector",
+            json!({"kubernetes.io/os": "windows"}),
+            ["kubernetes.io/os=windows", "linux"],
+        ),
+        (
+            "affinity",
+            windows_only,
+            ["affinity", "kubernetes.io/os linux"],
+        ),
+    ];
+    for (field, value, said) in on_windows {
+        let mut windows = pod(Some("jobs"), None, None);
+        windows["spec"][field] = value.clone();
+        let (allowed, message, _) = admit(&api, &windows, true).await;
+        assert!(!allowed, "admitted with {field} {value}");
+        assert!(said.iter().all(|s| message.contains(s)), "{message}");
+    }
+    // A Linux pod says so and is admitted.
+    let mut linux_pod = pod(Some("jobs"), None, None);
+    linux_pod["spec"]["os"] = json!({"name": "linux"});
+    linux_pod["spec"]["nodeSelector"] = json!({"kubernetes.io/os": "linux"});
+    let (allowed, message, _) = admit(&api, &linux_pod, true).await;
+    assert!(allowed, "{message}");
+
+    // A multi-architecture image: Linux nodes of any architecture.
+    let mut windows = pod(Some("jobs"), None, None);
+    windows["spec"]["os"] = json!({"name": "windows"});
     let mut any = injection(true);
     any.architectures.clear();
-    let answer = webhook::review(
-        &support::operator_client(&api),
-        &LockCache::none(),
-        &any,
-        admission_review(&arm),
-    )
-    .await;
-    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    for (pod, admitted) in [(&arm, true), (&windows, false)] {
+        let answer = webhook::review(
+            &support::operator_client(&api),
+            &LockCache::none(),
+            &any,
+            admission_review(pod),
+        )
+        .await;
+        assert_eq!(answer["response"]["allowed"], admitted, "{answer}");
+    }
 }
 
 /// The sidecar runs as the image's user, or, told none (OpenShift's restricted SCC refuses a
