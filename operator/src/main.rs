@@ -171,10 +171,7 @@ async fn run(config: Config) -> Result<ExitCode, String> {
             // Restarted by the kubelet, the replica stands for election again; meanwhile a
             // standby leads at once rather than after the Lease runs out.
             election::TermEnd::ControllerEnded => {
-                tracing::error!(
-                    "the reconciler stopped while leading: handing the leadership over and exiting"
-                );
-                break ExitCode::FAILURE;
+                break Stop::TaskEnded("the reconciler").announce();
             }
         }
     };
@@ -187,13 +184,14 @@ async fn run(config: Config) -> Result<ExitCode, String> {
     Ok(exit)
 }
 
-/// Why a replica stops, other than its reconciler ending while it leads.
+/// Why a replica stops.
 enum Stop {
     /// Told to: the signal's name.
     Signal(&'static str),
-    /// A task every replica runs ended on its own (a panic, say): which. The replica would stay
-    /// live and ready while refusing admission reviews or serving an expiring certificate, so
-    /// it exits and the kubelet restarts it.
+    /// A task ended on its own (a panic, say): which. A replica whose webhook's server or
+    /// certificate upkeep ended would stay live and ready while refusing admission reviews or
+    /// serving an expiring certificate, and one whose reconciler ended would lead without
+    /// reconciling; it exits and the kubelet restarts it.
     TaskEnded(&'static str),
 }
 
