@@ -59,14 +59,24 @@ impl Tls {
     /// The documents given as files, by their URL option's name (`ca`, `cert`, `key`), for logs:
     /// PEM text from a Secret is never shown.
     pub fn files(&self) -> impl Iterator<Item = (&'static str, &std::path::Path)> {
-        std::iter::once(("ca", self.ca.as_ref()))
-            .chain(
-                self.client
-                    .iter()
-                    .flat_map(|(c, k)| [("cert", Some(c)), ("key", Some(k))]),
-            )
-            .filter_map(|(name, pem)| Some((name, pem?.file()?)))
+        pem_files(self.ca.as_ref(), self.client.as_ref())
     }
+}
+
+/// The documents among a CA and a client certificate and key that are given as files, by
+/// their URL option's name (`ca`, `cert`, `key`), for logs: PEM text from a Secret is never
+/// shown.
+pub fn pem_files<'a>(
+    ca: Option<&'a Pem>,
+    client: Option<&'a (Pem, Pem)>,
+) -> impl Iterator<Item = (&'static str, &'a std::path::Path)> {
+    std::iter::once(("ca", ca))
+        .chain(
+            client
+                .into_iter()
+                .flat_map(|(c, k)| [("cert", Some(c)), ("key", Some(k))]),
+        )
+        .filter_map(|(name, pem)| Some((name, pem?.file()?)))
 }
 
 /// The `ca`, `cert` and `key` URL options gathered while parsing a URL.

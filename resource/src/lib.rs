@@ -952,28 +952,11 @@ pub fn parse_go_duration(raw: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use leasehold_crds::{
-        DistributedLockSpec, EtcdBackend, RedisBackend, SqlBackend, ZooKeeperBackend,
-    };
+    use leasehold_crds::{EtcdBackend, RedisBackend, SqlBackend, ZooKeeperBackend};
     use leasehold_lease::SqlConfig;
 
     fn lock(backend: Backend) -> DistributedLock {
-        let mut lock = DistributedLock::new(
-            "jobs",
-            DistributedLockSpec {
-                backend,
-                lease_duration: "15s".into(),
-                renew_interval: None,
-                mode: Default::default(),
-                cleanup_policy: Default::default(),
-                holder_label: None,
-                keys: None,
-                permits: None,
-            },
-        );
-        lock.metadata.namespace = Some("team".into());
-        lock.metadata.uid = Some("uid-1".into());
-        lock
+        leasehold_testkit::distributed_lock("team", "jobs", backend)
     }
 
     fn key(name: &str, key: &str) -> SecretKeyRef {

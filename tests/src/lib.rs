@@ -27,6 +27,30 @@ pub use leasehold_testkit::{
     unique_lock,
 };
 
+/// One test per backend server: each starts its own server, then runs `scenario` on the
+/// server's URL with the options given (such as `"?mode=row-lock"`).
+///
+/// ```ignore
+/// leasehold_e2e::on_each_server! {
+///     crash_takeover:
+///     redis_crash_takeover: RedisServer,
+///     postgres_row_lock_crash_takeover: PostgresServer "?mode=row-lock",
+/// }
+/// ```
+#[macro_export]
+macro_rules! on_each_server {
+    ($scenario:ident: $($(#[$meta:meta])* $test:ident: $server:ident $($options:literal)?),+ $(,)?) => {
+        $(
+            $(#[$meta])*
+            #[test]
+            fn $test() {
+                let server = $crate::$server::start();
+                $scenario(&(server.url() + concat!("" $(, $options)?)));
+            }
+        )+
+    };
+}
+
 /// The libfaketime library, preloaded directly rather than through the `faketime` wrapper: the
 /// wrapper keeps a semaphore and a shared-memory segment named after its PID in /dev/shm, which
 /// a killed sidecar never removes, and a later wrapper given the same PID then refuses to start
@@ -513,6 +537,25 @@ pub fn check_duration(variable: &str, default_secs: u64) -> Duration {
         .and_then(|s| s.parse().ok())
         .unwrap_or(default_secs);
     Duration::from_secs(secs)
+}
+
+/// A safety check's verdict on one run: panics unless it found no violation under enough faults
+/// to mean anything (five at least). Prints the run's summary either way.
+pub fn assert_safe_under_faults(
+    summary: &str,
+    violations: &[String],
+    faults: &std::collections::BTreeMap<&'static str, usize>,
+) {
+    eprintln!("{summary}");
+    assert!(
+        violations.is_empty(),
+        "{summary}:\n{}",
+        violations.join("\n")
+    );
+    assert!(
+        faults.values().sum::<usize>() >= 5,
+        "too few faults to mean anything: {faults:?} ({summary})"
+    );
 }
 
 /// Poll until `check` holds; panics after `within`. Returns the time it took.

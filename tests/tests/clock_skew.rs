@@ -4,10 +4,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use leasehold_e2e::{
-    EtcdServer, MariaDbServer, PostgresServer, RedisServer, Sidecar, eventually, eventually_or,
-    libfaketime, unique_lock,
-};
+use leasehold_e2e::{RedisServer, Sidecar, eventually, eventually_or, libfaketime, unique_lock};
 
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_millis(500);
@@ -105,34 +102,15 @@ fn skewed_client_cannot_steal(backend: &str) {
     assert!(skewed.get("/lock").token() > token);
 }
 
-#[test]
-fn redis_ignores_client_clocks() {
-    let redis = RedisServer::start();
-    skewed_client_cannot_steal(&redis.url());
-}
-
-#[test]
-fn postgres_ignores_client_clocks() {
-    let postgres = PostgresServer::start();
-    skewed_client_cannot_steal(&postgres.url());
-}
-
-#[test]
-fn mariadb_ignores_client_clocks() {
-    let mariadb = MariaDbServer::start();
-    skewed_client_cannot_steal(&mariadb.url());
-}
-
-#[test]
-fn postgres_row_lock_ignores_client_clocks() {
-    let postgres = PostgresServer::start();
-    skewed_client_cannot_steal(&format!("{}?mode=row-lock", postgres.url()));
-}
-
-#[test]
-fn mariadb_row_lock_ignores_client_clocks() {
-    let mariadb = MariaDbServer::start();
-    skewed_client_cannot_steal(&format!("{}?mode=row-lock", mariadb.url()));
+leasehold_e2e::on_each_server! {
+    skewed_client_cannot_steal:
+    redis_ignores_client_clocks: RedisServer,
+    postgres_ignores_client_clocks: PostgresServer,
+    mariadb_ignores_client_clocks: MariaDbServer,
+    postgres_row_lock_ignores_client_clocks: PostgresServer "?mode=row-lock",
+    mariadb_row_lock_ignores_client_clocks: MariaDbServer "?mode=row-lock",
+    /// etcd expires leases by its own clock.
+    etcd_ignores_client_clocks: EtcdServer,
 }
 
 /// Redlock masters expire keys by their own clocks; the client's clock is never sent. The
@@ -147,11 +125,4 @@ fn redlock_ignores_client_clocks() {
         .map(|m| format!("127.0.0.1:{}", m.port()))
         .collect();
     skewed_client_cannot_steal(&format!("redlock://{}", hosts.join(",")));
-}
-
-/// etcd expires leases by its own clock.
-#[test]
-fn etcd_ignores_client_clocks() {
-    let etcd = EtcdServer::start();
-    skewed_client_cannot_steal(&etcd.url());
 }

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use leasehold_e2e::{PostgresServer, RedisServer, Sidecar, unique_lock};
+use leasehold_e2e::{Sidecar, unique_lock};
 use leasehold_testkit::free_port;
 
 /// The venv's python, which scripts/install-test-deps gives Dapr's SDK.
@@ -211,14 +211,8 @@ fn dapr_sdk_drives_the_lock_api(backend: &str) {
     );
 }
 
-#[test]
-fn the_dapr_python_sdk_locks_on_redis() {
-    let redis = RedisServer::start();
-    dapr_sdk_drives_the_lock_api(&redis.url());
-}
-
-#[test]
-fn the_dapr_python_sdk_locks_on_postgres() {
-    let postgres = PostgresServer::start();
-    dapr_sdk_drives_the_lock_api(&postgres.url());
+leasehold_e2e::on_each_server! {
+    dapr_sdk_drives_the_lock_api:
+    the_dapr_python_sdk_locks_on_redis: RedisServer,
+    the_dapr_python_sdk_locks_on_postgres: PostgresServer,
 }

@@ -51,19 +51,8 @@ fn check_via_read_write(target: Target) {
 }
 
 fn check_report(report: exec_safety::Report) {
-    eprintln!("{}", report.summary());
-    assert!(
-        report.violations.is_empty(),
-        "{} (seed {}):\n{}",
-        report.summary(),
-        report.seed,
-        report.violations.join("\n")
-    );
-    assert!(
-        report.faults.values().sum::<usize>() >= 5,
-        "too few faults to mean anything: {}",
-        report.summary()
-    );
+    let summary = format!("{} (seed {})", report.summary(), report.seed);
+    leasehold_e2e::assert_safe_under_faults(&summary, &report.violations, &report.faults);
     assert!(
         report.runs >= 5,
         "too few commands ran to mean anything: {}",

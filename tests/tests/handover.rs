@@ -118,10 +118,14 @@ fn sqlite_crash_takeover_within_the_lease() {
     crash_takeover(&format!("sqlite://{}/locks.db", dir.path().display()));
 }
 
-#[test]
-fn redis_crash_takeover_within_the_lease() {
-    let redis = RedisServer::start();
-    crash_takeover(&redis.url());
+leasehold_e2e::on_each_server! {
+    crash_takeover:
+    redis_crash_takeover_within_the_lease: RedisServer,
+    postgres_crash_takeover_within_the_lease: PostgresServer,
+    mariadb_crash_takeover_within_the_lease: MariaDbServer,
+    postgres_row_lock_crash_takeover_within_the_lease: PostgresServer "?mode=row-lock",
+    etcd_crash_takeover_within_the_lease: EtcdServer,
+    zookeeper_crash_takeover_within_the_lease: ZooKeeperServer,
 }
 
 /// Three sidecars campaigning on a lock of two permits: two answer 200, each with a permit of
@@ -201,16 +205,10 @@ fn permits_crash_takeover(backend: &str) {
     );
 }
 
-#[test]
-fn redis_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_within_the_lease() {
-    let redis = RedisServer::start();
-    permits_crash_takeover(&redis.url());
-}
-
-#[test]
-fn etcd_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_within_the_lease() {
-    let etcd = EtcdServer::start();
-    permits_crash_takeover(&etcd.url());
+leasehold_e2e::on_each_server! {
+    permits_crash_takeover:
+    redis_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_within_the_lease: RedisServer,
+    etcd_a_lock_of_two_permits_has_two_holders_and_a_dead_ones_permit_is_taken_within_the_lease: EtcdServer,
 }
 
 /// A native sidecar's SIGTERM (`--apps-stop-first`: the kubelet has stopped the app by then):
@@ -360,18 +358,6 @@ fn redis_sigterm_hands_over_at_once() {
 }
 
 #[test]
-fn postgres_crash_takeover_within_the_lease() {
-    let postgres = PostgresServer::start();
-    crash_takeover(&postgres.url());
-}
-
-#[test]
-fn mariadb_crash_takeover_within_the_lease() {
-    let mariadb = MariaDbServer::start();
-    crash_takeover(&mariadb.url());
-}
-
-#[test]
 fn postgres_sigterm_hands_over_at_once() {
     let postgres = PostgresServer::start();
     let took = sigterm_handover(&postgres.url());
@@ -495,30 +481,17 @@ fn paused_holder(backend: &str) {
     });
 }
 
-#[test]
-fn redis_paused_sidecar_answers_not_holder_on_resume() {
-    let redis = RedisServer::start();
-    paused_holder(&redis.url());
-}
-
-/// PostgreSQL ends the frozen holder's transaction (idle_in_transaction_session_timeout).
-#[test]
-fn postgres_row_lock_paused_sidecar_is_replaced() {
-    let postgres = PostgresServer::start();
-    paused_holder(&format!("{}?mode=row-lock", postgres.url()));
-}
-
-/// MariaDB closes the frozen holder's session (wait_timeout).
-#[test]
-fn mariadb_row_lock_paused_sidecar_is_replaced() {
-    let mariadb = MariaDbServer::start();
-    paused_holder(&format!("{}?mode=row-lock", mariadb.url()));
-}
-
-#[test]
-fn postgres_row_lock_crash_takeover_within_the_lease() {
-    let postgres = PostgresServer::start();
-    crash_takeover(&format!("{}?mode=row-lock", postgres.url()));
+leasehold_e2e::on_each_server! {
+    paused_holder:
+    redis_paused_sidecar_answers_not_holder_on_resume: RedisServer,
+    /// PostgreSQL ends the frozen holder's transaction (idle_in_transaction_session_timeout).
+    postgres_row_lock_paused_sidecar_is_replaced: PostgresServer "?mode=row-lock",
+    /// MariaDB closes the frozen holder's session (wait_timeout).
+    mariadb_row_lock_paused_sidecar_is_replaced: MariaDbServer "?mode=row-lock",
+    etcd_paused_sidecar_is_replaced: EtcdServer,
+    /// The frozen holder stops pinging; ZooKeeper ends its session after the session timeout
+    /// (the lease), and its node with it.
+    zookeeper_paused_sidecar_is_replaced: ZooKeeperServer,
 }
 
 #[test]
@@ -582,12 +555,6 @@ fn redis_restart_keeps_tokens_increasing() {
         survivor.is_holder()
     });
     assert!(survivor.get("/lock").token() > second);
-}
-
-#[test]
-fn etcd_crash_takeover_within_the_lease() {
-    let etcd = EtcdServer::start();
-    crash_takeover(&etcd.url());
 }
 
 /// The sidecars reach an etcd that serves TLS only and asks for their certificates.
@@ -658,29 +625,9 @@ fn zookeeper_a_stopped_waiters_place_is_left() {
 }
 
 #[test]
-fn etcd_paused_sidecar_is_replaced() {
-    let etcd = EtcdServer::start();
-    paused_holder(&etcd.url());
-}
-
-#[test]
-fn zookeeper_crash_takeover_within_the_lease() {
-    let zookeeper = ZooKeeperServer::start();
-    crash_takeover(&zookeeper.url());
-}
-
-#[test]
 fn zookeeper_sigterm_hands_over_at_once() {
     let zookeeper = ZooKeeperServer::start();
     let took = sigterm_handover(&zookeeper.url());
     // The waiter watches the holder's node; its deletion wakes it.
     assert!(took < WOKEN_WITHIN, "hand-over took {took:?}");
-}
-
-/// The frozen holder stops pinging; ZooKeeper ends its session after the session timeout
-/// (the lease), and its node with it.
-#[test]
-fn zookeeper_paused_sidecar_is_replaced() {
-    let zookeeper = ZooKeeperServer::start();
-    paused_holder(&zookeeper.url());
 }

@@ -80,18 +80,7 @@ fn check_report(report: keyed_safety::Report) {
 }
 
 fn check_common(report: keyed_safety::Report) {
-    eprintln!("{}", report.summary());
-    assert!(
-        report.violations.is_empty(),
-        "{}:\n{}",
-        report.summary(),
-        report.violations.join("\n")
-    );
-    assert!(
-        report.faults.values().sum::<usize>() >= 5,
-        "too few faults to mean anything: {:?}",
-        report.faults
-    );
+    leasehold_e2e::assert_safe_under_faults(&report.summary(), &report.violations, &report.faults);
     assert!(
         report.acquisitions >= 100,
         "only {} acquisitions",

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use leasehold_e2e::{RedisServer, Sidecar, eventually};
+use leasehold_e2e::{Sidecar, eventually};
 use leasehold_testkit::free_port;
 
 fn repository() -> &'static Path {
@@ -320,8 +320,7 @@ fn schemathesis_finds_no_failure_on_sqlite() {
     ));
 }
 
-#[test]
-fn schemathesis_finds_no_failure_on_redis() {
-    let redis = RedisServer::start();
-    schemathesis_fuzzes_every_route(&redis.url());
+leasehold_e2e::on_each_server! {
+    schemathesis_fuzzes_every_route:
+    schemathesis_finds_no_failure_on_redis: RedisServer,
 }

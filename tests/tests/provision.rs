@@ -73,16 +73,10 @@ fn row_lock_provisioning_seeds_rows(url: &str) {
     assert_eq!(code, 2, "{stderr}");
 }
 
-#[test]
-fn postgres_row_lock_provisioning_seeds_rows() {
-    let pg = PostgresServer::start();
-    row_lock_provisioning_seeds_rows(&pg.url());
-}
-
-#[test]
-fn mariadb_row_lock_provisioning_seeds_rows() {
-    let db = MariaDbServer::start();
-    row_lock_provisioning_seeds_rows(&db.url());
+leasehold_e2e::on_each_server! {
+    row_lock_provisioning_seeds_rows:
+    postgres_row_lock_provisioning_seeds_rows: PostgresServer,
+    mariadb_row_lock_provisioning_seeds_rows: MariaDbServer,
 }
 
 #[test]

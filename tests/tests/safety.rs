@@ -30,18 +30,7 @@ fn check_scenario_for(scenario: Scenario, duration: Duration) {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random);
     let report = safety::run(scenario, duration, 3, seed);
-    eprintln!("{}", report.summary());
-    assert!(
-        report.violations.is_empty(),
-        "{}:\n{}",
-        report.summary(),
-        report.violations.join("\n")
-    );
-    assert!(
-        report.faults.values().sum::<usize>() >= 5,
-        "too few faults to mean anything: {:?}",
-        report.faults
-    );
+    leasehold_e2e::assert_safe_under_faults(&report.summary(), &report.violations, &report.faults);
     assert!(
         report.handovers >= 5,
         "only {} hand-overs",

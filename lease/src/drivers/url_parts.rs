@@ -34,6 +34,44 @@ pub(crate) fn write_tls_files(
     Ok(())
 }
 
+/// The options the Redis family's and etcd's URLs share, gathered while a query is parsed
+/// beside each backend's own: `prefix`, and the TLS files (`ca`, `cert`, `key`).
+pub(crate) struct PrefixAndTls {
+    prefix: String,
+    tls: crate::tls::TlsOptions,
+}
+
+impl Default for PrefixAndTls {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_REDIS_PREFIX.to_owned(),
+            tls: crate::tls::TlsOptions::default(),
+        }
+    }
+}
+
+impl PrefixAndTls {
+    /// Take `key=value` if it is one of these options.
+    pub(crate) fn take(&mut self, key: &str, value: &str) -> bool {
+        if key == "prefix" {
+            self.prefix = value.to_owned();
+            return true;
+        }
+        self.tls.take(key, value)
+    }
+
+    /// The prefix, checked, and the TLS settings of a URL whose scheme asks for TLS
+    /// (`secure`); the error says what is wrong.
+    pub(crate) fn finish(
+        self,
+        secure: bool,
+        tls_scheme: &str,
+    ) -> std::result::Result<(String, Option<crate::tls::Tls>), String> {
+        check_prefix(&self.prefix)?;
+        Ok((self.prefix, self.tls.finish(secure, tls_scheme)?))
+    }
+}
+
 /// A user and a password as a resource gives them (from its Secrets); either may be absent.
 #[derive(Clone, Copy, Default)]
 pub struct Login<'a> {

@@ -7,11 +7,11 @@ use std::time::Duration;
 use crate::drivers::queue::etcd::{EtcdConfig, EtcdTls};
 use crate::drivers::queue::zookeeper::ZooKeeperConfig;
 use crate::drivers::url_parts::{
-    DEFAULT_REDIS_PREFIX, Login, check_prefix, endpoints, host_list, invalid_url, query_pairs,
-    split_credentials,
+    DEFAULT_REDIS_PREFIX, Login, PrefixAndTls, check_prefix, endpoints, host_list, invalid_url,
+    query_pairs, split_credentials,
 };
 use crate::error::{Error, Result};
-use crate::tls::Tls;
+use crate::tls::{Tls, pem_files};
 
 /// ZooKeeper's own default `tickTime` (its sample configuration and the common Helm charts).
 pub(crate) const DEFAULT_ZOOKEEPER_TICK_TIME: Duration = Duration::from_secs(2);
@@ -63,17 +63,16 @@ impl EtcdConfig {
         }
         let (user, hosts) = split_credentials(authority).map_err(invalid)?;
         let endpoints = host_list(hosts, 2379).map_err(invalid)?;
-        let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
-        let mut tls = crate::tls::TlsOptions::default();
-        for (key_name, value) in query_pairs(query) {
-            match key_name.as_str() {
-                "prefix" => prefix = value,
-                other if tls.take(other, &value) => {}
-                other => return Err(invalid(format!("unknown option {other:?}"))),
+        let mut options = PrefixAndTls::default();
+        for (key, value) in query_pairs(query) {
+            if !options.take(&key, &value) {
+                return Err(invalid(format!("unknown option {key:?}")));
             }
         }
-        check_prefix(&prefix).map_err(invalid)?;
-        let tls = match tls.finish(scheme == "etcds", "etcds://").map_err(invalid)? {
+        let (prefix, tls) = options
+            .finish(scheme == "etcds", "etcds://")
+            .map_err(invalid)?;
+        let tls = match tls {
             None => None,
             Some(crate::tls::Tls { ca: None, .. }) => {
                 return Err(invalid(
@@ -97,30 +96,23 @@ impl EtcdConfig {
 /// The endpoints and the prefix, the user but never the password.
 impl fmt::Display for EtcdConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let EtcdConfig {
-            endpoints,
-            prefix,
-            user,
-            tls,
-        } = self;
-        let user = user
+        let user = self
+            .user
             .as_ref()
             .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
-        let scheme = if tls.is_some() { "etcds" } else { "etcd" };
+        let scheme = if self.tls.is_some() { "etcds" } else { "etcd" };
         write!(
             f,
-            "{scheme}://{user}{}?prefix={prefix}",
-            endpoints.join(",")
+            "{scheme}://{user}{}?prefix={}",
+            self.endpoints.join(","),
+            self.prefix
         )?;
-        // File paths are shown; PEM text from a Secret never is.
-        let files = tls.iter().flat_map(|t| {
-            std::iter::once(("ca", &t.ca))
-                .chain(t.client.iter().flat_map(|(c, k)| [("cert", c), ("key", k)]))
-        });
-        for (name, pem) in files {
-            if let crate::tls::Pem::File(path) = pem {
-                write!(f, "&{name}={}", path.display())?;
-            }
+        let files = self
+            .tls
+            .iter()
+            .flat_map(|t| pem_files(Some(&t.ca), t.client.as_ref()));
+        for (name, path) in files {
+            write!(f, "&{name}={}", path.display())?;
         }
         Ok(())
     }

@@ -9,8 +9,8 @@ use crate::drivers::redis::sentinel::{DEFAULT_MIN_REPLICAS, SentinelAuth, Sentin
 use crate::drivers::redis::tair::TairConfig;
 use crate::drivers::redis::{RedisClusterConfig, RedisConfig};
 use crate::drivers::url_parts::{
-    DEFAULT_REDIS_PREFIX, Login, check_prefix, endpoints, host_list, invalid_url, query_pairs,
-    server_url, userinfo_and_hosts, write_tls_files,
+    DEFAULT_REDIS_PREFIX, Login, PrefixAndTls, check_prefix, endpoints, host_list, invalid_url,
+    query_pairs, server_url, userinfo_and_hosts, write_tls_files,
 };
 use crate::error::{Error, Result};
 use crate::redact::redact;
@@ -220,17 +220,13 @@ impl RedisConfig {
                 "the database must be a number, got {db:?}"
             )));
         }
-        let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
-        let mut tls = crate::tls::TlsOptions::default();
+        let mut options = PrefixAndTls::default();
         for (key, value) in url.query_pairs() {
-            match &*key {
-                "prefix" => prefix = value.into_owned(),
-                other if tls.take(other, &value) => {}
-                other => return Err(invalid(format!("unknown option {other:?}"))),
+            if !options.take(&key, &value) {
+                return Err(invalid(format!("unknown option {key:?}")));
             }
         }
-        check_prefix(&prefix).map_err(invalid)?;
-        let tls = tls
+        let (prefix, tls) = options
             .finish(scheme == "rediss", "rediss:// (redlocks:// for Redlock)")
             .map_err(invalid)?;
         let mut url = url;
@@ -275,13 +271,11 @@ impl SentinelConfig {
             crate::drivers::redis::sentinel::DEFAULT_SENTINEL_PORT,
         )
         .map_err(invalid)?;
-        let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
+        let mut options = PrefixAndTls::default();
         let mut min_replicas = DEFAULT_MIN_REPLICAS;
-        let mut tls = crate::tls::TlsOptions::default();
         let (mut sentinel_username, mut sentinel_password) = (None, None);
         for (key, value) in query_pairs(query) {
             match key.as_str() {
-                "prefix" => prefix = value,
                 "min-replicas" => {
                     min_replicas = value.parse().ok().filter(|n| *n <= 16).ok_or_else(|| {
                                 invalid(format!(
@@ -291,7 +285,7 @@ impl SentinelConfig {
                 }
                 "sentinel-username" => sentinel_username = Some(value),
                 "sentinel-password" => sentinel_password = Some(value),
-                other if tls.take(other, &value) => {}
+                other if options.take(other, &value) => {}
                 other => {
                     return Err(invalid(format!(
                         "unknown option {other:?} (redis+sentinel:// takes prefix, min-replicas, sentinel-username and sentinel-password; rediss+sentinel:// also ca, cert and key)"
@@ -299,8 +293,9 @@ impl SentinelConfig {
                 }
             }
         }
-        check_prefix(&prefix).map_err(invalid)?;
-        let tls = tls.finish(secure, "rediss+sentinel://").map_err(invalid)?;
+        let (prefix, tls) = options
+            .finish(secure, "rediss+sentinel://")
+            .map_err(invalid)?;
         let sentinel_auth = SentinelAuth::from_login(Login {
             user: sentinel_username.as_deref(),
             password: sentinel_password.as_deref(),
@@ -369,21 +364,17 @@ impl RedisClusterConfig {
             ));
         }
         let (userinfo, hosts) = userinfo_and_hosts(authority);
-        let mut prefix = DEFAULT_REDIS_PREFIX.to_owned();
-        let mut tls = crate::tls::TlsOptions::default();
+        let mut options = PrefixAndTls::default();
         for (key, value) in query_pairs(query) {
-            match key.as_str() {
-                "prefix" => prefix = value,
-                other if tls.take(other, &value) => {}
-                other => {
-                    return Err(invalid(format!(
-                        "unknown option {other:?} (redis+cluster:// takes prefix; rediss+cluster:// also ca, cert and key)"
-                    )));
-                }
+            if !options.take(&key, &value) {
+                return Err(invalid(format!(
+                    "unknown option {key:?} (redis+cluster:// takes prefix; rediss+cluster:// also ca, cert and key)"
+                )));
             }
         }
-        check_prefix(&prefix).map_err(invalid)?;
-        let tls = tls.finish(secure, "rediss+cluster://").map_err(invalid)?;
+        let (prefix, tls) = options
+            .finish(secure, "rediss+cluster://")
+            .map_err(invalid)?;
         let node_scheme = if secure { "rediss" } else { "redis" };
         let mut nodes: Vec<url::Url> = Vec::new();
         for host in host_list(hosts, 6379).map_err(invalid)? {
@@ -482,14 +473,14 @@ impl RedlockConfig {
 /// Every master, redacted, and the prefix.
 impl fmt::Display for RedlockConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let RedlockConfig {
-            masters,
-            prefix,
-            tls,
-        } = self;
-        let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
-        write!(f, "redlock over {} (prefix {prefix}", masters.join(", "))?;
-        write_tls_files(f, tls.as_ref())?;
+        let masters: Vec<String> = self.masters.iter().map(|m| redact(m.as_str())).collect();
+        write!(
+            f,
+            "redlock over {} (prefix {}",
+            masters.join(", "),
+            self.prefix
+        )?;
+        write_tls_files(f, self.tls.as_ref())?;
         f.write_str(")")
     }
 }

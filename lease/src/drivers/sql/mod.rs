@@ -245,6 +245,23 @@ pub struct KeyFloor {
     pub count_held: String,
 }
 
+/// The highest token of a family's rows, by `statement` ([`KeyFloor::highest`]) with the keys'
+/// name `patterns` bound.
+pub(crate) async fn highest_token(
+    conn: &mut sqlx::AnyConnection,
+    statement: &str,
+    [plain, hashed]: [&str; 2],
+) -> Result<i64> {
+    sqlx::query(statement)
+        .bind(plain)
+        .bind(hashed)
+        .fetch_one(conn)
+        .await
+        .map_err(map_err)?
+        .try_get("highest")
+        .map_err(map_err)
+}
+
 /// Make `family`'s floor row where it is missing, at the highest token of the family's rows: 0
 /// for a new family; for one whose floor row was deleted by hand, above every key still
 /// recorded, so that a key taken for the first time never draws below them. True when made.
@@ -263,14 +280,7 @@ pub(crate) async fn make_floor(
         return Ok(false);
     }
     let [plain, hashed] = crate::names::key_name_patterns(family);
-    let highest: i64 = sqlx::query(&floor.highest)
-        .bind(&plain)
-        .bind(&hashed)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(map_err)?
-        .try_get("highest")
-        .map_err(map_err)?;
+    let highest = highest_token(conn, &floor.highest, [&plain, &hashed]).await?;
     let made = sqlx::query(&floor.ensure)
         .bind(&row)
         .bind(highest)

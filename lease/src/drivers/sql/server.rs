@@ -34,8 +34,8 @@ use crate::drivers::sql::wake::{ServerLock, ServerLocks};
 use crate::drivers::sql::{
     CONNECT_TIMEOUT, Dialect, ForgetIdle, KeyFloor, MAX_RENEW_BATCH, POOL_SIZE, RELEASE_CHANNEL,
     RELISTEN_MAX, RELISTEN_MIN, SEEN_HELD_REMEMBERED, SqlMode, Statements, forget_seeded,
-    holding_from_row, is_missing_table, make_floor, map_err, micros, ms, renew_batch, row_table,
-    taken, token,
+    highest_token, holding_from_row, is_missing_table, make_floor, map_err, micros, ms,
+    renew_batch, row_table, taken, token,
 };
 use crate::error::{Error, Result};
 use crate::names::validate_sql_identifier;
@@ -384,14 +384,7 @@ impl SqlDriver {
                     .execute(&mut *tx)
                     .await
                     .map_err(map_err)?;
-                let highest: i64 = sqlx::query(highest)
-                    .bind(&plain)
-                    .bind(&hashed)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(map_err)?
-                    .try_get("highest")
-                    .map_err(map_err)?;
+                let highest = highest_token(&mut tx, highest, [&plain, &hashed]).await?;
                 sqlx::query(raise)
                     .bind(highest)
                     .bind(&row)
