@@ -558,7 +558,6 @@ pub fn assert_safe_under_faults(
     );
 }
 
-/// Poll until `check` holds; panics after `within`. Returns the time it took.
 /// A holder handing over: `old`'s `/lock` is asked until `stepped_down` says of an answer that
 /// it has let go, then `new`'s until it holds, each within `within`. Panics if `new` held before
 /// the last of `old`'s holder answers had run out (its `validForMs`, counted from before the

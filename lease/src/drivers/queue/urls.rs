@@ -96,19 +96,23 @@ impl EtcdConfig {
 /// The endpoints and the prefix, the user but never the password.
 impl fmt::Display for EtcdConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let user = self
-            .user
+        // Every field named, so that a field added (a secret, say) is decided on here.
+        let EtcdConfig {
+            endpoints,
+            prefix,
+            user,
+            tls,
+        } = self;
+        let user = user
             .as_ref()
             .map_or_else(String::new, |(u, _)| format!("{u}:***@"));
-        let scheme = if self.tls.is_some() { "etcds" } else { "etcd" };
+        let scheme = if tls.is_some() { "etcds" } else { "etcd" };
         write!(
             f,
-            "{scheme}://{user}{}?prefix={}",
-            self.endpoints.join(","),
-            self.prefix
+            "{scheme}://{user}{}?prefix={prefix}",
+            endpoints.join(",")
         )?;
-        let files = self
-            .tls
+        let files = tls
             .iter()
             .flat_map(|t| pem_files(Some(&t.ca), t.client.as_ref()));
         for (name, path) in files {

@@ -473,14 +473,15 @@ impl RedlockConfig {
 /// Every master, redacted, and the prefix.
 impl fmt::Display for RedlockConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let masters: Vec<String> = self.masters.iter().map(|m| redact(m.as_str())).collect();
-        write!(
-            f,
-            "redlock over {} (prefix {}",
-            masters.join(", "),
-            self.prefix
-        )?;
-        write_tls_files(f, self.tls.as_ref())?;
+        // Every field named, so that a field added (a secret, say) is decided on here.
+        let RedlockConfig {
+            masters,
+            prefix,
+            tls,
+        } = self;
+        let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
+        write!(f, "redlock over {} (prefix {prefix}", masters.join(", "))?;
+        write_tls_files(f, tls.as_ref())?;
         f.write_str(")")
     }
 }

@@ -245,8 +245,8 @@ pub struct KeyFloor {
     pub count_held: String,
 }
 
-/// The highest token of a family's rows, by `statement` ([`KeyFloor::highest`]) with the keys'
-/// name `patterns` bound.
+/// The highest token among a family's rows that `statement` reads (every row: [`KeyFloor::highest`];
+/// the idle ones: MySQL's [`ForgetIdle::MySql`]), with the keys' name `patterns` bound.
 pub(crate) async fn highest_token(
     conn: &mut sqlx::AnyConnection,
     statement: &str,
