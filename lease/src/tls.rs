@@ -66,7 +66,7 @@ impl Tls {
 /// The documents among a CA and a client certificate and key that are given as files, by
 /// their URL option's name (`ca`, `cert`, `key`), for logs: PEM text from a Secret is never
 /// shown.
-pub fn pem_files<'a>(
+pub(crate) fn pem_files<'a>(
     ca: Option<&'a Pem>,
     client: Option<&'a (Pem, Pem)>,
 ) -> impl Iterator<Item = (&'static str, &'a std::path::Path)> {

@@ -98,12 +98,12 @@ impl KubernetesConfig {
 /// `kubernetes://NAMESPACE`, or `kubernetes://` for the pod's own, and the option.
 impl fmt::Display for KubernetesConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "kubernetes://{}",
-            self.namespace.as_deref().unwrap_or("")
-        )?;
-        if self.yield_to_preferred_holder {
+        let KubernetesConfig {
+            namespace,
+            yield_to_preferred_holder,
+        } = self;
+        write!(f, "kubernetes://{}", namespace.as_deref().unwrap_or(""))?;
+        if *yield_to_preferred_holder {
             write!(f, "?{YIELD_QUERY}")?;
         }
         Ok(())

@@ -315,6 +315,10 @@ fn ttl_seconds(ttl: Duration) -> i64 {
 impl Transport for Shared {
     type Own = Key;
 
+    fn lines(&self) -> &Lines<Key> {
+        &self.lines
+    }
+
     /// The unknown places cleared are keys of this process's sessions
     /// ([`Shared::deleted_if_unknown_own`]).
     async fn first_in_line(&self, lock: &str, clear: bool) -> Result<Option<Holding>> {
@@ -332,10 +336,6 @@ impl Transport for Shared {
 
     async fn leave_line(&self, entry: &Entry) {
         self.leave(entry).await;
-    }
-
-    fn lines(&self) -> &Lines<Key> {
-        &self.lines
     }
 
     /// The session's lease is gone, and the key with it.

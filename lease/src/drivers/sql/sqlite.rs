@@ -294,6 +294,10 @@ fn map_err(e: sqlx::Error) -> Error {
 
 #[async_trait]
 impl Driver for SqliteDriver {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
     async fn try_acquire(&self, lock: &str, identity: &str, ttl: Duration) -> Result<Acquire> {
         // fetch_all, not fetch_optional: the statement must run to completion so that its
         // write transaction commits now. A half-stepped INSERT ... RETURNING keeps the file's
@@ -387,10 +391,6 @@ impl Driver for SqliteDriver {
 
     fn poll_interval(&self, renew_interval: Duration) -> Duration {
         (renew_interval / 5).clamp(MIN_POLL, MAX_POLL)
-    }
-
-    fn kind(&self) -> &'static str {
-        "sqlite"
     }
 
     async fn ping(&self) -> Result<()> {

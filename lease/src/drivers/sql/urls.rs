@@ -189,11 +189,17 @@ impl SqlConfig {
 /// The database URL, redacted, with the table and the mode.
 impl fmt::Display for SqlConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let SqlConfig {
+            url,
+            table,
+            schema,
+            mode,
+            ..
+        } = self;
         // PEM text given inline (from a Secret) is never shown; file paths are.
-        let mut shown = self.url.clone();
+        let mut shown = url.clone();
         if shown.query().is_some() {
-            let pairs: Vec<(String, String)> = self
-                .url
+            let pairs: Vec<(String, String)> = url
                 .query_pairs()
                 .map(|(k, v)| {
                     let v = if v.trim_start().starts_with("-----BEGIN") {
@@ -207,11 +213,11 @@ impl fmt::Display for SqlConfig {
             shown.query_pairs_mut().clear().extend_pairs(pairs);
         }
         write!(f, "{}", redact(shown.as_str()))?;
-        match &self.schema {
-            Some(schema) => write!(f, " (table {schema}.{}", self.table)?,
-            None => write!(f, " (table {}", self.table)?,
+        match schema {
+            Some(schema) => write!(f, " (table {schema}.{table}")?,
+            None => write!(f, " (table {table}")?,
         }
-        write!(f, ", {} mode)", self.mode.as_str())
+        write!(f, ", {} mode)", mode.as_str())
     }
 }
 
