@@ -175,8 +175,32 @@ struct KeyState {
     slot: Arc<tokio::sync::Mutex<()>>,
     current: Mutex<Option<Arc<KeyHolding>>>,
     /// On a key's own state (permit 0's): moves whenever an owner of this pod gives up any
-    /// permit of the key, for this pod's owners waiting on the semaphore.
-    given_up: tokio::sync::watch::Sender<u64>,
+    /// permit of the key, for this pod's owners waiting on the semaphore. Made by the first
+    /// of them: most keys never have one, and a channel costs to make and to drop.
+    given_up: std::sync::OnceLock<tokio::sync::watch::Sender<u64>>,
+}
+
+impl KeyState {
+    /// Tell this pod's owners waiting on the key's semaphore that a permit was given up. A key
+    /// nobody has waited on has no channel to tell: a waiter makes it before its first try.
+    fn tell_given_up(&self) {
+        // Paired with the fence in `given_up_notices`: either this finds the channel of a
+        // waiter that makes it now, or that waiter's tries see the permit given up.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if let Some(given_up) = self.given_up.get() {
+            given_up.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Notices of permits of the key given up by this pod's owners from now on.
+    fn given_up_notices(&self) -> tokio::sync::watch::Receiver<u64> {
+        let notices = self
+            .given_up
+            .get_or_init(|| tokio::sync::watch::Sender::new(0))
+            .subscribe();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        notices
+    }
 }
 
 impl Default for KeyState {
@@ -184,7 +208,7 @@ impl Default for KeyState {
         Self {
             slot: Arc::default(),
             current: Mutex::default(),
-            given_up: tokio::sync::watch::Sender::new(0),
+            given_up: std::sync::OnceLock::new(),
         }
     }
 }
@@ -210,6 +234,17 @@ struct KeyHolding {
     of_write: bool,
 }
 
+impl KeyHolding {
+    /// Whether the holding still keeps its key's slot: [`KeyedFamily::forget`] has not
+    /// forgotten it.
+    fn keeps_slot(&self) -> bool {
+        self.slot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+}
+
 /// A family of keyed locks on one backend. Cheap to clone.
 #[derive(Clone)]
 pub struct KeyedFamily {
@@ -224,6 +259,10 @@ struct FamilyInner {
     config: std::sync::RwLock<FamilyConfig>,
     /// Set while the family is stopped (its resource deleted): no key is taken.
     stopped: std::sync::atomic::AtomicBool,
+    /// Whether the family is read-write, apart from `config` so that every call can ask without
+    /// its lock. Set once and never cleared ([`KeyedFamily::reconfigure`] refuses to), so a
+    /// call that finds it clear knows no writer of this pod holds any key.
+    read_write: std::sync::atomic::AtomicBool,
     /// The driver new keys are taken with; a key held now keeps the one it was taken with.
     driver: std::sync::RwLock<Arc<dyn Backend>>,
     /// What the keys' engines report, by family ([`FamilyTelemetry`]).
@@ -320,6 +359,7 @@ impl KeyedFamily {
         check_settings(&config)?;
         let permits = config.permits;
         let longest_key = config.max_key_length;
+        let read_write = config.read_write;
         let family = Self {
             inner: Arc::new(FamilyInner {
                 telemetry: Arc::new(FamilyTelemetry {
@@ -330,6 +370,7 @@ impl KeyedFamily {
                 identity: config.identity.clone(),
                 config: std::sync::RwLock::new(config),
                 stopped: std::sync::atomic::AtomicBool::new(false),
+                read_write: std::sync::atomic::AtomicBool::new(read_write),
                 driver: std::sync::RwLock::new(driver),
                 keys: Mutex::new(HashMap::new()),
                 held: AtomicUsize::new(0),
@@ -381,9 +422,11 @@ impl KeyedFamily {
             });
         }
         check_settings(&config)?;
+        // Checked and changed under one lock, so that two changes at once cannot both pass.
+        let mut in_force = self.inner.config.write().unwrap_or_else(|e| e.into_inner());
         // Owners of a family that is not read-write never look at a writer's gate: a writer
         // of this pod or another would hold its key beside them.
-        if self.read_config(|c| c.read_write) && !config.read_write {
+        if in_force.read_write && !config.read_write {
             return Err(Error::InvalidConfig {
                 field: "readWrite",
                 reason: "a read-write family cannot stop being one: owners of a family that is \
@@ -399,7 +442,11 @@ impl KeyedFamily {
             .longest_key_ever
             .fetch_max(config.max_key_length, Ordering::SeqCst);
         let permits = config.permits;
-        *self.inner.config.write().unwrap_or_else(|e| e.into_inner()) = config;
+        if config.read_write {
+            self.inner.read_write.store(true, Ordering::SeqCst);
+        }
+        *in_force = config;
+        drop(in_force);
         self.inner.permits_now.send_replace(permits);
         Ok(())
     }
@@ -576,15 +623,17 @@ impl KeyedFamily {
         if let Some((answer, _)) = self.reenter_write(key, owner, hold, reentrant).await? {
             return Ok(answer);
         }
-        let answer = if self.read_config(|c| c.read_write) {
+        let answer = if self.is_read_write() {
             self.take_reading(key, owner, wait, hold, reentrant).await
         } else {
             let answer = self.take_checked(key, owner, wait, hold, reentrant).await;
             // Asked for as a semaphore's permit, granted as one: also when the family became
             // read-write meanwhile (the holding is then put in place as a reader's, told of
             // once past the write gate), its owner's calls find what it is answered, as they
-            // would in a pod that has not seen the change yet.
+            // would in a pod that has not seen the change yet. A family still not read-write
+            // put the holding in place told of already.
             if let Ok(KeyAnswer::Held { permit, token, .. }) = &answer
+                && self.is_read_write()
                 && let Some(holding) = self.holding_taken(key, *permit, owner, *token)
             {
                 holding.checked.store(true, Ordering::SeqCst);
@@ -633,6 +682,10 @@ impl KeyedFamily {
         let wait = deadline.saturating_duration_since(Instant::now());
         let _waiting = Waiting::new(&self.inner.waiting);
         if self.read_config(|c| c.permits) == 1 {
+            if wait.is_zero() {
+                // One attempt, not a wait: a count raised meanwhile is the next attempt's.
+                return self.take_part(key, 0, owner, wait, hold, reentrant).await;
+            }
             let mut permits = self.inner.permits_now.subscribe();
             tokio::select! {
                 biased;
@@ -665,14 +718,14 @@ impl KeyedFamily {
         // Not a read-write family's readers: a writer of this pod waiting for a permit keeps
         // its slot, and the first in line a place before it in the backend, each refused by
         // the other.
-        if self.driver().keeps_queue() && !wait.is_zero() && !self.read_config(|c| c.read_write) {
+        if self.driver().keeps_queue() && !wait.is_zero() && !self.is_read_write() {
             return self
                 .take_in_line(key, owner, deadline, hold, reentrant, first)
                 .await;
         }
         // This pod's releases of any permit of the key; the state is kept while watched.
         let own_key = StateInUse::new(&self.inner, key);
-        let mut given_up = own_key.given_up.subscribe();
+        let mut given_up = own_key.given_up_notices();
         loop {
             let round = Instant::now();
             let driver = self.driver();
@@ -915,13 +968,18 @@ impl KeyedFamily {
         {
             return Ok(KeyAnswer::NotHeld);
         }
-        let slot = match timeout(wait, state.slot.clone().lock_owned()).await {
+        // A free slot is taken without arming a timer: tokio's mutex hands a slot given back
+        // to its first waiter, so taking it at once never passes anyone in the queue.
+        let slot = match state.slot.clone().try_lock_owned() {
             Ok(slot) => slot,
-            Err(_) => {
-                return Ok(KeyAnswer::HeldByAnother {
-                    holder: current_of(&state).map(|c| self.qualified(&c.owner)),
-                });
-            }
+            Err(_) => match timeout(wait, state.slot.clone().lock_owned()).await {
+                Ok(slot) => slot,
+                Err(_) => {
+                    return Ok(KeyAnswer::HeldByAnother {
+                        holder: current_of(&state).map(|c| self.qualified(&c.owner)),
+                    });
+                }
+            },
         };
         let (lease_duration, renew_interval, max_keys) =
             self.read_config(|c| (c.lease_duration, c.renew_interval, c.max_keys));
@@ -951,11 +1009,9 @@ impl KeyedFamily {
                 single_use: true,
                 keeps_queue_place: part == Part::Own(InLine::Keep),
                 renew_interval,
-                ..LockConfig::new(
-                    &backend_name(&self.inner.name, key),
-                    &self.qualified(owner),
-                    lease_duration,
-                )
+                name: backend_name(&self.inner.name, key),
+                identity: self.qualified(owner),
+                ..LockConfig::new("", "", lease_duration)
             },
             self.inner.telemetry.clone(),
             Some(on_unheld),
@@ -1009,11 +1065,7 @@ impl KeyedFamily {
             of_write: part == Part::OfWrite,
             checked: std::sync::atomic::AtomicBool::new(match part {
                 Part::OfWrite => false,
-                Part::Own(_) => {
-                    !(self.read_config(|c| c.read_write)
-                        && permit > 0
-                        && permit != read_write::GATE)
-                }
+                Part::Own(_) => !(self.is_read_write() && permit > 0 && permit != read_write::GATE),
             }),
         });
         // Counted before it is put in place: the engine's hook may forget it (and count it
@@ -1211,9 +1263,10 @@ impl KeyedFamily {
             Err(e) => return Err(e.into()),
         }
         let holds = current.lock.snapshot().holds;
-        if holds == 0 {
-            // Free the slot now rather than when the watcher gets to it, so that the next
-            // owner's acquisition is not refused for a moment.
+        // Free the slot now rather than when the watcher gets to it, so that the next owner's
+        // acquisition is not refused for a moment; a slot already given back was forgotten by
+        // the engine's hook.
+        if holds == 0 && current.keeps_slot() {
             self.forget(&current.permit_key, current.serial);
         }
         Ok(KeyRelease::Released { holds })
@@ -1412,15 +1465,21 @@ impl KeyedFamily {
                 self.inner.held.fetch_sub(1, Ordering::SeqCst);
                 self.inner.admitted.fetch_sub(1, Ordering::SeqCst);
             }
-            if let Some(key) = self.existing(&holding.key) {
-                key.given_up.send_modify(|n| *n = n.wrapping_add(1));
+            // Permit 0's state is the key's own, in hand already.
+            match holding.permit {
+                0 => state.tell_given_up(),
+                _ => {
+                    if let Some(key) = self.existing(&holding.key) {
+                        key.tell_given_up();
+                    }
+                }
             }
             // Stopped, not shut down: the hook runs inside the engine's step down, before the
             // release goes out, and the engine must be left to finish it even when this drops
             // its last handle.
             holding.lock.stop();
+            // Dropping the state drops it from the family's map too, if idle.
             drop(state);
-            self.inner.drop_state_if_idle(key);
             self.part_let_go(&holding.key, &holding.owner);
         }
     }

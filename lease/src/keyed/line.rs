@@ -51,7 +51,7 @@ impl KeyedFamily {
         };
         // This pod's releases of any permit of the key; the state is kept while watched.
         let own_key = StateInUse::new(&self.inner, key);
-        let mut given_up = own_key.given_up.subscribe();
+        let mut given_up = own_key.given_up_notices();
         let renew_interval = self.read_config(|c| c.renew_interval);
         // Lining up, and again should the line be lost while this owner stands first in it.
         loop {

@@ -641,7 +641,7 @@ impl KeyedFamily {
         let gate = self.permit_name(key, GATE);
         let renew_interval = self.read_config(|c| c.renew_interval);
         let own_key = StateInUse::new(&self.inner, key);
-        let mut given_up = own_key.given_up.subscribe();
+        let mut given_up = own_key.given_up_notices();
         loop {
             let driver = self.driver();
             let mut notice = driver.changes(&gate);
@@ -678,6 +678,10 @@ impl KeyedFamily {
 
     /// This pod's writer of `key`, if it is `owner` (any writer, without one).
     pub(super) fn writer_of(&self, key: &str, owner: Option<&str>) -> Option<Arc<Writer>> {
+        // Only a read-write family has writers, and it stays one.
+        if !self.is_read_write() {
+            return None;
+        }
         let writers = self.inner.writers.lock().unwrap_or_else(|e| e.into_inner());
         writers
             .get(key)
@@ -701,7 +705,7 @@ impl KeyedFamily {
 
     /// Whether the family is declared read-write.
     pub fn is_read_write(&self) -> bool {
-        self.read_config(|c| c.read_write)
+        self.inner.read_write.load(Ordering::SeqCst)
     }
 
     /// A 400 when writing `keys` keys at once (those the owner does not write already) can
