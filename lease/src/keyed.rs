@@ -1086,7 +1086,7 @@ impl KeyedFamily {
         // The engine's hook found nothing to forget if the holding ended before it was put in
         // place; the engine publishes that before it calls the hook. Ended, it is not answered
         // held with the validity it had when granted.
-        if holding.lock.snapshot().held.is_none() {
+        if holding.lock.read_snapshot(|s| s.held.is_none()) {
             self.forget(key, serial);
             return Ok(KeyAnswer::NotHeld);
         }
@@ -1116,9 +1116,7 @@ impl KeyedFamily {
             permit.is_none_or(|permit| holding.permit == permit)
                 && holding
                     .lock
-                    .snapshot()
-                    .held
-                    .is_some_and(|held| held.token == token)
+                    .read_snapshot(|s| s.held.as_ref().is_some_and(|held| held.token == token))
         }) else {
             return Ok(false);
         };
@@ -1191,9 +1189,7 @@ impl KeyedFamily {
         self.holding_on(key, permit, owner).filter(|holding| {
             holding
                 .lock
-                .snapshot()
-                .held
-                .is_some_and(|held| held.token == token)
+                .read_snapshot(|s| s.held.as_ref().is_some_and(|held| held.token == token))
         })
     }
 
@@ -1262,7 +1258,7 @@ impl KeyedFamily {
             Ok(false) | Err(Error::Shutdown) => return Ok(KeyRelease::NotHeld),
             Err(e) => return Err(e.into()),
         }
-        let holds = current.lock.snapshot().holds;
+        let holds = current.lock.read_snapshot(|s| s.holds);
         // Free the slot now rather than when the watcher gets to it, so that the next owner's
         // acquisition is not refused for a moment; a slot already given back was forgotten by
         // the engine's hook.
@@ -1436,7 +1432,7 @@ impl KeyedFamily {
             } => KeyAnswer::Held {
                 token,
                 valid_for,
-                holds: holding.lock.snapshot().holds,
+                holds: holding.lock.read_snapshot(|s| s.holds),
                 permit: holding.permit,
                 writer: false,
             },

@@ -442,6 +442,12 @@ impl Lock {
         self.inner.state.borrow().answer()
     }
 
+    /// What `read` takes from the lock's state now, without copying it whole (a keyed call
+    /// asks for a count or a flag on every acquisition and release).
+    pub(crate) fn read_snapshot<T>(&self, read: impl FnOnce(&Snapshot) -> T) -> T {
+        read(&self.inner.state.borrow())
+    }
+
     pub fn watch(&self) -> watch::Receiver<Snapshot> {
         self.inner.state.clone()
     }
