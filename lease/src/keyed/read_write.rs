@@ -877,7 +877,7 @@ impl KeyedFamily {
                 } if held == part.token => {
                     valid_for = valid_for.min(left);
                     if part.permit == GATE {
-                        holds = holding.lock.snapshot().holds;
+                        holds = holding.lock.read_snapshot(|s| s.holds);
                     } else if held >= token {
                         (token, permit) = (held, part.permit);
                     }
