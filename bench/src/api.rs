@@ -291,56 +291,63 @@ async fn grpc_cycles(
     key: &str,
     owner: &str,
 ) -> (u64, Vec<Duration>) {
-    let mut grpc = GrpcConnection::connect(addr).await;
+    let (mut grpc, connection) = GrpcConnection::connect(addr).await;
     let (try_lock, unlock) = (
         grpc.uri("/dapr.proto.runtime.v1.Dapr/TryLockAlpha1"),
         grpc.uri("/dapr.proto.runtime.v1.Dapr/UnlockAlpha1"),
     );
-    let (mut cycles, mut latencies) = (0u64, Vec::new());
-    while start.elapsed() < API_DURATION {
-        let sent = Instant::now();
-        let locked: TryLockResponse = grpc
-            .unary(
-                &try_lock,
-                &TryLockRequest {
-                    store_name: FAMILY.to_owned(),
-                    resource_id: key.to_owned(),
-                    lock_owner: owner.to_owned(),
-                    expiry_in_seconds: 10,
-                },
-            )
-            .await;
-        latencies.push(sent.elapsed());
-        assert!(locked.success, "{key}: not taken");
-        let sent = Instant::now();
-        let unlocked: UnlockResponse = grpc
-            .unary(
-                &unlock,
-                &UnlockRequest {
-                    store_name: FAMILY.to_owned(),
-                    resource_id: key.to_owned(),
-                    lock_owner: owner.to_owned(),
-                },
-            )
-            .await;
-        latencies.push(sent.elapsed());
-        assert_eq!(unlocked.status, 0, "{key}: not unlocked");
-        cycles += 1;
-    }
-    (cycles, latencies)
+    let calls = async move {
+        let (mut cycles, mut latencies) = (0u64, Vec::new());
+        while start.elapsed() < API_DURATION {
+            let sent = Instant::now();
+            let locked: TryLockResponse = grpc
+                .unary(
+                    &try_lock,
+                    &TryLockRequest {
+                        store_name: FAMILY.to_owned(),
+                        resource_id: key.to_owned(),
+                        lock_owner: owner.to_owned(),
+                        expiry_in_seconds: 10,
+                    },
+                )
+                .await;
+            latencies.push(sent.elapsed());
+            assert!(locked.success, "{key}: not taken");
+            let sent = Instant::now();
+            let unlocked: UnlockResponse = grpc
+                .unary(
+                    &unlock,
+                    &UnlockRequest {
+                        store_name: FAMILY.to_owned(),
+                        resource_id: key.to_owned(),
+                        lock_owner: owner.to_owned(),
+                    },
+                )
+                .await;
+            latencies.push(sent.elapsed());
+            assert_eq!(unlocked.status, 0, "{key}: not unlocked");
+            cycles += 1;
+        }
+        // Dropping the connection's last sender closes it, which ends `connection`.
+        drop(grpc);
+        (cycles, latencies)
+    };
+    tokio::join!(calls, connection).0
 }
 
 /// One owner's HTTP/2 connection to a gRPC server, with nothing between the caller and the
-/// connection. The load generator shares the cores with the sidecar and the backend, so it must
-/// be as lean as the HTTP/1 client beside it: tonic's `Channel` puts a buffer task and a
-/// reconnecting service in front of the connection, and took twice that client's CPU a call.
+/// connection, which the caller's own task drives. The load generator shares the cores with the
+/// sidecar and the backend, so it must be as lean as the HTTP/1 client beside it: tonic's
+/// `Channel` puts a buffer task and a reconnecting service in front of a connection of its own
+/// task, and took about three times that client's CPU a call.
 struct GrpcConnection {
     addr: SocketAddr,
     send: hyper::client::conn::http2::SendRequest<http_body_util::Full<hyper::body::Bytes>>,
 }
 
 impl GrpcConnection {
-    async fn connect(addr: SocketAddr) -> Self {
+    /// The connection, and the future that drives it until its last sender is dropped.
+    async fn connect(addr: SocketAddr) -> (Self, impl Future<Output = ()>) {
         let tcp = TcpStream::connect(addr).await.expect("connect");
         tcp.set_nodelay(true).expect("nodelay");
         let (send, connection) = hyper::client::conn::http2::handshake(
@@ -349,8 +356,12 @@ impl GrpcConnection {
         )
         .await
         .expect("HTTP/2 handshake");
-        tokio::spawn(connection);
-        Self { addr, send }
+        let connection = async move {
+            if let Err(e) = connection.await {
+                panic!("gRPC connection to {addr}: {e}");
+            }
+        };
+        (Self { addr, send }, connection)
     }
 
     /// The absolute URI of `path` on this server, as HTTP/2's pseudo-headers need it.
