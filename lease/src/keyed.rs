@@ -446,8 +446,10 @@ impl KeyedFamily {
             self.inner.read_write.store(true, Ordering::SeqCst);
         }
         *in_force = config;
-        drop(in_force);
+        // Told under the same lock, so that of two changes at once the last to take effect
+        // is also the last told to the waiters.
         self.inner.permits_now.send_replace(permits);
+        drop(in_force);
         Ok(())
     }
 
