@@ -335,18 +335,19 @@ async fn grpc_cycles(
     tokio::join!(calls, connection).0
 }
 
-/// One owner's HTTP/2 connection to a gRPC server, with nothing between the caller and the
-/// connection, which the caller's own task drives. The load generator shares the cores with the
-/// sidecar and the backend, so it must be as lean as the HTTP/1 client beside it: tonic's
-/// `Channel` puts a buffer task and a reconnecting service in front of a connection of its own
-/// task, and took about three times that client's CPU a call.
+/// One owner's HTTP/2 connection to a gRPC server, with no buffer between the caller and the
+/// connection. The load generator shares the cores with the sidecar and the backend, so it is
+/// kept as lean as the HTTP/1 client beside it: tonic's `Channel` puts a buffer task and a
+/// reconnecting service in front of the connection. hyper still runs the connection on a task
+/// of its own, and each answer's hand-back on another.
 struct GrpcConnection {
     addr: SocketAddr,
     send: hyper::client::conn::http2::SendRequest<http_body_util::Full<hyper::body::Bytes>>,
 }
 
 impl GrpcConnection {
-    /// The connection, and the future that drives it until its last sender is dropped.
+    /// The connection, and a future that ends when the connection does (once its last sender
+    /// is dropped), failing the run should the connection fail.
     async fn connect(addr: SocketAddr) -> (Self, impl Future<Output = ()>) {
         let tcp = TcpStream::connect(addr).await.expect("connect");
         tcp.set_nodelay(true).expect("nodelay");
