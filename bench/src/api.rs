@@ -93,12 +93,11 @@ pub(crate) async fn api_section() {
             println!("    {:<20} {}", "library (in process)", library.describe());
             for route in [Route::KeyedHttp, Route::DaprHttp, Route::DaprGrpc] {
                 let cpu_before = cpu_seconds_of(sidecar.pid());
-                let client_cpu_before = cpu_seconds_of(std::process::id());
+                let client_cpu_before = process_cpu_seconds();
                 let run = route_run(&sidecar, route, owners).await;
                 let requests = run.latencies.len() as f64;
                 let cpu_per_request = (cpu_seconds_of(sidecar.pid()) - cpu_before) / requests;
-                let client_cpu_per_request =
-                    (cpu_seconds_of(std::process::id()) - client_cpu_before) / requests;
+                let client_cpu_per_request = (process_cpu_seconds() - client_cpu_before) / requests;
                 println!(
                     "    {:<20} {}   p50 over the library's call {:+.3} ms   {:.0}% of the library's cycles   sidecar CPU {:.0} us/request   client CPU {:.0} us/request",
                     route.label(),
