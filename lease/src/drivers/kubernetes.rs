@@ -123,6 +123,12 @@ pub const DURATION_ANNOTATION: &str = "leasehold.dev/lease-duration-ms";
 /// lie below tokens the key was given before its Lease was swept.
 pub const FLOOR_UNCHECKED_ANNOTATION: &str = "leasehold.dev/floor-unchecked";
 
+/// A random value each acquisition writes on the Lease, so that the acquirer re-reading after a
+/// write whose answer was lost knows its own claim from another's: two processes given the same
+/// identity (a misconfiguration, but one a copied manifest makes) may write the same holder and
+/// token, even in the same microsecond, and only one of them holds.
+pub const CLAIM_ANNOTATION: &str = "leasehold.dev/claim";
+
 /// How often renew and release re-read after a `resourceVersion` conflict before giving up:
 /// conflicts come from writers that are not the holder (the operator, `kubectl annotate`), and
 /// a holder should not lose its lease to them.
@@ -1044,12 +1050,31 @@ fn claim(object: &mut LeaseObject, identity: &str, token: u64, ttl: Duration) ->
     spec.holder_identity = Some(identity.to_owned());
     spec.lease_transitions = Some(token);
     spec.acquire_time = spec.renew_time.clone();
+    object
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            CLAIM_ANNOTATION.to_owned(),
+            format!("{:032x}", rand::random::<u128>()),
+        );
     Ok(())
 }
 
-/// Whether `found` holds the claim `sent` wrote: the same holder, token and acquireTime (to the
-/// microsecond the API server keeps).
+/// Whether `found` holds the claim `sent` wrote: the same holder, token, acquireTime (to the
+/// microsecond the API server keeps) and [`CLAIM_ANNOTATION`].
 fn same_claim(found: &LeaseObject, sent: &LeaseObject) -> bool {
+    let claim_of = |object: &LeaseObject| {
+        object
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(CLAIM_ANNOTATION).cloned())
+    };
+    let sent_claim = claim_of(sent);
+    if sent_claim.is_none() || claim_of(found) != sent_claim {
+        return false;
+    }
     let (Some(found), Some(sent)) = (&found.spec, &sent.spec) else {
         return false;
     };
@@ -1197,7 +1222,7 @@ impl Driver for KubernetesLeaseDriver {
             },
             // A conflict may be this very write: committed, its answer lost (a 504 or 503), and
             // sent again by the client, which retries those on its own. The Lease then names
-            // this process with this claim's own acquireTime; taken as anything else, it would
+            // this process with this claim's own value; taken as anything else, it would
             // be held for nobody for a lease. It was written after this call began, from which
             // the engine counts the claim.
             Ok(None) => self
@@ -1543,6 +1568,24 @@ mod tests {
             round_up(Duration::from_millis(15_001)),
             Duration::from_secs(16)
         );
+    }
+
+    #[test]
+    fn a_claim_is_known_by_its_own_value_not_by_holder_token_and_time() {
+        let read = lease(None, Duration::from_secs(60), 1, None);
+        let (mut mine, mut theirs) = (read.clone(), read);
+        claim(&mut mine, "same-identity", 8, Duration::from_secs(5)).unwrap();
+        claim(&mut theirs, "same-identity", 8, Duration::from_secs(5)).unwrap();
+        // Two processes of one identity claiming in the same microsecond.
+        theirs.spec.as_mut().unwrap().acquire_time =
+            mine.spec.as_ref().unwrap().acquire_time.clone();
+        assert!(same_claim(&mine, &mine));
+        assert!(!same_claim(&theirs, &mine));
+        assert!(!same_claim(&mine, &theirs));
+        // A Lease another program wrote, without the value, is nobody's claim of ours.
+        let mut bare = mine.clone();
+        bare.metadata.annotations = None;
+        assert!(!same_claim(&bare, &mine));
     }
 
     #[test]
