@@ -918,6 +918,79 @@ async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
     );
 }
 
+/// The holding check is due a fixed time after the server lock is taken, however often the
+/// process's own waiters ask meanwhile (each refusal tells the lock's server-lock task that
+/// one waits): a lapsed holder's process learns from it that its holding is over, and from
+/// then on keeps the server lock for its waiter as the next in line, waking it to read the row
+/// every wait step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_lapsed_holders_check_is_not_put_off_by_waiters_of_its_process() {
+    use leasehold_lease::Acquire;
+    use leasehold_lease::drivers::sql::wake::{HOLDING_CHECK, named_lock};
+    let h = MariaDbHarness::new();
+    let url = h.server.url();
+    let lock = unique_lock("lapsed-asked");
+    let ttl = Duration::from_secs(2);
+    let lapsed = h.driver().await;
+    let Acquire::Acquired(_lease) = lapsed.try_acquire(&lock, "a", ttl).await.unwrap() else {
+        panic!("the lock is not free");
+    };
+    let name = named_lock(&mariadb_place(), &lock);
+    sqlx::any::install_default_drivers();
+    let mut admin = sqlx::AnyConnection::connect(&url)
+        .await
+        .expect("admin connection");
+    let taken = tokio::time::Instant::now();
+    holders_named_lock_session(&mut admin, &name, taken).await;
+    tokio::time::sleep(ttl).await;
+    // Taken over by another process, for longer than the test runs.
+    let next = h.driver().await;
+    let Acquire::Acquired(_taken_over) = next
+        .try_acquire(&lock, "b", HOLDING_CHECK * 2)
+        .await
+        .unwrap()
+    else {
+        panic!("the lapsed lease was not taken over");
+    };
+    // A waiter in the lapsed holder's process, asking every three seconds: more often than the
+    // holding check, less often than the wait step at which the next in line is woken.
+    let mut changes = lapsed
+        .changes(&lock)
+        .expect("the SQL driver tells of changes");
+    changes.borrow_and_update();
+    let asking = tokio::spawn({
+        let (lapsed, lock) = (lapsed.clone(), lock.clone());
+        async move {
+            loop {
+                let answer = lapsed.try_acquire(&lock, "c", ttl).await;
+                assert!(
+                    matches!(answer, Ok(Acquire::Busy(_))),
+                    "the taken-over lock was not busy for a waiter: {answer:?}"
+                );
+                tokio::time::sleep(Duration::from_secs(3)).await;
+            }
+        }
+    });
+    let deadline = taken + HOLDING_CHECK + Duration::from_secs(6);
+    let woken = tokio::time::timeout_at(deadline, changes.changed()).await;
+    let at = taken.elapsed();
+    assert!(
+        !asking.is_finished(),
+        "the waiter stopped: {:?}",
+        asking.await
+    );
+    asking.abort();
+    assert!(
+        woken.is_ok(),
+        "the waiter here was never woken to read the row: the holding check ({HOLDING_CHECK:?}) \
+         did not run while it asked"
+    );
+    assert!(
+        at + SLACK >= HOLDING_CHECK,
+        "the waiter here was woken after {at:?}, before any holding check was due"
+    );
+}
+
 /// How many acquisitions PostgreSQL's pool statements have run (a waiter's blocking statement
 /// begins `WITH`, and is not one of them).
 async fn postgres_pool_acquisitions(admin: &mut sqlx::AnyConnection) -> i64 {

@@ -461,6 +461,10 @@ impl ServerLocks {
         let mut spare = session.is_some();
         let mut locked = false;
         let mut view = View::default();
+        // When a held server lock next checks the row: a deadline, not a timer begun anew each
+        // time round, which the messages of waiters here asking again and again would keep
+        // putting off for good.
+        let mut holding_check: Option<Instant> = None;
         let _ready = Ready {
             locks: self.clone(),
             lock: lock.clone(),
@@ -543,6 +547,9 @@ impl ServerLocks {
                 }
             }
             let conn = &mut session.as_mut().expect("a session").conn;
+            if release.is_some() || !(locked && view.holding) {
+                holding_check = None;
+            }
             let outcome = if let Some((lease, reply)) = release {
                 view.holding = false;
                 locked = false;
@@ -551,6 +558,7 @@ impl ServerLocks {
                 // Ours, and held: nothing to do until the driver speaks, but look now and then
                 // whether the row still says so.
                 self.set_ready(&lock, true);
+                let check_at = *holding_check.get_or_insert_with(|| Instant::now() + HOLDING_CHECK);
                 tokio::select! {
                     message = messages.recv() => match message {
                         Some(Message::LetGo(identity, token)) if view.is(&identity, token) => {
@@ -573,7 +581,8 @@ impl ServerLocks {
                         }
                         None => return,
                     },
-                    () = tokio::time::sleep(HOLDING_CHECK) => {
+                    () = tokio::time::sleep_until(check_at) => {
+                        holding_check = None;
                         match answered(RESPONSE_TIMEOUT, self.still_held(conn, &lock, view.lease.as_ref())).await {
                             Ok(still) => {
                                 view.holding = still;
