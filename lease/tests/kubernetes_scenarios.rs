@@ -122,11 +122,13 @@ async fn a_conflict_on_resource_version_means_busy_not_an_error() {
 
 /// A create committed whose answer was lost, sent again by the client (which retries a 504 on
 /// its own) and refused as existing: the Lease names this process with this claim's own
-/// acquireTime, so the acquisition holds rather than wait a lease for nobody. A Lease naming
-/// the same identity with another acquireTime (an earlier attempt's) is not taken for it.
+/// acquireTime and claim value, so the acquisition holds rather than wait a lease for nobody.
+/// A Lease naming the same identity and token with another acquireTime (an earlier attempt's)
+/// or another claim value (another process given the same identity) is not taken for it.
 #[tokio::test]
 async fn a_write_committed_with_its_answer_lost_is_the_acquisition() {
-    for own in [true, false] {
+    for found in ["own", "another acquireTime", "another claim value"] {
+        let own = found == "own";
         let (driver, mut api) = driver();
         let server = tokio::spawn(async move {
             let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
@@ -135,8 +137,14 @@ async fn a_write_committed_with_its_answer_lost_is_the_acquisition() {
             reply(send, StatusCode::CONFLICT, &failure(409, "AlreadyExists"));
             let (_, send) = api.expect(Method::GET, "/namespaces/ns/leases/jobs").await;
             created["metadata"]["resourceVersion"] = json!("1");
-            if !own {
-                created["spec"]["acquireTime"] = json!("2026-01-01T00:00:00.000000Z");
+            match found {
+                "another acquireTime" => {
+                    created["spec"]["acquireTime"] = json!("2026-01-01T00:00:00.000000Z");
+                }
+                "another claim value" => {
+                    created["metadata"]["annotations"]["leasehold.dev/claim"] = json!("another");
+                }
+                _ => {}
             }
             reply(send, StatusCode::OK, &created);
         });
@@ -149,7 +157,7 @@ async fn a_write_committed_with_its_answer_lost_is_the_acquisition() {
                 matches!(&outcome, Acquire::Acquired(lease) if lease.token == 1),
                 "{outcome:?}"
             ),
-            false => assert_eq!(outcome, Acquire::Busy(None)),
+            false => assert_eq!(outcome, Acquire::Busy(None), "{found}"),
         }
         server.await.unwrap();
     }
@@ -681,6 +689,46 @@ async fn a_held_lease_deleted_by_hand_is_not_taken_within_the_holders_claim() {
         ),
         other => panic!("a: {other:?}"),
     }
+}
+
+/// Two processes given the same identity by mistake: the first holds, its Lease is deleted by
+/// hand, and the second, which never saw it, makes it again with the same identity and token.
+/// The first's renewal and release find another claim value on the Lease and write nothing:
+/// the second holds alone.
+#[tokio::test]
+async fn a_holder_does_not_renew_or_release_another_process_claim_of_the_same_identity_and_token() {
+    const TTL: Duration = Duration::from_secs(15);
+    let harness = KubernetesHarness::new();
+    let (a, b) = (harness.client_driver(), harness.client_driver());
+    let lock = unique_lock("same-identity");
+    let held = match a.try_acquire(&lock, "pod-x", TTL).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        other => panic!("a: {other:?}"),
+    };
+    assert!(harness.api.remove(
+        leasehold_testkit::in_memory_api_server::LEASES,
+        KubernetesHarness::NAMESPACE,
+        &lock
+    ));
+    let taken = match b.try_acquire(&lock, "pod-x", TTL).await.unwrap() {
+        Acquire::Acquired(lease) => lease,
+        other => panic!("b: {other:?}"),
+    };
+    assert_eq!(
+        (&taken.identity, taken.token),
+        (&held.identity, held.token),
+        "the case needs the same identity and token on both sides"
+    );
+    assert!(
+        !a.renew(&held, TTL).await.unwrap(),
+        "a renewed b's claim of the same identity and token as its own"
+    );
+    assert!(
+        !a.release(&held).await.unwrap(),
+        "a released b's claim of the same identity and token as its own"
+    );
+    assert!(b.renew(&taken, TTL).await.unwrap(), "b lost its claim");
+    assert!(b.release(&taken).await.unwrap());
 }
 
 /// A held Lease deleted by hand and made again, blank, by provisioning (the operator's, which

@@ -249,6 +249,14 @@ struct TokenSeen {
     until: BootInstant,
 }
 
+/// The claim value ([`CLAIM_ANNOTATION`]) this process wrote with a lock's token, and until when
+/// it is kept.
+struct OwnClaim {
+    token: u64,
+    value: String,
+    until: BootInstant,
+}
+
 /// How long a token seen is kept after it was last seen: past any lease a Lease deleted by hand
 /// could be taken again within.
 const TOKEN_KEPT: Duration = Duration::from_secs(600);
@@ -363,6 +371,10 @@ pub struct KubernetesLeaseDriver {
     /// The highest token this process has seen or drawn of each lock, a while after: a Lease
     /// deleted by hand takes its count with it, and one made again draws above this.
     tokens_seen: Mutex<Pruned<String, TokenSeen>>,
+    /// The claim value of each lock this process holds: renewals and releases write only a
+    /// Lease that carries it, so that a holder of the same identity and token (another process
+    /// given this identity, which made a Lease deleted by hand again) is never taken for this one.
+    own_claims: Mutex<Pruned<String, OwnClaim>>,
     /// The Lease's `preferredHolder` moves the lock ([`KubernetesConfig::yield_to_preferred_holder`]).
     yield_to_preferred_holder: bool,
 }
@@ -377,6 +389,7 @@ impl KubernetesLeaseDriver {
             feeds: Mutex::default(),
             sightings: Mutex::default(),
             tokens_seen: Mutex::default(),
+            own_claims: Mutex::default(),
             yield_to_preferred_holder: false,
         }
     }
@@ -540,6 +553,45 @@ impl KubernetesLeaseDriver {
         seen.prune(|t| t.until > now);
     }
 
+    /// `object`, just written by this process, holds `lock` for `identity` or no longer does:
+    /// its claim value is kept, or forgotten. Kept a while past the lease, renewed with it.
+    fn wrote_claim(&self, lock: &str, identity: &str, object: &LeaseObject) {
+        let mut claims = self.own_claims.lock().unwrap_or_else(|e| e.into_inner());
+        let record = Record::of(object);
+        let held = record
+            .as_ref()
+            .filter(|record| record.identity.as_deref() == Some(identity));
+        match (held, claim_value(object)) {
+            (Some(record), Some(value)) => {
+                let now = BootInstant::now();
+                claims.insert(
+                    lock.to_owned(),
+                    OwnClaim {
+                        token: record.transitions,
+                        value: value.to_owned(),
+                        until: now + record.duration.max(Duration::from_secs(1)) * 2,
+                    },
+                );
+                claims.prune(|claim| claim.until > now);
+            }
+            _ => {
+                claims.remove(lock);
+            }
+        }
+    }
+
+    /// Whether `object` may be `lease`'s, as far as the claim value goes: the value this process
+    /// wrote with the lease's token, where it remembers one.
+    fn carries_own_claim(&self, lease: &Lease, object: &LeaseObject) -> bool {
+        let claims = self.own_claims.lock().unwrap_or_else(|e| e.into_inner());
+        match claims.get(&lease.lock) {
+            Some(claim) if claim.token == lease.token => {
+                claim_value(object) == Some(claim.value.as_str())
+            }
+            _ => true,
+        }
+    }
+
     /// The highest token of `lock` this process has seen or drawn lately (0: none).
     fn token_seen(&self, lock: &str) -> u64 {
         let seen = self.tokens_seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -695,6 +747,7 @@ impl KubernetesLeaseDriver {
             };
             if record.identity.as_deref() != Some(lease.identity.as_str())
                 || record.transitions != lease.token
+                || !self.carries_own_claim(lease, &object)
                 || (require_unexpired && record.expired_at(Timestamp::now()))
             {
                 return Ok(false);
@@ -707,7 +760,8 @@ impl KubernetesLeaseDriver {
                 return Ok(false);
             }
             change(&mut object);
-            if self.replace(&lease.lock, &object).await?.is_some() {
+            if let Some(written) = self.replace(&lease.lock, &object).await? {
+                self.wrote_claim(&lease.lock, &lease.identity, &written);
                 return Ok(true);
             }
         }
@@ -1064,15 +1118,8 @@ fn claim(object: &mut LeaseObject, identity: &str, token: u64, ttl: Duration) ->
 /// Whether `found` holds the claim `sent` wrote: the same holder, token, acquireTime (to the
 /// microsecond the API server keeps) and [`CLAIM_ANNOTATION`].
 fn same_claim(found: &LeaseObject, sent: &LeaseObject) -> bool {
-    let claim_of = |object: &LeaseObject| {
-        object
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(CLAIM_ANNOTATION).cloned())
-    };
-    let sent_claim = claim_of(sent);
-    if sent_claim.is_none() || claim_of(found) != sent_claim {
+    let sent_claim = claim_value(sent);
+    if sent_claim.is_none() || claim_value(found) != sent_claim {
         return false;
     }
     let (Some(found), Some(sent)) = (&found.spec, &sent.spec) else {
@@ -1084,6 +1131,16 @@ fn same_claim(found: &LeaseObject, sent: &LeaseObject) -> bool {
         && found.lease_transitions == sent.lease_transitions
         && sent.acquire_time.is_some()
         && micros(&found.acquire_time) == micros(&sent.acquire_time)
+}
+
+/// The value of `object`'s [`CLAIM_ANNOTATION`].
+fn claim_value(object: &LeaseObject) -> Option<&str> {
+    object
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(CLAIM_ANNOTATION)
+        .map(String::as_str)
 }
 
 /// Whether `object` carries [`FLOOR_UNCHECKED_ANNOTATION`].
@@ -1231,7 +1288,8 @@ impl Driver for KubernetesLeaseDriver {
                 .filter(|found| same_claim(found, &object)),
         };
         match written {
-            Some(_) => {
+            Some(written) => {
+                self.wrote_claim(lock, identity, &written);
                 let acquired = match family {
                     Some(family) => self.above_floor(lease, family, ttl).await,
                     None => Ok(Acquire::Acquired(lease)),
