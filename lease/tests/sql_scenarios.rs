@@ -964,14 +964,16 @@ async fn mariadb_a_lapsed_holders_check_is_not_put_off_by_waiters_of_its_process
             loop {
                 let answer = lapsed.try_acquire(&lock, "c", ttl).await;
                 assert!(
-                    matches!(answer, Ok(Acquire::Busy(_))),
-                    "the taken-over lock was not busy for a waiter: {answer:?}"
+                    !matches!(answer, Ok(Acquire::Acquired(_))),
+                    "the taken-over lock was taken by a waiter: {answer:?}"
                 );
                 tokio::time::sleep(Duration::from_secs(3)).await;
             }
         }
     });
-    let deadline = taken + HOLDING_CHECK + Duration::from_secs(6);
+    // The check, then up to two wait steps (2 s each, one of them begun again by a message)
+    // before the waiter is woken, and room for a loaded machine.
+    let deadline = taken + HOLDING_CHECK + SLACK + Duration::from_secs(4 + 5);
     let woken = tokio::time::timeout_at(deadline, changes.changed()).await;
     let at = taken.elapsed();
     assert!(
