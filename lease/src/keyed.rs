@@ -733,7 +733,7 @@ impl KeyedFamily {
             let driver = self.driver();
             let mut notices = self.permit_notices(key, &*driver);
             let refused = match self
-                .permit_round(key, owner, first, hold, reentrant, InLine::Leave)
+                .permit_round(key, owner, first, hold, reentrant)
                 .await?
             {
                 Ok(held) => return Ok(held),
@@ -768,14 +768,13 @@ impl KeyedFamily {
         first: u32,
         hold: Duration,
         reentrant: bool,
-        in_line: InLine,
     ) -> Result<Result<KeyAnswer, KeyAnswer>, KeyError> {
         let permits = self.read_config(|c| c.permits);
         let mut refused = None;
         for offset in 0..permits {
-            let permit = first.wrapping_add(offset) % permits;
+            let permit = nth_permit(first, offset, permits);
             let answer = self
-                .take_permit(key, permit, owner, hold, reentrant, in_line)
+                .take_permit(key, permit, owner, hold, reentrant, InLine::Leave)
                 .await?;
             if matches!(answer, KeyAnswer::Held { .. }) {
                 return Ok(Ok(answer));
@@ -1638,6 +1637,12 @@ enum Part {
 
 /// Of two refusals, the one that tells the caller more: a holder over a guard's wait, a guard's
 /// wait over an unreachable backend.
+/// The permit an acquisition that starts at `first` tries `offset`-th, of `permits`: each once,
+/// from `first`'s on, also where `first` (a counter that wraps) is not a multiple of `permits`.
+fn nth_permit(first: u32, offset: u32, permits: u32) -> u32 {
+    (first % permits + offset) % permits
+}
+
 fn more_telling(earlier: Option<KeyAnswer>, later: KeyAnswer) -> KeyAnswer {
     let rank = |answer: &KeyAnswer| match answer {
         KeyAnswer::HeldByAnother { holder: Some(_) } => 3,
@@ -1859,6 +1864,24 @@ pub fn collides_with_family(lock: &str, family: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_acquisition_tries_every_permit_once_wherever_its_counter_stands() {
+        for permits in [1, 3, 4, 7, 256] {
+            for first in [0, 1, 5, u32::MAX - 1, u32::MAX] {
+                let mut tried: Vec<u32> = (0..permits)
+                    .map(|offset| nth_permit(first, offset, permits))
+                    .collect();
+                assert_eq!(tried[0], first % permits, "{first} of {permits}");
+                tried.sort_unstable();
+                assert_eq!(
+                    tried,
+                    (0..permits).collect::<Vec<_>>(),
+                    "{first} of {permits}"
+                );
+            }
+        }
+    }
 
     /// A driver on a SQLite file in `dir`.
     async fn sqlite_in(dir: &tempfile::TempDir) -> Arc<dyn Backend> {
