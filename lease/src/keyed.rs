@@ -733,7 +733,7 @@ impl KeyedFamily {
             let driver = self.driver();
             let mut notices = self.permit_notices(key, &*driver);
             let refused = match self
-                .permit_round(key, owner, first, hold, reentrant)
+                .permit_round(key, owner, first, hold, reentrant, InLine::Leave)
                 .await?
             {
                 Ok(held) => return Ok(held),
@@ -768,13 +768,14 @@ impl KeyedFamily {
         first: u32,
         hold: Duration,
         reentrant: bool,
+        in_line: InLine,
     ) -> Result<Result<KeyAnswer, KeyAnswer>, KeyError> {
         let permits = self.read_config(|c| c.permits);
         let mut refused = None;
         for offset in 0..permits {
             let permit = nth_permit(first, offset, permits);
             let answer = self
-                .take_permit(key, permit, owner, hold, reentrant, InLine::Leave)
+                .take_permit(key, permit, owner, hold, reentrant, in_line)
                 .await?;
             if matches!(answer, KeyAnswer::Held { .. }) {
                 return Ok(Ok(answer));
@@ -1635,14 +1636,14 @@ enum Part {
     OfWrite,
 }
 
-/// Of two refusals, the one that tells the caller more: a holder over a guard's wait, a guard's
-/// wait over an unreachable backend.
 /// The permit an acquisition that starts at `first` tries `offset`-th, of `permits`: each once,
 /// from `first`'s on, also where `first` (a counter that wraps) is not a multiple of `permits`.
 fn nth_permit(first: u32, offset: u32, permits: u32) -> u32 {
     (first % permits + offset) % permits
 }
 
+/// Of two refusals, the one that tells the caller more: a holder over a guard's wait, a guard's
+/// wait over an unreachable backend.
 fn more_telling(earlier: Option<KeyAnswer>, later: KeyAnswer) -> KeyAnswer {
     let rank = |answer: &KeyAnswer| match answer {
         KeyAnswer::HeldByAnother { holder: Some(_) } => 3,

@@ -5,10 +5,10 @@
 //! the others, and every waiter kept in every line would hold places on all of them. Instead,
 //! waiters line up for the key's *line*, a lock of its own (`KEY#q`, a name no key can have): in
 //! the order they asked within a pod (the line's local slot), each pod's first in the backend's
-//! order (a pod keeps one place per line). Only the first in line waits for a permit. It tries
-//! every permit at once and keeps a place in the line of each ([`InLine::Keep`]), so a permit
-//! given up goes to it next, and a newcomer's attempt, placed behind it, is refused. Once it
-//! holds a permit, it leaves the other permits' lines and gives the line up to the next waiter.
+//! order (a pod keeps one place per line). Only the first in line waits for a permit. It keeps a
+//! place in the line of every permit it tries ([`InLine::Keep`]), so a permit given up goes to
+//! it next, and a newcomer's attempt, placed behind it, is refused. Once it holds a permit, it leaves the other permits' lines and gives
+//! the line up to the next waiter.
 //!
 //! An owner first tries each permit once, as without a line, unless owners of this pod are in
 //! line for the key already: a newcomer takes a permit that nobody waits for.
@@ -16,12 +16,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
 use tokio::time::Instant;
 
 use super::several::{Taken, Taking};
-use super::{InLine, KeyAnswer, KeyError, KeyedFamily, StateInUse, more_telling, permit_key};
+use super::{InLine, KeyAnswer, KeyError, KeyedFamily, StateInUse, permit_key};
 use crate::driver::Backend;
 
 /// The part of a key a semaphore's waiters line up for (the key's local state `KEY#q`).
@@ -41,7 +39,7 @@ impl KeyedFamily {
         let mut refused = None;
         if self.existing(&permit_key(key, LINE)).is_none() {
             match self
-                .permit_round(key, owner, first, hold, reentrant)
+                .permit_round(key, owner, first, hold, reentrant, InLine::Leave)
                 .await?
             {
                 Ok(held) => return Ok(held),
@@ -104,7 +102,7 @@ impl KeyedFamily {
                 // answer still awaited is followed up in the background.
                 let round_taken = tokio::time::timeout_at(
                     deadline.max(round + renew_interval),
-                    self.permit_round_in_line(key, owner, first, hold, reentrant),
+                    self.permit_round(key, owner, first, hold, reentrant, InLine::Keep),
                 )
                 .await;
                 // The driver or the count may have changed during the round.
@@ -156,47 +154,6 @@ impl KeyedFamily {
                 }
                 return Ok(answer);
             }
-        }
-    }
-
-    /// One attempt at every permit of `key` for `owner`, the first in line, all at once, each
-    /// keeping its place when refused: the answer of the first permit taken, else the most
-    /// telling refusal. The first in line's rounds are the line's pace (every other owner of the
-    /// pod waits behind it), so its attempts are not made one after another. Once a permit is
-    /// taken the other attempts are dropped: each is followed to its end by its engine, which
-    /// gives back a permit it took and leaves the place it made. An attempt refused because the
-    /// pod holds as many keys as it may counts as a refusal beside the others' refusals.
-    async fn permit_round_in_line(
-        &self,
-        key: &str,
-        owner: &str,
-        first: u32,
-        hold: Duration,
-        reentrant: bool,
-    ) -> Result<Result<KeyAnswer, KeyAnswer>, KeyError> {
-        let permits = self.read_config(|c| c.permits);
-        let mut attempts: FuturesUnordered<_> = (0..permits)
-            .map(|offset| {
-                let permit = super::nth_permit(first, offset, permits);
-                self.take_permit(key, permit, owner, hold, reentrant, InLine::Keep)
-            })
-            .collect();
-        let (mut refused, mut failed, mut too_many) = (None, None, None);
-        while let Some(answer) = attempts.next().await {
-            match answer {
-                Ok(held @ KeyAnswer::Held { .. }) => return Ok(Ok(held)),
-                Ok(answer) => refused = Some(more_telling(refused, answer)),
-                Err(error @ KeyError::TooManyKeys(_)) => too_many = Some(error),
-                Err(error) => {
-                    failed.get_or_insert(error);
-                }
-            }
-        }
-        match (failed, refused, too_many) {
-            (Some(error), _, _) => Err(error),
-            (None, Some(refused), _) => Ok(Err(refused)),
-            (None, None, Some(error)) => Err(error),
-            (None, None, None) => Ok(Err(KeyAnswer::HeldByAnother { holder: None })),
         }
     }
 
