@@ -869,19 +869,31 @@ async fn mariadb_a_release_lets_the_named_lock_go_in_its_statement() {
     );
 }
 
-/// A holder that stops claiming without a word to its driver (here: its driver is never asked
-/// to renew, as when a paused engine's lease ran out) keeps its named lock only until the
-/// holding check finds the row taken over: then it lets the named lock go, so that the wake-ups
-/// of the lock's waiters work again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
+/// A holder whose lease ran out on MariaDB, its driver never asked to renew (as when a paused
+/// engine's lease ran out), and the lock taken over by another process for longer than a test
+/// runs.
+struct LapsedHolder {
+    _harness: MariaDbHarness,
+    lock: String,
+    lapsed: Arc<dyn leasehold_lease::Backend>,
+    _next: Arc<dyn leasehold_lease::Backend>,
+    admin: sqlx::AnyConnection,
+    /// The lock's named lock, and the lapsed holder's session that took it.
+    name: String,
+    session: i64,
+    /// When the lapsed holder had taken its named lock.
+    taken: tokio::time::Instant,
+    ttl: Duration,
+}
+
+async fn lapsed_holder(prefix: &str) -> LapsedHolder {
     use leasehold_lease::Acquire;
     use leasehold_lease::drivers::sql::wake::{HOLDING_CHECK, named_lock};
-    let h = MariaDbHarness::new();
-    let url = h.server.url();
-    let lock = unique_lock("lapsed");
+    let harness = MariaDbHarness::new();
+    let url = harness.server.url();
+    let lock = unique_lock(prefix);
     let ttl = Duration::from_secs(2);
-    let lapsed = h.driver().await;
+    let lapsed = harness.driver().await;
     let Acquire::Acquired(_lease) = lapsed.try_acquire(&lock, "a", ttl).await.unwrap() else {
         panic!("the lock is not free");
     };
@@ -892,19 +904,44 @@ async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
         .expect("admin connection");
     let taken = tokio::time::Instant::now();
     let session = holders_named_lock_session(&mut admin, &name, taken).await;
-    // Another process takes the lock over once the lease has run out.
     tokio::time::sleep(ttl).await;
-    let next = h.driver().await;
-    let Acquire::Acquired(_taken_over) = next.try_acquire(&lock, "b", LEASE).await.unwrap() else {
+    let next = harness.driver().await;
+    let Acquire::Acquired(_taken_over) = next
+        .try_acquire(&lock, "b", HOLDING_CHECK * 2)
+        .await
+        .unwrap()
+    else {
         panic!("the lapsed lease was not taken over");
     };
+    LapsedHolder {
+        _harness: harness,
+        lock,
+        lapsed,
+        _next: next,
+        admin,
+        name,
+        session,
+        taken,
+        ttl,
+    }
+}
+
+/// A holder that stops claiming without a word to its driver keeps its named lock only until
+/// the holding check finds the row taken over: then it lets the named lock go, so that the
+/// wake-ups of the lock's waiters work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
+    use leasehold_lease::drivers::sql::wake::HOLDING_CHECK;
+    // Kept whole: its server and the process that took the lock over live as long as it does.
+    let held = &mut lapsed_holder("lapsed").await;
+    let (admin, name, session, taken) = (&mut held.admin, &held.name, held.session, held.taken);
     assert_eq!(
-        named_lock_session(&mut admin, &name).await,
+        named_lock_session(admin, name).await,
         Some(session),
         "the lapsed holder's session should still have the named lock before its check"
     );
     let deadline = taken + HOLDING_CHECK + Duration::from_secs(5);
-    while named_lock_session(&mut admin, &name).await == Some(session) {
+    while named_lock_session(admin, name).await == Some(session) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the lapsed holder's session kept the named lock past its holding check ({HOLDING_CHECK:?})"
@@ -926,36 +963,14 @@ async fn mariadb_a_lapsed_holders_named_lock_goes_at_its_holding_check() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_a_lapsed_holders_check_is_not_put_off_by_waiters_of_its_process() {
     use leasehold_lease::Acquire;
-    use leasehold_lease::drivers::sql::wake::{HOLDING_CHECK, named_lock};
-    let h = MariaDbHarness::new();
-    let url = h.server.url();
-    let lock = unique_lock("lapsed-asked");
-    let ttl = Duration::from_secs(2);
-    let lapsed = h.driver().await;
-    let Acquire::Acquired(_lease) = lapsed.try_acquire(&lock, "a", ttl).await.unwrap() else {
-        panic!("the lock is not free");
-    };
-    let name = named_lock(&mariadb_place(), &lock);
-    sqlx::any::install_default_drivers();
-    let mut admin = sqlx::AnyConnection::connect(&url)
-        .await
-        .expect("admin connection");
-    let taken = tokio::time::Instant::now();
-    holders_named_lock_session(&mut admin, &name, taken).await;
-    tokio::time::sleep(ttl).await;
-    // Taken over by another process, for longer than the test runs.
-    let next = h.driver().await;
-    let Acquire::Acquired(_taken_over) = next
-        .try_acquire(&lock, "b", HOLDING_CHECK * 2)
-        .await
-        .unwrap()
-    else {
-        panic!("the lapsed lease was not taken over");
-    };
+    use leasehold_lease::drivers::sql::wake::HOLDING_CHECK;
+    // Kept whole: its server and the process that took the lock over live as long as it does.
+    let held = lapsed_holder("lapsed-asked").await;
+    let (lock, lapsed, taken, ttl) = (&held.lock, &held.lapsed, held.taken, held.ttl);
     // A waiter in the lapsed holder's process, asking every three seconds: more often than the
     // holding check, less often than the wait step at which the next in line is woken.
     let mut changes = lapsed
-        .changes(&lock)
+        .changes(lock)
         .expect("the SQL driver tells of changes");
     changes.borrow_and_update();
     let asking = tokio::spawn({
