@@ -561,7 +561,7 @@ impl KubernetesLeaseDriver {
         let held = record
             .as_ref()
             .filter(|record| record.identity.as_deref() == Some(identity));
-        match (held, claim_value(object)) {
+        match (held, annotation(object, CLAIM_ANNOTATION)) {
             (Some(record), Some(value)) => {
                 let now = BootInstant::now();
                 claims.insert(
@@ -586,7 +586,7 @@ impl KubernetesLeaseDriver {
         let claims = self.own_claims.lock().unwrap_or_else(|e| e.into_inner());
         match claims.get(&lease.lock) {
             Some(claim) if claim.token == lease.token => {
-                claim_value(object) == Some(claim.value.as_str())
+                annotation(object, CLAIM_ANNOTATION) == Some(claim.value.as_str())
             }
             _ => true,
         }
@@ -1000,11 +1000,7 @@ struct Record {
 impl Record {
     fn of(object: &LeaseObject) -> Option<Self> {
         let spec = object.spec.as_ref()?;
-        let exact = object
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(DURATION_ANNOTATION))
+        let exact = annotation(object, DURATION_ANNOTATION)
             .and_then(|ms| ms.parse::<u64>().ok())
             .map(Duration::from_millis);
         let whole = spec
@@ -1104,22 +1100,16 @@ fn claim(object: &mut LeaseObject, identity: &str, token: u64, ttl: Duration) ->
     spec.holder_identity = Some(identity.to_owned());
     spec.lease_transitions = Some(token);
     spec.acquire_time = spec.renew_time.clone();
-    object
-        .metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(
-            CLAIM_ANNOTATION.to_owned(),
-            format!("{:032x}", rand::random::<u128>()),
-        );
+    let value = format!("{:032x}", rand::random::<u128>());
+    set_annotation(object, CLAIM_ANNOTATION, value);
     Ok(())
 }
 
 /// Whether `found` holds the claim `sent` wrote: the same holder, token, acquireTime (to the
 /// microsecond the API server keeps) and [`CLAIM_ANNOTATION`].
 fn same_claim(found: &LeaseObject, sent: &LeaseObject) -> bool {
-    let sent_claim = claim_value(sent);
-    if sent_claim.is_none() || claim_value(found) != sent_claim {
+    let sent_claim = annotation(sent, CLAIM_ANNOTATION);
+    if sent_claim.is_none() || annotation(found, CLAIM_ANNOTATION) != sent_claim {
         return false;
     }
     let (Some(found), Some(sent)) = (&found.spec, &sent.spec) else {
@@ -1133,33 +1123,38 @@ fn same_claim(found: &LeaseObject, sent: &LeaseObject) -> bool {
         && micros(&found.acquire_time) == micros(&sent.acquire_time)
 }
 
-/// The value of `object`'s [`CLAIM_ANNOTATION`].
-fn claim_value(object: &LeaseObject) -> Option<&str> {
+/// The value of `object`'s annotation `name`.
+fn annotation<'a>(object: &'a LeaseObject, name: &str) -> Option<&'a str> {
     object
         .metadata
         .annotations
         .as_ref()?
-        .get(CLAIM_ANNOTATION)
+        .get(name)
         .map(String::as_str)
+}
+
+/// Set `object`'s annotation `name` to `value`.
+fn set_annotation(object: &mut LeaseObject, name: &str, value: String) {
+    object
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(name.to_owned(), value);
 }
 
 /// Whether `object` carries [`FLOOR_UNCHECKED_ANNOTATION`].
 fn floor_unchecked(object: &LeaseObject) -> bool {
-    object
-        .metadata
-        .annotations
-        .as_ref()
-        .is_some_and(|a| a.contains_key(FLOOR_UNCHECKED_ANNOTATION))
+    annotation(object, FLOOR_UNCHECKED_ANNOTATION).is_some()
 }
 
 /// Set or clear [`FLOOR_UNCHECKED_ANNOTATION`] on `object`.
 fn mark_floor_unchecked(object: &mut LeaseObject, unchecked: bool) {
-    let annotations = &mut object.metadata.annotations;
     if unchecked {
-        annotations
-            .get_or_insert_with(Default::default)
-            .insert(FLOOR_UNCHECKED_ANNOTATION.to_owned(), "true".to_owned());
-    } else if let Some(map) = annotations.as_mut() {
+        set_annotation(object, FLOOR_UNCHECKED_ANNOTATION, "true".to_owned());
+        return;
+    }
+    let annotations = &mut object.metadata.annotations;
+    if let Some(map) = annotations.as_mut() {
         map.remove(FLOOR_UNCHECKED_ANNOTATION);
         if map.is_empty() {
             *annotations = None;
@@ -1169,11 +1164,7 @@ fn mark_floor_unchecked(object: &mut LeaseObject, unchecked: bool) {
 
 /// Date the lease from now for `ttl`: `renewTime`, the whole seconds, and the exact duration.
 fn extend(object: &mut LeaseObject, ttl: Duration) {
-    object
-        .metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(DURATION_ANNOTATION.to_owned(), ttl.as_millis().to_string());
+    set_annotation(object, DURATION_ANNOTATION, ttl.as_millis().to_string());
     let spec = object.spec.get_or_insert_with(LeaseSpec::default);
     spec.renew_time = Some(now_micro());
     spec.lease_duration_seconds = Some(whole_seconds(ttl));
