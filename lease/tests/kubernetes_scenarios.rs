@@ -601,11 +601,7 @@ async fn a_deleted_floor_lease_comes_back_above_the_familys_tokens() {
         1,
         "only the released key is idle"
     );
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &floor_lease(&family)
-    ));
+    delete_by_hand(&harness, &floor_lease(&family));
     let again = take(&forgotten).await;
     assert!(
         again.token > held.token,
@@ -646,11 +642,7 @@ async fn a_held_lease_deleted_by_hand_is_not_taken_within_the_holders_claim() {
         Acquire::Busy(_)
     ));
     let deleted = tokio::time::Instant::now();
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &lock
-    ));
+    delete_by_hand(&harness, &lock);
     let taken = loop {
         match b.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
             Acquire::Acquired(lease) => break lease,
@@ -675,11 +667,7 @@ async fn a_held_lease_deleted_by_hand_is_not_taken_within_the_holders_claim() {
     // above every token it held or saw.
     assert!(!a.renew(&held, TTL).await.unwrap());
     assert!(b.release(&taken).await.unwrap());
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &lock
-    ));
+    delete_by_hand(&harness, &lock);
     match a.try_acquire(&lock, "pod-a", TTL).await.unwrap() {
         Acquire::Acquired(again) => assert!(
             again.token > held.token,
@@ -705,11 +693,7 @@ async fn a_holder_does_not_renew_or_release_another_process_claim_of_the_same_id
         Acquire::Acquired(lease) => lease,
         other => panic!("a: {other:?}"),
     };
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &lock
-    ));
+    delete_by_hand(&harness, &lock);
     let taken = match b.try_acquire(&lock, "pod-x", TTL).await.unwrap() {
         Acquire::Acquired(lease) => lease,
         other => panic!("b: {other:?}"),
@@ -751,11 +735,7 @@ async fn a_held_lease_deleted_and_made_again_blank_is_not_taken_within_the_holde
             b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
             Acquire::Busy(_)
         ));
-        assert!(harness.api.remove(
-            leasehold_testkit::in_memory_api_server::LEASES,
-            KubernetesHarness::NAMESPACE,
-            &lock
-        ));
+        delete_by_hand(&harness, &lock);
         if looked_while_missing {
             assert!(matches!(
                 b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
@@ -811,11 +791,7 @@ async fn a_held_lease_deleted_then_taken_and_released_by_another_is_not_taken_wi
         b.try_acquire(&lock, "pod-b", TTL).await.unwrap(),
         Acquire::Busy(_)
     ));
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &lock
-    ));
+    delete_by_hand(&harness, &lock);
     let between = match newcomer.try_acquire(&lock, "pod-n", TTL).await.unwrap() {
         Acquire::Acquired(lease) => lease,
         other => panic!("the newcomer: {other:?}"),
@@ -867,11 +843,7 @@ async fn a_held_lease_deleted_twice_is_not_taken_within_the_first_holders_claim(
         Acquire::Busy(_)
     ));
     let remove = || {
-        assert!(harness.api.remove(
-            leasehold_testkit::in_memory_api_server::LEASES,
-            KubernetesHarness::NAMESPACE,
-            &lock
-        ));
+        delete_by_hand(&harness, &lock);
     };
     remove();
     match newcomer
@@ -924,11 +896,7 @@ async fn a_lease_deleted_after_an_unseen_renewal_is_waited_for_from_the_deletion
     tokio::time::sleep(TTL * 3 / 4).await;
     // Renewed where b does not look, then deleted.
     assert!(a.renew(&held, TTL).await.unwrap());
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &lock
-    ));
+    delete_by_hand(&harness, &lock);
     let deleted = tokio::time::Instant::now();
     loop {
         match b.try_acquire(&lock, "pod-b", TTL).await.unwrap() {
@@ -1184,6 +1152,18 @@ async fn forget_idle_now(driver: &KubernetesLeaseDriver, family: &str) -> u64 {
         .expect("forget idle keys")
 }
 
+/// Delete the Lease `name` as a person would (`kubectl delete lease`), past the driver.
+fn delete_by_hand(harness: &KubernetesHarness, name: &str) {
+    assert!(
+        harness.api.remove(
+            leasehold_testkit::in_memory_api_server::LEASES,
+            KubernetesHarness::NAMESPACE,
+            name
+        ),
+        "the Lease {name} was not there to delete"
+    );
+}
+
 /// Set `preferredHolder` and `strategy` on `lock`'s Lease, as coordinated leader election's
 /// tooling (KEP-4355) does.
 fn prefer(harness: &KubernetesHarness, lock: &str, preferred: &str) {
@@ -1389,11 +1369,7 @@ async fn a_lease_made_again_by_provisioning_starts_from_the_token_its_provisione
         .provision(std::slice::from_ref(&lock))
         .await
         .expect("provision, reading the Lease");
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &lock
-    ));
+    delete_by_hand(&harness, &lock);
     provisioner
         .provision(std::slice::from_ref(&lock))
         .await
@@ -1450,11 +1426,7 @@ async fn a_token_seen_on_a_released_lease_is_not_drawn_again_after_a_deletion() 
         last = lease.token;
     }
     assert_eq!(observer.observe(&lock).await.unwrap(), None, "released");
-    assert!(harness.api.remove(
-        leasehold_testkit::in_memory_api_server::LEASES,
-        KubernetesHarness::NAMESPACE,
-        &lock
-    ));
+    delete_by_hand(&harness, &lock);
     let Acquire::Acquired(again) = observer.try_acquire(&lock, "pod-b", TTL).await.unwrap() else {
         panic!("the Lease deleted is free");
     };
