@@ -96,11 +96,6 @@ impl QueueSlot {
         self.expires.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn set_expiry(&self, until: Instant) {
-        *self.expires() = until;
-        self.expiry_moved.notify_one();
-    }
-
     /// For the tending task of a waiting place: resolves once an acquisition (or a renewal)
     /// has set the expiry since the last wait.
     pub(crate) async fn expiry_moved(&self) {
@@ -156,17 +151,22 @@ impl QueueSlot {
         *self.place() = Place::Left;
     }
 
-    /// Acquired: holding first, then the expiry that wakes the tending task, so it sees both.
-    /// `false` if the place left meanwhile: it must not claim the lock.
+    /// Acquired: the expiry first, then holding, then the wake-up of the tending task. A task
+    /// that finds the place holding reads its expiry next: were it still the one set while
+    /// waiting (long past), the task would give the place up in the backend as the acquisition
+    /// is answered, and the next in line would hold beside it. `false` if the place left
+    /// meanwhile: it must not claim the lock (an expiry written on a place that left is read by
+    /// nobody).
     #[must_use]
     pub(crate) fn hold_until(&self, until: Instant) -> bool {
+        *self.expires() = until;
         let mut place = self.place();
         if let Place::Left = *place {
             return false;
         }
         *place = Place::Holding;
         drop(place);
-        self.set_expiry(until);
+        self.expiry_moved.notify_one();
         true
     }
 
@@ -387,6 +387,27 @@ mod tests {
         assert!(left.hold_until(Instant::now() + Duration::from_secs(5)));
         left.mark_left();
         assert!(!left.extend(Instant::now() + Duration::from_secs(10)));
+    }
+
+    /// The tending task reads a holding place's expiry under the expiry's mutex: held here, an
+    /// acquisition must not show the place holding before its expiry is written.
+    #[test]
+    fn a_place_is_seen_holding_only_with_the_expiry_of_its_acquisition() {
+        let slot = Arc::new(QueueSlot::new());
+        let reading = slot.expires();
+        let acquiring = std::thread::spawn({
+            let slot = slot.clone();
+            move || slot.hold_until(Instant::now() + Duration::from_secs(60))
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            !slot.holding(),
+            "the place holds while its expiry is still the one of its wait ({:?} ago)",
+            reading.elapsed()
+        );
+        drop(reading);
+        assert!(acquiring.join().expect("acquired"));
+        assert!(slot.holding() && !slot.expired_by(Instant::now()));
     }
 
     #[tokio::test]
