@@ -44,6 +44,47 @@ const NOT_RUNNING_CHECK: Duration = Duration::from_secs(1);
 /// The longest one label write may take when the sidecar stops.
 const LAST_WRITE: Duration = Duration::from_secs(2);
 
+/// What this sidecar knows of its own pod's labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwnLabels {
+    /// Nothing yet: the sidecar has just started.
+    Unknown,
+    /// Set to `"false"` by this sidecar.
+    Off,
+    /// Set to `"true"` by this sidecar, and the lock still held when the write was answered.
+    On,
+    /// A write of `"true"` may have landed while the lock stopped being held (an answer read
+    /// after a failed backend call, the claim's end or a release), or its answer was an error:
+    /// the pod may carry the label, so it is taken off as [`OwnLabels::On`] would be.
+    MaybeOn,
+}
+
+impl OwnLabels {
+    /// After a take-over that answered whether this pod carries its labels while held.
+    fn after_take_over(carried: kube::Result<bool>) -> Self {
+        match carried {
+            Ok(true) => OwnLabels::On,
+            Ok(false) | Err(_) => OwnLabels::MaybeOn,
+        }
+    }
+
+    /// Whether a sidecar that does not hold (or whose lock's labels are turned off: `on`
+    /// false) takes its pod's labels off: those it may have put on, and once after a start
+    /// while the lock asks for labels.
+    fn to_clear(self, on: bool) -> bool {
+        match self {
+            OwnLabels::Off => false,
+            OwnLabels::Unknown => on,
+            OwnLabels::On | OwnLabels::MaybeOn => true,
+        }
+    }
+
+    /// Whether a sidecar that stops takes its pod's labels off.
+    fn to_clear_at_stop(self) -> bool {
+        matches!(self, OwnLabels::On | OwnLabels::MaybeOn)
+    }
+}
+
 /// The labels that say whether a pod holds `lock`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HolderLabels {
@@ -97,8 +138,7 @@ pub async fn follow(
     mut enabled: watch::Receiver<bool>,
 ) {
     let pods: Api<Pod> = Api::namespaced(client, &namespace);
-    // What this pod's label was last set to; unknown after a start.
-    let mut labeled: Option<bool> = None;
+    let mut labeled = OwnLabels::Unknown;
     loop {
         let on = *enabled.borrow_and_update();
         let running = state.locks().into_iter().find(|l| l.name() == lock);
@@ -115,17 +155,15 @@ pub async fn follow(
         let holding = running.filter(|l| on && l.answer().is_holder());
         let mut failed = false;
         if let Some(holding) = &holding {
-            match take_over(&pods, &pod, &lock, &labels, holding).await {
-                Ok(true) => labeled = Some(true),
-                Ok(false) => {}
-                Err(e) => {
-                    failed = true;
-                    tracing::warn!(%lock, %pod, error = %e, "cannot label the pod as the lock's holder; trying again");
-                }
+            let carried = take_over(&pods, &pod, &lock, &labels, holding).await;
+            if let Err(e) = &carried {
+                failed = true;
+                tracing::warn!(%lock, %pod, error = %e, "cannot label the pod as the lock's holder; trying again");
             }
-        } else if labeled != Some(false) && (on || labeled == Some(true)) {
+            labeled = OwnLabels::after_take_over(carried);
+        } else if labeled.to_clear(on) {
             match clear_labels(&pods, &pod, &labels.own).await {
-                Ok(()) => labeled = Some(false),
+                Ok(()) => labeled = OwnLabels::Off,
                 Err(e) => {
                     failed = true;
                     tracing::warn!(%lock, %pod, error = %e, "cannot take the holder label off the pod; trying again");
@@ -143,7 +181,7 @@ pub async fn follow(
         tokio::select! {
             changed = enabled.changed() => if changed.is_err() {
                 // The sidecar stops: its pod no longer serves as the holder.
-                if labeled == Some(true) {
+                if labeled.to_clear_at_stop() {
                     let _ =
                         tokio::time::timeout(LAST_WRITE, clear_labels(&pods, &pod, &labels.own)).await;
                 }
@@ -319,6 +357,29 @@ mod tests {
                 Some([(LOCK_ANNOTATION.to_owned(), value.to_owned())].into());
         }
         pod
+    }
+
+    #[test]
+    fn labels_a_write_may_have_put_on_are_taken_off_once_the_pod_does_not_hold() {
+        let error = || Err(kube::Error::LinesCodecMaxLineLengthExceeded);
+        // The lock stopped being held while the pod's label was written: the write may have
+        // landed, so the pod takes it off when it no longer holds, and when it stops.
+        for labels in [
+            OwnLabels::after_take_over(Ok(false)),
+            OwnLabels::after_take_over(error()),
+        ] {
+            assert_eq!(labels, OwnLabels::MaybeOn);
+            assert!(labels.to_clear(true) && labels.to_clear(false));
+            assert!(labels.to_clear_at_stop());
+        }
+        let on = OwnLabels::after_take_over(Ok(true));
+        assert!(on.to_clear(true) && on.to_clear(false) && on.to_clear_at_stop());
+        // Taken off already: nothing more to write.
+        assert!(!OwnLabels::Off.to_clear(true) && !OwnLabels::Off.to_clear_at_stop());
+        // Just started: labels taken off once where the lock asks for them, and left alone
+        // where it does not (a lock that never had them gets no "false" label).
+        assert!(OwnLabels::Unknown.to_clear(true));
+        assert!(!OwnLabels::Unknown.to_clear(false) && !OwnLabels::Unknown.to_clear_at_stop());
     }
 
     #[test]
