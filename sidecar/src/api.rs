@@ -2147,7 +2147,6 @@ mod tests {
         assert!(valid_for(answered_now(&failing, answered(secs(10)))) <= secs(4));
     }
 
-    /// A SQLite file's driver, in `dir`.
     /// An acquisition refused while the lock was busy is answered as refused, even when another
     /// call of the same pod takes the lock before the refused call's handler reads the lock.
     #[tokio::test]

@@ -382,6 +382,97 @@ mod tests {
         assert!(!OwnLabels::Unknown.to_clear(false) && !OwnLabels::Unknown.to_clear_at_stop());
     }
 
+    /// The lock stops being held while the pod's `"true"` label is written: the write lands,
+    /// and is answered after the release. The pod, which no longer holds, takes the label off.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_label_written_as_the_lock_stopped_being_held_is_taken_off() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+
+        use leasehold_lease::{LockConfig, Mode};
+        use leasehold_testkit::InMemoryApiServer;
+        use tower::ServiceExt;
+
+        const PODS: &str = "/api/v1/pods";
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = LockConfig::new("jobs", "pod-0", Duration::from_secs(30));
+        config.mode = Mode::OnDemand;
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let backend = crate::test_support::sqlite_backend(&dir).await;
+        let lock = Lock::start(backend, config, metrics.clone()).unwrap();
+        let state = AppState::new(vec![lock.clone()], metrics);
+        let api = InMemoryApiServer::new();
+        api.put(
+            PODS,
+            json!({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": "pod-0", "namespace": "default",
+                                "annotations": {LOCK_ANNOTATION: "jobs"}}}),
+        );
+        // Every write to a pod goes through; one made while the lock is held is answered only
+        // once the lock has been released (a release, or the claim's end, as the write ran).
+        let released_during_write = Arc::new(AtomicBool::new(false));
+        let service = tower::service_fn({
+            let (server, lock, released) =
+                (api.clone(), lock.clone(), released_during_write.clone());
+            move |request: http::Request<kube::client::Body>| {
+                let (server, lock, released) = (server.clone(), lock.clone(), released.clone());
+                async move {
+                    let write = request.method() == http::Method::PATCH;
+                    let answer = server.service().oneshot(request).await;
+                    if write && lock.answer().is_holder() {
+                        assert!(lock.release().await.unwrap());
+                        released.store(true, Ordering::SeqCst);
+                    }
+                    answer
+                }
+            }
+        });
+        let client = kube::Client::new(service, "default");
+        let (enabled, following) = watch::channel(true);
+        let labels = labels_for("jobs", 1).unwrap();
+        let task = tokio::spawn(follow(
+            client,
+            "default".into(),
+            "pod-0".into(),
+            "jobs".into(),
+            labels,
+            state,
+            following,
+        ));
+        let label = || {
+            api.object(PODS, "default", "pod-0").and_then(|pod| {
+                pod["metadata"]["labels"][HOLDER_LABEL]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+        };
+        let until = |value: &'static str| async move {
+            let start = tokio::time::Instant::now();
+            while label().as_deref() != Some(value) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "the pod's label is {:?}, not {value:?}",
+                    label()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        // Not holding: the label is put to "false" as the sidecar starts.
+        until("false").await;
+        let held = lock.acquire(Duration::ZERO, Duration::from_secs(60)).await;
+        assert!(held.unwrap().is_holder());
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !released_during_write.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the holder's label was written, and the lock released before its answer");
+        until("false").await;
+        drop(enabled);
+        task.await.unwrap();
+    }
+
     #[test]
     fn a_lock_has_its_own_label_and_a_pod_of_one_lock_the_plain_one_too() {
         let per_lock = "holder.leasehold.dev/report";
