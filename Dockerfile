@@ -4,7 +4,7 @@
 # without a CA of its own, as managed services need). The chart runs the operator from it and
 # the webhook injects the sidecar from it.
 #
-#   docker build -t leasehold/leasehold:0.1.0 .
+#   docker build -t registry.example/leasehold/leasehold:0.1.0 .
 #
 # The last stage is also built without a registry by scripts/build-image (the test suite runs
 # it): podman builds it from the static binaries of scripts/build-static, writes an OCI archive

@@ -16,8 +16,10 @@ pub const DEFAULT_WEBHOOK_LISTEN: &str = "[::]:9443";
 pub const DEFAULT_WEBHOOK_SERVICE: &str = "leasehold-webhook";
 pub const DEFAULT_WEBHOOK_CONFIGURATION: &str = "leasehold";
 pub const DEFAULT_WEBHOOK_SECRET: &str = "leasehold-webhook-tls";
-/// The image injected as the sidecar, unless the chart says otherwise.
-pub const DEFAULT_SIDECAR_IMAGE: &str = concat!("leasehold/leasehold:", env!("CARGO_PKG_VERSION"));
+/// The image injected as the sidecar, unless the chart says otherwise: the chart's default, a
+/// name no registry serves (no image is published).
+pub const DEFAULT_SIDECAR_IMAGE: &str =
+    concat!("leasehold.invalid/leasehold:", env!("CARGO_PKG_VERSION"));
 
 #[derive(Debug, Clone, Parser)]
 #[command(

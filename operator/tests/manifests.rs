@@ -243,7 +243,7 @@ fn only_annotated_pods_outside_the_operator_and_kube_system_reach_the_webhook() 
         "--webhook-configuration=leasehold",
         "--webhook-secret=leasehold-webhook-tls",
         "--sidecar-mode=native",
-        "--sidecar-image=leasehold/leasehold:0.1.0",
+        "--sidecar-image=leasehold.invalid/leasehold:0.1.0",
     ] {
         assert!(args.iter().any(|a| a == wanted), "{wanted} not in {args:?}");
     }
@@ -734,6 +734,31 @@ fn the_chart_works_as_a_subchart_and_without_dashboard_labels() {
     );
 }
 
+/// No image is published: the chart's default names a registry no one can run (the `.invalid`
+/// domain never resolves), for the operator and the injected sidecar alike, so that an install
+/// left at it pulls nobody's image. A name on a public registry could be taken by anyone.
+#[test]
+fn the_default_image_names_a_registry_that_cannot_exist() {
+    let docs = render_chart(&[]);
+    let deployment = of_kind(&docs, "Deployment")[0];
+    let image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let registry = image.split('/').next().unwrap();
+    assert!(registry.ends_with(".invalid"), "{image}");
+    assert!(
+        operator_args(&docs).contains(&format!("--sidecar-image={image}")),
+        "{:?}",
+        operator_args(&docs)
+    );
+    assert!(
+        leasehold_operator::config::DEFAULT_SIDECAR_IMAGE == image,
+        "the operator's own default, {}, is not the chart's, {image}",
+        leasehold_operator::config::DEFAULT_SIDECAR_IMAGE
+    );
+}
+
 /// A digest pins the image of the operator and of the injected sidecar alike; the sidecar's
 /// pull policy follows the chart's unless set on its own, and a digest that is not one is
 /// refused by the schema.
@@ -743,7 +768,7 @@ fn a_digest_pins_both_images_and_the_sidecars_pull_policy_is_a_value() {
     let docs = render_chart(&["--set", &format!("image.digest={digest}")]);
     let deployment = of_kind(&docs, "Deployment")[0];
     let container = &deployment["spec"]["template"]["spec"]["containers"][0];
-    let pinned = format!("leasehold/leasehold@{digest}");
+    let pinned = format!("leasehold.invalid/leasehold@{digest}");
     assert_eq!(container["image"].as_str(), Some(pinned.as_str()));
     let args = operator_args(&docs);
     assert!(
