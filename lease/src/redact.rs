@@ -1,11 +1,19 @@
 //! Credentials out of a URL before it is shown in a log line, an error or a status.
 
 /// Replace the password of a URL-shaped string with `***`, even when the string does not parse.
+///
+/// A password typed without percent-encoding may hold `/`, `?` or `#`, which would end the
+/// host part before its `@`: wherever an `@` stands after the host part seems to end, all
+/// before the last `@` is taken for the user part (a path or query that holds an `@` is then
+/// hidden too, which errs on the side of showing less).
 pub fn redact(raw: &str) -> String {
     let Some((scheme, rest)) = raw.split_once("://") else {
         return raw.to_owned();
     };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let mut authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    if let Some(at) = rest.rfind('@').filter(|&at| at > authority_end) {
+        authority_end = at + rest[at..].find(['/', '?', '#']).unwrap_or(rest.len() - at);
+    }
     let (authority, tail) = rest.split_at(authority_end);
     let tail = redact_query_passwords(tail);
     match authority.rsplit_once('@') {
@@ -46,6 +54,15 @@ mod tests {
         assert_eq!(redact("redis://:pw@h:1/0"), "redis://:***@h:1/0");
         assert_eq!(redact("redis://tok@h"), "redis://***@h");
         assert_eq!(redact("a://u:p@w@h/x"), "a://u:***@h/x");
+        // Passwords typed without percent-encoding, holding what would end the host part.
+        assert_eq!(
+            redact("etcd://root:pa/ss@e1:2379"),
+            "etcd://root:***@e1:2379"
+        );
+        assert_eq!(redact("redis://:abc/def@h:6379/0"), "redis://:***@h:6379/0");
+        assert_eq!(redact("postgres://u:p#w@db/x"), "postgres://u:***@db/x");
+        assert_eq!(redact("zk://u:p?w@z1/locks"), "zk://u:***@z1/locks");
+        assert_eq!(redact("redis://tok/en@h"), "redis://***@h");
         assert_eq!(
             redact("redis+sentinel://s/m?prefix=p&sentinel-password=x&min-replicas=1"),
             "redis+sentinel://s/m?prefix=p&sentinel-password=***&min-replicas=1"

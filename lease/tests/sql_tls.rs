@@ -52,20 +52,22 @@ async fn postgres_over_tls_refusals_and_inline_pem() {
     .unwrap_err();
     assert!(no_client.to_string().contains("certificate"), "{no_client}");
 
-    // The same settings as PEM text in the URL, as a DistributedLock's Secret gives them.
-    let pem = |path: &std::path::Path| {
-        url::form_urlencoded::byte_serialize(std::fs::read_to_string(path).unwrap().as_bytes())
-            .collect::<String>()
-    };
+    // The same settings as PEM text in the URL, as a DistributedLock's Secret gives them: the
+    // key as `openssl pkcs12 -nodes` exports it, with attributes before its PEM header.
+    let encoded =
+        |text: &str| url::form_urlencoded::byte_serialize(text.as_bytes()).collect::<String>();
+    let pem = |path: &std::path::Path| encoded(&std::fs::read_to_string(path).unwrap());
+    let key = std::fs::read_to_string(&files.client_key).unwrap();
+    let key = format!("Bag Attributes\n    localKeyID: 01 02 03\n{key}");
     let inline = format!(
         "{base}?sslmode=verify-full&sslrootcert={}&sslcert={}&sslkey={}",
         pem(&files.ca),
         pem(&files.client_cert),
-        pem(&files.client_key)
+        encoded(&key)
     );
     let shown = BackendUrl::parse(&inline).unwrap().to_string();
     assert!(
-        !shown.contains("BEGIN") && shown.contains("sslkey=inline-pem"),
+        !shown.contains("BEGIN") && !shown.contains("Bag") && shown.contains("sslkey=inline-pem"),
         "PEM text in the log line: {shown}"
     );
     assert!(matches!(

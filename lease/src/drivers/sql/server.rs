@@ -87,6 +87,35 @@ pub(crate) const PEM_OPTIONS: [&str; 8] = [
     "ssl-key",
 ];
 
+/// Whether an option's value is PEM text given inline rather than a file's name: anything that
+/// holds a PEM header, wherever it starts (a key exported by `openssl pkcs12 -nodes` begins with
+/// "Bag Attributes").
+pub(crate) fn inline_pem(value: &str) -> bool {
+    value.contains("-----BEGIN")
+}
+
+/// `url` as it may be shown: every value of PEM text given inline, and every TLS option's value
+/// that is not a plain file name, replaced by `inline-pem`.
+pub(crate) fn without_inline_pem(url: &url::Url) -> url::Url {
+    let mut shown = url.clone();
+    if shown.query().is_some() {
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(k, v)| {
+                let hidden = inline_pem(&v) || (PEM_OPTIONS.contains(&&*k) && v.contains('\n'));
+                let v = if hidden {
+                    "inline-pem".to_owned()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        shown.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    shown
+}
+
 /// `url` with every TLS option that carries PEM text (a Secret's, from a `DistributedLock`)
 /// turned into the name of an in-memory file holding it: the database drivers read these
 /// options as file names, and the sidecar's root filesystem is read-only. The files are
@@ -94,14 +123,17 @@ pub(crate) const PEM_OPTIONS: [&str; 8] = [
 fn pem_text_to_files(url: &str) -> Result<(String, Vec<std::fs::File>)> {
     use std::io::Write;
     use std::os::fd::AsRawFd;
+    let mut parsed = url::Url::parse(url).map_err(|e| Error::InvalidUrl {
+        // Its query may hold a key: none of it is shown.
+        url: "the database URL".to_owned(),
+        reason: e.to_string(),
+    })?;
+    let shown = crate::redact::redact(without_inline_pem(&parsed).as_str());
     let invalid = |reason: String| Error::InvalidUrl {
-        url: crate::redact::redact(url),
+        url: shown.clone(),
         reason,
     };
-    let mut parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
-    let inline = |(k, v): &(String, String)| {
-        PEM_OPTIONS.contains(&k.as_str()) && v.trim_start().starts_with("-----BEGIN")
-    };
+    let inline = |(k, v): &(String, String)| PEM_OPTIONS.contains(&k.as_str()) && inline_pem(v);
     let pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
     if !pairs.iter().any(inline) {
         return Ok((url.to_owned(), Vec::new()));

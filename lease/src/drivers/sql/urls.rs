@@ -129,7 +129,10 @@ impl SqlConfig {
         Ok(config)
     }
 
-    /// `postgres://`, `mysql://` or `mariadb://`; options Leasehold does not read go to the database driver.
+    /// `postgres://`, `mysql://` or `mariadb://`; options Leasehold does not read go to the
+    /// database driver, which must read them: one it would pass over (a misspelt `sslmode`,
+    /// which would leave the connection without the TLS it asks for, or a libpq option it does
+    /// not know, whose value it would log) is refused.
     pub(crate) fn from_url(raw: &str, scheme: &str, rest: &str) -> Result<Self> {
         let invalid = invalid_url(raw);
         let dialect = if scheme.starts_with("postgres") {
@@ -168,7 +171,15 @@ impl SqlConfig {
                         invalid(format!("mode must be lease or row-lock, got {value:?}"))
                     })?;
                 }
-                _ => passed_on.push((key.into_owned(), value.into_owned())),
+                _ if driver_reads(dialect, &key) => {
+                    passed_on.push((key.into_owned(), value.into_owned()))
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "{key:?} is not an option the database driver reads; it reads {}",
+                        driver_options(dialect).join(", ")
+                    )));
+                }
             }
         }
         if passed_on.is_empty() {
@@ -186,6 +197,56 @@ impl SqlConfig {
     }
 }
 
+/// The URL options the database driver reads (sqlx's), beside Leasehold's own.
+fn driver_options(dialect: crate::drivers::sql::Dialect) -> &'static [&'static str] {
+    match dialect {
+        crate::drivers::sql::Dialect::Postgres => &[
+            "sslmode",
+            "ssl-mode",
+            "sslrootcert",
+            "ssl-root-cert",
+            "ssl-ca",
+            "sslcert",
+            "ssl-cert",
+            "sslkey",
+            "ssl-key",
+            "statement-cache-capacity",
+            "host",
+            "hostaddr",
+            "port",
+            "dbname",
+            "user",
+            "password",
+            "application_name",
+            "options",
+            "options[NAME]",
+        ],
+        _ => &[
+            "sslmode",
+            "ssl-mode",
+            "sslca",
+            "ssl-ca",
+            "sslcert",
+            "ssl-cert",
+            "sslkey",
+            "ssl-key",
+            "charset",
+            "collation",
+            "statement-cache-capacity",
+            "socket",
+            "timezone",
+            "time-zone",
+        ],
+    }
+}
+
+/// Whether the database driver reads the URL option `key`.
+fn driver_reads(dialect: crate::drivers::sql::Dialect, key: &str) -> bool {
+    let postgres = dialect == crate::drivers::sql::Dialect::Postgres;
+    driver_options(dialect).contains(&key)
+        || (postgres && key.starts_with("options[") && key.ends_with(']'))
+}
+
 /// The database URL, redacted, with the table and the mode.
 impl fmt::Display for SqlConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -197,21 +258,7 @@ impl fmt::Display for SqlConfig {
             ..
         } = self;
         // PEM text given inline (from a Secret) is never shown; file paths are.
-        let mut shown = url.clone();
-        if shown.query().is_some() {
-            let pairs: Vec<(String, String)> = url
-                .query_pairs()
-                .map(|(k, v)| {
-                    let v = if v.trim_start().starts_with("-----BEGIN") {
-                        "inline-pem".to_owned()
-                    } else {
-                        v.into_owned()
-                    };
-                    (k.into_owned(), v)
-                })
-                .collect();
-            shown.query_pairs_mut().clear().extend_pairs(pairs);
-        }
+        let shown = crate::drivers::sql::server::without_inline_pem(url);
         write!(f, "{}", redact(shown.as_str()))?;
         match schema {
             Some(schema) => write!(f, " (table {schema}.{table}")?,
@@ -248,6 +295,63 @@ mod tests {
             "sqlite://x.db?tabel=a",
         ] {
             assert!(BackendUrl::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// A Secret's key or certificate given inline is hidden wherever its PEM header starts (a
+    /// key exported by `openssl pkcs12 -nodes` begins with "Bag Attributes"), as is any TLS
+    /// option's value that is not a plain file name; a file name is shown.
+    #[test]
+    fn pem_text_given_inline_is_never_shown() {
+        let encoded = |text: &str| -> String {
+            url::form_urlencoded::byte_serialize(text.as_bytes()).collect()
+        };
+        let key = "Bag Attributes\n    localKeyID: 01\n-----BEGIN PRIVATE KEY-----\nSECRETKEY\n-----END PRIVATE KEY-----\n";
+        for (scheme, option) in [("postgres", "sslkey"), ("mysql", "ssl-key")] {
+            let url = format!("{scheme}://u:pw@db/app?{option}={}", encoded(key));
+            let shown = BackendUrl::parse(&url).unwrap().to_string();
+            assert!(
+                !shown.contains("SECRETKEY") && !shown.contains("Bag") && !shown.contains("pw"),
+                "{shown}"
+            );
+            assert!(shown.contains(&format!("{option}=inline-pem")), "{shown}");
+        }
+        let url = format!(
+            "postgres://db/app?sslrootcert={}&sslcert=%2Fetc%2Fclient.pem",
+            encoded("no header\nSECRET")
+        );
+        let shown = BackendUrl::parse(&url).unwrap().to_string();
+        assert!(
+            !shown.contains("SECRET") && shown.contains("sslcert=%2Fetc%2Fclient.pem"),
+            "{shown}"
+        );
+    }
+
+    /// An option the database driver would pass over is refused: a misspelt `sslmode` would
+    /// leave the connection without TLS, and sqlx logs an unknown PostgreSQL option's value.
+    #[test]
+    fn options_the_database_driver_does_not_read_are_refused() {
+        for (url, option) in [
+            ("postgres://db/app?sslmod=require", "sslmod"),
+            ("postgres://db/app?sslpassword=hunter2", "sslpassword"),
+            ("mysql://db/app?ssl-mod=REQUIRED", "ssl-mod"),
+            (
+                "mariadb://db/app?sslmode=REQUIRED&connect_timeout=3",
+                "connect_timeout",
+            ),
+        ] {
+            let error = BackendUrl::parse(url).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("{option:?} is not an option"))
+                    && !error.contains("hunter2"),
+                "{url}: {error}"
+            );
+        }
+        for url in [
+            "postgres://db/app?sslmode=require&application_name=locks&options[search_path]=x",
+            "mysql://db/app?ssl-mode=REQUIRED&charset=utf8mb4&timezone=%2B00:00",
+        ] {
+            assert!(BackendUrl::parse(url).is_ok(), "{url}");
         }
     }
 
