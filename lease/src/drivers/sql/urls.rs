@@ -6,6 +6,7 @@ use std::fmt;
 
 use std::path::PathBuf;
 
+use crate::drivers::sql::server::PEM_OPTIONS;
 use crate::drivers::sql::sqlite::SqliteConfig;
 use crate::drivers::sql::{Dialect, SqlConfig, SqlMode};
 use crate::drivers::url_parts::{DEFAULT_TABLE, Login, invalid_url, query_pairs, server_url};
@@ -197,54 +198,49 @@ impl SqlConfig {
     }
 }
 
-/// The URL options the database driver reads (sqlx's), beside Leasehold's own.
-fn driver_options(dialect: crate::drivers::sql::Dialect) -> &'static [&'static str] {
-    match dialect {
-        crate::drivers::sql::Dialect::Postgres => &[
-            "sslmode",
-            "ssl-mode",
-            "sslrootcert",
-            "ssl-root-cert",
-            "ssl-ca",
-            "sslcert",
-            "ssl-cert",
-            "sslkey",
-            "ssl-key",
-            "statement-cache-capacity",
-            "host",
-            "hostaddr",
-            "port",
-            "dbname",
-            "user",
-            "password",
-            "application_name",
-            "options",
-            "options[NAME]",
-        ],
-        _ => &[
-            "sslmode",
-            "ssl-mode",
-            "sslca",
-            "ssl-ca",
-            "sslcert",
-            "ssl-cert",
-            "sslkey",
-            "ssl-key",
-            "charset",
-            "collation",
-            "statement-cache-capacity",
-            "socket",
-            "timezone",
-            "time-zone",
-        ],
-    }
+/// The URL options the database driver reads (sqlx's), beside Leasehold's own: the TLS files
+/// it reads of [`PEM_OPTIONS`], then the rest.
+fn driver_options(dialect: Dialect) -> Vec<&'static str> {
+    let (not_read, others): (&[&str], &[&str]) = match dialect {
+        Dialect::Postgres => (
+            &["sslca"],
+            &[
+                "sslmode",
+                "ssl-mode",
+                "statement-cache-capacity",
+                "host",
+                "hostaddr",
+                "port",
+                "dbname",
+                "user",
+                "password",
+                "application_name",
+                "options",
+                "options[NAME]",
+            ],
+        ),
+        Dialect::MySql => (
+            &["sslrootcert", "ssl-root-cert"],
+            &[
+                "sslmode",
+                "ssl-mode",
+                "charset",
+                "collation",
+                "statement-cache-capacity",
+                "socket",
+                "timezone",
+                "time-zone",
+            ],
+        ),
+    };
+    let tls_files = PEM_OPTIONS.iter().filter(|o| !not_read.contains(o));
+    tls_files.chain(others).copied().collect()
 }
 
 /// Whether the database driver reads the URL option `key`.
-fn driver_reads(dialect: crate::drivers::sql::Dialect, key: &str) -> bool {
-    let postgres = dialect == crate::drivers::sql::Dialect::Postgres;
+fn driver_reads(dialect: Dialect, key: &str) -> bool {
     driver_options(dialect).contains(&key)
-        || (postgres && key.starts_with("options[") && key.ends_with(']'))
+        || (dialect == Dialect::Postgres && key.starts_with("options[") && key.ends_with(']'))
 }
 
 /// The database URL, redacted, with the table and the mode.
