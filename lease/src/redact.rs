@@ -29,6 +29,25 @@ pub fn redact(raw: &str) -> String {
     }
 }
 
+/// [`redact`] for a URL already parsed, whose parts are known: its password (or a user part
+/// that is a token, as in `redis://TOKEN@host`) and every option named `*password` become
+/// `***`, and nothing else changes (an `@` in its path stays part of the path).
+pub fn redact_url(url: &url::Url) -> String {
+    let mut shown = url.clone();
+    let hidden = if shown.password().is_some() {
+        shown.set_password(Some("***")).is_ok()
+    } else if !shown.username().is_empty() {
+        shown.set_username("***").is_ok()
+    } else {
+        true
+    };
+    if !hidden {
+        return redact(url.as_str());
+    }
+    // A parsed URL's first `?` starts its query: one in the user part or the path is encoded.
+    redact_query_passwords(shown.as_str())
+}
+
 /// `...?a=1&sentinel-password=x` with the value of every option named `*password` replaced.
 fn redact_query_passwords(tail: &str) -> String {
     let Some((path, query)) = tail.split_once('?') else {
@@ -46,7 +65,24 @@ fn redact_query_passwords(tail: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{redact, redact_url};
+
+    #[test]
+    fn redaction_of_parsed_urls() {
+        let shown = |raw: &str| redact_url(&url::Url::parse(raw).unwrap());
+        assert_eq!(shown("redis://h:1"), "redis://h:1");
+        assert_eq!(shown("redis://:pw@h:1/0"), "redis://:***@h:1/0");
+        assert_eq!(shown("redis://tok@h"), "redis://***@h");
+        assert_eq!(
+            shown("postgres://u:p%2Fw@db/app@prod"),
+            "postgres://u:***@db/app@prod"
+        );
+        assert_eq!(shown("postgres://db/app@prod"), "postgres://db/app@prod");
+        assert_eq!(
+            shown("redis+sentinel://s/m?prefix=p&sentinel-password=x&min-replicas=1"),
+            "redis+sentinel://s/m?prefix=p&sentinel-password=***&min-replicas=1"
+        );
+    }
 
     #[test]
     fn redaction() {

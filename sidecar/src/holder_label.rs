@@ -418,8 +418,11 @@ mod tests {
                 let (server, lock, released) = (server.clone(), lock.clone(), released.clone());
                 async move {
                     let write = request.method() == http::Method::PATCH;
-                    let answer = server.service().oneshot(request).await;
-                    if write && lock.answer().is_holder() {
+                    let answer = server.clone().service().oneshot(request).await;
+                    let labelled = server.object(PODS, "default", "pod-0").is_some_and(|pod| {
+                        pod["metadata"]["labels"][HOLDER_LABEL].as_str() == Some("true")
+                    });
+                    if write && labelled && lock.answer().is_holder() {
                         assert!(lock.release().await.unwrap());
                         released.store(true, Ordering::SeqCst);
                     }

@@ -395,10 +395,15 @@ mod tests {
     fn a_place_is_seen_holding_only_with_the_expiry_of_its_acquisition() {
         let slot = Arc::new(QueueSlot::new());
         let reading = slot.expires();
+        let (started, starting) = std::sync::mpsc::channel();
         let acquiring = std::thread::spawn({
             let slot = slot.clone();
-            move || slot.hold_until(Instant::now() + Duration::from_secs(60))
+            move || {
+                started.send(()).unwrap();
+                slot.hold_until(Instant::now() + Duration::from_secs(60))
+            }
         });
+        starting.recv().unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(
             !slot.holding(),

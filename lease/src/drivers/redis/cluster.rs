@@ -80,7 +80,7 @@ impl Cluster {
         let client = builder.build().map_err(|e| Error::InvalidUrl {
             url: nodes
                 .iter()
-                .map(|n| crate::redact::redact(n.as_str()))
+                .map(crate::redact::redact_url)
                 .collect::<Vec<_>>()
                 .join(","),
             reason: e.to_string(),

@@ -806,7 +806,7 @@ pub(crate) fn map_err(e: redis::RedisError) -> Error {
 /// client pair when given. The PEM documents are read now, so a missing file says so at start.
 pub(crate) fn client(url: &url::Url, tls: Option<&Tls>) -> Result<redis::Client> {
     let invalid = |reason: String| Error::InvalidUrl {
-        url: crate::redact::redact(url.as_str()),
+        url: crate::redact::redact_url(url),
         reason,
     };
     let Some(tls) = tls else {

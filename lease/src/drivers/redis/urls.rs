@@ -13,7 +13,7 @@ use crate::drivers::url_parts::{
     query_pairs, server_url, userinfo_and_hosts, write_tls_files,
 };
 use crate::error::{Error, Result};
-use crate::redact::redact;
+use crate::redact::redact_url;
 use crate::tls::Tls;
 
 /// What a Redis-family backend takes from a resource besides its servers' addresses.
@@ -239,7 +239,7 @@ impl RedisConfig {
 impl fmt::Display for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let RedisConfig { url, prefix, tls } = self;
-        write!(f, "{} (prefix {prefix}", redact(url.as_str()))?;
+        write!(f, "{} (prefix {prefix}", redact_url(url))?;
         write_tls_files(f, tls.as_ref())?;
         f.write_str(")")
     }
@@ -479,7 +479,7 @@ impl fmt::Display for RedlockConfig {
             prefix,
             tls,
         } = self;
-        let masters: Vec<String> = masters.iter().map(|m| redact(m.as_str())).collect();
+        let masters: Vec<String> = masters.iter().map(redact_url).collect();
         write!(f, "redlock over {} (prefix {prefix}", masters.join(", "))?;
         write_tls_files(f, tls.as_ref())?;
         f.write_str(")")
@@ -508,7 +508,7 @@ impl TairConfig {
 impl fmt::Display for TairConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let TairConfig { url, prefix, tls } = self;
-        let shown = redact(url.as_str());
+        let shown = redact_url(url);
         let (scheme, shown) = match shown.strip_prefix("rediss://") {
             Some(rest) => ("tairs", rest),
             None => ("tair", shown.strip_prefix("redis://").unwrap_or(&shown)),

@@ -128,7 +128,7 @@ fn pem_text_to_files(url: &str) -> Result<(String, Vec<std::fs::File>)> {
         url: "the database URL".to_owned(),
         reason: e.to_string(),
     })?;
-    let shown = crate::redact::redact(without_inline_pem(&parsed).as_str());
+    let shown = crate::redact::redact_url(&without_inline_pem(&parsed));
     let invalid = |reason: String| Error::InvalidUrl {
         url: shown.clone(),
         reason,
