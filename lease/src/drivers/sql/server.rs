@@ -94,9 +94,10 @@ pub(crate) fn inline_pem(value: &str) -> bool {
     value.contains("-----BEGIN")
 }
 
-/// `url` as it may be shown: every value of PEM text given inline, and every TLS option's value
-/// that is not a plain file name, replaced by `inline-pem`.
-pub(crate) fn without_inline_pem(url: &url::Url) -> url::Url {
+/// `url` as it may be shown: its credentials hidden ([`crate::redact::redact_url`]), and every
+/// value of PEM text given inline, and every TLS option's value that is not a plain file name,
+/// replaced by `inline-pem`.
+pub(crate) fn shown_url(url: &url::Url) -> String {
     let mut shown = url.clone();
     if shown.query().is_some() {
         let pairs: Vec<(String, String)> = url
@@ -113,7 +114,18 @@ pub(crate) fn without_inline_pem(url: &url::Url) -> url::Url {
             .collect();
         shown.query_pairs_mut().clear().extend_pairs(pairs);
     }
-    shown
+    crate::redact::redact_url(&shown)
+}
+
+/// A database URL given as text, as it may be shown in an error: as [`shown_url`] shows it once
+/// parsed. One that does not parse is shown redacted ([`crate::redact::redact`]) unless it
+/// holds a PEM header, and then not at all: its query may hold a key.
+pub(crate) fn shown_raw_url(raw: &str) -> String {
+    match url::Url::parse(raw) {
+        Ok(url) => shown_url(&url),
+        Err(_) if raw.contains("BEGIN") => "the database URL".to_owned(),
+        Err(_) => crate::redact::redact(raw),
+    }
 }
 
 /// `url` with every TLS option that carries PEM text (a Secret's, from a `DistributedLock`)
@@ -123,16 +135,11 @@ pub(crate) fn without_inline_pem(url: &url::Url) -> url::Url {
 fn pem_text_to_files(url: &str) -> Result<(String, Vec<std::fs::File>)> {
     use std::io::Write;
     use std::os::fd::AsRawFd;
-    let mut parsed = url::Url::parse(url).map_err(|e| Error::InvalidUrl {
-        // Its query may hold a key: none of it is shown.
-        url: "the database URL".to_owned(),
-        reason: e.to_string(),
-    })?;
-    let shown = crate::redact::redact_url(&without_inline_pem(&parsed));
     let invalid = |reason: String| Error::InvalidUrl {
-        url: shown.clone(),
+        url: shown_raw_url(url),
         reason,
     };
+    let mut parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
     let inline = |(k, v): &(String, String)| PEM_OPTIONS.contains(&k.as_str()) && inline_pem(v);
     let pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
     if !pairs.iter().any(inline) {

@@ -12,7 +12,6 @@ use crate::drivers::sql::{Dialect, SqlConfig, SqlMode};
 use crate::drivers::url_parts::{DEFAULT_TABLE, Login, invalid_url, query_pairs, server_url};
 use crate::error::{Error, Result};
 use crate::names::validate_sql_identifier;
-use crate::redact::{redact, redact_url};
 
 impl SqliteConfig {
     /// `sqlite://PATH[?table=NAME]`.
@@ -135,6 +134,11 @@ impl SqlConfig {
     /// which would leave the connection without the TLS it asks for, or a libpq option it does
     /// not know, whose value it would log) is refused.
     pub(crate) fn from_url(raw: &str, scheme: &str, rest: &str) -> Result<Self> {
+        // Errors show the URL with any PEM text given inline hidden.
+        let invalid = |reason: String| Error::InvalidUrl {
+            url: crate::drivers::sql::server::shown_raw_url(raw),
+            reason,
+        };
         let dialect = if scheme.starts_with("postgres") {
             crate::drivers::sql::Dialect::Postgres
         } else {
@@ -144,19 +148,7 @@ impl SqlConfig {
             "mariadb" => format!("mysql://{rest}"),
             _ => raw.to_owned(),
         };
-        let parsed = url::Url::parse(&normalized);
-        // Errors show the URL with any PEM text given inline hidden; one that does not parse,
-        // whose query may hold such text, only without it.
-        let shown = match &parsed {
-            Ok(url) => redact_url(&crate::drivers::sql::server::without_inline_pem(url)),
-            Err(_) if raw.contains("BEGIN") => "the database URL".to_owned(),
-            Err(_) => redact(raw),
-        };
-        let invalid = |reason: String| Error::InvalidUrl {
-            url: shown.clone(),
-            reason,
-        };
-        let mut url = parsed.map_err(|e| invalid(e.to_string()))?;
+        let mut url = url::Url::parse(&normalized).map_err(|e| invalid(e.to_string()))?;
         if url.host_str().is_none_or(str::is_empty) {
             return Err(invalid("the database host is missing".into()));
         }
@@ -265,8 +257,7 @@ impl fmt::Display for SqlConfig {
             ..
         } = self;
         // PEM text given inline (from a Secret) is never shown; file paths are.
-        let shown = crate::drivers::sql::server::without_inline_pem(url);
-        write!(f, "{}", redact_url(&shown))?;
+        write!(f, "{}", crate::drivers::sql::server::shown_url(url))?;
         match schema {
             Some(schema) => write!(f, " (table {schema}.{table}")?,
             None => write!(f, " (table {table}")?,
